@@ -1,0 +1,336 @@
+"""The settings tree: one typed model for the whole product.
+
+Sources, highest priority first: keyword arguments, ``THINKGATE_*`` environment variables (nested
+fields joined by ``__``, e.g. ``THINKGATE_SERVER__PORT=9000``), the YAML file given by ``--config`` or
+``THINKGATE_CONFIG``, then the embedded defaults below (the local vLLM engine serving the shipped model,
+three tiers ``none``/``short``/``long``). ``REDIS_URL`` is honoured as an alias of ``redis.url``.
+
+Units: token counts are tokens; prices are USD per 1M tokens (``Decimal``); durations are seconds.
+Invalid configuration raises :class:`ConfigError` whose message names the offending field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = REPO_ROOT / "training" / "assets" / "thinkgate-tiny"
+DEFAULT_ROUTER_PATH = REPO_ROOT / "router" / "assets" / "default.skops"
+STATE_DIR = Path(os.environ.get("THINKGATE_STATE_DIR", REPO_ROOT / ".thinkgate"))
+
+
+class ConfigError(ValueError):
+    """Raised when the configuration is invalid; the message names each offending field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Prices(_Strict):
+    """Prices in USD per 1M tokens (exact decimals)."""
+
+    input_usd_per_mtok: Decimal = Decimal("0")
+    cached_input_usd_per_mtok: Decimal = Decimal("0")
+    output_usd_per_mtok: Decimal = Decimal("0")
+
+    @field_validator("*")
+    @classmethod
+    def _non_negative(cls, v: Decimal) -> Decimal:
+        if v < 0:
+            raise ValueError("prices must be >= 0")
+        return v
+
+
+class LoopGuard(_Strict):
+    """Cut a thought that repeats itself: an n-gram (of ``ngram`` tokens, approximated by whitespace words)
+    seen ``max_repeats`` times inside the thought ends it and the answer is forced."""
+
+    ngram: int = Field(8, ge=2)
+    max_repeats: int = Field(3, ge=2)
+
+
+class TierConfig(_Strict):
+    """One reasoning tier: where to send the request and how much it may think.
+
+    ``thinking_budget`` is in tokens (``None`` = unlimited). ``budget_mode``: ``native`` sends vLLM's
+    per-request ``thinking_token_budget``; ``forced`` enforces it in the gateway by two-phase budget
+    forcing (stop the thought at the budget, append ``end_of_thinking``, continue for the answer);
+    ``off`` sends no budget. ``enable_thinking: false`` disables thinking through
+    ``chat_template_kwargs.enable_thinking``.
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    base_url: str = "http://127.0.0.1:8001/v1"
+    model: str = "thinkgate-tiny"
+    api_key: str | None = None
+    max_tokens: int = Field(1024, ge=1)
+    thinking_budget: int | None = Field(None, ge=0)
+    budget_mode: Literal["native", "forced", "off"] = "native"
+    enable_thinking: bool = True
+    end_of_thinking: str = "\n</think>\n\n"
+    escalate_on: list[Literal["empty_answer", "length_in_thought"]] = Field(default_factory=list)
+    loop_guard: LoopGuard | None = None
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    prices: Prices = Field(default_factory=Prices)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    read_timeout_s: float = Field(120.0, gt=0)
+    max_retries: int = Field(2, ge=0)
+
+
+class RoutingConfig(_Strict):
+    """How ``model: "auto"`` picks a tier.
+
+    The router scores P(needs a more capable tier) in [0, 1]; ``thresholds`` (ascending, one fewer than
+    ``routed_tiers``) map a score to a tier: score < thresholds[0] → routed_tiers[0], and so on. When
+    ``thresholds`` is unset the router file's calibrated thresholds are used.
+    """
+
+    router_path: Path | None = DEFAULT_ROUTER_PATH
+    on_router_error: Literal["refuse_start", "default_tier"] = "default_tier"
+    default_tier: str = "long"
+    routed_tiers: list[str] = Field(default_factory=lambda: ["short", "long"])
+    thresholds: list[float] | None = None
+    effort_tiers: dict[str, str] = Field(
+        default_factory=lambda: {
+            "none": "none",
+            "minimal": "short",
+            "low": "short",
+            "medium": "long",
+            "high": "long",
+        }
+    )
+    fallback: bool = True
+    reload_interval_s: float = Field(2.0, gt=0)
+
+    @field_validator("thresholds")
+    @classmethod
+    def _ascending(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (any(not 0 <= t <= 1 for t in v) or v != sorted(v)):
+            raise ValueError("thresholds must be ascending values in [0, 1]")
+        return v
+
+
+class RedisConfig(_Strict):
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "tg:"
+    socket_timeout_s: float = Field(0.25, gt=0)
+    start_if_missing: bool = True
+    breaker_cooldown_s: float = Field(5.0, gt=0)
+
+
+class CacheConfig(_Strict):
+    mode: Literal["deterministic", "always", "off"] = "deterministic"
+    ttl_s: int = Field(3600, ge=1)
+    max_entry_bytes: int = Field(1_000_000, ge=1)
+    single_flight_wait_s: float = Field(30.0, ge=0)
+
+
+class MeteringConfig(_Strict):
+    spool_path: Path = STATE_DIR / "usage-spool.jsonl"
+    replay_interval_s: float = Field(5.0, gt=0)
+
+
+class KeyConfig(_Strict):
+    """An API key declared in the config file. Give ``secret_sha256`` (hex) — or ``secret`` for local
+    development, which is hashed at load and never kept."""
+
+    id: str = Field(pattern=r"^[A-Za-z0-9_.:-]+$")
+    secret: str | None = None
+    secret_sha256: str | None = None
+    tags: dict[str, str] = Field(default_factory=dict)
+    budget_usd_day: Decimal | None = Field(None, ge=0)
+    budget_usd_month: Decimal | None = Field(None, ge=0)
+    rpm: int | None = Field(None, ge=1)
+    tpm: int | None = Field(None, ge=1)
+    cache_namespace: str | None = None
+
+    @model_validator(mode="after")
+    def _hash_secret(self) -> KeyConfig:
+        if self.secret is not None:
+            self.secret_sha256 = hashlib.sha256(self.secret.encode()).hexdigest()
+            self.secret = None
+        if not self.secret_sha256:
+            raise ValueError(f"key {self.id!r} needs secret or secret_sha256")
+        return self
+
+
+class AuthConfig(_Strict):
+    require_key: bool = True
+    admin_key_sha256: str | None = None
+    keys: list[KeyConfig] = Field(default_factory=list)
+    dev_key_file: Path = STATE_DIR / "dev-key"
+
+
+class LimitsConfig(_Strict):
+    on_redis_down: Literal["fail_open", "fail_closed"] = "fail_open"
+    alert_fractions: list[float] = Field(default_factory=lambda: [0.5, 0.8, 1.0])
+    alert_webhook_url: str | None = None
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    max_body_bytes: int = Field(1_000_000, ge=1)
+    log_level: str = "info"
+
+
+class EngineConfig(_Strict):
+    """The embedded upstream: a vLLM OpenAI server on loopback serving the local model."""
+
+    enabled: bool = True
+    model_path: Path = DEFAULT_MODEL_DIR
+    served_model_name: str = "thinkgate-tiny"
+    host: str = "127.0.0.1"
+    port: int = Field(8001, ge=1, le=65535)
+    kv_cache_gib: int = Field(1, ge=1)
+    cpu_threads_bind: str = "0-1"
+    reasoning_parser: str = "qwen3"
+    dtype: str = "float32"
+    max_model_len: int = Field(2048, ge=64)
+    startup_timeout_s: float = Field(300.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class MetricsConfig(_Strict):
+    key_id_label: bool = False
+
+
+def _default_tiers() -> list[TierConfig]:
+    # Budgets follow the shipped model's measured thought lengths (README "Local model").
+    return [
+        TierConfig(
+            name="none",
+            max_tokens=64,
+            thinking_budget=0,
+            enable_thinking=False,
+            budget_mode="off",
+            prices=Prices(
+                input_usd_per_mtok=Decimal("0.05"),
+                cached_input_usd_per_mtok=Decimal("0.025"),
+                output_usd_per_mtok=Decimal("0.20"),
+            ),
+        ),
+        TierConfig(
+            name="short",
+            max_tokens=192,
+            thinking_budget=48,
+            escalate_on=["empty_answer"],
+            prices=Prices(
+                input_usd_per_mtok=Decimal("0.10"),
+                cached_input_usd_per_mtok=Decimal("0.05"),
+                output_usd_per_mtok=Decimal("0.40"),
+            ),
+        ),
+        TierConfig(
+            name="long",
+            max_tokens=1024,
+            thinking_budget=768,
+            prices=Prices(
+                input_usd_per_mtok=Decimal("0.50"),
+                cached_input_usd_per_mtok=Decimal("0.25"),
+                output_usd_per_mtok=Decimal("2.00"),
+            ),
+        ),
+    ]
+
+
+class Settings(BaseSettings):
+    """The whole configuration. Build with :meth:`Settings.load`."""
+
+    model_config = SettingsConfigDict(env_prefix="THINKGATE_", env_nested_delimiter="__", extra="forbid")
+    _yaml_file: ClassVar[Path | None] = None
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    tiers: list[TierConfig] = Field(default_factory=_default_tiers)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    metering: MeteringConfig = Field(default_factory=MeteringConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if cls._yaml_file is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=cls._yaml_file))
+        return tuple(sources)
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> Settings:
+        names = [t.name for t in self.tiers]
+        if not names:
+            raise ValueError("tiers: at least one tier is required")
+        if len(set(names)) != len(names):
+            raise ValueError(f"tiers: names must be unique, got {names}")
+        if "auto" in names:
+            raise ValueError("tiers: 'auto' is reserved for routed requests")
+        r = self.routing
+        for field, tiers in (("routing.routed_tiers", r.routed_tiers), ("routing.default_tier", [r.default_tier])):
+            for t in tiers:
+                if t not in names:
+                    raise ValueError(f"{field}: unknown tier {t!r} (tiers: {names})")
+        for effort, t in r.effort_tiers.items():
+            if t not in names:
+                raise ValueError(f"routing.effort_tiers.{effort}: unknown tier {t!r} (tiers: {names})")
+        if r.thresholds is not None and len(r.thresholds) != len(r.routed_tiers) - 1:
+            raise ValueError("routing.thresholds: need exactly len(routed_tiers) - 1 values")
+        return self
+
+    def tier(self, name: str) -> TierConfig:
+        """The tier called ``name``; raises KeyError if there is none."""
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> Settings:
+        """Build the settings from ``path`` (or ``$THINKGATE_CONFIG``), the environment and ``overrides``.
+
+        Raises :class:`ConfigError` naming each invalid field, or when the file is missing/unreadable.
+        """
+        path = path or os.environ.get("THINKGATE_CONFIG")
+        yaml_path = Path(path) if path else None
+        if yaml_path is not None and not yaml_path.is_file():
+            raise ConfigError(f"config file not found: {yaml_path}")
+        if "REDIS_URL" in os.environ and "THINKGATE_REDIS__URL" not in os.environ:
+            overrides.setdefault("redis", {}).setdefault("url", os.environ["REDIS_URL"])
+        cls._yaml_file = yaml_path
+        try:
+            return cls(**overrides)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc, yaml_path)) from None
+        finally:
+            cls._yaml_file = None
+
+
+def _describe(exc: ValidationError, path: Path | None) -> str:
+    where = f" in {path}" if path else ""
+    lines = [f"invalid configuration{where}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+        lines.append(f"  {loc}: {err['msg']}")
+    return "\n".join(lines)
