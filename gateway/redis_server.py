@@ -1,0 +1,80 @@
+"""Make sure a Redis server answers: use the configured one, or start a private ``redis-server``.
+
+Used by ``thinkgate serve`` (when ``redis.start_if_missing``) and by the test suite. A private server keeps
+nothing on disk (``--save "" --appendonly no``) and listens on loopback only.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from urllib.parse import urlparse
+
+
+class RedisUnavailable(RuntimeError):
+    """No Redis answers at the URL and none could be started (``redis-server`` missing or failed)."""
+
+
+def ping(url: str, timeout_s: float = 0.5) -> bool:
+    """True when a Redis server answers PING at ``url`` within ``timeout_s`` seconds."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.RedisError, OSError):
+        return False
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 (racy by nature; bind soon after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_private(port: int | None = None, timeout_s: float = 10.0) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``redis-server`` on 127.0.0.1:``port`` (a free one if None); return (process, url).
+
+    Raises :class:`RedisUnavailable` if the binary is missing or the server does not answer in time.
+    """
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RedisUnavailable("redis-server not found on PATH (Debian/Ubuntu: apt-get install redis-server)")
+    port = port or free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ping(url):
+            return proc, url
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.terminate()
+    raise RedisUnavailable(f"redis-server did not answer on port {port} within {timeout_s} s")
+
+
+def ensure(url: str, start_if_missing: bool = True) -> tuple[subprocess.Popen[bytes] | None, str]:
+    """Return (process or None, url of an answering Redis).
+
+    If ``url`` answers it is used as is. Otherwise, when ``start_if_missing`` and the URL is on loopback,
+    a private server is started on that URL's port. Raises :class:`RedisUnavailable` otherwise.
+    """
+    if ping(url):
+        return None, url
+    parsed = urlparse(url)
+    if not start_if_missing or parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise RedisUnavailable(f"no Redis answers at {url}")
+    proc, started = start_private(parsed.port or 6379)
+    db = parsed.path.lstrip("/") or "0"
+    return proc, started.rsplit("/", 1)[0] + f"/{db}"

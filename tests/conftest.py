@@ -1,0 +1,3 @@
+"""Shared fixtures. Each fixtures_*.py module owns one real component (Redis, upstream simulator, engine)."""
+
+from fixtures_redis import *  # noqa: F403
