@@ -1,0 +1,315 @@
+"""Thinking-budget enforcement in the gateway: two-phase budget forcing, loop guard, escalation checks.
+
+**Budget forcing** (``budget_mode: forced``, for upstreams without a native per-request budget). Following
+the "budget forcing" of s1 (Muennighoff et al., arXiv 2501.19393), the thought is generated with at most
+``thinking_budget`` tokens and stopped at the end-of-thinking marker; when the budget cut it, the tier's
+``end_of_thinking`` text (default ``"\\n</think>\\n\\n"``) is appended and the *same* assistant message is
+continued for the answer:
+
+- chat: phase 2 sends the conversation plus a final assistant message ``"<think>\\n" + thought + close``
+  with ``continue_final_message: true, add_generation_prompt: false`` (vLLM's chat extension; the chat
+  template renders the message, and transformers cuts the rendering right after its content);
+- completions: phase 2 sends ``prompt + thought + close`` as the prompt.
+
+The client sees one response (streaming included): the thought as ``reasoning`` (chat) and the answer as
+``content``; completions return ``thought + close + answer`` as ``text``. Usage is the sum of what the
+upstream processed in both phases — ``prompt_tokens`` = p1 + p2 prompt tokens (phase 2's prompt holds the
+thought again; an engine with prefix caching reports it in ``prompt_tokens_details.cached_tokens``),
+``completion_tokens`` = p1 + p2, ``completion_tokens_details.reasoning_tokens`` = phase-1 completion tokens
+(≤ the budget). Units are tokens throughout.
+
+**Loop guard** (``loop_guard`` on a forced tier): an n-gram of whitespace words seen ``max_repeats`` times in
+the streamed thought ends phase 1 early, as if the budget were hit.
+
+**Escalation** (``escalate_on``): :func:`escalation_reason` tells whether a finished answer must be retried
+on the next tier: ``empty_answer`` (no answer text) or ``length_in_thought`` (stopped by ``length`` before
+the thought closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway import sse
+from gateway.config import LoopGuard, TierConfig
+from gateway.errors import InvalidRequest
+from gateway.upstream import UpstreamPool
+
+THINK_OPEN = "<think>\n"
+PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+
+
+class LoopDetector:
+    """Detects a thought that repeats itself: True once any n-gram of ``ngram`` consecutive whitespace words
+    has been seen ``max_repeats`` times. Feed text pieces as they stream (split words across pieces are
+    handled by keeping the unfinished tail)."""
+
+    def __init__(self, guard: LoopGuard) -> None:
+        self.n = guard.ngram
+        self.max_repeats = guard.max_repeats
+        self._window: deque[str] = deque(maxlen=self.n)
+        self._counts: Counter[tuple[str, ...]] = Counter()
+        self._tail = ""
+
+    def feed(self, text: str) -> bool:
+        """Add ``text``; return True when the loop threshold is reached."""
+        words = (self._tail + text).split(" ")
+        self._tail = words.pop()  # the last piece may be an unfinished word
+        hit = False
+        for chunk in words:
+            for w in chunk.split():
+                self._window.append(w)
+                if len(self._window) == self.n:
+                    key = tuple(self._window)
+                    self._counts[key] += 1
+                    hit = hit or self._counts[key] >= self.max_repeats
+        return hit
+
+
+def end_marker(tier: TierConfig) -> str:
+    """The end-of-thinking marker the thought phase stops at (``end_of_thinking`` stripped: ``</think>``)."""
+    return tier.end_of_thinking.strip() or "</think>"
+
+
+def thought_request(body: dict[str, Any], tier: TierConfig) -> dict[str, Any]:
+    """Phase-1 body from the tier's upstream body: at most ``thinking_budget`` tokens, stop at the marker.
+
+    The client's ``stop`` strings apply to the answer (phase 2), not to the thought.
+    """
+    out = dict(body)
+    out.pop("thinking_token_budget", None)
+    budget = tier.thinking_budget if tier.thinking_budget is not None else out["max_tokens"]
+    out["max_tokens"] = max(1, min(budget, out["max_tokens"]))
+    out["stop"] = [end_marker(tier)]
+    out["n"] = 1
+    return out
+
+
+def answer_request(
+    body: dict[str, Any], tier: TierConfig, endpoint: str, thought: str, closed_naturally: bool, used: int
+) -> dict[str, Any]:
+    """Phase-2 body: continue the same assistant turn after the closed thought, with the tokens left."""
+    out = dict(body)
+    out.pop("thinking_token_budget", None)
+    out["n"] = 1
+    out["max_tokens"] = max(1, out["max_tokens"] - used)
+    close = end_marker(tier) + "\n\n" if closed_naturally else tier.end_of_thinking
+    if endpoint == "chat":
+        prefix = THINK_OPEN + thought + close
+        out["messages"] = [*body["messages"], {"role": "assistant", "content": prefix}]
+        out["continue_final_message"] = True
+        out["add_generation_prompt"] = False
+    else:
+        out["prompt"] = body["prompt"] + thought + close
+    return out
+
+
+def merge_usage(u1: dict[str, Any] | None, u2: dict[str, Any] | None, reasoning_tokens: int) -> dict[str, Any]:
+    """Sum two upstream usage objects (tokens); reasoning tokens are the thought phase's completion tokens."""
+    u1, u2 = u1 or {}, u2 or {}
+    prompt = int(u1.get("prompt_tokens") or 0) + int(u2.get("prompt_tokens") or 0)
+    completion = int(u1.get("completion_tokens") or 0) + int(u2.get("completion_tokens") or 0)
+    cached = sum(int(((u or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0) for u in (u1, u2))
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+    }
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def _text_of(choice: dict[str, Any], endpoint: str, delta: bool = False) -> str:
+    """All generated text of a choice, wherever a reasoning parser put it (reasoning, content or text)."""
+    if endpoint == "completions":
+        return str(choice.get("text") or "")
+    part = choice.get("delta" if delta else "message") or {}
+    return str(part.get("reasoning") or part.get("reasoning_content") or "") + str(part.get("content") or "")
+
+
+@dataclass(slots=True)
+class _Phase:
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class ForcedBudget:
+    """Runs two-phase budget forcing for one request on one forced tier through the pooled upstreams."""
+
+    def __init__(self, pool: UpstreamPool, tier: TierConfig, endpoint: str) -> None:
+        if endpoint not in PATHS:
+            raise ValueError(f"unknown endpoint {endpoint!r}")
+        self.pool = pool
+        self.tier = tier
+        self.endpoint = endpoint
+        self.path = PATHS[endpoint]
+
+    def check(self, body: dict[str, Any]) -> None:
+        """Refuse what forcing cannot serve: a list of prompts (completions); ``n > 1`` with streaming."""
+        if self.endpoint == "completions" and not isinstance(body.get("prompt"), str):
+            raise InvalidRequest(
+                f"tier {self.tier.name!r} enforces its thinking budget by forcing: 'prompt' must be one string",
+                param="prompt",
+            )
+        if body.get("stream") is True and int(body.get("n") or 1) > 1:
+            raise InvalidRequest(
+                f"tier {self.tier.name!r} enforces its thinking budget by forcing: n > 1 cannot be streamed",
+                param="n",
+            )
+
+    # -- non-streamed -------------------------------------------------------------------------------
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One combined non-streamed response (OpenAI JSON). ``body`` is the tier's upstream body; ``n``
+        choices are ``n`` independent forced generations."""
+        n = int(body.get("n") or 1)
+        results = await asyncio.gather(*(self._complete_one(body) for _ in range(n)))
+        usage: dict[str, Any] = {}
+        reasoning = 0
+        choices = []
+        for i, (choice, u, _) in enumerate(results):
+            reasoning += u["completion_tokens_details"]["reasoning_tokens"]
+            usage = merge_usage(usage, u, reasoning)
+            choices.append({**choice, "index": i})
+        return {**results[0][2], "choices": choices, "usage": usage}
+
+    async def _complete_one(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """(choice, usage, response metadata) of one forced generation."""
+        p1, _ = await self.pool.post_json(self.tier, self.path, orjson.dumps(thought_request(body, self.tier)))
+        c1 = (p1.get("choices") or [{}])[0]
+        thought = _text_of(c1, self.endpoint)
+        u1 = p1.get("usage") or {}
+        used = int(u1.get("completion_tokens") or 0)
+        natural = c1.get("finish_reason") == "stop"
+        req2 = answer_request(body, self.tier, self.endpoint, thought, natural, used)
+        p2, _ = await self.pool.post_json(self.tier, self.path, orjson.dumps(req2))
+        c2 = (p2.get("choices") or [{}])[0]
+        answer = _text_of(c2, self.endpoint)
+        meta = {k: p1[k] for k in ("id", "object", "created", "model") if k in p1}
+        choice: dict[str, Any]
+        if self.endpoint == "chat":
+            message = {"role": "assistant", "content": answer, "reasoning": thought}
+            choice = {"index": 0, "message": message, "finish_reason": c2.get("finish_reason")}
+        else:
+            close = end_marker(self.tier) + "\n\n" if natural else self.tier.end_of_thinking
+            choice = {"index": 0, "text": thought + close + answer, "finish_reason": c2.get("finish_reason")}
+        return choice, merge_usage(u1, p2.get("usage"), used), meta
+
+    # -- streamed -----------------------------------------------------------------------------------
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        """SSE ``data:`` payloads (JSON bytes) of one seamless stream, ending with a usage chunk and
+        ``[DONE]``. Closing the iterator closes the upstream response in flight (cancelling it)."""
+        rid = f"chatcmpl-{uuid.uuid4().hex}" if self.endpoint == "chat" else f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
+        guard = LoopDetector(self.tier.loop_guard) if self.tier.loop_guard else None
+
+        def chunk(piece: str | None, kind: str, finish: str | None = None) -> bytes:
+            if self.endpoint == "chat":
+                delta: dict[str, Any] = {kind: piece} if piece is not None else {}
+                c: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": piece or "", "finish_reason": finish}
+            head = {"id": rid, "object": obj, "created": created, "model": self.tier.model}
+            return orjson.dumps({**head, "choices": [c]})
+
+        if self.endpoint == "chat":
+            yield orjson.dumps(
+                {"id": rid, "object": obj, "created": created, "model": self.tier.model,
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+            )
+        p1 = _Phase()
+        looped = False
+        resp = await self.pool.open(self.tier, self.path, orjson.dumps(thought_request(body, self.tier)), stream=True)
+        try:
+            async for payload in sse.data_payloads(resp):
+                if payload == b"[DONE]":
+                    break
+                data = orjson.loads(payload)
+                if data.get("usage") and not data.get("choices"):
+                    p1.usage = data["usage"]
+                    continue
+                for c in data.get("choices") or ():
+                    piece = _text_of(c, self.endpoint, delta=True)
+                    if piece:
+                        p1.text += piece
+                        yield chunk(piece, "reasoning")
+                        if guard is not None and guard.feed(piece):
+                            looped = True
+                    p1.finish_reason = c.get("finish_reason") or p1.finish_reason
+                if looped:
+                    break
+        finally:
+            await resp.aclose()
+        used = int((p1.usage or {}).get("completion_tokens") or 0)
+        if looped or not used:
+            counted = await self.pool.count_tokens(self.tier, p1.text)
+            used = counted if counted is not None else max(1, len(p1.text) // 4) if p1.text else 0
+            p1.usage = {**(p1.usage or {}), "completion_tokens": used}
+        natural = p1.finish_reason == "stop" and not looped
+        close = end_marker(self.tier) + "\n\n" if natural else self.tier.end_of_thinking
+        if self.endpoint == "completions":
+            yield chunk(close, "text")
+        p2 = _Phase()
+        req2 = answer_request(body, self.tier, self.endpoint, p1.text, natural, used)
+        resp = await self.pool.open(self.tier, self.path, orjson.dumps(req2), stream=True)
+        try:
+            async for payload in sse.data_payloads(resp):
+                if payload == b"[DONE]":
+                    break
+                data = orjson.loads(payload)
+                if data.get("usage") and not data.get("choices"):
+                    p2.usage = data["usage"]
+                    continue
+                for c in data.get("choices") or ():
+                    piece = _text_of(c, self.endpoint, delta=True)
+                    finish = c.get("finish_reason")
+                    if piece or finish:
+                        yield chunk(piece or None, "content" if self.endpoint == "chat" else "text", finish)
+        finally:
+            await resp.aclose()
+        usage = merge_usage(p1.usage, p2.usage, used)
+        yield orjson.dumps({"id": rid, "object": obj, "created": created, "model": self.tier.model, "choices": [],
+                            "usage": usage})
+        yield b"[DONE]"
+
+
+def escalation_reason(tier: TierConfig, data: dict[str, Any], endpoint: str) -> str | None:
+    """Why a finished non-streamed answer should be retried on the next tier, per ``tier.escalate_on``.
+
+    ``length_in_thought``: the first choice stopped by ``length`` with no answer text (cut in its thought);
+    ``empty_answer``: no answer text at all. Returns the reason, or None. For completions the answer is the
+    text after the last ``</think>`` (all of it when there is no marker).
+    """
+    if not tier.escalate_on:
+        return None
+    choices = data.get("choices") or []
+    if not choices:
+        return "empty_answer" if "empty_answer" in tier.escalate_on else None
+    c = choices[0]
+    if endpoint == "chat":
+        answer = str((c.get("message") or {}).get("content") or "")
+    else:
+        text = str(c.get("text") or "")
+        marker = end_marker(tier)
+        answer = text.rsplit(marker, 1)[1] if marker in text else ("" if c.get("finish_reason") == "length" else text)
+    if answer.strip():
+        return None
+    if "length_in_thought" in tier.escalate_on and c.get("finish_reason") == "length":
+        return "length_in_thought"
+    if "empty_answer" in tier.escalate_on:
+        return "empty_answer"
+    return None
