@@ -1,0 +1,132 @@
+"""``create_app(settings) -> FastAPI``: the HTTP surface of the gateway (routes only).
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (:mod:`gateway.proxy`), ``GET /v1/models``
+(``auto`` and every tier with its ``thinkgate`` settings), ``GET /health`` (liveness, no key) and
+``GET /ready`` (every tier's upstream and Redis answer; no key, tier names only). Errors are mapped by
+:func:`gateway.errors.install_handlers`. ``app.state.routing`` is the :class:`gateway.routing.Routing`
+(plug the trained router in with ``app.state.routing.set_scorer``) and ``app.state.proxy`` the
+:class:`gateway.proxy.Proxy` (``usage_sinks`` for metering).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from gateway.auth import KeyStore
+from gateway.config import Settings, TierConfig
+from gateway.errors import install_handlers
+from gateway.proxy import Proxy
+from gateway.routing import AUTO, Routing
+from gateway.upstream import UpstreamPool
+
+READY_TIMEOUT_S = 2.0
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def _tier_card(t: TierConfig, created: int) -> dict[str, Any]:
+    # Prices as decimal strings: exact, as configured (USD per 1M tokens).
+    return {
+        "id": t.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "thinkgate",
+        "thinkgate": {
+            "upstream_model": t.model,
+            "thinking_budget": t.thinking_budget,
+            "budget_mode": t.budget_mode,
+            "enable_thinking": t.enable_thinking,
+            "max_tokens": t.max_tokens,
+            "prices": {
+                "input_usd_per_mtok": str(t.prices.input_usd_per_mtok),
+                "cached_input_usd_per_mtok": str(t.prices.cached_input_usd_per_mtok),
+                "output_usd_per_mtok": str(t.prices.output_usd_per_mtok),
+            },
+        },
+    }
+
+
+async def _redis_ok(url: str, timeout_s: float) -> bool:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        return bool(await client.ping())
+    except (aioredis.RedisError, OSError):
+        return False
+    finally:
+        await client.aclose()
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """Build the gateway app for ``settings``. Upstream clients are closed on shutdown."""
+    upstreams = UpstreamPool(settings.tiers)
+    routing = Routing(settings)
+    proxy = Proxy(settings, KeyStore(settings.auth), routing, upstreams)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await upstreams.aclose()
+
+    app = FastAPI(title="ThinkGate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    app.state.routing = routing
+    app.state.proxy = proxy
+    install_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle(request, "completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        await proxy.keys.authenticate(request.headers.get("authorization"))
+        auto = {
+            "id": AUTO,
+            "object": "model",
+            "created": created,
+            "owned_by": "thinkgate",
+            "thinkgate": {
+                "router": routing.scorer.name,
+                "routed_tiers": settings.routing.routed_tiers,
+                "thresholds": routing.thresholds,
+                "effort_tiers": settings.routing.effort_tiers,
+            },
+        }
+        return _json({"object": "list", "data": [auto, *(_tier_card(t, created) for t in settings.tiers)]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return _json({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        tiers = settings.tiers
+        checks = await asyncio.gather(
+            _redis_ok(settings.redis.url, min(READY_TIMEOUT_S, settings.redis.socket_timeout_s * 4)),
+            *(upstreams.ready(t, READY_TIMEOUT_S) for t in tiers),
+        )
+        upstream_ok = {t.name: ok for t, ok in zip(tiers, checks[1:], strict=True)}
+        ok = checks[0] and all(upstream_ok.values())
+        return _json(
+            {"status": "ready" if ok else "not_ready", "redis": checks[0], "upstreams": upstream_ok},
+            200 if ok else 503,
+        )
+
+    return app

@@ -1,0 +1,189 @@
+"""One exception hierarchy for the gateway, mapped to OpenAI's error JSON and an HTTP status.
+
+Every failure the request path can produce is a :class:`GatewayError` subclass carrying its HTTP status,
+OpenAI ``type`` and ``code``; :func:`install_handlers` turns them (and anything unexpected) into::
+
+    {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
+
+The shape follows the OpenAI API reference ("Error codes") so the official SDKs raise the matching
+``openai.*Error`` classes (400 → BadRequestError, 401 → AuthenticationError, 429 → RateLimitError, …).
+No handler ever returns a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+log = logging.getLogger("thinkgate.errors")
+
+
+class GatewayError(Exception):
+    """Base class: ``status`` (HTTP), ``type`` and ``code`` (OpenAI error fields), optional ``param``."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.headers = headers or {}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.to_dict())
+
+
+class InvalidRequest(GatewayError):
+    """400: the body is not valid JSON, has a field of the wrong type or value, or names no known model."""
+
+    status = 400
+    type = "invalid_request_error"
+    default_code = "invalid_request"
+
+
+class UnknownModel(InvalidRequest):
+    """400: ``model`` is neither ``auto`` nor a configured tier."""
+
+    default_code = "model_not_found"
+
+
+class AuthError(GatewayError):
+    """401: no ``Authorization: Bearer`` key, or a key that is not known."""
+
+    status = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class PermissionDenied(GatewayError):
+    """403: the key is valid but may not use this endpoint (e.g. admin-only)."""
+
+    status = 403
+    type = "permission_error"
+    default_code = "permission_denied"
+
+
+class BodyTooLarge(GatewayError):
+    """413: the request body exceeds ``server.max_body_bytes``."""
+
+    status = 413
+    type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class RateLimited(GatewayError):
+    """429: a rate or budget limit refused the request; set ``Retry-After`` through ``headers``."""
+
+    status = 429
+    type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+
+class UpstreamError(GatewayError):
+    """502: the upstream refused the connection, failed (5xx) or broke the response."""
+
+    status = 502
+    type = "upstream_error"
+    default_code = "upstream_error"
+
+
+class UpstreamUnavailable(UpstreamError):
+    """502: no connection to the upstream could be made after the retries (a candidate for tier fallback)."""
+
+    default_code = "upstream_unavailable"
+
+
+class UpstreamTimeout(GatewayError):
+    """504: the upstream did not connect or answer within the tier's timeouts."""
+
+    status = 504
+    type = "upstream_error"
+    default_code = "upstream_timeout"
+
+
+class UpstreamRejected(GatewayError):
+    """The upstream answered 4xx; the status is the upstream's (400/404/422 become 400, 429 stays 429)."""
+
+    type = "invalid_request_error"
+    default_code = "upstream_rejected"
+
+    def __init__(self, message: str, *, status: int, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.status_code = 429 if status == 429 else 400
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if self.status_code == 429:
+            d["error"]["type"] = "rate_limit_error"
+        return d
+
+
+def status_of(exc: GatewayError) -> int:
+    """HTTP status for ``exc`` (instance-level for :class:`UpstreamRejected`)."""
+    return getattr(exc, "status_code", exc.status)
+
+
+def error_response(exc: GatewayError) -> Response:
+    """A JSON response carrying ``exc`` in OpenAI's shape, with its status and extra headers."""
+    return Response(exc.to_json(), status_code=status_of(exc), media_type="application/json", headers=exc.headers)
+
+
+def _param_of(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Register the handlers that map every exception to an OpenAI-shaped error (never a traceback)."""
+
+    async def on_gateway_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GatewayError)
+        return error_response(exc)
+
+    async def on_validation(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = _param_of(tuple(first.get("loc", ())))
+        return error_response(InvalidRequest(f"{param or 'body'}: {first.get('msg')}", param=param))
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        err: GatewayError
+        if exc.status_code == 404:
+            err = InvalidRequest(f"no such endpoint: {request.method} {request.url.path}", code="not_found")
+            return Response(err.to_json(), status_code=404, media_type="application/json")
+        if exc.status_code == 405:
+            err = InvalidRequest("method not allowed", code="method_not_allowed")
+            return Response(err.to_json(), status_code=405, media_type="application/json")
+        err = InvalidRequest(str(exc.detail))
+        return Response(err.to_json(), status_code=exc.status_code, media_type="application/json")
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        # Logged with the traceback for operators; the client only learns that it failed.
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(GatewayError("internal error", code="internal_error"))
+
+    app.add_exception_handler(GatewayError, on_gateway_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

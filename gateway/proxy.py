@@ -1,0 +1,306 @@
+"""The request path of ``/v1/chat/completions`` and ``/v1/completions``, top to bottom:
+
+    auth → read + validate body → (limits: issue 5) → (cache: issue 5) → route → upstream (+ fallback)
+         → response (JSON, or an SSE relay) → usage record
+
+Each step is a call into a small module: :mod:`gateway.auth`, :mod:`gateway.schemas`,
+:mod:`gateway.routing`, :mod:`gateway.upstream_body`, :mod:`gateway.upstream`, :mod:`gateway.sse`,
+:mod:`gateway.usage_record`. Failures are :class:`gateway.errors.GatewayError` subclasses, turned into
+OpenAI-shaped errors by the app's handlers; after a streamed 200 they become an in-stream error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway import schemas, sse, upstream_body
+from gateway.auth import KeyStore
+from gateway.config import Settings, TierConfig
+from gateway.errors import BodyTooLarge, GatewayError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from gateway.routing import RouteDecision, Routing
+from gateway.upstream import UpstreamConnectTimeout, UpstreamPool
+from gateway.usage_record import UsageRecord, emit
+
+log = logging.getLogger("thinkgate.proxy")
+
+PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+VALIDATORS = {"chat": schemas.validate_chat, "completions": schemas.validate_completion}
+TIER_HEADER = "x-thinkgate-tier"
+CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
+
+UsageSink = Callable[[UsageRecord], None]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than ``limit`` bytes (BodyTooLarge, 413) before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def route_headers(route: RouteDecision, record: UsageRecord) -> dict[str, str]:
+    """``x-thinkgate-*`` response headers; the difficulty only when the router scored the request."""
+    h = {
+        "x-thinkgate-tier": route.tier.name,
+        "x-thinkgate-route-reason": route.reason,
+        "x-request-id": record.request_id,
+    }
+    if route.difficulty is not None:
+        h["x-thinkgate-difficulty"] = f"{route.difficulty:.4f}"
+    return h
+
+
+def _reasoning_of(part: dict[str, Any] | None) -> str | None:
+    if not part:
+        return None
+    return part.get("reasoning") or part.get("reasoning_content")
+
+
+def needs_reasoning_count(usage: dict[str, Any] | None) -> bool:
+    """True when ``usage`` lacks a positive ``completion_tokens_details.reasoning_tokens``.
+
+    A 0 next to non-empty reasoning text is treated as missing: some vLLM reasoning parsers report 0.
+    """
+    details = (usage or {}).get("completion_tokens_details") or {}
+    return not details.get("reasoning_tokens")
+
+
+def estimate_tokens(text: str) -> int:
+    """Rough token count when no tokenizer answers: ~4 characters per token (OpenAI's rule of thumb)."""
+    return max(1, (len(text) + 3) // 4) if text else 0
+
+
+@dataclass(slots=True)
+class _StreamTally:
+    """What the relay saw: reasoning text per choice and delta counts (an estimate if usage never comes)."""
+
+    reasoning: dict[int, list[str]] = field(default_factory=dict)
+    reasoning_deltas: int = 0
+    text_deltas: int = 0
+
+
+class Proxy:
+    """Serves the two generation endpoints. Holds the key store, routing, upstream pool and usage sinks."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        keys: KeyStore,
+        routing: Routing,
+        upstreams: UpstreamPool,
+        usage_sinks: list[UsageSink] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.keys = keys
+        self.routing = routing
+        self.upstreams = upstreams
+        self.usage_sinks: list[UsageSink] = usage_sinks if usage_sinks is not None else [emit]
+        self.max_body = settings.server.max_body_bytes
+
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        """Serve one ``chat`` or ``completions`` request; raises GatewayError before any byte is sent."""
+        key = await self.keys.authenticate(request.headers.get("authorization"))
+        body = schemas.parse_json_object(await read_body(request, self.max_body))
+        VALIDATORS[endpoint](body)
+        # limits (issue 5): await self.limits.admit(key, body)  — raises RateLimited (429)
+        # cache (issue 5): hit = await self.cache.lookup(key, route, upstream body) — replay on hit
+        route = self.routing.decide(body, request.headers.get(TIER_HEADER))
+        record = UsageRecord(
+            key_id=key.id,
+            tags=key.tags,
+            endpoint=endpoint,
+            requested_model=body.get("model"),
+            stream=body.get("stream") is True,
+        )
+        self._stamp(record, route)
+        try:
+            route, resp = await self._call_upstream(route, body, endpoint, record)
+        except GatewayError as exc:
+            self._finish(record, route.tier, getattr(exc, "status_code", exc.status), exc.code)
+            raise
+        self._stamp(record, route)
+        if record.stream:
+            wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            relay = self._relay(resp, route.tier, record, wants_usage)
+            return sse.RelayResponse(relay, route_headers(route, record))
+        return await self._complete(resp, route, record)
+
+    async def _call_upstream(
+        self, route: RouteDecision, body: dict[str, Any], endpoint: str, record: UsageRecord
+    ) -> tuple[RouteDecision, httpx.Response]:
+        """Open the upstream call on the routed tier, falling back to later tiers when it is down."""
+        candidates = [route.tier, *self.routing.fallbacks(route.tier)]
+        last: GatewayError | None = None
+        for i, tier in enumerate(candidates):
+            payload = orjson.dumps(upstream_body.build(body, tier, endpoint))
+            try:
+                resp = await self.upstreams.open(tier, PATHS[endpoint], payload, stream=record.stream)
+            except (UpstreamUnavailable, UpstreamConnectTimeout) as exc:
+                log.warning("tier %s unavailable (%s)%s", tier.name, exc.message,
+                            "; falling back" if i + 1 < len(candidates) else "")
+                last = exc
+                continue
+            if i == 0:
+                return route, resp
+            return RouteDecision(tier, "fallback", route.difficulty), resp
+        assert last is not None
+        raise last
+
+    async def _complete(self, resp: httpx.Response, route: RouteDecision, record: UsageRecord) -> Response:
+        """Non-streamed answer: fill the reasoning count if missing, record usage, return the JSON."""
+        content = resp.content
+        try:
+            data = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            data = None
+        if not isinstance(data, dict):
+            self._finish(record, route.tier, 502, "upstream_error")
+            raise UpstreamError(f"upstream of tier {route.tier.name!r} sent an invalid JSON answer")
+        usage = data.get("usage")
+        reasoning = [r for c in data.get("choices") or () if (r := _reasoning_of(c.get("message")))]
+        if reasoning and isinstance(usage, dict) and needs_reasoning_count(usage):
+            await self._fill_reasoning(usage, route.tier, reasoning)
+            content = orjson.dumps(data)
+        record.mark_first_byte()
+        record.set_usage(usage if isinstance(usage, dict) else None)
+        self._finish(record, route.tier, 200)
+        return Response(content, media_type="application/json", headers=route_headers(route, record))
+
+    async def _relay(
+        self, resp: httpx.Response, tier: TierConfig, record: UsageRecord, wants_usage: bool
+    ) -> AsyncGenerator[bytes, None]:
+        """Relay the upstream SSE stream; hold back the usage chunk (fill, forward only if asked).
+
+        Upstream failures after the 200 become one in-stream error event (no ``[DONE]``). A client
+        disconnect cancels this generator: the upstream response is closed, which cancels the request.
+        """
+        tally = _StreamTally()
+        usage_chunk: dict[str, Any] | None = None
+        status: int | None = None
+        code: str | None = None
+        try:
+            async for payload in sse.data_payloads(resp):
+                if payload == b"[DONE]":
+                    break
+                try:
+                    chunk = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    continue
+                if not isinstance(chunk, dict):
+                    continue
+                if "error" in chunk and not chunk.get("choices"):
+                    status, code = 502, "upstream_error"
+                    yield sse.event(payload)
+                    return
+                choices = chunk.get("choices")
+                usage = chunk.get("usage")
+                if usage and not choices:
+                    usage_chunk = chunk
+                    continue
+                if choices:
+                    self._tally(choices, tally, record)
+                if usage:
+                    record.set_usage(usage)
+                yield sse.event(payload)
+            else:
+                raise httpx.RemoteProtocolError("upstream stream ended without [DONE]")
+            if usage_chunk is not None:
+                usage = usage_chunk["usage"]
+                texts = ["".join(parts) for parts in tally.reasoning.values()]
+                if any(texts) and needs_reasoning_count(usage):
+                    await self._fill_reasoning(usage, tier, texts)
+                record.set_usage(usage)
+                if wants_usage:
+                    yield sse.event(orjson.dumps(usage_chunk))
+            else:
+                self._count(record, tally)
+            yield sse.DONE
+            status = 200
+        except httpx.TimeoutException:
+            status, code = 504, "upstream_timeout"
+            yield sse.error_event(UpstreamTimeout(f"upstream of tier {tier.name!r} stalled mid-stream"))
+        except httpx.HTTPError as exc:
+            status, code = 502, "upstream_stream_broken"
+            yield sse.error_event(
+                UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {exc}", code=code)
+            )
+        finally:
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
+                if status is None:
+                    status, code = CLIENT_CLOSED, "client_disconnected"
+                if status != 200:
+                    record.partial = True
+                    if usage_chunk is None and record.usage_source != "upstream":
+                        self._count(record, tally)
+                self._finish(record, tier, status, code)
+
+    async def _fill_reasoning(self, usage: dict[str, Any], tier: TierConfig, texts: list[str]) -> None:
+        """Set ``usage.completion_tokens_details.reasoning_tokens`` from the reasoning texts (one per
+        choice): exact counts from the upstream's ``/tokenize``, else a ~4 chars/token estimate."""
+        counts = await asyncio.gather(*(self.upstreams.count_tokens(tier, t) for t in texts))
+        total = sum(c if c is not None else estimate_tokens(t) for c, t in zip(counts, texts, strict=True))
+        details = usage.get("completion_tokens_details")
+        if not isinstance(details, dict):
+            details = {}
+            usage["completion_tokens_details"] = details
+        details["reasoning_tokens"] = total
+
+    @staticmethod
+    def _tally(choices: list[dict[str, Any]], tally: _StreamTally, record: UsageRecord) -> None:
+        for c in choices:
+            delta = c.get("delta")
+            if delta is None:  # /v1/completions streams carry "text"
+                if c.get("text"):
+                    tally.text_deltas += 1
+                    record.mark_first_byte()
+                continue
+            r = _reasoning_of(delta)
+            if r:
+                tally.reasoning.setdefault(int(c.get("index") or 0), []).append(r)
+                tally.reasoning_deltas += 1
+                record.mark_first_byte()
+            if delta.get("content"):
+                tally.text_deltas += 1
+                record.mark_first_byte()
+
+    @staticmethod
+    def _count(record: UsageRecord, tally: _StreamTally) -> None:
+        # No upstream usage (client gone, stream broken): vLLM sends about one token per delta.
+        record.completion_tokens = tally.reasoning_deltas + tally.text_deltas
+        record.reasoning_tokens = tally.reasoning_deltas
+        record.usage_source = "counted"
+
+    @staticmethod
+    def _stamp(record: UsageRecord, route: RouteDecision) -> None:
+        record.tier = route.tier.name
+        record.upstream_model = route.tier.model
+        record.route_reason = route.reason
+        record.difficulty = route.difficulty
+
+    def _finish(self, record: UsageRecord, tier: TierConfig, status: int, code: str | None = None) -> None:
+        record.error_code = code
+        record.finish(tier, status)
+        for sink in self.usage_sinks:
+            try:
+                sink(record)
+            except Exception:
+                log.exception("usage sink %r failed", sink)

@@ -1,0 +1,169 @@
+"""Pick the tier of a request: forced by header or model name, mapped from ``reasoning_effort``, or routed.
+
+Precedence (first match wins):
+
+1. header ``X-ThinkGate-Tier: <tier>``      → reason ``forced``
+2. ``model: "<tier>"``                      → reason ``forced``
+3. ``model: "auto"`` + ``reasoning_effort`` → ``routing.effort_tiers[effort]``, reason ``effort``
+4. ``model: "auto"``                        → router score s ∈ [0, 1] over the routing window, then the first
+   ``routed_tiers[i]`` with ``s < thresholds[i]`` (else the last routed tier), reason ``predicted``
+
+``reasoning_effort`` with a forced tier keeps the forced tier (the explicit choice wins) and is passed on.
+Until the trained router (issue 4) is plugged in with :meth:`Routing.set_scorer`, the scorer is
+:class:`router.base.LengthBaselineRouter` — a length baseline, not a learned predictor. When the scorer
+raises, ``routing.default_tier`` is used (reason ``predicted``, difficulty None) and a warning is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.config import Settings, TierConfig
+from gateway.errors import InvalidRequest, UnknownModel
+from router.base import LengthBaselineRouter, Router
+
+log = logging.getLogger("thinkgate.routing")
+
+AUTO = "auto"
+WINDOW_MAX_CHARS = 4000
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where a request goes: the tier, why (``predicted|forced|effort|fallback``) and the router score."""
+
+    tier: TierConfig
+    reason: str
+    difficulty: float | None = None
+
+
+def _text_of(content: Any) -> str:
+    """Text of a message ``content``: a string, or the text parts of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def routing_window(messages: list[dict[str, Any]], max_chars: int = WINDOW_MAX_CHARS) -> str:
+    """System prompt(s) + last user turn, joined by a blank line, capped to the last ``max_chars`` chars.
+
+    Stand-in until ``router/window.py`` (issue 4) exists; :func:`window_fn` prefers that one.
+    """
+    system = "\n".join(_text_of(m.get("content")) for m in messages if m.get("role") in ("system", "developer"))
+    last_user = next((_text_of(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
+    text = f"{system}\n\n{last_user}" if system else last_user
+    return text[-max_chars:]
+
+
+def window_fn() -> Any:
+    """``router.window.routing_window`` when the router package provides it, else :func:`routing_window`."""
+    try:
+        from router.window import routing_window as from_router  # type: ignore[import-not-found]
+    except ImportError:
+        return routing_window
+    return from_router
+
+
+def default_thresholds(n_tiers: int) -> list[float]:
+    """Evenly spaced cut points for ``n_tiers`` routed tiers: [0.5] for two, [1/3, 2/3] for three."""
+    return [i / n_tiers for i in range(1, n_tiers)]
+
+
+class Routing:
+    """Turns a request into a :class:`RouteDecision`. Thread-compatible; swap the scorer at run time."""
+
+    def __init__(self, settings: Settings, scorer: Router | None = None) -> None:
+        self._tiers = {t.name: t for t in settings.tiers}
+        self._order = [t.name for t in settings.tiers]
+        self.cfg = settings.routing
+        self._scorer: Router = scorer or LengthBaselineRouter()
+        self._thresholds = list(self.cfg.thresholds or default_thresholds(len(self.cfg.routed_tiers)))
+        self._window = window_fn()
+
+    @property
+    def scorer(self) -> Router:
+        return self._scorer
+
+    def set_scorer(self, scorer: Router, thresholds: list[float] | None = None) -> None:
+        """Plug in a router (e.g. the trained one, or a reloaded file). ``thresholds`` override the config's
+        when given (a router file's calibrated cut points); they must be ascending, len(routed_tiers) - 1."""
+        if thresholds is not None:
+            if len(thresholds) != len(self.cfg.routed_tiers) - 1 or thresholds != sorted(thresholds):
+                raise ValueError("thresholds must be ascending with len(routed_tiers) - 1 values")
+            if self.cfg.thresholds is None:
+                self._thresholds = list(thresholds)
+        self._scorer = scorer
+
+    @property
+    def thresholds(self) -> list[float]:
+        return list(self._thresholds)
+
+    def tier(self, name: str) -> TierConfig:
+        return self._tiers[name]
+
+    def fallbacks(self, tier: TierConfig) -> list[TierConfig]:
+        """Tiers after ``tier`` in configuration order (cheapest → most capable), when fallback is enabled.
+
+        Only later tiers: falling back to a cheaper tier would silently lower answer quality.
+        """
+        if not self.cfg.fallback:
+            return []
+        i = self._order.index(tier.name)
+        return [self._tiers[n] for n in self._order[i + 1 :]]
+
+    def decide(self, body: dict[str, Any], forced_header: str | None, window_text: str | None = None) -> RouteDecision:
+        """Route one request body. Raises UnknownModel (400) for an unknown model/header tier and
+        InvalidRequest (400) for an unknown ``reasoning_effort``."""
+        if forced_header:
+            t = self._tiers.get(forced_header.strip())
+            if t is None:
+                raise UnknownModel(
+                    f"X-ThinkGate-Tier: unknown tier {forced_header!r} (tiers: {self._order})", param="model"
+                )
+            return RouteDecision(t, "forced")
+        model = body.get("model")
+        if model != AUTO:
+            t = self._tiers.get(model)  # type: ignore[arg-type]
+            if t is None:
+                raise UnknownModel(
+                    f"model {model!r} does not exist; use 'auto' or one of {self._order}", param="model"
+                )
+            return RouteDecision(t, "forced")
+        effort = body.get("reasoning_effort")
+        if effort is not None:
+            name = self.cfg.effort_tiers.get(effort)
+            if name is None:
+                raise InvalidRequest(
+                    f"reasoning_effort {effort!r} is not one of {sorted(self.cfg.effort_tiers)}",
+                    param="reasoning_effort",
+                )
+            return RouteDecision(self._tiers[name], "effort")
+        text = window_text if window_text is not None else self._window_of(body)
+        try:
+            score = float(self._scorer.score(text))
+        except Exception:
+            log.warning("router %s failed; using default tier %s", self._scorer.name, self.cfg.default_tier,
+                        exc_info=True)
+            return RouteDecision(self._tiers[self.cfg.default_tier], "predicted", None)
+        score = min(1.0, max(0.0, score))
+        routed = self.cfg.routed_tiers
+        for i, cut in enumerate(self._thresholds):
+            if score < cut:
+                return RouteDecision(self._tiers[routed[i]], "predicted", score)
+        return RouteDecision(self._tiers[routed[-1]], "predicted", score)
+
+    def _window_of(self, body: dict[str, Any]) -> str:
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            return self._window(messages)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return prompt[-WINDOW_MAX_CHARS:]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            return str(prompt[-1])[-WINDOW_MAX_CHARS:]
+        return ""

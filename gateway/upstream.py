@@ -1,0 +1,202 @@
+"""HTTP client for the tiers' upstreams (vLLM's OpenAI-compatible server or any OpenAI-compatible API).
+
+One pooled ``httpx.AsyncClient`` per distinct ``base_url``; each call uses the tier's connect/read timeouts.
+Retries (``tier.max_retries``, exponential backoff with jitter) happen only before the response is handed to
+the caller, i.e. before any byte reached the client, and only when repeating is safe:
+
+- connection errors (refused, reset, connect timeout, a pooled connection the server had closed), and
+- HTTP 502/503 from the upstream.
+
+Errors raised (all :class:`gateway.errors.GatewayError`):
+
+- :class:`UpstreamUnavailable` (502): no connection after the retries, or still 502/503 — the proxy may
+  fall back to another tier;
+- :class:`UpstreamTimeout` (504): connect or read timeout (a read timeout is not retried: the upstream may
+  still be generating and a retry would pay twice);
+- :class:`UpstreamError` (502): other 5xx or an unusable answer;
+- :class:`UpstreamRejected` (400/429): the upstream refused the request itself (4xx).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway.config import TierConfig
+from gateway.errors import GatewayError, UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
+
+log = logging.getLogger("thinkgate.upstream")
+
+RETRY_STATUSES = frozenset({502, 503})
+BACKOFF_BASE_S = 0.05
+BACKOFF_MAX_S = 1.0
+TOKENIZE_TIMEOUT_S = 5.0
+# Enough for the gateway's own concurrency; connections are reused (keep-alive) across requests.
+POOL_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=30.0)
+
+
+class UpstreamConnectTimeout(UpstreamTimeout):
+    """504: the upstream did not accept a connection in time after the retries (a fallback candidate)."""
+
+    default_code = "upstream_connect_timeout"
+
+
+def root_url(base_url: str) -> str:
+    """``http://h:p/v1`` → ``http://h:p`` (vLLM serves /health and /tokenize at the root)."""
+    base = base_url.rstrip("/")
+    return base[:-3] if base.endswith("/v1") else base
+
+
+def _upstream_message(resp: httpx.Response) -> str:
+    try:
+        data = orjson.loads(resp.content)
+        err = data.get("error") if isinstance(data, dict) else None
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(data, dict) and data.get("message"):
+            return str(data["message"])
+    except orjson.JSONDecodeError:
+        pass
+    return resp.text[:300] or resp.reason_phrase
+
+
+def error_for_status(tier: TierConfig, resp: httpx.Response) -> GatewayError:
+    """Map a non-2xx upstream response to the gateway error the client should see."""
+    msg = f"upstream of tier {tier.name!r} answered {resp.status_code}: {_upstream_message(resp)}"
+    if resp.status_code in RETRY_STATUSES:
+        return UpstreamUnavailable(msg)
+    if resp.status_code in (401, 403):
+        # The gateway's credentials for the upstream are wrong: the client cannot fix that.
+        return UpstreamError(msg, code="upstream_auth_failed")
+    if 400 <= resp.status_code < 500:
+        return UpstreamRejected(msg, status=resp.status_code)
+    return UpstreamError(msg)
+
+
+class UpstreamPool:
+    """Pooled clients for every upstream in ``tiers``; close with :meth:`aclose`."""
+
+    def __init__(self, tiers: list[TierConfig]) -> None:
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._timeouts: dict[str, httpx.Timeout] = {}
+        self._headers: dict[str, dict[str, str]] = {}
+        for t in tiers:
+            self._client_for(t.base_url)
+            self._timeouts[t.name] = httpx.Timeout(
+                connect=t.connect_timeout_s, read=t.read_timeout_s, write=t.read_timeout_s, pool=t.connect_timeout_s
+            )
+            h = {"content-type": "application/json"}
+            if t.api_key:
+                h["authorization"] = f"Bearer {t.api_key}"
+            self._headers[t.name] = h
+
+    def _client_for(self, base_url: str) -> httpx.AsyncClient:
+        key = base_url.rstrip("/")
+        client = self._clients.get(key)
+        if client is None:
+            client = httpx.AsyncClient(base_url=key, limits=POOL_LIMITS, trust_env=False)
+            self._clients[key] = client
+        return client
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self._clients.values()), return_exceptions=True)
+
+    async def open(self, tier: TierConfig, path: str, body: bytes, *, stream: bool) -> httpx.Response:
+        """POST ``body`` to ``tier.base_url + path`` and return the 2xx response, headers read.
+
+        With ``stream=True`` the body is not read yet: the caller iterates it and must ``aclose()`` it.
+        With ``stream=False`` the whole body has been read (``resp.content``).
+        Retries connection errors and 502/503 with backoff; raises the errors listed in the module doc.
+        """
+        client = self._client_for(tier.base_url)
+        timeout = self._timeouts.get(tier.name) or httpx.Timeout(tier.read_timeout_s, connect=tier.connect_timeout_s)
+        headers = self._headers.get(tier.name) or {"content-type": "application/json"}
+        last: GatewayError | None = None
+        for attempt in range(tier.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (attempt - 1)) * (0.5 + random.random()))
+            request = client.build_request("POST", path, content=body, headers=headers, timeout=timeout)
+            try:
+                resp = await client.send(request, stream=stream)
+            except httpx.ConnectTimeout:
+                last = UpstreamConnectTimeout(f"upstream of tier {tier.name!r} did not accept a connection in time")
+                continue
+            except httpx.TimeoutException:
+                raise UpstreamTimeout(
+                    f"upstream of tier {tier.name!r} did not answer within {tier.read_timeout_s} s"
+                ) from None
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+                last = UpstreamUnavailable(f"upstream of tier {tier.name!r} unreachable: {type(exc).__name__}: {exc}")
+                continue
+            except httpx.HTTPError as exc:
+                raise UpstreamError(f"upstream of tier {tier.name!r} failed: {type(exc).__name__}: {exc}") from None
+            if resp.is_success:
+                return resp
+            if stream:
+                try:
+                    await resp.aread()
+                except httpx.HTTPError:
+                    pass
+                finally:
+                    await resp.aclose()
+            last = error_for_status(tier, resp)
+            if resp.status_code not in RETRY_STATUSES:
+                raise last
+            log.info("upstream %s answered %s (attempt %d)", tier.name, resp.status_code, attempt + 1)
+        assert last is not None
+        raise last
+
+    async def post_json(self, tier: TierConfig, path: str, body: bytes) -> tuple[dict[str, Any], bytes]:
+        """Non-streamed call: (parsed JSON object, raw bytes). Raises UpstreamError on a non-object answer."""
+        resp = await self.open(tier, path, body, stream=False)
+        try:
+            data = orjson.loads(resp.content)
+        except orjson.JSONDecodeError:
+            raise UpstreamError(f"upstream of tier {tier.name!r} sent invalid JSON") from None
+        if not isinstance(data, dict):
+            raise UpstreamError(f"upstream of tier {tier.name!r} sent a non-object JSON answer")
+        return data, resp.content
+
+    async def count_tokens(self, tier: TierConfig, text: str) -> int | None:
+        """Exact token count of ``text`` for ``tier.model`` from vLLM's ``POST /tokenize``; None on failure.
+
+        Request ``{"model", "prompt", "add_special_tokens": false}`` → response ``{"count", "tokens", ...}``
+        (vLLM OpenAI server, ``vllm/entrypoints/openai/api_server.py``).
+        """
+        client = self._client_for(tier.base_url)
+        payload = orjson.dumps({"model": tier.model, "prompt": text, "add_special_tokens": False})
+        try:
+            resp = await client.post(
+                root_url(tier.base_url) + "/tokenize",
+                content=payload,
+                headers=self._headers.get(tier.name),
+                timeout=httpx.Timeout(TOKENIZE_TIMEOUT_S, connect=tier.connect_timeout_s),
+            )
+            if resp.is_success:
+                count = orjson.loads(resp.content).get("count")
+                if isinstance(count, int):
+                    return count
+        except (httpx.HTTPError, orjson.JSONDecodeError, AttributeError):
+            pass
+        return None
+
+    async def ready(self, tier: TierConfig, timeout_s: float = 2.0) -> bool:
+        """True when the tier's upstream answers: ``GET /health`` (vLLM), else ``GET /v1/models`` < 500."""
+        client = self._client_for(tier.base_url)
+        t = httpx.Timeout(timeout_s)
+        headers = self._headers.get(tier.name)
+        try:
+            resp = await client.get(root_url(tier.base_url) + "/health", timeout=t, headers=headers)
+            if resp.is_success:
+                return True
+            if resp.status_code == 404:
+                resp = await client.get("/models", timeout=t, headers=headers)
+                return resp.status_code < 500
+        except httpx.HTTPError:
+            return False
+        return False
