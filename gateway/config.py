@@ -124,23 +124,48 @@ class RoutingConfig(_Strict):
 
 
 class RedisConfig(_Strict):
+    """Where the shared state lives (see ``gateway/redis_client.py`` for the URL forms).
+
+    ``url``: ``redis://`` / ``rediss://`` / ``unix://`` (one server), ``redis+cluster://host:port`` (Redis
+    Cluster), ``redis+sentinel://host:port[,host:port…]/service_name[/db]`` (Sentinel). In Cluster mode every
+    ThinkGate key must live in one slot (Lua scripts touch several keys), so ``key_prefix`` is wrapped in a
+    hash tag (``{tg:}``) unless it already has one. ``socket_timeout_s`` bounds connect and every command;
+    after a failure the circuit breaker answers "down" at once for ``breaker_cooldown_s`` seconds.
+    """
+
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "tg:"
     socket_timeout_s: float = Field(0.25, gt=0)
     start_if_missing: bool = True
     breaker_cooldown_s: float = Field(5.0, gt=0)
+    max_connections: int = Field(256, ge=1)
 
 
 class CacheConfig(_Strict):
+    """The exact response cache. ``mode``: ``deterministic`` caches only temperature-0 or seeded requests,
+    ``always`` every request, ``off`` none. ``ttl_s`` is the default entry lifetime; a request may ask for
+    another with the ``x-thinkgate-cache-ttl`` header, clamped to ``max_ttl_s``. Entries larger than
+    ``max_entry_bytes`` (stored bytes) are not stored. Concurrent identical misses wait up to
+    ``single_flight_wait_s`` seconds for the first one (0 disables single-flight)."""
+
     mode: Literal["deterministic", "always", "off"] = "deterministic"
     ttl_s: int = Field(3600, ge=1)
+    max_ttl_s: int = Field(7 * 86400, ge=1)
     max_entry_bytes: int = Field(1_000_000, ge=1)
     single_flight_wait_s: float = Field(30.0, ge=0)
+    replay_chunk_chars: int = Field(16, ge=1)
 
 
 class MeteringConfig(_Strict):
+    """Usage events: Redis Stream ``{prefix}usage:events`` + counters; a local fsync'd spool while Redis is
+    down, replayed every ``replay_interval_s`` seconds. ``dedup_ttl_s`` is how long an ``event_id`` is
+    remembered (a spool replayed later than that could count twice). ``stream_maxlen`` trims the stream
+    approximately (None = never; exports read the stream)."""
+
     spool_path: Path = STATE_DIR / "usage-spool.jsonl"
     replay_interval_s: float = Field(5.0, gt=0)
+    dedup_ttl_s: int = Field(40 * 86400, ge=60)
+    stream_maxlen: int | None = Field(None, ge=1000)
 
 
 class KeyConfig(_Strict):
@@ -168,16 +193,34 @@ class KeyConfig(_Strict):
 
 
 class AuthConfig(_Strict):
+    """``key_cache_s``: how long a key found in the Redis store is trusted without asking again (revocation
+    takes effect within it); ``key_stale_s``: how long a known key keeps working while Redis is down."""
+
     require_key: bool = True
     admin_key_sha256: str | None = None
     keys: list[KeyConfig] = Field(default_factory=list)
     dev_key_file: Path = STATE_DIR / "dev-key"
+    key_cache_s: float = Field(5.0, ge=0)
+    key_stale_s: float = Field(3600.0, ge=0)
 
 
 class LimitsConfig(_Strict):
+    """Budgets and rate limits. ``on_redis_down``: ``fail_open`` admits on local approximate counters,
+    ``fail_closed`` refuses (503). A reservation not settled within ``reservation_ttl_s`` seconds (a crashed
+    replica) stops counting. Alerts fire once per period at each of ``alert_fractions`` of a budget."""
+
     on_redis_down: Literal["fail_open", "fail_closed"] = "fail_open"
     alert_fractions: list[float] = Field(default_factory=lambda: [0.5, 0.8, 1.0])
     alert_webhook_url: str | None = None
+    alert_webhook_timeout_s: float = Field(2.0, gt=0)
+    reservation_ttl_s: float = Field(600.0, gt=0)
+
+    @field_validator("alert_fractions")
+    @classmethod
+    def _fractions(cls, v: list[float]) -> list[float]:
+        if any(not 0 < f <= 10 for f in v):
+            raise ValueError("alert_fractions must be in (0, 10]")
+        return sorted(set(v))
 
 
 class ServerConfig(_Strict):
@@ -205,6 +248,9 @@ class EngineConfig(_Strict):
 
 
 class MetricsConfig(_Strict):
+    """Prometheus ``/metrics``. Labels are bounded: tier, upstream model (both from this config), route reason,
+    cache result, status class; the key id only when ``key_id_label`` (one series per key)."""
+
     key_id_label: bool = False
 
 

@@ -1,0 +1,209 @@
+"""Turn a complete response into Server-Sent Events, and a stream of chunks back into a complete response.
+
+Both directions work on OpenAI's shapes (chat: ``chat.completion`` ↔ ``chat.completion.chunk``; completions:
+``text_completion`` both ways), so a cached entry serves a streamed request and a non-streamed one alike:
+
+- :func:`replay` yields ``data: {chunk}\\n\\n`` frames: per choice a role chunk, the reasoning text
+  (``reasoning_content`` / ``reasoning``, whichever names the upstream used), the content, tool calls, a
+  finish chunk; then the usage chunk (``choices: []``) when the client asked for it; then ``data: [DONE]``.
+  Concatenating the deltas gives back exactly the stored strings.
+- :class:`StreamAssembler` folds parsed chunks into the non-stream body, tracks the last ``usage`` seen,
+  counts content-bearing deltas (a fallback token count when a stream is cut before its usage chunk), and
+  says whether the stream completed (every choice finished and ``[DONE]`` arrived).
+- :class:`SSEDecoder` splits raw bytes into ``data:`` payloads (``b"[DONE]"`` included), across chunk borders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+DONE = b"data: [DONE]\n\n"
+
+
+def frame(obj: dict[str, Any]) -> bytes:
+    """One SSE frame carrying ``obj`` as JSON."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _pieces(text: str, size: int) -> Iterator[str]:
+    for i in range(0, len(text), size):
+        yield text[i : i + size]
+
+
+def replay(body: dict[str, Any], include_usage: bool, chunk_chars: int = 16) -> Iterator[bytes]:
+    """SSE frames replaying the complete response ``body`` (chat or text completion), ending with [DONE].
+
+    ``chunk_chars``: characters per content delta (≥ 1). Raises ``KeyError`` if ``body`` has no ``choices``.
+    """
+    chat = body.get("object") != "text_completion"
+    head: dict[str, Any] = {
+        "id": body.get("id", ""),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": body.get("created", 0),
+        "model": body.get("model", ""),
+    }
+    if body.get("system_fingerprint") is not None:
+        head["system_fingerprint"] = body["system_fingerprint"]
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        return frame({**head, "choices": [choice], **extra})
+
+    for choice in body["choices"]:
+        idx = choice.get("index", 0)
+        if chat:
+            msg = choice.get("message") or {}
+            yield chunk({"index": idx, "delta": {"role": msg.get("role", "assistant"), "content": ""},
+                         "logprobs": None, "finish_reason": None})
+            for name in REASONING_FIELDS:
+                for piece in _pieces(msg.get(name) or "", chunk_chars):
+                    yield chunk({"index": idx, "delta": {name: piece}, "logprobs": None, "finish_reason": None})
+            for piece in _pieces(msg.get("content") or "", chunk_chars):
+                yield chunk({"index": idx, "delta": {"content": piece}, "logprobs": None, "finish_reason": None})
+            for n, call in enumerate(msg.get("tool_calls") or []):
+                yield chunk({"index": idx, "delta": {"tool_calls": [{"index": n, **call}]}, "logprobs": None,
+                             "finish_reason": None})
+            yield chunk({"index": idx, "delta": {}, "logprobs": None,
+                         "finish_reason": choice.get("finish_reason")})
+        else:
+            for piece in _pieces(choice.get("text") or "", chunk_chars):
+                yield chunk({"index": idx, "text": piece, "logprobs": None, "finish_reason": None})
+            yield chunk({"index": idx, "text": "", "logprobs": None, "finish_reason": choice.get("finish_reason")})
+    if include_usage and body.get("usage") is not None:
+        yield frame({**head, "choices": [], "usage": body["usage"]})
+    yield DONE
+
+
+class SSEDecoder:
+    """Incremental SSE parser: :meth:`feed` bytes, get the complete ``data:`` payloads (bytes) seen so far.
+
+    Multi-line ``data:`` fields of one event are joined with ``\\n`` as the SSE spec says; comments and other
+    fields (``event:``, ``id:``) are ignored.
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data.replace(b"\r\n", b"\n")
+        out: list[bytes] = []
+        while b"\n\n" in self._buf:
+            event, self._buf = self._buf.split(b"\n\n", 1)
+            lines = [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
+            if lines:
+                out.append(b"\n".join(lines))
+        return out
+
+
+@dataclass
+class _Choice:
+    index: int
+    role: str = "assistant"
+    content: list[str] = field(default_factory=list)
+    reasoning: dict[str, list[str]] = field(default_factory=dict)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+
+class StreamAssembler:
+    """Folds streamed chunks (parsed JSON objects) into the equivalent non-stream response body."""
+
+    def __init__(self) -> None:
+        self._choices: dict[int, _Choice] = {}
+        self._head: dict[str, Any] = {}
+        self.chat = True
+        self.usage: dict[str, Any] | None = None
+        self.deltas = 0  # content/reasoning/text deltas seen: ≈ completion tokens when usage never came
+        self.done = False
+
+    def feed_payload(self, payload: bytes) -> dict[str, Any] | None:
+        """Feed one SSE ``data:`` payload; returns the parsed chunk (None for ``[DONE]``)."""
+        if payload.strip() == b"[DONE]":
+            self.done = True
+            return None
+        obj = orjson.loads(payload)
+        self.feed(obj)
+        return obj
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        """Feed one parsed chunk."""
+        if not self._head:
+            self.chat = chunk.get("object") != "text_completion"
+            self._head = {k: chunk[k] for k in ("id", "created", "model", "system_fingerprint") if k in chunk}
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for c in chunk.get("choices") or []:
+            st = self._choices.setdefault(c.get("index", 0), _Choice(c.get("index", 0)))
+            if self.chat:
+                self._fold_delta(st, c.get("delta") or {})
+            elif c.get("text"):
+                st.content.append(c["text"])
+                self.deltas += 1
+            if c.get("finish_reason") is not None:
+                st.finish_reason = c["finish_reason"]
+
+    def _fold_delta(self, st: _Choice, delta: dict[str, Any]) -> None:
+        if delta.get("role"):
+            st.role = delta["role"]
+        bearing = False
+        if delta.get("content"):
+            st.content.append(delta["content"])
+            bearing = True
+        for name in REASONING_FIELDS:
+            if delta.get(name):
+                st.reasoning.setdefault(name, []).append(delta[name])
+                bearing = True
+        for call in delta.get("tool_calls") or []:
+            slot = st.tool_calls.setdefault(call.get("index", 0), {"function": {"arguments": ""}})
+            for k in ("id", "type"):
+                if call.get(k):
+                    slot[k] = call[k]
+            fn = call.get("function") or {}
+            if fn.get("name"):
+                slot["function"]["name"] = fn["name"]
+            slot["function"]["arguments"] += fn.get("arguments") or ""
+            bearing = True
+        self.deltas += int(bearing)
+
+    @property
+    def complete(self) -> bool:
+        """True when ``[DONE]`` arrived and every choice has a finish reason (worth caching)."""
+        return self.done and bool(self._choices) and all(c.finish_reason for c in self._choices.values())
+
+    def text_chars(self) -> int:
+        """Characters of content + reasoning received (for counting when usage is missing)."""
+        return sum(len("".join(c.content)) + sum(len("".join(v)) for v in c.reasoning.values())
+                   for c in self._choices.values())
+
+    def result(self) -> dict[str, Any]:
+        """The non-stream body: ``chat.completion`` or ``text_completion``, with ``usage`` when one was seen."""
+        choices: list[dict[str, Any]] = []
+        for idx in sorted(self._choices):
+            st = self._choices[idx]
+            if self.chat:
+                msg: dict[str, Any] = {"role": st.role, "content": "".join(st.content)}
+                for name, parts in st.reasoning.items():
+                    msg[name] = "".join(parts)
+                if st.tool_calls:
+                    msg["tool_calls"] = [st.tool_calls[i] for i in sorted(st.tool_calls)]
+                choices.append({"index": idx, "message": msg, "logprobs": None, "finish_reason": st.finish_reason})
+            else:
+                choices.append({"index": idx, "text": "".join(st.content), "logprobs": None,
+                                "finish_reason": st.finish_reason})
+        body: dict[str, Any] = {
+            "id": self._head.get("id", ""),
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self._head.get("created", 0),
+            "model": self._head.get("model", ""),
+            "choices": choices,
+        }
+        if "system_fingerprint" in self._head:
+            body["system_fingerprint"] = self._head["system_fingerprint"]
+        if self.usage is not None:
+            body["usage"] = self.usage
+        return body

@@ -1,0 +1,228 @@
+"""The usage event (the unit of metering, one per request, cache hits included) and its exact cost.
+
+Fields follow ``shared/DESIGN.md`` ("The usage event") plus ``cached_tokens`` (prompt tokens the upstream
+served from its prefix cache, billed at the cached rate), ``endpoint``, ``partial`` (the client went away
+before the end) and ``usage_source`` (where the token counts came from).
+
+Cost, integer micro-USD (1 USD = 1 000 000 micro-USD), with prices in USD per 1M tokens::
+
+    cost = (prompt − cached)·input + cached·cached_input + completion·output
+
+A token priced at ``p`` USD/1M costs exactly ``p`` micro-USD, so the sum is an exact ``Decimal`` in
+micro-USD, rounded once per event (half up) to an ``int``. Reasoning tokens are completion tokens (OpenAI's
+``completion_tokens_details.reasoning_tokens`` is a breakdown, not an addition), so they are not added again.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from datetime import UTC, datetime
+from decimal import ROUND_HALF_UP, Decimal
+from typing import Any, Literal
+
+import orjson
+
+from gateway.config import Prices
+
+UsageSource = Literal["upstream", "counted", "cache", "none"]
+
+
+def cost_micro_usd(prices: Prices, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+    """Exact cost in integer micro-USD; ``cached_tokens`` is clamped to ``[0, prompt_tokens]``.
+
+    Raises ``ValueError`` on negative token counts.
+    """
+    if prompt_tokens < 0 or cached_tokens < 0 or completion_tokens < 0:
+        raise ValueError("token counts must be >= 0")
+    cached = min(cached_tokens, prompt_tokens)
+    exact = (
+        (prompt_tokens - cached) * prices.input_usd_per_mtok
+        + cached * prices.cached_input_usd_per_mtok
+        + completion_tokens * prices.output_usd_per_mtok
+    )
+    return int(Decimal(exact).quantize(Decimal(1), rounding=ROUND_HALF_UP))
+
+
+def micro_to_usd(micro: int) -> Decimal:
+    """Integer micro-USD → exact ``Decimal`` USD with six places."""
+    return (Decimal(micro) / Decimal(1_000_000)).quantize(Decimal("0.000001"))
+
+
+def usd_to_micro(usd: Decimal) -> int:
+    """``Decimal`` USD → integer micro-USD (half up)."""
+    return int((usd * 1_000_000).quantize(Decimal(1), rounding=ROUND_HALF_UP))
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCounts:
+    """Token counts of one response (OpenAI ``usage`` shape, flattened)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    @classmethod
+    def from_openai(cls, usage: dict[str, Any] | None) -> TokenCounts | None:
+        """Read an OpenAI/vLLM ``usage`` object; None when absent. Missing fields count 0."""
+        if not usage:
+            return None
+        pdet = usage.get("prompt_tokens_details") or {}
+        cdet = usage.get("completion_tokens_details") or {}
+        return cls(
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            cached_tokens=int(pdet.get("cached_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+            reasoning_tokens=int(cdet.get("reasoning_tokens") or 0),
+        )
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI ``usage`` object for these counts."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+        }
+
+    def cost(self, prices: Prices) -> int:
+        """Cost of these counts at ``prices``, integer micro-USD."""
+        return cost_micro_usd(prices, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+
+
+def new_event_id() -> str:
+    """A fresh unique event id (UUID4, 32 hex chars)."""
+    return uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class UsageEvent:
+    """One request's usage. ``ts`` is the request start, epoch seconds (UTC); durations in ms.
+
+    ``status`` is the HTTP status the client got (499 when the client disconnected first, as nginx logs
+    it). ``cached`` means served from the response cache: then ``cost_micro_usd`` is 0 and
+    ``saved_micro_usd`` is what the upstream call would have cost at the tier's current prices.
+    """
+
+    key_id: str
+    requested_model: str
+    event_id: str = field(default_factory=new_event_id)
+    ts: float = field(default_factory=time.time)
+    tags: dict[str, str] = field(default_factory=dict)
+    request_id: str = ""
+    endpoint: str = "chat"
+    tier: str | None = None
+    upstream_model: str | None = None
+    route_reason: str | None = None
+    difficulty: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached: bool = False
+    cost_micro_usd: int = 0
+    saved_micro_usd: int = 0
+    latency_ms: float = 0.0
+    ttft_ms: float | None = None
+    status: int = 200
+    error_code: str | None = None
+    stream: bool = False
+    partial: bool = False
+    usage_source: UsageSource = "upstream"
+
+    @property
+    def day(self) -> str:
+        """UTC day of ``ts``, ``YYYY-MM-DD`` (the budget and counter period)."""
+        return datetime.fromtimestamp(self.ts, UTC).strftime("%Y-%m-%d")
+
+    @property
+    def month(self) -> str:
+        """UTC month of ``ts``, ``YYYY-MM``."""
+        return self.day[:7]
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def set_tokens(self, counts: TokenCounts) -> None:
+        """Copy ``counts`` into the event."""
+        self.prompt_tokens = counts.prompt_tokens
+        self.cached_tokens = counts.cached_tokens
+        self.completion_tokens = counts.completion_tokens
+        self.reasoning_tokens = counts.reasoning_tokens
+
+    def price(self, prices: Prices) -> None:
+        """Fill ``cost_micro_usd`` (or, for a cache hit, ``saved_micro_usd`` with cost 0) from the tokens."""
+        value = cost_micro_usd(prices, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+        if self.cached:
+            self.cost_micro_usd, self.saved_micro_usd = 0, value
+        else:
+            self.cost_micro_usd, self.saved_micro_usd = value, 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> UsageEvent:
+        """Build from a dict, ignoring unknown fields (events written by a newer version)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> UsageEvent:
+        return cls.from_dict(orjson.loads(raw))
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """What a metering write also settles in the limits state (see ``gateway/limits.py``): release the
+    reservation ``reservation_id`` of ``key_id`` and correct the TPM window ``tpm_window`` (minute index) by
+    ``tpm_delta`` tokens (actual − reserved). Applied at most once (the reservation is deleted)."""
+
+    key_id: str
+    reservation_id: str
+    tpm_window: int | None = None
+    tpm_delta: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Settlement:
+        return cls(**data)
+
+
+COUNTER_FIELDS: tuple[str, ...] = (
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "reasoning_tokens",
+    "cost_micro_usd",
+    "saved_micro_usd",
+    "cache_hits",
+    "errors",
+    "partial",
+)
+
+
+def counter_increments(event: UsageEvent) -> dict[str, int]:
+    """What one event adds to each counter hash (all integers)."""
+    return {
+        "requests": 1,
+        "prompt_tokens": event.prompt_tokens,
+        "cached_tokens": event.cached_tokens,
+        "completion_tokens": event.completion_tokens,
+        "reasoning_tokens": event.reasoning_tokens,
+        "cost_micro_usd": event.cost_micro_usd,
+        "saved_micro_usd": event.saved_micro_usd,
+        "cache_hits": int(event.cached),
+        "errors": int(event.status >= 400 and event.status != 499),
+        "partial": int(event.partial),
+    }
