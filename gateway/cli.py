@@ -6,6 +6,10 @@ Sub-apps live next to the code they drive (``router/cli.py``, ``training/cli.py`
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 import typer
 
 from router.cli import app as router_app
@@ -19,6 +23,109 @@ app = typer.Typer(
 )
 app.add_typer(router_app, name="router", help="Fit, calibrate, evaluate and label the difficulty router.")
 app.add_typer(train_app, name="train", help="Offline training jobs (tiny local model, GRPO).")
+
+config_app = typer.Typer(no_args_is_help=True)
+app.add_typer(config_app, name="config", help="Inspect the effective configuration.")
+
+if TYPE_CHECKING:
+    from gateway.config import Settings
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+CONFIG_OPTION = typer.Option(None, "--config", "-c", help="YAML config file (default: $THINKGATE_CONFIG).")
+
+
+def _load_settings(config: Path | None, **overrides: Any) -> Settings:
+    """Settings or exit code 2 with the ConfigError message (no traceback)."""
+    from gateway.config import ConfigError, Settings
+
+    try:
+        return Settings.load(config, **overrides)
+    except ConfigError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+
+
+@config_app.command("show")
+def config_show(config: Path | None = CONFIG_OPTION) -> None:
+    """Print the effective configuration (file + THINKGATE_* environment + defaults) as YAML."""
+    import yaml
+
+    data = _load_settings(config).model_dump(mode="json")
+    for tier in data.get("tiers", []):
+        if tier.get("api_key"):
+            tier["api_key"] = "***"
+    typer.echo(yaml.safe_dump(data, sort_keys=False), nl=False)
+
+
+def _ensure_dev_key(settings: Settings) -> None:
+    # With no key configured at all, a local development key keeps the gateway closed but usable.
+    from gateway.auth import DEV_KEY_ID, ensure_dev_key, sha256_hex
+    from gateway.config import KeyConfig
+
+    auth = settings.auth
+    if not auth.require_key or auth.keys or auth.admin_key_sha256:
+        return
+    secret, created = ensure_dev_key(auth.dev_key_file)
+    auth.keys.append(KeyConfig(id=DEV_KEY_ID, secret_sha256=sha256_hex(secret)))
+    what = "created a development API key" if created else "using the development API key"
+    typer.echo(f"thinkgate: {what} in {auth.dev_key_file} (mode 0600); get it with: cat {auth.dev_key_file}",
+               err=True)
+
+
+@app.command()
+def serve(
+    config: Path | None = CONFIG_OPTION,
+    host: str | None = typer.Option(None, help="Listen address (default: server.host, 127.0.0.1)."),
+    port: int | None = typer.Option(None, help="Listen port (default: server.port, 8080)."),
+) -> None:
+    """Run the gateway: Redis (started if missing), the local vLLM engine (if enabled), then the API."""
+    import uvicorn
+
+    from gateway.redis_server import RedisUnavailable, ensure
+
+    settings = _load_settings(config)
+    settings.server.host = host or settings.server.host
+    settings.server.port = port if port is not None else settings.server.port
+    logging.basicConfig(level=settings.server.log_level.upper(), format=LOG_FORMAT)
+    redis_proc = None
+    if settings.redis.start_if_missing:
+        try:
+            redis_proc, settings.redis.url = ensure(settings.redis.url)
+        except RedisUnavailable as exc:
+            typer.echo(f"thinkgate: warning: {exc}; continuing without Redis (/ready reports it)", err=True)
+    _ensure_dev_key(settings)
+    engine = None
+    try:
+        if settings.engine.enabled:
+            engine = _start_engine(settings)
+        from gateway.app import create_app
+
+        typer.echo(f"thinkgate: serving on http://{settings.server.host}:{settings.server.port}/v1", err=True)
+        uvicorn.run(create_app(settings), host=settings.server.host, port=settings.server.port,
+                    log_level=settings.server.log_level, access_log=False)
+    finally:
+        if engine is not None:
+            engine.stop()
+        if redis_proc is not None:
+            redis_proc.terminate()
+
+
+def _start_engine(settings: Settings) -> Any:
+    try:
+        from gateway.engine import EngineError, LocalEngine
+    except ImportError as exc:
+        typer.echo(f"thinkgate: engine.enabled is true but the local engine is unavailable ({exc}); "
+                   "set engine.enabled: false and point the tiers at an upstream", err=True)
+        raise typer.Exit(2) from None
+    engine = LocalEngine(settings.engine)
+    typer.echo(f"thinkgate: starting the local vLLM engine ({settings.engine.served_model_name}) …", err=True)
+    try:
+        engine.start()
+    except EngineError as exc:
+        typer.echo(f"thinkgate: the local engine failed to start: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"thinkgate: engine ready at {engine.base_url}", err=True)
+    return engine
 
 
 def main() -> None:
