@@ -86,13 +86,16 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.proxy = proxy
     install_handlers(app)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await proxy.handle(request, "chat")
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await proxy.handle(request, "completions")
+
+    # Plain Starlette routes on the hot path: the body is parsed and validated by the proxy itself, so
+    # FastAPI's per-request dependency and response-model machinery would be pure overhead.
+    app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.router.add_route("/v1/completions", completions, methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -86,15 +85,6 @@ def needs_reasoning_count(usage: dict[str, Any] | None) -> bool:
 def estimate_tokens(text: str) -> int:
     """Rough token count when no tokenizer answers: ~4 characters per token (OpenAI's rule of thumb)."""
     return max(1, (len(text) + 3) // 4) if text else 0
-
-
-@dataclass(slots=True)
-class _StreamTally:
-    """What the relay saw: reasoning text per choice and delta counts (an estimate if usage never comes)."""
-
-    reasoning: dict[int, list[str]] = field(default_factory=dict)
-    reasoning_deltas: int = 0
-    text_deltas: int = 0
 
 
 class Proxy:
@@ -192,44 +182,33 @@ class Proxy:
         Upstream failures after the 200 become one in-stream error event (no ``[DONE]``). A client
         disconnect cancels this generator: the upstream response is closed, which cancels the request.
         """
-        tally = _StreamTally()
-        usage_chunk: dict[str, Any] | None = None
+        tally = sse.StreamTally()
         status: int | None = None
         code: str | None = None
         try:
-            async for payload in sse.data_payloads(resp):
-                if payload == b"[DONE]":
+            async for batch in sse.data_batches(resp):
+                out = tally.feed(batch)
+                if tally.saw_text:
+                    record.mark_first_byte()
+                if out:
+                    yield out
+                if tally.done or tally.upstream_error:
                     break
-                try:
-                    chunk = orjson.loads(payload)
-                except orjson.JSONDecodeError:
-                    continue
-                if not isinstance(chunk, dict):
-                    continue
-                if "error" in chunk and not chunk.get("choices"):
-                    status, code = 502, "upstream_error"
-                    yield sse.event(payload)
-                    return
-                choices = chunk.get("choices")
-                usage = chunk.get("usage")
-                if usage and not choices:
-                    usage_chunk = chunk
-                    continue
-                if choices:
-                    self._tally(choices, tally, record)
-                if usage:
-                    record.set_usage(usage)
-                yield sse.event(payload)
-            else:
+            if tally.upstream_error:
+                status, code = 502, "upstream_error"
+                return
+            if not tally.done:
                 raise httpx.RemoteProtocolError("upstream stream ended without [DONE]")
-            if usage_chunk is not None:
-                usage = usage_chunk["usage"]
-                texts = ["".join(parts) for parts in tally.reasoning.values()]
-                if any(texts) and needs_reasoning_count(usage):
+            if tally.usage_chunk is not None:
+                usage = tally.usage_chunk["usage"]
+                texts = tally.reasoning_texts()
+                if texts and needs_reasoning_count(usage):
                     await self._fill_reasoning(usage, tier, texts)
                 record.set_usage(usage)
                 if wants_usage:
-                    yield sse.event(orjson.dumps(usage_chunk))
+                    yield sse.event(orjson.dumps(tally.usage_chunk))
+            elif tally.last_usage is not None:
+                record.set_usage(tally.last_usage)
             else:
                 self._count(record, tally)
             yield sse.DONE
@@ -249,7 +228,11 @@ class Proxy:
                     status, code = CLIENT_CLOSED, "client_disconnected"
                 if status != 200:
                     record.partial = True
-                    if usage_chunk is None and record.usage_source != "upstream":
+                    if tally.usage_chunk is not None:
+                        record.set_usage(tally.usage_chunk["usage"])
+                    elif tally.last_usage is not None:
+                        record.set_usage(tally.last_usage)
+                    else:
                         self._count(record, tally)
                 self._finish(record, tier, status, code)
 
@@ -265,25 +248,7 @@ class Proxy:
         details["reasoning_tokens"] = total
 
     @staticmethod
-    def _tally(choices: list[dict[str, Any]], tally: _StreamTally, record: UsageRecord) -> None:
-        for c in choices:
-            delta = c.get("delta")
-            if delta is None:  # /v1/completions streams carry "text"
-                if c.get("text"):
-                    tally.text_deltas += 1
-                    record.mark_first_byte()
-                continue
-            r = _reasoning_of(delta)
-            if r:
-                tally.reasoning.setdefault(int(c.get("index") or 0), []).append(r)
-                tally.reasoning_deltas += 1
-                record.mark_first_byte()
-            if delta.get("content"):
-                tally.text_deltas += 1
-                record.mark_first_byte()
-
-    @staticmethod
-    def _count(record: UsageRecord, tally: _StreamTally) -> None:
+    def _count(record: UsageRecord, tally: sse.StreamTally) -> None:
         # No upstream usage (client gone, stream broken): vLLM sends about one token per delta.
         record.completion_tokens = tally.reasoning_deltas + tally.text_deltas
         record.reasoning_tokens = tally.reasoning_deltas

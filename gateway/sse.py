@@ -1,7 +1,7 @@
 """Server-sent events, the way OpenAI-compatible servers stream: ``data: <json>\\n\\n`` … ``data: [DONE]\\n\\n``.
 
-:func:`data_payloads` splits an upstream byte stream into the payloads of its ``data:`` lines (bytes, no
-decoding or copying beyond the split); :class:`RelayResponse` sends a relay generator to the client and
+:func:`data_batches` splits an upstream byte stream into the payloads of its ``data:`` lines (bytes, no
+decoding), grouped by network read; :class:`RelayResponse` sends a relay generator to the client and
 closes it deterministically — also when the client disconnects, so the upstream request is cancelled at once
 instead of whenever the generator happens to be garbage-collected.
 """
@@ -9,9 +9,12 @@ instead of whenever the generator happens to be garbage-collected.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import httpx
+import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -31,20 +34,99 @@ def error_event(exc: GatewayError) -> bytes:
     return event(exc.to_json())
 
 
-async def data_payloads(resp: httpx.Response) -> AsyncIterator[bytes]:
-    """Yield the payload of every ``data:`` line of ``resp`` (comments, ``event:`` and blank lines skipped)."""
+async def data_batches(resp: httpx.Response) -> AsyncIterator[list[bytes]]:
+    """Yield, per network read of ``resp``, the payloads of the complete ``data:`` lines it finished
+    (comments, ``event:`` and blank lines skipped). Relaying a read's events together costs one write to the
+    client instead of one per event, and adds no delay: they arrived together."""
     buf = b""
     async for chunk in resp.aiter_raw():
         buf = buf + chunk if buf else chunk
-        while True:
-            nl = buf.find(b"\n")
-            if nl < 0:
-                break
-            line, buf = buf[:nl], buf[nl + 1 :]
+        start = 0
+        batch: list[bytes] = []
+        while (nl := buf.find(b"\n", start)) >= 0:
+            line = buf[start:nl]
+            start = nl + 1
             if line.startswith(b"data:"):
-                yield line[5:].strip()
+                batch.append(line[5:].strip())
+        buf = buf[start:]
+        if batch:
+            yield batch
     if buf.startswith(b"data:"):
-        yield buf[5:].strip()
+        yield [buf[5:].strip()]
+
+
+def _reasoning_of(part: dict[str, Any]) -> str | None:
+    return part.get("reasoning") or part.get("reasoning_content")
+
+
+@dataclass(slots=True)
+class StreamTally:
+    """The relay's view of an upstream stream of chat or completion chunks.
+
+    :meth:`feed` returns the bytes to pass on for one batch of payloads and records: the usage-only chunk
+    (held back in ``usage_chunk``), ``[DONE]`` (``done``; the relay writes its own), an in-stream
+    ``{"error": …}`` (``upstream_error``, passed on, nothing after it), reasoning text per choice index
+    (for counting when usage lacks it), and delta counts (≈ tokens on vLLM, for an estimate when usage
+    never comes). ``saw_text`` turns true with the first reasoning or content delta (time to first token).
+    """
+
+    reasoning: dict[int, list[str]] = field(default_factory=dict)
+    reasoning_deltas: int = 0
+    text_deltas: int = 0
+    usage_chunk: dict[str, Any] | None = None
+    last_usage: dict[str, Any] | None = None
+    done: bool = False
+    upstream_error: bool = False
+    saw_text: bool = False
+
+    def feed(self, batch: list[bytes]) -> bytes:
+        out: list[bytes] = []
+        for payload in batch:
+            if payload == b"[DONE]":
+                self.done = True
+                break
+            try:
+                chunk = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(chunk, dict):
+                continue
+            choices = chunk.get("choices")
+            if "error" in chunk and not choices:
+                self.upstream_error = True
+                out.append(event(payload))
+                break
+            usage = chunk.get("usage")
+            if usage and not choices:
+                self.usage_chunk = chunk
+                continue
+            if usage:  # continuous usage stats: each chunk carries the running totals
+                self.last_usage = usage
+            if choices:
+                self._count(choices)
+            out.append(event(payload))
+        return b"".join(out)
+
+    def _count(self, choices: list[dict[str, Any]]) -> None:
+        for c in choices:
+            delta = c.get("delta")
+            if delta is None:  # /v1/completions chunks carry "text"
+                if c.get("text"):
+                    self.text_deltas += 1
+                    self.saw_text = True
+                continue
+            r = _reasoning_of(delta)
+            if r:
+                self.reasoning.setdefault(int(c.get("index") or 0), []).append(r)
+                self.reasoning_deltas += 1
+                self.saw_text = True
+            if delta.get("content"):
+                self.text_deltas += 1
+                self.saw_text = True
+
+    def reasoning_texts(self) -> list[str]:
+        """The reasoning text of each choice that had any."""
+        return [t for parts in self.reasoning.values() if (t := "".join(parts))]
 
 
 class RelayResponse(Response):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import orjson
@@ -83,9 +83,11 @@ class UsageRecord:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("_t0")
-        return d
+        # Flat fields only: a comprehension is ~10x cheaper than dataclasses.asdict on the request path.
+        return {name: getattr(self, name) for name in _PUBLIC_FIELDS}
+
+
+_PUBLIC_FIELDS = tuple(f.name for f in fields(UsageRecord) if not f.name.startswith("_"))
 
 
 def emit(record: UsageRecord) -> None:

@@ -73,6 +73,16 @@ class SimProcess:
             self.proc.wait(timeout=10)
 
 
+def wait_for(predicate: Any, timeout_s: float = 5.0) -> bool:
+    """Poll ``predicate`` every 20 ms until true or ``timeout_s`` passed; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return bool(predicate())
+
+
 def wait_http_ok(url: str, timeout_s: float = START_TIMEOUT_S, proc: subprocess.Popen[bytes] | None = None) -> None:
     """Poll ``url`` until it answers 200; raises RuntimeError after ``timeout_s`` or if ``proc`` exits."""
     deadline = time.monotonic() + timeout_s

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fixtures_upstream import wait_for
 from upstream_sim import answer_words, reasoning_words
 
 USER = "what is seven times six"
@@ -212,6 +213,8 @@ def test_usage_record_priced_exactly(gateway: Any, openai_client: openai.OpenAI)
     try:
         openai_client.chat.completions.create(model="long", messages=MESSAGES)
         list(openai_client.chat.completions.create(model="long", messages=MESSAGES, stream=True))
+        # The streamed record is finished after the last byte went out: allow the server a moment.
+        assert wait_for(lambda: len(records) == 2)
     finally:
         sinks.remove(records.append)
     assert len(records) == 2

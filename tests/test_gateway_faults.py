@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from fixtures_upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, start_sim
+from fixtures_upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, start_sim, wait_for
 
 from gateway.redis_server import free_port
 
@@ -72,15 +72,6 @@ def records(fault_gateway: GatewayServer) -> Iterator[list[Any]]:
     sinks.append(got.append)
     yield got
     sinks.remove(got.append)
-
-
-def wait_for(predicate: Any, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return bool(predicate())
 
 
 @pytest.mark.parametrize("stream", [False, True])
