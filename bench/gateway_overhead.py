@@ -10,8 +10,8 @@ concurrency: p50/p99 latency (ms), RPS, and the added p50/p99 against the direct
 Targets are a list of :class:`Target` (name, OpenAI base URL, key, model). Another OpenAI-compatible proxy
 in front of the same simulator (e.g. LiteLLM for issue 7) is one more column: ``--extra NAME=URL[,KEY[,MODEL]]``.
 
-    .venv/bin/python bench/gateway_overhead.py [--requests 400] [--seconds 20] [--rounds 2] [--stream]
-                                               [--concurrency 1 32] [--write-results]
+    .venv/bin/python bench/gateway_overhead.py [--requests 400] [--seconds 20] [--rounds 2]
+                                               [--modes json stream] [--concurrency 1 32] [--write-results]
 """
 
 from __future__ import annotations
@@ -130,20 +130,22 @@ async def measure(targets: list[Target], concurrencies: list[int], n: int, secon
     return results
 
 
-def table(results: dict[tuple[str, int], Samples], targets: list[Target], concurrencies: list[int]) -> str:
+def table(by_mode: dict[str, dict[tuple[str, int], Samples]], targets: list[Target], concurrencies: list[int]) -> str:
+    """Markdown table; "added" columns are against the first target (direct)."""
     base = targets[0].name
     lines = [
-        "| target | concurrency | requests | errors | p50 ms | p99 ms | RPS | added p50 ms | added p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | target | concurrency | requests | errors | p50 ms | p99 ms | RPS | added p50 ms | added p99 ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for c in concurrencies:
-        ref = results[(base, c)]
-        for t in targets:
-            s = results[(t.name, c)]
-            add50 = "—" if t.name == base else f"{s.pct(50) - ref.pct(50):+.2f}"
-            add99 = "—" if t.name == base else f"{s.pct(99) - ref.pct(99):+.2f}"
-            lines.append(f"| {t.name} | {c} | {len(s.latencies_ms)} | {s.errors} | {s.pct(50):.2f} | "
-                         f"{s.pct(99):.2f} | {s.rps:.0f} | {add50} | {add99} |")
+    for mode, results in by_mode.items():
+        for c in concurrencies:
+            ref = results[(base, c)]
+            for t in targets:
+                s = results[(t.name, c)]
+                add50 = "—" if t.name == base else f"{s.pct(50) - ref.pct(50):+.2f}"
+                add99 = "—" if t.name == base else f"{s.pct(99) - ref.pct(99):+.2f}"
+                lines.append(f"| {mode} | {t.name} | {c} | {len(s.latencies_ms)} | {s.errors} | {s.pct(50):.2f} | "
+                             f"{s.pct(99):.2f} | {s.rps:.0f} | {add50} | {add99} |")
     return "\n".join(lines)
 
 
@@ -164,7 +166,7 @@ def start_gateway(sim: SimProcess, workdir: Path) -> tuple[subprocess.Popen[byte
     cfg = {
         "engine": {"enabled": False},
         "redis": {"url": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), "start_if_missing": False},
-        "server": {"log_level": "warning"},
+        "server": {"log_level": "info"},  # as deployed: one usage line per request
         "tiers": [{"name": "short", "base_url": sim.base_url, "model": "sim-model", "thinking_budget": 8,
                    "max_tokens": 64},
                   {"name": "long", "base_url": sim.base_url, "model": "sim-model", "max_tokens": 512}],
@@ -203,7 +205,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="time cap per target and concurrency")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the targets")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--stream", action="store_true", help="streamed requests (latency = last byte)")
+    ap.add_argument("--modes", nargs="+", choices=["json", "stream"], default=["json", "stream"],
+                    help="json: non-streamed; stream: SSE (latency = last byte)")
     ap.add_argument("--extra", action="append", default=[], help="NAME=BASE_URL[,KEY[,MODEL]] another target")
     ap.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
@@ -217,21 +220,24 @@ def main() -> None:
             gw, gw_target = start_gateway(sim, Path(tmp))
             targets = [Target("direct", sim.base_url, "none", "sim-model"), gw_target,
                        *(parse_extra(e) for e in args.extra)]
-            results = asyncio.run(measure(targets, args.concurrency, args.requests, args.seconds, args.rounds,
-                                          args.stream))
+            by_mode = {
+                mode: asyncio.run(measure(targets, args.concurrency, args.requests, args.seconds, args.rounds,
+                                          mode == "stream"))
+                for mode in args.modes
+            }
     finally:
         if gw is not None:
             gw.terminate()
             gw.wait(timeout=15)
         sim.stop()
-    kind = "streamed" if args.stream else "non-streamed"
-    out = table(results, targets, args.concurrency)
+    out = table(by_mode, targets, args.concurrency)
     print(out)
     if args.write_results:
         write_results(
             f"{SECTION}\n\n"
-            f"`bench/gateway_overhead.py{' --stream' if args.stream else ''}` — {started}. {kind.capitalize()} chat "
-            f"requests (`model: auto`, ~30 output tokens) against `tests/upstream_sim.py`, directly and through "
+            f"`bench/gateway_overhead.py` — {started}. Chat requests (`model: auto`, ~30 output tokens; `json` "
+            f"= non-streamed, `stream` = SSE with latency to the last byte) against `tests/upstream_sim.py`, "
+            f"directly and through "
             f"`thinkgate serve` (one uvicorn worker, engine off, key auth, length-baseline routing, usage record "
             f"logged), closed loop on loopback, {args.requests} requests or {args.seconds:.0f} s per target and "
             f"concurrency in {args.rounds} alternating rounds after a warm-up. Client, simulator and gateway share "
