@@ -8,7 +8,9 @@ concurrency: p50/p99 latency (ms), RPS, and the added p50/p99 against the direct
 ``--write-results`` it replaces the "Gateway overhead" section of ``bench/RESULTS.md``.
 
 Targets are a list of :class:`Target` (name, OpenAI base URL, key, model). Another OpenAI-compatible proxy
-in front of the same simulator (e.g. LiteLLM for issue 7) is one more column: ``--extra NAME=URL[,KEY[,MODEL]]``.
+in front of the same simulator (e.g. LiteLLM for issue 7) is one more target: ``--extra NAME=URL[,KEY[,MODEL[,PID]]]``
+(PID: its process, for the CPU column). "proxy CPU ms/req" is the proxy process's user+system CPU time per
+request — steadier than latency on a busy machine.
 
     .venv/bin/python bench/gateway_overhead.py [--requests 400] [--seconds 20] [--rounds 2]
                                                [--modes json stream] [--concurrency 1 32] [--write-results]
@@ -54,6 +56,18 @@ class Target:
     base_url: str
     api_key: str
     model: str
+    pid: int | None = None  # the proxy's process, to report its CPU time per request
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc``), None when unknown."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -61,11 +75,19 @@ class Samples:
     latencies_ms: list[float] = field(default_factory=list)
     errors: int = 0
     wall_s: float = 0.0
+    cpu_s: float | None = None
 
     def add(self, other: Samples) -> None:
         self.latencies_ms += other.latencies_ms
         self.errors += other.errors
         self.wall_s += other.wall_s
+        if other.cpu_s is not None:
+            self.cpu_s = (self.cpu_s or 0.0) + other.cpu_s
+
+    @property
+    def cpu_ms_per_request(self) -> str:
+        n = len(self.latencies_ms) + self.errors
+        return f"{1000 * self.cpu_s / n:.2f}" if self.cpu_s is not None and n else "—"
 
     @property
     def rps(self) -> float:
@@ -109,9 +131,13 @@ async def run_load(client: httpx.AsyncClient, target: Target, concurrency: int, 
             else:
                 out.errors += 1
 
+    cpu0 = cpu_seconds(target.pid)
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     out.wall_s = time.perf_counter() - t0
+    cpu1 = cpu_seconds(target.pid)
+    if cpu0 is not None and cpu1 is not None:
+        out.cpu_s = cpu1 - cpu0
     return out
 
 
@@ -134,8 +160,9 @@ def table(by_mode: dict[str, dict[tuple[str, int], Samples]], targets: list[Targ
     """Markdown table; "added" columns are against the first target (direct)."""
     base = targets[0].name
     lines = [
-        "| mode | target | concurrency | requests | errors | p50 ms | p99 ms | RPS | added p50 ms | added p99 ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | target | concurrency | requests | errors | p50 ms | p99 ms | RPS | added p50 ms | added p99 ms "
+        "| proxy CPU ms/req |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode, results in by_mode.items():
         for c in concurrencies:
@@ -145,7 +172,7 @@ def table(by_mode: dict[str, dict[tuple[str, int], Samples]], targets: list[Targ
                 add50 = "—" if t.name == base else f"{s.pct(50) - ref.pct(50):+.2f}"
                 add99 = "—" if t.name == base else f"{s.pct(99) - ref.pct(99):+.2f}"
                 lines.append(f"| {mode} | {t.name} | {c} | {len(s.latencies_ms)} | {s.errors} | {s.pct(50):.2f} | "
-                             f"{s.pct(99):.2f} | {s.rps:.0f} | {add50} | {add99} |")
+                             f"{s.pct(99):.2f} | {s.rps:.0f} | {add50} | {add99} | {s.cpu_ms_per_request} |")
     return "\n".join(lines)
 
 
@@ -178,7 +205,7 @@ def start_gateway(sim: SimProcess, workdir: Path) -> tuple[subprocess.Popen[byte
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=(workdir / "gateway.log").open("w"))
     wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=60, proc=proc)
-    return proc, Target("thinkgate", f"http://127.0.0.1:{port}/v1", BENCH_KEY, "auto")
+    return proc, Target("thinkgate", f"http://127.0.0.1:{port}/v1", BENCH_KEY, "auto", proc.pid)
 
 
 def write_results(text: str) -> None:
@@ -195,8 +222,8 @@ def write_results(text: str) -> None:
 
 def parse_extra(spec: str) -> Target:
     name, _, rest = spec.partition("=")
-    url, key, model = ([*rest.split(","), "", ""])[:3]
-    return Target(name, url.rstrip("/"), key or "none", model or "sim-model")
+    url, key, model, pid = ([*rest.split(","), "", "", ""])[:4]
+    return Target(name, url.rstrip("/"), key or "none", model or "sim-model", int(pid) if pid else None)
 
 
 def main() -> None:
@@ -207,7 +234,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--modes", nargs="+", choices=["json", "stream"], default=["json", "stream"],
                     help="json: non-streamed; stream: SSE (latency = last byte)")
-    ap.add_argument("--extra", action="append", default=[], help="NAME=BASE_URL[,KEY[,MODEL]] another target")
+    ap.add_argument("--extra", action="append", default=[], help="NAME=BASE_URL[,KEY[,MODEL[,PID]]] another target")
     ap.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
 
@@ -241,7 +268,9 @@ def main() -> None:
             f"`thinkgate serve` (one uvicorn worker, engine off, key auth, length-baseline routing, usage record "
             f"logged), closed loop on loopback, {args.requests} requests or {args.seconds:.0f} s per target and "
             f"concurrency in {args.rounds} alternating rounds after a warm-up. Client, simulator and gateway share "
-            f"the machine's CPUs. Machine: {env_line}.\n\n{out}\n"
+            f"the machine's CPUs (and other jobs' load: see the load average), so latency at concurrency 32 is "
+            f"mostly queueing for CPU; the proxy CPU per request is the steadier figure. "
+            f"Machine: {env_line}.\n\n{out}\n"
         )
 
 
