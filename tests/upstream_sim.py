@@ -42,7 +42,8 @@ Faults, per process (``--fail-mode``) or per request (header ``x-sim-fail`` or b
 
 ``"sim": {"fail_times": K, "tag": T}`` applies the fault only to the first K attempts of tag T (retry
 tests). ``"sim": {"delay_ms", "chunk_delay_ms"}`` (or headers ``x-sim-delay-ms``, ``x-sim-chunk-delay-ms``)
-set the delay before the answer and between stream chunks. Refused connections need no mode: point a tier
+set the delay before the answer (cut short, and recorded as ``cancelled``, when the client goes away) and
+between stream chunks. Refused connections need no mode: point a tier
 at a free port where nothing listens.
 """
 
@@ -253,13 +254,19 @@ def make_app(state: SimState) -> Starlette:
         chunk_delay = float(sim.get("chunk_delay_ms") or h.get("x-sim-chunk-delay-ms") or state.chunk_delay_ms)
         return Call(body, fail, delay, chunk_delay, tag)
 
-    async def hang(request: Request, call: Call) -> Response:
-        deadline = time.monotonic() + state.hang_s
-        while time.monotonic() < deadline:
+    async def pause(request: Request, seconds: float) -> bool:
+        """Sleep ``seconds``; False as soon as the client has gone away (checked every 50 ms)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
             if await request.is_disconnected():
-                call.mark(state, "cancelled")
-                return Response(b"", status_code=499)
-            await asyncio.sleep(0.05)
+                return False
+            await asyncio.sleep(min(0.05, left))
+        return True
+
+    async def hang(request: Request, call: Call) -> Response:
+        if not await pause(request, state.hang_s):
+            call.mark(state, "cancelled")
+            return Response(b"", status_code=499)
         call.mark(state, "failed")
         return _error(504, "simulated hang ended")
 
@@ -268,8 +275,9 @@ def make_app(state: SimState) -> Starlette:
         if isinstance(parsed, Response):
             return parsed
         call = parsed
-        if call.delay_ms > 0:
-            await asyncio.sleep(call.delay_ms / 1000)
+        if call.delay_ms > 0 and not await pause(request, call.delay_ms / 1000):
+            call.mark(state, "cancelled")
+            return Response(b"", status_code=499)
         if call.fail in ("500", "502", "503"):
             call.mark(state, "failed")
             return _error(int(call.fail), f"simulated upstream failure {call.fail}")
