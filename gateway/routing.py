@@ -28,7 +28,6 @@ log = logging.getLogger("thinkgate.routing")
 
 AUTO = "auto"
 WINDOW_MAX_CHARS = 4000
-EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 
 @dataclass(frozen=True, slots=True)
