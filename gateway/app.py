@@ -20,6 +20,8 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from gateway import usage_api
+from gateway.accounting import Accounting
 from gateway.auth import KeyStore
 from gateway.config import Settings, TierConfig
 from gateway.errors import install_handlers
@@ -72,19 +74,25 @@ def create_app(settings: Settings) -> FastAPI:
     """Build the gateway app for ``settings``. Upstream clients are closed on shutdown."""
     upstreams = UpstreamPool(settings.tiers)
     routing = Routing(settings)
-    proxy = Proxy(settings, KeyStore(settings.auth), routing, upstreams)
+    accounting = Accounting(settings)
+    keys = KeyStore(settings.auth, redis_store=accounting.keystore)
+    proxy = Proxy(settings, keys, routing, upstreams, accounting=accounting)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await accounting.start()
         yield
         await upstreams.aclose()
+        await accounting.close()
 
     app = FastAPI(title="ThinkGate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.routing = routing
     app.state.proxy = proxy
+    app.state.accounting = accounting
     install_handlers(app)
+    usage_api.install(app, keys, accounting)
 
     async def chat_completions(request: Request) -> Response:
         return await proxy.handle(request, "chat")

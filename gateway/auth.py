@@ -3,7 +3,8 @@
 Keys are stored as SHA-256 hex digests (``auth.keys[*].secret_sha256``, ``auth.admin_key_sha256``); the
 presented secret is hashed and compared with every stored digest in constant time (``hmac.compare_digest``,
 no early exit), so response time does not depend on which key matched. Issue 5 adds a Redis key store
-behind the same ``await authenticate(header)`` interface.
+behind the same ``await authenticate(header)`` interface: config keys are checked first, then (when given)
+the :class:`gateway.keystore.RedisKeyStore` keys created with ``thinkgate keys create``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import secrets
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
+from typing import Protocol
 
 from gateway.config import AuthConfig, KeyConfig
 from gateway.errors import AuthError
@@ -64,11 +66,19 @@ def bearer_secret(authorization: str | None) -> str | None:
     return value
 
 
-class KeyStore:
-    """Keys from the config file (plus the admin key). ``authenticate`` raises :class:`AuthError` (401)."""
+class DigestLookup(Protocol):
+    """A store of further keys by the SHA-256 hex of their secret (``gateway.keystore.RedisKeyStore``)."""
 
-    def __init__(self, cfg: AuthConfig) -> None:
+    async def lookup(self, sha256_hex: str) -> KeyInfo | None: ...
+
+
+class KeyStore:
+    """Keys from the config file (plus the admin key), then ``redis_store`` if given.
+    ``authenticate`` raises :class:`AuthError` (401)."""
+
+    def __init__(self, cfg: AuthConfig, redis_store: DigestLookup | None = None) -> None:
         self.require_key = cfg.require_key
+        self.redis_store = redis_store
         self._entries: list[tuple[bytes, KeyInfo]] = [
             (bytes.fromhex(k.secret_sha256 or ""), KeyInfo.from_config(k)) for k in cfg.keys
         ]
@@ -98,6 +108,8 @@ class KeyStore:
             # Evaluate every entry: no early exit, so timing does not reveal the position of a match.
             if hmac.compare_digest(stored, digest) and found is None:
                 found = info
+        if found is None and self.redis_store is not None:
+            found = await self.redis_store.lookup(digest.hex())
         if found is None:
             if not self.require_key:
                 return KeyInfo(id=ANONYMOUS_KEY_ID)

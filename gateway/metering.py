@@ -4,8 +4,9 @@ Write path (:meth:`Meter.record`): the script ``RECORD`` runs with the event's `
 already counted (``SADD`` on the day's seen-set returns 0) it does nothing, so replaying the same event —
 after a timeout whose reply was lost, or from the spool — never counts twice. Otherwise, in one atomic
 step: ``XADD`` to ``usage:events``, ``HINCRBY`` on the key's all-time / day / month hashes and the tier's
-all-time / day hashes, and (when the request held a budget reservation) the reservation is released and the
-TPM window corrected. Counters are integers only (micro-USD, tokens, counts).
+all-time / day hashes. In the same step the request's budget reservation (made at admission under the same
+id, see ``gateway/limits.py``) is released and its TPM window corrected by the real token count.
+Counters are integers only (micro-USD, tokens, counts).
 
 When Redis is unreachable (or the breaker is open) the event goes to the fsync'd local :class:`Spool`;
 :meth:`Meter.replay` (run every ``metering.replay_interval_s`` by :meth:`Meter.run_replayer`) sends the
@@ -29,8 +30,8 @@ from gateway.breaker import Breaker, RedisDown
 from gateway.config import MeteringConfig
 from gateway.redis_client import RedisHandle
 from gateway.redis_keys import RedisKeys
-from gateway.spool import Spool, SpoolRecord
-from gateway.usage import COUNTER_FIELDS, Settlement, UsageEvent, counter_increments
+from gateway.spool import Spool
+from gateway.usage import COUNTER_FIELDS, UsageEvent, counter_increments
 
 log = logging.getLogger("thinkgate.metering")
 
@@ -40,15 +41,21 @@ TPM_TTL_MS = 120_000
 UNROUTED = "_unrouted"  # tier label of requests refused before routing
 
 # KEYS: 1 seen-set, 2 stream, 3 key total, 4 key day, 5 key month, 6 tier total, 7 tier day, 8 usage:keys,
-#       9 reservation hash, 10 TPM window counter
+#       9 the key's reservation hash, 10 the key's TPM counter of the event's minute
 # ARGV: 1 event_id, 2 event JSON, 3 seen TTL s, 4 day TTL s, 5 month TTL s, 6 stream maxlen (0 = none),
-#       7 key id, 8 reservation id ('' = none), 9 TPM delta, 10 TPM TTL ms, 11.. counter field/increment pairs
+#       7 key id, 8 upstream tokens of the event, 9 TPM TTL ms, 10.. counter field/increment pairs
+# The reservation made at admission is the field event_id of KEYS[9], value "micro|tokens|expires_ms"; it is
+# released here (once: HDEL) and the TPM window corrected by (actual - reserved) tokens.
 # Returns {counted (1/0), key day cost, key month cost} (micro-USD, after this event).
 RECORD_LUA = """
-if ARGV[8] ~= '' then
-  if redis.call('HDEL', KEYS[9], ARGV[8]) == 1 and ARGV[9] ~= '0' and redis.call('EXISTS', KEYS[10]) == 1 then
-    redis.call('INCRBY', KEYS[10], ARGV[9])
-    redis.call('PEXPIRE', KEYS[10], ARGV[10])
+local resv = redis.call('HGET', KEYS[9], ARGV[1])
+if resv then
+  redis.call('HDEL', KEYS[9], ARGV[1])
+  local reserved = tonumber(string.match(resv, '^[^|]*|([^|]*)|')) or 0
+  local delta = tonumber(ARGV[8]) - reserved
+  if reserved > 0 and delta ~= 0 and redis.call('EXISTS', KEYS[10]) == 1 then
+    redis.call('INCRBY', KEYS[10], delta)
+    redis.call('PEXPIRE', KEYS[10], ARGV[9])
   end
 end
 local counted = 0
@@ -60,7 +67,7 @@ if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   else
     redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
   end
-  for i = 11, #ARGV, 2 do
+  for i = 10, #ARGV, 2 do
     if ARGV[i + 1] ~= '0' then
       for k = 3, 7 do redis.call('HINCRBY', KEYS[k], ARGV[i], ARGV[i + 1]) end
     end
@@ -99,24 +106,22 @@ class Meter:
         self.spooled = 0  # events written to the spool by this process (for metrics)
 
     # --- write path -------------------------------------------------------------------------------------
-    async def record(self, event: UsageEvent, settle: Settlement | None = None) -> RecordResult:
-        """Count ``event`` once in Redis, or spool it durably when Redis is down.
+    async def record(self, event: UsageEvent) -> RecordResult:
+        """Count ``event`` once in Redis (and settle its reservation), or spool it durably when Redis is down.
 
         Raises ``OSError`` only when Redis is down *and* the spool cannot be written (disk full).
         """
         try:
-            counted, day, month = await self.breaker.call(lambda: self._run(event, settle))
+            counted, day, month = await self.breaker.call(lambda: self._run(event))
         except RedisDown:
-            await self.spool.append([(event, settle)])
+            await self.spool.append([event])
             self.spooled += 1
             return RecordResult("spool")
         return RecordResult("redis", bool(counted), int(day), int(month))
 
-    async def _run(self, event: UsageEvent, settle: Settlement | None) -> list[int]:
+    async def _run(self, event: UsageEvent) -> list[int]:
         k = self.keys
         tier = event.tier or UNROUTED
-        res_key = k.reservations(event.key_id)
-        tpm_key = k.tpm(event.key_id, settle.tpm_window or 0) if settle else k.tpm(event.key_id, 0)
         keys = [
             k.seen(event.day),
             k.events,
@@ -126,8 +131,8 @@ class Meter:
             k.tier_total(tier),
             k.tier_day(tier, event.day),
             k.usage_keys,
-            res_key,
-            tpm_key,
+            k.reservations(event.key_id),
+            k.tpm(event.key_id, event.minute),
         ]
         args: list[str | bytes | int] = [
             event.event_id,
@@ -137,17 +142,16 @@ class Meter:
             MONTH_TTL_S,
             self.cfg.stream_maxlen or 0,
             event.key_id,
-            settle.reservation_id if settle else "",
-            settle.tpm_delta if settle and settle.tpm_window is not None else 0,
+            event.upstream_tokens,
             TPM_TTL_MS,
         ]
         for name, value in counter_increments(event).items():
             args += [name, value]
         return await self._script(keys=keys, args=args)
 
-    async def _record_batch(self, records: list[SpoolRecord]) -> None:
-        for event, settle in records:
-            await self.breaker.call(lambda e=event, s=settle: self._run(e, s))
+    async def _record_batch(self, events: list[UsageEvent]) -> None:
+        for event in events:
+            await self.breaker.call(lambda e=event: self._run(e))
 
     async def replay(self) -> int:
         """Send the spool to Redis; returns the number of records sent (0 when empty or Redis is down)."""

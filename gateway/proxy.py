@@ -1,11 +1,14 @@
 """The request path of ``/v1/chat/completions`` and ``/v1/completions``, top to bottom:
 
-    auth → read + validate body → (limits: issue 5) → (cache: issue 5) → route → upstream (+ fallback)
-         → response (JSON, or an SSE relay) → usage record
+    auth → read + validate body → route → limits → cache (hit: replay) → upstream (+ fallback)
+         → response (JSON, or an SSE relay; stored in the cache when complete) → usage record → metering
 
+Routing runs before the limits so the budget reservation is priced for the tier(s) the request can
+actually reach, and before the cache because the cache key is the post-routing upstream request.
 Each step is a call into a small module: :mod:`gateway.auth`, :mod:`gateway.schemas`,
 :mod:`gateway.routing`, :mod:`gateway.upstream_body`, :mod:`gateway.upstream`, :mod:`gateway.sse`,
-:mod:`gateway.usage_record`. Failures are :class:`gateway.errors.GatewayError` subclasses, turned into
+:mod:`gateway.usage_record`; limits, cache and metering through :class:`gateway.accounting.Accounting`.
+Failures are :class:`gateway.errors.GatewayError` subclasses, turned into
 OpenAI-shaped errors by the app's handlers; after a streamed 200 they become an in-stream error event.
 """
 
@@ -13,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -27,14 +30,20 @@ from gateway.auth import KeyStore
 from gateway.config import Settings, TierConfig
 from gateway.errors import BodyTooLarge, GatewayError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.routing import RouteDecision, Routing
+from gateway.sse_replay import StreamAssembler, replay
 from gateway.upstream import UpstreamConnectTimeout, UpstreamPool
 from gateway.usage_record import UsageRecord, emit
+
+if TYPE_CHECKING:
+    from gateway.accounting import Accounting
+    from gateway.cache import Ticket
 
 log = logging.getLogger("thinkgate.proxy")
 
 PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 VALIDATORS = {"chat": schemas.validate_chat, "completions": schemas.validate_completion}
 TIER_HEADER = "x-thinkgate-tier"
+CACHE_HEADER = "x-thinkgate-cache"
 CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
 
 UsageSink = Callable[[UsageRecord], None]
@@ -97,12 +106,16 @@ class Proxy:
         routing: Routing,
         upstreams: UpstreamPool,
         usage_sinks: list[UsageSink] | None = None,
+        accounting: Accounting | None = None,
     ) -> None:
         self.settings = settings
         self.keys = keys
         self.routing = routing
         self.upstreams = upstreams
         self.usage_sinks: list[UsageSink] = usage_sinks if usage_sinks is not None else [emit]
+        self.accounting = accounting
+        if accounting is not None:
+            self.usage_sinks.append(accounting.sink)
         self.max_body = settings.server.max_body_bytes
 
     async def handle(self, request: Request, endpoint: str) -> Response:
@@ -110,8 +123,6 @@ class Proxy:
         key = await self.keys.authenticate(request.headers.get("authorization"))
         body = schemas.parse_json_object(await read_body(request, self.max_body))
         VALIDATORS[endpoint](body)
-        # limits (issue 5): await self.limits.admit(key, body)  — raises RateLimited (429)
-        # cache (issue 5): hit = await self.cache.lookup(key, route, upstream body) — replay on hit
         route = self.routing.decide(body, request.headers.get(TIER_HEADER))
         record = UsageRecord(
             key_id=key.id,
@@ -121,17 +132,72 @@ class Proxy:
             stream=body.get("stream") is True,
         )
         self._stamp(record, route)
+        acct = self.accounting
+        if acct is None:
+            return await self._serve(route, body, endpoint, record, None)
+        # limits: reserve before the upstream call (429 budget_exceeded / rate_limit_exceeded, Retry-After)
+        await acct.admit(key, body, record, [route.tier, *self.routing.fallbacks(route.tier)])
+        ticket: Ticket | None = None
+        try:
+            # cache: key = tenant scope + the post-routing upstream request
+            up_body = upstream_body.build(body, route.tier, endpoint)
+            ticket = await acct.cache_begin(key, record, route.tier, up_body, request.headers)
+            if ticket.status == "hit":
+                return self._replay_hit(ticket, route, record, body)
+            return await self._serve(route, body, endpoint, record, ticket)
+        except BaseException as exc:
+            # Normally the record is already metered (errors included); this settles anything else.
+            with anyio.CancelScope(shield=True):
+                if ticket is not None:
+                    await acct.cache_finish(ticket, None, record, route.tier)
+                cancelled = isinstance(exc, asyncio.CancelledError | anyio.get_cancelled_exc_class())
+                acct.abandon(record, route.tier, CLIENT_CLOSED if cancelled else 500,
+                             "client_disconnected" if cancelled else "internal_error")
+            raise
+
+    async def _serve(self, route: RouteDecision, body: dict[str, Any], endpoint: str, record: UsageRecord,
+                     ticket: Ticket | None) -> Response:
+        """Call the upstream and answer (JSON or SSE relay); a complete answer is offered to the cache."""
         try:
             route, resp = await self._call_upstream(route, body, endpoint, record)
         except GatewayError as exc:
+            await self._cache_finish(ticket, None, record, route.tier)
             self._finish(record, route.tier, getattr(exc, "status_code", exc.status), exc.code)
             raise
         self._stamp(record, route)
+        cache_ticket = ticket if route.reason != "fallback" else None  # keyed on the routed tier only
+        if ticket is not None and cache_ticket is None:
+            await self._cache_finish(ticket, None, record, route.tier)
+        headers = {**route_headers(route, record), CACHE_HEADER: ticket.status if ticket else "bypass"}
         if record.stream:
             wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            relay = self._relay(resp, route.tier, record, wants_usage)
-            return sse.RelayResponse(relay, route_headers(route, record))
-        return await self._complete(resp, route, record)
+            relay = self._relay(resp, route.tier, record, wants_usage, cache_ticket)
+            return sse.RelayResponse(relay, headers)
+        return await self._complete(resp, route, record, cache_ticket, headers)
+
+    def _replay_hit(self, ticket: Ticket, route: RouteDecision, record: UsageRecord,
+                    body: dict[str, Any]) -> Response:
+        """Serve a cached answer (JSON, or replayed as SSE): metered as a hit (cost 0, saved = its price)."""
+        assert ticket.entry is not None
+        cached = ticket.entry.body
+        route = RouteDecision(route.tier, "cache", route.difficulty)
+        self._stamp(record, route)
+        record.cached = True
+        record.set_usage(cached.get("usage"))
+        record.usage_source = "cache"
+        record.mark_first_byte()
+        self._finish(record, route.tier, 200)
+        headers = {**route_headers(route, record), CACHE_HEADER: "hit"}
+        if not record.stream:
+            return Response(orjson.dumps(cached), media_type="application/json", headers=headers)
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        frames = replay(cached, wants_usage, self.settings.cache.replay_chunk_chars)
+        return sse.RelayResponse(_iterate(frames), headers)
+
+    async def _cache_finish(self, ticket: Ticket | None, answer: dict[str, Any] | None, record: UsageRecord,
+                            tier: TierConfig) -> None:
+        if ticket is not None and self.accounting is not None:
+            await self.accounting.cache_finish(ticket, answer, record, tier)
 
     async def _call_upstream(
         self, route: RouteDecision, body: dict[str, Any], endpoint: str, record: UsageRecord
@@ -154,7 +220,8 @@ class Proxy:
         assert last is not None
         raise last
 
-    async def _complete(self, resp: httpx.Response, route: RouteDecision, record: UsageRecord) -> Response:
+    async def _complete(self, resp: httpx.Response, route: RouteDecision, record: UsageRecord,
+                        ticket: Ticket | None, headers: dict[str, str]) -> Response:
         """Non-streamed answer: fill the reasoning count if missing, record usage, return the JSON."""
         content = resp.content
         try:
@@ -162,6 +229,7 @@ class Proxy:
         except orjson.JSONDecodeError:
             data = None
         if not isinstance(data, dict):
+            await self._cache_finish(ticket, None, record, route.tier)
             self._finish(record, route.tier, 502, "upstream_error")
             raise UpstreamError(f"upstream of tier {route.tier.name!r} sent an invalid JSON answer")
         usage = data.get("usage")
@@ -171,22 +239,29 @@ class Proxy:
             content = orjson.dumps(data)
         record.mark_first_byte()
         record.set_usage(usage if isinstance(usage, dict) else None)
+        complete = bool(data.get("choices")) and all(c.get("finish_reason") for c in data["choices"])
+        await self._cache_finish(ticket, data if complete and isinstance(usage, dict) else None, record, route.tier)
         self._finish(record, route.tier, 200)
-        return Response(content, media_type="application/json", headers=route_headers(route, record))
+        return Response(content, media_type="application/json", headers=headers)
 
     async def _relay(
-        self, resp: httpx.Response, tier: TierConfig, record: UsageRecord, wants_usage: bool
+        self, resp: httpx.Response, tier: TierConfig, record: UsageRecord, wants_usage: bool,
+        ticket: Ticket | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """Relay the upstream SSE stream; hold back the usage chunk (fill, forward only if asked).
 
         Upstream failures after the 200 become one in-stream error event (no ``[DONE]``). A client
         disconnect cancels this generator: the upstream response is closed, which cancels the request.
+        With a cache ``ticket`` the stream is also assembled and stored once it completed successfully.
         """
         tally = sse.StreamTally()
         status: int | None = None
         code: str | None = None
+        assembler = StreamAssembler() if ticket is not None and ticket.decision.store else None
         try:
             async for batch in sse.data_batches(resp):
+                if assembler is not None:
+                    assembler.feed_payloads(batch)
                 out = tally.feed(batch)
                 if tally.saw_text:
                     record.mark_first_byte()
@@ -205,6 +280,8 @@ class Proxy:
                 if texts and needs_reasoning_count(usage):
                     await self._fill_reasoning(usage, tier, texts)
                 record.set_usage(usage)
+                if assembler is not None:
+                    assembler.usage = usage  # with the filled reasoning count
                 if wants_usage:
                     yield sse.event(orjson.dumps(tally.usage_chunk))
             elif tally.last_usage is not None:
@@ -234,6 +311,9 @@ class Proxy:
                         record.set_usage(tally.last_usage)
                     else:
                         self._count(record, tally)
+                complete = status == 200 and assembler is not None and assembler.complete
+                await self._cache_finish(ticket, assembler.result() if complete and assembler else None, record,
+                                         tier)
                 self._finish(record, tier, status, code)
 
     async def _fill_reasoning(self, usage: dict[str, Any], tier: TierConfig, texts: list[str]) -> None:
@@ -269,3 +349,8 @@ class Proxy:
                 sink(record)
             except Exception:
                 log.exception("usage sink %r failed", sink)
+
+
+async def _iterate(frames: Iterable[bytes]) -> AsyncGenerator[bytes, None]:
+    for frame in frames:
+        yield frame

@@ -18,20 +18,13 @@ import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import orjson
-
-from gateway.usage import Settlement, UsageEvent
-
-SpoolRecord = tuple[UsageEvent, Settlement | None]
+from gateway.usage import UsageEvent
 
 log = logging.getLogger("thinkgate.metering")
 
 
 class Spool:
-    """Append-only fsync'd JSONL file of :class:`UsageEvent` at ``path`` (directories created on demand).
-
-    Each line is the event's JSON object, plus ``"_settle"`` when the write also settles a reservation.
-    """
+    """Append-only fsync'd JSONL file of :class:`UsageEvent` at ``path`` (directories created on demand)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -49,11 +42,11 @@ class Spool:
         finally:
             os.close(fd)  # closing releases the flock
 
-    async def append(self, records: list[SpoolRecord]) -> None:
-        """Append ``records`` durably (written and fsync'd when this returns). Raises ``OSError`` on disk errors."""
-        if not records:
+    async def append(self, events: list[UsageEvent]) -> None:
+        """Append ``events`` durably (written and fsync'd when this returns). Raises ``OSError`` on disk errors."""
+        if not events:
             return
-        data = b"".join(_encode(e, s) for e, s in records)
+        data = b"".join(e.to_json() + b"\n" for e in events)
         async with self._lock:
             await asyncio.to_thread(self._append_sync, data)
 
@@ -64,16 +57,16 @@ class Spool:
         except FileNotFoundError:
             return 0
 
-    def read_all(self) -> list[SpoolRecord]:
-        """Every well-formed record in the file (for inspection and tests)."""
+    def read_all(self) -> list[UsageEvent]:
+        """Every well-formed event in the file (for inspection and tests)."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return []
         return _parse(raw)
 
-    async def drain(self, sink: Callable[[list[SpoolRecord]], Awaitable[None]], batch: int = 200) -> int:
-        """Send every spooled record to ``sink`` (in batches) and truncate the file once all were accepted.
+    async def drain(self, sink: Callable[[list[UsageEvent]], Awaitable[None]], batch: int = 200) -> int:
+        """Send every spooled event to ``sink`` (in batches) and truncate the file once all were accepted.
 
         Returns the number of events sent. When ``sink`` raises, the exception propagates and the file is
         left untouched (idempotent sinks make the retry safe).
@@ -117,22 +110,13 @@ def _read_fd(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _encode(event: UsageEvent, settle: Settlement | None) -> bytes:
-    data = event.to_dict()
-    if settle is not None:
-        data["_settle"] = settle.to_dict()
-    return orjson.dumps(data) + b"\n"
-
-
-def _parse(raw: bytes) -> list[SpoolRecord]:
-    events: list[SpoolRecord] = []
+def _parse(raw: bytes) -> list[UsageEvent]:
+    events: list[UsageEvent] = []
     for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            data = orjson.loads(line)
-            settle = data.pop("_settle", None)
-            events.append((UsageEvent.from_dict(data), Settlement.from_dict(settle) if settle else None))
+            events.append(UsageEvent.from_json(line))
         except (ValueError, TypeError) as exc:
             log.warning("usage spool: skipping unreadable line %d: %r", n, exc)
     return events

@@ -128,10 +128,20 @@ class StreamAssembler:
             return None
         obj = orjson.loads(payload)
         self.feed(obj)
-        return obj
+        return obj if isinstance(obj, dict) else None
+
+    def feed_payloads(self, payloads: list[bytes]) -> None:
+        """Feed raw ``data:`` payloads as a relay sees them; unparsable ones are skipped."""
+        for payload in payloads:
+            try:
+                self.feed_payload(payload)
+            except orjson.JSONDecodeError:
+                continue
 
     def feed(self, chunk: dict[str, Any]) -> None:
-        """Feed one parsed chunk."""
+        """Feed one parsed chunk (non-dict payloads are ignored)."""
+        if not isinstance(chunk, dict):
+            return
         if not self._head:
             self.chat = chunk.get("object") != "text_completion"
             self._head = {k: chunk[k] for k in ("id", "created", "model", "system_fingerprint") if k in chunk}

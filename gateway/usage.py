@@ -4,13 +4,10 @@ Fields follow ``shared/DESIGN.md`` ("The usage event") plus ``cached_tokens`` (p
 served from its prefix cache, billed at the cached rate), ``endpoint``, ``partial`` (the client went away
 before the end) and ``usage_source`` (where the token counts came from).
 
-Cost, integer micro-USD (1 USD = 1 000 000 micro-USD), with prices in USD per 1M tokens::
-
-    cost = (prompt − cached)·input + cached·cached_input + completion·output
-
-A token priced at ``p`` USD/1M costs exactly ``p`` micro-USD, so the sum is an exact ``Decimal`` in
-micro-USD, rounded once per event (half up) to an ``int``. Reasoning tokens are completion tokens (OpenAI's
-``completion_tokens_details.reasoning_tokens`` is a breakdown, not an addition), so they are not added again.
+Cost, integer micro-USD (1 USD = 1 000 000 micro-USD), is :func:`gateway.pricing.cost_micro_usd` (the one
+formula): ``(prompt − cached)·input + cached·cached_input + completion·output`` with prices in USD per 1M
+tokens, exact ``Decimal`` arithmetic, rounded once per event (half up). Reasoning tokens are completion
+tokens (a breakdown, not an addition).
 """
 
 from __future__ import annotations
@@ -25,24 +22,12 @@ from typing import Any, Literal
 import orjson
 
 from gateway.config import Prices
+from gateway.pricing import cost_micro_usd
+
+__all__ = ["COUNTER_FIELDS", "TokenCounts", "UsageEvent", "cost_micro_usd", "counter_increments", "micro_to_usd",
+           "new_event_id", "usd_to_micro"]
 
 UsageSource = Literal["upstream", "counted", "cache", "none"]
-
-
-def cost_micro_usd(prices: Prices, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
-    """Exact cost in integer micro-USD; ``cached_tokens`` is clamped to ``[0, prompt_tokens]``.
-
-    Raises ``ValueError`` on negative token counts.
-    """
-    if prompt_tokens < 0 or cached_tokens < 0 or completion_tokens < 0:
-        raise ValueError("token counts must be >= 0")
-    cached = min(cached_tokens, prompt_tokens)
-    exact = (
-        (prompt_tokens - cached) * prices.input_usd_per_mtok
-        + cached * prices.cached_input_usd_per_mtok
-        + completion_tokens * prices.output_usd_per_mtok
-    )
-    return int(Decimal(exact).quantize(Decimal(1), rounding=ROUND_HALF_UP))
 
 
 def micro_to_usd(micro: int) -> Decimal:
@@ -147,6 +132,16 @@ class UsageEvent:
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    @property
+    def upstream_tokens(self) -> int:
+        """Tokens the upstream processed for this request (0 for a cache hit): what TPM limits count."""
+        return 0 if self.cached else self.total_tokens
+
+    @property
+    def minute(self) -> int:
+        """Index of the 60 s window of ``ts`` (``floor(ts_ms / 60000)``), the TPM window of the request."""
+        return int(self.ts * 1000) // 60_000
+
     def set_tokens(self, counts: TokenCounts) -> None:
         """Copy ``counts`` into the event."""
         self.prompt_tokens = counts.prompt_tokens
@@ -177,25 +172,6 @@ class UsageEvent:
     @classmethod
     def from_json(cls, raw: bytes | str) -> UsageEvent:
         return cls.from_dict(orjson.loads(raw))
-
-
-@dataclass(frozen=True, slots=True)
-class Settlement:
-    """What a metering write also settles in the limits state (see ``gateway/limits.py``): release the
-    reservation ``reservation_id`` of ``key_id`` and correct the TPM window ``tpm_window`` (minute index) by
-    ``tpm_delta`` tokens (actual − reserved). Applied at most once (the reservation is deleted)."""
-
-    key_id: str
-    reservation_id: str
-    tpm_window: int | None = None
-    tpm_delta: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Settlement:
-        return cls(**data)
 
 
 COUNTER_FIELDS: tuple[str, ...] = (

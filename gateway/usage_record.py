@@ -29,8 +29,10 @@ class UsageRecord:
     ``status`` is the HTTP status the client got (499 = client disconnected mid-stream; 502/504 after a
     streamed 200 = upstream broke the stream). ``route_reason``: predicted|forced|effort|fallback.
     ``usage_source``: ``upstream`` (reported by the upstream), ``counted`` (estimated by the gateway from the
-    relayed deltas: stream broken or client gone) or ``none``. ``partial``: the response did not complete.
-    Field names match :class:`gateway.usage.UsageEvent` (issue 5), which metering builds from this record.
+    relayed deltas: stream broken or client gone), ``cache`` (replayed from the response cache) or ``none``.
+    ``partial``: the response did not complete. ``cached``: served from the response cache — then
+    ``cost_micro_usd`` is 0 and ``saved_micro_usd`` what the upstream call would have cost. Field names
+    match :class:`gateway.usage.UsageEvent` (issue 5), which metering builds from this record.
     """
 
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -51,6 +53,8 @@ class UsageRecord:
     usage_source: str = "none"
     partial: bool = False
     cost_micro_usd: int = 0
+    cached: bool = False
+    saved_micro_usd: int = 0
     latency_ms: float = 0.0
     ttft_ms: float | None = None
     status: int = 200
@@ -72,14 +76,14 @@ class UsageRecord:
             self.ttft_ms = (time.perf_counter() - self._t0) * 1000
 
     def finish(self, tier: TierConfig | None, status: int | None = None) -> UsageRecord:
-        """Stamp latency and status, price the tokens with ``tier``'s prices; returns self."""
+        """Stamp latency and status, price the tokens with ``tier``'s prices (a cache hit: cost 0, the price
+        goes to ``saved_micro_usd``); returns self."""
         if status is not None:
             self.status = status
         self.latency_ms = (time.perf_counter() - self._t0) * 1000
         if tier is not None:
-            self.cost_micro_usd = cost_micro_usd(
-                tier.prices, self.prompt_tokens, self.cached_tokens, self.completion_tokens
-            )
+            cost = cost_micro_usd(tier.prices, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+            self.cost_micro_usd, self.saved_micro_usd = (0, cost) if self.cached else (cost, 0)
         return self
 
     def to_dict(self) -> dict[str, Any]:

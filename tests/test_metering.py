@@ -106,7 +106,7 @@ async def test_spool_when_redis_down_then_replay_once(tmp_path: Path) -> None:
         results = [await st.meter.record(e) for e in events]
         assert all(r.stored == "spool" for r in results)
         assert loop.time() - t0 < 2.0  # refused connections / open breaker: fast
-        assert [e.event_id for e, _ in st.spool.read_all()] == [e.event_id for e in events]
+        assert [e.event_id for e in st.spool.read_all()] == [e.event_id for e in events]
         assert await st.meter.replay() == 0  # still down: nothing sent, file kept
         assert len(st.spool.read_all()) == 12
 
@@ -122,7 +122,7 @@ async def test_spool_when_redis_down_then_replay_once(tmp_path: Path) -> None:
             assert await st.meter.replay() == 12
             assert st.spool.pending_bytes() == 0
             # a second copy of the same spool (crash before truncate) adds nothing
-            await st.spool.append([(e, None) for e in events[:5]])
+            await st.spool.append(events[:5])
             assert await st.meter.replay() == 5
             counters = await st.meter.key_counters("k")
             assert counters["requests"] == 12
