@@ -1,0 +1,138 @@
+"""Cost ledger: exact arithmetic, budgets (warn, projected and reached stop), resume without double counting."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from training.grpo.ledger import Budgets, CostLedger, StepCounters, micro_usd
+
+
+def counters(**kw: float) -> StepCounters:
+    base = dict(
+        prompts=2,
+        rollouts=8,
+        prompt_tokens=100,
+        sampled_tokens=240,
+        trained_tokens=200,
+        dropped_rollouts=4,
+        generation_s=0.010,
+        reward_s=0.002,
+        eval_s=0.0,
+    )
+    base.update(kw)
+    return StepCounters(**base)  # type: ignore[arg-type]
+
+
+def test_micro_usd_exact_and_half_even() -> None:
+    assert micro_usd(3_600_000, Decimal("0.05")) == 50_000  # one device-hour at $0.05
+    assert micro_usd(1234, Decimal("3.50")) == 1200  # 1234 ms * 3.5 $/h = 1199.72 micro-USD
+    # $0.0018/h = 0.0005 micro-USD per ms: 1000 ms -> 0.5 -> 0 (half even), 3000 ms -> 1.5 -> 2
+    assert micro_usd(1000, Decimal("0.0018")) == 0
+    assert micro_usd(3000, Decimal("0.0018")) == 2
+
+
+def test_rows_and_cumulative_totals(tmp_path: Path) -> None:
+    # $3.60 per device-hour = 1 micro-USD per device-ms; 2 devices
+    led = CostLedger(tmp_path, "nvidia-h200", 2, Decimal("3.60"), tags={"data_hash": "d1", "git_commit": "abc"})
+    r1 = led.record(1, counters(), 0.040)
+    assert r1["wall_ms"] == 40 and r1["device_ms"] == 80 and r1["cost_micro_usd"] == 80
+    assert (r1["generation_ms"], r1["reward_ms"], r1["update_ms"]) == (10, 2, 28)  # update = wall - gen - reward
+    assert r1["data_hash"] == "d1" and r1["git_commit"] == "abc"
+    r2 = led.record(2, counters(sampled_tokens=60, generation_s=0.05), 0.030)
+    assert r2["update_ms"] == 0  # clamped, never negative
+    assert r2["cum_sampled_tokens"] == 300 and r2["cum_cost_micro_usd"] == 80 + 60 and r2["cum_device_ms"] == 140
+    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    with pytest.raises(ValueError, match="double counting"):
+        led.record(2, counters(), 0.01)
+    pq = led.write_parquet()
+    import pyarrow.parquet as papq
+
+    assert papq.read_table(pq).num_rows == 2
+    s = led.summary(accuracy_before=0.20, accuracy_after=0.30)
+    assert s["usd"] == "0.00014"
+    assert s["accuracy_gain_pp"] == pytest.approx(10.0)
+    assert s["usd_per_accuracy_point"] == "0.000014"  # $0.00014 / 10 points
+    assert led.summary(0.3, 0.2)["usd_per_accuracy_point"] is None  # no gain, no ratio
+
+
+def test_usd_budget_warns_then_stops_on_projection(tmp_path: Path) -> None:
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"), Budgets(usd=Decimal("0.0001")), warn_fraction=0.8)
+    led.record(1, counters(), 0.040)  # 40 micro-USD of 100
+    c1 = led.check()
+    assert c1.stop_reason is None and c1.warnings == []  # 40 + 40 projected = 80 <= 100
+    led.record(2, counters(), 0.040)  # 80 of 100
+    c2 = led.check()
+    assert len(c2.warnings) == 1 and "80%" in c2.warnings[0]
+    assert c2.stop_reason is not None and "projected" in c2.stop_reason  # 80 + 40 > 100
+    assert led.check().warnings == []  # warned once
+
+
+def test_budget_reached_without_projection(tmp_path: Path) -> None:
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("0"), Budgets(sampled_tokens=500), stop_on_projection=False)
+    led.record(1, counters(), 0.01)
+    led.record(2, counters(), 0.01)
+    assert led.check().stop_reason is None  # 480 < 500
+    led.record(3, counters(), 0.01)
+    reason = led.check().stop_reason
+    assert reason is not None and "sampled_tokens reached" in reason and "720 tokens" in reason
+
+
+def test_device_hours_budget(tmp_path: Path) -> None:
+    led = CostLedger(tmp_path, "cpu", 4, Decimal("1"), Budgets(device_hours=0.0001), stop_on_projection=False)
+    led.record(1, counters(), 0.05)  # 4 devices * 50 ms = 200 device-ms < 360
+    assert led.check().stop_reason is None
+    led.record(2, counters(), 0.05)  # 400 >= 0.0001 h = 360 device-ms
+    assert "device_hours" in (led.check().stop_reason or "")
+
+
+def test_resume_mid_run_discards_abandoned_rows_once(tmp_path: Path) -> None:
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    ckpt = tmp_path / "checkpoint-2"
+    for step in (1, 2):
+        led.record(step, counters(), 0.010)
+    led.save_state(ckpt)
+    for step in (3, 4):
+        led.record(step, counters(), 0.020)
+
+    again = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    again.resume(ckpt)
+    assert [r["step"] for r in again.rows()] == [1, 2]
+    assert again.totals["cost_micro_usd"] == 20 and again.discarded["cost_micro_usd"] == 40
+    assert again.spent()["cost_micro_usd"] == 60  # abandoned work still counts against budgets
+    again.record(3, counters(), 0.010)
+    assert [(r["step"], r["segment"]) for r in again.rows()] == [(1, 0), (2, 0), (3, 1)]
+    assert again.rows()[-1]["cum_cost_micro_usd"] == 30 and again.rows()[-1]["spent_micro_usd"] == 70
+
+    # Resuming from the same checkpoint a second time drops row 3 of segment 1 and keeps the earlier discards.
+    third = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    third.resume(ckpt)
+    assert [r["step"] for r in third.rows()] == [1, 2]
+    assert third.discarded["cost_micro_usd"] == 40 + 10
+    discarded = [json.loads(x)["step"] for x in (tmp_path / "ledger_discarded.jsonl").read_text().splitlines()]
+    assert discarded == [3, 4, 3]
+    assert third.segment == 2
+
+
+def test_resume_at_last_step_keeps_everything(tmp_path: Path) -> None:
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    for step in (1, 2):
+        led.record(step, counters(), 0.010)
+    led.save_state(tmp_path / "checkpoint-2")
+    again = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    again.resume(tmp_path / "checkpoint-2")
+    assert [r["step"] for r in again.rows()] == [1, 2]
+    assert again.discarded["cost_micro_usd"] == 0 and again.totals["cost_micro_usd"] == 20
+    with pytest.raises(FileNotFoundError):
+        again.resume(tmp_path / "nowhere")
+
+
+def test_counters_reset() -> None:
+    c = counters()
+    snap = c.snapshot()
+    c.reset()
+    assert c == StepCounters() and snap.rollouts == 8

@@ -1,0 +1,106 @@
+"""Model card (README.md in the output model directory) and the gateway tier snippet for a GRPO run."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def _table(summary: dict[str, Any] | None) -> list[str]:
+    if not summary:
+        return ["(not evaluated)"]
+    lines = [
+        "| difficulty | n | accuracy | mean completion tokens | mean thought tokens | truncated |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows = [*summary["by_difficulty"].items(), ("all", summary["overall"])]
+    for d, s in rows:
+        lines.append(
+            f"| {d} | {s['n']} | {s['accuracy']:.3f} | {s['mean_completion_tokens']:.1f} | "
+            f"{s['mean_thought_tokens']:.1f} | {s['truncated_rate']:.2f} |"
+        )
+    return lines
+
+
+def model_card(
+    run_name: str,
+    base_model: str,
+    config: dict[str, Any],
+    eval_before: dict[str, Any] | None,
+    eval_after: dict[str, Any] | None,
+    ledger_summary: dict[str, Any],
+) -> str:
+    """Markdown card: base model, rewards, held-out accuracy and length per difficulty (before/after), cost."""
+    rewards = ", ".join(f"{r['name']}×{r['weight']}" for r in config["rewards"])
+    trl = config.get("trl", {})
+    s = ledger_summary
+    per_point = f"${s['usd_per_accuracy_point']}" if s.get("usd_per_accuracy_point") else "n/a (no gain)"
+    lines = [
+        f"# {run_name}",
+        "",
+        f"GRPO post-training of `{base_model}` with ThinkGate (`thinkgate train grpo`, TRL GRPOTrainer).",
+        "",
+        f"- Task: `{config['task']['name']}` ({config['task']['n_train']} training problems)",
+        f"- Rewards: {rewards}; advantages: `{config['advantages']['aggregation']}`",
+        f"- Dynamic sampling: {'on' if config['dynamic_sampling']['enabled'] else 'off'}; "
+        f"group size {trl.get('num_generations')}, max completion {trl.get('max_completion_length')} tokens",
+        f"- Steps: {s['steps']}; stop reason: {s.get('stop_reason') or 'max_steps'}",
+        "",
+        "## Held-out evaluation (greedy)",
+        "",
+        "After training:",
+        "",
+        *_table(eval_after),
+        "",
+        "Before training:",
+        "",
+        *_table(eval_before),
+        "",
+        "## Cost",
+        "",
+        f"- Device: {s['device_count']} × {s['device_kind']} at ${s['price_usd_per_device_hour']}/device-hour",
+        f"- Spent: ${s['spent_usd']} ({s['device_hours']:.6f} device-hours; "
+        f"{s['totals']['sampled_tokens']} sampled tokens, {s['totals']['trained_tokens']} trained tokens)",
+        f"- Accuracy gain: {s.get('accuracy_gain_pp')} percentage points; "
+        f"cost per accuracy point: {per_point}",
+        f"- Tags: {', '.join(f'{k}={v}' for k, v in s['tags'].items())}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def tier_snippet(
+    tier_name: str,
+    served_model_name: str,
+    base_url: str,
+    model_dir: str | Path,
+    max_completion_length: int,
+    eval_after: dict[str, Any] | None,
+) -> str:
+    """YAML for the gateway config: a tier serving this model, ``thinking_budget`` = the held-out p95-ish budget
+    (max of the per-difficulty mean thought tokens, rounded up to 8), and the command that serves it."""
+    budget = None
+    if eval_after and eval_after.get("by_difficulty"):
+        worst = max(v["mean_thought_tokens"] for v in eval_after["by_difficulty"].values())
+        budget = max(8, int(math.ceil(worst / 8.0) * 8))
+    port = base_url.rsplit(":", 1)[-1].split("/")[0]
+    tier = {
+        "name": tier_name,
+        "base_url": base_url,
+        "model": served_model_name,
+        "max_tokens": int(max_completion_length + 32),
+        "thinking_budget": budget,
+        "budget_mode": "native",
+    }
+    header = (
+        f"# Gateway tier for the GRPO model in {model_dir}.\n"
+        f"# Serve it (CPU build of vLLM; see docs/training.md):\n"
+        f"#   VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model {model_dir} \\\n"
+        f"#     --served-model-name {served_model_name} --port {port} --dtype float32 --enforce-eager \\\n"
+        f"#     --reasoning-parser qwen3\n"
+        f"# then merge this into the gateway config's `tiers:` (replacing the tier of the same name).\n"
+    )
+    return header + yaml.safe_dump({"tiers": [tier]}, sort_keys=False)

@@ -1,0 +1,47 @@
+"""``thinkgate train grpo``: GRPO with length penalties, dynamic sampling, monitors and a cost ledger.
+
+Only typer is imported at module load; torch/transformers/trl load inside the command.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def grpo(
+    config: Path | None = typer.Option(None, "--config", "-c", help="Run file (YAML); see training/configs/."),
+    max_steps: int | None = typer.Option(None, "--max-steps", help="Override trl.max_steps (optimizer steps)."),
+    output_dir: Path | None = typer.Option(None, "--output-dir", help="Override the run directory."),
+    resume: str | None = typer.Option(None, "--resume", help="'auto' (last checkpoint in the run dir) or a path."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+) -> None:
+    """Run GRPO on TRL's GRPOTrainer; writes the run directory (config, metrics, ledger, plots, model, card).
+
+    Exit codes: 0 done (also when a monitor, a budget or exhausted data stopped the run early; the reason is
+    printed and in summary.json), 2 invalid configuration.
+    """
+    import json
+
+    from training.grpo.config import ConfigError, load_config
+    from training.grpo.run import run_grpo
+
+    try:
+        cfg = load_config(config)
+        summary = run_grpo(cfg, max_steps=max_steps, output_dir=output_dir, resume=resume, progress=not quiet)
+    except ConfigError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2) from e
+    run_dir = Path(cfg.output_dir)
+    keys = (
+        "global_step",
+        "spent_usd",
+        "device_hours",
+        "accuracy_before",
+        "accuracy_after",
+        "usd_per_accuracy_point",
+        "stop_reason",
+    )
+    typer.echo(json.dumps({k: summary.get(k) for k in keys}, indent=2, default=str))
+    typer.echo(f"run directory: {run_dir}  (model: {run_dir / 'model'}, tier snippet: {run_dir / 'tier.yaml'})")

@@ -1,0 +1,354 @@
+"""Run configuration for `thinkgate train grpo`: typed dataclasses, TRL style.
+
+Every knob is a dataclass field with a default and a ``help`` text in its metadata. A run file (YAML) mirrors
+:class:`RunConfig`; unknown keys are errors (a typo must not silently fall back to a default). TRL's own
+``GRPOConfig`` options go under ``trl:`` and are passed through after validation against ``GRPOConfig``'s fields.
+
+Units: lengths and budgets are tokens; prices are USD (``Decimal``); durations are seconds.
+"""
+
+# ruff: noqa: RUF009  (`_f` only wraps dataclasses.field with a help text; defaults stay immutable/factories)
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_DIR = REPO_ROOT / "training" / "assets" / "thinkgate-tiny"
+
+
+class ConfigError(ValueError):
+    """Raised for an invalid run configuration; the message names the offending field."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with a default (value or zero-arg factory) and a help text."""
+    if callable(default):
+        return field(default_factory=default, metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f(str(DEFAULT_MODEL_DIR), "Hugging Face model directory (policy and tokenizer).")
+    dtype: Literal["float32", "bfloat16"] = _f("float32", "Parameter dtype. float32 on CPU.")
+
+
+@dataclass
+class TaskConfig:
+    name: str = _f("arith", "Task name for training.tasks.load_task: arith | gsm8k | math.")
+    train_split: str = _f("train", "Split used for RL prompts.")
+    eval_split: str = _f("test", "Held-out split for accuracy/length evaluation.")
+    n_train: int = _f(256, "Number of training problems.")
+    n_eval: int = _f(64, "Number of held-out problems.")
+    seed: int = _f(0, "Seed for problem generation/selection.")
+    difficulties: list[int] | None = _f(None, "Restrict to these difficulty buckets (None = all).")
+
+
+@dataclass
+class BudgetPromptConfig:
+    """L1-style token budgets stated in the prompt (arXiv 2503.04697)."""
+
+    enabled: bool = _f(False, "Append a 'think for N tokens' instruction and a budget_tokens column.")
+    min_tokens: int = _f(16, "Smallest budget N (tokens), sampled uniformly per problem.")
+    max_tokens: int = _f(96, "Largest budget N (tokens).")
+    template: str = _f("Think for {budget} tokens.", "Instruction appended to the question; {budget} = N.")
+    seed: int = _f(0, "Seed for the budget draw.")
+
+
+@dataclass
+class RewardSpec:
+    name: str = _f("correctness", "Reward name (see training.grpo.rewards.REWARD_REGISTRY).")
+    weight: float = _f(1.0, "Weight of this reward in the advantage (TRL reward_weights).")
+    params: dict[str, Any] = _f(dict, "Keyword parameters of the reward factory.")
+
+
+def _default_rewards() -> list[RewardSpec]:
+    return [RewardSpec("correctness", 1.0), RewardSpec("format", 0.2)]
+
+
+@dataclass
+class AdvantageConfig:
+    aggregation: Literal["sum_then_normalize", "decoupled"] = _f(
+        "sum_then_normalize",
+        "sum_then_normalize: GRPO on the weighted sum (arXiv 2402.03300). decoupled: normalise each reward per "
+        "group, sum, then normalise over the batch (GDPO, arXiv 2601.05242; TRL's normalize_then_sum).",
+    )
+    scale: Literal["group", "batch", "none"] = _f(
+        "group", "sum_then_normalize only: divide by the group std, the batch std, or nothing (Dr. GRPO 2503.20783)."
+    )
+    epsilon: float = _f(1e-4, "Added to the std before dividing (TRL uses 1e-4).")
+    pass_reward: str = _f("correctness", "Reward whose value decides 'solved' for pass-rate history.")
+    pass_threshold: float = _f(0.5, "A rollout counts as solved when pass_reward >= this.")
+
+
+@dataclass
+class DynamicSamplingConfig:
+    enabled: bool = _f(False, "Drop zero-variance groups and refill by over-sampling (DAPO, arXiv 2503.14476).")
+    max_rounds: int = _f(4, "Rollout rounds per generation batch (the first included); bounds the refill loop.")
+    oversample: float = _f(1.5, "Refill rounds roll out ceil(missing_groups * oversample) prompts.")
+    skip_predicted: bool = _f(True, "Skip prompts predicted zero-variance before rollout (GRESO-like, 2506.02177).")
+    skip_after: int = _f(2, "A prompt is predicted zero-variance after this many consecutive zero-variance groups.")
+    skip_probability: float = _f(0.9, "Probability to skip a predicted all-solved prompt (the rest explore).")
+    hard_keep_share: float = _f(
+        0.25, "Probability to still roll out a predicted all-failed (hard) prompt, so the model can grow on it."
+    )
+    seed: int = _f(0, "Seed of the refill pool order and of skip decisions.")
+
+
+@dataclass
+class MonitorRule:
+    name: str = _f("rule", "Name shown in alerts.")
+    metric: str = _f(
+        "entropy", "Logged metric key, e.g. entropy, signal/effective_ratio, eval_rewards/correctness/mean."
+    )
+    condition: Literal["below", "above", "slope_below", "no_gain"] = _f(
+        "below", "below/above threshold; slope_below: least-squares slope per step over `window`; no_gain."
+    )
+    threshold: float = _f(0.0, "Threshold (for slope_below: units of the metric per optimizer step).")
+    patience: int = _f(1, "Consecutive observations meeting the condition before the rule fires.")
+    window: int = _f(5, "Observations in the slope window.")
+    min_delta: float = _f(0.0, "no_gain: an improvement must exceed this.")
+    action: Literal["warn", "stop"] = _f("warn", "warn: log an alert. stop: checkpoint, then stop training.")
+
+
+def _default_rules() -> list[MonitorRule]:
+    return [
+        MonitorRule("entropy_floor", "entropy", "below", 0.05, patience=3, action="warn"),
+        MonitorRule("entropy_falling", "entropy", "slope_below", -0.05, patience=2, window=8, action="warn"),
+        MonitorRule("no_signal", "signal/effective_ratio", "below", 0.05, patience=8, action="stop"),
+        MonitorRule("no_eval_gain", "eval_rewards/correctness/mean", "no_gain", 0.0, patience=4, action="warn"),
+    ]
+
+
+@dataclass
+class MonitorConfig:
+    rules: list[MonitorRule] = _f(_default_rules, "Monitor rules (evaluated at every log).")
+
+
+def _default_prices() -> dict[str, str]:
+    # Placeholder list prices, USD per device-hour; set your own contract prices in the run file.
+    return {"cpu": "0.05", "nvidia-h200": "3.50", "nvidia-h100": "2.50", "nvidia-a100": "1.30", "nvidia-l4": "0.70"}
+
+
+@dataclass
+class LedgerConfig:
+    device_kind: str | None = _f(None, "Price-table key; None = detect (cpu or nvidia-<model>).")
+    price_usd_per_device_hour: dict[str, str] = _f(_default_prices, "USD per device-hour by device kind.")
+    budget_usd: str | None = _f(None, "Hard budget in USD (Decimal string); None = unlimited.")
+    budget_device_hours: float | None = _f(None, "Hard budget in device-hours.")
+    budget_sampled_tokens: int | None = _f(None, "Hard budget in sampled (generated) tokens.")
+    warn_fraction: float = _f(0.8, "Warn once when a budget is this fraction spent.")
+    stop_on_projection: bool = _f(True, "Stop before a step that is projected (from the last step) to exceed a budget.")
+
+    def prices(self) -> dict[str, Decimal]:
+        return {k: Decimal(str(v)) for k, v in self.price_usd_per_device_hour.items()}
+
+
+@dataclass
+class EvalConfig:
+    before: bool = _f(True, "Evaluate the initial model on the held-out set (for cost per accuracy point).")
+    after: bool = _f(True, "Evaluate the trained model on the held-out set (model card).")
+    max_new_tokens: int | None = _f(None, "Generation cap for evaluation; None = trl.max_completion_length.")
+    batch_size: int = _f(32, "Prompts per generate() call.")
+
+
+@dataclass
+class OutputConfig:
+    tier_name: str = _f("short", "Gateway tier name in the tier snippet.")
+    served_model_name: str = _f("thinkgate-tiny-short", "Model name the engine serves the output under.")
+    base_url: str = _f("http://127.0.0.1:8001/v1", "Upstream base URL in the tier snippet.")
+
+
+def _default_trl() -> dict[str, Any]:
+    return {
+        "num_generations": 4,
+        "per_device_train_batch_size": 8,
+        "max_completion_length": 64,
+        "learning_rate": 1e-5,
+        "beta": 0.0,
+        "loss_type": "dapo",
+        "epsilon_high": 0.28,
+        "temperature": 1.0,
+        "max_steps": 20,
+        "logging_steps": 1,
+        "save_steps": 50,
+        "report_to": "none",
+        "seed": 0,
+    }
+
+
+@dataclass
+class RunConfig:
+    run_name: str = _f("grpo", "Run name (model card, tags).")
+    output_dir: str = _f("runs/grpo", "Run directory: config, metrics, ledger, plots, checkpoints, model/.")
+    threads: int | None = _f(1, "torch.set_num_threads; keep 1 on a shared CPU box. None = torch default.")
+    model: ModelConfig = _f(ModelConfig, "Policy model.")
+    task: TaskConfig = _f(TaskConfig, "Training and held-out problems.")
+    budget_prompt: BudgetPromptConfig = _f(BudgetPromptConfig, "L1 budgets in the prompt.")
+    rewards: list[RewardSpec] = _f(_default_rewards, "Reward functions and weights.")
+    advantages: AdvantageConfig = _f(AdvantageConfig, "Multi-reward advantage computation.")
+    dynamic_sampling: DynamicSamplingConfig = _f(DynamicSamplingConfig, "DAPO dynamic sampling + GRESO skipping.")
+    monitors: MonitorConfig = _f(MonitorConfig, "Monitor rules.")
+    ledger: LedgerConfig = _f(LedgerConfig, "Cost ledger, prices and budgets.")
+    eval: EvalConfig = _f(EvalConfig, "Held-out evaluation.")
+    output: OutputConfig = _f(OutputConfig, "Model card and gateway tier snippet.")
+    trl: dict[str, Any] = _f(_default_trl, "GRPOConfig keyword arguments (merged over the defaults above).")
+
+    def reward_names(self) -> list[str]:
+        return [r.name for r in self.rewards]
+
+    def trl_kwargs(self) -> dict[str, Any]:
+        """The merged TRL options (defaults overlaid by the run file)."""
+        merged = _default_trl()
+        merged.update(self.trl)
+        return merged
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# dict/YAML -> dataclasses
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(a, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}: {value!r} does not match {tp}: {'; '.join(errors)}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: {value!r} is not one of {list(args)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        return [_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return {str(k): _convert(args[1], v, f"{path}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true/false, got {value!r}")
+        return value
+    if tp is str:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)  # prices written as bare numbers
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping, recursively; unknown keys raise :class:`ConfigError`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or cls.__name__}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{path or cls.__name__}: unknown key(s) {unknown}; known: {sorted(names)}")
+    kwargs = {k: _convert(hints[k], v, f"{path}.{k}" if path else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Cross-field checks that need no heavy imports (TRL keys are checked in the trainer)."""
+    from training.grpo.rewards import REWARD_REGISTRY
+
+    if not cfg.rewards:
+        raise ConfigError("rewards: at least one reward is required")
+    names = cfg.reward_names()
+    if len(set(names)) != len(names):
+        raise ConfigError(f"rewards: names must be unique, got {names}")
+    for r in cfg.rewards:
+        if r.name not in REWARD_REGISTRY:
+            raise ConfigError(f"rewards.{r.name}: unknown reward; known: {sorted(REWARD_REGISTRY)}")
+    g = cfg.trl_kwargs().get("num_generations", 8)
+    if not isinstance(g, int) or g < 2:
+        raise ConfigError(f"trl.num_generations: GRPO needs a group of at least 2, got {g!r}")
+    ds = cfg.dynamic_sampling
+    if ds.max_rounds < 1:
+        raise ConfigError("dynamic_sampling.max_rounds: must be >= 1")
+    if ds.oversample < 1.0:
+        raise ConfigError("dynamic_sampling.oversample: must be >= 1.0")
+    for p in ("skip_probability", "hard_keep_share"):
+        if not 0.0 <= getattr(ds, p) <= 1.0:
+            raise ConfigError(f"dynamic_sampling.{p}: must be in [0, 1]")
+    if ds.skip_after < 1:
+        raise ConfigError("dynamic_sampling.skip_after: must be >= 1")
+    if cfg.budget_prompt.min_tokens < 1 or cfg.budget_prompt.max_tokens < cfg.budget_prompt.min_tokens:
+        raise ConfigError("budget_prompt: need 1 <= min_tokens <= max_tokens")
+    if any(n in names for n in ("l1_exact", "l1_max")) and not cfg.budget_prompt.enabled:
+        raise ConfigError("rewards: l1_exact/l1_max need budget_prompt.enabled: true (the budget column)")
+    try:
+        prices = cfg.ledger.prices()
+    except Exception as e:  # decimal.InvalidOperation
+        raise ConfigError(f"ledger.price_usd_per_device_hour: not a decimal ({e})") from e
+    if any(p < 0 for p in prices.values()):
+        raise ConfigError("ledger.price_usd_per_device_hour: prices must be >= 0")
+    if cfg.ledger.budget_usd is not None:
+        try:
+            Decimal(cfg.ledger.budget_usd)
+        except Exception as e:
+            raise ConfigError(f"ledger.budget_usd: not a decimal: {cfg.ledger.budget_usd!r}") from e
+    if not 0 < cfg.ledger.warn_fraction <= 1:
+        raise ConfigError("ledger.warn_fraction: must be in (0, 1]")
+    for r in cfg.monitors.rules:
+        if r.patience < 1 or r.window < 2:
+            raise ConfigError(f"monitors.rules.{r.name}: patience >= 1 and window >= 2 required")
+    return cfg
+
+
+def load_config(path: str | Path | None) -> RunConfig:
+    """Read a run file (YAML) into a validated :class:`RunConfig`; ``None`` gives the defaults."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping")
+        data = loaded
+    return validate(from_dict(RunConfig, data))
+
+
+def stable_hash(obj: Any) -> str:
+    """First 16 hex digits of the SHA-256 of ``obj`` as canonical JSON (sorted keys)."""
+    blob = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,48 @@
+"""Problems -> GRPO dataset rows (conversational prompts + the columns reward functions read).
+
+Row columns: ``prompt`` (``[{"role": "user", "content": …}]``; TRL applies the chat template, whose generation
+prompt opens ``<think>``), ``problem_id``, ``question``, ``answer``, ``difficulty``, ``source`` and, with L1 budgets,
+``budget_tokens`` (int, tokens; the question then ends with "Think for N tokens.").
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from training.grpo.config import BudgetPromptConfig, TaskConfig
+
+
+def problem_rows(problems: Sequence[Any], budget: BudgetPromptConfig | None = None) -> list[dict[str, Any]]:
+    """Dataset rows for ``problems`` (objects with id, question, answer, difficulty, source)."""
+    rng = random.Random(f"budget-{budget.seed}") if budget and budget.enabled else None
+    rows = []
+    for p in problems:
+        question = str(p.question)
+        row: dict[str, Any] = {
+            "problem_id": str(p.id),
+            "question": question,
+            "answer": str(p.answer),
+            "difficulty": int(p.difficulty),
+            "source": str(p.source),
+        }
+        if rng is not None and budget is not None:
+            n = rng.randint(budget.min_tokens, budget.max_tokens)
+            row["budget_tokens"] = n
+            question = f"{question} {budget.template.format(budget=n)}"
+        row["prompt"] = [{"role": "user", "content": question}]
+        rows.append(row)
+    return rows
+
+
+def load_problems(task: TaskConfig, split: str, n: int) -> list[Any]:
+    """Problems from ``training.tasks.load_task`` (lazy import; owned by the tasks package)."""
+    from training.tasks import load_task
+
+    return load_task(task.name, split, n, seed=task.seed, difficulties=task.difficulties)
+
+
+def data_fingerprint(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str, int | None]]:
+    """What identifies the training data for the ledger's data hash: (id, answer, budget) per row."""
+    return [(r["problem_id"], r["answer"], r.get("budget_tokens")) for r in rows]

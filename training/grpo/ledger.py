@@ -1,0 +1,319 @@
+"""Cost ledger: what every optimizer step cost, in tokens, device time and money, with budgets that stop the run.
+
+One row per optimizer step in ``<run>/ledger.jsonl`` (appended and flushed as the run goes; ``ledger.parquet`` is
+rewritten at every checkpoint and at the end). Money is integer micro-USD, computed exactly with ``Decimal``:
+``cost_micro_usd = round_half_even(device_ms * price_usd_per_device_hour * 1e6 / 3.6e6)``, device_ms = wall_ms *
+device_count. Cumulative totals are sums of the integer per-step values (no float drift).
+
+Resume: the ledger's cumulative state is saved in every checkpoint (``ledger_state.json``). Resuming from the
+checkpoint of step S keeps rows 1..S, moves rows > S of the abandoned segment to ``ledger_discarded.jsonl`` and
+continues at S+1 — each step appears once; the discarded rows' spend is kept apart (``discarded_*``) and still
+counts against the budgets (that money was spent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from decimal import ROUND_HALF_EVEN, Decimal
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LEDGER_FILE = "ledger.jsonl"
+DISCARDED_FILE = "ledger_discarded.jsonl"
+PARQUET_FILE = "ledger.parquet"
+STATE_FILE = "ledger_state.json"
+MICRO = Decimal(1_000_000)
+MS_PER_HOUR = Decimal(3_600_000)
+
+
+@dataclass
+class StepCounters:
+    """What the trainer accumulates during one optimizer step (reset by the ledger). Tokens are tokens."""
+
+    prompts: int = 0
+    rollouts: int = 0
+    prompt_tokens: int = 0
+    sampled_tokens: int = 0
+    trained_tokens: int = 0
+    dropped_rollouts: int = 0
+    generation_s: float = 0.0
+    reward_s: float = 0.0
+    eval_s: float = 0.0
+
+    def reset(self) -> None:
+        for k, v in asdict(StepCounters()).items():
+            setattr(self, k, v)
+
+    def snapshot(self) -> StepCounters:
+        return StepCounters(**asdict(self))
+
+
+@dataclass
+class Budgets:
+    """Hard limits (None = unlimited); all count discarded spend too."""
+
+    usd: Decimal | None = None
+    device_hours: float | None = None
+    sampled_tokens: int | None = None
+
+
+def micro_usd(device_ms: int, price_usd_per_device_hour: Decimal) -> int:
+    """Integer micro-USD for ``device_ms`` device-milliseconds at a USD/device-hour price (round half even)."""
+    value = Decimal(device_ms) * price_usd_per_device_hour * MICRO / MS_PER_HOUR
+    return int(value.to_integral_value(rounding=ROUND_HALF_EVEN))
+
+
+def _ms(seconds: float) -> int:
+    return max(0, round(seconds * 1000))
+
+
+_TOTAL_KEYS = (
+    "prompts",
+    "rollouts",
+    "prompt_tokens",
+    "sampled_tokens",
+    "trained_tokens",
+    "dropped_rollouts",
+    "wall_ms",
+    "device_ms",
+    "cost_micro_usd",
+)
+
+
+@dataclass
+class BudgetCheck:
+    warnings: list[str] = field(default_factory=list)
+    stop_reason: str | None = None
+
+
+class CostLedger:
+    """Per-step cost rows, cumulative totals, budget checks; see the module docstring."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        device_kind: str,
+        device_count: int,
+        price_usd_per_device_hour: Decimal,
+        budgets: Budgets | None = None,
+        tags: dict[str, str] | None = None,
+        warn_fraction: float = 0.8,
+        stop_on_projection: bool = True,
+        writer: bool = True,
+    ) -> None:
+        self.writer = writer  # False on non-main processes: same arithmetic and decisions, no files
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.device_kind = device_kind
+        self.device_count = device_count
+        self.price = Decimal(price_usd_per_device_hour)
+        self.budgets = budgets or Budgets()
+        self.tags = dict(tags or {})
+        self.warn_fraction = warn_fraction
+        self.stop_on_projection = stop_on_projection
+        self.totals: dict[str, int] = dict.fromkeys(_TOTAL_KEYS, 0)
+        self.discarded: dict[str, int] = dict.fromkeys(_TOTAL_KEYS, 0)
+        self.last_step = 0
+        self.segment = 0
+        self.last_row: dict[str, Any] | None = None
+        self.warned: set[str] = set()
+        self.stop_reason: str | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / LEDGER_FILE
+
+    # -- recording -----------------------------------------------------------------------------------------------
+    def record(self, step: int, c: StepCounters, wall_s: float) -> dict[str, Any]:
+        """Append the row of optimizer step ``step``; ``wall_s`` is the step's wall time in seconds."""
+        if step <= self.last_step:
+            raise ValueError(f"ledger: step {step} already recorded (last {self.last_step}); double counting")
+        wall_ms = _ms(wall_s)
+        gen_ms, rew_ms, ev_ms = _ms(c.generation_s), _ms(c.reward_s), _ms(c.eval_s)
+        device_ms = wall_ms * self.device_count
+        row: dict[str, Any] = {
+            "step": step,
+            "segment": self.segment,
+            "ts": round(time.time(), 3),
+            "prompts": c.prompts,
+            "rollouts": c.rollouts,
+            "prompt_tokens": c.prompt_tokens,
+            "sampled_tokens": c.sampled_tokens,
+            "trained_tokens": c.trained_tokens,
+            "dropped_rollouts": c.dropped_rollouts,
+            "wall_ms": wall_ms,
+            "generation_ms": gen_ms,
+            "reward_ms": rew_ms,
+            "eval_ms": ev_ms,
+            "update_ms": max(0, wall_ms - gen_ms - rew_ms - ev_ms),
+            "device_kind": self.device_kind,
+            "device_count": self.device_count,
+            "device_ms": device_ms,
+            "price_usd_per_device_hour": str(self.price),
+            "cost_micro_usd": micro_usd(device_ms, self.price),
+        }
+        for k in _TOTAL_KEYS:
+            self.totals[k] += row[k]
+        row.update({f"cum_{k}": v for k, v in self.totals.items()})
+        row["spent_micro_usd"] = self.totals["cost_micro_usd"] + self.discarded["cost_micro_usd"]
+        row.update(self.tags)
+        if self.writer:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        self.last_step = step
+        self.last_row = row
+        return row
+
+    # -- budgets -------------------------------------------------------------------------------------------------
+    def spent(self) -> dict[str, int]:
+        """Totals including discarded (rolled-back) spend."""
+        return {k: self.totals[k] + self.discarded[k] for k in _TOTAL_KEYS}
+
+    def check(self) -> BudgetCheck:
+        """Warn once per budget at ``warn_fraction``; stop when a budget is reached, or (``stop_on_projection``)
+        when repeating the last step would exceed it."""
+        out = BudgetCheck()
+        spent = self.spent()
+        last = self.last_row or {}
+        limits: list[tuple[str, int | None, str, Any]] = [
+            (
+                "usd",
+                None if self.budgets.usd is None else int(Decimal(self.budgets.usd) * MICRO),
+                "cost_micro_usd",
+                lambda v: f"${Decimal(v) / MICRO:.6f}",
+            ),
+            (
+                "device_hours",
+                None
+                if self.budgets.device_hours is None
+                else int(Decimal(str(self.budgets.device_hours)) * MS_PER_HOUR),
+                "device_ms",
+                lambda v: f"{v / 3.6e6:.6f} device-h",
+            ),
+            ("sampled_tokens", self.budgets.sampled_tokens, "sampled_tokens", lambda v: f"{v} tokens"),
+        ]
+        for name, limit, key, fmt in limits:
+            if limit is None:
+                continue
+            used = spent[key]
+            if used >= limit:
+                out.stop_reason = out.stop_reason or f"budget {name} reached: {fmt(used)} of {fmt(limit)}"
+            elif self.stop_on_projection and last and used + last.get(key, 0) > limit:
+                out.stop_reason = out.stop_reason or (
+                    f"budget {name}: the next step is projected to exceed it ({fmt(used)} spent + "
+                    f"{fmt(last.get(key, 0))} per step > {fmt(limit)})"
+                )
+            if used >= self.warn_fraction * limit and name not in self.warned:
+                self.warned.add(name)
+                out.warnings.append(f"budget {name}: {fmt(used)} of {fmt(limit)} spent ({used / limit:.0%})")
+        if out.stop_reason:
+            self.stop_reason = out.stop_reason
+        return out
+
+    # -- checkpoint / resume ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "last_step": self.last_step,
+            "segment": self.segment,
+            "totals": self.totals,
+            "discarded": self.discarded,
+            "warned": sorted(self.warned),
+            "last_row": self.last_row,
+        }
+
+    def save_state(self, checkpoint_dir: str | Path) -> None:
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        (Path(checkpoint_dir) / STATE_FILE).write_text(json.dumps(self.state_dict()))
+
+    def resume(self, checkpoint_dir: str | Path) -> None:
+        """Continue from a checkpoint: keep rows <= its step, move later rows to ``ledger_discarded.jsonl``."""
+        state_path = Path(checkpoint_dir) / STATE_FILE
+        if not state_path.is_file():
+            raise FileNotFoundError(f"no {STATE_FILE} in {checkpoint_dir}: cannot resume the ledger")
+        st = json.loads(state_path.read_text())
+        self.last_step = int(st["last_step"])
+        self.totals = {k: int(st["totals"].get(k, 0)) for k in _TOTAL_KEYS}
+        self.discarded = {k: int(st["discarded"].get(k, 0)) for k in _TOTAL_KEYS}
+        self.warned = set(st.get("warned", []))
+        self.last_row = st.get("last_row")
+        self.stop_reason = None
+        keep, drop = [], []
+        max_segment = int(st.get("segment", 0))
+        if self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                max_segment = max(max_segment, int(row.get("segment", 0)))
+                (keep if row["step"] <= self.last_step else drop).append(row)
+        discarded_path = self.run_dir / DISCARDED_FILE
+        self.segment = max_segment + 1
+        if not self.writer:
+            self.discarded = {k: self.discarded[k] + sum(int(r.get(k, 0)) for r in drop) for k in _TOTAL_KEYS}
+            return
+        if drop:
+            with discarded_path.open("a") as f:
+                for row in drop:
+                    f.write(json.dumps({**row, "discarded_at_resume_from_step": self.last_step}) + "\n")
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        # Discarded spend = every row ever abandoned (the append-only file), whatever checkpoint we came back to.
+        if discarded_path.is_file():
+            self.discarded = dict.fromkeys(_TOTAL_KEYS, 0)
+            for line in discarded_path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    for k in _TOTAL_KEYS:
+                        self.discarded[k] += int(row.get(k, 0))
+
+    # -- outputs -------------------------------------------------------------------------------------------------
+    def rows(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def write_parquet(self) -> Path | None:
+        rows = self.rows()
+        if not rows:
+            return None
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        out = self.run_dir / PARQUET_FILE
+        pq.write_table(pa.Table.from_pylist(rows), out)
+        return out
+
+    def summary(self, accuracy_before: float | None = None, accuracy_after: float | None = None) -> dict[str, Any]:
+        """Totals, spend incl. discarded, and cost per accuracy point (USD per +1 percentage point of held-out
+        accuracy; None when accuracy did not improve or was not measured)."""
+        spent = self.spent()
+        usd = Decimal(self.totals["cost_micro_usd"]) / MICRO
+        spent_usd = Decimal(spent["cost_micro_usd"]) / MICRO
+        per_point: str | None = None
+        gain_pp: float | None = None
+        if accuracy_before is not None and accuracy_after is not None:
+            gain_pp = round((accuracy_after - accuracy_before) * 100, 4)
+            if gain_pp > 0:
+                per_point = str((spent_usd / Decimal(str(gain_pp))).quantize(Decimal("0.000001")))
+        return {
+            "steps": self.last_step,
+            "segments": self.segment + 1,
+            "device_kind": self.device_kind,
+            "device_count": self.device_count,
+            "price_usd_per_device_hour": str(self.price),
+            "totals": self.totals,
+            "discarded": self.discarded,
+            "usd": str(usd),
+            "spent_usd": str(spent_usd),
+            "device_hours": spent["device_ms"] / 3.6e6,
+            "accuracy_before": accuracy_before,
+            "accuracy_after": accuracy_after,
+            "accuracy_gain_pp": gain_pp,
+            "usd_per_accuracy_point": per_point,
+            "stop_reason": self.stop_reason,
+            "tags": self.tags,
+        }

@@ -1,0 +1,229 @@
+"""Monitors → decisions, as Hugging Face/TRL ``TrainerCallback``s.
+
+- :class:`RuleEngine` (pure): evaluates :class:`~training.grpo.config.MonitorRule`s on logged metrics — entropy
+  floor, entropy slope (least squares over a window, units of entropy per optimizer step), effective-signal ratio
+  below a floor for N logs, no eval gain for N evals — and returns alerts.
+- :class:`MonitorCallback`: feeds every ``on_log`` to the engine, writes ``metrics.jsonl`` (logs + derived slopes
+  + alerts) and ``alerts.jsonl``; a ``stop`` rule sets ``should_save`` and ``should_training_stop`` (the Trainer
+  saves the checkpoint of that step, then stops).
+- :class:`LedgerCallback`: closes one :class:`~training.grpo.ledger.CostLedger` row per optimizer step and applies
+  the budget decision (warn, or checkpoint + stop).
+
+Metrics read (TRL 1.16 names): ``entropy``, ``completions/mean_length``, ``completions/clipped_ratio``,
+``rewards/<name>/mean``; ours: ``signal/effective_ratio`` (groups with reward variance / groups rolled out).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from training.grpo.config import MonitorRule
+from training.grpo.ledger import CostLedger, StepCounters
+
+logger = logging.getLogger(__name__)
+
+
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope dy/dx; 0.0 for fewer than 2 points or constant x."""
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return 0.0
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+
+
+@dataclass
+class Alert:
+    step: int
+    rule: str
+    metric: str
+    value: float
+    action: str
+    message: str
+
+
+class _RuleState:
+    def __init__(self, window: int) -> None:
+        self.count = 0
+        self.best: float | None = None
+        self.points: deque[tuple[float, float]] = deque(maxlen=window)
+
+
+class RuleEngine:
+    """Evaluate monitor rules on successive log dicts (see module docstring)."""
+
+    def __init__(self, rules: Sequence[MonitorRule]) -> None:
+        self.rules = list(rules)
+        self.states = {r.name: _RuleState(r.window) for r in self.rules}
+
+    def observe(self, step: int, logs: dict[str, Any]) -> tuple[list[Alert], dict[str, float]]:
+        """``(alerts, derived)``; derived holds ``monitor/<metric>/slope`` for slope rules with a full window."""
+        alerts: list[Alert] = []
+        derived: dict[str, float] = {}
+        for r in self.rules:
+            v = logs.get(r.metric)
+            if not isinstance(v, int | float) or v != v:  # missing or NaN
+                continue
+            st = self.states[r.name]
+            value = float(v)
+            if r.condition == "below":
+                met = value < r.threshold
+            elif r.condition == "above":
+                met = value > r.threshold
+            elif r.condition == "slope_below":
+                st.points.append((float(step), value))
+                if len(st.points) < r.window:
+                    continue
+                value = slope([p[0] for p in st.points], [p[1] for p in st.points])
+                derived[f"monitor/{r.metric}/slope"] = value
+                met = value < r.threshold
+            elif r.condition == "no_gain":
+                if st.best is None or value > st.best + r.min_delta:
+                    st.best = value
+                    met = False
+                else:
+                    met = True
+            else:  # pragma: no cover - validated by the config Literal
+                raise ValueError(r.condition)
+            st.count = st.count + 1 if met else 0
+            if st.count >= r.patience:
+                st.count = 0
+                alerts.append(Alert(step, r.name, r.metric, value, r.action, _message(r, value)))
+        return alerts, derived
+
+    def state_dict(self) -> dict[str, Any]:
+        return {n: {"count": s.count, "best": s.best, "points": list(s.points)} for n, s in self.states.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, s in state.items():
+            if name in self.states:
+                st = self.states[name]
+                st.count, st.best = int(s["count"]), s["best"]
+                st.points.clear()
+                st.points.extend(tuple(p) for p in s["points"])
+
+
+def _message(r: MonitorRule, value: float) -> str:
+    what = {
+        "below": f"{r.metric} = {value:.4g} below {r.threshold:g}",
+        "above": f"{r.metric} = {value:.4g} above {r.threshold:g}",
+        "slope_below": f"slope of {r.metric} over {r.window} logs = {value:.4g}/step below {r.threshold:g}",
+        "no_gain": f"{r.metric} = {value:.4g}: no gain over the best",
+    }[r.condition]
+    return f"[{r.name}] {what} for {r.patience} consecutive observation(s) -> {r.action}"
+
+
+class AlertLog:
+    """Appends alerts (monitor rules and budgets) to ``<run>/alerts.jsonl`` and logs them."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / "alerts.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.alerts: list[Alert] = []
+
+    def add(self, alert: Alert) -> None:
+        self.alerts.append(alert)
+        logger.warning("%s (step %d)", alert.message, alert.step)
+        with self.path.open("a") as f:
+            f.write(json.dumps(asdict(alert)) + "\n")
+
+
+def _stop(control: TrainerControl) -> None:
+    control.should_save = True
+    control.should_training_stop = True
+
+
+class MonitorCallback(TrainerCallback):
+    """Rule-driven warnings / checkpoint-and-stop, plus ``metrics.jsonl``."""
+
+    def __init__(self, rules: Sequence[MonitorRule], run_dir: str | Path, alert_log: AlertLog | None = None) -> None:
+        self.engine = RuleEngine(rules)
+        self.run_dir = Path(run_dir)
+        self.alert_log = alert_log or AlertLog(run_dir)
+        self.stop_reason: str | None = None
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        logs = dict(logs or {})
+        alerts, derived = self.engine.observe(state.global_step, logs)
+        if state.is_world_process_zero:
+            line = {"step": state.global_step, "ts": round(time.time(), 3), **logs, **derived}
+            if alerts:
+                line["alerts"] = [a.rule for a in alerts]
+            with (self.run_dir / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(line, default=float) + "\n")
+            for a in alerts:
+                self.alert_log.add(a)
+        for a in alerts:
+            if a.action == "stop":
+                self.stop_reason = self.stop_reason or a.message
+                _stop(control)
+
+
+class LedgerCallback(TrainerCallback):
+    """One ledger row per optimizer step; budget warnings and checkpoint-then-stop.
+
+    ``reduce(counters, wall_s)`` combines the per-process counters and wall time in multi-process runs (sum of counts,
+    mean of seconds) so every process takes the same budget decision; rows are written by the main process only.
+    """
+
+    def __init__(
+        self,
+        ledger: CostLedger,
+        counters: StepCounters,
+        alert_log: AlertLog,
+        reduce: Callable[[StepCounters, float], tuple[StepCounters, float]] | None = None,
+    ) -> None:
+        self.ledger, self.counters, self.alert_log, self.reduce = ledger, counters, alert_log, reduce
+        self._t = time.perf_counter()
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self._t = time.perf_counter()
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if self.close_step(state.global_step, state.is_world_process_zero):
+            _stop(control)
+
+    def close_step(self, step: int, is_main: bool = True) -> bool:
+        """Record the counters since the last call as ledger row ``step``; True when a budget says stop.
+        Also used for the rollouts of a step aborted by an error (they were paid for)."""
+        now = time.perf_counter()
+        wall, self._t = now - self._t, now
+        snap = self.counters.snapshot()
+        self.counters.reset()
+        if self.reduce is not None:
+            snap, wall = self.reduce(snap, wall)
+        self.ledger.record(step, snap, wall)
+        check = self.ledger.check()
+        if is_main:
+            for w in check.warnings:
+                self.alert_log.add(Alert(step, "budget", "ledger", 0.0, "warn", w))
+            if check.stop_reason:
+                self.alert_log.add(Alert(step, "budget", "ledger", 0.0, "stop", check.stop_reason))
+        return check.stop_reason is not None
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if state.is_world_process_zero:
+            self.ledger.write_parquet()
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if state.is_world_process_zero:
+            self.ledger.write_parquet()

@@ -1,0 +1,95 @@
+"""PNG plots of a GRPO run from ``metrics.jsonl`` and ``ledger.jsonl``: reward, length, entropy, effective-signal
+ratio, cost vs optimizer step (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, int | float) and v == v:
+            xs.append(float(r["step"]))
+            ys.append(float(v))
+    return xs, ys
+
+
+def _plot(
+    path: Path, title: str, ylabel: str, lines: Sequence[tuple[str, tuple[list[float], list[float]]]]
+) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [(label, s) for label, s in lines if s[0]]
+    if not lines:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    for label, (xs, ys) in lines:
+        ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=label)
+    ax.set_title(title)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """Write ``plots/{reward,length,entropy,signal,cost}.png`` under ``run_dir``; returns the files written."""
+    run = Path(run_dir)
+    metrics = [r for r in _read_jsonl(run / "metrics.jsonl") if "loss" in r or "reward" in r]
+    ledger = _read_jsonl(run / "ledger.jsonl")
+    out = run / "plots"
+    out.mkdir(exist_ok=True)
+    reward_keys = sorted({k for r in metrics for k in r if k.startswith("rewards/") and k.endswith("/mean")})
+    written = [
+        _plot(
+            out / "reward.png",
+            "Reward",
+            "reward",
+            [("total", _series(metrics, "reward"))] + [(k.split("/")[1], _series(metrics, k)) for k in reward_keys],
+        ),
+        _plot(
+            out / "length.png",
+            "Completion length",
+            "tokens",
+            [
+                ("mean", _series(metrics, "completions/mean_length")),
+                ("mean terminated", _series(metrics, "completions/mean_terminated_length")),
+            ],
+        ),
+        _plot(out / "entropy.png", "Policy entropy", "nats/token", [("entropy", _series(metrics, "entropy"))]),
+        _plot(
+            out / "signal.png",
+            "Effective-signal ratio",
+            "groups with variance / groups",
+            [
+                ("rolled out", _series(metrics, "signal/effective_ratio")),
+                ("trained batch", _series(metrics, "signal/batch_effective_ratio")),
+                ("truncated rate", _series(metrics, "completions/clipped_ratio")),
+            ],
+        ),
+        _plot(
+            out / "cost.png",
+            "Cumulative cost",
+            "micro-USD",
+            [("cost (micro-USD)", _series(ledger, "cum_cost_micro_usd"))],
+        ),
+    ]
+    return [p for p in written if p is not None]

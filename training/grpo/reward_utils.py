@@ -1,0 +1,135 @@
+"""Helpers shared by reward functions: completion text, token lengths, group structure, verifiers.
+
+TRL calls a reward as ``fn(prompts=..., completions=..., completion_ids=..., **kwargs)`` with one row per rollout,
+prompt-major (the ``num_generations`` rollouts of a prompt are adjacent) and every dataset column passed as a
+list-valued keyword. Group-relative rewards must not rely on adjacency alone: :func:`group_indices` groups rows by
+the ``problem_id`` column when present.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+# Keyword arguments TRL adds that are not dataset columns.
+NON_COLUMN_KWARGS = frozenset({"trainer_state", "log_extra", "log_metric", "environments"})
+
+Verifier = Callable[[Mapping[str, Any], str], bool]
+"""``verifier(row, completion_text) -> bool``; ``row`` holds the dataset columns of that rollout."""
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one completion: a string (standard format) or a list of messages (conversational)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list):
+        return "".join(str(m.get("content") or "") for m in completion if isinstance(m, dict))
+    raise TypeError(f"unsupported completion type: {type(completion).__name__}")
+
+
+def token_lengths(completion_ids: Sequence[Sequence[int]] | None, n: int) -> list[int]:
+    """Completion lengths in tokens (what was sampled, EOS included when generated).
+
+    Raises ``ValueError`` when TRL did not pass ``completion_ids``: lengths are never estimated from characters.
+    """
+    if completion_ids is None:
+        raise ValueError("length rewards need completion_ids (token ids); TRL passes them to reward functions")
+    if len(completion_ids) != n:
+        raise ValueError(f"completion_ids has {len(completion_ids)} rows, completions has {n}")
+    return [len(ids) for ids in completion_ids]
+
+
+def rows_from_kwargs(n: int, kwargs: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per-rollout dicts of the dataset columns TRL passed as list-valued keywords."""
+    cols = {k: v for k, v in kwargs.items() if k not in NON_COLUMN_KWARGS and isinstance(v, list) and len(v) == n}
+    return [{k: v[i] for k, v in cols.items()} for i in range(n)]
+
+
+def group_indices(
+    n: int, problem_ids: Sequence[Any] | None = None, num_generations: int | None = None
+) -> list[list[int]]:
+    """Row indices of each group.
+
+    By ``problem_id`` when given (rows of one prompt form one group wherever they sit; order of first appearance),
+    else consecutive chunks of ``num_generations`` (``n`` must be a multiple). One of the two is required.
+    """
+    if problem_ids is not None:
+        if len(problem_ids) != n:
+            raise ValueError(f"problem_id has {len(problem_ids)} rows, expected {n}")
+        groups: dict[Any, list[int]] = {}
+        for i, pid in enumerate(problem_ids):
+            groups.setdefault(pid, []).append(i)
+        return list(groups.values())
+    if num_generations is None or num_generations < 1:
+        raise ValueError("group_indices needs problem_ids or num_generations")
+    if n % num_generations:
+        raise ValueError(f"{n} rows is not a multiple of num_generations={num_generations}")
+    return [list(range(s, s + num_generations)) for s in range(0, n, num_generations)]
+
+
+def split_thought(text: str) -> tuple[str, str, bool]:
+    """``(thought, answer, closed)``: text before/after the last ``</think>`` (a leading ``<think>`` is dropped).
+
+    ``closed`` is False when the completion never closed its thought (then everything is thought, answer is "").
+    """
+    body = text.lstrip()
+    if body.startswith(THINK_OPEN):
+        body = body[len(THINK_OPEN) :]
+    if THINK_CLOSE not in body:
+        return body, "", False
+    thought, _, answer = body.rpartition(THINK_CLOSE)
+    return thought, answer, True
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def exact_answer_verifier(row: Mapping[str, Any], text: str) -> bool:
+    """A minimal verifier for tests and toy data: the answer after ``</think>`` equals ``row['answer']``.
+
+    Compares the first number of the answer when the reference is numeric, else the stripped strings.
+    """
+    _, answer, closed = split_thought(text)
+    if not closed:
+        return False
+    ref = str(row["answer"]).strip()
+    if _NUMBER.fullmatch(ref):
+        m = _NUMBER.search(answer)
+        return m is not None and float(m.group()) == float(ref)
+    return answer.strip() == ref
+
+
+def task_verifier() -> Verifier:
+    """The verifier of ``training.tasks`` (arithmetic, GSM8K, MATH with math-verify), adapted to rows.
+
+    Rows carry ``problem_id, question, answer, difficulty, source`` (see ``training.grpo.data``).
+    """
+    from training import tasks  # lazy: owned by the tasks package
+
+    def verify(row: Mapping[str, Any], text: str) -> bool:
+        problem = tasks.Problem(
+            id=row["problem_id"],
+            question=row["question"],
+            answer=row["answer"],
+            difficulty=row["difficulty"],
+            source=row["source"],
+        )
+        return bool(tasks.verify(problem, text))
+
+    return verify
+
+
+def verify_rows(verifier: Verifier, completions: Sequence[Any], kwargs: Mapping[str, Any]) -> list[bool]:
+    """Apply ``verifier`` to every rollout; a verifier exception counts as incorrect."""
+    rows = rows_from_kwargs(len(completions), kwargs)
+    out = []
+    for row, c in zip(rows, completions, strict=True):
+        try:
+            out.append(bool(verifier(row, completion_text(c))))
+        except Exception:
+            out.append(False)
+    return out

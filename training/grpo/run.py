@@ -1,0 +1,336 @@
+"""One GRPO run end to end: config -> data -> rewards -> trainer + callbacks -> train/resume -> model, card, tier
+snippet, ledger summary and plots in the run directory.
+
+Run directory layout::
+
+    config.yaml          the resolved run config          metrics.jsonl   every log (TRL + ours + slopes)
+    ledger.jsonl/.parquet  cost rows per optimizer step  alerts.jsonl    monitor and budget alerts
+    eval_before.json / eval_after.json   held-out accuracy and lengths per difficulty
+    summary.json         totals, cost per accuracy point, stop reason, tags
+    plots/*.png          reward, length, entropy, signal, cost      tier.yaml  gateway tier snippet
+    checkpoint-N/        Trainer checkpoints (+ ledger_state.json, thinkgate_state.json)
+    model/               the final Hugging Face model directory with README.md (model card)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import time
+from collections.abc import Sequence
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from training.grpo.config import REPO_ROOT, ConfigError, RunConfig, stable_hash
+from training.grpo.reward_utils import Verifier
+
+logger = logging.getLogger(__name__)
+
+# TRL options that do not change what is learned (excluded from the hyper-parameter hash).
+_NON_HPARAMS = {
+    "output_dir",
+    "logging_steps",
+    "save_steps",
+    "report_to",
+    "max_steps",
+    "disable_tqdm",
+    "save_total_limit",
+}
+
+
+def detect_device() -> tuple[str, int]:
+    """``(kind, count)``: ``("cpu", 1)`` or ``("nvidia-h200", n)`` from the CUDA device name."""
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).lower().replace("nvidia", "").strip()
+        model = name.split()[0] if name else "gpu"
+        return f"nvidia-{model}", torch.cuda.device_count()
+    return "cpu", 1
+
+
+def git_commit(repo: Path = REPO_ROOT) -> str:
+    """``<sha>`` of HEAD, with ``-dirty`` when tracked files differ; ``unknown`` outside git."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def build_grpo_args(cfg: RunConfig, run_dir: Path, reward_weights: list[float], cpu: bool) -> Any:
+    """``GRPOConfig`` from the run's ``trl:`` section; unknown keys raise :class:`ConfigError`."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    kwargs = cfg.trl_kwargs()
+    known = {f.name for f in dataclasses.fields(GRPOConfig)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ConfigError(f"trl: unknown GRPOConfig option(s) {unknown}")
+    for k in ("output_dir", "reward_weights", "multi_objective_aggregation"):
+        if k in cfg.trl:
+            raise ConfigError(f"trl.{k}: set by ThinkGate (output_dir / rewards[].weight / advantages.aggregation)")
+    agg = "normalize_then_sum" if cfg.advantages.aggregation == "decoupled" else "sum_then_normalize"
+    base = {"bf16": False, "gradient_checkpointing": False, "use_cpu": cpu} if cpu else {}
+    return GRPOConfig(
+        **{**base, **kwargs},
+        output_dir=str(run_dir),
+        reward_weights=reward_weights,
+        multi_objective_aggregation=agg,
+        scale_rewards=cfg.advantages.scale,
+    )
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def run_grpo(
+    cfg: RunConfig,
+    *,
+    max_steps: int | None = None,
+    output_dir: str | Path | None = None,
+    resume: str | None = None,
+    verifier: Verifier | None = None,
+    train_problems: Sequence[Any] | None = None,
+    eval_problems: Sequence[Any] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run (or resume: ``"auto"`` = last checkpoint in the run dir, or a checkpoint path) and return the summary.
+
+    ``verifier`` and the problem lists default to ``training.tasks`` (tests inject toy ones).
+    """
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from training.grpo import data as data_mod
+    from training.grpo.card import model_card, tier_snippet
+    from training.grpo.evaluate import generate_and_score, summarize
+    from training.grpo.ledger import Budgets, CostLedger, StepCounters
+    from training.grpo.monitors import AlertLog, LedgerCallback, MonitorCallback
+    from training.grpo.plots import plot_run
+    from training.grpo.reward_utils import task_verifier
+    from training.grpo.rewards import RewardContext, build_rewards
+    from training.grpo.sampling import Candidate, DynamicSampler, NoLearningSignalError
+    from training.grpo.trainer import ThinkGateGRPOTrainer
+
+    if max_steps is not None:
+        cfg.trl["max_steps"] = int(max_steps)
+    run_dir = Path(output_dir or cfg.output_dir)
+    cfg.output_dir = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint: str | None = None
+    if resume:
+        checkpoint = get_last_checkpoint(str(run_dir)) if resume == "auto" else resume
+        if checkpoint is None:
+            raise ConfigError(f"--resume auto: no checkpoint-* in {run_dir}")
+    elif (run_dir / "ledger.jsonl").exists():
+        raise ConfigError(f"{run_dir} already holds a run (ledger.jsonl): pass --resume auto or a new --output-dir")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+
+    model_path = Path(cfg.model.path)
+    if not model_path.is_dir() and not model_path.is_absolute() and (REPO_ROOT / model_path).is_dir():
+        model_path = REPO_ROOT / model_path
+    if not (model_path / "config.json").is_file():
+        raise ConfigError(f"model.path: no Hugging Face model directory at {model_path}")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+
+    if train_problems is None:
+        train_problems = data_mod.load_problems(cfg.task, cfg.task.train_split, cfg.task.n_train)
+    if eval_problems is None:
+        eval_problems = data_mod.load_problems(cfg.task, cfg.task.eval_split, cfg.task.n_eval)
+    train_rows = data_mod.problem_rows(train_problems, cfg.budget_prompt)
+    eval_rows = data_mod.problem_rows(eval_problems, cfg.budget_prompt)
+    verifier = verifier or task_verifier()
+
+    trl_kw = cfg.trl_kwargs()
+    max_len = int(trl_kw.get("max_completion_length", 256))
+    g = int(trl_kw["num_generations"])
+    eos = model.generation_config.eos_token_id
+    eos_ids = frozenset(eos if isinstance(eos, list) else [eos]) if eos is not None else None
+    reward_funcs, weights = build_rewards(cfg.rewards, RewardContext(verifier, max_len, g, eos_ids))
+    device_kind, device_count = detect_device()
+    args = build_grpo_args(cfg, run_dir, weights, cpu=device_kind == "cpu")
+    args.disable_tqdm = not progress
+
+    # -- ledger, monitors -------------------------------------------------------------------------------------
+    lc = cfg.ledger
+    kind = lc.device_kind or device_kind
+    prices = lc.prices()
+    if kind not in prices:
+        raise ConfigError(
+            f"ledger.price_usd_per_device_hour: no price for device kind {kind!r}; known {sorted(prices)}"
+        )
+    hparams = {k: v for k, v in trl_kw.items() if k not in _NON_HPARAMS}
+    tags = {
+        "run_name": cfg.run_name,
+        "data_hash": stable_hash(data_mod.data_fingerprint(train_rows)),
+        "reward_hash": stable_hash([dict(vars(r)) for r in cfg.rewards] + [vars(cfg.advantages)]),
+        "hparam_hash": stable_hash(
+            {"trl": hparams, "model": cfg.model.path, "dynamic_sampling": vars(cfg.dynamic_sampling)}
+        ),
+        "git_commit": git_commit(),
+    }
+    counters = StepCounters()
+    alert_log = AlertLog(run_dir)
+    ledger = CostLedger(
+        run_dir,
+        kind,
+        device_count,
+        prices[kind],
+        Budgets(
+            usd=Decimal(lc.budget_usd) if lc.budget_usd is not None else None,
+            device_hours=lc.budget_device_hours,
+            sampled_tokens=lc.budget_sampled_tokens,
+        ),
+        tags,
+        lc.warn_fraction,
+        lc.stop_on_projection,
+    )
+    monitor_cb = MonitorCallback(cfg.monitors.rules, run_dir, alert_log)
+    ledger_cb = LedgerCallback(ledger, counters, alert_log)
+
+    sampler = None
+    if cfg.dynamic_sampling.enabled:
+        sampler = DynamicSampler(cfg.dynamic_sampling, [Candidate(r["problem_id"], r) for r in train_rows])
+    eval_ds = None
+    if str(trl_kw.get("eval_strategy", "no")) != "no":
+        eval_ds = Dataset.from_list(eval_rows)
+    trainer = ThinkGateGRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=Dataset.from_list(train_rows),
+        eval_dataset=eval_ds,
+        callbacks=[ledger_cb, monitor_cb],
+        advantage_config=cfg.advantages,
+        counters=counters,
+        dynamic_sampler=sampler,
+    )
+    if trainer.accelerator.num_processes > 1:
+        ledger_cb.reduce = _make_reduce(trainer)
+    ledger.writer = trainer.is_world_process_zero()
+    trainer.state_savers.append(ledger.save_state)
+    trainer.state_savers.append(
+        lambda d: (d / "monitor_state.json").write_text(json.dumps(monitor_cb.engine.state_dict()))
+    )
+    if checkpoint:
+        ledger.resume(checkpoint)
+        trainer.load_thinkgate_state(checkpoint)
+        mstate = Path(checkpoint) / "monitor_state.json"
+        if mstate.is_file():
+            monitor_cb.engine.load_state_dict(json.loads(mstate.read_text()))
+
+    # -- evaluate, train, evaluate ----------------------------------------------------------------------------
+    eval_max = cfg.eval.max_new_tokens or max_len
+    t_eval = 0.0
+    before = None
+    before_path = run_dir / "eval_before.json"
+    if cfg.eval.before:
+        if before_path.is_file():
+            before = json.loads(before_path.read_text())
+        else:
+            t0 = time.perf_counter()
+            before = summarize(generate_and_score(model, tokenizer, eval_rows, verifier, eval_max, cfg.eval.batch_size))
+            t_eval += time.perf_counter() - t0
+            _write_json(before_path, before)
+
+    stop_reason = None
+    t_train = time.perf_counter()
+    try:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    except NoLearningSignalError as e:
+        stop_reason = f"no learning signal: {e}"
+        logger.error("%s", stop_reason)
+        step = trainer.state.global_step
+        if not (run_dir / f"checkpoint-{step}").exists():
+            trainer._save_checkpoint(trainer.model, trial=None)
+        if counters.rollouts:  # the aborted step's rollouts were paid for: record them (rolled back on resume)
+            ledger_cb.close_step(step + 1, trainer.is_world_process_zero())
+            ledger.write_parquet()
+    train_wall = time.perf_counter() - t_train
+    stop_reason = stop_reason or ledger.stop_reason or monitor_cb.stop_reason
+
+    model_dir = run_dir / "model"
+    trainer.save_model(str(model_dir))
+    tokenizer.save_pretrained(model_dir)
+    after = None
+    if cfg.eval.after:
+        t0 = time.perf_counter()
+        after = summarize(
+            generate_and_score(trainer.model, tokenizer, eval_rows, verifier, eval_max, cfg.eval.batch_size)
+        )
+        t_eval += time.perf_counter() - t0
+        _write_json(run_dir / "eval_after.json", after)
+
+    ledger.stop_reason = stop_reason
+    summary = ledger.summary(
+        before["overall"]["accuracy"] if before else None, after["overall"]["accuracy"] if after else None
+    )
+    summary.update(
+        {
+            "train_wall_s": round(train_wall, 3),
+            "eval_wall_s": round(t_eval, 3),
+            "global_step": trainer.state.global_step,
+            "alerts": [a.message for a in alert_log.alerts],
+        }
+    )
+    _write_json(run_dir / "summary.json", summary)
+    cfg_dict = cfg.to_dict()
+    cfg_dict["trl"] = trl_kw
+    (model_dir / "README.md").write_text(model_card(cfg.run_name, cfg.model.path, cfg_dict, before, after, summary))
+    (run_dir / "tier.yaml").write_text(
+        tier_snippet(
+            cfg.output.tier_name, cfg.output.served_model_name, cfg.output.base_url, model_dir.resolve(), max_len, after
+        )
+    )
+    ledger.write_parquet()
+    plot_run(run_dir)
+    return summary
+
+
+def _make_reduce(trainer: Any) -> Any:
+    """Counter reduction across processes: sums of counts, means of seconds (a collective on every process)."""
+    import torch
+
+    from training.grpo.ledger import StepCounters
+
+    def reduce(c: StepCounters, wall: float) -> tuple[StepCounters, float]:
+        ints = torch.tensor(
+            [c.prompts, c.rollouts, c.prompt_tokens, c.sampled_tokens, c.trained_tokens, c.dropped_rollouts],
+            dtype=torch.long,
+            device=trainer.accelerator.device,
+        )
+        secs = torch.tensor(
+            [c.generation_s, c.reward_s, c.eval_s, wall], dtype=torch.float64, device=trainer.accelerator.device
+        )
+        ints = trainer.accelerator.reduce(ints, reduction="sum").tolist()
+        secs = trainer.accelerator.reduce(secs, reduction="mean").tolist()
+        return StepCounters(*ints, *secs[:3]), secs[3]
+
+    return reduce
