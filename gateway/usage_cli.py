@@ -1,0 +1,70 @@
+"""``thinkgate usage export``: usage events from the Redis Stream as CSV, JSON Lines or Parquet.
+
+Reads the same stream ``GET /v1/usage`` reads (every key; filter with ``--key``). Without ``--group-by`` one
+row per event; with it, summed counters per group (``gateway/export.py``). Output to ``--output FILE``
+(written atomically) or stdout. Exit codes: 0 ok, 2 invalid arguments or config, 3 Redis unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from gateway.keys_cli import CONFIG_OPTION, load_settings
+
+app = typer.Typer(no_args_is_help=True)
+
+
+@app.command("export")
+def export(
+    fmt: str = typer.Option("csv", "--format", "-f", help="csv | jsonl | parquet"),
+    since: str | None = typer.Option(None, help="From (inclusive): YYYY-MM-DD, ISO-8601 or epoch seconds, UTC."),
+    until: str | None = typer.Option(None, help="Until (exclusive), same forms."),
+    group_by: str | None = typer.Option(None, "--group-by", help="Comma list of key,tier,model,day,tag,tag:NAME."),
+    key: str | None = typer.Option(None, "--key", help="Only this key id."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="File to write (default: stdout)."),
+    config: Path | None = CONFIG_OPTION,
+) -> None:
+    """Export usage: raw events, or sums grouped by key/tier/model/day/tag."""
+    from gateway import export as ex
+    from gateway.breaker import Breaker, RedisDown
+    from gateway.metering import Meter
+    from gateway.redis_client import connect
+    from gateway.spool import Spool
+
+    if fmt not in ("csv", "jsonl", "parquet"):
+        typer.echo("thinkgate: --format must be csv, jsonl or parquet", err=True)
+        raise typer.Exit(2)
+    if fmt == "parquet" and output is None and sys.stdout.isatty():
+        typer.echo("thinkgate: parquet is binary; give --output FILE", err=True)
+        raise typer.Exit(2)
+    try:
+        groups = ex.parse_group_by(group_by)
+        t0, t1 = ex.parse_time(since), ex.parse_time(until)
+    except ex.ExportError as exc:
+        typer.echo(f"thinkgate: {exc}", err=True)
+        raise typer.Exit(2) from None
+    settings = load_settings(config)
+    rcfg = settings.redis.model_copy(update={"socket_timeout_s": max(settings.redis.socket_timeout_s, 5.0)})
+
+    async def collect() -> list[Any]:
+        handle = connect(rcfg)
+        try:
+            meter = Meter(handle, Breaker(1.0), Spool(settings.metering.spool_path), settings.metering)
+            return [e async for e in meter.events(t0, t1) if key is None or e.key_id == key]
+        finally:
+            await handle.close()
+
+    try:
+        events = asyncio.run(collect())
+    except RedisDown as exc:
+        typer.echo(f"thinkgate: Redis unreachable at {settings.redis.url}: {exc}", err=True)
+        raise typer.Exit(3) from None
+    rows, cols = ex.build(events, groups)
+    ex.write_file(rows, cols, fmt, output, sys.stdout.buffer)  # type: ignore[arg-type]
+    sys.stdout.buffer.flush()
+    typer.echo(f"thinkgate: {len(events)} events, {len(rows)} rows", err=True)
