@@ -91,3 +91,22 @@ def _event(row: dict[str, Any]) -> UsageEvent:
     event = UsageEvent.from_dict(row)
     event.ts = datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
     return event
+
+
+def create_key(redis_url: str, prefix: str, key_id: str, **limits: Any) -> str:
+    """Create a key in the Redis key store under ``prefix`` (as ``thinkgate keys create`` does); its secret."""
+    import asyncio
+
+    from gateway.breaker import Breaker
+    from gateway.config import RedisConfig
+    from gateway.keystore import RedisKeyStore
+    from gateway.redis_client import connect
+
+    async def go() -> str:
+        handle = connect(RedisConfig(url=redis_url, key_prefix=prefix, socket_timeout_s=2.0))
+        try:
+            return await RedisKeyStore(handle, Breaker(1.0)).create(key_id, **limits)
+        finally:
+            await handle.close()
+
+    return asyncio.run(go())

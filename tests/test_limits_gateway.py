@@ -1,0 +1,119 @@
+"""Budgets and rate limits through a real gateway: the 64-concurrent budget race, RPM and TPM as the OpenAI
+SDK sees them (429, OpenAI error codes, Retry-After)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from decimal import Decimal
+
+import httpx
+import openai
+import pytest
+from fixtures_upstream import GatewayServer, SimProcess
+from helpers_gateway import SECRETS, accounting_gateway, cleanup, create_key, usage_events
+
+from gateway.usage import micro_to_usd
+
+
+@pytest.fixture(scope="module")
+def prefix() -> str:
+    return f"tgtest:{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture(scope="module")
+def gw(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory,
+       prefix: str) -> Iterator[GatewayServer]:
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("limgw"), prefix) as g:
+            yield g
+    finally:
+        cleanup(redis_url, prefix)
+
+
+def _body(tag: str, delay_ms: int = 0) -> dict[str, object]:
+    return {"model": "short", "messages": [{"role": "user", "content": "spend some budget please"}],
+            "sim": {"tag": tag, "delay_ms": delay_ms}}
+
+
+async def _burst(gw: GatewayServer, secret: str, n: int, body: dict[str, object]) -> list[httpx.Response]:
+    headers = {"authorization": f"Bearer {secret}", "cache-control": "no-store"}
+    limits = httpx.Limits(max_connections=n)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as http:
+        return await asyncio.gather(*(http.post(gw.base_url + "/chat/completions", json=body, headers=headers)
+                                      for _ in range(n)))
+
+
+def _one_request_cost(gw: GatewayServer) -> int:
+    r = httpx.post(gw.base_url + "/chat/completions", json=_body(uuid.uuid4().hex),
+                   headers={"authorization": f"Bearer {SECRETS['alice']}", "cache-control": "no-store"}, timeout=30)
+    rid = r.headers["x-request-id"]
+    return usage_events(gw, [rid])[rid].cost_micro_usd
+
+
+@pytest.mark.parametrize("worth", [Decimal("1"), Decimal("2.5")])
+def test_64_concurrent_requests_against_a_budget(gw: GatewayServer, redis_url: str, prefix: str,
+                                                 worth: Decimal) -> None:
+    cost = _one_request_cost(gw)
+    assert cost > 0
+    budget_micro = int(cost * worth)
+    kid = f"race-{uuid.uuid4().hex[:8]}"
+    secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(budget_micro))
+    responses = asyncio.run(_burst(gw, secret, 64, _body(uuid.uuid4().hex, delay_ms=300)))
+    ok = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(ok) + len(refused) == 64 and ok
+    for r in refused:
+        err = r.json()["error"]
+        assert err["code"] == "budget_exceeded" and err["type"] == "rate_limit_error"
+        assert int(r.headers["retry-after"]) >= 1
+    # keep spending sequentially until the budget refuses for the rest of the day
+    for _ in range(10):
+        r = httpx.post(gw.base_url + "/chat/completions", json=_body(uuid.uuid4().hex),
+                       headers={"authorization": f"Bearer {secret}", "cache-control": "no-store"}, timeout=30)
+        if r.status_code == 429 and int(r.headers["retry-after"]) > 1:
+            break
+        assert r.status_code in (200, 429)
+    else:
+        pytest.fail("the budget never closed")
+    admin_view = httpx.get(gw.base_url + "/usage", params={"key_id": kid},
+                           headers={"authorization": f"Bearer {SECRETS['alice']}"}, timeout=10)
+    assert admin_view.status_code == 403
+    spent = _spent(gw, kid)
+    assert budget_micro <= spent <= budget_micro + cost  # overshoot by at most one request
+
+
+def _spent(gw: GatewayServer, kid: str) -> int:
+    from helpers_gateway import ADMIN_SECRET
+
+    s = httpx.get(gw.base_url + "/usage", params={"key_id": kid},
+                  headers={"authorization": f"Bearer {ADMIN_SECRET}"}, timeout=10).json()
+    return int(s["counters"]["day"]["cost_micro_usd"])
+
+
+def test_rpm_through_the_sdk(gw: GatewayServer, redis_url: str, prefix: str) -> None:
+    secret = create_key(redis_url, prefix, f"rpm-{uuid.uuid4().hex[:8]}", rpm=2)
+    c = openai.OpenAI(base_url=gw.base_url, api_key=secret, max_retries=0, timeout=30)
+    msgs = [{"role": "user", "content": "rate me"}]
+    c.chat.completions.create(model="short", messages=msgs)  # type: ignore[arg-type]
+    c.chat.completions.create(model="short", messages=msgs)  # type: ignore[arg-type]
+    with pytest.raises(openai.RateLimitError) as info:
+        c.chat.completions.create(model="short", messages=msgs)  # type: ignore[arg-type]
+    assert info.value.code == "rate_limit_exceeded"
+    assert 1 <= int(info.value.response.headers["retry-after"]) <= 120
+
+
+def test_tpm_through_the_gateway(gw: GatewayServer, redis_url: str, prefix: str) -> None:
+    # each request uses ~20 tokens (7 prompt + ~13 completion on the simulator) and reserves ~116 up front
+    secret = create_key(redis_url, prefix, f"tpm-{uuid.uuid4().hex[:8]}", tpm=60)
+    headers = {"authorization": f"Bearer {secret}", "cache-control": "no-store"}
+    codes = []
+    for _ in range(10):
+        r = httpx.post(gw.base_url + "/chat/completions", json=_body(uuid.uuid4().hex), headers=headers, timeout=30)
+        codes.append(r.status_code)
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "rate_limit_exceeded" and "TPM" in r.json()["error"]["message"]
+            break
+    assert codes[0] == 200 and codes[-1] == 429
+    assert 3 <= len(codes) <= 5  # settled with the real token counts, not the reserved upper bounds
