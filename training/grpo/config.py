@@ -144,6 +144,7 @@ def _default_prices() -> dict[str, str]:
 class LedgerConfig:
     device_kind: str | None = _f(None, "Price-table key; None = detect (cpu or nvidia-<model>).")
     price_usd_per_device_hour: dict[str, str] = _f(_default_prices, "USD per device-hour by device kind.")
+    extra_devices: int = _f(0, "Devices billed besides the training processes (e.g. GPUs serving vLLM in server mode).")
     budget_usd: str | None = _f(None, "Hard budget in USD (Decimal string); None = unlimited.")
     budget_device_hours: float | None = _f(None, "Hard budget in device-hours.")
     budget_sampled_tokens: int | None = _f(None, "Hard budget in sampled (generated) tokens.")
@@ -326,6 +327,8 @@ def validate(cfg: RunConfig) -> RunConfig:
             Decimal(cfg.ledger.budget_usd)
         except Exception as e:
             raise ConfigError(f"ledger.budget_usd: not a decimal: {cfg.ledger.budget_usd!r}") from e
+    if cfg.ledger.extra_devices < 0:
+        raise ConfigError("ledger.extra_devices: must be >= 0")
     if not 0 < cfg.ledger.warn_fraction <= 1:
         raise ConfigError("ledger.warn_fraction: must be in (0, 1]")
     for r in cfg.monitors.rules:

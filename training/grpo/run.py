@@ -43,7 +43,7 @@ _NON_HPARAMS = {
 
 
 def detect_device() -> tuple[str, int]:
-    """``(kind, count)``: ``("cpu", 1)`` or ``("nvidia-h200", n)`` from the CUDA device name."""
+    """``(kind, visible count)``: ``("cpu", 1)`` or ``("nvidia-h200", n)`` from the CUDA device name."""
     import torch
 
     if torch.cuda.is_available():
@@ -234,6 +234,8 @@ def run_grpo(
     )
     if trainer.accelerator.num_processes > 1:
         ledger_cb.reduce = _make_reduce(trainer)
+    # billed devices: one per training process (1 on CPU), plus e.g. the GPUs of a vLLM server
+    ledger.device_count = (trainer.accelerator.num_processes if device_kind != "cpu" else 1) + lc.extra_devices
     ledger.writer = trainer.is_world_process_zero()
     trainer.state_savers.append(ledger.save_state)
     trainer.state_savers.append(
