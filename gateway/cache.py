@@ -113,7 +113,12 @@ class ResponseCache:
             token = uuid.uuid4().hex
             lock = self.keys.cache_lock(digest)
             wait_ms = max(1, int(self.cfg.single_flight_wait_s * 1000))
-            if await self.breaker.call(lambda: self.redis.set(lock, token, nx=True, px=wait_ms)):
+            try:
+                acquired = await self.breaker.call(lambda: self.redis.set(lock, token, nx=True, px=wait_ms))
+            except RedisDown:
+                # The SET may still run (a paused server resumes): keep the token so finish() can release it.
+                return Ticket(digest, decision, "bypass", lock_token=token)
+            if acquired:
                 return Ticket(digest, decision, "miss", lock_token=token)
             t0 = time.monotonic()
             entry = await self._wait(digest, decision.max_age_s, t0 + self.cfg.single_flight_wait_s)
