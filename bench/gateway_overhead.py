@@ -100,7 +100,7 @@ class Samples:
         return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
-async def run_load(client: httpx.AsyncClient, target: Target, concurrency: int, n: int, seconds: float,
+async def run_load(clients: list[httpx.AsyncClient], target: Target, concurrency: int, n: int, seconds: float,
                    stream: bool) -> Samples:
     """Closed loop: ``concurrency`` workers send until ``n`` requests are done or ``seconds`` passed."""
     body = orjson.dumps({"model": target.model, "messages": MESSAGES, "stream": stream, "max_tokens": 64})
@@ -110,7 +110,7 @@ async def run_load(client: httpx.AsyncClient, target: Target, concurrency: int, 
     left = n
     deadline = time.perf_counter() + seconds
 
-    async def worker() -> None:
+    async def worker(client: httpx.AsyncClient) -> None:
         nonlocal left
         while left > 0 and time.perf_counter() < deadline:
             left -= 1
@@ -133,7 +133,7 @@ async def run_load(client: httpx.AsyncClient, target: Target, concurrency: int, 
 
     cpu0 = cpu_seconds(target.pid)
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await asyncio.gather(*(worker(clients[i]) for i in range(concurrency)))
     out.wall_s = time.perf_counter() - t0
     cpu1 = cpu_seconds(target.pid)
     if cpu0 is not None and cpu1 is not None:
@@ -144,15 +144,20 @@ async def run_load(client: httpx.AsyncClient, target: Target, concurrency: int, 
 async def measure(targets: list[Target], concurrencies: list[int], n: int, seconds: float, rounds: int,
                   stream: bool) -> dict[tuple[str, int], Samples]:
     results: dict[tuple[str, int], Samples] = {}
-    limits = httpx.Limits(max_connections=max(concurrencies) * 2, max_keepalive_connections=max(concurrencies) * 2)
-    async with httpx.AsyncClient(limits=limits, timeout=30, trust_env=False) as client:
+    # One single-connection client per worker: httpcore's pool bookkeeping grows with its connection count,
+    # and the load generator must not be the bottleneck it measures.
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    clients = [httpx.AsyncClient(limits=limits, timeout=30, trust_env=False) for _ in range(max(concurrencies))]
+    try:
         for t in targets:  # warm-up: connections, imports, caches
-            await run_load(client, t, 4, 40, 10, stream)
+            await run_load(clients, t, 4, 40, 10, stream)
         for c in concurrencies:
             for _ in range(rounds):
                 for t in targets:
-                    s = await run_load(client, t, c, max(1, n // rounds), seconds / rounds, stream)
+                    s = await run_load(clients, t, c, max(1, n // rounds), seconds / rounds, stream)
                     results.setdefault((t.name, c), Samples()).add(s)
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
     return results
 
 

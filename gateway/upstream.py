@@ -1,6 +1,10 @@
 """HTTP client for the tiers' upstreams (vLLM's OpenAI-compatible server or any OpenAI-compatible API).
 
-One pooled ``httpx.AsyncClient`` per distinct ``base_url``; each call uses the tier's connect/read timeouts.
+Pooled ``httpx.AsyncClient`` instances per distinct ``base_url`` — :data:`POOL_SHARDS` of them, used in turn, because
+httpcore's pool does bookkeeping over all its connections on every request (``_assign_requests_to_connections``,
+a ``poll()`` per idle socket; encode/httpcore #928/#929): at 32 concurrent requests one shared pool cost ~20%
+more gateway CPU per request than eight smaller ones (bench/gateway_overhead.py). No client is ever created
+per request. Each call uses the tier's connect/read timeouts.
 Retries (``tier.max_retries``, exponential backoff with jitter) happen only before the response is handed to
 the caller, i.e. before any byte reached the client, and only when repeating is safe:
 
@@ -36,8 +40,9 @@ RETRY_STATUSES = frozenset({502, 503})
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 1.0
 TOKENIZE_TIMEOUT_S = 5.0
-# Enough for the gateway's own concurrency; connections are reused (keep-alive) across requests.
-POOL_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=30.0)
+# Per shard; connections are reused (keep-alive) across requests.
+POOL_LIMITS = httpx.Limits(max_connections=128, max_keepalive_connections=32, keepalive_expiry=30.0)
+POOL_SHARDS = 8
 
 
 class UpstreamConnectTimeout(UpstreamTimeout):
@@ -82,7 +87,8 @@ class UpstreamPool:
     """Pooled clients for every upstream in ``tiers``; close with :meth:`aclose`."""
 
     def __init__(self, tiers: list[TierConfig]) -> None:
-        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._clients: dict[str, list[httpx.AsyncClient]] = {}
+        self._turn = 0
         self._timeouts: dict[str, httpx.Timeout] = {}
         self._headers: dict[str, dict[str, str]] = {}
         for t in tiers:
@@ -97,14 +103,15 @@ class UpstreamPool:
 
     def _client_for(self, base_url: str) -> httpx.AsyncClient:
         key = base_url.rstrip("/")
-        client = self._clients.get(key)
-        if client is None:
-            client = httpx.AsyncClient(base_url=key, limits=POOL_LIMITS, trust_env=False)
-            self._clients[key] = client
-        return client
+        shards = self._clients.get(key)
+        if shards is None:
+            shards = [httpx.AsyncClient(base_url=key, limits=POOL_LIMITS, trust_env=False) for _ in range(POOL_SHARDS)]
+            self._clients[key] = shards
+        self._turn += 1
+        return shards[self._turn % len(shards)]
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(c.aclose() for c in self._clients.values()), return_exceptions=True)
+        await asyncio.gather(*(c.aclose() for s in self._clients.values() for c in s), return_exceptions=True)
 
     async def open(self, tier: TierConfig, path: str, body: bytes, *, stream: bool) -> httpx.Response:
         """POST ``body`` to ``tier.base_url + path`` and return the 2xx response, headers read.
