@@ -92,7 +92,7 @@ def test_smoke_run_writes_the_run_directory(tiny: Path, tmp_path: Path) -> None:
             {"name": "dapo_overlong", "params": {"cache": 4}},
         ],
         dynamic_sampling={"enabled": True, "max_rounds": 3},
-        eval={"before": True, "after": True},
+        eval={"before": True, "after": True, "every_steps": 2, "every_n": 2},
         trl={"max_steps": 3, "num_generations": 4, "per_device_train_batch_size": 8},
     )
     s = run(cfg, tmp_path)
@@ -131,6 +131,10 @@ def test_smoke_run_writes_the_run_directory(tiny: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "model").num_parameters() > 0
+    heldout = [json.loads(x) for x in (tmp_path / "heldout.jsonl").read_text().splitlines()]
+    assert [(h["step"], h["n"]) for h in heldout] == [(2, 2)]  # every 2 steps, on 2 problems
+    assert heldout[0]["cum_sampled_tokens"] == rows[1]["cum_sampled_tokens"]
+    assert rows[2]["eval_ms"] > 0  # the periodic evaluation is booked as eval time in the next row
     after = json.loads((tmp_path / "eval_after.json").read_text())
     assert after["overall"]["n"] == 4 and set(after["by_difficulty"]) == {"1", "2"}
 

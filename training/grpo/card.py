@@ -64,8 +64,7 @@ def model_card(
         f"- Device: {s['device_count']} × {s['device_kind']} at ${s['price_usd_per_device_hour']}/device-hour",
         f"- Spent: ${s['spent_usd']} ({s['device_hours']:.6f} device-hours; "
         f"{s['totals']['sampled_tokens']} sampled tokens, {s['totals']['trained_tokens']} trained tokens)",
-        f"- Accuracy gain: {s.get('accuracy_gain_pp')} percentage points; "
-        f"cost per accuracy point: {per_point}",
+        f"- Accuracy gain: {s.get('accuracy_gain_pp')} percentage points; cost per accuracy point: {per_point}",
         f"- Tags: {', '.join(f'{k}={v}' for k, v in s['tags'].items())}",
         "",
     ]

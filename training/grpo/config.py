@@ -161,6 +161,10 @@ class EvalConfig:
     after: bool = _f(True, "Evaluate the trained model on the held-out set (model card).")
     max_new_tokens: int | None = _f(None, "Generation cap for evaluation; None = trl.max_completion_length.")
     batch_size: int = _f(32, "Prompts per generate() call.")
+    every_steps: int | None = _f(
+        None, "Also evaluate greedily every N optimizer steps (heldout.jsonl; metric heldout/accuracy for monitors)."
+    )
+    every_n: int | None = _f(None, "Held-out problems used by the periodic evaluation (None = all n_eval).")
 
 
 @dataclass

@@ -227,3 +227,48 @@ class LedgerCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if state.is_world_process_zero:
             self.ledger.write_parquet()
+
+
+class HeldoutEvalCallback(TrainerCallback):
+    """Greedy held-out evaluation every ``every_steps`` optimizer steps (after the step's ledger row).
+
+    Appends ``{step, accuracy, mean_completion_tokens, cum_sampled_tokens, cum_wall_ms, …}`` to
+    ``heldout.jsonl`` and feeds ``heldout/accuracy`` and ``heldout/mean_completion_tokens`` to the monitor rules.
+    Its wall time is booked as ``eval`` in the next ledger row (``counters.eval_s``).
+    """
+
+    def __init__(
+        self,
+        every_steps: int,
+        evaluate: Callable[[Any], dict[str, Any]],
+        run_dir: str | Path,
+        counters: StepCounters,
+        ledger: CostLedger,
+        monitor: MonitorCallback | None = None,
+    ) -> None:
+        self.every_steps, self.evaluate, self.run_dir = every_steps, evaluate, Path(run_dir)
+        self.counters, self.ledger, self.monitor = counters, ledger, monitor
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if state.global_step % self.every_steps or kw.get("model") is None:
+            return
+        t0 = time.perf_counter()
+        summary = self.evaluate(kw["model"])
+        self.counters.eval_s += time.perf_counter() - t0
+        overall = summary["overall"]
+        last = self.ledger.last_row or {}
+        if state.is_world_process_zero:
+            line = {
+                "step": state.global_step,
+                **overall,
+                "by_difficulty": summary["by_difficulty"],
+                **{k: last.get(k) for k in ("cum_sampled_tokens", "cum_wall_ms", "cum_cost_micro_usd")},
+            }
+            with (self.run_dir / "heldout.jsonl").open("a") as f:
+                f.write(json.dumps(line) + "\n")
+        if self.monitor is not None:
+            logs = {
+                "heldout/accuracy": overall["accuracy"],
+                "heldout/mean_completion_tokens": overall["mean_completion_tokens"],
+            }
+            self.monitor.on_log(args, state, control, logs=logs)

@@ -127,7 +127,7 @@ def run_grpo(
     from training.grpo.card import model_card, tier_snippet
     from training.grpo.evaluate import generate_and_score, summarize
     from training.grpo.ledger import Budgets, CostLedger, StepCounters
-    from training.grpo.monitors import AlertLog, LedgerCallback, MonitorCallback
+    from training.grpo.monitors import AlertLog, HeldoutEvalCallback, LedgerCallback, MonitorCallback
     from training.grpo.plots import plot_run
     from training.grpo.reward_utils import task_verifier
     from training.grpo.rewards import RewardContext, build_rewards
@@ -213,6 +213,15 @@ def run_grpo(
     )
     monitor_cb = MonitorCallback(cfg.monitors.rules, run_dir, alert_log)
     ledger_cb = LedgerCallback(ledger, counters, alert_log)
+    callbacks: list[Any] = [ledger_cb, monitor_cb]
+    eval_max = cfg.eval.max_new_tokens or max_len
+    if cfg.eval.every_steps:
+        subset = eval_rows[: cfg.eval.every_n] if cfg.eval.every_n else eval_rows
+
+        def periodic(m: Any) -> dict[str, Any]:
+            return summarize(generate_and_score(m, tokenizer, subset, verifier, eval_max, cfg.eval.batch_size))
+
+        callbacks.append(HeldoutEvalCallback(cfg.eval.every_steps, periodic, run_dir, counters, ledger, monitor_cb))
 
     sampler = None
     if cfg.dynamic_sampling.enabled:
@@ -227,7 +236,7 @@ def run_grpo(
         args=args,
         train_dataset=Dataset.from_list(train_rows),
         eval_dataset=eval_ds,
-        callbacks=[ledger_cb, monitor_cb],
+        callbacks=callbacks,
         advantage_config=cfg.advantages,
         counters=counters,
         dynamic_sampler=sampler,
@@ -249,7 +258,6 @@ def run_grpo(
             monitor_cb.engine.load_state_dict(json.loads(mstate.read_text()))
 
     # -- evaluate, train, evaluate ----------------------------------------------------------------------------
-    eval_max = cfg.eval.max_new_tokens or max_len
     t_eval = 0.0
     before = None
     before_path = run_dir / "eval_before.json"
