@@ -201,6 +201,7 @@ def test_all_solved_data_stops_cleanly(tiny: Path, tmp_path: Path) -> None:
     s = run(cfg, tmp_path, verifier=lambda row, text: True)
     assert s["global_step"] == 0
     assert "no learning signal" in s["stop_reason"] and "all solved" in s["stop_reason"]
+    assert (tmp_path / "checkpoint-0" / "ledger_state.json").is_file()  # checkpoint before stopping
     rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["trained_tokens"] == 0 and rows[0]["dropped_rollouts"] == 0
     # the aborted step was paid: 3 rounds of 2 + 3 + 3 prompts (refills of ceil(2 * 1.5)) x 2 rollouts
