@@ -115,5 +115,53 @@ def test_tpm_through_the_gateway(gw: GatewayServer, redis_url: str, prefix: str)
         if r.status_code == 429:
             assert r.json()["error"]["code"] == "rate_limit_exceeded" and "TPM" in r.json()["error"]["message"]
             break
+        usage_events(gw, [r.headers["x-request-id"]])  # settled: the window holds real tokens, not the reservation
     assert codes[0] == 200 and codes[-1] == 429
     assert 3 <= len(codes) <= 5  # settled with the real token counts, not the reserved upper bounds
+
+
+def test_budget_alerts_fire_once_through_the_gateway(gw: GatewayServer, upstream_sim: SimProcess, redis_url: str,
+                                                     prefix: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    import http.server
+    import json
+    import threading
+    import time
+
+    received: list[dict[str, object]] = []
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cost = _one_request_cost(gw)
+    kid = f"alert-{uuid.uuid4().hex[:8]}"
+    secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(int(cost * 2.5)), tags={"team": "ml"})
+    limits = {"alert_fractions": [0.5, 0.8, 1.0], "alert_webhook_url": f"http://127.0.0.1:{server.server_port}/h"}
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("alertgw"), prefix,
+                                limits=limits) as alert_gw:
+            headers = {"authorization": f"Bearer {secret}", "cache-control": "no-store"}
+            codes = []
+            for _ in range(5):  # one at a time, each settled before the next (as a sequential client sees it)
+                r = httpx.post(alert_gw.base_url + "/chat/completions", json=_body(uuid.uuid4().hex),
+                               headers=headers, timeout=30)
+                codes.append(r.status_code)
+                if r.status_code == 200:
+                    usage_events(alert_gw, [r.headers["x-request-id"]])
+            deadline = time.monotonic() + 5
+            while len(received) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)  # anything extra would show up now
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429]
+    assert sorted((a["period"], a["fraction"]) for a in received) == [("day", 0.5), ("day", 0.8), ("day", 1.0)]
+    assert all(a["key_id"] == kid and a["tags"] == {"team": "ml"} for a in received)

@@ -154,3 +154,40 @@ async def test_replayer_task_drains_after_restart(tmp_path: Path) -> None:
             finally:
                 stop.set()
                 await task
+
+
+def test_export_grouping_and_formats(tmp_path: Path) -> None:
+    import io
+
+    import pyarrow.parquet as pq
+
+    from gateway import export as ex
+
+    evs = [
+        _event("a", "short", 1, tags={"project": "p1", "team": "x"}),
+        _event("a", "long", 2, tags={"project": "p2"}),
+        _event("b", "short", 3),
+    ]
+    by_project = {r["tag:project"]: r for r in ex.group(evs, ["tag:project"])}
+    assert set(by_project) == {"p1", "p2", ""}
+    assert sum(r["cost_micro_usd"] for r in by_project.values()) == sum(e.cost_micro_usd for e in evs)
+    exploded = ex.group(evs, ["tag"])  # one row per k=v: the first event counts twice
+    assert sum(r["requests"] for r in exploded) == 4
+    rows = ex.group(evs, ["key", "day"])
+    assert [(r["key"], r["requests"]) for r in rows] == [("a", 2), ("b", 1)]
+    assert rows[0]["cost_usd"] == str(ex.micro_to_usd(evs[0].cost_micro_usd + evs[1].cost_micro_usd))
+    with pytest.raises(ex.ExportError):
+        ex.parse_group_by("key,colour")
+    assert ex.parse_time("2026-11-29") == ex.parse_time("2026-11-29T00:00:00Z") == 1795910400.0
+    with pytest.raises(ex.ExportError):
+        ex.parse_time("yesterday")
+    raw_rows, cols = ex.build(evs, [])
+    buf = io.BytesIO()
+    ex.write(raw_rows, cols, "parquet", buf)
+    table = pq.read_table(io.BytesIO(buf.getvalue())).to_pylist()
+    assert [r["event_id"] for r in table] == [e.event_id for e in evs]
+    assert table[0]["tags"] == [("project", "p1"), ("team", "x")]
+    assert table[0]["cost_micro_usd"] == evs[0].cost_micro_usd
+    out = tmp_path / "e.csv"
+    ex.write_file(raw_rows, cols, "csv", out, io.BytesIO())
+    assert out.read_text().splitlines()[0].split(",")[:3] == ["key_id", "requested_model", "event_id"]

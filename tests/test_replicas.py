@@ -116,3 +116,30 @@ def test_counters_agree_across_replicas(replicas: tuple[str, str]) -> None:
         time.sleep(0.05)
     assert views[0]["counters"] == views[1]["counters"]
     assert views[0]["counters"]["total"]["requests"] == want
+
+
+@pytest.mark.parametrize(("url", "kind", "prefix"), [
+    ("redis://127.0.0.1:6379/0", "standalone", "tg:"),
+    ("unix:///tmp/redis.sock", "standalone", "tg:"),
+    ("redis+cluster://127.0.0.1:7000", "cluster", "{tg:}"),
+    ("redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/mymaster/2", "sentinel", "tg:"),
+])
+def test_cluster_and_sentinel_urls_use_redis_py_clients(url: str, kind: str, prefix: str) -> None:
+    from redis.asyncio import RedisCluster
+
+    from gateway.config import RedisConfig
+    from gateway.redis_client import connect
+
+    handle = connect(RedisConfig(url=url))  # builds the client; no connection is made yet
+    assert (handle.kind, handle.prefix) == (kind, prefix)
+    if kind == "cluster":
+        assert isinstance(handle.client, RedisCluster)
+    if kind == "sentinel":
+        pool = handle.client.connection_pool
+        assert pool.service_name == "mymaster" and pool.connection_kwargs["db"] == 2
+        assert [(s.connection_pool.connection_kwargs["port"]) for s in pool.sentinel_manager.sentinels] == \
+            [26379, 26380]
+    with pytest.raises(ValueError):
+        connect(RedisConfig(url="redis+sentinel://127.0.0.1:26379"))
+    with pytest.raises(ValueError):
+        connect(RedisConfig(url="memcached://x"))
