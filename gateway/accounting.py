@@ -31,7 +31,7 @@ from gateway.cache_policy import cache_key, decide, tenant_scope
 from gateway.config import Settings, TierConfig
 from gateway.errors import GatewayError
 from gateway.keystore import RedisKeyStore
-from gateway.limits import Admission, KeyLimits, Limits, estimate
+from gateway.limits import Admission, Estimate, KeyLimits, Limits, estimate
 from gateway.metering import Meter
 from gateway.metrics import Metrics
 from gateway.redis_client import RedisHandle, connect
@@ -126,9 +126,12 @@ class Accounting:
         """Admit the request of ``record`` (``tiers``: where it may run: routed tier + fallbacks) or raise
         :class:`~gateway.errors.RateLimited` / ``LimitsUnavailable``."""
         self._remember(key)
+        lim = KeyLimits.of(key)
+        if lim.unlimited:  # nothing to check: no Redis, no estimate
+            self._open[record.request_id] = key
+            return Admission(key.id, record.request_id, "none", Estimate(0, 0))
         try:
-            admission = await self.limits.admit(KeyLimits.of(key), record.request_id, estimate(body, tiers),
-                                                record.ts)
+            admission = await self.limits.admit(lim, record.request_id, estimate(body, tiers), record.ts)
         except GatewayError as exc:
             self.metrics.rejected(exc.code)
             raise
@@ -156,7 +159,10 @@ class Accounting:
         """Look up the answer to ``upstream_body`` on ``tier`` for ``key``'s tenant scope (never raises for
         Redis outages; a ``bypass`` ticket when the policy or an outage says so)."""
         decision = decide(self.settings.cache, upstream_body, headers)
-        digest = cache_key(tenant_scope(key.id, key.cache_namespace), record.endpoint, tier.name, upstream_body)
+        if decision.lookup or decision.store:
+            digest = cache_key(tenant_scope(key.id, key.cache_namespace), record.endpoint, tier.name, upstream_body)
+        else:
+            digest = ""  # bypass: no Redis, no hashing
         ticket = await self.cache.begin(digest, decision)
         self._cache_result[record.request_id] = ticket.status
         return ticket
