@@ -36,15 +36,22 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import orjson
 
 from gateway import sse
 from gateway.config import LoopGuard, TierConfig
-from gateway.errors import InvalidRequest
+from gateway.errors import GatewayError, InvalidRequest, UpstreamTimeout
 from gateway.upstream import UpstreamPool
 
 THINK_OPEN = "<think>\n"
 PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+
+
+async def _payloads(resp: Any) -> AsyncIterator[bytes]:
+    async for batch in sse.data_batches(resp):
+        for payload in batch:
+            yield payload
 
 
 class LoopDetector:
@@ -107,6 +114,10 @@ def answer_request(
         out["messages"] = [*body["messages"], {"role": "assistant", "content": prefix}]
         out["continue_final_message"] = True
         out["add_generation_prompt"] = False
+        # The thought is closed: engines whose reasoning parser honours the switch (vLLM's qwen3) then report
+        # everything generated as the answer (content) instead of as an unfinished thought.
+        kwargs = out.get("chat_template_kwargs")
+        out["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}), "enable_thinking": False}
     else:
         out["prompt"] = body["prompt"] + thought + close
     return out
@@ -173,9 +184,11 @@ class ForcedBudget:
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """One combined non-streamed response (OpenAI JSON). ``body`` is the tier's upstream body; ``n``
-        choices are ``n`` independent forced generations."""
+        choices are ``n`` independent forced generations. Built from :meth:`stream` (the upstream calls are
+        streamed either way), so the loop guard applies to both."""
         n = int(body.get("n") or 1)
-        results = await asyncio.gather(*(self._complete_one(body) for _ in range(n)))
+        one = {**body, "n": 1, "stream": True}
+        results = await asyncio.gather(*(self._assemble(self.stream(one)) for _ in range(n)))
         usage: dict[str, Any] = {}
         reasoning = 0
         choices = []
@@ -183,29 +196,36 @@ class ForcedBudget:
             reasoning += u["completion_tokens_details"]["reasoning_tokens"]
             usage = merge_usage(usage, u, reasoning)
             choices.append({**choice, "index": i})
-        return {**results[0][2], "choices": choices, "usage": usage}
+        obj = "chat.completion" if self.endpoint == "chat" else "text_completion"
+        return {**results[0][2], "object": obj, "choices": choices, "usage": usage}
 
-    async def _complete_one(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """(choice, usage, response metadata) of one forced generation."""
-        p1, _ = await self.pool.post_json(self.tier, self.path, orjson.dumps(thought_request(body, self.tier)))
-        c1 = (p1.get("choices") or [{}])[0]
-        thought = _text_of(c1, self.endpoint)
-        u1 = p1.get("usage") or {}
-        used = int(u1.get("completion_tokens") or 0)
-        natural = c1.get("finish_reason") == "stop"
-        req2 = answer_request(body, self.tier, self.endpoint, thought, natural, used)
-        p2, _ = await self.pool.post_json(self.tier, self.path, orjson.dumps(req2))
-        c2 = (p2.get("choices") or [{}])[0]
-        answer = _text_of(c2, self.endpoint)
-        meta = {k: p1[k] for k in ("id", "object", "created", "model") if k in p1}
-        choice: dict[str, Any]
+    async def _assemble(
+        self, payloads: AsyncIterator[bytes]
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """(choice, usage, response metadata) from the chunks of one forced stream."""
+        reasoning: list[str] = []
+        text: list[str] = []
+        finish: str | None = None
+        usage: dict[str, Any] = {}
+        meta: dict[str, Any] = {}
+        async for payload in payloads:
+            if payload == b"[DONE]":
+                break
+            data = orjson.loads(payload)
+            meta = meta or {k: data[k] for k in ("id", "created", "model") if k in data}
+            usage = data.get("usage") or usage
+            for c in data.get("choices") or ():
+                finish = c.get("finish_reason") or finish
+                if self.endpoint == "completions":
+                    text.append(c.get("text") or "")
+                    continue
+                delta = c.get("delta") or {}
+                reasoning.append(delta.get("reasoning") or "")
+                text.append(delta.get("content") or "")
         if self.endpoint == "chat":
-            message = {"role": "assistant", "content": answer, "reasoning": thought}
-            choice = {"index": 0, "message": message, "finish_reason": c2.get("finish_reason")}
-        else:
-            close = end_marker(self.tier) + "\n\n" if natural else self.tier.end_of_thinking
-            choice = {"index": 0, "text": thought + close + answer, "finish_reason": c2.get("finish_reason")}
-        return choice, merge_usage(u1, p2.get("usage"), used), meta
+            message = {"role": "assistant", "content": "".join(text), "reasoning": "".join(reasoning)}
+            return {"index": 0, "message": message, "finish_reason": finish}, usage, meta
+        return {"index": 0, "text": "".join(text), "finish_reason": finish}, usage, meta
 
     # -- streamed -----------------------------------------------------------------------------------
 
@@ -216,6 +236,9 @@ class ForcedBudget:
         created = int(time.time())
         obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
         guard = LoopDetector(self.tier.loop_guard) if self.tier.loop_guard else None
+        opts = body.get("stream_options")
+        body = {**body, "stream": True, "stream_options": {**(opts if isinstance(opts, dict) else {}),
+                                                           "include_usage": True}}
 
         def chunk(piece: str | None, kind: str, finish: str | None = None) -> bytes:
             if self.endpoint == "chat":
@@ -226,16 +249,17 @@ class ForcedBudget:
             head = {"id": rid, "object": obj, "created": created, "model": self.tier.model}
             return orjson.dumps({**head, "choices": [c]})
 
-        if self.endpoint == "chat":
-            yield orjson.dumps(
-                {"id": rid, "object": obj, "created": created, "model": self.tier.model,
-                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-            )
         p1 = _Phase()
         looped = False
+        # Opened before the first yield: a caller that primes the generator sees connection errors (and can
+        # fall back to another tier) before any byte went to the client.
         resp = await self.pool.open(self.tier, self.path, orjson.dumps(thought_request(body, self.tier)), stream=True)
         try:
-            async for payload in sse.data_payloads(resp):
+            if self.endpoint == "chat":
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                yield orjson.dumps({"id": rid, "object": obj, "created": created, "model": self.tier.model,
+                                    "choices": [role]})
+            async for payload in _payloads(resp):
                 if payload == b"[DONE]":
                     break
                 data = orjson.loads(payload)
@@ -267,7 +291,7 @@ class ForcedBudget:
         req2 = answer_request(body, self.tier, self.endpoint, p1.text, natural, used)
         resp = await self.pool.open(self.tier, self.path, orjson.dumps(req2), stream=True)
         try:
-            async for payload in sse.data_payloads(resp):
+            async for payload in _payloads(resp):
                 if payload == b"[DONE]":
                     break
                 data = orjson.loads(payload)
@@ -313,3 +337,106 @@ def escalation_reason(tier: TierConfig, data: dict[str, Any], endpoint: str) -> 
     if "empty_answer" in tier.escalate_on:
         return "empty_answer"
     return None
+
+
+class SyntheticResponse:
+    """Stands in for the ``httpx.Response`` of one upstream call when the gateway composed the answer itself
+    (budget forcing) or already read part of it (escalation peek): the proxy reads ``content`` (non-streamed)
+    or ``aiter_raw()`` (SSE bytes) and always calls ``aclose()``.
+
+    Gateway errors raised while streaming are re-raised as the httpx errors the relay already turns into an
+    in-stream error event (timeout → ``httpx.ReadTimeout``, others → ``httpx.RemoteProtocolError``).
+    """
+
+    def __init__(
+        self,
+        content: bytes = b"",
+        payloads: AsyncIterator[bytes] | None = None,
+        head: list[bytes] | None = None,
+        raw: AsyncIterator[bytes] | None = None,
+        closer: Any = None,
+    ) -> None:
+        self.content = content
+        self._payloads = payloads
+        self._head = head or []
+        self._raw = raw
+        self._closer = closer
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        for frame in self._head:
+            yield frame
+        try:
+            if self._payloads is not None:
+                async for payload in self._payloads:
+                    yield sse.event(payload)
+            if self._raw is not None:
+                async for chunk in self._raw:
+                    yield chunk
+        except UpstreamTimeout as exc:
+            raise httpx.ReadTimeout(exc.message) from None
+        except GatewayError as exc:
+            raise httpx.RemoteProtocolError(exc.message) from None
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._payloads, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        if self._closer is not None:
+            await self._closer()
+
+
+async def open_forced(pool: UpstreamPool, tier: TierConfig, endpoint: str, body: dict[str, Any]) -> SyntheticResponse:
+    """Run budget forcing for ``body`` (the tier's upstream body) and return it as one upstream response.
+
+    Streams are primed up to the first chunk, so connection failures of the thought phase raise here
+    (UpstreamUnavailable & co.) and the proxy can still fall back. Raises InvalidRequest for what forcing
+    cannot serve (see :meth:`ForcedBudget.check`).
+    """
+    forced = ForcedBudget(pool, tier, endpoint)
+    forced.check(body)
+    if body.get("stream") is not True:
+        return SyntheticResponse(content=orjson.dumps(await forced.complete(body)))
+    payloads = forced.stream(body)
+    first = await payloads.__anext__()
+    return SyntheticResponse(payloads=payloads, head=[sse.event(first)])
+
+
+async def peek_stream(resp: Any, endpoint: str) -> tuple[SyntheticResponse, dict[str, Any]]:
+    """Read an SSE response until its answer starts (a non-empty ``content``/``text`` delta) or it ends.
+
+    Returns (a response replaying everything read and then the rest, a summary for
+    :func:`escalation_reason`: ``{"choices": [{"message"|"text": …, "finish_reason"}], "usage"}``). The
+    thought is buffered meanwhile, which is the price of escalating a streamed request before any byte of
+    the weaker tier's answer reached the client.
+    """
+    head: list[bytes] = []
+    raw = resp.aiter_raw()
+    text = ""
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    buf = b""
+    async for chunk in raw:
+        head.append(chunk)
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            try:
+                data = orjson.loads(line[5:].strip())
+            except orjson.JSONDecodeError:
+                continue
+            usage = data.get("usage") or usage
+            for c in data.get("choices") or ():
+                part = c.get("text") if endpoint == "completions" else (c.get("delta") or {}).get("content")
+                text += str(part or "")
+                finish = c.get("finish_reason") or finish
+        # completions carry the thought in ``text`` too: the answer is what follows the end marker
+        answer = text if endpoint == "chat" else (text.rsplit("</think>", 1)[1] if "</think>" in text else "")
+        if answer.strip():
+            break
+    if endpoint == "chat":
+        choice: dict[str, Any] = {"message": {"content": text}, "finish_reason": finish}
+    else:
+        choice = {"text": text, "finish_reason": finish}
+    return SyntheticResponse(head=head, raw=raw, closer=resp.aclose), {"choices": [choice], "usage": usage}

@@ -25,7 +25,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway import schemas, sse, upstream_body
+from gateway import budget, schemas, sse, upstream_body
 from gateway.auth import KeyStore
 from gateway.config import Settings, TierConfig
 from gateway.errors import BodyTooLarge, GatewayError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
@@ -165,7 +165,9 @@ class Proxy:
             self._finish(record, route.tier, getattr(exc, "status_code", exc.status), exc.code)
             raise
         self._stamp(record, route)
-        cache_ticket = ticket if route.reason != "fallback" else None  # keyed on the routed tier only
+        if route.tier.escalate_on and (nxt := self._next_tier(route.tier)) is not None:
+            route, resp, record = await self._maybe_escalate(route, resp, body, endpoint, record, nxt)
+        cache_ticket = ticket if route.reason not in ("fallback", "escalated") else None  # routed tier only
         if ticket is not None and cache_ticket is None:
             await self._cache_finish(ticket, None, record, route.tier)
         headers = {**route_headers(route, record), CACHE_HEADER: ticket.status if ticket else "bypass"}
@@ -199,6 +201,49 @@ class Proxy:
         if ticket is not None and self.accounting is not None:
             await self.accounting.cache_finish(ticket, answer, record, tier)
 
+    def _next_tier(self, tier: TierConfig) -> TierConfig | None:
+        """The tier after ``tier`` in the configured order (cheapest first), or None for the last one."""
+        names = [t.name for t in self.settings.tiers]
+        i = names.index(tier.name)
+        return self.settings.tiers[i + 1] if i + 1 < len(names) else None
+
+    async def _maybe_escalate(
+        self, route: RouteDecision, resp: Any, body: dict[str, Any], endpoint: str, record: UsageRecord,
+        nxt: TierConfig,
+    ) -> tuple[RouteDecision, Any, UsageRecord]:
+        """Retry once on ``nxt`` when the tier's answer is empty or was cut inside its thought
+        (``tier.escalate_on``). Both calls are metered: the first attempt as its own usage record, the retry
+        with route reason ``escalated``. Streams are read up to the first answer token to decide
+        (:func:`gateway.budget.peek_stream`)."""
+        if record.stream:
+            resp, summary = await budget.peek_stream(resp, endpoint)
+        else:
+            try:
+                summary = orjson.loads(resp.content)
+            except orjson.JSONDecodeError:
+                return route, resp, record
+        why = budget.escalation_reason(route.tier, summary, endpoint) if isinstance(summary, dict) else None
+        if why is None:
+            return route, resp, record
+        await resp.aclose()
+        log.info("tier %s gave %s; escalating to %s", route.tier.name, why, nxt.name)
+        record.mark_first_byte()
+        record.set_usage(summary.get("usage") if isinstance(summary.get("usage"), dict) else None)
+        self._finish(record, route.tier, 200, f"escalated_{why}")
+        retry = RouteDecision(nxt, "escalated", route.difficulty)
+        again = UsageRecord(key_id=record.key_id, tags=record.tags, endpoint=endpoint,
+                            requested_model=record.requested_model, stream=record.stream)
+        self._stamp(again, retry)
+        try:
+            routed, resp = await self._call_upstream(retry, body, endpoint, again)
+        except GatewayError as exc:
+            self._finish(again, nxt, getattr(exc, "status_code", exc.status), exc.code)
+            raise
+        if routed.reason == "fallback":
+            routed = RouteDecision(routed.tier, "escalated", route.difficulty)
+        self._stamp(again, routed)
+        return routed, resp, again
+
     async def _call_upstream(
         self, route: RouteDecision, body: dict[str, Any], endpoint: str, record: UsageRecord
     ) -> tuple[RouteDecision, httpx.Response]:
@@ -206,9 +251,12 @@ class Proxy:
         candidates = [route.tier, *self.routing.fallbacks(route.tier)]
         last: GatewayError | None = None
         for i, tier in enumerate(candidates):
-            payload = orjson.dumps(upstream_body.build(body, tier, endpoint))
+            built = upstream_body.build(body, tier, endpoint)
             try:
-                resp = await self.upstreams.open(tier, PATHS[endpoint], payload, stream=record.stream)
+                if tier.budget_mode == "forced":
+                    resp: Any = await budget.open_forced(self.upstreams, tier, endpoint, built)
+                else:
+                    resp = await self.upstreams.open(tier, PATHS[endpoint], orjson.dumps(built), stream=record.stream)
             except (UpstreamUnavailable, UpstreamConnectTimeout) as exc:
                 log.warning("tier %s unavailable (%s)%s", tier.name, exc.message,
                             "; falling back" if i + 1 < len(candidates) else "")

@@ -31,6 +31,7 @@ def test_answer_request_continues_the_assistant_turn() -> None:
     cut = answer_request(body, _tier(), "chat", "3+4=7", closed_naturally=False, used=32)
     assert cut["messages"][-1] == {"role": "assistant", "content": "<think>\n3+4=7\n</think>\n\n"}
     assert cut["continue_final_message"] is True and cut["add_generation_prompt"] is False
+    assert cut["chat_template_kwargs"] == {"enable_thinking": False}
     assert cut["max_tokens"] == 68
     assert cut["stop"] == ["X"]
     natural = answer_request(body, _tier(), "chat", "3+4=7\n", closed_naturally=True, used=5)
