@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from gateway.eval_cli import app as eval_app
 from gateway.keys_cli import app as keys_app
 from gateway.usage_cli import app as usage_app
 from router.cli import app as router_app
@@ -29,6 +30,7 @@ app.add_typer(train_app, name="train", help="Offline training jobs (tiny local m
 config_app = typer.Typer(no_args_is_help=True)
 app.add_typer(config_app, name="config", help="Inspect the effective configuration.")
 app.add_typer(keys_app, name="keys", help="Create, list and revoke API keys in the Redis key store.")
+app.add_typer(eval_app, name="eval", help="Evaluate a running gateway's tiers on held-out problems.")
 app.add_typer(usage_app, name="usage", help="Export usage (events or grouped sums) as csv, jsonl or parquet.")
 
 if TYPE_CHECKING:
