@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -35,6 +36,7 @@ SIM_PATH = Path(__file__).with_name("upstream_sim.py")
 TEST_KEY = "tg-test-key-0123456789"
 TEST_KEY_ID = "test"
 START_TIMEOUT_S = 20.0
+SESSION_PREFIX = f"tgtest:{uuid.uuid4().hex[:8]}:"
 
 
 class SimProcess:
@@ -137,7 +139,8 @@ def sim_settings(base_url: str, redis_url: str, *, tiers: list[dict[str, Any]] |
     thresholds [0.5] over ``short``/``long``. ``overrides`` replace top-level sections."""
     base: dict[str, Any] = {
         "engine": {"enabled": False},
-        "redis": {"url": redis_url, "start_if_missing": False},
+        # a prefix per test session: cache entries and counters never leak between runs on a shared Redis
+        "redis": {"url": redis_url, "start_if_missing": False, "key_prefix": SESSION_PREFIX},
         "tiers": tiers if tiers is not None else sim_tiers(base_url),
         "routing": {"router_path": None, "routed_tiers": ["short", "long"], "thresholds": [0.5],
                     "default_tier": "long"},
