@@ -34,7 +34,8 @@ class LengthBaselineRouter(Router):
     """Baseline, not a learned model: longer prompts are assumed harder.
 
     score = min(1, len(text) / ``saturate_chars``), so a prompt of ``saturate_chars`` characters or more
-    scores 1.0. Used when no trained router file is configured or it fails to load.
+    scores 1.0. Used by the gateway when ``routing.router_path`` is null (no learned router); a configured
+    file that is missing or fails to load follows ``routing.on_router_error`` instead (router/serving.py).
     """
 
     name = "length-baseline"

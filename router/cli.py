@@ -1,7 +1,312 @@
-"""`thinkgate router …` commands."""
+"""`thinkgate router …` commands: label, fit, calibrate, eval, info, score, build-default.
+
+Heavy imports (scikit-learn, skops, matplotlib) happen inside the commands so ``thinkgate --help`` is fast.
+Data flow::
+
+    label difficulty|outcomes|gateway  →  labelled JSONL  →  fit  →  calibrate  →  eval   (→ gateway)
+"""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
 app = typer.Typer(no_args_is_help=True)
+label_app = typer.Typer(no_args_is_help=True, help="Make labelled JSONL (text, label, outcomes) from three sources.")
+app.add_typer(label_app, name="label")
+
+_DEFAULT_ROUTER = Path(__file__).resolve().parent / "assets" / "default.skops"
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(width=200)
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def _load(path: Path) -> Any:
+    from router.persistence import RouterFileError, load_router
+
+    try:
+        return load_router(path)
+    except RouterFileError as exc:
+        _fail(str(exc))
+
+
+def _items(paths: list[Path]) -> list[Any]:
+    from router.labels import load_items
+
+    try:
+        return load_items(paths)
+    except (OSError, ValueError) as exc:
+        _fail(str(exc))
+        raise  # unreachable
+
+
+# ---- label ---------------------------------------------------------------------------------------------------
+
+
+@label_app.command("difficulty")
+def label_difficulty(
+    inp: Annotated[Path, typer.Argument(help="JSONL(.gz) with a text and a numeric difficulty field")],
+    out: Annotated[Path, typer.Argument(help="labelled JSONL to write")],
+    threshold: Annotated[float, typer.Option(help="difficulty >= threshold → label 1 (long)")] = 4,
+    text_field: str = "problem",
+    difficulty_field: str = "level",
+    group_field: str = "subject",
+    id_field: str = "unique_id",
+    source: Annotated[str, typer.Option(help="source name (suffixed with >=threshold)")] = "math-level",
+) -> None:
+    """Source 1: a data set's own difficulty (MATH `level`, the arithmetic task's #operations)."""
+    from router.jsonl import read_jsonl, write_jsonl
+    from router.labels import from_difficulty
+
+    rows = from_difficulty(read_jsonl(inp), threshold=threshold, text_field=text_field,
+                           difficulty_field=difficulty_field, group_field=group_field or None,
+                           id_field=id_field or None, source=source)
+    n = write_jsonl(out, (it.to_dict() for it in rows))
+    typer.echo(f"wrote {n} labelled items to {out}")
+
+
+@label_app.command("outcomes")
+def label_outcomes(
+    inp: Annotated[Path, typer.Argument(help="JSONL(.gz) with weak/strong correctness columns")],
+    out: Annotated[Path, typer.Argument(help="labelled JSONL to write")],
+    weak_field: str = "mistralai/Mixtral-8x7B-Instruct-v0.1",
+    strong_field: str = "gpt-4-1106-preview",
+    text_field: str = "prompt",
+    group_field: str = "subject",
+    id_field: Annotated[str, typer.Option(help="id column ('' = row number)")] = "",
+    source: str = "routellm-mmlu",
+) -> None:
+    """Source 2: outcome pairs — weak wrong and strong right → long (RouteLLM's MMLU file by default)."""
+    from router.jsonl import read_jsonl, write_jsonl
+    from router.labels import from_outcome_pairs
+
+    rows = from_outcome_pairs(read_jsonl(inp), weak_field=weak_field, strong_field=strong_field,
+                              text_field=text_field, group_field=group_field or None, id_field=id_field or None,
+                              source=source, id_prefix=f"{source}/")
+    n = write_jsonl(out, (it.to_dict() for it in rows))
+    typer.echo(f"wrote {n} labelled items to {out}")
+
+
+@label_app.command("gateway")
+def label_gateway(
+    inp: Annotated[Path, typer.Argument(help="JSONL of {id, question, answer[, task, system, group]}")],
+    out: Annotated[Path, typer.Argument(help="labelled JSONL (appended; ids already there are skipped)")],
+    tiers: Annotated[str, typer.Option(help="comma-separated tier names, cheapest first")] = "short,long",
+    verifier: Annotated[str, typer.Option(help="task | math | int | exact | module:function")] = "task",
+    concurrency: int = 4,
+    limit: Annotated[int | None, typer.Option(help="label at most this many new items")] = None,
+    url: Annotated[str | None, typer.Option(help="server base URL (default $THINKGATE_URL)")] = None,
+    api_key: Annotated[str | None, typer.Option(help="API key (default $THINKGATE_API_KEY)")] = None,
+    timeout_s: float = 300.0,
+    source: str = "gateway",
+) -> None:
+    """Source 3: measure each tier's correctness and tokens through a running gateway (resumable)."""
+    from router.outcomes import GatewayClient, label_via_gateway
+    from router.verifiers import get_verifier
+
+    try:
+        check = get_verifier(verifier)
+    except ValueError as exc:
+        _fail(str(exc))
+    tier_list = [t.strip() for t in tiers.split(",") if t.strip()]
+    client = GatewayClient(url, api_key, timeout_s=timeout_s)
+    try:
+        stats = label_via_gateway(inp, out, tier_list, check, client=client, concurrency=concurrency,
+                                  limit=limit, source=source)
+    except ValueError as exc:
+        _fail(str(exc))
+    finally:
+        client.close()
+    typer.echo(f"{stats.written} written, {stats.skipped_existing} already done, {stats.failed} failed "
+               f"(of {stats.total}) → {out}")
+    for e in stats.errors[:5]:
+        typer.echo(f"  failed: {e}", err=True)
+    if stats.failed:
+        raise typer.Exit(1)
+
+
+@label_app.command("export-task")
+def export_task(
+    task: Annotated[str, typer.Argument(help="arith | gsm8k | math (training.tasks)")],
+    split: Annotated[str, typer.Argument(help="train | test")],
+    out: Annotated[Path, typer.Argument(help="JSONL of {id, question, answer, task, difficulty, group}")],
+    n: Annotated[int | None, typer.Option(help="problems per difficulty level (arith) or in all")] = None,
+    difficulties: Annotated[str, typer.Option(help="comma-separated levels (arith default 1-7)")] = "",
+    seed: int = 0,
+) -> None:
+    """Write task problems as question rows: input to `label gateway` (and to `label difficulty` with
+    --text-field question --difficulty-field difficulty)."""
+    from router.jsonl import write_jsonl
+    from router.tasks_data import task_rows
+
+    levels = [int(x) for x in difficulties.split(",") if x.strip()] or None
+    try:
+        rows = task_rows(task, split, n, seed, levels)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        _fail(str(exc))
+    typer.echo(f"wrote {write_jsonl(out, rows)} rows to {out}")
+
+
+# ---- fit / calibrate / eval -----------------------------------------------------------------------------------
+
+
+@app.command("fit")
+def fit(
+    data: Annotated[list[Path], typer.Argument(help="labelled JSONL file(s)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="router file to write (.skops)")],
+    val_frac: Annotated[float, typer.Option(help="validation share per source, by group")] = 0.2,
+    platt_frac: Annotated[float, typer.Option(help="share of the training part held out for Platt scaling")] = 0.15,
+    refit: Annotated[bool, typer.Option(help="after validating, refit on all items (shipped models)")] = False,
+    seed: int = 0,
+    c: Annotated[float, typer.Option("--C", help="inverse L2 strength")] = 2.0,
+    max_chars: int = 4000,
+    word_max_features: int = 10_000,
+    char_max_features: int = 15_000,
+    min_df: int = 3,
+    word_ngrams: Annotated[str, typer.Option(help="word n-gram range 'lo,hi'")] = "1,1",
+    char_ngrams: Annotated[str, typer.Option(help="char n-gram range 'lo,hi'")] = "2,4",
+) -> None:
+    """Fit the difficulty router (grouped split; validation metrics printed and saved in the file)."""
+    from router.evaluate import render_table
+    from router.fit import fit_router
+    from router.model import ModelConfig
+    from router.persistence import save_router
+
+    items = _items(data)
+    try:
+        wlo, whi = (int(x) for x in word_ngrams.split(","))
+        clo, chi = (int(x) for x in char_ngrams.split(","))
+    except ValueError:
+        _fail("n-gram ranges are 'lo,hi', e.g. 1,2")
+    cfg = ModelConfig(max_chars=max_chars, word_ngrams=(wlo, whi), char_ngrams=(clo, chi),
+                      word_max_features=word_max_features, char_max_features=char_max_features, min_df=min_df,
+                      C=c, seed=seed)
+    try:
+        router, report = fit_router(items, cfg, val_frac=val_frac, platt_frac=platt_frac, refit=refit,
+                                    data_files=[str(p) for p in data])
+    except ValueError as exc:
+        _fail(str(exc))
+    save_router(router, out)
+    con = _console()
+    con.print(f"fit {report.n_fit} · platt {report.n_platt} · validation {report.n_val} items in "
+              f"{report.fit_seconds:.1f} s{' (then refitted on all)' if report.refit else ''}")
+    if report.validation:
+        con.print(render_table(report.validation, title="Validation (held-out groups)"))
+    con.print(f"saved {out} ({out.stat().st_size / 1e6:.2f} MB); next: thinkgate router calibrate {out} DATA")
+
+
+@app.command("calibrate")
+def calibrate(
+    router_path: Annotated[Path, typer.Argument(help="router file")],
+    data: Annotated[list[Path], typer.Argument(help="calibration JSONL file(s)")],
+    target_long: Annotated[
+        list[float] | None,
+        typer.Option(help="fraction of traffic at/above each threshold (one per threshold, decreasing)"),
+    ] = None,
+    max_quality_loss: Annotated[
+        float | None, typer.Option(help="max relative quality loss vs always-long (two tiers), e.g. 0.05")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="write here instead of updating ROUTER_PATH")] = None,
+) -> None:
+    """Choose thresholds RouteLLM-style (score quantile for a target %long, or max quality loss) and save
+    them in the router file."""
+    import numpy as np
+
+    from router.calibrate import fraction_at_or_above, threshold_for_quality_loss, thresholds_for_fractions
+    from router.evaluate import outcomes_of
+    from router.persistence import save_router
+
+    if (target_long is None) == (max_quality_loss is None):
+        _fail("give exactly one of --target-long or --max-quality-loss")
+    router = _load(router_path)
+    items = _items(data)
+    scores = router.predict_proba([it.text for it in items])
+    if target_long is not None:
+        try:
+            cuts = thresholds_for_fractions(scores, target_long)
+        except ValueError as exc:
+            _fail(str(exc))
+        how: dict[str, Any] = {"method": "target_long", "target": list(target_long)}
+    else:
+        qs, ql, _ = outcomes_of(items)
+        cuts = [threshold_for_quality_loss(scores, qs, ql, float(max_quality_loss or 0))]
+        how = {"method": "max_quality_loss", "target": max_quality_loss}
+        quality = float(np.mean(np.where(np.asarray(scores) >= cuts[0], ql, qs)))
+        how["quality"], how["always_long_quality"] = round(quality, 4), round(float(ql.mean()), 4)
+    achieved = [round(fraction_at_or_above(scores, t), 4) for t in cuts]
+    how.update({"achieved_frac_at_or_above": achieved, "n": len(items), "data_files": [str(p) for p in data]})
+    router.thresholds = cuts
+    router.metadata["thresholds_calibration"] = how
+    dest = save_router(router, out or router_path)
+    typer.echo(f"thresholds {[round(t, 4) for t in cuts]} → {achieved} of {len(items)} items at/above; "
+               f"saved {dest}")
+
+
+@app.command("eval")
+def evaluate(
+    router_path: Annotated[Path, typer.Argument(help="router file")],
+    data: Annotated[list[Path], typer.Argument(help="labelled JSONL file(s); each is reported separately")],
+    plot: Annotated[Path | None, typer.Option(help="PNG of the quality-vs-%long curves")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the numbers as JSON")] = None,
+    short_cost_ratio: Annotated[float, typer.Option(help="cost(short)/cost(long) per request; 0 = RouteLLM")] = 0.0,
+) -> None:
+    """AUC, APGR, CPT(50%/80%), cost reduction at 95% of always-long quality vs random; table + PNG."""
+    import numpy as np
+
+    from router.evaluate import evaluate_scores, plot_curves, render_table
+
+    router = _load(router_path)
+    results = []
+    for p in data:
+        items = _items([p])
+        scores = np.asarray(router.predict_proba([it.text for it in items]))
+        results.append(evaluate_scores(p.name.split(".")[0], items, scores, short_cost_ratio))
+    _console().print(render_table(results, title=f"Router {router_path.name}"))
+    if plot is not None:
+        typer.echo(f"plot: {plot_curves(results, plot)}")
+    if json_out is not None:
+        json_out.write_text(json.dumps([r.summary() for r in results], indent=2) + "\n")
+
+
+@app.command("info")
+def info(router_path: Annotated[Path, typer.Argument(help="router file")] = _DEFAULT_ROUTER) -> None:
+    """Print a router file's metadata (version, features, label sources, data hash, thresholds, metrics)."""
+    r = _load(router_path)
+    typer.echo(json.dumps({**r.metadata, "thresholds": r.thresholds, "platt": [r.platt.a, r.platt.b]},
+                          indent=2, sort_keys=True))
+
+
+@app.command("score")
+def score(
+    text: Annotated[str, typer.Argument(help="routing window text")],
+    router_path: Annotated[Path, typer.Option("--router")] = _DEFAULT_ROUTER,
+) -> None:
+    """Score one text: P(needs long) and the tier its thresholds pick for tiers short/long."""
+    r = _load(router_path)
+    s = r.score(text)
+    tier = r.route(s, ["short", "long"]) if len(r.thresholds) == 1 else "?"
+    typer.echo(json.dumps({"difficulty": round(s, 4), "thresholds": r.thresholds, "tier": tier}))
+
+
+@app.command("build-default")
+def build_default(
+    out: Annotated[Path, typer.Option(help="router file to write")] = _DEFAULT_ROUTER,
+    plot: Annotated[Path | None, typer.Option(help="PNG of the held-out curves")] = Path(
+        "bench/results/router_default.png"),
+    seed: int = 0,
+) -> None:
+    """Rebuild the shipped router from the data in data/ (see docs/router.md "The shipped router")."""
+    from router.default import build_default_router
+
+    build_default_router(out, plot=plot, seed=seed, console=_console())

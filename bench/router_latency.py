@@ -1,0 +1,90 @@
+"""Router prediction latency per request (one request at a time, not batched).
+
+For prompts of 100, 2,000 and 20,000 characters (cut from real MATH-500 problems joined together), times
+``TrainedRouter.score(text)`` — the request path's fast scorer — and, for reference, the sklearn Pipeline on a
+one-element batch. Prints p50/p99 (and min) in milliseconds, the host load average (this machine is shared:
+the minimum is the best estimate of the uncontended cost), and checks both paths agree.
+
+    .venv/bin/python bench/router_latency.py [--router router/assets/default.skops] [--n 2000] [--json out]
+
+Target (issue 4): p50 ≤ 0.3 ms at 2,000 characters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from router.jsonl import read_jsonl  # noqa: E402
+from router.persistence import load_router  # noqa: E402
+
+SIZES = (100, 2000, 20000)
+
+
+def corpus_text(chars: int) -> str:
+    """``chars`` characters of real MATH-500 problems, joined (repeated if needed)."""
+    text = "\n\n".join(row["problem"] for row in read_jsonl(REPO / "data" / "math" / "test.jsonl"))
+    while len(text) < chars:
+        text += "\n\n" + text
+    return text[:chars]
+
+
+def timings_ms(fn, arg: str, n: int, warmup: int = 50) -> np.ndarray:  # type: ignore[no-untyped-def]
+    for _ in range(warmup):
+        fn(arg)
+    out = np.empty(n)
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn(arg)
+        out[i] = time.perf_counter() - t0
+    return out * 1000.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--router", type=Path, default=REPO / "router" / "assets" / "default.skops")
+    ap.add_argument("--n", type=int, default=2000, help="timed requests per size (fast path)")
+    ap.add_argument("--n-sklearn", type=int, default=100, help="timed requests per size (sklearn Pipeline)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    router = load_router(args.router)
+    rows = []
+    load = os.getloadavg()
+    for size in SIZES:
+        text = corpus_text(size)
+        fast = timings_ms(router.score, text, args.n)
+        skl = timings_ms(lambda t: router.predict_proba([t])[0], text, args.n_sklearn, warmup=5)
+        diff = abs(router.score(text) - float(router.predict_proba([text])[0]))
+        rows.append({
+            "chars": size,
+            "fast_p50_ms": float(np.percentile(fast, 50)),
+            "fast_p99_ms": float(np.percentile(fast, 99)),
+            "fast_min_ms": float(fast.min()),
+            "sklearn_p50_ms": float(np.percentile(skl, 50)),
+            "sklearn_p99_ms": float(np.percentile(skl, 99)),
+            "abs_diff": diff,
+        })
+    print(f"router {args.router.name}; {os.cpu_count()} CPUs; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    head = ("chars", "p50 ms", "p99 ms", "min ms", "sklearn p50", "sklearn p99", "|diff|")
+    print(f"{head[0]:>7} {head[1]:>8} {head[2]:>8} {head[3]:>8} {head[4]:>12} {head[5]:>12} {head[6]:>9}")
+    for r in rows:
+        print(f"{r['chars']:>7} {r['fast_p50_ms']:>8.3f} {r['fast_p99_ms']:>8.3f} {r['fast_min_ms']:>8.3f} "
+              f"{r['sklearn_p50_ms']:>12.3f} {r['sklearn_p99_ms']:>12.3f} {r['abs_diff']:>9.1e}")
+    target = next(r for r in rows if r["chars"] == 2000)["fast_p50_ms"]
+    print(f"p50 at 2,000 chars: {target:.3f} ms (target ≤ 0.3 ms: {'met' if target <= 0.3 else 'NOT met'})")
+    if args.json:
+        args.json.write_text(json.dumps({"load_average": load, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
