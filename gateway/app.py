@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (:mod:`gateway.proxy`), ``GET /v1/models``
 (``auto`` and every tier with its ``thinkgate`` settings), ``GET /health`` (liveness, no key) and
-``GET /ready`` (every tier's upstream and Redis answer; no key, tier names only). Errors are mapped by
+``GET /ready`` (every tier's upstream and Redis answer; no key, tier names only), ``POST /admin/router/reload``
+(admin key: load the router file now; it is also watched and reloaded when it changes). Errors are mapped by
 :func:`gateway.errors.install_handlers`. ``app.state.routing`` is the :class:`gateway.routing.Routing`
 (plug the trained router in with ``app.state.routing.set_scorer``) and ``app.state.proxy`` the
 :class:`gateway.proxy.Proxy` (``usage_sinks`` for metering).
@@ -11,6 +12,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (:mod:`gateway.p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,10 +26,11 @@ from gateway import usage_api
 from gateway.accounting import Accounting
 from gateway.auth import KeyStore
 from gateway.config import Settings, TierConfig
-from gateway.errors import install_handlers
+from gateway.errors import InvalidRequest, PermissionDenied, install_handlers
 from gateway.proxy import Proxy
 from gateway.routing import AUTO, Routing
 from gateway.upstream import UpstreamPool
+from router.persistence import RouterFileError
 
 READY_TIMEOUT_S = 2.0
 
@@ -82,7 +85,13 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await accounting.start()
+        # hot reload of the router file: checked every routing.reload_interval_s (mtime, size, inode)
+        watcher = asyncio.create_task(routing.service.watch()) if routing.service is not None else None
         yield
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
         await upstreams.aclose()
         await accounting.close()
 
@@ -115,12 +124,28 @@ def create_app(settings: Settings) -> FastAPI:
             "owned_by": "thinkgate",
             "thinkgate": {
                 "router": routing.scorer.name,
+                "router_status": routing.service.info() if routing.service is not None else None,
                 "routed_tiers": settings.routing.routed_tiers,
                 "thresholds": routing.thresholds,
                 "effort_tiers": settings.routing.effort_tiers,
             },
         }
         return _json({"object": "list", "data": [auto, *(_tier_card(t, created) for t in settings.tiers)]})
+
+    @app.post("/admin/router/reload")
+    async def reload_router(request: Request) -> Response:
+        key = await proxy.keys.authenticate(request.headers.get("authorization"))
+        if not key.is_admin:
+            raise PermissionDenied("reloading the router needs the admin key")
+        svc = routing.service
+        if svc is None:
+            raise InvalidRequest("no router file is configured (routing.router_path is null)")
+        try:
+            await asyncio.to_thread(svc.reload)
+        except RouterFileError as exc:  # the router in service (if any) is kept
+            err = {"message": str(exc), "type": "invalid_request_error", "code": "router_reload_failed"}
+            return _json({"error": err, "router": svc.info()}, 422)
+        return _json({"status": "reloaded", "router": svc.info()})
 
     @app.get("/health")
     async def health() -> Response:

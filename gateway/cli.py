@@ -105,9 +105,15 @@ def serve(
         if settings.engine.enabled:
             engine = _start_engine(settings)
         from gateway.app import create_app
+        from router.serving import RouterUnavailable
 
+        try:
+            app = create_app(settings)
+        except RouterUnavailable as exc:  # routing.on_router_error: refuse_start
+            typer.echo(f"thinkgate: {exc}", err=True)
+            raise typer.Exit(2) from None
         typer.echo(f"thinkgate: serving on http://{settings.server.host}:{settings.server.port}/v1", err=True)
-        uvicorn.run(create_app(settings), host=settings.server.host, port=settings.server.port,
+        uvicorn.run(app, host=settings.server.host, port=settings.server.port,
                     log_level=settings.server.log_level, access_log=False)
     finally:
         if engine is not None:

@@ -9,9 +9,14 @@ Precedence (first match wins):
    ``routed_tiers[i]`` with ``s < thresholds[i]`` (else the last routed tier), reason ``predicted``
 
 ``reasoning_effort`` with a forced tier keeps the forced tier (the explicit choice wins) and is passed on.
-Until the trained router (issue 4) is plugged in with :meth:`Routing.set_scorer`, the scorer is
-:class:`router.base.LengthBaselineRouter` — a length baseline, not a learned predictor. When the scorer
-raises, ``routing.default_tier`` is used (reason ``predicted``, difficulty None) and a warning is logged.
+The scorer is the trained router file at ``routing.router_path`` (:class:`router.serving.RouterService`,
+hot-reloaded; its calibrated thresholds apply unless ``routing.thresholds`` is set). When that file is
+missing or fails to load: ``on_router_error: refuse_start`` → :class:`router.serving.RouterUnavailable`
+at construction; ``default_tier`` → every ``auto`` request goes to ``routing.default_tier`` with reason
+``fallback`` and no difficulty (see docs/router.md). ``router_path: null`` means "no learned router":
+:class:`router.base.LengthBaselineRouter` (a length baseline) scores instead. A scorer can also be plugged
+in with :meth:`Routing.set_scorer`. When the scorer raises, ``routing.default_tier`` is used (reason
+``predicted``, difficulty None) and a warning is logged.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 from gateway.config import Settings, TierConfig
 from gateway.errors import InvalidRequest, UnknownModel
 from router.base import LengthBaselineRouter, Router
+from router.serving import RouterService
 
 log = logging.getLogger("thinkgate.routing")
 
@@ -80,6 +86,10 @@ class Routing:
         self._tiers = {t.name: t for t in settings.tiers}
         self._order = [t.name for t in settings.tiers]
         self.cfg = settings.routing
+        #: the trained router file's handle (None with ``router_path: null`` or a plugged-in scorer)
+        self.service: RouterService | None = None
+        if scorer is None and self.cfg.router_path is not None:
+            scorer = self.service = RouterService.from_config(self.cfg)  # raises RouterUnavailable (refuse_start)
         self._scorer: Router = scorer or LengthBaselineRouter()
         self._thresholds = list(self.cfg.thresholds or default_thresholds(len(self.cfg.routed_tiers)))
         self._window = window_fn()
@@ -87,6 +97,9 @@ class Routing:
     @property
     def scorer(self) -> Router:
         return self._scorer
+
+    def _service_in_use(self) -> RouterService | None:
+        return self.service if self.service is not None and self._scorer is self.service else None
 
     def set_scorer(self, scorer: Router, thresholds: list[float] | None = None) -> None:
         """Plug in a router (e.g. the trained one, or a reloaded file). ``thresholds`` override the config's
@@ -100,6 +113,9 @@ class Routing:
 
     @property
     def thresholds(self) -> list[float]:
+        svc = self._service_in_use()
+        if svc is not None and svc.available:
+            return svc.thresholds  # read per call: a reloaded file brings its own cut points
         return list(self._thresholds)
 
     def tier(self, name: str) -> TierConfig:
@@ -142,6 +158,9 @@ class Routing:
                     param="reasoning_effort",
                 )
             return RouteDecision(self._tiers[name], "effort")
+        svc = self._service_in_use()
+        if svc is not None and not svc.available:  # no usable router file: on_router_error = default_tier
+            return RouteDecision(self._tiers[self.cfg.default_tier], "fallback", None)
         text = window_text if window_text is not None else self._window_of(body)
         try:
             score = float(self._scorer.score(text))
@@ -151,7 +170,7 @@ class Routing:
             return RouteDecision(self._tiers[self.cfg.default_tier], "predicted", None)
         score = min(1.0, max(0.0, score))
         routed = self.cfg.routed_tiers
-        for i, cut in enumerate(self._thresholds):
+        for i, cut in enumerate(self.thresholds):
             if score < cut:
                 return RouteDecision(self._tiers[routed[i]], "predicted", score)
         return RouteDecision(self._tiers[routed[-1]], "predicted", score)

@@ -1,0 +1,249 @@
+"""The router as the gateway uses it: load at start, score per request, reload a new file without restart.
+
+:class:`RouterService` is a :class:`router.base.Router` (``score(text) -> float``) holding the current
+:class:`router.model.TrainedRouter`, swapped atomically on reload (a reference assignment; scoring threads
+never see a half-loaded router).
+
+**No router file, or one that fails to load** (``routing.on_router_error``):
+
+* ``refuse_start`` — :meth:`RouterService.from_config` raises :class:`RouterUnavailable`; the gateway does
+  not start. For deployments where an unrouted gateway would silently cost too much.
+* ``default_tier`` (the default) — a warning is logged and every ``auto`` request goes to
+  ``routing.default_tier`` (``long`` by default) with route reason ``fallback`` and no difficulty header;
+  :attr:`RouterService.available` is False and :attr:`RouterService.error` says why. We chose this default
+  because it keeps answers correct (the capable tier) and the gateway up, at a visible cost (log line,
+  route reason in headers and usage events), and a later valid file is picked up by the watcher/reload.
+
+**Reload**: :meth:`reload` loads the configured path now (admin endpoint); :meth:`reload_if_changed` does
+so only when the file's (mtime_ns, size, inode) changed and at most every ``reload_interval_s``; the gateway
+runs it from a background task (:meth:`watch`). A reload that fails keeps the router in service and
+records the error; a service that had no router stays in ``default_tier`` mode until a load succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from router.base import Router, register
+from router.model import TrainedRouter
+from router.persistence import RouterFileError, load_router
+
+log = logging.getLogger("thinkgate.router")
+
+_Signature = tuple[int, int, int]
+
+
+class RouterUnavailable(RuntimeError):
+    """No usable router and ``on_router_error: refuse_start``; the message says why and what to do."""
+
+
+def _signature(path: Path) -> _Signature | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+_CACHE: dict[tuple[str, _Signature], TrainedRouter] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def load_router_cached(path: Path) -> TrainedRouter:
+    """:func:`router.persistence.load_router` memoised on (resolved path, mtime_ns, size, inode), so many
+    gateway apps in one process (tests, workers) load a file once. Keeps the 2 most recent entries."""
+    sig = _signature(path)
+    if sig is None:
+        raise RouterFileError(path, "not found")
+    key = (str(path.resolve()), sig)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    router = load_router(path)
+    with _CACHE_LOCK:
+        _CACHE[key] = router
+        while len(_CACHE) > 2:
+            _CACHE.pop(next(iter(_CACHE)))
+    return router
+
+
+@register
+class RouterService(Router):
+    """The gateway's router handle. Build with :meth:`from_config`. Thread-safe."""
+
+    name = "service"
+
+    def __init__(
+        self,
+        path: Path | None,
+        routed_tiers: list[str],
+        config_thresholds: list[float] | None,
+        default_tier: str,
+        reload_interval_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = path
+        self.routed_tiers = list(routed_tiers)
+        self.config_thresholds = None if config_thresholds is None else list(config_thresholds)
+        self.default_tier = default_tier
+        self.reload_interval_s = reload_interval_s
+        self._clock = clock
+        self._router: TrainedRouter | None = None
+        self._signature: _Signature | None = None
+        self._error: str | None = None
+        self._next_check = 0.0
+        self._lock = threading.Lock()  # serialises reloads (scoring never takes it)
+        self.reloads = 0
+
+    @classmethod
+    def from_config(cls, cfg: Any, clock: Callable[[], float] = time.monotonic) -> RouterService:
+        """Build from :class:`gateway.config.RoutingConfig` and load ``cfg.router_path``.
+
+        Raises :class:`RouterUnavailable` when no router could be loaded and
+        ``cfg.on_router_error == "refuse_start"``; otherwise logs a warning and serves in default-tier mode.
+        """
+        svc = cls(
+            path=None if cfg.router_path is None else Path(cfg.router_path),
+            routed_tiers=list(cfg.routed_tiers),
+            config_thresholds=cfg.thresholds,
+            default_tier=cfg.default_tier,
+            reload_interval_s=cfg.reload_interval_s,
+            clock=clock,
+        )
+        try:
+            svc.reload()
+        except RouterFileError as exc:
+            if cfg.on_router_error == "refuse_start":
+                raise RouterUnavailable(
+                    f"{exc}; not starting (routing.on_router_error: refuse_start). Fix routing.router_path, "
+                    "build one with `thinkgate router fit` + `calibrate`, or set on_router_error: default_tier."
+                ) from None
+            log.warning("%s; routing every 'auto' request to tier %r (routing.on_router_error: default_tier)",
+                        exc, cfg.default_tier)
+        svc._next_check = svc._clock() + svc.reload_interval_s
+        return svc
+
+    # ---- state -----------------------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """True when a router is loaded; False = default-tier mode (route reason ``fallback``)."""
+        return self._router is not None
+
+    @property
+    def mode(self) -> str:
+        """``"router"`` or ``"default_tier"``."""
+        return "router" if self._router is not None else "default_tier"
+
+    @property
+    def error(self) -> str | None:
+        """The last load error (None after a successful load)."""
+        return self._error
+
+    @property
+    def router(self) -> TrainedRouter | None:
+        return self._router
+
+    @property
+    def thresholds(self) -> list[float]:
+        """Cut points in use: ``routing.thresholds`` when configured, else the router file's. Empty in
+        default-tier mode without configured thresholds."""
+        if self.config_thresholds is not None:
+            return list(self.config_thresholds)
+        r = self._router
+        return list(r.thresholds) if r is not None else []
+
+    def info(self) -> dict[str, Any]:
+        """A JSON-able summary (for ``/v1/models`` and the admin reload answer)."""
+        r = self._router
+        meta = r.metadata if r is not None else {}
+        return {
+            "mode": self.mode,
+            "path": None if self.path is None else str(self.path),
+            "router": meta.get("router"),
+            "created_utc": meta.get("created_utc"),
+            "training_data_sha256": meta.get("training_data_sha256"),
+            "thresholds": self.thresholds,
+            "error": self._error,
+            "reloads": self.reloads,
+        }
+
+    # ---- scoring ---------------------------------------------------------------------------------------
+
+    def score(self, text: str) -> float:
+        """P(needs the long tier) for a routing window. Raises :class:`RouterUnavailable` in default-tier
+        mode (callers check :attr:`available` first)."""
+        r = self._router
+        if r is None:
+            raise RouterUnavailable(self._error or "no router loaded")
+        return r.score(text)
+
+    def tier_for(self, score: float) -> str:
+        """``routed_tiers[i]`` with i = number of thresholds ≤ ``score`` (the gateway's rule)."""
+        return self.routed_tiers[sum(1 for t in self.thresholds if score >= t)]
+
+    # ---- reload ----------------------------------------------------------------------------------------
+
+    def reload(self) -> TrainedRouter:
+        """Load ``path`` now and swap it in. On failure raise :class:`RouterFileError` and keep the current
+        router (if any); the error is kept in :attr:`error`."""
+        with self._lock:
+            if self.path is None:
+                self._error = "no router file configured (routing.router_path is null)"
+                raise RouterFileError(None, self._error)
+            sig = _signature(self.path)
+            try:
+                router = load_router_cached(self.path)
+                self._check_thresholds(router)
+            except RouterFileError as exc:
+                self._signature = sig  # do not retry the same bytes on every check
+                self._error = str(exc)
+                raise
+            self._router, self._signature, self._error = router, sig, None
+            self.reloads += 1
+            log.info("router loaded from %s (thresholds %s)", self.path, self.thresholds)
+            return router
+
+    def _check_thresholds(self, router: TrainedRouter) -> None:
+        need = len(self.routed_tiers) - 1
+        cuts = self.config_thresholds if self.config_thresholds is not None else router.thresholds
+        if len(cuts) != need:
+            raise RouterFileError(
+                self.path,
+                f"has {len(router.thresholds)} calibrated threshold(s) but routing.routed_tiers "
+                f"{self.routed_tiers} needs {need}: run `thinkgate router calibrate` or set routing.thresholds",
+            )
+
+    def reload_if_changed(self, *, force_check: bool = False) -> bool:
+        """Reload when the file changed since the last attempt; looks at the file at most every
+        ``reload_interval_s`` (unless ``force_check``). Returns True when a new router was swapped in.
+        Never raises (errors are logged and kept in :attr:`error`)."""
+        now = self._clock()
+        if self.path is None or (now < self._next_check and not force_check):
+            return False
+        self._next_check = now + self.reload_interval_s
+        sig = _signature(self.path)
+        if sig is None or sig == self._signature:
+            return False
+        try:
+            self.reload()
+        except RouterFileError as exc:
+            kept = "keeping the loaded router" if self._router is not None else "staying on the default tier"
+            log.error("router reload failed: %s; %s", exc, kept)
+            return False
+        return True
+
+    async def watch(self, stop: asyncio.Event | None = None) -> None:
+        """Background task: :meth:`reload_if_changed` every ``reload_interval_s`` in a worker thread (a load
+        takes ~1 s and must not block the event loop). Runs until cancelled or ``stop`` is set."""
+        while stop is None or not stop.is_set():
+            await asyncio.sleep(self.reload_interval_s)
+            await asyncio.to_thread(self.reload_if_changed, force_check=True)
+
