@@ -48,10 +48,17 @@ THINK_OPEN = "<think>\n"
 PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 
 
-async def _payloads(resp: Any) -> AsyncIterator[bytes]:
+async def _pieces(resp: Any, endpoint: str) -> AsyncIterator[tuple[str, str | None, dict[str, Any] | None]]:
+    """(generated text, finish_reason, usage) per event of an upstream SSE response, until ``[DONE]``."""
     async for batch in sse.data_batches(resp):
         for payload in batch:
-            yield payload
+            if payload == b"[DONE]":
+                return
+            data = orjson.loads(payload)
+            if data.get("usage") and not data.get("choices"):
+                yield "", None, data["usage"]
+            for c in data.get("choices") or ():
+                yield _text_of(c, endpoint, delta=True), c.get("finish_reason"), None
 
 
 class LoopDetector:
@@ -240,13 +247,14 @@ class ForcedBudget:
         body = {**body, "stream": True, "stream_options": {**(opts if isinstance(opts, dict) else {}),
                                                            "include_usage": True}}
 
+        head = {"id": rid, "object": obj, "created": created, "model": self.tier.model}
+
         def chunk(piece: str | None, kind: str, finish: str | None = None) -> bytes:
             if self.endpoint == "chat":
                 delta: dict[str, Any] = {kind: piece} if piece is not None else {}
                 c: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 c = {"index": 0, "text": piece or "", "finish_reason": finish}
-            head = {"id": rid, "object": obj, "created": created, "model": self.tier.model}
             return orjson.dumps({**head, "choices": [c]})
 
         p1 = _Phase()
@@ -257,25 +265,16 @@ class ForcedBudget:
         try:
             if self.endpoint == "chat":
                 role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                yield orjson.dumps({"id": rid, "object": obj, "created": created, "model": self.tier.model,
-                                    "choices": [role]})
-            async for payload in _payloads(resp):
-                if payload == b"[DONE]":
-                    break
-                data = orjson.loads(payload)
-                if data.get("usage") and not data.get("choices"):
-                    p1.usage = data["usage"]
-                    continue
-                for c in data.get("choices") or ():
-                    piece = _text_of(c, self.endpoint, delta=True)
-                    if piece:
-                        p1.text += piece
-                        yield chunk(piece, "reasoning")
-                        if guard is not None and guard.feed(piece):
-                            looped = True
-                    p1.finish_reason = c.get("finish_reason") or p1.finish_reason
-                if looped:
-                    break
+                yield orjson.dumps({**head, "choices": [role]})
+            async for piece, finish, usage in _pieces(resp, self.endpoint):
+                p1.usage = usage or p1.usage
+                p1.finish_reason = finish or p1.finish_reason
+                if piece:
+                    p1.text += piece
+                    yield chunk(piece, "reasoning")
+                    if guard is not None and guard.feed(piece):
+                        looped = True
+                        break
         finally:
             await resp.aclose()
         used = int((p1.usage or {}).get("completion_tokens") or 0)
@@ -291,23 +290,14 @@ class ForcedBudget:
         req2 = answer_request(body, self.tier, self.endpoint, p1.text, natural, used)
         resp = await self.pool.open(self.tier, self.path, orjson.dumps(req2), stream=True)
         try:
-            async for payload in _payloads(resp):
-                if payload == b"[DONE]":
-                    break
-                data = orjson.loads(payload)
-                if data.get("usage") and not data.get("choices"):
-                    p2.usage = data["usage"]
-                    continue
-                for c in data.get("choices") or ():
-                    piece = _text_of(c, self.endpoint, delta=True)
-                    finish = c.get("finish_reason")
-                    if piece or finish:
-                        yield chunk(piece or None, "content" if self.endpoint == "chat" else "text", finish)
+            async for piece, finish, usage in _pieces(resp, self.endpoint):
+                p2.usage = usage or p2.usage
+                if piece or finish:
+                    yield chunk(piece or None, "content" if self.endpoint == "chat" else "text", finish)
         finally:
             await resp.aclose()
         usage = merge_usage(p1.usage, p2.usage, used)
-        yield orjson.dumps({"id": rid, "object": obj, "created": created, "model": self.tier.model, "choices": [],
-                            "usage": usage})
+        yield orjson.dumps({**head, "choices": [], "usage": usage})
         yield b"[DONE]"
 
 
