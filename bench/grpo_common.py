@@ -8,6 +8,7 @@ one thing. Results go under ``--out`` (default ``runs/bench``), tables into the 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import platform
@@ -82,9 +83,16 @@ def environment_line(cfg: Any) -> str:
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    weights = Path(cfg.model.path)
+    weights = weights if weights.is_absolute() else ROOT / weights
+    try:
+        digest = hashlib.sha256((weights / "model.safetensors").read_bytes()).hexdigest()[:12]
+    except OSError:
+        digest = "unknown"
     trl = cfg.trl_kwargs()
     return (
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; model `{Path(cfg.model.path).name}`, task "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; model `{Path(cfg.model.path).name}` (weights sha256 "
+        f"{digest}), task "
         f"`{cfg.task.name}` ({cfg.task.n_train} train / {cfg.task.n_eval} held-out problems, difficulties "
         f"{cfg.task.difficulties or 'all'}), {trl.get('max_steps')} GRPO steps of "
         f"{trl.get('per_device_train_batch_size')} rollouts (group {trl.get('num_generations')}, "

@@ -171,7 +171,7 @@ class EvalConfig:
 class OutputConfig:
     tier_name: str = _f("short", "Gateway tier name in the tier snippet.")
     served_model_name: str = _f("thinkgate-tiny-short", "Model name the engine serves the output under.")
-    base_url: str = _f("http://127.0.0.1:8001/v1", "Upstream base URL in the tier snippet.")
+    base_url: str = _f("http://127.0.0.1:8002/v1", "Upstream base URL in the tier snippet (8001 is the embedded engine).")
 
 
 def _default_trl() -> dict[str, Any]:
