@@ -28,12 +28,13 @@ from typing import Any
 from gateway.config import Settings, TierConfig
 from gateway.errors import InvalidRequest, UnknownModel
 from router.base import LengthBaselineRouter, Router
+from router.features import clip_text
 from router.serving import RouterService
+from router.window import routing_window
 
 log = logging.getLogger("thinkgate.routing")
 
 AUTO = "auto"
-WINDOW_MAX_CHARS = 4000
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,35 +44,6 @@ class RouteDecision:
     tier: TierConfig
     reason: str
     difficulty: float | None = None
-
-
-def _text_of(content: Any) -> str:
-    """Text of a message ``content``: a string, or the text parts of a list of content parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return ""
-
-
-def routing_window(messages: list[dict[str, Any]], max_chars: int = WINDOW_MAX_CHARS) -> str:
-    """System prompt(s) + last user turn, joined by a blank line, capped to the last ``max_chars`` chars.
-
-    Stand-in until ``router/window.py`` (issue 4) exists; :func:`window_fn` prefers that one.
-    """
-    system = "\n".join(_text_of(m.get("content")) for m in messages if m.get("role") in ("system", "developer"))
-    last_user = next((_text_of(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
-    text = f"{system}\n\n{last_user}" if system else last_user
-    return text[-max_chars:]
-
-
-def window_fn() -> Any:
-    """``router.window.routing_window`` when the router package provides it, else :func:`routing_window`."""
-    try:
-        from router.window import routing_window as from_router  # type: ignore[import-not-found]
-    except ImportError:
-        return routing_window
-    return from_router
 
 
 def default_thresholds(n_tiers: int) -> list[float]:
@@ -92,7 +64,6 @@ class Routing:
             scorer = self.service = RouterService.from_config(self.cfg)  # raises RouterUnavailable (refuse_start)
         self._scorer: Router = scorer or LengthBaselineRouter()
         self._thresholds = list(self.cfg.thresholds or default_thresholds(len(self.cfg.routed_tiers)))
-        self._window = window_fn()
 
     @property
     def scorer(self) -> Router:
@@ -178,10 +149,10 @@ class Routing:
     def _window_of(self, body: dict[str, Any]) -> str:
         messages = body.get("messages")
         if isinstance(messages, list):
-            return self._window(messages)
+            return routing_window(messages)
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return prompt[-WINDOW_MAX_CHARS:]
+            return clip_text(prompt)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            return str(prompt[-1])[-WINDOW_MAX_CHARS:]
+            return clip_text(str(prompt[-1]))
         return ""

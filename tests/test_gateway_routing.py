@@ -10,7 +10,7 @@ import pytest
 from fixtures_upstream import TEST_KEY, GatewayServer, sim_settings
 
 from gateway.errors import InvalidRequest, UnknownModel
-from gateway.routing import Routing, default_thresholds, routing_window
+from gateway.routing import Routing, default_thresholds
 from router.base import Router
 
 SHORT_Q = [{"role": "user", "content": "2+2?"}]
@@ -113,15 +113,3 @@ def test_decide_units(upstream_sim: Any, redis_url: str) -> None:
     assert default_thresholds(4) == [0.25, 0.5, 0.75]
     assert [t.name for t in r.fallbacks(settings.tier("none"))] == ["short", "long"]
     assert r.fallbacks(settings.tier("long")) == []
-
-
-def test_routing_window_is_system_plus_last_user() -> None:
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "first question"},
-        {"role": "assistant", "content": "first answer"},
-        {"role": "user", "content": [{"type": "text", "text": "second"}, {"type": "image_url", "image_url": {}}]},
-    ]
-    assert routing_window(messages) == "Be brief.\n\nsecond"
-    assert routing_window([{"role": "user", "content": "abcdef"}], max_chars=3) == "def"
-    assert routing_window([{"role": "assistant", "content": "x"}]) == ""
