@@ -68,3 +68,63 @@ def export(
     ex.write_file(rows, cols, fmt, output, sys.stdout.buffer)  # type: ignore[arg-type]
     sys.stdout.buffer.flush()
     typer.echo(f"thinkgate: {len(events)} events, {len(rows)} rows", err=True)
+
+
+@app.command("report")
+def report_cmd(
+    since: str | None = typer.Option(None, help="From (inclusive): YYYY-MM-DD, ISO-8601 or epoch seconds, UTC."),
+    until: str | None = typer.Option(None, help="Until (exclusive), same forms."),
+    key: str | None = typer.Option(None, "--key", help="Only this key id."),
+    long_tier: str = typer.Option("long", "--long-tier", help="Tier of the always-long counterfactual."),
+    buckets: int = typer.Option(10, "--buckets", min=1, max=100, help="Difficulty buckets (equal width)."),
+    csv_path: Path | None = typer.Option(None, "--csv", help="Write the report rows as CSV here."),
+    png_path: Path | None = typer.Option(None, "--png", help="Write the chart as PNG here."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the headline figures as JSON here."),
+    config: Path | None = CONFIG_OPTION,
+) -> None:
+    """Savings report from the ledger: spend by tier, cache savings, estimated cost of always-long."""
+    import json
+
+    from rich.console import Console
+
+    from gateway import export as ex
+    from gateway import report as rp
+    from gateway.breaker import Breaker, RedisDown
+    from gateway.metering import Meter
+    from gateway.redis_client import connect
+    from gateway.spool import Spool
+
+    try:
+        t0, t1 = ex.parse_time(since), ex.parse_time(until)
+    except ex.ExportError as exc:
+        typer.echo(f"thinkgate: {exc}", err=True)
+        raise typer.Exit(2) from None
+    settings = load_settings(config)
+    try:
+        prices = settings.tier(long_tier).prices
+    except KeyError:
+        typer.echo(f"thinkgate: no tier {long_tier!r} in the configuration", err=True)
+        raise typer.Exit(2) from None
+    rcfg = settings.redis.model_copy(update={"socket_timeout_s": max(settings.redis.socket_timeout_s, 5.0)})
+
+    async def collect() -> list[Any]:
+        handle = connect(rcfg)
+        try:
+            meter = Meter(handle, Breaker(1.0), Spool(settings.metering.spool_path), settings.metering)
+            return [e async for e in meter.events(t0, t1) if key is None or e.key_id == key]
+        finally:
+            await handle.close()
+
+    try:
+        events = asyncio.run(collect())
+    except RedisDown as exc:
+        typer.echo(f"thinkgate: Redis unreachable at {settings.redis.url}: {exc}", err=True)
+        raise typer.Exit(3) from None
+    result = rp.build(events, long_tier, prices, n_buckets=buckets, since=t0, until=t1, key=key)
+    Console(stderr=False).print(rp.render(result))
+    if csv_path:
+        csv_path.write_text(rp.to_csv(result))
+    if png_path:
+        rp.plot(result, png_path)
+    if json_path:
+        json_path.write_text(json.dumps({"summary": result.summary(), "rows": rp.rows(result)}, indent=2))
