@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.thinkgate-installed
 
-.PHONY: venv serve test lint bench-savings clean
+.PHONY: venv serve test lint bench-savings bench-litellm-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,8 +27,14 @@ test: venv
 lint: venv
 	$(BIN)/ruff check gateway router training tests bench
 
+# The whole stack (Redis, local vLLM engine, gateways with the shipped router), five policies, < 15 min on 2 cores.
 bench-savings: venv
-	$(BIN)/thinkgate bench savings
+	$(BIN)/thinkgate bench savings --json bench/results/savings.json --png bench/results/savings.png \
+	  --markdown bench/results/savings.md
+
+# LiteLLM's proxy in its own environment (not a product dependency), for bench/gateway_overhead.py --litellm.
+bench-litellm-env:
+	PY=$(PY) bash bench/litellm_env.sh
 
 clean:
 	rm -rf $(VENV) .thinkgate

@@ -14,6 +14,7 @@ import typer
 
 from gateway.eval_cli import app as eval_app
 from gateway.keys_cli import app as keys_app
+from gateway.savings import app as bench_app
 from gateway.usage_cli import app as usage_app
 from router.cli import app as router_app
 from training.cli import app as train_app
@@ -31,7 +32,8 @@ config_app = typer.Typer(no_args_is_help=True)
 app.add_typer(config_app, name="config", help="Inspect the effective configuration.")
 app.add_typer(keys_app, name="keys", help="Create, list and revoke API keys in the Redis key store.")
 app.add_typer(eval_app, name="eval", help="Evaluate a running gateway's tiers on held-out problems.")
-app.add_typer(usage_app, name="usage", help="Export usage (events or grouped sums) as csv, jsonl or parquet.")
+app.add_typer(usage_app, name="usage", help="Usage: export (csv, jsonl, parquet) and the savings report.")
+app.add_typer(bench_app, name="bench", help="Benchmarks of the whole stack (savings per routing policy).")
 
 if TYPE_CHECKING:
     from gateway.config import Settings
