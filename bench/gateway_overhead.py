@@ -14,13 +14,27 @@ request — steadier than latency on a busy machine.
 
     .venv/bin/python bench/gateway_overhead.py [--requests 400] [--seconds 20] [--rounds 2]
                                                [--modes json stream] [--concurrency 1 32] [--write-results]
+
+**ThinkGate vs LiteLLM** (``--litellm``; environment: ``make bench-litellm-env``): starts LiteLLM's proxy from
+``bench/.venv-litellm`` (its own process; ``openai/`` provider on the same simulator, offline and quiet:
+``LITELLM_LOCAL_MODEL_COST_MAP=True``, ``LITELLM_TELEMETRY_DISABLED=true``, ``LITELLM_MODE=PRODUCTION``,
+``LITELLM_LOG=ERROR``; readiness ``/health/liveliness``) and ThinkGate with its request path fully on — the
+shipped router scores every request (``model: auto``), the cache looks up, locks and stores every request
+(temperature 0 and a fresh prompt each time, so every request is a miss: the cache does all its work and
+answers nothing for free), metering writes every event to Redis. Same requests to direct, ThinkGate and
+LiteLLM, alternating, at concurrency 1 8 32 64 by default; adds errors, peak RSS (VmHWM of the process tree,
+MiB) and the ThinkGate/LiteLLM ratios; ``--write-results`` replaces the "ThinkGate vs LiteLLM" section.
+
+    .venv/bin/python bench/gateway_overhead.py --litellm [--requests 300] [--seconds 15] [--write-results]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
+import itertools
 import os
 import platform
 import subprocess
@@ -29,6 +43,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -45,6 +60,10 @@ from gateway.redis_server import free_port  # noqa: E402
 BENCH_KEY = "tg-bench-key"
 RESULTS = REPO / "bench" / "RESULTS.md"
 SECTION = "## Gateway overhead"
+LITELLM_SECTION = "## ThinkGate vs LiteLLM"
+LITELLM_VENV = REPO / "bench" / ".venv-litellm"
+LITELLM_KEY = "sk-bench-litellm"
+_PROMPT_IDS = itertools.count()
 MESSAGES = [{"role": "user", "content": "What is the sum of the first ten odd numbers? Answer briefly."}]
 
 
@@ -100,9 +119,18 @@ class Samples:
         return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
+def unique_body(model: str, stream: bool) -> bytes:
+    """A temperature-0 request with a prompt never sent before in this process (a cache miss every time)."""
+    content = f"{MESSAGES[0]['content']} (request {next(_PROMPT_IDS)})"
+    return orjson.dumps({"model": model, "messages": [{"role": "user", "content": content}], "stream": stream,
+                         "max_tokens": 64, "temperature": 0})
+
+
 async def run_load(clients: list[httpx.AsyncClient], target: Target, concurrency: int, n: int, seconds: float,
-                   stream: bool) -> Samples:
-    """Closed loop: ``concurrency`` workers send until ``n`` requests are done or ``seconds`` passed."""
+                   stream: bool, unique: bool = False) -> Samples:
+    """Closed loop: ``concurrency`` workers send until ``n`` requests are done or ``seconds`` passed.
+
+    ``unique``: every request gets a fresh prompt at temperature 0 (:func:`unique_body`)."""
     body = orjson.dumps({"model": target.model, "messages": MESSAGES, "stream": stream, "max_tokens": 64})
     headers = {"authorization": f"Bearer {target.api_key}", "content-type": "application/json"}
     url = target.base_url + "/chat/completions"
@@ -114,15 +142,16 @@ async def run_load(clients: list[httpx.AsyncClient], target: Target, concurrency
         nonlocal left
         while left > 0 and time.perf_counter() < deadline:
             left -= 1
+            data = unique_body(target.model, stream) if unique else body
             t0 = time.perf_counter()
             try:
                 if stream:
-                    async with client.stream("POST", url, content=body, headers=headers) as r:
+                    async with client.stream("POST", url, content=data, headers=headers) as r:
                         async for _ in r.aiter_raw():
                             pass
                         ok = r.status_code == 200
                 else:
-                    r = await client.post(url, content=body, headers=headers)
+                    r = await client.post(url, content=data, headers=headers)
                     ok = r.status_code == 200
             except httpx.HTTPError:
                 ok = False
@@ -142,7 +171,7 @@ async def run_load(clients: list[httpx.AsyncClient], target: Target, concurrency
 
 
 async def measure(targets: list[Target], concurrencies: list[int], n: int, seconds: float, rounds: int,
-                  stream: bool) -> dict[tuple[str, int], Samples]:
+                  stream: bool, unique: bool = False) -> dict[tuple[str, int], Samples]:
     results: dict[tuple[str, int], Samples] = {}
     # One single-connection client per worker: httpcore's pool bookkeeping grows with its connection count,
     # and the load generator must not be the bottleneck it measures.
@@ -150,11 +179,11 @@ async def measure(targets: list[Target], concurrencies: list[int], n: int, secon
     clients = [httpx.AsyncClient(limits=limits, timeout=30, trust_env=False) for _ in range(max(concurrencies))]
     try:
         for t in targets:  # warm-up: connections, imports, caches
-            await run_load(clients, t, 4, 40, 10, stream)
+            await run_load(clients, t, 4, 40, 10, stream, unique)
         for c in concurrencies:
             for _ in range(rounds):
                 for t in targets:
-                    s = await run_load(clients, t, c, max(1, n // rounds), seconds / rounds, stream)
+                    s = await run_load(clients, t, c, max(1, n // rounds), seconds / rounds, stream, unique)
                     results.setdefault((t.name, c), Samples()).add(s)
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
@@ -193,9 +222,11 @@ def machine() -> str:
             f"{load[0]:.2f}; commit {commit}")
 
 
-def start_gateway(sim: SimProcess, workdir: Path) -> tuple[subprocess.Popen[bytes], Target]:
+def start_gateway(sim: SimProcess, workdir: Path, full: bool = False) -> tuple[subprocess.Popen[bytes], Target]:
+    """``thinkgate serve`` on the simulator. ``full``: the shipped router scores every ``auto`` request (instead
+    of the length baseline) and the cache is on (``deterministic``; see :func:`unique_body`)."""
     port = free_port()
-    cfg = {
+    cfg: dict[str, Any] = {
         "engine": {"enabled": False},
         "redis": {"url": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), "start_if_missing": False},
         "server": {"log_level": "info"},  # as deployed: one usage line per request
@@ -205,6 +236,9 @@ def start_gateway(sim: SimProcess, workdir: Path) -> tuple[subprocess.Popen[byte
         "routing": {"router_path": None, "effort_tiers": {"low": "short", "high": "long"}},
         "auth": {"keys": [{"id": "bench", "secret": BENCH_KEY}]},
     }
+    if full:
+        cfg["routing"] = {"effort_tiers": {"low": "short", "high": "long"}, "on_router_error": "refuse_start"}
+        cfg["cache"] = {"mode": "deterministic"}
     path = workdir / "gateway.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)],
@@ -213,14 +247,156 @@ def start_gateway(sim: SimProcess, workdir: Path) -> tuple[subprocess.Popen[byte
     return proc, Target("thinkgate", f"http://127.0.0.1:{port}/v1", BENCH_KEY, "auto", proc.pid)
 
 
-def write_results(text: str) -> None:
-    """Replace (or append) the "Gateway overhead" section of bench/RESULTS.md; other sections are kept."""
+def proc_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (Linux ``/proc/PID/task/*/children``)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError, ValueError):
+                todo += [int(c) for c in task.read_text().split()]
+    return out
+
+
+def peak_rss_mib(pid: int | None) -> float | None:
+    """Sum over the process tree of ``pid`` of each process's peak resident set (VmHWM), MiB."""
+    if pid is None:
+        return None
+    total = 0
+    for p in proc_tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total / 1024
+
+
+def start_litellm(sim: SimProcess, workdir: Path) -> tuple[subprocess.Popen[bytes], Target]:
+    """LiteLLM's proxy from ``bench/.venv-litellm`` in front of the simulator; raises RuntimeError when the
+    environment is missing (``make bench-litellm-env``) or the proxy does not get ready in 120 s."""
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if not exe.exists():
+        raise RuntimeError(f"{exe} not found: run `make bench-litellm-env` first")
+    port = free_port()
+    cfg = {"model_list": [{"model_name": "sim-model",
+                           "litellm_params": {"model": "openai/sim-model", "api_base": sim.base_url,
+                                              "api_key": "none"}}],
+           "general_settings": {"master_key": LITELLM_KEY}}
+    path = workdir / "litellm.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY_DISABLED": "true",
+           "LITELLM_MODE": "PRODUCTION", "LITELLM_LOG": "ERROR", "NO_PROXY": "127.0.0.1,localhost"}
+    env.pop("DATABASE_URL", None)
+    proc = subprocess.Popen([str(exe), "--config", str(path), "--host", "127.0.0.1", "--port", str(port),
+                             "--num_workers", "1"], cwd=workdir, env=env, stdout=subprocess.DEVNULL,
+                            stderr=(workdir / "litellm.log").open("w"))
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health/liveliness", timeout_s=120, proc=proc)
+    except RuntimeError as exc:
+        proc.terminate()
+        tail = (workdir / "litellm.log").read_text()[-2000:]
+        raise RuntimeError(f"LiteLLM proxy did not start: {exc}\n{tail}") from None
+    return proc, Target("litellm", f"http://127.0.0.1:{port}/v1", LITELLM_KEY, "sim-model", proc.pid)
+
+
+def litellm_version() -> str:
+    try:
+        return subprocess.run([str(LITELLM_VENV / "bin" / "python"), "-c",
+                               "import importlib.metadata as m; print(m.version('litellm'))"],
+                              capture_output=True, text=True, timeout=60).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def litellm_table(results: dict[tuple[str, int], Samples], rss: dict[str, float | None],
+                  concurrencies: list[int]) -> str:
+    """Markdown: per concurrency, direct / thinkgate / litellm rows, then a ThinkGate/LiteLLM ratio row."""
+    lines = ["| concurrency | target | requests | errors | p50 ms | p99 ms | RPS | added p50 ms | added p99 ms "
+             "| proxy CPU ms/req | peak RSS MiB |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in concurrencies:
+        ref = results[("direct", c)]
+        added: dict[str, tuple[float, float]] = {}
+        for name in ("direct", "thinkgate", "litellm"):
+            s = results[(name, c)]
+            a50, a99 = s.pct(50) - ref.pct(50), s.pct(99) - ref.pct(99)
+            added[name] = (a50, a99)
+            mem = rss.get(name)
+            lines.append(f"| {c} | {name} | {len(s.latencies_ms)} | {s.errors} | {s.pct(50):.2f} | {s.pct(99):.2f} | "
+                         f"{s.rps:.0f} | {'—' if name == 'direct' else f'{a50:+.2f}'} | "
+                         f"{'—' if name == 'direct' else f'{a99:+.2f}'} | {s.cpu_ms_per_request} | "
+                         f"{'—' if mem is None else f'{mem:.0f}'} |")
+        tg, ll = results[("thinkgate", c)], results[("litellm", c)]
+
+        def ratio(a: float | None, b: float | None) -> str:
+            return "—" if a is None or b is None or b == 0 else f"{a / b:.2f}×"
+
+        cpu_tg = 1000 * tg.cpu_s / max(1, len(tg.latencies_ms) + tg.errors) if tg.cpu_s is not None else None
+        cpu_ll = 1000 * ll.cpu_s / max(1, len(ll.latencies_ms) + ll.errors) if ll.cpu_s is not None else None
+        lines.append(f"| {c} | **ThinkGate / LiteLLM** | | | {ratio(tg.pct(50), ll.pct(50))} | "
+                     f"{ratio(tg.pct(99), ll.pct(99))} | {ratio(tg.rps, ll.rps)} | "
+                     f"{ratio(added['thinkgate'][0], added['litellm'][0])} | "
+                     f"{ratio(added['thinkgate'][1], added['litellm'][1])} | {ratio(cpu_tg, cpu_ll)} | "
+                     f"{ratio(rss.get('thinkgate'), rss.get('litellm'))} |")
+    return "\n".join(lines)
+
+
+def run_litellm(args: argparse.Namespace) -> None:
+    """The ThinkGate vs LiteLLM comparison (see the module doc)."""
+    env_line = machine()
+    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    version = litellm_version()
+    sim = start_sim()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            gw, tg_target = start_gateway(sim, Path(tmp), full=True)
+            procs.append(gw)
+            ll, ll_target = start_litellm(sim, Path(tmp))
+            procs.append(ll)
+            targets = [Target("direct", sim.base_url, "none", "sim-model"), tg_target, ll_target]
+            results = asyncio.run(measure(targets, args.concurrency, args.requests, args.seconds, args.rounds,
+                                          stream=False, unique=True))
+            rss = {"thinkgate": peak_rss_mib(gw.pid), "litellm": peak_rss_mib(ll.pid)}
+    finally:
+        for p in procs:
+            p.terminate()
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        sim.stop()
+    out = litellm_table(results, rss, args.concurrency)
+    print(out)
+    if args.write_results:
+        write_results(
+            f"{LITELLM_SECTION}\n\n"
+            f"`bench/gateway_overhead.py --litellm` — {started}. Non-streamed chat requests (~30 output tokens, "
+            f"temperature 0, a fresh prompt each time) against `tests/upstream_sim.py`: directly, through "
+            f"`thinkgate serve` (one uvicorn worker, engine off; key auth, the shipped router scoring every "
+            f"`model: auto` request, cache lookup + single-flight lock + store on every request — all misses —, "
+            f"metering of every event to Redis, usage log line) and through LiteLLM's proxy {version} "
+            f"(`bench/.venv-litellm`, one worker, no database, master key, `openai/` provider, offline and quiet "
+            f"env). Closed loop on loopback, {args.requests} requests or {args.seconds:.0f} s per target and "
+            f"concurrency in {args.rounds} alternating rounds after a warm-up; client, simulator, both proxies and "
+            f"Redis share the machine's CPUs. Peak RSS: VmHWM summed over the proxy's process tree at the end. "
+            f"Ratios < 1× favour ThinkGate for latency, CPU and memory; > 1× for RPS. "
+            f"Machine: {env_line}.\n\n{out}\n",
+            LITELLM_SECTION,
+        )
+
+
+def write_results(text: str, section: str = SECTION) -> None:
+    """Replace (or append) ``section`` of bench/RESULTS.md; other sections are kept."""
     current = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = current.find(SECTION)
+    start = current.find(section)
     if start < 0:
         new = current.rstrip("\n") + "\n\n" + text
     else:
-        end = current.find("\n## ", start + len(SECTION))
+        end = current.find("\n## ", start + len(section))
         new = current[:start] + text + (current[end:] if end >= 0 else "")
     RESULTS.write_text(new.rstrip("\n") + "\n")
 
@@ -241,7 +417,14 @@ def main() -> None:
                     help="json: non-streamed; stream: SSE (latency = last byte)")
     ap.add_argument("--extra", action="append", default=[], help="NAME=BASE_URL[,KEY[,MODEL[,PID]]] another target")
     ap.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
+    ap.add_argument("--litellm", action="store_true",
+                    help="ThinkGate (router + cache + metering) vs LiteLLM's proxy; default concurrency 1 8 32 64")
     args = ap.parse_args()
+    if args.litellm:
+        if args.concurrency == [1, 32]:
+            args.concurrency = [1, 8, 32, 64]
+        run_litellm(args)
+        return
 
     env_line = machine()
     started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
