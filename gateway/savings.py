@@ -40,7 +40,10 @@ JSON (``--json``)::
      "targets": {…}, "workload": {…}, "stack": {…}}
 
 Extras per policy: ``cost_micro_usd``, ``events``, ``errors``, ``mean_*_tokens`` (per request), ``tiers``
-(answered requests per tier, from the ledger), ``escalations``, and ``synthetic`` / ``real`` sub-reports.
+(answered requests per tier, from the ledger), ``escalations``, ``cache_results`` (the ``x-thinkgate-cache``
+headers seen: hit/miss/bypass), and ``synthetic`` / ``real`` sub-reports. The bench gateways get
+``redis.socket_timeout_s`` ≥ 2 s: on a box shared with other jobs a slower Redis call would otherwise open the
+breaker and bypass the cache for a while.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ REQUIRED_KEYS = ("accuracy", "requests", "prompt_tokens", "reasoning_tokens", "c
 SUBSETS = ("synthetic", "real")
 ESCALATE_ON = ["empty_answer", "length_in_thought"]
 REQUEST_TIMEOUT_S = 300.0
+REDIS_TIMEOUT_S = 2.0  # bench gateways' redis.socket_timeout_s floor (s)
 WINDOW_PAD_S = 0.01  # event ts (gateway receive time) lies inside the client's send..last-answer window
 
 
@@ -298,6 +302,7 @@ def summarize(segments: list[Segment]) -> dict[str, Any]:
         "tiers": dict(sorted(Counter(e.tier or "_unrouted" for e in requests_ev).items())),
         "escalations": sum(1 for e in events if (e.error_code or "").startswith("escalated_")),
         "saved_micro_usd": sum(e.saved_micro_usd for e in events),
+        "cache_results": dict(sorted(Counter(o.cache or "none" for o in outcomes).items())),
     }
 
 
@@ -351,6 +356,9 @@ def gateway_config(base: Settings, tiers_url: str | None, escalation: bool, keys
     data = base.model_dump(mode="json")
     data["engine"]["enabled"] = False
     data["redis"]["start_if_missing"] = False
+    # On a box shared with training jobs one Redis call can exceed the default 0.25 s; the breaker would then
+    # bypass the cache for breaker_cooldown_s and the run would measure the box, not the policies.
+    data["redis"]["socket_timeout_s"] = max(float(data["redis"]["socket_timeout_s"]), REDIS_TIMEOUT_S)
     for tier in data["tiers"]:
         if tiers_url is not None:
             tier["base_url"] = tiers_url
@@ -406,7 +414,7 @@ def serve_gateway(cfg: dict[str, Any], state_dir: Path, name: str) -> Iterator[s
 class BenchConfig:
     """Arguments of one bench run (see the module doc)."""
 
-    n: int = 240
+    n: int = 120
     repeat_fraction: float = 0.2
     real_fraction: float = 0.2
     policies: tuple[str, ...] = POLICIES
@@ -632,6 +640,8 @@ def savings_cmd(
     seed: int = typer.Option(0, help="Workload seed."),
     url: str | None = typer.Option(None, help="A running gateway (else the bench starts the stack)."),
     escalation_url: str | None = typer.Option(None, help="With --url: a gateway with escalation on short."),
+    engine_url: str | None = typer.Option(None, help="Use this running vLLM server (…/v1) for every tier "
+                                          "instead of starting the local engine."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),
     png_path: Path | None = typer.Option(None, "--png", help="Write the cost-accuracy frontier PNG here."),
     md_path: Path | None = typer.Option(None, "--markdown", help="Write the table as Markdown here."),
@@ -651,12 +661,15 @@ def savings_cmd(
                       policies=tuple(p.strip() for p in policies.split(",") if p.strip()), concurrency=concurrency,
                       seed=seed, url=url, escalation_url=escalation_url,
                       api_key=os.environ.get("THINKGATE_API_KEY"))
+    if engine_url:
+        for tier in settings.tiers:
+            tier.base_url = engine_url.rstrip("/")
     try:
-        result = run(cfg, settings, start_engine=settings.engine.enabled)
+        result = run(cfg, settings, start_engine=settings.engine.enabled and not engine_url)
     except BenchError as exc:
         typer.echo(f"thinkgate: {exc}", err=True)
         raise typer.Exit(2) from None
-    Console().print(render(result))
+    Console(width=None if sys.stdout.isatty() else 200).print(render(result))
     if json_path:
         write_json(result, json_path)
     if png_path:
