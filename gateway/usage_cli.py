@@ -1,4 +1,7 @@
-"""``thinkgate usage export``: usage events from the Redis Stream as CSV, JSON Lines or Parquet.
+"""``thinkgate usage export`` and ``thinkgate usage report``: usage from the Redis Stream (the metering ledger).
+
+``report`` is the savings report (spend by tier, cache savings, always-long counterfactual per difficulty
+bucket; ``gateway/report.py``, ``docs/savings.md``) as a table, CSV, PNG and JSON. ``export``:
 
 Reads the same stream ``GET /v1/usage`` reads (every key; filter with ``--key``). Without ``--group-by`` one
 row per event; with it, summed counters per group (``gateway/export.py``). Output to ``--output FILE``
