@@ -168,6 +168,11 @@ class Segment:
     t_end: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
     events: list[UsageEvent] = field(default_factory=list)
+    skipped: int = 0  # requests not sent: the run's time budget was spent
+
+    @property
+    def wall_s(self) -> float:
+        return self.t_end - self.t_start
 
 
 @dataclass(frozen=True)
@@ -203,19 +208,22 @@ def send(client: httpx.Client, ep: Endpoint, item: Item) -> Outcome:
 
 
 def run_segment(seg: Segment, ep: Endpoint, items: list[Item], concurrency: int,
-                tick: Callable[[], None] = lambda: None) -> None:
-    """Send ``items`` (in order, ``concurrency`` in flight) and record the window."""
+                tick: Callable[[], None] = lambda: None, deadline: float = float("inf")) -> None:
+    """Send ``items`` (in order, ``concurrency`` in flight) and record the window. Items not yet sent when
+    ``time.monotonic()`` passes ``deadline`` are skipped (status -1, left out of every figure)."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     with httpx.Client(limits=limits, trust_env=False) as client, ThreadPoolExecutor(concurrency) as pool:
         seg.t_start = time.time()
 
         def one(item: Item) -> Outcome:
-            out = send(client, ep, item)
+            out = send(client, ep, item) if time.monotonic() < deadline else Outcome(item, False, 0.0, -1)
             tick()
             return out
 
         seg.outcomes = list(pool.map(one, items))
         seg.t_end = time.time()
+        seg.skipped = sum(1 for o in seg.outcomes if o.status == -1)
+        seg.outcomes = [o for o in seg.outcomes if o.status != -1]
 
 
 # ------------------------------------------------------------------------------------------------- ledger
@@ -303,6 +311,8 @@ def summarize(segments: list[Segment]) -> dict[str, Any]:
         "escalations": sum(1 for e in events if (e.error_code or "").startswith("escalated_")),
         "saved_micro_usd": sum(e.saved_micro_usd for e in events),
         "cache_results": dict(sorted(Counter(o.cache or "none" for o in outcomes).items())),
+        "skipped": sum(s.skipped for s in segments),
+        "wall_s": round(sum(s.wall_s for s in segments), 1),
     }
 
 
@@ -414,9 +424,9 @@ def serve_gateway(cfg: dict[str, Any], state_dir: Path, name: str) -> Iterator[s
 class BenchConfig:
     """Arguments of one bench run (see the module doc)."""
 
-    n: int = 120
+    n: int = 100
     repeat_fraction: float = 0.2
-    real_fraction: float = 0.2
+    real_fraction: float = 0.08
     policies: tuple[str, ...] = POLICIES
     concurrency: int = 4
     seed: int = 0
@@ -424,6 +434,7 @@ class BenchConfig:
     escalation_url: str | None = None
     api_key: str | None = None
     progress: bool = True
+    time_budget_s: float = 840.0  # the whole run, start-up included; unsent requests are skipped after it
 
 
 def run(cfg: BenchConfig, settings: Settings, *, start_engine: bool = True,
@@ -438,6 +449,7 @@ def run(cfg: BenchConfig, settings: Settings, *, start_engine: bool = True,
     by_subset = {s: [i for i in items if i.subset == s] for s in SUBSETS}
     run_id = uuid.uuid4().hex[:8]
     started = time.time()
+    deadline = time.monotonic() + cfg.time_budget_s
     stack_info: dict[str, Any] = {"run": run_id}
     with ExitStack() as stack:
         state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tg-savings-")))
@@ -502,12 +514,17 @@ def run(cfg: BenchConfig, settings: Settings, *, start_engine: bool = True,
                 secret = cfg.api_key if cfg.url else secrets_by_key[kid or ""]
                 seg = Segment(p, s, kid)
                 run_segment(seg, Endpoint(ep.url, secret or "", ep.model), by_subset[s], cfg.concurrency,
-                            bar.update)
+                            bar.update, deadline)
                 ledger.settle(seg)
                 segments.setdefault(p, []).append(seg)
         bar.close()
     policies = {p: policy_report(segs) for p, segs in segments.items()}
+    skipped = sum(e["skipped"] for e in policies.values())
+    if skipped:
+        log(f"savings: time budget of {cfg.time_budget_s:.0f} s spent: {skipped} requests not sent "
+            "(see 'skipped' per policy; compare policies on equal requests only)")
     return {
+        "complete": skipped == 0,
         "policies": policies,
         "targets": targets(policies),
         "workload": {"n": cfg.n, "synthetic": len(by_subset["synthetic"]), "real": len(by_subset["real"]),
@@ -637,6 +654,8 @@ def savings_cmd(
     real_fraction: float = typer.Option(BenchConfig.real_fraction, help="Share of GSM8K/MATH questions."),
     policies: str = typer.Option(",".join(POLICIES), help="Comma list of: " + ", ".join(POLICIES) + "."),
     concurrency: int = typer.Option(BenchConfig.concurrency, min=1, max=64, help="Requests in flight."),
+    time_budget_s: float = typer.Option(BenchConfig.time_budget_s, min=10, help="Whole-run budget (s); "
+                                        "requests not sent by then are skipped and reported."),
     seed: int = typer.Option(0, help="Workload seed."),
     url: str | None = typer.Option(None, help="A running gateway (else the bench starts the stack)."),
     escalation_url: str | None = typer.Option(None, help="With --url: a gateway with escalation on short."),
@@ -659,7 +678,7 @@ def savings_cmd(
         raise typer.Exit(2) from None
     cfg = BenchConfig(n=n, repeat_fraction=repeat_fraction, real_fraction=real_fraction,
                       policies=tuple(p.strip() for p in policies.split(",") if p.strip()), concurrency=concurrency,
-                      seed=seed, url=url, escalation_url=escalation_url,
+                      seed=seed, url=url, escalation_url=escalation_url, time_budget_s=time_budget_s,
                       api_key=os.environ.get("THINKGATE_API_KEY"))
     if engine_url:
         for tier in settings.tiers:

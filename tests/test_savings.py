@@ -124,3 +124,14 @@ def test_bench_through_the_real_engine(engine: str, redis_url: str, redis_prefix
     assert p["none"]["reasoning_tokens"] == 0 < p["long"]["reasoning_tokens"]
     assert p["long"]["cost_micro_usd"] > p["none"]["cost_micro_usd"] > 0
     check_against_ledger(result, ledger(redis_url, redis_prefix, tmp_path), base)
+
+
+def test_time_budget_skips_and_says_so(sim: SimProcess, redis_url: str, redis_prefix: str) -> None:
+    settings = sim_settings(sim.base_url, redis_url,
+                            redis={"url": redis_url, "start_if_missing": False, "key_prefix": redis_prefix})
+    cfg = sv.BenchConfig(n=4, real_fraction=0.0, policies=("none",), progress=False, time_budget_s=0.001)
+    said: list[str] = []
+    result = sv.run(cfg, settings, start_engine=False, log=said.append)
+    entry = result["policies"]["none"]
+    assert result["complete"] is False and entry["skipped"] == 4 and entry["requests"] == 0
+    assert entry["events"] == 0 and entry["cost_micro_usd"] == 0 and any("4 requests not sent" in m for m in said)
