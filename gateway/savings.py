@@ -472,6 +472,7 @@ def run(cfg: BenchConfig, settings: Settings, *, start_engine: bool = True,
                 stack.callback(engine.stop)
                 tiers_url = engine.base_url
                 stack_info["engine_startup_s"] = round(engine.startup_s or 0.0, 1)
+                stack_info["model_sha256"] = _weights_sha256(Path(ecfg.model_path))
             keys = []
             for p in cfg.policies:
                 for s in SUBSETS:
@@ -534,6 +535,16 @@ def run(cfg: BenchConfig, settings: Settings, *, start_engine: bool = True,
         "stack": stack_info,
         "wall_s": round(time.time() - started, 1),
     }
+
+
+def _weights_sha256(model_dir: Path) -> str:
+    """SHA-256 (first 12 hex) of the model's ``*.safetensors`` files: names the weights a run used."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _own_key_id(url: str, secret: str) -> str | None:
