@@ -271,8 +271,8 @@ def _default_tiers() -> list[TierConfig]:
         ),
         TierConfig(
             name="short",
-            max_tokens=192,
-            thinking_budget=48,
+            max_tokens=96,
+            thinking_budget=24,
             escalate_on=["empty_answer"],
             prices=Prices(
                 input_usd_per_mtok=Decimal("0.10"),
@@ -282,8 +282,8 @@ def _default_tiers() -> list[TierConfig]:
         ),
         TierConfig(
             name="long",
-            max_tokens=1024,
-            thinking_budget=768,
+            max_tokens=384,
+            thinking_budget=256,
             prices=Prices(
                 input_usd_per_mtok=Decimal("0.50"),
                 cached_input_usd_per_mtok=Decimal("0.25"),

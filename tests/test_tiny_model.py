@@ -80,26 +80,35 @@ def test_examples_mask_prompt_and_forced_end(tokenizer) -> None:  # type: ignore
 
 
 def test_sft_smoke_run_saves_a_loadable_model(tmp_path: Path) -> None:
+    """Both stages of the recipe (scratch, then continued) on a toy-sized model, a few steps each."""
+    from dataclasses import replace
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from training.tasks import load_task
     from training.tiny.evaluate import run
     from training.tiny.model import TinyArch
-    from training.tiny.train import SFTConfig, train
+    from training.tiny.train import recipe, train_recipe
 
-    cfg = SFTConfig(steps=6, batch_size=4, warmup_steps=2, tokenizer_docs=300, threads=1, bucket_batches=2,
-                    arch=TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                  num_key_value_heads=1))
-    summary = train(cfg, tmp_path, log=lambda _: None, show_progress=False)
-    assert summary["steps_done"] == 6 and summary["final_loss_ema"] > 0
+    arch = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1)
+    s1, s2 = recipe(seed=0, steps=(6, 4), arch=arch)
+    s1 = replace(s1, batch_size=4, warmup_steps=2, tokenizer_docs=300, bucket_batches=2)
+    s2 = replace(s2, batch_size=4, warmup_steps=1, bucket_batches=2)
+    summary = train_recipe((s1, s2), tmp_path, log=lambda _: None, show_progress=False)
+    assert [s["steps_done"] for s in summary["stages"]] == [6, 4]
+    assert summary["stages"][1]["config"]["init_from"] == str(tmp_path / "stage1")
+    assert not (tmp_path / "stage1").exists()
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "generation_config.json", "training_summary.json"):
         assert (tmp_path / name).is_file(), name
     tok = AutoTokenizer.from_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert model.config.tie_word_embeddings and model.config.vocab_size == len(tok)
+    assert model.config.hidden_size == 32
     assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == tok.eos_token_id
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     torch.manual_seed(0)
     out = run(model, tok, load_task("arith", "test", 2), budget=5, max_answer=4)
     # budget 5 → at most 4 thought tokens, then the forced </think>

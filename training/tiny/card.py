@@ -21,13 +21,54 @@ def _load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _stage_line(i: int, st: dict[str, Any]) -> str:
+    c = st.get("config", {})
+    mix = c.get("mix", {})
+    origin = "from random initialisation" if not c.get("init_from") else "continued from stage 1"
+    curriculum = (
+        f"curriculum from 1–2 up to {c.get('max_difficulty')} operations over the first {c.get('curriculum_frac'):.0%}"
+        if c.get("curriculum_frac")
+        else f"1–{c.get('max_difficulty')} operations throughout"
+    )
+    return (
+        f"- Stage {i}: {origin}; {st.get('steps_done')} steps of {c.get('batch_size')} examples "
+        f"({st.get('wall_s')} s), AdamW peak LR {c.get('lr')} (warm-up, cosine decay), {curriculum}, data seed "
+        f"{c.get('seed')}; mix: direct {mix.get('direct')}, truncated {mix.get('truncated')}, full thoughts "
+        f"terse:medium:verbose = {mix.get('terse')}:{mix.get('medium')}:{mix.get('verbose')}."
+    )
+
+
+def _training_text(summary: dict[str, Any]) -> str:
+    stages = summary.get("stages") or [summary]
+    lines = [
+        f"Supervised fine-tuning on a shared 2-core CPU (one torch thread), {summary.get('wall_s', '?')} s of wall "
+        "time in all:",
+        *(_stage_line(i + 1, st) for i, st in enumerate(stages)),
+        "",
+        "Examples are generated on the fly from the **train** split of the `arith` task (held-out problems are "
+        "excluded by a hash of their content), of five kinds:",
+        "- full thoughts in three verbosities — terse (`7 + 5 = 12` per line), medium (sentences), and verbose with",
+        "  redundant re-checking (`Let me double-check: 12 - 5 = 7. Correct.`, recomputations, a recap): the verbose",
+        "  ones are deliberate over-thinking for later length-penalty training;",
+        "- truncated thoughts: a thought cut at a random token, then the forced end of thinking (`</think>`, as vLLM",
+        "  forces at `thinking_token_budget`, or `\\n</think>\\n\\n`, as the gateway's budget forcing appends), then",
+        "  the answer — the model learns to answer at once when its budget runs out (no loss on the forced tokens);",
+        "- direct answers with thinking disabled.",
+        "",
+        "Reproduce: `thinkgate train tiny --output-dir DIR` (both stages; seed 0). The learning-rate schedule and "
+        "curriculum follow the fraction of steps done or of the stage's wall-time bound used, whichever is further, "
+        "so a run is step-exact only on a box fast enough to finish its steps within the bound (this one was not: "
+        "both stages ended at their time bound).",
+    ]
+    return "\n".join(lines)
+
+
 def render(model_dir: Path) -> str:
     """The card text (Markdown with Hugging Face YAML front matter)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     summary = _load(model_dir / "training_summary.json") or {}
     size_mb = (model_dir / "model.safetensors").stat().st_size / 1e6
     params = summary.get("parameters")
-    tcfg = summary.get("config", {})
     vllm_eval = _load(model_dir / "eval_vllm.json")
     offline = _load(model_dir / "offline_eval.json")
     if vllm_eval:
@@ -45,8 +86,7 @@ def render(model_dir: Path) -> str:
         results = "Offline check (transformers, greedy, vLLM budget semantics):\n\n" + "\n".join(rows)
     else:
         results = "Not measured yet: run `python -m training.tiny.measure --json DIR/eval_vllm.json`."
-    steps = summary.get("steps_done", "?")
-    wall = summary.get("wall_s", "?")
+    training = _training_text(summary)
     return f"""---
 license: apache-2.0
 library_name: transformers
@@ -73,22 +113,7 @@ against a real reasoning model whose accuracy depends on how long it may think �
   `<think>\\n\\n</think>\\n\\n` and the model answers at once.
 
 ## Training
-Supervised fine-tuning from random initialisation, {steps} steps of {tcfg.get("batch_size", "?")} examples
-({wall} s wall time on a shared 2-core CPU), AdamW (peak LR {tcfg.get("lr", "?")}, warm-up, cosine decay), a
-curriculum from 1–2 up to {tcfg.get("max_difficulty", "?")} operations, seed {tcfg.get("seed", "?")}. Examples are
-generated on the fly from the **train** split of the `arith` task (held-out problems are excluded by a hash of
-their content), in five kinds:
-- full thoughts in three verbosities — terse (`7 + 5 = 12` per line), medium (sentences), and verbose with
-  redundant re-checking (`Let me double-check: 12 - 5 = 7. Correct.`, recomputations, a recap): the verbose
-  ones are deliberate over-thinking for later length-penalty training;
-- truncated thoughts: a thought cut at a random token, then the forced end of thinking (`</think>`, as vLLM
-  forces at `thinking_token_budget`, or `\\n</think>\\n\\n`, as the gateway's budget forcing appends), then the
-  answer — the model learns to answer at once when its budget runs out (no loss on the forced tokens);
-- direct answers with thinking disabled.
-
-Reproduce: `thinkgate train tiny --output-dir DIR --seed {tcfg.get("seed", 0)}` (bit-identical when the box runs
-the {tcfg.get("steps", "?")} steps within the time bound; otherwise the schedule follows wall time, see
-`training/tiny/train.py`).
+{training}
 
 ## Results
 {results}

@@ -31,7 +31,8 @@ FORCED_ENDS = (THINK_END, f"\n{THINK_END}\n\n")
 
 @dataclass(frozen=True)
 class Mix:
-    """Fractions of example kinds (thinking styles among full thoughts; the rest as named)."""
+    """Fractions of example kinds: ``direct`` and ``truncated`` of all examples, the rest full thoughts whose
+    style is drawn with weights ``terse``/``medium``/``verbose``; ``system``: examples with a system message."""
 
     direct: float = 0.12
     truncated: float = 0.25
@@ -39,6 +40,10 @@ class Mix:
     medium: float = 0.20
     verbose: float = 0.30
     system: float = 0.10
+
+
+#: Stage 2 of the recipe: fewer truncated/direct examples, a little less verbosity (more facts per token).
+STAGE2_MIX = Mix(direct=0.10, truncated=0.20, terse=0.55, medium=0.20, verbose=0.25)
 
 
 def _step(a: int, sym: str, k: int, b: int) -> str:

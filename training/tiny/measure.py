@@ -26,8 +26,15 @@ import httpx
 from training.tasks import Problem, load_task, verify
 
 
-def ask(client: httpx.Client, base_url: str, model: str, problem: Problem, budget: int | None,
-        thinking: bool = True, max_tokens: int = 1024) -> dict[str, Any]:
+def ask(
+    client: httpx.Client,
+    base_url: str,
+    model: str,
+    problem: Problem,
+    budget: int | None,
+    thinking: bool = True,
+    max_tokens: int = 1024,
+) -> dict[str, Any]:
     """One chat completion; returns ``{"correct", "reasoning_tokens", "content", "reasoning", "finish_reason"}``.
 
     ``budget`` None sends no ``thinking_token_budget`` (unlimited up to ``max_tokens``).
@@ -67,8 +74,13 @@ def _summary(rows: Sequence[tuple[Problem, dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
-def measure(base_url: str, model: str, problems: Sequence[Problem], settings: dict[str, tuple[int | None, bool]],
-            concurrency: int = 16) -> dict[str, Any]:
+def measure(
+    base_url: str,
+    model: str,
+    problems: Sequence[Problem],
+    settings: dict[str, tuple[int | None, bool]],
+    concurrency: int = 16,
+) -> dict[str, Any]:
     """Run every problem under every setting (name → (budget, thinking)); per-setting and per-level summaries."""
     out: dict[str, Any] = {}
     with httpx.Client(timeout=300, trust_env=False) as client, ThreadPoolExecutor(concurrency) as pool:
@@ -91,9 +103,13 @@ def markdown(settings: dict[str, Any]) -> str:
     head = "| setting | " + " | ".join(f"{d} ops" for d in levels) + " | all | mean / max reasoning tokens |"
     lines = [head, "|" + "---|" * (len(levels) + 3)]
     for name, s in settings.items():
-        cells = [f"{s['by_difficulty'][d]['accuracy']:.0%}" for d in levels]
-        lines.append(f"| {name} | " + " | ".join(cells) +
-                     f" | {s['accuracy']:.0%} | {s['mean_reasoning_tokens']:.0f} / {s['max_reasoning_tokens']} |")
+        by = {int(k): v for k, v in s["by_difficulty"].items()}  # JSON round-trips turn the keys into strings
+        cells = [f"{by[d]['accuracy']:.0%}" for d in levels]
+        lines.append(
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {s['accuracy']:.0%} | {s['mean_reasoning_tokens']:.0f} / {s['max_reasoning_tokens']} |"
+        )
     return "\n".join(lines)
 
 
@@ -129,8 +145,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if engine is not None:
             engine.stop()
-    report = {"engine_start_s": engine.startup_s if engine else None, "n_per_level": args.per_level,
-              "seed": args.seed, "settings": result}
+    report = {
+        "engine_start_s": engine.startup_s if engine else None,
+        "n_per_level": args.per_level,
+        "seed": args.seed,
+        "settings": result,
+    }
     print(markdown(result))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -18,14 +18,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.tiny.data import Example, Mix, corpus, sample_example
+from training.tiny.data import STAGE2_MIX, Example, Mix, corpus, sample_example
 from training.tiny.model import TinyArch, build_model
 from training.tiny.tokenizer import IM_END, IM_START, PAD, train_tokenizer
 
 
 @dataclass
 class SFTConfig:
-    """Hyper-parameters of the recipe; the defaults made the shipped model."""
+    """Hyper-parameters of one SFT stage; the defaults are stage 1 of the recipe (see :func:`recipe`)."""
 
     steps: int = 3000
     batch_size: int = 24
@@ -43,6 +43,7 @@ class SFTConfig:
     bucket_batches: int = 4  # batches drawn together and sorted by length, to cut padding
     mix: Mix = field(default_factory=Mix)
     arch: TinyArch = field(default_factory=TinyArch)
+    init_from: str | None = None  # continue from this model directory (its tokenizer and weights) instead of scratch
 
 
 def max_difficulty_at(progress: float, cfg: SFTConfig) -> int:
@@ -119,9 +120,17 @@ def train(
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     t0 = time.monotonic()
-    tokenizer = build_tokenizer(cfg)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IM_START, IM_END, PAD)}
-    model = build_model(len(tokenizer), ids[IM_START], ids[IM_END], ids[PAD], cfg.arch)
+    if cfg.init_from:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.init_from)
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IM_START, IM_END, PAD)}
+        model = AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+        log(f"continuing from {cfg.init_from}")
+    else:
+        tokenizer = build_tokenizer(cfg)
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IM_START, IM_END, PAD)}
+        model = build_model(len(tokenizer), ids[IM_START], ids[IM_END], ids[PAD], cfg.arch)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"tokenizer: {len(tokenizer)} tokens; model: {n_params / 1e6:.2f}M parameters")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -189,8 +198,69 @@ def save(model: Any, tokenizer: Any, output_dir: Path, summary: dict[str, Any]) 
     model.config.torch_dtype = "float32"
     model.save_pretrained(output_dir, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
+    # Portability to older transformers (e.g. a GPU host's vLLM): name the class they know and embed the
+    # chat template in tokenizer_config.json too (transformers ≥ 4.47 / 5.x also read chat_template.jinja).
+    tc_path = output_dir / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc["chat_template"] = tokenizer.chat_template
+    tc_path.write_text(json.dumps(tc, indent=2) + "\n")
     eos = tokenizer.convert_tokens_to_ids(IM_END)
     GenerationConfig(
         bos_token_id=model.config.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, do_sample=False
     ).save_pretrained(output_dir)
     (output_dir / "training_summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def recipe(
+    seed: int = 0,
+    steps: tuple[int, int] = (3000, 2500),
+    max_minutes: tuple[float, float] = (22.0, 18.0),
+    threads: int = 1,
+    arch: TinyArch | None = None,
+) -> tuple[SFTConfig, SFTConfig]:
+    """The two stages that made the shipped model.
+
+    Stage 1: from scratch, batch 24, peak LR 2e-3, curriculum 2→6 operations over the first half, the
+    default :class:`Mix`. Stage 2: continues from stage 1 (``init_from`` is filled in by
+    :func:`train_recipe`), batch 16, peak LR 1e-3, all difficulties from the start, :data:`STAGE2_MIX`, a
+    different data seed (``seed + 1``) so that it sees new examples.
+    """
+    a = arch or TinyArch()
+    s1 = SFTConfig(steps=steps[0], seed=seed, threads=threads, max_minutes=max_minutes[0], arch=a)
+    s2 = SFTConfig(
+        steps=steps[1],
+        batch_size=16,
+        lr=1e-3,
+        warmup_steps=50,
+        curriculum_frac=0.0,
+        seed=seed + 1,
+        threads=threads,
+        max_minutes=max_minutes[1],
+        mix=STAGE2_MIX,
+        arch=a,
+    )
+    return s1, s2
+
+
+def train_recipe(
+    stages: tuple[SFTConfig, SFTConfig],
+    output_dir: Path,
+    log: Callable[[str], None] = print,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Run both stages; stage 1 is written to ``output_dir/stage1`` (deleted afterwards), stage 2 to
+    ``output_dir``. Returns stage 2's summary with ``stages`` (both summaries) and total ``wall_s``."""
+    import shutil
+    from dataclasses import replace
+
+    s1, s2 = stages
+    tmp = output_dir / "stage1"
+    log("stage 1: from scratch")
+    sum1 = train(s1, tmp, log=log, show_progress=show_progress)
+    log("stage 2: continued")
+    sum2 = train(replace(s2, init_from=str(tmp)), output_dir, log=log, show_progress=show_progress)
+    shutil.rmtree(tmp, ignore_errors=True)
+    total = {**sum2, "wall_s": round(sum1["wall_s"] + sum2["wall_s"], 1), "stages": [sum1, sum2]}
+    (output_dir / "training_summary.json").write_text(json.dumps(total, indent=2, default=str) + "\n")
+    return total
