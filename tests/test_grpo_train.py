@@ -219,3 +219,20 @@ def test_cli_registered_and_config_error_exit_code(tmp_path: Path) -> None:
     bad.write_text("rewardz: []\n")
     r = CliRunner().invoke(app, ["train", "grpo", "--config", str(bad)])
     assert r.exit_code == 2 and "unknown key" in r.output
+
+
+def test_sampled_evaluation_returns_one_row_per_sample(tiny: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.grpo.data import problem_rows
+    from training.grpo.evaluate import generate_and_score, summarize
+
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    tok = AutoTokenizer.from_pretrained(tiny)
+    rows = problem_rows(PROBLEMS[:2])
+    out = generate_and_score(model, tok, rows, exact_answer_verifier, 6, temperature=1.0, samples=3, seed=1)
+    assert [r.problem_id for r in out] == ["t0"] * 3 + ["t1"] * 3
+    assert all(1 <= r.completion_tokens <= 6 for r in out)
+    again = generate_and_score(model, tok, rows, exact_answer_verifier, 6, temperature=1.0, samples=3, seed=1)
+    assert [r.completion_tokens for r in again] == [r.completion_tokens for r in out]  # seeded
+    assert summarize(out)["overall"]["n"] == 6

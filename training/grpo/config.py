@@ -161,6 +161,8 @@ class EvalConfig:
     after: bool = _f(True, "Evaluate the trained model on the held-out set (model card).")
     max_new_tokens: int | None = _f(None, "Generation cap for evaluation; None = trl.max_completion_length.")
     batch_size: int = _f(32, "Prompts per generate() call.")
+    temperature: float = _f(0.0, "0 = greedy; > 0 samples (deployment-like lengths), seeded.")
+    samples: int = _f(1, "Completions per problem when sampling (accuracy = mean over samples).")
     every_steps: int | None = _f(
         None, "Also evaluate greedily every N optimizer steps (heldout.jsonl; metric heldout/accuracy for monitors)."
     )
@@ -171,7 +173,9 @@ class EvalConfig:
 class OutputConfig:
     tier_name: str = _f("short", "Gateway tier name in the tier snippet.")
     served_model_name: str = _f("thinkgate-tiny-short", "Model name the engine serves the output under.")
-    base_url: str = _f("http://127.0.0.1:8002/v1", "Upstream base URL in the tier snippet (8001 is the embedded engine).")
+    base_url: str = _f(
+        "http://127.0.0.1:8002/v1", "Upstream base URL in the tier snippet (8001 is the embedded engine)."
+    )
 
 
 def _default_trl() -> dict[str, Any]:
@@ -331,6 +335,8 @@ def validate(cfg: RunConfig) -> RunConfig:
             Decimal(cfg.ledger.budget_usd)
         except Exception as e:
             raise ConfigError(f"ledger.budget_usd: not a decimal: {cfg.ledger.budget_usd!r}") from e
+    if cfg.eval.temperature < 0 or cfg.eval.samples < 1 or (cfg.eval.samples > 1 and cfg.eval.temperature == 0):
+        raise ConfigError("eval: temperature >= 0, samples >= 1, and samples > 1 only with temperature > 0")
     if cfg.ledger.extra_devices < 0:
         raise ConfigError("ledger.extra_devices: must be >= 0")
     if not 0 < cfg.ledger.warn_fraction <= 1:

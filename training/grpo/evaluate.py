@@ -37,9 +37,17 @@ def generate_and_score(
     verifier: Verifier,
     max_new_tokens: int,
     batch_size: int = 32,
+    temperature: float = 0.0,
+    samples: int = 1,
+    seed: int = 0,
 ) -> list[EvalRow]:
-    """Answer every row (dataset rows from :mod:`training.grpo.data`) greedily and verify."""
+    """Answer every row (dataset rows from :mod:`training.grpo.data`) and verify: greedily, or — ``temperature``
+    > 0 — ``samples`` sampled completions per row (seeded; one :class:`EvalRow` per completion)."""
     import torch
+
+    sampling = temperature > 0
+    if sampling:
+        torch.manual_seed(seed)
 
     close_id = tokenizer.convert_tokens_to_ids(THINK_CLOSE)
     if close_id == tokenizer.unk_token_id or not isinstance(close_id, int):
@@ -75,11 +83,17 @@ def generate_and_score(
                     input_ids=ids,
                     attention_mask=mask,
                     max_new_tokens=max_new_tokens,
-                    do_sample=False,
+                    do_sample=sampling,
+                    temperature=temperature if sampling else None,
+                    top_p=1.0 if sampling else None,
+                    top_k=0 if sampling else None,
+                    num_return_sequences=samples if sampling else 1,
                     pad_token_id=pad,
                     eos_token_id=list(eos_ids),
                 )
-            for r, seq in zip(chunk, gen[:, width:].tolist(), strict=True):
+            per_row = samples if sampling else 1
+            expanded = [r for r in chunk for _ in range(per_row)]
+            for r, seq in zip(expanded, gen[:, width:].tolist(), strict=True):
                 comp: list[int] = []
                 for t in seq:
                     comp.append(t)

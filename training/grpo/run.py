@@ -215,11 +215,16 @@ def run_grpo(
     ledger_cb = LedgerCallback(ledger, counters, alert_log)
     callbacks: list[Any] = [ledger_cb, monitor_cb]
     eval_max = cfg.eval.max_new_tokens or max_len
+    sampling = {"temperature": cfg.eval.temperature, "samples": cfg.eval.samples, "seed": cfg.task.seed}
+
+    def evaluate_rows(m: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return summarize(generate_and_score(m, tokenizer, rows, verifier, eval_max, cfg.eval.batch_size, **sampling))
+
     if cfg.eval.every_steps:
         subset = eval_rows[: cfg.eval.every_n] if cfg.eval.every_n else eval_rows
 
         def periodic(m: Any) -> dict[str, Any]:
-            return summarize(generate_and_score(m, tokenizer, subset, verifier, eval_max, cfg.eval.batch_size))
+            return evaluate_rows(m, subset)
 
         callbacks.append(HeldoutEvalCallback(cfg.eval.every_steps, periodic, run_dir, counters, ledger, monitor_cb))
 
@@ -266,7 +271,7 @@ def run_grpo(
             before = json.loads(before_path.read_text())
         else:
             t0 = time.perf_counter()
-            before = summarize(generate_and_score(model, tokenizer, eval_rows, verifier, eval_max, cfg.eval.batch_size))
+            before = evaluate_rows(model, eval_rows)
             t_eval += time.perf_counter() - t0
             _write_json(before_path, before)
 
@@ -292,9 +297,7 @@ def run_grpo(
     after = None
     if cfg.eval.after:
         t0 = time.perf_counter()
-        after = summarize(
-            generate_and_score(trainer.model, tokenizer, eval_rows, verifier, eval_max, cfg.eval.batch_size)
-        )
+        after = evaluate_rows(trainer.model, eval_rows)
         t_eval += time.perf_counter() - t0
         _write_json(run_dir / "eval_after.json", after)
 
