@@ -7,6 +7,7 @@ Sub-apps live next to the code they drive (``router/cli.py``, ``training/cli.py`
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,9 @@ def serve(
         except RedisUnavailable as exc:
             typer.echo(f"thinkgate: warning: {exc}; continuing without Redis (/ready reports it)", err=True)
     _ensure_dev_key(settings)
+    # uvicorn re-raises a captured SIGTERM after its graceful shutdown; with the default handler that kills
+    # the process before the ``finally`` below, orphaning the engine and the private Redis.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     engine = None
     try:
         if settings.engine.enabled:
@@ -122,6 +126,10 @@ def serve(
             engine.stop()
         if redis_proc is not None:
             redis_proc.terminate()
+
+
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _start_engine(settings: Settings) -> Any:

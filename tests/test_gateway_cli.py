@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 import yaml
-from fixtures_upstream import wait_http_ok
+from fixtures_upstream import wait_for, wait_http_ok
 
 from gateway.redis_server import free_port
 
@@ -88,3 +88,25 @@ def test_serve_creates_dev_key_and_answers(tmp_path: Path, upstream_sim: Any, re
         output = log.read()
         log.close()
     assert f"cat {key_file}" in output
+
+
+def test_sigterm_stops_what_serve_started(tmp_path: Path, upstream_sim: Any) -> None:
+    """SIGTERM ends ``serve`` through its clean-up: the private redis-server it started (as it would the local
+    engine) is stopped too, not orphaned."""
+    from gateway.redis_server import ping
+
+    redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    cfg = write_config(tmp_path / "c.yaml", upstream_sim.base_url, redis_url,
+                       redis={"url": redis_url, "start_if_missing": True},
+                       auth={"dev_key_file": str(tmp_path / "dev-key")})
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=30, proc=proc)
+        assert ping(redis_url), "serve started a private Redis"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert wait_for(lambda: not ping(redis_url), timeout_s=10), "the private Redis outlived serve"
