@@ -568,15 +568,16 @@ def _fmt(v: Any, spec: str) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     """The per-policy table as Markdown (accuracy on the synthetic task; real = GSM8K/MATH)."""
-    lines = ["| policy | requests | accuracy (synthetic) | accuracy (real) | prompt tok | reasoning tok | "
+    lines = ["| policy | requests | errors | accuracy (synthetic) | accuracy (real) | prompt tok | reasoning tok | "
              "completion tok | reasoning tok (synthetic) | cost USD (ledger) | p50 ms | p99 ms | cache hit rate | "
              "tiers (answered) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, e in result["policies"].items():
         real = (e.get("real") or {}).get("accuracy")
         syn_tok = (e.get("synthetic") or {}).get("reasoning_tokens")
         tiers = ", ".join(f"{k} {v}" for k, v in e["tiers"].items())
-        lines.append(f"| {name} | {e['requests']} | {_fmt(e['accuracy'], '.1%')} | {_fmt(real, '.1%')} | "
+        lines.append(f"| {name} | {e['requests']} | {e['errors']} | {_fmt(e['accuracy'], '.1%')} | "
+                     f"{_fmt(real, '.1%')} | "
                      f"{e['prompt_tokens']} | {e['reasoning_tokens']} | {e['completion_tokens']} | "
                      f"{_fmt(syn_tok, 'd')} | {Decimal(e['cost_micro_usd']) / 1_000_000:.6f} | {e['p50_ms']:.0f} | "
                      f"{e['p99_ms']:.0f} | {e['cache_hit_rate']:.1%} | {tiers} |")
@@ -619,9 +620,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     pts = [(name, e["cost_usd"], e["accuracy"]) for name, e in result["policies"].items()
            if e["accuracy"] is not None]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    seen: Counter[tuple[float, float]] = Counter()
     for name, x, y in pts:
         ax.scatter([x], [y], s=50)
-        ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=9)
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 5 - 12 * seen[(x, y)]), fontsize=9)
+        seen[(x, y)] += 1  # policies on the same point (e.g. escalation never fired) get stacked labels
     front = []
     for name, x, y in sorted(pts, key=lambda p: (p[1], -p[2])):
         if not front or y > front[-1][2]:
