@@ -49,3 +49,9 @@ def tiny(
             typer.echo(f"{name:>10}: " + "  ".join(f"d{d}={a:.2f}" for d, a in acc.items()))
     write_card(out)
     typer.echo(f"done in {summary['wall_s']} s -> {out}")
+
+
+# --- thinkgate train grpo (training/grpo/cli.py; typer only at import) -----------------------------------------
+from training.grpo.cli import grpo as _grpo  # noqa: E402
+
+app.command("grpo")(_grpo)
