@@ -22,6 +22,32 @@ from gateway.keys_cli import CONFIG_OPTION, load_settings
 app = typer.Typer(no_args_is_help=True)
 
 
+def read_events(settings: Any, since: float | None, until: float | None, key: str | None) -> list[Any]:
+    """The usage events of the ledger (Redis Stream) in [since, until) (epoch seconds; None = open), of one key
+    id or all. Exits with code 3 when Redis is unreachable. A longer socket timeout than the request path's:
+    an export may scan a long stream."""
+    from gateway.breaker import Breaker, RedisDown
+    from gateway.metering import Meter
+    from gateway.redis_client import connect
+    from gateway.spool import Spool
+
+    rcfg = settings.redis.model_copy(update={"socket_timeout_s": max(settings.redis.socket_timeout_s, 5.0)})
+
+    async def collect() -> list[Any]:
+        handle = connect(rcfg)
+        try:
+            meter = Meter(handle, Breaker(1.0), Spool(settings.metering.spool_path), settings.metering)
+            return [e async for e in meter.events(since, until) if key is None or e.key_id == key]
+        finally:
+            await handle.close()
+
+    try:
+        return asyncio.run(collect())
+    except RedisDown as exc:
+        typer.echo(f"thinkgate: Redis unreachable at {settings.redis.url}: {exc}", err=True)
+        raise typer.Exit(3) from None
+
+
 @app.command("export")
 def export(
     fmt: str = typer.Option("csv", "--format", "-f", help="csv | jsonl | parquet"),
@@ -34,10 +60,6 @@ def export(
 ) -> None:
     """Export usage: raw events, or sums grouped by key/tier/model/day/tag."""
     from gateway import export as ex
-    from gateway.breaker import Breaker, RedisDown
-    from gateway.metering import Meter
-    from gateway.redis_client import connect
-    from gateway.spool import Spool
 
     if fmt not in ("csv", "jsonl", "parquet"):
         typer.echo("thinkgate: --format must be csv, jsonl or parquet", err=True)
@@ -52,21 +74,7 @@ def export(
         typer.echo(f"thinkgate: {exc}", err=True)
         raise typer.Exit(2) from None
     settings = load_settings(config)
-    rcfg = settings.redis.model_copy(update={"socket_timeout_s": max(settings.redis.socket_timeout_s, 5.0)})
-
-    async def collect() -> list[Any]:
-        handle = connect(rcfg)
-        try:
-            meter = Meter(handle, Breaker(1.0), Spool(settings.metering.spool_path), settings.metering)
-            return [e async for e in meter.events(t0, t1) if key is None or e.key_id == key]
-        finally:
-            await handle.close()
-
-    try:
-        events = asyncio.run(collect())
-    except RedisDown as exc:
-        typer.echo(f"thinkgate: Redis unreachable at {settings.redis.url}: {exc}", err=True)
-        raise typer.Exit(3) from None
+    events = read_events(settings, t0, t1, key)
     rows, cols = ex.build(events, groups)
     ex.write_file(rows, cols, fmt, output, sys.stdout.buffer)  # type: ignore[arg-type]
     sys.stdout.buffer.flush()
@@ -92,10 +100,6 @@ def report_cmd(
 
     from gateway import export as ex
     from gateway import report as rp
-    from gateway.breaker import Breaker, RedisDown
-    from gateway.metering import Meter
-    from gateway.redis_client import connect
-    from gateway.spool import Spool
 
     try:
         t0, t1 = ex.parse_time(since), ex.parse_time(until)
@@ -108,21 +112,7 @@ def report_cmd(
     except KeyError:
         typer.echo(f"thinkgate: no tier {long_tier!r} in the configuration", err=True)
         raise typer.Exit(2) from None
-    rcfg = settings.redis.model_copy(update={"socket_timeout_s": max(settings.redis.socket_timeout_s, 5.0)})
-
-    async def collect() -> list[Any]:
-        handle = connect(rcfg)
-        try:
-            meter = Meter(handle, Breaker(1.0), Spool(settings.metering.spool_path), settings.metering)
-            return [e async for e in meter.events(t0, t1) if key is None or e.key_id == key]
-        finally:
-            await handle.close()
-
-    try:
-        events = asyncio.run(collect())
-    except RedisDown as exc:
-        typer.echo(f"thinkgate: Redis unreachable at {settings.redis.url}: {exc}", err=True)
-        raise typer.Exit(3) from None
+    events = read_events(settings, t0, t1, key)
     result = rp.build(events, long_tier, prices, n_buckets=buckets, since=t0, until=t1, key=key)
     Console(stderr=False).print(rp.render(result))
     if csv_path:
