@@ -90,6 +90,8 @@ def environment_line(cfg: Any) -> str:
     except OSError:
         digest = "unknown"
     trl = cfg.trl_kwargs()
+    ev = cfg.eval
+    mode = "greedy" if ev.temperature == 0 else f"sampled at temperature {ev.temperature:g}, {ev.samples} per problem"
     return (
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; model `{Path(cfg.model.path).name}` (weights sha256 "
         f"{digest}), task "
@@ -98,7 +100,7 @@ def environment_line(cfg: Any) -> str:
         f"{trl.get('per_device_train_batch_size')} rollouts (group {trl.get('num_generations')}, "
         f"max {trl.get('max_completion_length')} tokens), "
         f"{cfg.threads} torch thread(s) on {os.cpu_count()} shared CPU cores ({platform.machine()}, load "
-        f"{load:.1f} at the end), commit {commit}. Greedy held-out evaluation."
+        f"{load:.1f} at the end), commit {commit}. Held-out evaluation: {mode}."
     )
 
 
