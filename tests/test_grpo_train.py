@@ -236,3 +236,20 @@ def test_sampled_evaluation_returns_one_row_per_sample(tiny: Path) -> None:
     again = generate_and_score(model, tok, rows, exact_answer_verifier, 6, temperature=1.0, samples=3, seed=1)
     assert [r.completion_tokens for r in again] == [r.completion_tokens for r in out]  # seeded
     assert summarize(out)["overall"]["n"] == 6
+
+
+def test_smoke_config_on_the_shipped_model(tmp_path: Path) -> None:
+    """training/configs/smoke.yaml on the local reasoning model and the arith task (2 steps here)."""
+    from training.grpo.config import DEFAULT_MODEL_DIR, load_config
+    from training.grpo.run import run_grpo
+
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        pytest.fail(f"the shipped model is missing: {DEFAULT_MODEL_DIR}")
+    cfg = load_config(Path(__file__).resolve().parents[1] / "training" / "configs" / "smoke.yaml")
+    cfg.task.n_eval = 6
+    cfg.eval.before = False
+    s = run_grpo(cfg, max_steps=2, output_dir=tmp_path, progress=False)
+    assert s["global_step"] == 2 and s["stop_reason"] is None
+    assert ledger_steps(tmp_path) == [1, 2]
+    after = json.loads((tmp_path / "eval_after.json").read_text())
+    assert after["overall"]["n"] == 6 and after["overall"]["accuracy"] > 0  # the SFT model solves some
