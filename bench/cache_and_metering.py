@@ -46,7 +46,8 @@ from gateway_overhead import Samples, cpu_seconds, machine  # noqa: E402
 from gateway.redis_server import free_port  # noqa: E402
 
 KEY = "tg-bench-cache-key"
-RESULTS = REPO / "bench" / "RESULTS.md"
+from results_md import write_section  # noqa: E402  (bench/ is on sys.path)
+
 SECTION = "## Cache and metering"
 CASES = ("bypass", "miss", "hit")
 
@@ -242,18 +243,6 @@ def render(gw: dict[tuple[str, str], Samples], prim: dict[str, tuple[float, floa
     return "\n".join(lines) + "\n"
 
 
-def write_results(text: str) -> None:
-    """Replace (or append) this script's section of bench/RESULTS.md; other sections are kept."""
-    current = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = current.find(SECTION)
-    if start < 0:
-        new = current.rstrip("\n") + "\n\n" + text
-    else:
-        end = current.find("\n## ", start + len(SECTION))
-        new = current[:start] + text + (current[end:] if end >= 0 else "")
-    RESULTS.write_text(new.rstrip("\n") + "\n")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=300, help="requests per case and mode")
@@ -284,7 +273,7 @@ def main() -> None:
     text = render(gw, prim, args)
     print(text)
     if args.write_results:
-        write_results(text)
+        write_section(SECTION, text)
 
 
 def _cleanup(redis_url: str, prefix: str) -> None:

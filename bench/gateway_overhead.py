@@ -58,7 +58,8 @@ from fixtures_upstream import SimProcess, start_sim, wait_http_ok  # noqa: E402
 from gateway.redis_server import free_port  # noqa: E402
 
 BENCH_KEY = "tg-bench-key"
-RESULTS = REPO / "bench" / "RESULTS.md"
+from results_md import write_section  # noqa: E402  (bench/ is on sys.path)
+
 SECTION = "## Gateway overhead"
 LITELLM_SECTION = "## ThinkGate vs LiteLLM"
 LITELLM_VENV = REPO / "bench" / ".venv-litellm"
@@ -372,7 +373,8 @@ def run_litellm(args: argparse.Namespace) -> None:
     out = litellm_table(results, rss, args.concurrency)
     print(out)
     if args.write_results:
-        write_results(
+        write_section(
+            LITELLM_SECTION,
             f"{LITELLM_SECTION}\n\n"
             f"`bench/gateway_overhead.py --litellm` — {started}. Non-streamed chat requests (~30 output tokens, "
             f"temperature 0, a fresh prompt each time) against `tests/upstream_sim.py`: directly, through "
@@ -385,20 +387,7 @@ def run_litellm(args: argparse.Namespace) -> None:
             f"Redis share the machine's CPUs. Peak RSS: VmHWM summed over the proxy's process tree at the end. "
             f"Ratios < 1× favour ThinkGate for latency, CPU and memory; > 1× for RPS. "
             f"Machine: {env_line}.\n\n{out}\n",
-            LITELLM_SECTION,
         )
-
-
-def write_results(text: str, section: str = SECTION) -> None:
-    """Replace (or append) ``section`` of bench/RESULTS.md; other sections are kept."""
-    current = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = current.find(section)
-    if start < 0:
-        new = current.rstrip("\n") + "\n\n" + text
-    else:
-        end = current.find("\n## ", start + len(section))
-        new = current[:start] + text + (current[end:] if end >= 0 else "")
-    RESULTS.write_text(new.rstrip("\n") + "\n")
 
 
 def parse_extra(spec: str) -> Target:
@@ -448,7 +437,8 @@ def main() -> None:
     out = table(by_mode, targets, args.concurrency)
     print(out)
     if args.write_results:
-        write_results(
+        write_section(
+            SECTION,
             f"{SECTION}\n\n"
             f"`bench/gateway_overhead.py` — {started}. Chat requests (`model: auto`, ~30 output tokens; `json` "
             f"= non-streamed, `stream` = SSE with latency to the last byte) against `tests/upstream_sim.py`, "

@@ -25,10 +25,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from results_md import write_section  # noqa: E402  (bench/ is on sys.path)
+
 from gateway import savings as sv  # noqa: E402
 from gateway.config import DEFAULT_MODEL_DIR, Settings  # noqa: E402
 
-RESULTS = REPO / "bench" / "RESULTS.md"
 OUT = REPO / "bench" / "results"
 SECTION = "## Savings"
 
@@ -84,18 +85,6 @@ def section(result: dict[str, Any], started: str, load: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(text: str) -> None:
-    """Replace (or append) the "Savings" section of bench/RESULTS.md; other sections are kept."""
-    current = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = current.find(SECTION + "\n")
-    if start < 0:
-        new = current.rstrip("\n") + "\n\n" + text
-    else:
-        end = current.find("\n## ", start + len(SECTION))
-        new = current[:start] + text + (current[end:] if end >= 0 else "")
-    RESULTS.write_text(new.rstrip("\n") + "\n")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=sv.BenchConfig.n)
@@ -125,7 +114,7 @@ def main() -> None:
     text = section(result, started, load)
     print(text)
     if args.write_results:
-        write_results(text)
+        write_section(SECTION, text)
 
 
 if __name__ == "__main__":
