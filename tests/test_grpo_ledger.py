@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from training.grpo.ledger import Budgets, CostLedger, StepCounters, micro_usd
+from training.grpo.ledger import Budgets, CostLedger, StepCounters, device_kind_from_name, micro_usd
 
 
 def counters(**kw: float) -> StepCounters:
@@ -136,3 +136,47 @@ def test_counters_reset() -> None:
     snap = c.snapshot()
     c.reset()
     assert c == StepCounters() and snap.rollouts == 8
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("NVIDIA H200", "nvidia-h200"),
+        ("NVIDIA H100 80GB HBM3", "nvidia-h100"),
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "nvidia-h100"),
+        ("NVIDIA A100-SXM4-80GB", "nvidia-a100"),  # was nvidia-a100-sxm4-80gb: no price, the run refused to start
+        ("NVIDIA A100 80GB PCIe", "nvidia-a100"),
+        ("NVIDIA L4", "nvidia-l4"),
+        ("Tesla T4", "nvidia-t4"),
+        ("NVIDIA GeForce RTX 4090", "nvidia-rtx-4090"),
+        ("", "nvidia-gpu"),
+    ],
+)
+def test_device_kind_from_cuda_name(name: str, kind: str) -> None:
+    assert device_kind_from_name(name) == kind
+
+
+def test_detect_device_cuda_and_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from training.grpo.run import detect_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert detect_device() == ("nvidia-h200", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert detect_device() == ("cpu", 1)
+
+
+def test_gpu_check_config_prices_the_detected_devices() -> None:
+    """training/configs/gpu_check.yaml (bench/gpu_check.sh) has a price for an H200 as detected, and for CPU."""
+    from training.grpo.config import REPO_ROOT, load_config
+
+    cfg = load_config(REPO_ROOT / "training" / "configs" / "gpu_check.yaml")
+    prices = cfg.ledger.prices()
+    assert cfg.ledger.device_kind is None  # detected, not forced
+    assert prices[device_kind_from_name("NVIDIA H200")] == Decimal("3.50")
+    assert "cpu" in prices
+    assert cfg.dynamic_sampling.enabled
+    assert cfg.reward_names() == ["correctness", "kimi_length"]

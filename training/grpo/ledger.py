@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal
@@ -66,6 +67,26 @@ def micro_usd(device_ms: int, price_usd_per_device_hour: Decimal) -> int:
     """Integer micro-USD for ``device_ms`` device-milliseconds at a USD/device-hour price (round half even)."""
     value = Decimal(device_ms) * price_usd_per_device_hour * MICRO / MS_PER_HOUR
     return int(value.to_integral_value(rounding=ROUND_HALF_EVEN))
+
+
+_BRAND_WORDS = {"nvidia", "tesla", "geforce", "quadro"}
+
+
+def device_kind_from_name(name: str) -> str:
+    """Price-table key (``nvidia-<model>``) of a CUDA device name as ``torch.cuda.get_device_name`` reports it.
+
+    The model is the first word after the brand words, cut at its first ``-``: ``NVIDIA H200`` -> ``nvidia-h200``,
+    ``NVIDIA H100 80GB HBM3`` (also as a MIG slice) -> ``nvidia-h100``, ``NVIDIA A100-SXM4-80GB`` ->
+    ``nvidia-a100``, ``Tesla T4`` -> ``nvidia-t4``; ``RTX``/``GTX`` keep the next word
+    (``NVIDIA GeForce RTX 4090`` -> ``nvidia-rtx-4090``). An empty name gives ``nvidia-gpu``.
+    """
+    words = [w for w in re.split(r"[\s_]+", name.lower()) if w and w not in _BRAND_WORDS]
+    if not words:
+        return "nvidia-gpu"
+    model = words[0].split("-")[0] or "gpu"
+    if model in ("rtx", "gtx") and len(words) > 1:
+        model = f"{model}-{words[1].split('-')[0]}"
+    return f"nvidia-{model}"
 
 
 def _ms(seconds: float) -> int:

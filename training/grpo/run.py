@@ -43,13 +43,14 @@ _NON_HPARAMS = {
 
 
 def detect_device() -> tuple[str, int]:
-    """``(kind, visible count)``: ``("cpu", 1)`` or ``("nvidia-h200", n)`` from the CUDA device name."""
+    """``(kind, visible count)``: ``("cpu", 1)`` or ``("nvidia-h200", n)`` from the CUDA device name
+    (:func:`training.grpo.ledger.device_kind_from_name`)."""
     import torch
 
+    from training.grpo.ledger import device_kind_from_name
+
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0).lower().replace("nvidia", "").strip()
-        model = name.split()[0] if name else "gpu"
-        return f"nvidia-{model}", torch.cuda.device_count()
+        return device_kind_from_name(torch.cuda.get_device_name(0)), torch.cuda.device_count()
     return "cpu", 1
 
 
