@@ -6,8 +6,10 @@ Training data (label source 1, a data set's own difficulty; "long" = hard enough
 * MATH train split (``data/math/train.jsonl.gz``, 11,998 problems with a level): ``level ≥ 4``;
   groups = subject.
 * the project's generated arithmetic task (:mod:`training.tasks`, train split, up to 500 problems per number
-  of operations 1–7): ``operations ≥ 4``. This is the default gateway's upstream task: the tiny model's
-  ``short`` tier thinks ≤ 48 tokens, enough for about three chained operations.
+  of operations 1–7): ``operations ≥ k``, where *k* is **measured**, not assumed: the smallest number of
+  operations at which the shipped model's ``short`` tier, through the gateway, answers fewer than 95 % as many
+  problems as its ``long`` tier (``router/assets/tier_outcomes.json``, the JSON of ``thinkgate eval tiers``;
+  see :func:`arith_threshold_from_outcomes`). Re-measure it whenever the model or the tier budgets change.
 
 RouteLLM's MMLU outcome pairs are *not* in the shipped mix: with them, MATH-500 AUC fell from 0.77 to 0.75
 and their own held-out-subject APGR stayed near 0.55 (their label, "Mixtral wrong and GPT-4 right", is about
@@ -45,7 +47,8 @@ MMLU = REPO / "data" / "routellm" / "mmlu_responses.jsonl.gz"
 MMLU_WEAK = "mistralai/Mixtral-8x7B-Instruct-v0.1"
 MMLU_STRONG = "gpt-4-1106-preview"
 MATH_LEVEL = 4
-ARITH_OPS = 4
+TIER_OUTCOMES = REPO / "router" / "assets" / "tier_outcomes.json"
+SHORT_KEEPS = 0.95
 GSM8K_STEPS = 4
 MAX_QUALITY_LOSS = 0.05
 DEFAULT_CONFIG = ModelConfig()
@@ -64,9 +67,37 @@ def mmlu_items(path: Path = MMLU) -> list[LabelledItem]:
                                    source="routellm-mmlu", id_prefix="mmlu/"))
 
 
-def arith_items(split: str, per_level: int, seed: int = 0) -> list[LabelledItem]:
-    """Generated arithmetic problems labelled ``operations ≥ ARITH_OPS``."""
-    return items_from_rows(task_rows("arith", split, per_level, seed), ARITH_OPS, "arith-ops")
+def arith_threshold_from_outcomes(
+    path: Path = TIER_OUTCOMES, short: str = "short", long: str = "long", keeps: float = SHORT_KEEPS
+) -> int:
+    """The number of operations from which ``arith`` problems need the long tier, from measured outcomes.
+
+    ``path``: a ``thinkgate eval tiers --json`` report with both tiers and a ``by_difficulty`` breakdown
+    (accuracy per number of operations). Returns the smallest level *k* at which
+    ``accuracy(short, k) < keeps * accuracy(long, k)``; every level at and above *k* is then labelled long
+    (accuracy falls with the number of operations, so one cut is enough). If the short tier keeps up at every
+    measured level, returns one past the largest. Raises ``ValueError`` for a missing file or tier.
+    """
+    import json
+
+    if not path.is_file():
+        raise ValueError(f"{path}: no tier outcomes; run `thinkgate eval tiers --tiers short,long --json {path}`")
+    tiers = json.loads(path.read_text())["tiers"]
+    if short not in tiers or long not in tiers:
+        raise ValueError(f"{path}: needs tiers {short!r} and {long!r}, has {sorted(tiers)}")
+    s_by, l_by = tiers[short]["by_difficulty"], tiers[long]["by_difficulty"]
+    levels = sorted(int(k) for k in s_by if k in l_by)
+    for k in levels:
+        if s_by[str(k)]["accuracy"] < keeps * l_by[str(k)]["accuracy"]:
+            return k
+    return (levels[-1] + 1) if levels else 1
+
+
+def arith_items(split: str, per_level: int, seed: int = 0, threshold: int | None = None) -> list[LabelledItem]:
+    """Generated arithmetic problems labelled ``operations ≥ threshold`` (default: measured, see
+    :func:`arith_threshold_from_outcomes`)."""
+    k = arith_threshold_from_outcomes() if threshold is None else threshold
+    return items_from_rows(task_rows("arith", split, per_level, seed), k, "arith-ops")
 
 
 def gsm8k_items() -> list[LabelledItem]:
@@ -80,18 +111,25 @@ def build_default_router(
     """Fit, calibrate, evaluate and save the shipped router (~2–4 min on 2 busy cores). Returns the router
     and the held-out results (calibration sets, then transfer sets)."""
     say = console.print if console is not None else print
-    train = math_items() + arith_items("train", 500, seed)
+    arith_k = arith_threshold_from_outcomes()
+    say(f"arith: long from {arith_k} operations (measured in {TIER_OUTCOMES.relative_to(REPO)})")
+    train = math_items() + arith_items("train", 500, seed, arith_k)
     cfg = replace(DEFAULT_CONFIG, seed=seed)
     say(f"training items: {len(train)}")
     router, report = fit_router(
         train, cfg, val_frac=0.2, platt_frac=0.15, refit=True,
         data_files=[str(MATH_TRAIN.relative_to(REPO)), f"training.tasks arith train (seed {seed})"],
-        extra_metadata={"recipe": "router.default.build_default_router"},
+        extra_metadata={
+            "recipe": "router.default.build_default_router",
+            "arith_long_from_operations": arith_k,
+            "tier_outcomes": str(TIER_OUTCOMES.relative_to(REPO)),
+            "tier_outcomes_sha256": sha256_files([TIER_OUTCOMES]),
+        },
     )
     if console is not None:
         console.print(render_table(report.validation, title="Validation (held-out subjects/items, pre-refit)"))
 
-    calib = math_items(MATH_TEST, source="math500-level") + arith_items("test", 100, seed)
+    calib = math_items(MATH_TEST, source="math500-level") + arith_items("test", 100, seed, arith_k)
     scores = router.predict_proba([it.text for it in calib])
     qs, ql, _ = outcomes_of(calib)
     cut = threshold_for_quality_loss(scores, qs, ql, MAX_QUALITY_LOSS)
@@ -110,7 +148,7 @@ def build_default_router(
     results: list[EvalResult] = []
     for name, items in (
         ("math500-level>=4", [it for it in calib if it.source.startswith("math500")]),
-        ("arith-test-ops>=4", [it for it in calib if it.source.startswith("arith")]),
+        (f"arith-test-ops>={arith_k}", [it for it in calib if it.source.startswith("arith")]),
         ("gsm8k-test-steps>=4 (transfer)", gsm8k_items()),
         ("routellm-mmlu (transfer)", mmlu_items()),
     ):

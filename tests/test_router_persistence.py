@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import skops.io as sio
 
+from router.default import TIER_OUTCOMES, arith_threshold_from_outcomes
 from router.persistence import FORMAT, RouterFileError, load_router, save_router
 
 SHIPPED = Path(__file__).resolve().parent.parent / "router" / "assets" / "default.skops"
@@ -30,7 +31,9 @@ def test_shipped_file_is_small_and_carries_its_metadata() -> None:
     meta = r.metadata
     assert meta["router"] == "tfidf-linear" and meta["router_version"]
     assert len(meta["training_data_sha256"]) == 64
-    assert set(meta["label_sources"]) == {"math-level>=4", "arith-ops>=4"}
+    k = meta["arith_long_from_operations"]  # measured (router/assets/tier_outcomes.json), see router/default.py
+    assert set(meta["label_sources"]) == {"math-level>=4", f"arith-ops>={k}"}
+    assert k == arith_threshold_from_outcomes(TIER_OUTCOMES)
     assert meta["features"]["hand"] and meta["model_config"]["C"] > 0
     assert meta["metrics"]["validation"] and meta["metrics"]["heldout"]
     math500 = next(m for m in meta["metrics"]["heldout"] if m["name"].startswith("math500"))

@@ -21,25 +21,49 @@ def tiny(
     steps2: int = typer.Option(2500, help="Stage-2 SFT steps (continued; batch 16). 0: stage 1 only."),
     max_minutes: float = typer.Option(22.0, help="Stage-1 wall-time bound (its LR decay and curriculum end by then)."),
     max_minutes2: float = typer.Option(18.0, help="Stage-2 wall-time bound."),
+    steps3: int = typer.Option(1400, help="Stage-3 (over-thinking) SFT steps (batch 16). 0: stop after stage 2."),
+    max_minutes3: float = typer.Option(14.0, help="Stage-3 wall-time bound."),
+    from_stage2: str | None = typer.Option(
+        None, help="Run stage 3 only, continuing this two-stage model directory (e.g. thinkgate-tiny v1)."
+    ),
     threads: int = typer.Option(1, help="torch CPU threads (1 is fastest on a shared 2-core box)."),
     eval_n: int = typer.Option(240, help="Held-out arith problems for the offline check after training (0: skip)."),
 ) -> None:
     """Train the tiny local reasoning model by SFT on the arith task (CPU, seeded) and save it.
 
-    Two stages (``training.tiny.train.recipe``): from scratch with a curriculum, then continued at a lower
-    learning rate on all difficulties. Writes config + float32 safetensors, tokenizer with chat template,
-    generation config, ``training_summary.json``, a model card ``README.md`` and, unless ``--eval-n 0``, an
-    offline accuracy check (transformers, greedy, vLLM budget semantics) at thinking budgets 24 and 256 tokens
-    and with thinking off, into ``offline_eval.json``. Measure through vLLM with ``python -m training.tiny.measure``.
+    Three stages (``training.tiny.train.recipe`` and ``overthink_stage``): from scratch with a curriculum,
+    continued at a lower learning rate on all difficulties (that was v1), then continued on mostly verbose,
+    self-re-checking thoughts so that greedy decoding over-thinks (v2, the shipped model). Writes config +
+    float32 safetensors, tokenizer with chat template, generation config, ``training_summary.json``, a model
+    card ``README.md`` and, unless ``--eval-n 0``, an offline accuracy check (transformers, greedy, vLLM budget
+    semantics) at thinking budgets 24 and 256 tokens and with thinking off, into ``offline_eval.json``.
+    Measure through vLLM with ``python -m training.tiny.measure``.
     """
     import json
 
     from training.tiny.card import write_card
-    from training.tiny.train import recipe, train, train_recipe
+    from training.tiny.train import overthink_stage, recipe, train, train_overthink, train_recipe
 
     out = Path(output_dir)
-    s1, s2 = recipe(seed=seed, steps=(steps, steps2), max_minutes=(max_minutes, max_minutes2), threads=threads)
-    summary = train_recipe((s1, s2), out, log=typer.echo) if steps2 > 0 else train(s1, out, log=typer.echo)
+    if from_stage2:
+        s3 = overthink_stage(from_stage2, seed=seed + 2, steps=steps3, max_minutes=max_minutes3, threads=threads)
+        summary = train_overthink(s3, out, log=typer.echo)
+    else:
+        s1, s2 = recipe(seed=seed, steps=(steps, steps2), max_minutes=(max_minutes, max_minutes2), threads=threads)
+        if steps2 <= 0:
+            summary = train(s1, out, log=typer.echo)
+        elif steps3 <= 0:
+            summary = train_recipe((s1, s2), out, log=typer.echo)
+        else:
+            stage2_dir = out / "stage2"
+            sum12 = train_recipe((s1, s2), stage2_dir, log=typer.echo)
+            s3 = overthink_stage(
+                str(stage2_dir), seed=seed + 2, steps=steps3, max_minutes=max_minutes3, threads=threads
+            )
+            summary = train_overthink(s3, out, log=typer.echo, earlier=sum12["stages"])
+            import shutil
+
+            shutil.rmtree(stage2_dir, ignore_errors=True)
     if eval_n > 0:
         from training.tiny.evaluate import offline_report
 

@@ -24,7 +24,7 @@ def _load(path: Path) -> dict[str, Any] | None:
 def _stage_line(i: int, st: dict[str, Any]) -> str:
     c = st.get("config", {})
     mix = c.get("mix", {})
-    origin = "from random initialisation" if not c.get("init_from") else "continued from stage 1"
+    origin = "from random initialisation" if not c.get("init_from") else f"continued from stage {i - 1}"
     curriculum = (
         f"curriculum from 1–2 up to {c.get('max_difficulty')} operations over the first {c.get('curriculum_frac'):.0%}"
         if c.get("curriculum_frac")
@@ -34,7 +34,9 @@ def _stage_line(i: int, st: dict[str, Any]) -> str:
         f"- Stage {i}: {origin}; {st.get('steps_done')} steps of {c.get('batch_size')} examples "
         f"({st.get('wall_s')} s), AdamW peak LR {c.get('lr')} (warm-up, cosine decay), {curriculum}, data seed "
         f"{c.get('seed')}; mix: direct {mix.get('direct')}, truncated {mix.get('truncated')}, full thoughts "
-        f"terse:medium:verbose = {mix.get('terse')}:{mix.get('medium')}:{mix.get('verbose')}."
+        f"terse:medium:verbose = {mix.get('terse')}:{mix.get('medium')}:{mix.get('verbose')}"
+        + (f", verbose thoughts open with \"{mix['verbose_opener']}\"" if mix.get("verbose_opener") else "")
+        + "."
     )
 
 
@@ -55,10 +57,15 @@ def _training_text(summary: dict[str, Any]) -> str:
         "  the answer — the model learns to answer at once when its budget runs out (no loss on the forced tokens);",
         "- direct answers with thinking disabled.",
         "",
-        "Reproduce: `thinkgate train tiny --output-dir DIR` (both stages; seed 0). The learning-rate schedule and "
-        "curriculum follow the fraction of steps done or of the stage's wall-time bound used, whichever is further, "
-        "so a run is step-exact only on a box fast enough to finish its steps within the bound (this one was not: "
-        "both stages ended at their time bound).",
+        "Stage 3 (when listed) makes the model an **over-thinker**: four in five full thoughts are verbose and open "
+        "with one fixed sentence, so greedy decoding re-checks every step (about 3–6x the tokens of the terse "
+        "chain) while sampling still writes the terse chain about two times in five — the behaviour that length "
+        "penalties in `thinkgate train grpo` remove (`training/assets/thinkgate-tiny-short`).",
+        "",
+        "Reproduce: `thinkgate train tiny --output-dir DIR` (all stages; seed 0), or stage 3 alone from a two-stage "
+        "model with `--from-stage2 DIR`. The learning-rate schedule and curriculum follow the fraction of steps "
+        "done or of the stage's wall-time bound used, whichever is further, so a run is step-exact only on a box "
+        "fast enough to finish its steps within the bound (this one was not: every stage ended at its bound).",
     ]
     return "\n".join(lines)
 
@@ -118,8 +125,10 @@ against a real reasoning model whose accuracy depends on how long it may think �
 ## Results
 {results}
 
-Greedy decoding prefers the terse style (≈8 tokens per operation), so a budget of a few tens of tokens covers
-1–2 operations; hard problems need the full chain. Thinking off only solves the easiest problems.
+Greedy decoding writes the verbose, self-re-checking style (≈30–40 thought tokens per operation plus an opening
+sentence): a budget of 32 tokens covers one operation, six operations need up to ~300; cutting the thought
+shorter costs answers. Thinking off only solves the easiest problems. The length-penalised GRPO model
+(`thinkgate-tiny-short`) writes the terse chain (≈9 tokens per operation) at the same accuracy.
 
 ## Use
 ```

@@ -40,18 +40,31 @@ class Mix:
     medium: float = 0.20
     verbose: float = 0.30
     system: float = 0.10
+    verbose_opener: str | None = None  # one fixed first sentence for verbose thoughts (None: one of two, drawn)
 
 
 #: Stage 2 of the recipe: fewer truncated/direct examples, a little less verbosity (more facts per token).
 STAGE2_MIX = Mix(direct=0.10, truncated=0.20, terse=0.55, medium=0.20, verbose=0.25)
+
+#: Stage 3 (v2, the over-thinker): four in five full thoughts are verbose, so that greedy decoding re-checks every
+#: step as distilled reasoning models do (about 3x the tokens of the terse chain) while sampling still writes the
+#: terse chain about one time in five — the behaviour length penalties in ``thinkgate train grpo`` must remove.
+#: Their opener is one fixed sentence: with two openers drawn at random, the terse chain's first digit (one token)
+#: out-weighed either opener's first word (measured: 0.38-0.47 vs 0.24-0.35) and greedy decoding stayed terse.
+OVERTHINK_MIX = Mix(
+    direct=0.10, truncated=0.20, terse=0.20, medium=0.0, verbose=0.80, verbose_opener="Let me work step by step."
+)
+MIXES = {"stage1": Mix(), "stage2": STAGE2_MIX, "overthink": OVERTHINK_MIX}
 
 
 def _step(a: int, sym: str, k: int, b: int) -> str:
     return f"{a} {sym} {k} = {b}"
 
 
-def thought(chain: Chain, style: str, rng: random.Random) -> str:
-    """The chain of thought text for ``chain`` in ``style`` (terse|medium|verbose); ends with a newline."""
+def thought(chain: Chain, style: str, rng: random.Random, opener: str | None = None) -> str:
+    """The chain of thought text for ``chain`` in ``style`` (terse|medium|verbose); ends with a newline.
+
+    ``opener``: verbose only, a fixed first sentence instead of one of two drawn with ``rng``."""
     v = chain.values()
     ops = chain.ops
     if style == "terse":
@@ -62,7 +75,10 @@ def thought(chain: Chain, style: str, rng: random.Random) -> str:
         return " ".join(parts) + "\n"
     if style != "verbose":
         raise ValueError(f"unknown style {style!r}")
-    lines = [rng.choice((f"We start with {v[0]}.", f"Let me work step by step. We start with {v[0]}."))]
+    if opener is None:
+        lines = [rng.choice((f"We start with {v[0]}.", f"Let me work step by step. We start with {v[0]}."))]
+    else:
+        lines = [f"{opener} We start with {v[0]}."]
     for i, o in enumerate(ops):
         a, b = v[i], v[i + 1]
         lines.append(f"Step {i + 1}: {_step(a, o.symbol, o.k, b)}.")
@@ -107,7 +123,7 @@ def make_example(tokenizer: object, chain: Chain, question: str, rng: random.Ran
     prompt = enc(render_prompt(messages), add_special_tokens=False)
     styles = ("terse", "medium", "verbose")
     style = rng.choices(styles, weights=(mix.terse, mix.medium, mix.verbose))[0]
-    body = enc(thought(chain, style, rng), add_special_tokens=False)
+    body = enc(thought(chain, style, rng, mix.verbose_opener), add_special_tokens=False)
     if r < mix.direct + mix.truncated:
         cut = rng.randint(0, max(0, len(body) - 2))
         forced_str = rng.choice(FORCED_ENDS)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.tiny.data import STAGE2_MIX, Example, Mix, corpus, sample_example
+from training.tiny.data import OVERTHINK_MIX, STAGE2_MIX, Example, Mix, corpus, sample_example
 from training.tiny.model import TinyArch, build_model
 from training.tiny.tokenizer import IM_END, IM_START, PAD, train_tokenizer
 
@@ -262,5 +262,45 @@ def train_recipe(
     sum2 = train(replace(s2, init_from=str(tmp)), output_dir, log=log, show_progress=show_progress)
     shutil.rmtree(tmp, ignore_errors=True)
     total = {**sum2, "wall_s": round(sum1["wall_s"] + sum2["wall_s"], 1), "stages": [sum1, sum2]}
+    (output_dir / "training_summary.json").write_text(json.dumps(total, indent=2, default=str) + "\n")
+    return total
+
+
+def overthink_stage(
+    init_from: str, seed: int = 2, steps: int = 1400, max_minutes: float = 14.0, threads: int = 1
+) -> SFTConfig:
+    """Stage 3 that made v2 (the shipped over-thinker): continue a two-stage model at peak LR 5e-4, batch 16,
+    all difficulties, :data:`~training.tiny.data.OVERTHINK_MIX`, a fresh data seed."""
+    return SFTConfig(
+        steps=steps,
+        batch_size=16,
+        lr=5e-4,
+        warmup_steps=30,
+        curriculum_frac=0.0,
+        seed=seed,
+        threads=threads,
+        max_minutes=max_minutes,
+        mix=OVERTHINK_MIX,
+        init_from=init_from,
+    )
+
+
+def train_overthink(
+    cfg: SFTConfig,
+    output_dir: Path,
+    log: Callable[[str], None] = print,
+    show_progress: bool = True,
+    earlier: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Run stage 3 (``cfg`` from :func:`overthink_stage`) into ``output_dir``; the summary lists every stage:
+    ``earlier`` (stages 1–2 when run in the same command) or those recorded in the ``init_from`` directory's
+    ``training_summary.json``, then this one; ``wall_s`` is the total."""
+    if earlier is None:
+        prev = Path(cfg.init_from or "") / "training_summary.json"
+        earlier = json.loads(prev.read_text()).get("stages", []) if prev.is_file() else []
+    log("stage 3: over-thinking (verbose thoughts), continued")
+    s3 = train(cfg, output_dir, log=log, show_progress=show_progress)
+    stages = [*earlier, s3]
+    total = {**s3, "wall_s": round(sum(s["wall_s"] for s in stages), 1), "stages": stages}
     (output_dir / "training_summary.json").write_text(json.dumps(total, indent=2, default=str) + "\n")
     return total
