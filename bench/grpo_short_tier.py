@@ -1,13 +1,14 @@
-"""The length-penalised GRPO model served as the gateway's ``short`` tier vs the SFT model as ``long``:
+"""The length-penalised GRPO model served as the gateway's ``short`` tier vs the SFT model in the same tier:
 accuracy and reasoning tokens per difficulty, measured through the real gateway with ``thinkgate eval tiers``.
 
-Starts two vLLM servers (``gateway.engine.LocalEngine``: the SFT model and ``--model-dir``), a gateway
-(``thinkgate serve``, engine off) whose tiers are ``long`` = SFT model, ``short`` = GRPO model (no thinking
-budget on either, so the difference is the model's own length), and ``none`` = SFT with thinking off; then runs
-``thinkgate eval tiers --tiers long,short`` and writes the table.
+Starts two vLLM servers (``gateway.engine.LocalEngine``: the SFT model and ``--model-dir``) and a gateway
+(``thinkgate serve``, engine off) with the default tiers' settings (budgets, max_tokens, budget mode, prices)
+and the model swapped: ``short`` = GRPO model, ``short_sft`` = SFT model (both the default short budget),
+``long`` = SFT model, ``long_grpo`` = GRPO model (both the default long budget); then runs
+``thinkgate eval tiers`` on them and writes the table (and ``bench/results/grpo_short_tier.json``).
 
-    .venv/bin/python bench/grpo_short_tier.py --model-dir runs/bench/length/alp_length/model [--n-per-level 20]
-        [--levels 1,2,3,4] [--write-results]
+    .venv/bin/python bench/grpo_short_tier.py --model-dir training/assets/thinkgate-tiny-short [--n-per-level 20]
+        [--levels 1,2,3,4,5,6] [--write-results]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from gateway.engine import LocalEngine
 from gateway.redis_server import free_port
 
 SECRET = "tg-bench-grpo-short-0000000000"
+TIERS = ("short", "short_sft", "long", "long_grpo")
 
 
 def main() -> None:
@@ -41,8 +43,7 @@ def main() -> None:
     ap.add_argument("--model-dir", required=True, help="GRPO output model directory (…/model)")
     ap.add_argument("--sft-dir", default=str(DEFAULT_MODEL_DIR))
     ap.add_argument("--n-per-level", type=int, default=20)
-    ap.add_argument("--levels", default="1,2,3,4")
-    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--levels", default="1,2,3,4,5,6")
     ap.add_argument("--write-results", action="store_true")
     a = ap.parse_args()
 
@@ -69,29 +70,22 @@ def main() -> None:
         for e in engines.values():
             e.start()
         port = free_port()
+        # The default tiers' settings (budgets, max_tokens, budget mode, prices) with the model swapped: the
+        # length-penalised model served as `short` against the SFT model in the same tier (`short_sft`), and
+        # both under the long tier's settings (`long` = SFT, as shipped; `long_grpo`).
+        from gateway.config import _default_tiers
+
+        defaults = {t.name: t.model_dump(mode="json") for t in _default_tiers()}
+        sft = (engines["long"].base_url, "thinkgate-tiny")
+        grpo = (engines["short"].base_url, "thinkgate-tiny-short")
         tiers = [
-            {
-                "name": "none",
-                "base_url": engines["long"].base_url,
-                "model": "thinkgate-tiny",
-                "enable_thinking": False,
-                "max_tokens": a.max_tokens,
-                "budget_mode": "off",
-            },
-            {
-                "name": "short",
-                "base_url": engines["short"].base_url,
-                "model": "thinkgate-tiny-short",
-                "max_tokens": a.max_tokens,
-                "budget_mode": "off",
-            },
-            {
-                "name": "long",
-                "base_url": engines["long"].base_url,
-                "model": "thinkgate-tiny",
-                "max_tokens": a.max_tokens,
-                "budget_mode": "off",
-            },
+            {**defaults[base], "name": name, "base_url": url, "model": model, "escalate_on": []}
+            for name, base, (url, model) in (
+                ("short", "short", grpo),
+                ("short_sft", "short", sft),
+                ("long", "long", sft),
+                ("long_grpo", "long", grpo),
+            )
         ]
         cfg = {
             "engine": {"enabled": False},
@@ -131,7 +125,7 @@ def main() -> None:
                 "eval",
                 "tiers",
                 "--tiers",
-                "long,short,none",
+                ",".join(TIERS),
                 "--n-per-level",
                 str(a.n_per_level),
                 "--levels",
@@ -152,22 +146,32 @@ def main() -> None:
             e.stop()
 
     rows = []
-    for tier in ("long", "short", "none"):
+    for tier in TIERS:
         t = result["tiers"][tier]
         for d, s in [*t["by_difficulty"].items(), ("all", t)]:
             rows.append([tier, d, s["accuracy"], s["mean_reasoning_tokens"], s["max_reasoning_tokens"], s["requests"]])
     table = gc.md_table(
         ["tier", "difficulty", "accuracy", "mean reasoning tokens", "max reasoning tokens", "requests"], rows
     )
-    long_all, short_all = result["tiers"]["long"], result["tiers"]["short"]
+    t = result["tiers"]
+    budgets = {n: (x.get("thinking_budget"), x.get("max_tokens")) for n, x in ((c["name"], c) for c in tiers)}
     body = (
         f"`bench/grpo_short_tier.py` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: through the gateway "
-        f"(`thinkgate eval tiers`, greedy, no thinking budget on either tier): `long` = the SFT model "
-        f"(`{Path(a.sft_dir).name}`), `short` = the GRPO model `{a.model_dir}`, `none` = SFT with thinking off; "
-        f"{a.n_per_level} held-out arith problems per level {a.levels}, each served by vLLM (CPU build).\n\n"
-        f"{table}\n\nShort vs long overall: accuracy {short_all['accuracy']:.3f} vs {long_all['accuracy']:.3f}, "
-        f"mean reasoning tokens {short_all['mean_reasoning_tokens']:.1f} vs {long_all['mean_reasoning_tokens']:.1f}."
+        f"(`thinkgate eval tiers`, temperature 0), the default tiers' settings with the model swapped: `short` = "
+        f"the length-penalised GRPO model `{a.model_dir}` and `short_sft` = the SFT model (`{Path(a.sft_dir).name}`), "
+        f"both with the default short tier (thinking budget {budgets['short'][0]} tokens, max_tokens "
+        f"{budgets['short'][1]}); `long` = the SFT model and `long_grpo` = the GRPO model with the default long tier "
+        f"(budget {budgets['long'][0]}, max_tokens {budgets['long'][1]}); {a.n_per_level} held-out arith problems "
+        f"per level {a.levels}, each model behind its own vLLM server (CPU build).\n\n{table}\n\n"
+        + "\n".join(
+            f"- {g} vs {s_}: accuracy {t[g]['accuracy']:.3f} vs {t[s_]['accuracy']:.3f}, mean reasoning tokens "
+            f"{t[g]['mean_reasoning_tokens']:.1f} vs {t[s_]['mean_reasoning_tokens']:.1f} "
+            f"({t[g]['mean_reasoning_tokens'] / max(1e-9, t[s_]['mean_reasoning_tokens']):.0%})."
+            for g, s_ in (("short", "short_sft"), ("long_grpo", "long"))
+        )
     )
+    (gc.ROOT / "bench" / "results").mkdir(exist_ok=True)
+    (gc.ROOT / "bench" / "results" / "grpo_short_tier.json").write_text(json.dumps(result, indent=2) + "\n")
     print(body)
     if a.write_results:
         gc.write_subsection("Short tier through the gateway", body)

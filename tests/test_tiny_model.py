@@ -124,3 +124,55 @@ def test_shipped_model_is_small_and_complete() -> None:
     assert (d / "README.md").read_text().count("Apache-2.0") >= 1
     tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
     assert "<think>\\n" in json.dumps(tok_cfg.get("chat_template", "")) or (d / "chat_template.jinja").is_file()
+
+
+def test_overthink_stage_continues_and_records_every_stage(tmp_path: Path) -> None:
+    """Stage 3 continues a saved model on the over-thinking mix; its summary lists the earlier stages too."""
+    from dataclasses import replace
+
+    from training.tiny.data import OVERTHINK_MIX, sample_example
+    from training.tiny.model import TinyArch
+    from training.tiny.train import overthink_stage, recipe, train_overthink, train_recipe
+
+    arch = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1)
+    s1, s2 = recipe(seed=0, steps=(3, 2), arch=arch)
+    s1 = replace(s1, batch_size=4, warmup_steps=1, tokenizer_docs=300, bucket_batches=2)
+    s2 = replace(s2, batch_size=4, warmup_steps=1, bucket_batches=2)
+    two = tmp_path / "two"
+    train_recipe((s1, s2), two, log=lambda _: None, show_progress=False)
+    s3 = replace(overthink_stage(str(two), steps=2), batch_size=4, warmup_steps=1, bucket_batches=2)
+    summary = train_overthink(s3, tmp_path / "three", log=lambda _: None, show_progress=False)
+    assert [s["steps_done"] for s in summary["stages"]] == [3, 2, 2]
+    assert summary["stages"][2]["config"]["mix"]["verbose"] == OVERTHINK_MIX.verbose
+    assert summary["wall_s"] >= summary["stages"][2]["wall_s"]
+    on_disk = json.loads((tmp_path / "three" / "training_summary.json").read_text())
+    assert len(on_disk["stages"]) == 3
+
+    # the mix really is mostly verbose: count full-thought kinds over a fixed stream
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(two)
+    rng = random.Random(0)
+    kinds = [sample_example(tok, rng, 2, OVERTHINK_MIX).kind for _ in range(400)]
+    full = [k for k in kinds if k in ("terse", "medium", "verbose")]
+    assert "medium" not in full
+    assert 0.7 < full.count("verbose") / len(full) < 0.9
+
+
+def test_shipped_length_penalised_model_is_complete_and_shorter() -> None:
+    """``thinkgate-tiny-short`` (GRPO from the shipped SFT model) ships with its run's evaluation: the same greedy
+    held-out accuracy (within 2 points) at less than half the thought tokens, and a tier snippet."""
+    import yaml
+
+    d = DEFAULT_MODEL_DIR.parent / "thinkgate-tiny-short"
+    assert (d / "model.safetensors").stat().st_size <= 10 * 1024 * 1024
+    cfg, base = (json.loads((x / "config.json").read_text()) for x in (d, DEFAULT_MODEL_DIR))
+    assert {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")} == {
+        k: base[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
+    assert "apache-2.0" in (d / "README.md").read_text()
+    before, after = (json.loads((d / f"eval_{k}.json").read_text())["overall"] for k in ("before", "after"))
+    assert after["accuracy"] >= before["accuracy"] - 0.02
+    assert after["mean_thought_tokens"] < 0.5 * before["mean_thought_tokens"]
+    tier = yaml.safe_load((d / "tier.yaml").read_text())["tiers"][0]
+    assert tier["name"] == "short" and tier["model"] == "thinkgate-tiny-short"
