@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.thinkgate-installed
 
-.PHONY: venv serve test lint bench-savings bench-litellm-env clean
+.PHONY: venv serve test lint bench-savings bench-savings-grpo bench-litellm-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,11 @@ lint: venv
 bench-savings: venv
 	$(BIN)/thinkgate bench savings --json bench/results/savings.json --png bench/results/savings.png \
 	  --markdown bench/results/savings.md
+
+# The same, with the length-penalised GRPO model (training/assets/thinkgate-tiny-short) serving every tier.
+bench-savings-grpo: venv
+	$(BIN)/thinkgate bench savings --model-dir training/assets/thinkgate-tiny-short \
+	  --json bench/results/savings_grpo.json --png bench/results/savings_grpo.png --markdown bench/results/savings_grpo.md
 
 # LiteLLM's proxy in its own environment (not a product dependency), for bench/gateway_overhead.py --litellm.
 bench-litellm-env:

@@ -679,6 +679,9 @@ def savings_cmd(
     png_path: Path | None = typer.Option(None, "--png", help="Write the cost-accuracy frontier PNG here."),
     md_path: Path | None = typer.Option(None, "--markdown", help="Write the table as Markdown here."),
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config (default: $THINKGATE_CONFIG)."),
+    model_dir: Path | None = typer.Option(None, "--model-dir", help="Serve this model directory with the local "
+                                          "engine instead of engine.model_path (e.g. the length-penalised "
+                                          "training/assets/thinkgate-tiny-short); same served name and tiers."),
 ) -> None:
     """Replay one workload under none/short/long/auto/auto+escalation; cost from the metering ledger."""
     from rich.console import Console
@@ -694,6 +697,11 @@ def savings_cmd(
                       policies=tuple(p.strip() for p in policies.split(",") if p.strip()), concurrency=concurrency,
                       seed=seed, url=url, escalation_url=escalation_url, time_budget_s=time_budget_s,
                       api_key=os.environ.get("THINKGATE_API_KEY"))
+    if model_dir is not None:
+        if not (model_dir / "config.json").is_file():
+            typer.echo(f"thinkgate: --model-dir {model_dir}: not a model directory (no config.json)", err=True)
+            raise typer.Exit(2)
+        settings.engine.model_path = model_dir.resolve()
     if engine_url:
         for tier in settings.tiers:
             tier.base_url = engine_url.rstrip("/")

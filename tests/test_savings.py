@@ -109,6 +109,14 @@ def test_unknown_policy_is_refused(sim: SimProcess, redis_url: str) -> None:
                start_engine=False)
 
 
+def test_model_dir_must_be_a_model_directory(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(sv.app, ["--model-dir", str(tmp_path), "--n", "1"])
+    assert r.exit_code == 2
+    assert "not a model directory" in r.output
+
+
 @pytest.mark.engine
 def test_bench_through_the_real_engine(engine: str, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
     base = Settings.load(None, engine={"enabled": False},

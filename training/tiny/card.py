@@ -35,9 +35,17 @@ def _stage_line(i: int, st: dict[str, Any]) -> str:
         f"({st.get('wall_s')} s), AdamW peak LR {c.get('lr')} (warm-up, cosine decay), {curriculum}, data seed "
         f"{c.get('seed')}; mix: direct {mix.get('direct')}, truncated {mix.get('truncated')}, full thoughts "
         f"terse:medium:verbose = {mix.get('terse')}:{mix.get('medium')}:{mix.get('verbose')}"
-        + (f", verbose thoughts open with \"{mix['verbose_opener']}\"" if mix.get("verbose_opener") else "")
+        + (f', verbose thoughts open with "{mix["verbose_opener"]}"' if mix.get("verbose_opener") else "")
         + "."
     )
+
+
+def _bound_note(stages: list[dict[str, Any]]) -> str:
+    cut = [str(i + 1) for i, st in enumerate(stages) if st.get("steps_done", 0) < st.get("config", {}).get("steps", 0)]
+    if not cut:
+        return "every stage here finished its steps"
+    many = len(cut) > 1
+    return f"stage{'s' if many else ''} {', '.join(cut)} here ended at the time bound before the last step"
 
 
 def _training_text(summary: dict[str, Any]) -> str:
@@ -65,7 +73,7 @@ def _training_text(summary: dict[str, Any]) -> str:
         "Reproduce: `thinkgate train tiny --output-dir DIR` (all stages; seed 0), or stage 3 alone from a two-stage "
         "model with `--from-stage2 DIR`. The learning-rate schedule and curriculum follow the fraction of steps "
         "done or of the stage's wall-time bound used, whichever is further, so a run is step-exact only on a box "
-        "fast enough to finish its steps within the bound (this one was not: every stage ended at its bound).",
+        f"fast enough to finish its steps within the bound ({_bound_note(stages)}).",
     ]
     return "\n".join(lines)
 
