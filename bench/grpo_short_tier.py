@@ -94,7 +94,13 @@ def main() -> None:
             "auth": {"keys": [{"id": "bench", "secret": SECRET}]},
             "redis": {"key_prefix": f"tgbench:{os.getpid()}:"},
             "metering": {"spool_path": str(tmp / "spool.jsonl")},
-            "routing": {"router_path": None, "on_router_error": "default_tier"},
+            "routing": {
+                "router_path": None,
+                "on_router_error": "default_tier",
+                "routed_tiers": ["short", "long"],
+                "default_tier": "long",
+                "effort_tiers": {},
+            },
         }
         cfg_path = tmp / "gateway.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg))
