@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,9 @@ LITELLM_SECTION = "## ThinkGate vs LiteLLM"
 LITELLM_VENV = REPO / "bench" / ".venv-litellm"
 LITELLM_KEY = "sk-bench-litellm"
 _PROMPT_IDS = itertools.count()
+# Per process: the cache keeps entries for an hour (cache.ttl_s), so without it a rerun would send the prompts of
+# the previous run again and be served hits instead of the misses it claims to measure.
+_RUN_NONCE = uuid.uuid4().hex[:12]
 MESSAGES = [{"role": "user", "content": "What is the sum of the first ten odd numbers? Answer briefly."}]
 
 
@@ -121,8 +125,8 @@ class Samples:
 
 
 def unique_body(model: str, stream: bool) -> bytes:
-    """A temperature-0 request with a prompt never sent before in this process (a cache miss every time)."""
-    content = f"{MESSAGES[0]['content']} (request {next(_PROMPT_IDS)})"
+    """A temperature-0 request with a prompt never sent before (a cache miss every time, also across runs)."""
+    content = f"{MESSAGES[0]['content']} (run {_RUN_NONCE}, request {next(_PROMPT_IDS)})"
     return orjson.dumps({"model": model, "messages": [{"role": "user", "content": content}], "stream": stream,
                          "max_tokens": 64, "temperature": 0})
 
@@ -177,7 +181,8 @@ async def measure(targets: list[Target], concurrencies: list[int], n: int, secon
     # One single-connection client per worker: httpcore's pool bookkeeping grows with its connection count,
     # and the load generator must not be the bottleneck it measures.
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    clients = [httpx.AsyncClient(limits=limits, timeout=30, trust_env=False) for _ in range(max(concurrencies))]
+    n_clients = max(4, *concurrencies)  # 4: the warm-up
+    clients = [httpx.AsyncClient(limits=limits, timeout=30, trust_env=False) for _ in range(n_clients)]
     try:
         for t in targets:  # warm-up: connections, imports, caches
             await run_load(clients, t, 4, 40, 10, stream, unique)
@@ -203,6 +208,8 @@ def table(by_mode: dict[str, dict[tuple[str, int], Samples]], targets: list[Targ
         for c in concurrencies:
             ref = results[(base, c)]
             for t in targets:
+                if (t.name, c) not in results:  # a target measured in some modes only (floor: json)
+                    continue
                 s = results[(t.name, c)]
                 add50 = "—" if t.name == base else f"{s.pct(50) - ref.pct(50):+.2f}"
                 add99 = "—" if t.name == base else f"{s.pct(99) - ref.pct(99):+.2f}"
@@ -244,8 +251,55 @@ def start_gateway(sim: SimProcess, workdir: Path, full: bool = False) -> tuple[s
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=(workdir / "gateway.log").open("w"))
-    wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=60, proc=proc)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=120, proc=proc)
+    except BaseException:
+        proc.kill()  # do not leave a half-started gateway behind
+        raise
     return proc, Target("thinkgate", f"http://127.0.0.1:{port}/v1", BENCH_KEY, "auto", proc.pid)
+
+
+# The least any Python proxy on this stack can add: uvicorn (httptools, uvloop) + one pooled httpx client,
+# reading the body and forwarding it, nothing else (no auth, routing, cache, metering or logging).
+FLOOR_APP = """
+import sys, httpx, uvicorn
+client = httpx.AsyncClient(base_url=sys.argv[2], trust_env=False)
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while True:
+            m = await receive()
+            await send({"type": m["type"] + ".complete"})
+            if m["type"] == "lifespan.shutdown":
+                return
+    body = b""
+    while True:
+        m = await receive()
+        body += m.get("body", b"")
+        if not m.get("more_body"):
+            break
+    if scope["path"] == "/health":
+        r_status, r_body = 200, b"{}"
+    else:
+        r = await client.post(scope["path"][3:], content=body, headers={"content-type": "application/json"})
+        r_status, r_body = r.status_code, r.content
+    await send({"type": "http.response.start", "status": r_status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": r_body})
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
+"""
+
+
+def start_floor(sim: SimProcess) -> tuple[subprocess.Popen[bytes], Target]:
+    """A bare uvicorn + httpx forwarder in front of the simulator (non-streamed only): the floor of what a
+    proxy written on this stack adds, to read ThinkGate's own share of the added latency against."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", FLOOR_APP, str(port), sim.base_url], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=60, proc=proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, Target("floor", f"http://127.0.0.1:{port}/v1", "none", "sim-model", proc.pid)
 
 
 def proc_tree(pid: int) -> list[int]:
@@ -406,6 +460,8 @@ def main() -> None:
                     help="json: non-streamed; stream: SSE (latency = last byte)")
     ap.add_argument("--extra", action="append", default=[], help="NAME=BASE_URL[,KEY[,MODEL[,PID]]] another target")
     ap.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
+    ap.add_argument("--floor", action="store_true",
+                    help="add a bare uvicorn + httpx forwarder as a target (json mode only): the stack's floor")
     ap.add_argument("--litellm", action="store_true",
                     help="ThinkGate (router + cache + metering) vs LiteLLM's proxy; default concurrency 1 8 32 64")
     args = ap.parse_args()
@@ -418,23 +474,32 @@ def main() -> None:
     env_line = machine()
     started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     sim = start_sim()
-    gw = None
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
             gw, gw_target = start_gateway(sim, Path(tmp))
+            procs.append(gw)
             targets = [Target("direct", sim.base_url, "none", "sim-model"), gw_target,
                        *(parse_extra(e) for e in args.extra)]
+            floor: Target | None = None
+            if args.floor:
+                fp, floor = start_floor(sim)
+                procs.append(fp)
             by_mode = {
-                mode: asyncio.run(measure(targets, args.concurrency, args.requests, args.seconds, args.rounds,
+                mode: asyncio.run(measure([*targets, floor] if floor is not None and mode == "json" else targets,
+                                          args.concurrency, args.requests, args.seconds, args.rounds,
                                           mode == "stream"))
                 for mode in args.modes
             }
     finally:
-        if gw is not None:
-            gw.terminate()
-            gw.wait(timeout=15)
+        for p in procs:
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
         sim.stop()
-    out = table(by_mode, targets, args.concurrency)
+    out = table(by_mode, targets if floor is None else [*targets, floor], args.concurrency)
     print(out)
     if args.write_results:
         write_section(
@@ -450,7 +515,9 @@ def main() -> None:
             f"concurrency in {args.rounds} alternating rounds after a warm-up. Client, simulator and gateway share "
             f"the machine's CPUs (and other jobs' load: see the load average), so latency at concurrency 32 is "
             f"mostly queueing for CPU; the proxy CPU per request is the steadier figure. "
-            f"Machine: {env_line}.\n\n{out}\n"
+            + ("`floor` (json only): a bare uvicorn + httpx forwarder (no auth, routing, cache, metering or "
+               "logging; `FLOOR_APP` in the script), the least a proxy on this stack adds. " if args.floor else "")
+            + f"Machine: {env_line}.\n\n{out}\n"
         )
 
 

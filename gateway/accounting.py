@@ -6,8 +6,10 @@
 - :meth:`cache_begin` / :meth:`cache_finish` around it (``gateway/cache.py``),
 - :meth:`sink` with every finished :class:`~gateway.usage_record.UsageRecord` (a usage sink): it converts the
   record to a :class:`~gateway.usage.UsageEvent` (``event_id`` = the request id = the budget reservation
-  id), counts it in the Prometheus metrics at once, and writes it to Redis in a background task (metering
-  → settle the reservation → alerts). :meth:`flush` waits for those writes; :meth:`close` flushes, stops
+  id), counts it in the Prometheus metrics at once, and queues it for one background writer task (metering
+  → settle the reservation → alerts). The writer sends whatever has queued up since its last round trip as
+  one pipeline (``Meter.record_many``): one event at low load, dozens at high concurrency, instead of a task
+  and a round trip per event. :meth:`flush` waits until the queue is written; :meth:`close` flushes, stops
   the spool replayer and closes the client.
 - :meth:`abandon` for a request that ends with neither a record nor an error response (a bug, or a
   cancellation): it is metered with status 499/500 so its reservation is settled at once.
@@ -42,6 +44,7 @@ from gateway.usage_record import UsageRecord
 log = logging.getLogger("thinkgate.accounting")
 
 KNOWN_KEYS_MAX = 100_000
+WRITE_BATCH_MAX = 128  # usage events per metering pipeline
 
 
 def event_of(record: UsageRecord) -> UsageEvent:
@@ -81,7 +84,9 @@ class Accounting:
     def __init__(self, settings: Settings, handle: RedisHandle | None = None) -> None:
         self.settings = settings
         self.handle = handle or connect(settings.redis)
-        self.breaker = Breaker(settings.redis.breaker_cooldown_s)
+        # A timeout during which the event loop itself stalled for half the socket timeout is the loop's
+        # fault, not Redis's: it fails that call but leaves the breaker closed (gateway/breaker.py).
+        self.breaker = Breaker(settings.redis.breaker_cooldown_s, stall_s=settings.redis.socket_timeout_s / 2)
         self.spool = Spool(settings.metering.spool_path)
         self.meter = Meter(self.handle, self.breaker, self.spool, settings.metering)
         self.cache = ResponseCache(self.handle, self.breaker, settings.cache)
@@ -91,7 +96,9 @@ class Accounting:
         self.keystore = RedisKeyStore(self.handle, self.breaker, settings.auth.key_cache_s,
                                       settings.auth.key_stale_s)
         self.metrics = Metrics(settings.metrics, settings.tiers)
-        self._pending: set[asyncio.Task[None]] = set()
+        self._pending: set[asyncio.Task[None]] = set()  # the metering writer and alert checks
+        self._queue: list[tuple[UsageEvent, KeyInfo | None]] = []  # finished events not yet handed to Redis
+        self._writer: asyncio.Task[None] | None = None
         self._open: dict[str, KeyInfo] = {}  # request id → key, admitted and not yet metered
         self._known: dict[str, KeyInfo] = {}  # key id → last KeyInfo seen (budgets for alerts)
         self._cache_result: dict[str, str] = {}  # request id → hit|miss|bypass
@@ -105,8 +112,10 @@ class Accounting:
         self._replayer = asyncio.create_task(self.meter.run_replayer(self._stop), name="usage-spool-replayer")
 
     async def flush(self) -> None:
-        """Wait until every metering write started so far has finished."""
-        while self._pending:
+        """Wait until every usage event finished so far has been written (Redis or spool)."""
+        while self._pending or self._queue:
+            if self._queue and (self._writer is None or self._writer.done()):
+                self._start_writer()
             await asyncio.gather(*list(self._pending), return_exceptions=True)
 
     async def close(self) -> None:
@@ -179,9 +188,18 @@ class Accounting:
         event = event_of(record)
         key = self._open.pop(record.request_id, None) or self._known.get(event.key_id)
         self.metrics.observe(event, self._cache_result.pop(record.request_id, "bypass"))
-        task = asyncio.get_running_loop().create_task(self._write(event, key))
+        self._queue.append((event, key))
+        if self._writer is None or self._writer.done():
+            self._start_writer()
+
+    def _start_writer(self) -> None:
+        self._writer = self._track(self._write_queue())
+
+    def _track(self, coro: Any) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+        return task
 
     def abandon(self, record: UsageRecord, tier: TierConfig | None, status: int, code: str) -> None:
         """Meter a request that ends without a record (error or cancellation) if it was admitted."""
@@ -192,15 +210,35 @@ class Accounting:
         record.finish(tier, status)
         self.sink(record)
 
-    async def _write(self, event: UsageEvent, key: KeyInfo | None) -> None:
+    async def _write_queue(self) -> None:
+        """The metering writer: until the queue is empty, write what has queued up as one batch."""
+        while self._queue:
+            batch = self._queue[:WRITE_BATCH_MAX]
+            del self._queue[:WRITE_BATCH_MAX]
+            await self._write_batch(batch)
+
+    async def _write_batch(self, batch: list[tuple[UsageEvent, KeyInfo | None]]) -> None:
         try:
-            result = await self.meter.record(event)
-            self.limits.settled(event, result)
-            if key is not None and result.stored == "redis" and result.day_cost_micro_usd is not None:
-                await self.alerts.check(KeyLimits.of(key), key.tags, event.day, result.day_cost_micro_usd,
-                                        result.month_cost_micro_usd or 0)
-        except Exception:  # never lose the reason; the event itself is in Redis or the spool unless disk failed
-            log.exception("usage write failed for event %s", event.event_id)
+            results = await self.meter.record_many([event for event, _ in batch])
+        except Exception:  # never lose the reason; the events are in Redis or the spool unless disk failed
+            log.exception("usage write failed for events %s", ", ".join(e.event_id for e, _ in batch))
+            return
+        for (event, key), result in zip(batch, results, strict=True):
+            try:
+                self.limits.settled(event, result)
+            except Exception:
+                log.exception("usage settle failed for event %s", event.event_id)
+            if key is None or result.stored != "redis" or result.day_cost_micro_usd is None:
+                continue
+            lim = KeyLimits.of(key)
+            if lim.budget_day_micro or lim.budget_month_micro:  # alerts only concern keys with a budget
+                self._track(self._alert(lim, key, event, result.day_cost_micro_usd, result.month_cost_micro_usd or 0))
+
+    async def _alert(self, lim: KeyLimits, key: KeyInfo, event: UsageEvent, day_cost: int, month_cost: int) -> None:
+        try:
+            await self.alerts.check(lim, key.tags, event.day, day_cost, month_cost)
+        except Exception:
+            log.exception("budget alert check failed for event %s", event.event_id)
 
     def render_metrics(self) -> bytes:
         return self.metrics.render(self.breaker.is_open, self.spool.pending_bytes(), self.meter.spooled)

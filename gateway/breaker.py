@@ -7,6 +7,14 @@ failure opens it again. Without it every request would pay the socket timeout wh
 Counts as a failure: ``redis.ConnectionError``, ``redis.TimeoutError``, ``OSError``, ``asyncio.TimeoutError``
 (and ``redis.BusyLoadingError``, a subclass of ConnectionError). Other Redis errors (a script error, a
 wrong type) are bugs, not outages, and propagate unchanged.
+
+**A stalled event loop is not an outage.** The socket timeout runs on the event loop's clock: when the loop
+itself does not run for longer than the timeout (a long garbage collection, the process starved of CPU on a
+busy machine), every Redis call in flight "times out" when it resumes although Redis answered in time, and
+one such stall used to open the breaker for ``cooldown_s`` (cache bypassed, every usage event spooled with
+an fsync). With ``stall_s`` set, a :class:`LoopWatch` notes how late the loop runs; a *timeout* during which
+the loop stalled for ``stall_s`` or more fails that call (:class:`RedisDown`, the caller degrades as usual)
+without opening the breaker (counted in :attr:`Breaker.stall_timeouts`). Connection errors always count.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -30,20 +39,73 @@ OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (rexc.TimeoutError, asyncio.TimeoutError)
+
+
 class RedisDown(RuntimeError):
     """Redis is unreachable (or the breaker is open); the caller falls back to its degraded mode."""
+
+
+class LoopWatch:
+    """How late the running event loop is: a callback every ``period_s`` notes how late it ran.
+
+    :meth:`stalled_since` answers "did the loop stop for a while since ``t0``?" (loop time), counting a
+    stall still under way (the callback is overdue). Started by the first :meth:`start` inside a loop,
+    restarted when another loop runs (tests); costs one timer callback per period.
+    """
+
+    def __init__(self, period_s: float = 0.05, keep: int = 64) -> None:
+        self.period_s = period_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._due = 0.0
+        self._stalls: deque[tuple[float, float]] = deque(maxlen=keep)  # (loop time it ended, seconds late)
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        self._loop = loop
+        self._stalls.clear()
+        self._due = loop.time() + self.period_s
+        loop.call_at(self._due, self._tick)
+
+    def _tick(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        now = loop.time()
+        late = now - self._due
+        if late > self.period_s:
+            self._stalls.append((now, late))
+        self._due = now + self.period_s
+        loop.call_at(self._due, self._tick)
+
+    def stalled_since(self, t0: float) -> float:
+        """The longest stall (seconds) that ended at or after loop time ``t0``, or is under way now."""
+        if self._loop is None:
+            return 0.0
+        longest = max(0.0, self._loop.time() - self._due)
+        for ended, late in reversed(self._stalls):
+            if ended < t0:
+                break
+            longest = max(longest, late)
+        return longest
 
 
 class Breaker:
     """Shared by every component that talks to one Redis; ``clock`` is injectable for tests (seconds)."""
 
-    def __init__(self, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cooldown_s: float, clock: Callable[[], float] = time.monotonic,
+                 stall_s: float | None = None) -> None:
         self.cooldown_s = cooldown_s
         self._clock = clock
         self._opened_at: float | None = None
         self._probing = False
         self.failures = 0  # total outage errors seen (for metrics)
         self.short_circuits = 0  # calls refused while open
+        self.stall_s = stall_s
+        self.watch = LoopWatch() if stall_s is not None else None
+        self.stall_timeouts = 0  # timeouts blamed on a stalled event loop (breaker left closed)
 
     @property
     def is_open(self) -> bool:
@@ -73,9 +135,18 @@ class Breaker:
                 self.short_circuits += 1
                 raise RedisDown("redis circuit breaker open")
             self._probing = probing = True
+        watch = self.watch
+        t0 = 0.0
+        if watch is not None:
+            watch.start()
+            t0 = asyncio.get_running_loop().time()
         try:
             result = await fn()
         except OUTAGE_ERRORS as exc:
+            if (watch is not None and self.stall_s is not None and isinstance(exc, TIMEOUT_ERRORS)
+                    and watch.stalled_since(t0) >= self.stall_s):
+                self.stall_timeouts += 1
+                raise RedisDown(f"timed out while the event loop stalled: {exc}") from exc
             self.record_failure(exc)
             raise RedisDown(str(exc) or type(exc).__name__) from exc
         finally:

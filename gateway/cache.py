@@ -10,15 +10,18 @@ Use per request (keys and policy come from ``gateway/cache_policy.py``)::
         await cache.finish(ticket, entry)             # stores (size/TTL checked) and releases the lock
 
 **Single-flight.** On a miss the first request takes ``cache:lock:{digest}`` (``SET NX PX``, the wait bound)
-and calls the upstream; identical requests arriving meanwhile poll for the entry (10 → 100 ms backoff) until
-it appears (a hit), the lock disappears without an entry (the leader failed or the answer was not
-storable: they call the upstream themselves), or ``cache.single_flight_wait_s`` passes (same). A streamed
-follower gets the whole answer replayed when the leader finishes.
+and calls the upstream (lookup and lock are one script, ``BEGIN_LUA``: one round trip); identical requests
+arriving meanwhile poll for the entry (10 → 100 ms backoff) until it appears (a hit), the lock disappears
+without an entry (the leader failed or the answer was not storable: they call the upstream themselves), or
+``cache.single_flight_wait_s`` passes (same). A streamed follower gets the whole answer replayed when the
+leader finishes.
 
 **Fail open.** Every Redis call goes through the shared :class:`~gateway.breaker.Breaker` with the short
 socket timeout; when Redis is unreachable the request is served uncached (``bypass``) and, while the breaker
 is open, without touching the network at all. Only complete, successful responses are stored (the caller
-decides; see ``StreamAssembler.complete``); entries above ``cache.max_entry_bytes`` are skipped.
+decides; see ``StreamAssembler.complete``); entries above ``cache.max_entry_bytes`` are skipped. Storing
+the entry and releasing the lock are one script too (``FINISH_LUA``), so a miss costs the request path two
+Redis round trips, a hit one.
 """
 
 from __future__ import annotations
@@ -37,9 +40,21 @@ from gateway.config import CacheConfig
 from gateway.redis_client import RedisHandle
 from gateway.redis_keys import RedisKeys
 
-RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+# KEYS: 1 entry, 2 lock; ARGV: 1 lock token, 2 lock TTL ms.
+# Returns {1, entry} (stored answer), {2} (lock taken: the caller leads), {0} (another request leads).
+BEGIN_LUA = """
+local v = redis.call('GET', KEYS[1])
+if v then return {1, v} end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
+return {0}
+"""
+# KEYS: 1 entry, 2 lock; ARGV: 1 entry bytes ('' = store nothing), 2 entry TTL s, 3 lock token ('' = none).
+# Stores the entry, then deletes the lock only if it still holds our token (it may have expired and been
+# taken by another request meanwhile).
+FINISH_LUA = """
+if ARGV[1] ~= '' then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end
+if ARGV[3] ~= '' and redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL', KEYS[2]) end
+return 1
 """
 POLL_START_S = 0.01
 POLL_MAX_S = 0.1
@@ -96,7 +111,8 @@ class ResponseCache:
         self.keys = RedisKeys(handle.prefix)
         self.breaker = breaker
         self.cfg = cfg
-        self._release = self.redis.register_script(RELEASE_LUA)
+        self._begin = self.redis.register_script(BEGIN_LUA)
+        self._finish = self.redis.register_script(FINISH_LUA)
         self.stores = 0
         self.too_big = 0
 
@@ -105,19 +121,27 @@ class ResponseCache:
         if not decision.lookup:
             return Ticket(digest, decision, "miss" if decision.store else "bypass")
         try:
-            entry = await self._get(digest, decision.max_age_s)
-            if entry is not None:
-                return Ticket(digest, decision, "hit", entry)
             if self.cfg.single_flight_wait_s <= 0:
-                return Ticket(digest, decision, "miss")
+                entry = await self._get(digest, decision.max_age_s)
+                return Ticket(digest, decision, "hit", entry) if entry is not None else Ticket(digest, decision, "miss")
             token = uuid.uuid4().hex
-            lock = self.keys.cache_lock(digest)
+            key, lock = self.keys.cache_entry(digest), self.keys.cache_lock(digest)
             wait_ms = max(1, int(self.cfg.single_flight_wait_s * 1000))
             try:
-                acquired = await self.breaker.call(lambda: self.redis.set(lock, token, nx=True, px=wait_ms))
+                res = await self.breaker.call(lambda: self._begin(keys=[key, lock], args=[token, wait_ms]))
             except RedisDown:
-                # The SET may still run (a paused server resumes): keep the token so finish() can release it.
+                # The script may still run (a paused server resumes): keep the token so finish() can release it.
                 return Ticket(digest, decision, "bypass", lock_token=token)
+            acquired = int(res[0]) == 2
+            if int(res[0]) == 1:
+                entry = self._fresh(res[1], decision.max_age_s)
+                if entry is not None:
+                    return Ticket(digest, decision, "hit", entry)
+                # Too old for this request's max-age (or unreadable): lead a refresh like a miss.
+                try:
+                    acquired = bool(await self.breaker.call(lambda: self.redis.set(lock, token, nx=True, px=wait_ms)))
+                except RedisDown:
+                    return Ticket(digest, decision, "bypass", lock_token=token)
             if acquired:
                 return Ticket(digest, decision, "miss", lock_token=token)
             t0 = time.monotonic()
@@ -135,25 +159,24 @@ class ResponseCache:
         Call it in a ``finally`` (also after errors and disconnects, with ``entry=None``) so followers stop
         waiting at once. Never raises for Redis outages.
         """
-        stored = False
+        data = b""
+        if entry is not None and ticket.decision.store and ticket.status == "miss":
+            data = entry.to_bytes()
+            if len(data) > self.cfg.max_entry_bytes:
+                self.too_big += 1
+                data = b""
+        token = ticket.lock_token or ""
+        ticket.lock_token = None
+        if not data and not token:
+            return False
+        keys = [self.keys.cache_entry(ticket.digest), self.keys.cache_lock(ticket.digest)]
         try:
-            if entry is not None and ticket.decision.store and ticket.status == "miss":
-                data = entry.to_bytes()
-                if len(data) > self.cfg.max_entry_bytes:
-                    self.too_big += 1
-                else:
-                    key = self.keys.cache_entry(ticket.digest)
-                    await self.breaker.call(lambda: self.redis.set(key, data, ex=ticket.decision.ttl_s))
-                    self.stores += 1
-                    stored = True
-            if ticket.lock_token is not None:
-                lock = self.keys.cache_lock(ticket.digest)
-                token = ticket.lock_token
-                ticket.lock_token = None
-                await self.breaker.call(lambda: self._release(keys=[lock], args=[token]))
+            await self.breaker.call(lambda: self._finish(keys=keys, args=[data, ticket.decision.ttl_s, token]))
         except RedisDown:
-            pass
-        return stored
+            return False
+        if data:
+            self.stores += 1
+        return bool(data)
 
     async def _get(self, digest: str, max_age_s: int | None) -> CacheEntry | None:
         raw = await self.breaker.call(lambda: self.redis.get(self.keys.cache_entry(digest)))

@@ -16,6 +16,7 @@ Series (counters get ``_total``): ``thinkgate_requests``, ``thinkgate_tokens``, 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -30,6 +31,7 @@ ERROR_CODES = frozenset({"upstream_error", "upstream_unavailable", "upstream_tim
                          "rate_limit_exceeded", "limits_unavailable", "key_store_unavailable"})
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MAX_CACHED_CHILDREN = 10_000
 
 
 def status_class(status: int) -> str:
@@ -71,6 +73,19 @@ class Metrics:
         self.spooled = Gauge("thinkgate_usage_spooled_events", "Usage events this process has spooled.",
                              registry=r)
 
+        # (metric id, label values) -> child: prometheus_client's labels() validates and locks on every call
+        # (~3 µs, ten times per request); the series themselves are still created on first use, as before.
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            if len(self._children) >= MAX_CACHED_CHILDREN:  # key_id labels: keep the map bounded
+                self._children.clear()
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def _tier(self, tier: str | None) -> str:
         if tier is None:
             return "_unrouted"
@@ -82,32 +97,33 @@ class Metrics:
     def observe(self, event: UsageEvent, cache: str) -> None:
         """Count one finished request from its usage event; ``cache`` = the request's cache outcome."""
         tier, model = self._tier(event.tier), self._model(event.upstream_model)
-        k = [event.key_id] if self.key_label else []
+        k = (event.key_id,) if self.key_label else ()
         reason = event.route_reason if event.route_reason in ROUTE_REASONS else "other"
-        self.requests.labels(event.endpoint if event.endpoint in ("chat", "completions") else "other", tier, model,
-                             reason, cache if cache in CACHE_RESULTS else "bypass",
-                             status_class(event.status), *k).inc()
+        cache = cache if cache in CACHE_RESULTS else "bypass"
+        child = self._child
+        child(self.requests, event.endpoint if event.endpoint in ("chat", "completions") else "other", tier, model,
+              reason, cache, status_class(event.status), *k).inc()
         for kind, n in (("prompt", event.prompt_tokens), ("cached", event.cached_tokens),
                         ("completion", event.completion_tokens), ("reasoning", event.reasoning_tokens)):
             if n:
-                self.tokens.labels(tier, model, kind, *k).inc(n)
+                child(self.tokens, tier, model, kind, *k).inc(n)
         if event.cost_micro_usd:
-            self.cost.labels(tier, model, *k).inc(event.cost_micro_usd)
+            child(self.cost, tier, model, *k).inc(event.cost_micro_usd)
         if event.saved_micro_usd:
-            self.saved.labels(tier, model, *k).inc(event.saved_micro_usd)
-        self.cache.labels(cache if cache in CACHE_RESULTS else "bypass").inc()
-        self.routes.labels(tier, reason).inc()
+            child(self.saved, tier, model, *k).inc(event.saved_micro_usd)
+        child(self.cache, cache).inc()
+        child(self.routes, tier, reason).inc()
         if event.status >= 500:
             code = event.error_code if event.error_code in ERROR_CODES else "other"
-            self.upstream_errors.labels(tier, code).inc()
+            child(self.upstream_errors, tier, code).inc()
         stream = "true" if event.stream else "false"
-        self.latency.labels(tier, stream).observe(event.latency_ms / 1000)
+        child(self.latency, tier, stream).observe(event.latency_ms / 1000)
         if event.ttft_ms is not None:
-            self.ttft.labels(tier, stream).observe(event.ttft_ms / 1000)
+            child(self.ttft, tier, stream).observe(event.ttft_ms / 1000)
 
     def rejected(self, code: str | None) -> None:
         """Count a refusal by budgets/limits (429/503 before routing)."""
-        self.rejections.labels(code if code in ERROR_CODES else "other").inc()
+        self._child(self.rejections, code if code in ERROR_CODES else "other").inc()
 
     def render(self, breaker_open: bool, spool_bytes: int, spooled: int) -> bytes:
         """The exposition text, with the gauges set from the current state."""

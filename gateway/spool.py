@@ -1,7 +1,10 @@
 """The local usage spool: events that could not reach Redis, one JSON line each, fsync'd before return.
 
 Several gateway processes may share one spool file (same state directory): every append and every drain
-holds an exclusive ``fcntl.flock`` on the file; inside one process an ``asyncio.Lock`` serialises them too.
+holds an exclusive ``fcntl.flock`` on the file; inside one process an ``asyncio.Lock`` serialises them too,
+and appends that arrive while one is being written are written together with one fsync (group commit: while
+Redis is unreachable every request's event lands here, and one fsync each would queue them up for seconds
+on a busy disk).
 Draining never rewrites the file partially: it reads every line, hands the events to a sink, and truncates
 the file only when the sink accepted all of them. A crash or failure in the middle leaves the whole file in
 place; the next drain sends the already-counted events again and the metering script drops them by
@@ -29,6 +32,7 @@ class Spool:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._lock = asyncio.Lock()
+        self._waiting: list[tuple[bytes, asyncio.Future[None]]] = []  # appends not yet written
 
     def _append_sync(self, lines: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -47,8 +51,22 @@ class Spool:
         if not events:
             return
         data = b"".join(e.to_json() + b"\n" for e in events)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((data, done))
         async with self._lock:
-            await asyncio.to_thread(self._append_sync, data)
+            if not done.done():  # nobody wrote ours while we waited for the lock: write every waiting append
+                batch, self._waiting = self._waiting, []
+                try:
+                    await asyncio.to_thread(self._append_sync, b"".join(d for d, _ in batch))
+                except BaseException as exc:
+                    for _, f in batch:
+                        if f is not done and not f.done():
+                            f.set_exception(exc if isinstance(exc, Exception) else OSError("spool write interrupted"))
+                    raise
+                for _, f in batch:
+                    if not f.done():
+                        f.set_result(None)
+        await done
 
     def pending_bytes(self) -> int:
         """Size of the spool file in bytes (0 when absent): non-zero means events wait for Redis."""

@@ -12,6 +12,7 @@ tokens (a breakdown, not an addition).
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields
@@ -121,7 +122,7 @@ class UsageEvent:
     @property
     def day(self) -> str:
         """UTC day of ``ts``, ``YYYY-MM-DD`` (the budget and counter period)."""
-        return datetime.fromtimestamp(self.ts, UTC).strftime("%Y-%m-%d")
+        return _utc_day(int(self.ts // 86400))
 
     @property
     def month(self) -> str:
@@ -161,7 +162,8 @@ class UsageEvent:
         return asdict(self)
 
     def to_json(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        # orjson serialises dataclasses itself (same keys, same order as asdict) at a tenth of the cost.
+        return orjson.dumps(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> UsageEvent:
@@ -172,6 +174,12 @@ class UsageEvent:
     @classmethod
     def from_json(cls, raw: bytes | str) -> UsageEvent:
         return cls.from_dict(orjson.loads(raw))
+
+
+@functools.lru_cache(maxsize=64)
+def _utc_day(day_number: int) -> str:
+    """``YYYY-MM-DD`` of the ``day_number``-th UTC day since the epoch (metering asks several times per event)."""
+    return datetime.fromtimestamp(day_number * 86400, UTC).strftime("%Y-%m-%d")
 
 
 COUNTER_FIELDS: tuple[str, ...] = (

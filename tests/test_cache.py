@@ -132,6 +132,39 @@ async def test_store_then_hit_and_tenants_never_share(redis_url: str, redis_pref
         assert 0 < ttl <= CacheConfig().ttl_s
 
 
+async def test_a_miss_costs_two_round_trips_and_a_hit_one(tmp_path: Path) -> None:
+    """Lookup + single-flight lock is one script, store + unlock another (a private Redis counts commands)."""
+    from helpers_redis_stack import persistent_redis
+
+    with persistent_redis(tmp_path) as server:
+        async with stack(server.url, "tgtest:rt:", tmp_path / "s") as st:
+            cache = ResponseCache(st.handle, st.breaker, CacheConfig())
+            dec = decide(CacheConfig(), BASE, {})
+            digest = cache_key(tenant_scope("alice"), "chat", "short", BASE)
+            warm = await cache.begin(cache_key(tenant_scope("warm"), "chat", "short", BASE), dec)
+            await cache.finish(warm, None)  # both scripts loaded
+            client = st.handle.client
+
+            async def calls() -> dict[str, int]:  # per command, script-internal calls included
+                stats = await client.info("commandstats")
+                return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+
+            def delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+                return {k: b[k] - a.get(k, 0) for k in b if k != "info" and b[k] != a.get(k, 0)}
+
+            before = await calls()
+            miss = await cache.begin(digest, dec)
+            assert miss.status == "miss" and miss.leader
+            assert await cache.finish(miss, _entry("answer"))
+            # two EVALSHA round trips; GET/SET/DEL only inside them (BEGIN: GET + SET NX; FINISH: SET + GET + DEL)
+            assert delta(before, await calls()) == {"evalsha": 2, "get": 2, "set": 2, "del": 1}
+            assert not await client.exists(cache.keys.cache_lock(digest))  # released
+            before = await calls()
+            hit = await cache.begin(digest, dec)
+            assert hit.status == "hit" and await cache.finish(hit, None) is False
+            assert delta(before, await calls()) == {"evalsha": 1, "get": 1}
+
+
 async def test_no_cache_refreshes_and_no_store_leaves_nothing(redis_url: str, redis_prefix: str,
                                                              tmp_path: Path) -> None:
     async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
