@@ -35,7 +35,8 @@ bench-savings: venv
 # The same, with the length-penalised GRPO model (training/assets/thinkgate-tiny-short) serving every tier.
 bench-savings-grpo: venv
 	$(BIN)/thinkgate bench savings --model-dir training/assets/thinkgate-tiny-short \
-	  --json bench/results/savings_grpo.json --png bench/results/savings_grpo.png --markdown bench/results/savings_grpo.md
+	  --baseline bench/results/savings.json --json bench/results/savings_grpo.json --png bench/results/savings_grpo.png \
+	  --markdown bench/results/savings_grpo.md
 
 # LiteLLM's proxy in its own environment (not a product dependency), for bench/gateway_overhead.py --litellm.
 bench-litellm-env:

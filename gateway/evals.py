@@ -144,9 +144,9 @@ def run(
             cached = usage.prompt_tokens_details.cached_tokens
         cost = cost_micro_usd(
             prices[tier],
-            usage.prompt_tokens if usage else 0,
-            usage.completion_tokens if usage else 0,
-            cached,
+            prompt_tokens=usage.prompt_tokens if usage else 0,
+            cached_tokens=cached,
+            completion_tokens=usage.completion_tokens if usage else 0,
         )
         return Outcome(tier, problem.difficulty, verify(problem, msg.content or ""), reasoning_tokens, cost)
 

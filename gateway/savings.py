@@ -331,11 +331,12 @@ def policy_report(segments: list[Segment]) -> dict[str, Any]:
     return entry
 
 
-def targets(policies: dict[str, Any]) -> dict[str, Any]:
+def targets(policies: dict[str, Any], long_policy: dict[str, Any] | None = None) -> dict[str, Any]:
     """Routed serving vs always-long on the synthetic task: reasoning-token share (target ≤ 40%) at accuracy
-    share (target ≥ 98%), for ``auto`` and ``auto+escalation``."""
+    share (target ≥ 98%), for ``auto`` and ``auto+escalation``. ``long_policy``: the always-long entry to compare
+    against (default: this run's own ``long``; :func:`targets_vs_baseline` passes another run's)."""
     out: dict[str, Any] = {}
-    long = (policies.get("long") or {}).get("synthetic")
+    long = (long_policy if long_policy is not None else policies.get("long") or {}).get("synthetic")
     if not long:
         return out
     for name in ("auto", "auto+escalation"):
@@ -350,6 +351,21 @@ def targets(policies: dict[str, Any]) -> dict[str, Any]:
             "met": bool(tok is not None and acc is not None and tok <= 0.40 and acc >= 0.98),
         }
     return out
+
+
+def targets_vs_baseline(result: dict[str, Any], baseline: dict[str, Any], source: str) -> dict[str, Any]:
+    """The targets of ``result``'s routed policies against the always-long policy of ``baseline`` (another run's
+    JSON on the same workload, e.g. the SFT model's, when ``result`` served the length-penalised model).
+
+    Raises :class:`BenchError` when the workloads differ or the baseline has no ``long`` policy."""
+    if baseline.get("workload") != result.get("workload"):
+        raise BenchError(f"baseline {source}: different workload ({baseline.get('workload')} vs "
+                         f"{result.get('workload')}); rerun both with the same --n/--seed/fractions")
+    long = (baseline.get("policies") or {}).get("long")
+    if not long or not long.get("synthetic"):
+        raise BenchError(f"baseline {source}: no always-long policy with synthetic results")
+    return {"baseline": source, "baseline_model_sha256": (baseline.get("stack") or {}).get("model_sha256"),
+            "targets": targets(result["policies"], long)}
 
 
 # ---------------------------------------------------------------------------------------------- the stack
@@ -606,6 +622,12 @@ def render(result: dict[str, Any]) -> Any:
         tok, acc = t["reasoning_tokens_vs_long"], t["accuracy_vs_long"]
         parts.append(Text(f"{name} vs long (synthetic): reasoning tokens {_fmt(tok, '.1%')} (target ≤ 40%), "
                           f"accuracy {_fmt(acc, '.1%')} (target ≥ 98%): {'met' if t['met'] else 'not met'}"))
+    base = result.get("vs_baseline")
+    for name, t in (base or {}).get("targets", {}).items():
+        tok, acc = t["reasoning_tokens_vs_long"], t["accuracy_vs_long"]
+        parts.append(Text(f"{name} vs the baseline's long ({base['baseline']}, model {base['baseline_model_sha256']}):"
+                          f" reasoning tokens {_fmt(tok, '.1%')} (target ≤ 40%), accuracy {_fmt(acc, '.1%')} "
+                          f"(target ≥ 98%): {'met' if t['met'] else 'not met'}"))
     return Group(*parts)
 
 
@@ -682,6 +704,8 @@ def savings_cmd(
     model_dir: Path | None = typer.Option(None, "--model-dir", help="Serve this model directory with the local "
                                           "engine instead of engine.model_path (e.g. the length-penalised "
                                           "training/assets/thinkgate-tiny-short); same served name and tiers."),
+    baseline: Path | None = typer.Option(None, "--baseline", help="Another run's --json on the same workload: "
+                                         "also report the targets against its always-long policy."),
 ) -> None:
     """Replay one workload under none/short/long/auto/auto+escalation; cost from the metering ledger."""
     from rich.console import Console
@@ -705,11 +729,24 @@ def savings_cmd(
     if engine_url:
         for tier in settings.tiers:
             tier.base_url = engine_url.rstrip("/")
+    base = None
+    if baseline is not None:
+        try:
+            base = json.loads(baseline.read_text())
+        except (OSError, ValueError) as exc:
+            typer.echo(f"thinkgate: --baseline {baseline}: {exc}", err=True)
+            raise typer.Exit(2) from None
     try:
         result = run(cfg, settings, start_engine=settings.engine.enabled and not engine_url)
     except BenchError as exc:
         typer.echo(f"thinkgate: {exc}", err=True)
         raise typer.Exit(2) from None
+    baseline_error = None
+    if base is not None:
+        try:
+            result["vs_baseline"] = targets_vs_baseline(result, base, str(baseline))
+        except BenchError as exc:  # the run's own results are still written below
+            baseline_error = str(exc)
     Console(width=None if sys.stdout.isatty() else 200).print(render(result))
     if json_path:
         write_json(result, json_path)
@@ -718,3 +755,6 @@ def savings_cmd(
     if md_path:
         md_path.write_text(markdown(result) + "\n")
     typer.echo(f"thinkgate: bench savings took {result['wall_s']:.0f} s", err=True)
+    if baseline_error:
+        typer.echo(f"thinkgate: {baseline_error}", err=True)
+        raise typer.Exit(2)

@@ -149,10 +149,14 @@ def test_escalation_on_a_tiny_budget(client: openai.OpenAI, engine_gateway: Any,
 def test_eval_tiers_report(engine_gateway: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from gateway.evals import run
 
-    gw, _ = engine_gateway
+    gw, records = engine_gateway
     monkeypatch.setenv("THINKGATE_URL", gw.url)
     monkeypatch.setenv("THINKGATE_API_KEY", TEST_KEY)
+    before = len(records)
     result = run(["short", "long"], task="arith", n_per_level=3, difficulties=[1, 4], concurrency=2, progress=False)
+    # the report's cost is the gateway's metered cost of the same requests, to the micro-dollar
+    metered = sum(r.cost_micro_usd for r in records[before:])
+    assert sum(result["tiers"][t]["cost_micro_usd"] for t in ("short", "long")) == metered > 0
     for name in ("short", "long"):
         entry = result["tiers"][name]
         assert entry["requests"] == 6

@@ -109,6 +109,27 @@ def test_unknown_policy_is_refused(sim: SimProcess, redis_url: str) -> None:
                start_engine=False)
 
 
+def test_targets_against_a_baseline_run() -> None:
+    """Routed policies of one run against another run's always-long (same workload), e.g. the length-penalised
+    model's auto vs the SFT model's long: 30 / 100 tokens at 0.93 / 0.94 accuracy → both targets met."""
+    wl = {"n": 10, "seed": 0}
+
+    def pol(tok: int, acc: float) -> dict[str, Any]:
+        return {"synthetic": {"reasoning_tokens": tok, "accuracy": acc}}
+
+    result = {"workload": wl, "policies": {"long": pol(40, 0.92), "auto": pol(30, 0.93)}}
+    base = {"workload": wl, "stack": {"model_sha256": "abc"}, "policies": {"long": pol(100, 0.94)}}
+    out = sv.targets_vs_baseline(result, base, "b.json")
+    t = out["targets"]["auto"]
+    assert t["reasoning_tokens_vs_long"] == pytest.approx(0.30) and t["accuracy_vs_long"] == pytest.approx(0.93 / 0.94)
+    assert t["met"] and out["baseline_model_sha256"] == "abc"
+    assert not sv.targets(result["policies"])["auto"]["met"]  # vs its own long: 75% of the tokens
+    with pytest.raises(sv.BenchError, match="different workload"):
+        sv.targets_vs_baseline(result, {**base, "workload": {"n": 11, "seed": 0}}, "b.json")
+    with pytest.raises(sv.BenchError, match="no always-long"):
+        sv.targets_vs_baseline(result, {"workload": wl, "policies": {}}, "b.json")
+
+
 def test_model_dir_must_be_a_model_directory(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
