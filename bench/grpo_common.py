@@ -142,24 +142,13 @@ def write_subsection(title: str, body: str, path: Path = RESULTS_MD) -> None:
 def plot_lines(
     path: Path, title: str, xlabel: str, ylabel: str, series: Sequence[tuple[str, Sequence[float], Sequence[float]]]
 ) -> Path:
-    import matplotlib
+    """The experiments' figures, drawn by the package's plotter (``training.grpo.plots.line_plot``)."""
+    from training.grpo.plots import line_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6.5, 3.8), dpi=100)
-    for label, xs, ys in series:
-        ax.plot(xs, ys, marker=".", label=label)
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    out = line_plot(path, title, ylabel, [(label, (xs, ys)) for label, xs, ys in series], xlabel=xlabel)
+    if out is None:
+        raise ValueError(f"{path}: no data to plot")
+    return out
 
 
 def per_difficulty_rows(

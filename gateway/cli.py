@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from gateway.cli_common import CONFIG_OPTION, load_settings
 from gateway.eval_cli import app as eval_app
 from gateway.keys_cli import app as keys_app
 from gateway.savings import app as bench_app
@@ -40,18 +41,6 @@ if TYPE_CHECKING:
     from gateway.config import Settings
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-CONFIG_OPTION = typer.Option(None, "--config", "-c", help="YAML config file (default: $THINKGATE_CONFIG).")
-
-
-def _load_settings(config: Path | None, **overrides: Any) -> Settings:
-    """Settings or exit code 2 with the ConfigError message (no traceback)."""
-    from gateway.config import ConfigError, Settings
-
-    try:
-        return Settings.load(config, **overrides)
-    except ConfigError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(2) from None
 
 
 @config_app.command("show")
@@ -59,7 +48,7 @@ def config_show(config: Path | None = CONFIG_OPTION) -> None:
     """Print the effective configuration (file + THINKGATE_* environment + defaults) as YAML."""
     import yaml
 
-    data = _load_settings(config).model_dump(mode="json")
+    data = load_settings(config).model_dump(mode="json")
     for tier in data.get("tiers", []):
         if tier.get("api_key"):
             tier["api_key"] = "***"
@@ -92,7 +81,7 @@ def serve(
 
     from gateway.redis_server import RedisUnavailable, ensure
 
-    settings = _load_settings(config)
+    settings = load_settings(config)
     settings.server.host = host or settings.server.host
     settings.server.port = port if port is not None else settings.server.port
     logging.basicConfig(level=settings.server.log_level.upper(), format=LOG_FORMAT)

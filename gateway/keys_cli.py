@@ -20,21 +20,11 @@ from typing import Any, TypeVar
 import orjson
 import typer
 
+from gateway.cli_common import CONFIG_OPTION, load_settings
+
 T = TypeVar("T")
 
 app = typer.Typer(no_args_is_help=True)
-CONFIG_OPTION = typer.Option(None, "--config", "-c", help="YAML config file (default: $THINKGATE_CONFIG).")
-
-
-def load_settings(config: Path | None) -> Any:
-    """Settings, or exit 2 with the ConfigError message."""
-    from gateway.config import ConfigError, Settings
-
-    try:
-        return Settings.load(config)
-    except ConfigError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(2) from None
 
 
 def with_store(config: Path | None, fn: Callable[[Any], Awaitable[T]]) -> T:

@@ -710,13 +710,9 @@ def savings_cmd(
     """Replay one workload under none/short/long/auto/auto+escalation; cost from the metering ledger."""
     from rich.console import Console
 
-    from gateway.config import ConfigError
+    from gateway.cli_common import load_settings
 
-    try:
-        settings = Settings.load(config)
-    except ConfigError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(2) from None
+    settings = load_settings(config)
     cfg = BenchConfig(n=n, repeat_fraction=repeat_fraction, real_fraction=real_fraction,
                       policies=tuple(p.strip() for p in policies.split(",") if p.strip()), concurrency=concurrency,
                       seed=seed, url=url, escalation_url=escalation_url, time_budget_s=time_budget_s,

@@ -17,7 +17,7 @@ from typing import Any
 
 import typer
 
-from gateway.keys_cli import CONFIG_OPTION, load_settings
+from gateway.cli_common import CONFIG_OPTION, load_settings
 
 app = typer.Typer(no_args_is_help=True)
 

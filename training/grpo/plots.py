@@ -25,22 +25,29 @@ def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list
     return xs, ys
 
 
-def _plot(
-    path: Path, title: str, ylabel: str, lines: Sequence[tuple[str, tuple[list[float], list[float]]]]
+def line_plot(
+    path: Path,
+    title: str,
+    ylabel: str,
+    lines: Sequence[tuple[str, tuple[Sequence[float], Sequence[float]]]],
+    xlabel: str = "optimizer step",
 ) -> Path | None:
+    """One PNG with a line per ``(label, (xs, ys))``; empty series are left out and nothing is written (None)
+    when all are empty. Shared by the run plots below and the ``bench/grpo_*.py`` experiment figures."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines = [(label, s) for label, s in lines if s[0]]
+    lines = [(label, s) for label, s in lines if len(s[0])]
     if not lines:
         return None
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.5, 3.8), dpi=100)
     for label, (xs, ys) in lines:
         ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=label)
     ax.set_title(title)
-    ax.set_xlabel("optimizer step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -48,6 +55,9 @@ def _plot(
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+_plot = line_plot
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
