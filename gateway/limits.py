@@ -210,7 +210,8 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     micro, tokens = 0, prompt
     for tier in tiers:
         completion = n * (min(asked, tier.max_tokens) if isinstance(asked, int) and asked > 0 else tier.max_tokens)
-        micro = max(micro, cost_micro_usd(tier.prices, prompt, 0, completion))
+        cost = cost_micro_usd(tier.prices, prompt_tokens=prompt, cached_tokens=0, completion_tokens=completion)
+        micro = max(micro, cost)
         tokens = max(tokens, prompt + completion)
     return Estimate(micro, tokens)
 

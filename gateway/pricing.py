@@ -18,12 +18,13 @@ from decimal import ROUND_HALF_UP, Decimal
 from gateway.config import Prices
 
 
-def cost_micro_usd(prices: Prices, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+def cost_micro_usd(prices: Prices, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
     """Cost of one request in integer micro-USD.
 
     ``prompt_tokens`` includes ``cached_tokens`` (as in OpenAI/vLLM usage; ``cached_tokens`` is clamped to
     ``[0, prompt_tokens]``); ``completion_tokens`` includes reasoning tokens (a breakdown, not an addition).
-    Raises ValueError on negative counts.
+    Raises ValueError on negative counts. The counts are keyword-only: three positional ints in a row are
+    easy to swap (one caller once billed completion tokens as cached prompt tokens).
     Example: 1000 prompt (200 cached), 500 completion at 0.50/0.25/2.00 USD per 1M → 400+50+1000 = 1450.
     """
     if min(prompt_tokens, completion_tokens, cached_tokens) < 0:

@@ -76,7 +76,8 @@ class TokenCounts:
 
     def cost(self, prices: Prices) -> int:
         """Cost of these counts at ``prices``, integer micro-USD."""
-        return cost_micro_usd(prices, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+        return cost_micro_usd(prices, prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                              completion_tokens=self.completion_tokens)
 
 
 def new_event_id() -> str:
@@ -152,7 +153,8 @@ class UsageEvent:
 
     def price(self, prices: Prices) -> None:
         """Fill ``cost_micro_usd`` (or, for a cache hit, ``saved_micro_usd`` with cost 0) from the tokens."""
-        value = cost_micro_usd(prices, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+        value = cost_micro_usd(prices, prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                               completion_tokens=self.completion_tokens)
         if self.cached:
             self.cost_micro_usd, self.saved_micro_usd = 0, value
         else:

@@ -82,7 +82,8 @@ class UsageRecord:
             self.status = status
         self.latency_ms = (time.perf_counter() - self._t0) * 1000
         if tier is not None:
-            cost = cost_micro_usd(tier.prices, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+            cost = cost_micro_usd(tier.prices, prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                                  completion_tokens=self.completion_tokens)
             self.cost_micro_usd, self.saved_micro_usd = (0, cost) if self.cached else (cost, 0)
         return self
 

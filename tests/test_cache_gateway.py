@@ -51,7 +51,8 @@ def test_miss_then_hit_with_headers_and_hit_metering(gw: GatewayServer, upstream
     events = usage_events(gw, [first.headers["x-request-id"], second.headers["x-request-id"]])
     miss_ev, hit_ev = events[first.headers["x-request-id"]], events[second.headers["x-request-id"]]
     tier = gw.settings.tier("short")
-    price = cost_micro_usd(tier.prices, miss_ev.prompt_tokens, miss_ev.cached_tokens, miss_ev.completion_tokens)
+    price = cost_micro_usd(tier.prices, prompt_tokens=miss_ev.prompt_tokens, cached_tokens=miss_ev.cached_tokens,
+                           completion_tokens=miss_ev.completion_tokens)
     assert (miss_ev.cached, miss_ev.cost_micro_usd, miss_ev.saved_micro_usd) == (False, price, 0)
     assert (hit_ev.cached, hit_ev.cost_micro_usd, hit_ev.saved_micro_usd) == (True, 0, price)
     assert hit_ev.route_reason == "cache" and hit_ev.usage_source == "cache"

@@ -23,18 +23,18 @@ PRICES = Prices(
 def test_cached_token_pricing_example() -> None:
     # 1000 prompt tokens of which 600 came from the upstream's prefix cache, 200 completion tokens:
     # (1000-600)*0.50 + 600*0.25 + 200*2.00 = 200 + 150 + 400 = 750 micro-USD.
-    assert cost_micro_usd(PRICES, 1000, 600, 200) == 750
+    assert cost_micro_usd(PRICES, prompt_tokens=1000, cached_tokens=600, completion_tokens=200) == 750
     # without the cached discount the same request costs 300 + 500... i.e. 1000*0.5 + 400 = 900
-    assert cost_micro_usd(PRICES, 1000, 0, 200) == 900
+    assert cost_micro_usd(PRICES, prompt_tokens=1000, cached_tokens=0, completion_tokens=200) == 900
     # fractional micro-USD round once per event, half up: 3 tokens * 0.5 = 1.5 -> 2
-    assert cost_micro_usd(PRICES, 3, 0, 0) == 2
-    assert cost_micro_usd(PRICES, 1, 0, 0) == 1  # 0.5 -> 1
+    assert cost_micro_usd(PRICES, prompt_tokens=3, cached_tokens=0, completion_tokens=0) == 2
+    assert cost_micro_usd(PRICES, prompt_tokens=1, cached_tokens=0, completion_tokens=0) == 1  # 0.5 -> 1
     counts = TokenCounts.from_openai({"prompt_tokens": 1000, "completion_tokens": 200,
                                       "prompt_tokens_details": {"cached_tokens": 600},
                                       "completion_tokens_details": {"reasoning_tokens": 150}})
     assert counts is not None and counts.reasoning_tokens == 150 and counts.cost(PRICES) == 750
     with pytest.raises(ValueError):
-        cost_micro_usd(PRICES, -1, 0, 0)
+        cost_micro_usd(PRICES, prompt_tokens=-1, cached_tokens=0, completion_tokens=0)
 
 
 def test_cache_hit_prices_as_saved() -> None:

@@ -69,7 +69,8 @@ def test_stream_and_non_stream_meter_the_same_cost(gw: GatewayServer) -> None:
             (s.prompt_tokens, s.completion_tokens, s.reasoning_tokens)
         assert p.usage_source == s.usage_source == "upstream"
         tier = gw.settings.tier(p.tier or "")
-        assert p.cost_micro_usd == cost_micro_usd(tier.prices, p.prompt_tokens, p.cached_tokens, p.completion_tokens)
+        assert p.cost_micro_usd == cost_micro_usd(tier.prices, prompt_tokens=p.prompt_tokens,
+                                                  cached_tokens=p.cached_tokens, completion_tokens=p.completion_tokens)
 
 
 def test_client_disconnect_mid_stream_is_metered(gw: GatewayServer, upstream_sim: SimProcess) -> None:
@@ -92,7 +93,8 @@ def test_client_disconnect_mid_stream_is_metered(gw: GatewayServer, upstream_sim
     assert ev.usage_source == "counted"
     assert 5 <= ev.completion_tokens <= rec["chunks_sent"]  # what was relayed, counted one token per delta
     tier = gw.settings.tier("long")
-    assert ev.cost_micro_usd == cost_micro_usd(tier.prices, ev.prompt_tokens, 0, ev.completion_tokens) > 0
+    assert ev.cost_micro_usd == cost_micro_usd(tier.prices, prompt_tokens=ev.prompt_tokens, cached_tokens=0,
+                                               completion_tokens=ev.completion_tokens) > 0
 
 
 def _cli(*args: str, config: Path) -> subprocess.CompletedProcess[bytes]:

@@ -48,8 +48,10 @@ def check_against_ledger(result: dict[str, Any], events: list[UsageEvent], setti
         for k in ("prompt_tokens", "reasoning_tokens", "completion_tokens"):
             assert entry[k] == sum(getattr(e, k) for e in upstream)
         for e in upstream:  # each event priced at its tier's configured prices
-            assert e.cost_micro_usd == cost_micro_usd(settings.tier(e.tier).prices, e.prompt_tokens, e.cached_tokens,
-                                                      e.completion_tokens)
+            prices = settings.tier(e.tier).prices
+            want = cost_micro_usd(prices, prompt_tokens=e.prompt_tokens, cached_tokens=e.cached_tokens,
+                                  completion_tokens=e.completion_tokens)
+            assert e.cost_micro_usd == want
         present = [s for s in ("synthetic", "real") if s in entry]
         for subset in present:
             sub = [e for e in mine if e.key_id.endswith("-" + subset)]
