@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(gc.ROOT / "runs" / "bench" / "length"))
     ap.add_argument("--variants", default=None, help="comma-separated subset")
     ap.add_argument("--write-results", action="store_true")
+    ap.add_argument("--section", default="Length penalties (experiment 1)", help="RESULTS.md subsection title")
+    ap.add_argument("--figure", default="grpo_length_penalties.png", help="PNG name under bench/results/")
     a = ap.parse_args()
 
     base = gc.load_base(a.config)
@@ -95,7 +97,7 @@ def main() -> None:
         ],
     )
     fig = gc.plot_lines(
-        gc.FIGURES / "grpo_length_penalties.png",
+        gc.FIGURES / a.figure,
         "Held-out mean completion length during GRPO",
         "optimizer step",
         "tokens",
@@ -113,7 +115,7 @@ def main() -> None:
     )
     print(body)
     if a.write_results:
-        gc.write_subsection("Length penalties (experiment 1)", body)
+        gc.write_subsection(a.section, body)
 
 
 if __name__ == "__main__":
