@@ -40,6 +40,7 @@ def tiny(
     Measure through vLLM with ``python -m training.tiny.measure``.
     """
     import json
+    import shutil
 
     from training.tiny.card import write_card
     from training.tiny.train import overthink_stage, recipe, train, train_overthink, train_recipe
@@ -61,8 +62,6 @@ def tiny(
                 str(stage2_dir), seed=seed + 2, steps=steps3, max_minutes=max_minutes3, threads=threads
             )
             summary = train_overthink(s3, out, log=typer.echo, earlier=sum12["stages"])
-            import shutil
-
             shutil.rmtree(stage2_dir, ignore_errors=True)
     if eval_n > 0:
         from training.tiny.evaluate import offline_report

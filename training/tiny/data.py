@@ -47,14 +47,14 @@ class Mix:
 STAGE2_MIX = Mix(direct=0.10, truncated=0.20, terse=0.55, medium=0.20, verbose=0.25)
 
 #: Stage 3 (v2, the over-thinker): four in five full thoughts are verbose, so that greedy decoding re-checks every
-#: step as distilled reasoning models do (about 3x the tokens of the terse chain) while sampling still writes the
-#: terse chain about one time in five — the behaviour length penalties in ``thinkgate train grpo`` must remove.
+#: step as distilled reasoning models do (3-6x the tokens of the terse chain) while sampling still starts the terse
+#: chain about two times in five (first-token probability 0.36-0.46 after training) — the behaviour length
+#: penalties in ``thinkgate train grpo`` are to remove.
 #: Their opener is one fixed sentence: with two openers drawn at random, the terse chain's first digit (one token)
 #: out-weighed either opener's first word (measured: 0.38-0.47 vs 0.24-0.35) and greedy decoding stayed terse.
 OVERTHINK_MIX = Mix(
     direct=0.10, truncated=0.20, terse=0.20, medium=0.0, verbose=0.80, verbose_opener="Let me work step by step."
 )
-MIXES = {"stage1": Mix(), "stage2": STAGE2_MIX, "overthink": OVERTHINK_MIX}
 
 
 def _step(a: int, sym: str, k: int, b: int) -> str:
