@@ -10,7 +10,6 @@ Exit codes: 0 ok, 1 the key exists / is unknown, 2 invalid arguments or config, 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
@@ -20,7 +19,7 @@ from typing import Any, TypeVar
 import orjson
 import typer
 
-from gateway.cli_common import CONFIG_OPTION, load_settings
+from gateway.cli_common import CONFIG_OPTION, load_settings, run_on_redis
 
 T = TypeVar("T")
 
@@ -29,25 +28,10 @@ app = typer.Typer(no_args_is_help=True)
 
 def with_store(config: Path | None, fn: Callable[[Any], Awaitable[T]]) -> T:
     """Run ``fn(RedisKeyStore)`` against the configured Redis; exit 3 when it is unreachable."""
-    from gateway.breaker import Breaker, RedisDown
+    from gateway.breaker import Breaker
     from gateway.keystore import RedisKeyStore
-    from gateway.redis_client import connect
 
-    settings = load_settings(config)
-    cfg = settings.redis.model_copy(update={"socket_timeout_s": max(settings.redis.socket_timeout_s, 2.0)})
-
-    async def run() -> T:
-        handle = connect(cfg)
-        try:
-            return await fn(RedisKeyStore(handle, Breaker(1.0), cache_s=0))
-        finally:
-            await handle.close()
-
-    try:
-        return asyncio.run(run())
-    except RedisDown as exc:
-        typer.echo(f"thinkgate: Redis unreachable at {settings.redis.url}: {exc}", err=True)
-        raise typer.Exit(3) from None
+    return run_on_redis(load_settings(config), lambda handle: fn(RedisKeyStore(handle, Breaker(1.0), cache_s=0)))
 
 
 def _parse_tags(tags: list[str]) -> dict[str, str]:

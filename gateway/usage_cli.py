@@ -10,14 +10,13 @@ row per event; with it, summed counters per group (``gateway/export.py``). Outpu
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from gateway.cli_common import CONFIG_OPTION, load_settings
+from gateway.cli_common import CONFIG_OPTION, load_settings, run_on_redis
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -26,26 +25,15 @@ def read_events(settings: Any, since: float | None, until: float | None, key: st
     """The usage events of the ledger (Redis Stream) in [since, until) (epoch seconds; None = open), of one key
     id or all. Exits with code 3 when Redis is unreachable. A longer socket timeout than the request path's:
     an export may scan a long stream."""
-    from gateway.breaker import Breaker, RedisDown
+    from gateway.breaker import Breaker
     from gateway.metering import Meter
-    from gateway.redis_client import connect
     from gateway.spool import Spool
 
-    rcfg = settings.redis.model_copy(update={"socket_timeout_s": max(settings.redis.socket_timeout_s, 5.0)})
+    async def collect(handle: Any) -> list[Any]:
+        meter = Meter(handle, Breaker(1.0), Spool(settings.metering.spool_path), settings.metering)
+        return [e async for e in meter.events(since, until) if key is None or e.key_id == key]
 
-    async def collect() -> list[Any]:
-        handle = connect(rcfg)
-        try:
-            meter = Meter(handle, Breaker(1.0), Spool(settings.metering.spool_path), settings.metering)
-            return [e async for e in meter.events(since, until) if key is None or e.key_id == key]
-        finally:
-            await handle.close()
-
-    try:
-        return asyncio.run(collect())
-    except RedisDown as exc:
-        typer.echo(f"thinkgate: Redis unreachable at {settings.redis.url}: {exc}", err=True)
-        raise typer.Exit(3) from None
+    return run_on_redis(settings, collect, min_timeout_s=5.0)
 
 
 @app.command("export")

@@ -110,3 +110,17 @@ def test_sigterm_stops_what_serve_started(tmp_path: Path, upstream_sim: Any) -> 
         proc.wait(timeout=20)
     assert proc.returncode == 128 + signal.SIGTERM
     assert wait_for(lambda: not ping(redis_url), timeout_s=10), "the private Redis outlived serve"
+
+
+@pytest.mark.parametrize("argv", [["keys", "list"], ["usage", "export", "--format", "jsonl", "--output", "-"]])
+def test_offline_commands_exit_3_when_redis_is_unreachable(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``keys`` and ``usage`` talk to Redis directly (gateway/cli_common.run_on_redis): a refused connection is a
+    one-line error and exit code 3, not a traceback."""
+    from typer.testing import CliRunner
+
+    from gateway.cli import app
+
+    monkeypatch.setenv("THINKGATE_REDIS__URL", f"redis://127.0.0.1:{free_port()}/0")
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 3, r.output
+    assert "Redis unreachable" in r.output
