@@ -83,6 +83,17 @@ class Target:
     pid: int | None = None  # the proxy's process, to report its CPU time per request
 
 
+
+def stop_all(procs: list[subprocess.Popen[bytes]], sim: Any) -> None:
+    """Terminate the proxies (SIGTERM, then SIGKILL after 30 s) and stop the simulator."""
+    for p in procs:
+        p.terminate()
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    sim.stop()
+
 def cpu_seconds(pid: int | None) -> float | None:
     """User + system CPU seconds of process ``pid`` (Linux ``/proc``), None when unknown."""
     if pid is None:
@@ -417,13 +428,7 @@ def run_litellm(args: argparse.Namespace) -> None:
                                           stream=False, unique=True))
             rss = {"thinkgate": peak_rss_mib(gw.pid), "litellm": peak_rss_mib(ll.pid)}
     finally:
-        for p in procs:
-            p.terminate()
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        sim.stop()
+        stop_all(procs, sim)
     out = litellm_table(results, rss, args.concurrency)
     print(out)
     if args.write_results:
@@ -492,13 +497,7 @@ def main() -> None:
                 for mode in args.modes
             }
     finally:
-        for p in procs:
-            p.terminate()
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        sim.stop()
+        stop_all(procs, sim)
     out = table(by_mode, targets if floor is None else [*targets, floor], args.concurrency)
     print(out)
     if args.write_results:
