@@ -318,10 +318,12 @@ def run_grpo(
     cfg_dict = cfg.to_dict()
     cfg_dict["trl"] = trl_kw
     (model_dir / "README.md").write_text(model_card(cfg.run_name, cfg.model.path, cfg_dict, before, after, summary))
+    # Relative to the working directory when the run is under it (a run in the repo can be committed as is).
+    shown_dir = model_dir.resolve()
+    if shown_dir.is_relative_to(Path.cwd()):
+        shown_dir = shown_dir.relative_to(Path.cwd())
     (run_dir / "tier.yaml").write_text(
-        tier_snippet(
-            cfg.output.tier_name, cfg.output.served_model_name, cfg.output.base_url, model_dir.resolve(), max_len, after
-        )
+        tier_snippet(cfg.output.tier_name, cfg.output.served_model_name, cfg.output.base_url, shown_dir, max_len, after)
     )
     ledger.write_parquet()
     plot_run(run_dir)
