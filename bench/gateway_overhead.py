@@ -1,6 +1,6 @@
 """What does ThinkGate add on top of the upstream? Direct-to-upstream vs through-the-gateway, on loopback.
 
-Starts ``tests/upstream_sim.py`` (the deterministic upstream) and ``thinkgate serve`` (engine off, tiers on
+Starts ``tests/fixtures/upstream_sim.py`` (the deterministic upstream) and ``thinkgate serve`` (engine off, tiers on
 the simulator, Redis off the request path) as processes on free loopback ports, then sends the same chat
 request to each *target* — closed loop, ``concurrency`` workers, a bounded number of requests and seconds —
 alternating targets round by round so that background load hits all of them alike. Prints per target and
@@ -50,16 +50,12 @@ import httpx
 import orjson
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+from bench._lib.results_md import write_section
+from gateway.engine.redis_server import free_port
+from tests.fixtures.upstream import SimProcess, start_sim, wait_http_ok
 
-from fixtures_upstream import SimProcess, start_sim, wait_http_ok  # noqa: E402
-
-from gateway.redis_server import free_port  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[1]
 BENCH_KEY = "tg-bench-key"
-from results_md import write_section  # noqa: E402  (bench/ is on sys.path)
 
 SECTION = "## Gateway overhead"
 LITELLM_SECTION = "## ThinkGate vs LiteLLM"
@@ -260,7 +256,7 @@ def start_gateway(sim: SimProcess, workdir: Path, full: bool = False) -> tuple[s
         cfg["cache"] = {"mode": "deterministic"}
     path = workdir / "gateway.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(path), "--port", str(port)],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=(workdir / "gateway.log").open("w"))
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=120, proc=proc)
@@ -274,6 +270,7 @@ def start_gateway(sim: SimProcess, workdir: Path, full: bool = False) -> tuple[s
 # reading the body and forwarding it, nothing else (no auth, routing, cache, metering or logging).
 FLOOR_APP = """
 import sys, httpx, uvicorn
+
 client = httpx.AsyncClient(base_url=sys.argv[2], trust_env=False)
 async def app(scope, receive, send):
     if scope["type"] == "lifespan":
@@ -436,7 +433,7 @@ def run_litellm(args: argparse.Namespace) -> None:
             LITELLM_SECTION,
             f"{LITELLM_SECTION}\n\n"
             f"`bench/gateway_overhead.py --litellm` — {started}. Non-streamed chat requests (~30 output tokens, "
-            f"temperature 0, a fresh prompt each time) against `tests/upstream_sim.py`: directly, through "
+            f"temperature 0, a fresh prompt each time) against `tests/fixtures/upstream_sim.py`: directly, through "
             f"`thinkgate serve` (one uvicorn worker, engine off; key auth, the shipped router scoring every "
             f"`model: auto` request, cache lookup + single-flight lock + store on every request — all misses —, "
             f"metering of every event to Redis, usage log line) and through LiteLLM's proxy {version} "
@@ -505,7 +502,7 @@ def main() -> None:
             SECTION,
             f"{SECTION}\n\n"
             f"`bench/gateway_overhead.py` — {started}. Chat requests (`model: auto`, ~30 output tokens; `json` "
-            f"= non-streamed, `stream` = SSE with latency to the last byte) against `tests/upstream_sim.py`, "
+            f"= non-streamed, `stream` = SSE with latency to the last byte) against `tests/fixtures/upstream_sim.py`, "
             f"directly and through "
             f"`thinkgate serve` (one uvicorn worker, engine off; the whole request path of the commit below: key "
             f"auth, length-baseline routing, limit and cache checks — the cache is bypassed, these requests are not "

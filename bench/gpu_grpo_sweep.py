@@ -15,7 +15,6 @@ import argparse
 import copy
 import json
 import os
-import sys
 import tarfile
 import time
 from pathlib import Path
@@ -23,7 +22,6 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 VARIANTS: dict[str, dict] = {
     "kimi_lr1e-4_b64": {"trl": {"learning_rate": 1.0e-4, "max_steps": 60}},

@@ -7,14 +7,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import grpo_common as gc
-
+import bench.grpo_common as gc
 from training.grpo.config import AdvantageConfig, RewardSpec
 
 REWARDS = [RewardSpec("correctness", 1.0), RewardSpec("format", 0.2), RewardSpec("kimi_length", 0.5)]

@@ -8,14 +8,9 @@ target held-out accuracy.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import grpo_common as gc
-
+import bench.grpo_common as gc
 from training.grpo.config import DynamicSamplingConfig
 
 

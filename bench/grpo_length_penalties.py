@@ -8,14 +8,9 @@ thought tokens per difficulty bucket, and the training cost of each run.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import grpo_common as gc
-
+import bench.grpo_common as gc
 from training.grpo.config import BudgetPromptConfig, RewardSpec
 
 FORMAT = RewardSpec("format", 0.2)

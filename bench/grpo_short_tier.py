@@ -1,7 +1,7 @@
 """The length-penalised GRPO model served as the gateway's ``short`` tier vs the SFT model in the same tier:
 accuracy and reasoning tokens per difficulty, measured through the real gateway with ``thinkgate eval tiers``.
 
-Starts two vLLM servers (``gateway.engine.LocalEngine``: the SFT model and ``--model-dir``) and a gateway
+Starts two vLLM servers (``gateway.engine.vllm.LocalEngine``: the SFT model and ``--model-dir``) and a gateway
 (``thinkgate serve``, engine off) with the default tiers' settings (budgets, max_tokens, budget mode, prices)
 and the model swapped: ``short`` = GRPO model, ``short_sft`` = SFT model (both the default short budget),
 ``long`` = SFT model, ``long_grpo`` = GRPO model (both the default long budget); then runs
@@ -25,14 +25,10 @@ from pathlib import Path
 import httpx
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import grpo_common as gc
-
+import bench.grpo_common as gc
 from gateway.config import DEFAULT_MODEL_DIR, EngineConfig
-from gateway.engine import LocalEngine
-from gateway.redis_server import free_port
+from gateway.engine.redis_server import free_port
+from gateway.engine.vllm import LocalEngine
 
 SECRET = "tg-bench-grpo-short-0000000000"
 TIERS = ("short", "short_sft", "long", "long_grpo")
@@ -106,7 +102,7 @@ def main() -> None:
         cfg_path.write_text(yaml.safe_dump(cfg))
         log = (tmp / "gateway.log").open("w")
         gw = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg_path)],
+            [sys.executable, "-m", "gateway", "serve", "--config", str(cfg_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=gc.ROOT,
@@ -127,7 +123,7 @@ def main() -> None:
             [
                 sys.executable,
                 "-m",
-                "gateway.cli",
+                "gateway",
                 "eval",
                 "tiers",
                 "--tiers",

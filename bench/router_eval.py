@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from router.fit.default import MATH_TEST, gsm8k_items, math_items, mmlu_items
+from router.fit.evaluate import EvalResult, evaluate_scores, plot_curves, render_table
+from router.fit.fitter import fit_router
+from router.model import ModelConfig
+from router.persistence import load_router
 
-from router.default import MATH_TEST, gsm8k_items, math_items, mmlu_items  # noqa: E402
-from router.evaluate import EvalResult, evaluate_scores, plot_curves, render_table  # noqa: E402
-from router.fit import fit_router  # noqa: E402
-from router.model import ModelConfig  # noqa: E402
-from router.persistence import load_router  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 CFG = ModelConfig()
 

@@ -15,17 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from router.fit.jsonl import read_jsonl
+from router.persistence import load_router
 
-from router.jsonl import read_jsonl  # noqa: E402
-from router.persistence import load_router  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 SIZES = (100, 2000, 20000)
 

@@ -1,12 +1,12 @@
 """``create_app(settings) -> FastAPI``: the HTTP surface of the gateway (routes only).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (:mod:`gateway.proxy`), ``GET /v1/models``
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (:mod:`gateway.pipeline.proxy`), ``GET /v1/models``
 (``auto`` and every tier with its ``thinkgate`` settings), ``GET /health`` (liveness, no key) and
 ``GET /ready`` (every tier's upstream and Redis answer; no key, tier names only), ``POST /admin/router/reload``
 (admin key: load the router file now; it is also watched and reloaded when it changes). Errors are mapped by
-:func:`gateway.errors.install_handlers`. ``app.state.routing`` is the :class:`gateway.routing.Routing`
+:func:`gateway.errors.install_handlers`. ``app.state.routing`` is the :class:`gateway.pipeline.routing.Routing`
 (plug the trained router in with ``app.state.routing.set_scorer``) and ``app.state.proxy`` the
-:class:`gateway.proxy.Proxy` (``usage_sinks`` for metering).
+:class:`gateway.pipeline.proxy.Proxy` (``usage_sinks`` for metering).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from gateway import usage_api
-from gateway.accounting import Accounting
-from gateway.auth import KeyStore
+from gateway.api import usage as usage_api
+from gateway.auth.keys import KeyStore
 from gateway.config import Settings, TierConfig
 from gateway.errors import InvalidRequest, PermissionDenied, install_handlers
-from gateway.proxy import Proxy
-from gateway.routing import AUTO, Routing
-from gateway.upstream import UpstreamPool
+from gateway.pipeline.accounting import Accounting
+from gateway.pipeline.proxy import Proxy
+from gateway.pipeline.routing import AUTO, Routing
+from gateway.upstream.pool import UpstreamPool
 from router.persistence import RouterFileError
 
 READY_TIMEOUT_S = 2.0

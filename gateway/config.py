@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 from decimal import Decimal
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -25,10 +26,23 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL_DIR = REPO_ROOT / "training" / "assets" / "thinkgate-tiny"
-DEFAULT_ROUTER_PATH = REPO_ROOT / "router" / "assets" / "default.skops"
-STATE_DIR = Path(os.environ.get("THINKGATE_STATE_DIR", REPO_ROOT / ".thinkgate"))
+
+def _shipped(package: str, *parts: str) -> Path:
+    """A file shipped inside an installed package (``importlib.resources``), as a filesystem path.
+
+    The distribution is installed unzipped (a wheel or an editable checkout), so the traversable is a real path.
+    The lookup imports only the package's ``__init__`` (a docstring), never its modules.
+    """
+    return Path(str(files(package).joinpath(*parts)))
+
+
+#: The shipped local reasoning model that the embedded dev engine serves (a training product, found as package data).
+DEFAULT_MODEL_DIR = _shipped("training", "assets", "thinkgate-tiny")
+#: The shipped difficulty router.
+DEFAULT_ROUTER_PATH = _shipped("router", "assets", "default.skops")
+#: Where the gateway keeps local state (dev key, usage spool, engine caches): ``$THINKGATE_STATE_DIR``, else
+#: ``.thinkgate/`` in the working directory — never inside site-packages.
+STATE_DIR = Path(os.environ.get("THINKGATE_STATE_DIR") or Path.cwd() / ".thinkgate")
 
 
 class ConfigError(ValueError):
@@ -124,7 +138,7 @@ class RoutingConfig(_Strict):
 
 
 class RedisConfig(_Strict):
-    """Where the shared state lives (see ``gateway/redis_client.py`` for the URL forms).
+    """Where the shared state lives (see ``gateway/state/redis.py`` for the URL forms).
 
     ``url``: ``redis://`` / ``rediss://`` / ``unix://`` (one server), ``redis+cluster://host:port`` (Redis
     Cluster), ``redis+sentinel://host:port[,host:port…]/service_name[/db]`` (Sentinel). In Cluster mode every

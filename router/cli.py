@@ -42,7 +42,7 @@ def _load(path: Path) -> Any:
 
 
 def _items(paths: list[Path]) -> list[Any]:
-    from router.labels import load_items
+    from router.fit.labels import load_items
 
     try:
         return load_items(paths)
@@ -66,8 +66,8 @@ def label_difficulty(
     source: Annotated[str, typer.Option(help="source name (suffixed with >=threshold)")] = "math-level",
 ) -> None:
     """Source 1: a data set's own difficulty (MATH `level`, the arithmetic task's #operations)."""
-    from router.jsonl import read_jsonl, write_jsonl
-    from router.labels import from_difficulty
+    from router.fit.jsonl import read_jsonl, write_jsonl
+    from router.fit.labels import from_difficulty
 
     rows = from_difficulty(read_jsonl(inp), threshold=threshold, text_field=text_field,
                            difficulty_field=difficulty_field, group_field=group_field or None,
@@ -88,8 +88,8 @@ def label_outcomes(
     source: str = "routellm-mmlu",
 ) -> None:
     """Source 2: outcome pairs — weak wrong and strong right → long (RouteLLM's MMLU file by default)."""
-    from router.jsonl import read_jsonl, write_jsonl
-    from router.labels import from_outcome_pairs
+    from router.fit.jsonl import read_jsonl, write_jsonl
+    from router.fit.labels import from_outcome_pairs
 
     rows = from_outcome_pairs(read_jsonl(inp), weak_field=weak_field, strong_field=strong_field,
                               text_field=text_field, group_field=group_field or None, id_field=id_field or None,
@@ -112,8 +112,8 @@ def label_gateway(
     source: str = "gateway",
 ) -> None:
     """Source 3: measure each tier's correctness and tokens through a running gateway (resumable)."""
-    from router.outcomes import GatewayClient, label_via_gateway
-    from router.verifiers import get_verifier
+    from router.fit.outcomes import GatewayClient, label_via_gateway
+    from router.tasks.verifiers import get_verifier
 
     try:
         check = get_verifier(verifier)
@@ -138,7 +138,7 @@ def label_gateway(
 
 @label_app.command("export-task")
 def export_task(
-    task: Annotated[str, typer.Argument(help="arith | gsm8k | math (training.tasks)")],
+    task: Annotated[str, typer.Argument(help="arith | gsm8k | math (router.tasks)")],
     split: Annotated[str, typer.Argument(help="train | test")],
     out: Annotated[Path, typer.Argument(help="JSONL of {id, question, answer, task, difficulty, group}")],
     n: Annotated[int | None, typer.Option(help="problems per difficulty level (arith) or in all")] = None,
@@ -147,8 +147,8 @@ def export_task(
 ) -> None:
     """Write task problems as question rows: input to `label gateway` (and to `label difficulty` with
     --text-field question --difficulty-field difficulty)."""
-    from router.jsonl import write_jsonl
-    from router.tasks_data import task_rows
+    from router.fit.jsonl import write_jsonl
+    from router.tasks.rows import task_rows
 
     levels = [int(x) for x in difficulties.split(",") if x.strip()] or None
     try:
@@ -178,8 +178,8 @@ def fit(
     char_ngrams: Annotated[str, typer.Option(help="char n-gram range 'lo,hi'")] = "2,4",
 ) -> None:
     """Fit the difficulty router (grouped split; validation metrics printed and saved in the file)."""
-    from router.evaluate import render_table
-    from router.fit import fit_router
+    from router.fit.evaluate import render_table
+    from router.fit.fitter import fit_router
     from router.model import ModelConfig
     from router.persistence import save_router
 
@@ -223,8 +223,8 @@ def calibrate(
     them in the router file."""
     import numpy as np
 
-    from router.calibrate import fraction_at_or_above, threshold_for_quality_loss, thresholds_for_fractions
-    from router.evaluate import outcomes_of
+    from router.fit.calibrate import fraction_at_or_above, threshold_for_quality_loss, thresholds_for_fractions
+    from router.fit.evaluate import outcomes_of
     from router.persistence import save_router
 
     if (target_long is None) == (max_quality_loss is None):
@@ -264,7 +264,7 @@ def evaluate(
     """AUC, APGR, CPT(50%/80%), cost reduction at 95% of always-long quality vs random; table + PNG."""
     import numpy as np
 
-    from router.evaluate import evaluate_scores, plot_curves, render_table
+    from router.fit.evaluate import evaluate_scores, plot_curves, render_table
 
     router = _load(router_path)
     results = []
@@ -307,6 +307,6 @@ def build_default(
     seed: int = 0,
 ) -> None:
     """Rebuild the shipped router from the data in data/ (see docs/router.md "The shipped router")."""
-    from router.default import build_default_router
+    from router.fit.default import build_default_router
 
     build_default_router(out, plot=plot, seed=seed, console=_console())

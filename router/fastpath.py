@@ -15,7 +15,7 @@ exactly what ``sigmoid(a · pipeline.decision_function([text])[0] + b)`` compute
   :func:`router.features.assemble_hand_features`, standardised (folded into the weights), dotted with ``w``.
 
 The cost is dominated by the number of NumPy calls (a few µs each on a busy host), which is why the code
-avoids masks and per-level reductions. Equality with the Pipeline: ``tests/test_router_fastpath.py``.
+avoids masks and per-level reductions. Equality with the Pipeline: ``tests/router/test_router_fastpath.py``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Shared fixtures. Each fixtures_*.py module owns one real component (Redis, upstream simulator, engine)."""
 
-from fixtures_engine import *  # noqa: F403
-from fixtures_redis import *  # noqa: F403
-from fixtures_upstream import *  # noqa: F403
+from tests.fixtures.engine import *  # noqa: F403
+from tests.fixtures.redis_db import *  # noqa: F403
+from tests.fixtures.upstream import *  # noqa: F403

@@ -37,7 +37,7 @@ def tiny(
     float32 safetensors, tokenizer with chat template, generation config, ``training_summary.json``, a model
     card ``README.md`` and, unless ``--eval-n 0``, an offline accuracy check (transformers, greedy, vLLM budget
     semantics) at thinking budgets 24 and 256 tokens and with thinking off, into ``offline_eval.json``.
-    Measure through vLLM with ``python -m training.tiny.measure``.
+    Measure through vLLM with ``python -m bench.tiny_measure``.
     """
     import json
     import shutil

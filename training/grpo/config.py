@@ -45,7 +45,7 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = _f("arith", "Task name for training.tasks.load_task: arith | gsm8k | math.")
+    name: str = _f("arith", "Task name for router.tasks.load_task: arith | gsm8k | math.")
     train_split: str = _f("train", "Split used for RL prompts.")
     eval_split: str = _f("test", "Held-out split for accuracy/length evaluation.")
     n_train: int = _f(256, "Number of training problems.")

@@ -37,8 +37,8 @@ def problem_rows(problems: Sequence[Any], budget: BudgetPromptConfig | None = No
 
 
 def load_problems(task: TaskConfig, split: str, n: int) -> list[Any]:
-    """Problems from ``training.tasks.load_task`` (lazy import; owned by the tasks package)."""
-    from training.tasks import load_task
+    """Problems from ``router.tasks.load_task`` (lazy import; owned by the tasks package)."""
+    from router.tasks import load_task
 
     return load_task(task.name, split, n, seed=task.seed, difficulties=task.difficulties)
 

@@ -104,11 +104,11 @@ def exact_answer_verifier(row: Mapping[str, Any], text: str) -> bool:
 
 
 def task_verifier() -> Verifier:
-    """The verifier of ``training.tasks`` (arithmetic, GSM8K, MATH with math-verify), adapted to rows.
+    """The verifier of ``router.tasks`` (arithmetic, GSM8K, MATH with math-verify), adapted to rows.
 
     Rows carry ``problem_id, question, answer, difficulty, source`` (see ``training.grpo.data``).
     """
-    from training import tasks  # lazy: owned by the tasks package
+    from router import tasks  # lazy: owned by the tasks package
 
     def verify(row: Mapping[str, Any], text: str) -> bool:
         problem = tasks.Problem(

@@ -117,7 +117,7 @@ def run_grpo(
 ) -> dict[str, Any]:
     """Run (or resume: ``"auto"`` = last checkpoint in the run dir, or a checkpoint path) and return the summary.
 
-    ``verifier`` and the problem lists default to ``training.tasks`` (tests inject toy ones).
+    ``verifier`` and the problem lists default to ``router.tasks`` (tests inject toy ones).
     """
     import torch
     from datasets import Dataset

@@ -2,7 +2,7 @@
 
 Inputs in the directory: ``config.json``, ``model.safetensors``, ``training_summary.json`` (from
 :func:`training.tiny.train.train`), optionally ``offline_eval.json`` (transformers check) and
-``eval_vllm.json`` (:mod:`training.tiny.measure`, through the real vLLM server; preferred).
+``eval_vllm.json`` (:mod:`bench.tiny_measure`, through the real vLLM server; preferred).
 
     python -m training.tiny.card [DIR]
 """
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from training.tiny.measure import markdown
+from bench.tiny_measure import markdown
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -100,7 +100,7 @@ def render(model_dir: Path) -> str:
             rows.append(f"| {name} | " + " | ".join(f"{a:.0%}" for a in acc.values()) + " |")
         results = "Offline check (transformers, greedy, vLLM budget semantics):\n\n" + "\n".join(rows)
     else:
-        results = "Not measured yet: run `python -m training.tiny.measure --json DIR/eval_vllm.json`."
+        results = "Not measured yet: run `python -m bench.tiny_measure --json DIR/eval_vllm.json`."
     training = _training_text(summary)
     return f"""---
 license: apache-2.0
@@ -163,6 +163,6 @@ def write_card(model_dir: Path) -> Path:
 
 
 if __name__ == "__main__":
-    from gateway.config import DEFAULT_MODEL_DIR
+    DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "thinkgate-tiny"
 
     print(write_card(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_MODEL_DIR))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from training.tasks.arithmetic import Chain, phrase, random_chain
+from router.tasks.arithmetic import Chain, phrase, random_chain
 from training.tiny.tokenizer import IM_END, THINK_END, render_prompt
 
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are a careful math assistant.", "Answer the question.")
@@ -140,7 +140,7 @@ def make_example(tokenizer: object, chain: Chain, question: str, rng: random.Ran
 
 def sample_example(tokenizer: object, rng: random.Random, difficulty: int, mix: Mix) -> Example:
     """A fresh training example of ``difficulty`` operations (train split only; see ``arithmetic.split_of``)."""
-    from training.tasks.arithmetic import split_of
+    from router.tasks.arithmetic import split_of
 
     while True:
         chain = random_chain(rng, difficulty)

@@ -4,7 +4,7 @@ Reproduces vLLM's ``thinking_token_budget`` semantics (``vllm/v1/sample/thinking
 counts thought tokens after the last ``<think>``, *including* the ``\\n`` that the generation prompt already
 holds, so with budget ``B`` the model writes at most ``B - 1`` thought tokens before ``</think>`` is forced.
 Greedy decoding (temperature 0). Used for quick checks during training; the reported figures come from the
-real vLLM server (``training/tiny/measure.py``).
+real vLLM server (``bench/tiny_measure.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from training.tasks import Problem, verify
+from router.tasks import Problem, verify
 from training.tiny.tokenizer import IM_END, THINK_END, render_prompt
 
 
@@ -114,7 +114,7 @@ def offline_report(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from training.tasks import load_task
+    from router.tasks import load_task
 
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model_dir)

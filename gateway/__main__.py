@@ -1,0 +1,5 @@
+"""``python -m gateway`` runs the ``thinkgate`` command line."""
+
+from gateway.cli.main import main
+
+main()

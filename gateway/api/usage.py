@@ -1,0 +1,118 @@
+"""``GET /v1/usage`` and ``GET /metrics``.
+
+``GET /v1/usage`` (any key; a key sees only itself, the admin key sees every key):
+
+- no query → a summary from the counters: ``{"object": "usage.summary", "key_id", "day", "month",
+  "counters": {"day": {...}, "month": {...}, "total": {...}}, "limits": {...}}`` — counters are integers
+  (tokens, micro-USD); budgets and what remains of them as exact USD strings. The admin key without
+  ``key_id`` gets ``{"object": "list", "data": [summary per key]}``.
+- ``group_by`` (``key,tier,model,day,tag,tag:NAME``) and/or ``since`` / ``until`` → rows from the event stream
+  (``gateway/ledger/export.py``): ``{"object": "list", "group_by": [...], "data": [...]}``. ``since`` defaults to the
+  start of the current UTC month; raw events (no ``group_by``) are capped at ``limit`` (default 1000).
+- ``key_id`` selects a key (admin only for other keys: 403 otherwise).
+
+``GET /metrics``: Prometheus exposition (any valid key; scrape with ``authorization`` in the scrape config).
+While Redis is unreachable ``/v1/usage`` answers 503 (``usage_unavailable``).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.auth.keys import KeyInfo, KeyStore
+from gateway.errors import GatewayError, InvalidRequest, PermissionDenied
+from gateway.ledger.event import micro_to_usd
+from gateway.ledger.export import ExportError, build, parse_group_by, parse_time
+from gateway.pipeline.accounting import Accounting
+from gateway.state.breaker import RedisDown
+from gateway.state.limits import KeyLimits
+from gateway.state.metrics import CONTENT_TYPE
+
+MAX_RAW_EVENTS = 10_000
+
+
+class UsageUnavailable(GatewayError):
+    """503: the usage store (Redis) is unreachable."""
+
+    status = 503
+    type = "server_error"
+    default_code = "usage_unavailable"
+
+
+def _json(data: Any) -> Response:
+    return Response(orjson.dumps(data), media_type="application/json")
+
+
+async def summary(acct: Accounting, key_id: str, key: KeyInfo | None, now: float) -> dict[str, Any]:
+    """Counters of ``key_id`` for today, this month and all time, with its budgets (when known)."""
+    dt = datetime.fromtimestamp(now, UTC)
+    day, month = dt.strftime("%Y-%m-%d"), dt.strftime("%Y-%m")
+    counters = {
+        "day": await acct.meter.key_counters(key_id, day=day),
+        "month": await acct.meter.key_counters(key_id, month=month),
+        "total": await acct.meter.key_counters(key_id),
+    }
+    limits: dict[str, Any] = {}
+    if key is not None:
+        lim = KeyLimits.of(key)
+        for name, budget, spent in (("usd_day", lim.budget_day_micro, counters["day"]["cost_micro_usd"]),
+                                    ("usd_month", lim.budget_month_micro, counters["month"]["cost_micro_usd"])):
+            limits[f"budget_{name}"] = str(micro_to_usd(budget)) if budget is not None else None
+            limits[f"remaining_{name}"] = str(micro_to_usd(max(0, budget - spent))) if budget is not None else None
+        limits["rpm"], limits["tpm"] = lim.rpm, lim.tpm
+    return {"object": "usage.summary", "key_id": key_id, "day": day, "month": month, "counters": counters,
+            "limits": limits}
+
+
+def install(app: Starlette, keys: KeyStore, acct: Accounting) -> None:
+    """Add ``GET /v1/usage`` and ``GET /metrics`` to ``app``."""
+
+    async def usage(request: Request) -> Response:
+        key = await keys.authenticate(request.headers.get("authorization"))
+        q = request.query_params
+        target = q.get("key_id") or None
+        if target is not None and target != key.id and not key.is_admin:
+            raise PermissionDenied("a key may only read its own usage (the admin key reads all)")
+        if not key.is_admin:
+            target = key.id
+        try:
+            group_by = parse_group_by(q.get("group_by"))
+            since, until = parse_time(q.get("since")), parse_time(q.get("until"))
+            limit = int(q.get("limit", "1000"))
+        except (ExportError, ValueError) as exc:
+            raise InvalidRequest(str(exc)) from None
+        now = time.time()
+        try:
+            if not group_by and since is None and until is None:
+                if target is not None:
+                    return _json(await summary(acct, target, await acct.key_info(target), now))
+                ids = await acct.meter.key_ids()
+                return _json({"object": "list", "data": [await summary(acct, i, await acct.key_info(i), now)
+                                                         for i in ids]})
+            if since is None:
+                dt = datetime.fromtimestamp(now, UTC)
+                since = datetime(dt.year, dt.month, 1, tzinfo=UTC).timestamp()
+            events = []
+            async for event in acct.meter.events(since, until):
+                if target is None or event.key_id == target:
+                    events.append(event)
+                    if not group_by and len(events) >= min(limit, MAX_RAW_EVENTS):
+                        break
+        except RedisDown:
+            raise UsageUnavailable("usage store unreachable; retry later", headers={"retry-after": "5"}) from None
+        rows, _ = build(events, group_by)
+        return _json({"object": "list", "group_by": group_by, "since": since, "until": until, "data": rows})
+
+    async def metrics(request: Request) -> Response:
+        await keys.authenticate(request.headers.get("authorization"))
+        return Response(acct.render_metrics(), media_type=CONTENT_TYPE)
+
+    app.router.add_route("/v1/usage", usage, methods=["GET"])
+    app.router.add_route("/metrics", metrics, methods=["GET"])

@@ -1,0 +1,135 @@
+"""API-key authentication: ``Authorization: Bearer <secret>`` → :class:`KeyInfo`.
+
+Keys are stored as SHA-256 hex digests (``auth.keys[*].secret_sha256``, ``auth.admin_key_sha256``); the
+presented secret is hashed and compared with every stored digest in constant time (``hmac.compare_digest``,
+no early exit), so response time does not depend on which key matched. Issue 5 adds a Redis key store
+behind the same ``await authenticate(header)`` interface: config keys are checked first, then (when given)
+the :class:`gateway.auth.redis_store.RedisKeyStore` keys created with ``thinkgate keys create``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Protocol
+
+from gateway.config import AuthConfig, KeyConfig
+from gateway.errors import AuthError
+
+DEV_KEY_ID = "dev"
+ANONYMOUS_KEY_ID = "anonymous"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """Who is calling: key id, tags for metering, and the key's limits (``None`` = unlimited)."""
+
+    id: str
+    tags: dict[str, str] = field(default_factory=dict)
+    is_admin: bool = False
+    budget_usd_day: Decimal | None = None
+    budget_usd_month: Decimal | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    cache_namespace: str | None = None
+
+    @classmethod
+    def from_config(cls, k: KeyConfig) -> KeyInfo:
+        return cls(
+            id=k.id,
+            tags=dict(k.tags),
+            budget_usd_day=k.budget_usd_day,
+            budget_usd_month=k.budget_usd_month,
+            rpm=k.rpm,
+            tpm=k.tpm,
+            cache_namespace=k.cache_namespace,
+        )
+
+
+def sha256_hex(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def bearer_secret(authorization: str | None) -> str | None:
+    """The secret of an ``Authorization: Bearer <secret>`` header value, or None when absent/malformed."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.partition(" ")
+    value = value.strip()
+    if scheme.lower() != "bearer" or not value:
+        return None
+    return value
+
+
+class DigestLookup(Protocol):
+    """A store of further keys by the SHA-256 hex of their secret (``gateway.auth.redis_store.RedisKeyStore``)."""
+
+    async def lookup(self, sha256_hex: str) -> KeyInfo | None: ...
+
+
+class KeyStore:
+    """Keys from the config file (plus the admin key), then ``redis_store`` if given.
+    ``authenticate`` raises :class:`AuthError` (401)."""
+
+    def __init__(self, cfg: AuthConfig, redis_store: DigestLookup | None = None) -> None:
+        self.require_key = cfg.require_key
+        self.redis_store = redis_store
+        self._entries: list[tuple[bytes, KeyInfo]] = [
+            (bytes.fromhex(k.secret_sha256 or ""), KeyInfo.from_config(k)) for k in cfg.keys
+        ]
+        if cfg.admin_key_sha256:
+            self._entries.append((bytes.fromhex(cfg.admin_key_sha256), KeyInfo(id="admin", is_admin=True)))
+
+    @property
+    def empty(self) -> bool:
+        return not self._entries
+
+    def add(self, secret_sha256: str, info: KeyInfo) -> None:
+        """Register one more key (used for the development key)."""
+        self._entries.append((bytes.fromhex(secret_sha256), info))
+
+    async def authenticate(self, authorization: str | None) -> KeyInfo:
+        """Resolve the ``Authorization`` header to a key; raises AuthError when missing or unknown."""
+        secret = bearer_secret(authorization)
+        if secret is None:
+            if not self.require_key:
+                return KeyInfo(id=ANONYMOUS_KEY_ID)
+            raise AuthError(
+                "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
+            )
+        digest = hashlib.sha256(secret.encode()).digest()
+        found: KeyInfo | None = None
+        for stored, info in self._entries:
+            # Evaluate every entry: no early exit, so timing does not reveal the position of a match.
+            if hmac.compare_digest(stored, digest) and found is None:
+                found = info
+        if found is None and self.redis_store is not None:
+            found = await self.redis_store.lookup(digest.hex())
+        if found is None:
+            if not self.require_key:
+                return KeyInfo(id=ANONYMOUS_KEY_ID)
+            raise AuthError("invalid API key")
+        return found
+
+
+def ensure_dev_key(path: Path) -> tuple[str, bool]:
+    """Return (secret, created) of the development key in ``path``, creating it (mode 0600) if missing.
+
+    The file holds the plain secret (it is the operator's local copy); the gateway keeps only its hash.
+    """
+    if path.is_file():
+        secret = path.read_text().strip()
+        if secret:
+            return secret, False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    secret = "tg-dev-" + secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    os.chmod(path, 0o600)
+    return secret, True

@@ -1,0 +1,207 @@
+"""API keys stored in Redis, hashed at rest: create, list, revoke, look up by the secret's SHA-256.
+
+A secret is ``tg-`` + 32 random bytes (URL-safe base64, ``secrets.token_urlsafe``): high-entropy, so an
+unsalted SHA-256 is the right at-rest form (as for GitHub tokens) and lookups are one ``GET`` by digest. The
+plain secret exists only in the return value of :meth:`RedisKeyStore.create` (the CLI prints it once).
+
+Records (JSON): ``keys:rec:{id}`` (authoritative, kept after revocation for audit) and a copy at
+``keys:h:{sha256}`` (the lookup path, deleted on revocation); ``keys:ids`` lists the ids. Create and revoke
+are single Lua scripts, so a key is never half-created or half-revoked; ids are never reused.
+
+Lookups are cached in-process for ``auth.key_cache_s`` seconds (revocation takes effect within that); a key
+seen before keeps working for ``auth.key_stale_s`` seconds while Redis is unreachable. Unknown digests are
+cached too (bounded LRU), so a flood of bad keys does not become a flood of Redis reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field, replace
+from decimal import Decimal
+from typing import Any
+
+import orjson
+
+from gateway.auth.keys import KeyInfo
+from gateway.errors import GatewayError
+from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.keys import RedisKeys
+from gateway.state.redis import RedisHandle
+
+SECRET_PREFIX = "tg-"
+LOOKUP_CACHE_MAX = 10_000
+
+# KEYS: 1 rec:{id}, 2 h:{sha}, 3 ids; ARGV: 1 record JSON, 2 id. Returns 1, or 0 when the id exists.
+CREATE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SET', KEYS[2], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[2])
+return 1
+"""
+# KEYS: 1 rec:{id}, 2 h:{sha}; ARGV: 1 the revoked record JSON.
+# Returns 1, 0 (already revoked: the lookup copy is gone), -1 (unknown id).
+REVOKE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[2])
+return 1
+"""
+
+
+class KeyExists(ValueError):
+    """``keys create``: a key with this id exists (or existed: ids are never reused)."""
+
+
+class KeyStoreUnavailable(GatewayError):
+    """503: the presented key is not known locally and the Redis key store is unreachable."""
+
+    status = 503
+    type = "server_error"
+    default_code = "key_store_unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """A stored key. Budgets are decimal strings (USD); times epoch seconds; ``revoked`` None while active."""
+
+    id: str
+    secret_sha256: str
+    tags: dict[str, str] = field(default_factory=dict)
+    budget_usd_day: str | None = None
+    budget_usd_month: str | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    cache_namespace: str | None = None
+    created: float = 0.0
+    revoked: float | None = None
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> KeyRecord:
+        d = orjson.loads(raw)
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def key_info(self) -> KeyInfo:
+        return KeyInfo(
+            id=self.id,
+            tags=dict(self.tags),
+            budget_usd_day=Decimal(self.budget_usd_day) if self.budget_usd_day is not None else None,
+            budget_usd_month=Decimal(self.budget_usd_month) if self.budget_usd_month is not None else None,
+            rpm=self.rpm,
+            tpm=self.tpm,
+            cache_namespace=self.cache_namespace,
+        )
+
+    def public(self) -> dict[str, Any]:
+        """The record without the digest (what ``keys list`` shows)."""
+        d = asdict(self)
+        d.pop("secret_sha256")
+        return d
+
+
+def new_secret() -> str:
+    return SECRET_PREFIX + secrets.token_urlsafe(32)
+
+
+class RedisKeyStore:
+    """The Redis key store; one per process (or per CLI call)."""
+
+    def __init__(self, handle: RedisHandle, breaker: Breaker, cache_s: float = 5.0, stale_s: float = 3600.0,
+                 clock: Any = time.monotonic) -> None:
+        self.redis = handle.client
+        self.prefix = handle.prefix
+        self.keys = RedisKeys(handle.prefix)
+        self.breaker = breaker
+        self.cache_s = cache_s
+        self.stale_s = stale_s
+        self._clock = clock
+        self._cache: OrderedDict[str, tuple[KeyInfo | None, float]] = OrderedDict()
+        self._create = self.redis.register_script(CREATE_LUA)
+        self._revoke = self.redis.register_script(REVOKE_LUA)
+
+    async def create(self, key_id: str, *, tags: dict[str, str] | None = None,
+                     budget_usd_day: Decimal | None = None, budget_usd_month: Decimal | None = None,
+                     rpm: int | None = None, tpm: int | None = None, cache_namespace: str | None = None) -> str:
+        """Create key ``key_id``; returns the plain secret (shown once, never stored).
+
+        Raises :class:`KeyExists`, ``ValueError`` for invalid limits, :class:`RedisDown` when unreachable.
+        """
+        for name, v in (("budget_usd_day", budget_usd_day), ("budget_usd_month", budget_usd_month)):
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name, n in (("rpm", rpm), ("tpm", tpm)):
+            if n is not None and n < 1:
+                raise ValueError(f"{name} must be >= 1")
+        secret = new_secret()
+        digest = hashlib.sha256(secret.encode()).hexdigest()
+        rec = KeyRecord(key_id, digest, dict(tags or {}),
+                        str(budget_usd_day) if budget_usd_day is not None else None,
+                        str(budget_usd_month) if budget_usd_month is not None else None,
+                        rpm, tpm, cache_namespace, time.time())
+        k = self.keys
+        ok = await self.breaker.call(lambda: self._create(
+            keys=[k.key_record(key_id), k.key_by_hash(digest), k.key_ids], args=[rec.to_json(), key_id]))
+        if not ok:
+            raise KeyExists(f"key id {key_id!r} exists (ids are never reused)")
+        return secret
+
+    async def list(self) -> list[KeyRecord]:
+        """Every key (revoked ones included), by id. Raises :class:`RedisDown`."""
+        ids = sorted(m.decode() for m in await self.breaker.call(lambda: self.redis.smembers(self.keys.key_ids)))
+        if not ids:
+            return []
+        raws = await self.breaker.call(lambda: self.redis.mget([self.keys.key_record(i) for i in ids]))
+        return [KeyRecord.from_json(r) for r in raws if r is not None]
+
+    async def get(self, key_id: str) -> KeyRecord | None:
+        """The record of ``key_id`` (revoked or not), or None. Raises :class:`RedisDown`."""
+        raw = await self.breaker.call(lambda: self.redis.get(self.keys.key_record(key_id)))
+        return KeyRecord.from_json(raw) if raw is not None else None
+
+    async def revoke(self, key_id: str) -> bool:
+        """Revoke ``key_id``: True if it was active, False if already revoked; ``KeyError`` if unknown."""
+        k = self.keys
+        raw = await self.breaker.call(lambda: self.redis.get(k.key_record(key_id)))
+        if raw is None:
+            raise KeyError(key_id)
+        rec = KeyRecord.from_json(raw)
+        if rec.revoked is not None:
+            return False
+        revoked = replace(rec, revoked=time.time())
+        res = await self.breaker.call(lambda: self._revoke(
+            keys=[k.key_record(key_id), k.key_by_hash(rec.secret_sha256)], args=[revoked.to_json()]))
+        if int(res) == -1:
+            raise KeyError(key_id)
+        self._cache.clear()
+        return int(res) == 1
+
+    async def lookup(self, sha256_hex: str) -> KeyInfo | None:
+        """The active key whose secret hashes to ``sha256_hex``, or None.
+
+        Raises :class:`KeyStoreUnavailable` (503) when Redis is unreachable and the digest was not seen
+        within ``stale_s``.
+        """
+        now = self._clock()
+        cached = self._cache.get(sha256_hex)
+        if cached is not None and now - cached[1] < self.cache_s:
+            return cached[0]
+        try:
+            raw = await self.breaker.call(lambda: self.redis.get(self.keys.key_by_hash(sha256_hex)))
+        except RedisDown:
+            if cached is not None and cached[0] is not None and now - cached[1] < self.stale_s:
+                return cached[0]
+            raise KeyStoreUnavailable("the key store is unreachable; retry later",
+                                      headers={"retry-after": str(max(1, int(self.breaker.cooldown_s)))}) from None
+        info = KeyRecord.from_json(raw).key_info() if raw is not None else None
+        self._cache[sha256_hex] = (info, now)
+        self._cache.move_to_end(sha256_hex)
+        while len(self._cache) > LOOKUP_CACHE_MAX:
+            self._cache.popitem(last=False)
+        return info

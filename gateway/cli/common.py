@@ -1,0 +1,51 @@
+"""What every ``thinkgate`` sub-command shares: the ``--config`` option and loading the settings with a clean
+exit (code 2 and the ConfigError message, no traceback) on an invalid configuration."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import typer
+
+if TYPE_CHECKING:
+    from gateway.config import Settings
+
+T = TypeVar("T")
+
+CONFIG_OPTION = typer.Option(None, "--config", "-c", help="YAML config file (default: $THINKGATE_CONFIG).")
+
+
+def load_settings(config: Path | None, **overrides: Any) -> Settings:
+    """``Settings.load(config, **overrides)``, or exit 2 with the ConfigError message."""
+    from gateway.config import ConfigError, Settings
+
+    try:
+        return Settings.load(config, **overrides)
+    except ConfigError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+
+
+def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_timeout_s: float = 2.0) -> T:
+    """Run ``fn(RedisHandle)`` on the configured Redis (socket timeout at least ``min_timeout_s`` seconds: an
+    offline command may wait longer than the request path) and close it; exit 3 when Redis is unreachable."""
+    from gateway.state.breaker import RedisDown
+    from gateway.state.redis import connect
+
+    cfg = settings.redis.model_copy(update={"socket_timeout_s": max(settings.redis.socket_timeout_s, min_timeout_s)})
+
+    async def go() -> T:
+        handle = connect(cfg)
+        try:
+            return await fn(handle)
+        finally:
+            await handle.close()
+
+    try:
+        return asyncio.run(go())
+    except RedisDown as exc:
+        typer.echo(f"thinkgate: Redis unreachable at {settings.redis.url}: {exc}", err=True)
+        raise typer.Exit(3) from None

@@ -1,0 +1,137 @@
+"""``thinkgate keys create|list|revoke``: manage the API keys in the running gateway's Redis key store.
+
+The commands talk to Redis directly (``redis.url`` of the config; ``REDIS_URL`` honoured), the same store the
+gateway reads, so a new key works on every replica at once and a revoked one stops within
+``auth.key_cache_s`` seconds. ``create`` prints the new secret once, alone on stdout (everything else goes
+to stderr): ``export THINKGATE_API_KEY=$(thinkgate keys create --id team-a)``.
+
+Exit codes: 0 ok, 1 the key exists / is unknown, 2 invalid arguments or config, 3 Redis unreachable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any, TypeVar
+
+import orjson
+import typer
+
+from gateway.cli.common import CONFIG_OPTION, load_settings, run_on_redis
+
+T = TypeVar("T")
+
+app = typer.Typer(no_args_is_help=True)
+
+
+def with_store(config: Path | None, fn: Callable[[Any], Awaitable[T]]) -> T:
+    """Run ``fn(RedisKeyStore)`` against the configured Redis; exit 3 when it is unreachable."""
+    from gateway.auth.redis_store import RedisKeyStore
+    from gateway.state.breaker import Breaker
+
+    return run_on_redis(load_settings(config), lambda handle: fn(RedisKeyStore(handle, Breaker(1.0), cache_s=0)))
+
+
+def _parse_tags(tags: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for t in tags:
+        k, sep, v = t.partition("=")
+        if not sep or not k:
+            typer.echo(f"thinkgate: --tag wants k=v, got {t!r}", err=True)
+            raise typer.Exit(2)
+        out[k] = v
+    return out
+
+
+def _usd(value: str | None, name: str) -> Decimal | None:
+    if value is None:
+        return None
+    try:
+        d = Decimal(value)
+    except InvalidOperation:
+        typer.echo(f"thinkgate: {name} wants a decimal USD amount, got {value!r}", err=True)
+        raise typer.Exit(2) from None
+    if d < 0 or not d.is_finite():
+        typer.echo(f"thinkgate: {name} must be >= 0", err=True)
+        raise typer.Exit(2)
+    return d
+
+
+@app.command("create")
+def create(
+    key_id: str = typer.Option(..., "--id", help="Key id (letters, digits, _ . : -); never reused."),
+    tag: list[str] = typer.Option([], "--tag", help="Tag k=v for metering (repeatable)."),
+    budget_usd_day: str | None = typer.Option(None, help="Budget in USD per UTC day."),
+    budget_usd_month: str | None = typer.Option(None, help="Budget in USD per UTC month."),
+    rpm: int | None = typer.Option(None, min=1, help="Requests per minute."),
+    tpm: int | None = typer.Option(None, min=1, help="Tokens per minute (prompt + completion)."),
+    cache_namespace: str | None = typer.Option(None, help="Share cached answers with keys of this namespace."),
+    config: Path | None = CONFIG_OPTION,
+) -> None:
+    """Create a key; prints its secret once, alone on stdout (it is stored only as a SHA-256 hash)."""
+    import re
+
+    from gateway.auth.redis_store import KeyExists
+
+    if not re.fullmatch(r"[A-Za-z0-9_.:-]+", key_id):
+        typer.echo("thinkgate: --id may contain only letters, digits and _ . : -", err=True)
+        raise typer.Exit(2)
+    tags = _parse_tags(tag)
+    day, month = _usd(budget_usd_day, "--budget-usd-day"), _usd(budget_usd_month, "--budget-usd-month")
+
+    async def go(store: Any) -> str:
+        return await store.create(key_id, tags=tags, budget_usd_day=day, budget_usd_month=month, rpm=rpm, tpm=tpm,
+                                  cache_namespace=cache_namespace)
+
+    try:
+        secret = with_store(config, go)
+    except KeyExists as exc:
+        typer.echo(f"thinkgate: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"thinkgate: created key {key_id!r}; the secret below is shown only once", err=True)
+    typer.echo(secret)
+
+
+def _when(ts: float | None) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if ts else "-"
+
+
+@app.command("list")
+def list_keys(
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line instead of a table."),
+    config: Path | None = CONFIG_OPTION,
+) -> None:
+    """List the keys of the Redis store (never their secrets). Keys from the config file are not listed."""
+
+    async def go(store: Any) -> list[Any]:
+        return await store.list()
+
+    records = with_store(config, go)
+    if as_json:
+        for r in records:
+            typer.echo(orjson.dumps(r.public()).decode())
+        return
+    head = f"{'id':<24} {'status':<8} {'created':<20} {'usd/day':>9} {'usd/month':>10} {'rpm':>6} {'tpm':>8}  tags"
+    typer.echo(head)
+    for r in records:
+        status = "revoked" if r.revoked else "active"
+        tags = ",".join(f"{k}={v}" for k, v in sorted(r.tags.items()))
+        typer.echo(f"{r.id:<24} {status:<8} {_when(r.created):<20} {r.budget_usd_day or '-':>9} "
+                   f"{r.budget_usd_month or '-':>10} {r.rpm or '-':>6} {r.tpm or '-':>8}  {tags}")
+
+
+@app.command("revoke")
+def revoke(key_id: str = typer.Argument(..., help="Key id."), config: Path | None = CONFIG_OPTION) -> None:
+    """Revoke a key: it stops authenticating (within auth.key_cache_s on running gateways)."""
+
+    async def go(store: Any) -> bool:
+        return await store.revoke(key_id)
+
+    try:
+        changed = with_store(config, go)
+    except KeyError:
+        typer.echo(f"thinkgate: no key {key_id!r}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"thinkgate: key {key_id!r} {'revoked' if changed else 'was already revoked'}", err=True)

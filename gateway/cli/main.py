@@ -1,0 +1,95 @@
+"""The ``thinkgate`` command line: one entry point for serving and operating the gateway.
+
+Command groups of this package are modules here (``serve``, ``config``, ``keys``, ``usage``, ``eval``). Groups
+owned by other packages — ``router`` (router/cli.py), ``train`` (training/cli.py) and, in a source checkout,
+``bench`` (bench/cli.py) — are plugged in through the ``thinkgate.cli`` entry-point group (as vLLM loads its
+plugins), so this package never imports them; a group whose package is missing answers with one line saying
+what to install. Heavy libraries (torch, transformers, vllm, scikit-learn) are imported inside the commands
+so ``thinkgate --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import typer
+
+from gateway.cli.common import CONFIG_OPTION, load_settings
+from gateway.cli.eval import app as eval_app
+from gateway.cli.keys import app as keys_app
+from gateway.cli.serve import serve
+from gateway.cli.usage import app as usage_app
+
+app = typer.Typer(
+    name="thinkgate",
+    help="ThinkGate: route, budget and meter reasoning-model traffic; train length-controlled models.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+app.command()(serve)
+
+config_app = typer.Typer(no_args_is_help=True)
+app.add_typer(config_app, name="config", help="Inspect the effective configuration.")
+app.add_typer(keys_app, name="keys", help="Create, list and revoke API keys in the Redis key store.")
+app.add_typer(eval_app, name="eval", help="Evaluate a running gateway's tiers on held-out problems.")
+app.add_typer(usage_app, name="usage", help="Usage: export (csv, jsonl, parquet) and the savings report.")
+
+#: Plug-in groups: name → (help, what to install when the group's package is missing).
+PLUGIN_GROUPS: dict[str, tuple[str, str]] = {
+    "router": ("Fit, calibrate, evaluate and label the difficulty router.", "pip install thinkgate"),
+    "train": ("Offline training jobs (tiny local model, GRPO).", "pip install 'thinkgate[train]'"),
+    "bench": ("Benchmarks of the whole stack (savings, real traces).",
+              "run it from a source checkout: make venv, then .venv/bin/thinkgate bench …"),
+}
+
+
+@config_app.command("show")
+def config_show(config: Path | None = CONFIG_OPTION) -> None:
+    """Print the effective configuration (file + THINKGATE_* environment + defaults) as YAML."""
+    import yaml
+
+    data = load_settings(config).model_dump(mode="json")
+    for tier in data.get("tiers", []):
+        if tier.get("api_key"):
+            tier["api_key"] = "***"
+    typer.echo(yaml.safe_dump(data, sort_keys=False), nl=False)
+
+
+def _missing_group(name: str, hint: str, exc: Exception) -> typer.Typer:
+    stub = typer.Typer(invoke_without_command=True, add_help_option=False,
+                       context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+
+    @stub.callback()
+    def _unavailable() -> None:
+        typer.echo(f"thinkgate {name}: unavailable here ({exc}); {hint}", err=True)
+        raise typer.Exit(2)
+
+    return stub
+
+
+def _attach_plugins(root: typer.Typer) -> None:
+    found = {ep.name: ep for ep in entry_points(group="thinkgate.cli")}
+    for name, (help_text, hint) in PLUGIN_GROUPS.items():
+        ep = found.get(name)
+        try:
+            if ep is None:
+                raise ModuleNotFoundError("no 'thinkgate.cli' entry point")
+            sub = ep.load()
+        except ImportError as exc:
+            sub = _missing_group(name, hint, exc)
+        root.add_typer(sub, name=name, help=help_text)
+
+
+_attach_plugins(app)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

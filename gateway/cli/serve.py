@@ -1,0 +1,103 @@
+"""``thinkgate serve``: Redis (started if missing), the local vLLM engine (if enabled), then the gateway."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from gateway.cli.common import CONFIG_OPTION, load_settings
+
+if TYPE_CHECKING:
+    from gateway.config import Settings
+    from gateway.engine.vllm import LocalEngine
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _ensure_dev_key(settings: Settings) -> None:
+    # With no key configured at all, a local development key keeps the gateway closed but usable.
+    from gateway.auth.keys import DEV_KEY_ID, ensure_dev_key, sha256_hex
+    from gateway.config import KeyConfig
+
+    auth = settings.auth
+    if not auth.require_key or auth.keys or auth.admin_key_sha256:
+        return
+    secret, created = ensure_dev_key(auth.dev_key_file)
+    auth.keys.append(KeyConfig(id=DEV_KEY_ID, secret_sha256=sha256_hex(secret)))
+    what = "created a development API key" if created else "using the development API key"
+    typer.echo(f"thinkgate: {what} in {auth.dev_key_file} (mode 0600); get it with: cat {auth.dev_key_file}",
+               err=True)
+
+
+def serve(
+    config: Path | None = CONFIG_OPTION,
+    host: str | None = typer.Option(None, help="Listen address (default: server.host, 127.0.0.1)."),
+    port: int | None = typer.Option(None, help="Listen port (default: server.port, 8080)."),
+) -> None:
+    """Run the gateway: Redis (started if missing), the local vLLM engine (if enabled), then the API."""
+    import uvicorn
+
+    from gateway.engine.redis_server import RedisUnavailable, ensure
+
+    settings = load_settings(config)
+    settings.server.host = host or settings.server.host
+    settings.server.port = port if port is not None else settings.server.port
+    logging.basicConfig(level=settings.server.log_level.upper(), format=LOG_FORMAT)
+    redis_proc = None
+    if settings.redis.start_if_missing:
+        try:
+            redis_proc, settings.redis.url = ensure(settings.redis.url)
+        except RedisUnavailable as exc:
+            typer.echo(f"thinkgate: warning: {exc}; continuing without Redis (/ready reports it)", err=True)
+    _ensure_dev_key(settings)
+    # uvicorn re-raises a captured SIGTERM after its graceful shutdown; with the default handler that kills
+    # the process before the ``finally`` below, orphaning the engine and the private Redis.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    engine = None
+    try:
+        if settings.engine.enabled:
+            engine = _start_engine(settings)
+        from gateway.app import create_app
+        from router.serving import RouterUnavailable
+
+        try:
+            app = create_app(settings)
+        except RouterUnavailable as exc:  # routing.on_router_error: refuse_start
+            typer.echo(f"thinkgate: {exc}", err=True)
+            raise typer.Exit(2) from None
+        typer.echo(f"thinkgate: serving on http://{settings.server.host}:{settings.server.port}/v1", err=True)
+        uvicorn.run(app, host=settings.server.host, port=settings.server.port,
+                    log_level=settings.server.log_level, access_log=False)
+    finally:
+        if engine is not None:
+            engine.stop()
+        if redis_proc is not None:
+            redis_proc.terminate()
+
+
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _start_engine(settings: Settings) -> LocalEngine:
+    try:
+        from gateway.engine.vllm import EngineError, LocalEngine
+    except ImportError as exc:
+        typer.echo(f"thinkgate: engine.enabled is true but the local engine is unavailable ({exc}); "
+                   "set engine.enabled: false and point the tiers at an upstream", err=True)
+        raise typer.Exit(2) from None
+    engine = LocalEngine(settings.engine)
+    typer.echo(f"thinkgate: starting the local vLLM engine ({settings.engine.served_model_name}) …", err=True)
+    try:
+        engine.start()
+    except EngineError as exc:
+        typer.echo(f"thinkgate: the local engine failed to start: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"thinkgate: engine ready at {engine.base_url}", err=True)
+    return engine
+
+

@@ -1,0 +1,112 @@
+"""``thinkgate usage export`` and ``thinkgate usage report``: usage from the Redis Stream (the metering ledger).
+
+``report`` is the savings report (spend by tier, cache savings, always-long counterfactual per difficulty
+bucket; ``gateway/ledger/report.py``, ``docs/savings.md``) as a table, CSV, PNG and JSON. ``export``:
+
+Reads the same stream ``GET /v1/usage`` reads (every key; filter with ``--key``). Without ``--group-by`` one
+row per event; with it, summed counters per group (``gateway/ledger/export.py``). Output to ``--output FILE``
+(written atomically) or stdout. Exit codes: 0 ok, 2 invalid arguments or config, 3 Redis unreachable.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from gateway.cli.common import CONFIG_OPTION, load_settings, run_on_redis
+
+app = typer.Typer(no_args_is_help=True)
+
+
+def read_events(settings: Any, since: float | None, until: float | None, key: str | None) -> list[Any]:
+    """The usage events of the ledger (Redis Stream) in [since, until) (epoch seconds; None = open), of one key
+    id or all. Exits with code 3 when Redis is unreachable. A longer socket timeout than the request path's:
+    an export may scan a long stream."""
+    from gateway.state.breaker import Breaker
+    from gateway.state.metering import Meter
+    from gateway.state.spool import Spool
+
+    async def collect(handle: Any) -> list[Any]:
+        meter = Meter(handle, Breaker(1.0), Spool(settings.metering.spool_path), settings.metering)
+        return [e async for e in meter.events(since, until) if key is None or e.key_id == key]
+
+    return run_on_redis(settings, collect, min_timeout_s=5.0)
+
+
+@app.command("export")
+def export(
+    fmt: str = typer.Option("csv", "--format", "-f", help="csv | jsonl | parquet"),
+    since: str | None = typer.Option(None, help="From (inclusive): YYYY-MM-DD, ISO-8601 or epoch seconds, UTC."),
+    until: str | None = typer.Option(None, help="Until (exclusive), same forms."),
+    group_by: str | None = typer.Option(None, "--group-by", help="Comma list of key,tier,model,day,tag,tag:NAME."),
+    key: str | None = typer.Option(None, "--key", help="Only this key id."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="File to write (default: stdout)."),
+    config: Path | None = CONFIG_OPTION,
+) -> None:
+    """Export usage: raw events, or sums grouped by key/tier/model/day/tag."""
+    from gateway.ledger import export as ex
+
+    if fmt not in ("csv", "jsonl", "parquet"):
+        typer.echo("thinkgate: --format must be csv, jsonl or parquet", err=True)
+        raise typer.Exit(2)
+    if fmt == "parquet" and output is None and sys.stdout.isatty():
+        typer.echo("thinkgate: parquet is binary; give --output FILE", err=True)
+        raise typer.Exit(2)
+    try:
+        groups = ex.parse_group_by(group_by)
+        t0, t1 = ex.parse_time(since), ex.parse_time(until)
+    except ex.ExportError as exc:
+        typer.echo(f"thinkgate: {exc}", err=True)
+        raise typer.Exit(2) from None
+    settings = load_settings(config)
+    events = read_events(settings, t0, t1, key)
+    rows, cols = ex.build(events, groups)
+    ex.write_file(rows, cols, fmt, output, sys.stdout.buffer)  # type: ignore[arg-type]
+    sys.stdout.buffer.flush()
+    typer.echo(f"thinkgate: {len(events)} events, {len(rows)} rows", err=True)
+
+
+@app.command("report")
+def report_cmd(
+    since: str | None = typer.Option(None, help="From (inclusive): YYYY-MM-DD, ISO-8601 or epoch seconds, UTC."),
+    until: str | None = typer.Option(None, help="Until (exclusive), same forms."),
+    key: str | None = typer.Option(None, "--key", help="Only this key id."),
+    long_tier: str = typer.Option("long", "--long-tier", help="Tier of the always-long counterfactual."),
+    buckets: int = typer.Option(10, "--buckets", min=1, max=100, help="Difficulty buckets (equal width)."),
+    csv_path: Path | None = typer.Option(None, "--csv", help="Write the report rows as CSV here."),
+    png_path: Path | None = typer.Option(None, "--png", help="Write the chart as PNG here."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the headline figures as JSON here."),
+    config: Path | None = CONFIG_OPTION,
+) -> None:
+    """Savings report from the ledger: spend by tier, cache savings, estimated cost of always-long."""
+    import json
+
+    from rich.console import Console
+
+    from gateway.cli.usage_report import plot, render
+    from gateway.ledger import export as ex
+    from gateway.ledger import report as rp
+
+    try:
+        t0, t1 = ex.parse_time(since), ex.parse_time(until)
+    except ex.ExportError as exc:
+        typer.echo(f"thinkgate: {exc}", err=True)
+        raise typer.Exit(2) from None
+    settings = load_settings(config)
+    try:
+        prices = settings.tier(long_tier).prices
+    except KeyError:
+        typer.echo(f"thinkgate: no tier {long_tier!r} in the configuration", err=True)
+        raise typer.Exit(2) from None
+    events = read_events(settings, t0, t1, key)
+    result = rp.build(events, long_tier, prices, n_buckets=buckets, since=t0, until=t1, key=key)
+    Console(stderr=False).print(render(result))
+    if csv_path:
+        csv_path.write_text(rp.to_csv(result))
+    if png_path:
+        plot(result, png_path)
+    if json_path:
+        json_path.write_text(json.dumps({"summary": result.summary(), "rows": rp.rows(result)}, indent=2))

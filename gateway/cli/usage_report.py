@@ -1,0 +1,83 @@
+"""Presentation of the usage report (``thinkgate usage report``): a rich table and a matplotlib PNG.
+
+The numbers come from :mod:`gateway.ledger.report` (compute only); this module only draws them, so the ledger
+package never imports rich or matplotlib.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gateway.ledger.event import micro_to_usd
+from gateway.ledger.report import SavingsReport
+from gateway.ledger.report import usd_text as _usd
+
+
+def render(report: SavingsReport) -> Any:
+    """A rich renderable: tiers table, buckets table and the headline."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    tt = Table(title="Spend by tier (upstream tokens; USD)")
+    for c in ("tier", "events", "cache hits", "prompt tok", "completion tok", "reasoning tok", "spend USD",
+              "cache saved USD"):
+        tt.add_column(c, justify="left" if c == "tier" else "right")
+    for t in report.tiers:
+        tt.add_row(t.tier, str(t.events), str(t.cache_hits), str(t.prompt_tokens), str(t.completion_tokens),
+                   str(t.reasoning_tokens), _usd(t.cost_micro_usd), _usd(t.saved_micro_usd))
+    bt = Table(title=f"Always-{report.long_tier} counterfactual by difficulty bucket")
+    for c in ("bucket", "requests", "spend USD", f"{report.long_tier} samples", "mean completion tok",
+              "estimate", f"always-{report.long_tier} USD"):
+        bt.add_column(c, justify="left" if c == "bucket" else "right")
+    for b in report.buckets:
+        mean = b.long_mean_completion_tokens
+        bt.add_row(b.bucket, str(b.requests), _usd(b.cost_micro_usd), str(b.long_samples),
+                   "—" if mean is None else f"{mean:.1f}", b.estimate, _usd(b.always_long_micro_usd) or "—")
+    s = report.summary()
+    frac = s["savings_fraction"]
+    head = (f"spend {s['spend_usd']} USD over {report.requests} requests ({report.events} events); "
+            f"cache saved {s['cache_saved_usd']} USD; always-{report.long_tier} estimate "
+            f"{s['always_long_usd'] or 'n/a'} USD; saved {s['savings_usd'] or 'n/a'} USD"
+            + (f" ({frac:.1%})" if frac is not None else ""))
+    parts: list[Any] = [tt, bt, Text(head)]
+    parts += [Text("note: " + n, style="yellow") for n in report.notes]
+    return Group(*parts)
+
+
+def plot(report: SavingsReport, path: Path) -> None:
+    """PNG: spend and cache savings per tier (left); actual vs always-long per bucket (right). USD."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [t.tier for t in report.tiers]
+    spend = [float(micro_to_usd(t.cost_micro_usd)) for t in report.tiers]
+    saved = [float(micro_to_usd(t.saved_micro_usd)) for t in report.tiers]
+    ax1.bar(names, spend, label="spend")
+    ax1.bar(names, saved, bottom=spend, label="cache saved", alpha=0.6)
+    cf = report.always_long_micro_usd
+    title = f"total spend {_usd(report.spend_micro_usd)} USD"
+    if cf is not None:
+        title += f" vs always-{report.long_tier} {_usd(cf)} USD"
+    ax1.set_title(title, fontsize=9)
+    ax1.set_ylabel("USD")
+    ax1.legend()
+    labels = [b.bucket for b in report.buckets]
+    x = range(len(labels))
+    ax2.bar([i - 0.2 for i in x], [float(micro_to_usd(b.cost_micro_usd)) for b in report.buckets], width=0.4,
+            label="actual")
+    ax2.bar([i + 0.2 for i in x], [float(micro_to_usd(b.always_long_micro_usd or 0)) for b in report.buckets],
+            width=0.4, label=f"always-{report.long_tier} (est.)",
+            color=["tab:orange" if b.estimate == "measured" else "tab:gray" for b in report.buckets])
+    ax2.set_xticks(list(x), labels, rotation=45, fontsize=7)
+    ax2.set_xlabel("router difficulty bucket (gray: long-tier overall mean used)")
+    ax2.set_ylabel("USD")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+

@@ -1,0 +1,183 @@
+"""Usage exports from the event stream: raw events or grouped sums, as CSV, JSON Lines or Parquet.
+
+``group_by`` is a list of: ``key`` (key id), ``tier``, ``model`` (upstream model), ``day`` (UTC, of the
+event's ``ts``), ``tag:NAME`` (the value of tag NAME, "" when absent) or ``tag`` (one row per ``k=v`` tag of
+the event — an event with two tags counts in two groups, so sums over ``tag`` groups can exceed the total;
+use ``tag:NAME`` for a partition). Grouped rows carry the counter sums (the same integers as the Redis
+counters: requests, tokens by kind, ``cost_micro_usd``, ``saved_micro_usd``, cache hits, errors, partial)
+plus ``cost_usd`` / ``saved_usd`` as exact decimal strings. Raw rows carry every event field, ``ts`` as
+ISO-8601 UTC.
+
+Times for ``since``/``until``: ``YYYY-MM-DD`` (UTC midnight), an ISO-8601 datetime (naive = UTC), or epoch
+seconds; ``since`` inclusive, ``until`` exclusive.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterable
+from dataclasses import fields
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+import orjson
+
+from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, counter_increments, micro_to_usd
+
+Format = Literal["csv", "jsonl", "parquet"]
+GROUPS = ("key", "tier", "model", "day", "tag")
+EVENT_FIELDS = tuple(f.name for f in fields(UsageEvent))
+
+
+class ExportError(ValueError):
+    """Invalid export arguments (format, group-by field, time)."""
+
+
+def parse_time(value: str | float | None) -> float | None:
+    """Epoch seconds from ``YYYY-MM-DD``, ISO-8601 or epoch seconds (see module doc); None stays None."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ExportError(f"cannot read time {value!r} (YYYY-MM-DD, ISO-8601 or epoch seconds)") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.timestamp()
+
+
+def parse_group_by(spec: str | Iterable[str] | None) -> list[str]:
+    """``"key,tier"`` → ``["key", "tier"]``; raises :class:`ExportError` for an unknown field."""
+    if spec is None:
+        return []
+    parts = [p.strip() for p in (spec.split(",") if isinstance(spec, str) else spec) if p.strip()]
+    for p in parts:
+        if p not in GROUPS and not (p.startswith("tag:") and len(p) > 4):
+            raise ExportError(f"unknown group-by field {p!r} (key, tier, model, day, tag, tag:NAME)")
+    return parts
+
+
+def _group_values(event: UsageEvent, group_by: list[str]) -> list[tuple[str, ...]]:
+    combos: list[tuple[str, ...]] = [()]
+    for g in group_by:
+        if g == "key":
+            vals = [event.key_id]
+        elif g == "tier":
+            vals = [event.tier or ""]
+        elif g == "model":
+            vals = [event.upstream_model or ""]
+        elif g == "day":
+            vals = [event.day]
+        elif g == "tag":
+            vals = [f"{k}={v}" for k, v in sorted(event.tags.items())] or [""]
+        else:
+            vals = [event.tags.get(g[4:], "")]
+        combos = [(*c, v) for c in combos for v in vals]
+    return combos
+
+
+def group(events: Iterable[UsageEvent], group_by: list[str]) -> list[dict[str, Any]]:
+    """Sum the counters of ``events`` per group (rows sorted by group values)."""
+    sums: dict[tuple[str, ...], dict[str, int]] = {}
+    for event in events:
+        inc = counter_increments(event)
+        for values in _group_values(event, group_by):
+            acc = sums.setdefault(values, dict.fromkeys(COUNTER_FIELDS, 0))
+            for k, v in inc.items():
+                acc[k] += v
+    rows = []
+    for values in sorted(sums):
+        row: dict[str, Any] = dict(zip(group_by, values, strict=True))
+        row.update(sums[values])
+        row["cost_usd"] = str(micro_to_usd(row["cost_micro_usd"]))
+        row["saved_usd"] = str(micro_to_usd(row["saved_micro_usd"]))
+        rows.append(row)
+    return rows
+
+
+def event_row(event: UsageEvent) -> dict[str, Any]:
+    """A raw event as an export row (``ts`` ISO-8601 UTC, plus ``cost_usd``)."""
+    row = event.to_dict()
+    row["ts"] = datetime.fromtimestamp(event.ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    row["cost_usd"] = str(micro_to_usd(event.cost_micro_usd))
+    return row
+
+
+def columns(group_by: list[str]) -> list[str]:
+    """Column order of the rows for ``group_by`` (raw events when empty)."""
+    if group_by:
+        return [*group_by, *COUNTER_FIELDS, "cost_usd", "saved_usd"]
+    return [*EVENT_FIELDS, "cost_usd"]
+
+
+def write(rows: list[dict[str, Any]], cols: list[str], fmt: Format, out: BinaryIO) -> None:
+    """Write ``rows`` (with columns ``cols``) to the binary stream ``out`` in ``fmt``."""
+    if fmt == "jsonl":
+        for row in rows:
+            out.write(orjson.dumps({c: row.get(c) for c in cols}) + b"\n")
+    elif fmt == "csv":
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({c: _csv_cell(row.get(c)) for c in cols})
+        out.write(text.getvalue().encode())
+    elif fmt == "parquet":
+        _write_parquet(rows, cols, out)
+    else:
+        raise ExportError(f"unknown format {fmt!r} (csv, jsonl, parquet)")
+
+
+def _csv_cell(v: Any) -> Any:
+    if isinstance(v, dict):
+        return orjson.dumps(v).decode()
+    if v is None:
+        return ""
+    return v
+
+
+def _write_parquet(rows: list[dict[str, Any]], cols: list[str], out: BinaryIO) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    types: dict[str, Any] = {c: pa.int64() for c in COUNTER_FIELDS}
+    types.update({"ts": pa.timestamp("ms", tz="UTC"), "tags": pa.map_(pa.string(), pa.string()),
+                  "difficulty": pa.float64(), "latency_ms": pa.float64(), "ttft_ms": pa.float64(),
+                  "status": pa.int64(), "cached": pa.bool_(), "stream": pa.bool_()})
+    if "requests" not in cols:  # raw events: partial is a bool there
+        types["partial"] = pa.bool_()
+    arrays = []
+    for c in cols:
+        vals = [r.get(c) for r in rows]
+        if c == "ts":
+            vals = [datetime.fromisoformat(v.replace("Z", "+00:00")) for v in vals]
+        elif c == "tags":
+            vals = [list(v.items()) for v in vals]
+        arrays.append(pa.array(vals, type=types.get(c, pa.string())))
+    pq.write_table(pa.Table.from_arrays(arrays, names=cols), out)
+
+
+def build(events: Iterable[UsageEvent], group_by: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """(rows, columns) for ``events``: grouped sums, or raw event rows when ``group_by`` is empty."""
+    if group_by:
+        return group(events, group_by), columns(group_by)
+    return [event_row(e) for e in events], columns([])
+
+
+def write_file(rows: list[dict[str, Any]], cols: list[str], fmt: Format, path: Path | None, stdout: BinaryIO) -> None:
+    """Write to ``path`` (atomically: temp file + rename), or to ``stdout`` when ``path`` is None."""
+    if path is None:
+        write(rows, cols, fmt, stdout)
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(rows, cols, fmt, f)
+    tmp.replace(path)

@@ -1,0 +1,244 @@
+"""The request path's one seam to the shared-state services: limits, cache, metering, alerts, metrics.
+
+:class:`Accounting` owns the Redis client, its circuit breaker, and one of each service; the proxy calls
+
+- :meth:`admit` before the upstream call (429 ``budget_exceeded`` / ``rate_limit_exceeded``, or 503),
+- :meth:`cache_begin` / :meth:`cache_finish` around it (``gateway/state/cache.py``),
+- :meth:`sink` with every finished :class:`~gateway.ledger.record.UsageRecord` (a usage sink): it converts the
+  record to a :class:`~gateway.ledger.event.UsageEvent` (``event_id`` = the request id = the budget reservation
+  id), counts it in the Prometheus metrics at once, and queues it for one background writer task (metering
+  → settle the reservation → alerts). The writer sends whatever has queued up since its last round trip as
+  one pipeline (``Meter.record_many``): one event at low load, dozens at high concurrency, instead of a task
+  and a round trip per event. :meth:`flush` waits until the queue is written; :meth:`close` flushes, stops
+  the spool replayer and closes the client.
+- :meth:`abandon` for a request that ends with neither a record nor an error response (a bug, or a
+  cancellation): it is metered with status 499/500 so its reservation is settled at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from gateway.auth.keys import KeyInfo
+from gateway.auth.redis_store import RedisKeyStore
+from gateway.config import Settings, TierConfig
+from gateway.errors import GatewayError
+from gateway.ledger.event import UsageEvent
+from gateway.ledger.record import UsageRecord
+from gateway.state.alerts import Alerts
+from gateway.state.breaker import Breaker
+from gateway.state.cache import CacheEntry, ResponseCache, Ticket
+from gateway.state.cache_policy import cache_key, decide, tenant_scope
+from gateway.state.limits import Admission, Estimate, KeyLimits, Limits, estimate
+from gateway.state.metering import Meter
+from gateway.state.metrics import Metrics
+from gateway.state.redis import RedisHandle, connect
+from gateway.state.spool import Spool
+
+log = logging.getLogger("thinkgate.accounting")
+
+KNOWN_KEYS_MAX = 100_000
+WRITE_BATCH_MAX = 128  # usage events per metering pipeline
+
+
+def event_of(record: UsageRecord) -> UsageEvent:
+    """The usage event of a finished record (same field names; ``event_id`` = ``request_id``)."""
+    return UsageEvent(
+        key_id=record.key_id or "anonymous",
+        requested_model=str(record.requested_model or ""),
+        event_id=record.request_id,
+        ts=record.ts,
+        tags=dict(record.tags),
+        request_id=record.request_id,
+        endpoint=record.endpoint,
+        tier=record.tier,
+        upstream_model=record.upstream_model,
+        route_reason=record.route_reason,
+        difficulty=record.difficulty,
+        prompt_tokens=record.prompt_tokens,
+        cached_tokens=record.cached_tokens,
+        completion_tokens=record.completion_tokens,
+        reasoning_tokens=record.reasoning_tokens,
+        cached=record.cached,
+        cost_micro_usd=record.cost_micro_usd,
+        saved_micro_usd=record.saved_micro_usd,
+        latency_ms=round(record.latency_ms, 3),
+        ttft_ms=round(record.ttft_ms, 3) if record.ttft_ms is not None else None,
+        status=record.status,
+        error_code=record.error_code,
+        stream=record.stream,
+        partial=record.partial,
+        usage_source=record.usage_source if record.usage_source in ("upstream", "counted", "cache") else "none",
+    )
+
+
+class Accounting:
+    """Built by ``create_app``; ``handle`` may be given (tests), else it connects to ``settings.redis``."""
+
+    def __init__(self, settings: Settings, handle: RedisHandle | None = None) -> None:
+        self.settings = settings
+        self.handle = handle or connect(settings.redis)
+        # A timeout during which the event loop itself stalled for half the socket timeout is the loop's
+        # fault, not Redis's: it fails that call but leaves the breaker closed (gateway/state/breaker.py).
+        self.breaker = Breaker(settings.redis.breaker_cooldown_s, stall_s=settings.redis.socket_timeout_s / 2)
+        self.spool = Spool(settings.metering.spool_path)
+        self.meter = Meter(self.handle, self.breaker, self.spool, settings.metering)
+        self.cache = ResponseCache(self.handle, self.breaker, settings.cache)
+        self.limits = Limits(self.handle, self.breaker, settings.limits)
+        self.http = httpx.AsyncClient(trust_env=False)
+        self.alerts = Alerts(self.handle, self.breaker, settings.limits, self.http)
+        self.keystore = RedisKeyStore(self.handle, self.breaker, settings.auth.key_cache_s,
+                                      settings.auth.key_stale_s)
+        self.metrics = Metrics(settings.metrics, settings.tiers)
+        self._pending: set[asyncio.Task[None]] = set()  # the metering writer and alert checks
+        self._queue: list[tuple[UsageEvent, KeyInfo | None]] = []  # finished events not yet handed to Redis
+        self._writer: asyncio.Task[None] | None = None
+        self._open: dict[str, KeyInfo] = {}  # request id → key, admitted and not yet metered
+        self._known: dict[str, KeyInfo] = {}  # key id → last KeyInfo seen (budgets for alerts)
+        self._cache_result: dict[str, str] = {}  # request id → hit|miss|bypass
+        self._stop = asyncio.Event()
+        self._replayer: asyncio.Task[None] | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the spool replayer (call inside the serving event loop)."""
+        self._stop.clear()
+        self._replayer = asyncio.create_task(self.meter.run_replayer(self._stop), name="usage-spool-replayer")
+
+    async def flush(self) -> None:
+        """Wait until every usage event finished so far has been written (Redis or spool)."""
+        while self._pending or self._queue:
+            if self._queue and (self._writer is None or self._writer.done()):
+                self._start_writer()
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    async def close(self) -> None:
+        """Flush, stop the replayer (one last replay attempt), close the clients."""
+        await self.flush()
+        self._stop.set()
+        if self._replayer is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replayer
+        await self.meter.replay()
+        await self.http.aclose()
+        await self.handle.close()
+
+    # --- limits -----------------------------------------------------------------------------------------
+    async def admit(self, key: KeyInfo, body: dict[str, Any], record: UsageRecord,
+                    tiers: list[TierConfig]) -> Admission:
+        """Admit the request of ``record`` (``tiers``: where it may run: routed tier + fallbacks) or raise
+        :class:`~gateway.errors.RateLimited` / ``LimitsUnavailable``."""
+        self._remember(key)
+        lim = KeyLimits.of(key)
+        if lim.unlimited:  # nothing to check: no Redis, no estimate
+            self._open[record.request_id] = key
+            return Admission(key.id, record.request_id, "none", Estimate(0, 0))
+        try:
+            admission = await self.limits.admit(lim, record.request_id, estimate(body, tiers), record.ts)
+        except GatewayError as exc:
+            self.metrics.rejected(exc.code)
+            raise
+        self._open[record.request_id] = key
+        return admission
+
+    async def key_info(self, key_id: str) -> KeyInfo | None:
+        """The key ``key_id`` (for its budgets): seen by this process, in the config, or in the Redis store."""
+        if key_id in self._known:
+            return self._known[key_id]
+        for k in self.settings.auth.keys:
+            if k.id == key_id:
+                return KeyInfo.from_config(k)
+        rec = await self.keystore.get(key_id)
+        return rec.key_info() if rec is not None else None
+
+    def _remember(self, key: KeyInfo) -> None:
+        if key.id not in self._known and len(self._known) >= KNOWN_KEYS_MAX:
+            self._known.clear()
+        self._known[key.id] = key
+
+    # --- cache ------------------------------------------------------------------------------------------
+    async def cache_begin(self, key: KeyInfo, record: UsageRecord, tier: TierConfig,
+                          upstream_body: dict[str, Any], headers: Mapping[str, str]) -> Ticket:
+        """Look up the answer to ``upstream_body`` on ``tier`` for ``key``'s tenant scope (never raises for
+        Redis outages; a ``bypass`` ticket when the policy or an outage says so)."""
+        decision = decide(self.settings.cache, upstream_body, headers)
+        if decision.lookup or decision.store:
+            digest = cache_key(tenant_scope(key.id, key.cache_namespace), record.endpoint, tier.name, upstream_body)
+        else:
+            digest = ""  # bypass: no Redis, no hashing
+        ticket = await self.cache.begin(digest, decision)
+        self._cache_result[record.request_id] = ticket.status
+        return ticket
+
+    async def cache_finish(self, ticket: Ticket, body: dict[str, Any] | None, record: UsageRecord,
+                           tier: TierConfig) -> None:
+        """Store ``body`` (a complete, successful answer; None = nothing to store) and release the lock."""
+        entry = CacheEntry(body, record.endpoint, tier.name, tier.model, record.ts) if body is not None else None
+        await self.cache.finish(ticket, entry)
+
+    # --- metering ---------------------------------------------------------------------------------------
+    def sink(self, record: UsageRecord) -> None:
+        """Usage sink: metrics now, Redis write (metering → local settle → alerts) in the background."""
+        event = event_of(record)
+        key = self._open.pop(record.request_id, None) or self._known.get(event.key_id)
+        self.metrics.observe(event, self._cache_result.pop(record.request_id, "bypass"))
+        self._queue.append((event, key))
+        if self._writer is None or self._writer.done():
+            self._start_writer()
+
+    def _start_writer(self) -> None:
+        self._writer = self._track(self._write_queue())
+
+    def _track(self, coro: Any) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return task
+
+    def abandon(self, record: UsageRecord, tier: TierConfig | None, status: int, code: str) -> None:
+        """Meter a request that ends without a record (error or cancellation) if it was admitted."""
+        if record.request_id not in self._open:
+            return
+        record.error_code = code
+        record.partial = True
+        record.finish(tier, status)
+        self.sink(record)
+
+    async def _write_queue(self) -> None:
+        """The metering writer: until the queue is empty, write what has queued up as one batch."""
+        while self._queue:
+            batch = self._queue[:WRITE_BATCH_MAX]
+            del self._queue[:WRITE_BATCH_MAX]
+            await self._write_batch(batch)
+
+    async def _write_batch(self, batch: list[tuple[UsageEvent, KeyInfo | None]]) -> None:
+        try:
+            results = await self.meter.record_many([event for event, _ in batch])
+        except Exception:  # never lose the reason; the events are in Redis or the spool unless disk failed
+            log.exception("usage write failed for events %s", ", ".join(e.event_id for e, _ in batch))
+            return
+        for (event, key), result in zip(batch, results, strict=True):
+            try:
+                self.limits.settled(event, result)
+            except Exception:
+                log.exception("usage settle failed for event %s", event.event_id)
+            if key is None or result.stored != "redis" or result.day_cost_micro_usd is None:
+                continue
+            lim = KeyLimits.of(key)
+            if lim.budget_day_micro or lim.budget_month_micro:  # alerts only concern keys with a budget
+                self._track(self._alert(lim, key, event, result.day_cost_micro_usd, result.month_cost_micro_usd or 0))
+
+    async def _alert(self, lim: KeyLimits, key: KeyInfo, event: UsageEvent, day_cost: int, month_cost: int) -> None:
+        try:
+            await self.alerts.check(lim, key.tags, event.day, day_cost, month_cost)
+        except Exception:
+            log.exception("budget alert check failed for event %s", event.event_id)
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render(self.breaker.is_open, self.spool.pending_bytes(), self.meter.spooled)

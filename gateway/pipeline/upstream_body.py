@@ -1,0 +1,53 @@
+"""Turn a client body into the body sent to one tier's upstream.
+
+``build(body, tier, endpoint)`` returns a new dict (the client's body is never mutated, so a fallback tier
+can be built from the same input) with:
+
+- ``model`` = ``tier.model``;
+- the tier's ``sampling`` defaults under the client's own fields (the client wins);
+- ``max_tokens`` = min(client's ``max_completion_tokens``/``max_tokens``, ``tier.max_tokens``) — sent as
+  ``max_tokens``, the field every OpenAI-compatible server accepts, with ``max_completion_tokens`` dropped;
+- ``stream_options.include_usage = true`` on streams (the gateway always meters; the proxy strips the usage
+  chunk again when the client did not ask for it);
+- the tier's thinking budget (:func:`apply_budget`, the seam issue 3's ``gateway/thinking/forcing.py`` takes over).
+
+Every other field — vLLM extras such as ``chat_template_kwargs``, ``top_k``, ``repetition_penalty`` — is
+passed through unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.config import TierConfig
+
+
+def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: str) -> None:
+    """Apply ``tier``'s thinking budget to ``body`` in place (native form only, for now).
+
+    - ``budget_mode == "native"`` with a budget: vLLM's per-request ``thinking_token_budget`` (tokens); a
+      smaller non-negative budget sent by the client is kept.
+    - ``enable_thinking: false`` (chat only): ``chat_template_kwargs.enable_thinking = false``, merged into
+      the client's ``chat_template_kwargs``.
+    - ``forced`` mode is enforced by two-phase budget forcing in ``gateway/thinking/forcing.py`` (issue 3), not here.
+    """
+    if tier.budget_mode == "native" and tier.thinking_budget is not None:
+        asked = body.get("thinking_token_budget")
+        keep = isinstance(asked, int) and not isinstance(asked, bool) and 0 <= asked < tier.thinking_budget
+        body["thinking_token_budget"] = asked if keep else tier.thinking_budget
+    if not tier.enable_thinking and endpoint == "chat":
+        kwargs = body.get("chat_template_kwargs")
+        body["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}), "enable_thinking": False}
+
+
+def build(body: dict[str, Any], tier: TierConfig, endpoint: str) -> dict[str, Any]:
+    """The upstream body for ``tier`` (``endpoint``: ``chat`` or ``completions``); see the module doc."""
+    out = {**tier.sampling, **body} if tier.sampling else dict(body)
+    out["model"] = tier.model
+    asked = out.pop("max_completion_tokens", None) or out.get("max_tokens")
+    out["max_tokens"] = min(asked, tier.max_tokens) if isinstance(asked, int) else tier.max_tokens
+    if out.get("stream") is True:
+        opts = out.get("stream_options")
+        out["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+    apply_budget(out, tier, endpoint)
+    return out

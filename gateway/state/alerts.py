@@ -1,0 +1,108 @@
+"""Soft budget alerts: when a key's spend crosses a configured fraction of its daily or monthly budget.
+
+Each (key, period, fraction) fires **once per period** across all replicas: the first writer of
+``alert:{key}:{day|month id}:{fraction}`` (``SET NX`` with a TTL past the period's end) fires; everyone else
+sees the key and stays quiet. Firing = one structured log record on the ``thinkgate.alerts`` logger
+(``extra={"alert": {...}}``, message = the JSON) and, when ``limits.alert_webhook_url`` is set, one HTTP
+POST of the same JSON (timeout ``limits.alert_webhook_timeout_s``; a failed POST is logged, not retried —
+alerts are at-most-once). Alerts are checked after each metering write, from the spend it returns; while
+Redis is down they are skipped (the next write after recovery catches up).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import httpx
+import orjson
+
+from gateway.config import LimitsConfig
+from gateway.ledger.event import micro_to_usd
+from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.keys import RedisKeys
+from gateway.state.limits import KeyLimits
+from gateway.state.redis import RedisHandle
+
+log = logging.getLogger("thinkgate.alerts")
+
+DAY_MARK_TTL_S = 2 * 86400
+MONTH_MARK_TTL_S = 32 * 86400
+LOCAL_MEMO_MAX = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Alert:
+    """One fired alert. Money as exact decimal strings (USD)."""
+
+    key_id: str
+    period: str  # "day" | "month"
+    period_id: str  # YYYY-MM-DD | YYYY-MM
+    fraction: float
+    budget_usd: str
+    spent_usd: str
+    tags: dict[str, str]
+    type: str = "budget_alert"
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+
+class Alerts:
+    """Checks spend against budgets after metering writes; one per process."""
+
+    def __init__(self, handle: RedisHandle, breaker: Breaker, cfg: LimitsConfig,
+                 http: httpx.AsyncClient | None = None) -> None:
+        self.redis = handle.client
+        self.keys = RedisKeys(handle.prefix)
+        self.breaker = breaker
+        self.cfg = cfg
+        self.http = http
+        self._memo: set[tuple[str, str, float]] = set()  # already fired or seen as fired: skip Redis
+        self.fired: list[Alert] = []  # fired by this process (for tests and /metrics)
+
+    async def check(self, lim: KeyLimits, tags: dict[str, str], day: str, spent_day: int,
+                    spent_month: int) -> list[Alert]:
+        """Fire every alert newly crossed by the spend (micro-USD) of ``lim.key_id`` on UTC ``day``."""
+        fired: list[Alert] = []
+        month = day[:7]
+        for period, period_id, budget, spent, ttl in (
+            ("day", day, lim.budget_day_micro, spent_day, DAY_MARK_TTL_S),
+            ("month", month, lim.budget_month_micro, spent_month, MONTH_MARK_TTL_S),
+        ):
+            if budget is None or budget <= 0:
+                continue
+            for fraction in self.cfg.alert_fractions:
+                if spent < fraction * budget:
+                    break
+                memo = (lim.key_id, period_id, fraction)
+                if memo in self._memo:
+                    continue
+                mark = self.keys.alert(lim.key_id, period_id, f"{fraction:g}")
+                try:
+                    first = await self.breaker.call(lambda m=mark, t=ttl: self.redis.set(m, b"1", nx=True, ex=t))
+                except RedisDown:
+                    return fired
+                if len(self._memo) >= LOCAL_MEMO_MAX:
+                    self._memo.clear()
+                self._memo.add(memo)
+                if first:
+                    alert = Alert(lim.key_id, period, period_id, fraction, str(micro_to_usd(budget)),
+                                  str(micro_to_usd(spent)), dict(tags))
+                    await self._fire(alert)
+                    fired.append(alert)
+        return fired
+
+    async def _fire(self, alert: Alert) -> None:
+        self.fired.append(alert)
+        payload = alert.to_json()
+        log.warning("%s", payload.decode(), extra={"alert": asdict(alert)})
+        if self.cfg.alert_webhook_url and self.http is not None:
+            try:
+                resp = await self.http.post(self.cfg.alert_webhook_url, content=payload,
+                                            headers={"content-type": "application/json"},
+                                            timeout=self.cfg.alert_webhook_timeout_s)
+                if resp.status_code >= 400:
+                    log.error("alert webhook answered %d", resp.status_code)
+            except httpx.HTTPError as exc:
+                log.error("alert webhook failed: %r", exc)

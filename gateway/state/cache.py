@@ -1,0 +1,215 @@
+"""The exact response cache in Redis, with single-flight and fail-open behaviour.
+
+Use per request (keys and policy come from ``gateway/state/cache_policy.py``)::
+
+    ticket = await cache.begin(digest, decision)      # hit | miss (maybe leader) | bypass
+    try:
+        if ticket.status == "hit": replay ticket.entry
+        else: call upstream; entry = CacheEntry(...) if the response completed successfully
+    finally:
+        await cache.finish(ticket, entry)             # stores (size/TTL checked) and releases the lock
+
+**Single-flight.** On a miss the first request takes ``cache:lock:{digest}`` (``SET NX PX``, the wait bound)
+and calls the upstream (lookup and lock are one script, ``BEGIN_LUA``: one round trip); identical requests
+arriving meanwhile poll for the entry (10 → 100 ms backoff) until it appears (a hit), the lock disappears
+without an entry (the leader failed or the answer was not storable: they call the upstream themselves), or
+``cache.single_flight_wait_s`` passes (same). A streamed follower gets the whole answer replayed when the
+leader finishes.
+
+**Fail open.** Every Redis call goes through the shared :class:`~gateway.state.breaker.Breaker` with the short
+socket timeout; when Redis is unreachable the request is served uncached (``bypass``) and, while the breaker
+is open, without touching the network at all. Only complete, successful responses are stored (the caller
+decides; see ``StreamAssembler.complete``); entries above ``cache.max_entry_bytes`` are skipped. Storing
+the entry and releasing the lock are one script too (``FINISH_LUA``), so a miss costs the request path two
+Redis round trips, a hit one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from gateway.config import CacheConfig
+from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.cache_policy import CacheDecision
+from gateway.state.keys import RedisKeys
+from gateway.state.redis import RedisHandle
+
+# KEYS: 1 entry, 2 lock; ARGV: 1 lock token, 2 lock TTL ms.
+# Returns {1, entry} (stored answer), {2} (lock taken: the caller leads), {0} (another request leads).
+BEGIN_LUA = """
+local v = redis.call('GET', KEYS[1])
+if v then return {1, v} end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
+return {0}
+"""
+# KEYS: 1 entry, 2 lock; ARGV: 1 entry bytes ('' = store nothing), 2 entry TTL s, 3 lock token ('' = none).
+# Stores the entry, then deletes the lock only if it still holds our token (it may have expired and been
+# taken by another request meanwhile).
+FINISH_LUA = """
+if ARGV[1] ~= '' then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end
+if ARGV[3] ~= '' and redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL', KEYS[2]) end
+return 1
+"""
+POLL_START_S = 0.01
+POLL_MAX_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    """A stored answer: the complete non-stream ``body`` (with ``usage``), where it came from, when (epoch s)."""
+
+    body: dict[str, Any]
+    endpoint: str
+    tier: str
+    upstream_model: str
+    created: float
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps({"v": 1, "body": self.body, "endpoint": self.endpoint, "tier": self.tier,
+                             "upstream_model": self.upstream_model, "created": self.created})
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> CacheEntry | None:
+        """Parse a stored entry; None if it is unreadable or of another version."""
+        try:
+            d = orjson.loads(raw)
+            if d.get("v") != 1:
+                return None
+            return cls(d["body"], d["endpoint"], d["tier"], d["upstream_model"], float(d["created"]))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return None
+
+
+@dataclass(slots=True)
+class Ticket:
+    """The outcome of :meth:`ResponseCache.begin`. ``leader``: this request holds the single-flight lock.
+    ``waited_s``: time spent waiting for another request's answer."""
+
+    digest: str
+    decision: CacheDecision
+    status: Literal["hit", "miss", "bypass"]
+    entry: CacheEntry | None = None
+    lock_token: str | None = None
+    waited_s: float = 0.0
+
+    @property
+    def leader(self) -> bool:
+        return self.lock_token is not None
+
+
+class ResponseCache:
+    """Redis-backed exact cache; one per process."""
+
+    def __init__(self, handle: RedisHandle, breaker: Breaker, cfg: CacheConfig) -> None:
+        self.redis = handle.client
+        self.keys = RedisKeys(handle.prefix)
+        self.breaker = breaker
+        self.cfg = cfg
+        self._begin = self.redis.register_script(BEGIN_LUA)
+        self._finish = self.redis.register_script(FINISH_LUA)
+        self.stores = 0
+        self.too_big = 0
+
+    async def begin(self, digest: str, decision: CacheDecision) -> Ticket:
+        """Look up (and/or lead) for ``digest`` under ``decision``. Never raises for Redis outages."""
+        if not decision.lookup:
+            return Ticket(digest, decision, "miss" if decision.store else "bypass")
+        try:
+            if self.cfg.single_flight_wait_s <= 0:
+                entry = await self._get(digest, decision.max_age_s)
+                return Ticket(digest, decision, "hit", entry) if entry is not None else Ticket(digest, decision, "miss")
+            token = uuid.uuid4().hex
+            key, lock = self.keys.cache_entry(digest), self.keys.cache_lock(digest)
+            wait_ms = max(1, int(self.cfg.single_flight_wait_s * 1000))
+            try:
+                res = await self.breaker.call(lambda: self._begin(keys=[key, lock], args=[token, wait_ms]))
+            except RedisDown:
+                # The script may still run (a paused server resumes): keep the token so finish() can release it.
+                return Ticket(digest, decision, "bypass", lock_token=token)
+            acquired = int(res[0]) == 2
+            if int(res[0]) == 1:
+                entry = self._fresh(res[1], decision.max_age_s)
+                if entry is not None:
+                    return Ticket(digest, decision, "hit", entry)
+                # Too old for this request's max-age (or unreadable): lead a refresh like a miss.
+                try:
+                    acquired = bool(await self.breaker.call(lambda: self.redis.set(lock, token, nx=True, px=wait_ms)))
+                except RedisDown:
+                    return Ticket(digest, decision, "bypass", lock_token=token)
+            if acquired:
+                return Ticket(digest, decision, "miss", lock_token=token)
+            t0 = time.monotonic()
+            entry = await self._wait(digest, decision.max_age_s, t0 + self.cfg.single_flight_wait_s)
+            waited = time.monotonic() - t0
+            if entry is not None:
+                return Ticket(digest, decision, "hit", entry, waited_s=waited)
+            return Ticket(digest, decision, "miss", waited_s=waited)
+        except RedisDown:
+            return Ticket(digest, decision, "bypass")
+
+    async def finish(self, ticket: Ticket, entry: CacheEntry | None) -> bool:
+        """Store ``entry`` (if the decision allows and it fits) and release the lock. True when stored.
+
+        Call it in a ``finally`` (also after errors and disconnects, with ``entry=None``) so followers stop
+        waiting at once. Never raises for Redis outages.
+        """
+        data = b""
+        if entry is not None and ticket.decision.store and ticket.status == "miss":
+            data = entry.to_bytes()
+            if len(data) > self.cfg.max_entry_bytes:
+                self.too_big += 1
+                data = b""
+        token = ticket.lock_token or ""
+        ticket.lock_token = None
+        if not data and not token:
+            return False
+        keys = [self.keys.cache_entry(ticket.digest), self.keys.cache_lock(ticket.digest)]
+        try:
+            await self.breaker.call(lambda: self._finish(keys=keys, args=[data, ticket.decision.ttl_s, token]))
+        except RedisDown:
+            return False
+        if data:
+            self.stores += 1
+        return bool(data)
+
+    async def _get(self, digest: str, max_age_s: int | None) -> CacheEntry | None:
+        raw = await self.breaker.call(lambda: self.redis.get(self.keys.cache_entry(digest)))
+        return self._fresh(raw, max_age_s)
+
+    @staticmethod
+    def _fresh(raw: bytes | None, max_age_s: int | None) -> CacheEntry | None:
+        if raw is None:
+            return None
+        entry = CacheEntry.from_bytes(raw)
+        if entry is None or (max_age_s is not None and time.time() - entry.created > max_age_s):
+            return None
+        return entry
+
+    async def _wait(self, digest: str, max_age_s: int | None, deadline: float) -> CacheEntry | None:
+        key, lock = self.keys.cache_entry(digest), self.keys.cache_lock(digest)
+        delay = POLL_START_S
+
+        async def poll() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.get(key)
+                pipe.exists(lock)
+                return await pipe.execute()
+
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            await asyncio.sleep(min(delay, remaining))
+            delay = min(delay * 1.5, POLL_MAX_S)
+            raw, locked = await self.breaker.call(poll)
+            entry = self._fresh(raw, max_age_s)
+            if entry is not None:
+                return entry
+            if not locked:
+                return None

@@ -1,0 +1,89 @@
+"""Every Redis key ThinkGate writes, in one place (``p`` = the configured prefix, e.g. ``tg:``).
+
+=====================================  ==========  ====================================================
+key                                     type        contents
+=====================================  ==========  ====================================================
+``p cache:{sha256}``                    string      cached response entry (JSON, see ``gateway/state/cache.py``)
+``p cache:lock:{sha256}``               string      single-flight lock (token), PX = wait bound
+``p usage:events``                      stream      usage events, field ``e`` = event JSON (append-only)
+``p usage:seen:{YYYY-MM-DD}``           set         event_ids already counted (idempotency), TTL
+``p usage:key:{id}``                    hash        all-time counters of a key
+``p usage:key:{id}:d:{YYYY-MM-DD}``     hash        a key's counters for one UTC day (budgets read these)
+``p usage:key:{id}:m:{YYYY-MM}``        hash        a key's counters for one UTC month
+``p usage:tier:{tier}``                 hash        all-time counters of a tier
+``p usage:tier:{tier}:d:{YYYY-MM-DD}``  hash        a tier's counters for one UTC day
+``p usage:keys``                        set         key ids that have counters
+``p lim:{id}:resv``                     hash        open cost/token reservations: id → "micro|tokens|exp_ms"
+``p lim:{id}:rpm:{window}``             string      requests admitted in a 60 s window
+``p lim:{id}:tpm:{window}``             string      tokens (reserved, then settled) in a 60 s window
+``p alert:{id}:{period}:{fraction}``    string      set once when an alert fired (SET NX)
+``p keys:rec:{id}``                     string      API key record JSON (hash of the secret only)
+``p keys:h:{sha256}``                   string      secret hash → key id
+``p keys:ids``                          set         all key ids in the store
+=====================================  ==========  ====================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    """Key builder bound to a prefix."""
+
+    prefix: str
+
+    def cache_entry(self, digest: str) -> str:
+        return f"{self.prefix}cache:{digest}"
+
+    def cache_lock(self, digest: str) -> str:
+        return f"{self.prefix}cache:lock:{digest}"
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}usage:events"
+
+    def seen(self, day: str) -> str:
+        return f"{self.prefix}usage:seen:{day}"
+
+    def key_total(self, key_id: str) -> str:
+        return f"{self.prefix}usage:key:{key_id}"
+
+    def key_day(self, key_id: str, day: str) -> str:
+        return f"{self.prefix}usage:key:{key_id}:d:{day}"
+
+    def key_month(self, key_id: str, month: str) -> str:
+        return f"{self.prefix}usage:key:{key_id}:m:{month}"
+
+    def tier_total(self, tier: str) -> str:
+        return f"{self.prefix}usage:tier:{tier}"
+
+    def tier_day(self, tier: str, day: str) -> str:
+        return f"{self.prefix}usage:tier:{tier}:d:{day}"
+
+    @property
+    def usage_keys(self) -> str:
+        return f"{self.prefix}usage:keys"
+
+    def reservations(self, key_id: str) -> str:
+        return f"{self.prefix}lim:{key_id}:resv"
+
+    def rpm(self, key_id: str, window: int) -> str:
+        return f"{self.prefix}lim:{key_id}:rpm:{window}"
+
+    def tpm(self, key_id: str, window: int) -> str:
+        return f"{self.prefix}lim:{key_id}:tpm:{window}"
+
+    def alert(self, key_id: str, period: str, fraction: str) -> str:
+        return f"{self.prefix}alert:{key_id}:{period}:{fraction}"
+
+    def key_record(self, key_id: str) -> str:
+        return f"{self.prefix}keys:rec:{key_id}"
+
+    def key_by_hash(self, sha256: str) -> str:
+        return f"{self.prefix}keys:h:{sha256}"
+
+    @property
+    def key_ids(self) -> str:
+        return f"{self.prefix}keys:ids"

@@ -1,0 +1,269 @@
+"""Usage metering: one Lua script appends the event to a Redis Stream and bumps every counter atomically.
+
+Write path (:meth:`Meter.record`): the script ``RECORD`` runs with the event's ``event_id``; if that id was
+already counted (``SADD`` on the day's seen-set returns 0) it does nothing, so replaying the same event —
+after a timeout whose reply was lost, or from the spool — never counts twice. Otherwise, in one atomic
+step: ``XADD`` to ``usage:events``, ``HINCRBY`` on the key's all-time / day / month hashes and the tier's
+all-time / day hashes. In the same step the request's budget reservation (made at admission under the same
+id, see ``gateway/state/limits.py``) is released and its TPM window corrected by the real token count.
+Counters are integers only (micro-USD, tokens, counts).
+
+When Redis is unreachable (or the breaker is open) the event goes to the fsync'd local :class:`Spool`;
+:meth:`Meter.replay` (run every ``metering.replay_interval_s`` by :meth:`Meter.run_replayer`) sends the
+spool back through the same script once Redis answers. Nothing is lost, nothing is counted twice — within
+``metering.dedup_ttl_s`` (the seen-sets' lifetime).
+
+Redis Cluster: the script touches several keys, so all ThinkGate keys share one hash slot (the prefix is a
+hash tag, see ``gateway/state/redis.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal
+
+from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
+
+from gateway.config import MeteringConfig
+from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, counter_increments
+from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.keys import RedisKeys
+from gateway.state.redis import RedisHandle
+from gateway.state.spool import Spool
+
+log = logging.getLogger("thinkgate.metering")
+
+DAY_TTL_S = 400 * 86400
+MONTH_TTL_S = 800 * 86400
+TPM_TTL_MS = 120_000
+UNROUTED = "_unrouted"  # tier label of requests refused before routing
+REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
+
+# KEYS: 1 seen-set, 2 stream, 3 key total, 4 key day, 5 key month, 6 tier total, 7 tier day, 8 usage:keys,
+#       9 the key's reservation hash, 10 the key's TPM counter of the event's minute
+# ARGV: 1 event_id, 2 event JSON, 3 seen TTL s, 4 day TTL s, 5 month TTL s, 6 stream maxlen (0 = none),
+#       7 key id, 8 upstream tokens of the event, 9 TPM TTL ms, 10.. counter field/increment pairs
+# The reservation made at admission is the field event_id of KEYS[9], value "micro|tokens|expires_ms"; it is
+# released here (once: HDEL) and the TPM window corrected by (actual - reserved) tokens.
+# Returns {counted (1/0), key day cost, key month cost} (micro-USD, after this event).
+RECORD_LUA = """
+local resv = redis.call('HGET', KEYS[9], ARGV[1])
+if resv then
+  redis.call('HDEL', KEYS[9], ARGV[1])
+  local reserved = tonumber(string.match(resv, '^[^|]*|([^|]*)|')) or 0
+  local delta = tonumber(ARGV[8]) - reserved
+  if reserved > 0 and delta ~= 0 and redis.call('EXISTS', KEYS[10]) == 1 then
+    redis.call('INCRBY', KEYS[10], delta)
+    redis.call('PEXPIRE', KEYS[10], ARGV[9])
+  end
+end
+local counted = 0
+if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
+  counted = 1
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  if ARGV[6] ~= '0' then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'e', ARGV[2])
+  else
+    redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
+  end
+  for i = 10, #ARGV, 2 do
+    if ARGV[i + 1] ~= '0' then
+      for k = 3, 7 do redis.call('HINCRBY', KEYS[k], ARGV[i], ARGV[i + 1]) end
+    end
+  end
+  redis.call('EXPIRE', KEYS[4], ARGV[4])
+  redis.call('EXPIRE', KEYS[5], ARGV[5])
+  redis.call('EXPIRE', KEYS[7], ARGV[4])
+  redis.call('SADD', KEYS[8], ARGV[7])
+end
+local day = redis.call('HGET', KEYS[4], 'cost_micro_usd') or '0'
+local month = redis.call('HGET', KEYS[5], 'cost_micro_usd') or '0'
+return {counted, tonumber(day), tonumber(month)}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordResult:
+    """Where the event went, and (when it reached Redis) the key's spend so far this day/month (micro-USD)."""
+
+    stored: Literal["redis", "spool"]
+    counted: bool = False  # False for a duplicate event_id (already counted) or a spooled event
+    day_cost_micro_usd: int | None = None
+    month_cost_micro_usd: int | None = None
+
+
+class Meter:
+    """Writes usage events; reads counters and the event stream. One per process, shared by all requests."""
+
+    def __init__(self, handle: RedisHandle, breaker: Breaker, spool: Spool, cfg: MeteringConfig) -> None:
+        self.redis = handle.client
+        self.keys = RedisKeys(handle.prefix)
+        self.breaker = breaker
+        self.spool = spool
+        self.cfg = cfg
+        self._script = self.redis.register_script(RECORD_LUA)
+        self.spooled = 0  # events written to the spool by this process (for metrics)
+
+    # --- write path -------------------------------------------------------------------------------------
+    async def record(self, event: UsageEvent) -> RecordResult:
+        """Count ``event`` once in Redis (and settle its reservation), or spool it durably when Redis is down.
+
+        Raises ``OSError`` only when Redis is down *and* the spool cannot be written (disk full).
+        """
+        try:
+            counted, day, month = await self.breaker.call(lambda: self._run(event))
+        except RedisDown:
+            await self.spool.append([event])
+            self.spooled += 1
+            return RecordResult("spool")
+        return RecordResult("redis", bool(counted), int(day), int(month))
+
+    async def record_many(self, events: list[UsageEvent]) -> list[RecordResult]:
+        """:meth:`record` for several events in one Redis round trip (a pipeline of ``RECORD`` scripts).
+
+        All or nothing on an outage: if the pipeline fails, every event of the batch is spooled (with one
+        fsync); events whose script did run before the failure are dropped by ``event_id`` on replay.
+        Raises like :meth:`record`.
+        """
+        if len(events) <= 1 or not isinstance(self.redis, Redis):  # Redis Cluster: one by one
+            return [await self.record(e) for e in events]
+        try:
+            replies = await self.breaker.call(lambda: self._run_many(events))
+        except RedisDown:
+            await self.spool.append(events)
+            self.spooled += len(events)
+            return [RecordResult("spool") for _ in events]
+        return [RecordResult("redis", bool(c), int(d), int(m)) for c, d, m in replies]
+
+    async def _run_many(self, events: list[UsageEvent]) -> list[list[int]]:
+        for attempt in range(2):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for event in events:
+                    keys, args = self._keys_args(event)
+                    pipe.evalsha(self._script.sha, len(keys), *keys, *args)
+                replies = await pipe.execute(raise_on_error=False)
+            missing = any(isinstance(r, NoScriptError) for r in replies)
+            if missing and attempt == 0:  # script cache flushed (restart, SCRIPT FLUSH): load it, send again
+                await self.redis.script_load(RECORD_LUA)
+                continue  # safe: events already counted are dropped by event_id
+            for r in replies:
+                if isinstance(r, Exception):
+                    raise r
+            return replies
+        raise AssertionError("unreachable")
+
+    async def _run(self, event: UsageEvent) -> list[int]:
+        keys, args = self._keys_args(event)
+        return await self._script(keys=keys, args=args)
+
+    def _keys_args(self, event: UsageEvent) -> tuple[list[str], list[str | bytes | int]]:
+        k = self.keys
+        tier = event.tier or UNROUTED
+        keys = [
+            k.seen(event.day),
+            k.events,
+            k.key_total(event.key_id),
+            k.key_day(event.key_id, event.day),
+            k.key_month(event.key_id, event.month),
+            k.tier_total(tier),
+            k.tier_day(tier, event.day),
+            k.usage_keys,
+            k.reservations(event.key_id),
+            k.tpm(event.key_id, event.minute),
+        ]
+        args: list[str | bytes | int] = [
+            event.event_id,
+            event.to_json(),
+            self.cfg.dedup_ttl_s,
+            DAY_TTL_S,
+            MONTH_TTL_S,
+            self.cfg.stream_maxlen or 0,
+            event.key_id,
+            event.upstream_tokens,
+            TPM_TTL_MS,
+        ]
+        for name, value in counter_increments(event).items():
+            args += [name, value]
+        return keys, args
+
+    async def _record_batch(self, events: list[UsageEvent]) -> None:
+        if not isinstance(self.redis, Redis):
+            for event in events:
+                await self.breaker.call(lambda e=event: self._run(e))
+            return
+        for i in range(0, len(events), REPLAY_PIPELINE):  # a few round trips instead of one per event
+            chunk = events[i : i + REPLAY_PIPELINE]
+            await self.breaker.call(lambda c=chunk: self._run_many(c))
+
+    async def replay(self) -> int:
+        """Send the spool to Redis; returns the number of records sent (0 when empty or Redis is down)."""
+        if self.spool.pending_bytes() == 0:
+            return 0
+        try:
+            n = await self.spool.drain(self._record_batch)
+        except RedisDown:
+            return 0
+        if n:
+            log.info("usage spool replayed: %d events", n)
+        return n
+
+    async def run_replayer(self, stop: asyncio.Event) -> None:
+        """Replay the spool every ``replay_interval_s`` seconds until ``stop`` is set (a background task)."""
+        while not stop.is_set():
+            try:
+                await self.replay()
+            except OSError as exc:  # the spool file itself is unreadable: say so, keep trying
+                log.error("usage spool replay failed: %r", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.cfg.replay_interval_s)
+
+    # --- read path --------------------------------------------------------------------------------------
+    async def key_counters(self, key_id: str, day: str | None = None, month: str | None = None) -> dict[str, int]:
+        """A key's counters: all-time, or for one UTC ``day`` (YYYY-MM-DD) or ``month`` (YYYY-MM)."""
+        if day is not None:
+            name = self.keys.key_day(key_id, day)
+        elif month is not None:
+            name = self.keys.key_month(key_id, month)
+        else:
+            name = self.keys.key_total(key_id)
+        return _ints(await self.breaker.call(lambda: self.redis.hgetall(name)))
+
+    async def tier_counters(self, tier: str, day: str | None = None) -> dict[str, int]:
+        """A tier's counters, all-time or for one UTC ``day``."""
+        name = self.keys.tier_day(tier, day) if day else self.keys.tier_total(tier)
+        return _ints(await self.breaker.call(lambda: self.redis.hgetall(name)))
+
+    async def key_ids(self) -> list[str]:
+        """Every key id that has counters."""
+        raw = await self.breaker.call(lambda: self.redis.smembers(self.keys.usage_keys))
+        return sorted(m.decode() for m in raw)
+
+    async def events(self, since_ts: float | None = None, until_ts: float | None = None,
+                     page: int = 1000) -> AsyncIterator[UsageEvent]:
+        """Every event with ``since_ts <= ts < until_ts`` (epoch seconds), in stream order.
+
+        The stream id is the *write* time, never earlier than the event's ``ts`` (replayed events are
+        written late), so the scan starts at ``since_ts`` and filters on ``ts``. Raises :class:`RedisDown`.
+        """
+        start = f"{int(since_ts * 1000)}-0" if since_ts is not None else "-"
+        while True:
+            batch = await self.breaker.call(
+                lambda s=start: self.redis.xrange(self.keys.events, min=s, max="+", count=page))
+            for _stream_id, fields in batch:
+                event = UsageEvent.from_json(fields[b"e"])
+                if (since_ts is None or event.ts >= since_ts) and (until_ts is None or event.ts < until_ts):
+                    yield event
+            if len(batch) < page:
+                return
+            start = "(" + batch[-1][0].decode()
+
+
+def _ints(raw: dict[bytes, bytes]) -> dict[str, int]:
+    out = dict.fromkeys(COUNTER_FIELDS, 0)
+    out.update({k.decode(): int(v) for k, v in raw.items()})
+    return out

@@ -1,0 +1,134 @@
+"""Prometheus metrics (``GET /metrics``), fed from the usage events and the request path.
+
+One ``CollectorRegistry`` per app (several apps can live in one process, as in the tests). Label values are
+bounded: ``tier`` and ``model`` are the configured tier names / upstream models (anything else is
+``other``; requests refused before routing are ``_unrouted``), ``route_reason`` the six known reasons,
+``cache`` hit|miss|bypass, ``status`` a class (2xx, 4xx, 5xx, 499), ``kind`` prompt|cached|completion|
+reasoning, ``code`` the gateway's own error codes; ``key_id`` only when ``metrics.key_id_label`` is set.
+
+Series (counters get ``_total``): ``thinkgate_requests``, ``thinkgate_tokens``, ``thinkgate_cost_micro_usd``,
+``thinkgate_saved_micro_usd``, ``thinkgate_cache_requests``, ``thinkgate_route_decisions``,
+``thinkgate_upstream_errors``, ``thinkgate_limit_rejections``; histograms
+``thinkgate_request_latency_seconds`` and ``thinkgate_ttft_seconds``; gauges ``thinkgate_redis_breaker_open``,
+``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from gateway.config import MetricsConfig, TierConfig
+from gateway.ledger.event import UsageEvent
+
+ROUTE_REASONS = frozenset({"predicted", "forced", "effort", "fallback", "escalated", "cache"})
+CACHE_RESULTS = frozenset({"hit", "miss", "bypass"})
+ERROR_CODES = frozenset({"upstream_error", "upstream_unavailable", "upstream_timeout", "upstream_rejected",
+                         "upstream_stream_broken", "client_disconnected", "budget_exceeded",
+                         "rate_limit_exceeded", "limits_unavailable", "key_store_unavailable"})
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+MAX_CACHED_CHILDREN = 10_000
+
+
+def status_class(status: int) -> str:
+    return "499" if status == 499 else f"{status // 100}xx"
+
+
+class Metrics:
+    """The gateway's Prometheus series on a private registry."""
+
+    def __init__(self, cfg: MetricsConfig, tiers: Iterable[TierConfig]) -> None:
+        tiers = list(tiers)
+        self.tier_names = frozenset(t.name for t in tiers) | {"_unrouted"}
+        self.models = frozenset(t.model for t in tiers)
+        self.key_label = cfg.key_id_label
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        k = ["key_id"] if self.key_label else []
+        self.requests = Counter("thinkgate_requests", "Requests answered (one per usage event).",
+                                ["endpoint", "tier", "model", "route_reason", "cache", "status", *k], registry=r)
+        self.tokens = Counter("thinkgate_tokens", "Tokens by kind (cached ⊂ prompt, reasoning ⊂ completion).",
+                              ["tier", "model", "kind", *k], registry=r)
+        self.cost = Counter("thinkgate_cost_micro_usd", "Upstream cost, micro-USD.", ["tier", "model", *k],
+                            registry=r)
+        self.saved = Counter("thinkgate_saved_micro_usd", "Cost avoided by cache hits, micro-USD.",
+                             ["tier", "model", *k], registry=r)
+        self.cache = Counter("thinkgate_cache_requests", "Response-cache outcomes.", ["result"], registry=r)
+        self.routes = Counter("thinkgate_route_decisions", "Routing decisions.", ["tier", "reason"], registry=r)
+        self.upstream_errors = Counter("thinkgate_upstream_errors", "Failed or broken upstream calls.",
+                                       ["tier", "code"], registry=r)
+        self.rejections = Counter("thinkgate_limit_rejections", "Requests refused by budgets/limits.", ["code"],
+                                  registry=r)
+        self.latency = Histogram("thinkgate_request_latency_seconds", "Request latency (to the last byte).",
+                                 ["tier", "stream"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("thinkgate_ttft_seconds", "Time to the first content byte.", ["tier", "stream"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.breaker_open = Gauge("thinkgate_redis_breaker_open", "1 while the Redis circuit breaker is open.",
+                                  registry=r)
+        self.spool_bytes = Gauge("thinkgate_usage_spool_bytes", "Bytes of usage events waiting in the spool.",
+                                 registry=r)
+        self.spooled = Gauge("thinkgate_usage_spooled_events", "Usage events this process has spooled.",
+                             registry=r)
+
+        # (metric id, label values) -> child: prometheus_client's labels() validates and locks on every call
+        # (~3 µs, ten times per request); the series themselves are still created on first use, as before.
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            if len(self._children) >= MAX_CACHED_CHILDREN:  # key_id labels: keep the map bounded
+                self._children.clear()
+            child = self._children[key] = metric.labels(*values)
+        return child
+
+    def _tier(self, tier: str | None) -> str:
+        if tier is None:
+            return "_unrouted"
+        return tier if tier in self.tier_names else "other"
+
+    def _model(self, model: str | None) -> str:
+        return model if model in self.models else "other"
+
+    def observe(self, event: UsageEvent, cache: str) -> None:
+        """Count one finished request from its usage event; ``cache`` = the request's cache outcome."""
+        tier, model = self._tier(event.tier), self._model(event.upstream_model)
+        k = (event.key_id,) if self.key_label else ()
+        reason = event.route_reason if event.route_reason in ROUTE_REASONS else "other"
+        cache = cache if cache in CACHE_RESULTS else "bypass"
+        child = self._child
+        child(self.requests, event.endpoint if event.endpoint in ("chat", "completions") else "other", tier, model,
+              reason, cache, status_class(event.status), *k).inc()
+        for kind, n in (("prompt", event.prompt_tokens), ("cached", event.cached_tokens),
+                        ("completion", event.completion_tokens), ("reasoning", event.reasoning_tokens)):
+            if n:
+                child(self.tokens, tier, model, kind, *k).inc(n)
+        if event.cost_micro_usd:
+            child(self.cost, tier, model, *k).inc(event.cost_micro_usd)
+        if event.saved_micro_usd:
+            child(self.saved, tier, model, *k).inc(event.saved_micro_usd)
+        child(self.cache, cache).inc()
+        child(self.routes, tier, reason).inc()
+        if event.status >= 500:
+            code = event.error_code if event.error_code in ERROR_CODES else "other"
+            child(self.upstream_errors, tier, code).inc()
+        stream = "true" if event.stream else "false"
+        child(self.latency, tier, stream).observe(event.latency_ms / 1000)
+        if event.ttft_ms is not None:
+            child(self.ttft, tier, stream).observe(event.ttft_ms / 1000)
+
+    def rejected(self, code: str | None) -> None:
+        """Count a refusal by budgets/limits (429/503 before routing)."""
+        self._child(self.rejections, code if code in ERROR_CODES else "other").inc()
+
+    def render(self, breaker_open: bool, spool_bytes: int, spooled: int) -> bytes:
+        """The exposition text, with the gauges set from the current state."""
+        self.breaker_open.set(1 if breaker_open else 0)
+        self.spool_bytes.set(spool_bytes)
+        self.spooled.set(spooled)
+        return generate_latest(self.registry)
+

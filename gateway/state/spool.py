@@ -1,0 +1,140 @@
+"""The local usage spool: events that could not reach Redis, one JSON line each, fsync'd before return.
+
+Several gateway processes may share one spool file (same state directory): every append and every drain
+holds an exclusive ``fcntl.flock`` on the file; inside one process an ``asyncio.Lock`` serialises them too,
+and appends that arrive while one is being written are written together with one fsync (group commit: while
+Redis is unreachable every request's event lands here, and one fsync each would queue them up for seconds
+on a busy disk).
+Draining never rewrites the file partially: it reads every line, hands the events to a sink, and truncates
+the file only when the sink accepted all of them. A crash or failure in the middle leaves the whole file in
+place; the next drain sends the already-counted events again and the metering script drops them by
+``event_id`` (so nothing is lost and nothing counted twice). A torn last line (crash during a write, never
+acknowledged) is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from gateway.ledger.event import UsageEvent
+
+log = logging.getLogger("thinkgate.metering")
+
+
+class Spool:
+    """Append-only fsync'd JSONL file of :class:`UsageEvent` at ``path`` (directories created on demand)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lock = asyncio.Lock()
+        self._waiting: list[tuple[bytes, asyncio.Future[None]]] = []  # appends not yet written
+
+    def _append_sync(self, lines: bytes) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            view = memoryview(lines)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    async def append(self, events: list[UsageEvent]) -> None:
+        """Append ``events`` durably (written and fsync'd when this returns). Raises ``OSError`` on disk errors."""
+        if not events:
+            return
+        data = b"".join(e.to_json() + b"\n" for e in events)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((data, done))
+        async with self._lock:
+            if not done.done():  # nobody wrote ours while we waited for the lock: write every waiting append
+                batch, self._waiting = self._waiting, []
+                try:
+                    await asyncio.to_thread(self._append_sync, b"".join(d for d, _ in batch))
+                except BaseException as exc:
+                    for _, f in batch:
+                        if f is not done and not f.done():
+                            f.set_exception(exc if isinstance(exc, Exception) else OSError("spool write interrupted"))
+                    raise
+                for _, f in batch:
+                    if not f.done():
+                        f.set_result(None)
+        await done
+
+    def pending_bytes(self) -> int:
+        """Size of the spool file in bytes (0 when absent): non-zero means events wait for Redis."""
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def read_all(self) -> list[UsageEvent]:
+        """Every well-formed event in the file (for inspection and tests)."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return []
+        return _parse(raw)
+
+    async def drain(self, sink: Callable[[list[UsageEvent]], Awaitable[None]], batch: int = 200) -> int:
+        """Send every spooled event to ``sink`` (in batches) and truncate the file once all were accepted.
+
+        Returns the number of events sent. When ``sink`` raises, the exception propagates and the file is
+        left untouched (idempotent sinks make the retry safe).
+        """
+        if self.pending_bytes() == 0:
+            return 0
+        async with self._lock:
+            fd = await asyncio.to_thread(_open_locked, self.path)
+            if fd is None:
+                return 0
+            try:
+                raw = await asyncio.to_thread(_read_fd, fd)
+                events = _parse(raw)
+                for i in range(0, len(events), batch):
+                    await sink(events[i : i + batch])
+                await asyncio.to_thread(_truncate, fd)
+                return len(events)
+            finally:
+                os.close(fd)
+
+
+def _open_locked(path: Path) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _truncate(fd: int) -> None:
+    os.ftruncate(fd, 0)
+    os.fsync(fd)
+
+
+def _read_fd(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(raw: bytes) -> list[UsageEvent]:
+    events: list[UsageEvent] = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            events.append(UsageEvent.from_json(line))
+        except (ValueError, TypeError) as exc:
+            log.warning("usage spool: skipping unreadable line %d: %r", n, exc)
+    return events

@@ -1,0 +1,432 @@
+"""Thinking-budget enforcement in the gateway: two-phase budget forcing, loop guard, escalation checks.
+
+**Budget forcing** (``budget_mode: forced``, for upstreams without a native per-request budget). Following
+the "budget forcing" of s1 (Muennighoff et al., arXiv 2501.19393), the thought is generated with at most
+``thinking_budget`` tokens and stopped at the end-of-thinking marker; when the budget cut it, the tier's
+``end_of_thinking`` text (default ``"\\n</think>\\n\\n"``) is appended and the *same* assistant message is
+continued for the answer:
+
+- chat: phase 2 sends the conversation plus a final assistant message ``"<think>\\n" + thought + close``
+  with ``continue_final_message: true, add_generation_prompt: false`` (vLLM's chat extension; the chat
+  template renders the message, and transformers cuts the rendering right after its content);
+- completions: phase 2 sends ``prompt + thought + close`` as the prompt.
+
+The client sees one response (streaming included): the thought as ``reasoning`` (chat) and the answer as
+``content``; completions return ``thought + close + answer`` as ``text``. Usage is the sum of what the
+upstream processed in both phases — ``prompt_tokens`` = p1 + p2 prompt tokens (phase 2's prompt holds the
+thought again; an engine with prefix caching reports it in ``prompt_tokens_details.cached_tokens``),
+``completion_tokens`` = p1 + p2, ``completion_tokens_details.reasoning_tokens`` = phase-1 completion tokens
+(≤ the budget). Units are tokens throughout.
+
+**Loop guard** (``loop_guard`` on a forced tier): an n-gram of whitespace words seen ``max_repeats`` times in
+the streamed thought ends phase 1 early, as if the budget were hit.
+
+**Escalation** (``escalate_on``): :func:`escalation_reason` tells whether a finished answer must be retried
+on the next tier: ``empty_answer`` (no answer text) or ``length_in_thought`` (stopped by ``length`` before
+the thought closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway.config import LoopGuard, TierConfig
+from gateway.errors import GatewayError, InvalidRequest, UpstreamTimeout
+from gateway.openai import sse
+from gateway.upstream.pool import UpstreamPool
+
+THINK_OPEN = "<think>\n"
+PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+
+
+async def _pieces(resp: Any, endpoint: str) -> AsyncIterator[tuple[str, str | None, dict[str, Any] | None]]:
+    """(generated text, finish_reason, usage) per event of an upstream SSE response, until ``[DONE]``."""
+    async for batch in sse.data_batches(resp):
+        for payload in batch:
+            if payload == b"[DONE]":
+                return
+            data = orjson.loads(payload)
+            if data.get("usage") and not data.get("choices"):
+                yield "", None, data["usage"]
+            for c in data.get("choices") or ():
+                yield _text_of(c, endpoint, delta=True), c.get("finish_reason"), None
+
+
+class LoopDetector:
+    """Detects a thought that repeats itself: True once any n-gram of ``ngram`` consecutive whitespace words
+    has been seen ``max_repeats`` times. Feed text pieces as they stream (split words across pieces are
+    handled by keeping the unfinished tail)."""
+
+    def __init__(self, guard: LoopGuard) -> None:
+        self.n = guard.ngram
+        self.max_repeats = guard.max_repeats
+        self._window: deque[str] = deque(maxlen=self.n)
+        self._counts: Counter[tuple[str, ...]] = Counter()
+        self._tail = ""
+
+    def feed(self, text: str) -> bool:
+        """Add ``text``; return True when the loop threshold is reached."""
+        words = (self._tail + text).split(" ")
+        self._tail = words.pop()  # the last piece may be an unfinished word
+        hit = False
+        for chunk in words:
+            for w in chunk.split():
+                self._window.append(w)
+                if len(self._window) == self.n:
+                    key = tuple(self._window)
+                    self._counts[key] += 1
+                    hit = hit or self._counts[key] >= self.max_repeats
+        return hit
+
+
+def end_marker(tier: TierConfig) -> str:
+    """The end-of-thinking marker the thought phase stops at (``end_of_thinking`` stripped: ``</think>``)."""
+    return tier.end_of_thinking.strip() or "</think>"
+
+
+def thought_request(body: dict[str, Any], tier: TierConfig) -> dict[str, Any]:
+    """Phase-1 body from the tier's upstream body: at most ``thinking_budget`` tokens, stop at the marker.
+
+    The client's ``stop`` strings apply to the answer (phase 2), not to the thought.
+    """
+    out = dict(body)
+    out.pop("thinking_token_budget", None)
+    budget = tier.thinking_budget if tier.thinking_budget is not None else out["max_tokens"]
+    out["max_tokens"] = max(1, min(budget, out["max_tokens"]))
+    out["stop"] = [end_marker(tier)]
+    out["n"] = 1
+    return out
+
+
+def answer_request(
+    body: dict[str, Any], tier: TierConfig, endpoint: str, thought: str, closed_naturally: bool, used: int
+) -> dict[str, Any]:
+    """Phase-2 body: continue the same assistant turn after the closed thought, with the tokens left."""
+    out = dict(body)
+    out.pop("thinking_token_budget", None)
+    out["n"] = 1
+    out["max_tokens"] = max(1, out["max_tokens"] - used)
+    close = end_marker(tier) + "\n\n" if closed_naturally else tier.end_of_thinking
+    if endpoint == "chat":
+        prefix = THINK_OPEN + thought + close
+        out["messages"] = [*body["messages"], {"role": "assistant", "content": prefix}]
+        out["continue_final_message"] = True
+        out["add_generation_prompt"] = False
+        # The thought is closed: engines whose reasoning parser honours the switch (vLLM's qwen3) then report
+        # everything generated as the answer (content) instead of as an unfinished thought.
+        kwargs = out.get("chat_template_kwargs")
+        out["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}), "enable_thinking": False}
+    else:
+        out["prompt"] = body["prompt"] + thought + close
+    return out
+
+
+def merge_usage(u1: dict[str, Any] | None, u2: dict[str, Any] | None, reasoning_tokens: int) -> dict[str, Any]:
+    """Sum two upstream usage objects (tokens); reasoning tokens are the thought phase's completion tokens."""
+    u1, u2 = u1 or {}, u2 or {}
+    prompt = int(u1.get("prompt_tokens") or 0) + int(u2.get("prompt_tokens") or 0)
+    completion = int(u1.get("completion_tokens") or 0) + int(u2.get("completion_tokens") or 0)
+    cached = sum(int(((u or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0) for u in (u1, u2))
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+    }
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def _text_of(choice: dict[str, Any], endpoint: str, delta: bool = False) -> str:
+    """All generated text of a choice, wherever a reasoning parser put it (reasoning, content or text)."""
+    if endpoint == "completions":
+        return str(choice.get("text") or "")
+    part = choice.get("delta" if delta else "message") or {}
+    return str(part.get("reasoning") or part.get("reasoning_content") or "") + str(part.get("content") or "")
+
+
+@dataclass(slots=True)
+class _Phase:
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class ForcedBudget:
+    """Runs two-phase budget forcing for one request on one forced tier through the pooled upstreams."""
+
+    def __init__(self, pool: UpstreamPool, tier: TierConfig, endpoint: str) -> None:
+        if endpoint not in PATHS:
+            raise ValueError(f"unknown endpoint {endpoint!r}")
+        self.pool = pool
+        self.tier = tier
+        self.endpoint = endpoint
+        self.path = PATHS[endpoint]
+
+    def check(self, body: dict[str, Any]) -> None:
+        """Refuse what forcing cannot serve: a list of prompts (completions); ``n > 1`` with streaming."""
+        if self.endpoint == "completions" and not isinstance(body.get("prompt"), str):
+            raise InvalidRequest(
+                f"tier {self.tier.name!r} enforces its thinking budget by forcing: 'prompt' must be one string",
+                param="prompt",
+            )
+        if body.get("stream") is True and int(body.get("n") or 1) > 1:
+            raise InvalidRequest(
+                f"tier {self.tier.name!r} enforces its thinking budget by forcing: n > 1 cannot be streamed",
+                param="n",
+            )
+
+    # -- non-streamed -------------------------------------------------------------------------------
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One combined non-streamed response (OpenAI JSON). ``body`` is the tier's upstream body; ``n``
+        choices are ``n`` independent forced generations. Built from :meth:`stream` (the upstream calls are
+        streamed either way), so the loop guard applies to both."""
+        n = int(body.get("n") or 1)
+        one = {**body, "n": 1, "stream": True}
+        results = await asyncio.gather(*(self._assemble(self.stream(one)) for _ in range(n)))
+        usage: dict[str, Any] = {}
+        reasoning = 0
+        choices = []
+        for i, (choice, u, _) in enumerate(results):
+            reasoning += u["completion_tokens_details"]["reasoning_tokens"]
+            usage = merge_usage(usage, u, reasoning)
+            choices.append({**choice, "index": i})
+        obj = "chat.completion" if self.endpoint == "chat" else "text_completion"
+        return {**results[0][2], "object": obj, "choices": choices, "usage": usage}
+
+    async def _assemble(
+        self, payloads: AsyncIterator[bytes]
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """(choice, usage, response metadata) from the chunks of one forced stream."""
+        reasoning: list[str] = []
+        text: list[str] = []
+        finish: str | None = None
+        usage: dict[str, Any] = {}
+        meta: dict[str, Any] = {}
+        async for payload in payloads:
+            if payload == b"[DONE]":
+                break
+            data = orjson.loads(payload)
+            meta = meta or {k: data[k] for k in ("id", "created", "model") if k in data}
+            usage = data.get("usage") or usage
+            for c in data.get("choices") or ():
+                finish = c.get("finish_reason") or finish
+                if self.endpoint == "completions":
+                    text.append(c.get("text") or "")
+                    continue
+                delta = c.get("delta") or {}
+                reasoning.append(delta.get("reasoning") or "")
+                text.append(delta.get("content") or "")
+        if self.endpoint == "chat":
+            message = {"role": "assistant", "content": "".join(text), "reasoning": "".join(reasoning)}
+            return {"index": 0, "message": message, "finish_reason": finish}, usage, meta
+        return {"index": 0, "text": "".join(text), "finish_reason": finish}, usage, meta
+
+    # -- streamed -----------------------------------------------------------------------------------
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        """SSE ``data:`` payloads (JSON bytes) of one seamless stream, ending with a usage chunk and
+        ``[DONE]``. Closing the iterator closes the upstream response in flight (cancelling it)."""
+        rid = f"chatcmpl-{uuid.uuid4().hex}" if self.endpoint == "chat" else f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
+        guard = LoopDetector(self.tier.loop_guard) if self.tier.loop_guard else None
+        opts = body.get("stream_options")
+        body = {**body, "stream": True, "stream_options": {**(opts if isinstance(opts, dict) else {}),
+                                                           "include_usage": True}}
+
+        head = {"id": rid, "object": obj, "created": created, "model": self.tier.model}
+
+        def chunk(piece: str | None, kind: str, finish: str | None = None) -> bytes:
+            if self.endpoint == "chat":
+                delta: dict[str, Any] = {kind: piece} if piece is not None else {}
+                c: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": piece or "", "finish_reason": finish}
+            return orjson.dumps({**head, "choices": [c]})
+
+        p1 = _Phase()
+        looped = False
+        # Opened before the first yield: a caller that primes the generator sees connection errors (and can
+        # fall back to another tier) before any byte went to the client.
+        resp = await self.pool.open(self.tier, self.path, orjson.dumps(thought_request(body, self.tier)), stream=True)
+        try:
+            if self.endpoint == "chat":
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                yield orjson.dumps({**head, "choices": [role]})
+            async for piece, finish, usage in _pieces(resp, self.endpoint):
+                p1.usage = usage or p1.usage
+                p1.finish_reason = finish or p1.finish_reason
+                if piece:
+                    p1.text += piece
+                    yield chunk(piece, "reasoning")
+                    if guard is not None and guard.feed(piece):
+                        looped = True
+                        break
+        finally:
+            await resp.aclose()
+        used = int((p1.usage or {}).get("completion_tokens") or 0)
+        if looped or not used:
+            counted = await self.pool.count_tokens(self.tier, p1.text)
+            used = counted if counted is not None else max(1, len(p1.text) // 4) if p1.text else 0
+            p1.usage = {**(p1.usage or {}), "completion_tokens": used}
+        natural = p1.finish_reason == "stop" and not looped
+        close = end_marker(self.tier) + "\n\n" if natural else self.tier.end_of_thinking
+        if self.endpoint == "completions":
+            yield chunk(close, "text")
+        p2 = _Phase()
+        req2 = answer_request(body, self.tier, self.endpoint, p1.text, natural, used)
+        resp = await self.pool.open(self.tier, self.path, orjson.dumps(req2), stream=True)
+        try:
+            async for piece, finish, usage in _pieces(resp, self.endpoint):
+                p2.usage = usage or p2.usage
+                if piece or finish:
+                    yield chunk(piece or None, "content" if self.endpoint == "chat" else "text", finish)
+        finally:
+            await resp.aclose()
+        usage = merge_usage(p1.usage, p2.usage, used)
+        yield orjson.dumps({**head, "choices": [], "usage": usage})
+        yield b"[DONE]"
+
+
+def escalation_reason(tier: TierConfig, data: dict[str, Any], endpoint: str) -> str | None:
+    """Why a finished non-streamed answer should be retried on the next tier, per ``tier.escalate_on``.
+
+    ``length_in_thought``: the first choice stopped by ``length`` with no answer text (cut in its thought);
+    ``empty_answer``: no answer text at all. Returns the reason, or None. For completions the answer is the
+    text after the last ``</think>`` (all of it when there is no marker).
+    """
+    if not tier.escalate_on:
+        return None
+    choices = data.get("choices") or []
+    if not choices:
+        return "empty_answer" if "empty_answer" in tier.escalate_on else None
+    c = choices[0]
+    if endpoint == "chat":
+        answer = str((c.get("message") or {}).get("content") or "")
+    else:
+        text = str(c.get("text") or "")
+        marker = end_marker(tier)
+        answer = text.rsplit(marker, 1)[1] if marker in text else ("" if c.get("finish_reason") == "length" else text)
+    if answer.strip():
+        return None
+    if "length_in_thought" in tier.escalate_on and c.get("finish_reason") == "length":
+        return "length_in_thought"
+    if "empty_answer" in tier.escalate_on:
+        return "empty_answer"
+    return None
+
+
+class SyntheticResponse:
+    """Stands in for the ``httpx.Response`` of one upstream call when the gateway composed the answer itself
+    (budget forcing) or already read part of it (escalation peek): the proxy reads ``content`` (non-streamed)
+    or ``aiter_raw()`` (SSE bytes) and always calls ``aclose()``.
+
+    Gateway errors raised while streaming are re-raised as the httpx errors the relay already turns into an
+    in-stream error event (timeout → ``httpx.ReadTimeout``, others → ``httpx.RemoteProtocolError``).
+    """
+
+    def __init__(
+        self,
+        content: bytes = b"",
+        payloads: AsyncIterator[bytes] | None = None,
+        head: list[bytes] | None = None,
+        raw: AsyncIterator[bytes] | None = None,
+        closer: Any = None,
+    ) -> None:
+        self.content = content
+        self._payloads = payloads
+        self._head = head or []
+        self._raw = raw
+        self._closer = closer
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        for frame in self._head:
+            yield frame
+        try:
+            if self._payloads is not None:
+                async for payload in self._payloads:
+                    yield sse.event(payload)
+            if self._raw is not None:
+                async for chunk in self._raw:
+                    yield chunk
+        except UpstreamTimeout as exc:
+            raise httpx.ReadTimeout(exc.message) from None
+        except GatewayError as exc:
+            raise httpx.RemoteProtocolError(exc.message) from None
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._payloads, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        if self._closer is not None:
+            await self._closer()
+
+
+async def open_forced(pool: UpstreamPool, tier: TierConfig, endpoint: str, body: dict[str, Any]) -> SyntheticResponse:
+    """Run budget forcing for ``body`` (the tier's upstream body) and return it as one upstream response.
+
+    Streams are primed up to the first chunk, so connection failures of the thought phase raise here
+    (UpstreamUnavailable & co.) and the proxy can still fall back. Raises InvalidRequest for what forcing
+    cannot serve (see :meth:`ForcedBudget.check`).
+    """
+    forced = ForcedBudget(pool, tier, endpoint)
+    forced.check(body)
+    if body.get("stream") is not True:
+        return SyntheticResponse(content=orjson.dumps(await forced.complete(body)))
+    payloads = forced.stream(body)
+    first = await payloads.__anext__()
+    return SyntheticResponse(payloads=payloads, head=[sse.event(first)])
+
+
+async def peek_stream(resp: Any, endpoint: str) -> tuple[SyntheticResponse, dict[str, Any]]:
+    """Read an SSE response until its answer starts (a non-empty ``content``/``text`` delta) or it ends.
+
+    Returns (a response replaying everything read and then the rest, a summary for
+    :func:`escalation_reason`: ``{"choices": [{"message"|"text": …, "finish_reason"}], "usage"}``). The
+    thought is buffered meanwhile, which is the price of escalating a streamed request before any byte of
+    the weaker tier's answer reached the client.
+    """
+    head: list[bytes] = []
+    raw = resp.aiter_raw()
+    text = ""
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    buf = b""
+    async for chunk in raw:
+        head.append(chunk)
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            try:
+                data = orjson.loads(line[5:].strip())
+            except orjson.JSONDecodeError:
+                continue
+            usage = data.get("usage") or usage
+            for c in data.get("choices") or ():
+                part = c.get("text") if endpoint == "completions" else (c.get("delta") or {}).get("content")
+                text += str(part or "")
+                finish = c.get("finish_reason") or finish
+        # completions carry the thought in ``text`` too: the answer is what follows the end marker
+        answer = text if endpoint == "chat" else (text.rsplit("</think>", 1)[1] if "</think>" in text else "")
+        if answer.strip():
+            break
+    if endpoint == "chat":
+        choice: dict[str, Any] = {"message": {"content": text}, "finish_reason": finish}
+    else:
+        choice = {"text": text, "finish_reason": finish}
+    return SyntheticResponse(head=head, raw=raw, closer=resp.aclose), {"choices": [choice], "usage": usage}

@@ -1,0 +1,109 @@
+"""Loaders for the real math data sets copied under ``data/`` (GSM8K, MATH), with ``math-verify`` checking.
+
+Sources and licences: ``data/gsm8k/NOTICE.md`` (openai/grade-school-math, MIT) and ``data/math/NOTICE.md``
+(MATH via PRM800K splits, MIT). Difficulty: GSM8K has no level, so it is the number of ``<<calc>>``
+annotations in the reference solution (≈ arithmetic steps, capped at 8); MATH uses its level 1–5 (0 when the
+source says ``Level ?``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import re
+from collections.abc import Iterable, Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from router.tasks.base import Problem, answer_region, extract_answer
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
+_FILES = {
+    ("gsm8k", "train"): DATA_DIR / "gsm8k" / "train.jsonl.gz",
+    ("gsm8k", "test"): DATA_DIR / "gsm8k" / "test.jsonl",
+    ("math", "train"): DATA_DIR / "math" / "train.jsonl.gz",
+    ("math", "test"): DATA_DIR / "math" / "test.jsonl",
+}
+
+
+def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                yield json.loads(line)
+
+
+@lru_cache(maxsize=8)
+def _all(name: str, split: str) -> tuple[Problem, ...]:
+    path = _FILES.get((name, split))
+    if path is None:
+        raise ValueError(f"unknown split {split!r} for {name!r}; expected train|test")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing (copy it from shared/data; see data/{name}/NOTICE.md)")
+    out: list[Problem] = []
+    for i, rec in enumerate(_read_jsonl(path)):
+        if name == "gsm8k":
+            solution, _, final = rec["answer"].rpartition("####")
+            answer = final.strip().replace(",", "")
+            level = min(8, max(1, solution.count("<<")))
+            out.append(
+                Problem(f"gsm8k/{split}/{i}", rec["question"], answer, level, "gsm8k", {"solution": solution.strip()})
+            )
+        else:
+            level = rec.get("level")
+            out.append(
+                Problem(
+                    f"math/{rec['unique_id']}",
+                    rec["problem"],
+                    rec["answer"],
+                    int(level) if level is not None else 0,
+                    "math",
+                    {"subject": rec["subject"], "solution": rec["solution"]},
+                )
+            )
+    return tuple(out)
+
+
+def load(
+    name: str, split: str, n: int | None, seed: int = 0, difficulties: Iterable[int] | None = None
+) -> list[Problem]:
+    """Up to ``n`` problems (all when None) of GSM8K or MATH ``split``, shuffled by ``seed``.
+
+    ``difficulties`` keeps only those levels. Raises FileNotFoundError when the data file is missing.
+    """
+    items = list(_all(name, split))
+    if difficulties is not None:
+        keep = set(difficulties)
+        items = [p for p in items if p.difficulty in keep]
+    random.Random(f"{name}|{split}|{seed}").shuffle(items)
+    return items if n is None else items[:n]
+
+
+def _mv_parse(text: str) -> list[Any]:
+    from math_verify import parse
+
+    return list(parse(text))
+
+
+def verify(problem: Problem, completion: str) -> bool:
+    """``math-verify`` equivalence of the answer after the last ``</think>`` and the reference.
+
+    The gold answer is parsed as LaTeX (``$answer$``). The prediction is parsed from the answer region (boxed
+    or last expression); if that yields nothing, from :func:`extract_answer`'s string.
+    """
+    from math_verify import verify as mv_verify
+
+    gold = _mv_parse(f"${problem.answer}$") or _mv_parse(problem.answer)
+    if not gold:
+        return False
+    region = answer_region(completion)
+    candidates = [_mv_parse(region)]
+    extracted = extract_answer(completion)
+    if extracted:
+        candidates.append(_mv_parse(f"${extracted}$"))
+        if re.fullmatch(r"-?[\d,]+(?:\.\d+)?", extracted):
+            candidates.append(_mv_parse(extracted.replace(",", "")))
+    return any(pred and mv_verify(gold, pred) for pred in candidates)

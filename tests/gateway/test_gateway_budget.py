@@ -1,0 +1,160 @@
+"""Thinking budgets through the gateway over the simulator: forced mode (two phases, one seamless response,
+streamed and not), the loop guard, and escalation (both calls metered, route reason ``escalated``)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from gateway.ledger.record import UsageRecord
+from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, sim_tiers
+
+BUDGET = 8
+QUESTION = "Start with 7. Add 5, then multiply by 3. What is the result of all these steps please?"
+
+
+def _tiers(sim: SimProcess, **short: Any) -> list[dict[str, Any]]:
+    tiers = sim_tiers(sim.base_url)
+    tiers[1].update({"budget_mode": "forced", "thinking_budget": BUDGET, "max_tokens": 64, **short})
+    return tiers
+
+
+@pytest.fixture
+def forced_gateway(upstream_sim: SimProcess, redis_url: str) -> Iterator[tuple[GatewayServer, list[UsageRecord]]]:
+    settings = sim_settings(upstream_sim.base_url, redis_url, tiers=_tiers(upstream_sim))
+    with GatewayServer(settings) as gw:
+        records: list[UsageRecord] = []
+        gw.app.state.proxy.usage_sinks.append(records.append)
+        yield gw, records
+
+
+def _client(gw: GatewayServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=30)
+
+
+def _stream_text(client: openai.OpenAI, **kw: Any) -> tuple[str, str, dict[str, Any], Any]:
+    raw = client.chat.completions.with_raw_response.create(stream=True, stream_options={"include_usage": True}, **kw)
+    reasoning, content, usage, ids = [], [], None, set()
+    for chunk in raw.parse():
+        ids.add(chunk.id)
+        if chunk.usage:
+            usage = chunk.usage.model_dump()
+        for c in chunk.choices:
+            extra = c.delta.model_extra or {}
+            reasoning.append(extra.get("reasoning") or "")
+            content.append(c.delta.content or "")
+    assert len(ids) == 1, "one seamless stream: every chunk carries the same id"
+    return "".join(reasoning), "".join(content), usage or {}, raw.headers
+
+
+def test_forced_budget_non_stream(forced_gateway: tuple[GatewayServer, list[UsageRecord]],
+                                  upstream_sim: SimProcess) -> None:
+    gw, records = forced_gateway
+    tag = uuid.uuid4().hex
+    raw = _client(gw).chat.completions.with_raw_response.create(
+        model="short", messages=[{"role": "user", "content": QUESTION}], extra_body={"sim": {"tag": tag}})
+    resp = raw.parse()
+    msg = resp.choices[0].message
+    reasoning = (msg.model_extra or {}).get("reasoning") or ""
+    assert 0 < len(reasoning.split()) <= BUDGET
+    assert msg.content and msg.content.startswith("echo:")
+    usage = resp.usage
+    assert usage.completion_tokens_details.reasoning_tokens == len(reasoning.split()) <= BUDGET
+    # phase 2 re-reads the prompt plus the thought: summed prompt tokens exceed the question's own
+    single = len(QUESTION.split()) + 3
+    assert usage.prompt_tokens > 2 * single
+    assert usage.completion_tokens == usage.completion_tokens_details.reasoning_tokens + len(msg.content.split())
+    last = upstream_sim.tag(tag)
+    assert last is not None
+    body = last["body"]
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    assert body["messages"][-1]["content"] == "<think>\n" + reasoning + "\n</think>\n\n"
+    assert "thinking_token_budget" not in body
+    assert raw.headers["x-thinkgate-tier"] == "short"
+    rec = records[-1]
+    assert (rec.prompt_tokens, rec.completion_tokens, rec.reasoning_tokens) == (
+        usage.prompt_tokens, usage.completion_tokens, usage.completion_tokens_details.reasoning_tokens)
+
+
+def test_forced_budget_stream_equals_non_stream(forced_gateway: tuple[GatewayServer, list[UsageRecord]]) -> None:
+    gw, records = forced_gateway
+    client = _client(gw)
+    msgs = [{"role": "user", "content": QUESTION}]
+    resp = client.chat.completions.create(model="short", messages=msgs)
+    reasoning, content, usage, _ = _stream_text(client, model="short", messages=msgs)
+    assert reasoning == (resp.choices[0].message.model_extra or {}).get("reasoning")
+    assert content == resp.choices[0].message.content
+    assert usage["prompt_tokens"] == resp.usage.prompt_tokens
+    assert usage["completion_tokens"] == resp.usage.completion_tokens
+    assert usage["completion_tokens_details"]["reasoning_tokens"] <= BUDGET
+    assert records[-1].cost_micro_usd == records[-2].cost_micro_usd > 0
+
+
+def test_forced_budget_completions(forced_gateway: tuple[GatewayServer, list[UsageRecord]]) -> None:
+    gw, _ = forced_gateway
+    resp = _client(gw).completions.create(model="short", prompt="<think>\n" + QUESTION)
+    text = resp.choices[0].text
+    thought, answer = text.split("</think>", 1)
+    assert len(thought.split()) <= BUDGET and answer.strip()
+    # reasoning tokens = the thought phase's completion tokens (the simulator also counts the marker word)
+    assert len(thought.split()) <= resp.usage.completion_tokens_details.reasoning_tokens <= BUDGET + 1
+
+
+def test_loop_guard_cuts_a_repeating_thought(upstream_sim: SimProcess, redis_url: str) -> None:
+    # The simulator's thought cycles the prompt's words: a three-word prompt repeats at once.
+    tiers = _tiers(upstream_sim, thinking_budget=60, loop_guard={"ngram": 3, "max_repeats": 2})
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        client = _client(gw)
+        resp = client.chat.completions.create(model="short", messages=[{"role": "user", "content": "red green blue"}])
+        reasoning = (resp.choices[0].message.model_extra or {}).get("reasoning") or ""
+        assert 3 < len(reasoning.split()) < 10, reasoning
+        assert resp.choices[0].message.content
+    tiers = _tiers(upstream_sim, thinking_budget=60)
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        resp = _client(gw).chat.completions.create(model="short",
+                                                   messages=[{"role": "user", "content": "red green blue"}])
+        # unguarded, the whole 19-word cycle (and, the simulator never writing </think>, its echo) is thought
+        assert len(((resp.choices[0].message.model_extra or {}).get("reasoning") or "").split()) >= 19
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_escalation_when_cut_inside_the_thought(upstream_sim: SimProcess, redis_url: str, stream: bool) -> None:
+    # short: native budget far above max_tokens, so the answer never starts → escalate to long
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"thinking_budget": 100, "max_tokens": 4, "escalate_on": ["length_in_thought"]})
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        records: list[UsageRecord] = []
+        gw.app.state.proxy.usage_sinks.append(records.append)
+        client = _client(gw)
+        msgs = [{"role": "user", "content": QUESTION}]
+        if stream:
+            _, content, _, headers = _stream_text(client, model="short", messages=msgs)
+        else:
+            raw = client.chat.completions.with_raw_response.create(model="short", messages=msgs)
+            content, headers = raw.parse().choices[0].message.content, raw.headers
+        assert content and content.startswith("echo:")
+        assert headers["x-thinkgate-tier"] == "long"
+        assert headers["x-thinkgate-route-reason"] == "escalated"
+        first, second = records[-2:]
+        assert (first.tier, first.route_reason, first.error_code) == ("short", "forced",
+                                                                      "escalated_length_in_thought")
+        assert first.completion_tokens == 4 and first.cost_micro_usd > 0
+        assert (second.tier, second.route_reason, second.status) == ("long", "escalated", 200)
+        assert second.cost_micro_usd > 0
+
+
+def test_no_escalation_when_the_answer_is_there(upstream_sim: SimProcess, redis_url: str) -> None:
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"escalate_on": ["empty_answer", "length_in_thought"]})
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        for stream in (False, True):
+            raw = _client(gw).chat.completions.with_raw_response.create(
+                model="short", messages=[{"role": "user", "content": QUESTION}], stream=stream)
+            assert raw.headers["x-thinkgate-tier"] == "short"
+            assert raw.headers["x-thinkgate-route-reason"] == "forced"
+            if stream:
+                assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)

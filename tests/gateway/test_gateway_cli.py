@@ -1,0 +1,126 @@
+"""``thinkgate serve`` and ``thinkgate config show`` as a user runs them: real processes, real config files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from gateway.engine.redis_server import free_port
+from tests.fixtures.upstream import wait_for, wait_http_ok
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def thinkgate(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def write_config(path: Path, sim_base: str, redis_url: str, **extra: Any) -> Path:
+    cfg = {
+        "engine": {"enabled": False},
+        "redis": {"url": redis_url, "start_if_missing": False},
+        "tiers": [
+            {"name": "short", "base_url": sim_base, "model": "sim-model", "thinking_budget": 8, "max_tokens": 64,
+             "api_key": "upstream-secret"},
+            {"name": "long", "base_url": sim_base, "model": "sim-model"},
+        ],
+        "routing": {"router_path": None, "effort_tiers": {"low": "short", "high": "long"}},
+        **extra,
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_config_show_prints_effective_yaml(tmp_path: Path, redis_url: str) -> None:
+    cfg = write_config(tmp_path / "c.yaml", "http://127.0.0.1:9/v1", redis_url)
+    r = thinkgate("config", "show", "--config", str(cfg), env={"THINKGATE_SERVER__PORT": "9123"})
+    assert r.returncode == 0, r.stderr
+    shown = yaml.safe_load(r.stdout)
+    assert [t["name"] for t in shown["tiers"]] == ["short", "long"]
+    assert shown["server"]["port"] == 9123  # environment override applied
+    assert shown["tiers"][0]["api_key"] == "***" and "upstream-secret" not in r.stdout
+    assert shown["tiers"][0]["prices"]["output_usd_per_mtok"] == "0"
+
+
+def test_invalid_config_exits_2_naming_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"tiers": [{"name": "short", "max_tokens": -5}], "server": {"port": "x"}}))
+    for args in (["config", "show"], ["serve"]):
+        r = thinkgate(*args, "--config", str(bad))
+        assert r.returncode == 2, r.stderr
+        assert "tiers.0.max_tokens" in r.stderr and "server.port" in r.stderr
+        assert "Traceback" not in r.stderr
+    r = thinkgate("serve", "--config", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "config file not found" in r.stderr
+
+
+def test_serve_creates_dev_key_and_answers(tmp_path: Path, upstream_sim: Any, redis_url: str) -> None:
+    key_file = tmp_path / "state" / "dev-key"
+    cfg = write_config(tmp_path / "c.yaml", upstream_sim.base_url, redis_url,
+                       auth={"dev_key_file": str(key_file)})
+    port = free_port()
+    log = (tmp_path / "serve.log").open("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=30, proc=proc)
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        secret = key_file.read_text().strip()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=secret, max_retries=0, timeout=10)
+        c = client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hello"}])
+        assert c.choices[0].message.content == "echo: hello"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+        log.seek(0)
+        output = log.read()
+        log.close()
+    assert f"cat {key_file}" in output
+
+
+def test_sigterm_stops_what_serve_started(tmp_path: Path, upstream_sim: Any) -> None:
+    """SIGTERM ends ``serve`` through its clean-up: the private redis-server it started (as it would the local
+    engine) is stopped too, not orphaned."""
+    from gateway.engine.redis_server import ping
+
+    redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    cfg = write_config(tmp_path / "c.yaml", upstream_sim.base_url, redis_url,
+                       redis={"url": redis_url, "start_if_missing": True},
+                       auth={"dev_key_file": str(tmp_path / "dev-key")})
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=30, proc=proc)
+        assert ping(redis_url), "serve started a private Redis"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert wait_for(lambda: not ping(redis_url), timeout_s=10), "the private Redis outlived serve"
+
+
+@pytest.mark.parametrize("argv", [["keys", "list"], ["usage", "export", "--format", "jsonl", "--output", "-"]])
+def test_offline_commands_exit_3_when_redis_is_unreachable(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``keys`` and ``usage`` talk to Redis directly (gateway/cli_common.run_on_redis): a refused connection is a
+    one-line error and exit code 3, not a traceback."""
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    monkeypatch.setenv("THINKGATE_REDIS__URL", f"redis://127.0.0.1:{free_port()}/0")
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 3, r.output
+    assert "Redis unreachable" in r.output

@@ -1,0 +1,133 @@
+"""Bad input and auth: every refusal is OpenAI-shaped JSON with the documented status, never a traceback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.fixtures.upstream import TEST_KEY, GatewayServer, sim_settings
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+AUTH = {"authorization": f"Bearer {TEST_KEY}"}
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> None:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in r.text
+    if code is not None:
+        assert err["code"] == code
+    if param is not None:
+        assert err["param"] == param
+
+
+def post(gateway: Any, body: bytes | dict[str, Any], path: str = "/v1/chat/completions",
+         headers: dict[str, str] | None = None) -> httpx.Response:
+    h = {"content-type": "application/json", **(AUTH if headers is None else headers)}
+    content = body if isinstance(body, bytes) else httpx.Request("POST", "/", json=body).content
+    return httpx.post(gateway.url + path, content=content, headers=h, timeout=10)
+
+
+def test_malformed_json(gateway: Any) -> None:
+    assert_openai_error(post(gateway, b'{"model": "auto", "messages": [}'), 400, "invalid_json")
+    assert_openai_error(post(gateway, b"[1, 2]"), 400, "invalid_json")
+    assert_openai_error(post(gateway, b""), 400, "invalid_json")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", "hot"), ("n", 0), ("n", 1.5), ("max_tokens", -1), ("stream", "yes"), ("stop", [1, 2]),
+     ("max_completion_tokens", "many"), ("model", 42), ("stream_options", 1)],
+)
+def test_wrong_types_through_sdk(openai_client: openai.OpenAI, field: str, value: Any) -> None:
+    kwargs: dict[str, Any] = {"model": "auto", "messages": MESSAGES, field: value}
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.chat.completions.create(**kwargs)
+    assert info.value.status_code == 400
+    assert info.value.param == field  # type: ignore[attr-defined]
+    assert info.value.type == "invalid_request_error"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("messages", [[], "hello", [{"content": "no role"}], [{"role": "user", "content": 5}]])
+def test_bad_messages(gateway: Any, messages: Any) -> None:
+    r = post(gateway, {"model": "auto", "messages": messages})
+    assert_openai_error(r, 400)
+    assert r.json()["error"]["param"].startswith("messages")
+
+
+def test_bad_prompt_on_completions(gateway: Any) -> None:
+    assert_openai_error(post(gateway, {"model": "auto"}, "/v1/completions"), 400, param="prompt")
+    assert_openai_error(post(gateway, {"model": "auto", "prompt": [1, "a"]}, "/v1/completions"), 400, param="prompt")
+
+
+def test_unknown_model_and_effort(openai_client: openai.OpenAI, gateway: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.chat.completions.create(model="gpt-17", messages=MESSAGES)  # type: ignore[arg-type]
+    assert info.value.code == "model_not_found" and info.value.param == "model"  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.chat.completions.create(model="auto", messages=MESSAGES,
+                                              reasoning_effort="ludicrous")  # type: ignore[arg-type]
+    assert info.value.param == "reasoning_effort"  # type: ignore[attr-defined]
+    r = post(gateway, {"model": "auto", "messages": MESSAGES}, headers={**AUTH, "x-thinkgate-tier": "nope"})
+    assert_openai_error(r, 400, "model_not_found")
+
+
+def test_body_over_limit_is_413(gateway: Any, openai_client: openai.OpenAI) -> None:
+    limit = gateway.settings.server.max_body_bytes
+    big = [{"role": "user", "content": "x" * (limit + 10)}]
+    assert_openai_error(post(gateway, {"model": "auto", "messages": big}), 413, "request_too_large")
+    with pytest.raises(openai.APIStatusError) as info:
+        openai_client.chat.completions.create(model="auto", messages=big)  # type: ignore[arg-type]
+    assert info.value.status_code == 413
+
+
+def test_body_over_limit_without_content_length(gateway: Any) -> None:
+    limit = gateway.settings.server.max_body_bytes
+
+    def chunks() -> Any:
+        yield b'{"model": "auto", "messages": [{"role": "user", "content": "'
+        for _ in range(limit // 1000 + 2):
+            yield b"y" * 1000
+        yield b'"}]}'
+
+    r = httpx.post(gateway.url + "/v1/chat/completions", content=chunks(), headers=AUTH, timeout=10)
+    assert_openai_error(r, 413, "request_too_large")
+
+
+def test_missing_and_unknown_key(gateway: Any) -> None:
+    assert_openai_error(post(gateway, {"model": "auto", "messages": MESSAGES}, headers={}), 401, "missing_api_key")
+    assert_openai_error(
+        post(gateway, {"model": "auto", "messages": MESSAGES}, headers={"authorization": "Basic abc"}), 401
+    )
+    r = httpx.get(gateway.url + "/v1/models", timeout=5)
+    assert_openai_error(r, 401)
+    bad = openai.OpenAI(base_url=gateway.base_url, api_key="tg-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        bad.chat.completions.create(model="auto", messages=MESSAGES)  # type: ignore[arg-type]
+    assert info.value.code == "invalid_api_key"  # type: ignore[attr-defined]
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_unknown_route_and_method(gateway: Any) -> None:
+    assert_openai_error(httpx.get(gateway.url + "/v1/nothing", headers=AUTH, timeout=5), 404, "not_found")
+    assert_openai_error(httpx.get(gateway.url + "/v1/chat/completions", headers=AUTH, timeout=5), 405)
+
+
+def test_unexpected_error_is_openai_shaped_500(upstream_sim: Any, redis_url: str) -> None:
+    gw = GatewayServer(sim_settings(upstream_sim.base_url, redis_url))
+
+    @gw.app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("secret internals")
+
+    with gw:
+        r = httpx.get(gw.url + "/boom", timeout=5)
+    assert_openai_error(r, 500, "internal_error")
+    assert "secret internals" not in r.text

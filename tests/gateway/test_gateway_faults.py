@@ -1,0 +1,211 @@
+"""Upstream faults: refused connections (with tier fallback), timeouts, 5xx with and without retry, a stream
+dropped or stalled midway, an in-stream engine error, and a client that disconnects mid-stream.
+
+Each case gets its documented status or in-stream error, within a bounded time (no hung request).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.engine.redis_server import free_port
+from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, start_sim, wait_for
+
+MESSAGES = [{"role": "user", "content": "tell me a story about a fox"}]
+READ_TIMEOUT_S = 1.0
+HANG_S = 8.0  # the fault simulator's hang; well above READ_TIMEOUT_S, well below the test timeout
+
+
+def tag() -> str:
+    return uuid.uuid4().hex
+
+
+@pytest.fixture(scope="module")
+def fault_sim() -> Iterator[SimProcess]:
+    sim = start_sim("--hang-s", str(HANG_S))
+    try:
+        yield sim
+    finally:
+        sim.stop()
+
+
+def fault_tiers(sim: SimProcess, dead_port: int) -> list[dict[str, Any]]:
+    common = {"model": "sim-model", "connect_timeout_s": 1.0, "read_timeout_s": READ_TIMEOUT_S}
+    return [
+        {**common, "name": "down", "base_url": f"http://127.0.0.1:{dead_port}/v1", "max_retries": 1},
+        {**common, "name": "ok", "base_url": sim.base_url, "max_retries": 2},
+    ]
+
+
+def fault_settings(sim: SimProcess, redis_url: str, fallback: bool) -> Any:
+    return sim_settings(
+        sim.base_url, redis_url, tiers=fault_tiers(sim, free_port()),
+        routing={"router_path": None, "routed_tiers": ["down", "ok"], "thresholds": [0.5], "default_tier": "ok",
+                 "effort_tiers": {"low": "down", "high": "ok"}, "fallback": fallback},
+    )
+
+
+@pytest.fixture(scope="module")
+def fault_gateway(fault_sim: SimProcess, redis_url: str) -> Iterator[GatewayServer]:
+    with GatewayServer(fault_settings(fault_sim, redis_url, fallback=True)) as gw:
+        yield gw
+
+
+@pytest.fixture
+def client(fault_gateway: GatewayServer) -> Iterator[openai.OpenAI]:
+    c = openai.OpenAI(base_url=fault_gateway.base_url, api_key=TEST_KEY, max_retries=0, timeout=15)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def records(fault_gateway: GatewayServer) -> Iterator[list[Any]]:
+    got: list[Any] = []
+    sinks = fault_gateway.app.state.proxy.usage_sinks
+    sinks.append(got.append)
+    yield got
+    sinks.remove(got.append)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_refused_connection_falls_back_to_next_tier(client: openai.OpenAI, stream: bool) -> None:
+    raw = client.chat.completions.with_raw_response.create(model="down", messages=MESSAGES, stream=stream)
+    assert raw.headers["x-thinkgate-tier"] == "ok"
+    assert raw.headers["x-thinkgate-route-reason"] == "fallback"
+    if stream:
+        assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices).startswith("echo:")
+    else:
+        assert raw.parse().choices[0].message.content.startswith("echo:")
+
+
+def test_refused_connection_without_fallback_is_502(fault_sim: SimProcess, redis_url: str) -> None:
+    with GatewayServer(fault_settings(fault_sim, redis_url, fallback=False)) as gw:
+        c = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=15)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as info:
+            c.chat.completions.create(model="down", messages=MESSAGES)
+        assert time.monotonic() - t0 < 5
+        assert info.value.status_code == 502
+        assert info.value.code == "upstream_unavailable"  # type: ignore[attr-defined]
+        r = httpx.get(gw.url + "/ready", timeout=10)
+        assert r.status_code == 503 and r.json()["upstreams"] == {"down": False, "ok": True}
+
+
+def test_upstream_500_is_502_without_retry(client: openai.OpenAI, fault_sim: SimProcess, records: list[Any]) -> None:
+    t = tag()
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="ok", messages=MESSAGES, extra_body={"sim": {"fail": "500", "tag": t}})
+    assert info.value.status_code == 502
+    assert info.value.type == "upstream_error"  # type: ignore[attr-defined]
+    assert "500" in info.value.message
+    assert fault_sim.tag(t)["attempts"] == 1
+    assert [r.status for r in records] == [502]
+
+
+def test_upstream_503_is_retried_then_succeeds(client: openai.OpenAI, fault_sim: SimProcess) -> None:
+    t = tag()
+    for stream in (False, True):
+        t = tag()
+        raw = client.chat.completions.with_raw_response.create(
+            model="ok", messages=MESSAGES, stream=stream, extra_body={"sim": {"fail": "503", "fail_times": 2, "tag": t}}
+        )
+        assert raw.status_code == 200 and raw.headers["x-thinkgate-route-reason"] == "forced"
+        raw.parse()
+        assert fault_sim.tag(t)["attempts"] == 3
+
+
+def test_upstream_503_persisting_is_502(client: openai.OpenAI, fault_sim: SimProcess) -> None:
+    t = tag()
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="ok", messages=MESSAGES, extra_body={"sim": {"fail": "503", "tag": t}})
+    assert info.value.status_code == 502
+    assert fault_sim.tag(t)["attempts"] == 3  # 1 + max_retries
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_upstream_timeout_is_504(client: openai.OpenAI, fault_sim: SimProcess, stream: bool) -> None:
+    t = tag()
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="ok", messages=MESSAGES, stream=stream,
+                                       extra_body={"sim": {"fail": "timeout", "tag": t}})
+    elapsed = time.monotonic() - t0
+    assert info.value.status_code == 504
+    assert info.value.code == "upstream_timeout"  # type: ignore[attr-defined]
+    assert READ_TIMEOUT_S <= elapsed < READ_TIMEOUT_S + 3
+    assert fault_sim.tag(t)["attempts"] == 1  # a read timeout is not retried
+    # The gateway hung up, so the simulator sees its client go away long before its hang ends.
+    rec = fault_sim.wait_tag_status(t, {"cancelled", "failed"}, timeout_s=HANG_S / 2)
+    assert rec is not None and rec["status"] == "cancelled"
+
+
+def test_stream_dropped_midway_ends_with_error_event(client: openai.OpenAI, records: list[Any]) -> None:
+    got: list[str] = []
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError) as info:
+        for chunk in client.chat.completions.create(model="ok", messages=MESSAGES, stream=True,
+                                                     extra_body={"sim": {"fail": "drop"}}):
+            got.extend(getattr(c.delta, "reasoning", None) or "" for c in chunk.choices)
+    assert time.monotonic() - t0 < 5
+    assert got, "the chunks before the drop were relayed"
+    assert info.value.body["code"] == "upstream_stream_broken"  # type: ignore[index]
+    assert wait_for(lambda: len(records) == 1, timeout_s=15)  # generous: CI boxes are loaded
+    rec = records[0]
+    assert (rec.status, rec.partial, rec.usage_source) == (502, True, "counted")
+    assert rec.completion_tokens > 0 and rec.cost_micro_usd >= 0
+
+
+def test_non_stream_drop_is_502(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="ok", messages=MESSAGES, extra_body={"sim": {"fail": "drop"}})
+    assert info.value.status_code == 502
+
+
+def test_stream_stalled_midway_ends_with_timeout_event(client: openai.OpenAI, records: list[Any]) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError) as info:
+        for _ in client.chat.completions.create(model="ok", messages=MESSAGES, stream=True,
+                                                extra_body={"sim": {"fail": "stall"}}):
+            pass
+    assert READ_TIMEOUT_S <= time.monotonic() - t0 < READ_TIMEOUT_S + 3
+    assert info.value.body["code"] == "upstream_timeout"  # type: ignore[index]
+    assert wait_for(lambda: len(records) == 1) and records[0].status == 504
+
+
+def test_in_stream_engine_error_is_forwarded(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.APIError, match="simulated engine error"):
+        for _ in client.chat.completions.create(model="ok", messages=MESSAGES, stream=True,
+                                                extra_body={"sim": {"fail": "error-event"}}):
+            pass
+
+
+def test_client_disconnect_cancels_upstream(fault_gateway: GatewayServer, fault_sim: SimProcess,
+                                            records: list[Any]) -> None:
+    t = tag()
+    body = {"model": "ok", "stream": True, "messages": MESSAGES,
+            "sim": {"tag": t, "chunk_delay_ms": 100}}  # ~25 chunks → 2.5 s if nobody hung up
+    with httpx.Client(timeout=10) as h, h.stream("POST", fault_gateway.base_url + "/chat/completions", json=body,
+                                                 headers={"authorization": f"Bearer {TEST_KEY}"}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        seen = 0
+        for line in lines:
+            if line.startswith("data:"):
+                seen += 1
+            if seen == 3:
+                break
+    # Closing the client's connection must close the gateway's upstream request, not let it run to the end.
+    rec = fault_sim.wait_tag_status(t, {"cancelled", "completed"}, timeout_s=15)
+    assert rec is not None and rec["status"] == "cancelled", rec
+    assert rec["chunks_sent"] < 20
+    assert wait_for(lambda: len(records) == 1, timeout_s=15)  # generous: CI boxes are loaded
+    usage = records[0]
+    assert (usage.status, usage.partial, usage.usage_source) == (499, True, "counted")
+    assert usage.completion_tokens >= 1

@@ -1,0 +1,88 @@
+"""The Redis key store: hashed at rest, create/list/revoke/lookup, caching and outage behaviour."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from gateway.auth.keys import KeyStore
+from gateway.auth.redis_store import KeyExists, KeyStoreUnavailable, RedisKeyStore
+from gateway.config import AuthConfig
+from gateway.engine.redis_server import free_port
+from gateway.errors import AuthError
+from gateway.state.breaker import Breaker
+from gateway.state.redis import connect
+from tests.fixtures.redis_stack import stack
+
+
+async def test_create_lookup_list_revoke(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
+        store = RedisKeyStore(st.handle, st.breaker, cache_s=0)
+        secret = await store.create("team-a", tags={"project": "p1", "team": "a"}, budget_usd_day=Decimal("1.5"),
+                                    budget_usd_month=Decimal("20"), rpm=60, tpm=10_000)
+        assert secret.startswith("tg-") and len(secret) > 40
+        digest = hashlib.sha256(secret.encode()).hexdigest()
+        # at rest: no value anywhere in Redis contains the secret
+        for key in [k async for k in st.handle.client.scan_iter(match=redis_prefix + "*")]:
+            if await st.handle.client.type(key) == b"string":
+                assert secret.encode() not in await st.handle.client.get(key)
+        info = await store.lookup(digest)
+        assert info is not None and info.id == "team-a" and info.tags == {"project": "p1", "team": "a"}
+        assert (info.budget_usd_day, info.budget_usd_month, info.rpm, info.tpm) == (Decimal("1.5"), Decimal("20"),
+                                                                                  60, 10_000)
+        with pytest.raises(KeyExists):
+            await store.create("team-a")
+        await store.create("team-b")
+        listed = await store.list()
+        assert [r.id for r in listed] == ["team-a", "team-b"]
+        assert "secret_sha256" not in listed[0].public() and listed[0].revoked is None
+        assert await store.revoke("team-a") is True
+        assert await store.revoke("team-a") is False
+        with pytest.raises(KeyError):
+            await store.revoke("nobody")
+        assert await store.lookup(digest) is None
+        assert (await store.list())[0].revoked is not None
+        with pytest.raises(KeyExists):  # ids are never reused
+            await store.create("team-a")
+
+
+async def test_auth_keystore_uses_config_keys_then_redis(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
+        store = RedisKeyStore(st.handle, st.breaker, cache_s=0)
+        auth = KeyStore(AuthConfig(keys=[{"id": "cfg", "secret": "config-secret"}]), redis_store=store)
+        assert (await auth.authenticate("Bearer config-secret")).id == "cfg"
+        secret = await store.create("cli-made", tags={"env": "dev"})
+        assert (await auth.authenticate(f"Bearer {secret}")).id == "cli-made"
+        with pytest.raises(AuthError):
+            await auth.authenticate("Bearer tg-not-a-key")
+        await store.revoke("cli-made")
+        with pytest.raises(AuthError):
+            await auth.authenticate(f"Bearer {secret}")
+
+
+async def test_lookup_cache_and_outage(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
+        now = [1000.0]
+        store = RedisKeyStore(st.handle, st.breaker, cache_s=5, stale_s=60, clock=lambda: now[0])
+        secret = await store.create("k")
+        digest = hashlib.sha256(secret.encode()).hexdigest()
+        assert (await store.lookup(digest)) is not None
+        # the same store object, but Redis now unreachable (a client on a dead port)
+        dead = connect(st.redis_cfg.model_copy(update={"url": f"redis://127.0.0.1:{free_port()}/0"}))
+        store.redis = dead.client
+        store.breaker = Breaker(30)
+        now[0] += 10  # past key_cache_s: it tries Redis, fails, serves the stale entry
+        t0 = time.monotonic()
+        assert (await store.lookup(digest)) is not None
+        with pytest.raises(KeyStoreUnavailable) as info:
+            await store.lookup("0" * 64)
+        assert info.value.status == 503
+        now[0] += 100  # past key_stale_s: no longer trusted
+        with pytest.raises(KeyStoreUnavailable):
+            await store.lookup(digest)
+        assert time.monotonic() - t0 < 1.0
+        await dead.close()

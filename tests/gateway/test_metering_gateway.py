@@ -1,0 +1,234 @@
+"""Metering through a real gateway: stream == non-stream cost, disconnects metered, exports == counters ==
+events (CLI and API), keys from the CLI, /v1/usage visibility and /metrics."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from gateway.ledger.event import COUNTER_FIELDS, cost_micro_usd, counter_increments
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway, keys_config, usage_events
+from tests.fixtures.upstream import GatewayServer, SimProcess
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gw_prefix() -> str:
+    return f"tgtest:{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture(scope="module")
+def gw(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory,
+       gw_prefix: str) -> Iterator[GatewayServer]:
+    from tests.fixtures.gateway import cleanup
+
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("metergw"), gw_prefix,
+                                auth={**keys_config(), "key_cache_s": 0}) as g:
+            yield g
+    finally:
+        cleanup(redis_url, gw_prefix)
+
+
+def sdk(gw: GatewayServer, secret: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.base_url, api_key=secret, max_retries=0, timeout=30)
+
+
+def test_stream_and_non_stream_meter_the_same_cost(gw: GatewayServer) -> None:
+    c = sdk(gw, SECRETS["alice"])
+    ids = []
+    for model in ("short", "long"):
+        kw: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "explain stream metering"}],
+                              "extra_headers": {"cache-control": "no-store"}}
+        plain = c.chat.completions.with_raw_response.create(**kw)
+        streamed = c.chat.completions.with_raw_response.create(**kw, stream=True)  # no usage asked for
+        assert not any(ch.usage for ch in streamed.parse())
+        ids.append((plain.headers["x-request-id"], streamed.headers["x-request-id"]))
+    events = usage_events(gw, [i for pair in ids for i in pair])
+    for plain_id, stream_id in ids:
+        p, s = events[plain_id], events[stream_id]
+        assert (p.stream, s.stream) == (False, True)
+        assert p.cost_micro_usd == s.cost_micro_usd > 0
+        assert (p.prompt_tokens, p.completion_tokens, p.reasoning_tokens) == \
+            (s.prompt_tokens, s.completion_tokens, s.reasoning_tokens)
+        assert p.usage_source == s.usage_source == "upstream"
+        tier = gw.settings.tier(p.tier or "")
+        assert p.cost_micro_usd == cost_micro_usd(tier.prices, prompt_tokens=p.prompt_tokens,
+                                                  cached_tokens=p.cached_tokens, completion_tokens=p.completion_tokens)
+
+
+def test_client_disconnect_mid_stream_is_metered(gw: GatewayServer, upstream_sim: SimProcess) -> None:
+    tag = uuid.uuid4().hex
+    body = {"model": "long", "messages": [{"role": "user", "content": "a long careful answer please " + tag}],
+            "stream": True, "sim": {"tag": tag, "chunk_delay_ms": 40}}
+    headers = {"authorization": f"Bearer {SECRETS['alice']}"}
+    got = b""
+    with httpx.Client(timeout=30) as http, http.stream("POST", gw.base_url + "/chat/completions", json=body,
+                                                       headers=headers) as r:
+        request_id = r.headers["x-request-id"]
+        for part in r.iter_raw():
+            got += part
+            if got.count(b"data: ") >= 6:
+                break  # walk away mid-stream
+    rec = upstream_sim.wait_tag_status(tag, {"cancelled", "completed"})
+    assert rec is not None and rec["status"] == "cancelled"  # the gateway cancelled the upstream call
+    ev = usage_events(gw, [request_id])[request_id]
+    assert ev.status == 499 and ev.partial and ev.error_code == "client_disconnected"
+    assert ev.usage_source == "counted"
+    assert 5 <= ev.completion_tokens <= rec["chunks_sent"]  # what was relayed, counted one token per delta
+    tier = gw.settings.tier("long")
+    assert ev.cost_micro_usd == cost_micro_usd(tier.prices, prompt_tokens=ev.prompt_tokens, cached_tokens=0,
+                                               completion_tokens=ev.completion_tokens) > 0
+
+
+def _cli(*args: str, config: Path) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "gateway", *args, "--config", str(config)], cwd=REPO,
+                          capture_output=True, timeout=60, env={**os.environ, "THINKGATE_CONFIG": ""})
+
+
+@pytest.fixture(scope="module")
+def cli_config(gw: GatewayServer, gw_prefix: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "thinkgate.yaml"
+    path.write_text(yaml.safe_dump({"engine": {"enabled": False},
+                                    "redis": {"url": gw.settings.redis.url, "key_prefix": gw_prefix,
+                                              "start_if_missing": False},
+                                    "routing": {"router_path": None}}))
+    return path
+
+
+def test_cli_keys_create_use_list_revoke(gw: GatewayServer, cli_config: Path) -> None:
+    kid = "cli-" + uuid.uuid4().hex[:8]
+    r = _cli("keys", "create", "--id", kid, "--tag", "project=atlas", "--tag", "team=ml", "--budget-usd-day", "2.5",
+             "--rpm", "100", config=cli_config)
+    assert r.returncode == 0, r.stderr
+    secret = r.stdout.decode().strip()
+    assert r.stdout.decode() == secret + "\n" and secret.startswith("tg-")  # alone on stdout
+    resp = sdk(gw, secret).chat.completions.with_raw_response.create(
+        model="short", messages=[{"role": "user", "content": "hi from the cli key"}])
+    ev = usage_events(gw, [resp.headers["x-request-id"]])[resp.headers["x-request-id"]]
+    assert ev.key_id == kid and ev.tags == {"project": "atlas", "team": "ml"}
+    again = _cli("keys", "create", "--id", kid, config=cli_config)
+    assert again.returncode == 1 and again.stdout == b""
+    listed = _cli("keys", "list", "--json", config=cli_config)
+    rows = [json.loads(line) for line in listed.stdout.decode().splitlines()]
+    mine = next(x for x in rows if x["id"] == kid)
+    assert mine["budget_usd_day"] == "2.5" and mine["rpm"] == 100 and "secret_sha256" not in mine
+    assert secret not in listed.stdout.decode()
+    assert _cli("keys", "revoke", kid, config=cli_config).returncode == 0
+    with pytest.raises(openai.AuthenticationError):
+        sdk(gw, secret).models.list()
+    assert _cli("keys", "revoke", "no-such-key", config=cli_config).returncode == 1
+
+
+def test_exports_equal_counters_equal_events(gw: GatewayServer, cli_config: Path, tmp_path: Path) -> None:
+    ids = []
+    for who in ("alice", "bob"):
+        c = sdk(gw, SECRETS[who])
+        for i, model in enumerate(("short", "long", "none", "short")):
+            raw = c.chat.completions.with_raw_response.create(
+                model=model, messages=[{"role": "user", "content": f"{who} question {i}"}], stream=i % 2 == 1)
+            if i % 2 == 1:
+                list(raw.parse())
+            ids.append(raw.headers["x-request-id"])
+    admin = {"authorization": f"Bearer {ADMIN_SECRET}"}
+    events = list(usage_events(gw, ids).values())
+    assert set(ids) <= {e.request_id for e in events}
+    by_key: dict[str, dict[str, int]] = {}
+    for e in events:
+        acc = by_key.setdefault(e.key_id, dict.fromkeys(COUNTER_FIELDS, 0))
+        for k, v in counter_increments(e).items():
+            acc[k] += v
+    # counters (API summary, admin view) == sum of the events
+    summaries = httpx.get(gw.base_url + "/usage", headers=admin, timeout=10).json()["data"]
+    counters = {s["key_id"]: s["counters"]["total"] for s in summaries}
+    assert counters == by_key
+    # exports (CLI, three formats) == counters
+    out = tmp_path / "u.csv"
+    r = _cli("usage", "export", "--format", "csv", "--group-by", "key", "--output", str(out), config=cli_config)
+    assert r.returncode == 0, r.stderr
+    csv_rows = {row["key"]: {k: int(row[k]) for k in COUNTER_FIELDS} for row in csv.DictReader(io.StringIO(
+        out.read_text()))}
+    assert csv_rows == by_key
+    r = _cli("usage", "export", "--format", "jsonl", "--group-by", "key", config=cli_config)
+    jsonl_rows = {row["key"]: {k: row[k] for k in COUNTER_FIELDS} for row in map(json.loads, r.stdout.splitlines())}
+    assert jsonl_rows == by_key
+    pq_path = tmp_path / "u.parquet"
+    r = _cli("usage", "export", "--format", "parquet", "--group-by", "key,tier", "--output", str(pq_path),
+             config=cli_config)
+    assert r.returncode == 0, r.stderr
+    table = pq.read_table(pq_path).to_pylist()
+    for key, want in by_key.items():
+        assert sum(row["cost_micro_usd"] for row in table if row["key"] == key) == want["cost_micro_usd"]
+        assert sum(row["requests"] for row in table if row["key"] == key) == want["requests"]
+    raw = _cli("usage", "export", "--format", "jsonl", config=cli_config)
+    assert len(raw.stdout.splitlines()) == len(events)
+    # per-tier counters agree with the events too
+    tiers = {e.tier for e in events}
+    grouped = httpx.get(gw.base_url + "/usage", params={"group_by": "tier", "since": "0"}, headers=admin,
+                        timeout=10).json()["data"]
+    assert {row["tier"] for row in grouped} == tiers
+    assert sum(row["cost_micro_usd"] for row in grouped) == sum(e.cost_micro_usd for e in events)
+
+
+def test_usage_visibility(gw: GatewayServer) -> None:
+    sdk(gw, SECRETS["bob"]).chat.completions.create(model="short", messages=[{"role": "user", "content": "vis"}])
+    alice = {"authorization": f"Bearer {SECRETS['alice']}"}
+    mine = httpx.get(gw.base_url + "/usage", headers=alice, timeout=10)
+    assert mine.status_code == 200 and mine.json()["key_id"] == "alice"
+    assert httpx.get(gw.base_url + "/usage", params={"key_id": "bob"}, headers=alice, timeout=10).status_code == 403
+    rows = httpx.get(gw.base_url + "/usage", params={"group_by": "key", "since": "0"}, headers=alice,
+                     timeout=10).json()["data"]
+    assert {r["key"] for r in rows} <= {"alice"}
+    admin = {"authorization": f"Bearer {ADMIN_SECRET}"}
+    bob = httpx.get(gw.base_url + "/usage", params={"key_id": "bob"}, headers=admin, timeout=10).json()
+    assert bob["key_id"] == "bob" and bob["counters"]["total"]["requests"] >= 1
+    assert httpx.get(gw.base_url + "/usage", timeout=10).status_code == 401
+    assert httpx.get(gw.base_url + "/usage", params={"group_by": "colour"}, headers=admin, timeout=10).status_code \
+        == 400
+
+
+def test_metrics_endpoint(gw: GatewayServer) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    c = sdk(gw, SECRETS["alice"])
+    question = [{"role": "user", "content": "metrics " + uuid.uuid4().hex}]
+    c.chat.completions.create(model="short", messages=question, temperature=0)
+    c.chat.completions.create(model="short", messages=question, temperature=0)
+    time.sleep(0.1)
+    assert httpx.get(gw.url + "/metrics", timeout=10).status_code == 401
+    text = httpx.get(gw.url + "/metrics", headers={"authorization": f"Bearer {SECRETS['alice']}"}, timeout=10).text
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+    def total(name: str, **labels: str) -> float:
+        return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v
+                                                                         for k, v in labels.items()))
+
+    assert total("thinkgate_cache_requests_total", result="hit") >= 1
+    assert total("thinkgate_cache_requests_total", result="miss") >= 1
+    assert total("thinkgate_requests_total", tier="short", route_reason="cache", cache="hit", status="2xx") >= 1
+    assert total("thinkgate_tokens_total", kind="prompt") > 0 and total("thinkgate_tokens_total", kind="reasoning") > 0
+    assert total("thinkgate_cost_micro_usd_total", tier="short") > 0
+    assert total("thinkgate_saved_micro_usd_total", tier="short") > 0
+    assert total("thinkgate_route_decisions_total", tier="short", reason="cache") >= 1
+    assert total("thinkgate_request_latency_seconds_count") >= 2 and total("thinkgate_ttft_seconds_count") >= 2
+    assert total("thinkgate_redis_breaker_open") == 0
+    # bounded labels: tiers/models from the config only, no per-key series unless configured
+    tiers = {s.labels["tier"] for s in samples if "tier" in s.labels}
+    assert tiers <= {t.name for t in gw.settings.tiers} | {"_unrouted", "other"}
+    assert not any("key_id" in s.labels for s in samples)

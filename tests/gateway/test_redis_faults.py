@@ -1,0 +1,186 @@
+"""Redis outages in the middle of a bounded load, on a PRIVATE redis-server (never the shared one):
+stopped (SIGTERM, data kept in its AOF) and restarted; paused (SIGSTOP) and resumed. Every request is
+answered, fast; after Redis returns the spool drains and every request has exactly one usage event."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from gateway.ledger.event import UsageEvent
+from tests.fixtures.gateway import SECRETS, accounting_gateway, keys_config
+from tests.fixtures.redis_stack import PersistentRedis
+from tests.fixtures.upstream import SimProcess
+
+PREFIX = "tgfault:"
+MAX_REQUESTS = 400
+LOAD_SECONDS = 7.0
+CONCURRENCY = 4
+
+
+async def _load(url: str, faults: list[tuple[float, Callable[[], None]]], secrets: list[str],
+                cache_control: str = "no-store") -> list[tuple[int, float, str, str, float]]:
+    """Bounded load (count and time, ~40 requests/s): (status, latency s, request id, error code, start offset s)
+    per request, while ``faults`` run at their offsets (seconds) in a worker thread."""
+    results: list[tuple[int, float, str, str, float]] = []
+    t0 = time.monotonic()
+    stop_at = t0 + LOAD_SECONDS
+    sent = 0
+
+    async def worker(w: int) -> None:
+        nonlocal sent
+        async with httpx.AsyncClient(timeout=15) as http:
+            while sent < MAX_REQUESTS and time.monotonic() < stop_at:
+                sent += 1
+                n = sent
+                secret = secrets[n % len(secrets)]
+                body = {"model": "short" if n % 3 else "long", "temperature": 0,
+                        "messages": [{"role": "user", "content": f"question {n % 7}"}], "stream": n % 2 == 0}
+                headers = {"authorization": f"Bearer {secret}", "cache-control": cache_control}
+                t = time.monotonic()
+                r = await http.post(url + "/chat/completions", json=body, headers=headers)
+                body_bytes = r.content
+                code = ""
+                if r.status_code != 200:
+                    code = r.json()["error"]["code"]
+                elif b'"error"' in body_bytes and body["stream"]:
+                    code = "in-stream-error"
+                results.append((r.status_code, time.monotonic() - t, r.headers.get("x-request-id", ""), code,
+                                t - t0))
+                await asyncio.sleep(0.08)
+
+    async def injector() -> None:
+        for at, action in faults:
+            delay = t0 + at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await asyncio.to_thread(action)
+
+    await asyncio.gather(injector(), *(worker(w) for w in range(CONCURRENCY)))
+    return results
+
+
+def _stream_events(url: str) -> list[UsageEvent]:
+    client = redis.Redis.from_url(url)
+    try:
+        return [UsageEvent.from_json(f[b"e"]) for _, f in client.xrange(PREFIX + "usage:events")]
+    finally:
+        client.close()
+
+
+def _wait_drained(spool: Path, url: str, want: set[str], timeout_s: float = 20.0) -> list[UsageEvent]:
+    deadline = time.monotonic() + timeout_s
+    events: list[UsageEvent] = []
+    while time.monotonic() < deadline:
+        events = _stream_events(url)
+        if want <= {e.event_id for e in events} and (not spool.exists() or spool.stat().st_size == 0):
+            break
+        time.sleep(0.1)
+    return events
+
+
+def _counters(url: str, key_id: str) -> dict[str, int]:
+    client = redis.Redis.from_url(url)
+    try:
+        return {k.decode(): int(v) for k, v in client.hgetall(f"{PREFIX}usage:key:{key_id}").items()}
+    finally:
+        client.close()
+
+
+def _settings(tmp: Path, server: PersistentRedis, on_down: str) -> dict[str, Any]:
+    return {
+        "redis": {"url": server.url, "key_prefix": PREFIX, "start_if_missing": False, "socket_timeout_s": 0.25,
+                  "breaker_cooldown_s": 0.5},
+        "metering": {"spool_path": str(tmp / "spool.jsonl"), "replay_interval_s": 0.2},
+        "limits": {"on_redis_down": on_down},
+        "cache": {"single_flight_wait_s": 2.0},
+        "auth": keys_config(alice={"budget_usd_day": "100", "rpm": 100_000}),
+    }
+
+
+@pytest.mark.slow
+def test_redis_stopped_and_paused_mid_load_nothing_lost(upstream_sim: SimProcess, redis_url: str,
+                                                        tmp_path: Path) -> None:
+    server = PersistentRedis(tmp_path / "redis")
+    server.workdir.mkdir()
+    server.start()
+    try:
+        with accounting_gateway(upstream_sim.base_url, server.url, tmp_path, PREFIX,
+                                **_settings(tmp_path, server, "fail_open")) as gw:
+            faults = [(1.0, server.stop), (2.5, server.start), (4.0, server.pause), (5.5, server.resume)]
+            results = asyncio.run(_load(gw.base_url, faults, [SECRETS["alice"], SECRETS["bob"]],
+                                        cache_control=""))
+            statuses = [r[0] for r in results]
+            assert len(results) >= 50
+            assert statuses.count(200) == len(results), {s for s in statuses}  # every request answered, and ok
+            assert not [r[3] for r in results if r[3]]
+            assert max(r[1] for r in results) < 5.0  # fail-open within the socket timeout, no hangs
+            starts = [r[4] for r in results]
+            for lo, hi in ((1.1, 2.4), (4.1, 5.4), (5.6, LOAD_SECONDS)):  # stopped, paused, after: load in each
+                assert sum(lo <= t < hi for t in starts) >= 10, (lo, hi)
+            ids = {r[2] for r in results}
+            assert len(ids) == len(results)
+            events = _wait_drained(tmp_path / "spool.jsonl", server.url, ids)
+            acct = gw.app.state.accounting
+            # the outages really hit the load: the breaker tripped and events went through the spool
+            assert acct.breaker.failures >= 2 and acct.meter.spooled > 0
+            print(f"\nfault load: {len(results)} requests, {acct.meter.spooled} spooled, "
+                  f"{acct.breaker.failures} breaker trips, {acct.breaker.short_circuits} short-circuited calls, "
+                  f"max latency {max(r[1] for r in results):.3f} s")
+        streamed = [e.event_id for e in events]
+        assert set(streamed) == ids  # zero events lost
+        assert len(streamed) == len(set(streamed))  # nothing counted twice (replays deduplicated by event_id)
+        per_key = {k: sum(1 for e in events if e.key_id == k) for k in ("alice", "bob")}
+        for key_id, n in per_key.items():
+            c = _counters(server.url, key_id)
+            assert c["requests"] == n
+            assert c["cost_micro_usd"] == sum(e.cost_micro_usd for e in events if e.key_id == key_id)
+        client = redis.Redis.from_url(server.url)
+        try:  # every budget reservation was settled (also those made just before the pause)
+            assert client.hlen(PREFIX + "lim:alice:resv") == 0
+        finally:
+            client.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_fail_closed_refuses_limited_keys_while_redis_is_down(upstream_sim: SimProcess, tmp_path: Path) -> None:
+    server = PersistentRedis(tmp_path / "redis")
+    server.workdir.mkdir()
+    server.start()
+    try:
+        with accounting_gateway(upstream_sim.base_url, server.url, tmp_path, PREFIX,
+                                **_settings(tmp_path, server, "fail_closed")) as gw:
+            headers = {"cache-control": "no-store"}
+            body = {"model": "short", "messages": [{"role": "user", "content": "closed " + uuid.uuid4().hex}]}
+
+            def ask(who: str) -> httpx.Response:
+                return httpx.post(gw.base_url + "/chat/completions", json=body, timeout=15,
+                                  headers={**headers, "authorization": f"Bearer {SECRETS[who]}"})
+
+            assert ask("alice").status_code == 200
+            server.pause()
+            try:
+                t0 = time.monotonic()
+                refused = ask("alice")
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == "limits_unavailable"
+                assert int(refused.headers["retry-after"]) >= 1
+                assert ask("bob").status_code == 200  # no limits configured: nothing to check
+                assert time.monotonic() - t0 < 3.0
+            finally:
+                server.resume()
+            deadline = time.monotonic() + 10
+            while ask("alice").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        server.stop()

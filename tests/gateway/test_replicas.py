@@ -1,0 +1,145 @@
+"""Two gateway processes (``thinkgate serve``) on one Redis: cache hits, budgets and counters hold across them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from gateway.engine.redis_server import free_port
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, cleanup, keys_config
+from tests.fixtures.upstream import SimProcess, sim_tiers, wait_http_ok
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def replicas(upstream_sim: SimProcess, redis_url: str,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """Base URLs (``…/v1``) of two gateway processes sharing one Redis key prefix."""
+    tmp = tmp_path_factory.mktemp("replicas")
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    # alice: a budget worth less than one request (1 micro-USD per day)
+    auth = keys_config(alice={"budget_usd_day": "0.000001"})
+    procs: list[subprocess.Popen[bytes]] = []
+    urls = []
+    try:
+        for i in range(2):
+            port = free_port()
+            cfg = {
+                "engine": {"enabled": False},
+                "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+                "redis": {"url": redis_url, "key_prefix": prefix, "start_if_missing": False},
+                "metering": {"spool_path": str(tmp / f"spool-{i}.jsonl")},
+                "tiers": [{**t, "prices": {k: str(v) for k, v in t["prices"].items()}}
+                          for t in sim_tiers(upstream_sim.base_url)],
+                "routing": {"router_path": None, "routed_tiers": ["short", "long"], "thresholds": [0.5]},
+                "auth": auth,
+            }
+            path = tmp / f"replica-{i}.yaml"
+            path.write_text(yaml.safe_dump(cfg))
+            proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(path)], cwd=REPO,
+                                    env={**os.environ, "THINKGATE_CONFIG": ""}, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+            procs.append(proc)
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, proc in zip(urls, procs, strict=True):
+            wait_http_ok(url + "/health", proc=proc)
+        yield urls[0] + "/v1", urls[1] + "/v1"
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        cleanup(redis_url, prefix)
+
+
+def _post(base: str, who: str, body: dict[str, object], **headers: str) -> httpx.Response:
+    return httpx.post(base + "/chat/completions", json=body, timeout=30,
+                      headers={"authorization": f"Bearer {SECRETS[who]}", **headers})
+
+
+def test_cache_hit_across_replicas(replicas: tuple[str, str], upstream_sim: SimProcess) -> None:
+    a, b = replicas
+    tag = uuid.uuid4().hex
+    body = {"model": "short", "temperature": 0, "messages": [{"role": "user", "content": "shared " + tag}],
+            "sim": {"tag": tag}}
+    first, second = _post(a, "bob", body), _post(b, "bob", body)
+    assert (first.headers["x-thinkgate-cache"], second.headers["x-thinkgate-cache"]) == ("miss", "hit")
+    assert first.json()["choices"] == second.json()["choices"]
+    assert upstream_sim.tag(tag)["attempts"] == 1
+
+
+def test_budget_holds_across_replicas(replicas: tuple[str, str]) -> None:
+    a, b = replicas
+    body = {"model": "short", "messages": [{"role": "user", "content": "budget race"}], "sim": {"delay_ms": 300}}
+
+    async def burst() -> list[httpx.Response]:
+        headers = {"authorization": f"Bearer {SECRETS['alice']}", "cache-control": "no-store"}
+        async with httpx.AsyncClient(timeout=30) as http:
+            return await asyncio.gather(*(http.post((a, b)[i % 2] + "/chat/completions", json=body, headers=headers)
+                                          for i in range(32)))
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert codes.count(200) == 1 and codes.count(429) == 31  # one request's worth, across both processes
+    assert all(r.json()["error"]["code"] == "budget_exceeded" for r in responses if r.status_code == 429)
+
+
+def test_counters_agree_across_replicas(replicas: tuple[str, str]) -> None:
+    a, b = replicas
+    admin = {"authorization": f"Bearer {ADMIN_SECRET}"}
+    before = httpx.get(a + "/usage", params={"key_id": "bob"}, headers=admin, timeout=10).json()
+    n = 6
+    for i in range(n):
+        r = _post((a, b)[i % 2], "bob", {"model": "none", "messages": [{"role": "user", "content": f"count {i}"}]},
+                  **{"cache-control": "no-store"})
+        assert r.status_code == 200
+    want = before["counters"]["total"]["requests"] + n
+    for _ in range(100):
+        views = [httpx.get(base + "/usage", params={"key_id": "bob"}, headers=admin, timeout=10).json()
+                 for base in (a, b)]
+        if all(v["counters"]["total"]["requests"] == want for v in views):
+            break
+        time.sleep(0.05)
+    assert views[0]["counters"] == views[1]["counters"]
+    assert views[0]["counters"]["total"]["requests"] == want
+
+
+@pytest.mark.parametrize(("url", "kind", "prefix"), [
+    ("redis://127.0.0.1:6379/0", "standalone", "tg:"),
+    ("unix:///tmp/redis.sock", "standalone", "tg:"),
+    ("redis+cluster://127.0.0.1:7000", "cluster", "{tg:}"),
+    ("redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/mymaster/2", "sentinel", "tg:"),
+])
+def test_cluster_and_sentinel_urls_use_redis_py_clients(url: str, kind: str, prefix: str) -> None:
+    from redis.asyncio import RedisCluster
+
+    from gateway.config import RedisConfig
+    from gateway.state.redis import connect
+
+    handle = connect(RedisConfig(url=url))  # builds the client; no connection is made yet
+    assert (handle.kind, handle.prefix) == (kind, prefix)
+    if kind == "cluster":
+        assert isinstance(handle.client, RedisCluster)
+    if kind == "sentinel":
+        pool = handle.client.connection_pool
+        assert pool.service_name == "mymaster" and pool.connection_kwargs["db"] == 2
+        assert [(s.connection_pool.connection_kwargs["port"]) for s in pool.sentinel_manager.sentinels] == \
+            [26379, 26380]
+    with pytest.raises(ValueError):
+        connect(RedisConfig(url="redis+sentinel://127.0.0.1:26379"))
+    with pytest.raises(ValueError):
+        connect(RedisConfig(url="memcached://x"))

@@ -1,0 +1,143 @@
+"""``thinkgate usage report``: events written through the real metering path (Lua script into a real Redis),
+read back through the ledger reader, and every figure checked by hand (micro-USD)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gateway.config import Prices
+from gateway.ledger import report as rp
+from gateway.ledger.event import UsageEvent
+from tests.fixtures.redis_stack import stack
+
+REPO = Path(__file__).resolve().parents[2]
+SHORT = Prices(input_usd_per_mtok=Decimal("0.10"), cached_input_usd_per_mtok=Decimal("0.05"),
+               output_usd_per_mtok=Decimal("0.40"))
+LONG = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
+              output_usd_per_mtok=Decimal("2.00"))
+T0 = 1_700_000_000.0  # 2023-11-14 22:13 UTC, a fixed past period (stream ids are write times, after ts)
+
+
+def _ev(tier: str, difficulty: float | None, prompt: int, completion: int, *, key: str = "alice",
+        cached: bool = False, status: int = 200, error_code: str | None = None, route: str = "predicted",
+        dt: float = 0.0) -> UsageEvent:
+    ev = UsageEvent(key_id=key, requested_model="auto", tier=tier, upstream_model="m", route_reason=route,
+                    difficulty=difficulty, prompt_tokens=prompt, completion_tokens=completion,
+                    reasoning_tokens=completion // 2, cached=cached, status=status, error_code=error_code,
+                    ts=T0 + dt)
+    ev.price(LONG if tier == "long" else SHORT)
+    return ev
+
+
+def events() -> list[UsageEvent]:
+    """The hand-checked ledger (costs at LONG 0.50/0.25/2.00 and SHORT 0.10/0.05/0.40 USD per 1M)."""
+    return [
+        _ev("long", 0.85, 100, 300),            # 50 + 600 = 650
+        _ev("long", 0.82, 60, 100),             # 30 + 200 = 230
+        _ev("short", 0.05, 40, 20),             # 4 + 8 = 12
+        _ev("short", 0.07, 40, 20, cached=True, route="cache"),   # cost 0, saved 12
+        _ev("long", 0.55, 80, 140),             # 40 + 280 = 320
+        _ev("short", 0.52, 50, 30),             # 5 + 12 = 17
+        _ev("short", 0.31, 30, 64, error_code="escalated_empty_answer"),  # 3 + 25.6 -> 29 (first attempt)
+        _ev("long", 0.31, 30, 90, route="escalated"),  # 15 + 180 = 195 (the retry: the request)
+        _ev("short", 0.20, 0, 0, status=502, error_code="upstream_unavailable"),  # refused: no request
+        _ev("short", None, 20, 10, route="forced"),  # 2 + 4 = 6, unscored
+        # another key, and one event of alice's outside the period: both must stay out of the report
+        _ev("long", 0.05, 10, 1000, key="bob"),
+        _ev("long", 0.05, 10, 1000, dt=-86400),
+    ]
+
+
+def check_report(r: rp.SavingsReport) -> None:
+    assert r.events == 10 and r.requests == 8
+    by_tier = {t.tier: t for t in r.tiers}
+    assert by_tier["long"].cost_micro_usd == 650 + 230 + 320 + 195 == 1395
+    assert by_tier["short"].cost_micro_usd == 12 + 0 + 17 + 29 + 0 + 6 == 64
+    assert by_tier["short"].saved_micro_usd == 12 and by_tier["short"].cache_hits == 1
+    assert by_tier["short"].completion_tokens == 20 + 30 + 64 + 10  # upstream tokens: the hit is not counted
+    assert r.spend_micro_usd == 1459 and r.cache_saved_micro_usd == 12
+    # long means: bucket 0.8-0.9 (300+100)/2 = 200; 0.5-0.6: 140; 0.3-0.4: 90 (the escalated retry);
+    # overall (300+100+140+90)/4 = 157.5 for the buckets without long-tier events
+    assert r.long_mean_completion_tokens == Decimal("157.5")
+    b = {x.bucket: x for x in r.buckets}
+    assert [x.bucket for x in r.buckets] == ["0.0-0.1", "0.2-0.3", "0.3-0.4", "0.5-0.6", "0.8-0.9", "unscored"]
+    # 0.0-0.1: 2 requests (the hit included); 2*40*0.50 + 2*157.5*2.00 = 40 + 630
+    assert (b["0.0-0.1"].estimate, b["0.0-0.1"].always_long_micro_usd, b["0.0-0.1"].cost_micro_usd) == (
+        "fallback", 670, 12)
+    assert b["0.2-0.3"].requests == 0 and b["0.2-0.3"].always_long_micro_usd is None
+    # 0.3-0.4: one request (the escalation pair); its cost includes the first attempt: 29 + 195
+    assert (b["0.3-0.4"].requests, b["0.3-0.4"].cost_micro_usd, b["0.3-0.4"].always_long_micro_usd) == (1, 224, 195)
+    assert b["0.3-0.4"].estimate == "measured" and b["0.3-0.4"].long_mean_completion_tokens == 90
+    # 0.5-0.6: (80+50)*0.50 + 2*140*2.00 = 65 + 560
+    assert (b["0.5-0.6"].always_long_micro_usd, b["0.5-0.6"].cost_micro_usd) == (625, 337)
+    # 0.8-0.9: 160*0.50 + 2*200*2.00 = 80 + 800 (the long requests cost what they cost)
+    assert (b["0.8-0.9"].always_long_micro_usd, b["0.8-0.9"].cost_micro_usd) == (880, 880)
+    # unscored: 20*0.50 + 157.5*2.00 = 10 + 315
+    assert (b["unscored"].estimate, b["unscored"].always_long_micro_usd) == ("fallback", 325)
+    assert r.always_long_micro_usd == 670 + 195 + 625 + 880 + 325 == 2695
+    assert r.request_spend_micro_usd == 1459 and r.savings_micro_usd == 2695 - 1459 == 1236
+    assert any("0.0-0.1" in n and "unscored" in n and "157.5" in n for n in r.notes)
+
+
+def test_bucket_labels() -> None:
+    assert rp.bucket_of(0.0) == "0.0-0.1" and rp.bucket_of(0.0999) == "0.0-0.1" and rp.bucket_of(0.1) == "0.1-0.2"
+    assert rp.bucket_of(1.0) == "0.9-1.0" and rp.bucket_of(None) == "unscored"
+    assert rp.bucket_of(0.26, 4) == "0.25-0.50" and rp.bucket_of(0.5, 20) == "0.50-0.55"
+
+
+async def test_report_from_the_ledger_by_hand(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
+        for ev in events():
+            assert (await st.meter.record(ev)).counted
+        read = [e async for e in st.meter.events(T0 - 10, T0 + 10) if e.key_id == "alice"]
+    check_report(rp.build(read, "long", LONG))
+
+
+def test_no_long_events_means_no_estimate() -> None:
+    r = rp.build([_ev("short", 0.1, 10, 10)], "long", LONG)
+    assert r.always_long_micro_usd is None and r.savings_micro_usd is None and r.buckets[0].estimate == "none"
+    assert "no always-long estimate" in r.notes[0]
+
+
+async def test_cli_report_csv_png_json(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
+        for ev in events():
+            await st.meter.record(ev)
+    cfg: dict[str, Any] = {
+        "engine": {"enabled": False},
+        "redis": {"url": redis_url, "key_prefix": redis_prefix, "start_if_missing": False},
+        "routing": {"router_path": None},
+        "tiers": [{"name": "none"}, {"name": "short", "prices": {k: str(v) for k, v in SHORT.model_dump().items()}},
+                  {"name": "long", "prices": {k: str(v) for k, v in LONG.model_dump().items()}}],
+    }
+    config = tmp_path / "tg.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    out_csv, out_png, out_json = tmp_path / "r.csv", tmp_path / "r.png", tmp_path / "r.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "gateway", "usage", "report", "--since", str(T0 - 10), "--until",
+         "2023-11-15", "--key", "alice", "--csv", str(out_csv), "--png", str(out_png), "--json", str(out_json),
+         "--config", str(config)],
+        cwd=REPO, capture_output=True, timeout=120, env={**os.environ, "THINKGATE_CONFIG": "", "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr.decode()
+    assert "always-long estimate 0.002695 USD" in r.stdout.decode()
+    rows = list(csv.DictReader(io.StringIO(out_csv.read_text())))
+    total = next(x for x in rows if x["section"] == "total")
+    assert (total["cost_micro_usd"], total["always_long_micro_usd"], total["saved_usd"]) == ("1459", "2695",
+                                                                                           "0.000012")
+    assert {x["name"]: x["estimate"] for x in rows if x["section"] == "bucket"}["unscored"] == "fallback"
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads(out_json.read_text())["summary"]
+    assert summary["savings_micro_usd"] == 1236 and summary["savings_usd"] == "0.001236"
+    bad = subprocess.run([sys.executable, "-m", "gateway", "usage", "report", "--long-tier", "huge",
+                          "--config", str(config)], cwd=REPO, capture_output=True, timeout=60)
+    assert bad.returncode == 2 and b"no tier 'huge'" in bad.stderr

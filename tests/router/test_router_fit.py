@@ -1,0 +1,102 @@
+"""Fitting on real data subsets: grouped splits, determinism, and the fit → calibrate → eval CLI end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from gateway.cli.main import app
+from router.fit.default import math_items, mmlu_items
+from router.fit.fitter import fit_router, split_by_group
+from router.fit.jsonl import write_jsonl
+from router.fit.labels import LabelledItem
+from router.model import ModelConfig
+from router.persistence import load_router
+
+SMALL = ModelConfig(word_max_features=2000, char_max_features=3000, min_df=2)
+
+
+@pytest.fixture(scope="module")
+def items() -> list[LabelledItem]:
+    # every 20th MATH train problem (600, 7 subjects) + every 20th MMLU row (703, 57 subjects, with outcomes)
+    return math_items()[::20] + mmlu_items()[::20]
+
+
+def test_split_by_group_holds_out_whole_groups_per_source(items: list[LabelledItem]) -> None:
+    rest, held = split_by_group(items, 0.2, seed=0)
+    assert sorted(rest + held) == list(range(len(items))) and not set(rest) & set(held)
+    for source in {it.source for it in items}:
+        n_src = sum(it.source == source for it in items)
+        n_held = sum(items[i].source == source for i in held)
+        assert 0.2 * n_src <= n_held < 0.6 * n_src  # whole groups: at least the target, never everything
+        held_groups = {items[i].group for i in held if items[i].source == source}
+        rest_groups = {items[i].group for i in rest if items[i].source == source}
+        assert not held_groups & rest_groups
+    assert split_by_group(items, 0.2, seed=0) == (rest, held)
+    assert split_by_group(items, 0.2, seed=1) != (rest, held)
+    no_groups = [LabelledItem(id=str(i), text="t", label=i % 2, source="s") for i in range(100)]
+    assert len(split_by_group(no_groups, 0.3, seed=0)[1]) == 30  # each item its own group
+
+
+def test_same_data_and_seed_give_the_same_model_and_thresholds(items: list[LabelledItem], tmp_path: Path) -> None:
+    from router.fit.calibrate import thresholds_for_fractions
+
+    a, rep_a = fit_router(items, SMALL)
+    b, rep_b = fit_router(items, SMALL)
+    np.testing.assert_array_equal(a.pipeline.named_steps["clf"].coef_, b.pipeline.named_steps["clf"].coef_)
+    assert (a.platt.a, a.platt.b) == (b.platt.a, b.platt.b)
+    assert a.metadata["training_data_sha256"] == b.metadata["training_data_sha256"]
+    texts = [it.text for it in items[:200]]
+    assert thresholds_for_fractions(a.predict_proba(texts), [0.3]) == thresholds_for_fractions(
+        b.predict_proba(texts), [0.3])
+    assert rep_a.val_index == rep_b.val_index and rep_a.n_val > 0
+    c, _ = fit_router(items, ModelConfig(**{**SMALL.to_dict(), "seed": 1, "word_ngrams": (1, 2),
+                                            "char_ngrams": (2, 4)}))
+    assert not np.array_equal(a.pipeline.named_steps["clf"].coef_, c.pipeline.named_steps["clf"].coef_)
+    # validation metrics are real numbers on held-out subjects, per source
+    names = [r.name for r in rep_a.validation]
+    assert names[0] == "validation" and {"math-level>=4", "routellm-mmlu"} <= set(names)
+    assert 0.5 < rep_a.validation[names.index("math-level>=4")].auc <= 1.0
+
+
+def test_fit_calibrate_eval_cli_end_to_end(items: list[LabelledItem], tmp_path: Path) -> None:
+    runner = CliRunner()
+    data = tmp_path / "train.jsonl"
+    write_jsonl(data, (it.to_dict() for it in items))
+    calib = tmp_path / "calib.jsonl"
+    write_jsonl(calib, (it.to_dict() for it in math_items()[5::40] + mmlu_items()[5::40]))
+    out = tmp_path / "r.skops"
+    r = runner.invoke(app, ["router", "fit", str(data), "--out", str(out), "--word-max-features", "2000",
+                            "--char-max-features", "3000", "--min-df", "2"])
+    assert r.exit_code == 0, r.output
+    assert "Validation" in r.output and out.is_file()
+
+    r = runner.invoke(app, ["router", "calibrate", str(out), str(calib), "--target-long", "0.3"])
+    assert r.exit_code == 0, r.output
+    router = load_router(out)
+    cal = router.metadata["thresholds_calibration"]
+    assert cal["method"] == "target_long" and abs(cal["achieved_frac_at_or_above"][0] - 0.3) <= 0.02
+    scores = router.predict_proba([json.loads(line)["text"] for line in calib.read_text().splitlines()])
+    assert abs(float(np.mean(scores >= router.thresholds[0])) - 0.3) <= 0.02
+
+    r = runner.invoke(app, ["router", "calibrate", str(out), str(calib), "--max-quality-loss", "0.05"])
+    assert r.exit_code == 0, r.output
+    cal = load_router(out).metadata["thresholds_calibration"]
+    assert cal["quality"] >= 0.95 * cal["always_long_quality"] - 1e-9
+
+    png, js = tmp_path / "curve.png", tmp_path / "eval.json"
+    r = runner.invoke(app, ["router", "eval", str(out), str(calib), "--plot", str(png), "--json", str(js)])
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (row,) = json.loads(js.read_text())
+    assert {"auc", "apgr", "cpt50", "cpt80", "cost_reduction_95", "random_cost_reduction_95"} <= set(row)
+    assert "APGR" in r.output
+
+    r = runner.invoke(app, ["router", "calibrate", str(out), str(calib)])
+    assert r.exit_code == 2 and "exactly one" in r.output
+    r = runner.invoke(app, ["router", "eval", str(tmp_path / "missing.skops"), str(calib)])
+    assert r.exit_code == 2 and "not found" in r.output

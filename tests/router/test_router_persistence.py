@@ -1,0 +1,103 @@
+"""Router files: skops round trip with metadata; clear errors for missing, corrupt, untrusted and
+incompatible files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import skops.io as sio
+
+from router.fit.default import TIER_OUTCOMES, arith_threshold_from_outcomes
+from router.persistence import FORMAT, RouterFileError, load_router, save_router
+
+SHIPPED = Path(__file__).resolve().parents[2] / "router" / "assets" / "default.skops"
+
+
+@pytest.fixture(scope="module")
+def shipped_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("router") / "r.skops"
+    shutil.copy(SHIPPED, p)
+    return p
+
+
+def test_shipped_file_is_small_and_carries_its_metadata() -> None:
+    assert SHIPPED.stat().st_size < 5_000_000
+    r = load_router(SHIPPED)
+    meta = r.metadata
+    assert meta["router"] == "tfidf-linear" and meta["router_version"]
+    assert len(meta["training_data_sha256"]) == 64
+    k = meta["arith_long_from_operations"]  # measured (router/assets/tier_outcomes.json), see router/fit/default.py
+    assert set(meta["label_sources"]) == {"math-level>=4", f"arith-ops>={k}"}
+    assert k == arith_threshold_from_outcomes(TIER_OUTCOMES)
+    assert meta["features"]["hand"] and meta["model_config"]["C"] > 0
+    assert meta["metrics"]["validation"] and meta["metrics"]["heldout"]
+    math500 = next(m for m in meta["metrics"]["heldout"] if m["name"].startswith("math500"))
+    assert math500["auc"] > 0.75
+    assert len(r.thresholds) == 1 and 0 < r.thresholds[0] < 1
+    assert meta["thresholds_calibration"]["method"] == "max_quality_loss"
+
+
+def test_roundtrip_keeps_scores_thresholds_and_metadata(shipped_copy: Path, tmp_path: Path) -> None:
+    r = load_router(shipped_copy)
+    r.thresholds = [0.25]
+    r.metadata["note"] = "round trip ✓"
+    out = save_router(r, tmp_path / "sub" / "again.skops")
+    assert oct(out.stat().st_mode & 0o777) == "0o644"
+    back = load_router(out)
+    texts = ["What is 1+1?", "Prove that there are infinitely many primes."]
+    np.testing.assert_array_equal(back.predict_proba(texts), r.predict_proba(texts))
+    assert [back.score(t) for t in texts] == [r.score(t) for t in texts]
+    assert back.thresholds == [0.25] and back.metadata["note"] == "round trip ✓"
+    assert not list((tmp_path / "sub").glob("*.tmp"))  # atomic write left no temp file
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(RouterFileError, match="not found") as exc:
+        load_router(tmp_path / "nope.skops")
+    assert exc.value.path == tmp_path / "nope.skops"
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
+def test_corrupt_file(shipped_copy: Path, tmp_path: Path, damage: str) -> None:
+    p = tmp_path / "bad.skops"
+    data = shipped_copy.read_bytes()
+    p.write_bytes({"garbage": os.urandom(4096), "truncated": data[: len(data) // 2], "empty": b""}[damage])
+    with pytest.raises(RouterFileError, match="corrupt"):
+        load_router(p)
+
+
+def test_untrusted_types_are_refused_without_loading(tmp_path: Path) -> None:
+    p = tmp_path / "evil.skops"
+    sio.dump({"format": FORMAT, "format_version": 1, "pipeline": os.system}, p)
+    with pytest.raises(RouterFileError, match="untrusted types"):
+        load_router(p)
+
+
+def test_incompatible_files(shipped_copy: Path, tmp_path: Path) -> None:
+    p = tmp_path / "other.skops"
+    sio.dump({"hello": "world"}, p)
+    with pytest.raises(RouterFileError, match="not a ThinkGate router"):
+        load_router(p)
+    sio.dump({"format": FORMAT, "format_version": 99}, p)
+    with pytest.raises(RouterFileError, match="format_version 99"):
+        load_router(p)
+    sio.dump({"format": FORMAT, "format_version": 1, "pipeline": [1, 2], "platt": [1.0, 0.0], "thresholds": [],
+              "metadata": "{}"}, p)
+    with pytest.raises(RouterFileError, match="incompatible contents"):
+        load_router(p)
+    # a valid archive whose thresholds are out of range
+    r = load_router(shipped_copy)
+    r.thresholds = [0.7, 0.2]
+    save_router(r, p)
+    with pytest.raises(RouterFileError, match="ascending"):
+        load_router(p)
+    # not a zip at all but named like one
+    with zipfile.ZipFile(p, "w") as z:
+        z.writestr("schema.json", "{not json")
+    with pytest.raises(RouterFileError, match="corrupt"):
+        load_router(p)

@@ -1,0 +1,130 @@
+"""Monitor rules and callbacks; run-config loading."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from transformers import TrainerControl, TrainerState, TrainingArguments
+
+from training.grpo.config import ConfigError, MonitorRule, RunConfig, from_dict, load_config
+from training.grpo.ledger import Budgets, CostLedger, StepCounters
+from training.grpo.monitors import AlertLog, LedgerCallback, MonitorCallback, RuleEngine, slope
+
+
+def test_slope() -> None:
+    assert slope([1, 2, 3, 4], [4.0, 3.5, 3.0, 2.5]) == pytest.approx(-0.5)
+    assert slope([1], [2.0]) == 0.0
+    assert slope([2, 2], [1.0, 3.0]) == 0.0
+
+
+def test_below_rule_needs_patience_and_resets() -> None:
+    eng = RuleEngine([MonitorRule("floor", "entropy", "below", 0.1, patience=2, action="stop")])
+    assert eng.observe(1, {"entropy": 0.05})[0] == []
+    assert eng.observe(2, {"entropy": 0.5})[0] == []  # streak broken
+    assert eng.observe(3, {"entropy": 0.05})[0] == []
+    alerts, _ = eng.observe(4, {"entropy": 0.01})
+    assert [(a.rule, a.action, a.step) for a in alerts] == [("floor", "stop", 4)]
+    assert eng.observe(5, {"loss": 1.0})[0] == []  # metric absent: no change
+
+
+def test_slope_rule_over_window() -> None:
+    eng = RuleEngine([MonitorRule("falling", "entropy", "slope_below", -0.05, patience=1, window=3)])
+    assert eng.observe(1, {"entropy": 1.0}) == ([], {})
+    assert eng.observe(2, {"entropy": 0.95}) == ([], {})
+    alerts, derived = eng.observe(3, {"entropy": 0.90})
+    assert derived["monitor/entropy/slope"] == pytest.approx(-0.05)
+    assert alerts == []  # -0.05 is not below -0.05
+    alerts, derived = eng.observe(4, {"entropy": 0.70})  # window (2..4): 0.95, 0.90, 0.70 -> slope -0.125
+    assert derived["monitor/entropy/slope"] == pytest.approx(-0.125)
+    assert len(alerts) == 1 and "slope" in alerts[0].message
+
+
+def test_no_gain_rule() -> None:
+    eng = RuleEngine([MonitorRule("plateau", "eval_acc", "no_gain", patience=2, min_delta=0.01)])
+    assert eng.observe(1, {"eval_acc": 0.2})[0] == []
+    assert eng.observe(2, {"eval_acc": 0.3})[0] == []
+    assert eng.observe(3, {"eval_acc": 0.305})[0] == []  # +0.005 < min_delta: 1st eval without gain
+    assert len(eng.observe(4, {"eval_acc": 0.29})[0]) == 1  # 2nd eval without gain
+
+
+def test_engine_state_roundtrip() -> None:
+    rules = [MonitorRule("falling", "entropy", "slope_below", -1.0, window=3)]
+    a = RuleEngine(rules)
+    a.observe(1, {"entropy": 1.0})
+    a.observe(2, {"entropy": 0.5})
+    b = RuleEngine(rules)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.observe(3, {"entropy": 0.0})[1] == a.observe(3, {"entropy": 0.0})[1]
+
+
+def test_monitor_callback_stop_checkpoints_and_logs(tmp_path: Path) -> None:
+    cb = MonitorCallback([MonitorRule("no_signal", "signal/effective_ratio", "below", 0.1, action="stop")], tmp_path)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = 3
+    cb.on_log(args, state, control, logs={"signal/effective_ratio": 0.5, "entropy": 1.0})
+    assert not control.should_training_stop
+    cb.on_log(args, state, control, logs={"signal/effective_ratio": 0.0})
+    assert control.should_save and control.should_training_stop
+    assert cb.stop_reason is not None and "no_signal" in cb.stop_reason
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["alerts"] == ["no_signal"] and lines[0]["entropy"] == 1.0
+    assert json.loads((tmp_path / "alerts.jsonl").read_text())["action"] == "stop"
+
+
+def test_ledger_callback_budget_stop(tmp_path: Path) -> None:
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("0"), Budgets(sampled_tokens=100), stop_on_projection=False)
+    c = StepCounters()
+    cb = LedgerCallback(led, c, AlertLog(tmp_path))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    state, control = TrainerState(), TrainerControl()
+    for step, tokens in ((1, 60), (2, 60)):
+        c.sampled_tokens = tokens
+        state.global_step = step
+        cb.on_step_end(args, state, control)
+        assert c.sampled_tokens == 0  # reset after each row
+    assert control.should_save and control.should_training_stop
+    assert [r["sampled_tokens"] for r in led.rows()] == [60, 60]
+
+
+def test_load_config_yaml(tmp_path: Path) -> None:
+    p = tmp_path / "run.yaml"
+    p.write_text(
+        "run_name: x\nrewards:\n  - {name: correctness}\n  - {name: dapo_overlong, weight: 0.5, params: {cache: 8}}\n"
+        "ledger: {budget_usd: 1.5, price_usd_per_device_hour: {cpu: 0.02}}\ntrl: {num_generations: 8}\n"
+    )
+    cfg = load_config(p)
+    assert cfg.rewards[1].weight == 0.5 and cfg.rewards[1].params == {"cache": 8}
+    assert cfg.ledger.budget_usd == "1.5" and cfg.ledger.prices()["cpu"] == Decimal("0.02")
+    assert cfg.trl_kwargs()["num_generations"] == 8 and cfg.trl_kwargs()["loss_type"] == "dapo"  # merged defaults
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"rewardz": []}, "unknown key"),
+        ({"rewards": [{"name": "nope"}]}, "unknown reward"),
+        ({"rewards": [{"name": "l1_exact"}]}, "budget_prompt"),
+        ({"advantages": {"aggregation": "mean"}}, "not one of"),
+        ({"trl": {"num_generations": 1}}, "at least 2"),
+        ({"dynamic_sampling": {"max_rounds": 0}}, "max_rounds"),
+        ({"task": {"n_train": "many"}}, "integer"),
+        ({"ledger": {"budget_usd": "lots"}}, "budget_usd"),
+    ],
+)
+def test_config_errors_name_the_field(data: dict, match: str) -> None:
+    from training.grpo.config import validate
+
+    with pytest.raises(ConfigError, match=match):
+        validate(from_dict(RunConfig, data))
+
+
+def test_shipped_configs_load() -> None:
+    root = Path(__file__).resolve().parents[2] / "training" / "configs"
+    files = sorted(root.glob("*.yaml"))
+    assert files, "training/configs/*.yaml"
+    for f in files:
+        load_config(f)

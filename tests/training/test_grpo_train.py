@@ -1,0 +1,255 @@
+"""GRPO end to end on a random-init tiny Llama (seconds): smoke run, resume (mid-epoch and at the epoch boundary),
+budget stop, monitor stop, clean stop on all-solved data, CLI."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from training.grpo.config import RunConfig, from_dict
+from training.grpo.reward_utils import exact_answer_verifier
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Toy:
+    id: str
+    question: str
+    answer: str
+    difficulty: int
+    source: str = "toy"
+
+
+PROBLEMS = [Toy(f"t{i}", f"What is {i} + 1?", str(i + 1), 1 + i % 2) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+
+    from tests.fixtures.tiny_model import build_tiny_model
+
+    torch.set_num_threads(1)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def make_cfg(model: Path, **over: Any) -> RunConfig:
+    data: dict[str, Any] = {
+        "model": {"path": str(model)},
+        "rewards": [{"name": "correctness"}, {"name": "format", "weight": 0.2}],
+        "eval": {"before": False, "after": False},
+        "trl": {
+            "num_generations": 2,
+            "per_device_train_batch_size": 4,
+            "max_completion_length": 12,
+            "max_steps": 2,
+            "save_steps": 100,
+            "seed": 0,
+        },
+    }
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(data.get(k), dict):
+            data[k] = {**data[k], **v}
+        else:
+            data[k] = v
+    return from_dict(RunConfig, data)
+
+
+def run(
+    cfg: RunConfig, out: Path, problems: list[Toy] = PROBLEMS, verifier: Any = exact_answer_verifier, **kw: Any
+) -> dict[str, Any]:
+    from training.grpo.run import run_grpo
+
+    return run_grpo(
+        cfg,
+        output_dir=out,
+        verifier=verifier,
+        train_problems=problems,
+        eval_problems=problems[:4],
+        progress=False,
+        **kw,
+    )
+
+
+def ledger_steps(run_dir: Path, name: str = "ledger.jsonl") -> list[int]:
+    p = run_dir / name
+    return [json.loads(x)["step"] for x in p.read_text().splitlines()] if p.exists() else []
+
+
+def test_smoke_run_writes_the_run_directory(tiny: Path, tmp_path: Path) -> None:
+    cfg = make_cfg(
+        tiny,
+        rewards=[
+            {"name": "correctness"},
+            {"name": "format", "weight": 0.2},
+            {"name": "kimi_length", "weight": 0.1},
+            {"name": "dapo_overlong", "params": {"cache": 4}},
+        ],
+        dynamic_sampling={"enabled": True, "max_rounds": 3},
+        eval={"before": True, "after": True, "every_steps": 2, "every_n": 2},
+        trl={"max_steps": 3, "num_generations": 4, "per_device_train_batch_size": 8},
+    )
+    s = run(cfg, tmp_path)
+    assert s["global_step"] == 3 and s["stop_reason"] is None
+    assert ledger_steps(tmp_path) == [1, 2, 3]
+    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert all(r["rollouts"] >= 8 and r["sampled_tokens"] > 0 and r["trained_tokens"] > 0 for r in rows)
+    assert all(r["rollouts"] == r["prompts"] * 4 for r in rows)
+    assert all(r["sampled_tokens"] <= r["rollouts"] * 12 for r in rows)  # max_completion_length = 12 tokens
+    assert s["totals"]["sampled_tokens"] == sum(r["sampled_tokens"] for r in rows)
+    assert {"data_hash", "reward_hash", "hparam_hash", "git_commit"} <= set(rows[0])
+    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_logs = [m for m in metrics if "loss" in m]
+    assert len(train_logs) == 3
+    for key in (
+        "entropy",
+        "signal/effective_ratio",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "rewards/kimi_length/mean",
+        "dynamic_sampling/rounds",
+    ):
+        assert key in train_logs[0], key
+    assert sorted(p.name for p in (tmp_path / "plots").glob("*.png")) == [
+        "cost.png",
+        "entropy.png",
+        "length.png",
+        "reward.png",
+        "signal.png",
+    ]
+    assert (tmp_path / "ledger.parquet").is_file()
+    card = (tmp_path / "model" / "README.md").read_text()
+    assert "| all |" in card and "Cost" in card
+    tier = yaml.safe_load((tmp_path / "tier.yaml").read_text())["tiers"][0]
+    assert tier["name"] == "short" and tier["budget_mode"] == "native"
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "model").num_parameters() > 0
+    heldout = [json.loads(x) for x in (tmp_path / "heldout.jsonl").read_text().splitlines()]
+    assert [(h["step"], h["n"]) for h in heldout] == [(2, 2)]  # every 2 steps, on 2 problems
+    assert heldout[0]["cum_sampled_tokens"] == rows[1]["cum_sampled_tokens"]
+    assert rows[2]["eval_ms"] > 0  # the periodic evaluation is booked as eval time in the next row
+    after = json.loads((tmp_path / "eval_after.json").read_text())
+    assert after["overall"]["n"] == 4 and set(after["by_difficulty"]) == {"1", "2"}
+
+
+def test_resume_mid_epoch_continues_without_double_counting(tiny: Path, tmp_path: Path) -> None:
+    # 8 problems, 2 per step -> 4 steps per epoch; checkpoint at 2 is mid-epoch.
+    run(make_cfg(tiny, trl={"max_steps": 3, "save_steps": 2}), tmp_path)
+    assert ledger_steps(tmp_path) == [1, 2, 3]
+    s = run(make_cfg(tiny, trl={"max_steps": 4, "save_steps": 2}), tmp_path, resume=str(tmp_path / "checkpoint-2"))
+    assert s["global_step"] == 4
+    assert ledger_steps(tmp_path) == [1, 2, 3, 4]  # each step once
+    assert ledger_steps(tmp_path, "ledger_discarded.jsonl") == [3]  # the abandoned step 3, kept apart
+    assert s["discarded"]["rollouts"] == 4 and s["totals"]["rollouts"] == 16
+    state = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+
+
+def test_resume_at_epoch_boundary(tiny: Path, tmp_path: Path) -> None:
+    probs = PROBLEMS[:4]  # 4 problems, 2 per step -> exactly 2 steps per epoch
+    run(make_cfg(tiny, trl={"max_steps": 2, "save_steps": 2}), tmp_path, problems=probs)
+    state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and state["epoch"] == pytest.approx(1.0)
+    s = run(make_cfg(tiny, trl={"max_steps": 4, "save_steps": 2}), tmp_path, problems=probs, resume="auto")
+    assert s["global_step"] == 4
+    assert ledger_steps(tmp_path) == [1, 2, 3, 4]
+    assert not (tmp_path / "ledger_discarded.jsonl").exists()
+    end = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
+    assert end["epoch"] == pytest.approx(2.0)
+    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [r["segment"] for r in rows] == [0, 0, 1, 1] and all(r["prompts"] == 2 for r in rows)
+
+
+def test_fresh_run_refuses_a_used_run_dir(tiny: Path, tmp_path: Path) -> None:
+    from training.grpo.config import ConfigError
+
+    run(make_cfg(tiny, trl={"max_steps": 1}), tmp_path)
+    with pytest.raises(ConfigError, match="resume"):
+        run(make_cfg(tiny, trl={"max_steps": 1}), tmp_path)
+
+
+def test_budget_stop_checkpoints_first(tiny: Path, tmp_path: Path) -> None:
+    cfg = make_cfg(tiny, ledger={"budget_sampled_tokens": 1}, trl={"max_steps": 5})
+    s = run(cfg, tmp_path)
+    assert s["global_step"] == 1
+    assert "sampled_tokens" in s["stop_reason"]
+    assert (tmp_path / "checkpoint-1" / "ledger_state.json").is_file()
+    assert ledger_steps(tmp_path) == [1]
+
+
+def test_monitor_stop_rule(tiny: Path, tmp_path: Path) -> None:
+    rule = {"name": "always", "metric": "entropy", "condition": "above", "threshold": 0.0, "action": "stop"}
+    s = run(make_cfg(tiny, monitors={"rules": [rule]}, trl={"max_steps": 5}), tmp_path)
+    assert s["global_step"] == 1 and "always" in s["stop_reason"]
+    assert (tmp_path / "checkpoint-1").is_dir()
+
+
+def test_all_solved_data_stops_cleanly(tiny: Path, tmp_path: Path) -> None:
+    cfg = make_cfg(
+        tiny,
+        rewards=[{"name": "correctness"}],
+        dynamic_sampling={"enabled": True, "max_rounds": 3},
+        trl={"max_steps": 5},
+    )
+    s = run(cfg, tmp_path, verifier=lambda row, text: True)
+    assert s["global_step"] == 0
+    assert "no learning signal" in s["stop_reason"] and "all solved" in s["stop_reason"]
+    assert (tmp_path / "checkpoint-0" / "ledger_state.json").is_file()  # checkpoint before stopping
+    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["trained_tokens"] == 0 and rows[0]["dropped_rollouts"] == 0
+    # the aborted step was paid: 3 rounds of 2 + 3 + 3 prompts (refills of ceil(2 * 1.5)) x 2 rollouts
+    assert rows[0]["rollouts"] == 16 and rows[0]["prompts"] == 8
+
+
+def test_cli_registered_and_config_error_exit_code(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    r = CliRunner().invoke(app, ["train", "grpo", "--help"])
+    assert r.exit_code == 0 and "--max-steps" in r.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rewardz: []\n")
+    r = CliRunner().invoke(app, ["train", "grpo", "--config", str(bad)])
+    assert r.exit_code == 2 and "unknown key" in r.output
+
+
+def test_sampled_evaluation_returns_one_row_per_sample(tiny: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.grpo.data import problem_rows
+    from training.grpo.evaluate import generate_and_score, summarize
+
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    tok = AutoTokenizer.from_pretrained(tiny)
+    rows = problem_rows(PROBLEMS[:2])
+    out = generate_and_score(model, tok, rows, exact_answer_verifier, 6, temperature=1.0, samples=3, seed=1)
+    assert [r.problem_id for r in out] == ["t0"] * 3 + ["t1"] * 3
+    assert all(1 <= r.completion_tokens <= 6 for r in out)
+    again = generate_and_score(model, tok, rows, exact_answer_verifier, 6, temperature=1.0, samples=3, seed=1)
+    assert [r.completion_tokens for r in again] == [r.completion_tokens for r in out]  # seeded
+    assert summarize(out)["overall"]["n"] == 6
+
+
+def test_smoke_config_on_the_shipped_model(tmp_path: Path) -> None:
+    """training/configs/smoke.yaml on the local reasoning model and the arith task (2 steps here)."""
+    from training.grpo.config import DEFAULT_MODEL_DIR, load_config
+    from training.grpo.run import run_grpo
+
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        pytest.fail(f"the shipped model is missing: {DEFAULT_MODEL_DIR}")
+    cfg = load_config(Path(__file__).resolve().parents[2] / "training" / "configs" / "smoke.yaml")
+    cfg.task.n_eval = 6
+    cfg.eval.before = False
+    s = run_grpo(cfg, max_steps=2, output_dir=tmp_path, progress=False)
+    assert s["global_step"] == 2 and s["stop_reason"] is None
+    assert ledger_steps(tmp_path) == [1, 2]
+    after = json.loads((tmp_path / "eval_after.json").read_text())
+    assert after["overall"]["n"] == 6 and after["overall"]["accuracy"] > 0  # the SFT model solves some
