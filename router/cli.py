@@ -163,8 +163,18 @@ def export_task(
 
 @app.command("fit")
 def fit(
-    data: Annotated[list[Path], typer.Argument(help="labelled JSONL file(s)")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="router file to write (.skops)")],
+    data: Annotated[list[Path] | None, typer.Argument(help="labelled JSONL file(s) (not with --traces)")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "--output", "-o",
+                                             help="router file to write (.skops); a folder for several --ladder")] = None,
+    traces: Annotated[Path | None, typer.Option(help="traces folder DIR/<dataset>/<MODEL>__<SETTING>.jsonl.gz")] = None,
+    dataset: Annotated[list[str] | None, typer.Option(help="trace data set(s) to fit on (with --traces)")] = None,
+    ladder: Annotated[list[str] | None, typer.Option(
+        help="MODEL:SETTING1,SETTING2[,SETTING3], cheapest first (with --traces; one router each)")] = None,
+    quality_target: Annotated[float, typer.Option(help="thresholds keep >= this x always-top accuracy")] = 0.98,
+    heldout_frac: Annotated[float, typer.Option(help="fixed held-out share (sha256 of dataset/id), never fitted")] = 0.2,
+    policy: Annotated[str, typer.Option(help="auto (fallback rule) | router | length | random")] = "auto",
+    pool: Annotated[str, typer.Option(help="models (pool every model's outcomes per question) | none")] = "models",
+    alpha: Annotated[float, typer.Option(help="ridge strength of the trace router")] = 2.0,
     val_frac: Annotated[float, typer.Option(help="validation share per source, by group")] = 0.2,
     platt_frac: Annotated[float, typer.Option(help="share of the training part held out for Platt scaling")] = 0.15,
     refit: Annotated[bool, typer.Option(help="after validating, refit on all items (shipped models)")] = False,
@@ -177,7 +187,24 @@ def fit(
     word_ngrams: Annotated[str, typer.Option(help="word n-gram range 'lo,hi'")] = "1,1",
     char_ngrams: Annotated[str, typer.Option(help="char n-gram range 'lo,hi'")] = "2,4",
 ) -> None:
-    """Fit the difficulty router (grouped split; validation metrics printed and saved in the file)."""
+    """Fit a router: from labelled JSONL files, or from recorded traces (--traces, --dataset, --ladder).
+
+    With --traces: per ladder, the fixed held-out questions are set aside, a ridge router is fitted on the rest
+    (5-fold), thresholds are calibrated to --quality-target of always-top accuracy on the out-of-fold scores,
+    and the fallback rule ships the best of router / length / random on that validation (see docs/router.md).
+    """
+    if out is None:
+        _fail("--output FILE is required")
+        raise AssertionError  # unreachable
+    if traces is not None:
+        if data:
+            _fail("give labelled files or --traces, not both")
+        _fit_traces(traces, dataset or [], ladder or [], out, quality_target=quality_target,
+                    heldout_frac=heldout_frac, policy=policy, pool=pool, alpha=alpha, seed=seed)
+        return
+    if not data:
+        _fail("give labelled JSONL file(s), or --traces DIR --dataset NAME --ladder MODEL:S1,S2")
+        raise AssertionError  # unreachable
     from router.fit.evaluate import render_table
     from router.fit.fitter import fit_router
     from router.model import ModelConfig
@@ -204,6 +231,42 @@ def fit(
     if report.validation:
         con.print(render_table(report.validation, title="Validation (held-out groups)"))
     con.print(f"saved {out} ({out.stat().st_size / 1e6:.2f} MB); next: thinkgate router calibrate {out} DATA")
+
+
+def _fit_traces(traces: Path, datasets: list[str], ladders: list[str], out: Path, **kw: Any) -> None:
+    from router.fit.ladder_fit import fit_ladder_router
+    from router.fit.traces import parse_ladder
+    from router.persistence import save_router
+
+    if not datasets or not ladders:
+        _fail("--traces needs at least one --dataset and one --ladder")
+    try:
+        parsed = [parse_ladder(spec) for spec in ladders]
+    except ValueError as exc:
+        _fail(str(exc))
+        raise AssertionError from None  # unreachable
+    if len(parsed) > 1 and out.suffix:
+        _fail(f"several --ladder: --output must be a folder (one <MODEL>__<S1>-<S2>.skops each), got {out}")
+    con = _console()
+    for lad in parsed:
+        dest = out if len(parsed) == 1 else out / f"{lad.slug}.skops"
+        try:
+            res = fit_ladder_router(traces, datasets, lad, quality_target=kw["quality_target"],
+                                    heldout_frac=kw["heldout_frac"], policy=kw["policy"], pool=kw["pool"],
+                                    alpha=kw["alpha"], seed=kw["seed"])
+        except (OSError, ValueError) as exc:
+            _fail(str(exc))
+            raise AssertionError from None  # unreachable
+        save_router(res.router, dest)
+        v = res.validation
+        sav = "  ".join(f"{p} {100 * x:.1f}%" for p, x in v["savings_at_98"].items())
+        cal = v["calibrated"][res.policy]
+        con.print(f"{lad.name} on {'+'.join(datasets)}: {v['n']} questions (held-out excluded), {res.seconds:.1f} s")
+        con.print(f"  validation savings_at_98: {sav} → ships [bold]{res.policy}[/bold]")
+        con.print(f"  thresholds {[round(t, 4) for t in res.router.thresholds]} → tiers "
+                  f"{dict(zip(lad.settings, cal['tiers'], strict=True))}, validation accuracy {cal['accuracy']:.3f} "
+                  f"(always-top {cal['always_top_accuracy']:.3f}), tokens {100 * cal['token_share']:.1f}% of always-top")
+        con.print(f"  saved {dest} ({dest.stat().st_size / 1e6:.2f} MB)")
 
 
 @app.command("calibrate")
@@ -283,8 +346,31 @@ def evaluate(
 def info(router_path: Annotated[Path, typer.Argument(help="router file")] = _DEFAULT_ROUTER) -> None:
     """Print a router file's metadata (version, features, label sources, data hash, thresholds, metrics)."""
     r = _load(router_path)
-    typer.echo(json.dumps({**r.metadata, "thresholds": r.thresholds, "platt": [r.platt.a, r.platt.b]},
-                          indent=2, sort_keys=True))
+    typer.echo(json.dumps({**r.metadata, "scorer": r.scorer, "thresholds": r.thresholds,
+                           "platt": [r.platt.a, r.platt.b]}, indent=2, sort_keys=True))
+    for line in _info_summary(r):
+        typer.echo(line)
+
+
+def _info_summary(r: Any) -> list[str]:
+    """Plain-language lines after the JSON: what the score is, and per evaluation set how it ranks vs length."""
+    meta = r.metadata
+    lines = []
+    if "policy" in meta:
+        lines.append(f"policy: {meta['policy']} — {meta.get('policy_description', '')}")
+        lad = meta.get("ladder", {})
+        tiers = meta.get("tiers", [])
+        cuts = r.thresholds
+        lines.append(f"ladder {lad.get('model')}: tiers {tiers} (cheapest first), thresholds {cuts}: score s goes "
+                     f"to tiers[#thresholds <= s]; fitted on {meta.get('datasets')}")
+        val = meta.get("metrics", {}).get("validation", {})
+        if val:
+            lines.append("validation savings_at_98: " + ", ".join(
+                f"{k} {100 * v:.1f}%" for k, v in val.get("savings_at_98", {}).items()))
+    for row in meta.get("metrics", {}).get("vs_length", []):
+        verdict = "no worse than length" if row["ok"] else "WORSE than length"
+        lines.append(f"{row['set']}: AUC {row['auc']:.3f} vs length {row['length_auc']:.3f} → {verdict} (n={row['n']})")
+    return lines
 
 
 @app.command("score")

@@ -11,6 +11,8 @@ function for one string in pure Python + NumPy (sklearn's per-call overhead is ~
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -148,27 +150,45 @@ class TrainedRouter(Router):
 
     name = "tfidf-linear"
 
-    pipeline: Pipeline
+    pipeline: Pipeline | None
     platt: Platt = field(default_factory=Platt)
     thresholds: list[float] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: ``"pipeline"`` (the learned model), or a baseline that needs no model: ``"length"``
+    #: (:func:`length_prior`) or ``"hash"`` (:func:`hash_score`, random routing at the thresholds' tier mix).
+    scorer: str = "pipeline"
     _fast: Any = field(default=None, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.scorer not in SCORERS:
+            raise ValueError(f"unknown scorer {self.scorer!r} (known: {sorted(SCORERS)})")
+        if self.scorer == "pipeline" and self.pipeline is None:
+            raise ValueError("scorer 'pipeline' needs a fitted pipeline")
+
     def logits(self, texts: Sequence[str]) -> np.ndarray:
-        """Batched Pipeline logits, float64 (n,)."""
+        """Batched Pipeline logits, float64 (n,). Baseline scorers: the logit of their score."""
+        if self.pipeline is None or self.scorer != "pipeline":
+            p = np.clip(np.array([self.fast.score(t) for t in texts], dtype=np.float64), 1e-12, 1 - 1e-12)
+            return np.log(p / (1 - p))
         return np.asarray(self.pipeline.decision_function(list(texts)), dtype=np.float64)
 
     def predict_proba(self, texts: Sequence[str]) -> np.ndarray:
         """Batched P(needs long) through the sklearn Pipeline (the reference path), float64 (n,) in [0, 1]."""
+        if self.scorer != "pipeline":
+            return np.array([self.fast.score(t) for t in texts], dtype=np.float64)
         return sigmoid(self.platt.a * self.logits(texts) + self.platt.b)
 
     @property
     def fast(self) -> Any:
-        """The compiled single-request scorer (:class:`router.fastpath.FastScorer`), built on first use."""
+        """The compiled single-request scorer (:class:`router.fastpath.FastScorer`, or the baseline's
+        scorer), built on first use."""
         if self._fast is None:
-            from router.fastpath import FastScorer
+            if self.scorer == "pipeline":
+                from router.fastpath import FastScorer
 
-            self._fast = FastScorer.compile(self.pipeline, self.platt)
+                self._fast = FastScorer.compile(self.pipeline, self.platt)
+            else:
+                self._fast = _BaselineScorer(SCORERS[self.scorer])
         return self._fast
 
     def score(self, text: str) -> float:
@@ -181,6 +201,27 @@ class TrainedRouter(Router):
         if len(cuts) != len(tiers) - 1:
             raise ValueError(f"need {len(tiers) - 1} thresholds for tiers {list(tiers)}, have {cuts}")
         return tiers[sum(1 for t in cuts if score >= t)]
+
+
+def length_prior(text: str) -> float:
+    """Length baseline score: ``log1p(characters) / log1p(100_000)``, clipped to 1 (monotone in length)."""
+    return min(1.0, math.log1p(len(text)) / _LOG_100K)
+
+
+def hash_score(text: str) -> float:
+    """Pseudo-random score, uniform in [0, 1): BLAKE2b of the whitespace-normalised text. The same prompt always
+    gets the same score, so thresholds at quantile ``1 − f`` send a fraction ``f`` up at random."""
+    key = " ".join(text.split()).encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 2.0**64
+
+
+_LOG_100K = math.log1p(100_000)
+SCORERS: dict[str, Any] = {"pipeline": None, "length": length_prior, "hash": hash_score}
+
+
+class _BaselineScorer:
+    def __init__(self, fn: Any) -> None:
+        self.score = fn
 
 
 FEATURE_DESCRIPTION = {

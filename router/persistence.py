@@ -5,6 +5,10 @@ A router file is a skops archive (``skops.io.dump``, zip-deflated) of one dict::
     {"format": "thinkgate-router", "format_version": 1, "pipeline": <fitted sklearn Pipeline>,
      "platt": [a, b], "thresholds": [float, ...], "metadata": "<JSON text>"}
 
+Version 2 (written only for the model-free baselines, so version-1 readers keep reading every learned file)
+adds ``"scorer": "length" | "hash"`` with ``"pipeline": None`` (:func:`router.model.length_prior`,
+:func:`router.model.hash_score`); this build reads both versions.
+
 Loading never unpickles: skops rebuilds objects from a JSON schema and refuses any type that is not on its
 trusted list. We pass exactly :data:`TRUSTED_TYPES` (our two stateless transformers) on top of skops'
 defaults, after checking with ``skops.io.get_untrusted_types`` that the file asks for nothing else.
@@ -23,7 +27,9 @@ from typing import Any
 from router.model import Platt, TrainedRouter
 
 FORMAT = "thinkgate-router"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions this build reads.
+READABLE_VERSIONS = (1, 2)
 #: Types outside skops' default trust list that a router file may contain (and nothing else).
 TRUSTED_TYPES: tuple[str, ...] = ("router.features.HandFeatures", "router.features.TextClipper")
 
@@ -51,17 +57,20 @@ def save_router(router: TrainedRouter, path: str | Path) -> Path:
     file. Returns the path. Raises OSError on write failure."""
     import skops.io as sio
 
-    _compact_vocabularies(router.pipeline)
+    if router.pipeline is not None:
+        _compact_vocabularies(router.pipeline)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    envelope = {
+    envelope: dict[str, Any] = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "pipeline": router.pipeline,
+        "format_version": 1 if router.scorer == "pipeline" else FORMAT_VERSION,
+        "pipeline": router.pipeline if router.scorer == "pipeline" else None,
         "platt": [float(router.platt.a), float(router.platt.b)],
         "thresholds": [float(t) for t in router.thresholds],
         "metadata": json.dumps(router.metadata, sort_keys=True, ensure_ascii=False),
     }
+    if router.scorer != "pipeline":
+        envelope["scorer"] = router.scorer
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -96,13 +105,16 @@ def load_router(path: str | Path) -> TrainedRouter:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise RouterFileError(path, f"not a ThinkGate router (expected format {FORMAT!r})")
     version = obj.get("format_version")
-    if version != FORMAT_VERSION:
-        raise RouterFileError(path, f"incompatible format_version {version!r} (this build reads {FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise RouterFileError(path, f"incompatible format_version {version!r} (this build reads "
+                                    f"{', '.join(map(str, READABLE_VERSIONS))})")
     try:
         metadata = json.loads(obj["metadata"])
         a, b = (float(x) for x in obj["platt"])
         thresholds = [float(t) for t in obj["thresholds"]]
-        router = TrainedRouter(pipeline=obj["pipeline"], platt=Platt(a, b), thresholds=thresholds, metadata=metadata)
+        scorer = obj.get("scorer", "pipeline") if version >= 2 else "pipeline"
+        router = TrainedRouter(pipeline=obj["pipeline"], platt=Platt(a, b), thresholds=thresholds, metadata=metadata,
+                               scorer=scorer)
         router.fast  # noqa: B018  (compile now: validates the pipeline's shape)
     except (KeyError, TypeError, ValueError) as exc:
         raise RouterFileError(path, f"incompatible contents ({type(exc).__name__}: {exc})") from None

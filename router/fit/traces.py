@@ -1,0 +1,212 @@
+"""Recorded reasoning traces as routing data: ladders, per-question outcomes, labels and the held-out split.
+
+A traces folder (``DIR/<dataset>/<MODEL>__<SETTING>.jsonl.gz``, one row per question; see
+``data/traces/README.md``) records, for each (model, thinking setting), whether the answer was right
+(``correct``), its ``completion_tokens`` (thinking + answer) and the answer text. A **ladder** is one model's
+settings, cheapest first (``Qwen3-14B:no_think,exd0``); each setting is a tier of the gateway.
+
+Label of a question on a ladder (:func:`sufficing_labels`): the index of the cheapest setting that answers it
+correctly, 0 when none does (nothing is gained by paying more). For two settings this is RouteLLM's outcome
+pair: 1 iff the cheap setting is wrong and the top one right.
+
+Held-out questions (:func:`is_heldout`) are chosen by a salted SHA-256 of (dataset, id), so the split is the
+same for every model, setting and run, and no fit, vocabulary or threshold ever sees them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from router.jsonl import read_jsonl
+
+HELDOUT_SALT = "thinkgate-heldout-v1"
+HELDOUT_FRAC = 0.2
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """One model's thinking settings, cheapest first (2 or more)."""
+
+    model: str
+    settings: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """``MODEL:S1,S2`` (the CLI spelling)."""
+        return f"{self.model}:{','.join(self.settings)}"
+
+    @property
+    def slug(self) -> str:
+        """File-name form ``MODEL__S1-S2``."""
+        return f"{self.model}__{'-'.join(self.settings)}"
+
+
+def parse_ladder(spec: str) -> Ladder:
+    """Parse ``MODEL:SETTING1,SETTING2[,SETTING3…]`` (cheapest first). Raises ValueError on a bad spec
+    (no colon, fewer than two settings, a repeated setting, empty names)."""
+    model, sep, rest = spec.partition(":")
+    settings = tuple(s.strip() for s in rest.split(","))
+    if not sep or not model.strip() or any(not s for s in settings):
+        raise ValueError(f"ladder must look like MODEL:SETTING1,SETTING2[,...], got {spec!r}")
+    if len(settings) < 2:
+        raise ValueError(f"a ladder needs at least two settings, got {spec!r}")
+    if len(set(settings)) != len(settings):
+        raise ValueError(f"repeated setting in ladder {spec!r}")
+    return Ladder(model.strip(), settings)
+
+
+def trace_path(traces: str | Path, dataset: str, model: str, setting: str) -> Path:
+    """``traces/<dataset>/<model>__<setting>.jsonl.gz``."""
+    return Path(traces) / dataset / f"{model}__{setting}.jsonl.gz"
+
+
+def read_trace(path: str | Path) -> dict[str, dict[str, Any]]:
+    """One trace file as ``{id: row}`` (ids as str). Raises FileNotFoundError naming the file, ValueError for
+    a row without ``id``/``question``/``correct``/``completion_tokens``."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"trace file not found: {p}")
+    out: dict[str, dict[str, Any]] = {}
+    for row in read_jsonl(p):
+        for key in ("id", "question", "correct", "completion_tokens"):
+            if key not in row:
+                raise ValueError(f"{p}: row lacks {key!r}: {str(row)[:120]}")
+        out[str(row["id"])] = row
+    return out
+
+
+def _num(v: Any) -> float:
+    return float("nan") if v is None else float(v)
+
+
+@dataclass
+class LadderData:
+    """Per-question outcomes of one ladder on one (or several pooled) data sets; rows sorted by (dataset, id).
+
+    ``ids``: question ids (str); ``datasets``: the data set of each row; ``questions``: the text the router
+    scores; ``correct``: bool (n, k), setting j answered right; ``tokens``: float (n, k) completion tokens
+    (thinking + answer); ``reasoning_tokens``: float (n, k), NaN where the provider did not report them;
+    ``responses``: the recorded answer texts, (n) lists of k str (for the cascade estimate — never grading).
+    """
+
+    ladder: Ladder
+    ids: list[str]
+    datasets: list[str]
+    questions: list[str]
+    correct: np.ndarray
+    tokens: np.ndarray
+    reasoning_tokens: np.ndarray
+    responses: list[list[str]] = field(repr=False)
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    def subset(self, idx: Sequence[int] | np.ndarray) -> LadderData:
+        """Rows ``idx`` (in that order)."""
+        ix = np.asarray(idx, dtype=np.int64)
+        return LadderData(
+            self.ladder,
+            [self.ids[i] for i in ix],
+            [self.datasets[i] for i in ix],
+            [self.questions[i] for i in ix],
+            self.correct[ix],
+            self.tokens[ix],
+            self.reasoning_tokens[ix],
+            [self.responses[i] for i in ix],
+        )
+
+    @property
+    def keys(self) -> list[tuple[str, str]]:
+        """(dataset, id) per row: the question identity across ladders."""
+        return list(zip(self.datasets, self.ids, strict=True))
+
+
+def load_ladder(traces: str | Path, datasets: str | Iterable[str], ladder: Ladder | str) -> LadderData:
+    """The questions every setting of ``ladder`` has, in each of ``datasets``, sorted by (dataset, numeric id).
+
+    A question missing from one setting's file is dropped (the replay needs all settings). Raises
+    FileNotFoundError for a missing file, ValueError when no question is left.
+    """
+    lad = parse_ladder(ladder) if isinstance(ladder, str) else ladder
+    names = [datasets] if isinstance(datasets, str) else list(datasets)
+    ids: list[str] = []
+    dss: list[str] = []
+    qs: list[str] = []
+    cor: list[list[bool]] = []
+    tok: list[list[float]] = []
+    rtok: list[list[float]] = []
+    resp: list[list[str]] = []
+    for ds in names:
+        files = [read_trace(trace_path(traces, ds, lad.model, s)) for s in lad.settings]
+        common = set(files[0]).intersection(*files[1:])
+        for qid in sorted(common, key=_id_key):
+            rows = [f[qid] for f in files]
+            ids.append(qid)
+            dss.append(ds)
+            qs.append(str(rows[0]["question"]))
+            cor.append([bool(r["correct"]) for r in rows])
+            tok.append([_num(r["completion_tokens"]) for r in rows])
+            rtok.append([_num(r.get("reasoning_tokens")) for r in rows])
+            resp.append(["" if r.get("response") is None else str(r["response"]) for r in rows])
+    if not ids:
+        raise ValueError(f"no question has every setting of {lad.name} in {names} under {traces}")
+    k = len(lad.settings)
+    return LadderData(
+        lad, ids, dss, qs,
+        np.asarray(cor, dtype=bool).reshape(-1, k),
+        np.nan_to_num(np.asarray(tok, dtype=np.float64).reshape(-1, k), nan=0.0),
+        np.asarray(rtok, dtype=np.float64).reshape(-1, k),
+        resp,
+    )
+
+
+def _id_key(qid: str) -> tuple[int, float, str]:
+    try:
+        return (0, float(qid), qid)
+    except ValueError:
+        return (1, math.inf, qid)
+
+
+def sufficing_labels(correct: np.ndarray) -> np.ndarray:
+    """Per question, the index of the cheapest setting that is correct; 0 when none is (int64, (n,)).
+
+    ``correct``: bool (n, k), settings cheapest first. For k = 2: 1 iff cheap wrong and top right.
+    """
+    c = np.asarray(correct, dtype=bool)
+    if c.ndim != 2 or c.shape[1] < 2:
+        raise ValueError("correct must be (n, k >= 2)")
+    first = np.argmax(c, axis=1)
+    return np.where(c.any(axis=1), first, 0).astype(np.int64)
+
+
+def heldout_unit(dataset: str, qid: str) -> float:
+    """A uniform number in [0, 1) fixed by (dataset, question id): SHA-256 of the salted key."""
+    h = hashlib.sha256(f"{HELDOUT_SALT}/{dataset}/{qid}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2.0**64
+
+
+def is_heldout(dataset: str, qid: str, frac: float = HELDOUT_FRAC) -> bool:
+    """True for the ~``frac`` of questions that no fit or threshold may see (same for every model)."""
+    return heldout_unit(dataset, str(qid)) < frac
+
+
+def heldout_mask(data: LadderData, frac: float = HELDOUT_FRAC) -> np.ndarray:
+    """Bool (n,): rows of ``data`` in the held-out split."""
+    return np.array([is_heldout(d, q, frac) for d, q in data.keys], dtype=bool)
+
+
+def available_models(traces: str | Path, dataset: str) -> dict[str, list[str]]:
+    """``{model: [settings]}`` of the trace files in ``traces/<dataset>`` (for pooling other models' outcomes)."""
+    out: dict[str, list[str]] = {}
+    for p in sorted((Path(traces) / dataset).glob("*__*.jsonl.gz")):
+        model, _, setting = p.name[: -len(".jsonl.gz")].partition("__")
+        out.setdefault(model, []).append(setting)
+    return out
