@@ -164,14 +164,14 @@ def export_task(
 @app.command("fit")
 def fit(
     data: Annotated[list[Path] | None, typer.Argument(help="labelled JSONL file(s) (not with --traces)")] = None,
-    out: Annotated[Path | None, typer.Option("--out", "--output", "-o",
-                                             help="router file to write (.skops); a folder for several --ladder")] = None,
+    out: Annotated[Path | None, typer.Option(
+        "--out", "--output", "-o", help="router file to write (.skops); a folder for several --ladder")] = None,
     traces: Annotated[Path | None, typer.Option(help="traces folder DIR/<dataset>/<MODEL>__<SETTING>.jsonl.gz")] = None,
     dataset: Annotated[list[str] | None, typer.Option(help="trace data set(s) to fit on (with --traces)")] = None,
     ladder: Annotated[list[str] | None, typer.Option(
         help="MODEL:SETTING1,SETTING2[,SETTING3], cheapest first (with --traces; one router each)")] = None,
     quality_target: Annotated[float, typer.Option(help="thresholds keep >= this x always-top accuracy")] = 0.98,
-    heldout_frac: Annotated[float, typer.Option(help="fixed held-out share (sha256 of dataset/id), never fitted")] = 0.2,
+    heldout_frac: Annotated[float, typer.Option(help="fixed held-out share (sha256 of dataset/id)")] = 0.2,
     policy: Annotated[str, typer.Option(help="auto (fallback rule) | router | length | random")] = "auto",
     pool: Annotated[str, typer.Option(help="models (pool every model's outcomes per question) | none")] = "models",
     alpha: Annotated[float, typer.Option(help="ridge strength of the trace router")] = 2.0,
@@ -265,7 +265,8 @@ def _fit_traces(traces: Path, datasets: list[str], ladders: list[str], out: Path
         con.print(f"  validation savings_at_98: {sav} → ships [bold]{res.policy}[/bold]")
         con.print(f"  thresholds {[round(t, 4) for t in res.router.thresholds]} → tiers "
                   f"{dict(zip(lad.settings, cal['tiers'], strict=True))}, validation accuracy {cal['accuracy']:.3f} "
-                  f"(always-top {cal['always_top_accuracy']:.3f}), tokens {100 * cal['token_share']:.1f}% of always-top")
+                  f"(always-top {cal['always_top_accuracy']:.3f}), "
+                  f"tokens {100 * cal['token_share']:.1f}% of always-top")
         con.print(f"  saved {dest} ({dest.stat().st_size / 1e6:.2f} MB)")
 
 

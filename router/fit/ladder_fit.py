@@ -213,6 +213,12 @@ def random_thresholds(correct: np.ndarray, tokens: np.ndarray, target: float = Q
     return Calibration(th, float(acc[best]), float(share[best]), [float(x) for x in m], top_acc, target)
 
 
+def choose_policy(val_savings: dict[str, float]) -> str:
+    """The fallback rule: the policy (``router``, ``length``, ``random``) with the highest validation
+    savings_at_98; ties go to the earlier one in that order (the learned router first)."""
+    return max(POLICIES, key=lambda p: (round(val_savings[p], 6), -POLICIES.index(p)))
+
+
 @dataclass
 class LadderFit:
     """What :func:`fit_ladder_router` produced: the shipped router, the validation comparison, the data."""
@@ -329,8 +335,7 @@ def fit_ladder_router(
         "random": savings_at_98(random_curve(train.correct, train.tokens, 1001 if lad.settings[2:] == () else 101),
                                 top_acc, quality_target),
     }
-    chosen = max(POLICIES, key=lambda p: (round(val_savings[p], 6), -POLICIES.index(p))) if policy == "auto" \
-        else policy
+    chosen = choose_policy(val_savings) if policy == "auto" else policy
     if chosen == "router":
         shipped = TrainedRouter(pipeline=learned.pipeline, platt=learned.platt)
     else:
@@ -372,7 +377,7 @@ def ladder_metadata(
     import sklearn
     import skops
 
-    from router.jsonl import sha256_rows
+    from router.fit.jsonl import sha256_rows
 
     return {
         "router": {"router": "trace-ridge", "length": "length-prior", "random": "hash-random"}[policy],

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from router.jsonl import read_jsonl
+from router.fit.jsonl import read_jsonl
 
 HELDOUT_SALT = "thinkgate-heldout-v1"
 HELDOUT_FRAC = 0.2
