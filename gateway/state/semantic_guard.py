@@ -1,0 +1,306 @@
+"""Text analysis for the semantic cache, pure (no I/O): normalisation and the guard.
+
+**Normalisation** (:func:`normalise`) turns a question into the token list the lexical embedder sketches:
+Unicode NFKC, case-folded, number words written as digits (``seventeen`` → ``17``, ``twenty-three`` →
+``23``, ``one hundred and five`` → ``105``, ``2 million`` → ``2000000``), thousands separators dropped
+(``1,000`` → ``1000``), decimals canonical (``3.50`` → ``3.5``), arithmetic written one way (``17×23``,
+``17 * 23``, ``17 x 23``, ``17 times 23``, ``17 \\times 23`` → ``17 × 23``; ``/``, ``÷``, ``divided by``,
+``\\div`` → ``÷``; ``**`` → ``^``), every other punctuation mark a space, whitespace collapsed.
+
+**The guard** (:func:`features`, :func:`mismatch`) decides whether two questions that *look* alike may share
+an answer. Two questions pass only when they have
+
+- the same multiset of numbers (after the normalisation above; ``17×23`` ≠ ``17×24``, ``3.5`` = ``3.50``);
+- the same multiset of operators (``+ - × ÷ ^ = < > ≤ ≥ % √ !``; ``17+23`` ≠ ``17×23``);
+- the same single-letter symbols (``x``, ``n``: ``2x+1`` ≠ ``2y+1``; ``a``/``i`` are words, not symbols);
+- the same quoted strings, exactly (``"…"``, ``“…”``, ``«…»``, ``'…'``, `` `…` ``; case and content);
+- the same capitalised names: every capitalised word of one that is not a common sentence word (``Alice``,
+  ``NASA``, ``Paris``) must occur, case-folded, among the words of the other, both ways — so lower-casing a
+  question keeps its names, changing ``Alice`` to ``Maria`` does not;
+- the same number of negations (``not``, ``no``, ``never``, ``n't``, ``without``, …);
+- the same comparison words by direction (``more``/``greater``/``largest``/``above``/``after`` vs
+  ``less``/``fewer``/``smallest``/``below``/``before``);
+- the same language (script, and for Latin script the dominant function words of en/fr/de/es/it/pt/nl).
+
+It does not understand meaning: a changed unit (``km`` → ``miles``), a changed lower-case noun (``apples`` →
+``pears``), swapped roles (``Alice pays Bob`` vs ``Bob pays Alice``) and synonyms of opposite meaning that
+are not in the lists above pass it; the similarity threshold has to stop those.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+UNITS = {w: i for i, w in enumerate(_words(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen"))}
+TENS = {w: 10 * (i + 2) for i, w in enumerate(_words("twenty thirty forty fifty sixty seventy eighty ninety"))}
+SCALES = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9, "trillion": 10**12}
+NUMBER_WORDS = UNITS.keys() | TENS.keys() | SCALES.keys()
+
+OPERATOR_WORDS = {"plus": "+", "minus": "-", "times": "×", "multiplied": "×", "divided": "÷", "squared": "^2",
+                  "cubed": "^3", "percent": "%", "negative": "-", "equals": "="}
+LATEX = [(r"\\times|\\cdot", " × "), (r"\\div", " ÷ "), (r"\\frac", " ÷ "), (r"\\sqrt", " √ "),
+         (r"\\leq?|\\leqslant", " ≤ "), (r"\\geq?|\\geqslant", " ≥ "), (r"\\neq?", " ≠ "), (r"\\pm", " ± ")]
+NEGATIONS = frozenset(_words("not no never none nothing nobody nowhere neither nor cannot without isnt arent "
+                             "wasnt werent dont doesnt didnt wont wouldnt cant couldnt shouldnt hasnt havent "
+                             "hadnt mustnt neednt aint shant mightnt"))
+MORE = frozenset(_words("more greater larger bigger higher longer taller older most greatest largest biggest highest "
+                 "longest tallest oldest maximum max above after later latest increase increased increases "
+                 "heavier heaviest faster fastest"))
+LESS = frozenset(_words("less fewer smaller lower shorter younger least fewest smallest lowest shortest "
+                        "youngest minimum min below before earlier earliest decrease decreased decreases "
+                        "lighter lightest slower slowest"))
+# Capitalised words that are not names: sentence starters, question words, imperatives of task prompts.
+COMMON = frozenset(_words("""a an the this that these those there here it its i we you he she they me my our your
+his her their what which who whom whose when where why how if then else is are was were be been being am do does did
+can could should would will shall may might must has have had let suppose assume consider given find compute
+calculate determine solve evaluate simplify express write explain describe give list name show prove state
+tell provide answer imagine pretend please now next also so but and or nor yet for of in on at by to from
+with without as after before during while because since until unless although though however therefore thus
+each every all some any many much most few several both either neither one two three four five six seven eight
+nine ten first second third last yes no not okay ok hi hello dear assistant question problem step part
+note hint use using based according compose create draft generate rewrite summarize summarise
+identify extract analyze analyse discuss develop design implement construct convert translate classify rank rate
+pick choose select estimate approximate round factor expand graph plot sketch draw complete fill read respond
+reply act embody picture craft share help edit revise return output print suggest recommend compare
+define"""))
+
+_QUOTES = re.compile(r"\"([^\"\n]{1,300})\"|“([^”\n]{1,300})”|«([^»\n]{1,300})»|`([^`\n]{1,300})`"
+                     r"|(?:(?<=^)|(?<=[\s(\[]))'([^'\n]{1,300})'(?=[\s.,;:!?)\]]|$)")
+_NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+")
+_WORD = re.compile(r"[^\W\d_]+(?:['’][^\W\d_]+)*")
+_TOKEN = re.compile(r"\d+(?:\.\d+)?|[^\W\d_]+|[+\-×÷^=<>≤≥≠±%√!]")
+_TIMES_X = re.compile(r"(?<=\d)\s*[x×✕*·]\s*(?=[\d(-])")
+_WORD_HYPHEN = re.compile(r"(?<=[^\W\d_])-(?=[^\W\d_])")
+_BANG = re.compile(r"(?<=\d)!")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+_SCRIPTS = (("latin", "LATIN"), ("cyrillic", "CYRILLIC"), ("greek", "GREEK"), ("arabic", "ARABIC"),
+            ("hebrew", "HEBREW"), ("devanagari", "DEVANAGARI"), ("thai", "THAI"), ("hangul", "HANGUL"),
+            ("kana", "HIRAGANA"), ("kana", "KATAKANA"), ("han", "CJK"))
+_FUNCTION_WORDS = {
+    "en": "the is are what how of and to in which who does many much was with for that",
+    "fr": "le la les est sont que quel quelle combien des du et une un dans pour qui avec",
+    "de": "der die das ist sind und wie viele was ein eine nicht mit für wer welche",
+    "es": "el la los las es son que cuál cuántos cuántas del y una un en para quién con",
+    "it": "il lo la gli le è sono che quale quanti quante del e una un in per chi con",
+    "pt": "o a os as é são que qual quantos quantas do da e uma um em para quem com",
+    "nl": "de het een is zijn wat hoeveel van en in voor wie met niet welke",
+}
+_FUNCTION = {lang: frozenset(words.split()) for lang, words in _FUNCTION_WORDS.items()}
+
+
+def _canonical_number(text: str) -> str:
+    try:
+        value = Decimal(text.replace(",", ""))
+    except InvalidOperation:
+        return text
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value.normalize(), "f")
+
+
+def _words_to_numbers(tokens: list[str]) -> list[str]:
+    """Replace runs of number words (and ``<digits> <scale>``) by one digit token."""
+    out: list[str] = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok in NUMBER_WORDS or (tok[:1].isdigit() and i + 1 < len(tokens) and tokens[i + 1] in SCALES):
+            total, current, j, seen = 0, 0, i, False
+            if tok[:1].isdigit():
+                current = int(Decimal(tok)) if "." not in tok else 0
+                if current == 0 and "." in tok:  # 2.5 million: keep as is, too rare to fold exactly
+                    out.append(tok)
+                    i += 1
+                    continue
+                j, seen = i + 1, True
+            while j < len(tokens):
+                w = tokens[j]
+                if w in UNITS:
+                    current += UNITS[w]
+                elif w in TENS:
+                    current += TENS[w]
+                elif w == "hundred":
+                    current = max(current, 1) * 100
+                elif w in SCALES:
+                    total += max(current, 1) * SCALES[w]
+                    current = 0
+                elif w == "and" and seen and j + 1 < len(tokens) and tokens[j + 1] in NUMBER_WORDS:
+                    pass
+                else:
+                    break
+                seen = True
+                j += 1
+            out.append(str(total + current))
+            i = j
+        else:
+            out.append(tok)
+            i += 1
+    return out
+
+
+def _symbolise(text: str) -> str:
+    """NFKC + LaTeX and symbol forms of arithmetic written as single operator characters."""
+    text = unicodedata.normalize("NFKC", text)
+    for pattern, repl in LATEX:
+        text = re.sub(pattern, repl, text)
+    text = text.replace("**", "^").replace("−", "-").replace("–", "-")
+    text = _WORD_HYPHEN.sub(" ", text)  # twenty-three, well-known: words, not a subtraction
+    text = _TIMES_X.sub(" × ", text)
+    text = _BANG.sub(" ! ", text)
+    text = text.replace("*", " × ").replace("/", " ÷ ").replace("·", " × ")
+    return _THOUSANDS.sub("", text)
+
+
+def tokens(text: str) -> list[str]:
+    """The normalised tokens of ``text``: words (case-folded, apostrophes dropped), numbers in canonical
+    digits, operator characters. ``don't`` → ``dont``; ``17 times 23`` → ``17 × 23``."""
+    text = _symbolise(text).casefold().replace("'", "").replace("’", "")
+    toks = _TOKEN.findall(text)
+    toks = [_canonical_number(t) if t[:1].isdigit() else t for t in toks]
+    toks = _words_to_numbers(toks)
+    out: list[str] = []
+    for i, t in enumerate(toks):
+        op = OPERATOR_WORDS.get(t)
+        if op is not None and (t not in ("times", "negative", "minus", "plus", "equals")
+                               or _numeric_near(toks, i)):
+            out.extend(op) if op.startswith("^") else out.append(op)
+            continue
+        if t == "by" and out and out[-1] in ("×", "÷"):
+            continue  # "multiplied by", "divided by"
+        out.append(t)
+    return out
+
+
+def _numeric_near(toks: list[str], i: int) -> bool:
+    """``times`` is multiplication between numbers (``17 times 23``), not in ``three times a day``… it is
+    both; keep the rule simple: a number (or an operator) on at least one side."""
+    left = toks[i - 1] if i > 0 else ""
+    right = toks[i + 1] if i + 1 < len(toks) else ""
+    return left[:1].isdigit() or right[:1].isdigit()
+
+
+def normalise(text: str) -> str:
+    """The normalised text (tokens joined by one space); see the module doc."""
+    return " ".join(tokens(text))
+
+
+def language(text: str) -> str:
+    """A coarse language label: the dominant script (``cyrillic``, ``han``, ``kana``…), and for Latin script
+    ``en``/``fr``/``de``/``es``/``it``/``pt``/``nl`` by function words of two letters or more (``latin`` when
+    fewer than two are found);
+    ``und`` without letters."""
+    counts: Counter[str] = Counter()
+    for ch in text:
+        if ch.isalpha():
+            name = unicodedata.name(ch, "")
+            for label, marker in _SCRIPTS:
+                if name.startswith(marker):
+                    counts[label] += 1
+                    break
+            else:
+                counts["other"] += 1
+    if not counts:
+        return "und"
+    script = counts.most_common(1)[0][0]
+    if counts.get("kana"):  # Japanese mixes kana and han
+        script = "kana"
+    if script != "latin":
+        return script
+    words = [w.casefold() for w in _WORD.findall(text) if len(w) > 1]
+    votes = {lang: sum(w in fw for w in words) for lang, fw in _FUNCTION.items()}
+    best = max(votes.values())
+    if best < 2:  # one function word is no evidence ("a", "la", "de" are in several languages)
+        return "latin"
+    leaders = [lang for lang, v in votes.items() if v == best]
+    return leaders[0] if len(leaders) == 1 or "en" not in leaders else "en"
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """What the guard compares. ``numbers``/``operators``/``symbols``/``quoted``: sorted multisets;
+    ``names``: case-folded capitalised non-common words; ``words``: every case-folded word (for the name
+    check of the other side); ``negations``: count; ``polarity``: (more-words, less-words) counts."""
+
+    numbers: tuple[str, ...]
+    operators: tuple[str, ...]
+    symbols: tuple[str, ...]
+    quoted: tuple[str, ...]
+    names: frozenset[str]
+    words: frozenset[str]
+    negations: int
+    polarity: tuple[int, int]
+    language: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"n": list(self.numbers), "o": list(self.operators), "s": list(self.symbols),
+                "q": list(self.quoted), "c": sorted(self.names), "w": sorted(self.words), "g": self.negations,
+                "p": list(self.polarity), "l": self.language}
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> Features:
+        def seq(key: str) -> Iterable[str]:
+            v = d.get(key) or []
+            return [str(x) for x in v] if isinstance(v, list) else []
+
+        pol = d.get("p") or [0, 0]
+        p = (int(pol[0]), int(pol[1])) if isinstance(pol, list) and len(pol) == 2 else (0, 0)
+        neg = d.get("g", 0)
+        return cls(tuple(seq("n")), tuple(seq("o")), tuple(seq("s")), tuple(seq("q")), frozenset(seq("c")),
+                   frozenset(seq("w")), int(neg) if isinstance(neg, int) else 0, p, str(d.get("l", "und")))
+
+
+def _fold(word: str) -> str:
+    return word.casefold().replace("'", "").replace("’", "")
+
+
+def features(text: str) -> Features:
+    """The guard's view of ``text`` (the last user turn)."""
+    quoted = tuple(sorted(" ".join(next(g for g in m.groups() if g is not None).split())
+                          for m in _QUOTES.finditer(text)))
+    toks = tokens(text)
+    numbers = tuple(sorted(t for t in toks if t[:1].isdigit()))
+    operators = tuple(sorted(t for t in toks if len(t) == 1 and not t.isalnum()))
+    symbols = tuple(sorted(t for t in toks if len(t) == 1 and t.isalpha() and t not in ("a", "i")))
+    raw_words = _WORD.findall(_WORD_HYPHEN.sub(" ", unicodedata.normalize("NFKC", text)))
+    words = frozenset(_fold(w) for w in raw_words)
+    names = frozenset(f for w in raw_words
+                      if w[:1].isupper() and len(w) > 1 and (f := _fold(w)) not in COMMON
+                      and f not in NUMBER_WORDS and f not in OPERATOR_WORDS)
+    negations = sum(t in NEGATIONS for t in toks)
+    polarity = (sum(t in MORE for t in toks), sum(t in LESS for t in toks))
+    return Features(numbers, operators, symbols, quoted, names, words, negations, polarity, language(text))
+
+
+def mismatch(a: Features, b: Features) -> str | None:
+    """Why ``a`` and ``b`` may not share an answer (the first of ``language``, ``numbers``, ``operators``,
+    ``symbols``, ``quoted``, ``names``, ``negation``, ``polarity`` that differs), or None when the guard passes."""
+    if a.language != b.language:
+        return "language"
+    if a.numbers != b.numbers:
+        return "numbers"
+    if a.operators != b.operators:
+        return "operators"
+    if a.symbols != b.symbols:
+        return "symbols"
+    if a.quoted != b.quoted:
+        return "quoted"
+    if not a.names <= b.words or not b.names <= a.words:
+        return "names"
+    if a.negations != b.negations:
+        return "negation"
+    if a.polarity != b.polarity:
+        return "polarity"
+    return None

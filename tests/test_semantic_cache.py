@@ -1,0 +1,263 @@
+"""Semantic cache units: normalisation, the guard, scoping, and the Redis index against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers_redis_stack import stack
+
+from gateway.cache import CacheEntry, ResponseCache
+from gateway.cache_policy import cache_key, decide, tenant_scope
+from gateway.config import CacheConfig, SemanticCacheConfig, Settings
+from gateway.redis_server import free_port
+from gateway.state.semantic_cache import SemanticCache
+from gateway.state.semantic_embed import LexicalEmbedder, OpenAIEmbedder
+from gateway.state.semantic_guard import features, mismatch, normalise
+from gateway.state.semantic_policy import max_tokens_bucket, question, servable, tenant_tag
+
+# --- normalisation and the guard -----------------------------------------------------------------------
+
+SAME = [
+    ("What is 17 * 23?", "what is 17×23 ?"),
+    ("What is 17 * 23?", "What is seventeen times twenty-three?"),
+    ("What is 17 x 23?", "WHAT IS 17 \\times 23"),
+    ("Is 1,000 more than 999.50?", "is 1000 more than 999.5"),
+    ("How old is Alice if she was born in 1990?", "if she was born in 1990, how old is alice?"),
+    ('Translate "Good morning" to French.', 'translate   "Good morning"  to French'),
+    ("Natalia sold 48 clips in April and half as many in May.", "In May Natalia sold half as many; in April 48 clips."),
+]
+DIFFERENT = [
+    ("What is 17 * 23?", "What is 17 * 24?", "numbers"),
+    ("What is 17 * 23?", "What is 17 + 23?", "operators"),
+    ("What is 17 * 23?", "What is seventeen times twenty-four?", "numbers"),
+    ("Solve 2x + 1 = 5", "Solve 2y + 1 = 5", "symbols"),
+    ('Translate "Good morning" to French.', 'Translate "Good evening" to French.', "quoted"),
+    ("How old is Alice if she was born in 1990?", "How old is Maria if she was born in 1990?", "names"),
+    ("Which city is the capital of Australia?", "Which city is not the capital of Australia?", "negation"),
+    ("Which is the largest planet?", "Which is the smallest planet?", "polarity"),
+    ("What is the capital of France?", "Quelle est la capitale de la France ?", "language"),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), SAME)
+def test_guard_passes_rephrasings(a: str, b: str) -> None:
+    assert mismatch(features(a), features(b)) is None
+
+
+@pytest.mark.parametrize(("a", "b", "why"), DIFFERENT)
+def test_guard_refuses_changed_facts(a: str, b: str, why: str) -> None:
+    assert mismatch(features(a), features(b)) == why
+    assert mismatch(features(b), features(a)) == why
+
+
+def test_normalise_writes_arithmetic_and_numbers_one_way() -> None:
+    assert normalise("What is 17 * 23?") == normalise("what is 17×23 ?") == "what is 17 × 23"
+    assert normalise("one hundred and five") == "105"
+    assert normalise("2 million, 1,250 and 3.50") == "2000000 1250 and 3.5"
+    assert normalise("7 divided by 2") == normalise("7/2") == "7 ÷ 2"
+
+
+def test_lexical_similarity_orders_paraphrase_above_other_question() -> None:
+    emb = LexicalEmbedder()
+    q = emb.sketch_now("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
+                       "in May. How many clips did Natalia sell altogether in April and May?")
+    para = emb.sketch_now("How many clips did Natalia sell altogether in April and May, if natalia sold clips to "
+                          "48 of her friends in April and then she sold half as many clips in May?")
+    other = emb.sketch_now("Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of "
+                           "babysitting. How much did she earn?")
+    assert q.similarity(para.kind, para.payload) > 0.8
+    assert q.similarity(other.kind, other.payload) < 0.2
+    assert emb.sketch_now("What is 17 * 23?") == emb.sketch_now("what is 17×23 ?")
+
+
+# --- scope ---------------------------------------------------------------------------------------------
+
+BODY: dict[str, Any] = {
+    "model": "sim-model",
+    "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 17 * 23?"}],
+    "max_tokens": 100, "temperature": 0, "thinking_token_budget": 8,
+}
+
+
+def _body(text: str | None = None, **changes: Any) -> dict[str, Any]:
+    body = copy.deepcopy(BODY)
+    if text is not None:
+        body["messages"][-1]["content"] = text
+    body.update(changes)
+    return body
+
+
+def _ctx(body: dict[str, Any], scope: str = "key:alice", tier: str = "short") -> str:
+    q = question(scope, "chat", tier, body, "lexical-v1", 2000)
+    assert q is not None
+    return q.context
+
+
+def test_context_is_the_exact_key_without_the_last_user_turn() -> None:
+    base = _ctx(_body())
+    assert _ctx(_body("what is 17×23 ?")) == base  # only the question changed
+    assert _ctx(_body(max_tokens=120)) == base  # same max_tokens bucket (128)
+    assert _ctx(_body(stream=True)) == base  # framing
+    for other in (_ctx(_body(), scope="key:bob"), _ctx(_body(), tier="long"), _ctx(_body(thinking_token_budget=9)),
+                  _ctx(_body(max_tokens=200)), _ctx(_body(temperature=0.5)),
+                  _ctx(_body(chat_template_kwargs={"enable_thinking": False})),
+                  _ctx(_body(tools=[{"type": "function", "function": {"name": "f"}}])),
+                  _ctx(_body(response_format={"type": "json_object"})),
+                  _ctx(_body(messages=[{"role": "system", "content": "Be verbose."},
+                                       {"role": "user", "content": "What is 17 * 23?"}]))):
+        assert other != base
+
+
+def test_questions_that_are_not_plain_text_are_not_cached() -> None:
+    image = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    assert question("k", "chat", "t", _body(image), "e", 2000) is None
+    assert question("k", "chat", "t", _body("x" * 2001), "e", 2000) is None
+    assert question("k", "chat", "t", _body("   "), "e", 2000) is None
+    assert question("k", "completions", "t", {"prompt": ["a", "b"]}, "e", 2000) is None
+    parts = [{"type": "text", "text": "what is 2+2"}]
+    assert question("k", "chat", "t", _body(parts), "e", 2000) is not None
+
+
+def test_max_tokens_bucket_and_servable() -> None:
+    assert [max_tokens_bucket(n) for n in (1, 2, 3, 64, 65, 100, 128)] == [1, 2, 4, 64, 128, 128, 128]
+    done = {"choices": [{"finish_reason": "stop"}], "usage": {"completion_tokens": 90}}
+    cut = {"choices": [{"finish_reason": "length"}], "usage": {"completion_tokens": 100}}
+    assert servable(done, 100, 120) and servable(done, 100, 90) and not servable(done, 100, 89)
+    assert servable(cut, 100, 100) and not servable(cut, 100, 120)
+
+
+# --- the index on a real Redis -------------------------------------------------------------------------
+
+def _answer(text: str) -> dict[str, Any]:
+    return {"id": "c1", "object": "chat.completion", "created": 1, "model": "sim-model",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "reasoning": "think"},
+                         "logprobs": None, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}}
+
+
+async def _remember(exact: ResponseCache, sem: SemanticCache, scope: str, body: dict[str, Any], text: str,
+                    request_id: str, ttl_s: int = 60) -> str:
+    """Store an answer as the request path does: the exact entry, then its semantic index entry."""
+    dec = decide(CacheConfig(), body, {})
+    digest = cache_key(scope, "chat", "short", body)
+    ticket = await exact.begin(digest, dec)
+    assert ticket.status == "miss"
+    entry = CacheEntry(_answer(text), "chat", "short", "sim-model", time.time())
+    assert await exact.finish(ticket, entry)
+    probe = await sem.prepare(scope, "chat", "short", body)
+    assert probe is not None
+    assert await sem.store(probe, digest, request_id, ttl_s)
+    return digest
+
+
+async def _ask(sem: SemanticCache, scope: str, body: dict[str, Any]) -> Any:
+    probe = await sem.prepare(scope, "chat", "short", body)
+    assert probe is not None
+    return await sem.lookup(probe)
+
+
+async def test_paraphrase_hits_and_changed_numbers_names_tenants_miss(redis_url: str, redis_prefix: str,
+                                                                      tmp_path: Path) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
+        exact = ResponseCache(st.handle, st.breaker, CacheConfig())
+        sem = SemanticCache(st.handle, st.breaker, SemanticCacheConfig(enabled=True), LexicalEmbedder())
+        alice = tenant_scope("alice")
+        digest = await _remember(exact, sem, alice, _body("What is 17 * 23?"), "391", "req-1")
+        hit = await _ask(sem, alice, _body("what is 17×23 ?"))
+        assert hit.outcome == "hit" and hit.entry_id == digest and hit.matched_request_id == "req-1"
+        assert hit.entry.body["choices"][0]["message"]["content"] == "391" and hit.similarity == 1.0
+        assert (await _ask(sem, alice, _body("What is 17 * 24?"))).outcome != "hit"  # too short to look alike
+        long_q = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
+                  "for her friends every day with four. She sells the remainder at the farmers' market daily for "
+                  "$2 per fresh duck egg. How much in dollars does she make every day at the farmers' market?")
+        await _remember(exact, sem, alice, _body(long_q), "18", "req-3")
+        changed = await _ask(sem, alice, _body(long_q.replace("16 eggs", "17 eggs")))
+        assert changed.outcome == "guard_rejected" and changed.guard_reason == "numbers"
+        assert changed.similarity is not None and changed.similarity > 0.9  # similar text, refused by the guard
+        assert (await _ask(sem, tenant_scope("bob"), _body("what is 17×23 ?"))).outcome == "miss"
+        assert (await _ask(sem, alice, _body("what is 17×23 ?", thinking_token_budget=0))).outcome == "miss"
+        named = await _ask(sem, alice, _body(long_q.replace("Janet's", "Maria's")))
+        assert named.outcome == "guard_rejected" and named.guard_reason == "names"
+        para = await _ask(sem, alice, _body(long_q.replace("How much in dollars", "how many dollars").lower()))
+        assert para.outcome == "hit" and para.matched_request_id == "req-3"
+        far = await _ask(sem, alice, _body("What is 17 * 23 in base seven, written out with every step shown?"))
+        assert far.outcome in ("below_threshold", "miss")
+        assert sem.outcomes["hit"] == 2 and sem.outcomes["guard_rejected"] == 2
+
+
+async def test_threshold_decides(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
+        exact = ResponseCache(st.handle, st.breaker, CacheConfig())
+        strict = SemanticCache(st.handle, st.breaker, SemanticCacheConfig(threshold=1.0), LexicalEmbedder())
+        loose = SemanticCache(st.handle, st.breaker, SemanticCacheConfig(threshold=0.5), LexicalEmbedder())
+        q = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+             "How many clips did Natalia sell altogether in April and May?")
+        para = ("How many clips did Natalia sell altogether in April and May, if Natalia sold clips to 48 of her "
+                "friends in April and then she sold half as many clips in May?")
+        await _remember(exact, strict, tenant_scope("a"), _body(q), "72", "r")
+        assert (await _ask(strict, tenant_scope("a"), _body(para))).outcome == "below_threshold"
+        got = await _ask(loose, tenant_scope("a"), _body(para))
+        assert got.outcome == "hit" and 0.5 <= got.similarity < 1.0
+
+
+async def test_ttl_and_per_tenant_cap_evict(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
+        exact = ResponseCache(st.handle, st.breaker, CacheConfig())
+        sem = SemanticCache(st.handle, st.breaker, SemanticCacheConfig(max_entries_per_tenant=3), LexicalEmbedder())
+        scope = tenant_scope("capped")
+        for i in range(5):
+            await _remember(exact, sem, scope, _body(f"Question number {i}: what is {i} squared?"), str(i * i),
+                            f"r{i}", ttl_s=60 + i)
+        tag = tenant_tag(scope)
+        tenant = sem.index.entries_key(tag)
+        assert await sem.index.size(tag) == 3 and sem.index.evicted == 2
+        assert (await _ask(sem, scope, _body("question number 0: what is 0 squared"))).outcome != "hit"  # evicted
+        assert (await _ask(sem, scope, _body("question number 4: what is 4 squared"))).outcome == "hit"
+        assert 0 < await st.handle.client.ttl(tenant) <= 64
+        short = tenant_scope("short-lived")
+        await _remember(exact, sem, short, _body("What is 6 * 7?"), "42", "r", ttl_s=1)
+        await asyncio.sleep(1.1)
+        assert (await _ask(sem, short, _body("what is 6×7"))).outcome in ("miss", "below_threshold")
+
+
+async def test_redis_down_bypasses_without_error(tmp_path: Path) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    async with stack(url, "tgtest:semdown:", tmp_path / "s", cooldown_s=30) as st:
+        sem = SemanticCache(st.handle, st.breaker, SemanticCacheConfig(enabled=True), LexicalEmbedder())
+        probe = await sem.prepare(tenant_scope("a"), "chat", "short", _body())
+        assert probe is not None
+        t0 = time.monotonic()
+        assert (await sem.lookup(probe)).outcome == "bypass"
+        assert await sem.store(probe, "d" * 64, "r", 60) is False
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_settings_work_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings.load(None).cache.semantic.enabled is False
+    monkeypatch.setenv("THINKGATE_CACHE__SEMANTIC__ENABLED", "true")
+    monkeypatch.setenv("THINKGATE_CACHE__SEMANTIC__THRESHOLD", "0.9")
+    monkeypatch.setenv("THINKGATE_CACHE__SEMANTIC__EMBEDDER", "openai:long")
+    s = Settings.load(None)
+    assert (s.cache.semantic.enabled, s.cache.semantic.threshold, s.cache.semantic.embedder) == (True, 0.9,
+                                                                                                 "openai:long")
+    monkeypatch.setenv("THINKGATE_CACHE__SEMANTIC__EMBEDDER", "openai:nope")
+    with pytest.raises(ValueError, match=r"cache\.semantic\.embedder"):
+        Settings.load(None)
+
+
+def test_dense_sketch_similarity_is_cosine() -> None:
+    import httpx
+
+    from gateway.config import TierConfig
+
+    emb = OpenAIEmbedder(TierConfig(name="e"), httpx.AsyncClient())
+    a = emb.sketch_vector([1.0, 0.0, 0.0, 0.0])
+    b = emb.sketch_vector([1.0, 1.0, 0.0, 0.0])
+    assert abs(a.similarity(b.kind, b.payload) - 2 ** -0.5) < 1e-3
+    assert a.similarity("minhash", b.payload) == 0.0
+    assert a.bands == emb.sketch_vector([2.0, 0.0, 0.0, 0.0]).bands  # scale-free
