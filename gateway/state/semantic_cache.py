@@ -79,6 +79,7 @@ class SemanticCache:
         self.cfg = cfg
         self.embedder = embedder
         self.breaker = breaker
+        self.handle = handle
         self.redis = handle.client
         self.keys = RedisKeys(handle.prefix)
         self.index = SemanticIndex(handle, breaker, cfg.max_entries_per_tenant, cfg.max_candidates)
@@ -149,11 +150,16 @@ class SemanticCache:
             return None
         return entry
 
+    @staticmethod
+    def meta(probe: Probe, request_id: str) -> dict[str, Any]:
+        """The record JSON of an entry for ``probe`` made by request ``request_id``."""
+        return {"k": probe.sketch.kind, "g": probe.features.to_json(), "rid": request_id,
+                "mt": probe.question.max_tokens, "t": round(time.time(), 3)}
+
     async def store(self, probe: Probe, entry_id: str, request_id: str, ttl_s: int) -> bool:
         """Index the answer stored in the exact cache under ``entry_id`` (its digest) for ``ttl_s`` seconds.
         True when stored; False when Redis is unreachable (never raises for outages)."""
-        meta = {"k": probe.sketch.kind, "g": probe.features.to_json(), "rid": request_id,
-                "mt": probe.question.max_tokens, "t": round(time.time(), 3)}
+        meta = self.meta(probe, request_id)
         try:
             await self.index.insert(probe.tenant, probe.question.context, entry_id, probe.sketch.bands, meta,
                                     probe.sketch.payload, ttl_s)

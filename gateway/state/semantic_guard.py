@@ -231,8 +231,8 @@ def language(text: str) -> str:
 @dataclass(frozen=True, slots=True)
 class Features:
     """What the guard compares. ``numbers``/``operators``/``symbols``/``quoted``: sorted multisets;
-    ``names``: case-folded capitalised non-common words; ``words``: every case-folded word (for the name
-    check of the other side); ``negations``: count; ``polarity``: (more-words, less-words) counts."""
+    ``names``: case-folded capitalised non-common words; ``words``: every case-folded non-common word (for
+    the name check of the other side); ``negations``: count; ``polarity``: (more-words, less-words) counts."""
 
     numbers: tuple[str, ...]
     operators: tuple[str, ...]
@@ -275,7 +275,7 @@ def features(text: str) -> Features:
     operators = tuple(sorted(t for t in toks if len(t) == 1 and not t.isalnum()))
     symbols = tuple(sorted(t for t in toks if len(t) == 1 and t.isalpha() and t not in ("a", "i")))
     raw_words = _WORD.findall(_WORD_HYPHEN.sub(" ", unicodedata.normalize("NFKC", text)))
-    words = frozenset(_fold(w) for w in raw_words)
+    words = frozenset(f for w in raw_words if (f := _fold(w)) not in COMMON)  # names are never COMMON
     names = frozenset(f for w in raw_words
                       if w[:1].isupper() and len(w) > 1 and (f := _fold(w)) not in COMMON
                       and f not in NUMBER_WORDS and f not in OPERATOR_WORDS)

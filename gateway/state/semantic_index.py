@@ -154,7 +154,7 @@ class SemanticIndex:
         self.cap = max_entries_per_tenant
         self.max_candidates = max_candidates
         self._lookup = self.redis.register_script(LOOKUP_LUA)
-        self._insert = self.redis.register_script(INSERT_LUA)
+        self.insert_script = self.redis.register_script(INSERT_LUA)
         self.vector_search: bool | None = None  # None until detect() ran
         self.evicted = 0
 
@@ -210,11 +210,10 @@ class SemanticIndex:
             out.append(Candidate(entry_id, int(flat[i + 1]), meta, payload))
         return out
 
-    async def insert(self, tenant: str, context: str, entry_id: str, bands: tuple[str, ...],
-                     meta: dict[str, Any], payload: bytes, ttl_s: int) -> int:
-        """Store an entry for ``ttl_s`` seconds; returns how many entries the cap evicted. Raises RedisDown.
-
-        ``meta`` gets ``ctx`` and ``exp`` (epoch ms) added."""
+    def insert_call(self, tenant: str, context: str, entry_id: str, bands: tuple[str, ...], meta: dict[str, Any],
+                    payload: bytes, ttl_s: int) -> tuple[list[str], list[Any]]:
+        """KEYS and ARGV of the insert script for one entry (for :meth:`insert`, or a pipeline of
+        ``self.insert_script(keys=…, args=…, client=pipe)`` calls when filling in bulk)."""
         now_ms = int(time.time() * 1000)
         exp_ms = now_ms + ttl_s * 1000
         record = encode_record({**meta, "ctx": context, "exp": exp_ms}, payload)
@@ -222,7 +221,15 @@ class SemanticIndex:
         keys = [self.entries_key(tenant), self.expiry_key(tenant), *band_keys]
         args = [entry_id, record, " ".join(band_keys), now_ms, exp_ms, self.cap, ttl_s, BUCKET_MAX,
                 EXPIRED_PER_INSERT]
-        evicted = int(await self.breaker.call(lambda: self._insert(keys=keys, args=args)))
+        return keys, args
+
+    async def insert(self, tenant: str, context: str, entry_id: str, bands: tuple[str, ...],
+                     meta: dict[str, Any], payload: bytes, ttl_s: int) -> int:
+        """Store an entry for ``ttl_s`` seconds; returns how many entries the cap evicted. Raises RedisDown.
+
+        ``meta`` gets ``ctx`` and ``exp`` (epoch ms) added."""
+        keys, args = self.insert_call(tenant, context, entry_id, bands, meta, payload, ttl_s)
+        evicted = int(await self.breaker.call(lambda: self.insert_script(keys=keys, args=args)))
         self.evicted += evicted
         return evicted
 

@@ -1,0 +1,525 @@
+"""How often does the semantic cache answer a rephrased question, and does it ever answer a changed one?
+
+1. **Paraphrase set.** Real questions (GSM8K test, MATH-500, MT-Bench first turns, SimpleQA; ``data/``) are
+   stored, one entry each, in one tenant and context of the real index (``gateway/state/semantic_cache.py``,
+   ``lexical`` embedder) on a private ``redis-server``. Then rule-made variants are looked up:
+   *positives* (same question: ``lower`` case, ``spacing``, ``punct`` (punctuation dropped or spaced),
+   ``clause`` (the question sentence moved to the front, or ``If A, B?`` → ``B if A?``), ``synonym`` (one or
+   two words from a fixed synonym table), ``prefix`` (``Quick question:`` …), ``combo`` (lower + punct +
+   synonym)) and *negatives* (another question: ``number`` (one number changed), ``name`` (one capitalised
+   name replaced), ``negation`` (``not`` inserted or removed), ``noun`` (one lower-case content word replaced
+   by a word of another question — what the guard does not look at)). For every threshold: precision and
+   recall of semantic hits on the positives, and false hits per negative kind, with and without the guard.
+   The threshold is the one with the highest recall at precision ≥ 0.99 and no false hit on ``number`` and
+   ``name`` negatives; the script then runs the real ``SemanticCache.lookup`` at it to confirm.
+2. **Lookup latency.** One tenant and context filled to each size (default 10k and 100k entries: every real
+   question in ``data/`` — GSM8K, MATH, MMLU, SimpleQA, MT-Bench, ~36k — then copies with changed numbers, the
+   worst case for the LSH buckets); sequential ``prepare`` (sketch + guard features) + ``lookup`` of
+   paraphrases of stored entries (hits, including the answer's ``GET``) and number-changed ones (misses); p50/p99.
+
+    python -m bench.semantic_cache [--sizes 10000,100000] [--queries 500] [--per-source 150] [--write-results]
+
+Bounded: the paraphrase set is ~500 base questions; filling 100k entries takes about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import gzip
+import hashlib
+import random
+import re
+import statistics
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from gateway_overhead import machine  # noqa: E402
+from results_md import write_section  # noqa: E402
+
+from gateway.breaker import Breaker  # noqa: E402
+from gateway.cache import CacheEntry  # noqa: E402
+from gateway.cache_policy import tenant_scope  # noqa: E402
+from gateway.config import RedisConfig, SemanticCacheConfig  # noqa: E402
+from gateway.redis_client import connect  # noqa: E402
+from gateway.redis_keys import RedisKeys  # noqa: E402
+from gateway.redis_server import start_private  # noqa: E402
+from gateway.state.semantic_cache import Probe, SemanticCache  # noqa: E402
+from gateway.state.semantic_embed import LexicalEmbedder  # noqa: E402
+from gateway.state.semantic_guard import COMMON, Features, features, mismatch  # noqa: E402
+from gateway.state.semantic_policy import tenant_tag  # noqa: E402
+
+SECTION = "## Semantic cache"
+DATA = REPO / "data"
+PNG = REPO / "bench" / "results" / "semantic_cache_curve.png"
+MAX_CHARS = 2000
+POSITIVE_KINDS = ("lower", "spacing", "punct", "clause", "synonym", "prefix", "combo")
+NEGATIVE_KINDS = ("number", "name", "negation", "noun")
+MUST_BE_ZERO = ("number", "name")
+SYNONYMS = {
+    "calculate": "compute", "compute": "calculate", "find": "determine", "determine": "find", "total": "overall",
+    "buy": "purchase", "buys": "purchases", "bought": "purchased", "each": "every", "every": "each",
+    "amount": "quantity", "begins": "starts", "start": "begin", "help": "assist", "shows": "displays",
+    "also": "as well", "quickly": "rapidly", "big": "large", "large": "big", "answer": "reply",
+    "write": "compose", "explain": "describe", "describe": "explain", "make": "create", "makes": "creates",
+    "uses": "utilizes", "use": "utilize", "gets": "receives", "received": "got", "money": "cash",
+    "altogether": "in total", "earn": "make", "earns": "makes", "spend": "pay", "spent": "paid",
+    "needs": "requires", "need": "require", "wants": "would like", "store": "shop", "job": "work",
+    "price": "cost", "costs": "is priced at", "what": "which", "daily": "every day", "week": "7-day period",
+}
+PREFIXES = ("Quick question: ", "Please answer this: ", "Can you tell me: ", "Question - ")
+OTHER_NAMES = ("Priya", "Tomasz", "Aiko", "Mateo", "Ngozi", "Henrik", "Farida", "Lucian")
+AUXILIARIES = re.compile(r"\b(is|are|was|were|does|do|did|can|will|should|has|have)\b")
+NUMBER_RE = re.compile(r"\d+")
+WORD_RE = re.compile(r"\b[a-z]{5,}\b")
+
+
+# --- data -------------------------------------------------------------------------------------------------
+
+def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield orjson.loads(line)
+
+
+def real_questions(per_source: int, rng: random.Random) -> list[tuple[str, str]]:
+    """(source, question) pairs, ``per_source`` of each (fewer when a source is smaller), at most MAX_CHARS."""
+    sources = {
+        "gsm8k": [r["question"] for r in _jsonl(DATA / "gsm8k" / "test.jsonl")],
+        "math": [r["problem"] for r in _jsonl(DATA / "math" / "test.jsonl")],
+        "mt_bench": [r["turns"][0] for r in _jsonl(DATA / "mt_bench" / "question.jsonl")],
+        "simpleqa": [r["problem"] for r in _jsonl(DATA / "simpleqa" / "questions.jsonl.gz")],
+    }
+    out: list[tuple[str, str]] = []
+    for name, qs in sources.items():
+        qs = sorted({q for q in qs if 0 < len(q) <= MAX_CHARS})
+        rng.shuffle(qs)
+        out.extend((name, q) for q in qs[:per_source])
+    return out
+
+
+def fill_pool() -> list[str]:
+    """Every real question in ``data/`` (deduplicated, ≤ MAX_CHARS): the entries of the latency fill."""
+    qs: list[str] = []
+    qs += [r["question"] for r in _jsonl(DATA / "gsm8k" / "test.jsonl")]
+    qs += [r["question"] for r in _jsonl(DATA / "gsm8k" / "train.jsonl.gz")]
+    qs += [r["problem"] for r in _jsonl(DATA / "math" / "test.jsonl")]
+    qs += [r["problem"] for r in _jsonl(DATA / "math" / "train.jsonl.gz")]
+    qs += [r["prompt"] for r in _jsonl(DATA / "routellm" / "mmlu_responses.jsonl.gz")]
+    qs += [r["problem"] for r in _jsonl(DATA / "simpleqa" / "questions.jsonl.gz")]
+    qs += [r["turns"][0] for r in _jsonl(DATA / "mt_bench" / "question.jsonl")]
+    return sorted({q for q in qs if 0 < len(q) <= MAX_CHARS})
+
+
+# --- variants ---------------------------------------------------------------------------------------------
+
+def _sentences(text: str) -> list[str]:
+    return [s for s in re.split(r"(?<=[.?!])\s+", text.strip()) if s]
+
+
+def _synonym(text: str, rng: random.Random, count: int = 2) -> str | None:
+    words = [m for m in re.finditer(r"\b[A-Za-z]+\b", text) if m.group(0).lower() in SYNONYMS]
+    if not words:
+        return None
+    out = text
+    for m in sorted(rng.sample(words, min(count, len(words))), key=lambda m: m.start(), reverse=True):
+        w = m.group(0)
+        rep = SYNONYMS[w.lower()]
+        rep = rep[0].upper() + rep[1:] if w[0].isupper() else rep
+        out = out[:m.start()] + rep + out[m.end():]
+    return out
+
+
+def _punct(text: str) -> str:
+    out = re.sub(r",", "", text)
+    out = re.sub(r"\?\s*$", " ?", out) if out.rstrip().endswith("?") else out.rstrip(". ")
+    return out
+
+
+def _clause(text: str) -> str | None:
+    sents = _sentences(text)
+    if len(sents) >= 2:
+        return " ".join([sents[-1], *sents[:-1]])
+    m = re.match(r"^(If|When)\s+([^,]+),\s*(.+?)([?.])?$", text.strip(), flags=re.S)
+    if m:
+        return f"{m.group(3)[0].upper()}{m.group(3)[1:]} {m.group(1).lower()} {m.group(2)}{m.group(4) or ''}"
+    return None
+
+
+def positive(kind: str, text: str, rng: random.Random) -> str | None:
+    """A rephrasing of ``text`` that asks the same question, or None when the rule does not apply."""
+    if kind == "lower":
+        out: str | None = text.lower()
+    elif kind == "spacing":
+        out = re.sub(r" ", lambda _: "  " if rng.random() < 0.3 else " ", text)
+        out = re.sub(r"([,.?!])(?=\S)", r"\1 ", out) + " \n"
+    elif kind == "punct":
+        out = _punct(text)
+    elif kind == "clause":
+        out = _clause(text)
+    elif kind == "synonym":
+        out = _synonym(text, rng)
+    elif kind == "prefix":
+        out = rng.choice(PREFIXES) + text[0].lower() + text[1:]
+    elif kind == "combo":
+        syn = _synonym(text, rng, 1)
+        out = _punct(syn).lower() if syn else None
+    else:
+        raise ValueError(kind)
+    return out if out and out != text else None
+
+
+def negative(kind: str, text: str, rng: random.Random, other_words: list[str]) -> str | None:
+    """A variant of ``text`` that asks something else, or None when the rule does not apply."""
+    if kind == "number":
+        nums = list(NUMBER_RE.finditer(text))
+        if not nums:
+            return None
+        m = rng.choice(nums)
+        new = str(int(m.group(0)) + rng.randint(1, 9))
+        return text[:m.start()] + new + text[m.end():]
+    if kind == "name":
+        names = sorted(features(text).names)
+        spots = [m for m in re.finditer(r"\b[A-Z][a-zA-Z]+\b", text) if m.group(0).lower() in names]
+        if not spots:
+            return None
+        target = rng.choice(spots).group(0)
+        new = rng.choice([n for n in OTHER_NAMES if n.lower() not in text.lower()])
+        return re.sub(rf"\b{re.escape(target)}\b", new, text)
+    if kind == "negation":
+        if re.search(r"\bnot\b", text):
+            return re.sub(r"\s*\bnot\b", "", text, count=1)
+        m = AUXILIARIES.search(text)
+        return text[:m.end()] + " not" + text[m.end():] if m else None
+    if kind == "noun":
+        words = [m for m in WORD_RE.finditer(text) if m.group(0) not in COMMON and m.group(0) not in SYNONYMS]
+        if not words:
+            return None
+        m = rng.choice(words)
+        new = rng.choice([w for w in other_words if w != m.group(0)])
+        return text[:m.start()] + new + text[m.end():]
+    raise ValueError(kind)
+
+
+# --- the index ------------------------------------------------------------------------------------------
+
+CONTEXT_BODY: dict[str, Any] = {"model": "sim-model", "temperature": 0, "max_tokens": 256,
+                                "messages": [{"role": "system", "content": "Answer briefly."}]}
+
+
+def body_of(text: str) -> dict[str, Any]:
+    return {**CONTEXT_BODY, "messages": [*CONTEXT_BODY["messages"], {"role": "user", "content": text}]}
+
+
+def answer_of(text: str) -> bytes:
+    body = {"id": "x", "object": "chat.completion", "created": 0, "model": "sim-model",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "answer: " + text[:40]},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+    return CacheEntry(body, "chat", "short", "sim-model", time.time()).to_bytes()
+
+
+def digest_of(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+async def fill(sem: SemanticCache, keys: RedisKeys, scope: str, texts: list[str], batch: int = 256) -> float:
+    """Store ``texts`` (entry + exact answer each), pipelined; returns seconds."""
+    t0 = time.perf_counter()
+    client = sem.redis
+    for i in range(0, len(texts), batch):
+        chunk = texts[i:i + batch]
+        probes = [await sem.prepare(scope, "chat", "short", body_of(t)) for t in chunk]
+        async with client.pipeline(transaction=False) as pipe:
+            for text, probe in zip(chunk, probes, strict=True):
+                if probe is None:
+                    continue
+                d = digest_of(text)
+                pipe.set(keys.cache_entry(d), answer_of(text), ex=3600)
+                k, a = sem.index.insert_call(probe.tenant, probe.question.context, d, probe.sketch.bands,
+                                             SemanticCache.meta(probe, d[:12]), probe.sketch.payload, 3600)
+                await sem.index.insert_script(keys=k, args=a, client=pipe)
+            await pipe.execute()
+    return time.perf_counter() - t0
+
+
+async def score(sem: SemanticCache, probe: Probe) -> list[tuple[float, bool, str]]:
+    """(similarity, guard passes, entry id) of each candidate the index returns for ``probe``."""
+    cands = await sem.index.lookup(probe.tenant, probe.question.context, probe.sketch.bands)
+    return [(probe.sketch.similarity(str(c.meta.get("k")), c.payload),
+             mismatch(probe.features, Features.from_json(c.meta["g"])) is None, c.entry_id) for c in cands]
+
+
+# --- part 1: precision / recall -------------------------------------------------------------------------
+
+async def paraphrase_part(sem: SemanticCache, keys: RedisKeys, per_source: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    bases = real_questions(per_source, rng)
+    scope = tenant_scope("bench-paraphrase")
+    await fill(sem, keys, scope, [q for _, q in bases])
+    vocab = sorted({w for _, q in bases for w in WORD_RE.findall(q) if w not in COMMON})
+    queries: list[tuple[str, str, str, str]] = []  # (polarity, kind, base digest, text)
+    for _, q in bases:
+        for kind in POSITIVE_KINDS:
+            v = positive(kind, q, rng)
+            if v is not None:
+                queries.append(("pos", kind, digest_of(q), v))
+        for kind in NEGATIVE_KINDS:
+            v = negative(kind, q, rng, vocab)
+            if v is not None and v != q:
+                queries.append(("neg", kind, digest_of(q), v))
+    scored = []
+    for pol, kind, base, text in queries:
+        probe = await sem.prepare(scope, "chat", "short", body_of(text))
+        cands = await score(sem, probe) if probe is not None else []
+        scored.append((pol, kind, base, text, cands))
+    thresholds = [round(0.30 + 0.01 * i, 2) for i in range(71)]
+    curve = []
+    for t in thresholds:
+        row: dict[str, Any] = {"t": t}
+        correct = wrong = 0
+        false_hits: Counter[str] = Counter()
+        false_unguarded: Counter[str] = Counter()
+        pos_by_kind: Counter[str] = Counter()
+        for pol, kind, base, _text, cands in scored:
+            ok = [c for c in cands if c[1] and c[0] >= t]
+            best = max(ok, default=None)
+            any_best = max((c for c in cands if c[0] >= t), default=None)
+            if pol == "pos":
+                if best is not None and best[2] == base:
+                    correct += 1
+                    pos_by_kind[kind] += 1
+                elif best is not None:
+                    wrong += 1
+            else:
+                if best is not None:
+                    false_hits[kind] += 1
+                if any_best is not None:
+                    false_unguarded[kind] += 1
+        hits = correct + wrong + sum(false_hits.values())
+        row.update(correct=correct, wrong=wrong, false_hits=dict(false_hits), false_unguarded=dict(false_unguarded),
+                   pos_by_kind=dict(pos_by_kind), precision=correct / hits if hits else 1.0)
+        curve.append(row)
+    n_pos = Counter(k for p, k, *_ in scored if p == "pos")
+    n_neg = Counter(k for p, k, *_ in scored if p == "neg")
+    total_pos = sum(n_pos.values())
+    for row in curve:
+        row["recall"] = row["correct"] / total_pos if total_pos else 0.0
+    eligible = [r for r in curve if r["precision"] >= 0.99 and all(r["false_hits"].get(k, 0) == 0 for k in MUST_BE_ZERO)]
+    chosen = max(eligible, key=lambda r: (r["recall"], r["t"])) if eligible else curve[-1]
+    # Confirm with the real lookup at the chosen threshold.
+    real = SemanticCache(sem.handle, sem.breaker,
+                         SemanticCacheConfig(enabled=True, threshold=chosen["t"], max_chars=MAX_CHARS),
+                         sem.embedder)
+    outcomes: dict[str, Counter[str]] = defaultdict(Counter)
+    confirm_correct = confirm_false = 0
+    for pol, kind, base, text, _ in scored:
+        probe = await real.prepare(scope, "chat", "short", body_of(text))
+        if probe is None:
+            outcomes[kind]["not_eligible"] += 1
+            continue
+        res = await real.lookup(probe)
+        outcomes[kind][res.outcome] += 1
+        if res.outcome == "hit":
+            if pol == "pos" and res.entry_id == base:
+                confirm_correct += 1
+            elif pol == "neg":
+                confirm_false += 1
+    return {"bases": Counter(s for s, _ in bases), "n_pos": n_pos, "n_neg": n_neg, "curve": curve,
+            "chosen": chosen, "outcomes": outcomes, "confirm_correct": confirm_correct,
+            "confirm_false": confirm_false, "examples": _examples(scored, chosen["t"])}
+
+
+def _examples(scored: list[Any], t: float) -> list[str]:
+    """A few lines showing what the guard refused and what slipped through (for the write-up)."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for pol, kind, _base, text, cands in scored:
+        if pol != "neg" or kind in seen:
+            continue
+        best = max(cands, default=None)
+        if best is not None and best[0] >= t:
+            seen.add(kind)
+            verdict = "passed the guard" if best[1] else "refused by the guard"
+            out.append(f"- `{kind}` (similarity {best[0]:.2f}, {verdict}): {text[:110]!r}")
+    return out
+
+
+# --- part 2: latency ------------------------------------------------------------------------------------
+
+def _number_variant(text: str, rng: random.Random) -> str:
+    return NUMBER_RE.sub(lambda m: str(int(m.group(0)) + rng.randint(1, 97)), text) if NUMBER_RE.search(text) \
+        else f"{text} ({rng.randint(2, 10**6)})"
+
+
+async def latency_part(sem: SemanticCache, keys: RedisKeys, sizes: list[int], queries: int,
+                       seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    pool = fill_pool()
+    rng.shuffle(pool)
+    scope = tenant_scope("bench-latency")
+    stored: list[str] = []
+    rows = []
+    for size in sizes:
+        want = size - len(stored)
+        new: list[str] = []
+        while len(new) < want:
+            i = len(stored) + len(new)
+            new.append(pool[i] if i < len(pool) else _number_variant(pool[i % len(pool)], rng))
+        fill_s = await fill(sem, keys, scope, new)
+        stored += new
+        sample = rng.sample(stored, min(queries, len(stored)))
+        results: dict[str, list[float]] = {"hit": [], "miss": []}
+        prep: list[float] = []
+        outcomes: Counter[str] = Counter()
+        for text in sample:
+            for case, q in (("hit", positive("punct", text, rng) or text.lower()),
+                            ("miss", _number_variant(text, rng))):
+                t0 = time.perf_counter()
+                probe = await sem.prepare(scope, "chat", "short", body_of(q))
+                t1 = time.perf_counter()
+                if probe is None:
+                    continue
+                res = await sem.lookup(probe)
+                t2 = time.perf_counter()
+                results[case].append((t2 - t0) * 1000)
+                prep.append((t1 - t0) * 1000)
+                outcomes[f"{case}:{res.outcome}"] += 1
+        info = await sem.redis.info("memory")
+        rows.append({"size": size, "fill_s": fill_s, "stored": await sem.index.size(tenant_tag(scope)),
+            "hit": results["hit"], "miss": results["miss"], "prep": prep, "outcomes": outcomes,
+            "used_memory_mb": int(info["used_memory"]) / 2**20})
+    return rows
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+# --- report ---------------------------------------------------------------------------------------------
+
+def plot(curve: list[dict[str, Any]], chosen: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ts = [r["t"] for r in curve]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(ts, [r["recall"] for r in curve], label="recall (positives)")
+    ax.plot(ts, [r["precision"] for r in curve], label="precision")
+    for kind in NEGATIVE_KINDS:
+        ax.plot(ts, [r["false_hits"].get(kind, 0) / max(1, curve[0].get("_n_" + kind, 1)) for r in curve],
+                linestyle="--", label=f"false-hit rate: {kind}")
+        ax.plot(ts, [r["false_unguarded"].get(kind, 0) / max(1, curve[0].get("_n_" + kind, 1)) for r in curve],
+                linestyle=":", alpha=0.6, label=f"… {kind}, no guard")
+    ax.axvline(chosen, color="grey", linewidth=0.8)
+    ax.set_xlabel("similarity threshold (lexical MinHash)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("Semantic cache: paraphrases vs changed questions")
+    fig.tight_layout()
+    PNG.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PNG, dpi=110)
+    plt.close(fig)
+
+
+def report(par: dict[str, Any], lat: list[dict[str, Any]], when: str, mach: str, args: argparse.Namespace) -> str:
+    n_pos, n_neg, chosen = par["n_pos"], par["n_neg"], par["chosen"]
+    lines = [SECTION, "",
+             f"`python -m bench.semantic_cache --sizes {args.sizes} --queries {args.queries} --per-source "
+             f"{args.per_source}` — {when}. Embedder `lexical` (MinHash 128 × 4-gram/bigram features, 16 LSH bands), "
+             f"index on a private `redis-server` (loopback). Machine: {mach}.", "",
+             f"**Paraphrase set**: {sum(par['bases'].values())} real questions stored "
+             f"({', '.join(f'{k} {v}' for k, v in sorted(par['bases'].items()))}); "
+             f"{sum(n_pos.values())} positives ({', '.join(f'{k} {n_pos[k]}' for k in POSITIVE_KINDS)}) and "
+             f"{sum(n_neg.values())} negatives ({', '.join(f'{k} {n_neg[k]}' for k in NEGATIVE_KINDS)}) looked up.",
+             "", "| threshold | recall | precision | wrong entry | false hits number | name | negation | noun "
+             "| … without guard: number | name | negation | noun |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in par["curve"]:
+        if round(r["t"] * 100) % 5 and r is not chosen:
+            continue
+        fh, fu = r["false_hits"], r["false_unguarded"]
+        mark = " **(chosen)**" if r is chosen else ""
+        lines.append(f"| {r['t']:.2f}{mark} | {r['recall']:.3f} | {r['precision']:.3f} | {r['wrong']} | "
+                     + " | ".join(str(fh.get(k, 0)) for k in NEGATIVE_KINDS) + " | "
+                     + " | ".join(str(fu.get(k, 0)) for k in NEGATIVE_KINDS) + " |")
+    lines += ["", f"Recall by rephrasing at {chosen['t']:.2f}: "
+              + ", ".join(f"{k} {chosen['pos_by_kind'].get(k, 0)}/{n_pos[k]}" for k in POSITIVE_KINDS) + ".", "",
+              f"Real `SemanticCache.lookup` at {chosen['t']:.2f}: {par['confirm_correct']} correct hits, "
+              f"{par['confirm_false']} hits on negatives; outcomes per kind: "
+              + "; ".join(f"{k}: " + ", ".join(f"{o} {n}" for o, n in sorted(par["outcomes"][k].items()))
+                          for k in (*POSITIVE_KINDS, *NEGATIVE_KINDS)) + ".", "",
+              "Negatives that reached the threshold (best candidate):", *par["examples"], "",
+              f"Curve: `bench/results/{PNG.name}`.", "",
+              "**Lookup latency** (one tenant, one context; `prepare` = sketch + guard features, total = prepare + "
+              "`lookup` incl. the answer's GET on a hit):", "",
+              "| entries | fill s | Redis MiB | hit p50 ms | hit p99 ms | miss p50 ms | miss p99 ms | prepare p50 ms "
+              "| outcomes |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in lat:
+        outs = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
+        lines.append(f"| {r['stored']:,} | {r['fill_s']:.0f} | {r['used_memory_mb']:.0f} | {pct(r['hit'], .5):.2f} | "
+                     f"{pct(r['hit'], .99):.2f} | {pct(r['miss'], .5):.2f} | {pct(r['miss'], .99):.2f} | "
+                     f"{statistics.median(r['prep']):.2f} | {outs} |")
+    return "\n".join(lines) + "\n"
+
+
+async def run(args: argparse.Namespace) -> str:
+    proc, url = start_private()
+    handle = connect(RedisConfig(url=url, key_prefix="tgbench:", socket_timeout_s=5.0))
+    try:
+        breaker = Breaker(1.0)
+        cfg = SemanticCacheConfig(enabled=True, threshold=0.0, max_chars=MAX_CHARS,
+                                  max_entries_per_tenant=max(args.size_list) + 1000)
+        sem = SemanticCache(handle, breaker, cfg, LexicalEmbedder())
+        keys = RedisKeys(handle.prefix)
+        t0 = time.monotonic()
+        par = await paraphrase_part(sem, keys, args.per_source, args.seed)
+        for kind in NEGATIVE_KINDS:
+            par["curve"][0]["_n_" + kind] = par["n_neg"][kind]
+        print(f"paraphrase part: {time.monotonic() - t0:.0f} s", flush=True)
+        t0 = time.monotonic()
+        lat = await latency_part(sem, keys, args.size_list, args.queries, args.seed)
+        print(f"latency part: {time.monotonic() - t0:.0f} s", flush=True)
+    finally:
+        await handle.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+    plot(par["curve"], par["chosen"]["t"])
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return report(par, lat, when, machine(), args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="10000,100000")
+    ap.add_argument("--queries", type=int, default=500)
+    ap.add_argument("--per-source", type=int, default=150)
+    ap.add_argument("--seed", type=int, default=18)
+    ap.add_argument("--write-results", action="store_true")
+    args = ap.parse_args(argv)
+    args.size_list = [int(s) for s in args.sizes.split(",")]
+    text = asyncio.run(run(args))
+    print(text)
+    if args.write_results:
+        write_section(SECTION, text)
+
+
+if __name__ == "__main__":
+    main()
