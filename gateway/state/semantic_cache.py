@@ -13,10 +13,11 @@ lookup (and a store)::
 A **hit** needs, in this order: the same tenant scope and context (the index is partitioned by both,
 ``gateway/state/semantic_policy.py``), a similarity ≥ ``cache.semantic.threshold`` between the last user
 turns, the guard (``gateway/state/semantic_guard.py``: numbers, operators, quoted strings, names, negation,
-comparison words, language), the stored answer still in the exact cache and within ``max-age``, and a
-``max_tokens`` it fits (:func:`~gateway.state.semantic_policy.servable`). Candidates are tried best-first;
-the outcome says why a lookup did not hit: ``guard_rejected`` (a candidate was similar enough but the guard
-refused it), ``below_threshold`` (candidates, none similar enough), ``miss`` (no candidate at all).
+comparison words, language; with the ``lexical`` embedder also the content words), the stored answer still
+in the exact cache and within ``max-age``, and a ``max_tokens`` it fits
+(:func:`~gateway.state.semantic_policy.servable`). Candidates are tried best-first. The outcome says why a
+lookup did not hit: ``guard_rejected`` (a candidate was similar enough but the guard refused it),
+``below_threshold`` (candidates, none similar enough), ``miss`` (no candidate at all).
 
 Costs: a lookup is one Redis round trip (``gateway/state/semantic_index.py``), a hit one more (the answer's
 ``GET``); a store one. Redis unreachable or the embedder failing → ``bypass``, never an error.
@@ -31,11 +32,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gateway.breaker import Breaker, RedisDown
-from gateway.cache import CacheEntry
 from gateway.config import SemanticCacheConfig
-from gateway.redis_client import RedisHandle
-from gateway.redis_keys import RedisKeys
+from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.cache import CacheEntry
+from gateway.state.keys import RedisKeys
+from gateway.state.redis import RedisHandle
 from gateway.state.semantic_embed import Embedder, EmbedError, Sketch
 from gateway.state.semantic_guard import Features, features, mismatch
 from gateway.state.semantic_index import SemanticIndex
@@ -122,7 +123,8 @@ class SemanticCache:
             if sim < threshold or fetched >= MAX_FETCHES:
                 break
             g = cand.meta.get("g")
-            why = mismatch(probe.features, Features.from_json(g)) if isinstance(g, dict) else "unreadable"
+            why = mismatch(probe.features, Features.from_json(g), self.embedder.exact_words) if isinstance(g, dict) \
+                else "unreadable"
             if why is not None:
                 guard_reason = guard_reason or why
                 continue
@@ -145,7 +147,7 @@ class SemanticCache:
         raw = await self.breaker.call(lambda: self.redis.get(self.keys.cache_entry(entry_id)))
         if raw is None:
             return None
-        entry = CacheEntry.from_bytes(raw)
+        entry = CacheEntry.from_bytes(raw if isinstance(raw, bytes) else raw.encode())
         if entry is None or (max_age_s is not None and time.time() - entry.created > max_age_s):
             return None
         return entry

@@ -71,6 +71,7 @@ class Embedder(Protocol):
     meet. ``sketch`` raises :class:`EmbedError` when it cannot answer."""
 
     name: str
+    exact_words: bool  # the guard requires the same content words (a lexical similarity knows no synonyms)
 
     async def sketch(self, text: str) -> Sketch: ...
 
@@ -106,6 +107,7 @@ class LexicalEmbedder:
     """MinHash over character/word n-grams; see the module doc. Stateless apart from its hash parameters."""
 
     name = "lexical-v1"
+    exact_words = True
 
     def __init__(self) -> None:
         self._a, self._b = _multiply_shift_params()
@@ -137,6 +139,7 @@ class OpenAIEmbedder:
         self.http = http
         self.timeout_s = timeout_s
         self.name = f"openai-v1:{tier.name}:{tier.model}"
+        self.exact_words = False
         self._planes: dict[int, np.ndarray] = {}
 
     def _hyperplanes(self, dim: int) -> np.ndarray:

@@ -13,7 +13,8 @@ an answer. Two questions pass only when they have
 - the same multiset of numbers (after the normalisation above; ``17×23`` ≠ ``17×24``, ``3.5`` = ``3.50``);
 - the same multiset of operators (``+ - × ÷ ^ = < > ≤ ≥ % √ !``; ``17+23`` ≠ ``17×23``);
 - the same single-letter symbols (``x``, ``n``: ``2x+1`` ≠ ``2y+1``; ``a``/``i`` are words, not symbols);
-- the same quoted strings, exactly (``"…"``, ``“…”``, ``«…»``, ``'…'``, `` `…` ``; case and content);
+- the same quoted strings (``"…"``, ``“…”``, ``«…»``, ``'…'`` up to case and spacing; `` `…` `` code spans
+  exactly);
 - the same capitalised names: every capitalised word of one that is not a common sentence word (``Alice``,
   ``NASA``, ``Paris``) must occur, case-folded, among the words of the other, both ways — so lower-casing a
   question keeps its names, changing ``Alice`` to ``Maria`` does not;
@@ -22,9 +23,13 @@ an answer. Two questions pass only when they have
   ``less``/``fewer``/``smallest``/``below``/``before``);
 - the same language (script, and for Latin script the dominant function words of en/fr/de/es/it/pt/nl).
 
-It does not understand meaning: a changed unit (``km`` → ``miles``), a changed lower-case noun (``apples`` →
-``pears``), swapped roles (``Alice pays Bob`` vs ``Bob pays Alice``) and synonyms of opposite meaning that
-are not in the lists above pass it; the similarity threshold has to stop those.
+With the ``lexical`` embedder it also requires the same content words (every normalised word that is not a
+common sentence word, :func:`mismatch` ``same_words``): a lexical similarity cannot tell a synonym from a
+changed noun, so a changed word is a different question. With an embedding model (``openai:<tier>``) that
+check is off — synonyms are the point — and a changed unit (``km`` → ``miles``), a changed lower-case noun
+(``apples`` → ``pears``) or a word of opposite meaning that is not in the lists above passes the guard; the
+similarity threshold has to stop those. Swapped roles (``Alice pays Bob`` vs ``Bob pays Alice``) pass the
+guard in both modes (same names, same words): only the similarity's word-order features see them.
 """
 
 from __future__ import annotations
@@ -231,8 +236,9 @@ def language(text: str) -> str:
 @dataclass(frozen=True, slots=True)
 class Features:
     """What the guard compares. ``numbers``/``operators``/``symbols``/``quoted``: sorted multisets;
-    ``names``: case-folded capitalised non-common words; ``words``: every case-folded non-common word (for
-    the name check of the other side); ``negations``: count; ``polarity``: (more-words, less-words) counts."""
+    ``names``: case-folded capitalised non-common words; ``words``: the normalised non-common word tokens
+    (for the name check of the other side, and the content-word check); ``negations``: count;
+    ``polarity``: (more-words, less-words) counts."""
 
     numbers: tuple[str, ...]
     operators: tuple[str, ...]
@@ -266,16 +272,22 @@ def _fold(word: str) -> str:
     return word.casefold().replace("'", "").replace("’", "")
 
 
+def _quoted(m: re.Match[str]) -> str:
+    """A quoted string, whitespace collapsed; case-folded unless it is a backtick code span."""
+    i, value = next((i, g) for i, g in enumerate(m.groups()) if g is not None)
+    value = " ".join(value.split())
+    return "`" + value if i == 3 else value.casefold()
+
+
 def features(text: str) -> Features:
     """The guard's view of ``text`` (the last user turn)."""
-    quoted = tuple(sorted(" ".join(next(g for g in m.groups() if g is not None).split())
-                          for m in _QUOTES.finditer(text)))
+    quoted = tuple(sorted(_quoted(m) for m in _QUOTES.finditer(text)))
     toks = tokens(text)
     numbers = tuple(sorted(t for t in toks if t[:1].isdigit()))
     operators = tuple(sorted(t for t in toks if len(t) == 1 and not t.isalnum()))
     symbols = tuple(sorted(t for t in toks if len(t) == 1 and t.isalpha() and t not in ("a", "i")))
     raw_words = _WORD.findall(_WORD_HYPHEN.sub(" ", unicodedata.normalize("NFKC", text)))
-    words = frozenset(f for w in raw_words if (f := _fold(w)) not in COMMON)  # names are never COMMON
+    words = frozenset(t for t in toks if t.isalpha() and t not in COMMON)  # names are never COMMON
     names = frozenset(f for w in raw_words
                       if w[:1].isupper() and len(w) > 1 and (f := _fold(w)) not in COMMON
                       and f not in NUMBER_WORDS and f not in OPERATOR_WORDS)
@@ -284,9 +296,14 @@ def features(text: str) -> Features:
     return Features(numbers, operators, symbols, quoted, names, words, negations, polarity, language(text))
 
 
-def mismatch(a: Features, b: Features) -> str | None:
+def mismatch(a: Features, b: Features, same_words: bool = False) -> str | None:
     """Why ``a`` and ``b`` may not share an answer (the first of ``language``, ``numbers``, ``operators``,
-    ``symbols``, ``quoted``, ``names``, ``negation``, ``polarity`` that differs), or None when the guard passes."""
+    ``symbols``, ``quoted``, ``names``, ``negation``, ``polarity`` — and with ``same_words``, ``words`` — that
+    differs), or None when the guard passes.
+
+    ``same_words`` also requires the same set of content words (normalised tokens that are not common
+    sentence words): for a lexical similarity, which cannot tell a synonym (``buy`` → ``purchase``) from a
+    changed noun (``apples`` → ``pears``, ``km`` → ``miles``), the only safe reading of a changed word."""
     if a.language != b.language:
         return "language"
     if a.numbers != b.numbers:
@@ -303,4 +320,6 @@ def mismatch(a: Features, b: Features) -> str | None:
         return "negation"
     if a.polarity != b.polarity:
         return "polarity"
+    if same_words and a.words != b.words:
+        return "words"
     return None

@@ -41,8 +41,8 @@ from typing import Any
 
 import orjson
 
-from gateway.breaker import Breaker
-from gateway.redis_client import RedisHandle
+from gateway.state.breaker import Breaker
+from gateway.state.redis import RedisHandle
 
 BUCKET_MAX = 64
 EXPIRED_PER_INSERT = 64

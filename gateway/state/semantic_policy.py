@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.cache_policy import cache_key
+from gateway.state.cache_policy import cache_key
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,16 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers_redis_stack import stack
 
-from gateway.cache import CacheEntry, ResponseCache
-from gateway.cache_policy import cache_key, decide, tenant_scope
 from gateway.config import CacheConfig, SemanticCacheConfig, Settings
-from gateway.redis_server import free_port
+from gateway.engine.redis_server import free_port
+from gateway.state.cache import CacheEntry, ResponseCache
+from gateway.state.cache_policy import cache_key, decide, tenant_scope
 from gateway.state.semantic_cache import SemanticCache
 from gateway.state.semantic_embed import LexicalEmbedder, OpenAIEmbedder
 from gateway.state.semantic_guard import features, mismatch, normalise
 from gateway.state.semantic_policy import max_tokens_bucket, question, servable, tenant_tag
+from tests.fixtures.redis_stack import stack
 
 # --- normalisation and the guard -----------------------------------------------------------------------
 
