@@ -91,7 +91,9 @@ class UsageEvent:
 
     ``status`` is the HTTP status the client got (499 when the client disconnected first, as nginx logs
     it). ``cached`` means served from the response cache: then ``cost_micro_usd`` is 0 and
-    ``saved_micro_usd`` is what the upstream call would have cost at the tier's current prices.
+    ``saved_micro_usd`` is what the upstream call would have cost at the tier's current prices. A *semantic*
+    hit (a similar question's answer) also has ``cache_request_id`` (the request that produced the stored
+    answer) and ``cache_similarity`` (in [0, 1]); both are None otherwise.
     """
 
     key_id: str
@@ -119,6 +121,8 @@ class UsageEvent:
     stream: bool = False
     partial: bool = False
     usage_source: UsageSource = "upstream"
+    cache_request_id: str | None = None
+    cache_similarity: float | None = None
 
     @property
     def day(self) -> str:

@@ -151,6 +151,7 @@ def _write_parquet(rows: list[dict[str, Any]], cols: list[str], out: BinaryIO) -
     types: dict[str, Any] = {c: pa.int64() for c in COUNTER_FIELDS}
     types.update({"ts": pa.timestamp("ms", tz="UTC"), "tags": pa.map_(pa.string(), pa.string()),
                   "difficulty": pa.float64(), "latency_ms": pa.float64(), "ttft_ms": pa.float64(),
+                  "cache_similarity": pa.float64(),
                   "status": pa.int64(), "cached": pa.bool_(), "stream": pa.bool_()})
     if "requests" not in cols:  # raw events: partial is a bool there
         types["partial"] = pa.bool_()

@@ -59,6 +59,8 @@ class UsageRecord:
     ttft_ms: float | None = None
     status: int = 200
     error_code: str | None = None
+    cache_request_id: str | None = None  # semantic hit: the request whose stored answer was served
+    cache_similarity: float | None = None  # semantic hit: similarity of the two questions
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def set_usage(self, usage: dict[str, Any] | None) -> None:

@@ -39,6 +39,8 @@ from gateway.state.limits import Admission, Estimate, KeyLimits, Limits, estimat
 from gateway.state.metering import Meter
 from gateway.state.metrics import Metrics
 from gateway.state.redis import RedisHandle, connect
+from gateway.state.semantic_cache import Probe, SemanticCache
+from gateway.state.semantic_embed import embedder_for
 from gateway.state.spool import Spool
 
 log = logging.getLogger("thinkgate.accounting")
@@ -75,6 +77,8 @@ def event_of(record: UsageRecord) -> UsageEvent:
         stream=record.stream,
         partial=record.partial,
         usage_source=record.usage_source if record.usage_source in ("upstream", "counted", "cache") else "none",
+        cache_request_id=record.cache_request_id,
+        cache_similarity=round(record.cache_similarity, 4) if record.cache_similarity is not None else None,
     )
 
 
@@ -96,6 +100,12 @@ class Accounting:
         self.keystore = RedisKeyStore(self.handle, self.breaker, settings.auth.key_cache_s,
                                       settings.auth.key_stale_s)
         self.metrics = Metrics(settings.metrics, settings.tiers)
+        sem = settings.cache.semantic
+        self.semantic: SemanticCache | None = None
+        if sem.enabled and settings.cache.mode != "off":
+            embedder = embedder_for(sem.embedder, settings.tiers, self.http, sem.embed_timeout_s)
+            self.semantic = SemanticCache(self.handle, self.breaker, sem, embedder)
+        self._probes: dict[str, Probe] = {}  # request id → semantic probe, until the answer is stored or not
         self._pending: set[asyncio.Task[None]] = set()  # the metering writer and alert checks
         self._queue: list[tuple[UsageEvent, KeyInfo | None]] = []  # finished events not yet handed to Redis
         self._writer: asyncio.Task[None] | None = None
@@ -173,20 +183,58 @@ class Accounting:
         else:
             digest = ""  # bypass: no Redis, no hashing
         ticket = await self.cache.begin(digest, decision)
-        self._cache_result[record.request_id] = ticket.status
+        if self.semantic is not None and ticket.status == "miss":
+            ticket = await self._semantic_begin(self.semantic, ticket, key, record, tier, upstream_body)
+        self._cache_result[record.request_id] = "semantic-hit" if ticket.similarity is not None else ticket.status
         return ticket
+
+    async def _semantic_begin(self, semantic: SemanticCache, ticket: Ticket, key: KeyInfo, record: UsageRecord,
+                              tier: TierConfig, upstream_body: dict[str, Any]) -> Ticket:
+        """After an exact miss: look for a similar question's answer (when the decision allows a lookup) and
+        keep the probe to index this request's answer once it is stored. A semantic hit releases the
+        single-flight lock this request may hold (identical requests waiting on it then look up themselves)."""
+        scope = tenant_scope(key.id, key.cache_namespace)
+        probe = await semantic.prepare(scope, record.endpoint, tier.name, upstream_body)
+        if probe is None:
+            return ticket
+        if probe.sketch.tokens:
+            self._meter_embedding(record, probe.sketch.tokens)
+        if ticket.decision.lookup:
+            found = await semantic.lookup(probe, ticket.decision.max_age_s)
+            self.metrics.semantic(found.outcome)
+            if found.outcome == "hit" and found.entry is not None:
+                await self.cache.finish(ticket, None)
+                return Ticket(ticket.digest, ticket.decision, "hit", found.entry, similarity=found.similarity,
+                              source_request_id=found.matched_request_id)
+        if ticket.decision.store:
+            self._probes[record.request_id] = probe
+        return ticket
+
+    def _meter_embedding(self, record: UsageRecord, tokens: int) -> None:
+        """One usage event for the embedding call of ``openai:<tier>`` (its prompt tokens at the tier's prices)."""
+        tier = self.settings.tier(self.settings.cache.semantic.embedder.removeprefix("openai:"))
+        emb = UsageRecord(key_id=record.key_id, tags=record.tags, endpoint="embeddings",
+                          requested_model=tier.model, tier=tier.name, upstream_model=tier.model,
+                          route_reason="forced", prompt_tokens=tokens, usage_source="upstream")
+        emb.finish(tier, 200)
+        self.sink(emb)
 
     async def cache_finish(self, ticket: Ticket, body: dict[str, Any] | None, record: UsageRecord,
                            tier: TierConfig) -> None:
-        """Store ``body`` (a complete, successful answer; None = nothing to store) and release the lock."""
+        """Store ``body`` (a complete, successful answer; None = nothing to store) and release the lock; a
+        stored answer is also indexed by the semantic cache."""
         entry = CacheEntry(body, record.endpoint, tier.name, tier.model, record.ts) if body is not None else None
-        await self.cache.finish(ticket, entry)
+        stored = await self.cache.finish(ticket, entry)
+        probe = self._probes.pop(record.request_id, None)
+        if stored and probe is not None and self.semantic is not None:
+            await self.semantic.store(probe, ticket.digest, record.request_id, ticket.decision.ttl_s)
 
     # --- metering ---------------------------------------------------------------------------------------
     def sink(self, record: UsageRecord) -> None:
         """Usage sink: metrics now, Redis write (metering → local settle → alerts) in the background."""
         event = event_of(record)
         key = self._open.pop(record.request_id, None) or self._known.get(event.key_id)
+        self._probes.pop(record.request_id, None)
         self.metrics.observe(event, self._cache_result.pop(record.request_id, "bypass"))
         self._queue.append((event, key))
         if self._writer is None or self._writer.done():

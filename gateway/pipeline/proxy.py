@@ -48,6 +48,7 @@ PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 VALIDATORS = {"chat": schemas.validate_chat, "completions": schemas.validate_completion}
 TIER_HEADER = "x-thinkgate-tier"
 CACHE_HEADER = "x-thinkgate-cache"
+SIMILARITY_HEADER = "x-thinkgate-cache-similarity"
 CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
 
 UsageSink = Callable[[UsageRecord], None]
@@ -192,8 +193,13 @@ class Proxy:
         record.set_usage(cached.get("usage"))
         record.usage_source = "cache"
         record.mark_first_byte()
-        self._finish(record, route.tier, 200)
         headers = {**route_headers(route, record), CACHE_HEADER: "hit"}
+        if ticket.similarity is not None:  # a similar question's answer (gateway/state/semantic_cache.py)
+            record.cache_request_id = ticket.source_request_id
+            record.cache_similarity = ticket.similarity
+            headers[CACHE_HEADER] = "semantic-hit"
+            headers[SIMILARITY_HEADER] = f"{ticket.similarity:.4f}"
+        self._finish(record, route.tier, 200)
         if not record.stream:
             return Response(orjson.dumps(cached), media_type="application/json", headers=headers)
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))

@@ -89,7 +89,8 @@ class CacheEntry:
 @dataclass(slots=True)
 class Ticket:
     """The outcome of :meth:`ResponseCache.begin`. ``leader``: this request holds the single-flight lock.
-    ``waited_s``: time spent waiting for another request's answer."""
+    ``waited_s``: time spent waiting for another request's answer. ``similarity`` and ``source_request_id``
+    are set on a *semantic* hit (``gateway/state/semantic_cache.py``): the stored answer is another request's."""
 
     digest: str
     decision: CacheDecision
@@ -97,6 +98,8 @@ class Ticket:
     entry: CacheEntry | None = None
     lock_token: str | None = None
     waited_s: float = 0.0
+    similarity: float | None = None
+    source_request_id: str | None = None
 
     @property
     def leader(self) -> bool:

@@ -3,11 +3,12 @@
 One ``CollectorRegistry`` per app (several apps can live in one process, as in the tests). Label values are
 bounded: ``tier`` and ``model`` are the configured tier names / upstream models (anything else is
 ``other``; requests refused before routing are ``_unrouted``), ``route_reason`` the six known reasons,
-``cache`` hit|miss|bypass, ``status`` a class (2xx, 4xx, 5xx, 499), ``kind`` prompt|cached|completion|
+``cache`` hit|semantic-hit|miss|bypass, ``status`` a class (2xx, 4xx, 5xx, 499), ``kind`` prompt|cached|completion|
 reasoning, ``code`` the gateway's own error codes; ``key_id`` only when ``metrics.key_id_label`` is set.
 
 Series (counters get ``_total``): ``thinkgate_requests``, ``thinkgate_tokens``, ``thinkgate_cost_micro_usd``,
-``thinkgate_saved_micro_usd``, ``thinkgate_cache_requests``, ``thinkgate_route_decisions``,
+``thinkgate_saved_micro_usd``, ``thinkgate_cache_requests``, ``thinkgate_semantic_cache_requests``
+(``result``: hit|guard_rejected|below_threshold|miss|bypass), ``thinkgate_route_decisions``,
 ``thinkgate_upstream_errors``, ``thinkgate_limit_rejections``; histograms
 ``thinkgate_request_latency_seconds`` and ``thinkgate_ttft_seconds``; gauges ``thinkgate_redis_breaker_open``,
 ``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events``.
@@ -25,7 +26,8 @@ from gateway.config import MetricsConfig, TierConfig
 from gateway.ledger.event import UsageEvent
 
 ROUTE_REASONS = frozenset({"predicted", "forced", "effort", "fallback", "escalated", "cache"})
-CACHE_RESULTS = frozenset({"hit", "miss", "bypass"})
+CACHE_RESULTS = frozenset({"hit", "semantic-hit", "miss", "bypass"})
+SEMANTIC_RESULTS = frozenset({"hit", "guard_rejected", "below_threshold", "miss", "bypass"})
 ERROR_CODES = frozenset({"upstream_error", "upstream_unavailable", "upstream_timeout", "upstream_rejected",
                          "upstream_stream_broken", "client_disconnected", "budget_exceeded",
                          "rate_limit_exceeded", "limits_unavailable", "key_store_unavailable"})
@@ -57,6 +59,9 @@ class Metrics:
         self.saved = Counter("thinkgate_saved_micro_usd", "Cost avoided by cache hits, micro-USD.",
                              ["tier", "model", *k], registry=r)
         self.cache = Counter("thinkgate_cache_requests", "Response-cache outcomes.", ["result"], registry=r)
+        self.semantic_lookups = Counter(
+            "thinkgate_semantic_cache_requests", "Semantic-cache lookups after an exact miss, by outcome "
+            "(hit, guard_rejected, below_threshold, miss, bypass).", ["result"], registry=r)
         self.routes = Counter("thinkgate_route_decisions", "Routing decisions.", ["tier", "reason"], registry=r)
         self.upstream_errors = Counter("thinkgate_upstream_errors", "Failed or broken upstream calls.",
                                        ["tier", "code"], registry=r)
@@ -120,6 +125,10 @@ class Metrics:
         child(self.latency, tier, stream).observe(event.latency_ms / 1000)
         if event.ttft_ms is not None:
             child(self.ttft, tier, stream).observe(event.ttft_ms / 1000)
+
+    def semantic(self, result: str) -> None:
+        """Count one semantic-cache lookup by its outcome."""
+        self._child(self.semantic_lookups, result if result in SEMANTIC_RESULTS else "bypass").inc()
 
     def rejected(self, code: str | None) -> None:
         """Count a refusal by budgets/limits (429/503 before routing)."""

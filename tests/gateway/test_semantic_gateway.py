@@ -1,0 +1,175 @@
+"""The semantic cache through a real gateway, the real Redis and the upstream simulator: a paraphrase is
+answered from the cache (JSON and SSE), changed numbers, other tenants, tiers and thinking settings are not,
+Cache-Control is honoured, hits are metered with the matched request, and a Redis outage bypasses."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from gateway.ledger.event import cost_micro_usd
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway, usage_events
+from tests.fixtures.redis_stack import PersistentRedis
+from tests.fixtures.upstream import GatewayServer, SimProcess
+
+SEMANTIC = {"cache": {"semantic": {"enabled": True}}}
+LONG_Q = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for "
+          "her friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh "
+          "duck egg. How much in dollars does she make every day at the farmers' market?")
+
+
+@pytest.fixture(scope="module")
+def gw(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("semgw"), **SEMANTIC) as g:
+        yield g
+
+
+def client(gw: GatewayServer, who: str = "alice") -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.base_url, api_key=SECRETS[who], max_retries=0, timeout=30)
+
+
+def ask(question: str, tag: str, model: str = "short", **extra: Any) -> dict[str, Any]:
+    """A deterministic request; ``tag`` (the simulator's request tag) is part of the context, so each test has
+    its own, and the simulator counts how often the upstream was really called."""
+    return {"model": model, "messages": [{"role": "user", "content": question}], "temperature": 0,
+            "extra_body": {"sim": {"tag": tag}, **extra}}
+
+
+def test_paraphrase_is_a_semantic_hit_metered_with_the_matched_request(gw: GatewayServer,
+                                                                       upstream_sim: SimProcess) -> None:
+    tag = uuid.uuid4().hex
+    c = client(gw)
+    first = c.chat.completions.with_raw_response.create(**ask("What is 17 * 23?", tag))
+    assert first.headers["x-thinkgate-cache"] == "miss"
+    second = c.chat.completions.with_raw_response.create(**ask("what is 17×23 ?", tag))
+    assert second.headers["x-thinkgate-cache"] == "semantic-hit"
+    assert float(second.headers["x-thinkgate-cache-similarity"]) == 1.0
+    assert second.headers["x-thinkgate-route-reason"] == "cache"
+    a, b = first.parse(), second.parse()
+    assert b.choices[0].message.content == a.choices[0].message.content == "echo: What is 17 * 23?"
+    assert getattr(b.choices[0].message, "reasoning", None) == getattr(a.choices[0].message, "reasoning", None)
+    assert upstream_sim.tag(tag)["attempts"] == 1  # the paraphrase never reached the upstream
+    rid1, rid2 = first.headers["x-request-id"], second.headers["x-request-id"]
+    events = usage_events(gw, [rid1, rid2])
+    miss_ev, hit_ev = events[rid1], events[rid2]
+    price = cost_micro_usd(gw.settings.tier("short").prices, prompt_tokens=miss_ev.prompt_tokens,
+                           cached_tokens=miss_ev.cached_tokens, completion_tokens=miss_ev.completion_tokens)
+    assert (hit_ev.cached, hit_ev.cost_micro_usd, hit_ev.saved_micro_usd) == (True, 0, price) and price > 0
+    assert hit_ev.cache_request_id == rid1 and hit_ev.cache_similarity == 1.0
+    assert miss_ev.cache_request_id is None and hit_ev.route_reason == "cache"
+
+
+def test_changed_number_misses_and_is_counted_as_guard_rejected(gw: GatewayServer, upstream_sim: SimProcess) -> None:
+    tag = uuid.uuid4().hex
+    c = client(gw)
+    before = _metric(gw, 'thinkgate_semantic_cache_requests_total{result="guard_rejected"}')
+    assert c.chat.completions.with_raw_response.create(**ask("What is 17 * 23?", tag)).headers[
+        "x-thinkgate-cache"] == "miss"
+    other = c.chat.completions.with_raw_response.create(**ask("What is 17 * 24?", tag))
+    assert other.headers["x-thinkgate-cache"] == "miss"
+    assert other.parse().choices[0].message.content == "echo: What is 17 * 24?"
+    c.chat.completions.create(**ask(LONG_Q, tag))
+    changed = c.chat.completions.with_raw_response.create(**ask(LONG_Q.replace("16 eggs", "17 eggs"), tag))
+    assert changed.headers["x-thinkgate-cache"] == "miss"
+    assert "17 eggs" in (changed.parse().choices[0].message.content or "")
+    assert upstream_sim.tag(tag)["attempts"] == 4
+    assert _metric(gw, 'thinkgate_semantic_cache_requests_total{result="guard_rejected"}') == before + 1
+    assert _metric(gw, 'thinkgate_semantic_cache_requests_total{result="hit"}') >= 0
+
+
+def test_other_tenant_tier_and_thinking_setting_miss(gw: GatewayServer, upstream_sim: SimProcess) -> None:
+    tag = uuid.uuid4().hex
+    assert client(gw).chat.completions.with_raw_response.create(**ask(LONG_Q, tag)).headers[
+        "x-thinkgate-cache"] == "miss"
+    para = LONG_Q.lower()
+    for who, kwargs in (("bob", {}),  # another tenant
+                        ("alice", {"model": "long"}),  # another tier
+                        ("alice", {"chat_template_kwargs": {"enable_thinking": False}}),  # thinking off
+                        ("alice", {"reasoning_effort": "none"})):  # thinking off by effort
+        r = client(gw, who).chat.completions.with_raw_response.create(**ask(para, tag, **kwargs))
+        assert r.headers["x-thinkgate-cache"] == "miss", (who, kwargs)
+    assert upstream_sim.tag(tag)["attempts"] == 5
+    assert client(gw).chat.completions.with_raw_response.create(**ask(para, tag)).headers[
+        "x-thinkgate-cache"] == "semantic-hit"
+
+
+def test_cache_control_is_honoured(gw: GatewayServer, upstream_sim: SimProcess) -> None:
+    tag = uuid.uuid4().hex
+    c = client(gw)
+    c.chat.completions.create(**ask("What is 6 * 7?", tag))
+    no_cache = c.chat.completions.with_raw_response.create(**ask("what is 6×7", tag),
+                                                           extra_headers={"cache-control": "no-cache"})
+    assert no_cache.headers["x-thinkgate-cache"] == "miss"
+    no_store = c.chat.completions.with_raw_response.create(**ask("WHAT IS 6 x 7", tag),
+                                                           extra_headers={"cache-control": "no-store"})
+    assert no_store.headers["x-thinkgate-cache"] == "bypass"
+    assert upstream_sim.tag(tag)["attempts"] == 3
+    # not deterministic: the exact cache would not store it, so the semantic cache neither looks up nor stores
+    hot = c.chat.completions.with_raw_response.create(**{**ask("what is 6 * 7", tag), "temperature": 0.7})
+    assert hot.headers["x-thinkgate-cache"] == "bypass"
+
+
+def test_streamed_semantic_hit_is_valid_sse_with_reasoning(gw: GatewayServer, upstream_sim: SimProcess) -> None:
+    tag = uuid.uuid4().hex
+    c = client(gw)
+    plain = c.chat.completions.create(**ask(LONG_Q, tag)).choices[0].message
+    raw = c.chat.completions.with_raw_response.create(**ask("  " + LONG_Q.upper() + " ", tag), stream=True,
+                                                       stream_options={"include_usage": True})
+    assert raw.headers["x-thinkgate-cache"] == "semantic-hit"
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    content, reasoning, usage = [], [], None
+    for chunk in raw.parse():  # the SDK's own SSE parser: it raises on malformed streams
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            content.append(ch.delta.content or "")
+            reasoning.append(getattr(ch.delta, "reasoning", None) or "")
+    assert "".join(content) == plain.content and "".join(reasoning) == getattr(plain, "reasoning", None)
+    assert usage is not None and usage.completion_tokens > 0
+    body = {"model": "short", "messages": [{"role": "user", "content": LONG_Q.lower()}], "temperature": 0,
+            "sim": {"tag": tag}, "stream": True}
+    r = httpx.post(gw.base_url + "/chat/completions", json=body, timeout=30,
+                   headers={"authorization": f"Bearer {SECRETS['alice']}"})
+    assert r.headers["x-thinkgate-cache"] == "semantic-hit"
+    events = r.content.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    chunks = [orjson.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    assert all(ch["object"] == "chat.completion.chunk" and ch["choices"] for ch in chunks)
+    assert upstream_sim.tag(tag)["attempts"] == 1
+
+
+def test_redis_down_bypasses_the_semantic_cache(upstream_sim: SimProcess, tmp_path: Path) -> None:
+    server = PersistentRedis(tmp_path / "redis")
+    server.workdir.mkdir()
+    server.start()
+    tag = uuid.uuid4().hex
+    try:
+        with accounting_gateway(upstream_sim.base_url, server.url, tmp_path, "tgsemdown:", **SEMANTIC) as g:
+            c = client(g)
+            c.chat.completions.create(**ask(LONG_Q, tag))
+            assert c.chat.completions.with_raw_response.create(**ask(LONG_Q.lower(), tag)).headers[
+                "x-thinkgate-cache"] == "semantic-hit"
+            server.stop()
+            t0 = time.monotonic()
+            r = c.chat.completions.with_raw_response.create(**ask(LONG_Q.lower() + " ", tag))
+            assert r.headers["x-thinkgate-cache"] == "bypass"
+            assert r.parse().choices[0].message.content
+            assert time.monotonic() - t0 < 3.0
+            assert upstream_sim.tag(tag)["attempts"] == 2
+    finally:
+        server.stop()
+
+
+def _metric(gw: GatewayServer, series: str) -> float:
+    text = httpx.get(gw.url + "/metrics", headers={"authorization": f"Bearer {ADMIN_SECRET}"}, timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
