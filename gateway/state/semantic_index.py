@@ -5,7 +5,7 @@ Keys (``p`` = prefix, ``t`` = 16-hex tenant tag of the cache scope, ``c`` = 16 h
 ==========================================  ======  =====================================================
 key                                          type    contents
 ==========================================  ======  =====================================================
-``p sem:{t}:e``                              hash    entry id → record; ``b:<id>`` → its band keys
+``p sem:{t}:e``                              hash    entry id → record; ``b:<id>`` → its context and bands
 ``p sem:{t}:x``                              zset    entry id → expiry (epoch ms): TTL and the entry cap
 ``p sem:{t}:b:{c}:{band}:{hash}``            list    entry ids whose sketch has this band (newest first,
                                                      at most :data:`BUCKET_MAX`)
@@ -77,13 +77,20 @@ return out
 """
 
 # KEYS: 1 entries hash, 2 expiry zset, 3.. band lists of the new entry.
-# ARGV: 1 id, 2 record, 3 band keys (space-separated), 4 now ms, 5 expiry ms, 6 cap, 7 ttl s, 8 bucket max,
-#       9 expired entries to drop at most. Returns the number of entries evicted by the cap.
+# ARGV: 1 id, 2 record, 3 bands ("<context16> <hash0> … <hash15>"), 4 now ms, 5 expiry ms, 6 cap, 7 ttl s,
+#       8 bucket max, 9 expired entries to drop at most, 10 band key base ("<p>sem:<t>:b:").
+# Returns the number of entries evicted by the cap. An entry's band keys are rebuilt from its "b:" field
+# (base .. context .. ':' .. band index .. ':' .. hash), a quarter of the bytes of the keys themselves.
 INSERT_LUA = """
 local function drop(id)
   local bands = redis.call('HGET', KEYS[1], 'b:' .. id)
   if bands then
-    for k in string.gmatch(bands, '%S+') do redis.call('LREM', k, 0, id) end
+    local ctx, i = nil, 0
+    for h in string.gmatch(bands, '%S+') do
+      if ctx == nil then ctx = h else
+        redis.call('LREM', ARGV[10] .. ctx .. ':' .. i .. ':' .. h, 0, id); i = i + 1
+      end
+    end
   end
   redis.call('HDEL', KEYS[1], id, 'b:' .. id)
   redis.call('ZREM', KEYS[2], id)
@@ -165,9 +172,12 @@ class SemanticIndex:
     def expiry_key(self, tenant: str) -> str:
         return f"{self.prefix}sem:{tenant}:x"
 
+    def band_base(self, tenant: str) -> str:
+        return f"{self.prefix}sem:{tenant}:b:"
+
     def band_keys(self, tenant: str, context: str, bands: tuple[str, ...]) -> list[str]:
-        c = context[:16]
-        return [f"{self.prefix}sem:{tenant}:b:{c}:{i}:{h}" for i, h in enumerate(bands)]
+        base, c = self.band_base(tenant), context[:16]
+        return [f"{base}{c}:{i}:{h}" for i, h in enumerate(bands)]
 
     # --- operations ---------------------------------------------------------------------------------
     async def detect(self) -> bool:
@@ -219,8 +229,8 @@ class SemanticIndex:
         record = encode_record({**meta, "ctx": context, "exp": exp_ms}, payload)
         band_keys = self.band_keys(tenant, context, bands)
         keys = [self.entries_key(tenant), self.expiry_key(tenant), *band_keys]
-        args = [entry_id, record, " ".join(band_keys), now_ms, exp_ms, self.cap, ttl_s, BUCKET_MAX,
-                EXPIRED_PER_INSERT]
+        args = [entry_id, record, " ".join((context[:16], *bands)), now_ms, exp_ms, self.cap, ttl_s, BUCKET_MAX,
+                EXPIRED_PER_INSERT, self.band_base(tenant)]
         return keys, args
 
     async def insert(self, tenant: str, context: str, entry_id: str, bands: tuple[str, ...],

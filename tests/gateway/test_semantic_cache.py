@@ -216,6 +216,10 @@ async def test_ttl_and_per_tenant_cap_evict(redis_url: str, redis_prefix: str, t
         tag = tenant_tag(scope)
         tenant = sem.index.entries_key(tag)
         assert await sem.index.size(tag) == 3 and sem.index.evicted == 2
+        client = st.handle.client
+        lists = [k async for k in client.scan_iter(match=sem.index.band_base(tag) + "*")]
+        assert sum([await client.llen(k) for k in lists]) == 3 * 16  # evicted ids left their band lists
+        assert await client.hlen(tenant) == 2 * 3  # record + band field per entry
         assert (await _ask(sem, scope, _body("question number 0: what is 0 squared"))).outcome != "hit"  # evicted
         assert (await _ask(sem, scope, _body("question number 4: what is 4 squared"))).outcome == "hit"
         assert 0 < await st.handle.client.ttl(tenant) <= 64
