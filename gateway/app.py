@@ -23,6 +23,7 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from gateway.api import responses as responses_api
 from gateway.api import usage as usage_api
 from gateway.auth.keys import KeyStore
 from gateway.config import Settings, TierConfig
@@ -30,6 +31,7 @@ from gateway.errors import InvalidRequest, PermissionDenied, install_handlers
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.routing import AUTO, Routing
+from gateway.state.conversations import ConversationStore
 from gateway.upstream.pool import UpstreamPool
 from router.persistence import RouterFileError
 
@@ -122,6 +124,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.accounting = accounting
     install_handlers(app)
     usage_api.install(app, keys, accounting)
+    responses_api.attach(app, proxy, ConversationStore(accounting.handle, accounting.breaker,
+                                                       settings.responses.store_ttl_s))
 
     async def chat_completions(request: Request) -> Response:
         return await proxy.handle(request, "chat")

@@ -287,6 +287,13 @@ class MetricsConfig(_Strict):
     key_id_label: bool = False
 
 
+class ResponsesConfig(_Strict):
+    """``POST /v1/responses``: a stored answer (``store`` not false) can be continued with
+    ``previous_response_id`` for ``store_ttl_s`` seconds (``gateway/state/conversations.py``)."""
+
+    store_ttl_s: int = Field(3600, ge=1)
+
+
 def _default_tiers() -> list[TierConfig]:
     # Budgets follow the shipped model's measured thought lengths (docs/local-model.md, "Measured"): thinkgate-tiny
     # v2 re-checks every step, 57 thought tokens on 1 operation and up to ~300 on 6; 32 keeps 98% on 1 operation.
@@ -343,6 +350,7 @@ class Settings(BaseSettings):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
 
     @classmethod
     def settings_customise_sources(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -26,7 +26,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.auth.keys import KeyStore
+from gateway.auth.keys import KeyInfo, KeyStore
 from gateway.config import Settings, TierConfig
 from gateway.errors import BodyTooLarge, GatewayError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.ledger.record import UsageRecord, emit
@@ -128,11 +128,20 @@ class Proxy:
         key = await self.keys.authenticate(request.headers.get("authorization"))
         body = schemas.parse_json_object(await read_body(request, self.max_body))
         VALIDATORS[endpoint](body)
-        route = self.routing.decide(body, request.headers.get(TIER_HEADER))
+        return await self.serve(key, body, request.headers, endpoint)
+
+    async def serve(self, key: KeyInfo, body: dict[str, Any], headers: Mapping[str, str], endpoint: str,
+                    label: str | None = None, route: RouteDecision | None = None) -> Response:
+        """Serve a validated ``chat`` or ``completions`` ``body`` for ``key`` (``headers``: the request's).
+
+        Other APIs translated onto chat (``/v1/responses``, ``/v1/messages``) call this with ``label``, the
+        usage event's ``endpoint`` (it also scopes their cache entries), and may pass the ``route`` they
+        decided themselves. Raises GatewayError before any byte is sent."""
+        route = route or self.routing.decide(body, headers.get(TIER_HEADER))
         record = UsageRecord(
             key_id=key.id,
             tags=key.tags,
-            endpoint=endpoint,
+            endpoint=label or endpoint,
             requested_model=body.get("model"),
             stream=body.get("stream") is True,
         )
@@ -146,7 +155,7 @@ class Proxy:
         try:
             # cache: key = tenant scope + the post-routing upstream request
             up_body = upstream_body.build(body, route.tier, endpoint)
-            ticket = await acct.cache_begin(key, record, route.tier, up_body, request.headers)
+            ticket = await acct.cache_begin(key, record, route.tier, up_body, headers)
             if ticket.status == "hit":
                 return self._replay_hit(ticket, route, record, body)
             return await self._serve(route, body, endpoint, record, ticket)
@@ -241,7 +250,7 @@ class Proxy:
         record.set_usage(summary.get("usage") if isinstance(summary.get("usage"), dict) else None)
         self._finish(record, route.tier, 200, f"escalated_{why}")
         retry = RouteDecision(nxt, "escalated", route.difficulty)
-        again = UsageRecord(key_id=record.key_id, tags=record.tags, endpoint=endpoint,
+        again = UsageRecord(key_id=record.key_id, tags=record.tags, endpoint=record.endpoint,
                             requested_model=record.requested_model, stream=record.stream)
         self._stamp(again, retry)
         try:

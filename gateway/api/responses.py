@@ -1,0 +1,84 @@
+"""``POST /v1/responses``: the OpenAI Responses API, served by translation onto the tier's chat upstream.
+
+auth (``Authorization: Bearer``) → body → ``previous_response_id``: the stored conversation (Redis, per key,
+``responses.store_ttl_s``; unknown → 400 ``previous_response_not_found``) → :func:`gateway.openai.responses.to_chat`
+→ the chat pipeline (:meth:`gateway.pipeline.proxy.Proxy.serve`, usage event ``endpoint: responses``) →
+the ``response`` object, or the typed event stream. With ``store`` not false the conversation including this
+answer is stored under the new response id before the client sees the answer's end.
+Errors are OpenAI-shaped (the app's handlers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api import bridge
+from gateway.errors import InvalidRequest
+from gateway.openai import responses as wire
+from gateway.pipeline import request as schemas
+from gateway.pipeline.proxy import Proxy, read_body
+from gateway.state.cache_policy import tenant_scope
+from gateway.state.conversations import ConversationStore
+
+LABEL = "responses"
+
+
+class ResponsesAPI:
+    """The handler; ``store``: the conversation store (``previous_response_id``)."""
+
+    def __init__(self, proxy: Proxy, store: ConversationStore) -> None:
+        self.proxy = proxy
+        self.store = store
+
+    async def history(self, scope: str, body: dict[str, Any]) -> list[dict[str, Any]] | None:
+        prev = body.get("previous_response_id")
+        if prev is None:
+            return None
+        if not isinstance(prev, str) or not prev:
+            raise InvalidRequest("'previous_response_id' must be a string", param="previous_response_id")
+        doc = await self.store.get(scope, prev)
+        if doc is None:
+            raise InvalidRequest(
+                f"previous response {prev!r} not found: unknown, expired, stored with store: false, or another key's",
+                param="previous_response_id", code="previous_response_not_found")
+        return list(doc["messages"])
+
+    async def handle(self, request: Request) -> Response:
+        proxy = self.proxy
+        key = await proxy.keys.authenticate(request.headers.get("authorization"))
+        body = schemas.parse_json_object(await read_body(request, proxy.max_body))
+        scope = tenant_scope(key.id)
+        history = await self.history(scope, body)
+        chat = wire.to_chat(body, history)
+        schemas.validate_chat(chat)
+        turn = [*(history or []), *wire.input_messages(body["input"])]
+        store = body.get("store") is not False
+        response_id = wire.new_id("resp")
+        resp = await proxy.serve(key, chat, request.headers, "chat", label=LABEL)
+        headers = bridge.forward_headers(resp)
+        tier = headers.get("x-thinkgate-tier")
+        if not chat.get("stream"):
+            out = wire.response_object(bridge.json_of(resp), body, response_id)
+            if store:
+                await self.store.put(scope, response_id, [*turn, *wire.assistant_messages(out)], tier)
+            return Response(orjson.dumps(out), media_type="application/json", headers=headers)
+        events = wire.EventStream(body, response_id, "")
+
+        async def save() -> None:
+            if store:
+                await self.store.put(scope, response_id, [*turn, *wire.assistant_messages(events.response)], tier)
+
+        relay = resp.relay  # type: ignore[attr-defined]
+        return bridge.streamed(resp, bridge.translate_stream(relay, events, save))
+
+
+def attach(app: FastAPI, proxy: Proxy, store: ConversationStore) -> ResponsesAPI:
+    """Add ``POST /v1/responses`` to ``app``."""
+    api = ResponsesAPI(proxy, store)
+    app.router.add_route("/v1/responses", api.handle, methods=["POST"])
+    return api

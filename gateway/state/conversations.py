@@ -1,0 +1,71 @@
+"""Stored Responses conversations, so ``previous_response_id`` can continue one: Redis strings with a TTL.
+
+A finished ``/v1/responses`` answer with ``store`` not false is written as
+``p resp:{scope}:{response_id}`` → JSON ``{"messages": [chat messages], "tier": str}``: the whole
+conversation up to and including the answer, in chat form (``instructions`` excluded: the Responses API does
+not carry them over to the next turn), for ``responses.store_ttl_s`` seconds. ``scope`` is the key's tenant
+scope (``key:<id>``), so one key can never continue another key's conversation.
+
+Redis down: a write is skipped (logged; the answer is not lost, only its continuation), a read of a
+``previous_response_id`` raises :class:`ConversationsUnavailable` (503) — answering without the history would
+silently answer a different question.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+
+from gateway.errors import GatewayError
+from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.redis import RedisHandle
+
+log = logging.getLogger("thinkgate.conversations")
+
+
+class ConversationsUnavailable(GatewayError):
+    """503: a ``previous_response_id`` was given while Redis is unreachable."""
+
+    status = 503
+    type = "server_error"
+    default_code = "conversation_store_unavailable"
+
+
+class ConversationStore:
+    """``get``/``put`` of stored conversations; ``ttl_s``: lifetime of an entry (seconds)."""
+
+    def __init__(self, handle: RedisHandle, breaker: Breaker, ttl_s: int) -> None:
+        self.redis = handle.client
+        self.prefix = handle.prefix
+        self.breaker = breaker
+        self.ttl_s = ttl_s
+
+    def key(self, scope: str, response_id: str) -> str:
+        return f"{self.prefix}resp:{scope}:{response_id}"
+
+    async def get(self, scope: str, response_id: str) -> dict[str, Any] | None:
+        """The stored conversation ``{"messages", "tier"}`` or None when unknown/expired; raises
+        ConversationsUnavailable when Redis is down."""
+        try:
+            raw = await self.breaker.call(lambda: self.redis.get(self.key(scope, response_id)))
+        except RedisDown as exc:
+            raise ConversationsUnavailable(f"the conversation store is unreachable: {exc}") from None
+        if raw is None:
+            return None
+        try:
+            doc = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        return doc if isinstance(doc, dict) and isinstance(doc.get("messages"), list) else None
+
+    async def put(self, scope: str, response_id: str, messages: list[dict[str, Any]], tier: str | None) -> bool:
+        """Store a conversation; False when Redis is down (logged)."""
+        data = orjson.dumps({"messages": messages, "tier": tier})
+        try:
+            await self.breaker.call(lambda: self.redis.set(self.key(scope, response_id), data, ex=self.ttl_s))
+        except RedisDown as exc:
+            log.warning("conversation %s not stored (redis down: %s)", response_id, exc)
+            return False
+        return True

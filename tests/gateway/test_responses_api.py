@@ -1,0 +1,261 @@
+"""``POST /v1/responses`` through the official ``openai`` SDK against a real gateway over the upstream simulator:
+content, reasoning, tools, JSON schema, streaming events, stored conversations, cache scoping, and usage that
+matches the metered event to the token and micro-dollar (one event per request)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.ledger.pricing import cost_micro_usd
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway, cleanup
+from tests.fixtures.upstream import GatewayServer, SimProcess
+from tests.fixtures.upstream_sim import answer_words, reasoning_words, schema_value
+
+USER = "what is seven times six"
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "reason": {"type": "string"}},
+          "required": ["answer", "reason"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def gw(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("respgw"), prefix) as g:
+            yield g
+    finally:
+        cleanup(redis_url, prefix)
+
+
+def sdk(gw: GatewayServer, who: str = "alice") -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.base_url, api_key=SECRETS[who], max_retries=0, timeout=30)
+
+
+def events_of(gw: GatewayServer, request_id: str, expect: int = 1, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """Raw usage rows of ``request_id`` from ``GET /v1/usage`` (waits until ``expect`` are there, then a moment
+    more so a duplicate would show)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    rows: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        r = httpx.get(gw.base_url + "/usage", params={"since": "0", "limit": "10000"},
+                      headers={"authorization": f"Bearer {ADMIN_SECRET}"}, timeout=10)
+        rows = [row for row in r.json()["data"] if row["request_id"] == request_id]
+        if len(rows) >= expect:
+            break
+        time.sleep(0.05)
+    time.sleep(0.2)
+    r = httpx.get(gw.base_url + "/usage", params={"since": "0", "limit": "10000"},
+                  headers={"authorization": f"Bearer {ADMIN_SECRET}"}, timeout=10)
+    return [row for row in r.json()["data"] if row["request_id"] == request_id]
+
+
+def assert_metered(gw: GatewayServer, request_id: str, usage: Any, tier: str, cached: bool = False) -> dict[str, Any]:
+    """Exactly one usage event for the request, with the answer's token counts and their exact price."""
+    rows = events_of(gw, request_id)
+    assert len(rows) == 1, rows
+    ev = rows[0]
+    assert ev["endpoint"] == "responses" and ev["tier"] == tier and ev["status"] == 200
+    assert ev["prompt_tokens"] == usage.input_tokens
+    assert ev["completion_tokens"] == usage.output_tokens
+    assert ev["reasoning_tokens"] == usage.output_tokens_details.reasoning_tokens
+    assert ev["cached_tokens"] == usage.input_tokens_details.cached_tokens
+    prices = next(t.prices for t in gw.settings.tiers if t.name == tier)
+    price = cost_micro_usd(prices, prompt_tokens=usage.input_tokens,
+                           cached_tokens=usage.input_tokens_details.cached_tokens,
+                           completion_tokens=usage.output_tokens)
+    assert (ev["cost_micro_usd"], ev["saved_micro_usd"]) == ((0, price) if cached else (price, 0))
+    return ev
+
+
+def tag() -> dict[str, Any]:
+    return {"sim": {"tag": uuid.uuid4().hex}}
+
+
+def test_plain_text_reasoning_and_usage_match_the_event(gw: GatewayServer, upstream_sim: SimProcess) -> None:
+    extra = tag()
+    raw = sdk(gw).responses.with_raw_response.create(model="long", input=USER, instructions="Be brief.",
+                                                     max_output_tokens=200, metadata={"run": "1"},
+                                                     extra_body=extra)
+    assert raw.headers["x-thinkgate-tier"] == "long"
+    r = raw.parse()
+    assert r.object == "response" and r.status == "completed" and r.id.startswith("resp_")
+    assert r.output_text == " ".join(answer_words(USER))
+    prompt = "Be brief.\n" + USER
+    kinds = [item.type for item in r.output]
+    assert kinds == ["reasoning", "message"]
+    assert r.output[0].content[0].text == " ".join(reasoning_words(prompt))  # type: ignore[union-attr,index]
+    assert r.metadata == {"run": "1"} and r.instructions == "Be brief." and r.max_output_tokens == 200
+    assert r.usage is not None
+    assert r.usage.input_tokens == len(prompt.split()) + 3 * 2
+    assert r.usage.output_tokens == len(reasoning_words(prompt)) + len(answer_words(USER))
+    assert r.usage.output_tokens_details.reasoning_tokens == len(reasoning_words(prompt))
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert_metered(gw, raw.headers["x-request-id"], r.usage, "long")
+    sent = upstream_sim.tag(extra["sim"]["tag"])["body"]
+    assert sent["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": USER}]
+    assert sent["max_tokens"] == 200 and "metadata" not in sent and "input" not in sent
+
+
+def test_streamed_typed_events_and_completed_usage(gw: GatewayServer) -> None:
+    with sdk(gw).responses.with_streaming_response.create(model="long", input=USER, stream=True) as raw:
+        request_id = raw.headers["x-request-id"]
+        events = list(raw.parse())
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    for kind in ("response.output_item.added", "response.reasoning_text.delta", "response.content_part.added",
+                 "response.output_text.delta", "response.output_text.done", "response.output_item.done"):
+        assert kind in types
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")  # type: ignore[union-attr]
+    assert text == " ".join(answer_words(USER)) and thought == " ".join(reasoning_words(USER))
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == text and final.status == "completed"
+    assert final.usage.output_tokens == len(reasoning_words(USER)) + len(answer_words(USER))
+    assert_metered(gw, request_id, final.usage, "long")
+
+
+def test_function_tool_round_trip_by_items_and_by_previous_response_id(
+    gw: GatewayServer, upstream_sim: SimProcess
+) -> None:
+    client = sdk(gw)
+    question = "weather in Paris today"
+    first = client.responses.with_raw_response.create(model="short", input=question, tools=[WEATHER_TOOL],
+                                                      tool_choice="auto")
+    r1 = first.parse()
+    calls = [item for item in r1.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    args = json.loads(calls[0].arguments)
+    assert args == {"city": question}
+    assert r1.usage is not None
+    assert_metered(gw, first.headers["x-request-id"], r1.usage, "short")
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny 21 C"}
+    # 1. stateless: the whole conversation as items (the SDK's own output items passed back)
+    extra = tag()
+    r2 = client.responses.create(
+        model="short", tools=[WEATHER_TOOL], store=False, extra_body=extra,
+        input=[{"role": "user", "content": question}, *[i.model_dump(exclude_none=True) for i in r1.output], result],
+    )
+    assert r2.output_text == "result: sunny 21 C"
+    sent = upstream_sim.tag(extra["sim"]["tag"])["body"]["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool"]
+    assert sent[1]["tool_calls"][0]["id"] == calls[0].call_id and sent[2]["tool_call_id"] == calls[0].call_id
+    # 2. stateful: previous_response_id (stored in Redis) + only the tool output
+    extra = tag()
+    r3 = client.responses.create(model="short", tools=[WEATHER_TOOL], previous_response_id=r1.id, input=[result],
+                                 extra_body=extra)
+    assert r3.output_text == "result: sunny 21 C" and r3.previous_response_id == r1.id
+    assert upstream_sim.tag(extra["sim"]["tag"])["body"]["messages"] == sent
+    # store: false → nothing to continue from
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="short", previous_response_id=r2.id, input="and tomorrow?")
+    assert err.value.code == "previous_response_not_found"
+
+
+def test_streamed_function_call_arguments_relayed_intact(gw: GatewayServer) -> None:
+    question = "weather in Rome"
+    events = list(sdk(gw).responses.create(model="long", input=question, tools=[WEATHER_TOOL], stream=True,
+                                           tool_choice={"type": "function", "name": "get_weather"}))
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert "".join(d.delta for d in deltas) == done.arguments  # type: ignore[union-attr]
+    assert json.loads(done.arguments) == {"city": question}  # type: ignore[union-attr]
+    added = next(e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call")
+    assert added.item.name == "get_weather"  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    call = next(i for i in final.output if i.type == "function_call")
+    assert call.arguments == done.arguments and call.call_id == added.item.call_id  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_output(gw: GatewayServer, upstream_sim: SimProcess, stream: bool) -> None:
+    extra = tag()
+    fmt = {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}}
+    if stream:
+        events = list(sdk(gw).responses.create(model="short", input=USER, text=fmt, stream=True,  # type: ignore[arg-type]
+                                               extra_body=extra))
+        text = events[-1].response.output_text  # type: ignore[union-attr]
+    else:
+        text = sdk(gw).responses.create(model="short", input=USER, text=fmt, extra_body=extra).output_text  # type: ignore[arg-type]
+    assert json.loads(text) == schema_value(SCHEMA, USER)
+    sent = upstream_sim.tag(extra["sim"]["tag"])["body"]
+    assert sent["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+
+
+def test_reasoning_effort_picks_the_tier(gw: GatewayServer) -> None:
+    raw = sdk(gw).responses.with_raw_response.create(model="auto", input=USER, reasoning={"effort": "high"})
+    assert (raw.headers["x-thinkgate-tier"], raw.headers["x-thinkgate-route-reason"]) == ("long", "effort")
+    raw = sdk(gw).responses.with_raw_response.create(model="auto", input=USER, reasoning={"effort": "none"})
+    assert raw.headers["x-thinkgate-tier"] == "none"
+    r = raw.parse()
+    assert [i.type for i in r.output] == ["message"] and r.usage.output_tokens_details.reasoning_tokens == 0  # type: ignore[union-attr]
+
+
+def test_max_output_tokens_makes_an_incomplete_response(gw: GatewayServer) -> None:
+    r = sdk(gw).responses.create(model="long", input=USER, max_output_tokens=5)
+    assert r.status == "incomplete" and r.incomplete_details is not None
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage is not None and r.usage.output_tokens == 5
+    events = list(sdk(gw).responses.create(model="long", input=USER, max_output_tokens=5, stream=True))
+    assert events[-1].type == "response.incomplete"
+
+
+def test_conversations_are_per_key(gw: GatewayServer) -> None:
+    r = sdk(gw, "alice").responses.create(model="short", input="remember the number nine")
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk(gw, "bob").responses.create(model="short", input="which number?", previous_response_id=r.id)
+    assert err.value.code == "previous_response_not_found"
+    again = sdk(gw, "alice").responses.create(model="short", input="which number?", previous_response_id=r.id)
+    assert again.output_text == "echo: which number?"
+
+
+def test_cache_hits_are_tenant_scoped_and_replay_streams(gw: GatewayServer) -> None:
+    prompt = f"cache me {uuid.uuid4().hex[:6]}"
+    a = sdk(gw, "alice").responses.with_raw_response.create(model="long", input=prompt, temperature=0)
+    assert a.headers["x-thinkgate-cache"] == "miss"
+    hit = sdk(gw, "alice").responses.with_raw_response.create(model="long", input=prompt, temperature=0)
+    assert hit.headers["x-thinkgate-cache"] == "hit"
+    assert hit.parse().output_text == a.parse().output_text
+    ev = assert_metered(gw, hit.headers["x-request-id"], hit.parse().usage, "long", cached=True)
+    assert ev["cached"] is True
+    other = sdk(gw, "bob").responses.with_raw_response.create(model="long", input=prompt, temperature=0)
+    assert other.headers["x-thinkgate-cache"] == "miss"  # another tenant never sees alice's entry
+    with sdk(gw, "alice").responses.with_streaming_response.create(model="long", input=prompt, temperature=0,
+                                                                   stream=True) as raw:
+        assert raw.headers["x-thinkgate-cache"] == "hit"
+        events = list(raw.parse())
+    assert events[-1].response.output_text == a.parse().output_text  # type: ignore[union-attr]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
+        a.parse().output[0].content[0].text  # type: ignore[union-attr,index]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+])
+def test_refused_fields_are_clear_400s(gw: GatewayServer, body: dict[str, Any], param: str) -> None:
+    r = httpx.post(gw.base_url + "/responses", json={"model": "short", "input": "hi", **body},
+                   headers={"authorization": f"Bearer {SECRETS['alice']}"}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_missing_key_is_401(gw: GatewayServer) -> None:
+    r = httpx.post(gw.base_url + "/responses", json={"model": "short", "input": "hi"}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
