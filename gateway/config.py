@@ -84,6 +84,12 @@ class TierConfig(_Strict):
     forcing (stop the thought at the budget, append ``end_of_thinking``, continue for the answer);
     ``off`` sends no budget. ``enable_thinking: false`` disables thinking through
     ``chat_template_kwargs.enable_thinking``.
+
+    ``escalate_on`` (the cascade): retry on the next tier when this tier's answer is empty
+    (``empty_answer``), cut inside its thought (``length_in_thought``), abstains (``abstain``: its final-answer
+    part contains one of ``abstain_phrases``, default ``gateway.pipeline.abstention.DEFAULT_PHRASES``, English)
+    or is unsure (``low_confidence``: mean answer-token logprob below ``min_answer_logprob``, natural log; only
+    where the upstream returns logprobs, e.g. ``sampling: {logprobs: true}``).
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
@@ -95,13 +101,22 @@ class TierConfig(_Strict):
     budget_mode: Literal["native", "forced", "off"] = "native"
     enable_thinking: bool = True
     end_of_thinking: str = "\n</think>\n\n"
-    escalate_on: list[Literal["empty_answer", "length_in_thought"]] = Field(default_factory=list)
+    escalate_on: list[Literal["empty_answer", "length_in_thought", "abstain", "low_confidence"]] = Field(
+        default_factory=list)
+    abstain_phrases: list[str] | None = None
+    min_answer_logprob: float | None = Field(None, le=0)
     loop_guard: LoopGuard | None = None
     sampling: dict[str, Any] = Field(default_factory=dict)
     prices: Prices = Field(default_factory=Prices)
     connect_timeout_s: float = Field(5.0, gt=0)
     read_timeout_s: float = Field(120.0, gt=0)
     max_retries: int = Field(2, ge=0)
+
+    @model_validator(mode="after")
+    def _confidence_needs_threshold(self) -> TierConfig:
+        if "low_confidence" in self.escalate_on and self.min_answer_logprob is None:
+            raise ValueError("escalate_on: low_confidence needs min_answer_logprob")
+        return self
 
 
 class RoutingConfig(_Strict):

@@ -32,8 +32,8 @@ from gateway.errors import BodyTooLarge, GatewayError, UpstreamError, UpstreamTi
 from gateway.ledger.record import UsageRecord, emit
 from gateway.openai import sse
 from gateway.openai.chunks import StreamAssembler, replay
+from gateway.pipeline import abstention, upstream_body
 from gateway.pipeline import request as schemas
-from gateway.pipeline import upstream_body
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.thinking import forcing as budget
 from gateway.upstream.pool import UpstreamConnectTimeout, UpstreamPool
@@ -179,8 +179,12 @@ class Proxy:
             self._finish(record, route.tier, getattr(exc, "status_code", exc.status), exc.code)
             raise
         self._stamp(record, route)
-        if route.tier.escalate_on and (nxt := self._next_tier(route.tier)) is not None:
+        # the cascade: each tier that lists escalation conditions is checked in turn, up the tier order
+        while route.tier.escalate_on and (nxt := self._next_tier(route.tier)) is not None:
+            before = route
             route, resp, record = await self._maybe_escalate(route, resp, body, endpoint, record, nxt)
+            if route is before:
+                break
         cache_ticket = ticket if route.reason not in ("fallback", "escalated") else None  # routed tier only
         if ticket is not None and cache_ticket is None:
             await self._cache_finish(ticket, None, record, route.tier)
@@ -230,18 +234,24 @@ class Proxy:
         self, route: RouteDecision, resp: Any, body: dict[str, Any], endpoint: str, record: UsageRecord,
         nxt: TierConfig,
     ) -> tuple[RouteDecision, Any, UsageRecord]:
-        """Retry once on ``nxt`` when the tier's answer is empty or was cut inside its thought
-        (``tier.escalate_on``). Both calls are metered: the first attempt as its own usage record, the retry
-        with route reason ``escalated``. Streams are read up to the first answer token to decide
-        (:func:`gateway.thinking.forcing.peek_stream`)."""
+        """Retry on ``nxt`` when the tier's answer is empty, was cut inside its thought, abstains or is unsure
+        (``tier.escalate_on``; :mod:`gateway.pipeline.abstention`). Both calls are metered: the first attempt
+        as its own usage record (``error_code: escalated_<why>``), the retry with route reason ``escalated``.
+        Streams are read up to the first answer token to decide (:func:`gateway.thinking.forcing.peek_stream`),
+        or to their end when the tier checks the answer's content (``abstain``/``low_confidence``)."""
+        tier = route.tier
         if record.stream:
-            resp, summary = await budget.peek_stream(resp, endpoint)
+            whole = bool({"abstain", "low_confidence"} & set(tier.escalate_on))
+            resp, summary = await budget.peek_stream(resp, endpoint, whole=whole)
         else:
             try:
                 summary = orjson.loads(resp.content)
             except orjson.JSONDecodeError:
                 return route, resp, record
-        why = budget.escalation_reason(route.tier, summary, endpoint) if isinstance(summary, dict) else None
+        why = None
+        if isinstance(summary, dict):
+            why = budget.escalation_reason(tier, summary, endpoint) or abstention.cascade_reason(
+                tier.escalate_on, tier.abstain_phrases, tier.min_answer_logprob, summary, endpoint)
         if why is None:
             return route, resp, record
         await resp.aclose()

@@ -391,19 +391,22 @@ async def open_forced(pool: UpstreamPool, tier: TierConfig, endpoint: str, body:
     return SyntheticResponse(payloads=payloads, head=[sse.event(first)])
 
 
-async def peek_stream(resp: Any, endpoint: str) -> tuple[SyntheticResponse, dict[str, Any]]:
-    """Read an SSE response until its answer starts (a non-empty ``content``/``text`` delta) or it ends.
+async def peek_stream(resp: Any, endpoint: str, *, whole: bool = False) -> tuple[SyntheticResponse, dict[str, Any]]:
+    """Read an SSE response until its answer starts (a non-empty ``content``/``text`` delta) or it ends —
+    with ``whole``, always to its end (checks on the answer's content need all of it).
 
     Returns (a response replaying everything read and then the rest, a summary for
-    :func:`escalation_reason`: ``{"choices": [{"message"|"text": …, "finish_reason"}], "usage"}``). The
-    thought is buffered meanwhile, which is the price of escalating a streamed request before any byte of
-    the weaker tier's answer reached the client.
+    :func:`escalation_reason`: ``{"choices": [{"message"|"text": …, "finish_reason", "logprobs"?}], "usage"}``,
+    ``logprobs.content`` gathered from the deltas when the upstream sent any). The thought (with ``whole``,
+    the answer too) is buffered meanwhile, which is the price of escalating a streamed request before any
+    byte of the weaker tier's answer reached the client.
     """
     head: list[bytes] = []
     raw = resp.aiter_raw()
     text = ""
     finish: str | None = None
     usage: dict[str, Any] | None = None
+    logprobs: list[Any] = []
     buf = b""
     async for chunk in raw:
         head.append(chunk)
@@ -421,12 +424,17 @@ async def peek_stream(resp: Any, endpoint: str) -> tuple[SyntheticResponse, dict
                 part = c.get("text") if endpoint == "completions" else (c.get("delta") or {}).get("content")
                 text += str(part or "")
                 finish = c.get("finish_reason") or finish
+                lp = c.get("logprobs")
+                if isinstance(lp, dict) and isinstance(lp.get("content"), list):
+                    logprobs += lp["content"]
         # completions carry the thought in ``text`` too: the answer is what follows the end marker
         answer = text if endpoint == "chat" else (text.rsplit("</think>", 1)[1] if "</think>" in text else "")
-        if answer.strip():
+        if answer.strip() and not whole:
             break
     if endpoint == "chat":
         choice: dict[str, Any] = {"message": {"content": text}, "finish_reason": finish}
     else:
         choice = {"text": text, "finish_reason": finish}
+    if logprobs:
+        choice["logprobs"] = {"content": logprobs}
     return SyntheticResponse(head=head, raw=raw, closer=resp.aclose), {"choices": [choice], "usage": usage}

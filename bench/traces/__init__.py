@@ -1,0 +1,1 @@
+"""Recorded reasoning traces through the real gateway: the replay upstream and ``thinkgate bench traces``."""
