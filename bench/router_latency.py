@@ -22,6 +22,7 @@ import numpy as np
 
 from router.fit.jsonl import read_jsonl
 from router.persistence import load_router
+from router.tasks.datasets import data_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,7 +31,7 @@ SIZES = (100, 2000, 20000)
 
 def corpus_text(chars: int) -> str:
     """``chars`` characters of real MATH-500 problems, joined (repeated if needed)."""
-    text = "\n\n".join(row["problem"] for row in read_jsonl(REPO / "data" / "math" / "test.jsonl"))
+    text = "\n\n".join(row["problem"] for row in read_jsonl(data_file("math", "test")))
     while len(text) < chars:
         text += "\n\n" + text
     return text[:chars]

@@ -42,6 +42,9 @@ def tiny(
     import json
     import shutil
 
+    from router.errors import require
+
+    require("torch", "train", "thinkgate train tiny")
     from training.tiny.card import write_card
     from training.tiny.train import overthink_stage, recipe, train, train_overthink, train_recipe
 

@@ -106,19 +106,25 @@ def run(
 
     Raises RuntimeError when the gateway is unreachable or a tier is unknown to it.
     """
-    import openai
-    from tqdm import tqdm
+    import httpx
 
+    from router.errors import require
     from router.tasks import load_task, verify
 
-    client = openai.OpenAI(base_url=gateway_url(), api_key=gateway_key(), max_retries=1, timeout=300)
+    tqdm = require("tqdm", "eval", "thinkgate eval tiers").tqdm
+    client = httpx.Client(base_url=gateway_url(), headers={"authorization": f"Bearer {gateway_key()}"},
+                          timeout=300.0, transport=httpx.HTTPTransport(retries=1))
     try:
-        models = [m.model_dump() for m in client.models.list().data]
-    except openai.APIError as exc:
+        resp = client.get("/models")
+        resp.raise_for_status()
+        models = list(resp.json()["data"])
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        client.close()
         raise RuntimeError(f"gateway at {gateway_url()} not reachable: {exc}") from exc
     prices = tier_prices(models)
     unknown = [t for t in tiers if t not in prices]
     if unknown:
+        client.close()
         raise RuntimeError(f"tiers unknown to the gateway: {unknown} (it serves {sorted(prices)})")
 
     problems = []
@@ -129,29 +135,27 @@ def run(
 
     def one(job: tuple[str, Any]) -> Outcome:
         tier, problem = job
-        resp = client.chat.completions.create(
-            model=tier,
-            messages=[{"role": "user", "content": problem.question}],
-            temperature=0,
-            extra_headers={"Cache-Control": "no-store"},
-        )
-        msg = resp.choices[0].message
-        usage = resp.usage
-        details = usage.completion_tokens_details if usage else None
-        reasoning_tokens = (details.reasoning_tokens or 0) if details else 0
-        cached = 0
-        if usage and usage.prompt_tokens_details and usage.prompt_tokens_details.cached_tokens:
-            cached = usage.prompt_tokens_details.cached_tokens
+        r = client.post("/chat/completions", headers={"cache-control": "no-store"}, json={
+            "model": tier, "messages": [{"role": "user", "content": problem.question}], "temperature": 0})
+        r.raise_for_status()
+        data = r.json()
+        content = (data["choices"][0].get("message") or {}).get("content") or ""
+        usage = data.get("usage") or {}
+        reasoning_tokens = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         cost = cost_micro_usd(
             prices[tier],
-            prompt_tokens=usage.prompt_tokens if usage else 0,
+            prompt_tokens=usage.get("prompt_tokens") or 0,
             cached_tokens=cached,
-            completion_tokens=usage.completion_tokens if usage else 0,
+            completion_tokens=usage.get("completion_tokens") or 0,
         )
-        return Outcome(tier, problem.difficulty, verify(problem, msg.content or ""), reasoning_tokens, cost)
+        return Outcome(tier, problem.difficulty, verify(problem, content), reasoning_tokens, cost)
 
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        outcomes = list(tqdm(pool.map(one, jobs), total=len(jobs), disable=not progress, desc="eval tiers"))
+    try:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            outcomes = list(tqdm(pool.map(one, jobs), total=len(jobs), disable=not progress, desc="eval tiers"))
+    finally:
+        client.close()
     return report(outcomes)
 
 

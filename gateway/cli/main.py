@@ -86,8 +86,16 @@ _attach_plugins(app)
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point. A command whose optional extra is missing ends with one line saying which
+    extra to install (exit 2), not a traceback."""
+    from router.errors import MissingExtra
+
+    try:
+        app()
+    except MissingExtra as exc:
+        msg = str(exc)
+        typer.echo(msg if msg.startswith("thinkgate") else f"thinkgate: {msg}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

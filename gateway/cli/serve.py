@@ -84,12 +84,15 @@ def _exit_on_sigterm(signum: int, _frame: Any) -> None:
 
 
 def _start_engine(settings: Settings) -> LocalEngine:
-    try:
-        from gateway.engine.vllm import EngineError, LocalEngine
-    except ImportError as exc:
-        typer.echo(f"thinkgate: engine.enabled is true but the local engine is unavailable ({exc}); "
-                   "set engine.enabled: false and point the tiers at an upstream", err=True)
-        raise typer.Exit(2) from None
+    from importlib.util import find_spec
+
+    from gateway.engine.vllm import EngineError, LocalEngine
+
+    if find_spec("vllm") is None:
+        typer.echo("thinkgate: the embedded engine (engine.enabled: true) needs vllm: pip install "
+                   "'thinkgate[engine-cpu]', or set THINKGATE_ENGINE__ENABLED=false and point the tiers at your "
+                   "vLLM servers", err=True)
+        raise typer.Exit(2)
     engine = LocalEngine(settings.engine)
     typer.echo(f"thinkgate: starting the local vLLM engine ({settings.engine.served_model_name}) …", err=True)
     try:

@@ -17,6 +17,7 @@ from typing import Any
 import typer
 
 from gateway.cli.common import CONFIG_OPTION, load_settings, run_on_redis
+from router.errors import require
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -52,6 +53,8 @@ def export(
     if fmt not in ("csv", "jsonl", "parquet"):
         typer.echo("thinkgate: --format must be csv, jsonl or parquet", err=True)
         raise typer.Exit(2)
+    if fmt == "parquet":
+        require("pyarrow", "report", "thinkgate usage export --format parquet")
     if fmt == "parquet" and output is None and sys.stdout.isatty():
         typer.echo("thinkgate: parquet is binary; give --output FILE", err=True)
         raise typer.Exit(2)
@@ -95,6 +98,8 @@ def report_cmd(
     except ex.ExportError as exc:
         typer.echo(f"thinkgate: {exc}", err=True)
         raise typer.Exit(2) from None
+    if png_path:
+        require("matplotlib", "report", "thinkgate usage report --png")
     settings = load_settings(config)
     try:
         prices = settings.tier(long_tier).prices

@@ -12,6 +12,7 @@ from typing import Any
 from gateway.ledger.event import micro_to_usd
 from gateway.ledger.report import SavingsReport
 from gateway.ledger.report import usd_text as _usd
+from router.errors import require
 
 
 def render(report: SavingsReport) -> Any:
@@ -48,9 +49,7 @@ def render(report: SavingsReport) -> Any:
 
 def plot(report: SavingsReport, path: Path) -> None:
     """PNG: spend and cache savings per tier (left); actual vs always-long per bucket (right). USD."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "report", "thinkgate usage report --png").use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Literal
 import orjson
 
 from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, counter_increments, micro_to_usd
+from router.errors import require
 
 Format = Literal["csv", "jsonl", "parquet"]
 GROUPS = ("key", "tier", "model", "day", "tag")
@@ -145,7 +146,7 @@ def _csv_cell(v: Any) -> Any:
 
 
 def _write_parquet(rows: list[dict[str, Any]], cols: list[str], out: BinaryIO) -> None:
-    import pyarrow as pa
+    pa = require("pyarrow", "report", "Parquet export")
     import pyarrow.parquet as pq
 
     types: dict[str, Any] = {c: pa.int64() for c in COUNTER_FIELDS}

@@ -26,6 +26,7 @@ Threshold: the highest cut that keeps ≥ 95% of always-long quality on the cali
 from __future__ import annotations
 
 from dataclasses import replace
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from router.tasks.rows import items_from_rows, task_rows
 
 REPO = Path(__file__).resolve().parents[2]
 MATH_TRAIN = REPO / "data" / "math" / "train.jsonl.gz"
-MATH_TEST = REPO / "data" / "math" / "test.jsonl"
+MATH_TEST = Path(str(files("router.tasks").joinpath("data", "math", "test.jsonl")))  # package data
 MMLU = REPO / "data" / "routellm" / "mmlu_responses.jsonl.gz"
 MMLU_WEAK = "mistralai/Mixtral-8x7B-Instruct-v0.1"
 MMLU_STRONG = "gpt-4-1106-preview"

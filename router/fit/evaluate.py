@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from router.errors import require
 from router.fit.labels import LabelledItem
 from router.fit.metrics import (
     Curve,
@@ -178,9 +179,7 @@ def render_table(results: Sequence[EvalResult], title: str = "Router evaluation"
 
 def plot_curves(results: Sequence[EvalResult], path: str | Path, title: str = "Quality vs % sent to long") -> Path:
     """PNG: one panel per result — router curve, random line, oracle, always-short/-long levels."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "report", "plotting router curves").use("Agg")
     import matplotlib.pyplot as plt
 
     n = len(results)

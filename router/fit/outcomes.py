@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from router.errors import require
 from router.fit.jsonl import open_text, read_jsonl
 from router.fit.labels import LabelledItem
 from router.tasks.verifiers import Verifier
@@ -209,8 +210,7 @@ def label_via_gateway(
     own_client = client is None
     client = client or GatewayClient()
     lock = threading.Lock()
-    from tqdm import tqdm
-
+    tqdm = require("tqdm", "eval", "labelling through a gateway").tqdm
     bar = tqdm(total=len(todo), desc="labelling", unit="item", disable=not progress)
     try:
         with open(out, "a", encoding="utf-8") as f, ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:

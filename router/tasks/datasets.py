@@ -1,9 +1,12 @@
-"""Loaders for the real math data sets copied under ``data/`` (GSM8K, MATH), with ``math-verify`` checking.
+"""Loaders for the real math data sets (GSM8K, MATH), with ``math-verify`` checking (extra ``eval``).
 
-Sources and licences: ``data/gsm8k/NOTICE.md`` (openai/grade-school-math, MIT) and ``data/math/NOTICE.md``
-(MATH via PRM800K splits, MIT). Difficulty: GSM8K has no level, so it is the number of ``<<calc>>``
-annotations in the reference solution (≈ arithmetic steps, capped at 8); MATH uses its level 1–5 (0 when the
-source says ``Level ?``).
+The test splits ship in the wheel as package data (``router/tasks/data/{gsm8k,math}/test.jsonl``, read with
+``importlib.resources``); the train splits are large and live only in a source checkout
+(``data/{gsm8k,math}/train.jsonl.gz``). Sources and licences: the ``NOTICE.md`` beside each file
+(openai/grade-school-math, MIT; MATH via PRM800K splits, MIT).
+
+Difficulty: GSM8K has no level, so it is the number of ``<<calc>>`` annotations in the reference solution
+(≈ arithmetic steps, capped at 8); MATH uses its level 1–5 (0 when the source says ``Level ?``).
 """
 
 from __future__ import annotations
@@ -14,18 +17,34 @@ import random
 import re
 from collections.abc import Iterable, Iterator
 from functools import lru_cache
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+from router.errors import require
 from router.tasks.base import Problem, answer_region, extract_answer
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "data"
-_FILES = {
-    ("gsm8k", "train"): DATA_DIR / "gsm8k" / "train.jsonl.gz",
-    ("gsm8k", "test"): DATA_DIR / "gsm8k" / "test.jsonl",
-    ("math", "train"): DATA_DIR / "math" / "train.jsonl.gz",
-    ("math", "test"): DATA_DIR / "math" / "test.jsonl",
-}
+#: The train splits: in a source checkout only (``<repo>/data``), not in the wheel.
+REPO_DATA_DIR = Path(__file__).resolve().parents[2] / "data"
+
+
+def data_file(name: str, split: str) -> Path:
+    """The file of ``name`` (gsm8k | math) ``split`` (test: package data; train: ``<repo>/data``).
+
+    Raises ValueError for an unknown split and FileNotFoundError (saying where it comes from) when missing.
+    """
+    if name not in ("gsm8k", "math") or split not in ("train", "test"):
+        raise ValueError(f"unknown split {split!r} for {name!r}; expected train|test")
+    if split == "test":
+        path = Path(str(files("router.tasks").joinpath("data", name, "test.jsonl")))
+    else:
+        path = REPO_DATA_DIR / name / "train.jsonl.gz"
+    if not path.is_file():
+        where = ("it ships with the package: reinstall thinkgate" if split == "test" else
+                 "the train splits are not in the wheel: run from a source checkout (see data/"
+                 f"{name}/NOTICE.md)")
+        raise FileNotFoundError(f"{path} is missing; {where}")
+    return path
 
 
 def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
@@ -38,11 +57,7 @@ def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
 
 @lru_cache(maxsize=8)
 def _all(name: str, split: str) -> tuple[Problem, ...]:
-    path = _FILES.get((name, split))
-    if path is None:
-        raise ValueError(f"unknown split {split!r} for {name!r}; expected train|test")
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing (copy it from shared/data; see data/{name}/NOTICE.md)")
+    path = data_file(name, split)
     out: list[Problem] = []
     for i, rec in enumerate(_read_jsonl(path)):
         if name == "gsm8k":
@@ -83,9 +98,7 @@ def load(
 
 
 def _mv_parse(text: str) -> list[Any]:
-    from math_verify import parse
-
-    return list(parse(text))
+    return list(require("math_verify", "eval", "checking math answers").parse(text))
 
 
 def verify(problem: Problem, completion: str) -> bool:
@@ -94,8 +107,7 @@ def verify(problem: Problem, completion: str) -> bool:
     The gold answer is parsed as LaTeX (``$answer$``). The prediction is parsed from the answer region (boxed
     or last expression); if that yields nothing, from :func:`extract_answer`'s string.
     """
-    from math_verify import verify as mv_verify
-
+    mv_verify = require("math_verify", "eval", "checking math answers").verify
     gold = _mv_parse(f"${problem.answer}$") or _mv_parse(problem.answer)
     if not gold:
         return False

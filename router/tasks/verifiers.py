@@ -18,6 +18,8 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from router.errors import require
+
 Verifier = Callable[[dict[str, Any], str], bool]
 
 
@@ -29,7 +31,8 @@ def _final(text: str) -> str | None:
 
 def verify_math(item: dict[str, Any], completion: str) -> bool:
     """math-verify equivalence of ``item["answer"]`` and the completion's final answer."""
-    from math_verify import parse, verify
+    mv = require("math_verify", "eval", "checking math answers")
+    parse, verify = mv.parse, mv.verify
 
     got = _final(completion)
     if got is None:

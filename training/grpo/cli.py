@@ -24,6 +24,9 @@ def grpo(
     """
     import json
 
+    from router.errors import require
+
+    require("trl", "train", "thinkgate train grpo")
     from training.grpo.config import ConfigError, load_config
     from training.grpo.run import run_grpo
 
