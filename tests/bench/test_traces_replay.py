@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from decimal import Decimal
@@ -94,6 +95,17 @@ def cascade_gw(replay: ReplayProcess, redis_url: str,
 
 def sdk(gw: GatewayServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.base_url, api_key=SECRETS["alice"], max_retries=0, timeout=30)
+
+
+def events_until(gw: GatewayServer, rid: str, pred: Any, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Ledger events once request ``rid`` and an event matching ``pred`` are there (each is written just after
+    its call; the two calls of a cascade are written independently)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = usage_events(gw, [rid])
+        if any(pred(e) for e in events.values()) or time.monotonic() > deadline:
+            return events
+        time.sleep(0.05)
 
 
 def user(q: str) -> list[dict[str, str]]:
@@ -203,7 +215,7 @@ def test_cascade_meters_both_calls_at_their_recorded_tokens(cascade_gw: GatewayS
     assert content == "Answer: Uruguay", "the abstaining cheap answer never reaches the client"
     assert raw.headers["x-thinkgate-tier"] == "top" and raw.headers["x-thinkgate-route-reason"] == "escalated"
     rid = raw.headers["x-request-id"]
-    events = usage_events(cascade_gw, [rid])
+    events = events_until(cascade_gw, rid, lambda e: e.error_code == "escalated_abstain" and e.stream is stream)
     second = events[rid]
     firsts = [e for e in events.values() if e.error_code == "escalated_abstain" and e.tier == "cheap"
               and e.stream is stream and e.ts <= second.ts]
@@ -231,5 +243,5 @@ def test_cascade_keeps_a_real_answer_and_combines_with_the_router(cascade_gw: Ga
     routed = c.chat.completions.with_raw_response.create(model="auto", messages=user(Q_CUP))
     assert routed.headers["x-thinkgate-route-reason"] == "escalated" and routed.headers["x-thinkgate-tier"] == "top"
     rid = routed.headers["x-request-id"]
-    events = usage_events(cascade_gw, [rid])
+    events = events_until(cascade_gw, rid, lambda e: e.route_reason == "predicted")
     assert any(e.route_reason == "predicted" and e.error_code == "escalated_abstain" for e in events.values())
