@@ -10,7 +10,6 @@ Both directions work on OpenAI's shapes (chat: ``chat.completion`` ↔ ``chat.co
 - :class:`StreamAssembler` folds parsed chunks into the non-stream body, tracks the last ``usage`` seen,
   counts content-bearing deltas (a fallback token count when a stream is cut before its usage chunk), and
   says whether the stream completed (every choice finished and ``[DONE]`` arrived).
-- :class:`SSEDecoder` splits raw bytes into ``data:`` payloads (``b"[DONE]"`` included), across chunk borders.
 """
 
 from __future__ import annotations
@@ -21,13 +20,13 @@ from typing import Any
 
 import orjson
 
-REASONING_FIELDS = ("reasoning_content", "reasoning")
-DONE = b"data: [DONE]\n\n"
+from gateway.openai.sse import DONE, event
+from gateway.openai.usage import REASONING_FIELDS
 
 
 def frame(obj: dict[str, Any]) -> bytes:
     """One SSE frame carrying ``obj`` as JSON."""
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    return event(orjson.dumps(obj))
 
 
 def _pieces(text: str, size: int) -> Iterator[str]:
@@ -77,27 +76,6 @@ def replay(body: dict[str, Any], include_usage: bool, chunk_chars: int = 16) -> 
     if include_usage and body.get("usage") is not None:
         yield frame({**head, "choices": [], "usage": body["usage"]})
     yield DONE
-
-
-class SSEDecoder:
-    """Incremental SSE parser: :meth:`feed` bytes, get the complete ``data:`` payloads (bytes) seen so far.
-
-    Multi-line ``data:`` fields of one event are joined with ``\\n`` as the SSE spec says; comments and other
-    fields (``event:``, ``id:``) are ignored.
-    """
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, data: bytes) -> list[bytes]:
-        self._buf += data.replace(b"\r\n", b"\n")
-        out: list[bytes] = []
-        while b"\n\n" in self._buf:
-            event, self._buf = self._buf.split(b"\n\n", 1)
-            lines = [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
-            if lines:
-                out.append(b"\n".join(lines))
-        return out
 
 
 @dataclass

@@ -1,24 +1,30 @@
 """Server-sent events, the way OpenAI-compatible servers stream: ``data: <json>\\n\\n`` … ``data: [DONE]\\n\\n``.
 
-:func:`data_batches` splits an upstream byte stream into the payloads of its ``data:`` lines (bytes, no
-decoding), grouped by network read; :class:`RelayResponse` sends a relay generator to the client and
-closes it deterministically — also when the client disconnects, so the upstream request is cancelled at once
-instead of whenever the generator happens to be garbage-collected.
+:class:`SSEDecoder` (the one parser) splits a byte stream into the payloads of its ``data:`` lines (bytes, no
+decoding); :func:`data_batches` groups them by network read; :class:`RelayResponse` sends a relay generator to
+the client and closes it deterministically — also when the client disconnects, so the upstream request is
+cancelled at once instead of whenever the generator happens to be garbage-collected.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
-import httpx
 import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayError
+from gateway.openai.usage import reasoning_of
+
+
+class UpstreamStream(Protocol):
+    """Anything with ``aiter_raw()`` yielding SSE bytes (``httpx.Response``, a synthetic response)."""
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -34,29 +40,49 @@ def error_event(exc: GatewayError) -> bytes:
     return event(exc.to_json())
 
 
-async def data_batches(resp: httpx.Response) -> AsyncIterator[list[bytes]]:
-    """Yield, per network read of ``resp``, the payloads of the complete ``data:`` lines it finished
-    (comments, ``event:`` and blank lines skipped). Relaying a read's events together costs one write to the
-    client instead of one per event, and adds no delay: they arrived together."""
-    buf = b""
-    async for chunk in resp.aiter_raw():
-        buf = buf + chunk if buf else chunk
+class SSEDecoder:
+    """The one SSE parser: :meth:`feed` raw bytes, get the payloads of the ``data:`` lines they completed.
+
+    Payloads are bytes (``b"[DONE]"`` included), stripped, never decoded; comments, ``event:``/``id:`` fields
+    and blank lines are skipped; CRLF line ends are accepted. OpenAI-compatible servers send one ``data:`` line
+    per event, so a line is an event here (a multi-line ``data:`` event yields one payload per line).
+    """
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The payloads of the ``data:`` lines completed by ``chunk`` (in order)."""
+        buf = self._buf + chunk if self._buf else chunk
         start = 0
-        batch: list[bytes] = []
+        out: list[bytes] = []
         while (nl := buf.find(b"\n", start)) >= 0:
             line = buf[start:nl]
             start = nl + 1
             if line.startswith(b"data:"):
-                batch.append(line[5:].strip())
-        buf = buf[start:]
+                out.append(line[5:].strip())
+        self._buf = buf[start:]
+        return out
+
+    def flush(self) -> list[bytes]:
+        """The payload of a last ``data:`` line that ended without a newline, if any."""
+        rest, self._buf = self._buf, b""
+        return [rest[5:].strip()] if rest.startswith(b"data:") else []
+
+
+async def data_batches(resp: UpstreamStream) -> AsyncIterator[list[bytes]]:
+    """Yield, per network read of ``resp``, the payloads of the complete ``data:`` lines it finished
+    (:class:`SSEDecoder`). Relaying a read's events together costs one write to the client instead of one per
+    event, and adds no delay: they arrived together."""
+    decoder = SSEDecoder()
+    async for chunk in resp.aiter_raw():
+        batch = decoder.feed(chunk)
         if batch:
             yield batch
-    if buf.startswith(b"data:"):
-        yield [buf[5:].strip()]
-
-
-def _reasoning_of(part: dict[str, Any]) -> str | None:
-    return part.get("reasoning") or part.get("reasoning_content")
+    if tail := decoder.flush():
+        yield tail
 
 
 @dataclass(slots=True)
@@ -115,7 +141,7 @@ class StreamTally:
                     self.text_deltas += 1
                     self.saw_text = True
                 continue
-            r = _reasoning_of(delta)
+            r = reasoning_of(delta)
             if r:
                 self.reasoning.setdefault(int(c.get("index") or 0), []).append(r)
                 self.reasoning_deltas += 1

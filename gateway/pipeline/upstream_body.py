@@ -9,7 +9,7 @@ can be built from the same input) with:
   ``max_tokens``, the field every OpenAI-compatible server accepts, with ``max_completion_tokens`` dropped;
 - ``stream_options.include_usage = true`` on streams (the gateway always meters; the proxy strips the usage
   chunk again when the client did not ask for it);
-- the tier's thinking budget (:func:`apply_budget`, the seam issue 3's ``gateway/thinking/forcing.py`` takes over).
+- the tier's thinking budget (:func:`apply_budget`; ``forced`` tiers are served by ``gateway/thinking/forcing.py``).
 
 Every other field — vLLM extras such as ``chat_template_kwargs``, ``top_k``, ``repetition_penalty`` — is
 passed through unchanged.
@@ -29,7 +29,7 @@ def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: str) -> None:
       smaller non-negative budget sent by the client is kept.
     - ``enable_thinking: false`` (chat only): ``chat_template_kwargs.enable_thinking = false``, merged into
       the client's ``chat_template_kwargs``.
-    - ``forced`` mode is enforced by two-phase budget forcing in ``gateway/thinking/forcing.py`` (issue 3), not here.
+    - ``forced`` mode is enforced by two-phase budget forcing in ``gateway/thinking/forcing.py``, not here.
     """
     if tier.budget_mode == "native" and tier.thinking_budget is not None:
         asked = body.get("thinking_token_budget")

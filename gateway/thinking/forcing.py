@@ -1,4 +1,4 @@
-"""Thinking-budget enforcement in the gateway: two-phase budget forcing, loop guard, escalation checks.
+"""Thinking-budget enforcement in the gateway: two-phase budget forcing and its loop guard.
 
 **Budget forcing** (``budget_mode: forced``, for upstreams without a native per-request budget). Following
 the "budget forcing" of s1 (Muennighoff et al., arXiv 2501.19393), the thought is generated with at most
@@ -21,9 +21,7 @@ thought again; an engine with prefix caching reports it in ``prompt_tokens_detai
 **Loop guard** (``loop_guard`` on a forced tier): an n-gram of whitespace words seen ``max_repeats`` times in
 the streamed thought ends phase 1 early, as if the budget were hit.
 
-**Escalation** (``escalate_on``): :func:`escalation_reason` tells whether a finished answer must be retried
-on the next tier: ``empty_answer`` (no answer text) or ``length_in_thought`` (stopped by ``length`` before
-the thought closed).
+Escalation (retrying a weak answer on the next tier) is a pipeline decision: :mod:`gateway.pipeline.escalation`.
 """
 
 from __future__ import annotations
@@ -36,16 +34,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import orjson
 
 from gateway.config import LoopGuard, TierConfig
-from gateway.errors import GatewayError, InvalidRequest, UpstreamTimeout
+from gateway.errors import InvalidRequest
 from gateway.openai import sse
-from gateway.upstream.pool import UpstreamPool
+from gateway.openai.usage import estimate_tokens, generated_text, merge_usage
+from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamPool
+from gateway.upstream.response import SyntheticResponse
 
 THINK_OPEN = "<think>\n"
-PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 
 
 async def _pieces(resp: Any, endpoint: str) -> AsyncIterator[tuple[str, str | None, dict[str, Any] | None]]:
@@ -58,7 +56,7 @@ async def _pieces(resp: Any, endpoint: str) -> AsyncIterator[tuple[str, str | No
             if data.get("usage") and not data.get("choices"):
                 yield "", None, data["usage"]
             for c in data.get("choices") or ():
-                yield _text_of(c, endpoint, delta=True), c.get("finish_reason"), None
+                yield generated_text(c, endpoint, delta=True), c.get("finish_reason"), None
 
 
 class LoopDetector:
@@ -130,31 +128,6 @@ def answer_request(
     return out
 
 
-def merge_usage(u1: dict[str, Any] | None, u2: dict[str, Any] | None, reasoning_tokens: int) -> dict[str, Any]:
-    """Sum two upstream usage objects (tokens); reasoning tokens are the thought phase's completion tokens."""
-    u1, u2 = u1 or {}, u2 or {}
-    prompt = int(u1.get("prompt_tokens") or 0) + int(u2.get("prompt_tokens") or 0)
-    completion = int(u1.get("completion_tokens") or 0) + int(u2.get("completion_tokens") or 0)
-    cached = sum(int(((u or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0) for u in (u1, u2))
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
-    }
-    if cached:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return usage
-
-
-def _text_of(choice: dict[str, Any], endpoint: str, delta: bool = False) -> str:
-    """All generated text of a choice, wherever a reasoning parser put it (reasoning, content or text)."""
-    if endpoint == "completions":
-        return str(choice.get("text") or "")
-    part = choice.get("delta" if delta else "message") or {}
-    return str(part.get("reasoning") or part.get("reasoning_content") or "") + str(part.get("content") or "")
-
-
 @dataclass(slots=True)
 class _Phase:
     text: str = ""
@@ -167,12 +140,12 @@ class ForcedBudget:
     """Runs two-phase budget forcing for one request on one forced tier through the pooled upstreams."""
 
     def __init__(self, pool: UpstreamPool, tier: TierConfig, endpoint: str) -> None:
-        if endpoint not in PATHS:
+        if endpoint not in ENDPOINT_PATHS:
             raise ValueError(f"unknown endpoint {endpoint!r}")
         self.pool = pool
         self.tier = tier
         self.endpoint = endpoint
-        self.path = PATHS[endpoint]
+        self.path = ENDPOINT_PATHS[endpoint]
 
     def check(self, body: dict[str, Any]) -> None:
         """Refuse what forcing cannot serve: a list of prompts (completions); ``n > 1`` with streaming."""
@@ -280,7 +253,7 @@ class ForcedBudget:
         used = int((p1.usage or {}).get("completion_tokens") or 0)
         if looped or not used:
             counted = await self.pool.count_tokens(self.tier, p1.text)
-            used = counted if counted is not None else max(1, len(p1.text) // 4) if p1.text else 0
+            used = counted if counted is not None else estimate_tokens(p1.text)
             p1.usage = {**(p1.usage or {}), "completion_tokens": used}
         natural = p1.finish_reason == "stop" and not looped
         close = end_marker(self.tier) + "\n\n" if natural else self.tier.end_of_thinking
@@ -301,80 +274,6 @@ class ForcedBudget:
         yield b"[DONE]"
 
 
-def escalation_reason(tier: TierConfig, data: dict[str, Any], endpoint: str) -> str | None:
-    """Why a finished non-streamed answer should be retried on the next tier, per ``tier.escalate_on``.
-
-    ``length_in_thought``: the first choice stopped by ``length`` with no answer text (cut in its thought);
-    ``empty_answer``: no answer text at all. Returns the reason, or None. For completions the answer is the
-    text after the last ``</think>`` (all of it when there is no marker).
-    """
-    if not tier.escalate_on:
-        return None
-    choices = data.get("choices") or []
-    if not choices:
-        return "empty_answer" if "empty_answer" in tier.escalate_on else None
-    c = choices[0]
-    if endpoint == "chat":
-        answer = str((c.get("message") or {}).get("content") or "")
-    else:
-        text = str(c.get("text") or "")
-        marker = end_marker(tier)
-        answer = text.rsplit(marker, 1)[1] if marker in text else ("" if c.get("finish_reason") == "length" else text)
-    if answer.strip():
-        return None
-    if "length_in_thought" in tier.escalate_on and c.get("finish_reason") == "length":
-        return "length_in_thought"
-    if "empty_answer" in tier.escalate_on:
-        return "empty_answer"
-    return None
-
-
-class SyntheticResponse:
-    """Stands in for the ``httpx.Response`` of one upstream call when the gateway composed the answer itself
-    (budget forcing) or already read part of it (escalation peek): the proxy reads ``content`` (non-streamed)
-    or ``aiter_raw()`` (SSE bytes) and always calls ``aclose()``.
-
-    Gateway errors raised while streaming are re-raised as the httpx errors the relay already turns into an
-    in-stream error event (timeout → ``httpx.ReadTimeout``, others → ``httpx.RemoteProtocolError``).
-    """
-
-    def __init__(
-        self,
-        content: bytes = b"",
-        payloads: AsyncIterator[bytes] | None = None,
-        head: list[bytes] | None = None,
-        raw: AsyncIterator[bytes] | None = None,
-        closer: Any = None,
-    ) -> None:
-        self.content = content
-        self._payloads = payloads
-        self._head = head or []
-        self._raw = raw
-        self._closer = closer
-
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        for frame in self._head:
-            yield frame
-        try:
-            if self._payloads is not None:
-                async for payload in self._payloads:
-                    yield sse.event(payload)
-            if self._raw is not None:
-                async for chunk in self._raw:
-                    yield chunk
-        except UpstreamTimeout as exc:
-            raise httpx.ReadTimeout(exc.message) from None
-        except GatewayError as exc:
-            raise httpx.RemoteProtocolError(exc.message) from None
-
-    async def aclose(self) -> None:
-        aclose = getattr(self._payloads, "aclose", None)
-        if aclose is not None:
-            await aclose()
-        if self._closer is not None:
-            await self._closer()
-
-
 async def open_forced(pool: UpstreamPool, tier: TierConfig, endpoint: str, body: dict[str, Any]) -> SyntheticResponse:
     """Run budget forcing for ``body`` (the tier's upstream body) and return it as one upstream response.
 
@@ -391,50 +290,3 @@ async def open_forced(pool: UpstreamPool, tier: TierConfig, endpoint: str, body:
     return SyntheticResponse(payloads=payloads, head=[sse.event(first)])
 
 
-async def peek_stream(resp: Any, endpoint: str, *, whole: bool = False) -> tuple[SyntheticResponse, dict[str, Any]]:
-    """Read an SSE response until its answer starts (a non-empty ``content``/``text`` delta) or it ends —
-    with ``whole``, always to its end (checks on the answer's content need all of it).
-
-    Returns (a response replaying everything read and then the rest, a summary for
-    :func:`escalation_reason`: ``{"choices": [{"message"|"text": …, "finish_reason", "logprobs"?}], "usage"}``,
-    ``logprobs.content`` gathered from the deltas when the upstream sent any). The thought (with ``whole``,
-    the answer too) is buffered meanwhile, which is the price of escalating a streamed request before any
-    byte of the weaker tier's answer reached the client.
-    """
-    head: list[bytes] = []
-    raw = resp.aiter_raw()
-    text = ""
-    finish: str | None = None
-    usage: dict[str, Any] | None = None
-    logprobs: list[Any] = []
-    buf = b""
-    async for chunk in raw:
-        head.append(chunk)
-        buf += chunk
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                continue
-            try:
-                data = orjson.loads(line[5:].strip())
-            except orjson.JSONDecodeError:
-                continue
-            usage = data.get("usage") or usage
-            for c in data.get("choices") or ():
-                part = c.get("text") if endpoint == "completions" else (c.get("delta") or {}).get("content")
-                text += str(part or "")
-                finish = c.get("finish_reason") or finish
-                lp = c.get("logprobs")
-                if isinstance(lp, dict) and isinstance(lp.get("content"), list):
-                    logprobs += lp["content"]
-        # completions carry the thought in ``text`` too: the answer is what follows the end marker
-        answer = text if endpoint == "chat" else (text.rsplit("</think>", 1)[1] if "</think>" in text else "")
-        if answer.strip() and not whole:
-            break
-    if endpoint == "chat":
-        choice: dict[str, Any] = {"message": {"content": text}, "finish_reason": finish}
-    else:
-        choice = {"text": text, "finish_reason": finish}
-    if logprobs:
-        choice["logprobs"] = {"content": logprobs}
-    return SyntheticResponse(head=head, raw=raw, closer=resp.aclose), {"choices": [choice], "usage": usage}

@@ -35,6 +35,9 @@ from gateway.config import TierConfig
 from gateway.errors import GatewayError, UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 
 log = logging.getLogger("thinkgate.upstream")
+
+#: The upstream path of each generation endpoint the gateway serves.
+ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 # httpx logs every request it sends at INFO ("HTTP Request: POST … 200 OK"): with the gateway's usage line that
 # is a second log line per request on the hot path, saying less. Quieted unless someone configured it.
 _httpx_log = logging.getLogger("httpx")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from gateway.config import LoopGuard, TierConfig
-from gateway.thinking.forcing import LoopDetector, answer_request, escalation_reason, merge_usage, thought_request
+from gateway.openai.usage import merge_usage
+from gateway.pipeline.escalation import escalation_reason
+from gateway.thinking.forcing import LoopDetector, answer_request, thought_request
 
 
 def _tier(**kw: object) -> TierConfig:

@@ -7,7 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.openai.chunks import DONE, SSEDecoder, StreamAssembler, replay
+from gateway.openai.chunks import StreamAssembler, replay
+from gateway.openai.sse import DONE, SSEDecoder
 
 CHAT: dict[str, Any] = {
     "id": "chatcmpl-abc",

@@ -1,0 +1,112 @@
+"""One request's lifecycle on the request path: its usage record, its route and its cache ticket, closed once.
+
+Every exit of the pipeline — a JSON answer, the end of an SSE relay, an upstream error, a client that went away,
+a cache hit — ends in :meth:`Exchange.close`, which offers the answer to the cache (or releases the single-flight
+lock), then finishes the usage record and hands it to the usage sinks. ``close`` is idempotent, so a later
+safety net (the proxy's ``except BaseException``) can call :meth:`abandon` without double metering.
+An escalation meters the first attempt and continues with a fresh record (:meth:`next_attempt`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from gateway.config import TierConfig
+from gateway.ledger.record import UsageRecord
+
+if TYPE_CHECKING:
+    from gateway.pipeline.accounting import Accounting
+    from gateway.pipeline.routing import RouteDecision
+    from gateway.state.cache import Ticket
+
+log = logging.getLogger("thinkgate.proxy")
+
+UsageSink = Callable[[UsageRecord], None]
+
+
+class Exchange:
+    """The state of one request between admission and its usage event.
+
+    ``record`` is the usage record of the current upstream attempt; ``route`` its tier and reason; ``ticket``
+    the cache ticket (None when the cache is bypassed or already released).
+    """
+
+    __slots__ = ("_closed", "accounting", "record", "route", "sinks", "ticket")
+
+    def __init__(self, record: UsageRecord, route: RouteDecision, sinks: list[UsageSink],
+                 accounting: Accounting | None = None) -> None:
+        self.record = record
+        self.sinks = sinks
+        self.accounting = accounting
+        self.ticket: Ticket | None = None
+        self._closed = False
+        self.route = route
+        self.stamp(route)
+
+    @property
+    def tier(self) -> TierConfig:
+        """The tier of the current attempt."""
+        return self.route.tier
+
+    @property
+    def closed(self) -> bool:
+        """True once the usage record was finished and sent to the sinks."""
+        return self._closed
+
+    def stamp(self, route: RouteDecision) -> None:
+        """Make ``route`` the current one and write it into the record (tier, model, reason, difficulty)."""
+        self.route = route
+        r = self.record
+        r.tier = route.tier.name
+        r.upstream_model = route.tier.model
+        r.route_reason = route.reason
+        r.difficulty = route.difficulty
+
+    async def release_cache(self, answer: dict[str, Any] | None = None) -> None:
+        """Store ``answer`` (a complete, successful response; None stores nothing) and release the ticket's
+        single-flight lock. Idempotent; shielded from cancellation so a lock is never left behind."""
+        ticket, self.ticket = self.ticket, None
+        if ticket is not None and self.accounting is not None:
+            with anyio.CancelScope(shield=True):
+                await self.accounting.cache_finish(ticket, answer, self.record, self.tier)
+
+    async def close(self, status: int, code: str | None = None, answer: dict[str, Any] | None = None) -> None:
+        """End the request: cache (``answer`` or release), then the usage record with HTTP ``status`` and
+        error ``code``. Only the first call has an effect."""
+        if self._closed:
+            return
+        await self.release_cache(answer)
+        self._meter(status, code)
+
+    async def next_attempt(self, route: RouteDecision, status: int, code: str) -> None:
+        """Meter the current attempt (``status``, ``code`` — e.g. ``escalated_empty_answer``) and continue on
+        ``route`` with a fresh record for the same key; the cache ticket stays with the exchange."""
+        old = self.record
+        self._meter(status, code)
+        self.record = UsageRecord(key_id=old.key_id, tags=old.tags, endpoint=old.endpoint,
+                                  requested_model=old.requested_model, stream=old.stream)
+        self._closed = False
+        self.stamp(route)
+
+    async def abandon(self, status: int, code: str) -> None:
+        """The safety net for an exit no step closed (an unexpected error, a cancellation): release the cache
+        and meter the record as ``partial`` — unless it was already closed."""
+        if self._closed:
+            await self.release_cache()
+            return
+        self.record.partial = True
+        await self.close(status, code)
+
+    def _meter(self, status: int, code: str | None) -> None:
+        self._closed = True
+        self.record.error_code = code
+        self.record.finish(self.tier, status)
+        for sink in self.sinks:
+            try:
+                sink(self.record)
+            except Exception:
+                log.exception("usage sink %r failed", sink)

@@ -1,0 +1,118 @@
+"""The SSE relay: pass an upstream stream to the client, hold back and complete its usage, close the exchange.
+
+The usage-only chunk is held back, its missing reasoning count filled (:func:`fill_reasoning`), and forwarded
+only when the client asked (``stream_options.include_usage``). Failures after the 200 become one in-stream
+error event (no ``[DONE]``): a stalled upstream (``httpx.TimeoutException`` or
+:class:`gateway.errors.UpstreamTimeout` from a composed stream) → 504 ``upstream_timeout``; a broken one → 502
+``upstream_stream_broken``. A client disconnect cancels the generator: the upstream response is closed (which
+cancels the request) and the tokens seen so far are metered with ``partial: true``. With a cache ticket the
+stream is assembled and stored once it completed successfully.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+
+from gateway.config import TierConfig
+from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
+from gateway.openai import sse
+from gateway.openai.chunks import StreamAssembler
+from gateway.openai.usage import estimate_tokens, needs_reasoning_count
+from gateway.pipeline.exchange import Exchange
+from gateway.upstream.pool import UpstreamPool
+from gateway.upstream.response import UpstreamResponse
+
+CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
+
+
+async def fill_reasoning(pool: UpstreamPool, usage: dict[str, Any], tier: TierConfig, texts: list[str]) -> None:
+    """Set ``usage.completion_tokens_details.reasoning_tokens`` from the reasoning texts (one per choice):
+    exact counts from the upstream's ``/tokenize``, else :func:`gateway.openai.usage.estimate_tokens`."""
+    counts = await asyncio.gather(*(pool.count_tokens(tier, t) for t in texts))
+    total = sum(c if c is not None else estimate_tokens(t) for c, t in zip(counts, texts, strict=True))
+    details = usage.get("completion_tokens_details")
+    if not isinstance(details, dict):
+        details = {}
+        usage["completion_tokens_details"] = details
+    details["reasoning_tokens"] = total
+
+
+def count_deltas(ex: Exchange, tally: sse.StreamTally) -> None:
+    """No upstream usage (client gone, stream broken): vLLM sends about one token per delta."""
+    ex.record.completion_tokens = tally.reasoning_deltas + tally.text_deltas
+    ex.record.reasoning_tokens = tally.reasoning_deltas
+    ex.record.usage_source = "counted"
+
+
+async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_usage: bool,
+                cache: bool) -> AsyncGenerator[bytes, None]:
+    """SSE bytes for the client from ``resp``; closes ``ex`` exactly once when it ends, however it ends.
+
+    ``cache``: assemble the stream and offer it to the exchange's cache ticket when it completes.
+    """
+    tier = ex.tier
+    record = ex.record
+    tally = sse.StreamTally()
+    status: int | None = None
+    code: str | None = None
+    assembler = StreamAssembler() if cache and ex.ticket is not None and ex.ticket.decision.store else None
+    try:
+        async for batch in sse.data_batches(resp):
+            if assembler is not None:
+                assembler.feed_payloads(batch)
+            out = tally.feed(batch)
+            if tally.saw_text:
+                record.mark_first_byte()
+            if out:
+                yield out
+            if tally.done or tally.upstream_error:
+                break
+        if tally.upstream_error:
+            status, code = 502, "upstream_error"
+            return
+        if not tally.done:
+            raise httpx.RemoteProtocolError("upstream stream ended without [DONE]")
+        if tally.usage_chunk is not None:
+            usage = tally.usage_chunk["usage"]
+            texts = tally.reasoning_texts()
+            if texts and needs_reasoning_count(usage):
+                await fill_reasoning(pool, usage, tier, texts)
+            record.set_usage(usage)
+            if assembler is not None:
+                assembler.usage = usage  # with the filled reasoning count
+            if wants_usage:
+                yield sse.event(orjson.dumps(tally.usage_chunk))
+        elif tally.last_usage is not None:
+            record.set_usage(tally.last_usage)
+        else:
+            count_deltas(ex, tally)
+        yield sse.DONE
+        status = 200
+    except (httpx.TimeoutException, UpstreamTimeout):
+        status, code = 504, "upstream_timeout"
+        yield sse.error_event(UpstreamTimeout(f"upstream of tier {tier.name!r} stalled mid-stream"))
+    except (httpx.HTTPError, GatewayError) as exc:
+        status, code = 502, "upstream_stream_broken"
+        why = exc.message if isinstance(exc, GatewayError) else str(exc)
+        yield sse.error_event(UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {why}", code=code))
+    finally:
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
+            if status is None:
+                status, code = CLIENT_CLOSED, "client_disconnected"
+            if status != 200:
+                record.partial = True
+                if tally.usage_chunk is not None:
+                    record.set_usage(tally.usage_chunk["usage"])
+                elif tally.last_usage is not None:
+                    record.set_usage(tally.last_usage)
+                else:
+                    count_deltas(ex, tally)
+            complete = status == 200 and assembler is not None and assembler.complete
+            await ex.close(status, code, assembler.result() if complete and assembler is not None else None)
