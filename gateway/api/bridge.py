@@ -17,7 +17,7 @@ import orjson
 from starlette.responses import Response
 
 from gateway.openai import sse
-from gateway.openai.chunks import SSEDecoder
+from gateway.openai.sse import SSEDecoder
 
 FORWARDED_PREFIXES = ("x-thinkgate-", "x-request-id")
 

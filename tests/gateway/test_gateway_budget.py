@@ -3,6 +3,7 @@ streamed and not), the loop guard, and escalation (both calls metered, route rea
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -139,6 +140,10 @@ def test_escalation_when_cut_inside_the_thought(upstream_sim: SimProcess, redis_
         assert content and content.startswith("echo:")
         assert headers["x-thinkgate-tier"] == "long"
         assert headers["x-thinkgate-route-reason"] == "escalated"
+        # a stream's usage record is finished after [DONE] reached the client: wait for it (bounded)
+        deadline = time.monotonic() + 5
+        while len(records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         first, second = records[-2:]
         assert (first.tier, first.route_reason, first.error_code) == ("short", "forced",
                                                                       "escalated_length_in_thought")
