@@ -23,6 +23,7 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from gateway.api import messages as messages_api
 from gateway.api import responses as responses_api
 from gateway.api import usage as usage_api
 from gateway.auth.keys import KeyStore
@@ -126,6 +127,7 @@ def create_app(settings: Settings) -> FastAPI:
     usage_api.install(app, keys, accounting)
     responses_api.attach(app, proxy, ConversationStore(accounting.handle, accounting.breaker,
                                                        settings.responses.store_ttl_s))
+    messages_api.attach(app, proxy)
 
     async def chat_completions(request: Request) -> Response:
         return await proxy.handle(request, "chat")

@@ -1,0 +1,100 @@
+"""``POST /v1/messages``: the Anthropic Messages API, served by translation onto the tier's chat upstream.
+
+auth (``x-api-key`` or ``Authorization: Bearer``; ``anthropic-version`` accepted, not required) → body →
+:func:`gateway.anthropic.messages.to_chat` → route (:func:`route_for_thinking`) → the chat pipeline
+(:meth:`gateway.pipeline.proxy.Proxy.serve`, usage event ``endpoint: messages``) → the ``message``, or
+Anthropic's event stream. Every error is in Anthropic's shape (``{"type": "error", "error": {"type",
+"message"}}``) with the gateway's status.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.anthropic import messages as wire
+from gateway.api import bridge
+from gateway.config import TierConfig
+from gateway.errors import GatewayError
+from gateway.pipeline import request as schemas
+from gateway.pipeline.proxy import TIER_HEADER, Proxy, read_body
+from gateway.pipeline.routing import RouteDecision
+
+log = logging.getLogger("thinkgate.messages")
+
+LABEL = "messages"
+
+
+def thinks(tier: TierConfig) -> bool:
+    """True when ``tier`` lets the model think at all."""
+    return tier.enable_thinking and tier.thinking_budget != 0
+
+
+def covers(tier: TierConfig, budget: int) -> bool:
+    """True when ``tier`` may think at least ``budget`` tokens (``thinking_budget: null`` = unlimited)."""
+    return thinks(tier) and (tier.thinking_budget is None or tier.thinking_budget >= budget)
+
+
+def route_for_thinking(route: RouteDecision, tiers: list[TierConfig], budget: int) -> RouteDecision:
+    """The tier for ``thinking.budget_tokens = budget``: a routed (``predicted``/``fallback``) tier whose budget
+    does not cover it gives way to the cheapest tier (configuration order) that does — or, when none does, the
+    one with the largest budget — with reason ``effort`` (the client said how much to think). A tier that
+    covers it keeps the request, and the smaller budget is applied there (``thinking_token_budget``). A forced
+    tier is kept either way."""
+    if route.reason not in ("predicted", "fallback") or covers(route.tier, budget):
+        return route
+    fit = next((t for t in tiers if covers(t, budget)), None)
+    if fit is None:
+        fit = max((t for t in tiers if thinks(t)), key=lambda t: t.thinking_budget or 0, default=route.tier)
+    return RouteDecision(fit, "effort", route.difficulty)
+
+
+def anthropic_error(exc: GatewayError) -> Response:
+    """``exc`` as an Anthropic error response (status and headers such as ``Retry-After`` kept)."""
+    return Response(wire.error_body(exc), status_code=getattr(exc, "status_code", exc.status),
+                    media_type="application/json", headers=exc.headers)
+
+
+class MessagesAPI:
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+
+    async def handle(self, request: Request) -> Response:
+        try:
+            return await self._handle(request)
+        except GatewayError as exc:
+            return anthropic_error(exc)
+        except Exception:
+            log.exception("unhandled error on POST /v1/messages")
+            return anthropic_error(GatewayError("internal error", code="internal_error"))
+
+    async def _handle(self, request: Request) -> Response:
+        proxy = self.proxy
+        h = request.headers
+        authorization = h.get("authorization") or (f"Bearer {h['x-api-key']}" if h.get("x-api-key") else None)
+        key = await proxy.keys.authenticate(authorization)
+        body = schemas.parse_json_object(await read_body(request, proxy.max_body))
+        chat = wire.to_chat(body)
+        schemas.validate_chat(chat)
+        route = proxy.routing.decide(chat, h.get(TIER_HEADER))
+        thinking = wire.thinking_of(body)
+        if thinking is not None and thinking.enabled and thinking.budget_tokens is not None:
+            route = route_for_thinking(route, proxy.settings.tiers, thinking.budget_tokens)
+        message_id = wire.new_id("msg")
+        resp = await proxy.serve(key, chat, h, "chat", label=LABEL, route=route)
+        if not chat.get("stream"):
+            out = wire.message_object(bridge.json_of(resp), body, message_id)
+            return Response(orjson.dumps(out), media_type="application/json", headers=bridge.forward_headers(resp))
+        events = wire.MessageStream(body, message_id)
+        return bridge.streamed(resp, bridge.translate_stream(resp.relay, events))  # type: ignore[attr-defined]
+
+
+def attach(app: FastAPI, proxy: Proxy) -> MessagesAPI:
+    """Add ``POST /v1/messages`` to ``app``."""
+    api = MessagesAPI(proxy)
+    app.router.add_route("/v1/messages", api.handle, methods=["POST"])
+    return api

@@ -1,0 +1,222 @@
+"""``POST /v1/messages`` through the official ``anthropic`` SDK against a real gateway over the upstream
+simulator: content blocks, thinking (budget → tier), tools, Anthropic's stream events and error shape, cache
+scoping, and usage that matches the metered event to the token and micro-dollar (one event per request)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+
+from gateway.ledger.pricing import cost_micro_usd
+from tests.fixtures.gateway import SECRETS, accounting_gateway, cleanup
+from tests.fixtures.upstream import GatewayServer, SimProcess
+from tests.gateway.test_responses_api import events_of
+from tests.fixtures.upstream_sim import answer_words, reasoning_words
+
+USER = "what is seven times six"
+WEATHER = {"name": "get_weather", "description": "Weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def gw(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("msggw"), prefix) as g:
+            yield g
+    finally:
+        cleanup(redis_url, prefix)
+
+
+def sdk(gw: GatewayServer, who: str = "alice") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gw.url, api_key=SECRETS[who], max_retries=0, timeout=30)
+
+
+def tag() -> dict[str, Any]:
+    return {"sim": {"tag": uuid.uuid4().hex}}
+
+
+def assert_metered(gw: GatewayServer, request_id: str, usage: Any, tier: str, cached: bool = False) -> dict[str, Any]:
+    rows = events_of(gw, request_id)
+    assert len(rows) == 1, rows
+    ev = rows[0]
+    assert ev["endpoint"] == "messages" and ev["tier"] == tier and ev["status"] == 200
+    cached_tokens = usage.cache_read_input_tokens or 0
+    assert ev["prompt_tokens"] == usage.input_tokens + cached_tokens and ev["cached_tokens"] == cached_tokens
+    assert ev["completion_tokens"] == usage.output_tokens
+    assert ev["reasoning_tokens"] == usage.output_tokens_details.thinking_tokens
+    prices = next(t.prices for t in gw.settings.tiers if t.name == tier)
+    price = cost_micro_usd(prices, prompt_tokens=ev["prompt_tokens"], cached_tokens=cached_tokens,
+                           completion_tokens=usage.output_tokens)
+    assert (ev["cost_micro_usd"], ev["saved_micro_usd"]) == ((0, price) if cached else (price, 0))
+    return ev
+
+
+def test_plain_message_blocks_and_usage_match_the_event(gw: GatewayServer, upstream_sim: SimProcess) -> None:
+    extra = tag()
+    raw = sdk(gw).messages.with_raw_response.create(
+        model="long", max_tokens=200, system="Be brief.", messages=[{"role": "user", "content": USER}],
+        extra_body=extra, extra_headers={"anthropic-version": "2023-06-01"})
+    assert raw.headers["x-thinkgate-tier"] == "long"
+    m = raw.parse()
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    prompt = "Be brief.\n" + USER
+    assert m.content[0].thinking == " ".join(reasoning_words(prompt))  # type: ignore[union-attr]
+    assert m.content[1].text == " ".join(answer_words(USER))  # type: ignore[union-attr]
+    assert m.stop_reason == "end_turn"
+    assert m.usage.input_tokens == len(prompt.split()) + 3 * 2
+    assert m.usage.output_tokens == len(reasoning_words(prompt)) + len(answer_words(USER))
+    assert_metered(gw, raw.headers["x-request-id"], m.usage, "long")
+    sent = upstream_sim.tag(extra["sim"]["tag"])["body"]
+    assert sent["messages"][0] == {"role": "system", "content": "Be brief."} and sent["max_tokens"] == 200
+
+
+def test_bearer_auth_and_anthropic_error_shape(gw: GatewayServer) -> None:
+    body = {"model": "short", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(gw.base_url + "/messages", json=body, headers={"authorization": f"Bearer {SECRETS['bob']}"},
+                   timeout=10)
+    assert r.status_code == 200 and r.json()["content"][-1]["text"] == "echo: hi"
+    r = httpx.post(gw.base_url + "/messages", json={**body, "max_tokens": None},
+                   headers={"x-api-key": SECRETS["bob"]}, timeout=10)
+    assert r.status_code == 400
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                   "message": "'max_tokens' is required: an integer >= 1"}}
+    r = httpx.post(gw.base_url + "/messages", json=body, headers={"x-api-key": "nope"}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.BadRequestError) as err:
+        sdk(gw).messages.create(model="no-such-tier", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=gw.url, api_key="wrong", max_retries=0).messages.create(
+            model="short", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_streamed_events_and_final_usage(gw: GatewayServer) -> None:
+    with sdk(gw).messages.with_streaming_response.create(
+            model="long", max_tokens=200, messages=[{"role": "user", "content": USER}], stream=True) as raw:
+        request_id = raw.headers["x-request-id"]
+        events = list(raw.parse())
+    types = [e.type for e in events]
+    assert types[0] == "message_start" and types[-2:] == ["message_delta", "message_stop"]
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]  # type: ignore[union-attr]
+    assert starts == ["thinking", "text"] and types.count("content_block_stop") == 2
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]  # type: ignore[union-attr]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == " ".join(reasoning_words(USER))
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == " ".join(answer_words(USER))
+    delta = events[-2]
+    assert delta.delta.stop_reason == "end_turn"  # type: ignore[union-attr]
+    assert_metered(gw, request_id, delta.usage, "long")  # type: ignore[union-attr]
+    # the SDK's accumulating helper ends with the same message
+    with sdk(gw).messages.stream(model="long", max_tokens=200, messages=[{"role": "user", "content": USER}]) as s:
+        final = s.get_final_message()
+    assert final.content[1].text == " ".join(answer_words(USER))  # type: ignore[union-attr]
+    assert final.usage.input_tokens == len(USER.split()) + 3 and final.usage.output_tokens == delta.usage.output_tokens  # type: ignore[union-attr]
+
+
+def test_thinking_budget_picks_the_cheapest_covering_tier_or_applies_the_smaller_budget(
+    gw: GatewayServer, upstream_sim: SimProcess
+) -> None:
+    msgs = [{"role": "user", "content": USER}]
+    # 4 tokens: the routed tier (short, budget 8) covers it → stays there, 4 applied
+    extra = tag()
+    raw = sdk(gw).messages.with_raw_response.create(model="auto", max_tokens=64, messages=msgs, extra_body=extra,
+                                                    thinking={"type": "enabled", "budget_tokens": 4})
+    assert (raw.headers["x-thinkgate-tier"], raw.headers["x-thinkgate-route-reason"]) == ("short", "predicted")
+    m = raw.parse()
+    assert m.content[0].thinking == " ".join(reasoning_words(USER)[:4])  # type: ignore[union-attr]
+    assert upstream_sim.tag(extra["sim"]["tag"])["body"]["thinking_token_budget"] == 4
+    assert_metered(gw, raw.headers["x-request-id"], m.usage, "short")
+    # 100 tokens: short's 8 do not cover it → the cheapest tier that does (long, unlimited)
+    raw = sdk(gw).messages.with_raw_response.create(model="auto", max_tokens=200, messages=msgs,
+                                                    thinking={"type": "enabled", "budget_tokens": 100})
+    assert (raw.headers["x-thinkgate-tier"], raw.headers["x-thinkgate-route-reason"]) == ("long", "effort")
+    assert raw.parse().content[0].thinking == " ".join(reasoning_words(USER))  # type: ignore[union-attr]
+    # a forced tier is kept: its own (smaller) budget applies
+    raw = sdk(gw).messages.with_raw_response.create(model="short", max_tokens=64, messages=msgs,
+                                                    thinking={"type": "enabled", "budget_tokens": 100})
+    assert raw.headers["x-thinkgate-tier"] == "short"
+    assert raw.parse().content[0].thinking == " ".join(reasoning_words(USER)[:8])  # type: ignore[union-attr]
+    # disabled → thinking off on the routed tier
+    extra = tag()
+    m = sdk(gw).messages.create(model="long", max_tokens=64, messages=msgs, thinking={"type": "disabled"},
+                                extra_body=extra)
+    assert [b.type for b in m.content] == ["text"]
+    assert upstream_sim.tag(extra["sim"]["tag"])["body"]["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_tool_use_round_trip(gw: GatewayServer, upstream_sim: SimProcess) -> None:
+    client = sdk(gw)
+    question = "weather in Paris today"
+    first = client.messages.with_raw_response.create(model="short", max_tokens=64, tools=[WEATHER],  # type: ignore[list-item]
+                                                     messages=[{"role": "user", "content": question}])
+    m1 = first.parse()
+    assert m1.stop_reason == "tool_use"
+    use = next(b for b in m1.content if b.type == "tool_use")
+    assert use.name == "get_weather" and use.input == {"city": question}  # type: ignore[union-attr]
+    assert_metered(gw, first.headers["x-request-id"], m1.usage, "short")
+    extra = tag()
+    m2 = client.messages.create(
+        model="short", max_tokens=64, tools=[WEATHER], extra_body=extra,  # type: ignore[list-item]
+        messages=[{"role": "user", "content": question}, {"role": "assistant", "content": m1.content},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,  # type: ignore[union-attr]
+                                                "content": "sunny 21 C"}]}])
+    assert m2.content[-1].text == "result: sunny 21 C" and m2.stop_reason == "end_turn"  # type: ignore[union-attr]
+    sent = upstream_sim.tag(extra["sim"]["tag"])["body"]["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool"]
+    assert sent[1]["tool_calls"][0]["id"] == use.id and sent[2] == {  # type: ignore[union-attr]
+        "role": "tool", "tool_call_id": use.id, "content": "sunny 21 C"}  # type: ignore[union-attr]
+    assert json.loads(sent[1]["tool_calls"][0]["function"]["arguments"]) == {"city": question}
+
+
+def test_streamed_tool_use_input_json_deltas(gw: GatewayServer) -> None:
+    question = "weather in Rome"
+    events = list(sdk(gw).messages.create(model="long", max_tokens=200, tools=[WEATHER], stream=True,  # type: ignore[list-item]
+                                          tool_choice={"type": "tool", "name": "get_weather"},
+                                          messages=[{"role": "user", "content": question}]))
+    start = next(e for e in events if e.type == "content_block_start" and e.content_block.type == "tool_use")
+    assert start.content_block.name == "get_weather" and start.content_block.input == {}  # type: ignore[union-attr]
+    parts = [e.delta.partial_json for e in events
+             if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]  # type: ignore[union-attr]
+    assert len(parts) > 1 and json.loads("".join(parts)) == {"city": question}
+    assert events[-2].delta.stop_reason == "tool_use"  # type: ignore[union-attr]
+    with sdk(gw).messages.stream(model="long", max_tokens=200, tools=[WEATHER],  # type: ignore[list-item]
+                                 messages=[{"role": "user", "content": question}]) as s:
+        final = s.get_final_message()
+    assert next(b for b in final.content if b.type == "tool_use").input == {"city": question}  # type: ignore[union-attr]
+
+
+def test_cache_is_tenant_scoped(gw: GatewayServer) -> None:
+    # this SDK version has no temperature argument: sent as a body field
+    kw: dict[str, Any] = {"model": "long", "max_tokens": 64, "extra_body": {"temperature": 0},
+                          "messages": [{"role": "user", "content": f"cache me {uuid.uuid4().hex[:6]}"}]}
+    a = sdk(gw, "alice").messages.with_raw_response.create(**kw)
+    hit = sdk(gw, "alice").messages.with_raw_response.create(**kw)
+    assert (a.headers["x-thinkgate-cache"], hit.headers["x-thinkgate-cache"]) == ("miss", "hit")
+    assert hit.parse().content == a.parse().content
+    assert_metered(gw, hit.headers["x-request-id"], hit.parse().usage, "long", cached=True)
+    assert sdk(gw, "bob").messages.with_raw_response.create(**kw).headers["x-thinkgate-cache"] == "miss"
+    events = list(sdk(gw, "alice").messages.create(**kw, stream=True))  # a hit, replayed as a stream
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")  # type: ignore[union-attr]
+    assert text == a.parse().content[-1].text  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages.0.content.0"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "thinking.budget_tokens"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+])
+def test_refused_fields_are_anthropic_400s(gw: GatewayServer, body: dict[str, Any], param: str) -> None:
+    base = {"model": "short", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(gw.base_url + "/messages", json={**base, **body}, headers={"x-api-key": SECRETS["alice"]},
+                   timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert param.split(".")[0] in r.json()["error"]["message"] or param in r.json()["error"]["message"]
