@@ -65,7 +65,7 @@ def _block_text(block: dict[str, Any]) -> str:
 
 
 def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
-    src = block.get("source") if isinstance(block.get("source"), dict) else {}
+    src: dict[str, Any] = block["source"] if isinstance(block.get("source"), dict) else {}
     if src.get("type") == "base64" and isinstance(src.get("data"), str):
         url = f"data:{src.get('media_type') or 'image/png'};base64,{src['data']}"
     elif src.get("type") == "url" and isinstance(src.get("url"), str):
@@ -205,7 +205,7 @@ def thinking_of(body: dict[str, Any]) -> Thinking | None:
         return Thinking(True)
     if kind == "enabled":
         budget = t.get("budget_tokens")
-        if not _is_int(budget) or budget < 1:
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
             raise InvalidRequest("'thinking.budget_tokens' must be an integer >= 1", param="thinking.budget_tokens")
         return Thinking(True, budget)
     raise InvalidRequest("'thinking.type' must be enabled, disabled or adaptive", param="thinking.type")
@@ -223,7 +223,7 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required", param="model")
     mt = body.get("max_tokens")
-    if not _is_int(mt) or mt < 1:
+    if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
         raise InvalidRequest("'max_tokens' is required: an integer >= 1", param="max_tokens")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -263,7 +263,8 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         _tool_choice(body["tool_choice"], out)
     thinking = thinking_of(body)
     if thinking is not None and not thinking.enabled:
-        kwargs = out.get("chat_template_kwargs") if isinstance(out.get("chat_template_kwargs"), dict) else {}
+        given = out.get("chat_template_kwargs")
+        kwargs: dict[str, Any] = given if isinstance(given, dict) else {}
         out["chat_template_kwargs"] = {**kwargs, "enable_thinking": False}
     elif thinking is not None and thinking.budget_tokens is not None:
         out["thinking_token_budget"] = thinking.budget_tokens

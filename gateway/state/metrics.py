@@ -26,6 +26,7 @@ from gateway.config import MetricsConfig, TierConfig
 from gateway.ledger.event import UsageEvent
 
 ROUTE_REASONS = frozenset({"predicted", "forced", "effort", "fallback", "escalated", "cache"})
+ENDPOINTS = frozenset({"chat", "completions", "responses", "messages", "embeddings"})
 CACHE_RESULTS = frozenset({"hit", "semantic-hit", "miss", "bypass"})
 SEMANTIC_RESULTS = frozenset({"hit", "guard_rejected", "below_threshold", "miss", "bypass"})
 ERROR_CODES = frozenset({"upstream_error", "upstream_unavailable", "upstream_timeout", "upstream_rejected",
@@ -106,7 +107,7 @@ class Metrics:
         reason = event.route_reason if event.route_reason in ROUTE_REASONS else "other"
         cache = cache if cache in CACHE_RESULTS else "bypass"
         child = self._child
-        child(self.requests, event.endpoint if event.endpoint in ("chat", "completions") else "other", tier, model,
+        child(self.requests, event.endpoint if event.endpoint in ENDPOINTS else "other", tier, model,
               reason, cache, status_class(event.status), *k).inc()
         for kind, n in (("prompt", event.prompt_tokens), ("cached", event.cached_tokens),
                         ("completion", event.completion_tokens), ("reasoning", event.reasoning_tokens)):

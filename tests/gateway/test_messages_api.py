@@ -15,8 +15,8 @@ import pytest
 
 from gateway.ledger.pricing import cost_micro_usd
 from tests.fixtures.gateway import SECRETS, accounting_gateway, cleanup
+from tests.fixtures.metered import events_of
 from tests.fixtures.upstream import GatewayServer, SimProcess
-from tests.gateway.test_responses_api import events_of
 from tests.fixtures.upstream_sim import answer_words, reasoning_words
 
 USER = "what is seven times six"

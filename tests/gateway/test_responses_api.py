@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from gateway.ledger.pricing import cost_micro_usd
-from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway, cleanup
+from tests.fixtures.gateway import SECRETS, accounting_gateway, cleanup
+from tests.fixtures.metered import events_of
 from tests.fixtures.upstream import GatewayServer, SimProcess
 from tests.fixtures.upstream_sim import answer_words, reasoning_words, schema_value
 
@@ -37,26 +38,6 @@ def gw(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPa
 
 def sdk(gw: GatewayServer, who: str = "alice") -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.base_url, api_key=SECRETS[who], max_retries=0, timeout=30)
-
-
-def events_of(gw: GatewayServer, request_id: str, expect: int = 1, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """Raw usage rows of ``request_id`` from ``GET /v1/usage`` (waits until ``expect`` are there, then a moment
-    more so a duplicate would show)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    rows: list[dict[str, Any]] = []
-    while time.monotonic() < deadline:
-        r = httpx.get(gw.base_url + "/usage", params={"since": "0", "limit": "10000"},
-                      headers={"authorization": f"Bearer {ADMIN_SECRET}"}, timeout=10)
-        rows = [row for row in r.json()["data"] if row["request_id"] == request_id]
-        if len(rows) >= expect:
-            break
-        time.sleep(0.05)
-    time.sleep(0.2)
-    r = httpx.get(gw.base_url + "/usage", params={"since": "0", "limit": "10000"},
-                  headers={"authorization": f"Bearer {ADMIN_SECRET}"}, timeout=10)
-    return [row for row in r.json()["data"] if row["request_id"] == request_id]
 
 
 def assert_metered(gw: GatewayServer, request_id: str, usage: Any, tier: str, cached: bool = False) -> dict[str, Any]:
