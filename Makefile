@@ -27,6 +27,7 @@ test: venv
 lint: venv
 	$(BIN)/ruff check gateway router training tests bench
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # The whole stack (Redis, local vLLM engine, gateways with the shipped router), five policies, < 15 min on 2 cores.
 bench-savings: venv

@@ -26,6 +26,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from router.errors import ThinkGateError
+
 
 def _shipped(package: str, *parts: str) -> Path:
     """A file shipped inside an installed package (``importlib.resources``), as a filesystem path.
@@ -45,7 +47,7 @@ DEFAULT_ROUTER_PATH = _shipped("router", "assets", "default.skops")
 STATE_DIR = Path(os.environ.get("THINKGATE_STATE_DIR") or Path.cwd() / ".thinkgate")
 
 
-class ConfigError(ValueError):
+class ConfigError(ThinkGateError, ValueError):
     """Raised when the configuration is invalid; the message names each offending field."""
 
 

@@ -1,13 +1,15 @@
 """One exception hierarchy for the gateway, mapped to OpenAI's error JSON and an HTTP status.
 
 Every failure the request path can produce is a :class:`GatewayError` subclass carrying its HTTP status,
-OpenAI ``type`` and ``code``; :func:`install_handlers` turns them (and anything unexpected) into::
+OpenAI ``type`` and ``code``, and every subclass lives in this module; :func:`install_handlers` turns them (and
+anything unexpected) into::
 
     {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
 
 The shape follows the OpenAI API reference ("Error codes") so the official SDKs raise the matching
 ``openai.*Error`` classes (400 → BadRequestError, 401 → AuthenticationError, 429 → RateLimitError, …).
-No handler ever returns a traceback.
+No handler ever returns a traceback. Errors that are not HTTP answers (a bad config, Redis down for an offline
+command, a missing extra) derive from :class:`ThinkGateError` instead (re-exported here from ``router.errors``).
 """
 
 from __future__ import annotations
@@ -21,13 +23,21 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from router.errors import ThinkGateError
+
+__all__ = ["AuthError", "BodyTooLarge", "ConversationsUnavailable", "GatewayError", "InvalidRequest",
+           "KeyStoreUnavailable", "LimitsUnavailable", "PermissionDenied", "RateLimited", "ThinkGateError",
+           "UnknownModel", "UpstreamConnectTimeout", "UpstreamError", "UpstreamRejected", "UpstreamTimeout",
+           "UpstreamUnavailable", "UsageUnavailable", "error_response", "install_handlers"]
+
 log = logging.getLogger("thinkgate.errors")
 
 
 class GatewayError(Exception):
-    """Base class: ``status`` (HTTP), ``type`` and ``code`` (OpenAI error fields), optional ``param``."""
+    """Base class: ``status`` (HTTP; an instance attribute defaulting to the class's), ``type`` and ``code``
+    (OpenAI error fields), optional ``param`` and extra response ``headers``."""
 
-    status: ClassVar[int] = 500
+    status: int = 500
     type: ClassVar[str] = "server_error"
     default_code: ClassVar[str | None] = None
 
@@ -38,8 +48,11 @@ class GatewayError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        status: int | None = None,
     ) -> None:
         super().__init__(message)
+        if status is not None:
+            self.status = status
         self.message = message
         self.param = param
         self.code = code if code is not None else self.default_code
@@ -113,39 +126,70 @@ class UpstreamUnavailable(UpstreamError):
     default_code = "upstream_unavailable"
 
 
-class UpstreamTimeout(GatewayError):
+class UpstreamTimeout(UpstreamError):
     """504: the upstream did not connect or answer within the tier's timeouts."""
 
     status = 504
-    type = "upstream_error"
     default_code = "upstream_timeout"
 
 
+class UpstreamConnectTimeout(UpstreamTimeout):
+    """504: the upstream did not accept a connection in time after the retries (a fallback candidate)."""
+
+    default_code = "upstream_connect_timeout"
+
+
 class UpstreamRejected(GatewayError):
-    """The upstream answered 4xx; the status is the upstream's (400/404/422 become 400, 429 stays 429)."""
+    """The upstream answered 4xx; ``status`` is the upstream's folded to 400 (400/404/422 …) or 429."""
 
     type = "invalid_request_error"
     default_code = "upstream_rejected"
 
     def __init__(self, message: str, *, status: int, **kwargs: Any) -> None:
-        super().__init__(message, **kwargs)
-        self.status_code = 429 if status == 429 else 400
+        super().__init__(message, status=429 if status == 429 else 400, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
-        if self.status_code == 429:
+        if self.status == 429:
             d["error"]["type"] = "rate_limit_error"
         return d
 
 
-def status_of(exc: GatewayError) -> int:
-    """HTTP status for ``exc`` (instance-level for :class:`UpstreamRejected`)."""
-    return getattr(exc, "status_code", exc.status)
+class LimitsUnavailable(GatewayError):
+    """503: Redis is unreachable and ``limits.on_redis_down`` is ``fail_closed``."""
+
+    status = 503
+    type = "server_error"
+    default_code = "limits_unavailable"
+
+
+class KeyStoreUnavailable(GatewayError):
+    """503: the presented key is not known locally and the Redis key store is unreachable."""
+
+    status = 503
+    type = "server_error"
+    default_code = "key_store_unavailable"
+
+
+class UsageUnavailable(GatewayError):
+    """503: the usage store (Redis) is unreachable."""
+
+    status = 503
+    type = "server_error"
+    default_code = "usage_unavailable"
+
+
+class ConversationsUnavailable(GatewayError):
+    """503: a ``previous_response_id`` was given while Redis is unreachable."""
+
+    status = 503
+    type = "server_error"
+    default_code = "conversation_store_unavailable"
 
 
 def error_response(exc: GatewayError) -> Response:
     """A JSON response carrying ``exc`` in OpenAI's shape, with its status and extra headers."""
-    return Response(exc.to_json(), status_code=status_of(exc), media_type="application/json", headers=exc.headers)
+    return Response(exc.to_json(), status_code=exc.status, media_type="application/json", headers=exc.headers)
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:

@@ -24,6 +24,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from router.errors import ThinkGateError
 from router.model import Platt, TrainedRouter
 
 FORMAT = "thinkgate-router"
@@ -34,7 +35,7 @@ READABLE_VERSIONS = (1, 2)
 TRUSTED_TYPES: tuple[str, ...] = ("router.features.HandFeatures", "router.features.TextClipper")
 
 
-class RouterFileError(RuntimeError):
+class RouterFileError(ThinkGateError, RuntimeError):
     """A router file is missing, unreadable, corrupt, untrusted or incompatible. ``path`` names the file."""
 
     def __init__(self, path: str | Path | None, message: str) -> None:

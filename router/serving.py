@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from router.base import Router, register
+from router.errors import ThinkGateError
 from router.model import TrainedRouter
 from router.persistence import RouterFileError, load_router
 
@@ -39,7 +40,7 @@ log = logging.getLogger("thinkgate.router")
 _Signature = tuple[int, int, int]
 
 
-class RouterUnavailable(RuntimeError):
+class RouterUnavailable(ThinkGateError, RuntimeError):
     """No usable router and ``on_router_error: refuse_start``; the message says why and what to do."""
 
 

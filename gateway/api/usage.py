@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth.keys import KeyInfo, KeyStore
-from gateway.errors import GatewayError, InvalidRequest, PermissionDenied
+from gateway.errors import InvalidRequest, PermissionDenied, UsageUnavailable
 from gateway.ledger.event import micro_to_usd
 from gateway.ledger.export import ExportError, build, parse_group_by, parse_time
 from gateway.pipeline.accounting import Accounting
@@ -38,12 +38,6 @@ from gateway.state.metrics import CONTENT_TYPE
 MAX_RAW_EVENTS = 10_000
 
 
-class UsageUnavailable(GatewayError):
-    """503: the usage store (Redis) is unreachable."""
-
-    status = 503
-    type = "server_error"
-    default_code = "usage_unavailable"
 
 
 def _json(data: Any) -> Response:

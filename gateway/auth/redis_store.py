@@ -26,10 +26,11 @@ from typing import Any
 import orjson
 
 from gateway.auth.keys import KeyInfo
-from gateway.errors import GatewayError
+from gateway.errors import KeyStoreUnavailable
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
-from gateway.state.redis import RedisHandle
+from gateway.state.redis import RedisHandle, as_text
+from router.errors import ThinkGateError
 
 SECRET_PREFIX = "tg-"
 LOOKUP_CACHE_MAX = 10_000
@@ -53,16 +54,10 @@ return 1
 """
 
 
-class KeyExists(ValueError):
+class KeyExists(ThinkGateError, ValueError):
     """``keys create``: a key with this id exists (or existed: ids are never reused)."""
 
 
-class KeyStoreUnavailable(GatewayError):
-    """503: the presented key is not known locally and the Redis key store is unreachable."""
-
-    status = 503
-    type = "server_error"
-    default_code = "key_store_unavailable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +79,7 @@ class KeyRecord:
         return orjson.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, raw: bytes) -> KeyRecord:
+    def from_json(cls, raw: bytes | str) -> KeyRecord:
         d = orjson.loads(raw)
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
@@ -154,7 +149,7 @@ class RedisKeyStore:
 
     async def list(self) -> list[KeyRecord]:
         """Every key (revoked ones included), by id. Raises :class:`RedisDown`."""
-        ids = sorted(m.decode() for m in await self.breaker.call(lambda: self.redis.smembers(self.keys.key_ids)))
+        ids = sorted(as_text(m) for m in await self.breaker.call(lambda: self.redis.smembers(self.keys.key_ids)))
         if not ids:
             return []
         raws = await self.breaker.call(lambda: self.redis.mget([self.keys.key_record(i) for i in ids]))

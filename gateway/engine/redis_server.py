@@ -12,8 +12,10 @@ import subprocess
 import time
 from urllib.parse import urlparse
 
+from router.errors import ThinkGateError
 
-class RedisUnavailable(RuntimeError):
+
+class RedisUnavailable(ThinkGateError, RuntimeError):
     """No Redis answers at the URL and none could be started (``redis-server`` missing or failed)."""
 
 

@@ -36,9 +36,10 @@ from types import TracebackType
 import httpx
 
 from gateway.config import STATE_DIR, EngineConfig
+from router.errors import ThinkGateError
 
 
-class EngineError(RuntimeError):
+class EngineError(ThinkGateError, RuntimeError):
     """The local engine could not be started (or stopped); the message ends with the server log's tail."""
 
 

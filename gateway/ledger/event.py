@@ -25,10 +25,13 @@ import orjson
 from gateway.config import Prices
 from gateway.ledger.pricing import cost_micro_usd
 
-__all__ = ["COUNTER_FIELDS", "TokenCounts", "UsageEvent", "cost_micro_usd", "counter_increments", "micro_to_usd",
-           "new_event_id", "usd_to_micro"]
+__all__ = ["COUNTER_FIELDS", "RouteReason", "TokenCounts", "UsageEvent", "UsageSource", "cost_micro_usd",
+           "counter_increments", "micro_to_usd", "new_event_id", "usd_to_micro"]
 
+#: Where an event's token counts came from: reported by the upstream, counted by the gateway, a cache hit, none.
 UsageSource = Literal["upstream", "counted", "cache", "none"]
+#: Why a request went to its tier (``x-thinkgate-route-reason``, the ``route_reason`` of its usage event).
+RouteReason = Literal["predicted", "forced", "effort", "fallback", "escalated", "cache"]
 
 
 def micro_to_usd(micro: int) -> Decimal:
@@ -105,7 +108,7 @@ class UsageEvent:
     endpoint: str = "chat"
     tier: str | None = None
     upstream_model: str | None = None
-    route_reason: str | None = None
+    route_reason: RouteReason | None = None
     difficulty: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0

@@ -25,14 +25,14 @@ from typing import Any, BinaryIO, Literal
 import orjson
 
 from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, counter_increments, micro_to_usd
-from router.errors import require
+from router.errors import ThinkGateError, require
 
 Format = Literal["csv", "jsonl", "parquet"]
 GROUPS = ("key", "tier", "model", "day", "tag")
 EVENT_FIELDS = tuple(f.name for f in fields(UsageEvent))
 
 
-class ExportError(ValueError):
+class ExportError(ThinkGateError, ValueError):
     """Invalid export arguments (format, group-by field, time)."""
 
 
@@ -160,9 +160,9 @@ def _write_parquet(rows: list[dict[str, Any]], cols: list[str], out: BinaryIO) -
     for c in cols:
         vals = [r.get(c) for r in rows]
         if c == "ts":
-            vals = [datetime.fromisoformat(v.replace("Z", "+00:00")) for v in vals]
+            vals = [datetime.fromisoformat(str(v).replace("Z", "+00:00")) for v in vals]
         elif c == "tags":
-            vals = [list(v.items()) for v in vals]
+            vals = [list((v or {}).items()) for v in vals]
         arrays.append(pa.array(vals, type=types.get(c, pa.string())))
     pq.write_table(pa.Table.from_arrays(arrays, names=cols), out)
 

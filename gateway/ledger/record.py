@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from gateway.config import TierConfig
+from gateway.ledger.event import RouteReason, UsageSource
 from gateway.ledger.pricing import cost_micro_usd
 
 log = logging.getLogger("thinkgate.usage")
@@ -43,14 +44,14 @@ class UsageRecord:
     requested_model: str | None = None
     tier: str | None = None
     upstream_model: str | None = None
-    route_reason: str | None = None
+    route_reason: RouteReason | None = None
     difficulty: float | None = None
     stream: bool = False
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
     reasoning_tokens: int = 0
-    usage_source: str = "none"
+    usage_source: UsageSource = "none"
     partial: bool = False
     cost_micro_usd: int = 0
     cached: bool = False

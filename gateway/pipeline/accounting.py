@@ -76,7 +76,7 @@ def event_of(record: UsageRecord) -> UsageEvent:
         error_code=record.error_code,
         stream=record.stream,
         partial=record.partial,
-        usage_source=record.usage_source if record.usage_source in ("upstream", "counted", "cache") else "none",
+        usage_source=record.usage_source,
         cache_request_id=record.cache_request_id,
         cache_similarity=round(record.cache_similarity, 4) if record.cache_similarity is not None else None,
     )

@@ -27,6 +27,7 @@ from typing import Any
 
 from gateway.config import Settings, TierConfig
 from gateway.errors import InvalidRequest, UnknownModel
+from gateway.ledger.event import RouteReason
 from router.base import LengthBaselineRouter, Router
 from router.features import clip_text
 from router.serving import RouterService
@@ -39,10 +40,10 @@ AUTO = "auto"
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
-    """Where a request goes: the tier, why (``predicted|forced|effort|fallback``) and the router score."""
+    """Where a request goes: the tier, why (:data:`~gateway.ledger.event.RouteReason`) and the router score."""
 
     tier: TierConfig
-    reason: str
+    reason: RouteReason
     difficulty: float | None = None
 
 

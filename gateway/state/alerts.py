@@ -11,6 +11,7 @@ Redis is down they are skipped (the next write after recovery catches up).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import asdict, dataclass
 
@@ -80,7 +81,7 @@ class Alerts:
                     continue
                 mark = self.keys.alert(lim.key_id, period_id, f"{fraction:g}")
                 try:
-                    first = await self.breaker.call(lambda m=mark, t=ttl: self.redis.set(m, b"1", nx=True, ex=t))
+                    first = await self.breaker.call(functools.partial(self.redis.set, mark, b"1", nx=True, ex=ttl))
                 except RedisDown:
                     return fired
                 if len(self._memo) >= LOCAL_MEMO_MAX:

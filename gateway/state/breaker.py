@@ -28,6 +28,8 @@ from typing import TypeVar
 
 import redis.exceptions as rexc
 
+from router.errors import ThinkGateError
+
 T = TypeVar("T")
 log = logging.getLogger("thinkgate.redis")
 
@@ -42,7 +44,7 @@ OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
 TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (rexc.TimeoutError, asyncio.TimeoutError)
 
 
-class RedisDown(RuntimeError):
+class RedisDown(ThinkGateError, RuntimeError):
     """Redis is unreachable (or the breaker is open); the caller falls back to its degraded mode."""
 
 

@@ -38,7 +38,7 @@ from gateway.config import CacheConfig
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.cache_policy import CacheDecision
 from gateway.state.keys import RedisKeys
-from gateway.state.redis import RedisHandle
+from gateway.state.redis import RedisHandle, as_bytes
 
 # KEYS: 1 entry, 2 lock; ARGV: 1 lock token, 2 lock TTL ms.
 # Returns {1, entry} (stored answer), {2} (lock taken: the caller leads), {0} (another request leads).
@@ -186,10 +186,10 @@ class ResponseCache:
         return self._fresh(raw, max_age_s)
 
     @staticmethod
-    def _fresh(raw: bytes | None, max_age_s: int | None) -> CacheEntry | None:
+    def _fresh(raw: bytes | str | None, max_age_s: int | None) -> CacheEntry | None:
         if raw is None:
             return None
-        entry = CacheEntry.from_bytes(raw)
+        entry = CacheEntry.from_bytes(as_bytes(raw))
         if entry is None or (max_age_s is not None and time.time() - entry.created > max_age_s):
             return None
         return entry

@@ -18,19 +18,13 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import GatewayError
+from gateway.errors import ConversationsUnavailable
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.redis import RedisHandle
 
 log = logging.getLogger("thinkgate.conversations")
 
 
-class ConversationsUnavailable(GatewayError):
-    """503: a ``previous_response_id`` was given while Redis is unreachable."""
-
-    status = 503
-    type = "server_error"
-    default_code = "conversation_store_unavailable"
 
 
 class ConversationStore:

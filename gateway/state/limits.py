@@ -39,7 +39,7 @@ from decimal import Decimal
 from typing import Any, Literal, Protocol
 
 from gateway.config import LimitsConfig, TierConfig
-from gateway.errors import GatewayError, RateLimited
+from gateway.errors import LimitsUnavailable, RateLimited
 from gateway.ledger.event import UsageEvent, cost_micro_usd, usd_to_micro
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
@@ -131,22 +131,21 @@ return {1, spent_day, spent_month}
 """
 
 
-class LimitsUnavailable(GatewayError):
-    """503: Redis is unreachable and ``limits.on_redis_down`` is ``fail_closed``."""
-
-    status = 503
-    type = "server_error"
-    default_code = "limits_unavailable"
 
 
 class KeyLike(Protocol):
     """What admission needs from a key (``gateway.auth.keys.KeyInfo`` has it)."""
 
-    id: str
-    budget_usd_day: Decimal | None
-    budget_usd_month: Decimal | None
-    rpm: int | None
-    tpm: int | None
+    @property
+    def id(self) -> str: ...
+    @property
+    def budget_usd_day(self) -> Decimal | None: ...
+    @property
+    def budget_usd_month(self) -> Decimal | None: ...
+    @property
+    def rpm(self) -> int | None: ...
+    @property
+    def tpm(self) -> int | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +204,8 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     else:
         prompt = _text_bytes(body.get("prompt"))
     prompt += REQUEST_OVERHEAD_TOKENS
-    n = body.get("n") if isinstance(body.get("n"), int) and body.get("n", 0) > 0 else 1
+    n_asked = body.get("n")
+    n = n_asked if isinstance(n_asked, int) and n_asked > 0 else 1
     asked = body.get("max_completion_tokens") or body.get("max_tokens")
     micro, tokens = 0, prompt
     for tier in tiers:
@@ -357,9 +357,10 @@ class Limits:
         day_end, month_end = _period_ends(now)
         keys = [k.key_day(lim.key_id, day), k.key_month(lim.key_id, month), k.reservations(lim.key_id),
                 k.rpm(lim.key_id, w), k.rpm(lim.key_id, w - 1), k.tpm(lim.key_id, w), k.tpm(lim.key_id, w - 1)]
-        args = [now_ms, _or_minus(lim.budget_day_micro), _or_minus(lim.budget_month_micro), _or_minus(lim.rpm),
-                _or_minus(lim.tpm), est.micro_usd, est.tokens, reservation_id,
-                int(self.cfg.reservation_ttl_s * 1000), day_end, month_end]
+        args: list[int | str] = [
+            now_ms, _or_minus(lim.budget_day_micro), _or_minus(lim.budget_month_micro), _or_minus(lim.rpm),
+            _or_minus(lim.tpm), est.micro_usd, est.tokens, reservation_id, int(self.cfg.reservation_ttl_s * 1000),
+            day_end, month_end]
         try:
             res = await self.breaker.call(lambda: self._script(keys=keys, args=args))
         except RedisDown:

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,7 +34,7 @@ from gateway.config import MeteringConfig
 from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, counter_increments
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
-from gateway.state.redis import RedisHandle
+from gateway.state.redis import RedisHandle, as_bytes, as_text
 from gateway.state.spool import Spool
 
 log = logging.getLogger("thinkgate.metering")
@@ -194,11 +195,11 @@ class Meter:
     async def _record_batch(self, events: list[UsageEvent]) -> None:
         if not isinstance(self.redis, Redis):
             for event in events:
-                await self.breaker.call(lambda e=event: self._run(e))
+                await self.breaker.call(functools.partial(self._run, event))
             return
         for i in range(0, len(events), REPLAY_PIPELINE):  # a few round trips instead of one per event
             chunk = events[i : i + REPLAY_PIPELINE]
-            await self.breaker.call(lambda c=chunk: self._run_many(c))
+            await self.breaker.call(functools.partial(self._run_many, chunk))
 
     async def replay(self) -> int:
         """Send the spool to Redis; returns the number of records sent (0 when empty or Redis is down)."""
@@ -241,7 +242,7 @@ class Meter:
     async def key_ids(self) -> list[str]:
         """Every key id that has counters."""
         raw = await self.breaker.call(lambda: self.redis.smembers(self.keys.usage_keys))
-        return sorted(m.decode() for m in raw)
+        return sorted(as_text(m) for m in raw)
 
     async def events(self, since_ts: float | None = None, until_ts: float | None = None,
                      page: int = 1000) -> AsyncIterator[UsageEvent]:
@@ -253,17 +254,17 @@ class Meter:
         start = f"{int(since_ts * 1000)}-0" if since_ts is not None else "-"
         while True:
             batch = await self.breaker.call(
-                lambda s=start: self.redis.xrange(self.keys.events, min=s, max="+", count=page))
+                functools.partial(self.redis.xrange, self.keys.events, min=start, max="+", count=page)) or []
             for _stream_id, fields in batch:
-                event = UsageEvent.from_json(fields[b"e"])
+                event = UsageEvent.from_json(as_bytes((fields or {})[b"e"]))
                 if (since_ts is None or event.ts >= since_ts) and (until_ts is None or event.ts < until_ts):
                     yield event
             if len(batch) < page:
                 return
-            start = "(" + batch[-1][0].decode()
+            start = "(" + as_text(batch[-1][0] or b"")
 
 
-def _ints(raw: dict[bytes, bytes]) -> dict[str, int]:
+def _ints(raw: Mapping[bytes | str, bytes | str]) -> dict[str, int]:
     out = dict.fromkeys(COUNTER_FIELDS, 0)
-    out.update({k.decode(): int(v) for k, v in raw.items()})
+    out.update({as_text(k): int(v) for k, v in raw.items()})
     return out

@@ -28,6 +28,17 @@ from gateway.config import RedisConfig
 AnyRedis = Redis | RedisCluster
 
 
+def as_bytes(reply: bytes | str) -> bytes:
+    """A reply value of the clients built here as bytes. They use ``decode_responses=False``, so replies are
+    bytes; redis-py annotates them ``bytes | str`` because its annotations also cover decoding clients."""
+    return reply if isinstance(reply, bytes) else reply.encode()
+
+
+def as_text(reply: bytes | str) -> str:
+    """A reply value (UTF-8 bytes from the clients built here) as ``str``."""
+    return reply.decode() if isinstance(reply, bytes) else reply
+
+
 @dataclass(frozen=True)
 class RedisHandle:
     """The client, its kind, and the key prefix every ThinkGate key starts with."""
@@ -65,8 +76,8 @@ def connect(cfg: RedisConfig) -> RedisHandle:
     common = _common(cfg)
     if scheme in ("redis+cluster", "rediss+cluster"):
         url = cfg.url.replace("+cluster", "", 1)
-        client = RedisCluster.from_url(url, max_connections=cfg.max_connections, **common)
-        return RedisHandle(client, "cluster", cluster_prefix(cfg.key_prefix))
+        cluster = RedisCluster.from_url(url, max_connections=cfg.max_connections, **common)
+        return RedisHandle(cluster, "cluster", cluster_prefix(cfg.key_prefix))
     if scheme in ("redis+sentinel", "rediss+sentinel"):
         return RedisHandle(_sentinel_master(cfg, parsed, common), "sentinel", cfg.key_prefix)
     if scheme in ("redis", "rediss", "unix"):

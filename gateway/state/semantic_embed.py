@@ -30,6 +30,7 @@ import numpy as np
 
 from gateway.config import TierConfig
 from gateway.state.semantic_guard import tokens
+from router.errors import ThinkGateError
 
 NUM_PERM = 128
 BANDS = 16
@@ -38,7 +39,7 @@ _SEED = 0x7467_5345  # "tgSE": the signatures must be the same in every process 
 _MASK64 = (1 << 64) - 1
 
 
-class EmbedError(RuntimeError):
+class EmbedError(ThinkGateError, RuntimeError):
     """The embedder could not produce a sketch (upstream down or answering nonsense): bypass the cache."""
 
 

@@ -32,7 +32,14 @@ import httpx
 import orjson
 
 from gateway.config import TierConfig
-from gateway.errors import GatewayError, UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import (
+    GatewayError,
+    UpstreamConnectTimeout,
+    UpstreamError,
+    UpstreamRejected,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 
 log = logging.getLogger("thinkgate.upstream")
 
@@ -51,10 +58,6 @@ POOL_LIMITS = httpx.Limits(max_connections=128, max_keepalive_connections=32, ke
 POOL_SHARDS = 8
 
 
-class UpstreamConnectTimeout(UpstreamTimeout):
-    """504: the upstream did not accept a connection in time after the retries (a fallback candidate)."""
-
-    default_code = "upstream_connect_timeout"
 
 
 def root_url(base_url: str) -> str:

@@ -15,7 +15,7 @@ def open_text(path: str | Path, mode: str = "r") -> IO[str]:
     """Open ``path`` as UTF-8 text; ``.gz`` files through gzip. ``mode``: "r", "w" or "a"."""
     p = Path(path)
     if p.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(p, mode + "b"), encoding="utf-8")
+        return io.TextIOWrapper(gzip.GzipFile(p, mode + "b"), encoding="utf-8")
     return open(p, mode, encoding="utf-8")
 
 

@@ -20,6 +20,7 @@ Inputs are arrays of shape (n,): ``scores`` in [0, 1]; ``short_correct``/``long_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +47,7 @@ class Curve:
         return (self.quality - self.q_short) / gap if gap else np.zeros_like(self.quality)
 
 
-def _as_arrays(*arrays: np.ndarray | list[float]) -> list[np.ndarray]:
+def _as_arrays(*arrays: np.ndarray | Sequence[float]) -> list[np.ndarray]:
     out = [np.asarray(a, dtype=np.float64).ravel() for a in arrays]
     n = out[0].shape[0]
     if n == 0:
@@ -57,9 +58,9 @@ def _as_arrays(*arrays: np.ndarray | list[float]) -> list[np.ndarray]:
 
 
 def routing_curve(
-    scores: np.ndarray | list[float],
-    short_correct: np.ndarray | list[float],
-    long_correct: np.ndarray | list[float],
+    scores: np.ndarray | Sequence[float],
+    short_correct: np.ndarray | Sequence[float],
+    long_correct: np.ndarray | Sequence[float],
 ) -> Curve:
     """The full routing curve (one point per distinct score, plus x = 0). See the module docstring."""
     s, qs, ql = _as_arrays(scores, short_correct, long_correct)

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from router.fit.labels import LabelledItem
+from router.tasks.base import Problem
 
 #: arith levels used when none are given (the task's default 1–6 plus 7, one step past the training curriculum)
 ARITH_LEVELS = (1, 2, 3, 4, 5, 6, 7)
@@ -29,7 +30,7 @@ def task_rows(
     """
     from router.tasks import load_task
 
-    problems = []
+    problems: list[Problem] = []
     if task == "arith":
         per = n or 100
         for d in levels or ARITH_LEVELS:

@@ -86,5 +86,5 @@ def get_verifier(name: str) -> Verifier:
             raise ValueError(f"verifier {name!r} not importable: {exc}") from None
         if not callable(fn):
             raise ValueError(f"verifier {name!r} is not callable")
-        return fn  # type: ignore[no-any-return]
+        return fn
     raise ValueError(f"unknown verifier {name!r}; built-ins: {sorted(BUILTIN)} or 'module:function'")

@@ -22,11 +22,13 @@ from typing import Any, Literal
 
 import yaml
 
+from router.errors import ThinkGateError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_DIR = REPO_ROOT / "training" / "assets" / "thinkgate-tiny"
 
 
-class ConfigError(ValueError):
+class ConfigError(ThinkGateError, ValueError):
     """Raised for an invalid run configuration; the message names the offending field."""
 
 

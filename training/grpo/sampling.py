@@ -21,12 +21,13 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from router.errors import ThinkGateError
 from training.grpo.config import DynamicSamplingConfig
 
 Prediction = Literal["solved", "failed", "flat"]
 
 
-class NoLearningSignalError(RuntimeError):
+class NoLearningSignalError(ThinkGateError, RuntimeError):
     """No prompt yields reward variance any more (data all solved or all failed); training should stop."""
 
 
