@@ -29,7 +29,7 @@ from starlette.responses import Response
 
 from gateway.auth.keys import KeyInfo, KeyStore
 from gateway.config import Settings, TierConfig
-from gateway.errors import BodyTooLarge, GatewayError, UpstreamError, UpstreamUnavailable, status_of
+from gateway.errors import BodyTooLarge, GatewayError, UpstreamError, UpstreamUnavailable
 from gateway.ledger.record import UsageRecord, emit
 from gateway.openai import sse
 from gateway.openai.chunks import replay
@@ -153,7 +153,7 @@ class Proxy:
         try:
             route, resp = await self._call_upstream(ex.route, body, endpoint, ex.record)
         except GatewayError as exc:
-            await ex.close(status_of(exc), exc.code)
+            await ex.close(exc.status, exc.code)
             raise
         ex.stamp(route)
         # the cascade: each tier that lists escalation conditions is checked in turn, up the tier order
@@ -232,7 +232,7 @@ class Proxy:
         try:
             routed, resp = await self._call_upstream(ex.route, body, endpoint, ex.record)
         except GatewayError as exc:
-            await ex.close(status_of(exc), exc.code)
+            await ex.close(exc.status, exc.code)
             raise
         ex.stamp(RouteDecision(routed.tier, "escalated", difficulty))
         return resp
