@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import GatewayError, InvalidRequest, status_of
+from gateway.errors import GatewayError, InvalidRequest
 
 TRANSLATED = ("model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "metadata",
               "stream", "tools", "tool_choice", "thinking")
@@ -438,6 +438,6 @@ class MessageStream:
 
 def error_body(exc: GatewayError) -> bytes:
     """``{"type": "error", "error": {"type", "message"}}`` for ``exc`` (type from its HTTP status)."""
-    status = status_of(exc)
+    status = exc.status
     kind = ERROR_TYPES.get(status, "api_error")
     return orjson.dumps({"type": "error", "error": {"type": kind, "message": exc.message}})
