@@ -264,3 +264,43 @@ def test_build_rewards_names_weights_and_defaults() -> None:
         build_rewards([RewardSpec("format", 1.0, {"nope": 1})], ctx)
     with pytest.raises(ValueError, match="unknown reward"):
         build_rewards([RewardSpec("nope", 1.0, {})], ctx)
+
+
+# -- cut-off thoughts ------------------------------------------------------------------------------------------
+def _arith_row() -> dict:
+    tasks = pytest.importorskip("training.tasks")
+    p = tasks.load_task("arith", "train", 1, seed=0, difficulties=[5])[0]
+    return {"problem_id": p.id, "question": p.question, "answer": p.answer, "difficulty": p.difficulty, "source": p.source}
+
+
+def test_task_verifier_scores_a_cut_off_thought_wrong() -> None:
+    from training.grpo.reward_utils import task_verifier
+
+    row = _arith_row()
+    cut = f"2 + 3 = 5, so far the answer is {row['answer']} but let me re-check"  # hit the cap inside the thought
+    verify = task_verifier()
+    assert not verify(row, cut)
+    assert not verify(row, f"The answer is {row['answer']}.")  # never opened an answer: still inside the thought
+    assert verify(row, f"re-checked</think>\n\nThe answer is {row['answer']}.")
+
+
+def test_every_correctness_based_reward_refuses_cut_off_thoughts() -> None:
+    """A verifier that accepts anything: the closed-thought rule alone decides (rewards use is_correct)."""
+    from training.grpo.reward_utils import task_verifier
+
+    row = _arith_row()
+    cut, done = f"... the answer is {row['answer']}", f"x</think>\n\nThe answer is {row['answer']}."
+    comps, cids = [cut, done], [ids(8), ids(8)]
+    cols = {k: [v, v] for k, v in row.items()}
+    assert CorrectnessReward(task_verifier())(prompts=["p"] * 2, completions=comps, **cols) == [0.0, 1.0]
+
+    def accept(r: object, t: str) -> bool:
+        return True
+
+    assert CorrectnessReward(accept)(prompts=["p"] * 2, completions=comps, **cols) == [0.0, 1.0]
+    l1 = L1MaxReward(accept, alpha=0.01)(prompts=["p"] * 2, completions=comps, completion_ids=cids, budget_tokens=[50, 50])
+    assert l1[0] == 0.0 and l1[1] > 0
+    kimi = KimiLengthReward(accept, num_generations=2)(prompts=["p"] * 2, completions=comps, completion_ids=[ids(4), ids(8)])
+    assert kimi == pytest.approx([0.0, -0.5])  # the short cut-off one is wrong: min(0, +0.5) = 0
+    cos = CosineReward(accept, max_len=10)(prompts=["p"] * 2, completions=comps, completion_ids=[ids(5), ids(5)])
+    assert cos[0] == pytest.approx(-5.0) and cos[1] == pytest.approx(1.5)  # wrong vs right at half length

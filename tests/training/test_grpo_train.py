@@ -238,6 +238,22 @@ def test_sampled_evaluation_returns_one_row_per_sample(tiny: Path) -> None:
     assert summarize(out)["overall"]["n"] == 6
 
 
+def test_evaluation_scores_cut_off_thoughts_wrong(tiny: Path) -> None:
+    """Held-out accuracy uses the rewards' rule: no ``</think>`` -> wrong, even for a verifier that accepts anything."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.grpo.data import problem_rows
+    from training.grpo.evaluate import generate_and_score, summarize
+
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    tok = AutoTokenizer.from_pretrained(tiny)
+    out = generate_and_score(model, tok, problem_rows(PROBLEMS), lambda row, text: True, 3)
+    assert any(not r.thought_closed for r in out)  # 3 tokens of a random-init model: cut off
+    assert [r.correct for r in out] == [r.thought_closed for r in out]
+    s = summarize(out)["overall"]
+    assert s["accuracy"] == pytest.approx(1 - s["unclosed_thought_rate"])
+
+
 def test_smoke_config_on_the_shipped_model(tmp_path: Path) -> None:
     """training/configs/smoke.yaml on the local reasoning model and the arith task (2 steps here)."""
     from training.grpo.config import DEFAULT_MODEL_DIR, load_config

@@ -2,7 +2,8 @@
 
 Greedy decoding with ``transformers`` ``generate`` on the tokenizer's chat template (generation prompt opens
 ``<think>``), up to ``max_new_tokens``; a completion ends at EOS. ``thought_tokens`` counts tokens before the first
-``</think>`` (all tokens when the thought never closes, which also makes the answer wrong).
+``</think>`` (all tokens when the thought never closes). Correctness is :func:`reward_utils.is_correct`, the
+same decision as the rewards': a completion that never closed its thought is wrong whatever its text says.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from training.grpo.reward_utils import THINK_CLOSE, Verifier
+from training.grpo.reward_utils import THINK_CLOSE, Verifier, is_correct, split_thought
 
 
 @dataclass
@@ -22,6 +23,8 @@ class EvalRow:
     thought_tokens: int
     truncated: bool
     correct: bool
+    thought_closed: bool = True
+    text: str = ""  # the decoded completion (for inspection; not in the summaries)
 
 
 def _thought_tokens(ids: list[int], text_prefix_tokens: Any, close_id: int | None) -> int:
@@ -101,10 +104,7 @@ def generate_and_score(
                         break
                 truncated = not comp or comp[-1] not in eos_ids
                 text = tokenizer.decode(comp, skip_special_tokens=True)
-                try:
-                    ok = bool(verifier(r, text))
-                except Exception:
-                    ok = False
+                ok = is_correct(verifier, r, text)
                 out.append(
                     EvalRow(
                         r["problem_id"],
@@ -113,6 +113,8 @@ def generate_and_score(
                         _thought_tokens(comp, prefix_tokens, close_id),
                         truncated,
                         ok,
+                        split_thought(text)[2],
+                        text,
                     )
                 )
     finally:
@@ -131,6 +133,7 @@ def summarize(rows: Sequence[EvalRow]) -> dict[str, Any]:
             "mean_completion_tokens": sum(r.completion_tokens for r in rs) / n if n else 0.0,
             "mean_thought_tokens": sum(r.thought_tokens for r in rs) / n if n else 0.0,
             "truncated_rate": sum(r.truncated for r in rs) / n if n else 0.0,
+            "unclosed_thought_rate": sum(not r.thought_closed for r in rs) / n if n else 0.0,
         }
 
     by: dict[int, list[EvalRow]] = {}

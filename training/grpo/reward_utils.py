@@ -106,11 +106,16 @@ def exact_answer_verifier(row: Mapping[str, Any], text: str) -> bool:
 def task_verifier() -> Verifier:
     """The verifier of ``router.tasks`` (arithmetic, GSM8K, MATH with math-verify), adapted to rows.
 
-    Rows carry ``problem_id, question, answer, difficulty, source`` (see ``training.grpo.data``).
+    Rows carry ``problem_id, question, answer, difficulty, source`` (see ``training.grpo.data``). The policy
+    generates inside an open thought (the chat template's generation prompt ends with ``<think>``), so a completion
+    without ``</think>`` is a cut-off thought and is wrong: ``training.tasks.verify`` alone would read the whole
+    text as the answer (it also serves vLLM's ``message.content``, which has the thought removed).
     """
     from router import tasks  # lazy: owned by the tasks package
 
     def verify(row: Mapping[str, Any], text: str) -> bool:
+        if not split_thought(text)[2]:
+            return False
         problem = tasks.Problem(
             id=row["problem_id"],
             question=row["question"],
@@ -123,13 +128,23 @@ def task_verifier() -> Verifier:
     return verify
 
 
+def is_correct(verifier: Verifier, row: Mapping[str, Any], text: str, require_closed_thought: bool = True) -> bool:
+    """The correctness decision shared by every reward and the held-out evaluation.
+
+    False when ``require_closed_thought`` and the completion never closed its thought (no ``</think>``: cut off by
+    the length cap or never finished) — whatever the verifier would say about the text — and when the verifier
+    raises; else ``verifier(row, text)``. The policy thinks by construction (the generation prompt opens
+    ``<think>``), so the default is on for rewards and evaluation alike.
+    """
+    if require_closed_thought and not split_thought(text)[2]:
+        return False
+    try:
+        return bool(verifier(row, text))
+    except Exception:
+        return False
+
+
 def verify_rows(verifier: Verifier, completions: Sequence[Any], kwargs: Mapping[str, Any]) -> list[bool]:
-    """Apply ``verifier`` to every rollout; a verifier exception counts as incorrect."""
+    """:func:`is_correct` for every rollout (a cut-off thought or a verifier exception counts as incorrect)."""
     rows = rows_from_kwargs(len(completions), kwargs)
-    out = []
-    for row, c in zip(rows, completions, strict=True):
-        try:
-            out.append(bool(verifier(row, completion_text(c))))
-        except Exception:
-            out.append(False)
-    return out
+    return [is_correct(verifier, row, completion_text(c)) for row, c in zip(rows, completions, strict=True)]
