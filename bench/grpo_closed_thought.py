@@ -36,17 +36,17 @@ def main() -> None:
     cfg = load_config(ROOT / args.config)
     rows = problem_rows(load_problems(cfg.task, cfg.task.eval_split, cfg.task.n_eval), cfg.budget_prompt)
     by_id = {r["problem_id"]: r for r in rows}
-    print("| model | n | accuracy (old rule) | accuracy (fixed) | unclosed thoughts | unclosed counted correct before "
-          "| by operations: unclosed (old-correct) | eval s |")
+    print(
+        "| model | n | accuracy (old rule) | accuracy (fixed) | unclosed thoughts | unclosed counted correct before "
+        "| by operations: unclosed (old-correct) | eval s |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|---:|")
     for m in args.models.split(","):
         path = ROOT / m
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         t0 = time.perf_counter()
-        out = generate_and_score(
-            model, tok, rows, task_verifier(), cfg.eval.max_new_tokens or 256, cfg.eval.batch_size
-        )
+        out = generate_and_score(model, tok, rows, task_verifier(), cfg.eval.max_new_tokens or 256, cfg.eval.batch_size)
         secs = time.perf_counter() - t0
         old = []
         for r in out:
@@ -63,8 +63,10 @@ def main() -> None:
                 c[1] += int(o)
         detail = ", ".join(f"{d}: {a} ({b})" for d, (a, b) in sorted(per.items())) or "none"
         n = len(out)
-        print(f"| `{m}` | {n} | {sum(old) / n:.3f} | {sum(r.correct for r in out) / n:.3f} | {len(unclosed)} "
-              f"| {len(wrongly)} | {detail} | {secs:.0f} |")
+        print(
+            f"| `{m}` | {n} | {sum(old) / n:.3f} | {sum(r.correct for r in out) / n:.3f} | {len(unclosed)} "
+            f"| {len(wrongly)} | {detail} | {secs:.0f} |"
+        )
 
 
 if __name__ == "__main__":

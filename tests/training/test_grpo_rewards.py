@@ -270,18 +270,25 @@ def test_build_rewards_names_weights_and_defaults() -> None:
 def _arith_row() -> dict:
     tasks = pytest.importorskip("training.tasks")
     p = tasks.load_task("arith", "train", 1, seed=0, difficulties=[5])[0]
-    return {"problem_id": p.id, "question": p.question, "answer": p.answer, "difficulty": p.difficulty, "source": p.source}
+    return {
+        "problem_id": p.id,
+        "question": p.question,
+        "answer": p.answer,
+        "difficulty": p.difficulty,
+        "source": p.source,
+    }
 
 
 def test_task_verifier_scores_a_cut_off_thought_wrong() -> None:
-    from training.grpo.reward_utils import task_verifier
+    from training.grpo.reward_utils import is_correct, task_verifier
 
     row = _arith_row()
     cut = f"2 + 3 = 5, so far the answer is {row['answer']} but let me re-check"  # hit the cap inside the thought
     verify = task_verifier()
-    assert not verify(row, cut)
-    assert not verify(row, f"The answer is {row['answer']}.")  # never opened an answer: still inside the thought
-    assert verify(row, f"re-checked</think>\n\nThe answer is {row['answer']}.")
+    assert not is_correct(verify, row, cut)
+    assert not is_correct(verify, row, f"The answer is {row['answer']}.")  # still inside the thought
+    assert is_correct(verify, row, f"re-checked</think>\n\nThe answer is {row['answer']}.")
+    assert is_correct(verify, row, f"The answer is {row['answer']}.", require_closed_thought=False)  # no thinking
 
 
 def test_every_correctness_based_reward_refuses_cut_off_thoughts() -> None:
@@ -298,9 +305,29 @@ def test_every_correctness_based_reward_refuses_cut_off_thoughts() -> None:
         return True
 
     assert CorrectnessReward(accept)(prompts=["p"] * 2, completions=comps, **cols) == [0.0, 1.0]
-    l1 = L1MaxReward(accept, alpha=0.01)(prompts=["p"] * 2, completions=comps, completion_ids=cids, budget_tokens=[50, 50])
+    l1 = L1MaxReward(accept, alpha=0.01)(
+        prompts=["p"] * 2, completions=comps, completion_ids=cids, budget_tokens=[50, 50]
+    )
     assert l1[0] == 0.0 and l1[1] > 0
-    kimi = KimiLengthReward(accept, num_generations=2)(prompts=["p"] * 2, completions=comps, completion_ids=[ids(4), ids(8)])
+    kimi = KimiLengthReward(accept, num_generations=2)(
+        prompts=["p"] * 2, completions=comps, completion_ids=[ids(4), ids(8)]
+    )
     assert kimi == pytest.approx([0.0, -0.5])  # the short cut-off one is wrong: min(0, +0.5) = 0
     cos = CosineReward(accept, max_len=10)(prompts=["p"] * 2, completions=comps, completion_ids=[ids(5), ids(5)])
     assert cos[0] == pytest.approx(-5.0) and cos[1] == pytest.approx(1.5)  # wrong vs right at half length
+
+
+def test_thinking_is_detected_from_the_chat_template() -> None:
+    from transformers import AutoTokenizer
+
+    from training.grpo.config import DEFAULT_MODEL_DIR
+    from training.grpo.reward_utils import template_opens_thought
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    assert template_opens_thought(tok)  # generation prompt ends with "<think>\n"
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    )
+    assert not template_opens_thought(tok)
+    tok.chat_template = tok.chat_template.replace("A:", "A:<think>\n\n</think>\n\n")  # thinking switched off
+    assert not template_opens_thought(tok)

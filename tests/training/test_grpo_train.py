@@ -39,9 +39,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def make_cfg(model: Path, **over: Any) -> RunConfig:
+def make_cfg(model_path: Path, **over: Any) -> RunConfig:
     data: dict[str, Any] = {
-        "model": {"path": str(model)},
+        "model": {"path": str(model_path)},
         "rewards": [{"name": "correctness"}, {"name": "format", "weight": 0.2}],
         "eval": {"before": False, "after": False},
         "trl": {
@@ -91,6 +91,7 @@ def test_smoke_run_writes_the_run_directory(tiny: Path, tmp_path: Path) -> None:
             {"name": "kimi_length", "weight": 0.1},
             {"name": "dapo_overlong", "params": {"cache": 4}},
         ],
+        advantages={"signal": "reward"},  # a random-init model solves nothing: keep groups whose other rewards vary
         dynamic_sampling={"enabled": True, "max_rounds": 3},
         eval={"before": True, "after": True, "every_steps": 2, "every_n": 2},
         trl={"max_steps": 3, "num_generations": 4, "per_device_train_batch_size": 8},
@@ -194,6 +195,7 @@ def test_monitor_stop_rule(tiny: Path, tmp_path: Path) -> None:
 def test_all_solved_data_stops_cleanly(tiny: Path, tmp_path: Path) -> None:
     cfg = make_cfg(
         tiny,
+        model={"thinks": False},  # the random-init model never closes a thought: let the verifier alone decide
         rewards=[{"name": "correctness"}],
         dynamic_sampling={"enabled": True, "max_rounds": 3},
         trl={"max_steps": 5},
@@ -269,3 +271,57 @@ def test_smoke_config_on_the_shipped_model(tmp_path: Path) -> None:
     assert ledger_steps(tmp_path) == [1, 2]
     after = json.loads((tmp_path / "eval_after.json").read_text())
     assert after["overall"]["n"] == 6 and after["overall"]["accuracy"] > 0  # the SFT model solves some
+
+
+class FirstTokenParity:
+    """A reward that varies within every group whatever the answers (stands in for a length or style reward)."""
+
+    __name__ = "parity"
+
+    def __call__(self, prompts: Any, completions: Any, completion_ids: Any = None, **kw: Any) -> list[float]:
+        return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]
+
+
+@pytest.fixture
+def parity(monkeypatch: pytest.MonkeyPatch) -> None:
+    from training.grpo.rewards import REWARD_REGISTRY
+
+    monkeypatch.setitem(REWARD_REGISTRY, "parity", lambda ctx, p: FirstTokenParity())
+
+
+def test_signal_is_accuracy_so_a_length_reward_does_not_hide_solved_data(
+    tiny: Path, tmp_path: Path, parity: None
+) -> None:
+    """All-solved data with a second reward that varies: the accuracy does not. DAPO's filter (accuracy) drops
+    every group and stops with 'all solved'; total-reward variance would have trained on the second reward alone."""
+    cfg = make_cfg(
+        tiny,
+        model={"thinks": False},
+        rewards=[{"name": "correctness"}, {"name": "parity", "weight": 0.5}],
+        dynamic_sampling={"enabled": True, "max_rounds": 2},
+        trl={"max_steps": 3, "num_generations": 4, "per_device_train_batch_size": 8},
+    )
+    s = run(cfg, tmp_path, verifier=lambda row, text: True)
+    assert s["global_step"] == 0 and "all solved" in s["stop_reason"]
+    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert rows[0]["zero_signal_rollouts"] == rows[0]["rollouts"] > 0
+    assert rows[0]["zero_signal_micro_usd"] == rows[0]["cost_micro_usd"]  # all of that step's money taught nothing
+
+
+def test_effective_signal_ratio_reads_accuracy_without_dynamic_sampling(
+    tiny: Path, tmp_path: Path, parity: None
+) -> None:
+    cfg = make_cfg(
+        tiny,
+        model={"thinks": False},
+        rewards=[{"name": "correctness"}, {"name": "parity", "weight": 0.5}],
+        trl={"max_steps": 2, "num_generations": 4, "per_device_train_batch_size": 8},
+    )
+    run(cfg, tmp_path, verifier=lambda row, text: True)
+    logs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in logs if "loss" in m]
+    assert [m["signal/effective_ratio"] for m in train] == [0.0, 0.0]  # nothing to learn about correctness
+    assert any(m["signal/reward_variance_ratio"] > 0 for m in train)  # what the old criterion counted
+    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert all(r["zero_signal_rollouts"] == r["rollouts"] == 8 for r in rows)
+    assert rows[-1]["cum_zero_signal_micro_usd"] == rows[-1]["cum_cost_micro_usd"]

@@ -43,6 +43,12 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class ModelConfig:
     path: str = _f(str(DEFAULT_MODEL_DIR), "Hugging Face model directory (policy and tokenizer).")
     dtype: Literal["float32", "bfloat16"] = _f("float32", "Parameter dtype. float32 on CPU.")
+    thinks: bool | None = _f(
+        None,
+        "The policy generates inside a thought (the chat template's generation prompt opens <think>): a completion "
+        "without </think> is a cut-off thought and scores wrong in every reward and in evaluation. None = detect "
+        "from the chat template.",
+    )
 
 
 @dataclass
@@ -89,8 +95,15 @@ class AdvantageConfig:
         "group", "sum_then_normalize only: divide by the group std, the batch std, or nothing (Dr. GRPO 2503.20783)."
     )
     epsilon: float = _f(1e-4, "Added to the std before dividing (TRL uses 1e-4).")
-    pass_reward: str = _f("correctness", "Reward whose value decides 'solved' for pass-rate history.")
+    pass_reward: str = _f("correctness", "Reward whose value decides 'solved' (accuracy signal, pass-rate history).")
     pass_threshold: float = _f(0.5, "A rollout counts as solved when pass_reward >= this.")
+    signal: Literal["accuracy", "reward"] = _f(
+        "accuracy",
+        "What makes a group informative, for signal/effective_ratio (the no_signal monitor) and the dynamic-sampling "
+        "filter. accuracy: some but not all rollouts solved (DAPO, arXiv 2503.14476; verl filter_groups metric=acc) "
+        "-- a length reward alone does not make an all-solved group informative. reward: the total-reward advantages "
+        "are not all equal.",
+    )
 
 
 @dataclass
@@ -326,6 +339,14 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("budget_prompt: need 1 <= min_tokens <= max_tokens")
     if any(n in names for n in ("l1_exact", "l1_max")) and not cfg.budget_prompt.enabled:
         raise ConfigError("rewards: l1_exact/l1_max need budget_prompt.enabled: true (the budget column)")
+    adv = cfg.advantages
+    if adv.signal == "accuracy" and adv.pass_reward not in names:
+        raise ConfigError(
+            f"advantages.signal: 'accuracy' needs advantages.pass_reward ({adv.pass_reward!r}) among the rewards "
+            f"{names}: name the reward that decides 'solved' (e.g. pass_reward: cosine, pass_threshold: 0.5) or set "
+            "advantages.signal: reward"
+        )
+    _check_scale_preserving(cfg, names)
     try:
         prices = cfg.ledger.prices()
     except Exception as e:  # decimal.InvalidOperation
@@ -347,6 +368,40 @@ def validate(cfg: RunConfig) -> RunConfig:
         if r.patience < 1 or r.window < 2:
             raise ConfigError(f"monitors.rules.{r.name}: patience >= 1 and window >= 2 required")
     return cfg
+
+
+# Rewards whose per-group scale is the point: ALP's solve-rate factor max(p, 1/K) (larger pushes on easy prompts)
+# and L1-Exact's alpha (the weight of the budget error against correctness). Dividing each group by its own std
+# cancels them.
+_SCALE_CARRYING = {
+    "alp_length": "ALP's solve-rate scaling max(p_solved, 1/K)",
+    "l1_exact": "L1-Exact's alpha",
+}
+
+
+def _check_scale_preserving(cfg: RunConfig, names: list[str]) -> None:
+    """Refuse aggregations that cancel a reward's per-group scale (see ``_SCALE_CARRYING``).
+
+    ``decoupled`` divides every reward by its own group std: ALP's factor and L1's alpha vanish. ``sum_then_normalize``
+    with ``scale: group`` divides the total by the group std: in an all-solved group (where ALP's factor is largest)
+    only the length varies and the factor vanishes too. ``scale: batch`` / ``none`` keep both.
+    """
+    adv = cfg.advantages
+    for name in names:
+        if name not in _SCALE_CARRYING:
+            continue
+        what = _SCALE_CARRYING[name]
+        if adv.aggregation == "decoupled":
+            raise ConfigError(
+                f"advantages.aggregation: decoupled normalises {name} within each group and cancels {what}; use "
+                "aggregation: sum_then_normalize with scale: batch (or none), or a group-relative length reward "
+                "(kimi_length)"
+            )
+        if name == "alp_length" and adv.scale == "group":
+            raise ConfigError(
+                f"advantages.scale: group divides each group by its own std and cancels {what} (an all-solved "
+                "group then gets the same push as a hard one); use scale: batch (or none) with alp_length"
+            )
 
 
 def load_config(path: str | Path | None) -> RunConfig:

@@ -42,6 +42,7 @@ class StepCounters:
     sampled_tokens: int = 0
     trained_tokens: int = 0
     dropped_rollouts: int = 0
+    zero_signal_rollouts: int = 0
     generation_s: float = 0.0
     reward_s: float = 0.0
     eval_s: float = 0.0
@@ -66,6 +67,18 @@ class Budgets:
 def micro_usd(device_ms: int, price_usd_per_device_hour: Decimal) -> int:
     """Integer micro-USD for ``device_ms`` device-milliseconds at a USD/device-hour price (round half even)."""
     value = Decimal(device_ms) * price_usd_per_device_hour * MICRO / MS_PER_HOUR
+    return int(value.to_integral_value(rounding=ROUND_HALF_EVEN))
+
+
+def pro_rata(micro: int, part: int, whole: int) -> int:
+    """``micro * part / whole`` in integer micro-USD (round half even); 0 when ``whole`` is 0.
+
+    The USD spent on zero-signal groups is the step's cost attributed by rollouts: a group without signal (all
+    solved or all failed) cost its share of the step and taught nothing.
+    """
+    if whole <= 0 or part <= 0:
+        return 0
+    value = Decimal(micro) * Decimal(min(part, whole)) / Decimal(whole)
     return int(value.to_integral_value(rounding=ROUND_HALF_EVEN))
 
 
@@ -100,6 +113,8 @@ _TOTAL_KEYS = (
     "sampled_tokens",
     "trained_tokens",
     "dropped_rollouts",
+    "zero_signal_rollouts",
+    "zero_signal_micro_usd",
     "wall_ms",
     "device_ms",
     "cost_micro_usd",
@@ -167,6 +182,7 @@ class CostLedger:
             "sampled_tokens": c.sampled_tokens,
             "trained_tokens": c.trained_tokens,
             "dropped_rollouts": c.dropped_rollouts,
+            "zero_signal_rollouts": c.zero_signal_rollouts,
             "wall_ms": wall_ms,
             "generation_ms": gen_ms,
             "reward_ms": rew_ms,
@@ -178,6 +194,7 @@ class CostLedger:
             "price_usd_per_device_hour": str(self.price),
             "cost_micro_usd": micro_usd(device_ms, self.price),
         }
+        row["zero_signal_micro_usd"] = pro_rata(row["cost_micro_usd"], c.zero_signal_rollouts, c.rollouts)
         for k in _TOTAL_KEYS:
             self.totals[k] += row[k]
         row.update({f"cum_{k}": v for k, v in self.totals.items()})

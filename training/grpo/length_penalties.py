@@ -161,9 +161,11 @@ class CosineReward:
         r0_wrong: float = -10.0,
         rl_wrong: float = 0.0,
         r_exceed: float = -10.0,
+        require_closed_thought: bool = True,
     ) -> None:
         self.__name__ = "cosine"
         self.verifier, self.max_len, self.eos = verifier, max_len, eos_token_ids
+        self.require_closed_thought = require_closed_thought
         self.params = dict(
             r0_correct=r0_correct, rl_correct=rl_correct, r0_wrong=r0_wrong, rl_wrong=rl_wrong, r_exceed=r_exceed
         )
@@ -172,7 +174,7 @@ class CosineReward:
         self, prompts: list[Any], completions: list[Any], completion_ids: Any = None, **kwargs: Any
     ) -> list[float]:
         lengths = token_lengths(completion_ids, len(completions))
-        ok = verify_rows(self.verifier, completions, kwargs)
+        ok = verify_rows(self.verifier, completions, kwargs, self.require_closed_thought)
         return [
             cosine_reward(n, c, _truncated(ids, self.max_len, self.eos), self.max_len, **self.params)
             for n, c, ids in zip(lengths, ok, completion_ids, strict=True)
@@ -205,15 +207,18 @@ class L1ExactReward:
 class L1MaxReward:
     """TRL reward: :func:`l1_max_reward` against the ``budget_tokens`` column (whole reward)."""
 
-    def __init__(self, verifier: Verifier, alpha: float = 0.0003, delta: float = 0.5) -> None:
+    def __init__(
+        self, verifier: Verifier, alpha: float = 0.0003, delta: float = 0.5, require_closed_thought: bool = True
+    ) -> None:
         self.__name__ = "l1_max"
         self.verifier, self.alpha, self.delta = verifier, alpha, delta
+        self.require_closed_thought = require_closed_thought
 
     def __call__(
         self, prompts: list[Any], completions: list[Any], completion_ids: Any = None, **kwargs: Any
     ) -> list[float]:
         lengths = token_lengths(completion_ids, len(completions))
-        ok = verify_rows(self.verifier, completions, kwargs)
+        ok = verify_rows(self.verifier, completions, kwargs, self.require_closed_thought)
         budgets = _budgets(kwargs, len(lengths))
         return [l1_max_reward(n, b, c, self.alpha, self.delta) for n, b, c in zip(lengths, budgets, ok, strict=True)]
 
@@ -221,8 +226,9 @@ class L1MaxReward:
 class _GroupReward:
     """Base for rewards computed per group (rows grouped by ``problem_id``, else chunks of ``num_generations``)."""
 
-    def __init__(self, verifier: Verifier, num_generations: int | None) -> None:
+    def __init__(self, verifier: Verifier, num_generations: int | None, require_closed_thought: bool = True) -> None:
         self.verifier, self.num_generations = verifier, num_generations
+        self.require_closed_thought = require_closed_thought
 
     def _group(self, lengths: list[int], ok: list[bool]) -> list[float]:
         raise NotImplementedError
@@ -232,7 +238,7 @@ class _GroupReward:
     ) -> list[float]:
         n = len(completions)
         lengths = token_lengths(completion_ids, n)
-        ok = verify_rows(self.verifier, completions, kwargs)
+        ok = verify_rows(self.verifier, completions, kwargs, self.require_closed_thought)
         out = [0.0] * n
         for idx in group_indices(n, kwargs.get("problem_id"), self.num_generations):
             for i, v in zip(idx, self._group([lengths[i] for i in idx], [ok[i] for i in idx]), strict=True):
@@ -243,8 +249,10 @@ class _GroupReward:
 class KimiLengthReward(_GroupReward):
     """TRL reward: :func:`kimi_length_rewards` per group (additive, in [-0.5, 0.5])."""
 
-    def __init__(self, verifier: Verifier, num_generations: int | None = None) -> None:
-        super().__init__(verifier, num_generations)
+    def __init__(
+        self, verifier: Verifier, num_generations: int | None = None, require_closed_thought: bool = True
+    ) -> None:
+        super().__init__(verifier, num_generations, require_closed_thought)
         self.__name__ = "kimi_length"
 
     def _group(self, lengths: list[int], ok: list[bool]) -> list[float]:
@@ -255,9 +263,14 @@ class AlpLengthReward(_GroupReward):
     """TRL reward: :func:`alp_penalties` per group (additive, <= 0)."""
 
     def __init__(
-        self, verifier: Verifier, norm_tokens: int, beta: float = 0.5, num_generations: int | None = None
+        self,
+        verifier: Verifier,
+        norm_tokens: int,
+        beta: float = 0.5,
+        num_generations: int | None = None,
+        require_closed_thought: bool = True,
     ) -> None:
-        super().__init__(verifier, num_generations)
+        super().__init__(verifier, num_generations, require_closed_thought)
         self.__name__ = "alp_length"
         self.beta, self.norm_tokens = beta, norm_tokens
 

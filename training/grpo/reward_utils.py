@@ -106,16 +106,14 @@ def exact_answer_verifier(row: Mapping[str, Any], text: str) -> bool:
 def task_verifier() -> Verifier:
     """The verifier of ``router.tasks`` (arithmetic, GSM8K, MATH with math-verify), adapted to rows.
 
-    Rows carry ``problem_id, question, answer, difficulty, source`` (see ``training.grpo.data``). The policy
-    generates inside an open thought (the chat template's generation prompt ends with ``<think>``), so a completion
-    without ``</think>`` is a cut-off thought and is wrong: ``training.tasks.verify`` alone would read the whole
-    text as the answer (it also serves vLLM's ``message.content``, which has the thought removed).
+    Rows carry ``problem_id, question, answer, difficulty, source`` (see ``training.grpo.data``).
+    ``training.tasks.verify`` reads the whole text as the answer when there is no ``</think>`` (it also serves
+    vLLM's ``message.content``, which has the thought removed): rewards and evaluation therefore call it through
+    :func:`is_correct`, which scores a cut-off thought wrong first.
     """
     from router import tasks  # lazy: owned by the tasks package
 
     def verify(row: Mapping[str, Any], text: str) -> bool:
-        if not split_thought(text)[2]:
-            return False
         problem = tasks.Problem(
             id=row["problem_id"],
             question=row["question"],
@@ -144,7 +142,26 @@ def is_correct(verifier: Verifier, row: Mapping[str, Any], text: str, require_cl
         return False
 
 
-def verify_rows(verifier: Verifier, completions: Sequence[Any], kwargs: Mapping[str, Any]) -> list[bool]:
+def verify_rows(
+    verifier: Verifier, completions: Sequence[Any], kwargs: Mapping[str, Any], require_closed_thought: bool = True
+) -> list[bool]:
     """:func:`is_correct` for every rollout (a cut-off thought or a verifier exception counts as incorrect)."""
     rows = rows_from_kwargs(len(completions), kwargs)
-    return [is_correct(verifier, row, completion_text(c)) for row, c in zip(rows, completions, strict=True)]
+    return [
+        is_correct(verifier, row, completion_text(c), require_closed_thought)
+        for row, c in zip(rows, completions, strict=True)
+    ]
+
+
+def template_opens_thought(tokenizer: Any) -> bool:
+    """True when the tokenizer's chat template makes the model think: the generation prompt (after the user turn)
+    opens ``<think>`` without closing it, so the completion starts inside a thought. False without a template."""
+    marker = "\u2063q\u2063"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
+        )
+    except Exception:
+        return False
+    tail = str(text).rsplit(marker, 1)[-1]
+    return THINK_OPEN in tail and THINK_CLOSE not in tail.rpartition(THINK_OPEN)[2]

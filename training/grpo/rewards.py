@@ -30,14 +30,17 @@ class CorrectnessReward:
     reads the answer after ``</think>``; a completion that never closes its thought is incorrect.
     """
 
-    def __init__(self, verifier: Verifier) -> None:
+    def __init__(self, verifier: Verifier, require_closed_thought: bool = True, wrong: float = 0.0) -> None:
         self.__name__ = "correctness"
         self.verifier = verifier
+        self.require_closed_thought = require_closed_thought
+        self.wrong = wrong
 
     def __call__(
         self, prompts: list[Any], completions: list[Any], completion_ids: Any = None, **kwargs: Any
     ) -> list[float]:
-        return [1.0 if ok else 0.0 for ok in verify_rows(self.verifier, completions, kwargs)]
+        ok = verify_rows(self.verifier, completions, kwargs, self.require_closed_thought)
+        return [1.0 if x else self.wrong for x in ok]
 
 
 def think_format_ok(text: str, require_thought: bool = True) -> bool:
@@ -83,22 +86,40 @@ class RewardContext:
     max_completion_length: int
     num_generations: int
     eos_token_ids: frozenset[int] | None = None
+    require_closed_thought: bool = True  # the policy thinks: no </think> -> wrong (model.thinks)
 
 
 RewardFactory = Callable[[RewardContext, dict[str, Any]], Callable[..., list[float]]]
 
 REWARD_REGISTRY: dict[str, RewardFactory] = {
-    "correctness": lambda ctx, p: CorrectnessReward(ctx.verifier, **p),
+    "correctness": lambda ctx, p: CorrectnessReward(
+        ctx.verifier, **{"require_closed_thought": ctx.require_closed_thought, **p}
+    ),
     "format": lambda ctx, p: FormatReward(**p),
     "dapo_overlong": lambda ctx, p: DapoOverlongReward(**{"max_len": ctx.max_completion_length, **p}),
     "cosine": lambda ctx, p: CosineReward(
-        ctx.verifier, **{"max_len": ctx.max_completion_length, "eos_token_ids": ctx.eos_token_ids, **p}
+        ctx.verifier,
+        **{
+            "max_len": ctx.max_completion_length,
+            "eos_token_ids": ctx.eos_token_ids,
+            "require_closed_thought": ctx.require_closed_thought,
+            **p,
+        },
     ),
     "l1_exact": lambda ctx, p: L1ExactReward(**p),
-    "l1_max": lambda ctx, p: L1MaxReward(ctx.verifier, **p),
-    "kimi_length": lambda ctx, p: KimiLengthReward(ctx.verifier, **{"num_generations": ctx.num_generations, **p}),
+    "l1_max": lambda ctx, p: L1MaxReward(ctx.verifier, **{"require_closed_thought": ctx.require_closed_thought, **p}),
+    "kimi_length": lambda ctx, p: KimiLengthReward(
+        ctx.verifier,
+        **{"num_generations": ctx.num_generations, "require_closed_thought": ctx.require_closed_thought, **p},
+    ),
     "alp_length": lambda ctx, p: AlpLengthReward(
-        ctx.verifier, **{"norm_tokens": ctx.max_completion_length, "num_generations": ctx.num_generations, **p}
+        ctx.verifier,
+        **{
+            "norm_tokens": ctx.max_completion_length,
+            "num_generations": ctx.num_generations,
+            "require_closed_thought": ctx.require_closed_thought,
+            **p,
+        },
     ),
 }
 """name -> factory(ctx, params). ``cosine`` and ``l1_max`` already include correctness."""

@@ -130,7 +130,7 @@ def run_grpo(
     from training.grpo.ledger import Budgets, CostLedger, StepCounters
     from training.grpo.monitors import AlertLog, HeldoutEvalCallback, LedgerCallback, MonitorCallback
     from training.grpo.plots import plot_run
-    from training.grpo.reward_utils import task_verifier
+    from training.grpo.reward_utils import task_verifier, template_opens_thought
     from training.grpo.rewards import RewardContext, build_rewards
     from training.grpo.sampling import Candidate, DynamicSampler, NoLearningSignalError
     from training.grpo.trainer import ThinkGateGRPOTrainer
@@ -173,7 +173,8 @@ def run_grpo(
     g = int(trl_kw["num_generations"])
     eos = model.generation_config.eos_token_id
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos]) if eos is not None else None
-    reward_funcs, weights = build_rewards(cfg.rewards, RewardContext(verifier, max_len, g, eos_ids))
+    thinks = cfg.model.thinks if cfg.model.thinks is not None else template_opens_thought(tokenizer)
+    reward_funcs, weights = build_rewards(cfg.rewards, RewardContext(verifier, max_len, g, eos_ids, thinks))
     device_kind, device_count = detect_device()
     args = build_grpo_args(cfg, run_dir, weights, cpu=device_kind == "cpu")
     args.disable_tqdm = not progress
@@ -219,7 +220,11 @@ def run_grpo(
     sampling = {"temperature": cfg.eval.temperature, "samples": cfg.eval.samples, "seed": cfg.task.seed}
 
     def evaluate_rows(m: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        return summarize(generate_and_score(m, tokenizer, rows, verifier, eval_max, cfg.eval.batch_size, **sampling))
+        return summarize(
+            generate_and_score(
+                m, tokenizer, rows, verifier, eval_max, cfg.eval.batch_size, **sampling, require_closed_thought=thinks
+            )
+        )
 
     if cfg.eval.every_steps:
         subset = eval_rows[: cfg.eval.every_n] if cfg.eval.every_n else eval_rows
@@ -338,7 +343,15 @@ def _make_reduce(trainer: Any) -> Any:
 
     def reduce(c: StepCounters, wall: float) -> tuple[StepCounters, float]:
         ints = torch.tensor(
-            [c.prompts, c.rollouts, c.prompt_tokens, c.sampled_tokens, c.trained_tokens, c.dropped_rollouts],
+            [
+                c.prompts,
+                c.rollouts,
+                c.prompt_tokens,
+                c.sampled_tokens,
+                c.trained_tokens,
+                c.dropped_rollouts,
+                c.zero_signal_rollouts,
+            ],
             dtype=torch.long,
             device=trainer.accelerator.device,
         )

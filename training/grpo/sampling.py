@@ -236,7 +236,7 @@ class DynamicSampler:
             n_solved = sum(1 for s in spare if s.n_rollouts and s.n_solved == s.n_rollouts)
             n_failed = sum(1 for s in spare if s.n_solved == 0)
             raise NoLearningSignalError(
-                f"dynamic sampling: no group with reward variance in {res.rounds} rollout rounds "
+                f"dynamic sampling: no informative group (see advantages.signal) in {res.rounds} rollout rounds "
                 f"({len(spare)} groups, {rollouts} rollouts, pass rate {rate:.2f}). " + _advice(n_solved, n_failed)
             )
         if len(kept) > target:

@@ -9,8 +9,10 @@ Overridden hooks, each calling ``super()``:
 - ``compute_loss``: counts trained (loss-mask) tokens.
 - ``_save_checkpoint``: also saves the sampler/monitor/ledger state (``thinkgate_state.json``, ``ledger_state.json``).
 
-Metrics added to TRL's logs: ``signal/effective_ratio`` (groups with reward variance / groups rolled out, per group,
-in both aggregation modes), ``signal/batch_effective_ratio`` (in the trained batch), ``signal/<reward>/zero_std_frac``,
+Metrics added to TRL's logs: ``signal/effective_ratio`` (informative groups / groups rolled out, per group, in both
+aggregation modes; informative = accuracy varies by default, ``advantages.signal``), ``signal/batch_effective_ratio``
+(in the trained batch), ``signal/reward_variance_ratio`` (groups whose total-reward advantages vary),
+``signal/<reward>/zero_std_frac``,
 ``advantages/collapsed_pair_frac``, ``dynamic_sampling/{rounds,skipped_prompts,dropped_groups,padded_groups}``.
 """
 
@@ -63,6 +65,9 @@ class ThinkGateGRPOTrainer(GRPOTrainer):
         self.dynamic_sampler = dynamic_sampler
         self.state_savers: list[Callable[[Path], None]] = []
         self._last_rewards: torch.Tensor | None = None
+        # dynamic sampling: the (B, K) rewards and problem ids of the merged batch, row-aligned with it (inspection)
+        self.last_batch_rewards: torch.Tensor | None = None
+        self.last_batch_problem_ids: list[str] = []
         n_proc = self.accelerator.num_processes
         if dynamic_sampler is not None and n_proc > 1:
             raise ValueError("dynamic sampling is implemented for a single process (num_processes=1)")
@@ -127,10 +132,19 @@ class ThinkGateGRPOTrainer(GRPOTrainer):
             col = (torch.nan_to_num(rewards) * self.reward_weights.to(rewards).unsqueeze(0)).sum(dim=1)
         return (torch.nan_to_num(col, nan=float("-inf")) >= a.pass_threshold).view(-1, g).sum(dim=1).tolist()
 
-    def _log_signal(self, mode: str, res: AdvantageResult, rewards: torch.Tensor, rolled_ratio: float) -> None:
+    def _group_signal(self, rewards: torch.Tensor, res: AdvantageResult, g: int) -> torch.Tensor:
+        """(n_groups,) bool: the group is informative under ``advantages.signal`` — ``accuracy``: some but not all
+        rollouts solved (DAPO's filter); ``reward``: its total-reward advantages are not all equal."""
+        if self.advantage_config.signal == "accuracy":
+            solved = torch.tensor(self._solved_per_group(rewards, g))
+            return (solved > 0) & (solved < g)
+        return res.group_has_signal.cpu()
+
+    def _log_signal(self, mode: str, res: AdvantageResult, rewards: torch.Tensor, rolled_ratio: float, g: int) -> None:
         m = self._metrics[mode]
         m["signal/effective_ratio"].append(rolled_ratio)
-        m["signal/batch_effective_ratio"].append(res.group_has_signal.float().mean().item())
+        m["signal/batch_effective_ratio"].append(self._group_signal(rewards, res, g).float().mean().item())
+        m["signal/reward_variance_ratio"].append(res.group_has_signal.float().mean().item())
         for k, name in enumerate(self.reward_func_names):
             m[f"signal/{name}/zero_std_frac"].append(res.component_zero_std[:, k].float().mean().item())
         if rewards.size(0) <= _COLLAPSE_MAX_ROWS:
@@ -147,7 +161,11 @@ class ThinkGateGRPOTrainer(GRPOTrainer):
         res = self._advantages(rewards, g)
         start = self.accelerator.process_index * len(inputs)
         out["advantages"] = res.advantages[start : start + len(inputs)].to(out["advantages"])
-        self._log_signal(mode, res, rewards, res.group_has_signal.float().mean().item())
+        sig = self._group_signal(rewards, res, g)
+        if mode == "train":  # this process's rollouts in groups without signal (the ledger sums processes)
+            row_sig = sig.repeat_interleave(g)[start : start + len(inputs)]
+            self.counters.zero_signal_rollouts += int((~row_sig).sum())
+        self._log_signal(mode, res, rewards, sig.float().mean().item(), g)
         return out
 
     def _dynamic_generate_and_score(self, inputs: list[dict[str, Any]], g: int) -> dict[str, Any]:
@@ -166,11 +184,13 @@ class ThinkGateGRPOTrainer(GRPOTrainer):
             assert rewards is not None
             res = self._advantages(rewards, g)
             solved = self._solved_per_group(rewards, g)
+            sig = self._group_signal(rewards, res, g)
+            # counted per round, so an aborted step (NoLearningSignalError) still reports what it paid for
+            self.counters.zero_signal_rollouts += int((~sig).sum()) * g
             r_idx = len(rounds)
             rounds.append((out, rewards))
             return [
-                ScoredGroup(c.pid, bool(res.group_has_signal[j]), g, int(solved[j]), payload=(r_idx, j))
-                for j, c in enumerate(cands)
+                ScoredGroup(c.pid, bool(sig[j]), g, int(solved[j]), payload=(r_idx, j)) for j, c in enumerate(cands)
             ]
 
         fill = sampler.fill(target, initial, rollout)
@@ -184,8 +204,10 @@ class ThinkGateGRPOTrainer(GRPOTrainer):
         rewards = torch.cat(reward_rows, dim=0)
         res = self._advantages(rewards, g)
         merged["advantages"] = res.advantages.to(merged["completion_mask"].device)
+        self.last_batch_rewards = rewards
+        self.last_batch_problem_ids = [str(sg.pid) for sg in fill.groups for _ in range(g)]
         self.counters.dropped_rollouts += (fill.dropped + fill.extra_signal_dropped) * g
-        self._log_signal("train", res, rewards, fill.signal_groups / max(1, fill.rolled_groups))
+        self._log_signal("train", res, rewards, fill.signal_groups / max(1, fill.rolled_groups), g)
         m = self._metrics["train"]
         m["dynamic_sampling/rounds"].append(float(fill.rounds))
         m["dynamic_sampling/skipped_prompts"].append(float(fill.skipped))
