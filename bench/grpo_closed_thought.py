@@ -1,6 +1,6 @@
 """Held-out accuracy of the shipped models under the old and the fixed correctness rule (cut-off thoughts).
 
-Old rule: ``training.tasks.verify`` on the whole completion (with no ``</think>`` the whole text was read as the
+Old rule: ``router.tasks.verify`` on the whole completion (with no ``</think>`` the whole text was read as the
 answer). Fixed rule (``training.grpo.reward_utils.is_correct``, used by rewards and evaluation): no ``</think>``
 -> wrong. Same held-out set as ``training/configs/short_tier.yaml`` (120 arith test problems, 1-6 operations,
 seed 0), greedy, 256 new tokens, one torch thread. Prints a markdown table.
@@ -26,7 +26,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from training import tasks
+    from router import tasks
     from training.grpo.config import load_config
     from training.grpo.data import load_problems, problem_rows
     from training.grpo.evaluate import generate_and_score

@@ -58,7 +58,7 @@ class LowTokenShare:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from training.grpo.tiny_model import build_tiny_model
+    from tests.fixtures.tiny_model import build_tiny_model
 
     torch.set_num_threads(1)
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")

@@ -268,7 +268,7 @@ def test_build_rewards_names_weights_and_defaults() -> None:
 
 # -- cut-off thoughts ------------------------------------------------------------------------------------------
 def _arith_row() -> dict:
-    tasks = pytest.importorskip("training.tasks")
+    from router import tasks
     p = tasks.load_task("arith", "train", 1, seed=0, difficulties=[5])[0]
     return {
         "problem_id": p.id,

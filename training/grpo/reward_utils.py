@@ -107,7 +107,7 @@ def task_verifier() -> Verifier:
     """The verifier of ``router.tasks`` (arithmetic, GSM8K, MATH with math-verify), adapted to rows.
 
     Rows carry ``problem_id, question, answer, difficulty, source`` (see ``training.grpo.data``).
-    ``training.tasks.verify`` reads the whole text as the answer when there is no ``</think>`` (it also serves
+    ``router.tasks.verify`` reads the whole text as the answer when there is no ``</think>`` (it also serves
     vLLM's ``message.content``, which has the thought removed): rewards and evaluation therefore call it through
     :func:`is_correct`, which scores a cut-off thought wrong first.
     """
