@@ -5,7 +5,7 @@ For prompts of 100, 2,000 and 20,000 characters (cut from real MATH-500 problems
 one-element batch. Prints p50/p99 (and min) in milliseconds, the host load average (this machine is shared:
 the minimum is the best estimate of the uncontended cost), and checks both paths agree.
 
-    .venv/bin/python bench/router_latency.py [--router router/assets/default.skops] [--n 2000] [--json out]
+    python -m bench.router_latency [--router router/assets/default.skops] [--corpus Q.jsonl.gz] [--n 2000] [--json out]
 
 Target (issue 4): p50 ≤ 0.3 ms at 2,000 characters.
 """
@@ -29,9 +29,11 @@ REPO = Path(__file__).resolve().parent.parent
 SIZES = (100, 2000, 20000)
 
 
-def corpus_text(chars: int) -> str:
-    """``chars`` characters of real MATH-500 problems, joined (repeated if needed)."""
-    text = "\n\n".join(row["problem"] for row in read_jsonl(data_file("math", "test")))
+def corpus_text(chars: int, corpus: Path | None = None) -> str:
+    """``chars`` characters of real prompts joined (repeated if needed): MATH-500 problems by default, or the
+    ``problem``/``question`` field of each row of ``corpus`` (e.g. a traces folder's questions.jsonl.gz)."""
+    path = corpus or data_file("math", "test")
+    text = "\n\n".join(str(row.get("problem", row.get("question", ""))) for row in read_jsonl(path))
     while len(text) < chars:
         text += "\n\n" + text
     return text[:chars]
@@ -54,13 +56,15 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000, help="timed requests per size (fast path)")
     ap.add_argument("--n-sklearn", type=int, default=100, help="timed requests per size (sklearn Pipeline)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--corpus", type=Path, default=None,
+                    help="JSONL(.gz) of prompts (problem/question field) to cut from; default MATH-500")
     args = ap.parse_args()
 
     router = load_router(args.router)
     rows = []
     load = os.getloadavg()
     for size in SIZES:
-        text = corpus_text(size)
+        text = corpus_text(size, args.corpus)
         fast = timings_ms(router.score, text, args.n)
         skl = timings_ms(lambda t: router.predict_proba([t])[0], text, args.n_sklearn, warmup=5)
         diff = abs(router.score(text) - float(router.predict_proba([text])[0]))
@@ -73,7 +77,8 @@ def main() -> None:
             "sklearn_p99_ms": float(np.percentile(skl, 99)),
             "abs_diff": diff,
         })
-    print(f"router {args.router.name}; {os.cpu_count()} CPUs; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"router {args.router.name} ({router.scorer}); prompts from {(args.corpus or 'MATH-500')}; "
+          f"{os.cpu_count()} CPUs; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     head = ("chars", "p50 ms", "p99 ms", "min ms", "sklearn p50", "sklearn p99", "|diff|")
     print(f"{head[0]:>7} {head[1]:>8} {head[2]:>8} {head[3]:>8} {head[4]:>12} {head[5]:>12} {head[6]:>9}")
     for r in rows:

@@ -175,6 +175,7 @@ def fit(
     policy: Annotated[str, typer.Option(help="auto (fallback rule) | router | length | random")] = "auto",
     pool: Annotated[str, typer.Option(help="models (pool every model's outcomes per question) | none")] = "models",
     alpha: Annotated[float, typer.Option(help="ridge strength of the trace router")] = 2.0,
+    feature_set: Annotated[str, typer.Option(help="hand features: base | qa (+ question structure)")] = "base",
     val_frac: Annotated[float, typer.Option(help="validation share per source, by group")] = 0.2,
     platt_frac: Annotated[float, typer.Option(help="share of the training part held out for Platt scaling")] = 0.15,
     refit: Annotated[bool, typer.Option(help="after validating, refit on all items (shipped models)")] = False,
@@ -200,7 +201,8 @@ def fit(
         if data:
             _fail("give labelled files or --traces, not both")
         _fit_traces(traces, dataset or [], ladder or [], out, quality_target=quality_target,
-                    heldout_frac=heldout_frac, policy=policy, pool=pool, alpha=alpha, seed=seed)
+                    heldout_frac=heldout_frac, policy=policy, pool=pool, alpha=alpha, seed=seed,
+                    feature_set=feature_set)
         return
     if not data:
         _fail("give labelled JSONL file(s), or --traces DIR --dataset NAME --ladder MODEL:S1,S2")
@@ -253,7 +255,7 @@ def _fit_traces(traces: Path, datasets: list[str], ladders: list[str], out: Path
         try:
             res = fit_ladder_router(traces, datasets, lad, quality_target=kw["quality_target"],
                                     heldout_frac=kw["heldout_frac"], policy=kw["policy"], pool=kw["pool"],
-                                    alpha=kw["alpha"], seed=kw["seed"])
+                                    alpha=kw["alpha"], seed=kw["seed"], feature_set=kw["feature_set"])
         except (OSError, ValueError) as exc:
             _fail(str(exc))
             raise AssertionError from None  # unreachable

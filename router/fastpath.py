@@ -29,12 +29,16 @@ import numpy as np
 
 from router.features import (
     FAMILY_OF,
-    HAND_FEATURE_NAMES,
+    HOW_BIGRAMS,
     N_FAMILIES,
+    N_QA_CLASSES,
+    QA_CLASS_OF,
     VAR_LETTERS,
     WORD_RE,
     assemble_hand_features,
+    assemble_qa_features,
     clip_text,
+    feature_names,
 )
 
 _WHITE_SPACES = re.compile(r"\s\s+")  # sklearn.feature_extraction.text._VectorizerMixin._white_spaces
@@ -135,7 +139,20 @@ class FastScorer:
         intercept: float,
         platt_a: float,
         platt_b: float,
+        qa: bool = False,
     ) -> None:
+        self.qa = qa
+        # QA token classes (N_QA_CLASSES = none) and the how-many bigrams, by token id
+        n_ids = token_attr.shape[0]
+        self.qa_attr = np.full(n_ids, N_QA_CLASSES, dtype=np.int64)
+        self.how_pairs: list[tuple[int, np.ndarray]] = []
+        if qa:
+            for tok, i in word_ids.items():
+                self.qa_attr[i] = QA_CLASS_OF.get(tok, N_QA_CLASSES)
+            for first, seconds in HOW_BIGRAMS.items():
+                mask = np.zeros(n_ids, dtype=bool)
+                mask[[word_ids[t] for t in seconds]] = True
+                self.how_pairs.append((word_ids[first], mask))
         self.max_chars = max_chars
         self.word_trie, self.word_ids, self.token_attr = word_trie, word_ids, token_attr
         self.char_trie, self.char_lut = char_trie, char_lut
@@ -164,7 +181,9 @@ class FastScorer:
             parts = dict(union.transformer_list)
             word_vec, char_vec, hand = parts["word"], parts["char"], parts["hand"]
             scaler = hand.named_steps["scale"]
-        except (AttributeError, KeyError, TypeError) as exc:
+            feature_set = getattr(hand.named_steps["extract"], "feature_set", "base")
+            n_expected = len(feature_names(feature_set))
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a ThinkGate router pipeline: {exc}") from exc
         if [name for name, _ in union.transformer_list] != ["word", "char", "hand"]:
             raise ValueError("feature union must be [word, char, hand]")
@@ -187,7 +206,7 @@ class FastScorer:
         coef = np.asarray(clf.coef_, dtype=np.float64).ravel()
         n_word, n_char = len(word_vec.vocabulary_), len(char_vec.vocabulary_)
         n_hand = scaler.mean_.shape[0]
-        if coef.shape[0] != n_word + n_char + n_hand or n_hand != len(HAND_FEATURE_NAMES):
+        if coef.shape[0] != n_word + n_char + n_hand or n_hand != n_expected:
             raise ValueError("coefficient count does not match the feature blocks")
         dummy = n_word + n_char
         idf = np.concatenate([word_vec.idf_, char_vec.idf_, [0.0]]).astype(np.float64)
@@ -195,7 +214,9 @@ class FastScorer:
 
         # word symbols: tokens of vocabulary terms, plus the hand features' family words and variable letters
         word_ids: dict[str, int] = {}
-        for tok in (*FAMILY_OF, *sorted(VAR_LETTERS)):
+        extra = (*QA_CLASS_OF, *HOW_BIGRAMS, *(t for v in HOW_BIGRAMS.values() for t in sorted(v))) \
+            if feature_set == "qa" else ()
+        for tok in (*FAMILY_OF, *sorted(VAR_LETTERS), *extra):
             word_ids.setdefault(tok, len(word_ids) + 1)
         word_terms = []
         for term, col in word_vec.vocabulary_.items():
@@ -239,6 +260,7 @@ class FastScorer:
             intercept=float(np.asarray(clf.intercept_).ravel()[0]),
             platt_a=float(platt.a),
             platt_b=float(platt.b),
+            qa=feature_set == "qa",
         )
 
     # ---- request path -------------------------------------------------------------------------------------
@@ -276,6 +298,13 @@ class FastScorer:
                     z += a / math.sqrt(b)
         attr = np.bincount(self.token_attr[tok_ids], minlength=N_FAMILIES + 2).tolist()
         h = assemble_hand_features(text, len(tokens), attr[:N_FAMILIES], attr[N_FAMILIES])
+        if self.qa:
+            qc = np.bincount(self.qa_attr[tok_ids], minlength=N_QA_CLASSES + 1).tolist()
+            how = False
+            if tok_ids.shape[0] > 1:
+                head, tail = tok_ids[:-1], tok_ids[1:]
+                how = any(bool((mask[tail] & (head == first)).any()) for first, mask in self.how_pairs)
+            h += assemble_qa_features(text, qc[:N_QA_CLASSES], how)
         return z + sum(map(float.__mul__, h, self.hand_w)) - self.hand_offset
 
     def score(self, text: str) -> float:

@@ -69,6 +69,102 @@ HAND_FEATURE_NAMES: tuple[str, ...] = (
 )
 
 
+#: Extra features of ``feature_set="qa"`` (knowledge questions: constraints, dates, entities, multi-hop cues).
+QA_FEATURE_NAMES: tuple[str, ...] = (
+    "log_years",
+    "log_ordinals",
+    "log_capital_letters",
+    "log_possessives",
+    "log_comparatives",
+    "how_many",
+    "log_relative_words",
+    "log_commas",
+    "log_and",
+    "log_quotes",
+)
+FEATURE_SETS: dict[str, tuple[str, ...]] = {"base": HAND_FEATURE_NAMES, "qa": HAND_FEATURE_NAMES + QA_FEATURE_NAMES}
+_ORDINAL_WORDS = (
+    "first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth", "eleventh",
+    "twelfth", "thirteenth", "fourteenth", "fifteenth", "sixteenth", "seventeenth", "eighteenth", "nineteenth",
+    "twentieth", "thirtieth", "fortieth", "fiftieth", "hundredth", "thousandth", "last", "penultimate"
+)
+_SUFFIX = {1: "st", 2: "nd", 3: "rd"}
+_NUMERIC_ORDINALS = [f"{i}{'th' if 10 <= i % 100 <= 20 else _SUFFIX.get(i % 10, 'th')}" for i in range(1, 1000)]
+_COMPARATIVE_WORDS = (
+    "than", "more", "less", "fewer", "older", "younger", "larger", "smaller", "bigger", "longer", "shorter",
+    "higher", "lower", "taller", "before", "after", "between", "difference", "combined", "total", "earlier",
+    "later", "most", "least", "oldest", "youngest", "largest", "smallest", "biggest", "longest", "shortest",
+    "highest", "lowest", "tallest", "earliest", "latest", "greatest", "best", "worst", "fastest", "closest",
+    "farthest", "furthest", "deepest", "richest", "heaviest"
+)
+_RELATIVE_WORDS = ["who", "which", "that", "whose", "whom", "where", "when"]
+#: token → QA word class: 0 ordinal, 1 comparative/superlative, 2 relative word, 3 "and"
+QA_CLASS_OF: dict[str, int] = {
+    **{w: 0 for w in (*_ORDINAL_WORDS, *_NUMERIC_ORDINALS)},
+    **{w: 1 for w in _COMPARATIVE_WORDS},
+    **{w: 2 for w in _RELATIVE_WORDS},
+    "and": 3,
+}
+N_QA_CLASSES = 4
+#: bigrams that set ``how_many``: first token → allowed second tokens
+HOW_BIGRAMS: dict[str, frozenset[str]] = {"how": frozenset(["many", "much", "old", "long", "far"]),
+                                          "what": frozenset(("year",))}
+_UPPER = bytes(range(65, 91))
+
+
+def feature_names(feature_set: str = "base") -> tuple[str, ...]:
+    """The hand-feature names of ``feature_set`` (``base`` or ``qa``). Raises ValueError for another."""
+    try:
+        return FEATURE_SETS[feature_set]
+    except KeyError:
+        raise ValueError(f"unknown feature_set {feature_set!r} (known: {sorted(FEATURE_SETS)})") from None
+
+
+def qa_features(text: str, tokens: Sequence[str]) -> list[float]:
+    """The :data:`QA_FEATURE_NAMES` of one (clipped) text; ``tokens`` = ``WORD_RE.findall(text.lower())``.
+
+    Reference implementation (the Pipeline's); :mod:`router.fastpath` counts the same token classes with NumPy
+    and both end in :func:`assemble_qa_features`. Word classes are :data:`QA_CLASS_OF` (ordinals — words and
+    ``1st``…``999th`` —, comparatives and superlatives, relative words, "and"); ``how_many`` is 1 when a
+    :data:`HOW_BIGRAMS` pair occurs ("how many/much/old/long/far", "what year").
+    """
+    counts = [0] * N_QA_CLASSES
+    how = False
+    prev = ""
+    for tok in tokens:
+        c = QA_CLASS_OF.get(tok)
+        if c is not None:
+            counts[c] += 1
+        nxt = HOW_BIGRAMS.get(prev)
+        if nxt is not None and tok in nxt:
+            how = True
+        prev = tok
+    return assemble_qa_features(text, counts, how)
+
+
+def assemble_qa_features(text: str, class_counts: Sequence[int], how: bool) -> list[float]:
+    """Finish :func:`qa_features` from the token-class counts. Years are 4-digit ASCII numbers starting with
+    1 or 20; capitalised letters (ASCII A–Z, an entity-count proxy), possessives, commas and quotes are
+    counted on the text. Counts squashed with log1p."""
+    log1p = math.log1p
+    raw = text.encode("utf-8", "surrogatepass")
+    numbers = raw.translate(_BYTES_NON_DIGIT_TO_SPACE).split()
+    years = sum(1 for x in numbers if len(x) == 4 and (x[:1] == b"1" or x[:2] == b"20"))
+    capitals = len(raw) - len(raw.translate(None, _UPPER))
+    return [
+        log1p(years),
+        log1p(class_counts[0]),
+        log1p(capitals),
+        log1p(text.count("'s") + text.count("\u2019s")),
+        log1p(class_counts[1]),
+        1.0 if how else 0.0,
+        log1p(class_counts[2]),
+        log1p(text.count(",")),
+        log1p(class_counts[3]),
+        log1p(text.count('"') + text.count("\u201c") + text.count("\u201d")),
+    ]
+
+
 def clip_text(text: str, max_chars: int = DEFAULT_MAX_CHARS) -> str:
     """Cap ``text`` at about ``max_chars`` characters, keeping the head and the tail.
 
@@ -149,14 +245,30 @@ class TextClipper(TransformerMixin, BaseEstimator):
 
 
 class HandFeatures(TransformerMixin, BaseEstimator):
-    """Pipeline step: :func:`hand_features` per document (stateless). Out: float64 array (n_docs, n_features)."""
+    """Pipeline step: :func:`hand_features` per document (stateless), plus :func:`qa_features` when
+    ``feature_set="qa"``. Out: float64 array (n_docs, len(feature_names(feature_set))). Files written before
+    the parameter existed load as ``"base"``."""
+
+    def __init__(self, feature_set: str = "base") -> None:
+        self.feature_set = feature_set
 
     def fit(self, X: Iterable[str], y: object = None) -> HandFeatures:
+        feature_names(self._set())
         return self
 
+    def _set(self) -> str:
+        return getattr(self, "feature_set", "base")
+
     def transform(self, X: Sequence[str]) -> np.ndarray:
-        rows = [hand_features(x) for x in X]
-        return np.asarray(rows, dtype=np.float64).reshape(-1, len(HAND_FEATURE_NAMES))
+        fs = self._set()
+        if fs == "qa":
+            rows = []
+            for x in X:
+                toks = WORD_RE.findall(x.lower())
+                rows.append(hand_features(x, toks) + qa_features(x, toks))
+        else:
+            rows = [hand_features(x) for x in X]
+        return np.asarray(rows, dtype=np.float64).reshape(-1, len(feature_names(fs)))
 
     def get_feature_names_out(self, input_features: object = None) -> np.ndarray:
-        return np.asarray(HAND_FEATURE_NAMES, dtype=object)
+        return np.asarray(feature_names(self._set()), dtype=object)

@@ -49,6 +49,7 @@ class ModelConfig:
     C: float = 2.0
     class_weight: str | None = None
     seed: int = 0
+    feature_set: str = "base"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -88,7 +89,7 @@ def build_pipeline(cfg: ModelConfig) -> Pipeline:
         sublinear_tf=True,
         dtype=np.float64,
     )
-    hand = Pipeline([("extract", HandFeatures()), ("scale", StandardScaler())])
+    hand = Pipeline([("extract", HandFeatures(cfg.feature_set)), ("scale", StandardScaler())])
     clf = LogisticRegression(
         C=cfg.C,
         solver="liblinear",

@@ -61,6 +61,38 @@ def test_fresh_fit_with_other_ngram_ranges_matches_too() -> None:
                                atol=1e-14)
 
 
+QA_TEXTS = [
+    "How many years after the 15th president's death was the 2nd tallest building, which was older than "
+    "\u201cThe Tower\u201d, finished in 1999 and 2021?",
+    "what year", "how", "How  many", "the 1st, 21st, 112th and last of the oldest", "Smith\u2019s and Jones's",
+]
+
+
+def test_question_structure_features_fast_path_matches_pipeline() -> None:
+    from router.features import QA_FEATURE_NAMES, qa_features
+
+    items = math_items()[::40]  # 300 problems
+    texts = [it.text for it in items] + QA_TEXTS
+    labels = [it.label for it in items] + [1, 0, 0, 1, 1, 0]
+    from router.fit.labels import LabelledItem
+
+    extra = [LabelledItem(id=f"qa{i}", text=t, label=y, source="math-level") for i, (t, y) in
+             enumerate(zip(QA_TEXTS, labels[-len(QA_TEXTS):], strict=True))]
+    cfg = ModelConfig(word_max_features=3000, char_max_features=4000, min_df=2, feature_set="qa")
+    router, _ = fit_router(items + extra, cfg, val_frac=0.0)
+    all_texts = _texts() + QA_TEXTS
+    np.testing.assert_allclose([router.score(t) for t in all_texts], router.predict_proba(all_texts), rtol=1e-12,
+                               atol=1e-14)
+    coef = router.pipeline.named_steps["clf"].coef_.ravel()
+    assert np.abs(coef[-len(QA_FEATURE_NAMES):]).sum() > 0  # the block is really in the model
+    q = qa_features(QA_TEXTS[0], WORD_RE.findall(QA_TEXTS[0].lower()))
+    # years 2, ordinals (15th, 2nd) 2, capitals H T T 3, possessive 1, comparatives (after tallest older than) 4,
+    # how-many 1, relative (which) 1, commas 2, and 1, curly quotes 2
+    assert q == pytest.approx([np.log1p(2), np.log1p(2), np.log1p(3), np.log1p(1), np.log1p(4), 1.0,
+                               np.log1p(1), np.log1p(2), np.log1p(1), np.log1p(2)])
+    assert len(texts) == len(labels)
+
+
 def test_hand_features_reference_and_token_path_agree(shipped: TrainedRouter) -> None:
     f = shipped.fast
     for t in _texts():
