@@ -145,6 +145,10 @@ class RoutingConfig(_Strict):
     )
     fallback: bool = True
     reload_interval_s: float = Field(2.0, gt=0)
+    #: a conversation keeps the tier of its first routed turn this long after its last turn, seconds; 0 = off
+    #: (the default, so per-request routing stays as it was until an operator opts in; 1800 suits agent
+    #: loops); see gateway/pipeline/sessions.py
+    session_ttl_s: int = Field(0, ge=0)
 
     @field_validator("thresholds")
     @classmethod

@@ -22,6 +22,7 @@ from gateway.errors import InvalidRequest
 from gateway.openai import responses as wire
 from gateway.pipeline import request as schemas
 from gateway.pipeline.proxy import Proxy, read_body
+from gateway.pipeline.sessions import session_of
 from gateway.state.cache_policy import tenant_scope
 from gateway.state.conversations import ConversationStore
 
@@ -35,7 +36,8 @@ class ResponsesAPI:
         self.proxy = proxy
         self.store = store
 
-    async def history(self, scope: str, body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    async def previous(self, scope: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The stored conversation ``previous_response_id`` names (None without one); raises InvalidRequest."""
         prev = body.get("previous_response_id")
         if prev is None:
             return None
@@ -46,32 +48,46 @@ class ResponsesAPI:
             raise InvalidRequest(
                 f"previous response {prev!r} not found: unknown, expired, stored with store: false, or another key's",
                 param="previous_response_id", code="previous_response_not_found")
-        return list(doc["messages"])
+        return doc
+
+    @staticmethod
+    def session(key_id: str, body: dict[str, Any], chat: dict[str, Any], prev: dict[str, Any] | None) -> str | None:
+        """The conversation's session digest (sticky routing): ``metadata.session_id``, else the session of the
+        conversation ``previous_response_id`` continues, else the chat body's own (``user`` or first turns)."""
+        meta = body.get("metadata")
+        if isinstance(meta, dict) and isinstance(meta.get("session_id"), str) and meta["session_id"]:
+            return session_of(key_id, {"metadata": meta})
+        if prev is not None and isinstance(prev.get("session"), str):
+            return str(prev["session"])
+        return session_of(key_id, chat)
 
     async def handle(self, request: Request) -> Response:
         proxy = self.proxy
         key = await proxy.keys.authenticate(request.headers.get("authorization"))
         body = schemas.parse_json_object(await read_body(request, proxy.max_body))
         scope = tenant_scope(key.id)
-        history = await self.history(scope, body)
+        prev = await self.previous(scope, body)
+        history = list(prev["messages"]) if prev is not None else None
         chat = wire.to_chat(body, history)
         schemas.validate_chat(chat)
         turn = [*(history or []), *wire.input_messages(body["input"])]
         store = body.get("store") is not False
         response_id = wire.new_id("resp")
-        resp = await proxy.serve(key, chat, request.headers, "chat", label=LABEL)
+        session = self.session(key.id, body, chat, prev)
+        resp = await proxy.serve(key, chat, request.headers, "chat", label=LABEL, session=session)
         headers = bridge.forward_headers(resp)
         tier = headers.get("x-thinkgate-tier")
         if not chat.get("stream"):
             out = wire.response_object(bridge.json_of(resp), body, response_id)
             if store:
-                await self.store.put(scope, response_id, [*turn, *wire.assistant_messages(out)], tier)
+                await self.store.put(scope, response_id, [*turn, *wire.assistant_messages(out)], tier, session)
             return Response(orjson.dumps(out), media_type="application/json", headers=headers)
         events = wire.EventStream(body, response_id, "")
 
         async def save() -> None:
             if store:
-                await self.store.put(scope, response_id, [*turn, *wire.assistant_messages(events.response)], tier)
+                await self.store.put(scope, response_id, [*turn, *wire.assistant_messages(events.response)], tier,
+                                     session)
 
         relay = resp.relay  # type: ignore[attr-defined]
         return bridge.streamed(resp, bridge.translate_stream(relay, events, save))

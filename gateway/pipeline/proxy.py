@@ -39,6 +39,7 @@ from gateway.pipeline import request as schemas
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.relay import CLIENT_CLOSED, fill_reasoning, relay
 from gateway.pipeline.routing import RouteDecision, Routing
+from gateway.pipeline.sessions import SESSION_HEADER, Sessions
 from gateway.thinking.forcing import open_forced
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamConnectTimeout, UpstreamPool
 from gateway.upstream.response import UpstreamResponse
@@ -104,6 +105,8 @@ class Proxy:
         if accounting is not None:
             self.usage_sinks.append(accounting.sink)
         self.max_body = settings.server.max_body_bytes
+        self.sessions = (Sessions(settings, accounting.handle, accounting.breaker, accounting.metrics)
+                         if accounting is not None and settings.routing.session_ttl_s > 0 else None)
 
     async def handle(self, request: Request, endpoint: str) -> Response:
         """Serve one ``chat`` or ``completions`` request; raises GatewayError before any byte is sent."""
@@ -113,13 +116,30 @@ class Proxy:
         return await self.serve(key, body, request.headers, endpoint)
 
     async def serve(self, key: KeyInfo, body: dict[str, Any], headers: Mapping[str, str], endpoint: str,
-                    label: str | None = None, route: RouteDecision | None = None) -> Response:
+                    label: str | None = None, route: RouteDecision | None = None,
+                    session: str | None = None) -> Response:
         """Serve a validated ``chat`` or ``completions`` ``body`` for ``key`` (``headers``: the request's).
 
         Other APIs translated onto chat (``/v1/responses``, ``/v1/messages``) call this with ``label``, the
         usage event's ``endpoint`` (it also scopes their cache entries), and may pass the ``route`` they
-        decided themselves. Raises GatewayError before any byte is sent."""
+        decided themselves and the ``session`` digest of the conversation (:mod:`gateway.pipeline.sessions`).
+        A chat request routed by the router keeps its conversation's tier (``x-thinkgate-session: new|sticky``).
+        Raises GatewayError before any byte is sent."""
         route = route or self.routing.decide(body, headers.get(TIER_HEADER))
+        sticky = None
+        if self.sessions is not None and endpoint == "chat":
+            sticky = await self.sessions.stick(key.id, body, route, session)
+            if sticky is not None:
+                route = sticky.route
+        resp = await self._serve_routed(key, body, headers, endpoint, label, route)
+        if sticky is not None and self.sessions is not None:
+            resp.headers[SESSION_HEADER] = sticky.state
+            if resp.headers.get("x-thinkgate-route-reason") == "escalated":
+                await self.sessions.repin(sticky, resp.headers["x-thinkgate-tier"])
+        return resp
+
+    async def _serve_routed(self, key: KeyInfo, body: dict[str, Any], headers: Mapping[str, str], endpoint: str,
+                            label: str | None, route: RouteDecision) -> Response:
         record = UsageRecord(
             key_id=key.id,
             tags=key.tags,

@@ -1,7 +1,7 @@
 """Stored Responses conversations, so ``previous_response_id`` can continue one: Redis strings with a TTL.
 
 A finished ``/v1/responses`` answer with ``store`` not false is written as
-``p resp:{scope}:{response_id}`` → JSON ``{"messages": [chat messages], "tier": str}``: the whole
+``p resp:{scope}:{response_id}`` → JSON ``{"messages": [chat messages], "tier", "session"}``: the whole
 conversation up to and including the answer, in chat form (``instructions`` excluded: the Responses API does
 not carry them over to the next turn), for ``responses.store_ttl_s`` seconds. ``scope`` is the key's tenant
 scope (``key:<id>``), so one key can never continue another key's conversation.
@@ -40,7 +40,7 @@ class ConversationStore:
         return f"{self.prefix}resp:{scope}:{response_id}"
 
     async def get(self, scope: str, response_id: str) -> dict[str, Any] | None:
-        """The stored conversation ``{"messages", "tier"}`` or None when unknown/expired; raises
+        """The stored conversation ``{"messages", "tier", "session"}`` or None when unknown/expired; raises
         ConversationsUnavailable when Redis is down."""
         try:
             raw = await self.breaker.call(lambda: self.redis.get(self.key(scope, response_id)))
@@ -54,9 +54,10 @@ class ConversationStore:
             return None
         return doc if isinstance(doc, dict) and isinstance(doc.get("messages"), list) else None
 
-    async def put(self, scope: str, response_id: str, messages: list[dict[str, Any]], tier: str | None) -> bool:
-        """Store a conversation; False when Redis is down (logged)."""
-        data = orjson.dumps({"messages": messages, "tier": tier})
+    async def put(self, scope: str, response_id: str, messages: list[dict[str, Any]], tier: str | None,
+                  session: str | None = None) -> bool:
+        """Store a conversation (``session``: its sticky-routing session digest); False when Redis is down."""
+        data = orjson.dumps({"messages": messages, "tier": tier, "session": session})
         try:
             await self.breaker.call(lambda: self.redis.set(self.key(scope, response_id), data, ex=self.ttl_s))
         except RedisDown as exc:

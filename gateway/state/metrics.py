@@ -64,6 +64,10 @@ class Metrics:
             "thinkgate_semantic_cache_requests", "Semantic-cache lookups after an exact miss, by outcome "
             "(hit, guard_rejected, below_threshold, miss, bypass).", ["result"], registry=r)
         self.routes = Counter("thinkgate_route_decisions", "Routing decisions.", ["tier", "reason"], registry=r)
+        self.sessions = Counter(
+            "thinkgate_session_routes", "Session-sticky routing by state: new (a first routed turn pinned its "
+            "tier), sticky (a later turn kept it), flip_avoided (sticky turns the router alone would have sent "
+            "elsewhere), repinned (an escalated turn moved the session).", ["state"], registry=r)
         self.upstream_errors = Counter("thinkgate_upstream_errors", "Failed or broken upstream calls.",
                                        ["tier", "code"], registry=r)
         self.rejections = Counter("thinkgate_limit_rejections", "Requests refused by budgets/limits.", ["code"],
@@ -82,6 +86,10 @@ class Metrics:
         # (metric id, label values) -> child: prometheus_client's labels() validates and locks on every call
         # (~3 µs, ten times per request); the series themselves are still created on first use, as before.
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def session(self, state: str) -> None:
+        """Count one session-routing outcome (``new``, ``sticky``, ``flip_avoided``, ``repinned``)."""
+        self._child(self.sessions, state).inc()
 
     def _child(self, metric: Any, *values: str) -> Any:
         key = (id(metric), values)
