@@ -30,6 +30,7 @@ from typing import Any
 from gateway.config import Settings, TierConfig
 from gateway.pipeline.routing import RouteDecision
 from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.keys import RedisKeys
 from gateway.state.metrics import Metrics
 from gateway.state.redis import RedisHandle
 
@@ -82,12 +83,12 @@ class Sessions:
         self.ttl_s = settings.routing.session_ttl_s
         self.tiers = {t.name: t for t in settings.tiers}
         self.redis = handle.client
-        self.prefix = handle.prefix
+        self.keys = RedisKeys(handle.prefix)
         self.breaker = breaker
         self.metrics = metrics
 
     def key(self, digest: str) -> str:
-        return f"{self.prefix}sess:{digest}"
+        return self.keys.session(digest)
 
     async def stick(self, key_id: str, body: dict[str, Any], route: RouteDecision,
                     digest: str | None = None) -> Sticky | None:
@@ -106,7 +107,8 @@ class Sessions:
         except RedisDown as exc:
             log.debug("session routing skipped (redis down: %s)", exc)
             return None
-        tier: TierConfig | None = self.tiers.get(pinned.decode()) if pinned else None
+        name = pinned.decode() if isinstance(pinned, bytes) else pinned
+        tier: TierConfig | None = self.tiers.get(name) if name else None
         if created or tier is None:
             if not created:  # the pinned tier no longer exists (config changed) or expired in between
                 await self._pin(digest, route.tier)

@@ -20,6 +20,7 @@ import orjson
 
 from gateway.errors import ConversationsUnavailable
 from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.keys import RedisKeys
 from gateway.state.redis import RedisHandle
 
 log = logging.getLogger("thinkgate.conversations")
@@ -32,12 +33,12 @@ class ConversationStore:
 
     def __init__(self, handle: RedisHandle, breaker: Breaker, ttl_s: int) -> None:
         self.redis = handle.client
-        self.prefix = handle.prefix
+        self.keys = RedisKeys(handle.prefix)
         self.breaker = breaker
         self.ttl_s = ttl_s
 
     def key(self, scope: str, response_id: str) -> str:
-        return f"{self.prefix}resp:{scope}:{response_id}"
+        return self.keys.conversation(scope, response_id)
 
     async def get(self, scope: str, response_id: str) -> dict[str, Any] | None:
         """The stored conversation ``{"messages", "tier", "session"}`` or None when unknown/expired; raises

@@ -20,6 +20,8 @@ key                                     type        contents
 ``p keys:rec:{id}``                     string      API key record JSON (hash of the secret only)
 ``p keys:h:{sha256}``                   string      secret hash → key id
 ``p keys:ids``                          set         all key ids in the store
+``p resp:{scope}:{response_id}``        string      stored /v1/responses conversation (JSON), TTL (conversations.py)
+``p sess:{digest}``                     string      sticky-routing session → tier name, TTL (pipeline/sessions.py)
 =====================================  ==========  ====================================================
 """
 
@@ -33,6 +35,12 @@ class RedisKeys:
     """Key builder bound to a prefix."""
 
     prefix: str
+
+    def conversation(self, scope: str, response_id: str) -> str:
+        return f"{self.prefix}resp:{scope}:{response_id}"
+
+    def session(self, digest: str) -> str:
+        return f"{self.prefix}sess:{digest}"
 
     def cache_entry(self, digest: str) -> str:
         return f"{self.prefix}cache:{digest}"

@@ -92,7 +92,8 @@ def test_metadata_session_id_names_the_session(gw: GatewayServer) -> None:
     b = oai(gw).chat.completions.with_raw_response.create(
         model="auto", messages=[{"role": "user", "content": LONG_TURN}], metadata={"session_id": sid})
     assert (route(a.headers)[:2], route(b.headers)[:2]) == (("short", "new"), ("short", "sticky"))
-    assert session_of("alice", {"metadata": {"session_id": sid}}) != session_of("bob", {"metadata": {"session_id": sid}})
+    named = {"metadata": {"session_id": sid}}
+    assert session_of("alice", named) != session_of("bob", named)  # a session never spans two keys
 
 
 def test_responses_chain_by_previous_response_id_is_one_session(gw: GatewayServer) -> None:
