@@ -73,6 +73,7 @@ import yaml
 from gateway.config import Settings
 from gateway.ledger.event import UsageEvent, micro_to_usd
 from gateway.ledger.report import counts_as_request
+from router.probe import ProbeClient
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -186,35 +187,26 @@ class Endpoint:
     model: str
 
 
-def send(client: httpx.Client, ep: Endpoint, item: Item) -> Outcome:
-    """One chat request at temperature 0; verifies the answer with the task's exact verifier."""
+def send(client: ProbeClient, ep: Endpoint, item: Item) -> Outcome:
+    """One chat request at temperature 0 (:class:`router.probe.ProbeClient`, no retries: a failure is an
+    outcome); verifies the answer with the task's exact verifier."""
     from router.tasks import verify
 
-    body = {"model": ep.model, "messages": [{"role": "user", "content": item.question}], "temperature": 0}
-    t0 = time.perf_counter()
+    answer = client.chat(ep.model, [{"role": "user", "content": item.question}], check=False, temperature=0)
     try:
-        r = client.post(ep.url + "/v1/chat/completions", json=body,
-                        headers={"authorization": f"Bearer {ep.secret}"}, timeout=REQUEST_TIMEOUT_S)
-        latency = (time.perf_counter() - t0) * 1000
-    except httpx.HTTPError:
-        return Outcome(item, False, (time.perf_counter() - t0) * 1000, 0)
-    correct = False
-    if r.status_code == 200:
-        try:
-            content = r.json()["choices"][0]["message"].get("content") or ""
-            correct = bool(verify(item.problem, content))
-        except (ValueError, KeyError, IndexError):
-            correct = False
-    return Outcome(item, correct, latency, r.status_code, r.headers.get("x-thinkgate-tier"),
-                   r.headers.get("x-thinkgate-cache"), r.headers.get("x-request-id"))
+        correct = answer.ok and bool(verify(item.problem, answer.content))
+    except ValueError:  # math-verify refuses some inputs off the main thread (its signal-based timeout)
+        correct = False
+    return Outcome(item, correct, answer.latency_ms, answer.status, answer.headers.get("x-thinkgate-tier"),
+                   answer.headers.get("x-thinkgate-cache"), answer.headers.get("x-request-id"))
 
 
 def run_segment(seg: Segment, ep: Endpoint, items: list[Item], concurrency: int,
                 tick: Callable[[], None] = lambda: None, deadline: float = float("inf")) -> None:
     """Send ``items`` (in order, ``concurrency`` in flight) and record the window. Items not yet sent when
     ``time.monotonic()`` passes ``deadline`` are skipped (status -1, left out of every figure)."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    with httpx.Client(limits=limits, trust_env=False) as client, ThreadPoolExecutor(concurrency) as pool:
+    with ProbeClient(ep.url, ep.secret, timeout_s=REQUEST_TIMEOUT_S, max_retries=0,
+                     max_connections=concurrency) as client, ThreadPoolExecutor(concurrency) as pool:
         seg.t_start = time.time()
 
         def one(item: Item) -> Outcome:

@@ -17,61 +17,19 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from router.probe import Outcome, ProbeClient, Target, probe, summarize
 from router.tasks import Problem, load_task, verify
+from training.tiny.card import markdown
 
 
-def ask(
-    client: httpx.Client,
-    base_url: str,
-    model: str,
-    problem: Problem,
-    budget: int | None,
-    thinking: bool = True,
-    max_tokens: int = 1024,
-) -> dict[str, Any]:
-    """One chat completion; returns ``{"correct", "reasoning_tokens", "content", "reasoning", "finish_reason"}``.
-
-    ``budget`` None sends no ``thinking_token_budget`` (unlimited up to ``max_tokens``).
-    """
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": [{"role": "user", "content": problem.question}],
-        "temperature": 0,
-        "max_tokens": max_tokens,
-    }
-    if not thinking:
-        body["chat_template_kwargs"] = {"enable_thinking": False}
-    elif budget is not None:
-        body["thinking_token_budget"] = budget
-    r = client.post(f"{base_url}/chat/completions", json=body)
-    r.raise_for_status()
-    data = r.json()
-    msg = data["choices"][0]["message"]
-    content = msg.get("content") or ""
-    details = (data.get("usage") or {}).get("completion_tokens_details") or {}
-    return {
-        "correct": verify(problem, content),
-        "reasoning_tokens": int(details.get("reasoning_tokens") or 0),
-        "content": content,
-        "reasoning": msg.get("reasoning"),
-        "finish_reason": data["choices"][0]["finish_reason"],
-    }
-
-
-def _summary(rows: Sequence[tuple[Problem, dict[str, Any]]]) -> dict[str, Any]:
-    toks = [r["reasoning_tokens"] for _, r in rows]
-    return {
-        "n": len(rows),
-        "accuracy": round(sum(r["correct"] for _, r in rows) / len(rows), 4),
-        "mean_reasoning_tokens": round(sum(toks) / len(toks), 2),
-        "max_reasoning_tokens": max(toks),
-    }
+def _summary(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    s = summarize(outcomes)
+    return {"n": s["requests"], "accuracy": round(s["accuracy"], 4),
+            "mean_reasoning_tokens": round(s["mean_reasoning_tokens"], 2),
+            "max_reasoning_tokens": s["max_reasoning_tokens"]}
 
 
 def measure(
@@ -80,37 +38,27 @@ def measure(
     problems: Sequence[Problem],
     settings: dict[str, tuple[int | None, bool]],
     concurrency: int = 16,
+    max_tokens: int = 1024,
 ) -> dict[str, Any]:
-    """Run every problem under every setting (name → (budget, thinking)); per-setting and per-level summaries."""
+    """Run every problem under every setting (name → (thinking budget or None for unlimited, thinking on));
+    per-setting and per-level summaries. The calls go through :func:`router.probe.probe` (temperature 0)."""
     out: dict[str, Any] = {}
-    with httpx.Client(timeout=300, trust_env=False) as client, ThreadPoolExecutor(concurrency) as pool:
+    with ProbeClient(base_url, None, max_retries=0, max_connections=concurrency) as client:
         for name, (budget, thinking) in settings.items():
-            results = list(pool.map(lambda p, b=budget, t=thinking: ask(client, base_url, model, p, b, t), problems))
-            rows = list(zip(problems, results, strict=True))
+            body: dict[str, Any] = {"max_tokens": max_tokens}
+            if not thinking:
+                body["chat_template_kwargs"] = {"enable_thinking": False}
+            elif budget is not None:
+                body["thinking_token_budget"] = budget
+            outcomes = probe(client, problems, [Target(model, body, name)], concurrency=concurrency, verify=verify)
             levels = sorted({p.difficulty for p in problems})
-            out[name] = _summary(rows) | {
+            out[name] = _summary(outcomes) | {
                 "budget": budget,
                 "thinking": thinking,
-                "by_difficulty": {d: _summary([(p, r) for p, r in rows if p.difficulty == d]) for d in levels},
+                "by_difficulty": {d: _summary([o for o in outcomes if o.problem.difficulty == d]) for d in levels},
             }
             print(f"{name}: {out[name]['accuracy']:.3f}", file=sys.stderr, flush=True)
     return out
-
-
-def markdown(settings: dict[str, Any]) -> str:
-    """A table: rows = settings, columns = accuracy per difficulty, overall, mean/max reasoning tokens."""
-    levels = sorted({int(d) for s in settings.values() for d in s["by_difficulty"]})
-    head = "| setting | " + " | ".join(f"{d} ops" for d in levels) + " | all | mean / max reasoning tokens |"
-    lines = [head, "|" + "---|" * (len(levels) + 3)]
-    for name, s in settings.items():
-        by = {int(k): v for k, v in s["by_difficulty"].items()}  # JSON round-trips turn the keys into strings
-        cells = [f"{by[d]['accuracy']:.0%}" for d in levels]
-        lines.append(
-            f"| {name} | "
-            + " | ".join(cells)
-            + f" | {s['accuracy']:.0%} | {s['mean_reasoning_tokens']:.0f} / {s['max_reasoning_tokens']} |"
-        )
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

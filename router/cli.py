@@ -112,7 +112,8 @@ def label_gateway(
     source: str = "gateway",
 ) -> None:
     """Source 3: measure each tier's correctness and tokens through a running gateway (resumable)."""
-    from router.fit.outcomes import GatewayClient, label_via_gateway
+    from router.fit.outcomes import label_via_gateway
+    from router.probe import ProbeClient
     from router.tasks.verifiers import get_verifier
 
     try:
@@ -120,7 +121,7 @@ def label_gateway(
     except ValueError as exc:
         _fail(str(exc))
     tier_list = [t.strip() for t in tiers.split(",") if t.strip()]
-    client = GatewayClient(url, api_key, timeout_s=timeout_s)
+    client = ProbeClient.from_env(url, api_key, require_key=False, timeout_s=timeout_s)
     try:
         stats = label_via_gateway(inp, out, tier_list, check, client=client, concurrency=concurrency,
                                   limit=limit, source=source)

@@ -1,9 +1,9 @@
 """``thinkgate eval tiers``: accuracy, reasoning tokens and cost of every tier of a running gateway.
 
-The gateway is found like the OpenAI SDK finds its server: ``THINKGATE_URL`` (default
-``http://127.0.0.1:8080``, with or without ``/v1``) and ``THINKGATE_API_KEY``. Each held-out problem is sent
-once to each tier (``model: <tier>``, temperature 0, ``Cache-Control: no-store`` so a repeated run measures
-the engine, not the cache) and verified with the task's exact verifier.
+The gateway is found like the OpenAI SDK finds its server (:meth:`router.probe.ProbeClient.from_env`):
+``THINKGATE_URL`` (default ``http://127.0.0.1:8080``, with or without ``/v1``) and ``THINKGATE_API_KEY``. Each
+held-out problem is sent once to each tier (``model: <tier>``, temperature 0, ``Cache-Control: no-store`` so a
+repeated run measures the engine, not the cache) and verified with the task's exact verifier.
 
 Output shape (also written as JSON)::
 
@@ -16,40 +16,11 @@ exact sum of per-request integer micro-USD (tier prices from ``/v1/models``) div
 
 from __future__ import annotations
 
-import os
-from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
 from gateway.config import Prices
 from gateway.ledger.pricing import cost_micro_usd
-
-
-def gateway_url() -> str:
-    """Base URL of the gateway's OpenAI API (ending in ``/v1``) from ``THINKGATE_URL``."""
-    url = os.environ.get("THINKGATE_URL", "http://127.0.0.1:8080").rstrip("/")
-    return url if url.endswith("/v1") else url + "/v1"
-
-
-def gateway_key() -> str:
-    """The API key from ``THINKGATE_API_KEY``; raises RuntimeError (with the fix) when unset."""
-    key = os.environ.get("THINKGATE_API_KEY")
-    if not key:
-        raise RuntimeError("set THINKGATE_API_KEY (the dev key: cat .thinkgate/dev-key)")
-    return key
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One (tier, problem) measurement."""
-
-    tier: str
-    difficulty: int
-    correct: bool
-    reasoning_tokens: int
-    cost_micro_usd: int
 
 
 def tier_prices(models: list[dict[str, Any]]) -> dict[str, Prices]:
@@ -62,37 +33,6 @@ def tier_prices(models: list[dict[str, Any]]) -> dict[str, Prices]:
     return out
 
 
-def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
-    """Aggregate outcomes of one group into the report's per-group keys."""
-    n = len(outcomes)
-    reasoning = [o.reasoning_tokens for o in outcomes]
-    micro = sum(o.cost_micro_usd for o in outcomes)
-    return {
-        "requests": n,
-        "accuracy": sum(o.correct for o in outcomes) / n if n else 0.0,
-        "mean_reasoning_tokens": sum(reasoning) / n if n else 0.0,
-        "max_reasoning_tokens": max(reasoning, default=0),
-        "cost_usd": float(Decimal(micro) / Decimal(1_000_000)),
-        "cost_micro_usd": micro,
-    }
-
-
-def report(outcomes: list[Outcome]) -> dict[str, Any]:
-    """The full report: per tier, with a ``by_difficulty`` breakdown (keys are difficulty levels as str)."""
-    by_tier: dict[str, list[Outcome]] = defaultdict(list)
-    for o in outcomes:
-        by_tier[o.tier].append(o)
-    tiers: dict[str, Any] = {}
-    for name, rows in by_tier.items():
-        levels: dict[int, list[Outcome]] = defaultdict(list)
-        for o in rows:
-            levels[o.difficulty].append(o)
-        entry = summarize(rows)
-        entry["by_difficulty"] = {str(k): summarize(v) for k, v in sorted(levels.items())}
-        tiers[name] = entry
-    return {"tiers": tiers}
-
-
 def run(
     tiers: list[str],
     task: str = "arith",
@@ -102,61 +42,50 @@ def run(
     concurrency: int = 4,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Send the held-out set of ``task`` through each tier of the gateway and return :func:`report`.
+    """Send the held-out set of ``task`` through each tier of the gateway (:func:`router.probe.probe`) and return
+    ``{"tiers": {NAME: {"accuracy", "mean_reasoning_tokens", "max_reasoning_tokens", "cost_usd",
+    "cost_micro_usd", "requests", "by_difficulty": {LEVEL: {same keys}}}}}``.
 
     Raises RuntimeError when the gateway is unreachable or a tier is unknown to it.
     """
-    import httpx
-
     from router.errors import require
-    from router.tasks import load_task, verify
+    from router.probe import Outcome, ProbeClient, ProbeError, by_difficulty, probe
+    from router.tasks import load_task
 
     tqdm = require("tqdm", "eval", "thinkgate eval tiers").tqdm
-    client = httpx.Client(base_url=gateway_url(), headers={"authorization": f"Bearer {gateway_key()}"},
-                          timeout=300.0, transport=httpx.HTTPTransport(retries=1))
     try:
-        resp = client.get("/models")
-        resp.raise_for_status()
-        models = list(resp.json()["data"])
-    except (httpx.HTTPError, ValueError, KeyError) as exc:
-        client.close()
-        raise RuntimeError(f"gateway at {gateway_url()} not reachable: {exc}") from exc
-    prices = tier_prices(models)
-    unknown = [t for t in tiers if t not in prices]
-    if unknown:
-        client.close()
-        raise RuntimeError(f"tiers unknown to the gateway: {unknown} (it serves {sorted(prices)})")
+        client = ProbeClient.from_env(max_retries=1, headers={"cache-control": "no-store"})
+    except ProbeError as exc:
+        raise RuntimeError(str(exc)) from None
+    with client:
+        try:
+            prices = tier_prices(client.models())
+        except ProbeError as exc:
+            raise RuntimeError(str(exc)) from exc
+        unknown = [t for t in tiers if t not in prices]
+        if unknown:
+            raise RuntimeError(f"tiers unknown to the gateway: {unknown} (it serves {sorted(prices)})")
+        problems = []
+        for level in difficulties or _task_levels(task):
+            problems += load_task(task, "test", n_per_level, seed=seed, difficulties=[level])
+        bar = tqdm(total=len(tiers) * len(problems), disable=not progress, desc="eval tiers")
+        try:
+            outcomes = probe(client, problems, tiers, concurrency=concurrency, on_outcome=lambda _: bar.update(1))
+        except ProbeError as exc:
+            raise RuntimeError(str(exc)) from exc
+        finally:
+            bar.close()
 
-    problems = []
-    levels = difficulties or _task_levels(task)
-    for level in levels:
-        problems += load_task(task, "test", n_per_level, seed=seed, difficulties=[level])
-    jobs = [(t, p) for t in tiers for p in problems]
+    def cost(o: Outcome) -> int:
+        a = o.answer
+        return cost_micro_usd(prices[o.target], prompt_tokens=a.prompt_tokens, cached_tokens=a.cached_tokens,
+                              completion_tokens=a.completion_tokens)
 
-    def one(job: tuple[str, Any]) -> Outcome:
-        tier, problem = job
-        r = client.post("/chat/completions", headers={"cache-control": "no-store"}, json={
-            "model": tier, "messages": [{"role": "user", "content": problem.question}], "temperature": 0})
-        r.raise_for_status()
-        data = r.json()
-        content = (data["choices"][0].get("message") or {}).get("content") or ""
-        usage = data.get("usage") or {}
-        reasoning_tokens = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        cost = cost_micro_usd(
-            prices[tier],
-            prompt_tokens=usage.get("prompt_tokens") or 0,
-            cached_tokens=cached,
-            completion_tokens=usage.get("completion_tokens") or 0,
-        )
-        return Outcome(tier, problem.difficulty, verify(problem, content), reasoning_tokens, cost)
+    def money(rows: Any) -> dict[str, Any]:
+        micro = sum(cost(o) for o in rows)
+        return {"cost_usd": float(Decimal(micro) / Decimal(1_000_000)), "cost_micro_usd": micro}
 
-    try:
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            outcomes = list(tqdm(pool.map(one, jobs), total=len(jobs), disable=not progress, desc="eval tiers"))
-    finally:
-        client.close()
-    return report(outcomes)
+    return {"tiers": by_difficulty(outcomes, extra=money)}
 
 
 def _task_levels(task: str) -> list[int]:

@@ -29,17 +29,17 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from gateway.config import LoopGuard, TierConfig
+from gateway.config import TierConfig
 from gateway.errors import InvalidRequest
 from gateway.openai import sse
 from gateway.openai.usage import estimate_tokens, generated_text, merge_usage
+from gateway.thinking.loop_guard import LoopDetector
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamPool
 from gateway.upstream.response import SyntheticResponse
 
@@ -57,33 +57,6 @@ async def _pieces(resp: Any, endpoint: str) -> AsyncIterator[tuple[str, str | No
                 yield "", None, data["usage"]
             for c in data.get("choices") or ():
                 yield generated_text(c, endpoint, delta=True), c.get("finish_reason"), None
-
-
-class LoopDetector:
-    """Detects a thought that repeats itself: True once any n-gram of ``ngram`` consecutive whitespace words
-    has been seen ``max_repeats`` times. Feed text pieces as they stream (split words across pieces are
-    handled by keeping the unfinished tail)."""
-
-    def __init__(self, guard: LoopGuard) -> None:
-        self.n = guard.ngram
-        self.max_repeats = guard.max_repeats
-        self._window: deque[str] = deque(maxlen=self.n)
-        self._counts: Counter[tuple[str, ...]] = Counter()
-        self._tail = ""
-
-    def feed(self, text: str) -> bool:
-        """Add ``text``; return True when the loop threshold is reached."""
-        words = (self._tail + text).split(" ")
-        self._tail = words.pop()  # the last piece may be an unfinished word
-        hit = False
-        for chunk in words:
-            for w in chunk.split():
-                self._window.append(w)
-                if len(self._window) == self.n:
-                    key = tuple(self._window)
-                    self._counts[key] += 1
-                    hit = hit or self._counts[key] >= self.max_repeats
-        return hit
 
 
 def end_marker(tier: TierConfig) -> str:

@@ -11,40 +11,26 @@ correctness and tokens. The output row is a :class:`router.fit.labels.LabelledIt
 
 Resumable: ids already in the output file are skipped and new rows are appended (one flushed line per
 item), so an interrupted run continues where it stopped. An item whose call fails on any tier (after the
-client's retries) is not written and is retried by the next run. Server: ``THINKGATE_URL`` (with or
-without the ``/v1`` suffix) and ``THINKGATE_API_KEY``.
+client's retries) is not written and is retried by the next run. The calls go through
+:class:`router.probe.ProbeClient` (server: ``THINKGATE_URL``, with or without ``/v1``, and ``THINKGATE_API_KEY``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from router.errors import require
 from router.fit.jsonl import open_text, read_jsonl
 from router.fit.labels import LabelledItem
+from router.probe import ProbeClient, ProbeError
 from router.tasks.verifiers import Verifier
 from router.window import routing_window
-
-DEFAULT_URL = "http://127.0.0.1:8080/v1"
-_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
-
-
-def chat_url(base_url: str) -> str:
-    """``…/v1/chat/completions`` for a base URL given with or without ``/v1``."""
-    base = base_url.rstrip("/")
-    if not base.endswith("/v1"):
-        base += "/v1"
-    return base + "/chat/completions"
 
 
 @dataclass
@@ -67,54 +53,6 @@ class LabelStats:
     written: int = 0
     failed: int = 0
     errors: list[str] = field(default_factory=list)
-
-
-class GatewayClient:
-    """Minimal OpenAI chat client over httpx (thread-safe; one pooled connection set).
-
-    ``max_retries`` retries connection errors and 429/5xx answers with exponential backoff (0.5 s · 2^k).
-    """
-
-    def __init__(
-        self,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        timeout_s: float = 300.0,
-        max_retries: int = 2,
-        extra_body: dict[str, Any] | None = None,
-    ) -> None:
-        self.url = chat_url(base_url or os.environ.get("THINKGATE_URL") or DEFAULT_URL)
-        key = api_key if api_key is not None else os.environ.get("THINKGATE_API_KEY")
-        headers = {"authorization": f"Bearer {key}"} if key else {}
-        self.client = httpx.Client(timeout=timeout_s, headers=headers)
-        self.max_retries = max_retries
-        self.extra_body = dict(extra_body or {})
-
-    def close(self) -> None:
-        self.client.close()
-
-    def chat(self, model: str, messages: list[dict[str, Any]]) -> tuple[str, dict[str, Any], float]:
-        """(answer text incl. any ``reasoning_content`` before it, usage dict, latency ms). Raises
-        httpx.HTTPError (incl. HTTPStatusError) when the call still fails after the retries."""
-        body = {"model": model, "messages": messages, "stream": False, **self.extra_body}
-        for attempt in range(self.max_retries + 1):
-            t0 = time.perf_counter()
-            try:
-                resp = self.client.post(self.url, json=body)
-                resp.raise_for_status()
-                data = resp.json()
-                break
-            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
-                retryable = isinstance(exc, httpx.TransportError) or exc.response.status_code in _RETRY_STATUS
-                if attempt >= self.max_retries or not retryable:
-                    raise
-                time.sleep(0.5 * 2**attempt)
-        latency_ms = (time.perf_counter() - t0) * 1000.0
-        msg = (data.get("choices") or [{}])[0].get("message") or {}
-        content = msg.get("content") or ""
-        reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
-        text = f"{reasoning}</think>{content}" if reasoning else content
-        return text, dict(data.get("usage") or {}), latency_ms
 
 
 def _messages(row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -140,13 +78,16 @@ def existing_ids(path: Path) -> set[str]:
 
 
 def label_row(
-    row: dict[str, Any], tiers: Sequence[str], client: GatewayClient, verifier: Verifier, source: str
+    row: dict[str, Any], tiers: Sequence[str], client: ProbeClient, verifier: Verifier, source: str
 ) -> LabelledItem:
-    """Run one input row through every tier and build its labelled item. Raises httpx.HTTPError."""
+    """Run one input row through every tier and build its labelled item. Raises ProbeError."""
     messages = _messages(row)
     outcomes: dict[str, TierOutcome] = {}
     for tier in tiers:
-        text, usage, ms = client.chat(tier, messages)
+        answer = client.chat(tier, messages)
+        # verifiers read the answer after the thought, as the model wrote it
+        text = f"{answer.reasoning}</think>{answer.content}" if answer.reasoning else answer.content
+        usage, ms = answer.usage, answer.latency_ms
         details = usage.get("completion_tokens_details") or {}
         outcomes[tier] = TierOutcome(
             correct=bool(verifier(row, text)),
@@ -177,7 +118,7 @@ def label_via_gateway(
     tiers: Sequence[str],
     verifier: Verifier,
     *,
-    client: GatewayClient | None = None,
+    client: ProbeClient | None = None,
     concurrency: int = 4,
     limit: int | None = None,
     source: str = "gateway",
@@ -208,7 +149,7 @@ def label_via_gateway(
     if limit is not None:
         todo = todo[:limit]
     own_client = client is None
-    client = client or GatewayClient()
+    client = client or ProbeClient.from_env(require_key=False)
     lock = threading.Lock()
     tqdm = require("tqdm", "eval", "labelling through a gateway").tqdm
     bar = tqdm(total=len(todo), desc="labelling", unit="item", disable=not progress)
@@ -219,7 +160,7 @@ def label_via_gateway(
                 row = futures[fut]
                 try:
                     item = fut.result()
-                except (httpx.HTTPError, ValueError, KeyError) as exc:
+                except (ProbeError, ValueError, KeyError) as exc:
                     with lock:
                         stats.failed += 1
                         stats.errors.append(f"{row['id']}: {type(exc).__name__}: {exc}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from gateway.config import LoopGuard, TierConfig
 from gateway.openai.usage import merge_usage
 from gateway.pipeline.escalation import escalation_reason
-from gateway.thinking.forcing import LoopDetector, answer_request, thought_request
+from gateway.thinking.forcing import answer_request, thought_request
+from gateway.thinking.loop_guard import LoopDetector
 
 
 def _tier(**kw: object) -> TierConfig:

@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 from gateway.cli.main import app
 from router.fit.jsonl import write_jsonl
 from router.fit.labels import load_items
-from router.fit.outcomes import GatewayClient, chat_url, label_via_gateway
+from router.fit.outcomes import label_via_gateway
+from router.probe import ProbeClient, api_base
 from router.tasks.rows import task_rows
 from router.tasks.verifiers import get_verifier
 
@@ -101,7 +102,7 @@ def test_labels_tokens_and_resume(server: tuple[str, FakeTiers], rows: list[dict
     write_jsonl(inp, rows)
     hard_id = next(r["id"] for r in rows if r["difficulty"] == 6)
     state.fail = {hard_id}
-    client = GatewayClient(url, API_KEY, max_retries=1)
+    client = ProbeClient(url, API_KEY, max_retries=1)
     try:
         stats = label_via_gateway(inp, out, ["short", "long"], get_verifier("task"), client=client, concurrency=3,
                                   progress=False)
@@ -149,7 +150,7 @@ def test_label_gateway_cli_uses_env_and_reports_failures(server: tuple[str, Fake
 
 
 def test_chat_url_and_verifiers() -> None:
-    assert chat_url("http://h:1") == chat_url("http://h:1/v1/") == "http://h:1/v1/chat/completions"
+    assert api_base("http://h:1") == api_base("http://h:1/v1/") == "http://h:1/v1"
     row = {"question": "q", "answer": "\\frac{1}{2}"}
     assert get_verifier("math")(row, "<think>…</think>The answer is $\\boxed{0.5}$")
     assert not get_verifier("math")(row, "The answer is 2.")

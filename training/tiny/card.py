@@ -14,7 +14,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.tiny_measure import markdown
+
+def markdown(settings: dict[str, Any]) -> str:
+    """A table: rows = settings, columns = accuracy per difficulty, overall, mean/max reasoning tokens."""
+    levels = sorted({int(d) for s in settings.values() for d in s["by_difficulty"]})
+    head = "| setting | " + " | ".join(f"{d} ops" for d in levels) + " | all | mean / max reasoning tokens |"
+    lines = [head, "|" + "---|" * (len(levels) + 3)]
+    for name, s in settings.items():
+        by = {int(k): v for k, v in s["by_difficulty"].items()}  # JSON round-trips turn the keys into strings
+        cells = [f"{by[d]['accuracy']:.0%}" for d in levels]
+        lines.append(
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {s['accuracy']:.0%} | {s['mean_reasoning_tokens']:.0f} / {s['max_reasoning_tokens']} |"
+        )
+    return "\n".join(lines)
 
 
 def _load(path: Path) -> dict[str, Any] | None:

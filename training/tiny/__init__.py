@@ -1,0 +1,1 @@
+"""The tiny local reasoning model: tokenizer, model, SFT recipe, offline evaluation, model card."""
