@@ -1,9 +1,9 @@
-"""``create_app(settings) -> FastAPI``: the HTTP surface of the gateway (routes only).
+"""``create_app(settings) -> FastAPI``: build the gateway's services and attach the HTTP surface (``gateway/api/``).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (:mod:`gateway.pipeline.proxy`), ``GET /v1/models``
-(``auto`` and every tier with its ``thinkgate`` settings), ``GET /health`` (liveness, no key) and
-``GET /ready`` (every tier's upstream and Redis answer; no key, tier names only), ``POST /admin/router/reload``
-(admin key: load the router file now; it is also watched and reloaded when it changes). Errors are mapped by
+Routes, one module each: ``POST /v1/chat/completions`` and ``/v1/completions`` (:mod:`gateway.api.completions`),
+``/v1/responses`` (:mod:`gateway.api.responses`), ``/v1/messages`` (:mod:`gateway.api.messages`),
+``GET /v1/models`` and ``POST /admin/router/reload`` (:mod:`gateway.api.models`), ``GET /v1/usage`` and
+``/metrics`` (:mod:`gateway.api.usage`), ``GET /health`` and ``/ready`` (:mod:`gateway.api.ops`). Errors are mapped by
 :func:`gateway.errors.install_handlers`. ``app.state.routing`` is the :class:`gateway.pipeline.routing.Routing`
 (plug the trained router in with ``app.state.routing.set_scorer``) and ``app.state.proxy`` the
 :class:`gateway.pipeline.proxy.Proxy` (``usage_sinks`` for metering).
@@ -17,26 +17,24 @@ import gc
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
-import orjson
-from fastapi import FastAPI, Request
-from starlette.responses import Response
+from fastapi import FastAPI
 
+from gateway.api import completions as completions_api
 from gateway.api import messages as messages_api
+from gateway.api import models as models_api
+from gateway.api import ops as ops_api
 from gateway.api import responses as responses_api
 from gateway.api import usage as usage_api
 from gateway.auth.keys import KeyStore
-from gateway.config import Settings, TierConfig
-from gateway.errors import InvalidRequest, PermissionDenied, install_handlers
+from gateway.config import Settings
+from gateway.errors import install_handlers
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.proxy import Proxy
-from gateway.pipeline.routing import AUTO, Routing
+from gateway.pipeline.routing import Routing
 from gateway.state.conversations import ConversationStore
 from gateway.upstream.pool import UpstreamPool
-from router.persistence import RouterFileError
 
-READY_TIMEOUT_S = 2.0
 _heap_frozen = False
 
 
@@ -55,44 +53,6 @@ def freeze_startup_heap() -> None:
     _heap_frozen = True
     gc.collect()
     gc.freeze()
-
-
-def _json(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
-
-
-def _tier_card(t: TierConfig, created: int) -> dict[str, Any]:
-    # Prices as decimal strings: exact, as configured (USD per 1M tokens).
-    return {
-        "id": t.name,
-        "object": "model",
-        "created": created,
-        "owned_by": "thinkgate",
-        "thinkgate": {
-            "upstream_model": t.model,
-            "thinking_budget": t.thinking_budget,
-            "budget_mode": t.budget_mode,
-            "enable_thinking": t.enable_thinking,
-            "max_tokens": t.max_tokens,
-            "prices": {
-                "input_usd_per_mtok": str(t.prices.input_usd_per_mtok),
-                "cached_input_usd_per_mtok": str(t.prices.cached_input_usd_per_mtok),
-                "output_usd_per_mtok": str(t.prices.output_usd_per_mtok),
-            },
-        },
-    }
-
-
-async def _redis_ok(url: str, timeout_s: float) -> bool:
-    import redis.asyncio as aioredis
-
-    client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-    try:
-        return bool(await client.ping())
-    except (aioredis.RedisError, OSError):
-        return False
-    finally:
-        await client.aclose()
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -129,66 +89,7 @@ def create_app(settings: Settings) -> FastAPI:
                                                        settings.responses.store_ttl_s))
     messages_api.attach(app, proxy)
 
-    async def chat_completions(request: Request) -> Response:
-        return await proxy.handle(request, "chat")
-
-    async def completions(request: Request) -> Response:
-        return await proxy.handle(request, "completions")
-
-    # Plain Starlette routes on the hot path: the body is parsed and validated by the proxy itself, so
-    # FastAPI's per-request dependency and response-model machinery would be pure overhead.
-    app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.router.add_route("/v1/completions", completions, methods=["POST"])
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        await proxy.keys.authenticate(request.headers.get("authorization"))
-        auto = {
-            "id": AUTO,
-            "object": "model",
-            "created": created,
-            "owned_by": "thinkgate",
-            "thinkgate": {
-                "router": routing.scorer.name,
-                "router_status": routing.service.info() if routing.service is not None else None,
-                "routed_tiers": settings.routing.routed_tiers,
-                "thresholds": routing.thresholds,
-                "effort_tiers": settings.routing.effort_tiers,
-            },
-        }
-        return _json({"object": "list", "data": [auto, *(_tier_card(t, created) for t in settings.tiers)]})
-
-    @app.post("/admin/router/reload")
-    async def reload_router(request: Request) -> Response:
-        key = await proxy.keys.authenticate(request.headers.get("authorization"))
-        if not key.is_admin:
-            raise PermissionDenied("reloading the router needs the admin key")
-        svc = routing.service
-        if svc is None:
-            raise InvalidRequest("no router file is configured (routing.router_path is null)")
-        try:
-            await asyncio.to_thread(svc.reload)
-        except RouterFileError as exc:  # the router in service (if any) is kept
-            err = {"message": str(exc), "type": "invalid_request_error", "code": "router_reload_failed"}
-            return _json({"error": err, "router": svc.info()}, 422)
-        return _json({"status": "reloaded", "router": svc.info()})
-
-    @app.get("/health")
-    async def health() -> Response:
-        return _json({"status": "ok"})
-
-    @app.get("/ready")
-    async def ready() -> Response:
-        tiers = settings.tiers
-        checks = await asyncio.gather(
-            _redis_ok(settings.redis.url, min(READY_TIMEOUT_S, settings.redis.socket_timeout_s * 4)),
-            *(upstreams.ready(t, READY_TIMEOUT_S) for t in tiers),
-        )
-        upstream_ok = {t.name: ok for t, ok in zip(tiers, checks[1:], strict=True)}
-        ok = checks[0] and all(upstream_ok.values())
-        return _json(
-            {"status": "ready" if ok else "not_ready", "redis": checks[0], "upstreams": upstream_ok},
-            200 if ok else 503,
-        )
-
+    completions_api.attach(app, proxy)
+    models_api.attach(app, settings, proxy, routing, created)
+    ops_api.attach(app, settings, upstreams)
     return app

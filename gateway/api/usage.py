@@ -21,11 +21,11 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.api.common import json_response as _json
 from gateway.auth.keys import KeyInfo, KeyStore
 from gateway.errors import InvalidRequest, PermissionDenied, UsageUnavailable
 from gateway.ledger.event import micro_to_usd
@@ -38,10 +38,6 @@ from gateway.state.metrics import CONTENT_TYPE
 MAX_RAW_EVENTS = 10_000
 
 
-
-
-def _json(data: Any) -> Response:
-    return Response(orjson.dumps(data), media_type="application/json")
 
 
 async def summary(acct: Accounting, key_id: str, key: KeyInfo | None, now: float) -> dict[str, Any]:

@@ -1,0 +1,76 @@
+"""``GET /v1/models`` (``auto`` with its routing settings, then every tier with its ``thinkgate`` card) and
+``POST /admin/router/reload`` (admin key: load the router file now; it is also watched and reloaded)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from gateway.api.common import json_response as _json
+from gateway.config import Settings, TierConfig
+from gateway.errors import InvalidRequest, PermissionDenied
+from gateway.pipeline.proxy import Proxy
+from gateway.pipeline.routing import AUTO, Routing
+from router.persistence import RouterFileError
+
+
+def _tier_card(t: TierConfig, created: int) -> dict[str, Any]:
+    # Prices as decimal strings: exact, as configured (USD per 1M tokens).
+    return {
+        "id": t.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "thinkgate",
+        "thinkgate": {
+            "upstream_model": t.model,
+            "thinking_budget": t.thinking_budget,
+            "budget_mode": t.budget_mode,
+            "enable_thinking": t.enable_thinking,
+            "max_tokens": t.max_tokens,
+            "prices": {
+                "input_usd_per_mtok": str(t.prices.input_usd_per_mtok),
+                "cached_input_usd_per_mtok": str(t.prices.cached_input_usd_per_mtok),
+                "output_usd_per_mtok": str(t.prices.output_usd_per_mtok),
+            },
+        },
+    }
+
+
+def attach(app: FastAPI, settings: Settings, proxy: Proxy, routing: Routing, created: int) -> None:
+    """Add ``/v1/models`` and ``/admin/router/reload`` to ``app``; ``created`` stamps the model cards (s)."""
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        await proxy.keys.authenticate(request.headers.get("authorization"))
+        auto = {
+            "id": AUTO,
+            "object": "model",
+            "created": created,
+            "owned_by": "thinkgate",
+            "thinkgate": {
+                "router": routing.scorer.name,
+                "router_status": routing.service.info() if routing.service is not None else None,
+                "routed_tiers": settings.routing.routed_tiers,
+                "thresholds": routing.thresholds,
+                "effort_tiers": settings.routing.effort_tiers,
+            },
+        }
+        return _json({"object": "list", "data": [auto, *(_tier_card(t, created) for t in settings.tiers)]})
+
+    @app.post("/admin/router/reload")
+    async def reload_router(request: Request) -> Response:
+        key = await proxy.keys.authenticate(request.headers.get("authorization"))
+        if not key.is_admin:
+            raise PermissionDenied("reloading the router needs the admin key")
+        svc = routing.service
+        if svc is None:
+            raise InvalidRequest("no router file is configured (routing.router_path is null)")
+        try:
+            await asyncio.to_thread(svc.reload)
+        except RouterFileError as exc:  # the router in service (if any) is kept
+            err = {"message": str(exc), "type": "invalid_request_error", "code": "router_reload_failed"}
+            return _json({"error": err, "router": svc.info()}, 422)
+        return _json({"status": "reloaded", "router": svc.info()})

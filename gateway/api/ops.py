@@ -1,0 +1,49 @@
+"""``GET /health`` (liveness, no key) and ``GET /ready`` (Redis and every tier's upstream answer; no key, tier names
+only; 503 when any does not)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI
+from starlette.responses import Response
+
+from gateway.api.common import json_response as _json
+from gateway.config import Settings
+from gateway.upstream.pool import UpstreamPool
+
+READY_TIMEOUT_S = 2.0
+
+
+async def _redis_ok(url: str, timeout_s: float) -> bool:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        return bool(await client.ping())
+    except (aioredis.RedisError, OSError):
+        return False
+    finally:
+        await client.aclose()
+
+
+def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool) -> None:
+    """Add the liveness and readiness probes to ``app``."""
+
+    @app.get("/health")
+    async def health() -> Response:
+        return _json({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        tiers = settings.tiers
+        checks = await asyncio.gather(
+            _redis_ok(settings.redis.url, min(READY_TIMEOUT_S, settings.redis.socket_timeout_s * 4)),
+            *(upstreams.ready(t, READY_TIMEOUT_S) for t in tiers),
+        )
+        upstream_ok = {t.name: ok for t, ok in zip(tiers, checks[1:], strict=True)}
+        ok = checks[0] and all(upstream_ok.values())
+        return _json(
+            {"status": "ready" if ok else "not_ready", "redis": checks[0], "upstreams": upstream_ok},
+            200 if ok else 503,
+        )
