@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from training.grpo.cli import grpo
+
 app = typer.Typer(no_args_is_help=True)
 
 
@@ -77,7 +79,4 @@ def tiny(
     typer.echo(f"done in {summary['wall_s']} s -> {out}")
 
 
-# --- thinkgate train grpo (training/grpo/cli.py; typer only at import) -----------------------------------------
-from training.grpo.cli import grpo as _grpo  # noqa: E402
-
-app.command("grpo")(_grpo)
+app.command("grpo")(grpo)  # thinkgate train grpo (training/grpo/cli.py; typer only at import)

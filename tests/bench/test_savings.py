@@ -68,9 +68,16 @@ def test_workload_is_deterministic_with_repeats_after_originals() -> None:
     assert (len(syn), len(real)) == (16, 4)
     assert len({i.qid for i in syn}) == 12 and len({i.qid for i in real}) == 3  # 4 + 1 repeats
     assert {i.source for i in syn} == {"arith"} and {i.source for i in real} == {"gsm8k", "math"}
-    seen: set[int] = set()
-    for i in items:
-        seen.add(i.qid)
+    # originals keep their order and every repeat comes after its original: per subset, the first occurrences
+    # are the originals in qid order (a repeat placed before its original would make its qid first appear early)
+    for subset in (syn, real):
+        seen: set[int] = set()
+        firsts = []
+        for i in subset:
+            if i.qid not in seen:
+                firsts.append(i.qid)
+            seen.add(i.qid)
+        assert firsts == sorted(firsts) and len(subset) - len(firsts) == {16: 4, 4: 1}[len(subset)]
     assert {p.difficulty for p in (i.problem for i in syn)} == {1, 2, 3, 4, 5, 6}
     with pytest.raises(sv.BenchError):
         sv.workload(10, repeat_fraction=1.0, real_fraction=0.0)
