@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway.api import completions as completions_api
+from gateway.api import embeddings as embeddings_api
 from gateway.api import messages as messages_api
 from gateway.api import models as models_api
 from gateway.api import ops as ops_api
@@ -88,6 +89,7 @@ def create_app(settings: Settings) -> FastAPI:
     responses_api.attach(app, proxy, ConversationStore(accounting.handle, accounting.breaker,
                                                        settings.responses.store_ttl_s))
     messages_api.attach(app, proxy)
+    embeddings_api.attach(app, proxy)
 
     completions_api.attach(app, proxy)
     models_api.attach(app, settings, proxy, routing, created)

@@ -113,6 +113,9 @@ class TierConfig(_Strict):
     connect_timeout_s: float = Field(5.0, gt=0)
     read_timeout_s: float = Field(120.0, gt=0)
     max_retries: int = Field(2, ge=0)
+    #: this tier's upstream serves ``POST /v1/embeddings`` (gateway/api/embeddings.py); keep it out of
+    #: ``routing.routed_tiers``
+    embeddings: bool = False
 
     @model_validator(mode="after")
     def _confidence_needs_threshold(self) -> TierConfig:

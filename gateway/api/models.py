@@ -30,6 +30,7 @@ def _tier_card(t: TierConfig, created: int) -> dict[str, Any]:
             "budget_mode": t.budget_mode,
             "enable_thinking": t.enable_thinking,
             "max_tokens": t.max_tokens,
+            "embeddings": t.embeddings,
             "prices": {
                 "input_usd_per_mtok": str(t.prices.input_usd_per_mtok),
                 "cached_input_usd_per_mtok": str(t.prices.cached_input_usd_per_mtok),
