@@ -16,13 +16,16 @@ exactly what ``sigmoid(a · pipeline.decision_function([text])[0] + b)`` compute
 
 The cost is dominated by the number of NumPy calls (a few µs each on a busy host), which is why the code
 avoids masks and per-level reductions. Equality with the Pipeline: ``tests/router/test_router_fastpath.py``.
+
+:func:`pipeline_arrays` is the part of the compilation that reads the Pipeline; its output is plain arrays that
+router files carry (``"fast"``), so :meth:`FastScorer.from_arrays` builds the scorer without scikit-learn.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from itertools import repeat
+from itertools import pairwise, repeat
 from typing import Any
 
 import numpy as np
@@ -44,6 +47,108 @@ from router.features import (
 _WHITE_SPACES = re.compile(r"\s\s+")  # sklearn.feature_extraction.text._VectorizerMixin._white_spaces
 #: Largest dense transition table (entries) before a level falls back to sorted-key search.
 DENSE_LIMIT = 1 << 22
+#: Version of the :func:`pipeline_arrays` layout (the ``"fast"`` block of a router file).
+FAST_LAYOUT = 1
+
+
+def _encode_terms(terms: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    # UTF-8 bytes of all terms back to back + (n+1) offsets: no separator can collide with a term's characters,
+    # and NumPy's fixed-width str arrays would drop trailing NULs.
+    blobs = [t.encode("utf-8", "surrogatepass") for t in terms]
+    offsets = np.zeros(len(blobs) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in blobs], out=offsets[1:])
+    return np.frombuffer(b"".join(blobs), dtype=np.uint8).copy(), offsets
+
+
+def _decode_terms(data: np.ndarray, offsets: np.ndarray) -> list[str]:
+    raw = np.asarray(data, dtype=np.uint8).tobytes()
+    ends = np.asarray(offsets, dtype=np.int64).tolist()
+    if not ends or ends[0] != 0 or ends[-1] != len(raw) or any(b < a for a, b in pairwise(ends)):
+        raise ValueError("term offsets do not match the term bytes")
+    return [raw[a:b].decode("utf-8", "surrogatepass") for a, b in pairwise(ends)]
+
+
+def _terms_by_column(vocabulary: dict[Any, Any]) -> list[str]:
+    terms = [""] * len(vocabulary)
+    seen = [False] * len(vocabulary)
+    for term, col in vocabulary.items():
+        c = int(col)
+        if not 0 <= c < len(terms) or seen[c]:
+            raise ValueError("vocabulary columns are not 0..n-1")
+        terms[c], seen[c] = str(term), True
+    return terms
+
+
+def pipeline_arrays(pipeline: Any) -> dict[str, Any]:
+    """The plain arrays the fast path needs, read from a fitted :func:`router.model.build_pipeline` Pipeline.
+
+    A dict of str → int / float / str / list / float64 or integer ndarray (skops-safe: no pickle, no sklearn
+    types), stored in router files as their ``"fast"`` block (:mod:`router.persistence`) so that serving builds
+    :meth:`FastScorer.from_arrays` without scikit-learn. Keys: ``layout`` (:data:`FAST_LAYOUT`), ``max_chars``,
+    ``token_pattern``, ``feature_set`` (``"base"`` / ``"qa"``, :func:`router.features.feature_names`),
+    ``hand_features`` (names), ``word_ngram_range`` / ``char_ngram_range`` ([lo, hi]),
+    ``word_terms`` / ``char_terms`` (uint8: UTF-8 of the vocabulary terms in column order, back to back) with
+    ``word_term_offsets`` / ``char_term_offsets`` (int64, n+1), ``word_idf`` / ``char_idf`` (float64, n),
+    ``coef`` (float64, n_word + n_char + n_hand), ``intercept`` (float), ``hand_mean`` / ``hand_scale``
+    (float64, n_hand: the StandardScaler, 0 / 1 where it does not centre / scale).
+    Raises ValueError if the Pipeline does not have that shape (steps, vectorizer settings).
+    """
+    try:
+        clip = pipeline.named_steps["clip"]
+        union = pipeline.named_steps["features"]
+        clf = pipeline.named_steps["clf"]
+        parts = dict(union.transformer_list)
+        word_vec, char_vec, hand = parts["word"], parts["char"], parts["hand"]
+        scaler = hand.named_steps["scale"]
+        feature_set = getattr(hand.named_steps["extract"], "feature_set", "base")
+        names = feature_names(feature_set)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"not a ThinkGate router pipeline: {exc}") from exc
+    if [name for name, _ in union.transformer_list] != ["word", "char", "hand"]:
+        raise ValueError("feature union must be [word, char, hand]")
+    for vec, analyzer in ((word_vec, "word"), (char_vec, "char")):
+        if (
+            vec.analyzer != analyzer
+            or not vec.lowercase
+            or vec.strip_accents
+            or vec.preprocessor is not None
+            or vec.tokenizer is not None
+            or vec.stop_words is not None
+            or vec.norm != "l2"
+            or not vec.use_idf
+            or not vec.sublinear_tf
+            or vec.binary
+        ):
+            raise ValueError(f"unsupported {analyzer} vectorizer settings for the fast path")
+    if word_vec.token_pattern != WORD_RE.pattern:
+        raise ValueError("word vectorizer token_pattern differs from router.features.WORD_PATTERN")
+    coef = np.asarray(clf.coef_, dtype=np.float64).ravel()
+    n_hand = scaler.mean_.shape[0]
+    if n_hand != len(names):
+        raise ValueError("coefficient count does not match the feature blocks")
+    word_data, word_off = _encode_terms(_terms_by_column(word_vec.vocabulary_))
+    char_data, char_off = _encode_terms(_terms_by_column(char_vec.vocabulary_))
+    return {
+        "layout": FAST_LAYOUT,
+        "max_chars": int(clip.max_chars),
+        "token_pattern": WORD_RE.pattern,
+        "feature_set": feature_set,
+        "hand_features": list(names),
+        "word_ngram_range": [int(x) for x in word_vec.ngram_range],
+        "char_ngram_range": [int(x) for x in char_vec.ngram_range],
+        "word_terms": word_data,
+        "word_term_offsets": word_off,
+        "char_terms": char_data,
+        "char_term_offsets": char_off,
+        "word_idf": np.asarray(word_vec.idf_, dtype=np.float64),
+        "char_idf": np.asarray(char_vec.idf_, dtype=np.float64),
+        "coef": coef,
+        "intercept": float(np.asarray(clf.intercept_).ravel()[0]),
+        "hand_mean": np.asarray(scaler.mean_, dtype=np.float64) if scaler.with_mean else np.zeros(n_hand),
+        "hand_scale": np.asarray(scaler.scale_, dtype=np.float64) if scaler.with_std else np.ones(n_hand),
+    }
+
+
 
 
 class _NgramTrie:
@@ -171,45 +276,50 @@ class FastScorer:
     def compile(cls, pipeline: Any, platt: Any) -> FastScorer:
         """Read a fitted :func:`router.model.build_pipeline` Pipeline and a :class:`router.model.Platt`.
 
-        Raises ValueError if the Pipeline does not have that shape (steps, vectorizer settings), so a file
-        fitted with other options is refused instead of scored wrongly. Takes ~0.1 s.
+        Same as ``from_arrays(pipeline_arrays(pipeline), platt)``. Raises ValueError if the Pipeline does not
+        have that shape (steps, vectorizer settings), so a file fitted with other options is refused instead of
+        scored wrongly. Takes ~0.1 s.
+        """
+        return cls.from_arrays(pipeline_arrays(pipeline), platt)
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, Any], platt: Any) -> FastScorer:
+        """Build the scorer from :func:`pipeline_arrays` output (as stored in a router file's ``"fast"`` block)
+        and a Platt ``(a, b)`` (anything with ``.a`` and ``.b``). NumPy only: no scikit-learn needed.
+
+        Raises ValueError when the arrays were written for another layout, token pattern or hand-feature list
+        than this build computes, or their shapes disagree. Takes ~0.1 s (building the n-gram tries).
         """
         try:
-            clip = pipeline.named_steps["clip"]
-            union = pipeline.named_steps["features"]
-            clf = pipeline.named_steps["clf"]
-            parts = dict(union.transformer_list)
-            word_vec, char_vec, hand = parts["word"], parts["char"], parts["hand"]
-            scaler = hand.named_steps["scale"]
-            feature_set = getattr(hand.named_steps["extract"], "feature_set", "base")
-            n_expected = len(feature_names(feature_set))
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"not a ThinkGate router pipeline: {exc}") from exc
-        if [name for name, _ in union.transformer_list] != ["word", "char", "hand"]:
-            raise ValueError("feature union must be [word, char, hand]")
-        for vec, analyzer in ((word_vec, "word"), (char_vec, "char")):
-            if (
-                vec.analyzer != analyzer
-                or not vec.lowercase
-                or vec.strip_accents
-                or vec.preprocessor is not None
-                or vec.tokenizer is not None
-                or vec.stop_words is not None
-                or vec.norm != "l2"
-                or not vec.use_idf
-                or not vec.sublinear_tf
-                or vec.binary
-            ):
-                raise ValueError(f"unsupported {analyzer} vectorizer settings for the fast path")
-        if word_vec.token_pattern != WORD_RE.pattern:
-            raise ValueError("word vectorizer token_pattern differs from router.features.WORD_PATTERN")
-        coef = np.asarray(clf.coef_, dtype=np.float64).ravel()
-        n_word, n_char = len(word_vec.vocabulary_), len(char_vec.vocabulary_)
-        n_hand = scaler.mean_.shape[0]
-        if coef.shape[0] != n_word + n_char + n_hand or n_hand != n_expected:
+            layout = int(arrays["layout"])
+            if layout != FAST_LAYOUT:
+                raise ValueError(f"fast-path layout {layout} (this build reads {FAST_LAYOUT})")
+            if arrays["token_pattern"] != WORD_RE.pattern:
+                raise ValueError("token_pattern differs from router.features.WORD_PATTERN")
+            feature_set = str(arrays.get("feature_set", "base"))
+            names = feature_names(feature_set)  # ValueError for a set this build does not know
+            if list(arrays["hand_features"]) != list(names):
+                raise ValueError(f"hand feature list differs from router.features.feature_names({feature_set!r})")
+            word_vocab = _decode_terms(arrays["word_terms"], arrays["word_term_offsets"])
+            char_vocab = _decode_terms(arrays["char_terms"], arrays["char_term_offsets"])
+            word_range = (int(arrays["word_ngram_range"][0]), int(arrays["word_ngram_range"][1]))
+            char_range = (int(arrays["char_ngram_range"][0]), int(arrays["char_ngram_range"][1]))
+            max_chars = int(arrays["max_chars"])
+            word_idf = np.asarray(arrays["word_idf"], dtype=np.float64)
+            char_idf = np.asarray(arrays["char_idf"], dtype=np.float64)
+            coef = np.asarray(arrays["coef"], dtype=np.float64).ravel()
+            intercept = float(arrays["intercept"])
+            mean = np.asarray(arrays["hand_mean"], dtype=np.float64)
+            scale = np.asarray(arrays["hand_scale"], dtype=np.float64)
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ValueError(f"incomplete fast-path arrays: {type(exc).__name__}: {exc}") from None
+        n_word, n_char, n_hand = len(word_vocab), len(char_vocab), len(names)
+        if word_idf.shape != (n_word,) or char_idf.shape != (n_char,):
+            raise ValueError("idf lengths do not match the vocabularies")
+        if coef.shape[0] != n_word + n_char + n_hand or mean.shape != (n_hand,) or scale.shape != (n_hand,):
             raise ValueError("coefficient count does not match the feature blocks")
         dummy = n_word + n_char
-        idf = np.concatenate([word_vec.idf_, char_vec.idf_, [0.0]]).astype(np.float64)
+        idf = np.concatenate([word_idf, char_idf, [0.0]])
         w = np.concatenate([coef[:dummy], [0.0]])
 
         # word symbols: tokens of vocabulary terms, plus the hand features' family words and variable letters
@@ -219,32 +329,30 @@ class FastScorer:
         for tok in (*FAMILY_OF, *sorted(VAR_LETTERS), *extra):
             word_ids.setdefault(tok, len(word_ids) + 1)
         word_terms = []
-        for term, col in word_vec.vocabulary_.items():
-            toks = tuple(word_ids.setdefault(t, len(word_ids) + 1) for t in str(term).split(" "))
-            word_terms.append((toks, int(col)))
-        word_trie = _NgramTrie(word_terms, len(word_ids), word_vec.ngram_range, dummy)
+        for col, term in enumerate(word_vocab):
+            toks = tuple(word_ids.setdefault(t, len(word_ids) + 1) for t in term.split(" "))
+            word_terms.append((toks, col))
+        word_trie = _NgramTrie(word_terms, len(word_ids), word_range, dummy)
         # per token id: family 0..N_FAMILIES-1, N_FAMILIES = variable letter, N_FAMILIES + 1 = neither
         token_attr = np.full(len(word_ids) + 1, N_FAMILIES + 1, dtype=np.int64)
         for tok, i in word_ids.items():
             token_attr[i] = FAMILY_OF.get(tok, N_FAMILIES if tok in VAR_LETTERS else N_FAMILIES + 1)
 
         # char symbols: code points of vocabulary terms; a LUT maps code point → id (0 beyond its end)
-        alphabet = sorted({ord(ch) for term in char_vec.vocabulary_ for ch in str(term)})
+        alphabet = sorted({ord(ch) for term in char_vocab for ch in term})
         sym = {cp: i + 1 for i, cp in enumerate(alphabet)}
         char_lut = np.zeros((alphabet[-1] + 2) if alphabet else 1, dtype=np.int64)
         for cp, i in sym.items():
             char_lut[cp] = i
-        char_terms = [(tuple(sym[ord(ch)] for ch in str(t)), n_word + int(c)) for t, c in char_vec.vocabulary_.items()]
-        char_trie = _NgramTrie(char_terms, len(alphabet), char_vec.ngram_range, dummy)
+        char_terms = [(tuple(sym[ord(ch)] for ch in t), n_word + c) for c, t in enumerate(char_vocab)]
+        char_trie = _NgramTrie(char_terms, len(alphabet), char_range, dummy)
 
-        scale = np.asarray(scaler.scale_, dtype=np.float64) if scaler.with_std else np.ones(n_hand)
-        mean = np.asarray(scaler.mean_, dtype=np.float64) if scaler.with_mean else np.zeros(n_hand)
         hand_w = coef[dummy:] / scale  # (x - mean)/scale · w  =  x · (w/scale) - mean · (w/scale)
-        levels = sum(n >= 1 for n in range(word_vec.ngram_range[0], word_vec.ngram_range[1] + 1)) + sum(
-            n >= 1 for n in range(char_vec.ngram_range[0], char_vec.ngram_range[1] + 1)
+        levels = sum(n >= 1 for n in range(word_range[0], word_range[1] + 1)) + sum(
+            n >= 1 for n in range(char_range[0], char_range[1] + 1)
         )
         return cls(
-            max_chars=int(clip.max_chars),
+            max_chars=max_chars,
             word_trie=word_trie,
             word_ids=word_ids,
             token_attr=token_attr,
@@ -254,10 +362,10 @@ class FastScorer:
             idf_w=idf * w,
             idf_sq=idf * idf,
             # the dummy column may collect every n-gram of every level of the clipped text
-            max_count=levels * (int(clip.max_chars) + 2),
+            max_count=levels * (max_chars + 2),
             hand_w=hand_w,
             hand_offset=float(mean @ hand_w),
-            intercept=float(np.asarray(clf.intercept_).ravel()[0]),
+            intercept=intercept,
             platt_a=float(platt.a),
             platt_b=float(platt.b),
             qa=feature_set == "qa",

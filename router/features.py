@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
-
-import numpy as np
-from sklearn.base import BaseEstimator, TransformerMixin
+from collections.abc import Sequence
 
 #: Default cap on the characters the model reads (head and tail kept, see :func:`clip_text`).
 DEFAULT_MAX_CHARS = 4000
@@ -231,44 +228,11 @@ def assemble_hand_features(text: str, n_tokens: int, family_counts: Sequence[int
     ]
 
 
-class TextClipper(TransformerMixin, BaseEstimator):
-    """Pipeline step: :func:`clip_text` on each document (stateless). In: iterable of str; out: list of str."""
+def __getattr__(name: str) -> object:
+    # The sklearn Pipeline steps live in router.steps so that importing this module (the request path does) never
+    # imports scikit-learn; router files name them ``router.features.<name>``, hence the lazy re-export.
+    if name in ("TextClipper", "HandFeatures"):
+        from router import steps
 
-    def __init__(self, max_chars: int = DEFAULT_MAX_CHARS) -> None:
-        self.max_chars = max_chars
-
-    def fit(self, X: Iterable[str], y: object = None) -> TextClipper:
-        return self
-
-    def transform(self, X: Iterable[str]) -> list[str]:
-        return [clip_text(str(x), self.max_chars) for x in X]
-
-
-class HandFeatures(TransformerMixin, BaseEstimator):
-    """Pipeline step: :func:`hand_features` per document (stateless), plus :func:`qa_features` when
-    ``feature_set="qa"``. Out: float64 array (n_docs, len(feature_names(feature_set))). Files written before
-    the parameter existed load as ``"base"``."""
-
-    def __init__(self, feature_set: str = "base") -> None:
-        self.feature_set = feature_set
-
-    def fit(self, X: Iterable[str], y: object = None) -> HandFeatures:
-        feature_names(self._set())
-        return self
-
-    def _set(self) -> str:
-        return getattr(self, "feature_set", "base")
-
-    def transform(self, X: Sequence[str]) -> np.ndarray:
-        fs = self._set()
-        if fs == "qa":
-            rows = []
-            for x in X:
-                toks = WORD_RE.findall(x.lower())
-                rows.append(hand_features(x, toks) + qa_features(x, toks))
-        else:
-            rows = [hand_features(x) for x in X]
-        return np.asarray(rows, dtype=np.float64).reshape(-1, len(feature_names(fs)))
-
-    def get_feature_names_out(self, input_features: object = None) -> np.ndarray:
-        return np.asarray(feature_names(self._set()), dtype=object)
+        return getattr(steps, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

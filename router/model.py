@@ -15,16 +15,15 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from sklearn.feature_extraction.text import TfidfVectorizer
-from sklearn.linear_model import LogisticRegression
-from sklearn.pipeline import FeatureUnion, Pipeline
-from sklearn.preprocessing import StandardScaler
 
 from router.base import Router, register
-from router.features import DEFAULT_MAX_CHARS, HAND_FEATURE_NAMES, WORD_PATTERN, HandFeatures, TextClipper
+from router.features import DEFAULT_MAX_CHARS, HAND_FEATURE_NAMES, WORD_PATTERN
+
+if TYPE_CHECKING:
+    from sklearn.pipeline import Pipeline
 
 
 @dataclass(frozen=True)
@@ -71,6 +70,14 @@ def build_pipeline(cfg: ModelConfig) -> Pipeline:
     Input: a sequence of str (routing windows). ``decision_function`` → float64 array (n,), the logit of
     "needs long". TF-IDF uses sublinear tf and L2 norm per block (float64, so the fast path can match it).
     """
+    # scikit-learn is imported here, not at module level: serving loads a router without it (router.persistence)
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import FeatureUnion, Pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from router.steps import HandFeatures, TextClipper
+
     word = TfidfVectorizer(
         lowercase=True,
         token_pattern=WORD_PATTERN,
@@ -135,6 +142,8 @@ class Platt:
     @classmethod
     def fit(cls, logits: np.ndarray, y: np.ndarray) -> Platt:
         """Fit (a, b) by (nearly unregularised) logistic regression of ``y`` (n,) in {0,1} on ``logits`` (n,)."""
+        from sklearn.linear_model import LogisticRegression
+
         lr = LogisticRegression(C=1e6, solver="lbfgs", max_iter=1000)
         lr.fit(np.asarray(logits, dtype=np.float64).reshape(-1, 1), np.asarray(y, dtype=int))
         return cls(a=float(lr.coef_[0, 0]), b=float(lr.intercept_[0]))
@@ -147,6 +156,9 @@ class TrainedRouter(Router):
 
     ``thresholds``: ascending cut points in [0, 1] (one fewer than the routed tiers), from ``calibrate``.
     ``metadata``: JSON-able dict (version, features, label sources, data sha256, metrics…) saved with it.
+    ``pipeline`` is None for a router loaded for serving (:func:`router.persistence.load_router` with
+    ``pipeline=False``, :meth:`from_fast`): it scores through the fast path only, and the batched reference
+    methods (:meth:`logits`, :meth:`predict_proba`) raise RuntimeError.
     """
 
     name = "tfidf-linear"
@@ -163,31 +175,46 @@ class TrainedRouter(Router):
     def __post_init__(self) -> None:
         if self.scorer not in SCORERS:
             raise ValueError(f"unknown scorer {self.scorer!r} (known: {sorted(SCORERS)})")
-        if self.scorer == "pipeline" and self.pipeline is None:
-            raise ValueError("scorer 'pipeline' needs a fitted pipeline")
+
+    @classmethod
+    def from_fast(cls, fast: Any, platt: Platt, thresholds: list[float], metadata: dict[str, Any],
+                  pipeline: Pipeline | None = None) -> TrainedRouter:
+        """A learned router around an already built :class:`router.fastpath.FastScorer` (``pipeline``
+        optional: None when loaded for serving)."""
+        router = cls(pipeline=pipeline, platt=platt, thresholds=thresholds, metadata=metadata)
+        router._fast = fast
+        return router
+
+    def _require_pipeline(self) -> Pipeline:
+        if self.pipeline is None:
+            raise RuntimeError("this router has no sklearn Pipeline (loaded for serving, or scorer 'pipeline' "
+                               "built without one): load it with router.persistence.load_router(path)")
+        return self.pipeline
 
     def logits(self, texts: Sequence[str]) -> np.ndarray:
-        """Batched Pipeline logits, float64 (n,). Baseline scorers: the logit of their score."""
-        if self.pipeline is None or self.scorer != "pipeline":
+        """Batched Pipeline logits, float64 (n,). Baseline scorers: the logit of their score. Raises
+        RuntimeError for a learned router without its pipeline."""
+        if self.scorer != "pipeline":
             p = np.clip(np.array([self.fast.score(t) for t in texts], dtype=np.float64), 1e-12, 1 - 1e-12)
             return np.log(p / (1 - p))
-        return np.asarray(self.pipeline.decision_function(list(texts)), dtype=np.float64)
+        return np.asarray(self._require_pipeline().decision_function(list(texts)), dtype=np.float64)
 
     def predict_proba(self, texts: Sequence[str]) -> np.ndarray:
-        """Batched P(needs long) through the sklearn Pipeline (the reference path), float64 (n,) in [0, 1]."""
+        """Batched P(needs long) through the sklearn Pipeline (the reference path), float64 (n,) in [0, 1].
+        Raises RuntimeError for a learned router without its pipeline."""
         if self.scorer != "pipeline":
             return np.array([self.fast.score(t) for t in texts], dtype=np.float64)
         return sigmoid(self.platt.a * self.logits(texts) + self.platt.b)
 
     @property
     def fast(self) -> Any:
-        """The compiled single-request scorer (:class:`router.fastpath.FastScorer`, or the baseline's
-        scorer), built on first use."""
+        """The single-request scorer (:class:`router.fastpath.FastScorer`, or the baseline's scorer): given at
+        load, else built on first use (compiled from the pipeline)."""
         if self._fast is None:
             if self.scorer == "pipeline":
                 from router.fastpath import FastScorer
 
-                self._fast = FastScorer.compile(self.pipeline, self.platt)
+                self._fast = FastScorer.compile(self._require_pipeline(), self.platt)
             else:
                 self._fast = _BaselineScorer(SCORERS[self.scorer])
         return self._fast

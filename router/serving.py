@@ -57,8 +57,9 @@ _CACHE_LOCK = threading.Lock()
 
 
 def load_router_cached(path: Path) -> TrainedRouter:
-    """:func:`router.persistence.load_router` memoised on (resolved path, mtime_ns, size, inode), so many
-    gateway apps in one process (tests, workers) load a file once. Keeps the 2 most recent entries."""
+    """:func:`router.persistence.load_router` for serving (``pipeline=False``: NumPy only when the file carries
+    its fast-path arrays) memoised on (resolved path, mtime_ns, size, inode), so many gateway apps in one
+    process (tests, workers) load a file once. Keeps the 2 most recent entries."""
     sig = _signature(path)
     if sig is None:
         raise RouterFileError(path, "not found")
@@ -67,7 +68,7 @@ def load_router_cached(path: Path) -> TrainedRouter:
         hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    router = load_router(path)
+    router = load_router(path, pipeline=False)
     with _CACHE_LOCK:
         _CACHE[key] = router
         while len(_CACHE) > 2:

@@ -101,3 +101,54 @@ def test_incompatible_files(shipped_copy: Path, tmp_path: Path) -> None:
         z.writestr("schema.json", "{not json")
     with pytest.raises(RouterFileError, match="corrupt"):
         load_router(p)
+
+
+# ---- the "fast" block: serving without scikit-learn ------------------------------------------------------------
+
+TEXTS = ["", "What is 1+1?", "Prove that there are infinitely many primes.", "日本語 ½ x2 \t\n  y", "ab " * 3000]
+
+
+def test_serving_load_scores_like_the_sklearn_pipeline(shipped_copy: Path) -> None:
+    from router.fit.default import MATH_TEST, math_items
+
+    full = load_router(shipped_copy)
+    lean = load_router(shipped_copy, pipeline=False)
+    assert lean.pipeline is None and full.pipeline is not None
+    assert (lean.thresholds, lean.platt, lean.metadata) == (full.thresholds, full.platt, full.metadata)
+    texts = TEXTS + [it.text for it in math_items(MATH_TEST)[:200]]
+    np.testing.assert_allclose([lean.score(t) for t in texts], full.predict_proba(texts), rtol=0, atol=1e-9)
+    with pytest.raises(RuntimeError, match="without its sklearn Pipeline"):
+        lean.predict_proba(texts)
+    with pytest.raises(ValueError, match="without its pipeline"):
+        save_router(lean, shipped_copy.parent / "lean.skops")
+
+
+def _envelope(path: Path) -> dict:
+    return sio.load(path, trusted=sio.get_untrusted_types(file=path))
+
+
+def test_a_file_without_or_with_an_unreadable_fast_block_loads_through_its_pipeline(shipped_copy: Path,
+                                                                                    tmp_path: Path) -> None:
+    ref = [load_router(shipped_copy).score(t) for t in TEXTS]
+    obj = _envelope(shipped_copy)
+    del obj["fast"]
+    sio.dump(obj, tmp_path / "old.skops")  # as written before the block existed
+    obj = _envelope(shipped_copy)
+    obj["fast"]["layout"] = 99  # as a future layout
+    sio.dump(obj, tmp_path / "future.skops")
+    obj = _envelope(shipped_copy)
+    obj["fast"]["coef"] = obj["fast"]["coef"][:-1]  # damaged: the block is derived data, the pipeline decides
+    sio.dump(obj, tmp_path / "damaged.skops")
+    for name in ("old.skops", "future.skops", "damaged.skops"):
+        r = load_router(tmp_path / name, pipeline=False)
+        assert r.pipeline is not None and [r.score(t) for t in TEXTS] == ref
+
+
+def test_a_fast_block_does_not_bypass_the_trust_check(shipped_copy: Path, tmp_path: Path) -> None:
+    obj = _envelope(shipped_copy)
+    obj["pipeline"] = os.system
+    p = tmp_path / "evil.skops"
+    sio.dump(obj, p)
+    for pipeline in (True, False):
+        with pytest.raises(RouterFileError, match="untrusted types"):
+            load_router(p, pipeline=pipeline)
