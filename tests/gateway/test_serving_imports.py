@@ -64,3 +64,15 @@ def test_a_file_without_fast_arrays_still_serves_through_sklearn(tmp_path: Path)
     info = serve_modules(old)
     assert info["mode"] == "router" and info["pipeline"] is True and "sklearn" in info["modules"]  # type: ignore[operator]
     assert info["score"] == load_router(SHIPPED).score("Prove that there are infinitely many primes.")
+
+
+def test_a_model_free_baseline_file_serves_without_sklearn_too(tmp_path: Path) -> None:
+    from router.model import TrainedRouter, length_prior
+    from router.persistence import save_router
+
+    p = save_router(TrainedRouter(pipeline=None, scorer="length", thresholds=[0.4], metadata={"policy": "length"}),
+                    tmp_path / "length.skops")
+    info = serve_modules(p)
+    assert info["mode"] == "router" and info["pipeline"] is False
+    assert info["score"] == length_prior("Prove that there are infinitely many primes.")
+    assert not set(HEAVY) & set(info["modules"])  # type: ignore[arg-type]
