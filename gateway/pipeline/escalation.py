@@ -22,8 +22,9 @@ def escalation_reason(tier: TierConfig, data: dict[str, Any], endpoint: str) -> 
     """Why a finished non-streamed answer should be retried on the next tier, per ``tier.escalate_on``.
 
     ``length_in_thought``: the first choice stopped by ``length`` with no answer text (cut in its thought);
-    ``empty_answer``: no answer text at all. Returns the reason, or None. For completions the answer is the
-    text after the last ``</think>`` (all of it when there is no marker).
+    ``empty_answer``: no answer text at all (a chat answer that calls tools has one: never escalated). Returns
+    the reason, or None. For completions the answer is the text after the last ``</think>`` (all of it when
+    there is no marker).
     """
     if not tier.escalate_on:
         return None
@@ -31,6 +32,8 @@ def escalation_reason(tier: TierConfig, data: dict[str, Any], endpoint: str) -> 
     if not choices:
         return "empty_answer" if "empty_answer" in tier.escalate_on else None
     c = choices[0]
+    if endpoint == "chat" and (c.get("message") or {}).get("tool_calls"):
+        return None  # a tool call is the answer (its content is empty by design)
     if endpoint == "chat":
         answer = str((c.get("message") or {}).get("content") or "")
     else:
@@ -64,6 +67,7 @@ async def peek_stream(
     finish: str | None = None
     usage: dict[str, Any] | None = None
     logprobs: list[Any] = []
+    calls = False  # a tool-call delta: the answer has started
     decoder = SSEDecoder()
     marker = end_marker(tier)
     async for chunk in raw:
@@ -81,16 +85,19 @@ async def peek_stream(
             for c in data.get("choices") or ():
                 part = c.get("text") if endpoint == "completions" else (c.get("delta") or {}).get("content")
                 text += str(part or "")
+                calls = calls or (endpoint == "chat" and bool((c.get("delta") or {}).get("tool_calls")))
                 finish = c.get("finish_reason") or finish
                 lp = c.get("logprobs")
                 if isinstance(lp, dict) and isinstance(lp.get("content"), list):
                     logprobs += lp["content"]
         # completions carry the thought in ``text`` too: the answer is what follows the end marker
         answer = text if endpoint == "chat" else (text.rsplit(marker, 1)[1] if marker in text else "")
-        if answer.strip() and not whole:
+        if (answer.strip() or calls) and not whole:
             break
     if endpoint == "chat":
         choice: dict[str, Any] = {"message": {"content": text}, "finish_reason": finish}
+        if calls:
+            choice["message"]["tool_calls"] = [{}]  # present; escalation_reason only asks whether there are any
     else:
         choice = {"text": text, "finish_reason": finish}
     if logprobs:
