@@ -265,3 +265,15 @@ def test_dense_sketch_similarity_is_cosine() -> None:
     assert abs(a.similarity(b.kind, b.payload) - 2 ** -0.5) < 1e-3
     assert a.similarity("minhash", b.payload) == 0.0
     assert a.bands == emb.sketch_vector([2.0, 0.0, 0.0, 0.0]).bands  # scale-free
+
+
+async def test_embedder_down_means_no_probe_not_an_error(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    import httpx
+
+    from gateway.config import TierConfig
+
+    dead = TierConfig(name="e", base_url=f"http://127.0.0.1:{free_port()}/v1")
+    async with stack(redis_url, redis_prefix, tmp_path / "s") as st, httpx.AsyncClient() as http:
+        sem = SemanticCache(st.handle, st.breaker, SemanticCacheConfig(), OpenAIEmbedder(dead, http, 0.5))
+        assert await sem.prepare(tenant_scope("a"), "chat", "short", _body()) is None
+        assert sem.embed_failures == 1

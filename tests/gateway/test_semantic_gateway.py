@@ -173,3 +173,34 @@ def _metric(gw: GatewayServer, series: str) -> float:
         if line.startswith(series + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_openai_embedder_hits_a_synonym_and_meters_the_embedding_calls(upstream_sim: SimProcess, redis_url: str,
+                                                                         tmp_path: Path) -> None:
+    """``openai:<tier>``: the simulator's ``/v1/embeddings`` knows ``buy`` = ``purchase``; every embedding call is
+    one usage event of the embedding tier (its input price)."""
+    from decimal import Decimal
+
+    from tests.fixtures.upstream import sim_tiers
+
+    embed = {"name": "embed", "base_url": upstream_sim.base_url, "model": "sim-words",
+             "prices": {"input_usd_per_mtok": Decimal("10")}}
+    semantic = {"cache": {"semantic": {"enabled": True, "embedder": "openai:embed", "threshold": 0.95}}}
+    tag = uuid.uuid4().hex
+    tiers = [embed, *sim_tiers(upstream_sim.base_url)]
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, tiers=tiers, **semantic) as g:
+        c = client(g)
+        q = "How many apples did Tom buy at the market on Monday if he had 12 and ate 3?"
+        first = c.chat.completions.with_raw_response.create(**ask(q, tag))
+        syn = c.chat.completions.with_raw_response.create(**ask(q.replace("buy", "purchase"), tag))
+        other = c.chat.completions.with_raw_response.create(**ask(q.replace("12", "13"), tag))
+        assert [r.headers["x-thinkgate-cache"] for r in (first, syn, other)] == ["miss", "semantic-hit", "miss"]
+        assert upstream_sim.tag(tag)["attempts"] == 2
+        ids = [r.headers["x-request-id"] for r in (first, syn, other)]
+        events = usage_events(g, ids, count=6)
+        assert events[ids[1]].cache_request_id == ids[0]
+        emb = [e for e in events.values() if e.endpoint == "embeddings"]
+        assert len(emb) == 3 and all(e.key_id == "alice" and e.tier == "embed" for e in emb)
+        words = len(q.split())
+        assert sorted(e.prompt_tokens for e in emb) == [words, words, words]
+        assert all(e.cost_micro_usd == words * 10 and e.saved_micro_usd == 0 for e in emb)
