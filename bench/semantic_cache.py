@@ -19,7 +19,11 @@
    worst case for the LSH buckets); sequential ``prepare`` (sketch + guard features) + ``lookup`` of
    paraphrases of stored entries (hits, including the answer's ``GET``) and number-changed ones (misses); p50/p99.
 
-    python -m bench.semantic_cache [--sizes 10000,100000] [--queries 500] [--per-source 150] [--write-results]
+3. **Gateway overhead**, semantic cache off vs on: two ``python -m gateway serve`` on the simulator; sequential
+   exact misses, exact hits and semantic hits, alternated; p50/p99 and the gateway's CPU per request.
+
+    python -m bench.semantic_cache [--sizes 10000,100000] [--queries 500] [--per-source 150]
+                                   [--overhead-requests 400] [--write-results]
 
 Bounded: the paraphrase set is ~500 base questions; filling 100k entries takes about a minute on 2 cores.
 """
@@ -34,18 +38,24 @@ import hashlib
 import random
 import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
+import yaml
 
 from bench._lib.results_md import write_section
-from bench.gateway_overhead import machine
+from bench.gateway_overhead import cpu_seconds, machine
 from gateway.config import RedisConfig, SemanticCacheConfig
-from gateway.engine.redis_server import start_private
+from gateway.engine.redis_server import free_port, start_private
 from gateway.state.breaker import Breaker
 from gateway.state.cache import CacheEntry
 from gateway.state.cache_policy import tenant_scope
@@ -55,6 +65,7 @@ from gateway.state.semantic_cache import Probe, SemanticCache
 from gateway.state.semantic_embed import LexicalEmbedder
 from gateway.state.semantic_guard import COMMON, Features, features, mismatch
 from gateway.state.semantic_policy import tenant_tag
+from tests.fixtures.upstream import SimProcess, start_sim, wait_http_ok
 
 REPO = Path(__file__).resolve().parent.parent
 SECTION = "## Semantic cache"
@@ -416,6 +427,97 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+# --- part 3: gateway overhead, semantic cache off vs on -----------------------------------------------
+
+OVERHEAD_KEY = "tg-bench-semantic-key"
+OVERHEAD_Q = ("Weng earns $12 an hour for babysitting. Yesterday, she just did {n} minutes of babysitting. How much "
+              "did she earn? (run {nonce})")
+OVERHEAD_CASES = ("miss", "exact-hit", "semantic-hit")
+
+
+def start_semantic_gateway(sim: SimProcess, workdir: Path, redis_url: str, semantic: bool) -> tuple[Any, str]:
+    """``python -m gateway serve`` on the simulator (engine off, cache deterministic, semantic cache on/off)."""
+    port = free_port()
+    cfg = {"engine": {"enabled": False}, "server": {"log_level": "warning"},
+           "redis": {"url": redis_url, "key_prefix": f"tgbench:{uuid.uuid4().hex[:8]}:", "start_if_missing": False},
+           "tiers": [{"name": "short", "base_url": sim.base_url, "model": "sim-model", "thinking_budget": 8,
+                      "max_tokens": 64}],
+           "routing": {"router_path": None, "routed_tiers": ["short"], "default_tier": "short",
+                       "effort_tiers": {"low": "short"}},
+           "auth": {"keys": [{"id": "bench", "secret": OVERHEAD_KEY}]},
+           "cache": {"mode": "deterministic", "semantic": {"enabled": semantic}}}
+    path = workdir / f"gateway-{'on' if semantic else 'off'}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(path), "--port", str(port)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=(workdir / f"{path.stem}.log").open("w"))
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=120, proc=proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def overhead_body(case: str, i: int, nonce: str) -> bytes:
+    """``miss``: a new question each time (an exact miss; with the semantic cache a lookup that finds similar
+    entries its guard refuses, then a store); ``exact-hit``: the stored question itself; ``semantic-hit``: it
+    rephrased anew each time (case and spacing: an exact miss, then — semantic cache on — a semantic hit)."""
+    q = OVERHEAD_Q.format(n=50 if case != "miss" else 1000 + i, nonce=nonce)
+    if case == "semantic-hit":  # lower-cased, double spaces where the bits of i say: new bytes every time
+        words = q.lower().split(" ")
+        q = words[0] + "".join(("  " if i >> k & 1 else " ") + w for k, w in enumerate(words[1:]))
+    return orjson.dumps({"model": "short", "messages": [{"role": "user", "content": q}], "temperature": 0,
+                         "max_tokens": 64})
+
+
+async def overhead_part(requests: int, rounds: int) -> list[dict[str, Any]]:
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        proc_r, redis_url = start_private()
+        sim = start_sim()
+        gws = []
+        try:
+            for semantic in (False, True):
+                proc, url = start_semantic_gateway(sim, Path(tmp), redis_url, semantic)
+                gws.append(("on" if semantic else "off", proc, url))
+            nonce = uuid.uuid4().hex[:8]
+            headers = {"authorization": f"Bearer {OVERHEAD_KEY}", "content-type": "application/json"}
+            async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+                counter = 0
+                for _name, _proc, url in gws:  # store the question the hit cases ask for; warm up
+                    await http.post(url + "/chat/completions", content=overhead_body("exact-hit", 0, nonce),
+                                    headers=headers)
+                    for _ in range(20):
+                        counter += 1
+                        await http.post(url + "/chat/completions", content=overhead_body("miss", counter, nonce),
+                                        headers=headers)
+                for _ in range(rounds):
+                    for case in OVERHEAD_CASES:
+                        for name, proc, url in gws:
+                            row = rows.setdefault((case, name), {"lat": [], "cpu": 0.0, "n": 0, "errors": 0,
+                                                                 "headers": Counter()})
+                            cpu0 = cpu_seconds(proc.pid)
+                            for _ in range(requests // rounds):
+                                counter += 1
+                                t0 = time.perf_counter()
+                                r = await http.post(url + "/chat/completions", headers=headers,
+                                                    content=overhead_body(case, counter, nonce))
+                                row["lat"].append((time.perf_counter() - t0) * 1000)
+                                row["errors"] += r.status_code != 200
+                                row["headers"][r.headers.get("x-thinkgate-cache", "?")] += 1
+                                row["n"] += 1
+                            cpu1 = cpu_seconds(proc.pid)
+                            row["cpu"] += (cpu1 or 0.0) - (cpu0 or 0.0)
+        finally:
+            for _name, proc, _url in gws:
+                proc.terminate()
+                proc.wait(timeout=15)
+            sim.stop()
+            proc_r.terminate()
+            proc_r.wait(timeout=10)
+    return [{"case": case, "semantic": name, **row} for (case, name), row in rows.items()]
+
+
 # --- report ---------------------------------------------------------------------------------------------
 
 def plot(curve: list[dict[str, Any]], chosen: float) -> None:
@@ -444,11 +546,13 @@ def plot(curve: list[dict[str, Any]], chosen: float) -> None:
     plt.close(fig)
 
 
-def report(par: dict[str, Any], lat: list[dict[str, Any]], when: str, mach: str, args: argparse.Namespace) -> str:
+def report(par: dict[str, Any], lat: list[dict[str, Any]], overhead: list[dict[str, Any]], when: str, mach: str,
+           args: argparse.Namespace) -> str:
     n_pos, n_neg, chosen = par["n_pos"], par["n_neg"], par["chosen"]
     lines = [SECTION, "",
              f"`python -m bench.semantic_cache --sizes {args.sizes} --queries {args.queries} --per-source "
-             f"{args.per_source}` — {when}. Embedder `lexical` (MinHash 128 × 4-gram/bigram features, 16 LSH bands), "
+             f"{args.per_source} --overhead-requests {args.overhead_requests}` — {when}. Embedder `lexical` "
+             "(MinHash 128 × 4-gram/bigram features, 16 LSH bands), "
              f"index on a private `redis-server` (loopback). Machine: {mach}.", "",
              f"**Paraphrase set**: {sum(par['bases'].values())} real questions stored "
              f"({', '.join(f'{k} {v}' for k, v in sorted(par['bases'].items()))}); "
@@ -482,6 +586,19 @@ def report(par: dict[str, Any], lat: list[dict[str, Any]], when: str, mach: str,
         lines.append(f"| {r['stored']:,} | {r['fill_s']:.0f} | {r['used_memory_mb']:.0f} | {pct(r['hit'], .5):.2f} | "
                      f"{pct(r['hit'], .99):.2f} | {pct(r['miss'], .5):.2f} | {pct(r['miss'], .99):.2f} | "
                      f"{statistics.median(r['prep']):.2f} | {outs} |")
+    if overhead:
+        lines += ["", "**Gateway overhead, semantic cache off vs on** (`python -m gateway serve`, engine off, one "
+                  "tier on `tests/fixtures/upstream_sim.py` (answers at once, so a miss here is a lower bound), cache "
+                  "`deterministic`, private Redis; sequential requests, cases and gateways alternated; `miss`: a "
+                  "new GSM8K-style question each time, differing only in a number — with the semantic cache every "
+                  "lookup finds similar entries the guard refuses, then stores; `exact-hit`: the stored question; "
+                  "`semantic-hit`: it rephrased anew each time (case, spacing) — an upstream call when off):", "",
+                  "| case | semantic cache | requests | errors | p50 ms | p99 ms | gateway CPU ms/req | "
+                  "x-thinkgate-cache |", "|---|---|---:|---:|---:|---:|---:|---|"]
+        for r in sorted(overhead, key=lambda r: (OVERHEAD_CASES.index(r["case"]), r["semantic"] == "on")):
+            hdrs = ", ".join(f"{k} {v}" for k, v in sorted(r["headers"].items()))
+            lines.append(f"| {r['case']} | {r['semantic']} | {r['n']} | {r['errors']} | {pct(r['lat'], .5):.2f} | "
+                         f"{pct(r['lat'], .99):.2f} | {r['cpu'] / max(1, r['n']) * 1000:.2f} | {hdrs} |")
     return "\n".join(lines) + "\n"
 
 
@@ -506,9 +623,14 @@ async def run(args: argparse.Namespace) -> str:
         await handle.close()
         proc.terminate()
         proc.wait(timeout=10)
+    overhead: list[dict[str, Any]] = []
+    if args.overhead_requests > 0:
+        t0 = time.monotonic()
+        overhead = await overhead_part(args.overhead_requests, 2)
+        print(f"overhead part: {time.monotonic() - t0:.0f} s", flush=True)
     plot(par["curve"], par["chosen"]["t"])
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    return report(par, lat, when, machine(), args)
+    return report(par, lat, overhead, when, machine(), args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -517,6 +639,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--queries", type=int, default=500)
     ap.add_argument("--per-source", type=int, default=150)
     ap.add_argument("--seed", type=int, default=18)
+    ap.add_argument("--overhead-requests", type=int, default=400, help="per case and gateway; 0 skips part 3")
     ap.add_argument("--write-results", action="store_true")
     args = ap.parse_args(argv)
     args.size_list = [int(s) for s in args.sizes.split(",")]
