@@ -258,7 +258,7 @@ async def fill(sem: SemanticCache, keys: RedisKeys, scope: str, texts: list[str]
                     continue
                 d = digest_of(text)
                 pipe.set(keys.cache_entry(d), answer_of(text), ex=3600)
-                k, a = sem.index.insert_call(probe.tenant, probe.question.context, d, probe.sketch.bands,
+                k, a = sem.index.insert_call(probe.tenant, probe.question.context, probe.bucket, d, probe.sketch.bands,
                                              SemanticCache.meta(probe, d[:12]), probe.sketch.payload, 3600)
                 await sem.index.insert_script(keys=k, args=a, client=pipe)
             await pipe.execute()
@@ -267,7 +267,7 @@ async def fill(sem: SemanticCache, keys: RedisKeys, scope: str, texts: list[str]
 
 async def score(sem: SemanticCache, probe: Probe) -> list[tuple[float, bool, str]]:
     """(similarity, guard passes, entry id) of each candidate the index returns for ``probe``."""
-    cands = await sem.index.lookup(probe.tenant, probe.question.context, probe.sketch.bands)
+    cands = await sem.index.lookup(probe.tenant, probe.question.context, probe.bucket, probe.sketch.bands)
     return [(probe.sketch.similarity(str(c.meta.get("k")), c.payload),
              mismatch(probe.features, Features.from_json(c.meta["g"]), sem.embedder.exact_words) is None, c.entry_id)
             for c in cands]

@@ -117,9 +117,14 @@ class Accounting:
 
     # --- lifecycle --------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start the spool replayer (call inside the serving event loop)."""
+        """Start the spool replayer (call inside the serving event loop); say which semantic index is used."""
         self._stop.clear()
         self._replayer = asyncio.create_task(self.meter.run_replayer(self._stop), name="usage-spool-replayer")
+        if self.semantic is not None:
+            search = await self.semantic.index.detect()
+            log.info("semantic cache on (embedder %s, threshold %.2f): LSH index in Redis%s",
+                     self.semantic.embedder.name, self.semantic.cfg.threshold,
+                     " (the server's vector search module is present but not used)" if search else "")
 
     async def flush(self) -> None:
         """Wait until every usage event finished so far has been written (Redis or spool)."""

@@ -19,12 +19,17 @@ in the exact cache and within ``max-age``, and a ``max_tokens`` it fits
 lookup did not hit: ``guard_rejected`` (a candidate was similar enough but the guard refused it),
 ``below_threshold`` (candidates, none similar enough), ``miss`` (no candidate at all).
 
+The index buckets are partitioned by the question's numbers as well (:attr:`Probe.bucket`), so a question
+with other numbers is not even a candidate (outcome ``miss``); the guard still checks them. ``guard_rejected``
+therefore counts the other refusals: names, quoted strings, negation, operators, words, language.
+
 Costs: a lookup is one Redis round trip (``gateway/state/semantic_index.py``), a hit one more (the answer's
 ``GET``); a store one. Redis unreachable or the embedder failing → ``bypass``, never an error.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -57,6 +62,14 @@ class Probe:
     question: Question
     sketch: Sketch
     features: Features
+
+    @property
+    def bucket(self) -> str:
+        """Where its LSH bands live: the context, and the question's numbers — two questions with other
+        numbers never share an answer (the guard), so they need not share buckets either, and a tenant asking
+        one template with many numbers does not push an entry out of its buckets."""
+        numbers = hashlib.blake2b("\x1f".join(self.features.numbers).encode(), digest_size=4).hexdigest()
+        return f"{self.question.context[:16]}.{numbers}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +121,7 @@ class SemanticCache:
 
     async def _lookup(self, probe: Probe, max_age_s: int | None) -> SemanticResult:
         try:
-            found = await self.index.lookup(probe.tenant, probe.question.context, probe.sketch.bands)
+            found = await self.index.lookup(probe.tenant, probe.question.context, probe.bucket, probe.sketch.bands)
         except RedisDown:
             return SemanticResult("bypass")
         if not found:
@@ -163,8 +176,8 @@ class SemanticCache:
         True when stored; False when Redis is unreachable (never raises for outages)."""
         meta = self.meta(probe, request_id)
         try:
-            await self.index.insert(probe.tenant, probe.question.context, entry_id, probe.sketch.bands, meta,
-                                    probe.sketch.payload, ttl_s)
+            await self.index.insert(probe.tenant, probe.question.context, probe.bucket, entry_id, probe.sketch.bands,
+                                    meta, probe.sketch.payload, ttl_s)
         except RedisDown:
             return False
         return True

@@ -1,11 +1,12 @@
 """The semantic cache's index in Redis: LSH band buckets as Redis keys, one round trip per lookup.
 
-Keys (``p`` = prefix, ``t`` = 16-hex tenant tag of the cache scope, ``c`` = 16 hex of the context key):
+Keys (``p`` = prefix, ``t`` = 16-hex tenant tag of the cache scope, ``c`` = the bucket: 16 hex of the
+context key and 8 hex of the question's numbers, see ``gateway/state/semantic_cache.py``):
 
 ==========================================  ======  =====================================================
 key                                          type    contents
 ==========================================  ======  =====================================================
-``p sem:{t}:e``                              hash    entry id → record; ``b:<id>`` → its context and bands
+``p sem:{t}:e``                              hash    entry id → record; ``b:<id>`` → its bucket and bands
 ``p sem:{t}:x``                              zset    entry id → expiry (epoch ms): TTL and the entry cap
 ``p sem:{t}:b:{c}:{band}:{hash}``            list    entry ids whose sketch has this band (newest first,
                                                      at most :data:`BUCKET_MAX`)
@@ -77,10 +78,10 @@ return out
 """
 
 # KEYS: 1 entries hash, 2 expiry zset, 3.. band lists of the new entry.
-# ARGV: 1 id, 2 record, 3 bands ("<context16> <hash0> … <hash15>"), 4 now ms, 5 expiry ms, 6 cap, 7 ttl s,
+# ARGV: 1 id, 2 record, 3 bands ("<bucket> <hash0> … <hash15>"), 4 now ms, 5 expiry ms, 6 cap, 7 ttl s,
 #       8 bucket max, 9 expired entries to drop at most, 10 band key base ("<p>sem:<t>:b:").
 # Returns the number of entries evicted by the cap. An entry's band keys are rebuilt from its "b:" field
-# (base .. context .. ':' .. band index .. ':' .. hash), a quarter of the bytes of the keys themselves.
+# (base .. bucket .. ':' .. band index .. ':' .. hash), a quarter of the bytes of the keys themselves.
 INSERT_LUA = """
 local function drop(id)
   local bands = redis.call('HGET', KEYS[1], 'b:' .. id)
@@ -175,9 +176,9 @@ class SemanticIndex:
     def band_base(self, tenant: str) -> str:
         return f"{self.prefix}sem:{tenant}:b:"
 
-    def band_keys(self, tenant: str, context: str, bands: tuple[str, ...]) -> list[str]:
-        base, c = self.band_base(tenant), context[:16]
-        return [f"{base}{c}:{i}:{h}" for i, h in enumerate(bands)]
+    def band_keys(self, tenant: str, bucket: str, bands: tuple[str, ...]) -> list[str]:
+        base = self.band_base(tenant)
+        return [f"{base}{bucket}:{i}:{h}" for i, h in enumerate(bands)]
 
     # --- operations ---------------------------------------------------------------------------------
     async def detect(self) -> bool:
@@ -199,10 +200,10 @@ class SemanticIndex:
             self.vector_search = bool(names & {"search", "ft", "searchlight"})
         return self.vector_search
 
-    async def lookup(self, tenant: str, context: str, bands: tuple[str, ...]) -> list[Candidate]:
+    async def lookup(self, tenant: str, context: str, bucket: str, bands: tuple[str, ...]) -> list[Candidate]:
         """The best candidates for a sketch with ``bands`` in ``tenant``/``context`` (unexpired, readable,
         same context). Raises RedisDown."""
-        keys = [self.entries_key(tenant), *self.band_keys(tenant, context, bands)]
+        keys = [self.entries_key(tenant), *self.band_keys(tenant, bucket, bands)]
         flat = await self.breaker.call(lambda: self._lookup(keys=keys, args=[self.max_candidates]))
         now_ms = time.time() * 1000
         out: list[Candidate] = []
@@ -220,25 +221,25 @@ class SemanticIndex:
             out.append(Candidate(entry_id, int(flat[i + 1]), meta, payload))
         return out
 
-    def insert_call(self, tenant: str, context: str, entry_id: str, bands: tuple[str, ...], meta: dict[str, Any],
-                    payload: bytes, ttl_s: int) -> tuple[list[str], list[Any]]:
+    def insert_call(self, tenant: str, context: str, bucket: str, entry_id: str, bands: tuple[str, ...],
+                    meta: dict[str, Any], payload: bytes, ttl_s: int) -> tuple[list[str], list[Any]]:
         """KEYS and ARGV of the insert script for one entry (for :meth:`insert`, or a pipeline of
         ``self.insert_script(keys=…, args=…, client=pipe)`` calls when filling in bulk)."""
         now_ms = int(time.time() * 1000)
         exp_ms = now_ms + ttl_s * 1000
         record = encode_record({**meta, "ctx": context, "exp": exp_ms}, payload)
-        band_keys = self.band_keys(tenant, context, bands)
+        band_keys = self.band_keys(tenant, bucket, bands)
         keys = [self.entries_key(tenant), self.expiry_key(tenant), *band_keys]
-        args = [entry_id, record, " ".join((context[:16], *bands)), now_ms, exp_ms, self.cap, ttl_s, BUCKET_MAX,
+        args = [entry_id, record, " ".join((bucket, *bands)), now_ms, exp_ms, self.cap, ttl_s, BUCKET_MAX,
                 EXPIRED_PER_INSERT, self.band_base(tenant)]
         return keys, args
 
-    async def insert(self, tenant: str, context: str, entry_id: str, bands: tuple[str, ...],
+    async def insert(self, tenant: str, context: str, bucket: str, entry_id: str, bands: tuple[str, ...],
                      meta: dict[str, Any], payload: bytes, ttl_s: int) -> int:
         """Store an entry for ``ttl_s`` seconds; returns how many entries the cap evicted. Raises RedisDown.
 
         ``meta`` gets ``ctx`` and ``exp`` (epoch ms) added."""
-        keys, args = self.insert_call(tenant, context, entry_id, bands, meta, payload, ttl_s)
+        keys, args = self.insert_call(tenant, context, bucket, entry_id, bands, meta, payload, ttl_s)
         evicted = int(await self.breaker.call(lambda: self.insert_script(keys=keys, args=args)))
         self.evicted += evicted
         return evicted

@@ -67,7 +67,8 @@ def test_paraphrase_is_a_semantic_hit_metered_with_the_matched_request(gw: Gatew
     assert miss_ev.cache_request_id is None and hit_ev.route_reason == "cache"
 
 
-def test_changed_number_misses_and_is_counted_as_guard_rejected(gw: GatewayServer, upstream_sim: SimProcess) -> None:
+def test_changed_number_misses_and_changed_name_is_guard_rejected(gw: GatewayServer,
+                                                                   upstream_sim: SimProcess) -> None:
     tag = uuid.uuid4().hex
     c = client(gw)
     before = _metric(gw, 'thinkgate_semantic_cache_requests_total{result="guard_rejected"}')
@@ -80,7 +81,10 @@ def test_changed_number_misses_and_is_counted_as_guard_rejected(gw: GatewayServe
     changed = c.chat.completions.with_raw_response.create(**ask(LONG_Q.replace("16 eggs", "17 eggs"), tag))
     assert changed.headers["x-thinkgate-cache"] == "miss"
     assert "17 eggs" in (changed.parse().choices[0].message.content or "")
-    assert upstream_sim.tag(tag)["attempts"] == 4
+    renamed = c.chat.completions.with_raw_response.create(**ask(LONG_Q.replace("Janet's", "Maria's"), tag))
+    assert renamed.headers["x-thinkgate-cache"] == "miss"
+    assert "Maria's" in (renamed.parse().choices[0].message.content or "")
+    assert upstream_sim.tag(tag)["attempts"] == 5
     assert _metric(gw, 'thinkgate_semantic_cache_requests_total{result="guard_rejected"}') == before + 1
     assert _metric(gw, 'thinkgate_semantic_cache_requests_total{result="hit"}') >= 0
 
