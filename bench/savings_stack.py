@@ -468,7 +468,8 @@ def run(cfg: BenchConfig, settings: Settings, *, start_engine: bool = True,
         if cfg.url is None:
             from gateway.engine.redis_server import ensure
 
-            proc, settings.redis.url = ensure(settings.redis.url)
+            proc, redis_url = ensure(settings.redis.url)
+            settings = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": redis_url})})
             if proc is not None:
                 stack.callback(proc.terminate)
             tiers_url = None
@@ -711,10 +712,11 @@ def savings(
         if not (model_dir / "config.json").is_file():
             typer.echo(f"thinkgate: --model-dir {model_dir}: not a model directory (no config.json)", err=True)
             raise typer.Exit(2)
-        settings.engine.model_path = model_dir.resolve()
+        settings = settings.model_copy(update={"engine": settings.engine.model_copy(
+            update={"model_path": model_dir.resolve()})})
     if engine_url:
-        for tier in settings.tiers:
-            tier.base_url = engine_url.rstrip("/")
+        settings = settings.model_copy(update={"tiers": [
+            t.model_copy(update={"base_url": engine_url.rstrip("/")}) for t in settings.tiers]})
     base = None
     if baseline is not None:
         try:

@@ -52,7 +52,8 @@ class ConfigError(ThinkGateError, ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Frozen: the settings are built once (Settings.load) and never edited; an override is a model_copy(update=…).
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class Prices(_Strict):
@@ -239,11 +240,16 @@ class KeyConfig(_Strict):
     tpm: int | None = Field(None, ge=1)
     cache_namespace: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _hash_secret(cls, data: Any) -> Any:
+        # The plain secret is hashed before the (frozen) model exists and never kept.
+        if isinstance(data, dict) and isinstance(data.get("secret"), str):
+            data = {**data, "secret_sha256": hashlib.sha256(data["secret"].encode()).hexdigest(), "secret": None}
+        return data
+
     @model_validator(mode="after")
-    def _hash_secret(self) -> KeyConfig:
-        if self.secret is not None:
-            self.secret_sha256 = hashlib.sha256(self.secret.encode()).hexdigest()
-            self.secret = None
+    def _has_secret(self) -> KeyConfig:
         if not self.secret_sha256:
             raise ValueError(f"key {self.id!r} needs secret or secret_sha256")
         return self
@@ -361,7 +367,7 @@ def _default_tiers() -> list[TierConfig]:
 class Settings(BaseSettings):
     """The whole configuration. Build with :meth:`Settings.load`."""
 
-    model_config = SettingsConfigDict(env_prefix="THINKGATE_", env_nested_delimiter="__", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="THINKGATE_", env_nested_delimiter="__", extra="forbid", frozen=True)
     _yaml_file: ClassVar[Path | None] = None
 
     server: ServerConfig = Field(default_factory=ServerConfig)

@@ -18,19 +18,19 @@ if TYPE_CHECKING:
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def _ensure_dev_key(settings: Settings) -> None:
+def _dev_keys(settings: Settings) -> list[Any]:
     # With no key configured at all, a local development key keeps the gateway closed but usable.
     from gateway.auth.keys import DEV_KEY_ID, ensure_dev_key, sha256_hex
     from gateway.config import KeyConfig
 
     auth = settings.auth
     if not auth.require_key or auth.keys or auth.admin_key_sha256:
-        return
+        return auth.keys
     secret, created = ensure_dev_key(auth.dev_key_file)
-    auth.keys.append(KeyConfig(id=DEV_KEY_ID, secret_sha256=sha256_hex(secret)))
     what = "created a development API key" if created else "using the development API key"
     typer.echo(f"thinkgate: {what} in {auth.dev_key_file} (mode 0600); get it with: cat {auth.dev_key_file}",
                err=True)
+    return [KeyConfig(id=DEV_KEY_ID, secret_sha256=sha256_hex(secret))]
 
 
 def serve(
@@ -43,17 +43,21 @@ def serve(
 
     from gateway.engine.redis_server import RedisUnavailable, ensure
 
-    settings = load_settings(config)
-    settings.server.host = host or settings.server.host
-    settings.server.port = port if port is not None else settings.server.port
-    logging.basicConfig(level=settings.server.log_level.upper(), format=LOG_FORMAT)
-    redis_proc = None
-    if settings.redis.start_if_missing:
+    loaded = load_settings(config)
+    logging.basicConfig(level=loaded.server.log_level.upper(), format=LOG_FORMAT)
+    redis_proc, redis_url = None, loaded.redis.url
+    if loaded.redis.start_if_missing:
         try:
-            redis_proc, settings.redis.url = ensure(settings.redis.url)
+            redis_proc, redis_url = ensure(loaded.redis.url)
         except RedisUnavailable as exc:
             typer.echo(f"thinkgate: warning: {exc}; continuing without Redis (/ready reports it)", err=True)
-    _ensure_dev_key(settings)
+    # The settings are frozen: the command-line overrides, the private Redis and the dev key make one copy.
+    settings = loaded.model_copy(update={
+        "server": loaded.server.model_copy(update={"host": host or loaded.server.host,
+                                                   "port": port if port is not None else loaded.server.port}),
+        "redis": loaded.redis.model_copy(update={"url": redis_url}),
+        "auth": loaded.auth.model_copy(update={"keys": _dev_keys(loaded)}),
+    })
     # uvicorn re-raises a captured SIGTERM after its graceful shutdown; with the default handler that kills
     # the process before the ``finally`` below, orphaning the engine and the private Redis.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

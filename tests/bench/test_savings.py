@@ -151,10 +151,9 @@ def test_model_dir_must_be_a_model_directory(tmp_path: Path) -> None:
 
 @pytest.mark.engine
 def test_bench_through_the_real_engine(engine: str, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
-    base = Settings.load(None, engine={"enabled": False},
-                         redis={"url": redis_url, "start_if_missing": False, "key_prefix": redis_prefix})
-    for tier in base.tiers:
-        tier.base_url = engine
+    loaded = Settings.load(None, engine={"enabled": False},
+                           redis={"url": redis_url, "start_if_missing": False, "key_prefix": redis_prefix})
+    base = loaded.model_copy(update={"tiers": [t.model_copy(update={"base_url": engine}) for t in loaded.tiers]})
     cfg = sv.BenchConfig(n=6, repeat_fraction=0.0, real_fraction=0.0, concurrency=2, progress=False,
                          policies=("none", "long", "auto+escalation"))
     result = sv.run(cfg, base, start_engine=False, log=lambda _m: None)

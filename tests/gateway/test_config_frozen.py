@@ -1,0 +1,31 @@
+"""The settings are frozen once loaded: an override is a ``model_copy(update=…)``, never an assignment."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.config import ConfigError, KeyConfig, Settings
+
+
+def test_settings_refuse_assignment() -> None:
+    s = Settings.load(None, engine={"enabled": False})
+    with pytest.raises(ValidationError, match="frozen"):
+        s.server.port = 9  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="frozen"):
+        s.tiers[0].base_url = "http://elsewhere/v1"  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="frozen"):
+        s.redis = s.redis  # type: ignore[misc]
+    moved = s.model_copy(update={"server": s.server.model_copy(update={"port": 9})})
+    assert (moved.server.port, s.server.port) == (9, 8080)
+
+
+def test_key_secret_is_hashed_at_load_and_dropped() -> None:
+    k = KeyConfig(id="a", secret="s3cret")
+    assert k.secret is None and k.secret_sha256 == hashlib.sha256(b"s3cret").hexdigest()
+    with pytest.raises(ValidationError, match="needs secret or secret_sha256"):
+        KeyConfig(id="b")
+    with pytest.raises(ConfigError, match="needs secret or secret_sha256"):
+        Settings.load(None, auth={"keys": [{"id": "c"}]})
