@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6: one short, prepared check of GRPO rollouts on a GPU machine (an NVIDIA H200, no network), run once:
+# One short, prepared check of GRPO rollouts on a GPU machine (an NVIDIA H200, no network), run once:
 #   bash bench/gpu_check.sh            # from the repository root, with .whl/ (trl, datasets, dill, multiprocess)
 # That machine's image has torch/transformers/accelerate but not trl, datasets or vLLM. vLLM (hundreds of MB)
 # cannot travel there, so the script records that `import vllm` fails and the GRPO rollouts use transformers

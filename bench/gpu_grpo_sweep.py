@@ -1,4 +1,4 @@
-"""A small GRPO length-penalty sweep on a GPU machine (issue 6), run once by the device tool next to the CPU
+"""A small GRPO length-penalty sweep on a GPU machine, run once by the device tool next to the CPU
 recipe: each variant is ``training/configs/short_tier.yaml`` with a few overrides (larger batches, learning rate,
 reward), trained from the shipped SFT model with ``training.grpo.run.run_grpo`` on CUDA (transformers rollouts:
 vLLM is not on that machine), then evaluated greedily on the held-out set. Prints one table; writes flat into

@@ -7,7 +7,7 @@ the minimum is the best estimate of the uncontended cost), and checks both paths
 
     python -m bench.router_latency [--router router/assets/default.skops] [--corpus Q.jsonl.gz] [--n 2000] [--json out]
 
-Target (issue 4): p50 ≤ 0.3 ms at 2,000 characters.
+Target: p50 ≤ 0.3 ms at 2,000 characters.
 """
 
 from __future__ import annotations

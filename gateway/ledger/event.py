@@ -1,8 +1,8 @@
 """The usage event (the unit of metering, one per request, cache hits included) and its exact cost.
 
-Fields follow ``shared/DESIGN.md`` ("The usage event") plus ``cached_tokens`` (prompt tokens the upstream
-served from its prefix cache, billed at the cached rate), ``endpoint``, ``partial`` (the client went away
-before the end) and ``usage_source`` (where the token counts came from).
+Besides who, what and how much, an event carries ``cached_tokens`` (prompt tokens the upstream served from its
+prefix cache, billed at the cached rate), ``endpoint``, ``partial`` (the client went away before the end) and
+``usage_source`` (where the token counts came from). ``docs/metering.md`` describes every field.
 
 Cost, integer micro-USD (1 USD = 1 000 000 micro-USD), is :func:`gateway.ledger.pricing.cost_micro_usd` (the one
 formula): ``(prompt − cached)·input + cached·cached_input + completion·output`` with prices in USD per 1M
@@ -66,16 +66,6 @@ class TokenCounts:
             completion_tokens=int(usage.get("completion_tokens") or 0),
             reasoning_tokens=int(cdet.get("reasoning_tokens") or 0),
         )
-
-    def to_openai(self) -> dict[str, Any]:
-        """The OpenAI ``usage`` object for these counts."""
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-        }
 
     def cost(self, prices: Prices) -> int:
         """Cost of these counts at ``prices``, integer micro-USD."""
@@ -150,13 +140,6 @@ class UsageEvent:
     def minute(self) -> int:
         """Index of the 60 s window of ``ts`` (``floor(ts_ms / 60000)``), the TPM window of the request."""
         return int(self.ts * 1000) // 60_000
-
-    def set_tokens(self, counts: TokenCounts) -> None:
-        """Copy ``counts`` into the event."""
-        self.prompt_tokens = counts.prompt_tokens
-        self.cached_tokens = counts.cached_tokens
-        self.completion_tokens = counts.completion_tokens
-        self.reasoning_tokens = counts.reasoning_tokens
 
     def price(self, prices: Prices) -> None:
         """Fill ``cost_micro_usd`` (or, for a cache hit, ``saved_micro_usd`` with cost 0) from the tokens."""

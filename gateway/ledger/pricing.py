@@ -8,7 +8,7 @@ billed at the cached-input rate, the rest of the prompt at the input rate, and e
 
 and micro-USD = cost_usd * 1_000_000, so the per-1M divisor and the micro multiplier cancel: the cost in
 micro-USD is exactly the weighted token sum in USD-per-1M units. It is rounded once, half-up, to an
-integer. Metering (issue 5) reuses this function; never sum float costs.
+integer. Metering and every report use this function; never sum float costs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The per-request usage record: what one request cost and how it was served.
 
 One :class:`UsageRecord` is produced for every request that reached routing (errors included), filled in
-along the request path and finished when the response is complete (or the client went away). For now it
-is logged as one JSON line on the ``thinkgate.usage`` logger; metering (issue 5) takes it from
-:func:`emit` and writes the usage event of ``shared/DESIGN.md``.
+along the request path and finished when the response is complete (or the client went away). :func:`emit`
+logs it as one JSON line on the ``thinkgate.usage`` logger; metering builds the
+:class:`~gateway.ledger.event.UsageEvent` from it (``gateway/pipeline/accounting.py``).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ class UsageRecord:
     """Usage of one request. Token counts are tokens; times are milliseconds; cost is integer micro-USD.
 
     ``status`` is the HTTP status the client got (499 = client disconnected mid-stream; 502/504 after a
-    streamed 200 = upstream broke the stream). ``route_reason``: predicted|forced|effort|fallback.
+    streamed 200 = upstream broke the stream). ``route_reason``: :data:`~gateway.ledger.event.RouteReason`.
     ``usage_source``: ``upstream`` (reported by the upstream), ``counted`` (estimated by the gateway from the
     relayed deltas: stream broken or client gone), ``cache`` (replayed from the response cache) or ``none``.
     ``partial``: the response did not complete. ``cached``: served from the response cache — then
     ``cost_micro_usd`` is 0 and ``saved_micro_usd`` what the upstream call would have cost. Field names
-    match :class:`gateway.ledger.event.UsageEvent` (issue 5), which metering builds from this record.
+    match :class:`gateway.ledger.event.UsageEvent`, which metering builds from this record.
     """
 
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -99,6 +99,6 @@ _PUBLIC_FIELDS = tuple(f.name for f in fields(UsageRecord) if not f.name.startsw
 
 
 def emit(record: UsageRecord) -> None:
-    """Hand a finished record on. Today: one JSON log line. Issue 5: metering hooks in here."""
+    """Log a finished record as one JSON line on the ``thinkgate.usage`` logger (at INFO)."""
     if log.isEnabledFor(logging.INFO):
         log.info("%s", orjson.dumps(record.to_dict()).decode())

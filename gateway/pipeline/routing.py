@@ -90,9 +90,6 @@ class Routing:
             return svc.thresholds  # read per call: a reloaded file brings its own cut points
         return list(self._thresholds)
 
-    def tier(self, name: str) -> TierConfig:
-        return self._tiers[name]
-
     def fallbacks(self, tier: TierConfig) -> list[TierConfig]:
         """Tiers after ``tier`` in configuration order (cheapest → most capable), when fallback is enabled.
 

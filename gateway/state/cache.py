@@ -116,8 +116,6 @@ class ResponseCache:
         self.cfg = cfg
         self._begin = self.redis.register_script(BEGIN_LUA)
         self._finish = self.redis.register_script(FINISH_LUA)
-        self.stores = 0
-        self.too_big = 0
 
     async def begin(self, digest: str, decision: CacheDecision) -> Ticket:
         """Look up (and/or lead) for ``digest`` under ``decision``. Never raises for Redis outages."""
@@ -166,7 +164,6 @@ class ResponseCache:
         if entry is not None and ticket.decision.store and ticket.status == "miss":
             data = entry.to_bytes()
             if len(data) > self.cfg.max_entry_bytes:
-                self.too_big += 1
                 data = b""
         token = ticket.lock_token or ""
         ticket.lock_token = None
@@ -177,8 +174,6 @@ class ResponseCache:
             await self.breaker.call(lambda: self._finish(keys=keys, args=[data, ticket.decision.ttl_s, token]))
         except RedisDown:
             return False
-        if data:
-            self.stores += 1
         return bool(data)
 
     async def _get(self, digest: str, max_age_s: int | None) -> CacheEntry | None:

@@ -187,17 +187,6 @@ class UpstreamPool:
         assert last is not None
         raise last
 
-    async def post_json(self, tier: TierConfig, path: str, body: bytes) -> tuple[dict[str, Any], bytes]:
-        """Non-streamed call: (parsed JSON object, raw bytes). Raises UpstreamError on a non-object answer."""
-        resp = await self.open(tier, path, body, stream=False)
-        try:
-            data = orjson.loads(resp.content)
-        except orjson.JSONDecodeError:
-            raise UpstreamError(f"upstream of tier {tier.name!r} sent invalid JSON") from None
-        if not isinstance(data, dict):
-            raise UpstreamError(f"upstream of tier {tier.name!r} sent a non-object JSON answer")
-        return data, resp.content
-
     async def count_tokens(self, tier: TierConfig, text: str) -> int | None:
         """Exact token count of ``text`` for ``tier.model`` from vLLM's ``POST /tokenize``; None on failure.
 

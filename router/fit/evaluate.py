@@ -128,16 +128,6 @@ def _frac_at(curve: Curve, ratio: float) -> float:
     return frac_long_for_quality(curve, ratio * curve.q_long)
 
 
-def evaluate_router(
-    router: Any, items: Sequence[LabelledItem], *, by_source: bool = True, short_cost_ratio: float = 0.0,
-    name: str = "all",
-) -> list[EvalResult]:
-    """Score ``items`` with ``router.predict_proba`` (batched) and evaluate: overall, then per source
-    when there is more than one source and ``by_source``."""
-    scores = np.asarray(router.predict_proba([it.text for it in items]), dtype=np.float64)
-    return evaluate_grouped(name, items, scores, by_source=by_source, short_cost_ratio=short_cost_ratio)
-
-
 def evaluate_grouped(
     name: str, items: Sequence[LabelledItem], scores: np.ndarray, *, by_source: bool = True,
     short_cost_ratio: float = 0.0,

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.engine
 DEFAULTS = {t.name: t for t in Settings.load().tiers}
 SHORT_BUDGET = DEFAULTS["short"].thinking_budget or 0
 LONG_BUDGET = DEFAULTS["long"].thinking_budget or 0
-# vLLM counts the end-of-thinking text it forces at the budget as reasoning (PLATFORM-NOTES)
+# vLLM counts the end-of-thinking text it forces at the budget as reasoning (3 tokens of "\n</think>\n\n")
 FORCED_END_TOKENS = 3
 
 
