@@ -12,7 +12,7 @@ price. Errors are OpenAI-shaped.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import orjson
@@ -28,7 +28,7 @@ from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.proxy import CLIENT_CLOSED, Proxy, read_body, route_headers
 from gateway.pipeline.routing import RouteDecision
 
-LABEL = "embeddings"
+LABEL: Final = "embeddings"
 
 
 def _is_ids(v: Any) -> bool:

@@ -10,6 +10,7 @@ Anthropic's event stream. Every error is in Anthropic's shape (``{"type": "error
 from __future__ import annotations
 
 import logging
+from typing import Final
 
 import orjson
 from fastapi import FastAPI
@@ -26,7 +27,7 @@ from gateway.pipeline.routing import RouteDecision
 
 log = logging.getLogger("thinkgate.messages")
 
-LABEL = "messages"
+LABEL: Final = "messages"
 
 
 def thinks(tier: TierConfig) -> bool:

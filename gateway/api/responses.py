@@ -10,7 +10,7 @@ Errors are OpenAI-shaped (the app's handlers).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import orjson
 from fastapi import FastAPI
@@ -26,7 +26,7 @@ from gateway.pipeline.sessions import session_of
 from gateway.state.cache_policy import tenant_scope
 from gateway.state.conversations import ConversationStore
 
-LABEL = "responses"
+LABEL: Final = "responses"
 
 
 class ResponsesAPI:

@@ -25,11 +25,17 @@ import orjson
 from gateway.config import Prices
 from gateway.ledger.pricing import cost_micro_usd
 
-__all__ = ["COUNTER_FIELDS", "RouteReason", "TokenCounts", "UsageEvent", "UsageSource", "cost_micro_usd",
-           "counter_increments", "micro_to_usd", "new_event_id", "usd_to_micro"]
+__all__ = ["COUNTER_FIELDS", "Endpoint", "RouteReason", "TokenCounts", "UsageEvent", "UsageSource", "WireEndpoint",
+           "cost_micro_usd", "counter_increments", "micro_to_usd", "new_event_id", "usd_to_micro"]
 
 #: Where an event's token counts came from: reported by the upstream, counted by the gateway, a cache hit, none.
 UsageSource = Literal["upstream", "counted", "cache", "none"]
+#: The two OpenAI endpoints the request pipeline speaks to clients and upstreams (``/v1/chat/completions``,
+#: ``/v1/completions``).
+WireEndpoint = Literal["chat", "completions"]
+#: The API a usage event was served through: the wire endpoints, the APIs translated onto chat
+#: (``/v1/responses``, ``/v1/messages``) and the embeddings pass-through.
+Endpoint = Literal["chat", "completions", "responses", "messages", "embeddings"]
 #: Why a request went to its tier (``x-thinkgate-route-reason``, the ``route_reason`` of its usage event).
 RouteReason = Literal["predicted", "forced", "effort", "fallback", "escalated", "cache"]
 
@@ -95,7 +101,7 @@ class UsageEvent:
     ts: float = field(default_factory=time.time)
     tags: dict[str, str] = field(default_factory=dict)
     request_id: str = ""
-    endpoint: str = "chat"
+    endpoint: Endpoint = "chat"
     tier: str | None = None
     upstream_model: str | None = None
     route_reason: RouteReason | None = None

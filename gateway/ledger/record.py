@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from gateway.config import TierConfig
-from gateway.ledger.event import RouteReason, UsageSource
+from gateway.ledger.event import Endpoint, RouteReason, UsageSource
 from gateway.ledger.pricing import cost_micro_usd
 
 log = logging.getLogger("thinkgate.usage")
@@ -40,7 +40,7 @@ class UsageRecord:
     ts: float = field(default_factory=time.time)
     key_id: str | None = None
     tags: dict[str, str] = field(default_factory=dict)
-    endpoint: str = "chat"
+    endpoint: Endpoint = "chat"
     requested_model: str | None = None
     tier: str | None = None
     upstream_model: str | None = None

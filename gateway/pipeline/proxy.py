@@ -30,6 +30,7 @@ from starlette.responses import Response
 from gateway.auth.keys import KeyInfo, KeyStore
 from gateway.config import Settings, TierConfig
 from gateway.errors import BodyTooLarge, GatewayError, UpstreamError, UpstreamUnavailable
+from gateway.ledger.event import Endpoint, WireEndpoint
 from gateway.ledger.record import UsageRecord, emit
 from gateway.openai import sse
 from gateway.openai.chunks import replay
@@ -108,15 +109,15 @@ class Proxy:
         self.sessions = (Sessions(settings, accounting.handle, accounting.breaker, accounting.metrics)
                          if accounting is not None and settings.routing.session_ttl_s > 0 else None)
 
-    async def handle(self, request: Request, endpoint: str) -> Response:
+    async def handle(self, request: Request, endpoint: WireEndpoint) -> Response:
         """Serve one ``chat`` or ``completions`` request; raises GatewayError before any byte is sent."""
         key = await self.keys.authenticate(request.headers.get("authorization"))
         body = schemas.parse_json_object(await read_body(request, self.max_body))
         VALIDATORS[endpoint](body)
         return await self.serve(key, body, request.headers, endpoint)
 
-    async def serve(self, key: KeyInfo, body: dict[str, Any], headers: Mapping[str, str], endpoint: str,
-                    label: str | None = None, route: RouteDecision | None = None,
+    async def serve(self, key: KeyInfo, body: dict[str, Any], headers: Mapping[str, str], endpoint: WireEndpoint,
+                    label: Endpoint | None = None, route: RouteDecision | None = None,
                     session: str | None = None) -> Response:
         """Serve a validated ``chat`` or ``completions`` ``body`` for ``key`` (``headers``: the request's).
 
@@ -138,8 +139,8 @@ class Proxy:
                 await self.sessions.repin(sticky, resp.headers["x-thinkgate-tier"])
         return resp
 
-    async def _serve_routed(self, key: KeyInfo, body: dict[str, Any], headers: Mapping[str, str], endpoint: str,
-                            label: str | None, route: RouteDecision) -> Response:
+    async def _serve_routed(self, key: KeyInfo, body: dict[str, Any], headers: Mapping[str, str],
+                            endpoint: WireEndpoint, label: Endpoint | None, route: RouteDecision) -> Response:
         record = UsageRecord(
             key_id=key.id,
             tags=key.tags,
