@@ -86,7 +86,8 @@ class TierConfig(_Strict):
     per-request ``thinking_token_budget``; ``forced`` enforces it in the gateway by two-phase budget
     forcing (stop the thought at the budget, append ``end_of_thinking``, continue for the answer);
     ``off`` sends no budget. ``enable_thinking: false`` disables thinking through
-    ``chat_template_kwargs.enable_thinking``.
+    ``chat_template_kwargs.enable_thinking``. ``max_n``: the most choices (``n``) one request may ask of
+    this tier (more is a 400); with ``max_tokens`` it bounds what one request can cost.
 
     ``escalate_on`` (the cascade): retry on the next tier when this tier's answer is empty
     (``empty_answer``), cut inside its thought (``length_in_thought``), abstains (``abstain``: its final-answer
@@ -100,6 +101,7 @@ class TierConfig(_Strict):
     model: str = "thinkgate-tiny"
     api_key: str | None = None
     max_tokens: int = Field(1024, ge=1)
+    max_n: int = Field(8, ge=1)
     thinking_budget: int | None = Field(None, ge=0)
     budget_mode: Literal["native", "forced", "off"] = "native"
     enable_thinking: bool = True
@@ -228,7 +230,12 @@ class MeteringConfig(_Strict):
 
 class KeyConfig(_Strict):
     """An API key declared in the config file. Give ``secret_sha256`` (hex) — or ``secret`` for local
-    development, which is hashed at load and never kept."""
+    development, which is hashed at load and never kept.
+
+    Policy: ``allowed_tiers`` (None = all) with ``on_disallowed_tier`` (``refuse`` → 403 naming the allowed
+    tiers; ``downgrade`` → the most capable allowed tier below the one asked for); ``max_thinking_budget``
+    (tokens) caps the thinking budget of every request of the key; ``over_cap``: a ``max_tokens`` above the
+    tier's cap or a ``thinking_token_budget`` above the key's is clamped (default) or refused (400)."""
 
     id: str = Field(pattern=r"^[A-Za-z0-9_.:-]+$")
     secret: str | None = None
@@ -239,6 +246,10 @@ class KeyConfig(_Strict):
     rpm: int | None = Field(None, ge=1)
     tpm: int | None = Field(None, ge=1)
     cache_namespace: str | None = None
+    allowed_tiers: list[str] | None = None
+    on_disallowed_tier: Literal["refuse", "downgrade"] = "refuse"
+    max_thinking_budget: int | None = Field(None, ge=0)
+    over_cap: Literal["clamp", "refuse"] = "clamp"
 
     @model_validator(mode="before")
     @classmethod
@@ -267,11 +278,28 @@ class AuthConfig(_Strict):
     key_stale_s: float = Field(3600.0, ge=0)
 
 
-class LimitsConfig(_Strict):
-    """Budgets and rate limits. ``on_redis_down``: ``fail_open`` admits on local approximate counters,
-    ``fail_closed`` refuses (503). A reservation not settled within ``reservation_ttl_s`` seconds (a crashed
-    replica) stops counting. Alerts fire once per period at each of ``alert_fractions`` of a budget."""
+class LevelBudget(_Strict):
+    """A budget of a level above the key (a tag, or the whole gateway), USD per UTC day / month."""
 
+    usd_day: Decimal | None = Field(None, ge=0)
+    usd_month: Decimal | None = Field(None, ge=0)
+
+
+class LimitsConfig(_Strict):
+    """Budgets and rate limits. ``budget_mode``: ``hard`` admits only when spend + open reservations + this
+    request's upper-bound estimate fit in every budget it is under; ``soft`` admits while spend + open
+    reservations are below the budget (overshoot bounded by one capped request; ``docs/metering.md``).
+    ``tag_budgets`` (``"team=a": {usd_day, usd_month}``) are shared by every key with that tag,
+    ``global_budget`` by all keys; budgets set with ``thinkgate budgets set`` (Redis) override these per level
+    and are re-read every ``budget_refresh_s`` seconds. ``on_redis_down``: ``fail_open`` admits on local
+    approximate counters, ``fail_closed`` refuses (503). A reservation not settled within
+    ``reservation_ttl_s`` seconds (a crashed replica) stops counting. Alerts fire once per period and level
+    at each of ``alert_fractions`` of a budget."""
+
+    budget_mode: Literal["hard", "soft"] = "hard"
+    tag_budgets: dict[str, LevelBudget] = Field(default_factory=dict)
+    global_budget: LevelBudget | None = None
+    budget_refresh_s: float = Field(2.0, ge=0)
     on_redis_down: Literal["fail_open", "fail_closed"] = "fail_open"
     alert_fractions: list[float] = Field(default_factory=lambda: [0.5, 0.8, 1.0])
     alert_webhook_url: str | None = None
@@ -284,6 +312,15 @@ class LimitsConfig(_Strict):
         if any(not 0 < f <= 10 for f in v):
             raise ValueError("alert_fractions must be in (0, 10]")
         return sorted(set(v))
+
+    @field_validator("tag_budgets")
+    @classmethod
+    def _tags(cls, v: dict[str, LevelBudget]) -> dict[str, LevelBudget]:
+        for tag in v:
+            k, sep, _ = tag.partition("=")
+            if not sep or not k or "|" in tag:
+                raise ValueError(f"tag budget keys are 'name=value', got {tag!r}")
+        return v
 
 
 class ServerConfig(_Strict):
@@ -419,6 +456,10 @@ class Settings(BaseSettings):
                              f"(tiers: {names})")
         if r.thresholds is not None and len(r.thresholds) != len(r.routed_tiers) - 1:
             raise ValueError("routing.thresholds: need exactly len(routed_tiers) - 1 values")
+        for k in self.auth.keys:
+            for t in k.allowed_tiers or ():
+                if t not in names:
+                    raise ValueError(f"auth.keys.{k.id}.allowed_tiers: unknown tier {t!r} (tiers: {names})")
         return self
 
     def tier(self, name: str) -> TierConfig:

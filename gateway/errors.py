@@ -25,10 +25,11 @@ from starlette.responses import Response
 
 from router.errors import ThinkGateError
 
-__all__ = ["AuthError", "BodyTooLarge", "ConversationsUnavailable", "GatewayError", "InvalidRequest",
-           "KeyStoreUnavailable", "LimitsUnavailable", "PermissionDenied", "RateLimited", "ThinkGateError",
-           "UnknownModel", "UpstreamConnectTimeout", "UpstreamError", "UpstreamRejected", "UpstreamTimeout",
-           "UpstreamUnavailable", "UsageUnavailable", "error_response", "install_handlers"]
+__all__ = ["AuthError", "BodyTooLarge", "ClientClosed", "ConversationsUnavailable", "GatewayError",
+           "InvalidRequest", "KeyStoreUnavailable", "LimitsUnavailable", "PermissionDenied", "RateLimited",
+           "ThinkGateError", "TierNotAllowed", "UnknownModel", "UpstreamConnectTimeout", "UpstreamError",
+           "UpstreamRejected", "UpstreamTimeout", "UpstreamUnavailable", "UsageUnavailable", "error_response",
+           "install_handlers"]
 
 log = logging.getLogger("thinkgate.errors")
 
@@ -94,6 +95,21 @@ class PermissionDenied(GatewayError):
     status = 403
     type = "permission_error"
     default_code = "permission_denied"
+
+
+class TierNotAllowed(PermissionDenied):
+    """403: the key may not use the tier the request was routed or forced to (``KeyConfig.allowed_tiers``)."""
+
+    default_code = "tier_not_allowed"
+
+
+class ClientClosed(GatewayError):
+    """499 (nginx's "client closed request"): the client went away before a non-streamed answer was ready;
+    the upstream call was cancelled. Nobody reads the response; the status is for logs and the usage event."""
+
+    status = 499
+    type = "invalid_request_error"
+    default_code = "client_disconnected"
 
 
 class BodyTooLarge(GatewayError):

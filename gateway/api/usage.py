@@ -3,9 +3,12 @@
 ``GET /v1/usage`` (any key; a key sees only itself, the admin key sees every key):
 
 - no query → a summary from the counters: ``{"object": "usage.summary", "key_id", "day", "month",
-  "counters": {"day": {...}, "month": {...}, "total": {...}}, "limits": {...}}`` — counters are integers
-  (tokens, micro-USD); budgets and what remains of them as exact USD strings. The admin key without
-  ``key_id`` gets ``{"object": "list", "data": [summary per key]}``.
+  "counters": {"day": {...}, "month": {...}, "total": {...}}, "limits": {...}, "budgets": [...]}`` — counters
+  are integers (tokens, micro-USD); budgets and what remains of them as exact USD strings. ``budgets`` has one
+  entry per budget level that applies to the key (its own, each budgeted tag of it, global) and period:
+  ``{"level": "key" | "tag:team=a" | "global", "period": "day" | "month", "budget_usd", "spent_usd",
+  "reserved_usd" (requests in flight), "remaining_usd"}`` (remaining = budget − spent − reserved, ≥ 0).
+  The admin key without ``key_id`` gets ``{"object": "list", "data": [summary per key]}``.
 - ``group_by`` (``key,tier,model,day,tag,tag:NAME``) and/or ``since`` / ``until`` → rows from the event stream
   (``gateway/ledger/export.py``): ``{"object": "list", "group_by": [...], "data": [...]}``. ``since`` defaults to the
   start of the current UTC month; raw events (no ``group_by``) are capped at ``limit`` (default 1000).
@@ -17,6 +20,7 @@ While Redis is unreachable ``/v1/usage`` answers 503 (``usage_unavailable``).
 
 from __future__ import annotations
 
+import functools
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -34,6 +38,7 @@ from gateway.pipeline.accounting import Accounting
 from gateway.state.breaker import RedisDown
 from gateway.state.limits import KeyLimits
 from gateway.state.metrics import CONTENT_TYPE
+from gateway.state.reservations import open_total
 
 MAX_RAW_EVENTS = 10_000
 
@@ -58,7 +63,29 @@ async def summary(acct: Accounting, key_id: str, key: KeyInfo | None, now: float
             limits[f"remaining_{name}"] = str(micro_to_usd(max(0, budget - spent))) if budget is not None else None
         limits["rpm"], limits["tpm"] = lim.rpm, lim.tpm
     return {"object": "usage.summary", "key_id": key_id, "day": day, "month": month, "counters": counters,
-            "limits": limits}
+            "limits": limits, "budgets": await levels_view(acct, key, day, now) if key is not None else []}
+
+
+async def levels_view(acct: Accounting, key: KeyInfo, day: str, now: float) -> list[dict[str, Any]]:
+    """Every budget level of ``key`` and period with its budget, spend, reservations and what remains (USD)."""
+    await acct.budgets.refresh()
+    r, k = acct.handle.client, acct.meter.keys
+    out: list[dict[str, Any]] = []
+    for level in [KeyLimits.of(key).level, *acct.budgets.above_key(key.tags)]:
+        if not level.budgeted:
+            continue
+        fields = await acct.breaker.call(functools.partial(r.hgetall, k.level_reservations(level.kind, level.name)))
+        reserved = open_total(fields, int(now * 1000))
+        for period, budget, counter in (("day", level.day_micro, k.level_day(level.kind, level.name, day)),
+                                        ("month", level.month_micro, k.level_month(level.kind, level.name, day[:7]))):
+            if budget is None:
+                continue
+            spent = int(await acct.breaker.call(functools.partial(r.hget, counter, "cost_micro_usd")) or 0)
+            out.append({"level": "key" if level.kind == "key" else level.id, "period": period,
+                        "budget_usd": str(micro_to_usd(budget)), "spent_usd": str(micro_to_usd(spent)),
+                        "reserved_usd": str(micro_to_usd(reserved)),
+                        "remaining_usd": str(micro_to_usd(max(0, budget - spent - reserved)))})
+    return out
 
 
 def install(app: Starlette, keys: KeyStore, acct: Accounting) -> None:

@@ -27,7 +27,8 @@ ANONYMOUS_KEY_ID = "anonymous"
 
 @dataclass(frozen=True, slots=True)
 class KeyInfo:
-    """Who is calling: key id, tags for metering, and the key's limits (``None`` = unlimited)."""
+    """Who is calling: key id, tags for metering, the key's limits (``None`` = unlimited) and its policy
+    (``gateway/pipeline/policy.py``; fields as in :class:`gateway.config.KeyConfig`)."""
 
     id: str
     tags: dict[str, str] = field(default_factory=dict)
@@ -37,6 +38,10 @@ class KeyInfo:
     rpm: int | None = None
     tpm: int | None = None
     cache_namespace: str | None = None
+    allowed_tiers: tuple[str, ...] | None = None  # None = every tier
+    on_disallowed_tier: str = "refuse"  # refuse (403) | downgrade
+    max_thinking_budget: int | None = None  # tokens
+    over_cap: str = "clamp"  # clamp | refuse (400) a max_tokens / thinking budget above the cap
 
     @classmethod
     def from_config(cls, k: KeyConfig) -> KeyInfo:
@@ -48,6 +53,10 @@ class KeyInfo:
             rpm=k.rpm,
             tpm=k.tpm,
             cache_namespace=k.cache_namespace,
+            allowed_tiers=tuple(k.allowed_tiers) if k.allowed_tiers is not None else None,
+            on_disallowed_tier=k.on_disallowed_tier,
+            max_thinking_budget=k.max_thinking_budget,
+            over_cap=k.over_cap,
         )
 
 

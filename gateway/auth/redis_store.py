@@ -74,6 +74,10 @@ class KeyRecord:
     cache_namespace: str | None = None
     created: float = 0.0
     revoked: float | None = None
+    allowed_tiers: list[str] | None = None
+    on_disallowed_tier: str = "refuse"
+    max_thinking_budget: int | None = None
+    over_cap: str = "clamp"
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -92,6 +96,10 @@ class KeyRecord:
             rpm=self.rpm,
             tpm=self.tpm,
             cache_namespace=self.cache_namespace,
+            allowed_tiers=tuple(self.allowed_tiers) if self.allowed_tiers is not None else None,
+            on_disallowed_tier=self.on_disallowed_tier,
+            max_thinking_budget=self.max_thinking_budget,
+            over_cap=self.over_cap,
         )
 
     def public(self) -> dict[str, Any]:
@@ -123,8 +131,11 @@ class RedisKeyStore:
 
     async def create(self, key_id: str, *, tags: dict[str, str] | None = None,
                      budget_usd_day: Decimal | None = None, budget_usd_month: Decimal | None = None,
-                     rpm: int | None = None, tpm: int | None = None, cache_namespace: str | None = None) -> str:
-        """Create key ``key_id``; returns the plain secret (shown once, never stored).
+                     rpm: int | None = None, tpm: int | None = None, cache_namespace: str | None = None,
+                     allowed_tiers: list[str] | None = None, on_disallowed_tier: str = "refuse",
+                     max_thinking_budget: int | None = None, over_cap: str = "clamp") -> str:
+        """Create key ``key_id``; returns the plain secret (shown once, never stored). Policy fields as in
+        :class:`gateway.config.KeyConfig`.
 
         Raises :class:`KeyExists`, ``ValueError`` for invalid limits, :class:`RedisDown` when unreachable.
         """
@@ -134,12 +145,20 @@ class RedisKeyStore:
         for name, n in (("rpm", rpm), ("tpm", tpm)):
             if n is not None and n < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if on_disallowed_tier not in ("refuse", "downgrade"):
+            raise ValueError("on_disallowed_tier must be refuse or downgrade")
+        if over_cap not in ("clamp", "refuse"):
+            raise ValueError("over_cap must be clamp or refuse")
+        if max_thinking_budget is not None and max_thinking_budget < 0:
+            raise ValueError("max_thinking_budget must be >= 0")
         secret = new_secret()
         digest = hashlib.sha256(secret.encode()).hexdigest()
         rec = KeyRecord(key_id, digest, dict(tags or {}),
                         str(budget_usd_day) if budget_usd_day is not None else None,
                         str(budget_usd_month) if budget_usd_month is not None else None,
-                        rpm, tpm, cache_namespace, time.time())
+                        rpm, tpm, cache_namespace, time.time(), None,
+                        list(allowed_tiers) if allowed_tiers is not None else None, on_disallowed_tier,
+                        max_thinking_budget, over_cap)
         k = self.keys
         ok = await self.breaker.call(lambda: self._create(
             keys=[k.key_record(key_id), k.key_by_hash(digest), k.key_ids], args=[rec.to_json(), key_id]))

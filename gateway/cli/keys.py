@@ -68,6 +68,14 @@ def create(
     rpm: int | None = typer.Option(None, min=1, help="Requests per minute."),
     tpm: int | None = typer.Option(None, min=1, help="Tokens per minute (prompt + completion)."),
     cache_namespace: str | None = typer.Option(None, help="Share cached answers with keys of this namespace."),
+    allowed_tier: list[str] = typer.Option([], "--allowed-tier", help="A tier the key may use (repeatable; "
+                                           "default: all)."),
+    downgrade: bool = typer.Option(False, "--downgrade", help="Route a request for a tier the key may not use to "
+                                   "the most capable allowed tier below it, instead of refusing (403)."),
+    max_thinking_budget: int | None = typer.Option(None, min=0, help="Cap on every request's thinking budget "
+                                                   "(tokens)."),
+    refuse_over_cap: bool = typer.Option(False, "--refuse-over-cap", help="Refuse (400) a max_tokens above the "
+                                         "tier's cap or a thinking budget above the key's, instead of clamping."),
     config: Path | None = CONFIG_OPTION,
 ) -> None:
     """Create a key; prints its secret once, alone on stdout (it is stored only as a SHA-256 hash)."""
@@ -83,7 +91,10 @@ def create(
 
     async def go(store: Any) -> str:
         return await store.create(key_id, tags=tags, budget_usd_day=day, budget_usd_month=month, rpm=rpm, tpm=tpm,
-                                  cache_namespace=cache_namespace)
+                                  cache_namespace=cache_namespace, allowed_tiers=list(allowed_tier) or None,
+                                  on_disallowed_tier="downgrade" if downgrade else "refuse",
+                                  max_thinking_budget=max_thinking_budget,
+                                  over_cap="refuse" if refuse_over_cap else "clamp")
 
     try:
         secret = with_store(config, go)

@@ -1,6 +1,7 @@
 """The ``thinkgate`` command line: one entry point for serving and operating the gateway.
 
-Command groups of this package are modules here (``serve``, ``config``, ``keys``, ``usage``, ``eval``). Groups
+Command groups of this package are modules here (``serve``, ``config``, ``keys``, ``budgets``, ``usage``,
+``eval``). Groups
 owned by other packages — ``router`` (router/cli.py), ``train`` (training/cli.py) and, in a source checkout,
 ``bench`` (bench/cli.py) — are plugged in through the ``thinkgate.cli`` entry-point group (as vLLM loads its
 plugins), so this package never imports them; a group whose package is missing answers with one line saying
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import typer
 
+from gateway.cli.budgets import app as budgets_app
 from gateway.cli.common import CONFIG_OPTION, load_settings
 from gateway.cli.eval import app as eval_app
 from gateway.cli.keys import app as keys_app
@@ -33,6 +35,7 @@ app.command()(serve)
 config_app = typer.Typer(no_args_is_help=True)
 app.add_typer(config_app, name="config", help="Inspect the effective configuration.")
 app.add_typer(keys_app, name="keys", help="Create, list and revoke API keys in the Redis key store.")
+app.add_typer(budgets_app, name="budgets", help="Budgets of tags (team=a) and of the whole gateway: set, list, remove.")
 app.add_typer(eval_app, name="eval", help="Evaluate a running gateway's tiers on held-out problems.")
 app.add_typer(usage_app, name="usage", help="Usage: export (csv, jsonl, parquet) and the savings report.")
 

@@ -93,6 +93,9 @@ class UsageEvent:
     ``saved_micro_usd`` is what the upstream call would have cost at the tier's current prices. A *semantic*
     hit (a similar question's answer) also has ``cache_request_id`` (the request that produced the stored
     answer) and ``cache_similarity`` (in [0, 1]); both are None otherwise.
+    ``audit`` marks the record of a request refused before any upstream call (400/401/403/413/429, or a 5xx
+    such as ``limits_unavailable``): cost 0, kept in the stream and the exports, never in the counters, spend
+    sums or budgets.
     """
 
     key_id: str
@@ -122,6 +125,7 @@ class UsageEvent:
     usage_source: UsageSource = "upstream"
     cache_request_id: str | None = None
     cache_similarity: float | None = None
+    audit: bool = False
 
     @property
     def day(self) -> str:
@@ -195,7 +199,9 @@ COUNTER_FIELDS: tuple[str, ...] = (
 
 
 def counter_increments(event: UsageEvent) -> dict[str, int]:
-    """What one event adds to each counter hash (all integers)."""
+    """What one event adds to each counter hash (all integers; nothing for an audit event)."""
+    if event.audit:
+        return dict.fromkeys(COUNTER_FIELDS, 0)
     return {
         "requests": 1,
         "prompt_tokens": event.prompt_tokens,

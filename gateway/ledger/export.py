@@ -5,8 +5,9 @@ event's ``ts``), ``tag:NAME`` (the value of tag NAME, "" when absent) or ``tag``
 the event — an event with two tags counts in two groups, so sums over ``tag`` groups can exceed the total;
 use ``tag:NAME`` for a partition). Grouped rows carry the counter sums (the same integers as the Redis
 counters: requests, tokens by kind, ``cost_micro_usd``, ``saved_micro_usd``, cache hits, errors, partial)
-plus ``cost_usd`` / ``saved_usd`` as exact decimal strings. Raw rows carry every event field, ``ts`` as
-ISO-8601 UTC.
+plus ``cost_usd`` / ``saved_usd`` as exact decimal strings and ``refused`` (audit events of refused requests
+in the group: they add nothing to any other column). Raw rows carry every event field, ``ts`` as ISO-8601
+UTC; refused requests are rows with ``audit: true``, their status and error code, and cost 0.
 
 Times for ``since``/``until``: ``YYYY-MM-DD`` (UTC midnight), an ISO-8601 datetime (naive = UTC), or epoch
 seconds; ``since`` inclusive, ``until`` exclusive.
@@ -91,7 +92,10 @@ def group(events: Iterable[UsageEvent], group_by: list[str]) -> list[dict[str, A
     for event in events:
         inc = counter_increments(event)
         for values in _group_values(event, group_by):
-            acc = sums.setdefault(values, dict.fromkeys(COUNTER_FIELDS, 0))
+            acc = sums.setdefault(values, dict.fromkeys((*COUNTER_FIELDS, "refused"), 0))
+            if event.audit:
+                acc["refused"] += 1
+                continue
             for k, v in inc.items():
                 acc[k] += v
     rows = []
@@ -115,7 +119,7 @@ def event_row(event: UsageEvent) -> dict[str, Any]:
 def columns(group_by: list[str]) -> list[str]:
     """Column order of the rows for ``group_by`` (raw events when empty)."""
     if group_by:
-        return [*group_by, *COUNTER_FIELDS, "cost_usd", "saved_usd"]
+        return [*group_by, *COUNTER_FIELDS, "refused", "cost_usd", "saved_usd"]
     return [*EVENT_FIELDS, "cost_usd"]
 
 
@@ -149,11 +153,11 @@ def _write_parquet(rows: list[dict[str, Any]], cols: list[str], out: BinaryIO) -
     pa = require("pyarrow", "report", "Parquet export")
     import pyarrow.parquet as pq
 
-    types: dict[str, Any] = {c: pa.int64() for c in COUNTER_FIELDS}
+    types: dict[str, Any] = {c: pa.int64() for c in (*COUNTER_FIELDS, "refused")}
     types.update({"ts": pa.timestamp("ms", tz="UTC"), "tags": pa.map_(pa.string(), pa.string()),
                   "difficulty": pa.float64(), "latency_ms": pa.float64(), "ttft_ms": pa.float64(),
                   "cache_similarity": pa.float64(),
-                  "status": pa.int64(), "cached": pa.bool_(), "stream": pa.bool_()})
+                  "status": pa.int64(), "cached": pa.bool_(), "stream": pa.bool_(), "audit": pa.bool_()})
     if "requests" not in cols:  # raw events: partial is a bool there
         types["partial"] = pa.bool_()
     arrays = []

@@ -194,6 +194,8 @@ def build(events: Iterable[UsageEvent], long_tier: str, long_prices: Prices, n_b
     requests: list[UsageEvent] = []
     # escalated first attempts are paid; they belong to the bucket of the request they were part of
     for ev in events:
+        if ev.audit:  # refused requests: no tier spend, no savings
+            continue
         n_events += 1
         name = ev.tier or "_unrouted"
         t = tiers.setdefault(name, TierSpend(name))

@@ -2,7 +2,8 @@
 
 :class:`Accounting` owns the Redis client, its circuit breaker, and one of each service; the proxy calls
 
-- :meth:`admit` before the upstream call (429 ``budget_exceeded`` / ``rate_limit_exceeded``, or 503),
+- :meth:`admit` before every upstream call — the first, and an escalation's — at every budget level the key
+  is under (429 ``budget_exceeded`` / ``rate_limit_exceeded``, or 503),
 - :meth:`cache_begin` / :meth:`cache_finish` around it (``gateway/state/cache.py``),
 - :meth:`sink` with every finished :class:`~gateway.ledger.record.UsageRecord` (a usage sink): it converts the
   record to a :class:`~gateway.ledger.event.UsageEvent` (``event_id`` = the request id = the budget reservation
@@ -13,6 +14,8 @@
   the spool replayer and closes the client.
 - :meth:`abandon` for a request that ends with neither a record nor an error response (a bug, or a
   cancellation): it is metered with status 499/500 so its reservation is settled at once.
+- :meth:`audit` for a request refused before any upstream call: one audit event (cost 0, never counted as
+  spend) through the same writer, and ``thinkgate_refused_requests_total{status,code}``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from gateway.ledger.event import UsageEvent
 from gateway.ledger.record import UsageRecord
 from gateway.state.alerts import Alerts
 from gateway.state.breaker import Breaker
+from gateway.state.budgets import BudgetLevels
 from gateway.state.cache import CacheEntry, ResponseCache, Ticket
 from gateway.state.cache_policy import cache_key, decide, tenant_scope
 from gateway.state.limits import Admission, Estimate, KeyLimits, Limits, estimate
@@ -95,6 +99,7 @@ class Accounting:
         self.meter = Meter(self.handle, self.breaker, self.spool, settings.metering)
         self.cache = ResponseCache(self.handle, self.breaker, settings.cache)
         self.limits = Limits(self.handle, self.breaker, settings.limits)
+        self.budgets = BudgetLevels(self.handle, self.breaker, settings.limits)
         self.http = httpx.AsyncClient(trust_env=False)
         self.alerts = Alerts(self.handle, self.breaker, settings.limits, self.http)
         self.keystore = RedisKeyStore(self.handle, self.breaker, settings.auth.key_cache_s,
@@ -151,16 +156,28 @@ class Accounting:
         :class:`~gateway.errors.RateLimited` / ``LimitsUnavailable``."""
         self._remember(key)
         lim = KeyLimits.of(key)
-        if lim.unlimited:  # nothing to check: no Redis, no estimate
+        await self.budgets.refresh()
+        levels = self.budgets.above_key(key.tags)
+        if lim.unlimited and not levels:  # nothing to check: no Redis, no estimate
             self._open[record.request_id] = key
             return Admission(key.id, record.request_id, "none", Estimate(0, 0))
         try:
-            admission = await self.limits.admit(lim, record.request_id, estimate(body, tiers), record.ts)
+            admission = await self.limits.admit(lim, record.request_id, estimate(body, tiers), record.ts, levels)
         except GatewayError as exc:
             self.metrics.rejected(exc.code)
             raise
         self._open[record.request_id] = key
         return admission
+
+    def key_of(self, key_id: str | None) -> KeyInfo:
+        """The key of a request admitted by this process (its last-seen KeyInfo)."""
+        return self._known.get(key_id or "") or KeyInfo(id=key_id or "anonymous")
+
+    async def admit_follow_up(self, first: UsageRecord, body: dict[str, Any], record: UsageRecord,
+                              tiers: list[TierConfig]) -> Admission:
+        """Admit a further upstream call made for the request of ``first`` (an escalation) as ``record``: its own
+        reservation at every level, settled by ``record``'s usage event. Raises like :meth:`admit`."""
+        return await self.admit(self.key_of(first.key_id), body, record, tiers)
 
     async def key_info(self, key_id: str) -> KeyInfo | None:
         """The key ``key_id`` (for its budgets): seen by this process, in the config, or in the Redis store."""
@@ -254,6 +271,22 @@ class Accounting:
         task.add_done_callback(self._pending.discard)
         return task
 
+    def audit(self, record: UsageRecord, status: int, code: str | None) -> None:
+        """Record a request refused before any upstream call (``record``: what is known — key, tier, endpoint):
+        one audit event with cost 0 (``UsageEvent.audit``) and the refusal counter by status and code."""
+        record.finish(None, status)
+        record.error_code = code
+        event = event_of(record)
+        event.key_id = record.key_id or ""  # unknown (401): no key id, never "anonymous"
+        event.audit = True
+        event.cost_micro_usd = event.saved_micro_usd = 0
+        event.usage_source = "none"
+        self._open.pop(record.request_id, None)
+        self.metrics.refused(status, code)
+        self._queue.append((event, None))
+        if self._writer is None or self._writer.done():
+            self._start_writer()
+
     def abandon(self, record: UsageRecord, tier: TierConfig | None, status: int, code: str) -> None:
         """Meter a request that ends without a record (error or cancellation) if it was admitted."""
         if record.request_id not in self._open:
@@ -281,15 +314,19 @@ class Accounting:
                 self.limits.settled(event, result)
             except Exception:
                 log.exception("usage settle failed for event %s", event.event_id)
-            if key is None or result.stored != "redis" or result.day_cost_micro_usd is None:
+            if key is None or event.audit or result.stored != "redis" or result.day_cost_micro_usd is None:
                 continue
             lim = KeyLimits.of(key)
-            if lim.budget_day_micro or lim.budget_month_micro:  # alerts only concern keys with a budget
-                self._track(self._alert(lim, key, event, result.day_cost_micro_usd, result.month_cost_micro_usd or 0))
+            levels = [lv for lv in self.budgets.above_key(key.tags) if lv.id in result.levels]
+            if lim.budget_day_micro or lim.budget_month_micro or levels:  # alerts only concern budgeted levels
+                spend = [(lim.level, result.day_cost_micro_usd, result.month_cost_micro_usd or 0)]
+                spend += [(lv, *result.levels[lv.id]) for lv in levels]
+                self._track(self._alert(spend, key, event))
 
-    async def _alert(self, lim: KeyLimits, key: KeyInfo, event: UsageEvent, day_cost: int, month_cost: int) -> None:
+    async def _alert(self, spend: list[Any], key: KeyInfo, event: UsageEvent) -> None:
         try:
-            await self.alerts.check(lim, key.tags, event.day, day_cost, month_cost)
+            for level, day_cost, month_cost in spend:
+                await self.alerts.check_level(level, key.tags, event.day, day_cost, month_cost, key.id)
         except Exception:
             log.exception("budget alert check failed for event %s", event.event_id)
 

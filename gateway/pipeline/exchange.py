@@ -82,13 +82,15 @@ class Exchange:
         await self.release_cache(answer)
         self._meter(status, code)
 
-    async def next_attempt(self, route: RouteDecision, status: int, code: str) -> None:
+    async def next_attempt(self, route: RouteDecision, status: int, code: str,
+                           record: UsageRecord | None = None) -> None:
         """Meter the current attempt (``status``, ``code`` — e.g. ``escalated_empty_answer``) and continue on
-        ``route`` with a fresh record for the same key; the cache ticket stays with the exchange."""
+        ``route`` with ``record`` (already admitted under its id), or a fresh record for the same key; the cache
+        ticket stays with the exchange."""
         old = self.record
         self._meter(status, code)
-        self.record = UsageRecord(key_id=old.key_id, tags=old.tags, endpoint=old.endpoint,
-                                  requested_model=old.requested_model, stream=old.stream)
+        self.record = record or UsageRecord(key_id=old.key_id, tags=old.tags, endpoint=old.endpoint,
+                                            requested_model=old.requested_model, stream=old.stream)
         self._closed = False
         self.stamp(route)
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -29,13 +30,13 @@ from starlette.responses import Response
 
 from gateway.auth.keys import KeyInfo, KeyStore
 from gateway.config import Settings, TierConfig
-from gateway.errors import BodyTooLarge, GatewayError, UpstreamError, UpstreamUnavailable
+from gateway.errors import BodyTooLarge, ClientClosed, GatewayError, UpstreamError, UpstreamUnavailable
 from gateway.ledger.event import Endpoint, WireEndpoint
 from gateway.ledger.record import UsageRecord, emit
 from gateway.openai import sse
 from gateway.openai.chunks import replay
 from gateway.openai.usage import needs_reasoning_count, reasoning_of
-from gateway.pipeline import abstention, escalation, upstream_body
+from gateway.pipeline import abstention, escalation, policy, upstream_body
 from gateway.pipeline import request as schemas
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.relay import CLIENT_CLOSED, fill_reasoning, relay
@@ -54,6 +55,7 @@ VALIDATORS = {"chat": schemas.validate_chat, "completions": schemas.validate_com
 TIER_HEADER = "x-thinkgate-tier"
 CACHE_HEADER = "x-thinkgate-cache"
 SIMILARITY_HEADER = "x-thinkgate-cache-similarity"
+ESCALATION_HEADER = "x-thinkgate-escalation"
 
 UsageSink = Callable[[UsageRecord], None]
 
@@ -82,7 +84,16 @@ def route_headers(route: RouteDecision, record: UsageRecord) -> dict[str, str]:
     }
     if route.difficulty is not None:
         h["x-thinkgate-difficulty"] = f"{route.difficulty:.4f}"
+    if route.downgraded_from is not None:
+        h[policy.DOWNGRADE_HEADER] = route.downgraded_from
     return h
+
+
+async def disconnected(request: Request) -> None:
+    """Return once the client has closed the connection (the body is already read, so the next ASGI message
+    is ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class Proxy:
@@ -110,29 +121,55 @@ class Proxy:
                          if accounting is not None and settings.routing.session_ttl_s > 0 else None)
 
     async def handle(self, request: Request, endpoint: WireEndpoint) -> Response:
-        """Serve one ``chat`` or ``completions`` request; raises GatewayError before any byte is sent."""
-        key = await self.keys.authenticate(request.headers.get("authorization"))
-        body = schemas.parse_json_object(await read_body(request, self.max_body))
-        VALIDATORS[endpoint](body)
-        return await self.serve(key, body, request.headers, endpoint)
+        """Serve one ``chat`` or ``completions`` request; raises GatewayError before any byte is sent.
+
+        A request refused before any upstream call (here: auth, body, validation; in :meth:`serve`: routing,
+        key policy, limits) leaves an audit event (``Accounting.audit``) and its error carries ``x-request-id``.
+        """
+        record = UsageRecord(endpoint=endpoint)
+        try:
+            key = await self.keys.authenticate(request.headers.get("authorization"))
+            record.key_id, record.tags = key.id, key.tags
+            body = schemas.parse_json_object(await read_body(request, self.max_body))
+            record.requested_model, record.stream = body.get("model"), body.get("stream") is True
+            VALIDATORS[endpoint](body)
+        except GatewayError as exc:
+            self.refused(record, exc)
+            raise
+        return await self.serve(key, body, request.headers, endpoint, disconnect=lambda: disconnected(request))
+
+    def refused(self, record: UsageRecord, exc: GatewayError, route: RouteDecision | None = None) -> None:
+        """Audit a request refused before any upstream call (see ``Accounting.audit``)."""
+        if route is not None:
+            record.tier, record.upstream_model, record.route_reason = route.tier.name, route.tier.model, route.reason
+        if self.accounting is not None:
+            self.accounting.audit(record, exc.status, exc.code)
+        exc.headers.setdefault("x-request-id", record.request_id)
 
     async def serve(self, key: KeyInfo, body: dict[str, Any], headers: Mapping[str, str], endpoint: WireEndpoint,
                     label: Endpoint | None = None, route: RouteDecision | None = None,
-                    session: str | None = None) -> Response:
+                    session: str | None = None,
+                    disconnect: Callable[[], Awaitable[None]] | None = None) -> Response:
         """Serve a validated ``chat`` or ``completions`` ``body`` for ``key`` (``headers``: the request's).
 
         Other APIs translated onto chat (``/v1/responses``, ``/v1/messages``) call this with ``label``, the
         usage event's ``endpoint`` (it also scopes their cache entries), and may pass the ``route`` they
         decided themselves and the ``session`` digest of the conversation (:mod:`gateway.pipeline.sessions`).
         A chat request routed by the router keeps its conversation's tier (``x-thinkgate-session: new|sticky``).
-        Raises GatewayError before any byte is sent."""
-        route = route or self.routing.decide(body, headers.get(TIER_HEADER))
+        ``disconnect`` returns when the client has gone away: a non-streamed answer is then cancelled upstream
+        (:meth:`_unless_disconnected`). Raises GatewayError before any byte is sent."""
+        try:
+            route = route or self.routing.decide(body, headers.get(TIER_HEADER))
+        except GatewayError as exc:
+            self.refused(UsageRecord(key_id=key.id, tags=key.tags, endpoint=label or endpoint,
+                                     requested_model=body.get("model"), stream=body.get("stream") is True), exc)
+            raise
         sticky = None
         if self.sessions is not None and endpoint == "chat":
             sticky = await self.sessions.stick(key.id, body, route, session)
             if sticky is not None:
                 route = sticky.route
-        resp = await self._serve_routed(key, body, headers, endpoint, label, route)
+        resp = await self._serve_routed(key, body, headers, endpoint, label, route, disconnect)
         if sticky is not None and self.sessions is not None:
             resp.headers[SESSION_HEADER] = sticky.state
             if resp.headers.get("x-thinkgate-route-reason") == "escalated":
@@ -140,7 +177,8 @@ class Proxy:
         return resp
 
     async def _serve_routed(self, key: KeyInfo, body: dict[str, Any], headers: Mapping[str, str],
-                            endpoint: WireEndpoint, label: Endpoint | None, route: RouteDecision) -> Response:
+                            endpoint: WireEndpoint, label: Endpoint | None, route: RouteDecision,
+                            disconnect: Callable[[], Awaitable[None]] | None = None) -> Response:
         record = UsageRecord(
             key_id=key.id,
             tags=key.tags,
@@ -148,19 +186,33 @@ class Proxy:
             requested_model=body.get("model"),
             stream=body.get("stream") is True,
         )
-        ex = Exchange(record, route, self.usage_sinks, self.accounting)
         acct = self.accounting
+        try:
+            # key policy and tier caps (gateway/pipeline/policy.py): allowed tiers (403 or downgrade), n ≤ max_n,
+            # max_tokens, the key's thinking cap
+            route, downgraded = policy.check_tier(key, route, self.settings.tiers)
+            allowed = frozenset(key.allowed_tiers) if key.allowed_tiers is not None else None
+            route = replace(route, allowed=allowed, downgraded_from=downgraded)
+            policy.check_caps(key, body, route.tier)
+            if acct is not None:
+                # limits: reserve before the upstream call, at every budget level (429 budget_exceeded /
+                # rate_limit_exceeded with Retry-After, or 503)
+                await acct.admit(key, body, record, [route.tier, *self._fallbacks(route)])
+        except GatewayError as exc:
+            self.refused(record, exc, route)
+            raise
+        ex = Exchange(record, route, self.usage_sinks, acct)
         if acct is None:
             return await self._serve(ex, body, endpoint)
-        # limits: reserve before the upstream call (429 budget_exceeded / rate_limit_exceeded, Retry-After)
-        await acct.admit(key, body, record, [route.tier, *self.routing.fallbacks(route.tier)])
         try:
             # cache: key = tenant scope + the post-routing upstream request
             up_body = upstream_body.build(body, route.tier, endpoint)
             ex.ticket = await acct.cache_begin(key, record, route.tier, up_body, headers)
             if ex.ticket.status == "hit":
                 return await self._replay_hit(ex, body)
-            return await self._serve(ex, body, endpoint)
+            if record.stream or disconnect is None:  # the SSE relay notices a disconnect itself
+                return await self._serve(ex, body, endpoint)
+            return await self._unless_disconnected(disconnect, self._serve(ex, body, endpoint), ex)
         except BaseException as exc:
             # Normally every exit closed the exchange (errors included); this settles anything else.
             cancelled = isinstance(exc, asyncio.CancelledError | anyio.get_cancelled_exc_class())
@@ -168,6 +220,34 @@ class Proxy:
                 await ex.abandon(CLIENT_CLOSED if cancelled else 500,
                                  "client_disconnected" if cancelled else "internal_error")
             raise
+
+    async def _unless_disconnected(self, disconnect: Callable[[], Awaitable[None]], serving: Awaitable[Response],
+                                   ex: Exchange) -> Response:
+        """Run ``serving`` (a non-streamed answer) until done, or until the client goes away: then cancel it —
+        which closes the upstream request, and vLLM aborts a request whose connection closed — meter the
+        current attempt as ``partial`` with status 499, and raise :class:`ClientClosed`. A non-streamed
+        upstream reports no usage before its end, so such a record has the tokens known (none) and
+        ``usage_source: none``."""
+        work = asyncio.ensure_future(serving)
+        watch = asyncio.ensure_future(disconnect())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        with anyio.CancelScope(shield=True):
+            try:
+                await work
+            except (asyncio.CancelledError, Exception) as exc:  # the client is gone either way
+                log.debug("cancelled request %s ended with %r", ex.record.request_id, exc)
+            await ex.abandon(CLIENT_CLOSED, "client_disconnected")
+        raise ClientClosed("the client closed the connection; the upstream call was cancelled")
+
+    def _fallbacks(self, route: RouteDecision) -> list[TierConfig]:
+        """The tiers a call on ``route`` may fall back to: later tiers the key may use."""
+        return self.routing.fallbacks(route.tier, route.allowed)
 
     async def _serve(self, ex: Exchange, body: dict[str, Any], endpoint: str) -> Response:
         """Call the upstream and answer (JSON or SSE relay); a complete answer is offered to the cache."""
@@ -177,16 +257,17 @@ class Proxy:
             await ex.close(exc.status, exc.code)
             raise
         ex.stamp(route)
+        extra: dict[str, str] = {}
         # the cascade: each tier that lists escalation conditions is checked in turn, up the tier order
         while ex.tier.escalate_on and (nxt := self._next_tier(ex.tier)) is not None:
             before = ex.route
-            resp = await self._maybe_escalate(ex, resp, body, endpoint, nxt)
+            resp = await self._maybe_escalate(ex, resp, body, endpoint, nxt, extra)
             if ex.route is before:
                 break
         cached_status = ex.ticket.status if ex.ticket is not None else "bypass"
         if ex.route.reason in ("fallback", "escalated"):  # only the routed tier's answer is cached
             await ex.release_cache()
-        headers = {**route_headers(ex.route, ex.record), CACHE_HEADER: cached_status}
+        headers = {**route_headers(ex.route, ex.record), CACHE_HEADER: cached_status, **extra}
         if ex.record.stream:
             wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return sse.RelayResponse(relay(resp, ex, self.upstreams, wants_usage, cache=True), headers)
@@ -196,7 +277,7 @@ class Proxy:
         """Serve a cached answer (JSON, or replayed as SSE): metered as a hit (cost 0, saved = its price)."""
         assert ex.ticket is not None and ex.ticket.entry is not None
         cached = ex.ticket.entry.body
-        ex.stamp(RouteDecision(ex.tier, "cache", ex.route.difficulty))
+        ex.stamp(replace(ex.route, reason="cache"))
         record = ex.record
         record.cached = True
         record.set_usage(cached.get("usage"))
@@ -223,12 +304,15 @@ class Proxy:
         return self.settings.tiers[i + 1] if i + 1 < len(names) else None
 
     async def _maybe_escalate(self, ex: Exchange, resp: UpstreamResponse, body: dict[str, Any], endpoint: str,
-                              nxt: TierConfig) -> UpstreamResponse:
+                              nxt: TierConfig, headers: dict[str, str]) -> UpstreamResponse:
         """Retry on ``nxt`` when the tier's answer is empty, was cut inside its thought, abstains or is unsure
         (``tier.escalate_on``; :mod:`gateway.pipeline.abstention`). Both calls are metered: the first attempt
         as its own usage record (``error_code: escalated_<why>``), the retry with route reason ``escalated``.
         Streams are read up to the first answer token to decide (:func:`gateway.pipeline.escalation.peek_stream`),
-        or to their end when the tier checks the answer's content (``abstain``/``low_confidence``)."""
+        or to their end when the tier checks the answer's content (``abstain``/``low_confidence``).
+        The retry is admitted — reserved at every budget level — before it is sent; when that is refused (or
+        the key may not use ``nxt``) the first answer is returned, with ``x-thinkgate-escalation: skipped;
+        tier=…; reason=…`` in ``headers``."""
         tier = ex.tier
         if ex.record.stream:
             whole = bool({"abstain", "low_confidence"} & set(tier.escalate_on))
@@ -244,25 +328,47 @@ class Proxy:
                 tier.escalate_on, tier.abstain_phrases, tier.min_answer_logprob, summary, endpoint)
         if why is None:
             return resp
+        retry = replace(ex.route, tier=nxt, reason="escalated")
+        again = UsageRecord(key_id=ex.record.key_id, tags=ex.record.tags, endpoint=ex.record.endpoint,
+                            requested_model=ex.record.requested_model, stream=ex.record.stream)
+        skipped = await self._admit_escalation(retry, body, again)
+        if skipped is not None:
+            log.info("tier %s gave %s; not escalating to %s (%s)", ex.tier.name, why, nxt.name, skipped)
+            headers[ESCALATION_HEADER] = f"skipped; tier={nxt.name}; reason={skipped}"
+            return resp
         await resp.aclose()
         log.info("tier %s gave %s; escalating to %s", ex.tier.name, why, nxt.name)
         ex.record.mark_first_byte()
         ex.record.set_usage(summary.get("usage") if isinstance(summary.get("usage"), dict) else None)
-        difficulty = ex.route.difficulty
-        await ex.next_attempt(RouteDecision(nxt, "escalated", difficulty), 200, f"escalated_{why}")
+        await ex.next_attempt(retry, 200, f"escalated_{why}", record=again)
         try:
             routed, resp = await self._call_upstream(ex.route, body, endpoint, ex.record)
         except GatewayError as exc:
             await ex.close(exc.status, exc.code)
             raise
-        ex.stamp(RouteDecision(routed.tier, "escalated", difficulty))
+        ex.stamp(replace(routed, reason="escalated"))
         return resp
+
+    async def _admit_escalation(self, retry: RouteDecision, body: dict[str, Any], again: UsageRecord) -> str | None:
+        """Reserve the escalated call (``again``'s id) on ``retry.tier`` and its fallbacks; None when admitted,
+        else why it may not be sent (an error code)."""
+        if retry.allowed is not None and retry.tier.name not in retry.allowed:
+            return "tier_not_allowed"
+        if self.accounting is None:
+            return None
+        key = self.accounting.key_of(again.key_id)
+        try:
+            policy.check_caps(key, dict(body), retry.tier)
+            await self.accounting.admit(key, body, again, [retry.tier, *self._fallbacks(retry)])
+        except GatewayError as exc:
+            return exc.code or "refused"
+        return None
 
     async def _call_upstream(
         self, route: RouteDecision, body: dict[str, Any], endpoint: str, record: UsageRecord
     ) -> tuple[RouteDecision, UpstreamResponse]:
         """Open the upstream call on the routed tier, falling back to later tiers when it is down."""
-        candidates = [route.tier, *self.routing.fallbacks(route.tier)]
+        candidates = [route.tier, *self._fallbacks(route)]
         last: GatewayError | None = None
         for i, tier in enumerate(candidates):
             built = upstream_body.build(body, tier, endpoint)
@@ -280,7 +386,7 @@ class Proxy:
                 continue
             if i == 0:
                 return route, resp
-            return RouteDecision(tier, "fallback", route.difficulty), resp
+            return replace(route, tier=tier, reason="fallback"), resp
         assert last is not None
         raise last
 

@@ -4,7 +4,9 @@ The body is kept as the parsed ``dict`` (no model copy on the hot path). Only th
 or that would make the upstream fail in a confusing way are type-checked, following the OpenAI API
 reference for ``/v1/chat/completions`` and ``/v1/completions``. Unknown fields (vLLM extras such as
 ``chat_template_kwargs``, ``top_k``, ``thinking_token_budget``) are forwarded as sent.
-Every failure raises :class:`gateway.errors.InvalidRequest` (400) naming the field in ``param``.
+Every failure raises :class:`gateway.errors.InvalidRequest` (400) naming the field in ``param``. The caps
+that depend on the tier (``n`` ≤ ``max_n``, ``max_tokens``) and on the key are checked after routing, before
+admission (``gateway/pipeline/policy.py``): nothing reaches an upstream unvalidated.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ def _is_num(v: Any) -> bool:
 
 def _pos_int(v: Any) -> bool:
     return _is_int(v) and v >= 1
+
+
+def _non_neg_int(v: Any) -> bool:
+    return _is_int(v) and v >= 0
 
 
 def _stop(v: Any) -> bool:
@@ -61,12 +67,29 @@ _COMMON: dict[str, Check] = {
     "stop": (_stop, "a string or an array of strings"),
     "reasoning_effort": (lambda v: isinstance(v, str), "a string"),
     "chat_template_kwargs": (lambda v: isinstance(v, dict), "an object"),
+    "thinking_token_budget": (_non_neg_int, "an integer >= 0 (tokens)"),
+    "user": (lambda v: isinstance(v, str), "a string"),
+    "logit_bias": (lambda v: isinstance(v, dict), "an object"),
 }
 _CHAT: dict[str, Check] = {
     **_COMMON,
     "max_completion_tokens": (_pos_int, "an integer >= 1"),
+    "logprobs": (lambda v: isinstance(v, bool), "a boolean"),
+    "top_logprobs": (lambda v: _is_int(v) and 0 <= v <= 20, "an integer in [0, 20]"),
+    "tools": (lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v), "an array of objects"),
+    "tool_choice": (lambda v: isinstance(v, str | dict), "a string or an object"),
+    "parallel_tool_calls": (lambda v: isinstance(v, bool), "a boolean"),
+    "response_format": (lambda v: isinstance(v, dict), "an object"),
 }
-_COMPLETIONS: dict[str, Check] = {**_COMMON}
+_COMPLETIONS: dict[str, Check] = {
+    **_COMMON,
+    "best_of": (_pos_int, "an integer >= 1"),
+    "logprobs": (lambda v: _is_int(v) and 0 <= v <= 5, "an integer in [0, 5]"),
+    "echo": (lambda v: isinstance(v, bool), "a boolean"),
+    "suffix": (lambda v: isinstance(v, str), "a string"),
+}
+#: The chat roles of the OpenAI API (``developer`` is the newer name of ``system``; ``function`` is legacy).
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -101,16 +124,25 @@ def validate_chat(body: dict[str, Any]) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'", param=f"messages.{i}")
+        if m["role"] not in ROLES:
+            raise InvalidRequest(f"messages[{i}].role must be one of {sorted(ROLES)}, got {m['role'][:40]!r}",
+                                 param=f"messages.{i}.role")
         c = m.get("content")
         if c is not None and not isinstance(c, str | list):
             raise InvalidRequest(
                 f"messages[{i}].content must be a string or an array of content parts", param=f"messages.{i}.content"
             )
+        if isinstance(c, list) and not all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in c):
+            raise InvalidRequest(f"messages[{i}].content parts must be objects with a string 'type'",
+                                 param=f"messages.{i}.content")
 
 
 def validate_completion(body: dict[str, Any]) -> None:
     """Check a ``/v1/completions`` body in place; raises InvalidRequest."""
     _check_fields(body, _COMPLETIONS)
+    best_of, n = body.get("best_of"), body.get("n")
+    if best_of is not None and best_of < (n if n is not None else 1):
+        raise InvalidRequest("'best_of' must be >= 'n'", param="best_of")
     if not _prompt(body.get("prompt")):
         raise InvalidRequest(
             "'prompt' must be a string, an array of strings, or token ids", param="prompt"

@@ -40,11 +40,15 @@ AUTO = "auto"
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
-    """Where a request goes: the tier, why (:data:`~gateway.ledger.event.RouteReason`) and the router score."""
+    """Where a request goes: the tier, why (:data:`~gateway.ledger.event.RouteReason`) and the router score;
+    ``allowed``: the tier names the key may use (None = all; fallback and escalation stay inside them);
+    ``downgraded_from``: the tier asked for when the key's policy downgraded the request."""
 
     tier: TierConfig
     reason: RouteReason
     difficulty: float | None = None
+    allowed: frozenset[str] | None = None
+    downgraded_from: str | None = None
 
 
 def default_thresholds(n_tiers: int) -> list[float]:
@@ -90,15 +94,16 @@ class Routing:
             return svc.thresholds  # read per call: a reloaded file brings its own cut points
         return list(self._thresholds)
 
-    def fallbacks(self, tier: TierConfig) -> list[TierConfig]:
-        """Tiers after ``tier`` in configuration order (cheapest → most capable), when fallback is enabled.
+    def fallbacks(self, tier: TierConfig, allowed: frozenset[str] | None = None) -> list[TierConfig]:
+        """Tiers after ``tier`` in configuration order (cheapest → most capable), when fallback is enabled;
+        only those in ``allowed`` when given (a key's allowed tiers).
 
         Only later tiers: falling back to a cheaper tier would silently lower answer quality.
         """
         if not self.cfg.fallback:
             return []
         i = self._order.index(tier.name)
-        return [self._tiers[n] for n in self._order[i + 1 :]]
+        return [self._tiers[n] for n in self._order[i + 1 :] if allowed is None or n in allowed]
 
     def decide(self, body: dict[str, Any], forced_header: str | None, window_text: str | None = None) -> RouteDecision:
         """Route one request body. Raises UnknownModel (400) for an unknown model/header tier and

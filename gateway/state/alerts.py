@@ -1,11 +1,13 @@
-"""Soft budget alerts: when a key's spend crosses a configured fraction of its daily or monthly budget.
+"""Soft budget alerts: when the spend of a budget level — a key, a tag (``team=a``), the global level —
+crosses a configured fraction of its daily or monthly budget.
 
-Each (key, period, fraction) fires **once per period** across all replicas: the first writer of
-``alert:{key}:{day|month id}:{fraction}`` (``SET NX`` with a TTL past the period's end) fires; everyone else
-sees the key and stays quiet. Firing = one structured log record on the ``thinkgate.alerts`` logger
-(``extra={"alert": {...}}``, message = the JSON) and, when ``limits.alert_webhook_url`` is set, one HTTP
-POST of the same JSON (timeout ``limits.alert_webhook_timeout_s``; a failed POST is logged, not retried —
-alerts are at-most-once). Alerts are checked after each metering write, from the spend it returns; while
+Each (level, period, fraction) fires **once per period** across all replicas: the first writer of
+``alert:{key id | tag:k=v | global}:{day|month id}:{fraction}`` (``SET NX`` with a TTL past the period's
+end) fires; everyone else sees the key and stays quiet. Firing = one structured log record on the
+``thinkgate.alerts`` logger (``extra={"alert": {...}}``, message = the JSON) and, when
+``limits.alert_webhook_url`` is set, one HTTP POST of the same JSON (timeout
+``limits.alert_webhook_timeout_s``; a failed POST is logged, not retried — alerts are at-most-once). Alerts
+are checked after each metering write, from the spend it returns (every level's, in the same reply); while
 Redis is down they are skipped (the next write after recovery catches up).
 """
 
@@ -21,6 +23,7 @@ import orjson
 from gateway.config import LimitsConfig
 from gateway.ledger.event import micro_to_usd
 from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.budgets import Level
 from gateway.state.keys import RedisKeys
 from gateway.state.limits import KeyLimits
 from gateway.state.redis import RedisHandle
@@ -34,7 +37,8 @@ LOCAL_MEMO_MAX = 10_000
 
 @dataclass(frozen=True, slots=True)
 class Alert:
-    """One fired alert. Money as exact decimal strings (USD)."""
+    """One fired alert. Money as exact decimal strings (USD). ``level``: ``key``, ``tag:k=v`` or ``global``;
+    ``key_id`` is the key (for a tag or global level: the key whose request crossed the mark)."""
 
     key_id: str
     period: str  # "day" | "month"
@@ -44,6 +48,7 @@ class Alert:
     spent_usd: str
     tags: dict[str, str]
     type: str = "budget_alert"
+    level: str = "key"
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -65,21 +70,29 @@ class Alerts:
     async def check(self, lim: KeyLimits, tags: dict[str, str], day: str, spent_day: int,
                     spent_month: int) -> list[Alert]:
         """Fire every alert newly crossed by the spend (micro-USD) of ``lim.key_id`` on UTC ``day``."""
+        return await self.check_level(lim.level, tags, day, spent_day, spent_month)
+
+    async def check_level(self, level: Level, tags: dict[str, str], day: str, spent_day: int, spent_month: int,
+                          key_id: str | None = None) -> list[Alert]:
+        """Fire every alert newly crossed by the spend (micro-USD) of ``level`` on UTC ``day``; ``key_id``: the
+        key whose request it was (defaults to the level's key)."""
         fired: list[Alert] = []
         month = day[:7]
+        mark_id = level.name if level.kind == "key" else level.id
+        who = key_id or (level.name if level.kind == "key" else "")
         for period, period_id, budget, spent, ttl in (
-            ("day", day, lim.budget_day_micro, spent_day, DAY_MARK_TTL_S),
-            ("month", month, lim.budget_month_micro, spent_month, MONTH_MARK_TTL_S),
+            ("day", day, level.day_micro, spent_day, DAY_MARK_TTL_S),
+            ("month", month, level.month_micro, spent_month, MONTH_MARK_TTL_S),
         ):
             if budget is None or budget <= 0:
                 continue
             for fraction in self.cfg.alert_fractions:
                 if spent < fraction * budget:
                     break
-                memo = (lim.key_id, period_id, fraction)
+                memo = (level.id, period_id, fraction)
                 if memo in self._memo:
                     continue
-                mark = self.keys.alert(lim.key_id, period_id, f"{fraction:g}")
+                mark = self.keys.alert(mark_id, period_id, f"{fraction:g}")
                 try:
                     first = await self.breaker.call(functools.partial(self.redis.set, mark, b"1", nx=True, ex=ttl))
                 except RedisDown:
@@ -88,8 +101,9 @@ class Alerts:
                     self._memo.clear()
                 self._memo.add(memo)
                 if first:
-                    alert = Alert(lim.key_id, period, period_id, fraction, str(micro_to_usd(budget)),
-                                  str(micro_to_usd(spent)), dict(tags))
+                    alert = Alert(who, period, period_id, fraction, str(micro_to_usd(budget)),
+                                  str(micro_to_usd(spent)), dict(tags),
+                                  level="key" if level.kind == "key" else level.id)
                     await self._fire(alert)
                     fired.append(alert)
         return fired

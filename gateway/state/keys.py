@@ -13,10 +13,18 @@ key                                     type        contents
 ``p usage:tier:{tier}``                 hash        all-time counters of a tier
 ``p usage:tier:{tier}:d:{YYYY-MM-DD}``  hash        a tier's counters for one UTC day
 ``p usage:keys``                        set         key ids that have counters
-``p lim:{id}:resv``                     hash        open cost/token reservations: id → "micro|tokens|exp_ms"
+``p usage:tag:{k=v}:d:{YYYY-MM-DD}``    hash        a tag's spend for one UTC day (``cost_micro_usd``, ``requests``)
+``p usage:tag:{k=v}:m:{YYYY-MM}``       hash        a tag's spend for one UTC month
+``p usage:global:d:{YYYY-MM-DD}``       hash        the whole gateway's spend for one UTC day
+``p usage:global:m:{YYYY-MM}``          hash        the whole gateway's spend for one UTC month
+``p lim:{id}:resv``                     hash        a key's open reservations: id → "micro|tokens|exp_ms"
+``p budget:tag:{k=v}:resv``             hash        a tag's open reservations (same format, reservations.py)
+``p budget:global:resv``                hash        the global level's open reservations
+``p budgets:defs``                      hash        budgets set by the CLI: level id → JSON {usd_day, usd_month}
 ``p lim:{id}:rpm:{window}``             string      requests admitted in a 60 s window
 ``p lim:{id}:tpm:{window}``             string      tokens (reserved, then settled) in a 60 s window
-``p alert:{id}:{period}:{fraction}``    string      set once when an alert fired (SET NX)
+``p alert:{level}:{period}:{fraction}`` string      set once when an alert fired (SET NX); level = key id,
+                                                    ``tag:k=v`` or ``global``
 ``p keys:rec:{id}``                     string      API key record JSON (hash of the secret only)
 ``p keys:h:{sha256}``                   string      secret hash → key id
 ``p keys:ids``                          set         all key ids in the store
@@ -76,6 +84,27 @@ class RedisKeys:
 
     def reservations(self, key_id: str) -> str:
         return f"{self.prefix}lim:{key_id}:resv"
+
+    def level_day(self, kind: str, name: str, day: str) -> str:
+        """Spend counters of a budget level (``kind``: key | tag | global) for one UTC day."""
+        if kind == "key":
+            return self.key_day(name, day)
+        return f"{self.prefix}usage:{kind}:{name}:d:{day}" if kind == "tag" else f"{self.prefix}usage:global:d:{day}"
+
+    def level_month(self, kind: str, name: str, month: str) -> str:
+        if kind == "key":
+            return self.key_month(name, month)
+        return (f"{self.prefix}usage:{kind}:{name}:m:{month}" if kind == "tag"
+                else f"{self.prefix}usage:global:m:{month}")
+
+    def level_reservations(self, kind: str, name: str) -> str:
+        if kind == "key":
+            return self.reservations(name)
+        return f"{self.prefix}budget:tag:{name}:resv" if kind == "tag" else f"{self.prefix}budget:global:resv"
+
+    @property
+    def budget_defs(self) -> str:
+        return f"{self.prefix}budgets:defs"
 
     def rpm(self, key_id: str, window: int) -> str:
         return f"{self.prefix}lim:{key_id}:rpm:{window}"

@@ -1,21 +1,25 @@
-"""Admission control: per-key budgets (USD per UTC day / month), RPM and TPM, decided atomically in Redis.
+"""Admission control: budgets (USD per UTC day / month) at every level, RPM and TPM, decided atomically in Redis.
 
-**Reserve, then settle.** Before the upstream call one Lua script (``ADMIT``) reads the key's spend so far
-(the metering counters ``usage:key:{id}:d:{day}`` / ``:m:{month}``, ``cost_micro_usd``), the open
-reservations of concurrent requests, and the RPM/TPM windows; it admits only when
+**Reserve, then settle.** Before each upstream call one Lua script (``ADMIT``) reads, for every budget level
+the request is under — its key, each of the key's tags that has a budget, the global level
+(``gateway/state/budgets.py``) — the spend so far (``cost_micro_usd`` of the level's day/month counters) and
+the open reservations of concurrent requests (``gateway/state/reservations.py``), and the key's RPM/TPM
+windows. With ``e`` = this request's upper-bound estimate (:func:`estimate`), it admits only when, for each
+level and period with a budget ``B``:
 
-- spend < budget **and** spend + open reservations < budget (for each of day and month), and
-- RPM: requests in the sliding 60 s window + 1 ≤ ``rpm``; TPM: tokens in the window < ``tpm``,
+- ``hard`` (``limits.budget_mode``, the default): spend + reserved + e ≤ B — no request shape can take the
+  spend past the budget (as long as ``e`` is an upper bound, which the tier caps make it);
+- ``soft``: spend < B and spend + reserved < B — the overshoot is bounded by one request's estimate, itself
+  bounded by the caps (``max_n`` × ``max_tokens`` at the priciest reachable tier, plus the prompt);
 
-and then, in the same atomic step, records a reservation (an upper bound of the request's cost and tokens,
-see :func:`estimate`) under the request id, counts the request in the RPM window and the reserved tokens in
-the TPM window. Metering settles it: the usage event's write (``gateway/state/metering.py``) deletes the reservation
-and corrects the TPM window by the real token count, atomically with adding the real cost to the counters.
-So concurrent requests see each other's reservations: 64 concurrent requests against a budget worth one
-request admit one (the rest see ``spend + reserved ≥ budget``), and in general the overshoot is bounded by
-one request's cost (the last request admitted while budget remained). Reservations of a crashed replica stop
+and RPM: requests in the sliding 60 s window + 1 ≤ ``rpm``; TPM: tokens in the window < ``tpm``. Then, in the
+same atomic step, it records a reservation of ``e`` at every budgeted level (and the key's, for TPM) under
+the request id, counts the request in the RPM window and the reserved tokens in the TPM window. Metering
+settles it: the usage event's write (``gateway/state/metering.py``) deletes the reservations and corrects the
+TPM window by the real token count, atomically with adding the real cost to every level's counters. So
+concurrent requests see each other's reservations at every level. Reservations of a crashed replica stop
 counting after ``limits.reservation_ttl_s``. (LiteLLM checks spend after the fact and overshoots under
-concurrency — BerriAI/litellm#34732.)
+concurrency — BerriAI/litellm#34732, #11083.)
 
 **Windows.** RPM/TPM use a sliding-window counter: ``used = prev·(1 − elapsed/60 s) + current`` over fixed
 60 s windows (two keys per limit, no per-request entries); ``Retry-After`` is the time until the window has
@@ -25,14 +29,14 @@ when only in-flight reservations block (they may settle below their estimate).
 **Redis down.** ``limits.on_redis_down``: ``fail_closed`` refuses with 503 (``limits_unavailable``);
 ``fail_open`` applies the same rules to process-local counters: the spend last read from Redis plus this
 process's own requests since, and this process's RPM/TPM windows (approximate: other replicas unseen).
-Keys without budgets or limits never touch Redis here.
+Requests under no budget and no limit never touch Redis here.
 """
 
 from __future__ import annotations
 
 import calendar
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -40,52 +44,62 @@ from typing import Any, Literal, Protocol
 
 from gateway.config import LimitsConfig, TierConfig
 from gateway.errors import LimitsUnavailable, RateLimited
-from gateway.ledger.event import UsageEvent, cost_micro_usd, usd_to_micro
+from gateway.ledger.event import UsageEvent, cost_micro_usd, micro_to_usd, usd_to_micro
 from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.budgets import Level, event_level_ids
 from gateway.state.keys import RedisKeys
 from gateway.state.metering import RecordResult
 from gateway.state.redis import RedisHandle
+from gateway.state.reservations import LUA_FUNCTIONS
 
 WINDOW_MS = 60_000
 MESSAGE_OVERHEAD_TOKENS = 8  # chat template tokens per message, upper bound
 REQUEST_OVERHEAD_TOKENS = 16
+TOOLS_OVERHEAD_TOKENS = 256  # the template's tool-calling preamble, upper bound
 
-# KEYS: 1 key day usage hash, 2 key month usage hash, 3 reservations hash, 4 RPM current, 5 RPM previous,
-#       6 TPM current, 7 TPM previous
-# ARGV: 1 now ms, 2 day budget micro (-1 none), 3 month budget micro (-1), 4 rpm (-1), 5 tpm (-1),
-#       6 estimated micro-USD, 7 estimated tokens, 8 reservation id, 9 reservation TTL ms,
-#       10 seconds to the end of the day, 11 seconds to the end of the month
-# Returns {1, spend day, spend month} or {0, code, what, retry_after_s, spend day, spend month}.
-ADMIT_LUA = """
+# KEYS: 1 RPM current, 2 RPM previous, 3 TPM current, 4 TPM previous, then per budget level i (0-based):
+#       5+3i day spend hash, 6+3i month spend hash, 7+3i reservations hash (level 0 = the key)
+# ARGV: 1 now ms, 2 mode (hard|soft), 3 rpm (-1 none), 4 tpm (-1), 5 estimated micro-USD, 6 estimated tokens,
+#       7 reservation id, 8 reservation TTL ms, 9 seconds to the end of the day, 10 … of the month,
+#       11 number of levels, then per level i: 12+3i day budget micro (-1 none), 13+3i month budget (-1),
+#       14+3i reserve here (1/0)
+# Returns {1, day spend, month spend, reserved, … per level} or
+#         {0, code, level index (1-based; 0 for RPM/TPM), what, retry_after_s, budget, spent, reserved}.
+ADMIT_LUA = LUA_FUNCTIONS + """
 local now = tonumber(ARGV[1])
+local hard = ARGV[2] == 'hard'
 local W = 60000
 local elapsed = now % W
-local bday, bmonth = tonumber(ARGV[2]), tonumber(ARGV[3])
-local rpm, tpm = tonumber(ARGV[4]), tonumber(ARGV[5])
-local spent_day = tonumber(redis.call('HGET', KEYS[1], 'cost_micro_usd') or '0')
-local spent_month = tonumber(redis.call('HGET', KEYS[2], 'cost_micro_usd') or '0')
-local reserved = 0
-if bday >= 0 or bmonth >= 0 then
-  local r = redis.call('HGETALL', KEYS[3])
-  for i = 1, #r, 2 do
-    local m, exp = string.match(r[i + 1], '^(%d+)|%d+|(%d+)$')
-    if not exp or tonumber(exp) <= now then
-      redis.call('HDEL', KEYS[3], r[i])
-    else
-      reserved = reserved + tonumber(m)
+local rpm, tpm = tonumber(ARGV[3]), tonumber(ARGV[4])
+local est = tonumber(ARGV[5])
+local n = tonumber(ARGV[11])
+local seen = {}
+for i = 0, n - 1 do
+  local a = 12 + 3 * i
+  local bday, bmonth = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local sd = tonumber(redis.call('HGET', KEYS[5 + 3 * i], 'cost_micro_usd') or '0')
+  local sm = tonumber(redis.call('HGET', KEYS[6 + 3 * i], 'cost_micro_usd') or '0')
+  local reserved = 0
+  if bday >= 0 or bmonth >= 0 then reserved = open_reserved(KEYS[7 + 3 * i], now) end
+  local checks = {{bday, sd, 'day', tonumber(ARGV[9])}, {bmonth, sm, 'month', tonumber(ARGV[10])}}
+  for _, c in ipairs(checks) do
+    local budget, spent = c[1], c[2]
+    if budget >= 0 then
+      if hard then
+        if spent + est > budget then return {0, 'budget_exceeded', i + 1, c[3], c[4], budget, spent, reserved} end
+        if spent + reserved + est > budget then
+          return {0, 'budget_exceeded', i + 1, c[3], 1, budget, spent, reserved}
+        end
+      else
+        if spent >= budget then return {0, 'budget_exceeded', i + 1, c[3], c[4], budget, spent, reserved} end
+        if spent + reserved >= budget then return {0, 'budget_exceeded', i + 1, c[3], 1, budget, spent, reserved} end
+      end
     end
   end
+  seen[#seen + 1] = sd
+  seen[#seen + 1] = sm
+  seen[#seen + 1] = reserved
 end
-local function over(budget, spent, period_end)
-  if budget < 0 then return nil end
-  if spent >= budget then return period_end end
-  if spent + reserved >= budget then return 1 end
-  return nil
-end
-local ra = over(bday, spent_day, tonumber(ARGV[10]))
-if ra then return {0, 'budget_exceeded', 'day', ra, spent_day, spent_month} end
-ra = over(bmonth, spent_month, tonumber(ARGV[11]))
-if ra then return {0, 'budget_exceeded', 'month', ra, spent_day, spent_month} end
 local frac = (W - elapsed) / W
 local function retry_s(limit, cur, prev)
   local room = limit - 1
@@ -100,34 +114,38 @@ local function retry_s(limit, cur, prev)
   return math.max(1, math.ceil(t / 1000))
 end
 if rpm >= 0 then
-  local cur = tonumber(redis.call('GET', KEYS[4]) or '0')
-  local prev = tonumber(redis.call('GET', KEYS[5]) or '0')
+  local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+  local prev = tonumber(redis.call('GET', KEYS[2]) or '0')
   if prev * frac + cur + 1 > rpm then
-    return {0, 'rate_limit_exceeded', 'rpm', retry_s(rpm, cur, prev), spent_day, spent_month}
+    return {0, 'rate_limit_exceeded', 0, 'rpm', retry_s(rpm, cur, prev), rpm, 0, 0}
   end
 end
 if tpm >= 0 then
-  local cur = tonumber(redis.call('GET', KEYS[6]) or '0')
-  local prev = tonumber(redis.call('GET', KEYS[7]) or '0')
+  local cur = tonumber(redis.call('GET', KEYS[3]) or '0')
+  local prev = tonumber(redis.call('GET', KEYS[4]) or '0')
   if prev * frac + cur >= tpm then
-    return {0, 'rate_limit_exceeded', 'tpm', retry_s(tpm, cur, prev), spent_day, spent_month}
+    return {0, 'rate_limit_exceeded', 0, 'tpm', retry_s(tpm, cur, prev), tpm, 0, 0}
   end
 end
-if bday >= 0 or bmonth >= 0 or tpm >= 0 then
-  local tokens = ARGV[7]
-  if tpm < 0 then tokens = '0' end
-  redis.call('HSET', KEYS[3], ARGV[8], ARGV[6] .. '|' .. tokens .. '|' .. (now + tonumber(ARGV[9])))
-  redis.call('PEXPIRE', KEYS[3], ARGV[9])
+local ttl = tonumber(ARGV[8])
+for i = 0, n - 1 do
+  if ARGV[14 + 3 * i] == '1' then
+    local tokens = '0'
+    if i == 0 and tpm >= 0 then tokens = ARGV[6] end
+    reserve(KEYS[7 + 3 * i], ARGV[7], ARGV[5], tokens, now + ttl, ttl)
+  end
 end
 if rpm >= 0 then
-  redis.call('INCR', KEYS[4])
-  redis.call('PEXPIRE', KEYS[4], 2 * W)
+  redis.call('INCR', KEYS[1])
+  redis.call('PEXPIRE', KEYS[1], 2 * W)
 end
 if tpm >= 0 then
-  redis.call('INCRBY', KEYS[6], ARGV[7])
-  redis.call('PEXPIRE', KEYS[6], 2 * W)
+  redis.call('INCRBY', KEYS[3], ARGV[6])
+  redis.call('PEXPIRE', KEYS[3], 2 * W)
 end
-return {1, spent_day, spent_month}
+local out = {1}
+for _, v in ipairs(seen) do out[#out + 1] = v end
+return out
 """
 
 
@@ -173,6 +191,11 @@ class KeyLimits:
         return (self.budget_day_micro is None and self.budget_month_micro is None and self.rpm is None
                 and self.tpm is None)
 
+    @property
+    def level(self) -> Level:
+        """The key as a budget level."""
+        return Level("key", self.key_id, self.budget_day_micro, self.budget_month_micro)
+
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
@@ -185,6 +208,10 @@ class Estimate:
 def _text_bytes(value: Any) -> int:
     if isinstance(value, str):
         return len(value.encode())
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int):  # a token id of a pre-tokenised prompt
+        return 1
     if isinstance(value, list):
         return sum(_text_bytes(v) for v in value)
     if isinstance(value, dict):
@@ -192,34 +219,64 @@ def _text_bytes(value: Any) -> int:
     return 0
 
 
-def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
-    """Upper bounds of cost and tokens of ``body`` on any of ``tiers`` (the tiers it may be routed to).
+def _choices(body: dict[str, Any]) -> int:
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    best_of = body.get("best_of")
+    if isinstance(best_of, int) and not isinstance(best_of, bool) and best_of > n:
+        n = best_of  # generated server-side and billed, even if only n come back
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+        n *= len(prompt)  # /v1/completions: n completions per prompt of a batch
+    return n
 
-    Prompt: UTF-8 bytes of the messages/prompt (a byte-level BPE token covers ≥ 1 byte) plus template
-    overhead; completion: ``n`` × min(requested ``max_tokens``/``max_completion_tokens``, tier cap).
+
+def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
+    """Upper bounds of cost and tokens of ``body`` on any of ``tiers`` (the tiers one upstream call may reach:
+    the tier and its fallbacks).
+
+    Prompt: UTF-8 bytes of the messages/prompt (a byte-level BPE token covers ≥ 1 byte; a token id counts 1)
+    and of ``tools``/``functions``, plus template overhead, priced at the dearer of the input and cached-input
+    rates; completion: choices × min(requested ``max_tokens``/``max_completion_tokens``, tier cap), where
+    choices = ``n`` (or ``best_of`` when larger) × prompts in a completions batch. The maximum over ``tiers``.
     """
     messages = body.get("messages")
     if isinstance(messages, list):
         prompt = _text_bytes(messages) + MESSAGE_OVERHEAD_TOKENS * len(messages)
     else:
         prompt = _text_bytes(body.get("prompt"))
+    tools = [body.get(k) for k in ("tools", "functions") if body.get(k)]
+    if tools:
+        prompt += _text_bytes(tools) + TOOLS_OVERHEAD_TOKENS
     prompt += REQUEST_OVERHEAD_TOKENS
-    n_asked = body.get("n")
-    n = n_asked if isinstance(n_asked, int) and n_asked > 0 else 1
+    choices = _choices(body)
     asked = body.get("max_completion_tokens") or body.get("max_tokens")
     micro, tokens = 0, prompt
     for tier in tiers:
-        completion = n * (min(asked, tier.max_tokens) if isinstance(asked, int) and asked > 0 else tier.max_tokens)
-        cost = cost_micro_usd(tier.prices, prompt_tokens=prompt, cached_tokens=0, completion_tokens=completion)
-        micro = max(micro, cost)
+        cap = tier.max_tokens
+        completion = choices * (min(asked, cap) if isinstance(asked, int) and asked > 0 else cap)
+        p = tier.prices
+        cached = prompt if p.cached_input_usd_per_mtok > p.input_usd_per_mtok else 0
+        micro = max(micro, cost_micro_usd(p, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion))
         tokens = max(tokens, prompt + completion)
     return Estimate(micro, tokens)
 
 
 @dataclass(frozen=True, slots=True)
+class LevelState:
+    """A level as admission saw it: spend and open reservations (micro-USD) of the day and month."""
+
+    level: Level
+    spent_day_micro: int
+    spent_month_micro: int
+    reserved_micro: int
+
+
+@dataclass(frozen=True, slots=True)
 class Admission:
-    """An admitted request. ``where``: ``redis`` (reservation in Redis), ``local`` (fail-open, process
-    counters), ``none`` (unlimited key). Spend figures are micro-USD read at admission (None if not read)."""
+    """An admitted upstream call. ``where``: ``redis`` (reservations in Redis), ``local`` (fail-open, process
+    counters), ``none`` (under no budget or limit). Spend figures are micro-USD read at admission (None if not
+    read); ``levels`` the budget levels seen (key first)."""
 
     key_id: str
     reservation_id: str
@@ -227,6 +284,7 @@ class Admission:
     estimate: Estimate
     spent_day_micro: int | None = None
     spent_month_micro: int | None = None
+    levels: tuple[LevelState, ...] = ()
 
 
 def _period_ends(now: float) -> tuple[int, int]:
@@ -242,24 +300,46 @@ def _day_month(now: float) -> tuple[str, str]:
     return day, day[:7]
 
 
-def refusal(code: str, what: str, retry_after_s: int, key_id: str) -> RateLimited:
-    """The 429 error for a refusal (OpenAI shape, ``Retry-After`` header)."""
-    if code == "budget_exceeded":
-        msg = f"key {key_id!r}: {'daily' if what == 'day' else 'monthly'} budget exhausted"
-        if retry_after_s <= 1:
-            msg += " by requests in flight; retry shortly"
-    else:
-        msg = f"key {key_id!r}: {what.upper()} limit reached"
-    return RateLimited(msg, code=code, headers={"retry-after": str(int(retry_after_s))})
+def _usd(micro: int) -> str:
+    return f"${micro_to_usd(micro)}"
+
+
+def refusal(code: str, what: str, retry_after_s: int, key_id: str, level: Level | None = None,
+            est_micro: int | None = None, budget: int | None = None, spent: int | None = None,
+            reserved: int | None = None, mode: str = "hard") -> RateLimited:
+    """The 429 error for a refusal (OpenAI shape, ``Retry-After``; budget refusals also
+    ``x-thinkgate-budget-level``). The message names the level, the period, the estimate and what remains."""
+    headers = {"retry-after": str(int(retry_after_s))}
+    if code != "budget_exceeded":
+        return RateLimited(f"key {key_id!r}: {what.upper()} limit reached", code=code, headers=headers)
+    lvl = level or Level("key", key_id)
+    who = f"key {key_id!r}" if lvl.kind == "key" else lvl.label
+    period = "daily" if what == "day" else "monthly"
+    msg = f"{who}: {period} budget exhausted"
+    if budget is not None and spent is not None:
+        left = max(0, budget - spent - (reserved or 0))
+        msg += f" ({_usd(budget)}; spent {_usd(spent)}, reserved by requests in flight {_usd(reserved or 0)}"
+        msg += f", remaining {_usd(left)})"
+        if mode == "hard" and est_micro is not None:
+            msg += f"; this request may cost up to {_usd(est_micro)} (its estimate)"
+    if retry_after_s <= 1:
+        msg += "; blocked by requests in flight, retry shortly"
+    headers["x-thinkgate-budget-level"] = lvl.id if lvl.kind != "key" else "key"
+    return RateLimited(msg, code=code, headers=headers)
 
 
 @dataclass
-class _LocalKey:
+class _LocalLevel:
     day: str = ""
     spent_day: int = 0
     month: str = ""
     spent_month: int = 0
-    reserved: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (micro, tokens)
+    reserved: dict[str, int] = field(default_factory=dict)  # reservation id -> micro
+
+
+@dataclass
+class _LocalRate:
+    reserved_tokens: dict[str, int] = field(default_factory=dict)
     rpm: dict[int, float] = field(default_factory=dict)  # window -> requests
     tpm: dict[int, float] = field(default_factory=dict)  # window -> tokens
 
@@ -268,10 +348,11 @@ class LocalCounters:
     """Process-local approximations used when Redis is down (``fail_open``); same rules as ``ADMIT_LUA``."""
 
     def __init__(self) -> None:
-        self._keys: dict[str, _LocalKey] = {}
+        self._levels: dict[str, _LocalLevel] = {}
+        self._rates: dict[str, _LocalRate] = {}
 
-    def _get(self, key_id: str, now: float) -> _LocalKey:
-        st = self._keys.setdefault(key_id, _LocalKey())
+    def _get(self, level_id: str, now: float) -> _LocalLevel:
+        st = self._levels.setdefault(level_id, _LocalLevel())
         day, month = _day_month(now)
         if st.day != day:
             st.day, st.spent_day = day, 0
@@ -279,59 +360,81 @@ class LocalCounters:
             st.month, st.spent_month = month, 0
         return st
 
-    def refresh(self, key_id: str, now: float, spent_day: int, spent_month: int) -> None:
-        """Take the spend read from Redis as the new baseline."""
-        st = self._get(key_id, now)
+    def refresh(self, key_id: str, now: float, spent_day: int, spent_month: int, level_id: str | None = None) -> None:
+        """Take the spend read from Redis as the new baseline (of the key, or of ``level_id``)."""
+        st = self._get(level_id or f"key:{key_id}", now)
         st.spent_day, st.spent_month = spent_day, spent_month
 
-    def note(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float) -> None:
+    def note(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
+             levels: Sequence[Level] = ()) -> None:
         """Count an admitted request (also those admitted by Redis, so the windows are warm for an outage)."""
-        st = self._get(lim.key_id, now)
+        rate = self._rates.setdefault(lim.key_id, _LocalRate())
         w = int(now * 1000) // WINDOW_MS
-        for windows in (st.rpm, st.tpm):
+        for windows in (rate.rpm, rate.tpm):
             for old in [x for x in windows if x < w - 1]:
                 del windows[old]
-        st.rpm[w] = st.rpm.get(w, 0) + 1
-        st.tpm[w] = st.tpm.get(w, 0) + est.tokens
-        st.reserved[reservation_id] = (est.micro_usd, est.tokens)
+        rate.rpm[w] = rate.rpm.get(w, 0) + 1
+        rate.tpm[w] = rate.tpm.get(w, 0) + est.tokens
+        rate.reserved_tokens[reservation_id] = est.tokens
+        for lvl in (lim.level, *levels):
+            self._get(lvl.id, now).reserved[reservation_id] = est.micro_usd
 
-    def check(self, lim: KeyLimits, now: float) -> tuple[str, str, int] | None:
-        """The refusal (code, what, retry_after_s) for one more request now, or None to admit."""
-        st = self._get(lim.key_id, now)
-        reserved = sum(m for m, _ in st.reserved.values())
+    def check(self, lim: KeyLimits, now: float, est: Estimate | None = None, mode: str = "soft",
+              levels: Sequence[Level] = ()) -> tuple[Any, ...] | None:
+        """The refusal (code, what, retry_after_s, level, budget, spent, reserved) for one more request now,
+        or None to admit."""
+        e = est.micro_usd if est is not None else 0
         day_end, month_end = _period_ends(now)
-        for budget, spent, what, end in ((lim.budget_day_micro, st.spent_day, "day", day_end),
-                                         (lim.budget_month_micro, st.spent_month, "month", month_end)):
-            if budget is not None and spent >= budget:
-                return ("budget_exceeded", what, end)
-            if budget is not None and spent + reserved >= budget:
-                return ("budget_exceeded", what, 1)
+        for lvl in (lim.level, *levels):
+            st = self._get(lvl.id, now)
+            reserved = sum(st.reserved.values())
+            for budget, spent, what, end in ((lvl.day_micro, st.spent_day, "day", day_end),
+                                             (lvl.month_micro, st.spent_month, "month", month_end)):
+                if budget is None:
+                    continue
+                if mode == "hard":
+                    if spent + e > budget:
+                        return ("budget_exceeded", what, end, lvl, budget, spent, reserved)
+                    if spent + reserved + e > budget:
+                        return ("budget_exceeded", what, 1, lvl, budget, spent, reserved)
+                else:
+                    if spent >= budget:
+                        return ("budget_exceeded", what, end, lvl, budget, spent, reserved)
+                    if spent + reserved >= budget:
+                        return ("budget_exceeded", what, 1, lvl, budget, spent, reserved)
+        rate = self._rates.get(lim.key_id, _LocalRate())
         now_ms = int(now * 1000)
         w, elapsed = now_ms // WINDOW_MS, now_ms % WINDOW_MS
         frac = (WINDOW_MS - elapsed) / WINDOW_MS
         retry = max(1, math.ceil((WINDOW_MS - elapsed) / 1000))
-        if lim.rpm is not None and st.rpm.get(w - 1, 0) * frac + st.rpm.get(w, 0) + 1 > lim.rpm:
-            return ("rate_limit_exceeded", "rpm", retry)
-        if lim.tpm is not None and st.tpm.get(w - 1, 0) * frac + st.tpm.get(w, 0) >= lim.tpm:
-            return ("rate_limit_exceeded", "tpm", retry)
+        if lim.rpm is not None and rate.rpm.get(w - 1, 0) * frac + rate.rpm.get(w, 0) + 1 > lim.rpm:
+            return ("rate_limit_exceeded", "rpm", retry, None, None, None, None)
+        if lim.tpm is not None and rate.tpm.get(w - 1, 0) * frac + rate.tpm.get(w, 0) >= lim.tpm:
+            return ("rate_limit_exceeded", "tpm", retry, None, None, None, None)
         return None
 
     def settle(self, event: UsageEvent) -> None:
-        """Release the event's reservation; add its cost to the local spend and correct its TPM window."""
-        st = self._keys.get(event.key_id)
-        if st is None:
+        """Release the event's reservations; add its cost to the local spend and correct its TPM window."""
+        if event.audit:
             return
-        _, tokens = st.reserved.pop(event.event_id, (0, 0))
-        if event.day == st.day:
-            st.spent_day += event.cost_micro_usd
-        if event.month == st.month:
-            st.spent_month += event.cost_micro_usd
-        if event.minute in st.tpm:
-            st.tpm[event.minute] += event.upstream_tokens - tokens
+        for level_id in event_level_ids(event.key_id, event.tags):
+            st = self._levels.get(level_id)
+            if st is None:
+                continue
+            st.reserved.pop(event.event_id, None)
+            if event.day == st.day:
+                st.spent_day += event.cost_micro_usd
+            if event.month == st.month:
+                st.spent_month += event.cost_micro_usd
+        rate = self._rates.get(event.key_id)
+        if rate is not None:
+            tokens = rate.reserved_tokens.pop(event.event_id, 0)
+            if event.minute in rate.tpm:
+                rate.tpm[event.minute] += event.upstream_tokens - tokens
 
 
 class Limits:
-    """Admission for every request; one per process."""
+    """Admission for every upstream call; one per process."""
 
     def __init__(self, handle: RedisHandle, breaker: Breaker, cfg: LimitsConfig) -> None:
         self.redis = handle.client
@@ -341,26 +444,33 @@ class Limits:
         self.local = LocalCounters()
         self._script = self.redis.register_script(ADMIT_LUA)
 
-    async def admit(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float) -> Admission:
-        """Admit one request of key ``lim`` at ``now`` (epoch s; the request's ``ts``) or raise.
+    async def admit(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
+                    levels: Sequence[Level] = ()) -> Admission:
+        """Admit one upstream call of key ``lim`` at ``now`` (epoch s; the request's ``ts``) or raise.
 
-        ``reservation_id`` must be the id of the request's usage event (metering settles by it).
-        Raises :class:`~gateway.errors.RateLimited` (429, ``budget_exceeded`` / ``rate_limit_exceeded``,
-        ``Retry-After``) or :class:`LimitsUnavailable` (503, Redis down and ``fail_closed``).
+        ``levels``: the budgeted levels above the key (``BudgetLevels.above_key``). ``reservation_id`` must be
+        the id of the call's usage event (metering settles by it). Raises :class:`~gateway.errors.RateLimited`
+        (429, ``budget_exceeded`` / ``rate_limit_exceeded``, ``Retry-After``) or :class:`LimitsUnavailable`
+        (503, Redis down and ``fail_closed``).
         """
-        if lim.unlimited:
+        levels = [lv for lv in levels if lv.budgeted]
+        if lim.unlimited and not levels:
             return Admission(lim.key_id, reservation_id, "none", est)
         k = self.keys
         now_ms = int(now * 1000)
         w = now_ms // WINDOW_MS
         day, month = _day_month(now)
         day_end, month_end = _period_ends(now)
-        keys = [k.key_day(lim.key_id, day), k.key_month(lim.key_id, month), k.reservations(lim.key_id),
-                k.rpm(lim.key_id, w), k.rpm(lim.key_id, w - 1), k.tpm(lim.key_id, w), k.tpm(lim.key_id, w - 1)]
-        args: list[int | str] = [
-            now_ms, _or_minus(lim.budget_day_micro), _or_minus(lim.budget_month_micro), _or_minus(lim.rpm),
-            _or_minus(lim.tpm), est.micro_usd, est.tokens, reservation_id, int(self.cfg.reservation_ttl_s * 1000),
-            day_end, month_end]
+        all_levels = [lim.level, *levels]
+        keys = [k.rpm(lim.key_id, w), k.rpm(lim.key_id, w - 1), k.tpm(lim.key_id, w), k.tpm(lim.key_id, w - 1)]
+        args: list[Any] = [now_ms, self.cfg.budget_mode, _or_minus(lim.rpm), _or_minus(lim.tpm), est.micro_usd,
+                           est.tokens, reservation_id, int(self.cfg.reservation_ttl_s * 1000), day_end, month_end,
+                           len(all_levels)]
+        for i, lvl in enumerate(all_levels):
+            keys += [k.level_day(lvl.kind, lvl.name, day), k.level_month(lvl.kind, lvl.name, month),
+                     k.level_reservations(lvl.kind, lvl.name)]
+            reserve = lvl.budgeted or (i == 0 and lim.tpm is not None)
+            args += [_or_minus(lvl.day_micro), _or_minus(lvl.month_micro), 1 if reserve else 0]
         try:
             res = await self.breaker.call(lambda: self._script(keys=keys, args=args))
         except RedisDown:
@@ -368,25 +478,34 @@ class Limits:
                 retry = max(1, math.ceil(self.breaker.cooldown_s))
                 raise LimitsUnavailable("usage limits cannot be checked (Redis unreachable); retry later",
                                         headers={"retry-after": str(retry)}) from None
-            refused = self.local.check(lim, now)
+            refused = self.local.check(lim, now, est, self.cfg.budget_mode, levels)
             if refused is not None:
-                raise refusal(*refused, lim.key_id) from None
-            self.local.note(lim, reservation_id, est, now)
+                code, what, retry, lvl, budget, spent, reserved = refused
+                raise refusal(code, what, retry, lim.key_id, lvl, est.micro_usd, budget, spent, reserved,
+                              self.cfg.budget_mode) from None
+            self.local.note(lim, reservation_id, est, now, levels)
             return Admission(lim.key_id, reservation_id, "local", est)
         if int(res[0]) == 0:
-            _, code, what, retry, spent_day, spent_month = res
-            self.local.refresh(lim.key_id, now, int(spent_day), int(spent_month))
-            raise refusal(_s(code), _s(what), int(retry), lim.key_id)
-        spent_day, spent_month = int(res[1]), int(res[2])
-        self.local.refresh(lim.key_id, now, spent_day, spent_month)
-        self.local.note(lim, reservation_id, est, now)
-        return Admission(lim.key_id, reservation_id, "redis", est, spent_day, spent_month)
+            _, code, index, what, retry, budget, spent, reserved = res
+            i = int(index)
+            refused_at = all_levels[i - 1] if i >= 1 else None
+            raise refusal(_s(code), _s(what), int(retry), lim.key_id, refused_at, est.micro_usd, int(budget),
+                          int(spent), int(reserved), self.cfg.budget_mode)
+        states = tuple(LevelState(lvl, int(res[1 + 3 * i]), int(res[2 + 3 * i]), int(res[3 + 3 * i]))
+                       for i, lvl in enumerate(all_levels))
+        for st in states:
+            self.local.refresh(lim.key_id, now, st.spent_day_micro, st.spent_month_micro, st.level.id)
+        self.local.note(lim, reservation_id, est, now, levels)
+        return Admission(lim.key_id, reservation_id, "redis", est, states[0].spent_day_micro,
+                         states[0].spent_month_micro, states)
 
     def settled(self, event: UsageEvent, result: RecordResult) -> None:
         """After metering: update the local approximations (Redis settled itself inside the metering write)."""
         self.local.settle(event)
         if result.day_cost_micro_usd is not None and result.month_cost_micro_usd is not None:
             self.local.refresh(event.key_id, event.ts, result.day_cost_micro_usd, result.month_cost_micro_usd)
+        for level_id, (d, m) in result.levels.items():
+            self.local.refresh(event.key_id, event.ts, d, m, level_id)
 
 
 def _or_minus(v: int | None) -> int:

@@ -4,8 +4,11 @@ Write path (:meth:`Meter.record`): the script ``RECORD`` runs with the event's `
 already counted (``SADD`` on the day's seen-set returns 0) it does nothing, so replaying the same event —
 after a timeout whose reply was lost, or from the spool — never counts twice. Otherwise, in one atomic
 step: ``XADD`` to ``usage:events``, ``HINCRBY`` on the key's all-time / day / month hashes and the tier's
-all-time / day hashes. In the same step the request's budget reservation (made at admission under the same
-id, see ``gateway/state/limits.py``) is released and its TPM window corrected by the real token count.
+all-time / day hashes. In the same step the cost is added to the day/month counters of the global level
+and of each of the event's tags (``gateway/state/budgets.py``), the request's budget reservations (made at
+admission under the same id at every level, ``gateway/state/reservations.py``) are released and its TPM
+window corrected by the real token count.
+Audit events (refused requests, ``UsageEvent.audit``) go through ``AUDIT`` instead: stream only.
 Counters are integers only (micro-USD, tokens, counts).
 
 When Redis is unreachable (or the breaker is open) the event goes to the fsync'd local :class:`Spool`;
@@ -24,7 +27,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from redis.asyncio import Redis
@@ -35,6 +38,7 @@ from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, counter_increments
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import RedisHandle, as_bytes, as_text
+from gateway.state.reservations import LUA_FUNCTIONS
 from gateway.state.spool import Spool
 
 log = logging.getLogger("thinkgate.metering")
@@ -46,23 +50,27 @@ UNROUTED = "_unrouted"  # tier label of requests refused before routing
 REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
 
 # KEYS: 1 seen-set, 2 stream, 3 key total, 4 key day, 5 key month, 6 tier total, 7 tier day, 8 usage:keys,
-#       9 the key's reservation hash, 10 the key's TPM counter of the event's minute
+#       9 the key's reservation hash, 10 the key's TPM counter of the event's minute, 11 global day,
+#       12 global month, 13 global reservations, then per tag j (0-based): 14+3j day, 15+3j month, 16+3j resv
 # ARGV: 1 event_id, 2 event JSON, 3 seen TTL s, 4 day TTL s, 5 month TTL s, 6 stream maxlen (0 = none),
-#       7 key id, 8 upstream tokens of the event, 9 TPM TTL ms, 10.. counter field/increment pairs
-# The reservation made at admission is the field event_id of KEYS[9], value "micro|tokens|expires_ms"; it is
-# released here (once: HDEL) and the TPM window corrected by (actual - reserved) tokens.
-# Returns {counted (1/0), key day cost, key month cost} (micro-USD, after this event).
-RECORD_LUA = """
-local resv = redis.call('HGET', KEYS[9], ARGV[1])
-if resv then
-  redis.call('HDEL', KEYS[9], ARGV[1])
-  local reserved = tonumber(string.match(resv, '^[^|]*|([^|]*)|')) or 0
+#       7 key id, 8 upstream tokens of the event, 9 TPM TTL ms, 10 cost micro-USD, 11 number of tags,
+#       12.. counter field/increment pairs
+# The reservations made at admission under event_id (gateway/state/reservations.py) are released at every
+# level (once: HDEL) and the TPM window corrected by (actual - reserved) tokens. Levels above the key
+# (global, tags) count cost_micro_usd and requests per UTC day and month.
+# Returns {counted (1/0), key day cost, key month cost, global day, global month, tag day, tag month, …}.
+RECORD_LUA = LUA_FUNCTIONS + """
+local ntags = tonumber(ARGV[11])
+local reserved = release(KEYS[9], ARGV[1])
+if reserved then
   local delta = tonumber(ARGV[8]) - reserved
   if reserved > 0 and delta ~= 0 and redis.call('EXISTS', KEYS[10]) == 1 then
     redis.call('INCRBY', KEYS[10], delta)
     redis.call('PEXPIRE', KEYS[10], ARGV[9])
   end
 end
+release(KEYS[13], ARGV[1])
+for j = 0, ntags - 1 do release(KEYS[16 + 3 * j], ARGV[1]) end
 local counted = 0
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   counted = 1
@@ -72,7 +80,7 @@ if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   else
     redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
   end
-  for i = 10, #ARGV, 2 do
+  for i = 12, #ARGV, 2 do
     if ARGV[i + 1] ~= '0' then
       for k = 3, 7 do redis.call('HINCRBY', KEYS[k], ARGV[i], ARGV[i + 1]) end
     end
@@ -81,10 +89,39 @@ if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   redis.call('EXPIRE', KEYS[5], ARGV[5])
   redis.call('EXPIRE', KEYS[7], ARGV[4])
   redis.call('SADD', KEYS[8], ARGV[7])
+  local lv = {11}
+  for j = 0, ntags - 1 do lv[#lv + 1] = 14 + 3 * j end
+  for _, d in ipairs(lv) do
+    redis.call('HINCRBY', KEYS[d], 'cost_micro_usd', ARGV[10])
+    redis.call('HINCRBY', KEYS[d], 'requests', 1)
+    redis.call('HINCRBY', KEYS[d + 1], 'cost_micro_usd', ARGV[10])
+    redis.call('HINCRBY', KEYS[d + 1], 'requests', 1)
+    redis.call('EXPIRE', KEYS[d], ARGV[4])
+    redis.call('EXPIRE', KEYS[d + 1], ARGV[5])
+  end
 end
-local day = redis.call('HGET', KEYS[4], 'cost_micro_usd') or '0'
-local month = redis.call('HGET', KEYS[5], 'cost_micro_usd') or '0'
-return {counted, tonumber(day), tonumber(month)}
+local out = {counted}
+local function cost(k) return tonumber(redis.call('HGET', KEYS[k], 'cost_micro_usd') or '0') end
+out[2], out[3], out[4], out[5] = cost(4), cost(5), cost(11), cost(12)
+for j = 0, ntags - 1 do
+  out[#out + 1] = cost(14 + 3 * j)
+  out[#out + 1] = cost(15 + 3 * j)
+end
+return out
+"""
+
+# The record of a refused request (UsageEvent.audit): once by event_id, into the stream only — no counter,
+# no level, no reservation (it never had one).
+# KEYS: 1 seen-set, 2 stream; ARGV: 1 event_id, 2 event JSON, 3 seen TTL s, 4 stream maxlen (0 = none).
+AUDIT_LUA = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return {0, 0, 0} end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+if ARGV[4] ~= '0' then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'e', ARGV[2])
+else
+  redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
+end
+return {1, 0, 0}
 """
 
 
@@ -96,6 +133,17 @@ class RecordResult:
     counted: bool = False  # False for a duplicate event_id (already counted) or a spooled event
     day_cost_micro_usd: int | None = None
     month_cost_micro_usd: int | None = None
+    levels: dict[str, tuple[int, int]] = field(default_factory=dict)  # "global" / "tag:k=v" → (day, month)
+
+    @classmethod
+    def of_reply(cls, event: UsageEvent, reply: list[int]) -> RecordResult:
+        """From the script's reply (see ``RECORD_LUA``)."""
+        if event.audit:
+            return cls("redis", bool(reply[0]))
+        levels = {"global": (int(reply[3]), int(reply[4]))}
+        for j, (k, v) in enumerate(sorted(event.tags.items())):
+            levels[f"tag:{k}={v}"] = (int(reply[5 + 2 * j]), int(reply[6 + 2 * j]))
+        return cls("redis", bool(reply[0]), int(reply[1]), int(reply[2]), levels)
 
 
 class Meter:
@@ -108,6 +156,7 @@ class Meter:
         self.spool = spool
         self.cfg = cfg
         self._script = self.redis.register_script(RECORD_LUA)
+        self._audit = self.redis.register_script(AUDIT_LUA)
         self.spooled = 0  # events written to the spool by this process (for metrics)
 
     # --- write path -------------------------------------------------------------------------------------
@@ -117,12 +166,12 @@ class Meter:
         Raises ``OSError`` only when Redis is down *and* the spool cannot be written (disk full).
         """
         try:
-            counted, day, month = await self.breaker.call(lambda: self._run(event))
+            reply = await self.breaker.call(lambda: self._run(event))
         except RedisDown:
             await self.spool.append([event])
             self.spooled += 1
             return RecordResult("spool")
-        return RecordResult("redis", bool(counted), int(day), int(month))
+        return RecordResult.of_reply(event, reply)
 
     async def record_many(self, events: list[UsageEvent]) -> list[RecordResult]:
         """:meth:`record` for several events in one Redis round trip (a pipeline of ``RECORD`` scripts).
@@ -139,18 +188,20 @@ class Meter:
             await self.spool.append(events)
             self.spooled += len(events)
             return [RecordResult("spool") for _ in events]
-        return [RecordResult("redis", bool(c), int(d), int(m)) for c, d, m in replies]
+        return [RecordResult.of_reply(e, r) for e, r in zip(events, replies, strict=True)]
 
     async def _run_many(self, events: list[UsageEvent]) -> list[list[int]]:
         for attempt in range(2):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for event in events:
                     keys, args = self._keys_args(event)
-                    pipe.evalsha(self._script.sha, len(keys), *keys, *args)
+                    sha = self._audit.sha if event.audit else self._script.sha
+                    pipe.evalsha(sha, len(keys), *keys, *args)
                 replies = await pipe.execute(raise_on_error=False)
             missing = any(isinstance(r, NoScriptError) for r in replies)
             if missing and attempt == 0:  # script cache flushed (restart, SCRIPT FLUSH): load it, send again
                 await self.redis.script_load(RECORD_LUA)
+                await self.redis.script_load(AUDIT_LUA)
                 continue  # safe: events already counted are dropped by event_id
             for r in replies:
                 if isinstance(r, Exception):
@@ -160,10 +211,13 @@ class Meter:
 
     async def _run(self, event: UsageEvent) -> list[int]:
         keys, args = self._keys_args(event)
-        return await self._script(keys=keys, args=args)
+        return await (self._audit if event.audit else self._script)(keys=keys, args=args)
 
     def _keys_args(self, event: UsageEvent) -> tuple[list[str], list[str | bytes | int]]:
         k = self.keys
+        if event.audit:
+            return ([k.seen(event.day), k.events],
+                    [event.event_id, event.to_json(), self.cfg.dedup_ttl_s, self.cfg.stream_maxlen or 0])
         tier = event.tier or UNROUTED
         keys = [
             k.seen(event.day),
@@ -176,7 +230,15 @@ class Meter:
             k.usage_keys,
             k.reservations(event.key_id),
             k.tpm(event.key_id, event.minute),
+            k.level_day("global", "global", event.day),
+            k.level_month("global", "global", event.month),
+            k.level_reservations("global", "global"),
         ]
+        tags = sorted(event.tags.items())
+        for tag_name, tag_value in tags:
+            tag = f"{tag_name}={tag_value}"
+            keys += [k.level_day("tag", tag, event.day), k.level_month("tag", tag, event.month),
+                     k.level_reservations("tag", tag)]
         args: list[str | bytes | int] = [
             event.event_id,
             event.to_json(),
@@ -187,6 +249,8 @@ class Meter:
             event.key_id,
             event.upstream_tokens,
             TPM_TTL_MS,
+            event.cost_micro_usd,
+            len(tags),
         ]
         for name, value in counter_increments(event).items():
             args += [name, value]

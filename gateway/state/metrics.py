@@ -9,7 +9,8 @@ reasoning, ``code`` the gateway's own error codes; ``key_id`` only when ``metric
 Series (counters get ``_total``): ``thinkgate_requests``, ``thinkgate_tokens``, ``thinkgate_cost_micro_usd``,
 ``thinkgate_saved_micro_usd``, ``thinkgate_cache_requests``, ``thinkgate_semantic_cache_requests``
 (``result``: hit|guard_rejected|below_threshold|miss|bypass), ``thinkgate_route_decisions``,
-``thinkgate_upstream_errors``, ``thinkgate_limit_rejections``; histograms
+``thinkgate_upstream_errors``, ``thinkgate_limit_rejections``, ``thinkgate_refused_requests`` (every request
+refused before an upstream call, by ``status`` and ``code``); histograms
 ``thinkgate_request_latency_seconds`` and ``thinkgate_ttft_seconds``; gauges ``thinkgate_redis_breaker_open``,
 ``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events``.
 """
@@ -32,6 +33,9 @@ SEMANTIC_RESULTS = frozenset({"hit", "guard_rejected", "below_threshold", "miss"
 ERROR_CODES = frozenset({"upstream_error", "upstream_unavailable", "upstream_timeout", "upstream_rejected",
                          "upstream_stream_broken", "client_disconnected", "budget_exceeded",
                          "rate_limit_exceeded", "limits_unavailable", "key_store_unavailable"})
+REFUSAL_CODES = frozenset({"invalid_request", "invalid_json", "model_not_found", "missing_api_key", "invalid_api_key",
+                           "permission_denied", "tier_not_allowed", "request_too_large", "budget_exceeded",
+                           "rate_limit_exceeded", "limits_unavailable", "key_store_unavailable", "internal_error"})
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MAX_CACHED_CHILDREN = 10_000
@@ -72,6 +76,9 @@ class Metrics:
                                        ["tier", "code"], registry=r)
         self.rejections = Counter("thinkgate_limit_rejections", "Requests refused by budgets/limits.", ["code"],
                                   registry=r)
+        self.refusals = Counter("thinkgate_refused_requests",
+                                "Requests refused before any upstream call (each has an audit event).",
+                                ["status", "code"], registry=r)
         self.latency = Histogram("thinkgate_request_latency_seconds", "Request latency (to the last byte).",
                                  ["tier", "stream"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("thinkgate_ttft_seconds", "Time to the first content byte.", ["tier", "stream"],
@@ -142,6 +149,10 @@ class Metrics:
     def rejected(self, code: str | None) -> None:
         """Count a refusal by budgets/limits (429/503 before routing)."""
         self._child(self.rejections, code if code in ERROR_CODES else "other").inc()
+
+    def refused(self, status: int, code: str | None) -> None:
+        """Count a request refused before any upstream call, by HTTP status and error code."""
+        self._child(self.refusals, str(status), code if code in REFUSAL_CODES else "other").inc()
 
     def render(self, breaker_open: bool, spool_bytes: int, spooled: int) -> bytes:
         """The exposition text, with the gauges set from the current state."""

@@ -53,11 +53,13 @@ async def _request(st: Stack, limits: Limits, lim: KeyLimits, est: Estimate, wor
     return "ok"
 
 
+@pytest.mark.parametrize("mode", ["hard", "soft"])
 @pytest.mark.parametrize("budget_requests", [1, 2.5])
 async def test_64_concurrent_requests_overshoot_by_at_most_one(redis_url: str, redis_prefix: str, tmp_path: Path,
-                                                               budget_requests: float) -> None:
-    async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
-        limits = Limits(st.handle, st.breaker, LimitsConfig())
+                                                               budget_requests: float, mode: str) -> None:
+    # a socket timeout that a loaded test box does not reach: this is about Redis answering, not an outage
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as st:
+        limits = Limits(st.handle, st.breaker, LimitsConfig(budget_mode=mode))  # type: ignore[arg-type]
         budget = int(ONE_REQUEST * budget_requests)
         lim = KeyLimits("racer", budget_day_micro=budget)
         est = Estimate(ONE_REQUEST, PROMPT + COMPLETION)  # tight upper bound
@@ -65,8 +67,12 @@ async def test_64_concurrent_requests_overshoot_by_at_most_one(redis_url: str, r
         admitted = results.count("ok")
         spent = (await st.meter.key_counters("racer", day=_event("x", "y", time.time()).day))["cost_micro_usd"]
         assert spent == admitted * ONE_REQUEST
-        assert spent <= budget + ONE_REQUEST  # overshoot ≤ one request
-        assert admitted == int(budget_requests) + (1 if budget_requests % 1 else 0)
+        if mode == "hard":  # never past the budget: as many as fit whole
+            assert spent <= budget
+            assert admitted == int(budget_requests)
+        else:  # soft: overshoot ≤ one request
+            assert spent <= budget + ONE_REQUEST
+            assert admitted == int(budget_requests) + (1 if budget_requests % 1 else 0)
         assert results.count("budget_exceeded") == 64 - admitted
         # the budget is spent: the next request is refused until the end of the UTC day
         with pytest.raises(RateLimited) as info:
@@ -81,15 +87,16 @@ async def test_64_concurrent_requests_overshoot_by_at_most_one(redis_url: str, r
 async def test_reserved_in_flight_refusal_says_retry_soon(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
     async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
         limits = Limits(st.handle, st.breaker, LimitsConfig(reservation_ttl_s=0.3))
-        lim = KeyLimits("k", budget_month_micro=1000)
+        lim = KeyLimits("k", budget_month_micro=10_000)
         now = time.time()
-        await limits.admit(lim, "r1", Estimate(5000, 10), now)
+        await limits.admit(lim, "r1", Estimate(6000, 10), now)
         with pytest.raises(RateLimited) as info:
-            await limits.admit(lim, "r2", Estimate(5000, 10), now)
+            await limits.admit(lim, "r2", Estimate(6000, 10), now)
         assert info.value.headers["retry-after"] == "1" and "in flight" in info.value.message
+        assert "remaining $0.004000" in info.value.message and "up to $0.006000" in info.value.message
         # a reservation never settled (crashed replica) stops counting after reservation_ttl_s
         await asyncio.sleep(0.35)
-        await limits.admit(lim, "r3", Estimate(5000, 10), time.time())
+        await limits.admit(lim, "r3", Estimate(6000, 10), time.time())
 
 
 async def test_rpm_limit(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""Budgets and rate limits through a real gateway: the 64-concurrent budget race, RPM and TPM as the OpenAI
-SDK sees them (429, OpenAI error codes, Retry-After)."""
+"""Budgets and rate limits through a real gateway: the 64-concurrent budget race (``soft`` budget mode: spend
+reaches the budget, overshoot ≤ one request; ``hard`` mode is tests/gateway/test_budgets_gateway.py), RPM and
+TPM as the OpenAI SDK sees them (429, OpenAI error codes, Retry-After)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def prefix() -> str:
 def gw(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory,
        prefix: str) -> Iterator[GatewayServer]:
     try:
-        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("limgw"), prefix) as g:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("limgw"), prefix,
+                                limits={"budget_mode": "soft"}) as g:
             yield g
     finally:
         cleanup(redis_url, prefix)
@@ -143,7 +145,8 @@ def test_budget_alerts_fire_once_through_the_gateway(gw: GatewayServer, upstream
     cost = _one_request_cost(gw)
     kid = f"alert-{uuid.uuid4().hex[:8]}"
     secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(int(cost * 2.5)), tags={"team": "ml"})
-    limits = {"alert_fractions": [0.5, 0.8, 1.0], "alert_webhook_url": f"http://127.0.0.1:{server.server_port}/h"}
+    limits = {"alert_fractions": [0.5, 0.8, 1.0], "alert_webhook_url": f"http://127.0.0.1:{server.server_port}/h",
+              "budget_mode": "soft"}
     try:
         with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("alertgw"), prefix,
                                 limits=limits) as alert_gw:

@@ -1,0 +1,129 @@
+"""``thinkgate budgets set|list|remove``: budgets of the levels above the key — a tag, or the whole gateway.
+
+    thinkgate budgets set --tag team=a --usd-day 50 [--usd-month 1000]
+    thinkgate budgets set --global --usd-month 5000
+    thinkgate budgets list [--json]
+    thinkgate budgets remove --tag team=a
+
+Every key tagged ``team=a`` then shares one budget, checked and reserved atomically with the key's own at
+admission. The commands write the Redis hash ``budgets:defs`` the running gateways read (within
+``limits.budget_refresh_s``); a level set here overrides the same level in the config
+(``limits.tag_budgets`` / ``limits.global_budget``), and ``remove`` brings the config's back. ``list`` shows both
+sources with today's and this month's spend.
+
+Exit codes: 0 ok, 1 no such budget (remove), 2 invalid arguments or config, 3 Redis unreachable.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+import typer
+
+from gateway.cli.common import CONFIG_OPTION, load_settings, run_on_redis
+from gateway.cli.keys import _usd
+
+app = typer.Typer(no_args_is_help=True)
+
+TAG_OPTION = typer.Option(None, "--tag", help="The tag level, name=value (every key with this tag).")
+GLOBAL_OPTION = typer.Option(False, "--global", help="The global level (every key).")
+
+
+def _level(tag: str | None, is_global: bool) -> str:
+    if (tag is None) == (not is_global):
+        typer.echo("thinkgate: give exactly one of --tag name=value or --global", err=True)
+        raise typer.Exit(2)
+    if is_global:
+        return "global"
+    assert tag is not None
+    k, sep, _ = tag.partition("=")
+    if not sep or not k or "|" in tag:
+        typer.echo(f"thinkgate: --tag wants name=value, got {tag!r}", err=True)
+        raise typer.Exit(2)
+    return f"tag:{tag}"
+
+
+@app.command("set")
+def set_budget(
+    tag: str | None = TAG_OPTION,
+    is_global: bool = GLOBAL_OPTION,
+    usd_day: str | None = typer.Option(None, "--usd-day", help="Budget in USD per UTC day."),
+    usd_month: str | None = typer.Option(None, "--usd-month", help="Budget in USD per UTC month."),
+    config: Path | None = CONFIG_OPTION,
+) -> None:
+    """Set (replace) the daily and/or monthly budget of a tag or of the whole gateway."""
+    from gateway.state.breaker import Breaker
+    from gateway.state.budgets import BudgetStore
+
+    level = _level(tag, is_global)
+    day, month = _usd(usd_day, "--usd-day"), _usd(usd_month, "--usd-month")
+    if day is None and month is None:
+        typer.echo("thinkgate: give --usd-day and/or --usd-month", err=True)
+        raise typer.Exit(2)
+    run_on_redis(load_settings(config), lambda h: BudgetStore(h, Breaker(1.0)).set(level, day, month))
+    typer.echo(f"thinkgate: budget of {level} set: usd/day {day if day is not None else '-'}, "
+               f"usd/month {month if month is not None else '-'}", err=True)
+
+
+@app.command("remove")
+def remove_budget(tag: str | None = TAG_OPTION, is_global: bool = GLOBAL_OPTION,
+                  config: Path | None = CONFIG_OPTION) -> None:
+    """Remove the budget set with ``budgets set`` for a level (a budget in the config file stays)."""
+    from gateway.state.breaker import Breaker
+    from gateway.state.budgets import BudgetStore
+
+    level = _level(tag, is_global)
+    removed = run_on_redis(load_settings(config), lambda h: BudgetStore(h, Breaker(1.0)).remove(level))
+    if not removed:
+        typer.echo(f"thinkgate: no budget set for {level}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"thinkgate: budget of {level} removed", err=True)
+
+
+@app.command("list")
+def list_budgets(
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line instead of a table."),
+    config: Path | None = CONFIG_OPTION,
+) -> None:
+    """List the tag and global budgets (config and Redis) with today's and this month's spend (USD)."""
+    from gateway.ledger.event import micro_to_usd
+    from gateway.state.breaker import Breaker
+    from gateway.state.budgets import BudgetLevels, parse_level
+    from gateway.state.keys import RedisKeys
+
+    settings = load_settings(config)
+    now = time.time()
+    day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
+
+    async def go(handle: Any) -> list[dict[str, Any]]:
+        levels = BudgetLevels(handle, Breaker(1.0), settings.limits)
+        await levels.refresh(force=True)
+        keys = RedisKeys(handle.prefix)
+        rows = []
+        for level_id, (d, m, source) in sorted(levels.configured().items()):
+            kind, name = parse_level(level_id)
+            spent_d = await handle.client.hget(keys.level_day(kind, name, day), "cost_micro_usd")
+            spent_m = await handle.client.hget(keys.level_month(kind, name, day[:7]), "cost_micro_usd")
+            rows.append({
+                "level": level_id, "source": source,
+                "usd_day": str(micro_to_usd(d)) if d is not None else None,
+                "usd_month": str(micro_to_usd(m)) if m is not None else None,
+                "spent_usd_day": str(micro_to_usd(int(spent_d or 0))),
+                "spent_usd_month": str(micro_to_usd(int(spent_m or 0))),
+            })
+        return rows
+
+    rows = run_on_redis(settings, go)
+    if as_json:
+        for r in rows:
+            typer.echo(orjson.dumps(r).decode())
+        return
+    typer.echo(f"{'level':<32} {'source':<7} {'usd/day':>12} {'spent today':>12} {'usd/month':>12} "
+               f"{'spent month':>12}")
+    for r in rows:
+        typer.echo(f"{r['level']:<32} {r['source']:<7} {r['usd_day'] or '-':>12} {r['spent_usd_day']:>12} "
+                   f"{r['usd_month'] or '-':>12} {r['spent_usd_month']:>12}")

@@ -1,0 +1,185 @@
+"""Budget levels above the key: tag budgets (every key tagged ``team=a`` shares one) and a global budget.
+
+A request is under the budgets of several **levels**: its key (``budget_usd_day`` / ``budget_usd_month`` of the
+key), every tag ``k=v`` of the key that has a budget, and the global level when it has one. Admission
+(``gateway/state/limits.py``) checks and reserves all of them in one Lua script; metering adds each event's
+cost to the key's, each of its tags' and the global day/month counters in its own script.
+
+Where level budgets come from: ``limits.tag_budgets`` / ``limits.global_budget`` in the config, and the
+Redis hash ``budgets:defs`` written by ``thinkgate budgets set|remove`` (level id → JSON
+``{"usd_day": "50", "usd_month": null}``, USD as decimal strings). A level set in Redis overrides the config's
+for that level. The gateway re-reads the hash at most every ``limits.budget_refresh_s`` seconds (while
+Redis is down it keeps the last copy), so a change reaches every replica within that.
+
+Level ids: ``key:{id}`` (internal only), ``tag:{k=v}``, ``global``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any, Literal
+
+import orjson
+
+from gateway.config import LevelBudget, LimitsConfig
+from gateway.ledger.event import usd_to_micro
+from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.keys import RedisKeys
+from gateway.state.redis import RedisHandle
+
+LevelKind = Literal["key", "tag", "global"]
+GLOBAL = "global"
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """One budget level: budgets in integer micro-USD (``None`` = none for that period)."""
+
+    kind: LevelKind
+    name: str  # key id, "k=v", or "global"
+    day_micro: int | None = None
+    month_micro: int | None = None
+
+    @property
+    def id(self) -> str:
+        """``key:{id}``, ``tag:{k=v}`` or ``global``."""
+        return GLOBAL if self.kind == "global" else f"{self.kind}:{self.name}"
+
+    @property
+    def label(self) -> str:
+        """How messages and ``/v1/usage`` name the level: ``key alice``, ``tag team=a``, ``global``."""
+        return GLOBAL if self.kind == "global" else f"{self.kind} {self.name}"
+
+    @property
+    def budgeted(self) -> bool:
+        return self.day_micro is not None or self.month_micro is not None
+
+
+def parse_level(spec: str) -> tuple[LevelKind, str]:
+    """``"tag:team=a"`` / ``"global"`` → (kind, name); raises ValueError otherwise."""
+    if spec == GLOBAL:
+        return "global", GLOBAL
+    kind, _, name = spec.partition(":")
+    k, sep, _ = name.partition("=")
+    if kind != "tag" or not sep or not k or "|" in name:
+        raise ValueError(f"a budget level is 'global' or 'tag:name=value', got {spec!r}")
+    return "tag", name
+
+
+def event_level_ids(key_id: str, tags: Mapping[str, str]) -> list[str]:
+    """Every level id an event of ``key_id`` with ``tags`` counts in (key, each tag, global)."""
+    return [f"key:{key_id}", *(f"tag:{k}={v}" for k, v in sorted(tags.items())), GLOBAL]
+
+
+def _micro(v: Any) -> int | None:
+    if v is None:
+        return None
+    try:
+        d = Decimal(str(v))
+    except InvalidOperation:
+        return None
+    return usd_to_micro(d) if d.is_finite() and d >= 0 else None
+
+
+def _from_config(b: LevelBudget | None) -> tuple[int | None, int | None]:
+    if b is None:
+        return None, None
+    return (usd_to_micro(b.usd_day) if b.usd_day is not None else None,
+            usd_to_micro(b.usd_month) if b.usd_month is not None else None)
+
+
+class BudgetLevels:
+    """The level budgets in force (config + Redis overrides), cached for ``limits.budget_refresh_s``."""
+
+    def __init__(self, handle: RedisHandle, breaker: Breaker, cfg: LimitsConfig,
+                 clock: Any = time.monotonic) -> None:
+        self.redis = handle.client
+        self.keys = RedisKeys(handle.prefix)
+        self.breaker = breaker
+        self.cfg = cfg
+        self._clock = clock
+        self._config: dict[str, tuple[int | None, int | None]] = {
+            f"tag:{t}": _from_config(b) for t, b in cfg.tag_budgets.items()}
+        if cfg.global_budget is not None:
+            self._config[GLOBAL] = _from_config(cfg.global_budget)
+        self._stored: dict[str, tuple[int | None, int | None]] = {}
+        self._read_at: float | None = None
+
+    async def refresh(self, force: bool = False) -> None:
+        """Re-read ``budgets:defs`` when the copy is older than ``budget_refresh_s`` (or ``force``)."""
+        now = self._clock()
+        if not force and self._read_at is not None and now - self._read_at < self.cfg.budget_refresh_s:
+            return
+        self._read_at = now
+        try:
+            raw = await self.breaker.call(lambda: self.redis.hgetall(self.keys.budget_defs))
+        except RedisDown:
+            return  # keep the last copy
+        stored: dict[str, tuple[int | None, int | None]] = {}
+        for field, value in raw.items():
+            try:
+                d = orjson.loads(value)
+            except orjson.JSONDecodeError:
+                continue
+            stored[field.decode() if isinstance(field, bytes) else field] = (_micro(d.get("usd_day")),
+                                                                              _micro(d.get("usd_month")))
+        self._stored = stored
+
+    def _budget(self, level_id: str) -> tuple[int | None, int | None] | None:
+        return self._stored.get(level_id) or self._config.get(level_id)
+
+    def above_key(self, tags: Mapping[str, str]) -> list[Level]:
+        """The budgeted levels above a key with ``tags``: its tags' (sorted), then global."""
+        out: list[Level] = []
+        for k, v in sorted(tags.items()):
+            b = self._budget(f"tag:{k}={v}")
+            if b is not None and (b[0] is not None or b[1] is not None):
+                out.append(Level("tag", f"{k}={v}", *b))
+        b = self._budget(GLOBAL)
+        if b is not None and (b[0] is not None or b[1] is not None):
+            out.append(Level("global", GLOBAL, *b))
+        return out
+
+    def configured(self) -> dict[str, tuple[int | None, int | None, str]]:
+        """Every level with a budget: id → (day micro, month micro, source ``config`` | ``redis``)."""
+        out = {i: (*b, "config") for i, b in self._config.items()}
+        out.update({i: (*b, "redis") for i, b in self._stored.items()})
+        return out
+
+
+class BudgetStore:
+    """``budgets:defs`` read and written by ``thinkgate budgets set|list|remove``."""
+
+    def __init__(self, handle: RedisHandle, breaker: Breaker) -> None:
+        self.redis = handle.client
+        self.keys = RedisKeys(handle.prefix)
+        self.breaker = breaker
+
+    async def set(self, level_id: str, usd_day: Decimal | None, usd_month: Decimal | None) -> None:
+        """Set (replace) the budgets of ``level_id`` (``tag:k=v`` or ``global``); at least one amount."""
+        parse_level(level_id)
+        if usd_day is None and usd_month is None:
+            raise ValueError("give a daily and/or a monthly amount")
+        for v in (usd_day, usd_month):
+            if v is not None and (not v.is_finite() or v < 0):
+                raise ValueError("budgets must be >= 0")
+        value = orjson.dumps({"usd_day": str(usd_day) if usd_day is not None else None,
+                              "usd_month": str(usd_month) if usd_month is not None else None})
+        await self.breaker.call(lambda: self.redis.hset(self.keys.budget_defs, level_id, value))
+
+    async def remove(self, level_id: str) -> bool:
+        """Delete the stored budgets of ``level_id``; False when there were none."""
+        parse_level(level_id)
+        return bool(await self.breaker.call(lambda: self.redis.hdel(self.keys.budget_defs, level_id)))
+
+    async def list(self) -> dict[str, dict[str, str | None]]:
+        """Stored budgets: level id → ``{"usd_day", "usd_month"}`` (decimal strings or None)."""
+        raw = await self.breaker.call(lambda: self.redis.hgetall(self.keys.budget_defs))
+        out: dict[str, dict[str, str | None]] = {}
+        for field, value in sorted(raw.items()):
+            name = field.decode() if isinstance(field, bytes) else field
+            out[name] = orjson.loads(value)
+        return out

@@ -1,0 +1,81 @@
+"""Budget reservations: the one owner of their Redis format and of the Lua that reads, makes and settles them.
+
+A reservation is an upper bound of one upstream call's cost and tokens, held from admission
+(``gateway/state/limits.py``) until the call's usage event is metered (``gateway/state/metering.py``), so
+concurrent requests see each other before any of them has spent. One reservation per budget level the call is
+under (key, each budgeted tag, global), all under the same id — the request id, which is also the usage
+event's ``event_id``; the key level's also carries the reserved tokens (the TPM window is corrected by the
+real count when it settles).
+
+Format: a field ``{id}`` of the level's hash (``gateway/state/keys.py``: ``lim:{key}:resv``,
+``budget:tag:{k=v}:resv``, ``budget:global:resv``) whose value is ``"micro|tokens|expires_ms"`` — integer
+micro-USD, integer tokens, epoch milliseconds after which it no longer counts (a crashed replica never
+settles; ``limits.reservation_ttl_s``). Expired fields are deleted by the next admission that reads the hash.
+
+The Lua fragments below are pasted at the top of the scripts that use them (Redis scripts cannot import).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+#: ``open_reserved(hash, now_ms)`` → the micro-USD sum of the hash's unexpired reservations (expired ones
+#: are deleted on the way). ``reserve(hash, id, micro, tokens, expires_ms, ttl_ms)`` writes one.
+#: ``release(hash, id)`` deletes one and returns its reserved tokens (nil when it was not there).
+LUA_FUNCTIONS = """
+local function open_reserved(hash, now)
+  local total = 0
+  local r = redis.call('HGETALL', hash)
+  for i = 1, #r, 2 do
+    local m, exp = string.match(r[i + 1], '^(%d+)|%d+|(%d+)$')
+    if not exp or tonumber(exp) <= now then
+      redis.call('HDEL', hash, r[i])
+    else
+      total = total + tonumber(m)
+    end
+  end
+  return total
+end
+local function reserve(hash, id, micro, tokens, expires, ttl)
+  redis.call('HSET', hash, id, micro .. '|' .. tokens .. '|' .. expires)
+  redis.call('PEXPIRE', hash, ttl)
+end
+local function release(hash, id)
+  local v = redis.call('HGET', hash, id)
+  if not v then return nil end
+  redis.call('HDEL', hash, id)
+  return tonumber(string.match(v, '^[^|]*|([^|]*)|')) or 0
+end
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """One open reservation: upper bounds in integer micro-USD and tokens; ``expires_ms`` epoch ms."""
+
+    micro_usd: int
+    tokens: int
+    expires_ms: int
+
+    def encode(self) -> str:
+        return f"{self.micro_usd}|{self.tokens}|{self.expires_ms}"
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Reservation | None:
+        """Parse ``"micro|tokens|expires_ms"``; None when malformed (such a field never counts)."""
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        parts = text.split("|")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            return None
+        return cls(int(parts[0]), int(parts[1]), int(parts[2]))
+
+
+def open_total(fields: Mapping[bytes | str, bytes | str], now_ms: int) -> int:
+    """Micro-USD sum of the unexpired reservations in a level hash's fields (what admission counts)."""
+    total = 0
+    for raw in fields.values():
+        r = Reservation.decode(raw)
+        if r is not None and r.expires_ms > now_ms:
+            total += r.micro_usd
+    return total

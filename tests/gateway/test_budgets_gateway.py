@@ -1,0 +1,369 @@
+"""Budgets that cannot be blown through, through a real gateway over the upstream simulator and a real Redis:
+hard mode over every request shape, tag budgets shared by concurrent keys (hard and soft), the escalation's
+own reservation, non-streamed disconnects, audit events of refused requests, key policy and validation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import yaml
+
+from gateway.ledger.event import micro_to_usd
+from gateway.state.limits import estimate
+from tests.fixtures.gateway import ADMIN_SECRET, accounting_gateway, cleanup, create_key, usage_events
+from tests.fixtures.upstream import GatewayServer, SimProcess, sim_tiers
+
+REPO = Path(__file__).resolve().parents[2]
+ADMIN = {"authorization": f"Bearer {ADMIN_SECRET}"}
+PROMPT = [{"role": "user", "content": "spend some budget please"}]
+
+
+def _tiers(base_url: str) -> list[dict[str, Any]]:
+    tiers = sim_tiers(base_url)
+    tiers[1]["escalate_on"] = ["length_in_thought"]  # short: a thought cut by max_tokens escalates to long
+    return tiers
+
+
+@pytest.fixture(scope="module")
+def prefix() -> str:
+    return f"tgtest:{uuid.uuid4().hex[:12]}:"
+
+
+def _gateway(sim: SimProcess, redis_url: str, tmp: Path, prefix: str, mode: str) -> Any:
+    return accounting_gateway(sim.base_url, redis_url, tmp, prefix, tiers=_tiers(sim.base_url),
+                              limits={"budget_mode": mode, "budget_refresh_s": 0})
+
+
+@pytest.fixture(scope="module")
+def gw(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory,
+       prefix: str) -> Iterator[GatewayServer]:
+    try:
+        with _gateway(upstream_sim, redis_url, tmp_path_factory.mktemp("budgw"), prefix, "hard") as g:
+            yield g
+    finally:
+        cleanup(redis_url, prefix)
+
+
+def _post(gw: GatewayServer, secret: str, body: dict[str, Any], timeout: float = 30) -> httpx.Response:
+    headers = {"authorization": f"Bearer {secret}", "cache-control": "no-store"}
+    if body.get("stream"):
+        with httpx.stream("POST", gw.base_url + "/chat/completions", json=body, headers=headers,
+                          timeout=timeout) as r:
+            r.read()
+            return r
+    return httpx.post(gw.base_url + "/chat/completions", json=body, headers=headers, timeout=timeout)
+
+
+def _estimate(gw: GatewayServer, body: dict[str, Any], tier: str) -> int:
+    """The admission estimate of the first call of ``body`` on ``tier`` (the tier and its fallbacks)."""
+    names = [t.name for t in gw.settings.tiers]
+    return estimate(body, gw.settings.tiers[names.index(tier):]).micro_usd
+
+
+def _summary(gw: GatewayServer, kid: str) -> dict[str, Any]:
+    return httpx.get(gw.base_url + "/usage", params={"key_id": kid}, headers=ADMIN, timeout=10).json()
+
+
+def _spend_until_closed(gw: GatewayServer, secrets: list[str], body: dict[str, Any], max_requests: int = 80
+                        ) -> tuple[list[str], list[httpx.Response]]:
+    """Send ``body`` one at a time (round robin over ``secrets``) until the budget refuses for the rest of the
+    period (429 with Retry-After > 1); returns the request ids sent upstream and the refusals."""
+    served: list[str] = []
+    refused: list[httpx.Response] = []
+    for i in range(max_requests):
+        r = _post(gw, secrets[i % len(secrets)], {**body, "sim": {"tag": uuid.uuid4().hex}})
+        if r.status_code == 200:
+            served.append(r.headers["x-request-id"])
+            continue
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "budget_exceeded"
+        refused.append(r)
+        if int(r.headers["retry-after"]) > 1:
+            return served, refused
+        time.sleep(0.05)  # blocked by a reservation not yet settled: it settles within milliseconds
+    pytest.fail(f"the budget never closed after {max_requests} requests")
+
+
+SHAPES = [
+    pytest.param({"model": "long", "max_tokens": 5}, "long", id="long-n1-max5"),
+    pytest.param({"model": "long", "n": 4, "max_tokens": 5, "stream": True}, "long", id="long-n4-max5-stream"),
+    pytest.param({"model": "long", "n": 8}, "long", id="long-n8-uncapped"),
+    pytest.param({"model": "short", "n": 2, "max_tokens": 1_000_000}, "short", id="short-n2-huge-max"),
+    pytest.param({"model": "short", "max_tokens": 4}, "short", id="short-escalating"),
+    pytest.param({"model": "short", "n": 3, "max_tokens": 4, "stream": True}, "short", id="short-escalating-stream"),
+    pytest.param({"model": "auto", "stream": True, "stream_options": {"include_usage": True}}, "long",
+                 id="auto-stream"),
+]
+
+
+@pytest.mark.parametrize(("shape", "tier"), SHAPES)
+def test_hard_mode_no_request_shape_spends_past_the_budget(gw: GatewayServer, redis_url: str, prefix: str,
+                                                          shape: dict[str, Any], tier: str) -> None:
+    body = {"messages": PROMPT, **shape}
+    est = _estimate(gw, body, tier)
+    budget = est + est // 10  # one request's bound fits; the real costs (far below it) take it to the edge
+    kid = f"shape-{uuid.uuid4().hex[:8]}"
+    secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(budget))
+    served, refused = _spend_until_closed(gw, [secret], body)
+    assert served and refused
+    usage_events(gw, served)
+    spent = int(_summary(gw, kid)["counters"]["day"]["cost_micro_usd"])
+    assert 0 < spent <= budget, (spent, budget)
+    last = refused[-1].json()["error"]
+    assert "up to $" in last["message"] and "remaining $" in last["message"]
+
+
+def test_one_request_worth_hundreds_of_budgets_is_refused(gw: GatewayServer, redis_url: str, prefix: str,
+                                                          upstream_sim: SimProcess) -> None:
+    kid = f"tiny-{uuid.uuid4().hex[:8]}"
+    secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(20))
+    t = uuid.uuid4().hex
+    r = _post(gw, secret, {"model": "long", "n": 8, "messages": PROMPT, "sim": {"tag": t}})
+    assert r.status_code == 429
+    err = r.json()["error"]
+    assert err["code"] == "budget_exceeded" and err["type"] == "rate_limit_error"
+    assert f"key {kid!r}: daily budget" in err["message"] and "remaining $0.000020" in err["message"]
+    est = _estimate(gw, {"model": "long", "n": 8, "messages": PROMPT}, "long")
+    assert f"up to ${micro_to_usd(est)}" in err["message"] and est > 100 * 20
+    assert r.headers["x-thinkgate-budget-level"] == "key" and int(r.headers["retry-after"]) > 1
+    assert upstream_sim.tag(t) is None  # nothing was sent upstream
+    r = _post(gw, secret, {"model": "long", "n": 9, "messages": PROMPT})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+async def _burst(gw: GatewayServer, secrets: list[str], per_key: int, body: dict[str, Any]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=len(secrets) * per_key)) as http:
+        return await asyncio.gather(*(
+            http.post(gw.base_url + "/chat/completions", json=body,
+                      headers={"authorization": f"Bearer {s}", "cache-control": "no-store"})
+            for s in secrets for _ in range(per_key)))
+
+
+def _cli(*args: str, prefix: str, redis_url: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "THINKGATE_CONFIG": "", "THINKGATE_REDIS__URL": redis_url,
+           "THINKGATE_REDIS__KEY_PREFIX": prefix, "THINKGATE_REDIS__START_IF_MISSING": "false"}
+    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+def test_64_concurrent_requests_of_4_keys_share_a_tag_budget(upstream_sim: SimProcess, redis_url: str, prefix: str,
+                                                             tmp_path: Path, mode: str) -> None:
+    team = f"t{uuid.uuid4().hex[:8]}"
+    with _gateway(upstream_sim, redis_url, tmp_path, prefix, mode) as g:
+        body = {"model": "long", "max_tokens": 5, "messages": PROMPT}
+        est = _estimate(g, body, "long")
+        budget = est * 5 + est // 2
+        r = _cli("budgets", "set", "--tag", f"team={team}", "--usd-day", str(micro_to_usd(budget)), prefix=prefix,
+                 redis_url=redis_url)
+        assert r.returncode == 0, r.stderr
+        kids = [f"{team}-k{i}" for i in range(4)]
+        secrets = [create_key(redis_url, prefix, k, tags={"team": team}) for k in kids]  # no key budgets
+        responses = asyncio.run(_burst(g, secrets, 16, {**body, "sim": {"delay_ms": 300}}))
+        ok = [r for r in responses if r.status_code == 200]
+        assert len(ok) + sum(r.status_code == 429 for r in responses) == 64 and ok
+        for r in responses:
+            if r.status_code == 429:
+                assert r.headers["x-thinkgate-budget-level"] == f"tag:team={team}"
+                assert f"tag team={team}: daily budget" in r.json()["error"]["message"]
+        served, _ = _spend_until_closed(g, secrets, body)
+        usage_events(g, [r.headers["x-request-id"] for r in ok] + served)
+        time.sleep(0.2)
+        view = _summary(g, kids[0])["budgets"]
+        tag = next(v for v in view if v["level"] == f"tag:team={team}" and v["period"] == "day")
+        spent = round(float(tag["spent_usd"]) * 1_000_000)
+        counters = sum(int(_summary(g, k)["counters"]["day"]["cost_micro_usd"]) for k in kids)
+        assert spent == counters  # the tag level counts exactly what its keys spent
+        assert tag["budget_usd"] == str(micro_to_usd(budget)) and tag["reserved_usd"] == "0.000000"
+        if mode == "hard":
+            assert spent <= budget, (spent, budget)
+        else:  # soft: over by at most one capped request (its estimate bounds its cost)
+            assert budget <= spent <= budget + est, (spent, budget, est)
+
+
+def test_escalation_has_its_own_reservation_while_in_flight(gw: GatewayServer, upstream_sim: SimProcess,
+                                                            redis_url: str, prefix: str) -> None:
+    kid = f"esc-{uuid.uuid4().hex[:8]}"
+    secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(1_000_000))
+    t = uuid.uuid4().hex
+    body = {"model": "short", "max_tokens": 4, "messages": PROMPT, "sim": {"tag": t, "delay_ms": 1200}}
+    result: dict[str, httpx.Response] = {}
+    worker = threading.Thread(target=lambda: result.setdefault("r", _post(gw, secret, body)))
+    worker.start()
+    client = redis.Redis.from_url(redis_url)
+    seen: set[str] = set()
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and worker.is_alive():
+            rec = upstream_sim.tag(t)
+            if rec is not None and rec["attempts"] == 2 and rec["status"] == "running":
+                seen |= {f.decode() for f in client.hkeys(f"{prefix}lim:{kid}:resv")}
+            time.sleep(0.05)
+    finally:
+        worker.join(timeout=30)
+        client.close()
+    r = result["r"]
+    assert r.status_code == 200 and r.headers["x-thinkgate-route-reason"] == "escalated"
+    assert r.headers["x-request-id"] in seen  # the escalated call's own reservation, before it was sent
+
+
+def test_refused_escalation_returns_the_first_answer_saying_why(gw: GatewayServer, redis_url: str,
+                                                                prefix: str) -> None:
+    body = {"model": "short", "max_tokens": 4, "messages": PROMPT}
+    est = _estimate(gw, body, "short")
+    kid = f"noesc-{uuid.uuid4().hex[:8]}"
+    secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(est + est // 2))
+    r = _post(gw, secret, body)
+    assert r.status_code == 200
+    assert r.headers["x-thinkgate-tier"] == "short" and r.headers["x-thinkgate-route-reason"] == "forced"
+    assert r.headers["x-thinkgate-escalation"] == "skipped; tier=long; reason=budget_exceeded"
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_non_streamed_disconnect_cancels_upstream_and_meters_partial(gw: GatewayServer, upstream_sim: SimProcess,
+                                                                     redis_url: str, prefix: str) -> None:
+    kid = f"gone-{uuid.uuid4().hex[:8]}"
+    secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(1_000_000))
+    t = uuid.uuid4().hex
+    body = {"model": "long", "messages": PROMPT, "sim": {"tag": t, "delay_ms": 4000}}
+    with pytest.raises(httpx.ReadTimeout):
+        _post(gw, secret, body, timeout=0.8)  # the client gives up and closes the connection
+    rec = upstream_sim.wait_tag_status(t, {"cancelled", "completed"}, timeout_s=10)
+    assert rec is not None and rec["status"] == "cancelled", rec
+    deadline = time.monotonic() + 10
+    mine: list[dict[str, Any]] = []
+    while time.monotonic() < deadline and not mine:
+        rows = httpx.get(gw.base_url + "/usage", params={"key_id": kid, "since": "0"}, headers=ADMIN,
+                         timeout=10).json()["data"]
+        mine = [row for row in rows if row["key_id"] == kid]
+        time.sleep(0.05)
+    assert len(mine) == 1
+    assert mine[0]["status"] == 499 and mine[0]["partial"] is True and mine[0]["error_code"] == "client_disconnected"
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert client.hlen(f"{prefix}lim:{kid}:resv") == 0  # settled, not left to expire
+    finally:
+        client.close()
+
+
+def test_refused_requests_are_audit_events_in_the_export_not_spend(gw: GatewayServer, redis_url: str, prefix: str,
+                                                                   upstream_sim: SimProcess) -> None:
+    kid = f"aud-{uuid.uuid4().hex[:8]}"
+    secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(10), allowed_tiers=["none", "short"])
+    refused = {
+        400: _post(gw, secret, {"model": "short", "n": 0, "messages": PROMPT}),
+        403: _post(gw, secret, {"model": "long", "messages": PROMPT}),
+        429: _post(gw, secret, {"model": "short", "n": 8, "messages": PROMPT}),
+        401: _post(gw, "tg-not-a-key", {"model": "short", "messages": PROMPT}),
+    }
+    for status, r in refused.items():
+        assert r.status_code == status, r.text
+    ids = {status: r.headers["x-request-id"] for status, r in refused.items()}
+    since = datetime.now(UTC).strftime("%Y-%m-%d")
+    deadline = time.monotonic() + 10
+    rows: dict[str, dict[str, Any]] = {}
+    while time.monotonic() < deadline:
+        out = _cli("usage", "export", "--format", "jsonl", "--since", since, prefix=prefix, redis_url=redis_url)
+        assert out.returncode == 0, out.stderr
+        rows = {row["request_id"]: row for row in map(json.loads, out.stdout.splitlines())}
+        if all(i in rows for i in ids.values()):
+            break
+        time.sleep(0.2)
+    for status, rid in ids.items():
+        row = rows[rid]
+        assert row["audit"] is True and row["status"] == status and row["cost_micro_usd"] == 0
+        assert row["key_id"] == (kid if status != 401 else "")
+    assert rows[ids[400]]["error_code"] == "invalid_request"
+    assert rows[ids[403]]["error_code"] == "tier_not_allowed" and rows[ids[403]]["tier"] == "long"
+    assert rows[ids[429]]["error_code"] == "budget_exceeded" and rows[ids[429]]["tier"] == "short"
+    # not spend: no counter moved, grouped exports count them apart
+    assert _summary(gw, kid)["counters"]["day"]["requests"] == 0
+    grouped = _cli("usage", "export", "--format", "jsonl", "--group-by", "key", "--since", since, prefix=prefix,
+                   redis_url=redis_url)
+    row = next(r for r in map(json.loads, grouped.stdout.splitlines()) if r["key"] == kid)
+    assert row["requests"] == 0 and row["cost_micro_usd"] == 0 and row["refused"] == 3
+    metrics = httpx.get(gw.url + "/metrics", headers=ADMIN, timeout=10).text
+    assert 'thinkgate_refused_requests_total{code="tier_not_allowed",status="403"}' in metrics
+
+
+def test_key_policy_allowed_tiers_downgrade_and_thinking_cap(gw: GatewayServer, upstream_sim: SimProcess,
+                                                             redis_url: str, prefix: str) -> None:
+    n = uuid.uuid4().hex[:8]
+    strict = create_key(redis_url, prefix, f"strict-{n}", allowed_tiers=["none", "short"])
+    r = _post(gw, strict, {"model": "long", "messages": PROMPT})
+    assert r.status_code == 403
+    assert r.json()["error"]["code"] == "tier_not_allowed" and "['none', 'short']" in r.json()["error"]["message"]
+    down = create_key(redis_url, prefix, f"down-{n}", allowed_tiers=["none", "short"], on_disallowed_tier="downgrade")
+    t = uuid.uuid4().hex
+    r = _post(gw, down, {"model": "long", "messages": PROMPT, "sim": {"tag": t}})
+    assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short"
+    assert r.headers["x-thinkgate-downgraded-from"] == "long"
+    capped = create_key(redis_url, prefix, f"cap-{n}", max_thinking_budget=3)
+    for asked, sent in ((None, 3), (100, 3), (2, 2)):
+        t = uuid.uuid4().hex
+        extra = {} if asked is None else {"thinking_token_budget": asked}
+        r = _post(gw, capped, {"model": "long", "messages": PROMPT, "sim": {"tag": t}, **extra})
+        assert r.status_code == 200
+        assert upstream_sim.tag(t)["body"]["thinking_token_budget"] == sent  # type: ignore[index]
+    refuse = create_key(redis_url, prefix, f"refuse-{n}", max_thinking_budget=3, over_cap="refuse")
+    r = _post(gw, refuse, {"model": "long", "messages": PROMPT, "thinking_token_budget": 100})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"
+    r = _post(gw, refuse, {"model": "short", "messages": PROMPT, "max_tokens": 1000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize(("patch", "param"), [
+    ({"n": 0}, "n"),
+    ({"n": 9}, "n"),
+    ({"n": 2.5}, "n"),
+    ({"thinking_token_budget": -1}, "thinking_token_budget"),
+    ({"thinking_token_budget": 1.5}, "thinking_token_budget"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages.0.content"),
+    ({"top_logprobs": 99}, "top_logprobs"),
+])
+def test_invalid_requests_never_reach_an_upstream(gw: GatewayServer, upstream_sim: SimProcess, redis_url: str,
+                                                  prefix: str, patch: dict[str, Any], param: str) -> None:
+    secret = create_key(redis_url, prefix, f"val-{uuid.uuid4().hex[:8]}")
+    t = uuid.uuid4().hex
+    r = _post(gw, secret, {"model": "short", "messages": PROMPT, "sim": {"tag": t}, **patch})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert upstream_sim.tag(t) is None
+
+
+def test_budgets_cli_set_list_remove(redis_url: str, prefix: str, tmp_path: Path) -> None:
+    team = f"t{uuid.uuid4().hex[:8]}"
+    assert _cli("budgets", "set", "--tag", f"team={team}", "--usd-day", "50", prefix=prefix,
+                redis_url=redis_url).returncode == 0
+    assert _cli("budgets", "set", "--global", "--usd-month", "1000.5", prefix=prefix,
+                redis_url=redis_url).returncode == 0
+    listed = _cli("budgets", "list", "--json", prefix=prefix, redis_url=redis_url)
+    rows = {r["level"]: r for r in map(json.loads, listed.stdout.splitlines())}
+    assert rows[f"tag:team={team}"]["usd_day"] == "50.000000" and rows[f"tag:team={team}"]["usd_month"] is None
+    assert rows["global"]["usd_month"] == "1000.500000" and rows["global"]["source"] == "redis"
+    assert _cli("budgets", "remove", "--global", prefix=prefix, redis_url=redis_url).returncode == 0
+    assert _cli("budgets", "remove", "--global", prefix=prefix, redis_url=redis_url).returncode == 1
+    assert _cli("budgets", "set", "--tag", "nope", "--usd-day", "1", prefix=prefix, redis_url=redis_url).returncode == 2
+    assert _cli("budgets", "set", "--global", prefix=prefix, redis_url=redis_url).returncode == 2
+    # the config's levels are listed too
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"limits": {"tag_budgets": {"team=cfg": {"usd_month": "7"}}}}))
+    listed = _cli("budgets", "list", "--json", "--config", str(cfg), prefix=prefix, redis_url=redis_url)
+    rows = {r["level"]: r for r in map(json.loads, listed.stdout.splitlines())}
+    assert rows["tag:team=cfg"]["source"] == "config" and "global" not in rows
