@@ -11,12 +11,13 @@ Invalid configuration raises :class:`ConfigError` whose message names the offend
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import os
 from decimal import Decimal
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -45,6 +46,11 @@ DEFAULT_ROUTER_PATH = _shipped("router", "assets", "default.skops")
 #: Where the gateway keeps local state (dev key, usage spool, engine caches): ``$THINKGATE_STATE_DIR``, else
 #: ``.thinkgate/`` in the working directory — never inside site-packages.
 STATE_DIR = Path(os.environ.get("THINKGATE_STATE_DIR") or Path.cwd() / ".thinkgate")
+
+
+#: The YAML file of the :meth:`Settings.load` call in progress (a context variable: loads on several threads or
+#: nested loads do not see each other's file).
+_YAML_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("thinkgate_yaml_file", default=None)
 
 
 class ConfigError(ThinkGateError, ValueError):
@@ -405,7 +411,6 @@ class Settings(BaseSettings):
     """The whole configuration. Build with :meth:`Settings.load`."""
 
     model_config = SettingsConfigDict(env_prefix="THINKGATE_", env_nested_delimiter="__", extra="forbid", frozen=True)
-    _yaml_file: ClassVar[Path | None] = None
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -429,8 +434,9 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if cls._yaml_file is not None:
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=cls._yaml_file))
+        yaml_file = _YAML_FILE.get()
+        if yaml_file is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
         return tuple(sources)
 
     @model_validator(mode="after")
@@ -481,13 +487,13 @@ class Settings(BaseSettings):
             raise ConfigError(f"config file not found: {yaml_path}")
         if "REDIS_URL" in os.environ and "THINKGATE_REDIS__URL" not in os.environ:
             overrides.setdefault("redis", {}).setdefault("url", os.environ["REDIS_URL"])
-        cls._yaml_file = yaml_path
+        token = _YAML_FILE.set(yaml_path)
         try:
             return cls(**overrides)
         except ValidationError as exc:
             raise ConfigError(_describe(exc, yaml_path)) from None
         finally:
-            cls._yaml_file = None
+            _YAML_FILE.reset(token)
 
 
 def _describe(exc: ValidationError, path: Path | None) -> str:

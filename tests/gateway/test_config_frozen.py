@@ -29,3 +29,4 @@ def test_key_secret_is_hashed_at_load_and_dropped() -> None:
         KeyConfig(id="b")
     with pytest.raises(ConfigError, match="needs secret or secret_sha256"):
         Settings.load(None, auth={"keys": [{"id": "c"}]})
+
