@@ -73,6 +73,7 @@ import yaml
 from gateway.config import Settings
 from gateway.ledger.event import UsageEvent, micro_to_usd
 from gateway.ledger.report import counts_as_request
+from router.errors import ThinkGateError
 from router.probe import ProbeClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,7 +88,7 @@ REDIS_TIMEOUT_S = 2.0  # bench gateways' redis.socket_timeout_s floor (s)
 WINDOW_PAD_S = 0.01  # event ts (gateway receive time) lies inside the client's send..last-answer window
 
 
-class BenchError(RuntimeError):
+class BenchError(ThinkGateError, RuntimeError):
     """The bench could not run (stack failed to start, gateway unreachable, bad arguments)."""
 
 

@@ -28,13 +28,14 @@ from typing import Any
 
 import httpx
 
+from router.errors import ThinkGateError
 from router.tasks.base import Problem
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
-class ProbeError(RuntimeError):
+class ProbeError(ThinkGateError, RuntimeError):
     """A probe call failed after its retries (the message names the URL and the cause)."""
 
 

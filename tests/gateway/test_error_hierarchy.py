@@ -57,10 +57,11 @@ def test_library_errors_share_thinkgate_error() -> None:
     from gateway.state.breaker import RedisDown
     from router.errors import MissingExtra
     from router.persistence import RouterFileError
+    from router.probe import ProbeError
     from router.serving import RouterUnavailable
 
     for cls in (ConfigError, EngineError, RedisUnavailable, RedisDown, ExportError, KeyExists, RouterFileError,
-                RouterUnavailable, MissingExtra):
+                RouterUnavailable, MissingExtra, ProbeError):
         assert issubclass(cls, ThinkGateError), cls
         assert not issubclass(cls, GatewayError), cls
     assert issubclass(ConfigError, ValueError) and issubclass(RedisDown, RuntimeError)  # as before, for callers
