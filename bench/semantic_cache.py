@@ -71,6 +71,7 @@ from tests.fixtures.upstream import SimProcess, start_sim, wait_http_ok
 REPO = Path(__file__).resolve().parent.parent
 SECTION = "## Semantic cache"
 DATA = REPO / "data"
+TEST_SPLITS = REPO / "router" / "tasks" / "data"  # GSM8K and MATH-500 test splits ship with router.tasks
 PNG = REPO / "bench" / "results" / "semantic_cache_curve.png"
 MAX_CHARS = 2000
 POSITIVE_KINDS = ("lower", "spacing", "punct", "clause", "synonym", "prefix", "combo")
@@ -108,8 +109,8 @@ def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
 def real_questions(per_source: int, rng: random.Random) -> list[tuple[str, str]]:
     """(source, question) pairs, ``per_source`` of each (fewer when a source is smaller), at most MAX_CHARS."""
     sources = {
-        "gsm8k": [r["question"] for r in _jsonl(DATA / "gsm8k" / "test.jsonl")],
-        "math": [r["problem"] for r in _jsonl(DATA / "math" / "test.jsonl")],
+        "gsm8k": [r["question"] for r in _jsonl(TEST_SPLITS / "gsm8k" / "test.jsonl")],
+        "math": [r["problem"] for r in _jsonl(TEST_SPLITS / "math" / "test.jsonl")],
         "mt_bench": [r["turns"][0] for r in _jsonl(DATA / "mt_bench" / "question.jsonl")],
         "simpleqa": [r["problem"] for r in _jsonl(DATA / "simpleqa" / "questions.jsonl.gz")],
     }
@@ -124,9 +125,9 @@ def real_questions(per_source: int, rng: random.Random) -> list[tuple[str, str]]
 def fill_pool() -> list[str]:
     """Every real question in ``data/`` (deduplicated, ≤ MAX_CHARS): the entries of the latency fill."""
     qs: list[str] = []
-    qs += [r["question"] for r in _jsonl(DATA / "gsm8k" / "test.jsonl")]
+    qs += [r["question"] for r in _jsonl(TEST_SPLITS / "gsm8k" / "test.jsonl")]
     qs += [r["question"] for r in _jsonl(DATA / "gsm8k" / "train.jsonl.gz")]
-    qs += [r["problem"] for r in _jsonl(DATA / "math" / "test.jsonl")]
+    qs += [r["problem"] for r in _jsonl(TEST_SPLITS / "math" / "test.jsonl")]
     qs += [r["problem"] for r in _jsonl(DATA / "math" / "train.jsonl.gz")]
     qs += [r["prompt"] for r in _jsonl(DATA / "routellm" / "mmlu_responses.jsonl.gz")]
     qs += [r["problem"] for r in _jsonl(DATA / "simpleqa" / "questions.jsonl.gz")]
