@@ -30,6 +30,10 @@ key                                     type        contents
 ``p keys:ids``                          set         all key ids in the store
 ``p resp:{scope}:{response_id}``        string      stored /v1/responses conversation (JSON), TTL (conversations.py)
 ``p sess:{digest}``                     string      sticky-routing session → tier name, TTL (pipeline/sessions.py)
+``p sem:{t}:e``                         hash        semantic cache entries of tenant tag ``t``: entry id → record,
+                                                    ``b:{id}`` → its bucket and band hashes (semantic_index.py)
+``p sem:{t}:x``                         zset        semantic cache entry id → expiry (epoch ms): TTL and the cap
+``p sem:{t}:b:{bucket}:{band}:{hash}``  list        LSH band bucket: entry ids, newest first (at most 64)
 =====================================  ==========  ====================================================
 """
 
@@ -124,3 +128,13 @@ class RedisKeys:
     @property
     def key_ids(self) -> str:
         return f"{self.prefix}keys:ids"
+
+    def semantic_entries(self, tenant: str) -> str:
+        return f"{self.prefix}sem:{tenant}:e"
+
+    def semantic_expiry(self, tenant: str) -> str:
+        return f"{self.prefix}sem:{tenant}:x"
+
+    def semantic_band_base(self, tenant: str) -> str:
+        """Prefix of a tenant's band bucket keys; a bucket key is this + ``{bucket}:{band}:{hash}``."""
+        return f"{self.prefix}sem:{tenant}:b:"

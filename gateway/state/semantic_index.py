@@ -43,6 +43,7 @@ from typing import Any
 import orjson
 
 from gateway.state.breaker import Breaker
+from gateway.state.keys import RedisKeys
 from gateway.state.redis import RedisHandle
 
 BUCKET_MAX = 64
@@ -157,7 +158,7 @@ class SemanticIndex:
     def __init__(self, handle: RedisHandle, breaker: Breaker, max_entries_per_tenant: int,
                  max_candidates: int = 16) -> None:
         self.redis = handle.client
-        self.prefix = handle.prefix
+        self.keys = RedisKeys(handle.prefix)
         self.breaker = breaker
         self.cap = max_entries_per_tenant
         self.max_candidates = max_candidates
@@ -168,13 +169,13 @@ class SemanticIndex:
 
     # --- keys ---------------------------------------------------------------------------------------
     def entries_key(self, tenant: str) -> str:
-        return f"{self.prefix}sem:{tenant}:e"
+        return self.keys.semantic_entries(tenant)
 
     def expiry_key(self, tenant: str) -> str:
-        return f"{self.prefix}sem:{tenant}:x"
+        return self.keys.semantic_expiry(tenant)
 
     def band_base(self, tenant: str) -> str:
-        return f"{self.prefix}sem:{tenant}:b:"
+        return self.keys.semantic_band_base(tenant)
 
     def band_keys(self, tenant: str, bucket: str, bands: tuple[str, ...]) -> list[str]:
         base = self.band_base(tenant)
