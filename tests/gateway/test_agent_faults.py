@@ -1,0 +1,109 @@
+"""Upstream faults and client disconnects on ``/v1/responses`` and ``/v1/messages``: each API's own error
+shape (JSON before the 200, an in-stream event after it), and exactly one usage event per request with the
+status the client got — a failed upstream or a vanished client never loses the record."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway, cleanup
+from tests.fixtures.metered import events_of
+from tests.fixtures.upstream import GatewayServer, SimProcess, wait_for
+
+
+@pytest.fixture(scope="module")
+def gw(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("faultgw"), prefix,
+                                routing={"router_path": None, "fallback": False}) as g:
+            yield g
+    finally:
+        cleanup(redis_url, prefix)
+
+
+def one_event(gw: GatewayServer, request_id: str) -> dict[str, Any]:
+    rows = events_of(gw, request_id)
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+def failures(gw: GatewayServer, endpoint: str) -> int:
+    """Usage events of ``endpoint`` with status 502 so far (error answers carry no request id to look up)."""
+    r = httpx.get(gw.base_url + "/usage", params={"since": "0", "limit": "10000"},
+                  headers={"authorization": f"Bearer {ADMIN_SECRET}"}, timeout=10)
+    return sum(1 for row in r.json()["data"] if row["endpoint"] == endpoint and row["status"] == 502)
+
+
+def test_upstream_500_before_the_answer(gw: GatewayServer) -> None:
+    fail = {"sim": {"fail": "500"}}
+    before = failures(gw, "responses"), failures(gw, "messages")
+    r = httpx.post(gw.base_url + "/responses", json={"model": "long", "input": "hi", **fail},
+                   headers={"authorization": f"Bearer {SECRETS['alice']}"}, timeout=10)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+    r = httpx.post(gw.base_url + "/messages",
+                   json={"model": "long", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}], **fail},
+                   headers={"x-api-key": SECRETS["alice"]}, timeout=10)
+    assert r.status_code == 502
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"
+    with pytest.raises(anthropic.InternalServerError):
+        anthropic.Anthropic(base_url=gw.url, api_key=SECRETS["alice"], max_retries=0).messages.create(
+            model="long", max_tokens=16, messages=[{"role": "user", "content": "hi"}], extra_body=fail)
+    assert wait_for(lambda: (failures(gw, "responses"), failures(gw, "messages")) == (before[0] + 1, before[1] + 2))
+    time.sleep(0.2)  # a duplicate would show up now
+    assert (failures(gw, "responses"), failures(gw, "messages")) == (before[0] + 1, before[1] + 2)
+
+
+def test_in_stream_upstream_error_becomes_each_apis_failure_event(gw: GatewayServer) -> None:
+    fail = {"sim": {"fail": "error-event"}}
+    client = openai.OpenAI(base_url=gw.base_url, api_key=SECRETS["alice"], max_retries=0, timeout=30)
+    with client.responses.with_streaming_response.create(model="long", input="tell me a story", stream=True,
+                                                         extra_body=fail) as raw:
+        request_id = raw.headers["x-request-id"]
+        events = list(raw.parse())
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.status == "failed" and events[-1].response.error is not None  # type: ignore[union-attr]
+    assert "response.completed" not in {e.type for e in events}
+    ev = one_event(gw, request_id)
+    assert (ev["endpoint"], ev["status"], ev["partial"]) == ("responses", 502, True)
+
+    ant = anthropic.Anthropic(base_url=gw.url, api_key=SECRETS["alice"], max_retries=0, timeout=30)
+    with ant.messages.with_streaming_response.create(model="long", max_tokens=64, stream=True, extra_body=fail,
+                                                     messages=[{"role": "user", "content": "tell me a story"}]) as raw:
+        request_id = raw.headers["x-request-id"]
+        with pytest.raises(anthropic.APIStatusError):
+            list(raw.parse())
+    ev = one_event(gw, request_id)
+    assert (ev["endpoint"], ev["status"], ev["partial"]) == ("messages", 502, True)
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_client_disconnect_mid_stream_is_metered_once_as_499(gw: GatewayServer, upstream_sim: SimProcess,
+                                                             api: str) -> None:
+    tag = uuid.uuid4().hex
+    slow = {"sim": {"tag": tag, "chunk_delay_ms": 200}}
+    if api == "responses":
+        url, body = "/responses", {"model": "long", "input": "a long answer please", "stream": True, **slow}
+        headers = {"authorization": f"Bearer {SECRETS['alice']}"}
+    else:
+        url = "/messages"
+        body = {"model": "long", "max_tokens": 64, "stream": True, **slow,
+                "messages": [{"role": "user", "content": "a long answer please"}]}
+        headers = {"x-api-key": SECRETS["alice"]}
+    with httpx.Client(timeout=30) as c, c.stream("POST", gw.base_url + url, json=body, headers=headers) as r:
+        request_id = r.headers["x-request-id"]
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break  # the first event arrived: go away
+    rec = upstream_sim.wait_tag_status(tag, {"cancelled", "completed"})
+    assert rec is not None and rec["status"] == "cancelled"  # the upstream generation was stopped
+    ev = one_event(gw, request_id)
+    assert (ev["endpoint"], ev["status"], ev["partial"]) == (api, 499, True)
