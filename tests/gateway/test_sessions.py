@@ -16,7 +16,7 @@ import pytest
 
 from gateway.pipeline.sessions import session_of
 from tests.fixtures.gateway import SECRETS, accounting_gateway, cleanup
-from tests.fixtures.upstream import GatewayServer, SimProcess
+from tests.fixtures.upstream import GatewayServer, SimProcess, sim_tiers
 
 # The length baseline scores characters / 2000 over system + last user turn: 0.6 > the 0.5 cut → "long".
 LONG_TURN = "now refactor the module and explain every step in detail " * 21
@@ -131,3 +131,24 @@ def test_prometheus_counts_sessions(gw: GatewayServer) -> None:
     counts = {m.group(1): float(m.group(2))
               for m in re.finditer(r'^thinkgate_session_routes_total\{state="(\w+)"\} (\S+)$', text, re.M)}
     assert counts["new"] >= 1 and counts["sticky"] >= 1 and counts["flip_avoided"] >= 1
+
+
+def test_an_escalated_turn_moves_the_session(upstream_sim: SimProcess, redis_url: str,
+                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1]["escalate_on"] = ["empty_answer"]
+    routing = {"router_path": None, "routed_tiers": ["short", "long"], "thresholds": [0.5], "session_ttl_s": 600}
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("sessesc"), prefix,
+                                tiers=tiers, routing=routing) as gw:
+            msgs = [{"role": "user", "content": f"short question {uuid.uuid4().hex[:6]}"}]
+            # 4 tokens: short's answer is cut in its thought (empty) → escalated to long
+            first = oai(gw).chat.completions.with_raw_response.create(model="auto", messages=msgs, max_tokens=4)  # type: ignore[arg-type]
+            assert (first.headers["x-thinkgate-tier"], first.headers["x-thinkgate-route-reason"],
+                    first.headers["x-thinkgate-session"]) == ("long", "escalated", "new")
+            again = oai(gw).chat.completions.with_raw_response.create(model="auto", messages=msgs)  # type: ignore[arg-type]
+            assert route(again.headers)[:2] == ("long", "sticky")  # the router alone: short
+            assert route(again.headers)[2] < 0.5
+    finally:
+        cleanup(redis_url, prefix)
