@@ -220,3 +220,13 @@ def test_refused_fields_are_anthropic_400s(gw: GatewayServer, body: dict[str, An
     assert r.status_code == 400, r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
     assert param.split(".")[0] in r.json()["error"]["message"] or param in r.json()["error"]["message"]
+
+
+def test_stop_sequences(gw: GatewayServer) -> None:
+    kw: dict[str, Any] = {"model": "long", "max_tokens": 64, "stop_sequences": ["seven"],
+                          "messages": [{"role": "user", "content": USER}]}
+    m = sdk(gw).messages.create(**kw)
+    assert m.content[-1].text == "echo: what is"  # type: ignore[union-attr]
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "seven")
+    events = list(sdk(gw).messages.create(**kw, stream=True))
+    assert (events[-2].delta.stop_reason, events[-2].delta.stop_sequence) == ("stop_sequence", "seven")  # type: ignore[union-attr]
