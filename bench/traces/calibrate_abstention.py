@@ -19,8 +19,8 @@ import gzip
 import json
 from pathlib import Path
 
-from bench.traces._compat import is_heldout
 from gateway.pipeline.abstention import DEFAULT_PHRASES, abstains, final_part
+from router.fit.traces import is_heldout
 
 TOP = ("exd0", "budget1024", "high_effort")
 

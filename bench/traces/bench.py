@@ -1,0 +1,595 @@
+"""``thinkgate bench traces``: recorded reasoning-model outcomes replayed through the real gateway, per policy.
+
+    thinkgate bench traces --traces DIR --dataset frames --ladder Qwen3-14B:no_think,exd0 --router FILE \\
+        --json OUT.json [--png OUT.png] [--heldout-only | --all] [--markdown OUT.md]
+
+What runs (all on loopback). Redis (the configured one when it answers, else a private ``redis-server``), the
+trace-replay upstream (:mod:`bench.traces.replay_upstream`, one process serving every setting of the ladder
+as ``MODEL:SETTING``) and two ``thinkgate serve`` processes (engine off, cache off so every request is paid,
+their own Redis key prefix, deleted afterwards), each with one tier per ladder setting, cheapest first, named
+after the setting, priced at the model's list price (:mod:`bench.traces.prices`; a nominal price where there
+is none, said in the output), and the router file as ``routing.router_path`` with ``routed_tiers`` = the
+ladder (its calibrated thresholds apply). Gateway B differs only in the cascade: every tier but the top has
+``escalate_on: [empty_answer, length_in_thought, abstain]``.
+
+Questions: every question of ``DIR/<dataset>`` that all the ladder's settings recorded
+(:func:`router.fit.traces.load_ladder`), or with ``--heldout-only`` only those of the router's held-out split
+(:func:`router.fit.traces.is_heldout`). Each is sent as the only (user) message, bare, non-streamed.
+
+Policies (each with its own API key, so the ledger separates them):
+
+==================  =========================================================================  =======
+policy              what is sent                                                               gateway
+==================  =========================================================================  =======
+``always:<s>``      ``model: <s>`` for every question                                          A
+``router``          ``model: auto`` (the router file picks the tier)                           A
+``random``          ``model: <s>`` drawn at random (seeded) at the tier mix ``router`` served  A
+``length``          ``model: <s>`` by prompt-length rank (longest → top) at that same mix      A
+``router+cascade``  ``model: auto``; abstaining/empty/cut cheap answers escalate               B
+``oracle``          not served: the cheapest setting whose recorded answer is correct (else
+                    the cheapest), computed from the traces with the always replays' tokens
+==================  =========================================================================  =======
+
+Per policy, from the **metering ledger** (the gateway's Redis usage stream, read back by key and time window):
+``completion_tokens`` and ``reasoning_tokens`` (sums over every upstream call, escalated first attempts
+included), ``cost_usd`` (Σ ``cost_micro_usd`` / 10⁶ — never recomputed), ``requests`` (answered client
+requests) and ``tiers`` (share of requests answered by each setting). ``accuracy``: the recorded grading of the
+setting that answered each question (``x-thinkgate-tier``); the served answer is checked to be that setting's
+recording. Curves (``[token_share, accuracy]``, token_share = tokens / always-top tokens) over every threshold:
+``router`` and ``length`` (:func:`router.fit.ladder_eval.threshold_curve` on the router file's scores / the
+prompt lengths), ``router+cascade`` (:func:`router.fit.ladder_eval.cascade_curve`, abstention by the serving
+rule :func:`gateway.pipeline.abstention.abstains` on the served answers) and ``random`` (expected, every mix),
+all built from the per-question ledger tokens of the ``always:<s>`` replays and the recorded grading;
+``savings_at_98`` = :func:`router.fit.ladder_eval.savings_at_98` of each curve (the oracle: its one point).
+
+JSON (``--json``), exactly::
+
+    {"dataset", "ladder", "n_questions",
+     "policies": {NAME: {"accuracy", "completion_tokens", "reasoning_tokens", "cost_usd", "requests",
+                         "tiers": {SETTING: share}}},
+     "curves": {NAME: [[token_share, accuracy], ...]}, "savings_at_98": {NAME: float}}
+
+Time: the whole run is bounded by ``--time-budget-s`` (default 280 s, under 5 minutes with start-up); requests
+not sent by then are skipped, the run says so and exits 1 (the JSON is still written, with what was measured).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import typer
+
+from bench.traces.prices import ListPrice, price_of
+from bench.traces.replay_upstream import ReplayProcess
+from gateway.config import Settings
+from gateway.ledger.event import UsageEvent
+from gateway.ledger.report import counts_as_request
+from gateway.pipeline.abstention import abstains
+from router.fit.ladder_eval import cascade_curve, random_curve, savings_at_98, threshold_curve
+from router.fit.traces import LadderData, heldout_mask, load_ladder, parse_ladder
+
+CASCADE_ON = ["empty_answer", "length_in_thought", "abstain"]
+REQUEST_TIMEOUT_S = 60.0
+MAX_TOKENS = 1_000_000  # tiers never cut a recording (the replay ignores max_tokens anyway)
+
+
+class TracesBenchError(RuntimeError):
+    """The bench could not run (bad arguments, a missing file, a stack part that did not start)."""
+
+
+@dataclass
+class Sent:
+    """One client request: question index, HTTP status, the answering tier, the answer, request id, score."""
+
+    q: int
+    status: int
+    tier: str | None = None
+    content: str | None = None
+    request_id: str | None = None
+    difficulty: float | None = None
+
+
+@dataclass
+class Run:
+    """One served policy: its key, window (epoch s), requests and ledger events."""
+
+    policy: str
+    key_id: str
+    secret: str
+    url: str = ""
+    t_start: float = 0.0
+    t_end: float = 0.0
+    sent: list[Sent] = field(default_factory=list)
+    events: list[UsageEvent] = field(default_factory=list)
+    skipped: int = 0
+
+
+# ----------------------------------------------------------------------------------------------- the stack
+
+
+def tier_configs(model: str, settings: tuple[str, ...], base_url: str, price: ListPrice,
+                 cascade: bool) -> list[dict[str, Any]]:
+    """One tier per setting, cheapest first, on the replay upstream; the cascade on every tier but the top."""
+    out = []
+    for i, s in enumerate(settings):
+        out.append({"name": s, "base_url": base_url, "model": f"{model}:{s}", "max_tokens": MAX_TOKENS,
+                    "budget_mode": "off", "thinking_budget": None, "prices": price.as_config(),
+                    "escalate_on": list(CASCADE_ON) if cascade and i < len(settings) - 1 else [],
+                    "read_timeout_s": REQUEST_TIMEOUT_S, "max_retries": 0})
+    return out
+
+
+def gateway_config(base: Settings, tiers: list[dict[str, Any]], router_path: Path, keys: list[dict[str, Any]],
+                   prefix: str, state_dir: Path, name: str, thresholds: list[float] | None = None) -> dict[str, Any]:
+    """The YAML dict of one bench gateway (module doc): ``base`` with engine and cache off, the ladder's tiers,
+    the router file (its own thresholds, or ``thresholds``), the bench keys, a private Redis key prefix and spool."""
+    names = [t["name"] for t in tiers]
+    data = base.model_dump(mode="json")
+    data["engine"]["enabled"] = False
+    data["tiers"] = tiers
+    efforts = {"none": names[0], "minimal": names[0], "low": names[0], "medium": names[len(names) // 2],
+               "high": names[-1]}
+    data["routing"] = {**data["routing"], "router_path": str(router_path.resolve()), "routed_tiers": names,
+                       "default_tier": names[-1], "thresholds": thresholds, "on_router_error": "refuse_start",
+                       "effort_tiers": efforts}
+    data["redis"] = {**data["redis"], "key_prefix": prefix, "start_if_missing": False,
+                     "socket_timeout_s": max(float(data["redis"]["socket_timeout_s"]), 2.0)}
+    data["cache"] = {**data["cache"], "mode": "off"}
+    data["cache"]["semantic"] = {**data["cache"].get("semantic", {}), "enabled": False}
+    data["auth"] = {**data["auth"], "keys": keys, "admin_key_sha256": None}
+    data["server"] = {**data["server"], "log_level": "warning"}
+    data["metering"] = {**data["metering"], "spool_path": str(state_dir / f"spool-{name}.jsonl")}
+    return data
+
+
+def _cleanup_prefix(url: str, prefix: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match=prefix + "*", count=1000))
+        for i in range(0, len(keys), 1000):
+            client.delete(*keys[i:i + 1000])
+    finally:
+        client.close()
+
+
+# -------------------------------------------------------------------------------------------- requests
+
+
+def send_all(run: Run, questions: list[str], order: list[int], models: list[str], concurrency: int,
+             deadline: float, tick: Callable[[], None]) -> None:
+    """Send question ``order[i]`` with ``model: models[i]``, ``concurrency`` in flight; window recorded."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    headers = {"authorization": f"Bearer {run.secret}"}
+
+    def one(client: httpx.Client, i: int) -> Sent:
+        q = order[i]
+        if time.monotonic() > deadline:
+            tick()
+            return Sent(q, -1)
+        body = {"model": models[i], "messages": [{"role": "user", "content": questions[q]}]}
+        try:
+            r = client.post(run.url + "/v1/chat/completions", json=body, headers=headers, timeout=REQUEST_TIMEOUT_S)
+        except httpx.HTTPError:
+            tick()
+            return Sent(q, 0)
+        content = None
+        if r.status_code == 200:
+            try:
+                content = r.json()["choices"][0]["message"].get("content") or ""
+            except (ValueError, KeyError, IndexError):
+                content = None
+        d = r.headers.get("x-thinkgate-difficulty")
+        tick()
+        return Sent(q, r.status_code, r.headers.get("x-thinkgate-tier"), content, r.headers.get("x-request-id"),
+                    float(d) if d else None)
+
+    with httpx.Client(limits=limits, trust_env=False) as client, ThreadPoolExecutor(concurrency) as pool:
+        run.t_start = time.time()
+        run.sent = list(pool.map(lambda i: one(client, i), range(len(order))))
+        run.t_end = time.time()
+    run.skipped = sum(1 for s in run.sent if s.status == -1)
+    run.sent = [s for s in run.sent if s.status != -1]
+
+
+def settle(ledger: Any, run: Run, timeout_s: float = 20.0) -> None:
+    """Read the run's events once metering has written them all (each answered request has ≥ 1 event)."""
+    want = sum(1 for s in run.sent if s.status > 0)
+    deadline = time.monotonic() + timeout_s
+    last = -1
+    while True:
+        evs = ledger.events(run.t_start - 0.05, run.t_end + 0.05, {run.key_id})
+        if (len(evs) >= want and len(evs) == last) or time.monotonic() > deadline:
+            run.events = evs
+            return
+        last = len(evs)
+        time.sleep(0.3)
+
+
+# ------------------------------------------------------------------------------------------- summaries
+
+
+def tier_mix(choice: np.ndarray, k: int) -> list[int]:
+    """Counts per setting index."""
+    return [int(np.sum(choice == j)) for j in range(k)]
+
+
+def random_choice(n: int, counts: list[int], seed: int) -> np.ndarray:
+    """Setting indices with exactly ``counts`` of each, in a seeded random order."""
+    ch = np.repeat(np.arange(len(counts)), counts).tolist()
+    random.Random(seed).shuffle(ch)
+    return np.asarray(ch, dtype=np.int64)[:n]
+
+
+def length_choice(lengths: np.ndarray, counts: list[int]) -> np.ndarray:
+    """Setting indices by prompt-length rank (shortest → cheapest) with ``counts`` of each."""
+    order = np.argsort(lengths, kind="stable")
+    ch = np.empty(len(lengths), dtype=np.int64)
+    ch[order] = np.repeat(np.arange(len(counts)), counts)
+    return ch
+
+
+def summarize(run: Run, data: LadderData, settings: tuple[str, ...]) -> dict[str, Any]:
+    """The policy's JSON entry (module doc) from its requests and ledger events."""
+    idx = {s: j for j, s in enumerate(settings)}
+    ok = [s for s in run.sent if s.status == 200 and s.tier in idx]
+    acc = sum(bool(data.correct[s.q, idx[s.tier or ""]]) for s in ok) / len(ok) if ok else 0.0
+    upstream = [e for e in run.events if not e.cached]
+    answered = [e for e in run.events if counts_as_request(e)]
+    counts = Counter(e.tier for e in answered)
+    n = len(answered)
+    return {
+        "accuracy": round(acc, 6),
+        "completion_tokens": sum(e.completion_tokens for e in upstream),
+        "reasoning_tokens": sum(e.reasoning_tokens for e in upstream),
+        "cost_usd": sum(e.cost_micro_usd for e in run.events) / 1_000_000,
+        "requests": n,
+        "tiers": {s: round(counts.get(s, 0) / n, 6) if n else 0.0 for s in settings},
+    }
+
+
+def check_answers(run: Run, data: LadderData, settings: tuple[str, ...]) -> int:
+    """How many served answers differ from the recording of the setting that answered (should be 0)."""
+    idx = {s: j for j, s in enumerate(settings)}
+    return sum(1 for s in run.sent if s.status == 200 and s.tier in idx
+               and (s.content or "") != data.responses[s.q][idx[s.tier or ""]])
+
+
+def per_question_tokens(runs: dict[str, Run], data: LadderData, settings: tuple[str, ...]) -> np.ndarray:
+    """(n, k) completion tokens of each question on each setting, from the always replays' ledger events
+    (matched by request id); the recorded count where an event is missing (a skipped request)."""
+    tok = data.tokens.copy()
+    for j, s in enumerate(settings):
+        run = runs.get(f"always:{s}")
+        if run is None:
+            continue
+        by_id = {e.request_id: e for e in run.events}
+        for sent in run.sent:
+            e = by_id.get(sent.request_id or "")
+            if e is not None:
+                tok[sent.q, j] = e.completion_tokens
+    return tok
+
+
+def _curve(points: list[list[float]]) -> list[list[float]]:
+    return [[round(x, 6), round(y, 6)] for x, y in points]
+
+
+# ------------------------------------------------------------------------------------------------- run
+
+
+@dataclass
+class Config:
+    """Arguments of one run (module doc)."""
+
+    traces: Path
+    dataset: str
+    ladder: str
+    router: Path
+    heldout_only: bool = False
+    concurrency: int = 8
+    time_budget_s: float = 280.0
+    seed: int = 0
+    progress: bool = True
+
+
+def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)
+        ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run the bench; returns (the JSON report, details: prices, timings, checks, served points)."""
+    from tqdm import tqdm
+
+    from bench.savings_stack import Ledger, serve_gateway
+    from gateway.engine.redis_server import ensure
+    from router.persistence import load_router
+
+    started = time.time()
+    deadline = time.monotonic() + cfg.time_budget_s
+    try:
+        lad = parse_ladder(cfg.ladder)
+    except ValueError as exc:
+        raise TracesBenchError(str(exc)) from None
+    if len(lad.settings) > 3:
+        raise TracesBenchError("ladders of 2 or 3 settings are supported (the curves)")
+    try:
+        data = load_ladder(cfg.traces, cfg.dataset, lad)
+    except (FileNotFoundError, ValueError) as exc:
+        raise TracesBenchError(str(exc)) from None
+    if cfg.heldout_only:
+        data = data.subset(np.flatnonzero(heldout_mask(data)))
+        if data.n == 0:
+            raise TracesBenchError("no held-out question in this folder")
+    if not cfg.router.is_file():
+        raise TracesBenchError(f"--router {cfg.router}: no such file")
+    router = load_router(cfg.router)
+    if len(router.thresholds) != len(lad.settings) - 1:
+        raise TracesBenchError(f"router {cfg.router} has {len(router.thresholds)} threshold(s); the ladder "
+                               f"{lad.name} needs {len(lad.settings) - 1}")
+    # router+cascade serves the same score at the router file's cascade thresholds when it has them (calibrated
+    # by `router fit` on its validation questions' cascade outcomes), else at its plain thresholds
+    cc = router.metadata.get("cascade_thresholds")
+    cascade_cuts = ([float(t) for t in cc] if isinstance(cc, list) and len(cc) == len(router.thresholds)
+                    and cc == sorted(cc) and all(0 <= t <= 1 for t in cc) else None)
+    scores = np.array([router.score(q) for q in data.questions], dtype=np.float64)
+    lengths = np.array([len(q) for q in data.questions], dtype=np.float64)
+    settings_t = lad.settings
+    k = len(settings_t)
+    price = price_of(lad.model)
+    run_id = uuid.uuid4().hex[:8]
+    prefix = f"tgbench:traces:{run_id}:"
+    served = [*(f"always:{s}" for s in settings_t), "router", "random", "length", "router+cascade"]
+    runs: dict[str, Run] = {p: Run(p, f"traces-{run_id}-{p.replace(':', '-').replace('+', '-')}",
+                                   "tg-" + secrets.token_hex(16)) for p in served}
+    details: dict[str, Any] = {"run": run_id, "price": {"input": str(price.input), "output": str(price.output),
+                                                         "cached_input": str(price.cached_input),
+                                                         "source": price.source},
+                               "router": str(cfg.router), "router_policy": router.metadata.get("policy"),
+                               "thresholds": list(router.thresholds), "cascade_thresholds": cascade_cuts,
+                               "heldout_only": cfg.heldout_only}
+    with ExitStack() as stack:
+        state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tg-traces-")))
+        proc, settings.redis.url = ensure(settings.redis.url)
+        if proc is not None:
+            stack.callback(proc.terminate)
+        stack.callback(_cleanup_prefix, settings.redis.url, prefix)
+        t0 = time.monotonic()
+        replay = stack.enter_context(ReplayProcess(cfg.traces, cfg.dataset, [(lad.model, s) for s in settings_t]))
+        keys = [{"id": r.key_id, "secret": r.secret, "tags": {"bench": "traces", "policy": r.policy}}
+                for r in runs.values()]
+        urls = {}
+        for name, cascade in (("a", False), ("b", True)):
+            tiers = tier_configs(lad.model, settings_t, replay.base_url, price, cascade)
+            cuts = cascade_cuts if cascade else None
+            urls[name] = stack.enter_context(serve_gateway(
+                gateway_config(settings, tiers, cfg.router, keys, prefix, state_dir, name, cuts), state_dir,
+                f"gateway-{name}"))
+        details["startup_s"] = round(time.monotonic() - t0, 1)
+        ledger = Ledger(settings.model_copy(update={"redis": settings.redis.model_copy(
+            update={"key_prefix": prefix})}))
+        n = data.n
+        bar = tqdm(total=n * len(served), desc=f"bench traces {lad.name}", disable=not cfg.progress,
+                   file=sys.stderr)
+        order = list(range(n))
+
+        def serve(policy: str, models: list[str], gw: str = "a") -> Run:
+            r = runs[policy]
+            r.url = urls[gw]
+            send_all(r, data.questions, order, models, cfg.concurrency, deadline, bar.update)
+            settle(ledger, r)
+            return r
+
+        for s in settings_t:
+            serve(f"always:{s}", [s] * n)
+        routed = serve("router", ["auto"] * n)
+        idx = {s: j for j, s in enumerate(settings_t)}
+        choice = np.full(n, k - 1, dtype=np.int64)
+        for sent in routed.sent:
+            if sent.tier in idx:
+                choice[sent.q] = idx[sent.tier or ""]
+        counts = tier_mix(choice, k)
+        serve("random", [settings_t[j] for j in random_choice(n, counts, cfg.seed)])
+        serve("length", [settings_t[j] for j in length_choice(lengths, counts)])
+        serve("router+cascade", ["auto"] * n, "b")
+        bar.close()
+    # ---- numbers
+    policies = {p: summarize(r, data, settings_t) for p, r in runs.items()}
+    tokens = per_question_tokens(runs, data, settings_t)
+    correct = data.correct
+    top_acc = float(correct[:, -1].mean())
+    top_tok = float(tokens[:, -1].sum())
+    ab = np.zeros((n, k), dtype=bool)
+    for j, s in enumerate(settings_t):
+        got = {x.q: x.content for x in runs[f"always:{s}"].sent if x.status == 200}
+        ab[:, j] = [abstains(got.get(q, data.responses[q][j])) for q in range(n)]
+    curves = {
+        "router": threshold_curve(scores, correct, tokens),
+        "router+cascade": cascade_curve(scores, correct, tokens, ab),
+        "random": random_curve(correct, tokens, 1001 if k == 2 else 101),
+        "length": threshold_curve(lengths, correct, tokens),
+    }
+    sav = {name: round(savings_at_98(cv, top_acc), 6) for name, cv in curves.items()}
+    oc = np.where(correct.any(axis=1), np.argmax(correct, axis=1), 0)
+    rows = np.arange(n)
+    o_acc = float(correct[rows, oc].mean())
+    o_tok = float(tokens[rows, oc].sum())
+    sav["oracle"] = round(1 - o_tok / top_tok, 6) if o_acc >= 0.98 * top_acc - 1e-12 else 0.0
+    o_events = {s: {e.request_id: e for e in runs[f"always:{s}"].events} for s in settings_t}
+    o_cost = o_rt = 0
+    for q in range(n):
+        s = settings_t[int(oc[q])]
+        sent = next((x for x in runs[f"always:{s}"].sent if x.q == q), None)
+        e = o_events[s].get(sent.request_id or "") if sent else None
+        if e is not None:
+            o_cost += e.cost_micro_usd
+            o_rt += e.reasoning_tokens
+    policies["oracle"] = {"accuracy": round(o_acc, 6), "completion_tokens": int(o_tok), "reasoning_tokens": o_rt,
+                          "cost_usd": o_cost / 1_000_000, "requests": 0,
+                          "tiers": {s: round(float(np.mean(oc == j)), 6) for j, s in enumerate(settings_t)}}
+    skipped = sum(r.skipped for r in runs.values())
+    details.update({
+        "complete": skipped == 0, "skipped": skipped,
+        "errors": {p: sum(1 for s in r.sent if s.status != 200) for p, r in runs.items()},
+        "answer_mismatches": {p: check_answers(r, data, settings_t) for p, r in runs.items()},
+        "escalations": {p: sum(1 for e in r.events if (e.error_code or "").startswith("escalated_"))
+                        for p, r in runs.items()},
+        "upstream_calls": {p: len(r.events) for p, r in runs.items()},
+        "token_share": {p: round(e["completion_tokens"] / top_tok, 6) if top_tok else None
+                        for p, e in policies.items()},
+        "router_score_max_diff": max((abs(s.difficulty - scores[s.q]) for s in runs["router"].sent
+                                      if s.difficulty is not None), default=None),
+        "always_top_accuracy": round(top_acc, 6),
+        "wall_s": round(time.time() - started, 1), "time_budget_s": cfg.time_budget_s,
+    })
+    report = {"dataset": cfg.dataset, "ladder": lad.name, "n_questions": n, "policies": policies,
+              "curves": {name: _curve(cv) for name, cv in curves.items()}, "savings_at_98": sav}
+    return report, details
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+
+ORDER = ("always", "router", "router+cascade", "random", "length", "oracle")
+
+
+def _ordered(report: dict[str, Any]) -> list[str]:
+    return sorted(report["policies"], key=lambda p: (ORDER.index(p.split(":")[0]), p))
+
+
+def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
+    """A rich table of the policies plus the price and timing lines."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title=f"ThinkGate on recorded traces: {report['dataset']} {report['ladder']}, "
+                    f"{report['n_questions']} questions (cost from the metering ledger)")
+    for c in ("policy", "accuracy", "completion tok", "reasoning tok", "token share", "cost USD", "requests",
+              "tiers", "savings@98"):
+        t.add_column(c, justify="left" if c in ("policy", "tiers") else "right")
+    for p in _ordered(report):
+        e = report["policies"][p]
+        sav = report["savings_at_98"].get(p)
+        t.add_row(p + (" (computed)" if p == "oracle" else ""), f"{e['accuracy']:.1%}", str(e["completion_tokens"]),
+                  str(e["reasoning_tokens"]), f"{details['token_share'].get(p) or 0:.1%}", f"{e['cost_usd']:.6f}",
+                  str(e["requests"]), " ".join(f"{k}:{v:.0%}" for k, v in e["tiers"].items()),
+                  "" if sav is None else f"{sav:.1%}")
+    pr = details["price"]
+    note = ("NOMINAL price (no published list price)" if pr["source"] == "nominal" else f"list price ({pr['source']})")
+    lines = [t, Text(f"prices: {pr['input']} in / {pr['output']} out USD per 1M tokens, {note}"),
+             Text(f"router {details['router']} (policy {details['router_policy']}, thresholds "
+                  f"{details['thresholds']}, router+cascade at "
+                  f"{details['cascade_thresholds'] or 'the same'}); savings@98 = 1 - token share at the cheapest "
+                  f"point of the curve with "
+                  f"accuracy >= 98% of always-top ({details['always_top_accuracy']:.1%})"),
+             Text(f"errors {sum(details['errors'].values())}, answer mismatches "
+                  f"{sum(details['answer_mismatches'].values())}, escalations "
+                  f"{details['escalations']['router+cascade']}; start-up {details['startup_s']} s, wall "
+                  f"{details['wall_s']} s (budget {details['time_budget_s']:.0f} s)"
+                  + ("" if details["complete"] else f"; INCOMPLETE: {details['skipped']} requests skipped"))]
+    return Group(*lines)
+
+
+def markdown(report: dict[str, Any], details: dict[str, Any]) -> str:
+    """The policy table as Markdown."""
+    out = ["| policy | accuracy | completion tok | reasoning tok | token share | cost USD (ledger) | requests | "
+           "tiers | savings@98 |", "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for p in _ordered(report):
+        e = report["policies"][p]
+        sav = report["savings_at_98"].get(p)
+        out.append(f"| {p}{' (computed)' if p == 'oracle' else ''} | {e['accuracy']:.1%} | {e['completion_tokens']} | "
+                   f"{e['reasoning_tokens']} | {details['token_share'].get(p) or 0:.1%} | {e['cost_usd']:.6f} | "
+                   f"{e['requests']} | {', '.join(f'{k} {v:.0%}' for k, v in e['tiers'].items())} | "
+                   f"{'' if sav is None else f'{sav:.1%}'} |")
+    return "\n".join(out)
+
+
+def plot(report: dict[str, Any], details: dict[str, Any], path: Path) -> None:
+    """PNG: accuracy vs token share, each policy's curve, the served points and the oracle."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for name, cv in report["curves"].items():
+        if cv:
+            xs, ys = zip(*cv, strict=True)
+            ax.step(xs, ys, where="post", label=f"{name} (savings@98 {report['savings_at_98'][name]:.0%})", lw=1.2)
+    for p in _ordered(report):
+        e = report["policies"][p]
+        x = details["token_share"].get(p) or 0.0
+        ax.scatter([x], [e["accuracy"]], s=30, marker="*" if p == "oracle" else "o", zorder=3)
+        ax.annotate(p, (x, e["accuracy"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    top = details["always_top_accuracy"]
+    ax.axhline(0.98 * top, color="gray", ls=":", lw=1, label="98% of always-top")
+    ax.set_xlabel("completion tokens / always-top (metering ledger)")
+    ax.set_ylabel("accuracy (recorded grading)")
+    ax.set_title(f"{report['dataset']} {report['ladder']} ({report['n_questions']} questions, through the gateway)",
+                 fontsize=9)
+    ax.set_xlim(0, max(1.05, max((details["token_share"].get(p) or 0) for p in report["policies"]) + 0.05))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+
+
+def traces(
+    traces_dir: Path = typer.Option(..., "--traces", help="Traces folder: DIR/<dataset>/<MODEL>__<SETTING>.jsonl.gz."),
+    dataset: str = typer.Option(..., "--dataset", help="Data set folder under --traces (frames, simpleqa)."),
+    ladder: str = typer.Option(..., "--ladder", help="MODEL:S1,S2[,S3], cheapest setting first."),
+    router_file: Path = typer.Option(..., "--router", help="Router file (thinkgate router fit --traces …)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the report (module doc) as JSON here."),
+    png_path: Path | None = typer.Option(None, "--png", help="Write the curves PNG here."),
+    md_path: Path | None = typer.Option(None, "--markdown", help="Write the policy table as Markdown here."),
+    heldout_only: bool = typer.Option(False, "--heldout-only/--all", help="Only the router's held-out questions "
+                                      "(router.fit.traces.is_heldout), or every question of the folder."),
+    concurrency: int = typer.Option(8, min=1, max=64, help="Requests in flight."),
+    time_budget_s: float = typer.Option(280.0, min=10, help="Whole-run budget (s); later requests are skipped."),
+    seed: int = typer.Option(0, help="Seed of the random policy."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="Base YAML config (default: $THINKGATE_CONFIG)."),
+) -> None:
+    """Replay recorded traces through the gateway under every policy; cost from the metering ledger."""
+    import json
+
+    from rich.console import Console
+
+    from gateway.cli.common import load_settings
+
+    settings = load_settings(config)
+    cfg = Config(traces_dir, dataset, ladder, router_file, heldout_only, concurrency, time_budget_s, seed,
+                 progress=os.environ.get("TG_NO_PROGRESS") is None)
+    try:
+        report, details = run(cfg, settings)
+    except (TracesBenchError, RuntimeError) as exc:
+        typer.echo(f"thinkgate: bench traces: {exc}", err=True)
+        raise typer.Exit(2) from None
+    Console(width=None if sys.stdout.isatty() else 200).print(render(report, details))
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=1))
+    if png_path:
+        png_path.parent.mkdir(parents=True, exist_ok=True)
+        plot(report, details, png_path)
+    if md_path:
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        md_path.write_text(markdown(report, details) + "\n")
+    if not details["complete"]:
+        raise typer.Exit(1)
