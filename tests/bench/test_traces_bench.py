@@ -1,0 +1,89 @@
+"""``thinkgate bench traces`` end to end on a hand-made traces folder: the real stack (Redis, replay upstream, two
+gateway processes), the JSON contract, ledger costs equal to the recorded tokens at list prices, the cascade."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from decimal import Decimal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.traces.bench import Config, run
+from bench.traces.prices import price_of
+from bench.traces.replay_upstream import estimate_prompt_tokens
+from gateway.config import DEFAULT_ROUTER_PATH, Prices, Settings
+from gateway.ledger.pricing import cost_micro_usd
+from gateway.pipeline.abstention import abstains
+from router.persistence import load_router
+
+MODEL = "o3-mini"  # a listed price: 1.10 in / 4.40 out USD per 1M tokens
+N = 12
+
+
+def questions() -> list[str]:
+    return [f"Question {i}: which year did event number {i} happen" + " in the long history of it" * (i % 4) + "?"
+            for i in range(N)]
+
+
+def write(root: Path) -> Path:
+    (root / "frames").mkdir(parents=True)
+    qs = questions()
+    rows = {
+        "low_effort": [{"id": str(i), "question": q,
+                        "response": "I don't know." if i % 3 == 0 else f"Answer: {1900 + i}", "thought": None,
+                        "correct": i % 2 == 0 and i % 3 != 0, "grading": "A" if i % 2 else "B",
+                        "reasoning_tokens": 10 + i, "completion_tokens": 20 + i} for i, q in enumerate(qs)],
+        "high_effort": [{"id": str(i), "question": q, "response": f"Answer: {1900 + i}", "thought": "thinking " * i,
+                         "correct": i % 4 != 1, "grading": "A", "reasoning_tokens": 500 + 10 * i,
+                         "completion_tokens": 520 + 10 * i} for i, q in enumerate(qs)],
+    }
+    for s, rs in rows.items():
+        with gzip.open(root / "frames" / f"{MODEL}__{s}.jsonl.gz", "wt") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rs)
+    return root
+
+
+def test_bench_traces_end_to_end(tmp_path: Path, redis_url: str) -> None:
+    traces = write(tmp_path / "traces")
+    settings = Settings.load(None, engine={"enabled": False}, redis={"url": redis_url, "start_if_missing": False})
+    cfg = Config(traces, "frames", f"{MODEL}:low_effort,high_effort", DEFAULT_ROUTER_PATH, concurrency=4,
+                 time_budget_s=200, progress=False)
+    report, details = run(cfg, settings, log=lambda _: None)
+    assert set(report) == {"dataset", "ladder", "n_questions", "policies", "curves", "savings_at_98"}
+    assert report["n_questions"] == N and details["complete"] and sum(details["errors"].values()) == 0
+    assert sum(details["answer_mismatches"].values()) == 0, "every served answer is the answering tier's recording"
+    pols = report["policies"]
+    assert set(pols) == {"always:low_effort", "always:high_effort", "router", "random", "length", "router+cascade",
+                         "oracle"}
+    for p, e in pols.items():
+        assert set(e) == {"accuracy", "completion_tokens", "reasoning_tokens", "cost_usd", "requests", "tiers"}, p
+        assert e["requests"] == (0 if p == "oracle" else N)
+    assert set(report["curves"]) == {"router", "router+cascade", "random", "length"}
+    assert set(report["savings_at_98"]) == {"router", "router+cascade", "random", "length", "oracle"}
+
+    # the ledger's cost is the recorded tokens at the model's list price, to the micro-dollar
+    price = price_of(MODEL)
+    prices = Prices(input_usd_per_mtok=price.input, cached_input_usd_per_mtok=price.cached_input,
+                    output_usd_per_mtok=price.output)
+    top = [520 + 10 * i for i in range(N)]
+    micro = sum(cost_micro_usd(prices, prompt_tokens=estimate_prompt_tokens([{"role": "user", "content": q}]),
+                               cached_tokens=0, completion_tokens=t) for q, t in zip(questions(), top, strict=True))
+    assert Decimal(str(pols["always:high_effort"]["cost_usd"])) == Decimal(micro) / 1_000_000
+    assert pols["always:high_effort"]["completion_tokens"] == sum(top)
+    assert pols["always:high_effort"]["accuracy"] == pytest.approx(np.mean([i % 4 != 1 for i in range(N)]))
+
+    # router+cascade: the questions routed cheap whose cheap answer abstains are escalated, both calls paid
+    router = load_router(DEFAULT_ROUTER_PATH)
+    cuts = details["cascade_thresholds"] or router.thresholds
+    cheap = [i for i, q in enumerate(questions()) if router.score(q) < cuts[0]]
+    esc = [i for i in cheap if abstains("I don't know." if i % 3 == 0 else "Answer: x")]
+    assert details["escalations"]["router+cascade"] == len(esc)
+    want = sum((20 + i) + ((520 + 10 * i) if i in esc else 0) for i in cheap) + sum(
+        520 + 10 * i for i in range(N) if i not in cheap)
+    assert pols["router+cascade"]["completion_tokens"] == want
+    # the oracle: cheapest correct setting, computed
+    oracle = [0 if (i % 2 == 0 and i % 3 != 0) or i % 4 == 1 else 1 for i in range(N)]
+    assert pols["oracle"]["tiers"]["low_effort"] == pytest.approx(oracle.count(0) / N, abs=1e-6)
