@@ -1,0 +1,179 @@
+"""Every ladder of bench/RESULTS.md "Real traces (through the gateway)": ``thinkgate bench traces`` per ladder on
+the router's held-out questions, then the section (targets checked).
+
+    python -m bench.traces.results --traces ../shared/data/traces [--routers router/assets/traces]
+        [--out bench/results/traces] [--only SLUG ...] [--no-write]
+
+For each ladder the router file is ``<routers>/<MODEL>__<S1>-<S2>[-<S3>].skops`` (``thinkgate router fit``'s
+naming). A missing one is fitted first with ``thinkgate router fit --traces … --ladder … --output
+<tmp>/<slug>.skops`` (held-out questions excluded, as always) and the section says which routers were
+fitted here. Each ladder runs as its own ``thinkgate bench traces … --heldout-only`` process (JSON, PNG and
+Markdown under ``--out``); the section is rebuilt from every JSON found there.
+
+Targets (issue 19), on the held-out questions: the best of ``router`` / ``router+cascade`` saves ≥ 35% of
+always-top tokens at ≥ 98% of its accuracy on average over the eight two-tier ladders, and on no ladder falls
+more than 2 points below max(``random``, ``length``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench._lib.results_md import write_section
+
+REPO = Path(__file__).resolve().parents[2]
+SECTION = "## Real traces (through the gateway)"
+LADDERS: list[tuple[str, str]] = [
+    ("frames", "Qwen3-14B:no_think,exd0"),
+    ("frames", "Qwen3-8B:no_think,exd0"),
+    ("frames", "gemini-2.5-flash:no_think,budget1024"),
+    ("frames", "gemini-2.5-flash:budget256,budget1024"),
+    ("frames", "gpt-5-mini:low_effort,high_effort"),
+    ("frames", "o3-mini:low_effort,high_effort"),
+    ("simpleqa", "gemini-2.5-flash:no_think,budget1024"),
+    ("simpleqa", "claude-sonnet4:no_think,budget1024"),
+    ("frames", "gemini-2.5-flash:no_think,budget256,budget1024"),
+]
+TARGET_AVG = 0.35
+TARGET_MARGIN = 0.02
+
+
+def slug(ladder: str) -> str:
+    model, _, rest = ladder.partition(":")
+    return f"{model}__{'-'.join(rest.split(','))}"
+
+
+def run_ladder(traces: Path, dataset: str, ladder: str, routers: Path, out: Path,
+               fit_dir: Path) -> tuple[Path, bool, float]:
+    """(the JSON written, whether the router was fitted here, wall seconds) for one ladder."""
+    router = routers / f"{slug(ladder)}.skops"
+    fitted = False
+    if not router.is_file():
+        router = fit_dir / f"{slug(ladder)}.skops"
+        subprocess.run([sys.executable, "-m", "gateway", "router", "fit", "--traces", str(traces), "--dataset", dataset,
+                        "--ladder", ladder, "--output", str(router)], cwd=REPO, check=True)
+        fitted = True
+    base = out / f"{dataset}__{slug(ladder)}"
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "gateway", "bench", "traces", "--traces", str(traces), "--dataset", dataset,
+                    "--ladder", ladder, "--router", str(router), "--heldout-only", "--json", f"{base}.json",
+                    "--png", f"{base}.png", "--markdown", f"{base}.md"], cwd=REPO, check=True,
+                   env={**os.environ, "TG_NO_PROGRESS": "1"})
+    meta = {"router": str(router.relative_to(REPO) if router.is_relative_to(REPO) else router), "fitted": fitted,
+            "wall_s": round(time.monotonic() - t0, 1)}
+    Path(f"{base}.meta.json").write_text(json.dumps(meta))
+    return Path(f"{base}.json"), fitted, meta["wall_s"]
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1%}"
+
+
+def section(out: Path) -> str:
+    """The RESULTS.md section from every ``<out>/*.json`` of the ladders above."""
+    rows: list[str] = []
+    checks: list[tuple[str, float, float, bool]] = []
+    fitted: list[str] = []
+    walls: list[float] = []
+    for dataset, ladder in LADDERS:
+        base = out / f"{dataset}__{slug(ladder)}"
+        if not Path(f"{base}.json").is_file():
+            rows.append(f"| {dataset} | {ladder} | not run | | | | | | | | | |")
+            continue
+        r: dict[str, Any] = json.loads(Path(f"{base}.json").read_text())
+        meta = json.loads(Path(f"{base}.meta.json").read_text()) if Path(f"{base}.meta.json").is_file() else {}
+        if meta.get("fitted"):
+            fitted.append(ladder)
+        walls.append(float(meta.get("wall_s") or 0))
+        s = r["savings_at_98"]
+        p = r["policies"]
+        top = p[f"always:{ladder.split(',')[-1]}"]
+        best = max(s["router"], s["router+cascade"])
+        base_best = max(s["random"], s["length"])
+        two = len(ladder.split(",")) == 2
+        ok = best >= base_best - TARGET_MARGIN
+        if two:
+            checks.append((f"{dataset} {ladder}", best, base_best, ok))
+        served = {k: f"{p[k]['accuracy']:.1%} / {p[k]['completion_tokens'] / max(1, top['completion_tokens']):.0%}"
+                  for k in ("router", "router+cascade")}
+        rows.append(f"| {dataset} | {ladder} | {r['n_questions']} | {top['accuracy']:.1%} / {top['completion_tokens']} "
+                    f"| **{_pct(s['router'])}** | **{_pct(s['router+cascade'])}** | {_pct(s['random'])} | "
+                    f"{_pct(s['length'])} | {_pct(s['oracle'])} | {served['router']} | {served['router+cascade']} | "
+                    f"{'yes' if ok else 'NO'} |")
+    avg = sum(c[1] for c in checks) / len(checks) if checks else 0.0
+    worst = min(checks, key=lambda c: c[1] - c[2]) if checks else None
+    lines = [
+        SECTION,
+        "",
+        "What ran: `python -m bench.traces.results --traces ../shared/data/traces` — per ladder one",
+        "`thinkgate bench traces --traces ../shared/data/traces --dataset D --ladder L --router R --heldout-only "
+        "--json … --png …`: Redis, the trace-replay upstream and two `thinkgate serve` processes (engine and cache",
+        "off, the cascade on gateway B) on loopback; every held-out question (`router.fit.traces.is_heldout`, ~20% of",
+        "the folder, never fitted or calibrated on) under each policy; tokens and cost from the metering ledger,",
+        "accuracy from the recorded grading of the tier that answered. savings@98 = 1 − tokens / always-top tokens at",
+        "the cheapest point of the policy's curve over its thresholds with accuracy ≥ 98% of always-top (0 if none);",
+        "the oracle is computed (cheapest correct setting). Served points: the router file's thresholds (router) and",
+        "its `cascade_thresholds` (router+cascade), accuracy / token share as served. Prices per",
+        "`bench/traces/prices.py` (list prices; Qwen3 nominal 1 USD per 1M tokens).",
+        "Machine: 2 shared cores, 24 GiB, no GPU, Python 3.11; "
+        f"wall per ladder {min(walls, default=0):.0f}–{max(walls, default=0):.0f} s (budget 280 s each).",
+        "",
+        "| data set | ladder | held-out q | always-top acc / tokens | router | router+cascade | random | length | "
+        "oracle | router served (acc / tok) | router+cascade served | ≥ max(random, length) − 2 pt |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        *rows,
+        "",
+        f"Targets over the {len(checks)} two-tier ladders (best of router / router+cascade):",
+        f"- average savings@98 ≥ 35%: **{avg:.1%} — {'met' if avg >= TARGET_AVG else 'not met'}**;",
+    ]
+    if worst is not None:
+        failing = [c for c in checks if not c[3]]
+        lines.append(f"- no ladder more than 2 points below max(random, length): **"
+                     f"{'met' if not failing else 'not met'}** (closest: {worst[0]}, {worst[1]:.1%} vs "
+                     f"{worst[2]:.1%}" + ("" if not failing else "; below: " + ", ".join(
+                         f"{c[0]} {c[1]:.1%} vs {c[2]:.1%}" for c in failing)) + ").")
+    lines += ["", "Routers: " + ("the router engineer's files under `router/assets/traces/`" if not fitted else
+                                 "fitted here with `thinkgate router fit --traces` (default `--policy auto`) for: "
+                                 + ", ".join(fitted) + " (no shipped file under `router/assets/traces/`)") + ".",
+              "Curves: `bench/results/traces/<dataset>__<ladder>.png` (one per ladder); JSON and Markdown tables "
+              "next to them.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--traces", type=Path, required=True)
+    ap.add_argument("--routers", type=Path, default=REPO / "router" / "assets" / "traces")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "traces")
+    ap.add_argument("--only", action="append", default=[], help="run only this ladder slug (repeatable)")
+    ap.add_argument("--section-only", action="store_true", help="rebuild the section from existing JSON")
+    ap.add_argument("--no-write", action="store_true", help="print the section instead of writing RESULTS.md")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.section_only:
+        import tempfile
+
+        fit_dir = Path(tempfile.mkdtemp(prefix="tg-routers-"))
+        for dataset, ladder in LADDERS:
+            if args.only and slug(ladder) not in args.only and f"{dataset}__{slug(ladder)}" not in args.only:
+                continue
+            path, fitted, wall = run_ladder(args.traces.resolve(), dataset, ladder, args.routers, args.out,
+                                             fit_dir)
+            print(f"{dataset} {ladder}: {path} ({'router fitted here, ' if fitted else ''}{wall:.0f} s)",
+                  file=sys.stderr)
+    text = section(args.out)
+    if args.no_write:
+        print(text)
+    else:
+        write_section(SECTION, text)
+
+
+if __name__ == "__main__":
+    main()
