@@ -2,13 +2,14 @@
 the router's held-out questions, then the section (targets checked).
 
     python -m bench.traces.results --traces ../shared/data/traces [--routers router/assets/traces]
-        [--out bench/results/traces] [--only SLUG ...] [--no-write]
+        [--out bench/results/traces] [--only SLUG ...] [--section-only] [--no-write]
 
-For each ladder the router file is ``<routers>/<MODEL>__<S1>-<S2>[-<S3>].skops`` (``thinkgate router fit``'s
-naming). A missing one is fitted first with ``thinkgate router fit --traces … --ladder … --output
-<tmp>/<slug>.skops`` (held-out questions excluded, as always) and the section says which routers were
-fitted here. Each ladder runs as its own ``thinkgate bench traces … --heldout-only`` process (JSON, PNG and
-Markdown under ``--out``); the section is rebuilt from every JSON found there.
+For each ladder the router file is ``<routers>/<dataset>__<MODEL>__<S1>-<S2>[-<S3>].skops``, else
+``<routers>/<MODEL>__<S1>-<S2>[-<S3>].skops`` (``thinkgate router fit``'s naming). A missing one is fitted
+first with ``thinkgate router fit --traces … --dataset … --ladder … --output <tmp>/<dataset>__<slug>.skops``
+(held-out questions excluded, as always) and the section says which routers were fitted here. Each ladder
+runs as its own ``thinkgate bench traces … --heldout-only`` process (JSON, PNG and Markdown under ``--out``);
+the section is rebuilt from every JSON found there.
 
 Targets (issue 19), on the held-out questions: the best of ``router`` / ``router+cascade`` saves ≥ 35% of
 always-top tokens at ≥ 98% of its accuracy on average over the eight two-tier ladders, and on no ladder falls
@@ -53,10 +54,12 @@ def slug(ladder: str) -> str:
 def run_ladder(traces: Path, dataset: str, ladder: str, routers: Path, out: Path,
                fit_dir: Path) -> tuple[Path, bool, float]:
     """(the JSON written, whether the router was fitted here, wall seconds) for one ladder."""
-    router = routers / f"{slug(ladder)}.skops"
+    # a router fitted for this data set wins over one fitted for the ladder on every data set
+    router = next((p for p in (routers / f"{dataset}__{slug(ladder)}.skops", routers / f"{slug(ladder)}.skops")
+                   if p.is_file()), routers / f"{slug(ladder)}.skops")
     fitted = False
     if not router.is_file():
-        router = fit_dir / f"{slug(ladder)}.skops"
+        router = fit_dir / f"{dataset}__{slug(ladder)}.skops"
         subprocess.run([sys.executable, "-m", "gateway", "router", "fit", "--traces", str(traces), "--dataset", dataset,
                         "--ladder", ladder, "--output", str(router)], cwd=REPO, check=True)
         fitted = True
@@ -107,6 +110,8 @@ def section(out: Path) -> str:
                     f"| **{_pct(s['router'])}** | **{_pct(s['router+cascade'])}** | {_pct(s['random'])} | "
                     f"{_pct(s['length'])} | {_pct(s['oracle'])} | {served['router']} | {served['router+cascade']} | "
                     f"{'yes' if ok else 'NO'} |")
+    stamps = [p.stat().st_mtime for p in out.glob("*.json") if not p.name.endswith(".meta.json")]
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(max(stamps))) if stamps else "never"
     avg = sum(c[1] for c in checks) / len(checks) if checks else 0.0
     worst = min(checks, key=lambda c: c[1] - c[2]) if checks else None
     lines = [
@@ -122,7 +127,7 @@ def section(out: Path) -> str:
         "the oracle is computed (cheapest correct setting). Served points: the router file's thresholds (router) and",
         "its `cascade_thresholds` (router+cascade), accuracy / token share as served. Prices per",
         "`bench/traces/prices.py` (list prices; Qwen3 nominal 1 USD per 1M tokens).",
-        "Machine: 2 shared cores, 24 GiB, no GPU, Python 3.11; "
+        f"Run {when} on 2 shared cores, 24 GiB, no GPU, Python 3.11; "
         f"wall per ladder {min(walls, default=0):.0f}–{max(walls, default=0):.0f} s (budget 280 s each).",
         "",
         "| data set | ladder | held-out q | always-top acc / tokens | router | router+cascade | random | length | "
