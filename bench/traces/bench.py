@@ -363,7 +363,8 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
                                "heldout_only": cfg.heldout_only}
     with ExitStack() as stack:
         state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tg-traces-")))
-        proc, settings.redis.url = ensure(settings.redis.url)
+        proc, redis_url = ensure(settings.redis.url)
+        settings = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": redis_url})})
         if proc is not None:
             stack.callback(proc.terminate)
         stack.callback(_cleanup_prefix, settings.redis.url, prefix)
