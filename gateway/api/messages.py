@@ -21,6 +21,7 @@ from gateway.anthropic import messages as wire
 from gateway.api import bridge
 from gateway.config import TierConfig
 from gateway.errors import GatewayError
+from gateway.openai.usage import estimate_tokens
 from gateway.pipeline import request as schemas
 from gateway.pipeline.proxy import TIER_HEADER, Proxy, read_body
 from gateway.pipeline.routing import RouteDecision
@@ -94,8 +95,31 @@ class MessagesAPI:
         return bridge.streamed(resp, bridge.translate_stream(resp.relay, events))  # type: ignore[attr-defined]
 
 
+    async def count_tokens(self, request: Request) -> Response:
+        """``POST /v1/messages/count_tokens`` → ``{"input_tokens": N}``: the prompt tokens of the request on the
+        tier it would be routed to (vLLM's ``/tokenize`` with the chat template; ~4 characters per token when
+        that fails, header ``x-thinkgate-token-count: estimated``). Not metered: nothing is generated."""
+        try:
+            proxy = self.proxy
+            h = request.headers
+            authorization = h.get("authorization") or (f"Bearer {h['x-api-key']}" if h.get("x-api-key") else None)
+            await proxy.keys.authenticate(authorization)
+            body = schemas.parse_json_object(await read_body(request, proxy.max_body))
+            chat = wire.to_chat({**body, "max_tokens": 1, "stream": False})  # max_tokens: not asked here
+            route = proxy.routing.decide(chat, h.get(TIER_HEADER))
+            count = await proxy.upstreams.count_chat_tokens(route.tier, chat["messages"], chat.get("tools"))
+            headers = {"x-thinkgate-tier": route.tier.name}
+            if count is None:
+                count = estimate_tokens(orjson.dumps([chat["messages"], chat.get("tools")]).decode())
+                headers["x-thinkgate-token-count"] = "estimated"
+            return Response(orjson.dumps({"input_tokens": count}), media_type="application/json", headers=headers)
+        except GatewayError as exc:
+            return anthropic_error(exc)
+
+
 def attach(app: FastAPI, proxy: Proxy) -> MessagesAPI:
-    """Add ``POST /v1/messages`` to ``app``."""
+    """Add ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` to ``app``."""
     api = MessagesAPI(proxy)
     app.router.add_route("/v1/messages", api.handle, methods=["POST"])
+    app.router.add_route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"])
     return api

@@ -210,6 +210,29 @@ class UpstreamPool:
             pass
         return None
 
+    async def count_chat_tokens(self, tier: TierConfig, messages: list[dict[str, Any]],
+                                tools: list[dict[str, Any]] | None = None) -> int | None:
+        """Prompt tokens of a chat request (``messages``, ``tools``) rendered by ``tier``'s chat template, from
+        vLLM's ``POST /tokenize`` (``{"model", "messages", "tools"}`` → ``{"count", …}``); None on failure."""
+        client = self._client_for(tier.base_url)
+        doc: dict[str, Any] = {"model": tier.model, "messages": messages}
+        if tools:
+            doc["tools"] = tools
+        try:
+            resp = await client.post(
+                root_url(tier.base_url) + "/tokenize",
+                content=orjson.dumps(doc),
+                headers=self._headers.get(tier.name),
+                timeout=httpx.Timeout(TOKENIZE_TIMEOUT_S, connect=tier.connect_timeout_s),
+            )
+            if resp.is_success:
+                count = orjson.loads(resp.content).get("count")
+                if isinstance(count, int):
+                    return count
+        except (httpx.HTTPError, orjson.JSONDecodeError, AttributeError):
+            pass
+        return None
+
     async def ready(self, tier: TierConfig, timeout_s: float = 2.0) -> bool:
         """True when the tier's upstream answers: ``GET /health`` (vLLM), else ``GET /v1/models`` < 500."""
         client = self._client_for(tier.base_url)

@@ -230,3 +230,14 @@ def test_stop_sequences(gw: GatewayServer) -> None:
     assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "seven")
     events = list(sdk(gw).messages.create(**kw, stream=True))
     assert (events[-2].delta.stop_reason, events[-2].delta.stop_sequence) == ("stop_sequence", "seven")  # type: ignore[union-attr]
+
+
+def test_count_tokens(gw: GatewayServer, upstream_sim: SimProcess) -> None:
+    msgs = [{"role": "user", "content": USER}]
+    before = upstream_sim.stats()["requests"]
+    n = sdk(gw).messages.count_tokens(model="auto", system="Be brief.", messages=msgs)  # type: ignore[arg-type]
+    assert n.input_tokens == len(("Be brief. " + USER).split()) + 3 * 2  # the simulator's /tokenize
+    # the same count as the message's own usage, and nothing generated
+    m = sdk(gw).messages.create(model="short", max_tokens=16, system="Be brief.", messages=msgs)  # type: ignore[arg-type]
+    assert m.usage.input_tokens == n.input_tokens
+    assert upstream_sim.stats()["requests"] == before + 1
