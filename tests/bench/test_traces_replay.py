@@ -45,7 +45,14 @@ ROWS = {
          "correct": True, "reasoning_tokens": None, "completion_tokens": 120},
     ],
 }
+ROWS["mid"] = [
+    {"id": "1", "question": Q_PARIS, "response": "Answer: Paris", "thought": "Paris.", "grading": "A",
+     "correct": True, "reasoning_tokens": 9, "completion_tokens": 12},
+    {"id": "2", "question": Q_CUP, "response": "Answer: I do not have enough information to answer.",
+     "thought": "Not sure.", "grading": "C", "correct": False, "reasoning_tokens": 30, "completion_tokens": 44},
+]
 PRICES = {"cheap": {"input_usd_per_mtok": Decimal("0.30"), "output_usd_per_mtok": Decimal("2.50")},
+          "mid": {"input_usd_per_mtok": Decimal("0.30"), "output_usd_per_mtok": Decimal("2.50")},
           "top": {"input_usd_per_mtok": Decimal("1.10"), "output_usd_per_mtok": Decimal("4.40")}}
 
 
@@ -68,7 +75,7 @@ def tiers(base_url: str, cheap_escalates: list[str] | None = None) -> list[dict[
 @pytest.fixture(scope="module")
 def replay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplayProcess]:
     traces = write_traces(tmp_path_factory.mktemp("traces"))
-    with ReplayProcess(traces, "frames", [("M", "cheap"), ("M", "top")]) as r:
+    with ReplayProcess(traces, "frames", [("M", "cheap"), ("M", "mid"), ("M", "top")]) as r:
         yield r
 
 
@@ -245,3 +252,27 @@ def test_cascade_keeps_a_real_answer_and_combines_with_the_router(cascade_gw: Ga
     rid = routed.headers["x-request-id"]
     events = events_until(cascade_gw, rid, lambda e: e.route_reason == "predicted")
     assert any(e.route_reason == "predicted" and e.error_code == "escalated_abstain" for e in events.values())
+
+
+def test_cascade_climbs_every_tier_that_checks_its_answer(replay: ReplayProcess, redis_url: str,
+                                                          tmp_path: Path) -> None:
+    # three tiers, cheap and mid both escalating: cheap abstains, mid abstains too, top answers; three events
+    base = tiers(replay.base_url, ["abstain"])
+    mid = {**base[0], "name": "mid", "model": "M:mid", "prices": PRICES["mid"]}
+    three = [base[0], mid, base[1]]
+    with accounting_gateway(replay.base_url, redis_url, tmp_path, f"tgtest:{uuid.uuid4().hex[:12]}:", tiers=three,
+                            routing={"router_path": None, "routed_tiers": ["cheap", "mid", "top"],
+                                     "thresholds": [0.98, 0.99], "default_tier": "top",
+                                     "effort_tiers": {"low": "cheap", "high": "top"}},
+                            cache={"mode": "off"}) as g:
+        raw = sdk(g).chat.completions.with_raw_response.create(model="cheap", messages=user(Q_CUP))
+        assert raw.parse().choices[0].message.content == "Answer: Uruguay"
+        assert raw.headers["x-thinkgate-tier"] == "top"
+        rid = raw.headers["x-request-id"]
+        events = events_until(g, rid, lambda e: e.tier == "mid" and e.error_code == "escalated_abstain")
+        by_tier = {e.tier: e for e in events.values()}
+        assert set(by_tier) == {"cheap", "mid", "top"}
+        assert (by_tier["cheap"].completion_tokens, by_tier["mid"].completion_tokens,
+                by_tier["top"].completion_tokens) == (7, 44, 310)
+        assert by_tier["mid"].route_reason == "escalated" and by_tier["mid"].error_code == "escalated_abstain"
+        assert by_tier["top"].route_reason == "escalated" and by_tier["top"].error_code is None
