@@ -52,11 +52,14 @@ def _text_of(content: Any) -> str | None:
 def question(scope: str, endpoint: str, tier: str, upstream_body: Mapping[str, Any], embedder: str,
              max_chars: int) -> Question | None:
     """Split ``upstream_body`` into question and context; None when the request has no text question of at
-    most ``max_chars`` characters (no user turn, multimodal content, a list prompt, an empty text)."""
+    most ``max_chars`` characters (no user turn, multimodal content, a list prompt, an empty text).
+
+    ``endpoint``: the usage label (``chat``, ``completions``, or ``responses``/``messages``, whose upstream body
+    is a chat body); it is part of the context, as in the exact cache's key."""
     body = copy.deepcopy(dict(upstream_body))
     text: str | None
-    if endpoint == "chat":
-        messages = body.get("messages")
+    messages = body.get("messages")
+    if endpoint != "completions":  # chat, and the APIs translated onto chat (responses, messages)
         if not isinstance(messages, list):
             return None
         idx = next((i for i in range(len(messages) - 1, -1, -1)

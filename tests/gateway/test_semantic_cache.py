@@ -113,6 +113,13 @@ def test_context_is_the_exact_key_without_the_last_user_turn() -> None:
         assert other != base
 
 
+def test_translated_apis_have_their_own_context() -> None:
+    chat = question("k", "chat", "t", _body(), "e", 2000)
+    responses = question("k", "responses", "t", _body(), "e", 2000)  # /v1/responses: a chat body upstream
+    assert chat is not None and responses is not None and responses.text == chat.text == "What is 17 * 23?"
+    assert responses.context != chat.context
+
+
 def test_questions_that_are_not_plain_text_are_not_cached() -> None:
     image = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "x"}}]
     assert question("k", "chat", "t", _body(image), "e", 2000) is None

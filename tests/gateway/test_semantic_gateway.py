@@ -208,3 +208,17 @@ def test_openai_embedder_hits_a_synonym_and_meters_the_embedding_calls(upstream_
         words = len(q.split())
         assert sorted(e.prompt_tokens for e in emb) == [words, words, words]
         assert all(e.cost_micro_usd == words * 10 and e.saved_micro_usd == 0 for e in emb)
+
+
+def test_responses_api_gets_semantic_hits_in_its_own_scope(gw: GatewayServer) -> None:
+    """``/v1/responses`` is served through chat: its questions are cached semantically too, apart from chat's."""
+    c = client(gw)
+    q = LONG_Q.replace("16 eggs", "19 eggs")
+    first = c.responses.with_raw_response.create(model="short", input=q, temperature=0)
+    assert first.headers["x-thinkgate-cache"] == "miss"
+    second = c.responses.with_raw_response.create(model="short", input=q.lower(), temperature=0)
+    assert second.headers["x-thinkgate-cache"] == "semantic-hit"
+    assert second.parse().output_text == first.parse().output_text
+    chat = c.chat.completions.with_raw_response.create(model="short", temperature=0,
+                                                       messages=[{"role": "user", "content": q.upper()}])
+    assert chat.headers["x-thinkgate-cache"] == "miss"
