@@ -20,8 +20,9 @@ WORK=$(mktemp -d /tmp/thinkgate-wheel-smoke.XXXXXX)
 UP_PID=""
 GW_PID=""
 cleanup() {
-  [ -n "$GW_PID" ] && kill "$GW_PID" 2>/dev/null && wait "$GW_PID" 2>/dev/null
-  [ -n "$UP_PID" ] && kill "$UP_PID" 2>/dev/null && wait "$UP_PID" 2>/dev/null
+  set +e   # a killed child's status must not abort the clean-up
+  if [ -n "$GW_PID" ]; then kill "$GW_PID" 2>/dev/null; wait "$GW_PID" 2>/dev/null; fi
+  if [ -n "$UP_PID" ]; then kill "$UP_PID" 2>/dev/null; wait "$UP_PID" 2>/dev/null; fi
   rm -rf "$WORK"
 }
 trap cleanup EXIT
