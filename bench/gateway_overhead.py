@@ -77,6 +77,7 @@ class Target:
     api_key: str
     model: str
     pid: int | None = None  # the proxy's process, to report its CPU time per request
+    startup_s: float | None = None  # process start → its health endpoint answered 200
 
 
 
@@ -237,9 +238,20 @@ def machine() -> str:
             f"{load[0]:.2f}; commit {commit}")
 
 
-def start_gateway(sim: SimProcess, workdir: Path, full: bool = False) -> tuple[subprocess.Popen[bytes], Target]:
+def tree_commit(tree: Path) -> str:
+    """Short commit of the checkout at ``tree`` ("?" when unknown)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True,
+                              timeout=5).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def start_gateway(sim: SimProcess, workdir: Path, full: bool = False, *, tree: Path = REPO,
+                  name: str = "thinkgate") -> tuple[subprocess.Popen[bytes], Target]:
     """``thinkgate serve`` on the simulator. ``full``: the shipped router scores every ``auto`` request (instead
-    of the length baseline) and the cache is on (``deterministic``; see :func:`unique_body`)."""
+    of the length baseline) and the cache is on (``deterministic``; see :func:`unique_body`). ``tree``: the
+    checkout to run (another commit's worktree, for before/after in one run)."""
     port = free_port()
     cfg: dict[str, Any] = {
         "engine": {"enabled": False},
@@ -254,24 +266,45 @@ def start_gateway(sim: SimProcess, workdir: Path, full: bool = False) -> tuple[s
     if full:
         cfg["routing"] = {"effort_tiers": {"low": "short", "high": "long"}, "on_router_error": "refuse_start"}
         cfg["cache"] = {"mode": "deterministic"}
-    path = workdir / "gateway.yaml"
+    path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(path), "--port", str(port)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=(workdir / "gateway.log").open("w"))
+    cmd = [sys.executable, "-m", "gateway", "serve", "--config", str(path), "--port", str(port)]
+    # cwd first on sys.path (python -m): the tree's packages win over the installed ones
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL,
+                            stderr=(workdir / f"{name}.log").open("w"))
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=120, proc=proc)
     except BaseException:
         proc.kill()  # do not leave a half-started gateway behind
         raise
-    return proc, Target("thinkgate", f"http://127.0.0.1:{port}/v1", BENCH_KEY, "auto", proc.pid)
+    return proc, Target(name, f"http://127.0.0.1:{port}/v1", BENCH_KEY, "auto", proc.pid, time.perf_counter() - t0)
 
 
-# The least any Python proxy on this stack can add: uvicorn (httptools, uvloop) + one pooled httpx client,
-# reading the body and forwarding it, nothing else (no auth, routing, cache, metering or logging).
+# The least any Python proxy on a given stack can add: an ASGI server (uvicorn with httptools + uvloop, or granian)
+# + one pooled upstream client (httpx, or aiohttp), reading the body and forwarding it, nothing else (no auth,
+# routing, cache, metering or logging). argv: port, upstream base URL, server, client.
 FLOOR_APP = """
-import sys, httpx, uvicorn
+import sys
+port, base, server, client_kind = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+HEADERS = {"content-type": "application/json"}
+_client = None
 
-client = httpx.AsyncClient(base_url=sys.argv[2], trust_env=False)
+async def forward(path, body):
+    global _client
+    if client_kind == "aiohttp":
+        import aiohttp
+        if _client is None:
+            _client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=128), trust_env=False)
+        async with _client.post(base + path, data=body, headers=HEADERS) as r:
+            return r.status, await r.read()
+    import httpx
+    if _client is None:
+        _client = httpx.AsyncClient(base_url=base, trust_env=False)
+    r = await _client.post(path, content=body, headers=HEADERS)
+    return r.status_code, r.content
+
 async def app(scope, receive, send):
     if scope["type"] == "lifespan":
         while True:
@@ -288,26 +321,39 @@ async def app(scope, receive, send):
     if scope["path"] == "/health":
         r_status, r_body = 200, b"{}"
     else:
-        r = await client.post(scope["path"][3:], content=body, headers={"content-type": "application/json"})
-        r_status, r_body = r.status_code, r.content
+        r_status, r_body = await forward(scope["path"][3:], body)
     await send({"type": "http.response.start", "status": r_status, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": r_body})
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
+
+if server == "granian":
+    import uvloop
+    from granian.constants import Interfaces
+    from granian.server.embed import Server
+    uvloop.run(Server(app, address="127.0.0.1", port=port, interface=Interfaces.ASGI, log_enabled=False).serve())
+else:
+    import uvicorn
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 """
+#: name → (server, client) of the floor forwarders; ``floor`` is the stack ThinkGate runs on.
+FLOORS = {"floor": ("uvicorn", "httpx"), "floor-aiohttp": ("uvicorn", "aiohttp"), "floor-granian": ("granian", "httpx"),
+          "floor-granian-aiohttp": ("granian", "aiohttp")}
 
 
-def start_floor(sim: SimProcess) -> tuple[subprocess.Popen[bytes], Target]:
-    """A bare uvicorn + httpx forwarder in front of the simulator (non-streamed only): the floor of what a
-    proxy written on this stack adds, to read ThinkGate's own share of the added latency against."""
+def start_floor(sim: SimProcess, name: str = "floor") -> tuple[subprocess.Popen[bytes], Target]:
+    """A bare forwarder (:data:`FLOORS`) in front of the simulator (non-streamed only): the floor of what a proxy
+    written on that stack adds, to read ThinkGate's own share of the added latency and CPU against."""
+    server, client = FLOORS[name]
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", FLOOR_APP, str(port), sim.base_url], cwd=REPO,
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", FLOOR_APP, str(port), sim.base_url, server, client], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=60, proc=proc)
     except BaseException:
         proc.kill()
         raise
-    return proc, Target("floor", f"http://127.0.0.1:{port}/v1", "none", "sim-model", proc.pid)
+    return proc, Target(name, f"http://127.0.0.1:{port}/v1", "none", "sim-model", proc.pid,
+                        time.perf_counter() - t0)
 
 
 def proc_tree(pid: int) -> list[int]:
@@ -353,6 +399,7 @@ def start_litellm(sim: SimProcess, workdir: Path) -> tuple[subprocess.Popen[byte
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY_DISABLED": "true",
            "LITELLM_MODE": "PRODUCTION", "LITELLM_LOG": "ERROR", "NO_PROXY": "127.0.0.1,localhost"}
     env.pop("DATABASE_URL", None)
+    t0 = time.perf_counter()
     proc = subprocess.Popen([str(exe), "--config", str(path), "--host", "127.0.0.1", "--port", str(port),
                              "--num_workers", "1"], cwd=workdir, env=env, stdout=subprocess.DEVNULL,
                             stderr=(workdir / "litellm.log").open("w"))
@@ -362,7 +409,8 @@ def start_litellm(sim: SimProcess, workdir: Path) -> tuple[subprocess.Popen[byte
         proc.terminate()
         tail = (workdir / "litellm.log").read_text()[-2000:]
         raise RuntimeError(f"LiteLLM proxy did not start: {exc}\n{tail}") from None
-    return proc, Target("litellm", f"http://127.0.0.1:{port}/v1", LITELLM_KEY, "sim-model", proc.pid)
+    return proc, Target("litellm", f"http://127.0.0.1:{port}/v1", LITELLM_KEY, "sim-model", proc.pid,
+                        time.perf_counter() - t0)
 
 
 def litellm_version() -> str:
@@ -374,16 +422,25 @@ def litellm_version() -> str:
         return "?"
 
 
-def litellm_table(results: dict[tuple[str, int], Samples], rss: dict[str, float | None],
+def litellm_table(results: dict[tuple[str, int], Samples], targets: list[Target], rss: dict[str, float | None],
                   concurrencies: list[int]) -> str:
-    """Markdown: per concurrency, direct / thinkgate / litellm rows, then a ThinkGate/LiteLLM ratio row."""
+    """Markdown: per concurrency, one row per target (direct first), then ThinkGate/LiteLLM and, when a ``floor``
+    ran, ThinkGate/floor ratio rows (CPU per request is the figure the floor ratio is about)."""
     lines = ["| concurrency | target | requests | errors | p50 ms | p99 ms | RPS | added p50 ms | added p99 ms "
              "| proxy CPU ms/req | peak RSS MiB |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    names = [t.name for t in targets]
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "—" if a is None or b is None or b == 0 else f"{a / b:.2f}×"
+
+    def cpu(s: Samples) -> float | None:
+        return 1000 * s.cpu_s / max(1, len(s.latencies_ms) + s.errors) if s.cpu_s is not None else None
+
     for c in concurrencies:
         ref = results[("direct", c)]
         added: dict[str, tuple[float, float]] = {}
-        for name in ("direct", "thinkgate", "litellm"):
+        for name in names:
             s = results[(name, c)]
             a50, a99 = s.pct(50) - ref.pct(50), s.pct(99) - ref.pct(99)
             added[name] = (a50, a99)
@@ -392,19 +449,23 @@ def litellm_table(results: dict[tuple[str, int], Samples], rss: dict[str, float 
                          f"{s.rps:.0f} | {'—' if name == 'direct' else f'{a50:+.2f}'} | "
                          f"{'—' if name == 'direct' else f'{a99:+.2f}'} | {s.cpu_ms_per_request} | "
                          f"{'—' if mem is None else f'{mem:.0f}'} |")
-        tg, ll = results[("thinkgate", c)], results[("litellm", c)]
-
-        def ratio(a: float | None, b: float | None) -> str:
-            return "—" if a is None or b is None or b == 0 else f"{a / b:.2f}×"
-
-        cpu_tg = 1000 * tg.cpu_s / max(1, len(tg.latencies_ms) + tg.errors) if tg.cpu_s is not None else None
-        cpu_ll = 1000 * ll.cpu_s / max(1, len(ll.latencies_ms) + ll.errors) if ll.cpu_s is not None else None
-        lines.append(f"| {c} | **ThinkGate / LiteLLM** | | | {ratio(tg.pct(50), ll.pct(50))} | "
-                     f"{ratio(tg.pct(99), ll.pct(99))} | {ratio(tg.rps, ll.rps)} | "
-                     f"{ratio(added['thinkgate'][0], added['litellm'][0])} | "
-                     f"{ratio(added['thinkgate'][1], added['litellm'][1])} | {ratio(cpu_tg, cpu_ll)} | "
-                     f"{ratio(rss.get('thinkgate'), rss.get('litellm'))} |")
+        tg = results[("thinkgate", c)]
+        for other in ("litellm", "floor"):
+            if other not in names:
+                continue
+            o = results[(other, c)]
+            label = "LiteLLM" if other == "litellm" else "floor"
+            lines.append(f"| {c} | **ThinkGate / {label}** | | | {ratio(tg.pct(50), o.pct(50))} | "
+                         f"{ratio(tg.pct(99), o.pct(99))} | {ratio(tg.rps, o.rps)} | "
+                         f"{ratio(added['thinkgate'][0], added[other][0])} | "
+                         f"{ratio(added['thinkgate'][1], added[other][1])} | {ratio(cpu(tg), cpu(o))} | "
+                         f"{ratio(rss.get('thinkgate'), rss.get(other))} |")
     return "\n".join(lines)
+
+
+def startup_line(targets: list[Target]) -> str:
+    """``name s`` per proxy: process start → its health endpoint answered (each started once, in sequence)."""
+    return ", ".join(f"{t.name} {t.startup_s:.2f} s" for t in targets if t.startup_s is not None)
 
 
 def run_litellm(args: argparse.Namespace) -> None:
@@ -416,33 +477,56 @@ def run_litellm(args: argparse.Namespace) -> None:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
+            targets = [Target("direct", sim.base_url, "none", "sim-model")]
             gw, tg_target = start_gateway(sim, Path(tmp), full=True)
             procs.append(gw)
+            targets.append(tg_target)
+            for spec in args.tree:
+                name, _, tree = spec.partition("=")
+                bp, before = start_gateway(sim, Path(tmp), full=True, tree=Path(tree).resolve(), name=name)
+                procs.append(bp)
+                targets.append(before)
             ll, ll_target = start_litellm(sim, Path(tmp))
             procs.append(ll)
-            targets = [Target("direct", sim.base_url, "none", "sim-model"), tg_target, ll_target]
+            targets.append(ll_target)
+            for name in args.floors:
+                fp, floor = start_floor(sim, name)
+                procs.append(fp)
+                targets.append(floor)
             results = asyncio.run(measure(targets, args.concurrency, args.requests, args.seconds, args.rounds,
                                           stream=False, unique=True))
-            rss = {"thinkgate": peak_rss_mib(gw.pid), "litellm": peak_rss_mib(ll.pid)}
+            rss = {t.name: peak_rss_mib(t.pid) for t in targets if t.pid is not None}
     finally:
         stop_all(procs, sim)
-    out = litellm_table(results, rss, args.concurrency)
+    out = litellm_table(results, targets, rss, args.concurrency)
+    startup = startup_line(targets)
     print(out)
+    print(f"\nstartup (process start → health answered): {startup}")
     if args.write_results:
+        extra = ""
+        for spec in args.tree:
+            name, _, tree = spec.partition("=")
+            extra += (f"`{name}`: the same gateway from another checkout (commit {tree_commit(Path(tree))}), "
+                      "measured interleaved in the same rounds. ")
+        if args.floors:
+            extra += (f"Floors ({', '.join(args.floors)}): bare forwarders on the simulator (`FLOOR_APP`: "
+                      + "; ".join(f"`{n}` = {FLOORS[n][0]} + {FLOORS[n][1]}" for n in args.floors)
+                      + "), the least a proxy on that stack adds. ")
         write_section(
             LITELLM_SECTION,
             f"{LITELLM_SECTION}\n\n"
             f"`bench/gateway_overhead.py --litellm` — {started}. Non-streamed chat requests (~30 output tokens, "
             f"temperature 0, a fresh prompt each time) against `tests/fixtures/upstream_sim.py`: directly, through "
-            f"`thinkgate serve` (one uvicorn worker, engine off; key auth, the shipped router scoring every "
-            f"`model: auto` request, cache lookup + single-flight lock + store on every request — all misses —, "
-            f"metering of every event to Redis, usage log line) and through LiteLLM's proxy {version} "
-            f"(`bench/.venv-litellm`, one worker, no database, master key, `openai/` provider, offline and quiet "
-            f"env). Closed loop on loopback, {args.requests} requests or {args.seconds:.0f} s per target and "
-            f"concurrency in {args.rounds} alternating rounds after a warm-up; client, simulator, both proxies and "
-            f"Redis share the machine's CPUs. Peak RSS: VmHWM summed over the proxy's process tree at the end. "
-            f"Ratios < 1× favour ThinkGate for latency, CPU and memory; > 1× for RPS. "
-            f"Machine: {env_line}.\n\n{out}\n",
+            f"`thinkgate serve` (one uvicorn worker, engine off; key auth, the shipped "
+            f"router scoring every `model: auto` request, cache lookup + single-flight lock + store on every "
+            f"request — all misses —, metering of every event to Redis, usage log line) and through LiteLLM's "
+            f"proxy {version} (`bench/.venv-litellm`, one worker, no database, master key, `openai/` provider, "
+            f"offline and quiet env). {extra}Closed loop on loopback, {args.requests} requests or "
+            f"{args.seconds:.0f} s per target and concurrency in {args.rounds} alternating rounds after a warm-up; "
+            f"client, simulator, all proxies and Redis share the machine's CPUs. Peak RSS: VmHWM summed over the "
+            f"proxy's process tree at the end. Startup (process start → health endpoint answered, started one "
+            f"after another before the load): {startup}. Ratios < 1× favour ThinkGate for latency, CPU and "
+            f"memory; > 1× for RPS. Machine: {env_line}.\n\n{out}\n",
         )
 
 
@@ -457,19 +541,28 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400, help="requests per target and concurrency")
     ap.add_argument("--seconds", type=float, default=20.0, help="time cap per target and concurrency")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the targets")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=None,
+                    help="default: 1 32; with --litellm: 1 8 32 64")
     ap.add_argument("--modes", nargs="+", choices=["json", "stream"], default=["json", "stream"],
                     help="json: non-streamed; stream: SSE (latency = last byte)")
     ap.add_argument("--extra", action="append", default=[], help="NAME=BASE_URL[,KEY[,MODEL[,PID]]] another target")
     ap.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
     ap.add_argument("--floor", action="store_true",
                     help="add a bare uvicorn + httpx forwarder as a target (json mode only): the stack's floor")
+    ap.add_argument("--floors", nargs="*", choices=sorted(FLOORS), default=None,
+                    help="floor forwarders to add (with --floor and no --floors: floor)")
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                    help="--litellm: also run thinkgate from checkout DIR as target NAME (e.g. a worktree of the "
+                         "parent commit), interleaved with the others; repeatable")
     ap.add_argument("--litellm", action="store_true",
                     help="ThinkGate (router + cache + metering) vs LiteLLM's proxy; default concurrency 1 8 32 64")
     args = ap.parse_args()
+    if args.concurrency is None and not args.litellm:
+        args.concurrency = [1, 32]
+    if args.floors is None:
+        args.floors = ["floor"] if args.floor else []
     if args.litellm:
-        if args.concurrency == [1, 32]:
-            args.concurrency = [1, 8, 32, 64]
+        args.concurrency = args.concurrency or [1, 8, 32, 64]
         run_litellm(args)
         return
 
@@ -483,19 +576,20 @@ def main() -> None:
             procs.append(gw)
             targets = [Target("direct", sim.base_url, "none", "sim-model"), gw_target,
                        *(parse_extra(e) for e in args.extra)]
-            floor: Target | None = None
-            if args.floor:
-                fp, floor = start_floor(sim)
+            floors: list[Target] = []
+            for name in args.floors:
+                fp, floor = start_floor(sim, name)
                 procs.append(fp)
+                floors.append(floor)
             by_mode = {
-                mode: asyncio.run(measure([*targets, floor] if floor is not None and mode == "json" else targets,
+                mode: asyncio.run(measure([*targets, *floors] if mode == "json" else targets,
                                           args.concurrency, args.requests, args.seconds, args.rounds,
                                           mode == "stream"))
                 for mode in args.modes
             }
     finally:
         stop_all(procs, sim)
-    out = table(by_mode, targets if floor is None else [*targets, floor], args.concurrency)
+    out = table(by_mode, [*targets, *floors], args.concurrency)
     print(out)
     if args.write_results:
         write_section(
@@ -511,8 +605,10 @@ def main() -> None:
             f"concurrency in {args.rounds} alternating rounds after a warm-up. Client, simulator and gateway share "
             f"the machine's CPUs (and other jobs' load: see the load average), so latency at concurrency 32 is "
             f"mostly queueing for CPU; the proxy CPU per request is the steadier figure. "
-            + ("`floor` (json only): a bare uvicorn + httpx forwarder (no auth, routing, cache, metering or "
-               "logging; `FLOOR_APP` in the script), the least a proxy on this stack adds. " if args.floor else "")
+            + (f"Floors (json only; {', '.join(args.floors)}): bare forwarders (no auth, routing, cache, metering "
+               "or logging; `FLOOR_APP` in the script: "
+               + "; ".join(f"`{n}` = {FLOORS[n][0]} + {FLOORS[n][1]}" for n in args.floors)
+               + "), the least a proxy on that stack adds. " if args.floors else "")
             + f"Machine: {env_line}.\n\n{out}\n"
         )
 
