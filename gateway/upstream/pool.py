@@ -1,10 +1,10 @@
 """HTTP client for the tiers' upstreams (vLLM's OpenAI-compatible server or any OpenAI-compatible API).
 
-Pooled ``httpx.AsyncClient`` instances per distinct ``base_url`` — :data:`POOL_SHARDS` of them, used in turn, because
-httpcore's pool does bookkeeping over all its connections on every request (``_assign_requests_to_connections``,
-a ``poll()`` per idle socket; encode/httpcore #928/#929): at 32 concurrent requests one shared pool cost ~20%
-more gateway CPU per request than eight smaller ones (bench/gateway_overhead.py). No client is ever created
-per request. Each call uses the tier's connect/read timeouts.
+One ``aiohttp.ClientSession`` (one connection pool, keep-alive) per pool, created on first use inside the event
+loop; no client is ever created per request. aiohttp rather than httpx: on this request path httpx + httpcore
+cost ~0.6 ms of CPU per request more than aiohttp for the same forward (``bench/gateway_overhead.py --floors
+floor floor-aiohttp``; httpcore's pool also does bookkeeping over all its connections on every request, which the
+old code worked around with eight client shards). Each call uses the tier's connect/read timeouts.
 Retries (``tier.max_retries``, exponential backoff with jitter) happen only before the response is handed to
 the caller, i.e. before any byte reached the client, and only when repeating is safe:
 
@@ -19,6 +19,9 @@ Errors raised (all :class:`gateway.errors.GatewayError`):
   still be generating and a retry would pay twice);
 - :class:`UpstreamError` (502): other 5xx or an unusable answer;
 - :class:`UpstreamRejected` (400/429): the upstream refused the request itself (4xx).
+
+A streamed :class:`AioResponse` raises the same errors from ``aiter_raw()`` when the upstream stalls
+(:class:`UpstreamTimeout`) or breaks the stream (:class:`UpstreamError`) mid-body.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Any
+from collections.abc import AsyncIterator
 
-import httpx
+import aiohttp
 import orjson
 
 from gateway.config import TierConfig
@@ -45,19 +48,18 @@ log = logging.getLogger("thinkgate.upstream")
 
 #: The upstream path of each generation endpoint the gateway serves.
 ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
-# httpx logs every request it sends at INFO ("HTTP Request: POST … 200 OK"): with the gateway's usage line that
-# is a second log line per request on the hot path, saying less. Quieted unless someone configured it.
-_httpx_log = logging.getLogger("httpx")
 
 RETRY_STATUSES = frozenset({502, 503})
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 1.0
 TOKENIZE_TIMEOUT_S = 5.0
-# Per shard; connections are reused (keep-alive) across requests.
-POOL_LIMITS = httpx.Limits(max_connections=128, max_keepalive_connections=32, keepalive_expiry=30.0)
-POOL_SHARDS = 8
-
-
+#: Connections in the pool (all upstreams together) and how long an idle one is kept (s).
+POOL_CONNECTIONS = 1024
+KEEPALIVE_S = 30.0
+# A pooled connection the server closed, a reset, a refused connect: safe to repeat (nothing was answered).
+_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError,
+)
 
 
 def root_url(base_url: str) -> str:
@@ -66,9 +68,9 @@ def root_url(base_url: str) -> str:
     return base[:-3] if base.endswith("/v1") else base
 
 
-def _upstream_message(resp: httpx.Response) -> str:
+def _upstream_message(body: bytes, reason: str | None) -> str:
     try:
-        data = orjson.loads(resp.content)
+        data = orjson.loads(body)
         err = data.get("error") if isinstance(data, dict) else None
         if isinstance(err, dict) and err.get("message"):
             return str(err["message"])
@@ -76,116 +78,157 @@ def _upstream_message(resp: httpx.Response) -> str:
             return str(data["message"])
     except orjson.JSONDecodeError:
         pass
-    return resp.text[:300] or resp.reason_phrase
+    return body[:300].decode("utf-8", "replace") or (reason or "")
 
 
-def error_for_status(tier: TierConfig, resp: httpx.Response) -> GatewayError:
-    """Map a non-2xx upstream response to the gateway error the client should see."""
-    msg = f"upstream of tier {tier.name!r} answered {resp.status_code}: {_upstream_message(resp)}"
-    if resp.status_code in RETRY_STATUSES:
+def error_for_status(tier: TierConfig, status: int, body: bytes, reason: str | None = None) -> GatewayError:
+    """Map a non-2xx upstream answer (status, body) to the gateway error the client should see."""
+    msg = f"upstream of tier {tier.name!r} answered {status}: {_upstream_message(body, reason)}"
+    if status in RETRY_STATUSES:
         return UpstreamUnavailable(msg)
-    if resp.status_code in (401, 403):
+    if status in (401, 403):
         # The gateway's credentials for the upstream are wrong: the client cannot fix that.
         return UpstreamError(msg, code="upstream_auth_failed")
-    if 400 <= resp.status_code < 500:
-        return UpstreamRejected(msg, status=resp.status_code)
+    if 400 <= status < 500:
+        return UpstreamRejected(msg, status=status)
     return UpstreamError(msg)
 
 
-class UpstreamPool:
-    """Pooled clients for every upstream in ``tiers``; close with :meth:`aclose`."""
+class AioResponse:
+    """A 2xx upstream answer (:class:`gateway.upstream.response.UpstreamResponse`): ``status_code``, ``headers``,
+    ``content`` (the body of a non-streamed call, read before it was returned), ``aiter_raw()`` (the bytes of a
+    streamed one as they arrive) and ``aclose()`` (always call it: returns the connection to the pool when the
+    body was read to its end, else closes it, which cancels a generation still running upstream)."""
 
-    def __init__(self, tiers: list[TierConfig]) -> None:
-        if _httpx_log.level == logging.NOTSET:
-            _httpx_log.setLevel(logging.WARNING)
-        self._clients: dict[str, list[httpx.AsyncClient]] = {}
-        self._turn = 0
-        self._timeouts: dict[str, httpx.Timeout] = {}
-        self._headers: dict[str, dict[str, str]] = {}
-        # Per tier, built once: the request headers (the clients' defaults merged with ours, as
-        # ``build_request`` would) and the timeout extension; per (tier, path) the absolute URL. Each request
-        # then skips httpx's URL parsing and header merging (~2 URL parses per call otherwise).
-        self._request_headers: dict[str, httpx.Headers] = {}
-        self._extensions: dict[str, dict[str, Any]] = {}
-        self._urls: dict[tuple[str, str], httpx.URL] = {}
-        for t in tiers:
-            client = self._client_for(t.base_url)
-            self._timeouts[t.name] = httpx.Timeout(
-                connect=t.connect_timeout_s, read=t.read_timeout_s, write=t.read_timeout_s, pool=t.connect_timeout_s
-            )
-            h = {"content-type": "application/json"}
-            if t.api_key:
-                h["authorization"] = f"Bearer {t.api_key}"
-            self._headers[t.name] = h
-            merged = httpx.Headers(client.headers)
-            merged.update(h)
-            self._request_headers[t.name] = merged
-            self._extensions[t.name] = {"timeout": self._timeouts[t.name].as_dict()}
+    def __init__(self, resp: aiohttp.ClientResponse, tier: TierConfig, content: bytes = b"") -> None:
+        self._resp = resp
+        self._tier = tier
+        self._content = content
+        self.status_code = resp.status
+        self.headers = resp.headers
 
-    def _client_for(self, base_url: str) -> httpx.AsyncClient:
-        key = base_url.rstrip("/")
-        shards = self._clients.get(key)
-        if shards is None:
-            shards = [httpx.AsyncClient(base_url=key, limits=POOL_LIMITS, trust_env=False) for _ in range(POOL_SHARDS)]
-            self._clients[key] = shards
-        self._turn += 1
-        return shards[self._turn % len(shards)]
+    @property
+    def content(self) -> bytes:
+        return self._content
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """Body bytes in the chunks they arrived in. Raises UpstreamTimeout (no byte within the tier's read
+        timeout) or UpstreamError (the connection broke) mid-stream."""
+        try:
+            async for chunk in self._resp.content.iter_any():
+                yield chunk
+        except (TimeoutError, aiohttp.ServerTimeoutError):
+            raise UpstreamTimeout(f"upstream of tier {self._tier.name!r} stalled mid-stream") from None
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(c.aclose() for s in self._clients.values() for c in s), return_exceptions=True)
+        if self._resp.content.at_eof():
+            self._resp.release()
+        else:
+            self._resp.close()
 
-    async def open(self, tier: TierConfig, path: str, body: bytes, *, stream: bool) -> httpx.Response:
+
+class UpstreamPool:
+    """Pooled connections for every upstream in ``tiers``; close with :meth:`aclose`."""
+
+    def __init__(self, tiers: list[TierConfig]) -> None:
+        self._session: aiohttp.ClientSession | None = None
+        self._headers: dict[str, dict[str, str]] = {}
+        self._timeouts: dict[str, aiohttp.ClientTimeout] = {}
+        self._urls: dict[tuple[str, str], str] = {}
+        for t in tiers:
+            self._headers[t.name] = self._headers_for(t)
+            self._timeouts[t.name] = self._timeout_for(t)
+
+    @staticmethod
+    def _headers_for(t: TierConfig) -> dict[str, str]:
+        h = {"content-type": "application/json"}
+        if t.api_key:
+            h["authorization"] = f"Bearer {t.api_key}"
+        return h
+
+    @staticmethod
+    def _timeout_for(t: TierConfig) -> aiohttp.ClientTimeout:
+        # sock_read: the longest wait for the next bytes (httpx's read timeout); no total cap (long generations)
+        return aiohttp.ClientTimeout(total=None, connect=t.connect_timeout_s, sock_connect=t.connect_timeout_s,
+                                     sock_read=t.read_timeout_s)
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The shared session, created on first use (it binds to the running event loop)."""
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=POOL_CONNECTIONS, limit_per_host=0, keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=True,
+                                                  timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def open(self, tier: TierConfig, path: str, body: bytes, *, stream: bool) -> AioResponse:
         """POST ``body`` to ``tier.base_url + path`` and return the 2xx response, headers read.
 
         With ``stream=True`` the body is not read yet: the caller iterates it and must ``aclose()`` it.
         With ``stream=False`` the whole body has been read (``resp.content``).
         Retries connection errors and 502/503 with backoff; raises the errors listed in the module doc.
         """
-        client = self._client_for(tier.base_url)
         url = self._urls.get((tier.base_url, path))
         if url is None:
-            url = self._urls[(tier.base_url, path)] = httpx.URL(tier.base_url.rstrip("/") + path)
-        headers = self._request_headers.get(tier.name)
-        extensions = self._extensions.get(tier.name)
+            url = self._urls[(tier.base_url, path)] = tier.base_url.rstrip("/") + path
+        headers = self._headers.get(tier.name) or self._headers_for(tier)
+        timeout = self._timeouts.get(tier.name) or self._timeout_for(tier)
+        session = self.session
         last: GatewayError | None = None
         for attempt in range(tier.max_retries + 1):
             if attempt:
                 await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (attempt - 1)) * (0.5 + random.random()))
-            if headers is not None and extensions is not None:
-                request = httpx.Request("POST", url, content=body, headers=headers, extensions=extensions)
-            else:  # a tier this pool was not built with
-                timeout = httpx.Timeout(tier.read_timeout_s, connect=tier.connect_timeout_s)
-                h = self._headers.get(tier.name) or {"content-type": "application/json"}
-                request = client.build_request("POST", url, content=body, headers=h, timeout=timeout)
+            resp: aiohttp.ClientResponse | None = None
             try:
-                resp = await client.send(request, stream=stream)
-            except httpx.ConnectTimeout:
+                resp = await session.post(url, data=body, headers=headers, timeout=timeout)
+                if 200 <= resp.status < 300:
+                    if stream:
+                        return AioResponse(resp, tier)
+                    content = await resp.read()
+                    resp.release()
+                    return AioResponse(resp, tier, content)
+                err_body = await resp.read()
+                resp.release()
+            except aiohttp.ConnectionTimeoutError:
                 last = UpstreamConnectTimeout(f"upstream of tier {tier.name!r} did not accept a connection in time")
                 continue
-            except httpx.TimeoutException:
+            except (TimeoutError, aiohttp.ServerTimeoutError):
+                if resp is not None:
+                    resp.close()
                 raise UpstreamTimeout(
                     f"upstream of tier {tier.name!r} did not answer within {tier.read_timeout_s} s"
                 ) from None
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            except _CONNECTION_ERRORS as exc:
+                if resp is not None:
+                    resp.close()
                 last = UpstreamUnavailable(f"upstream of tier {tier.name!r} unreachable: {type(exc).__name__}: {exc}")
                 continue
-            except httpx.HTTPError as exc:
+            except aiohttp.ClientError as exc:
+                if resp is not None:
+                    resp.close()
                 raise UpstreamError(f"upstream of tier {tier.name!r} failed: {type(exc).__name__}: {exc}") from None
-            if resp.is_success:
-                return resp
-            if stream:
-                try:
-                    await resp.aread()
-                except httpx.HTTPError:
-                    pass
-                finally:
-                    await resp.aclose()
-            last = error_for_status(tier, resp)
-            if resp.status_code not in RETRY_STATUSES:
+            except BaseException:  # cancelled (the client went away): do not leave the connection half-read
+                if resp is not None:
+                    resp.close()
+                raise
+            last = error_for_status(tier, resp.status, err_body, resp.reason)
+            if resp.status not in RETRY_STATUSES:
                 raise last
-            log.info("upstream %s answered %s (attempt %d)", tier.name, resp.status_code, attempt + 1)
+            log.info("upstream %s answered %s (attempt %d)", tier.name, resp.status, attempt + 1)
         assert last is not None
         raise last
+
+    async def _get_or_post(self, method: str, url: str, tier: TierConfig, timeout: aiohttp.ClientTimeout,
+                           payload: bytes | None = None) -> tuple[int, bytes]:
+        async with self.session.request(method, url, data=payload, headers=self._headers.get(tier.name),
+                                        timeout=timeout) as resp:
+            return resp.status, await resp.read()
 
     async def count_tokens(self, tier: TierConfig, text: str) -> int | None:
         """Exact token count of ``text`` for ``tier.model`` from vLLM's ``POST /tokenize``; None on failure.
@@ -193,20 +236,16 @@ class UpstreamPool:
         Request ``{"model", "prompt", "add_special_tokens": false}`` → response ``{"count", "tokens", ...}``
         (vLLM OpenAI server, ``vllm/entrypoints/openai/api_server.py``).
         """
-        client = self._client_for(tier.base_url)
         payload = orjson.dumps({"model": tier.model, "prompt": text, "add_special_tokens": False})
+        timeout = aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT_S, sock_connect=tier.connect_timeout_s)
         try:
-            resp = await client.post(
-                root_url(tier.base_url) + "/tokenize",
-                content=payload,
-                headers=self._headers.get(tier.name),
-                timeout=httpx.Timeout(TOKENIZE_TIMEOUT_S, connect=tier.connect_timeout_s),
-            )
-            if resp.is_success:
-                count = orjson.loads(resp.content).get("count")
+            status, body = await self._get_or_post("POST", root_url(tier.base_url) + "/tokenize", tier, timeout,
+                                                   payload)
+            if 200 <= status < 300:
+                count = orjson.loads(body).get("count")
                 if isinstance(count, int):
                     return count
-        except (httpx.HTTPError, orjson.JSONDecodeError, AttributeError):
+        except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError, AttributeError):
             pass
         return None
 
@@ -235,16 +274,14 @@ class UpstreamPool:
 
     async def ready(self, tier: TierConfig, timeout_s: float = 2.0) -> bool:
         """True when the tier's upstream answers: ``GET /health`` (vLLM), else ``GET /v1/models`` < 500."""
-        client = self._client_for(tier.base_url)
-        t = httpx.Timeout(timeout_s)
-        headers = self._headers.get(tier.name)
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:
-            resp = await client.get(root_url(tier.base_url) + "/health", timeout=t, headers=headers)
-            if resp.is_success:
+            status, _ = await self._get_or_post("GET", root_url(tier.base_url) + "/health", tier, timeout)
+            if 200 <= status < 300:
                 return True
-            if resp.status_code == 404:
-                resp = await client.get("/models", timeout=t, headers=headers)
-                return resp.status_code < 500
-        except httpx.HTTPError:
+            if status == 404:
+                status, _ = await self._get_or_post("GET", tier.base_url.rstrip("/") + "/models", tier, timeout)
+                return status < 500
+        except (aiohttp.ClientError, TimeoutError, OSError):
             return False
         return False
