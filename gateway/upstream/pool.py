@@ -30,6 +30,7 @@ import asyncio
 import logging
 import random
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import orjson
@@ -230,17 +231,11 @@ class UpstreamPool:
                                         timeout=timeout) as resp:
             return resp.status, await resp.read()
 
-    async def count_tokens(self, tier: TierConfig, text: str) -> int | None:
-        """Exact token count of ``text`` for ``tier.model`` from vLLM's ``POST /tokenize``; None on failure.
-
-        Request ``{"model", "prompt", "add_special_tokens": false}`` → response ``{"count", "tokens", ...}``
-        (vLLM OpenAI server, ``vllm/entrypoints/openai/api_server.py``).
-        """
-        payload = orjson.dumps({"model": tier.model, "prompt": text, "add_special_tokens": False})
+    async def _tokenize(self, tier: TierConfig, doc: dict[str, Any]) -> int | None:
         timeout = aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT_S, sock_connect=tier.connect_timeout_s)
         try:
             status, body = await self._get_or_post("POST", root_url(tier.base_url) + "/tokenize", tier, timeout,
-                                                   payload)
+                                                   orjson.dumps(doc))
             if 200 <= status < 300:
                 count = orjson.loads(body).get("count")
                 if isinstance(count, int):
@@ -249,28 +244,22 @@ class UpstreamPool:
             pass
         return None
 
+    async def count_tokens(self, tier: TierConfig, text: str) -> int | None:
+        """Exact token count of ``text`` for ``tier.model`` from vLLM's ``POST /tokenize``; None on failure.
+
+        Request ``{"model", "prompt", "add_special_tokens": false}`` → response ``{"count", "tokens", ...}``
+        (vLLM OpenAI server, ``vllm/entrypoints/openai/api_server.py``).
+        """
+        return await self._tokenize(tier, {"model": tier.model, "prompt": text, "add_special_tokens": False})
+
     async def count_chat_tokens(self, tier: TierConfig, messages: list[dict[str, Any]],
                                 tools: list[dict[str, Any]] | None = None) -> int | None:
         """Prompt tokens of a chat request (``messages``, ``tools``) rendered by ``tier``'s chat template, from
         vLLM's ``POST /tokenize`` (``{"model", "messages", "tools"}`` → ``{"count", …}``); None on failure."""
-        client = self._client_for(tier.base_url)
         doc: dict[str, Any] = {"model": tier.model, "messages": messages}
         if tools:
             doc["tools"] = tools
-        try:
-            resp = await client.post(
-                root_url(tier.base_url) + "/tokenize",
-                content=orjson.dumps(doc),
-                headers=self._headers.get(tier.name),
-                timeout=httpx.Timeout(TOKENIZE_TIMEOUT_S, connect=tier.connect_timeout_s),
-            )
-            if resp.is_success:
-                count = orjson.loads(resp.content).get("count")
-                if isinstance(count, int):
-                    return count
-        except (httpx.HTTPError, orjson.JSONDecodeError, AttributeError):
-            pass
-        return None
+        return await self._tokenize(tier, doc)
 
     async def ready(self, tier: TierConfig, timeout_s: float = 2.0) -> bool:
         """True when the tier's upstream answers: ``GET /health`` (vLLM), else ``GET /v1/models`` < 500."""
