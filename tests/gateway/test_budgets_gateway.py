@@ -367,3 +367,52 @@ def test_budgets_cli_set_list_remove(redis_url: str, prefix: str, tmp_path: Path
     listed = _cli("budgets", "list", "--json", "--config", str(cfg), prefix=prefix, redis_url=redis_url)
     rows = {r["level"]: r for r in map(json.loads, listed.stdout.splitlines())}
     assert rows["tag:team=cfg"]["source"] == "config" and "global" not in rows
+
+
+def test_alerts_fire_per_level(upstream_sim: SimProcess, redis_url: str, prefix: str, tmp_path: Path) -> None:
+    import http.server
+
+    received: list[dict[str, Any]] = []
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    team = f"t{uuid.uuid4().hex[:8]}"
+    limits = {"budget_refresh_s": 0, "alert_fractions": [0.5],
+              "alert_webhook_url": f"http://127.0.0.1:{server.server_port}/h"}
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix, tiers=_tiers(upstream_sim.base_url),
+                                limits=limits) as g:
+            body = {"model": "long", "max_tokens": 5, "messages": PROMPT}
+            kid = f"{team}-alert"
+            secret = create_key(redis_url, prefix, kid, tags={"team": team})  # no key budget: only the tag's
+            r = _post(g, secret, body)
+            assert r.status_code == 200
+            cost = usage_events(g, [r.headers["x-request-id"]])[r.headers["x-request-id"]].cost_micro_usd
+            # a tag budget the next request takes past 50 %, and enough room left for its estimate
+            budget = _estimate(g, body, "long") * 4
+            assert _cli("budgets", "set", "--tag", f"team={team}", "--usd-day", str(micro_to_usd(budget)),
+                        prefix=prefix, redis_url=redis_url).returncode == 0
+            spent = cost
+            while spent < budget // 2:
+                r = _post(g, secret, body)
+                assert r.status_code == 200, r.text
+                rid = r.headers["x-request-id"]
+                spent += usage_events(g, [rid])[rid].cost_micro_usd
+            deadline = time.monotonic() + 5
+            while not received and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [(a["level"], a["period"], a["fraction"]) for a in received] == [(f"tag:team={team}", "day", 0.5)]
+    assert received[0]["key_id"] == kid and received[0]["budget_usd"] == str(micro_to_usd(budget))
