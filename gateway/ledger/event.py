@@ -25,7 +25,7 @@ import orjson
 from gateway.config import Prices
 from gateway.ledger.pricing import cost_micro_usd
 
-__all__ = ["COUNTER_FIELDS", "Endpoint", "RouteReason", "TokenCounts", "UsageEvent", "UsageSource", "WireEndpoint",
+__all__ = ["COUNTER_FIELDS", "Endpoint", "RouteReason", "UsageEvent", "UsageSource", "WireEndpoint",
            "cost_micro_usd", "counter_increments", "micro_to_usd", "new_event_id", "usd_to_micro"]
 
 #: Where an event's token counts came from: reported by the upstream, counted by the gateway, a cache hit, none.
@@ -48,35 +48,6 @@ def micro_to_usd(micro: int) -> Decimal:
 def usd_to_micro(usd: Decimal) -> int:
     """``Decimal`` USD → integer micro-USD (half up)."""
     return int((usd * 1_000_000).quantize(Decimal(1), rounding=ROUND_HALF_UP))
-
-
-@dataclass(frozen=True, slots=True)
-class TokenCounts:
-    """Token counts of one response (OpenAI ``usage`` shape, flattened)."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    reasoning_tokens: int = 0
-
-    @classmethod
-    def from_openai(cls, usage: dict[str, Any] | None) -> TokenCounts | None:
-        """Read an OpenAI/vLLM ``usage`` object; None when absent. Missing fields count 0."""
-        if not usage:
-            return None
-        pdet = usage.get("prompt_tokens_details") or {}
-        cdet = usage.get("completion_tokens_details") or {}
-        return cls(
-            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            cached_tokens=int(pdet.get("cached_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
-            reasoning_tokens=int(cdet.get("reasoning_tokens") or 0),
-        )
-
-    def cost(self, prices: Prices) -> int:
-        """Cost of these counts at ``prices``, integer micro-USD."""
-        return cost_micro_usd(prices, prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
-                              completion_tokens=self.completion_tokens)
 
 
 def new_event_id() -> str:

@@ -10,7 +10,8 @@ import pytest
 
 from gateway.config import Prices
 from gateway.engine.redis_server import free_port
-from gateway.ledger.event import COUNTER_FIELDS, TokenCounts, UsageEvent, cost_micro_usd, counter_increments
+from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, cost_micro_usd, counter_increments
+from gateway.ledger.record import UsageRecord
 from tests.fixtures.redis_stack import persistent_redis, stack
 
 PRICES = Prices(
@@ -29,10 +30,13 @@ def test_cached_token_pricing_example() -> None:
     # fractional micro-USD round once per event, half up: 3 tokens * 0.5 = 1.5 -> 2
     assert cost_micro_usd(PRICES, prompt_tokens=3, cached_tokens=0, completion_tokens=0) == 2
     assert cost_micro_usd(PRICES, prompt_tokens=1, cached_tokens=0, completion_tokens=0) == 1  # 0.5 -> 1
-    counts = TokenCounts.from_openai({"prompt_tokens": 1000, "completion_tokens": 200,
-                                      "prompt_tokens_details": {"cached_tokens": 600},
-                                      "completion_tokens_details": {"reasoning_tokens": 150}})
-    assert counts is not None and counts.reasoning_tokens == 150 and counts.cost(PRICES) == 750
+    rec = UsageRecord()
+    rec.set_usage({"prompt_tokens": 1000, "completion_tokens": 200, "prompt_tokens_details": {"cached_tokens": 600},
+                   "completion_tokens_details": {"reasoning_tokens": 150}})
+    assert (rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens, rec.reasoning_tokens, rec.usage_source) == (
+        1000, 600, 200, 150, "upstream")
+    assert cost_micro_usd(PRICES, prompt_tokens=rec.prompt_tokens, cached_tokens=rec.cached_tokens,
+                          completion_tokens=rec.completion_tokens) == 750
     with pytest.raises(ValueError):
         cost_micro_usd(PRICES, prompt_tokens=-1, cached_tokens=0, completion_tokens=0)
 
