@@ -46,17 +46,22 @@ from gateway.upstream.response import SyntheticResponse
 THINK_OPEN = "<think>\n"
 
 
-async def _pieces(resp: Any, endpoint: str) -> AsyncIterator[tuple[str, str | None, dict[str, Any] | None]]:
-    """(generated text, finish_reason, usage) per event of an upstream SSE response, until ``[DONE]``."""
+Piece = tuple[str, str | None, dict[str, Any] | None, list[dict[str, Any]] | None]
+
+
+async def _pieces(resp: Any, endpoint: str) -> AsyncIterator[Piece]:
+    """(generated text, finish_reason, usage, tool-call deltas) per event of an upstream SSE response, until
+    ``[DONE]``. Tool-call deltas (chat) are passed on as the upstream sent them."""
     async for batch in sse.data_batches(resp):
         for payload in batch:
             if payload == b"[DONE]":
                 return
             data = orjson.loads(payload)
             if data.get("usage") and not data.get("choices"):
-                yield "", None, data["usage"]
+                yield "", None, data["usage"], None
             for c in data.get("choices") or ():
-                yield generated_text(c, endpoint, delta=True), c.get("finish_reason"), None
+                calls = (c.get("delta") or {}).get("tool_calls") if endpoint == "chat" else None
+                yield generated_text(c, endpoint, delta=True), c.get("finish_reason"), None, calls or None
 
 
 def end_marker(tier: TierConfig) -> str:
@@ -158,6 +163,7 @@ class ForcedBudget:
         """(choice, usage, response metadata) from the chunks of one forced stream."""
         reasoning: list[str] = []
         text: list[str] = []
+        calls: dict[int, dict[str, Any]] = {}
         finish: str | None = None
         usage: dict[str, Any] = {}
         meta: dict[str, Any] = {}
@@ -175,8 +181,19 @@ class ForcedBudget:
                 delta = c.get("delta") or {}
                 reasoning.append(delta.get("reasoning") or "")
                 text.append(delta.get("content") or "")
+                for call in delta.get("tool_calls") or ():
+                    slot = calls.setdefault(int(call.get("index") or 0),
+                                            {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                    fn = call.get("function") or {}
+                    slot["id"] = call.get("id") or slot["id"]
+                    slot["function"]["name"] = fn.get("name") or slot["function"]["name"]
+                    slot["function"]["arguments"] += fn.get("arguments") or ""
         if self.endpoint == "chat":
-            message = {"role": "assistant", "content": "".join(text), "reasoning": "".join(reasoning)}
+            content = "".join(text)
+            message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else ""),
+                                       "reasoning": "".join(reasoning)}
+            if calls:
+                message["tool_calls"] = [calls[i] for i in sorted(calls)]
             return {"index": 0, "message": message, "finish_reason": finish}, usage, meta
         return {"index": 0, "text": "".join(text), "finish_reason": finish}, usage, meta
 
@@ -212,7 +229,7 @@ class ForcedBudget:
             if self.endpoint == "chat":
                 role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 yield orjson.dumps({**head, "choices": [role]})
-            async for piece, finish, usage in _pieces(resp, self.endpoint):
+            async for piece, finish, usage, _ in _pieces(resp, self.endpoint):
                 p1.usage = usage or p1.usage
                 p1.finish_reason = finish or p1.finish_reason
                 if piece:
@@ -236,8 +253,11 @@ class ForcedBudget:
         req2 = answer_request(body, self.tier, self.endpoint, p1.text, natural, used)
         resp = await self.pool.open(self.tier, self.path, orjson.dumps(req2), stream=True)
         try:
-            async for piece, finish, usage in _pieces(resp, self.endpoint):
+            async for piece, finish, usage, calls in _pieces(resp, self.endpoint):
                 p2.usage = usage or p2.usage
+                if calls:  # the answer calls tools: relayed intact
+                    delta = {"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}
+                    yield orjson.dumps({**head, "choices": [delta]})
                 if piece or finish:
                     yield chunk(piece or None, "content" if self.endpoint == "chat" else "text", finish)
         finally:

@@ -135,3 +135,30 @@ def test_responses_and_messages_cached_streamed_replays_keep_tool_calls(gw: Gate
     start = next(e for e in events if e.type == "content_block_start" and e.content_block.type == "tool_use")
     assert start.content_block.id == use.id  # type: ignore[union-attr]
     assert [e.content_block.type for e in events if e.type == "content_block_start"] == ["thinking", "tool_use"]  # type: ignore[union-attr]
+
+
+def test_a_forced_budget_tier_keeps_the_tool_call(upstream_sim: SimProcess, redis_url: str,
+                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two-phase budget forcing (``budget_mode: forced``): the answer phase's tool call reaches the client,
+    JSON and streamed, and through the Responses translation."""
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1]["budget_mode"] = "forced"
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("forcedtools"), prefix,
+                                tiers=tiers) as fgw:
+            question = q()
+            msgs = [{"role": "user", "content": question}]
+            plain = oai(fgw).chat.completions.create(model="short", messages=msgs, tools=[CHAT_TOOL])  # type: ignore[arg-type,list-item]
+            choice = plain.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+            args = json.loads(choice.message.tool_calls[0].function.arguments)  # type: ignore[union-attr]
+            assert args["city"].startswith("weather in Oslo")
+            calls, reasoning, finish = chat_stream_calls(oai(fgw).chat.completions.create(
+                model="short", messages=msgs, tools=[CHAT_TOOL], stream=True))  # type: ignore[arg-type,list-item]
+            assert finish == "tool_calls" and reasoning
+            assert [json.loads(c["arguments"]) for c in calls] == [args]
+            r = oai(fgw).responses.create(model="short", input=question, tools=[RESP_TOOL])  # type: ignore[list-item]
+            assert [i.type for i in r.output][-1] == "function_call"
+    finally:
+        cleanup(redis_url, prefix)
