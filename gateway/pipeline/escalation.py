@@ -13,12 +13,13 @@ from typing import Any
 import orjson
 
 from gateway.config import TierConfig
+from gateway.ledger.event import WireEndpoint
 from gateway.openai.sse import SSEDecoder
 from gateway.thinking.forcing import end_marker
 from gateway.upstream.response import SyntheticResponse, UpstreamResponse
 
 
-def escalation_reason(tier: TierConfig, data: dict[str, Any], endpoint: str) -> str | None:
+def escalation_reason(tier: TierConfig, data: dict[str, Any], endpoint: WireEndpoint) -> str | None:
     """Why a finished non-streamed answer should be retried on the next tier, per ``tier.escalate_on``.
 
     ``length_in_thought``: the first choice stopped by ``length`` with no answer text (cut in its thought);
@@ -50,7 +51,7 @@ def escalation_reason(tier: TierConfig, data: dict[str, Any], endpoint: str) -> 
 
 
 async def peek_stream(
-    resp: UpstreamResponse, tier: TierConfig, endpoint: str, *, whole: bool = False
+    resp: UpstreamResponse, tier: TierConfig, endpoint: WireEndpoint, *, whole: bool = False
 ) -> tuple[SyntheticResponse, dict[str, Any]]:
     """Read an SSE response until its answer starts (a non-empty ``content``/``text`` delta) or it ends —
     with ``whole``, always to its end (checks on the answer's content need all of it).

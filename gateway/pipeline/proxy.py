@@ -249,7 +249,7 @@ class Proxy:
         """The tiers a call on ``route`` may fall back to: later tiers the key may use."""
         return self.routing.fallbacks(route.tier, route.allowed)
 
-    async def _serve(self, ex: Exchange, body: dict[str, Any], endpoint: str) -> Response:
+    async def _serve(self, ex: Exchange, body: dict[str, Any], endpoint: WireEndpoint) -> Response:
         """Call the upstream and answer (JSON or SSE relay); a complete answer is offered to the cache."""
         try:
             route, resp = await self._call_upstream(ex.route, body, endpoint, ex.record)
@@ -303,7 +303,7 @@ class Proxy:
         i = names.index(tier.name)
         return self.settings.tiers[i + 1] if i + 1 < len(names) else None
 
-    async def _maybe_escalate(self, ex: Exchange, resp: UpstreamResponse, body: dict[str, Any], endpoint: str,
+    async def _maybe_escalate(self, ex: Exchange, resp: UpstreamResponse, body: dict[str, Any], endpoint: WireEndpoint,
                               nxt: TierConfig, headers: dict[str, str]) -> UpstreamResponse:
         """Retry on ``nxt`` when the tier's answer is empty, was cut inside its thought, abstains or is unsure
         (``tier.escalate_on``; :mod:`gateway.pipeline.abstention`). Both calls are metered: the first attempt
@@ -365,7 +365,7 @@ class Proxy:
         return None
 
     async def _call_upstream(
-        self, route: RouteDecision, body: dict[str, Any], endpoint: str, record: UsageRecord
+        self, route: RouteDecision, body: dict[str, Any], endpoint: WireEndpoint, record: UsageRecord
     ) -> tuple[RouteDecision, UpstreamResponse]:
         """Open the upstream call on the routed tier, falling back to later tiers when it is down."""
         candidates = [route.tier, *self._fallbacks(route)]

@@ -20,9 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.config import TierConfig
+from gateway.ledger.event import WireEndpoint
 
 
-def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: str) -> None:
+def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint) -> None:
     """Apply ``tier``'s thinking budget to ``body`` in place (native form only, for now).
 
     - ``budget_mode == "native"`` with a budget: vLLM's per-request ``thinking_token_budget`` (tokens); a
@@ -40,7 +41,7 @@ def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: str) -> None:
         body["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}), "enable_thinking": False}
 
 
-def build(body: dict[str, Any], tier: TierConfig, endpoint: str) -> dict[str, Any]:
+def build(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint) -> dict[str, Any]:
     """The upstream body for ``tier`` (``endpoint``: ``chat`` or ``completions``); see the module doc."""
     out = {**tier.sampling, **body} if tier.sampling else dict(body)
     out["model"] = tier.model

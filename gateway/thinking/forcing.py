@@ -37,6 +37,7 @@ import orjson
 
 from gateway.config import TierConfig
 from gateway.errors import InvalidRequest
+from gateway.ledger.event import WireEndpoint
 from gateway.openai import sse
 from gateway.openai.usage import estimate_tokens, generated_text, merge_usage
 from gateway.thinking.loop_guard import LoopDetector
@@ -49,7 +50,7 @@ THINK_OPEN = "<think>\n"
 Piece = tuple[str, str | None, dict[str, Any] | None, list[dict[str, Any]] | None]
 
 
-async def _pieces(resp: Any, endpoint: str) -> AsyncIterator[Piece]:
+async def _pieces(resp: Any, endpoint: WireEndpoint) -> AsyncIterator[Piece]:
     """(generated text, finish_reason, usage, tool-call deltas) per event of an upstream SSE response, until
     ``[DONE]``. Tool-call deltas (chat) are passed on as the upstream sent them."""
     async for batch in sse.data_batches(resp):
@@ -84,7 +85,7 @@ def thought_request(body: dict[str, Any], tier: TierConfig) -> dict[str, Any]:
 
 
 def answer_request(
-    body: dict[str, Any], tier: TierConfig, endpoint: str, thought: str, closed_naturally: bool, used: int
+    body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint, thought: str, closed_naturally: bool, used: int
 ) -> dict[str, Any]:
     """Phase-2 body: continue the same assistant turn after the closed thought, with the tokens left."""
     out = dict(body)
@@ -117,7 +118,7 @@ class _Phase:
 class ForcedBudget:
     """Runs two-phase budget forcing for one request on one forced tier through the pooled upstreams."""
 
-    def __init__(self, pool: UpstreamPool, tier: TierConfig, endpoint: str) -> None:
+    def __init__(self, pool: UpstreamPool, tier: TierConfig, endpoint: WireEndpoint) -> None:
         if endpoint not in ENDPOINT_PATHS:
             raise ValueError(f"unknown endpoint {endpoint!r}")
         self.pool = pool
@@ -267,7 +268,9 @@ class ForcedBudget:
         yield b"[DONE]"
 
 
-async def open_forced(pool: UpstreamPool, tier: TierConfig, endpoint: str, body: dict[str, Any]) -> SyntheticResponse:
+async def open_forced(
+    pool: UpstreamPool, tier: TierConfig, endpoint: WireEndpoint, body: dict[str, Any]
+) -> SyntheticResponse:
     """Run budget forcing for ``body`` (the tier's upstream body) and return it as one upstream response.
 
     Streams are primed up to the first chunk, so connection failures of the thought phase raise here
