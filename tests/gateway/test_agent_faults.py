@@ -107,3 +107,26 @@ def test_client_disconnect_mid_stream_is_metered_once_as_499(gw: GatewayServer, 
     assert rec is not None and rec["status"] == "cancelled"  # the upstream generation was stopped
     ev = one_event(gw, request_id)
     assert (ev["endpoint"], ev["status"], ev["partial"]) == (api, 499, True)
+
+
+def test_budget_refusals_in_each_apis_shape(upstream_sim: SimProcess, redis_url: str,
+                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A key whose budget cannot cover the request: 429 with ``Retry-After``, OpenAI-shaped on /v1/responses
+    (``openai.RateLimitError``), Anthropic-shaped on /v1/messages (``anthropic.RateLimitError``)."""
+    from tests.fixtures.gateway import keys_config
+
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("budgetgw"), prefix,
+                                auth=keys_config(bob={"budget_usd_day": "0.000001"})) as bgw:
+            with pytest.raises(openai.RateLimitError) as oerr:
+                openai.OpenAI(base_url=bgw.base_url, api_key=SECRETS["bob"], max_retries=0).responses.create(
+                    model="long", input="hello there")
+            assert oerr.value.code == "budget_exceeded" and oerr.value.response.headers.get("retry-after")
+            with pytest.raises(anthropic.RateLimitError) as aerr:
+                anthropic.Anthropic(base_url=bgw.url, api_key=SECRETS["bob"], max_retries=0).messages.create(
+                    model="long", max_tokens=64, messages=[{"role": "user", "content": "hello there"}])
+            assert aerr.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+            assert aerr.value.response.headers.get("retry-after")
+    finally:
+        cleanup(redis_url, prefix)
