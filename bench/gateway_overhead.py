@@ -552,8 +552,8 @@ def main() -> None:
     ap.add_argument("--floors", nargs="*", choices=sorted(FLOORS), default=None,
                     help="floor forwarders to add (with --floor and no --floors: floor)")
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
-                    help="--litellm: also run thinkgate from checkout DIR as target NAME (e.g. a worktree of the "
-                         "parent commit), interleaved with the others; repeatable")
+                    help="also run thinkgate from checkout DIR as target NAME (e.g. a worktree of the parent "
+                         "commit), interleaved with the others; repeatable")
     ap.add_argument("--litellm", action="store_true",
                     help="ThinkGate (router + cache + metering) vs LiteLLM's proxy; default concurrency 1 8 32 64")
     args = ap.parse_args()
@@ -576,6 +576,11 @@ def main() -> None:
             procs.append(gw)
             targets = [Target("direct", sim.base_url, "none", "sim-model"), gw_target,
                        *(parse_extra(e) for e in args.extra)]
+            for spec in args.tree:  # the same gateway from another checkout, interleaved (before/after)
+                name, _, tree = spec.partition("=")
+                bp, before = start_gateway(sim, Path(tmp), tree=Path(tree).resolve(), name=name)
+                procs.append(bp)
+                targets.append(before)
             floors: list[Target] = []
             for name in args.floors:
                 fp, floor = start_floor(sim, name)
