@@ -23,7 +23,7 @@ from gateway.config import TierConfig
 from gateway.errors import GatewayError
 from gateway.openai.usage import estimate_tokens
 from gateway.pipeline import request as schemas
-from gateway.pipeline.proxy import TIER_HEADER, Proxy, read_body
+from gateway.pipeline.proxy import TIER_HEADER, Proxy, disconnected, read_body
 from gateway.pipeline.routing import RouteDecision
 
 log = logging.getLogger("thinkgate.messages")
@@ -87,7 +87,8 @@ class MessagesAPI:
         if thinking is not None and thinking.enabled and thinking.budget_tokens is not None:
             route = route_for_thinking(route, proxy.settings.tiers, thinking.budget_tokens)
         message_id = wire.new_id("msg")
-        resp = await proxy.serve(key, chat, h, "chat", label=LABEL, route=route)
+        resp = await proxy.serve(key, chat, h, "chat", label=LABEL, route=route,
+                                 disconnect=lambda: disconnected(request))
         if not chat.get("stream"):
             out = wire.message_object(bridge.json_of(resp), body, message_id)
             return Response(orjson.dumps(out), media_type="application/json", headers=bridge.forward_headers(resp))

@@ -21,7 +21,7 @@ from gateway.api import bridge
 from gateway.errors import InvalidRequest
 from gateway.openai import responses as wire
 from gateway.pipeline import request as schemas
-from gateway.pipeline.proxy import Proxy, read_body
+from gateway.pipeline.proxy import Proxy, disconnected, read_body
 from gateway.pipeline.sessions import session_of
 from gateway.state.cache_policy import tenant_scope
 from gateway.state.conversations import ConversationStore
@@ -74,7 +74,8 @@ class ResponsesAPI:
         store = body.get("store") is not False
         response_id = wire.new_id("resp")
         session = self.session(key.id, body, chat, prev)
-        resp = await proxy.serve(key, chat, request.headers, "chat", label=LABEL, session=session)
+        resp = await proxy.serve(key, chat, request.headers, "chat", label=LABEL, session=session,
+                                 disconnect=lambda: disconnected(request))
         headers = bridge.forward_headers(resp)
         tier = headers.get("x-thinkgate-tier")
         if not chat.get("stream"):

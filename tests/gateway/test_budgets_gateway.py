@@ -234,14 +234,19 @@ def test_refused_escalation_returns_the_first_answer_saying_why(gw: GatewayServe
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("api", ["chat", "responses"])
 def test_non_streamed_disconnect_cancels_upstream_and_meters_partial(gw: GatewayServer, upstream_sim: SimProcess,
-                                                                     redis_url: str, prefix: str) -> None:
+                                                                     redis_url: str, prefix: str, api: str) -> None:
     kid = f"gone-{uuid.uuid4().hex[:8]}"
     secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(1_000_000))
     t = uuid.uuid4().hex
-    body = {"model": "long", "messages": PROMPT, "sim": {"tag": t, "delay_ms": 4000}}
-    with pytest.raises(httpx.ReadTimeout):
-        _post(gw, secret, body, timeout=0.8)  # the client gives up and closes the connection
+    sim = {"tag": t, "delay_ms": 4000}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        if api == "chat":
+            _post(gw, secret, {"model": "long", "messages": PROMPT, "sim": sim}, timeout=0.8)
+        else:
+            httpx.post(gw.base_url + "/responses", json={"model": "long", "input": "spend", "sim": sim},
+                       headers={"authorization": f"Bearer {secret}"}, timeout=0.8)
     rec = upstream_sim.wait_tag_status(t, {"cancelled", "completed"}, timeout_s=10)
     assert rec is not None and rec["status"] == "cancelled", rec
     deadline = time.monotonic() + 10
