@@ -198,13 +198,13 @@ summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json
 g = {"steps_in_ledger": len(rows), "finished": summary is not None}
 if rows:
     tot = {k: sum(r[k] for r in rows) for k in ("rollouts", "sampled_tokens", "trained_tokens", "dropped_rollouts",
-                                                "wall_ms", "generation_ms", "reward_ms", "update_ms", "eval_ms")}
+                                                "wall_ms", "sampling_ms", "reward_ms", "update_ms", "eval_ms")}
     g.update(tot)
-    gen_s = tot["generation_ms"] / 1000
+    gen_s = tot["sampling_ms"] / 1000
     g["rollout_tokens_per_s_generate"] = round(tot["sampled_tokens"] / gen_s, 1) if gen_s else None
     g["rollouts_per_s_generate"] = round(tot["rollouts"] / gen_s, 2) if gen_s else None
     g["mean_step_s"] = round(tot["wall_ms"] / 1000 / len(rows), 3)
-    g["generation_share_of_step"] = round(tot["generation_ms"] / tot["wall_ms"], 3) if tot["wall_ms"] else None
+    g["generation_share_of_step"] = round(tot["sampling_ms"] / tot["wall_ms"], 3) if tot["wall_ms"] else None
     g["device_kind"], g["cost_micro_usd"] = rows[-1]["device_kind"], rows[-1]["cum_cost_micro_usd"]
 if summary:
     for k in ("global_step", "stop_reason", "spent_usd", "device_hours", "accuracy_before", "accuracy_after",

@@ -73,6 +73,12 @@ def bound(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> int:
     return b
 
 
+def step_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The ledger's optimizer-step rows (not the start-up / finish rows)."""
+    rows = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind", "step") == "step"]
+
+
 def learn_cfg(model: Path, bound: int, dynamic: bool) -> RunConfig:
     return from_dict(
         RunConfig,
@@ -203,7 +209,7 @@ def test_dynamic_sampling_merge_keeps_each_rollout_whole(
             assert len(set(pids[j : j + G])) == 1  # a group is one prompt
         expected = compute_advantages(rewards, torch.ones(1), G, "sum_then_normalize", "group", 1e-4).advantages
         assert torch.allclose(b["advantages"].cpu(), expected, atol=1e-6)
-    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    rows = step_rows(tmp_path)
     assert sum(r["dropped_rollouts"] for r in rows) > 0
     for r in rows:
         assert r["rollouts"] == 16 + r["dropped_rollouts"], r  # trained + dropped = rolled out

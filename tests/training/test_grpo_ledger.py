@@ -40,7 +40,7 @@ def test_rows_and_cumulative_totals(tmp_path: Path) -> None:
     led = CostLedger(tmp_path, "nvidia-h200", 2, Decimal("3.60"), tags={"data_hash": "d1", "git_commit": "abc"})
     r1 = led.record(1, counters(), 0.040)
     assert r1["wall_ms"] == 40 and r1["device_ms"] == 80 and r1["cost_micro_usd"] == 80
-    assert (r1["generation_ms"], r1["reward_ms"], r1["update_ms"]) == (10, 2, 28)  # update = wall - gen - reward
+    assert (r1["sampling_ms"], r1["reward_ms"], r1["update_ms"]) == (10, 2, 28)  # update = wall - gen - reward
     assert r1["data_hash"] == "d1" and r1["git_commit"] == "abc"
     r2 = led.record(2, counters(sampled_tokens=60, generation_s=0.05), 0.030)
     assert r2["update_ms"] == 0  # clamped, never negative

@@ -39,6 +39,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+def step_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The ledger's optimizer-step rows (not the start-up / finish rows)."""
+    rows = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind", "step") == "step"]
+
+
 def make_cfg(model_path: Path, **over: Any) -> RunConfig:
     data: dict[str, Any] = {
         "model": {"path": str(model_path)},
@@ -79,7 +85,8 @@ def run(
 
 def ledger_steps(run_dir: Path, name: str = "ledger.jsonl") -> list[int]:
     p = run_dir / name
-    return [json.loads(x)["step"] for x in p.read_text().splitlines()] if p.exists() else []
+    rows = [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+    return [r["step"] for r in rows if r.get("kind", "step") == "step"]
 
 
 def test_smoke_run_writes_the_run_directory(tiny: Path, tmp_path: Path) -> None:
@@ -99,7 +106,7 @@ def test_smoke_run_writes_the_run_directory(tiny: Path, tmp_path: Path) -> None:
     s = run(cfg, tmp_path)
     assert s["global_step"] == 3 and s["stop_reason"] is None
     assert ledger_steps(tmp_path) == [1, 2, 3]
-    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    rows = step_rows(tmp_path)
     assert all(r["rollouts"] >= 8 and r["sampled_tokens"] > 0 and r["trained_tokens"] > 0 for r in rows)
     assert all(r["rollouts"] == r["prompts"] * 4 for r in rows)
     assert all(r["sampled_tokens"] <= r["rollouts"] * 12 for r in rows)  # max_completion_length = 12 tokens
@@ -149,6 +156,9 @@ def test_resume_mid_epoch_continues_without_double_counting(tiny: Path, tmp_path
     assert ledger_steps(tmp_path) == [1, 2, 3, 4]  # each step once
     assert ledger_steps(tmp_path, "ledger_discarded.jsonl") == [3]  # the abandoned step 3, kept apart
     assert s["discarded"]["rollouts"] == 4 and s["totals"]["rollouts"] == 16
+    # the logs of the abandoned step 3 are gone: each step logged once (plots read these)
+    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3, 4]
     state = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4
 
@@ -161,10 +171,11 @@ def test_resume_at_epoch_boundary(tiny: Path, tmp_path: Path) -> None:
     s = run(make_cfg(tiny, trl={"max_steps": 4, "save_steps": 2}), tmp_path, problems=probs, resume="auto")
     assert s["global_step"] == 4
     assert ledger_steps(tmp_path) == [1, 2, 3, 4]
-    assert not (tmp_path / "ledger_discarded.jsonl").exists()
+    # nothing on the training path was abandoned; only the first segment's finish row (saving, plots) is discarded
+    assert ledger_steps(tmp_path, "ledger_discarded.jsonl") == []
     end = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
     assert end["epoch"] == pytest.approx(2.0)
-    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    rows = step_rows(tmp_path)
     assert [r["segment"] for r in rows] == [0, 0, 1, 1] and all(r["prompts"] == 2 for r in rows)
 
 
@@ -204,7 +215,7 @@ def test_all_solved_data_stops_cleanly(tiny: Path, tmp_path: Path) -> None:
     assert s["global_step"] == 0
     assert "no learning signal" in s["stop_reason"] and "all solved" in s["stop_reason"]
     assert (tmp_path / "checkpoint-0" / "ledger_state.json").is_file()  # checkpoint before stopping
-    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    rows = step_rows(tmp_path)
     assert len(rows) == 1 and rows[0]["trained_tokens"] == 0 and rows[0]["dropped_rollouts"] == 0
     # the aborted step was paid: 3 rounds of 2 + 3 + 3 prompts (refills of ceil(2 * 1.5)) x 2 rollouts
     assert rows[0]["rollouts"] == 16 and rows[0]["prompts"] == 8
@@ -303,7 +314,7 @@ def test_signal_is_accuracy_so_a_length_reward_does_not_hide_solved_data(
     )
     s = run(cfg, tmp_path, verifier=lambda row, text: True)
     assert s["global_step"] == 0 and "all solved" in s["stop_reason"]
-    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    rows = step_rows(tmp_path)
     assert rows[0]["zero_signal_rollouts"] == rows[0]["rollouts"] > 0
     assert rows[0]["zero_signal_micro_usd"] == rows[0]["cost_micro_usd"]  # all of that step's money taught nothing
 
@@ -322,6 +333,44 @@ def test_effective_signal_ratio_reads_accuracy_without_dynamic_sampling(
     train = [m for m in logs if "loss" in m]
     assert [m["signal/effective_ratio"] for m in train] == [0.0, 0.0]  # nothing to learn about correctness
     assert any(m["signal/reward_variance_ratio"] > 0 for m in train)  # what the old criterion counted
-    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    rows = step_rows(tmp_path)
     assert all(r["zero_signal_rollouts"] == r["rollouts"] == 8 for r in rows)
-    assert rows[-1]["cum_zero_signal_micro_usd"] == rows[-1]["cum_cost_micro_usd"]
+    assert sum(r["zero_signal_micro_usd"] for r in rows) == sum(r["cost_micro_usd"] for r in rows)
+
+
+def test_resume_refuses_a_changed_run_file_unless_forced(tiny: Path, tmp_path: Path) -> None:
+    from training.grpo.config import ConfigError
+
+    run(make_cfg(tiny, trl={"max_steps": 2, "save_steps": 2}), tmp_path)
+    changed = make_cfg(tiny, trl={"max_steps": 3, "save_steps": 2, "learning_rate": 1e-3})
+    with pytest.raises(ConfigError, match=r"trl.learning_rate .*--force"):
+        run(changed, tmp_path, resume="auto")
+    more_steps = make_cfg(tiny, trl={"max_steps": 3, "save_steps": 2})  # max_steps is not a hyper-parameter
+    assert run(more_steps, tmp_path, resume="auto")["global_step"] == 3
+    s = run(
+        make_cfg(tiny, trl={"max_steps": 4, "save_steps": 2, "learning_rate": 1e-3}),
+        tmp_path,
+        resume="auto",
+        force=True,
+    )
+    assert s["global_step"] == 4 and (tmp_path / "config.previous.yaml").is_file()
+
+
+def test_dirty_git_tree_is_refused_unless_allowed(tmp_path: Path) -> None:
+    import subprocess
+
+    from training.grpo.config import ConfigError
+    from training.grpo.run import check_clean_tree
+
+    def git(*a: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("a\n")
+    git("add", "f.txt")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x")
+    assert not check_clean_tree(tmp_path).endswith("-dirty")
+    (tmp_path / "f.txt").write_text("b\n")
+    with pytest.raises(ConfigError, match="--allow-dirty"):
+        check_clean_tree(tmp_path)
+    assert check_clean_tree(tmp_path, allow_dirty=True).endswith("-dirty")

@@ -16,11 +16,16 @@ def grpo(
     output_dir: Path | None = typer.Option(None, "--output-dir", help="Override the run directory."),
     resume: str | None = typer.Option(None, "--resume", help="'auto' (last checkpoint in the run dir) or a path."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    force: bool = typer.Option(False, "--force", help="Resume even though the run file changed rewards/hparams."),
+    allow_dirty: bool = typer.Option(
+        False, "--allow-dirty", help="Run from a git tree with uncommitted changes (the tag records -dirty)."
+    ),
 ) -> None:
     """Run GRPO on TRL's GRPOTrainer; writes the run directory (config, metrics, ledger, plots, model, card).
 
     Exit codes: 0 done (also when a monitor, a budget or exhausted data stopped the run early; the reason is
-    printed and in summary.json), 2 invalid configuration.
+    printed and in summary.json), 2 invalid configuration, a dirty git tree without ``--allow-dirty`` or a resume
+    whose run file changed without ``--force``.
     """
     import json
 
@@ -28,11 +33,14 @@ def grpo(
 
     require("trl", "train", "thinkgate train grpo")
     from training.grpo.config import ConfigError, load_config
-    from training.grpo.run import run_grpo
+    from training.grpo.run import check_clean_tree, run_grpo
 
     try:
         cfg = load_config(config)
-        summary = run_grpo(cfg, max_steps=max_steps, output_dir=output_dir, resume=resume, progress=not quiet)
+        check_clean_tree(allow_dirty=allow_dirty)
+        summary = run_grpo(
+            cfg, max_steps=max_steps, output_dir=output_dir, resume=resume, progress=not quiet, force=force
+        )
     except ConfigError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2) from e

@@ -1,14 +1,23 @@
 """Cost ledger: what every optimizer step cost, in tokens, device time and money, with budgets that stop the run.
 
-One row per optimizer step in ``<run>/ledger.jsonl`` (appended and flushed as the run goes; ``ledger.parquet`` is
-rewritten at every checkpoint and at the end). Money is integer micro-USD, computed exactly with ``Decimal``:
-``cost_micro_usd = round_half_even(device_ms * price_usd_per_device_hour * 1e6 / 3.6e6)``, device_ms = wall_ms *
-device_count. Cumulative totals are sums of the integer per-step values (no float drift).
+Rows in ``<run>/ledger.jsonl`` (appended and flushed as the run goes; ``ledger.parquet`` is rewritten at every
+checkpoint and at the end), each with its ``phase`` split of the wall time — ``startup_ms`` (imports, model load,
+engine start), ``sampling_ms`` (rollout generation), ``reward_ms``, ``update_ms`` (log-probs, backward, optimizer:
+the rest of a step), ``eval_ms`` (held-out evaluations), ``io_ms`` (checkpoints, the saved model, card, plots):
 
-Resume: the ledger's cumulative state is saved in every checkpoint (``ledger_state.json``). Resuming from the
-checkpoint of step S keeps rows 1..S, moves rows > S of the abandoned segment to ``ledger_discarded.jsonl`` and
-continues at S+1 — each step appears once; the discarded rows' spend is kept apart (``discarded_*``) and still
-counts against the budgets (that money was spent).
+- ``kind: startup`` — process start to the first optimizer step (incl. the evaluation before training);
+- ``kind: step`` — one per optimizer step;
+- ``kind: finish`` — after the last step: saving the model, the evaluation after training, plots.
+
+So the whole process is billed, not only the training loop, and budgets count every phase. Money is integer
+micro-USD, computed exactly with ``Decimal``: ``cost_micro_usd = round_half_even(device_ms *
+price_usd_per_device_hour * 1e6 / 3.6e6)``, device_ms = wall_ms * device_count. Cumulative totals are sums of the
+integer per-row values (no float drift).
+
+Resume: the ledger's cumulative state is saved in every checkpoint (``ledger_state.json``, with the sequence number
+of the last row written). Resuming keeps the rows written up to that checkpoint, moves the later rows of the
+abandoned segment to ``ledger_discarded.jsonl`` and continues — each step appears once; the discarded rows' spend is
+kept apart (``discarded_*``) and still counts against the budgets (that money was spent).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+PHASES = ("startup", "sampling", "reward", "update", "eval", "io")
 LEDGER_FILE = "ledger.jsonl"
 DISCARDED_FILE = "ledger_discarded.jsonl"
 PARQUET_FILE = "ledger.parquet"
@@ -46,6 +56,7 @@ class StepCounters:
     generation_s: float = 0.0
     reward_s: float = 0.0
     eval_s: float = 0.0
+    io_s: float = 0.0
 
     def reset(self) -> None:
         for k, v in asdict(StepCounters()).items():
@@ -68,6 +79,20 @@ def micro_usd(device_ms: int, price_usd_per_device_hour: Decimal) -> int:
     """Integer micro-USD for ``device_ms`` device-milliseconds at a USD/device-hour price (round half even)."""
     value = Decimal(device_ms) * price_usd_per_device_hour * MICRO / MS_PER_HOUR
     return int(value.to_integral_value(rounding=ROUND_HALF_EVEN))
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall seconds since this process started (Linux ``/proc/self/stat`` start time against the boot clock), so the
+    start-up phase includes interpreter start and imports; None where that is not available."""
+    try:
+        import os
+
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22 (starttime), counting from 1, after "pid (comm)"
+        hz = os.sysconf("SC_CLK_TCK")
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / hz)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def pro_rata(micro: int, part: int, whole: int) -> int:
@@ -116,6 +141,7 @@ _TOTAL_KEYS = (
     "zero_signal_rollouts",
     "zero_signal_micro_usd",
     "wall_ms",
+    *(f"{p}_ms" for p in PHASES),
     "device_ms",
     "cost_micro_usd",
 )
@@ -156,7 +182,8 @@ class CostLedger:
         self.discarded: dict[str, int] = dict.fromkeys(_TOTAL_KEYS, 0)
         self.last_step = 0
         self.segment = 0
-        self.last_row: dict[str, Any] | None = None
+        self.seq = 0  # sequence number of the last row written (all kinds, all segments)
+        self.last_row: dict[str, Any] | None = None  # the last *step* row (projections repeat a step)
         self.warned: set[str] = set()
         self.stop_reason: str | None = None
 
@@ -166,14 +193,40 @@ class CostLedger:
 
     # -- recording -----------------------------------------------------------------------------------------------
     def record(self, step: int, c: StepCounters, wall_s: float) -> dict[str, Any]:
-        """Append the row of optimizer step ``step``; ``wall_s`` is the step's wall time in seconds."""
+        """Append the row of optimizer step ``step``; ``wall_s`` is the step's wall time in seconds (update = the
+        part not spent sampling, scoring, evaluating or saving)."""
         if step <= self.last_step:
             raise ValueError(f"ledger: step {step} already recorded (last {self.last_step}); double counting")
         wall_ms = _ms(wall_s)
-        gen_ms, rew_ms, ev_ms = _ms(c.generation_s), _ms(c.reward_s), _ms(c.eval_s)
+        phases = {
+            "startup": 0,
+            "sampling": _ms(c.generation_s),
+            "reward": _ms(c.reward_s),
+            "eval": _ms(c.eval_s),
+            "io": _ms(c.io_s),
+        }
+        phases["update"] = max(0, wall_ms - sum(phases.values()))
+        row = self._append("step", step, c, wall_ms, phases)
+        self.last_step = step
+        self.last_row = row
+        return row
+
+    def record_overhead(self, kind: str, step: int, phase_s: dict[str, float]) -> dict[str, Any]:
+        """Append a ``startup`` or ``finish`` row: ``phase_s`` maps phases (:data:`PHASES`) to seconds; the row's
+        wall time is their sum. ``step`` is the optimizer step the run stood at."""
+        unknown = set(phase_s) - set(PHASES)
+        if unknown:
+            raise ValueError(f"ledger: unknown phase(s) {sorted(unknown)}; known {PHASES}")
+        phases = {p: _ms(phase_s.get(p, 0.0)) for p in PHASES}
+        return self._append(kind, step, StepCounters(), sum(phases.values()), phases)
+
+    def _append(self, kind: str, step: int, c: StepCounters, wall_ms: int, phases: dict[str, int]) -> dict[str, Any]:
         device_ms = wall_ms * self.device_count
+        self.seq += 1
         row: dict[str, Any] = {
             "step": step,
+            "kind": kind,
+            "seq": self.seq,
             "segment": self.segment,
             "ts": round(time.time(), 3),
             "prompts": c.prompts,
@@ -184,10 +237,7 @@ class CostLedger:
             "dropped_rollouts": c.dropped_rollouts,
             "zero_signal_rollouts": c.zero_signal_rollouts,
             "wall_ms": wall_ms,
-            "generation_ms": gen_ms,
-            "reward_ms": rew_ms,
-            "eval_ms": ev_ms,
-            "update_ms": max(0, wall_ms - gen_ms - rew_ms - ev_ms),
+            **{f"{p}_ms": phases.get(p, 0) for p in PHASES},
             "device_kind": self.device_kind,
             "device_count": self.device_count,
             "device_ms": device_ms,
@@ -203,8 +253,6 @@ class CostLedger:
         if self.writer:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-        self.last_step = step
-        self.last_row = row
         return row
 
     # -- budgets -------------------------------------------------------------------------------------------------
@@ -258,6 +306,7 @@ class CostLedger:
         return {
             "last_step": self.last_step,
             "segment": self.segment,
+            "seq": self.seq,
             "totals": self.totals,
             "discarded": self.discarded,
             "warned": sorted(self.warned),
@@ -282,15 +331,28 @@ class CostLedger:
         self.stop_reason = None
         keep, drop = [], []
         max_segment = int(st.get("segment", 0))
+        ckpt_seq = st.get("seq")  # None: a state written before rows had sequence numbers (keep by step)
+        max_seq = int(ckpt_seq or 0)
+        discarded_path = self.run_dir / DISCARDED_FILE
+        for path in (self.path, discarded_path):
+            if path.is_file():
+                for line in path.read_text().splitlines():
+                    if line.strip():
+                        r = json.loads(line)
+                        max_seq = max(max_seq, int(r.get("seq", 0)))
+                        max_segment = max(max_segment, int(r.get("segment", 0)))
         if self.path.is_file():
             for line in self.path.read_text().splitlines():
                 if not line.strip():
                     continue
                 row = json.loads(line)
-                max_segment = max(max_segment, int(row.get("segment", 0)))
-                (keep if row["step"] <= self.last_step else drop).append(row)
-        discarded_path = self.run_dir / DISCARDED_FILE
+                if ckpt_seq is not None and "seq" in row:
+                    kept = int(row["seq"]) <= int(ckpt_seq)
+                else:
+                    kept = row["step"] <= self.last_step
+                (keep if kept else drop).append(row)
         self.segment = max_segment + 1
+        self.seq = max_seq
         if not self.writer:
             self.discarded = {k: self.discarded[k] + sum(int(r.get(k, 0)) for r in drop) for k in _TOTAL_KEYS}
             return
@@ -326,8 +388,8 @@ class CostLedger:
         return out
 
     def summary(self, accuracy_before: float | None = None, accuracy_after: float | None = None) -> dict[str, Any]:
-        """Totals, spend incl. discarded, and cost per accuracy point (USD per +1 percentage point of held-out
-        accuracy; None when accuracy did not improve or was not measured)."""
+        """Totals, spend incl. discarded, billed ms by phase, and cost per accuracy point (USD per +1 percentage
+        point of held-out accuracy, evaluations included; None when accuracy did not improve or was not measured)."""
         spent = self.spent()
         usd = Decimal(self.totals["cost_micro_usd"]) / MICRO
         spent_usd = Decimal(spent["cost_micro_usd"]) / MICRO
@@ -348,6 +410,7 @@ class CostLedger:
             "usd": str(usd),
             "spent_usd": str(spent_usd),
             "device_hours": spent["device_ms"] / 3.6e6,
+            "billed_ms_by_phase": {p: spent[f"{p}_ms"] for p in PHASES},
             "accuracy_before": accuracy_before,
             "accuracy_after": accuracy_after,
             "accuracy_gain_pp": gain_pp,

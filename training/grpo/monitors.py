@@ -194,9 +194,28 @@ class LedgerCallback(TrainerCallback):
     ) -> None:
         self.ledger, self.counters, self.alert_log, self.reduce = ledger, counters, alert_log, reduce
         self._t = time.perf_counter()
+        # set by the run: perf_counter() at process start, and the evaluation before training (seconds)
+        self.startup_t0: float | None = None
+        self.pre_eval_s = 0.0
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        now = time.perf_counter()
+        if self.startup_t0 is not None:  # bill start-up (imports, model load, trainer set-up) and the first eval
+            startup = max(0.0, now - self.startup_t0 - self.pre_eval_s)
+            self.ledger.record_overhead("startup", state.global_step, {"startup": startup, "eval": self.pre_eval_s})
+            self.startup_t0 = None
+            if self._check(state.global_step, state.is_world_process_zero):
+                _stop(control)
         self._t = time.perf_counter()
+
+    def close_finish(self, step: int, eval_s: float) -> None:
+        """Bill everything after the last step row (saving, the evaluation after training, plots) as a ``finish``
+        row: ``eval_s`` of it was evaluation, the rest io."""
+        now = time.perf_counter()
+        total, self._t = now - self._t, now
+        ev = eval_s + self.counters.eval_s
+        self.counters.reset()
+        self.ledger.record_overhead("finish", step, {"eval": ev, "io": max(0.0, total - ev)})
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if self.close_step(state.global_step, state.is_world_process_zero):
@@ -212,6 +231,9 @@ class LedgerCallback(TrainerCallback):
         if self.reduce is not None:
             snap, wall = self.reduce(snap, wall)
         self.ledger.record(step, snap, wall)
+        return self._check(step, is_main)
+
+    def _check(self, step: int, is_main: bool) -> bool:
         check = self.ledger.check()
         if is_main:
             for w in check.warnings:

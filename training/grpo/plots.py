@@ -31,6 +31,7 @@ def line_plot(
     ylabel: str,
     lines: Sequence[tuple[str, tuple[Sequence[float], Sequence[float]]]],
     xlabel: str = "optimizer step",
+    hlines: Sequence[tuple[str, float]] = (),
 ) -> Path | None:
     """One PNG with a line per ``(label, (xs, ys))``; empty series are left out and nothing is written (None)
     when all are empty. Shared by the run plots below and the ``bench/grpo_*.py`` experiment figures."""
@@ -46,6 +47,8 @@ def line_plot(
     fig, ax = plt.subplots(figsize=(6.5, 3.8), dpi=100)
     for label, (xs, ys) in lines:
         ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=label)
+    for (label, y), style in zip(hlines, ("-", "--", ":"), strict=False):
+        ax.axhline(y, color="tab:red", linestyle=style, linewidth=1, label=label)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -60,10 +63,29 @@ def line_plot(
 _plot = line_plot
 
 
-def plot_run(run_dir: str | Path) -> list[Path]:
-    """Write ``plots/{reward,length,entropy,signal,cost}.png`` under ``run_dir``; returns the files written."""
+def budget_lines(budget_usd: str | None, warn_fraction: float) -> list[tuple[str, float]]:
+    """Horizontal lines of the cost plot, in micro-USD: the budget and its warning line (none without a budget)."""
+    if budget_usd is None:
+        return []
+    from decimal import Decimal
+
+    budget = float(Decimal(str(budget_usd)) * 1_000_000)
+    return [(f"budget ${budget_usd}", budget), (f"warning ({warn_fraction:.0%})", budget * warn_fraction)]
+
+
+def dedupe_by_step(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Keep the last row per step (a resumed run re-logs the steps after its checkpoint), in step order."""
+    last: dict[Any, dict[str, Any]] = {}
+    for r in rows:
+        last[r.get("step")] = r
+    return sorted(last.values(), key=lambda r: r.get("step") or 0)
+
+
+def plot_run(run_dir: str | Path, budget_usd: str | None = None, warn_fraction: float = 0.8) -> list[Path]:
+    """Write ``plots/{reward,length,entropy,signal,cost}.png`` under ``run_dir``; returns the files written. The
+    cost plot shows the cumulative spend per ledger row (start-up at step 0) with the budget and warning lines."""
     run = Path(run_dir)
-    metrics = [r for r in _read_jsonl(run / "metrics.jsonl") if "loss" in r or "reward" in r]
+    metrics = dedupe_by_step([r for r in _read_jsonl(run / "metrics.jsonl") if "loss" in r or "reward" in r])
     ledger = _read_jsonl(run / "ledger.jsonl")
     out = run / "plots"
     out.mkdir(exist_ok=True)
@@ -99,7 +121,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             out / "cost.png",
             "Cumulative cost",
             "micro-USD",
-            [("cost (micro-USD)", _series(ledger, "cum_cost_micro_usd"))],
+            [("spent (micro-USD)", _series(ledger, "spent_micro_usd"))],
+            hlines=budget_lines(budget_usd, warn_fraction),
         ),
     ]
     return [p for p in written if p is not None]

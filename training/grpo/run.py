@@ -100,6 +100,68 @@ def build_grpo_args(cfg: RunConfig, run_dir: Path, reward_weights: list[float], 
     )
 
 
+# Config sections whose change alters what is learned or how it is counted; `trl` minus _NON_HPARAMS.
+_COMPARED_SECTIONS = ("model", "task", "budget_prompt", "rewards", "advantages", "dynamic_sampling", "ledger")
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``"section.key (old -> new)"`` for each compared field that differs between two resolved run configs
+    (:data:`_COMPARED_SECTIONS` and the TRL options except :data:`_NON_HPARAMS`); empty when compatible."""
+    out: list[str] = []
+    for sec in _COMPARED_SECTIONS:
+        a, b = old.get(sec), new.get(sec)
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                if a.get(k) != b.get(k):
+                    out.append(f"{sec}.{k} ({a.get(k)!r} -> {b.get(k)!r})")
+        elif a != b:
+            out.append(f"{sec} ({a!r} -> {b!r})")
+    ta, tb = old.get("trl") or {}, new.get("trl") or {}
+    for k in sorted((set(ta) | set(tb)) - _NON_HPARAMS):
+        if ta.get(k) != tb.get(k):
+            out.append(f"trl.{k} ({ta.get(k)!r} -> {tb.get(k)!r})")
+    return out
+
+
+LOG_FILES = ("metrics.jsonl", "heldout.jsonl", "alerts.jsonl")
+
+
+def drop_logs_after(run_dir: Path, step: int) -> int:
+    """Resume from the checkpoint of ``step``: drop the lines of ``metrics.jsonl``, ``heldout.jsonl`` and
+    ``alerts.jsonl`` logged after it (the abandoned segment re-runs those steps); returns the lines dropped."""
+    dropped = 0
+    for name in LOG_FILES:
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        keep = []
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                s = json.loads(line).get("step")
+            except json.JSONDecodeError:
+                continue
+            if isinstance(s, int) and s > step:
+                dropped += 1
+            else:
+                keep.append(line + "\n")
+        path.write_text("".join(keep))
+    return dropped
+
+
+def check_clean_tree(repo: Path = REPO_ROOT, allow_dirty: bool = False) -> str:
+    """The code's commit (:func:`git_commit`); raises :class:`ConfigError` when tracked files have uncommitted
+    changes and not ``allow_dirty`` — a model from a dirty tree cannot be reproduced from its tag."""
+    commit = git_commit(repo)
+    if commit.endswith("-dirty") and not allow_dirty:
+        raise ConfigError(
+            f"the git tree at {repo} has uncommitted changes to tracked files ({commit}): commit them, or pass "
+            "--allow-dirty (the ledger's git_commit tag then records -dirty)"
+        )
+    return commit
+
+
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
 
@@ -114,11 +176,16 @@ def run_grpo(
     train_problems: Sequence[Any] | None = None,
     eval_problems: Sequence[Any] | None = None,
     progress: bool = True,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Run (or resume: ``"auto"`` = last checkpoint in the run dir, or a checkpoint path) and return the summary.
 
     ``verifier`` and the problem lists default to ``router.tasks`` (tests inject toy ones).
     """
+    from training.grpo.ledger import seconds_since_process_start
+
+    since_start = seconds_since_process_start()
+    process_t0 = time.perf_counter() - (since_start if since_start is not None else 0.0)
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -147,7 +214,19 @@ def run_grpo(
             raise ConfigError(f"--resume auto: no checkpoint-* in {run_dir}")
     elif (run_dir / "ledger.jsonl").exists():
         raise ConfigError(f"{run_dir} already holds a run (ledger.jsonl): pass --resume auto or a new --output-dir")
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    config_path = run_dir / "config.yaml"
+    if checkpoint and config_path.is_file():
+        changed = config_changes(yaml.safe_load(config_path.read_text()) or {}, cfg.to_dict())
+        if changed and not force:
+            raise ConfigError(
+                "--resume: the run file differs from the run's config.yaml in "
+                + "; ".join(changed)
+                + ": resuming would mix two runs under one ledger; pass --force to resume anyway"
+            )
+        if changed:
+            logger.warning("--resume --force with a changed config: %s", "; ".join(changed))
+            (run_dir / "config.previous.yaml").write_text(config_path.read_text())
+    config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
 
@@ -263,6 +342,7 @@ def run_grpo(
     )
     if checkpoint:
         ledger.resume(checkpoint)
+        drop_logs_after(run_dir, int(Path(checkpoint).name.rsplit("-", 1)[-1]))
         trainer.load_thinkgate_state(checkpoint)
         mstate = Path(checkpoint) / "monitor_state.json"
         if mstate.is_file():
@@ -280,6 +360,7 @@ def run_grpo(
             before = evaluate_rows(model, eval_rows)
             t_eval += time.perf_counter() - t0
             _write_json(before_path, before)
+    ledger_cb.startup_t0, ledger_cb.pre_eval_s = process_t0, t_eval
 
     stop_reason = None
     t_train = time.perf_counter()
@@ -301,11 +382,26 @@ def run_grpo(
     trainer.save_model(str(model_dir))
     tokenizer.save_pretrained(model_dir)
     after = None
+    t_after = 0.0
     if cfg.eval.after:
         t0 = time.perf_counter()
         after = evaluate_rows(trainer.model, eval_rows)
-        t_eval += time.perf_counter() - t0
+        t_after = time.perf_counter() - t0
+        t_eval += t_after
         _write_json(run_dir / "eval_after.json", after)
+
+    # Relative to the working directory when the run is under it (a run in the repo can be committed as is).
+    shown_dir = model_dir.resolve()
+    if shown_dir.is_relative_to(Path.cwd()):
+        shown_dir = shown_dir.relative_to(Path.cwd())
+    (run_dir / "tier.yaml").write_text(
+        tier_snippet(cfg.output.tier_name, cfg.output.served_model_name, cfg.output.base_url, shown_dir, max_len, after)
+    )
+    if trainer.is_world_process_zero():
+        plot_run(run_dir, budget_usd=lc.budget_usd, warn_fraction=lc.warn_fraction)
+    # the finish row bills saving, the evaluation after training and the plots; the summary includes it
+    ledger_cb.close_finish(trainer.state.global_step, t_after)
+    ledger.write_parquet()
 
     ledger.stop_reason = stop_reason
     summary = ledger.summary(
@@ -323,15 +419,6 @@ def run_grpo(
     cfg_dict = cfg.to_dict()
     cfg_dict["trl"] = trl_kw
     (model_dir / "README.md").write_text(model_card(cfg.run_name, cfg.model.path, cfg_dict, before, after, summary))
-    # Relative to the working directory when the run is under it (a run in the repo can be committed as is).
-    shown_dir = model_dir.resolve()
-    if shown_dir.is_relative_to(Path.cwd()):
-        shown_dir = shown_dir.relative_to(Path.cwd())
-    (run_dir / "tier.yaml").write_text(
-        tier_snippet(cfg.output.tier_name, cfg.output.served_model_name, cfg.output.base_url, shown_dir, max_len, after)
-    )
-    ledger.write_parquet()
-    plot_run(run_dir)
     return summary
 
 
@@ -356,10 +443,12 @@ def _make_reduce(trainer: Any) -> Any:
             device=trainer.accelerator.device,
         )
         secs = torch.tensor(
-            [c.generation_s, c.reward_s, c.eval_s, wall], dtype=torch.float64, device=trainer.accelerator.device
+            [c.generation_s, c.reward_s, c.eval_s, c.io_s, wall],
+            dtype=torch.float64,
+            device=trainer.accelerator.device,
         )
         ints = trainer.accelerator.reduce(ints, reduction="sum").tolist()
         secs = trainer.accelerator.reduce(secs, reduction="mean").tolist()
-        return StepCounters(*ints, *secs[:3]), secs[3]
+        return StepCounters(*ints, *secs[:4]), secs[4]
 
     return reduce

@@ -217,6 +217,13 @@ class ThinkGateGRPOTrainer(GRPOTrainer):
 
     # -- checkpoint state ----------------------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._save_checkpoint_inner(model, trial)
+        finally:
+            self.counters.io_s += time.perf_counter() - t0
+
+    def _save_checkpoint_inner(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
         if not self.args.should_save:
             return
