@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from training.grpo.config import RunConfig, from_dict
+from training.grpo.config import MonitorRule, RunConfig, from_dict
 from training.grpo.reward_utils import exact_answer_verifier
 from training.grpo.rewards import REWARD_REGISTRY
 
@@ -214,3 +214,44 @@ def test_dynamic_sampling_merge_keeps_each_rollout_whole(
     for r in rows:
         assert r["rollouts"] == 16 + r["dropped_rollouts"], r  # trained + dropped = rolled out
         assert r["zero_signal_rollouts"] >= r["dropped_rollouts"]
+
+
+def test_early_stop_on_heldout_drop_publishes_the_best_checkpoint(tiny: Path, bound: int, tmp_path: Path) -> None:
+    """Held-out 'accuracy' = a sampled completion has 25-75% low tokens: it rises while training pushes the share
+    up from ~0.25, then falls when the share passes 0.75. The drop_from_best rule stops the run and model/ holds the
+    weights of the best periodic check, not the last ones."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+
+    def window(row: Any, text: str) -> bool:
+        ids = tok.encode(text, add_special_tokens=False)
+        share = sum(t < bound for t in ids) / max(1, len(ids))
+        return 0.25 <= share <= 0.75
+
+    cfg = learn_cfg(tiny, bound, dynamic=False)
+    cfg.model.thinks = False
+    cfg.eval.every_steps = 2
+    cfg.eval.max_new_tokens = 8
+    cfg.eval.temperature, cfg.eval.samples = 1.0, 4  # seeded sampling: the greedy output of a random model repeats
+    cfg.eval.after = True
+    cfg.monitors.rules = [
+        MonitorRule("heldout_drop", "heldout/accuracy", "drop_from_best", 0.2, patience=1, action="stop")
+    ]
+    cfg.trl["max_steps"] = 30
+    from training.grpo.run import run_grpo
+
+    s = run_grpo(
+        cfg, output_dir=tmp_path, verifier=window, train_problems=PROBLEMS, eval_problems=PROBLEMS, progress=False
+    )
+    heldout = [json.loads(x) for x in (tmp_path / "heldout.jsonl").read_text().splitlines()]
+    accs = [h["accuracy"] for h in heldout]
+    best_i = accs.index(max(accs))
+    assert "heldout_drop" in (s["stop_reason"] or ""), (s["stop_reason"], accs)
+    assert s["global_step"] < 30 and s["published_step"] == heldout[best_i]["step"] < s["global_step"]
+    assert s["best_heldout"] == {"step": heldout[best_i]["step"], "accuracy": max(accs)}
+    assert s["accuracy_after"] == pytest.approx(max(accs))  # model/ is the best model, evaluated on the same set
+    best = load_file(tmp_path / "best" / "model.safetensors")
+    published = load_file(tmp_path / "model" / "model.safetensors")
+    assert all(torch.equal(best[k], published[k]) for k in best)

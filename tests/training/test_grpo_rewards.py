@@ -269,6 +269,7 @@ def test_build_rewards_names_weights_and_defaults() -> None:
 # -- cut-off thoughts ------------------------------------------------------------------------------------------
 def _arith_row() -> dict:
     from router import tasks
+
     p = tasks.load_task("arith", "train", 1, seed=0, difficulties=[5])[0]
     return {
         "problem_id": p.id,
@@ -331,3 +332,27 @@ def test_thinking_is_detected_from_the_chat_template() -> None:
     assert not template_opens_thought(tok)
     tok.chat_template = tok.chat_template.replace("A:", "A:<think>\n\n</think>\n\n")  # thinking switched off
     assert not template_opens_thought(tok)
+
+
+def test_l1_max_gets_the_papers_max_prompt() -> None:
+    from training.grpo.config import BudgetPromptConfig
+    from training.grpo.data import problem_rows, resolve_budget_prompt
+
+    class P:
+        id, question, answer, difficulty, source = "p", "What is 2 + 2?", "4", 1, "arith"
+
+    bp = BudgetPromptConfig(enabled=True, min_tokens=10, max_tokens=10)
+    mx = problem_rows([P()], resolve_budget_prompt(bp, ["l1_max"]))[0]
+    assert mx["prompt"][0]["content"].endswith("Think for maximum 10 tokens.") and mx["budget_tokens"] == 10
+    ex = problem_rows([P()], resolve_budget_prompt(bp, ["correctness", "l1_exact"]))[0]
+    assert ex["prompt"][0]["content"].endswith("Think for 10 tokens.")
+    own = BudgetPromptConfig(enabled=True, template="Budget: {budget}.")
+    assert resolve_budget_prompt(own, ["l1_max"]).template == "Budget: {budget}."  # a chosen template is kept
+
+
+def test_correctness_plus_minus_one() -> None:
+    """DAPO's rule-based reward is +1 / -1 (arXiv 2503.14476, eq. 7): ``params: {wrong: -1}``."""
+    ctx = RewardContext(exact_answer_verifier, max_completion_length=40, num_generations=2)
+    (fn,), _ = build_rewards([RewardSpec("correctness", 1.0, {"wrong": -1.0})], ctx)
+    out = fn(prompts=["p"] * 3, completions=["x</think>7", "x</think>8", "cut off 7"], answer=["7"] * 3)
+    assert out == [1.0, -1.0, -1.0]

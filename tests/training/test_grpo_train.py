@@ -374,3 +374,49 @@ def test_dirty_git_tree_is_refused_unless_allowed(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--allow-dirty"):
         check_clean_tree(tmp_path)
     assert check_clean_tree(tmp_path, allow_dirty=True).endswith("-dirty")
+
+
+def test_truncation_alarm_is_on_by_default(tiny: Path, tmp_path: Path) -> None:
+    """A new user's run whose cap is far below the model's length: every completion is cut (clipped_ratio = 1).
+    The default rules warn at once (log + alerts.jsonl), then stop with the advice after 5 steps above 0.8."""
+    cfg = make_cfg(tiny, trl={"max_steps": 10, "max_completion_length": 4})
+    s = run(cfg, tmp_path, verifier=lambda row, text: True)
+    alerts = [json.loads(x) for x in (tmp_path / "alerts.jsonl").read_text().splitlines()]
+    warns = [a for a in alerts if a["rule"] == "truncation"]
+    assert len(warns) == 1 and warns[0]["step"] == 1 and "max_completion_length" in warns[0]["message"]
+    assert s["global_step"] == 5 and "truncation_stop" in s["stop_reason"]
+    assert "raise it" in s["stop_reason"]
+    logs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in logs if "loss" in m]
+    assert all(m["completions/clipped_ratio"] == 1.0 for m in train)
+    # an accept-anything verifier, yet most cut-off rollouts score 0: only those that closed a thought can count
+    assert all(m["rewards/correctness/mean"] < 0.5 for m in train)
+
+
+def test_budget_stop_below_the_quality_floor_says_so(tiny: Path, tmp_path: Path) -> None:
+    cfg = make_cfg(
+        tiny,
+        ledger={"budget_sampled_tokens": 1, "quality_floor": 0.9},
+        eval={"before": False, "after": False, "every_steps": 1, "every_n": 2},
+        trl={"max_steps": 3},
+    )
+    s = run(cfg, tmp_path)  # stops at step 1, before its periodic check ran: no accuracy measured yet
+    assert s["stop_reason"].startswith("stopped below quality floor (best held-out accuracy none < 0.9): budget")
+    assert s["below_quality_floor"] is True
+
+
+def test_past_warning_continue_below_floor_stops_once_the_floor_is_met(tiny: Path, tmp_path: Path) -> None:
+    cfg = make_cfg(
+        tiny,
+        ledger={
+            "budget_sampled_tokens": 100_000,
+            "warn_fraction": 0.00001,
+            "quality_floor": 0.0,
+            "past_warning": "continue_below_floor",
+        },
+        eval={"before": False, "after": False, "every_steps": 1, "every_n": 2},
+        trl={"max_steps": 3},
+    )
+    s = run(cfg, tmp_path)  # floor 0.0 is met at the check after step 1: the warning line stops the run at step 2
+    assert s["global_step"] == 2 and "warning line reached" in s["stop_reason"]
+    assert s["below_quality_floor"] is False

@@ -69,7 +69,11 @@ class BudgetPromptConfig:
     enabled: bool = _f(False, "Append a 'think for N tokens' instruction and a budget_tokens column.")
     min_tokens: int = _f(16, "Smallest budget N (tokens), sampled uniformly per problem.")
     max_tokens: int = _f(96, "Largest budget N (tokens).")
-    template: str = _f("Think for {budget} tokens.", "Instruction appended to the question; {budget} = N.")
+    template: str = _f(
+        "Think for {budget} tokens.",
+        "Instruction appended to the question; {budget} = N. With l1_max this default becomes the paper's L1-Max "
+        "wording 'Think for maximum {budget} tokens.'",
+    )
     seed: int = _f(0, "Seed for the budget draw.")
 
 
@@ -126,14 +130,24 @@ class MonitorRule:
     metric: str = _f(
         "entropy", "Logged metric key, e.g. entropy, signal/effective_ratio, eval_rewards/correctness/mean."
     )
-    condition: Literal["below", "above", "slope_below", "no_gain"] = _f(
-        "below", "below/above threshold; slope_below: least-squares slope per step over `window`; no_gain."
+    condition: Literal["below", "above", "slope_below", "no_gain", "drop_from_best"] = _f(
+        "below",
+        "below/above threshold; slope_below: least-squares slope per step over `window`; no_gain; drop_from_best: "
+        "the value is more than `threshold` below the best seen so far (early stop on held-out accuracy).",
     )
     threshold: float = _f(0.0, "Threshold (for slope_below: units of the metric per optimizer step).")
     patience: int = _f(1, "Consecutive observations meeting the condition before the rule fires.")
     window: int = _f(5, "Observations in the slope window.")
     min_delta: float = _f(0.0, "no_gain: an improvement must exceed this.")
     action: Literal["warn", "stop"] = _f("warn", "warn: log an alert. stop: checkpoint, then stop training.")
+    repeat: bool = _f(True, "Alert again each time the condition holds for `patience` observations; False = once.")
+    hint: str = _f("", "Advice appended to the alert message (what to change).")
+
+
+_TRUNCATION_HINT = (
+    "completions are cut by trl.max_completion_length before they finish: raise it (or shorten the model's "
+    "thoughts first); a cut-off thought scores wrong, so the run learns little but to stop early"
+)
 
 
 def _default_rules() -> list[MonitorRule]:
@@ -142,6 +156,21 @@ def _default_rules() -> list[MonitorRule]:
         MonitorRule("entropy_falling", "entropy", "slope_below", -0.05, patience=2, window=8, action="warn"),
         MonitorRule("no_signal", "signal/effective_ratio", "below", 0.05, patience=8, action="stop"),
         MonitorRule("no_eval_gain", "eval_rewards/correctness/mean", "no_gain", 0.0, patience=4, action="warn"),
+        # TRL's completions/clipped_ratio: the share of rollouts that hit max_completion_length without EOS
+        MonitorRule(
+            "truncation", "completions/clipped_ratio", "above", 0.3, action="warn", repeat=False, hint=_TRUNCATION_HINT
+        ),
+        MonitorRule(
+            "truncation_stop",
+            "completions/clipped_ratio",
+            "above",
+            0.8,
+            patience=5,
+            action="stop",
+            hint=_TRUNCATION_HINT,
+        ),
+        # early stop on the periodic held-out check (eval.every_steps); the best checkpoint is published as model/
+        MonitorRule("heldout_drop", "heldout/accuracy", "drop_from_best", 0.05, patience=2, action="stop"),
     ]
 
 
@@ -165,6 +194,16 @@ class LedgerConfig:
     budget_sampled_tokens: int | None = _f(None, "Hard budget in sampled (generated) tokens.")
     warn_fraction: float = _f(0.8, "Warn once when a budget is this fraction spent.")
     stop_on_projection: bool = _f(True, "Stop before a step that is projected (from the last step) to exceed a budget.")
+    quality_floor: float | None = _f(
+        None,
+        "Held-out accuracy (the periodic check, heldout/accuracy) the run is meant to reach. A budget stop before it "
+        "is recorded as 'stopped below quality floor'.",
+    )
+    past_warning: Literal["continue", "stop", "continue_below_floor"] = _f(
+        "continue",
+        "At the warning line (warn_fraction of a budget): continue to the hard budget, stop there, or continue only "
+        "while the best held-out accuracy is below quality_floor (spend the reserve to reach the floor).",
+    )
 
     def prices(self) -> dict[str, Decimal]:
         return {k: Decimal(str(v)) for k, v in self.price_usd_per_device_hour.items()}
@@ -182,6 +221,11 @@ class EvalConfig:
         None, "Also evaluate greedily every N optimizer steps (heldout.jsonl; metric heldout/accuracy for monitors)."
     )
     every_n: int | None = _f(None, "Held-out problems used by the periodic evaluation (None = all n_eval).")
+    publish_best: bool = _f(
+        True,
+        "With every_steps: keep the weights of the best periodic held-out accuracy (best/) and publish them as model/ "
+        "when they beat the last weights (the final weights are checked too).",
+    )
 
 
 @dataclass
@@ -364,6 +408,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("ledger.extra_devices: must be >= 0")
     if not 0 < cfg.ledger.warn_fraction <= 1:
         raise ConfigError("ledger.warn_fraction: must be in (0, 1]")
+    if cfg.ledger.past_warning == "continue_below_floor" and cfg.ledger.quality_floor is None:
+        raise ConfigError("ledger.past_warning: continue_below_floor needs ledger.quality_floor")
+    if cfg.ledger.quality_floor is not None and not cfg.eval.every_steps:
+        raise ConfigError("ledger.quality_floor: needs eval.every_steps (the floor is read from the periodic check)")
     for r in cfg.monitors.rules:
         if r.patience < 1 or r.window < 2:
             raise ConfigError(f"monitors.rules.{r.name}: patience >= 1 and window >= 2 required")

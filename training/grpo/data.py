@@ -7,6 +7,7 @@ prompt opens ``<think>``), ``problem_id``, ``question``, ``answer``, ``difficult
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,19 @@ def problem_rows(problems: Sequence[Any], budget: BudgetPromptConfig | None = No
         row["prompt"] = [{"role": "user", "content": question}]
         rows.append(row)
     return rows
+
+
+L1_EXACT_TEMPLATE = "Think for {budget} tokens."
+L1_MAX_TEMPLATE = "Think for maximum {budget} tokens."
+
+
+def resolve_budget_prompt(budget: BudgetPromptConfig, reward_names: Sequence[str]) -> BudgetPromptConfig:
+    """The budget instruction as the L1 paper (arXiv 2503.04697) words it per mode: L1-Max trains on "Think for
+    maximum N tokens.", L1-Exact on "Think for N tokens." — the default template is switched to the L1-Max wording
+    when ``l1_max`` is among the rewards; a template set in the run file is kept as written."""
+    if "l1_max" in reward_names and budget.template == L1_EXACT_TEMPLATE:
+        return dataclasses.replace(budget, template=L1_MAX_TEMPLATE)
+    return budget
 
 
 def load_problems(task: TaskConfig, split: str, n: int) -> list[Any]:

@@ -167,6 +167,8 @@ class CostLedger:
         warn_fraction: float = 0.8,
         stop_on_projection: bool = True,
         writer: bool = True,
+        quality_floor: float | None = None,
+        past_warning: str = "continue",
     ) -> None:
         self.writer = writer  # False on non-main processes: same arithmetic and decisions, no files
         self.run_dir = Path(run_dir)
@@ -178,6 +180,9 @@ class CostLedger:
         self.tags = dict(tags or {})
         self.warn_fraction = warn_fraction
         self.stop_on_projection = stop_on_projection
+        self.quality_floor = quality_floor
+        self.past_warning = past_warning
+        self.best_quality: float | None = None  # best held-out accuracy so far (set by the periodic check)
         self.totals: dict[str, int] = dict.fromkeys(_TOTAL_KEYS, 0)
         self.discarded: dict[str, int] = dict.fromkeys(_TOTAL_KEYS, 0)
         self.last_step = 0
@@ -297,9 +302,26 @@ class CostLedger:
             if used >= self.warn_fraction * limit and name not in self.warned:
                 self.warned.add(name)
                 out.warnings.append(f"budget {name}: {fmt(used)} of {fmt(limit)} spent ({used / limit:.0%})")
+            at_warning = used >= self.warn_fraction * limit and not out.stop_reason
+            if at_warning and (
+                self.past_warning == "stop" or (self.past_warning == "continue_below_floor" and self.floor_met())
+            ):
+                out.stop_reason = f"budget {name}: warning line reached ({fmt(used)} of {fmt(limit)})"
+        if out.stop_reason and self.quality_floor is not None and not self.floor_met():
+            best = "none" if self.best_quality is None else f"{self.best_quality:.4g}"
+            out.stop_reason = (
+                f"stopped below quality floor (best held-out accuracy {best} < {self.quality_floor:g}): "
+                + out.stop_reason
+            )
         if out.stop_reason:
             self.stop_reason = out.stop_reason
         return out
+
+    def floor_met(self) -> bool:
+        """True when the best held-out accuracy reached ``quality_floor`` (or there is no floor)."""
+        if self.quality_floor is None:
+            return True
+        return self.best_quality is not None and self.best_quality >= self.quality_floor
 
     # -- checkpoint / resume ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

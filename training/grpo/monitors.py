@@ -57,6 +57,7 @@ class Alert:
 class _RuleState:
     def __init__(self, window: int) -> None:
         self.count = 0
+        self.fired = False
         self.best: float | None = None
         self.points: deque[tuple[float, float]] = deque(maxlen=window)
 
@@ -95,34 +96,43 @@ class RuleEngine:
                     met = False
                 else:
                     met = True
+            elif r.condition == "drop_from_best":
+                st.best = value if st.best is None else max(st.best, value)
+                met = value < st.best - r.threshold
             else:  # pragma: no cover - validated by the config Literal
                 raise ValueError(r.condition)
             st.count = st.count + 1 if met else 0
-            if st.count >= r.patience:
+            if st.count >= r.patience and (r.repeat or not st.fired):
                 st.count = 0
-                alerts.append(Alert(step, r.name, r.metric, value, r.action, _message(r, value)))
+                st.fired = True
+                alerts.append(Alert(step, r.name, r.metric, value, r.action, _message(r, value, st.best)))
         return alerts, derived
 
     def state_dict(self) -> dict[str, Any]:
-        return {n: {"count": s.count, "best": s.best, "points": list(s.points)} for n, s in self.states.items()}
+        return {
+            n: {"count": s.count, "best": s.best, "fired": s.fired, "points": list(s.points)}
+            for n, s in self.states.items()
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, s in state.items():
             if name in self.states:
                 st = self.states[name]
-                st.count, st.best = int(s["count"]), s["best"]
+                st.count, st.best, st.fired = int(s["count"]), s["best"], bool(s.get("fired", False))
                 st.points.clear()
                 st.points.extend(tuple(p) for p in s["points"])
 
 
-def _message(r: MonitorRule, value: float) -> str:
+def _message(r: MonitorRule, value: float, best: float | None = None) -> str:
     what = {
         "below": f"{r.metric} = {value:.4g} below {r.threshold:g}",
         "above": f"{r.metric} = {value:.4g} above {r.threshold:g}",
         "slope_below": f"slope of {r.metric} over {r.window} logs = {value:.4g}/step below {r.threshold:g}",
         "no_gain": f"{r.metric} = {value:.4g}: no gain over the best",
+        "drop_from_best": f"{r.metric} = {value:.4g}, more than {r.threshold:g} below its best {best or 0:.4g}",
     }[r.condition]
-    return f"[{r.name}] {what} for {r.patience} consecutive observation(s) -> {r.action}"
+    msg = f"[{r.name}] {what} for {r.patience} consecutive observation(s) -> {r.action}"
+    return f"{msg}: {r.hint}" if r.hint else msg
 
 
 class AlertLog:
@@ -256,7 +266,10 @@ class HeldoutEvalCallback(TrainerCallback):
 
     Appends ``{step, accuracy, mean_completion_tokens, cum_sampled_tokens, cum_wall_ms, …}`` to
     ``heldout.jsonl`` and feeds ``heldout/accuracy`` and ``heldout/mean_completion_tokens`` to the monitor rules.
-    Its wall time is booked as ``eval`` in the next ledger row (``counters.eval_s``).
+    Its wall time is booked as ``eval`` in the next ledger row (``counters.eval_s``); saving a best model as ``io``.
+    With ``best_dir``: the weights of the best accuracy so far (strictly better; ties keep the earlier, shorter
+    trained one) are saved there with ``best.json`` ``{step, accuracy}``; at the end of training the final weights
+    are evaluated too when the last step was not.
     """
 
     def __init__(
@@ -267,17 +280,33 @@ class HeldoutEvalCallback(TrainerCallback):
         counters: StepCounters,
         ledger: CostLedger,
         monitor: MonitorCallback | None = None,
+        best_dir: Path | None = None,
     ) -> None:
         self.every_steps, self.evaluate, self.run_dir = every_steps, evaluate, Path(run_dir)
         self.counters, self.ledger, self.monitor = counters, ledger, monitor
+        self.best_dir = best_dir
+        self.best: dict[str, Any] | None = None
+        self.last_step = -1
+        if best_dir is not None and (best_dir / "best.json").is_file():  # a resumed run keeps its best
+            self.best = json.loads((best_dir / "best.json").read_text())
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if state.global_step % self.every_steps or kw.get("model") is None:
             return
+        self._run(args, state, control, kw["model"])
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if self.best_dir is not None and kw.get("model") is not None and 0 < state.global_step != self.last_step:
+            self._run(args, state, control, kw["model"])
+
+    def _run(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any) -> None:
+        self.last_step = state.global_step
         t0 = time.perf_counter()
-        summary = self.evaluate(kw["model"])
+        summary = self.evaluate(model)
         self.counters.eval_s += time.perf_counter() - t0
         overall = summary["overall"]
+        acc = float(overall["accuracy"])
+        self.ledger.best_quality = acc if self.ledger.best_quality is None else max(self.ledger.best_quality, acc)
         last = self.ledger.last_row or {}
         if state.is_world_process_zero:
             line = {
@@ -288,9 +317,12 @@ class HeldoutEvalCallback(TrainerCallback):
             }
             with (self.run_dir / "heldout.jsonl").open("a") as f:
                 f.write(json.dumps(line) + "\n")
+            if self.best_dir is not None and (self.best is None or acc > float(self.best["accuracy"])):
+                t1 = time.perf_counter()
+                self.best = {"step": state.global_step, "accuracy": acc}
+                getattr(model, "module", model).save_pretrained(self.best_dir)
+                (self.best_dir / "best.json").write_text(json.dumps(self.best))
+                self.counters.io_s += time.perf_counter() - t1
         if self.monitor is not None:
-            logs = {
-                "heldout/accuracy": overall["accuracy"],
-                "heldout/mean_completion_tokens": overall["mean_completion_tokens"],
-            }
+            logs = {"heldout/accuracy": acc, "heldout/mean_completion_tokens": overall["mean_completion_tokens"]}
             self.monitor.on_log(args, state, control, logs=logs)

@@ -243,8 +243,9 @@ def run_grpo(
         train_problems = data_mod.load_problems(cfg.task, cfg.task.train_split, cfg.task.n_train)
     if eval_problems is None:
         eval_problems = data_mod.load_problems(cfg.task, cfg.task.eval_split, cfg.task.n_eval)
-    train_rows = data_mod.problem_rows(train_problems, cfg.budget_prompt)
-    eval_rows = data_mod.problem_rows(eval_problems, cfg.budget_prompt)
+    budget_prompt = data_mod.resolve_budget_prompt(cfg.budget_prompt, cfg.reward_names())
+    train_rows = data_mod.problem_rows(train_problems, budget_prompt)
+    eval_rows = data_mod.problem_rows(eval_problems, budget_prompt)
     verifier = verifier or task_verifier()
 
     trl_kw = cfg.trl_kwargs()
@@ -291,6 +292,8 @@ def run_grpo(
         tags,
         lc.warn_fraction,
         lc.stop_on_projection,
+        quality_floor=lc.quality_floor,
+        past_warning=lc.past_warning,
     )
     monitor_cb = MonitorCallback(cfg.monitors.rules, run_dir, alert_log)
     ledger_cb = LedgerCallback(ledger, counters, alert_log)
@@ -305,13 +308,18 @@ def run_grpo(
             )
         )
 
+    heldout_cb = None
     if cfg.eval.every_steps:
         subset = eval_rows[: cfg.eval.every_n] if cfg.eval.every_n else eval_rows
 
         def periodic(m: Any) -> dict[str, Any]:
             return evaluate_rows(m, subset)
 
-        callbacks.append(HeldoutEvalCallback(cfg.eval.every_steps, periodic, run_dir, counters, ledger, monitor_cb))
+        best_dir = run_dir / "best" if cfg.eval.publish_best else None
+        heldout_cb = HeldoutEvalCallback(
+            cfg.eval.every_steps, periodic, run_dir, counters, ledger, monitor_cb, best_dir=best_dir
+        )
+        callbacks.append(heldout_cb)
 
     sampler = None
     if cfg.dynamic_sampling.enabled:
@@ -379,13 +387,23 @@ def run_grpo(
     stop_reason = stop_reason or ledger.stop_reason or monitor_cb.stop_reason
 
     model_dir = run_dir / "model"
-    trainer.save_model(str(model_dir))
+    published = {"step": trainer.state.global_step, "source": "final weights"}
+    final_model = trainer.model
+    best = heldout_cb.best if heldout_cb is not None and heldout_cb.best_dir is not None else None
+    if best is not None and int(best["step"]) != trainer.state.global_step and (run_dir / "best").is_dir():
+        # an earlier periodic check beat the last weights: publish those (early stop keeps the best model)
+        final_model = AutoModelForCausalLM.from_pretrained(run_dir / "best", dtype=dtype).to(trainer.model.device)
+        final_model.save_pretrained(model_dir)
+        published = {"step": int(best["step"]), "source": f"best periodic held-out accuracy {best['accuracy']:.4g}"}
+        logger.warning("publishing the weights of step %s as model/ (%s)", best["step"], published["source"])
+    else:
+        trainer.save_model(str(model_dir))
     tokenizer.save_pretrained(model_dir)
     after = None
     t_after = 0.0
     if cfg.eval.after:
         t0 = time.perf_counter()
-        after = evaluate_rows(trainer.model, eval_rows)
+        after = evaluate_rows(final_model, eval_rows)
         t_after = time.perf_counter() - t0
         t_eval += t_after
         _write_json(run_dir / "eval_after.json", after)
@@ -412,6 +430,10 @@ def run_grpo(
             "train_wall_s": round(train_wall, 3),
             "eval_wall_s": round(t_eval, 3),
             "global_step": trainer.state.global_step,
+            "published_step": published["step"],
+            "published_from": published["source"],
+            "best_heldout": best,
+            "below_quality_floor": not ledger.floor_met() if lc.quality_floor is not None else None,
             "alerts": [a.message for a in alert_log.alerts],
         }
     )
