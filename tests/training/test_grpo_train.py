@@ -140,7 +140,8 @@ def test_smoke_run_writes_the_run_directory(tiny: Path, tmp_path: Path) -> None:
 
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "model").num_parameters() > 0
     heldout = [json.loads(x) for x in (tmp_path / "heldout.jsonl").read_text().splitlines()]
-    assert [(h["step"], h["n"]) for h in heldout] == [(2, 2)]  # every 2 steps, on 2 problems
+    # every 2 steps on 2 problems, and the final weights (step 3) so that the best of them is published
+    assert [(h["step"], h["n"]) for h in heldout] == [(2, 2), (3, 2)]
     assert heldout[0]["cum_sampled_tokens"] == rows[1]["cum_sampled_tokens"]
     assert rows[2]["eval_ms"] > 0  # the periodic evaluation is booked as eval time in the next row
     after = json.loads((tmp_path / "eval_after.json").read_text())
