@@ -87,6 +87,11 @@ def create(
         typer.echo("thinkgate: --id may contain only letters, digits and _ . : -", err=True)
         raise typer.Exit(2)
     tags = _parse_tags(tag)
+    names = [t.name for t in load_settings(config).tiers]
+    unknown = [t for t in allowed_tier if t not in names]
+    if unknown:
+        typer.echo(f"thinkgate: --allowed-tier: unknown tier(s) {unknown} (tiers: {names})", err=True)
+        raise typer.Exit(2)
     day, month = _usd(budget_usd_day, "--budget-usd-day"), _usd(budget_usd_month, "--budget-usd-month")
 
     async def go(store: Any) -> str:

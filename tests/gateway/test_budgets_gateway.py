@@ -366,6 +366,8 @@ def test_budgets_cli_set_list_remove(redis_url: str, prefix: str, tmp_path: Path
     assert _cli("budgets", "remove", "--global", prefix=prefix, redis_url=redis_url).returncode == 1
     assert _cli("budgets", "set", "--tag", "nope", "--usd-day", "1", prefix=prefix, redis_url=redis_url).returncode == 2
     assert _cli("budgets", "set", "--global", prefix=prefix, redis_url=redis_url).returncode == 2
+    assert _cli("keys", "create", "--id", f"k{team}", "--allowed-tier", "lng", prefix=prefix,
+                redis_url=redis_url).returncode == 2  # a typo'd tier would lock the key out of every tier
     # the config's levels are listed too
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"limits": {"tag_budgets": {"team=cfg": {"usd_month": "7"}}}}))
