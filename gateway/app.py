@@ -42,11 +42,12 @@ _heap_frozen = False
 def freeze_startup_heap() -> None:
     """Take everything allocated up to now out of the cyclic garbage collector's scans, once per process.
 
-    Serving imports scikit-learn/scipy/pandas (the router) and builds the app: ~340k long-lived objects that
-    every full (generation 2) collection used to traverse — 0.2–0.3 s with the event loop stopped on an idle
-    2-core box, 0.7–1.8 s under CPU contention, every few seconds at high concurrency (bench/RESULTS.md,
-    "Gateway overhead"). Frozen objects are still freed by reference counting; only cycles among them are
-    never collected, which startup state does not produce in any amount that matters.
+    Serving imports its libraries and builds the app: ~90k long-lived objects (~340k while the router still
+    pulled in scikit-learn/SciPy/pandas) that every full (generation 2) collection used to traverse — then
+    0.2–0.3 s with the event loop stopped on an idle 2-core box, 0.7–1.8 s under CPU contention, every few
+    seconds at high concurrency (bench/RESULTS.md, "ThinkGate vs LiteLLM"). Frozen objects are still freed by
+    reference counting; only cycles among them are never collected, which startup state does not produce in
+    any amount that matters.
     """
     global _heap_frozen
     if _heap_frozen:
