@@ -21,6 +21,7 @@ from gateway.anthropic import messages as wire
 from gateway.api import bridge
 from gateway.config import TierConfig
 from gateway.errors import GatewayError
+from gateway.ledger.record import UsageRecord
 from gateway.openai.usage import estimate_tokens
 from gateway.pipeline import request as schemas
 from gateway.pipeline.proxy import TIER_HEADER, Proxy, disconnected, read_body
@@ -78,11 +79,14 @@ class MessagesAPI:
         proxy = self.proxy
         h = request.headers
         authorization = h.get("authorization") or (f"Bearer {h['x-api-key']}" if h.get("x-api-key") else None)
-        key = await proxy.keys.authenticate(authorization)
-        body = schemas.parse_json_object(await read_body(request, proxy.max_body))
-        chat = wire.to_chat(body)
-        schemas.validate_chat(chat)
-        route = proxy.routing.decide(chat, h.get(TIER_HEADER))
+        with proxy.auditing(UsageRecord(endpoint=LABEL)) as refused:  # refused before any upstream call
+            key = await proxy.keys.authenticate(authorization)
+            refused.key_id, refused.tags = key.id, key.tags
+            body = schemas.parse_json_object(await read_body(request, proxy.max_body))
+            refused.requested_model, refused.stream = body.get("model"), body.get("stream") is True
+            chat = wire.to_chat(body)
+            schemas.validate_chat(chat)
+            route = proxy.routing.decide(chat, h.get(TIER_HEADER))
         thinking = wire.thinking_of(body)
         if thinking is not None and thinking.enabled and thinking.budget_tokens is not None:
             route = route_for_thinking(route, proxy.settings.tiers, thinking.budget_tokens)

@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from gateway.api import bridge
 from gateway.errors import InvalidRequest
+from gateway.ledger.record import UsageRecord
 from gateway.openai import responses as wire
 from gateway.pipeline import request as schemas
 from gateway.pipeline.proxy import Proxy, disconnected, read_body
@@ -63,13 +64,16 @@ class ResponsesAPI:
 
     async def handle(self, request: Request) -> Response:
         proxy = self.proxy
-        key = await proxy.keys.authenticate(request.headers.get("authorization"))
-        body = schemas.parse_json_object(await read_body(request, proxy.max_body))
-        scope = tenant_scope(key.id)
-        prev = await self.previous(scope, body)
-        history = list(prev["messages"]) if prev is not None else None
-        chat = wire.to_chat(body, history)
-        schemas.validate_chat(chat)
+        with proxy.auditing(UsageRecord(endpoint=LABEL)) as refused:  # refused before any upstream call
+            key = await proxy.keys.authenticate(request.headers.get("authorization"))
+            refused.key_id, refused.tags = key.id, key.tags
+            body = schemas.parse_json_object(await read_body(request, proxy.max_body))
+            refused.requested_model, refused.stream = body.get("model"), body.get("stream") is True
+            scope = tenant_scope(key.id)
+            prev = await self.previous(scope, body)
+            history = list(prev["messages"]) if prev is not None else None
+            chat = wire.to_chat(body, history)
+            schemas.validate_chat(chat)
         turn = [*(history or []), *wire.input_messages(body["input"])]
         store = body.get("store") is not False
         response_id = wire.new_id("resp")

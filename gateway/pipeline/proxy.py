@@ -18,8 +18,9 @@ OpenAI-shaped errors by the app's handlers; after a streamed 200 they become an 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -127,16 +128,24 @@ class Proxy:
         key policy, limits) leaves an audit event (``Accounting.audit``) and its error carries ``x-request-id``.
         """
         record = UsageRecord(endpoint=endpoint)
-        try:
+        with self.auditing(record):
             key = await self.keys.authenticate(request.headers.get("authorization"))
             record.key_id, record.tags = key.id, key.tags
             body = schemas.parse_json_object(await read_body(request, self.max_body))
             record.requested_model, record.stream = body.get("model"), body.get("stream") is True
             VALIDATORS[endpoint](body)
+        return await self.serve(key, body, request.headers, endpoint, disconnect=lambda: disconnected(request))
+
+    @contextlib.contextmanager
+    def auditing(self, record: UsageRecord) -> Iterator[UsageRecord]:
+        """Audit a :class:`GatewayError` raised inside the block — a request refused before any upstream call —
+        with what ``record`` knows by then (key, model, tier), and re-raise it. For the steps before
+        :meth:`serve`; the APIs translated onto chat use it too."""
+        try:
+            yield record
         except GatewayError as exc:
             self.refused(record, exc)
             raise
-        return await self.serve(key, body, request.headers, endpoint, disconnect=lambda: disconnected(request))
 
     def refused(self, record: UsageRecord, exc: GatewayError, route: RouteDecision | None = None) -> None:
         """Audit a request refused before any upstream call (see ``Accounting.audit``)."""

@@ -423,3 +423,25 @@ def test_alerts_fire_per_level(upstream_sim: SimProcess, redis_url: str, prefix:
         server.server_close()
     assert [(a["level"], a["period"], a["fraction"]) for a in received] == [(f"tag:team={team}", "day", 0.5)]
     assert received[0]["key_id"] == kid and received[0]["budget_usd"] == str(micro_to_usd(budget))
+
+
+def test_agent_apis_audit_their_refusals_too(gw: GatewayServer, redis_url: str, prefix: str) -> None:
+    secret = create_key(redis_url, prefix, f"agent-{uuid.uuid4().hex[:8]}")
+    refused = {
+        "messages": httpx.post(gw.base_url + "/messages", headers={"x-api-key": "tg-not-a-key"}, timeout=10,
+                               json={"model": "short", "max_tokens": 16, "messages": PROMPT}),
+        "responses": httpx.post(gw.base_url + "/responses", headers={"authorization": f"Bearer {secret}"},
+                                content=b"{not json", timeout=10),
+    }
+    assert refused["messages"].status_code == 401 and refused["responses"].status_code == 400
+    ids = {api: r.headers["x-request-id"] for api, r in refused.items()}
+    deadline = time.monotonic() + 10
+    rows: dict[str, dict[str, Any]] = {}
+    while time.monotonic() < deadline and not all(i in rows for i in ids.values()):
+        data = httpx.get(gw.base_url + "/usage", params={"since": "0", "limit": "10000"}, headers=ADMIN,
+                         timeout=10).json()["data"]
+        rows = {row["request_id"]: row for row in data}
+        time.sleep(0.05)
+    for api, rid in ids.items():
+        assert rows[rid]["audit"] is True and rows[rid]["endpoint"] == api and rows[rid]["cost_micro_usd"] == 0
+    assert rows[ids["messages"]]["status"] == 401 and rows[ids["responses"]]["error_code"] == "invalid_json"
