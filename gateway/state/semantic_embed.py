@@ -83,9 +83,13 @@ def _band_hashes(values: np.ndarray) -> tuple[str, ...]:
 
 
 def _multiply_shift_params() -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(_SEED)
-    a = rng.integers(1, 2**63, size=NUM_PERM, dtype=np.uint64) * np.uint64(2) + np.uint64(1)  # odd
-    b = rng.integers(0, 2**63, size=NUM_PERM, dtype=np.uint64)
+    """128 (a odd, b) pairs from BLAKE2b of fixed labels: the same in every process, platform and numpy version
+    (numpy's ``Generator`` streams may change between releases; a changed signature would orphan every entry)."""
+    def word(label: str) -> int:
+        return int.from_bytes(hashlib.blake2b(label.encode(), digest_size=8).digest(), "little")
+
+    a = np.array([word(f"thinkgate-minhash-a-{i}") | 1 for i in range(NUM_PERM)], dtype=np.uint64)
+    b = np.array([word(f"thinkgate-minhash-b-{i}") for i in range(NUM_PERM)], dtype=np.uint64)
     return a, b
 
 
@@ -146,7 +150,8 @@ class OpenAIEmbedder:
     def _hyperplanes(self, dim: int) -> np.ndarray:
         planes = self._planes.get(dim)
         if planes is None:
-            planes = np.random.default_rng(_SEED + dim).standard_normal((NUM_PERM, dim)).astype(np.float32)
+            # RandomState: numpy keeps its stream stable across releases (unlike Generator's)
+            planes = np.random.RandomState(_SEED + dim).standard_normal((NUM_PERM, dim)).astype(np.float32)
             self._planes[dim] = planes
         return planes
 
