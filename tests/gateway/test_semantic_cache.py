@@ -236,6 +236,18 @@ async def test_a_template_asked_with_many_numbers_does_not_crowd_out_an_entry(re
         assert got.outcome == "hit" and got.matched_request_id == "first"
 
 
+async def test_max_age_applies_to_semantic_hits(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
+        exact = ResponseCache(st.handle, st.breaker, CacheConfig())
+        sem = SemanticCache(st.handle, st.breaker, SemanticCacheConfig(), LexicalEmbedder())
+        await _remember(exact, sem, tenant_scope("a"), _body("What is 6 * 7?"), "42", "r")
+        await asyncio.sleep(1.1)
+        probe = await sem.prepare(tenant_scope("a"), "chat", "short", _body("what is 6×7"))
+        assert probe is not None
+        assert (await sem.lookup(probe, max_age_s=1)).outcome != "hit"
+        assert (await sem.lookup(probe, max_age_s=60)).outcome == "hit"
+
+
 async def test_threshold_decides(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
     async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
         exact = ResponseCache(st.handle, st.breaker, CacheConfig())
