@@ -78,6 +78,7 @@ POSITIVE_KINDS = ("lower", "spacing", "punct", "clause", "synonym", "prefix", "c
 NEGATIVE_KINDS = ("number", "name", "negation", "noun")
 MUST_BE_ZERO = ("number", "name")
 RECALL_SLACK = 0.03
+REPEATS = 3  # latency: each query timed this many times back to back
 SYNONYMS = {
     "calculate": "compute", "compute": "calculate", "find": "determine", "determine": "find", "total": "overall",
     "buy": "purchase", "buys": "purchases", "bought": "purchased", "each": "every", "every": "each",
@@ -406,26 +407,33 @@ async def latency_part(sem: SemanticCache, keys: RedisKeys, sizes: list[int], qu
         sample = rng.sample(stored, min(queries, len(stored)))
         await sem.redis.config_resetstat()
         results: dict[str, list[float]] = {"hit": [], "miss": []}
+        best: dict[str, list[float]] = {"hit": [], "miss": []}
         prep: list[float] = []
         outcomes: Counter[str] = Counter()
         for text in sample:
             for case, q in (("hit", positive("punct", text, rng) or text.lower()),
                             ("miss", _number_variant(text, rng))):
-                t0 = time.perf_counter()
-                probe = await sem.prepare(scope, "chat", "short", body_of(q))
-                t1 = time.perf_counter()
-                if probe is None:
-                    continue
-                res = await sem.lookup(probe)
-                t2 = time.perf_counter()
-                results[case].append((t2 - t0) * 1000)
-                prep.append((t1 - t0) * 1000)
-                outcomes[f"{case}:{res.outcome}"] += 1
+                runs: list[float] = []
+                for rep in range(REPEATS):  # the same lookup REPEATS times: the fastest is the one not preempted
+                    t0 = time.perf_counter()
+                    probe = await sem.prepare(scope, "chat", "short", body_of(q))
+                    t1 = time.perf_counter()
+                    if probe is None:
+                        break
+                    res = await sem.lookup(probe)
+                    runs.append((time.perf_counter() - t0) * 1000)
+                    if rep == 0:
+                        prep.append((t1 - t0) * 1000)
+                        outcomes[f"{case}:{res.outcome}"] += 1
+                if runs:
+                    results[case].append(runs[0])
+                    best[case].append(min(runs))
         after = await sem.redis.info("commandstats")
         script = {k: after.get(k, {}) for k in ("cmdstat_evalsha",)}
         info = await sem.redis.info("memory")
         rows.append({"size": size, "fill_s": fill_s, "stored": await sem.index.size(tenant_tag(scope)),
-            "hit": results["hit"], "miss": results["miss"], "prep": prep, "outcomes": outcomes,
+            "hit": results["hit"], "miss": results["miss"], "best_hit": best["hit"], "best_miss": best["miss"],
+            "prep": prep, "outcomes": outcomes,
             "used_memory_mb": int(info["used_memory"]) / 2**20,
             "script_us": float(script["cmdstat_evalsha"].get("usec_per_call", 0.0))})
     return rows
@@ -590,16 +598,21 @@ def report(par: dict[str, Any], lat: list[dict[str, Any]], overhead: list[dict[s
               f"Curve: `bench/results/{PNG.name}`.", "",
               "**Lookup latency** (one tenant, one context; `prepare` = sketch + guard features, total = prepare + "
               "`lookup` incl. the answer's GET on a hit):", "",
-              "| entries | fill s | Redis MiB | hit p50 ms | hit p99 ms | miss p50 ms | miss p99 ms | prepare p50 ms "
-              "| lookup script µs (Redis) | outcomes |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "| entries | fill s | Redis MiB | hit p50 ms | hit p99 ms | miss p50 ms | miss p99 ms | hit p50 ms, best "
+              f"of {REPEATS} | miss p50 ms, best of {REPEATS} | prepare p50 ms | lookup script µs (Redis) | outcomes |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in lat:
         outs = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
         lines.append(f"| {r['stored']:,} | {r['fill_s']:.0f} | {r['used_memory_mb']:.0f} | {pct(r['hit'], .5):.2f} | "
                      f"{pct(r['hit'], .99):.2f} | {pct(r['miss'], .5):.2f} | {pct(r['miss'], .99):.2f} | "
+                     f"{pct(r['best_hit'], .5):.2f} | {pct(r['best_miss'], .5):.2f} | "
                      f"{statistics.median(r['prep']):.2f} | {r['script_us']:.0f} | {outs} |")
     lines += ["", "Redis MiB: the private server's `used_memory` with the entries *and* their exact-cache answers "
               "(one small answer each). Lookup script µs: Redis's own `usec_per_call` for the lookup script "
-              "during the timed queries (server time, independent of the client's scheduling)."]
+              "during the timed queries (server time, independent of the client's scheduling). The first p50/p99 "
+              f"columns time each query once; *best of {REPEATS}* repeats each query {REPEATS} times back to back "
+              "and keeps the fastest — the cost of the work without the preemptions other jobs on this shared "
+              "machine cause (its load average is in the header)."]
     if overhead:
         lines += ["", "**Gateway overhead, semantic cache off vs on** (`python -m gateway serve`, engine off, one "
                   "tier on `tests/fixtures/upstream_sim.py` (answers at once, so a miss here is a lower bound), cache "
@@ -638,8 +651,9 @@ def reading(par: dict[str, Any], lat: list[dict[str, Any]], overhead: list[dict[
     if big is not None:
         text += (f" At {big['stored']:,} entries in one tenant and context a lookup takes "
                  f"{pct(big['hit'], .5):.2f} ms p50 for a hit and {pct(big['miss'], .5):.2f} ms for a miss, "
-                 f"sketching included (target ≤ 2 ms); p99 figures on this shared 2-core machine are scheduling "
-                 "noise as much as work.")
+                 f"sketching included ({pct(big['best_hit'], .5):.2f} / {pct(big['best_miss'], .5):.2f} ms best of "
+                 f"{REPEATS}; target ≤ 2 ms); p99 figures on this shared 2-core machine are scheduling noise as "
+                 "much as work.")
     by = {(r["case"], r["semantic"]): r for r in overhead}
     if ("miss", "on") in by and ("miss", "off") in by:
         d_miss = pct(by[("miss", "on")]["lat"], .5) - pct(by[("miss", "off")]["lat"], .5)
