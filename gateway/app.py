@@ -30,10 +30,12 @@ from gateway.api import usage as usage_api
 from gateway.auth.keys import KeyStore
 from gateway.config import Settings
 from gateway.errors import install_handlers
+from gateway.ledger.record import UsageRecord
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.routing import Routing
 from gateway.state.conversations import ConversationStore
+from gateway.state.routing_target import TargetController
 from gateway.upstream.pool import UpstreamPool
 
 _heap_frozen = False
@@ -57,6 +59,33 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def _attach_controller(settings: Settings, routing: Routing, proxy: Proxy,
+                       accounting: Accounting) -> TargetController | None:
+    """The cost-target controller when ``routing.target`` sets a target: it sees every routed score (through
+    ``routing``), the cost of every ``predicted`` request (a usage sink) and feeds the Prometheus gauges."""
+    if not settings.routing.target.enabled:
+        return None
+    routed = settings.routing.routed_tiers
+    ctrl = TargetController(settings.routing, accounting.handle, accounting.breaker, routing.base_thresholds)
+    routing.attach_controller(ctrl)
+    index = {name: i for i, name in enumerate(routed)}
+
+    def cost_sink(record: UsageRecord) -> None:
+        if record.route_reason == "predicted" and record.tier in index and not record.cached:
+            ctrl.record_cost(index[record.tier], record.cost_micro_usd)
+
+    proxy.usage_sinks.append(cost_sink)
+
+    def view() -> tuple[dict[str, float], float | None, dict[str, float]]:
+        st = ctrl.state
+        shares = {routed[i]: v for i, v in st.tier_shares.items()}
+        cuts = {routed[i + 1]: t for i, t in enumerate(routing.thresholds)}
+        return shares, st.target, cuts
+
+    accounting.metrics.routing_view = view
+    return ctrl
+
+
 def create_app(settings: Settings) -> FastAPI:
     """Build the gateway app for ``settings``. Upstream clients are closed on shutdown."""
     upstreams = UpstreamPool(settings.tiers)
@@ -64,6 +93,7 @@ def create_app(settings: Settings) -> FastAPI:
     accounting = Accounting(settings)
     keys = KeyStore(settings.auth, redis_store=accounting.keystore)
     proxy = Proxy(settings, keys, routing, upstreams, accounting=accounting)
+    controller = _attach_controller(settings, routing, proxy, accounting)
     created = int(time.time())
 
     @asynccontextmanager
@@ -72,11 +102,15 @@ def create_app(settings: Settings) -> FastAPI:
         freeze_startup_heap()
         # hot reload of the router file: checked every routing.reload_interval_s (mtime, size, inode)
         watcher = asyncio.create_task(routing.service.watch()) if routing.service is not None else None
+        steer = asyncio.create_task(controller.run()) if controller is not None else None
         yield
-        if watcher is not None:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+        for task in (watcher, steer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if controller is not None:
+            await controller.close()
         await upstreams.aclose()
         await accounting.close()
 

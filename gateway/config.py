@@ -133,6 +133,37 @@ class TierConfig(_Strict):
         return self
 
 
+class RoutingTargetConfig(_Strict):
+    """The cost-target controller (``gateway/state/routing_target.py``): off unless one target is set.
+
+    ``long_share``: the fraction of routed ``auto`` requests to send to the top routed tier; or
+    ``usd_per_1k_requests`` / ``usd_per_day``: a spend, turned into that share from the mean cost per request
+    of each routed tier measured on this traffic (and, for ``usd_per_day``, the recent request rate). The top
+    threshold then follows the ``1 - share`` quantile of the last ``window`` router scores (shared in Redis by
+    every replica), moved at most ``max_step`` per update; an update runs every ``update_every`` routed
+    requests per replica (or each ``interval_s`` when some are pending), and only once ``min_samples`` scores
+    are in the window. Unset: the calibrated (or configured) thresholds apply unchanged."""
+
+    long_share: float | None = Field(None, ge=0, le=1)
+    usd_per_day: Decimal | None = Field(None, gt=0)
+    usd_per_1k_requests: Decimal | None = Field(None, gt=0)
+    window: int = Field(500, ge=10, le=100_000)
+    min_samples: int = Field(50, ge=1)
+    max_step: float = Field(0.02, gt=0, le=1)
+    update_every: int = Field(16, ge=1)
+    interval_s: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> RoutingTargetConfig:
+        if sum(v is not None for v in (self.long_share, self.usd_per_day, self.usd_per_1k_requests)) > 1:
+            raise ValueError("routing.target: set at most one of long_share, usd_per_day, usd_per_1k_requests")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return any(v is not None for v in (self.long_share, self.usd_per_day, self.usd_per_1k_requests))
+
+
 class RoutingConfig(_Strict):
     """How ``model: "auto"`` picks a tier.
 
@@ -161,6 +192,8 @@ class RoutingConfig(_Strict):
     #: (the default, so per-request routing stays as it was until an operator opts in; 1800 suits agent
     #: loops); see gateway/pipeline/sessions.py
     session_ttl_s: int = Field(0, ge=0)
+    #: the cost-target controller (off by default: the calibrated thresholds apply)
+    target: RoutingTargetConfig = Field(default_factory=RoutingTargetConfig)
 
     @field_validator("thresholds")
     @classmethod

@@ -28,6 +28,7 @@ from typing import Any
 from gateway.config import Settings, TierConfig
 from gateway.errors import InvalidRequest, UnknownModel
 from gateway.ledger.event import RouteReason
+from gateway.state.routing_target import TargetController
 from router.base import LengthBaselineRouter, Router
 from router.features import clip_text
 from router.serving import RouterService
@@ -69,6 +70,8 @@ class Routing:
             scorer = self.service = RouterService.from_config(self.cfg)  # raises RouterUnavailable (refuse_start)
         self._scorer: Router = scorer or LengthBaselineRouter()
         self._thresholds = list(self.cfg.thresholds or default_thresholds(len(self.cfg.routed_tiers)))
+        #: the cost-target controller (``routing.target``; None = the calibrated thresholds apply)
+        self.controller: TargetController | None = None
 
     @property
     def scorer(self) -> Router:
@@ -87,12 +90,23 @@ class Routing:
                 self._thresholds = list(thresholds)
         self._scorer = scorer
 
+    def attach_controller(self, controller: TargetController) -> None:
+        """Let ``controller`` move the top cut point (it sees every routed score); see routing_target.py."""
+        self.controller = controller
+
     @property
-    def thresholds(self) -> list[float]:
+    def base_thresholds(self) -> list[float]:
+        """The calibrated (router file) or configured cut points, before the cost-target controller."""
         svc = self._service_in_use()
         if svc is not None and svc.available:
             return svc.thresholds  # read per call: a reloaded file brings its own cut points
         return list(self._thresholds)
+
+    @property
+    def thresholds(self) -> list[float]:
+        """The cut points in force: :attr:`base_thresholds`, the top one moved by the controller when on."""
+        base = self.base_thresholds
+        return base if self.controller is None else self.controller.thresholds(base)
 
     def fallbacks(self, tier: TierConfig, allowed: frozenset[str] | None = None) -> list[TierConfig]:
         """Tiers after ``tier`` in configuration order (cheapest → most capable), when fallback is enabled;
@@ -144,10 +158,11 @@ class Routing:
             return RouteDecision(self._tiers[self.cfg.default_tier], "predicted", None)
         score = min(1.0, max(0.0, score))
         routed = self.cfg.routed_tiers
-        for i, cut in enumerate(self.thresholds):
-            if score < cut:
-                return RouteDecision(self._tiers[routed[i]], "predicted", score)
-        return RouteDecision(self._tiers[routed[-1]], "predicted", score)
+        cuts = self.thresholds
+        i = next((i for i, cut in enumerate(cuts) if score < cut), len(routed) - 1)
+        if self.controller is not None:
+            self.controller.record(score, i)
+        return RouteDecision(self._tiers[routed[i]], "predicted", score)
 
     def _window_of(self, body: dict[str, Any]) -> str:
         messages = body.get("messages")

@@ -30,6 +30,9 @@ key                                     type        contents
 ``p keys:ids``                          set         all key ids in the store
 ``p resp:{scope}:{response_id}``        string      stored /v1/responses conversation (JSON), TTL (conversations.py)
 ``p sess:{digest}``                     string      sticky-routing session → tier name, TTL (pipeline/sessions.py)
+``p rt:win``                            list        cost-target controller window: "score,tier index,t_ms", newest
+                                                    last, at most routing.target.window (state/routing_target.py)
+``p rt:state``                          hash        controller state: thr, share, n; cost:{i}, cnt:{i} per tier
 ``p sem:{t}:e``                         hash        semantic cache entries of tenant tag ``t``: entry id → record,
                                                     ``b:{id}`` → its bucket and band hashes (semantic_index.py)
 ``p sem:{t}:x``                         zset        semantic cache entry id → expiry (epoch ms): TTL and the cap
@@ -53,6 +56,12 @@ class RedisKeys:
 
     def session(self, digest: str) -> str:
         return f"{self.prefix}sess:{digest}"
+
+    def routing_window(self) -> str:
+        return f"{self.prefix}rt:win"
+
+    def routing_state(self) -> str:
+        return f"{self.prefix}rt:state"
 
     def cache_entry(self, digest: str) -> str:
         return f"{self.prefix}cache:{digest}"

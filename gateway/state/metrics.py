@@ -12,12 +12,14 @@ Series (counters get ``_total``): ``thinkgate_requests``, ``thinkgate_tokens``, 
 ``thinkgate_upstream_errors``, ``thinkgate_limit_rejections``, ``thinkgate_refused_requests`` (every request
 refused before an upstream call, by ``status`` and ``code``); histograms
 ``thinkgate_request_latency_seconds`` and ``thinkgate_ttft_seconds``; gauges ``thinkgate_redis_breaker_open``,
-``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events``.
+``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events``; with ``routing.target`` set,
+``thinkgate_routing_share{tier}`` (the controller's window), ``thinkgate_routing_target_share`` and
+``thinkgate_routing_threshold{tier}`` (the cut point into that tier).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -89,6 +91,15 @@ class Metrics:
                                  registry=r)
         self.spooled = Gauge("thinkgate_usage_spooled_events", "Usage events this process has spooled.",
                              registry=r)
+        self.routing_share = Gauge("thinkgate_routing_share", "Share of the routed requests in the cost-target "
+                                   "controller's window, by routed tier.", ["tier"], registry=r)
+        self.routing_target_share = Gauge("thinkgate_routing_target_share", "The top routed tier's target share "
+                                          "(routing.target; NaN while a spend target is not measured yet).",
+                                          registry=r)
+        self.routing_threshold = Gauge("thinkgate_routing_threshold", "Routing cut points in force, by the tier a "
+                                       "score at or above it goes to.", ["tier"], registry=r)
+        #: set by the app when the controller is on: () -> (share by tier, target share, threshold by tier)
+        self.routing_view: Callable[[], tuple[dict[str, float], float | None, dict[str, float]]] | None = None
 
         # (metric id, label values) -> child: prometheus_client's labels() validates and locks on every call
         # (~3 µs, ten times per request); the series themselves are still created on first use, as before.
@@ -159,5 +170,12 @@ class Metrics:
         self.breaker_open.set(1 if breaker_open else 0)
         self.spool_bytes.set(spool_bytes)
         self.spooled.set(spooled)
+        if self.routing_view is not None:
+            shares, target, cuts = self.routing_view()
+            for tier, v in shares.items():
+                self._child(self.routing_share, tier).set(v)
+            self.routing_target_share.set(float("nan") if target is None else target)
+            for tier, v in cuts.items():
+                self._child(self.routing_threshold, tier).set(v)
         return generate_latest(self.registry)
 
