@@ -158,8 +158,12 @@ def test_two_gateways_on_one_prefix_share_thresholds(upstream_sim: SimProcess, r
             assert _metric(ma, "thinkgate_routing_target_share") == 0.2
             assert tiers[:8] == ["short"] * 8 and 0 < tiers[-32:].count("long") < 14  # long again, near 20 %
 
-            def b_agrees() -> bool:
-                mb = client.get(b.url + "/metrics").text
+            def b_agrees() -> bool:  # A's loop sends its last pending decisions; then both read one state
+                ta = _metric(client.get(a.url + "/metrics").text, "thinkgate_routing_threshold", "long")
+                tb = _metric(client.get(b.url + "/metrics").text, "thinkgate_routing_threshold", "long")
+                return ta is not None and ta == tb
+            assert wait_for(b_agrees, timeout_s=10)  # B (no traffic) applies the shared threshold
+            mb = client.get(b.url + "/metrics").text
                 return _metric(mb, "thinkgate_routing_threshold", "long") == thr_a
             assert wait_for(b_agrees, timeout_s=5)  # B (no traffic) applies the shared threshold
             mb = client.get(b.url + "/metrics").text
