@@ -7,7 +7,9 @@
 # Steps: pip-install the carried wheels into /tmp/site; nvidia-smi; versions, the vLLM probe and the ledger's
 # device detection; a plain generate throughput check (256 prompts x 128 sampled tokens); then GRPO with
 # training/configs/gpu_check.yaml (30 steps, 64 rollouts a step, correctness + kimi_length, dynamic sampling,
-# the cost ledger at the H200 price) under `timeout`; a graceful ledger budget stop comes first if steps are slow.
+# fp32 master weights with bf16 autocast, the cost ledger at the H200 price) under `timeout`; a graceful ledger
+# budget stop comes first if steps are slow. Recorded: share of weights that moved, reward first/last 5 steps,
+# detected device, the step split and the whole-run phase split with the billed share of the command's wall time.
 # Outputs, flat in $OUT (the device tool returns at most 8 files): log.txt, gpu_check.json (all the numbers),
 # summary.json, ledger.jsonl, metrics.jsonl, length.png, cost.png, run.tgz (the run directory without weights).
 # Under 6 minutes in all. Local dry run on CPU (overrides, all optional):
@@ -169,6 +171,7 @@ PY
   echo "== GRPO: training.grpo.cli.grpo --config $cfg --output-dir $GC_RUN --quiet (timeout ${TRAIN_TIMEOUT}s)"
   # The CLI function itself (training.grpo.cli.grpo, what `python -m training.grpo` runs), called without typer's
   # argv parsing: recent typer parses options through pydantic, which that image does not have.
+  local t_train=$SECONDS
   timeout -k 10 "$TRAIN_TIMEOUT" "$PY" - "$cfg" "$GC_RUN" <<'PY'
 import sys
 import time
@@ -178,11 +181,13 @@ from training.grpo.cli import grpo
 
 t0 = time.perf_counter()
 try:
-    grpo(config=Path(sys.argv[1]), max_steps=None, output_dir=Path(sys.argv[2]), resume=None, quiet=True)
+    grpo(config=Path(sys.argv[1]), max_steps=None, output_dir=Path(sys.argv[2]), resume=None, quiet=True,
+         force=False, allow_dirty=True)  # the carried tree has no .git
 finally:
     print(f"training command wall: {time.perf_counter() - t0:.1f} s")
 PY
   echo "== step rc $? (124 = timeout)"
+  echo $((SECONDS - t_train)) > "$GC_WORK/train_cmd_s"
 
   echo "== collect"
   timeout 60 "$PY" - <<'PY'
@@ -195,21 +200,43 @@ out = json.loads((work / "env.json").read_text()) if (work / "env.json").is_file
 rows = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines() if x.strip()] \
     if (run / "ledger.jsonl").is_file() else []
 summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else None
-g = {"steps_in_ledger": len(rows), "finished": summary is not None}
-if rows:
-    tot = {k: sum(r[k] for r in rows) for k in ("rollouts", "sampled_tokens", "trained_tokens", "dropped_rollouts",
-                                                "wall_ms", "sampling_ms", "reward_ms", "update_ms", "eval_ms")}
+steps = [r for r in rows if r.get("kind", "step") == "step"]
+g = {"steps_in_ledger": len(steps), "finished": summary is not None}
+if steps:
+    tot = {k: sum(r[k] for r in steps) for k in ("rollouts", "sampled_tokens", "trained_tokens", "dropped_rollouts",
+                                                 "wall_ms", "sampling_ms", "reward_ms", "update_ms", "eval_ms")}
     g.update(tot)
     gen_s = tot["sampling_ms"] / 1000
     g["rollout_tokens_per_s_generate"] = round(tot["sampled_tokens"] / gen_s, 1) if gen_s else None
     g["rollouts_per_s_generate"] = round(tot["rollouts"] / gen_s, 2) if gen_s else None
-    g["mean_step_s"] = round(tot["wall_ms"] / 1000 / len(rows), 3)
+    g["mean_step_s"] = round(tot["wall_ms"] / 1000 / len(steps), 3)
     g["generation_share_of_step"] = round(tot["sampling_ms"] / tot["wall_ms"], 3) if tot["wall_ms"] else None
     g["device_kind"], g["cost_micro_usd"] = rows[-1]["device_kind"], rows[-1]["cum_cost_micro_usd"]
 if summary:
     for k in ("global_step", "stop_reason", "spent_usd", "device_hours", "accuracy_before", "accuracy_after",
-              "usd_per_accuracy_point", "train_wall_s", "eval_wall_s"):
+              "usd_per_accuracy_point", "train_wall_s", "eval_wall_s", "billed_ms_by_phase", "published_step"):
         g[k] = summary.get(k)
+    cmd_s = float((work / "train_cmd_s").read_text()) if (work / "train_cmd_s").is_file() else None
+    if cmd_s:  # whole-run billing: the ledger's device time against the command's wall time x devices
+        g["billed_share_of_command_wall"] = round(summary["device_hours"] * 3600 / (cmd_s * summary["device_count"]), 3)
+metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()] \
+    if (run / "metrics.jsonl").is_file() else []
+rewards = [m["reward"] for m in metrics if "loss" in m and "reward" in m]
+if len(rewards) >= 6:  # reward rises: mean of the last 5 logged steps against the first 5
+    g["reward_first5"], g["reward_last5"] = round(sum(rewards[:5]) / 5, 4), round(sum(rewards[-5:]) / 5, 4)
+try:  # weights move under bf16 autocast with fp32 master weights: share of parameters changed by training
+    import torch
+    from safetensors.torch import load_file
+
+    from training.grpo.config import DEFAULT_MODEL_DIR
+
+    a, b = load_file(DEFAULT_MODEL_DIR / "model.safetensors"), load_file(run / "model" / "model.safetensors")
+    changed = sum(int((a[k].float() != b[k].float()).sum()) for k in a if k in b)
+    total = sum(a[k].numel() for k in a if k in b)
+    g["weights_changed_share"] = round(changed / total, 6) if total else None
+    g["weights_dtype"] = str(next(iter(b.values())).dtype)
+except Exception as e:
+    g["weights_changed_share"] = f"not measured: {type(e).__name__}: {e}"
 out["grpo_transformers_rollouts"] = g
 out["vllm_rollouts"] = {
     "measured": False,

@@ -128,3 +128,20 @@ def test_shipped_configs_load() -> None:
     assert files, "training/configs/*.yaml"
     for f in files:
         load_config(f)
+
+
+def test_bf16_weights_without_deepspeed_are_refused() -> None:
+    """bf16 weights + plain AdamW: no fp32 master copy, updates below bf16's resolution are lost."""
+    from training.grpo.config import validate
+
+    with pytest.raises(ConfigError, match=r"model\.dtype: bfloat16 .* trl\.bf16: true"):
+        validate(from_dict(RunConfig, {"model": {"dtype": "bfloat16"}, "trl": {"bf16": True}}))
+    ds = {"model": {"dtype": "bfloat16"}, "trl": {"bf16": True, "deepspeed": "ds_zero2.json"}}
+    validate(from_dict(RunConfig, ds))  # DeepSpeed keeps its own fp32 master weights
+
+
+def test_gpu_configs_train_in_mixed_precision() -> None:
+    root = Path(__file__).resolve().parents[2] / "training" / "configs"
+    for name in ("gpu_vllm_server.yaml", "gpu_vllm_colocate.yaml", "gpu_check.yaml"):
+        cfg = load_config(root / name)
+        assert cfg.model.dtype == "float32" and cfg.trl_kwargs()["bf16"] is True, name

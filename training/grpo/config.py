@@ -42,7 +42,12 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 @dataclass
 class ModelConfig:
     path: str = _f(str(DEFAULT_MODEL_DIR), "Hugging Face model directory (policy and tokenizer).")
-    dtype: Literal["float32", "bfloat16"] = _f("float32", "Parameter dtype. float32 on CPU.")
+    dtype: Literal["float32", "bfloat16"] = _f(
+        "float32",
+        "Dtype the policy's weights are loaded in. Keep float32 and set trl.bf16: true for bf16 mixed precision "
+        "(autocast; AdamW keeps fp32 master weights). bfloat16 weights need DeepSpeed (trl.deepspeed or an "
+        "accelerate DeepSpeed config), which keeps its own fp32 master copy.",
+    )
     thinks: bool | None = _f(
         None,
         "The policy generates inside a thought (the chat template's generation prompt opens <think>): a completion "
@@ -383,6 +388,13 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("budget_prompt: need 1 <= min_tokens <= max_tokens")
     if any(n in names for n in ("l1_exact", "l1_max")) and not cfg.budget_prompt.enabled:
         raise ConfigError("rewards: l1_exact/l1_max need budget_prompt.enabled: true (the budget column)")
+    trl = cfg.trl_kwargs()
+    if cfg.model.dtype == "bfloat16" and not trl.get("deepspeed") and not _deepspeed_launch():
+        raise ConfigError(
+            "model.dtype: bfloat16 weights with plain AdamW have no fp32 master copy (measured on an H200: 1.9% of "
+            "the weights changed in 20 steps at lr 1e-6, against 99.99% in fp32); load float32 and set "
+            "trl.bf16: true (autocast), or train with DeepSpeed"
+        )
     adv = cfg.advantages
     if adv.signal == "accuracy" and adv.pass_reward not in names:
         raise ConfigError(
@@ -416,6 +428,13 @@ def validate(cfg: RunConfig) -> RunConfig:
         if r.patience < 1 or r.window < 2:
             raise ConfigError(f"monitors.rules.{r.name}: patience >= 1 and window >= 2 required")
     return cfg
+
+
+def _deepspeed_launch() -> bool:
+    """True under ``accelerate launch`` with a DeepSpeed config (accelerate exports ACCELERATE_USE_DEEPSPEED)."""
+    import os
+
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
 
 
 # Rewards whose per-group scale is the point: ALP's solve-rate factor max(p, 1/K) (larger pushes on easy prompts)

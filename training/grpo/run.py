@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import time
 from collections.abc import Sequence
@@ -162,6 +163,40 @@ def check_clean_tree(repo: Path = REPO_ROOT, allow_dirty: bool = False) -> str:
     return commit
 
 
+def _generation_config(model_path: Path) -> Any:
+    """The model directory's ``GenerationConfig`` (EOS ids for the rewards) without loading the weights."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        return None
+
+
+def _zero3_enabled() -> bool:
+    """True when the training arguments configured DeepSpeed ZeRO-3 (parameters sharded across ranks)."""
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:
+        return False
+    return bool(is_deepspeed_zero3_enabled())
+
+
+def _eval_model(trainer: Any, model_path: Path, dtype: Any, zero3: bool) -> Any:
+    """The model rank 0 evaluates before training, on its accelerator: the trainer's policy (HF Trainer placed it
+    already, except under DeepSpeed, which places it in ``train()``: moved here), or — ZeRO-3, whose parameters are
+    shards — a full copy loaded from ``model_path``."""
+    from transformers import AutoModelForCausalLM
+
+    device = trainer.args.device
+    if zero3:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    model = trainer.model
+    if next(model.parameters()).device != device:
+        model.to(device)
+    return model
+
+
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
 
@@ -225,8 +260,11 @@ def run_grpo(
             )
         if changed:
             logger.warning("--resume --force with a changed config: %s", "; ".join(changed))
-            (run_dir / "config.previous.yaml").write_text(config_path.read_text())
-    config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            if int(os.environ.get("RANK", "0")) == 0:
+                (run_dir / "config.previous.yaml").write_text(config_path.read_text())
+    main_env = int(os.environ.get("RANK", "0")) == 0  # before the trainer exists (torchrun/accelerate set RANK)
+    if main_env:
+        config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
 
@@ -237,7 +275,9 @@ def run_grpo(
         raise ConfigError(f"model.path: no Hugging Face model directory at {model_path}")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    # The policy is loaded by TRL inside the trainer, after GRPOConfig: HF Trainer then places it on the device
+    # and, with DeepSpeed ZeRO-3, from_pretrained runs under zero.Init (sharded as it loads).
+    gen_cfg = _generation_config(model_path)
 
     if train_problems is None:
         train_problems = data_mod.load_problems(cfg.task, cfg.task.train_split, cfg.task.n_train)
@@ -251,7 +291,7 @@ def run_grpo(
     trl_kw = cfg.trl_kwargs()
     max_len = int(trl_kw.get("max_completion_length", 256))
     g = int(trl_kw["num_generations"])
-    eos = model.generation_config.eos_token_id
+    eos = gen_cfg.eos_token_id if gen_cfg is not None else tokenizer.eos_token_id
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos]) if eos is not None else None
     thinks = cfg.model.thinks if cfg.model.thinks is not None else template_opens_thought(tokenizer)
     reward_funcs, weights = build_rewards(cfg.rewards, RewardContext(verifier, max_len, g, eos_ids, thinks))
@@ -327,8 +367,15 @@ def run_grpo(
     eval_ds = None
     if str(trl_kw.get("eval_strategy", "no")) != "no":
         eval_ds = Dataset.from_list(eval_rows)
+    args.model_init_kwargs = {**(args.model_init_kwargs or {}), "dtype": cfg.model.dtype}
+    zero3 = _zero3_enabled()
+    if zero3 and cfg.eval.every_steps:
+        raise ConfigError(
+            "eval.every_steps: the periodic held-out check runs on the training model, which ZeRO-3 shards across "
+            "ranks; use ZeRO-2, or evaluate the saved checkpoints separately"
+        )
     trainer = ThinkGateGRPOTrainer(
-        model=model,
+        model=str(model_path),
         processing_class=tokenizer,
         reward_funcs=reward_funcs,
         args=args,
@@ -365,9 +412,11 @@ def run_grpo(
             before = json.loads(before_path.read_text())
         else:
             t0 = time.perf_counter()
-            before = evaluate_rows(model, eval_rows)
+            if trainer.is_world_process_zero():  # rank 0 evaluates; the others wait
+                before = evaluate_rows(_eval_model(trainer, model_path, dtype, zero3), eval_rows)
+                _write_json(before_path, before)
+            trainer.accelerator.wait_for_everyone()
             t_eval += time.perf_counter() - t0
-            _write_json(before_path, before)
     ledger_cb.startup_t0, ledger_cb.pre_eval_s = process_t0, t_eval
 
     stop_reason = None
@@ -392,34 +441,44 @@ def run_grpo(
     best = heldout_cb.best if heldout_cb is not None and heldout_cb.best_dir is not None else None
     if best is not None and int(best["step"]) != trainer.state.global_step and (run_dir / "best").is_dir():
         # an earlier periodic check beat the last weights: publish those (early stop keeps the best model)
-        final_model = AutoModelForCausalLM.from_pretrained(run_dir / "best", dtype=dtype).to(trainer.model.device)
-        final_model.save_pretrained(model_dir)
+        final_model = AutoModelForCausalLM.from_pretrained(run_dir / "best", dtype=dtype).to(trainer.args.device)
+        if trainer.is_world_process_zero():
+            final_model.save_pretrained(model_dir)
         published = {"step": int(best["step"]), "source": f"best periodic held-out accuracy {best['accuracy']:.4g}"}
         logger.warning("publishing the weights of step %s as model/ (%s)", best["step"], published["source"])
     else:
         trainer.save_model(str(model_dir))
-    tokenizer.save_pretrained(model_dir)
+    is_main = trainer.is_world_process_zero()
+    if is_main:
+        tokenizer.save_pretrained(model_dir)
     after = None
     t_after = 0.0
     if cfg.eval.after:
         t0 = time.perf_counter()
-        after = evaluate_rows(final_model, eval_rows)
+        if is_main:
+            if zero3:  # the trained weights are sharded: evaluate what was saved
+                final_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(trainer.args.device)
+            after = evaluate_rows(final_model, eval_rows)
+            _write_json(run_dir / "eval_after.json", after)
+        trainer.accelerator.wait_for_everyone()
         t_after = time.perf_counter() - t0
         t_eval += t_after
-        _write_json(run_dir / "eval_after.json", after)
 
     # Relative to the working directory when the run is under it (a run in the repo can be committed as is).
     shown_dir = model_dir.resolve()
     if shown_dir.is_relative_to(Path.cwd()):
         shown_dir = shown_dir.relative_to(Path.cwd())
-    (run_dir / "tier.yaml").write_text(
-        tier_snippet(cfg.output.tier_name, cfg.output.served_model_name, cfg.output.base_url, shown_dir, max_len, after)
-    )
-    if trainer.is_world_process_zero():
+    if is_main:
+        (run_dir / "tier.yaml").write_text(
+            tier_snippet(
+                cfg.output.tier_name, cfg.output.served_model_name, cfg.output.base_url, shown_dir, max_len, after
+            )
+        )
         plot_run(run_dir, budget_usd=lc.budget_usd, warn_fraction=lc.warn_fraction)
     # the finish row bills saving, the evaluation after training and the plots; the summary includes it
     ledger_cb.close_finish(trainer.state.global_step, t_after)
-    ledger.write_parquet()
+    if is_main:
+        ledger.write_parquet()
 
     ledger.stop_reason = stop_reason
     summary = ledger.summary(
@@ -437,10 +496,12 @@ def run_grpo(
             "alerts": [a.message for a in alert_log.alerts],
         }
     )
-    _write_json(run_dir / "summary.json", summary)
-    cfg_dict = cfg.to_dict()
-    cfg_dict["trl"] = trl_kw
-    (model_dir / "README.md").write_text(model_card(cfg.run_name, cfg.model.path, cfg_dict, before, after, summary))
+    if is_main:  # run files are written by rank 0 only
+        _write_json(run_dir / "summary.json", summary)
+        cfg_dict = cfg.to_dict()
+        cfg_dict["trl"] = trl_kw
+        card = model_card(cfg.run_name, cfg.model.path, cfg_dict, before, after, summary)
+        (model_dir / "README.md").write_text(card)
     return summary
 
 
