@@ -145,3 +145,25 @@ def test_gpu_configs_train_in_mixed_precision() -> None:
     for name in ("gpu_vllm_server.yaml", "gpu_vllm_colocate.yaml", "gpu_check.yaml"):
         cfg = load_config(root / name)
         assert cfg.model.dtype == "float32" and cfg.trl_kwargs()["bf16"] is True, name
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"task": {"n_train": "many"}}, "task.n_train: expected an integer, got 'many'"),
+        (
+            {"rewards": [{"name": "format", "wieght": 1}]},
+            "rewards[0].wieght: unknown key; known: ['name', 'params', 'weight']",
+        ),
+        (
+            {"monitors": {"rules": [{"action": "halt"}]}},
+            "monitors.rules[0].action: 'halt' is not one of 'warn' or 'stop'",
+        ),
+        ({"eval": {"before": [1]}}, "eval.before: expected true/false, got [1]"),
+    ],
+)
+def test_run_file_is_parsed_by_pydantic_with_errors_naming_the_field(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        from_dict(RunConfig, data)
+    assert str(e.value) == message
+    assert RunConfig.model_json_schema()["properties"]["task"]  # a JSON schema for editors, from the same models

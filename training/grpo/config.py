@@ -1,26 +1,23 @@
-"""Run configuration for `thinkgate train grpo`: typed dataclasses, TRL style.
+"""Run configuration for `thinkgate train grpo`: pydantic models, TRL style.
 
-Every knob is a dataclass field with a default and a ``help`` text in its metadata. A run file (YAML) mirrors
-:class:`RunConfig`; unknown keys are errors (a typo must not silently fall back to a default). TRL's own
+Every knob is a field with a default and a description (its help text). A run file (YAML) mirrors
+:class:`RunConfig` and is parsed by pydantic; unknown keys are errors (a typo must not silently fall back to a
+default) and every error names the field (``task.n_train: expected an integer, got 'many'``). TRL's own
 ``GRPOConfig`` options go under ``trl:`` and are passed through after validation against ``GRPOConfig``'s fields.
 
 Units: lengths and budgets are tokens; prices are USD (``Decimal``); durations are seconds.
 """
 
-# ruff: noqa: RUF009  (`_f` only wraps dataclasses.field with a help text; defaults stay immutable/factories)
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import types
-import typing
-from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router.errors import ThinkGateError
 
@@ -32,15 +29,29 @@ class ConfigError(ThinkGateError, ValueError):
     """Raised for an invalid run configuration; the message names the offending field."""
 
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field with a default (value or zero-arg factory) and a help text."""
+def _f(default: Any, help: str) -> Any:
+    """A field with a default (value, or a zero-argument factory for sections and lists) and a help text."""
     if callable(default):
-        return field(default_factory=default, metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return Field(default_factory=default, description=help)
+    return Field(default=default, description=help)
 
 
-@dataclass
-class ModelConfig:
+class _Section(BaseModel):
+    """Base of every config section: unknown keys forbidden, numbers accepted where strings are expected (prices
+    written bare), and positional construction in field order (``RewardSpec("correctness", 1.0)``)."""
+
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if args:
+            names = list(type(self).model_fields)
+            if len(args) > len(names):
+                raise TypeError(f"{type(self).__name__}: {len(args)} positional values for {len(names)} fields")
+            kwargs.update(zip(names, args, strict=False))
+        super().__init__(**kwargs)
+
+
+class ModelConfig(_Section):
     path: str = _f(str(DEFAULT_MODEL_DIR), "Hugging Face model directory (policy and tokenizer).")
     dtype: Literal["float32", "bfloat16"] = _f(
         "float32",
@@ -56,8 +67,7 @@ class ModelConfig:
     )
 
 
-@dataclass
-class TaskConfig:
+class TaskConfig(_Section):
     name: str = _f("arith", "Task name for router.tasks.load_task: arith | gsm8k | math.")
     train_split: str = _f("train", "Split used for RL prompts.")
     eval_split: str = _f("test", "Held-out split for accuracy/length evaluation.")
@@ -67,8 +77,7 @@ class TaskConfig:
     difficulties: list[int] | None = _f(None, "Restrict to these difficulty buckets (None = all).")
 
 
-@dataclass
-class BudgetPromptConfig:
+class BudgetPromptConfig(_Section):
     """L1-style token budgets stated in the prompt (arXiv 2503.04697)."""
 
     enabled: bool = _f(False, "Append a 'think for N tokens' instruction and a budget_tokens column.")
@@ -82,19 +91,17 @@ class BudgetPromptConfig:
     seed: int = _f(0, "Seed for the budget draw.")
 
 
-@dataclass
-class RewardSpec:
+class RewardSpec(_Section):
     name: str = _f("correctness", "Reward name (see training.grpo.rewards.REWARD_REGISTRY).")
     weight: float = _f(1.0, "Weight of this reward in the advantage (TRL reward_weights).")
     params: dict[str, Any] = _f(dict, "Keyword parameters of the reward factory.")
 
 
 def _default_rewards() -> list[RewardSpec]:
-    return [RewardSpec("correctness", 1.0), RewardSpec("format", 0.2)]
+    return [RewardSpec(name="correctness", weight=1.0), RewardSpec(name="format", weight=0.2)]
 
 
-@dataclass
-class AdvantageConfig:
+class AdvantageConfig(_Section):
     aggregation: Literal["sum_then_normalize", "decoupled"] = _f(
         "sum_then_normalize",
         "sum_then_normalize: GRPO on the weighted sum (arXiv 2402.03300). decoupled: normalise each reward per "
@@ -115,8 +122,7 @@ class AdvantageConfig:
     )
 
 
-@dataclass
-class DynamicSamplingConfig:
+class DynamicSamplingConfig(_Section):
     enabled: bool = _f(False, "Drop zero-variance groups and refill by over-sampling (DAPO, arXiv 2503.14476).")
     max_rounds: int = _f(4, "Rollout rounds per generation batch (the first included); bounds the refill loop.")
     oversample: float = _f(1.5, "Refill rounds roll out ceil(missing_groups * oversample) prompts.")
@@ -129,8 +135,7 @@ class DynamicSamplingConfig:
     seed: int = _f(0, "Seed of the refill pool order and of skip decisions.")
 
 
-@dataclass
-class MonitorRule:
+class MonitorRule(_Section):
     name: str = _f("rule", "Name shown in alerts.")
     metric: str = _f(
         "entropy", "Logged metric key, e.g. entropy, signal/effective_ratio, eval_rewards/correctness/mean."
@@ -179,8 +184,7 @@ def _default_rules() -> list[MonitorRule]:
     ]
 
 
-@dataclass
-class MonitorConfig:
+class MonitorConfig(_Section):
     rules: list[MonitorRule] = _f(_default_rules, "Monitor rules (evaluated at every log).")
 
 
@@ -189,8 +193,7 @@ def _default_prices() -> dict[str, str]:
     return {"cpu": "0.05", "nvidia-h200": "3.50", "nvidia-h100": "2.50", "nvidia-a100": "1.30", "nvidia-l4": "0.70"}
 
 
-@dataclass
-class LedgerConfig:
+class LedgerConfig(_Section):
     device_kind: str | None = _f(None, "Price-table key; None = detect (cpu or nvidia-<model>).")
     price_usd_per_device_hour: dict[str, str] = _f(_default_prices, "USD per device-hour by device kind.")
     extra_devices: int = _f(0, "Devices billed besides the training processes (e.g. GPUs serving vLLM in server mode).")
@@ -214,8 +217,7 @@ class LedgerConfig:
         return {k: Decimal(str(v)) for k, v in self.price_usd_per_device_hour.items()}
 
 
-@dataclass
-class EvalConfig:
+class EvalConfig(_Section):
     before: bool = _f(True, "Evaluate the initial model on the held-out set (for cost per accuracy point).")
     after: bool = _f(True, "Evaluate the trained model on the held-out set (model card).")
     max_new_tokens: int | None = _f(None, "Generation cap for evaluation; None = trl.max_completion_length.")
@@ -233,8 +235,7 @@ class EvalConfig:
     )
 
 
-@dataclass
-class OutputConfig:
+class OutputConfig(_Section):
     tier_name: str = _f("short", "Gateway tier name in the tier snippet.")
     served_model_name: str = _f("thinkgate-tiny-short", "Model name the engine serves the output under.")
     base_url: str = _f(
@@ -260,8 +261,7 @@ def _default_trl() -> dict[str, Any]:
     }
 
 
-@dataclass
-class RunConfig:
+class RunConfig(_Section):
     run_name: str = _f("grpo", "Run name (model card, tags).")
     output_dir: str = _f("runs/grpo", "Run directory: config, metrics, ledger, plots, checkpoints, model/.")
     threads: int | None = _f(1, "torch.set_num_threads; keep 1 on a shared CPU box. None = torch default.")
@@ -287,76 +287,67 @@ class RunConfig:
         return merged
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# dict/YAML -> dataclasses
+# dict/YAML -> models
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+_TYPE_WORDS = {
+    "int_parsing": "an integer",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "bool_parsing": "true/false",
+    "bool_type": "true/false",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+}
+
+
+def _message(err: Any, cls: type[BaseModel]) -> str:
+    """One pydantic error as ``field: what is wrong`` in the words the run-file docs use."""
+    loc = _loc(tuple(err["loc"])) or cls.__name__
+    kind, got = err["type"], err.get("input")
+    if kind == "extra_forbidden":
+        parent: Any = cls
+        for part in err["loc"][:-1]:
+            if isinstance(part, int):
                 continue
-            try:
-                return _convert(a, value, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{path}: {value!r} does not match {tp}: {'; '.join(errors)}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{path}: {value!r} is not one of {list(args)}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
-        return [_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
-        return {str(k): _convert(args[1], v, f"{path}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true/false, got {value!r}")
-        return value
-    if tp is str:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return str(value)  # prices written as bare numbers
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return value
-    return value
+            ann = parent.model_fields[part].annotation if hasattr(parent, "model_fields") else None
+            inner = [a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)]
+            parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else (inner[0] if inner else None)
+        known = sorted(parent.model_fields) if parent is not None and hasattr(parent, "model_fields") else []
+        return f"{loc}: unknown key; known: {known}"
+    if kind == "literal_error":
+        return f"{loc}: {got!r} is not one of {err.get('ctx', {}).get('expected', '')}"
+    if kind in _TYPE_WORDS:
+        return f"{loc}: expected {_TYPE_WORDS[kind]}, got {got!r}"
+    return f"{loc}: {err['msg']}"
 
 
-def from_dict(cls: type, data: Any, path: str = "") -> Any:
-    """Build dataclass ``cls`` from a mapping, recursively; unknown keys raise :class:`ConfigError`."""
+def from_dict(cls: type[Any], data: Any, path: str = "") -> Any:
+    """Parse ``data`` into the model ``cls`` (pydantic); raises :class:`ConfigError` naming the field(s)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path or cls.__name__}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"{path or cls.__name__}: unknown key(s) {unknown}; known: {sorted(names)}")
-    kwargs = {k: _convert(hints[k], v, f"{path}.{k}" if path else k) for k, v in data.items()}
-    return cls(**kwargs)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        msgs = [_message(err, cls) for err in e.errors()]
+        prefix = f"{path}." if path else ""
+        raise ConfigError("; ".join(prefix + m for m in msgs)) from None
 
 
 def validate(cfg: RunConfig) -> RunConfig:

@@ -7,7 +7,6 @@ prompt opens ``<think>``), ``problem_id``, ``question``, ``answer``, ``difficult
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -46,7 +45,7 @@ def resolve_budget_prompt(budget: BudgetPromptConfig, reward_names: Sequence[str
     maximum N tokens.", L1-Exact on "Think for N tokens." — the default template is switched to the L1-Max wording
     when ``l1_max`` is among the rewards; a template set in the run file is kept as written."""
     if "l1_max" in reward_names and budget.template == L1_EXACT_TEMPLATE:
-        return dataclasses.replace(budget, template=L1_MAX_TEMPLATE)
+        return budget.model_copy(update={"template": L1_MAX_TEMPLATE})
     return budget
 
 
