@@ -343,6 +343,9 @@ class LimitsConfig(_Strict):
     alert_fractions: list[float] = Field(default_factory=lambda: [0.5, 0.8, 1.0])
     alert_webhook_url: str | None = None
     alert_webhook_timeout_s: float = Field(2.0, gt=0)
+    alert_webhook_attempts: int = Field(5, ge=1, le=20)
+    alert_webhook_backoff_s: float = Field(0.5, ge=0)
+    alert_dead_letter_path: Path = STATE_DIR / "alerts-dead-letter.jsonl"
     reservation_ttl_s: float = Field(600.0, gt=0)
 
     @field_validator("alert_fractions")
@@ -360,6 +363,29 @@ class LimitsConfig(_Strict):
             if not sep or not k or "|" in tag:
                 raise ValueError(f"tag budget keys are 'name=value', got {tag!r}")
         return v
+
+
+class DashboardConfig(_Strict):
+    """``GET /dashboard`` (``gateway/api/dashboard/``): on unless ``enabled: false``. The session cookie is
+    signed with the secret in ``secret_file`` (created 0600 on first use; replicas behind one load balancer
+    share it by pointing at the same file) and expires after ``session_ttl_s`` seconds. ``secure_cookie``
+    adds the ``Secure`` attribute (set it behind TLS). ``poll_s``: how often the page refreshes its data."""
+
+    enabled: bool = True
+    session_ttl_s: int = Field(8 * 3600, ge=60)
+    secret_file: Path = STATE_DIR / "dashboard-secret"
+    secure_cookie: bool = False
+    poll_s: float = Field(10.0, ge=1)
+
+
+class TelemetryConfig(_Strict):
+    """OpenTelemetry traces (``gateway/telemetry.py``), off unless ``otlp_endpoint`` is set: the OTLP/HTTP
+    traces URL (e.g. ``http://127.0.0.1:4318/v1/traces``). Needs ``pip install 'thinkgate[otel]'``."""
+
+    otlp_endpoint: str | None = None
+    service_name: str = "thinkgate"
+    headers: dict[str, str] = Field(default_factory=dict)
+    export_timeout_s: float = Field(10.0, gt=0)
 
 
 class ServerConfig(_Strict):
@@ -456,6 +482,8 @@ class Settings(BaseSettings):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
+    dashboard: DashboardConfig = Field(default_factory=DashboardConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @classmethod
     def settings_customise_sources(

@@ -173,6 +173,8 @@ class RouterService(Router):
             "created_utc": meta.get("created_utc"),
             "training_data_sha256": meta.get("training_data_sha256"),
             "thresholds": self.thresholds,
+            # how the cut points were chosen and the share of requests they sent up (router/fit/calibrate.py)
+            "calibration": meta.get("thresholds_calibration"),
             "error": self._error,
             "reloads": self.reloads,
         }

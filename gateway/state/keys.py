@@ -125,6 +125,11 @@ class RedisKeys:
     def tpm(self, key_id: str, window: int) -> str:
         return f"{self.prefix}lim:{key_id}:tpm:{window}"
 
+    @property
+    def alerts_log(self) -> str:
+        """List of the latest fired alerts (JSON, newest first; capped)."""
+        return f"{self.prefix}alerts:log"
+
     def alert(self, key_id: str, period: str, fraction: str) -> str:
         return f"{self.prefix}alert:{key_id}:{period}:{fraction}"
 

@@ -1,0 +1,160 @@
+"""The dashboard's one JSON document (``GET /dashboard/data``), computed by the functions behind
+``GET /v1/usage`` and ``thinkgate usage export`` (:func:`gateway.ledger.export.group` over
+:meth:`gateway.state.metering.Meter.events`) and ``thinkgate usage report`` (:func:`gateway.ledger.report.build`),
+so every figure equals theirs for the same period.
+
+Shape (money: integer micro-USD plus exact USD strings; latency in ms)::
+
+    {"object": "dashboard.data", "redis": "ok", "since": s, "until": s | null, "generated": s,
+     "total": {group row}, "spend": {"day": [...], "key": [...], "tier": [...], "tag": [...]},
+     "savings": {report summary: always_long_micro_usd, savings_micro_usd, cache_saved_micro_usd, ...},
+     "routing": {"routed_tiers": [...], "thresholds": [...], "calibration": {...} | null,
+                 "tiers": [{"tier", "requests", "share", "target_share" | null, "reasons": {reason: n}}]},
+     "budgets": [{"level", "period", "budget_usd", "spent_usd", "reserved_usd", "remaining_usd", "key_id"?}],
+     "alerts": [alert, ...], "latency": [{"tier", "events", "p50_ms", "p99_ms", "ttft_p50_ms", "errors",
+                                         "error_rate"}]}
+
+While Redis is unreachable the endpoint answers 503 ``{"object": "dashboard.data", "redis": "unreachable"}``
+and the page says so instead of showing numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from gateway.api.usage import levels_view
+from gateway.config import Settings
+from gateway.ledger import report as rp
+from gateway.ledger.event import UsageEvent
+from gateway.ledger.export import group
+from gateway.pipeline.accounting import Accounting
+from gateway.pipeline.routing import Routing
+
+SPEND_GROUPS = ("day", "key", "tier", "tag")
+ALERTS_SHOWN = 50
+
+
+def month_start(now: float) -> float:
+    """Epoch seconds of the start of ``now``'s UTC month (the default period, as ``GET /v1/usage``)."""
+    dt = datetime.fromtimestamp(now, UTC)
+    return datetime(dt.year, dt.month, 1, tzinfo=UTC).timestamp()
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile ``q`` in [0, 100] of ``values`` (None when empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def long_tier_of(settings: Settings) -> str:
+    """The counterfactual tier: ``long`` when configured (as ``thinkgate usage report``), else the last tier."""
+    names = [t.name for t in settings.tiers]
+    return "long" if "long" in names else names[-1]
+
+
+def target_shares(routed: list[str], calibration: dict[str, Any] | None) -> dict[str, float] | None:
+    """Share of routed requests per routed tier that the calibration achieved (``achieved_frac_at_or_above``
+    of each cut point: tier i gets f[i-1] − f[i], with f[-1] = 1 and f[n] = 0); None without it."""
+    fracs = (calibration or {}).get("achieved_frac_at_or_above")
+    if not isinstance(fracs, list) or len(fracs) != len(routed) - 1:
+        return None
+    edges = [1.0, *(float(f) for f in fracs), 0.0]
+    return {t: round(edges[i] - edges[i + 1], 6) for i, t in enumerate(routed)}
+
+
+def routing_view(events: list[UsageEvent], settings: Settings, routing: Routing) -> dict[str, Any]:
+    """Requests per tier (by route reason) against the calibrated share of the router's cut points.
+
+    ``share`` is over requests the router decided (route reason ``predicted``) — the population the
+    calibration's target describes; ``reasons`` counts every request (forced, effort, cache, …) on the tier."""
+    routed = list(settings.routing.routed_tiers)
+    svc = routing.service
+    info = svc.info() if svc is not None else None
+    calibration = info.get("calibration") if info is not None else None
+    # a calibration describes the file's own cut points; thresholds set in the config make it moot
+    in_force = info is not None and settings.routing.thresholds is None and routing.scorer is svc
+    targets = target_shares(routed, calibration) if in_force else None
+    reasons: dict[str, dict[str, int]] = {}
+    predicted: dict[str, int] = {}
+    for ev in events:
+        if ev.audit or not rp.counts_as_request(ev) or ev.tier is None:
+            continue
+        reasons.setdefault(ev.tier, {})
+        reasons[ev.tier][ev.route_reason or "none"] = reasons[ev.tier].get(ev.route_reason or "none", 0) + 1
+        if ev.route_reason == "predicted":
+            predicted[ev.tier] = predicted.get(ev.tier, 0) + 1
+    n_pred = sum(predicted.values())
+    tiers = []
+    for t in settings.tiers:
+        tiers.append({"tier": t.name, "requests": sum(reasons.get(t.name, {}).values()),
+                      "predicted": predicted.get(t.name, 0),
+                      "share": (predicted.get(t.name, 0) / n_pred) if n_pred and t.name in routed else None,
+                      "target_share": targets.get(t.name) if targets else None,
+                      "reasons": reasons.get(t.name, {})})
+    return {"routed_tiers": routed, "thresholds": routing.thresholds, "router": routing.scorer.name,
+            "calibration": calibration if in_force else None, "predicted_requests": n_pred, "tiers": tiers}
+
+
+def latency_view(events: list[UsageEvent], settings: Settings) -> list[dict[str, Any]]:
+    """Per tier: events (refusals excluded), p50/p99 latency and p50 TTFT of status-200 events (ms),
+    errors (status ≥ 500) and their share of the events."""
+    by: dict[str, list[UsageEvent]] = {}
+    for ev in events:
+        if not ev.audit and ev.tier is not None:
+            by.setdefault(ev.tier, []).append(ev)
+    order = [t.name for t in settings.tiers] + sorted(set(by) - {t.name for t in settings.tiers})
+    out = []
+    for name in order:
+        evs = by.get(name, [])
+        ok = [e.latency_ms for e in evs if e.status == 200]
+        ttft = [e.ttft_ms for e in evs if e.status == 200 and e.ttft_ms is not None]
+        errors = sum(1 for e in evs if e.status >= 500)
+        out.append({"tier": name, "events": len(evs), "p50_ms": percentile(ok, 50), "p99_ms": percentile(ok, 99),
+                    "ttft_p50_ms": percentile(ttft, 50), "errors": errors,
+                    "error_rate": errors / len(evs) if evs else None})
+    return out
+
+
+async def budgets_view(acct: Accounting, now: float) -> list[dict[str, Any]]:
+    """Every budgeted level with what remains: each metered key's own budgets (``level: key``, with
+    ``key_id``), then each tag and the global level once (``GET /v1/usage``'s ``budgets`` entries)."""
+    day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
+    out: list[dict[str, Any]] = []
+    shared: dict[tuple[str, str], dict[str, Any]] = {}
+    for key_id in await acct.meter.key_ids():
+        info = await acct.key_info(key_id)
+        if info is None:
+            continue
+        for row in await levels_view(acct, info, day, now):
+            if row["level"] == "key":
+                out.append({"key_id": key_id, **row})
+            else:
+                shared.setdefault((row["level"], row["period"]), row)
+    return out + [shared[k] for k in sorted(shared)]
+
+
+async def collect(acct: Accounting, settings: Settings, routing: Routing, since: float | None,
+                  until: float | None, now: float) -> dict[str, Any]:
+    """The dashboard document for events in [since, until) (``since`` None = this UTC month). Raises
+    :class:`gateway.state.breaker.RedisDown` when Redis is unreachable."""
+    since = month_start(now) if since is None else since
+    events = [e async for e in acct.meter.events(since, until)]
+    long_tier = long_tier_of(settings)
+    report = rp.build(events, long_tier, settings.tier(long_tier).prices, since=since, until=until)
+    total = group(events, [])
+    return {
+        "object": "dashboard.data", "redis": "ok", "since": since, "until": until, "generated": now,
+        "total": total[0] if total else None,
+        "spend": {g: group(events, [g]) for g in SPEND_GROUPS},
+        "savings": {"long_tier": long_tier, **report.summary()},
+        "routing": routing_view(events, settings, routing),
+        "budgets": await budgets_view(acct, now),
+        "alerts": await acct.alerts.recent(ALERTS_SHOWN),
+        "latency": latency_view(events, settings),
+    }
