@@ -3,7 +3,8 @@
 Routes, one module each: ``POST /v1/chat/completions`` and ``/v1/completions`` (:mod:`gateway.api.completions`),
 ``/v1/responses`` (:mod:`gateway.api.responses`), ``/v1/messages`` (:mod:`gateway.api.messages`),
 ``GET /v1/models`` and ``POST /admin/router/reload`` (:mod:`gateway.api.models`), ``GET /v1/usage`` and
-``/metrics`` (:mod:`gateway.api.usage`), ``GET /health`` and ``/ready`` (:mod:`gateway.api.ops`). Errors are mapped by
+``/metrics`` (:mod:`gateway.api.usage`), ``GET /health`` and ``/ready`` (:mod:`gateway.api.ops`),
+``GET /dashboard`` (:mod:`gateway.api.dashboard`). Errors are mapped by
 :func:`gateway.errors.install_handlers`. ``app.state.routing`` is the :class:`gateway.pipeline.routing.Routing`
 (plug the trained router in with ``app.state.routing.set_scorer``) and ``app.state.proxy`` the
 :class:`gateway.pipeline.proxy.Proxy` (``usage_sinks`` for metering).
@@ -21,6 +22,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway.api import completions as completions_api
+from gateway.api import dashboard as dashboard_api
 from gateway.api import embeddings as embeddings_api
 from gateway.api import messages as messages_api
 from gateway.api import models as models_api
@@ -129,4 +131,5 @@ def create_app(settings: Settings) -> FastAPI:
     completions_api.attach(app, proxy)
     models_api.attach(app, settings, proxy, routing, created)
     ops_api.attach(app, settings, upstreams)
+    dashboard_api.attach(app, settings, keys, accounting, routing)
     return app

@@ -4,18 +4,24 @@ crosses a configured fraction of its daily or monthly budget.
 Each (level, period, fraction) fires **once per period** across all replicas: the first writer of
 ``alert:{key id | tag:k=v | global}:{day|month id}:{fraction}`` (``SET NX`` with a TTL past the period's
 end) fires; everyone else sees the key and stays quiet. Firing = one structured log record on the
-``thinkgate.alerts`` logger (``extra={"alert": {...}}``, message = the JSON) and, when
-``limits.alert_webhook_url`` is set, one HTTP POST of the same JSON (timeout
-``limits.alert_webhook_timeout_s``; a failed POST is logged, not retried — alerts are at-most-once). Alerts
-are checked after each metering write, from the spend it returns (every level's, in the same reply); while
-Redis is down they are skipped (the next write after recovery catches up).
+``thinkgate.alerts`` logger (``extra={"alert": {...}}``, message = the JSON), an entry in the capped Redis list
+``alerts:log`` (the dashboard's "alerts raised"; newest first, :data:`LOG_MAX` kept) and, when
+``limits.alert_webhook_url`` is set, delivery to that webhook (:mod:`gateway.state.webhooks`: a
+Slack-compatible JSON body — ``text`` plus the alert's fields —, up to ``limits.alert_webhook_attempts``
+attempts with exponential backoff from ``limits.alert_webhook_backoff_s``, each with timeout
+``limits.alert_webhook_timeout_s``; an alert that could not be delivered is appended to the dead-letter log
+``limits.alert_dead_letter_path``, JSON Lines). Alerts are checked after each metering write, from the spend
+it returns (every level's, in the same reply); while Redis is down they are skipped (the next write after
+recovery catches up).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import httpx
 import orjson
@@ -27,12 +33,14 @@ from gateway.state.budgets import Level
 from gateway.state.keys import RedisKeys
 from gateway.state.limits import KeyLimits
 from gateway.state.redis import RedisHandle
+from gateway.state.webhooks import deliver
 
 log = logging.getLogger("thinkgate.alerts")
 
 DAY_MARK_TTL_S = 2 * 86400
 MONTH_MARK_TTL_S = 32 * 86400
 LOCAL_MEMO_MAX = 10_000
+LOG_MAX = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +60,17 @@ class Alert:
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
+
+    @property
+    def text(self) -> str:
+        """One human line (the webhook's ``text``): who, which budget, how much of it is spent."""
+        who = f"key {self.key_id}" if self.level == "key" else f"{self.level} (request of key {self.key_id})"
+        return (f"ThinkGate budget alert: {who} has spent ${self.spent_usd} of its {self.period} budget "
+                f"${self.budget_usd} ({self.period_id}, crossed {self.fraction:.0%})")
+
+    def webhook_body(self) -> bytes:
+        """Slack-compatible incoming-webhook JSON: ``text`` (what Slack shows) plus every alert field."""
+        return orjson.dumps({"text": self.text, **asdict(self)})
 
 
 class Alerts:
@@ -108,16 +127,23 @@ class Alerts:
                     fired.append(alert)
         return fired
 
+    async def recent(self, n: int = 50) -> list[dict[str, Any]]:
+        """The ``n`` latest alerts fired by any replica (newest first), with ``fired_at`` (epoch s).
+        Raises :class:`RedisDown`."""
+        raw = await self.breaker.call(functools.partial(self.redis.lrange, self.keys.alerts_log, 0, n - 1))
+        return [orjson.loads(r) for r in raw]
+
     async def _fire(self, alert: Alert) -> None:
         self.fired.append(alert)
         payload = alert.to_json()
         log.warning("%s", payload.decode(), extra={"alert": asdict(alert)})
+        entry = orjson.dumps({**asdict(alert), "fired_at": time.time()})
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.lpush(self.keys.alerts_log, entry)
+            pipe.ltrim(self.keys.alerts_log, 0, LOG_MAX - 1)
+            await self.breaker.call(pipe.execute)
+        except RedisDown:
+            pass  # the log line and the webhook still carry it
         if self.cfg.alert_webhook_url and self.http is not None:
-            try:
-                resp = await self.http.post(self.cfg.alert_webhook_url, content=payload,
-                                            headers={"content-type": "application/json"},
-                                            timeout=self.cfg.alert_webhook_timeout_s)
-                if resp.status_code >= 400:
-                    log.error("alert webhook answered %d", resp.status_code)
-            except httpx.HTTPError as exc:
-                log.error("alert webhook failed: %r", exc)
+            await deliver(self.http, self.cfg.alert_webhook_url, alert.webhook_body(), self.cfg)

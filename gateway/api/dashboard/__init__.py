@@ -1,0 +1,169 @@
+"""``GET /dashboard``: the cost dashboard, for the admin key, through a login form and a session cookie.
+
+Routes:
+
+- ``GET /dashboard`` — the page (server-rendered HTML; its script and style are package data under
+  ``static/``, served by ``GET /dashboard/static/{name}``: no CDN). Without a valid session: the login form.
+- ``POST /dashboard/login`` — form field ``key`` (``application/x-www-form-urlencoded``, never a query
+  string): an admin key sets the session cookie (:mod:`gateway.api.dashboard.session`) and redirects (303) to
+  ``/dashboard``; an unknown key answers 401, a non-admin key 403 (the form again, with the reason). The key is
+  never logged, never put in a URL, never stored in the cookie (which names only the key id).
+- ``POST /dashboard/logout`` — ends the session.
+- ``GET /dashboard/data`` — the JSON the page polls (:mod:`gateway.api.dashboard.data`); ``since`` / ``until``
+  as for ``GET /v1/usage``. 401 without a session; 503 ``{"redis": "unreachable"}`` while Redis is down.
+
+Who is admin: the admin key (``auth.admin_key_sha256``). On embedded defaults — no key configured, so
+``thinkgate serve`` registers the development key of ``auth.dev_key_file`` as the only key — the
+development key opens the dashboard too (and only the dashboard: it stays a plain key for ``/v1/usage``);
+that holds only while it is the single key and there is no admin key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import html
+import time
+from importlib.resources import files
+from typing import Any
+from urllib.parse import parse_qs
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+
+from gateway.api.dashboard.data import collect
+from gateway.api.dashboard.session import COOKIE, Sessions, load_secret
+from gateway.auth.keys import DEV_KEY_ID, KeyInfo, KeyStore
+from gateway.config import Settings
+from gateway.errors import AuthError, GatewayError
+from gateway.ledger.export import ExportError, parse_time
+from gateway.pipeline.accounting import Accounting
+from gateway.pipeline.routing import Routing
+from gateway.state.breaker import RedisDown
+
+STATIC = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8",
+          "favicon.svg": "image/svg+xml"}
+LOGIN_BODY_MAX = 4096
+# no inline script, nothing from elsewhere: the page's own files and its own JSON only
+SECURITY_HEADERS = {"content-security-policy": "default-src 'self'; frame-ancestors 'none'; form-action 'self'",
+                    "x-frame-options": "DENY", "referrer-policy": "no-referrer", "cache-control": "no-store",
+                    "x-content-type-options": "nosniff"}
+
+
+def dev_key_is_admin(settings: Settings, key: KeyInfo) -> bool:
+    """True when ``key`` is the development key of embedded defaults (see the module doc)."""
+    auth = settings.auth
+    if auth.admin_key_sha256 or len(auth.keys) != 1 or key.id != DEV_KEY_ID or auth.keys[0].id != DEV_KEY_ID:
+        return False
+    try:
+        secret = auth.dev_key_file.read_text().strip()
+    except OSError:
+        return False
+    stored = auth.keys[0].secret_sha256 or ""
+    return bool(secret) and hmac.compare_digest(hashlib.sha256(secret.encode()).hexdigest(), stored)
+
+
+def _asset(name: str) -> bytes:
+    return files("gateway.api.dashboard").joinpath("static", name).read_bytes()
+
+
+def _page(name: str, **fields: str) -> str:
+    text = _asset(name).decode()
+    for k, v in fields.items():
+        text = text.replace("{{" + k + "}}", v)
+    return text
+
+
+def login_page(message: str = "", status: int = 200) -> HTMLResponse:
+    """The login form (``message``: why the last attempt was refused)."""
+    note = f'<p class="error" role="alert">{html.escape(message)}</p>' if message else ""
+    return HTMLResponse(_page("login.html", message=note), status, headers=SECURITY_HEADERS)
+
+
+def attach(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting, routing: Routing) -> None:
+    """Add the dashboard routes to ``app`` (nothing when ``dashboard.enabled`` is false)."""
+    cfg = settings.dashboard
+    if not cfg.enabled:
+        return
+    state: dict[str, Sessions] = {}
+
+    def sessions() -> Sessions:
+        # the secret file is read (or made) on first use, not at import or app build
+        if "s" not in state:
+            state["s"] = Sessions(load_secret(cfg.secret_file), cfg.session_ttl_s, cfg.secure_cookie)
+        return state["s"]
+
+    def session_key(request: Request) -> str | None:
+        return sessions().check(request.cookies.get(COOKIE))
+
+    async def page(request: Request) -> Response:
+        key_id = session_key(request)
+        if key_id is None:
+            return login_page()
+        tiers = ", ".join(html.escape(t.name) for t in settings.tiers)
+        body = _page("dashboard.html", key_id=html.escape(key_id), tiers=tiers, poll_ms=str(int(cfg.poll_s * 1000)))
+        return HTMLResponse(body, headers=SECURITY_HEADERS)
+
+    async def login(request: Request) -> Response:
+        raw = b""
+        async for part in request.stream():
+            raw += part
+            if len(raw) > LOGIN_BODY_MAX:
+                return login_page("request too large", 413)
+        if request.query_params:  # a key in a URL would end up in logs and history: refuse it outright
+            return login_page("send the key in the form body, never in the URL", 400)
+        form = parse_qs(raw.decode(errors="replace"), keep_blank_values=True)
+        secret = (form.get("key") or [""])[0].strip()
+        if not secret:
+            return login_page("enter the admin key", 400)
+        try:
+            key = await keys.authenticate(f"Bearer {secret}")
+        except AuthError:
+            return login_page("unknown key", 401)
+        except GatewayError:
+            return login_page("the key store is unreachable; retry later", 503)
+        if not (key.is_admin or dev_key_is_admin(settings, key)):
+            return login_page("this key is not an admin key: the dashboard needs the admin key", 403)
+        resp = RedirectResponse("/dashboard", status_code=303, headers=SECURITY_HEADERS)
+        resp.headers.append("set-cookie", sessions().cookie_header(sessions().issue(key.id)))
+        return resp
+
+    async def logout(_: Request) -> Response:
+        resp = RedirectResponse("/dashboard", status_code=303, headers=SECURITY_HEADERS)
+        resp.headers.append("set-cookie", sessions().clear_header())
+        return resp
+
+    async def data(request: Request) -> Response:
+        if session_key(request) is None:
+            return _json({"error": {"message": "log in at /dashboard", "type": "authentication_error",
+                                    "code": "no_session"}}, 401)
+        try:
+            since, until = parse_time(request.query_params.get("since")), parse_time(request.query_params.get("until"))
+        except ExportError as exc:
+            return _json({"error": {"message": str(exc), "type": "invalid_request_error",
+                                    "code": "invalid_request"}}, 400)
+        try:
+            doc = await collect(acct, settings, routing, since, until, time.time())
+        except RedisDown:
+            return _json({"object": "dashboard.data", "redis": "unreachable",
+                          "message": "the usage store (Redis) is unreachable: no figures until it answers"}, 503)
+        return _json(doc)
+
+    async def static(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in STATIC:
+            return Response(status_code=404)
+        return Response(_asset(name), media_type=STATIC[name], headers={"cache-control": "no-cache"})
+
+    app.router.add_route("/dashboard", page, methods=["GET"])
+    app.router.add_route("/dashboard/login", login, methods=["POST"])
+    app.router.add_route("/dashboard/logout", logout, methods=["POST"])
+    app.router.add_route("/dashboard/data", data, methods=["GET"])
+    app.router.add_route("/dashboard/static/{name}", static, methods=["GET"])
+
+
+def _json(doc: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(doc), status_code=status, media_type="application/json",
+                    headers={"cache-control": "no-store"})

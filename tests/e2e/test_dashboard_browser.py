@@ -1,0 +1,97 @@
+"""The dashboard in a real browser: headless Chromium (Debian's package) driven by Playwright against a real
+gateway (uvicorn on loopback, the upstream simulator, real Redis) with a seeded ledger.
+
+Checks: a non-admin key is refused at the login form; the admin key logs in and the page renders; its figures
+(read from the DOM) equal ``GET /v1/usage`` and ``thinkgate usage export``; no request the browser made carries
+a key in its URL; a full-page screenshot is saved as a test artefact (``tmp_path/dashboard.png``; the doc script
+``bench/dashboard_shot.py`` makes ``docs/dashboard.png``). Skips only when no Chromium is installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.browser import chromium_path, launch, log_in, wait_ready
+from tests.fixtures.dashboard import Seeded, export_rows, seeded_gateway, usage_rows
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS
+from tests.fixtures.upstream import SimProcess
+
+EXECUTABLE = chromium_path()
+pytestmark = pytest.mark.skipif(EXECUTABLE is None, reason="Chromium is not installed (/usr/bin/chromium; "
+                                "apt-get install chromium): the dashboard's browser test cannot run")
+
+
+@pytest.fixture(scope="module")
+def seeded(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seeded]:
+    with seeded_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("dash-browser")) as s:
+        yield s
+
+
+def _money_by_row(page: object, table: str) -> dict[str, int]:
+    """``{data-row: micro-USD of the spend cell}`` of a spend table (first data-micro cell of each row)."""
+    return page.eval_on_selector_all(  # type: ignore[attr-defined]
+        f"#{table} tr[data-row]",
+        "rows => Object.fromEntries(rows.map(r => [r.dataset.row, "
+        "Number(r.querySelector('td[data-micro]').dataset.micro)]))")
+
+
+def test_dashboard_in_chromium(seeded: Seeded, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    assert EXECUTABLE is not None
+    urls: list[str] = []
+    errors: list[str] = []  # console errors (a CSP violation, a script error) and page errors
+    with sync_playwright() as p:
+        browser = launch(p, EXECUTABLE)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("request", lambda req: urls.append(req.url))
+            page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            # a valid key that is not the admin key: refused, no session
+            log_in(page, seeded.gw.url, SECRETS["alice"])
+            assert "not an admin key" in page.inner_text("body")
+            assert not [c for c in page.context.cookies() if c["name"] == "thinkgate_dashboard"]
+            # the admin key: the page, rendered from its data poll
+            log_in(page, seeded.gw.url, ADMIN_SECRET)
+            wait_ready(page)
+            cookie = next(c for c in page.context.cookies() if c["name"] == "thinkgate_dashboard")
+            assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and ADMIN_SECRET not in cookie["value"]
+            assert page.evaluate("document.cookie") == ""  # HttpOnly: scripts cannot read it
+            since = float(page.get_attribute("body", "data-since") or "nan")
+            by_key = _money_by_row(page, "spend-key")
+            by_tier = _money_by_row(page, "spend-tier")
+            by_tag = _money_by_row(page, "spend-tag")
+            total = int(page.get_attribute("#total-spend", "data-micro") or "-1")
+            cache_saved = int(page.get_attribute("#cache-saved", "data-micro") or "-1")
+            days = page.eval_on_selector_all("#spend-day .bar", "bs => Object.fromEntries(bs.map(b => "
+                                             "[b.dataset.row, Number(b.dataset.micro)]))")
+            budget_rows = page.eval_on_selector_all("#budgets tr[data-row]", "rs => rs.map(r => r.dataset.row)")
+            alerts = page.inner_text("#alerts")
+            bar_px = page.eval_on_selector("#spend-day .fill", "f => f.getBoundingClientRect().height")
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        finally:
+            browser.close()
+    print(f"dashboard screenshot: {tmp_path / 'dashboard.png'}")
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    # the refused login's 403 is the only error the console may show; no CSP violation, no script error
+    assert [e for e in errors if "403" not in e] == []
+    assert bar_px > 20  # the day bars are drawn (sizes set through the CSSOM, which the CSP allows)
+    # the page's numbers are the API's and the export's
+    api_key = {f"key:{r['key']}": r["cost_micro_usd"] for r in usage_rows(seeded.gw, "key", since)}
+    assert by_key == api_key and set(api_key) >= {"key:alice", "key:bob"}
+    assert by_key == {f"key:{r['key']}": r["cost_micro_usd"] for r in export_rows(seeded.config, "key", since)}
+    assert by_tier == {f"tier:{r['tier']}": r["cost_micro_usd"] for r in usage_rows(seeded.gw, "tier", since)}
+    assert by_tier == {f"tier:{r['tier']}": r["cost_micro_usd"] for r in export_rows(seeded.config, "tier", since)}
+    assert by_tag == {f"tag:{r['tag']}": r["cost_micro_usd"] for r in usage_rows(seeded.gw, "tag", since)}
+    assert days == {f"day:{r['day']}": r["cost_micro_usd"] for r in usage_rows(seeded.gw, "day", since)}
+    assert total == sum(api_key.values()) > 0
+    assert cache_saved == sum(r["saved_micro_usd"] for r in usage_rows(seeded.gw, "key", since)) > 0
+    assert {"budget:key alice:day", "budget:tag:team=a:day", "budget:global:month"} <= set(budget_rows)
+    assert "key alice" in alerts and "1% of $0.002" in alerts
+    # no request carried a key in its URL (the form posts it in the body)
+    assert urls and not [u for u in urls if any(s in u for s in (ADMIN_SECRET, *SECRETS.values()))]
+    assert all(u.startswith(seeded.gw.url) for u in urls)  # nothing fetched from anywhere else (no CDN)

@@ -1,0 +1,161 @@
+"""``/dashboard`` over HTTP against a real gateway with a seeded ledger (real Redis, the simulator): the login
+contract, the cookie, the JSON's figures against ``GET /v1/usage``, ``thinkgate usage export`` and
+``thinkgate usage report``, and Redis down → "unreachable", never zeros. The browser test is in tests/e2e."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.api.dashboard import dev_key_is_admin
+from gateway.api.dashboard.data import percentile, target_shares
+from gateway.api.dashboard.session import Sessions
+from gateway.auth.keys import KeyInfo
+from gateway.config import Settings
+from gateway.ledger.event import micro_to_usd
+from tests.fixtures.dashboard import Seeded, cli, export_rows, seeded_gateway, usage_rows
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway
+from tests.fixtures.redis_stack import PersistentRedis
+from tests.fixtures.upstream import SimProcess
+
+
+@pytest.fixture(scope="module")
+def seeded(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seeded]:
+    with seeded_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("dash")) as s:
+        yield s
+
+
+def login(url: str, key: str) -> httpx.Response:
+    return httpx.post(url + "/dashboard/login", data={"key": key}, timeout=10, follow_redirects=False)
+
+
+def test_login_contract_cookie_and_refusals(seeded: Seeded) -> None:
+    url = seeded.gw.url
+    page = httpx.get(url + "/dashboard", timeout=10)
+    assert page.status_code == 200 and 'name="key"' in page.text and 'method="post"' in page.text
+    assert httpx.get(url + "/dashboard/data", timeout=10).status_code == 401
+    assert login(url, SECRETS["alice"]).status_code == 403  # a valid key, not an admin one
+    assert login(url, "tg-not-a-key").status_code == 401
+    # a key in a URL is refused even when it is the admin key
+    r = httpx.post(url + "/dashboard/login", params={"key": ADMIN_SECRET}, timeout=10)
+    assert r.status_code == 400 and "set-cookie" not in r.headers
+    assert httpx.get(url + "/dashboard/login", params={"key": ADMIN_SECRET}, timeout=10).status_code == 405
+    ok = login(url, ADMIN_SECRET)
+    assert ok.status_code == 303 and ok.headers["location"] == "/dashboard"
+    cookie = ok.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/dashboard" in cookie
+    assert ADMIN_SECRET not in cookie and hashlib.sha256(ADMIN_SECRET.encode()).hexdigest() not in cookie
+    jar = ok.cookies
+    assert httpx.get(url + "/dashboard/data", cookies=jar, timeout=10).status_code == 200
+    page = httpx.get(url + "/dashboard", cookies=jar, timeout=10)
+    assert "/dashboard/static/dashboard.js" in page.text and "cdn" not in page.text.lower()
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert httpx.get(url + "/dashboard/static/dashboard.js", timeout=10).status_code == 200
+    # an altered cookie is no session
+    name, value = next(iter(jar.items()))
+    body, sig = value.split(".")
+    forged = body[:-2] + ("AA" if body[-2:] != "AA" else "BB") + "." + sig
+    assert httpx.get(url + "/dashboard/data", cookies={name: forged}, timeout=10).status_code == 401
+    out = httpx.post(url + "/dashboard/logout", cookies=jar, timeout=10)
+    assert "Max-Age=0" in out.headers["set-cookie"]
+
+
+def _data(seeded: Seeded) -> dict:
+    jar = login(seeded.gw.url, ADMIN_SECRET).cookies
+    r = httpx.get(seeded.gw.url + "/dashboard/data", cookies=jar, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_figures_equal_usage_api_export_and_report(seeded: Seeded) -> None:
+    d = _data(seeded)
+    since = d["since"]
+    for group in ("day", "key", "tier", "tag"):
+        assert d["spend"][group] == usage_rows(seeded.gw, group, since), group
+    assert d["spend"]["key"] == export_rows(seeded.config, "key", since)
+    assert d["spend"]["tier"] == export_rows(seeded.config, "tier", since)
+    assert {r["key"] for r in d["spend"]["key"]} >= {"alice", "bob"}
+    assert d["total"]["requests"] == sum(r["requests"] for r in d["spend"]["key"]) >= len(seeded.request_ids)
+    assert d["total"]["cost_micro_usd"] == sum(r["cost_micro_usd"] for r in d["spend"]["tier"]) > 0
+    # savings: the usage report's counterfactual over the same period
+    out = seeded.config.with_name("report.json")
+    r = cli("usage", "report", "--since", str(since), "--json", str(out), config=seeded.config)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(out.read_text())["summary"]
+    for field in ("always_long_micro_usd", "savings_micro_usd", "cache_saved_micro_usd", "spend_micro_usd",
+                  "requests"):
+        assert d["savings"][field] == summary[field], field
+    assert d["savings"]["cache_saved_micro_usd"] > 0  # the seeded cache hit
+    # budgets: alice's key level, the team=a tag level, the global level — with what remains
+    levels = {(b["level"], b["period"], b.get("key_id")) for b in d["budgets"]}
+    assert {("key", "day", "alice"), ("tag:team=a", "day", None), ("global", "month", None)} <= levels
+    alice = next(b for b in d["budgets"] if b.get("key_id") == "alice")
+    spent_alice = sum(r["cost_micro_usd"] for r in d["spend"]["key"] if r["key"] == "alice")
+    assert Decimal(alice["spent_usd"]) == micro_to_usd(spent_alice) > 0
+    assert Decimal(alice["remaining_usd"]) == Decimal(alice["budget_usd"]) - micro_to_usd(spent_alice) - Decimal(
+        alice["reserved_usd"])
+    # alerts: alice crossed 1 % of her day budget
+    assert any(a["key_id"] == "alice" and a["fraction"] == 0.01 and a["level"] == "key" for a in d["alerts"])
+    # latency and routing per tier
+    lat = {x["tier"]: x for x in d["latency"]}
+    assert lat["long"]["events"] > 0 and lat["long"]["p50_ms"] <= lat["long"]["p99_ms"]
+    routing = {x["tier"]: x for x in d["routing"]["tiers"]}
+    assert sum(x["requests"] for x in routing.values()) == summary["requests"]
+    assert d["routing"]["predicted_requests"] == sum(x["predicted"] for x in routing.values()) >= 3
+
+
+def test_redis_down_says_unreachable_not_zeros(upstream_sim: SimProcess, tmp_path: Path) -> None:
+    server = PersistentRedis(tmp_path / "redis")
+    server.workdir.mkdir()
+    server.start()
+    try:
+        with accounting_gateway(upstream_sim.base_url, server.url, tmp_path, f"tgtest:{uuid.uuid4().hex[:8]}:",
+                                dashboard={"secret_file": str(tmp_path / "secret")}) as gw:
+            jar = login(gw.url, ADMIN_SECRET).cookies
+            assert httpx.get(gw.url + "/dashboard/data", cookies=jar, timeout=10).status_code == 200
+            server.stop()
+            t0 = time.monotonic()
+            r = httpx.get(gw.url + "/dashboard/data", cookies=jar, timeout=10)
+            assert r.status_code == 503 and r.json()["redis"] == "unreachable" and "spend" not in r.json()
+            assert time.monotonic() - t0 < 5
+    finally:
+        server.stop()
+
+
+def test_dev_key_opens_the_dashboard_only_on_embedded_defaults(tmp_path: Path) -> None:
+    secret = "tg-dev-" + uuid.uuid4().hex
+    (tmp_path / "dev-key").write_text(secret + "\n")
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    dev = KeyInfo(id="dev")
+    base = {"engine": {"enabled": False}, "routing": {"router_path": None}}
+    embedded = Settings.load(None, **base, auth={"dev_key_file": str(tmp_path / "dev-key"),
+                                                 "keys": [{"id": "dev", "secret_sha256": digest}]})
+    assert dev_key_is_admin(embedded, dev)
+    assert not dev_key_is_admin(embedded, KeyInfo(id="alice"))
+    with_admin = Settings.load(None, **base, auth={"dev_key_file": str(tmp_path / "dev-key"),
+                                                   "admin_key_sha256": "0" * 64,
+                                                   "keys": [{"id": "dev", "secret_sha256": digest}]})
+    assert not dev_key_is_admin(with_admin, dev)
+    other = Settings.load(None, **base, auth={"dev_key_file": str(tmp_path / "dev-key"),
+                                              "keys": [{"id": "dev", "secret_sha256": "1" * 64}]})
+    assert not dev_key_is_admin(other, dev)  # a key named "dev" that is not the dev-key file's
+
+
+def test_sessions_expire_and_helpers() -> None:
+    s = Sessions(b"k" * 32, ttl_s=60)
+    v = s.issue("admin", now=1000.0)
+    assert s.check(v, now=1059.0) == "admin" and s.check(v, now=1060.0) is None
+    assert Sessions(b"x" * 32, 60).check(v, now=1000.0) is None
+    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0 and percentile([1.0, 2.0], 99) == 2.0
+    assert percentile([], 50) is None
+    assert target_shares(["short", "long"], {"achieved_frac_at_or_above": [0.7192]}) == {"short": 0.2808,
+                                                                                         "long": 0.7192}
+    assert target_shares(["short", "long"], None) is None
