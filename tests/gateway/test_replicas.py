@@ -9,17 +9,21 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from gateway.config import TierConfig
 from gateway.engine.redis_server import free_port
+from gateway.state.limits import estimate
 from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, cleanup, keys_config
 from tests.fixtures.upstream import SimProcess, sim_tiers, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[2]
+BUDGET_BODY = {"model": "short", "messages": [{"role": "user", "content": "budget race"}], "sim": {"delay_ms": 300}}
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +32,9 @@ def replicas(upstream_sim: SimProcess, redis_url: str,
     """Base URLs (``…/v1``) of two gateway processes sharing one Redis key prefix."""
     tmp = tmp_path_factory.mktemp("replicas")
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
-    # alice: a budget worth less than one request (1 micro-USD per day)
-    auth = keys_config(alice={"budget_usd_day": "0.000001"})
+    # alice: a budget that fits one request's admission estimate (hard mode) and not two
+    one = estimate(BUDGET_BODY, [TierConfig(**t) for t in sim_tiers(upstream_sim.base_url)[1:]]).micro_usd
+    auth = keys_config(alice={"budget_usd_day": str(Decimal(one * 3 // 2) / 1_000_000)})
     procs: list[subprocess.Popen[bytes]] = []
     urls = []
     try:
@@ -83,8 +88,10 @@ def test_cache_hit_across_replicas(replicas: tuple[str, str], upstream_sim: SimP
 
 
 def test_budget_holds_across_replicas(replicas: tuple[str, str]) -> None:
+    # hard mode (the default): the first request reserves its estimate in Redis; 31 concurrent others, on either
+    # process, find spend + reserved + their own estimate over the budget while it is in flight
     a, b = replicas
-    body = {"model": "short", "messages": [{"role": "user", "content": "budget race"}], "sim": {"delay_ms": 300}}
+    body = BUDGET_BODY
 
     async def burst() -> list[httpx.Response]:
         headers = {"authorization": f"Bearer {SECRETS['alice']}", "cache-control": "no-store"}
