@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from gateway.api import completions as completions_api
 from gateway.api import dashboard as dashboard_api
 from gateway.api import embeddings as embeddings_api
+from gateway.api import feedback as feedback_api
 from gateway.api import messages as messages_api
 from gateway.api import models as models_api
 from gateway.api import ops as ops_api
@@ -37,6 +38,7 @@ from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.routing import Routing
 from gateway.state.conversations import ConversationStore
+from gateway.state.outcomes import OutcomeStore, outcome_spool_path
 from gateway.state.routing_target import TargetController
 from gateway.upstream.pool import UpstreamPool
 
@@ -88,6 +90,26 @@ def _attach_controller(settings: Settings, routing: Routing, proxy: Proxy,
     return ctrl
 
 
+def router_version(routing: Routing) -> str | None:
+    """The router file's version: its metadata ``version``, else its ``created_utc`` (None: no router file)."""
+    svc = routing.service
+    router = svc.router if svc is not None else None
+    if router is None:
+        return None
+    meta = router.metadata
+    return str(meta.get("version") or meta.get("created_utc") or "") or None
+
+
+def _outcome_store(settings: Settings, routing: Routing, proxy: Proxy, accounting: Accounting) -> OutcomeStore | None:
+    """The outcome stream (``routing.outcomes``): a usage sink (request index, escalations) and the feedback API."""
+    if not settings.routing.outcomes.enabled:
+        return None
+    store = OutcomeStore(settings.routing.outcomes, accounting.handle, accounting.breaker,
+                         outcome_spool_path(settings), router_version=lambda: router_version(routing))
+    proxy.usage_sinks.append(store.sink)
+    return store
+
+
 def create_app(settings: Settings) -> FastAPI:
     """Build the gateway app for ``settings``. Upstream clients are closed on shutdown."""
     upstreams = UpstreamPool(settings.tiers)
@@ -96,11 +118,14 @@ def create_app(settings: Settings) -> FastAPI:
     keys = KeyStore(settings.auth, redis_store=accounting.keystore)
     proxy = Proxy(settings, keys, routing, upstreams, accounting=accounting)
     controller = _attach_controller(settings, routing, proxy, accounting)
+    outcomes = _outcome_store(settings, routing, proxy, accounting)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await accounting.start()
+        if outcomes is not None:
+            await outcomes.start()
         freeze_startup_heap()
         # hot reload of the router file: checked every routing.reload_interval_s (mtime, size, inode)
         watcher = asyncio.create_task(routing.service.watch()) if routing.service is not None else None
@@ -113,6 +138,8 @@ def create_app(settings: Settings) -> FastAPI:
                     await task
         if controller is not None:
             await controller.close()
+        if outcomes is not None:
+            await outcomes.close()
         await upstreams.aclose()
         await accounting.close()
 
@@ -121,6 +148,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.routing = routing
     app.state.proxy = proxy
     app.state.accounting = accounting
+    app.state.outcomes = outcomes
     install_handlers(app)
     usage_api.install(app, keys, accounting)
     responses_api.attach(app, proxy, ConversationStore(accounting.handle, accounting.breaker,
@@ -129,6 +157,8 @@ def create_app(settings: Settings) -> FastAPI:
     embeddings_api.attach(app, proxy)
 
     completions_api.attach(app, proxy)
+    if outcomes is not None:
+        feedback_api.attach(app, keys, outcomes)
     models_api.attach(app, settings, proxy, routing, created)
     ops_api.attach(app, settings, upstreams)
     dashboard_api.attach(app, settings, keys, accounting, routing)

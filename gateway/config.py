@@ -164,6 +164,23 @@ class RoutingTargetConfig(_Strict):
         return any(v is not None for v in (self.long_share, self.usd_per_day, self.usd_per_1k_requests))
 
 
+class OutcomesConfig(_Strict):
+    """Routing outcomes (``gateway/state/outcomes.py``): client feedback (``POST /v1/feedback``), escalations and
+    shadow comparisons, in the Redis stream ``{prefix}outcomes`` (at most ``stream_maxlen`` entries, trimmed
+    approximately), spooled to ``spool_path`` (default: beside the usage spool) while Redis is down and
+    replayed every ``replay_interval_s``.
+    Feedback is accepted for ``request_ttl_s`` seconds after a request (each request leaves a small index
+    entry: key id, tier, router score, window digest). ``retain_text``: also keep the routing window's text (and
+    shadow answers) in the outcomes, which ``router retrain`` needs to learn from them; off = digests only."""
+
+    enabled: bool = True
+    retain_text: bool = False
+    request_ttl_s: int = Field(7 * 86400, ge=60)
+    stream_maxlen: int = Field(1_000_000, ge=1000)
+    spool_path: Path | None = None  # None: next to the usage spool, ``<usage spool stem>.outcomes.jsonl``
+    replay_interval_s: float = Field(5.0, gt=0)
+
+
 class RoutingConfig(_Strict):
     """How ``model: "auto"`` picks a tier.
 
@@ -194,6 +211,8 @@ class RoutingConfig(_Strict):
     session_ttl_s: int = Field(0, ge=0)
     #: the cost-target controller (off by default: the calibrated thresholds apply)
     target: RoutingTargetConfig = Field(default_factory=RoutingTargetConfig)
+    #: feedback, escalation and shadow outcomes (the labels retraining learns from)
+    outcomes: OutcomesConfig = Field(default_factory=OutcomesConfig)
 
     @field_validator("thresholds")
     @classmethod

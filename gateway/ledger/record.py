@@ -62,6 +62,7 @@ class UsageRecord:
     error_code: str | None = None
     cache_request_id: str | None = None  # semantic hit: the request whose stored answer was served
     cache_similarity: float | None = None  # semantic hit: similarity of the two questions
+    routing_window: str | None = None  # the text the router scored (not metered; outcomes keep its digest)
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def set_usage(self, usage: dict[str, Any] | None) -> None:

@@ -95,7 +95,7 @@ class Accounting:
         # A timeout during which the event loop itself stalled for half the socket timeout is the loop's
         # fault, not Redis's: it fails that call but leaves the breaker closed (gateway/state/breaker.py).
         self.breaker = Breaker(settings.redis.breaker_cooldown_s, stall_s=settings.redis.socket_timeout_s / 2)
-        self.spool = Spool(settings.metering.spool_path)
+        self.spool: Spool[UsageEvent] = Spool(settings.metering.spool_path)
         self.meter = Meter(self.handle, self.breaker, self.spool, settings.metering)
         self.cache = ResponseCache(self.handle, self.breaker, settings.cache)
         self.limits = Limits(self.handle, self.breaker, settings.limits)

@@ -65,6 +65,7 @@ class Exchange:
         r.upstream_model = route.tier.model
         r.route_reason = route.reason
         r.difficulty = route.difficulty
+        r.routing_window = route.window
 
     async def release_cache(self, answer: dict[str, Any] | None = None) -> None:
         """Store ``answer`` (a complete, successful response; None stores nothing) and release the ticket's

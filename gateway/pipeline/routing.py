@@ -43,13 +43,16 @@ AUTO = "auto"
 class RouteDecision:
     """Where a request goes: the tier, why (:data:`~gateway.ledger.event.RouteReason`) and the router score;
     ``allowed``: the tier names the key may use (None = all; fallback and escalation stay inside them);
-    ``downgraded_from``: the tier asked for when the key's policy downgraded the request."""
+    ``downgraded_from``: the tier asked for when the key's policy downgraded the request; ``window``: the text the
+    router scored."""
 
     tier: TierConfig
     reason: RouteReason
     difficulty: float | None = None
     allowed: frozenset[str] | None = None
     downgraded_from: str | None = None
+    #: the routing window the router scored (``predicted`` routes only; outcomes keep its digest)
+    window: str | None = None
 
 
 def default_thresholds(n_tiers: int) -> list[float]:
@@ -162,7 +165,7 @@ class Routing:
         i = next((i for i, cut in enumerate(cuts) if score < cut), len(routed) - 1)
         if self.controller is not None:
             self.controller.record(score, i)
-        return RouteDecision(self._tiers[routed[i]], "predicted", score)
+        return RouteDecision(self._tiers[routed[i]], "predicted", score, window=text)
 
     def _window_of(self, body: dict[str, Any]) -> str:
         messages = body.get("messages")

@@ -117,7 +117,7 @@ class Sessions:
         self.metrics.session("sticky")
         if tier.name != route.tier.name:
             self.metrics.session("flip_avoided")
-        return Sticky(digest, "sticky", RouteDecision(tier, "predicted", route.difficulty))
+        return Sticky(digest, "sticky", RouteDecision(tier, "predicted", route.difficulty, window=route.window))
 
     async def repin(self, sticky: Sticky, tier_name: str) -> None:
         """Move the session to ``tier_name`` (the tier an escalated turn was answered on)."""

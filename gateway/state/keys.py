@@ -33,6 +33,9 @@ key                                     type        contents
 ``p rt:win``                            list        cost-target controller window: "score,tier index,t_ms", newest
                                                     last, at most routing.target.window (state/routing_target.py)
 ``p rt:state``                          hash        controller state: thr, share, n; cost:{i}, cnt:{i} per tier
+``p outcomes``                          stream      routing outcomes, field ``o`` = outcome JSON (state/outcomes.py)
+``p outcomes:seen:{YYYY-MM-DD}``        set         outcome ids already written (a replay writes nothing), TTL
+``p req:{request_id}``                  string      request index for feedback (key id, tier, score, digest), TTL
 ``p sem:{t}:e``                         hash        semantic cache entries of tenant tag ``t``: entry id → record,
                                                     ``b:{id}`` → its bucket and band hashes (semantic_index.py)
 ``p sem:{t}:x``                         zset        semantic cache entry id → expiry (epoch ms): TTL and the cap
@@ -56,6 +59,16 @@ class RedisKeys:
 
     def session(self, digest: str) -> str:
         return f"{self.prefix}sess:{digest}"
+
+    @property
+    def outcomes(self) -> str:
+        return f"{self.prefix}outcomes"
+
+    def outcomes_seen(self, day: str) -> str:
+        return f"{self.prefix}outcomes:seen:{day}"
+
+    def request(self, request_id: str) -> str:
+        return f"{self.prefix}req:{request_id}"
 
     def routing_window(self) -> str:
         return f"{self.prefix}rt:win"

@@ -149,7 +149,7 @@ class RecordResult:
 class Meter:
     """Writes usage events; reads counters and the event stream. One per process, shared by all requests."""
 
-    def __init__(self, handle: RedisHandle, breaker: Breaker, spool: Spool, cfg: MeteringConfig) -> None:
+    def __init__(self, handle: RedisHandle, breaker: Breaker, spool: Spool[UsageEvent], cfg: MeteringConfig) -> None:
         self.redis = handle.client
         self.keys = RedisKeys(handle.prefix)
         self.breaker = breaker

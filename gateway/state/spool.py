@@ -20,17 +20,29 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from gateway.ledger.event import UsageEvent
 
 log = logging.getLogger("thinkgate.metering")
 
 
-class Spool:
-    """Append-only fsync'd JSONL file of :class:`UsageEvent` at ``path`` (directories created on demand)."""
+class Spoolable(Protocol):
+    def to_json(self) -> bytes: ...
 
-    def __init__(self, path: Path) -> None:
+
+T = TypeVar("T", bound=Spoolable)
+
+
+class Spool(Generic[T]):
+    """Append-only fsync'd JSONL file of :class:`UsageEvent` at ``path`` (directories created on demand).
+
+    ``decode`` parses one line back (default ``UsageEvent.from_json``): the outcome stream
+    (``gateway/state/outcomes.py``) spools its records in a file of its own through the same class."""
+
+    def __init__(self, path: Path, decode: Callable[[bytes], T] | None = None) -> None:
         self.path = Path(path)
+        self.decode: Callable[[bytes], T] = decode or cast(Callable[[bytes], T], UsageEvent.from_json)
         self._lock = asyncio.Lock()
         self._waiting: list[tuple[bytes, asyncio.Future[None]]] = []  # appends not yet written
 
@@ -46,7 +58,7 @@ class Spool:
         finally:
             os.close(fd)  # closing releases the flock
 
-    async def append(self, events: list[UsageEvent]) -> None:
+    async def append(self, events: list[T]) -> None:
         """Append ``events`` durably (written and fsync'd when this returns). Raises ``OSError`` on disk errors."""
         if not events:
             return
@@ -75,15 +87,15 @@ class Spool:
         except FileNotFoundError:
             return 0
 
-    def read_all(self) -> list[UsageEvent]:
+    def read_all(self) -> list[T]:
         """Every well-formed event in the file (for inspection and tests)."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return []
-        return _parse(raw)
+        return _parse(raw, self.decode)
 
-    async def drain(self, sink: Callable[[list[UsageEvent]], Awaitable[None]], batch: int = 200) -> int:
+    async def drain(self, sink: Callable[[list[T]], Awaitable[None]], batch: int = 200) -> int:
         """Send every spooled event to ``sink`` (in batches) and truncate the file once all were accepted.
 
         Returns the number of events sent. When ``sink`` raises, the exception propagates and the file is
@@ -97,7 +109,7 @@ class Spool:
                 return 0
             try:
                 raw = await asyncio.to_thread(_read_fd, fd)
-                events = _parse(raw)
+                events = _parse(raw, self.decode)
                 for i in range(0, len(events), batch):
                     await sink(events[i : i + batch])
                 await asyncio.to_thread(_truncate, fd)
@@ -128,13 +140,13 @@ def _read_fd(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _parse(raw: bytes) -> list[UsageEvent]:
-    events: list[UsageEvent] = []
+def _parse(raw: bytes, decode: Callable[[bytes], Any]) -> list[Any]:
+    events: list[Any] = []
     for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            events.append(UsageEvent.from_json(line))
+            events.append(decode(line))
         except (ValueError, TypeError) as exc:
             log.warning("usage spool: skipping unreadable line %d: %r", n, exc)
     return events

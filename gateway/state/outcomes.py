@@ -1,0 +1,217 @@
+"""The outcome stream: routing outcomes (:class:`gateway.ledger.outcome.Outcome`) in Redis, spooled on outage.
+
+Write path (:meth:`OutcomeStore.record`): one Lua call adds the outcome's id to the day's seen-set and, when it
+is new, ``XADD``s it to ``p outcomes`` (field ``o`` = the JSON, ``MAXLEN ~ routing.outcomes.stream_maxlen``),
+so a replayed outcome is never written twice. Redis down (or the breaker open): the outcome goes to its own
+fsync'd spool file (:class:`gateway.state.spool.Spool`, the usage spool's class and rule) and
+:meth:`OutcomeStore.run_replayer` sends it once Redis answers.
+
+Request index, for ``POST /v1/feedback``: every answered request leaves ``p req:{request_id}`` (JSON: key id,
+tier, route reason, router score, window digest and — under ``retain_text`` — the window text), TTL
+``routing.outcomes.request_ttl_s``. These writes are batched in the background (one pipeline every 0.2 s)
+and best effort: while Redis is down they are dropped, and feedback on those requests answers 404.
+The usage sink (:meth:`OutcomeStore.sink`) also turns each escalated first attempt (``error_code``
+``escalated_<why>``) into an ``escalation`` outcome: the cheap tier did not suffice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from gateway.config import OutcomesConfig, Settings
+from gateway.ledger.outcome import Outcome, window_digest
+from gateway.ledger.record import UsageRecord
+from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.keys import RedisKeys
+from gateway.state.redis import RedisHandle, as_bytes
+from gateway.state.spool import Spool
+
+log = logging.getLogger("thinkgate.outcomes")
+
+SEEN_TTL_S = 40 * 86400
+INDEX_FLUSH_S = 0.2
+MAX_INDEX_QUEUE = 10_000
+
+# KEYS: seen-set, stream. ARGV: outcome id, JSON, seen TTL s, maxlen. Returns 1 (written) or 0 (a replay).
+RECORD_LUA = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'o', ARGV[2])
+return 1
+"""
+
+
+def outcome_spool_path(settings: Settings) -> Path:
+    """Where outcomes wait for Redis: ``routing.outcomes.spool_path``, else beside the usage spool."""
+    cfg = settings.routing.outcomes
+    if cfg.spool_path is not None:
+        return cfg.spool_path
+    usage = settings.metering.spool_path
+    return usage.with_name(usage.stem + ".outcomes.jsonl")
+
+
+class OutcomeStore:
+    """Writes and reads outcomes and the request index. One per process; :meth:`start` inside the event loop."""
+
+    def __init__(self, cfg: OutcomesConfig, handle: RedisHandle, breaker: Breaker, spool_path: Path,
+                 router_version: Any = None) -> None:
+        self.cfg = cfg
+        self.redis = handle.client
+        self.keys = RedisKeys(handle.prefix)
+        self.breaker = breaker
+        self.spool: Spool[Outcome] = Spool(spool_path, decode=Outcome.from_json)
+        self._script = self.redis.register_script(RECORD_LUA)
+        #: () -> the router file's version string (or None), stamped into every outcome
+        self.router_version = router_version or (lambda: None)
+        self.spooled = 0
+        self._index: list[tuple[str, bytes]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stop = asyncio.Event()
+        self._loops: list[asyncio.Task[None]] = []
+
+    # --- lifecycle --------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._stop.clear()
+        self._loops = [asyncio.create_task(self.run_replayer(), name="outcome-spool-replayer"),
+                       asyncio.create_task(self._index_loop(), name="outcome-request-index")]
+
+    async def close(self) -> None:
+        """Write what is queued, stop the loops, one last replay attempt."""
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self.flush_index()
+        self._stop.set()
+        for t in self._loops:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await self.replay()
+
+    # --- the usage sink ---------------------------------------------------------------------------------
+    def sink(self, record: UsageRecord) -> None:
+        """Usage sink: index answered requests for feedback; record escalations as outcomes."""
+        if record.key_id is None:
+            return
+        code = record.error_code or ""
+        if code.startswith("escalated_"):
+            self._spawn(self.record(self.outcome_of(record, "escalation", sufficed=False,
+                                                    judge="escalation:" + code.removeprefix("escalated_"))))
+            return
+        if record.status != 200 or record.error_code is not None or len(self._index) >= MAX_INDEX_QUEUE:
+            return
+        entry: dict[str, Any] = {"key_id": record.key_id, "tier": record.tier, "route_reason": record.route_reason,
+                                 "score": record.difficulty,
+                                 "window_digest": window_digest(record.routing_window)
+                                 if record.routing_window is not None else None}
+        if self.cfg.retain_text and record.routing_window is not None:
+            entry["text"] = record.routing_window
+        self._index.append((record.request_id, orjson.dumps(entry)))
+
+    def outcome_of(self, record: UsageRecord, source: Any, **kw: Any) -> Outcome:
+        """An outcome about ``record``'s request (its key, tier, score, window) with ``kw`` set."""
+        text = record.routing_window
+        return Outcome(source=source, request_id=record.request_id, key_id=record.key_id or "anonymous",
+                       tier=record.tier, route_reason=record.route_reason, score=record.difficulty,
+                       window_digest=window_digest(text) if text is not None else None,
+                       text=text if self.cfg.retain_text else None, router_version=self.router_version(), **kw)
+
+    def _spawn(self, coro: Any) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:
+            coro.close()
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def flush_index(self) -> None:
+        """Write the queued request-index entries (one pipeline); dropped when Redis is down."""
+        batch, self._index = self._index, []
+        if not batch:
+            return
+        ttl = self.cfg.request_ttl_s
+
+        async def write() -> None:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for rid, data in batch:
+                    pipe.set(self.keys.request(rid), data, ex=ttl)
+                await pipe.execute()
+        try:
+            await self.breaker.call(write)
+        except RedisDown as exc:
+            log.debug("request index: %d entries dropped (redis down: %s)", len(batch), exc)
+
+    async def _index_loop(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), INDEX_FLUSH_S)
+            try:
+                await self.flush_index()
+            except Exception:
+                log.exception("request index write failed")
+
+    # --- outcomes ---------------------------------------------------------------------------------------
+    async def record(self, outcome: Outcome) -> str:
+        """Write ``outcome`` once: ``"redis"``, ``"duplicate"`` (already there) or ``"spool"`` (Redis down).
+        Raises ``OSError`` only when Redis is down and the spool cannot be written."""
+        try:
+            written = await self.breaker.call(lambda: self._run(outcome))
+        except RedisDown:
+            await self.spool.append([outcome])
+            self.spooled += 1
+            return "spool"
+        return "redis" if written else "duplicate"
+
+    async def _run(self, outcome: Outcome) -> int:
+        return int(await self._script(keys=[self.keys.outcomes_seen(outcome.day), self.keys.outcomes],
+                                      args=[outcome.outcome_id, outcome.to_json(), SEEN_TTL_S,
+                                            self.cfg.stream_maxlen]))
+
+    async def _record_batch(self, outcomes: list[Outcome]) -> None:
+        for o in outcomes:
+            await self.breaker.call(lambda o=o: self._run(o))  # type: ignore[misc]
+
+    async def replay(self) -> int:
+        """Send the spool to Redis; the number sent (0 when empty or Redis is down)."""
+        if self.spool.pending_bytes() == 0:
+            return 0
+        try:
+            n = await self.spool.drain(self._record_batch)
+        except RedisDown:
+            return 0
+        if n:
+            log.info("outcome spool replayed: %d outcomes", n)
+        return n
+
+    async def run_replayer(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.replay()
+            except OSError as exc:
+                log.error("outcome spool replay failed: %r", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.cfg.replay_interval_s)
+
+    # --- reads ------------------------------------------------------------------------------------------
+    async def request(self, request_id: str) -> dict[str, Any] | None:
+        """The request-index entry of ``request_id`` (None: unknown or expired). Raises :class:`RedisDown`."""
+        raw = await self.breaker.call(lambda: self.redis.get(self.keys.request(request_id)))
+        return None if raw is None else dict(orjson.loads(as_bytes(raw)))
+
+    async def outcomes(self, since_ts: float | None = None, page: int = 1000) -> list[Outcome]:
+        """Every outcome written at or after ``since_ts`` (epoch seconds), oldest first. Raises RedisDown."""
+        start = f"{int(since_ts * 1000)}-0" if since_ts is not None else "-"
+        out: list[Outcome] = []
+        while True:
+            batch = await self.breaker.call(
+                lambda s=start: self.redis.xrange(self.keys.outcomes, min=s, max="+", count=page)) or []  # type: ignore[misc]
+            out += [Outcome.from_json(as_bytes((f or {})[b"o"])) for _, f in batch]
+            if len(batch) < page:
+                return out
+            last = batch[-1][0]
+            start = "(" + (last.decode() if isinstance(last, bytes) else str(last))

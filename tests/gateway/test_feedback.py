@@ -1,0 +1,116 @@
+"""``POST /v1/feedback`` and the outcome stream on a real gateway and the real Redis: only the key that made a
+request may grade it, the outcome carries the request's routing, escalations are outcomes, and outcomes
+written while Redis is down are spooled and replayed once."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import orjson
+import redis
+
+from gateway.config import OutcomesConfig, RedisConfig
+from gateway.engine.redis_server import free_port
+from gateway.ledger.outcome import Outcome, window_digest
+from gateway.state.breaker import Breaker
+from gateway.state.outcomes import OutcomeStore
+from gateway.state.redis import connect
+from tests.fixtures.gateway import SECRETS, accounting_gateway
+from tests.fixtures.upstream import SimProcess, sim_tiers, wait_for
+
+
+def _auth(who: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {SECRETS[who]}"}
+
+
+def _outcomes(redis_url: str, prefix: str) -> list[Outcome]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return [Outcome.from_json(f[b"o"]) for _, f in client.xrange(prefix + "outcomes")]
+    finally:
+        client.close()
+
+
+def test_feedback_only_from_the_key_that_made_the_request(upstream_sim: SimProcess, redis_url: str,
+                                                          redis_prefix: str, tmp_path: Path) -> None:
+    prefix = redis_prefix
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=prefix) as gw, \
+            httpx.Client(timeout=30) as client:
+        question = "what is the capital of france?"
+        r = client.post(gw.base_url + "/chat/completions", headers=_auth("alice"), json={
+            "model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": question}]})
+        assert r.status_code == 200
+        rid, tier = r.headers["x-request-id"], r.headers["x-thinkgate-tier"]
+        rdb = redis.Redis.from_url(redis_url)
+        assert wait_for(lambda: rdb.exists(prefix + "req:" + rid) == 1, timeout_s=5)  # indexed in the background
+        rdb.close()
+
+        def fb(who: str, body: dict[str, object]) -> httpx.Response:
+            return client.post(gw.base_url + "/feedback", headers=_auth(who), json=body)
+
+        other = fb("bob", {"request_id": rid, "correct": True})
+        assert other.status_code == 404 and other.json()["error"]["code"] == "request_not_found"
+        assert fb("alice", {"request_id": "nope", "correct": True}).status_code == 404
+        for bad in ({"request_id": rid}, {"request_id": rid, "correct": True, "score": 1},
+                    {"request_id": rid, "score": 1.5}, {"request_id": rid, "correct": "yes"},
+                    {"request_id": rid, "score": 0.5, "comment": 3}, {"request_id": rid, "correct": True, "x": 1}):
+            bad_r = fb("alice", bad)
+            assert bad_r.status_code == 400 and bad_r.json()["error"]["type"] == "invalid_request_error", bad
+        assert client.post(gw.base_url + "/feedback", json={"request_id": rid, "correct": True}).status_code == 401
+        assert _outcomes(redis_url, prefix) == []  # nothing recorded by the refused ones
+
+        ok = fb("alice", {"request_id": rid, "correct": False, "comment": "wrong city"})
+        assert ok.status_code == 200, ok.text
+        assert ok.json() | {"id": None} == {"id": None, "object": "feedback", "request_id": rid, "sufficed": False,
+                                            "stored": "redis"}
+        again = fb("alice", {"request_id": rid, "score": 0.9})
+        assert again.status_code == 200 and again.json()["stored"] == "duplicate"
+        [o] = _outcomes(redis_url, prefix)
+        assert (o.source, o.request_id, o.key_id, o.tier, o.sufficed, o.judge, o.comment, o.value) == (
+            "feedback", rid, "alice", tier, False, "client", "wrong city", 0.0)
+        assert o.route_reason == "predicted" and o.score is not None
+        assert o.window_digest == window_digest(question) and o.text is None  # text only under retain_text
+
+
+def test_escalations_are_outcomes(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
+                                  tmp_path: Path) -> None:
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"thinking_budget": 100, "max_tokens": 4, "escalate_on": ["length_in_thought"]})
+    prefix = redis_prefix
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=prefix, tiers=tiers,
+                            routing={"router_path": None, "routed_tiers": ["short", "long"], "thresholds": [0.9],
+                                     "outcomes": {"retain_text": True}}) as gw:
+        r = httpx.post(gw.base_url + "/chat/completions", headers=_auth("bob"), timeout=30, json={
+            "model": "auto", "messages": [{"role": "user", "content": "a b c"}]})
+        assert r.status_code == 200 and r.headers["x-thinkgate-route-reason"] == "escalated"
+        assert wait_for(lambda: len(_outcomes(redis_url, prefix)) == 1, timeout_s=5)
+        [o] = _outcomes(redis_url, prefix)
+        assert (o.source, o.key_id, o.tier, o.sufficed, o.judge) == (
+            "escalation", "bob", "short", False, "escalation:length_in_thought")
+        assert o.text == "a b c" and o.window_digest == window_digest("a b c")
+
+
+def test_outcomes_survive_a_redis_outage(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    spool = tmp_path / "outcomes.jsonl"
+    cfg = OutcomesConfig()
+
+    async def go() -> None:
+        dead = connect(RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0", key_prefix=redis_prefix,
+                                   socket_timeout_s=0.2))
+        down = OutcomeStore(cfg, dead, Breaker(5.0), spool)
+        outcome = Outcome(source="shadow", request_id="r1", key_id="alice", tier="short", sufficed=True,
+                          judge="agreement")
+        assert await down.record(outcome) == "spool"
+        assert [o.outcome_id for o in down.spool.read_all()] == [outcome.outcome_id]
+        await dead.close()
+        up = OutcomeStore(cfg, connect(RedisConfig(url=redis_url, key_prefix=redis_prefix)), Breaker(5.0), spool)
+        assert await up.replay() == 1
+        assert spool.stat().st_size == 0
+        await up.spool.append([outcome])  # a crash after the write, before the truncate: replayed again
+        assert await up.replay() == 1
+        got = await up.outcomes()
+        assert [orjson.loads(o.to_json()) for o in got] == [orjson.loads(outcome.to_json())]  # written once
+        await up.redis.aclose()
+    asyncio.run(go())
