@@ -26,6 +26,12 @@ LiteLLM, alternating, at concurrency 1 8 32 64 by default; adds errors, peak RSS
 MiB) and the ThinkGate/LiteLLM ratios; ``--write-results`` replaces the "ThinkGate vs LiteLLM" section.
 
     .venv/bin/python bench/gateway_overhead.py --litellm [--requests 300] [--seconds 15] [--write-results]
+
+**Telemetry on vs off** (``--telemetry``): the same gateway twice, OpenTelemetry traces off and on (OTLP/HTTP to
+a loopback sink), interleaved; prints the table and CPU ms per request on / off; ``--write-results`` replaces
+the "Telemetry overhead" section.
+
+    .venv/bin/python bench/gateway_overhead.py --telemetry [--requests 400] [--concurrency 1 32] [--write-results]
 """
 
 from __future__ import annotations
@@ -247,11 +253,11 @@ def tree_commit(tree: Path) -> str:
         return "?"
 
 
-def start_gateway(sim: SimProcess, workdir: Path, full: bool = False, *, tree: Path = REPO,
-                  name: str = "thinkgate") -> tuple[subprocess.Popen[bytes], Target]:
+def start_gateway(sim: SimProcess, workdir: Path, full: bool = False, *, tree: Path = REPO, name: str = "thinkgate",
+                  extra: dict[str, Any] | None = None) -> tuple[subprocess.Popen[bytes], Target]:
     """``thinkgate serve`` on the simulator. ``full``: the shipped router scores every ``auto`` request (instead
     of the length baseline) and the cache is on (``deterministic``; see :func:`unique_body`). ``tree``: the
-    checkout to run (another commit's worktree, for before/after in one run)."""
+    checkout to run (another commit's worktree, for before/after in one run); ``extra``: config sections to set."""
     port = free_port()
     cfg: dict[str, Any] = {
         "engine": {"enabled": False},
@@ -266,6 +272,7 @@ def start_gateway(sim: SimProcess, workdir: Path, full: bool = False, *, tree: P
     if full:
         cfg["routing"] = {"effort_tiers": {"low": "short", "high": "long"}, "on_router_error": "refuse_start"}
         cfg["cache"] = {"mode": "deterministic"}
+    cfg.update(extra or {})
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "gateway", "serve", "--config", str(path), "--port", str(port)]
@@ -530,6 +537,88 @@ def run_litellm(args: argparse.Namespace) -> None:
         )
 
 
+class OtlpSink:
+    """A loopback OTLP/HTTP traces endpoint for ``--telemetry``: answers 200 to every export, counts the bytes."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        outer = self
+        self.posts = 0
+        self.bytes = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                n = int(self.headers["content-length"])
+                self.rfile.read(n)
+                outer.posts += 1
+                outer.bytes += n
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+TELEMETRY_SECTION = "## Telemetry overhead"
+
+
+def run_telemetry(args: argparse.Namespace) -> None:
+    """``--telemetry``: the same gateway with traces off and on (OTLP/HTTP to a loopback sink), interleaved."""
+    env_line = machine()
+    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    sim = start_sim()
+    sink = OtlpSink()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            off, off_t = start_gateway(sim, Path(tmp), name="otel-off")
+            procs.append(off)
+            on, on_t = start_gateway(sim, Path(tmp), name="otel-on",
+                                     extra={"telemetry": {"otlp_endpoint": sink.url}})
+            procs.append(on)
+            targets = [Target("direct", sim.base_url, "none", "sim-model"), off_t, on_t]
+            by_mode = {mode: asyncio.run(measure(targets, args.concurrency, args.requests, args.seconds, args.rounds,
+                                                 mode == "stream"))
+                       for mode in args.modes}
+    finally:
+        stop_all(procs, sim)  # SIGTERM: the on-gateway exports what its batch still holds
+        sink.close()
+    out = table(by_mode, targets, args.concurrency)
+    lines = ["| mode | concurrency | CPU ms/req off | CPU ms/req on | on / off |", "|---|---:|---:|---:|---:|"]
+    for mode, results in by_mode.items():
+        for c in args.concurrency:
+            a, b = results[("otel-off", c)], results[("otel-on", c)]
+            na, nb = len(a.latencies_ms) + a.errors, len(b.latencies_ms) + b.errors
+            if a.cpu_s and b.cpu_s and na and nb:
+                x, y = 1000 * a.cpu_s / na, 1000 * b.cpu_s / nb
+                lines.append(f"| {mode} | {c} | {x:.2f} | {y:.2f} | {y / x:.3f} (+{100 * (y / x - 1):.1f} %) |")
+    ratio = "\n".join(lines)
+    exported = f"OTLP sink received {sink.posts} export POSTs, {sink.bytes} bytes of protobuf."
+    print(out, "", ratio, "", exported, sep="\n")
+    if args.write_results:
+        write_section(
+            TELEMETRY_SECTION,
+            f"{TELEMETRY_SECTION}\n\n`bench/gateway_overhead.py --telemetry` — {started}. Two `thinkgate serve` "
+            f"processes of this commit on the same simulator, interleaved round by round: `otel-off` (default: no "
+            f"`telemetry.otlp_endpoint`) and `otel-on` (one request span with route, limits, cache, upstream and "
+            f"metering child spans, GenAI attributes, `traceparent` to the upstream, batch-exported over OTLP/HTTP "
+            f"protobuf to a loopback sink in the bench process). {args.requests} requests or {args.seconds:.0f} s per "
+            f"target and concurrency in {args.rounds} rounds after a warm-up; `model: auto`. The CPU column is the "
+            f"gateway process's user+system CPU per request (the export thread included). Target: on ≤ 1.10 × off. "
+            f"{exported} Machine: {env_line}.\n\n{out}\n\n{ratio}\n")
+
+
 def parse_extra(spec: str) -> Target:
     name, _, rest = spec.partition("=")
     url, key, model, pid = ([*rest.split(","), "", "", ""])[:4]
@@ -554,6 +643,8 @@ def main() -> None:
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                     help="also run thinkgate from checkout DIR as target NAME (e.g. a worktree of the parent "
                          "commit), interleaved with the others; repeatable")
+    ap.add_argument("--telemetry", action="store_true",
+                    help="the gateway with OpenTelemetry traces off vs on (OTLP/HTTP to a loopback sink)")
     ap.add_argument("--litellm", action="store_true",
                     help="ThinkGate (router + cache + metering) vs LiteLLM's proxy; default concurrency 1 8 32 64")
     args = ap.parse_args()
@@ -564,6 +655,9 @@ def main() -> None:
     if args.litellm:
         args.concurrency = args.concurrency or [1, 8, 32, 64]
         run_litellm(args)
+        return
+    if args.telemetry:
+        run_telemetry(args)
         return
 
     env_line = machine()

@@ -40,6 +40,7 @@ from gateway.pipeline.routing import Routing
 from gateway.state.conversations import ConversationStore
 from gateway.state.outcomes import OutcomeStore, outcome_spool_path
 from gateway.state.routing_target import TargetController
+from gateway.telemetry import Telemetry
 from gateway.upstream.pool import UpstreamPool
 
 _heap_frozen = False
@@ -116,7 +117,8 @@ def create_app(settings: Settings) -> FastAPI:
     routing = Routing(settings)
     accounting = Accounting(settings)
     keys = KeyStore(settings.auth, redis_store=accounting.keystore)
-    proxy = Proxy(settings, keys, routing, upstreams, accounting=accounting)
+    telemetry = Telemetry.from_config(settings.telemetry)  # None unless telemetry.otlp_endpoint is set
+    proxy = Proxy(settings, keys, routing, upstreams, accounting=accounting, telemetry=telemetry)
     controller = _attach_controller(settings, routing, proxy, accounting)
     outcomes = _outcome_store(settings, routing, proxy, accounting)
     created = int(time.time())
@@ -142,6 +144,8 @@ def create_app(settings: Settings) -> FastAPI:
             await outcomes.close()
         await upstreams.aclose()
         await accounting.close()
+        if proxy.telemetry is not None:
+            await asyncio.to_thread(proxy.telemetry.shutdown)  # exports the spans still queued
 
     app = FastAPI(title="ThinkGate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from gateway import telemetry
 from gateway.config import TierConfig
 from gateway.ledger.record import UsageRecord
 
@@ -108,8 +109,10 @@ class Exchange:
         self._closed = True
         self.record.error_code = code
         self.record.finish(self.tier, status)
-        for sink in self.sinks:
-            try:
-                sink(self.record)
-            except Exception:
-                log.exception("usage sink %r failed", sink)
+        with telemetry.span("metering"):
+            for sink in self.sinks:
+                try:
+                    sink(self.record)
+                except Exception:
+                    log.exception("usage sink %r failed", sink)
+        telemetry.finish(self.record)

@@ -43,6 +43,7 @@ from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.relay import CLIENT_CLOSED, fill_reasoning, relay
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import SESSION_HEADER, Sessions
+from gateway.telemetry import Telemetry, current, span
 from gateway.thinking.forcing import open_forced
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamConnectTimeout, UpstreamPool
 from gateway.upstream.response import UpstreamResponse
@@ -108,8 +109,10 @@ class Proxy:
         upstreams: UpstreamPool,
         usage_sinks: list[UsageSink] | None = None,
         accounting: Accounting | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.settings = settings
+        self.telemetry = telemetry  # OpenTelemetry traces (gateway/telemetry.py); None = off
         self.keys = keys
         self.routing = routing
         self.upstreams = upstreams
@@ -127,6 +130,15 @@ class Proxy:
         A request refused before any upstream call (here: auth, body, validation; in :meth:`serve`: routing,
         key policy, limits) leaves an audit event (``Accounting.audit``) and its error carries ``x-request-id``.
         """
+        trace = self.telemetry.begin(endpoint, request.headers) if self.telemetry is not None else None
+        try:
+            return await self._handle(request, endpoint)
+        except BaseException as exc:
+            if trace is not None:
+                trace.fail(exc)
+            raise
+
+    async def _handle(self, request: Request, endpoint: WireEndpoint) -> Response:
         record = UsageRecord(endpoint=endpoint)
         with self.auditing(record):
             key = await self.keys.authenticate(request.headers.get("authorization"))
@@ -167,8 +179,21 @@ class Proxy:
         A chat request routed by the router keeps its conversation's tier (``x-thinkgate-session: new|sticky``).
         ``disconnect`` returns when the client has gone away: a non-streamed answer is then cancelled upstream
         (:meth:`_unless_disconnected`). Raises GatewayError before any byte is sent."""
+        if self.telemetry is None or current() is not None:
+            return await self._serve_entry(key, body, headers, endpoint, label, route, session, disconnect)
+        trace = self.telemetry.begin(label or endpoint, headers)  # entered here from another API (responses, …)
         try:
-            route = route or self.routing.decide(body, headers.get(TIER_HEADER))
+            return await self._serve_entry(key, body, headers, endpoint, label, route, session, disconnect)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+
+    async def _serve_entry(self, key: KeyInfo, body: dict[str, Any], headers: Mapping[str, str],
+                           endpoint: WireEndpoint, label: Endpoint | None, route: RouteDecision | None,
+                           session: str | None, disconnect: Callable[[], Awaitable[None]] | None) -> Response:
+        try:
+            with span("route"):
+                route = route or self.routing.decide(body, headers.get(TIER_HEADER))
         except GatewayError as exc:
             self.refused(UsageRecord(key_id=key.id, tags=key.tags, endpoint=label or endpoint,
                                      requested_model=body.get("model"), stream=body.get("stream") is True), exc)
@@ -206,7 +231,8 @@ class Proxy:
             if acct is not None:
                 # limits: reserve before the upstream call, at every budget level (429 budget_exceeded /
                 # rate_limit_exceeded with Retry-After, or 503)
-                await acct.admit(key, body, record, [route.tier, *self._fallbacks(route)])
+                with span("limits"):
+                    await acct.admit(key, body, record, [route.tier, *self._fallbacks(route)])
         except GatewayError as exc:
             self.refused(record, exc, route)
             raise
@@ -216,7 +242,8 @@ class Proxy:
         try:
             # cache: key = tenant scope + the post-routing upstream request
             up_body = upstream_body.build(body, route.tier, endpoint)
-            ex.ticket = await acct.cache_begin(key, record, route.tier, up_body, headers)
+            with span("cache"):
+                ex.ticket = await acct.cache_begin(key, record, route.tier, up_body, headers)
             if ex.ticket.status == "hit":
                 return await self._replay_hit(ex, body)
             if record.stream or disconnect is None:  # the SSE relay notices a disconnect itself
@@ -383,11 +410,12 @@ class Proxy:
             built = upstream_body.build(body, tier, endpoint)
             resp: UpstreamResponse
             try:
-                if tier.budget_mode == "forced":
-                    resp = await open_forced(self.upstreams, tier, endpoint, built)
-                else:
-                    resp = await self.upstreams.open(tier, ENDPOINT_PATHS[endpoint], orjson.dumps(built),
-                                                     stream=record.stream)
+                with span("upstream"):
+                    if tier.budget_mode == "forced":
+                        resp = await open_forced(self.upstreams, tier, endpoint, built)
+                    else:
+                        resp = await self.upstreams.open(tier, ENDPOINT_PATHS[endpoint], orjson.dumps(built),
+                                                         stream=record.stream)
             except (UpstreamUnavailable, UpstreamConnectTimeout) as exc:
                 log.warning("tier %s unavailable (%s)%s", tier.name, exc.message,
                             "; falling back" if i + 1 < len(candidates) else "")

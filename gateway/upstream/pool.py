@@ -44,6 +44,7 @@ from gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from gateway.telemetry import traceparent
 
 log = logging.getLogger("thinkgate.upstream")
 
@@ -179,6 +180,8 @@ class UpstreamPool:
         if url is None:
             url = self._urls[(tier.base_url, path)] = tier.base_url.rstrip("/") + path
         headers = self._headers.get(tier.name) or self._headers_for(tier)
+        if (parent := traceparent()) is not None:  # telemetry on: W3C trace context to the upstream
+            headers = {**headers, "traceparent": parent}
         timeout = self._timeouts.get(tier.name) or self._timeout_for(tier)
         session = self.session
         last: GatewayError | None = None
