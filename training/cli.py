@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from training.grpo.cli import grpo
+from training.plan.cli import plan, report, runs
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -80,3 +81,6 @@ def tiny(
 
 
 app.command("grpo")(grpo)  # thinkgate train grpo (training/grpo/cli.py; typer only at import)
+app.command("plan")(plan)  # thinkgate train plan (training/plan/cli.py)
+app.command("report")(report)  # thinkgate train report
+app.command("runs")(runs)  # thinkgate train runs (training/registry.py)

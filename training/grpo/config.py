@@ -276,6 +276,9 @@ class RunConfig(_Section):
     eval: EvalConfig = _f(EvalConfig, "Held-out evaluation.")
     output: OutputConfig = _f(OutputConfig, "Model card and gateway tier snippet.")
     trl: dict[str, Any] = _f(_default_trl, "GRPOConfig keyword arguments (merged over the defaults above).")
+    tags: dict[str, str] = _f(
+        dict, "Free-form run tags (owner, team, purpose, ...): in every ledger row, summary.json and `train runs`."
+    )
 
     def reward_names(self) -> list[str]:
         return [r.name for r in self.rewards]

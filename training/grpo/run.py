@@ -236,6 +236,7 @@ def run_grpo(
     from training.grpo.rewards import RewardContext, build_rewards
     from training.grpo.sampling import Candidate, DynamicSampler, NoLearningSignalError
     from training.grpo.trainer import ThinkGateGRPOTrainer
+    from training.registry import heartbeat_callback, write_heartbeat
 
     if max_steps is not None:
         cfg.trl["max_steps"] = int(max_steps)
@@ -265,6 +266,7 @@ def run_grpo(
     main_env = int(os.environ.get("RANK", "0")) == 0  # before the trainer exists (torchrun/accelerate set RANK)
     if main_env:
         config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        write_heartbeat(run_dir, 0)  # the registry tells running from abandoned runs by this file's age
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
 
@@ -309,6 +311,7 @@ def run_grpo(
         )
     hparams = {k: v for k, v in trl_kw.items() if k not in _NON_HPARAMS}
     tags = {
+        **cfg.tags,
         "run_name": cfg.run_name,
         "data_hash": stable_hash(data_mod.data_fingerprint(train_rows)),
         "reward_hash": stable_hash([dict(vars(r)) for r in cfg.rewards] + [vars(cfg.advantages)]),
@@ -337,7 +340,7 @@ def run_grpo(
     )
     monitor_cb = MonitorCallback(cfg.monitors.rules, run_dir, alert_log)
     ledger_cb = LedgerCallback(ledger, counters, alert_log)
-    callbacks: list[Any] = [ledger_cb, monitor_cb]
+    callbacks: list[Any] = [ledger_cb, monitor_cb, heartbeat_callback(run_dir)]
     eval_max = cfg.eval.max_new_tokens or max_len
     sampling = {"temperature": cfg.eval.temperature, "samples": cfg.eval.samples, "seed": cfg.task.seed}
 
@@ -498,6 +501,7 @@ def run_grpo(
     )
     if is_main:  # run files are written by rank 0 only
         _write_json(run_dir / "summary.json", summary)
+        write_heartbeat(run_dir, trainer.state.global_step)
         cfg_dict = cfg.to_dict()
         cfg_dict["trl"] = trl_kw
         card = model_card(cfg.run_name, cfg.model.path, cfg_dict, before, after, summary)

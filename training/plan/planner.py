@@ -1,0 +1,208 @@
+"""``thinkgate train plan``: the probe run, the reference rates and the plan file; ``train report``: estimate vs
+the ledger's actual bill per phase.
+
+The probe is the same run file for ``N`` optimizer steps, run as its own process (``python -m training.grpo``) so
+its ledger bills start-up exactly as the real run will: imports, model load, the evaluation before training, the
+steps, a checkpoint after every step (to measure a save) and the final save. It skips the evaluation after
+training and the periodic checks (the rate per evaluated token comes from the evaluation before), and budgets and
+stop rules (a probe must run its N steps). Its bill is reported in the plan (``assumptions.probe``) and counted:
+it is a real run directory in the registry (tag ``purpose: probe``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from training.grpo.config import REPO_ROOT, ConfigError, RunConfig, from_dict, validate
+from training.grpo.ledger import MICRO, PHASES, micro_usd
+from training.plan.estimate import RunShape, count_parameters, estimate, reference_rates, run_shape
+
+PROBE_MARKER = "probe.json"
+
+
+def resolved(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg.to_dict()`` with the TRL options merged over ThinkGate's defaults (what the run actually uses)."""
+    d = cfg.to_dict()
+    d["trl"] = cfg.trl_kwargs()
+    return d
+
+
+def model_dir(path: str) -> Path:
+    """The model directory as the run resolves it (relative paths also against the repository root)."""
+    p = Path(path)
+    if not p.is_dir() and not p.is_absolute() and (REPO_ROOT / p).is_dir():
+        p = REPO_ROOT / p
+    return p
+
+
+def run_config(run_dir: Path) -> RunConfig:
+    """The resolved run config a run directory recorded (``config.yaml``)."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: no config.yaml (not a run directory)")
+    return validate(from_dict(RunConfig, yaml.safe_load(path.read_text()) or {}))
+
+
+def _shape_of_run(run_dir: Path, cfg: RunConfig) -> RunShape:
+    rows = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines() if x.strip()]
+    steps = sum(1 for r in rows if r["kind"] == "step")
+    count = int(rows[0].get("device_count", 1)) if rows else 1
+    return run_shape(resolved(cfg), count_parameters(model_dir(cfg.model.path)), steps=steps, device_count=count)
+
+
+def probe_config(cfg: RunConfig, steps: int, run_dir: Path) -> dict[str, Any]:
+    """The probe's run file: ``cfg`` for ``steps`` steps (see the module docstring for what it leaves out)."""
+    d = cfg.to_dict()
+    d["output_dir"] = str(run_dir)
+    d["run_name"] = f"{cfg.run_name}-probe"
+    d["trl"] = {**d["trl"], "max_steps": int(steps), "save_steps": 1}
+    d["eval"] = {**d["eval"], "after": False, "every_steps": None, "every_n": None}
+    d["monitors"] = {"rules": []}
+    d["ledger"] = {
+        **d["ledger"],
+        "budget_usd": None,
+        "budget_device_hours": None,
+        "budget_sampled_tokens": None,
+        "quality_floor": None,
+        "past_warning": "continue",
+    }
+    d["tags"] = {**d.get("tags", {}), "purpose": "probe"}
+    return d
+
+
+def run_probe(cfg: RunConfig, steps: int, run_dir: Path, timeout_s: float = 3600) -> Path:
+    """Run the probe as a subprocess; returns its run directory. Raises :class:`ConfigError` when it fails."""
+    if steps < 1:
+        raise ConfigError("--probe-steps: must be >= 1")
+    if run_dir.exists():
+        if not (run_dir / PROBE_MARKER).is_file():
+            raise ConfigError(f"{run_dir} exists and is not a probe directory: remove it or choose another --json")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    d = probe_config(cfg, steps, run_dir)
+    cfg_path = run_dir.with_name(run_dir.name + ".yaml")
+    cfg_path.write_text(yaml.safe_dump(d, sort_keys=False))
+    (run_dir / PROBE_MARKER).write_text(json.dumps({"steps": steps, "config": str(cfg_path)}) + "\n")
+    cmd = [sys.executable, "-m", "training.grpo", "--config", str(cfg_path), "--quiet", "--allow-dirty"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=str(REPO_ROOT))
+    if proc.returncode != 0 or not (run_dir / "ledger.jsonl").is_file():
+        tail = (proc.stderr or proc.stdout)[-2000:]
+        raise ConfigError(f"the probe run failed (exit {proc.returncode}) in {run_dir}:\n{tail}")
+    return run_dir
+
+
+def make_plan(
+    cfg: RunConfig,
+    *,
+    reference: Path,
+    price_usd_per_device_hour: Decimal | None = None,
+    probe_steps: int | None = None,
+) -> dict[str, Any]:
+    """The plan of ``cfg`` with the rates of the run directory ``reference`` (a probe or an earlier run).
+
+    The price is ``price_usd_per_device_hour`` when given, else the run file's price for the reference's device
+    kind; the device count is the reference's (the same machine)."""
+    ref_cfg = run_config(reference)
+    ref_shape = _shape_of_run(reference, ref_cfg)
+    rates = reference_rates(reference, ref_shape)
+    params = count_parameters(model_dir(cfg.model.path))
+    shape = run_shape(resolved(cfg), params, device_count=ref_shape.device_count)
+    kind = cfg.ledger.device_kind or rates.source["device_kind"] or "cpu"
+    if price_usd_per_device_hour is None:
+        prices = cfg.ledger.prices()
+        if kind not in prices:
+            raise ConfigError(f"ledger.price_usd_per_device_hour: no price for {kind!r}; pass --usd-per-device-hour")
+        price_usd_per_device_hour = prices[kind]
+    plan = estimate(shape, rates, price_usd_per_device_hour)
+    a = plan["assumptions"]
+    a["config"] = {"run_name": cfg.run_name, "output_dir": cfg.output_dir, "model": cfg.model.path}
+    a["device_kind"] = kind
+    a["mean_length_source"] = (
+        f"the model's measured completion lengths on the {rates.source['steps']} reference step(s) "
+        f"({rates.mean_completion_tokens:.1f} tokens sampled, {rates.mean_trained_tokens:.1f} trained per rollout) "
+        f"and its held-out evaluation ({rates.mean_eval_tokens:.1f} tokens)"
+    )
+    src = rates.source
+    ref_info = {
+        "run_dir": src["run_dir"],
+        "steps": src["steps"],
+        "usd": float(Decimal(src["micro_usd"]) / MICRO),
+        "micro_usd": src["micro_usd"],
+        "device_hours": src["device_hours"],
+        "wall_s": src["wall_s"],
+    }
+    a["probe" if probe_steps else "reference_run"] = ref_info
+    return plan
+
+
+# --- report -----------------------------------------------------------------------------------------------------
+def actual_by_phase(run_dir: Path) -> dict[str, Any]:
+    """The ledger's bill of a run per phase: ``{phase: {device_hours, micro_usd}}`` plus totals; a phase's USD is
+    its device-ms at each row's price (micro-USD, round half even); the total is the ledger's own sum of rows."""
+    rows = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines() if x.strip()]
+    out: dict[str, Any] = {}
+    for p in PHASES:
+        dev = sum(int(r[f"{p}_ms"]) * int(r.get("device_count", 1)) for r in rows)
+        price = Decimal(rows[0]["price_usd_per_device_hour"]) if rows else Decimal(0)
+        out[p] = {"device_hours": dev / 3.6e6, "micro_usd": micro_usd(dev, price)}
+    out["total_micro_usd"] = sum(int(r["cost_micro_usd"]) for r in rows)
+    out["steps"] = sum(1 for r in rows if r["kind"] == "step")
+    out["sampled_tokens"] = sum(int(r["sampled_tokens"]) for r in rows)
+    out["trained_tokens"] = sum(int(r["trained_tokens"]) for r in rows)
+    return out
+
+
+def report(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Estimate vs actual per phase: ``{"phases": {p: {estimate_usd, low_usd, high_usd, actual_usd, error}},
+    "total": {...}, "tokens": {...}}``; ``error`` = (estimate - actual) / actual (None when actual is 0)."""
+    act = actual_by_phase(run_dir)
+    micro = plan["assumptions"]["micro_usd"]
+
+    def row(est: int, lo: int, hi: int, actual: int) -> dict[str, Any]:
+        return {
+            "estimate_usd": float(Decimal(est) / MICRO),
+            "low_usd": float(Decimal(lo) / MICRO),
+            "high_usd": float(Decimal(hi) / MICRO),
+            "actual_usd": float(Decimal(actual) / MICRO),
+            "error": (est - actual) / actual if actual else None,
+            "in_range": lo <= actual <= hi,
+        }
+
+    phases = {p: row(micro[p]["usd"], micro[p]["low_usd"], micro[p]["high_usd"], act[p]["micro_usd"]) for p in PHASES}
+    total = row(micro["total"], micro["low"], micro["high"], act["total_micro_usd"])
+    planned_steps = plan["assumptions"]["run"]["steps"]
+    return {
+        "phases": phases,
+        "total": total,
+        "steps": {"planned": planned_steps, "actual": act["steps"]},
+        "tokens": {
+            "sampled": {"estimate": plan["sampled_tokens"], "actual": act["sampled_tokens"]},
+            "trained": {"estimate": plan["trained_tokens"], "actual": act["trained_tokens"]},
+        },
+    }
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    """The report as a plain-text table (USD with 6 decimals, error in percent)."""
+    lines = [f"{'phase':<10}{'estimate':>12}{'low':>12}{'high':>12}{'actual':>12}{'error':>9}  in range"]
+    for name, r in [*rep["phases"].items(), ("total", rep["total"])]:
+        err = "n/a" if r["error"] is None else f"{r['error']:+.1%}"
+        lines.append(
+            f"{name:<10}{r['estimate_usd']:>12.6f}{r['low_usd']:>12.6f}{r['high_usd']:>12.6f}"
+            f"{r['actual_usd']:>12.6f}{err:>9}  {'yes' if r['in_range'] else 'no'}"
+        )
+    t = rep["tokens"]
+    lines.append(
+        f"steps planned {rep['steps']['planned']}, run {rep['steps']['actual']}; sampled tokens "
+        f"{t['sampled']['estimate']} est / {t['sampled']['actual']} actual; trained tokens "
+        f"{t['trained']['estimate']} est / {t['trained']['actual']} actual"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,202 @@
+"""Run registry: every run directory under a root, with status, bill, accuracy, tokens and tags; cost by tag.
+
+A run directory is one with a ``ledger.jsonl`` (GRPO and SFT runs alike). Its record:
+
+- ``status``: ``finished`` (``summary.json`` without a stop reason), ``stopped`` (``summary.json`` with one: a
+  budget, a monitor, no learning signal), ``running`` (no summary, heartbeat younger than ``stale_s``),
+  ``abandoned`` (no summary and the heartbeat — or, without one, the ledger — older than ``stale_s``: the process
+  died or was killed; a zombie that still holds its budget line);
+- ``micro_usd`` / ``device_hours`` / tokens: sums of the ledger's rows, discarded (rolled-back) rows included — that
+  money was spent;
+- ``heldout_accuracy``: ``summary.json``'s accuracy after training, else the last periodic check;
+- ``tags``: the ledger rows' tags (the run file's free-form ``tags:`` plus the automatic ``run_name``,
+  ``data_hash``, ``reward_hash``, ``hparam_hash``, ``git_commit``).
+
+The heartbeat is ``<run>/heartbeat.json`` ``{"ts", "step", "pid", "host"}``, rewritten by the run at start, after
+every optimizer step and at the end (:func:`write_heartbeat`, :func:`heartbeat_callback`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+HEARTBEAT_FILE = "heartbeat.json"
+STALE_S = 600.0
+AUTO_TAGS = ("run_name", "data_hash", "reward_hash", "hparam_hash", "git_commit")
+_ROW_KEYS = {
+    "step", "kind", "seq", "segment", "ts", "prompts", "rollouts", "prompt_tokens", "sampled_tokens",
+    "trained_tokens", "dropped_rollouts", "zero_signal_rollouts", "wall_ms", "device_kind", "device_count",
+    "device_ms", "price_usd_per_device_hour", "cost_micro_usd", "zero_signal_micro_usd", "spent_micro_usd",
+    "discarded_at_resume_from_step",
+}  # fmt: skip
+
+
+def write_heartbeat(run_dir: str | Path, step: int) -> None:
+    """Rewrite ``<run_dir>/heartbeat.json`` (atomically: a reader never sees half a file)."""
+    d = Path(run_dir)
+    tmp = d / (HEARTBEAT_FILE + ".tmp")
+    tmp.write_text(
+        json.dumps({"ts": round(time.time(), 3), "step": step, "pid": os.getpid(), "host": socket.gethostname()})
+    )
+    tmp.replace(d / HEARTBEAT_FILE)
+
+
+def heartbeat_callback(run_dir: str | Path) -> Any:
+    """A ``transformers.TrainerCallback`` that writes the heartbeat after every optimizer step (main process)."""
+    from transformers import TrainerCallback
+
+    class HeartbeatCallback(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.is_world_process_zero:
+                write_heartbeat(run_dir, state.global_step)
+
+    return HeartbeatCallback()
+
+
+@dataclass
+class RunRecord:
+    """One run directory's registry entry (see the module docstring)."""
+
+    run_dir: str
+    status: str
+    micro_usd: int
+    device_hours: float
+    steps: int
+    sampled_tokens: int
+    trained_tokens: int
+    heldout_accuracy: float | None
+    last_seen: float | None
+    stop_reason: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def usd(self) -> Decimal:
+        return Decimal(self.micro_usd) / Decimal(1_000_000)
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a run killed mid-write leaves half a line
+                continue
+    return out
+
+
+def load_run(run_dir: str | Path, now: float | None = None, stale_s: float = STALE_S) -> RunRecord:
+    """The :class:`RunRecord` of one run directory."""
+    d = Path(run_dir)
+    now = time.time() if now is None else now
+    rows = _rows(d / "ledger.jsonl")
+    all_rows = rows + _rows(d / "ledger_discarded.jsonl")
+    tags: dict[str, str] = {}
+    for r in rows:
+        tags.update({k: str(v) for k, v in r.items() if k not in _ROW_KEYS and not k.startswith("cum_")
+                     and not k.endswith("_ms")})  # fmt: skip
+    summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
+    hb_path = d / HEARTBEAT_FILE
+    last_seen: float | None = None
+    if hb_path.is_file():
+        try:
+            last_seen = float(json.loads(hb_path.read_text())["ts"])
+        except (json.JSONDecodeError, KeyError, ValueError):
+            last_seen = hb_path.stat().st_mtime
+    elif (d / "ledger.jsonl").is_file():
+        last_seen = (d / "ledger.jsonl").stat().st_mtime
+    stop_reason = summary.get("stop_reason") if summary else None
+    if summary is not None:
+        status = "stopped" if stop_reason else "finished"
+    elif last_seen is not None and now - last_seen <= stale_s:
+        status = "running"
+    else:
+        status = "abandoned"
+    acc = summary.get("accuracy_after") if summary else None
+    if acc is None:
+        heldout = _rows(d / "heldout.jsonl")
+        acc = heldout[-1].get("accuracy") if heldout else None
+    return RunRecord(
+        run_dir=str(d),
+        status=status,
+        micro_usd=sum(int(r.get("cost_micro_usd", 0)) for r in all_rows),
+        device_hours=sum(int(r.get("device_ms", 0)) for r in all_rows) / 3.6e6,
+        steps=max((int(r["step"]) for r in rows if r.get("kind") == "step"), default=0),
+        sampled_tokens=sum(int(r.get("sampled_tokens", 0)) for r in all_rows),
+        trained_tokens=sum(int(r.get("trained_tokens", 0)) for r in all_rows),
+        heldout_accuracy=None if acc is None else float(acc),
+        last_seen=last_seen,
+        stop_reason=stop_reason,
+        tags=tags,
+    )
+
+
+def find_runs(root: str | Path) -> list[Path]:
+    """Run directories (holding ``ledger.jsonl``) under ``root`` (itself included), sorted; checkpoints skipped."""
+    r = Path(root)
+    found = {p.parent for p in r.rglob("ledger.jsonl") if not p.parent.name.startswith("checkpoint-")}
+    return sorted(found)
+
+
+def parse_tag_filters(items: list[str]) -> dict[str, str]:
+    """``["owner=ana", "team=rl"]`` -> ``{"owner": "ana", "team": "rl"}``; raises ``ValueError`` without ``=``."""
+    out: dict[str, str] = {}
+    for it in items:
+        if "=" not in it:
+            raise ValueError(f"--tag {it!r}: expected KEY=VALUE")
+        k, v = it.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def list_runs(
+    root: str | Path, tags: dict[str, str] | None = None, now: float | None = None, stale_s: float = STALE_S
+) -> list[RunRecord]:
+    """Every run under ``root`` whose tags include all of ``tags``."""
+    want = tags or {}
+    recs = [load_run(d, now, stale_s) for d in find_runs(root)]
+    return [r for r in recs if all(r.tags.get(k) == v for k, v in want.items())]
+
+
+def attribute(records: list[RunRecord], key: str) -> dict[str, dict[str, Any]]:
+    """Cost by the value of tag ``key`` (runs without it under ``"(none)"``): ``{value: {"runs", "micro_usd",
+    "device_hours"}}``. The micro-USD are integer sums, so they add up exactly to the runs' ledger totals."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in records:
+        v = r.tags.get(key, "(none)")
+        e = out.setdefault(v, {"runs": 0, "micro_usd": 0, "device_hours": 0.0})
+        e["runs"] += 1
+        e["micro_usd"] += r.micro_usd
+        e["device_hours"] += r.device_hours
+    return dict(sorted(out.items()))
+
+
+CSV_COLUMNS = (
+    "run_dir", "status", "usd", "micro_usd", "device_hours", "steps", "heldout_accuracy", "sampled_tokens",
+    "trained_tokens", "stop_reason", "tags",
+)  # fmt: skip
+
+
+def write_csv(records: list[RunRecord], path: str | Path) -> None:
+    """One line per run (:data:`CSV_COLUMNS`; ``tags`` as ``k=v;k=v``, ``usd`` as an exact decimal string)."""
+    with Path(path).open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_COLUMNS)
+        for r in records:
+            w.writerow(
+                [
+                    r.run_dir, r.status, str(r.usd), r.micro_usd, f"{r.device_hours:.6f}", r.steps,
+                    "" if r.heldout_accuracy is None else f"{r.heldout_accuracy:.4f}", r.sampled_tokens,
+                    r.trained_tokens, r.stop_reason or "", ";".join(f"{k}={v}" for k, v in sorted(r.tags.items())),
+                ]
+            )  # fmt: skip
