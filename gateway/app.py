@@ -37,6 +37,7 @@ from gateway.ledger.record import UsageRecord
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.routing import Routing
+from gateway.pipeline.shadow import Shadow
 from gateway.state.conversations import ConversationStore
 from gateway.state.outcomes import OutcomeStore, outcome_spool_path
 from gateway.state.routing_target import TargetController
@@ -121,6 +122,9 @@ def create_app(settings: Settings) -> FastAPI:
     proxy = Proxy(settings, keys, routing, upstreams, accounting=accounting, telemetry=telemetry)
     controller = _attach_controller(settings, routing, proxy, accounting)
     outcomes = _outcome_store(settings, routing, proxy, accounting)
+    if outcomes is not None and settings.routing.shadow.fraction > 0:
+        proxy.shadow = Shadow(settings, upstreams, accounting.handle, accounting.breaker, outcomes,
+                              proxy.usage_sinks)
     created = int(time.time())
 
     @asynccontextmanager
@@ -140,6 +144,8 @@ def create_app(settings: Settings) -> FastAPI:
                     await task
         if controller is not None:
             await controller.close()
+        if proxy.shadow is not None:
+            await proxy.shadow.close()
         if outcomes is not None:
             await outcomes.close()
         await upstreams.aclose()

@@ -181,6 +181,22 @@ class OutcomesConfig(_Strict):
     replay_interval_s: float = Field(5.0, gt=0)
 
 
+class ShadowConfig(_Strict):
+    """Shadow comparisons (``gateway/pipeline/shadow.py``): a sampled ``fraction`` of the routed chat requests
+    answered by a cheaper routed tier are sent again, after the client's answer is complete, to the next
+    routed tier up (non-streamed; at most ``max_concurrency`` at once per replica, others skipped), metered
+    with route reason ``shadow`` under the key id ``_shadow`` (never the client's budget) and stopped for the
+    UTC day once they cost ``max_usd_day``. ``judge``: ``agreement`` (normalised final answers equal: two tiers
+    that agree need no third opinion) or ``tier:<name>`` (that tier is asked, with the prompt shipped in
+    shadow.py, whether the cheap answer reaches the same answer; its call is metered as ``shadow`` too). The
+    result is a ``shadow`` outcome. ``fraction: 0`` (the default) turns shadowing off."""
+
+    fraction: float = Field(0.0, ge=0, le=1)
+    max_usd_day: Decimal = Field(Decimal("1"), ge=0)
+    judge: str = Field("agreement", pattern=r"^(agreement|tier:[A-Za-z0-9_.-]+)$")
+    max_concurrency: int = Field(4, ge=1, le=256)
+
+
 class RoutingConfig(_Strict):
     """How ``model: "auto"`` picks a tier.
 
@@ -213,6 +229,8 @@ class RoutingConfig(_Strict):
     target: RoutingTargetConfig = Field(default_factory=RoutingTargetConfig)
     #: feedback, escalation and shadow outcomes (the labels retraining learns from)
     outcomes: OutcomesConfig = Field(default_factory=OutcomesConfig)
+    #: shadow comparisons with the next tier up (off by default)
+    shadow: ShadowConfig = Field(default_factory=ShadowConfig)
 
     @field_validator("thresholds")
     @classmethod

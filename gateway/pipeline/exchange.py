@@ -10,7 +10,7 @@ An escalation meters the first attempt and continues with a fresh record (:meth:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -36,7 +36,7 @@ class Exchange:
     the cache ticket (None when the cache is bypassed or already released).
     """
 
-    __slots__ = ("_closed", "accounting", "record", "route", "sinks", "ticket")
+    __slots__ = ("_closed", "accounting", "after_response", "on_answer", "record", "route", "sinks", "ticket")
 
     def __init__(self, record: UsageRecord, route: RouteDecision, sinks: list[UsageSink],
                  accounting: Accounting | None = None) -> None:
@@ -45,6 +45,10 @@ class Exchange:
         self.accounting = accounting
         self.ticket: Ticket | None = None
         self._closed = False
+        #: called with a complete, successful answer when the exchange closes (the shadow comparisons)
+        self.on_answer: Callable[[Exchange, dict[str, Any]], None] | None = None
+        #: run after a JSON response's last byte was sent (set by ``on_answer``; Starlette's background hook)
+        self.after_response: Callable[[], Awaitable[None]] | None = None
         self.route = route
         self.stamp(route)
 
@@ -83,6 +87,8 @@ class Exchange:
             return
         await self.release_cache(answer)
         self._meter(status, code)
+        if answer is not None and status == 200 and self.on_answer is not None:
+            self.on_answer(self, answer)
 
     async def next_attempt(self, route: RouteDecision, status: int, code: str,
                            record: UsageRecord | None = None) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -43,6 +45,7 @@ from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.relay import CLIENT_CLOSED, fill_reasoning, relay
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import SESSION_HEADER, Sessions
+from gateway.pipeline.shadow import Shadow
 from gateway.telemetry import Telemetry, current, span
 from gateway.thinking.forcing import open_forced
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamConnectTimeout, UpstreamPool
@@ -121,6 +124,8 @@ class Proxy:
         if accounting is not None:
             self.usage_sinks.append(accounting.sink)
         self.max_body = settings.server.max_body_bytes
+        #: shadow comparisons (``routing.shadow``; set by the app when on)
+        self.shadow: Shadow | None = None
         self.sessions = (Sessions(settings, accounting.handle, accounting.breaker, accounting.metrics)
                          if accounting is not None and settings.routing.session_ttl_s > 0 else None)
 
@@ -237,6 +242,8 @@ class Proxy:
             self.refused(record, exc, route)
             raise
         ex = Exchange(record, route, self.usage_sinks, acct)
+        if self.shadow is not None and endpoint == "chat" and self.shadow.sampled(route, body):
+            ex.on_answer = functools.partial(self._shadow_answer, body)
         if acct is None:
             return await self._serve(ex, body, endpoint)
         try:
@@ -280,6 +287,18 @@ class Proxy:
                 log.debug("cancelled request %s ended with %r", ex.record.request_id, exc)
             await ex.abandon(CLIENT_CLOSED, "client_disconnected")
         raise ClientClosed("the client closed the connection; the upstream call was cancelled")
+
+    def _shadow_answer(self, body: dict[str, Any], ex: Exchange, answer: dict[str, Any]) -> None:
+        """A sampled request's answer is complete: compare it with the next tier up once the client has it (a
+        stream: now, after its last chunk; JSON: from the response's background hook)."""
+        shadow = self.shadow
+        job = shadow.job(body, ex.record, ex.route, answer) if shadow is not None else None
+        if shadow is None or job is None:
+            return
+        if ex.record.stream:
+            shadow.start(job)
+        else:
+            ex.after_response = functools.partial(shadow.start_after_response, job)
 
     def _fallbacks(self, route: RouteDecision) -> list[TierConfig]:
         """The tiers a call on ``route`` may fall back to: later tiers the key may use."""
@@ -446,7 +465,8 @@ class Proxy:
         ex.record.set_usage(usage if isinstance(usage, dict) else None)
         complete = bool(data.get("choices")) and all(c.get("finish_reason") for c in data["choices"])
         await ex.close(200, None, data if complete and isinstance(usage, dict) else None)
-        return Response(content, media_type="application/json", headers=headers)
+        after = BackgroundTask(ex.after_response) if ex.after_response is not None else None
+        return Response(content, media_type="application/json", headers=headers, background=after)
 
 
 async def _iterate(frames: Iterable[bytes]) -> AsyncGenerator[bytes, None]:

@@ -61,7 +61,9 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
     tally = sse.StreamTally()
     status: int | None = None
     code: str | None = None
-    assembler = StreamAssembler() if cache and ex.ticket is not None and ex.ticket.decision.store else None
+    # the whole answer is assembled for the cache, or for a shadow comparison of this request (ex.on_answer)
+    keep = (cache and ex.ticket is not None and ex.ticket.decision.store) or ex.on_answer is not None
+    assembler = StreamAssembler() if keep else None
     try:
         async for batch in sse.data_batches(resp):
             if assembler is not None:

@@ -36,6 +36,7 @@ key                                     type        contents
 ``p outcomes``                          stream      routing outcomes, field ``o`` = outcome JSON (state/outcomes.py)
 ``p outcomes:seen:{YYYY-MM-DD}``        set         outcome ids already written (a replay writes nothing), TTL
 ``p req:{request_id}``                  string      request index for feedback (key id, tier, score, digest), TTL
+``p shadow:d:{YYYY-MM-DD}``             string      shadow comparisons' spend that UTC day, micro-USD (shadow.py)
 ``p sem:{t}:e``                         hash        semantic cache entries of tenant tag ``t``: entry id → record,
                                                     ``b:{id}`` → its bucket and band hashes (semantic_index.py)
 ``p sem:{t}:x``                         zset        semantic cache entry id → expiry (epoch ms): TTL and the cap
@@ -69,6 +70,9 @@ class RedisKeys:
 
     def request(self, request_id: str) -> str:
         return f"{self.prefix}req:{request_id}"
+
+    def shadow_spend(self, day: str) -> str:
+        return f"{self.prefix}shadow:d:{day}"
 
     def routing_window(self) -> str:
         return f"{self.prefix}rt:win"

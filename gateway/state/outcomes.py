@@ -95,7 +95,7 @@ class OutcomeStore:
     # --- the usage sink ---------------------------------------------------------------------------------
     def sink(self, record: UsageRecord) -> None:
         """Usage sink: index answered requests for feedback; record escalations as outcomes."""
-        if record.key_id is None:
+        if record.key_id is None or record.route_reason == "shadow":
             return
         code = record.error_code or ""
         if code.startswith("escalated_"):

@@ -1,0 +1,277 @@
+"""Shadow comparisons: did the cheaper tier's answer suffice? Ask the next tier up, after the client has its answer.
+
+For a sampled ``routing.shadow.fraction`` of the chat requests routed (reason ``predicted``, not escalated) to
+a routed tier below the top one, non-streamed or streamed, with one choice: once the client's answer is
+complete — a JSON answer: from the response's background hook, which Starlette runs after the last byte was
+sent; a stream: when the relay closed the exchange after the last chunk — :meth:`Shadow.start` hands the
+job to a task and returns at once, so the client's response and its connection are never held. The task:
+
+1. skips when ``max_concurrency`` shadow calls are in flight on this replica, or when today's shadow spend
+   (``p shadow:d:{YYYY-MM-DD}``, micro-USD, shared by the replicas) has reached ``max_usd_day``, or when
+   Redis is down (the budget cannot be checked). The budget is checked before each call and charged after
+   it, so one day may overshoot by at most ``max_concurrency`` calls per replica;
+2. sends the same request, non-streamed, to the next routed tier up; metered as a usage event with route
+   reason ``shadow`` under the key id ``_shadow`` (so a client's budget never pays for it);
+3. judges: ``agreement`` compares the normalised final answers (:func:`normalise_answer`: the part after a
+   last ``Answer:``, thinking removed, lower case, punctuation, articles and extra spaces dropped); a
+   ``tier:<name>`` judge gets :data:`JUDGE_PROMPT` and answers YES/NO (its call metered as ``shadow`` too);
+4. records a ``shadow`` outcome (``gateway/state/outcomes.py``: spooled while Redis is down) with both tiers,
+   the judge, ``sufficed`` and what the evidence cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+import string
+import time
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+import orjson
+
+from gateway.config import Settings, TierConfig
+from gateway.ledger.record import UsageRecord
+from gateway.pipeline import upstream_body
+from gateway.pipeline.routing import RouteDecision
+from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.keys import RedisKeys
+from gateway.state.outcomes import OutcomeStore
+from gateway.state.redis import RedisHandle
+from gateway.upstream.pool import UpstreamPool
+
+log = logging.getLogger("thinkgate.shadow")
+
+SHADOW_KEY = "_shadow"
+SPEND_TTL_S = 3 * 86400
+CHAT_PATH = "/chat/completions"
+
+JUDGE_PROMPT = (
+    "You compare two answers to the same question. Reply with exactly one word: YES if answer A reaches the "
+    "same final answer as answer B (wording may differ), NO otherwise.\n\n"
+    "Question:\n{question}\n\nAnswer A:\n{a}\n\nAnswer B:\n{b}\n\nSame final answer (YES or NO)?"
+)
+
+_THINK = re.compile(r"<think>.*?</think>", re.S)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = str.maketrans("", "", string.punctuation)
+
+
+def normalise_answer(text: str) -> str:
+    """The comparable final answer of ``text``: after the last ``Answer:`` when there is one, ``<think>``
+    blocks removed, lower case, punctuation and the articles a/an/the dropped, whitespace collapsed."""
+    text = _THINK.sub(" ", text)
+    low = text.lower()
+    cut = low.rfind("answer:")
+    if cut >= 0:
+        low = low[cut + len("answer:"):]
+    low = _ARTICLES.sub(" ", low.translate(_PUNCT))
+    return " ".join(low.split())
+
+
+def answers_agree(a: str, b: str) -> bool:
+    """Normalised-answer agreement (:func:`normalise_answer`); two empty answers do not agree."""
+    na, nb = normalise_answer(a), normalise_answer(b)
+    return bool(na) and na == nb
+
+
+def answer_text(answer: dict[str, Any]) -> str:
+    """The first choice's text of a chat completion JSON (``message.content``; '' when missing)."""
+    choices = answer.get("choices") or [{}]
+    msg = choices[0].get("message") or {}
+    content = msg.get("content")
+    return content if isinstance(content, str) else ""
+
+
+@dataclass(slots=True)
+class ShadowJob:
+    """One comparison to run: the client's request ``body``, its usage ``record`` and ``route``, its answer."""
+
+    body: dict[str, Any]
+    record: UsageRecord
+    route: RouteDecision
+    answer: str
+    higher: TierConfig
+
+
+@dataclass(slots=True)
+class ShadowStats:
+    """Counters of this replica (for tests and the bench): started, skipped by reason, failed, outcomes."""
+
+    started: int = 0
+    done: int = 0
+    failed: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, why: str) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + 1
+
+
+class Shadow:
+    """The shadow runner of one gateway process (see the module docstring)."""
+
+    def __init__(self, settings: Settings, upstreams: UpstreamPool, handle: RedisHandle, breaker: Breaker,
+                 outcomes: OutcomeStore, sinks: list[Any], rng: random.Random | None = None) -> None:
+        self.cfg = settings.routing.shadow
+        self.routed = list(settings.routing.routed_tiers)
+        self.tiers = {t.name: t for t in settings.tiers}
+        self.judge_tier = self.tiers.get(self.cfg.judge.removeprefix("tier:")) if self.cfg.judge.startswith(
+            "tier:") else None
+        if self.cfg.judge.startswith("tier:") and self.judge_tier is None:
+            raise ValueError(f"routing.shadow.judge: unknown tier {self.cfg.judge!r}")
+        self.upstreams = upstreams
+        self.redis = handle.client
+        self.keys = RedisKeys(handle.prefix)
+        self.breaker = breaker
+        self.outcomes = outcomes
+        self.sinks = sinks
+        self.rng = rng or random.Random()
+        self.budget_micro = int(self.cfg.max_usd_day * Decimal(1_000_000))
+        self.stats = ShadowStats()
+        self._inflight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- selection --------------------------------------------------------------------------------------
+    def higher_of(self, tier: str) -> TierConfig | None:
+        """The next routed tier above ``tier`` (None for the top one or a tier outside ``routed_tiers``)."""
+        if tier not in self.routed:
+            return None
+        i = self.routed.index(tier)
+        return self.tiers[self.routed[i + 1]] if i + 1 < len(self.routed) else None
+
+    def sampled(self, route: RouteDecision, body: dict[str, Any]) -> bool:
+        """Whether this request is shadowed (decided before serving: reason predicted, a lower routed tier, one
+        choice, sampled at ``fraction``)."""
+        if self.cfg.fraction <= 0 or route.reason != "predicted" or self.higher_of(route.tier.name) is None:
+            return False
+        if (body.get("n") or 1) != 1 or not isinstance(body.get("messages"), list):
+            return False
+        return self.rng.random() < self.cfg.fraction
+
+    def job(self, body: dict[str, Any], record: UsageRecord, route: RouteDecision,
+            answer: dict[str, Any]) -> ShadowJob | None:
+        """The job for a complete answer on ``route`` (None: the answer came from elsewhere — escalated, a
+        fallback, a cache hit — or from the top tier)."""
+        if route.reason != "predicted" or record.cached:
+            return None
+        higher = self.higher_of(route.tier.name)
+        if higher is None:
+            return None
+        return ShadowJob(dict(body), record, route, answer_text(answer), higher)
+
+    # --- running ----------------------------------------------------------------------------------------
+    def start(self, job: ShadowJob) -> None:
+        """Run ``job`` in the background (returns at once); skipped at ``max_concurrency``."""
+        if self._inflight >= self.cfg.max_concurrency:
+            self.stats.skip("concurrency")
+            return
+        self._inflight += 1
+        self.stats.started += 1
+        task = asyncio.get_running_loop().create_task(self._run(job))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start_after_response(self, job: ShadowJob) -> None:
+        """Starlette background hook of a JSON response (runs after its last byte was sent)."""
+        self.start(job)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Let running comparisons finish (bounded), then cancel the rest."""
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        for t in pending:
+            t.cancel()
+
+    async def _run(self, job: ShadowJob) -> None:
+        try:
+            if not await self._within_budget():
+                return
+            higher_answer, cost = await self._call(job.higher, job.body, job)
+            if higher_answer is None:
+                self.stats.failed += 1
+                return
+            if self.judge_tier is None:
+                judge, sufficed = "agreement", answers_agree(job.answer, higher_answer)
+            else:
+                verdict, judge_cost = await self._judge(job, higher_answer)
+                cost += judge_cost
+                if verdict is None:
+                    self.stats.failed += 1
+                    return
+                judge, sufficed = self.cfg.judge, verdict
+            outcome = self.outcomes.outcome_of(job.record, "shadow", sufficed=sufficed, judge=judge,
+                                               other_tier=job.higher.name, cost_micro_usd=cost)
+            if self.outcomes.cfg.retain_text:
+                outcome.answers = [job.answer, higher_answer]
+            await self.outcomes.record(outcome)
+            self.stats.done += 1
+        except Exception:
+            self.stats.failed += 1
+            log.exception("shadow comparison of request %s failed", job.record.request_id)
+        finally:
+            self._inflight -= 1
+
+    async def _within_budget(self) -> bool:
+        day = time.strftime("%Y-%m-%d", time.gmtime())
+        try:
+            spent = await self.breaker.call(lambda: self.redis.get(self.keys.shadow_spend(day)))
+        except RedisDown:
+            self.stats.skip("redis_down")
+            return False
+        if int(spent or 0) >= self.budget_micro:
+            self.stats.skip("budget")
+            return False
+        return True
+
+    async def _charge(self, micro: int) -> None:
+        if micro <= 0:
+            return
+        k = self.keys.shadow_spend(time.strftime("%Y-%m-%d", time.gmtime()))
+
+        async def incr() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.incrby(k, micro)
+                pipe.expire(k, SPEND_TTL_S)
+                await pipe.execute()
+        try:
+            await self.breaker.call(incr)
+        except RedisDown:
+            log.warning("shadow spend of %d micro-USD not counted (redis down)", micro)
+
+    async def _call(self, tier: TierConfig, body: dict[str, Any], job: ShadowJob) -> tuple[str | None, int]:
+        """One non-streamed call on ``tier``, metered as ``shadow``; (its answer text or None, its cost)."""
+        req = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        built = upstream_body.build(req, tier, "chat")
+        record = UsageRecord(key_id=SHADOW_KEY, endpoint="chat", requested_model=tier.name, tier=tier.name,
+                             upstream_model=tier.model, route_reason="shadow", difficulty=job.route.difficulty)
+        status, text = 200, None
+        try:
+            resp = await self.upstreams.open(tier, CHAT_PATH, orjson.dumps(built), stream=False)
+            data = orjson.loads(resp.content)
+            record.set_usage(data.get("usage"))
+            text = answer_text(data)
+        except Exception as exc:
+            status = getattr(exc, "status", 502)
+            record.error_code = getattr(exc, "code", "upstream_error")
+            log.info("shadow call on %s failed: %r", tier.name, exc)
+        record.finish(tier, status)
+        for sink in self.sinks:
+            sink(record)
+        await self._charge(record.cost_micro_usd)
+        return text, record.cost_micro_usd
+
+    async def _judge(self, job: ShadowJob, higher_answer: str) -> tuple[bool | None, int]:
+        assert self.judge_tier is not None
+        question = job.route.window or ""
+        prompt = JUDGE_PROMPT.format(question=question, a=job.answer, b=higher_answer)
+        body = {"model": self.judge_tier.name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8,
+                "temperature": 0}
+        text, cost = await self._call(self.judge_tier, body, job)
+        if text is None:
+            return None, cost
+        word = normalise_answer(text).split()
+        return (word[:1] == ["yes"]) if word else None, cost

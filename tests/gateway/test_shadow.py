@@ -1,0 +1,129 @@
+"""Shadow comparisons (``routing.shadow``) on a real gateway, the real Redis and two simulator upstreams (the
+shadow tier's answers 1.5 s late): the client's responses are never delayed, the shadow calls are metered as
+``shadow`` under their own daily budget, and each comparison leaves a ``shadow`` outcome."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from gateway.ledger.outcome import Outcome
+from gateway.pipeline.shadow import answers_agree, normalise_answer
+from tests.fixtures.gateway import SECRETS, accounting_gateway, usage_events
+from tests.fixtures.upstream import SimProcess, sim_tiers, start_sim, wait_for
+
+SHADOW_DELAY_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def slow_sim() -> Iterator[SimProcess]:
+    sim = start_sim("--delay-ms", str(int(SHADOW_DELAY_S * 1000)))
+    try:
+        yield sim
+    finally:
+        sim.stop()
+
+
+def _outcomes(redis_url: str, prefix: str) -> list[Outcome]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return [Outcome.from_json(f[b"o"]) for _, f in client.xrange(prefix + "outcomes")]
+    finally:
+        client.close()
+
+
+def _routing(**shadow: Any) -> dict[str, Any]:
+    return {"router_path": None, "routed_tiers": ["short", "long"], "thresholds": [0.9], "default_tier": "long",
+            "shadow": {"fraction": 1.0, **shadow}}
+
+
+def _ask(client: httpx.Client, base: str, i: int, stream: bool = False) -> tuple[float, httpx.Response]:
+    body: dict[str, Any] = {"model": "auto", "max_tokens": 16, "stream": stream,
+                            "messages": [{"role": "user", "content": f"what is {i} plus {i}?"}]}
+    t0 = time.perf_counter()
+    if stream:
+        with client.stream("POST", base + "/chat/completions", json=body,
+                           headers={"authorization": f"Bearer {SECRETS['alice']}"}) as r:
+            r.read()
+    else:
+        r = client.post(base + "/chat/completions", json=body, headers={"authorization": f"Bearer {SECRETS['alice']}"})
+    return time.perf_counter() - t0, r
+
+
+def test_normalised_answer_agreement() -> None:
+    assert normalise_answer("<think>hmm</think> So... Answer: The Eiffel Tower!") == "eiffel tower"
+    assert answers_agree("Paris.", "answer: paris") and not answers_agree("Paris", "Lyon")
+    assert not answers_agree("", "")
+
+
+def test_shadow_calls_never_delay_the_response(upstream_sim: SimProcess, slow_sim: SimProcess, redis_url: str,
+                                               redis_prefix: str, tmp_path: Path) -> None:
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[2]["base_url"] = slow_sim.base_url  # long, the shadow tier, answers 1.5 s late
+    latencies: dict[bool, list[float]] = {}
+    for on in (False, True):
+        prefix = redis_prefix + ("on:" if on else "off:")
+        routing = _routing(max_concurrency=16) if on else _routing(fraction=0.0)
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=prefix, tiers=tiers,
+                                routing=routing) as gw, httpx.Client(timeout=30) as client:  # one keep-alive connection
+            lat = []
+            for i in range(8):
+                dt, r = _ask(client, gw.base_url, i, stream=i % 2 == 1)
+                assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short"
+                lat.append(dt)
+            latencies[on] = lat
+            if on:
+                assert wait_for(lambda p=prefix: len(_outcomes(redis_url, p)) == 8, timeout_s=15)
+                shadow = gw.app.state.proxy.shadow
+                assert shadow.stats.done == 8 and shadow.stats.skipped == {}
+                outcomes = _outcomes(redis_url, prefix)
+                assert {(o.source, o.tier, o.other_tier, o.judge, o.key_id) for o in outcomes} == {
+                    ("shadow", "short", "long", "agreement", "alice")}
+                assert all(o.cost_micro_usd > 0 and o.sufficed is not None for o in outcomes)
+                events = usage_events(gw, count=16)
+                shadow_events = [e for e in events.values() if e.route_reason == "shadow"]
+                assert len(shadow_events) == 8
+                assert {(e.key_id, e.tier) for e in shadow_events} == {("_shadow", "long")}
+            else:
+                assert gw.app.state.proxy.shadow is None and _outcomes(redis_url, prefix) == []
+    # the client never waits for the 1.5 s shadow call: every response (JSON and stream, each on the same
+    # keep-alive connection as the shadowed one before it) well under the shadow tier's delay
+    assert max(latencies[True]) < SHADOW_DELAY_S / 2, latencies
+    assert max(latencies[False]) < SHADOW_DELAY_S / 2, latencies
+
+
+def test_shadow_calls_respect_their_daily_budget(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
+                                                 tmp_path: Path) -> None:
+    # a budget below one shadow call: the first runs (nothing spent yet), every later one is skipped
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(max_usd_day="0.000001")) as gw, httpx.Client(timeout=30) as client:
+        shadow = gw.app.state.proxy.shadow
+        for i in range(4):
+            _, r = _ask(client, gw.base_url, i)
+            assert r.status_code == 200
+            assert wait_for(lambda n=i + 1: shadow.stats.done + sum(shadow.stats.skipped.values()) == n,
+                            timeout_s=5)
+        assert shadow.stats.done == 1 and shadow.stats.skipped == {"budget": 3}
+        events = usage_events(gw, count=5)
+        assert sum(e.route_reason == "shadow" for e in events.values()) == 1
+        assert len(_outcomes(redis_url, redis_prefix)) == 1
+
+
+def test_judge_tier_is_asked_and_metered(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
+                                         tmp_path: Path) -> None:
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(judge="tier:none")) as gw, httpx.Client(timeout=30) as client:
+        _, r = _ask(client, gw.base_url, 7)
+        assert r.status_code == 200
+        assert wait_for(lambda: len(_outcomes(redis_url, redis_prefix)) == 1, timeout_s=5)
+        [o] = _outcomes(redis_url, redis_prefix)
+        assert o.judge == "tier:none" and o.sufficed is not None
+        events = [e for e in usage_events(gw, count=3).values() if e.route_reason == "shadow"]
+        assert sorted(e.tier for e in events) == ["long", "none"]  # the shadow call and the judge's
+        assert o.cost_micro_usd == sum(e.cost_micro_usd for e in events)
