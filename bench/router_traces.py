@@ -33,7 +33,10 @@ from router.fit.ladder_fit import fit_ladder_router, length_score
 from router.fit.traces import LadderData, heldout_mask, load_ladder, parse_ladder
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACES = REPO.parent.parent / "shared" / "data" / "traces"
+#: ../shared/data/traces beside the checkout (a worktree one level deeper finds it too); --traces overrides
+DEFAULT_TRACES = next((p for p in (REPO.parent / "shared" / "data" / "traces",
+                                   REPO.parent.parent / "shared" / "data" / "traces") if p.is_dir()),
+                      REPO.parent / "shared" / "data" / "traces")
 LADDERS: tuple[tuple[str, str], ...] = (
     ("frames", "Qwen3-14B:no_think,exd0"),
     ("frames", "Qwen3-8B:no_think,exd0"),
@@ -205,6 +208,13 @@ def main() -> None:
         "mean_best_router_two_tier_p5_p95": p5_p95(best_draws),
         "mean_router_two_tier_p5_p95": p5_p95(router_draws),
         "calibrated_router_meets_98_on_heldout": sum(r["policies"]["router"]["meets_target"] for r in results),
+        "calibrated_router_cascade_meets_98_on_heldout": sum(r["policies"]["router+cascade"]["meets_target"]
+                                                             for r in results),
+        # at the thresholds stored in the file (chosen on validation), not the best point of the held-out curve
+        "mean_calibrated_router_cascade_savings_two_tier": round(float(np.mean(
+            [1 - r["policies"]["router+cascade"]["token_share"] for r in two])), 4),
+        "mean_calibrated_router_savings_two_tier": round(float(np.mean(
+            [1 - r["policies"]["router"]["token_share"] for r in two])), 4),
         "mean_best_router_two_tier": round(float(np.mean([r["best_router"] for r in two])), 4),
         "mean_router_two_tier": round(float(np.mean([r["savings_at_98"]["router"] for r in two])), 4),
         "mean_router_cascade_two_tier": round(float(np.mean([r["savings_at_98"]["router+cascade"] for r in two])), 4),

@@ -395,8 +395,9 @@ def build_default(
     plot: Annotated[Path | None, typer.Option(help="PNG of the held-out curves")] = Path(
         "bench/results/router_default.png"),
     seed: int = 0,
+    transfer: Annotated[bool, typer.Option(help="also refit without each source (held-out data set rows)")] = False,
 ) -> None:
     """Rebuild the shipped router from the data in data/ (see docs/router.md "The shipped router")."""
     from router.fit.default import build_default_router
 
-    build_default_router(out, plot=plot, seed=seed, console=_console())
+    build_default_router(out, plot=plot, seed=seed, console=_console(), transfer=transfer)

@@ -210,3 +210,23 @@ def available_models(traces: str | Path, dataset: str) -> dict[str, list[str]]:
         model, _, setting = p.name[: -len(".jsonl.gz")].partition("__")
         out.setdefault(model, []).append(setting)
     return out
+
+
+def outcome_table(traces: str | Path, datasets: Sequence[str] = ("frames", "simpleqa")) -> list[dict[str, Any]]:
+    """One row per question of each data set: ``{"dataset", "id", "question", "outcomes": {"MODEL__SETTING":
+    bool}, "completion_tokens": {"MODEL__SETTING": int}}`` — the compact label source the shipped default
+    router is fitted from (``data/traces/outcomes.jsonl.gz``; no answer texts, no grading letters).
+    Every question is kept (the held-out ones too, so the split stays computable); fitting code filters
+    them with :func:`is_heldout`."""
+    rows: list[dict[str, Any]] = []
+    for ds in datasets:
+        per_q: dict[str, dict[str, Any]] = {}
+        for p in sorted((Path(traces) / ds).glob("*__*.jsonl.gz")):
+            name = p.name[: -len(".jsonl.gz")]
+            for qid, r in read_trace(p).items():
+                e = per_q.setdefault(qid, {"dataset": ds, "id": qid, "question": str(r["question"]),
+                                           "outcomes": {}, "completion_tokens": {}})
+                e["outcomes"][name] = bool(r["correct"])
+                e["completion_tokens"][name] = None if r["completion_tokens"] is None else int(r["completion_tokens"])
+        rows.extend(per_q[q] for q in sorted(per_q, key=_id_key))
+    return rows

@@ -45,3 +45,39 @@ def test_shipped_outcomes_label_the_arith_items() -> None:
     assert {it.label for it in items if it.meta["difficulty"] < k} <= {0}
     assert {it.label for it in items if it.meta["difficulty"] >= k} <= {1}
     assert any(it.label == 1 for it in items) and any(it.label == 0 for it in items)
+
+
+def test_trace_outcome_items_and_heldout_questions(tmp_path: Path) -> None:
+    from router.fit.default import trace_items
+    from router.fit.jsonl import write_jsonl
+    from router.fit.traces import is_heldout
+
+    ids = [str(i) for i in range(40)]
+    rows = [{"dataset": "frames", "id": q, "question": f"q{q}",
+             "outcomes": {"m__no_think": i % 3 == 0, "m__budget256": True, "m__budget1024": i % 2 == 0,
+                          "solo__no_think": True}} for i, q in enumerate(ids)]
+    p = tmp_path / "o.jsonl.gz"
+    write_jsonl(p, rows)
+    train, held = trace_items(p), trace_items(p, heldout=True)
+    assert {it.group for it in held} == {f"frames/{q}" for q in ids if is_heldout("frames", q)}
+    assert not {it.group for it in train} & {it.group for it in held} and len(train) + len(held) == 40
+    for it in train + held:  # cheapest (no_think) wrong and top (budget1024) right; one-setting models skipped
+        i = int(it.group.split("/")[1])
+        assert it.label == int(i % 2 == 0 and i % 3 != 0) and it.meta["model"] == "m"
+        assert it.short_correct == (i % 3 == 0) and it.long_correct == (i % 2 == 0)
+
+
+def test_vs_length_compares_auc_with_prompt_length() -> None:
+    import numpy as np
+
+    from router.fit.default import mmlu_heldout_subject, vs_length
+    from router.fit.labels import LabelledItem
+
+    items = [LabelledItem(id=str(i), text="x" * (i + 1), label=int(i % 2 == 0), source="s") for i in range(10)]
+    good = vs_length("s", "held-out questions", items, np.array([it.label for it in items], dtype=float))
+    assert good["auc"] == 1.0 and good["length_auc"] == 0.4 and good["ok"]  # (0+1+..+4 wins of 25 pairs)
+    bad = vs_length("s", "held-out questions", items, np.array([1 - it.label for it in items], dtype=float))
+    assert bad["auc"] == 0.0 and not bad["ok"]
+    subjects = [f"subject{i}" for i in range(400)]
+    share = sum(map(mmlu_heldout_subject, subjects)) / 400
+    assert 0.14 < share < 0.26 and mmlu_heldout_subject("abstract_algebra") == mmlu_heldout_subject("abstract_algebra")

@@ -32,7 +32,9 @@ def test_shipped_file_is_small_and_carries_its_metadata() -> None:
     assert meta["router"] == "tfidf-linear" and meta["router_version"]
     assert len(meta["training_data_sha256"]) == 64
     k = meta["arith_long_from_operations"]  # measured (router/assets/tier_outcomes.json), see router/fit/default.py
-    assert set(meta["label_sources"]) == {"math-level>=4", f"arith-ops>={k}"}
+    # every real label source of the repo (router/fit/default.py)
+    assert set(meta["label_sources"]) == {"math-level>=4", f"arith-ops>={k}", "gsm8k-steps>=4", "routellm-mmlu",
+                                          "traces-frames", "traces-simpleqa"}
     assert k == arith_threshold_from_outcomes(TIER_OUTCOMES)
     assert meta["features"]["hand"] and meta["model_config"]["C"] > 0
     assert meta["metrics"]["validation"] and meta["metrics"]["heldout"]
@@ -40,6 +42,10 @@ def test_shipped_file_is_small_and_carries_its_metadata() -> None:
     assert math500["auc"] > 0.75
     assert len(r.thresholds) == 1 and 0 < r.thresholds[0] < 1
     assert meta["thresholds_calibration"]["method"] == "max_quality_loss"
+    # ranked against prompt length on every evaluation set, each kind present
+    rows = meta["metrics"]["vs_length"]
+    assert {r["kind"] for r in rows} == {"held-out questions", "held-out subjects", "held-out data set"}
+    assert all(r["length_auc"] is not None for r in rows)
 
 
 def test_roundtrip_keeps_scores_thresholds_and_metadata(shipped_copy: Path, tmp_path: Path) -> None:
