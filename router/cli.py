@@ -373,7 +373,8 @@ def _info_summary(r: Any) -> list[str]:
                 f"{k} {100 * v:.1f}%" for k, v in val.get("savings_at_98", {}).items()))
     for row in meta.get("metrics", {}).get("vs_length", []):
         verdict = "no worse than length" if row["ok"] else "WORSE than length"
-        lines.append(f"{row['set']}: AUC {row['auc']:.3f} vs length {row['length_auc']:.3f} → {verdict} (n={row['n']})")
+        lines.append(f"{row.get('kind', 'evaluation set')}: {row['set']}: AUC {row['auc']:.3f} vs length "
+                     f"{row['length_auc']:.3f} → {verdict} (n={row['n']})")
     return lines
 
 
