@@ -84,3 +84,48 @@ app.command("grpo")(grpo)  # thinkgate train grpo (training/grpo/cli.py; typer o
 app.command("plan")(plan)  # thinkgate train plan (training/plan/cli.py)
 app.command("report")(report)  # thinkgate train report
 app.command("runs")(runs)  # thinkgate train runs (training/registry.py)
+
+
+@app.command("storage")
+def storage(
+    run_dir: Path = typer.Argument(..., help="A run directory."),
+    apply: bool = typer.Option(False, "--apply", help="Apply the lifecycle policy (else only show the bytes)."),
+    hot_steps: int | None = typer.Option(None, "--hot-steps", help="Override storage.hot_steps of the run."),
+    cold_after_steps: int | None = typer.Option(None, "--cold-after-steps", help="Override storage.cold_after_steps."),
+    stats_only_after_steps: int | None = typer.Option(
+        None, "--stats-only-after-steps", help="Override storage.stats_only_after_steps."
+    ),
+) -> None:
+    """Bytes per storage class (hot JSONL, cold Parquet, stats-only, kept models/config/summary/ledger,
+    checkpoints, other); with --apply, move the rollouts to the class the run's ``storage:`` policy gives them at
+    the run's last step. Exit codes: 0 shown/applied, 2 not a run directory or an invalid policy."""
+    import yaml
+
+    from training.storage import Policy, RolloutStore, bytes_by_class
+
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        typer.echo(f"storage error: {run_dir} has no config.yaml (not a run directory)", err=True)
+        raise typer.Exit(2)
+    st = (yaml.safe_load(cfg_path.read_text()) or {}).get("storage") or {}
+    try:
+        policy = Policy(
+            hot_steps if hot_steps is not None else int(st.get("hot_steps", 20)),
+            cold_after_steps if cold_after_steps is not None else st.get("cold_after_steps"),
+            stats_only_after_steps if stats_only_after_steps is not None else st.get("stats_only_after_steps"),
+        )
+    except ValueError as e:
+        typer.echo(f"storage error: {e}", err=True)
+        raise typer.Exit(2) from e
+    store = RolloutStore(run_dir, policy)
+    steps = store.steps()
+    before = bytes_by_class(run_dir)
+    if apply:
+        current = max(steps, default=0)
+        for step, src, dst, b0, b1 in store.apply(current):
+            typer.echo(f"step {step}: {src} -> {dst}  {b0} -> {b1} bytes")
+    after = bytes_by_class(run_dir)
+    typer.echo(f"{'class':<12}{'bytes':>14}" + (f"{'after':>14}" if apply else ""))
+    for k in before:
+        typer.echo(f"{k:<12}{before[k]:>14}" + (f"{after[k]:>14}" if apply else ""))
+    typer.echo(f"{'total':<12}{sum(before.values()):>14}" + (f"{sum(after.values()):>14}" if apply else ""))

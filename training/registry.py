@@ -35,7 +35,7 @@ _ROW_KEYS = {
     "step", "kind", "seq", "segment", "ts", "prompts", "rollouts", "prompt_tokens", "sampled_tokens",
     "trained_tokens", "dropped_rollouts", "zero_signal_rollouts", "wall_ms", "device_kind", "device_count",
     "device_ms", "price_usd_per_device_hour", "cost_micro_usd", "zero_signal_micro_usd", "spent_micro_usd",
-    "discarded_at_resume_from_step",
+    "stored_bytes", "discarded_at_resume_from_step",
 }  # fmt: skip
 
 

@@ -148,6 +148,14 @@ def test_probe_billing_is_counted(tmp_path: Path) -> None:
     (rec,) = list_runs(tmp_path)
     assert rec.tags["purpose"] == "probe" and rec.tags["owner"] == "ana"
     assert rec.micro_usd == probe["micro_usd"] and rec.status == "finished"
+    # the probe's rollouts are stored, and the ledger counts their bytes in the step's row
+    roll = probe_dir / "rollouts" / "step-000001.jsonl"
+    first = json.loads(roll.read_text().splitlines()[0])
+    assert set(first) == {"step", "problem_id", "completion", "rewards", "advantage", "prompt_tokens",
+                          "completion_tokens", "truncated"}  # fmt: skip
+    assert set(first["rewards"]) == {"correctness"}
+    stats = probe_dir / "rollouts" / "stats.jsonl"
+    assert rows[1]["stored_bytes"] == roll.stat().st_size + stats.stat().st_size > 0
     # the plan is for the full 9 steps of the run file, with the probe's rates
     assert plan["assumptions"]["run"]["steps"] == 9 and plan["total_usd"] > 0
 

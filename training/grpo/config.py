@@ -243,6 +243,19 @@ class OutputConfig(_Section):
     )
 
 
+class StorageConfig(_Section):
+    """Rollout storage lifecycle (training/storage.py): hot JSONL, cold Parquet, then per-step statistics only."""
+
+    rollouts: bool = _f(True, "Write every step's rollouts to <run>/rollouts/ (prompt id, completion, rewards, ...).")
+    hot_steps: int = _f(20, "The rollouts of the last N steps stay hot (JSONL).")
+    cold_after_steps: int | None = _f(
+        None, "Compress a step's rollouts to Parquet (zstd) when it is this many steps old; None = hot_steps."
+    )
+    stats_only_after_steps: int | None = _f(
+        None, "Delete a step's raw rollouts (its per-step statistics stay) when this many steps old; None = never."
+    )
+
+
 def _default_trl() -> dict[str, Any]:
     return {
         "num_generations": 4,
@@ -275,6 +288,7 @@ class RunConfig(_Section):
     ledger: LedgerConfig = _f(LedgerConfig, "Cost ledger, prices and budgets.")
     eval: EvalConfig = _f(EvalConfig, "Held-out evaluation.")
     output: OutputConfig = _f(OutputConfig, "Model card and gateway tier snippet.")
+    storage: StorageConfig = _f(StorageConfig, "Rollout storage lifecycle.")
     trl: dict[str, Any] = _f(_default_trl, "GRPOConfig keyword arguments (merged over the defaults above).")
     tags: dict[str, str] = _f(
         dict, "Free-form run tags (owner, team, purpose, ...): in every ledger row, summary.json and `train runs`."
@@ -418,6 +432,13 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("ledger.past_warning: continue_below_floor needs ledger.quality_floor")
     if cfg.ledger.quality_floor is not None and not cfg.eval.every_steps:
         raise ConfigError("ledger.quality_floor: needs eval.every_steps (the floor is read from the periodic check)")
+    st = cfg.storage
+    try:
+        from training.storage import Policy
+
+        Policy(st.hot_steps, st.cold_after_steps, st.stats_only_after_steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     for r in cfg.monitors.rules:
         if r.patience < 1 or r.window < 2:
             raise ConfigError(f"monitors.rules.{r.name}: patience >= 1 and window >= 2 required")

@@ -57,6 +57,7 @@ class StepCounters:
     reward_s: float = 0.0
     eval_s: float = 0.0
     io_s: float = 0.0
+    stored_bytes: int = 0  # rollout bytes written to the run directory (training/storage.py)
 
     def reset(self) -> None:
         for k, v in asdict(StepCounters()).items():
@@ -140,6 +141,7 @@ _TOTAL_KEYS = (
     "dropped_rollouts",
     "zero_signal_rollouts",
     "zero_signal_micro_usd",
+    "stored_bytes",
     "wall_ms",
     *(f"{p}_ms" for p in PHASES),
     "device_ms",
@@ -241,6 +243,7 @@ class CostLedger:
             "trained_tokens": c.trained_tokens,
             "dropped_rollouts": c.dropped_rollouts,
             "zero_signal_rollouts": c.zero_signal_rollouts,
+            "stored_bytes": c.stored_bytes,
             "wall_ms": wall_ms,
             **{f"{p}_ms": phases.get(p, 0) for p in PHASES},
             "device_kind": self.device_kind,

@@ -237,6 +237,8 @@ def run_grpo(
     from training.grpo.sampling import Candidate, DynamicSampler, NoLearningSignalError
     from training.grpo.trainer import ThinkGateGRPOTrainer
     from training.registry import heartbeat_callback, write_heartbeat
+    from training.storage import Policy, RolloutStore
+    from training.storage import attach as attach_rollout_store
 
     if max_steps is not None:
         cfg.trl["max_steps"] = int(max_steps)
@@ -394,6 +396,11 @@ def run_grpo(
     # billed devices: one per training process (1 on CPU), plus e.g. the GPUs of a vLLM server
     ledger.device_count = (trainer.accelerator.num_processes if device_kind != "cpu" else 1) + lc.extra_devices
     ledger.writer = trainer.is_world_process_zero()
+    rollout_store = None
+    if cfg.storage.rollouts:
+        st = cfg.storage
+        rollout_store = RolloutStore(run_dir, Policy(st.hot_steps, st.cold_after_steps, st.stats_only_after_steps))
+        attach_rollout_store(trainer, rollout_store, counters, trainer.is_world_process_zero())
     trainer.state_savers.append(ledger.save_state)
     trainer.state_savers.append(
         lambda d: (d / "monitor_state.json").write_text(json.dumps(monitor_cb.engine.state_dict()))
@@ -401,6 +408,8 @@ def run_grpo(
     if checkpoint:
         ledger.resume(checkpoint)
         drop_logs_after(run_dir, int(Path(checkpoint).name.rsplit("-", 1)[-1]))
+        if rollout_store is not None and trainer.is_world_process_zero():
+            rollout_store.drop_after(int(Path(checkpoint).name.rsplit("-", 1)[-1]))
         trainer.load_thinkgate_state(checkpoint)
         mstate = Path(checkpoint) / "monitor_state.json"
         if mstate.is_file():
@@ -536,6 +545,6 @@ def _make_reduce(trainer: Any) -> Any:
         )
         ints = trainer.accelerator.reduce(ints, reduction="sum").tolist()
         secs = trainer.accelerator.reduce(secs, reduction="mean").tolist()
-        return StepCounters(*ints, *secs[:4]), secs[4]
+        return StepCounters(*ints, *secs[:4], stored_bytes=c.stored_bytes), secs[4]  # rank 0 writes rollouts
 
     return reduce
