@@ -170,6 +170,7 @@ class RouterService(Router):
             "mode": self.mode,
             "path": None if self.path is None else str(self.path),
             "router": meta.get("router"),
+            "version": meta.get("version") or meta.get("created_utc"),
             "created_utc": meta.get("created_utc"),
             "training_data_sha256": meta.get("training_data_sha256"),
             "thresholds": self.thresholds,

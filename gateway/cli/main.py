@@ -82,6 +82,11 @@ def _attach_plugins(root: typer.Typer) -> None:
             sub = ep.load()
         except ImportError as exc:
             sub = _missing_group(name, hint, exc)
+        else:
+            if name == "router":  # reads the gateway's outcome stream, so it lives on this side of the imports
+                from gateway.cli.retrain import retrain_command
+
+                sub.command("retrain")(retrain_command)
         root.add_typer(sub, name=name, help=help_text)
 
 

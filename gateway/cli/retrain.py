@@ -1,0 +1,96 @@
+"""``thinkgate router retrain --from-outcomes``: a new router file from the gateway's outcome stream.
+
+Reads the outcomes (``{prefix}outcomes``, written by feedback, escalations and shadow comparisons; they carry the
+routing window's text only under ``routing.outcomes.retain_text``), turns them into labels
+(:mod:`router.fit.retrain`), adds the offline ``--base-labels`` (labelled JSONL, as ``router fit`` reads), fits,
+calibrates the threshold to ``routing.target.long_share`` when set (else ``--long-share``, else the share the
+router in service sends up on the same texts) and compares the new router with the one in service
+(``--router``, default ``routing.router_path``) on the held-out slice of the outcomes. Writes ``--output``
+(atomically) only when the new one is not worse; the gateway's hot reload then picks it up if that is
+``routing.router_path`` (its ``version`` shows in ``GET /v1/models``). Exit codes: 0 written, 1 refused (worse,
+or too few held-out outcomes to judge), 2 invalid arguments or config, 3 Redis unreachable.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from gateway.cli.common import CONFIG_OPTION, load_settings, run_on_redis
+
+
+def read_outcomes(settings: Any, since_days: float | None) -> list[dict[str, Any]]:
+    """The outcome stream as dicts (``since_days`` back from now; None = all). Exits 3 when Redis is down."""
+    from gateway.state.breaker import Breaker
+    from gateway.state.outcomes import OutcomeStore, outcome_spool_path
+
+    since = time.time() - since_days * 86400 if since_days is not None else None
+
+    async def collect(handle: Any) -> list[dict[str, Any]]:
+        store = OutcomeStore(settings.routing.outcomes, handle, Breaker(1.0), outcome_spool_path(settings))
+        import orjson
+
+        return [orjson.loads(o.to_json()) for o in await store.outcomes(since)]
+
+    return run_on_redis(settings, collect, min_timeout_s=5.0)
+
+
+def retrain_command(
+    from_outcomes: bool = typer.Option(False, "--from-outcomes", help="Learn from the gateway's outcome stream."),
+    output: Path = typer.Option(..., "--output", "-o", help="Router file to write (.skops)."),
+    since: float | None = typer.Option(None, "--since", help="Only outcomes of the last DAYS days."),
+    base_labels: list[Path] | None = typer.Option(None, "--base-labels", help="Offline labelled JSONL to add."),
+    router: Path | None = typer.Option(None, "--router", help="Router in service (default: routing.router_path)."),
+    long_share: float | None = typer.Option(None, "--long-share", min=0, max=1,
+                                            help="Top-tier share to calibrate to (default: routing.target)."),
+    heldout_frac: float = typer.Option(0.2, "--heldout-frac", min=0.05, max=0.5, help="Held-out share."),
+    config: Path | None = CONFIG_OPTION,
+) -> None:
+    """Retrain the router from routing outcomes; refuses (exit 1) to write one worse on held-out outcomes."""
+    from router.fit.labels import load_items
+    from router.fit.retrain import RetrainRefused, items_from_outcomes, retrain
+    from router.persistence import RouterFileError, load_router, save_router
+
+    if not from_outcomes:
+        typer.echo("thinkgate router retrain: --from-outcomes is required (the only source so far)", err=True)
+        raise typer.Exit(2)
+    settings = load_settings(config)
+    old_path = router or settings.routing.router_path
+    if old_path is None:
+        typer.echo("thinkgate router retrain: no router in service to compare with; pass --router FILE", err=True)
+        raise typer.Exit(2)
+    try:
+        old = load_router(old_path)
+        base = load_items(base_labels) if base_labels else []
+    except (RouterFileError, OSError, ValueError) as exc:
+        typer.echo(f"thinkgate router retrain: {exc}", err=True)
+        raise typer.Exit(2) from None
+    top = settings.routing.routed_tiers[-1]
+    outcomes = read_outcomes(settings, since)
+    items = items_from_outcomes(outcomes, top)
+    share = long_share if long_share is not None else settings.routing.target.long_share
+    typer.echo(f"{len(outcomes)} outcomes → {len(items)} labelled routing windows "
+               f"({sum(it.label for it in items)} needing {top}); {len(base)} base labels")
+    try:
+        new, report = retrain(old, items, base, long_share=share, heldout_frac=heldout_frac)
+    except RetrainRefused as exc:
+        if exc.report is not None:
+            _print(exc.report)
+        typer.echo(f"refused: {exc}; {output} not written", err=True)
+        raise typer.Exit(1) from None
+    except ValueError as exc:
+        typer.echo(f"thinkgate router retrain: {exc}", err=True)
+        raise typer.Exit(1) from None
+    _print(report)
+    save_router(new, output)
+    typer.echo(f"wrote {output} (version {new.metadata['version']}, threshold {new.thresholds[-1]:.4f})")
+
+
+def _print(report: Any) -> None:
+    typer.echo(f"held-out outcomes: {report.n_heldout}; fitted on {report.n_fit}; long share {report.long_share:.3f}")
+    typer.echo(f"{'router':<10}{'AUC':>8}{'long share':>12}{'served well':>13}")
+    for name, r in (("in service", report.old), ("retrained", report.new)):
+        typer.echo(f"{name:<10}{r.auc:>8.3f}{r.long_share:>12.3f}{r.served_well:>13.3f}")

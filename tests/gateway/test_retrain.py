@@ -1,0 +1,128 @@
+"""``thinkgate router retrain --from-outcomes`` on outcomes in the real Redis: a better router is written (and
+carries its version), a worse one is refused with exit code 1 and no file."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from gateway.cli.main import app
+from gateway.config import OutcomesConfig, RedisConfig
+from gateway.ledger.outcome import Outcome, window_digest
+from gateway.state.breaker import Breaker
+from gateway.state.outcomes import OutcomeStore
+from gateway.state.redis import connect
+from router.fit.fitter import fit_router
+from router.fit.labels import LabelledItem
+from router.fit.retrain import is_heldout_digest, items_from_outcomes, label_of
+from router.model import ModelConfig
+from router.persistence import load_router, save_router
+from tests.fixtures.gateway import SECRETS, accounting_gateway
+from tests.fixtures.upstream import SimProcess, wait_for
+
+HARD = ["prove", "integral", "theorem", "derive", "lemma", "asymptotic"]
+EASY = ["capital", "color", "name", "city", "animal", "fruit"]
+
+
+def _text(hard: bool, i: int) -> str:
+    rng = random.Random(i)
+    words = rng.sample(HARD if hard else EASY, 3)
+    return f"question {i}: " + " ".join(words) + " " + " ".join(rng.sample(["a", "b", "c", "d", "e"], 2))
+
+
+def _router(path: Path, informative: bool) -> Path:
+    rng = random.Random(5)
+    items = [LabelledItem(id=f"b{i}", text=_text(i % 2 == 0, 10_000 + i),
+                          label=(i % 2 == 0) if informative else rng.random() < 0.5, source="base", group=f"b{i}")
+             for i in range(80)]
+    router, _ = fit_router(items, ModelConfig(min_df=1), val_frac=0.0)
+    router.thresholds = [0.5]
+    router.metadata["version"] = "old-" + ("good" if informative else "noise")
+    save_router(router, path)
+    return path
+
+
+def _outcomes(invert_training: bool) -> list[Outcome]:
+    out = []
+    for i in range(240):
+        hard = i % 2 == 0
+        text = _text(hard, i)
+        d = window_digest(text)
+        needs_top = hard if (is_heldout_digest(d, 0.2) or not invert_training) else not hard
+        out.append(Outcome(source="shadow", request_id=f"r{i}", key_id="alice", tier="short", sufficed=not needs_top,
+                           judge="agreement", window_digest=d, text=text, other_tier="long"))
+    return out
+
+
+def _write(redis_url: str, prefix: str, outcomes: list[Outcome], tmp: Path) -> None:
+    async def go() -> None:
+        handle = connect(RedisConfig(url=redis_url, key_prefix=prefix))
+        store = OutcomeStore(OutcomesConfig(), handle, Breaker(5.0), tmp / "spool.jsonl")
+        for o in outcomes:
+            assert await store.record(o) == "redis"
+        await handle.close()
+    asyncio.run(go())
+
+
+def _config(tmp: Path, redis_url: str, prefix: str, router: Path) -> Path:
+    cfg = {"redis": {"url": redis_url, "key_prefix": prefix, "start_if_missing": False},
+           "routing": {"router_path": str(router), "routed_tiers": ["short", "long"]}}
+    path = tmp / "gw.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_labels_from_outcomes() -> None:
+    assert label_of({"tier": "short", "sufficed": True}, "long") == 0
+    assert label_of({"tier": "short", "sufficed": False}, "long") == 1
+    assert label_of({"tier": "long", "sufficed": False}, "long") == 0
+    assert label_of({"tier": "long", "sufficed": True}, "long") is None
+    rows = [{"tier": "short", "sufficed": False, "text": "q", "window_digest": "d", "source": "shadow"},
+            {"tier": "short", "sufficed": True, "text": "q", "window_digest": "d", "source": "feedback"},
+            {"tier": "short", "sufficed": True, "window_digest": "e", "source": "feedback"}]  # no text: unusable
+    [item] = items_from_outcomes(rows, "long")
+    assert (item.label, item.group, item.meta["n"]) == (1, "d", 2)  # a tie counts as needing the top tier
+
+
+@pytest.mark.parametrize("case", ["better", "worse"])
+def test_retrain_writes_a_better_router_and_refuses_a_worse_one(redis_url: str, redis_prefix: str, tmp_path: Path,
+                                                                case: str) -> None:
+    # better: the router in service is noise, the outcomes teach the real rule;
+    # worse: the router in service knows the rule, the fitted part of the outcomes teaches its opposite
+    old = _router(tmp_path / "old.skops", informative=case == "worse")
+    _write(redis_url, redis_prefix, _outcomes(invert_training=case == "worse"), tmp_path)
+    out = tmp_path / "new.skops"
+    res = CliRunner().invoke(app, ["router", "retrain", "--from-outcomes", "--output", str(out),
+                                   "--config", str(_config(tmp_path, redis_url, redis_prefix, old))])
+    if case == "better":
+        assert res.exit_code == 0, res.output
+        new = load_router(out)
+        assert new.metadata["version"].startswith("retrain-") and new.metadata["retrained_from"] == "old-noise"
+        r = new.metadata["retrain"]
+        assert r["new"]["auc"] > r["old"]["auc"] + 0.2 and r["n_heldout"] >= 10
+        assert sum(new.metadata["score_histogram"]["counts"]) == r["n_fit"]
+    else:
+        assert res.exit_code == 1, res.output
+        assert "refused" in res.output and "AUC" in res.output
+        assert not out.exists()
+
+
+def test_hot_reload_shows_the_retrained_version(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
+                                                tmp_path: Path) -> None:
+    path = _router(tmp_path / "serving.skops", informative=False)
+    routing = {"router_path": str(path), "routed_tiers": ["short", "long"], "reload_interval_s": 0.1}
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, routing=routing) as gw:
+        def version() -> str:
+            r = httpx.get(gw.base_url + "/models", headers={"authorization": f"Bearer {SECRETS['alice']}"})
+            return str(r.json()["data"][0]["thinkgate"]["router_status"]["version"])
+        assert version() == "old-noise"
+        new = load_router(path)
+        new.metadata["version"] = "retrain-test"
+        save_router(new, path)  # what `router retrain --output <routing.router_path>` does
+        assert wait_for(lambda: version() == "retrain-test", timeout_s=10)
