@@ -18,6 +18,7 @@ import gc
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -39,6 +40,7 @@ from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.routing import Routing
 from gateway.pipeline.shadow import Shadow
 from gateway.state.conversations import ConversationStore
+from gateway.state.drift import DriftMonitor
 from gateway.state.outcomes import OutcomeStore, outcome_spool_path
 from gateway.state.routing_target import TargetController
 from gateway.telemetry import Telemetry
@@ -112,6 +114,26 @@ def _outcome_store(settings: Settings, routing: Routing, proxy: Proxy, accountin
     return store
 
 
+def _drift_monitor(settings: Settings, routing: Routing, accounting: Accounting) -> DriftMonitor | None:
+    """The drift alarm (``routing.drift``): sees every routed score, publishes the PSI gauges and alerts."""
+    if not settings.routing.drift.enabled:
+        return None
+
+    def meta() -> tuple[str, dict[str, Any] | None]:
+        svc = routing.service
+        router = svc.router if svc is not None else None
+        if router is None:
+            return routing.scorer.name, None
+        hist = router.metadata.get("score_histogram")
+        return router_version(routing) or routing.scorer.name, hist if isinstance(hist, dict) else None
+
+    monitor = DriftMonitor(settings.routing.drift, accounting.handle, accounting.breaker, accounting.alerts, meta,
+                           lambda: routing.thresholds, len(settings.routing.routed_tiers),
+                           on_update=accounting.metrics.drift)
+    routing.observers.append(monitor.record)
+    return monitor
+
+
 def create_app(settings: Settings) -> FastAPI:
     """Build the gateway app for ``settings``. Upstream clients are closed on shutdown."""
     upstreams = UpstreamPool(settings.tiers)
@@ -125,6 +147,7 @@ def create_app(settings: Settings) -> FastAPI:
     if outcomes is not None and settings.routing.shadow.fraction > 0:
         proxy.shadow = Shadow(settings, upstreams, accounting.handle, accounting.breaker, outcomes,
                               proxy.usage_sinks)
+    drift = _drift_monitor(settings, routing, accounting)
     created = int(time.time())
 
     @asynccontextmanager
@@ -136,8 +159,9 @@ def create_app(settings: Settings) -> FastAPI:
         # hot reload of the router file: checked every routing.reload_interval_s (mtime, size, inode)
         watcher = asyncio.create_task(routing.service.watch()) if routing.service is not None else None
         steer = asyncio.create_task(controller.run()) if controller is not None else None
+        drifting = asyncio.create_task(drift.run()) if drift is not None else None
         yield
-        for task in (watcher, steer):
+        for task in (watcher, steer, drifting):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -159,6 +183,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.proxy = proxy
     app.state.accounting = accounting
     app.state.outcomes = outcomes
+    app.state.drift = drift
     install_handlers(app)
     usage_api.install(app, keys, accounting)
     responses_api.attach(app, proxy, ConversationStore(accounting.handle, accounting.breaker,

@@ -197,6 +197,18 @@ class ShadowConfig(_Strict):
     max_concurrency: int = Field(4, ge=1, le=256)
 
 
+class DriftConfig(_Strict):
+    """The drift alarm (``gateway/state/drift.py``): PSI of the last ``window`` routed scores (and tier mix)
+    against the router file's calibration histogram, every ``interval_s``, once ``min_samples`` are in; an alert
+    (the budget alerts' log and webhook) when a PSI reaches ``threshold`` (0.25: a significant shift)."""
+
+    enabled: bool = True
+    window: int = Field(1000, ge=50, le=100_000)
+    min_samples: int = Field(200, ge=10)
+    interval_s: float = Field(10.0, gt=0)
+    threshold: float = Field(0.25, gt=0)
+
+
 class RoutingConfig(_Strict):
     """How ``model: "auto"`` picks a tier.
 
@@ -231,6 +243,8 @@ class RoutingConfig(_Strict):
     outcomes: OutcomesConfig = Field(default_factory=OutcomesConfig)
     #: shadow comparisons with the next tier up (off by default)
     shadow: ShadowConfig = Field(default_factory=ShadowConfig)
+    #: the drift alarm (PSI of the realized scores against the router file's calibration histogram)
+    drift: DriftConfig = Field(default_factory=DriftConfig)
 
     @field_validator("thresholds")
     @classmethod

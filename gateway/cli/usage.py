@@ -108,10 +108,35 @@ def report_cmd(
         raise typer.Exit(2) from None
     events = read_events(settings, t0, t1, key)
     result = rp.build(events, long_tier, prices, n_buckets=buckets, since=t0, until=t1, key=key)
+    drift = read_drift(settings)
     Console(stderr=False).print(render(result))
+    typer.echo(drift_line(drift, settings.routing.drift.threshold))
     if csv_path:
         csv_path.write_text(rp.to_csv(result))
     if png_path:
         plot(result, png_path)
     if json_path:
-        json_path.write_text(json.dumps({"summary": result.summary(), "rows": rp.rows(result)}, indent=2))
+        json_path.write_text(json.dumps({"summary": result.summary(), "rows": rp.rows(result), "drift": drift},
+                                        indent=2))
+
+
+def read_drift(settings: Any) -> dict[str, Any] | None:
+    """The drift alarm's last state (``gateway/state/drift.py``; None: never computed). Exits 3 if Redis is down."""
+    from gateway.state.breaker import Breaker
+    from gateway.state.drift import read_state
+
+    async def get(handle: Any) -> dict[str, Any] | None:
+        return await read_state(handle, Breaker(1.0))
+
+    return run_on_redis(settings, get)
+
+
+def drift_line(state: dict[str, Any] | None, threshold: float) -> str:
+    """One line for the report: the router version's PSI (score, tier mix) and whether it is past the alarm."""
+    if not state:
+        return "Routing drift: not computed yet (needs routing.drift.min_samples routed requests)"
+    worst = max(state.get("psi_score") or 0.0, state.get("psi_tier") or 0.0)
+    flag = "ALERT" if worst >= threshold else "ok"
+    return (f"Routing drift (PSI vs the router's {state.get('reference')} reference, router "
+            f"{state.get('router_version')}, last {state.get('n')} routed): score {state.get('psi_score'):.3f}, "
+            f"tier mix {state.get('psi_tier'):.3f} — {flag} (alarm at {threshold:g})")

@@ -22,6 +22,7 @@ in with :meth:`Routing.set_scorer`. When the scorer raises, ``routing.default_ti
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,8 @@ class Routing:
         self._thresholds = list(self.cfg.thresholds or default_thresholds(len(self.cfg.routed_tiers)))
         #: the cost-target controller (``routing.target``; None = the calibrated thresholds apply)
         self.controller: TargetController | None = None
+        #: called with (score, routed tier index) of every routed decision (the drift alarm)
+        self.observers: list[Callable[[float, int], None]] = []
 
     @property
     def scorer(self) -> Router:
@@ -165,6 +168,8 @@ class Routing:
         i = next((i for i, cut in enumerate(cuts) if score < cut), len(routed) - 1)
         if self.controller is not None:
             self.controller.record(score, i)
+        for observe in self.observers:
+            observe(score, i)
         return RouteDecision(self._tiers[routed[i]], "predicted", score, window=text)
 
     def _window_of(self, body: dict[str, Any]) -> str:

@@ -84,7 +84,7 @@ class Alerts:
         self.cfg = cfg
         self.http = http
         self._memo: set[tuple[str, str, float]] = set()  # already fired or seen as fired: skip Redis
-        self.fired: list[Alert] = []  # fired by this process (for tests and /metrics)
+        self.fired: list[Any] = []  # fired by this process (for tests and /metrics)
 
     async def check(self, lim: KeyLimits, tags: dict[str, str], day: str, spent_day: int,
                     spent_month: int) -> list[Alert]:
@@ -133,7 +133,12 @@ class Alerts:
         raw = await self.breaker.call(functools.partial(self.redis.lrange, self.keys.alerts_log, 0, n - 1))
         return [orjson.loads(r) for r in raw]
 
-    async def _fire(self, alert: Alert) -> None:
+    async def fire(self, alert: Any) -> None:
+        """Deliver any alert object with ``to_json``, ``webhook_body`` and dataclass fields (e.g. a drift
+        alert, ``gateway/state/drift.py``) the way budget alerts are: log record, ``alerts:log``, webhook."""
+        await self._fire(alert)
+
+    async def _fire(self, alert: Any) -> None:
         self.fired.append(alert)
         payload = alert.to_json()
         log.warning("%s", payload.decode(), extra={"alert": asdict(alert)})

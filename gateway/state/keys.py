@@ -37,6 +37,9 @@ key                                     type        contents
 ``p outcomes:seen:{YYYY-MM-DD}``        set         outcome ids already written (a replay writes nothing), TTL
 ``p req:{request_id}``                  string      request index for feedback (key id, tier, score, digest), TTL
 ``p shadow:d:{YYYY-MM-DD}``             string      shadow comparisons' spend that UTC day, micro-USD (shadow.py)
+``p drift:win``                         list        drift alarm window: "score,tier index", newest last (state/drift.py)
+``p drift:state``                       string      last drift statistics (JSON: psi_score, psi_tier, n, ts, ...)
+``p drift:ref:{version}``               string      served reference histogram of a router version without one
 ``p sem:{t}:e``                         hash        semantic cache entries of tenant tag ``t``: entry id → record,
                                                     ``b:{id}`` → its bucket and band hashes (semantic_index.py)
 ``p sem:{t}:x``                         zset        semantic cache entry id → expiry (epoch ms): TTL and the cap
@@ -73,6 +76,15 @@ class RedisKeys:
 
     def shadow_spend(self, day: str) -> str:
         return f"{self.prefix}shadow:d:{day}"
+
+    def drift_window(self) -> str:
+        return f"{self.prefix}drift:win"
+
+    def drift_state(self) -> str:
+        return f"{self.prefix}drift:state"
+
+    def drift_reference(self, version: str) -> str:
+        return f"{self.prefix}drift:ref:{version}"
 
     def routing_window(self) -> str:
         return f"{self.prefix}rt:win"

@@ -14,7 +14,8 @@ refused before an upstream call, by ``status`` and ``code``); histograms
 ``thinkgate_request_latency_seconds`` and ``thinkgate_ttft_seconds``; gauges ``thinkgate_redis_breaker_open``,
 ``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events``; with ``routing.target`` set,
 ``thinkgate_routing_share{tier}`` (the controller's window), ``thinkgate_routing_target_share`` and
-``thinkgate_routing_threshold{tier}`` (the cut point into that tier).
+``thinkgate_routing_threshold{tier}`` (the cut point into that tier); ``thinkgate_routing_drift_psi{kind}``
+(score | tier, the drift alarm).
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ class Metrics:
                                           registry=r)
         self.routing_threshold = Gauge("thinkgate_routing_threshold", "Routing cut points in force, by the tier a "
                                        "score at or above it goes to.", ["tier"], registry=r)
+        self.drift_psi = Gauge("thinkgate_routing_drift_psi", "Population Stability Index of the realized router "
+                               "scores (kind=score) and tier mix (kind=tier) against the router file's calibration.",
+                               ["kind"], registry=r)
         #: set by the app when the controller is on: () -> (share by tier, target share, threshold by tier)
         self.routing_view: Callable[[], tuple[dict[str, float], float | None, dict[str, float]]] | None = None
 
@@ -152,6 +156,11 @@ class Metrics:
         child(self.latency, tier, stream).observe(event.latency_ms / 1000)
         if event.ttft_ms is not None:
             child(self.ttft, tier, stream).observe(event.ttft_ms / 1000)
+
+    def drift(self, values: dict[str, float]) -> None:
+        """Set the drift gauges (``kind`` → PSI)."""
+        for kind, v in values.items():
+            self._child(self.drift_psi, kind).set(v)
 
     def semantic(self, result: str) -> None:
         """Count one semantic-cache lookup by its outcome."""

@@ -1,0 +1,105 @@
+"""The drift alarm on the real Redis: PSI of realized scores and tier mix against the router's calibration
+histogram, the alert through the budget alerts' path (once), the served reference, and `usage report`."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+import redis
+import yaml
+from typer.testing import CliRunner
+
+from gateway.cli.main import app
+from gateway.config import DriftConfig, LimitsConfig, RedisConfig
+from gateway.state.alerts import Alerts
+from gateway.state.breaker import Breaker
+from gateway.state.drift import DriftAlert, DriftMonitor, psi, tier_mix
+from gateway.state.redis import connect
+from router.fit.retrain import score_histogram
+
+
+def test_psi_and_tier_mix() -> None:
+    assert psi([10, 20, 30], [1, 2, 3]) == pytest.approx(0.0)
+    # two bins 0.5/0.5 vs 0.9/0.1: 0.4·ln(5) − 0.4·ln(5/9) = 0.4·ln(9)
+    assert psi([1, 1], [9, 1]) == pytest.approx(0.4 * np.log(9))
+    assert tier_mix([0, 0.5, 1], [30, 10], [0.5]) == pytest.approx([0.75, 0.25])
+    assert tier_mix([0, 0.5, 1], [30, 10], [0.25]) == pytest.approx([0.375, 0.625])
+
+
+def _monitor(redis_url: str, prefix: str, hist: dict[str, Any] | None, **cfg: Any) -> tuple[DriftMonitor, Alerts]:
+    handle = connect(RedisConfig(url=redis_url, key_prefix=prefix))
+    breaker = Breaker(5.0)
+    alerts = Alerts(handle, breaker, LimitsConfig())
+    config = DriftConfig(**{"window": 500, "min_samples": 100, **cfg})
+    return DriftMonitor(config, handle, breaker, alerts, lambda: ("v1", hist), lambda: [0.5], 2), alerts
+
+
+def _feed(m: DriftMonitor, scores: np.ndarray) -> None:
+    for s in scores:
+        m.record(float(s), int(s >= 0.5))
+
+
+def test_drift_alarm_fires_once_past_the_threshold(redis_url: str, redis_prefix: str) -> None:
+    rng = np.random.default_rng(0)
+    hist = score_histogram(rng.beta(2, 5, 5000))  # what the router was calibrated on
+
+    async def go() -> None:
+        m, alerts = _monitor(redis_url, redis_prefix, hist)
+        _feed(m, rng.beta(2, 5, 500))  # same traffic
+        st = await m.update()
+        assert st["psi_score"] < 0.1 and st["psi_tier"] < 0.1 and st["reference"] == "file"
+        assert alerts.fired == []
+        _feed(m, rng.beta(5, 2, 500))  # drifted: mostly hard
+        st = await m.update()
+        assert st["psi_score"] > 1.0 and st["psi_tier"] > 0.25
+        assert {a.kind for a in alerts.fired} == {"score", "tier"} and all(isinstance(a, DriftAlert) for a in
+                                                                          alerts.fired)
+        logged = [orjson.loads(x) for x in await m.redis.lrange(m.keys.alerts_log, 0, -1)]
+        assert {x["type"] for x in logged} == {"drift_alert"}
+        _feed(m, rng.beta(5, 2, 100))
+        await m.update()
+        other, alerts2 = _monitor(redis_url, redis_prefix, hist)  # another replica
+        _feed(other, rng.beta(5, 2, 100))
+        await other.update()
+        assert len(alerts.fired) == 2 and alerts2.fired == []  # once per router version and day, across replicas
+        await m.redis.aclose()
+        await other.redis.aclose()
+    asyncio.run(go())
+
+
+def test_served_reference_when_the_file_has_no_histogram(redis_url: str, redis_prefix: str) -> None:
+    rng = np.random.default_rng(1)
+
+    async def go() -> None:
+        m, alerts = _monitor(redis_url, redis_prefix, None)
+        _feed(m, rng.beta(2, 5, 500))
+        st = await m.update()  # the first full window becomes the reference
+        assert st["reference"] == "served" and st["psi_score"] == pytest.approx(0.0)
+        _feed(m, rng.beta(5, 2, 500))
+        st = await m.update()
+        assert st["psi_score"] > 1.0 and {a.kind for a in alerts.fired} >= {"score"}
+        await m.redis.aclose()
+    asyncio.run(go())
+
+
+def test_usage_report_shows_drift(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(yaml.safe_dump({"redis": {"url": redis_url, "key_prefix": redis_prefix,
+                                             "start_if_missing": False}, "routing": {"router_path": None}}))
+    runner = CliRunner()
+    res = runner.invoke(app, ["usage", "report", "--config", str(cfg)])
+    assert res.exit_code == 0, res.output
+    assert "Routing drift: not computed yet" in res.output
+    client = redis.Redis.from_url(redis_url)
+    client.set(redis_prefix + "drift:state", orjson.dumps({"psi_score": 0.31, "psi_tier": 0.05, "n": 1000,
+                                                          "router_version": "v1", "reference": "file"}))
+    client.close()
+    res = runner.invoke(app, ["usage", "report", "--config", str(cfg), "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    assert "score 0.310" in res.output and "ALERT" in res.output
+    assert orjson.loads((tmp_path / "r.json").read_bytes())["drift"]["psi_score"] == 0.31
