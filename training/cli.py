@@ -8,6 +8,7 @@ import typer
 
 from training.grpo.cli import grpo
 from training.plan.cli import plan, report, runs
+from training.sft.cli import sft
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -84,6 +85,7 @@ app.command("grpo")(grpo)  # thinkgate train grpo (training/grpo/cli.py; typer o
 app.command("plan")(plan)  # thinkgate train plan (training/plan/cli.py)
 app.command("report")(report)  # thinkgate train report
 app.command("runs")(runs)  # thinkgate train runs (training/registry.py)
+app.command("sft")(sft)  # thinkgate train sft (training/sft/)
 
 
 @app.command("storage")

@@ -1,0 +1,75 @@
+"""``thinkgate train sft``: TRL's SFTTrainer on verified teacher traces, billed like GRPO, in the registry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from training.grpo.config import REPO_ROOT, ConfigError
+from training.registry import list_runs
+
+
+def sft_run(tmp: Path, name: str, **ledger: str) -> tuple[subprocess.CompletedProcess, Path]:
+    run = tmp / name
+    cfg = {
+        "run_name": name,
+        "output_dir": str(run),
+        "task": {"n_train": 16, "n_eval": 4, "difficulties": [1, 2]},
+        "eval": {"max_new_tokens": 48, "batch_size": 4},
+        "ledger": {"price_usd_per_device_hour": {"cpu": "3.6"}, **ledger},
+        "tags": {"owner": "ana"},
+        "trl": {"per_device_train_batch_size": 4, "max_steps": 3},
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway", "train", "sft", "--config", str(path)],
+        cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    return proc, run
+
+
+def test_sft_run_is_billed_like_grpo_and_listed(tmp_path: Path) -> None:
+    proc, run = sft_run(tmp_path, "sft-a")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["startup", "step", "step", "step", "finish"]
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert all(r["trained_tokens"] > 0 and r["prompts"] == 4 and r["sampled_tokens"] == 0 for r in steps)
+    assert rows[0]["startup_ms"] > 0 and rows[0]["eval_ms"] > 0 and rows[-1]["eval_ms"] > 0
+    assert rows[0]["method"] == "sft" and rows[0]["owner"] == "ana" and rows[0]["data_hash"]
+    # the training data are the verified traces, written to the run directory
+    traces = [json.loads(x) for x in (run / "traces.jsonl").read_text().splitlines()]
+    assert len(traces) == 16 and all("</think>" in t["completion"] for t in traces)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["global_step"] == 3 and summary["accuracy_after"] is not None
+    (rec,) = list_runs(tmp_path)
+    assert rec.status == "finished" and rec.micro_usd == sum(r["cost_micro_usd"] for r in rows)
+    assert rec.tags["method"] == "sft"
+
+
+def test_sft_budget_stops_the_run(tmp_path: Path) -> None:
+    # a budget below the start-up cost: the run stops before its first step would exceed it
+    proc, run = sft_run(tmp_path, "sft-b", budget_usd="0.000001")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stop_reason"] and "budget usd" in summary["stop_reason"]
+    assert summary["global_step"] < 3
+    (rec,) = list_runs(tmp_path)
+    assert rec.status == "stopped"
+
+
+def test_traces_need_a_chain() -> None:
+    from types import SimpleNamespace
+
+    import pytest
+
+    from training.sft.run import SFTRunConfig, teacher_traces
+
+    p = SimpleNamespace(id="gsm8k-1", meta={})
+    with pytest.raises(ConfigError, match="no chain"):
+        teacher_traces([p], [{"problem_id": "gsm8k-1", "prompt": []}], SFTRunConfig(), None)

@@ -1,0 +1,276 @@
+"""``thinkgate train sft``: supervised fine-tuning on verified teacher traces with TRL's ``SFTTrainer``, billed by
+the same ledger, phases, tags, heartbeat and run directory as GRPO (so ``train runs``, ``train report`` and the
+equal-cost comparison in ``bench/sft_vs_grpo.py`` read both alike).
+
+Teacher traces: for every training problem of the task, the exact chain of operations (``router.tasks`` keeps it
+in ``problem.meta["chain"]``) written out as a thought in ``traces.style`` (``terse``: one line per operation),
+then ``</think>``, then the answer sentence — and kept only when the task's verifier accepts it (``verified``).
+Only tasks whose problems carry a chain (``arith``) have teacher traces; others raise :class:`ConfigError`.
+
+Run directory: ``config.yaml``, ``ledger.jsonl``/``.parquet`` (rows ``startup`` / ``step`` / ``finish``; phases
+startup, update, eval, io — SFT samples nothing), ``eval_before.json``/``eval_after.json``, ``summary.json``,
+``heartbeat.json``, ``traces.jsonl`` (the training data), ``model/``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field
+
+from training.grpo.config import (
+    REPO_ROOT,
+    ConfigError,
+    EvalConfig,
+    LedgerConfig,
+    ModelConfig,
+    TaskConfig,
+    _Section,
+    from_dict,
+    stable_hash,
+)
+
+
+def _default_sft_trl() -> dict[str, Any]:
+    return {
+        "per_device_train_batch_size": 8,
+        "learning_rate": 5e-5,
+        "lr_scheduler_type": "constant",
+        "max_steps": 20,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "seed": 0,
+    }
+
+
+class TracesConfig(_Section):
+    style: str = Field("terse", description="Thought style of the teacher traces: terse | medium | verbose.")
+    per_problem: int = Field(1, description="Traces per training problem (different wordings of the thought).")
+    seed: int = Field(0, description="Seed of the trace wording.")
+
+
+class SFTRunConfig(_Section):
+    run_name: str = Field("sft", description="Run name (model card, tags).")
+    output_dir: str = Field("runs/sft", description="Run directory.")
+    threads: int | None = Field(1, description="torch.set_num_threads; None = torch default.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Starting model.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="Training and held-out problems.")
+    traces: TracesConfig = Field(default_factory=TracesConfig, description="Verified teacher traces.")
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig, description="Cost ledger, prices and budgets.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
+    tags: dict[str, str] = Field(default_factory=dict, description="Free-form run tags (owner, team, purpose).")
+    trl: dict[str, Any] = Field(default_factory=_default_sft_trl, description="SFTConfig keyword arguments.")
+
+    def trl_kwargs(self) -> dict[str, Any]:
+        merged = _default_sft_trl()
+        merged.update(self.trl)
+        return merged
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+def load_sft_config(path: str | Path | None) -> SFTRunConfig:
+    """Read an SFT run file (YAML); unknown keys raise :class:`ConfigError`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        data = yaml.safe_load(p.read_text()) or {}
+    cfg: SFTRunConfig = from_dict(SFTRunConfig, data)
+    if cfg.traces.style not in ("terse", "medium", "verbose"):
+        raise ConfigError(f"traces.style: {cfg.traces.style!r} is not one of ['terse', 'medium', 'verbose']")
+    if cfg.traces.per_problem < 1:
+        raise ConfigError("traces.per_problem: must be >= 1")
+    return cfg
+
+
+def teacher_traces(problems: list[Any], rows: list[dict[str, Any]], cfg: SFTRunConfig, verifier: Any) -> list[dict]:
+    """``[{"problem_id", "prompt": [messages], "completion": text}]``: verified traces (module docstring)."""
+    from training.grpo.reward_utils import is_correct
+    from training.tiny.data import answer_text, thought
+
+    rng = random.Random(f"traces-{cfg.traces.seed}")
+    out = []
+    for p, row in zip(problems, rows, strict=True):
+        chain = (getattr(p, "meta", None) or {}).get("chain")
+        if chain is None:
+            raise ConfigError(f"task {cfg.task.name!r}: problem {p.id} has no chain: no teacher traces (use arith)")
+        for _ in range(cfg.traces.per_problem):
+            text = thought(chain, cfg.traces.style, rng) + "</think>\n\n" + answer_text(chain)
+            if is_correct(verifier, row, text, True):
+                out.append({"problem_id": row["problem_id"], "prompt": row["prompt"], "completion": text})
+    return out
+
+
+def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_steps: int | None = None) -> dict:
+    """Run SFT and return the summary (the ledger's, plus the run's accuracies and wall times)."""
+    from training.grpo.ledger import seconds_since_process_start
+
+    since = seconds_since_process_start()
+    process_t0 = time.perf_counter() - (since if since is not None else 0.0)
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from training.grpo import data as data_mod
+    from training.grpo.evaluate import generate_and_score, summarize
+    from training.grpo.ledger import Budgets, CostLedger, StepCounters
+    from training.grpo.monitors import AlertLog, LedgerCallback
+    from training.grpo.reward_utils import task_verifier, template_opens_thought
+    from training.grpo.run import detect_device, git_commit
+    from training.registry import heartbeat_callback, write_heartbeat
+
+    if max_steps is not None:
+        cfg.trl["max_steps"] = int(max_steps)
+    run_dir = Path(output_dir or cfg.output_dir)
+    cfg.output_dir = str(run_dir)
+    if (run_dir / "ledger.jsonl").exists():
+        raise ConfigError(f"{run_dir} already holds a run (ledger.jsonl): choose a new --output-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    write_heartbeat(run_dir, 0)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model_path = Path(cfg.model.path)
+    if not model_path.is_dir() and not model_path.is_absolute() and (REPO_ROOT / model_path).is_dir():
+        model_path = REPO_ROOT / model_path
+    if not (model_path / "config.json").is_file():
+        raise ConfigError(f"model.path: no Hugging Face model directory at {model_path}")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    verifier = task_verifier()
+    thinks = cfg.model.thinks if cfg.model.thinks is not None else template_opens_thought(tokenizer)
+
+    train_problems = data_mod.load_problems(cfg.task, cfg.task.train_split, cfg.task.n_train)
+    eval_problems = data_mod.load_problems(cfg.task, cfg.task.eval_split, cfg.task.n_eval)
+    train_rows = data_mod.problem_rows(train_problems)
+    eval_rows = data_mod.problem_rows(eval_problems)
+    traces = teacher_traces(list(train_problems), train_rows, cfg, verifier)
+    (run_dir / "traces.jsonl").write_text("".join(json.dumps(t) + "\n" for t in traces))
+    # The prompt as the policy sees it at inference (chat template with the generation prompt, which opens the
+    # thought); the completion is the trace plus the end-of-turn token, so the loss covers exactly what it generates.
+    eos = tokenizer.eos_token or ""
+    ds = Dataset.from_list(
+        [
+            {
+                "prompt": tokenizer.apply_chat_template(t["prompt"], add_generation_prompt=True, tokenize=False),
+                "completion": t["completion"] + eos,
+            }
+            for t in traces
+        ]
+    )
+
+    kind, count = detect_device()
+    lc = cfg.ledger
+    kind = lc.device_kind or kind
+    prices = lc.prices()
+    if kind not in prices:
+        raise ConfigError(f"ledger.price_usd_per_device_hour: no price for device kind {kind!r}")
+    trl_kw = cfg.trl_kwargs()
+    tags = {
+        **cfg.tags,
+        "run_name": cfg.run_name,
+        "method": "sft",
+        "data_hash": stable_hash([(t["problem_id"], t["completion"]) for t in traces]),
+        "reward_hash": "none",
+        "hparam_hash": stable_hash({"trl": trl_kw, "model": cfg.model.path, "traces": cfg.traces.model_dump()}),
+        "git_commit": git_commit(),
+    }
+    counters = StepCounters()
+    alerts = AlertLog(run_dir)
+    budget_usd = Decimal(lc.budget_usd) if lc.budget_usd is not None else None
+    ledger = CostLedger(
+        run_dir,
+        kind,
+        count + lc.extra_devices,
+        prices[kind],
+        Budgets(budget_usd, lc.budget_device_hours, lc.budget_sampled_tokens),
+        tags,
+        lc.warn_fraction,
+        lc.stop_on_projection,
+    )
+    ledger_cb = LedgerCallback(ledger, counters, alerts)
+    eval_max = cfg.eval.max_new_tokens or 256
+
+    def evaluate(m: Any) -> dict[str, Any]:
+        return summarize(
+            generate_and_score(
+                m, tokenizer, eval_rows, verifier, eval_max, cfg.eval.batch_size, cfg.eval.temperature,
+                cfg.eval.samples, cfg.task.seed, require_closed_thought=thinks,
+            )
+        )  # fmt: skip
+
+    cpu = kind == "cpu"
+    base = {"use_cpu": True, "bf16": False} if cpu else {}
+    if "output_dir" in trl_kw:
+        raise ConfigError("trl.output_dir: set by ThinkGate (output_dir)")
+    try:
+        args = SFTConfig(output_dir=str(run_dir), **{**base, **trl_kw})
+    except TypeError as e:
+        raise ConfigError(f"trl: {e}") from e
+
+    class LedgeredSFTTrainer(SFTTrainer):
+        """Counts the tokens under the loss (labels != -100) for the ledger's ``trained_tokens``."""
+
+        def compute_loss(self, model: Any, inputs: Any, *a: Any, **kw: Any) -> Any:
+            if model.training and "labels" in inputs:
+                counters.trained_tokens += int((inputs["labels"][:, 1:] != -100).sum().item())
+                counters.prompts += int(inputs["labels"].shape[0])
+            return super().compute_loss(model, inputs, *a, **kw)
+
+    trainer = LedgeredSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=ds,
+        processing_class=tokenizer,
+        callbacks=[ledger_cb, heartbeat_callback(run_dir)],
+    )
+    before = None
+    t_eval = 0.0
+    if cfg.eval.before:
+        t0 = time.perf_counter()
+        before = evaluate(trainer.model)
+        t_eval = time.perf_counter() - t0
+        (run_dir / "eval_before.json").write_text(json.dumps(before, indent=2) + "\n")
+    ledger_cb.startup_t0, ledger_cb.pre_eval_s = process_t0, t_eval
+    t_train = time.perf_counter()
+    trainer.train()
+    train_wall = time.perf_counter() - t_train
+    model_dir = run_dir / "model"
+    trainer.save_model(str(model_dir))
+    tokenizer.save_pretrained(model_dir)
+    after = None
+    t_after = 0.0
+    if cfg.eval.after:
+        t0 = time.perf_counter()
+        after = evaluate(trainer.model)
+        t_after = time.perf_counter() - t0
+        (run_dir / "eval_after.json").write_text(json.dumps(after, indent=2) + "\n")
+    ledger_cb.close_finish(trainer.state.global_step, t_after)
+    ledger.write_parquet()
+    summary = ledger.summary(
+        before["overall"]["accuracy"] if before else None, after["overall"]["accuracy"] if after else None
+    )
+    summary.update(
+        {
+            "method": "sft",
+            "traces": len(traces),
+            "train_wall_s": round(train_wall, 3),
+            "eval_wall_s": round(t_eval + t_after, 3),
+            "global_step": trainer.state.global_step,
+            "alerts": [a.message for a in alerts.alerts],
+        }
+    )
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    write_heartbeat(run_dir, trainer.state.global_step)
+    return summary
