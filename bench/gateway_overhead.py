@@ -574,7 +574,8 @@ TELEMETRY_SECTION = "## Telemetry overhead"
 
 
 def run_telemetry(args: argparse.Namespace) -> None:
-    """``--telemetry``: the same gateway with traces off and on (OTLP/HTTP to a loopback sink), interleaved."""
+    """``--telemetry``: the same gateway with traces off, on, and on at a 10 % sample ratio (OTLP/HTTP to a loopback
+    sink), interleaved."""
     env_line = machine()
     started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     sim = start_sim()
@@ -587,7 +588,10 @@ def run_telemetry(args: argparse.Namespace) -> None:
             on, on_t = start_gateway(sim, Path(tmp), name="otel-on",
                                      extra={"telemetry": {"otlp_endpoint": sink.url}})
             procs.append(on)
-            targets = [Target("direct", sim.base_url, "none", "sim-model"), off_t, on_t]
+            sampled, sampled_t = start_gateway(sim, Path(tmp), name="otel-on-10%", extra={
+                "telemetry": {"otlp_endpoint": sink.url, "sample_ratio": 0.1}})
+            procs.append(sampled)
+            targets = [Target("direct", sim.base_url, "none", "sim-model"), off_t, on_t, sampled_t]
             by_mode = {mode: asyncio.run(measure(targets, args.concurrency, args.requests, args.seconds, args.rounds,
                                                  mode == "stream"))
                        for mode in args.modes}
@@ -595,23 +599,28 @@ def run_telemetry(args: argparse.Namespace) -> None:
         stop_all(procs, sim)  # SIGTERM: the on-gateway exports what its batch still holds
         sink.close()
     out = table(by_mode, targets, args.concurrency)
-    lines = ["| mode | concurrency | CPU ms/req off | CPU ms/req on | on / off |", "|---|---:|---:|---:|---:|"]
+    lines = ["| mode | concurrency | CPU ms/req off | on | on / off | on, 10 % sampled | 10 % / off |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+
+    def per_req(x: Samples) -> float | None:
+        n = len(x.latencies_ms) + x.errors
+        return 1000 * x.cpu_s / n if x.cpu_s and n else None
+
     for mode, results in by_mode.items():
         for c in args.concurrency:
-            a, b = results[("otel-off", c)], results[("otel-on", c)]
-            na, nb = len(a.latencies_ms) + a.errors, len(b.latencies_ms) + b.errors
-            if a.cpu_s and b.cpu_s and na and nb:
-                x, y = 1000 * a.cpu_s / na, 1000 * b.cpu_s / nb
-                lines.append(f"| {mode} | {c} | {x:.2f} | {y:.2f} | {y / x:.3f} (+{100 * (y / x - 1):.1f} %) |")
+            x, y, z = (per_req(results[(t, c)]) for t in ("otel-off", "otel-on", "otel-on-10%"))
+            if x and y and z:
+                lines.append(f"| {mode} | {c} | {x:.2f} | {y:.2f} | {y / x:.3f} | {z:.2f} | {z / x:.3f} |")
     ratio = "\n".join(lines)
     exported = f"OTLP sink received {sink.posts} export POSTs, {sink.bytes} bytes of protobuf."
     print(out, "", ratio, "", exported, sep="\n")
     if args.write_results:
         write_section(
             TELEMETRY_SECTION,
-            f"{TELEMETRY_SECTION}\n\n`bench/gateway_overhead.py --telemetry` — {started}. Two `thinkgate serve` "
+            f"{TELEMETRY_SECTION}\n\n`bench/gateway_overhead.py --telemetry` — {started}. Three `thinkgate serve` "
             f"processes of this commit on the same simulator, interleaved round by round: `otel-off` (default: no "
-            f"`telemetry.otlp_endpoint`) and `otel-on` (one request span with route, limits, cache, upstream and "
+            f"`telemetry.otlp_endpoint`), `otel-on-10%` (`sample_ratio: 0.1`) and `otel-on` (every request: one "
+            f"request span with route, limits, cache, upstream and "
             f"metering child spans, GenAI attributes, `traceparent` to the upstream, batch-exported over OTLP/HTTP "
             f"protobuf to a loopback sink in the bench process). {args.requests} requests or {args.seconds:.0f} s per "
             f"target and concurrency in {args.rounds} rounds after a warm-up; `model: auto`. The CPU column is the "

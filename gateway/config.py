@@ -431,9 +431,12 @@ class DashboardConfig(_Strict):
 
 class TelemetryConfig(_Strict):
     """OpenTelemetry traces (``gateway/telemetry.py``), off unless ``otlp_endpoint`` is set: the OTLP/HTTP
-    traces URL (e.g. ``http://127.0.0.1:4318/v1/traces``). Needs ``pip install 'thinkgate[otel]'``."""
+    traces URL (e.g. ``http://127.0.0.1:4318/v1/traces``). Needs ``pip install 'thinkgate[otel]'``.
+    ``sample_ratio``: the share of new traces recorded (``ParentBased(TraceIdRatioBased)``: a client's sampled
+    ``traceparent`` is always followed); 1.0 records every request."""
 
     otlp_endpoint: str | None = None
+    sample_ratio: float = Field(1.0, ge=0, le=1)
     service_name: str = "thinkgate"
     headers: dict[str, str] = Field(default_factory=dict)
     export_timeout_s: float = Field(10.0, gt=0)

@@ -20,7 +20,9 @@ when the request's usage record is metered (the end of a stream included) or whe
 
 An escalated first attempt is an event (``thinkgate.escalated``) on the request span. Spans are exported in
 batches over OTLP/HTTP protobuf (``opentelemetry-exporter-otlp-proto-http``; ``pip install 'thinkgate[otel]'``)
-by a provider of the gateway's own (the process-global one is left alone).
+by a provider of the gateway's own (the process-global one is left alone). ``telemetry.sample_ratio`` (1.0)
+records that share of new traces; the others cost a sampling decision per span and still propagate
+``traceparent`` (flags 00).
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ class Telemetry:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._api = api
-        self.provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}))
+        self.provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}),
+                                       sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))
         if exporter is None:
             require("opentelemetry.exporter.otlp.proto.http", "otel", "telemetry.otlp_endpoint (OTLP/HTTP)")
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -88,23 +92,24 @@ class Telemetry:
 class RequestTrace:
     """One request's span and its current child (``active``, whose context the upstream call propagates)."""
 
-    __slots__ = ("_ended", "active", "endpoint", "span", "tel")
+    __slots__ = ("_ctx", "_ended", "active", "endpoint", "span", "tel")
 
     def __init__(self, tel: Telemetry, span: Any, endpoint: str) -> None:
         self.tel = tel
         self.span = span
+        self._ctx = tel._api.set_span_in_context(span)  # the children's parent, built once
         self.endpoint = endpoint
         self.active: Any = None
         self._ended = False
 
     @contextlib.contextmanager
     def child(self, name: str) -> Iterator[Any]:
-        api = self.tel._api
-        span = self.tel.tracer.start_span(name, context=api.set_span_in_context(self.span))
+        span = self.tel.tracer.start_span(name, context=self._ctx)
         outer, self.active = self.active, span
         try:
             yield span
         except BaseException as exc:
+            api = self.tel._api
             span.record_exception(exc)
             span.set_status(api.Status(api.StatusCode.ERROR, type(exc).__name__))
             raise
@@ -113,9 +118,9 @@ class RequestTrace:
             span.end()
 
     def traceparent(self) -> str | None:
-        carrier: dict[str, str] = {}
-        self.tel.propagator.inject(carrier, context=self.tel._api.set_span_in_context(self.active or self.span))
-        return carrier.get("traceparent")
+        # W3C traceparent of the active step (version 00, its trace and span ids, its trace flags)
+        c = (self.active or self.span).get_span_context()
+        return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
 
     def finish(self, record: Any) -> None:
         """End the request span with the attributes of its usage record (see the module doc)."""

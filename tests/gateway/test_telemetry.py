@@ -194,3 +194,26 @@ def test_off_adds_nothing(gateway: GatewayServer, upstream_sim: SimProcess) -> N
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "THINKGATE_STATE_DIR": "/tmp/tg-off"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_unsampled_requests_record_nothing_and_still_propagate(upstream_sim: SimProcess, redis_url: str,
+                                                               tmp_path: Path) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    exporter = InMemorySpanExporter()
+    gw = GatewayServer(gateway_settings(upstream_sim.base_url, redis_url, prefix, tmp_path / "spool.jsonl"))
+    gw.app.state.proxy.telemetry = Telemetry(TelemetryConfig(sample_ratio=0.0), exporter=exporter)
+    tag = uuid.uuid4().hex
+    try:
+        with gw:
+            r = _post(gw, {"model": "short", "messages": [{"role": "user", "content": "x"}], "sim": {"tag": tag}})
+            assert r.status_code == 200
+            time.sleep(0.3)
+    finally:
+        cleanup(redis_url, prefix)
+    assert exporter.get_finished_spans() == ()
+    got = upstream_sim.tag(tag)
+    assert got is not None
+    flags = int(got["headers"]["traceparent"].rsplit("-", 1)[1], 16)
+    assert flags & 1 == 0  # not sampled, still propagated (the SDK may set the random-id flag)
