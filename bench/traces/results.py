@@ -203,14 +203,14 @@ def main(argv: list[str] | None = None) -> None:
     if not args.section_only:
         import tempfile
 
-        fit_dir = Path(tempfile.mkdtemp(prefix="tg-routers-"))
-        for dataset, ladder in LADDERS:
-            if args.only and slug(ladder) not in args.only and f"{dataset}__{slug(ladder)}" not in args.only:
-                continue
-            path, fitted, wall = run_ladder(args.traces.resolve(), dataset, ladder, args.routers, args.out,
-                                             fit_dir)
-            print(f"{dataset} {ladder}: {path} ({'router fitted here, ' if fitted else ''}{wall:.0f} s)",
-                  file=sys.stderr)
+        with tempfile.TemporaryDirectory(prefix="tg-routers-") as tmp:
+            for dataset, ladder in LADDERS:
+                if args.only and slug(ladder) not in args.only and f"{dataset}__{slug(ladder)}" not in args.only:
+                    continue
+                path, fitted, wall = run_ladder(args.traces.resolve(), dataset, ladder, args.routers, args.out,
+                                                 Path(tmp))
+                print(f"{dataset} {ladder}: {path} ({'router fitted here, ' if fitted else ''}{wall:.0f} s)",
+                      file=sys.stderr)
     text = section(args.out)
     if args.no_write:
         print(text)
