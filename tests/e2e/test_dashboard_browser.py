@@ -95,3 +95,36 @@ def test_dashboard_in_chromium(seeded: Seeded, tmp_path: Path) -> None:
     # no request carried a key in its URL (the form posts it in the body)
     assert urls and not [u for u in urls if any(s in u for s in (ADMIN_SECRET, *SECRETS.values()))]
     assert all(u.startswith(seeded.gw.url) for u in urls)  # nothing fetched from anywhere else (no CDN)
+
+
+def test_redis_down_page_says_so(upstream_sim: SimProcess, tmp_path: Path) -> None:
+    """Redis stops while the page is open: the next poll replaces the figures with the outage notice."""
+    import uuid
+
+    from playwright.sync_api import sync_playwright
+
+    from tests.fixtures.gateway import accounting_gateway
+    from tests.fixtures.redis_stack import PersistentRedis
+
+    assert EXECUTABLE is not None
+    server = PersistentRedis(tmp_path / "redis")
+    server.workdir.mkdir()
+    server.start()
+    try:
+        with accounting_gateway(upstream_sim.base_url, server.url, tmp_path, f"tgtest:{uuid.uuid4().hex[:8]}:",
+                                dashboard={"secret_file": str(tmp_path / "secret"), "poll_s": 1}) as gw, \
+                sync_playwright() as p:
+            browser = launch(p, EXECUTABLE)
+            try:
+                page = browser.new_page()
+                log_in(page, gw.url, ADMIN_SECRET)
+                wait_ready(page)
+                server.stop()
+                page.wait_for_selector("body[data-state=unavailable]", timeout=15000)
+                assert "Redis is unreachable" in page.inner_text("#status")
+                assert not page.is_visible("#total-spend")  # no figure shown, zero or stale
+                page.screenshot(path=str(tmp_path / "dashboard-redis-down.png"))
+            finally:
+                browser.close()
+    finally:
+        server.stop()
