@@ -319,10 +319,10 @@ def build_default_router(
         vr = next((r for r in report.validation if r.name == src), None)
         part = [it for it in val_items if it.source == src]
         if vr is not None and part:
-            row = {"set": f"{src} validation subjects", "kind": "held-out subjects", "n": vr.n,
-                   "auc": round(vr.auc, 4), "length_auc": round(length_auc(part), 4), "cost_reduction_95": None,
-                   "length_cost_reduction_95": None}
-            row["ok"] = bool(row["auc"] >= row["length_auc"])
+            auc, l_auc = round(vr.auc, 4), round(length_auc(part), 4)
+            row: dict[str, Any] = {"set": f"{src} validation subjects", "kind": "held-out subjects", "n": vr.n,
+                                   "auc": auc, "length_auc": l_auc, "cost_reduction_95": None,
+                                   "length_cost_reduction_95": None, "ok": bool(auc >= l_auc)}
             rows.append(row)
     if transfer:
         rows.extend(transfer_rows(sources, evals, cfg, say, delta))
