@@ -38,10 +38,32 @@ def _money_by_row(page: object, table: str) -> dict[str, int]:
         "Number(r.querySelector('td[data-micro]').dataset.micro)]))")
 
 
+def fire_drift_alert(seeded: Seeded) -> None:
+    """A drift alarm through the real alert path (``Alerts.fire``: Redis log; no webhook configured here)."""
+    import asyncio
+
+    from gateway.config import LimitsConfig, RedisConfig
+    from gateway.state.alerts import Alerts
+    from gateway.state.breaker import Breaker
+    from gateway.state.drift import DriftAlert
+    from gateway.state.redis import connect
+
+    async def go() -> None:
+        handle = connect(RedisConfig(url=seeded.gw.settings.redis.url, key_prefix=seeded.prefix))
+        try:
+            await Alerts(handle, Breaker(1.0), LimitsConfig()).fire(
+                DriftAlert("score", 0.4, 0.25, 500, "r-test", "2026-12-01", "calibration"))
+        finally:
+            await handle.close()
+
+    asyncio.run(go())
+
+
 def test_dashboard_in_chromium(seeded: Seeded, tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     assert EXECUTABLE is not None
+    fire_drift_alert(seeded)
     urls: list[str] = []
     errors: list[str] = []  # console errors (a CSP violation, a script error) and page errors
     with sync_playwright() as p:
@@ -92,6 +114,7 @@ def test_dashboard_in_chromium(seeded: Seeded, tmp_path: Path) -> None:
     assert cache_saved == sum(r["saved_micro_usd"] for r in usage_rows(seeded.gw, "key", since)) > 0
     assert {"budget:key alice:day", "budget:tag:team=a:day", "budget:global:month"} <= set(budget_rows)
     assert "key alice" in alerts and "1% of $0.002" in alerts
+    assert "drift · router r-test score PSI 0.400" in alerts
     # no request carried a key in its URL (the form posts it in the body)
     assert urls and not [u for u in urls if any(s in u for s in (ADMIN_SECRET, *SECRETS.values()))]
     assert all(u.startswith(seeded.gw.url) for u in urls)  # nothing fetched from anywhere else (no CDN)

@@ -159,3 +159,19 @@ def test_sessions_expire_and_helpers() -> None:
     assert target_shares(["short", "long"], {"achieved_frac_at_or_above": [0.7192]}) == {"short": 0.2808,
                                                                                          "long": 0.7192}
     assert target_shares(["short", "long"], None) is None
+
+
+def test_routing_target_is_the_share_shown(upstream_sim: SimProcess, redis_url: str, tmp_path: Path) -> None:
+    routing = {"router_path": None, "routed_tiers": ["short", "long"], "thresholds": [0.5], "default_tier": "long",
+               "target": {"long_share": 0.3}}
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, f"tgtest:{uuid.uuid4().hex[:8]}:",
+                            routing=routing, dashboard={"secret_file": str(tmp_path / "secret")}) as gw:
+        jar = login(gw.url, ADMIN_SECRET).cookies
+        r = httpx.post(gw.base_url + "/chat/completions", timeout=30,
+                       headers={"authorization": f"Bearer {SECRETS['bob']}"},
+                       json={"model": "auto", "messages": [{"role": "user", "content": "hi " + uuid.uuid4().hex}]})
+        assert r.status_code == 200
+        d = httpx.get(gw.url + "/dashboard/data", cookies=jar, timeout=10).json()
+    assert d["routing"]["target_source"] == "routing.target"
+    shares = {t["tier"]: t["target_share"] for t in d["routing"]["tiers"]}
+    assert shares["long"] == 0.3 and abs(shares["short"] - 0.7) < 1e-9 and shares["none"] is None

@@ -69,10 +69,12 @@ def target_shares(routed: list[str], calibration: dict[str, Any] | None) -> dict
 
 
 def routing_view(events: list[UsageEvent], settings: Settings, routing: Routing) -> dict[str, Any]:
-    """Requests per tier (by route reason) against the calibrated share of the router's cut points.
+    """Requests per tier (by route reason) against the target share: ``routing.target``'s (the cost-target
+    controller's share for the top routed tier, the rest below it) when set, else the share the router file's
+    calibrated cut points achieved (``target_source``: ``routing.target`` | ``calibration`` | None).
 
-    ``share`` is over requests the router decided (route reason ``predicted``) — the population the
-    calibration's target describes; ``reasons`` counts every request (forced, effort, cache, …) on the tier."""
+    ``share`` is over requests the router decided (route reason ``predicted``) — the population both targets
+    describe; ``reasons`` counts every request (forced, effort, cache, …) on the tier."""
     routed = list(settings.routing.routed_tiers)
     svc = routing.service
     info = svc.info() if svc is not None else None
@@ -80,6 +82,14 @@ def routing_view(events: list[UsageEvent], settings: Settings, routing: Routing)
     # a calibration describes the file's own cut points; thresholds set in the config make it moot
     in_force = info is not None and settings.routing.thresholds is None and routing.scorer is svc
     targets = target_shares(routed, calibration) if in_force else None
+    source = "calibration" if targets else None
+    ctrl = routing.controller
+    if ctrl is not None:  # the controller moves the top cut point: the calibration's share no longer applies
+        top = ctrl.target_share()
+        targets, source = None, None
+        if top is not None:
+            targets = {routed[-1]: top, **({routed[0]: 1 - top} if len(routed) == 2 else {})}
+            source = "routing.target"
     reasons: dict[str, dict[str, int]] = {}
     predicted: dict[str, int] = {}
     for ev in events:
@@ -98,7 +108,8 @@ def routing_view(events: list[UsageEvent], settings: Settings, routing: Routing)
                       "target_share": targets.get(t.name) if targets else None,
                       "reasons": reasons.get(t.name, {})})
     return {"routed_tiers": routed, "thresholds": routing.thresholds, "router": routing.scorer.name,
-            "calibration": calibration if in_force else None, "predicted_requests": n_pred, "tiers": tiers}
+            "calibration": calibration if in_force else None, "target_source": source,
+            "predicted_requests": n_pred, "tiers": tiers}
 
 
 def latency_view(events: list[UsageEvent], settings: Settings) -> list[dict[str, Any]]:

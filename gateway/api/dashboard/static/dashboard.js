@@ -72,9 +72,11 @@ function render(d) {
 
   const r = d.routing;
   document.getElementById("routing-note").textContent = "router " + r.router + " · thresholds " + JSON.stringify(r.thresholds) +
-    (r.calibration ? " · calibrated (" + r.calibration.method + ")" : " · no calibration metadata (thresholds set in the config)") +
+    (r.target_source === "routing.target" ? " · target: routing.target (the controller moves the top cut point)"
+      : r.calibration ? " · target: the router file's calibration (" + r.calibration.method + ")"
+      : " · no target (thresholds set in the config, no calibration metadata)") +
     " · share of " + r.predicted_requests + " router-decided requests";
-  table("routing", ["tier", "requests", "router share", "calibrated share", "reasons"], r.tiers.map(x => el("tr", {"data-row": "tier:" + x.tier},
+  table("routing", ["tier", "requests", "router share", "target share", "reasons"], r.tiers.map(x => el("tr", {"data-row": "tier:" + x.tier},
     el("td", {text: x.tier}), el("td", {"data-field": "requests", text: String(x.requests)}),
     el("td", {"data-field": "share"}, el("span", {class: "share", css: {width: (60 * (x.share || 0)).toFixed(0) + "px"}}), " " + pct(x.share)),
     el("td", {"data-field": "target_share"}, el("span", {class: "target", css: {width: (60 * (x.target_share || 0)).toFixed(0) + "px"}}), " " + pct(x.target_share)),
@@ -97,9 +99,12 @@ function render(d) {
     el("td", {text: ms(x.ttft_p50_ms)}), el("td", {"data-field": "error_rate", text: pct(x.error_rate) + " (" + x.errors + ")"}))));
 
   const ul = document.getElementById("alerts");
-  ul.replaceChildren(...d.alerts.map(a => el("li", {text: new Date(a.fired_at * 1000).toISOString().slice(0, 19).replace("T", " ") +
-    " · " + (a.level === "key" ? "key " + a.key_id : a.level) + " · " + a.period + " " + a.period_id + " · " +
-    Math.round(a.fraction * 100) + "% of $" + a.budget_usd + " (spent $" + a.spent_usd + ")"})));
+  const when = a => new Date(a.fired_at * 1000).toISOString().slice(0, 19).replace("T", " ");
+  ul.replaceChildren(...d.alerts.map(a => el("li", {"data-type": a.type, text: a.type === "drift_alert"
+    ? when(a) + " · drift · router " + a.router_version + " " + a.kind + " PSI " + Number(a.psi).toFixed(3) +
+      " ≥ " + a.threshold + " over " + a.n + " requests"
+    : when(a) + " · " + (a.level === "key" ? "key " + a.key_id : a.level) + " · " + a.period + " " + a.period_id +
+      " · " + Math.round(a.fraction * 100) + "% of $" + a.budget_usd + " (spent $" + a.spent_usd + ")"})));
   if (!d.alerts.length) ul.append(el("li", {class: "muted", text: "no alert raised"}));
 }
 
