@@ -74,6 +74,9 @@ def serve(
             typer.echo(f"thinkgate: {exc}", err=True)
             raise typer.Exit(2) from None
         typer.echo(f"thinkgate: serving on http://{settings.server.host}:{settings.server.port}/v1", err=True)
+        if settings.dashboard.enabled:
+            typer.echo(f"thinkgate: dashboard on http://{settings.server.host}:{settings.server.port}/dashboard "
+                       "(log in with the admin key; on embedded defaults the development key)", err=True)
         uvicorn.run(app, host=settings.server.host, port=settings.server.port,
                     log_level=settings.server.log_level, access_log=False)
     finally:

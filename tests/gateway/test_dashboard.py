@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,7 +38,8 @@ def login(url: str, key: str) -> httpx.Response:
     return httpx.post(url + "/dashboard/login", data={"key": key}, timeout=10, follow_redirects=False)
 
 
-def test_login_contract_cookie_and_refusals(seeded: Seeded) -> None:
+def test_login_contract_cookie_and_refusals(seeded: Seeded, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)  # the gateway runs in this process: every log record of the logins lands here
     url = seeded.gw.url
     page = httpx.get(url + "/dashboard", timeout=10)
     assert page.status_code == 200 and 'name="key"' in page.text and 'method="post"' in page.text
@@ -66,6 +68,10 @@ def test_login_contract_cookie_and_refusals(seeded: Seeded) -> None:
     assert httpx.get(url + "/dashboard/data", cookies={name: forged}, timeout=10).status_code == 401
     out = httpx.post(url + "/dashboard/logout", cookies=jar, timeout=10)
     assert "Max-Age=0" in out.headers["set-cookie"]
+    # the server side's records (the test's own client logs the URLs it was told to send)
+    served = "\n".join(f"{r.name} {r.getMessage()}" for r in caplog.records
+                       if not r.name.startswith(("httpx", "httpcore")))
+    assert ADMIN_SECRET not in served and SECRETS["alice"] not in served
 
 
 def _data(seeded: Seeded) -> dict:
