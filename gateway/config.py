@@ -568,6 +568,14 @@ class Settings(BaseSettings):
             for t in tiers:
                 if t not in names:
                     raise ValueError(f"{field}: unknown tier {t!r} (tiers: {names})")
+        if "effort_tiers" not in r.model_fields_set:
+            # The embedded default names the none/short/long tiers; with other tiers (e.g. only short and long on
+            # GPUs) each effort falls back to the cheapest (none, minimal, low) or the top routed tier instead of
+            # refusing a config that never mentioned effort. An explicit map is checked as written.
+            cheap, top = r.routed_tiers[0], r.routed_tiers[-1]
+            fitted = {e: t if t in names else (cheap if e in ("none", "minimal", "low") else top)
+                      for e, t in r.effort_tiers.items()}
+            object.__setattr__(r, "effort_tiers", fitted)  # frozen model: resolved once, during validation
         for effort, t in r.effort_tiers.items():
             if t not in names:
                 raise ValueError(f"routing.effort_tiers.{effort}: unknown tier {t!r} (tiers: {names})")

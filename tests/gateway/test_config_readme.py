@@ -1,0 +1,37 @@
+"""The configurations the README shows load as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, Settings
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _gpu_yaml() -> str:
+    text = README.read_text()
+    section = text[text.index("### On GPUs"):]
+    match = re.search(r"```yaml\n(.*?)```", section, re.S)
+    assert match, "README's 'On GPUs' section has no YAML block"
+    return match.group(1)
+
+
+def test_readme_gpu_config_loads_and_fits_the_effort_map(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.yaml"
+    path.write_text(_gpu_yaml())
+    s = Settings.load(path)
+    assert [t.name for t in s.tiers] == ["short", "long"]
+    # the default effort map named a 'none' tier this config does not have: efforts resolve to existing tiers
+    assert s.routing.effort_tiers == {"none": "short", "minimal": "short", "low": "short", "medium": "long",
+                                      "high": "long"}
+
+
+def test_an_explicit_effort_map_is_checked_as_written(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.yaml"
+    path.write_text(_gpu_yaml() + "routing: {effort_tiers: {none: none}}\n")
+    with pytest.raises(ConfigError, match=r"routing\.effort_tiers\.none: unknown tier 'none'"):
+        Settings.load(path)
