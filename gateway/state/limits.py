@@ -322,7 +322,12 @@ def refusal(code: str, what: str, retry_after_s: int, key_id: str, level: Level 
         msg += f", remaining {_usd(left)})"
         if mode == "hard" and est_micro is not None:
             msg += f"; this request may cost up to {_usd(est_micro)} (its estimate)"
-    if retry_after_s <= 1:
+            if est_micro > budget:
+                # no wait lets this request in: say what would, and send no Retry-After a client would obey
+                msg += (f", more than the whole {period} budget: lower max_tokens (or max_completion_tokens) or n,"
+                        " or raise the budget")
+                headers.pop("retry-after")
+    if retry_after_s <= 1 and "retry-after" in headers:
         msg += "; blocked by requests in flight, retry shortly"
     headers["x-thinkgate-budget-level"] = lvl.id if lvl.kind != "key" else "key"
     return RateLimited(msg, code=code, headers=headers)
