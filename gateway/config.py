@@ -175,7 +175,7 @@ class OutcomesConfig(_Strict):
 
     enabled: bool = True
     retain_text: bool = False
-    request_ttl_s: int = Field(7 * 86400, ge=60)
+    request_ttl_s: int = Field(86400, ge=60)
     stream_maxlen: int = Field(1_000_000, ge=1000)
     spool_path: Path | None = None  # None: next to the usage spool, ``<usage spool stem>.outcomes.jsonl``
     replay_interval_s: float = Field(5.0, gt=0)
