@@ -192,7 +192,7 @@ def _size(p: Path) -> int:
 
 def bytes_by_class(run_dir: str | Path) -> dict[str, int]:
     """Bytes on disk per class: ``hot``, ``cold``, ``stats_only`` (the statistics file), ``kept`` (models, config,
-    summary, ledger), ``checkpoints`` and ``other`` (logs, plots, evaluations)."""
+    summary, ledger), ``checkpoints`` and ``other`` (logs, plots, evaluations); nested run directories are skipped."""
     d = Path(run_dir)
     out = dict.fromkeys(CLASSES, 0)
     store = RolloutStore(d)
@@ -200,8 +200,8 @@ def bytes_by_class(run_dir: str | Path) -> dict[str, int]:
         out[cls] += (_hot(store.dir, step) if cls == "hot" else _cold(store.dir, step)).stat().st_size
     out["stats_only"] = _size(store.dir / STATS_FILE)
     for p in d.iterdir() if d.is_dir() else []:
-        if p.name == ROLLOUT_DIR:
-            continue
+        if p.name == ROLLOUT_DIR or (p.is_dir() and (p / "ledger.jsonl").is_file()):
+            continue  # a nested run (e.g. the planner's probe in <run>/plan.probe) is a run of its own
         if p.name in KEPT:
             out["kept"] += _size(p)
         elif p.name.startswith("checkpoint-"):

@@ -105,3 +105,7 @@ def test_storage_cli_shows_and_applies(tmp_path: Path) -> None:
     assert RolloutStore(run).steps() == {4: "hot", 3: "cold", 2: "cold"}
     assert "step 1: hot -> stats_only" in applied.stdout
     assert bytes_by_class(run)["kept"] == 1000 + (run / "config.yaml").stat().st_size  # models/config untouched
+    other = bytes_by_class(run)["other"]
+    (run / "plan.probe").mkdir()  # the planner's probe inside the run directory is a run of its own
+    (run / "plan.probe" / "ledger.jsonl").write_text("{}\n" * 1000)
+    assert bytes_by_class(run)["other"] == other
