@@ -81,7 +81,7 @@ from gateway.ledger.event import UsageEvent
 from gateway.ledger.report import counts_as_request
 from gateway.pipeline.abstention import abstains
 from router.fit.ladder_eval import cascade_curve, random_curve, savings_at_98, threshold_curve
-from router.fit.traces import LadderData, heldout_mask, load_ladder, parse_ladder
+from router.fit.traces import HELDOUT_FRAC, Ladder, LadderData, heldout_mask, load_ladder, parse_ladder
 
 CASCADE_ON = ["empty_answer", "length_in_thought", "abstain"]
 REQUEST_TIMEOUT_S = 60.0
@@ -309,6 +309,29 @@ class Config:
     progress: bool = True
 
 
+def check_router_ladder(meta: dict[str, Any], lad: Ladder, dataset: str, log: Callable[[str], None]) -> None:
+    """Refuse a trace router (``router fit --traces``: metadata ``ladder``) fitted on another ladder: its
+    thresholds would route to tiers it never learned (raises :class:`TracesBenchError`). A router fitted on other
+    data sets is allowed (transfer), said in ``log``. Routers without ladder metadata (the shipped ones) pass."""
+    fitted = meta.get("ladder")
+    if isinstance(fitted, dict):
+        want = {"model": lad.model, "settings": list(lad.settings)}
+        got = {"model": fitted.get("model"), "settings": list(fitted.get("settings") or [])}
+        if got != want:
+            raise TracesBenchError(f"the router was fitted on ladder {got['model']}:{','.join(got['settings'])}, "
+                                   f"not {lad.name}: fit one with thinkgate router fit --ladder {lad.name}")
+    datasets = meta.get("datasets")
+    if isinstance(datasets, list) and datasets and dataset not in datasets:
+        log(f"note: the router was fitted on {', '.join(map(str, datasets))}, not {dataset} (transfer)")
+
+
+def router_heldout_frac(meta: dict[str, Any]) -> float:
+    """The held-out share the router file was fitted with (``heldout.frac``), else the default 20%."""
+    h = meta.get("heldout")
+    frac = h.get("frac") if isinstance(h, dict) else None
+    return float(frac) if isinstance(frac, int | float) and 0 < frac < 1 else HELDOUT_FRAC
+
+
 def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)
         ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run the bench; returns (the JSON report, details: prices, timings, checks, served points)."""
@@ -330,16 +353,17 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
         data = load_ladder(cfg.traces, cfg.dataset, lad)
     except (FileNotFoundError, ValueError) as exc:
         raise TracesBenchError(str(exc)) from None
-    if cfg.heldout_only:
-        data = data.subset(np.flatnonzero(heldout_mask(data)))
-        if data.n == 0:
-            raise TracesBenchError("no held-out question in this folder")
     if not cfg.router.is_file():
         raise TracesBenchError(f"--router {cfg.router}: no such file")
     router = load_router(cfg.router)
     if len(router.thresholds) != len(lad.settings) - 1:
         raise TracesBenchError(f"router {cfg.router} has {len(router.thresholds)} threshold(s); the ladder "
                                f"{lad.name} needs {len(lad.settings) - 1}")
+    check_router_ladder(router.metadata, lad, cfg.dataset, log)
+    if cfg.heldout_only:
+        data = data.subset(np.flatnonzero(heldout_mask(data, router_heldout_frac(router.metadata))))
+        if data.n == 0:
+            raise TracesBenchError("no held-out question in this folder")
     # router+cascade serves the same score at the router file's cascade thresholds when it has them (calibrated
     # by `router fit` on its validation questions' cascade outcomes), else at its plain thresholds
     cc = router.metadata.get("cascade_thresholds")

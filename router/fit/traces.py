@@ -67,6 +67,24 @@ def trace_path(traces: str | Path, dataset: str, model: str, setting: str) -> Pa
     return Path(traces) / dataset / f"{model}__{setting}.jsonl.gz"
 
 
+def _check_recorded(traces: str | Path, dataset: str, lad: Ladder) -> None:
+    """Raise FileNotFoundError naming what the folder does have when ``dataset`` or a ladder setting is missing
+    (a typo in ``--dataset`` / ``--ladder`` is the usual cause)."""
+    root = Path(traces)
+    if not root.is_dir():
+        raise FileNotFoundError(f"traces folder not found: {root}")
+    if not (root / dataset).is_dir():
+        have = sorted(d.name for d in root.iterdir() if d.is_dir())
+        raise FileNotFoundError(f"no data set {dataset!r} under {root} (have: {', '.join(have) or 'none'})")
+    models = available_models(root, dataset)
+    if lad.model not in models:
+        raise FileNotFoundError(f"no model {lad.model!r} in {root / dataset} (have: {', '.join(models) or 'none'})")
+    missing = [s for s in lad.settings if s not in models[lad.model]]
+    if missing:
+        raise FileNotFoundError(f"{lad.model} has no setting {', '.join(map(repr, missing))} in {root / dataset} "
+                                f"(has: {', '.join(models[lad.model])})")
+
+
 def read_trace(path: str | Path) -> dict[str, dict[str, Any]]:
     """One trace file as ``{id: row}`` (ids as str). Raises FileNotFoundError naming the file, ValueError for
     a row without ``id``/``question``/``correct``/``completion_tokens``."""
@@ -133,7 +151,8 @@ def load_ladder(traces: str | Path, datasets: str | Iterable[str], ladder: Ladde
     """The questions every setting of ``ladder`` has, in each of ``datasets``, sorted by (dataset, numeric id).
 
     A question missing from one setting's file is dropped (the replay needs all settings). Raises
-    FileNotFoundError for a missing file, ValueError when no question is left.
+    FileNotFoundError for a missing folder, data set, model or setting (naming what the folder has), ValueError
+    when no question is left.
     """
     lad = parse_ladder(ladder) if isinstance(ladder, str) else ladder
     names = [datasets] if isinstance(datasets, str) else list(datasets)
@@ -145,6 +164,7 @@ def load_ladder(traces: str | Path, datasets: str | Iterable[str], ladder: Ladde
     rtok: list[list[float]] = []
     resp: list[list[str]] = []
     for ds in names:
+        _check_recorded(traces, ds, lad)
         files = [read_trace(trace_path(traces, ds, lad.model, s)) for s in lad.settings]
         common = set(files[0]).intersection(*files[1:])
         for qid in sorted(common, key=_id_key):

@@ -11,13 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.traces.bench import Config, run
+from bench.traces.bench import Config, TracesBenchError, check_router_ladder, router_heldout_frac, run
 from bench.traces.prices import price_of
 from bench.traces.replay_upstream import estimate_prompt_tokens
 from gateway.config import DEFAULT_ROUTER_PATH, Prices, Settings
 from gateway.ledger.pricing import cost_micro_usd
 from gateway.pipeline.abstention import abstains
-from router.persistence import load_router
+from router.fit.traces import parse_ladder
+from router.model import TrainedRouter
+from router.persistence import load_router, save_router
 
 MODEL = "o3-mini"  # a listed price: 1.10 in / 4.40 out USD per 1M tokens
 N = 12
@@ -87,3 +89,26 @@ def test_bench_traces_end_to_end(tmp_path: Path, redis_url: str) -> None:
     # the oracle: cheapest correct setting, computed
     oracle = [0 if (i % 2 == 0 and i % 3 != 0) or i % 4 == 1 else 1 for i in range(N)]
     assert pols["oracle"]["tiers"]["low_effort"] == pytest.approx(oracle.count(0) / N, abs=1e-6)
+
+
+def test_a_router_fitted_on_another_ladder_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    traces = write(tmp_path / "traces")
+    other = save_router(TrainedRouter(pipeline=None, scorer="length", thresholds=[0.4], metadata={
+        "policy": "length", "ladder": {"model": "Qwen3-14B", "settings": ["no_think", "exd0"]},
+        "datasets": ["frames"]}), tmp_path / "q14.skops")
+    settings = Settings.load(None, engine={"enabled": False}, redis={"url": "redis://127.0.0.1:1/0"})
+    cfg = Config(traces, "frames", f"{MODEL}:low_effort,high_effort", other, progress=False)
+    with pytest.raises(TracesBenchError, match="fitted on ladder Qwen3-14B:no_think,exd0, not o3-mini"):
+        run(cfg, settings, log=lambda _: None)
+
+
+def test_router_checks_transfer_note_and_the_files_heldout_share() -> None:
+    lad = parse_ladder(f"{MODEL}:low_effort,high_effort")
+    meta = {"ladder": {"model": MODEL, "settings": ["low_effort", "high_effort"]}, "datasets": ["simpleqa"],
+            "heldout": {"frac": 0.5}}
+    said: list[str] = []
+    check_router_ladder(meta, lad, "frames", said.append)  # same ladder, other data set: allowed, said
+    assert said == ["note: the router was fitted on simpleqa, not frames (transfer)"]
+    check_router_ladder({"policy": "router"}, lad, "frames", said.append)  # the shipped routers: no ladder
+    assert len(said) == 1
+    assert router_heldout_frac(meta) == 0.5 and router_heldout_frac({}) == 0.2

@@ -234,3 +234,17 @@ def test_router_fit_traces_cli_end_to_end(tmp_path: Path) -> None:
     assert many.exit_code == 0, many.output
     assert sorted(p.name for p in (tmp_path / "routers").iterdir()) == ["m__exd0-no_think.skops",
                                                                          "m__no_think-exd0.skops"]
+
+
+def test_a_wrong_data_set_model_or_setting_is_named_with_what_the_folder_has(tmp_path: Path) -> None:
+    for s in ("no_think", "exd0"):
+        write_trace(tmp_path, "frames", "Qwen3-14B", s, [row(0, "q0", True, 5)])
+    cases = {"gsm8k Qwen3-14B:no_think,exd0": "no data set 'gsm8k' under .* \\(have: frames\\)",
+             "frames Qwen3-99B:no_think,exd0": "no model 'Qwen3-99B' in .* \\(have: Qwen3-14B\\)",
+             "frames Qwen3-14B:no_think,budget9": "Qwen3-14B has no setting 'budget9' in .* \\(has: exd0, no_think\\)"}
+    for case, message in cases.items():
+        ds, ladder = case.split()
+        with pytest.raises(FileNotFoundError, match=message):
+            load_ladder(tmp_path, ds, ladder)
+    with pytest.raises(FileNotFoundError, match="traces folder not found"):
+        load_ladder(tmp_path / "nope", "frames", "Qwen3-14B:no_think,exd0")
