@@ -167,3 +167,53 @@ def test_run_file_is_parsed_by_pydantic_with_errors_naming_the_field(data: dict,
         from_dict(RunConfig, data)
     assert str(e.value) == message
     assert RunConfig.model_json_schema()["properties"]["task"]  # a JSON schema for editors, from the same models
+
+
+def test_unparsable_yaml_is_a_config_error_with_its_position(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML: .*line 2, column 9"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize(
+    ("trl", "message"),
+    [
+        ({"learning_rate": "fast"}, "trl.learning_rate: expected a number, got 'fast'"),
+        ({"max_steps": 2.5}, "trl.max_steps: expected an integer, got 2.5"),
+        ({"num_generations": True}, "trl.num_generations: expected an integer, got True"),
+        ({"use_vllm": "yes"}, "trl.use_vllm: expected true/false, got 'yes'"),
+        ({"num_generation": 4}, "trl: unknown GRPOConfig option(s) ['num_generation']"),
+    ],
+)
+def test_trl_options_are_checked_against_grpo_config_types(trl: dict, message: str) -> None:
+    from training.grpo.run import check_trl_options
+
+    with pytest.raises(ConfigError) as e:
+        check_trl_options(from_dict(RunConfig, {"trl": trl}))
+    assert str(e.value) == message
+
+
+def test_numeric_strings_in_trl_options_become_numbers() -> None:
+    """YAML 1.1 (PyYAML) reads ``1e-5`` as a string; TRL/torch would fail on it only after model load."""
+    from training.grpo.run import check_trl_options
+
+    cfg = from_dict(RunConfig, {"trl": {"learning_rate": "1e-5", "max_steps": "3", "epsilon_high": None}})
+    check_trl_options(cfg)
+    assert cfg.trl["learning_rate"] == 1e-5 and isinstance(cfg.trl["learning_rate"], float)
+    assert cfg.trl["max_steps"] == 3 and isinstance(cfg.trl["max_steps"], int)
+    assert cfg.trl["epsilon_high"] is None
+
+
+def test_invalid_trl_option_exits_2_before_the_run_directory_exists(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trl:\n  learning_rate: fast\n")
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["train", "grpo", "--config", str(bad), "--output-dir", str(out), "--allow-dirty"])
+    assert r.exit_code == 2, r.output
+    assert "trl.learning_rate: expected a number, got 'fast'" in r.output
+    assert not out.exists()

@@ -487,13 +487,19 @@ def _check_scale_preserving(cfg: RunConfig, names: list[str]) -> None:
 
 
 def load_config(path: str | Path | None) -> RunConfig:
-    """Read a run file (YAML) into a validated :class:`RunConfig`; ``None`` gives the defaults."""
+    """Read a run file (YAML) into a validated :class:`RunConfig`; ``None`` gives the defaults.
+
+    Raises :class:`ConfigError` for a missing file, unparsable YAML (the parser's line and column) or an invalid
+    field (its dotted name)."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from e
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping")
         data = loaded

@@ -76,20 +76,72 @@ def git_commit(repo: Path = REPO_ROOT) -> str:
         return "unknown"
 
 
-def build_grpo_args(cfg: RunConfig, run_dir: Path, reward_weights: list[float], cpu: bool) -> Any:
-    """``GRPOConfig`` from the run's ``trl:`` section; unknown keys raise :class:`ConfigError`."""
+def _scalar_types(tp: Any) -> tuple[set[type], bool]:
+    """The scalar types of a ``GRPOConfig`` annotation (``float | None`` -> ({float}, True)); others -> ({}, _)."""
+    import types
+    import typing
+
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    optional = type(None) in args
+    return {a for a in args if a in (bool, int, float, str)}, optional
+
+
+def _coerce_trl_value(key: str, value: Any, tp: Any) -> Any:
+    """``value`` checked against the field type ``tp``; numeric strings (YAML 1.1 reads ``1e-5`` as a string)
+    become numbers. Raises :class:`ConfigError` naming ``trl.<key>``."""
+    kinds, optional = _scalar_types(tp)
+    if value is None and optional:
+        return value
+    numeric = kinds & {int, float}
+    if numeric and not kinds - {int, float}:
+        want = "a number" if float in numeric else "an integer"
+        if isinstance(value, bool):
+            raise ConfigError(f"trl.{key}: expected {want}, got {value!r}")
+        if isinstance(value, str):
+            try:
+                value = float(value.strip()) if float in numeric else int(value.strip())
+            except ValueError as e:
+                raise ConfigError(f"trl.{key}: expected {want}, got {value!r}") from e
+        if float not in numeric and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, (int, float)) or (float not in numeric and not isinstance(value, int)):
+            raise ConfigError(f"trl.{key}: expected {want}, got {value!r}")
+    elif kinds == {bool} and not isinstance(value, bool):
+        raise ConfigError(f"trl.{key}: expected true/false, got {value!r}")
+    return value
+
+
+def check_trl_options(cfg: RunConfig) -> None:
+    """Validate the run's ``trl:`` section against ``GRPOConfig``'s fields before anything is written: unknown
+    names, options ThinkGate sets itself, and scalar types (numeric strings such as ``1e-5`` are converted in
+    place). Raises :class:`ConfigError` naming the option."""
     import dataclasses
+    import typing
 
     from trl import GRPOConfig
 
-    kwargs = cfg.trl_kwargs()
     known = {f.name for f in dataclasses.fields(GRPOConfig)}
-    unknown = sorted(set(kwargs) - known)
+    unknown = sorted(set(cfg.trl_kwargs()) - known)
     if unknown:
         raise ConfigError(f"trl: unknown GRPOConfig option(s) {unknown}")
     for k in ("output_dir", "reward_weights", "multi_objective_aggregation"):
         if k in cfg.trl:
             raise ConfigError(f"trl.{k}: set by ThinkGate (output_dir / rewards[].weight / advantages.aggregation)")
+    try:
+        hints = typing.get_type_hints(GRPOConfig)
+    except Exception:  # an unresolvable annotation in some TRL version: fall back to names only
+        return
+    for k, v in list(cfg.trl.items()):
+        cfg.trl[k] = _coerce_trl_value(k, v, hints.get(k))
+
+
+def build_grpo_args(cfg: RunConfig, run_dir: Path, reward_weights: list[float], cpu: bool) -> Any:
+    """``GRPOConfig`` from the run's ``trl:`` section; invalid options raise :class:`ConfigError`
+    (:func:`check_trl_options`)."""
+    from trl import GRPOConfig
+
+    check_trl_options(cfg)
+    kwargs = cfg.trl_kwargs()
     agg = "normalize_then_sum" if cfg.advantages.aggregation == "decoupled" else "sum_then_normalize"
     base = {"bf16": False, "gradient_checkpointing": False, "use_cpu": cpu} if cpu else {}
     return GRPOConfig(
@@ -242,6 +294,7 @@ def run_grpo(
 
     if max_steps is not None:
         cfg.trl["max_steps"] = int(max_steps)
+    check_trl_options(cfg)  # before the run directory is created or written
     run_dir = Path(output_dir or cfg.output_dir)
     cfg.output_dir = str(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
