@@ -126,8 +126,10 @@ def test_shipped_configs_load() -> None:
     root = Path(__file__).resolve().parents[2] / "training" / "configs"
     files = sorted(root.glob("*.yaml"))
     assert files, "training/configs/*.yaml"
-    for f in files:
-        load_config(f)
+    from training.sft.run import load_sft_config
+
+    for f in files:  # sft_*.yaml are `train sft` run files, with their own schema
+        (load_sft_config if f.name.startswith("sft_") else load_config)(f)
 
 
 def test_bf16_weights_without_deepspeed_are_refused() -> None:
@@ -172,8 +174,9 @@ def test_run_file_is_parsed_by_pydantic_with_errors_naming_the_field(data: dict,
 def test_unparsable_yaml_is_a_config_error_with_its_position(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  path: [unclosed\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML: .*line 2, column 9"):
+    with pytest.raises(ConfigError) as e:
         load_config(bad)
+    assert str(e.value) == f"{bad}: not valid YAML at line 3, column 1: expected ',' or ']', but got '<stream end>'"
 
 
 @pytest.mark.parametrize(

@@ -499,7 +499,9 @@ def load_config(path: str | Path | None) -> RunConfig:
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+            mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"{p}: not valid YAML{where}: {problem or e}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping")
         data = loaded
