@@ -176,7 +176,10 @@ def test_unparsable_yaml_is_a_config_error_with_its_position(tmp_path: Path) -> 
     bad.write_text("model:\n  path: [unclosed\n")
     with pytest.raises(ConfigError) as e:
         load_config(bad)
-    assert str(e.value) == f"{bad}: not valid YAML at line 3, column 1: expected ',' or ']', but got '<stream end>'"
+    assert str(e.value) == (
+        f"{bad}: not valid YAML at line 3, column 1: expected ',' or ']', but got '<stream end>' "
+        "(while parsing a flow sequence opened at line 2, column 9)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -501,7 +501,9 @@ def load_config(path: str | Path | None) -> RunConfig:
         except yaml.YAMLError as e:
             mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            raise ConfigError(f"{p}: not valid YAML{where}: {problem or e}") from None
+            ctx, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+            opened = f" ({ctx} opened at line {cmark.line + 1}, column {cmark.column + 1})" if ctx and cmark else ""
+            raise ConfigError(f"{p}: not valid YAML{where}: {problem or e}{opened}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping")
         data = loaded
