@@ -9,7 +9,9 @@ fsync'd spool file (:class:`gateway.state.spool.Spool`, the usage spool's class 
 Request index, for ``POST /v1/feedback``: every answered request leaves ``p req:{request_id}`` (JSON: key id,
 tier, route reason, router score, window digest and — under ``retain_text`` — the window text), TTL
 ``routing.outcomes.request_ttl_s``. These writes are batched in the background (one pipeline every 0.2 s)
-and best effort: while Redis is down they are dropped, and feedback on those requests answers 404.
+and best effort: while Redis is down they are dropped, and feedback on those requests answers 404. Feedback
+reaching the replica that answered is served from its queue until the write lands; another replica sees the
+request after that write (up to 0.2 s).
 The usage sink (:meth:`OutcomeStore.sink`) also turns each escalated first attempt (``error_code``
 ``escalated_<why>``) into an ``escalation`` outcome: the cheap tier did not suffice.
 """
@@ -199,7 +201,13 @@ class OutcomeStore:
 
     # --- reads ------------------------------------------------------------------------------------------
     async def request(self, request_id: str) -> dict[str, Any] | None:
-        """The request-index entry of ``request_id`` (None: unknown or expired). Raises :class:`RedisDown`."""
+        """The request-index entry of ``request_id`` (None: unknown or expired). Raises :class:`RedisDown`.
+
+        An entry still queued on this replica (answered less than one flush interval ago) is read from the
+        queue: a client grading the answer it has just received must not get a 404."""
+        for rid, data in reversed(self._index):
+            if rid == request_id:
+                return dict(orjson.loads(data))
         raw = await self.breaker.call(lambda: self.redis.get(self.keys.request(request_id)))
         return None if raw is None else dict(orjson.loads(as_bytes(raw)))
 

@@ -114,3 +114,24 @@ def test_outcomes_survive_a_redis_outage(redis_url: str, redis_prefix: str, tmp_
         assert [orjson.loads(o.to_json()) for o in got] == [orjson.loads(outcome.to_json())]  # written once
         await up.redis.aclose()
     asyncio.run(go())
+
+
+def test_feedback_right_after_the_answer(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
+                                         tmp_path: Path) -> None:
+    """A client grading the answer it has just received (before the request index's background write) gets
+    200, not 404: the answering replica reads its own queue."""
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix) as gw, \
+            httpx.Client(timeout=30) as client:
+        for i in range(5):
+            r = client.post(gw.base_url + "/chat/completions", headers=_auth("alice"), json={
+                "model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": f"question {i}?"}]})
+            assert r.status_code == 200
+            rid = r.headers["x-request-id"]
+            other = client.post(gw.base_url + "/feedback", headers=_auth("bob"), json={"request_id": rid,
+                                                                                       "correct": True})
+            assert other.status_code == 404  # the queued entry is still another key's request
+            ok = client.post(gw.base_url + "/feedback", headers=_auth("alice"), json={"request_id": rid,
+                                                                                      "correct": True})
+            assert ok.status_code == 200, ok.text
+            assert ok.json()["stored"] == "redis"
+        assert len(_outcomes(redis_url, redis_prefix)) == 5
