@@ -134,7 +134,8 @@ def read_drift(settings: Any) -> dict[str, Any] | None:
 def drift_line(state: dict[str, Any] | None, threshold: float) -> str:
     """One line for the report: the router version's PSI (score, tier mix) and whether it is past the alarm."""
     if not state:
-        return "Routing drift: not computed yet (needs routing.drift.min_samples routed requests)"
+        return ("Routing drift: not computed yet (needs routing.drift.min_samples routed requests; with a router "
+                "file without a score_histogram, such as the shipped one, a first full routing.drift.window)")
     worst = max(state.get("psi_score") or 0.0, state.get("psi_tier") or 0.0)
     flag = "ALERT" if worst >= threshold else "ok"
     return (f"Routing drift (PSI vs the router's {state.get('reference')} reference, router "

@@ -94,7 +94,7 @@ def test_usage_report_shows_drift(redis_url: str, redis_prefix: str, tmp_path: P
     runner = CliRunner()
     res = runner.invoke(app, ["usage", "report", "--config", str(cfg)])
     assert res.exit_code == 0, res.output
-    assert "Routing drift: not computed yet" in res.output
+    assert "Routing drift: not computed yet" in res.output and "routing.drift.window" in " ".join(res.output.split())
     client = redis.Redis.from_url(redis_url)
     client.set(redis_prefix + "drift:state", orjson.dumps({"psi_score": 0.31, "psi_tier": 0.05, "n": 1000,
                                                           "router_version": "v1", "reference": "file"}))
