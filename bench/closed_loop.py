@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import typer
 
+from bench.router_traces import DEFAULT_TRACES  # ../shared/data/traces beside the checkout
 from gateway.config import RedisConfig, RoutingConfig
 from gateway.pipeline.shadow import answers_agree
 from gateway.state.breaker import Breaker
@@ -49,7 +50,6 @@ from router.fit.ladder_fit import fit_ladder_router
 from router.fit.retrain import RetrainRefused, retrain, score_histogram
 from router.fit.traces import is_heldout, load_ladder, parse_ladder
 
-DEFAULT_TRACES = Path("/work/shared/data/traces")
 BLOCK = 100
 EVAL_BLOCK = 500
 REDIS_URL = "redis://127.0.0.1:6379/0"
