@@ -28,20 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from bench._lib.results_md import write_section
+from bench.router_traces import LADDERS  # the nine ladders, one list
 
 REPO = Path(__file__).resolve().parents[2]
 SECTION = "## Real traces (through the gateway)"
-LADDERS: list[tuple[str, str]] = [
-    ("frames", "Qwen3-14B:no_think,exd0"),
-    ("frames", "Qwen3-8B:no_think,exd0"),
-    ("frames", "gemini-2.5-flash:no_think,budget1024"),
-    ("frames", "gemini-2.5-flash:budget256,budget1024"),
-    ("frames", "gpt-5-mini:low_effort,high_effort"),
-    ("frames", "o3-mini:low_effort,high_effort"),
-    ("simpleqa", "gemini-2.5-flash:no_think,budget1024"),
-    ("simpleqa", "claude-sonnet4:no_think,budget1024"),
-    ("frames", "gemini-2.5-flash:no_think,budget256,budget1024"),
-]
 TARGET_AVG = 0.35
 TARGET_MARGIN = 0.02
 

@@ -17,7 +17,7 @@ import orjson
 from starlette.responses import Response
 
 from gateway.openai import sse
-from gateway.openai.sse import SSEDecoder
+from gateway.openai.sse import SSEDecoder, chunk_of
 
 FORWARDED_PREFIXES = ("x-thinkgate-", "x-request-id")
 
@@ -66,11 +66,8 @@ async def translate_stream(
                     out.append(translator.finish())
                     ended = True
                     continue
-                try:
-                    chunk = orjson.loads(payload)
-                except orjson.JSONDecodeError:
-                    continue
-                if not isinstance(chunk, dict):
+                chunk = chunk_of(payload)
+                if chunk is None:
                     continue
                 if "error" in chunk and not chunk.get("choices"):
                     err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}

@@ -72,6 +72,18 @@ class SSEDecoder:
         return [rest[5:].strip()] if rest.startswith(b"data:") else []
 
 
+def chunk_of(payload: bytes) -> dict[str, Any] | None:
+    """The JSON object one ``data:`` payload carries; None for ``[DONE]``, invalid JSON or a non-object (an
+    upstream's stray keep-alive or a proxy's garbage is skipped, never fatal)."""
+    if payload == b"[DONE]":
+        return None
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 async def data_batches(resp: UpstreamStream) -> AsyncIterator[list[bytes]]:
     """Yield, per network read of ``resp``, the payloads of the complete ``data:`` lines it finished
     (:class:`SSEDecoder`). Relaying a read's events together costs one write to the client instead of one per
@@ -111,11 +123,8 @@ class StreamTally:
             if payload == b"[DONE]":
                 self.done = True
                 break
-            try:
-                chunk = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(chunk, dict):
+            chunk = chunk_of(payload)
+            if chunk is None:
                 continue
             choices = chunk.get("choices")
             if "error" in chunk and not choices:

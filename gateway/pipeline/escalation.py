@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from gateway.config import TierConfig
 from gateway.ledger.event import WireEndpoint
-from gateway.openai.sse import SSEDecoder
+from gateway.openai.sse import SSEDecoder, chunk_of
 from gateway.thinking.forcing import end_marker
 from gateway.upstream.response import SyntheticResponse, UpstreamResponse
 
@@ -74,13 +72,8 @@ async def peek_stream(
     async for chunk in raw:
         head.append(chunk)
         for payload in decoder.feed(chunk):
-            if payload == b"[DONE]":
-                continue
-            try:
-                data = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(data, dict):
+            data = chunk_of(payload)
+            if data is None:
                 continue
             usage = data.get("usage") or usage
             for c in data.get("choices") or ():
