@@ -15,6 +15,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 DEV_PY=${1:-$REPO/.venv/bin/python}
+# absolute without resolving symlinks (a venv's python is a symlink to the base interpreter): the steps below cd away
+case "$DEV_PY" in /*) ;; *) DEV_PY="$REPO/$DEV_PY" ;; esac
 if command -v python3.11 >/dev/null 2>&1; then PY=python3.11; else PY=python3; fi
 WORK=$(mktemp -d /tmp/thinkgate-wheel-smoke.XXXXXX)
 UP_PID=""
