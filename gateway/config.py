@@ -142,7 +142,10 @@ class RoutingTargetConfig(_Strict):
     threshold then follows the ``1 - share`` quantile of the last ``window`` router scores (shared in Redis by
     every replica), moved at most ``max_step`` per update; an update runs every ``update_every`` routed
     requests per replica (or each ``interval_s`` when some are pending), and only once ``min_samples`` scores
-    are in the window. Unset: the calibrated (or configured) thresholds apply unchanged."""
+    are in the window. Feedback on the realized share: the quantile is taken at ``share + gain × (share −
+    realized)``, ``realized`` = the top share of the last ``error_window`` routed decisions (``gain`` 0: the
+    plain quantile), which corrects a run of over- or under-routing that the score quantile alone passes on.
+    Unset: the calibrated (or configured) thresholds apply unchanged."""
 
     long_share: float | None = Field(None, ge=0, le=1)
     usd_per_day: Decimal | None = Field(None, gt=0)
@@ -152,6 +155,8 @@ class RoutingTargetConfig(_Strict):
     max_step: float = Field(0.02, gt=0, le=1)
     update_every: int = Field(16, ge=1)
     interval_s: float = Field(1.0, gt=0)
+    gain: float = Field(2.0, ge=0, le=10)
+    error_window: int = Field(250, ge=10, le=100_000)
 
     @model_validator(mode="after")
     def _one_target(self) -> RoutingTargetConfig:
