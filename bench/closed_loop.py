@@ -89,10 +89,11 @@ async def controlled_shares(scores: np.ndarray, target: float, base: float, redi
 
 
 def gateway_shares(router: Any, cut: float, traces: Path, stream: str, lad: Any, questions: list[str],
-                   target: float) -> dict[str, list[int]]:
+                   target: float, more: dict[float, float] | None = None) -> dict[str, list[int]]:
     """(a) through the real gateway: the trace-replay upstream serving ``stream``'s recorded answers, two
     ``thinkgate serve`` processes with the router file (fixed ``cut``; the second with ``routing.target.
-    long_share``), ``questions`` sent in order to each; the routed tier index of every request."""
+    long_share``), ``questions`` sent in order to each; the routed tier index of every request. ``more``
+    (target → its fixed cut): one more controller gateway per target, keyed ``controller:{target}``."""
     import secrets
     import tempfile
 
@@ -112,19 +113,21 @@ def gateway_shares(router: Any, cut: float, traces: Path, stream: str, lad: Any,
     with tempfile.TemporaryDirectory(prefix="tg-closed-loop-") as tmp, \
             ReplayProcess(traces, stream, [(lad.model, s) for s in lad.settings]) as replay:
         state = Path(tmp)
-        router.thresholds = [cut]
-        path = save_router(router, state / "router.skops")
         tiers = tier_configs(lad.model, lad.settings, replay.base_url, price_of(lad.model), False)
         names = list(lad.settings)
-        for mode in ("fixed", "controller"):
+        runs = [("fixed", target, cut), ("controller", target, cut),
+                *((f"controller:{t}", t, c) for t, c in (more or {}).items())]
+        for mode, tgt, cut_m in runs:
+            router.thresholds = [cut_m]
+            path = save_router(router, state / f"router-{len(out)}.skops")
             prefix = f"bench:cl:{uuid.uuid4().hex[:8]}:"
-            cfg = gateway_config(base, tiers, path, keys, prefix, state, mode)
+            cfg = gateway_config(base, tiers, path, keys, prefix, state, mode.replace(":", "-"))
             cfg["routing"]["drift"] = {"enabled": False}
-            if mode == "controller":
-                cfg["routing"]["target"] = {"long_share": target, "window": 500, "max_step": 0.02,
+            if mode != "fixed":
+                cfg["routing"]["target"] = {"long_share": tgt, "window": 500, "max_step": 0.02,
                                             "update_every": 16, "min_samples": 50}
             try:
-                with serve_gateway(cfg, state, mode) as url, \
+                with serve_gateway(cfg, state, mode.replace(":", "-")) as url, \
                         httpx.Client(timeout=60, headers={"authorization": f"Bearer {secret}"}) as client:
                     tiers_seen = []
                     for q in questions:
@@ -239,6 +242,7 @@ def main(
     png: Path | None = typer.Option(Path("bench/results/closed_loop.png"), help="PNG over time"),
     latency: bool = typer.Option(True, help="also measure the gateway's latency with shadowing on vs off"),
     gateway: bool = typer.Option(True, help="also run (a) through the real gateway on the trace replay"),
+    gateway_all_targets: bool = typer.Option(True, help="through the gateway also at every --more-targets"),
     results: bool = typer.Option(True, help="rewrite the '## Closed loop' section of bench/RESULTS.md"),
 ) -> None:
     t_start = time.perf_counter()
@@ -305,7 +309,15 @@ def main(
     if gateway:
         _log("(a) through the real gateway on the trace replay …")
         t_gw = time.perf_counter()
-        seen = gateway_shares(router, fixed_cut, traces, stream, lad, [dst.questions[i] for i in order], target)
+        more_cuts = {t["target"]: float(np.quantile(src_scores, 1 - t["target"])) for t in summary
+                     if t["target"] != target} if gateway_all_targets else {}
+        seen = gateway_shares(router, fixed_cut, traces, stream, lad, [dst.questions[i] for i in order], target,
+                              more_cuts)
+        for t in summary:
+            key = "controller" if t["target"] == target else f"controller:{t['target']}"
+            if key in seen:
+                t["gateway_worst_500_block_error"] = worst_block(np.asarray(seen[key][warm * BLOCK:]), t["target"])
+                t["gateway_after_warmup"] = float(np.mean(seen[key][warm * BLOCK:]))
         after_gw = np.asarray(seen["controller"][warm * BLOCK:])
         b500 = [float(after_gw[i:i + EVAL_BLOCK].mean()) for i in range(0, len(after_gw) - EVAL_BLOCK + 1,
                                                                            EVAL_BLOCK)]
@@ -365,14 +377,14 @@ def markdown(r: dict[str, Any]) -> str:
               "oracle fixed cut at the exact quantile of the stream's own scores (what block sampling noise alone "
               "gives).", "",
               "| target | fixed (calibrated on the fit set) | controller after 300 | worst 500-block error | ±3 | "
-              "plain quantile worst | oracle cut worst |",
-              "|---:|---:|---:|---:|---|---:|---:|"]
+              "plain quantile worst | oracle cut worst | through the gateway: after 300, worst block, ±3 |",
+              "|---:|---:|---:|---:|---|---:|---:|---|"]
     for t in r["targets"]:
         ok = "met" if t["worst_500_block_error"] <= 0.03 else "not met"
         lines.append(f"| {t['target']:.0%} | {t['fixed_after_warmup']:.1%} | {t['controlled_after_warmup']:.1%} | "
                      f"{t['worst_500_block_error']:.1%} | {ok} | "
                      f"{t.get('worst_500_block_error_plain_quantile', float('nan')):.1%} | "
-                     f"{t.get('worst_500_block_error_oracle_cut', float('nan')):.1%} |")
+                     f"{t.get('worst_500_block_error_oracle_cut', float('nan')):.1%} | {_gw_cell(t)} |")
     g = r.get("through_gateway") or {}
     if g:
         lines += ["", "Through the real gateway (two `thinkgate serve` processes, fixed vs "
@@ -381,7 +393,8 @@ def markdown(r: dict[str, Any]) -> str:
                   f"{r['requests']} requests in the same order, {g['seconds']} s): fixed {g['fixed_mean']:.1%}; "
                   f"controller after 300 requests {g['controlled_after_warmup']:.1%}, per 500 requests "
                   + ", ".join(f"{b:.1%}" for b in g["blocks_500_after_warmup"])
-                  + f" — worst {g['worst_block_error_after_warmup']:.1%} from the target."]
+                  + f" — worst {g['worst_block_error_after_warmup']:.1%} from the target. The table's last "
+                  "column: one more gateway per target, `routing.target.long_share` set to it."]
     lines += ["",
               "| shadow fraction | shadow calls | their completion tokens | labelled | retrain | "
               "savings_at_98 old → new (held-out) |", "|---:|---:|---:|---:|---|---|"]
@@ -400,6 +413,13 @@ def markdown(r: dict[str, Any]) -> str:
         for k, v in r["latency"].items():
             lines.append(f"| {k} | {v['p50_ms']:.1f} | {v['p99_ms']:.1f} | {v['shadowed']} |")
     return "\n".join(lines)
+
+
+def _gw_cell(t: dict[str, Any]) -> str:
+    if "gateway_worst_500_block_error" not in t:
+        return "—"
+    ok = "met" if t["gateway_worst_500_block_error"] <= 0.03 else "not met"
+    return f"{t['gateway_after_warmup']:.1%}, {t['gateway_worst_500_block_error']:.1%}, {ok}"
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
