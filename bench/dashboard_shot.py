@@ -10,6 +10,11 @@ Messages API examples, ``thinkgate keys create --id team-a …`` and ``thinkgate
 and a few requests with that key.
 
     .venv/bin/python -m bench.dashboard_shot [--out docs/dashboard.png]
+
+``--attach URL`` photographs a gateway already serving instead (e.g. ``make serve`` with the vLLM engine): the
+traffic goes to it, the CLI commands run with this process's environment (so give it the same
+``THINKGATE_STATE_DIR`` / ``THINKGATE_REDIS__KEY_PREFIX`` as the server), the dev key is read from
+``$THINKGATE_STATE_DIR/dev-key``; nothing is started, stopped or deleted.
 """
 
 from __future__ import annotations
@@ -69,16 +74,53 @@ def traffic(base: str, dev_key: str, cli: Any) -> None:
                                                              f"Add {i + 1}. What is the result?"}])
 
 
+def shoot(base: str, dev_key: str, out: Path, executable: str) -> None:
+    """Log in with ``dev_key`` in headless Chromium and photograph the whole dashboard page into ``out``."""
+    from playwright.sync_api import sync_playwright
+
+    time.sleep(1.0)  # the metering writer runs just after each response
+    with sync_playwright() as p:
+        browser = launch(p, executable)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            log_in(page, base, dev_key)
+            wait_ready(page)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(out), full_page=True)
+        finally:
+            browser.close()
+    print(f"wrote {out}")
+
+
+def attach(base: str, out: Path, executable: str) -> None:
+    """The README's traffic to the gateway at ``base``, then the photograph (see the module doc)."""
+    from gateway.config import STATE_DIR
+
+    dev_key = (STATE_DIR / "dev-key").read_text().strip()
+
+    def cli(*a: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "gateway", *a], cwd=REPO, capture_output=True, text=True,
+                           timeout=120, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        return r.stdout.strip()
+
+    traffic(base, dev_key, cli)
+    shoot(base, dev_key, out, executable)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "dashboard.png")
+    ap.add_argument("--attach", metavar="URL", help="a gateway already serving (see the module doc)")
     args = ap.parse_args()
     executable = chromium_path()
     if executable is None:
         sys.exit("no Chromium: apt-get install chromium")
-    from playwright.sync_api import sync_playwright
+    if args.attach:
+        attach(args.attach.rstrip("/"), args.out, executable)
+        return
 
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
     prefix = f"tg-shot-{uuid.uuid4().hex[:8]}:"
     sim = start_sim()
     proc = None
@@ -109,18 +151,7 @@ def main() -> None:
             wait_http_ok(base + "/health", timeout_s=120, proc=proc)
             dev_key = (state / "dev-key").read_text().strip()
             traffic(base, dev_key, cli)
-            time.sleep(1.0)  # the metering writer runs just after each response
-            with sync_playwright() as p:
-                browser = launch(p, executable)
-                try:
-                    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                    log_in(page, base, dev_key)
-                    wait_ready(page)
-                    args.out.parent.mkdir(parents=True, exist_ok=True)
-                    page.screenshot(path=str(args.out), full_page=True)
-                finally:
-                    browser.close()
-            print(f"wrote {args.out}")
+            shoot(base, dev_key, args.out, executable)
         finally:
             if proc is not None:
                 proc.terminate()
