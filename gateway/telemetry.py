@@ -21,14 +21,15 @@ when the request's usage record is metered (the end of a stream included) or whe
 An escalated first attempt is an event (``thinkgate.escalated``) on the request span. Spans are exported in
 batches over OTLP/HTTP protobuf (``opentelemetry-exporter-otlp-proto-http``; ``pip install 'thinkgate[otel]'``)
 by a provider of the gateway's own (the process-global one is left alone). ``telemetry.sample_ratio`` (1.0)
-records that share of new traces; the others cost a sampling decision per span and still propagate
-``traceparent`` (flags 00).
+records that share of new traces; the others cost one sampling decision per request, record no step and still
+propagate ``traceparent`` (flags 00). Spans are built when the request ends (see :class:`Telemetry`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -44,31 +45,48 @@ _NULL = contextlib.nullcontext()
 
 class Telemetry:
     """The tracer of one app. ``exporter``: a span exporter to use instead of OTLP/HTTP (tests give the SDK's
-    ``InMemorySpanExporter``; it is then exported synchronously)."""
+    ``InMemorySpanExporter``; it is then exported synchronously).
+
+    Why spans are not made through ``Tracer.start_span``: the SDK's live span (a lock, attribute limits, context
+    objects, a processor call at start and end) cost ~25 µs a span, six per request — more than the 10 % of a
+    request's CPU the gateway allows tracing. A request records its steps as ``time_ns`` pairs and, when it
+    ends, hands finished ``ReadableSpan`` objects (what the SDK's own spans become) to the span processor: the
+    same sampler, id generator, resource, processor and exporter, no live span objects."""
 
     def __init__(self, cfg: TelemetryConfig, exporter: Any = None) -> None:
         require("opentelemetry.sdk", "otel", "telemetry.otlp_endpoint (OpenTelemetry traces)")
         from opentelemetry import trace as api
+        from opentelemetry.sdk import trace as sdk
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._api = api
-        self.provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}),
-                                       sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))
+        self._sdk = sdk
+        self.provider = sdk.TracerProvider(resource=Resource.create({"service.name": cfg.service_name}),
+                                           sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))
         if exporter is None:
             require("opentelemetry.exporter.otlp.proto.http", "otel", "telemetry.otlp_endpoint (OTLP/HTTP)")
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             exporter = OTLPSpanExporter(endpoint=cfg.otlp_endpoint, headers=dict(cfg.headers) or None,
                                         timeout=int(cfg.export_timeout_s))
-            self.provider.add_span_processor(BatchSpanProcessor(exporter))
+            self.processor: Any = BatchSpanProcessor(exporter, max_queue_size=8192, max_export_batch_size=2048)
         else:
-            self.provider.add_span_processor(SimpleSpanProcessor(exporter))
-        self.tracer = self.provider.get_tracer("thinkgate")
+            self.processor = SimpleSpanProcessor(exporter)
+        self.provider.add_span_processor(self.processor)
+        self.tracer = self.provider.get_tracer("thinkgate")  # for callers that want live spans of their own
         self.propagator = TraceContextTextMapPropagator()
+        self.sampler = self.provider.sampler
+        self.ids = self.provider.id_generator
+        self.resource = _hashed_resource(self.provider.resource)
+        self.scope = InstrumentationScope("thinkgate")
+        self.SERVER, self.INTERNAL = api.SpanKind.SERVER, api.SpanKind.INTERNAL
+        self.OK = sdk.Status(sdk.StatusCode.UNSET)
+        self._sampled = api.TraceFlags(api.TraceFlags.SAMPLED)
+        self._unsampled = api.TraceFlags(api.TraceFlags.DEFAULT)
 
     @classmethod
     def from_config(cls, cfg: TelemetryConfig) -> Telemetry | None:
@@ -76,66 +94,151 @@ class Telemetry:
         return cls(cfg) if cfg.otlp_endpoint else None
 
     def begin(self, endpoint: str, headers: Mapping[str, str]) -> RequestTrace:
-        """Start the span of the request being served in this task (``endpoint``: the usage event's)."""
-        parent = self.propagator.extract(headers)
-        span = self.tracer.start_span(OPERATIONS.get(endpoint, endpoint), context=parent,
-                                      kind=self._api.SpanKind.SERVER)
-        trace = RequestTrace(self, span, endpoint)
+        """Start the trace of the request being served in this task (``endpoint``: the usage event's): the
+        sampling decision and the ids as ``Tracer.start_span`` makes them, a client's ``traceparent`` continued."""
+        start = time.time_ns()
+        api = self._api
+        parent_ctx = self.propagator.extract(headers) if "traceparent" in headers else None
+        parent = api.get_current_span(parent_ctx).get_span_context() if parent_ctx is not None else None
+        if parent is not None and parent.is_valid:
+            trace_id = parent.trace_id
+        else:
+            parent, trace_id = None, self.ids.generate_trace_id()
+        name = OPERATIONS.get(endpoint, endpoint)
+        decision = self.sampler.should_sample(parent_ctx, trace_id, name, self.SERVER)
+        sampled = decision.decision.is_sampled()
+        context = api.SpanContext(trace_id, self.ids.generate_span_id(), is_remote=False,
+                                  trace_flags=self._sampled if sampled else self._unsampled,
+                                  trace_state=decision.trace_state)
+        trace = RequestTrace(self, context, parent, endpoint, start, sampled)
         _CURRENT.set(trace)
         return trace
+
+    def emit(self, span: Any) -> None:
+        self.processor.on_end(span)
 
     def shutdown(self) -> None:
         """Export what is queued and stop (on app shutdown)."""
         self.provider.shutdown()
 
 
+def _hashed_resource(resource: Any) -> Any:
+    """``resource`` with its hash computed once: the OTLP encoder groups spans by resource and the SDK's
+    ``Resource.__hash__`` JSON-encodes the attributes on every call (a fifth of the encoding time)."""
+    cls: Any = type(resource)
+    base_hash = cls.__hash__
+
+    class HashedResource(cls):
+        _hash: int | None = None
+
+        def __hash__(self) -> int:
+            if self._hash is None:
+                self._hash = int(base_hash(self))
+            return self._hash
+
+    return HashedResource(resource.attributes, resource.schema_url)
+
+
+class _Step:
+    """One child step being timed (a context manager; the span is made when the request ends)."""
+
+    __slots__ = ("context", "end", "error", "name", "outer", "start", "trace")
+
+    def __init__(self, trace: RequestTrace, name: str) -> None:
+        self.trace, self.name = trace, name
+        self.context: Any = None  # its SpanContext, made only when an outgoing call needs its traceparent
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> _Step:
+        trace = self.trace
+        self.outer, trace.active = trace.active, self
+        self.start = time.time_ns()
+        return self
+
+    def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
+        self.end = time.time_ns()
+        self.error = exc
+        trace = self.trace
+        trace.active = self.outer
+        if trace._ended:  # a step that outlived its request span (rare): exported on its own
+            trace.tel.emit(trace._child_span(self))
+        else:
+            trace.steps.append(self)
+
+    def span_context(self) -> Any:
+        if self.context is None:
+            tel, root = self.trace.tel, self.trace.context
+            self.context = tel._api.SpanContext(root.trace_id, tel.ids.generate_span_id(), is_remote=False,
+                                                trace_flags=root.trace_flags, trace_state=root.trace_state)
+        return self.context
+
+
 class RequestTrace:
-    """One request's span and its current child (``active``, whose context the upstream call propagates)."""
+    """One request's trace: its span context, its finished steps and the step running now (``active``, whose
+    context the upstream call propagates)."""
 
-    __slots__ = ("_ctx", "_ended", "active", "endpoint", "span", "tel")
+    __slots__ = ("_ended", "active", "context", "endpoint", "events", "name", "parent", "sampled", "start",
+                 "steps", "tel")
 
-    def __init__(self, tel: Telemetry, span: Any, endpoint: str) -> None:
+    def __init__(self, tel: Telemetry, context: Any, parent: Any, endpoint: str, start: int, sampled: bool) -> None:
         self.tel = tel
-        self.span = span
-        self._ctx = tel._api.set_span_in_context(span)  # the children's parent, built once
+        self.context = context
+        self.parent = parent
         self.endpoint = endpoint
-        self.active: Any = None
+        self.name = OPERATIONS.get(endpoint, endpoint)
+        self.start = start
+        self.sampled = sampled
+        self.active: _Step | None = None
+        self.steps: list[_Step] = []
+        self.events: list[Any] = []
         self._ended = False
 
-    @contextlib.contextmanager
-    def child(self, name: str) -> Iterator[Any]:
-        span = self.tel.tracer.start_span(name, context=self._ctx)
-        outer, self.active = self.active, span
-        try:
-            yield span
-        except BaseException as exc:
-            api = self.tel._api
-            span.record_exception(exc)
-            span.set_status(api.Status(api.StatusCode.ERROR, type(exc).__name__))
-            raise
-        finally:
-            self.active = outer
-            span.end()
+    def child(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        """Time one step (``route``, ``limits``, …) as a child span; nothing when the trace is not sampled."""
+        return _Step(self, name) if self.sampled else _NULL
 
     def traceparent(self) -> str | None:
         # W3C traceparent of the active step (version 00, its trace and span ids, its trace flags)
-        c = (self.active or self.span).get_span_context()
+        c = self.active.span_context() if self.active is not None else self.context
         return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
+
+    def _child_span(self, step: _Step) -> Any:
+        tel, sdk = self.tel, self.tel._sdk
+        status = tel.OK
+        if step.error is not None:
+            status = sdk.Status(sdk.StatusCode.ERROR, type(step.error).__name__)
+        return sdk.ReadableSpan(step.name, step.span_context(), self.context, tel.resource, {}, (), (),
+                                tel.INTERNAL, None, status, step.start, step.end, tel.scope)
+
+    def _end(self, attrs: dict[str, Any], status: Any) -> None:
+        self._ended = True
+        if not self.sampled:
+            return
+        tel, sdk = self.tel, self.tel._sdk
+        end = time.time_ns()
+        for step in self.steps:
+            tel.emit(self._child_span(step))
+        self.steps = []
+        tel.emit(sdk.ReadableSpan(self.name, self.context, self.parent, tel.resource, attrs, tuple(self.events),
+                                  (), tel.SERVER, None, status, self.start, end, tel.scope))
 
     def finish(self, record: Any) -> None:
         """End the request span with the attributes of its usage record (see the module doc)."""
         if self._ended or record.endpoint != self.endpoint:  # e.g. the semantic cache's embedding record
             return
-        span = self.span
+        sdk = self.tel._sdk
         if (record.error_code or "").startswith("escalated_"):
-            span.add_event("thinkgate.escalated", {"thinkgate.tier": record.tier or "",
-                                                   "thinkgate.error_code": record.error_code,
-                                                   "thinkgate.cost_micro_usd": record.cost_micro_usd})
+            if self.sampled:
+                self.events.append(sdk.Event("thinkgate.escalated", {
+                    "thinkgate.tier": record.tier or "", "thinkgate.error_code": record.error_code,
+                    "thinkgate.cost_micro_usd": record.cost_micro_usd}))
             return
-        self._ended = True
+        if not self.sampled:
+            self._ended = True
+            return
         op = OPERATIONS.get(record.endpoint, record.endpoint)
         model = str(record.requested_model or "")
-        span.update_name(f"{op} {model}".strip())
+        self.name = f"{op} {model}".strip()
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": op, "gen_ai.request.model": model,
             "gen_ai.usage.input_tokens": record.prompt_tokens, "gen_ai.usage.output_tokens": record.completion_tokens,
@@ -152,27 +255,22 @@ class RequestTrace:
             attrs["thinkgate.route_reason"] = record.route_reason
         if record.difficulty is not None:
             attrs["thinkgate.difficulty"] = float(record.difficulty)
-        span.set_attributes(attrs)
+        status = self.tel.OK
         if record.status >= 400:
-            span.set_attribute("error.type", record.error_code or str(record.status))
+            attrs["error.type"] = record.error_code or str(record.status)
             if record.status >= 500:
-                api = self.tel._api
-                span.set_status(api.Status(api.StatusCode.ERROR, record.error_code or str(record.status)))
-        span.end()
+                status = sdk.Status(sdk.StatusCode.ERROR, record.error_code or str(record.status))
+        self._end(attrs, status)
 
     def fail(self, exc: BaseException) -> None:
         """End the request span for a request refused or broken before its usage record (no-op after finish)."""
         if self._ended:
             return
-        self._ended = True
-        api = self.tel._api
-        status = getattr(exc, "status", 500)
-        code = getattr(exc, "code", None) or type(exc).__name__
-        self.span.set_attributes({"http.response.status_code": int(status), "error.type": str(code),
-                                  "thinkgate.endpoint": self.endpoint})
-        if int(status) >= 500:
-            self.span.set_status(api.Status(api.StatusCode.ERROR, str(code)))
-        self.span.end()
+        sdk = self.tel._sdk
+        status = int(getattr(exc, "status", 500))
+        code = str(getattr(exc, "code", None) or type(exc).__name__)
+        self._end({"http.response.status_code": status, "error.type": code, "thinkgate.endpoint": self.endpoint},
+                  sdk.Status(sdk.StatusCode.ERROR, code) if status >= 500 else self.tel.OK)
 
 
 def current() -> RequestTrace | None:
