@@ -194,12 +194,25 @@ class ShadowConfig(_Strict):
     UTC day once they cost ``max_usd_day``. ``judge``: ``agreement`` (normalised final answers equal: two tiers
     that agree need no third opinion) or ``tier:<name>`` (that tier is asked, with the prompt shipped in
     shadow.py, whether the cheap answer reaches the same answer; its call is metered as ``shadow`` too). The
-    result is a ``shadow`` outcome. ``fraction: 0`` (the default) turns shadowing off."""
+    result is a ``shadow`` outcome. ``verifier``: where the request's last user message is a question of the
+    ``references`` JSONL (question rows: ``question``, ``answer``, optionally ``task``), the ``verifier``
+    (``router.tasks.verifiers``: task | math | int | exact | module:function) judges the cheap answer against
+    the reference, with no higher-tier call; other requests fall back to ``agreement``
+    (``gateway/pipeline/shadow_references.py``). ``fraction: 0`` (the default) turns shadowing off."""
 
     fraction: float = Field(0.0, ge=0, le=1)
     max_usd_day: Decimal = Field(Decimal("1"), ge=0)
-    judge: str = Field("agreement", pattern=r"^(agreement|tier:[A-Za-z0-9_.-]+)$")
+    judge: str = Field("agreement", pattern=r"^(agreement|verifier|tier:[A-Za-z0-9_.-]+)$")
+    references: Path | None = None
+    verifier: str = "task"
     max_concurrency: int = Field(4, ge=1, le=256)
+
+    @model_validator(mode="after")
+    def _references_for_verifier(self) -> ShadowConfig:
+        if self.judge == "verifier" and self.references is None:
+            raise ValueError("routing.shadow.judge 'verifier' needs routing.shadow.references (a JSONL of "
+                             "question rows with reference answers)")
+        return self
 
 
 class DriftConfig(_Strict):

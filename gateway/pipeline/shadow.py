@@ -15,6 +15,9 @@ job to a task and returns at once, so the client's response and its connection a
 3. judges: ``agreement`` compares the normalised final answers (:func:`normalise_answer`: the part after a
    last ``Answer:``, thinking removed, lower case, punctuation, articles and extra spaces dropped); a
    ``tier:<name>`` judge gets :data:`JUDGE_PROMPT` and answers YES/NO (its call metered as ``shadow`` too);
+   ``verifier``: a request whose question is in ``routing.shadow.references`` is judged by the task verifier
+   against the reference answer (``gateway/pipeline/shadow_references.py``) before step 1, with no call at
+   all; the others by ``agreement``;
 4. records a ``shadow`` outcome (``gateway/state/outcomes.py``: spooled while Redis is down) with both tiers,
    the judge, ``sufficed`` and what the evidence cost.
 """
@@ -37,6 +40,7 @@ from gateway.config import Settings, TierConfig
 from gateway.ledger.record import UsageRecord
 from gateway.pipeline import upstream_body
 from gateway.pipeline.routing import RouteDecision
+from gateway.pipeline.shadow_references import References
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
 from gateway.state.outcomes import OutcomeStore
@@ -122,6 +126,8 @@ class Shadow:
             "tier:") else None
         if self.cfg.judge.startswith("tier:") and self.judge_tier is None:
             raise ValueError(f"routing.shadow.judge: unknown tier {self.cfg.judge!r}")
+        self.references = (References.load(self.cfg.references, self.cfg.verifier)
+                           if self.cfg.judge == "verifier" and self.cfg.references is not None else None)
         self.upstreams = upstreams
         self.redis = handle.client
         self.keys = RedisKeys(handle.prefix)
@@ -188,6 +194,16 @@ class Shadow:
 
     async def _run(self, job: ShadowJob) -> None:
         try:
+            refs = self.references
+            ref = refs.find(job.body) if refs is not None else None
+            if refs is not None and ref is not None:  # the verifier needs no second answer
+                outcome = self.outcomes.outcome_of(job.record, "shadow", sufficed=refs.verdict(ref, job.answer),
+                                                   judge="verifier", other_tier=None, cost_micro_usd=0)
+                if self.outcomes.cfg.retain_text:
+                    outcome.answers = [job.answer]
+                await self.outcomes.record(outcome)
+                self.stats.done += 1
+                return
             if not await self._within_budget():
                 return
             higher_answer, cost = await self._call(job.higher, job.body, job)

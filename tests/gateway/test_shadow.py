@@ -127,3 +127,36 @@ def test_judge_tier_is_asked_and_metered(upstream_sim: SimProcess, redis_url: st
         events = [e for e in usage_events(gw, count=3).values() if e.route_reason == "shadow"]
         assert sorted(e.tier for e in events) == ["long", "none"]  # the shadow call and the judge's
         assert o.cost_micro_usd == sum(e.cost_micro_usd for e in events)
+
+
+def test_verifier_judge_uses_the_reference_answer_where_one_exists(upstream_sim: SimProcess, redis_url: str,
+                                                                    redis_prefix: str, tmp_path: Path) -> None:
+    # the simulator echoes the question, so the cheap answer's last number is the question's: "what is 7 plus
+    # 7?" → 7 (wrong for the reference 14), "... answer 9?" → 9 (right); the third has no reference.
+    refs = tmp_path / "refs.jsonl"
+    refs.write_text('{"question": "What is 7 plus 7?", "answer": "14"}\n\n'
+                    '{"question": "what is 9 plus 0, answer 9?", "answer": "9"}\n')
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(judge="verifier", references=str(refs), verifier="int")) as gw, \
+            httpx.Client(timeout=30) as client:
+        for q in ("what is 7   plus 7?", "what is 9 plus 0, answer 9?", "what is 5 plus 5?"):
+            r = client.post(gw.base_url + "/chat/completions", json={
+                "model": "auto", "max_tokens": 16, "messages": [{"role": "user", "content": q}]},
+                headers={"authorization": f"Bearer {SECRETS['alice']}"})
+            assert r.status_code == 200
+        assert wait_for(lambda: len(_outcomes(redis_url, redis_prefix)) == 3, timeout_s=10)
+        by_id = {o.request_id: o for o in _outcomes(redis_url, redis_prefix)}
+        got = sorted((o.judge, o.sufficed, o.other_tier, o.cost_micro_usd > 0) for o in by_id.values()
+                     if o.judge == "verifier")
+        assert got == [("verifier", False, None, False), ("verifier", True, None, False)]
+        assert [(o.other_tier, o.cost_micro_usd > 0) for o in by_id.values() if o.judge == "agreement"] == [
+            ("long", True)]  # no reference: the shadow call and agreement, as before
+        events = [e for e in usage_events(gw, count=4).values() if e.route_reason == "shadow"]
+        assert len(events) == 1  # only the question without a reference was sent to the higher tier
+
+
+def test_verifier_judge_needs_references() -> None:
+    from gateway.config import ShadowConfig
+
+    with pytest.raises(ValueError, match="references"):
+        ShadowConfig(judge="verifier")
