@@ -68,11 +68,9 @@ class Telemetry:
         self.provider = sdk.TracerProvider(resource=Resource.create({"service.name": cfg.service_name}),
                                            sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))
         if exporter is None:
-            require("opentelemetry.exporter.otlp.proto.http", "otel", "telemetry.otlp_endpoint (OTLP/HTTP)")
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from gateway.otlp_wire import OtlpHttpExporter  # the spans' bytes written directly (see there)
 
-            exporter = OTLPSpanExporter(endpoint=cfg.otlp_endpoint, headers=dict(cfg.headers) or None,
-                                        timeout=int(cfg.export_timeout_s))
+            exporter = OtlpHttpExporter(str(cfg.otlp_endpoint), dict(cfg.headers), cfg.export_timeout_s)
             self.processor: Any = BatchSpanProcessor(exporter, max_queue_size=8192, max_export_batch_size=2048)
         else:
             self.processor = SimpleSpanProcessor(exporter)

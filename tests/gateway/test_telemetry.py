@@ -112,6 +112,24 @@ def test_stream_client_trace_and_refusal(traced: tuple[GatewayServer, Any]) -> N
     assert bad.attributes["error.type"] == refused.json()["error"]["code"]
 
 
+def test_hand_encoder_writes_what_the_sdk_encoder_writes(traced: tuple[GatewayServer, Any]) -> None:
+    # gateway/otlp_wire.py writes the OTLP bytes itself: the same message as the SDK's encoder, span for span
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from gateway.otlp_wire import encode_request
+
+    gw, exporter = traced
+    assert _post(gw, {"model": "long", "messages": [{"role": "user", "content": "enc " + uuid.uuid4().hex}]},
+                 traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").status_code == 200
+    assert _post(gw, {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).status_code >= 400
+    spans = _request_spans(exporter, 2) and exporter.get_finished_spans()
+    assert {s.name for s in spans} >= STEPS and any(s.parent is not None and s.parent.is_remote for s in spans)
+    ours = ExportTraceServiceRequest.FromString(encode_request(spans))
+    assert ours == encode_spans(spans)
+    assert len(ours.resource_spans[0].scope_spans[0].spans) == len(spans)
+
+
 class OtlpReceiver:
     """A loopback OTLP/HTTP traces endpoint: decodes each POSTed ``ExportTraceServiceRequest``."""
 
