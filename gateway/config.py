@@ -574,6 +574,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cross_check(self) -> Settings:
+        if "tiers" not in self.model_fields_set:
+            # The embedded default tiers are served by the embedded engine: they follow engine.host/port
+            # (THINKGATE_ENGINE__PORT moved the engine and left the tiers on 8001). Configured tiers are as written.
+            url = f"http://{self.engine.host}:{self.engine.port}/v1"
+            object.__setattr__(self, "tiers", [t.model_copy(update={"base_url": url}) for t in self.tiers])
         names = [t.name for t in self.tiers]
         if not names:
             raise ValueError("tiers: at least one tier is required")

@@ -26,7 +26,8 @@ from starlette.responses import Response
 from router.errors import ThinkGateError
 
 __all__ = ["AuthError", "BodyTooLarge", "ClientClosed", "ConversationsUnavailable", "GatewayError",
-           "InvalidRequest", "KeyStoreUnavailable", "LimitsUnavailable", "PermissionDenied", "RateLimited",
+           "InvalidRequest", "KeyStoreUnavailable", "LimitsUnavailable", "OutcomesUnavailable", "PermissionDenied",
+           "RateLimited",
            "ThinkGateError", "TierNotAllowed", "UnknownModel", "UpstreamConnectTimeout", "UpstreamError",
            "UpstreamRejected", "UpstreamTimeout", "UpstreamUnavailable", "UsageUnavailable", "error_response",
            "install_handlers"]
@@ -185,6 +186,13 @@ class KeyStoreUnavailable(GatewayError):
     status = 503
     type = "server_error"
     default_code = "key_store_unavailable"
+
+
+class OutcomesUnavailable(GatewayError):
+    """Redis is unreachable: the request a feedback is about cannot be looked up (retry later)."""
+
+    status = 503
+    default_code = "outcomes_unavailable"
 
 
 class UsageUnavailable(GatewayError):

@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from gateway.api.common import json_response
 from gateway.auth.keys import KeyStore
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.errors import InvalidRequest, OutcomesUnavailable
 from gateway.ledger.outcome import Outcome
 from gateway.pipeline.request import parse_json_object
 from gateway.state.breaker import RedisDown
@@ -29,13 +29,6 @@ from gateway.state.outcomes import OutcomeStore
 
 MAX_COMMENT = 2000
 MAX_BODY = 16_384
-
-
-class OutcomesUnavailable(GatewayError):
-    """Redis is unreachable: the request a feedback is about cannot be looked up (retry later)."""
-
-    status = 503
-    default_code = "outcomes_unavailable"
 
 
 def parse_feedback(body: dict[str, Any]) -> tuple[str, bool | None, float | None, str | None]:

@@ -111,8 +111,9 @@ def test_client_disconnect_mid_stream_is_metered_once_as_499(gw: GatewayServer, 
 
 def test_budget_refusals_in_each_apis_shape(upstream_sim: SimProcess, redis_url: str,
                                             tmp_path_factory: pytest.TempPathFactory) -> None:
-    """A key whose budget cannot cover the request: 429 with ``Retry-After``, OpenAI-shaped on /v1/responses
-    (``openai.RateLimitError``), Anthropic-shaped on /v1/messages (``anthropic.RateLimitError``)."""
+    """A key whose whole budget cannot cover the request: 429 without ``Retry-After`` (no wait would admit it) and
+    a message saying what would, OpenAI-shaped on /v1/responses (``openai.RateLimitError``), Anthropic-shaped on
+    /v1/messages (``anthropic.RateLimitError``)."""
     from tests.fixtures.gateway import keys_config
 
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
@@ -122,11 +123,13 @@ def test_budget_refusals_in_each_apis_shape(upstream_sim: SimProcess, redis_url:
             with pytest.raises(openai.RateLimitError) as oerr:
                 openai.OpenAI(base_url=bgw.base_url, api_key=SECRETS["bob"], max_retries=0).responses.create(
                     model="long", input="hello there")
-            assert oerr.value.code == "budget_exceeded" and oerr.value.response.headers.get("retry-after")
+            assert oerr.value.code == "budget_exceeded" and "retry-after" not in oerr.value.response.headers
+            assert "more than the whole daily budget" in oerr.value.message
             with pytest.raises(anthropic.RateLimitError) as aerr:
                 anthropic.Anthropic(base_url=bgw.url, api_key=SECRETS["bob"], max_retries=0).messages.create(
                     model="long", max_tokens=64, messages=[{"role": "user", "content": "hello there"}])
             assert aerr.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
-            assert aerr.value.response.headers.get("retry-after")
+            assert "retry-after" not in aerr.value.response.headers
+            assert "more than the whole daily budget" in aerr.value.body["error"]["message"]  # type: ignore[index]
     finally:
         cleanup(redis_url, prefix)

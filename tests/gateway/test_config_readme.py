@@ -35,3 +35,14 @@ def test_an_explicit_effort_map_is_checked_as_written(tmp_path: Path) -> None:
     path.write_text(_gpu_yaml() + "routing: {effort_tiers: {none: none}}\n")
     with pytest.raises(ConfigError, match=r"routing\.effort_tiers\.none: unknown tier 'none'"):
         Settings.load(path)
+
+
+def test_embedded_default_tiers_follow_the_engine_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("THINKGATE_ENGINE__PORT", "9123")  # the README's port setting for the local engine
+    s = Settings.load(None)
+    assert s.engine.port == 9123
+    assert {t.base_url for t in s.tiers} == {"http://127.0.0.1:9123/v1"}
+    configured = Settings.load(None, engine={"port": 9123},
+                               tiers=[{"name": "solo", "base_url": "http://elsewhere:1/v1", "model": "m"}],
+                               routing={"routed_tiers": ["solo"], "default_tier": "solo", "router_path": None})
+    assert configured.tiers[0].base_url == "http://elsewhere:1/v1"  # configured tiers are taken as written
