@@ -23,7 +23,6 @@ hash tag, see ``gateway/state/redis.py``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Mapping
@@ -267,25 +266,11 @@ class Meter:
 
     async def replay(self) -> int:
         """Send the spool to Redis; returns the number of records sent (0 when empty or Redis is down)."""
-        if self.spool.pending_bytes() == 0:
-            return 0
-        try:
-            n = await self.spool.drain(self._record_batch)
-        except RedisDown:
-            return 0
-        if n:
-            log.info("usage spool replayed: %d events", n)
-        return n
+        return await self.spool.replay(self._record_batch, "usage")
 
     async def run_replayer(self, stop: asyncio.Event) -> None:
         """Replay the spool every ``replay_interval_s`` seconds until ``stop`` is set (a background task)."""
-        while not stop.is_set():
-            try:
-                await self.replay()
-            except OSError as exc:  # the spool file itself is unreadable: say so, keep trying
-                log.error("usage spool replay failed: %r", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.cfg.replay_interval_s)
+        await self.spool.run_replayer(self.replay, stop, self.cfg.replay_interval_s, "usage")
 
     # --- read path --------------------------------------------------------------------------------------
     async def key_counters(self, key_id: str, day: str | None = None, month: str | None = None) -> dict[str, int]:

@@ -180,24 +180,11 @@ class OutcomeStore:
 
     async def replay(self) -> int:
         """Send the spool to Redis; the number sent (0 when empty or Redis is down)."""
-        if self.spool.pending_bytes() == 0:
-            return 0
-        try:
-            n = await self.spool.drain(self._record_batch)
-        except RedisDown:
-            return 0
-        if n:
-            log.info("outcome spool replayed: %d outcomes", n)
-        return n
+        return await self.spool.replay(self._record_batch, "outcome")
 
     async def run_replayer(self) -> None:
-        while not self._stop.is_set():
-            try:
-                await self.replay()
-            except OSError as exc:
-                log.error("outcome spool replay failed: %r", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self.cfg.replay_interval_s)
+        """Replay the spool every ``replay_interval_s`` seconds until the store stops (a background task)."""
+        await self.spool.run_replayer(self.replay, self._stop, self.cfg.replay_interval_s, "outcome")
 
     # --- reads ------------------------------------------------------------------------------------------
     async def request(self, request_id: str) -> dict[str, Any] | None:

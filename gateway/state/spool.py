@@ -15,6 +15,7 @@ acknowledged) is skipped with a warning.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 from gateway.ledger.event import UsageEvent
+from gateway.state.breaker import RedisDown
 
 log = logging.getLogger("thinkgate.metering")
 
@@ -116,6 +118,32 @@ class Spool(Generic[T]):
                 return len(events)
             finally:
                 os.close(fd)
+
+    async def replay(self, sink: Callable[[list[T]], Awaitable[None]], what: str) -> int:
+        """:meth:`drain` into ``sink`` (a writer to Redis); 0 when the spool is empty or Redis is down
+        (:class:`~gateway.state.breaker.RedisDown`: the file is kept for the next try). ``what`` names the spool in
+        the log line ("usage", "outcome")."""
+        if self.pending_bytes() == 0:
+            return 0
+        try:
+            n = await self.drain(sink)
+        except RedisDown:
+            return 0
+        if n:
+            log.info("%s spool replayed: %d records", what, n)
+        return n
+
+    async def run_replayer(self, replay: Callable[[], Awaitable[int]], stop: asyncio.Event, interval_s: float,
+                           what: str) -> None:
+        """Call ``replay`` every ``interval_s`` seconds until ``stop`` is set (a background task). An unreadable
+        spool file is logged and retried, never fatal."""
+        while not stop.is_set():
+            try:
+                await replay()
+            except OSError as exc:
+                log.error("%s spool replay failed: %r", what, exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
 
 
 def _open_locked(path: Path) -> int | None:
