@@ -27,11 +27,14 @@ MiB) and the ThinkGate/LiteLLM ratios; ``--write-results`` replaces the "ThinkGa
 
     .venv/bin/python bench/gateway_overhead.py --litellm [--requests 300] [--seconds 15] [--write-results]
 
-**Telemetry on vs off** (``--telemetry``): the same gateway twice, OpenTelemetry traces off and on (OTLP/HTTP to
-a loopback sink), interleaved; prints the table and CPU ms per request on / off; ``--write-results`` replaces
-the "Telemetry overhead" section.
+**Telemetry on vs off** (``--telemetry``): the same gateway with OpenTelemetry traces off, on, and on at a 10 %
+sample ratio (OTLP/HTTP to a loopback sink), ``--processes`` (2) gateways of each, all interleaved round by
+round; prints the table, CPU ms per request on / off, the median of the per-round on / off ratios and the A/A
+ratio of two identical off gateways (what the machine's noise alone moves); ``--write-results`` replaces the
+"Telemetry overhead" section.
 
-    .venv/bin/python bench/gateway_overhead.py --telemetry [--requests 400] [--concurrency 1 32] [--write-results]
+    .venv/bin/python -m bench.gateway_overhead --telemetry [--requests 2400] [--rounds 12] [--concurrency 1 32]
+                                                          [--processes 2] [--write-results]
 """
 
 from __future__ import annotations
@@ -190,7 +193,9 @@ async def run_load(clients: list[httpx.AsyncClient], target: Target, concurrency
 
 
 async def measure(targets: list[Target], concurrencies: list[int], n: int, seconds: float, rounds: int,
-                  stream: bool, unique: bool = False) -> dict[tuple[str, int], Samples]:
+                  stream: bool, unique: bool = False,
+                  per_round: dict[tuple[str, int], list[Samples]] | None = None) -> dict[tuple[str, int], Samples]:
+    """Samples per (target, concurrency), summed over ``rounds``; ``per_round`` (when given) gets each round's."""
     results: dict[tuple[str, int], Samples] = {}
     # One single-connection client per worker: httpcore's pool bookkeeping grows with its connection count,
     # and the load generator must not be the bottleneck it measures.
@@ -205,6 +210,8 @@ async def measure(targets: list[Target], concurrencies: list[int], n: int, secon
                 for t in targets:
                     s = await run_load(clients, t, c, max(1, n // rounds), seconds / rounds, stream, unique)
                     results.setdefault((t.name, c), Samples()).add(s)
+                    if per_round is not None:
+                        per_round.setdefault((t.name, c), []).append(s)
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
     return results
@@ -573,59 +580,223 @@ class OtlpSink:
 TELEMETRY_SECTION = "## Telemetry overhead"
 
 
+TELEMETRY_VARIANTS = ("otel-off", "otel-on", "otel-on-10%")
+
+
+class _NoSim:
+    """For :func:`stop_all` when only the proxies are to stop (the simulator keeps serving)."""
+
+    def stop(self) -> None:
+        pass
+
+
+def _per_request_ms(x: Samples) -> float | None:
+    n = len(x.latencies_ms) + x.errors
+    return 1000 * x.cpu_s / n if x.cpu_s and n else None
+
+
+def telemetry_ratios(per_round: dict[tuple[str, int], list[Samples]], processes: int, c: int,
+                     rounds: int) -> dict[str, list[float]]:
+    """Per round, each variant's CPU ms/request (the mean over its processes) over ``otel-off``'s in the same
+    round — paired in time, so a slow moment of the shared machine hits both sides — and the A/A ratio (the
+    second off process over the first: what identical gateways differ by)."""
+    out: dict[str, list[float]] = {v: [] for v in (*TELEMETRY_VARIANTS[1:], "A/A")}
+    for r in range(rounds):
+        mean: dict[str, float] = {}
+        for v in TELEMETRY_VARIANTS:
+            xs = [_per_request_ms(per_round[(f"{v}#{k + 1}", c)][r]) for k in range(processes)]
+            if any(x is None for x in xs):
+                break
+            mean[v] = sum(x for x in xs if x is not None) / processes
+        else:
+            for v in TELEMETRY_VARIANTS[1:]:
+                out[v].append(mean[v] / mean["otel-off"])
+            if processes > 1:
+                a, b = (_per_request_ms(per_round[(f"otel-off#{k}", c)][r]) for k in (1, 2))
+                if a and b:
+                    out["A/A"].append(b / a)
+    return out
+
+
+async def traced_vs_untraced(target: Target, concurrency: int, stream: bool, block: int,
+                             blocks: int) -> tuple[list[float], list[float], int]:
+    """One gateway (telemetry on, ``sample_ratio: 0``), ``blocks`` pairs of blocks of ``block`` requests each:
+    every request of a traced block carries a sampled W3C ``traceparent`` of its own (so the gateway records and
+    exports every step, as at ``sample_ratio: 1``), an untraced block none (one sampling decision, nothing
+    recorded). The order alternates pair by pair. Returns each block's CPU ms/request (traced, untraced) and
+    the errors. Same process, same moment: what the machine's noise does to separate processes cancels."""
+    import random
+
+    body = orjson.dumps({"model": target.model, "messages": MESSAGES, "stream": stream, "max_tokens": 64})
+    url = target.base_url + "/chat/completions"
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    clients = [httpx.AsyncClient(limits=limits, timeout=30, trust_env=False) for _ in range(concurrency)]
+    errors = 0
+
+    async def run(traced: bool, n: int) -> float:
+        nonlocal errors
+        left = n
+
+        async def worker(client: httpx.AsyncClient) -> None:
+            nonlocal left, errors
+            while left > 0:
+                left -= 1
+                headers = {"authorization": f"Bearer {target.api_key}", "content-type": "application/json"}
+                if traced:
+                    headers["traceparent"] = f"00-{random.getrandbits(128):032x}-{random.getrandbits(64):016x}-01"
+                try:
+                    if stream:
+                        async with client.stream("POST", url, content=body, headers=headers) as r:
+                            async for _ in r.aiter_raw():
+                                pass
+                    else:
+                        r = await client.post(url, content=body, headers=headers)
+                    errors += r.status_code != 200
+                except httpx.HTTPError:
+                    errors += 1
+
+        cpu0 = cpu_seconds(target.pid)
+        await asyncio.gather(*(worker(c) for c in clients))
+        cpu1 = cpu_seconds(target.pid)
+        return 1000 * ((cpu1 or 0.0) - (cpu0 or 0.0)) / n
+
+    traced_ms: list[float] = []
+    untraced_ms: list[float] = []
+    try:
+        await run(True, 100)  # warm-up of both paths
+        await run(False, 100)
+        for i in range(blocks):
+            for traced in ((True, False) if i % 2 == 0 else (False, True)):
+                (traced_ms if traced else untraced_ms).append(await run(traced, block))
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
+    return traced_ms, untraced_ms, errors
+
+
+def same_process_table(args: argparse.Namespace, sim: SimProcess, sink: OtlpSink,
+                       workdir: Path) -> tuple[str, list[float]]:
+    """The traced-vs-untraced measurement for each mode and concurrency: a markdown table and the ratios."""
+    import statistics
+
+    proc, target = start_gateway(sim, workdir, name="otel-same-process", extra={
+        "telemetry": {"otlp_endpoint": sink.url, "sample_ratio": 0.0}})
+    lines = ["| mode | concurrency | blocks × requests | errors | CPU ms/req untraced | traced | traced / untraced "
+             "(ratio of means) | median per-pair ratio (min … max) | added µs/req |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    ratios: list[float] = []
+    try:
+        for mode in args.modes:
+            for c in args.concurrency:
+                on, off, errors = asyncio.run(traced_vs_untraced(target, c, mode == "stream", args.block,
+                                                                 args.blocks))
+                mon, moff = statistics.mean(on), statistics.mean(off)
+                pairs = [a / b for a, b in zip(on, off, strict=True) if b]
+                ratios.append(mon / moff)
+                lines.append(f"| {mode} | {c} | 2 × {args.blocks} × {args.block} | {errors} | {moff:.3f} | {mon:.3f} "
+                             f"| {mon / moff:.3f} | {statistics.median(pairs):.3f} ({min(pairs):.2f} … "
+                             f"{max(pairs):.2f}) | {1000 * (mon - moff):+.0f} |")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return "\n".join(lines), ratios
+
+
 def run_telemetry(args: argparse.Namespace) -> None:
     """``--telemetry``: the same gateway with traces off, on, and on at a 10 % sample ratio (OTLP/HTTP to a loopback
-    sink), interleaved."""
+    sink), ``--processes`` gateways of each, interleaved round by round."""
+    import statistics
+
     env_line = machine()
     started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     sim = start_sim()
     sink = OtlpSink()
     procs: list[subprocess.Popen[bytes]] = []
+    extras: dict[str, dict[str, Any]] = {
+        "otel-off": {}, "otel-on": {"telemetry": {"otlp_endpoint": sink.url}},
+        "otel-on-10%": {"telemetry": {"otlp_endpoint": sink.url, "sample_ratio": 0.1}}}
+    # one hash seed for every gateway: string hashing, hence dict layouts, the same in all of them
+    seed = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = "0"
+    targets = [Target("direct", sim.base_url, "none", "sim-model")]
+    per_round: dict[str, dict[tuple[str, int], list[Samples]]] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            off, off_t = start_gateway(sim, Path(tmp), name="otel-off")
-            procs.append(off)
-            on, on_t = start_gateway(sim, Path(tmp), name="otel-on",
-                                     extra={"telemetry": {"otlp_endpoint": sink.url}})
-            procs.append(on)
-            sampled, sampled_t = start_gateway(sim, Path(tmp), name="otel-on-10%", extra={
-                "telemetry": {"otlp_endpoint": sink.url, "sample_ratio": 0.1}})
-            procs.append(sampled)
-            targets = [Target("direct", sim.base_url, "none", "sim-model"), off_t, on_t, sampled_t]
+            for k in range(args.processes):
+                for v in TELEMETRY_VARIANTS:
+                    proc, target = start_gateway(sim, Path(tmp), name=f"{v}#{k + 1}", extra=extras[v])
+                    procs.append(proc)
+                    targets.append(target)
             by_mode = {mode: asyncio.run(measure(targets, args.concurrency, args.requests, args.seconds, args.rounds,
-                                                 mode == "stream"))
+                                                 mode == "stream", per_round=per_round.setdefault(mode, {})))
                        for mode in args.modes}
+            stop_all(procs, _NoSim())  # the cross-process gateways are done: nothing else competes for the CPUs
+            procs = []
+            same, same_ratios = same_process_table(args, sim, sink, Path(tmp))
     finally:
-        stop_all(procs, sim)  # SIGTERM: the on-gateway exports what its batch still holds
+        if seed is None:
+            os.environ.pop("PYTHONHASHSEED", None)
+        else:
+            os.environ["PYTHONHASHSEED"] = seed
+        stop_all(procs, sim)  # SIGTERM: the on-gateways export what they still hold
         sink.close()
     out = table(by_mode, targets, args.concurrency)
-    lines = ["| mode | concurrency | CPU ms/req off | on | on / off | on, 10 % sampled | 10 % / off |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | concurrency | CPU ms/req off | on | on / off | median per-round on / off (min … max) "
+             "| on 10 % / off | A/A: off / off (min … max) |",
+             "|---|---:|---:|---:|---:|---|---:|---|"]
+    verdicts: list[float] = []
 
-    def per_req(x: Samples) -> float | None:
-        n = len(x.latencies_ms) + x.errors
-        return 1000 * x.cpu_s / n if x.cpu_s and n else None
+    def spread(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.3f} ({min(xs):.2f} … {max(xs):.2f})" if xs else "—"
 
     for mode, results in by_mode.items():
         for c in args.concurrency:
-            x, y, z = (per_req(results[(t, c)]) for t in ("otel-off", "otel-on", "otel-on-10%"))
-            if x and y and z:
-                lines.append(f"| {mode} | {c} | {x:.2f} | {y:.2f} | {y / x:.3f} | {z:.2f} | {z / x:.3f} |")
+            total: dict[str, float | None] = {}
+            for v in TELEMETRY_VARIANTS:
+                xs = [results[(f"{v}#{k + 1}", c)] for k in range(args.processes)]
+                acc = Samples()
+                for x in xs:
+                    acc.add(x)
+                total[v] = _per_request_ms(acc)
+            off, on, tenth = (total[v] for v in TELEMETRY_VARIANTS)
+            if not (off and on and tenth):
+                continue
+            ratios = telemetry_ratios(per_round[mode], args.processes, c, args.rounds)
+            if ratios["otel-on"]:
+                verdicts.append(statistics.median(ratios["otel-on"]))
+            lines.append(f"| {mode} | {c} | {off:.3f} | {on:.3f} | {on / off:.3f} | {spread(ratios['otel-on'])} "
+                         f"| {tenth / off:.3f} | {spread(ratios['A/A'])} |")
     ratio = "\n".join(lines)
     exported = f"OTLP sink received {sink.posts} export POSTs, {sink.bytes} bytes of protobuf."
-    print(out, "", ratio, "", exported, sep="\n")
+    worst_cross = max(verdicts) if verdicts else float("nan")
+    worst = max(same_ratios) if same_ratios else float("nan")
+    verdict = (f"Target on ≤ 1.10 × off: **{'met' if worst <= 1.10 else 'not met'}** — traced / untraced in one "
+               f"process {', '.join(f'{r:.3f}' for r in same_ratios)} (worst {worst:.3f}); across processes the "
+               f"median per-round on / off is at worst {worst_cross:.3f}, where two identical off gateways differ "
+               f"by the A/A column.")
+    print(out, "", ratio, "", same, "", exported, verdict, sep="\n")
     if args.write_results:
         write_section(
             TELEMETRY_SECTION,
-            f"{TELEMETRY_SECTION}\n\n`bench/gateway_overhead.py --telemetry` — {started}. Three `thinkgate serve` "
-            f"processes of this commit on the same simulator, interleaved round by round: `otel-off` (default: no "
-            f"`telemetry.otlp_endpoint`), `otel-on-10%` (`sample_ratio: 0.1`) and `otel-on` (every request: one "
-            f"request span with route, limits, cache, upstream and "
-            f"metering child spans, GenAI attributes, `traceparent` to the upstream, batch-exported over OTLP/HTTP "
-            f"protobuf to a loopback sink in the bench process). {args.requests} requests or {args.seconds:.0f} s per "
-            f"target and concurrency in {args.rounds} rounds after a warm-up; `model: auto`. The CPU column is the "
-            f"gateway process's user+system CPU per request (the export thread included). Target: on ≤ 1.10 × off. "
-            f"{exported} Machine: {env_line}.\n\n{out}\n\n{ratio}\n")
+            f"{TELEMETRY_SECTION}\n\n`python -m bench.gateway_overhead --telemetry` — {started}. "
+            f"{args.processes} `thinkgate serve` processes of each kind on the same simulator (hash seed 0 in all), "
+            f"all interleaved round by round: `otel-off` (default: no `telemetry.otlp_endpoint`), `otel-on` (every "
+            f"request: one request span with route, limits, cache, upstream and metering child spans, GenAI "
+            f"attributes, `traceparent` to the upstream, batch-exported over OTLP/HTTP protobuf to a loopback sink "
+            f"in the bench process) and `otel-on-10%` (`sample_ratio: 0.1`). {args.requests} requests or "
+            f"{args.seconds:.0f} s per process and concurrency in {args.rounds} rounds after a warm-up; "
+            f"`model: auto`. The CPU columns are each gateway process's user+system CPU per request (its export "
+            f"thread included), summed over the processes of a kind; the per-round ratio pairs a kind's mean with "
+            f"`otel-off`'s in the same round, and A/A is the second off process over the first (the noise floor: "
+            f"identical gateways). Then, alone on the machine, one gateway with `sample_ratio: 0` serves blocks of "
+            f"{args.block} requests alternately with a sampled client `traceparent` on every request (each request "
+            f"traced and exported, as at ratio 1; the client header also costs its parse) and without (one sampling "
+            f"decision): the traced / untraced CPU of the same process in adjacent blocks, {args.blocks} pairs per "
+            f"row — the measurement that can resolve a few percent on this machine. {exported} "
+            f"Machine: {env_line}.\n\n{verdict}\n\nAcross processes:\n\n{out}\n\n{ratio}\n\n"
+            f"One process, traced vs untraced requests:\n\n{same}\n")
 
 
 def parse_extra(spec: str) -> Target:
@@ -654,6 +825,12 @@ def main() -> None:
                          "commit), interleaved with the others; repeatable")
     ap.add_argument("--telemetry", action="store_true",
                     help="the gateway with OpenTelemetry traces off vs on (OTLP/HTTP to a loopback sink)")
+    ap.add_argument("--processes", type=int, default=2,
+                    help="with --telemetry: gateway processes of each kind (off, on, on 10 %%)")
+    ap.add_argument("--block", type=int, default=1024,
+                    help="with --telemetry: requests per block of the one-process traced/untraced comparison "
+                         "(1024 = 3 export batches of 2048 spans)")
+    ap.add_argument("--blocks", type=int, default=8, help="with --telemetry: traced/untraced block pairs per row")
     ap.add_argument("--litellm", action="store_true",
                     help="ThinkGate (router + cache + metering) vs LiteLLM's proxy; default concurrency 1 8 32 64")
     args = ap.parse_args()

@@ -18,73 +18,135 @@ when the request's usage record is metered (the end of a stream included) or whe
   score, when scored), ``thinkgate.request_id``, ``thinkgate.endpoint``;
 - ``http.response.status_code`` and, for a failure, ``error.type`` (the gateway's error code) and status ERROR.
 
-An escalated first attempt is an event (``thinkgate.escalated``) on the request span. Spans are exported in
-batches over OTLP/HTTP protobuf (``opentelemetry-exporter-otlp-proto-http``; ``pip install 'thinkgate[otel]'``)
-by a provider of the gateway's own (the process-global one is left alone). ``telemetry.sample_ratio`` (1.0)
-records that share of new traces; the others cost one sampling decision per request, record no step and still
-propagate ``traceparent`` (flags 00). Spans are built when the request ends (see :class:`Telemetry`).
+An escalated first attempt is an event (``thinkgate.escalated``) on the request span. Spans go to OTLP/HTTP
+protobuf in batches (:class:`gateway.otlp_wire.OtlpBatchExporter`; ``pip install 'thinkgate[otel]'``).
+``telemetry.sample_ratio`` (1.0) records that share of new traces, decided as the SDK's
+``ParentBased(TraceIdRatioBased)`` decides; the others cost one sampling decision per request, record no step
+and still propagate ``traceparent`` (flags 00).
+
+Why there are no SDK span objects on the request path: measured under load (bench/RESULTS.md "Telemetry
+overhead"), the SDK's live spans (~25 µs a span, six per request), then finished ``ReadableSpan`` objects with
+the SDK's batch processor and encoder, each cost more than the 10 % of a request's CPU the gateway allows
+tracing. A request records its steps as ``time_ns`` pairs and random ids (drawn as the SDK's
+``RandomIdGenerator`` draws them); when it ends, a :class:`SpanSink` turns them into spans: the OTLP bytes
+directly (:mod:`gateway.otlp_wire`), or SDK ``ReadableSpan`` objects for any SDK ``SpanExporter``
+(:class:`SdkSpans`: the SDK's in-memory exporter in the tests, the same spans the wire carries).
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.config import TelemetryConfig
 from router.errors import require
 
 OPERATIONS = {"chat": "chat", "responses": "chat", "messages": "chat", "completions": "text_completion",
               "embeddings": "embeddings"}
+SCOPE = "thinkgate"  # the instrumentation scope of every span
+
+# the OTLP proto's numbering (trace/v1): SpanKind and Status.code
+KIND_INTERNAL, KIND_SERVER = 1, 2
+STATUS_UNSET, STATUS_ERROR = 0, 2
 
 _CURRENT: ContextVar[RequestTrace | None] = ContextVar("thinkgate_trace", default=None)
 _NULL = contextlib.nullcontext()
+_MASK64 = (1 << 64) - 1
+_bits = random.getrandbits
+
+
+def new_span_id() -> int:
+    """A random non-zero 64-bit span id (the SDK's ``RandomIdGenerator``: ``random.getrandbits``)."""
+    sid = _bits(64)
+    while not sid:
+        sid = _bits(64)
+    return sid
+
+
+def new_trace_id() -> int:
+    """A random non-zero 128-bit trace id."""
+    tid = _bits(128)
+    while not tid:
+        tid = _bits(128)
+    return tid
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def parse_traceparent(value: str | None) -> tuple[int, int, int] | None:
+    """A W3C ``traceparent`` header as (trace id, parent span id, trace flags), or None when absent or malformed
+    — the rules of the SDK's ``TraceContextTextMapPropagator``: ``version-traceid-parentid-flags`` in lower-case
+    hex, ids not all zero, version ``ff`` invalid, nothing after the flags for version ``00`` (a later version
+    may add ``-…`` fields), at most 512 characters. Written here because the SDK's parse (a regex, a context
+    and a span object) cost ~12 µs a request."""
+    if value is None:
+        return None
+    v = value.strip()
+    if not 55 <= len(v) <= 512 or v[2] != "-" or v[35] != "-" or v[52] != "-":
+        return None
+    version, tid, sid, flags, rest = v[:2], v[3:35], v[36:52], v[53:55], v[55:]
+    if not _HEX.issuperset(version + tid + sid + flags) or version == "ff" or (rest and (version == "00"
+                                                                                       or rest[0] != "-")):
+        return None
+    trace_id, span_id = int(tid, 16), int(sid, 16)
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id, int(flags, 16)
+
+
+def _trace_state(headers: Mapping[str, str]) -> str:
+    """The client's ``tracestate`` as the SDK's ``TraceState`` parses it (invalid members dropped; all of the
+    header's fields joined), in header form; "" when none."""
+    getlist = getattr(headers, "getlist", None)
+    values = getlist("tracestate") if getlist is not None else [v for v in [headers.get("tracestate")] if v]
+    if not values or sum(len(v) for v in values) + len(values) - 1 > 512:  # the SDK ignores one that long too
+        return ""
+    from opentelemetry.trace.span import TraceState
+
+    return str(TraceState.from_header(values).to_header())
+
+
+class SpanSink(Protocol):
+    """Where finished traces go: :class:`gateway.otlp_wire.OtlpBatchExporter` or :class:`SdkSpans`."""
+
+    def trace_ended(self, trace: RequestTrace, attrs: Mapping[str, Any], code: int, message: str,
+                    end: int) -> None:
+        """``trace`` ended at ``end`` (ns since the epoch) with request-span ``attrs`` and status ``code``
+        (``STATUS_*``) / ``message``; its finished steps are ``trace.steps``."""
+
+    def step_ended(self, trace: RequestTrace, step: Step) -> None:
+        """A step that outlived its request span (rare): one child span on its own."""
+
+    def shutdown(self) -> None:
+        """Hand on what is queued and stop (app shutdown; may block up to the export timeout)."""
 
 
 class Telemetry:
-    """The tracer of one app. ``exporter``: a span exporter to use instead of OTLP/HTTP (tests give the SDK's
-    ``InMemorySpanExporter``; it is then exported synchronously).
+    """The tracer of one app: sampling, ids, context propagation and the sinks of finished traces.
 
-    Why spans are not made through ``Tracer.start_span``: the SDK's live span (a lock, attribute limits, context
-    objects, a processor call at start and end) cost ~25 µs a span, six per request — more than the 10 % of a
-    request's CPU the gateway allows tracing. A request records its steps as ``time_ns`` pairs and, when it
-    ends, hands finished ``ReadableSpan`` objects (what the SDK's own spans become) to the span processor: the
-    same sampler, id generator, resource, processor and exporter, no live span objects."""
+    ``sinks``: where finished traces go instead of OTLP/HTTP to ``cfg.otlp_endpoint`` (tests give
+    ``[SdkSpans(InMemorySpanExporter())]``, or that and a capturing wire encoder)."""
 
-    def __init__(self, cfg: TelemetryConfig, exporter: Any = None) -> None:
+    def __init__(self, cfg: TelemetryConfig, sinks: Sequence[SpanSink] | None = None) -> None:
         require("opentelemetry.sdk", "otel", "telemetry.otlp_endpoint (OpenTelemetry traces)")
-        from opentelemetry import trace as api
-        from opentelemetry.sdk import trace as sdk
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        self._api = api
-        self._sdk = sdk
-        self.provider = sdk.TracerProvider(resource=Resource.create({"service.name": cfg.service_name}),
-                                           sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))
-        if exporter is None:
-            from gateway.otlp_wire import OtlpHttpExporter  # the spans' bytes written directly (see there)
+        #: the SDK's resource: ``service.name`` and the ``telemetry.sdk.*`` attributes it adds
+        self.resource = Resource.create({"service.name": cfg.service_name})
+        # ParentBased(TraceIdRatioBased(ratio)) as the SDK computes it: a new trace is sampled when the low
+        # 64 bits of its id are below round(ratio · 2^64); a parent's sampled flag is followed
+        self.bound = round(cfg.sample_ratio * (1 << 64))
+        if sinks is None:
+            from gateway.otlp_wire import OtlpBatchExporter  # the spans' bytes written directly (see there)
 
-            exporter = OtlpHttpExporter(str(cfg.otlp_endpoint), dict(cfg.headers), cfg.export_timeout_s)
-            self.processor: Any = BatchSpanProcessor(exporter, max_queue_size=8192, max_export_batch_size=2048)
-        else:
-            self.processor = SimpleSpanProcessor(exporter)
-        self.provider.add_span_processor(self.processor)
-        self.tracer = self.provider.get_tracer("thinkgate")  # for callers that want live spans of their own
-        self.propagator = TraceContextTextMapPropagator()
-        self.sampler = self.provider.sampler
-        self.ids = self.provider.id_generator
-        self.resource = _hashed_resource(self.provider.resource)
-        self.scope = InstrumentationScope("thinkgate")
-        self.SERVER, self.INTERNAL = api.SpanKind.SERVER, api.SpanKind.INTERNAL
-        self.OK = sdk.Status(sdk.StatusCode.UNSET)
-        self._sampled = api.TraceFlags(api.TraceFlags.SAMPLED)
-        self._unsampled = api.TraceFlags(api.TraceFlags.DEFAULT)
+            sinks = [OtlpBatchExporter(str(cfg.otlp_endpoint), self.resource.attributes, SCOPE, dict(cfg.headers),
+                                       cfg.export_timeout_s)]
+        self.sinks = list(sinks)
 
     @classmethod
     def from_config(cls, cfg: TelemetryConfig) -> Telemetry | None:
@@ -92,62 +154,44 @@ class Telemetry:
         return cls(cfg) if cfg.otlp_endpoint else None
 
     def begin(self, endpoint: str, headers: Mapping[str, str]) -> RequestTrace:
-        """Start the trace of the request being served in this task (``endpoint``: the usage event's): the
-        sampling decision and the ids as ``Tracer.start_span`` makes them, a client's ``traceparent`` continued."""
+        """Start the trace of the request being served in this task (``endpoint``: the usage event's), a client's
+        ``traceparent`` (and ``tracestate``) continued; a malformed one starts a new trace, as in the SDK."""
         start = time.time_ns()
-        api = self._api
-        parent_ctx = self.propagator.extract(headers) if "traceparent" in headers else None
-        parent = api.get_current_span(parent_ctx).get_span_context() if parent_ctx is not None else None
-        if parent is not None and parent.is_valid:
-            trace_id = parent.trace_id
+        parent = parse_traceparent(headers.get("traceparent"))
+        parent_id: int | None = None
+        if parent is not None:
+            trace_id, parent_id, flags = parent
+            sampled, remote = bool(flags & 1), True
+            trace_state = _trace_state(headers)
         else:
-            parent, trace_id = None, self.ids.generate_trace_id()
-        name = OPERATIONS.get(endpoint, endpoint)
-        decision = self.sampler.should_sample(parent_ctx, trace_id, name, self.SERVER)
-        sampled = decision.decision.is_sampled()
-        context = api.SpanContext(trace_id, self.ids.generate_span_id(), is_remote=False,
-                                  trace_flags=self._sampled if sampled else self._unsampled,
-                                  trace_state=decision.trace_state)
-        trace = RequestTrace(self, context, parent, endpoint, start, sampled)
+            trace_id, remote, trace_state = new_trace_id(), False, ""
+            sampled = self.samples(trace_id)
+        trace = RequestTrace(self, trace_id, new_span_id(), parent_id, remote, trace_state, endpoint, start, sampled)
         _CURRENT.set(trace)
         return trace
 
-    def emit(self, span: Any) -> None:
-        self.processor.on_end(span)
+    def samples(self, trace_id: int) -> bool:
+        """Whether a new trace with this id is recorded (``TraceIdRatioBased``: its low 64 bits under the bound)."""
+        return (trace_id & _MASK64) < self.bound
 
     def shutdown(self) -> None:
         """Export what is queued and stop (on app shutdown)."""
-        self.provider.shutdown()
+        for sink in self.sinks:
+            sink.shutdown()
 
 
-def _hashed_resource(resource: Any) -> Any:
-    """``resource`` with its hash computed once: the OTLP encoder groups spans by resource and the SDK's
-    ``Resource.__hash__`` JSON-encodes the attributes on every call (a fifth of the encoding time)."""
-    cls: Any = type(resource)
-    base_hash = cls.__hash__
+class Step:
+    """One child step being timed (a context manager; its span is made when the request ends). ``span_id`` is
+    drawn when an outgoing call needs its ``traceparent`` or when it is exported."""
 
-    class HashedResource(cls):
-        _hash: int | None = None
-
-        def __hash__(self) -> int:
-            if self._hash is None:
-                self._hash = int(base_hash(self))
-            return self._hash
-
-    return HashedResource(resource.attributes, resource.schema_url)
-
-
-class _Step:
-    """One child step being timed (a context manager; the span is made when the request ends)."""
-
-    __slots__ = ("context", "end", "error", "name", "outer", "start", "trace")
+    __slots__ = ("end", "error", "name", "outer", "span_id", "start", "trace")
 
     def __init__(self, trace: RequestTrace, name: str) -> None:
         self.trace, self.name = trace, name
-        self.context: Any = None  # its SpanContext, made only when an outgoing call needs its traceparent
-        self.error: BaseException | None = None
+        self.span_id = 0
+        self.error: str | None = None  # the exception's class name when the step raised
 
-    def __enter__(self) -> _Step:
+    def __enter__(self) -> Step:
         trace = self.trace
         self.outer, trace.active = trace.active, self
         self.start = time.time_ns()
@@ -155,84 +199,75 @@ class _Step:
 
     def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
         self.end = time.time_ns()
-        self.error = exc
+        if exc is not None:
+            self.error = type(exc).__name__
         trace = self.trace
         trace.active = self.outer
-        if trace._ended:  # a step that outlived its request span (rare): exported on its own
-            trace.tel.emit(trace._child_span(self))
+        if trace.ended:
+            for sink in trace.tel.sinks:
+                sink.step_ended(trace, self)
         else:
             trace.steps.append(self)
 
-    def span_context(self) -> Any:
-        if self.context is None:
-            tel, root = self.trace.tel, self.trace.context
-            self.context = tel._api.SpanContext(root.trace_id, tel.ids.generate_span_id(), is_remote=False,
-                                                trace_flags=root.trace_flags, trace_state=root.trace_state)
-        return self.context
+    def sid(self) -> int:
+        if not self.span_id:
+            self.span_id = new_span_id()
+        return self.span_id
 
 
 class RequestTrace:
-    """One request's trace: its span context, its finished steps and the step running now (``active``, whose
-    context the upstream call propagates)."""
+    """One request's trace: ids (``trace_id`` 128-bit, ``span_id`` of the request span, ``parent_id`` of a
+    client's span or None, ``remote``: that parent came from the client), ``trace_state`` (the W3C header form,
+    "" when none), its finished steps and the step running now (``active``, whose id the upstream call
+    propagates), its events (``(time_ns, name, attributes)``) and times in ns since the epoch."""
 
-    __slots__ = ("_ended", "active", "context", "endpoint", "events", "name", "parent", "sampled", "start",
-                 "steps", "tel")
+    __slots__ = ("active", "end", "ended", "endpoint", "events", "name", "parent_id", "remote", "sampled",
+                 "span_id", "start", "steps", "tel", "trace_id", "trace_state")
 
-    def __init__(self, tel: Telemetry, context: Any, parent: Any, endpoint: str, start: int, sampled: bool) -> None:
+    def __init__(self, tel: Telemetry, trace_id: int, span_id: int, parent_id: int | None, remote: bool,
+                 trace_state: str, endpoint: str, start: int, sampled: bool) -> None:
         self.tel = tel
-        self.context = context
-        self.parent = parent
+        self.trace_id, self.span_id, self.parent_id, self.remote = trace_id, span_id, parent_id, remote
+        self.trace_state = trace_state
         self.endpoint = endpoint
         self.name = OPERATIONS.get(endpoint, endpoint)
         self.start = start
+        self.end = 0
         self.sampled = sampled
-        self.active: _Step | None = None
-        self.steps: list[_Step] = []
-        self.events: list[Any] = []
-        self._ended = False
+        self.active: Step | None = None
+        self.steps: list[Step] = []
+        self.events: list[tuple[int, str, dict[str, Any]]] = []
+        self.ended = False
 
     def child(self, name: str) -> contextlib.AbstractContextManager[Any]:
         """Time one step (``route``, ``limits``, …) as a child span; nothing when the trace is not sampled."""
-        return _Step(self, name) if self.sampled else _NULL
+        return Step(self, name) if self.sampled else _NULL
 
-    def traceparent(self) -> str | None:
-        # W3C traceparent of the active step (version 00, its trace and span ids, its trace flags)
-        c = self.active.span_context() if self.active is not None else self.context
-        return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
+    def traceparent(self) -> str:
+        """The W3C ``traceparent`` of the active step (version 00, trace id, span id, sampled flag)."""
+        sid = self.active.sid() if self.active is not None else self.span_id
+        return f"00-{self.trace_id:032x}-{sid:016x}-{'01' if self.sampled else '00'}"
 
-    def _child_span(self, step: _Step) -> Any:
-        tel, sdk = self.tel, self.tel._sdk
-        status = tel.OK
-        if step.error is not None:
-            status = sdk.Status(sdk.StatusCode.ERROR, type(step.error).__name__)
-        return sdk.ReadableSpan(step.name, step.span_context(), self.context, tel.resource, {}, (), (),
-                                tel.INTERNAL, None, status, step.start, step.end, tel.scope)
-
-    def _end(self, attrs: dict[str, Any], status: Any) -> None:
-        self._ended = True
+    def _end(self, attrs: dict[str, Any], code: int, message: str) -> None:
+        self.ended = True
         if not self.sampled:
             return
-        tel, sdk = self.tel, self.tel._sdk
-        end = time.time_ns()
-        for step in self.steps:
-            tel.emit(self._child_span(step))
-        self.steps = []
-        tel.emit(sdk.ReadableSpan(self.name, self.context, self.parent, tel.resource, attrs, tuple(self.events),
-                                  (), tel.SERVER, None, status, self.start, end, tel.scope))
+        self.end = end = time.time_ns()
+        for sink in self.tel.sinks:  # steps stay: a sink may read them later (nothing appends once ended)
+            sink.trace_ended(self, attrs, code, message, end)
 
     def finish(self, record: Any) -> None:
         """End the request span with the attributes of its usage record (see the module doc)."""
-        if self._ended or record.endpoint != self.endpoint:  # e.g. the semantic cache's embedding record
+        if self.ended or record.endpoint != self.endpoint:  # e.g. the semantic cache's embedding record
             return
-        sdk = self.tel._sdk
         if (record.error_code or "").startswith("escalated_"):
             if self.sampled:
-                self.events.append(sdk.Event("thinkgate.escalated", {
+                self.events.append((time.time_ns(), "thinkgate.escalated", {
                     "thinkgate.tier": record.tier or "", "thinkgate.error_code": record.error_code,
                     "thinkgate.cost_micro_usd": record.cost_micro_usd}))
             return
         if not self.sampled:
-            self._ended = True
+            self.ended = True
             return
         op = OPERATIONS.get(record.endpoint, record.endpoint)
         model = str(record.requested_model or "")
@@ -253,22 +288,79 @@ class RequestTrace:
             attrs["thinkgate.route_reason"] = record.route_reason
         if record.difficulty is not None:
             attrs["thinkgate.difficulty"] = float(record.difficulty)
-        status = self.tel.OK
+        code, message = STATUS_UNSET, ""
         if record.status >= 400:
             attrs["error.type"] = record.error_code or str(record.status)
             if record.status >= 500:
-                status = sdk.Status(sdk.StatusCode.ERROR, record.error_code or str(record.status))
-        self._end(attrs, status)
+                code, message = STATUS_ERROR, record.error_code or str(record.status)
+        self._end(attrs, code, message)
 
     def fail(self, exc: BaseException) -> None:
         """End the request span for a request refused or broken before its usage record (no-op after finish)."""
-        if self._ended:
+        if self.ended:
             return
-        sdk = self.tel._sdk
         status = int(getattr(exc, "status", 500))
         code = str(getattr(exc, "code", None) or type(exc).__name__)
-        self._end({"http.response.status_code": status, "error.type": code, "thinkgate.endpoint": self.endpoint},
-                  sdk.Status(sdk.StatusCode.ERROR, code) if status >= 500 else self.tel.OK)
+        attrs = {"http.response.status_code": status, "error.type": code, "thinkgate.endpoint": self.endpoint}
+        self._end(attrs, *((STATUS_ERROR, code) if status >= 500 else (STATUS_UNSET, "")))
+
+
+class SdkSpans:
+    """A :class:`SpanSink` that hands finished traces to an OpenTelemetry SDK ``SpanExporter`` as the SDK's own
+    ``ReadableSpan`` objects (synchronously, one export call per trace): e.g. the SDK's
+    ``InMemorySpanExporter`` in the tests, or any SDK exporter a deployment wants instead of OTLP/HTTP."""
+
+    def __init__(self, exporter: Any, resource: Any = None) -> None:
+        from opentelemetry import trace as api
+        from opentelemetry.sdk import trace as sdk
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        self.exporter = exporter
+        self._api, self._sdk = api, sdk
+        self.resource = resource if resource is not None else Resource.create({"service.name": "thinkgate"})
+        self.scope = InstrumentationScope(SCOPE)
+
+    def _context(self, trace: RequestTrace, span_id: int) -> Any:
+        api = self._api
+        flags = api.TraceFlags(api.TraceFlags.SAMPLED)
+        state = api.TraceState.from_header([trace.trace_state]) if trace.trace_state else None
+        return api.SpanContext(trace.trace_id, span_id, is_remote=False, trace_flags=flags, trace_state=state)
+
+    def _status(self, code: int, message: str) -> Any:
+        sdk = self._sdk
+        return sdk.Status(sdk.StatusCode.ERROR, message) if code == STATUS_ERROR else sdk.Status(sdk.StatusCode.UNSET)
+
+    def _step(self, trace: RequestTrace, step: Step) -> Any:
+        status = self._status(STATUS_ERROR, step.error) if step.error else self._status(STATUS_UNSET, "")
+        return self._sdk.ReadableSpan(step.name, self._context(trace, step.sid()), self._context(trace, trace.span_id),
+                                      self.resource, {}, (), (), self._api.SpanKind.INTERNAL, None, status,
+                                      step.start, step.end, self.scope)
+
+    def spans(self, trace: RequestTrace, attrs: Mapping[str, Any], code: int, message: str,
+              end: int) -> list[Any]:
+        """The trace as SDK ``ReadableSpan`` objects: its steps, then the request span."""
+        api, sdk = self._api, self._sdk
+        parent = None
+        if trace.parent_id is not None:
+            state = api.TraceState.from_header([trace.trace_state]) if trace.trace_state else None
+            parent = api.SpanContext(trace.trace_id, trace.parent_id, is_remote=trace.remote,
+                                     trace_flags=api.TraceFlags(api.TraceFlags.SAMPLED), trace_state=state)
+        events = tuple(sdk.Event(name, attributes, ts) for ts, name, attributes in trace.events)
+        root = sdk.ReadableSpan(trace.name, self._context(trace, trace.span_id), parent, self.resource, dict(attrs),
+                                events, (), api.SpanKind.SERVER, None, self._status(code, message), trace.start,
+                                end, self.scope)
+        return [*(self._step(trace, s) for s in trace.steps), root]
+
+    def trace_ended(self, trace: RequestTrace, attrs: Mapping[str, Any], code: int, message: str,
+                    end: int) -> None:
+        self.exporter.export(self.spans(trace, attrs, code, message, end))
+
+    def step_ended(self, trace: RequestTrace, step: Step) -> None:
+        self.exporter.export([self._step(trace, step)])
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
 
 
 def current() -> RequestTrace | None:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from gateway.config import TelemetryConfig
-from gateway.telemetry import Telemetry
+from gateway.telemetry import SdkSpans, Telemetry
 from tests.fixtures.gateway import SECRETS, cleanup, gateway_settings
 from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, wait_for
 
@@ -34,7 +34,7 @@ def traced(upstream_sim: SimProcess, redis_url: str, tmp_path: Path) -> Iterator
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
     exporter = InMemorySpanExporter()
     gw = GatewayServer(gateway_settings(upstream_sim.base_url, redis_url, prefix, tmp_path / "spool.jsonl"))
-    gw.app.state.proxy.telemetry = Telemetry(TelemetryConfig(), exporter=exporter)
+    gw.app.state.proxy.telemetry = Telemetry(TelemetryConfig(), sinks=[SdkSpans(exporter)])
     try:
         with gw:
             yield gw, exporter
@@ -112,20 +112,59 @@ def test_stream_client_trace_and_refusal(traced: tuple[GatewayServer, Any]) -> N
     assert bad.attributes["error.type"] == refused.json()["error"]["code"]
 
 
-def test_hand_encoder_writes_what_the_sdk_encoder_writes(traced: tuple[GatewayServer, Any]) -> None:
-    # gateway/otlp_wire.py writes the OTLP bytes itself: the same message as the SDK's encoder, span for span
+class WireCapture:
+    """A span sink that keeps the bytes :mod:`gateway.otlp_wire` writes for each finished trace."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def trace_ended(self, trace: Any, attrs: Any, code: int, message: str, end: int) -> None:
+        from gateway.otlp_wire import encode_trace
+
+        self.parts.append(encode_trace(trace, attrs, code, message, end))
+
+    def step_ended(self, trace: Any, step: Any) -> None:
+        from gateway.otlp_wire import encode_step
+
+        self.parts.append(encode_step(trace, step))
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_hand_encoder_writes_what_the_sdk_encoder_writes(upstream_sim: SimProcess, redis_url: str,
+                                                         tmp_path: Path) -> None:
+    # gateway/otlp_wire.py writes the OTLP bytes of each trace itself: the same message as the SDK's encoder
+    # makes of the same trace as SDK ReadableSpans, span for span (ids, times, attributes, events, status, flags)
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from gateway.otlp_wire import encode_request
+    from gateway.otlp_wire import frame
+    from gateway.telemetry import SCOPE
 
-    gw, exporter = traced
-    assert _post(gw, {"model": "long", "messages": [{"role": "user", "content": "enc " + uuid.uuid4().hex}]},
-                 traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").status_code == 200
-    assert _post(gw, {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).status_code >= 400
-    spans = _request_spans(exporter, 2) and exporter.get_finished_spans()
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    exporter, wire = InMemorySpanExporter(), WireCapture()
+    gw = GatewayServer(gateway_settings(upstream_sim.base_url, redis_url, prefix, tmp_path / "spool.jsonl"))
+    tel = Telemetry(TelemetryConfig(), sinks=[SdkSpans(exporter), wire])
+    gw.app.state.proxy.telemetry = tel
+    try:
+        with gw:
+            assert _post(gw, {"model": "long", "messages": [{"role": "user", "content": "enc " + uuid.uuid4().hex}]},
+                         traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                         tracestate="vendor=a1,other=b2").status_code == 200
+            assert _post(gw, {"model": "no-such-model",
+                              "messages": [{"role": "user", "content": "x"}]}).status_code >= 400
+            assert _post(gw, {"model": "short", "messages": [{"role": "user", "content": "enc " + uuid.uuid4().hex}],
+                              "sim": {"fail": "500"}}).status_code >= 500
+            spans = _request_spans(exporter, 3) and exporter.get_finished_spans()
+    finally:
+        cleanup(redis_url, prefix)
     assert {s.name for s in spans} >= STEPS and any(s.parent is not None and s.parent.is_remote for s in spans)
-    ours = ExportTraceServiceRequest.FromString(encode_request(spans))
+    assert any(s.context.trace_state.to_header() == "vendor=a1,other=b2" for s in spans)
+    assert any(s.status.status_code.name == "ERROR" for s in spans)  # the upstream's 500 (and its failed step)
+    ours = ExportTraceServiceRequest.FromString(frame(SdkSpans(exporter).resource.attributes, SCOPE,
+                                                      b"".join(wire.parts)))
     assert ours == encode_spans(spans)
     assert len(ours.resource_spans[0].scope_spans[0].spans) == len(spans)
 
@@ -221,7 +260,7 @@ def test_unsampled_requests_record_nothing_and_still_propagate(upstream_sim: Sim
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
     exporter = InMemorySpanExporter()
     gw = GatewayServer(gateway_settings(upstream_sim.base_url, redis_url, prefix, tmp_path / "spool.jsonl"))
-    gw.app.state.proxy.telemetry = Telemetry(TelemetryConfig(sample_ratio=0.0), exporter=exporter)
+    gw.app.state.proxy.telemetry = Telemetry(TelemetryConfig(sample_ratio=0.0), sinks=[SdkSpans(exporter)])
     tag = uuid.uuid4().hex
     try:
         with gw:
