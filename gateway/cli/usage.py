@@ -44,12 +44,14 @@ def export(
     until: str | None = typer.Option(None, help="Until (exclusive), same forms."),
     group_by: str | None = typer.Option(None, "--group-by", help="Comma list of key,tier,model,day,tag,tag:NAME."),
     key: str | None = typer.Option(None, "--key", help="Only this key id."),
-    output: Path | None = typer.Option(None, "--output", "-o", help="File to write (default: stdout)."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="File to write (default, or '-': stdout)."),
     config: Path | None = CONFIG_OPTION,
 ) -> None:
     """Export usage: raw events, or sums grouped by key/tier/model/day/tag."""
     from gateway.ledger import export as ex
 
+    if output is not None and str(output) == "-":  # the Unix convention: '-' is standard output
+        output = None
     if fmt not in ("csv", "jsonl", "parquet"):
         typer.echo("thinkgate: --format must be csv, jsonl or parquet", err=True)
         raise typer.Exit(2)

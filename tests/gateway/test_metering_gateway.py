@@ -165,7 +165,8 @@ def test_exports_equal_counters_equal_events(gw: GatewayServer, cli_config: Path
     csv_rows = {row["key"]: {k: int(row[k]) for k in COUNTER_FIELDS} for row in csv.DictReader(io.StringIO(
         out.read_text()))}
     assert csv_rows == by_key
-    r = _cli("usage", "export", "--format", "jsonl", "--group-by", "key", config=cli_config)
+    r = _cli("usage", "export", "--format", "jsonl", "--group-by", "key", "--output", "-", config=cli_config)
+    assert not (REPO / "-").exists()  # '-' is standard output, not a file of that name
     jsonl_rows = {row["key"]: {k: row[k] for k in COUNTER_FIELDS} for row in map(json.loads, r.stdout.splitlines())}
     assert jsonl_rows == by_key
     pq_path = tmp_path / "u.parquet"
