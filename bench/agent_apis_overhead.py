@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import orjson
 
+from bench._lib.load import send
 from bench._lib.results_md import write_section
 from bench.gateway_overhead import BENCH_KEY, Samples, cpu_seconds, machine, start_gateway, stop_all
 from tests.fixtures.upstream import start_sim
@@ -53,14 +54,7 @@ async def run_load(clients: list[httpx.AsyncClient], url: str, body: bytes, head
             left -= 1
             t0 = time.perf_counter()
             try:
-                if stream:
-                    async with client.stream("POST", url, content=body, headers=headers) as r:
-                        async for _ in r.aiter_raw():
-                            pass
-                        ok = r.status_code == 200
-                else:
-                    r = await client.post(url, content=body, headers=headers)
-                    ok = r.status_code == 200
+                ok = (await send(client, url, body, headers, stream)).status_code == 200
             except httpx.HTTPError:
                 ok = False
             if ok:

@@ -35,6 +35,7 @@ import httpx
 import orjson
 import yaml
 
+from bench._lib.load import send
 from bench._lib.results_md import write_section
 from bench.gateway_overhead import Samples, cpu_seconds, machine
 from gateway.engine.redis_server import free_port
@@ -90,12 +91,7 @@ async def run_case(client: httpx.AsyncClient, url: str, case: str, stream: bool,
             break
         body = body_for(case, stream, i)
         t0 = time.perf_counter()
-        if stream:
-            async with client.stream("POST", url, content=body, headers=headers) as r:
-                async for _ in r.aiter_raw():
-                    pass
-        else:
-            r = await client.post(url, content=body, headers=headers)
+        r = await send(client, url, body, headers, stream)
         got = r.headers.get("x-thinkgate-cache")
         if r.status_code == 200 and got == case:
             out.latencies_ms.append((time.perf_counter() - t0) * 1000)

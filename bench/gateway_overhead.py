@@ -59,8 +59,10 @@ import httpx
 import orjson
 import yaml
 
+from bench._lib.load import send
 from bench._lib.results_md import write_section
 from gateway.engine.redis_server import free_port
+from tests.fixtures.otlp import OtlpReceiver
 from tests.fixtures.upstream import SimProcess, start_sim, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,14 +169,7 @@ async def run_load(clients: list[httpx.AsyncClient], target: Target, concurrency
             data = unique_body(target.model, stream) if unique else body
             t0 = time.perf_counter()
             try:
-                if stream:
-                    async with client.stream("POST", url, content=data, headers=headers) as r:
-                        async for _ in r.aiter_raw():
-                            pass
-                        ok = r.status_code == 200
-                else:
-                    r = await client.post(url, content=data, headers=headers)
-                    ok = r.status_code == 200
+                ok = (await send(client, url, data, headers, stream)).status_code == 200
             except httpx.HTTPError:
                 ok = False
             if ok:
@@ -544,39 +539,6 @@ def run_litellm(args: argparse.Namespace) -> None:
         )
 
 
-class OtlpSink:
-    """A loopback OTLP/HTTP traces endpoint for ``--telemetry``: answers 200 to every export, counts the bytes."""
-
-    def __init__(self) -> None:
-        import http.server
-        import threading
-
-        outer = self
-        self.posts = 0
-        self.bytes = 0
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                n = int(self.headers["content-length"])
-                self.rfile.read(n)
-                outer.posts += 1
-                outer.bytes += n
-                self.send_response(200)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 TELEMETRY_SECTION = "## Telemetry overhead"
 
 
@@ -645,13 +607,7 @@ async def traced_vs_untraced(target: Target, concurrency: int, stream: bool, blo
                 if traced:
                     headers["traceparent"] = f"00-{random.getrandbits(128):032x}-{random.getrandbits(64):016x}-01"
                 try:
-                    if stream:
-                        async with client.stream("POST", url, content=body, headers=headers) as r:
-                            async for _ in r.aiter_raw():
-                                pass
-                    else:
-                        r = await client.post(url, content=body, headers=headers)
-                    errors += r.status_code != 200
+                    errors += (await send(client, url, body, headers, stream)).status_code != 200
                 except httpx.HTTPError:
                     errors += 1
 
@@ -673,7 +629,7 @@ async def traced_vs_untraced(target: Target, concurrency: int, stream: bool, blo
     return traced_ms, untraced_ms, errors
 
 
-def same_process_table(args: argparse.Namespace, sim: SimProcess, sink: OtlpSink,
+def same_process_table(args: argparse.Namespace, sim: SimProcess, sink: OtlpReceiver,
                        workdir: Path) -> tuple[str, list[float]]:
     """The traced-vs-untraced measurement for each mode and concurrency: a markdown table and the ratios."""
     import statistics
@@ -696,11 +652,7 @@ def same_process_table(args: argparse.Namespace, sim: SimProcess, sink: OtlpSink
                              f"| {mon / moff:.3f} | {statistics.median(pairs):.3f} ({min(pairs):.2f} … "
                              f"{max(pairs):.2f}) | {1000 * (mon - moff):+.0f} |")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_all([proc], _NoSim())
     return "\n".join(lines), ratios
 
 
@@ -712,7 +664,7 @@ def run_telemetry(args: argparse.Namespace) -> None:
     env_line = machine()
     started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     sim = start_sim()
-    sink = OtlpSink()
+    sink = OtlpReceiver(decode=False)  # counts what arrives; decoding would take CPU from the gateways
     procs: list[subprocess.Popen[bytes]] = []
     extras: dict[str, dict[str, Any]] = {
         "otel-off": {}, "otel-on": {"telemetry": {"otlp_endpoint": sink.url}},

@@ -4,9 +4,7 @@ drops and counts, shutdown flushes; and the sampler decides as the SDK's ``Paren
 
 from __future__ import annotations
 
-import http.server
 import random
-import threading
 import time
 from typing import Any
 
@@ -16,47 +14,9 @@ from gateway.config import TelemetryConfig
 from gateway.ledger.record import UsageRecord
 from gateway.otlp_wire import OtlpBatchExporter
 from gateway.telemetry import SCOPE, Telemetry, finish, span
+from tests.fixtures.otlp import OtlpReceiver
 
 pytest.importorskip("opentelemetry.sdk", reason="the otel extra (pip install 'thinkgate[otel]') is not installed")
-
-
-class Receiver:
-    """A loopback traces endpoint answering ``statuses`` in turn (then 200), decoding what it accepts."""
-
-    def __init__(self, statuses: list[int] | None = None) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        self.statuses = list(statuses or [])
-        self.attempts = 0
-        self.requests: list[Any] = []
-        self.times: list[float] = []
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                data = self.rfile.read(int(self.headers["content-length"]))
-                outer.attempts += 1
-                outer.times.append(time.monotonic())
-                status = outer.statuses.pop(0) if outer.statuses else 200
-                if status == 200:
-                    outer.requests.append(ExportTraceServiceRequest.FromString(data))
-                self.send_response(status)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def spans(self) -> list[Any]:
-        return [s for r in self.requests for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def _one_request(tel: Telemetry, tier: str = "short") -> None:
@@ -73,7 +33,7 @@ def _exporter(url: str, **kw: Any) -> OtlpBatchExporter:
 
 
 def test_batches_arrive_and_503s_are_retried() -> None:
-    receiver = Receiver([503, 503])
+    receiver = OtlpReceiver([503, 503])
     exporter = _exporter(receiver.url, timeout_s=10.0, max_export_batch_size=12, schedule_delay_s=30)
     tel = Telemetry(TelemetryConfig(), sinks=[exporter])
     try:
@@ -85,9 +45,9 @@ def test_batches_arrive_and_503s_are_retried() -> None:
     finally:
         exporter.shutdown()
         receiver.close()
-    assert receiver.attempts == 3 and len(receiver.requests) == 1  # two 503s, then accepted
+    assert receiver.posts == 3 and len(receiver.requests) == 1  # two 503s, then accepted
     assert receiver.times[2] - receiver.times[1] >= 0.9  # backoff doubles: 0.5 s, then 1 s
-    spans = receiver.spans()
+    spans = [s for _, s in receiver.spans()]
     assert len(spans) == 12 and exporter.exported == 12 and exporter.dropped == 0
     roots = [s for s in spans if s.kind == 2]  # SPAN_KIND_SERVER
     tiers = [{kv.key: kv.value for kv in s.attributes}["thinkgate.tier"].string_value for s in roots]
@@ -98,7 +58,7 @@ def test_batches_arrive_and_503s_are_retried() -> None:
 
 
 def test_refused_batch_is_dropped_full_queue_counts_and_shutdown_flushes() -> None:
-    receiver = Receiver([400])
+    receiver = OtlpReceiver([400])
     exporter = _exporter(receiver.url, max_export_batch_size=6, max_queue_size=12, schedule_delay_s=30)
     tel = Telemetry(TelemetryConfig(), sinks=[exporter])
     try:
@@ -106,7 +66,7 @@ def test_refused_batch_is_dropped_full_queue_counts_and_shutdown_flushes() -> No
         deadline = time.monotonic() + 5
         while exporter.dropped < 6 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert receiver.attempts == 1 and exporter.dropped == 6
+        assert receiver.posts == 1 and exporter.dropped == 6
         slow = _exporter(receiver.url, max_export_batch_size=100, max_queue_size=12, schedule_delay_s=30)
         tel.sinks = [slow]
         for _ in range(3):  # 18 spans into a queue of 12: the third trace is dropped, whole

@@ -5,10 +5,8 @@ the POSTed protobuf. Off: no span, no ``traceparent`` upstream, no OpenTelemetry
 
 from __future__ import annotations
 
-import http.server
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,6 +19,7 @@ import pytest
 from gateway.config import TelemetryConfig
 from gateway.telemetry import SdkSpans, Telemetry
 from tests.fixtures.gateway import SECRETS, cleanup, gateway_settings
+from tests.fixtures.otlp import OtlpReceiver
 from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -169,42 +168,6 @@ def test_hand_encoder_writes_what_the_sdk_encoder_writes(upstream_sim: SimProces
     assert len(ours.resource_spans[0].scope_spans[0].spans) == len(spans)
 
 
-class OtlpReceiver:
-    """A loopback OTLP/HTTP traces endpoint: decodes each POSTed ``ExportTraceServiceRequest``."""
-
-    def __init__(self) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        self.spans: list[Any] = []
-        self.content_types: list[str] = []
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                data = self.rfile.read(int(self.headers["content-length"]))
-                outer.content_types.append(self.headers["content-type"])
-                req = ExportTraceServiceRequest()
-                req.ParseFromString(data)
-                for rs in req.resource_spans:
-                    for ss in rs.scope_spans:
-                        outer.spans.extend((rs.resource, s) for s in ss.spans)
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_otlp_http_export_to_a_loopback_receiver(upstream_sim: SimProcess, redis_url: str, tmp_path: Path) -> None:
     receiver = OtlpReceiver()
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
@@ -216,15 +179,15 @@ def test_otlp_http_export_to_a_loopback_receiver(upstream_sim: SimProcess, redis
             assert r.status_code == 200
         # stopping the gateway flushed the batch processor
         deadline = time.monotonic() + 10
-        while not any(s.name == "chat short" for _, s in receiver.spans) and time.monotonic() < deadline:
+        while not any(s.name == "chat short" for _, s in receiver.spans()) and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         receiver.close()
         cleanup(redis_url, prefix)
-    names = {s.name for _, s in receiver.spans}
+    names = {s.name for _, s in receiver.spans()}
     assert {"chat short", *STEPS} <= names
     assert set(receiver.content_types) == {"application/x-protobuf"}
-    resource, root = next((res, s) for res, s in receiver.spans if s.name == "chat short")
+    resource, root = next((res, s) for res, s in receiver.spans() if s.name == "chat short")
     attrs = {kv.key: kv.value for kv in root.attributes}
     assert attrs["thinkgate.tier"].string_value == "short"
     assert attrs["thinkgate.cost_micro_usd"].int_value > 0
