@@ -96,7 +96,10 @@ class UsageRecord:
         return {name: getattr(self, name) for name in _PUBLIC_FIELDS}
 
 
-_PUBLIC_FIELDS = tuple(f.name for f in fields(UsageRecord) if not f.name.startswith("_"))
+# Not logged: private fields, and the routing window — the user's prompt text, which only the outcome store may
+# keep, and only under ``routing.outcomes.retain_text`` (a data-retention decision; docs/closed-loop.md).
+_UNLOGGED = frozenset({"routing_window"})
+_PUBLIC_FIELDS = tuple(f.name for f in fields(UsageRecord) if not f.name.startswith("_") and f.name not in _UNLOGGED)
 
 
 def emit(record: UsageRecord) -> None:

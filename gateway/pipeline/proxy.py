@@ -47,6 +47,7 @@ from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import SESSION_HEADER, Sessions
 from gateway.pipeline.shadow import Shadow
 from gateway.telemetry import Telemetry, current, span
+from gateway.telemetry import finish as end_trace
 from gateway.thinking.forcing import open_forced
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamConnectTimeout, UpstreamPool
 from gateway.upstream.response import UpstreamResponse
@@ -170,6 +171,9 @@ class Proxy:
             record.tier, record.upstream_model, record.route_reason = route.tier.name, route.tier.model, route.reason
         if self.accounting is not None:
             self.accounting.audit(record, exc.status, exc.code)
+        else:
+            record.status, record.error_code = exc.status, exc.code
+        end_trace(record)  # the request span says what was known: the model asked for, the tier when routed
         exc.headers.setdefault("x-request-id", record.request_id)
 
     async def serve(self, key: KeyInfo, body: dict[str, Any], headers: Mapping[str, str], endpoint: WireEndpoint,

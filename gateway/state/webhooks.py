@@ -28,11 +28,12 @@ RETRY_AFTER_MAX_S = 60.0
 
 
 def redacted(url: str) -> str:
-    """``url`` without its query and user info (Slack's secret is in the path: keep only its first segment)."""
+    """``url`` as logs and the dead-letter file show it: scheme, host and port only. Webhook services put the
+    secret in the path (Slack ``/services/T…/B…/<secret>``, Mattermost ``/hooks/<secret>``, Discord
+    ``/api/webhooks/<id>/<secret>``) or the query, so no part of either is shown."""
     parts = urlsplit(url)
-    path = parts.path.split("/")
-    shown = "/".join(path[:3]) + ("/…" if len(path) > 3 else "")
-    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{shown}"
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{parts.hostname or ''}{port}{'/…' if parts.path.strip('/') or parts.query else ''}"
 
 
 def _retry_after(resp: httpx.Response) -> float:

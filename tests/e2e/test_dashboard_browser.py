@@ -93,6 +93,7 @@ def test_dashboard_in_chromium(seeded: Seeded, tmp_path: Path) -> None:
                                              "[b.dataset.row, Number(b.dataset.micro)]))")
             budget_rows = page.eval_on_selector_all("#budgets tr[data-row]", "rs => rs.map(r => r.dataset.row)")
             alerts = page.inner_text("#alerts")
+            headline = page.inner_text("#total-requests")
             bar_px = page.eval_on_selector("#spend-day .fill", "f => f.getBoundingClientRect().height")
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
         finally:
@@ -111,6 +112,8 @@ def test_dashboard_in_chromium(seeded: Seeded, tmp_path: Path) -> None:
     assert by_tag == {f"tag:{r['tag']}": r["cost_micro_usd"] for r in usage_rows(seeded.gw, "tag", since)}
     assert days == {f"day:{r['day']}": r["cost_micro_usd"] for r in usage_rows(seeded.gw, "day", since)}
     assert total == sum(api_key.values()) > 0
+    refused = sum(r["refused"] for r in export_rows(seeded.config, "key", since))
+    assert f"{refused} refused" in headline, headline
     assert cache_saved == sum(r["saved_micro_usd"] for r in usage_rows(seeded.gw, "key", since)) > 0
     assert {"budget:key alice:day", "budget:tag:team=a:day", "budget:global:month"} <= set(budget_rows)
     assert "key alice" in alerts and "1% of $0.002" in alerts
@@ -145,6 +148,8 @@ def test_redis_down_page_says_so(upstream_sim: SimProcess, tmp_path: Path) -> No
                 server.stop()
                 page.wait_for_selector("body[data-state=unavailable]", timeout=15000)
                 assert "Redis is unreachable" in page.inner_text("#status")
+                assert page.inner_text("#status").count("unreachable") == 1  # said once
+                assert page.inner_text("#updated").startswith("no figures")  # not left on "loading…"
                 assert not page.is_visible("#total-spend")  # no figure shown, zero or stale
                 page.screenshot(path=str(tmp_path / "dashboard-redis-down.png"))
             finally:

@@ -107,3 +107,17 @@ async def test_a_rejected_payload_is_not_retried(redis_url: str, redis_prefix: s
     finally:
         receiver.close()
     assert len(receiver.attempts) == 1 and (tmp_path / "dead.jsonl").exists()
+
+
+def test_redacted_webhook_url_shows_no_secret() -> None:
+    from gateway.state.webhooks import redacted
+
+    for url, secret in [("https://hooks.slack.com/services/T000/B000/XXXXsecret", "XXXXsecret"),
+                        ("https://chat.example.com/hooks/abc123secret", "abc123secret"),
+                        ("https://discord.com/api/webhooks/42/tok3nsecret", "tok3nsecret"),
+                        ("https://user:pw@alerts.example.com:8443/in?token=q7secret", "q7secret")]:
+        shown = redacted(url)
+        assert secret not in shown and "pw" not in shown
+        assert shown.startswith(url.split("://")[0] + "://") and shown.endswith("/…")
+    assert redacted("http://127.0.0.1:9000") == "http://127.0.0.1:9000"
+    assert redacted("https://alerts.example.com:8443/x") == "https://alerts.example.com:8443/…"

@@ -109,6 +109,8 @@ def test_stream_client_trace_and_refusal(traced: tuple[GatewayServer, Any]) -> N
     assert metering.end_time <= streamed.end_time
     bad = next(s for s in spans if s.attributes.get("http.response.status_code") == refused.status_code)
     assert bad.attributes["error.type"] == refused.json()["error"]["code"]
+    # a refusal's span still names what was asked for (the request span ends where the refusal is audited)
+    assert bad.name == "chat no-such-model" and bad.attributes["gen_ai.request.model"] == "no-such-model"
 
 
 class WireCapture:

@@ -40,9 +40,12 @@ function setMoney(id, micro, usdText) {
   e.dataset.micro = micro === null || micro === undefined ? "" : String(micro);
 }
 
+// what an empty group value means: refused before routing (no tier), refused before auth (no key), no tag
+const NONE = {tier: "(not routed: refused)", key: "(no key: refused)", tag: "(untagged)"};
+
 function spendRows(rows, field) {
   return rows.map(r => el("tr", {"data-row": field + ":" + r[field]},
-    el("td", {text: r[field] === "" ? "(none)" : r[field]}),
+    el("td", {text: r[field] === "" ? NONE[field] : r[field]}),
     el("td", {"data-field": "requests", text: String(r.requests)}),
     el("td", {"data-field": "tokens", text: String(r.prompt_tokens + r.completion_tokens)}),
     money(r.cost_micro_usd, r.cost_usd), money(r.saved_micro_usd, r.saved_usd)));
@@ -51,7 +54,8 @@ function spendRows(rows, field) {
 function render(d) {
   const s = d.savings, t = d.total;
   setMoney("total-spend", t ? t.cost_micro_usd : 0, t ? t.cost_usd : "0");
-  document.getElementById("total-requests").textContent = (t ? t.requests : 0) + " requests · " + (t ? t.errors : 0) + " errors";
+  document.getElementById("total-requests").textContent = (t ? t.requests : 0) + " requests · " + (t ? t.errors : 0) +
+    " errors · " + (t ? t.refused : 0) + " refused";
   setMoney("always-long", s.always_long_micro_usd, s.always_long_usd);
   document.getElementById("long-tier").textContent = "every request on tier " + s.long_tier + " (estimate)";
   setMoney("savings", s.savings_micro_usd, s.savings_usd);
@@ -111,6 +115,7 @@ function render(d) {
 function unavailable(message) {
   const st = document.getElementById("status");
   st.textContent = message; st.hidden = false;
+  document.getElementById("updated").textContent = "no figures · checked " + new Date().toISOString().slice(11, 19) + " UTC";
   document.getElementById("panels").hidden = true;  // never show stale or zero figures as if they were current
   document.body.dataset.state = "unavailable";
 }
@@ -121,7 +126,7 @@ async function poll() {
     if (resp.status === 401) { window.location.assign("/dashboard"); return; }
     const d = await resp.json();
     if (resp.status === 503 || d.redis !== "ok") {
-      unavailable("Redis is unreachable: usage figures are unavailable until it answers (" + (d.message || resp.status) + ")");
+      unavailable("Redis is unreachable: no usage figures until it answers");
     } else if (!resp.ok) {
       unavailable("the dashboard data failed: HTTP " + resp.status);
     } else {
