@@ -82,6 +82,13 @@ class UnknownModel(InvalidRequest):
     default_code = "model_not_found"
 
 
+class NotFound(InvalidRequest):
+    """404: the object named in the path (e.g. a stored response) is unknown, expired or another key's."""
+
+    status = 404
+    default_code = "not_found"
+
+
 class AuthError(GatewayError):
     """401: no ``Authorization: Bearer`` key, or a key that is not known."""
 

@@ -50,8 +50,9 @@ async def translate_stream(
     before_finish: Callable[[], Awaitable[None]] | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """Re-encode the chat SSE ``relay`` with ``translator`` (which writes its own opening events):
-    ``translator.finish()`` at ``[DONE]`` (after ``before_finish`` ran — e.g. storing the conversation, so it
-    exists before the client sees the end), ``translator.fail(error)`` on an in-stream ``{"error": …}``."""
+    ``translator.finish()`` at ``[DONE]``, sent after ``before_finish`` ran (e.g. storing the conversation and
+    the final response object, so they exist before the client sees the end), ``translator.fail(error)`` on an
+    in-stream ``{"error": …}``."""
     decoder = SSEDecoder()
     ended = False
     try:
@@ -61,9 +62,10 @@ async def translate_stream(
                 if ended:
                     continue
                 if payload == b"[DONE]":
+                    end = translator.finish()  # the final object complete before anything is stored
                     if before_finish is not None:
                         await before_finish()
-                    out.append(translator.finish())
+                    out.append(end)
                     ended = True
                     continue
                 chunk = chunk_of(payload)

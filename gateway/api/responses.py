@@ -4,7 +4,9 @@ auth (``Authorization: Bearer``) → body → ``previous_response_id``: the stor
 ``responses.store_ttl_s``; unknown → 400 ``previous_response_not_found``) → :func:`gateway.openai.responses.to_chat`
 → the chat pipeline (:meth:`gateway.pipeline.proxy.Proxy.serve`, usage event ``endpoint: responses``) →
 the ``response`` object, or the typed event stream. With ``store`` not false the conversation including this
-answer is stored under the new response id before the client sees the answer's end.
+answer is stored under the new response id before the client sees the answer's end, with the final
+``response`` object: ``GET /v1/responses/{id}`` returns it, ``DELETE /v1/responses/{id}`` removes it
+(``{"id", "object": "response", "deleted": true}``); another key's, expired or ``store: false`` → 404.
 Errors are OpenAI-shaped (the app's handlers).
 """
 
@@ -18,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api import bridge
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, NotFound
 from gateway.ledger.record import UsageRecord
 from gateway.openai import responses as wire
 from gateway.pipeline import request as schemas
@@ -85,21 +87,50 @@ class ResponsesAPI:
         if not chat.get("stream"):
             out = wire.response_object(bridge.json_of(resp), body, response_id)
             if store:
-                await self.store.put(scope, response_id, [*turn, *wire.assistant_messages(out)], tier, session)
+                await self.store.put(scope, response_id, [*turn, *wire.assistant_messages(out)], tier, session, out)
             return Response(orjson.dumps(out), media_type="application/json", headers=headers)
         events = wire.EventStream(body, response_id, "")
 
         async def save() -> None:
             if store:
                 await self.store.put(scope, response_id, [*turn, *wire.assistant_messages(events.response)], tier,
-                                     session)
+                                     session, events.response)
 
         relay = resp.relay  # type: ignore[attr-defined]
         return bridge.streamed(resp, bridge.translate_stream(relay, events, save))
 
 
+    async def _stored(self, request: Request) -> tuple[str, str]:
+        """(scope, response id) of a ``/v1/responses/{response_id}`` request, the key authenticated."""
+        key = await self.proxy.keys.authenticate(request.headers.get("authorization"))
+        return tenant_scope(key.id), str(request.path_params["response_id"])
+
+    @staticmethod
+    def _not_found(response_id: str) -> NotFound:
+        return NotFound(f"no stored response {response_id!r}: unknown, expired, stored with store: false, or "
+                        "another key's", param="response_id")
+
+    async def retrieve(self, request: Request) -> Response:
+        """``GET /v1/responses/{response_id}``: the stored ``response`` object (the caller's key only)."""
+        scope, response_id = await self._stored(request)
+        doc = await self.store.get(scope, response_id)
+        if doc is None or not isinstance(doc.get("response"), dict):
+            raise self._not_found(response_id)
+        return Response(orjson.dumps(doc["response"]), media_type="application/json")
+
+    async def delete(self, request: Request) -> Response:
+        """``DELETE /v1/responses/{response_id}``: remove it (it can no longer be continued or retrieved)."""
+        scope, response_id = await self._stored(request)
+        if not await self.store.delete(scope, response_id):
+            raise self._not_found(response_id)
+        return Response(orjson.dumps({"id": response_id, "object": "response", "deleted": True}),
+                        media_type="application/json")
+
+
 def attach(app: FastAPI, proxy: Proxy, store: ConversationStore) -> ResponsesAPI:
-    """Add ``POST /v1/responses`` to ``app``."""
+    """Add ``POST /v1/responses`` and ``GET`` / ``DELETE /v1/responses/{response_id}`` to ``app``."""
     api = ResponsesAPI(proxy, store)
     app.router.add_route("/v1/responses", api.handle, methods=["POST"])
+    app.router.add_route("/v1/responses/{response_id}", api.retrieve, methods=["GET"])
+    app.router.add_route("/v1/responses/{response_id}", api.delete, methods=["DELETE"])
     return api

@@ -240,3 +240,35 @@ def test_refused_fields_are_clear_400s(gw: GatewayServer, body: dict[str, Any], 
 def test_missing_key_is_401(gw: GatewayServer) -> None:
     r = httpx.post(gw.base_url + "/responses", json={"model": "short", "input": "hi"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_retrieve_and_delete_a_stored_response(gw: GatewayServer) -> None:
+    alice = sdk(gw, "alice")
+    r = alice.responses.create(model="short", input="store this answer " + uuid.uuid4().hex)
+    got = alice.responses.retrieve(r.id)  # the SDK's own call: GET /v1/responses/{id}
+    assert got.id == r.id and got.output_text == r.output_text and got.usage == r.usage
+    # a streamed answer is stored as its final response object
+    with alice.responses.stream(model="short", input="stream and store " + uuid.uuid4().hex) as s:
+        final = s.get_final_response()
+    assert alice.responses.retrieve(final.id).output_text == final.output_text
+    # another key's is not found; store: false is not kept
+    with pytest.raises(openai.NotFoundError) as err:
+        sdk(gw, "bob").responses.retrieve(r.id)
+    assert err.value.status_code == 404 and err.value.code == "not_found"
+    unstored = alice.responses.create(model="short", input="do not keep " + uuid.uuid4().hex, store=False)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(unstored.id)
+    # delete: only the owner's key, then it is gone (neither retrievable nor continuable)
+    with pytest.raises(openai.NotFoundError):
+        sdk(gw, "bob").responses.delete(r.id)
+    d = httpx.delete(f"{gw.base_url}/responses/{r.id}", headers={"authorization": f"Bearer {SECRETS['alice']}"},
+                     timeout=10)
+    assert d.status_code == 200 and d.json() == {"id": r.id, "object": "response", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.delete(r.id)
+    with pytest.raises(openai.BadRequestError) as cont:
+        alice.responses.create(model="short", input="and now?", previous_response_id=r.id)
+    assert cont.value.code == "previous_response_not_found"
+    assert httpx.get(f"{gw.base_url}/responses/{final.id}", timeout=10).status_code == 401  # no key
