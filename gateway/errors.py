@@ -26,7 +26,8 @@ from starlette.responses import Response
 from router.errors import ThinkGateError
 
 __all__ = ["AuthError", "BodyTooLarge", "ClientClosed", "ConversationsUnavailable", "GatewayError",
-           "InvalidRequest", "KeyStoreUnavailable", "LimitsUnavailable", "OutcomesUnavailable", "PermissionDenied",
+           "InvalidRequest", "KeyStoreUnavailable", "LimitsUnavailable", "NotFound", "OutcomesUnavailable",
+           "PermissionDenied",
            "RateLimited",
            "ThinkGateError", "TierNotAllowed", "UnknownModel", "UpstreamConnectTimeout", "UpstreamError",
            "UpstreamRejected", "UpstreamTimeout", "UpstreamUnavailable", "UsageUnavailable", "error_response",
