@@ -19,15 +19,13 @@ import argparse
 import asyncio
 import datetime as dt
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import orjson
 
-from bench._lib.load import send
 from bench._lib.results_md import write_section
-from bench.gateway_overhead import BENCH_KEY, Samples, cpu_seconds, machine, start_gateway, stop_all
+from bench.gateway_overhead import BENCH_KEY, Samples, closed_loop, machine, start_gateway, stop_all
 from tests.fixtures.upstream import start_sim
 
 SECTION = "## Agent APIs overhead"
@@ -44,32 +42,7 @@ def body_of(api: str, model: str, stream: bool) -> bytes:
 
 async def run_load(clients: list[httpx.AsyncClient], url: str, body: bytes, headers: dict[str, str], pid: int | None,
                    concurrency: int, n: int, seconds: float, stream: bool) -> Samples:
-    out = Samples()
-    left = n
-    deadline = time.perf_counter() + seconds
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        nonlocal left
-        while left > 0 and time.perf_counter() < deadline:
-            left -= 1
-            t0 = time.perf_counter()
-            try:
-                ok = (await send(client, url, body, headers, stream)).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok:
-                out.latencies_ms.append((time.perf_counter() - t0) * 1000)
-            else:
-                out.errors += 1
-
-    cpu0 = cpu_seconds(pid)
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker(clients[i]) for i in range(concurrency)))
-    out.wall_s = time.perf_counter() - t0
-    cpu1 = cpu_seconds(pid)
-    if cpu0 is not None and cpu1 is not None:
-        out.cpu_s = cpu1 - cpu0
-    return out
+    return await closed_loop(clients, url, lambda: body, lambda: headers, pid, concurrency, n, seconds, stream)
 
 
 async def measure(targets: list[tuple[str, str, bytes, dict[str, str], int | None]], concurrencies: list[int], n: int,

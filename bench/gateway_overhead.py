@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,15 +93,16 @@ class Target:
 
 
 
-def stop_all(procs: list[subprocess.Popen[bytes]], sim: Any) -> None:
-    """Terminate the proxies (SIGTERM, then SIGKILL after 30 s) and stop the simulator."""
+def stop_all(procs: list[subprocess.Popen[bytes]], sim: Any = None) -> None:
+    """Terminate the proxies (SIGTERM, then SIGKILL after 30 s) and stop the simulator (when given)."""
     for p in procs:
         p.terminate()
         try:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             p.kill()
-    sim.stop()
+    if sim is not None:
+        sim.stop()
 
 def cpu_seconds(pid: int | None) -> float | None:
     """User + system CPU seconds of process ``pid`` (Linux ``/proc``), None when unknown."""
@@ -150,14 +152,12 @@ def unique_body(model: str, stream: bool) -> bytes:
                          "max_tokens": 64, "temperature": 0})
 
 
-async def run_load(clients: list[httpx.AsyncClient], target: Target, concurrency: int, n: int, seconds: float,
-                   stream: bool, unique: bool = False) -> Samples:
-    """Closed loop: ``concurrency`` workers send until ``n`` requests are done or ``seconds`` passed.
-
-    ``unique``: every request gets a fresh prompt at temperature 0 (:func:`unique_body`)."""
-    body = orjson.dumps({"model": target.model, "messages": MESSAGES, "stream": stream, "max_tokens": 64})
-    headers = {"authorization": f"Bearer {target.api_key}", "content-type": "application/json"}
-    url = target.base_url + "/chat/completions"
+async def closed_loop(clients: list[httpx.AsyncClient], url: str, body: Callable[[], bytes],
+                      headers: Callable[[], Mapping[str, str]], pid: int | None, concurrency: int, n: int,
+                      seconds: float, stream: bool) -> Samples:
+    """``concurrency`` workers (one client each) POST ``body()`` with ``headers()`` to ``url`` until ``n``
+    requests are done or ``seconds`` passed; latencies (ms, to the last byte) of the 200s, errors, wall time and
+    the CPU seconds process ``pid`` spent meanwhile."""
     out = Samples()
     left = n
     deadline = time.perf_counter() + seconds
@@ -166,10 +166,10 @@ async def run_load(clients: list[httpx.AsyncClient], target: Target, concurrency
         nonlocal left
         while left > 0 and time.perf_counter() < deadline:
             left -= 1
-            data = unique_body(target.model, stream) if unique else body
+            data, hdrs = body(), headers()
             t0 = time.perf_counter()
             try:
-                ok = (await send(client, url, data, headers, stream)).status_code == 200
+                ok = (await send(client, url, data, hdrs, stream)).status_code == 200
             except httpx.HTTPError:
                 ok = False
             if ok:
@@ -177,14 +177,26 @@ async def run_load(clients: list[httpx.AsyncClient], target: Target, concurrency
             else:
                 out.errors += 1
 
-    cpu0 = cpu_seconds(target.pid)
+    cpu0 = cpu_seconds(pid)
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(clients[i]) for i in range(concurrency)))
     out.wall_s = time.perf_counter() - t0
-    cpu1 = cpu_seconds(target.pid)
+    cpu1 = cpu_seconds(pid)
     if cpu0 is not None and cpu1 is not None:
         out.cpu_s = cpu1 - cpu0
     return out
+
+
+async def run_load(clients: list[httpx.AsyncClient], target: Target, concurrency: int, n: int, seconds: float,
+                   stream: bool, unique: bool = False) -> Samples:
+    """Closed loop (:func:`closed_loop`) of the bench's chat request to ``target``.
+
+    ``unique``: every request gets a fresh prompt at temperature 0 (:func:`unique_body`)."""
+    body = orjson.dumps({"model": target.model, "messages": MESSAGES, "stream": stream, "max_tokens": 64})
+    headers = {"authorization": f"Bearer {target.api_key}", "content-type": "application/json"}
+    return await closed_loop(clients, target.base_url + "/chat/completions",
+                             (lambda: unique_body(target.model, stream)) if unique else (lambda: body),
+                             lambda: headers, target.pid, concurrency, n, seconds, stream)
 
 
 async def measure(targets: list[Target], concurrencies: list[int], n: int, seconds: float, rounds: int,
@@ -545,13 +557,6 @@ TELEMETRY_SECTION = "## Telemetry overhead"
 TELEMETRY_VARIANTS = ("otel-off", "otel-on", "otel-on-10%")
 
 
-class _NoSim:
-    """For :func:`stop_all` when only the proxies are to stop (the simulator keeps serving)."""
-
-    def stop(self) -> None:
-        pass
-
-
 def _per_request_ms(x: Samples) -> float | None:
     n = len(x.latencies_ms) + x.errors
     return 1000 * x.cpu_s / n if x.cpu_s and n else None
@@ -591,30 +596,20 @@ async def traced_vs_untraced(target: Target, concurrency: int, stream: bool, blo
 
     body = orjson.dumps({"model": target.model, "messages": MESSAGES, "stream": stream, "max_tokens": 64})
     url = target.base_url + "/chat/completions"
+    plain = {"authorization": f"Bearer {target.api_key}", "content-type": "application/json"}
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
     clients = [httpx.AsyncClient(limits=limits, timeout=30, trust_env=False) for _ in range(concurrency)]
     errors = 0
 
+    def traced_headers() -> dict[str, str]:
+        return {**plain, "traceparent": f"00-{random.getrandbits(128):032x}-{random.getrandbits(64):016x}-01"}
+
     async def run(traced: bool, n: int) -> float:
         nonlocal errors
-        left = n
-
-        async def worker(client: httpx.AsyncClient) -> None:
-            nonlocal left, errors
-            while left > 0:
-                left -= 1
-                headers = {"authorization": f"Bearer {target.api_key}", "content-type": "application/json"}
-                if traced:
-                    headers["traceparent"] = f"00-{random.getrandbits(128):032x}-{random.getrandbits(64):016x}-01"
-                try:
-                    errors += (await send(client, url, body, headers, stream)).status_code != 200
-                except httpx.HTTPError:
-                    errors += 1
-
-        cpu0 = cpu_seconds(target.pid)
-        await asyncio.gather(*(worker(c) for c in clients))
-        cpu1 = cpu_seconds(target.pid)
-        return 1000 * ((cpu1 or 0.0) - (cpu0 or 0.0)) / n
+        s = await closed_loop(clients, url, lambda: body, traced_headers if traced else (lambda: plain),
+                              target.pid, concurrency, n, 3600.0, stream)
+        errors += s.errors
+        return 1000 * (s.cpu_s or 0.0) / n
 
     traced_ms: list[float] = []
     untraced_ms: list[float] = []
@@ -652,7 +647,7 @@ def same_process_table(args: argparse.Namespace, sim: SimProcess, sink: OtlpRece
                              f"| {mon / moff:.3f} | {statistics.median(pairs):.3f} ({min(pairs):.2f} … "
                              f"{max(pairs):.2f}) | {1000 * (mon - moff):+.0f} |")
     finally:
-        stop_all([proc], _NoSim())
+        stop_all([proc])
     return "\n".join(lines), ratios
 
 
@@ -684,7 +679,7 @@ def run_telemetry(args: argparse.Namespace) -> None:
             by_mode = {mode: asyncio.run(measure(targets, args.concurrency, args.requests, args.seconds, args.rounds,
                                                  mode == "stream", per_round=per_round.setdefault(mode, {})))
                        for mode in args.modes}
-            stop_all(procs, _NoSim())  # the cross-process gateways are done: nothing else competes for the CPUs
+            stop_all(procs)  # the cross-process gateways are done: nothing else competes for the CPUs
             procs = []
             same, same_ratios = same_process_table(args, sim, sink, Path(tmp))
     finally:

@@ -39,7 +39,6 @@ _PACK_D = struct.Struct("<d").pack
 _FLAGS_LOCAL = b"\x85\x01" + struct.pack("<I", 0x100)
 _FLAGS_REMOTE = b"\x85\x01" + struct.pack("<I", 0x300)
 _STATUS_UNSET = b"\x7a\x00"
-_KIND = {1: b"\x30\x01", 2: b"\x30\x02"}  # proto SpanKind INTERNAL, SERVER
 
 
 def _varint(n: int) -> bytes:
@@ -316,6 +315,7 @@ class OtlpBatchExporter:
                 why = f"HTTP {status}"
             except (http.client.HTTPException, OSError) as exc:
                 why = type(exc).__name__
+            # past the deadline, or shutting down and already retried once: give up rather than hold the stop
             if time.monotonic() + delay > deadline or (self._stop and delay > 0.5):
                 log.warning("OTLP export failed: %s (%d spans dropped)", why, n)
                 self.dropped += n

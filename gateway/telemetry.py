@@ -49,8 +49,7 @@ OPERATIONS = {"chat": "chat", "responses": "chat", "messages": "chat", "completi
               "embeddings": "embeddings"}
 SCOPE = "thinkgate"  # the instrumentation scope of every span
 
-# the OTLP proto's numbering (trace/v1): SpanKind and Status.code
-KIND_INTERNAL, KIND_SERVER = 1, 2
+# the OTLP proto's Status.code numbering (trace/v1), which the API's StatusCode shares
 STATUS_UNSET, STATUS_ERROR = 0, 2
 
 _CURRENT: ContextVar[RequestTrace | None] = ContextVar("thinkgate_trace", default=None)
@@ -221,7 +220,7 @@ class RequestTrace:
     "" when none), its finished steps and the step running now (``active``, whose id the upstream call
     propagates), its events (``(time_ns, name, attributes)``) and times in ns since the epoch."""
 
-    __slots__ = ("active", "end", "ended", "endpoint", "events", "name", "parent_id", "remote", "sampled",
+    __slots__ = ("active", "ended", "endpoint", "events", "name", "parent_id", "remote", "sampled",
                  "span_id", "start", "steps", "tel", "trace_id", "trace_state")
 
     def __init__(self, tel: Telemetry, trace_id: int, span_id: int, parent_id: int | None, remote: bool,
@@ -232,7 +231,6 @@ class RequestTrace:
         self.endpoint = endpoint
         self.name = OPERATIONS.get(endpoint, endpoint)
         self.start = start
-        self.end = 0
         self.sampled = sampled
         self.active: Step | None = None
         self.steps: list[Step] = []
@@ -252,7 +250,7 @@ class RequestTrace:
         self.ended = True
         if not self.sampled:
             return
-        self.end = end = time.time_ns()
+        end = time.time_ns()
         for sink in self.tel.sinks:  # steps stay: a sink may read them later (nothing appends once ended)
             sink.trace_ended(self, attrs, code, message, end)
 

@@ -13,13 +13,13 @@ advantage; every rolled-out rollout is either trained or counted as dropped in t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.fixtures.toy_problems import PROBLEMS
 from training.grpo.config import MonitorRule, RunConfig, from_dict
 from training.grpo.reward_utils import exact_answer_verifier
 from training.grpo.rewards import REWARD_REGISTRY
@@ -31,16 +31,6 @@ MARGIN = 0.30  # mean reward of the last 2 logged steps must exceed that of the 
 G = 4
 
 
-@dataclass
-class Toy:
-    id: str
-    question: str
-    answer: str
-    difficulty: int
-    source: str = "toy"
-
-
-PROBLEMS = [Toy(f"t{i}", f"What is {i} + 1?", str(i + 1), 1 + i % 2) for i in range(8)]
 
 
 class LowTokenShare:

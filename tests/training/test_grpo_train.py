@@ -4,29 +4,19 @@ budget stop, monitor stop, clean stop on all-solved data, CLI."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests.fixtures.toy_problems import PROBLEMS, Toy
 from training.grpo.config import RunConfig, from_dict
 from training.grpo.reward_utils import exact_answer_verifier
 
 pytestmark = pytest.mark.slow
 
 
-@dataclass
-class Toy:
-    id: str
-    question: str
-    answer: str
-    difficulty: int
-    source: str = "toy"
-
-
-PROBLEMS = [Toy(f"t{i}", f"What is {i} + 1?", str(i + 1), 1 + i % 2) for i in range(8)]
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,17 @@ class ConfigError(ThinkGateError, ValueError):
     """Raised for an invalid run configuration; the message names the offending field."""
 
 
+def resolve_model_path(path: str | Path) -> Path:
+    """``model.path`` as a Hugging Face model directory: as given, or relative to the checkout when it is not one
+    from the working directory. Raises ConfigError when there is no ``config.json`` there."""
+    model_path = Path(path)
+    if not model_path.is_dir() and not model_path.is_absolute() and (REPO_ROOT / model_path).is_dir():
+        model_path = REPO_ROOT / model_path
+    if not (model_path / "config.json").is_file():
+        raise ConfigError(f"model.path: no Hugging Face model directory at {model_path}")
+    return model_path
+
+
 def _f(default: Any, help: str) -> Any:
     """A field with a default (value, or a zero-argument factory for sections and lists) and a help text."""
     if callable(default):

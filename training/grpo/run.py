@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from training.grpo.config import REPO_ROOT, ConfigError, RunConfig, stable_hash
+from training.grpo.config import REPO_ROOT, ConfigError, RunConfig, resolve_model_path, stable_hash
 from training.grpo.reward_utils import Verifier
 
 logger = logging.getLogger(__name__)
@@ -325,11 +325,7 @@ def run_grpo(
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
 
-    model_path = Path(cfg.model.path)
-    if not model_path.is_dir() and not model_path.is_absolute() and (REPO_ROOT / model_path).is_dir():
-        model_path = REPO_ROOT / model_path
-    if not (model_path / "config.json").is_file():
-        raise ConfigError(f"model.path: no Hugging Face model directory at {model_path}")
+    model_path = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     # The policy is loaded by TRL inside the trainer, after GRPOConfig: HF Trainer then places it on the device

@@ -25,7 +25,6 @@ import yaml
 from pydantic import Field
 
 from training.grpo.config import (
-    REPO_ROOT,
     ConfigError,
     EvalConfig,
     LedgerConfig,
@@ -33,6 +32,7 @@ from training.grpo.config import (
     TaskConfig,
     _Section,
     from_dict,
+    resolve_model_path,
     stable_hash,
 )
 
@@ -141,11 +141,7 @@ def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_step
     write_heartbeat(run_dir, 0)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model_path = Path(cfg.model.path)
-    if not model_path.is_dir() and not model_path.is_absolute() and (REPO_ROOT / model_path).is_dir():
-        model_path = REPO_ROOT / model_path
-    if not (model_path / "config.json").is_file():
-        raise ConfigError(f"model.path: no Hugging Face model directory at {model_path}")
+    model_path = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     verifier = task_verifier()
