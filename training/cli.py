@@ -9,6 +9,7 @@ import typer
 from training.grpo.cli import grpo
 from training.plan.cli import plan, report, runs
 from training.sft.cli import sft
+from training.tiny.dial_cli import eval_dial, train_dial_sft
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -86,6 +87,12 @@ app.command("plan")(plan)  # thinkgate train plan (training/plan/cli.py)
 app.command("report")(report)  # thinkgate train report
 app.command("runs")(runs)  # thinkgate train runs (training/registry.py)
 app.command("sft")(sft)  # thinkgate train sft (training/sft/)
+app.command("dial-sft")(train_dial_sft)  # thinkgate train dial-sft (training/tiny/dial_sft.py)
+
+#: Offline evaluations that join the gateway's ``thinkgate eval`` group (gateway/cli/main.py attaches them
+#: through this plug-in, so the product never imports training).
+EVAL_COMMANDS = {"dial": eval_dial}
+app.eval_commands = EVAL_COMMANDS  # type: ignore[attr-defined]
 
 
 @app.command("storage")

@@ -90,6 +90,9 @@ def _attach_plugins(root: typer.Typer) -> None:
                 from gateway.cli.retrain import retrain_command
 
                 sub.command("retrain")(retrain_command)
+            # offline evaluations owned by a plug-in (``thinkgate eval dial`` from training) join ``eval``
+            for cmd_name, fn in (getattr(sub, "eval_commands", None) or {}).items():
+                eval_app.command(cmd_name)(fn)
         root.add_typer(sub, name=name, help=help_text)
 
 

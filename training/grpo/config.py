@@ -100,6 +100,12 @@ class BudgetPromptConfig(_Section):
         "wording 'Think for maximum {budget} tokens.'",
     )
     seed: int = _f(0, "Seed for the budget draw.")
+    distribution: Literal["uniform", "log_uniform"] = _f(
+        "uniform", "How N is drawn from [min_tokens, max_tokens]: uniform, or log_uniform (the dial model)."
+    )
+    unlimited_fraction: float = _f(
+        0.0, "Share of prompts with no instruction (budget_tokens None: 'unlimited'; L1 rewards then refuse)."
+    )
 
 
 class RewardSpec(_Section):
@@ -407,6 +413,12 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("budget_prompt: need 1 <= min_tokens <= max_tokens")
     if any(n in names for n in ("l1_exact", "l1_max")) and not cfg.budget_prompt.enabled:
         raise ConfigError("rewards: l1_exact/l1_max need budget_prompt.enabled: true (the budget column)")
+    if "dial_length" in names and not cfg.budget_prompt.enabled:
+        raise ConfigError("rewards: dial_length needs budget_prompt.enabled: true (the budget column)")
+    if not 0.0 <= cfg.budget_prompt.unlimited_fraction < 1.0:
+        raise ConfigError("budget_prompt.unlimited_fraction: must be in [0, 1)")
+    if cfg.budget_prompt.unlimited_fraction > 0 and any(n in names for n in ("l1_exact", "l1_max")):
+        raise ConfigError("budget_prompt.unlimited_fraction: l1_exact/l1_max need a budget on every row (dial_length)")
     trl = cfg.trl_kwargs()
     if cfg.model.dtype == "bfloat16" and not trl.get("deepspeed") and not _deepspeed_launch():
         raise ConfigError(

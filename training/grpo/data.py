@@ -2,11 +2,12 @@
 
 Row columns: ``prompt`` (``[{"role": "user", "content": …}]``; TRL applies the chat template, whose generation
 prompt opens ``<think>``), ``problem_id``, ``question``, ``answer``, ``difficulty``, ``source`` and, with L1 budgets,
-``budget_tokens`` (int, tokens; the question then ends with "Think for N tokens.").
+``budget_tokens`` (int, tokens; the question then ends with "Think for N tokens."; None for an "unlimited" row).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -28,12 +29,23 @@ def problem_rows(problems: Sequence[Any], budget: BudgetPromptConfig | None = No
             "source": str(p.source),
         }
         if rng is not None and budget is not None:
-            n = rng.randint(budget.min_tokens, budget.max_tokens)
+            n = draw_budget(rng, budget)
             row["budget_tokens"] = n
-            question = f"{question} {budget.template.format(budget=n)}"
+            if n is not None:
+                question = f"{question} {budget.template.format(budget=n)}"
         row["prompt"] = [{"role": "user", "content": question}]
         rows.append(row)
     return rows
+
+
+def draw_budget(rng: random.Random, budget: BudgetPromptConfig) -> int | None:
+    """One prompt's budget in tokens (None = unlimited, with probability ``unlimited_fraction``)."""
+    if budget.unlimited_fraction > 0 and rng.random() < budget.unlimited_fraction:
+        return None
+    if budget.distribution == "log_uniform":
+        lo, hi = math.log(budget.min_tokens), math.log(budget.max_tokens + 0.5)
+        return min(budget.max_tokens, max(budget.min_tokens, round(math.exp(rng.uniform(lo, hi)))))
+    return rng.randint(budget.min_tokens, budget.max_tokens)
 
 
 L1_EXACT_TEMPLATE = "Think for {budget} tokens."

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from training.grpo.dial_rewards import DialLengthReward
 from training.grpo.length_penalties import (
     AlpLengthReward,
     CosineReward,
@@ -121,6 +122,7 @@ REWARD_REGISTRY: dict[str, RewardFactory] = {
             **p,
         },
     ),
+    "dial_length": lambda ctx, p: DialLengthReward(**p),  # training/grpo/dial_rewards.py
 }
 """name -> factory(ctx, params). ``cosine`` and ``l1_max`` already include correctness."""
 

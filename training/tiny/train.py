@@ -71,17 +71,24 @@ def progress_at(step: int, elapsed_s: float, cfg: SFTConfig) -> float:
     return min(1.0, max(step / max(1, cfg.steps), elapsed_s / (cfg.max_minutes * 60)))
 
 
-def batches(tokenizer: Any, cfg: SFTConfig, progress: Callable[[], float]) -> Iterator[list[Example]]:
+#: ``(tokenizer, rng, difficulty, mix) -> Example``: where SFT examples come from
+Sampler = Callable[[Any, random.Random, int, Mix], Example]
+
+
+def batches(
+    tokenizer: Any, cfg: SFTConfig, progress: Callable[[], float], sampler: Sampler = sample_example
+) -> Iterator[list[Example]]:
     """Endless batches of examples; ``bucket_batches`` batches are drawn at once and grouped by length.
 
-    ``progress()`` (∈ [0, 1]) sets the curriculum's largest difficulty for each pool.
+    ``progress()`` (∈ [0, 1]) sets the curriculum's largest difficulty for each pool; ``sampler`` draws one
+    example (default: the recipe's :func:`~training.tiny.data.sample_example`).
     """
     rng = random.Random(f"sft|{cfg.seed}")
     while True:
         pool: list[Example] = []
         top = max_difficulty_at(progress(), cfg)
         for _ in range(cfg.bucket_batches):
-            pool += [sample_example(tokenizer, rng, rng.randint(1, top), cfg.mix) for _ in range(cfg.batch_size)]
+            pool += [sampler(tokenizer, rng, rng.randint(1, top), cfg.mix) for _ in range(cfg.batch_size)]
         pool.sort(key=lambda e: len(e.input_ids))
         group = [pool[k : k + cfg.batch_size] for k in range(0, len(pool), cfg.batch_size)]
         rng.shuffle(group)
@@ -110,10 +117,15 @@ def build_tokenizer(cfg: SFTConfig) -> Any:
 
 
 def train(
-    cfg: SFTConfig, output_dir: Path, log: Callable[[str], None] = print, show_progress: bool = True
+    cfg: SFTConfig,
+    output_dir: Path,
+    log: Callable[[str], None] = print,
+    show_progress: bool = True,
+    sampler: Sampler = sample_example,
 ) -> dict[str, Any]:
     """Run the recipe and save the model to ``output_dir``; returns a summary dict (also saved as
-    ``training_summary.json``: steps done, final loss, wall seconds, parameter count, config)."""
+    ``training_summary.json``: steps done, final loss, wall seconds, parameter count, config). ``sampler``: see
+    :func:`batches`."""
     import torch
     from tqdm import tqdm
 
@@ -150,7 +162,7 @@ def train(
     def progress() -> float:
         return progress_at(step, time.monotonic() - t_train, cfg)
 
-    for batch in batches(tokenizer, cfg, progress):
+    for batch in batches(tokenizer, cfg, progress, sampler):
         if step >= cfg.steps:
             break
         if time.monotonic() > deadline:

@@ -1,0 +1,66 @@
+"""Command lines of the dial model: ``thinkgate eval dial`` and ``thinkgate train dial-sft`` (typer only at import;
+torch and transformers inside the commands)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def eval_dial(
+    model: str = typer.Option(..., "--model", help="The dial model directory (Hugging Face format)."),
+    budgets: str = typer.Option("16,32,64,128,256", help="Comma-separated requested thinking budgets (tokens)."),
+    json_path: Path = typer.Option(..., "--json", help="Write the report here (JSON)."),
+    png: Path | None = typer.Option(None, "--png", help="Also plot accuracy and adherence per budget here."),
+    n: int = typer.Option(120, min=1, help="Held-out arith problems (load_task('arith', 'test', n, seed))."),
+    seed: int = typer.Option(0, help="Seed of the held-out sample."),
+    forcing_model: str = typer.Option(
+        "", help="Model for the budget-forcing column (default: the shipped SFT model training/assets/thinkgate-tiny)."
+    ),
+    no_forcing: bool = typer.Option(False, "--no-forcing", help="Skip the budget-forcing column."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+) -> None:
+    """Adherence to a requested thinking budget (share within ±10% / ±4 tokens for budgets ≤ 32, mean and p90
+    relative error) and accuracy per budget on held-out problems, beside budget forcing on the SFT model.
+    Exit 2 on a bad budget list or a missing model directory."""
+    from router.errors import require
+
+    try:
+        values = [int(x) for x in budgets.split(",") if x.strip()]
+    except ValueError:
+        typer.echo(f"error: --budgets must be comma-separated integers, got {budgets!r}", err=True)
+        raise typer.Exit(2) from None
+    if not values or min(values) < 1:
+        typer.echo("error: --budgets needs at least one budget >= 1", err=True)
+        raise typer.Exit(2)
+    if not (Path(model) / "config.json").is_file():
+        typer.echo(f"error: {model} is not a model directory (no config.json)", err=True)
+        raise typer.Exit(2)
+    require("torch", "train", "thinkgate eval dial")
+    from training.tiny.dial_eval import DEFAULT_FORCING_MODEL, evaluate, plot, write
+
+    ref = None if no_forcing else (forcing_model or DEFAULT_FORCING_MODEL)
+    report = evaluate(model, values, n=n, seed=seed, forcing_model=ref, threads=threads, log=typer.echo)
+    typer.echo(f"wrote {write(report, json_path)}")
+    if png:
+        typer.echo(f"wrote {plot(report, png)}")
+
+
+def train_dial_sft(
+    output_dir: Path = typer.Option(..., help="Where to write the warm-started model directory."),
+    init_from: str = typer.Option("", help="Model to continue (default: training/assets/thinkgate-tiny)."),
+    steps: int = typer.Option(1500, help="SFT steps (batch 16)."),
+    max_minutes: float = typer.Option(22.0, help="Wall-time bound (the LR decay ends by then)."),
+    seed: int = typer.Option(5, help="Data seed."),
+) -> None:
+    """Warm-start a dial model: SFT on thoughts that fill the budget stated in the prompt (training.tiny.dial)."""
+    from router.errors import require
+
+    require("torch", "train", "thinkgate train dial-sft")
+    from training.tiny.dial_sft import DEFAULT_INIT, DialMix, dial_stage, sampler
+    from training.tiny.train import train
+
+    cfg = dial_stage(init_from or DEFAULT_INIT, steps, max_minutes, seed)
+    summary = train(cfg, output_dir, log=typer.echo, sampler=sampler(DialMix()))
+    typer.echo(f"done in {summary['wall_s']} s -> {output_dir}")
