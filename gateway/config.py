@@ -91,9 +91,12 @@ class TierConfig(_Strict):
     ``thinking_budget`` is in tokens (``None`` = unlimited). ``budget_mode``: ``native`` sends vLLM's
     per-request ``thinking_token_budget``; ``forced`` enforces it in the gateway by two-phase budget
     forcing (stop the thought at the budget, append ``end_of_thinking``, continue for the answer);
-    ``off`` sends no budget. ``enable_thinking: false`` disables thinking through
-    ``chat_template_kwargs.enable_thinking``. ``max_n``: the most choices (``n``) one request may ask of
-    this tier (more is a 400); with ``max_tokens`` it bounds what one request can cost.
+    ``off`` sends no budget; ``prompted`` sends the budget *to the model* in its prompt (a dial model,
+    ``training/assets/thinkgate-tiny-dial``): ``budget_prompt`` (``{budget}`` = tokens) is appended to the last
+    user message, and budget forcing stays as the hard stop above it (``gateway/thinking/dial.py``).
+    ``enable_thinking: false`` disables thinking through ``chat_template_kwargs.enable_thinking``. ``max_n``: the
+    most choices (``n``) one request may ask of this tier (more is a 400); with ``max_tokens`` it bounds what one
+    request can cost.
 
     ``escalate_on`` (the cascade): retry on the next tier when this tier's answer is empty
     (``empty_answer``), cut inside its thought (``length_in_thought``), abstains (``abstain``: its final-answer
@@ -109,7 +112,9 @@ class TierConfig(_Strict):
     max_tokens: int = Field(1024, ge=1)
     max_n: int = Field(8, ge=1)
     thinking_budget: int | None = Field(None, ge=0)
-    budget_mode: Literal["native", "forced", "off"] = "native"
+    budget_mode: Literal["native", "forced", "off", "prompted"] = "native"
+    #: the dial prompt format of a ``prompted`` tier (appended to the last user message)
+    budget_prompt: str = Field("Think for {budget} tokens.", pattern=r"\{budget\}")
     enable_thinking: bool = True
     end_of_thinking: str = "\n</think>\n\n"
     escalate_on: list[Literal["empty_answer", "length_in_thought", "abstain", "low_confidence"]] = Field(

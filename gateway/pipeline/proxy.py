@@ -48,6 +48,7 @@ from gateway.pipeline.sessions import SESSION_HEADER, Sessions
 from gateway.pipeline.shadow import Shadow
 from gateway.telemetry import Telemetry, current, span
 from gateway.telemetry import finish as end_trace
+from gateway.thinking import dial
 from gateway.thinking.forcing import open_forced
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamConnectTimeout, UpstreamPool
 from gateway.upstream.response import UpstreamResponse
@@ -434,8 +435,8 @@ class Proxy:
             resp: UpstreamResponse
             try:
                 with span("upstream"):
-                    if tier.budget_mode == "forced":
-                        resp = await open_forced(self.upstreams, tier, endpoint, built)
+                    if tier.budget_mode in ("forced", "prompted"):  # prompted: forcing is the hard stop
+                        resp = await open_forced(self.upstreams, dial.forcing_tier(tier, body), endpoint, built)
                     else:
                         resp = await self.upstreams.open(tier, ENDPOINT_PATHS[endpoint], orjson.dumps(built),
                                                          stream=record.stream)

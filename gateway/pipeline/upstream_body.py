@@ -9,7 +9,8 @@ can be built from the same input) with:
   ``max_tokens``, the field every OpenAI-compatible server accepts, with ``max_completion_tokens`` dropped;
 - ``stream_options.include_usage = true`` on streams (the gateway always meters; the proxy strips the usage
   chunk again when the client did not ask for it);
-- the tier's thinking budget (:func:`apply_budget`; ``forced`` tiers are served by ``gateway/thinking/forcing.py``).
+- the tier's thinking budget (:func:`apply_budget`; ``forced`` and ``prompted`` tiers are served by
+  ``gateway/thinking/forcing.py``, a ``prompted`` one with its budget in the prompt: ``gateway/thinking/dial.py``).
 
 Every other field — vLLM extras such as ``chat_template_kwargs``, ``top_k``, ``repetition_penalty`` — is
 passed through unchanged.
@@ -21,6 +22,7 @@ from typing import Any
 
 from gateway.config import TierConfig
 from gateway.ledger.event import WireEndpoint
+from gateway.thinking import dial
 
 
 def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint) -> None:
@@ -31,7 +33,10 @@ def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint)
     - ``enable_thinking: false`` (chat only): ``chat_template_kwargs.enable_thinking = false``, merged into
       the client's ``chat_template_kwargs``.
     - ``forced`` mode is enforced by two-phase budget forcing in ``gateway/thinking/forcing.py``, not here.
+    - ``prompted`` mode: the budget goes into the prompt for a dial model (``gateway/thinking/dial.py``).
     """
+    if tier.budget_mode == "prompted":
+        dial.apply_prompted(body, tier, endpoint)
     if tier.budget_mode == "native" and tier.thinking_budget is not None:
         asked = body.get("thinking_token_budget")
         keep = isinstance(asked, int) and not isinstance(asked, bool) and 0 <= asked < tier.thinking_budget

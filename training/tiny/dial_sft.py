@@ -63,7 +63,8 @@ def make_dial_example(tokenizer: Any, chain: Chain, question: str, rng: random.R
     if r < mix.direct + mix.unlimited + mix.forced:
         cut = body[: rng.randint(0, max(0, len(body) - 1))]
         forced = enc(FORCED_ENDS[1])
-        return Example(prompt + cut + forced + answer, [-100] * len(prompt) + cut + [-100] * len(forced) + answer, "forced")
+        labels = [-100] * len(prompt) + cut + [-100] * len(forced) + answer
+        return Example(prompt + cut + forced + answer, labels, "forced")
     tail = enc(THINK_END + "\n\n") + answer
     return Example(prompt + body + tail, [-100] * len(prompt) + body + tail, "budget")
 

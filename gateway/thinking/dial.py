@@ -1,0 +1,89 @@
+"""``budget_mode: prompted``: tell a dial model its thinking budget in the prompt; forcing is the hard stop.
+
+A dial model (``training/assets/thinkgate-tiny-dial``, trained by ``thinkgate train dial-sft`` / ``train grpo
+--config training/configs/dial.yaml``) reads "Think for N tokens." at the end of the user's question and fills
+about N thinking tokens. On a ``prompted`` tier the gateway:
+
+- takes the **requested budget** N (tokens): the request's own ``thinking_token_budget`` when it is below the
+  tier's ``thinking_budget``, else the tier's (``reasoning_effort`` picks the tier, so it picks the tier's budget);
+  None (unlimited tier, no request budget) sends no instruction and the model thinks as long as it likes;
+- appends ``tier.budget_prompt.format(budget=N)`` to the **last user message** (chat; a string content gets
+  ``" " + instruction``, a list of parts one more text part) — nothing else in the body changes, and the
+  request's ``thinking_token_budget`` is not sent on (the model's own count is the budget; vLLM's native cut
+  would stop it one token short);
+- N = 0 turns thinking off (``chat_template_kwargs.enable_thinking: false``), as the dial model's direct mode;
+- serves the tier by two-phase budget forcing (:mod:`gateway.thinking.forcing`) with :func:`hard_stop` (N) as
+  the forcing budget: a model that overruns its requested budget is cut there and answers.
+
+The completions endpoint carries a rendered prompt the gateway cannot edit safely: it gets the hard stop only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.config import TierConfig
+from gateway.ledger.event import WireEndpoint
+
+
+def hard_stop(budget: int) -> int:
+    """Forcing budget above a requested ``budget`` (tokens): 25% + 16 tokens more (``thinkgate eval dial`` closes
+    an open thought at the same point)."""
+    return budget + budget // 4 + 16
+
+
+def requested_budget(body: dict[str, Any], tier: TierConfig) -> int | None:
+    """The budget (tokens) a ``prompted`` tier asks the model for: the request's smaller non-negative
+    ``thinking_token_budget``, else ``tier.thinking_budget`` (None = unlimited)."""
+    asked = body.get("thinking_token_budget")
+    valid = isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0
+    if valid and (tier.thinking_budget is None or asked < tier.thinking_budget):
+        return int(asked)  # type: ignore[arg-type]
+    return tier.thinking_budget
+
+
+def instruction(tier: TierConfig, budget: int) -> str:
+    """The dial prompt text for ``budget`` tokens (``tier.budget_prompt`` filled in)."""
+    return tier.budget_prompt.format(budget=budget)
+
+
+def _append_to_last_user(messages: list[Any], text: str) -> list[Any]:
+    out = list(messages)
+    for i in range(len(out) - 1, -1, -1):
+        m = out[i]
+        if not isinstance(m, dict) or m.get("role") != "user":
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            out[i] = {**m, "content": f"{content} {text}" if content else text}
+        elif isinstance(content, list):
+            out[i] = {**m, "content": [*content, {"type": "text", "text": f" {text}"}]}
+        else:
+            continue
+        return out
+    return out
+
+
+def apply_prompted(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint) -> None:
+    """Put the requested budget of ``tier`` into ``body`` (in place) as the module doc says."""
+    budget = requested_budget(body, tier)
+    body.pop("thinking_token_budget", None)
+    if endpoint != "chat" or budget is None:
+        return
+    if budget == 0:
+        kwargs = body.get("chat_template_kwargs")
+        body["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}), "enable_thinking": False}
+        return
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        body["messages"] = _append_to_last_user(messages, instruction(tier, budget))
+
+
+def forcing_tier(tier: TierConfig, client_body: dict[str, Any]) -> TierConfig:
+    """The tier that budget forcing runs with: a ``prompted`` tier with :func:`hard_stop` of the requested budget
+    as its ``thinking_budget`` (unlimited stays unlimited); any other tier unchanged. ``client_body``: the request
+    as the client sent it (its ``thinking_token_budget`` is still there)."""
+    if tier.budget_mode != "prompted":
+        return tier
+    budget = requested_budget(client_body, tier)
+    return tier.model_copy(update={"thinking_budget": None if budget is None else hard_stop(budget)})

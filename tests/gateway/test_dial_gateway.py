@@ -1,0 +1,92 @@
+"""``budget_mode: prompted`` through the real gateway over the simulator: the tier's (or the request's smaller)
+thinking budget reaches the model as the dial prompt, unchanged otherwise; forcing stays the hard stop above it."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from gateway.thinking.dial import hard_stop
+from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, sim_tiers
+from tests.fixtures.upstream_sim import reasoning_words
+
+QUESTION = "Start with 7. Add 5, then multiply by 3. What is the result of all these steps please?"
+SHORT, LONG = 32, 2  # "long" gets a tiny budget so that the simulator's thought overruns its hard stop
+
+
+@pytest.fixture
+def dial_gateway(upstream_sim: SimProcess, redis_url: str) -> Iterator[GatewayServer]:
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"budget_mode": "prompted", "thinking_budget": SHORT, "max_tokens": 128})
+    tiers[2].update({"budget_mode": "prompted", "thinking_budget": LONG, "max_tokens": 128,
+                     "budget_prompt": "Budget: {budget} tokens."})
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        yield gw
+
+
+def _ask(gw: GatewayServer, sim: SimProcess, **kw: Any) -> tuple[Any, dict[str, Any]]:
+    tag = uuid.uuid4().hex
+    client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=30)
+    extra = {**kw.pop("extra_body", {}), "sim": {"tag": tag}}
+    kw.setdefault("messages", [{"role": "user", "content": QUESTION}])
+    resp = client.chat.completions.create(extra_body=extra, **kw)
+    last = sim.tag(tag)
+    assert last is not None
+    return resp, last["body"]
+
+
+def _user_texts(body: dict[str, Any]) -> list[Any]:
+    return [m["content"] for m in body["messages"] if m["role"] == "user"]
+
+
+def test_tier_budget_reaches_the_model_in_the_prompt(dial_gateway: GatewayServer, upstream_sim: SimProcess) -> None:
+    resp, body = _ask(dial_gateway, upstream_sim, model="short")
+    assert _user_texts(body) == [f"{QUESTION} Think for {SHORT} tokens."]
+    assert "thinking_token_budget" not in body
+    assert resp.choices[0].message.content.startswith("echo:")
+
+
+def test_request_budget_below_the_tier_is_the_one_sent(dial_gateway: GatewayServer, upstream_sim: SimProcess) -> None:
+    _, body = _ask(dial_gateway, upstream_sim, model="short", extra_body={"thinking_token_budget": 12})
+    assert _user_texts(body) == [f"{QUESTION} Think for 12 tokens."]
+    _, body = _ask(dial_gateway, upstream_sim, model="short", extra_body={"thinking_token_budget": 999})
+    assert _user_texts(body) == [f"{QUESTION} Think for {SHORT} tokens."]  # never above the tier's
+    _, body = _ask(dial_gateway, upstream_sim, model="short", extra_body={"thinking_token_budget": 0})
+    assert _user_texts(body) == [QUESTION] and body["chat_template_kwargs"]["enable_thinking"] is False
+
+
+def test_reasoning_effort_maps_to_the_tier_budget(dial_gateway: GatewayServer, upstream_sim: SimProcess) -> None:
+    _, body = _ask(dial_gateway, upstream_sim, model="auto", reasoning_effort="low")
+    assert _user_texts(body) == [f"{QUESTION} Think for {SHORT} tokens."]
+
+
+def test_earlier_turns_and_parts_are_untouched(dial_gateway: GatewayServer, upstream_sim: SimProcess) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Start with 2."},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": [{"type": "text", "text": QUESTION}]},
+    ]
+    _, body = _ask(dial_gateway, upstream_sim, model="short", messages=messages)
+    sent = [m for m in body["messages"] if m["role"] != "assistant" or m["content"] == "2"]
+    assert sent[:3] == messages[:3]
+    assert sent[3]["content"] == [{"type": "text", "text": QUESTION}, {"type": "text", "text": " Think for 32 tokens."}]
+
+
+def test_forcing_is_the_hard_stop_above_the_requested_budget(
+    dial_gateway: GatewayServer, upstream_sim: SimProcess
+) -> None:
+    resp, body = _ask(dial_gateway, upstream_sim, model="long")
+    assert _user_texts(body) == [f"{QUESTION} Budget: {LONG} tokens."]
+    reasoning = (resp.choices[0].message.model_extra or {}).get("reasoning") or ""
+    # the simulator thinks 16+ words whatever the prompt says: the gateway cuts it at the hard stop and answers
+    unbudgeted = len(reasoning_words(_user_texts(body)[0]))
+    assert hard_stop(LONG) < unbudgeted
+    assert len(reasoning.split()) == hard_stop(LONG)
+    assert resp.usage.completion_tokens_details.reasoning_tokens == hard_stop(LONG)
+    assert body["continue_final_message"] is True  # phase 2 of forcing
+    assert resp.choices[0].message.content.startswith("echo:")
