@@ -676,6 +676,29 @@ def write_json(result: dict[str, Any], path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------- CLI
 
+def dial_tiers(settings: Settings, model_dir: Path) -> Settings:
+    """A dial model directory (one with ``dial.json``: ``{"budget_prompt", "tiers": {name: budget|null}}``, written
+    by ``python -m training.tiny.dial_card``) serves every tier with ``budget_mode: prompted``, its prompt format and
+    its per-tier budget (0: thinking off, ``budget_mode: off``); any other directory leaves the tiers as they are."""
+    path = model_dir / "dial.json"
+    if not path.is_file():
+        return settings
+    spec = json.loads(path.read_text())
+    budgets = spec.get("tiers") or {}
+    tiers = []
+    for t in settings.tiers:
+        if t.name not in budgets:
+            tiers.append(t)
+            continue
+        b = budgets[t.name]
+        update: dict[str, Any] = (
+            {"budget_mode": "off", "thinking_budget": 0, "enable_thinking": False} if b == 0  # the direct mode
+            else {"budget_mode": "prompted", "budget_prompt": spec["budget_prompt"], "thinking_budget": b,
+                  "enable_thinking": True})
+        tiers.append(t.model_copy(update=update))
+    return settings.model_copy(update={"tiers": tiers})
+
+
 def savings(
     n: int = typer.Option(BenchConfig.n, "--n", min=1, help="Requests per policy (synthetic + real)."),
     repeat_fraction: float = typer.Option(BenchConfig.repeat_fraction, help="Share of repeated questions."),
@@ -715,6 +738,7 @@ def savings(
             raise typer.Exit(2)
         settings = settings.model_copy(update={"engine": settings.engine.model_copy(
             update={"model_path": model_dir.resolve()})})
+        settings = dial_tiers(settings, model_dir)
     if engine_url:
         settings = settings.model_copy(update={"tiers": [
             t.model_copy(update={"base_url": engine_url.rstrip("/")}) for t in settings.tiers]})

@@ -1,0 +1,90 @@
+"""Does the dial length term teach budget following? A few CPU GRPO steps on the shipped SFT over-thinker.
+
+Policy: ``training/assets/thinkgate-tiny`` (re-checks every step: ≈57 thinking tokens on one operation, while
+sampling still writes the terse ≈10-token chain about two times in five). Prompts: one-operation ``arith`` problems
+with "Think for 12 tokens." Rewards: ``correctness`` + ``dial_length`` (training/grpo/dial_rewards.py). Both styles
+are right on one operation, so correctness alone carries no length signal: with the length term's weight set to 0
+(it is still computed and logged, as ``rewards/dial_length/mean``) mean |thinking − budget| / budget must not fall
+by the margin; with weight 1 it must. The whole product path runs (``run_grpo`` → trainer → metrics).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from training.grpo.config import RunConfig, from_dict
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICY = ROOT / "training" / "assets" / "thinkgate-tiny"
+STEPS = 6
+MARGIN = 0.25  # fall of the mean relative error |n_think - B| / B, first 2 steps vs last 2
+
+
+def cfg(weight: float) -> RunConfig:
+    return from_dict(
+        RunConfig,
+        {
+            "model": {"path": str(POLICY)},
+            "task": {"name": "arith", "n_train": 16, "n_eval": 4, "difficulties": [1]},
+            "budget_prompt": {"enabled": True, "min_tokens": 12, "max_tokens": 12},
+            "rewards": [
+                {"name": "correctness", "weight": 1.0},
+                {"name": "dial_length", "weight": weight, "params": {"tokenizer": str(POLICY)}},
+            ],
+            "advantages": {"aggregation": "sum_then_normalize"},
+            "dynamic_sampling": {"enabled": False},
+            "eval": {"before": False, "after": False},
+            "monitors": {"rules": []},
+            "trl": {
+                "num_generations": 4,
+                "per_device_train_batch_size": 16,
+                "max_completion_length": 80,
+                "learning_rate": 2e-4,
+                "lr_scheduler_type": "constant",
+                "temperature": 1.0,
+                "beta": 0.0,
+                "max_steps": STEPS,
+                "save_steps": 1000,
+                "seed": 0,
+            },
+        },
+    )
+
+
+def rel_errors(run_dir: Path) -> list[float]:
+    """Mean |n_think - B| / B per optimizer step (the logged dial_length reward is its negative)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [-m["rewards/dial_length/mean"] for m in rows if "loss" in m and "rewards/dial_length/mean" in m]
+
+
+def fall(errors: list[float]) -> float:
+    return sum(errors[:2]) / 2 - sum(errors[-2:]) / 2
+
+
+def run(weight: float, out: Path) -> dict[str, Any]:
+    import torch
+
+    from training.grpo.run import run_grpo
+
+    torch.set_num_threads(1)
+    return run_grpo(cfg(weight), output_dir=out, progress=False)
+
+
+def test_length_term_moves_thinking_towards_the_budget(tmp_path: Path) -> None:
+    run(1.0, tmp_path)
+    e = rel_errors(tmp_path)
+    assert len(e) == STEPS
+    assert fall(e) > MARGIN, f"mean |n - B| / B did not fall by {MARGIN}: {[round(x, 3) for x in e]}"
+
+
+def test_without_the_length_term_it_does_not(tmp_path: Path) -> None:
+    run(0.0, tmp_path)
+    e = rel_errors(tmp_path)
+    assert len(e) == STEPS
+    assert fall(e) < MARGIN / 2, [round(x, 3) for x in e]

@@ -1,0 +1,147 @@
+"""The model card and gateway settings of a dial model directory (``thinkgate-tiny-dial``).
+
+Reads ``training_summary.json`` (SFT warm start; a GRPO run's ``summary.json`` when present) and
+``eval_dial.json`` (``thinkgate eval dial``); writes ``README.md`` (Hugging Face card: budget range, prompt format,
+per-budget adherence and accuracy beside budget forcing) and ``dial.json`` — what ``thinkgate bench savings
+--model-dir DIR`` reads to serve every tier with ``budget_mode: prompted``.
+
+    python -m training.tiny.dial_card DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from training.tiny.dial import BUDGET_TEMPLATE, LINE_TOKENS
+
+BUDGET_RANGE = (8, 320)
+#: the tiers a dial model serves: budget in tokens (0: thinking off; None: unlimited)
+TIER_BUDGETS: dict[str, int | None] = {"none": 0, "short": 32, "long": None}
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x:.0%}"
+
+
+def results_table(report: dict[str, Any]) -> str:
+    """Markdown rows per requested budget: adherence, errors, accuracy, forcing accuracy."""
+    lines = [
+        "| budget | within tolerance | mean rel. error | p90 rel. error | mean thinking tokens | accuracy | "
+        "forcing on SFT model |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["budgets"]:
+        lines.append(
+            f"| {r['budget']} | {_pct(r['within_10pct'])} | {r['mean_rel_error']:.3f} | {r['p90_rel_error']:.3f} | "
+            f"{r.get('mean_thinking_tokens', float('nan')):.1f} | {_pct(r['accuracy'])} | "
+            f"{_pct(r['forcing_accuracy'])} |"
+        )
+    return "\n".join(lines)
+
+
+def render(model_dir: Path) -> str:
+    summary = _load(model_dir / "training_summary.json") or {}
+    grpo = _load(model_dir / "grpo_summary.json")
+    report = _load(model_dir / "eval_dial.json")
+    size_mb = (model_dir / "model.safetensors").stat().st_size / 1e6
+    params = summary.get("parameters")
+    c = summary.get("config", {})
+    training = (
+        f"- SFT warm start (`thinkgate train dial-sft`, `training/tiny/dial_sft.py`): continued from "
+        f"`{Path(str(c.get('init_from', 'thinkgate-tiny'))).name}` for {summary.get('steps_done', '?')} steps of "
+        f"{c.get('batch_size', '?')} examples, AdamW peak LR {c.get('lr', '?')} (warm-up, cosine decay to the "
+        f"{c.get('max_minutes', '?')}-minute bound), data seed {c.get('seed', '?')}, {summary.get('wall_s', '?')} s "
+        "on a shared 2-core CPU (one torch thread). Examples: 78% budgeted thoughts (budget log-uniform over "
+        f"{BUDGET_RANGE[0]}–{BUDGET_RANGE[1]}), 12% unlimited (terse chain), 5% cut by the gateway's forced "
+        "`\\n</think>\\n\\n` then answered, 5% thinking off."
+    )
+    if grpo:
+        training += (
+            f"\n- GRPO (`thinkgate train grpo --config training/configs/dial.yaml`): {grpo.get('global_step')} steps, "
+            "rewards correctness + dial_length (L1-Exact on thinking tokens, relative to the budget), "
+            f"{grpo.get('wall_s', '?')} s."
+        )
+    results = (
+        f"`thinkgate eval dial` on {report['n_problems']} held-out `arith` problems (seed {report.get('seed', 0)}), "
+        "greedy. *Within tolerance*: thinking tokens within ±10% of the budget, or ±4 tokens for budgets ≤ 32. "
+        "*Forcing*: the SFT always-long model `thinkgate-tiny` cut at the same budget (vLLM "
+        "`thinking_token_budget` semantics, offline).\n\n" + results_table(report)
+        if report
+        else "Not measured yet: `thinkgate eval dial --model DIR --json DIR/eval_dial.json`."
+    )
+    return f"""---
+license: apache-2.0
+library_name: transformers
+pipeline_tag: text-generation
+tags: [reasoning, tiny, arithmetic, thinkgate, length-control]
+---
+
+# thinkgate-tiny-dial
+
+One tiny reasoning model whose thinking budget you dial in the prompt: ask *"… Think for 64 tokens."* and it
+thinks for about 64 tokens (of its tokenizer), then answers. The length-controlled-reasoning idea of L1 / LCPO
+(Aggarwal & Welleck, arXiv 2503.04697) on ThinkGate's toy arithmetic task, so that the gateway can serve `none`,
+`short` and `long` from one model as budgets (`budget_mode: prompted`). A
+{params / 1e6 if params else 1.72:.2f}M-parameter Llama (the architecture and tokenizer of `thinkgate-tiny`), float32
+safetensors, {size_mb:.1f} MB. Not for any real use.
+
+## Prompt format
+- Append `{BUDGET_TEMPLATE}` to the user's question (N in tokens, trained for N in {BUDGET_RANGE[0]}–{BUDGET_RANGE[1]},
+  log-uniform; the three-digit counter reads up to 999). No instruction = **unlimited**: the terse chain
+  (`7 + 5 = 12` per line). Thinking off: `chat_template_kwargs: {{"enable_thinking": false}}`.
+- The thought fills the budget in lines of exactly {LINE_TOKENS} tokens that open with the budget left: `064:07=07`
+  (start value), one line per operation `054:+5=12` (values zero-padded), recap lines `ok=12` once done, and a
+  digit countdown `3210` for the last < {LINE_TOKENS} tokens; `</think>` comes right after the N-th thought token.
+  A budget too small for the whole chain ends the thought mid-chain and the answer is a guess, as under forcing.
+- Thinking tokens = the tokens before `</think>` (the `\\n` the generation prompt ends with is not counted).
+
+## Training
+{training}
+
+## Results
+{results}
+
+## Serve it behind the gateway
+```
+VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
+  --served-model-name thinkgate-tiny --dtype float32 --enforce-eager --reasoning-parser qwen3
+```
+and give its tiers `budget_mode: prompted` (the gateway appends `budget_prompt`, default
+`"{BUDGET_TEMPLATE}"`, to the last user message and keeps budget forcing as the hard stop at
+budget × 1.25 + 16). `dial.json` here lists the tier budgets `thinkgate bench savings --model-dir DIR` uses.
+
+## Licence
+Apache-2.0. Made only from generated data; no third-party data or weights.
+"""
+
+
+def write(model_dir: Path) -> list[Path]:
+    """Write ``README.md`` and ``dial.json`` into ``model_dir``; returns their paths."""
+    card = model_dir / "README.md"
+    card.write_text(render(model_dir))
+    spec = model_dir / "dial.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "budget_prompt": BUDGET_TEMPLATE,
+                "budget_range": list(BUDGET_RANGE),
+                "line_tokens": LINE_TOKENS,
+                "tiers": TIER_BUDGETS,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    return [card, spec]
+
+
+if __name__ == "__main__":
+    for p in write(Path(sys.argv[1])):
+        print(p)
