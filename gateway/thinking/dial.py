@@ -36,9 +36,10 @@ def requested_budget(body: dict[str, Any], tier: TierConfig) -> int | None:
     """The budget (tokens) a ``prompted`` tier asks the model for: the request's smaller non-negative
     ``thinking_token_budget``, else ``tier.thinking_budget`` (None = unlimited)."""
     asked = body.get("thinking_token_budget")
-    valid = isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0
-    if valid and (tier.thinking_budget is None or asked < tier.thinking_budget):
-        return int(asked)  # type: ignore[arg-type]
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0:
+        cap = tier.thinking_budget
+        if cap is None or asked < cap:
+            return asked
     return tier.thinking_budget
 
 

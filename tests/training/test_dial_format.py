@@ -49,8 +49,8 @@ def test_thoughts_fill_the_budget_exactly_in_the_shipped_tokenizer() -> None:
 
 def test_thought_shape() -> None:
     chain = Chain(7, (Op("add", 5), Op("mul", 3)))
-    assert dial_thought(chain, 48) == "048:07=07\n038:+5=12\n028:*3=36\n018:ok=36\n76543210"
-    assert dial_thought(chain, 20) == "020:07=07\n010:+5=12\n"  # the budget ends the chain early
+    assert dial_thought(chain, 48) == "048:07+007038:07+512028:12*336018:36+03676543210"
+    assert dial_thought(chain, 20) == "020:07+007010:07+512"  # the budget ends the chain early
     assert dial_thought(chain, 6) == "543210"
     assert with_budget("Q?", 64) == "Q? Think for 64 tokens." and with_budget("Q?", None) == "Q?"
 

@@ -5,9 +5,10 @@ Prompt: the question followed by :data:`BUDGET_TEMPLATE` (``"Think for 128 token
 
 Thought (between ``<think>\\n`` and ``</think>``), for a budget of ``B`` tokens of the tiny tokenizer:
 
-* lines of exactly :data:`LINE_TOKENS` (10) tokens, each opening with the **budget left** as three digits and a
-  colon: ``128:07=07\\n`` (the start value), then one line per operation ``118:+5=12\\n`` (``op k = value``,
-  values zero-padded to two digits), then, once the chain is done, recap lines ``098:ok=36\\n``;
+* steps of exactly :data:`LINE_TOKENS` (10) tokens, each opening with the **budget left** as three digits and a
+  colon, then ``a op k b`` with the values zero-padded to two digits: ``128:07+007`` (the start value as an
+  identity step), one step per operation ``118:07+512`` (7 + 5 = 12), then, once the chain is done, identity
+  steps on the answer ``098:36+036``; no separator between steps (the counter is one);
 * when fewer than 10 tokens are left, a countdown of single digits ``76543210`` (one token each) uses them up,
   so that ``</think>`` is the ``B+1``-th thought token.
 
@@ -45,8 +46,8 @@ def with_budget(question: str, budget: int | None) -> str:
 
 def _contents(chain: Chain) -> list[str]:
     v = chain.values()
-    out = [f"{v[0]:02d}={v[0]:02d}"]
-    out += [f"{o.symbol}{o.k}={v[i + 1]:02d}" for i, o in enumerate(chain.ops)]
+    out = [f"{v[0]:02d}+0{v[0]:02d}"]  # the start value as an identity step
+    out += [f"{v[i]:02d}{o.symbol}{o.k}{v[i + 1]:02d}" for i, o in enumerate(chain.ops)]
     return out
 
 
@@ -57,11 +58,11 @@ def dial_thought(chain: Chain, budget: int) -> str:
     if not 0 <= budget <= MAX_BUDGET:
         raise ValueError(f"budget must be in [0, {MAX_BUDGET}], got {budget}")
     contents = _contents(chain)
-    recap = f"ok={chain.answer:02d}"
+    recap = f"{chain.answer:02d}+0{chain.answer:02d}"
     parts = []
     left, i = budget, 0
     while left >= LINE_TOKENS:
-        parts.append(f"{left:03d}:{contents[i] if i < len(contents) else recap}\n")
+        parts.append(f"{left:03d}:{contents[i] if i < len(contents) else recap}")
         left -= LINE_TOKENS
         i += 1
     parts.append("".join(str(d) for d in range(left - 1, -1, -1)))

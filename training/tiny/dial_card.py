@@ -52,15 +52,21 @@ def render(model_dir: Path) -> str:
     report = _load(model_dir / "eval_dial.json")
     size_mb = (model_dir / "model.safetensors").stat().st_size / 1e6
     params = summary.get("parameters")
-    c = summary.get("config", {})
-    training = (
-        f"- SFT warm start (`thinkgate train dial-sft`, `training/tiny/dial_sft.py`): continued from "
-        f"`{Path(str(c.get('init_from', 'thinkgate-tiny'))).name}` for {summary.get('steps_done', '?')} steps of "
-        f"{c.get('batch_size', '?')} examples, AdamW peak LR {c.get('lr', '?')} (warm-up, cosine decay to the "
-        f"{c.get('max_minutes', '?')}-minute bound), data seed {c.get('seed', '?')}, {summary.get('wall_s', '?')} s "
-        "on a shared 2-core CPU (one torch thread). Examples: 78% budgeted thoughts (budget log-uniform over "
-        f"{BUDGET_RANGE[0]}–{BUDGET_RANGE[1]}), 12% unlimited (terse chain), 5% cut by the gateway's forced "
-        "`\\n</think>\\n\\n` then answered, 5% thinking off."
+    stages = summary.get("stages") or [summary]
+    lines = []
+    for k, st in enumerate(stages):
+        c = st.get("config", {})
+        lines.append(
+            f"- SFT stage {k + 1} (`thinkgate train dial-sft`, `training/tiny/dial_sft.py`): continued from "
+            f"`{Path(str(c.get('init_from', 'thinkgate-tiny'))).name}`, {st.get('steps_done', '?')} steps of "
+            f"{c.get('batch_size', '?')} examples, AdamW peak LR {c.get('lr', '?')} (warm-up, cosine decay by the "
+            f"{c.get('max_minutes', '?')}-minute bound), data seed {c.get('seed', '?')}, {st.get('wall_s', '?')} s."
+        )
+    training = "\n".join(lines) + (
+        f"\n\nAll on a shared 2-core CPU (one torch thread), {summary.get('wall_s', '?')} s in all. Examples: 78% "
+        f"budgeted thoughts (budget log-uniform over {BUDGET_RANGE[0]}–{BUDGET_RANGE[1]}), 12% unlimited (terse "
+        "chain), 5% cut by the gateway's forced `\\n</think>\\n\\n` then answered, 5% thinking off; loss on "
+        "completion tokens only, the train split of `arith` only."
     )
     if grpo:
         training += (
@@ -93,13 +99,14 @@ thinks for about 64 tokens (of its tokenizer), then answers. The length-controll
 safetensors, {size_mb:.1f} MB. Not for any real use.
 
 ## Prompt format
-- Append `{BUDGET_TEMPLATE}` to the user's question (N in tokens, trained for N in {BUDGET_RANGE[0]}–{BUDGET_RANGE[1]},
+- Append `{BUDGET_TEMPLATE.format(budget="N")}` to the user's question (N in tokens, trained for N in {BUDGET_RANGE[0]}–{BUDGET_RANGE[1]},
   log-uniform; the three-digit counter reads up to 999). No instruction = **unlimited**: the terse chain
   (`7 + 5 = 12` per line). Thinking off: `chat_template_kwargs: {{"enable_thinking": false}}`.
-- The thought fills the budget in lines of exactly {LINE_TOKENS} tokens that open with the budget left: `064:07=07`
-  (start value), one line per operation `054:+5=12` (values zero-padded), recap lines `ok=12` once done, and a
-  digit countdown `3210` for the last < {LINE_TOKENS} tokens; `</think>` comes right after the N-th thought token.
-  A budget too small for the whole chain ends the thought mid-chain and the answer is a guess, as under forcing.
+- The thought fills the budget in steps of exactly {LINE_TOKENS} tokens that open with the budget left and a colon,
+  then `a op k b` with values zero-padded: `064:07+007` (the start value), one step per operation `054:07+512`
+  (7 + 5 = 12), identity steps on the answer `044:12+012` once done, and a digit countdown `3210` for the last
+  < {LINE_TOKENS} tokens; `</think>` comes right after the N-th thought token. A budget too small for the whole chain
+  ends the thought mid-chain and the answer is a guess, as under forcing.
 - Thinking tokens = the tokens before `</think>` (the `\\n` the generation prompt ends with is not counted).
 
 ## Training
