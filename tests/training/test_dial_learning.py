@@ -2,10 +2,11 @@
 
 Policy: ``training/assets/thinkgate-tiny`` (re-checks every step: ≈57 thinking tokens on one operation, while
 sampling still writes the terse ≈10-token chain about two times in five). Prompts: one-operation ``arith`` problems
-with "Think for 12 tokens." Rewards: ``correctness`` + ``dial_length`` (training/grpo/dial_rewards.py). Both styles
-are right on one operation, so correctness alone carries no length signal: with the length term's weight set to 0
-(it is still computed and logged, as ``rewards/dial_length/mean``) mean |thinking − budget| / budget must not fall
-by the margin; with weight 1 it must. The whole product path runs (``run_grpo`` → trainer → metrics).
+with "Think for 128 tokens." Rewards: ``correctness`` + ``dial_length`` (training/grpo/dial_rewards.py). The budget
+sits above the natural lengths, so only the length term pulls towards it (correctness, which scores a cut-off
+thought wrong, pulls shorter): with the length term's weight set to 0 (it is still computed and logged, as
+``rewards/dial_length/mean``) mean |thinking − budget| / budget must not fall by the margin; with weight 1 it must.
+The whole product path runs (``run_grpo`` → trainer → metrics).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import pytest
 
 from training.grpo.config import RunConfig, from_dict
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # two GRPO runs of 8 steps on a shared CPU
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = ROOT / "training" / "assets" / "thinkgate-tiny"
-STEPS = 6
-MARGIN = 0.25  # fall of the mean relative error |n_think - B| / B, first 2 steps vs last 2
+STEPS = 8
+BUDGET = 128  # above the over-thinker's natural 30-100 tokens: the length term must pull thoughts *longer*, against
+# the pull of correctness (a cut-off thought scores wrong, so without the length term thoughts only get shorter)
+MARGIN = 0.08  # fall of the mean relative error |n_think - B| / B, first 2 steps vs last 2
 
 
 def cfg(weight: float) -> RunConfig:
@@ -32,7 +35,7 @@ def cfg(weight: float) -> RunConfig:
         {
             "model": {"path": str(POLICY)},
             "task": {"name": "arith", "n_train": 16, "n_eval": 4, "difficulties": [1]},
-            "budget_prompt": {"enabled": True, "min_tokens": 12, "max_tokens": 12},
+            "budget_prompt": {"enabled": True, "min_tokens": BUDGET, "max_tokens": BUDGET},
             "rewards": [
                 {"name": "correctness", "weight": 1.0},
                 {"name": "dial_length", "weight": weight, "params": {"tokenizer": str(POLICY)}},
@@ -44,8 +47,8 @@ def cfg(weight: float) -> RunConfig:
             "trl": {
                 "num_generations": 4,
                 "per_device_train_batch_size": 16,
-                "max_completion_length": 80,
-                "learning_rate": 2e-4,
+                "max_completion_length": 200,  # room for a thought of the budget plus the answer
+                "learning_rate": 3e-4,
                 "lr_scheduler_type": "constant",
                 "temperature": 1.0,
                 "beta": 0.0,
