@@ -100,8 +100,9 @@ safetensors, {size_mb:.1f} MB. Not for any real use.
 
 ## Prompt format
 - Append `{BUDGET_TEMPLATE.format(budget="N")}` to the user's question (N in tokens, trained for N in
-  {BUDGET_RANGE[0]}–{BUDGET_RANGE[1]}, log-uniform; the three-digit counter reads up to 999). No instruction =
-  **unlimited**: the terse chain (`7 + 5 = 12` per line). Thinking off: `chat_template_kwargs: {{"enable_thinking": false}}`.
+  {BUDGET_RANGE[0]}–{BUDGET_RANGE[1]}, log-uniform; the three-digit counter reads up to 999).
+  No instruction = **unlimited**: the terse chain (`7 + 5 = 12` per line).
+  Thinking off: `chat_template_kwargs: {{"enable_thinking": false}}`.
 - The thought fills the budget in steps of exactly {LINE_TOKENS} tokens that open with the budget left and a colon,
   then `a op k b` with values zero-padded: `064:07+007` (the start value), one step per operation `054:07+512`
   (7 + 5 = 12), identity steps on the answer `044:12+012` once done, and a digit countdown `3210` for the last
