@@ -1,10 +1,11 @@
 """Does the dial length term teach budget following? A few CPU GRPO steps on the shipped SFT over-thinker.
 
-Policy: ``training/assets/thinkgate-tiny`` (re-checks every step: ≈57 thinking tokens on one operation, while
-sampling still writes the terse ≈10-token chain about two times in five). Prompts: one-operation ``arith`` problems
-with "Think for 128 tokens." Rewards: ``correctness`` + ``dial_length`` (training/grpo/dial_rewards.py). The budget
-sits above the natural lengths, so only the length term pulls towards it (correctness, which scores a cut-off
-thought wrong, pulls shorter): with the length term's weight set to 0 (it is still computed and logged, as
+Policy: ``training/assets/thinkgate-tiny`` (re-checks every step: 30-120 thinking tokens on one operation with a
+budget instruction it never saw). Prompts: one-operation ``arith`` problems with "Think for 16 tokens." The only
+weighted reward is ``dial_length`` (training/grpo/dial_rewards.py, cap 8 so that long thoughts still differ);
+``correctness`` is computed with weight 0: it would confound the control, since a thought cut at the length cap
+scores wrong and correctness alone already shortens the over-thinker's thoughts (measured: 4.8 -> 0.5 relative
+error in 8 steps). With the length term's weight set to 0 as well (it is still computed and logged, as
 ``rewards/dial_length/mean``) mean |thinking − budget| / budget must not fall by the margin; with weight 1 it must.
 The whole product path runs (``run_grpo`` → trainer → metrics).
 """
@@ -24,9 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # two GRPO runs of 8
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = ROOT / "training" / "assets" / "thinkgate-tiny"
 STEPS = 8
-BUDGET = 128  # above the over-thinker's natural 30-100 tokens: the length term must pull thoughts *longer*, against
-# the pull of correctness (a cut-off thought scores wrong, so without the length term thoughts only get shorter)
-MARGIN = 0.08  # fall of the mean relative error |n_think - B| / B, first 2 steps vs last 2
+BUDGET = 16
+MARGIN = 0.8  # fall of the mean relative error |n_think - B| / B, first 2 steps vs last 2 (it starts at ~2-5)
 
 
 def cfg(weight: float) -> RunConfig:
@@ -37,8 +37,8 @@ def cfg(weight: float) -> RunConfig:
             "task": {"name": "arith", "n_train": 16, "n_eval": 4, "difficulties": [1]},
             "budget_prompt": {"enabled": True, "min_tokens": BUDGET, "max_tokens": BUDGET},
             "rewards": [
-                {"name": "correctness", "weight": 1.0},
-                {"name": "dial_length", "weight": weight, "params": {"tokenizer": str(POLICY)}},
+                {"name": "correctness", "weight": 0.0},
+                {"name": "dial_length", "weight": weight, "params": {"tokenizer": str(POLICY), "cap": 8.0}},
             ],
             "advantages": {"aggregation": "sum_then_normalize"},
             "dynamic_sampling": {"enabled": False},
@@ -47,8 +47,8 @@ def cfg(weight: float) -> RunConfig:
             "trl": {
                 "num_generations": 4,
                 "per_device_train_batch_size": 16,
-                "max_completion_length": 200,  # room for a thought of the budget plus the answer
-                "learning_rate": 3e-4,
+                "max_completion_length": 144,
+                "learning_rate": 1e-3,
                 "lr_scheduler_type": "constant",
                 "temperature": 1.0,
                 "beta": 0.0,

@@ -46,6 +46,19 @@ def results_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def targets_line(report: dict[str, Any]) -> str:
+    """Which budgets meet the issue's bar: ≥ 90% within tolerance and accuracy ≥ forcing's − 1 point."""
+    met, missed = [], []
+    for r in report["budgets"]:
+        forcing = r["forcing_accuracy"]
+        ok = r["within_10pct"] >= 0.9 and (forcing is None or r["accuracy"] >= forcing - 0.01)
+        (met if ok else missed).append(str(r["budget"]))
+    return (
+        f"Targets (≥ 90% within tolerance and accuracy ≥ forcing's − 1 point): met at budgets "
+        f"{', '.join(met) or 'none'}; missed at {', '.join(missed) or 'none'}."
+    )
+
+
 def render(model_dir: Path) -> str:
     summary = _load(model_dir / "training_summary.json") or {}
     grpo = _load(model_dir / "grpo_summary.json")
@@ -78,7 +91,7 @@ def render(model_dir: Path) -> str:
         f"`thinkgate eval dial` on {report['n_problems']} held-out `arith` problems (seed {report.get('seed', 0)}), "
         "greedy. *Within tolerance*: thinking tokens within ±10% of the budget, or ±4 tokens for budgets ≤ 32. "
         "*Forcing*: the SFT always-long model `thinkgate-tiny` cut at the same budget (vLLM "
-        "`thinking_token_budget` semantics, offline).\n\n" + results_table(report)
+        "`thinking_token_budget` semantics, offline).\n\n" + results_table(report) + "\n\n" + targets_line(report)
         if report
         else "Not measured yet: `thinkgate eval dial --model DIR --json DIR/eval_dial.json`."
     )
