@@ -16,9 +16,12 @@ token (all of them when the thought never closes).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from training.grpo.reward_utils import THINK_CLOSE, token_lengths
+
+DEFAULT_TOKENIZER = str(Path(__file__).resolve().parents[1] / "assets" / "thinkgate-tiny")
 
 
 def thinking_tokens(ids: Sequence[int], close_id: int) -> int:
@@ -52,14 +55,13 @@ def close_token_id(tokenizer_path: str) -> int:
 class DialLengthReward:
     """TRL reward: :func:`dial_length_penalty` per rollout against the ``budget_tokens`` column (additive).
 
-    ``close_id``: the ``</think>`` token id; or ``tokenizer``: a model directory to read it from."""
+    ``close_id``: the ``</think>`` token id; or ``tokenizer``: a model directory to read it from (default: the
+    tiny models' shared tokenizer, ``training/assets/thinkgate-tiny``)."""
 
     def __init__(self, close_id: int | None = None, tokenizer: str | None = None, cap: float = 1.0) -> None:
         self.__name__ = "dial_length"
         if close_id is None:
-            if tokenizer is None:
-                raise ValueError("dial_length needs close_id or tokenizer")
-            close_id = close_token_id(tokenizer)
+            close_id = close_token_id(tokenizer or DEFAULT_TOKENIZER)
         self.close_id, self.cap = int(close_id), cap
 
     def __call__(
