@@ -48,7 +48,8 @@ def results_table(report: dict[str, Any]) -> str:
 
 def targets_line(report: dict[str, Any]) -> str:
     """Which budgets meet the issue's bar: ≥ 90% within tolerance and accuracy ≥ forcing's − 1 point."""
-    met, missed = [], []
+    met: list[str] = []
+    missed: list[str] = []
     for r in report["budgets"]:
         forcing = r["forcing_accuracy"]
         ok = r["within_10pct"] >= 0.9 and (forcing is None or r["accuracy"] >= forcing - 0.01)
