@@ -172,6 +172,10 @@ def fit(
     ladder: Annotated[list[str] | None, typer.Option(
         help="MODEL:SETTING1,SETTING2[,SETTING3], cheapest first (with --traces; one router each)")] = None,
     quality_target: Annotated[float, typer.Option(help="thresholds keep >= this x always-top accuracy")] = 0.98,
+    delta: Annotated[float, typer.Option(help="--traces: the floor may fail with at most this probability "
+                                         "(Learn-then-Test, 1 - confidence)")] = 0.1,
+    cal_frac: Annotated[float, typer.Option(help="--traces: share of the non-held-out questions kept to "
+                                            "certify the thresholds")] = 0.5,
     heldout_frac: Annotated[float, typer.Option(help="fixed held-out share (sha256 of dataset/id)")] = 0.2,
     policy: Annotated[str, typer.Option(help="auto (fallback rule) | router | length | random")] = "auto",
     pool: Annotated[str, typer.Option(help="models (pool every model's outcomes per question) | none")] = "models",
@@ -192,8 +196,9 @@ def fit(
     """Fit a router: from labelled JSONL files, or from recorded traces (--traces, --dataset, --ladder).
 
     With --traces: per ladder, the fixed held-out questions are set aside, a ridge router is fitted on the rest
-    (5-fold), thresholds are calibrated to --quality-target of always-top accuracy on the out-of-fold scores,
-    and the fallback rule ships the best of router / length / random on that validation (see docs/router.md).
+    (5-fold bagged, on a fit split), the served thresholds are certified on a calibration split to keep
+    --quality-target of always-top accuracy with confidence 1 - --delta (Learn-then-Test), and the file carries
+    the whole served policy (scorer, thresholds, cascade or not, the guarantee; see docs/router.md).
     """
     if out is None:
         _fail("--output FILE is required")
@@ -203,7 +208,7 @@ def fit(
             _fail("give labelled files or --traces, not both")
         _fit_traces(traces, dataset or [], ladder or [], out, quality_target=quality_target,
                     heldout_frac=heldout_frac, policy=policy, pool=pool, alpha=alpha, seed=seed,
-                    feature_set=feature_set)
+                    feature_set=feature_set, delta=delta, cal_frac=cal_frac)
         return
     if not data:
         _fail("give labelled JSONL file(s), or --traces DIR --dataset NAME --ladder MODEL:S1,S2")
@@ -256,20 +261,22 @@ def _fit_traces(traces: Path, datasets: list[str], ladders: list[str], out: Path
         try:
             res = fit_ladder_router(traces, datasets, lad, quality_target=kw["quality_target"],
                                     heldout_frac=kw["heldout_frac"], policy=kw["policy"], pool=kw["pool"],
-                                    alpha=kw["alpha"], seed=kw["seed"], feature_set=kw["feature_set"])
+                                    alpha=kw["alpha"], seed=kw["seed"], feature_set=kw["feature_set"],
+                                    delta=kw["delta"], cal_frac=kw["cal_frac"])
         except (OSError, ValueError) as exc:
             _fail(str(exc))
             raise AssertionError from None  # unreachable
         save_router(res.router, dest)
+        from router.policy import guarantee_sentence
+
         v = res.validation
         sav = "  ".join(f"{p} {100 * x:.1f}%" for p, x in v["savings_at_98"].items())
-        cal = v["calibrated"][res.policy]
+        sv = res.router.metadata["serving"]
         con.print(f"{lad.name} on {'+'.join(datasets)}: {v['n']} questions (held-out excluded), {res.seconds:.1f} s")
-        con.print(f"  validation savings_at_98: {sav} → ships [bold]{res.policy}[/bold]")
-        con.print(f"  thresholds {[round(t, 4) for t in res.router.thresholds]} → tiers "
-                  f"{dict(zip(lad.settings, cal['tiers'], strict=True))}, validation accuracy {cal['accuracy']:.3f} "
-                  f"(always-top {cal['always_top_accuracy']:.3f}), "
-                  f"tokens {100 * cal['token_share']:.1f}% of always-top")
+        con.print(f"  fit-split savings_at_98 (curve metric): {sav} → scorer [bold]{res.policy}[/bold]")
+        con.print(f"  serves [bold]{sv['policy']}[/bold] at thresholds {sv['thresholds']} (router alone "
+                  f"{sv['router_thresholds']}, with the cascade {sv['cascade_thresholds']})")
+        con.print(f"  {guarantee_sentence(res.router.metadata)}")
         con.print(f"  saved {dest} ({dest.stat().st_size / 1e6:.2f} MB)")
 
 
@@ -358,8 +365,13 @@ def info(router_path: Annotated[Path, typer.Argument(help="router file")] = _DEF
 
 def _info_summary(r: Any) -> list[str]:
     """Plain-language lines after the JSON: what the score is, and per evaluation set how it ranks vs length."""
+    from router.policy import guarantee_sentence
+
     meta = r.metadata
     lines = []
+    promise = guarantee_sentence(meta)
+    if promise:
+        lines.append(promise)
     if "policy" in meta:
         lines.append(f"policy: {meta['policy']} — {meta.get('policy_description', '')}")
         lad = meta.get("ladder", {})

@@ -34,6 +34,7 @@ from router.base import Router, register
 from router.errors import ThinkGateError
 from router.model import TrainedRouter
 from router.persistence import RouterFileError, load_router
+from router.policy import guarantee_sentence, serving
 
 log = logging.getLogger("thinkgate.router")
 
@@ -176,6 +177,9 @@ class RouterService(Router):
             "thresholds": self.thresholds,
             # how the cut points were chosen and the share of requests they sent up (router/fit/calibrate.py)
             "calibration": meta.get("thresholds_calibration"),
+            # what `auto` serves from this file (router/policy.py): the policy and its promise, in one sentence
+            "policy": (serving(meta) or {}).get("policy"),
+            "guarantee": guarantee_sentence(meta),
             "error": self._error,
             "reloads": self.reloads,
         }

@@ -357,10 +357,9 @@ class Proxy:
         return sse.RelayResponse(_iterate(frames), headers)
 
     def _next_tier(self, tier: TierConfig) -> TierConfig | None:
-        """The tier after ``tier`` in the configured order (cheapest first), or None for the last one."""
-        names = [t.name for t in self.settings.tiers]
-        i = names.index(tier.name)
-        return self.settings.tiers[i + 1] if i + 1 < len(names) else None
+        """The tier after ``tier`` in the configured order (cheapest first), or None for the last one; as
+        ``auto`` serves it when ``tier`` is a routed one (the router file's cascade, ``Routing.next_tier``)."""
+        return self.routing.next_tier(tier)
 
     async def _maybe_escalate(self, ex: Exchange, resp: UpstreamResponse, body: dict[str, Any], endpoint: WireEndpoint,
                               nxt: TierConfig, headers: dict[str, str]) -> UpstreamResponse:
