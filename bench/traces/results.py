@@ -66,7 +66,7 @@ def run_ladder(traces: Path, dataset: str, ladder: str, routers: Path, out: Path
             "wall_s": round(time.monotonic() - t0, 1), "served_policy": serving.get("policy"),
             "guarantee": serving.get("guarantee")}
     Path(f"{base}.meta.json").write_text(json.dumps(meta))
-    return Path(f"{base}.json"), fitted, meta["wall_s"]
+    return Path(f"{base}.json"), fitted, float(meta["wall_s"])  # type: ignore[arg-type]
 
 
 def _pct(x: float | None) -> str:

@@ -16,11 +16,17 @@ Recipe (:func:`fit_ladder_router`), for one ladder on one or more data sets:
    fold (out-of-fold = validation scores), and the shipped coefficients are the mean of the fold models
    (a bagged linear model: same features, same scale as the validation scores). Score =
    ``sigmoid((z − μ) / σ)`` with μ, σ of the out-of-fold logits (monotone, so ranking is unchanged).
-5. **Thresholds**: on the out-of-fold scores, the cheapest operating point whose accuracy is ≥ ``target``
-   (0.98) × always-top accuracy (:func:`calibrate_thresholds`).
-6. **Fallback**: savings_at_98 on the same validation questions of the learned score, the length ranking and
-   random routing; the best one is shipped (``policy`` ``router`` | ``length`` | ``random``), all three as
-   the same file type (:class:`router.model.TrainedRouter` with ``scorer`` ``pipeline``/``length``/``hash``).
+5. **Split**: the non-held-out questions are split again (:func:`calibration_mask`, salted SHA-256, ``cal_frac``):
+   steps 3–4 and every choice below use the *fit* split; the *calibration* split is scored by the bagged model the
+   file serves and used only to certify its thresholds.
+6. **Thresholds with a guarantee** (:mod:`router.fit.risk`, Learn-then-Test): candidate points from the fit split's
+   score quantiles, ordered on the fit split, tested on the calibration split (exact binomial test of "accuracy ≥
+   ``quality_target`` × always-top", fixed sequence at level ``delta``); the cheapest certified point is served,
+   none → always top ("do not route").
+7. **Policy**: the scorer (learned / length / random) × cascade-or-not family with the most in-sample certified
+   savings on the fit split. The file's ``metadata.serving`` (:mod:`router.policy`) carries the served thresholds,
+   the cascade rule with its phrases (:mod:`router.abstention`), the guarantee (floor, δ, calibration size) and the
+   router-alone / router+cascade thresholds.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import gzip
 import json
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,7 +34,7 @@ def questions() -> list[str]:
 def write(root: Path) -> Path:
     (root / "frames").mkdir(parents=True)
     qs = questions()
-    rows = {
+    rows: dict[str, list[dict[str, Any]]] = {
         "low_effort": [{"id": str(i), "question": q,
                         "response": "I don't know." if i % 3 == 0 else f"Answer: {1900 + i}", "thought": None,
                         "correct": i % 2 == 0 and i % 3 != 0, "grading": "A" if i % 2 else "B",

@@ -55,7 +55,8 @@ def test_only_the_router_file_gives_thresholds_and_cascade(tmp_path: Path) -> No
 
 
 def test_explicit_settings_override_the_file(tmp_path: Path) -> None:
-    tiers = [{"name": "a", "escalate_on": []}, {"name": "b", "abstain_phrases": ["mine"]}, {"name": "c"}]
+    tiers: list[dict[str, Any]] = [{"name": "a", "escalate_on": []}, {"name": "b", "abstain_phrases": ["mine"]},
+                                   {"name": "c"}]
     r = Routing(settings(policy_file(tmp_path / "p.skops"), tiers, thresholds=[0.0, 0.0]))
     assert r.thresholds == [0.0, 0.0]
     d = r.decide(body(5), None)

@@ -23,7 +23,7 @@ def test_fit_and_serving_use_the_same_function() -> None:
     assert serving.abstains is abstention.abstains and serving.DEFAULT_PHRASES is abstention.DEFAULT_PHRASES
 
 
-@pytest.mark.skipif(TRACES is None, reason="the shared traces folder (../shared/data/traces) is not beside this checkout")
+@pytest.mark.skipif(TRACES is None, reason="no ../shared/data/traces beside the checkout")
 def test_fit_and_serving_agree_on_every_recorded_cheap_answer() -> None:
     assert TRACES is not None
     n = flagged = 0
