@@ -139,6 +139,7 @@ def create_app(settings: Settings) -> FastAPI:
     upstreams = UpstreamPool(settings.tiers)
     routing = Routing(settings)
     accounting = Accounting(settings)
+    accounting.metrics.registry.register(upstreams.balancer.collector())  # thinkgate_upstream_* series
     keys = KeyStore(settings.auth, redis_store=accounting.keystore)
     telemetry = Telemetry.from_config(settings.telemetry)  # None unless telemetry.otlp_endpoint is set
     proxy = Proxy(settings, keys, routing, upstreams, accounting=accounting, telemetry=telemetry)
@@ -153,6 +154,7 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await accounting.start()
+        upstreams.start()  # the pools' active health checks
         if outcomes is not None:
             await outcomes.start()
         freeze_startup_heap()

@@ -85,8 +85,36 @@ class LoopGuard(_Strict):
     max_repeats: int = Field(3, ge=2)
 
 
+class UpstreamPoolConfig(_Strict):
+    """How a tier with several ``base_urls`` spreads its calls (``gateway/upstream/balancer.py``).
+
+    Each call goes to the replica with the fewest outstanding requests, except that with ``affinity: prefix``
+    a conversation (its first system and user messages; a completion prompt's first 1,024 characters) has
+    a preferred replica by rendezvous hashing, kept while it is in rotation and has at most
+    ``affinity_max_skew`` more outstanding requests than the least loaded one (so the engine's prefix cache
+    stays warm). ``allowed_fails`` consecutive failures (connection refused/reset, connect or read timeout, a
+    5xx) eject a replica for ``cooldown_s`` seconds; then it is probed (``GET /health``, else ``/v1/models``)
+    and readmitted on success, else ejected again for twice as long (at most ``max_cooldown_s``).
+    ``health_check_interval_s`` > 0: every replica is also probed on that interval (each probe bounded by
+    ``health_check_timeout_s``) and one that fails stays out of rotation until a probe succeeds. When no
+    replica is in rotation, all are used (least outstanding first) rather than refusing the call.
+    A tier with one upstream is never ejected or probed (as before pools existed)."""
+
+    affinity: Literal["prefix", "none"] = "prefix"
+    affinity_max_skew: int = Field(4, ge=0)
+    allowed_fails: int = Field(3, ge=1)
+    cooldown_s: float = Field(10.0, gt=0)
+    max_cooldown_s: float = Field(300.0, gt=0)
+    health_check_interval_s: float = Field(5.0, ge=0)
+    health_check_timeout_s: float = Field(2.0, gt=0)
+
+
 class TierConfig(_Strict):
     """One reasoning tier: where to send the request and how much it may think.
+
+    ``base_url``: the tier's OpenAI-compatible upstream (``…/v1``). ``base_urls``: several replicas of the same
+    model instead (a pool, balanced as ``pool`` says); ``base_url`` then reads as the first of them. Set one of
+    the two (or both with ``base_url`` among ``base_urls``).
 
     ``thinking_budget`` is in tokens (``None`` = unlimited). ``budget_mode``: ``native`` sends vLLM's
     per-request ``thinking_token_budget``; ``forced`` enforces it in the gateway by two-phase budget
@@ -104,6 +132,8 @@ class TierConfig(_Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     base_url: str = "http://127.0.0.1:8001/v1"
+    base_urls: list[str] = Field(default_factory=list)
+    pool: UpstreamPoolConfig = Field(default_factory=UpstreamPoolConfig)
     model: str = "thinkgate-tiny"
     api_key: str | None = None
     max_tokens: int = Field(1024, ge=1)
@@ -131,6 +161,23 @@ class TierConfig(_Strict):
         if "low_confidence" in self.escalate_on and self.min_answer_logprob is None:
             raise ValueError("escalate_on: low_confidence needs min_answer_logprob")
         return self
+
+    @model_validator(mode="after")
+    def _one_upstream_field(self) -> TierConfig:
+        if not self.base_urls:
+            return self
+        if len({u.rstrip("/") for u in self.base_urls}) != len(self.base_urls):
+            raise ValueError(f"base_urls: each upstream once, got {self.base_urls}")
+        if "base_url" in self.model_fields_set and self.base_url not in self.base_urls:
+            raise ValueError("set base_url or base_urls, not both (or base_url as one of base_urls)")
+        # code that needs one address (the semantic cache's embedder, logs) reads the first replica
+        object.__setattr__(self, "base_url", self.base_urls[0])
+        return self
+
+    @property
+    def upstream_urls(self) -> tuple[str, ...]:
+        """The tier's upstream base URLs: ``base_urls``, else ``(base_url,)``."""
+        return tuple(self.base_urls) or (self.base_url,)
 
 
 class RoutingTargetConfig(_Strict):

@@ -49,6 +49,7 @@ from gateway.pipeline.shadow import Shadow
 from gateway.telemetry import Telemetry, current, span
 from gateway.telemetry import finish as end_trace
 from gateway.thinking.forcing import open_forced
+from gateway.upstream.balancer import affinity, conversation_key
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamConnectTimeout, UpstreamPool
 from gateway.upstream.response import UpstreamResponse
 
@@ -425,14 +426,16 @@ class Proxy:
     async def _call_upstream(
         self, route: RouteDecision, body: dict[str, Any], endpoint: WireEndpoint, record: UsageRecord
     ) -> tuple[RouteDecision, UpstreamResponse]:
-        """Open the upstream call on the routed tier, falling back to later tiers when it is down."""
+        """Open the upstream call on the routed tier, falling back to later tiers when it is down. A tier with
+        several replicas prefers the conversation's replica (:func:`gateway.upstream.balancer.conversation_key`)."""
         candidates = [route.tier, *self._fallbacks(route)]
         last: GatewayError | None = None
+        key = conversation_key(body) if any(len(t.upstream_urls) > 1 for t in candidates) else None
         for i, tier in enumerate(candidates):
             built = upstream_body.build(body, tier, endpoint)
             resp: UpstreamResponse
             try:
-                with span("upstream"):
+                with span("upstream"), affinity(key):
                     if tier.budget_mode == "forced":
                         resp = await open_forced(self.upstreams, tier, endpoint, built)
                     else:
