@@ -274,8 +274,8 @@ def test_a_rollout_cut_after_its_thought_earns_no_correctness(tokenizer: Any, ro
     assert r["alp_length"] != pytest.approx(alp_penalties(lengths, [True, True], 0.5, cap))
 
 
-def test_evaluation_scores_a_length_cut_wrong_after_the_thought(tokenizer: Any) -> None:
-    """Held-out evaluation applies the same rule (``is_correct(..., cut=True)``)."""
+def test_is_correct_refuses_a_cut_rollout_after_the_thought() -> None:
+    """The shared decision: ``cut`` makes a closed thought with an answer wrong, whatever the verifier says."""
     from training.grpo.reward_utils import is_correct
 
     def accept(r: object, t: str) -> bool:

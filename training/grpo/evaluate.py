@@ -47,8 +47,7 @@ def generate_and_score(
 ) -> list[EvalRow]:
     """Answer every row (dataset rows from :mod:`training.grpo.data`) and verify: greedily, or — ``temperature``
     > 0 — ``samples`` sampled completions per row (seeded; one :class:`EvalRow` per completion). With
-    ``require_closed_thought`` (a thinking model) a completion without ``</think>`` is wrong; one cut by
-    ``max_new_tokens`` (no EOS) is wrong anywhere, as in the rewards."""
+    ``require_closed_thought`` (a thinking model) a completion without ``</think>`` is wrong."""
     import torch
 
     sampling = temperature > 0
@@ -107,7 +106,7 @@ def generate_and_score(
                         break
                 truncated = not comp or comp[-1] not in eos_ids
                 text = tokenizer.decode(comp, skip_special_tokens=True)
-                ok = is_correct(verifier, r, text, require_closed_thought, truncated)
+                ok = is_correct(verifier, r, text, require_closed_thought)
                 out.append(
                     EvalRow(
                         r["problem_id"],

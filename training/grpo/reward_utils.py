@@ -156,8 +156,9 @@ def is_correct(
 ) -> bool:
     """The correctness decision shared by every reward and the held-out evaluation.
 
-    False when the completion was cut by the length cap (``cut``: anywhere — inside the thought or after
-    ``</think>``, where the answer itself is unfinished), when ``require_closed_thought`` and it never closed its
+    False when the completion was cut by the training length cap (``cut``, which the rewards pass: anywhere —
+    inside the thought or after ``</think>``, where the answer itself is unfinished; the held-out evaluation
+    reports its own cap's cuts apart, as ``truncated``), when ``require_closed_thought`` and it never closed its
     thought (no ``</think>``) — whatever the verifier would say about the text — and when the verifier raises;
     else ``verifier(row, text)``. The policy thinks by construction (the generation prompt opens ``<think>``, or
     the model writes it), so the default is on for rewards and evaluation alike.
