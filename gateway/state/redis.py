@@ -55,7 +55,9 @@ class RedisHandle:
 
 
 def cluster_prefix(prefix: str) -> str:
-    """``prefix`` wrapped in a hash tag so all keys share one Cluster slot (``tg:`` → ``{tg:}``)."""
+    """``prefix`` wrapped in a hash tag (``tg:`` → ``{tg:}``): the one slot of the shared keys (admission,
+    metering); tenant keys then get ``{tg:<tenant>}`` (``gateway/state/keys.py``). A prefix that already has a
+    hash tag is kept: every key then shares that one slot."""
     return prefix if "{" in prefix and "}" in prefix else "{" + prefix + "}"
 
 
