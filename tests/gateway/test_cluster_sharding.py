@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -75,7 +74,9 @@ def test_hundred_tenants_spread_over_the_masters(redis_cluster: ClusterSet, upst
     auth = {"keys": [{"id": f"tenant{i:03d}", "secret": _secret(i), "tags": {"team": f"t{i % 5}"}}
                      for i in range(TENANTS)],
             "admin_key_sha256": hashlib.sha256(ADMIN_SECRET.encode()).hexdigest()}
-    prefix = f"tgs{uuid.uuid4().hex[:6]}:"
+    # the default prefix on a private, flushed cluster: key names, hence slots, are the same every run (with
+    # "tg:" the 100 tenants' slots fall 27 / 36 / 37 over the three slot ranges), so the figures are reproducible
+    prefix = "tg:"
     # a 1 s socket timeout: this test measures where keys go, not how the gateway degrades on a starved box
     cfg = serve_config(upstream_sim.base_url, tmp_path, prefix, auth=auth, redis={"socket_timeout_s": 1.0})
     with serve(cfg, tmp_path, {"THINKGATE_REDIS__URL": redis_cluster.url}, wait="/ready") as sp:
@@ -135,3 +136,48 @@ def _tenant_keys_per_master(c: ClusterSet, shared_slot: int) -> dict[int, int]:
     owner = _owner(c, shared_slot)
     shared = _count_in_slot(c, shared_slot)
     return {port: n - (shared if port == owner else 0) for port, n in c.key_counts().items()}
+
+
+def test_semantic_cache_on_the_cluster_stays_in_the_tenant_slot(redis_cluster: ClusterSet, tmp_path: Path) -> None:
+    # the exact entry, the semantic index (and its eviction, which touches band keys not passed in KEYS) all
+    # run in the tenant's slot on a real cluster, as the request path calls them (Accounting.cache_begin)
+    from gateway.config import CacheConfig, SemanticCacheConfig
+    from gateway.state.cache import CacheEntry, ResponseCache
+    from gateway.state.cache_policy import cache_key, decide, tenant_scope
+    from gateway.state.semantic_cache import SemanticCache
+    from gateway.state.semantic_embed import LexicalEmbedder
+    from tests.fixtures.redis_stack import stack
+
+    def body(q: str) -> dict[str, object]:
+        return {"model": "sim-model", "temperature": 0, "messages": [{"role": "user", "content": q}]}
+
+    async def go() -> None:
+        async with stack(redis_cluster.url, "tgsem:", tmp_path / "spool", socket_timeout_s=2.0) as st:
+            assert st.handle.prefix == "{tgsem:}"
+            exact = ResponseCache(st.handle, st.breaker, CacheConfig())
+            sem = SemanticCache(st.handle, st.breaker, SemanticCacheConfig(enabled=True, max_entries_per_tenant=2),
+                                LexicalEmbedder())
+            scope = tenant_scope("alice")
+            t = tenant_tag(scope)
+            questions = ["What is 17 * 23?", "What is the capital city of France, in one word?",
+                         "Name the largest planet of the solar system, in one word."]
+            for i, q in enumerate(questions):  # three entries, cap two: the first is evicted on the third insert
+                digest = cache_key(scope, "chat", "short", body(q))
+                ticket = await exact.begin(digest, decide(CacheConfig(), body(q), {}), t)
+                assert ticket.status == "miss"
+                answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"a{i}"},
+                                       "finish_reason": "stop"}], "usage": {"completion_tokens": 1}}
+                assert await exact.finish(ticket, CacheEntry(answer, "chat", "short", "sim-model", time.time()))
+                probe = await sem.prepare(scope, "chat", "short", body(q))
+                assert probe is not None and probe.tenant == t
+                assert await sem.store(probe, digest, f"req-{i}", 60)
+            probe = await sem.prepare(scope, "chat", "short", body("what is the capital city of france, in one word"))
+            assert probe is not None
+            hit = await sem.lookup(probe)
+            assert hit.outcome == "hit" and hit.matched_request_id == "req-1"
+            assert await sem.index.size(t) == 2
+            slots = {_slot(k.decode()) for port in redis_cluster.masters()
+                     for k in redis.Redis(port=port).scan_iter(match="{tgsem:*")}
+            assert slots == {_slot("{tgsem:" + t + "}")}
+
+    asyncio.run(go())
