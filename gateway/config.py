@@ -323,9 +323,11 @@ class RedisConfig(_Strict):
     """Where the shared state lives (see ``gateway/state/redis.py`` for the URL forms).
 
     ``url``: ``redis://`` / ``rediss://`` / ``unix://`` (one server), ``redis+cluster://host:port`` (Redis
-    Cluster), ``redis+sentinel://host:port[,host:port…]/service_name[/db]`` (Sentinel). In Cluster mode every
-    ThinkGate key must live in one slot (Lua scripts touch several keys), so ``key_prefix`` is wrapped in a
-    hash tag (``{tg:}``) unless it already has one. ``socket_timeout_s`` bounds connect and every command;
+    Cluster), ``redis+sentinel://host:port[,host:port…]/service_name[/db]`` (Sentinel). In Cluster mode
+    ``key_prefix`` is wrapped in a hash tag (``{tg:}``) unless it already has one: the keys of the admission and
+    metering scripts share that slot, and tenant-owned keys (cache, conversations, sessions…) get a tag of their
+    own tenant (``{tg:<tenant>}``, ``gateway/state/keys.py``); a prefix with its own hash tag keeps every key in
+    that one slot. ``socket_timeout_s`` bounds connect and every command;
     after a failure the circuit breaker answers "down" at once for ``breaker_cooldown_s`` seconds.
     """
 

@@ -39,6 +39,7 @@ from gateway.state.breaker import Breaker
 from gateway.state.budgets import BudgetLevels
 from gateway.state.cache import CacheEntry, ResponseCache, Ticket
 from gateway.state.cache_policy import cache_key, decide, tenant_scope
+from gateway.state.keys import tenant_tag
 from gateway.state.limits import Admission, Estimate, KeyLimits, Limits, estimate
 from gateway.state.metering import Meter
 from gateway.state.metrics import Metrics
@@ -200,11 +201,13 @@ class Accounting:
         """Look up the answer to ``upstream_body`` on ``tier`` for ``key``'s tenant scope (never raises for
         Redis outages; a ``bypass`` ticket when the policy or an outage says so)."""
         decision = decide(self.settings.cache, upstream_body, headers)
+        scope = tenant_scope(key.id, key.cache_namespace)
         if decision.lookup or decision.store:
-            digest = cache_key(tenant_scope(key.id, key.cache_namespace), record.endpoint, tier.name, upstream_body)
+            digest = cache_key(scope, record.endpoint, tier.name, upstream_body)
         else:
             digest = ""  # bypass: no Redis, no hashing
-        ticket = await self.cache.begin(digest, decision)
+        # the entry lives in its tenant's Cluster slot (gateway/state/keys.py)
+        ticket = await self.cache.begin(digest, decision, tenant_tag(scope))
         if self.semantic is not None and ticket.status == "miss":
             ticket = await self._semantic_begin(self.semantic, ticket, key, record, tier, upstream_body)
         self._cache_result[record.request_id] = "semantic-hit" if ticket.similarity is not None else ticket.status
@@ -227,7 +230,7 @@ class Accounting:
             if found.outcome == "hit" and found.entry is not None:
                 await self.cache.finish(ticket, None)
                 return Ticket(ticket.digest, ticket.decision, "hit", found.entry, similarity=found.similarity,
-                              source_request_id=found.matched_request_id)
+                              source_request_id=found.matched_request_id, tenant=ticket.tenant)
         if ticket.decision.store:
             self._probes[record.request_id] = probe
         return ticket

@@ -143,7 +143,7 @@ class SemanticCache:
                 continue
             fetched += 1
             try:
-                entry = await self._entry(cand.entry_id, max_age_s)
+                entry = await self._entry(probe.tenant, cand.entry_id, max_age_s)
             except RedisDown:
                 return SemanticResult("bypass", sim)
             mt = cand.meta.get("mt")
@@ -156,8 +156,9 @@ class SemanticCache:
             return SemanticResult("guard_rejected", best, guard_reason=guard_reason)
         return SemanticResult("below_threshold", best)
 
-    async def _entry(self, entry_id: str, max_age_s: int | None) -> CacheEntry | None:
-        raw = await self.breaker.call(lambda: self.redis.get(self.keys.cache_entry(entry_id)))
+    async def _entry(self, tenant: str, entry_id: str, max_age_s: int | None) -> CacheEntry | None:
+        # the exact-cache entry of the same tenant (same tag: same Cluster slot as the index)
+        raw = await self.breaker.call(lambda: self.redis.get(self.keys.cache_entry(entry_id, tenant)))
         if raw is None:
             return None
         entry = CacheEntry.from_bytes(raw if isinstance(raw, bytes) else raw.encode())
