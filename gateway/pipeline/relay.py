@@ -7,11 +7,18 @@ error event (no ``[DONE]``): a stalled upstream (``httpx.TimeoutException`` or
 ``upstream_stream_broken``. A client disconnect cancels the generator: the upstream response is closed (which
 cancels the request) and the tokens seen so far are metered with ``partial: true``. With a cache ticket the
 stream is assembled and stored once it completed successfully.
+
+**Bounded, and counted while it runs.** A stream's budget reservations (``gateway/state/reservations.py``) are
+renewed every third of ``limits.reservation_ttl_s`` while it runs, so they never expire under a live stream;
+a stream that reaches ``limits.max_stream_s`` is cut: the upstream request is closed, every choice gets a
+``finish_reason: "length"`` chunk, the client a ``[DONE]``, and the tokens seen so far are metered (``partial``,
+``error_code: stream_max_duration``). So no reservation outlives its bound and no stream runs unbounded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -50,11 +57,29 @@ def count_deltas(ex: Exchange, tally: sse.StreamTally) -> None:
     ex.record.usage_source = "counted"
 
 
+def cut_chunk(last: bytes | None, choices: int) -> bytes:
+    """The SSE event that ends a cut stream: ``finish_reason: "length"`` for choices 0..``choices``-1, shaped
+    like the stream's last chunk (``last``: its JSON payload, for id/object/created/model)."""
+    head: dict[str, Any] = {}
+    if last is not None:
+        try:
+            data = orjson.loads(last)
+            head = {k: data[k] for k in ("id", "object", "created", "model") if k in data} if isinstance(data, dict) \
+                else {}
+        except orjson.JSONDecodeError:
+            head = {}
+    completions = head.get("object") == "text_completion"
+    finish = [{"index": i, "text": "", "finish_reason": "length"} if completions
+              else {"index": i, "delta": {}, "finish_reason": "length"} for i in range(max(1, choices))]
+    return sse.event(orjson.dumps({**head, "choices": finish}))
+
+
 async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_usage: bool,
-                cache: bool) -> AsyncGenerator[bytes, None]:
+                cache: bool, choices: int = 1) -> AsyncGenerator[bytes, None]:
     """SSE bytes for the client from ``resp``; closes ``ex`` exactly once when it ends, however it ends.
 
-    ``cache``: assemble the stream and offer it to the exchange's cache ticket when it completes.
+    ``cache``: assemble the stream and offer it to the exchange's cache ticket when it completes. ``choices``:
+    how many choices the stream carries (for the chunk that ends a stream cut at ``limits.max_stream_s``).
     """
     tier = ex.tier
     record = ex.record
@@ -64,6 +89,13 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
     # the whole answer is assembled for the cache, or for a shadow comparison of this request (ex.on_answer)
     keep = (cache and ex.ticket is not None and ex.ticket.decision.store) or ex.on_answer is not None
     assembler = StreamAssembler() if keep else None
+    acct = ex.accounting
+    limits = acct.settings.limits if acct is not None else None
+    started = time.monotonic()
+    renew_every = limits.reservation_ttl_s / 3 if limits is not None else None
+    next_renewal = started + renew_every if renew_every is not None else None
+    last: bytes | None = None
+    cut = False
     try:
         async for batch in sse.data_batches(resp):
             if assembler is not None:
@@ -75,6 +107,28 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
                 yield out
             if tally.done or tally.upstream_error:
                 break
+            last = next((p for p in reversed(batch) if p != b"[DONE]"), last)
+            now = time.monotonic()
+            if limits is not None and now - started >= limits.max_stream_s:
+                cut = True  # its bound: no reservation may outlive it
+                break
+            if acct is not None and next_renewal is not None and renew_every is not None and now >= next_renewal:
+                next_renewal = now + renew_every
+                await acct.renew(record)
+        if cut:
+            record.partial = True
+            if tally.last_usage is not None:  # continuous usage stats: the upstream's running totals
+                record.set_usage(tally.last_usage)
+            else:
+                count_deltas(ex, tally)
+            yield cut_chunk(last, choices)
+            if wants_usage:
+                usage = {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
+                         "total_tokens": record.prompt_tokens + record.completion_tokens}
+                yield sse.event(orjson.dumps({"object": "chat.completion.chunk", "choices": [], "usage": usage}))
+            yield sse.DONE
+            status, code = 200, "stream_max_duration"
+            return
         if tally.upstream_error:
             status, code = 502, "upstream_error"
             return
@@ -108,13 +162,15 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
             await resp.aclose()
             if status is None:
                 status, code = CLIENT_CLOSED, "client_disconnected"
-            if status != 200:
+            if status != 200 or cut:
                 record.partial = True
-                if tally.usage_chunk is not None:
+                if cut:
+                    pass  # counted above
+                elif tally.usage_chunk is not None:
                     record.set_usage(tally.usage_chunk["usage"])
                 elif tally.last_usage is not None:
                     record.set_usage(tally.last_usage)
                 else:
                     count_deltas(ex, tally)
-            complete = status == 200 and assembler is not None and assembler.complete
+            complete = status == 200 and not cut and assembler is not None and assembler.complete
             await ex.close(status, code, assembler.result() if complete and assembler is not None else None)
