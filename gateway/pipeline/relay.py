@@ -18,9 +18,10 @@ a stream that reaches ``limits.max_stream_s`` is cut: the upstream request is cl
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -34,6 +35,11 @@ from gateway.openai.usage import estimate_tokens, needs_reasoning_count
 from gateway.pipeline.exchange import Exchange
 from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.response import UpstreamResponse
+
+if TYPE_CHECKING:
+    from gateway.pipeline.accounting import Accounting
+
+log = logging.getLogger("thinkgate.relay")
 
 CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
 
@@ -74,6 +80,20 @@ def cut_chunk(last: bytes | None, choices: int) -> bytes:
     return sse.event(orjson.dumps({**head, "choices": finish}))
 
 
+async def _renew(acct: Accounting, ex: Exchange) -> None:
+    """While the stream runs (cancelled when it ends): renew its reservations every third of their TTL, counted
+    from its admission (``record.ts``), so they never lapse under a live stream."""
+    every = acct.settings.limits.reservation_ttl_s / 3
+    due = ex.record.ts + every
+    while True:
+        await asyncio.sleep(max(0.0, due - time.time()))
+        due = time.time() + every
+        try:
+            await acct.renew(ex.record)
+        except Exception:  # never break the stream for it; the next round tries again
+            log.exception("renewing the reservations of %s failed", ex.record.request_id)
+
+
 async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_usage: bool,
                 cache: bool, choices: int = 1) -> AsyncGenerator[bytes, None]:
     """SSE bytes for the client from ``resp``; closes ``ex`` exactly once when it ends, however it ends.
@@ -92,8 +112,7 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
     acct = ex.accounting
     limits = acct.settings.limits if acct is not None else None
     started = time.monotonic()
-    renew_every = limits.reservation_ttl_s / 3 if limits is not None else None
-    next_renewal = started + renew_every if renew_every is not None else None
+    renewer = asyncio.ensure_future(_renew(acct, ex)) if acct is not None else None
     last: bytes | None = None
     cut = False
     try:
@@ -108,13 +127,9 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
             if tally.done or tally.upstream_error:
                 break
             last = next((p for p in reversed(batch) if p != b"[DONE]"), last)
-            now = time.monotonic()
-            if limits is not None and now - started >= limits.max_stream_s:
+            if limits is not None and time.monotonic() - started >= limits.max_stream_s:
                 cut = True  # its bound: no reservation may outlive it
                 break
-            if acct is not None and next_renewal is not None and renew_every is not None and now >= next_renewal:
-                next_renewal = now + renew_every
-                await acct.renew(record)
         if cut:
             record.partial = True
             if tally.last_usage is not None:  # continuous usage stats: the upstream's running totals
@@ -158,6 +173,8 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
         why = exc.message if isinstance(exc, GatewayError) else str(exc)
         yield sse.error_event(UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {why}", code=code))
     finally:
+        if renewer is not None:
+            renewer.cancel()
         with anyio.CancelScope(shield=True):
             await resp.aclose()
             if status is None:
