@@ -101,7 +101,8 @@ async def test_grouped_refusal_rolls_back_the_levels_already_reserved(redis_url:
         adm = await limits.admit(lim, "fits", Estimate(50, 10), now, levels)
         assert [st.level.id for st in adm.levels] == ["key:k2", "tag:team=b", "global"]
         assert [st.level.day_micro for st in adm.levels] == [1_000_000, 50, 1_000_000]
-        for h in (k.reservations("k2"), k.level_reservations("tag", "team=b"), k.level_reservations("global", "global")):
+        for h in (k.reservations("k2"), k.level_reservations("tag", "team=b"),
+                  k.level_reservations("global", "global")):
             assert await r.hexists(h, "fits")
 
 
@@ -129,8 +130,9 @@ CALLS = st.lists(st.tuples(st.integers(1, 400), st.floats(0, 1), st.sampled_from
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(calls=CALLS, mode=st.sampled_from(MODES), budgets=st.tuples(st.integers(0, 2000), st.integers(0, 2000),
                                                                    st.integers(0, 4000)))
-def test_property_hard_mode_never_overspends_any_level(redis_url: str, tmp_path: Path, calls: list[tuple[int, float, str]],
-                                                       mode: str, budgets: tuple[int, int, int]) -> None:
+def test_property_hard_mode_never_overspends_any_level(redis_url: str, tmp_path: Path,
+                                                       calls: list[tuple[int, float, str]], mode: str,
+                                                       budgets: tuple[int, int, int]) -> None:
     """Concurrent calls of two keys (tags team=x, and team=x + dept=y): each admitted with a random estimate,
     then billed a random cost up to it; the key, tag and global levels never end above their budgets."""
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"

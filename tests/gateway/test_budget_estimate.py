@@ -10,8 +10,8 @@ import pytest
 
 from gateway.config import Prices, TierConfig
 from gateway.ledger.pricing import cost_micro_usd
-from gateway.state.limits import MESSAGE_OVERHEAD_TOKENS, REQUEST_OVERHEAD_TOKENS, TOOLS_OVERHEAD_TOKENS, estimate
 from gateway.ledger.record import UsageRecord
+from gateway.state.limits import MESSAGE_OVERHEAD_TOKENS, REQUEST_OVERHEAD_TOKENS, TOOLS_OVERHEAD_TOKENS, estimate
 from gateway.state.reservations import Reservation, open_total
 from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, sim_tiers
 
@@ -60,7 +60,7 @@ def _forced_worst(prompt: int, choices: int, max_tokens: int, tier: TierConfig) 
     the opening marker, the thought and the closing marker as the assistant message, and generates at most
     max(1, max − used)."""
     budget = min(tier.thinking_budget or max_tokens, max_tokens)
-    markers = len("<think>\n".encode()) + len(tier.end_of_thinking.encode()) + MESSAGE_OVERHEAD_TOKENS
+    markers = len(b"<think>\n") + len(tier.end_of_thinking.encode()) + MESSAGE_OVERHEAD_TOKENS
     worst = (0, 0)
     for used in (0, 1, budget // 2, budget):
         p = prompt + (prompt + markers + used)
@@ -83,7 +83,7 @@ def test_estimate_bounds_the_real_cost_of_every_call_forcing_makes(n: int, max_t
     prompt_ub = len(b"user") + len(text.encode()) + MESSAGE_OVERHEAD_TOKENS + REQUEST_OVERHEAD_TOKENS
     worst = _forced_worst(prompt_ub, n, max_tokens, FORCED)
     assert _cost(*worst) <= est.micro_usd and sum(worst) <= est.tokens
-    old = estimate(body, [FORCED.model_copy(update={"budget_mode": "native"})])  # what the estimate was before forcing counted
+    old = estimate(body, [FORCED.model_copy(update={"budget_mode": "native"})])  # the estimate before forcing counted
     if n > 1 or max_tokens <= 40:
         assert _cost(*worst) > old.micro_usd  # these shapes overspent a hard budget before
     # native tiers: whatever the upstream does within the caps, the real cost is <= the estimate
