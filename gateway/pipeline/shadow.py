@@ -97,6 +97,10 @@ def answer_text(answer: dict[str, Any]) -> str:
     return content if isinstance(content, str) else ""
 
 
+class NotAdmitted(Exception):
+    """A shadow or judge call that admission refused (its budget or the global one): never sent."""
+
+
 @dataclass(slots=True)
 class ShadowJob:
     """One comparison to run: the client's request ``body``, its usage ``record`` and ``route``, its answer."""
@@ -237,6 +241,8 @@ class Shadow:
                 outcome.answers = [job.answer, higher_answer]
             await self.outcomes.record(outcome)
             self.stats.done += 1
+        except NotAdmitted:
+            self.stats.skip("admission")
         except Exception:
             self.stats.failed += 1
             log.exception("shadow comparison of request %s failed", job.record.request_id)
@@ -280,9 +286,8 @@ class Shadow:
             try:
                 await self.admit(self.key, built, record, [tier])
             except GatewayError as exc:
-                self.stats.skip("admission")
                 log.info("shadow call on %s not admitted: %s", tier.name, exc.code)
-                return None, 0
+                raise NotAdmitted(exc.code or "refused") from None
         status, text = 200, None
         try:
             resp = await self.upstreams.open(tier, CHAT_PATH, orjson.dumps(built), stream=False)
