@@ -1,25 +1,43 @@
 """Admission control: budgets (USD per UTC day / month) at every level, RPM and TPM, decided atomically in Redis.
 
-**Reserve, then settle.** Before each upstream call one Lua script (``ADMIT``) reads, for every budget level
-the request is under — its key, each of the key's tags that has a budget, the global level
-(``gateway/state/budgets.py``) — the spend so far (``cost_micro_usd`` of the level's day/month counters) and
-the open reservations of concurrent requests (``gateway/state/reservations.py``), and the key's RPM/TPM
-windows. With ``e`` = this request's upper-bound estimate (:func:`estimate`), it admits only when, for each
-level and period with a budget ``B``:
+**Reserve, then settle.** Before each upstream call — the request's own, an escalation's, a shadow or judge
+call, the semantic cache's embedding call — one Lua script (``ADMIT``) reads, for every level the call is under
+— its key, each of the key's tags, the global level (``gateway/state/budgets.py``) — the level's **budget
+definition** (its ``budget:…:def`` hash, written by ``thinkgate budgets set``; else the config's budget passed
+in), the spend so far (``cost_micro_usd`` of the level's day/month counters) and the open reservations of
+concurrent requests (``gateway/state/reservations.py``), and the key's RPM/TPM windows. Reading the definition
+inside the script is what puts a budget set, raised or lowered in force for the next request on every replica
+(the per-process copy of ``BudgetLevels`` is only the fallback while Redis is down). With ``e`` = this call's
+upper-bound estimate (:func:`estimate`), it admits only when, for each level and period with a budget ``B``:
 
 - ``hard`` (``limits.budget_mode``, the default): spend + reserved + e ≤ B — no request shape can take the
-  spend past the budget (as long as ``e`` is an upper bound, which the tier caps make it);
+  spend past the budget (as long as ``e`` is an upper bound, which the tier caps make it; forced thinking's
+  two phases per choice are in it, :func:`call_bound`);
 - ``soft``: spend < B and spend + reserved < B — the overshoot is bounded by one request's estimate, itself
   bounded by the caps (``max_n`` × ``max_tokens`` at the priciest reachable tier, plus the prompt);
 
 and RPM: requests in the sliding 60 s window + 1 ≤ ``rpm``; TPM: tokens in the window < ``tpm``. Then, in the
-same atomic step, it records a reservation of ``e`` at every budgeted level (and the key's, for TPM) under
-the request id, counts the request in the RPM window and the reserved tokens in the TPM window. Metering
-settles it: the usage event's write (``gateway/state/metering.py``) deletes the reservations and corrects the
-TPM window by the real token count, atomically with adding the real cost to every level's counters. So
-concurrent requests see each other's reservations at every level. Reservations of a crashed replica stop
+same atomic step, it records a reservation of ``e`` at *every* level (budgeted or not, so a budget set while
+requests are in flight already sees them; the key's also carries the tokens, for TPM) under the request id,
+counts the request in the RPM window and the reserved tokens in the TPM window. Metering settles it: the usage
+event's write (``gateway/state/metering.py``) deletes the reservations and corrects the TPM window by the real
+token count, atomically with adding the real cost to every level's counters. So concurrent requests see each
+other's reservations at every level. A stream renews its reservations while it runs (:meth:`Limits.renew`,
+``gateway/pipeline/relay.py``) and is cut at ``limits.max_stream_s``; reservations of a crashed replica stop
 counting after ``limits.reservation_ttl_s``. (LiteLLM checks spend after the fact and overshoots under
 concurrency — BerriAI/litellm#34732, #11083.)
+
+**One script, or one per level group (Redis Cluster).** On a single Redis all levels go through one script
+call: one atomic check-and-reserve. On Redis Cluster the levels' keys (key, each tag, global) may live in
+different hash slots, and a script may only touch one slot; there (``limits.admission_script: auto`` with a
+``RedisCluster`` client, or ``grouped``) admission runs the same script once per level group — the key's level
+with its RPM/TPM windows first, then each tag, then global —, each an atomic check-and-reserve of its own. When
+a later group refuses, the groups already reserved are rolled back (``ROLLBACK_LUA``: reservation deleted, the
+RPM/TPM counts taken back) and the refusal raised. No level can be overspent (each level's check and reserve is
+atomic, and a reservation is in place before the next level is asked); at worst, a concurrent request sees a
+reservation that is then rolled back and is refused spuriously. A Redis failure between groups leaves the
+reservations already made to expire after their TTL — they can only refuse too much, never admit too much.
+Each group's keys are built by ``gateway/state/keys.py``, which decides their slots.
 
 **Windows.** RPM/TPM use a sliding-window counter: ``used = prev·(1 − elapsed/60 s) + current`` over fixed
 60 s windows (two keys per limit, no per-request entries); ``Retry-After`` is the time until the window has
@@ -29,7 +47,8 @@ when only in-flight reservations block (they may settle below their estimate).
 **Redis down.** ``limits.on_redis_down``: ``fail_closed`` refuses with 503 (``limits_unavailable``);
 ``fail_open`` applies the same rules to process-local counters: the spend last read from Redis plus this
 process's own requests since, and this process's RPM/TPM windows (approximate: other replicas unseen).
-Requests under no budget and no limit never touch Redis here.
+A request under no budget or limit that this process knows of (its last copy of the definitions) is admitted
+without a check while Redis is down, in either mode.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ MODES = ["single", "grouped"]
 
 
 def _limits(s: Stack, mode: str, **cfg: object) -> Limits:
-    limits = Limits(s.handle, s.breaker, LimitsConfig(admission_script=mode, **cfg))  # type: ignore[arg-type]
+    limits = Limits(s.handle, s.breaker, LimitsConfig(admission_script=mode, **cfg))
     assert limits.grouped is (mode == "grouped")
     return limits
 

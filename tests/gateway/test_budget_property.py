@@ -28,7 +28,7 @@ from gateway.state.redis import connect
 from tests.fixtures.gateway import accounting_gateway, cleanup, create_key
 from tests.fixtures.upstream import GatewayServer, SimProcess, sim_tiers
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,8 @@ def test_a_long_stream_renews_its_reservation_and_is_cut_at_its_bound(upstream_s
                 rid = head.get("x-request-id")
                 if rid:
                     raw = client.hget(f"{prefix}lim:{kid}:resv", rid)
-                    samples.append((time.time(), int(raw.decode().split("|")[2]) if raw is not None else None))
+                    text = raw.decode() if isinstance(raw, bytes) else raw
+                    samples.append((time.time(), int(text.split("|")[2]) if text is not None else None))
                 time.sleep(0.05)
             worker.join(timeout=20)
         finally:
