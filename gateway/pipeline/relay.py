@@ -63,17 +63,21 @@ def count_deltas(ex: Exchange, tally: sse.StreamTally) -> None:
     ex.record.usage_source = "counted"
 
 
+def _head(last: bytes | None) -> dict[str, Any]:
+    """id/object/created/model of a stream's chunk (``last``: its JSON payload; {} when unreadable)."""
+    if last is None:
+        return {}
+    try:
+        data = orjson.loads(last)
+    except orjson.JSONDecodeError:
+        return {}
+    return {k: data[k] for k in ("id", "object", "created", "model") if k in data} if isinstance(data, dict) else {}
+
+
 def cut_chunk(last: bytes | None, choices: int) -> bytes:
     """The SSE event that ends a cut stream: ``finish_reason: "length"`` for choices 0..``choices``-1, shaped
     like the stream's last chunk (``last``: its JSON payload, for id/object/created/model)."""
-    head: dict[str, Any] = {}
-    if last is not None:
-        try:
-            data = orjson.loads(last)
-            head = {k: data[k] for k in ("id", "object", "created", "model") if k in data} if isinstance(data, dict) \
-                else {}
-        except orjson.JSONDecodeError:
-            head = {}
+    head = _head(last)
     completions = head.get("object") == "text_completion"
     finish = [{"index": i, "text": "", "finish_reason": "length"} if completions
               else {"index": i, "delta": {}, "finish_reason": "length"} for i in range(max(1, choices))]
@@ -140,7 +144,7 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
             if wants_usage:
                 usage = {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
                          "total_tokens": record.prompt_tokens + record.completion_tokens}
-                yield sse.event(orjson.dumps({"object": "chat.completion.chunk", "choices": [], "usage": usage}))
+                yield sse.event(orjson.dumps({**_head(last), "choices": [], "usage": usage}))
             yield sse.DONE
             status, code = 200, "stream_max_duration"
             return
@@ -181,8 +185,8 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
                 status, code = CLIENT_CLOSED, "client_disconnected"
             if status != 200 or cut:
                 record.partial = True
-                if cut:
-                    pass  # counted above
+                if cut:  # counted above
+                    pass
                 elif tally.usage_chunk is not None:
                     record.set_usage(tally.usage_chunk["usage"])
                 elif tally.last_usage is not None:

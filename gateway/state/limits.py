@@ -102,6 +102,7 @@ local elapsed = now % W
 local rpm, tpm = tonumber(ARGV[3]), tonumber(ARGV[4])
 local est = tonumber(ARGV[5])
 local n = tonumber(ARGV[11])
+local SWEEP_AT = 4096
 local seen = {}
 for i = 0, n - 1 do
   local a = 12 + 4 * i
@@ -113,7 +114,11 @@ for i = 0, n - 1 do
   local sd = tonumber(redis.call('HGET', KEYS[1 + 4 * i], 'cost_micro_usd') or '0')
   local sm = tonumber(redis.call('HGET', KEYS[2 + 4 * i], 'cost_micro_usd') or '0')
   local reserved = 0
-  if bday >= 0 or bmonth >= 0 then reserved = open_reserved(KEYS[3 + 4 * i], now) end
+  if bday >= 0 or bmonth >= 0 then
+    reserved = open_reserved(KEYS[3 + 4 * i], now)
+  elseif redis.call('HLEN', KEYS[3 + 4 * i]) > SWEEP_AT then
+    open_reserved(KEYS[3 + 4 * i], now)  -- unbudgeted: only swept of a crashed replica's leftovers now and then
+  end
   local checks = {{bday, sd, 'day', tonumber(ARGV[9])}, {bmonth, sm, 'month', tonumber(ARGV[10])}}
   for _, c in ipairs(checks) do
     local budget, spent = c[1], c[2]

@@ -14,7 +14,8 @@ settles; ``limits.reservation_ttl_s``). Expired fields are deleted by the next a
 
 Every level, budgeted or not: admission reserves at the key, at *each* of the key's tags and at the global
 level whatever their budgets are at that moment, so a budget set while requests are in flight already sees
-them (metering releases at the same levels).
+them (metering releases at the same levels). An unbudgeted level's hash is swept of expired fields (a crashed
+replica's) once it holds more than 4,096, so it cannot grow without bound.
 
 **Renewal** (``RENEW_LUA``): a stream still running rewrites the ``expires_ms`` of its fields (same id, same
 ``micro|tokens``) every third of the TTL, so a long stream never stops counting while it runs; the stream itself
