@@ -178,3 +178,17 @@ def test_property_hard_mode_never_overspends_any_level(redis_url: str, tmp_path:
                 await r.delete(key)
 
     asyncio.run(run())
+
+
+async def test_an_unbudgeted_levels_reservations_cannot_pile_up(redis_url: str, redis_prefix: str,
+                                                                tmp_path: Path) -> None:
+    # every level is reserved, budgeted or not; a crashed replica's reservations at an unbudgeted level (never
+    # settled) are swept once the hash is large, instead of growing with every crash
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        limits = _limits(s, "single")
+        r, k = s.handle.client, limits.keys
+        resv = k.level_reservations("global", "global")
+        await r.hset(resv, mapping={f"dead-{i}": "5|0|1000" for i in range(4100)})  # expired long ago
+        levels = BudgetLevels(s.handle, s.breaker, LimitsConfig()).candidates({})
+        await limits.admit(KeyLimits("k4", rpm=100), "live", Estimate(5, 1), time.time(), levels)
+        assert await r.hlen(resv) == 1 and await r.hexists(resv, "live")
