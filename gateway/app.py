@@ -147,7 +147,7 @@ def create_app(settings: Settings) -> FastAPI:
     outcomes = _outcome_store(settings, routing, proxy, accounting)
     if outcomes is not None and settings.routing.shadow.fraction > 0:
         proxy.shadow = Shadow(settings, upstreams, accounting.handle, accounting.breaker, outcomes,
-                              proxy.usage_sinks)
+                              proxy.usage_sinks, admit=accounting.admit)
     drift = _drift_monitor(settings, routing, accounting)
     created = int(time.time())
 

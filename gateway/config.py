@@ -448,9 +448,11 @@ class LimitsConfig(_Strict):
     reservations are below the budget (overshoot bounded by one capped request; ``docs/metering.md``).
     ``tag_budgets`` (``"team=a": {usd_day, usd_month}``) are shared by every key with that tag,
     ``global_budget`` by all keys; budgets set with ``thinkgate budgets set`` (Redis) override these per level
-    and are re-read every ``budget_refresh_s`` seconds. ``on_redis_down``: ``fail_open`` admits on local
+    and are in force for the next request (admission reads them in Redis); the per-process copy re-read every
+    ``budget_refresh_s`` seconds serves only while Redis is down. ``on_redis_down``: ``fail_open`` admits on local
     approximate counters, ``fail_closed`` refuses (503). A reservation not settled within
-    ``reservation_ttl_s`` seconds (a crashed replica) stops counting. Alerts fire once per period and level
+    ``reservation_ttl_s`` seconds (a crashed replica) stops counting; streams renew theirs while they run, up to
+    ``max_stream_s``. Alerts fire once per period and level
     at each of ``alert_fractions`` of a budget."""
 
     budget_mode: Literal["hard", "soft"] = "hard"
@@ -465,6 +467,12 @@ class LimitsConfig(_Strict):
     alert_webhook_backoff_s: float = Field(0.5, ge=0)
     alert_dead_letter_path: Path = STATE_DIR / "alerts-dead-letter.jsonl"
     reservation_ttl_s: float = Field(600.0, gt=0)
+    #: a stream renews its reservations every third of ``reservation_ttl_s`` while it runs, and is cut (finish
+    #: reason ``length``, metered) once it has run this long, so no reservation outlives its bound
+    max_stream_s: float = Field(3600.0, gt=0)
+    #: ``auto``: one admission script for every level on a single Redis, one per level group (with rollback) on
+    #: Redis Cluster; ``single`` / ``grouped`` force one (``gateway/state/limits.py``)
+    admission_script: Literal["auto", "single", "grouped"] = "auto"
 
     @field_validator("alert_fractions")
     @classmethod

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,17 +36,18 @@ from gateway.errors import GatewayError
 from gateway.ledger.event import UsageEvent
 from gateway.ledger.record import UsageRecord
 from gateway.state.alerts import Alerts
-from gateway.state.breaker import Breaker
-from gateway.state.budgets import BudgetLevels
+from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.budgets import BudgetLevels, BudgetStore
 from gateway.state.cache import CacheEntry, ResponseCache, Ticket
 from gateway.state.cache_policy import cache_key, decide, tenant_scope
 from gateway.state.keys import tenant_tag
-from gateway.state.limits import Admission, Estimate, KeyLimits, Limits, estimate
+from gateway.state.limits import Admission, Estimate, KeyLimits, Limits, embedding_estimate, estimate
 from gateway.state.metering import Meter
 from gateway.state.metrics import Metrics
 from gateway.state.redis import RedisHandle, connect
 from gateway.state.semantic_cache import Probe, SemanticCache
 from gateway.state.semantic_embed import embedder_for
+from gateway.state.semantic_policy import question as semantic_question
 from gateway.state.spool import Spool
 
 log = logging.getLogger("thinkgate.accounting")
@@ -125,6 +127,10 @@ class Accounting:
     async def start(self) -> None:
         """Start the spool replayer (call inside the serving event loop); say which semantic index is used."""
         self._stop.clear()
+        try:
+            await BudgetStore(self.handle, self.breaker).sync()
+        except RedisDown:
+            log.warning("budget definitions not checked at start (Redis down)")
         self._replayer = asyncio.create_task(self.meter.run_replayer(self._stop), name="usage-spool-replayer")
         if self.semantic is not None:
             search = await self.semantic.index.detect()
@@ -155,20 +161,28 @@ class Accounting:
                     tiers: list[TierConfig]) -> Admission:
         """Admit the request of ``record`` (``tiers``: where it may run: routed tier + fallbacks) or raise
         :class:`~gateway.errors.RateLimited` / ``LimitsUnavailable``."""
+        return await self.admit_estimate(key, estimate(body, tiers), record)
+
+    async def admit_estimate(self, key: KeyInfo, est: Estimate, record: UsageRecord) -> Admission:
+        """Admit one upstream call of ``key`` bounded by ``est`` under ``record``'s id, at the key, each of its
+        tags and the global level — with the budgets in Redis at this moment (the local copy only while Redis
+        is down). Raises like :meth:`admit`."""
         self._remember(key)
         lim = KeyLimits.of(key)
-        await self.budgets.refresh()
-        levels = self.budgets.above_key(key.tags)
-        if lim.unlimited and not levels:  # nothing to check: no Redis, no estimate
-            self._open[record.request_id] = key
-            return Admission(key.id, record.request_id, "none", Estimate(0, 0))
+        await self.budgets.refresh()  # the fallback copy (Redis down) and the views; admission reads Redis
         try:
-            admission = await self.limits.admit(lim, record.request_id, estimate(body, tiers), record.ts, levels)
+            admission = await self.limits.admit(lim, record.request_id, est, record.ts,
+                                                self.budgets.candidates(key.tags), self.budgets.above_key(key.tags))
         except GatewayError as exc:
             self.metrics.rejected(exc.code)
             raise
         self._open[record.request_id] = key
         return admission
+
+    async def renew(self, record: UsageRecord) -> int:
+        """Extend the reservations of a call still running (a stream) by ``limits.reservation_ttl_s``; the
+        number of levels that still held it."""
+        return await self.limits.renew(record.key_id or "anonymous", record.tags, record.request_id, time.time())
 
     def key_of(self, key_id: str | None) -> KeyInfo:
         """The key of a request admitted by this process (its last-seen KeyInfo)."""
@@ -219,11 +233,14 @@ class Accounting:
         keep the probe to index this request's answer once it is stored. A semantic hit releases the
         single-flight lock this request may hold (identical requests waiting on it then look up themselves)."""
         scope = tenant_scope(key.id, key.cache_namespace)
+        emb = await self._admit_embedding(semantic, key, record, scope, tier, upstream_body)
+        if emb is False:
+            return ticket  # the embedding call is not admitted: no semantic lookup, the request goes on
         probe = await semantic.prepare(scope, record.endpoint, tier.name, upstream_body)
+        if isinstance(emb, UsageRecord):  # admitted: metered whatever the call did (settles its reservation)
+            self._meter_embedding(emb, probe.sketch.tokens if probe is not None else 0)
         if probe is None:
             return ticket
-        if probe.sketch.tokens:
-            self._meter_embedding(record, probe.sketch.tokens)
         if ticket.decision.lookup:
             found = await semantic.lookup(probe, ticket.decision.max_age_s)
             self.metrics.semantic(found.outcome)
@@ -235,13 +252,38 @@ class Accounting:
             self._probes[record.request_id] = probe
         return ticket
 
-    def _meter_embedding(self, record: UsageRecord, tokens: int) -> None:
-        """One usage event for the embedding call of ``openai:<tier>`` (its prompt tokens at the tier's prices)."""
-        tier = self.settings.tier(self.settings.cache.semantic.embedder.removeprefix("openai:"))
+    async def _admit_embedding(self, semantic: SemanticCache, key: KeyInfo, record: UsageRecord, scope: str,
+                               tier: TierConfig, upstream_body: dict[str, Any]) -> UsageRecord | bool:
+        """Admit the semantic cache's embedding call before it is made (a paid ``openai:<tier>`` embedder):
+        its own usage record under the request's key, reserved at every level like any upstream call. Returns
+        the admitted record, True when the embedder is not a paid call (or there is nothing to embed), False
+        when admission refused it (the lookup is skipped, the request itself was admitted on its own)."""
+        name = self.settings.cache.semantic.embedder
+        if not name.startswith("openai:"):
+            return True
+        q = semantic_question(scope, record.endpoint, tier.name, upstream_body, semantic.embedder.name,
+                              semantic.cfg.max_chars)
+        if q is None:
+            return True
+        emb_tier = self.settings.tier(name.removeprefix("openai:"))
         emb = UsageRecord(key_id=record.key_id, tags=record.tags, endpoint="embeddings",
-                          requested_model=tier.model, tier=tier.name, upstream_model=tier.model,
-                          route_reason="forced", prompt_tokens=tokens, usage_source="upstream")
-        emb.finish(tier, 200)
+                          requested_model=emb_tier.model, tier=emb_tier.name, upstream_model=emb_tier.model,
+                          route_reason="forced")
+        try:
+            await self.admit_estimate(key, embedding_estimate(q.text, emb_tier), emb)
+        except GatewayError as exc:
+            log.info("semantic cache lookup of %s skipped: its embedding call was not admitted (%s)",
+                     record.request_id, exc.code)
+            return False
+        return emb
+
+    def _meter_embedding(self, emb: UsageRecord, tokens: int) -> None:
+        """The usage event of an admitted embedding call (its prompt tokens at the tier's prices; 0 when it
+        failed)."""
+        tier = self.settings.tier(emb.tier or "")
+        emb.prompt_tokens = tokens
+        emb.usage_source = "upstream" if tokens else "none"
+        emb.finish(tier, 200 if tokens else 502)
         self.sink(emb)
 
     async def cache_finish(self, ticket: Ticket, body: dict[str, Any] | None, record: UsageRecord,

@@ -330,7 +330,10 @@ class Proxy:
         headers = {**route_headers(ex.route, ex.record), CACHE_HEADER: cached_status, **extra}
         if ex.record.stream:
             wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return sse.RelayResponse(relay(resp, ex, self.upstreams, wants_usage, cache=True), headers)
+            n = body.get("n")
+            choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+            return sse.RelayResponse(relay(resp, ex, self.upstreams, wants_usage, cache=True, choices=choices),
+                                     headers)
         return await self._complete(resp, ex, headers)
 
     async def _replay_hit(self, ex: Exchange, body: dict[str, Any]) -> Response:

@@ -39,6 +39,9 @@ key                                     type        contents
 ``p budget:tag:{k=v}:resv``             hash        a tag's open reservations (same format, reservations.py)
 ``p budget:global:resv``                hash        the global level's open reservations
 ``p budgets:defs``                      hash        budgets set by the CLI: level id → JSON {usd_day, usd_month}
+``p budget:tag:{k=v}:def``              hash        a tag's budgets as admission reads them: day, month (micro-USD,
+                                                    -1 = none); written with ``budgets:defs`` (budgets.py)
+``p budget:global:def``                 hash        the global level's budgets (same fields)
 ``p lim:{id}:rpm:{window}``             string      requests admitted in a 60 s window
 ``p lim:{id}:tpm:{window}``             string      tokens (reserved, then settled) in a 60 s window
 ``p alert:{level}:{period}:{fraction}`` string      set once when an alert fired (SET NX); level = key id,
@@ -190,6 +193,10 @@ class RedisKeys:
         if kind == "key":
             return self.reservations(name)
         return f"{self.prefix}budget:tag:{name}:resv" if kind == "tag" else f"{self.prefix}budget:global:resv"
+
+    def level_budget(self, kind: str, name: str) -> str:
+        """The budget definition hash of a tag or the global level (admission reads it in its script)."""
+        return f"{self.prefix}budget:tag:{name}:def" if kind == "tag" else f"{self.prefix}budget:global:def"
 
     @property
     def budget_defs(self) -> str:
