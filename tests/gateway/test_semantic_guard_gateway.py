@@ -3,9 +3,13 @@ upstream simulator: each changed question below was served the first question's 
 compared sorted numbers and a bag of words (``x-thinkgate-cache: semantic-hit``); now each is a miss answered
 by the upstream, and a true rephrasing still hits.
 
-The gateway runs with ``cache.semantic.threshold: 0.7`` rather than the default 0.8: the issue's short
-questions score 0.74–0.80 with the lexical embedder (``Subtract 3 from 10`` / ``Subtract 10 from 3``: 0.77),
-so at 0.7 every pair reaches the guard and only the guard can stop it — the test cannot pass by the threshold.
+The gateway runs with ``cache.semantic.threshold: 0.7`` rather than the default 0.8: some of the issue's short
+questions score 0.74–0.80 with the lexical embedder, so at 0.7 every pair below reaches the guard (each test
+checks that it is similar enough and shares an LSH band) and only the guard can stop it. The issue's literal
+``Subtract 3 from 10. What is left?`` / ``Subtract 10 from 3. What is left?`` share no LSH band (similarity
+0.77), so through the index they were never candidates; the operand-swap row asks them with ``Show your work.``
+added (0.86, four bands shared), and ``tests/gateway/test_semantic_cache.py`` checks the literal pair against
+the guard itself.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from tests.fixtures.upstream import GatewayServer, SimProcess
 THRESHOLD = 0.7
 # (family, stored question, changed question): the changed one must never get the stored one's answer.
 CHANGED = [
-    ("operand_swap", "Subtract 3 from 10. What is left?", "Subtract 10 from 3. What is left?"),
+    ("operand_swap", "Subtract 3 from 10. What is left? Show your work.",
+     "Subtract 10 from 3. What is left? Show your work."),
     ("operand_units", "A train travels 120 km in 3 hours at a constant speed. What is its average speed?",
      "A train travels 3 km in 120 hours at a constant speed. What is its average speed?"),
     ("divided_by", "What is 10 divided by 2? Give the answer as a decimal number.",
@@ -64,7 +69,9 @@ def test_changed_question_is_not_served_the_stored_answer(gw: GatewayServer, ups
                                                           stored: str, changed: str) -> None:
     emb = LexicalEmbedder()
     a, b = emb.sketch_now(stored), emb.sketch_now(changed)
-    assert a.similarity(b.kind, b.payload) >= THRESHOLD  # the precondition: similar enough to reach the guard
+    # the precondition: similar enough, and an LSH band in common, so the pair reaches the guard
+    assert a.similarity(b.kind, b.payload) >= THRESHOLD
+    assert any(x == y for x, y in zip(a.bands, b.bands, strict=True))
     tag = uuid.uuid4().hex
     first = _ask(gw, stored, tag)
     assert first.headers["x-thinkgate-cache"] == "miss"
