@@ -21,15 +21,28 @@ an answer. Two questions pass only when they have
 - the same number of negations (``not``, ``no``, ``never``, ``n't``, ``without``, …);
 - the same comparison words by direction (``more``/``greater``/``largest``/``above``/``after`` vs
   ``less``/``fewer``/``smallest``/``below``/``before``);
-- the same language (script, and for Latin script the dominant function words of en/fr/de/es/it/pt/nl).
+- the same language (script, and for Latin script the dominant function words of en/fr/de/es/it/pt/nl);
+
+and, since a bag of tokens cannot tell ``Subtract 3 from 10`` from ``Subtract 10 from 3`` (issue 25), the same
+order and roles:
+
+- the numbers, operators and symbols in the same order (``10 ÷ 2`` ≠ ``2 ÷ 10``, ``120 km in 3 hours`` ≠
+  ``3 km in 120 hours``);
+- the same word after each number (``5 miles to km`` ≠ ``5 km to miles``);
+- the same two ends of every relation word (:data:`RELATIONS`: from, to, of, per, than, before, north…:
+  ``Paris north of Madrid`` ≠ ``Madrid north of Paris``, ``north`` ≠ ``south``);
+- the same ordinals and multipliers in order (``first`` ≠ ``second``, ``3rd`` ≠ ``4th``, ``half`` ≠ ``twice``),
+  the same comparison/superlative words in order (``largest`` ≠ ``heaviest``), the same currency signs;
+- the content words and arithmetic both share in the same order (``Alice pays Bob`` ≠ ``Bob pays Alice``,
+  ``a cat chases a dog`` ≠ ``a dog chases a cat``). ``If A, B`` is read as ``B if A``; every other moved
+  clause or sentence is refused — when in doubt, miss.
 
 With the ``lexical`` embedder it also requires the same content words (every normalised word that is not a
 common sentence word, :func:`mismatch` ``same_words``): a lexical similarity cannot tell a synonym from a
 changed noun, so a changed word is a different question. With an embedding model (``openai:<tier>``) that
-check is off — synonyms are the point — and a changed unit (``km`` → ``miles``), a changed lower-case noun
-(``apples`` → ``pears``) or a word of opposite meaning that is not in the lists above passes the guard; the
-similarity threshold has to stop those. Swapped roles (``Alice pays Bob`` vs ``Bob pays Alice``) pass the
-guard in both modes (same names, same words): only the similarity's word-order features see them.
+check is off — synonyms are the point — and a changed lower-case noun (``apples`` → ``pears``) or a word of
+opposite meaning that is not in the lists here passes the guard; the similarity threshold has to stop those.
+The order- and role-aware checks apply in both modes. Features stored by an older guard (no ``v``) are refused.
 """
 
 from __future__ import annotations
