@@ -34,8 +34,8 @@ order and roles:
 - the same ordinals and multipliers in order (``first`` ≠ ``second``, ``3rd`` ≠ ``4th``, ``half`` ≠ ``twice``),
   the same comparison/superlative words in order (``largest`` ≠ ``heaviest``), the same currency signs;
 - the content words and arithmetic both share in the same order (``Alice pays Bob`` ≠ ``Bob pays Alice``,
-  ``a cat chases a dog`` ≠ ``a dog chases a cat``). ``If A, B`` is read as ``B if A``; every other moved
-  clause or sentence is refused — when in doubt, miss.
+  ``a cat chases a dog`` ≠ ``a dog chases a cat``). A moved clause or sentence is refused too (``If A, B``
+  vs ``B if A``): the guard cannot tell a harmless move from a changed role — when in doubt, miss.
 
 With the ``lexical`` embedder it also requires the same content words (every normalised word that is not a
 common sentence word, :func:`mismatch` ``same_words``): a lexical similarity cannot tell a synonym from a
@@ -332,9 +332,9 @@ class Features:
 
     The order- and role-aware part: ``math`` the numbers, operators and symbols *in order* (``10 ÷ 2`` ≠
     ``2 ÷ 10``); ``units``, ``relations``, ``ordinals`` see :func:`_roles`; ``degree`` the comparison and
-    superlative words in order; ``currency`` the currency signs in order; ``sequence`` the non-common words and
-    the arithmetic in order (``words`` is the set of its words; the word-order check compares what both sides
-    share);
+    superlative words in order; ``currency`` the currency signs in order; ``sequence`` the non-common words,
+    ordinals and the arithmetic in order (``words`` is the set of its non-common words; the word-order check
+    compares what both sides share);
     ``version`` :data:`GUARD_VERSION` (0 for features stored by an older guard, never passed)."""
 
     numbers: tuple[str, ...]
@@ -380,7 +380,7 @@ class Features:
         neg = d.get("g", 0)
         version = d.get("v", 0)
         sequence = seq("w")
-        words = frozenset(t for t in sequence if t.isalpha())
+        words = frozenset(t for t in sequence if t.isalpha() and t not in COMMON)
         return cls(seq("n"), seq("o"), seq("s"), seq("q"), frozenset(seq("c")), words,
                    int(neg) if isinstance(neg, int) else 0, p, str(d.get("l", "und")), seq("m"), seq("u"), seq("r"),
                    seq("od"), seq("dg"), seq("cu"), sequence, version if isinstance(version, int) else 0)
@@ -397,48 +397,34 @@ def _quoted(m: re.Match[str]) -> str:
     return "`" + value if i == 3 else value.casefold()
 
 
-_SENTENCE = re.compile(r"(?<=[.?!])\s+")
-_CONDITIONAL = re.compile(r"^(if|when)\s+([^,]+),\s*([^,]+?)([.?!]?)$", re.I | re.S)
-
-
-def _condition_last(text: str) -> str:
-    """Each sentence ``If A, B`` (one comma) written ``B if A``: the one clause move the guard reads as the
-    same question (the order-aware checks refuse every other move)."""
-    out: list[str] = []
-    for sentence in _SENTENCE.split(text.strip()):
-        m = _CONDITIONAL.match(sentence)
-        out.append(f"{m.group(3)} {m.group(1)} {m.group(2)}{m.group(4)}" if m else sentence)
-    return " ".join(out)
-
-
 def features(text: str) -> Features:
     """The guard's view of ``text`` (the last user turn)."""
     quoted = tuple(sorted(_quoted(m) for m in _QUOTES.finditer(text)))
-    toks = tokens(_condition_last(text))
+    toks = tokens(text)
     # "Hi!" is punctuation, "5!" and "n!" a factorial (tokens() keeps every "!" as an operator)
     toks = [t for i, t in enumerate(toks) if t != "!" or i == 0 or not (toks[i - 1].isalpha() and len(toks[i - 1]) > 1)]
     numbers = tuple(sorted(t for t in toks if _is_number(t)))
     operators = tuple(sorted(t for t in toks if len(t) == 1 and not t.isalnum()))
     symbols = tuple(sorted(t for t in toks if len(t) == 1 and t.isalpha() and t not in ("a", "i")))
     raw_words = _WORD.findall(_WORD_HYPHEN.sub(" ", unicodedata.normalize("NFKC", text)))
-    # content words and the arithmetic, in order (names are never COMMON)
-    sequence = tuple(t for t in toks if (t.isalpha() and t not in COMMON) or _is_math(t))
+    # content words, ordinals ("second day" ≠ "day second") and the arithmetic, in order (names are never COMMON)
+    sequence = tuple(t for t in toks if (t.isalpha() and t not in COMMON) or t in ORDINALS or _is_math(t))
     names = frozenset(f for w in raw_words
                       if w[:1].isupper() and len(w) > 1 and (f := _fold(w)) not in COMMON
                       and f not in NUMBER_WORDS and f not in OPERATOR_WORDS)
     negations = sum(t in NEGATIONS for t in toks)
     polarity = (sum(t in MORE for t in toks), sum(t in LESS for t in toks))
     units, relations, ordinals = _roles(toks)
-    words = frozenset(t for t in sequence if t.isalpha())
+    words = frozenset(t for t in sequence if t.isalpha() and t not in COMMON)
     return Features(numbers, operators, symbols, quoted, names, words, negations, polarity,
                     language(text), tuple(t for t in toks if _is_math(t)), units, relations, ordinals,
                     tuple(t for t in toks if t in DEGREE), tuple(_CURRENCY.findall(text)), sequence)
 
 
 def _word_order(a: Features, b: Features) -> bool:
-    """Do the content words and arithmetic both sides share stand in the same order in both (``\\frac{a}{b}``
-    with ``b`` and a word swapped does not)? ``Paris … Madrid`` vs
-    ``Madrid … Paris`` do not, nor ``a cat chases a dog`` vs ``a dog chases a cat``, nor a clause moved past
+    """Do the content words, ordinals and arithmetic both sides share stand in the same order in both?
+    ``Paris … Madrid`` vs ``Madrid … Paris`` do not, nor ``a cat chases a dog`` vs ``a dog chases a cat``,
+    ``second day`` vs ``day second``, ``\\frac{a}{b}`` with ``b`` and a word swapped, or a clause moved past
     another (``If A, B`` vs ``B if A``: the guard cannot tell a harmless move from a changed role). Words only
     one side has (a synonym, with an embedding model) are left out of the comparison."""
     shared = set(a.sequence) & set(b.sequence)

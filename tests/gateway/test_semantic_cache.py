@@ -27,9 +27,9 @@ SAME = [
     ("What is 17 * 23?", "What is seventeen times twenty-three?"),
     ("What is 17 x 23?", "WHAT IS 17 \\times 23"),
     ("Is 1,000 more than 999.50?", "is 1000 more than 999.5"),
-    ("How old is Alice if she was born in 1990?", "if she was born in 1990, how old is alice?"),
+    ("How old is Alice if she was born in 1990?", "how old is alice if she was born in 1990"),
     ('Translate "Good morning" to French.', 'translate   "Good morning"  to French'),
-    ("If Tom gives Ann 3 apples, how many does Ann have?", "How many does Ann have if Tom gives Ann 3 apples?"),
+    ("If Tom gives Ann 3 apples, how many does Ann have?", "if Tom gives Ann three apples how many does Ann have"),
     ("Subtract 3 from 10. What is left?", "subtract 3 from 10, what is left"),
     ("Convert 5 miles to km.", "Please convert five miles to km"),
     ("Who was the first president of the USA?", "who was the first president of the USA"),
@@ -61,8 +61,14 @@ ORDER_DIFFERENT = [
     ("She ate half as many apples as Tom.", "She ate twice as many apples as Tom.", "ordinal"),
     ("Alice pays Bob for the book.", "Bob pays Alice for the book.", "word_order"),  # entity swap, no relation word
     ("Does a cat chase a dog in the story?", "Does a dog chase a cat in the story?", "word_order"),  # noun swap
+    ("On the second day she sold 5 roses.", "On the day second she sold 5 roses.", "word_order"),
+    # a moved clause: the guard cannot tell it from a changed role, and misses (issue 25: when in doubt, miss;
+    # the first two passed as rephrasings before)
     ("Natalia sold 48 clips in April and half as many in May.", "In May Natalia sold half as many; in April 48 clips.",
-     "word_order"),  # a moved clause: the guard cannot tell it from a changed role, and misses
+     "word_order"),
+    ("How old is Alice if she was born in 1990?", "if she was born in 1990, how old is alice?", "word_order"),
+    ("If Tom gives Ann 3 apples, how many does Ann have?", "How many does Ann have if Tom gives Ann 3 apples?",
+     "word_order"),
 ]
 # With an embedding model the content words may differ (synonyms); these still may not.
 EMBEDDING_DIFFERENT = [
