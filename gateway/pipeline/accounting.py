@@ -16,6 +16,9 @@
   cancellation): it is metered with status 499/500 so its reservation is settled at once.
 - :meth:`audit` for a request refused before any upstream call: one audit event (cost 0, never counted as
   spend) through the same writer, and ``thinkgate_refused_requests_total{status,code}``.
+- :meth:`write_ahead` before an upstream call's first byte and :meth:`stream_progress` as a stream relays tokens:
+  the call's write-ahead record (``gateway/state/write_ahead.py``), settled by its usage event; a background task
+  keeps this process's heartbeat and meters the records of dead processes as ``partial``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from gateway.state.redis import RedisHandle, connect
 from gateway.state.semantic_cache import Probe, SemanticCache
 from gateway.state.semantic_embed import embedder_for
 from gateway.state.spool import Spool
+from gateway.state.write_ahead import WriteAhead
 
 log = logging.getLogger("thinkgate.accounting")
 
@@ -119,12 +123,22 @@ class Accounting:
         self._cache_result: dict[str, str] = {}  # request id → hit|miss|bypass
         self._stop = asyncio.Event()
         self._replayer: asyncio.Task[None] | None = None
+        # write-ahead records (metering.write_ahead): the admitted upper bound per request id until its record is
+        # written, and the heartbeat/reconcile task
+        self.wal: WriteAhead | None = None
+        if settings.metering.write_ahead:
+            self.wal = WriteAhead(self.handle, self.breaker, self.meter, settings.metering,
+                                  {t.name: t.prices for t in settings.tiers})
+        self._bounds: dict[str, Estimate] = {}
+        self._wal_task: asyncio.Task[None] | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the spool replayer (call inside the serving event loop); say which semantic index is used."""
         self._stop.clear()
         self._replayer = asyncio.create_task(self.meter.run_replayer(self._stop), name="usage-spool-replayer")
+        if self.wal is not None:
+            self._wal_task = asyncio.create_task(self.wal.run(self._stop), name="write-ahead-reconciler")
         if self.semantic is not None:
             search = await self.semantic.index.detect()
             log.info("semantic cache on (embedder %s, threshold %.2f): LSH index in Redis%s",
@@ -145,7 +159,12 @@ class Accounting:
         if self._replayer is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._replayer
+        if self._wal_task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._wal_task
         await self.meter.replay()
+        if self.wal is not None:
+            await self.wal.close()
         await self.http.aclose()
         await self.handle.close()
 
@@ -167,6 +186,7 @@ class Accounting:
             self.metrics.rejected(exc.code)
             raise
         self._open[record.request_id] = key
+        self._bounds[record.request_id] = admission.estimate  # the write-ahead record carries the upper bound
         return admission
 
     def key_of(self, key_id: str | None) -> KeyInfo:
@@ -251,10 +271,29 @@ class Accounting:
         if stored and probe is not None and self.semantic is not None:
             await self.semantic.store(probe, ticket.digest, record.request_id, ticket.decision.ttl_s)
 
+    # --- write-ahead ------------------------------------------------------------------------------------
+    async def write_ahead(self, record: UsageRecord) -> None:
+        """Before ``record``'s upstream call sends its first byte: its write-ahead record, with the admitted upper
+        bound (Redis, else the spool; never raises for an outage)."""
+        if self.wal is None:
+            return
+        bound = self._bounds.pop(record.request_id, None)
+        await self.wal.begin(record, bound.micro_usd if bound else 0, bound.tokens if bound else 0)
+
+    def stream_progress(self, record: UsageRecord, completion_tokens: int, reasoning_tokens: int,
+                        usage: dict[str, Any] | None) -> None:
+        """Tokens a stream relayed so far (``usage``: the upstream's running usage, if any); written to the record
+        at most every ``metering.write_ahead_interval_s``."""
+        if self.wal is not None:
+            self.wal.progress(record.request_id, completion_tokens, reasoning_tokens, usage)
+
     # --- metering ---------------------------------------------------------------------------------------
     def sink(self, record: UsageRecord) -> None:
         """Usage sink: metrics now, Redis write (metering → local settle → alerts) in the background."""
         event = event_of(record)
+        self._bounds.pop(record.request_id, None)
+        if self.wal is not None:
+            self.wal.settled(record.request_id)  # its usage event deletes the record in Redis
         key = self._open.pop(record.request_id, None) or self._known.get(event.key_id)
         self._probes.pop(record.request_id, None)
         self.metrics.observe(event, self._cache_result.pop(record.request_id, "bypass"))

@@ -426,7 +426,10 @@ class Proxy:
     async def _call_upstream(
         self, route: RouteDecision, body: dict[str, Any], endpoint: WireEndpoint, record: UsageRecord
     ) -> tuple[RouteDecision, UpstreamResponse]:
-        """Open the upstream call on the routed tier, falling back to later tiers when it is down."""
+        """Open the upstream call on the routed tier, falling back to later tiers when it is down. The call's
+        write-ahead record is written first (``Accounting.write_ahead``): nothing reaches an upstream unrecorded."""
+        if self.accounting is not None:
+            await self.accounting.write_ahead(record)
         candidates = [route.tier, *self._fallbacks(route)]
         last: GatewayError | None = None
         for i, tier in enumerate(candidates):
