@@ -8,6 +8,9 @@ all-time / day hashes. In the same step the cost is added to the day/month count
 and of each of the event's tags (``gateway/state/budgets.py``), the request's budget reservations (made at
 admission under the same id at every level, ``gateway/state/reservations.py``) are released and its TPM
 window corrected by the real token count.
+In the same step it deletes the request's write-ahead record (``gateway/state/write_ahead.py``): the record
+an upstream call leaves before its first byte is settled by exactly its usage event; :meth:`Meter.settle_orphan`
+counts the record of a dead process instead (an atomic claim).
 Audit events (refused requests, ``UsageEvent.audit``) go through ``AUDIT`` instead: stream only.
 Counters are integers only (micro-USD, tokens, counts).
 
