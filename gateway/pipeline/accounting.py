@@ -285,7 +285,8 @@ class Accounting:
         """Tokens a stream relayed so far (``usage``: the upstream's running usage, if any); written to the record
         at most every ``metering.write_ahead_interval_s``."""
         if self.wal is not None:
-            self.wal.progress(record.request_id, completion_tokens, reasoning_tokens, usage)
+            self.wal.progress(record.request_id, completion_tokens, reasoning_tokens, usage, record.tier,
+                              record.upstream_model)
 
     # --- metering ---------------------------------------------------------------------------------------
     def sink(self, record: UsageRecord) -> None:

@@ -190,8 +190,10 @@ class WriteAhead:
             await self._spool(rec)
 
     def progress(self, request_id: str, completion_tokens: int, reasoning_tokens: int,
-                 usage: dict[str, Any] | None = None) -> None:
-        """Tokens relayed so far for ``request_id`` (``usage``: the upstream's running usage, when it sends one).
+                 usage: dict[str, Any] | None = None, tier: str | None = None,
+                 upstream_model: str | None = None) -> None:
+        """Tokens relayed so far for ``request_id`` (``usage``: the upstream's running usage, when it sends one;
+        ``tier``/``upstream_model``: where the call went — a fallback changes them after the record was begun).
         Cheap when nothing is due: a dict lookup and a clock read; a due write runs in the background."""
         op = self._open.get(request_id)
         if op is None or op.writing:
@@ -212,7 +214,8 @@ class WriteAhead:
         if completion == rec.completion_tokens and prompt == rec.prompt_tokens:
             return
         op.rec = replace(rec, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
-                         reasoning_tokens=reasoning, usage_source=source, updated_ms=int(time.time() * 1000))
+                         reasoning_tokens=reasoning, usage_source=source, updated_ms=int(time.time() * 1000),
+                         tier=tier or rec.tier, upstream_model=upstream_model or rec.upstream_model)
         op.written_at = now
         op.writing = True
         task = asyncio.get_running_loop().create_task(self._write_progress(op))

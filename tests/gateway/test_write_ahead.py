@@ -24,12 +24,13 @@ import redis
 
 from gateway.config import MeteringConfig, Prices, RedisConfig
 from gateway.ledger.event import UsageEvent
+from gateway.ledger.record import UsageRecord
 from gateway.state.breaker import Breaker
 from gateway.state.keys import RedisKeys
 from gateway.state.metering import Meter
 from gateway.state.redis import connect
 from gateway.state.spool import Spool
-from gateway.state.write_ahead import WalRecord
+from gateway.state.write_ahead import WalRecord, WriteAhead
 from tests.fixtures.gateway import SECRETS, cleanup, keys_config
 from tests.fixtures.gateway_process import DurableRedis, GatewayProcess
 from tests.fixtures.upstream import SimProcess, sim_tiers, start_sim, wait_for
@@ -242,6 +243,55 @@ def test_reconcile_claim_counts_an_orphan_once_and_never_a_settled_request(redis
             assert not (await meter.settle_orphan(done.event(prices), k.heartbeat(done.owner))).counted
             events = [e async for e in meter.events()]
             assert sorted(e.event_id for e in events) == sorted([rec.request_id, done.request_id])
+        finally:
+            await handle.close()
+
+    asyncio.run(go())
+
+
+def test_progress_writes_are_rate_bounded_and_stop_at_settlement(redis_url: str, redis_prefix: str,
+                                                                  tmp_path: Path) -> None:
+    # One stream relaying 1000 batches inside one write-ahead interval writes its record once; the next write is
+    # due only when the interval has passed; none after its usage event settled it.
+    now = [1000.0]
+
+    async def go() -> None:
+        handle = connect(RedisConfig(url=redis_url, key_prefix=redis_prefix, socket_timeout_s=2.0))
+        cfg = MeteringConfig(spool_path=tmp_path / "spool.jsonl", write_ahead_interval_s=1.0)
+        breaker = Breaker(1.0)
+        meter = Meter(handle, breaker, Spool(cfg.spool_path), cfg)
+        wal = WriteAhead(handle, breaker, meter, cfg, {}, owner="me", clock=lambda: now[0])
+        k = RedisKeys(redis_prefix)
+
+        async def stored() -> WalRecord:
+            await asyncio.gather(*list(wal._tasks))
+            return WalRecord.from_json(await handle.client.hget(k.write_ahead, rec.request_id))
+
+        try:
+            rec = UsageRecord(key_id="alice", tier="long", stream=True)
+            await wal.begin(rec, 1234, 600)
+            first = await stored()
+            assert (first.bound_micro_usd, first.bound_tokens, first.completion_tokens) == (1234, 600, 0)
+            writes = 0
+            for i in range(1, 1001):
+                now[0] += 0.0009  # 1000 batches in 0.9 s: inside one interval
+                before = len(wal._tasks)
+                wal.progress(rec.request_id, i, i // 2)
+                writes += len(wal._tasks) > before
+            assert writes == 0 and (await stored()).completion_tokens == 0
+            now[0] += 0.2
+            wal.progress(rec.request_id, 1001, 500)
+            wal.progress(rec.request_id, 1002, 500)  # a write in flight: skipped, not queued
+            assert (await stored()).completion_tokens == 1001
+            wal.progress(rec.request_id, 1003, 500)  # due only after another interval
+            assert (await stored()).completion_tokens == 1001
+            final = (await stored()).event(None)
+            final.partial, final.status, final.error_code = False, 200, None
+            assert (await meter.record(final)).counted
+            now[0] += 5
+            wal.progress(rec.request_id, 2000, 900)  # this process still tracks it: the write finds it settled
+            await asyncio.gather(*list(wal._tasks))
+            assert not await handle.client.hexists(k.write_ahead, rec.request_id)
         finally:
             await handle.close()
 
