@@ -4,9 +4,10 @@ unmetered.
 Lifecycle of one record (one per usage record, i.e. per upstream call: an escalation's retry has its own):
 
 1. :meth:`WriteAhead.begin` — before the call's first upstream byte: ``HSET wal:open {request_id} {record}`` (one
-   round trip; ``gateway/state/keys.py``). The record (:class:`WalRecord`) says who (key, tags), what (endpoint,
-   models, tier), when (``ts``, the request's start: the usage event's day and TPM minute), the reservation's
-   upper bound (micro-USD, tokens) and the owning process (``owner``).
+   round trip, shared by the begins of concurrent requests: a group commit; ``gateway/state/keys.py``). The
+   record (:class:`WalRecord`) says who (key, tags), what (endpoint, models, tier), when (``ts``, the request's
+   start: the usage event's day and TPM minute), the reservation's upper bound (micro-USD, tokens) and the
+   owning process (``owner``).
 2. :meth:`WriteAhead.progress` — as a stream relays tokens: the tokens known so far (deltas counted, or the
    upstream's running usage when it sends one), written at most every ``metering.write_ahead_interval_s`` per
    stream, in the background (at most one write in flight per request), and only while the request is not
@@ -168,6 +169,8 @@ class WriteAhead:
         self._open: dict[str, _Open] = {}
         self._suspects: dict[str, float] = {}  # request id → when this reconciler first saw its owner dead
         self._tasks: set[asyncio.Task[None]] = set()
+        self._begins: list[tuple[WalRecord, asyncio.Future[None]]] = []  # begins waiting for the next write
+        self._begin_writer: asyncio.Task[None] | None = None
         self._clock = clock
         self.reconciled = 0  # orphans this process metered (for logs and tests)
 
@@ -183,11 +186,36 @@ class WriteAhead:
             route_reason=record.route_reason, stream=record.stream, bound_micro_usd=bound_micro_usd,
             bound_tokens=bound_tokens)
         self._open[record.request_id] = _Open(rec, self._clock())
-        raw = rec.to_json()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._begins.append((rec, done))
+        if self._begin_writer is None:
+            self._begin_writer = asyncio.get_running_loop().create_task(self._write_begins())
+        await done
+
+    async def _write_begins(self) -> None:
+        """Group commit of begins: every record that arrived while the previous ``HSET`` was in flight goes in the
+        next one (one field each), so concurrent requests share round trips. Each waiting request is released
+        once its record is in Redis or the spool (or the write failed: logged)."""
         try:
-            await self.breaker.call(lambda: self.redis.hset(self.keys.write_ahead, record.request_id, raw))
-        except RedisDown:
-            await self._spool(rec)
+            while self._begins:
+                batch, self._begins = self._begins, []
+                items: list[str | bytes] = []
+                for rec, _ in batch:
+                    items += [rec.request_id, rec.to_json()]
+                try:
+                    await self.breaker.call(functools.partial(self.redis.hset, self.keys.write_ahead, items=items))
+                except RedisDown:
+                    await self._spool(*(rec for rec, _ in batch))
+                except Exception:
+                    log.exception("write-ahead records of %d requests failed", len(batch))
+                for _, done in batch:
+                    if not done.done():
+                        done.set_result(None)
+        finally:
+            self._begin_writer = None
+            for _, done in self._begins:  # cancelled (shutdown): release the waiting requests
+                if not done.done():
+                    done.set_result(None)
 
     def progress(self, request_id: str, completion_tokens: int, reasoning_tokens: int,
                  usage: dict[str, Any] | None = None, tier: str | None = None,
@@ -238,11 +266,12 @@ class WriteAhead:
         finally:
             op.writing = False
 
-    async def _spool(self, rec: WalRecord) -> None:
+    async def _spool(self, *recs: WalRecord) -> None:
         try:
-            await self.spool.append([rec])
+            await self.spool.append(list(recs))
         except OSError:
-            log.exception("write-ahead record of %s could not be spooled (Redis down, disk failed)", rec.request_id)
+            log.exception("write-ahead records of %s could not be spooled (Redis down, disk failed)",
+                          ", ".join(r.request_id for r in recs))
 
     # --- heartbeat and reconciliation ---------------------------------------------------------------------
     async def heartbeat(self) -> None:
