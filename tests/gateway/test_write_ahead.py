@@ -139,6 +139,7 @@ def _wait_streaming(streams: list[Stream], min_events: int, timeout_s: float = 3
         [(s.status, s.events) for s in streams]
 
 
+@pytest.mark.slow
 def test_kill_9_gateway_mid_stream_every_admitted_request_settled_once(slow_sim: SimProcess, redis_url: str,
                                                                        tmp_path: Path) -> None:
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
@@ -172,6 +173,7 @@ def test_kill_9_gateway_mid_stream_every_admitted_request_settled_once(slow_sim:
         cleanup(redis_url, prefix)
 
 
+@pytest.mark.slow
 def test_kill_9_redis_then_gateway_mid_stream_nothing_lost(slow_sim: SimProcess, tmp_path: Path) -> None:
     # Redis dies under 8 streams (records written before), 2 more are admitted while it is down (records spooled),
     # the progress of all goes to the spool, then the gateway is killed too; both restart on their data
