@@ -35,7 +35,7 @@ from tests.fixtures.gateway import SECRETS, cleanup, keys_config
 from tests.fixtures.gateway_process import DurableRedis, GatewayProcess
 from tests.fixtures.upstream import SimProcess, sim_tiers, start_sim, wait_for
 
-SLOW_CHUNK_MS = 150  # ~45 chunks per answer: ~7 s of streaming, long enough to be killed mid-stream
+SLOW_CHUNK_MS = 250  # ~48 chunks per answer: ~12 s of streaming, long enough to be killed mid-stream
 FAST_CHUNK_MS = 5
 HEARTBEAT_TTL_S = 2.0
 SETTLE_TIMEOUT_S = 45.0
@@ -149,7 +149,7 @@ def test_kill_9_gateway_mid_stream_every_admitted_request_settled_once(slow_sim:
     try:
         streams = [Stream(gw.base_url, i, FAST_CHUNK_MS if i < 2 else SLOW_CHUNK_MS) for i in range(8)]
         assert wait_for(lambda: all(s.done for s in streams[:2]), 30)
-        _wait_streaming(streams, 8)  # ≥ 1.2 s into each slow stream: several write-ahead updates
+        _wait_streaming(streams, 8)  # ≥ 2 s into each slow stream: several write-ahead updates
         assert wait_for(lambda: len(settled_ids(redis_url, prefix)) >= 2, 10)  # the 2 complete ones are metered
         time.sleep(0.5)
         gw.kill()
