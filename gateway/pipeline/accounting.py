@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
@@ -37,6 +37,7 @@ from gateway.config import Settings, TierConfig
 from gateway.errors import GatewayError
 from gateway.ledger.event import UsageEvent
 from gateway.ledger.record import UsageRecord
+from gateway.openai.sse import StreamTally
 from gateway.state.alerts import Alerts
 from gateway.state.breaker import Breaker
 from gateway.state.budgets import BudgetLevels
@@ -280,13 +281,11 @@ class Accounting:
         bound = self._bounds.pop(record.request_id, None)
         await self.wal.begin(record, bound.micro_usd if bound else 0, bound.tokens if bound else 0)
 
-    def stream_progress(self, record: UsageRecord, completion_tokens: int, reasoning_tokens: int,
-                        usage: dict[str, Any] | None) -> None:
-        """Tokens a stream relayed so far (``usage``: the upstream's running usage, if any); written to the record
-        at most every ``metering.write_ahead_interval_s``."""
-        if self.wal is not None:
-            self.wal.progress(record.request_id, completion_tokens, reasoning_tokens, usage, record.tier,
-                              record.upstream_model)
+    def stream_progress(self, record: UsageRecord) -> Callable[[StreamTally], None] | None:
+        """The progress hook of ``record``'s stream: call it with the relay's tally after each batch; the tokens
+        relayed so far go to the write-ahead record at most every ``metering.write_ahead_interval_s``. None when
+        write-ahead is off (nothing to call per batch)."""
+        return self.wal.tracker(record) if self.wal is not None else None
 
     # --- metering ---------------------------------------------------------------------------------------
     def sink(self, record: UsageRecord) -> None:

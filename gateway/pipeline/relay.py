@@ -65,14 +65,14 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
     keep = (cache and ex.ticket is not None and ex.ticket.decision.store) or ex.on_answer is not None
     assembler = StreamAssembler() if keep else None
     # the tokens relayed so far go to the request's write-ahead record (rate-bounded there)
-    progress = ex.accounting.stream_progress if ex.accounting is not None else None
+    progress = ex.accounting.stream_progress(record) if ex.accounting is not None else None
     try:
         async for batch in sse.data_batches(resp):
             if assembler is not None:
                 assembler.feed_payloads(batch)
             out = tally.feed(batch)
             if progress is not None:
-                progress(record, tally.reasoning_deltas + tally.text_deltas, tally.reasoning_deltas, tally.last_usage)
+                progress(tally)
             if tally.saw_text:
                 record.mark_first_byte()
             if out:

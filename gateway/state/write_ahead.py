@@ -58,6 +58,7 @@ from gateway.config import MeteringConfig, Prices
 from gateway.ledger.event import Endpoint, RouteReason, UsageEvent, UsageSource
 from gateway.ledger.pricing import cost_micro_usd
 from gateway.ledger.record import UsageRecord
+from gateway.openai.sse import StreamTally
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
 from gateway.state.metering import Meter
@@ -252,6 +253,21 @@ class WriteAhead:
         task = asyncio.get_running_loop().create_task(self._write_progress(op))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def tracker(self, record: UsageRecord) -> Callable[[StreamTally], None] | None:
+        """A stream's progress hook, called with the relay's tally after each batch: :meth:`progress` when a write
+        is due, else one clock read (the per-batch cost of write-ahead). None when ``record`` has no record here."""
+        op = self._open.get(record.request_id)
+        if op is None:
+            return None
+        clock, interval = self._clock, self.cfg.write_ahead_interval_s
+
+        def hook(tally: StreamTally) -> None:
+            if clock() - op.written_at >= interval:
+                self.progress(record.request_id, tally.reasoning_deltas + tally.text_deltas, tally.reasoning_deltas,
+                              tally.last_usage, record.tier, record.upstream_model)
+
+        return hook
 
     def settled(self, request_id: str) -> None:
         """The request's usage event is on its way (it deletes the record in Redis): stop tracking it here."""
