@@ -16,6 +16,9 @@
   cancellation): it is metered with status 499/500 so its reservation is settled at once.
 - :meth:`audit` for a request refused before any upstream call: one audit event (cost 0, never counted as
   spend) through the same writer, and ``thinkgate_refused_requests_total{status,code}``.
+- :meth:`write_ahead` before an upstream call's first byte and :meth:`stream_progress` as a stream relays tokens:
+  the call's write-ahead record (``gateway/state/write_ahead.py``), settled by its usage event; a background task
+  keeps this process's heartbeat and meters the records of dead processes as ``partial``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
@@ -35,6 +38,7 @@ from gateway.config import Settings, TierConfig
 from gateway.errors import GatewayError
 from gateway.ledger.event import UsageEvent
 from gateway.ledger.record import UsageRecord
+from gateway.openai.sse import StreamTally
 from gateway.state.alerts import Alerts
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.budgets import BudgetLevels, BudgetStore
@@ -49,6 +53,7 @@ from gateway.state.semantic_cache import Probe, SemanticCache
 from gateway.state.semantic_embed import embedder_for
 from gateway.state.semantic_policy import question as semantic_question
 from gateway.state.spool import Spool
+from gateway.state.write_ahead import WriteAhead
 
 log = logging.getLogger("thinkgate.accounting")
 
@@ -122,6 +127,14 @@ class Accounting:
         self._cache_result: dict[str, str] = {}  # request id → hit|miss|bypass
         self._stop = asyncio.Event()
         self._replayer: asyncio.Task[None] | None = None
+        # write-ahead records (metering.write_ahead): the admitted upper bound per request id until its record is
+        # written, and the heartbeat/reconcile task
+        self.wal: WriteAhead | None = None
+        if settings.metering.write_ahead:
+            self.wal = WriteAhead(self.handle, self.breaker, self.meter, settings.metering,
+                                  {t.name: t.prices for t in settings.tiers})
+        self._bounds: dict[str, Estimate] = {}
+        self._wal_task: asyncio.Task[None] | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -132,6 +145,8 @@ class Accounting:
         except RedisDown:
             log.warning("budget definitions not checked at start (Redis down)")
         self._replayer = asyncio.create_task(self.meter.run_replayer(self._stop), name="usage-spool-replayer")
+        if self.wal is not None:
+            self._wal_task = asyncio.create_task(self.wal.run(self._stop), name="write-ahead-reconciler")
         if self.semantic is not None:
             search = await self.semantic.index.detect()
             log.info("semantic cache on (embedder %s, threshold %.2f): LSH index in Redis%s",
@@ -152,7 +167,12 @@ class Accounting:
         if self._replayer is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._replayer
+        if self._wal_task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._wal_task
         await self.meter.replay()
+        if self.wal is not None:
+            await self.wal.close()
         await self.http.aclose()
         await self.handle.close()
 
@@ -177,6 +197,7 @@ class Accounting:
             self.metrics.rejected(exc.code)
             raise
         self._open[record.request_id] = key
+        self._bounds[record.request_id] = admission.estimate  # the write-ahead record carries the upper bound
         return admission
 
     async def renew(self, record: UsageRecord) -> int:
@@ -296,10 +317,28 @@ class Accounting:
         if stored and probe is not None and self.semantic is not None:
             await self.semantic.store(probe, ticket.digest, record.request_id, ticket.decision.ttl_s)
 
+    # --- write-ahead ------------------------------------------------------------------------------------
+    async def write_ahead(self, record: UsageRecord) -> None:
+        """Before ``record``'s upstream call sends its first byte: its write-ahead record, with the admitted upper
+        bound (Redis, else the spool; never raises for an outage)."""
+        if self.wal is None:
+            return
+        bound = self._bounds.pop(record.request_id, None)
+        await self.wal.begin(record, bound.micro_usd if bound else 0, bound.tokens if bound else 0)
+
+    def stream_progress(self, record: UsageRecord) -> Callable[[StreamTally], None] | None:
+        """The progress hook of ``record``'s stream: call it with the relay's tally after each batch; the tokens
+        relayed so far go to the write-ahead record at most every ``metering.write_ahead_interval_s``. None when
+        write-ahead is off (nothing to call per batch)."""
+        return self.wal.tracker(record) if self.wal is not None else None
+
     # --- metering ---------------------------------------------------------------------------------------
     def sink(self, record: UsageRecord) -> None:
         """Usage sink: metrics now, Redis write (metering → local settle → alerts) in the background."""
         event = event_of(record)
+        self._bounds.pop(record.request_id, None)
+        if self.wal is not None:
+            self.wal.settled(record.request_id)  # its usage event deletes the record in Redis
         key = self._open.pop(record.request_id, None) or self._known.get(event.key_id)
         self._probes.pop(record.request_id, None)
         self.metrics.observe(event, self._cache_result.pop(record.request_id, "bypass"))

@@ -430,7 +430,11 @@ class Proxy:
         self, route: RouteDecision, body: dict[str, Any], endpoint: WireEndpoint, record: UsageRecord
     ) -> tuple[RouteDecision, UpstreamResponse]:
         """Open the upstream call on the routed tier, falling back to later tiers when it is down. A tier with
-        several replicas prefers the conversation's replica (:func:`gateway.upstream.balancer.conversation_key`)."""
+        several replicas prefers the conversation's replica (:func:`gateway.upstream.balancer.conversation_key`).
+        The call's write-ahead record is written first (``Accounting.write_ahead``): nothing reaches an upstream
+        unrecorded."""
+        if self.accounting is not None:
+            await self.accounting.write_ahead(record)
         candidates = [route.tier, *self._fallbacks(route)]
         last: GatewayError | None = None
         key = conversation_key(body) if any(len(t.upstream_urls) > 1 for t in candidates) else None

@@ -119,11 +119,15 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
     renewer = asyncio.ensure_future(_renew(acct, ex)) if acct is not None else None
     last: bytes | None = None
     cut = False
+    # the tokens relayed so far go to the request's write-ahead record (rate-bounded there)
+    progress = ex.accounting.stream_progress(record) if ex.accounting is not None else None
     try:
         async for batch in sse.data_batches(resp):
             if assembler is not None:
                 assembler.feed_payloads(batch)
             out = tally.feed(batch)
+            if progress is not None:
+                progress(tally)
             if tally.saw_text:
                 record.mark_first_byte()
             if out:

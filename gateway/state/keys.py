@@ -65,6 +65,9 @@ key                                     type        contents
                                                     ``b:{id}`` → its bucket and band hashes (semantic_index.py)
 ``t sem:{g}:x``  T                      zset        semantic cache entry id → expiry (epoch ms): TTL and the cap
 ``t sem:{g}:b:{bucket}:{band}:{hash}``  list        LSH band bucket: entry ids, newest first (at most 64)
+``p wal:open``                          hash        write-ahead records of upstream calls in flight: request id →
+                                                    record JSON (state/write_ahead.py); deleted by the usage event
+``p wal:hb:{owner}``                    string      heartbeat of a live gateway process (owner id), PX TTL
 =====================================  ==========  ====================================================
 """
 
@@ -235,3 +238,12 @@ class RedisKeys:
     def semantic_band_base(self, tenant: str) -> str:
         """Prefix of a tenant's band bucket keys; a bucket key is this + ``{bucket}:{band}:{hash}``."""
         return f"{self.tenant(tenant)}sem:{tenant}:b:"
+
+    @property
+    def write_ahead(self) -> str:
+        """Hash of the write-ahead records of upstream calls in flight (request id → record JSON)."""
+        return f"{self.prefix}wal:open"
+
+    def heartbeat(self, owner: str) -> str:
+        """A live gateway process's heartbeat (its owner id; a string with a TTL)."""
+        return f"{self.prefix}wal:hb:{owner}"
