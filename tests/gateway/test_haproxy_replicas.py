@@ -84,15 +84,9 @@ def test_a_cached_answer_from_one_replica_is_a_hit_through_another(fleet: Fleet,
     assert rec is not None and rec["attempts"] == 1
 
 
-# settle_s 0: the burst right after the key is created. Measured here: 3-4 of 30 admitted (one per replica or
-# so) while a burst 5 s later admits exactly one — the budget-refresh lag being fixed in the admission work
-# (issue 26's dependency, "no spend outside admission"). Remove the xfail when that lands.
-BUDGET_LAG = pytest.mark.xfail(reason="budget-refresh lag: a key budget is not in force on every replica in the "
-                                      "first seconds after it is created (fixed by the admission work)",
-                               strict=False)
-
-
-@pytest.mark.parametrize("settle_s", [pytest.param(0.0, marks=BUDGET_LAG, id="at-once"),
+# settle_s 0: the burst right after the key is created (admission reads the budget in Redis, so it is in force
+# on every replica at once); 5 s later as well.
+@pytest.mark.parametrize("settle_s", [pytest.param(0.0, id="at-once"),
                                       pytest.param(5.0, id="after-5s")])
 def test_a_key_budget_set_once_holds_across_the_fleet(fleet: Fleet, upstream_sim: SimProcess, redis_url: str,
                                                       settle_s: float) -> None:
