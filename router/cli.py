@@ -1,4 +1,4 @@
-"""`thinkgate router …` commands: label, fit, calibrate, eval, info, score, build-default.
+"""`thinkgate router …` commands: label, fit, calibrate, eval, info, score, build-default, cold-start.
 
 Heavy imports (scikit-learn, skops, matplotlib) happen inside the commands so ``thinkgate --help`` is fast.
 Data flow::
@@ -19,6 +19,8 @@ label_app = typer.Typer(no_args_is_help=True, help="Make labelled JSONL (text, l
 app.add_typer(label_app, name="label")
 
 _DEFAULT_ROUTER = Path(__file__).resolve().parent / "assets" / "default.skops"
+#: the learned default candidate (``build-default`` writes it; ``cold-start`` decides whether it is served)
+_LEARNED_ROUTER = Path(__file__).resolve().parent / "assets" / "default-learned.skops"
 
 
 def _console() -> Any:
@@ -383,6 +385,9 @@ def _info_summary(r: Any) -> list[str]:
         if val:
             lines.append("validation savings_at_98: " + ", ".join(
                 f"{k} {100 * v:.1f}%" for k, v in val.get("savings_at_98", {}).items()))
+    from router.fit.coldstart import table_lines
+
+    lines.extend(table_lines(meta))
     for row in meta.get("metrics", {}).get("vs_length", []):
         verdict = "no worse than length" if row["ok"] else "WORSE than length"
         lines.append(f"{row.get('kind', 'evaluation set')}: {row['set']}: AUC {row['auc']:.3f} vs length "
@@ -404,13 +409,34 @@ def score(
 
 @app.command("build-default")
 def build_default(
-    out: Annotated[Path, typer.Option(help="router file to write")] = _DEFAULT_ROUTER,
+    out: Annotated[Path, typer.Option(help="the learned candidate to write (then `router cold-start` decides "
+                                           "what the shipped default serves)")] = _LEARNED_ROUTER,
     plot: Annotated[Path | None, typer.Option(help="PNG of the held-out curves")] = Path(
         "bench/results/router_default.png"),
     seed: int = 0,
     transfer: Annotated[bool, typer.Option(help="also refit without each source (held-out data set rows)")] = False,
 ) -> None:
-    """Rebuild the shipped router from the data in data/ (see docs/router.md "The shipped router")."""
+    """Rebuild the learned default candidate from the data in data/ (see docs/router.md "The shipped router");
+    then run `thinkgate router cold-start` to decide and write the shipped default."""
     from router.fit.default import build_default_router
 
     build_default_router(out, plot=plot, seed=seed, console=_console(), transfer=transfer)
+
+
+@app.command("cold-start")
+def cold_start(
+    learned: Annotated[Path, typer.Option(help="the learned candidate (build-default's output)")] = _LEARNED_ROUTER,
+    out: Annotated[Path, typer.Option(help="the shipped default to write")] = _DEFAULT_ROUTER,
+    transfer: Annotated[Path | None, typer.Option(help="the recipe fitted without trace rows (scores the trace "
+                                                         "sets; default: fitted now, a few minutes)")] = None,
+    refit: Annotated[bool, typer.Option(help="fit the no-traces recipe when --transfer is not given (else the "
+                                             "candidate scores the trace sets, questions held out only)")] = True,
+) -> None:
+    """Measure the learned candidate vs prompt length vs random on the real outcome sets it was not fitted on and
+    ship the learned router only where it is no worse than length everywhere, else length (router/fit/coldstart.py)."""
+    from router.fit.coldstart import build_cold_start_default, table_lines
+    from router.persistence import load_router
+
+    build_cold_start_default(learned, out, transfer, say=typer.echo, refit=refit)
+    for line in table_lines(load_router(out, pipeline=False).metadata):
+        typer.echo(line)

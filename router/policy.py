@@ -63,3 +63,15 @@ def guarantee_sentence(meta: dict[str, Any] | None) -> str | None:
     return (f"Serves {s.get('policy')} and keeps >= {floor:.0%} of always-top accuracy on unseen traffic from the "
             f"same distribution with {1 - delta:.0%} confidence (Learn-then-Test on {n} calibration questions)"
             f"{tail}.")
+
+
+def cold_start_summary(meta: dict[str, Any] | None) -> str | None:
+    """One sentence for the gateway's start log and ``/v1/models``: which shipped default it serves and what it
+    was validated on (``metadata.cold_start``, written by ``thinkgate router cold-start``; None without it)."""
+    cs = (meta or {}).get("cold_start")
+    if not isinstance(cs, dict):
+        return None
+    what = "the learned router" if cs.get("choice") == "learned" else "prompt length (policy: length)"
+    sets = [str(s) for s in cs.get("validated_on") or []]
+    return (f"shipped default router: serves {what}; validated on {len(sets)} real outcome sets it was not fitted "
+            f"on ({', '.join(sets)}): {cs.get('reason')}")
