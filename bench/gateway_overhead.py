@@ -35,6 +35,10 @@ ratio of two identical off gateways (what the machine's noise alone moves); ``--
 
     .venv/bin/python -m bench.gateway_overhead --telemetry [--requests 2400] [--rounds 12] [--concurrency 1 32]
                                                           [--processes 2] [--write-results]
+
+**Write-ahead metering on vs off** (``--write-ahead``): the same gateway with ``metering.write_ahead`` off and on,
+``--processes`` of each on a throw-away Redis prefix, interleaved round by round; CPU ms/request on / off per
+round, the A/A ratio, p50/p99 off → on; ``--write-results`` replaces the "Write-ahead metering overhead" section.
 """
 
 from __future__ import annotations
@@ -563,23 +567,24 @@ def _per_request_ms(x: Samples) -> float | None:
 
 
 def telemetry_ratios(per_round: dict[tuple[str, int], list[Samples]], processes: int, c: int,
-                     rounds: int) -> dict[str, list[float]]:
-    """Per round, each variant's CPU ms/request (the mean over its processes) over ``otel-off``'s in the same
-    round — paired in time, so a slow moment of the shared machine hits both sides — and the A/A ratio (the
-    second off process over the first: what identical gateways differ by)."""
-    out: dict[str, list[float]] = {v: [] for v in (*TELEMETRY_VARIANTS[1:], "A/A")}
+                     rounds: int, variants: tuple[str, ...] = TELEMETRY_VARIANTS) -> dict[str, list[float]]:
+    """Per round, each variant's CPU ms/request (the mean over its processes) over the first variant's (off) in
+    the same round — paired in time, so a slow moment of the shared machine hits both sides — and the A/A ratio
+    (the second off process over the first: what identical gateways differ by)."""
+    off_name = variants[0]
+    out: dict[str, list[float]] = {v: [] for v in (*variants[1:], "A/A")}
     for r in range(rounds):
         mean: dict[str, float] = {}
-        for v in TELEMETRY_VARIANTS:
+        for v in variants:
             xs = [_per_request_ms(per_round[(f"{v}#{k + 1}", c)][r]) for k in range(processes)]
             if any(x is None for x in xs):
                 break
             mean[v] = sum(x for x in xs if x is not None) / processes
         else:
-            for v in TELEMETRY_VARIANTS[1:]:
-                out[v].append(mean[v] / mean["otel-off"])
+            for v in variants[1:]:
+                out[v].append(mean[v] / mean[off_name])
             if processes > 1:
-                a, b = (_per_request_ms(per_round[(f"otel-off#{k}", c)][r]) for k in (1, 2))
+                a, b = (_per_request_ms(per_round[(f"{off_name}#{k}", c)][r]) for k in (1, 2))
                 if a and b:
                     out["A/A"].append(b / a)
     return out
@@ -746,6 +751,101 @@ def run_telemetry(args: argparse.Namespace) -> None:
             f"One process, traced vs untraced requests:\n\n{same}\n")
 
 
+WRITE_AHEAD_SECTION = "## Write-ahead metering overhead"
+WRITE_AHEAD_VARIANTS = ("wal-off", "wal-on")
+
+
+def run_write_ahead(args: argparse.Namespace) -> None:
+    """``--write-ahead``: the same gateway with ``metering.write_ahead`` off and on (the default), ``--processes``
+    gateways of each on a throw-away Redis prefix, interleaved round by round; CPU ms/request on / off, the median
+    per-round ratio and the A/A ratio of the two off gateways, and p50/p99 added on vs off."""
+    import statistics
+
+    env_line = machine()
+    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    sim = start_sim()
+    procs: list[subprocess.Popen[bytes]] = []
+    prefix = f"tgbench:{uuid.uuid4().hex[:8]}:"
+    redis_section = {"url": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), "key_prefix": prefix,
+                     "start_if_missing": False}
+    seed = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = "0"
+    targets = [Target("direct", sim.base_url, "none", "sim-model")]
+    per_round: dict[str, dict[tuple[str, int], list[Samples]]] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for k in range(args.processes):
+                for v in WRITE_AHEAD_VARIANTS:
+                    metering = {"spool_path": str(Path(tmp) / f"spool-{v}-{k}.jsonl"),
+                                "write_ahead": v == "wal-on"}
+                    proc, target = start_gateway(sim, Path(tmp), name=f"{v}#{k + 1}",
+                                                 extra={"redis": redis_section, "metering": metering})
+                    procs.append(proc)
+                    targets.append(target)
+            by_mode = {mode: asyncio.run(measure(targets, args.concurrency, args.requests, args.seconds, args.rounds,
+                                                 mode == "stream", per_round=per_round.setdefault(mode, {})))
+                       for mode in args.modes}
+    finally:
+        if seed is None:
+            os.environ.pop("PYTHONHASHSEED", None)
+        else:
+            os.environ["PYTHONHASHSEED"] = seed
+        stop_all(procs, sim)
+        with contextlib.suppress(Exception):
+            import redis as sync_redis
+
+            client = sync_redis.Redis.from_url(redis_section["url"])
+            stale = list(client.scan_iter(match=prefix + "*", count=1000))
+            if stale:
+                client.delete(*stale)
+            client.close()
+    out = table(by_mode, targets, args.concurrency)
+    lines = ["| mode | concurrency | CPU ms/req off | on | on / off | median per-round on / off (min … max) "
+             "| A/A: off / off (min … max) | p50 ms off → on | p99 ms off → on |",
+             "|---|---:|---:|---:|---:|---|---|---:|---:|"]
+    verdicts: list[float] = []
+
+    def spread(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.3f} ({min(xs):.2f} … {max(xs):.2f})" if xs else "—"
+
+    for mode, results in by_mode.items():
+        for c in args.concurrency:
+            acc = {v: Samples() for v in WRITE_AHEAD_VARIANTS}
+            for v in WRITE_AHEAD_VARIANTS:
+                for k in range(args.processes):
+                    acc[v].add(results[(f"{v}#{k + 1}", c)])
+            off, on = (_per_request_ms(acc[v]) for v in WRITE_AHEAD_VARIANTS)
+            if not (off and on):
+                continue
+            ratios = telemetry_ratios(per_round[mode], args.processes, c, args.rounds, WRITE_AHEAD_VARIANTS)
+            if ratios["wal-on"]:
+                verdicts.append(statistics.median(ratios["wal-on"]))
+            a, b = acc["wal-off"], acc["wal-on"]
+            lines.append(f"| {mode} | {c} | {off:.3f} | {on:.3f} | {on / off:.3f} | {spread(ratios['wal-on'])} "
+                         f"| {spread(ratios['A/A'])} "
+                         f"| {a.pct(50):.2f} → {b.pct(50):.2f} ({b.pct(50) - a.pct(50):+.2f}) "
+                         f"| {a.pct(99):.2f} → {b.pct(99):.2f} ({b.pct(99) - a.pct(99):+.2f}) |")
+    ratio = "\n".join(lines)
+    worst = max(verdicts) if verdicts else float("nan")
+    verdict = (f"Target on ≤ 1.10 × off (CPU per request): **{'met' if worst <= 1.10 else 'not met'}** — median "
+               f"per-round on / off at worst {worst:.3f}; compare with the A/A column (two identical off gateways).")
+    print(out, "", ratio, "", verdict, sep="\n")
+    if args.write_results:
+        write_section(
+            WRITE_AHEAD_SECTION,
+            f"{WRITE_AHEAD_SECTION}\n\n`python -m bench.gateway_overhead --write-ahead` — {started}. "
+            f"{args.processes} `thinkgate serve` processes with `metering.write_ahead: false` (`wal-off`) and "
+            f"{args.processes} with the default `true` (`wal-on`: one `HSET` of the request's record before its "
+            f"upstream call, deleted inside the metering script that counts its event; a heartbeat every 5 s and a "
+            f"reconcile pass every 30 s; these ~30-token streams end before the first progress write, due after "
+            f"1 s), the same simulator and Redis (throw-away prefix), hash seed 0, all interleaved round by round; "
+            f"{args.requests} requests or {args.seconds:.0f} s per process and concurrency in {args.rounds} rounds "
+            f"after a warm-up; `model: auto`, a key without budget. CPU = each gateway process's user+system CPU "
+            f"per request, summed over the processes of a kind; the per-round ratio pairs the kinds in the same "
+            f"round; A/A = the second off process over the first (the machine's noise). Machine: {env_line}."
+            f"\n\n{verdict}\n\n{ratio}\n\n{out}\n")
+
+
 def parse_extra(spec: str) -> Target:
     name, _, rest = spec.partition("=")
     url, key, model, pid = ([*rest.split(","), "", "", ""])[:4]
@@ -773,11 +873,13 @@ def main() -> None:
     ap.add_argument("--telemetry", action="store_true",
                     help="the gateway with OpenTelemetry traces off vs on (OTLP/HTTP to a loopback sink)")
     ap.add_argument("--processes", type=int, default=2,
-                    help="with --telemetry: gateway processes of each kind (off, on, on 10 %%)")
+                    help="with --telemetry / --write-ahead: gateway processes of each kind (off, on, on 10 %%)")
     ap.add_argument("--block", type=int, default=1024,
                     help="with --telemetry: requests per block of the one-process traced/untraced comparison "
                          "(1024 = 3 export batches of 2048 spans)")
     ap.add_argument("--blocks", type=int, default=8, help="with --telemetry: traced/untraced block pairs per row")
+    ap.add_argument("--write-ahead", action="store_true",
+                    help="the gateway with write-ahead metering records off vs on (metering.write_ahead)")
     ap.add_argument("--litellm", action="store_true",
                     help="ThinkGate (router + cache + metering) vs LiteLLM's proxy; default concurrency 1 8 32 64")
     args = ap.parse_args()
@@ -791,6 +893,9 @@ def main() -> None:
         return
     if args.telemetry:
         run_telemetry(args)
+        return
+    if args.write_ahead:
+        run_write_ahead(args)
         return
 
     env_line = machine()

@@ -74,7 +74,7 @@ def main() -> None:
     results.append(evaluate_scores("MATH-trained → MATH-500 (level≥4)", math500, s))
     extra["math_trained_math500_spearman_level"] = float(spearmanr(s, levels).statistic)
 
-    shipped = load_router(REPO / "router" / "assets" / "default.skops")
+    shipped = load_router(REPO / "router" / "assets" / "default-learned.skops")  # the learned default candidate
     s = shipped.predict_proba([it.text for it in math500])
     results.append(evaluate_scores("shipped → MATH-500 (level≥4)", math500, s))
     extra["shipped_math500_spearman_level"] = float(spearmanr(s, levels).statistic)

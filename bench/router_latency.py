@@ -5,7 +5,8 @@ For prompts of 100, 2,000 and 20,000 characters (cut from real MATH-500 problems
 one-element batch. Prints p50/p99 (and min) in milliseconds, the host load average (this machine is shared:
 the minimum is the best estimate of the uncontended cost), and checks both paths agree.
 
-    python -m bench.router_latency [--router router/assets/default.skops] [--corpus Q.jsonl.gz] [--n 2000] [--json out]
+    python -m bench.router_latency [--router router/assets/default-learned.skops] [--corpus Q.jsonl.gz]
+                                   [--n 2000] [--json out]
 
 Target: p50 ≤ 0.3 ms at 2,000 characters.
 """
@@ -52,7 +53,7 @@ def timings_ms(fn, arg: str, n: int, warmup: int = 50) -> np.ndarray:  # type: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--router", type=Path, default=REPO / "router" / "assets" / "default.skops")
+    ap.add_argument("--router", type=Path, default=REPO / "router" / "assets" / "default-learned.skops")
     ap.add_argument("--n", type=int, default=2000, help="timed requests per size (fast path)")
     ap.add_argument("--n-sklearn", type=int, default=100, help="timed requests per size (sklearn Pipeline)")
     ap.add_argument("--json", type=Path, default=None)

@@ -139,6 +139,7 @@ def create_app(settings: Settings) -> FastAPI:
     upstreams = UpstreamPool(settings.tiers)
     routing = Routing(settings)
     accounting = Accounting(settings)
+    accounting.metrics.registry.register(upstreams.balancer.collector())  # thinkgate_upstream_* series
     keys = KeyStore(settings.auth, redis_store=accounting.keystore)
     telemetry = Telemetry.from_config(settings.telemetry)  # None unless telemetry.otlp_endpoint is set
     proxy = Proxy(settings, keys, routing, upstreams, accounting=accounting, telemetry=telemetry)
@@ -146,13 +147,14 @@ def create_app(settings: Settings) -> FastAPI:
     outcomes = _outcome_store(settings, routing, proxy, accounting)
     if outcomes is not None and settings.routing.shadow.fraction > 0:
         proxy.shadow = Shadow(settings, upstreams, accounting.handle, accounting.breaker, outcomes,
-                              proxy.usage_sinks)
+                              proxy.usage_sinks, admit=accounting.admit)
     drift = _drift_monitor(settings, routing, accounting)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await accounting.start()
+        upstreams.start()  # the pools' active health checks
         if outcomes is not None:
             await outcomes.start()
         freeze_startup_heap()

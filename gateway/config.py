@@ -85,8 +85,36 @@ class LoopGuard(_Strict):
     max_repeats: int = Field(3, ge=2)
 
 
+class UpstreamPoolConfig(_Strict):
+    """How a tier with several ``base_urls`` spreads its calls (``gateway/upstream/balancer.py``).
+
+    Each call goes to the replica with the fewest outstanding requests, except that with ``affinity: prefix``
+    a conversation (its first system and user messages; a completion prompt's first 1,024 characters) has
+    a preferred replica by rendezvous hashing, kept while it is in rotation and has at most
+    ``affinity_max_skew`` more outstanding requests than the least loaded one (so the engine's prefix cache
+    stays warm). ``allowed_fails`` consecutive failures (connection refused/reset, connect or read timeout, a
+    5xx) eject a replica for ``cooldown_s`` seconds; then it is probed (``GET /health``, else ``/v1/models``)
+    and readmitted on success, else ejected again for twice as long (at most ``max_cooldown_s``).
+    ``health_check_interval_s`` > 0: every replica is also probed on that interval (each probe bounded by
+    ``health_check_timeout_s``) and one that fails stays out of rotation until a probe succeeds. When no
+    replica is in rotation, all are used (least outstanding first) rather than refusing the call.
+    A tier with one upstream is never ejected or probed (as before pools existed)."""
+
+    affinity: Literal["prefix", "none"] = "prefix"
+    affinity_max_skew: int = Field(4, ge=0)
+    allowed_fails: int = Field(3, ge=1)
+    cooldown_s: float = Field(10.0, gt=0)
+    max_cooldown_s: float = Field(300.0, gt=0)
+    health_check_interval_s: float = Field(5.0, ge=0)
+    health_check_timeout_s: float = Field(2.0, gt=0)
+
+
 class TierConfig(_Strict):
     """One reasoning tier: where to send the request and how much it may think.
+
+    ``base_url``: the tier's OpenAI-compatible upstream (``…/v1``). ``base_urls``: several replicas of the same
+    model instead (a pool, balanced as ``pool`` says); ``base_url`` then reads as the first of them. Set one of
+    the two (or both with ``base_url`` among ``base_urls``).
 
     ``thinking_budget`` is in tokens (``None`` = unlimited). ``budget_mode``: ``native`` sends vLLM's
     per-request ``thinking_token_budget``; ``forced`` enforces it in the gateway by two-phase budget
@@ -107,6 +135,8 @@ class TierConfig(_Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     base_url: str = "http://127.0.0.1:8001/v1"
+    base_urls: list[str] = Field(default_factory=list)
+    pool: UpstreamPoolConfig = Field(default_factory=UpstreamPoolConfig)
     model: str = "thinkgate-tiny"
     api_key: str | None = None
     max_tokens: int = Field(1024, ge=1)
@@ -136,6 +166,23 @@ class TierConfig(_Strict):
         if "low_confidence" in self.escalate_on and self.min_answer_logprob is None:
             raise ValueError("escalate_on: low_confidence needs min_answer_logprob")
         return self
+
+    @model_validator(mode="after")
+    def _one_upstream_field(self) -> TierConfig:
+        if not self.base_urls:
+            return self
+        if len({u.rstrip("/") for u in self.base_urls}) != len(self.base_urls):
+            raise ValueError(f"base_urls: each upstream once, got {self.base_urls}")
+        if "base_url" in self.model_fields_set and self.base_url not in self.base_urls:
+            raise ValueError("set base_url or base_urls, not both (or base_url as one of base_urls)")
+        # code that needs one address (the semantic cache's embedder, logs) reads the first replica
+        object.__setattr__(self, "base_url", self.base_urls[0])
+        return self
+
+    @property
+    def upstream_urls(self) -> tuple[str, ...]:
+        """The tier's upstream base URLs: ``base_urls``, else ``(base_url,)``."""
+        return tuple(self.base_urls) or (self.base_url,)
 
 
 class RoutingTargetConfig(_Strict):
@@ -281,9 +328,11 @@ class RedisConfig(_Strict):
     """Where the shared state lives (see ``gateway/state/redis.py`` for the URL forms).
 
     ``url``: ``redis://`` / ``rediss://`` / ``unix://`` (one server), ``redis+cluster://host:port`` (Redis
-    Cluster), ``redis+sentinel://host:port[,host:port…]/service_name[/db]`` (Sentinel). In Cluster mode every
-    ThinkGate key must live in one slot (Lua scripts touch several keys), so ``key_prefix`` is wrapped in a
-    hash tag (``{tg:}``) unless it already has one. ``socket_timeout_s`` bounds connect and every command;
+    Cluster), ``redis+sentinel://host:port[,host:port…]/service_name[/db]`` (Sentinel). In Cluster mode
+    ``key_prefix`` is wrapped in a hash tag (``{tg:}``) unless it already has one: the keys of the admission and
+    metering scripts share that slot, and tenant-owned keys (cache, conversations, sessions…) get a tag of their
+    own tenant (``{tg:<tenant>}``, ``gateway/state/keys.py``); a prefix with its own hash tag keeps every key in
+    that one slot. ``socket_timeout_s`` bounds connect and every command;
     after a failure the circuit breaker answers "down" at once for ``breaker_cooldown_s`` seconds.
     """
 
@@ -339,6 +388,15 @@ class MeteringConfig(_Strict):
     replay_interval_s: float = Field(5.0, gt=0)
     dedup_ttl_s: int = Field(40 * 86400, ge=60)
     stream_maxlen: int | None = Field(None, ge=1000)
+    # Write-ahead records (gateway/state/write_ahead.py): every upstream call leaves one in Redis before its first
+    # byte, its streamed tokens written at most every write_ahead_interval_s, deleted by its usage event; records
+    # of a process whose heartbeat (TTL heartbeat_ttl_s) expired are metered as partial by any replica, checked at
+    # start and every reconcile_interval_s (at most reconcile_batch records per pass).
+    write_ahead: bool = True
+    write_ahead_interval_s: float = Field(1.0, gt=0)
+    heartbeat_ttl_s: float = Field(15.0, ge=0.5)
+    reconcile_interval_s: float = Field(30.0, gt=0)
+    reconcile_batch: int = Field(1000, ge=1)
 
 
 class KeyConfig(_Strict):
@@ -404,9 +462,11 @@ class LimitsConfig(_Strict):
     reservations are below the budget (overshoot bounded by one capped request; ``docs/metering.md``).
     ``tag_budgets`` (``"team=a": {usd_day, usd_month}``) are shared by every key with that tag,
     ``global_budget`` by all keys; budgets set with ``thinkgate budgets set`` (Redis) override these per level
-    and are re-read every ``budget_refresh_s`` seconds. ``on_redis_down``: ``fail_open`` admits on local
+    and are in force for the next request (admission reads them in Redis); the per-process copy re-read every
+    ``budget_refresh_s`` seconds serves only while Redis is down. ``on_redis_down``: ``fail_open`` admits on local
     approximate counters, ``fail_closed`` refuses (503). A reservation not settled within
-    ``reservation_ttl_s`` seconds (a crashed replica) stops counting. Alerts fire once per period and level
+    ``reservation_ttl_s`` seconds (a crashed replica) stops counting; streams renew theirs while they run, up to
+    ``max_stream_s``. Alerts fire once per period and level
     at each of ``alert_fractions`` of a budget."""
 
     budget_mode: Literal["hard", "soft"] = "hard"
@@ -421,6 +481,12 @@ class LimitsConfig(_Strict):
     alert_webhook_backoff_s: float = Field(0.5, ge=0)
     alert_dead_letter_path: Path = STATE_DIR / "alerts-dead-letter.jsonl"
     reservation_ttl_s: float = Field(600.0, gt=0)
+    #: a stream renews its reservations every third of ``reservation_ttl_s`` while it runs, and is cut (finish
+    #: reason ``length``, metered) once it has run this long, so no reservation outlives its bound
+    max_stream_s: float = Field(3600.0, gt=0)
+    #: ``auto``: one admission script for every level on a single Redis, one per level group (with rollback) on
+    #: Redis Cluster; ``single`` / ``grouped`` force one (``gateway/state/limits.py``)
+    admission_script: Literal["auto", "single", "grouped"] = "auto"
 
     @field_validator("alert_fractions")
     @classmethod

@@ -1,4 +1,4 @@
-"""`thinkgate router …` commands: label, fit, calibrate, eval, info, score, build-default.
+"""`thinkgate router …` commands: label, fit, calibrate, eval, info, score, build-default, cold-start.
 
 Heavy imports (scikit-learn, skops, matplotlib) happen inside the commands so ``thinkgate --help`` is fast.
 Data flow::
@@ -19,6 +19,8 @@ label_app = typer.Typer(no_args_is_help=True, help="Make labelled JSONL (text, l
 app.add_typer(label_app, name="label")
 
 _DEFAULT_ROUTER = Path(__file__).resolve().parent / "assets" / "default.skops"
+#: the learned default candidate (``build-default`` writes it; ``cold-start`` decides whether it is served)
+_LEARNED_ROUTER = Path(__file__).resolve().parent / "assets" / "default-learned.skops"
 
 
 def _console() -> Any:
@@ -172,6 +174,10 @@ def fit(
     ladder: Annotated[list[str] | None, typer.Option(
         help="MODEL:SETTING1,SETTING2[,SETTING3], cheapest first (with --traces; one router each)")] = None,
     quality_target: Annotated[float, typer.Option(help="thresholds keep >= this x always-top accuracy")] = 0.98,
+    delta: Annotated[float, typer.Option(help="--traces: the floor may fail with at most this probability "
+                                         "(Learn-then-Test, 1 - confidence)")] = 0.1,
+    cal_frac: Annotated[float, typer.Option(help="--traces: share of the non-held-out questions kept to "
+                                            "certify the thresholds")] = 0.5,
     heldout_frac: Annotated[float, typer.Option(help="fixed held-out share (sha256 of dataset/id)")] = 0.2,
     policy: Annotated[str, typer.Option(help="auto (fallback rule) | router | length | random")] = "auto",
     pool: Annotated[str, typer.Option(help="models (pool every model's outcomes per question) | none")] = "models",
@@ -192,8 +198,9 @@ def fit(
     """Fit a router: from labelled JSONL files, or from recorded traces (--traces, --dataset, --ladder).
 
     With --traces: per ladder, the fixed held-out questions are set aside, a ridge router is fitted on the rest
-    (5-fold), thresholds are calibrated to --quality-target of always-top accuracy on the out-of-fold scores,
-    and the fallback rule ships the best of router / length / random on that validation (see docs/router.md).
+    (5-fold bagged, on a fit split), the served thresholds are certified on a calibration split to keep
+    --quality-target of always-top accuracy with confidence 1 - --delta (Learn-then-Test), and the file carries
+    the whole served policy (scorer, thresholds, cascade or not, the guarantee; see docs/router.md).
     """
     if out is None:
         _fail("--output FILE is required")
@@ -203,7 +210,7 @@ def fit(
             _fail("give labelled files or --traces, not both")
         _fit_traces(traces, dataset or [], ladder or [], out, quality_target=quality_target,
                     heldout_frac=heldout_frac, policy=policy, pool=pool, alpha=alpha, seed=seed,
-                    feature_set=feature_set)
+                    feature_set=feature_set, delta=delta, cal_frac=cal_frac)
         return
     if not data:
         _fail("give labelled JSONL file(s), or --traces DIR --dataset NAME --ladder MODEL:S1,S2")
@@ -256,20 +263,22 @@ def _fit_traces(traces: Path, datasets: list[str], ladders: list[str], out: Path
         try:
             res = fit_ladder_router(traces, datasets, lad, quality_target=kw["quality_target"],
                                     heldout_frac=kw["heldout_frac"], policy=kw["policy"], pool=kw["pool"],
-                                    alpha=kw["alpha"], seed=kw["seed"], feature_set=kw["feature_set"])
+                                    alpha=kw["alpha"], seed=kw["seed"], feature_set=kw["feature_set"],
+                                    delta=kw["delta"], cal_frac=kw["cal_frac"])
         except (OSError, ValueError) as exc:
             _fail(str(exc))
             raise AssertionError from None  # unreachable
         save_router(res.router, dest)
+        from router.policy import guarantee_sentence
+
         v = res.validation
         sav = "  ".join(f"{p} {100 * x:.1f}%" for p, x in v["savings_at_98"].items())
-        cal = v["calibrated"][res.policy]
+        sv = res.router.metadata["serving"]
         con.print(f"{lad.name} on {'+'.join(datasets)}: {v['n']} questions (held-out excluded), {res.seconds:.1f} s")
-        con.print(f"  validation savings_at_98: {sav} → ships [bold]{res.policy}[/bold]")
-        con.print(f"  thresholds {[round(t, 4) for t in res.router.thresholds]} → tiers "
-                  f"{dict(zip(lad.settings, cal['tiers'], strict=True))}, validation accuracy {cal['accuracy']:.3f} "
-                  f"(always-top {cal['always_top_accuracy']:.3f}), "
-                  f"tokens {100 * cal['token_share']:.1f}% of always-top")
+        con.print(f"  fit-split savings_at_98 (curve metric): {sav} → scorer [bold]{res.policy}[/bold]")
+        con.print(f"  serves [bold]{sv['policy']}[/bold] at thresholds {sv['thresholds']} (router alone "
+                  f"{sv['router_thresholds']}, with the cascade {sv['cascade_thresholds']})")
+        con.print(f"  {guarantee_sentence(res.router.metadata)}")
         con.print(f"  saved {dest} ({dest.stat().st_size / 1e6:.2f} MB)")
 
 
@@ -358,8 +367,13 @@ def info(router_path: Annotated[Path, typer.Argument(help="router file")] = _DEF
 
 def _info_summary(r: Any) -> list[str]:
     """Plain-language lines after the JSON: what the score is, and per evaluation set how it ranks vs length."""
+    from router.policy import guarantee_sentence
+
     meta = r.metadata
     lines = []
+    promise = guarantee_sentence(meta)
+    if promise:
+        lines.append(promise)
     if "policy" in meta:
         lines.append(f"policy: {meta['policy']} — {meta.get('policy_description', '')}")
         lad = meta.get("ladder", {})
@@ -371,6 +385,9 @@ def _info_summary(r: Any) -> list[str]:
         if val:
             lines.append("validation savings_at_98: " + ", ".join(
                 f"{k} {100 * v:.1f}%" for k, v in val.get("savings_at_98", {}).items()))
+    from router.fit.coldstart import table_lines
+
+    lines.extend(table_lines(meta))
     for row in meta.get("metrics", {}).get("vs_length", []):
         verdict = "no worse than length" if row["ok"] else "WORSE than length"
         lines.append(f"{row.get('kind', 'evaluation set')}: {row['set']}: AUC {row['auc']:.3f} vs length "
@@ -392,13 +409,34 @@ def score(
 
 @app.command("build-default")
 def build_default(
-    out: Annotated[Path, typer.Option(help="router file to write")] = _DEFAULT_ROUTER,
+    out: Annotated[Path, typer.Option(help="the learned candidate to write (then `router cold-start` decides "
+                                           "what the shipped default serves)")] = _LEARNED_ROUTER,
     plot: Annotated[Path | None, typer.Option(help="PNG of the held-out curves")] = Path(
         "bench/results/router_default.png"),
     seed: int = 0,
     transfer: Annotated[bool, typer.Option(help="also refit without each source (held-out data set rows)")] = False,
 ) -> None:
-    """Rebuild the shipped router from the data in data/ (see docs/router.md "The shipped router")."""
+    """Rebuild the learned default candidate from the data in data/ (see docs/router.md "The shipped router");
+    then run `thinkgate router cold-start` to decide and write the shipped default."""
     from router.fit.default import build_default_router
 
     build_default_router(out, plot=plot, seed=seed, console=_console(), transfer=transfer)
+
+
+@app.command("cold-start")
+def cold_start(
+    learned: Annotated[Path, typer.Option(help="the learned candidate (build-default's output)")] = _LEARNED_ROUTER,
+    out: Annotated[Path, typer.Option(help="the shipped default to write")] = _DEFAULT_ROUTER,
+    transfer: Annotated[Path | None, typer.Option(help="the recipe fitted without trace rows (scores the trace "
+                                                         "sets; default: fitted now, a few minutes)")] = None,
+    refit: Annotated[bool, typer.Option(help="fit the no-traces recipe when --transfer is not given (else the "
+                                             "candidate scores the trace sets, questions held out only)")] = True,
+) -> None:
+    """Measure the learned candidate vs prompt length vs random on the real outcome sets it was not fitted on and
+    ship the learned router only where it is no worse than length everywhere, else length (router/fit/coldstart.py)."""
+    from router.fit.coldstart import build_cold_start_default, table_lines
+    from router.persistence import load_router
+
+    build_cold_start_default(learned, out, transfer, say=typer.echo, refit=refit)
+    for line in table_lines(load_router(out, pipeline=False).metadata):
+        typer.echo(line)

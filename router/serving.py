@@ -34,6 +34,7 @@ from router.base import Router, register
 from router.errors import ThinkGateError
 from router.model import TrainedRouter
 from router.persistence import RouterFileError, load_router
+from router.policy import cold_start_summary, guarantee_sentence, serving
 
 log = logging.getLogger("thinkgate.router")
 
@@ -74,6 +75,15 @@ def load_router_cached(path: Path) -> TrainedRouter:
         while len(_CACHE) > 2:
             _CACHE.pop(next(iter(_CACHE)))
     return router
+
+
+def _cold_start_info(meta: dict[str, Any]) -> dict[str, Any] | None:
+    cs = meta.get("cold_start")
+    if not isinstance(cs, dict):
+        return None
+    return {"serves": "router" if cs.get("choice") == "learned" else "length",
+            "validated_on": cs.get("validated_on"), "worse_than_length": cs.get("worse_than_length"),
+            "summary": cold_start_summary(meta)}
 
 
 @register
@@ -129,6 +139,10 @@ class RouterService(Router):
                 ) from None
             log.warning("%s; routing every 'auto' request to tier %r (routing.on_router_error: default_tier)",
                         exc, cfg.default_tier)
+        else:  # once at start: a fresh gateway on the shipped default says which default and on what it was checked
+            line = cold_start_summary(svc._router.metadata if svc._router is not None else None)
+            if line:
+                log.info("%s (%s)", line, svc.path)
         svc._next_check = svc._clock() + svc.reload_interval_s
         return svc
 
@@ -176,6 +190,11 @@ class RouterService(Router):
             "thresholds": self.thresholds,
             # how the cut points were chosen and the share of requests they sent up (router/fit/calibrate.py)
             "calibration": meta.get("thresholds_calibration"),
+            # what `auto` serves from this file (router/policy.py): the policy and its promise, in one sentence
+            "policy": (serving(meta) or {}).get("policy"),
+            "guarantee": guarantee_sentence(meta),
+            # the shipped default's cold-start validation (router/fit/coldstart.py): what it serves, checked on what
+            "cold_start": _cold_start_info(meta),
             "error": self._error,
             "reloads": self.reloads,
         }

@@ -10,7 +10,8 @@ their own Redis key prefix, deleted afterwards), each with one tier per ladder s
 after the setting, priced at the model's list price (:mod:`bench.traces.prices`; a nominal price where there
 is none, said in the output), and the router file as ``routing.router_path`` with ``routed_tiers`` = the
 ladder (its calibrated thresholds apply). Gateway B differs only in the cascade: every tier but the top has
-``escalate_on: [empty_answer, length_in_thought, abstain]``.
+``escalate_on: [empty_answer, length_in_thought, abstain]``. Gateway C is a gateway with nothing but the router
+file (``routing.router_path``, no thresholds, no ``escalate_on``): it serves the file's policy (``auto``).
 
 Questions: every question of ``DIR/<dataset>`` that all the ladder's settings recorded
 (:func:`router.fit.traces.load_ladder`), or with ``--heldout-only`` only those of the router's held-out split
@@ -26,6 +27,8 @@ policy              what is sent                                                
 ``random``          ``model: <s>`` drawn at random (seeded) at the tier mix ``router`` served  A
 ``length``          ``model: <s>`` by prompt-length rank (longest → top) at that same mix      A
 ``router+cascade``  ``model: auto``; abstaining/empty/cut cheap answers escalate               B
+``auto``            ``model: auto`` on a gateway with only the router file: its served policy  C
+                    (thresholds, cascade or not), no tier ``escalate_on``, no thresholds
 ``oracle``          not served: the cheapest setting whose recorded answer is correct (else
                     the cheapest), computed from the traces with the always replays' tokens
 ==================  =========================================================================  =======
@@ -47,7 +50,13 @@ JSON (``--json``), exactly::
     {"dataset", "ladder", "n_questions",
      "policies": {NAME: {"accuracy", "completion_tokens", "reasoning_tokens", "cost_usd", "requests",
                          "tiers": {SETTING: share}}},
-     "curves": {NAME: [[token_share, accuracy], ...]}, "savings_at_98": {NAME: float}}
+     "curves": {NAME: [[token_share, accuracy], ...]}, "savings_at_98": {NAME: float},
+     "served": {NAME: {"accuracy_ratio", "token_share", "savings", "holds_floor"}}}
+
+``savings_at_98`` is the **curve metric** (each curve's best threshold picked on the questions it scores);
+``served`` is the deployable number: ``router``, ``router+cascade`` and ``auto`` at the thresholds their gateway
+served, accuracy_ratio = accuracy / always-top accuracy, token_share = completion tokens / always-top's (ledger),
+savings = 1 − token_share, holds_floor = accuracy ≥ 98% of always-top.
 
 Time: the whole run is bounded by ``--time-budget-s`` (default 280 s, under 5 minutes with start-up); requests
 not sent by then are skipped, the run says so and exits 1 (the JSON is still written, with what was measured).
@@ -123,21 +132,25 @@ class Run:
 
 
 def tier_configs(model: str, settings: tuple[str, ...], base_url: str, price: ListPrice,
-                 cascade: bool) -> list[dict[str, Any]]:
-    """One tier per setting, cheapest first, on the replay upstream; the cascade on every tier but the top."""
+                 cascade: bool | None) -> list[dict[str, Any]]:
+    """One tier per setting, cheapest first, on the replay upstream; the cascade on every tier but the top
+    (``cascade=None``: no ``escalate_on`` at all, so the router file's policy decides)."""
     out = []
     for i, s in enumerate(settings):
-        out.append({"name": s, "base_url": base_url, "model": f"{model}:{s}", "max_tokens": MAX_TOKENS,
-                    "budget_mode": "off", "thinking_budget": None, "prices": price.as_config(),
-                    "escalate_on": list(CASCADE_ON) if cascade and i < len(settings) - 1 else [],
-                    "read_timeout_s": REQUEST_TIMEOUT_S, "max_retries": 0})
+        t: dict[str, Any] = {"name": s, "base_url": base_url, "model": f"{model}:{s}", "max_tokens": MAX_TOKENS,
+                             "budget_mode": "off", "thinking_budget": None, "prices": price.as_config(),
+                             "read_timeout_s": REQUEST_TIMEOUT_S, "max_retries": 0}
+        if cascade is not None:
+            t["escalate_on"] = list(CASCADE_ON) if cascade and i < len(settings) - 1 else []
+        out.append(t)
     return out
 
 
 def gateway_config(base: Settings, tiers: list[dict[str, Any]], router_path: Path, keys: list[dict[str, Any]],
                    prefix: str, state_dir: Path, name: str, thresholds: list[float] | None = None) -> dict[str, Any]:
     """The YAML dict of one bench gateway (module doc): ``base`` with engine and cache off, the ladder's tiers,
-    the router file (its own thresholds, or ``thresholds``), the bench keys, a private Redis key prefix and spool."""
+    the router file (its own thresholds, or ``thresholds``), the bench keys, a private Redis key prefix and spool.
+    A tier dict without ``escalate_on`` leaves the cascade to the router file (gateway ``auto``)."""
     names = [t["name"] for t in tiers]
     data = base.model_dump(mode="json")
     data["engine"]["enabled"] = False
@@ -366,9 +379,10 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
             raise TracesBenchError("no held-out question in this folder")
     # router+cascade serves the same score at the router file's cascade thresholds when it has them (calibrated
     # by `router fit` on its validation questions' cascade outcomes), else at its plain thresholds
-    cc = router.metadata.get("cascade_thresholds")
-    cascade_cuts = ([float(t) for t in cc] if isinstance(cc, list) and len(cc) == len(router.thresholds)
-                    and cc == sorted(cc) and all(0 <= t <= 1 for t in cc) else None)
+    cascade_cuts = _cuts(router.metadata.get("cascade_thresholds"), len(router.thresholds))
+    # router (gateway A) serves the file's router-alone thresholds when it has them (a file whose served policy is
+    # router+cascade keeps those apart), else its thresholds; `auto` (gateway C) gets nothing but the file
+    router_cuts = _cuts(router.metadata.get("router_thresholds"), len(router.thresholds))
     scores = np.array([router.score(q) for q in data.questions], dtype=np.float64)
     lengths = np.array([len(q) for q in data.questions], dtype=np.float64)
     settings_t = lad.settings
@@ -376,7 +390,7 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
     price = price_of(lad.model)
     run_id = uuid.uuid4().hex[:8]
     prefix = f"tgbench:traces:{run_id}:"
-    served = [*(f"always:{s}" for s in settings_t), "router", "random", "length", "router+cascade"]
+    served = [*(f"always:{s}" for s in settings_t), "router", "random", "length", "router+cascade", "auto"]
     runs: dict[str, Run] = {p: Run(p, f"traces-{run_id}-{p.replace(':', '-').replace('+', '-')}",
                                    "tg-" + secrets.token_hex(16)) for p in served}
     details: dict[str, Any] = {"run": run_id, "price": {"input": str(price.input), "output": str(price.output),
@@ -384,6 +398,8 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
                                                          "source": price.source},
                                "router": str(cfg.router), "router_policy": router.metadata.get("policy"),
                                "thresholds": list(router.thresholds), "cascade_thresholds": cascade_cuts,
+                               "router_thresholds": router_cuts,
+                               "served_policy": (router.metadata.get("serving") or {}).get("policy"),
                                "heldout_only": cfg.heldout_only}
     with ExitStack() as stack:
         state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tg-traces-")))
@@ -397,9 +413,10 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
         keys = [{"id": r.key_id, "secret": r.secret, "tags": {"bench": "traces", "policy": r.policy}}
                 for r in runs.values()]
         urls = {}
-        for name, cascade in (("a", False), ("b", True)):
+        gateways: tuple[tuple[str, bool | None, list[float] | None], ...] = (
+            ("a", False, router_cuts), ("b", True, cascade_cuts), ("c", None, None))
+        for name, cascade, cuts in gateways:
             tiers = tier_configs(lad.model, settings_t, replay.base_url, price, cascade)
-            cuts = cascade_cuts if cascade else None
             urls[name] = stack.enter_context(serve_gateway(
                 gateway_config(settings, tiers, cfg.router, keys, prefix, state_dir, name, cuts), state_dir,
                 f"gateway-{name}"))
@@ -430,6 +447,7 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
         serve("random", [settings_t[j] for j in random_choice(n, counts, cfg.seed)])
         serve("length", [settings_t[j] for j in length_choice(lengths, counts)])
         serve("router+cascade", ["auto"] * n, "b")
+        serve("auto", ["auto"] * n, "c")
         bar.close()
     # ---- numbers
     policies = {p: summarize(r, data, settings_t) for p, r in runs.items()}
@@ -481,13 +499,44 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
         "wall_s": round(time.time() - started, 1), "time_budget_s": cfg.time_budget_s,
     })
     report = {"dataset": cfg.dataset, "ladder": lad.name, "n_questions": n, "policies": policies,
-              "curves": {name: _curve(cv) for name, cv in curves.items()}, "savings_at_98": sav}
+              "curves": {name: _curve(cv) for name, cv in curves.items()}, "savings_at_98": sav,
+              "served": served_block(policies, top_acc, settings_t)}
     return report, details
+
+
+def _cuts(value: Any, k: int) -> list[float] | None:
+    """A threshold list from router metadata when it is usable (k ascending values in [0, 1]), else None."""
+    if not (isinstance(value, list) and len(value) == k and all(isinstance(t, int | float) for t in value)):
+        return None
+    cuts = [float(t) for t in value]
+    return cuts if cuts == sorted(cuts) and all(0 <= t <= 1 for t in cuts) else None
+
+
+#: the policies with an operating point of their own (``served``): the file's thresholds, as a gateway serves them
+SERVED = ("router", "router+cascade", "auto")
+
+
+def served_block(policies: dict[str, Any], top_acc: float, settings: tuple[str, ...],
+                 floor: float = 0.98) -> dict[str, Any]:
+    """``{NAME: {"accuracy_ratio", "token_share", "savings", "holds_floor"}}`` for :data:`SERVED`: accuracy / always-top
+    accuracy, completion tokens / always-top's (both from the ledger), savings = 1 − token_share, holds_floor =
+    accuracy ≥ ``floor`` × always-top."""
+    top_tok = policies[f"always:{settings[-1]}"]["completion_tokens"]
+    out: dict[str, Any] = {}
+    for name in SERVED:
+        e = policies.get(name)
+        if e is None:
+            continue
+        share = e["completion_tokens"] / top_tok if top_tok else 1.0
+        out[name] = {"accuracy_ratio": round(e["accuracy"] / top_acc, 6) if top_acc else 1.0,
+                     "token_share": round(share, 6), "savings": round(1.0 - share, 6),
+                     "holds_floor": bool(e["accuracy"] >= floor * top_acc - 1e-12)}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- outputs
 
-ORDER = ("always", "router", "router+cascade", "random", "length", "oracle")
+ORDER = ("always", "auto", "router", "router+cascade", "random", "length", "oracle")
 
 
 def _ordered(report: dict[str, Any]) -> list[str]:
@@ -503,7 +552,7 @@ def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
     t = Table(title=f"ThinkGate on recorded traces: {report['dataset']} {report['ladder']}, "
                     f"{report['n_questions']} questions (cost from the metering ledger)")
     for c in ("policy", "accuracy", "completion tok", "reasoning tok", "token share", "cost USD", "requests",
-              "tiers", "savings@98"):
+              "tiers", "savings@98 (curve metric)"):
         t.add_column(c, justify="left" if c in ("policy", "tiers") else "right")
     for p in _ordered(report):
         e = report["policies"][p]
@@ -512,9 +561,18 @@ def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
                   str(e["reasoning_tokens"]), f"{details['token_share'].get(p) or 0:.1%}", f"{e['cost_usd']:.6f}",
                   str(e["requests"]), " ".join(f"{k}:{v:.0%}" for k, v in e["tiers"].items()),
                   "" if sav is None else f"{sav:.1%}")
+    sv = Table(title="served: each policy at the thresholds its gateway serves (the deployable number)")
+    for c in ("policy", "accuracy / always-top", "token share", "savings", "keeps 98%"):
+        sv.add_column(c, justify="left" if c == "policy" else "right")
+    for p, e in report.get("served", {}).items():
+        sv.add_row(p, f"{e['accuracy_ratio']:.3f}", f"{e['token_share']:.1%}", f"{e['savings']:.1%}",
+                   "yes" if e["holds_floor"] else "NO")
     pr = details["price"]
     note = ("NOMINAL price (no published list price)" if pr["source"] == "nominal" else f"list price ({pr['source']})")
-    lines = [t, Text(f"prices: {pr['input']} in / {pr['output']} out USD per 1M tokens, {note}"),
+    lines = [sv, t, Text(f"auto: a gateway with only the router file (served policy "
+                         f"{details.get('served_policy') or 'thresholds, no cascade'}); escalations "
+                         f"{details['escalations'].get('auto', 0)}"),
+             Text(f"prices: {pr['input']} in / {pr['output']} out USD per 1M tokens, {note}"),
              Text(f"router {details['router']} (policy {details['router_policy']}, thresholds "
                   f"{details['thresholds']}, router+cascade at "
                   f"{details['cascade_thresholds'] or 'the same'}); savings@98 = 1 - token share at the cheapest "
@@ -530,8 +588,12 @@ def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
 
 def markdown(report: dict[str, Any], details: dict[str, Any]) -> str:
     """The policy table as Markdown."""
-    out = ["| policy | accuracy | completion tok | reasoning tok | token share | cost USD (ledger) | requests | "
-           "tiers | savings@98 |", "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    out = ["| served policy | accuracy / always-top | token share | savings | keeps 98% |", "|---|---:|---:|---:|---|"]
+    for p, e in report.get("served", {}).items():
+        out.append(f"| {p} | {e['accuracy_ratio']:.3f} | {e['token_share']:.1%} | {e['savings']:.1%} | "
+                   f"{'yes' if e['holds_floor'] else 'no'} |")
+    out += ["", "| policy | accuracy | completion tok | reasoning tok | token share | cost USD (ledger) | requests | "
+            "tiers | savings@98 (curve metric) |", "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for p in _ordered(report):
         e = report["policies"][p]
         sav = report["savings_at_98"].get(p)

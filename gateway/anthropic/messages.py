@@ -13,6 +13,14 @@ types; the mapping is the one LiteLLM's Anthropic adapter makes:
   ``message_stop``; an in-stream failure is an ``error`` event);
 - :func:`error_body` — a :class:`~gateway.errors.GatewayError` in Anthropic's error shape.
 
+Validation parity with Anthropic's API: ``thinking: {type: enabled}`` needs ``budget_tokens`` below
+``max_tokens`` (thinking tokens count toward ``max_tokens``; 400 ``invalid_request_error`` with Anthropic's
+message), except under the ``interleaved-thinking-*`` beta, where the budget spans all the turn's thinking
+blocks and may exceed it. Relaxed on purpose: Anthropic's ``budget_tokens >= 1024`` is ``>= 1`` here — the
+local tiers think in tens of tokens (``thinking_budget: 8`` / ``48`` in the shipped config), so 1024 would
+refuse every budget they can honour; and the sampling limits Anthropic sets while thinking (``temperature``
+1 only, no ``top_k``) are not applied, since a local upstream samples fine with them.
+
 Usage (tokens): ``input_tokens`` = ``prompt_tokens`` − cached, ``cache_read_input_tokens`` = the upstream's
 ``prompt_tokens_details.cached_tokens`` (Anthropic counts cache reads apart from ``input_tokens``),
 ``cache_creation_input_tokens`` = 0, ``output_tokens`` = ``completion_tokens`` (thinking included, as
@@ -37,6 +45,9 @@ TRANSLATED = ("model", "messages", "system", "max_tokens", "stop_sequences", "te
 IGNORED = ("service_tier", "container", "context_management", "inference_geo", "output_config")
 #: refused with a 400 (no meaning on a chat upstream)
 REFUSED = ("mcp_servers",)
+
+#: the ``anthropic-beta`` flag (prefix; dated versions) under which ``budget_tokens`` may exceed ``max_tokens``
+INTERLEAVED_BETA = "interleaved-thinking-"
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
@@ -211,11 +222,30 @@ def thinking_of(body: dict[str, Any]) -> Thinking | None:
     raise InvalidRequest("'thinking.type' must be enabled, disabled or adaptive", param="thinking.type")
 
 
-def to_chat(body: dict[str, Any]) -> dict[str, Any]:
+def interleaved(beta_header: str | None) -> bool:
+    """True when an ``anthropic-beta`` header (comma-separated flags) turns on interleaved thinking."""
+    return any(f.strip().startswith(INTERLEAVED_BETA) for f in (beta_header or "").split(","))
+
+
+def check_budget(thinking: Thinking | None, max_tokens: int, *, interleaved: bool = False) -> None:
+    """Anthropic's rule ``thinking.budget_tokens < max_tokens`` (waived under interleaved thinking). Raises
+    InvalidRequest (400, ``param: thinking.budget_tokens``) with Anthropic's message."""
+    if interleaved or thinking is None or thinking.budget_tokens is None:
+        return
+    if thinking.budget_tokens >= max_tokens:
+        raise InvalidRequest(
+            f"`max_tokens` must be greater than `thinking.budget_tokens` (got max_tokens {max_tokens}, "
+            f"budget_tokens {thinking.budget_tokens}): thinking tokens count toward max_tokens",
+            param="thinking.budget_tokens")
+
+
+def to_chat(body: dict[str, Any], *, interleaved: bool = False, budget_rule: bool = True) -> dict[str, Any]:
     """The chat-completions body for a Messages request (see the module doc; ``thinking``: ``disabled`` →
     ``chat_template_kwargs.enable_thinking: false``, ``enabled`` → vLLM's ``thinking_token_budget``, which
     the tier's own budget caps). Fields not in :data:`TRANSLATED`, :data:`IGNORED` or :data:`REFUSED` pass
-    through (``top_k`` and other vLLM extras). Raises InvalidRequest (400, ``param`` names the field)."""
+    through (``top_k`` and other vLLM extras). ``interleaved``: the interleaved-thinking beta is on (the budget
+    may exceed ``max_tokens``); ``budget_rule=False`` skips :func:`check_budget` (``count_tokens``, which has
+    no ``max_tokens``). Raises InvalidRequest (400, ``param`` names the field)."""
     for name in REFUSED:
         if body.get(name):
             raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
@@ -262,6 +292,8 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("tool_choice") is not None:
         _tool_choice(body["tool_choice"], out)
     thinking = thinking_of(body)
+    if budget_rule:
+        check_budget(thinking, mt, interleaved=interleaved)
     if thinking is not None and not thinking.enabled:
         given = out.get("chat_template_kwargs")
         kwargs: dict[str, Any] = given if isinstance(given, dict) else {}

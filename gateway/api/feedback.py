@@ -67,7 +67,7 @@ def attach(app: FastAPI, keys: KeyStore, store: OutcomeStore) -> None:
             raise InvalidRequest(f"feedback bodies are at most {MAX_BODY} bytes")
         rid, correct, score, comment = parse_feedback(parse_json_object(raw))
         try:
-            entry = await store.request(rid)
+            entry = await store.request(rid, key.id)
         except RedisDown as exc:
             raise OutcomesUnavailable("the outcome store is unavailable; retry later") from exc
         if entry is None or entry.get("key_id") != key.id:

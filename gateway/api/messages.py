@@ -84,7 +84,7 @@ class MessagesAPI:
             refused.key_id, refused.tags = key.id, key.tags
             body = schemas.parse_json_object(await read_body(request, proxy.max_body))
             refused.requested_model, refused.stream = body.get("model"), body.get("stream") is True
-            chat = wire.to_chat(body)
+            chat = wire.to_chat(body, interleaved=wire.interleaved(h.get("anthropic-beta")))
             schemas.validate_chat(chat)
             route = proxy.routing.decide(chat, h.get(TIER_HEADER))
         thinking = wire.thinking_of(body)
@@ -110,7 +110,8 @@ class MessagesAPI:
             authorization = h.get("authorization") or (f"Bearer {h['x-api-key']}" if h.get("x-api-key") else None)
             await proxy.keys.authenticate(authorization)
             body = schemas.parse_json_object(await read_body(request, proxy.max_body))
-            chat = wire.to_chat({**body, "max_tokens": 1, "stream": False})  # max_tokens: not asked here
+            chat = wire.to_chat({**body, "max_tokens": 1, "stream": False},  # max_tokens: not asked here
+                                budget_rule=False)
             route = proxy.routing.decide(chat, h.get(TIER_HEADER))
             count = await proxy.upstreams.count_chat_tokens(route.tier, chat["messages"], chat.get("tools"))
             headers = {"x-thinkgate-tier": route.tier.name}

@@ -9,22 +9,16 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from gateway.api.common import json_response as _json
-from gateway.config import Settings
+from gateway.config import RedisConfig, Settings
+from gateway.state.redis import ping as redis_ping
 from gateway.upstream.pool import UpstreamPool
 
 READY_TIMEOUT_S = 2.0
 
 
-async def _redis_ok(url: str, timeout_s: float) -> bool:
-    import redis.asyncio as aioredis
-
-    client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-    try:
-        return bool(await client.ping())
-    except (aioredis.RedisError, OSError):
-        return False
-    finally:
-        await client.aclose()
+async def _redis_ok(cfg: RedisConfig, timeout_s: float) -> bool:
+    # Through the gateway's own client factory, so every URL form answers (one server, Cluster, Sentinel).
+    return await redis_ping(cfg.model_copy(update={"socket_timeout_s": timeout_s}))
 
 
 def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool) -> None:
@@ -38,7 +32,7 @@ def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool) -> None:
     async def ready() -> Response:
         tiers = settings.tiers
         checks = await asyncio.gather(
-            _redis_ok(settings.redis.url, min(READY_TIMEOUT_S, settings.redis.socket_timeout_s * 4)),
+            _redis_ok(settings.redis, min(READY_TIMEOUT_S, settings.redis.socket_timeout_s * 4)),
             *(upstreams.ready(t, READY_TIMEOUT_S) for t in tiers),
         )
         upstream_ok = {t.name: ok for t, ok in zip(tiers, checks[1:], strict=True)}

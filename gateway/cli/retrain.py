@@ -51,7 +51,7 @@ def retrain_command(
 ) -> None:
     """Retrain the router from routing outcomes; refuses (exit 1) to write one worse on held-out outcomes."""
     from router.fit.labels import load_items
-    from router.fit.retrain import RetrainRefused, items_from_outcomes, retrain
+    from router.fit.retrain import RetrainRefused, items_from_outcomes, label_counts, retrain
     from router.persistence import RouterFileError, load_router, save_router
 
     if not from_outcomes:
@@ -74,6 +74,9 @@ def retrain_command(
     share = long_share if long_share is not None else settings.routing.target.long_share
     typer.echo(f"{len(outcomes)} outcomes → {len(items)} labelled routing windows "
                f"({sum(it.label for it in items)} needing {top}); {len(base)} base labels")
+    for src, c in sorted(label_counts(outcomes, top).items()):  # the label rule, per evidence source
+        typer.echo(f"  {src}: cheaper tier sufficed {c['cheap_sufficed']}, did not {c['cheap_failed']}, "
+                   f"dropped {c['dropped']} (answered on {top}, ungraded or without text)")
     try:
         new, report = retrain(old, items, base, long_share=share, heldout_frac=heldout_frac)
     except RetrainRefused as exc:

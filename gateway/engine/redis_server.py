@@ -19,10 +19,31 @@ class RedisUnavailable(ThinkGateError, RuntimeError):
     """No Redis answers at the URL and none could be started (``redis-server`` missing or failed)."""
 
 
+def _managed(url: str) -> bool:
+    """A Redis Cluster or Sentinel URL (``redis+cluster://``, ``redis+sentinel://``, their ``rediss+`` forms)."""
+    return "+" in urlparse(url).scheme
+
+
 def ping(url: str, timeout_s: float = 0.5) -> bool:
-    """True when a Redis server answers PING at ``url`` within ``timeout_s`` seconds."""
+    """True when a Redis server answers PING at ``url`` within ``timeout_s`` seconds (any URL form of
+    ``gateway/state/redis.py``: for Cluster every primary answers, for Sentinel the master it names).
+
+    Call it from synchronous code: a Cluster or Sentinel URL is checked with the gateway's own asyncio client
+    factory in a short-lived event loop.
+    """
     import redis
 
+    if _managed(url):
+        import asyncio
+
+        from gateway.config import RedisConfig
+        from gateway.state.redis import ping as ping_async
+
+        try:
+            cfg = RedisConfig(url=url, socket_timeout_s=timeout_s, start_if_missing=False)
+        except ValueError:
+            return False
+        return asyncio.run(ping_async(cfg))
     try:
         client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         try:
@@ -69,12 +90,16 @@ def start_private(port: int | None = None, timeout_s: float = 10.0) -> tuple[sub
 def ensure(url: str, start_if_missing: bool = True) -> tuple[subprocess.Popen[bytes] | None, str]:
     """Return (process or None, url of an answering Redis).
 
-    If ``url`` answers it is used as is. Otherwise, when ``start_if_missing`` and the URL is on loopback,
-    a private server is started on that URL's port. Raises :class:`RedisUnavailable` otherwise.
+    If ``url`` answers it is used as is. Otherwise, when ``start_if_missing`` and the URL is a single server on
+    loopback, a private server is started on that URL's port. A Cluster or Sentinel URL that does not answer is
+    never replaced by a private single server (that would split the state). Raises :class:`RedisUnavailable`
+    otherwise.
     """
     if ping(url):
         return None, url
     parsed = urlparse(url)
+    if _managed(url):
+        raise RedisUnavailable(f"no Redis {parsed.scheme.split('+')[1].title()} answers at {url}")
     if not start_if_missing or parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
         raise RedisUnavailable(f"no Redis answers at {url}")
     proc, started = start_private(parsed.port or 6379)

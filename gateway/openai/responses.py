@@ -40,6 +40,19 @@ TRANSLATED = ("model", "input", "instructions", "tools", "tool_choice", "paralle
               "reasoning", "max_output_tokens", "temperature", "top_p", "metadata", "user", "stream", "store",
               "previous_response_id")
 
+#: ``reasoning`` as the OpenAI API defines it (openai-python ``types.shared.Reasoning``): each field's allowed
+#: values (None: any string). ``effort`` → ``reasoning_effort``; the others are accepted and not acted on.
+REASONING_FIELDS: dict[str, tuple[str, ...] | None] = {
+    "effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
+    "summary": ("auto", "concise", "detailed"),
+    "generate_summary": ("auto", "concise", "detailed"),  # deprecated alias of summary
+    "context": ("auto", "current_turn", "all_turns"),
+    "mode": None,
+}
+#: ``max_output_tokens`` >= this. OpenAI's own floor is 16; 1 here, because the local tiers answer in a few
+#: tokens and a cap below 16 is how a client (and the tests) asks for a short, ``incomplete`` answer.
+MIN_OUTPUT_TOKENS = 1
+
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
@@ -172,6 +185,67 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     raise InvalidRequest("text.format.type must be text, json_object or json_schema", param="text.format")
 
 
+def _json_type(v: Any) -> str:
+    """The JSON type name of ``v`` with its article, as OpenAI's messages say it ("a string", "an integer")."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object"
+
+
+def _quoted(values: tuple[str, ...], last: str) -> str:
+    """``'a', 'b', and 'c'`` (``last`` = "and") — OpenAI's way of listing allowed values."""
+    q = [f"'{v}'" for v in values]
+    return q[0] if len(q) == 1 else ", ".join(q[:-1]) + f", {last} " + q[-1]
+
+
+def _reasoning(reasoning: Any) -> str | None:
+    """Check a ``reasoning`` object as OpenAI does; its ``effort`` (None when not given). Raises InvalidRequest
+    (400): ``invalid_type`` (not an object, or a field of the wrong type), ``unknown_parameter`` (a field
+    OpenAI does not define, ``param: reasoning.<field>``), ``invalid_value`` (a value outside the enum)."""
+    if not isinstance(reasoning, dict):
+        raise InvalidRequest(f"Invalid type for 'reasoning': expected an object, but got {_json_type(reasoning)} "
+                             "instead.", param="reasoning", code="invalid_type")
+    for name, value in reasoning.items():
+        where = f"reasoning.{name}"
+        if name not in REASONING_FIELDS:
+            raise InvalidRequest(f"Unknown parameter: '{where}'.", param=where, code="unknown_parameter")
+        allowed = REASONING_FIELDS[name]
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            expected = "a string" if allowed is None else f"one of {_quoted(allowed, 'or')}"
+            raise InvalidRequest(f"Invalid type for '{where}': expected {expected}, but got {_json_type(value)} "
+                                 "instead.", param=where, code="invalid_type")
+        if allowed is not None and value not in allowed:
+            raise InvalidRequest(f"Invalid value: '{value}'. Supported values are: {_quoted(allowed, 'and')}.",
+                                 param=where, code="invalid_value")
+    effort = reasoning.get("effort")
+    return effort if isinstance(effort, str) else None
+
+
+def _max_output_tokens(v: Any) -> int:
+    """``max_output_tokens`` checked as OpenAI does (``invalid_type``, ``integer_below_min_value``), with the floor
+    :data:`MIN_OUTPUT_TOKENS`."""
+    if not _is_int(v):
+        raise InvalidRequest(f"Invalid type for 'max_output_tokens': expected an integer, but got {_json_type(v)} "
+                             "instead.", param="max_output_tokens", code="invalid_type")
+    if v < MIN_OUTPUT_TOKENS:
+        raise InvalidRequest(f"Invalid 'max_output_tokens': integer below minimum value. Expected a value >= "
+                             f"{MIN_OUTPUT_TOKENS}, but got {v} instead.", param="max_output_tokens",
+                             code="integer_below_min_value")
+    return int(v)
+
+
 def to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The chat-completions body for a Responses request ``body``; ``history``: the stored conversation of
     ``previous_response_id`` (chat messages), placed before this turn's input.
@@ -179,8 +253,9 @@ def to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None = None) -
     ``instructions`` becomes the first (system) message; ``reasoning.effort`` → ``reasoning_effort`` (which
     picks the tier under ``model: auto``); ``max_output_tokens`` → ``max_tokens``; ``text.format`` →
     ``response_format``; ``stream`` adds ``stream_options.include_usage`` (``response.completed`` carries
-    usage). Fields not in :data:`TRANSLATED`, :data:`IGNORED` or :data:`REFUSED` pass through unchanged.
-    Raises InvalidRequest (400, ``param`` names the field).
+    usage). Fields not in :data:`TRANSLATED`, :data:`IGNORED` or :data:`REFUSED` pass through unchanged;
+    ``reasoning`` and ``max_output_tokens`` are checked as OpenAI checks them (:data:`REASONING_FIELDS`,
+    :data:`MIN_OUTPUT_TOKENS`; OpenAI's messages and codes). Raises InvalidRequest (400, ``param`` names the field).
     """
     for name in REFUSED:
         if body.get(name) not in (None, False):
@@ -212,17 +287,10 @@ def to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None = None) -
         out["parallel_tool_calls"] = body["parallel_tool_calls"]
     if body.get("text") is not None and (fmt := _response_format(body["text"])) is not None:
         out["response_format"] = fmt
-    reasoning = body.get("reasoning")
-    if reasoning is not None:
-        if not isinstance(reasoning, dict):
-            raise InvalidRequest("'reasoning' must be an object", param="reasoning")
-        if reasoning.get("effort") is not None:
-            out["reasoning_effort"] = reasoning["effort"]
-    mot = body.get("max_output_tokens")
-    if mot is not None:
-        if not _is_int(mot) or mot < 1:
-            raise InvalidRequest("'max_output_tokens' must be an integer >= 1", param="max_output_tokens")
-        out["max_tokens"] = mot
+    if body.get("reasoning") is not None and (effort := _reasoning(body["reasoning"])) is not None:
+        out["reasoning_effort"] = effort
+    if body.get("max_output_tokens") is not None:
+        out["max_tokens"] = _max_output_tokens(body["max_output_tokens"])
     for k in ("temperature", "top_p", "user"):
         if body.get(k) is not None:
             out[k] = body[k]

@@ -16,6 +16,9 @@
   cancellation): it is metered with status 499/500 so its reservation is settled at once.
 - :meth:`audit` for a request refused before any upstream call: one audit event (cost 0, never counted as
   spend) through the same writer, and ``thinkgate_refused_requests_total{status,code}``.
+- :meth:`write_ahead` before an upstream call's first byte and :meth:`stream_progress` as a stream relays tokens:
+  the call's write-ahead record (``gateway/state/write_ahead.py``), settled by its usage event; a background task
+  keeps this process's heartbeat and meters the records of dead processes as ``partial``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
@@ -34,18 +38,22 @@ from gateway.config import Settings, TierConfig
 from gateway.errors import GatewayError
 from gateway.ledger.event import UsageEvent
 from gateway.ledger.record import UsageRecord
+from gateway.openai.sse import StreamTally
 from gateway.state.alerts import Alerts
-from gateway.state.breaker import Breaker
-from gateway.state.budgets import BudgetLevels
+from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.budgets import BudgetLevels, BudgetStore
 from gateway.state.cache import CacheEntry, ResponseCache, Ticket
 from gateway.state.cache_policy import cache_key, decide, tenant_scope
-from gateway.state.limits import Admission, Estimate, KeyLimits, Limits, estimate
+from gateway.state.keys import tenant_tag
+from gateway.state.limits import Admission, Estimate, KeyLimits, Limits, embedding_estimate, estimate
 from gateway.state.metering import Meter
 from gateway.state.metrics import Metrics
 from gateway.state.redis import RedisHandle, connect
 from gateway.state.semantic_cache import Probe, SemanticCache
 from gateway.state.semantic_embed import embedder_for
+from gateway.state.semantic_policy import question as semantic_question
 from gateway.state.spool import Spool
+from gateway.state.write_ahead import WriteAhead
 
 log = logging.getLogger("thinkgate.accounting")
 
@@ -119,12 +127,26 @@ class Accounting:
         self._cache_result: dict[str, str] = {}  # request id → hit|miss|bypass
         self._stop = asyncio.Event()
         self._replayer: asyncio.Task[None] | None = None
+        # write-ahead records (metering.write_ahead): the admitted upper bound per request id until its record is
+        # written, and the heartbeat/reconcile task
+        self.wal: WriteAhead | None = None
+        if settings.metering.write_ahead:
+            self.wal = WriteAhead(self.handle, self.breaker, self.meter, settings.metering,
+                                  {t.name: t.prices for t in settings.tiers})
+        self._bounds: dict[str, Estimate] = {}
+        self._wal_task: asyncio.Task[None] | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the spool replayer (call inside the serving event loop); say which semantic index is used."""
         self._stop.clear()
+        try:
+            await BudgetStore(self.handle, self.breaker).sync()
+        except RedisDown:
+            log.warning("budget definitions not checked at start (Redis down)")
         self._replayer = asyncio.create_task(self.meter.run_replayer(self._stop), name="usage-spool-replayer")
+        if self.wal is not None:
+            self._wal_task = asyncio.create_task(self.wal.run(self._stop), name="write-ahead-reconciler")
         if self.semantic is not None:
             search = await self.semantic.index.detect()
             log.info("semantic cache on (embedder %s, threshold %.2f): LSH index in Redis%s",
@@ -145,7 +167,12 @@ class Accounting:
         if self._replayer is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._replayer
+        if self._wal_task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._wal_task
         await self.meter.replay()
+        if self.wal is not None:
+            await self.wal.close()
         await self.http.aclose()
         await self.handle.close()
 
@@ -154,20 +181,29 @@ class Accounting:
                     tiers: list[TierConfig]) -> Admission:
         """Admit the request of ``record`` (``tiers``: where it may run: routed tier + fallbacks) or raise
         :class:`~gateway.errors.RateLimited` / ``LimitsUnavailable``."""
+        return await self.admit_estimate(key, estimate(body, tiers), record)
+
+    async def admit_estimate(self, key: KeyInfo, est: Estimate, record: UsageRecord) -> Admission:
+        """Admit one upstream call of ``key`` bounded by ``est`` under ``record``'s id, at the key, each of its
+        tags and the global level — with the budgets in Redis at this moment (the local copy only while Redis
+        is down). Raises like :meth:`admit`."""
         self._remember(key)
         lim = KeyLimits.of(key)
-        await self.budgets.refresh()
-        levels = self.budgets.above_key(key.tags)
-        if lim.unlimited and not levels:  # nothing to check: no Redis, no estimate
-            self._open[record.request_id] = key
-            return Admission(key.id, record.request_id, "none", Estimate(0, 0))
+        await self.budgets.refresh()  # the fallback copy (Redis down) and the views; admission reads Redis
         try:
-            admission = await self.limits.admit(lim, record.request_id, estimate(body, tiers), record.ts, levels)
+            admission = await self.limits.admit(lim, record.request_id, est, record.ts,
+                                                self.budgets.candidates(key.tags), self.budgets.above_key(key.tags))
         except GatewayError as exc:
             self.metrics.rejected(exc.code)
             raise
         self._open[record.request_id] = key
+        self._bounds[record.request_id] = admission.estimate  # the write-ahead record carries the upper bound
         return admission
+
+    async def renew(self, record: UsageRecord) -> int:
+        """Extend the reservations of a call still running (a stream) by ``limits.reservation_ttl_s``; the
+        number of levels that still held it."""
+        return await self.limits.renew(record.key_id or "anonymous", record.tags, record.request_id, time.time())
 
     def key_of(self, key_id: str | None) -> KeyInfo:
         """The key of a request admitted by this process (its last-seen KeyInfo)."""
@@ -200,11 +236,13 @@ class Accounting:
         """Look up the answer to ``upstream_body`` on ``tier`` for ``key``'s tenant scope (never raises for
         Redis outages; a ``bypass`` ticket when the policy or an outage says so)."""
         decision = decide(self.settings.cache, upstream_body, headers)
+        scope = tenant_scope(key.id, key.cache_namespace)
         if decision.lookup or decision.store:
-            digest = cache_key(tenant_scope(key.id, key.cache_namespace), record.endpoint, tier.name, upstream_body)
+            digest = cache_key(scope, record.endpoint, tier.name, upstream_body)
         else:
             digest = ""  # bypass: no Redis, no hashing
-        ticket = await self.cache.begin(digest, decision)
+        # the entry lives in its tenant's Cluster slot (gateway/state/keys.py)
+        ticket = await self.cache.begin(digest, decision, tenant_tag(scope))
         if self.semantic is not None and ticket.status == "miss":
             ticket = await self._semantic_begin(self.semantic, ticket, key, record, tier, upstream_body)
         self._cache_result[record.request_id] = "semantic-hit" if ticket.similarity is not None else ticket.status
@@ -216,29 +254,57 @@ class Accounting:
         keep the probe to index this request's answer once it is stored. A semantic hit releases the
         single-flight lock this request may hold (identical requests waiting on it then look up themselves)."""
         scope = tenant_scope(key.id, key.cache_namespace)
+        emb = await self._admit_embedding(semantic, key, record, scope, tier, upstream_body)
+        if emb is False:
+            return ticket  # the embedding call is not admitted: no semantic lookup, the request goes on
         probe = await semantic.prepare(scope, record.endpoint, tier.name, upstream_body)
+        if isinstance(emb, UsageRecord):  # admitted: metered whatever the call did (settles its reservation)
+            self._meter_embedding(emb, probe.sketch.tokens if probe is not None else 0)
         if probe is None:
             return ticket
-        if probe.sketch.tokens:
-            self._meter_embedding(record, probe.sketch.tokens)
         if ticket.decision.lookup:
             found = await semantic.lookup(probe, ticket.decision.max_age_s)
             self.metrics.semantic(found.outcome)
             if found.outcome == "hit" and found.entry is not None:
                 await self.cache.finish(ticket, None)
                 return Ticket(ticket.digest, ticket.decision, "hit", found.entry, similarity=found.similarity,
-                              source_request_id=found.matched_request_id)
+                              source_request_id=found.matched_request_id, tenant=ticket.tenant)
         if ticket.decision.store:
             self._probes[record.request_id] = probe
         return ticket
 
-    def _meter_embedding(self, record: UsageRecord, tokens: int) -> None:
-        """One usage event for the embedding call of ``openai:<tier>`` (its prompt tokens at the tier's prices)."""
-        tier = self.settings.tier(self.settings.cache.semantic.embedder.removeprefix("openai:"))
+    async def _admit_embedding(self, semantic: SemanticCache, key: KeyInfo, record: UsageRecord, scope: str,
+                               tier: TierConfig, upstream_body: dict[str, Any]) -> UsageRecord | bool:
+        """Admit the semantic cache's embedding call before it is made (a paid ``openai:<tier>`` embedder):
+        its own usage record under the request's key, reserved at every level like any upstream call. Returns
+        the admitted record, True when the embedder is not a paid call (or there is nothing to embed), False
+        when admission refused it (the lookup is skipped, the request itself was admitted on its own)."""
+        name = self.settings.cache.semantic.embedder
+        if not name.startswith("openai:"):
+            return True
+        q = semantic_question(scope, record.endpoint, tier.name, upstream_body, semantic.embedder.name,
+                              semantic.cfg.max_chars)
+        if q is None:
+            return True
+        emb_tier = self.settings.tier(name.removeprefix("openai:"))
         emb = UsageRecord(key_id=record.key_id, tags=record.tags, endpoint="embeddings",
-                          requested_model=tier.model, tier=tier.name, upstream_model=tier.model,
-                          route_reason="forced", prompt_tokens=tokens, usage_source="upstream")
-        emb.finish(tier, 200)
+                          requested_model=emb_tier.model, tier=emb_tier.name, upstream_model=emb_tier.model,
+                          route_reason="forced")
+        try:
+            await self.admit_estimate(key, embedding_estimate(q.text, emb_tier), emb)
+        except GatewayError as exc:
+            log.info("semantic cache lookup of %s skipped: its embedding call was not admitted (%s)",
+                     record.request_id, exc.code)
+            return False
+        return emb
+
+    def _meter_embedding(self, emb: UsageRecord, tokens: int) -> None:
+        """The usage event of an admitted embedding call (its prompt tokens at the tier's prices; 0 when it
+        failed)."""
+        tier = self.settings.tier(emb.tier or "")
+        emb.prompt_tokens = tokens
+        emb.usage_source = "upstream" if tokens else "none"
+        emb.finish(tier, 200 if tokens else 502)
         self.sink(emb)
 
     async def cache_finish(self, ticket: Ticket, body: dict[str, Any] | None, record: UsageRecord,
@@ -251,10 +317,28 @@ class Accounting:
         if stored and probe is not None and self.semantic is not None:
             await self.semantic.store(probe, ticket.digest, record.request_id, ticket.decision.ttl_s)
 
+    # --- write-ahead ------------------------------------------------------------------------------------
+    async def write_ahead(self, record: UsageRecord) -> None:
+        """Before ``record``'s upstream call sends its first byte: its write-ahead record, with the admitted upper
+        bound (Redis, else the spool; never raises for an outage)."""
+        if self.wal is None:
+            return
+        bound = self._bounds.pop(record.request_id, None)
+        await self.wal.begin(record, bound.micro_usd if bound else 0, bound.tokens if bound else 0)
+
+    def stream_progress(self, record: UsageRecord) -> Callable[[StreamTally], None] | None:
+        """The progress hook of ``record``'s stream: call it with the relay's tally after each batch; the tokens
+        relayed so far go to the write-ahead record at most every ``metering.write_ahead_interval_s``. None when
+        write-ahead is off (nothing to call per batch)."""
+        return self.wal.tracker(record) if self.wal is not None else None
+
     # --- metering ---------------------------------------------------------------------------------------
     def sink(self, record: UsageRecord) -> None:
         """Usage sink: metrics now, Redis write (metering → local settle → alerts) in the background."""
         event = event_of(record)
+        self._bounds.pop(record.request_id, None)
+        if self.wal is not None:
+            self.wal.settled(record.request_id)  # its usage event deletes the record in Redis
         key = self._open.pop(record.request_id, None) or self._known.get(event.key_id)
         self._probes.pop(record.request_id, None)
         self.metrics.observe(event, self._cache_result.pop(record.request_id, "bypass"))

@@ -50,6 +50,7 @@ from gateway.telemetry import Telemetry, current, span
 from gateway.telemetry import finish as end_trace
 from gateway.thinking import dial
 from gateway.thinking.forcing import open_forced
+from gateway.upstream.balancer import affinity, conversation_key
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamConnectTimeout, UpstreamPool
 from gateway.upstream.response import UpstreamResponse
 
@@ -330,7 +331,10 @@ class Proxy:
         headers = {**route_headers(ex.route, ex.record), CACHE_HEADER: cached_status, **extra}
         if ex.record.stream:
             wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return sse.RelayResponse(relay(resp, ex, self.upstreams, wants_usage, cache=True), headers)
+            n = body.get("n")
+            choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+            return sse.RelayResponse(relay(resp, ex, self.upstreams, wants_usage, cache=True, choices=choices),
+                                     headers)
         return await self._complete(resp, ex, headers)
 
     async def _replay_hit(self, ex: Exchange, body: dict[str, Any]) -> Response:
@@ -358,10 +362,9 @@ class Proxy:
         return sse.RelayResponse(_iterate(frames), headers)
 
     def _next_tier(self, tier: TierConfig) -> TierConfig | None:
-        """The tier after ``tier`` in the configured order (cheapest first), or None for the last one."""
-        names = [t.name for t in self.settings.tiers]
-        i = names.index(tier.name)
-        return self.settings.tiers[i + 1] if i + 1 < len(names) else None
+        """The tier after ``tier`` in the configured order (cheapest first), or None for the last one; as
+        ``auto`` serves it when ``tier`` is a routed one (the router file's cascade, ``Routing.next_tier``)."""
+        return self.routing.next_tier(tier)
 
     async def _maybe_escalate(self, ex: Exchange, resp: UpstreamResponse, body: dict[str, Any], endpoint: WireEndpoint,
                               nxt: TierConfig, headers: dict[str, str]) -> UpstreamResponse:
@@ -427,14 +430,20 @@ class Proxy:
     async def _call_upstream(
         self, route: RouteDecision, body: dict[str, Any], endpoint: WireEndpoint, record: UsageRecord
     ) -> tuple[RouteDecision, UpstreamResponse]:
-        """Open the upstream call on the routed tier, falling back to later tiers when it is down."""
+        """Open the upstream call on the routed tier, falling back to later tiers when it is down. A tier with
+        several replicas prefers the conversation's replica (:func:`gateway.upstream.balancer.conversation_key`).
+        The call's write-ahead record is written first (``Accounting.write_ahead``): nothing reaches an upstream
+        unrecorded."""
+        if self.accounting is not None:
+            await self.accounting.write_ahead(record)
         candidates = [route.tier, *self._fallbacks(route)]
         last: GatewayError | None = None
+        key = conversation_key(body) if any(len(t.upstream_urls) > 1 for t in candidates) else None
         for i, tier in enumerate(candidates):
             built = upstream_body.build(body, tier, endpoint)
             resp: UpstreamResponse
             try:
-                with span("upstream"):
+                with span("upstream"), affinity(key):
                     if tier.budget_mode in ("forced", "prompted"):  # prompted: forcing is the hard stop
                         resp = await open_forced(self.upstreams, dial.forcing_tier(tier, body), endpoint, built)
                     else:

@@ -17,6 +17,15 @@ at construction; ``default_tier`` → every ``auto`` request goes to ``routing.d
 :class:`router.base.LengthBaselineRouter` (a length baseline) scores instead. A scorer can also be plugged
 in with :meth:`Routing.set_scorer`. When the scorer raises, ``routing.default_tier`` is used (reason
 ``predicted``, difficulty None) and a warning is logged.
+
+**The router file is the policy.** A file written by ``thinkgate router fit --traces`` carries what ``auto`` serves
+(``metadata.serving``, :mod:`router.policy`): its thresholds (the certified operating point) and, when it serves
+the cascade, the escalation conditions and abstention phrases. A ``predicted`` route then gets its tier with that
+cascade (:meth:`Routing.auto_tier`), and so does each tier it escalates to (:meth:`Routing.next_tier`), so a
+gateway configured with nothing but ``routing.router_path`` (and its tiers) serves exactly the file's policy.
+Explicit settings override the file: ``routing.thresholds`` replaces its thresholds, and a tier whose
+``escalate_on`` (or ``abstain_phrases``) is set in the config keeps its own (``escalate_on: []`` = never
+escalate). Forced routes (``model: <tier>``, the header) never get the file's cascade.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from gateway.ledger.event import RouteReason
 from gateway.state.routing_target import TargetController
 from router.base import LengthBaselineRouter, Router
 from router.features import clip_text
+from router.policy import cascade_of
 from router.serving import RouterService
 from router.window import routing_window
 
@@ -78,6 +88,8 @@ class Routing:
         self.controller: TargetController | None = None
         #: called with (score, routed tier index) of every routed decision (the drift alarm)
         self.observers: list[Callable[[float, int], None]] = []
+        #: the router file's cascade applied to the tiers (per loaded router: rebuilt after a reload)
+        self._auto: tuple[object, dict[str, TierConfig]] | None = None
 
     @property
     def scorer(self) -> Router:
@@ -113,6 +125,48 @@ class Routing:
         """The cut points in force: :attr:`base_thresholds`, the top one moved by the controller when on."""
         base = self.base_thresholds
         return base if self.controller is None else self.controller.thresholds(base)
+
+    def _auto_tiers(self) -> dict[str, TierConfig]:
+        """Tier name → the tier as ``auto`` serves it: with the router file's cascade where the file serves one
+        and the tier's config does not set its own (module doc). Cached per loaded router."""
+        svc = self._service_in_use()
+        router = svc.router if svc is not None and svc.available else None
+        if router is None:
+            return self._tiers
+        cached = self._auto
+        if cached is not None and cached[0] is router:
+            return cached[1]
+        cascade = cascade_of(router.metadata)
+        out = dict(self._tiers)
+        if cascade is not None:
+            routed = self.cfg.routed_tiers
+            for name in routed[:-1]:  # the top routed tier has nowhere to escalate to within the policy
+                t = self._tiers[name]
+                update: dict[str, Any] = {}
+                if "escalate_on" not in t.model_fields_set:
+                    update["escalate_on"] = [c for c in cascade.escalate_on if c != "low_confidence"]
+                if "abstain_phrases" not in t.model_fields_set and cascade.phrases is not None:
+                    update["abstain_phrases"] = list(cascade.phrases)
+                if update:
+                    out[name] = t.model_copy(update=update)
+        self._auto = (router, out)
+        return out
+
+    def auto_tier(self, name: str) -> TierConfig:
+        """Tier ``name`` as a ``predicted`` route serves it (with the router file's cascade, module doc)."""
+        return self._auto_tiers()[name]
+
+    def next_tier(self, tier: TierConfig) -> TierConfig | None:
+        """The tier after ``tier`` in configuration order (None for the last). A tier that came from
+        :meth:`auto_tier` is followed by the next one as ``auto`` serves it, so the file's cascade continues up
+        the ladder; a configured tier by the configured one."""
+        i = self._order.index(tier.name)
+        if i + 1 >= len(self._order):
+            return None
+        nxt = self._order[i + 1]
+        if tier is not self._tiers.get(tier.name):
+            return self._auto_tiers()[nxt]
+        return self._tiers[nxt]
 
     def fallbacks(self, tier: TierConfig, allowed: frozenset[str] | None = None) -> list[TierConfig]:
         """Tiers after ``tier`` in configuration order (cheapest → most capable), when fallback is enabled;
@@ -170,7 +224,7 @@ class Routing:
             self.controller.record(score, i)
         for observe in self.observers:
             observe(score, i)
-        return RouteDecision(self._tiers[routed[i]], "predicted", score, window=text)
+        return RouteDecision(self.auto_tier(routed[i]), "predicted", score, window=text)
 
     def _window_of(self, body: dict[str, Any]) -> str:
         messages = body.get("messages")

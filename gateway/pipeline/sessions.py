@@ -30,7 +30,7 @@ from typing import Any
 from gateway.config import Settings, TierConfig
 from gateway.pipeline.routing import RouteDecision
 from gateway.state.breaker import Breaker, RedisDown
-from gateway.state.keys import RedisKeys
+from gateway.state.keys import RedisKeys, key_tenant
 from gateway.state.metrics import Metrics
 from gateway.state.redis import RedisHandle
 
@@ -74,6 +74,7 @@ class Sticky:
     digest: str
     state: str
     route: RouteDecision
+    key_id: str = ""  # whose session: its key's tenant tag is the session key's Cluster slot
 
 
 class Sessions:
@@ -87,8 +88,9 @@ class Sessions:
         self.breaker = breaker
         self.metrics = metrics
 
-    def key(self, digest: str) -> str:
-        return self.keys.session(digest)
+    def key(self, digest: str, key_id: str = "") -> str:
+        """The session's Redis key, in the tenant slot of ``key_id`` (``gateway/state/keys.py``)."""
+        return self.keys.session(digest, key_tenant(key_id) if key_id else "")
 
     async def stick(self, key_id: str, body: dict[str, Any], route: RouteDecision,
                     digest: str | None = None) -> Sticky | None:
@@ -99,7 +101,7 @@ class Sessions:
         digest = digest or session_of(key_id, body)
         if digest is None:
             return None
-        k = self.key(digest)
+        k = self.key(digest, key_id)
         try:
             # first turn: pin the routed tier; a later turn reads the pin (and renews it)
             created = await self.breaker.call(lambda: self.redis.set(k, route.tier.name, ex=self.ttl_s, nx=True))
@@ -111,23 +113,24 @@ class Sessions:
         tier: TierConfig | None = self.tiers.get(name) if name else None
         if created or tier is None:
             if not created:  # the pinned tier no longer exists (config changed) or expired in between
-                await self._pin(digest, route.tier)
+                await self._pin(digest, route.tier, key_id)
             self.metrics.session("new")
-            return Sticky(digest, "new", route)
+            return Sticky(digest, "new", route, key_id)
         self.metrics.session("sticky")
         if tier.name != route.tier.name:
             self.metrics.session("flip_avoided")
-        return Sticky(digest, "sticky", RouteDecision(tier, "predicted", route.difficulty, window=route.window))
+        return Sticky(digest, "sticky", RouteDecision(tier, "predicted", route.difficulty, window=route.window),
+                      key_id)
 
     async def repin(self, sticky: Sticky, tier_name: str) -> None:
         """Move the session to ``tier_name`` (the tier an escalated turn was answered on)."""
         tier = self.tiers.get(tier_name)
         if tier is not None and tier.name != sticky.route.tier.name:
-            await self._pin(sticky.digest, tier)
+            await self._pin(sticky.digest, tier, sticky.key_id)
             self.metrics.session("repinned")
 
-    async def _pin(self, digest: str, tier: TierConfig) -> None:
+    async def _pin(self, digest: str, tier: TierConfig, key_id: str) -> None:
         try:
-            await self.breaker.call(lambda: self.redis.set(self.key(digest), tier.name, ex=self.ttl_s))
+            await self.breaker.call(lambda: self.redis.set(self.key(digest, key_id), tier.name, ex=self.ttl_s))
         except RedisDown as exc:
             log.debug("session not pinned (redis down: %s)", exc)

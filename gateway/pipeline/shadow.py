@@ -11,7 +11,11 @@ job to a task and returns at once, so the client's response and its connection a
    Redis is down (the budget cannot be checked). The budget is checked before each call and charged after
    it, so one day may overshoot by at most ``max_concurrency`` calls per replica;
 2. sends the same request, non-streamed, to the next routed tier up; metered as a usage event with route
-   reason ``shadow`` under the key id ``_shadow`` (so a client's budget never pays for it);
+   reason ``shadow`` under the key id ``_shadow`` (so a client's budget never pays for it). Like every upstream
+   call it is admitted first (``Accounting.admit``): reserved against the shadow's own budget — the key
+   ``_shadow`` with ``max_usd_day`` as its daily budget, whose spend is exactly the shadow calls' — *and* the
+   global level, so in hard mode neither can be overspent by shadow or judge calls; a refused call is skipped
+   (``stats.skipped["admission"]``), never sent;
 3. judges: ``agreement`` compares the normalised final answers (:func:`normalise_answer`: the part after a
    last ``Answer:``, thinking removed, lower case, punctuation, articles and extra spaces dropped); a
    ``tier:<name>`` judge gets :data:`JUDGE_PROMPT` and answers YES/NO (its call metered as ``shadow`` too);
@@ -30,13 +34,16 @@ import random
 import re
 import string
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
 import orjson
 
+from gateway.auth.keys import KeyInfo
 from gateway.config import Settings, TierConfig
+from gateway.errors import GatewayError
 from gateway.ledger.record import UsageRecord
 from gateway.pipeline import upstream_body
 from gateway.pipeline.routing import RouteDecision
@@ -90,6 +97,10 @@ def answer_text(answer: dict[str, Any]) -> str:
     return content if isinstance(content, str) else ""
 
 
+class NotAdmitted(Exception):
+    """A shadow or judge call that admission refused (its budget or the global one): never sent."""
+
+
 @dataclass(slots=True)
 class ShadowJob:
     """One comparison to run: the client's request ``body``, its usage ``record`` and ``route``, its answer."""
@@ -118,7 +129,9 @@ class Shadow:
     """The shadow runner of one gateway process (see the module docstring)."""
 
     def __init__(self, settings: Settings, upstreams: UpstreamPool, handle: RedisHandle, breaker: Breaker,
-                 outcomes: OutcomeStore, sinks: list[Any], rng: random.Random | None = None) -> None:
+                 outcomes: OutcomeStore, sinks: list[Any], rng: random.Random | None = None,
+                 admit: Callable[[KeyInfo, dict[str, Any], UsageRecord, list[TierConfig]], Awaitable[Any]] | None = None
+                 ) -> None:
         self.cfg = settings.routing.shadow
         self.routed = list(settings.routing.routed_tiers)
         self.tiers = {t.name: t for t in settings.tiers}
@@ -136,6 +149,9 @@ class Shadow:
         self.sinks = sinks
         self.rng = rng or random.Random()
         self.budget_micro = int(self.cfg.max_usd_day * Decimal(1_000_000))
+        #: admission of each shadow/judge call (``Accounting.admit``; None: no accounting, nothing to admit)
+        self.admit = admit
+        self.key = KeyInfo(id=SHADOW_KEY, budget_usd_day=self.cfg.max_usd_day)
         self.stats = ShadowStats()
         self._inflight = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -225,6 +241,8 @@ class Shadow:
                 outcome.answers = [job.answer, higher_answer]
             await self.outcomes.record(outcome)
             self.stats.done += 1
+        except NotAdmitted:
+            self.stats.skip("admission")
         except Exception:
             self.stats.failed += 1
             log.exception("shadow comparison of request %s failed", job.record.request_id)
@@ -264,6 +282,12 @@ class Shadow:
         built = upstream_body.build(req, tier, "chat")
         record = UsageRecord(key_id=SHADOW_KEY, endpoint="chat", requested_model=tier.name, tier=tier.name,
                              upstream_model=tier.model, route_reason="shadow", difficulty=job.route.difficulty)
+        if self.admit is not None:
+            try:
+                await self.admit(self.key, built, record, [tier])
+            except GatewayError as exc:
+                log.info("shadow call on %s not admitted: %s", tier.name, exc.code)
+                raise NotAdmitted(exc.code or "refused") from None
         status, text = 200, None
         try:
             resp = await self.upstreams.open(tier, CHAT_PATH, orjson.dumps(built), stream=False)

@@ -5,8 +5,15 @@ seconds after the last failure), then *half-open*: one probe call goes through; 
 failure opens it again. Without it every request would pay the socket timeout while Redis is unreachable.
 
 Counts as a failure: ``redis.ConnectionError``, ``redis.TimeoutError``, ``OSError``, ``asyncio.TimeoutError``
-(and ``redis.BusyLoadingError``, a subclass of ConnectionError). Other Redis errors (a script error, a
-wrong type) are bugs, not outages, and propagate unchanged.
+(and ``redis.BusyLoadingError``, a subclass of ConnectionError); on a Redis Cluster also ``CLUSTERDOWN`` /
+``TRYAGAIN`` / an uncovered slot (a failover in progress) and "no node reachable" at (re)initialisation; and a
+``RuntimeError`` / ``AttributeError`` raised inside redis-py's asyncio connection code — redis-py 8.1's
+cluster client disconnects a node's free connections in a background task after a connection error, and a
+command that picks one up meanwhile fails writing to the closed transport (uvloop: ``RuntimeError: unable to
+perform operation on <TCPTransport closed=True>``; asyncio: ``'NoneType' object has no attribute
+'writelines'``). Treated as the outage it is, the caller degrades (cache bypass, usage spooled) instead of
+failing the request and losing its usage event. Other Redis errors (a script error, a wrong type) are bugs,
+not outages, and propagate unchanged.
 
 **A stalled event loop is not an outage.** The socket timeout runs on the event loop's clock: when the loop
 itself does not run for longer than the timeout (a long garbage collection, the process starved of CPU on a
@@ -38,7 +45,27 @@ OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
     rexc.TimeoutError,
     OSError,
     asyncio.TimeoutError,
+    rexc.ClusterDownError,  # CLUSTERDOWN (also MasterDownError): a failover in progress
+    rexc.TryAgainError,  # TRYAGAIN: a slot being migrated or failed over
+    rexc.SlotNotCoveredError,
 )
+_CLUSTER_UNREACHABLE = ("Redis Cluster cannot be connected", "All slots are not covered")
+_REDIS_ASYNC = ("/redis/asyncio/", "\\redis\\asyncio\\")
+
+
+def is_outage(exc: BaseException) -> bool:
+    """True when ``exc`` means Redis is unreachable (see the module doc), not a bug in a command."""
+    if isinstance(exc, OUTAGE_ERRORS):
+        return True
+    if isinstance(exc, rexc.RedisClusterException):  # raised by the cluster client's (re)initialisation
+        return str(exc).startswith(_CLUSTER_UNREACHABLE)
+    if isinstance(exc, RuntimeError | AttributeError):  # a connection torn down under a command (redis-py)
+        tb = exc.__traceback__
+        while tb is not None:
+            if any(p in tb.tb_frame.f_code.co_filename for p in _REDIS_ASYNC):
+                return True
+            tb = tb.tb_next
+    return False
 
 
 TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (rexc.TimeoutError, asyncio.TimeoutError)
@@ -144,7 +171,9 @@ class Breaker:
             t0 = asyncio.get_running_loop().time()
         try:
             result = await fn()
-        except OUTAGE_ERRORS as exc:
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
             if (watch is not None and self.stall_s is not None and isinstance(exc, TIMEOUT_ERRORS)
                     and watch.stalled_since(t0) >= self.stall_s):
                 self.stall_timeouts += 1

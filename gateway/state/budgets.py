@@ -5,17 +5,26 @@ key), every tag ``k=v`` of the key that has a budget, and the global level when 
 (``gateway/state/limits.py``) checks and reserves all of them in one Lua script; metering adds each event's
 cost to the key's, each of its tags' and the global day/month counters in its own script.
 
-Where level budgets come from: ``limits.tag_budgets`` / ``limits.global_budget`` in the config, and the
-Redis hash ``budgets:defs`` written by ``thinkgate budgets set|remove`` (level id → JSON
-``{"usd_day": "50", "usd_month": null}``, USD as decimal strings). A level set in Redis overrides the config's
-for that level. The gateway re-reads the hash at most every ``limits.budget_refresh_s`` seconds (while
-Redis is down it keeps the last copy), so a change reaches every replica within that.
+Where level budgets come from: ``limits.tag_budgets`` / ``limits.global_budget`` in the config, and Redis,
+written by ``thinkgate budgets set|remove``: the listing hash ``budgets:defs`` (level id → JSON
+``{"usd_day": "50", "usd_month": null}``, USD as decimal strings) and, for admission, one definition hash per
+level next to the level's own keys (``budget:tag:{k=v}:def`` / ``budget:global:def``: ``day``, ``month`` in
+integer micro-USD, ``-1`` = none for that period). A level set in Redis overrides the config's for that level.
+
+**In force for the next request.** The admission script reads each level's definition hash itself, in the
+same atomic step as the spend and the reservations (``gateway/state/limits.py``), so a budget set, raised or
+lowered holds for the next request on every replica — no window in which a replica has not seen it yet.
+:class:`BudgetLevels` keeps a per-process copy (re-read at most every ``limits.budget_refresh_s`` seconds) that
+serves only while Redis is down (``fail_open``), and for views (``/v1/usage``, alerts). Definitions stored by
+an older version (``budgets:defs`` only) get their definition hash on a gateway's start
+(:meth:`BudgetStore.sync`).
 
 Level ids: ``key:{id}`` (internal only), ``tag:{k=v}``, ``global``.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -131,6 +140,15 @@ class BudgetLevels:
     def _budget(self, level_id: str) -> tuple[int | None, int | None] | None:
         return self._stored.get(level_id) or self._config.get(level_id)
 
+    def candidates(self, tags: Mapping[str, str]) -> list[Level]:
+        """Every level above a key with ``tags`` — each tag (sorted), then global — with the *config's* budgets
+        (``None`` when none): what admission passes to its script, which applies the level's Redis definition
+        instead when there is one."""
+        out = [Level("tag", f"{k}={v}", *self._config.get(f"tag:{k}={v}", (None, None)))
+               for k, v in sorted(tags.items())]
+        out.append(Level("global", GLOBAL, *self._config.get(GLOBAL, (None, None))))
+        return out
+
     def above_key(self, tags: Mapping[str, str]) -> list[Level]:
         """The budgeted levels above a key with ``tags``: its tags' (sorted), then global."""
         out: list[Level] = []
@@ -168,12 +186,42 @@ class BudgetStore:
                 raise ValueError("budgets must be >= 0")
         value = orjson.dumps({"usd_day": str(usd_day) if usd_day is not None else None,
                               "usd_month": str(usd_month) if usd_month is not None else None})
+        # the definition admission reads first (it is what takes effect), then the listing
+        await self.breaker.call(lambda: self._write_definition(level_id, usd_day, usd_month))
         await self.breaker.call(lambda: self.redis.hset(self.keys.budget_defs, level_id, value))
+
+    async def _write_definition(self, level_id: str, usd_day: Decimal | None, usd_month: Decimal | None) -> None:
+        kind, name = parse_level(level_id)
+        day = usd_to_micro(usd_day) if usd_day is not None else -1
+        month = usd_to_micro(usd_month) if usd_month is not None else -1
+        await self.redis.hset(self.keys.level_budget(kind, name), mapping={"day": day, "month": month})
 
     async def remove(self, level_id: str) -> bool:
         """Delete the stored budgets of ``level_id``; False when there were none."""
-        parse_level(level_id)
+        kind, name = parse_level(level_id)
+        await self.breaker.call(lambda: self.redis.delete(self.keys.level_budget(kind, name)))
         return bool(await self.breaker.call(lambda: self.redis.hdel(self.keys.budget_defs, level_id)))
+
+    async def sync(self) -> int:
+        """Give every level listed in ``budgets:defs`` without a definition hash one (definitions stored before
+        admission read them in Redis); returns how many were written. Raises RedisDown."""
+        raw = await self.breaker.call(lambda: self.redis.hgetall(self.keys.budget_defs))
+        written = 0
+        for field, value in raw.items():
+            name = field.decode() if isinstance(field, bytes) else field
+            try:
+                kind, level = parse_level(name)
+                d = orjson.loads(value)
+            except (ValueError, orjson.JSONDecodeError):
+                continue
+            key = self.keys.level_budget(kind, level)
+            if await self.breaker.call(functools.partial(self.redis.exists, key)):
+                continue
+            day, month = _micro(d.get("usd_day")), _micro(d.get("usd_month"))
+            items: list[str | int] = ["day", -1 if day is None else day, "month", -1 if month is None else month]
+            await self.breaker.call(functools.partial(self.redis.hset, key, items=items))
+            written += 1
+        return written
 
     async def list(self) -> dict[str, dict[str, str | None]]:
         """Stored budgets: level id → ``{"usd_day", "usd_month"}`` (decimal strings or None)."""

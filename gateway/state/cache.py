@@ -100,6 +100,7 @@ class Ticket:
     waited_s: float = 0.0
     similarity: float | None = None
     source_request_id: str | None = None
+    tenant: str = ""  # the cache scope's tenant tag (gateway/state/keys.py): the entry's Cluster slot
 
     @property
     def leader(self) -> bool:
@@ -117,42 +118,45 @@ class ResponseCache:
         self._begin = self.redis.register_script(BEGIN_LUA)
         self._finish = self.redis.register_script(FINISH_LUA)
 
-    async def begin(self, digest: str, decision: CacheDecision) -> Ticket:
-        """Look up (and/or lead) for ``digest`` under ``decision``. Never raises for Redis outages."""
+    async def begin(self, digest: str, decision: CacheDecision, tenant: str = "") -> Ticket:
+        """Look up (and/or lead) for ``digest`` under ``decision``; ``tenant``: the tenant tag of the cache
+        scope (``gateway/state/keys.py`` ``tenant_tag``; "" = the shared slot). Never raises for Redis outages."""
+        t = tenant
         if not decision.lookup:
-            return Ticket(digest, decision, "miss" if decision.store else "bypass")
+            return Ticket(digest, decision, "miss" if decision.store else "bypass", tenant=t)
         try:
             if self.cfg.single_flight_wait_s <= 0:
-                entry = await self._get(digest, decision.max_age_s)
-                return Ticket(digest, decision, "hit", entry) if entry is not None else Ticket(digest, decision, "miss")
+                entry = await self._get(digest, decision.max_age_s, t)
+                return (Ticket(digest, decision, "hit", entry, tenant=t) if entry is not None
+                        else Ticket(digest, decision, "miss", tenant=t))
             token = uuid.uuid4().hex
-            key, lock = self.keys.cache_entry(digest), self.keys.cache_lock(digest)
+            key, lock = self.keys.cache_entry(digest, t), self.keys.cache_lock(digest, t)
             wait_ms = max(1, int(self.cfg.single_flight_wait_s * 1000))
             try:
                 res = await self.breaker.call(lambda: self._begin(keys=[key, lock], args=[token, wait_ms]))
             except RedisDown:
                 # The script may still run (a paused server resumes): keep the token so finish() can release it.
-                return Ticket(digest, decision, "bypass", lock_token=token)
+                return Ticket(digest, decision, "bypass", lock_token=token, tenant=t)
             acquired = int(res[0]) == 2
             if int(res[0]) == 1:
                 entry = self._fresh(res[1], decision.max_age_s)
                 if entry is not None:
-                    return Ticket(digest, decision, "hit", entry)
+                    return Ticket(digest, decision, "hit", entry, tenant=t)
                 # Too old for this request's max-age (or unreadable): lead a refresh like a miss.
                 try:
                     acquired = bool(await self.breaker.call(lambda: self.redis.set(lock, token, nx=True, px=wait_ms)))
                 except RedisDown:
-                    return Ticket(digest, decision, "bypass", lock_token=token)
+                    return Ticket(digest, decision, "bypass", lock_token=token, tenant=t)
             if acquired:
-                return Ticket(digest, decision, "miss", lock_token=token)
+                return Ticket(digest, decision, "miss", lock_token=token, tenant=t)
             t0 = time.monotonic()
-            entry = await self._wait(digest, decision.max_age_s, t0 + self.cfg.single_flight_wait_s)
+            entry = await self._wait(digest, decision.max_age_s, t0 + self.cfg.single_flight_wait_s, t)
             waited = time.monotonic() - t0
             if entry is not None:
-                return Ticket(digest, decision, "hit", entry, waited_s=waited)
-            return Ticket(digest, decision, "miss", waited_s=waited)
+                return Ticket(digest, decision, "hit", entry, waited_s=waited, tenant=t)
+            return Ticket(digest, decision, "miss", waited_s=waited, tenant=t)
         except RedisDown:
-            return Ticket(digest, decision, "bypass")
+            return Ticket(digest, decision, "bypass", tenant=t)
 
     async def finish(self, ticket: Ticket, entry: CacheEntry | None) -> bool:
         """Store ``entry`` (if the decision allows and it fits) and release the lock. True when stored.
@@ -169,15 +173,15 @@ class ResponseCache:
         ticket.lock_token = None
         if not data and not token:
             return False
-        keys = [self.keys.cache_entry(ticket.digest), self.keys.cache_lock(ticket.digest)]
+        keys = [self.keys.cache_entry(ticket.digest, ticket.tenant), self.keys.cache_lock(ticket.digest, ticket.tenant)]
         try:
             await self.breaker.call(lambda: self._finish(keys=keys, args=[data, ticket.decision.ttl_s, token]))
         except RedisDown:
             return False
         return bool(data)
 
-    async def _get(self, digest: str, max_age_s: int | None) -> CacheEntry | None:
-        raw = await self.breaker.call(lambda: self.redis.get(self.keys.cache_entry(digest)))
+    async def _get(self, digest: str, max_age_s: int | None, tenant: str) -> CacheEntry | None:
+        raw = await self.breaker.call(lambda: self.redis.get(self.keys.cache_entry(digest, tenant)))
         return self._fresh(raw, max_age_s)
 
     @staticmethod
@@ -189,8 +193,8 @@ class ResponseCache:
             return None
         return entry
 
-    async def _wait(self, digest: str, max_age_s: int | None, deadline: float) -> CacheEntry | None:
-        key, lock = self.keys.cache_entry(digest), self.keys.cache_lock(digest)
+    async def _wait(self, digest: str, max_age_s: int | None, deadline: float, tenant: str) -> CacheEntry | None:
+        key, lock = self.keys.cache_entry(digest, tenant), self.keys.cache_lock(digest, tenant)
         delay = POLL_START_S
 
         async def poll() -> list[Any]:

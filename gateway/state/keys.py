@@ -1,10 +1,28 @@
 """Every Redis key ThinkGate writes, in one place (``p`` = the configured prefix, e.g. ``tg:``).
 
+**Redis Cluster: which keys are sharded by tenant.** On a cluster the prefix is one hash tag (``tg:`` →
+``{tg:}``, ``gateway/state/redis.py`` ``cluster_prefix``). Keys marked *T* below are **tenant keys**: they
+start with ``t`` = :meth:`RedisKeys.tenant` of the tenant's tag ``g`` (16 hex of the SHA-256 of the tenant
+scope, :func:`tenant_tag`: ``key:<api key id>``, or ``ns:<name>`` for keys sharing a ``cache_namespace``),
+i.e. ``{tg:<g>}`` — one slot per tenant, so one tenant's cache, conversations, sessions, request index and
+semantic index co-locate and tenants spread over the masters. They are touched only by single-key commands
+or by scripts whose keys all belong to that tenant (the cache's BEGIN/FINISH, the semantic index's). On one
+server or Sentinel ``t`` is the plain prefix: key names there are exactly what they always were.
+
+Every other key is **shared** and stays in the one ``{tg:}`` slot, because a script touches it together
+with keys of other tenants or of levels above the key: admission (``limits.py`` ``ADMIT``: the key's spend,
+reservations and RPM/TPM windows with its tags' and the global level's) and metering (``metering.py``
+``RECORD``: the key's and tier's counters, the global and tag levels, the stream and the seen-set in one
+atomic step). One slot is what keeps those scripts atomic on a cluster today; the key store's scripts
+(record + hash + id set) and the budgets hash are shared for the same reason. The per-key admission keys
+(``usage:key:{id}:d|m``, ``lim:{id}:*``) move under the tenant tag once admission and metering are split
+per level group (each level's keys in its own slot).
+
 =====================================  ==========  ====================================================
 key                                     type        contents
 =====================================  ==========  ====================================================
-``p cache:{sha256}``                    string      cached response entry (JSON, see ``gateway/state/cache.py``)
-``p cache:lock:{sha256}``               string      single-flight lock (token), PX = wait bound
+``t cache:{sha256}``  T                 string      cached response entry (JSON, see ``gateway/state/cache.py``)
+``t cache:lock:{sha256}``  T            string      single-flight lock (token), PX = wait bound
 ``p usage:events``                      stream      usage events, field ``e`` = event JSON (append-only)
 ``p usage:seen:{YYYY-MM-DD}``           set         event_ids already counted (idempotency), TTL
 ``p usage:key:{id}``                    hash        all-time counters of a key
@@ -21,6 +39,9 @@ key                                     type        contents
 ``p budget:tag:{k=v}:resv``             hash        a tag's open reservations (same format, reservations.py)
 ``p budget:global:resv``                hash        the global level's open reservations
 ``p budgets:defs``                      hash        budgets set by the CLI: level id → JSON {usd_day, usd_month}
+``p budget:tag:{k=v}:def``              hash        a tag's budgets as admission reads them: day, month (micro-USD,
+                                                    -1 = none); written with ``budgets:defs`` (budgets.py)
+``p budget:global:def``                 hash        the global level's budgets (same fields)
 ``p lim:{id}:rpm:{window}``             string      requests admitted in a 60 s window
 ``p lim:{id}:tpm:{window}``             string      tokens (reserved, then settled) in a 60 s window
 ``p alert:{level}:{period}:{fraction}`` string      set once when an alert fired (SET NX); level = key id,
@@ -28,41 +49,71 @@ key                                     type        contents
 ``p keys:rec:{id}``                     string      API key record JSON (hash of the secret only)
 ``p keys:h:{sha256}``                   string      secret hash → key id
 ``p keys:ids``                          set         all key ids in the store
-``p resp:{scope}:{response_id}``        string      stored /v1/responses conversation (JSON), TTL (conversations.py)
-``p sess:{digest}``                     string      sticky-routing session → tier name, TTL (pipeline/sessions.py)
+``t resp:{scope}:{response_id}``  T     string      stored /v1/responses conversation (JSON), TTL (conversations.py)
+``t sess:{digest}``  T                  string      sticky-routing session → tier name, TTL (pipeline/sessions.py)
 ``p rt:win``                            list        cost-target controller window: "score,tier index,t_ms", newest
                                                     last, at most routing.target.window (state/routing_target.py)
 ``p rt:state``                          hash        controller state: thr, share, n; cost:{i}, cnt:{i} per tier
 ``p outcomes``                          stream      routing outcomes, field ``o`` = outcome JSON (state/outcomes.py)
 ``p outcomes:seen:{YYYY-MM-DD}``        set         outcome ids already written (a replay writes nothing), TTL
-``p req:{request_id}``                  string      request index for feedback (key id, tier, score, digest), TTL
+``t req:{request_id}``  T               string      request index for feedback (key id, tier, score, digest), TTL
 ``p shadow:d:{YYYY-MM-DD}``             string      shadow comparisons' spend that UTC day, micro-USD (shadow.py)
 ``p drift:win``                         list        drift alarm window: "score,tier index", newest last (state/drift.py)
 ``p drift:state``                       string      last drift statistics (JSON: psi_score, psi_tier, n, ts, ...)
 ``p drift:ref:{version}``               string      served reference histogram of a router version without one
-``p sem:{t}:e``                         hash        semantic cache entries of tenant tag ``t``: entry id → record,
+``t sem:{g}:e``  T                      hash        semantic cache entries of tenant tag ``g``: entry id → record,
                                                     ``b:{id}`` → its bucket and band hashes (semantic_index.py)
-``p sem:{t}:x``                         zset        semantic cache entry id → expiry (epoch ms): TTL and the cap
-``p sem:{t}:b:{bucket}:{band}:{hash}``  list        LSH band bucket: entry ids, newest first (at most 64)
+``t sem:{g}:x``  T                      zset        semantic cache entry id → expiry (epoch ms): TTL and the cap
+``t sem:{g}:b:{bucket}:{band}:{hash}``  list        LSH band bucket: entry ids, newest first (at most 64)
+``p wal:open``                          hash        write-ahead records of upstream calls in flight: request id →
+                                                    record JSON (state/write_ahead.py); deleted by the usage event
+``p wal:hb:{owner}``                    string      heartbeat of a live gateway process (owner id), PX TTL
 =====================================  ==========  ====================================================
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+
+
+def tenant_tag(scope: str) -> str:
+    """A short stable tag of a tenant scope (``key:<id>`` / ``ns:<name>``) for key names and Cluster hash tags:
+    16 hex chars of its SHA-256 (never contains ``{`` or ``}``, whatever the key id)."""
+    return hashlib.sha256(scope.encode()).hexdigest()[:16]
+
+
+def key_tenant(key_id: str) -> str:
+    """The tenant tag of an API key's own data (its scope ``key:<id>``; see ``cache_policy.tenant_scope``)."""
+    return tenant_tag(f"key:{key_id}")
 
 
 @dataclass(frozen=True)
 class RedisKeys:
-    """Key builder bound to a prefix."""
+    """Key builder bound to a prefix. A prefix that is one whole hash tag (``{tg:}``: what ``cluster_prefix``
+    makes on a Cluster) turns on per-tenant hash tags for the tenant keys (see the module doc)."""
 
     prefix: str
 
-    def conversation(self, scope: str, response_id: str) -> str:
-        return f"{self.prefix}resp:{scope}:{response_id}"
+    @property
+    def sharded(self) -> bool:
+        """True when tenant keys get their own hash tag (a Cluster prefix ``{…}``)."""
+        p = self.prefix
+        return len(p) > 2 and p[0] == "{" and p[-1] == "}" and "{" not in p[1:-1] and "}" not in p[1:-1]
 
-    def session(self, digest: str) -> str:
-        return f"{self.prefix}sess:{digest}"
+    def tenant(self, tag: str) -> str:
+        """The prefix of tenant ``tag``'s keys: ``{tg:<tag>}`` on a Cluster prefix ``{tg:}`` (the tenant's own
+        slot), else the plain prefix (and for an empty ``tag``: the shared slot)."""
+        if not tag or not self.sharded:
+            return self.prefix
+        return "{" + self.prefix[1:-1] + tag + "}"
+
+    def conversation(self, scope: str, response_id: str) -> str:
+        return f"{self.tenant(tenant_tag(scope))}resp:{scope}:{response_id}"
+
+    def session(self, digest: str, tenant: str = "") -> str:
+        """A sticky-routing session; ``tenant``: the key's tag (:func:`key_tenant`)."""
+        return f"{self.tenant(tenant)}sess:{digest}"
 
     @property
     def outcomes(self) -> str:
@@ -71,8 +122,9 @@ class RedisKeys:
     def outcomes_seen(self, day: str) -> str:
         return f"{self.prefix}outcomes:seen:{day}"
 
-    def request(self, request_id: str) -> str:
-        return f"{self.prefix}req:{request_id}"
+    def request(self, request_id: str, tenant: str = "") -> str:
+        """A request's feedback index entry; ``tenant``: the key's tag (:func:`key_tenant`)."""
+        return f"{self.tenant(tenant)}req:{request_id}"
 
     def shadow_spend(self, day: str) -> str:
         return f"{self.prefix}shadow:d:{day}"
@@ -92,11 +144,12 @@ class RedisKeys:
     def routing_state(self) -> str:
         return f"{self.prefix}rt:state"
 
-    def cache_entry(self, digest: str) -> str:
-        return f"{self.prefix}cache:{digest}"
+    def cache_entry(self, digest: str, tenant: str = "") -> str:
+        """An exact-cache entry; ``tenant``: the tag of the cache scope (:func:`tenant_tag`)."""
+        return f"{self.tenant(tenant)}cache:{digest}"
 
-    def cache_lock(self, digest: str) -> str:
-        return f"{self.prefix}cache:lock:{digest}"
+    def cache_lock(self, digest: str, tenant: str = "") -> str:
+        return f"{self.tenant(tenant)}cache:lock:{digest}"
 
     @property
     def events(self) -> str:
@@ -144,6 +197,10 @@ class RedisKeys:
             return self.reservations(name)
         return f"{self.prefix}budget:tag:{name}:resv" if kind == "tag" else f"{self.prefix}budget:global:resv"
 
+    def level_budget(self, kind: str, name: str) -> str:
+        """The budget definition hash of a tag or the global level (admission reads it in its script)."""
+        return f"{self.prefix}budget:tag:{name}:def" if kind == "tag" else f"{self.prefix}budget:global:def"
+
     @property
     def budget_defs(self) -> str:
         return f"{self.prefix}budgets:defs"
@@ -173,11 +230,20 @@ class RedisKeys:
         return f"{self.prefix}keys:ids"
 
     def semantic_entries(self, tenant: str) -> str:
-        return f"{self.prefix}sem:{tenant}:e"
+        return f"{self.tenant(tenant)}sem:{tenant}:e"
 
     def semantic_expiry(self, tenant: str) -> str:
-        return f"{self.prefix}sem:{tenant}:x"
+        return f"{self.tenant(tenant)}sem:{tenant}:x"
 
     def semantic_band_base(self, tenant: str) -> str:
         """Prefix of a tenant's band bucket keys; a bucket key is this + ``{bucket}:{band}:{hash}``."""
-        return f"{self.prefix}sem:{tenant}:b:"
+        return f"{self.tenant(tenant)}sem:{tenant}:b:"
+
+    @property
+    def write_ahead(self) -> str:
+        """Hash of the write-ahead records of upstream calls in flight (request id → record JSON)."""
+        return f"{self.prefix}wal:open"
+
+    def heartbeat(self, owner: str) -> str:
+        """A live gateway process's heartbeat (its owner id; a string with a TTL)."""
+        return f"{self.prefix}wal:hb:{owner}"

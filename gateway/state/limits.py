@@ -1,25 +1,43 @@
 """Admission control: budgets (USD per UTC day / month) at every level, RPM and TPM, decided atomically in Redis.
 
-**Reserve, then settle.** Before each upstream call one Lua script (``ADMIT``) reads, for every budget level
-the request is under — its key, each of the key's tags that has a budget, the global level
-(``gateway/state/budgets.py``) — the spend so far (``cost_micro_usd`` of the level's day/month counters) and
-the open reservations of concurrent requests (``gateway/state/reservations.py``), and the key's RPM/TPM
-windows. With ``e`` = this request's upper-bound estimate (:func:`estimate`), it admits only when, for each
-level and period with a budget ``B``:
+**Reserve, then settle.** Before each upstream call — the request's own, an escalation's, a shadow or judge
+call, the semantic cache's embedding call — one Lua script (``ADMIT``) reads, for every level the call is under
+— its key, each of the key's tags, the global level (``gateway/state/budgets.py``) — the level's **budget
+definition** (its ``budget:…:def`` hash, written by ``thinkgate budgets set``; else the config's budget passed
+in), the spend so far (``cost_micro_usd`` of the level's day/month counters) and the open reservations of
+concurrent requests (``gateway/state/reservations.py``), and the key's RPM/TPM windows. Reading the definition
+inside the script is what puts a budget set, raised or lowered in force for the next request on every replica
+(the per-process copy of ``BudgetLevels`` is only the fallback while Redis is down). With ``e`` = this call's
+upper-bound estimate (:func:`estimate`), it admits only when, for each level and period with a budget ``B``:
 
 - ``hard`` (``limits.budget_mode``, the default): spend + reserved + e ≤ B — no request shape can take the
-  spend past the budget (as long as ``e`` is an upper bound, which the tier caps make it);
+  spend past the budget (as long as ``e`` is an upper bound, which the tier caps make it; forced thinking's
+  two phases per choice are in it, :func:`call_bound`);
 - ``soft``: spend < B and spend + reserved < B — the overshoot is bounded by one request's estimate, itself
   bounded by the caps (``max_n`` × ``max_tokens`` at the priciest reachable tier, plus the prompt);
 
 and RPM: requests in the sliding 60 s window + 1 ≤ ``rpm``; TPM: tokens in the window < ``tpm``. Then, in the
-same atomic step, it records a reservation of ``e`` at every budgeted level (and the key's, for TPM) under
-the request id, counts the request in the RPM window and the reserved tokens in the TPM window. Metering
-settles it: the usage event's write (``gateway/state/metering.py``) deletes the reservations and corrects the
-TPM window by the real token count, atomically with adding the real cost to every level's counters. So
-concurrent requests see each other's reservations at every level. Reservations of a crashed replica stop
+same atomic step, it records a reservation of ``e`` at *every* level (budgeted or not, so a budget set while
+requests are in flight already sees them; the key's also carries the tokens, for TPM) under the request id,
+counts the request in the RPM window and the reserved tokens in the TPM window. Metering settles it: the usage
+event's write (``gateway/state/metering.py``) deletes the reservations and corrects the TPM window by the real
+token count, atomically with adding the real cost to every level's counters. So concurrent requests see each
+other's reservations at every level. A stream renews its reservations while it runs (:meth:`Limits.renew`,
+``gateway/pipeline/relay.py``) and is cut at ``limits.max_stream_s``; reservations of a crashed replica stop
 counting after ``limits.reservation_ttl_s``. (LiteLLM checks spend after the fact and overshoots under
 concurrency — BerriAI/litellm#34732, #11083.)
+
+**One script, or one per level group (Redis Cluster).** On a single Redis all levels go through one script
+call: one atomic check-and-reserve. On Redis Cluster the levels' keys (key, each tag, global) may live in
+different hash slots, and a script may only touch one slot; there (``limits.admission_script: auto`` with a
+``RedisCluster`` client, or ``grouped``) admission runs the same script once per level group — the key's level
+with its RPM/TPM windows first, then each tag, then global —, each an atomic check-and-reserve of its own. When
+a later group refuses, the groups already reserved are rolled back (``ROLLBACK_LUA``: reservation deleted, the
+RPM/TPM counts taken back) and the refusal raised. No level can be overspent (each level's check and reserve is
+atomic, and a reservation is in place before the next level is asked); at worst, a concurrent request sees a
+reservation that is then rolled back and is refused spuriously. A Redis failure between groups leaves the
+reservations already made to expire after their TTL — they can only refuse too much, never admit too much.
+Each group's keys are built by ``gateway/state/keys.py``, which decides their slots.
 
 **Windows.** RPM/TPM use a sliding-window counter: ``used = prev·(1 − elapsed/60 s) + current`` over fixed
 60 s windows (two keys per limit, no per-request entries); ``Retry-After`` is the time until the window has
@@ -29,18 +47,22 @@ when only in-flight reservations block (they may settle below their estimate).
 **Redis down.** ``limits.on_redis_down``: ``fail_closed`` refuses with 503 (``limits_unavailable``);
 ``fail_open`` applies the same rules to process-local counters: the spend last read from Redis plus this
 process's own requests since, and this process's RPM/TPM windows (approximate: other replicas unseen).
-Requests under no budget and no limit never touch Redis here.
+A request under no budget or limit that this process knows of (its last copy of the definitions) is admitted
+without a check while Redis is down, in either mode.
 """
 
 from __future__ import annotations
 
 import calendar
+import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Literal, Protocol
+
+from redis.asyncio import Redis
 
 from gateway.config import LimitsConfig, TierConfig
 from gateway.errors import LimitsUnavailable, RateLimited
@@ -50,21 +72,28 @@ from gateway.state.budgets import Level, event_level_ids
 from gateway.state.keys import RedisKeys
 from gateway.state.metering import RecordResult
 from gateway.state.redis import RedisHandle
-from gateway.state.reservations import LUA_FUNCTIONS
+from gateway.state.reservations import LUA_FUNCTIONS, RENEW_LUA, ROLLBACK_LUA
 
 WINDOW_MS = 60_000
 MESSAGE_OVERHEAD_TOKENS = 8  # chat template tokens per message, upper bound
 REQUEST_OVERHEAD_TOKENS = 16
 TOOLS_OVERHEAD_TOKENS = 256  # the template's tool-calling preamble, upper bound
+FORCED_THINK_OPEN = "<think>\n"  # what forced thinking's phase 2 opens the re-sent thought with (forcing.THINK_OPEN)
 
-# KEYS: 1 RPM current, 2 RPM previous, 3 TPM current, 4 TPM previous, then per budget level i (0-based):
-#       5+3i day spend hash, 6+3i month spend hash, 7+3i reservations hash (level 0 = the key)
+# One check-and-reserve over a group of budget levels (all of them on a single Redis; one level per call on
+# Redis Cluster, see the module docstring).
+# KEYS: per level i (0-based): 1+4i day spend hash, 2+4i month spend hash, 3+4i reservations hash, 4+4i budget
+#       definition hash (``budget:…:def``; the key level passes its reservations hash here, never read); then, when
+#       ARGV[3] or ARGV[4] is not -1 (the key's group), 4n+1 RPM current, 4n+2 RPM previous, 4n+3 TPM current,
+#       4n+4 TPM previous.
 # ARGV: 1 now ms, 2 mode (hard|soft), 3 rpm (-1 none), 4 tpm (-1), 5 estimated micro-USD, 6 estimated tokens,
 #       7 reservation id, 8 reservation TTL ms, 9 seconds to the end of the day, 10 … of the month,
-#       11 number of levels, then per level i: 12+3i day budget micro (-1 none), 13+3i month budget (-1),
-#       14+3i reserve here (1/0)
-# Returns {1, day spend, month spend, reserved, … per level} or
-#         {0, code, level index (1-based; 0 for RPM/TPM), what, retry_after_s, budget, spent, reserved}.
+#       11 number of levels n, then per level i: 12+4i day budget micro (-1 none), 13+4i month budget (-1) — the
+#       fallback when the level has no definition hash —, 14+4i tokens to reserve here, 15+4i read the
+#       definition hash (1/0).
+# Every level is reserved (budgeted or not: a budget set later sees the requests in flight).
+# Returns {1, per level: day spend, month spend, reserved, day budget, month budget (-1 none)} or
+#         {0, code, level index (1-based in this call; 0 for RPM/TPM), what, retry_after_s, budget, spent, reserved}.
 ADMIT_LUA = LUA_FUNCTIONS + """
 local now = tonumber(ARGV[1])
 local hard = ARGV[2] == 'hard'
@@ -73,14 +102,23 @@ local elapsed = now % W
 local rpm, tpm = tonumber(ARGV[3]), tonumber(ARGV[4])
 local est = tonumber(ARGV[5])
 local n = tonumber(ARGV[11])
+local SWEEP_AT = 4096
 local seen = {}
 for i = 0, n - 1 do
-  local a = 12 + 3 * i
+  local a = 12 + 4 * i
   local bday, bmonth = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-  local sd = tonumber(redis.call('HGET', KEYS[5 + 3 * i], 'cost_micro_usd') or '0')
-  local sm = tonumber(redis.call('HGET', KEYS[6 + 3 * i], 'cost_micro_usd') or '0')
+  if ARGV[a + 3] == '1' then
+    local d = redis.call('HMGET', KEYS[4 + 4 * i], 'day', 'month')
+    if d[1] or d[2] then bday, bmonth = tonumber(d[1] or '-1'), tonumber(d[2] or '-1') end
+  end
+  local sd = tonumber(redis.call('HGET', KEYS[1 + 4 * i], 'cost_micro_usd') or '0')
+  local sm = tonumber(redis.call('HGET', KEYS[2 + 4 * i], 'cost_micro_usd') or '0')
   local reserved = 0
-  if bday >= 0 or bmonth >= 0 then reserved = open_reserved(KEYS[7 + 3 * i], now) end
+  if bday >= 0 or bmonth >= 0 then
+    reserved = open_reserved(KEYS[3 + 4 * i], now)
+  elseif redis.call('HLEN', KEYS[3 + 4 * i]) > SWEEP_AT then
+    open_reserved(KEYS[3 + 4 * i], now)  -- unbudgeted: only swept of a crashed replica's leftovers now and then
+  end
   local checks = {{bday, sd, 'day', tonumber(ARGV[9])}, {bmonth, sm, 'month', tonumber(ARGV[10])}}
   for _, c in ipairs(checks) do
     local budget, spent = c[1], c[2]
@@ -99,7 +137,10 @@ for i = 0, n - 1 do
   seen[#seen + 1] = sd
   seen[#seen + 1] = sm
   seen[#seen + 1] = reserved
+  seen[#seen + 1] = bday
+  seen[#seen + 1] = bmonth
 end
+local R = 4 * n
 local frac = (W - elapsed) / W
 local function retry_s(limit, cur, prev)
   local room = limit - 1
@@ -114,41 +155,35 @@ local function retry_s(limit, cur, prev)
   return math.max(1, math.ceil(t / 1000))
 end
 if rpm >= 0 then
-  local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
-  local prev = tonumber(redis.call('GET', KEYS[2]) or '0')
+  local cur = tonumber(redis.call('GET', KEYS[R + 1]) or '0')
+  local prev = tonumber(redis.call('GET', KEYS[R + 2]) or '0')
   if prev * frac + cur + 1 > rpm then
     return {0, 'rate_limit_exceeded', 0, 'rpm', retry_s(rpm, cur, prev), rpm, 0, 0}
   end
 end
 if tpm >= 0 then
-  local cur = tonumber(redis.call('GET', KEYS[3]) or '0')
-  local prev = tonumber(redis.call('GET', KEYS[4]) or '0')
+  local cur = tonumber(redis.call('GET', KEYS[R + 3]) or '0')
+  local prev = tonumber(redis.call('GET', KEYS[R + 4]) or '0')
   if prev * frac + cur >= tpm then
     return {0, 'rate_limit_exceeded', 0, 'tpm', retry_s(tpm, cur, prev), tpm, 0, 0}
   end
 end
 local ttl = tonumber(ARGV[8])
 for i = 0, n - 1 do
-  if ARGV[14 + 3 * i] == '1' then
-    local tokens = '0'
-    if i == 0 and tpm >= 0 then tokens = ARGV[6] end
-    reserve(KEYS[7 + 3 * i], ARGV[7], ARGV[5], tokens, now + ttl, ttl)
-  end
+  reserve(KEYS[3 + 4 * i], ARGV[7], ARGV[5], ARGV[14 + 4 * i], now + ttl, ttl)
 end
 if rpm >= 0 then
-  redis.call('INCR', KEYS[1])
-  redis.call('PEXPIRE', KEYS[1], 2 * W)
+  redis.call('INCR', KEYS[R + 1])
+  redis.call('PEXPIRE', KEYS[R + 1], 2 * W)
 end
 if tpm >= 0 then
-  redis.call('INCRBY', KEYS[3], ARGV[6])
-  redis.call('PEXPIRE', KEYS[3], 2 * W)
+  redis.call('INCRBY', KEYS[R + 3], ARGV[6])
+  redis.call('PEXPIRE', KEYS[R + 3], 2 * W)
 end
 local out = {1}
 for _, v in ipairs(seen) do out[#out + 1] = v end
 return out
 """
-
-
 
 
 class KeyLike(Protocol):
@@ -231,6 +266,32 @@ def _choices(body: dict[str, Any]) -> int:
     return n
 
 
+def _forced_extra_prompt(tier: TierConfig) -> int:
+    """Bytes phase 2 of budget forcing adds to the prompt around the thought (``gateway/thinking/forcing.py``:
+    the opening ``<think>\\n``, the closing marker, either one, and the assistant message's template overhead)."""
+    marker = tier.end_of_thinking.strip() or "</think>"
+    return (len(FORCED_THINK_OPEN.encode()) + max(len(tier.end_of_thinking.encode()), len(marker.encode()) + 2)
+            + MESSAGE_OVERHEAD_TOKENS)
+
+
+def call_bound(prompt: int, choices: int, asked: Any, tier: TierConfig) -> tuple[int, int]:
+    """(prompt tokens, completion tokens) one request may be billed on ``tier``, at most.
+
+    A ``native``/``off`` tier: the prompt once, ``choices`` × min(asked, cap) completion tokens. A ``forced`` tier
+    (two-phase budget forcing) runs each choice as its own two calls: phase 1 the prompt, generating a thought
+    of at most min(thinking_budget, max_tokens); phase 2 the prompt again plus that thought plus the markers,
+    generating at most max(1, max_tokens − thought) — so per choice 2 × prompt + thought + markers prompt tokens
+    and max_tokens + 1 completion tokens. (The thought re-sent in phase 2 is the text the upstream generated;
+    its tokens are bounded by the count phase 1 reported.)
+    """
+    cap = tier.max_tokens
+    m = min(asked, cap) if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else cap
+    if tier.budget_mode != "forced":
+        return prompt, choices * m
+    thought = min(tier.thinking_budget if tier.thinking_budget is not None else m, m)
+    return choices * (2 * prompt + thought + _forced_extra_prompt(tier)), choices * (m + 1)
+
+
 def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     """Upper bounds of cost and tokens of ``body`` on any of ``tiers`` (the tiers one upstream call may reach:
     the tier and its fallbacks).
@@ -238,7 +299,8 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     Prompt: UTF-8 bytes of the messages/prompt (a byte-level BPE token covers ≥ 1 byte; a token id counts 1)
     and of ``tools``/``functions``, plus template overhead, priced at the dearer of the input and cached-input
     rates; completion: choices × min(requested ``max_tokens``/``max_completion_tokens``, tier cap), where
-    choices = ``n`` (or ``best_of`` when larger) × prompts in a completions batch. The maximum over ``tiers``.
+    choices = ``n`` (or ``best_of`` when larger) × prompts in a completions batch. A forced-thinking tier
+    bills per choice its two phases (:func:`call_bound`). The maximum over ``tiers``.
     """
     messages = body.get("messages")
     if isinstance(messages, list):
@@ -253,13 +315,22 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     asked = body.get("max_completion_tokens") or body.get("max_tokens")
     micro, tokens = 0, prompt
     for tier in tiers:
-        cap = tier.max_tokens
-        completion = choices * (min(asked, cap) if isinstance(asked, int) and asked > 0 else cap)
+        billed_prompt, completion = call_bound(prompt, choices, asked, tier)
         p = tier.prices
-        cached = prompt if p.cached_input_usd_per_mtok > p.input_usd_per_mtok else 0
-        micro = max(micro, cost_micro_usd(p, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion))
-        tokens = max(tokens, prompt + completion)
+        cached = billed_prompt if p.cached_input_usd_per_mtok > p.input_usd_per_mtok else 0
+        micro = max(micro, cost_micro_usd(p, prompt_tokens=billed_prompt, cached_tokens=cached,
+                                          completion_tokens=completion))
+        tokens = max(tokens, billed_prompt + completion)
     return Estimate(micro, tokens)
+
+
+def embedding_estimate(text: str, tier: TierConfig) -> Estimate:
+    """Upper bounds of one embedding call of ``text`` on ``tier``: its UTF-8 bytes plus the request overhead,
+    as prompt tokens at the dearer input rate; no completion."""
+    prompt = len(text.encode()) + REQUEST_OVERHEAD_TOKENS
+    p = tier.prices
+    cached = prompt if p.cached_input_usd_per_mtok > p.input_usd_per_mtok else 0
+    return Estimate(cost_micro_usd(p, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=0), prompt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,61 +519,160 @@ class Limits:
         self.cfg = cfg
         self.local = LocalCounters()
         self._script = self.redis.register_script(ADMIT_LUA)
+        self._rollback = self.redis.register_script(ROLLBACK_LUA)
+        self._renew = self.redis.register_script(RENEW_LUA)
+        mode = cfg.admission_script
+        #: one script per level group (Redis Cluster: the levels' keys may sit in different hash slots)
+        self.grouped = mode == "grouped" or (mode == "auto" and not isinstance(self.redis, Redis))
+
+    def _level_keys(self, lvl: Level, day: str, month: str) -> list[str]:
+        k = self.keys
+        resv = k.level_reservations(lvl.kind, lvl.name)
+        definition = resv if lvl.kind == "key" else k.level_budget(lvl.kind, lvl.name)
+        return [k.level_day(lvl.kind, lvl.name, day), k.level_month(lvl.kind, lvl.name, month), resv, definition]
 
     async def admit(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
-                    levels: Sequence[Level] = ()) -> Admission:
+                    levels: Sequence[Level] = (), fallback: Sequence[Level] | None = None) -> Admission:
         """Admit one upstream call of key ``lim`` at ``now`` (epoch s; the request's ``ts``) or raise.
 
-        ``levels``: the budgeted levels above the key (``BudgetLevels.above_key``). ``reservation_id`` must be
-        the id of the call's usage event (metering settles by it). Raises :class:`~gateway.errors.RateLimited`
-        (429, ``budget_exceeded`` / ``rate_limit_exceeded``, ``Retry-After``) or :class:`LimitsUnavailable`
-        (503, Redis down and ``fail_closed``).
+        ``levels``: every level above the key (``BudgetLevels.candidates``: each of its tags, then global) with
+        the config's budgets; the script reads each level's definition in Redis (``thinkgate budgets set``),
+        which overrides them, so a budget set or changed is in force for the next request on every replica.
+        ``fallback``: the levels as the process-local copy has them (``BudgetLevels.above_key``), used only
+        while Redis is down (default: ``levels``). ``reservation_id`` must be the id of the call's usage event
+        (metering settles by it). Raises :class:`~gateway.errors.RateLimited` (429, ``budget_exceeded`` /
+        ``rate_limit_exceeded``, ``Retry-After``) or :class:`LimitsUnavailable` (503, Redis down and
+        ``fail_closed``).
         """
-        levels = [lv for lv in levels if lv.budgeted]
-        if lim.unlimited and not levels:
+        if lim.unlimited and not levels and not fallback:  # the key alone, under nothing: nothing to check
             return Admission(lim.key_id, reservation_id, "none", est)
-        k = self.keys
-        now_ms = int(now * 1000)
-        w = now_ms // WINDOW_MS
-        day, month = _day_month(now)
-        day_end, month_end = _period_ends(now)
+        local_levels = [lv for lv in (levels if fallback is None else fallback) if lv.budgeted]
         all_levels = [lim.level, *levels]
-        keys = [k.rpm(lim.key_id, w), k.rpm(lim.key_id, w - 1), k.tpm(lim.key_id, w), k.tpm(lim.key_id, w - 1)]
-        args: list[Any] = [now_ms, self.cfg.budget_mode, _or_minus(lim.rpm), _or_minus(lim.tpm), est.micro_usd,
-                           est.tokens, reservation_id, int(self.cfg.reservation_ttl_s * 1000), day_end, month_end,
-                           len(all_levels)]
-        for i, lvl in enumerate(all_levels):
-            keys += [k.level_day(lvl.kind, lvl.name, day), k.level_month(lvl.kind, lvl.name, month),
-                     k.level_reservations(lvl.kind, lvl.name)]
-            reserve = lvl.budgeted or (i == 0 and lim.tpm is not None)
-            args += [_or_minus(lvl.day_micro), _or_minus(lvl.month_micro), 1 if reserve else 0]
+        day, month = _day_month(now)
         try:
-            res = await self.breaker.call(lambda: self._script(keys=keys, args=args))
+            if self.grouped:
+                states = await self._admit_grouped(lim, reservation_id, est, now, all_levels, day, month)
+            else:
+                res = await self.breaker.call(lambda: self._run(lim, reservation_id, est, now, all_levels, day,
+                                                                month, rate=True))
+                states = self._states(lim, est, res, all_levels)
         except RedisDown:
-            if self.cfg.on_redis_down == "fail_closed":
-                retry = max(1, math.ceil(self.breaker.cooldown_s))
-                raise LimitsUnavailable("usage limits cannot be checked (Redis unreachable); retry later",
-                                        headers={"retry-after": str(retry)}) from None
-            refused = self.local.check(lim, now, est, self.cfg.budget_mode, levels)
-            if refused is not None:
-                code, what, retry, lvl, budget, spent, reserved = refused
-                raise refusal(code, what, retry, lim.key_id, lvl, est.micro_usd, budget, spent, reserved,
-                              self.cfg.budget_mode) from None
-            self.local.note(lim, reservation_id, est, now, levels)
-            return Admission(lim.key_id, reservation_id, "local", est)
+            return self._admit_locally(lim, reservation_id, est, now, local_levels)
+        for st in states:
+            self.local.refresh(lim.key_id, now, st.spent_day_micro, st.spent_month_micro, st.level.id)
+        self.local.note(lim, reservation_id, est, now, [st.level for st in states[1:] if st.level.budgeted])
+        return Admission(lim.key_id, reservation_id, "redis", est, states[0].spent_day_micro,
+                         states[0].spent_month_micro, tuple(states))
+
+    def _admit_locally(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
+                       levels: list[Level]) -> Admission:
+        """Redis is down: admit under nothing, refuse (``fail_closed``) or decide on the local counters."""
+        if lim.unlimited and not levels:  # under no budget or limit this process knows of: nothing to check
+            return Admission(lim.key_id, reservation_id, "none", est)
+        if self.cfg.on_redis_down == "fail_closed":
+            retry = max(1, math.ceil(self.breaker.cooldown_s))
+            raise LimitsUnavailable("usage limits cannot be checked (Redis unreachable); retry later",
+                                    headers={"retry-after": str(retry)})
+        refused = self.local.check(lim, now, est, self.cfg.budget_mode, levels)
+        if refused is not None:
+            code, what, retry, lvl, budget, spent, reserved = refused
+            raise refusal(code, what, retry, lim.key_id, lvl, est.micro_usd, budget, spent, reserved,
+                          self.cfg.budget_mode)
+        self.local.note(lim, reservation_id, est, now, levels)
+        return Admission(lim.key_id, reservation_id, "local", est)
+
+    async def _run(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float, group: Sequence[Level],
+                   day: str, month: str, rate: bool) -> list[Any]:
+        """One ``ADMIT`` call over ``group`` (with the key's RPM/TPM when ``rate``)."""
+        now_ms = int(now * 1000)
+        day_end, month_end = _period_ends(now)
+        keys: list[str] = []
+        args: list[Any] = [now_ms, self.cfg.budget_mode, _or_minus(lim.rpm) if rate else -1,
+                           _or_minus(lim.tpm) if rate else -1, est.micro_usd, est.tokens, reservation_id,
+                           int(self.cfg.reservation_ttl_s * 1000), day_end, month_end, len(group)]
+        for lvl in group:
+            keys += self._level_keys(lvl, day, month)
+            tokens = est.tokens if lvl.kind == "key" and rate and lim.tpm is not None else 0
+            args += [_or_minus(lvl.day_micro), _or_minus(lvl.month_micro), tokens, 0 if lvl.kind == "key" else 1]
+        if rate and (lim.rpm is not None or lim.tpm is not None):
+            w = now_ms // WINDOW_MS
+            k = self.keys
+            keys += [k.rpm(lim.key_id, w), k.rpm(lim.key_id, w - 1), k.tpm(lim.key_id, w), k.tpm(lim.key_id, w - 1)]
+        return list(await self._script(keys=keys, args=args))
+
+    def _states(self, lim: KeyLimits, est: Estimate, res: list[Any], group: Sequence[Level]) -> list[LevelState]:
+        """The level states (budgets as the script applied them) of an admitted reply, or raise its refusal."""
         if int(res[0]) == 0:
             _, code, index, what, retry, budget, spent, reserved = res
             i = int(index)
-            refused_at = all_levels[i - 1] if i >= 1 else None
+            refused_at = group[i - 1] if i >= 1 else None
+            if refused_at is not None:
+                refused_at = Level(refused_at.kind, refused_at.name, *_budgets(refused_at, _s(what), int(budget)))
             raise refusal(_s(code), _s(what), int(retry), lim.key_id, refused_at, est.micro_usd, int(budget),
                           int(spent), int(reserved), self.cfg.budget_mode)
-        states = tuple(LevelState(lvl, int(res[1 + 3 * i]), int(res[2 + 3 * i]), int(res[3 + 3 * i]))
-                       for i, lvl in enumerate(all_levels))
-        for st in states:
-            self.local.refresh(lim.key_id, now, st.spent_day_micro, st.spent_month_micro, st.level.id)
-        self.local.note(lim, reservation_id, est, now, levels)
-        return Admission(lim.key_id, reservation_id, "redis", est, states[0].spent_day_micro,
-                         states[0].spent_month_micro, states)
+        out = []
+        for i, lvl in enumerate(group):
+            d, m = int(res[4 + 5 * i]), int(res[5 + 5 * i])
+            seen = Level(lvl.kind, lvl.name, d if d >= 0 else None, m if m >= 0 else None)
+            out.append(LevelState(seen, int(res[1 + 5 * i]), int(res[2 + 5 * i]), int(res[3 + 5 * i])))
+        return out
+
+    async def _admit_grouped(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
+                             all_levels: list[Level], day: str, month: str) -> list[LevelState]:
+        """One atomic check-and-reserve per level (the key's with its RPM/TPM first); when one refuses, the
+        levels already reserved are rolled back (``ROLLBACK_LUA``) and the refusal raised. Between a group's
+        reservation and a rollback, another request may see it and be refused spuriously; no level is ever
+        overspent (each level's own check is atomic). Raises RedisDown (the reservations made stay until
+        their TTL: they can only refuse, never admit, too much)."""
+        states: list[LevelState] = []
+        done: list[int] = []
+        for i, lvl in enumerate(all_levels):
+            rate = i == 0
+            res = await self.breaker.call(functools.partial(self._run, lim, reservation_id, est, now, [lvl], day,
+                                                            month, rate))
+            try:
+                states += self._states(lim, est, res, [lvl])
+            except RateLimited:
+                await self._roll_back(lim, reservation_id, est, now, [all_levels[j] for j in done])
+                raise
+            done.append(i)
+        return states
+
+    async def _roll_back(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
+                         levels: Sequence[Level]) -> None:
+        """Release ``reservation_id`` at ``levels`` (one call per level; the key's takes back its RPM/TPM)."""
+        w = int(now * 1000) // WINDOW_MS
+        for lvl in levels:
+            keys = [self.keys.level_reservations(lvl.kind, lvl.name)]
+            rpm, tokens = 0, 0
+            if lvl.kind == "key" and (lim.rpm is not None or lim.tpm is not None):
+                keys += [self.keys.rpm(lim.key_id, w), self.keys.tpm(lim.key_id, w)]
+                rpm = 1 if lim.rpm is not None else 0
+                tokens = est.tokens if lim.tpm is not None else 0
+            try:
+                await self.breaker.call(functools.partial(self._rollback, keys=keys,
+                                                          args=[reservation_id, 1, rpm, tokens]))
+            except RedisDown:
+                return  # the rest expire after the reservation TTL (they can only refuse too much)
+
+    async def renew(self, key_id: str, tags: Mapping[str, str], reservation_id: str, now: float) -> int:
+        """Extend the open reservations of ``reservation_id`` (at the key, each tag, global) by
+        ``reservation_ttl_s`` from ``now`` (epoch s): a stream that is still running. Returns the number of
+        levels that still held it (0 when Redis is down: the local counters keep theirs until settled)."""
+        ttl = int(self.cfg.reservation_ttl_s * 1000)
+        k = self.keys
+        hashes = [k.reservations(key_id), *(k.level_reservations("tag", f"{a}={b}") for a, b in sorted(tags.items())),
+                  k.level_reservations("global", "global")]
+        args: list[str | int] = [reservation_id, int(now * 1000) + ttl, ttl]
+        try:
+            if not self.grouped:
+                return int(await self.breaker.call(functools.partial(self._renew, keys=hashes, args=args)))
+            total = 0
+            for h in hashes:
+                total += int(await self.breaker.call(functools.partial(self._renew, keys=[h], args=args)))
+            return total
+        except RedisDown:
+            return 0
 
     def settled(self, event: UsageEvent, result: RecordResult) -> None:
         """After metering: update the local approximations (Redis settled itself inside the metering write)."""
@@ -511,6 +681,11 @@ class Limits:
             self.local.refresh(event.key_id, event.ts, result.day_cost_micro_usd, result.month_cost_micro_usd)
         for level_id, (d, m) in result.levels.items():
             self.local.refresh(event.key_id, event.ts, d, m, level_id)
+
+
+def _budgets(lvl: Level, what: str, budget: int) -> tuple[int | None, int | None]:
+    """The budgets of a refused level with the one the script applied (it may differ from the local copy)."""
+    return (budget, lvl.month_micro) if what == "day" else (lvl.day_micro, budget)
 
 
 def _or_minus(v: int | None) -> int:

@@ -8,6 +8,9 @@ all-time / day hashes. In the same step the cost is added to the day/month count
 and of each of the event's tags (``gateway/state/budgets.py``), the request's budget reservations (made at
 admission under the same id at every level, ``gateway/state/reservations.py``) are released and its TPM
 window corrected by the real token count.
+In the same step it deletes the request's write-ahead record (``gateway/state/write_ahead.py``): the record
+an upstream call leaves before its first byte is settled by exactly its usage event; :meth:`Meter.settle_orphan`
+counts the record of a dead process instead (an atomic claim).
 Audit events (refused requests, ``UsageEvent.audit``) go through ``AUDIT`` instead: stream only.
 Counters are integers only (micro-USD, tokens, counts).
 
@@ -57,9 +60,20 @@ REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
 # The reservations made at admission under event_id (gateway/state/reservations.py) are released at every
 # level (once: HDEL) and the TPM window corrected by (actual - reserved) tokens. Levels above the key
 # (global, tags) count cost_micro_usd and requests per UTC day and month.
+# Write-ahead (gateway/state/write_ahead.py), optional trailing KEYS: 14+3n the write-ahead hash (n = tags): the
+# request's record is deleted (settled) with the event; 15+3n an owner's heartbeat: the event is a dead process's
+# orphan being reconciled, counted only if its record is still there and the heartbeat still absent (the atomic
+# claim: a record settled normally, or claimed by another replica first, is left alone; reply {0, 0, …}).
 # Returns {counted (1/0), key day cost, key month cost, global day, global month, tag day, tag month, …}.
 RECORD_LUA = LUA_FUNCTIONS + """
 local ntags = tonumber(ARGV[11])
+local wal, owner_hb = KEYS[14 + 3 * ntags], KEYS[15 + 3 * ntags]
+if owner_hb and (redis.call('HEXISTS', wal, ARGV[1]) == 0 or redis.call('EXISTS', owner_hb) == 1) then
+  local none = {0, 0, 0, 0, 0}
+  for j = 1, 2 * ntags do none[#none + 1] = 0 end
+  return none
+end
+if wal then redis.call('HDEL', wal, ARGV[1]) end
 local reserved = release(KEYS[9], ARGV[1])
 if reserved then
   local delta = tonumber(ARGV[8]) - reserved
@@ -157,6 +171,8 @@ class Meter:
         self._script = self.redis.register_script(RECORD_LUA)
         self._audit = self.redis.register_script(AUDIT_LUA)
         self.spooled = 0  # events written to the spool by this process (for metrics)
+        # every event settles its request's write-ahead record (gateway/state/write_ahead.py) in the same script
+        self._wal_key = self.keys.write_ahead if cfg.write_ahead else None
 
     # --- write path -------------------------------------------------------------------------------------
     async def record(self, event: UsageEvent) -> RecordResult:
@@ -212,6 +228,18 @@ class Meter:
         keys, args = self._keys_args(event)
         return await (self._audit if event.audit else self._script)(keys=keys, args=args)
 
+    async def settle_orphan(self, event: UsageEvent, owner_heartbeat: str) -> RecordResult:
+        """Count ``event`` — built from the write-ahead record of a process that died — only if that record is still
+        open and its owner's heartbeat key ``owner_heartbeat`` still absent, atomically with deleting the record
+        (the claim: two replicas reconciling at once count it once; a request settled normally is never counted
+        again). Never spooled: the record stays in Redis for the next pass. Raises :class:`RedisDown`."""
+        keys, args = self._keys_args(event)
+        if self._wal_key is None:  # write-ahead off here: the record may still be one another replica wrote
+            keys.append(self.keys.write_ahead)
+        keys.append(owner_heartbeat)
+        reply = await self.breaker.call(lambda: self._script(keys=keys, args=args))
+        return RecordResult.of_reply(event, reply)
+
     def _keys_args(self, event: UsageEvent) -> tuple[list[str], list[str | bytes | int]]:
         k = self.keys
         if event.audit:
@@ -238,6 +266,8 @@ class Meter:
             tag = f"{tag_name}={tag_value}"
             keys += [k.level_day("tag", tag, event.day), k.level_month("tag", tag, event.month),
                      k.level_reservations("tag", tag)]
+        if self._wal_key is not None:
+            keys.append(self._wal_key)
         args: list[str | bytes | int] = [
             event.event_id,
             event.to_json(),

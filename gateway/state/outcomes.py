@@ -30,7 +30,7 @@ from gateway.config import OutcomesConfig, Settings
 from gateway.ledger.outcome import Outcome, window_digest
 from gateway.ledger.record import UsageRecord
 from gateway.state.breaker import Breaker, RedisDown
-from gateway.state.keys import RedisKeys
+from gateway.state.keys import RedisKeys, key_tenant
 from gateway.state.redis import RedisHandle, as_bytes
 from gateway.state.spool import Spool
 
@@ -72,7 +72,7 @@ class OutcomeStore:
         #: () -> the router file's version string (or None), stamped into every outcome
         self.router_version = router_version or (lambda: None)
         self.spooled = 0
-        self._index: list[tuple[str, bytes]] = []
+        self._index: list[tuple[str, str, bytes]] = []  # (request id, key id, entry JSON)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
@@ -112,7 +112,7 @@ class OutcomeStore:
                                  if record.routing_window is not None else None}
         if self.cfg.retain_text and record.routing_window is not None:
             entry["text"] = record.routing_window
-        self._index.append((record.request_id, orjson.dumps(entry)))
+        self._index.append((record.request_id, record.key_id, orjson.dumps(entry)))
 
     def outcome_of(self, record: UsageRecord, source: Any, **kw: Any) -> Outcome:
         """An outcome about ``record``'s request (its key, tier, score, window) with ``kw`` set."""
@@ -140,8 +140,8 @@ class OutcomeStore:
 
         async def write() -> None:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for rid, data in batch:
-                    pipe.set(self.keys.request(rid), data, ex=ttl)
+                for rid, key_id, data in batch:  # each in its key's tenant slot on a Cluster (keys.py)
+                    pipe.set(self.keys.request(rid, key_tenant(key_id)), data, ex=ttl)
                 await pipe.execute()
         try:
             await self.breaker.call(write)
@@ -187,15 +187,16 @@ class OutcomeStore:
         await self.spool.run_replayer(self.replay, self._stop, self.cfg.replay_interval_s, "outcome")
 
     # --- reads ------------------------------------------------------------------------------------------
-    async def request(self, request_id: str) -> dict[str, Any] | None:
-        """The request-index entry of ``request_id`` (None: unknown or expired). Raises :class:`RedisDown`.
+    async def request(self, request_id: str, key_id: str) -> dict[str, Any] | None:
+        """The request-index entry of ``request_id`` made with key ``key_id`` (None: unknown, expired, or
+        another key's: the entry is looked up in ``key_id``'s tenant slot). Raises :class:`RedisDown`.
 
         An entry still queued on this replica (answered less than one flush interval ago) is read from the
         queue: a client grading the answer it has just received must not get a 404."""
-        for rid, data in reversed(self._index):
-            if rid == request_id:
+        for rid, kid, data in reversed(self._index):
+            if rid == request_id and kid == key_id:
                 return dict(orjson.loads(data))
-        raw = await self.breaker.call(lambda: self.redis.get(self.keys.request(request_id)))
+        raw = await self.breaker.call(lambda: self.redis.get(self.keys.request(request_id, key_tenant(key_id))))
         return None if raw is None else dict(orjson.loads(as_bytes(raw)))
 
     async def outcomes(self, since_ts: float | None = None, page: int = 1000) -> list[Outcome]:

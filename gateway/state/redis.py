@@ -14,6 +14,7 @@ stops it from paying the timeout on every request while Redis is down.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -22,6 +23,7 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException, RedisError
 
 from gateway.config import RedisConfig
 
@@ -53,7 +55,9 @@ class RedisHandle:
 
 
 def cluster_prefix(prefix: str) -> str:
-    """``prefix`` wrapped in a hash tag so all keys share one Cluster slot (``tg:`` → ``{tg:}``)."""
+    """``prefix`` wrapped in a hash tag (``tg:`` → ``{tg:}``): the one slot of the shared keys (admission,
+    metering); tenant keys then get ``{tg:<tenant>}`` (``gateway/state/keys.py``). A prefix that already has a
+    hash tag is kept: every key then shares that one slot."""
     return prefix if "{" in prefix and "}" in prefix else "{" + prefix + "}"
 
 
@@ -85,6 +89,28 @@ def connect(cfg: RedisConfig) -> RedisHandle:
         return RedisHandle(client, "standalone", cfg.key_prefix)
     raise ValueError(f"redis.url: unsupported scheme {parsed.scheme!r} (redis, rediss, unix, redis+cluster, "
                      "redis+sentinel)")
+
+
+async def ping(cfg: RedisConfig) -> bool:
+    """True when the Redis of ``cfg.url`` answers PING within ``cfg.socket_timeout_s`` (any URL form; never raises).
+
+    One server: PING. Sentinel: the sentinels name the master, the master answers. Cluster: every primary
+    serving slots answers (a slot whose master is down and not yet failed over makes the cluster unready). A
+    fresh client each call, so a readiness probe never reuses a connection the request path broke.
+    """
+    try:
+        handle = connect(cfg)
+    except (ValueError, RedisError, RedisClusterException, OSError):
+        return False
+    try:
+        if isinstance(handle.client, RedisCluster):
+            return bool(await handle.client.ping(target_nodes=RedisCluster.PRIMARIES))
+        return bool(await handle.client.ping())
+    except (RedisError, RedisClusterException, OSError):
+        return False
+    finally:
+        with contextlib.suppress(RedisError, RedisClusterException, OSError):
+            await handle.close()
 
 
 def _sentinel_master(cfg: RedisConfig, parsed: Any, common: dict[str, Any]) -> Redis:

@@ -12,6 +12,20 @@ Format: a field ``{id}`` of the level's hash (``gateway/state/keys.py``: ``lim:{
 micro-USD, integer tokens, epoch milliseconds after which it no longer counts (a crashed replica never
 settles; ``limits.reservation_ttl_s``). Expired fields are deleted by the next admission that reads the hash.
 
+Every level, budgeted or not: admission reserves at the key, at *each* of the key's tags and at the global
+level whatever their budgets are at that moment, so a budget set while requests are in flight already sees
+them (metering releases at the same levels). An unbudgeted level's hash is swept of expired fields (a crashed
+replica's) once it holds more than 4,096, so it cannot grow without bound.
+
+**Renewal** (``RENEW_LUA``): a stream still running rewrites the ``expires_ms`` of its fields (same id, same
+``micro|tokens``) every third of the TTL, so a long stream never stops counting while it runs; the stream itself
+is bounded by ``limits.max_stream_s`` (``gateway/pipeline/relay.py`` cuts it), so a renewed reservation is too.
+A field that is gone (settled, or expired after a crash) is not re-created.
+
+**Rollback** (``ROLLBACK_LUA``): grouped admission (Redis Cluster, ``gateway/state/limits.py``) reserves one
+level group at a time; when a later group refuses, the groups already reserved are released with this script
+(their fields deleted, the key group's RPM/TPM counts taken back).
+
 The Lua fragments below are pasted at the top of the scripts that use them (Redis scripts cannot import).
 """
 
@@ -47,6 +61,40 @@ local function release(hash, id)
   redis.call('HDEL', hash, id)
   return tonumber(string.match(v, '^[^|]*|([^|]*)|')) or 0
 end
+"""
+
+# Extend the reservation ``ARGV[1]`` in every hash of KEYS to expire at ``ARGV[2]`` (epoch ms; the hash's own
+# TTL to ``ARGV[3]`` ms). Returns how many hashes still held it.
+RENEW_LUA = """
+local n = 0
+for i = 1, #KEYS do
+  local v = redis.call('HGET', KEYS[i], ARGV[1])
+  if v then
+    local m, t = string.match(v, '^(%d+)|(%d+)|%d+$')
+    if m then
+      redis.call('HSET', KEYS[i], ARGV[1], m .. '|' .. t .. '|' .. ARGV[2])
+      redis.call('PEXPIRE', KEYS[i], ARGV[3])
+      n = n + 1
+    end
+  end
+end
+return n
+"""
+
+# Undo one admission group: delete the reservation ``ARGV[1]`` from the ``ARGV[2]`` reservation hashes KEYS[1..n];
+# the key group also passes its RPM and TPM counters of the window it was counted in (KEYS[n+1], KEYS[n+2]): one
+# request is taken back when ``ARGV[3]`` = '1', ``ARGV[4]`` tokens from the TPM count. Returns the fields deleted.
+ROLLBACK_LUA = """
+local nres = tonumber(ARGV[2])
+local n = 0
+for i = 1, nres do n = n + redis.call('HDEL', KEYS[i], ARGV[1]) end
+if #KEYS >= nres + 2 then
+  if ARGV[3] == '1' and redis.call('EXISTS', KEYS[nres + 1]) == 1 then redis.call('DECR', KEYS[nres + 1]) end
+  if ARGV[4] ~= '0' and redis.call('EXISTS', KEYS[nres + 2]) == 1 then
+    redis.call('DECRBY', KEYS[nres + 2], ARGV[4])
+  end
+end
+return n
 """
 
 

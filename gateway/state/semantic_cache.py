@@ -12,16 +12,18 @@ lookup (and a store)::
 
 A **hit** needs, in this order: the same tenant scope and context (the index is partitioned by both,
 ``gateway/state/semantic_policy.py``), a similarity ≥ ``cache.semantic.threshold`` between the last user
-turns, the guard (``gateway/state/semantic_guard.py``: numbers, operators, quoted strings, names, negation,
+turns, the guard (``gateway/state/semantic_guard.py``: numbers and operators in order, units, relation
+words and what stands on each side of them, ordinals, quoted strings, names and their order, negation,
 comparison words, language; with the ``lexical`` embedder also the content words), the stored answer still
 in the exact cache and within ``max-age``, and a ``max_tokens`` it fits
 (:func:`~gateway.state.semantic_policy.servable`). Candidates are tried best-first. The outcome says why a
 lookup did not hit: ``guard_rejected`` (a candidate was similar enough but the guard refused it),
 ``below_threshold`` (candidates, none similar enough), ``miss`` (no candidate at all).
 
-The index buckets are partitioned by the question's numbers as well (:attr:`Probe.bucket`), so a question
-with other numbers is not even a candidate (outcome ``miss``); the guard still checks them. ``guard_rejected``
-therefore counts the other refusals: names, quoted strings, negation, operators, words, language.
+The index buckets are partitioned by the question's numbers in order as well (:attr:`Probe.bucket`), so a
+question with other numbers, or its numbers in another order, is not even a candidate (outcome ``miss``); the
+guard still checks them. ``guard_rejected`` therefore counts the other refusals: names, quoted strings,
+negation, operators, relations, units, ordinals, comparatives, role order, words, language.
 
 Costs: a lookup is one Redis round trip (``gateway/state/semantic_index.py``), a hit one more (the answer's
 ``GET``); a store one. Redis unreachable or the embedder failing → ``bypass``, never an error.
@@ -65,10 +67,13 @@ class Probe:
 
     @property
     def bucket(self) -> str:
-        """Where its LSH bands live: the context, and the question's numbers — two questions with other
-        numbers never share an answer (the guard), so they need not share buckets either, and a tenant asking
-        one template with many numbers does not push an entry out of its buckets."""
-        numbers = hashlib.blake2b("\x1f".join(self.features.numbers).encode(), digest_size=4).hexdigest()
+        """Where its LSH bands live: the context, and the question's numbers *in order* — two questions with
+        other numbers, or the same numbers in another order (``3 from 10`` / ``10 from 3``), never share an
+        answer (the guard), so they need not share buckets either, and a tenant asking one template with many
+        numbers does not push an entry out of its buckets. (A sorted multiset here would put swapped operands
+        in one bucket and leave them to the guard alone.)"""
+        ordered = self.features.ordered_numbers
+        numbers = hashlib.blake2b("\x1f".join(ordered).encode(), digest_size=4).hexdigest()
         return f"{self.question.context[:16]}.{numbers}"
 
 
@@ -143,7 +148,7 @@ class SemanticCache:
                 continue
             fetched += 1
             try:
-                entry = await self._entry(cand.entry_id, max_age_s)
+                entry = await self._entry(probe.tenant, cand.entry_id, max_age_s)
             except RedisDown:
                 return SemanticResult("bypass", sim)
             mt = cand.meta.get("mt")
@@ -156,8 +161,9 @@ class SemanticCache:
             return SemanticResult("guard_rejected", best, guard_reason=guard_reason)
         return SemanticResult("below_threshold", best)
 
-    async def _entry(self, entry_id: str, max_age_s: int | None) -> CacheEntry | None:
-        raw = await self.breaker.call(lambda: self.redis.get(self.keys.cache_entry(entry_id)))
+    async def _entry(self, tenant: str, entry_id: str, max_age_s: int | None) -> CacheEntry | None:
+        # the exact-cache entry of the same tenant (same tag: same Cluster slot as the index)
+        raw = await self.breaker.call(lambda: self.redis.get(self.keys.cache_entry(entry_id, tenant)))
         if raw is None:
             return None
         entry = CacheEntry.from_bytes(raw if isinstance(raw, bytes) else raw.encode())

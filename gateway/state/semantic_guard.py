@@ -21,15 +21,28 @@ an answer. Two questions pass only when they have
 - the same number of negations (``not``, ``no``, ``never``, ``n't``, ``without``, …);
 - the same comparison words by direction (``more``/``greater``/``largest``/``above``/``after`` vs
   ``less``/``fewer``/``smallest``/``below``/``before``);
-- the same language (script, and for Latin script the dominant function words of en/fr/de/es/it/pt/nl).
+- the same language (script, and for Latin script the dominant function words of en/fr/de/es/it/pt/nl);
+
+and, since a bag of tokens cannot tell ``Subtract 3 from 10`` from ``Subtract 10 from 3`` (issue 25), the same
+order and roles:
+
+- the numbers, operators and symbols in the same order (``10 ÷ 2`` ≠ ``2 ÷ 10``, ``120 km in 3 hours`` ≠
+  ``3 km in 120 hours``);
+- the same word after each number (``5 miles to km`` ≠ ``5 km to miles``);
+- the same two ends of every relation word (:data:`RELATIONS`: from, to, of, per, than, before, north…:
+  ``Paris north of Madrid`` ≠ ``Madrid north of Paris``, ``north`` ≠ ``south``);
+- the same ordinals and multipliers in order (``first`` ≠ ``second``, ``3rd`` ≠ ``4th``, ``half`` ≠ ``twice``),
+  the same comparison/superlative words in order (``largest`` ≠ ``heaviest``), the same currency signs;
+- the content words and arithmetic both share in the same order (``Alice pays Bob`` ≠ ``Bob pays Alice``,
+  ``a cat chases a dog`` ≠ ``a dog chases a cat``). A moved clause or sentence is refused too (``If A, B``
+  vs ``B if A``): the guard cannot tell a harmless move from a changed role — when in doubt, miss.
 
 With the ``lexical`` embedder it also requires the same content words (every normalised word that is not a
 common sentence word, :func:`mismatch` ``same_words``): a lexical similarity cannot tell a synonym from a
 changed noun, so a changed word is a different question. With an embedding model (``openai:<tier>``) that
-check is off — synonyms are the point — and a changed unit (``km`` → ``miles``), a changed lower-case noun
-(``apples`` → ``pears``) or a word of opposite meaning that is not in the lists above passes the guard; the
-similarity threshold has to stop those. Swapped roles (``Alice pays Bob`` vs ``Bob pays Alice``) pass the
-guard in both modes (same names, same words): only the similarity's word-order features see them.
+check is off — synonyms are the point — and a changed lower-case noun (``apples`` → ``pears``) or a word of
+opposite meaning that is not in the lists here passes the guard; the similarity threshold has to stop those.
+The order- and role-aware checks apply in both modes. Features stored by an older guard (no ``v``) are refused.
 """
 
 from __future__ import annotations
@@ -37,7 +50,6 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
@@ -233,12 +245,97 @@ def language(text: str) -> str:
     return leaders[0] if len(leaders) == 1 or "en" not in leaders else "en"
 
 
+# --- the order- and role-aware part of the guard ---------------------------------------------------------
+# A bag of tokens cannot tell "Subtract 3 from 10" from "Subtract 10 from 3"; these lists and the features
+# below compare where things stand, not only that they occur. Every list errs towards refusing: a word that
+# *might* carry direction is in it, and a rephrasing that moves it is a miss, never a wrong answer.
+
+#: Words that make a relation between what stands left and right of them asymmetric (``3 from 10``,
+#: ``Paris north of Madrid``, ``5 miles to km``, ``10 per hour``); operators are handled by the math sequence.
+RELATIONS = frozenset(_words("""from to into onto of per by than minus over under above below before after
+north south east west northeast northwest southeast southwest northern southern eastern western behind ahead
+beyond inside outside within upstream downstream preceding following precedes follows exceeds exceed subtract
+subtracted subtracting divide dividing deduct deducted remove removed take taken away off out until till since
+toward towards against versus vs via"""))
+#: Ordinal and multiplier words: ``first`` ≠ ``second``, ``half`` ≠ ``twice``; compared as a sequence in both
+#: modes (``first`` and ``second`` are also common sentence words, so the content-word check never saw them).
+ORDINALS = frozenset(_words("""first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth
+thirteenth fourteenth fifteenth sixteenth seventeenth eighteenth nineteenth twentieth thirtieth fortieth
+fiftieth hundredth thousandth millionth last next previous penultimate final former latter half halves twice
+double doubled triple tripled thrice quadruple quarter quarters thirds fourths fifths tenths hundredths once
+primary secondary tertiary"""))
+_ORDINAL_SUFFIX = frozenset(("st", "nd", "rd", "th"))
+#: Comparison and superlative words compared exactly and in order (``largest`` ≠ ``heaviest`` even in the
+#: embedding mode, where the content-word check is off); the by-direction count (``polarity``) stays too.
+DEGREE = MORE | LESS | frozenset(_words("""most best worst better worse closest closer nearest nearer farthest
+further furthest farther cheapest cheaper richest richer poorest poorer hottest hotter coldest colder warmest
+warmer coolest cooler deepest deeper newest newer wider widest narrower narrowest thicker thickest thinner
+thinnest stronger strongest weaker weakest louder loudest quieter quietest darker darkest brighter brightest
+easier easiest harder hardest simpler simplest safer safest"""))
+_CURRENCY = re.compile(r"[$€£¥₹₽₩¢]")
+_SKIP = COMMON | RELATIONS | NEGATIONS | DEGREE | ORDINALS | _ORDINAL_SUFFIX
+_WINDOW = 6  # tokens searched on each side of a relation word for its two ends
+GUARD_VERSION = 2  # stored features of another version are refused ("when in doubt, miss")
+
+
+def _is_number(t: str) -> bool:
+    return t[:1].isdigit()
+
+
+def _is_math(t: str) -> bool:
+    """Numbers, operator characters and single-letter symbols: the tokens whose order is the arithmetic."""
+    return _is_number(t) or (len(t) == 1 and not t.isalnum()) or (len(t) == 1 and t.isalpha() and t not in "ai")
+
+
+def _anchor(toks: list[str], i: int, step: int) -> str:
+    """The nearest token from ``i`` in direction ``step`` that is a number or a content word (``-`` when none
+    within :data:`_WINDOW` tokens)."""
+    j, seen = i + step, 0
+    while 0 <= j < len(toks) and seen < _WINDOW:
+        t = toks[j]
+        if _is_number(t) or (t.isalpha() and t not in _SKIP and len(t) > 1):
+            return t
+        j += step
+        seen += 1
+    return "-"
+
+
+def _roles(toks: list[str]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(units, relations, ordinals) of the token list: ``units`` the sorted ``"<number> <word>"`` pairs of each
+    number and the content word right after it (``5 miles``); ``relations`` the sorted ``"<left>|<rel>|<right>"``
+    triples of each relation word and the nearest number or content word on each side (``3|from|10``);
+    ``ordinals`` the ordinal/multiplier words in order, a number followed by ``st``/``nd``/``rd``/``th`` as
+    ``<n>th``."""
+    units: list[str] = []
+    relations: list[str] = []
+    ordinals: list[str] = []
+    for i, t in enumerate(toks):
+        nxt = toks[i + 1] if i + 1 < len(toks) else ""
+        if _is_number(t):
+            if nxt in _ORDINAL_SUFFIX:
+                ordinals.append(t + "th")
+            elif nxt.isalpha() and nxt not in _SKIP and len(nxt) > 1:
+                units.append(f"{t} {nxt}")
+        elif t in ORDINALS:
+            ordinals.append(t)
+        if t in RELATIONS:
+            relations.append(f"{_anchor(toks, i, -1)}|{t}|{_anchor(toks, i, 1)}")
+    return tuple(sorted(units)), tuple(sorted(relations)), tuple(ordinals)
+
+
 @dataclass(frozen=True, slots=True)
 class Features:
     """What the guard compares. ``numbers``/``operators``/``symbols``/``quoted``: sorted multisets;
     ``names``: case-folded capitalised non-common words; ``words``: the normalised non-common word tokens
     (for the name check of the other side, and the content-word check); ``negations``: count;
-    ``polarity``: (more-words, less-words) counts."""
+    ``polarity``: (more-words, less-words) counts; ``language``: see :func:`language`.
+
+    The order- and role-aware part: ``math`` the numbers, operators and symbols *in order* (``10 ÷ 2`` ≠
+    ``2 ÷ 10``); ``units``, ``relations``, ``ordinals`` see :func:`_roles`; ``degree`` the comparison and
+    superlative words in order; ``currency`` the currency signs in order; ``sequence`` the non-common words,
+    ordinals and the arithmetic in order (``words`` is the set of its non-common words; the word-order check
+    compares what both sides share);
+    ``version`` :data:`GUARD_VERSION` (0 for features stored by an older guard, never passed)."""
 
     numbers: tuple[str, ...]
     operators: tuple[str, ...]
@@ -249,23 +346,44 @@ class Features:
     negations: int
     polarity: tuple[int, int]
     language: str
+    math: tuple[str, ...] = ()
+    units: tuple[str, ...] = ()
+    relations: tuple[str, ...] = ()
+    ordinals: tuple[str, ...] = ()
+    degree: tuple[str, ...] = ()
+    currency: tuple[str, ...] = ()
+    sequence: tuple[str, ...] = ()
+    version: int = GUARD_VERSION
+
+    @property
+    def ordered_numbers(self) -> tuple[str, ...]:
+        """The numbers in the order they occur (``numbers`` is their sorted multiset)."""
+        return tuple(t for t in self.math if _is_number(t))
 
     def to_json(self) -> dict[str, object]:
-        return {"n": list(self.numbers), "o": list(self.operators), "s": list(self.symbols),
-                "q": list(self.quoted), "c": sorted(self.names), "w": sorted(self.words), "g": self.negations,
-                "p": list(self.polarity), "l": self.language}
+        return {"v": self.version, "n": list(self.numbers), "o": list(self.operators), "s": list(self.symbols),
+                "q": list(self.quoted), "c": sorted(self.names), "w": list(self.sequence), "g": self.negations,
+                "p": list(self.polarity), "l": self.language, "m": list(self.math), "u": list(self.units),
+                "r": list(self.relations), "od": list(self.ordinals), "dg": list(self.degree),
+                "cu": list(self.currency)}
 
     @classmethod
     def from_json(cls, d: dict[str, object]) -> Features:
-        def seq(key: str) -> Iterable[str]:
+        """The inverse of :meth:`to_json`; features stored without a version (the guard before the order-aware
+        checks) come back with ``version`` 0, which :func:`mismatch` refuses."""
+        def seq(key: str) -> tuple[str, ...]:
             v = d.get(key) or []
-            return [str(x) for x in v] if isinstance(v, list) else []
+            return tuple(str(x) for x in v) if isinstance(v, list) else ()
 
         pol = d.get("p") or [0, 0]
         p = (int(pol[0]), int(pol[1])) if isinstance(pol, list) and len(pol) == 2 else (0, 0)
         neg = d.get("g", 0)
-        return cls(tuple(seq("n")), tuple(seq("o")), tuple(seq("s")), tuple(seq("q")), frozenset(seq("c")),
-                   frozenset(seq("w")), int(neg) if isinstance(neg, int) else 0, p, str(d.get("l", "und")))
+        version = d.get("v", 0)
+        sequence = seq("w")
+        words = frozenset(t for t in sequence if t.isalpha() and t not in COMMON)
+        return cls(seq("n"), seq("o"), seq("s"), seq("q"), frozenset(seq("c")), words,
+                   int(neg) if isinstance(neg, int) else 0, p, str(d.get("l", "und")), seq("m"), seq("u"), seq("r"),
+                   seq("od"), seq("dg"), seq("cu"), sequence, version if isinstance(version, int) else 0)
 
 
 def _fold(word: str) -> str:
@@ -283,27 +401,51 @@ def features(text: str) -> Features:
     """The guard's view of ``text`` (the last user turn)."""
     quoted = tuple(sorted(_quoted(m) for m in _QUOTES.finditer(text)))
     toks = tokens(text)
-    numbers = tuple(sorted(t for t in toks if t[:1].isdigit()))
+    # "Hi!" is punctuation, "5!" and "n!" a factorial (tokens() keeps every "!" as an operator)
+    toks = [t for i, t in enumerate(toks) if t != "!" or i == 0 or not (toks[i - 1].isalpha() and len(toks[i - 1]) > 1)]
+    numbers = tuple(sorted(t for t in toks if _is_number(t)))
     operators = tuple(sorted(t for t in toks if len(t) == 1 and not t.isalnum()))
     symbols = tuple(sorted(t for t in toks if len(t) == 1 and t.isalpha() and t not in ("a", "i")))
     raw_words = _WORD.findall(_WORD_HYPHEN.sub(" ", unicodedata.normalize("NFKC", text)))
-    words = frozenset(t for t in toks if t.isalpha() and t not in COMMON)  # names are never COMMON
+    # content words, ordinals ("second day" ≠ "day second") and the arithmetic, in order (names are never COMMON)
+    sequence = tuple(t for t in toks if (t.isalpha() and t not in COMMON) or t in ORDINALS or _is_math(t))
     names = frozenset(f for w in raw_words
                       if w[:1].isupper() and len(w) > 1 and (f := _fold(w)) not in COMMON
                       and f not in NUMBER_WORDS and f not in OPERATOR_WORDS)
     negations = sum(t in NEGATIONS for t in toks)
     polarity = (sum(t in MORE for t in toks), sum(t in LESS for t in toks))
-    return Features(numbers, operators, symbols, quoted, names, words, negations, polarity, language(text))
+    units, relations, ordinals = _roles(toks)
+    words = frozenset(t for t in sequence if t.isalpha() and t not in COMMON)
+    return Features(numbers, operators, symbols, quoted, names, words, negations, polarity,
+                    language(text), tuple(t for t in toks if _is_math(t)), units, relations, ordinals,
+                    tuple(t for t in toks if t in DEGREE), tuple(_CURRENCY.findall(text)), sequence)
+
+
+def _word_order(a: Features, b: Features) -> bool:
+    """Do the content words, ordinals and arithmetic both sides share stand in the same order in both?
+    ``Paris … Madrid`` vs ``Madrid … Paris`` do not, nor ``a cat chases a dog`` vs ``a dog chases a cat``,
+    ``second day`` vs ``day second``, ``\\frac{a}{b}`` with ``b`` and a word swapped, or a clause moved past
+    another (``If A, B`` vs ``B if A``: the guard cannot tell a harmless move from a changed role). Words only
+    one side has (a synonym, with an embedding model) are left out of the comparison."""
+    shared = set(a.sequence) & set(b.sequence)
+    return [w for w in a.sequence if w in shared] == [w for w in b.sequence if w in shared]
 
 
 def mismatch(a: Features, b: Features, same_words: bool = False) -> str | None:
-    """Why ``a`` and ``b`` may not share an answer (the first of ``language``, ``numbers``, ``operators``,
-    ``symbols``, ``quoted``, ``names``, ``negation``, ``polarity`` — and with ``same_words``, ``words`` — that
-    differs), or None when the guard passes.
+    """Why ``a`` and ``b`` may not share an answer, or None when the guard passes. The first that differs of
+    ``version`` (features stored by an older guard), ``language``, ``numbers``, ``operators``, ``symbols``,
+    ``quoted``, ``names``, ``negation``, ``polarity``, then the order- and role-aware checks: ``order`` (the
+    numbers, operators and symbols in sequence), ``units`` (the word after each number), ``relation`` (what
+    stands on each side of ``from``/``to``/``of``/``per``/``than``/``north of``…), ``ordinal`` (``first`` ≠
+    ``second``, ``half`` ≠ ``twice``), ``comparative`` (the comparison and superlative words in order),
+    ``currency``, ``word_order`` (the content words both share, in order: names and nouns around a verb
+    ``Alice pays Bob`` / ``Bob pays Alice``, a moved clause) — and with ``same_words``, ``words``.
 
     ``same_words`` also requires the same set of content words (normalised tokens that are not common
     sentence words): for a lexical similarity, which cannot tell a synonym (``buy`` → ``purchase``) from a
     changed noun (``apples`` → ``pears``, ``km`` → ``miles``), the only safe reading of a changed word."""
+    if a.version != GUARD_VERSION or b.version != GUARD_VERSION:
+        return "version"
     if a.language != b.language:
         return "language"
     if a.numbers != b.numbers:
@@ -320,6 +462,20 @@ def mismatch(a: Features, b: Features, same_words: bool = False) -> str | None:
         return "negation"
     if a.polarity != b.polarity:
         return "polarity"
+    if a.math != b.math:
+        return "order"
+    if a.units != b.units:
+        return "units"
+    if a.relations != b.relations:
+        return "relation"
+    if a.ordinals != b.ordinals:
+        return "ordinal"
+    if a.degree != b.degree:
+        return "comparative"
+    if a.currency != b.currency:
+        return "currency"
+    if not _word_order(a, b):
+        return "word_order"
     if same_words and a.words != b.words:
         return "words"
     return None

@@ -1,7 +1,7 @@
 """The semantic cache's index in Redis: LSH band buckets as Redis keys, one round trip per lookup.
 
 Keys (``p`` = prefix, ``t`` = 16-hex tenant tag of the cache scope, ``c`` = the bucket: 16 hex of the
-context key and 8 hex of the question's numbers, see ``gateway/state/semantic_cache.py``):
+context key and 8 hex of the question's numbers in order, see ``gateway/state/semantic_cache.py``):
 
 ==========================================  ======  =====================================================
 key                                          type    contents
@@ -24,8 +24,9 @@ shares, and return the records of the :attr:`max_candidates` ids with most share
 **Insert** (``INSERT_LUA``, one round trip): drop up to 64 expired entries of the tenant, write the record,
 push the id onto its band lists (trimmed), then evict the soonest-expiring entries above the tenant's cap.
 Every key gets the entry's TTL when it has less, so an idle tenant's index disappears on its own. The scripts
-touch band keys of evicted entries that are not in ``KEYS``: fine on one server; in Cluster mode every
-ThinkGate key shares one hash slot (the prefix is a hash tag), so they still run.
+touch band keys of evicted entries that are not in ``KEYS``: fine on one server; in Cluster mode every key
+of one tenant's index carries that tenant's hash tag (``gateway/state/keys.py``), so they share its slot and
+still run.
 
 Redis's own vector search (RediSearch, ``FT.*``) is detected (:meth:`SemanticIndex.detect`) and reported,
 but not used yet: the LSH index works on every Redis ≥ 6.2.

@@ -13,12 +13,12 @@ never share a semantic entry, whatever the similarity.
 from __future__ import annotations
 
 import copy
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.state.cache_policy import cache_key
+from gateway.state.keys import tenant_tag as tenant_tag  # one definition: the tag of key names and Cluster slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +78,6 @@ def question(scope: str, endpoint: str, tier: str, upstream_body: Mapping[str, A
         body["max_tokens"] = max_tokens_bucket(max_tokens)
     body["__semantic_embedder"] = embedder
     return Question(text, cache_key(scope, endpoint, tier, body), max_tokens)
-
-
-def tenant_tag(scope: str) -> str:
-    """A short stable tag of a tenant scope for key names (16 hex chars of its SHA-256)."""
-    return hashlib.sha256(scope.encode()).hexdigest()[:16]
 
 
 def servable(answer: Mapping[str, Any], stored_max_tokens: int | None, max_tokens: int | None) -> bool:

@@ -22,14 +22,20 @@ Errors raised (all :class:`gateway.errors.GatewayError`):
 
 A streamed :class:`AioResponse` raises the same errors from ``aiter_raw()`` when the upstream stalls
 (:class:`UpstreamTimeout`) or breaks the stream (:class:`UpstreamError`) mid-body.
+
+A tier with several ``base_urls`` is a pool (:mod:`gateway.upstream.balancer`): each attempt asks the balancer
+for a replica (least outstanding, conversation affinity, ejected replicas skipped), a retry goes to a replica
+not tried yet when there is one (without the backoff: it is a fresh upstream), and each call's outcome feeds
+the replica's passive ejection. One URL: the same single upstream as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -45,6 +51,7 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.telemetry import traceparent
+from gateway.upstream.balancer import Balancer, Replica, TierPool, current_affinity
 
 log = logging.getLogger("thinkgate.upstream")
 
@@ -102,12 +109,16 @@ class AioResponse:
     streamed one as they arrive) and ``aclose()`` (always call it: returns the connection to the pool when the
     body was read to its end, else closes it, which cancels a generation still running upstream)."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, tier: TierConfig, content: bytes = b"") -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, tier: TierConfig, content: bytes = b"",
+                 on_close: Callable[[bool | None], None] | None = None) -> None:
         self._resp = resp
         self._tier = tier
         self._content = content
         self.status_code = resp.status
         self.headers = resp.headers
+        #: called once by aclose(): True (read to its end), False (broke mid-body), None (closed early)
+        self._on_close = on_close
+        self._broken = False
 
     @property
     def content(self) -> bytes:
@@ -120,15 +131,21 @@ class AioResponse:
             async for chunk in self._resp.content.iter_any():
                 yield chunk
         except (TimeoutError, aiohttp.ServerTimeoutError):
+            self._broken = True
             raise UpstreamTimeout(f"upstream of tier {self._tier.name!r} stalled mid-stream") from None
         except (aiohttp.ClientError, ConnectionError) as exc:
+            self._broken = True
             raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
 
     async def aclose(self) -> None:
-        if self._resp.content.at_eof():
+        done = self._resp.content.at_eof()
+        if done:
             self._resp.release()
         else:
             self._resp.close()
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close(False if self._broken else True if done else None)
 
 
 class UpstreamPool:
@@ -136,9 +153,12 @@ class UpstreamPool:
 
     def __init__(self, tiers: list[TierConfig]) -> None:
         self._session: aiohttp.ClientSession | None = None
+        #: the replicas of every tier (one per tier without ``base_urls``)
+        self.balancer = Balancer(tiers, self._probe)
         self._headers: dict[str, dict[str, str]] = {}
         self._timeouts: dict[str, aiohttp.ClientTimeout] = {}
         self._urls: dict[tuple[str, str], str] = {}
+        self._tiers = list(tiers)
         for t in tiers:
             self._headers[t.name] = self._headers_for(t)
             self._timeouts[t.name] = self._timeout_for(t)
@@ -165,40 +185,67 @@ class UpstreamPool:
                                                   timeout=aiohttp.ClientTimeout(total=None))
         return self._session
 
+    def start(self) -> None:
+        """Start the pools' active health checks (inside the event loop; also done by the first call)."""
+        self.balancer.start()
+
     async def aclose(self) -> None:
+        await self.balancer.aclose()
         if self._session is not None:
             await self._session.close()
 
-    async def open(self, tier: TierConfig, path: str, body: bytes, *, stream: bool) -> AioResponse:
-        """POST ``body`` to ``tier.base_url + path`` and return the 2xx response, headers read.
+    def _url(self, base_url: str, path: str) -> str:
+        url = self._urls.get((base_url, path))
+        if url is None:
+            url = self._urls[(base_url, path)] = base_url.rstrip("/") + path
+        return url
+
+    def pool(self, tier: TierConfig) -> TierPool:
+        """The replicas of ``tier`` (:class:`gateway.upstream.balancer.TierPool`)."""
+        return self.balancer.tier(tier)
+
+    async def open(self, tier: TierConfig, path: str, body: bytes, *, stream: bool,
+                   affinity: bytes | None = None) -> AioResponse:
+        """POST ``body`` to ``base_url + path`` of one of the tier's replicas and return the 2xx response, headers
+        read. ``affinity``: the conversation's key (default: :func:`gateway.upstream.balancer.current_affinity`).
 
         With ``stream=True`` the body is not read yet: the caller iterates it and must ``aclose()`` it.
         With ``stream=False`` the whole body has been read (``resp.content``).
         Retries connection errors and 502/503 with backoff; raises the errors listed in the module doc.
         """
-        url = self._urls.get((tier.base_url, path))
-        if url is None:
-            url = self._urls[(tier.base_url, path)] = tier.base_url.rstrip("/") + path
         headers = self._headers.get(tier.name) or self._headers_for(tier)
         if (parent := traceparent()) is not None:  # telemetry on: W3C trace context to the upstream
             headers = {**headers, "traceparent": parent}
         timeout = self._timeouts.get(tier.name) or self._timeout_for(tier)
         session = self.session
+        if not self.balancer.started:
+            self.balancer.start()
+        pool = self.balancer.tier(tier)
+        key = affinity if affinity is not None else current_affinity()
+        tried: list[Replica] = []
         last: GatewayError | None = None
         for attempt in range(tier.max_retries + 1):
-            if attempt:
+            replica = pool.pick(key, tried)
+            if attempt and replica in tried:  # the same upstream again: give it time
                 await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (attempt - 1)) * (0.5 + random.random()))
+            tried.append(replica)
+            url = self._url(replica.url, path)
             resp: aiohttp.ClientResponse | None = None
+            ok: bool | None = False  # the call's outcome for the replica (None: cancelled, no verdict)
+            owned = True  # this attempt ends the replica's call (a returned stream ends it when closed)
             try:
                 resp = await session.post(url, data=body, headers=headers, timeout=timeout)
                 if 200 <= resp.status < 300:
                     if stream:
-                        return AioResponse(resp, tier)
+                        owned = False
+                        return AioResponse(resp, tier, on_close=functools.partial(pool.end, replica))
                     content = await resp.read()
                     resp.release()
+                    ok = True
                     return AioResponse(resp, tier, content)
                 err_body = await resp.read()
                 resp.release()
+                ok = resp.status < 500
             except aiohttp.ConnectionTimeoutError:
                 last = UpstreamConnectTimeout(f"upstream of tier {tier.name!r} did not accept a connection in time")
                 continue
@@ -218,26 +265,31 @@ class UpstreamPool:
                     resp.close()
                 raise UpstreamError(f"upstream of tier {tier.name!r} failed: {type(exc).__name__}: {exc}") from None
             except BaseException:  # cancelled (the client went away): do not leave the connection half-read
+                ok = None
                 if resp is not None:
                     resp.close()
                 raise
+            finally:
+                if owned:
+                    pool.end(replica, ok)
             last = error_for_status(tier, resp.status, err_body, resp.reason)
             if resp.status not in RETRY_STATUSES:
                 raise last
-            log.info("upstream %s answered %s (attempt %d)", tier.name, resp.status, attempt + 1)
+            log.info("upstream %s (%s) answered %s (attempt %d)", tier.name, url, resp.status, attempt + 1)
         assert last is not None
         raise last
 
-    async def _get_or_post(self, method: str, url: str, tier: TierConfig, timeout: aiohttp.ClientTimeout,
+    async def _get_or_post(self, method: str, url: str, tier: TierConfig | None, timeout: aiohttp.ClientTimeout,
                            payload: bytes | None = None) -> tuple[int, bytes]:
-        async with self.session.request(method, url, data=payload, headers=self._headers.get(tier.name),
-                                        timeout=timeout) as resp:
+        headers = self._headers.get(tier.name) if tier is not None else None
+        async with self.session.request(method, url, data=payload, headers=headers, timeout=timeout) as resp:
             return resp.status, await resp.read()
 
     async def _tokenize(self, tier: TierConfig, doc: dict[str, Any]) -> int | None:
         timeout = aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT_S, sock_connect=tier.connect_timeout_s)
         try:
-            status, body = await self._get_or_post("POST", root_url(tier.base_url) + "/tokenize", tier, timeout,
+            base = self.balancer.tier(tier).peek().url
+            status, body = await self._get_or_post("POST", root_url(base) + "/tokenize", tier, timeout,
                                                    orjson.dumps(doc))
             if 200 <= status < 300:
                 count = orjson.loads(body).get("count")
@@ -265,15 +317,27 @@ class UpstreamPool:
         return await self._tokenize(tier, doc)
 
     async def ready(self, tier: TierConfig, timeout_s: float = 2.0) -> bool:
-        """True when the tier's upstream answers: ``GET /health`` (vLLM), else ``GET /v1/models`` < 500."""
+        """True when the tier's upstream answers (a pool: any of its replicas): ``GET /health`` (vLLM), else
+        ``GET /v1/models`` < 500."""
+        urls = tier.upstream_urls
+        if len(urls) == 1:
+            return await self._answers(tier, urls[0], timeout_s)
+        return any(await asyncio.gather(*(self._answers(tier, u, timeout_s) for u in urls)))
+
+    async def _answers(self, tier: TierConfig | None, base_url: str, timeout_s: float) -> bool:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:
-            status, _ = await self._get_or_post("GET", root_url(tier.base_url) + "/health", tier, timeout)
+            status, _ = await self._get_or_post("GET", root_url(base_url) + "/health", tier, timeout)
             if 200 <= status < 300:
                 return True
             if status == 404:
-                status, _ = await self._get_or_post("GET", tier.base_url.rstrip("/") + "/models", tier, timeout)
+                status, _ = await self._get_or_post("GET", base_url.rstrip("/") + "/models", tier, timeout)
                 return status < 500
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
         return False
+
+    async def _probe(self, replica: Replica, timeout_s: float) -> bool:
+        """The balancer's health check of one replica (with the credentials of the first tier that lists it)."""
+        tier = next((t for t in self._tiers if replica.url in t.upstream_urls), None)
+        return await self._answers(tier, replica.url, timeout_s)

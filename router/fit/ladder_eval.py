@@ -21,43 +21,16 @@ the next one while the recorded answer abstains (:func:`abstains`): it reads ans
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from router.abstention import abstains  # the serving rule: one function for fit, evaluation and the gateway
+
 Curve = list[list[float]]
 
 QUALITY_TARGET = 0.98
-
-# "I don't know"-like answers, in English (the traces' language); matched on the final-answer part.
-_ABSTAIN_RE = re.compile(
-    r"i\s+(?:do\s*n[o']?t|don['’]t|cannot|can['’]t|am\s+(?:not\s+)?unable\s+to|am\s+not\s+(?:sure|certain|able))"
-    r"|\b(?:unknown|not\s+(?:enough|sufficient)\s+information|insufficient\s+information|no\s+(?:reliable\s+)?"
-    r"information|unable\s+to\s+(?:determine|find|answer|provide|verify|confirm)|cannot\s+(?:be\s+)?determin"
-    r"|can['’]t\s+(?:be\s+)?determin|not\s+(?:able\s+to|possible\s+to)\s+(?:determine|answer)"
-    r"|(?:want|like)\s+me\s+to\s+(?:search|look))",
-    re.IGNORECASE,
-)
-_ANSWER_RE = re.compile(r"answer\s*:", re.IGNORECASE)
-_SPECIAL_RE = re.compile(r"<\|[^|>]*\|>")
-
-
-def abstains(text: str | None) -> bool:
-    """True when a recorded answer gives no answer: empty (after removing special tokens like
-    ``<|im_end|>``), or its final-answer part (after the last ``Answer:``, else the last 300 characters) says
-    "I don't know" / "not enough information" / "cannot determine" / offers to search."""
-    if text is None:
-        return True
-    t = _SPECIAL_RE.sub("", text).strip()
-    if not t:
-        return True
-    hits = list(_ANSWER_RE.finditer(t))
-    tail = t[hits[-1].end():] if hits else t[-300:]
-    tail = tail.strip()
-    return not tail or bool(_ABSTAIN_RE.search(tail))
-
 
 def _check(correct: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     c = np.asarray(correct, dtype=np.float64)
@@ -186,9 +159,9 @@ def oracle_choice(correct: np.ndarray) -> np.ndarray:
     return np.where(c.any(axis=1), np.argmax(c, axis=1), 0).astype(np.int64)
 
 
-def abstain_matrix(responses: Sequence[Sequence[str]]) -> np.ndarray:
-    """Bool (n, k): :func:`abstains` of each recorded answer."""
-    return np.array([[abstains(r) for r in row] for row in responses], dtype=bool)
+def abstain_matrix(responses: Sequence[Sequence[str]], phrases: Sequence[str] | None = None) -> np.ndarray:
+    """Bool (n, k): :func:`abstains` of each recorded answer (``phrases``: default the serving list)."""
+    return np.array([[abstains(r, phrases) for r in row] for row in responses], dtype=bool)
 
 
 def cascade_outcome(

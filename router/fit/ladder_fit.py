@@ -16,11 +16,17 @@ Recipe (:func:`fit_ladder_router`), for one ladder on one or more data sets:
    fold (out-of-fold = validation scores), and the shipped coefficients are the mean of the fold models
    (a bagged linear model: same features, same scale as the validation scores). Score =
    ``sigmoid((z − μ) / σ)`` with μ, σ of the out-of-fold logits (monotone, so ranking is unchanged).
-5. **Thresholds**: on the out-of-fold scores, the cheapest operating point whose accuracy is ≥ ``target``
-   (0.98) × always-top accuracy (:func:`calibrate_thresholds`).
-6. **Fallback**: savings_at_98 on the same validation questions of the learned score, the length ranking and
-   random routing; the best one is shipped (``policy`` ``router`` | ``length`` | ``random``), all three as
-   the same file type (:class:`router.model.TrainedRouter` with ``scorer`` ``pipeline``/``length``/``hash``).
+5. **Split**: the non-held-out questions are split again (:func:`calibration_mask`, salted SHA-256, ``cal_frac``):
+   steps 3–4 and every choice below use the *fit* split; the *calibration* split is scored by the bagged model the
+   file serves and used only to certify its thresholds.
+6. **Thresholds with a guarantee** (:mod:`router.fit.risk`, Learn-then-Test): candidate points from the fit split's
+   score quantiles, ordered on the fit split, tested on the calibration split (exact binomial test of "accuracy ≥
+   ``quality_target`` × always-top", fixed sequence at level ``delta``); the cheapest certified point is served,
+   none → always top ("do not route").
+7. **Policy**: the scorer (learned / length / random) × cascade-or-not family with the most in-sample certified
+   savings on the fit split. The file's ``metadata.serving`` (:mod:`router.policy`) carries the served thresholds,
+   the cascade rule with its phrases (:mod:`router.abstention`), the guarantee (floor, δ, calibration size) and the
+   router-alone / router+cascade thresholds.
 """
 
 from __future__ import annotations
@@ -34,17 +40,19 @@ from typing import Any
 
 import numpy as np
 
+from router.abstention import DEFAULT_PHRASES
 from router.fit.ladder_eval import (
     QUALITY_TARGET,
     abstain_matrix,
-    cascade_curve,
     cascade_outcome,
     pareto,
     random_curve,
+    route,
     savings_at_98,
     threshold_curve,
     top_totals,
 )
+from router.fit.risk import DELTA, Certified, certify, floor_pvalue, slack_uniforms
 from router.fit.traces import (
     HELDOUT_FRAC,
     HELDOUT_SALT,
@@ -56,7 +64,7 @@ from router.fit.traces import (
     parse_ladder,
     sufficing_labels,
 )
-from router.model import ModelConfig, Platt, TrainedRouter, build_pipeline, length_prior
+from router.model import ModelConfig, Platt, TrainedRouter, build_pipeline, hash_score, length_prior
 
 #: Setting names ordered cheapest → most thinking (to find each model's cheapest and top setting).
 SETTING_ORDER = ("no_think", "low_effort", "budget256", "medium_effort", "exd0", "budget1024", "high_effort")
@@ -70,6 +78,75 @@ TRACE_CONFIG = ModelConfig(word_ngrams=(1, 2), char_ngrams=(2, 4), word_max_feat
 #: Ridge strength (in units of the TF-IDF + standardised hand features); 1–3 were best in 5-fold CV.
 RIDGE_ALPHA = 2.0
 POLICIES = ("router", "length", "random")
+#: Share of the non-held-out questions kept apart from the fit to certify the served thresholds (router/fit/risk.py)
+CAL_FRAC = 0.5
+CALIB_SALT = "thinkgate-calibration-v1"
+#: what the cascade of a served ``router+cascade`` policy escalates on (the gateway's ``escalate_on`` names)
+CASCADE_ESCALATE_ON = ("empty_answer", "length_in_thought", "abstain")
+#: quantile grid of the candidate thresholds (per axis; three tiers: every ordered pair)
+GRID_2, GRID_3 = 51, 21
+
+
+def calibration_mask(keys: Sequence[tuple[str, str]], frac: float = CAL_FRAC) -> np.ndarray:
+    """Bool (n,): the calibration split (salted SHA-256 of (dataset, id), ~``frac``); the rest is the fit split."""
+    import hashlib
+
+    out = np.empty(len(keys), dtype=bool)
+    for i, (ds, q) in enumerate(keys):
+        h = hashlib.sha256(f"{CALIB_SALT}/{ds}/{q}".encode()).digest()
+        out[i] = int.from_bytes(h[:8], "big") / 2.0**64 < frac
+    return out
+
+
+def family_name(scorer: str, cascade: bool) -> str:
+    """``router`` / ``length`` / ``random``, with ``+cascade`` when the cascade is served too."""
+    return f"{scorer}+cascade" if cascade else scorer
+
+
+def candidate_thresholds(fit_scores: np.ndarray, k: int) -> list[list[float]]:
+    """Candidate operating points from the fit split's score quantiles only (never the calibration split):
+    two tiers, :data:`GRID_2` single cuts (0.0 = always top, above the maximum = always cheap); three tiers, every
+    ordered pair of :data:`GRID_3` cuts."""
+    s = np.asarray(fit_scores, dtype=np.float64)
+    grid = GRID_2 if k == 2 else GRID_3
+    qs = np.quantile(s, np.linspace(0.0, 1.0, grid))
+    cuts = sorted({0.0, *[float(x) for x in qs[1:-1]], float(np.nextafter(s.max(), np.inf))})
+    if k == 2:
+        return [[c] for c in cuts]
+    if k == 3:
+        return [[a, b] for i, a in enumerate(cuts) for b in cuts[i:]]
+    raise ValueError("2 or 3 settings")
+
+
+def point_outcomes(scores: np.ndarray, data: LadderData, candidates: list[list[float]],
+                   abstain: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(bool (m, n) correct, (m,) total tokens) of each candidate on ``data``; with ``abstain`` the cascade
+    escalates abstaining answers (both calls paid)."""
+    rows = np.arange(data.n)
+    cs, ts = [], []
+    for th in candidates:
+        ch = route(scores, th)
+        if abstain is None:
+            cs.append(data.correct[rows, ch])
+            ts.append(float(data.tokens[rows, ch].sum()))
+        else:
+            _, fc, sp = cascade_outcome(ch, data.correct, data.tokens, abstain)
+            cs.append(fc.astype(bool))
+            ts.append(float(sp.sum()))
+    return np.asarray(cs, dtype=bool).reshape(len(candidates), data.n), np.asarray(ts)
+
+
+def certify_family(fit_scores: np.ndarray, cal_scores: np.ndarray, fit: LadderData, cal: LadderData,
+                   ab_fit: np.ndarray | None, ab_cal: np.ndarray | None, u_fit: np.ndarray, u_cal: np.ndarray,
+                   delta: float, floor: float) -> tuple[list[float], Certified]:
+    """Learn-then-Test for one scorer (with or without the cascade): candidates and their order from the fit
+    split, the test on the calibration split. Returns (the certified thresholds, or [] for always top; evidence)."""
+    cands = candidate_thresholds(fit_scores, fit.correct.shape[1])
+    fc, ft = point_outcomes(fit_scores, fit, cands, ab_fit)
+    cc, ct = point_outcomes(cal_scores, cal, cands, ab_cal)
+    cert = certify(fc, ft, fit.correct[:, -1], u_fit, cc, ct, cal.correct[:, -1], float(cal.tokens[:, -1].sum()),
+                   u_cal, delta=delta, floor=floor)
+    return ([] if cert.index is None else [float(min(1.0, t)) for t in cands[cert.index]]), cert
 
 
 def model_settings(traces: str | Path, dataset: str) -> dict[str, tuple[str, ...]]:
@@ -307,6 +384,8 @@ def fit_ladder_router(
     seed: int = 0,
     exclude_heldout: bool = True,
     feature_set: str = "base",
+    delta: float = DELTA,
+    cal_frac: float = CAL_FRAC,
 ) -> LadderFit:
     """Fit, calibrate and choose the shipped policy for one ladder (see the module docstring).
 
@@ -324,54 +403,103 @@ def fit_ladder_router(
     train = data.subset(np.flatnonzero(keep))
     if train.n < 2 * folds:
         raise ValueError(f"only {train.n} training questions for {lad.name}; need at least {2 * folds}")
-    y = pooled_targets(traces, train, pool)
+    is_cal = calibration_mask(train.keys, cal_frac)
+    fit_part, cal_part = train.subset(np.flatnonzero(~is_cal)), train.subset(np.flatnonzero(is_cal))
+    if fit_part.n < 2 * folds or cal_part.n < 1:
+        raise ValueError(f"only {fit_part.n} fit / {cal_part.n} calibration questions for {lad.name}")
+    y = pooled_targets(traces, fit_part, pool)
     cfg = replace(TRACE_CONFIG, feature_set=feature_set)
-    learned, oof = fit_scores(train.questions, y, train.keys, cfg=cfg, alpha=alpha, folds=folds, seed=seed)
-    length = np.array([length_score(q) for q in train.questions])
-    cal = {
-        "router": calibrate_thresholds(oof, train.correct, train.tokens, quality_target),
-        "length": calibrate_thresholds(length, train.correct, train.tokens, quality_target),
-        "random": random_thresholds(train.correct, train.tokens, quality_target),
-    }
-    top_acc, _ = top_totals(train.correct, train.tokens)
+    learned, oof = fit_scores(fit_part.questions, y, fit_part.keys, cfg=cfg, alpha=alpha, folds=folds, seed=seed)
+    length = np.array([length_score(q) for q in fit_part.questions])
+    top_acc, _ = top_totals(fit_part.correct, fit_part.tokens)
     val_savings = {
-        "router": savings_at_98(threshold_curve(oof, train.correct, train.tokens), top_acc, quality_target),
-        "length": savings_at_98(threshold_curve(length, train.correct, train.tokens), top_acc, quality_target),
-        "random": savings_at_98(random_curve(train.correct, train.tokens, 1001 if lad.settings[2:] == () else 101),
-                                top_acc, quality_target),
+        "router": savings_at_98(threshold_curve(oof, fit_part.correct, fit_part.tokens), top_acc, quality_target),
+        "length": savings_at_98(threshold_curve(length, fit_part.correct, fit_part.tokens), top_acc, quality_target),
+        "random": savings_at_98(random_curve(fit_part.correct, fit_part.tokens,
+                                             1001 if lad.settings[2:] == () else 101), top_acc, quality_target),
     }
-    chosen = choose_policy(val_savings) if policy == "auto" else policy
+    # ---- the served operating point, with a guarantee (router/fit/risk.py): family chosen on the fit split, the
+    # thresholds certified by Learn-then-Test on the calibration split, scored by the model the file serves
+    phrases = list(DEFAULT_PHRASES)
+    fit_scores_by = {"router": oof, "length": length, "random": np.array([hash_score(q) for q in fit_part.questions])}
+    cal_scores_by = {"router": learned.predict_proba(cal_part.questions),
+                     "length": np.array([length_score(q) for q in cal_part.questions]),
+                     "random": np.array([hash_score(q) for q in cal_part.questions])}
+    ab_fit = abstain_matrix(fit_part.responses, phrases)
+    ab_cal = abstain_matrix(cal_part.responses, phrases)
+    u_fit, u_cal = slack_uniforms(fit_part.keys), slack_uniforms(cal_part.keys)
+    families = [(sc, cas) for sc in (POLICIES if policy == "auto" else (policy,)) for cas in (True, False)]
+    fit_rank: dict[str, float] = {}
+    for sc, cas in families:
+        cands = candidate_thresholds(fit_scores_by[sc], len(lad.settings))
+        fc, ft = point_outcomes(fit_scores_by[sc], fit_part, cands, ab_fit if cas else None)
+        ps = np.array([floor_pvalue(fit_part.correct[:, -1], fc[j], u_fit, quality_target) for j in range(len(cands))])
+        ok = np.flatnonzero(ps <= delta)
+        fit_rank[family_name(sc, cas)] = float(1 - ft[ok].min() / fit_part.tokens[:, -1].sum()) if ok.size else 0.0
+    order_f = [family_name(sc, cas) for sc, cas in families]
+    best_family = max(order_f, key=lambda f: (round(fit_rank[f], 6), -order_f.index(f)))
+    chosen = best_family.split("+")[0]
+    served_cascade = best_family.endswith("+cascade")
+    certs: dict[bool, tuple[list[float], Certified]] = {}
+    for cas in (False, True):
+        certs[cas] = certify_family(fit_scores_by[chosen], cal_scores_by[chosen], fit_part, cal_part,
+                                    ab_fit if cas else None, ab_cal if cas else None, u_fit, u_cal, delta,
+                                    quality_target)
+    k = len(lad.settings)
+    always_top = [0.0] * (k - 1)
+    served_th, served_cert = certs[served_cascade]
+    serve_policy = (family_name("router" if chosen == "router" else chosen, served_cascade)
+                    if served_cert.index is not None else "always_top")
     if chosen == "router":
         shipped = TrainedRouter(pipeline=learned.pipeline, platt=learned.platt)
     else:
         shipped = TrainedRouter(pipeline=None, scorer="length" if chosen == "length" else "hash")
-    shipped.thresholds = list(cal[chosen].thresholds)
-    # thresholds for serving the same score with the cascade (abstaining answers escalate), calibrated on the
-    # validation questions' cascade outcomes — from the recorded answer texts, never their grading
-    chosen_val = {"router": oof, "length": length,
-                  "random": np.array([shipped.score(q) for q in train.questions])}[chosen]
-    ab = abstain_matrix(train.responses)
-    starts = [cascade_outcome(np.full(train.n, j), train.correct, train.tokens, ab) for j in range(len(lad.settings))]
-    cc = np.stack([x[1] for x in starts], axis=1)
-    ct = np.stack([x[2] for x in starts], axis=1)
-    cascade_cal = calibrate_thresholds(chosen_val, cc, ct, quality_target)
-    learned.thresholds = list(cal["router"].thresholds)
+    shipped.thresholds = list(served_th) if served_cert.index is not None else always_top
+    plain_th = certs[False][0] if certs[False][1].index is not None else always_top
+    cascade_th = certs[True][0] if certs[True][1].index is not None else always_top
+    learned.thresholds = list(plain_th) if chosen == "router" else always_top
+    guarantee = {
+        "floor": quality_target, "delta": delta, "confidence": round(1 - delta, 6),
+        "n_calibration": cal_part.n, "n_fit": fit_part.n,
+        "method": "Learn-then-Test: exact binomial test of the floor per operating point (router.fit.risk), "
+                  "fixed-sequence over points ordered on the fit split, calibration split not used to fit",
+        **served_cert.to_dict(),
+    }
+    serving = {
+        "policy": serve_policy,
+        "scorer": chosen,
+        "thresholds": [round(t, 6) for t in shipped.thresholds],
+        "cascade": ({"escalate_on": list(CASCADE_ESCALATE_ON), "rule": "router.abstention.abstains",
+                     "phrases": phrases} if served_cascade and served_cert.index is not None else None),
+        "guarantee": guarantee,
+        "family_choice": {"on": "fit split", "certified_savings_in_sample": {f: round(v, 4) for f, v in
+                                                                             fit_rank.items()}},
+        "router_thresholds": [round(t, 6) for t in plain_th],
+        "router_guarantee": certs[False][1].to_dict(),
+        "cascade_thresholds": [round(t, 6) for t in cascade_th],
+        "cascade_guarantee": certs[True][1].to_dict(),
+    }
     validation = {
-        "method": f"{folds}-fold out-of-fold scores on the non-held-out questions",
+        "method": f"{folds}-fold out-of-fold scores on the fit split ({fit_part.n} of {train.n} non-held-out "
+                  f"questions); thresholds certified on the other {cal_part.n} (calibration split)",
         "n": train.n,
         "savings_at_98": {p: round(v, 4) for p, v in val_savings.items()},
-        "calibrated": {p: c.to_dict() for p, c in cal.items()},
+        "calibrated": {"router": {"thresholds": [round(t, 6) for t in plain_th], **certs[False][1].to_dict()},
+                       chosen: {"thresholds": [round(t, 6) for t in plain_th], **certs[False][1].to_dict()}},
         "chosen": chosen,
-        "router+cascade": {**cascade_cal.to_dict(), "savings_at_98": round(
-            savings_at_98(cascade_curve(chosen_val, train.correct, train.tokens, ab), top_acc, quality_target), 4),
-            "abstain_rule": "router.fit.ladder_eval.abstains"},
-        "rule": "auto: the policy with the highest validation savings_at_98 (ties: router, length, random)"
-        if policy == "auto" else f"forced: {policy}",
+        "router+cascade": {"thresholds": [round(t, 6) for t in cascade_th], **certs[True][1].to_dict(),
+                           "abstain_rule": "router.abstention.abstains"},
+        "rule": "auto: the scorer x cascade family with the highest in-sample certified savings on the fit split "
+                "(ties: router, length, random; cascade first)" if policy == "auto" else f"forced: {policy}",
     }
     shipped.metadata = ladder_metadata(lad, list(datasets), chosen, validation, quality_target, heldout_frac,
                                        pool, alpha, folds, seed, train, exclude_heldout, cfg)
+    shipped.metadata["serving"] = serving
+    shipped.metadata["router_thresholds"] = serving["router_thresholds"]
+    shipped.metadata["cascade_thresholds"] = serving["cascade_thresholds"]
+    shipped.metadata["calibration_split"] = {"method": "sha256", "salt": CALIB_SALT, "frac": cal_frac}
     learned.metadata = {**shipped.metadata, "policy": "router"}
-    return LadderFit(shipped, learned, chosen, validation, train, oof, time.perf_counter() - t0)
+    return LadderFit(shipped, learned, chosen, validation, fit_part, oof, time.perf_counter() - t0)
 
 
 def ladder_metadata(
@@ -414,8 +542,8 @@ def ladder_metadata(
         "training_questions": train.n,
         "training_data_sha256": sha256_rows({"dataset": d, "id": q} for d, q in train.keys),
         "metrics": {"validation": validation},
-        "thresholds_calibration": {"method": "cheapest operating point with accuracy >= quality_target x "
-                                   "always-top on the out-of-fold validation scores",
+        "thresholds_calibration": {"method": "Learn-then-Test on the calibration split (router.fit.risk): the "
+                                   "cheapest operating point certified to keep quality_target x always-top",
                                    **validation["calibrated"][policy]},
         "cascade_thresholds": validation["router+cascade"]["thresholds"],
     }

@@ -6,10 +6,14 @@ Labels (two routed tiers, ``cheap`` → ``top``; an outcome is a dict with the f
 ``gateway.ledger.outcome.Outcome``, ``text`` required — the gateway keeps it under
 ``routing.outcomes.retain_text``):
 
-- answered on a lower tier and ``sufficed`` → 0 (the cheap tier was enough);
-- answered on a lower tier and not ``sufficed`` (a shadow disagreement, an escalation, negative feedback) → 1;
-- answered on the top tier and not ``sufficed`` → 0 (the top tier failed too: the cheapest one is as good);
-- answered on the top tier and ``sufficed`` → no label (it says nothing about the cheap tier).
+The label is "the cheaper tier sufficed" (0) or not (1), whatever graded the answer — ``feedback`` (a client's
+grade, ``POST /v1/feedback``), ``shadow`` (the next tier asked too, a judge compared; judge ``verifier`` = a check
+against the reference answer) or ``escalation`` (the cascade found the cheap answer empty, cut or abstaining):
+
+- answered on a lower tier and ``sufficed`` → 0 (the cheap tier was enough: an easy request);
+- answered on a lower tier and not ``sufficed`` → 1 (the cheap tier was not enough);
+- answered on the top tier → no label, graded right or wrong: the cheap tier was never tried, so the grade says
+  nothing about the boundary (a top answer graded wrong does not make the request "easy").
 
 Several outcomes of one routing window (same ``window_digest``): the mean label, rounded (ties → 1).
 Held-out slice: outcomes whose digest hashes (SHA-256 of ``thinkgate-outcomes-v1/<digest>``) into the
@@ -58,9 +62,20 @@ def label_of(outcome: dict[str, Any], top_tier: str) -> int | None:
     tier = outcome.get("tier")
     if sufficed is None or tier is None:
         return None
-    if tier == top_tier:
-        return None if sufficed else 0
+    if tier == top_tier:  # the cheap tier was not tried: nothing learnt about the boundary
+        return None
     return 0 if sufficed else 1
+
+
+def label_counts(outcomes: Iterable[dict[str, Any]], top_tier: str) -> dict[str, dict[str, int]]:
+    """Per outcome ``source``: how many outcomes gave label 0 (``cheap_sufficed``), 1 (``cheap_failed``) or none
+    (``dropped``: a top-tier answer, no grade, or no routing-window text to learn from)."""
+    out: dict[str, dict[str, int]] = {}
+    for o in outcomes:
+        c = out.setdefault(str(o.get("source")), {"cheap_sufficed": 0, "cheap_failed": 0, "dropped": 0})
+        label = label_of(o, top_tier) if isinstance(o.get("text"), str) else None
+        c["dropped" if label is None else ("cheap_failed" if label else "cheap_sufficed")] += 1
+    return out
 
 
 def items_from_outcomes(outcomes: Iterable[dict[str, Any]], top_tier: str) -> list[LabelledItem]:

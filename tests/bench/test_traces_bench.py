@@ -7,6 +7,7 @@ import gzip
 import json
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,11 +15,11 @@ import pytest
 from bench.traces.bench import Config, TracesBenchError, check_router_ladder, router_heldout_frac, run
 from bench.traces.prices import price_of
 from bench.traces.replay_upstream import estimate_prompt_tokens
-from gateway.config import DEFAULT_ROUTER_PATH, Prices, Settings
+from gateway.config import Prices, Settings
 from gateway.ledger.pricing import cost_micro_usd
 from gateway.pipeline.abstention import abstains
 from router.fit.traces import parse_ladder
-from router.model import TrainedRouter
+from router.model import TrainedRouter, length_prior
 from router.persistence import load_router, save_router
 
 MODEL = "o3-mini"  # a listed price: 1.10 in / 4.40 out USD per 1M tokens
@@ -33,7 +34,7 @@ def questions() -> list[str]:
 def write(root: Path) -> Path:
     (root / "frames").mkdir(parents=True)
     qs = questions()
-    rows = {
+    rows: dict[str, list[dict[str, Any]]] = {
         "low_effort": [{"id": str(i), "question": q,
                         "response": "I don't know." if i % 3 == 0 else f"Answer: {1900 + i}", "thought": None,
                         "correct": i % 2 == 0 and i % 3 != 0, "grading": "A" if i % 2 else "B",
@@ -48,18 +49,34 @@ def write(root: Path) -> Path:
     return root
 
 
+def policy_router(path: Path) -> tuple[Path, float, float]:
+    """A router file that is a whole policy (what ``router fit --traces`` writes): the length scorer served with
+    the cascade at one threshold, the router alone at another. Returns (file, served cut, router-alone cut)."""
+    scores = sorted(length_prior(q) for q in questions())
+    served, alone = (scores[5] + scores[6]) / 2, (scores[2] + scores[3]) / 2
+    meta = {"policy": "length", "ladder": {"model": MODEL, "settings": ["low_effort", "high_effort"]},
+            "datasets": ["frames"], "router_thresholds": [alone], "cascade_thresholds": [served],
+            "serving": {"policy": "length+cascade", "scorer": "length", "thresholds": [served],
+                        "cascade": {"escalate_on": ["empty_answer", "length_in_thought", "abstain"],
+                                    "rule": "router.abstention.abstains", "phrases": ["i don't know"]},
+                        "guarantee": {"floor": 0.98, "delta": 0.1, "n_calibration": 12}}}
+    return save_router(TrainedRouter(pipeline=None, scorer="length", thresholds=[served], metadata=meta), path), \
+        served, alone
+
+
 def test_bench_traces_end_to_end(tmp_path: Path, redis_url: str) -> None:
     traces = write(tmp_path / "traces")
     settings = Settings.load(None, engine={"enabled": False}, redis={"url": redis_url, "start_if_missing": False})
-    cfg = Config(traces, "frames", f"{MODEL}:low_effort,high_effort", DEFAULT_ROUTER_PATH, concurrency=4,
+    router_file, served_cut, alone_cut = policy_router(tmp_path / "policy.skops")
+    cfg = Config(traces, "frames", f"{MODEL}:low_effort,high_effort", router_file, concurrency=4,
                  time_budget_s=200, progress=False)
     report, details = run(cfg, settings, log=lambda _: None)
-    assert set(report) == {"dataset", "ladder", "n_questions", "policies", "curves", "savings_at_98"}
+    assert set(report) == {"dataset", "ladder", "n_questions", "policies", "curves", "savings_at_98", "served"}
     assert report["n_questions"] == N and details["complete"] and sum(details["errors"].values()) == 0
     assert sum(details["answer_mismatches"].values()) == 0, "every served answer is the answering tier's recording"
     pols = report["policies"]
     assert set(pols) == {"always:low_effort", "always:high_effort", "router", "random", "length", "router+cascade",
-                         "oracle"}
+                         "auto", "oracle"}
     for p, e in pols.items():
         assert set(e) == {"accuracy", "completion_tokens", "reasoning_tokens", "cost_usd", "requests", "tiers"}, p
         assert e["requests"] == (0 if p == "oracle" else N)
@@ -77,15 +94,34 @@ def test_bench_traces_end_to_end(tmp_path: Path, redis_url: str) -> None:
     assert pols["always:high_effort"]["completion_tokens"] == sum(top)
     assert pols["always:high_effort"]["accuracy"] == pytest.approx(np.mean([i % 4 != 1 for i in range(N)]))
 
-    # router+cascade: the questions routed cheap whose cheap answer abstains are escalated, both calls paid
-    router = load_router(DEFAULT_ROUTER_PATH)
-    cuts = details["cascade_thresholds"] or router.thresholds
-    cheap = [i for i, q in enumerate(questions()) if router.score(q) < cuts[0]]
+    # router+cascade: the questions routed cheap whose cheap answer abstains are escalated, both calls paid;
+    # auto (a gateway with only the router file) does exactly the same, because the file says so
+    router = load_router(router_file)
+    assert details["cascade_thresholds"] == [served_cut] and details["router_thresholds"] == [alone_cut]
+    cheap = [i for i, q in enumerate(questions()) if router.score(q) < served_cut]
     esc = [i for i in cheap if abstains("I don't know." if i % 3 == 0 else "Answer: x")]
-    assert details["escalations"]["router+cascade"] == len(esc)
+    assert 0 < len(esc) < len(cheap)
     want = sum((20 + i) + ((520 + 10 * i) if i in esc else 0) for i in cheap) + sum(
         520 + 10 * i for i in range(N) if i not in cheap)
-    assert pols["router+cascade"]["completion_tokens"] == want
+    for name in ("router+cascade", "auto"):
+        assert details["escalations"][name] == len(esc), name
+        assert pols[name]["completion_tokens"] == want, name
+    # router alone serves the file's router-alone cut, no cascade
+    alone = [i for i, q in enumerate(questions()) if router.score(q) < alone_cut]
+    assert details["escalations"]["router"] == 0
+    assert pols["router"]["completion_tokens"] == sum(20 + i for i in alone) + sum(
+        520 + 10 * i for i in range(N) if i not in alone)
+    # served: the deployable numbers, from the ledger's tokens and the recorded grading
+    assert set(report["served"]) == {"router", "router+cascade", "auto"}
+    top_acc = pols["always:high_effort"]["accuracy"]
+    for name, e in report["served"].items():
+        assert set(e) == {"accuracy_ratio", "token_share", "savings", "holds_floor"}
+        share = pols[name]["completion_tokens"] / sum(top)
+        assert e["token_share"] == pytest.approx(share, abs=1e-6)
+        assert e["savings"] == pytest.approx(1 - share, abs=1e-6)
+        assert e["accuracy_ratio"] == pytest.approx(pols[name]["accuracy"] / top_acc, abs=1e-6)
+        assert e["holds_floor"] == (pols[name]["accuracy"] >= 0.98 * top_acc - 1e-12)
+    assert report["served"]["auto"]["savings"] > 0
     # the oracle: cheapest correct setting, computed
     oracle = [0 if (i % 2 == 0 and i % 3 != 0) or i % 4 == 1 else 1 for i in range(N)]
     assert pols["oracle"]["tiers"]["low_effort"] == pytest.approx(oracle.count(0) / N, abs=1e-6)

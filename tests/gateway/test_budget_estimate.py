@@ -1,15 +1,19 @@
-"""The admission estimate is an upper bound for every request shape; the reservation format has one owner."""
+"""The admission estimate is an upper bound for every request shape — forced thinking's two phases per choice
+included —; the reservation format has one owner."""
 
 from __future__ import annotations
 
 from decimal import Decimal
 
+import httpx
 import pytest
 
 from gateway.config import Prices, TierConfig
 from gateway.ledger.pricing import cost_micro_usd
+from gateway.ledger.record import UsageRecord
 from gateway.state.limits import MESSAGE_OVERHEAD_TOKENS, REQUEST_OVERHEAD_TOKENS, TOOLS_OVERHEAD_TOKENS, estimate
 from gateway.state.reservations import Reservation, open_total
+from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, sim_tiers
 
 PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
                 output_usd_per_mtok=Decimal("2.00"))
@@ -47,14 +51,66 @@ def test_token_ids_tools_and_cached_price_count() -> None:
     assert estimate({"messages": msgs, "max_tokens": 1}, [tier]).micro_usd == prompt * 3  # at the dearer rate
 
 
-def test_estimate_bounds_the_real_cost_of_any_cut() -> None:
-    # whatever the upstream does within the caps, the real cost is <= the estimate (integer micro-USD, one rounding)
-    body = {"messages": [{"role": "user", "content": "héllo " * 7}], "n": 3, "max_tokens": 40}
-    est = estimate(body, [LONG])
-    prompt_ub = est.tokens - 3 * 40
+FORCED = TierConfig(name="forced", max_tokens=100, prices=PRICES, budget_mode="forced", thinking_budget=30)
+
+
+def _forced_worst(prompt: int, choices: int, max_tokens: int, tier: TierConfig) -> tuple[int, int]:
+    """What two-phase forcing (gateway/thinking/forcing.py) can bill at most, phase by phase, per choice: phase 1
+    sends the prompt and generates a thought of ``used`` ≤ min(budget, max) tokens; phase 2 sends the prompt,
+    the opening marker, the thought and the closing marker as the assistant message, and generates at most
+    max(1, max − used)."""
+    budget = min(tier.thinking_budget or max_tokens, max_tokens)
+    markers = len(b"<think>\n") + len(tier.end_of_thinking.encode()) + MESSAGE_OVERHEAD_TOKENS
+    worst = (0, 0)
+    for used in (0, 1, budget // 2, budget):
+        p = prompt + (prompt + markers + used)
+        c = used + max(1, max_tokens - used)
+        worst = max(worst, (choices * p, choices * c), key=lambda pc: _cost(*pc))
+    return worst
+
+
+@pytest.mark.parametrize(("n", "max_tokens", "text"), [
+    (1, 40, "héllo " * 7),
+    (3, 40, "héllo " * 7),
+    (4, 4, "a " * 300),  # a long prompt re-sent per choice and per phase dominates: 8 x the prompt
+    (2, 100, "x"),
+])
+def test_estimate_bounds_the_real_cost_of_every_call_forcing_makes(n: int, max_tokens: int, text: str) -> None:
+    # n > 1 with forcing runs n independent two-phase generations: the prompt goes upstream 2n times plus the
+    # thoughts; the old estimate (the prompt once, n x max_tokens) did not cover it
+    body = {"messages": [{"role": "user", "content": text}], "n": n, "max_tokens": max_tokens}
+    est = estimate(body, [FORCED])
+    prompt_ub = len(b"user") + len(text.encode()) + MESSAGE_OVERHEAD_TOKENS + REQUEST_OVERHEAD_TOKENS
+    worst = _forced_worst(prompt_ub, n, max_tokens, FORCED)
+    assert _cost(*worst) <= est.micro_usd and sum(worst) <= est.tokens
+    old = estimate(body, [FORCED.model_copy(update={"budget_mode": "native"})])  # the estimate before forcing counted
+    if n > 1 or max_tokens <= 40:
+        assert _cost(*worst) > old.micro_usd  # these shapes overspent a hard budget before
+    # native tiers: whatever the upstream does within the caps, the real cost is <= the estimate
+    native = estimate(body, [LONG])
     for prompt in (1, prompt_ub // 2, prompt_ub):
-        for completion in (0, 1, 59, 120):
-            assert _cost(prompt, completion) <= est.micro_usd
+        for completion in (0, 1, n * min(max_tokens, LONG.max_tokens)):
+            assert _cost(prompt, completion) <= native.micro_usd
+
+
+def test_forced_n3_billed_by_a_real_gateway_fits_the_estimate_and_not_the_old_one(upstream_sim: SimProcess,
+                                                                                  redis_url: str) -> None:
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"budget_mode": "forced", "thinking_budget": 8})
+    settings = sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)
+    short = settings.tier("short")
+    body = {"model": "short", "n": 3, "max_tokens": 6, "messages": [{"role": "user", "content": "a " * 300}]}
+    with GatewayServer(settings) as gw:
+        records: list[UsageRecord] = []
+        gw.app.state.proxy.usage_sinks.append(records.append)
+        r = httpx.post(gw.base_url + "/chat/completions", json=body, timeout=30,
+                       headers={"authorization": f"Bearer {TEST_KEY}", "cache-control": "no-store"})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 3
+    (billed,) = [rec for rec in records if rec.request_id == r.headers["x-request-id"]]
+    assert billed.prompt_tokens > 6 * 300  # three choices x two phases, each with the 300-word prompt
+    assert billed.cost_micro_usd <= estimate(body, [short]).micro_usd
+    assert billed.cost_micro_usd > estimate(body, [short.model_copy(update={"budget_mode": "native"})]).micro_usd
 
 
 def test_reservation_format_round_trip_and_open_total() -> None:

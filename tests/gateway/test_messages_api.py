@@ -139,7 +139,7 @@ def test_thinking_budget_picks_the_cheapest_covering_tier_or_applies_the_smaller
     assert (raw.headers["x-thinkgate-tier"], raw.headers["x-thinkgate-route-reason"]) == ("long", "effort")
     assert raw.parse().content[0].thinking == " ".join(reasoning_words(USER))  # type: ignore[union-attr]
     # a forced tier is kept: its own (smaller) budget applies
-    raw = sdk(gw).messages.with_raw_response.create(model="short", max_tokens=64, messages=msgs,
+    raw = sdk(gw).messages.with_raw_response.create(model="short", max_tokens=128, messages=msgs,
                                                     thinking={"type": "enabled", "budget_tokens": 100})
     assert raw.headers["x-thinkgate-tier"] == "short"
     assert raw.parse().content[0].thinking == " ".join(reasoning_words(USER)[:8])  # type: ignore[union-attr]
@@ -220,6 +220,39 @@ def test_refused_fields_are_anthropic_400s(gw: GatewayServer, body: dict[str, An
     assert r.status_code == 400, r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
     assert param.split(".")[0] in r.json()["error"]["message"] or param in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("budget,max_tokens", [(64, 64), (100, 64)])
+def test_thinking_budget_not_below_max_tokens_is_anthropic_400(gw: GatewayServer, upstream_sim: SimProcess,
+                                                               budget: int, max_tokens: int) -> None:
+    """Anthropic's rule: ``max_tokens`` must be greater than ``thinking.budget_tokens`` (thinking counts toward
+    ``max_tokens``); refused before any upstream call, streamed or not."""
+    before = upstream_sim.stats()["requests"]
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            sdk(gw).messages.create(model="long", max_tokens=max_tokens, messages=[{"role": "user", "content": USER}],
+                                    thinking={"type": "enabled", "budget_tokens": budget}, stream=stream)
+        body = err.value.body
+        assert isinstance(body, dict) and body["type"] == "error", body
+        assert body["error"]["type"] == "invalid_request_error"
+        assert "`max_tokens` must be greater than `thinking.budget_tokens`" in body["error"]["message"]
+    assert upstream_sim.stats()["requests"] == before
+
+
+def test_interleaved_thinking_beta_lets_the_budget_exceed_max_tokens(gw: GatewayServer) -> None:
+    """With ``anthropic-beta: interleaved-thinking-2025-05-14`` the budget spans the turn's thinking blocks and may
+    exceed ``max_tokens`` (as on Anthropic's API)."""
+    m = sdk(gw).messages.create(model="long", max_tokens=4, messages=[{"role": "user", "content": USER}],
+                                thinking={"type": "enabled", "budget_tokens": 16},
+                                extra_headers={"anthropic-beta": "foo-2025-01-01, interleaved-thinking-2025-05-14"})
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 4
+
+
+def test_small_thinking_budget_is_a_documented_relaxation(gw: GatewayServer) -> None:
+    """Anthropic's ``budget_tokens >= 1024`` is relaxed to ``>= 1``: the local tiers think in tens of tokens."""
+    m = sdk(gw).messages.create(model="long", max_tokens=64, messages=[{"role": "user", "content": USER}],
+                                thinking={"type": "enabled", "budget_tokens": 3})
+    assert m.content[0].thinking == " ".join(reasoning_words(USER)[:3])  # type: ignore[union-attr]
 
 
 def test_stop_sequences(gw: GatewayServer) -> None:

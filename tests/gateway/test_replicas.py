@@ -58,7 +58,7 @@ def replicas(upstream_sim: SimProcess, redis_url: str,
             procs.append(proc)
             urls.append(f"http://127.0.0.1:{port}")
         for url, proc in zip(urls, procs, strict=True):
-            wait_http_ok(url + "/health", proc=proc)
+            wait_http_ok(url + "/health", timeout_s=90, proc=proc)  # two cold starts on a loaded 2-core box
         yield urls[0] + "/v1", urls[1] + "/v1"
     finally:
         for proc in procs:

@@ -237,6 +237,56 @@ def test_refused_fields_are_clear_400s(gw: GatewayServer, body: dict[str, Any], 
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("body,param,code,message", [
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", "invalid_value",
+     "Invalid value: 'extreme'. Supported values are: 'none', 'minimal', 'low', 'medium', 'high', 'xhigh', "
+     "and 'max'."),
+    ({"reasoning": {"effort": 3}}, "reasoning.effort", "invalid_type",
+     "Invalid type for 'reasoning.effort': expected one of 'none', 'minimal', 'low', 'medium', 'high', 'xhigh', "
+     "or 'max', but got an integer instead."),
+    ({"reasoning": {"effort": "low", "budget": 10}}, "reasoning.budget", "unknown_parameter",
+     "Unknown parameter: 'reasoning.budget'."),
+    ({"reasoning": {"summary": "verbose"}}, "reasoning.summary", "invalid_value",
+     "Invalid value: 'verbose'. Supported values are: 'auto', 'concise', and 'detailed'."),
+    ({"reasoning": "high"}, "reasoning", "invalid_type",
+     "Invalid type for 'reasoning': expected an object, but got a string instead."),
+    ({"max_output_tokens": "64"}, "max_output_tokens", "invalid_type",
+     "Invalid type for 'max_output_tokens': expected an integer, but got a string instead."),
+    ({"max_output_tokens": True}, "max_output_tokens", "invalid_type",
+     "Invalid type for 'max_output_tokens': expected an integer, but got a boolean instead."),
+    ({"max_output_tokens": 0}, "max_output_tokens", "integer_below_min_value",
+     "Invalid 'max_output_tokens': integer below minimum value. Expected a value >= 1, but got 0 instead."),
+])
+def test_reasoning_and_max_output_tokens_are_checked_like_openai(
+    gw: GatewayServer, upstream_sim: SimProcess, body: dict[str, Any], param: str, code: str, message: str
+) -> None:
+    """OpenAI's checks of ``reasoning`` (effort and summary values, unknown fields) and ``max_output_tokens``,
+    with its error shape and codes — on a forced tier too, where nothing else would catch them; nothing is sent
+    upstream."""
+    before = upstream_sim.stats()["requests"]
+    for model in ("short", "auto"):
+        with pytest.raises(openai.BadRequestError) as err:
+            sdk(gw).responses.create(model=model, input="hi", **body)
+        assert err.value.status_code == 400
+        assert (err.value.code, err.value.param, err.value.type) == (code, param, "invalid_request_error")
+        assert isinstance(err.value.body, dict) and err.value.body["message"] == message
+    assert upstream_sim.stats()["requests"] == before
+
+
+def test_every_openai_effort_and_reasoning_field_is_accepted(gw: GatewayServer, upstream_sim: SimProcess) -> None:
+    """The whole enum passes on a forced tier (the upstream decides what it does with it); ``summary``,
+    ``generate_summary``, ``context`` and ``mode`` are accepted and not sent upstream."""
+    for effort in ("none", "minimal", "low", "medium", "high", "xhigh", "max"):
+        extra = tag()
+        r = sdk(gw).responses.create(model="short", input="hi", extra_body=extra,
+                                     reasoning={"effort": effort, "summary": "auto",
+                                                "generate_summary": "concise", "context": "current_turn",
+                                                "mode": "standard"})
+        assert r.status == "completed" and r.reasoning is not None and r.reasoning.effort == effort
+        sent = upstream_sim.tag(extra["sim"]["tag"])["body"]
+        assert sent["reasoning_effort"] == effort and "reasoning" not in sent
+
+
 def test_missing_key_is_401(gw: GatewayServer) -> None:
     r = httpx.post(gw.base_url + "/responses", json={"model": "short", "input": "hi"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

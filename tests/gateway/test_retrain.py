@@ -81,7 +81,8 @@ def _config(tmp: Path, redis_url: str, prefix: str, router: Path) -> Path:
 def test_labels_from_outcomes() -> None:
     assert label_of({"tier": "short", "sufficed": True}, "long") == 0
     assert label_of({"tier": "short", "sufficed": False}, "long") == 1
-    assert label_of({"tier": "long", "sufficed": False}, "long") == 0
+    # a top-tier answer graded wrong says nothing about the cheap tier (issue 24: it used to read as "easy")
+    assert label_of({"tier": "long", "sufficed": False}, "long") is None
     assert label_of({"tier": "long", "sufficed": True}, "long") is None
     rows = [{"tier": "short", "sufficed": False, "text": "q", "window_digest": "d", "source": "shadow"},
             {"tier": "short", "sufficed": True, "text": "q", "window_digest": "d", "source": "feedback"},

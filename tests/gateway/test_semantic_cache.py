@@ -14,9 +14,9 @@ from gateway.config import CacheConfig, SemanticCacheConfig, Settings
 from gateway.engine.redis_server import free_port
 from gateway.state.cache import CacheEntry, ResponseCache
 from gateway.state.cache_policy import cache_key, decide, tenant_scope
-from gateway.state.semantic_cache import SemanticCache
+from gateway.state.semantic_cache import Probe, SemanticCache
 from gateway.state.semantic_embed import LexicalEmbedder, OpenAIEmbedder
-from gateway.state.semantic_guard import features, mismatch, normalise
+from gateway.state.semantic_guard import Features, features, mismatch, normalise
 from gateway.state.semantic_policy import max_tokens_bucket, question, servable, tenant_tag
 from tests.fixtures.redis_stack import stack
 
@@ -27,9 +27,12 @@ SAME = [
     ("What is 17 * 23?", "What is seventeen times twenty-three?"),
     ("What is 17 x 23?", "WHAT IS 17 \\times 23"),
     ("Is 1,000 more than 999.50?", "is 1000 more than 999.5"),
-    ("How old is Alice if she was born in 1990?", "if she was born in 1990, how old is alice?"),
+    ("How old is Alice if she was born in 1990?", "how old is alice if she was born in 1990"),
     ('Translate "Good morning" to French.', 'translate   "Good morning"  to French'),
-    ("Natalia sold 48 clips in April and half as many in May.", "In May Natalia sold half as many; in April 48 clips."),
+    ("If Tom gives Ann 3 apples, how many does Ann have?", "if Tom gives Ann three apples how many does Ann have"),
+    ("Subtract 3 from 10. What is left?", "subtract 3 from 10, what is left"),
+    ("Convert 5 miles to km.", "Please convert five miles to km"),
+    ("Who was the first president of the USA?", "who was the first president of the USA"),
 ]
 DIFFERENT = [
     ("What is 17 * 23?", "What is 17 * 24?", "numbers"),
@@ -42,6 +45,37 @@ DIFFERENT = [
     ("Which is the largest planet?", "Which is the smallest planet?", "polarity"),
     ("What is the capital of France?", "Quelle est la capitale de la France ?", "language"),
 ]
+# Issue 25: what the guard that compared sorted numbers and a bag of words let through, one row per family
+# (each passed that guard); the reason is the first order- or role-aware check that refuses it, in both modes.
+ORDER_DIFFERENT = [
+    ("Subtract 3 from 10. What is left?", "Subtract 10 from 3. What is left?", "order"),  # operand swap
+    ("A train travels 120 km in 3 hours.", "A train travels 3 km in 120 hours.", "order"),  # numbers and units
+    ("What is 10 divided by 2?", "What is 2 divided by 10?", "order"),
+    ("What is 10 - 3 + 2?", "What is 10 + 3 - 2?", "order"),  # the operators in another order
+    ("Is Paris north of Madrid?", "Is Madrid north of Paris?", "relation"),  # entities around a relation
+    ("Is Paris north of Madrid?", "Is Paris south of Madrid?", "relation"),  # the relation turned round
+    ("How far is it from Lyon to Nice?", "How far is it to Lyon from Nice?", "relation"),
+    ("Convert 5 miles to km.", "Convert 5 km to miles.", "units"),  # unit pair
+    ("A tank holds 5 liters and leaks 2 gallons.", "A tank holds 5 gallons and leaks 2 liters.", "units"),
+    ("Who was the first president of the USA?", "Who was the second president of the USA?", "ordinal"),
+    ("She ate half as many apples as Tom.", "She ate twice as many apples as Tom.", "ordinal"),
+    ("Alice pays Bob for the book.", "Bob pays Alice for the book.", "word_order"),  # entity swap, no relation word
+    ("Does a cat chase a dog in the story?", "Does a dog chase a cat in the story?", "word_order"),  # noun swap
+    ("On the second day she sold 5 roses.", "On the day second she sold 5 roses.", "word_order"),
+    # a moved clause: the guard cannot tell it from a changed role, and misses (issue 25: when in doubt, miss;
+    # the first two passed as rephrasings before)
+    ("Natalia sold 48 clips in April and half as many in May.", "In May Natalia sold half as many; in April 48 clips.",
+     "word_order"),
+    ("How old is Alice if she was born in 1990?", "if she was born in 1990, how old is alice?", "word_order"),
+    ("If Tom gives Ann 3 apples, how many does Ann have?", "How many does Ann have if Tom gives Ann 3 apples?",
+     "word_order"),
+]
+# With an embedding model the content words may differ (synonyms); these still may not.
+EMBEDDING_DIFFERENT = [
+    ("Which is the largest planet?", "Which is the heaviest planet?", "comparative"),
+    ("It costs $5. How much are 3?", "It costs €5. How much are 3?", "currency"),
+    ("She has twice as many as Tom.", "She has thrice as many as Tom.", "ordinal"),
+]
 
 
 @pytest.mark.parametrize(("a", "b"), SAME)
@@ -53,6 +87,38 @@ def test_guard_passes_rephrasings(a: str, b: str) -> None:
 def test_guard_refuses_changed_facts(a: str, b: str, why: str) -> None:
     assert mismatch(features(a), features(b)) == why
     assert mismatch(features(b), features(a)) == why
+
+
+@pytest.mark.parametrize(("a", "b", "why"), ORDER_DIFFERENT)
+def test_guard_reads_order_and_roles(a: str, b: str, why: str) -> None:
+    for same_words in (False, True):  # the embedding mode (no content-word check) and the lexical one
+        assert mismatch(features(a), features(b), same_words) == why
+        assert mismatch(features(b), features(a), same_words) == why
+
+
+@pytest.mark.parametrize(("a", "b", "why"), EMBEDDING_DIFFERENT)
+def test_guard_compares_degree_currency_and_ordinals_without_the_word_check(a: str, b: str, why: str) -> None:
+    assert mismatch(features(a), features(b)) == why
+    assert mismatch(features(b), features(a)) == why
+
+
+def test_features_round_trip_and_an_older_guards_features_are_refused() -> None:
+    f = features("Subtract 3 from 10. What is left?")
+    assert mismatch(Features.from_json(f.to_json()), f, True) is None
+    old = {k: v for k, v in f.to_json().items() if k in ("n", "o", "s", "q", "c", "w", "g", "p", "l")}
+    assert mismatch(f, Features.from_json(old), True) == "version"  # stored before the order-aware checks
+
+
+def test_bucket_keys_the_numbers_in_order() -> None:
+    """Swapped operands land in another LSH bucket (not even a candidate); a rephrasing shares the bucket."""
+    def bucket(text: str) -> str:
+        q = question("key:alice", "chat", "short", _body(text), "lexical-v1", 2000)
+        assert q is not None
+        emb = LexicalEmbedder()
+        return Probe("t", q, emb.sketch_now(text), features(text)).bucket
+
+    assert bucket("Subtract 3 from 10. What is left?") != bucket("Subtract 10 from 3. What is left?")
+    assert bucket("Subtract 3 from 10. What is left?") == bucket("subtract three from ten - what is left")
 
 
 def test_normalise_writes_arithmetic_and_numbers_one_way() -> None:
@@ -255,8 +321,9 @@ async def test_threshold_decides(redis_url: str, redis_prefix: str, tmp_path: Pa
         loose = SemanticCache(st.handle, st.breaker, SemanticCacheConfig(threshold=0.5), LexicalEmbedder())
         q = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
              "How many clips did Natalia sell altogether in April and May?")
-        para = ("How many clips did Natalia sell altogether in April and May, if Natalia sold clips to 48 of her "
-                "friends in April and then she sold half as many clips in May?")
+        # a rephrasing that keeps the order (issue 25: the question moved first is refused by the word order)
+        para = ("so natalia sold clips to 48 of her friends in april and then she sold half as many clips in may, "
+                "so how many clips did natalia sell altogether in april and may")
         await _remember(exact, strict, tenant_scope("a"), _body(q), "72", "r")
         assert (await _ask(strict, tenant_scope("a"), _body(para))).outcome == "below_threshold"
         got = await _ask(loose, tenant_scope("a"), _body(para))

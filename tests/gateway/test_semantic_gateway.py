@@ -222,3 +222,40 @@ def test_responses_api_gets_semantic_hits_in_its_own_scope(gw: GatewayServer) ->
     chat = c.chat.completions.with_raw_response.create(model="short", temperature=0,
                                                        messages=[{"role": "user", "content": q.upper()}])
     assert chat.headers["x-thinkgate-cache"] == "miss"
+
+
+def test_an_embedding_call_is_admitted_before_it_is_made(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
+                                                         tmp_path: Path) -> None:
+    """The embedding call is reserved against the key's budget like any upstream call: a budget that the request
+    itself fills leaves no room for it, so it is not made (the semantic lookup is skipped: a plain miss) and the
+    key's spend stays within its budget. (Before, it was billed to the key after the fact, unchecked.)"""
+    from decimal import Decimal
+
+    from gateway.config import TierConfig
+    from gateway.ledger.event import micro_to_usd
+    from gateway.state.limits import estimate
+    from tests.fixtures.gateway import create_key
+    from tests.fixtures.upstream import sim_tiers
+
+    embed = {"name": "embed", "base_url": upstream_sim.base_url, "model": "sim-words",
+             "prices": {"input_usd_per_mtok": Decimal("10")}}
+    semantic = {"cache": {"semantic": {"enabled": True, "embedder": "openai:embed", "threshold": 0.95}}}
+    tiers = [embed, *sim_tiers(upstream_sim.base_url)]
+    q = "How many pears did Ann pick in the orchard on Friday if she had 12 and gave away 5?"
+    body = {"model": "none", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": q}]}
+    budget = estimate(body, [TierConfig(**tiers[1])]).micro_usd  # the request's own bound, nothing more
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, tiers=tiers,
+                            **semantic) as g:
+        kid = f"emb-{uuid.uuid4().hex[:8]}"
+        secret = create_key(redis_url, redis_prefix, kid, budget_usd_day=micro_to_usd(budget), allowed_tiers=["none"])
+        before = upstream_sim.stats()["requests"]
+        r = httpx.post(g.base_url + "/chat/completions", json=body, timeout=30,
+                       headers={"authorization": f"Bearer {secret}"})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-thinkgate-cache"] == "miss"
+        assert upstream_sim.stats()["requests"] == before + 1  # the chat call only: no embedding call was made
+        time.sleep(0.3)  # an embedding event would be written with the request's
+        events = usage_events(g, [r.headers["x-request-id"]])
+        mine = [e for e in events.values() if e.key_id == kid]
+        assert [e.endpoint for e in mine] == ["chat"]  # no embedding call billed
+        assert 0 < sum(e.cost_micro_usd for e in mine) <= budget

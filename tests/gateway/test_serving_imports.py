@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = REPO / "router" / "assets" / "default.skops"
+# the learned default candidate (the shipped default serves prompt length: router/fit/coldstart.py)
+SHIPPED = REPO / "router" / "assets" / "default-learned.skops"
 HEAVY = ("sklearn", "scipy", "skops", "pandas", "pyarrow", "torch")
 
 SCRIPT = """

@@ -13,8 +13,12 @@ import httpx
 import pytest
 import redis
 
+from gateway.config import TierConfig
+from gateway.ledger.event import micro_to_usd
 from gateway.ledger.outcome import Outcome
+from gateway.pipeline import upstream_body
 from gateway.pipeline.shadow import answers_agree, normalise_answer
+from gateway.state.limits import estimate
 from tests.fixtures.gateway import SECRETS, accounting_gateway, usage_events
 from tests.fixtures.upstream import SimProcess, sim_tiers, start_sim, wait_for
 
@@ -98,21 +102,57 @@ def test_shadow_calls_never_delay_the_response(upstream_sim: SimProcess, slow_si
     assert max(latencies[False]) < SHADOW_DELAY_S / 2, latencies
 
 
+def _shadow_estimate(sim: SimProcess, i: int) -> int:
+    """The admission estimate of the shadow call of ``_ask(…, i)`` (on ``long``, the next tier up)."""
+    long = TierConfig(**sim_tiers(sim.base_url)[2])
+    body = {"model": "auto", "max_tokens": 16, "messages": [{"role": "user", "content": f"what is {i} plus {i}?"}]}
+    return estimate(upstream_body.build(body, long, "chat"), [long]).micro_usd
+
+
 def test_shadow_calls_respect_their_daily_budget(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
                                                  tmp_path: Path) -> None:
-    # a budget below one shadow call: the first runs (nothing spent yet), every later one is skipped
+    # a budget of exactly one shadow call's admission estimate: the first is admitted (nothing spent yet), every
+    # later one is refused by admission before it is sent — the daily budget is a hard one, never overshot
+    # (before, it was checked before a call and charged after: a day could overshoot by max_concurrency calls)
+    budget = _shadow_estimate(upstream_sim, 0)
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
-                            routing=_routing(max_usd_day="0.000001")) as gw, httpx.Client(timeout=30) as client:
+                            routing=_routing(max_usd_day=str(micro_to_usd(budget)))) as gw, \
+            httpx.Client(timeout=30) as client:
         shadow = gw.app.state.proxy.shadow
         for i in range(4):
             _, r = _ask(client, gw.base_url, i)
             assert r.status_code == 200
             assert wait_for(lambda n=i + 1: shadow.stats.done + sum(shadow.stats.skipped.values()) == n,
                             timeout_s=5)
-        assert shadow.stats.done == 1 and shadow.stats.skipped == {"budget": 3}
+        assert shadow.stats.done == 1 and shadow.stats.skipped == {"admission": 3}
         events = usage_events(gw, count=5)
-        assert sum(e.route_reason == "shadow" for e in events.values()) == 1
+        shadowed = [e for e in events.values() if e.route_reason == "shadow"]
+        assert len(shadowed) == 1 and shadowed[0].cost_micro_usd <= budget
         assert len(_outcomes(redis_url, redis_prefix)) == 1
+
+
+def test_shadow_calls_are_admitted_against_the_global_budget(upstream_sim: SimProcess, redis_url: str,
+                                                             redis_prefix: str, tmp_path: Path) -> None:
+    # the global level has room for the client's request (its estimate) and not for the shadow call after it:
+    # the shadow call is refused by admission, never sent, and the global spend stays within its budget
+    budget = _shadow_estimate(upstream_sim, 3)  # = the client's own estimate (short, falling back to long)
+    limits = {"global_budget": {"usd_day": str(micro_to_usd(budget))}}
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(), limits=limits) as gw, httpx.Client(timeout=30) as client:
+        shadow = gw.app.state.proxy.shadow
+        _, r = _ask(client, gw.base_url, 3)
+        assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short"
+        assert wait_for(lambda: shadow.stats.done + sum(shadow.stats.skipped.values()) == 1, timeout_s=5)
+        assert shadow.stats.skipped == {"admission": 1} and shadow.stats.done == 0
+        events = usage_events(gw, count=1)
+        assert [e.route_reason for e in events.values()] == ["predicted"]
+        day = time.strftime("%Y-%m-%d", time.gmtime())
+        check = redis.Redis.from_url(redis_url)
+        try:
+            spent = int(check.hget(f"{redis_prefix}usage:global:d:{day}", "cost_micro_usd") or 0)
+        finally:
+            check.close()
+        assert 0 < spent <= budget
 
 
 def test_judge_tier_is_asked_and_metered(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,

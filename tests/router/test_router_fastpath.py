@@ -14,7 +14,8 @@ from router.fit.fitter import fit_router
 from router.model import ModelConfig, TrainedRouter
 from router.persistence import load_router
 
-SHIPPED = Path(__file__).resolve().parents[2] / "router" / "assets" / "default.skops"
+# the learned default candidate (the shipped default serves prompt length: router/fit/coldstart.py)
+SHIPPED = Path(__file__).resolve().parents[2] / "router" / "assets" / "default-learned.skops"
 
 EDGE_TEXTS = [
     "",

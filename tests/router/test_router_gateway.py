@@ -23,7 +23,8 @@ from router.tasks.rows import task_rows
 from router.window import routing_window
 from tests.fixtures.upstream import TEST_KEY, TEST_KEY_ID, GatewayServer, sim_settings
 
-SHIPPED = Path(__file__).resolve().parents[2] / "router" / "assets" / "default.skops"
+# the learned default candidate (the shipped default serves prompt length: router/fit/coldstart.py)
+SHIPPED = Path(__file__).resolve().parents[2] / "router" / "assets" / "default-learned.skops"
 ADMIN = "tg-router-admin-secret-0000"
 # Real prompts: a one-operation problem of the project's arithmetic task, and a level-5 MATH-500 problem.
 EASY = task_rows("arith", "test", 1, seed=0, levels=[1])[0]["question"]

@@ -205,13 +205,15 @@ def test_hash_score_is_uniform_enough() -> None:
 
 
 def test_router_fit_traces_cli_end_to_end(tmp_path: Path) -> None:
-    folder = _toy_folder(tmp_path / "traces")
+    # enough questions that the calibration split can certify routing down (issue 27: the served thresholds carry a
+    # 90%-confidence guarantee; with the 240-question folder the honest answer is "do not route")
+    folder = _toy_folder(tmp_path / "traces", n=1500)
     out = tmp_path / "r.skops"
     argv = ["router", "fit", "--traces", str(folder), "--dataset", "toy", "--ladder", "m:no_think,exd0",
             "--output", str(out)]
     res = CliRunner().invoke(app, argv)
     assert res.exit_code == 0, res.output
-    assert "validation savings_at_98" in res.output and "ships" in res.output
+    assert "curve metric" in res.output and "serves" in res.output and "90% confidence" in res.output
     r = load_router(out)
     meta = r.metadata
     assert meta["ladder"] == {"model": "m", "settings": ["no_think", "exd0"]} and meta["tiers"] == ["no_think", "exd0"]
@@ -223,12 +225,16 @@ def test_router_fit_traces_cli_end_to_end(tmp_path: Path) -> None:
     ev = evaluate_ladder(["no_think", "exd0"], test.correct, test.tokens, r.predict_proba(test.questions),
                          r.thresholds, np.array([length_prior(q) for q in test.questions]))
     assert ev["savings_at_98"]["router"] > 0.3
+    assert meta["serving"]["policy"] != "always_top" and meta["serving"]["guarantee"]["delta"] == 0.1
     info = CliRunner().invoke(app, ["router", "info", str(out)])
     assert info.exit_code == 0 and "policy:" in info.output and "ladder m" in info.output
+    assert "keeps >= 98% of always-top accuracy" in info.output and "90% confidence" in info.output
     # several ladders → a folder; a bad ladder is a clear error
     base = ["router", "fit", "--traces", str(folder), "--dataset", "toy"]
     bad = CliRunner().invoke(app, [*base, "--ladder", "m", "--output", str(out)])
     assert bad.exit_code == 2 and "MODEL:SETTING1" in bad.output
+    small = _toy_folder(tmp_path / "small")
+    base = ["router", "fit", "--traces", str(small), "--dataset", "toy"]
     many = CliRunner().invoke(app, [*base, "--ladder", "m:no_think,exd0", "--ladder", "m:exd0,no_think",
                                     "--output", str(tmp_path / "routers")])
     assert many.exit_code == 0, many.output

@@ -198,7 +198,8 @@ def test_all_solved_data_stops_cleanly(tiny: Path, tmp_path: Path) -> None:
     cfg = make_cfg(
         tiny,
         model={"thinks": False},  # the random-init model never closes a thought: let the verifier alone decide
-        rewards=[{"name": "correctness"}],
+        # ... and it always runs into the length cap: cap: null turns the length-cut rule off (all solved)
+        rewards=[{"name": "correctness", "params": {"cap": None}}],
         dynamic_sampling={"enabled": True, "max_rounds": 3},
         trl={"max_steps": 5},
     )
@@ -302,7 +303,8 @@ def test_signal_is_accuracy_so_a_length_reward_does_not_hide_solved_data(
     cfg = make_cfg(
         tiny,
         model={"thinks": False},
-        rewards=[{"name": "correctness"}, {"name": "parity", "weight": 0.5}],
+        # the random-init model always runs into the length cap: cap: null turns the length-cut rule off (all solved)
+        rewards=[{"name": "correctness", "params": {"cap": None}}, {"name": "parity", "weight": 0.5}],
         dynamic_sampling={"enabled": True, "max_rounds": 2},
         trl={"max_steps": 3, "num_generations": 4, "per_device_train_batch_size": 8},
     )

@@ -72,9 +72,10 @@ class ModelConfig(_Section):
     )
     thinks: bool | None = _f(
         None,
-        "The policy generates inside a thought (the chat template's generation prompt opens <think>): a completion "
-        "without </think> is a cut-off thought and scores wrong in every reward and in evaluation. None = detect "
-        "from the chat template.",
+        "The policy generates inside a thought (the chat template's generation prompt opens <think>, or the model "
+        "writes it itself as Qwen3 and DeepSeek-R1 do): a completion without </think> is a cut-off thought and "
+        "scores wrong in every reward and in evaluation. None = detect from the chat template "
+        "(training.grpo.reward_utils.thought_opener).",
     )
 
 

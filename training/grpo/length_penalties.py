@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from training.grpo.reward_utils import Verifier, group_indices, token_lengths, verify_rows
+from training.grpo.reward_utils import LengthCap, Verifier, group_indices, token_lengths, verify_rows
 
 # ---------------------------------------------------------------------------------------------------------------------
 # formulas (one rollout or one group)
@@ -126,9 +126,7 @@ def alp_penalties(lengths: Sequence[int], correct: Sequence[bool], beta: float, 
 
 
 def _truncated(ids: Sequence[int], max_len: int, eos_token_ids: frozenset[int] | None) -> bool:
-    if len(ids) < max_len:
-        return False
-    return eos_token_ids is None or not ids or ids[-1] not in eos_token_ids
+    return LengthCap(max_len, eos_token_ids).cut(ids)
 
 
 class DapoOverlongReward:
@@ -208,17 +206,22 @@ class L1MaxReward:
     """TRL reward: :func:`l1_max_reward` against the ``budget_tokens`` column (whole reward)."""
 
     def __init__(
-        self, verifier: Verifier, alpha: float = 0.0003, delta: float = 0.5, require_closed_thought: bool = True
+        self,
+        verifier: Verifier,
+        alpha: float = 0.0003,
+        delta: float = 0.5,
+        require_closed_thought: bool = True,
+        cap: LengthCap | None = None,
     ) -> None:
         self.__name__ = "l1_max"
         self.verifier, self.alpha, self.delta = verifier, alpha, delta
-        self.require_closed_thought = require_closed_thought
+        self.require_closed_thought, self.cap = require_closed_thought, cap
 
     def __call__(
         self, prompts: list[Any], completions: list[Any], completion_ids: Any = None, **kwargs: Any
     ) -> list[float]:
         lengths = token_lengths(completion_ids, len(completions))
-        ok = verify_rows(self.verifier, completions, kwargs, self.require_closed_thought)
+        ok = verify_rows(self.verifier, completions, kwargs, self.require_closed_thought, completion_ids, self.cap)
         budgets = _budgets(kwargs, len(lengths))
         return [l1_max_reward(n, b, c, self.alpha, self.delta) for n, b, c in zip(lengths, budgets, ok, strict=True)]
 
@@ -226,9 +229,15 @@ class L1MaxReward:
 class _GroupReward:
     """Base for rewards computed per group (rows grouped by ``problem_id``, else chunks of ``num_generations``)."""
 
-    def __init__(self, verifier: Verifier, num_generations: int | None, require_closed_thought: bool = True) -> None:
+    def __init__(
+        self,
+        verifier: Verifier,
+        num_generations: int | None,
+        require_closed_thought: bool = True,
+        cap: LengthCap | None = None,
+    ) -> None:
         self.verifier, self.num_generations = verifier, num_generations
-        self.require_closed_thought = require_closed_thought
+        self.require_closed_thought, self.cap = require_closed_thought, cap
 
     def _group(self, lengths: list[int], ok: list[bool]) -> list[float]:
         raise NotImplementedError
@@ -238,7 +247,7 @@ class _GroupReward:
     ) -> list[float]:
         n = len(completions)
         lengths = token_lengths(completion_ids, n)
-        ok = verify_rows(self.verifier, completions, kwargs, self.require_closed_thought)
+        ok = verify_rows(self.verifier, completions, kwargs, self.require_closed_thought, completion_ids, self.cap)
         out = [0.0] * n
         for idx in group_indices(n, kwargs.get("problem_id"), self.num_generations):
             for i, v in zip(idx, self._group([lengths[i] for i in idx], [ok[i] for i in idx]), strict=True):
@@ -250,9 +259,13 @@ class KimiLengthReward(_GroupReward):
     """TRL reward: :func:`kimi_length_rewards` per group (additive, in [-0.5, 0.5])."""
 
     def __init__(
-        self, verifier: Verifier, num_generations: int | None = None, require_closed_thought: bool = True
+        self,
+        verifier: Verifier,
+        num_generations: int | None = None,
+        require_closed_thought: bool = True,
+        cap: LengthCap | None = None,
     ) -> None:
-        super().__init__(verifier, num_generations, require_closed_thought)
+        super().__init__(verifier, num_generations, require_closed_thought, cap)
         self.__name__ = "kimi_length"
 
     def _group(self, lengths: list[int], ok: list[bool]) -> list[float]:
@@ -269,8 +282,9 @@ class AlpLengthReward(_GroupReward):
         beta: float = 0.5,
         num_generations: int | None = None,
         require_closed_thought: bool = True,
+        cap: LengthCap | None = None,
     ) -> None:
-        super().__init__(verifier, num_generations, require_closed_thought)
+        super().__init__(verifier, num_generations, require_closed_thought, cap)
         self.__name__ = "alp_length"
         self.beta, self.norm_tokens = beta, norm_tokens
 

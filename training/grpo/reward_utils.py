@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 # Keyword arguments TRL adds that are not dataset columns.
 NON_COLUMN_KWARGS = frozenset({"trainer_state", "log_extra", "log_metric", "environments"})
@@ -41,6 +42,30 @@ def token_lengths(completion_ids: Sequence[Sequence[int]] | None, n: int) -> lis
     if len(completion_ids) != n:
         raise ValueError(f"completion_ids has {len(completion_ids)} rows, completions has {n}")
     return [len(ids) for ids in completion_ids]
+
+
+@dataclass(frozen=True)
+class LengthCap:
+    """The generation cap of the rollouts (``trl.max_completion_length``, tokens) and the EOS ids: a rollout that
+    reached the cap without ending in EOS was cut by length (``finish_reason: length``)."""
+
+    max_len: int
+    eos_token_ids: frozenset[int] | None = None
+
+    def cut(self, ids: Sequence[int]) -> bool:
+        """True when ``ids`` hit the cap unfinished (without EOS ids known, reaching the cap counts as cut)."""
+        if len(ids) < self.max_len:
+            return False
+        return self.eos_token_ids is None or not ids or ids[-1] not in self.eos_token_ids
+
+
+def cut_rows(completion_ids: Sequence[Sequence[int]] | None, n: int, cap: LengthCap | None) -> list[bool]:
+    """:meth:`LengthCap.cut` per rollout; all False without a cap or without token ids."""
+    if cap is None or completion_ids is None:
+        return [False] * n
+    if len(completion_ids) != n:
+        raise ValueError(f"completion_ids has {len(completion_ids)} rows, completions has {n}")
+    return [cap.cut(ids) for ids in completion_ids]
 
 
 def rows_from_kwargs(n: int, kwargs: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -126,15 +151,19 @@ def task_verifier() -> Verifier:
     return verify
 
 
-def is_correct(verifier: Verifier, row: Mapping[str, Any], text: str, require_closed_thought: bool = True) -> bool:
+def is_correct(
+    verifier: Verifier, row: Mapping[str, Any], text: str, require_closed_thought: bool = True, cut: bool = False
+) -> bool:
     """The correctness decision shared by every reward and the held-out evaluation.
 
-    False when ``require_closed_thought`` and the completion never closed its thought (no ``</think>``: cut off by
-    the length cap or never finished) — whatever the verifier would say about the text — and when the verifier
-    raises; else ``verifier(row, text)``. The policy thinks by construction (the generation prompt opens
-    ``<think>``), so the default is on for rewards and evaluation alike.
+    False when the completion was cut by the training length cap (``cut``, which the rewards pass: anywhere —
+    inside the thought or after ``</think>``, where the answer itself is unfinished; the held-out evaluation
+    reports its own cap's cuts apart, as ``truncated``), when ``require_closed_thought`` and it never closed its
+    thought (no ``</think>``) — whatever the verifier would say about the text — and when the verifier raises;
+    else ``verifier(row, text)``. The policy thinks by construction (the generation prompt opens ``<think>``, or
+    the model writes it), so the default is on for rewards and evaluation alike.
     """
-    if require_closed_thought and not split_thought(text)[2]:
+    if cut or (require_closed_thought and not split_thought(text)[2]):
         return False
     try:
         return bool(verifier(row, text))
@@ -143,25 +172,78 @@ def is_correct(verifier: Verifier, row: Mapping[str, Any], text: str, require_cl
 
 
 def verify_rows(
-    verifier: Verifier, completions: Sequence[Any], kwargs: Mapping[str, Any], require_closed_thought: bool = True
+    verifier: Verifier,
+    completions: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    require_closed_thought: bool = True,
+    completion_ids: Sequence[Sequence[int]] | None = None,
+    cap: LengthCap | None = None,
 ) -> list[bool]:
-    """:func:`is_correct` for every rollout (a cut-off thought or a verifier exception counts as incorrect)."""
+    """:func:`is_correct` for every rollout (a cut-off thought, a rollout cut by ``cap`` — given its
+    ``completion_ids`` — or a verifier exception counts as incorrect)."""
     rows = rows_from_kwargs(len(completions), kwargs)
+    cut = cut_rows(completion_ids, len(completions), cap)
     return [
-        is_correct(verifier, row, completion_text(c), require_closed_thought)
-        for row, c in zip(rows, completions, strict=True)
+        is_correct(verifier, row, completion_text(c), require_closed_thought, k)
+        for row, c, k in zip(rows, completions, cut, strict=True)
     ]
+
+
+_MARKER = "\u2063q\u2063"
+
+
+def _generation_tail(tokenizer: Any, **template_kwargs: Any) -> str | None:
+    """What the chat template adds after a user turn with ``add_generation_prompt`` (None: no usable template)."""
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": _MARKER}], add_generation_prompt=True, tokenize=False, **template_kwargs
+        )
+    except Exception:
+        return None
+    return str(text).rsplit(_MARKER, 1)[-1]
+
+
+def _opens(tail: str) -> bool:
+    return THINK_OPEN in tail and THINK_CLOSE not in tail.rpartition(THINK_OPEN)[2]
+
+
+def _template_source(tokenizer: Any) -> str:
+    tpl = getattr(tokenizer, "chat_template", None)
+    if isinstance(tpl, dict):
+        return "\n".join(str(v) for v in tpl.values())
+    return str(tpl or "")
 
 
 def template_opens_thought(tokenizer: Any) -> bool:
     """True when the tokenizer's chat template makes the model think: the generation prompt (after the user turn)
     opens ``<think>`` without closing it, so the completion starts inside a thought. False without a template."""
-    marker = "\u2063q\u2063"
-    try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
-        )
-    except Exception:
-        return False
-    tail = str(text).rsplit(marker, 1)[-1]
-    return THINK_OPEN in tail and THINK_CLOSE not in tail.rpartition(THINK_OPEN)[2]
+    tail = _generation_tail(tokenizer)
+    return tail is not None and _opens(tail)
+
+
+def thought_opener(tokenizer: Any) -> Literal["template", "model"] | None:
+    """Who opens the thought, read from the tokenizer's chat template.
+
+    ``"template"``: the generation prompt opens ``<think>`` (the completion starts inside the thought; the
+    shipped tiny model, DeepSeek-R1's updated template). ``"model"``: the generation prompt does not, but the
+    template knows thoughts — it names ``</think>`` (Qwen3 and DeepSeek-R1 cut the thought out of earlier
+    assistant turns, Qwen3 closes an empty one when ``enable_thinking=False``) — so the model writes ``<think>``
+    itself (Qwen3 with thinking on, DeepSeek-R1's original template). None: the generation prompt closes the
+    thought already (thinking switched off), or the template has no thoughts (or there is no template).
+    """
+    tail = _generation_tail(tokenizer)
+    if tail is None:
+        return None
+    if _opens(tail):
+        return "template"
+    if THINK_CLOSE in tail:  # "<think>\n\n</think>": the template switched thinking off
+        return None
+    off = _generation_tail(tokenizer, enable_thinking=False)
+    hybrid = off is not None and off != tail and THINK_CLOSE in off  # Qwen3: off closes an empty thought
+    return "model" if hybrid or THINK_CLOSE in _template_source(tokenizer) else None
+
+
+def policy_thinks(tokenizer: Any) -> bool:
+    """The default of ``model.thinks``: True when :func:`thought_opener` finds a thought, opened by the template or
+    by the model (a completion without ``</think>`` is then a cut-off thought)."""
+    return thought_opener(tokenizer) is not None

@@ -21,26 +21,30 @@ from training.grpo.length_penalties import (
     L1ExactReward,
     L1MaxReward,
 )
-from training.grpo.reward_utils import THINK_CLOSE, THINK_OPEN, Verifier, completion_text, verify_rows
+from training.grpo.reward_utils import THINK_CLOSE, THINK_OPEN, LengthCap, Verifier, completion_text, verify_rows
 
 
 class CorrectnessReward:
     """Verifiable correctness: R = 1.0 if ``verifier(row, completion)`` else 0.0 (unitless).
 
     Source: RL with verifiable rewards (DeepSeek-R1, arXiv 2501.12948; Tülu 3 RLVR, arXiv 2411.15124). The verifier
-    reads the answer after ``</think>``; a completion that never closes its thought is incorrect.
+    reads the answer after ``</think>``; a completion that never closes its thought is incorrect, and so is one
+    cut by ``cap`` anywhere (its answer after ``</think>`` is unfinished too).
     """
 
-    def __init__(self, verifier: Verifier, require_closed_thought: bool = True, wrong: float = 0.0) -> None:
+    def __init__(
+        self, verifier: Verifier, require_closed_thought: bool = True, wrong: float = 0.0, cap: LengthCap | None = None
+    ) -> None:
         self.__name__ = "correctness"
         self.verifier = verifier
         self.require_closed_thought = require_closed_thought
         self.wrong = wrong
+        self.cap = cap
 
     def __call__(
         self, prompts: list[Any], completions: list[Any], completion_ids: Any = None, **kwargs: Any
     ) -> list[float]:
-        ok = verify_rows(self.verifier, completions, kwargs, self.require_closed_thought)
+        ok = verify_rows(self.verifier, completions, kwargs, self.require_closed_thought, completion_ids, self.cap)
         return [1.0 if x else self.wrong for x in ok]
 
 
@@ -89,12 +93,17 @@ class RewardContext:
     eos_token_ids: frozenset[int] | None = None
     require_closed_thought: bool = True  # the policy thinks: no </think> -> wrong (model.thinks)
 
+    @property
+    def cap(self) -> LengthCap:
+        """The generation cap: a rollout cut by it scores wrong in every correctness-based reward."""
+        return LengthCap(self.max_completion_length, self.eos_token_ids)
+
 
 RewardFactory = Callable[[RewardContext, dict[str, Any]], Callable[..., list[float]]]
 
 REWARD_REGISTRY: dict[str, RewardFactory] = {
     "correctness": lambda ctx, p: CorrectnessReward(
-        ctx.verifier, **{"require_closed_thought": ctx.require_closed_thought, **p}
+        ctx.verifier, **{"require_closed_thought": ctx.require_closed_thought, "cap": ctx.cap, **p}
     ),
     "format": lambda ctx, p: FormatReward(**p),
     "dapo_overlong": lambda ctx, p: DapoOverlongReward(**{"max_len": ctx.max_completion_length, **p}),
@@ -108,10 +117,13 @@ REWARD_REGISTRY: dict[str, RewardFactory] = {
         },
     ),
     "l1_exact": lambda ctx, p: L1ExactReward(**p),
-    "l1_max": lambda ctx, p: L1MaxReward(ctx.verifier, **{"require_closed_thought": ctx.require_closed_thought, **p}),
+    "l1_max": lambda ctx, p: L1MaxReward(
+        ctx.verifier, **{"require_closed_thought": ctx.require_closed_thought, "cap": ctx.cap, **p}
+    ),
     "kimi_length": lambda ctx, p: KimiLengthReward(
         ctx.verifier,
-        **{"num_generations": ctx.num_generations, "require_closed_thought": ctx.require_closed_thought, **p},
+        **{"num_generations": ctx.num_generations, "require_closed_thought": ctx.require_closed_thought,
+           "cap": ctx.cap, **p},
     ),
     "alp_length": lambda ctx, p: AlpLengthReward(
         ctx.verifier,
@@ -119,6 +131,7 @@ REWARD_REGISTRY: dict[str, RewardFactory] = {
             "norm_tokens": ctx.max_completion_length,
             "num_generations": ctx.num_generations,
             "require_closed_thought": ctx.require_closed_thought,
+            "cap": ctx.cap,
             **p,
         },
     ),

@@ -284,7 +284,7 @@ def run_grpo(
     from training.grpo.ledger import Budgets, CostLedger, StepCounters
     from training.grpo.monitors import AlertLog, HeldoutEvalCallback, LedgerCallback, MonitorCallback
     from training.grpo.plots import plot_run
-    from training.grpo.reward_utils import task_verifier, template_opens_thought
+    from training.grpo.reward_utils import policy_thinks, task_verifier
     from training.grpo.rewards import RewardContext, build_rewards
     from training.grpo.sampling import Candidate, DynamicSampler, NoLearningSignalError
     from training.grpo.trainer import ThinkGateGRPOTrainer
@@ -346,7 +346,7 @@ def run_grpo(
     g = int(trl_kw["num_generations"])
     eos = gen_cfg.eos_token_id if gen_cfg is not None else tokenizer.eos_token_id
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos]) if eos is not None else None
-    thinks = cfg.model.thinks if cfg.model.thinks is not None else template_opens_thought(tokenizer)
+    thinks = cfg.model.thinks if cfg.model.thinks is not None else policy_thinks(tokenizer)
     reward_funcs, weights = build_rewards(cfg.rewards, RewardContext(verifier, max_len, g, eos_ids, thinks))
     device_kind, device_count = detect_device()
     args = build_grpo_args(cfg, run_dir, weights, cpu=device_kind == "cpu")

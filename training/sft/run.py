@@ -126,7 +126,7 @@ def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_step
     from training.grpo.evaluate import generate_and_score, summarize
     from training.grpo.ledger import Budgets, CostLedger, StepCounters
     from training.grpo.monitors import AlertLog, LedgerCallback
-    from training.grpo.reward_utils import task_verifier, template_opens_thought
+    from training.grpo.reward_utils import policy_thinks, task_verifier
     from training.grpo.run import detect_device, git_commit
     from training.registry import heartbeat_callback, write_heartbeat
 
@@ -145,7 +145,7 @@ def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_step
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     verifier = task_verifier()
-    thinks = cfg.model.thinks if cfg.model.thinks is not None else template_opens_thought(tokenizer)
+    thinks = cfg.model.thinks if cfg.model.thinks is not None else policy_thinks(tokenizer)
 
     train_problems = data_mod.load_problems(cfg.task, cfg.task.train_split, cfg.task.n_train)
     eval_problems = data_mod.load_problems(cfg.task, cfg.task.eval_split, cfg.task.n_eval)

@@ -1,0 +1,430 @@
+"""Does the semantic cache ever answer a *changed* question, and how many true rephrasings does it still answer?
+
+Real questions from ``data/`` (GSM8K test + train, MATH-500 + train, MT-Bench first turns, SimpleQA) are
+stored, one entry each, in one tenant and context of the real index (``gateway/state/semantic_cache.py``,
+``lexical`` embedder, the configured default threshold) on a private ``redis-server``. Then variants made from
+them **by rules** are looked up with the real ``SemanticCache.prepare`` + ``lookup``:
+
+- *changed questions* (each must be a miss), by family: ``operand_swap`` (two different numbers trade places),
+  ``entity_swap`` (two different names trade places), ``noun_swap`` (two lower-case content words that occur once
+  each and follow each other trade places: ``a cat chases a dog`` → ``a dog chases a cat``), ``relation`` (a
+  relation word turned round: from↔to, before↔after, north↔south, above↔below, over↔under, more↔less than…),
+  ``relation_swap`` (the two ends of a relation word trade places: ``A from B`` → ``B from A``), ``ordinal``
+  (first→second, 3rd→4th, half→twice…), ``unit_swap`` (two units of the question trade places: ``5 miles … km`` →
+  ``5 km … miles``), ``unit`` (a unit after a number replaced by another of its kind), ``comparative``
+  (largest→smallest…), ``number`` (one number changed), ``negation`` (``not`` added or removed);
+- *true rephrasings* (each should hit its own entry): ``lower``, ``spacing``, ``punct``, ``prefix`` (``Please
+  answer this: …``, common words only), ``synonym`` (common words: calculate/compute, find/determine,
+  each/every…), ``number_words`` (``16`` → ``sixteen``), ``thousands`` (``12000`` → ``12,000``), ``combo`` (prefix
+  + lower + punct), ``clause`` (the last sentence moved to the front — kept meaning, but the guard compares order
+  and may refuse it: reported on its own, and outside the headline recall).
+
+A *false hit* is any ``hit`` outcome on a changed question. For each family the report also says how many
+changed questions a similarity-only cache would have served (similarity to the question they came from ≥ the
+threshold), and which guard check refused them. Then, optionally, lookup latency at a fill size
+(``bench.semantic_cache.latency_part``: one tenant and context filled with every real question in ``data/``
+and number-changed copies; sequential prepare + lookup, p50/p99).
+
+    python -m bench.semantic_perturb [--per-source 600] [--sizes 100000] [--queries 300] [--write-results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import itertools
+import random
+import re
+import time
+from collections import Counter, defaultdict
+from typing import Any
+
+from bench._lib.results_md import write_section
+from bench.gateway_overhead import machine
+from bench.semantic_cache import (
+    DATA,
+    MAX_CHARS,
+    TEST_SPLITS,
+    _jsonl,
+    _punct,
+    _sentences,
+    body_of,
+    digest_of,
+    fill,
+    latency_part,
+    pct,
+)
+from gateway.config import RedisConfig, SemanticCacheConfig
+from gateway.engine.redis_server import start_private
+from gateway.state.breaker import Breaker
+from gateway.state.cache_policy import tenant_scope
+from gateway.state.keys import RedisKeys
+from gateway.state.redis import connect
+from gateway.state.semantic_cache import SemanticCache
+from gateway.state.semantic_embed import LexicalEmbedder
+from gateway.state.semantic_guard import COMMON, TENS, UNITS, features
+
+SECTION = "## Semantic cache: changed questions and rephrasings"
+CHANGED = ("operand_swap", "entity_swap", "noun_swap", "relation", "relation_swap", "ordinal", "unit_swap", "unit",
+           "comparative", "number", "negation")
+REPHRASED = ("lower", "spacing", "punct", "prefix", "synonym", "number_words", "thousands", "combo")
+REPORTED_ONLY = ("clause",)
+
+OPPOSITE = {"from": "to", "to": "from", "before": "after", "after": "before", "north": "south", "south": "north",
+            "east": "west", "west": "east", "above": "below", "below": "above", "over": "under", "under": "over",
+            "into": "out of", "inside": "outside", "outside": "inside", "more than": "less than",
+            "less than": "more than", "greater than": "smaller than", "larger than": "smaller than",
+            "smaller than": "larger than", "plus": "minus", "minus": "plus", "increased": "decreased",
+            "decreased": "increased", "gains": "loses", "loses": "gains", "earlier": "later", "later": "earlier"}
+RELATION_RE = re.compile(r"\b(" + "|".join(sorted(map(re.escape, OPPOSITE), key=len, reverse=True)) + r")\b")
+SWAP_RE = re.compile(r"\b(\w+)(\s+(?:from|to|than|of|per|before|after|into|over|under|north of|south of|east of|"
+                     r"west of|above|below)\s+)(\w+)\b")
+ORDINAL_WORDS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth",
+                 "last")
+MULTIPLIERS = {"half": "twice", "twice": "half", "double": "half", "triple": "double", "thrice": "twice",
+               "quarter": "half"}
+ORDINAL_RE = re.compile(r"\b(" + "|".join((*ORDINAL_WORDS, *MULTIPLIERS)) + r")\b", re.I)
+DIGIT_ORDINAL_RE = re.compile(r"\b(\d+)(st|nd|rd|th)\b")
+UNIT_KINDS = [
+    ("seconds", "minutes", "hours", "days", "weeks", "months", "years"),
+    ("second", "minute", "hour", "day", "week", "month", "year"),
+    ("inches", "feet", "yards", "miles", "meters", "km", "kilometers", "centimeters", "cm"),
+    ("grams", "kilograms", "kg", "pounds", "ounces", "tons"),
+    ("dollars", "cents", "euros"),
+    ("liters", "gallons", "cups", "ounces"),
+]
+UNIT_OF = {u: kind for kind in UNIT_KINDS for u in kind}
+UNIT_RE = re.compile(r"(?<=\d )(" + "|".join(sorted(UNIT_OF, key=len, reverse=True)) + r")\b")
+ANY_UNIT_RE = re.compile(r"\b(" + "|".join(sorted(UNIT_OF, key=len, reverse=True)) + r")\b")
+COMPARATIVE = {"largest": "smallest", "smallest": "largest", "greatest": "least", "least": "greatest",
+               "maximum": "minimum", "minimum": "maximum", "longest": "shortest", "shortest": "longest",
+               "highest": "lowest", "lowest": "highest", "most": "fewest", "more": "fewer", "fewer": "more",
+               "older": "younger", "younger": "older", "oldest": "youngest", "youngest": "oldest",
+               "faster": "slower", "slower": "faster", "taller": "shorter", "heavier": "lighter",
+               "best": "worst", "worst": "best", "cheapest": "most expensive"}
+COMPARATIVE_RE = re.compile(r"\b(" + "|".join(COMPARATIVE) + r")\b")
+SYNONYMS = {"calculate": "compute", "compute": "calculate", "find": "determine", "determine": "find",
+            "each": "every", "every": "each", "evaluate": "compute", "explain": "describe", "describe": "explain",
+            "write": "compose", "give": "provide", "provide": "give", "suppose": "assume", "assume": "suppose",
+            "show": "prove"}
+#: Prefixes of common words only: the lexical embedder requires the same content words, so "Quick question:"
+#: (a new word, "quick") is not a rephrasing it can recognise (``bench/semantic_cache.py`` measures that).
+PREFIXES = ("Please answer this: ", "Can you tell me: ", "Question: ", "Hello, please help: ", "Hi! ")
+SYNONYM_RE = re.compile(r"\b(" + "|".join(SYNONYMS) + r")\b", re.I)
+UNITS_WORDS = sorted(UNITS, key=UNITS.__getitem__)
+TENS_WORDS = sorted(TENS, key=TENS.__getitem__)
+SMALL_NUMBER_RE = re.compile(r"(?<![\w.,$^{}\\/-])(\d{1,2})(?![\w.,%^{}/-])")
+BIG_NUMBER_RE = re.compile(r"(?<![\w.,])(\d{4,7})(?![\w.,])")
+NUMBER_RE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])")
+LATEX_DOLLAR = re.compile(r"\$(?!\d)")
+AUXILIARIES = re.compile(r"\b(is|are|was|were|does|do|did|can|will|should|has|have)\b")
+
+
+# --- data -------------------------------------------------------------------------------------------------
+
+def questions(per_source: int, rng: random.Random) -> list[tuple[str, str]]:
+    """(source, question): ``per_source`` of each source at most, ≤ MAX_CHARS, deduplicated, shuffled."""
+    sources = {
+        "gsm8k": [r["question"] for r in _jsonl(TEST_SPLITS / "gsm8k" / "test.jsonl")]
+        + [r["question"] for r in _jsonl(DATA / "gsm8k" / "train.jsonl.gz")],
+        "math": [r["problem"] for r in _jsonl(TEST_SPLITS / "math" / "test.jsonl")]
+        + [r["problem"] for r in _jsonl(DATA / "math" / "train.jsonl.gz")],
+        "mt_bench": [r["turns"][0] for r in _jsonl(DATA / "mt_bench" / "question.jsonl")],
+        "simpleqa": [r["problem"] for r in _jsonl(DATA / "simpleqa" / "questions.jsonl.gz")],
+    }
+    out: list[tuple[str, str]] = []
+    for name, qs in sources.items():
+        uniq = sorted({q for q in qs if 0 < len(q) <= MAX_CHARS})
+        rng.shuffle(uniq)
+        out.extend((name, q) for q in uniq[:per_source])
+    return out
+
+
+# --- rules ------------------------------------------------------------------------------------------------
+
+def _swap_spans(text: str, a: re.Match[str], b: re.Match[str]) -> str:
+    """``text`` with the spans of ``a`` and ``b`` (``a`` first, not overlapping) exchanged."""
+    return text[:a.start()] + b.group(0) + text[a.end():b.start()] + a.group(0) + text[b.end():]
+
+
+def _names(text: str) -> list[re.Match[str]]:
+    names = features(text).names
+    return [m for m in re.finditer(r"\b[A-Z][a-zA-Z]+\b", text) if m.group(0).lower() in names]
+
+
+def changed(kind: str, text: str, rng: random.Random) -> str | None:
+    """A variant of ``text`` that asks something else, made by the rule ``kind``; None when it does not apply."""
+    if kind == "operand_swap":
+        nums = list(NUMBER_RE.finditer(text))
+        pairs = [(a, b) for a, b in itertools.pairwise(nums) if float(a.group(0)) != float(b.group(0))]
+        return _swap_spans(text, *rng.choice(pairs)) if pairs else None
+    if kind == "entity_swap":
+        spots = _names(text)
+        pairs = [(a, b) for i, a in enumerate(spots) for b in spots[i + 1:] if a.group(0) != b.group(0)]
+        if not pairs:
+            return None
+        x, y = rng.choice(pairs)
+        n1, n2 = x.group(0), y.group(0)
+        return re.sub(rf"\b({re.escape(n1)}|{re.escape(n2)})\b", lambda m: n2 if m.group(0) == n1 else n1, text)
+    if kind == "noun_swap":
+        words = [m for m in re.finditer(r"\b[a-z]{4,}\b", text) if m.group(0) not in COMMON]
+        once = [m for m in words if sum(w.group(0) == m.group(0) for w in words) == 1]
+        pairs = [(a, b) for a, b in itertools.pairwise(once)]
+        return _swap_spans(text, *rng.choice(pairs)) if pairs else None
+    if kind == "relation":
+        spots = list(RELATION_RE.finditer(text))
+        if not spots:
+            return None
+        m = rng.choice(spots)
+        return text[:m.start()] + OPPOSITE[m.group(0)] + text[m.end():]
+    if kind == "relation_swap":
+        spots = [m for m in SWAP_RE.finditer(text) if m.group(1).lower() != m.group(3).lower()
+                 and (m.group(1)[:1].isdigit() or m.group(1)[:1].isupper())
+                 and (m.group(3)[:1].isdigit() or m.group(3)[:1].isupper())]
+        if not spots:
+            return None
+        m = rng.choice(spots)
+        return text[:m.start()] + m.group(3) + m.group(2) + m.group(1) + text[m.end():]
+    if kind == "ordinal":
+        words = list(ORDINAL_RE.finditer(text))
+        digits = list(DIGIT_ORDINAL_RE.finditer(text))
+        if not words and not digits:
+            return None
+        m = rng.choice(words + digits)
+        if m.re is DIGIT_ORDINAL_RE:
+            n = int(m.group(1)) + 1
+            suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+            new = f"{n}{suffix}"
+        else:
+            w = m.group(0).lower()
+            new = MULTIPLIERS.get(w) or rng.choice([o for o in ORDINAL_WORDS if o != w])
+            new = new.capitalize() if m.group(0)[0].isupper() else new
+        return text[:m.start()] + new + text[m.end():]
+    if kind == "unit_swap":
+        spots = list(ANY_UNIT_RE.finditer(text))
+        pairs = [(a, b) for i, a in enumerate(spots) for b in spots[i + 1:] if a.group(0) != b.group(0)]
+        return _swap_spans(text, *rng.choice(pairs)) if pairs else None
+    if kind == "unit":
+        spots = list(UNIT_RE.finditer(text))
+        if not spots:
+            return None
+        m = rng.choice(spots)
+        new = rng.choice([u for u in UNIT_OF[m.group(0)] if u != m.group(0)])
+        return text[:m.start()] + new + text[m.end():]
+    if kind == "comparative":
+        spots = list(COMPARATIVE_RE.finditer(text))
+        if not spots:
+            return None
+        m = rng.choice(spots)
+        return text[:m.start()] + COMPARATIVE[m.group(0)] + text[m.end():]
+    if kind == "number":
+        nums = list(NUMBER_RE.finditer(text))
+        if not nums:
+            return None
+        m = rng.choice(nums)
+        return text[:m.start()] + str(int(float(m.group(0))) + rng.randint(1, 9)) + text[m.end():]
+    if kind == "negation":
+        if re.search(r"\bnot\b", text):
+            return re.sub(r"\s*\bnot\b", "", text, count=1)
+        a = AUXILIARIES.search(text)
+        return text[:a.end()] + " not" + text[a.end():] if a else None
+    raise ValueError(kind)
+
+
+def _spell(n: int) -> str:
+    if n < 20:
+        return UNITS_WORDS[n]
+    tens, unit = divmod(n, 10)
+    return TENS_WORDS[tens - 2] + (f"-{UNITS_WORDS[unit]}" if unit else "")
+
+
+def rephrased(kind: str, text: str, rng: random.Random) -> str | None:
+    """A rephrasing of ``text`` that keeps its meaning, made by the rule ``kind``; None when it does not apply."""
+    out: str | None
+    if kind == "lower":
+        out = text.lower()
+    elif kind == "spacing":
+        out = re.sub(r" ", lambda _: "  " if rng.random() < 0.3 else " ", text)
+        out = re.sub(r"([,.?!])(?=[A-Za-z])", r"\1 ", out) + " \n"
+    elif kind == "punct":
+        out = _punct(text)
+    elif kind == "prefix":
+        out = rng.choice(PREFIXES) + text[0].lower() + text[1:]
+    elif kind == "synonym":
+        spots = list(SYNONYM_RE.finditer(text))
+        if not spots:
+            return None
+        m = rng.choice(spots)
+        rep = SYNONYMS[m.group(0).lower()]
+        out = text[:m.start()] + (rep.capitalize() if m.group(0)[0].isupper() else rep) + text[m.end():]
+    elif kind == "number_words":
+        if "\\" in text or LATEX_DOLLAR.search(text):  # inside LaTeX a spelled number is not the same maths
+            return None
+        spots = list(SMALL_NUMBER_RE.finditer(text))
+        if not spots:
+            return None
+        m = rng.choice(spots)
+        out = text[:m.start()] + _spell(int(m.group(1))) + text[m.end():]
+    elif kind == "thousands":
+        spots = [m for m in BIG_NUMBER_RE.finditer(text) if not 1800 <= int(m.group(1)) <= 2100]
+        if not spots:
+            return None
+        m = rng.choice(spots)
+        out = text[:m.start()] + f"{int(m.group(1)):,}" + text[m.end():]
+    elif kind == "combo":
+        out = _punct(rng.choice(PREFIXES) + text).lower()
+    elif kind == "clause":
+        sents = _sentences(text)
+        out = " ".join([sents[-1], *sents[:-1]]) if len(sents) >= 2 else None
+    else:
+        raise ValueError(kind)
+    return out if out and out != text else None
+
+
+# --- the run ----------------------------------------------------------------------------------------------
+
+async def perturb_part(sem: SemanticCache, keys: RedisKeys, per_source: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    bases = questions(per_source, rng)
+    scope = tenant_scope("bench-perturb")
+    texts = [q for _, q in bases]
+    fill_s = await fill(sem, keys, scope, texts)
+    emb = LexicalEmbedder()
+    queries: list[tuple[str, str, str, str]] = []  # (changed|rephrased, family, base digest, text)
+    for q in texts:
+        for kind in CHANGED:
+            v = changed(kind, q, rng)
+            if v is not None and v != q:
+                queries.append(("changed", kind, digest_of(q), v))
+        for kind in (*REPHRASED, *REPORTED_ONLY):
+            v = rephrased(kind, q, rng)
+            if v is not None:
+                queries.append(("rephrased", kind, digest_of(q), v))
+    base_text = {digest_of(q): q for q in texts}
+    n: Counter[str] = Counter()
+    hits: Counter[str] = Counter()
+    sim_only: Counter[str] = Counter()
+    reasons: dict[str, Counter[str]] = defaultdict(Counter)
+    outcomes: dict[str, Counter[str]] = defaultdict(Counter)
+    false_examples: list[str] = []
+    threshold = sem.cfg.threshold
+    t0 = time.perf_counter()
+    for pol, kind, base, text in queries:
+        n[kind] += 1
+        probe = await sem.prepare(scope, "chat", "short", body_of(text))
+        if probe is None:
+            outcomes[kind]["not_eligible"] += 1
+            continue
+        res = await sem.lookup(probe)
+        outcomes[kind][res.outcome] += 1
+        if res.guard_reason:
+            reasons[kind][res.guard_reason] += 1
+        if pol == "changed":
+            b = emb.sketch_now(base_text[base])
+            if probe.sketch.similarity(b.kind, b.payload) >= threshold:
+                sim_only[kind] += 1
+            if res.outcome == "hit":
+                hits[kind] += 1
+                if len(false_examples) < 12:
+                    false_examples.append(f"- `{kind}`: {text[:140]!r}")
+        elif res.outcome == "hit" and res.entry_id == base:
+            hits[kind] += 1
+    lookup_s = time.perf_counter() - t0
+    return {"bases": Counter(s for s, _ in bases), "fill_s": fill_s, "n": n, "hits": hits, "sim_only": sim_only,
+            "reasons": reasons, "outcomes": outcomes, "false_examples": false_examples, "lookup_s": lookup_s,
+            "queries": len(queries), "threshold": threshold}
+
+
+def report(par: dict[str, Any], lat: list[dict[str, Any]], when: str, mach: str, args: argparse.Namespace) -> str:
+    n, hits, sim_only, reasons = par["n"], par["hits"], par["sim_only"], par["reasons"]
+    n_changed = sum(n[k] for k in CHANGED)
+    false_hits = sum(hits[k] for k in CHANGED)
+    n_reph = sum(n[k] for k in REPHRASED)
+    recalled = sum(hits[k] for k in REPHRASED)
+    cmd = (f"python -m bench.semantic_perturb --per-source {args.per_source} --sizes {args.sizes or '-'} "
+           f"--queries {args.queries}")
+    lines = [SECTION, "",
+             f"`{cmd}` — {when}. Real `SemanticCache.prepare` + `lookup` (embedder `lexical`, threshold "
+             f"{par['threshold']}, the default), private `redis-server`. Machine: {mach}.", "",
+             f"{sum(par['bases'].values())} real questions stored "
+             f"({', '.join(f'{k} {v}' for k, v in sorted(par['bases'].items()))}); variants made from them by "
+             "rules (`bench/semantic_perturb.py`) looked up.", "",
+             f"**Changed questions: {false_hits} false hits of {n_changed:,}.**", "",
+             "| family | looked up | false hits | similarity ≥ threshold (a similarity-only cache would serve) "
+             "| refused by (guard check: count) |", "|---|---:|---:|---:|---|"]
+    for k in CHANGED:
+        why = ", ".join(f"{r} {c}" for r, c in reasons[k].most_common(4))
+        lines.append(f"| {k} | {n[k]} | {hits[k]} | {sim_only[k]} | {why} |")
+    lines += ["", f"**True rephrasings: recall {recalled / max(1, n_reph):.3f}** ({recalled:,} of {n_reph:,} hit "
+              "their own entry).", "", "| family | looked up | hits | recall | refused by |",
+              "|---|---:|---:|---:|---|"]
+    for k in (*REPHRASED, *REPORTED_ONLY):
+        why = ", ".join(f"{r} {c}" for r, c in reasons[k].most_common(3))
+        mark = " (not in the headline)" if k in REPORTED_ONLY else ""
+        lines.append(f"| {k}{mark} | {n[k]} | {hits[k]} | {hits[k] / max(1, n[k]):.3f} | {why} |")
+    if par["false_examples"]:
+        lines += ["", "False hits:", *par["false_examples"]]
+    if lat:
+        lines += ["", "**Lookup latency** (`bench.semantic_cache.latency_part`: one tenant and context; total = "
+                  "`prepare` (sketch + guard features) + `lookup`, incl. the answer's GET on a hit):", "",
+                  "| entries | fill s | hit p50 ms | hit p99 ms | miss p50 ms | miss p99 ms | hit p50 best of 3 | "
+                  "miss p50 best of 3 | prepare p50 ms | lookup script µs (Redis) | outcomes |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in lat:
+            outs = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
+            lines.append(f"| {r['stored']:,} | {r['fill_s']:.0f} | {pct(r['hit'], .5):.2f} | {pct(r['hit'], .99):.2f} "
+                         f"| {pct(r['miss'], .5):.2f} | {pct(r['miss'], .99):.2f} | {pct(r['best_hit'], .5):.2f} | "
+                         f"{pct(r['best_miss'], .5):.2f} | {pct(r['prep'], .5):.2f} | {r['script_us']:.0f} | {outs} |")
+    lines += ["", "Reading: a changed question is refused by the guard's order- and role-aware checks (`order`: numbers"
+              " and operators in sequence; `units`; `relation`: what stands on each side of "
+              "from/to/of/per/than/north of…; `ordinal`; `comparative`; `word_order`: the content words in order) "
+              "or, when its numbers are in another order, it is not even a candidate (`miss`: the index buckets are"
+              " keyed by the numbers in order). The `clause` rephrasing (a sentence moved) is refused whenever it "
+              "moves numbers, names or content words past each other — the guard cannot tell a harmless move from a"
+              " changed role, and misses."]
+    return "\n".join(lines) + "\n"
+
+
+async def run(args: argparse.Namespace) -> str:
+    proc, url = start_private()
+    handle = connect(RedisConfig(url=url, key_prefix="tgperturb:", socket_timeout_s=5.0))
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else []
+    try:
+        breaker = Breaker(1.0)
+        cfg = SemanticCacheConfig(enabled=True, max_chars=MAX_CHARS, max_entries_per_tenant=max([*sizes, 0]) + 10_000)
+        sem = SemanticCache(handle, breaker, cfg, LexicalEmbedder())
+        keys = RedisKeys(handle.prefix)
+        t0 = time.monotonic()
+        par = await perturb_part(sem, keys, args.per_source, args.seed)
+        print(f"perturbation part: {time.monotonic() - t0:.0f} s, {par['queries']} lookups", flush=True)
+        print(report(par, [], "(partial)", "", args), flush=True)
+        lat: list[dict[str, Any]] = []
+        if sizes:
+            t0 = time.monotonic()
+            lat = await latency_part(sem, keys, sizes, args.queries, args.seed)
+            print(f"latency part: {time.monotonic() - t0:.0f} s", flush=True)
+    finally:
+        await handle.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return report(par, lat, when, machine(), args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--per-source", type=int, default=600, help="questions per source (SimpleQA, GSM8K, MATH…)")
+    ap.add_argument("--sizes", default="100000", help="latency fill sizes, comma-separated; empty skips it")
+    ap.add_argument("--queries", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=25)
+    ap.add_argument("--write-results", action="store_true")
+    args = ap.parse_args(argv)
+    text = asyncio.run(run(args))
+    print(text)
+    if args.write_results:
+        write_section(SECTION, text)
+
+
+if __name__ == "__main__":
+    main()

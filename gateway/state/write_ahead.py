@@ -1,0 +1,414 @@
+"""Write-ahead metering: a durable record of every upstream call in flight, so a gateway that dies leaves no usage
+unmetered.
+
+Lifecycle of one record (one per usage record, i.e. per upstream call: an escalation's retry has its own):
+
+1. :meth:`WriteAhead.begin` — before the call's first upstream byte: ``HSET wal:open {request_id} {record}`` (one
+   round trip, shared by the begins of concurrent requests: a group commit; ``gateway/state/keys.py``). The
+   record (:class:`WalRecord`) says who (key, tags), what (endpoint, models, tier), when (``ts``, the request's
+   start: the usage event's day and TPM minute), the reservation's upper bound (micro-USD, tokens) and the
+   owning process (``owner``).
+2. :meth:`WriteAhead.progress` — as a stream relays tokens: the tokens known so far (deltas counted, or the
+   upstream's running usage when it sends one), written at most every ``metering.write_ahead_interval_s`` per
+   stream, in the background (at most one write in flight per request), and only while the request is not
+   settled (a script checks the day's seen-set).
+3. Settlement — the request's usage event: the metering script (``gateway/state/metering.py``) deletes the record
+   in the same atomic step that counts the event. Exactly one settled event per request id: the event id is the
+   request id and the script counts an id once.
+
+Each process keeps a heartbeat ``wal:hb:{owner}`` (``PX metering.heartbeat_ttl_s``, refreshed every third of it).
+:meth:`WriteAhead.reconcile` — at start and every ``metering.reconcile_interval_s`` — scans the open records
+(at most ``metering.reconcile_batch`` per pass) and meters those of dead owners: heartbeat absent, record not
+updated for a heartbeat TTL, and seen so for a TTL by this reconciler (a live owner whose heartbeat lapsed while
+Redis was away gets that long to renew it). It meters such a record as a usage event with ``partial: true``,
+``status`` 500, ``error_code: gateway_lost`` and the tokens of its last update, priced at its tier's prices, through
+:meth:`Meter.settle_orphan` — which counts it only if the record is still open and the owner's heartbeat still
+absent, atomically deleting it (two replicas reconciling at once count it once), and which releases its budget
+reservations at every level and corrects its TPM window, like any usage event. Before each pass the local spools
+are replayed, so events a dead process on this machine spooled are counted first (then its records are settled,
+not reconciled).
+
+Redis down: a begin or progress write goes to its own fsync'd spool (``<usage spool>.wal.jsonl``) and is replayed
+(records of requests already settled are dropped: the script checks the seen-set) before the next reconcile.
+Known gaps: prompt tokens of a stream cut before its usage chunk are counted only when the upstream reports
+running usage (else 0, as for a client disconnect), and a record spooled on a machine that never restarts its
+gateway stays there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, cast
+
+import orjson
+from redis.asyncio import Redis
+from redis.asyncio.connection import Connection
+
+from gateway.config import MeteringConfig, Prices
+from gateway.ledger.event import Endpoint, RouteReason, UsageEvent, UsageSource
+from gateway.ledger.pricing import cost_micro_usd
+from gateway.ledger.record import UsageRecord
+from gateway.openai.sse import StreamTally
+from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.keys import RedisKeys
+from gateway.state.metering import Meter
+from gateway.state.redis import RedisHandle, as_bytes
+from gateway.state.spool import Spool
+
+log = logging.getLogger("thinkgate.metering")
+
+SCAN_COUNT = 200  # HSCAN page size of a reconcile pass
+
+# Write a record (begin replayed from the spool, or progress) unless its request was already settled.
+# KEYS: 1 the write-ahead hash, 2 the seen-set of the request's day; ARGV: 1 request id, 2 record JSON.
+PUT_LUA = """
+if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
+def new_owner() -> str:
+    """This process's owner id: ``host:pid:random`` (a restarted process with the same pid is another owner)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def wal_spool_path(usage_spool: Path) -> Path:
+    """Where write-ahead records wait for Redis: beside the usage spool, ``<stem>.wal.jsonl``."""
+    return usage_spool.with_name(usage_spool.stem + ".wal.jsonl")
+
+
+@dataclass(slots=True)
+class WalRecord:
+    """One upstream call in flight. Tokens are tokens, ``ts`` epoch s (the request start), ``updated_ms`` epoch ms
+    of the last write, bounds micro-USD / tokens (0 when the call was admitted without a reservation)."""
+
+    request_id: str
+    key_id: str
+    owner: str
+    ts: float
+    updated_ms: int
+    tags: dict[str, str]
+    endpoint: Endpoint = "chat"
+    requested_model: str = ""
+    tier: str | None = None
+    upstream_model: str | None = None
+    route_reason: RouteReason | None = None
+    stream: bool = False
+    bound_micro_usd: int = 0
+    bound_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    usage_source: UsageSource = "none"
+
+    @property
+    def day(self) -> str:
+        """The request's UTC day (its usage event's, hence its seen-set's)."""
+        return UsageEvent(key_id="", requested_model="", ts=self.ts).day
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> WalRecord:
+        data = orjson.loads(raw)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def event(self, prices: Prices | None) -> UsageEvent:
+        """The partial usage event of a call whose process died: the tokens of the last write, at ``prices`` (the
+        tier's; None = unknown tier, cost 0)."""
+        cost = (cost_micro_usd(prices, prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                               completion_tokens=self.completion_tokens) if prices is not None else 0)
+        return UsageEvent(
+            key_id=self.key_id, requested_model=self.requested_model, event_id=self.request_id, ts=self.ts,
+            tags=dict(self.tags), request_id=self.request_id, endpoint=self.endpoint, tier=self.tier,
+            upstream_model=self.upstream_model, route_reason=self.route_reason, prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens, completion_tokens=self.completion_tokens,
+            reasoning_tokens=self.reasoning_tokens, cost_micro_usd=cost,
+            latency_ms=float(max(0, self.updated_ms - int(self.ts * 1000))), status=500, error_code="gateway_lost",
+            stream=self.stream, partial=True,
+            usage_source="counted" if self.usage_source == "none" else self.usage_source)
+
+
+@dataclass(slots=True)
+class _Open:
+    """This process's view of one of its records: the last one written, when, and whether a write is in flight."""
+
+    rec: WalRecord
+    written_at: float  # monotonic s
+    writing: bool = False
+
+
+class WriteAhead:
+    """The write-ahead records of one process (begin / progress), its heartbeat and the reconciler of dead ones.
+
+    ``prices``: tier name → prices (to price an orphan's tokens). One per process, built by ``Accounting``."""
+
+    def __init__(self, handle: RedisHandle, breaker: Breaker, meter: Meter, cfg: MeteringConfig,
+                 prices: Mapping[str, Prices], owner: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.redis = handle.client
+        self.keys = RedisKeys(handle.prefix)
+        self.breaker = breaker
+        self.meter = meter
+        self.cfg = cfg
+        self.prices = dict(prices)
+        self.owner = owner or new_owner()
+        self.spool: Spool[WalRecord] = Spool(wal_spool_path(cfg.spool_path), decode=WalRecord.from_json)
+        self._put = self.redis.register_script(PUT_LUA)
+        self._open: dict[str, _Open] = {}
+        self._suspects: dict[str, float] = {}  # request id → when this reconciler first saw its owner dead
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._begins: list[tuple[WalRecord, asyncio.Future[None]]] = []  # begins waiting for the next write
+        self._begin_writer: asyncio.Task[None] | None = None
+        self._conn: Connection | None = None  # the begin writer's own connection (standalone / Sentinel)
+        self._clock = clock
+        self.reconciled = 0  # orphans this process metered (for logs and tests)
+
+    # --- the request path -------------------------------------------------------------------------------
+    async def begin(self, record: UsageRecord, bound_micro_usd: int = 0, bound_tokens: int = 0) -> None:
+        """Write ``record``'s write-ahead record (before its first upstream byte): to Redis, else the spool. Never
+        raises for an outage; a spool that cannot be written is logged (the request is still served)."""
+        now = time.time()
+        rec = WalRecord(
+            request_id=record.request_id, key_id=record.key_id or "anonymous", owner=self.owner, ts=record.ts,
+            updated_ms=int(now * 1000), tags=dict(record.tags), endpoint=record.endpoint,
+            requested_model=str(record.requested_model or ""), tier=record.tier, upstream_model=record.upstream_model,
+            route_reason=record.route_reason, stream=record.stream, bound_micro_usd=bound_micro_usd,
+            bound_tokens=bound_tokens)
+        self._open[record.request_id] = _Open(rec, self._clock())
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._begins.append((rec, done))
+        if self._begin_writer is None:
+            self._begin_writer = asyncio.get_running_loop().create_task(self._write_begins())
+        await done
+
+    async def _write_begins(self) -> None:
+        """Group commit of begins: every record that arrived while the previous ``HSET`` was in flight goes in the
+        next one (one field each), so concurrent requests share round trips. Each waiting request is released
+        once its record is in Redis or the spool (or the write failed: logged)."""
+        try:
+            while self._begins:
+                batch, self._begins = self._begins, []
+                items: list[str | bytes] = []
+                for rec, _ in batch:
+                    items += [rec.request_id, rec.to_json()]
+                try:
+                    await self.breaker.call(functools.partial(self._hset, items))
+                except RedisDown:
+                    await self._spool(*(rec for rec, _ in batch))
+                except Exception:
+                    log.exception("write-ahead records of %d requests failed", len(batch))
+                for _, done in batch:
+                    if not done.done():
+                        done.set_result(None)
+        finally:
+            self._begin_writer = None
+            for _, done in self._begins:  # cancelled (shutdown): release the waiting requests
+                if not done.done():
+                    done.set_result(None)
+
+    def progress(self, request_id: str, completion_tokens: int, reasoning_tokens: int,
+                 usage: dict[str, Any] | None = None, tier: str | None = None,
+                 upstream_model: str | None = None) -> None:
+        """Tokens relayed so far for ``request_id`` (``usage``: the upstream's running usage, when it sends one;
+        ``tier``/``upstream_model``: where the call went — a fallback changes them after the record was begun).
+        Cheap when nothing is due: a dict lookup and a clock read; a due write runs in the background."""
+        op = self._open.get(request_id)
+        if op is None or op.writing:
+            return
+        now = self._clock()
+        if now - op.written_at < self.cfg.write_ahead_interval_s:
+            return
+        rec = op.rec
+        if usage:
+            prompt = int(usage.get("prompt_tokens") or 0)
+            completion = int(usage.get("completion_tokens") or 0)
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            reasoning = int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or reasoning_tokens)
+            source: UsageSource = "upstream"
+        else:
+            prompt, cached, completion, reasoning, source = rec.prompt_tokens, rec.cached_tokens, completion_tokens, \
+                reasoning_tokens, "counted"
+        if completion == rec.completion_tokens and prompt == rec.prompt_tokens:
+            return
+        op.rec = replace(rec, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
+                         reasoning_tokens=reasoning, usage_source=source, updated_ms=int(time.time() * 1000),
+                         tier=tier or rec.tier, upstream_model=upstream_model or rec.upstream_model)
+        op.written_at = now
+        op.writing = True
+        task = asyncio.get_running_loop().create_task(self._write_progress(op))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def tracker(self, record: UsageRecord) -> Callable[[StreamTally], None] | None:
+        """A stream's progress hook, called with the relay's tally after each batch: :meth:`progress` when a write
+        is due, else one clock read (the per-batch cost of write-ahead). None when ``record`` has no record here."""
+        op = self._open.get(record.request_id)
+        if op is None:
+            return None
+        clock, interval = self._clock, self.cfg.write_ahead_interval_s
+
+        def hook(tally: StreamTally) -> None:
+            if clock() - op.written_at >= interval:
+                self.progress(record.request_id, tally.reasoning_deltas + tally.text_deltas, tally.reasoning_deltas,
+                              tally.last_usage, record.tier, record.upstream_model)
+
+        return hook
+
+    def settled(self, request_id: str) -> None:
+        """The request's usage event is on its way (it deletes the record in Redis): stop tracking it here."""
+        self._open.pop(request_id, None)
+
+    async def _write_progress(self, op: _Open) -> None:
+        rec = op.rec
+        try:
+            await self.breaker.call(lambda: self._put(keys=[self.keys.write_ahead, self.keys.seen(rec.day)],
+                                                      args=[rec.request_id, rec.to_json()]))
+        except RedisDown:
+            await self._spool(rec)
+        except Exception:
+            log.exception("write-ahead progress of %s failed", rec.request_id)
+        finally:
+            op.writing = False
+
+    async def _hset(self, items: list[str | bytes]) -> None:
+        """``HSET wal:open f1 v1 f2 v2 …``. Standalone and Sentinel: on a connection of its own, outside the pool —
+        the begin writer is its only user, one command at a time — which halves the client's CPU per command
+        (no pool checkout, no command dispatch; ``bench/RESULTS.md``). Cluster: through the client."""
+        client = self.redis
+        if not isinstance(client, Redis):
+            await client.hset(self.keys.write_ahead, items=items)
+            return
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = client.connection_pool.make_connection()
+        try:  # connects on first use; bounded by redis.socket_timeout_s like every command
+            await conn.send_packed_command(conn.pack_command("HSET", self.keys.write_ahead, *items), check_health=False)
+            await conn.read_response()  # raises ResponseError for an error reply
+        except BaseException:
+            self._conn = None  # a failed or interrupted exchange leaves the connection in an unknown state
+            with contextlib.suppress(Exception):
+                await conn.disconnect()
+            raise
+
+    async def _spool(self, *recs: WalRecord) -> None:
+        try:
+            await self.spool.append(list(recs))
+        except OSError:
+            log.exception("write-ahead records of %s could not be spooled (Redis down, disk failed)",
+                          ", ".join(r.request_id for r in recs))
+
+    # --- heartbeat and reconciliation ---------------------------------------------------------------------
+    async def heartbeat(self) -> None:
+        """Renew this process's heartbeat (raises :class:`RedisDown`)."""
+        ttl_ms = int(self.cfg.heartbeat_ttl_s * 1000)
+        await self.breaker.call(lambda: self.redis.set(self.keys.heartbeat(self.owner), b"1", px=ttl_ms))
+
+    async def replay(self) -> int:
+        """Send spooled records to Redis (those of requests settled meanwhile are dropped); 0 when Redis is down."""
+        return await self.spool.replay(self._replay_batch, "write-ahead")
+
+    async def _replay_batch(self, recs: list[WalRecord]) -> None:
+        for rec in recs:
+            await self.breaker.call(functools.partial(
+                self._put, keys=[self.keys.write_ahead, self.keys.seen(rec.day)], args=[rec.request_id, rec.to_json()]))
+
+    async def reconcile(self) -> int:
+        """One bounded pass: meter the records of dead owners (see the module doc). Returns how many it counted.
+        Raises :class:`RedisDown`."""
+        await self.meter.replay()  # a dead process's spooled events first: then its records are settled, not lost
+        await self.replay()
+        candidates = await self._scan()
+        if not candidates:
+            self._suspects.clear()
+            return 0
+        owners = sorted({rec.owner for rec in candidates})
+        hb_keys = [self.keys.heartbeat(o) for o in owners]
+        beats = await self.breaker.call(lambda: self.redis.mget(hb_keys))
+        alive = {o for o, b in zip(owners, beats, strict=True) if b is not None}
+        now_ms, now = int(time.time() * 1000), self._clock()
+        ttl_ms = int(self.cfg.heartbeat_ttl_s * 1000)
+        seen = {rec.request_id for rec in candidates}
+        for rid in [r for r in self._suspects if r not in seen]:
+            del self._suspects[rid]
+        counted = 0
+        for rec in candidates:
+            if rec.owner in alive or now_ms - rec.updated_ms < ttl_ms:
+                self._suspects.pop(rec.request_id, None)
+                continue
+            first = self._suspects.setdefault(rec.request_id, now)
+            if now - first < self.cfg.heartbeat_ttl_s:
+                continue
+            result = await self.meter.settle_orphan(rec.event(self.prices.get(rec.tier or "")),
+                                                    self.keys.heartbeat(rec.owner))
+            self._suspects.pop(rec.request_id, None)
+            if result.counted:
+                counted += 1
+                log.warning("metered write-ahead record %s of dead process %s as partial (%d completion tokens)",
+                            rec.request_id, rec.owner, rec.completion_tokens)
+        self.reconciled += counted
+        return counted
+
+    async def _scan(self) -> list[WalRecord]:
+        """Up to ``reconcile_batch`` open records of other owners."""
+        out: list[WalRecord] = []
+        cursor: int = 0
+        scanned = 0
+        while True:
+            cursor, page = await self.breaker.call(
+                functools.partial(self.redis.hscan, self.keys.write_ahead, cursor, count=SCAN_COUNT))
+            for _rid, raw in cast(dict[bytes, bytes], page or {}).items():
+                scanned += 1
+                try:
+                    rec = WalRecord.from_json(as_bytes(raw))
+                except (ValueError, TypeError):
+                    log.warning("unreadable write-ahead record %r skipped", _rid)
+                    continue
+                if rec.owner != self.owner:
+                    out.append(rec)
+            if not cursor or scanned >= self.cfg.reconcile_batch:
+                return out
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """The background task: heartbeat every third of its TTL, reconcile at start and every
+        ``reconcile_interval_s``, until ``stop`` is set; then drop the heartbeat (a clean exit leaves no orphans:
+        its requests were settled by then)."""
+        beat_every = self.cfg.heartbeat_ttl_s / 3
+        next_pass = 0.0
+        while not stop.is_set():
+            try:
+                await self.heartbeat()
+                if self._clock() >= next_pass:
+                    next_pass = self._clock() + self.cfg.reconcile_interval_s
+                    await self.reconcile()
+            except RedisDown:
+                pass
+            except Exception:
+                log.exception("write-ahead reconcile pass failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), min(beat_every, self.cfg.reconcile_interval_s))
+
+    async def close(self) -> None:
+        """Wait for progress writes in flight; remove the heartbeat (best effort)."""
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        with contextlib.suppress(RedisDown, Exception):
+            await self.breaker.call(lambda: self.redis.delete(self.keys.heartbeat(self.owner)))
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.disconnect()

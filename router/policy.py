@@ -1,0 +1,77 @@
+"""What ``model: auto`` serves, read from a router file's metadata (``metadata.serving``, written by
+``thinkgate router fit --traces``): the scorer's thresholds, the cascade rule and its phrases, the guarantee.
+Stdlib only (the gateway reads it on the request path's set-up).
+
+``metadata.serving``::
+
+    {"policy": "router" | "router+cascade" | "length" | "length+cascade" | "random" | "random+cascade"
+               | "always_top",
+     "scorer": "router" | "length" | "random", "thresholds": [...],
+     "cascade": null | {"escalate_on": ["empty_answer", "length_in_thought", "abstain"],
+                        "rule": "router.abstention.abstains", "phrases": [...]},
+     "guarantee": {"floor": 0.98, "delta": 0.1, "confidence": 0.9, "n_calibration": 184, ...}, ...}
+
+Files without the block (older trace routers, the shipped default) serve their thresholds and no cascade.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Cascade:
+    """The cascade a router file serves: escalate a routed answer on these conditions, with these phrases."""
+
+    escalate_on: tuple[str, ...]
+    phrases: tuple[str, ...] | None
+
+
+def serving(meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``metadata.serving`` when present and a dict, else None."""
+    s = (meta or {}).get("serving")
+    return s if isinstance(s, dict) else None
+
+
+def cascade_of(meta: dict[str, Any] | None) -> Cascade | None:
+    """The served cascade (None: the file serves no cascade)."""
+    s = serving(meta)
+    c = s.get("cascade") if s else None
+    if not isinstance(c, dict):
+        return None
+    on = tuple(str(x) for x in c.get("escalate_on") or ())
+    phrases = c.get("phrases")
+    return Cascade(on, tuple(str(p) for p in phrases) if isinstance(phrases, list) else None) if on else None
+
+
+def guarantee_sentence(meta: dict[str, Any] | None) -> str | None:
+    """One sentence: what the file promises and on how much evidence (None without ``metadata.serving``)."""
+    s = serving(meta)
+    if not s:
+        return None
+    g = s.get("guarantee") or {}
+    floor, delta, n = g.get("floor"), g.get("delta"), g.get("n_calibration")
+    if not isinstance(floor, int | float) or not isinstance(delta, int | float):
+        return None
+    if s.get("policy") == "always_top":
+        return (f"Does not route (always the top tier): on {n} calibration questions no cheaper operating point "
+                f"could be shown to keep {floor:.0%} of always-top accuracy with {1 - delta:.0%} confidence — too "
+                "little evidence to promise savings.")
+    share = g.get("calibration_token_share")
+    tail = f" (calibration: {1 - share:.0%} fewer tokens)" if isinstance(share, int | float) else ""
+    return (f"Serves {s.get('policy')} and keeps >= {floor:.0%} of always-top accuracy on unseen traffic from the "
+            f"same distribution with {1 - delta:.0%} confidence (Learn-then-Test on {n} calibration questions)"
+            f"{tail}.")
+
+
+def cold_start_summary(meta: dict[str, Any] | None) -> str | None:
+    """One sentence for the gateway's start log and ``/v1/models``: which shipped default it serves and what it
+    was validated on (``metadata.cold_start``, written by ``thinkgate router cold-start``; None without it)."""
+    cs = (meta or {}).get("cold_start")
+    if not isinstance(cs, dict):
+        return None
+    what = "the learned router" if cs.get("choice") == "learned" else "prompt length (policy: length)"
+    sets = [str(s) for s in cs.get("validated_on") or []]
+    return (f"shipped default router: serves {what}; validated on {len(sets)} real outcome sets it was not fitted "
+            f"on ({', '.join(sets)}): {cs.get('reason')}")

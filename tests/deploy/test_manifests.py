@@ -1,0 +1,302 @@
+"""The Kubernetes manifests (``deploy/kustomize``): rendered with ``kubectl kustomize`` (kustomize is built into
+kubectl), validated offline against the Kubernetes OpenAPI schemas that the ``kubernetes-validate`` package ships
+(strict: unknown fields are errors), checked for what a platform team relies on (probes, non-root read-only pods,
+selectors that match, autoscaling), and then tried for real: the rendered container's command, environment,
+Secret and ConfigMap run ``thinkgate serve`` on loopback, and its probe and scrape paths answer as the manifests
+expect. No cluster is involved (none can be reached here)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from gateway.engine.redis_server import free_port
+from tests.fixtures.gateway import cleanup
+from tests.fixtures.upstream import SimProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+KUSTOMIZE = ROOT / "deploy" / "kustomize"
+TARGETS = {"base": KUSTOMIZE / "base", "redis-cluster": KUSTOMIZE / "overlays" / "redis-cluster",
+           "redis-sentinel": KUSTOMIZE / "overlays" / "redis-sentinel"}
+#: the oldest Kubernetes minor the manifests target (autoscaling/v2, policy/v1, unhealthyPodEvictionPolicy) and
+#: the newest schema kubernetes-validate ships
+K8S_VERSIONS = ("1.30.0", None)
+
+needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
+                                   reason="kubectl (which has kustomize built in) is not installed")
+
+
+def render(target: str) -> list[dict[str, Any]]:
+    out = subprocess.run(["kubectl", "kustomize", str(TARGETS[target])], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, [d["kind"] for d in docs]
+    return found[0]
+
+
+def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert len(pod["containers"]) == 1
+    return pod["containers"][0]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl (which has kustomize built in) is not installed")
+    return {t: render(t) for t in TARGETS}
+
+
+@needs_kubectl
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_manifest_validates_against_the_kubernetes_schemas(
+    rendered: dict[str, list[dict[str, Any]]], target: str, version: str | None
+) -> None:
+    import kubernetes_validate
+
+    v = version or kubernetes_validate.latest_version()
+    docs = rendered[target]
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Deployment", "HorizontalPodAutoscaler",
+                                              "PodDisruptionBudget", "Secret", "Service", "ServiceAccount"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, v, strict=True)  # raises ValidationError naming the field
+
+
+@needs_kubectl
+def test_the_validator_refuses_a_broken_manifest(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The check can fail: a misspelt field and a wrong type are both refused."""
+    import kubernetes_validate
+
+    dep = json.loads(json.dumps(one(rendered["base"], "Deployment")))
+    dep["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["paht"] = "/ready"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, kubernetes_validate.latest_version(), strict=True)
+    dep = json.loads(json.dumps(one(rendered["base"], "Deployment")))
+    dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] = "yes"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, kubernetes_validate.latest_version(), strict=True)
+
+
+@needs_kubectl
+def test_probes_security_and_scrape_annotations(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["base"]
+    dep = one(docs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    c = container(docs)
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}["http"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert int(env["THINKGATE_SERVER__PORT"]) == port and env["THINKGATE_SERVER__HOST"] == "0.0.0.0"
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    # /ready waits up to 2 s per check (gateway/api/ops.py READY_TIMEOUT_S): the probe must wait longer
+    from gateway.api.ops import READY_TIMEOUT_S
+
+    assert c["readinessProbe"]["timeoutSeconds"] > READY_TIMEOUT_S
+
+    # non-root (the image's own uid), nothing writable but the two emptyDirs, no privilege, no token
+    uid = int(re.search(r"--uid (\d+)", (ROOT / "Dockerfile").read_text()).group(1))  # type: ignore[union-attr]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == uid
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]} and pod["automountServiceAccountToken"] is False
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for path in (env["THINKGATE_STATE_DIR"], env["TMPDIR"]):
+        assert "emptyDir" in volumes[mounts[path]], path
+    config_dir = str(Path(env["THINKGATE_CONFIG"]).parent)
+    assert volumes[mounts[config_dir]]["configMap"]["name"] == one(docs, "ConfigMap")["metadata"]["name"]
+    assert env["THINKGATE_ENGINE__ENABLED"] == "false" and env["THINKGATE_REDIS__START_IF_MISSING"] == "false"
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
+
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and int(ann["prometheus.io/port"]) == port
+    from gateway.api import usage
+
+    assert ann["prometheus.io/path"] == "/metrics" and '"/metrics"' in Path(usage.__file__).read_text()
+
+
+@needs_kubectl
+def test_selectors_autoscaling_and_disruption_budget_fit_together(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["base"]
+    dep = one(docs, "Deployment")
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert "replicas" not in dep["spec"]  # the HPA owns the count
+    svc, pdb, hpa = one(docs, "Service"), one(docs, "PodDisruptionBudget"), one(docs, "HorizontalPodAutoscaler")
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert pdb["spec"]["selector"]["matchLabels"] and pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                              "name": dep["metadata"]["name"]}
+    assert hpa["spec"]["minReplicas"] >= 2 and pdb["spec"]["maxUnavailable"] < hpa["spec"]["minReplicas"]
+    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+
+
+@needs_kubectl
+def test_overlays_point_redis_at_a_cluster_or_sentinel(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    import asyncio
+
+    from gateway.config import RedisConfig
+    from gateway.state.redis import connect
+
+    urls = {t: one(d, "Secret")["stringData"]["THINKGATE_REDIS__URL"] for t, d in rendered.items()}
+    kinds = {"base": "standalone", "redis-cluster": "cluster", "redis-sentinel": "sentinel"}
+
+    async def kind_of(url: str) -> str:
+        handle = connect(RedisConfig(url=url))  # the gateway's own client builder (no I/O until a command)
+        try:
+            return handle.kind
+        finally:
+            await handle.close()
+
+    assert {t: asyncio.run(kind_of(u)) for t, u in urls.items()} == kinds
+
+
+def pod_env(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: ``env`` values, then the Secret's (``envFrom``)."""
+    c = container(docs)
+    env = {e["name"]: str(e["value"]) for e in c["env"]}
+    secret = one(docs, "Secret")
+    assert [s["secretRef"]["name"] for s in c["envFrom"]] == [secret["metadata"]["name"]]
+    return {**secret["stringData"], **env}
+
+
+@needs_kubectl
+def test_the_configmap_and_secret_load_as_gateway_settings(rendered: dict[str, list[dict[str, Any]]],
+                                                           tmp_path: Path) -> None:
+    """The mounted config file and the Secret's variables are valid ThinkGate settings (the real loader)."""
+    for target, docs in rendered.items():
+        cfg = tmp_path / f"{target}.yaml"
+        cfg.write_text(one(docs, "ConfigMap")["data"]["thinkgate.yaml"])
+        env = {**pod_env(docs), "THINKGATE_CONFIG": str(cfg), "THINKGATE_STATE_DIR": str(tmp_path / "state")}
+        code = ("from gateway.config import Settings; import json; s = Settings.load(); "
+                "print(json.dumps([s.redis.url, [t.name for t in s.tiers], [k.id for k in s.auth.keys], "
+                "s.engine.enabled, str(s.metering.spool_path)]))")
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+                             text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        url, tiers, keys, engine, spool = json.loads(out.stdout)
+        assert url == env["THINKGATE_REDIS__URL"] and tiers == ["short", "long"] and keys == ["team-a"]
+        assert engine is False and spool.startswith(str(tmp_path / "state"))
+
+
+@pytest.fixture()
+def served(rendered: dict[str, list[dict[str, Any]]], upstream_sim: SimProcess, redis_url: str,
+           tmp_path: Path) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """``thinkgate serve`` run as the container runs it — its command, its environment and Secret, its mounted
+    config — on loopback: the tiers' in-cluster URLs point at the upstream simulator, Redis at the test server
+    (a private key prefix), and the Secret holds one key this test knows. Yields (base URL, key, container)."""
+    docs = rendered["base"]
+    c = container(docs)
+    text = re.sub(r"http://vllm-[^\s]+/v1", upstream_sim.base_url, one(docs, "ConfigMap")["data"]["thinkgate.yaml"])
+    cfg = tmp_path / "etc" / "thinkgate.yaml"
+    cfg.parent.mkdir()
+    cfg.write_text(text)
+    secret = f"tg-k8s-{uuid.uuid4().hex}"
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    port = free_port()
+    env = {**pod_env(docs),
+           "THINKGATE_CONFIG": str(cfg), "THINKGATE_STATE_DIR": str(tmp_path / "state"), "TMPDIR": str(tmp_path),
+           "THINKGATE_SERVER__HOST": "127.0.0.1", "THINKGATE_SERVER__PORT": str(port),
+           "THINKGATE_REDIS__URL": redis_url, "THINKGATE_REDIS__KEY_PREFIX": prefix,
+           "THINKGATE_AUTH__KEYS": json.dumps([{"id": "team-a", "tags": {"team": "a"},
+                                                "secret_sha256": hashlib.sha256(secret.encode()).hexdigest()}])}
+    exe = Path(sys.executable).with_name(c["command"][0])
+    log = tmp_path / "serve.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen([str(exe), *c["command"][1:]], env={**os.environ, **env}, cwd=tmp_path,
+                                stdout=sink, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(base + c["livenessProbe"]["httpGet"]["path"], timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield base, secret, c
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        cleanup(redis_url, prefix)
+
+
+@needs_kubectl
+def test_the_container_serves_its_probes_and_metrics(served: tuple[str, str, dict[str, Any]],
+                                                     rendered: dict[str, list[dict[str, Any]]]) -> None:
+    base, secret, c = served
+    assert httpx.get(base + c["livenessProbe"]["httpGet"]["path"], timeout=5).status_code == 200
+    ready = httpx.get(base + c["readinessProbe"]["httpGet"]["path"], timeout=10)
+    assert ready.status_code == 200, ready.text
+    assert ready.json() == {"status": "ready", "redis": True, "upstreams": {"short": True, "long": True}}
+    ann = one(rendered["base"], "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert httpx.get(base + ann["prometheus.io/path"], timeout=5).status_code == 401  # the scrape needs a key
+    m = httpx.get(base + ann["prometheus.io/path"], headers={"authorization": f"Bearer {secret}"}, timeout=5)
+    assert m.status_code == 200 and "# TYPE" in m.text
+    r = httpx.post(base + "/v1/chat/completions", headers={"authorization": f"Bearer {secret}"}, timeout=30,
+                   json={"model": "auto", "messages": [{"role": "user", "content": "what is two plus two"}]})
+    assert r.status_code == 200 and r.headers["x-thinkgate-tier"] in ("short", "long")
+
+
+def test_ready_fails_when_redis_is_unreachable_so_the_pod_leaves_the_service(tmp_path: Path,
+                                                                          upstream_sim: SimProcess) -> None:
+    """The readiness probe's other side: Redis gone → 503 (the kubelet takes the pod out of the Service), while
+    /health (liveness) stays 200 so the pod is not restarted for an outage it cannot fix."""
+    cfg = tmp_path / "thinkgate.yaml"
+    cfg.write_text(yaml.safe_dump({"engine": {"enabled": False}, "redis": {"start_if_missing": False},
+                                   "tiers": [{"name": "short", "base_url": upstream_sim.base_url},
+                                             {"name": "long", "base_url": upstream_sim.base_url}]}))
+    port = free_port()
+    env = {"THINKGATE_CONFIG": str(cfg), "THINKGATE_STATE_DIR": str(tmp_path / "state"),
+           "THINKGATE_SERVER__HOST": "127.0.0.1", "THINKGATE_SERVER__PORT": str(port),
+           "THINKGATE_REDIS__URL": f"redis://127.0.0.1:{free_port()}/0", "THINKGATE_AUTH__REQUIRE_KEY": "false"}
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("thinkgate")), "serve"], env={**os.environ, **env},
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        health = None
+        while time.monotonic() < deadline and health is None:
+            assert proc.poll() is None
+            try:
+                health = httpx.get(base + "/health", timeout=1)
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert health is not None and health.status_code == 200
+        ready = httpx.get(base + "/ready", timeout=10)
+        assert ready.status_code == 503 and ready.json()["redis"] is False
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -1,0 +1,194 @@
+"""The admission script on a real Redis: budget definitions read in Redis at every admission (single script and
+grouped per level, as on Redis Cluster), the grouped path's rollback, renewal of a running call's reservation,
+and a property test — random request costs × levels × script modes, concurrent: hard mode never overspends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.config import LevelBudget, LimitsConfig
+from gateway.errors import RateLimited
+from gateway.ledger.event import UsageEvent
+from gateway.state.budgets import BudgetLevels, BudgetStore
+from gateway.state.limits import Estimate, KeyLimits, Limits
+from tests.fixtures.redis_stack import Stack, stack
+
+MODES = ["single", "grouped"]
+
+
+def _limits(s: Stack, mode: str, **cfg: object) -> Limits:
+    limits = Limits(s.handle, s.breaker, LimitsConfig(admission_script=mode, **cfg))
+    assert limits.grouped is (mode == "grouped")
+    return limits
+
+
+async def _settle(s: Stack, limits: Limits, key_id: str, tags: dict[str, str], rid: str, cost: int,
+                  ts: float) -> None:
+    ev = UsageEvent(key_id=key_id, requested_model="m", event_id=rid, ts=ts, tier="t", tags=tags,
+                    prompt_tokens=1, completion_tokens=1)
+    ev.cost_micro_usd = cost
+    limits.settled(ev, await s.meter.record(ev))
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_budget_stored_in_redis_holds_for_the_next_admission(redis_url: str, redis_prefix: str,
+                                                                    tmp_path: Path, mode: str) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        cfg = LimitsConfig(budget_refresh_s=3600, tag_budgets={"team=a": LevelBudget(usd_day=Decimal("1"))})
+        levels = BudgetLevels(s.handle, s.breaker, cfg)
+        await levels.refresh()  # the local copy: config only, and not re-read for an hour
+        limits = _limits(s, mode, tag_budgets=cfg.tag_budgets)
+        store = BudgetStore(s.handle, s.breaker)
+        lim = KeyLimits("k1")
+        tags = {"team": "a"}
+
+        async def admit(micro: int) -> str:
+            try:
+                await limits.admit(lim, uuid.uuid4().hex, Estimate(micro, 1), time.time(), levels.candidates(tags),
+                                   levels.above_key(tags))
+            except RateLimited as exc:
+                return exc.headers["x-thinkgate-budget-level"]
+            return "ok"
+
+        assert await admit(900_000) == "ok"  # the config's $1 (the reservation stays open)
+        await store.set("tag:team=a", Decimal("0.5"), None)  # lowered below what is reserved
+        assert await admit(1) == "tag:team=a"
+        await store.set("tag:team=a", Decimal("2"), None)  # raised
+        assert await admit(900_000) == "ok"
+        # a new level: it already sees the $1.8 reserved by the calls in flight (every level is reserved)
+        await store.set("global", Decimal("1.85"), None)
+        assert await admit(50_001) == "global"
+        assert await admit(50_000) == "ok"
+        await store.remove("global")
+        await store.remove("tag:team=a")  # back to the config's $1, of which 1.85 are reserved
+        assert await admit(1) == "tag:team=a"
+        # the local copy never changed: Redis alone decided
+        assert [lv.id for lv in levels.above_key(tags)] == ["tag:team=a"]
+
+
+async def test_grouped_refusal_rolls_back_the_levels_already_reserved(redis_url: str, redis_prefix: str,
+                                                                      tmp_path: Path) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        limits = _limits(s, "grouped")
+        store = BudgetStore(s.handle, s.breaker)
+        await store.set("tag:team=b", Decimal("0.000050"), None)
+        await store.set("global", Decimal("1"), None)
+        lim = KeyLimits("k2", budget_day_micro=1_000_000, rpm=5, tpm=1_000)
+        levels = BudgetLevels(s.handle, s.breaker, LimitsConfig()).candidates({"team": "b"})
+        r = s.handle.client
+        k = limits.keys
+        now = time.time()
+        w = int(now * 1000) // 60_000
+        with pytest.raises(RateLimited) as info:  # the key admits it, the tag refuses: the key's part is undone
+            await limits.admit(lim, "too-big", Estimate(51, 10), now, levels)
+        assert info.value.headers["x-thinkgate-budget-level"] == "tag:team=b"
+        assert not await r.hexists(k.reservations("k2"), "too-big")
+        assert not await r.hexists(k.level_reservations("tag", "team=b"), "too-big")
+        assert not await r.hexists(k.level_reservations("global", "global"), "too-big")
+        assert int(await r.get(k.rpm("k2", w)) or 0) == 0 and int(await r.get(k.tpm("k2", w)) or 0) == 0
+        # five refused in a row do not use up the key's RPM of 5: the sixth, that fits, is admitted
+        for i in range(5):
+            with pytest.raises(RateLimited):
+                await limits.admit(lim, f"big-{i}", Estimate(51, 10), now, levels)
+        adm = await limits.admit(lim, "fits", Estimate(50, 10), now, levels)
+        assert [st.level.id for st in adm.levels] == ["key:k2", "tag:team=b", "global"]
+        assert [st.level.day_micro for st in adm.levels] == [1_000_000, 50, 1_000_000]
+        for h in (k.reservations("k2"), k.level_reservations("tag", "team=b"),
+                  k.level_reservations("global", "global")):
+            assert await r.hexists(h, "fits")
+
+
+async def test_a_renewed_reservation_keeps_counting_past_its_ttl(redis_url: str, redis_prefix: str,
+                                                                 tmp_path: Path) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        limits = _limits(s, "auto", reservation_ttl_s=0.6)
+        lim = KeyLimits("k3", budget_day_micro=10_000)
+        levels = BudgetLevels(s.handle, s.breaker, LimitsConfig()).candidates({"team": "c"})
+        await limits.admit(lim, "stream", Estimate(6000, 10), time.time(), levels)
+        for _ in range(3):  # 0.9 s in all: past the TTL, renewed every 0.3 s
+            await asyncio.sleep(0.3)
+            assert await limits.renew("k3", {"team": "c"}, "stream", time.time()) == 3
+        with pytest.raises(RateLimited):
+            await limits.admit(lim, "next", Estimate(6000, 10), time.time(), levels)
+        await asyncio.sleep(0.7)  # no longer renewed (a crashed replica): it stops counting
+        await limits.admit(lim, "later", Estimate(6000, 10), time.time(), levels)
+        assert await limits.renew("k3", {"team": "c"}, "stream", time.time()) == 0  # gone: not re-created
+
+
+CALLS = st.lists(st.tuples(st.integers(1, 400), st.floats(0, 1), st.sampled_from(["a", "b"])),
+                 min_size=1, max_size=24)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(calls=CALLS, mode=st.sampled_from(MODES), budgets=st.tuples(st.integers(0, 2000), st.integers(0, 2000),
+                                                                   st.integers(0, 4000)))
+def test_property_hard_mode_never_overspends_any_level(redis_url: str, tmp_path: Path,
+                                                       calls: list[tuple[int, float, str]], mode: str,
+                                                       budgets: tuple[int, int, int]) -> None:
+    """Concurrent calls of two keys (tags team=x, and team=x + dept=y): each admitted with a random estimate,
+    then billed a random cost up to it; the key, tag and global levels never end above their budgets."""
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    key_budget, tag_budget, global_budget = budgets
+
+    async def run() -> None:
+        async with stack(redis_url, prefix, tmp_path / f"s-{uuid.uuid4().hex[:6]}", socket_timeout_s=2.0) as s:
+            limits = _limits(s, mode)
+            store = BudgetStore(s.handle, s.breaker)
+            await store.set("tag:team=x", Decimal(tag_budget) / 1_000_000, None)
+            await store.set("global", Decimal(global_budget) / 1_000_000, None)
+            keys = {"a": ({"team": "x"}, KeyLimits("a", budget_day_micro=key_budget)),
+                    "b": ({"team": "x", "dept": "y"}, KeyLimits("b"))}
+            budgets_view = BudgetLevels(s.handle, s.breaker, LimitsConfig())
+
+            async def call(est: int, share: float, who: str) -> int:
+                tags, lim = keys[who]
+                rid, ts = uuid.uuid4().hex, time.time()
+                try:
+                    await limits.admit(lim, rid, Estimate(est, 1), ts, budgets_view.candidates(tags))
+                except RateLimited:
+                    return 0
+                await asyncio.sleep(0.01)
+                cost = int(est * share)
+                await _settle(s, limits, lim.key_id, tags, rid, cost, ts)
+                return cost
+
+            costs = await asyncio.gather(*(call(*c) for c in calls))
+            day = time.strftime("%Y-%m-%d", time.gmtime())
+            r, k = s.handle.client, limits.keys
+
+            async def spent(kind: str, name: str) -> int:
+                return int(await r.hget(k.level_day(kind, name, day), "cost_micro_usd") or 0)
+
+            assert await spent("key", "a") <= key_budget
+            assert await spent("tag", "team=x") <= tag_budget
+            assert await spent("global", "global") <= global_budget
+            assert await spent("global", "global") == sum(costs)
+            for h in (k.reservations("a"), k.reservations("b"), k.level_reservations("tag", "team=x"),
+                      k.level_reservations("tag", "dept=y"), k.level_reservations("global", "global")):
+                assert await r.hlen(h) == 0  # every reservation settled or rolled back
+            for key in [x async for x in r.scan_iter(match=prefix + "*", count=1000)]:
+                await r.delete(key)
+
+    asyncio.run(run())
+
+
+async def test_an_unbudgeted_levels_reservations_cannot_pile_up(redis_url: str, redis_prefix: str,
+                                                                tmp_path: Path) -> None:
+    # every level is reserved, budgeted or not; a crashed replica's reservations at an unbudgeted level (never
+    # settled) are swept once the hash is large, instead of growing with every crash
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        limits = _limits(s, "single")
+        r, k = s.handle.client, limits.keys
+        resv = k.level_reservations("global", "global")
+        await r.hset(resv, mapping={f"dead-{i}": "5|0|1000" for i in range(4100)})  # expired long ago
+        levels = BudgetLevels(s.handle, s.breaker, LimitsConfig()).candidates({})
+        await limits.admit(KeyLimits("k4", rpm=100), "live", Estimate(5, 1), time.time(), levels)
+        assert await r.hlen(resv) == 1 and await r.hexists(resv, "live")

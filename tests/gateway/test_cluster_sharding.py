@@ -1,0 +1,183 @@
+"""Keys sharded by tenant on a real 3-master Redis Cluster: one tenant's keys share a slot, tenants spread over
+the masters, and the keys of the multi-key admission/metering scripts stay in the one shared slot. On one
+server the key names are what they always were."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import redis
+from redis.crc import key_slot
+
+from gateway.state.keys import RedisKeys, key_tenant, tenant_tag
+from gateway.state.redis import cluster_prefix
+from tests.fixtures.gateway import ADMIN_SECRET
+from tests.fixtures.gateway_process import serve, serve_config
+from tests.fixtures.redis_cluster import ClusterSet, redis_cluster
+from tests.fixtures.upstream import SimProcess
+
+__all__ = ["redis_cluster"]
+
+TENANTS = 100
+REQUESTS_PER_TENANT = 8
+
+
+def _slot(key: str) -> int:
+    return int(key_slot(key.encode()))
+
+
+def test_single_server_key_names_are_unchanged() -> None:
+    k = RedisKeys("tg:")
+    t = tenant_tag("key:alice")
+    assert not k.sharded
+    assert (k.cache_entry("d", t), k.cache_lock("d", t)) == ("tg:cache:d", "tg:cache:lock:d")
+    assert k.conversation("key:alice", "resp_1") == "tg:resp:key:alice:resp_1"
+    assert (k.session("s", t), k.request("r", t)) == ("tg:sess:s", "tg:req:r")
+    assert k.semantic_entries(t) == f"tg:sem:{t}:e"
+    # a prefix with its own hash tag somewhere keeps every key in that one slot (no tenant tags)
+    assert not RedisKeys("{app}:tg:").sharded
+    assert RedisKeys("{app}:tg:").cache_entry("d", t) == "{app}:tg:cache:d"
+
+
+def test_cluster_tenant_keys_share_a_slot_and_shared_keys_another() -> None:
+    k = RedisKeys(cluster_prefix("tg:"))
+    assert k.sharded
+    a, b = key_tenant("alice"), key_tenant("bob")
+    alice = [k.cache_entry("d1", a), k.cache_lock("d1", a), k.cache_entry("d2", a), k.conversation("key:alice", "r"),
+             k.session("s", a), k.request("q", a), k.semantic_entries(a), k.semantic_expiry(a),
+             k.semantic_band_base(a) + "0:1:ff"]
+    assert {_slot(x) for x in alice} == {_slot(k.tenant(a))}
+    assert k.tenant(a) == "{tg:" + a + "}" and k.tenant(a) != k.tenant(b)
+    # everything admission and metering touch in one script: one slot, the shared one
+    shared = [k.events, k.seen("2026-12-01"), k.key_total("alice"), k.key_day("alice", "2026-12-01"),
+              k.key_month("bob", "2026-12"), k.reservations("alice"), k.rpm("bob", 1), k.tpm("alice", 2),
+              k.level_day("tag", "team=a", "2026-12-01"), k.level_month("global", "global", "2026-12"),
+              k.level_reservations("global", "global"), k.tier_total("short"), k.usage_keys, k.budget_defs,
+              k.key_record("alice"), k.key_by_hash("00"), k.key_ids]
+    assert {_slot(x) for x in shared} == {_slot("{tg:}")}
+    # 1000 tenants land on many slots (a slot per tenant, up to hash collisions)
+    assert len({_slot(k.tenant(key_tenant(f"t{i}"))) for i in range(1000)}) > 950
+
+
+def _secret(i: int) -> str:
+    return "tg-tenant-" + hashlib.sha256(str(i).encode()).hexdigest()[:24]
+
+
+def test_hundred_tenants_spread_over_the_masters(redis_cluster: ClusterSet, upstream_sim: SimProcess,
+                                                 tmp_path: Path) -> None:
+    redis_cluster.flush()
+    auth = {"keys": [{"id": f"tenant{i:03d}", "secret": _secret(i), "tags": {"team": f"t{i % 5}"}}
+                     for i in range(TENANTS)],
+            "admin_key_sha256": hashlib.sha256(ADMIN_SECRET.encode()).hexdigest()}
+    # the default prefix on a private, flushed cluster: key names, hence slots, are the same every run (with
+    # "tg:" the 100 tenants' slots fall 27 / 36 / 37 over the three slot ranges), so the figures are reproducible
+    prefix = "tg:"
+    # a 1 s socket timeout: this test measures where keys go, not how the gateway degrades on a starved box
+    cfg = serve_config(upstream_sim.base_url, tmp_path, prefix, auth=auth, redis={"socket_timeout_s": 1.0})
+    with serve(cfg, tmp_path, {"THINKGATE_REDIS__URL": redis_cluster.url}, wait="/ready") as sp:
+        async def traffic() -> list[int]:
+            sem = asyncio.Semaphore(12)
+
+            async def one(http: httpx.AsyncClient, i: int, j: int) -> int:
+                body = {"model": "none", "temperature": 0,
+                        "messages": [{"role": "user", "content": f"tenant {i} question {j}"}]}
+                async with sem:
+                    r = await http.post(sp.base_url + "/chat/completions", json=body,
+                                        headers={"authorization": f"Bearer {_secret(i)}"})
+                return r.status_code
+
+            async with httpx.AsyncClient(timeout=60) as http:
+                return await asyncio.gather(*(one(http, i, j) for j in range(REQUESTS_PER_TENANT)
+                                              for i in range(TENANTS)))
+
+        codes = asyncio.run(traffic())
+        assert Counter(codes) == {200: TENANTS * REQUESTS_PER_TENANT}
+        admin = {"authorization": f"Bearer {ADMIN_SECRET}"}
+        want = TENANTS * REQUESTS_PER_TENANT
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # metering and the request index are written just after each answer
+            r = httpx.get(sp.base_url + "/usage", params={"since": "0", "limit": "10000"}, headers=admin, timeout=30)
+            if len(r.json()["data"]) >= want:
+                break
+            time.sleep(0.2)
+        assert len(r.json()["data"]) == want
+        time.sleep(1.0)  # the request index is flushed every 0.2 s
+    counts = redis_cluster.key_counts()
+    total = sum(counts.values())
+    shares = {port: n / total for port, n in counts.items()}
+    print(f"\nkeys per master after {want} requests from {TENANTS} tenants: {counts} (total {total}); "
+          f"shares {', '.join(f'{s:.1%}' for s in shares.values())}")
+    shared_slot = _slot(cluster_prefix(prefix))
+    tenant_keys = _tenant_keys_per_master(redis_cluster, shared_slot)
+    print(f"tenant-tagged keys per master: {tenant_keys}; shared-slot keys: "
+          f"{_count_in_slot(redis_cluster, shared_slot)}")
+    assert len(counts) == 3 and all(n > 0 for n in counts.values())
+    assert max(shares.values()) <= 0.5, counts
+    # the tenant keys alone spread evenly: no master has more than half of them
+    assert max(tenant_keys.values()) <= 0.5 * sum(tenant_keys.values()), tenant_keys
+
+
+def _count_in_slot(c: ClusterSet, slot: int) -> int:
+    port = _owner(c, slot)
+    return int(redis.Redis(port=port).execute_command("CLUSTER", "COUNTKEYSINSLOT", slot))
+
+
+def _owner(c: ClusterSet, slot: int) -> int:
+    rows = redis.Redis(port=c.live_ports()[0]).execute_command("CLUSTER", "SLOTS")
+    return next(int(row[2][1]) for row in rows if int(row[0]) <= slot <= int(row[1]))
+
+
+def _tenant_keys_per_master(c: ClusterSet, shared_slot: int) -> dict[int, int]:
+    owner = _owner(c, shared_slot)
+    shared = _count_in_slot(c, shared_slot)
+    return {port: n - (shared if port == owner else 0) for port, n in c.key_counts().items()}
+
+
+def test_semantic_cache_on_the_cluster_stays_in_the_tenant_slot(redis_cluster: ClusterSet, tmp_path: Path) -> None:
+    # the exact entry, the semantic index (and its eviction, which touches band keys not passed in KEYS) all
+    # run in the tenant's slot on a real cluster, as the request path calls them (Accounting.cache_begin)
+    from gateway.config import CacheConfig, SemanticCacheConfig
+    from gateway.state.cache import CacheEntry, ResponseCache
+    from gateway.state.cache_policy import cache_key, decide, tenant_scope
+    from gateway.state.semantic_cache import SemanticCache
+    from gateway.state.semantic_embed import LexicalEmbedder
+    from tests.fixtures.redis_stack import stack
+
+    def body(q: str) -> dict[str, object]:
+        return {"model": "sim-model", "temperature": 0, "messages": [{"role": "user", "content": q}]}
+
+    async def go() -> None:
+        async with stack(redis_cluster.url, "tgsem:", tmp_path / "spool", socket_timeout_s=2.0) as st:
+            assert st.handle.prefix == "{tgsem:}"
+            exact = ResponseCache(st.handle, st.breaker, CacheConfig())
+            sem = SemanticCache(st.handle, st.breaker, SemanticCacheConfig(enabled=True, max_entries_per_tenant=2),
+                                LexicalEmbedder())
+            scope = tenant_scope("alice")
+            t = tenant_tag(scope)
+            questions = ["What is 17 * 23?", "What is the capital city of France, in one word?",
+                         "Name the largest planet of the solar system, in one word."]
+            for i, q in enumerate(questions):  # three entries, cap two: the first is evicted on the third insert
+                digest = cache_key(scope, "chat", "short", body(q))
+                ticket = await exact.begin(digest, decide(CacheConfig(), body(q), {}), t)
+                assert ticket.status == "miss"
+                answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"a{i}"},
+                                       "finish_reason": "stop"}], "usage": {"completion_tokens": 1}}
+                assert await exact.finish(ticket, CacheEntry(answer, "chat", "short", "sim-model", time.time()))
+                probe = await sem.prepare(scope, "chat", "short", body(q))
+                assert probe is not None and probe.tenant == t
+                assert await sem.store(probe, digest, f"req-{i}", 60)
+            probe = await sem.prepare(scope, "chat", "short", body("what is the capital city of france, in one word"))
+            assert probe is not None
+            hit = await sem.lookup(probe)
+            assert hit.outcome == "hit" and hit.matched_request_id == "req-1"
+            assert await sem.index.size(t) == 2
+            slots = {_slot(k.decode()) for port in redis_cluster.masters()
+                     for k in redis.Redis(port=port).scan_iter(match="{tgsem:*")}
+            assert slots == {_slot("{tgsem:" + t + "}")}
+
+    asyncio.run(go())

@@ -1,0 +1,94 @@
+"""Issue 25's wrong answers from the semantic cache, reproduced through a real gateway, the real Redis and the
+upstream simulator: each changed question below was served the first question's answer by the guard that
+compared sorted numbers and a bag of words (``x-thinkgate-cache: semantic-hit``); now each is a miss answered
+by the upstream, and a true rephrasing still hits.
+
+The gateway runs with ``cache.semantic.threshold: 0.7`` rather than the default 0.8: some of the issue's short
+questions score 0.74–0.80 with the lexical embedder, so at 0.7 every pair below reaches the guard (each test
+checks that it is similar enough and shares an LSH band) and only the guard can stop it. The issue's literal
+``Subtract 3 from 10. What is left?`` / ``Subtract 10 from 3. What is left?`` share no LSH band (similarity
+0.77), so through the index they were never candidates; the operand-swap row asks them with ``Show your work.``
+added (0.86, four bands shared), and ``tests/gateway/test_semantic_cache.py`` checks the literal pair against
+the guard itself.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from gateway.state.semantic_embed import LexicalEmbedder
+from tests.fixtures.gateway import SECRETS, accounting_gateway
+from tests.fixtures.upstream import GatewayServer, SimProcess
+
+THRESHOLD = 0.7
+# (family, stored question, changed question): the changed one must never get the stored one's answer.
+CHANGED = [
+    ("operand_swap", "Subtract 3 from 10. What is left? Show your work.",
+     "Subtract 10 from 3. What is left? Show your work."),
+    ("operand_units", "A train travels 120 km in 3 hours at a constant speed. What is its average speed?",
+     "A train travels 3 km in 120 hours at a constant speed. What is its average speed?"),
+    ("divided_by", "What is 10 divided by 2? Give the answer as a decimal number.",
+     "What is 2 divided by 10? Give the answer as a decimal number."),
+    ("entity_order", "Is Paris north of Madrid on a map of Europe? Answer yes or no, then explain briefly.",
+     "Is Madrid north of Paris on a map of Europe? Answer yes or no, then explain briefly."),
+    ("unit_pair", "Convert 5 miles to km and round the result to two decimal places.",
+     "Convert 5 km to miles and round the result to two decimal places."),
+    ("ordinal", "Who was the first president of the United States of America?",
+     "Who was the second president of the United States of America?"),
+]
+
+
+@pytest.fixture(scope="module")
+def gw(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("semguard"),
+                            cache={"semantic": {"enabled": True, "threshold": THRESHOLD}}) as g:
+        yield g
+
+
+def _ask(gw: GatewayServer, question: str, tag: str) -> Any:
+    c = openai.OpenAI(base_url=gw.base_url, api_key=SECRETS["alice"], max_retries=0, timeout=30)
+    return c.chat.completions.with_raw_response.create(
+        model="short", messages=[{"role": "user", "content": question}], temperature=0,
+        extra_body={"sim": {"tag": tag}})
+
+
+def _attempts(sim: SimProcess, tag: str) -> int:
+    """How often the upstream simulator was really called with ``tag``."""
+    state = sim.tag(tag)
+    assert state is not None
+    return int(state["attempts"])
+
+
+@pytest.mark.parametrize(("family", "stored", "changed"), CHANGED, ids=[c[0] for c in CHANGED])
+def test_changed_question_is_not_served_the_stored_answer(gw: GatewayServer, upstream_sim: SimProcess, family: str,
+                                                          stored: str, changed: str) -> None:
+    emb = LexicalEmbedder()
+    a, b = emb.sketch_now(stored), emb.sketch_now(changed)
+    # the precondition: similar enough, and an LSH band in common, so the pair reaches the guard
+    assert a.similarity(b.kind, b.payload) >= THRESHOLD
+    assert any(x == y for x, y in zip(a.bands, b.bands, strict=True))
+    tag = uuid.uuid4().hex
+    first = _ask(gw, stored, tag)
+    assert first.headers["x-thinkgate-cache"] == "miss"
+    second = _ask(gw, changed, tag)
+    assert second.headers["x-thinkgate-cache"] == "miss", family
+    assert second.parse().choices[0].message.content == f"echo: {changed}"
+    assert _attempts(upstream_sim, tag) == 2  # the changed question reached the upstream
+    # ...and the stored question is still served to its own rephrasing
+    again = _ask(gw, stored.lower(), tag)
+    assert again.headers["x-thinkgate-cache"] == "semantic-hit"
+    assert again.parse().choices[0].message.content == f"echo: {stored}"
+
+
+def test_readme_rephrasing_still_hits(gw: GatewayServer, upstream_sim: SimProcess) -> None:
+    tag = uuid.uuid4().hex
+    assert _ask(gw, "What is 17 * 23?", tag).headers["x-thinkgate-cache"] == "miss"
+    r = _ask(gw, "what is 17×23 ?", tag)
+    assert r.headers["x-thinkgate-cache"] == "semantic-hit"
+    assert r.parse().choices[0].message.content == "echo: What is 17 * 23?"
+    assert _attempts(upstream_sim, tag) == 1

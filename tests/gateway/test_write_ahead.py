@@ -1,0 +1,300 @@
+"""Write-ahead metering with real processes: ``kill -9`` of a gateway (and of Redis) under streamed load loses no usage.
+
+Every test: a real ``thinkgate serve`` process over the upstream simulator (streams slowed per request), 8 streamed
+``long`` requests in flight, a SIGKILL, a restart — then every admitted request id (each 200's ``x-request-id``)
+has exactly one settled event in the ledger, the key's spend counters equal the sum of its events, no write-ahead
+record and no reservation is left open. With ``metering.write_ahead: false`` (``THINKGATE_METERING__WRITE_AHEAD``)
+the killed requests have no event at all and these tests fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from gateway.config import MeteringConfig, Prices, RedisConfig
+from gateway.ledger.event import UsageEvent
+from gateway.ledger.record import UsageRecord
+from gateway.state.breaker import Breaker
+from gateway.state.keys import RedisKeys
+from gateway.state.metering import Meter
+from gateway.state.redis import connect
+from gateway.state.spool import Spool
+from gateway.state.write_ahead import WalRecord, WriteAhead
+from tests.fixtures.crash_process import DurableRedis, GatewayProcess
+from tests.fixtures.gateway import SECRETS, cleanup, keys_config
+from tests.fixtures.upstream import SimProcess, sim_tiers, start_sim, wait_for
+
+SLOW_CHUNK_MS = 250  # ~48 chunks per answer: ~12 s of streaming, long enough to be killed mid-stream
+FAST_CHUNK_MS = 5
+HEARTBEAT_TTL_S = 2.0
+SETTLE_TIMEOUT_S = 45.0
+
+
+@pytest.fixture
+def slow_sim() -> Iterator[SimProcess]:
+    sim = start_sim()
+    try:
+        yield sim
+    finally:
+        sim.stop()
+
+
+def gateway_config(sim: SimProcess, redis_url: str, prefix: str, tmp: Path) -> dict[str, Any]:
+    return {
+        "engine": {"enabled": False},
+        "server": {"log_level": "warning"},
+        "redis": {"url": redis_url, "key_prefix": prefix, "start_if_missing": False, "breaker_cooldown_s": 0.5},
+        "metering": {"spool_path": str(tmp / "usage-spool.jsonl"), "replay_interval_s": 0.2,
+                     "write_ahead_interval_s": 0.2, "heartbeat_ttl_s": HEARTBEAT_TTL_S, "reconcile_interval_s": 0.5},
+        "tiers": [{**t, "read_timeout_s": 30.0, "prices": {k: str(v) for k, v in t["prices"].items()}}
+                  for t in sim_tiers(sim.base_url)],
+        "routing": {"router_path": None, "routed_tiers": ["short", "long"], "thresholds": [0.5]},
+        # alice has a budget (so admission reserves in Redis, and settlement must release it) that never refuses
+        "auth": keys_config(alice={"budget_usd_day": "1000"}),
+    }
+
+
+class Stream:
+    """One streamed ``long`` request in a thread: its status, request id, SSE events received and whether it ended."""
+
+    def __init__(self, base_url: str, i: int, chunk_ms: int) -> None:
+        self.status: int | None = None
+        self.request_id: str | None = None
+        self.events = 0
+        self.done = False
+        words = " ".join(f"w{i}x{j}" for j in range(20))
+        self.body = {"model": "long", "stream": True, "max_tokens": 256,
+                     "messages": [{"role": "user", "content": f"write-ahead {uuid.uuid4().hex[:6]} {words}"}],
+                     "sim": {"chunk_delay_ms": chunk_ms}}
+        self.url = base_url + "/chat/completions"
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, json=self.body, timeout=30,
+                              headers={"authorization": f"Bearer {SECRETS['alice']}"}) as r:
+                self.status, self.request_id = r.status_code, r.headers.get("x-request-id")
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events += 1
+                        self.done = self.done or line == "data: [DONE]"
+        except httpx.HTTPError:
+            pass  # the gateway was killed under it
+
+
+def ledger(redis_url: str, prefix: str) -> list[UsageEvent]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return [UsageEvent.from_json(fields[b"e"]) for _, fields in client.xrange(RedisKeys(prefix).events)]
+    finally:
+        client.close()
+
+
+def settled_ids(redis_url: str, prefix: str) -> list[str]:
+    return [e.event_id for e in ledger(redis_url, prefix) if not e.audit]
+
+
+def assert_exactly_once(redis_url: str, prefix: str, admitted: list[str], killed: list[str]) -> None:
+    """Each admitted id once in the ledger; the killed ones partial with the tokens of their last update; the key's
+    counters = the sum of its events; no open write-ahead record or reservation."""
+    ok = wait_for(lambda: set(admitted) <= set(settled_ids(redis_url, prefix)), SETTLE_TIMEOUT_S)
+    events = [e for e in ledger(redis_url, prefix) if not e.audit]
+    ids = [e.event_id for e in events]
+    missing = [i for i in admitted if i not in ids]
+    assert ok and not missing, f"no settled event for {len(missing)} of {len(admitted)} admitted requests"
+    assert sorted(ids) == sorted(admitted), "an event counted twice, or one for a request never admitted"
+    by_id = {e.event_id: e for e in events}
+    for rid in killed:
+        e = by_id[rid]
+        assert e.partial and e.error_code == "gateway_lost" and e.tier == "long"
+        assert e.completion_tokens > 0, "the write-ahead record was not updated as the stream relayed tokens"
+        assert e.cost_micro_usd > 0
+    k = RedisKeys(prefix)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        counters = {f.decode(): int(v) for f, v in client.hgetall(k.key_total("alice")).items()}
+        assert counters["cost_micro_usd"] == sum(e.cost_micro_usd for e in events)
+        assert counters["requests"] == len(events)
+        assert counters["completion_tokens"] == sum(e.completion_tokens for e in events)
+        assert client.hlen(k.write_ahead) == 0
+        assert client.hlen(k.reservations("alice")) == 0
+    finally:
+        client.close()
+
+
+def _wait_streaming(streams: list[Stream], min_events: int, timeout_s: float = 30.0) -> None:
+    assert wait_for(lambda: all(s.events >= min_events or s.done for s in streams), timeout_s), \
+        [(s.status, s.events) for s in streams]
+
+
+@pytest.mark.slow
+def test_kill_9_gateway_mid_stream_every_admitted_request_settled_once(slow_sim: SimProcess, redis_url: str,
+                                                                       tmp_path: Path) -> None:
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    cfg = gateway_config(slow_sim, redis_url, prefix, tmp_path)
+    gw = GatewayProcess(cfg, tmp_path, "gw").start()
+    replicas: list[GatewayProcess] = []
+    try:
+        streams = [Stream(gw.base_url, i, FAST_CHUNK_MS if i < 2 else SLOW_CHUNK_MS) for i in range(8)]
+        assert wait_for(lambda: all(s.done for s in streams[:2]), 30)
+        _wait_streaming(streams, 8)  # ≥ 2 s into each slow stream: several write-ahead updates
+        assert wait_for(lambda: len(settled_ids(redis_url, prefix)) >= 2, 10)  # the 2 complete ones are metered
+        time.sleep(0.5)
+        gw.kill()
+        admitted = [s.request_id for s in streams if s.status == 200 and s.request_id]
+        killed = [s.request_id for s in streams[2:] if s.request_id and not s.done]
+        assert len(admitted) == 8 and len(killed) == 6
+        # two replicas start at once on the same Redis: both reconcile the dead process's records
+        replicas = [GatewayProcess(cfg, tmp_path, f"replica-{i}") for i in range(2)]
+        for r in replicas:
+            r.start()
+        assert_exactly_once(redis_url, prefix, admitted, killed)
+        # a request on a restarted gateway is settled normally, once, and leaves no record behind
+        after = Stream(replicas[0].base_url, 99, FAST_CHUNK_MS)
+        after.thread.join(30)
+        assert after.done and after.request_id
+        assert_exactly_once(redis_url, prefix, [*admitted, after.request_id], killed)
+    finally:
+        gw.kill()
+        for r in replicas:
+            r.stop()
+        cleanup(redis_url, prefix)
+
+
+@pytest.mark.slow
+def test_kill_9_redis_then_gateway_mid_stream_nothing_lost(slow_sim: SimProcess, tmp_path: Path) -> None:
+    # Redis dies under 8 streams (records written before), 2 more are admitted while it is down (records spooled),
+    # the progress of all goes to the spool, then the gateway is killed too; both restart on their data
+    store = DurableRedis(tmp_path / "redis").start()
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    cfg = gateway_config(slow_sim, store.url, prefix, tmp_path)
+    gw = GatewayProcess(cfg, tmp_path, "gw").start()
+    try:
+        streams = [Stream(gw.base_url, i, FAST_CHUNK_MS if i < 2 else SLOW_CHUNK_MS) for i in range(8)]
+        assert wait_for(lambda: all(s.done for s in streams[:2]), 30)
+        _wait_streaming(streams, 6)
+        assert wait_for(lambda: len(settled_ids(store.url, prefix)) >= 2, 10)
+        store.kill()
+        during = [Stream(gw.base_url, 10 + i, SLOW_CHUNK_MS) for i in range(2)]
+        _wait_streaming(during, 6)
+        time.sleep(0.5)
+        gw.kill()
+        streams += during
+        admitted = [s.request_id for s in streams if s.status == 200 and s.request_id]
+        killed = [s.request_id for s in streams[2:] if s.request_id and not s.done]
+        assert len(admitted) == 10 and len(killed) == 8
+        spool = tmp_path / "usage-spool.wal.jsonl"
+        spooled = spool.stat().st_size if spool.exists() else 0
+        store.start()
+        gw.start()
+        assert_exactly_once(store.url, prefix, admitted, killed)
+        assert spooled > 0  # the outage's records waited on disk (then were replayed: nothing is left open)
+        # the requests admitted during the outage were metered from their spooled records
+        by_id = {e.event_id: e for e in ledger(store.url, prefix)}
+        assert all(by_id[s.request_id].completion_tokens > 0 for s in during if s.request_id)
+    finally:
+        gw.kill()
+        store.kill()
+
+
+def test_reconcile_claim_counts_an_orphan_once_and_never_a_settled_request(redis_url: str, redis_prefix: str,
+                                                                          tmp_path: Path) -> None:
+    # The atomic claim of Meter.settle_orphan, driven directly: a record whose owner is alive is not claimed; one
+    # whose owner is dead is counted by exactly one of 16 concurrent claims; a settled request is never reclaimed.
+    prices = Prices(input_usd_per_mtok=Decimal("0.5"), cached_input_usd_per_mtok=Decimal("0.25"),
+                    output_usd_per_mtok=Decimal("2"))
+
+    async def go() -> None:
+        handle = connect(RedisConfig(url=redis_url, key_prefix=redis_prefix, socket_timeout_s=2.0))
+        cfg = MeteringConfig(spool_path=tmp_path / "spool.jsonl")
+        meter = Meter(handle, Breaker(1.0), Spool(cfg.spool_path), cfg)
+        k = RedisKeys(redis_prefix)
+        try:
+            rec = WalRecord(request_id=uuid.uuid4().hex, key_id="alice", owner="dead:1:x", ts=time.time(),
+                            updated_ms=0, tags={"team": "a"}, tier="long", completion_tokens=40)
+            await handle.client.hset(k.write_ahead, rec.request_id, rec.to_json())
+            await handle.client.set(k.heartbeat(rec.owner), b"1")
+            alive = await meter.settle_orphan(rec.event(prices), k.heartbeat(rec.owner))
+            assert not alive.counted
+            await handle.client.delete(k.heartbeat(rec.owner))
+            results = await asyncio.gather(*(meter.settle_orphan(rec.event(prices), k.heartbeat(rec.owner))
+                                             for _ in range(16)))
+            assert sum(r.counted for r in results) == 1
+            assert not await handle.client.hexists(k.write_ahead, rec.request_id)
+            # settled normally first (its usage event deletes the record): a stale copy is never counted again
+            done = WalRecord(request_id=uuid.uuid4().hex, key_id="alice", owner="dead:1:x", ts=time.time(),
+                             updated_ms=0, tags={}, tier="long", completion_tokens=5)
+            await handle.client.hset(k.write_ahead, done.request_id, done.to_json())
+            final = done.event(prices)
+            final.partial, final.status, final.error_code = False, 200, None
+            assert (await meter.record(final)).counted
+            assert not await handle.client.hexists(k.write_ahead, done.request_id)
+            await handle.client.hset(k.write_ahead, done.request_id, done.to_json())  # a late stale write
+            assert not (await meter.settle_orphan(done.event(prices), k.heartbeat(done.owner))).counted
+            events = [e async for e in meter.events()]
+            assert sorted(e.event_id for e in events) == sorted([rec.request_id, done.request_id])
+        finally:
+            await handle.close()
+
+    asyncio.run(go())
+
+
+def test_progress_writes_are_rate_bounded_and_stop_at_settlement(redis_url: str, redis_prefix: str,
+                                                                  tmp_path: Path) -> None:
+    # One stream relaying 1000 batches inside one write-ahead interval writes its record once; the next write is
+    # due only when the interval has passed; none after its usage event settled it.
+    now = [1000.0]
+
+    async def go() -> None:
+        handle = connect(RedisConfig(url=redis_url, key_prefix=redis_prefix, socket_timeout_s=2.0))
+        cfg = MeteringConfig(spool_path=tmp_path / "spool.jsonl", write_ahead_interval_s=1.0)
+        breaker = Breaker(1.0)
+        meter = Meter(handle, breaker, Spool(cfg.spool_path), cfg)
+        wal = WriteAhead(handle, breaker, meter, cfg, {}, owner="me", clock=lambda: now[0])
+        k = RedisKeys(redis_prefix)
+
+        async def stored() -> WalRecord:
+            await asyncio.gather(*list(wal._tasks))
+            return WalRecord.from_json(await handle.client.hget(k.write_ahead, rec.request_id))
+
+        try:
+            rec = UsageRecord(key_id="alice", tier="long", stream=True)
+            await wal.begin(rec, 1234, 600)
+            first = await stored()
+            assert (first.bound_micro_usd, first.bound_tokens, first.completion_tokens) == (1234, 600, 0)
+            writes = 0
+            for i in range(1, 1001):
+                now[0] += 0.0009  # 1000 batches in 0.9 s: inside one interval
+                before = len(wal._tasks)
+                wal.progress(rec.request_id, i, i // 2)
+                writes += len(wal._tasks) > before
+            assert writes == 0 and (await stored()).completion_tokens == 0
+            now[0] += 0.2
+            wal.progress(rec.request_id, 1001, 500)
+            wal.progress(rec.request_id, 1002, 500)  # a write in flight: skipped, not queued
+            assert (await stored()).completion_tokens == 1001
+            wal.progress(rec.request_id, 1003, 500)  # due only after another interval
+            assert (await stored()).completion_tokens == 1001
+            final = (await stored()).event(None)
+            final.partial, final.status, final.error_code = False, 200, None
+            assert (await meter.record(final)).counted
+            now[0] += 5
+            wal.progress(rec.request_id, 2000, 900)  # this process still tracks it: the write finds it settled
+            await asyncio.gather(*list(wal._tasks))
+            assert not await handle.client.hexists(k.write_ahead, rec.request_id)
+        finally:
+            await handle.close()
+
+    asyncio.run(go())
