@@ -109,6 +109,13 @@ class UpstreamPoolConfig(_Strict):
     health_check_timeout_s: float = Field(2.0, gt=0)
 
 
+def prompted_hard_stop(budget: int) -> int:
+    """Forcing budget (tokens) above a ``prompted`` tier's requested ``budget``: 25% + 16 tokens more. Here beside
+    the tier so that admission (``gateway/state/limits.py``) bounds a prompted call by the same number that
+    ``gateway/thinking/dial.py`` cuts it at; ``thinkgate eval dial`` closes an open thought at the same point."""
+    return budget + budget // 4 + 16
+
+
 class TierConfig(_Strict):
     """One reasoning tier: where to send the request and how much it may think.
 

@@ -64,7 +64,7 @@ from typing import Any, Literal, Protocol
 
 from redis.asyncio import Redis
 
-from gateway.config import LimitsConfig, TierConfig
+from gateway.config import LimitsConfig, TierConfig, prompted_hard_stop
 from gateway.errors import LimitsUnavailable, RateLimited
 from gateway.ledger.event import UsageEvent, cost_micro_usd, micro_to_usd, usd_to_micro
 from gateway.state.breaker import Breaker, RedisDown
@@ -282,13 +282,21 @@ def call_bound(prompt: int, choices: int, asked: Any, tier: TierConfig) -> tuple
     of at most min(thinking_budget, max_tokens); phase 2 the prompt again plus that thought plus the markers,
     generating at most max(1, max_tokens − thought) — so per choice 2 × prompt + thought + markers prompt tokens
     and max_tokens + 1 completion tokens. (The thought re-sent in phase 2 is the text the upstream generated;
-    its tokens are bounded by the count phase 1 reported.)
+    its tokens are bounded by the count phase 1 reported.) A ``prompted`` tier (a dial model) is served by the same
+    forcing with the dial instruction appended to the prompt and :func:`gateway.config.prompted_hard_stop` of its
+    budget as the thought bound.
     """
     cap = tier.max_tokens
     m = min(asked, cap) if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else cap
-    if tier.budget_mode != "forced":
+    if tier.budget_mode not in ("forced", "prompted"):
         return prompt, choices * m
-    thought = min(tier.thinking_budget if tier.thinking_budget is not None else m, m)
+    budget = tier.thinking_budget
+    if tier.budget_mode == "prompted":
+        # the dial instruction appended to the prompt (a space + the filled-in text: at most the tier's budget's
+        # digits, the request's own budget is smaller) and forcing's hard stop above that budget
+        prompt += 1 + len(tier.budget_prompt.format(budget=budget if budget is not None else 0).encode())
+        budget = prompted_hard_stop(budget) if budget is not None else None
+    thought = min(budget if budget is not None else m, m)
     return choices * (2 * prompt + thought + _forced_extra_prompt(tier)), choices * (m + 1)
 
 

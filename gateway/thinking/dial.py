@@ -22,14 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.config import TierConfig
+from gateway.config import TierConfig, prompted_hard_stop
 from gateway.ledger.event import WireEndpoint
 
-
-def hard_stop(budget: int) -> int:
-    """Forcing budget above a requested ``budget`` (tokens): 25% + 16 tokens more (``thinkgate eval dial`` closes
-    an open thought at the same point)."""
-    return budget + budget // 4 + 16
+hard_stop = prompted_hard_stop
 
 
 def requested_budget(body: dict[str, Any], tier: TierConfig) -> int | None:

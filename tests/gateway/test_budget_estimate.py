@@ -8,7 +8,7 @@ from decimal import Decimal
 import httpx
 import pytest
 
-from gateway.config import Prices, TierConfig
+from gateway.config import Prices, TierConfig, prompted_hard_stop
 from gateway.ledger.pricing import cost_micro_usd
 from gateway.ledger.record import UsageRecord
 from gateway.state.limits import MESSAGE_OVERHEAD_TOKENS, REQUEST_OVERHEAD_TOKENS, TOOLS_OVERHEAD_TOKENS, estimate
@@ -91,6 +91,23 @@ def test_estimate_bounds_the_real_cost_of_every_call_forcing_makes(n: int, max_t
     for prompt in (1, prompt_ub // 2, prompt_ub):
         for completion in (0, 1, n * min(max_tokens, LONG.max_tokens)):
             assert _cost(prompt, completion) <= native.micro_usd
+
+
+@pytest.mark.parametrize(("n", "max_tokens", "budget"), [(1, 400, 64), (3, 400, 16), (2, 40, 64)])
+def test_a_prompted_dial_tier_is_bounded_like_forcing_with_its_instruction_and_hard_stop(
+        n: int, max_tokens: int, budget: int) -> None:
+    # budget_mode prompted (a dial model) is served by two-phase forcing at prompted_hard_stop(budget), with the
+    # dial instruction appended to the prompt: its bound is forcing's with that thought and that prompt
+    tier = FORCED.model_copy(update={"budget_mode": "prompted", "thinking_budget": budget, "max_tokens": 512})
+    text = "héllo " * 7
+    body = {"messages": [{"role": "user", "content": text}], "n": n, "max_tokens": max_tokens}
+    est = estimate(body, [tier])
+    said = tier.budget_prompt.format(budget=budget)
+    prompt_ub = (len(b"user") + len(text.encode()) + 1 + len(said.encode()) + MESSAGE_OVERHEAD_TOKENS
+                 + REQUEST_OVERHEAD_TOKENS)
+    worst = _forced_worst(prompt_ub, n, max_tokens,
+                          tier.model_copy(update={"thinking_budget": prompted_hard_stop(budget)}))
+    assert _cost(*worst) <= est.micro_usd and sum(worst) <= est.tokens
 
 
 def test_forced_n3_billed_by_a_real_gateway_fits_the_estimate_and_not_the_old_one(upstream_sim: SimProcess,
