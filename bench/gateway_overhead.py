@@ -566,6 +566,23 @@ def _per_request_ms(x: Samples) -> float | None:
     return 1000 * x.cpu_s / n if x.cpu_s and n else None
 
 
+def _spread(xs: list[float]) -> str:
+    """Median of per-round ratios with their range, ``"—"`` when there are none."""
+    import statistics
+
+    return f"{statistics.median(xs):.3f} ({min(xs):.2f} … {max(xs):.2f})" if xs else "—"
+
+
+def _variant_samples(results: dict[tuple[str, int], Samples], variants: tuple[str, ...], processes: int,
+                     c: int) -> dict[str, Samples]:
+    """Each variant's samples at concurrency ``c``, summed over its ``processes`` gateways (``NAME#1`` …)."""
+    acc = {v: Samples() for v in variants}
+    for v in variants:
+        for k in range(processes):
+            acc[v].add(results[(f"{v}#{k + 1}", c)])
+    return acc
+
+
 def telemetry_ratios(per_round: dict[tuple[str, int], list[Samples]], processes: int, c: int,
                      rounds: int, variants: tuple[str, ...] = TELEMETRY_VARIANTS) -> dict[str, list[float]]:
     """Per round, each variant's CPU ms/request (the mean over its processes) over the first variant's (off) in
@@ -699,27 +716,17 @@ def run_telemetry(args: argparse.Namespace) -> None:
              "| on 10 % / off | A/A: off / off (min … max) |",
              "|---|---:|---:|---:|---:|---|---:|---|"]
     verdicts: list[float] = []
-
-    def spread(xs: list[float]) -> str:
-        return f"{statistics.median(xs):.3f} ({min(xs):.2f} … {max(xs):.2f})" if xs else "—"
-
     for mode, results in by_mode.items():
         for c in args.concurrency:
-            total: dict[str, float | None] = {}
-            for v in TELEMETRY_VARIANTS:
-                xs = [results[(f"{v}#{k + 1}", c)] for k in range(args.processes)]
-                acc = Samples()
-                for x in xs:
-                    acc.add(x)
-                total[v] = _per_request_ms(acc)
-            off, on, tenth = (total[v] for v in TELEMETRY_VARIANTS)
+            acc = _variant_samples(results, TELEMETRY_VARIANTS, args.processes, c)
+            off, on, tenth = (_per_request_ms(acc[v]) for v in TELEMETRY_VARIANTS)
             if not (off and on and tenth):
                 continue
             ratios = telemetry_ratios(per_round[mode], args.processes, c, args.rounds)
             if ratios["otel-on"]:
                 verdicts.append(statistics.median(ratios["otel-on"]))
-            lines.append(f"| {mode} | {c} | {off:.3f} | {on:.3f} | {on / off:.3f} | {spread(ratios['otel-on'])} "
-                         f"| {tenth / off:.3f} | {spread(ratios['A/A'])} |")
+            lines.append(f"| {mode} | {c} | {off:.3f} | {on:.3f} | {on / off:.3f} | {_spread(ratios['otel-on'])} "
+                         f"| {tenth / off:.3f} | {_spread(ratios['A/A'])} |")
     ratio = "\n".join(lines)
     exported = f"OTLP sink received {sink.posts} export POSTs, {sink.bytes} bytes of protobuf."
     worst_cross = max(verdicts) if verdicts else float("nan")
@@ -804,16 +811,9 @@ def run_write_ahead(args: argparse.Namespace) -> None:
              "| A/A: off / off (min … max) | p50 ms off → on | p99 ms off → on |",
              "|---|---:|---:|---:|---:|---|---|---:|---:|"]
     verdicts: list[float] = []
-
-    def spread(xs: list[float]) -> str:
-        return f"{statistics.median(xs):.3f} ({min(xs):.2f} … {max(xs):.2f})" if xs else "—"
-
     for mode, results in by_mode.items():
         for c in args.concurrency:
-            acc = {v: Samples() for v in WRITE_AHEAD_VARIANTS}
-            for v in WRITE_AHEAD_VARIANTS:
-                for k in range(args.processes):
-                    acc[v].add(results[(f"{v}#{k + 1}", c)])
+            acc = _variant_samples(results, WRITE_AHEAD_VARIANTS, args.processes, c)
             off, on = (_per_request_ms(acc[v]) for v in WRITE_AHEAD_VARIANTS)
             if not (off and on):
                 continue
@@ -821,8 +821,8 @@ def run_write_ahead(args: argparse.Namespace) -> None:
             if ratios["wal-on"]:
                 verdicts.append(statistics.median(ratios["wal-on"]))
             a, b = acc["wal-off"], acc["wal-on"]
-            lines.append(f"| {mode} | {c} | {off:.3f} | {on:.3f} | {on / off:.3f} | {spread(ratios['wal-on'])} "
-                         f"| {spread(ratios['A/A'])} "
+            lines.append(f"| {mode} | {c} | {off:.3f} | {on:.3f} | {on / off:.3f} | {_spread(ratios['wal-on'])} "
+                         f"| {_spread(ratios['A/A'])} "
                          f"| {a.pct(50):.2f} → {b.pct(50):.2f} ({b.pct(50) - a.pct(50):+.2f}) "
                          f"| {a.pct(99):.2f} → {b.pct(99):.2f} ({b.pct(99) - a.pct(99):+.2f}) |")
     ratio = "\n".join(lines)
