@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 import orjson
 
+from bench._lib.haproxy import write_haproxy_cfg
 from bench._lib.results_md import write_section
 from bench.gateway_overhead import BENCH_KEY, Samples, closed_loop, cpu_seconds, machine, start_gateway, stop_all
 from gateway.engine.redis_server import free_port
@@ -44,35 +45,12 @@ from tests.fixtures.upstream import start_sim, wait_http_ok
 SECTION = "## Replicas behind HAProxy"
 REPLICAS = (1, 2, 3)
 
-HAPROXY_CFG = """\
-global
-    maxconn 4096
-defaults
-    mode http
-    timeout connect 2s
-    timeout client 60s
-    timeout server 60s
-    timeout check 3s
-    retries 3
-    option redispatch 1
-frontend thinkgate
-    bind 127.0.0.1:{port}
-    default_backend gateways
-backend gateways
-    balance roundrobin
-    option httpchk GET /ready
-    http-check expect status 200
-    default-server inter 1s fall 3 rise 2
-{servers}
-"""
 
 
 def start_haproxy(exe: str, ports: list[int], workdir: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
     """HAProxy in front of the gateways on ``ports``; returns the process and its ``…/v1`` base URL."""
     port = free_port()
-    servers = "\n".join(f"    server gw{i} 127.0.0.1:{p} check" for i, p in enumerate(ports))
-    cfg = workdir / f"{name}.cfg"
-    cfg.write_text(HAPROXY_CFG.format(port=port, servers=servers))
+    cfg = write_haproxy_cfg(workdir / f"{name}.cfg", port, ports)
     proc = subprocess.Popen([exe, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=60, proc=proc)
     return proc, f"http://127.0.0.1:{port}/v1"
