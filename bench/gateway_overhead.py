@@ -65,6 +65,7 @@ import orjson
 import yaml
 
 from bench._lib.load import send
+from bench._lib.redis_keys import delete_prefix
 from bench._lib.results_md import write_section
 from gateway.engine.redis_server import free_port
 from tests.fixtures.otlp import OtlpReceiver
@@ -799,13 +800,7 @@ def run_write_ahead(args: argparse.Namespace) -> None:
             os.environ["PYTHONHASHSEED"] = seed
         stop_all(procs, sim)
         with contextlib.suppress(Exception):
-            import redis as sync_redis
-
-            client = sync_redis.Redis.from_url(redis_section["url"])
-            stale = list(client.scan_iter(match=prefix + "*", count=1000))
-            if stale:
-                client.delete(*stale)
-            client.close()
+            delete_prefix(str(redis_section["url"]), prefix)
     out = table(by_mode, targets, args.concurrency)
     lines = ["| mode | concurrency | CPU ms/req off | on | on / off | median per-round on / off (min … max) "
              "| A/A: off / off (min … max) | p50 ms off → on | p99 ms off → on |",

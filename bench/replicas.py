@@ -37,6 +37,7 @@ import httpx
 import orjson
 
 from bench._lib.haproxy import write_haproxy_cfg
+from bench._lib.redis_keys import delete_prefix
 from bench._lib.results_md import write_section
 from bench.gateway_overhead import BENCH_KEY, Samples, closed_loop, cpu_seconds, machine, start_gateway, stop_all
 from gateway.engine.redis_server import free_port
@@ -139,7 +140,7 @@ def main() -> None:
         finally:
             stop_all(lbs)
             stop_all(procs, sim)
-            _cleanup(redis_url, prefix)
+            delete_prefix(redis_url, prefix)
     text = table(results, args.concurrency)
     print(text)
     if args.write_results:
@@ -162,18 +163,6 @@ so replicas can add RPS only while idle cores are left; past {cores} replicas (h
 already busy) they add processes that compete for the same cores and RPS stays flat or drops. Best measured:
 {best.rps:.0f} RPS. Compare the ratios within one run, not absolute figures across runs.
 """)
-
-
-def _cleanup(redis_url: str, prefix: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=prefix + "*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
 
 
 if __name__ == "__main__":
