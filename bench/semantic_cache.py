@@ -107,11 +107,14 @@ def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
                 yield orjson.loads(line)
 
 
-def real_questions(per_source: int, rng: random.Random) -> list[tuple[str, str]]:
-    """(source, question) pairs, ``per_source`` of each (fewer when a source is smaller), at most MAX_CHARS."""
+def real_questions(per_source: int, rng: random.Random, *, with_train: bool = False) -> list[tuple[str, str]]:
+    """(source, question) pairs, ``per_source`` of each (fewer when a source is smaller), at most MAX_CHARS,
+    deduplicated, shuffled with ``rng``; ``with_train``: gsm8k and math draw on their train splits too."""
     sources = {
-        "gsm8k": [r["question"] for r in _jsonl(TEST_SPLITS / "gsm8k" / "test.jsonl")],
-        "math": [r["problem"] for r in _jsonl(TEST_SPLITS / "math" / "test.jsonl")],
+        "gsm8k": [r["question"] for r in _jsonl(TEST_SPLITS / "gsm8k" / "test.jsonl")]
+        + ([r["question"] for r in _jsonl(DATA / "gsm8k" / "train.jsonl.gz")] if with_train else []),
+        "math": [r["problem"] for r in _jsonl(TEST_SPLITS / "math" / "test.jsonl")]
+        + ([r["problem"] for r in _jsonl(DATA / "math" / "train.jsonl.gz")] if with_train else []),
         "mt_bench": [r["turns"][0] for r in _jsonl(DATA / "mt_bench" / "question.jsonl")],
         "simpleqa": [r["problem"] for r in _jsonl(DATA / "simpleqa" / "questions.jsonl.gz")],
     }

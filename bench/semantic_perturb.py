@@ -43,10 +43,7 @@ from typing import Any
 from bench._lib.results_md import write_section
 from bench.gateway_overhead import machine
 from bench.semantic_cache import (
-    DATA,
     MAX_CHARS,
-    TEST_SPLITS,
-    _jsonl,
     _punct,
     _sentences,
     body_of,
@@ -54,6 +51,7 @@ from bench.semantic_cache import (
     fill,
     latency_part,
     pct,
+    real_questions,
 )
 from gateway.config import RedisConfig, SemanticCacheConfig
 from gateway.engine.redis_server import start_private
@@ -124,21 +122,9 @@ AUXILIARIES = re.compile(r"\b(is|are|was|were|does|do|did|can|will|should|has|ha
 # --- data -------------------------------------------------------------------------------------------------
 
 def questions(per_source: int, rng: random.Random) -> list[tuple[str, str]]:
-    """(source, question): ``per_source`` of each source at most, ≤ MAX_CHARS, deduplicated, shuffled."""
-    sources = {
-        "gsm8k": [r["question"] for r in _jsonl(TEST_SPLITS / "gsm8k" / "test.jsonl")]
-        + [r["question"] for r in _jsonl(DATA / "gsm8k" / "train.jsonl.gz")],
-        "math": [r["problem"] for r in _jsonl(TEST_SPLITS / "math" / "test.jsonl")]
-        + [r["problem"] for r in _jsonl(DATA / "math" / "train.jsonl.gz")],
-        "mt_bench": [r["turns"][0] for r in _jsonl(DATA / "mt_bench" / "question.jsonl")],
-        "simpleqa": [r["problem"] for r in _jsonl(DATA / "simpleqa" / "questions.jsonl.gz")],
-    }
-    out: list[tuple[str, str]] = []
-    for name, qs in sources.items():
-        uniq = sorted({q for q in qs if 0 < len(q) <= MAX_CHARS})
-        rng.shuffle(uniq)
-        out.extend((name, q) for q in uniq[:per_source])
-    return out
+    """(source, question): ``per_source`` of each source at most, ≤ MAX_CHARS, deduplicated, shuffled (the test
+    and train splits: :func:`bench.semantic_cache.real_questions` with ``with_train``)."""
+    return real_questions(per_source, rng, with_train=True)
 
 
 # --- rules ------------------------------------------------------------------------------------------------
