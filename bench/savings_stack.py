@@ -70,6 +70,7 @@ import httpx
 import typer
 import yaml
 
+from bench._lib.process import stop_process
 from gateway.config import Settings
 from gateway.ledger.event import UsageEvent, micro_to_usd
 from gateway.ledger.report import counts_as_request
@@ -422,12 +423,7 @@ def serve_gateway(cfg: dict[str, Any], state_dir: Path, name: str) -> Iterator[s
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)
         log.close()
 
 

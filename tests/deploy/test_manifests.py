@@ -24,6 +24,7 @@ import httpx
 import pytest
 import yaml
 
+from bench._lib.process import stop_process
 from gateway.engine.redis_server import free_port
 from tests.fixtures.gateway import cleanup
 from tests.fixtures.upstream import SimProcess
@@ -240,12 +241,7 @@ def served(rendered: dict[str, list[dict[str, Any]]], upstream_sim: SimProcess, 
                 time.sleep(0.2)
         yield base, secret, c
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc, timeout_s=20)
         cleanup(redis_url, prefix)
 
 
@@ -294,9 +290,4 @@ def test_ready_fails_when_redis_is_unreachable_so_the_pod_leaves_the_service(tmp
         ready = httpx.get(base + "/ready", timeout=10)
         assert ready.status_code == 503 and ready.json()["redis"] is False
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc, timeout_s=20)
