@@ -23,7 +23,7 @@ from typing import Any
 
 from router.tasks import Problem, verify
 from training.tiny.dial import adherence, with_budget
-from training.tiny.tokenizer import IM_END, THINK_END, render_prompt
+from training.tiny.tokenizer import IM_END, THINK_END
 
 DEFAULT_FORCING_MODEL = str(Path(__file__).resolve().parents[1] / "assets" / "thinkgate-tiny")
 
@@ -49,7 +49,7 @@ def answer_with_budget(
     model: Any, tokenizer: Any, problems: Sequence[Problem], budget: int | None, batch_size: int = 64
 ) -> list[DialOutcome]:
     """Greedy answers of the dial model with ``budget`` in the prompt (None: unlimited, hard stop 512)."""
-    from training.tiny.evaluate import _generate
+    from training.tiny.evaluate import _encode_prompts, _generate
 
     end_id = tokenizer.convert_tokens_to_ids(THINK_END)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
@@ -58,12 +58,7 @@ def answer_with_budget(
     model.eval()
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
-        prompts = [
-            tokenizer.encode(
-                render_prompt([{"role": "user", "content": with_budget(p.question, budget)}]), add_special_tokens=False
-            )
-            for p in chunk
-        ]
+        prompts = _encode_prompts(tokenizer, [with_budget(p.question, budget) for p in chunk])
         thoughts = _generate(model, tokenizer, prompts, limit + 1, [end_id, eos_id])
         closed = [bool(t) and t[-1] == end_id for t in thoughts]
         n_think = [len(t) - 1 if c else len(t) for t, c in zip(thoughts, closed, strict=True)]

@@ -28,6 +28,14 @@ class Outcome:
     correct: bool
 
 
+def _encode_prompts(tokenizer: Any, questions: Sequence[str], enable_thinking: bool = True) -> list[list[int]]:
+    """Each question as a one-user-turn chat prompt (:func:`render_prompt`), encoded to token ids."""
+    return [
+        tokenizer.encode(render_prompt([{"role": "user", "content": q}], enable_thinking), add_special_tokens=False)
+        for q in questions
+    ]
+
+
 def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], max_new: int, stop: list[int]) -> list[list[int]]:
     import torch
 
@@ -72,12 +80,7 @@ def run(
     model.eval()
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
-        prompts = [
-            tokenizer.encode(
-                render_prompt([{"role": "user", "content": p.question}], enable_thinking), add_special_tokens=False
-            )
-            for p in chunk
-        ]
+        prompts = _encode_prompts(tokenizer, [p.question for p in chunk], enable_thinking)
         if enable_thinking:
             limit = max_thought if budget is None else max(0, budget - 1)
             thoughts = (
