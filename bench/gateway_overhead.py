@@ -567,6 +567,21 @@ def _per_request_ms(x: Samples) -> float | None:
     return 1000 * x.cpu_s / n if x.cpu_s and n else None
 
 
+def _pin_hash_seed() -> str | None:
+    """Set ``PYTHONHASHSEED=0`` for the gateways started next; returns the previous value for
+    :func:`_restore_hash_seed`."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = "0"
+    return seed
+
+
+def _restore_hash_seed(seed: str | None) -> None:
+    if seed is None:
+        os.environ.pop("PYTHONHASHSEED", None)
+    else:
+        os.environ["PYTHONHASHSEED"] = seed
+
+
 def _spread(xs: list[float]) -> str:
     """Median of per-round ratios with their range, ``"—"`` when there are none."""
     import statistics
@@ -688,8 +703,7 @@ def run_telemetry(args: argparse.Namespace) -> None:
         "otel-off": {}, "otel-on": {"telemetry": {"otlp_endpoint": sink.url}},
         "otel-on-10%": {"telemetry": {"otlp_endpoint": sink.url, "sample_ratio": 0.1}}}
     # one hash seed for every gateway: string hashing, hence dict layouts, the same in all of them
-    seed = os.environ.get("PYTHONHASHSEED")
-    os.environ["PYTHONHASHSEED"] = "0"
+    seed = _pin_hash_seed()
     targets = [Target("direct", sim.base_url, "none", "sim-model")]
     per_round: dict[str, dict[tuple[str, int], list[Samples]]] = {}
     try:
@@ -706,10 +720,7 @@ def run_telemetry(args: argparse.Namespace) -> None:
             procs = []
             same, same_ratios = same_process_table(args, sim, sink, Path(tmp))
     finally:
-        if seed is None:
-            os.environ.pop("PYTHONHASHSEED", None)
-        else:
-            os.environ["PYTHONHASHSEED"] = seed
+        _restore_hash_seed(seed)
         stop_all(procs, sim)  # SIGTERM: the on-gateways export what they still hold
         sink.close()
     out = table(by_mode, targets, args.concurrency)
@@ -776,8 +787,7 @@ def run_write_ahead(args: argparse.Namespace) -> None:
     prefix = f"tgbench:{uuid.uuid4().hex[:8]}:"
     redis_section = {"url": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), "key_prefix": prefix,
                      "start_if_missing": False}
-    seed = os.environ.get("PYTHONHASHSEED")
-    os.environ["PYTHONHASHSEED"] = "0"
+    seed = _pin_hash_seed()
     targets = [Target("direct", sim.base_url, "none", "sim-model")]
     per_round: dict[str, dict[tuple[str, int], list[Samples]]] = {}
     try:
@@ -794,10 +804,7 @@ def run_write_ahead(args: argparse.Namespace) -> None:
                                                  mode == "stream", per_round=per_round.setdefault(mode, {})))
                        for mode in args.modes}
     finally:
-        if seed is None:
-            os.environ.pop("PYTHONHASHSEED", None)
-        else:
-            os.environ["PYTHONHASHSEED"] = seed
+        _restore_hash_seed(seed)
         stop_all(procs, sim)
         with contextlib.suppress(Exception):
             delete_prefix(str(redis_section["url"]), prefix)
