@@ -58,7 +58,9 @@ def _event(key: str, tier: str, i: int, **kw: object) -> UsageEvent:
 
 async def test_record_is_idempotent_and_counters_equal_events(redis_url: str, redis_prefix: str,
                                                               tmp_path: Path) -> None:
-    async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
+    # 30 concurrent first calls of the metering script (each EVALs it once before it is cached) can take longer
+    # than the production 0.25 s socket timeout on a busy 2-core box; this test is about counting, not timeouts
+    async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl", socket_timeout_s=5.0) as st:
         events = [_event("alice" if i % 3 else "bob", "short" if i % 2 else "long", i) for i in range(30)]
         events[4].cached = True
         events[4].price(PRICES)
