@@ -33,18 +33,11 @@ from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys, key_tenant
 from gateway.state.metrics import Metrics
 from gateway.state.redis import RedisHandle
+from gateway.upstream.balancer import content_text
 
 log = logging.getLogger("thinkgate.sessions")
 
 SESSION_HEADER = "x-thinkgate-session"
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
-    return ""
 
 
 def session_of(key_id: str, body: dict[str, Any]) -> str | None:
@@ -59,8 +52,9 @@ def session_of(key_id: str, body: dict[str, Any]) -> str | None:
         msgs = body.get("messages")
         if not isinstance(msgs, list):
             return None
-        system = next((_text(m.get("content")) for m in msgs if isinstance(m, dict) and m.get("role") == "system"), "")
-        user = next((_text(m.get("content")) for m in msgs if isinstance(m, dict) and m.get("role") == "user"), None)
+        dicts = [m for m in msgs if isinstance(m, dict)]
+        system = next((content_text(m.get("content")) for m in dicts if m.get("role") == "system"), "")
+        user = next((content_text(m.get("content")) for m in dicts if m.get("role") == "user"), None)
         if user is None:
             return None
         raw = "h:" + system + "\x00" + user

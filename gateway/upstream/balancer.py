@@ -66,7 +66,8 @@ _AFFINITY: ContextVar[bytes | None] = ContextVar("thinkgate_upstream_affinity", 
 Probe = Callable[["Replica", float], Awaitable[bool]]
 
 
-def _text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """The text of a chat message's ``content``: a string as is, a list of parts their ``text`` joined, else ""."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -85,7 +86,7 @@ def conversation_key(body: dict[str, Any]) -> bytes | None:
         parts: list[str] = []
         for m in msgs:
             if isinstance(m, dict):
-                parts.append(f"{m.get('role')}\x00{_text(m.get('content'))}")
+                parts.append(f"{m.get('role')}\x00{content_text(m.get('content'))}")
                 if m.get("role") == "user":
                     break
         text = "\x01".join(parts)
