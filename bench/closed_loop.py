@@ -7,7 +7,7 @@ What runs (all on loopback, bounded: ~1–2 minutes on 2 cores):
 
 (a) **Controller.** The router is fitted on ``--fit-on`` (``router.fit.ladder_fit.fit_ladder_router``, policy
     ``router``). ``--stream``'s questions (several shuffled passes) are scored by it and routed, once with the
-    fixed thresholds and once with the gateway's cost-target controller (``gateway.state.routing_target.
+    fixed thresholds and once with the gateway's cost-target controller (``gateway.control.target.
     TargetController`` — the same class the gateway runs, on the real Redis, update every 16 requests, window
     500, step bound 0.02, the config's default feedback gain 2 on the last 250 decisions' realized share) aiming
     at ``--target`` long share. The realized long share per 100-request block; per target, the worst
@@ -15,12 +15,12 @@ What runs (all on loopback, bounded: ~1–2 minutes on 2 cores):
     own scores (an oracle fixed cut: the sampling noise of the blocks alone) and for the plain quantile rule
     (``gain`` 0, the controller before the feedback term).
 (b) **Retraining from shadow outcomes.** The first ``--stream`` passes are "served": each cheap-routed request
-    is shadowed with probability 5 % / 20 %; the outcome is the serving judge (``gateway.pipeline.shadow.
+    is shadowed with probability 5 % / 20 %; the outcome is the serving judge (``gateway.control.shadow.
     answers_agree`` on the two recorded answers); ``router.fit.retrain.retrain`` (the code behind ``thinkgate
     router retrain --from-outcomes``) fits on them. ``savings_at_98`` (``router.fit.ladder_eval``) of the old and
     the retrained router on the stream set's held-out questions (``router.fit.traces.is_heldout``; never shadowed),
     with the shadow calls' cost (recorded top-setting completion tokens of the shadowed requests).
-(c) **Drift.** PSI (``gateway.state.drift.psi``) of the last 300 scores against the router's score histogram on
+(c) **Drift.** PSI (``gateway.control.drift.psi``) of the last 300 scores against the router's score histogram on
     its own fit set, per block: a block of ``--fit-on`` traffic first, then ``--stream``'s.
 (d) **Gateway latency, shadowing on vs off.** A real gateway (uvicorn) over two simulator upstreams, the shadow
     tier's answering 200 ms late: client p50/p99 of 300 sequential requests with ``routing.shadow.fraction`` 0,
@@ -43,11 +43,11 @@ import typer
 
 from bench.router_traces import DEFAULT_TRACES  # ../shared/data/traces beside the checkout
 from gateway.config import RedisConfig, RoutingConfig
-from gateway.pipeline.shadow import answers_agree
+from gateway.control.drift import psi
+from gateway.control.shadow import answers_agree
+from gateway.control.target import TargetController
 from gateway.state.breaker import Breaker
-from gateway.state.drift import psi
 from gateway.state.redis import connect
-from gateway.state.routing_target import TargetController
 from router.fit.labels import LabelledItem
 from router.fit.ladder_eval import savings_at_98, threshold_curve
 from router.fit.ladder_fit import fit_ladder_router

@@ -1,7 +1,7 @@
 """How often does the semantic cache answer a rephrased question, and does it ever answer a changed one?
 
 1. **Paraphrase set.** Real questions (GSM8K test, MATH-500, MT-Bench first turns, SimpleQA; ``data/``) are
-   stored, one entry each, in one tenant and context of the real index (``gateway/state/semantic_cache.py``,
+   stored, one entry each, in one tenant and context of the real index (``gateway/semantic/cache.py``,
    ``lexical`` embedder) on a private ``redis-server``. Then rule-made variants are looked up:
    *positives* (same question: ``lower`` case, ``spacing``, ``punct`` (punctuation dropped or spaced),
    ``clause`` (the question sentence moved to the front, or ``If A, B?`` → ``B if A?``), ``synonym`` (one or
@@ -57,15 +57,15 @@ from bench._lib.results_md import write_section
 from bench.gateway_overhead import cpu_seconds, machine
 from gateway.config import RedisConfig, SemanticCacheConfig
 from gateway.engine.redis_server import free_port, start_private
+from gateway.semantic.cache import Probe, SemanticCache
+from gateway.semantic.embed import LexicalEmbedder
+from gateway.semantic.guard import COMMON, Features, features, mismatch
+from gateway.semantic.policy import tenant_tag
 from gateway.state.breaker import Breaker
 from gateway.state.cache import CacheEntry
 from gateway.state.cache_policy import tenant_scope
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import connect
-from gateway.state.semantic_cache import Probe, SemanticCache
-from gateway.state.semantic_embed import LexicalEmbedder
-from gateway.state.semantic_guard import COMMON, Features, features, mismatch
-from gateway.state.semantic_policy import tenant_tag
 from tests.fixtures.upstream import SimProcess, start_sim, wait_http_ok
 
 REPO = Path(__file__).resolve().parent.parent

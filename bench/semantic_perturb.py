@@ -1,7 +1,7 @@
 """Does the semantic cache ever answer a *changed* question, and how many true rephrasings does it still answer?
 
 Real questions from ``data/`` (GSM8K test + train, MATH-500 + train, MT-Bench first turns, SimpleQA) are
-stored, one entry each, in one tenant and context of the real index (``gateway/state/semantic_cache.py``,
+stored, one entry each, in one tenant and context of the real index (``gateway/semantic/cache.py``,
 ``lexical`` embedder, the configured default threshold) on a private ``redis-server``. Then variants made from
 them **by rules** are looked up with the real ``SemanticCache.prepare`` + ``lookup``:
 
@@ -55,13 +55,13 @@ from bench.semantic_cache import (
 )
 from gateway.config import RedisConfig, SemanticCacheConfig
 from gateway.engine.redis_server import start_private
+from gateway.semantic.cache import SemanticCache
+from gateway.semantic.embed import LexicalEmbedder
+from gateway.semantic.guard import COMMON, TENS, UNITS, features
 from gateway.state.breaker import Breaker
 from gateway.state.cache_policy import tenant_scope
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import connect
-from gateway.state.semantic_cache import SemanticCache
-from gateway.state.semantic_embed import LexicalEmbedder
-from gateway.state.semantic_guard import COMMON, TENS, UNITS, features
 
 SECTION = "## Semantic cache: changed questions and rephrasings"
 CHANGED = ("operand_swap", "entity_swap", "noun_swap", "relation", "relation_swap", "ordinal", "unit_swap", "unit",

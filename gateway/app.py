@@ -33,17 +33,17 @@ from gateway.api import responses as responses_api
 from gateway.api import usage as usage_api
 from gateway.auth.keys import KeyStore
 from gateway.config import Settings
+from gateway.control.drift import DriftMonitor
+from gateway.control.outcomes import OutcomeStore, outcome_spool_path
+from gateway.control.shadow import Shadow
+from gateway.control.target import TargetController
 from gateway.errors import install_handlers
 from gateway.ledger.record import UsageRecord
+from gateway.observability.telemetry import Telemetry
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.routing import Routing
-from gateway.pipeline.shadow import Shadow
 from gateway.state.conversations import ConversationStore
-from gateway.state.drift import DriftMonitor
-from gateway.state.outcomes import OutcomeStore, outcome_spool_path
-from gateway.state.routing_target import TargetController
-from gateway.telemetry import Telemetry
 from gateway.upstream.pool import UpstreamPool
 
 _heap_frozen = False

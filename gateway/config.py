@@ -193,7 +193,7 @@ class TierConfig(_Strict):
 
 
 class RoutingTargetConfig(_Strict):
-    """The cost-target controller (``gateway/state/routing_target.py``): off unless one target is set.
+    """The cost-target controller (``gateway/control/target.py``): off unless one target is set.
 
     ``long_share``: the fraction of routed ``auto`` requests to send to the top routed tier; or
     ``usd_per_1k_requests`` / ``usd_per_day``: a spend, turned into that share from the mean cost per request
@@ -229,7 +229,7 @@ class RoutingTargetConfig(_Strict):
 
 
 class OutcomesConfig(_Strict):
-    """Routing outcomes (``gateway/state/outcomes.py``): client feedback (``POST /v1/feedback``), escalations and
+    """Routing outcomes (``gateway/control/outcomes.py``): client feedback (``POST /v1/feedback``), escalations and
     shadow comparisons, in the Redis stream ``{prefix}outcomes`` (at most ``stream_maxlen`` entries, trimmed
     approximately), spooled to ``spool_path`` (default: beside the usage spool) while Redis is down and
     replayed every ``replay_interval_s``.
@@ -246,7 +246,7 @@ class OutcomesConfig(_Strict):
 
 
 class ShadowConfig(_Strict):
-    """Shadow comparisons (``gateway/pipeline/shadow.py``): a sampled ``fraction`` of the routed chat requests
+    """Shadow comparisons (``gateway/control/shadow.py``): a sampled ``fraction`` of the routed chat requests
     answered by a cheaper routed tier are sent again, after the client's answer is complete, to the next
     routed tier up (non-streamed; at most ``max_concurrency`` at once per replica, others skipped), metered
     with route reason ``shadow`` under the key id ``_shadow`` (never the client's budget) and stopped for the
@@ -257,7 +257,7 @@ class ShadowConfig(_Strict):
     ``references`` JSONL (question rows: ``question``, ``answer``, optionally ``task``), the ``verifier``
     (``router.tasks.verifiers``: task | math | int | exact | module:function) judges the cheap answer against
     the reference, with no higher-tier call; other requests fall back to ``agreement``
-    (``gateway/pipeline/shadow_references.py``). ``fraction: 0`` (the default) turns shadowing off."""
+    (``gateway/control/shadow_references.py``). ``fraction: 0`` (the default) turns shadowing off."""
 
     fraction: float = Field(0.0, ge=0, le=1)
     max_usd_day: Decimal = Field(Decimal("1"), ge=0)
@@ -275,7 +275,7 @@ class ShadowConfig(_Strict):
 
 
 class DriftConfig(_Strict):
-    """The drift alarm (``gateway/state/drift.py``): PSI of the last ``window`` routed scores (and tier mix)
+    """The drift alarm (``gateway/control/drift.py``): PSI of the last ``window`` routed scores (and tier mix)
     against the router file's calibration histogram, every ``interval_s``, once ``min_samples`` are in; an alert
     (the budget alerts' log and webhook) when a PSI reaches ``threshold`` (0.25: a significant shift)."""
 
@@ -352,7 +352,7 @@ class RedisConfig(_Strict):
 
 
 class SemanticCacheConfig(_Strict):
-    """The semantic cache (``gateway/state/semantic_cache.py``): a request the exact cache would look up may
+    """The semantic cache (``gateway/semantic/cache.py``): a request the exact cache would look up may
     also be answered by a stored answer to a *similar* last user turn, same tenant and same everything else.
     ``threshold``: minimum similarity in [0, 1] (MinHash Jaccard for ``lexical``, cosine for ``openai:<tier>``,
     which calls that tier's ``/v1/embeddings``). At most ``max_entries_per_tenant`` entries per tenant scope
@@ -526,7 +526,7 @@ class DashboardConfig(_Strict):
 
 
 class TelemetryConfig(_Strict):
-    """OpenTelemetry traces (``gateway/telemetry.py``), off unless ``otlp_endpoint`` is set: the OTLP/HTTP
+    """OpenTelemetry traces (``gateway/observability/telemetry.py``), off unless ``otlp_endpoint`` is set: the OTLP/HTTP
     traces URL (e.g. ``http://127.0.0.1:4318/v1/traces``). Needs ``pip install 'thinkgate[otel]'``.
     ``sample_ratio``: the share of new traces recorded (``ParentBased(TraceIdRatioBased)``: a client's sampled
     ``traceparent`` is always followed); 1.0 records every request."""

@@ -21,11 +21,11 @@ from starlette.responses import Response
 
 from gateway.api.common import json_response
 from gateway.auth.keys import KeyStore
+from gateway.control.outcomes import OutcomeStore
 from gateway.errors import InvalidRequest, OutcomesUnavailable
 from gateway.ledger.outcome import Outcome
 from gateway.pipeline.request import parse_json_object
 from gateway.state.breaker import RedisDown
-from gateway.state.outcomes import OutcomeStore
 
 MAX_COMMENT = 2000
 MAX_BODY = 16_384

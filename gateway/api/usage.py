@@ -34,10 +34,10 @@ from gateway.auth.keys import KeyInfo, KeyStore
 from gateway.errors import InvalidRequest, PermissionDenied, UsageUnavailable
 from gateway.ledger.event import micro_to_usd
 from gateway.ledger.export import ExportError, build, parse_group_by, parse_time
+from gateway.observability.metrics import CONTENT_TYPE
 from gateway.pipeline.accounting import Accounting
 from gateway.state.breaker import RedisDown
 from gateway.state.limits import KeyLimits
-from gateway.state.metrics import CONTENT_TYPE
 from gateway.state.reservations import open_total
 
 MAX_RAW_EVENTS = 10_000

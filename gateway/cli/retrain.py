@@ -24,8 +24,8 @@ from gateway.cli.common import CONFIG_OPTION, load_settings, run_on_redis
 
 def read_outcomes(settings: Any, since_days: float | None) -> list[dict[str, Any]]:
     """The outcome stream as dicts (``since_days`` back from now; None = all). Exits 3 when Redis is down."""
+    from gateway.control.outcomes import OutcomeStore, outcome_spool_path
     from gateway.state.breaker import Breaker
-    from gateway.state.outcomes import OutcomeStore, outcome_spool_path
 
     since = time.time() - since_days * 86400 if since_days is not None else None
 

@@ -123,9 +123,9 @@ def report_cmd(
 
 
 def read_drift(settings: Any) -> dict[str, Any] | None:
-    """The drift alarm's last state (``gateway/state/drift.py``; None: never computed). Exits 3 if Redis is down."""
+    """The drift alarm's last state (``gateway/control/drift.py``; None: never computed). Exits 3 if Redis is down."""
+    from gateway.control.drift import read_state
     from gateway.state.breaker import Breaker
-    from gateway.state.drift import read_state
 
     async def get(handle: Any) -> dict[str, Any] | None:
         return await read_state(handle, Breaker(1.0))

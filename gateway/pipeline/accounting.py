@@ -38,7 +38,11 @@ from gateway.config import Settings, TierConfig
 from gateway.errors import GatewayError
 from gateway.ledger.event import UsageEvent
 from gateway.ledger.record import UsageRecord
+from gateway.observability.metrics import Metrics
 from gateway.openai.sse import StreamTally
+from gateway.semantic.cache import Probe, SemanticCache
+from gateway.semantic.embed import embedder_for
+from gateway.semantic.policy import question as semantic_question
 from gateway.state.alerts import Alerts
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.budgets import BudgetLevels, BudgetStore
@@ -47,11 +51,7 @@ from gateway.state.cache_policy import cache_key, decide, tenant_scope
 from gateway.state.keys import tenant_tag
 from gateway.state.limits import Admission, Estimate, KeyLimits, Limits, embedding_estimate, estimate
 from gateway.state.metering import Meter
-from gateway.state.metrics import Metrics
 from gateway.state.redis import RedisHandle, connect
-from gateway.state.semantic_cache import Probe, SemanticCache
-from gateway.state.semantic_embed import embedder_for
-from gateway.state.semantic_policy import question as semantic_question
 from gateway.state.spool import Spool
 from gateway.state.write_ahead import WriteAhead
 

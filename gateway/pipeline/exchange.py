@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from gateway import telemetry
 from gateway.config import TierConfig
 from gateway.ledger.record import UsageRecord
+from gateway.observability import telemetry
 
 if TYPE_CHECKING:
     from gateway.pipeline.accounting import Accounting

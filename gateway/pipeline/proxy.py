@@ -33,9 +33,12 @@ from starlette.responses import Response
 
 from gateway.auth.keys import KeyInfo, KeyStore
 from gateway.config import Settings, TierConfig
+from gateway.control.shadow import Shadow
 from gateway.errors import BodyTooLarge, ClientClosed, GatewayError, UpstreamError, UpstreamUnavailable
 from gateway.ledger.event import Endpoint, WireEndpoint
 from gateway.ledger.record import UsageRecord, emit
+from gateway.observability.telemetry import Telemetry, current, span
+from gateway.observability.telemetry import finish as end_trace
 from gateway.openai import sse
 from gateway.openai.chunks import replay
 from gateway.openai.usage import needs_reasoning_count, reasoning_of
@@ -45,9 +48,6 @@ from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.relay import CLIENT_CLOSED, fill_reasoning, relay
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import SESSION_HEADER, Sessions
-from gateway.pipeline.shadow import Shadow
-from gateway.telemetry import Telemetry, current, span
-from gateway.telemetry import finish as end_trace
 from gateway.thinking import dial
 from gateway.thinking.forcing import open_forced
 from gateway.upstream.balancer import affinity, conversation_key

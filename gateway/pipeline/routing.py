@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import Settings, TierConfig
+from gateway.control.target import TargetController
 from gateway.errors import InvalidRequest, UnknownModel
 from gateway.ledger.event import RouteReason
-from gateway.state.routing_target import TargetController
 from router.base import LengthBaselineRouter, Router
 from router.features import clip_text
 from router.policy import cascade_of

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import Settings, TierConfig
+from gateway.observability.metrics import Metrics
 from gateway.pipeline.routing import RouteDecision
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys, key_tenant
-from gateway.state.metrics import Metrics
 from gateway.state.redis import RedisHandle
 from gateway.upstream.balancer import content_text
 

@@ -135,7 +135,7 @@ class Alerts:
 
     async def fire(self, alert: Any) -> None:
         """Deliver any alert object with ``to_json``, ``webhook_body`` and dataclass fields (e.g. a drift
-        alert, ``gateway/state/drift.py``) the way budget alerts are: log record, ``alerts:log``, webhook."""
+        alert, ``gateway/control/drift.py``) the way budget alerts are: log record, ``alerts:log``, webhook."""
         await self._fire(alert)
 
     async def _fire(self, alert: Any) -> None:

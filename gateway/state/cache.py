@@ -90,7 +90,7 @@ class CacheEntry:
 class Ticket:
     """The outcome of :meth:`ResponseCache.begin`. ``leader``: this request holds the single-flight lock.
     ``waited_s``: time spent waiting for another request's answer. ``similarity`` and ``source_request_id``
-    are set on a *semantic* hit (``gateway/state/semantic_cache.py``): the stored answer is another request's."""
+    are set on a *semantic* hit (``gateway/semantic/cache.py``): the stored answer is another request's."""
 
     digest: str
     decision: CacheDecision

@@ -52,13 +52,13 @@ key                                     type        contents
 ``t resp:{scope}:{response_id}``  T     string      stored /v1/responses conversation (JSON), TTL (conversations.py)
 ``t sess:{digest}``  T                  string      sticky-routing session → tier name, TTL (pipeline/sessions.py)
 ``p rt:win``                            list        cost-target controller window: "score,tier index,t_ms", newest
-                                                    last, at most routing.target.window (state/routing_target.py)
+                                                    last, at most routing.target.window (control/target.py)
 ``p rt:state``                          hash        controller state: thr, share, n; cost:{i}, cnt:{i} per tier
-``p outcomes``                          stream      routing outcomes, field ``o`` = outcome JSON (state/outcomes.py)
+``p outcomes``                          stream      routing outcomes, field ``o`` = outcome JSON (control/outcomes.py)
 ``p outcomes:seen:{YYYY-MM-DD}``        set         outcome ids already written (a replay writes nothing), TTL
 ``t req:{request_id}``  T               string      request index for feedback (key id, tier, score, digest), TTL
 ``p shadow:d:{YYYY-MM-DD}``             string      shadow comparisons' spend that UTC day, micro-USD (shadow.py)
-``p drift:win``                         list        drift alarm window: "score,tier index", newest last (state/drift.py)
+``p drift:win``                         list        drift alarm window: "score,tier index", newest last (drift.py)
 ``p drift:state``                       string      last drift statistics (JSON: psi_score, psi_tier, n, ts, ...)
 ``p drift:ref:{version}``               string      served reference histogram of a router version without one
 ``t sem:{g}:e``  T                      hash        semantic cache entries of tenant tag ``g``: entry id → record,

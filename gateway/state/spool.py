@@ -40,7 +40,7 @@ class Spool(Generic[T]):
     """Append-only fsync'd JSONL file of :class:`UsageEvent` at ``path`` (directories created on demand).
 
     ``decode`` parses one line back (default ``UsageEvent.from_json``): the outcome stream
-    (``gateway/state/outcomes.py``) spools its records in a file of its own through the same class."""
+    (``gateway/control/outcomes.py``) spools its records in a file of its own through the same class."""
 
     def __init__(self, path: Path, decode: Callable[[bytes], T] | None = None) -> None:
         self.path = Path(path)

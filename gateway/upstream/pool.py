@@ -50,7 +50,7 @@ from gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from gateway.telemetry import traceparent
+from gateway.observability.telemetry import traceparent
 from gateway.upstream.balancer import Balancer, Replica, TierPool, current_affinity
 
 log = logging.getLogger("thinkgate.upstream")

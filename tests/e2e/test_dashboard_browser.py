@@ -43,9 +43,9 @@ def fire_drift_alert(seeded: Seeded) -> None:
     import asyncio
 
     from gateway.config import LimitsConfig, RedisConfig
+    from gateway.control.drift import DriftAlert
     from gateway.state.alerts import Alerts
     from gateway.state.breaker import Breaker
-    from gateway.state.drift import DriftAlert
     from gateway.state.redis import connect
 
     async def go() -> None:

@@ -142,10 +142,10 @@ def test_semantic_cache_on_the_cluster_stays_in_the_tenant_slot(redis_cluster: C
     # the exact entry, the semantic index (and its eviction, which touches band keys not passed in KEYS) all
     # run in the tenant's slot on a real cluster, as the request path calls them (Accounting.cache_begin)
     from gateway.config import CacheConfig, SemanticCacheConfig
+    from gateway.semantic.cache import SemanticCache
+    from gateway.semantic.embed import LexicalEmbedder
     from gateway.state.cache import CacheEntry, ResponseCache
     from gateway.state.cache_policy import cache_key, decide, tenant_scope
-    from gateway.state.semantic_cache import SemanticCache
-    from gateway.state.semantic_embed import LexicalEmbedder
     from tests.fixtures.redis_stack import stack
 
     def body(q: str) -> dict[str, object]:

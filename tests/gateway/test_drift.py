@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from gateway.cli.main import app
 from gateway.config import DriftConfig, LimitsConfig, RedisConfig
+from gateway.control.drift import DriftAlert, DriftMonitor, psi, tier_mix
 from gateway.state.alerts import Alerts
 from gateway.state.breaker import Breaker
-from gateway.state.drift import DriftAlert, DriftMonitor, psi, tier_mix
 from gateway.state.redis import connect
 from router.fit.retrain import score_histogram
 

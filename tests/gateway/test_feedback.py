@@ -12,10 +12,10 @@ import orjson
 import redis
 
 from gateway.config import OutcomesConfig, RedisConfig
+from gateway.control.outcomes import OutcomeStore
 from gateway.engine.redis_server import free_port
 from gateway.ledger.outcome import Outcome, window_digest
 from gateway.state.breaker import Breaker
-from gateway.state.outcomes import OutcomeStore
 from gateway.state.redis import connect
 from tests.fixtures.gateway import SECRETS, accounting_gateway
 from tests.fixtures.upstream import SimProcess, sim_tiers, wait_for

@@ -1,4 +1,4 @@
-"""The OTLP/HTTP batch exporter (gateway/otlp_wire.py) against a real loopback receiver: batches arrive as
+"""The OTLP/HTTP batch exporter (gateway/observability/otlp_wire.py) against a real loopback receiver: batches arrive as
 ``ExportTraceServiceRequest`` protobuf, 503s are retried with backoff, a 400 drops the batch, a full queue
 drops and counts, shutdown flushes; and the sampler decides as the SDK's ``ParentBased(TraceIdRatioBased)``."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from gateway.config import TelemetryConfig
 from gateway.ledger.record import UsageRecord
-from gateway.otlp_wire import OtlpBatchExporter
-from gateway.telemetry import SCOPE, Telemetry, finish, span
+from gateway.observability.otlp_wire import OtlpBatchExporter
+from gateway.observability.telemetry import SCOPE, Telemetry, finish, span
 from tests.fixtures.otlp import OtlpReceiver
 
 pytest.importorskip("opentelemetry.sdk", reason="the otel extra (pip install 'thinkgate[otel]') is not installed")
@@ -104,7 +104,7 @@ def test_traceparent_parse_agrees_with_the_sdk_propagator() -> None:
     from opentelemetry import trace as api
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    from gateway.telemetry import parse_traceparent
+    from gateway.observability.telemetry import parse_traceparent
 
     tid, sid = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     headers = [f"00-{tid}-{sid}-01", f"00-{tid}-{sid}-00", f" 00-{tid}-{sid}-03 ", f"01-{tid}-{sid}-01-extra",

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 
 from gateway.cli.main import app
 from gateway.config import OutcomesConfig, RedisConfig
+from gateway.control.outcomes import OutcomeStore
 from gateway.ledger.outcome import Outcome, window_digest
 from gateway.state.breaker import Breaker
-from gateway.state.outcomes import OutcomeStore
 from gateway.state.redis import connect
 from router.fit.fitter import fit_router
 from router.fit.labels import LabelledItem

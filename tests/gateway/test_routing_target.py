@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from gateway.config import RedisConfig, RoutingConfig, Settings
+from gateway.control.target import TargetController, share_for_spend
 from gateway.state.breaker import Breaker
 from gateway.state.redis import connect
-from gateway.state.routing_target import TargetController, share_for_spend
 from tests.fixtures.gateway import SECRETS, accounting_gateway
 from tests.fixtures.upstream import SimProcess, wait_for
 

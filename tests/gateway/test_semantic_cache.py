@@ -12,12 +12,12 @@ import pytest
 
 from gateway.config import CacheConfig, SemanticCacheConfig, Settings
 from gateway.engine.redis_server import free_port
+from gateway.semantic.cache import Probe, SemanticCache
+from gateway.semantic.embed import LexicalEmbedder, OpenAIEmbedder
+from gateway.semantic.guard import Features, features, mismatch, normalise
+from gateway.semantic.policy import max_tokens_bucket, question, servable, tenant_tag
 from gateway.state.cache import CacheEntry, ResponseCache
 from gateway.state.cache_policy import cache_key, decide, tenant_scope
-from gateway.state.semantic_cache import Probe, SemanticCache
-from gateway.state.semantic_embed import LexicalEmbedder, OpenAIEmbedder
-from gateway.state.semantic_guard import Features, features, mismatch, normalise
-from gateway.state.semantic_policy import max_tokens_bucket, question, servable, tenant_tag
 from tests.fixtures.redis_stack import stack
 
 # --- normalisation and the guard -----------------------------------------------------------------------
@@ -282,7 +282,7 @@ async def test_a_template_asked_with_many_numbers_does_not_crowd_out_an_entry(re
                                                                                tmp_path: Path) -> None:
     """70 later questions that differ from the first only in a number — chosen so that their LSH bands are all
     the first one's — must not push it out of its buckets (each keeps the newest 64 ids)."""
-    from gateway.state.semantic_index import BUCKET_MAX
+    from gateway.semantic.index import BUCKET_MAX
 
     async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
         exact = ResponseCache(st.handle, st.breaker, CacheConfig())

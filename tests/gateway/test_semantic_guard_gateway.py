@@ -21,7 +21,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.state.semantic_embed import LexicalEmbedder
+from gateway.semantic.embed import LexicalEmbedder
 from tests.fixtures.gateway import SECRETS, accounting_gateway
 from tests.fixtures.upstream import GatewayServer, SimProcess
 

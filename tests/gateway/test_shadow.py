@@ -14,10 +14,10 @@ import pytest
 import redis
 
 from gateway.config import TierConfig
+from gateway.control.shadow import answers_agree, normalise_answer
 from gateway.ledger.event import micro_to_usd
 from gateway.ledger.outcome import Outcome
 from gateway.pipeline import upstream_body
-from gateway.pipeline.shadow import answers_agree, normalise_answer
 from gateway.state.limits import estimate
 from tests.fixtures.gateway import SECRETS, accounting_gateway, usage_events
 from tests.fixtures.upstream import SimProcess, sim_tiers, start_sim, wait_for

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from gateway.config import TelemetryConfig
-from gateway.telemetry import SdkSpans, Telemetry
+from gateway.observability.telemetry import SdkSpans, Telemetry
 from tests.fixtures.gateway import SECRETS, cleanup, gateway_settings
 from tests.fixtures.otlp import OtlpReceiver
 from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, wait_for
@@ -114,18 +114,18 @@ def test_stream_client_trace_and_refusal(traced: tuple[GatewayServer, Any]) -> N
 
 
 class WireCapture:
-    """A span sink that keeps the bytes :mod:`gateway.otlp_wire` writes for each finished trace."""
+    """A span sink that keeps the bytes :mod:`gateway.observability.otlp_wire` writes for each finished trace."""
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []
 
     def trace_ended(self, trace: Any, attrs: Any, code: int, message: str, end: int) -> None:
-        from gateway.otlp_wire import encode_trace
+        from gateway.observability.otlp_wire import encode_trace
 
         self.parts.append(encode_trace(trace, attrs, code, message, end))
 
     def step_ended(self, trace: Any, step: Any) -> None:
-        from gateway.otlp_wire import encode_step
+        from gateway.observability.otlp_wire import encode_step
 
         self.parts.append(encode_step(trace, step))
 
@@ -135,14 +135,15 @@ class WireCapture:
 
 def test_hand_encoder_writes_what_the_sdk_encoder_writes(upstream_sim: SimProcess, redis_url: str,
                                                          tmp_path: Path) -> None:
-    # gateway/otlp_wire.py writes the OTLP bytes of each trace itself: the same message as the SDK's encoder
-    # makes of the same trace as SDK ReadableSpans, span for span (ids, times, attributes, events, status, flags)
+    # gateway/observability/otlp_wire.py writes the OTLP bytes of each trace itself: the same message as the SDK's
+    # encoder makes of the same trace as SDK ReadableSpans, span for span (ids, times, attributes, events, status,
+    # flags)
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from gateway.otlp_wire import frame
-    from gateway.telemetry import SCOPE
+    from gateway.observability.otlp_wire import frame
+    from gateway.observability.telemetry import SCOPE
 
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
     exporter, wire = InMemorySpanExporter(), WireCapture()

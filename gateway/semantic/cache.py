@@ -11,12 +11,12 @@ lookup (and a store)::
         await semantic.store(probe, digest, request_id, decision.ttl_s)
 
 A **hit** needs, in this order: the same tenant scope and context (the index is partitioned by both,
-``gateway/state/semantic_policy.py``), a similarity ≥ ``cache.semantic.threshold`` between the last user
-turns, the guard (``gateway/state/semantic_guard.py``: numbers and operators in order, units, relation
+``gateway/semantic/policy.py``), a similarity ≥ ``cache.semantic.threshold`` between the last user
+turns, the guard (``gateway/semantic/guard.py``: numbers and operators in order, units, relation
 words and what stands on each side of them, ordinals, quoted strings, names and their order, negation,
 comparison words, language; with the ``lexical`` embedder also the content words), the stored answer still
 in the exact cache and within ``max-age``, and a ``max_tokens`` it fits
-(:func:`~gateway.state.semantic_policy.servable`). Candidates are tried best-first. The outcome says why a
+(:func:`~gateway.semantic.policy.servable`). Candidates are tried best-first. The outcome says why a
 lookup did not hit: ``guard_rejected`` (a candidate was similar enough but the guard refused it),
 ``below_threshold`` (candidates, none similar enough), ``miss`` (no candidate at all).
 
@@ -25,7 +25,7 @@ question with other numbers, or its numbers in another order, is not even a cand
 guard still checks them. ``guard_rejected`` therefore counts the other refusals: names, quoted strings,
 negation, operators, relations, units, ordinals, comparatives, role order, words, language.
 
-Costs: a lookup is one Redis round trip (``gateway/state/semantic_index.py``), a hit one more (the answer's
+Costs: a lookup is one Redis round trip (``gateway/semantic/index.py``), a hit one more (the answer's
 ``GET``); a store one. Redis unreachable or the embedder failing → ``bypass``, never an error.
 """
 
@@ -40,14 +40,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gateway.config import SemanticCacheConfig
+from gateway.semantic.embed import Embedder, EmbedError, Sketch
+from gateway.semantic.guard import Features, features, mismatch
+from gateway.semantic.index import SemanticIndex
+from gateway.semantic.policy import Question, question, servable, tenant_tag
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.cache import CacheEntry
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import RedisHandle
-from gateway.state.semantic_embed import Embedder, EmbedError, Sketch
-from gateway.state.semantic_guard import Features, features, mismatch
-from gateway.state.semantic_index import SemanticIndex
-from gateway.state.semantic_policy import Question, question, servable, tenant_tag
 
 log = logging.getLogger("thinkgate.semantic_cache")
 
@@ -92,7 +92,7 @@ class SemanticResult:
 
 
 class SemanticCache:
-    """Redis-backed semantic cache; one per process. ``embedder``: see ``gateway/state/semantic_embed.py``."""
+    """Redis-backed semantic cache; one per process. ``embedder``: see ``gateway/semantic/embed.py``."""
 
     def __init__(self, handle: RedisHandle, breaker: Breaker, cfg: SemanticCacheConfig, embedder: Embedder) -> None:
         self.cfg = cfg

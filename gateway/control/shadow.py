@@ -20,9 +20,9 @@ job to a task and returns at once, so the client's response and its connection a
    last ``Answer:``, thinking removed, lower case, punctuation, articles and extra spaces dropped); a
    ``tier:<name>`` judge gets :data:`JUDGE_PROMPT` and answers YES/NO (its call metered as ``shadow`` too);
    ``verifier``: a request whose question is in ``routing.shadow.references`` is judged by the task verifier
-   against the reference answer (``gateway/pipeline/shadow_references.py``) before step 1, with no call at
+   against the reference answer (``gateway/control/shadow_references.py``) before step 1, with no call at
    all; the others by ``agreement``;
-4. records a ``shadow`` outcome (``gateway/state/outcomes.py``: spooled while Redis is down) with both tiers,
+4. records a ``shadow`` outcome (``gateway/control/outcomes.py``: spooled while Redis is down) with both tiers,
    the judge, ``sufficed`` and what the evidence cost.
 """
 
@@ -43,14 +43,14 @@ import orjson
 
 from gateway.auth.keys import KeyInfo
 from gateway.config import Settings, TierConfig
+from gateway.control.outcomes import OutcomeStore
+from gateway.control.shadow_references import References
 from gateway.errors import GatewayError
 from gateway.ledger.record import UsageRecord
 from gateway.pipeline import upstream_body
 from gateway.pipeline.routing import RouteDecision
-from gateway.pipeline.shadow_references import References
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
-from gateway.state.outcomes import OutcomeStore
 from gateway.state.redis import RedisHandle
 from gateway.upstream.pool import UpstreamPool
 

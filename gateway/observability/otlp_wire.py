@@ -1,6 +1,6 @@
 """OTLP/HTTP protobuf export of finished traces, encoded by hand and batched: the ``ExportTraceServiceRequest``
-wire format (opentelemetry-proto ``trace/v1``) for the traces :mod:`gateway.telemetry` records, POSTed to the
-traces URL.
+wire format (opentelemetry-proto ``trace/v1``) for the traces :mod:`gateway.observability.telemetry` records,
+POSTed to the traces URL.
 
 Why not the SDK's ``BatchSpanProcessor`` + ``OTLPSpanExporter``: measured under load (bench/RESULTS.md
 "Telemetry overhead"), building ``ReadableSpan`` objects and encoding them through protobuf message objects
@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gateway.telemetry import RequestTrace, Step
+    from gateway.observability.telemetry import RequestTrace, Step
 
 log = logging.getLogger("thinkgate.telemetry")
 
@@ -193,9 +193,9 @@ def frame(resource_attrs: Mapping[str, Any], scope: str, spans: bytes) -> bytes:
 
 
 class OtlpBatchExporter:
-    """The OTLP/HTTP :class:`~gateway.telemetry.SpanSink`: a finished trace is queued as it is (its ids, step
-    times and attributes: a handful of objects), and a daemon thread encodes each batch in one go and POSTs it to
-    ``endpoint`` over a kept-alive connection (see the module doc). ``exported`` / ``dropped``: spans so far.
+    """The OTLP/HTTP :class:`~gateway.observability.telemetry.SpanSink`: a finished trace is queued as it is (its
+    ids, step times and attributes: a handful of objects), and a daemon thread encodes each batch in one go and POSTs it
+    to ``endpoint`` over a kept-alive connection (see the module doc). ``exported`` / ``dropped``: spans so far.
 
     Why encode in the thread, a batch at a time: measured in the gateway under load, the same encoder costs
     about twice as much CPU interleaved with request handling (its code and caches cold every time) as in a

@@ -3,7 +3,7 @@
 Two kinds, chosen by ``cache.semantic.embedder``:
 
 - ``lexical`` (:class:`LexicalEmbedder`, built in, no model, no network): the normalised tokens of
-  ``gateway/state/semantic_guard.py`` → a set of features (character 4-grams of each token with word
+  ``gateway/semantic/guard.py`` → a set of features (character 4-grams of each token with word
   boundaries, and word bigrams) → a 128-value MinHash signature (32-bit multiply-shift hashes of CRC-32
   feature ids, fixed seeds, so every replica computes the same one). Similarity = the fraction of equal
   signature values, an unbiased estimate of the Jaccard similarity of the feature sets (±0.04 at 0.8).
@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 
 from gateway.config import TierConfig
-from gateway.state.semantic_guard import tokens
+from gateway.semantic.guard import tokens
 from router.errors import ThinkGateError
 
 NUM_PERM = 128

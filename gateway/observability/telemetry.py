@@ -19,7 +19,7 @@ when the request's usage record is metered (the end of a stream included) or whe
 - ``http.response.status_code`` and, for a failure, ``error.type`` (the gateway's error code) and status ERROR.
 
 An escalated first attempt is an event (``thinkgate.escalated``) on the request span. Spans go to OTLP/HTTP
-protobuf in batches (:class:`gateway.otlp_wire.OtlpBatchExporter`; ``pip install 'thinkgate[otel]'``).
+protobuf in batches (:class:`gateway.observability.otlp_wire.OtlpBatchExporter`; ``pip install 'thinkgate[otel]'``).
 ``telemetry.sample_ratio`` (1.0) records that share of new traces, decided as the SDK's
 ``ParentBased(TraceIdRatioBased)`` decides; the others cost one sampling decision per request, record no step
 and still propagate ``traceparent`` (flags 00).
@@ -29,7 +29,7 @@ overhead"), the SDK's live spans (~25 µs a span, six per request), then finishe
 the SDK's batch processor and encoder, each cost more than the 10 % of a request's CPU the gateway allows
 tracing. A request records its steps as ``time_ns`` pairs and random ids (drawn as the SDK's
 ``RandomIdGenerator`` draws them); when it ends, a :class:`SpanSink` turns them into spans: the OTLP bytes
-directly (:mod:`gateway.otlp_wire`), or SDK ``ReadableSpan`` objects for any SDK ``SpanExporter``
+directly (:mod:`gateway.observability.otlp_wire`), or SDK ``ReadableSpan`` objects for any SDK ``SpanExporter``
 (:class:`SdkSpans`: the SDK's in-memory exporter in the tests, the same spans the wire carries).
 """
 
@@ -111,7 +111,7 @@ def _trace_state(headers: Mapping[str, str]) -> str:
 
 
 class SpanSink(Protocol):
-    """Where finished traces go: :class:`gateway.otlp_wire.OtlpBatchExporter` or :class:`SdkSpans`."""
+    """Where finished traces go: :class:`gateway.observability.otlp_wire.OtlpBatchExporter` or :class:`SdkSpans`."""
 
     def trace_ended(self, trace: RequestTrace, attrs: Mapping[str, Any], code: int, message: str,
                     end: int) -> None:
@@ -141,7 +141,9 @@ class Telemetry:
         # 64 bits of its id are below round(ratio · 2^64); a parent's sampled flag is followed
         self.bound = round(cfg.sample_ratio * (1 << 64))
         if sinks is None:
-            from gateway.otlp_wire import OtlpBatchExporter  # the spans' bytes written directly (see there)
+            from gateway.observability.otlp_wire import (
+                OtlpBatchExporter,  # the spans' bytes written directly (see there)
+            )
 
             sinks = [OtlpBatchExporter(str(cfg.otlp_endpoint), self.resource.attributes, SCOPE, dict(cfg.headers),
                                        cfg.export_timeout_s)]
