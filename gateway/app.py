@@ -40,6 +40,7 @@ from gateway.control.target import TargetController
 from gateway.errors import install_handlers
 from gateway.ledger.record import UsageRecord
 from gateway.observability.telemetry import Telemetry
+from gateway.pipeline import upstream_body
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.routing import Routing
@@ -147,7 +148,7 @@ def create_app(settings: Settings) -> FastAPI:
     outcomes = _outcome_store(settings, routing, proxy, accounting)
     if outcomes is not None and settings.routing.shadow.fraction > 0:
         proxy.shadow = Shadow(settings, upstreams, accounting.handle, accounting.breaker, outcomes,
-                              proxy.usage_sinks, admit=accounting.admit)
+                              proxy.usage_sinks, build_body=upstream_body.build, admit=accounting.admit)
     drift = _drift_monitor(settings, routing, accounting)
     created = int(time.time())
 

@@ -37,7 +37,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -46,9 +46,8 @@ from gateway.config import Settings, TierConfig
 from gateway.control.outcomes import OutcomeStore
 from gateway.control.shadow_references import References
 from gateway.errors import GatewayError
+from gateway.ledger.event import RouteReason, WireEndpoint
 from gateway.ledger.record import UsageRecord
-from gateway.pipeline import upstream_body
-from gateway.pipeline.routing import RouteDecision
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import RedisHandle
@@ -97,6 +96,27 @@ def answer_text(answer: dict[str, Any]) -> str:
     return content if isinstance(content, str) else ""
 
 
+class Route(Protocol):
+    """What the shadow runner reads of a route (:class:`gateway.pipeline.routing.RouteDecision` is one): the
+    tier served, why, the router score and the routing window the router scored."""
+
+    @property
+    def tier(self) -> TierConfig: ...
+
+    @property
+    def reason(self) -> RouteReason: ...
+
+    @property
+    def difficulty(self) -> float | None: ...
+
+    @property
+    def window(self) -> str | None: ...
+
+
+#: ``(client body, tier, endpoint) → the body sent to that tier's upstream`` (``pipeline.upstream_body.build``)
+BodyBuilder = Callable[[dict[str, Any], TierConfig, WireEndpoint], dict[str, Any]]
+
+
 class NotAdmitted(Exception):
     """A shadow or judge call that admission refused (its budget or the global one): never sent."""
 
@@ -107,7 +127,7 @@ class ShadowJob:
 
     body: dict[str, Any]
     record: UsageRecord
-    route: RouteDecision
+    route: Route
     answer: str
     higher: TierConfig
 
@@ -129,7 +149,8 @@ class Shadow:
     """The shadow runner of one gateway process (see the module docstring)."""
 
     def __init__(self, settings: Settings, upstreams: UpstreamPool, handle: RedisHandle, breaker: Breaker,
-                 outcomes: OutcomeStore, sinks: list[Any], rng: random.Random | None = None,
+                 outcomes: OutcomeStore, sinks: list[Any], *, build_body: BodyBuilder,
+                 rng: random.Random | None = None,
                  admit: Callable[[KeyInfo, dict[str, Any], UsageRecord, list[TierConfig]], Awaitable[Any]] | None = None
                  ) -> None:
         self.cfg = settings.routing.shadow
@@ -142,6 +163,8 @@ class Shadow:
         self.references = (References.load(self.cfg.references, self.cfg.verifier)
                            if self.cfg.judge == "verifier" and self.cfg.references is not None else None)
         self.upstreams = upstreams
+        #: the upstream body of a shadow or judge call (the pipeline's builder, passed in by the app)
+        self.build_body = build_body
         self.redis = handle.client
         self.keys = RedisKeys(handle.prefix)
         self.breaker = breaker
@@ -164,7 +187,7 @@ class Shadow:
         i = self.routed.index(tier)
         return self.tiers[self.routed[i + 1]] if i + 1 < len(self.routed) else None
 
-    def sampled(self, route: RouteDecision, body: dict[str, Any]) -> bool:
+    def sampled(self, route: Route, body: dict[str, Any]) -> bool:
         """Whether this request is shadowed (decided before serving: reason predicted, a lower routed tier, one
         choice, sampled at ``fraction``)."""
         if self.cfg.fraction <= 0 or route.reason != "predicted" or self.higher_of(route.tier.name) is None:
@@ -173,7 +196,7 @@ class Shadow:
             return False
         return self.rng.random() < self.cfg.fraction
 
-    def job(self, body: dict[str, Any], record: UsageRecord, route: RouteDecision,
+    def job(self, body: dict[str, Any], record: UsageRecord, route: Route,
             answer: dict[str, Any]) -> ShadowJob | None:
         """The job for a complete answer on ``route`` (None: the answer came from elsewhere — escalated, a
         fallback, a cache hit — or from the top tier)."""
@@ -279,7 +302,7 @@ class Shadow:
     async def _call(self, tier: TierConfig, body: dict[str, Any], job: ShadowJob) -> tuple[str | None, int]:
         """One non-streamed call on ``tier``, metered as ``shadow``; (its answer text or None, its cost)."""
         req = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        built = upstream_body.build(req, tier, "chat")
+        built = self.build_body(req, tier, "chat")
         record = UsageRecord(key_id=SHADOW_KEY, endpoint="chat", requested_model=tier.name, tier=tier.name,
                              upstream_model=tier.model, route_reason="shadow", difficulty=job.route.difficulty)
         if self.admit is not None:

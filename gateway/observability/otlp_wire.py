@@ -24,13 +24,62 @@ import struct
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from gateway.observability.telemetry import RequestTrace, Step
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 log = logging.getLogger("thinkgate.telemetry")
+
+
+class Step(Protocol):
+    """What the encoder reads of a finished step (:class:`gateway.observability.telemetry.Step` is one): its name,
+    start and end in ns since the epoch, the exception class name when it raised, and its span id (drawn on demand).
+    Declared here so that this module imports nothing of the telemetry that uses it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+    @property
+    def error(self) -> str | None: ...
+
+    def sid(self) -> int: ...
+
+
+class RequestTrace(Protocol):
+    """What the encoder reads of a finished request trace (:class:`gateway.observability.telemetry.RequestTrace`
+    is one): ids, W3C trace state ("" when none), span name, start in ns, finished steps and events."""
+
+    @property
+    def trace_id(self) -> int: ...
+
+    @property
+    def span_id(self) -> int: ...
+
+    @property
+    def parent_id(self) -> int | None: ...
+
+    @property
+    def remote(self) -> bool: ...
+
+    @property
+    def trace_state(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def steps(self) -> Sequence[Step]: ...
+
+    @property
+    def events(self) -> Sequence[tuple[int, str, Mapping[str, Any]]]: ...
 
 _RETRY = {429, 502, 503, 504}
 _PACK_Q = struct.Struct("<Q").pack
