@@ -1,0 +1,33 @@
+"""Metering (``metering:``): the usage stream and its spool (``gateway/state/metering.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from gateway.config.base import _Strict
+from gateway.config.paths import STATE_DIR
+
+
+class MeteringConfig(_Strict):
+    """Usage events: Redis Stream ``{prefix}usage:events`` + counters; a local fsync'd spool while Redis is
+    down, replayed every ``replay_interval_s`` seconds. ``dedup_ttl_s`` is how long an ``event_id`` is
+    remembered (a spool replayed later than that could count twice). ``stream_maxlen`` trims the stream
+    approximately (None = never; exports read the stream)."""
+
+    spool_path: Path = STATE_DIR / "usage-spool.jsonl"
+    replay_interval_s: float = Field(5.0, gt=0)
+    dedup_ttl_s: int = Field(40 * 86400, ge=60)
+    stream_maxlen: int | None = Field(None, ge=1000)
+    # Write-ahead records (gateway/state/write_ahead.py): every upstream call leaves one in Redis before its first
+    # byte, its streamed tokens written at most every write_ahead_interval_s, deleted by its usage event; records
+    # of a process whose heartbeat (TTL heartbeat_ttl_s) expired are metered as partial by any replica, checked at
+    # start and every reconcile_interval_s (at most reconcile_batch records per pass).
+    write_ahead: bool = True
+    write_ahead_interval_s: float = Field(1.0, gt=0)
+    heartbeat_ttl_s: float = Field(15.0, ge=0.5)
+    reconcile_interval_s: float = Field(30.0, gt=0)
+    reconcile_batch: int = Field(1000, ge=1)
+

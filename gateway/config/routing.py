@@ -1,0 +1,154 @@
+"""Routing (``routing:``): the router, its cut points and the closed loop's knobs (cost target, outcomes,
+shadow comparisons, drift alarm) — owned by ``gateway/pipeline/routing.py`` and ``gateway/control/``.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from gateway.config.base import _Strict
+from gateway.config.paths import DEFAULT_ROUTER_PATH
+
+
+class RoutingTargetConfig(_Strict):
+    """The cost-target controller (``gateway/control/target.py``): off unless one target is set.
+
+    ``long_share``: the fraction of routed ``auto`` requests to send to the top routed tier; or
+    ``usd_per_1k_requests`` / ``usd_per_day``: a spend, turned into that share from the mean cost per request
+    of each routed tier measured on this traffic (and, for ``usd_per_day``, the recent request rate). The top
+    threshold then follows the ``1 - share`` quantile of the last ``window`` router scores (shared in Redis by
+    every replica), moved at most ``max_step`` per update; an update runs every ``update_every`` routed
+    requests per replica (or each ``interval_s`` when some are pending), and only once ``min_samples`` scores
+    are in the window. Feedback on the realized share: the quantile is taken at ``share + gain × (share −
+    realized)``, ``realized`` = the top share of the last ``error_window`` routed decisions (``gain`` 0: the
+    plain quantile), which corrects a run of over- or under-routing that the score quantile alone passes on.
+    Unset: the calibrated (or configured) thresholds apply unchanged."""
+
+    long_share: float | None = Field(None, ge=0, le=1)
+    usd_per_day: Decimal | None = Field(None, gt=0)
+    usd_per_1k_requests: Decimal | None = Field(None, gt=0)
+    window: int = Field(500, ge=10, le=100_000)
+    min_samples: int = Field(50, ge=1)
+    max_step: float = Field(0.02, gt=0, le=1)
+    update_every: int = Field(16, ge=1)
+    interval_s: float = Field(1.0, gt=0)
+    gain: float = Field(2.0, ge=0, le=10)
+    error_window: int = Field(250, ge=10, le=100_000)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> RoutingTargetConfig:
+        if sum(v is not None for v in (self.long_share, self.usd_per_day, self.usd_per_1k_requests)) > 1:
+            raise ValueError("routing.target: set at most one of long_share, usd_per_day, usd_per_1k_requests")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return any(v is not None for v in (self.long_share, self.usd_per_day, self.usd_per_1k_requests))
+
+
+class OutcomesConfig(_Strict):
+    """Routing outcomes (``gateway/control/outcomes.py``): client feedback (``POST /v1/feedback``), escalations and
+    shadow comparisons, in the Redis stream ``{prefix}outcomes`` (at most ``stream_maxlen`` entries, trimmed
+    approximately), spooled to ``spool_path`` (default: beside the usage spool) while Redis is down and
+    replayed every ``replay_interval_s``.
+    Feedback is accepted for ``request_ttl_s`` seconds after a request (each request leaves a small index
+    entry: key id, tier, router score, window digest). ``retain_text``: also keep the routing window's text (and
+    shadow answers) in the outcomes, which ``router retrain`` needs to learn from them; off = digests only."""
+
+    enabled: bool = True
+    retain_text: bool = False
+    request_ttl_s: int = Field(86400, ge=60)
+    stream_maxlen: int = Field(1_000_000, ge=1000)
+    spool_path: Path | None = None  # None: next to the usage spool, ``<usage spool stem>.outcomes.jsonl``
+    replay_interval_s: float = Field(5.0, gt=0)
+
+
+class ShadowConfig(_Strict):
+    """Shadow comparisons (``gateway/control/shadow.py``): a sampled ``fraction`` of the routed chat requests
+    answered by a cheaper routed tier are sent again, after the client's answer is complete, to the next
+    routed tier up (non-streamed; at most ``max_concurrency`` at once per replica, others skipped), metered
+    with route reason ``shadow`` under the key id ``_shadow`` (never the client's budget) and stopped for the
+    UTC day once they cost ``max_usd_day``. ``judge``: ``agreement`` (normalised final answers equal: two tiers
+    that agree need no third opinion) or ``tier:<name>`` (that tier is asked, with the prompt shipped in
+    shadow.py, whether the cheap answer reaches the same answer; its call is metered as ``shadow`` too). The
+    result is a ``shadow`` outcome. ``verifier``: where the request's last user message is a question of the
+    ``references`` JSONL (question rows: ``question``, ``answer``, optionally ``task``), the ``verifier``
+    (``router.tasks.verifiers``: task | math | int | exact | module:function) judges the cheap answer against
+    the reference, with no higher-tier call; other requests fall back to ``agreement``
+    (``gateway/control/shadow_references.py``). ``fraction: 0`` (the default) turns shadowing off."""
+
+    fraction: float = Field(0.0, ge=0, le=1)
+    max_usd_day: Decimal = Field(Decimal("1"), ge=0)
+    judge: str = Field("agreement", pattern=r"^(agreement|verifier|tier:[A-Za-z0-9_.-]+)$")
+    references: Path | None = None
+    verifier: str = "task"
+    max_concurrency: int = Field(4, ge=1, le=256)
+
+    @model_validator(mode="after")
+    def _references_for_verifier(self) -> ShadowConfig:
+        if self.judge == "verifier" and self.references is None:
+            raise ValueError("routing.shadow.judge 'verifier' needs routing.shadow.references (a JSONL of "
+                             "question rows with reference answers)")
+        return self
+
+
+class DriftConfig(_Strict):
+    """The drift alarm (``gateway/control/drift.py``): PSI of the last ``window`` routed scores (and tier mix)
+    against the router file's calibration histogram, every ``interval_s``, once ``min_samples`` are in; an alert
+    (the budget alerts' log and webhook) when a PSI reaches ``threshold`` (0.25: a significant shift)."""
+
+    enabled: bool = True
+    window: int = Field(1000, ge=50, le=100_000)
+    min_samples: int = Field(200, ge=10)
+    interval_s: float = Field(10.0, gt=0)
+    threshold: float = Field(0.25, gt=0)
+
+
+class RoutingConfig(_Strict):
+    """How ``model: "auto"`` picks a tier.
+
+    The router scores P(needs a more capable tier) in [0, 1]; ``thresholds`` (ascending, one fewer than
+    ``routed_tiers``) map a score to a tier: score < thresholds[0] → routed_tiers[0], and so on. When
+    ``thresholds`` is unset the router file's calibrated thresholds are used.
+    """
+
+    router_path: Path | None = DEFAULT_ROUTER_PATH
+    on_router_error: Literal["refuse_start", "default_tier"] = "default_tier"
+    default_tier: str = "long"
+    routed_tiers: list[str] = Field(default_factory=lambda: ["short", "long"])
+    thresholds: list[float] | None = None
+    effort_tiers: dict[str, str] = Field(
+        default_factory=lambda: {
+            "none": "none",
+            "minimal": "short",
+            "low": "short",
+            "medium": "long",
+            "high": "long",
+        }
+    )
+    fallback: bool = True
+    reload_interval_s: float = Field(2.0, gt=0)
+    #: a conversation keeps the tier of its first routed turn this long after its last turn, seconds; 0 = off
+    #: (the default, so per-request routing stays as it was until an operator opts in; 1800 suits agent
+    #: loops); see gateway/pipeline/sessions.py
+    session_ttl_s: int = Field(0, ge=0)
+    #: the cost-target controller (off by default: the calibrated thresholds apply)
+    target: RoutingTargetConfig = Field(default_factory=RoutingTargetConfig)
+    #: feedback, escalation and shadow outcomes (the labels retraining learns from)
+    outcomes: OutcomesConfig = Field(default_factory=OutcomesConfig)
+    #: shadow comparisons with the next tier up (off by default)
+    shadow: ShadowConfig = Field(default_factory=ShadowConfig)
+    #: the drift alarm (PSI of the realized scores against the router file's calibration histogram)
+    drift: DriftConfig = Field(default_factory=DriftConfig)
+
+    @field_validator("thresholds")
+    @classmethod
+    def _ascending(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (any(not 0 <= t <= 1 for t in v) or v != sorted(v)):
+            raise ValueError("thresholds must be ascending values in [0, 1]")
+        return v
+
