@@ -107,25 +107,12 @@ def attach(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting,
         return HTMLResponse(body, headers=SECURITY_HEADERS)
 
     async def login(request: Request) -> Response:
-        raw = b""
-        async for part in request.stream():
-            raw += part
-            if len(raw) > LOGIN_BODY_MAX:
-                return login_page("request too large", 413)
-        if request.query_params:  # a key in a URL would end up in logs and history: refuse it outright
-            return login_page("send the key in the form body, never in the URL", 400)
-        form = parse_qs(raw.decode(errors="replace"), keep_blank_values=True)
-        secret = (form.get("key") or [""])[0].strip()
-        if not secret:
-            return login_page("enter the admin key", 400)
-        try:
-            key = await keys.authenticate(f"Bearer {secret}")
-        except AuthError:
-            return login_page("unknown key", 401)
-        except GatewayError:
-            return login_page("the key store is unreachable; retry later", 503)
-        if not (key.is_admin or dev_key_is_admin(settings, key)):
-            return login_page("this key is not an admin key: the dashboard needs the admin key", 403)
+        secret = await _login_secret(request)
+        if isinstance(secret, Response):
+            return secret
+        key = await _admin_key(keys, settings, secret)
+        if isinstance(key, Response):
+            return key
         resp = RedirectResponse("/dashboard", status_code=303, headers=SECURITY_HEADERS)
         resp.headers.append("set-cookie", sessions().cookie_header(sessions().issue(key.id)))
         return resp
@@ -139,17 +126,7 @@ def attach(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting,
         if session_key(request) is None:
             return _json({"error": {"message": "log in at /dashboard", "type": "authentication_error",
                                     "code": "no_session"}}, 401)
-        try:
-            since, until = parse_time(request.query_params.get("since")), parse_time(request.query_params.get("until"))
-        except ExportError as exc:
-            return _json({"error": {"message": str(exc), "type": "invalid_request_error",
-                                    "code": "invalid_request"}}, 400)
-        try:
-            doc = await collect(acct, settings, routing, since, until, time.time())
-        except RedisDown:
-            return _json({"object": "dashboard.data", "redis": "unreachable",
-                          "message": "the usage store (Redis) is unreachable: no figures until it answers"}, 503)
-        return _json(doc)
+        return await _data(request, acct, settings, routing)
 
     async def static(request: Request) -> Response:
         name = request.path_params["name"]
@@ -162,6 +139,53 @@ def attach(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting,
     app.router.add_route("/dashboard/logout", logout, methods=["POST"])
     app.router.add_route("/dashboard/data", data, methods=["GET"])
     app.router.add_route("/dashboard/static/{name}", static, methods=["GET"])
+
+
+async def _login_secret(request: Request) -> str | Response:
+    """The key a login form posts (``key=…``, at most ``LOGIN_BODY_MAX`` bytes), or the login page refusing it:
+    413 (too large), 400 (a query string — a key in a URL would end up in logs and history — or no key)."""
+    raw = b""
+    async for part in request.stream():
+        raw += part
+        if len(raw) > LOGIN_BODY_MAX:
+            return login_page("request too large", 413)
+    if request.query_params:  # a key in a URL would end up in logs and history: refuse it outright
+        return login_page("send the key in the form body, never in the URL", 400)
+    form = parse_qs(raw.decode(errors="replace"), keep_blank_values=True)
+    secret = (form.get("key") or [""])[0].strip()
+    if not secret:
+        return login_page("enter the admin key", 400)
+    return secret
+
+
+async def _admin_key(keys: KeyStore, settings: Settings, secret: str) -> KeyInfo | Response:
+    """The admin key whose secret is ``secret``, or the login page refusing it: 401 (unknown), 503 (key store
+    unreachable), 403 (a key that is not the admin key)."""
+    try:
+        key = await keys.authenticate(f"Bearer {secret}")
+    except AuthError:
+        return login_page("unknown key", 401)
+    except GatewayError:
+        return login_page("the key store is unreachable; retry later", 503)
+    if not (key.is_admin or dev_key_is_admin(settings, key)):
+        return login_page("this key is not an admin key: the dashboard needs the admin key", 403)
+    return key
+
+
+async def _data(request: Request, acct: Accounting, settings: Settings, routing: Routing) -> Response:
+    """``GET /dashboard/data`` for a logged-in session: the JSON document over ``since``/``until`` (400 when
+    they do not parse, 503 while Redis is down)."""
+    try:
+        since, until = parse_time(request.query_params.get("since")), parse_time(request.query_params.get("until"))
+    except ExportError as exc:
+        return _json({"error": {"message": str(exc), "type": "invalid_request_error",
+                                "code": "invalid_request"}}, 400)
+    try:
+        doc = await collect(acct, settings, routing, since, until, time.time())
+    except RedisDown:
+        return _json({"object": "dashboard.data", "redis": "unreachable",
+                      "message": "the usage store (Redis) is unreachable: no figures until it answers"}, 503)
+    return _json(doc)
 
 
 def _json(doc: Any, status: int = 200) -> Response:
