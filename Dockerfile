@@ -13,7 +13,6 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY router ./router
-COPY training ./training
 # Build the wheel, then install it alone (base dependencies, all binary wheels) into a venv the final stage copies.
 RUN pip wheel --no-deps -w /dist . \
     && python -m venv /opt/thinkgate \

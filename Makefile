@@ -34,9 +34,9 @@ bench-savings: venv
 	$(BIN)/thinkgate bench savings --json bench/results/savings.json --png bench/results/savings.png \
 	  --markdown bench/results/savings.md
 
-# The same, with the length-penalised GRPO model (training/assets/thinkgate-tiny-short) serving every tier.
+# The same, with the length-penalised GRPO model (models/thinkgate-tiny-short) serving every tier.
 bench-savings-grpo: venv
-	$(BIN)/thinkgate bench savings --model-dir training/assets/thinkgate-tiny-short \
+	$(BIN)/thinkgate bench savings --model-dir models/thinkgate-tiny-short \
 	  --baseline bench/results/savings.json --json bench/results/savings_grpo.json --png bench/results/savings_grpo.png \
 	  --markdown bench/results/savings_grpo.md
 

@@ -3,9 +3,11 @@
 #
 # Builds the wheel from this checkout, installs it ALONE (base dependencies only, no extras) into a fresh venv,
 # then, from a scratch directory so the checkout is not importable:
+#   - the wheel holds gateway/ and router/ only (no training package, no models, no bench or tests);
 #   - `thinkgate --help`;
 #   - `python -X importtime -c "import gateway.app"` imports no lab or extra library;
 #   - the shipped test splits load (package data) and verifying a math answer names the `eval` extra;
+#   - `thinkgate serve` with the engine on answers in one line that a wheel ships no model, and how to fix it;
 #   - `thinkgate serve` with the engine off against the test upstream (tests/fixtures/upstream_sim.py, run with
 #     the dev venv's python), one chat request with the development key, `thinkgate usage export --format csv`
 #     shows its usage row, and `--format parquet` answers in one line which extra to install;
@@ -41,6 +43,16 @@ timeout 300 "$DEV_PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/d
   || fail "wheel build"
 WHEEL=$(ls "$WORK"/dist/thinkgate-*.whl)
 
+step "the wheel carries the product only: no training package, no models, no bench or tests"
+"$DEV_PY" - "$WHEEL" <<'EOF' || fail "the wheel carries more than the product"
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+tops = sorted({n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))})
+bad = [n for n in names if n.split("/")[0] in ("training", "models", "bench", "tests") or n.endswith(".safetensors")]
+print(f"  {len(names)} files, top-level: {tops}; training/models/bench/tests/weights: {len(bad)}")
+sys.exit(1 if bad or tops != ["gateway", "router"] else 0)
+EOF
+
 step "install $(basename "$WHEEL") alone into a fresh venv"
 timeout 120 "$PY" -m venv "$WORK/venv" || fail "venv"
 timeout 600 "$WORK/venv/bin/pip" install -q "$WHEEL" >"$WORK/install.log" 2>&1 || fail "pip install of the wheel"
@@ -73,6 +85,16 @@ bad = sorted(seen & lab)
 print(f"  {len(seen)} top-level modules imported; lab libraries: {bad or 'none'}")
 sys.exit(1 if bad else 0)
 EOF
+
+step "serve with the engine on and no model (a wheel ships none) ends in one line naming the fix"
+set +e
+THINKGATE_ENGINE__ENABLED=true timeout 60 "$TG" serve >"$WORK/nomodel.log" 2>&1
+RC=$?
+set -e
+[ "$RC" -eq 2 ] || fail "serve with no model: exit $RC, expected 2: $(cat "$WORK/nomodel.log")"
+[ "$(wc -l <"$WORK/nomodel.log")" -eq 1 ] || fail "serve with no model: not one line: $(cat "$WORK/nomodel.log")"
+grep -q "THINKGATE_ENGINE__MODEL_PATH" "$WORK/nomodel.log" || fail "serve with no model: $(cat "$WORK/nomodel.log")"
+echo "  $(cut -c1-110 "$WORK/nomodel.log")..."
 
 step "shipped data: gsm8k/math test splits load; math checking names its extra"
 timeout 60 "$VPY" - <<'EOF' || fail "package data or the missing-extra message"

@@ -5,7 +5,7 @@ answer). Fixed rule (``training.grpo.reward_utils.is_correct``, used by rewards 
 -> wrong. Same held-out set as ``training/configs/short_tier.yaml`` (120 arith test problems, 1-6 operations,
 seed 0), greedy, 256 new tokens, one torch thread. Prints a markdown table.
 
-    python -m bench.grpo_closed_thought [--models training/assets/thinkgate-tiny,training/assets/thinkgate-tiny-short]
+    python -m bench.grpo_closed_thought [--models models/thinkgate-tiny,models/thinkgate-tiny-short]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="training/assets/thinkgate-tiny,training/assets/thinkgate-tiny-short")
+    ap.add_argument("--models", default="models/thinkgate-tiny,models/thinkgate-tiny-short")
     ap.add_argument("--config", default="training/configs/short_tier.yaml")
     args = ap.parse_args()
 

@@ -7,7 +7,7 @@ and the model swapped: ``short`` = GRPO model, ``short_sft`` = SFT model (both t
 ``long`` = SFT model, ``long_grpo`` = GRPO model (both the default long budget); then runs
 ``thinkgate eval tiers`` on them and writes the table (and ``bench/results/grpo_short_tier.json``).
 
-    .venv/bin/python bench/grpo_short_tier.py --model-dir training/assets/thinkgate-tiny-short [--n-per-level 20]
+    .venv/bin/python bench/grpo_short_tier.py --model-dir models/thinkgate-tiny-short [--n-per-level 20]
         [--levels 1,2,3,4,5,6] [--write-results]
 """
 

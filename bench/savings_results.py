@@ -55,9 +55,9 @@ def section(result: dict[str, Any], started: str, load: float) -> str:
         SECTION, "",
         f"`bench/savings_results.py` (= `thinkgate bench savings`) — {started}, {result['wall_s']:.0f} s in all "
         f"(engine start-up {st.get('engine_startup_s', '—')} s). The whole stack on this machine: Redis, the local "
-        f"vLLM engine with the model in `training/assets/thinkgate-tiny` (weights sha256 "
+        f"vLLM engine with the model in `models/thinkgate-tiny` (weights sha256 "
         f"{st.get('model_sha256') or model_hash()}, last commit of the folder "
-        f"{git('log', '-1', '--format=%h', '--', 'training/assets')}), two `thinkgate serve` with the "
+        f"{git('log', '-1', '--format=%h', '--', 'models')}), two `thinkgate serve` with the "
         f"shipped router (`router/assets/default.skops`); tiers {tiers}. Workload: {w['n']} requests per policy "
         f"({w['synthetic']} synthetic arithmetic held-out levels 1–6, {w['real']} GSM8K/MATH test questions), "
         f"{w['repeat_fraction']:.0%} repeats, temperature 0, {w['concurrency']} in flight, seed {w['seed']}. "

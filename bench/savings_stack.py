@@ -714,7 +714,7 @@ def savings(
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config (default: $THINKGATE_CONFIG)."),
     model_dir: Path | None = typer.Option(None, "--model-dir", help="Serve this model directory with the local "
                                           "engine instead of engine.model_path (e.g. the length-penalised "
-                                          "training/assets/thinkgate-tiny-short); same served name and tiers."),
+                                          "models/thinkgate-tiny-short); same served name and tiers."),
     baseline: Path | None = typer.Option(None, "--baseline", help="Another run's --json on the same workload: "
                                          "also report the targets against its always-long policy."),
 ) -> None:

@@ -30,7 +30,7 @@ import yaml
 
 from training.grpo.config import REPO_ROOT
 
-MODEL = "training/assets/thinkgate-tiny"
+MODEL = "models/thinkgate-tiny"
 
 
 def _run(cmd: list[str]) -> float:

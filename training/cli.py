@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from training.grpo.cli import grpo
+from training.models import TINY_MODEL_DIR
 from training.plan.cli import plan, report, runs
 from training.sft.cli import sft
 from training.tiny.dial_cli import eval_dial, train_dial_sft
@@ -15,7 +16,7 @@ app = typer.Typer(no_args_is_help=True)
 
 
 # --- thinkgate train tiny ------------------------------------------------------------------------------------
-_TINY_DEFAULT_DIR = str(Path(__file__).resolve().parent / "assets" / "thinkgate-tiny")
+_TINY_DEFAULT_DIR = str(TINY_MODEL_DIR)
 
 
 @app.command("tiny")

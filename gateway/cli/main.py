@@ -45,7 +45,9 @@ app.add_typer(usage_app, name="usage", help="Usage: export (csv, jsonl, parquet)
 #: Plug-in groups: name → (help, what to install when the group's package is missing).
 PLUGIN_GROUPS: dict[str, tuple[str, str]] = {
     "router": ("Fit, calibrate, evaluate and label the difficulty router.", "pip install thinkgate"),
-    "train": ("Offline training jobs (tiny local model, GRPO).", "pip install 'thinkgate[train]'"),
+    "train": ("Offline training jobs (tiny local model, GRPO).",
+              "run it from a source checkout (the wheel ships no training code or models): make venv, then "
+              ".venv/bin/thinkgate train …"),
     "bench": ("Benchmarks of the whole stack (savings, real traces).",
               "run it from a source checkout: make venv, then .venv/bin/thinkgate bench …"),
 }

@@ -41,10 +41,15 @@ def serve(
     """Run the gateway: Redis (started if missing), the local vLLM engine (if enabled), then the API."""
     import uvicorn
 
+    from gateway.config import missing_model
     from gateway.engine.redis_server import RedisUnavailable, ensure
 
     loaded = load_settings(config)
     logging.basicConfig(level=loaded.server.log_level.upper(), format=LOG_FORMAT)
+    missing = missing_model(loaded.engine.model_path) if loaded.engine.enabled else None
+    if missing is not None:  # before anything starts: a wheel install on the embedded defaults has no model
+        typer.echo(f"thinkgate: {missing}", err=True)
+        raise typer.Exit(2)
     redis_proc, redis_url = None, loaded.redis.url
     if loaded.redis.start_if_missing:
         try:

@@ -18,8 +18,8 @@ module                 models (the top-level key they configure)
 ``limits``             ``limits:`` :class:`LimitsConfig`, :class:`LevelBudget`
 ``api``                ``dashboard:`` :class:`DashboardConfig`, ``responses:`` :class:`ResponsesConfig`
 ``observability``      ``telemetry:`` :class:`TelemetryConfig`, ``metrics:`` :class:`MetricsConfig`
-``paths``              :data:`DEFAULT_MODEL_DIR`, :data:`DEFAULT_ROUTER_PATH`, :data:`STATE_DIR`,
-                       :func:`resolve_model_dir`
+``paths``              :data:`DEFAULT_MODEL_DIR` (in :data:`MODELS_DIR`, a checkout's ``models/``),
+                       :data:`DEFAULT_ROUTER_PATH`, :data:`STATE_DIR`, :func:`missing_model`
 ``base``               :class:`ConfigError`, the strict frozen base model
 =====================  =========================================================================================
 
@@ -34,7 +34,7 @@ from gateway.config.engine import EngineConfig
 from gateway.config.limits import LevelBudget, LimitsConfig
 from gateway.config.metering import MeteringConfig
 from gateway.config.observability import MetricsConfig, TelemetryConfig
-from gateway.config.paths import DEFAULT_MODEL_DIR, DEFAULT_ROUTER_PATH, STATE_DIR
+from gateway.config.paths import DEFAULT_MODEL_DIR, DEFAULT_ROUTER_PATH, MODELS_DIR, STATE_DIR, missing_model
 from gateway.config.redis import RedisConfig
 from gateway.config.routing import DriftConfig, OutcomesConfig, RoutingConfig, RoutingTargetConfig, ShadowConfig
 from gateway.config.server import ServerConfig
@@ -44,6 +44,7 @@ from gateway.config.tiers import LoopGuard, Prices, TierConfig, UpstreamPoolConf
 __all__ = [
     "DEFAULT_MODEL_DIR",
     "DEFAULT_ROUTER_PATH",
+    "MODELS_DIR",
     "STATE_DIR",
     "AuthConfig",
     "CacheConfig",
@@ -71,5 +72,6 @@ __all__ = [
     "TierConfig",
     "UpstreamPoolConfig",
     "_default_tiers",
+    "missing_model",
     "prompted_hard_stop",
 ]

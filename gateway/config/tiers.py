@@ -76,7 +76,7 @@ class TierConfig(_Strict):
     per-request ``thinking_token_budget``; ``forced`` enforces it in the gateway by two-phase budget
     forcing (stop the thought at the budget, append ``end_of_thinking``, continue for the answer);
     ``off`` sends no budget; ``prompted`` sends the budget *to the model* in its prompt (a dial model,
-    ``training/assets/thinkgate-tiny-dial``): ``budget_prompt`` (``{budget}`` = tokens) is appended to the last
+    ``models/thinkgate-tiny-dial``): ``budget_prompt`` (``{budget}`` = tokens) is appended to the last
     user message, and budget forcing stays as the hard stop above it (``gateway/thinking/dial.py``).
     ``enable_thinking: false`` disables thinking through ``chat_template_kwargs.enable_thinking``. ``max_n``: the
     most choices (``n``) one request may ask of this tier (more is a 400); with ``max_tokens`` it bounds what one

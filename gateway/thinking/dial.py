@@ -1,6 +1,6 @@
 """``budget_mode: prompted``: tell a dial model its thinking budget in the prompt; forcing is the hard stop.
 
-A dial model (``training/assets/thinkgate-tiny-dial``, trained by ``thinkgate train dial-sft`` / ``train grpo
+A dial model (``models/thinkgate-tiny-dial``, trained by ``thinkgate train dial-sft`` / ``train grpo
 --config training/configs/dial.yaml``) reads "Think for N tokens." at the end of the user's question and fills
 about N thinking tokens. On a ``prompted`` tier the gateway:
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from bench.savings_stack import dial_tiers
 from gateway.config import Settings
 
-ASSETS = Path(__file__).resolve().parents[2] / "training" / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "models"
 
 
 def test_dial_model_dir_serves_tiers_as_budgets() -> None:

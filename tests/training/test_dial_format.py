@@ -14,7 +14,7 @@ from training.grpo.data import draw_budget, problem_rows
 from training.grpo.dial_rewards import DialLengthReward, dial_length_penalty, thinking_tokens
 from training.tiny.dial import adherence, dial_thought, log_uniform_budget, with_budget, within_tolerance
 
-ASSET = Path(__file__).resolve().parents[2] / "training" / "assets" / "thinkgate-tiny"
+ASSET = Path(__file__).resolve().parents[2] / "models" / "thinkgate-tiny"
 
 
 def test_adherence_on_a_hand_made_set() -> None:

@@ -1,6 +1,6 @@
 """Does the dial length term teach budget following? A few CPU GRPO steps on the shipped SFT over-thinker.
 
-Policy: ``training/assets/thinkgate-tiny`` (re-checks every step: 30-120 thinking tokens on one operation with a
+Policy: ``models/thinkgate-tiny`` (re-checks every step: 30-120 thinking tokens on one operation with a
 budget instruction it never saw). Prompts: one-operation ``arith`` problems with "Think for 16 tokens." The only
 weighted reward is ``dial_length`` (training/grpo/dial_rewards.py, cap 8 so that long thoughts still differ);
 ``correctness`` is computed with weight 0: it would confound the control, since a thought cut at the length cap
@@ -23,7 +23,7 @@ from training.grpo.config import RunConfig, from_dict
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # two GRPO runs of 8 steps on a shared CPU
 
 ROOT = Path(__file__).resolve().parents[2]
-POLICY = ROOT / "training" / "assets" / "thinkgate-tiny"
+POLICY = ROOT / "models" / "thinkgate-tiny"
 STEPS = 8
 BUDGET = 16
 MARGIN = 2.5  # fall of the mean relative error |n_think - B| / B, first 2 steps vs last 2 (measured: 3.5 on, 1.25 off)

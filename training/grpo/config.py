@@ -20,9 +20,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router.errors import ThinkGateError
+from training.models import TINY_MODEL_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL_DIR = REPO_ROOT / "training" / "assets" / "thinkgate-tiny"
+DEFAULT_MODEL_DIR = TINY_MODEL_DIR
 
 
 class ConfigError(ThinkGateError, ValueError):

@@ -16,12 +16,12 @@ token (all of them when the thought never closes).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from training.grpo.reward_utils import THINK_CLOSE, token_lengths
+from training.models import TINY_MODEL_DIR
 
-DEFAULT_TOKENIZER = str(Path(__file__).resolve().parents[1] / "assets" / "thinkgate-tiny")
+DEFAULT_TOKENIZER = str(TINY_MODEL_DIR)
 
 
 def thinking_tokens(ids: Sequence[int], close_id: int) -> int:
@@ -56,7 +56,7 @@ class DialLengthReward:
     """TRL reward: :func:`dial_length_penalty` per rollout against the ``budget_tokens`` column (additive).
 
     ``close_id``: the ``</think>`` token id; or ``tokenizer``: a model directory to read it from (default: the
-    tiny models' shared tokenizer, ``training/assets/thinkgate-tiny``)."""
+    tiny models' shared tokenizer, ``models/thinkgate-tiny``)."""
 
     def __init__(self, close_id: int | None = None, tokenizer: str | None = None, cap: float = 1.0) -> None:
         self.__name__ = "dial_length"

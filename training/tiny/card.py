@@ -82,7 +82,7 @@ def _training_text(summary: dict[str, Any]) -> str:
         "Stage 3 (when listed) makes the model an **over-thinker**: four in five full thoughts are verbose and open "
         "with one fixed sentence, so greedy decoding re-checks every step (about 3–6x the tokens of the terse "
         "chain) while sampling still writes the terse chain about two times in five — the behaviour that length "
-        "penalties in `thinkgate train grpo` remove (`training/assets/thinkgate-tiny-short`).",
+        "penalties in `thinkgate train grpo` remove (`models/thinkgate-tiny-short`).",
         "",
         "Reproduce: `thinkgate train tiny --output-dir DIR` (all stages; seed 0), or stage 3 alone from a two-stage "
         "model with `--from-stage2 DIR`. The learning-rate schedule and curriculum follow the fraction of steps "
@@ -177,6 +177,6 @@ def write_card(model_dir: Path) -> Path:
 
 
 if __name__ == "__main__":
-    DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "thinkgate-tiny"
+    from training.models import TINY_MODEL_DIR
 
-    print(write_card(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_MODEL_DIR))
+    print(write_card(Path(sys.argv[1]) if len(sys.argv) > 1 else TINY_MODEL_DIR))

@@ -16,7 +16,7 @@ def eval_dial(
     n: int = typer.Option(120, min=1, help="Held-out arith problems (load_task('arith', 'test', n, seed))."),
     seed: int = typer.Option(0, help="Seed of the held-out sample."),
     forcing_model: str = typer.Option(
-        "", help="Model for the budget-forcing column (default: the shipped SFT model training/assets/thinkgate-tiny)."
+        "", help="Model for the budget-forcing column (default: the shipped SFT model models/thinkgate-tiny)."
     ),
     no_forcing: bool = typer.Option(False, "--no-forcing", help="Skip the budget-forcing column."),
     threads: int = typer.Option(1, help="torch CPU threads."),
@@ -49,7 +49,7 @@ def eval_dial(
 
 def train_dial_sft(
     output_dir: Path = typer.Option(..., help="Where to write the warm-started model directory."),
-    init_from: str = typer.Option("", help="Model to continue (default: training/assets/thinkgate-tiny)."),
+    init_from: str = typer.Option("", help="Model to continue (default: models/thinkgate-tiny)."),
     steps: int = typer.Option(1500, help="SFT steps (batch 16)."),
     max_minutes: float = typer.Option(22.0, help="Wall-time bound (the LR decay ends by then)."),
     seed: int = typer.Option(5, help="Data seed."),

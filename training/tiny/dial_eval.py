@@ -5,7 +5,7 @@ For each requested budget ``B`` (tokens) on held-out ``arith`` problems (``load_
 * the dial model is asked with "Think for B tokens." appended (:func:`training.tiny.dial.with_budget`) and decodes
   greedily; its **thinking tokens** are the tokens it generates before ``</think>``. A thought still open after
   ``hard_stop(B)`` tokens is closed there (the gateway's forcing above the requested budget) and answered;
-* **budget forcing** on the SFT always-long model (``training/assets/thinkgate-tiny``): the offline equivalent of
+* **budget forcing** on the SFT always-long model (``models/thinkgate-tiny``): the offline equivalent of
   the gateway's ``budget_mode: forced`` / vLLM's ``thinking_token_budget`` (:func:`training.tiny.evaluate.run`).
 
 Output JSON: ``{"model", "n_problems", "seed", "forcing_model", "budgets": [{"budget", "within_10pct",
@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from router.tasks import Problem, verify
+from training.models import TINY_MODEL_DIR
 from training.tiny.dial import adherence, with_budget
 from training.tiny.tokenizer import IM_END, THINK_END
 
-DEFAULT_FORCING_MODEL = str(Path(__file__).resolve().parents[1] / "assets" / "thinkgate-tiny")
+DEFAULT_FORCING_MODEL = str(TINY_MODEL_DIR)
 
 
 def hard_stop(budget: int) -> int:

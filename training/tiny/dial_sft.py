@@ -1,6 +1,6 @@
 """Warm start of the dial model: SFT on thoughts that fill a budget stated in the prompt (:mod:`training.tiny.dial`).
 
-Continues a tiny model (default: the shipped SFT over-thinker ``training/assets/thinkgate-tiny``) on examples of
+Continues a tiny model (default: the shipped SFT over-thinker ``models/thinkgate-tiny``) on examples of
 four kinds, drawn per example:
 
 * ``budget`` — the question ends with "Think for B tokens." (B log-uniform over [8, 320]); the thought is
@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from router.tasks.arithmetic import Chain, phrase, random_chain, split_of
+from training.models import TINY_MODEL_DIR
 from training.tiny.data import FORCED_ENDS, Example, Mix, answer_text, thought
 from training.tiny.dial import BudgetDraw, dial_thought, with_budget
 from training.tiny.tokenizer import IM_END, THINK_END, render_prompt
 from training.tiny.train import SFTConfig, train
 
-DEFAULT_INIT = str(Path(__file__).resolve().parents[1] / "assets" / "thinkgate-tiny")
+DEFAULT_INIT = str(TINY_MODEL_DIR)
 
 
 @dataclass(frozen=True)
