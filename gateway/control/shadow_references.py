@@ -14,7 +14,6 @@ is needed; elsewhere the shadow falls back to ``agreement``.
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -26,11 +25,12 @@ Verifier = Callable[[dict[str, Any], str], bool]
 
 def load_verifier(name: str) -> Verifier:
     """``router.tasks.verifiers.get_verifier(name)``, imported when the judge is configured (at startup, never
-    per request): the request path does not import the offline task code (import contract in pyproject), and
-    the verifiers (math-verify for ``math``/``task``) are only needed where an operator asked for them.
-    Raises ValueError for an unknown name."""
-    verifiers = importlib.import_module("router.tasks.verifiers")
-    fn: Verifier = verifiers.get_verifier(name)
+    per request): the request path imports no other offline task code — this one edge is the named exception
+    of the request-path import contract (``ignore_imports`` in pyproject) — and the verifiers (math-verify for
+    ``math``/``task``) are only needed where an operator asked for them. Raises ValueError for an unknown name."""
+    from router.tasks.verifiers import get_verifier
+
+    fn: Verifier = get_verifier(name)
     return fn
 
 
