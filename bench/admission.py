@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import datetime as dt
 import os
-import statistics
 import tempfile
 import time
 import uuid
@@ -30,6 +29,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from bench._lib.redis_keys import delete_prefix
 from bench._lib.results_md import write_section
 from bench.gateway_overhead import machine
 from gateway.config import LimitsConfig, MeteringConfig, Prices, RedisConfig
@@ -40,16 +40,13 @@ from gateway.state.limits import Estimate, KeyLimits, Limits
 from gateway.state.metering import Meter
 from gateway.state.redis import connect
 from gateway.state.spool import Spool
+from router.stats import percentile
 
 SECTION = "## Budget admission"
 PRICES = Prices(input_usd_per_mtok=Decimal("0.5"), cached_input_usd_per_mtok=Decimal("0.25"),
                 output_usd_per_mtok=Decimal("2"))
 BIG = 10**15  # micro-USD: never refuses
 CASES = ("1 level", "3 levels", "3 levels, 16 in flight")
-
-
-def pct(xs: list[float], q: int) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs[0] if xs else 0.0)
 
 
 async def run(requests: int, rounds: int, redis_url: str) -> dict[str, dict[str, list[float]]]:
@@ -99,22 +96,20 @@ async def run(requests: int, rounds: int, redis_url: str) -> dict[str, dict[str,
                     for rid in held:
                         await meter.record(event(rid, time.time(), True))
     finally:
-        keys = [k async for k in handle.client.scan_iter(match=prefix + "*", count=1000)]
-        if keys:
-            await handle.client.delete(*keys)
+        delete_prefix(redis_url, prefix)
         await handle.close()
         spool.path.unlink(missing_ok=True)
     return out
 
 
 def table(res: dict[str, dict[str, list[float]]]) -> str:
-    base = pct(res["1 level"]["admit"], 50)
+    base = percentile(res["1 level"]["admit"], 50, 0.0)
     lines = ["| case | admissions | admit p50 µs | admit p99 µs | p50 vs 1 level | settle (metering write) p50 µs | "
              "settle p99 µs |", "|---|---:|---:|---:|---:|---:|---:|"]
     for case, xs in res.items():
         a, s = xs["admit"], xs["settle"]
-        lines.append(f"| {case} | {len(a)} | {pct(a, 50):.0f} | {pct(a, 99):.0f} | {pct(a, 50) / base:.2f}× | "
-                     f"{pct(s, 50):.0f} | {pct(s, 99):.0f} |")
+        a50, a99, s50, s99 = (percentile(v, q, 0.0) for v, q in ((a, 50), (a, 99), (s, 50), (s, 99)))
+        lines.append(f"| {case} | {len(a)} | {a50:.0f} | {a99:.0f} | {a50 / base:.2f}× | {s50:.0f} | {s99:.0f} |")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import math
 import os
 import shutil
 import statistics
@@ -36,9 +37,11 @@ import orjson
 import yaml
 
 from bench._lib.load import send
+from bench._lib.redis_keys import delete_prefix
 from bench._lib.results_md import write_section
 from bench.gateway_overhead import Samples, cpu_seconds, machine
 from gateway.engine.redis_server import free_port
+from router.stats import percentile
 from tests.fixtures.upstream import SimProcess, sim_tiers, start_sim, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,9 +122,9 @@ async def gateway_cases(url: str, pid: int, n: int, seconds: float, rounds: int)
     return results
 
 
-def pct(xs: list[float], q: float) -> float:
-    ys = sorted(xs)
-    return ys[min(len(ys) - 1, round(q / 100 * (len(ys) - 1)))]
+def p50_p99(xs: list[float]) -> tuple[float, float]:
+    """:func:`router.stats.percentile` 50 and 99 of ``xs`` (NaN when empty)."""
+    return percentile(xs, 50, math.nan), percentile(xs, 99, math.nan)
 
 
 async def primitives(redis_url: str, prefix: str, workdir: Path, n: int) -> dict[str, tuple[float, float]]:
@@ -162,7 +165,7 @@ async def primitives(redis_url: str, prefix: str, workdir: Path, n: int) -> dict
     try:
         await meter.record(event(0))
         xs = await timed(lambda i: meter.record(event(i)), n)
-        res["metering write (Lua: XADD + 5 counter hashes + settle)"] = (pct(xs, 50), pct(xs, 99))
+        res["metering write (Lua: XADD + 5 counter hashes + settle)"] = p50_p99(xs)
         lim = KeyLimits("bench", budget_day_micro=10**15, budget_month_micro=10**15, rpm=10**9, tpm=10**12)
         xs = []
         for i in range(n):  # admit (timed), then settle it through metering as the gateway does (untimed)
@@ -172,7 +175,7 @@ async def primitives(redis_url: str, prefix: str, workdir: Path, n: int) -> dict
             await limits.admit(lim, ev.event_id, Estimate(500, 200), ev.ts)
             xs.append((time.perf_counter() - t0) * 1e6)
             await meter.record(ev)
-        res["budget/RPM/TPM admission (Lua; 1 request in flight)"] = (pct(xs, 50), pct(xs, 99))
+        res["budget/RPM/TPM admission (Lua; 1 request in flight)"] = p50_p99(xs)
         body = {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "word " * 200},
                              "finish_reason": "stop"}], "usage": {"prompt_tokens": 10, "completion_tokens": 200}}
@@ -180,9 +183,9 @@ async def primitives(redis_url: str, prefix: str, workdir: Path, n: int) -> dict
         t = await cache.begin("bench-digest", dec)
         await cache.finish(t, CacheEntry(body, "chat", "short", "m", time.time()))
         xs = await timed(lambda i: cache.begin("bench-digest", dec), n)
-        res["cache lookup, hit (GET + parse ~1 KB entry)"] = (pct(xs, 50), pct(xs, 99))
+        res["cache lookup, hit (GET + parse ~1 KB entry)"] = p50_p99(xs)
         xs = await timed(lambda i: spool.append([event(i)]), min(n, 300))
-        res["spool append (write + fsync; Redis-down path)"] = (pct(xs, 50), pct(xs, 99))
+        res["spool append (write + fsync; Redis-down path)"] = p50_p99(xs)
         sem = asyncio.Semaphore(32)
 
         async def one(i: int) -> None:
@@ -193,9 +196,7 @@ async def primitives(redis_url: str, prefix: str, workdir: Path, n: int) -> dict
         await asyncio.gather(*(one(i) for i in range(n)))
         res["metering throughput, 32 writes in flight (events/s)"] = (n / (time.perf_counter() - t0), 0.0)
     finally:
-        keys = [k async for k in handle.client.scan_iter(match=prefix + "*", count=1000)]
-        if keys:
-            await handle.client.delete(*keys)
+        delete_prefix(redis_url, prefix)
         await handle.close()
     return res
 
@@ -259,24 +260,12 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=15)
         sim.stop()
-        _cleanup(redis_url, prefix)
+        delete_prefix(redis_url, prefix)
         shutil.rmtree(workdir, ignore_errors=True)
     text = render(gw, prim, args)
     print(text)
     if args.write_results:
         write_section(SECTION, text)
-
-
-def _cleanup(redis_url: str, prefix: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=prefix + "*", count=1000))
-        for i in range(0, len(keys), 1000):
-            client.delete(*keys[i : i + 1000])
-    finally:
-        client.close()
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import itertools
+import math
 import os
 import platform
 import subprocess
@@ -68,6 +69,7 @@ from bench._lib.load import send
 from bench._lib.redis_keys import delete_prefix
 from bench._lib.results_md import write_section
 from gateway.engine.redis_server import free_port
+from router.stats import percentile
 from tests.fixtures.otlp import OtlpReceiver
 from tests.fixtures.upstream import SimProcess, start_sim, wait_http_ok
 
@@ -144,10 +146,8 @@ class Samples:
         return len(self.latencies_ms) / self.wall_s if self.wall_s else 0.0
 
     def pct(self, q: float) -> float:
-        if not self.latencies_ms:
-            return float("nan")
-        xs = sorted(self.latencies_ms)
-        return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+        """:func:`router.stats.percentile` ``q`` of the latencies (ms); NaN when there are none."""
+        return percentile(self.latencies_ms, q, math.nan)
 
 
 def unique_body(model: str, stream: bool) -> bytes:

@@ -49,6 +49,7 @@ breaker and bypass the cache for a while.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import secrets
@@ -76,6 +77,7 @@ from gateway.ledger.event import UsageEvent, micro_to_usd
 from gateway.ledger.report import counts_as_request
 from router.errors import ThinkGateError
 from router.probe import ProbeClient
+from router.stats import percentile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -271,14 +273,6 @@ class Ledger:
 # ---------------------------------------------------------------------------------------------- summaries
 
 
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in [0, 100]) of ``xs``; NaN when empty."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
-
-
 def summarize(segments: list[Segment]) -> dict[str, Any]:
     """The per-policy (or per-subset) entry: ledger sums + client-side accuracy and latency."""
     outcomes = [o for s in segments for o in s.outcomes]
@@ -297,8 +291,8 @@ def summarize(segments: list[Segment]) -> dict[str, Any]:
         **sums,
         "cost_usd": float(micro_to_usd(micro)),
         "cost_micro_usd": micro,
-        "p50_ms": round(percentile(lat, 50), 2),
-        "p99_ms": round(percentile(lat, 99), 2),
+        "p50_ms": round(percentile(lat, 50, math.nan), 2),
+        "p99_ms": round(percentile(lat, 99, math.nan), 2),
         "cache_hit_rate": (sum(e.cached for e in requests_ev) / len(requests_ev)) if requests_ev else 0.0,
         "events": len(events),
         "errors": sum(1 for o in outcomes if o.status != 200),
@@ -444,6 +438,74 @@ class BenchConfig:
     time_budget_s: float = 840.0  # the whole run, start-up included; unsent requests are skipped after it
 
 
+Endpoints = dict[str, tuple[Endpoint, str | None]]  # policy -> (endpoint template, key_id or None)
+
+
+def _start_stack(cfg: BenchConfig, settings: Settings, stack: ExitStack, state_dir: Path, run_id: str,
+                 start_engine: bool, log: Callable[[str], None],
+                 stack_info: dict[str, Any]) -> tuple[Settings, Endpoints, dict[str, str]]:
+    """Start Redis, the local engine (``start_engine``) and one gateway per escalation setting, all closed by
+    ``stack``; one key per policy and subset. Returns ``(settings with the Redis URL used, endpoints,
+    {key id: secret})`` and records what it started in ``stack_info``."""
+    from gateway.engine.redis_server import ensure
+
+    proc, redis_url = ensure(settings.redis.url)
+    settings = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": redis_url})})
+    if proc is not None:
+        stack.callback(proc.terminate)
+    tiers_url = None
+    if start_engine:
+        from gateway.engine.vllm import LocalEngine
+
+        ecfg = settings.engine.model_copy(update={"port": _free_port()})
+        log(f"savings: starting the local vLLM engine ({ecfg.model_path.name}) …")
+        engine = LocalEngine(ecfg, state_dir=state_dir)
+        engine.start()
+        stack.callback(engine.stop)
+        tiers_url = engine.base_url
+        stack_info["engine_startup_s"] = round(engine.startup_s or 0.0, 1)
+        stack_info["model_sha256"] = _weights_sha256(Path(ecfg.model_path))
+    keys = []
+    secrets_by_key: dict[str, str] = {}
+    for p in cfg.policies:
+        for s in SUBSETS:
+            kid = _key_id(run_id, p, s)
+            secrets_by_key[kid] = "tg-" + secrets.token_hex(16)
+            keys.append({"id": kid, "secret": secrets_by_key[kid], "tags": {"bench": "savings",
+                                                                             "policy": p, "subset": s}})
+    urls: dict[bool, str] = {}
+    for esc in sorted({p == "auto+escalation" for p in cfg.policies}):
+        name = "gateway-escalation" if esc else "gateway"
+        urls[esc] = stack.enter_context(
+            serve_gateway(gateway_config(settings, tiers_url, esc, keys, state_dir), state_dir, name))
+    endpoints: Endpoints = {}
+    for p in cfg.policies:
+        model = "auto" if p.startswith("auto") else p
+        endpoints[p] = (Endpoint(urls[p == "auto+escalation"], "", model), None)
+    stack_info.update({"gateways": len(urls), "router": str(settings.routing.router_path),
+                       "tiers": {t.name: {"thinking_budget": t.thinking_budget, "max_tokens": t.max_tokens}
+                                 for t in settings.tiers}})
+    return settings, endpoints, secrets_by_key
+
+
+def _external_endpoints(cfg: BenchConfig, log: Callable[[str], None], stack_info: dict[str, Any]) -> Endpoints:
+    """The endpoints of a running gateway (``cfg.url``, and ``cfg.escalation_url`` for auto+escalation, skipped
+    without one), all called with ``cfg.api_key``. Raises BenchError without a key."""
+    if not cfg.api_key:
+        raise BenchError("--url needs THINKGATE_API_KEY")
+    key_id = _own_key_id(cfg.url or "", cfg.api_key)
+    endpoints: Endpoints = {}
+    for p in cfg.policies:
+        url = cfg.escalation_url if p == "auto+escalation" else cfg.url
+        if url is None:
+            log("savings: auto+escalation skipped (give --escalation-url: a gateway with escalate_on on short)")
+            continue
+        endpoints[p] = (Endpoint(url.rstrip("/").removesuffix("/v1"), cfg.api_key,
+                                 "auto" if p.startswith("auto") else p), key_id)
+    stack_info["url"] = cfg.url
+    return endpoints
+
+
 def run(cfg: BenchConfig, settings: Settings, *, start_engine: bool = True,
         log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict[str, Any]:
     """Run the bench (starting the stack unless ``cfg.url``) and return the JSON report (module doc)."""
@@ -460,57 +522,12 @@ def run(cfg: BenchConfig, settings: Settings, *, start_engine: bool = True,
     stack_info: dict[str, Any] = {"run": run_id}
     with ExitStack() as stack:
         state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tg-savings-")))
-        endpoints: dict[str, tuple[Endpoint, str | None]] = {}  # policy -> (endpoint template, key_id or None)
         secrets_by_key: dict[str, str] = {}
         if cfg.url is None:
-            from gateway.engine.redis_server import ensure
-
-            proc, redis_url = ensure(settings.redis.url)
-            settings = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": redis_url})})
-            if proc is not None:
-                stack.callback(proc.terminate)
-            tiers_url = None
-            if start_engine:
-                from gateway.engine.vllm import LocalEngine
-
-                ecfg = settings.engine.model_copy(update={"port": _free_port()})
-                log(f"savings: starting the local vLLM engine ({ecfg.model_path.name}) …")
-                engine = LocalEngine(ecfg, state_dir=state_dir)
-                engine.start()
-                stack.callback(engine.stop)
-                tiers_url = engine.base_url
-                stack_info["engine_startup_s"] = round(engine.startup_s or 0.0, 1)
-                stack_info["model_sha256"] = _weights_sha256(Path(ecfg.model_path))
-            keys = []
-            for p in cfg.policies:
-                for s in SUBSETS:
-                    kid = _key_id(run_id, p, s)
-                    secrets_by_key[kid] = "tg-" + secrets.token_hex(16)
-                    keys.append({"id": kid, "secret": secrets_by_key[kid], "tags": {"bench": "savings",
-                                                                                     "policy": p, "subset": s}})
-            urls: dict[bool, str] = {}
-            for esc in sorted({p == "auto+escalation" for p in cfg.policies}):
-                name = "gateway-escalation" if esc else "gateway"
-                urls[esc] = stack.enter_context(
-                    serve_gateway(gateway_config(settings, tiers_url, esc, keys, state_dir), state_dir, name))
-            for p in cfg.policies:
-                model = "auto" if p.startswith("auto") else p
-                endpoints[p] = (Endpoint(urls[p == "auto+escalation"], "", model), None)
-            stack_info.update({"gateways": len(urls), "router": str(settings.routing.router_path),
-                               "tiers": {t.name: {"thinking_budget": t.thinking_budget, "max_tokens": t.max_tokens}
-                                         for t in settings.tiers}})
+            settings, endpoints, secrets_by_key = _start_stack(cfg, settings, stack, state_dir, run_id, start_engine,
+                                                               log, stack_info)
         else:
-            if not cfg.api_key:
-                raise BenchError("--url needs THINKGATE_API_KEY")
-            key_id = _own_key_id(cfg.url, cfg.api_key)
-            for p in cfg.policies:
-                url = cfg.escalation_url if p == "auto+escalation" else cfg.url
-                if url is None:
-                    log("savings: auto+escalation skipped (give --escalation-url: a gateway with escalate_on on short)")
-                    continue
-                endpoints[p] = (Endpoint(url.rstrip("/").removesuffix("/v1"), cfg.api_key,
-                                         "auto" if p.startswith("auto") else p), key_id)
-            stack_info["url"] = cfg.url
+            endpoints = _external_endpoints(cfg, log, stack_info)
         ledger = Ledger(settings)
         total = sum(len(v) for v in by_subset.values()) * len(endpoints)
         bar = tqdm(total=total, desc="bench savings", disable=not cfg.progress, file=sys.stderr)

@@ -34,8 +34,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import gzip
 import hashlib
+import math
 import random
 import re
 import statistics
@@ -45,7 +45,6 @@ import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +65,8 @@ from gateway.state.cache import CacheEntry
 from gateway.state.cache_policy import tenant_scope
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import connect
+from router.jsonl import read_jsonl
+from router.stats import percentile
 from tests.fixtures.upstream import SimProcess, start_sim, wait_http_ok
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,24 +100,16 @@ WORD_RE = re.compile(r"\b[a-z]{5,}\b")
 
 # --- data -------------------------------------------------------------------------------------------------
 
-def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield orjson.loads(line)
-
-
 def real_questions(per_source: int, rng: random.Random, *, with_train: bool = False) -> list[tuple[str, str]]:
     """(source, question) pairs, ``per_source`` of each (fewer when a source is smaller), at most MAX_CHARS,
     deduplicated, shuffled with ``rng``; ``with_train``: gsm8k and math draw on their train splits too."""
     sources = {
-        "gsm8k": [r["question"] for r in _jsonl(TEST_SPLITS / "gsm8k" / "test.jsonl")]
-        + ([r["question"] for r in _jsonl(DATA / "gsm8k" / "train.jsonl.gz")] if with_train else []),
-        "math": [r["problem"] for r in _jsonl(TEST_SPLITS / "math" / "test.jsonl")]
-        + ([r["problem"] for r in _jsonl(DATA / "math" / "train.jsonl.gz")] if with_train else []),
-        "mt_bench": [r["turns"][0] for r in _jsonl(DATA / "mt_bench" / "question.jsonl")],
-        "simpleqa": [r["problem"] for r in _jsonl(DATA / "simpleqa" / "questions.jsonl.gz")],
+        "gsm8k": [r["question"] for r in read_jsonl(TEST_SPLITS / "gsm8k" / "test.jsonl")]
+        + ([r["question"] for r in read_jsonl(DATA / "gsm8k" / "train.jsonl.gz")] if with_train else []),
+        "math": [r["problem"] for r in read_jsonl(TEST_SPLITS / "math" / "test.jsonl")]
+        + ([r["problem"] for r in read_jsonl(DATA / "math" / "train.jsonl.gz")] if with_train else []),
+        "mt_bench": [r["turns"][0] for r in read_jsonl(DATA / "mt_bench" / "question.jsonl")],
+        "simpleqa": [r["problem"] for r in read_jsonl(DATA / "simpleqa" / "questions.jsonl.gz")],
     }
     out: list[tuple[str, str]] = []
     for name, qs in sources.items():
@@ -129,13 +122,13 @@ def real_questions(per_source: int, rng: random.Random, *, with_train: bool = Fa
 def fill_pool() -> list[str]:
     """Every real question in ``data/`` (deduplicated, ≤ MAX_CHARS): the entries of the latency fill."""
     qs: list[str] = []
-    qs += [r["question"] for r in _jsonl(TEST_SPLITS / "gsm8k" / "test.jsonl")]
-    qs += [r["question"] for r in _jsonl(DATA / "gsm8k" / "train.jsonl.gz")]
-    qs += [r["problem"] for r in _jsonl(TEST_SPLITS / "math" / "test.jsonl")]
-    qs += [r["problem"] for r in _jsonl(DATA / "math" / "train.jsonl.gz")]
-    qs += [r["prompt"] for r in _jsonl(DATA / "routellm" / "mmlu_responses.jsonl.gz")]
-    qs += [r["problem"] for r in _jsonl(DATA / "simpleqa" / "questions.jsonl.gz")]
-    qs += [r["turns"][0] for r in _jsonl(DATA / "mt_bench" / "question.jsonl")]
+    qs += [r["question"] for r in read_jsonl(TEST_SPLITS / "gsm8k" / "test.jsonl")]
+    qs += [r["question"] for r in read_jsonl(DATA / "gsm8k" / "train.jsonl.gz")]
+    qs += [r["problem"] for r in read_jsonl(TEST_SPLITS / "math" / "test.jsonl")]
+    qs += [r["problem"] for r in read_jsonl(DATA / "math" / "train.jsonl.gz")]
+    qs += [r["prompt"] for r in read_jsonl(DATA / "routellm" / "mmlu_responses.jsonl.gz")]
+    qs += [r["problem"] for r in read_jsonl(DATA / "simpleqa" / "questions.jsonl.gz")]
+    qs += [r["turns"][0] for r in read_jsonl(DATA / "mt_bench" / "question.jsonl")]
     return sorted({q for q in qs if 0 < len(q) <= MAX_CHARS})
 
 
@@ -287,16 +280,7 @@ async def paraphrase_part(sem: SemanticCache, keys: RedisKeys, per_source: int, 
     scope = tenant_scope("bench-paraphrase")
     await fill(sem, keys, scope, [q for _, q in bases])
     vocab = sorted({w for _, q in bases for w in WORD_RE.findall(q) if w not in COMMON})
-    queries: list[tuple[str, str, str, str]] = []  # (polarity, kind, base digest, text)
-    for _, q in bases:
-        for kind in POSITIVE_KINDS:
-            v = positive(kind, q, rng)
-            if v is not None:
-                queries.append(("pos", kind, digest_of(q), v))
-        for kind in NEGATIVE_KINDS:
-            v = negative(kind, q, rng, vocab)
-            if v is not None and v != q:
-                queries.append(("neg", kind, digest_of(q), v))
+    queries = _variants(bases, rng, vocab)
     # What a similarity-only cache would do: the negative's similarity to the question it was made from
     # (numbers partition the index buckets, so a number-changed question is not even a candidate here).
     base_sketch = {digest_of(q): LexicalEmbedder().sketch_now(q) for _, q in bases}
@@ -309,31 +293,7 @@ async def paraphrase_part(sem: SemanticCache, keys: RedisKeys, per_source: int, 
         unguarded_sim.append(probe.sketch.similarity(b.kind, b.payload) if probe is not None else 0.0)
         scored.append((pol, kind, base, text, cands))
     thresholds = [round(0.30 + 0.01 * i, 2) for i in range(71)]
-    curve = []
-    for t in thresholds:
-        row: dict[str, Any] = {"t": t}
-        correct = wrong = 0
-        false_hits: Counter[str] = Counter()
-        false_unguarded: Counter[str] = Counter()
-        pos_by_kind: Counter[str] = Counter()
-        for (pol, kind, base, _text, cands), sim_base in zip(scored, unguarded_sim, strict=True):
-            ok = [c for c in cands if c[1] and c[0] >= t]
-            best = max(ok, default=None)
-            if pol == "pos":
-                if best is not None and best[2] == base:
-                    correct += 1
-                    pos_by_kind[kind] += 1
-                elif best is not None:
-                    wrong += 1
-            else:
-                if best is not None:
-                    false_hits[kind] += 1
-                if sim_base >= t:
-                    false_unguarded[kind] += 1
-        hits = correct + wrong + sum(false_hits.values())
-        row.update(correct=correct, wrong=wrong, false_hits=dict(false_hits), false_unguarded=dict(false_unguarded),
-                   pos_by_kind=dict(pos_by_kind), precision=correct / hits if hits else 1.0)
-        curve.append(row)
+    curve = [_curve_row(t, scored, unguarded_sim) for t in thresholds]
     n_pos = Counter(k for p, k, *_ in scored if p == "pos")
     n_neg = Counter(k for p, k, *_ in scored if p == "neg")
     total_pos = sum(n_pos.values())
@@ -350,6 +310,58 @@ async def paraphrase_part(sem: SemanticCache, keys: RedisKeys, per_source: int, 
     real = SemanticCache(sem.handle, sem.breaker,
                          SemanticCacheConfig(enabled=True, threshold=chosen["t"], max_chars=MAX_CHARS),
                          sem.embedder)
+    outcomes, confirm_correct, confirm_false = await _confirm(real, scope, scored)
+    return {"bases": Counter(s for s, _ in bases), "n_pos": n_pos, "n_neg": n_neg, "curve": curve,
+            "chosen": chosen, "outcomes": outcomes, "confirm_correct": confirm_correct,
+            "confirm_false": confirm_false, "examples": _examples(scored, chosen["t"])}
+
+
+def _variants(bases: list[tuple[str, str]], rng: random.Random, vocab: list[str]) -> list[tuple[str, str, str, str]]:
+    """``(polarity, kind, base digest, text)`` of every positive (same question) and negative (another question)
+    variant of each base question that its maker could produce (``rng`` drawn in base order)."""
+    queries: list[tuple[str, str, str, str]] = []
+    for _, q in bases:
+        for kind in POSITIVE_KINDS:
+            v = positive(kind, q, rng)
+            if v is not None:
+                queries.append(("pos", kind, digest_of(q), v))
+        for kind in NEGATIVE_KINDS:
+            v = negative(kind, q, rng, vocab)
+            if v is not None and v != q:
+                queries.append(("neg", kind, digest_of(q), v))
+    return queries
+
+
+def _curve_row(t: float, scored: list[Any], unguarded_sim: list[float]) -> dict[str, Any]:
+    """One threshold's row of the precision curve: correct and wrong positive hits, guarded and unguarded false
+    hits by kind, precision (recall is added by the caller)."""
+    row: dict[str, Any] = {"t": t}
+    correct = wrong = 0
+    false_hits: Counter[str] = Counter()
+    false_unguarded: Counter[str] = Counter()
+    pos_by_kind: Counter[str] = Counter()
+    for (pol, kind, base, _text, cands), sim_base in zip(scored, unguarded_sim, strict=True):
+        ok = [c for c in cands if c[1] and c[0] >= t]
+        best = max(ok, default=None)
+        if pol == "pos":
+            if best is not None and best[2] == base:
+                correct += 1
+                pos_by_kind[kind] += 1
+            elif best is not None:
+                wrong += 1
+        else:
+            if best is not None:
+                false_hits[kind] += 1
+            if sim_base >= t:
+                false_unguarded[kind] += 1
+    hits = correct + wrong + sum(false_hits.values())
+    row.update(correct=correct, wrong=wrong, false_hits=dict(false_hits), false_unguarded=dict(false_unguarded),
+               pos_by_kind=dict(pos_by_kind), precision=correct / hits if hits else 1.0)
+    return row
+
+
+async def _confirm(real: SemanticCache, scope: str, scored: list[Any]) -> tuple[dict[str, Counter[str]], int, int]:
+    """Every variant through the real lookup: ``(outcomes by kind, correct positive hits, negative hits)``."""
     outcomes: dict[str, Counter[str]] = defaultdict(Counter)
     confirm_correct = confirm_false = 0
     for pol, kind, base, text, _ in scored:
@@ -364,9 +376,13 @@ async def paraphrase_part(sem: SemanticCache, keys: RedisKeys, per_source: int, 
                 confirm_correct += 1
             elif pol == "neg":
                 confirm_false += 1
-    return {"bases": Counter(s for s, _ in bases), "n_pos": n_pos, "n_neg": n_neg, "curve": curve,
-            "chosen": chosen, "outcomes": outcomes, "confirm_correct": confirm_correct,
-            "confirm_false": confirm_false, "examples": _examples(scored, chosen["t"])}
+    return outcomes, confirm_correct, confirm_false
+
+
+def _ms(row: dict[str, Any], *fields: str) -> dict[tuple[str, int], float]:
+    """``{(field, q): percentile}`` for q in 50 and 99 of each latency list ``row[field]`` (ms; NaN when empty),
+    by :func:`router.stats.percentile`."""
+    return {(f, q): percentile(row[f], q, math.nan) for f in fields for q in (50, 99)}
 
 
 def _examples(scored: list[Any], t: float) -> list[str]:
@@ -440,13 +456,6 @@ async def latency_part(sem: SemanticCache, keys: RedisKeys, sizes: list[int], qu
             "used_memory_mb": int(info["used_memory"]) / 2**20,
             "script_us": float(script["cmdstat_evalsha"].get("usec_per_call", 0.0))})
     return rows
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 # --- part 3: gateway overhead, semantic cache off vs on -----------------------------------------------
@@ -606,9 +615,10 @@ def report(par: dict[str, Any], lat: list[dict[str, Any]], overhead: list[dict[s
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in lat:
         outs = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
-        lines.append(f"| {r['stored']:,} | {r['fill_s']:.0f} | {r['used_memory_mb']:.0f} | {pct(r['hit'], .5):.2f} | "
-                     f"{pct(r['hit'], .99):.2f} | {pct(r['miss'], .5):.2f} | {pct(r['miss'], .99):.2f} | "
-                     f"{pct(r['best_hit'], .5):.2f} | {pct(r['best_miss'], .5):.2f} | "
+        p = _ms(r, "hit", "miss", "best_hit", "best_miss")
+        lines.append(f"| {r['stored']:,} | {r['fill_s']:.0f} | {r['used_memory_mb']:.0f} | {p['hit', 50]:.2f} | "
+                     f"{p['hit', 99]:.2f} | {p['miss', 50]:.2f} | {p['miss', 99]:.2f} | "
+                     f"{p['best_hit', 50]:.2f} | {p['best_miss', 50]:.2f} | "
                      f"{statistics.median(r['prep']):.2f} | {r['script_us']:.0f} | {outs} |")
     lines += ["", "Redis MiB: the private server's `used_memory` with the entries *and* their exact-cache answers "
               "(one small answer each). Lookup script µs: Redis's own `usec_per_call` for the lookup script "
@@ -628,8 +638,9 @@ def report(par: dict[str, Any], lat: list[dict[str, Any]], overhead: list[dict[s
                   "x-thinkgate-cache |", "|---|---|---:|---:|---:|---:|---:|---|"]
         for r in sorted(overhead, key=lambda r: (OVERHEAD_CASES.index(r["case"]), r["semantic"] == "on")):
             hdrs = ", ".join(f"{k} {v}" for k, v in sorted(r["headers"].items()))
-            lines.append(f"| {r['case']} | {r['semantic']} | {r['n']} | {r['errors']} | {pct(r['lat'], .5):.2f} | "
-                         f"{pct(r['lat'], .99):.2f} | {r['cpu'] / max(1, r['n']) * 1000:.2f} | {hdrs} |")
+            p = _ms(r, "lat")
+            lines.append(f"| {r['case']} | {r['semantic']} | {r['n']} | {r['errors']} | {p['lat', 50]:.2f} | "
+                         f"{p['lat', 99]:.2f} | {r['cpu'] / max(1, r['n']) * 1000:.2f} | {hdrs} |")
     lines += ["", reading(par, lat, overhead)]
     return "\n".join(lines) + "\n"
 
@@ -652,14 +663,15 @@ def reading(par: dict[str, Any], lat: list[dict[str, Any]], overhead: list[dict[
             "lexical mode requires the same content words (an embedding model, `openai:<tier>`, is the way to "
             "real synonyms; not measured here: no embedding model on this machine).")
     if big is not None:
+        p = _ms(big, "hit", "miss", "best_hit", "best_miss")
         text += (f" At {big['stored']:,} entries in one tenant and context a lookup takes "
-                 f"{pct(big['hit'], .5):.2f} ms p50 for a hit and {pct(big['miss'], .5):.2f} ms for a miss, "
-                 f"sketching included ({pct(big['best_hit'], .5):.2f} / {pct(big['best_miss'], .5):.2f} ms best of "
+                 f"{p['hit', 50]:.2f} ms p50 for a hit and {p['miss', 50]:.2f} ms for a miss, "
+                 f"sketching included ({p['best_hit', 50]:.2f} / {p['best_miss', 50]:.2f} ms best of "
                  f"{REPEATS}; target ≤ 2 ms); p99 figures on this shared 2-core machine are scheduling noise as "
                  "much as work.")
     by = {(r["case"], r["semantic"]): r for r in overhead}
     if ("miss", "on") in by and ("miss", "off") in by:
-        d_miss = pct(by[("miss", "on")]["lat"], .5) - pct(by[("miss", "off")]["lat"], .5)
+        d_miss = _ms(by[("miss", "on")], "lat")["lat", 50] - _ms(by[("miss", "off")], "lat")["lat", 50]
         text += (f" Through the gateway the semantic cache adds {d_miss:+.2f} ms p50 to an exact miss (sketch, "
                  "lookup, and indexing the answer: two Redis round trips, about 1 ms of gateway CPU; the p50 moves "
                  "by a few ms between runs on this loaded machine) — against seconds of reasoning saved per hit on "

@@ -38,19 +38,20 @@ import random
 import re
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from bench._lib.results_md import write_section
 from bench.gateway_overhead import machine
 from bench.semantic_cache import (
     MAX_CHARS,
+    _ms,
     _punct,
     _sentences,
     body_of,
     digest_of,
     fill,
     latency_part,
-    pct,
     real_questions,
 )
 from gateway.config import RedisConfig, SemanticCacheConfig
@@ -139,83 +140,125 @@ def _names(text: str) -> list[re.Match[str]]:
     return [m for m in re.finditer(r"\b[A-Z][a-zA-Z]+\b", text) if m.group(0).lower() in names]
 
 
+def _operand_swap(text: str, rng: random.Random) -> str | None:
+    nums = list(NUMBER_RE.finditer(text))
+    pairs = [(a, b) for a, b in itertools.pairwise(nums) if float(a.group(0)) != float(b.group(0))]
+    return _swap_spans(text, *rng.choice(pairs)) if pairs else None
+
+
+def _entity_swap(text: str, rng: random.Random) -> str | None:
+    spots = _names(text)
+    pairs = [(a, b) for i, a in enumerate(spots) for b in spots[i + 1:] if a.group(0) != b.group(0)]
+    if not pairs:
+        return None
+    x, y = rng.choice(pairs)
+    n1, n2 = x.group(0), y.group(0)
+    return re.sub(rf"\b({re.escape(n1)}|{re.escape(n2)})\b", lambda m: n2 if m.group(0) == n1 else n1, text)
+
+
+def _noun_swap(text: str, rng: random.Random) -> str | None:
+    words = [m for m in re.finditer(r"\b[a-z]{4,}\b", text) if m.group(0) not in COMMON]
+    once = [m for m in words if sum(w.group(0) == m.group(0) for w in words) == 1]
+    pairs = [(a, b) for a, b in itertools.pairwise(once)]
+    return _swap_spans(text, *rng.choice(pairs)) if pairs else None
+
+
+def _relation(text: str, rng: random.Random) -> str | None:
+    spots = list(RELATION_RE.finditer(text))
+    if not spots:
+        return None
+    m = rng.choice(spots)
+    return text[:m.start()] + OPPOSITE[m.group(0)] + text[m.end():]
+
+
+def _relation_swap(text: str, rng: random.Random) -> str | None:
+    spots = [m for m in SWAP_RE.finditer(text) if m.group(1).lower() != m.group(3).lower()
+             and (m.group(1)[:1].isdigit() or m.group(1)[:1].isupper())
+             and (m.group(3)[:1].isdigit() or m.group(3)[:1].isupper())]
+    if not spots:
+        return None
+    m = rng.choice(spots)
+    return text[:m.start()] + m.group(3) + m.group(2) + m.group(1) + text[m.end():]
+
+
+def _ordinal(text: str, rng: random.Random) -> str | None:
+    words = list(ORDINAL_RE.finditer(text))
+    digits = list(DIGIT_ORDINAL_RE.finditer(text))
+    if not words and not digits:
+        return None
+    m = rng.choice(words + digits)
+    if m.re is DIGIT_ORDINAL_RE:
+        n = int(m.group(1)) + 1
+        suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+        new = f"{n}{suffix}"
+    else:
+        w = m.group(0).lower()
+        new = MULTIPLIERS.get(w) or rng.choice([o for o in ORDINAL_WORDS if o != w])
+        new = new.capitalize() if m.group(0)[0].isupper() else new
+    return text[:m.start()] + new + text[m.end():]
+
+
+def _unit_swap(text: str, rng: random.Random) -> str | None:
+    spots = list(ANY_UNIT_RE.finditer(text))
+    pairs = [(a, b) for i, a in enumerate(spots) for b in spots[i + 1:] if a.group(0) != b.group(0)]
+    return _swap_spans(text, *rng.choice(pairs)) if pairs else None
+
+
+def _unit(text: str, rng: random.Random) -> str | None:
+    spots = list(UNIT_RE.finditer(text))
+    if not spots:
+        return None
+    m = rng.choice(spots)
+    new = rng.choice([u for u in UNIT_OF[m.group(0)] if u != m.group(0)])
+    return text[:m.start()] + new + text[m.end():]
+
+
+def _comparative(text: str, rng: random.Random) -> str | None:
+    spots = list(COMPARATIVE_RE.finditer(text))
+    if not spots:
+        return None
+    m = rng.choice(spots)
+    return text[:m.start()] + COMPARATIVE[m.group(0)] + text[m.end():]
+
+
+def _number(text: str, rng: random.Random) -> str | None:
+    nums = list(NUMBER_RE.finditer(text))
+    if not nums:
+        return None
+    m = rng.choice(nums)
+    return text[:m.start()] + str(int(float(m.group(0))) + rng.randint(1, 9)) + text[m.end():]
+
+
+def _negation(text: str, rng: random.Random) -> str | None:
+    if re.search(r"\bnot\b", text):
+        return re.sub(r"\s*\bnot\b", "", text, count=1)
+    a = AUXILIARIES.search(text)
+    return text[:a.end()] + " not" + text[a.end():] if a else None
+
+
+#: What each rule ``kind`` of :func:`changed` does to a question (None: it does not apply).
+CHANGERS: dict[str, Callable[[str, random.Random], str | None]] = {
+    "operand_swap": _operand_swap,
+    "entity_swap": _entity_swap,
+    "noun_swap": _noun_swap,
+    "relation": _relation,
+    "relation_swap": _relation_swap,
+    "ordinal": _ordinal,
+    "unit_swap": _unit_swap,
+    "unit": _unit,
+    "comparative": _comparative,
+    "number": _number,
+    "negation": _negation,
+}
+
+
 def changed(kind: str, text: str, rng: random.Random) -> str | None:
-    """A variant of ``text`` that asks something else, made by the rule ``kind``; None when it does not apply."""
-    if kind == "operand_swap":
-        nums = list(NUMBER_RE.finditer(text))
-        pairs = [(a, b) for a, b in itertools.pairwise(nums) if float(a.group(0)) != float(b.group(0))]
-        return _swap_spans(text, *rng.choice(pairs)) if pairs else None
-    if kind == "entity_swap":
-        spots = _names(text)
-        pairs = [(a, b) for i, a in enumerate(spots) for b in spots[i + 1:] if a.group(0) != b.group(0)]
-        if not pairs:
-            return None
-        x, y = rng.choice(pairs)
-        n1, n2 = x.group(0), y.group(0)
-        return re.sub(rf"\b({re.escape(n1)}|{re.escape(n2)})\b", lambda m: n2 if m.group(0) == n1 else n1, text)
-    if kind == "noun_swap":
-        words = [m for m in re.finditer(r"\b[a-z]{4,}\b", text) if m.group(0) not in COMMON]
-        once = [m for m in words if sum(w.group(0) == m.group(0) for w in words) == 1]
-        pairs = [(a, b) for a, b in itertools.pairwise(once)]
-        return _swap_spans(text, *rng.choice(pairs)) if pairs else None
-    if kind == "relation":
-        spots = list(RELATION_RE.finditer(text))
-        if not spots:
-            return None
-        m = rng.choice(spots)
-        return text[:m.start()] + OPPOSITE[m.group(0)] + text[m.end():]
-    if kind == "relation_swap":
-        spots = [m for m in SWAP_RE.finditer(text) if m.group(1).lower() != m.group(3).lower()
-                 and (m.group(1)[:1].isdigit() or m.group(1)[:1].isupper())
-                 and (m.group(3)[:1].isdigit() or m.group(3)[:1].isupper())]
-        if not spots:
-            return None
-        m = rng.choice(spots)
-        return text[:m.start()] + m.group(3) + m.group(2) + m.group(1) + text[m.end():]
-    if kind == "ordinal":
-        words = list(ORDINAL_RE.finditer(text))
-        digits = list(DIGIT_ORDINAL_RE.finditer(text))
-        if not words and not digits:
-            return None
-        m = rng.choice(words + digits)
-        if m.re is DIGIT_ORDINAL_RE:
-            n = int(m.group(1)) + 1
-            suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-            new = f"{n}{suffix}"
-        else:
-            w = m.group(0).lower()
-            new = MULTIPLIERS.get(w) or rng.choice([o for o in ORDINAL_WORDS if o != w])
-            new = new.capitalize() if m.group(0)[0].isupper() else new
-        return text[:m.start()] + new + text[m.end():]
-    if kind == "unit_swap":
-        spots = list(ANY_UNIT_RE.finditer(text))
-        pairs = [(a, b) for i, a in enumerate(spots) for b in spots[i + 1:] if a.group(0) != b.group(0)]
-        return _swap_spans(text, *rng.choice(pairs)) if pairs else None
-    if kind == "unit":
-        spots = list(UNIT_RE.finditer(text))
-        if not spots:
-            return None
-        m = rng.choice(spots)
-        new = rng.choice([u for u in UNIT_OF[m.group(0)] if u != m.group(0)])
-        return text[:m.start()] + new + text[m.end():]
-    if kind == "comparative":
-        spots = list(COMPARATIVE_RE.finditer(text))
-        if not spots:
-            return None
-        m = rng.choice(spots)
-        return text[:m.start()] + COMPARATIVE[m.group(0)] + text[m.end():]
-    if kind == "number":
-        nums = list(NUMBER_RE.finditer(text))
-        if not nums:
-            return None
-        m = rng.choice(nums)
-        return text[:m.start()] + str(int(float(m.group(0))) + rng.randint(1, 9)) + text[m.end():]
-    if kind == "negation":
-        if re.search(r"\bnot\b", text):
-            return re.sub(r"\s*\bnot\b", "", text, count=1)
-        a = AUXILIARIES.search(text)
-        return text[:a.end()] + " not" + text[a.end():] if a else None
-    raise ValueError(kind)
+    """A variant of ``text`` that asks something else, made by the rule ``kind`` (:data:`CHANGERS`); None when it
+    does not apply. Raises ValueError for an unknown kind."""
+    rule = CHANGERS.get(kind)
+    if rule is None:
+        raise ValueError(kind)
+    return rule(text, rng)
 
 
 def _spell(n: int) -> str:
@@ -359,9 +402,10 @@ def report(par: dict[str, Any], lat: list[dict[str, Any]], when: str, mach: str,
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in lat:
             outs = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
-            lines.append(f"| {r['stored']:,} | {r['fill_s']:.0f} | {pct(r['hit'], .5):.2f} | {pct(r['hit'], .99):.2f} "
-                         f"| {pct(r['miss'], .5):.2f} | {pct(r['miss'], .99):.2f} | {pct(r['best_hit'], .5):.2f} | "
-                         f"{pct(r['best_miss'], .5):.2f} | {pct(r['prep'], .5):.2f} | {r['script_us']:.0f} | {outs} |")
+            p = _ms(r, "hit", "miss", "best_hit", "best_miss", "prep")
+            lines.append(f"| {r['stored']:,} | {r['fill_s']:.0f} | {p['hit', 50]:.2f} | {p['hit', 99]:.2f} "
+                         f"| {p['miss', 50]:.2f} | {p['miss', 99]:.2f} | {p['best_hit', 50]:.2f} | "
+                         f"{p['best_miss', 50]:.2f} | {p['prep', 50]:.2f} | {r['script_us']:.0f} | {outs} |")
     lines += ["", "Reading: a changed question is refused by the guard's order- and role-aware checks (`order`: numbers"
               " and operators in sequence; `units`; `relation`: what stands on each side of "
               "from/to/of/per/than/north of…; `ordinal`; `comparative`; `word_order`: the content words in order) "

@@ -76,7 +76,7 @@ def build_pipeline(cfg: ModelConfig) -> Pipeline:
     from sklearn.pipeline import FeatureUnion, Pipeline
     from sklearn.preprocessing import StandardScaler
 
-    from router.steps import HandFeatures, TextClipper
+    from router.features.steps import HandFeatures, TextClipper
 
     word = TfidfVectorizer(
         lowercase=True,

@@ -28,6 +28,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from router.jsonl import read_jsonl
+
 HEARTBEAT_FILE = "heartbeat.json"
 STALE_S = 600.0
 AUTO_TAGS = ("run_name", "data_hash", "reward_hash", "hparam_hash", "git_commit")
@@ -83,16 +85,7 @@ class RunRecord:
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # a run killed mid-write leaves half a line
-                continue
-    return out
+    return list(read_jsonl(path, missing_ok=True, skip_invalid=True))  # a run killed mid-write leaves half a line
 
 
 def load_run(run_dir: str | Path, now: float | None = None, stale_s: float = STALE_S) -> RunRecord:

@@ -83,6 +83,7 @@ import httpx
 import numpy as np
 import typer
 
+from bench._lib.redis_keys import delete_prefix
 from bench.traces.prices import ListPrice, price_of
 from bench.traces.replay_upstream import ReplayProcess
 from gateway.config import Settings
@@ -168,18 +169,6 @@ def gateway_config(base: Settings, tiers: list[dict[str, Any]], router_path: Pat
     data["server"] = {**data["server"], "log_level": "warning"}
     data["metering"] = {**data["metering"], "spool_path": str(state_dir / f"spool-{name}.jsonl")}
     return data
-
-
-def _cleanup_prefix(url: str, prefix: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        keys = list(client.scan_iter(match=prefix + "*", count=1000))
-        for i in range(0, len(keys), 1000):
-            client.delete(*keys[i:i + 1000])
-    finally:
-        client.close()
 
 
 # -------------------------------------------------------------------------------------------- requests
@@ -345,17 +334,11 @@ def router_heldout_frac(meta: dict[str, Any]) -> float:
     return float(frac) if isinstance(frac, int | float) and 0 < frac < 1 else HELDOUT_FRAC
 
 
-def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)
-        ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run the bench; returns (the JSON report, details: prices, timings, checks, served points)."""
-    from tqdm import tqdm
-
-    from bench.savings_stack import Ledger, serve_gateway
-    from gateway.engine.redis_server import ensure
+def _load_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Ladder, LadderData, Any]:
+    """The ladder, its recorded traces (held-out questions only with ``cfg.heldout_only``) and the router file,
+    checked against each other. Raises :class:`TracesBenchError` naming what does not fit."""
     from router.persistence import load_router
 
-    started = time.time()
-    deadline = time.monotonic() + cfg.time_budget_s
     try:
         lad = parse_ladder(cfg.ladder)
     except ValueError as exc:
@@ -377,6 +360,20 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
         data = data.subset(np.flatnonzero(heldout_mask(data, router_heldout_frac(router.metadata))))
         if data.n == 0:
             raise TracesBenchError("no held-out question in this folder")
+    return lad, data, router
+
+
+def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)
+        ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run the bench; returns (the JSON report, details: prices, timings, checks, served points)."""
+    from tqdm import tqdm
+
+    from bench.savings_stack import Ledger, serve_gateway
+    from gateway.engine.redis_server import ensure
+
+    started = time.time()
+    deadline = time.monotonic() + cfg.time_budget_s
+    lad, data, router = _load_inputs(cfg, log)
     # router+cascade serves the same score at the router file's cascade thresholds when it has them (calibrated
     # by `router fit` on its validation questions' cascade outcomes), else at its plain thresholds
     cascade_cuts = _cuts(router.metadata.get("cascade_thresholds"), len(router.thresholds))
@@ -407,7 +404,7 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
         settings = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": redis_url})})
         if proc is not None:
             stack.callback(proc.terminate)
-        stack.callback(_cleanup_prefix, settings.redis.url, prefix)
+        stack.callback(delete_prefix, settings.redis.url, prefix)
         t0 = time.monotonic()
         replay = stack.enter_context(ReplayProcess(cfg.traces, cfg.dataset, [(lad.model, s) for s in settings_t]))
         keys = [{"id": r.key_id, "secret": r.secret, "tags": {"bench": "traces", "policy": r.policy}}

@@ -39,11 +39,9 @@ Also ``GET /health``, ``GET /v1/models`` and ``GET /replay/stats`` (hits, misses
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
-import json
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +52,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+
+from router.jsonl import read_jsonl
+from router.window import message_text
 
 CHARS_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4
@@ -70,18 +71,9 @@ def estimate_prompt_tokens(messages: list[dict[str, Any]]) -> int:
     """Prompt tokens of a chat request without a tokenizer: Σ (⌈chars/4⌉ + 4) over messages, + 3."""
     total = REPLY_PRIMING_TOKENS
     for m in messages:
-        text = text_of(m.get("content"))
+        text = message_text(m.get("content"))
         total += -(-len(text) // CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE
     return total
-
-
-def text_of(content: Any) -> str:
-    """A message's text: the string, or the ``text`` of its parts (joined by newlines)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return ""
 
 
 @dataclass(frozen=True)
@@ -95,13 +87,6 @@ class Recorded:
     reasoning_tokens: int | None
 
 
-def read_rows(path: Path) -> Iterable[dict[str, Any]]:
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
-
-
 def load_recordings(traces: Path, dataset: str, model: str, setting: str) -> dict[str, Recorded]:
     """``{normalised question: Recorded}`` of one trace file. Raises FileNotFoundError naming the file.
 
@@ -111,7 +96,7 @@ def load_recordings(traces: Path, dataset: str, model: str, setting: str) -> dic
     if not path.is_file():
         raise FileNotFoundError(f"no recording for {model}:{setting} in {dataset}: {path} does not exist")
     out: dict[str, Recorded] = {}
-    for row in read_rows(path):
+    for row in read_jsonl(path):
         q = normalize(str(row["question"]))
         rt = row.get("reasoning_tokens")
         out.setdefault(q, Recorded(str(row["id"]), str(row.get("response") or ""), str(row.get("thought") or ""),
@@ -168,6 +153,52 @@ def pieces(text: str, size: int) -> list[str]:
     return [text[i:i + size] for i in range(0, len(text), size)]
 
 
+def _recorded(state: ReplayState, body: Any) -> tuple[str, Recorded, list[dict[str, Any]]] | Response:
+    """``(served model, recorded answer, message dicts)`` of a chat request body, or the error response (400: no
+    messages or no user message; 404: unknown model, question not recorded)."""
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        return error(400, "'messages' must be a list", "invalid_request", "messages")
+    model = state.lookup_model(body.get("model"))
+    if model is None:
+        return error(404, f"model {body.get('model')!r} is not served here (served: {sorted(state.models)})",
+                     "model_not_found", "model")
+    msgs = [m for m in body["messages"] if isinstance(m, dict)]
+    user = next((message_text(m.get("content")) for m in reversed(msgs) if m.get("role") == "user"), None)
+    if user is None:
+        return error(400, "no user message to look up", "invalid_request", "messages")
+    rec = state.models[model].get(normalize(user))
+    if rec is None:
+        state.counters["misses"] += 1
+        return error(404, f"question not in the recorded traces of {model} ({state.dataset}): "
+                          f"{normalize(user)[:80]!r}", "question_not_recorded", "messages")
+    return model, rec, msgs
+
+
+async def stream_chunks(rid: str, model: str, rec: Recorded, usage: dict[str, Any], want_usage: bool,
+                        chunk_chars: int) -> AsyncIterator[bytes]:
+    """The SSE frames of a recorded answer: role, thought then response in ``chunk_chars`` pieces, the stop
+    chunk, the usage chunk (``want_usage``) and ``[DONE]``."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> bytes:
+        c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": choices, **(extra or {})}
+        return b"data: " + orjson.dumps(c) + b"\n\n"
+
+    def delta(d: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
+        return [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]
+
+    yield chunk(delta({"role": "assistant", "content": ""}))
+    for p in pieces(rec.thought, chunk_chars):
+        yield chunk(delta({"reasoning": p}))
+    for p in pieces(rec.response, chunk_chars):
+        yield chunk(delta({"content": p}))
+    yield chunk(delta({}, "stop"))
+    if want_usage:
+        yield chunk([], {"usage": usage})
+    yield b"data: [DONE]\n\n"
+
+
 def make_app(state: ReplayState) -> Starlette:
     """The replay server's ASGI app over ``state``."""
 
@@ -177,28 +208,18 @@ def make_app(state: ReplayState) -> Starlette:
             body = orjson.loads(await request.body())
         except orjson.JSONDecodeError:
             return error(400, "request body is not valid JSON", "invalid_json")
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return error(400, "'messages' must be a list", "invalid_request", "messages")
-        model = state.lookup_model(body.get("model"))
-        if model is None:
-            return error(404, f"model {body.get('model')!r} is not served here (served: {sorted(state.models)})",
-                         "model_not_found", "model")
-        msgs = [m for m in body["messages"] if isinstance(m, dict)]
-        user = next((text_of(m.get("content")) for m in reversed(msgs) if m.get("role") == "user"), None)
-        if user is None:
-            return error(400, "no user message to look up", "invalid_request", "messages")
-        rec = state.models[model].get(normalize(user))
-        if rec is None:
-            state.counters["misses"] += 1
-            return error(404, f"question not in the recorded traces of {model} ({state.dataset}): "
-                              f"{normalize(user)[:80]!r}", "question_not_recorded", "messages")
+        found = _recorded(state, body)
+        if isinstance(found, Response):
+            return found
+        model, rec, msgs = found
         state.counters["hits"] += 1
         rid = "chatcmpl-" + hashlib.sha256(f"{model}/{rec.qid}/{time.time_ns()}".encode()).hexdigest()[:24]
         usage = usage_of(rec, estimate_prompt_tokens(msgs))
         if body.get("stream") is True:
             state.counters["streams"] += 1
             want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(stream(rid, model, rec, usage, want_usage), media_type="text/event-stream")
+            return StreamingResponse(stream_chunks(rid, model, rec, usage, want_usage, state.chunk_chars),
+                                     media_type="text/event-stream")
         message: dict[str, Any] = {"role": "assistant", "content": rec.response, "tool_calls": []}
         if rec.thought:
             message["reasoning"] = rec.thought
@@ -207,28 +228,6 @@ def make_app(state: ReplayState) -> Starlette:
                             "stop_reason": None}],
                "usage": usage}
         return Response(orjson.dumps(out), media_type="application/json")
-
-    async def stream(rid: str, model: str, rec: Recorded, usage: dict[str, Any],
-                     want_usage: bool) -> AsyncIterator[bytes]:
-        created = int(time.time())
-
-        def chunk(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> bytes:
-            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": choices, **(extra or {})}
-            return b"data: " + orjson.dumps(c) + b"\n\n"
-
-        def delta(d: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
-            return [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]
-
-        yield chunk(delta({"role": "assistant", "content": ""}))
-        for p in pieces(rec.thought, state.chunk_chars):
-            yield chunk(delta({"reasoning": p}))
-        for p in pieces(rec.response, state.chunk_chars):
-            yield chunk(delta({"content": p}))
-        yield chunk(delta({}, "stop"))
-        if want_usage:
-            yield chunk([], {"usage": usage})
-        yield b"data: [DONE]\n\n"
 
     async def health(_: Request) -> Response:
         return Response(b"", status_code=200)

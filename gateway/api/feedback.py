@@ -4,7 +4,7 @@ Body: ``{"request_id": str, "correct": bool}`` or ``{"request_id": str, "score":
 optional ``"comment"`` (a string of at most 2,000 characters). ``request_id`` is the ``x-request-id`` header
 (= the ``id`` the usage event carries) of a request made with the same API key within
 ``routing.outcomes.request_ttl_s``; another key's request, or an unknown one, is a 404 (the two are not told
-apart). Recorded as a ``feedback`` outcome (``gateway/state/outcomes.py``; spooled while Redis is down): 200
+apart). Recorded as a ``feedback`` outcome (``gateway/control/outcomes.py``; spooled while Redis is down): 200
 ``{"id", "object": "feedback", "request_id", "sufficed", "stored": "redis" | "spool" | "duplicate"}``. One
 outcome per request: a second feedback on the same request answers ``stored: "duplicate"`` and changes nothing.
 Errors: 400 ``invalid_request`` (body), 401 (key), 404 ``request_not_found``, 503 ``outcomes_unavailable``

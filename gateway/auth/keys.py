@@ -13,12 +13,13 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Protocol
 
-from gateway.config import AuthConfig, KeyConfig
+from gateway.config import AuthConfig
 from gateway.errors import AuthError
 
 DEV_KEY_ID = "dev"
@@ -44,12 +45,15 @@ class KeyInfo:
     over_cap: str = "clamp"  # clamp | refuse (400) a max_tokens / thinking budget above the cap
 
     @classmethod
-    def from_config(cls, k: KeyConfig) -> KeyInfo:
+    def of(cls, k: KeySource) -> KeyInfo:
+        """The caller identity of a declared key (:class:`gateway.config.KeyConfig`) or a stored one
+        (:class:`gateway.auth.redis_store.KeyRecord`, whose budgets are decimal strings). Raises
+        ``decimal.InvalidOperation`` for a budget that is not a decimal."""
         return cls(
             id=k.id,
             tags=dict(k.tags),
-            budget_usd_day=k.budget_usd_day,
-            budget_usd_month=k.budget_usd_month,
+            budget_usd_day=Decimal(k.budget_usd_day) if k.budget_usd_day is not None else None,
+            budget_usd_month=Decimal(k.budget_usd_month) if k.budget_usd_month is not None else None,
             rpm=k.rpm,
             tpm=k.tpm,
             cache_namespace=k.cache_namespace,
@@ -58,6 +62,34 @@ class KeyInfo:
             max_thinking_budget=k.max_thinking_budget,
             over_cap=k.over_cap,
         )
+
+
+class KeySource(Protocol):
+    """What :meth:`KeyInfo.of` reads: the fields :class:`gateway.config.KeyConfig` and
+    :class:`gateway.auth.redis_store.KeyRecord` share (budgets in USD, a Decimal or a decimal string)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def tags(self) -> Mapping[str, str]: ...
+    @property
+    def budget_usd_day(self) -> Decimal | str | None: ...
+    @property
+    def budget_usd_month(self) -> Decimal | str | None: ...
+    @property
+    def rpm(self) -> int | None: ...
+    @property
+    def tpm(self) -> int | None: ...
+    @property
+    def cache_namespace(self) -> str | None: ...
+    @property
+    def allowed_tiers(self) -> Sequence[str] | None: ...
+    @property
+    def on_disallowed_tier(self) -> str: ...
+    @property
+    def max_thinking_budget(self) -> int | None: ...
+    @property
+    def over_cap(self) -> str: ...
 
 
 def sha256_hex(secret: str) -> str:
@@ -89,7 +121,7 @@ class KeyStore:
         self.require_key = cfg.require_key
         self.redis_store = redis_store
         self._entries: list[tuple[bytes, KeyInfo]] = [
-            (bytes.fromhex(k.secret_sha256 or ""), KeyInfo.from_config(k)) for k in cfg.keys
+            (bytes.fromhex(k.secret_sha256 or ""), KeyInfo.of(k)) for k in cfg.keys
         ]
         if cfg.admin_key_sha256:
             self._entries.append((bytes.fromhex(cfg.admin_key_sha256), KeyInfo(id="admin", is_admin=True)))

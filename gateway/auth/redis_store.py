@@ -87,21 +87,6 @@ class KeyRecord:
         d = orjson.loads(raw)
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
-    def key_info(self) -> KeyInfo:
-        return KeyInfo(
-            id=self.id,
-            tags=dict(self.tags),
-            budget_usd_day=Decimal(self.budget_usd_day) if self.budget_usd_day is not None else None,
-            budget_usd_month=Decimal(self.budget_usd_month) if self.budget_usd_month is not None else None,
-            rpm=self.rpm,
-            tpm=self.tpm,
-            cache_namespace=self.cache_namespace,
-            allowed_tiers=tuple(self.allowed_tiers) if self.allowed_tiers is not None else None,
-            on_disallowed_tier=self.on_disallowed_tier,
-            max_thinking_budget=self.max_thinking_budget,
-            over_cap=self.over_cap,
-        )
-
     def public(self) -> dict[str, Any]:
         """The record without the digest (what ``keys list`` shows)."""
         d = asdict(self)
@@ -213,7 +198,7 @@ class RedisKeyStore:
                 return cached[0]
             raise KeyStoreUnavailable("the key store is unreachable; retry later",
                                       headers={"retry-after": str(max(1, int(self.breaker.cooldown_s)))}) from None
-        info = KeyRecord.from_json(raw).key_info() if raw is not None else None
+        info = KeyInfo.of(KeyRecord.from_json(raw)) if raw is not None else None
         self._cache[sha256_hex] = (info, now)
         self._cache.move_to_end(sha256_hex)
         while len(self._cache) > LOOKUP_CACHE_MAX:

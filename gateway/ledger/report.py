@@ -185,40 +185,37 @@ def _bucket_order(label: str) -> tuple[int, str]:
     return (1, label) if label == UNSCORED else (0, label)
 
 
-def build(events: Iterable[UsageEvent], long_tier: str, long_prices: Prices, n_buckets: int = 10,
-          since: float | None = None, until: float | None = None, key: str | None = None) -> SavingsReport:
-    """The report over ``events`` (already filtered by period and key). See the module doc."""
-    tiers: dict[str, TierSpend] = {}
-    buckets: dict[str, BucketRow] = {}
-    n_events = 0
-    requests: list[UsageEvent] = []
-    # escalated first attempts are paid; they belong to the bucket of the request they were part of
-    for ev in events:
-        if ev.audit:  # refused requests: no tier spend, no savings
-            continue
-        n_events += 1
-        name = ev.tier or "_unrouted"
-        t = tiers.setdefault(name, TierSpend(name))
-        t.events += 1
-        t.cache_hits += int(ev.cached)
-        t.cost_micro_usd += ev.cost_micro_usd
-        t.saved_micro_usd += ev.saved_micro_usd
-        if not ev.cached:
-            t.prompt_tokens += ev.prompt_tokens
-            t.completion_tokens += ev.completion_tokens
-            t.reasoning_tokens += ev.reasoning_tokens
-        row = buckets.setdefault(bucket_of(ev.difficulty, n_buckets), BucketRow(bucket_of(ev.difficulty, n_buckets)))
-        if counts_as_request(ev) or (ev.error_code or "").startswith("escalated_"):
-            row.cost_micro_usd += ev.cost_micro_usd
-            row.saved_micro_usd += ev.saved_micro_usd
-        if counts_as_request(ev):
-            row.requests += 1
-            requests.append(ev)
-        if is_long_sample(ev, long_tier):
-            row.long_samples += 1
-            row.long_completion_sum += ev.completion_tokens
-            row.long_reasoning_sum += ev.reasoning_tokens
+def _add_to_tier(t: TierSpend, ev: UsageEvent) -> None:
+    """Count one billed event into its tier's spend (tokens only when not served from the cache)."""
+    t.events += 1
+    t.cache_hits += int(ev.cached)
+    t.cost_micro_usd += ev.cost_micro_usd
+    t.saved_micro_usd += ev.saved_micro_usd
+    if not ev.cached:
+        t.prompt_tokens += ev.prompt_tokens
+        t.completion_tokens += ev.completion_tokens
+        t.reasoning_tokens += ev.reasoning_tokens
 
+
+def _add_to_bucket(row: BucketRow, ev: UsageEvent, long_tier: str) -> bool:
+    """Count one billed event into its difficulty bucket; True when it counts as a request (the always-long
+    price is computed over those). Escalated first attempts are paid: their cost stays with the bucket."""
+    request = counts_as_request(ev)
+    if request or (ev.error_code or "").startswith("escalated_"):
+        row.cost_micro_usd += ev.cost_micro_usd
+        row.saved_micro_usd += ev.saved_micro_usd
+    if request:
+        row.requests += 1
+    if is_long_sample(ev, long_tier):
+        row.long_samples += 1
+        row.long_completion_sum += ev.completion_tokens
+        row.long_reasoning_sum += ev.reasoning_tokens
+    return request
+
+
+def _long_means(buckets: dict[str, BucketRow], long_tier: str) -> tuple[Decimal | None, list[str]]:
+    """Each bucket's mean long-tier completion tokens (measured, or the long tier's overall mean as a fallback);
+    returns ``(overall mean or None, notes)``."""
     total_samples = sum(b.long_samples for b in buckets.values())
     overall = (Decimal(sum(b.long_completion_sum for b in buckets.values())) / total_samples
                if total_samples else None)
@@ -236,7 +233,28 @@ def build(events: Iterable[UsageEvent], long_tier: str, long_prices: Prices, n_b
     elif fallback:
         notes.append(f"buckets without long-tier events use the long tier's overall mean "
                      f"({overall:.1f} completion tokens): {', '.join(fallback)}")
+    return overall, notes
 
+
+def build(events: Iterable[UsageEvent], long_tier: str, long_prices: Prices, n_buckets: int = 10,
+          since: float | None = None, until: float | None = None, key: str | None = None) -> SavingsReport:
+    """The report over ``events`` (already filtered by period and key). See the module doc."""
+    tiers: dict[str, TierSpend] = {}
+    buckets: dict[str, BucketRow] = {}
+    n_events = 0
+    requests: list[UsageEvent] = []
+    # escalated first attempts are paid; they belong to the bucket of the request they were part of
+    for ev in events:
+        if ev.audit:  # refused requests: no tier spend, no savings
+            continue
+        n_events += 1
+        name = ev.tier or "_unrouted"
+        _add_to_tier(tiers.setdefault(name, TierSpend(name)), ev)
+        row = buckets.setdefault(bucket_of(ev.difficulty, n_buckets), BucketRow(bucket_of(ev.difficulty, n_buckets)))
+        if _add_to_bucket(row, ev, long_tier):
+            requests.append(ev)
+
+    overall, notes = _long_means(buckets, long_tier)
     p = long_prices
     for ev in requests:
         row = buckets[bucket_of(ev.difficulty, n_buckets)]

@@ -221,9 +221,9 @@ class Accounting:
             return self._known[key_id]
         for k in self.settings.auth.keys:
             if k.id == key_id:
-                return KeyInfo.from_config(k)
+                return KeyInfo.of(k)
         rec = await self.keystore.get(key_id)
-        return rec.key_info() if rec is not None else None
+        return KeyInfo.of(rec) if rec is not None else None
 
     def _remember(self, key: KeyInfo) -> None:
         if key.id not in self._known and len(self._known) >= KNOWN_KEYS_MAX:

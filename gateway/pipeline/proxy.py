@@ -118,7 +118,7 @@ class Proxy:
         telemetry: Telemetry | None = None,
     ) -> None:
         self.settings = settings
-        self.telemetry = telemetry  # OpenTelemetry traces (gateway/telemetry.py); None = off
+        self.telemetry = telemetry  # OpenTelemetry traces (gateway/observability/telemetry.py); None = off
         self.keys = keys
         self.routing = routing
         self.upstreams = upstreams
@@ -349,7 +349,7 @@ class Proxy:
         record.mark_first_byte()
         headers = {**route_headers(ex.route, record), CACHE_HEADER: "hit"}
         ticket = ex.ticket
-        if ticket.similarity is not None:  # a similar question's answer (gateway/state/semantic_cache.py)
+        if ticket.similarity is not None:  # a similar question's answer (gateway/semantic/cache.py)
             record.cache_request_id = ticket.source_request_id
             record.cache_similarity = ticket.similarity
             headers[CACHE_HEADER] = "semantic-hit"

@@ -33,7 +33,7 @@ from gateway.pipeline.routing import RouteDecision
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys, key_tenant
 from gateway.state.redis import RedisHandle
-from gateway.upstream.balancer import content_text
+from gateway.upstream.balancer import key_text
 
 log = logging.getLogger("thinkgate.sessions")
 
@@ -53,8 +53,8 @@ def session_of(key_id: str, body: dict[str, Any]) -> str | None:
         if not isinstance(msgs, list):
             return None
         dicts = [m for m in msgs if isinstance(m, dict)]
-        system = next((content_text(m.get("content")) for m in dicts if m.get("role") == "system"), "")
-        user = next((content_text(m.get("content")) for m in dicts if m.get("role") == "user"), None)
+        system = next((key_text(m.get("content")) for m in dicts if m.get("role") == "system"), "")
+        user = next((key_text(m.get("content")) for m in dicts if m.get("role") == "user"), None)
         if user is None:
             return None
         raw = "h:" + system + "\x00" + user

@@ -1,7 +1,7 @@
 """The semantic cache's index in Redis: LSH band buckets as Redis keys, one round trip per lookup.
 
 Keys (``p`` = prefix, ``t`` = 16-hex tenant tag of the cache scope, ``c`` = the bucket: 16 hex of the
-context key and 8 hex of the question's numbers in order, see ``gateway/state/semantic_cache.py``):
+context key and 8 hex of the question's numbers in order, see ``gateway/semantic/cache.py``):
 
 ==========================================  ======  =====================================================
 key                                          type    contents

@@ -36,7 +36,9 @@ def max_tokens_bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _text_of(content: Any) -> str | None:
+def _text_only(content: Any) -> str | None:
+    """The text of a message ``content`` that is text only (a string, or parts all of type ``text``, joined by
+    newlines); None when any part is not text (an image, audio, a file: not a text question)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -66,7 +68,7 @@ def question(scope: str, endpoint: str, tier: str, upstream_body: Mapping[str, A
                     if isinstance(messages[i], dict) and messages[i].get("role") == "user"), None)
         if idx is None:
             return None
-        text = _text_of(messages[idx].get("content"))
+        text = _text_only(messages[idx].get("content"))
         messages[idx] = {**messages[idx], "content": None}
     else:
         text = body.get("prompt") if isinstance(body.get("prompt"), str) else None

@@ -66,8 +66,10 @@ _AFFINITY: ContextVar[bytes | None] = ContextVar("thinkgate_upstream_affinity", 
 Probe = Callable[["Replica", float], Awaitable[bool]]
 
 
-def content_text(content: Any) -> str:
-    """The text of a chat message's ``content``: a string as is, a list of parts their ``text`` joined, else ""."""
+def key_text(content: Any) -> str:
+    """The text a key is made of (the affinity key here, the session key in :mod:`gateway.pipeline.sessions`): a
+    message ``content`` string as is, a list of parts their ``text`` concatenated whatever their type, else "".
+    Not the text the router reads (:func:`router.window.message_text`: text parts only, newline-joined)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -86,7 +88,7 @@ def conversation_key(body: dict[str, Any]) -> bytes | None:
         parts: list[str] = []
         for m in msgs:
             if isinstance(m, dict):
-                parts.append(f"{m.get('role')}\x00{content_text(m.get('content'))}")
+                parts.append(f"{m.get('role')}\x00{key_text(m.get('content'))}")
                 if m.get("role") == "user":
                     break
         text = "\x01".join(parts)

@@ -229,55 +229,64 @@ class UpstreamPool:
             if attempt and replica in tried:  # the same upstream again: give it time
                 await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (attempt - 1)) * (0.5 + random.random()))
             tried.append(replica)
-            url = self._url(replica.url, path)
-            resp: aiohttp.ClientResponse | None = None
-            ok: bool | None = False  # the call's outcome for the replica (None: cancelled, no verdict)
-            owned = True  # this attempt ends the replica's call (a returned stream ends it when closed)
-            try:
-                resp = await session.post(url, data=body, headers=headers, timeout=timeout)
-                if 200 <= resp.status < 300:
-                    if stream:
-                        owned = False
-                        return AioResponse(resp, tier, on_close=functools.partial(pool.end, replica))
-                    content = await resp.read()
-                    resp.release()
-                    ok = True
-                    return AioResponse(resp, tier, content)
-                err_body = await resp.read()
-                resp.release()
-                ok = resp.status < 500
-            except aiohttp.ConnectionTimeoutError:
-                last = UpstreamConnectTimeout(f"upstream of tier {tier.name!r} did not accept a connection in time")
-                continue
-            except (TimeoutError, aiohttp.ServerTimeoutError):
-                if resp is not None:
-                    resp.close()
-                raise UpstreamTimeout(
-                    f"upstream of tier {tier.name!r} did not answer within {tier.read_timeout_s} s"
-                ) from None
-            except _CONNECTION_ERRORS as exc:
-                if resp is not None:
-                    resp.close()
-                last = UpstreamUnavailable(f"upstream of tier {tier.name!r} unreachable: {type(exc).__name__}: {exc}")
-                continue
-            except aiohttp.ClientError as exc:
-                if resp is not None:
-                    resp.close()
-                raise UpstreamError(f"upstream of tier {tier.name!r} failed: {type(exc).__name__}: {exc}") from None
-            except BaseException:  # cancelled (the client went away): do not leave the connection half-read
-                ok = None
-                if resp is not None:
-                    resp.close()
-                raise
-            finally:
-                if owned:
-                    pool.end(replica, ok)
-            last = error_for_status(tier, resp.status, err_body, resp.reason)
-            if resp.status not in RETRY_STATUSES:
-                raise last
-            log.info("upstream %s (%s) answered %s (attempt %d)", tier.name, url, resp.status, attempt + 1)
+            got = await self._attempt(session, pool, replica, tier, path, body, headers, timeout, stream, attempt)
+            if isinstance(got, AioResponse):
+                return got
+            last = got
         assert last is not None
         raise last
+
+    async def _attempt(self, session: aiohttp.ClientSession, pool: TierPool, replica: Replica, tier: TierConfig,
+                       path: str, body: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout,
+                       stream: bool, attempt: int) -> AioResponse | GatewayError:
+        """One POST to ``replica`` (:meth:`open`'s loop): the 2xx response, or the error worth a retry
+        (connection refused or timed out, 502/503); raises the errors that end the call."""
+        url = self._url(replica.url, path)
+        resp: aiohttp.ClientResponse | None = None
+        ok: bool | None = False  # the call's outcome for the replica (None: cancelled, no verdict)
+        owned = True  # this attempt ends the replica's call (a returned stream ends it when closed)
+        try:
+            resp = await session.post(url, data=body, headers=headers, timeout=timeout)
+            if 200 <= resp.status < 300:
+                if stream:
+                    owned = False
+                    return AioResponse(resp, tier, on_close=functools.partial(pool.end, replica))
+                content = await resp.read()
+                resp.release()
+                ok = True
+                return AioResponse(resp, tier, content)
+            err_body = await resp.read()
+            resp.release()
+            ok = resp.status < 500
+        except aiohttp.ConnectionTimeoutError:
+            return UpstreamConnectTimeout(f"upstream of tier {tier.name!r} did not accept a connection in time")
+        except (TimeoutError, aiohttp.ServerTimeoutError):
+            if resp is not None:
+                resp.close()
+            raise UpstreamTimeout(
+                f"upstream of tier {tier.name!r} did not answer within {tier.read_timeout_s} s"
+            ) from None
+        except _CONNECTION_ERRORS as exc:
+            if resp is not None:
+                resp.close()
+            return UpstreamUnavailable(f"upstream of tier {tier.name!r} unreachable: {type(exc).__name__}: {exc}")
+        except aiohttp.ClientError as exc:
+            if resp is not None:
+                resp.close()
+            raise UpstreamError(f"upstream of tier {tier.name!r} failed: {type(exc).__name__}: {exc}") from None
+        except BaseException:  # cancelled (the client went away): do not leave the connection half-read
+            ok = None
+            if resp is not None:
+                resp.close()
+            raise
+        finally:
+            if owned:
+                pool.end(replica, ok)
+        err = error_for_status(tier, resp.status, err_body, resp.reason)
+        if resp.status not in RETRY_STATUSES:
+            raise err
+        log.info("upstream %s (%s) answered %s (attempt %d)", tier.name, url, resp.status, attempt + 1)
+        return err
 
     async def _get_or_post(self, method: str, url: str, tier: TierConfig | None, timeout: aiohttp.ClientTimeout,
                            payload: bytes | None = None) -> tuple[int, bytes]:

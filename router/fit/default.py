@@ -40,10 +40,10 @@ from router.fit.calibrate import fraction_at_or_above, threshold_for_quality_los
 from router.fit.evaluate import EvalResult, evaluate_scores, outcomes_of, plot_curves, render_table
 from router.fit.fitter import fit_router
 from router.fit.jsonl import read_jsonl, sha256_files
-from router.fit.labels import LabelledItem, from_difficulty, from_outcome_pairs
+from router.fit.labels import LabelledItem, from_difficulty, from_outcome_pairs, items_from_rows
 from router.model import ModelConfig
 from router.persistence import save_router
-from router.tasks.rows import items_from_rows, task_rows
+from router.tasks.rows import task_rows
 
 REPO = Path(__file__).resolve().parents[2]
 MATH_TRAIN = REPO / "data" / "math" / "train.jsonl.gz"

@@ -1,51 +1,16 @@
-"""JSONL helpers: read/write one JSON object per line, gzip by file suffix, content hashes."""
+"""Content hashes of training data; the JSONL reader and writer live in :mod:`router.jsonl` (re-exported here)."""
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import io
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from router.jsonl import open_text, read_jsonl, write_jsonl
 
-def open_text(path: str | Path, mode: str = "r") -> IO[str]:
-    """Open ``path`` as UTF-8 text; ``.gz`` files through gzip. ``mode``: "r", "w" or "a"."""
-    p = Path(path)
-    if p.suffix == ".gz":
-        return io.TextIOWrapper(gzip.GzipFile(p, mode + "b"), encoding="utf-8")
-    return open(p, mode, encoding="utf-8")
-
-
-def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Yield each non-blank line of ``path`` parsed as a JSON object.
-
-    Raises ValueError naming the file and line for a line that is not a JSON object.
-    """
-    with open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object")
-            yield obj
-
-
-def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> int:
-    """Write ``rows`` to ``path`` (overwriting), one compact JSON object per line. Returns the row count."""
-    n = 0
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open_text(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
-            n += 1
-    return n
+__all__ = ["open_text", "read_jsonl", "sha256_files", "sha256_rows", "write_jsonl"]
 
 
 def sha256_files(paths: Iterable[str | Path]) -> str:

@@ -126,6 +126,14 @@ def from_difficulty(
         )
 
 
+def items_from_rows(rows: Iterable[dict[str, Any]], threshold: float, source: str) -> list[LabelledItem]:
+    """Question rows (:func:`router.tasks.rows.task_rows`: ``{"id", "question", "difficulty", "group", …}``) →
+    labelled items with ``label = difficulty ≥ threshold`` (source 1, :func:`from_difficulty` over those fields).
+    """
+    return list(from_difficulty(rows, threshold=threshold, text_field="question", difficulty_field="difficulty",
+                                group_field="group", id_field="id", source=source))
+
+
 def from_outcome_pairs(
     rows: Iterable[dict[str, Any]],
     *,

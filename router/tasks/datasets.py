@@ -11,17 +11,16 @@ Difficulty: GSM8K has no level, so it is the number of ``<<calc>>`` annotations 
 
 from __future__ import annotations
 
-import gzip
-import json
 import random
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from functools import lru_cache
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 from router.errors import require
+from router.jsonl import read_jsonl
 from router.tasks.base import Problem, answer_region, extract_answer
 
 #: The train splits: in a source checkout only (``<repo>/data``), not in the wheel.
@@ -47,19 +46,11 @@ def data_file(name: str, split: str) -> Path:
     return path
 
 
-def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                yield json.loads(line)
-
-
 @lru_cache(maxsize=8)
 def _all(name: str, split: str) -> tuple[Problem, ...]:
     path = data_file(name, split)
     out: list[Problem] = []
-    for i, rec in enumerate(_read_jsonl(path)):
+    for i, rec in enumerate(read_jsonl(path)):
         if name == "gsm8k":
             solution, _, final = rec["answer"].rpartition("####")
             answer = final.strip().replace(",", "")

@@ -1,4 +1,5 @@
-"""Bridge to the project's verifiable tasks (:mod:`router.tasks`): question rows and labelled items.
+"""Bridge to the project's verifiable tasks (:mod:`router.tasks`): question rows (labelled items from them:
+:func:`router.fit.labels.items_from_rows`).
 
 A question row (input of ``thinkgate router label gateway``) is
 ``{"id", "question", "answer", "task", "difficulty", "group"}``.
@@ -6,11 +7,10 @@ A question row (input of ``thinkgate router label gateway``) is
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from router.fit.labels import LabelledItem
 from router.tasks.base import Problem
 
 #: arith levels used when none are given (the task's default 1–6 plus 7, one step past the training curriculum)
@@ -61,17 +61,3 @@ def task_rows(
         for p in problems
     ]
 
-
-def items_from_rows(rows: Iterable[dict[str, Any]], threshold: float, source: str) -> list[LabelledItem]:
-    """Question rows → labelled items with ``label = difficulty ≥ threshold`` (label source 1)."""
-    return [
-        LabelledItem(
-            id=str(r["id"]),
-            text=str(r["question"]),
-            label=int(float(r["difficulty"]) >= threshold),
-            source=f"{source}>={threshold:g}",
-            group=str(r.get("group") or ""),
-            meta={"difficulty": r["difficulty"]},
-        )
-        for r in rows
-    ]

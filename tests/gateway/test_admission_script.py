@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench._lib.redis_keys import delete_prefix
 from gateway.config import LevelBudget, LimitsConfig
 from gateway.errors import RateLimited
 from gateway.ledger.event import UsageEvent
@@ -174,8 +175,7 @@ def test_property_hard_mode_never_overspends_any_level(redis_url: str, tmp_path:
             for h in (k.reservations("a"), k.reservations("b"), k.level_reservations("tag", "team=x"),
                       k.level_reservations("tag", "dept=y"), k.level_reservations("global", "global")):
                 assert await r.hlen(h) == 0  # every reservation settled or rolled back
-            for key in [x async for x in r.scan_iter(match=prefix + "*", count=1000)]:
-                await r.delete(key)
+            delete_prefix(redis_url, prefix)
 
     asyncio.run(run())
 

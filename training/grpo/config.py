@@ -387,40 +387,15 @@ def from_dict(cls: type[Any], data: Any, path: str = "") -> Any:
 
 
 def validate(cfg: RunConfig) -> RunConfig:
-    """Cross-field checks that need no heavy imports (TRL keys are checked in the trainer)."""
-    from training.grpo.rewards import REWARD_REGISTRY
-
-    if not cfg.rewards:
-        raise ConfigError("rewards: at least one reward is required")
-    names = cfg.reward_names()
-    if len(set(names)) != len(names):
-        raise ConfigError(f"rewards: names must be unique, got {names}")
-    for r in cfg.rewards:
-        if r.name not in REWARD_REGISTRY:
-            raise ConfigError(f"rewards.{r.name}: unknown reward; known: {sorted(REWARD_REGISTRY)}")
+    """Cross-field checks that need no heavy imports (TRL keys are checked in the trainer), section by section in
+    a fixed order (the first failing check is the one reported). Returns ``cfg``; raises :class:`ConfigError`
+    naming the field."""
+    names = _check_rewards(cfg)
     g = cfg.trl_kwargs().get("num_generations", 8)
     if not isinstance(g, int) or g < 2:
         raise ConfigError(f"trl.num_generations: GRPO needs a group of at least 2, got {g!r}")
-    ds = cfg.dynamic_sampling
-    if ds.max_rounds < 1:
-        raise ConfigError("dynamic_sampling.max_rounds: must be >= 1")
-    if ds.oversample < 1.0:
-        raise ConfigError("dynamic_sampling.oversample: must be >= 1.0")
-    for p in ("skip_probability", "hard_keep_share"):
-        if not 0.0 <= getattr(ds, p) <= 1.0:
-            raise ConfigError(f"dynamic_sampling.{p}: must be in [0, 1]")
-    if ds.skip_after < 1:
-        raise ConfigError("dynamic_sampling.skip_after: must be >= 1")
-    if cfg.budget_prompt.min_tokens < 1 or cfg.budget_prompt.max_tokens < cfg.budget_prompt.min_tokens:
-        raise ConfigError("budget_prompt: need 1 <= min_tokens <= max_tokens")
-    if any(n in names for n in ("l1_exact", "l1_max")) and not cfg.budget_prompt.enabled:
-        raise ConfigError("rewards: l1_exact/l1_max need budget_prompt.enabled: true (the budget column)")
-    if "dial_length" in names and not cfg.budget_prompt.enabled:
-        raise ConfigError("rewards: dial_length needs budget_prompt.enabled: true (the budget column)")
-    if not 0.0 <= cfg.budget_prompt.unlimited_fraction < 1.0:
-        raise ConfigError("budget_prompt.unlimited_fraction: must be in [0, 1)")
-    if cfg.budget_prompt.unlimited_fraction > 0 and any(n in names for n in ("l1_exact", "l1_max")):
-        raise ConfigError("budget_prompt.unlimited_fraction: l1_exact/l1_max need a budget on every row (dial_length)")
+    _check_dynamic_sampling(cfg.dynamic_sampling)
+    _check_budget_prompt(cfg.budget_prompt, names)
     trl = cfg.trl_kwargs()
     if cfg.model.dtype == "bfloat16" and not trl.get("deepspeed") and not _deepspeed_launch():
         raise ConfigError(
@@ -436,27 +411,10 @@ def validate(cfg: RunConfig) -> RunConfig:
             "advantages.signal: reward"
         )
     _check_scale_preserving(cfg, names)
-    try:
-        prices = cfg.ledger.prices()
-    except Exception as e:  # decimal.InvalidOperation
-        raise ConfigError(f"ledger.price_usd_per_device_hour: not a decimal ({e})") from e
-    if any(p < 0 for p in prices.values()):
-        raise ConfigError("ledger.price_usd_per_device_hour: prices must be >= 0")
-    if cfg.ledger.budget_usd is not None:
-        try:
-            Decimal(cfg.ledger.budget_usd)
-        except Exception as e:
-            raise ConfigError(f"ledger.budget_usd: not a decimal: {cfg.ledger.budget_usd!r}") from e
+    _check_ledger_money(cfg.ledger)
     if cfg.eval.temperature < 0 or cfg.eval.samples < 1 or (cfg.eval.samples > 1 and cfg.eval.temperature == 0):
         raise ConfigError("eval: temperature >= 0, samples >= 1, and samples > 1 only with temperature > 0")
-    if cfg.ledger.extra_devices < 0:
-        raise ConfigError("ledger.extra_devices: must be >= 0")
-    if not 0 < cfg.ledger.warn_fraction <= 1:
-        raise ConfigError("ledger.warn_fraction: must be in (0, 1]")
-    if cfg.ledger.past_warning == "continue_below_floor" and cfg.ledger.quality_floor is None:
-        raise ConfigError("ledger.past_warning: continue_below_floor needs ledger.quality_floor")
-    if cfg.ledger.quality_floor is not None and not cfg.eval.every_steps:
-        raise ConfigError("ledger.quality_floor: needs eval.every_steps (the floor is read from the periodic check)")
+    _check_ledger_limits(cfg)
     st = cfg.storage
     try:
         from training.storage import Policy
@@ -468,6 +426,77 @@ def validate(cfg: RunConfig) -> RunConfig:
         if r.patience < 1 or r.window < 2:
             raise ConfigError(f"monitors.rules.{r.name}: patience >= 1 and window >= 2 required")
     return cfg
+
+
+def _check_rewards(cfg: RunConfig) -> list[str]:
+    """At least one reward, unique names, each registered; returns the names."""
+    from training.grpo.rewards import REWARD_REGISTRY
+
+    if not cfg.rewards:
+        raise ConfigError("rewards: at least one reward is required")
+    names = cfg.reward_names()
+    if len(set(names)) != len(names):
+        raise ConfigError(f"rewards: names must be unique, got {names}")
+    for r in cfg.rewards:
+        if r.name not in REWARD_REGISTRY:
+            raise ConfigError(f"rewards.{r.name}: unknown reward; known: {sorted(REWARD_REGISTRY)}")
+    return names
+
+
+def _check_dynamic_sampling(ds: DynamicSamplingConfig) -> None:
+    """Rounds and skip counts >= 1, oversampling >= 1, probabilities in [0, 1]."""
+    if ds.max_rounds < 1:
+        raise ConfigError("dynamic_sampling.max_rounds: must be >= 1")
+    if ds.oversample < 1.0:
+        raise ConfigError("dynamic_sampling.oversample: must be >= 1.0")
+    for p in ("skip_probability", "hard_keep_share"):
+        if not 0.0 <= getattr(ds, p) <= 1.0:
+            raise ConfigError(f"dynamic_sampling.{p}: must be in [0, 1]")
+    if ds.skip_after < 1:
+        raise ConfigError("dynamic_sampling.skip_after: must be >= 1")
+
+
+def _check_budget_prompt(bp: BudgetPromptConfig, names: list[str]) -> None:
+    """Token range, and the budget column that the budget-reading rewards (``l1_*``, ``dial_length``) need."""
+    if bp.min_tokens < 1 or bp.max_tokens < bp.min_tokens:
+        raise ConfigError("budget_prompt: need 1 <= min_tokens <= max_tokens")
+    l1 = any(n in names for n in ("l1_exact", "l1_max"))
+    if l1 and not bp.enabled:
+        raise ConfigError("rewards: l1_exact/l1_max need budget_prompt.enabled: true (the budget column)")
+    if "dial_length" in names and not bp.enabled:
+        raise ConfigError("rewards: dial_length needs budget_prompt.enabled: true (the budget column)")
+    if not 0.0 <= bp.unlimited_fraction < 1.0:
+        raise ConfigError("budget_prompt.unlimited_fraction: must be in [0, 1)")
+    if bp.unlimited_fraction > 0 and l1:
+        raise ConfigError("budget_prompt.unlimited_fraction: l1_exact/l1_max need a budget on every row (dial_length)")
+
+
+def _check_ledger_money(lc: LedgerConfig) -> None:
+    """Device-hour prices are decimals >= 0; the dollar budget, when set, a decimal."""
+    try:
+        prices = lc.prices()
+    except Exception as e:  # decimal.InvalidOperation
+        raise ConfigError(f"ledger.price_usd_per_device_hour: not a decimal ({e})") from e
+    if any(p < 0 for p in prices.values()):
+        raise ConfigError("ledger.price_usd_per_device_hour: prices must be >= 0")
+    if lc.budget_usd is not None:
+        try:
+            Decimal(lc.budget_usd)
+        except Exception as e:
+            raise ConfigError(f"ledger.budget_usd: not a decimal: {lc.budget_usd!r}") from e
+
+
+def _check_ledger_limits(cfg: RunConfig) -> None:
+    """Extra devices >= 0, warning fraction in (0, 1], and the quality floor with what it needs."""
+    lc = cfg.ledger
+    if lc.extra_devices < 0:
+        raise ConfigError("ledger.extra_devices: must be >= 0")
+    if not 0 < lc.warn_fraction <= 1:
+        raise ConfigError("ledger.warn_fraction: must be in (0, 1]")
+    if lc.past_warning == "continue_below_floor" and lc.quality_floor is None:
+        raise ConfigError("ledger.past_warning: continue_below_floor needs ledger.quality_floor")
+    if lc.quality_floor is not None and not cfg.eval.every_steps:
+        raise ConfigError("ledger.quality_floor: needs eval.every_steps (the floor is read from the periodic check)")
 
 
 def _deepspeed_launch() -> bool:

@@ -31,6 +31,8 @@ from decimal import ROUND_HALF_EVEN, Decimal
 from pathlib import Path
 from typing import Any
 
+from router.jsonl import read_jsonl
+
 logger = logging.getLogger(__name__)
 
 PHASES = ("startup", "sampling", "reward", "update", "eval", "io")
@@ -354,30 +356,18 @@ class CostLedger:
         self.warned = set(st.get("warned", []))
         self.last_row = st.get("last_row")
         self.stop_reason = None
-        keep, drop = [], []
-        max_segment = int(st.get("segment", 0))
         ckpt_seq = st.get("seq")  # None: a state written before rows had sequence numbers (keep by step)
-        max_seq = int(ckpt_seq or 0)
         discarded_path = self.run_dir / DISCARDED_FILE
-        for path in (self.path, discarded_path):
-            if path.is_file():
-                for line in path.read_text().splitlines():
-                    if line.strip():
-                        r = json.loads(line)
-                        max_seq = max(max_seq, int(r.get("seq", 0)))
-                        max_segment = max(max_segment, int(r.get("segment", 0)))
-        if self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                if ckpt_seq is not None and "seq" in row:
-                    kept = int(row["seq"]) <= int(ckpt_seq)
-                else:
-                    kept = row["step"] <= self.last_step
-                (keep if kept else drop).append(row)
-        self.segment = max_segment + 1
-        self.seq = max_seq
+        written = [*read_jsonl(self.path, missing_ok=True), *read_jsonl(discarded_path, missing_ok=True)]
+        self.segment = max([int(st.get("segment", 0))] + [int(r.get("segment", 0)) for r in written]) + 1
+        self.seq = max([int(ckpt_seq or 0)] + [int(r.get("seq", 0)) for r in written])
+        keep, drop = [], []
+        for row in read_jsonl(self.path, missing_ok=True):
+            if ckpt_seq is not None and "seq" in row:
+                kept = int(row["seq"]) <= int(ckpt_seq)
+            else:
+                kept = row["step"] <= self.last_step
+            (keep if kept else drop).append(row)
         if not self.writer:
             self.discarded = {k: self.discarded[k] + sum(int(r.get(k, 0)) for r in drop) for k in _TOTAL_KEYS}
             return
@@ -388,18 +378,12 @@ class CostLedger:
         self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
         # Discarded spend = every row ever abandoned (the append-only file), whatever checkpoint we came back to.
         if discarded_path.is_file():
-            self.discarded = dict.fromkeys(_TOTAL_KEYS, 0)
-            for line in discarded_path.read_text().splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    for k in _TOTAL_KEYS:
-                        self.discarded[k] += int(row.get(k, 0))
+            abandoned = list(read_jsonl(discarded_path))
+            self.discarded = {k: sum(int(row.get(k, 0)) for row in abandoned) for k in _TOTAL_KEYS}
 
     # -- outputs -------------------------------------------------------------------------------------------------
     def rows(self) -> list[dict[str, Any]]:
-        if not self.path.is_file():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return list(read_jsonl(self.path, missing_ok=True))
 
     def write_parquet(self) -> Path | None:
         rows = self.rows()

@@ -3,16 +3,15 @@ ratio, cost vs optimizer step (matplotlib, Agg backend)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from router.jsonl import read_jsonl
+
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return list(read_jsonl(path, missing_ok=True))
 
 
 def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:

@@ -1,5 +1,6 @@
 """One GRPO run end to end: config -> data -> rewards -> trainer + callbacks -> train/resume -> model, card, tier
-snippet, ledger summary and plots in the run directory.
+snippet, ledger summary and plots in the run directory. :func:`run_grpo` is three steps over a :class:`GRPORun`:
+:func:`build_run` (after :func:`prepare_run_dir`), :func:`train_run`, :func:`report_run`.
 
 Run directory layout::
 
@@ -19,7 +20,8 @@ import logging
 import os
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -253,6 +255,52 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
 
 
+@dataclass
+class GRPORun:
+    """What one run's build step hands its train and report steps (:func:`run_grpo`).
+
+    ``run_dir``: the run directory; ``checkpoint``: the checkpoint resumed from (None: a fresh run);
+    ``process_t0``: ``time.perf_counter()`` at process start (the ledger bills start-up from it); ``model_path``:
+    the base model directory; ``dtype``: the torch dtype of ``cfg.model.dtype``; ``eval_rows``: the held-out
+    problem rows; ``trl_kw``: the resolved ``trl:`` options; ``max_len``: ``max_completion_length`` (tokens);
+    ``evaluate_rows(model, rows)``: the held-out summary of ``model`` on ``rows``; ``zero3``: DeepSpeed ZeRO-3 on;
+    the rest are the trainer, the cost ledger and the callbacks wired into it.
+    """
+
+    cfg: RunConfig
+    run_dir: Path
+    checkpoint: str | None
+    process_t0: float
+    model_path: Path
+    tokenizer: Any
+    dtype: Any
+    eval_rows: list[dict[str, Any]]
+    trl_kw: dict[str, Any]
+    max_len: int
+    evaluate_rows: Callable[[Any, list[dict[str, Any]]], dict[str, Any]]
+    zero3: bool
+    trainer: Any
+    ledger: Any
+    ledger_cb: Any
+    monitor_cb: Any
+    heldout_cb: Any
+    alert_log: Any
+    counters: Any
+    rollout_store: Any
+
+
+@dataclass
+class TrainOutcome:
+    """What :func:`train_run` leaves for :func:`report_run`: the held-out summary before training (None when
+    ``eval.before`` is off), seconds spent evaluating so far, seconds in ``trainer.train`` and why it stopped
+    early (None: it ran to ``max_steps``)."""
+
+    before: dict[str, Any] | None
+    eval_s: float
+    train_wall_s: float
+    stop_reason: str | None
+
+
 def run_grpo(
     cfg: RunConfig,
     *,
@@ -265,32 +313,61 @@ def run_grpo(
     progress: bool = True,
     force: bool = False,
 ) -> dict[str, Any]:
-    """Run (or resume: ``"auto"`` = last checkpoint in the run dir, or a checkpoint path) and return the summary.
+    """Run (or resume: ``"auto"`` = last checkpoint in the run dir, or a checkpoint path) and return the summary:
+    :func:`build_run`, :func:`train_run`, :func:`report_run`.
 
-    ``verifier`` and the problem lists default to ``router.tasks`` (tests inject toy ones).
+    ``verifier`` and the problem lists default to ``router.tasks`` (tests inject toy ones). Raises
+    :class:`ConfigError` before training starts for an invalid or conflicting configuration.
     """
     from training.grpo.ledger import seconds_since_process_start
 
     since_start = seconds_since_process_start()
     process_t0 = time.perf_counter() - (since_start if since_start is not None else 0.0)
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    run_dir, checkpoint = prepare_run_dir(cfg, max_steps=max_steps, output_dir=output_dir, resume=resume, force=force)
+    run = build_run(
+        cfg,
+        run_dir,
+        checkpoint,
+        process_t0,
+        verifier=verifier,
+        train_problems=train_problems,
+        eval_problems=eval_problems,
+        progress=progress,
+    )
+    return report_run(run, train_run(run))
+
+
+def _check_resumed_config(cfg: RunConfig, config_path: Path, run_dir: Path, force: bool) -> None:
+    """Refuse (:class:`ConfigError`) to resume under a run file that differs from the run's ``config.yaml``,
+    unless ``force`` (then the old one is kept as ``config.previous.yaml``)."""
+    changed = config_changes(yaml.safe_load(config_path.read_text()) or {}, cfg.to_dict())
+    if changed and not force:
+        raise ConfigError(
+            "--resume: the run file differs from the run's config.yaml in "
+            + "; ".join(changed)
+            + ": resuming would mix two runs under one ledger; pass --force to resume anyway"
+        )
+    if changed:
+        logger.warning("--resume --force with a changed config: %s", "; ".join(changed))
+        if int(os.environ.get("RANK", "0")) == 0:
+            (run_dir / "config.previous.yaml").write_text(config_path.read_text())
+
+
+def prepare_run_dir(
+    cfg: RunConfig,
+    *,
+    max_steps: int | None = None,
+    output_dir: str | Path | None = None,
+    resume: str | None = None,
+    force: bool = False,
+) -> tuple[Path, str | None]:
+    """Check the ``trl:`` options, create the run directory and write its ``config.yaml`` and first heartbeat
+    (rank 0); returns ``(run_dir, checkpoint to resume or None)``. ``max_steps``/``output_dir`` override the
+    config (in place). Raises :class:`ConfigError`: no checkpoint to resume, a fresh run into a used directory,
+    a resume under a changed run file without ``force``."""
     from transformers.trainer_utils import get_last_checkpoint
 
-    from training.grpo import data as data_mod
-    from training.grpo.card import model_card, tier_snippet
-    from training.grpo.evaluate import generate_and_score, summarize
-    from training.grpo.ledger import Budgets, CostLedger, StepCounters
-    from training.grpo.monitors import AlertLog, HeldoutEvalCallback, LedgerCallback, MonitorCallback
-    from training.grpo.plots import plot_run
-    from training.grpo.reward_utils import policy_thinks, task_verifier
-    from training.grpo.rewards import RewardContext, build_rewards
-    from training.grpo.sampling import Candidate, DynamicSampler, NoLearningSignalError
-    from training.grpo.trainer import ThinkGateGRPOTrainer
-    from training.registry import heartbeat_callback, write_heartbeat
-    from training.storage import Policy, RolloutStore
-    from training.storage import attach as attach_rollout_store
+    from training.registry import write_heartbeat
 
     if max_steps is not None:
         cfg.trl["max_steps"] = int(max_steps)
@@ -307,24 +384,94 @@ def run_grpo(
         raise ConfigError(f"{run_dir} already holds a run (ledger.jsonl): pass --resume auto or a new --output-dir")
     config_path = run_dir / "config.yaml"
     if checkpoint and config_path.is_file():
-        changed = config_changes(yaml.safe_load(config_path.read_text()) or {}, cfg.to_dict())
-        if changed and not force:
-            raise ConfigError(
-                "--resume: the run file differs from the run's config.yaml in "
-                + "; ".join(changed)
-                + ": resuming would mix two runs under one ledger; pass --force to resume anyway"
-            )
-        if changed:
-            logger.warning("--resume --force with a changed config: %s", "; ".join(changed))
-            if int(os.environ.get("RANK", "0")) == 0:
-                (run_dir / "config.previous.yaml").write_text(config_path.read_text())
-    main_env = int(os.environ.get("RANK", "0")) == 0  # before the trainer exists (torchrun/accelerate set RANK)
-    if main_env:
+        _check_resumed_config(cfg, config_path, run_dir, force)
+    if int(os.environ.get("RANK", "0")) == 0:  # before the trainer exists (torchrun/accelerate set RANK)
         config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         write_heartbeat(run_dir, 0)  # the registry tells running from abandoned runs by this file's age
+    return run_dir, checkpoint
+
+
+def _build_ledger(
+    cfg: RunConfig,
+    run_dir: Path,
+    train_rows: list[dict[str, Any]],
+    trl_kw: dict[str, Any],
+    device_kind: str,
+    device_count: int,
+) -> Any:
+    """The run's :class:`training.grpo.ledger.CostLedger`: price of the device kind, budgets, reproducibility tags
+    (data, reward and hyper-parameter hashes, git commit). Raises :class:`ConfigError` for an unpriced kind."""
+    from training.grpo import data as data_mod
+    from training.grpo.ledger import Budgets, CostLedger
+
+    lc = cfg.ledger
+    kind = lc.device_kind or device_kind
+    prices = lc.prices()
+    if kind not in prices:
+        raise ConfigError(
+            f"ledger.price_usd_per_device_hour: no price for device kind {kind!r}; known {sorted(prices)}"
+        )
+    hparams = {k: v for k, v in trl_kw.items() if k not in _NON_HPARAMS}
+    tags = {
+        **cfg.tags,
+        "run_name": cfg.run_name,
+        "data_hash": stable_hash(data_mod.data_fingerprint(train_rows)),
+        "reward_hash": stable_hash([dict(vars(r)) for r in cfg.rewards] + [vars(cfg.advantages)]),
+        "hparam_hash": stable_hash(
+            {"trl": hparams, "model": cfg.model.path, "dynamic_sampling": vars(cfg.dynamic_sampling)}
+        ),
+        "git_commit": git_commit(),
+    }
+    return CostLedger(
+        run_dir,
+        kind,
+        device_count,
+        prices[kind],
+        Budgets(
+            usd=Decimal(lc.budget_usd) if lc.budget_usd is not None else None,
+            device_hours=lc.budget_device_hours,
+            sampled_tokens=lc.budget_sampled_tokens,
+        ),
+        tags,
+        lc.warn_fraction,
+        lc.stop_on_projection,
+        quality_floor=lc.quality_floor,
+        past_warning=lc.past_warning,
+    )
+
+
+def build_run(
+    cfg: RunConfig,
+    run_dir: Path,
+    checkpoint: str | None,
+    process_t0: float,
+    *,
+    verifier: Verifier | None = None,
+    train_problems: Sequence[Any] | None = None,
+    eval_problems: Sequence[Any] | None = None,
+    progress: bool = True,
+) -> GRPORun:
+    """Build step: tokenizer, problem rows, rewards, ``GRPOConfig``, cost ledger, monitors and the trainer with
+    its callbacks, restored from ``checkpoint`` when resuming. Raises :class:`ConfigError` (unpriced device,
+    periodic evaluation under ZeRO-3)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from training.grpo import data as data_mod
+    from training.grpo.evaluate import generate_and_score, summarize
+    from training.grpo.ledger import StepCounters
+    from training.grpo.monitors import AlertLog, HeldoutEvalCallback, LedgerCallback, MonitorCallback
+    from training.grpo.reward_utils import policy_thinks, task_verifier
+    from training.grpo.rewards import RewardContext, build_rewards
+    from training.grpo.sampling import Candidate, DynamicSampler
+    from training.grpo.trainer import ThinkGateGRPOTrainer
+    from training.registry import heartbeat_callback
+    from training.storage import Policy, RolloutStore
+    from training.storage import attach as attach_rollout_store
+
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
@@ -353,42 +500,9 @@ def run_grpo(
     args.disable_tqdm = not progress
 
     # -- ledger, monitors -------------------------------------------------------------------------------------
-    lc = cfg.ledger
-    kind = lc.device_kind or device_kind
-    prices = lc.prices()
-    if kind not in prices:
-        raise ConfigError(
-            f"ledger.price_usd_per_device_hour: no price for device kind {kind!r}; known {sorted(prices)}"
-        )
-    hparams = {k: v for k, v in trl_kw.items() if k not in _NON_HPARAMS}
-    tags = {
-        **cfg.tags,
-        "run_name": cfg.run_name,
-        "data_hash": stable_hash(data_mod.data_fingerprint(train_rows)),
-        "reward_hash": stable_hash([dict(vars(r)) for r in cfg.rewards] + [vars(cfg.advantages)]),
-        "hparam_hash": stable_hash(
-            {"trl": hparams, "model": cfg.model.path, "dynamic_sampling": vars(cfg.dynamic_sampling)}
-        ),
-        "git_commit": git_commit(),
-    }
+    ledger = _build_ledger(cfg, run_dir, train_rows, trl_kw, device_kind, device_count)
     counters = StepCounters()
     alert_log = AlertLog(run_dir)
-    ledger = CostLedger(
-        run_dir,
-        kind,
-        device_count,
-        prices[kind],
-        Budgets(
-            usd=Decimal(lc.budget_usd) if lc.budget_usd is not None else None,
-            device_hours=lc.budget_device_hours,
-            sampled_tokens=lc.budget_sampled_tokens,
-        ),
-        tags,
-        lc.warn_fraction,
-        lc.stop_on_projection,
-        quality_floor=lc.quality_floor,
-        past_warning=lc.past_warning,
-    )
     monitor_cb = MonitorCallback(cfg.monitors.rules, run_dir, alert_log)
     ledger_cb = LedgerCallback(ledger, counters, alert_log)
     callbacks: list[Any] = [ledger_cb, monitor_cb, heartbeat_callback(run_dir)]
@@ -443,7 +557,7 @@ def run_grpo(
     if trainer.accelerator.num_processes > 1:
         ledger_cb.reduce = _make_reduce(trainer)
     # billed devices: one per training process (1 on CPU), plus e.g. the GPUs of a vLLM server
-    ledger.device_count = (trainer.accelerator.num_processes if device_kind != "cpu" else 1) + lc.extra_devices
+    ledger.device_count = (trainer.accelerator.num_processes if device_kind != "cpu" else 1) + cfg.ledger.extra_devices
     ledger.writer = trainer.is_world_process_zero()
     rollout_store = None
     if cfg.storage.rollouts:
@@ -454,76 +568,148 @@ def run_grpo(
     trainer.state_savers.append(
         lambda d: (d / "monitor_state.json").write_text(json.dumps(monitor_cb.engine.state_dict()))
     )
+    run = GRPORun(
+        cfg=cfg,
+        run_dir=run_dir,
+        checkpoint=checkpoint,
+        process_t0=process_t0,
+        model_path=model_path,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        eval_rows=eval_rows,
+        trl_kw=trl_kw,
+        max_len=max_len,
+        evaluate_rows=evaluate_rows,
+        zero3=zero3,
+        trainer=trainer,
+        ledger=ledger,
+        ledger_cb=ledger_cb,
+        monitor_cb=monitor_cb,
+        heldout_cb=heldout_cb,
+        alert_log=alert_log,
+        counters=counters,
+        rollout_store=rollout_store,
+    )
     if checkpoint:
-        ledger.resume(checkpoint)
-        drop_logs_after(run_dir, int(Path(checkpoint).name.rsplit("-", 1)[-1]))
-        if rollout_store is not None and trainer.is_world_process_zero():
-            rollout_store.drop_after(int(Path(checkpoint).name.rsplit("-", 1)[-1]))
-        trainer.load_thinkgate_state(checkpoint)
-        mstate = Path(checkpoint) / "monitor_state.json"
-        if mstate.is_file():
-            monitor_cb.engine.load_state_dict(json.loads(mstate.read_text()))
+        _restore(run, checkpoint)
+    return run
 
-    # -- evaluate, train, evaluate ----------------------------------------------------------------------------
-    t_eval = 0.0
+
+def _restore(run: GRPORun, checkpoint: str) -> None:
+    """Resume bookkeeping from ``checkpoint``: ledger state, logs and rollouts after its step dropped, the
+    trainer's ThinkGate state and the monitors' state."""
+    run.ledger.resume(checkpoint)
+    step = int(Path(checkpoint).name.rsplit("-", 1)[-1])
+    drop_logs_after(run.run_dir, step)
+    if run.rollout_store is not None and run.trainer.is_world_process_zero():
+        run.rollout_store.drop_after(step)
+    run.trainer.load_thinkgate_state(checkpoint)
+    mstate = Path(checkpoint) / "monitor_state.json"
+    if mstate.is_file():
+        run.monitor_cb.engine.load_state_dict(json.loads(mstate.read_text()))
+
+
+def _evaluate_before(run: GRPORun) -> tuple[dict[str, Any] | None, float]:
+    """The held-out summary before training (read back from ``eval_before.json`` on resume; rank 0 evaluates,
+    the others wait) and the seconds it took; ``(None, 0.0)`` when ``eval.before`` is off."""
+    before_path = run.run_dir / "eval_before.json"
+    if not run.cfg.eval.before:
+        return None, 0.0
+    if before_path.is_file():
+        return json.loads(before_path.read_text()), 0.0
     before = None
-    before_path = run_dir / "eval_before.json"
-    if cfg.eval.before:
-        if before_path.is_file():
-            before = json.loads(before_path.read_text())
-        else:
-            t0 = time.perf_counter()
-            if trainer.is_world_process_zero():  # rank 0 evaluates; the others wait
-                before = evaluate_rows(_eval_model(trainer, model_path, dtype, zero3), eval_rows)
-                _write_json(before_path, before)
-            trainer.accelerator.wait_for_everyone()
-            t_eval += time.perf_counter() - t0
-    ledger_cb.startup_t0, ledger_cb.pre_eval_s = process_t0, t_eval
+    t0 = time.perf_counter()
+    trainer = run.trainer
+    if trainer.is_world_process_zero():  # rank 0 evaluates; the others wait
+        before = run.evaluate_rows(_eval_model(trainer, run.model_path, run.dtype, run.zero3), run.eval_rows)
+        _write_json(before_path, before)
+    trainer.accelerator.wait_for_everyone()
+    return before, time.perf_counter() - t0
+
+
+def train_run(run: GRPORun) -> TrainOutcome:
+    """Train step: the held-out evaluation before training, then ``trainer.train`` (resuming ``run.checkpoint``).
+    Running out of learning signal stops the run with a checkpoint and its paid-for rollouts recorded; the
+    budget and monitor stops are read from the ledger and the monitor callback."""
+    from training.grpo.sampling import NoLearningSignalError
+
+    trainer, ledger_cb = run.trainer, run.ledger_cb
+    before, t_eval = _evaluate_before(run)
+    ledger_cb.startup_t0, ledger_cb.pre_eval_s = run.process_t0, t_eval
 
     stop_reason = None
     t_train = time.perf_counter()
     try:
-        trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.train(resume_from_checkpoint=run.checkpoint)
     except NoLearningSignalError as e:
         stop_reason = f"no learning signal: {e}"
         logger.error("%s", stop_reason)
         step = trainer.state.global_step
-        if not (run_dir / f"checkpoint-{step}").exists():
+        if not (run.run_dir / f"checkpoint-{step}").exists():
             trainer._save_checkpoint(trainer.model, trial=None)
-        if counters.rollouts:  # the aborted step's rollouts were paid for: record them (rolled back on resume)
+        if run.counters.rollouts:  # the aborted step's rollouts were paid for: record them (rolled back on resume)
             ledger_cb.close_step(step + 1, trainer.is_world_process_zero())
-            ledger.write_parquet()
+            run.ledger.write_parquet()
     train_wall = time.perf_counter() - t_train
-    stop_reason = stop_reason or ledger.stop_reason or monitor_cb.stop_reason
+    stop_reason = stop_reason or run.ledger.stop_reason or run.monitor_cb.stop_reason
+    return TrainOutcome(before=before, eval_s=t_eval, train_wall_s=train_wall, stop_reason=stop_reason)
 
-    model_dir = run_dir / "model"
+
+def _publish_model(run: GRPORun, model_dir: Path) -> tuple[Any, dict[str, Any], dict[str, Any] | None]:
+    """Save the model to publish into ``model_dir`` (with the tokenizer): the final weights, or those of the best
+    periodic held-out check when it beat them. Returns ``(model in memory, {"step", "source"}, best check)``."""
+    from transformers import AutoModelForCausalLM
+
+    trainer, run_dir, heldout_cb = run.trainer, run.run_dir, run.heldout_cb
     published = {"step": trainer.state.global_step, "source": "final weights"}
     final_model = trainer.model
     best = heldout_cb.best if heldout_cb is not None and heldout_cb.best_dir is not None else None
     if best is not None and int(best["step"]) != trainer.state.global_step and (run_dir / "best").is_dir():
         # an earlier periodic check beat the last weights: publish those (early stop keeps the best model)
-        final_model = AutoModelForCausalLM.from_pretrained(run_dir / "best", dtype=dtype).to(trainer.args.device)
+        final_model = AutoModelForCausalLM.from_pretrained(run_dir / "best", dtype=run.dtype).to(trainer.args.device)
         if trainer.is_world_process_zero():
             final_model.save_pretrained(model_dir)
         published = {"step": int(best["step"]), "source": f"best periodic held-out accuracy {best['accuracy']:.4g}"}
         logger.warning("publishing the weights of step %s as model/ (%s)", best["step"], published["source"])
     else:
         trainer.save_model(str(model_dir))
-    is_main = trainer.is_world_process_zero()
-    if is_main:
-        tokenizer.save_pretrained(model_dir)
+    if trainer.is_world_process_zero():
+        run.tokenizer.save_pretrained(model_dir)
+    return final_model, published, best
+
+
+def _evaluate_after(run: GRPORun, final_model: Any, model_dir: Path) -> tuple[dict[str, Any] | None, float]:
+    """The held-out summary of the published model (rank 0; under ZeRO-3 reloaded from ``model_dir``), written
+    to ``eval_after.json``, and the seconds it took; ``(None, 0.0)`` when ``eval.after`` is off."""
+    from transformers import AutoModelForCausalLM
+
+    if not run.cfg.eval.after:
+        return None, 0.0
+    trainer = run.trainer
     after = None
-    t_after = 0.0
-    if cfg.eval.after:
-        t0 = time.perf_counter()
-        if is_main:
-            if zero3:  # the trained weights are sharded: evaluate what was saved
-                final_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(trainer.args.device)
-            after = evaluate_rows(final_model, eval_rows)
-            _write_json(run_dir / "eval_after.json", after)
-        trainer.accelerator.wait_for_everyone()
-        t_after = time.perf_counter() - t0
-        t_eval += t_after
+    t0 = time.perf_counter()
+    if trainer.is_world_process_zero():
+        if run.zero3:  # the trained weights are sharded: evaluate what was saved
+            final_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=run.dtype).to(trainer.args.device)
+        after = run.evaluate_rows(final_model, run.eval_rows)
+        _write_json(run.run_dir / "eval_after.json", after)
+    trainer.accelerator.wait_for_everyone()
+    return after, time.perf_counter() - t0
+
+
+def report_run(run: GRPORun, outcome: TrainOutcome) -> dict[str, Any]:
+    """Report step: publish the model, evaluate it, write ``tier.yaml``, the plots, the ledger's finish row,
+    ``summary.json`` and the model card (run files by rank 0 only). Returns the summary (every rank)."""
+    from training.grpo.card import model_card, tier_snippet
+    from training.grpo.plots import plot_run
+    from training.registry import write_heartbeat
+
+    cfg, run_dir, trainer, ledger, lc = run.cfg, run.run_dir, run.trainer, run.ledger, run.cfg.ledger
+    model_dir = run_dir / "model"
+    final_model, published, best = _publish_model(run, model_dir)
+    is_main = trainer.is_world_process_zero()
+    after, t_after = _evaluate_after(run, final_model, model_dir)
+    before, t_eval = outcome.before, outcome.eval_s + t_after
 
     # Relative to the working directory when the run is under it (a run in the repo can be committed as is).
     shown_dir = model_dir.resolve()
@@ -532,36 +718,36 @@ def run_grpo(
     if is_main:
         (run_dir / "tier.yaml").write_text(
             tier_snippet(
-                cfg.output.tier_name, cfg.output.served_model_name, cfg.output.base_url, shown_dir, max_len, after
+                cfg.output.tier_name, cfg.output.served_model_name, cfg.output.base_url, shown_dir, run.max_len, after
             )
         )
         plot_run(run_dir, budget_usd=lc.budget_usd, warn_fraction=lc.warn_fraction)
     # the finish row bills saving, the evaluation after training and the plots; the summary includes it
-    ledger_cb.close_finish(trainer.state.global_step, t_after)
+    run.ledger_cb.close_finish(trainer.state.global_step, t_after)
     if is_main:
         ledger.write_parquet()
 
-    ledger.stop_reason = stop_reason
+    ledger.stop_reason = outcome.stop_reason
     summary = ledger.summary(
         before["overall"]["accuracy"] if before else None, after["overall"]["accuracy"] if after else None
     )
     summary.update(
         {
-            "train_wall_s": round(train_wall, 3),
+            "train_wall_s": round(outcome.train_wall_s, 3),
             "eval_wall_s": round(t_eval, 3),
             "global_step": trainer.state.global_step,
             "published_step": published["step"],
             "published_from": published["source"],
             "best_heldout": best,
             "below_quality_floor": not ledger.floor_met() if lc.quality_floor is not None else None,
-            "alerts": [a.message for a in alert_log.alerts],
+            "alerts": [a.message for a in run.alert_log.alerts],
         }
     )
     if is_main:  # run files are written by rank 0 only
         _write_json(run_dir / "summary.json", summary)
         write_heartbeat(run_dir, trainer.state.global_step)
         cfg_dict = cfg.to_dict()
-        cfg_dict["trl"] = trl_kw
+        cfg_dict["trl"] = run.trl_kw
         card = model_card(cfg.run_name, cfg.model.path, cfg_dict, before, after, summary)
         (model_dir / "README.md").write_text(card)
     return summary

@@ -27,6 +27,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from router.jsonl import read_jsonl
 from training.grpo.ledger import MICRO, PHASES, micro_usd
 
 MIN_BAND = 0.25
@@ -128,7 +129,7 @@ def _ledger_rows(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "ledger.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no ledger.jsonl in {run_dir}: not a GRPO run directory")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return list(read_jsonl(path))
 
 
 def _mean_eval_tokens(run_dir: Path) -> float | None:

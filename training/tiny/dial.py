@@ -26,6 +26,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from router.stats import percentile
 from router.tasks.arithmetic import Chain
 
 BUDGET_TEMPLATE = "Think for {budget} tokens."
@@ -107,10 +108,9 @@ def adherence(lengths: Sequence[int], budget: int) -> dict[str, float]:
         raise ValueError("no lengths")
     if budget < 1:
         raise ValueError("budget must be >= 1")
-    rel = sorted(abs(n - budget) / budget for n in lengths)
-    rank = max(1, math.ceil(0.9 * len(rel)))
+    rel = [abs(n - budget) / budget for n in lengths]
     return {
         "within_10pct": sum(within_tolerance(n, budget) for n in lengths) / len(lengths),
         "mean_rel_error": sum(rel) / len(rel),
-        "p90_rel_error": rel[rank - 1],
+        "p90_rel_error": percentile(rel, 90, math.nan),
     }

@@ -20,8 +20,6 @@ and the page says so instead of showing numbers.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,6 +30,7 @@ from gateway.ledger.event import UsageEvent
 from gateway.ledger.export import group
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.routing import Routing
+from router.stats import percentile
 
 SPEND_GROUPS = ("day", "key", "tier", "tag")
 ALERTS_SHOWN = 50
@@ -41,15 +40,6 @@ def month_start(now: float) -> float:
     """Epoch seconds of the start of ``now``'s UTC month (the default period, as ``GET /v1/usage``)."""
     dt = datetime.fromtimestamp(now, UTC)
     return datetime(dt.year, dt.month, 1, tzinfo=UTC).timestamp()
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile ``q`` in [0, 100] of ``values`` (None when empty)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
 
 
 def long_tier_of(settings: Settings) -> str:

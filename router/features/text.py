@@ -1,4 +1,4 @@
-"""Hand-made text features of a routing window, and the small stateless transformers the Pipeline needs.
+"""Hand-made text features of a routing window (re-exported by :mod:`router.features`).
 
 Every feature is cheap (a ``str.count``, a ``str.translate``, one pass over the word-token counts) because
 the same function :func:`hand_features` runs on the request path (see :mod:`router.fastpath`), where the
@@ -227,12 +227,3 @@ def assemble_hand_features(text: str, n_tokens: int, family_counts: Sequence[int
         1.0 if "```" in text else 0.0,
     ]
 
-
-def __getattr__(name: str) -> object:
-    # The sklearn Pipeline steps live in router.steps so that importing this module (the request path does) never
-    # imports scikit-learn; router files name them ``router.features.<name>``, hence the lazy re-export.
-    if name in ("TextClipper", "HandFeatures"):
-        from router import steps
-
-        return getattr(steps, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

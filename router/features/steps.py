@@ -1,7 +1,7 @@
 """The two stateless scikit-learn Pipeline steps of the router model (:func:`router.model.build_pipeline`).
 
-They live apart from :mod:`router.features` so that the request path, which imports the features but never the
-Pipeline, does not import scikit-learn. Their ``__module__`` stays ``router.features``: router files (skops
+They live apart from :mod:`router.features.text` so that the request path, which imports the features but never
+the Pipeline, does not import scikit-learn. Their ``__module__`` stays ``router.features``: router files (skops
 archives) name the types they contain, every file written so far says ``router.features.TextClipper`` /
 ``router.features.HandFeatures``, and :mod:`router.features` re-exports both lazily.
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from sklearn.base import BaseEstimator, TransformerMixin
 
-from router.features import DEFAULT_MAX_CHARS, WORD_RE, clip_text, feature_names, hand_features, qa_features
+from router.features.text import DEFAULT_MAX_CHARS, WORD_RE, clip_text, feature_names, hand_features, qa_features
 
 
 class TextClipper(TransformerMixin, BaseEstimator):
