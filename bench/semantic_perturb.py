@@ -355,13 +355,18 @@ def report(par: dict[str, Any], lat: list[dict[str, Any]], when: str, mach: str,
         lines += ["", "**Lookup latency** (`bench.semantic_cache.latency_part`: one tenant and context; total = "
                   "`prepare` (sketch + guard features) + `lookup`, incl. the answer's GET on a hit):", "",
                   "| entries | fill s | hit p50 ms | hit p99 ms | miss p50 ms | miss p99 ms | hit p50 best of 3 | "
-                  "miss p50 best of 3 | prepare p50 ms | lookup script µs (Redis) | outcomes |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "miss p50 best of 3 | prepare p50 ms | `lookup` alone p50 ms hit / miss | "
+                  "CPU ms/query p50 hit / miss | lookup script µs (Redis) | load average (start → end) | outcomes |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in lat:
             outs = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
+            only, cpu = r["lookup_only"], r["cpu"]
             lines.append(f"| {r['stored']:,} | {r['fill_s']:.0f} | {pct(r['hit'], .5):.2f} | {pct(r['hit'], .99):.2f} "
                          f"| {pct(r['miss'], .5):.2f} | {pct(r['miss'], .99):.2f} | {pct(r['best_hit'], .5):.2f} | "
-                         f"{pct(r['best_miss'], .5):.2f} | {pct(r['prep'], .5):.2f} | {r['script_us']:.0f} | {outs} |")
+                         f"{pct(r['best_miss'], .5):.2f} | {pct(r['prep'], .5):.2f} | "
+                         f"{pct(only['hit'], .5):.2f} / {pct(only['miss'], .5):.2f} | "
+                         f"{pct(cpu['hit'], .5):.2f} / {pct(cpu['miss'], .5):.2f} | {r['script_us']:.0f} | "
+                         f"{r['load'][0]:.1f} → {r['load'][1]:.1f} | {outs} |")
     lines += ["", "Reading: a changed question is refused by the guard's order- and role-aware checks (`order`: numbers"
               " and operators in sequence; `units`; `relation`: what stands on each side of "
               "from/to/of/per/than/north of…; `ordinal`; `comparative`; `word_order`: the content words in order) "
