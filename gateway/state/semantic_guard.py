@@ -424,9 +424,9 @@ def _quoted(m: re.Match[str]) -> str:
 def features(text: str) -> Features:
     """The guard's view of ``text`` (the last user turn)."""
     quoted = tuple(sorted(_quoted(m) for m in _QUOTES.finditer(text))) if _QUOTE_CHARS & set(text) else ()
-    toks = _tokens(text)
+    raw = _tokens(text)
     # "Hi!" is punctuation, "5!" and "n!" a factorial (tokens() keeps every "!" as an operator)
-    toks = [t for i, t in enumerate(toks) if t != "!" or i == 0 or not (toks[i - 1].isalpha() and len(toks[i - 1]) > 1)]
+    toks = [t for i, t in enumerate(raw) if t != "!" or i == 0 or not (raw[i - 1].isalpha() and len(raw[i - 1]) > 1)]
     numbers: list[str] = []
     operators: list[str] = []
     symbols: list[str] = []

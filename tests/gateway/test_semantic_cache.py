@@ -417,7 +417,7 @@ def test_similarities_equal_similarity_for_every_candidate() -> None:
     got = probe.similarities(pairs)
     assert got == [probe.similarity(k, p) for k, p in pairs]
     assert got[0] > got[2] and got[-2:] == [0.0, 0.0] and probe.similarities([]) == []
-    assert dense.similarities(pairs[:2] + [(dense.kind, dense.payload)]) == [0.0, 0.0, dense.similarity(*pairs[-2])]
+    assert dense.similarities([*pairs[:2], (dense.kind, dense.payload)]) == [0.0, 0.0, dense.similarity(*pairs[-2])]
 
 
 def test_tokens_are_memoised_but_every_caller_gets_its_own_list() -> None:
