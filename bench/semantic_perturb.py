@@ -398,14 +398,19 @@ def report(par: dict[str, Any], lat: list[dict[str, Any]], when: str, mach: str,
         lines += ["", "**Lookup latency** (`bench.semantic_cache.latency_part`: one tenant and context; total = "
                   "`prepare` (sketch + guard features) + `lookup`, incl. the answer's GET on a hit):", "",
                   "| entries | fill s | hit p50 ms | hit p99 ms | miss p50 ms | miss p99 ms | hit p50 best of 3 | "
-                  "miss p50 best of 3 | prepare p50 ms | lookup script µs (Redis) | outcomes |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "miss p50 best of 3 | prepare p50 ms | `lookup` alone p50 ms hit / miss | "
+                  "CPU ms/query p50 hit / miss | lookup script µs (Redis) | load average (start → end) | outcomes |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in lat:
             outs = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
             p = _ms(r, "hit", "miss", "best_hit", "best_miss", "prep")
+            only, cpu = _ms(r["lookup_only"], "hit", "miss"), _ms(r["cpu"], "hit", "miss")
             lines.append(f"| {r['stored']:,} | {r['fill_s']:.0f} | {p['hit', 50]:.2f} | {p['hit', 99]:.2f} "
                          f"| {p['miss', 50]:.2f} | {p['miss', 99]:.2f} | {p['best_hit', 50]:.2f} | "
-                         f"{p['best_miss', 50]:.2f} | {p['prep', 50]:.2f} | {r['script_us']:.0f} | {outs} |")
+                         f"{p['best_miss', 50]:.2f} | {p['prep', 50]:.2f} | "
+                         f"{only['hit', 50]:.2f} / {only['miss', 50]:.2f} | "
+                         f"{cpu['hit', 50]:.2f} / {cpu['miss', 50]:.2f} | {r['script_us']:.0f} | "
+                         f"{r['load'][0]:.1f} → {r['load'][1]:.1f} | {outs} |")
     lines += ["", "Reading: a changed question is refused by the guard's order- and role-aware checks (`order`: numbers"
               " and operators in sequence; `units`; `relation`: what stands on each side of "
               "from/to/of/per/than/north of…; `ordinal`; `comparative`; `word_order`: the content words in order) "

@@ -77,7 +77,26 @@ def _missing_group(name: str, hint: str, exc: Exception) -> typer.Typer:
     return stub
 
 
+#: The gateway's own commands: a ``thinkgate``/``python -m gateway`` process started for one of them does not import
+#: the plug-in groups (bench, router, training: most of the CLI's start-up, seconds on a loaded 2-core box — for
+#: every ``thinkgate keys …`` call and every ``thinkgate serve`` start). ``eval`` is not one: plug-ins add to it.
+CORE_COMMANDS = frozenset({"serve", "config", "keys", "budgets", "usage"})
+
+
+def _needs_plugins(argv: list[str]) -> bool:
+    """False when ``argv`` is this command line's own process running a core command (see
+    :data:`CORE_COMMANDS`); True otherwise — for ``--help``, a plug-in group, and when the module is imported
+    by another program (tests, ``typer.testing``), which gets every group."""
+    if len(argv) < 2 or argv[1] not in CORE_COMMANDS:
+        return True
+    exe = Path(argv[0])
+    ours = exe.name == "thinkgate" or (exe.name == "__main__.py" and exe.parent.name in ("gateway", "cli"))
+    return not ours
+
+
 def _attach_plugins(root: typer.Typer) -> None:
+    if not _needs_plugins(sys.argv):
+        return
     found = {ep.name: ep for ep in entry_points(group="thinkgate.cli")}
     for name, (help_text, hint) in PLUGIN_GROUPS.items():
         ep = found.get(name)

@@ -196,6 +196,7 @@ class Accounting:
         except GatewayError as exc:
             self.metrics.rejected(exc.code)
             raise
+        self.budgets.learn(st.level for st in admission.levels)  # the copy a failed admission call falls back on
         self._open[record.request_id] = key
         self._bounds[record.request_id] = admission.estimate  # the write-ahead record carries the upper bound
         return admission

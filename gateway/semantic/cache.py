@@ -131,8 +131,8 @@ class SemanticCache:
             return SemanticResult("bypass")
         if not found:
             return SemanticResult("miss")
-        scored = sorted(((probe.sketch.similarity(str(c.meta.get("k")), c.payload), c) for c in found),
-                        key=lambda sc: sc[0], reverse=True)
+        sims = probe.sketch.similarities([(str(c.meta.get("k")), c.payload) for c in found])
+        scored = sorted(zip(sims, found, strict=True), key=lambda sc: sc[0], reverse=True)
         best = scored[0][0]
         threshold = self.cfg.threshold
         guard_reason: str | None = None

@@ -67,6 +67,22 @@ class Sketch:
         return max(0.0, min(1.0, float(a16 @ b16)))
 
 
+    def similarities(self, others: list[tuple[str, bytes]]) -> list[float]:
+        """:meth:`similarity` with each ``(kind, payload)`` of ``others`` (the same values); MinHash in one
+        vectorised pass."""
+        if self.kind != "minhash":
+            return [self.similarity(kind, payload) for kind, payload in others]
+        out = [0.0] * len(others)
+        size = len(self.payload)
+        same = [i for i, (kind, payload) in enumerate(others) if kind == "minhash" and len(payload) == size]
+        if same:
+            mine = np.frombuffer(self.payload, dtype=np.uint32)
+            theirs = np.frombuffer(b"".join(others[i][1] for i in same), dtype=np.uint32).reshape(len(same), -1)
+            for i, equal in zip(same, np.count_nonzero(theirs == mine, axis=1).tolist(), strict=True):
+                out[i] = float(equal) / mine.size
+        return out
+
+
 class Embedder(Protocol):
     """``name`` identifies the embedder (and its version) in the index: entries of different embedders never
     meet. ``sketch`` raises :class:`EmbedError` when it cannot answer."""
@@ -96,15 +112,16 @@ def _multiply_shift_params() -> tuple[np.ndarray, np.ndarray]:
 def feature_set(text: str) -> set[bytes]:
     """The lexical features of ``text``: character 4-grams of each normalised token (``^`` and ``$`` mark the
     word ends; shorter tokens whole) and word bigrams."""
+    return {f.encode() for f in _features(text)}
+
+
+def _features(text: str) -> set[str]:
+    """:func:`feature_set` as text (deduplicated before encoding: the sketch's hot loop)."""
     toks = tokens(text)
-    feats: set[bytes] = set()
-    for t in toks:
-        w = f"^{t}$"
-        if len(w) <= 4:
-            feats.add(w.encode())
-        else:
-            feats.update(w[i:i + 4].encode() for i in range(len(w) - 3))
-    feats.update(f"{x} {y}\x01".encode() for x, y in itertools.pairwise(toks))
+    ends = [f"^{t}$" for t in toks]
+    feats = {w[i:i + 4] for w in ends for i in range(len(w) - 3)}  # a 4-character token: itself
+    feats.update([w for w in ends if len(w) < 4])
+    feats.update([f"{x} {y}\x01" for x, y in itertools.pairwise(toks)])
     return feats
 
 
@@ -119,10 +136,10 @@ class LexicalEmbedder:
 
     def signature(self, text: str) -> np.ndarray:
         """The 128 MinHash values (uint32) of ``text``; all 0xFFFFFFFF for a text without features."""
-        feats = feature_set(text)
+        feats = _features(text)
         if not feats:
             return np.full(NUM_PERM, 0xFFFFFFFF, dtype=np.uint32)
-        h = np.fromiter((zlib.crc32(f) for f in feats), dtype=np.uint64, count=len(feats))
+        h = np.fromiter(map(zlib.crc32, map(str.encode, feats)), dtype=np.uint64, count=len(feats))
         with np.errstate(over="ignore"):
             mixed = (h[:, None] * self._a[None, :] + self._b[None, :]) >> np.uint64(32)
         return mixed.min(axis=0).astype(np.uint32)

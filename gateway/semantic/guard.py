@@ -47,9 +47,11 @@ The order- and role-aware checks apply in both modes. Features stored by an olde
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
@@ -69,6 +71,7 @@ OPERATOR_WORDS = {"plus": "+", "minus": "-", "times": "×", "multiplied": "×", 
                   "cubed": "^3", "percent": "%", "negative": "-", "equals": "="}
 LATEX = [(r"\\times|\\cdot", " × "), (r"\\div", " ÷ "), (r"\\frac", " ÷ "), (r"\\sqrt", " √ "),
          (r"\\leq?|\\leqslant", " ≤ "), (r"\\geq?|\\geqslant", " ≥ "), (r"\\neq?", " ≠ "), (r"\\pm", " ± ")]
+_LATEX = [(re.compile(pattern), repl) for pattern, repl in LATEX]
 NEGATIONS = frozenset(_words("not no never none nothing nobody nowhere neither nor cannot without isnt arent "
                              "wasnt werent dont doesnt didnt wont wouldnt cant couldnt shouldnt hasnt havent "
                              "hadnt mustnt neednt aint shant mightnt"))
@@ -95,6 +98,7 @@ define"""))
 
 _QUOTES = re.compile(r"\"([^\"\n]{1,300})\"|“([^”\n]{1,300})”|«([^»\n]{1,300})»|`([^`\n]{1,300})`"
                      r"|(?:(?<=^)|(?<=[\s(\[]))'([^'\n]{1,300})'(?=[\s.,;:!?)\]]|$)")
+_QUOTE_CHARS = frozenset("\"“«`'")  # a text without any of them has no quoted string
 _NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+")
 _WORD = re.compile(r"[^\W\d_]+(?:['’][^\W\d_]+)*")
 _TOKEN = re.compile(r"\d+(?:\.\d+)?|[^\W\d_]+|[+\-×÷^=<>≤≥≠±%√!]")
@@ -116,9 +120,12 @@ _FUNCTION_WORDS = {
     "nl": "de het een is zijn wat hoeveel van en in voor wie met niet welke",
 }
 _FUNCTION = {lang: frozenset(words.split()) for lang, words in _FUNCTION_WORDS.items()}
+_FUNCTION_LANGS = {w: tuple(lang for lang, fw in _FUNCTION.items() if w in fw) for fw in _FUNCTION.values() for w in fw}
 
 
 def _canonical_number(text: str) -> str:
+    if text.isdigit() and text.isascii() and (text[0] != "0" or len(text) == 1):
+        return text  # the common case: already canonical (Decimal would give the same)
     try:
         value = Decimal(text.replace(",", ""))
     except InvalidOperation:
@@ -171,8 +178,9 @@ def _words_to_numbers(tokens: list[str]) -> list[str]:
 def _symbolise(text: str) -> str:
     """NFKC + LaTeX and symbol forms of arithmetic written as single operator characters."""
     text = unicodedata.normalize("NFKC", text)
-    for pattern, repl in LATEX:
-        text = re.sub(pattern, repl, text)
+    if "\\" in text:
+        for pattern, repl in _LATEX:
+            text = pattern.sub(repl, text)
     text = text.replace("**", "^").replace("−", "-").replace("–", "-")
     text = _WORD_HYPHEN.sub(" ", text)  # twenty-three, well-known: words, not a subtraction
     text = _TIMES_X.sub(" × ", text)
@@ -183,7 +191,18 @@ def _symbolise(text: str) -> str:
 
 def tokens(text: str) -> list[str]:
     """The normalised tokens of ``text``: words (case-folded, apostrophes dropped), numbers in canonical
-    digits, operator characters. ``don't`` → ``dont``; ``17 times 23`` → ``17 × 23``."""
+    digits, operator characters. ``don't`` → ``dont``; ``17 times 23`` → ``17 × 23``. (Memoised for the last
+    texts: a request's question is tokenised by the guard and by the lexical embedder.)"""
+    return list(_tokens(text))
+
+
+def forget_tokens() -> None:
+    """Drop the memoised tokens of :func:`tokens` (for benchmarks that time the same text repeatedly)."""
+    _tokens.cache_clear()
+
+
+@functools.lru_cache(maxsize=256)
+def _tokens(text: str) -> tuple[str, ...]:
     text = _symbolise(text).casefold().replace("'", "").replace("’", "")
     toks = _TOKEN.findall(text)
     toks = [_canonical_number(t) if t[:1].isdigit() else t for t in toks]
@@ -198,7 +217,7 @@ def tokens(text: str) -> list[str]:
         if t == "by" and out and out[-1] in ("×", "÷"):
             continue  # "multiplied by", "divided by"
         out.append(t)
-    return out
+    return tuple(out)
 
 
 def _numeric_near(toks: list[str], i: int) -> bool:
@@ -214,30 +233,35 @@ def normalise(text: str) -> str:
     return " ".join(tokens(text))
 
 
+@functools.lru_cache(maxsize=4096)
+def _script(ch: str) -> str:
+    """The script label (:data:`_SCRIPTS`) of one letter; ``other`` for the rest."""
+    name = unicodedata.name(ch, "")
+    return next((label for label, marker in _SCRIPTS if name.startswith(marker)), "other")
+
+
 def language(text: str) -> str:
     """A coarse language label: the dominant script (``cyrillic``, ``han``, ``kana``…), and for Latin script
     ``en``/``fr``/``de``/``es``/``it``/``pt``/``nl`` by function words of two letters or more (``latin`` when
     fewer than two are found);
     ``und`` without letters."""
-    counts: Counter[str] = Counter()
-    for ch in text:
-        if ch.isalpha():
-            name = unicodedata.name(ch, "")
-            for label, marker in _SCRIPTS:
-                if name.startswith(marker):
-                    counts[label] += 1
-                    break
-            else:
-                counts["other"] += 1
-    if not counts:
-        return "und"
-    script = counts.most_common(1)[0][0]
-    if counts.get("kana"):  # Japanese mixes kana and han
-        script = "kana"
-    if script != "latin":
-        return script
-    words = [w.casefold() for w in _WORD.findall(text) if len(w) > 1]
-    votes = {lang: sum(w in fw for w in words) for lang, fw in _FUNCTION.items()}
+    if text.isascii():  # every ASCII letter is Latin script
+        if not any(ch.isalpha() for ch in text):
+            return "und"
+    else:
+        counts: Counter[str] = Counter(_script(ch) for ch in text if ch.isalpha())
+        if not counts:
+            return "und"
+        script = counts.most_common(1)[0][0]
+        if counts.get("kana"):  # Japanese mixes kana and han
+            script = "kana"
+        if script != "latin":
+            return script
+    votes = dict.fromkeys(_FUNCTION, 0)
+    for w in _WORD.findall(text):
+        if len(w) > 1:
+            for lang in _FUNCTION_LANGS.get(w.casefold(), ()):
+                votes[lang] += 1
     best = max(votes.values())
     if best < 2:  # one function word is no evidence ("a", "la", "de" are in several languages)
         return "latin"
@@ -399,26 +423,46 @@ def _quoted(m: re.Match[str]) -> str:
 
 def features(text: str) -> Features:
     """The guard's view of ``text`` (the last user turn)."""
-    quoted = tuple(sorted(_quoted(m) for m in _QUOTES.finditer(text)))
-    toks = tokens(text)
+    quoted = tuple(sorted(_quoted(m) for m in _QUOTES.finditer(text))) if _QUOTE_CHARS & set(text) else ()
+    raw = _tokens(text)
     # "Hi!" is punctuation, "5!" and "n!" a factorial (tokens() keeps every "!" as an operator)
-    toks = [t for i, t in enumerate(toks) if t != "!" or i == 0 or not (toks[i - 1].isalpha() and len(toks[i - 1]) > 1)]
-    numbers = tuple(sorted(t for t in toks if _is_number(t)))
-    operators = tuple(sorted(t for t in toks if len(t) == 1 and not t.isalnum()))
-    symbols = tuple(sorted(t for t in toks if len(t) == 1 and t.isalpha() and t not in ("a", "i")))
+    toks = [t for i, t in enumerate(raw) if t != "!" or i == 0 or not (raw[i - 1].isalpha() and len(raw[i - 1]) > 1)]
+    numbers: list[str] = []
+    operators: list[str] = []
+    symbols: list[str] = []
+    math: list[str] = []
+    sequence: list[str] = []
+    negations = more = less = 0
+    for t in toks:  # one pass: the multisets, the arithmetic and the content words in order, the counts
+        if t[:1].isdigit():
+            numbers.append(t)
+            math.append(t)
+            sequence.append(t)
+            continue
+        if len(t) == 1 and not t.isalnum():
+            operators.append(t)
+            math.append(t)
+            sequence.append(t)
+            continue
+        if len(t) == 1 and t.isalpha() and t not in ("a", "i"):
+            symbols.append(t)
+            math.append(t)
+            sequence.append(t)
+            continue
+        if (t.isalpha() and t not in COMMON) or t in ORDINALS:
+            sequence.append(t)  # content words and ordinals ("second day" ≠ "day second"); names are never COMMON
+        negations += t in NEGATIONS
+        more += t in MORE
+        less += t in LESS
     raw_words = _WORD.findall(_WORD_HYPHEN.sub(" ", unicodedata.normalize("NFKC", text)))
-    # content words, ordinals ("second day" ≠ "day second") and the arithmetic, in order (names are never COMMON)
-    sequence = tuple(t for t in toks if (t.isalpha() and t not in COMMON) or t in ORDINALS or _is_math(t))
     names = frozenset(f for w in raw_words
                       if w[:1].isupper() and len(w) > 1 and (f := _fold(w)) not in COMMON
                       and f not in NUMBER_WORDS and f not in OPERATOR_WORDS)
-    negations = sum(t in NEGATIONS for t in toks)
-    polarity = (sum(t in MORE for t in toks), sum(t in LESS for t in toks))
     units, relations, ordinals = _roles(toks)
     words = frozenset(t for t in sequence if t.isalpha() and t not in COMMON)
-    return Features(numbers, operators, symbols, quoted, names, words, negations, polarity,
-                    language(text), tuple(t for t in toks if _is_math(t)), units, relations, ordinals,
-                    tuple(t for t in toks if t in DEGREE), tuple(_CURRENCY.findall(text)), sequence)
+    return Features(tuple(sorted(numbers)), tuple(sorted(operators)), tuple(sorted(symbols)), quoted, names, words,
+                    negations, (more, less), language(text), tuple(math), units, relations, ordinals,
+                    tuple(t for t in toks if t in DEGREE), tuple(_CURRENCY.findall(text)), tuple(sequence))
 
 
 def _word_order(a: Features, b: Features) -> bool:
@@ -429,6 +473,25 @@ def _word_order(a: Features, b: Features) -> bool:
     one side has (a synonym, with an embedding model) are left out of the comparison."""
     shared = set(a.sequence) & set(b.sequence)
     return [w for w in a.sequence if w in shared] == [w for w in b.sequence if w in shared]
+
+
+def _field(name: str) -> Callable[[Features, Features], bool]:
+    def differs(a: Features, b: Features) -> bool:
+        return bool(getattr(a, name) != getattr(b, name))
+    return differs
+
+
+#: The guard's checks after ``version``, in the order :func:`mismatch` reports them: (reason, differs).
+_CHECKS: tuple[tuple[str, Callable[[Features, Features], bool]], ...] = (
+    ("language", _field("language")), ("numbers", _field("numbers")), ("operators", _field("operators")),
+    ("symbols", _field("symbols")), ("quoted", _field("quoted")),
+    ("names", lambda a, b: not a.names <= b.words or not b.names <= a.words),
+    ("negation", _field("negations")), ("polarity", _field("polarity")),
+    # the order- and role-aware checks
+    ("order", _field("math")), ("units", _field("units")), ("relation", _field("relations")),
+    ("ordinal", _field("ordinals")), ("comparative", _field("degree")), ("currency", _field("currency")),
+    ("word_order", lambda a, b: not _word_order(a, b)),
+)
 
 
 def mismatch(a: Features, b: Features, same_words: bool = False) -> str | None:
@@ -446,36 +509,9 @@ def mismatch(a: Features, b: Features, same_words: bool = False) -> str | None:
     changed noun (``apples`` → ``pears``, ``km`` → ``miles``), the only safe reading of a changed word."""
     if a.version != GUARD_VERSION or b.version != GUARD_VERSION:
         return "version"
-    if a.language != b.language:
-        return "language"
-    if a.numbers != b.numbers:
-        return "numbers"
-    if a.operators != b.operators:
-        return "operators"
-    if a.symbols != b.symbols:
-        return "symbols"
-    if a.quoted != b.quoted:
-        return "quoted"
-    if not a.names <= b.words or not b.names <= a.words:
-        return "names"
-    if a.negations != b.negations:
-        return "negation"
-    if a.polarity != b.polarity:
-        return "polarity"
-    if a.math != b.math:
-        return "order"
-    if a.units != b.units:
-        return "units"
-    if a.relations != b.relations:
-        return "relation"
-    if a.ordinals != b.ordinals:
-        return "ordinal"
-    if a.degree != b.degree:
-        return "comparative"
-    if a.currency != b.currency:
-        return "currency"
-    if not _word_order(a, b):
-        return "word_order"
+    for reason, differs in _CHECKS:
+        if differs(a, b):
+            return reason
     if same_words and a.words != b.words:
         return "words"
     return None

@@ -12,7 +12,6 @@ never share a semantic entry, whatever the similarity.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,12 +57,13 @@ def question(scope: str, endpoint: str, tier: str, upstream_body: Mapping[str, A
 
     ``endpoint``: the usage label (``chat``, ``completions``, or ``responses``/``messages``, whose upstream body
     is a chat body); it is part of the context, as in the exact cache's key."""
-    body = copy.deepcopy(dict(upstream_body))
+    body = dict(upstream_body)  # shallow: only top-level keys and the question's message are replaced below
     text: str | None
     messages = body.get("messages")
     if endpoint != "completions":  # chat, and the APIs translated onto chat (responses, messages)
         if not isinstance(messages, list):
             return None
+        messages = body["messages"] = list(messages)
         idx = next((i for i in range(len(messages) - 1, -1, -1)
                     if isinstance(messages[i], dict) and messages[i].get("role") == "user"), None)
         if idx is None:

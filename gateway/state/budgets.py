@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
@@ -136,6 +136,22 @@ class BudgetLevels:
             stored[field.decode() if isinstance(field, bytes) else field] = (_micro(d.get("usd_day")),
                                                                               _micro(d.get("usd_month")))
         self._stored = stored
+
+    def learn(self, levels: Iterable[Level]) -> None:
+        """Take the budgets an admission script applied (``Admission.levels``: the definitions in Redis at that
+        moment) into the copy. A request decided on the copy (its admission call failed: Redis down, or a
+        timeout on a starved host) right after ``thinkgate budgets set`` then knows the budget at once, not
+        ``budget_refresh_s`` later. Key levels are skipped (the key's own budget travels with the key)."""
+        for lvl in levels:
+            if lvl.kind == "key":
+                continue
+            seen = (lvl.day_micro, lvl.month_micro)
+            if seen == (self._budget(lvl.id) or (None, None)):
+                continue
+            if seen == self._config.get(lvl.id, (None, None)):
+                self._stored.pop(lvl.id, None)  # no definition in Redis: the config's budget (or none) applies
+            else:
+                self._stored[lvl.id] = seen
 
     def _budget(self, level_id: str) -> tuple[int | None, int | None] | None:
         return self._stored.get(level_id) or self._config.get(level_id)

@@ -24,7 +24,7 @@ import pytest
 import redis
 import yaml
 
-from gateway.engine.redis_server import free_port
+from gateway.engine.redis_server import free_port, start_private
 from gateway.state.keys import RedisKeys
 from tests.fixtures.gateway import cleanup, create_key, keys_config
 from tests.fixtures.upstream import SimProcess, sim_tiers, wait_http_ok
@@ -147,3 +147,36 @@ def test_a_budget_change_holds_for_the_next_burst_on_a_running_and_a_fresh_repli
     finally:
         client.close()
         fresh.stop()
+
+
+def test_a_budget_an_admission_saw_holds_when_the_next_admission_call_fails(upstream_sim: SimProcess,
+                                                                             tmp_path: Path) -> None:
+    """A new-user trial's hole: a tag budget set after the replica last read its copy of the definitions, a key of
+    that tag with no budget of its own, and an admission call that fails (Redis gone; on a starved host, a
+    0.25 s timeout) — the request was decided on the copy, which had no budget above the key, and admitted under
+    nothing even in ``fail_closed`` mode. The budgets the admission script applied are now taken into the copy,
+    so the failed call finds the tag budget and ``fail_closed`` refuses (503)."""
+    from tests.fixtures.gateway import SECRETS, accounting_gateway
+
+    proc, url = start_private()
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"  # given, so no cleanup runs against the killed server
+    try:
+        with accounting_gateway(upstream_sim.base_url, url, tmp_path, prefix,
+                                limits={"on_redis_down": "fail_closed", "budget_refresh_s": 3600}) as g:
+            def ask(i: int) -> httpx.Response:
+                return httpx.post(g.base_url + "/chat/completions", timeout=30,
+                                  headers={"authorization": f"Bearer {SECRETS['bob']}"},
+                                  json={"model": "short", "messages": [{"role": "user", "content": f"learn {i}"}]})
+
+            assert ask(0).status_code == 200  # the replica's copy is read now: no budgets anywhere
+            _cli("budgets", "set", "--tag", "team=b", "--usd-day", "5", prefix=prefix, redis_url=url)
+            assert ask(1).status_code == 200  # admitted by the script, which read the new tag budget in Redis
+            proc.kill()
+            proc.wait(timeout=10)
+            refused = ask(2)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "limits_unavailable"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -44,8 +44,12 @@ def prefix() -> str:
 
 
 def _gateway(sim: SimProcess, redis_url: str, tmp: Path, prefix: str, mode: str) -> Any:
+    # a 2 s Redis socket timeout (default 0.25 s): 64 concurrent requests on a loaded 2-core box can wait longer
+    # than 0.25 s for the event loop, and these tests are about budgets, not about Redis timeouts
     return accounting_gateway(sim.base_url, redis_url, tmp, prefix, tiers=_tiers(sim.base_url),
-                              limits={"budget_mode": mode, "budget_refresh_s": 0})
+                              limits={"budget_mode": mode, "budget_refresh_s": 0},
+                              redis={"url": redis_url, "key_prefix": prefix, "start_if_missing": False,
+                                     "breaker_cooldown_s": 0.5, "socket_timeout_s": 2.0})
 
 
 @pytest.fixture(scope="module")

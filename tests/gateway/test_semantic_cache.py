@@ -401,6 +401,49 @@ def test_dense_sketch_similarity_is_cosine() -> None:
     assert a.bands == emb.sketch_vector([2.0, 0.0, 0.0, 0.0]).bands  # scale-free
 
 
+def test_similarities_equal_similarity_for_every_candidate() -> None:
+    # the lookup scores its candidates in one vectorised pass: the same values as one by one, kinds and sizes
+    # that differ scoring 0.0
+    import httpx
+
+    from gateway.config import TierConfig
+
+    lex = LexicalEmbedder()
+    probe = lex.sketch_now("Subtract 3 from 10. What is left?")
+    others = [lex.sketch_now(t) for t in ("subtract 3 from 10 what is left", "Subtract 10 from 3. What is left?",
+                                          "What is the capital of France?", "")]
+    dense = OpenAIEmbedder(TierConfig(name="e"), httpx.AsyncClient()).sketch_vector([1.0, 2.0, 0.0, 0.5])
+    pairs = [(o.kind, o.payload) for o in others] + [(dense.kind, dense.payload), ("minhash", probe.payload[:8])]
+    got = probe.similarities(pairs)
+    assert got == [probe.similarity(k, p) for k, p in pairs]
+    assert got[0] > got[2] and got[-2:] == [0.0, 0.0] and probe.similarities([]) == []
+    assert dense.similarities([*pairs[:2], (dense.kind, dense.payload)]) == [0.0, 0.0, dense.similarity(*pairs[-2])]
+
+
+def test_tokens_are_memoised_but_every_caller_gets_its_own_list() -> None:
+    # the embedder and the guard tokenise the same question: memoised, but a caller's edit must not leak
+    from gateway.semantic.guard import forget_tokens, tokens
+
+    text = "What is seventeen times twenty-three?"
+    first = tokens(text)
+    first.append("tampered")
+    assert tokens(text) == ["what", "is", "17", "×", "23"]
+    forget_tokens()
+    assert tokens(text) == ["what", "is", "17", "×", "23"] and features(text) == features(text.upper().lower())
+
+
+def test_question_leaves_the_request_body_untouched() -> None:
+    body: dict[str, Any] = {"model": "m", "max_tokens": 100, "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 17 * 23?"}]}
+    before = copy.deepcopy(body)
+    q = question("scope", "chat", "short", body, "lexical-v1", 4000)
+    assert q is not None and q.text == "What is 17 * 23?" and q.max_tokens == 100
+    assert body == before
+    completion = {"model": "m", "prompt": "What is 17 * 23?", "max_tokens": 7}
+    assert question("scope", "completions", "short", completion, "lexical-v1", 4000) is not None
+    assert completion == {"model": "m", "prompt": "What is 17 * 23?", "max_tokens": 7}
+
+
 async def test_embedder_down_means_no_probe_not_an_error(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
     import httpx
 
