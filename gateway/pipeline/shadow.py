@@ -19,6 +19,8 @@ job to a task and returns at once, so the client's response and its connection a
 3. judges: ``agreement`` compares the normalised final answers (:func:`normalise_answer`: the part after a
    last ``Answer:``, thinking removed, lower case, punctuation, articles and extra spaces dropped); a
    ``tier:<name>`` judge gets :data:`JUDGE_PROMPT` and answers YES/NO (its call metered as ``shadow`` too);
+   ``normalised``: the final answers compared with the task checkers where one applies (numbers, math),
+   abstentions and word containment elsewhere (``gateway/pipeline/shadow_normalised.py``);
    ``verifier``: a request whose question is in ``routing.shadow.references`` is judged by the task verifier
    against the reference answer (``gateway/pipeline/shadow_references.py``) before step 1, with no call at
    all; the others by ``agreement``;
@@ -47,6 +49,7 @@ from gateway.errors import GatewayError
 from gateway.ledger.record import UsageRecord
 from gateway.pipeline import upstream_body
 from gateway.pipeline.routing import RouteDecision
+from gateway.pipeline.shadow_normalised import NormalisedJudge
 from gateway.pipeline.shadow_references import References
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
@@ -141,6 +144,8 @@ class Shadow:
             raise ValueError(f"routing.shadow.judge: unknown tier {self.cfg.judge!r}")
         self.references = (References.load(self.cfg.references, self.cfg.verifier)
                            if self.cfg.judge == "verifier" and self.cfg.references is not None else None)
+        #: the ``normalised`` judge (gateway/pipeline/shadow_normalised.py), built when configured
+        self.normalised = NormalisedJudge() if self.cfg.judge == "normalised" else None
         self.upstreams = upstreams
         self.redis = handle.client
         self.keys = RedisKeys(handle.prefix)
@@ -226,7 +231,9 @@ class Shadow:
             if higher_answer is None:
                 self.stats.failed += 1
                 return
-            if self.judge_tier is None:
+            if self.normalised is not None:
+                judge, sufficed = "normalised", self.normalised(job.answer, higher_answer)
+            elif self.judge_tier is None:
                 judge, sufficed = "agreement", answers_agree(job.answer, higher_answer)
             else:
                 verdict, judge_cost = await self._judge(job, higher_answer)
