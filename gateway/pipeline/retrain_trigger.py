@@ -13,7 +13,8 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    loop): fit on the outcomes so far, compare with the router in service on the held-back slice under the
    served-floor rule. Better → the candidate is written to ``state_dir/router-<version>.skops`` (versioned; the
    files before it are kept), ``p router:current`` is set with the previous path, every replica follows;
-3. **rolls back**: the realised floor of the promoted router (:func:`router.fit.promote.realised`: the feedback
+3. **rolls back** (checked once a third of ``realised_min`` new outcomes are in): the realised floor of the
+   promoted router (:func:`router.fit.promote.realised`: the feedback
    on the answers it served, explored ones left out) below ``floor`` on at least ``realised_min`` graded cheap
    answers → ``p router:current`` goes back to the previous file (the version is added to ``p router:bad``).
 
@@ -84,6 +85,7 @@ class RetrainTrigger:
         self.fits = 0
         self.fitting = False
         self.last: dict[str, Any] | None = None  # the last audit event of this replica
+        self._checked_at = -1  # outcome count at the last realised-floor check
 
     # --- keys -------------------------------------------------------------------------------------------
     @property
@@ -153,7 +155,10 @@ class RetrainTrigger:
         fitted = int(await self.breaker.call(lambda: self.redis.get(self.k_fitted)) or 0)
         if n >= fitted + self.cfg.every_outcomes:
             await self.fit_once(n)
-        await self.check_realised()
+        # the realised floor reads the stream: only once enough new outcomes (a third of realised_min) are in
+        if n >= self._checked_at + max(1, self.cfg.realised_min // 3):
+            self._checked_at = n
+            await self.check_realised()
 
     async def follow(self) -> bool:
         """Serve the file ``p router:current`` names when it is not the one in service; True when switched."""
