@@ -194,17 +194,14 @@ class RetrainTrigger:
         got = await self.breaker.call(lambda: self.redis.set(self.k_lock, "1", nx=True, ex=LOCK_TTL_S))
         if not got:
             return None
+        self.fitting = True  # until the verdict is served and recorded (a reader of the status waits on it)
         try:
             await self.breaker.call(lambda: self.redis.set(self.k_fitted, n_outcomes))
             old = self.service.router
             if old is None:
                 return None
             outcomes = await self._all_outcomes()
-            self.fitting = True
-            try:
-                new, cmp = await asyncio.to_thread(self._fit, old, outcomes)
-            finally:
-                self.fitting = False
+            new, cmp = await asyncio.to_thread(self._fit, old, outcomes)
             self.fits += 1
             prev_version = old.metadata.get("version") or old.metadata.get("created_utc")
             event: dict[str, Any] = {"event": "keep", "ts": round(time.time(), 3), "version": prev_version,
@@ -222,6 +219,7 @@ class RetrainTrigger:
             await self._history(event)
             return event
         finally:
+            self.fitting = False
             with contextlib.suppress(RedisDown):
                 await self.breaker.call(lambda: self.redis.delete(self.k_lock))
 
