@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import typer
 
+from bench.learn import learn
 from bench.savings_stack import savings
 from bench.traces.bench import traces
 
 app = typer.Typer(no_args_is_help=True)
 app.command("savings")(savings)
 app.command("traces")(traces)
+app.command("learn")(learn)
 
 
 @app.callback()

@@ -33,6 +33,7 @@ from gateway.api import responses as responses_api
 from gateway.api import usage as usage_api
 from gateway.auth.keys import KeyStore
 from gateway.config import Settings
+from gateway.control import retrain_trigger
 from gateway.control.drift import DriftMonitor
 from gateway.control.outcomes import OutcomeStore, outcome_spool_path
 from gateway.control.shadow import Shadow
@@ -150,6 +151,7 @@ def create_app(settings: Settings) -> FastAPI:
         proxy.shadow = Shadow(settings, upstreams, accounting.handle, accounting.breaker, outcomes,
                               proxy.usage_sinks, build_body=upstream_body.build, admit=accounting.admit)
     drift = _drift_monitor(settings, routing, accounting)
+    retrain = retrain_trigger.attach(settings, routing, accounting.handle, accounting.breaker, outcomes)
     created = int(time.time())
 
     @asynccontextmanager
@@ -163,8 +165,9 @@ def create_app(settings: Settings) -> FastAPI:
         watcher = asyncio.create_task(routing.service.watch()) if routing.service is not None else None
         steer = asyncio.create_task(controller.run()) if controller is not None else None
         drifting = asyncio.create_task(drift.run()) if drift is not None else None
+        learning = asyncio.create_task(retrain.run()) if retrain is not None else None
         yield
-        for task in (watcher, steer, drifting):
+        for task in (watcher, steer, drifting, learning):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -187,6 +190,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.accounting = accounting
     app.state.outcomes = outcomes
     app.state.drift = drift
+    app.state.retrain = retrain
     install_handlers(app)
     usage_api.install(app, keys, accounting)
     responses_api.attach(app, proxy, ConversationStore(accounting.handle, accounting.breaker,

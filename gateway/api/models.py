@@ -40,6 +40,14 @@ def _tier_card(t: TierConfig, created: int) -> dict[str, Any]:
     }
 
 
+def _status(request: Request, routing: Routing) -> dict[str, Any] | None:
+    """The router service's info plus ``learning`` (automatic retraining's status, None when off)."""
+    if routing.service is None:
+        return None
+    trigger = getattr(request.app.state, "retrain", None)
+    return {**routing.service.info(), "learning": trigger.status() if trigger is not None else None}
+
+
 def attach(app: FastAPI, settings: Settings, proxy: Proxy, routing: Routing, created: int) -> None:
     """Add ``/v1/models`` and ``/admin/router/reload`` to ``app``; ``created`` stamps the model cards (s)."""
 
@@ -53,7 +61,7 @@ def attach(app: FastAPI, settings: Settings, proxy: Proxy, routing: Routing, cre
             "owned_by": "thinkgate",
             "thinkgate": {
                 "router": routing.scorer.name,
-                "router_status": routing.service.info() if routing.service is not None else None,
+                "router_status": _status(request, routing),
                 "routed_tiers": settings.routing.routed_tiers,
                 "thresholds": routing.thresholds,
                 "effort_tiers": settings.routing.effort_tiers,

@@ -109,8 +109,10 @@ def _attach_plugins(root: typer.Typer) -> None:
         else:
             if name == "router":  # reads the gateway's outcome stream, so it lives on this side of the imports
                 from gateway.cli.retrain import retrain_command
+                from gateway.cli.router_history import history_command
 
                 sub.command("retrain")(retrain_command)
+                sub.command("history")(history_command)
             # offline evaluations owned by a plug-in (``thinkgate eval dial`` from training) join ``eval``
             for cmd_name, fn in (getattr(sub, "eval_commands", None) or {}).items():
                 eval_app.command(cmd_name)(fn)

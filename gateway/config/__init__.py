@@ -36,7 +36,14 @@ from gateway.config.metering import MeteringConfig
 from gateway.config.observability import MetricsConfig, TelemetryConfig
 from gateway.config.paths import DEFAULT_MODEL_DIR, DEFAULT_ROUTER_PATH, MODELS_DIR, STATE_DIR, missing_model
 from gateway.config.redis import RedisConfig
-from gateway.config.routing import DriftConfig, OutcomesConfig, RoutingConfig, RoutingTargetConfig, ShadowConfig
+from gateway.config.routing import (
+    DriftConfig,
+    OutcomesConfig,
+    RetrainConfig,
+    RoutingConfig,
+    RoutingTargetConfig,
+    ShadowConfig,
+)
 from gateway.config.server import ServerConfig
 from gateway.config.settings import Settings
 from gateway.config.tiers import LoopGuard, Prices, TierConfig, UpstreamPoolConfig, _default_tiers, prompted_hard_stop
@@ -62,6 +69,7 @@ __all__ = [
     "Prices",
     "RedisConfig",
     "ResponsesConfig",
+    "RetrainConfig",
     "RoutingConfig",
     "RoutingTargetConfig",
     "SemanticCacheConfig",

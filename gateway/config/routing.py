@@ -69,21 +69,22 @@ class OutcomesConfig(_Strict):
 
 class ShadowConfig(_Strict):
     """Shadow comparisons (``gateway/control/shadow.py``): a sampled ``fraction`` of the routed chat requests
-    answered by a cheaper routed tier are sent again, after the client's answer is complete, to the next
-    routed tier up (non-streamed; at most ``max_concurrency`` at once per replica, others skipped), metered
-    with route reason ``shadow`` under the key id ``_shadow`` (never the client's budget) and stopped for the
-    UTC day once they cost ``max_usd_day``. ``judge``: ``agreement`` (normalised final answers equal: two tiers
-    that agree need no third opinion) or ``tier:<name>`` (that tier is asked, with the prompt shipped in
-    shadow.py, whether the cheap answer reaches the same answer; its call is metered as ``shadow`` too). The
-    result is a ``shadow`` outcome. ``verifier``: where the request's last user message is a question of the
+    answered by a cheaper routed tier are sent again, after the client's answer is complete, to the next routed tier up
+    (non-streamed; at most ``max_concurrency`` at once per replica, others skipped), metered with route reason
+    ``shadow`` under the key id ``_shadow`` (never the client's budget) and stopped for the UTC day once they cost
+    ``max_usd_day``. ``judge``: ``agreement`` (normalised final answers equal: two tiers that agree need no third
+    opinion), ``normalised`` (final answers compared with the ``router.tasks`` checkers where a task applies —
+    numbers, math — else abstentions and word containment) or ``tier:<name>`` (that tier is asked, with the prompt
+    shipped in shadow.py, whether the cheap answer reaches the same answer; its call is metered as ``shadow`` too).
+    The result is a ``shadow`` outcome. ``verifier``: where the request's last user message is a question of the
     ``references`` JSONL (question rows: ``question``, ``answer``, optionally ``task``), the ``verifier``
-    (``router.tasks.verifiers``: task | math | int | exact | module:function) judges the cheap answer against
-    the reference, with no higher-tier call; other requests fall back to ``agreement``
+    (``router.tasks.verifiers``: task | math | int | exact | module:function) judges the cheap answer against the
+    reference, with no higher-tier call; other requests fall back to ``agreement``
     (``gateway/control/shadow_references.py``). ``fraction: 0`` (the default) turns shadowing off."""
 
     fraction: float = Field(0.0, ge=0, le=1)
     max_usd_day: Decimal = Field(Decimal("1"), ge=0)
-    judge: str = Field("agreement", pattern=r"^(agreement|verifier|tier:[A-Za-z0-9_.-]+)$")
+    judge: str = Field("agreement", pattern=r"^(agreement|normalised|verifier|tier:[A-Za-z0-9_.-]+)$")
     references: Path | None = None
     verifier: str = "task"
     max_concurrency: int = Field(4, ge=1, le=256)
@@ -106,6 +107,34 @@ class DriftConfig(_Strict):
     min_samples: int = Field(200, ge=10)
     interval_s: float = Field(10.0, gt=0)
     threshold: float = Field(0.25, gt=0)
+
+
+class RetrainConfig(_Strict):
+    """Automatic retraining and safe promotion (``gateway/control/retrain_trigger.py``): off unless
+    ``every_outcomes`` > 0. Every ``every_outcomes`` new outcomes in the stream, one replica (a Redis lock) fits a
+    router on the outcomes so far (``router.fit.retrain``; needs ``routing.outcomes.retain_text``) in a worker
+    thread, compares it with the router in service on the held-back ``heldout_frac`` of the outcomes under the
+    served-floor rule (accuracy ≥ ``floor`` × always-top, savings as the tie-break; at least ``min_heldout``
+    labelled windows) and promotes it — a versioned file under ``state_dir``, hot-reloaded by every replica
+    with retraining on — only when it is better. ``explore``: the share of ``auto`` requests routed to the
+    tier below the one predicted, at random, so that cheap answers exist to learn from (0: none). The realised
+    floor (feedback on the cheap answers the promoted router chose, against feedback on top answers) is checked
+    every ``interval_s``; below ``floor`` (on at least ``realised_min`` graded cheap answers) the previous file
+    is served again. ``fit_here: false``: this replica follows promotions but never fits."""
+
+    every_outcomes: int = Field(0, ge=0)
+    state_dir: Path | None = None  # None: ``<usage spool dir>/routers``
+    heldout_frac: float = Field(0.2, ge=0.05, le=0.5)
+    min_heldout: int = Field(10, ge=4)
+    floor: float = Field(0.98, gt=0, le=1)
+    explore: float = Field(0.0, ge=0, le=1)
+    realised_min: int = Field(30, ge=5)
+    fit_here: bool = True
+    interval_s: float = Field(1.0, gt=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_outcomes > 0
 
 
 class RoutingConfig(_Strict):
@@ -144,6 +173,8 @@ class RoutingConfig(_Strict):
     shadow: ShadowConfig = Field(default_factory=ShadowConfig)
     #: the drift alarm (PSI of the realized scores against the router file's calibration histogram)
     drift: DriftConfig = Field(default_factory=DriftConfig)
+    #: automatic retraining and safe promotion from the outcomes (off by default)
+    retrain: RetrainConfig = Field(default_factory=RetrainConfig)
 
     @field_validator("thresholds")
     @classmethod

@@ -19,6 +19,8 @@ job to a task and returns at once, so the client's response and its connection a
 3. judges: ``agreement`` compares the normalised final answers (:func:`normalise_answer`: the part after a
    last ``Answer:``, thinking removed, lower case, punctuation, articles and extra spaces dropped); a
    ``tier:<name>`` judge gets :data:`JUDGE_PROMPT` and answers YES/NO (its call metered as ``shadow`` too);
+   ``normalised``: the final answers compared with the task checkers where one applies (numbers, math),
+   abstentions and word containment elsewhere (``gateway/control/shadow_normalised.py``);
    ``verifier``: a request whose question is in ``routing.shadow.references`` is judged by the task verifier
    against the reference answer (``gateway/control/shadow_references.py``) before step 1, with no call at
    all; the others by ``agreement``;
@@ -44,6 +46,7 @@ import orjson
 from gateway.auth.keys import KeyInfo
 from gateway.config import Settings, TierConfig
 from gateway.control.outcomes import OutcomeStore
+from gateway.control.shadow_normalised import NormalisedJudge
 from gateway.control.shadow_references import References
 from gateway.errors import GatewayError
 from gateway.ledger.event import RouteReason, WireEndpoint
@@ -162,6 +165,8 @@ class Shadow:
             raise ValueError(f"routing.shadow.judge: unknown tier {self.cfg.judge!r}")
         self.references = (References.load(self.cfg.references, self.cfg.verifier)
                            if self.cfg.judge == "verifier" and self.cfg.references is not None else None)
+        #: the ``normalised`` judge (gateway/control/shadow_normalised.py), built when configured
+        self.normalised = NormalisedJudge(normalise_answer) if self.cfg.judge == "normalised" else None
         self.upstreams = upstreams
         #: the upstream body of a shadow or judge call (the pipeline's builder, passed in by the app)
         self.build_body = build_body
@@ -249,7 +254,9 @@ class Shadow:
             if higher_answer is None:
                 self.stats.failed += 1
                 return
-            if self.judge_tier is None:
+            if self.normalised is not None:
+                judge, sufficed = "normalised", self.normalised(job.answer, higher_answer)
+            elif self.judge_tier is None:
                 judge, sufficed = "agreement", answers_agree(job.answer, higher_answer)
             else:
                 verdict, judge_cost = await self._judge(job, higher_answer)

@@ -88,6 +88,8 @@ class Routing:
         self.controller: TargetController | None = None
         #: called with (score, routed tier index) of every routed decision (the drift alarm)
         self.observers: list[Callable[[float, int], None]] = []
+        #: (routed tier index, window text) -> the index served: exploration (``routing.retrain.explore``)
+        self.explore: Callable[[int, str], int] | None = None
         #: the router file's cascade applied to the tiers (per loaded router: rebuilt after a reload)
         self._auto: tuple[object, dict[str, TierConfig]] | None = None
 
@@ -220,6 +222,8 @@ class Routing:
         routed = self.cfg.routed_tiers
         cuts = self.thresholds
         i = next((i for i, cut in enumerate(cuts) if score < cut), len(routed) - 1)
+        if self.explore is not None:
+            i = self.explore(i, text)
         if self.controller is not None:
             self.controller.record(score, i)
         for observe in self.observers:

@@ -1,0 +1,45 @@
+"""``thinkgate router history``: the automatic retraining's audit events (``p router:history``), oldest first.
+
+One line per event: time (UTC), ``promote`` | ``keep`` | ``rollback``, the version served after it, the one
+before, the outcome count and the reason; ``--json`` prints the events as a JSON list (the fields of
+``gateway/control/retrain_trigger.py``). Exit codes: 0, 2 invalid config, 3 Redis unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from gateway.cli.common import CONFIG_OPTION, load_settings, run_on_redis
+
+
+def history_command(
+    limit: int = typer.Option(50, "--limit", "-n", min=1, max=10_000, help="The last N events."),
+    as_json: bool = typer.Option(False, "--json", help="Print the events as JSON."),
+    config: Path | None = CONFIG_OPTION,
+) -> None:
+    """Promotions, refusals and rollbacks of the automatic retraining (routing.retrain), oldest first."""
+    from gateway.control.retrain_trigger import read_history
+    from gateway.state.breaker import Breaker
+
+    settings = load_settings(config)
+
+    async def collect(handle: Any) -> list[dict[str, Any]]:
+        return await read_history(handle, Breaker(1.0), limit)
+
+    events = run_on_redis(settings, collect, min_timeout_s=5.0)
+    if as_json:
+        typer.echo(json.dumps(events, indent=1))
+        return
+    if not events:
+        typer.echo("no retraining events yet (routing.retrain.every_outcomes is 0, or too few outcomes so far)")
+        return
+    typer.echo(f"{'time (UTC)':<20} {'event':<9} {'serving':<34} {'before':<34} {'outcomes':>8}  reason")
+    for e in events:
+        ts = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(e.get("ts") or 0)))
+        typer.echo(f"{ts:<20} {e.get('event', ''):<9} {e.get('version')!s:<34} {e.get('previous')!s:<34} "
+                   f"{e.get('outcomes', ''):>8}  {e.get('reason', '')}")

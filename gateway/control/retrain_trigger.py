@@ -1,0 +1,284 @@
+"""Automatic retraining and safe promotion (``routing.retrain``, off unless ``every_outcomes`` > 0).
+
+One :class:`RetrainTrigger` per gateway process, a background task (:meth:`RetrainTrigger.run`) that every
+``interval_s``:
+
+1. **follows** the promoted router: ``p router:current`` (a hash: ``path``, ``version``, ``previous``) names the
+   file every replica with retraining on serves; when it differs from this replica's ``RouterService.path`` the
+   replica points its service there and reloads it (the hot reload of ``/admin/router/reload``, in a worker
+   thread);
+2. **fits** (``fit_here``, one replica at a time: the lock ``p router:lock``): once the outcome stream
+   (``p outcomes``) has ``every_outcomes`` more entries than at the last fit (``p router:fitted_at``), reads
+   every outcome and runs :func:`router.fit.promote.fit_candidate` **in a worker thread** (never on the event
+   loop): fit on the outcomes so far, compare with the router in service on the held-back slice under the
+   served-floor rule. Better → the candidate is written to ``state_dir/router-<version>.skops`` (versioned; the
+   files before it are kept), ``p router:current`` is set with the previous path, every replica follows;
+3. **rolls back** (checked once a third of ``realised_min`` new outcomes are in): the realised floor of the
+   promoted router (:func:`router.fit.promote.realised`: the feedback
+   on the answers it served, explored ones left out) below ``floor`` on at least ``realised_min`` graded cheap
+   answers → ``p router:current`` goes back to the previous file (the version is added to ``p router:bad``).
+
+Each promotion, refusal and rollback is an audit event in the stream ``p router:history`` (field ``e`` = JSON:
+``{"event": "promote" | "keep" | "rollback", "ts", "version", "previous", "path", "outcomes", "comparison" |
+"realised", "reason"}``), read by ``thinkgate router history`` and summarised in ``GET /v1/models``
+(``router_status.learning``).
+
+**Exploration** (``explore`` > 0): :meth:`explore` is the routing hook: a routed decision for a tier above the
+cheapest goes one tier down with probability ``explore`` (seeded per process); the window's digest is kept (at
+most 10,000) so the realised floor leaves those answers out — they are the router's teacher, not its choice.
+
+The offline fit code (``router.fit``) is imported by name inside the worker thread, as the verifier judge
+imports the task checkers (the request path's import contract keeps ``router.fit`` out of its imports).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from gateway.config import RetrainConfig, Settings
+from gateway.control.outcomes import OutcomeStore
+from gateway.ledger.outcome import window_digest
+from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.redis import RedisHandle, as_bytes
+from router.serving import RouterService
+
+log = logging.getLogger("thinkgate.retrain")
+
+LOCK_TTL_S = 600
+HISTORY_MAXLEN = 10_000
+MAX_EXPLORED = 10_000
+
+
+def state_dir_of(settings: Settings) -> Path:
+    """Where versioned router files go: ``routing.retrain.state_dir``, else ``<usage spool dir>/routers``."""
+    cfg = settings.routing.retrain
+    return cfg.state_dir if cfg.state_dir is not None else settings.metering.spool_path.parent / "routers"
+
+
+class RetrainTrigger:
+    """Follow, fit, promote, roll back (module doc). Build in ``create_app``; :meth:`run` inside the event loop."""
+
+    def __init__(self, settings: Settings, service: RouterService, handle: RedisHandle, breaker: Breaker,
+                 outcomes: OutcomeStore, rng: random.Random | None = None) -> None:
+        self.cfg: RetrainConfig = settings.routing.retrain
+        self.top = settings.routing.routed_tiers[-1]
+        self.two_tiers = len(settings.routing.routed_tiers) == 2
+        self.service = service
+        self.redis = handle.client
+        self.prefix = handle.prefix
+        self.breaker = breaker
+        self.outcomes = outcomes
+        self.dir = state_dir_of(settings)
+        self.rng = rng or random.Random()
+        self.explored: deque[str] = deque(maxlen=MAX_EXPLORED)
+        self._explored_set: set[str] = set()
+        self.fits = 0
+        self.fitting = False
+        self.last: dict[str, Any] | None = None  # the last audit event of this replica
+        self._checked_at = -1  # outcome count at the last realised-floor check
+
+    # --- keys -------------------------------------------------------------------------------------------
+    @property
+    def k_history(self) -> str:
+        return f"{self.prefix}router:history"
+
+    @property
+    def k_current(self) -> str:
+        return f"{self.prefix}router:current"
+
+    @property
+    def k_lock(self) -> str:
+        return f"{self.prefix}router:lock"
+
+    @property
+    def k_fitted(self) -> str:
+        return f"{self.prefix}router:fitted_at"
+
+    @property
+    def k_bad(self) -> str:
+        return f"{self.prefix}router:bad"
+
+    # --- exploration ------------------------------------------------------------------------------------
+    def explore(self, i: int, text: str) -> int:
+        """The routing hook (module doc): ``i`` or, with probability ``explore`` when ``i`` > 0, ``i - 1``."""
+        if i <= 0 or self.cfg.explore <= 0 or self.rng.random() >= self.cfg.explore:
+            return i
+        d = window_digest(text)
+        if len(self.explored) == self.explored.maxlen:
+            self._explored_set.discard(self.explored[0])
+        self.explored.append(d)
+        self._explored_set.add(d)
+        return i - 1
+
+    def explored_digests(self) -> set[str]:
+        """Window digests this replica explored (the realised floor leaves them out)."""
+        return set(self._explored_set)
+
+    # --- status -----------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """For ``/v1/models``: the configuration, this replica's fits and its last audit event."""
+        return {"every_outcomes": self.cfg.every_outcomes, "explore": self.cfg.explore, "floor": self.cfg.floor,
+                "fit_here": self.cfg.fit_here, "state_dir": str(self.dir), "fits": self.fits,
+                "fitting": self.fitting, "last_event": self.last}
+
+    # --- loop -------------------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Every ``interval_s`` until cancelled: follow, fit when due, check the realised floor."""
+        if not self.two_tiers:
+            log.warning("routing.retrain: automatic retraining needs two routed tiers; off")
+            return
+        while stop is None or not stop.is_set():
+            await asyncio.sleep(self.cfg.interval_s)
+            try:
+                await self.tick()
+            except RedisDown as exc:
+                log.debug("retrain: redis down (%s)", exc)
+            except Exception:
+                log.exception("retrain: tick failed")
+
+    async def tick(self) -> None:
+        """One round: follow, then (``fit_here``) fit when due and check the realised floor."""
+        await self.follow()
+        if not self.cfg.fit_here:
+            return
+        n = int(await self.breaker.call(lambda: self.redis.xlen(self.outcomes.keys.outcomes)) or 0)
+        fitted = int(await self.breaker.call(lambda: self.redis.get(self.k_fitted)) or 0)
+        if n >= fitted + self.cfg.every_outcomes:
+            await self.fit_once(n)
+        # the realised floor reads the stream: only once enough new outcomes (a third of realised_min) are in
+        if n >= self._checked_at + max(1, self.cfg.realised_min // 3):
+            self._checked_at = n
+            await self.check_realised()
+
+    async def follow(self) -> bool:
+        """Serve the file ``p router:current`` names when it is not the one in service; True when switched."""
+        cur = await self.breaker.call(lambda: self.redis.hget(self.k_current, "path"))
+        if cur is None:
+            return False
+        path = Path(as_bytes(cur).decode())
+        if self.service.path is not None and path == self.service.path:
+            return False
+        old = self.service.path
+        self.service.path = path
+        try:
+            await asyncio.to_thread(self.service.reload)
+        except Exception as exc:  # keep serving the router we have
+            self.service.path = old
+            log.warning("retrain: cannot load the promoted router %s: %s", path, exc)
+            return False
+        log.info("retrain: now serving %s", path)
+        return True
+
+    async def _history(self, event: dict[str, Any]) -> None:
+        self.last = event
+        data = orjson.dumps(event)
+        await self.breaker.call(lambda: self.redis.xadd(self.k_history, {"e": data}, maxlen=HISTORY_MAXLEN,
+                                                        approximate=True))
+
+    async def _all_outcomes(self) -> list[dict[str, Any]]:
+        return [orjson.loads(o.to_json()) for o in await self.outcomes.outcomes()]
+
+    async def fit_once(self, n_outcomes: int) -> dict[str, Any] | None:
+        """Take the lock, fit and compare in a worker thread, promote when better; the audit event (None when
+        another replica holds the lock or no router is in service)."""
+        got = await self.breaker.call(lambda: self.redis.set(self.k_lock, "1", nx=True, ex=LOCK_TTL_S))
+        if not got:
+            return None
+        self.fitting = True  # until the verdict is served and recorded (a reader of the status waits on it)
+        try:
+            await self.breaker.call(lambda: self.redis.set(self.k_fitted, n_outcomes))
+            old = self.service.router
+            if old is None:
+                return None
+            outcomes = await self._all_outcomes()
+            new, cmp = await asyncio.to_thread(self._fit, old, outcomes)
+            self.fits += 1
+            prev_version = old.metadata.get("version") or old.metadata.get("created_utc")
+            event: dict[str, Any] = {"event": "keep", "ts": round(time.time(), 3), "version": prev_version,
+                                     "previous": prev_version, "path": str(self.service.path),
+                                     "outcomes": n_outcomes, "comparison": cmp, "reason": cmp["reason"]}
+            if new is not None and cmp["better"]:
+                path = await asyncio.to_thread(self._save, new)
+                version = new.metadata["version"]
+                prev_path = str(self.service.path) if self.service.path is not None else ""
+                mapping = {"path": str(path), "version": version, "previous": prev_path,
+                           "previous_version": str(prev_version or "")}
+                await self.breaker.call(lambda: self.redis.hset(self.k_current, mapping=mapping))  # type: ignore[arg-type]
+                await self.follow()
+                event.update({"event": "promote", "version": version, "path": str(path)})
+            await self._history(event)
+            return event
+        finally:
+            self.fitting = False
+            with contextlib.suppress(RedisDown):
+                await self.breaker.call(lambda: self.redis.delete(self.k_lock))
+
+    def _fit(self, old: Any, outcomes: list[dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
+        from router.fit import promote  # lazy: only with routing.retrain on (listed in the contract)
+        version = f"auto-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{self.fits + 1:03d}"
+        new, cmp = promote.fit_candidate(old, outcomes, self.top, floor=self.cfg.floor,
+                                         heldout_frac=self.cfg.heldout_frac, min_heldout=self.cfg.min_heldout,
+                                         version=version)
+        return new, cmp.to_dict()
+
+    def _save(self, router: Any) -> Path:
+        from router import persistence
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"router-{router.metadata['version']}.skops"
+        persistence.save_router(router, path)
+        return Path(path)
+
+    async def check_realised(self) -> dict[str, Any] | None:
+        """Roll back to the previous file when the promoted router's realised floor is below ``floor`` on at
+        least ``realised_min`` graded cheap answers; the rollback event (None: nothing to do)."""
+        cur = await self.breaker.call(lambda: self.redis.hgetall(self.k_current))
+        if not cur:
+            return None
+        c = {as_bytes(k).decode(): as_bytes(v).decode() for k, v in cur.items()}
+        if not c.get("previous"):
+            return None
+        outcomes = await self._all_outcomes()
+        from router.fit import promote  # lazy: only with routing.retrain on (listed in the contract)
+        explored = self.explored_digests()
+        fb = [o for o in outcomes if o.get("window_digest") not in explored]
+        real = promote.realised(fb, c["version"], self.top, self.cfg.floor)
+        if real["holds_floor"] or real["n_cheap"] < self.cfg.realised_min:
+            return None
+        mapping = {"path": c["previous"], "version": c.get("previous_version", ""), "previous": "",
+                   "previous_version": ""}
+        await self.breaker.call(lambda: self.redis.hset(self.k_current, mapping=mapping))  # type: ignore[arg-type]
+        await self.breaker.call(lambda: self.redis.sadd(self.k_bad, c["version"]))
+        await self.follow()
+        event = {"event": "rollback", "ts": round(time.time(), 3), "version": c.get("previous_version"),
+                 "previous": c["version"], "path": c["previous"], "outcomes": len(outcomes), "realised": real,
+                 "reason": f"realised floor {real['accuracy_ratio']} < {self.cfg.floor} on {real['n']} graded "
+                           f"answers ({real['n_cheap']} cheap) of {c['version']}"}
+        await self._history(event)
+        return event
+
+
+def attach(settings: Settings, routing: Any, handle: RedisHandle, breaker: Breaker,
+           outcomes: OutcomeStore | None) -> RetrainTrigger | None:
+    """The trigger of ``create_app`` (None: ``routing.retrain`` off, no outcome store or no router file),
+    with its exploration hook on ``routing``."""
+    if not settings.routing.retrain.enabled or outcomes is None or routing.service is None:
+        return None
+    trigger = RetrainTrigger(settings, routing.service, handle, breaker, outcomes)
+    if settings.routing.retrain.explore > 0:
+        routing.explore = trigger.explore
+    return trigger
+
+
+async def read_history(handle: RedisHandle, breaker: Breaker, count: int = 100) -> list[dict[str, Any]]:
+    """The last ``count`` audit events of ``p router:history``, oldest first."""
+    raw = await breaker.call(lambda: handle.client.xrevrange(f"{handle.prefix}router:history", count=count)) or []
+    return [dict(orjson.loads(as_bytes((f or {})[b"e"]))) for _, f in reversed(raw)]

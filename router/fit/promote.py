@@ -1,0 +1,250 @@
+"""Automatic retraining: fit a candidate router on the outcome stream, compare it with the router in service on
+a held-back slice under the served-floor rule, and check the realised floor of a promoted router. Pure (NumPy /
+scikit-learn); the gateway's trigger (``gateway/control/retrain_trigger.py``) runs it in a worker thread.
+
+**Labels**: :func:`router.fit.retrain.items_from_outcomes` (cheap right → 0, cheap wrong → 1, top answers →
+no label). Two routed tiers only (``cheap`` → ``top``).
+
+**The served-floor estimate on outcomes.** An outcome grades the tier that answered, never both tiers, so
+"accuracy ≥ ``floor`` × always-top" is estimated, under one stated assumption — *nesting*: a question the cheap
+tier gets right, the top tier gets right too. Then, with ``p_top`` (the top tier's graded accuracy) and
+``p_cheap`` (the cheap tier's) from the feedback outcomes, a cheap-wrong window sent to the cheap tier costs
+always-top a right answer with probability ``q = (p_top − p_cheap) / (1 − p_cheap)`` — taken conservatively, at
+the upper 90% Wilson bound of ``p_top`` and the lower one of ``p_cheap`` (clipped to [0, 1]; 1 when either is
+unknown: the strictest reading). On ``n`` labelled windows a policy that sends ``k`` label-1 windows to
+the cheap tier loses ``q·k`` of always-top's ``p_top·n`` right answers::
+
+    accuracy_ratio ≈ 1 − q·k / (p_top·n)        holds_floor: accuracy_ratio ≥ floor
+    cheap_share     = share of the n windows sent to the cheap tier   (the savings tie-break)
+
+**Candidate**: fitted on the non-held-out windows (:func:`router.fit.retrain.is_heldout_digest`), its threshold
+the lowest cut (most cheap answers) whose estimate holds the floor on 5-fold out-of-fold scores of those
+windows (none → the candidate routes everything up and is never better). **Better** (:func:`better`): on the
+held-back windows the candidate holds the floor and either the router in service does not, or the candidate
+sends a larger share to the cheap tier.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from router.fit.labels import LabelledItem
+from router.fit.retrain import is_heldout_digest, items_from_outcomes, score_histogram
+from router.model import ModelConfig, TrainedRouter
+
+FOLDS = 5
+Z90 = 1.2816
+
+
+@dataclass
+class Rates:
+    """Graded accuracies from feedback outcomes: ``p_top``, ``p_cheap`` (None: no grade) and the counts."""
+
+    p_top: float | None
+    p_cheap: float | None
+    n_top: int
+    n_cheap: int
+
+    @property
+    def q(self) -> float:
+        """P(top right | cheap wrong) under nesting (module doc), conservative: the upper 90% Wilson bound of
+        ``p_top`` against the lower one of ``p_cheap`` (few grades → a large q → a cautious router); 1.0 when a
+        rate is unknown."""
+        if self.p_top is None or self.p_cheap is None:
+            return 1.0
+        top = wilson(self.p_top, self.n_top, upper=True)
+        cheap = wilson(self.p_cheap, self.n_cheap, upper=False)
+        if cheap >= 1.0:
+            return 1.0
+        return float(min(1.0, max(0.0, (top - cheap) / (1.0 - cheap))))
+
+
+def wilson(p: float, n: int, upper: bool, z: float = Z90) -> float:
+    """The one-sided Wilson score bound (``z`` = 1.2816: 90%) of a proportion ``p`` observed on ``n``."""
+    if n <= 0:
+        return 1.0 if upper else 0.0
+    centre = p + z * z / (2 * n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return float(min(1.0, max(0.0, (centre + (half if upper else -half)) / (1 + z * z / n))))
+
+
+def rates(outcomes: Sequence[dict[str, Any]], top_tier: str, exclude: set[str] | None = None) -> Rates:
+    """Graded accuracy per side from ``feedback`` outcomes (``sufficed`` = graded right); ``exclude``: request
+    ids to leave out."""
+    top = [bool(o["sufficed"]) for o in outcomes if o.get("source") == "feedback" and o.get("sufficed") is not None
+           and o.get("tier") == top_tier and o.get("request_id") not in (exclude or set())]
+    cheap = [bool(o["sufficed"]) for o in outcomes if o.get("source") == "feedback"
+             and o.get("sufficed") is not None and o.get("tier") not in (None, top_tier)
+             and o.get("request_id") not in (exclude or set())]
+    return Rates(float(np.mean(top)) if top else None, float(np.mean(cheap)) if cheap else None, len(top), len(cheap))
+
+
+@dataclass
+class FloorEstimate:
+    """A policy on labelled windows (module doc): estimated accuracy ratio, floor held, cheap share, n."""
+
+    accuracy_ratio: float
+    holds_floor: bool
+    cheap_share: float
+    n: int
+
+
+def estimate(up: np.ndarray, labels: np.ndarray, r: Rates, floor: float) -> FloorEstimate:
+    """The served-floor estimate of a policy sending ``up`` (bool (n,)) to the top tier on windows with
+    ``labels`` (int (n,), 1 = the cheap tier was not enough)."""
+    n = int(labels.size)
+    if n == 0:
+        return FloorEstimate(1.0, True, 0.0, 0)
+    k = int(np.sum((labels == 1) & ~up))
+    p_top = r.p_top if r.p_top else 1.0
+    ratio = 1.0 - r.q * k / (p_top * n)
+    return FloorEstimate(round(ratio, 6), bool(ratio >= floor - 1e-12), round(float(np.mean(~up)), 6), n)
+
+
+def lowest_cut(scores: np.ndarray, labels: np.ndarray, r: Rates, floor: float) -> float:
+    """The lowest threshold (most windows to the cheap tier) whose estimate holds the floor on ``scores``
+    (0.0 = everything up when none does)."""
+    cands = np.unique(np.concatenate([scores, [1.0 + 1e-9]]))
+    for cut in cands[::-1]:  # from "everything cheap" down to "everything up"
+        if estimate(scores >= cut, labels, r, floor).holds_floor:
+            return float(min(1.0, cut))
+    return 0.0
+
+
+def served_scores(router: TrainedRouter, texts: Sequence[str]) -> np.ndarray:
+    """The scores the gateway serves with ``router`` (its fast path: learned, length or hash scorer)."""
+    return np.array([router.score(t) for t in texts], dtype=np.float64)
+
+
+def _fold(digest: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"thinkgate-promote-fold/{digest}".encode()).digest()[:4], "big") % FOLDS
+
+
+def _fit(items: Sequence[LabelledItem]) -> TrainedRouter:
+    from router.fit.fitter import fit_router
+
+    router, _ = fit_router(list(items), ModelConfig(min_df=1), val_frac=0.0, platt_frac=0.15)
+    return router
+
+
+def oof_scores(items: Sequence[LabelledItem]) -> np.ndarray:
+    """5-fold out-of-fold scores (folds by window digest); a fold whose training part has one class scores 0.5."""
+    folds = np.array([_fold(it.group or it.id) for it in items])
+    out = np.full(len(items), 0.5)
+    for f in range(FOLDS):
+        test = np.flatnonzero(folds == f)
+        train = [items[i] for i in np.flatnonzero(folds != f)]
+        if test.size == 0 or len({it.label for it in train}) < 2 or len(train) < 8:
+            continue
+        try:
+            m = _fit(train)
+        except ValueError:
+            continue
+        out[test] = m.predict_proba([items[i].text for i in test])
+    return out
+
+
+@dataclass
+class Comparison:
+    """What :func:`fit_candidate` found: counts, rates, both routers' estimates on the held-back slice."""
+
+    n_outcomes: int
+    n_items: int
+    n_fit: int
+    n_heldout: int
+    rates: dict[str, Any]
+    old: dict[str, Any] | None
+    new: dict[str, Any] | None
+    better: bool
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def better(old: FloorEstimate, new: FloorEstimate) -> bool:
+    """The promotion rule (module doc): the candidate holds the floor, and the router in service does not or
+    sends a smaller share to the cheap tier."""
+    return new.holds_floor and (not old.holds_floor or new.cheap_share > old.cheap_share)
+
+
+def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_tier: str, *, floor: float = 0.98,
+                  heldout_frac: float = 0.2, min_heldout: int = 10, exclude: set[str] | None = None,
+                  version: str | None = None) -> tuple[TrainedRouter | None, Comparison]:
+    """Fit a candidate on ``outcomes`` (dicts with the fields of ``gateway.ledger.outcome.Outcome``) and compare
+    it with ``old`` (module doc). Returns (the candidate, or None when none could be fitted or judged; the
+    comparison — ``better`` says whether to promote). ``exclude``: request ids whose outcomes teach no label
+    (explored answers are kept: they are the cheap answers to learn from; nothing is excluded by default)."""
+    obs = [o for o in outcomes if o.get("request_id") not in (exclude or set())]
+    items = items_from_outcomes(obs, top_tier)
+    r = rates(outcomes, top_tier)
+    rd = {**asdict(r), "q": round(r.q, 6)}
+    held = [it for it in items if is_heldout_digest(it.group or it.id, heldout_frac)]
+    train = [it for it in items if not is_heldout_digest(it.group or it.id, heldout_frac)]
+    y_held = np.array([it.label for it in held], dtype=np.int64)
+    y_train = np.array([it.label for it in train], dtype=np.int64)
+
+    def cmp(old_e: dict[str, Any] | None, new_e: dict[str, Any] | None, ok: bool, why: str) -> Comparison:
+        return Comparison(len(outcomes), len(items), len(train), len(held), rd, old_e, new_e, ok, why)
+
+    if len(held) < min_heldout:
+        return None, cmp(None, None, False, f"{len(held)} held-back labelled windows (< {min_heldout}): too few to "
+                                            "judge a new router")
+    if len(set(y_train.tolist())) < 2 or len(train) < 2 * FOLDS:
+        return None, cmp(None, None, False, f"{len(train)} training windows with labels {sorted(set(y_train))}: "
+                                            "both labels are needed to fit")
+    cut = lowest_cut(oof_scores(train), y_train, r, floor)
+    try:
+        new = _fit(train)
+    except ValueError as exc:
+        return None, cmp(None, None, False, f"fit failed: {exc}")
+    new.thresholds = [cut]
+    texts = [it.text for it in held]
+    old_cut = old.thresholds[-1] if old.thresholds else 0.5
+    old_e = estimate(served_scores(old, texts) >= old_cut, y_held, r, floor)
+    new_e = estimate(new.predict_proba(texts) >= cut, y_held, r, floor)
+    ok = better(old_e, new_e)
+    why = ("promote: holds the floor and sends more to the cheap tier" if ok and old_e.holds_floor else
+           "promote: holds the floor where the router in service does not" if ok else
+           "keep: the candidate does not hold the floor on the held-back slice" if not new_e.holds_floor else
+           "keep: the candidate sends no larger share to the cheap tier")
+    now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    prev = old.metadata.get("version") or old.metadata.get("created_utc")
+    comparison = cmp(asdict(old_e), asdict(new_e), ok, why)
+    new.metadata.update({
+        "version": version or f"auto-{now}",
+        "created_utc": now,
+        "retrained_from": prev,
+        "serving": {"policy": "router", "scorer": "router", "thresholds": [round(cut, 6)], "cascade": None,
+                    "guarantee": None, "floor_estimate": {"floor": floor, "heldback": asdict(new_e),
+                                                          "assumption": "nesting (router/fit/promote.py)"}},
+        "auto_retrain": comparison.to_dict(),
+        "score_histogram": score_histogram(new.predict_proba([it.text for it in train])),
+    })
+    return new, comparison
+
+
+def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, floor: float,
+             exclude: set[str] | None = None) -> dict[str, Any]:
+    """The realised floor of router ``version``: the feedback on the answers it served (``exclude``: explored
+    request ids, not its choice), the module's estimate with ``q``/``p_top`` from all feedback.
+    ``{"n_cheap", "n", "accuracy_ratio", "holds_floor"}`` (``accuracy_ratio`` None without graded answers)."""
+    ex = exclude or set()
+    mine = [o for o in outcomes if o.get("source") == "feedback" and o.get("router_version") == version
+            and o.get("sufficed") is not None and o.get("request_id") not in ex]
+    cheap_wrong = sum(1 for o in mine if o.get("tier") != top_tier and not o["sufficed"])
+    n_cheap = sum(1 for o in mine if o.get("tier") != top_tier)
+    r = rates(outcomes, top_tier, ex)
+    if not mine:
+        return {"n_cheap": 0, "n": 0, "accuracy_ratio": None, "holds_floor": True}
+    p_top = r.p_top if r.p_top else 1.0
+    ratio = 1.0 - r.q * cheap_wrong / (p_top * len(mine))
+    return {"n_cheap": n_cheap, "n": len(mine), "accuracy_ratio": round(ratio, 6),
+            "holds_floor": bool(ratio >= floor - 1e-12), "q": round(r.q, 6)}

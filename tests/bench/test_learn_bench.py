@@ -1,0 +1,46 @@
+"""``thinkgate bench learn`` end to end, tiny: the real stack (Redis, the replay upstream, the gateway replicas),
+a few dozen requests with feedback, the JSON contract and a consistent run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gateway.cli.main import app
+
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
+if not (TRACES / "frames").is_dir():
+    TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
+
+SERVED = {"accuracy_ratio", "token_share", "savings", "holds_floor"}
+
+
+@pytest.mark.skipif(not (TRACES / "frames").is_dir(), reason="the traces data set is not here")
+def test_bench_learn_smoke(tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TG_NO_PROGRESS", "1")
+    cfg = tmp_path / "base.yaml"
+    cfg.write_text(f"redis:\n  url: {redis_url}\n")
+    out, details = tmp_path / "learn.json", tmp_path / "details.json"
+    res = CliRunner().invoke(app, ["bench", "learn", "--traces", str(TRACES), "--dataset", "frames", "--ladder",
+                                   "Qwen3-8B:no_think,exd0", "--feedback-rate", "0.5", "--steps", "30,60",
+                                   "--every-outcomes", "15", "--json", str(out), "--png", str(tmp_path / "l.png"),
+                                   "--details", str(details), "--config", str(cfg), "--time-budget-s", "240"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert set(report) == {"dataset", "ladder", "feedback_rate", "steps", "offline_fit", "length"}
+    assert (report["dataset"], report["ladder"], report["feedback_rate"]) == ("frames", "Qwen3-8B:no_think,exd0", 0.5)
+    assert [s["requests"] for s in report["steps"]] == [30, 60]
+    for s in report["steps"]:
+        assert set(s) == {"requests", "outcomes", "router_version", "served", "shadow_cost_usd"}
+        assert set(s["served"]) == SERVED and 0 <= s["served"]["token_share"] <= 1.5
+        assert s["router_version"]
+    assert report["steps"][1]["outcomes"] > report["steps"][0]["outcomes"] > 0  # feedback and shadow outcomes
+    assert report["steps"][1]["shadow_cost_usd"] > 0
+    assert set(report["offline_fit"]) == SERVED and set(report["length"]) == SERVED
+    d = json.loads(details.read_text())
+    assert d["answered"] == 60 and d["errors"] == 0 and d["feedback"] > 10
+    assert (tmp_path / "l.png").stat().st_size > 1000
+    assert "bench learn" not in res.output or "ThinkGate learning" in res.output

@@ -1,0 +1,156 @@
+"""Automatic retraining (``routing.retrain``) on a real gateway and the real Redis: a better router is fitted,
+written as a versioned file and promoted by hot reload (``/v1/models``, ``thinkgate router history``); a worse
+one is kept out; a promoted router whose realised floor falls is rolled back to the previous file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from gateway.cli.main import app
+from gateway.config import OutcomesConfig, RedisConfig
+from gateway.control.outcomes import OutcomeStore
+from gateway.ledger.outcome import Outcome, window_digest
+from gateway.state.breaker import Breaker
+from gateway.state.redis import connect
+from router.fit.fitter import fit_router
+from router.fit.labels import LabelledItem
+from router.fit.retrain import is_heldout_digest
+from router.model import ModelConfig
+from router.persistence import save_router
+from tests.fixtures.gateway import SECRETS, accounting_gateway
+from tests.fixtures.upstream import SimProcess, wait_for
+
+HARD = ["prove", "integral", "theorem", "derive", "lemma", "asymptotic"]
+EASY = ["capital", "color", "name", "city", "animal", "fruit"]
+
+
+def _text(hard: bool, i: int) -> str:
+    rng = random.Random(i)
+    return f"question {i}: " + " ".join(rng.sample(HARD if hard else EASY, 3))
+
+
+def _router(path: Path, informative: bool) -> Path:
+    rng = random.Random(5)
+    items = [LabelledItem(id=f"b{i}", text=_text(i % 2 == 0, 10_000 + i),
+                          label=(i % 2 == 0) if informative else rng.random() < 0.5, source="base", group=f"b{i}")
+             for i in range(80)]
+    router, _ = fit_router(items, ModelConfig(min_df=1), val_frac=0.0)
+    router.thresholds = [0.5]
+    router.metadata["version"] = "old-" + ("good" if informative else "noise")
+    save_router(router, path)
+    return path
+
+
+def _graded(invert_training: bool, n: int = 200) -> list[Outcome]:
+    """Feedback on cheap answers (easy right, hard wrong; inverted outside the held-back slice when asked) and on
+    top answers (all right: every cheap-wrong answer costs always-top a right one)."""
+    out = []
+    for i in range(n):
+        hard = i % 2 == 0
+        text = _text(hard, i)
+        d = window_digest(text)
+        needs_top = hard if (is_heldout_digest(d, 0.2) or not invert_training) else not hard
+        out.append(Outcome(source="feedback", request_id=f"r{i}", key_id="alice", tier="short",
+                           sufficed=not needs_top, judge="client", window_digest=d, text=text))
+    out += [Outcome(source="feedback", request_id=f"t{i}", key_id="alice", tier="long", sufficed=True,
+                    judge="client", window_digest=window_digest(_text(True, 5000 + i)), text=_text(True, 5000 + i))
+            for i in range(60)]
+    return out
+
+
+def _write(redis_url: str, prefix: str, outcomes: list[Outcome], tmp: Path) -> None:
+    async def go() -> None:
+        handle = connect(RedisConfig(url=redis_url, key_prefix=prefix))
+        store = OutcomeStore(OutcomesConfig(), handle, Breaker(5.0), tmp / "spool-test.jsonl")
+        for o in outcomes:
+            assert await store.record(o) == "redis"
+        await handle.close()
+    asyncio.run(go())
+
+
+def _routing(router: Path, tmp: Path, **retrain: Any) -> dict[str, Any]:
+    return {"router_path": str(router), "routed_tiers": ["short", "long"], "reload_interval_s": 0.2,
+            "retrain": {"every_outcomes": 100, "state_dir": str(tmp / "routers"), "interval_s": 0.2,
+                        "min_heldout": 10, **retrain}}
+
+
+def _status(gw: Any) -> dict[str, Any]:
+    r = httpx.get(gw.base_url + "/models", headers={"authorization": f"Bearer {SECRETS['alice']}"}, timeout=10)
+    return dict(r.json()["data"][0]["thinkgate"]["router_status"])
+
+
+def _history(redis_url: str, prefix: str, tmp: Path) -> list[dict[str, Any]]:
+    cfg = tmp / "cli.yaml"
+    cfg.write_text(yaml.safe_dump({"redis": {"url": redis_url, "key_prefix": prefix, "start_if_missing": False}}))
+    res = CliRunner().invoke(app, ["router", "history", "--json", "--config", str(cfg)])
+    assert res.exit_code == 0, res.output
+    text = CliRunner().invoke(app, ["router", "history", "--config", str(cfg)]).output
+    events: list[dict[str, Any]] = json.loads(res.output)
+    for e in events:
+        assert e["event"] in text
+    return events
+
+
+@pytest.mark.parametrize("case", ["better", "worse"])
+def test_a_better_router_is_promoted_and_a_worse_one_is_not(upstream_sim: SimProcess, redis_url: str,
+                                                            redis_prefix: str, tmp_path: Path, case: str) -> None:
+    old = _router(tmp_path / "serving.skops", informative=case == "worse")
+    _write(redis_url, redis_prefix, _graded(invert_training=case == "worse"), tmp_path)  # one fit is due at start
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(old, tmp_path)) as gw:
+        assert _status(gw)["learning"]["every_outcomes"] == 100
+        assert wait_for(lambda: (_status(gw)["learning"] or {}).get("last_event") is not None, timeout_s=60)
+        st = _status(gw)
+        event = st["learning"]["last_event"]
+        cmp = event["comparison"]
+        if case == "better":
+            assert event["event"] == "promote", event
+            assert cmp["old"]["holds_floor"] is False and cmp["new"]["holds_floor"] is True
+            assert st["version"] == event["version"] and st["version"].startswith("auto-")
+            assert st["path"] == event["path"] and Path(event["path"]).parent == tmp_path / "routers"
+            assert old.exists()  # the previous file is kept
+            # the promoted router serves: easy questions go to the cheap tier, hard ones up
+            r = httpx.post(gw.base_url + "/chat/completions", headers={"authorization": f"Bearer {SECRETS['alice']}"},
+                           json={"model": "auto", "max_tokens": 8,
+                                 "messages": [{"role": "user", "content": _text(False, 777)}]}, timeout=30)
+            assert r.headers["x-thinkgate-tier"] == "short"
+        else:
+            assert event["event"] == "keep", event
+            assert cmp["new"] is None or cmp["new"]["holds_floor"] is False
+            assert st["version"] == "old-good" and st["path"] == str(old)
+            assert not list((tmp_path / "routers").glob("*.skops"))
+        [h] = _history(redis_url, redis_prefix, tmp_path)
+        assert h["event"] == event["event"] and h["version"] == event["version"]
+
+
+def test_a_promoted_router_whose_realised_floor_falls_is_rolled_back(upstream_sim: SimProcess, redis_url: str,
+                                                                     redis_prefix: str, tmp_path: Path) -> None:
+    old = _router(tmp_path / "serving.skops", informative=False)
+    _write(redis_url, redis_prefix, _graded(invert_training=False), tmp_path)  # 260 outcomes: one fit, at start
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(old, tmp_path, realised_min=10)) as gw:
+        assert wait_for(lambda: _status(gw)["version"].startswith("auto-"), timeout_s=60)
+        promoted = _status(gw)["version"]
+        # the promoted router's own cheap answers come back graded wrong (and its top answers right)
+        bad = [Outcome(source="feedback", request_id=f"p{i}", key_id="alice", tier="short" if i % 4 else "long",
+                       sufficed=i % 4 == 0, judge="client", router_version=promoted,
+                       window_digest=window_digest(_text(False, 9000 + i)), text=_text(False, 9000 + i))
+               for i in range(40)]
+        _write(redis_url, redis_prefix, bad, tmp_path)
+        assert wait_for(lambda: _status(gw)["version"] == "old-noise", timeout_s=30)
+        st = _status(gw)
+        assert st["path"] == str(old)
+        events = _history(redis_url, redis_prefix, tmp_path)
+        assert [e["event"] for e in events] == ["promote", "rollback"]
+        rb = events[-1]
+        assert rb["previous"] == promoted and rb["version"] == "old-noise"
+        assert rb["realised"]["holds_floor"] is False and rb["realised"]["n_cheap"] >= 10
