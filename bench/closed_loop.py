@@ -99,8 +99,9 @@ def gateway_shares(router: Any, cut: float, traces: Path, stream: str, lad: Any,
 
     import httpx
 
+    from bench._lib.redis_keys import delete_prefix
     from bench.savings_stack import serve_gateway
-    from bench.traces.bench import _cleanup_prefix, gateway_config, tier_configs
+    from bench.traces.bench import gateway_config, tier_configs
     from bench.traces.prices import price_of
     from bench.traces.replay_upstream import ReplayProcess
     from gateway.config import Settings
@@ -137,7 +138,7 @@ def gateway_shares(router: Any, cut: float, traces: Path, stream: str, lad: Any,
                         tiers_seen.append(names.index(r.headers["x-thinkgate-tier"]))
                     out[mode] = tiers_seen
             finally:
-                _cleanup_prefix(REDIS_URL, prefix)
+                delete_prefix(REDIS_URL, prefix)
     return out
 
 

@@ -63,7 +63,8 @@ import httpx
 import numpy as np
 import typer
 
-from bench.traces.bench import REQUEST_TIMEOUT_S, _cleanup_prefix, gateway_config, tier_configs
+from bench._lib.redis_keys import delete_prefix
+from bench.traces.bench import REQUEST_TIMEOUT_S, gateway_config, tier_configs
 from bench.traces.prices import price_of
 from bench.traces.replay_upstream import ReplayProcess
 from gateway.config import DEFAULT_ROUTER_PATH, Settings
@@ -268,7 +269,7 @@ def run(cfg: Config, settings: Settings, log: Any = lambda m: print(m, file=sys.
         settings = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": redis_url})})
         if proc is not None:
             stack.callback(proc.terminate)
-        stack.callback(_cleanup_prefix, redis_url, prefix)
+        stack.callback(delete_prefix, redis_url, prefix)
         t0 = time.monotonic()
         # ---- the offline references (fitted here, served through gateways of their own)
         offline = fit_ladder_router(cfg.traces, [cfg.dataset], lad).router
