@@ -33,10 +33,9 @@ from router.fit.ladder_fit import fit_ladder_router, length_score
 from router.fit.traces import LadderData, heldout_mask, load_ladder, parse_ladder
 
 REPO = Path(__file__).resolve().parent.parent
-#: ../shared/data/traces beside the checkout (a worktree one level deeper finds it too); --traces overrides
-DEFAULT_TRACES = next((p for p in (REPO.parent / "shared" / "data" / "traces",
-                                   REPO.parent.parent / "shared" / "data" / "traces") if p.is_dir()),
-                      REPO.parent / "shared" / "data" / "traces")
+#: the traces shipped in the repository (data/traces: the nine ladders' models, the fields fit and bench read);
+#: --traces overrides (e.g. the full shared folder)
+DEFAULT_TRACES = REPO / "data" / "traces"
 LADDERS: tuple[tuple[str, str], ...] = (
     ("frames", "Qwen3-14B:no_think,exd0"),
     ("frames", "Qwen3-8B:no_think,exd0"),

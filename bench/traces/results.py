@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._lib.results_md import write_section
-from bench.router_traces import LADDERS  # the nine ladders, one list
+from bench.router_traces import DEFAULT_TRACES, LADDERS  # the nine ladders, one list
 
 REPO = Path(__file__).resolve().parents[2]
 SECTION = "## Real traces (through the gateway)"
@@ -270,7 +270,7 @@ def section(out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--traces", type=Path, required=True)
+    ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
     ap.add_argument("--routers", type=Path, default=REPO / "router" / "assets" / "traces")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "traces")
     ap.add_argument("--only", action="append", default=[], help="run only this ladder slug (repeatable)")

@@ -143,8 +143,12 @@ class Routing:
             for name in routed[:-1]:  # the top routed tier has nowhere to escalate to within the policy
                 t = self._tiers[name]
                 update: dict[str, Any] = {}
+                model = (cascade.models or {}).get(name)
                 if "escalate_on" not in t.model_fields_set:
-                    update["escalate_on"] = [c for c in cascade.escalate_on if c != "low_confidence"]
+                    update["escalate_on"] = [c for c in cascade.escalate_on if c != "low_confidence"
+                                             and (c != "learned" or model is not None)]
+                    if model is not None and "escalation_model" not in t.model_fields_set:
+                        update["escalation_model"] = model
                 if "abstain_phrases" not in t.model_fields_set and cascade.phrases is not None:
                     update["abstain_phrases"] = list(cascade.phrases)
                 if update:
