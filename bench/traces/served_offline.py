@@ -84,20 +84,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
     ap.add_argument("--delta", type=float, action="append")
-    ap.add_argument("--floor", type=float, default=0.98, help="the promised floor (reporting: its price)")
+    ap.add_argument("--floor", type=float, action="append", help="the promised floor (default 0.98; repeatable)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     out = []
-    for delta in args.delta or [0.1]:
-        rows = [served_on_heldout(args.traces, ds, lad, delta, args.floor) for ds, lad in LADDERS]
+    for floor, delta in [(f, d) for f in args.floor or [0.98] for d in args.delta or [0.1]]:
+        rows = [served_on_heldout(args.traces, ds, lad, delta, floor) for ds, lad in LADDERS]
         two = [x for x in rows if len(x["ladder"].split(",")) == 2]
         pooled = sum(x["correct"] for x in two) / sum(x["top_correct"] for x in two)
-        print(f"delta {delta}: pooled accuracy ratio {pooled:.3f}, worst {min(x['accuracy_ratio'] for x in two):.3f}, "
+        print(f"floor {floor}, delta {delta}: pooled accuracy ratio {pooled:.3f}, "
+              f"worst {min(x['accuracy_ratio'] for x in two):.3f}, "
               f"mean savings {np.mean([x['savings'] for x in two]):.1%} (two-tier ladders)")
         for x in rows:
             print(f"  {x['dataset']:8} {x['ladder']:48} {x['policy']:16} ratio {x['accuracy_ratio']:.3f} "
                   f"savings {x['savings']:.1%}")
-        out.append({"delta": delta, "floor": args.floor, "pooled_accuracy_ratio": round(pooled, 4), "ladders": rows})
+        out.append({"delta": delta, "floor": floor, "pooled_accuracy_ratio": round(pooled, 4), "ladders": rows})
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n")
