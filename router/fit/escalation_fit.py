@@ -11,7 +11,9 @@ to the top tier; every other question starts at the cheapest tier, and the answe
 j + 1 when it abstains (:func:`router.abstention.abstains`) or its P(wrong) ≥ ``t_j``, the (1 − r)-quantile of
 those out-of-fold probabilities (abstaining answers counted as 1.0): about a share ``r`` of tier j's answers go up.
 
-**The family, declared before any calibration number was looked at** (:data:`JOINT_SEQUENCE`): a fixed sequence of
+**The family, declared before any held-out number was seen** (:data:`JOINT_SEQUENCE`; its shape — start at r = 0.5,
+steps of 0.1, two router shares — was picked after an exploratory look at cross-fitted p-values on the
+non-held-out questions of these ladders, one more reason δ is nominal): a fixed sequence of
 (s, r), from the median escalation rate to aggressive, the router share interleaved. Why it starts at r = 0.5 and
 not at the conservative end: a point that changes few answers can never be certified (with ≈ 400 questions and
 the 2% slack, fewer than four changed-or-flagged answers give p > 0.06 even with no loss), so a
