@@ -161,7 +161,8 @@ def served_table(out: Path) -> list[str]:
         "",
         *(["The promise's price — the same fit at other floors and confidence levels, served offline on the same "
            "held-out questions (`python -m bench.traces.served_offline --floor … --delta …`; reporting only, the "
-           "shipped floor 98% and δ = 0.1 were fixed before any held-out number was seen): " + "; ".join(sens) + ".", ""] if sens else []),
+           "shipped floor 98% and δ = 0.1 were fixed before any held-out number was seen): " + "; ".join(sens)
+           + ".", ""] if sens else []),
     ]
 
 

@@ -193,7 +193,7 @@ def test_a_gateway_with_only_the_file_escalates_as_its_learned_model_says(tmp_pa
     X = tier_features(data, 0, scores, ["i don't know"])
     esc = [i for i in range(data.n) if abstains(data.responses[i][0], ["i don't know"]) or should_escalate(model, X[i])]
     learned_only = [i for i in esc if not abstains(data.responses[i][0], ["i don't know"])]
-    assert 0 < len(learned_only) and len(esc) < data.n, "the model (not only the phrases) decides some questions"
+    assert len(learned_only) > 0 and len(esc) < data.n, "the model (not only the phrases) decides some questions"
     assert details["escalations"]["auto"] == len(esc)
     want = float(data.tokens[:, 0].sum() + data.tokens[esc, 1].sum())
     assert report["policies"]["auto"]["completion_tokens"] == want
