@@ -98,8 +98,10 @@ def run_ladder(traces: Path, ds: str, ladder: str, n_boot: int) -> dict:
     s_router = router.predict_proba(test.questions)
     s_len = np.array([length_score(q) for q in test.questions])
     ab = abstain_matrix(test.responses)
-    res = evaluate_ladder(parse_ladder(ladder).settings, test.correct, test.tokens, s_router, router.thresholds,
-                          s_len, abstain=ab, cascade_thresholds=router.metadata["cascade_thresholds"],
+    # the router-alone point (the file's own thresholds are the served policy's router cut, with its escalation)
+    alone = router.metadata.get("router_thresholds", router.thresholds)
+    res = evaluate_ladder(parse_ladder(ladder).settings, test.correct, test.tokens, s_router, alone, s_len,
+                          abstain=ab, cascade_thresholds=router.metadata["cascade_thresholds"],
                           reasoning_tokens=test.reasoning_tokens)
     # the learned score itself, even where the fallback shipped a baseline
     s_learned = fit.learned.predict_proba(test.questions)
