@@ -33,10 +33,9 @@ from router.fit.ladder_fit import fit_ladder_router, length_score
 from router.fit.traces import LadderData, heldout_mask, load_ladder, parse_ladder
 
 REPO = Path(__file__).resolve().parent.parent
-#: ../shared/data/traces beside the checkout (a worktree one level deeper finds it too); --traces overrides
-DEFAULT_TRACES = next((p for p in (REPO.parent / "shared" / "data" / "traces",
-                                   REPO.parent.parent / "shared" / "data" / "traces") if p.is_dir()),
-                      REPO.parent / "shared" / "data" / "traces")
+#: the traces shipped in the repository (data/traces: the nine ladders' models, the fields fit and bench read);
+#: --traces overrides (e.g. the full shared folder)
+DEFAULT_TRACES = REPO / "data" / "traces"
 LADDERS: tuple[tuple[str, str], ...] = (
     ("frames", "Qwen3-14B:no_think,exd0"),
     ("frames", "Qwen3-8B:no_think,exd0"),
@@ -99,8 +98,10 @@ def run_ladder(traces: Path, ds: str, ladder: str, n_boot: int) -> dict:
     s_router = router.predict_proba(test.questions)
     s_len = np.array([length_score(q) for q in test.questions])
     ab = abstain_matrix(test.responses)
-    res = evaluate_ladder(parse_ladder(ladder).settings, test.correct, test.tokens, s_router, router.thresholds,
-                          s_len, abstain=ab, cascade_thresholds=router.metadata["cascade_thresholds"],
+    # the router-alone point (the file's own thresholds are the served policy's router cut, with its escalation)
+    alone = router.metadata.get("router_thresholds", router.thresholds)
+    res = evaluate_ladder(parse_ladder(ladder).settings, test.correct, test.tokens, s_router, alone, s_len,
+                          abstain=ab, cascade_thresholds=router.metadata["cascade_thresholds"],
                           reasoning_tokens=test.reasoning_tokens)
     # the learned score itself, even where the fallback shipped a baseline
     s_learned = fit.learned.predict_proba(test.questions)

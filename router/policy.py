@@ -4,11 +4,12 @@ Stdlib only (the gateway reads it on the request path's set-up).
 
 ``metadata.serving``::
 
-    {"policy": "router" | "router+cascade" | "length" | "length+cascade" | "random" | "random+cascade"
-               | "always_top",
+    {"policy": "router" | "router+cascade" | "router+escalation" | "length" | "length+cascade"
+               | "length+escalation" | "random" | "random+cascade" | "random+escalation" | "always_top",
      "scorer": "router" | "length" | "random", "thresholds": [...],
-     "cascade": null | {"escalate_on": ["empty_answer", "length_in_thought", "abstain"],
-                        "rule": "router.abstention.abstains", "phrases": [...]},
+     "cascade": null | {"escalate_on": ["empty_answer", "length_in_thought", "abstain", "learned"?],
+                        "rule": "router.abstention.abstains", "phrases": [...],
+                        "models"?: {TIER: {"features", "mean", "scale", "coef", "intercept", "threshold"}}},
      "guarantee": {"floor": 0.98, "delta": 0.1, "confidence": 0.9, "n_calibration": 184, ...}, ...}
 
 Files without the block (older trace routers, the shipped default) serve their thresholds and no cascade.
@@ -26,6 +27,8 @@ class Cascade:
 
     escalate_on: tuple[str, ...]
     phrases: tuple[str, ...] | None
+    #: per tier name: the answer-aware escalation model (``router.escalation``; with ``learned`` in escalate_on)
+    models: dict[str, dict[str, Any]] | None = None
 
 
 def serving(meta: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -42,7 +45,10 @@ def cascade_of(meta: dict[str, Any] | None) -> Cascade | None:
         return None
     on = tuple(str(x) for x in c.get("escalate_on") or ())
     phrases = c.get("phrases")
-    return Cascade(on, tuple(str(p) for p in phrases) if isinstance(phrases, list) else None) if on else None
+    models = c.get("models")
+    ms = {str(k): v for k, v in models.items() if isinstance(v, dict)} if isinstance(models, dict) else None
+    return Cascade(on, tuple(str(p) for p in phrases) if isinstance(phrases, list) else None, ms or None) if on \
+        else None
 
 
 def guarantee_sentence(meta: dict[str, Any] | None) -> str | None:
@@ -54,15 +60,17 @@ def guarantee_sentence(meta: dict[str, Any] | None) -> str | None:
     floor, delta, n = g.get("floor"), g.get("delta"), g.get("n_calibration")
     if not isinstance(floor, int | float) or not isinstance(delta, int | float):
         return None
+    how = "cross-fitted " if g.get("cross_fitted") else ""
     if s.get("policy") == "always_top":
-        return (f"Does not route (always the top tier): on {n} calibration questions no cheaper operating point "
-                f"could be shown to keep {floor:.0%} of always-top accuracy with {1 - delta:.0%} confidence — too "
-                "little evidence to promise savings.")
+        return (f"Does not route (always the top tier): on {n} {how}calibration questions no cheaper operating "
+                f"point could be shown to keep {floor:.0%} of always-top accuracy with {1 - delta:.0%} confidence "
+                "— too little evidence to promise savings.")
     share = g.get("calibration_token_share")
     tail = f" (calibration: {1 - share:.0%} fewer tokens)" if isinstance(share, int | float) else ""
+    approx = " (approximate: cross-fitted scores)" if g.get("cross_fitted") else ""
     return (f"Serves {s.get('policy')} and keeps >= {floor:.0%} of always-top accuracy on unseen traffic from the "
-            f"same distribution with {1 - delta:.0%} confidence (Learn-then-Test on {n} calibration questions)"
-            f"{tail}.")
+            f"same distribution with {1 - delta:.0%} confidence{approx} (Learn-then-Test on {n} {how}calibration "
+            f"questions){tail}.")
 
 
 def cold_start_summary(meta: dict[str, Any] | None) -> str | None:

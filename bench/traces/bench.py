@@ -636,7 +636,9 @@ def plot(report: dict[str, Any], details: dict[str, Any], path: Path) -> None:
 
 
 def traces(
-    traces_dir: Path = typer.Option(..., "--traces", help="Traces folder: DIR/<dataset>/<MODEL>__<SETTING>.jsonl.gz."),
+    traces_dir: Path = typer.Option(Path(__file__).resolve().parents[2] / "data" / "traces", "--traces",
+                                    help="Traces folder: DIR/<dataset>/<MODEL>__<SETTING>.jsonl.gz (default: the "
+                                         "repository's data/traces)."),
     dataset: str = typer.Option(..., "--dataset", help="Data set folder under --traces (frames, simpleqa)."),
     ladder: str = typer.Option(..., "--ladder", help="MODEL:S1,S2[,S3], cheapest setting first."),
     router_file: Path = typer.Option(..., "--router", help="Router file (thinkgate router fit --traces …)."),

@@ -86,7 +86,8 @@ class TierConfig(_Strict):
     (``empty_answer``), cut inside its thought (``length_in_thought``), abstains (``abstain``: its final-answer
     part contains one of ``abstain_phrases``, default ``gateway.pipeline.abstention.DEFAULT_PHRASES``, English)
     or is unsure (``low_confidence``: mean answer-token logprob below ``min_answer_logprob``, natural log; only
-    where the upstream returns logprobs, e.g. ``sampling: {logprobs: true}``).
+    where the upstream returns logprobs, e.g. ``sampling: {logprobs: true}``), or its answer-aware model says
+    it is likely wrong (``learned``: ``escalation_model``, normally from the router file, router/escalation.py).
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
@@ -103,9 +104,12 @@ class TierConfig(_Strict):
     budget_prompt: str = Field("Think for {budget} tokens.", pattern=r"\{budget\}")
     enable_thinking: bool = True
     end_of_thinking: str = "\n</think>\n\n"
-    escalate_on: list[Literal["empty_answer", "length_in_thought", "abstain", "low_confidence"]] = Field(
+    escalate_on: list[Literal["empty_answer", "length_in_thought", "abstain", "low_confidence", "learned"]] = Field(
         default_factory=list)
     abstain_phrases: list[str] | None = None
+    #: the answer-aware escalation model (``learned``; a router file's ``metadata.serving.cascade.models[tier]``,
+    #: router/escalation.py): features of the finished answer → P(wrong) ≥ its ``threshold`` escalates
+    escalation_model: dict[str, Any] | None = None
     min_answer_logprob: float | None = Field(None, le=0)
     loop_guard: LoopGuard | None = None
     sampling: dict[str, Any] = Field(default_factory=dict)
@@ -121,6 +125,8 @@ class TierConfig(_Strict):
     def _confidence_needs_threshold(self) -> TierConfig:
         if "low_confidence" in self.escalate_on and self.min_answer_logprob is None:
             raise ValueError("escalate_on: low_confidence needs min_answer_logprob")
+        if "learned" in self.escalate_on and self.escalation_model is None:
+            raise ValueError("escalate_on: learned needs escalation_model (a router file serves one)")
         return self
 
     @model_validator(mode="after")

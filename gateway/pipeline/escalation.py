@@ -2,8 +2,12 @@
 peek that decides it for a stream before any byte of the weaker answer reaches the client.
 
 Reasons: ``empty_answer`` (no answer text) and ``length_in_thought`` (stopped by ``length`` before the thought
-closed). The proxy meters both calls: the first as its own usage record, the retry with route reason
-``escalated``.
+closed); ``learned`` (:func:`learned_reason`): the tier's answer-aware model (``tier.escalation_model``, from the
+router file's ``metadata.serving.cascade.models``) gives P(wrong) ≥ its threshold, on the features
+:func:`router.escalation.answer_features` computes from what the gateway has — answer, thought, usage, finish
+reason, the routed question and its router score (:func:`serving_features`; the fit computes the same function on
+the recorded answers). The proxy meters both calls: the first as its own usage record, the retry with route
+reason ``escalated``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from gateway.ledger.event import WireEndpoint
 from gateway.openai.sse import SSEDecoder, chunk_of
 from gateway.thinking.forcing import end_marker
 from gateway.upstream.response import SyntheticResponse, UpstreamResponse
+from router.escalation import answer_features, should_escalate
 
 
 def escalation_reason(tier: TierConfig, data: dict[str, Any], endpoint: WireEndpoint) -> str | None:
@@ -48,6 +53,52 @@ def escalation_reason(tier: TierConfig, data: dict[str, Any], endpoint: WireEndp
     return None
 
 
+def serving_features(data: dict[str, Any], endpoint: WireEndpoint, tier: TierConfig, question: str | None,
+                     score: float | None) -> list[float] | None:
+    """:func:`router.escalation.answer_features` of the first choice of ``data`` (an OpenAI response, or the
+    stream summary of :func:`peek_stream`): chat ``message.content`` / completions text after the end marker as
+    the answer, ``message.reasoning`` (or ``reasoning_content``) / the text before the marker as the thought,
+    ``usage.completion_tokens`` and ``usage.completion_tokens_details.reasoning_tokens``, ``finish_reason``.
+    None when there is no choice."""
+    choices = data.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        return None
+    c = choices[0]
+    if endpoint == "chat":
+        msg = c.get("message") or {}
+        answer = str(msg.get("content") or "")
+        thought = str(msg.get("reasoning") or msg.get("reasoning_content") or "")
+    else:
+        text, marker = str(c.get("text") or ""), end_marker(tier)
+        thought, _, answer = text.rpartition(marker) if marker in text else ("", "", text)
+    u = data.get("usage")
+    usage: dict[str, Any] = u if isinstance(u, dict) else {}
+    d = usage.get("completion_tokens_details")
+    details: dict[str, Any] = d if isinstance(d, dict) else {}
+    ct, rt = usage.get("completion_tokens"), details.get("reasoning_tokens")
+    return answer_features(answer, thought, completion_tokens=float(ct) if isinstance(ct, int | float) else None,
+                           reasoning_tokens=float(rt) if isinstance(rt, int | float) else None,
+                           finish_reason=c.get("finish_reason"), question=question, score=score,
+                           phrases=tier.abstain_phrases)
+
+
+def learned_reason(tier: TierConfig, data: dict[str, Any], endpoint: WireEndpoint, question: str | None,
+                   score: float | None) -> str | None:
+    """``"learned"`` when ``learned`` is in ``tier.escalate_on`` and the tier's escalation model says the answer
+    in ``data`` is likely wrong (:func:`router.escalation.should_escalate` on :func:`serving_features`; a tool-call
+    answer is never escalated); else None. ``question``: the routed text (``RouteDecision.window``), ``score``:
+    its router score (``RouteDecision.difficulty``)."""
+    model = tier.escalation_model
+    if "learned" not in tier.escalate_on or model is None:
+        return None
+    choices = data.get("choices") or []
+    if endpoint == "chat" and choices and isinstance(choices[0], dict) and \
+            (choices[0].get("message") or {}).get("tool_calls"):
+        return None
+    x = serving_features(data, endpoint, tier, question, score)
+    return "learned" if x is not None and should_escalate(model, x) else None
+
+
 async def peek_stream(
     resp: UpstreamResponse, tier: TierConfig, endpoint: WireEndpoint, *, whole: bool = False
 ) -> tuple[SyntheticResponse, dict[str, Any]]:
@@ -60,9 +111,11 @@ async def peek_stream(
     the answer too) is buffered meanwhile, which is the price of escalating a streamed request before any
     byte of the weaker tier's answer reached the client.
     """
+    whole = whole or "learned" in tier.escalate_on  # the answer-aware model reads the whole answer
     head: list[bytes] = []
     raw = resp.aiter_raw()
     text = ""
+    thought = ""
     finish: str | None = None
     usage: dict[str, Any] | None = None
     logprobs: list[Any] = []
@@ -79,6 +132,8 @@ async def peek_stream(
             for c in data.get("choices") or ():
                 part = c.get("text") if endpoint == "completions" else (c.get("delta") or {}).get("content")
                 text += str(part or "")
+                delta = c.get("delta") or {}
+                thought += str(delta.get("reasoning") or delta.get("reasoning_content") or "")
                 calls = calls or (endpoint == "chat" and bool((c.get("delta") or {}).get("tool_calls")))
                 finish = c.get("finish_reason") or finish
                 lp = c.get("logprobs")
@@ -90,6 +145,8 @@ async def peek_stream(
             break
     if endpoint == "chat":
         choice: dict[str, Any] = {"message": {"content": text}, "finish_reason": finish}
+        if thought:
+            choice["message"]["reasoning"] = thought
         if calls:
             choice["message"]["tool_calls"] = [{}]  # present; escalation_reason only asks whether there are any
     else:

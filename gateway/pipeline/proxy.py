@@ -388,7 +388,8 @@ class Proxy:
         why = None
         if isinstance(summary, dict):
             why = escalation.escalation_reason(tier, summary, endpoint) or abstention.cascade_reason(
-                tier.escalate_on, tier.abstain_phrases, tier.min_answer_logprob, summary, endpoint)
+                tier.escalate_on, tier.abstain_phrases, tier.min_answer_logprob, summary, endpoint) or \
+                escalation.learned_reason(tier, summary, endpoint, ex.route.window, ex.route.difficulty)
         if why is None:
             return resp
         retry = replace(ex.route, tier=nxt, reason="escalated")

@@ -142,11 +142,21 @@ class Routing:
         out = dict(self._tiers)
         if cascade is not None:
             routed = self.cfg.routed_tiers
-            for name in routed[:-1]:  # the top routed tier has nowhere to escalate to within the policy
+            # escalation models by tier name (the ladder's settings) when any name matches, else by position in
+            # the file's ``tiers`` (cheapest first) when the counts match
+            models = cascade.models or {}
+            order = [str(x) for x in router.metadata.get("tiers") or () if str(x) in models]
+            by_name = any(n in models for n in routed[:-1])
+            by_position = [models[x] for x in order] if not by_name and len(order) == len(routed) - 1 else []
+            for i, name in enumerate(routed[:-1]):  # the top routed tier has nowhere to escalate to
                 t = self._tiers[name]
                 update: dict[str, Any] = {}
+                model = models.get(name) or (by_position[i] if by_position else None)
                 if "escalate_on" not in t.model_fields_set:
-                    update["escalate_on"] = [c for c in cascade.escalate_on if c != "low_confidence"]
+                    update["escalate_on"] = [c for c in cascade.escalate_on if c != "low_confidence"
+                                             and (c != "learned" or model is not None)]
+                    if model is not None and "escalation_model" not in t.model_fields_set:
+                        update["escalation_model"] = model
                 if "abstain_phrases" not in t.model_fields_set and cascade.phrases is not None:
                     update["abstain_phrases"] = list(cascade.phrases)
                 if update:

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from router.abstention import DEFAULT_PHRASES
+from router.fit.escalation_fit import JOINT_SEQUENCE, fit_joint
 from router.fit.ladder_eval import (
     QUALITY_TARGET,
     abstain_matrix,
@@ -407,9 +408,12 @@ def fit_ladder_router(
     fit_part, cal_part = train.subset(np.flatnonzero(~is_cal)), train.subset(np.flatnonzero(is_cal))
     if fit_part.n < 2 * folds or cal_part.n < 1:
         raise ValueError(f"only {fit_part.n} fit / {cal_part.n} calibration questions for {lad.name}")
-    y = pooled_targets(traces, fit_part, pool)
+    y_all = pooled_targets(traces, train, pool)
     cfg = replace(TRACE_CONFIG, feature_set=feature_set)
-    learned, oof = fit_scores(fit_part.questions, y, fit_part.keys, cfg=cfg, alpha=alpha, folds=folds, seed=seed)
+    # one bagged router on every non-held-out question; its out-of-fold scores serve every choice below
+    # (cross-fitting: a question is always scored by fold models that did not see it)
+    learned, oof_all = fit_scores(train.questions, y_all, train.keys, cfg=cfg, alpha=alpha, folds=folds, seed=seed)
+    oof = oof_all[~is_cal]
     length = np.array([length_score(q) for q in fit_part.questions])
     top_acc, _ = top_totals(fit_part.correct, fit_part.tokens)
     val_savings = {
@@ -422,7 +426,7 @@ def fit_ladder_router(
     # thresholds certified by Learn-then-Test on the calibration split, scored by the model the file serves
     phrases = list(DEFAULT_PHRASES)
     fit_scores_by = {"router": oof, "length": length, "random": np.array([hash_score(q) for q in fit_part.questions])}
-    cal_scores_by = {"router": learned.predict_proba(cal_part.questions),
+    cal_scores_by = {"router": oof_all[is_cal],
                      "length": np.array([length_score(q) for q in cal_part.questions]),
                      "random": np.array([hash_score(q) for q in cal_part.questions])}
     ab_fit = abstain_matrix(fit_part.responses, phrases)
@@ -448,30 +452,29 @@ def fit_ladder_router(
     k = len(lad.settings)
     always_top = [0.0] * (k - 1)
     served_th, served_cert = certs[served_cascade]
-    serve_policy = (family_name("router" if chosen == "router" else chosen, served_cascade)
-                    if served_cert.index is not None else "always_top")
     if chosen == "router":
         shipped = TrainedRouter(pipeline=learned.pipeline, platt=learned.platt)
     else:
         shipped = TrainedRouter(pipeline=None, scorer="length" if chosen == "length" else "hash")
-    shipped.thresholds = list(served_th) if served_cert.index is not None else always_top
     plain_th = certs[False][0] if certs[False][1].index is not None else always_top
     cascade_th = certs[True][0] if certs[True][1].index is not None else always_top
     learned.thresholds = list(plain_th) if chosen == "router" else always_top
-    guarantee = {
-        "floor": quality_target, "delta": delta, "confidence": round(1 - delta, 6),
-        "n_calibration": cal_part.n, "n_fit": fit_part.n,
-        "method": "Learn-then-Test: exact binomial test of the floor per operating point (router.fit.risk), "
-                  "fixed-sequence over points ordered on the fit split, calibration split not used to fit",
-        **served_cert.to_dict(),
-    }
+    # ---- the served policy: answer-aware escalation x router threshold, one family declared in advance,
+    # certified on ALL non-held-out questions with cross-fitted scores (router/fit/escalation_fit.py)
+    all_scores = {"router": oof_all, "length": np.array([length_score(q) for q in train.questions]),
+                  "random": np.array([hash_score(q) for q in train.questions])}[chosen]
+    joint = fit_joint(train, all_scores, fold_ids(train.keys, folds, seed), phrases, delta, quality_target)
+    serve_policy, cascade, guarantee, shipped.thresholds = served_block(joint, chosen, lad, phrases)
     serving = {
         "policy": serve_policy,
         "scorer": chosen,
         "thresholds": [round(t, 6) for t in shipped.thresholds],
-        "cascade": ({"escalate_on": list(CASCADE_ESCALATE_ON), "rule": "router.abstention.abstains",
-                     "phrases": phrases} if served_cascade and served_cert.index is not None else None),
+        "cascade": cascade,
         "guarantee": guarantee,
+        "split_family": {"policy": family_name(chosen, served_cascade) if served_cert.index is not None
+                         else "always_top", "thresholds": [round(t, 6) for t in served_th],
+                         "method": "Learn-then-Test, order on the fit split, test on the calibration split",
+                         **served_cert.to_dict()},
         "family_choice": {"on": "fit split", "certified_savings_in_sample": {f: round(v, 4) for f, v in
                                                                              fit_rank.items()}},
         "router_thresholds": [round(t, 6) for t in plain_th],
@@ -500,6 +503,35 @@ def fit_ladder_router(
     shipped.metadata["calibration_split"] = {"method": "sha256", "salt": CALIB_SALT, "frac": cal_frac}
     learned.metadata = {**shipped.metadata, "policy": "router"}
     return LadderFit(shipped, learned, chosen, validation, fit_part, oof, time.perf_counter() - t0)
+
+
+def served_block(joint: dict[str, Any], scorer: str, lad: Ladder, phrases: list[str]
+                 ) -> tuple[str, dict[str, Any] | None, dict[str, Any], list[float]]:
+    """(policy name, ``cascade`` block, ``guarantee`` block, thresholds) of ``metadata.serving`` from
+    :func:`router.fit.escalation_fit.fit_joint`'s result: the certified point, or always top."""
+    k = len(lad.settings)
+    guarantee: dict[str, Any] = {
+        "floor": joint["floor"], "delta": joint["delta"], "confidence": round(1 - joint["delta"], 6),
+        "n_calibration": joint["n_calibration"], "cross_fitted": True,
+        "method": "Learn-then-Test: exact binomial test of the floor per point (router.fit.risk), fixed sequence "
+                  "declared in advance (router.fit.escalation_fit.JOINT_SEQUENCE: router-to-top share x "
+                  "escalation rate) on all non-held-out questions with 5-fold out-of-fold router and escalation "
+                  "scores",
+        "caveat": "cross-fitting reuses labels across folds and the cuts are quantiles of the same scores: delta "
+                  "is the nominal level of an approximation (the split-sample test is split_family)",
+        "sequence": [list(p) for p in JOINT_SEQUENCE], "rejected": joint["rejected"], "tested": joint["tested"],
+        "oof_auc_wrong": joint["oof_auc_wrong"],
+        **{key: joint[key] for key in ("pvalue", "calibration_accuracy_ratio", "calibration_token_share", "s", "r")
+           if key in joint},
+    }
+    if not joint["certified"]:
+        return "always_top", None, guarantee, [0.0] * (k - 1)
+    models = {name: {**m, "threshold": round(float(c), 6)}
+              for name, m, c in zip(lad.settings[:-1], joint["models"], joint["escalation_cuts"], strict=True)}
+    cascade = {"escalate_on": [*CASCADE_ESCALATE_ON, "learned"], "rule": "router.abstention.abstains or "
+               "router.escalation.should_escalate (per tier model)", "phrases": phrases, "models": models}
+    cut = round(float(joint["router_cut"]), 6)
+    return f"{family_name(scorer, False)}+escalation", cascade, guarantee, [cut] * (k - 1)
 
 
 def ladder_metadata(

@@ -122,6 +122,8 @@ class LadderData:
     tokens: np.ndarray
     reasoning_tokens: np.ndarray
     responses: list[list[str]] = field(repr=False)
+    #: the recorded thinking texts, (n) lists of k str ("" where the source has none) — escalation features
+    thoughts: list[list[str]] = field(default_factory=list, repr=False)
 
     @property
     def n(self) -> int:
@@ -139,6 +141,7 @@ class LadderData:
             self.tokens[ix],
             self.reasoning_tokens[ix],
             [self.responses[i] for i in ix],
+            [self.thoughts[i] for i in ix] if self.thoughts else [],
         )
 
     @property
@@ -163,6 +166,7 @@ def load_ladder(traces: str | Path, datasets: str | Iterable[str], ladder: Ladde
     tok: list[list[float]] = []
     rtok: list[list[float]] = []
     resp: list[list[str]] = []
+    thoughts: list[list[str]] = []
     for ds in names:
         _check_recorded(traces, ds, lad)
         files = [read_trace(trace_path(traces, ds, lad.model, s)) for s in lad.settings]
@@ -176,6 +180,7 @@ def load_ladder(traces: str | Path, datasets: str | Iterable[str], ladder: Ladde
             tok.append([_num(r["completion_tokens"]) for r in rows])
             rtok.append([_num(r.get("reasoning_tokens")) for r in rows])
             resp.append(["" if r.get("response") is None else str(r["response"]) for r in rows])
+            thoughts.append(["" if r.get("thought") is None else str(r["thought"]) for r in rows])
     if not ids:
         raise ValueError(f"no question has every setting of {lad.name} in {names} under {traces}")
     k = len(lad.settings)
@@ -185,6 +190,7 @@ def load_ladder(traces: str | Path, datasets: str | Iterable[str], ladder: Ladde
         np.nan_to_num(np.asarray(tok, dtype=np.float64).reshape(-1, k), nan=0.0),
         np.asarray(rtok, dtype=np.float64).reshape(-1, k),
         resp,
+        thoughts,
     )
 
 

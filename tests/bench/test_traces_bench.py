@@ -148,3 +148,52 @@ def test_router_checks_transfer_note_and_the_files_heldout_share() -> None:
     check_router_ladder({"policy": "router"}, lad, "frames", said.append)  # the shipped routers: no ladder
     assert len(said) == 1
     assert router_heldout_frac(meta) == 0.5 and router_heldout_frac({}) == 0.2
+
+
+def learned_router(path: Path) -> tuple[Path, dict[str, Any]]:
+    """A router file whose served policy is the answer-aware cascade (what ``router fit --traces`` writes when
+    the joint family certifies a point): every question starts cheap; the cheap answer escalates when it abstains
+    or the model's P(wrong) ≥ its threshold. The model reads the router score and the usage's completion tokens,
+    so the test fails if the gateway does not hand either to the features."""
+    from router.escalation import FEATURES
+
+    coef = [0.0] * len(FEATURES)
+    coef[FEATURES.index("score")] = 40.0
+    coef[FEATURES.index("completion_tokens")] = 8.0
+    model = {"features": list(FEATURES), "mean": [0.0] * len(FEATURES), "scale": [1.0] * len(FEATURES),
+             "coef": coef, "intercept": -41.5, "threshold": 0.5}
+    meta = {"policy": "length", "ladder": {"model": MODEL, "settings": ["low_effort", "high_effort"]},
+            "datasets": ["frames"], "router_thresholds": [0.0], "cascade_thresholds": [1.0],
+            "serving": {"policy": "length+escalation", "scorer": "length", "thresholds": [1.0],
+                        "cascade": {"escalate_on": ["empty_answer", "length_in_thought", "abstain", "learned"],
+                                    "rule": "router.abstention.abstains or router.escalation.should_escalate",
+                                    "phrases": ["i don't know"], "models": {"low_effort": model}},
+                        "guarantee": {"floor": 0.98, "delta": 0.1, "n_calibration": 12, "cross_fitted": True}}}
+    return save_router(TrainedRouter(pipeline=None, scorer="length", thresholds=[1.0], metadata=meta), path), model
+
+
+def test_a_gateway_with_only_the_file_escalates_as_its_learned_model_says(tmp_path: Path, redis_url: str) -> None:
+    """Gateway C (``auto``: nothing but ``routing.router_path``) escalates exactly the cheap answers the file's
+    escalation model flags on the fit-time features of the recorded answers (router.fit.escalation_fit.tier_features),
+    plus the abstentions; both calls paid."""
+    from router.escalation import should_escalate
+    from router.fit.escalation_fit import tier_features
+    from router.fit.traces import load_ladder
+
+    traces = write(tmp_path / "traces")
+    settings = Settings.load(None, engine={"enabled": False}, redis={"url": redis_url, "start_if_missing": False})
+    router_file, model = learned_router(tmp_path / "learned.skops")
+    cfg = Config(traces, "frames", f"{MODEL}:low_effort,high_effort", router_file, concurrency=4,
+                 time_budget_s=200, progress=False)
+    report, details = run(cfg, settings, log=lambda _: None)
+    assert details["complete"] and sum(details["errors"].values()) == 0
+    data = load_ladder(traces, "frames", f"{MODEL}:low_effort,high_effort")
+    router = load_router(router_file)
+    scores = np.array([router.score(q) for q in data.questions])
+    X = tier_features(data, 0, scores, ["i don't know"])
+    esc = [i for i in range(data.n) if abstains(data.responses[i][0], ["i don't know"]) or should_escalate(model, X[i])]
+    learned_only = [i for i in esc if not abstains(data.responses[i][0], ["i don't know"])]
+    assert len(learned_only) > 0 and len(esc) < data.n, "the model (not only the phrases) decides some questions"
+    assert details["escalations"]["auto"] == len(esc)
+    want = float(data.tokens[:, 0].sum() + data.tokens[esc, 1].sum())
+    assert report["policies"]["auto"]["completion_tokens"] == want

@@ -69,3 +69,32 @@ def test_explicit_settings_override_the_file(tmp_path: Path) -> None:
 def test_a_file_without_a_cascade_serves_none(tmp_path: Path) -> None:
     r = Routing(settings(policy_file(tmp_path / "p.skops", cascade=False)))
     assert r.decide(body(5), None).tier.escalate_on == []
+
+
+def test_the_files_escalation_models_reach_their_tiers_by_name_or_position(tmp_path: Path) -> None:
+    """``cascade.models`` (router/escalation.py): each routed tier below the top gets its model and ``learned``;
+    keyed by the ladder's setting names, which a gateway may call otherwise — then by position in the file's
+    ``tiers`` (cheapest first; a stored dict's key order is not kept)."""
+    from router.escalation import FEATURES
+
+    d = len(FEATURES)
+    models = {s: {"features": list(FEATURES), "mean": [0.0] * d, "scale": [1.0] * d, "coef": [0.0] * d,
+                  "intercept": 0.0, "threshold": t} for s, t in (("no_think", 0.4), ("budget256", 0.6))}
+    meta = {"policy": "length", "tiers": ["no_think", "budget256", "budget1024"],
+            "serving": {"policy": "length+escalation", "scorer": "length", "thresholds": [1.0, 1.0],
+                        "cascade": {"escalate_on": [*CASCADE, "learned"], "phrases": PHRASES, "models": models},
+                        "guarantee": {"floor": 0.98, "delta": 0.1, "n_calibration": 396}}}
+    path = save_router(TrainedRouter(pipeline=None, scorer="length", thresholds=[1.0, 1.0], metadata=meta),
+                       tmp_path / "e.skops")
+    r = Routing(settings(path))  # tiers a, b, c: not the settings' names → by position
+    a = r.decide(body(5), None).tier
+    assert a.name == "a" and a.escalate_on == [*CASCADE, "learned"] and a.escalation_model == models["no_think"]
+    b = r.next_tier(a)
+    assert b is not None and b.escalation_model == models["budget256"] and "learned" in b.escalate_on
+    top = r.next_tier(b)
+    assert top is not None and top.escalate_on == [] and top.escalation_model is None
+    named = Routing(settings(path, [{"name": n} for n in ("budget256", "x", "no_think")],
+                             routed_tiers=["budget256", "x", "no_think"], default_tier="no_think"))
+    first = named.auto_tier("budget256")
+    assert first.escalation_model == models["budget256"], "by name when the names match"
+    assert "learned" not in named.auto_tier("x").escalate_on, "no model for that name: no learned condition"
