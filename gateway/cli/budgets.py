@@ -1,11 +1,11 @@
-"""``thinkgate budgets set|list|remove``: budgets of the levels above the key — a tag, or the whole gateway.
+"""``thinkgate budgets set|list|remove``: spend limits (USD) of the levels above the key — a tag, or the whole gateway.
 
     thinkgate budgets set --tag team=a --usd-day 50 [--usd-month 1000]
     thinkgate budgets set --global --usd-month 5000
     thinkgate budgets list [--json]
     thinkgate budgets remove --tag team=a
 
-Every key tagged ``team=a`` then shares one budget, checked and reserved atomically with the key's own at
+Every key tagged ``team=a`` then shares one spend limit, checked and reserved atomically with the key's own at
 admission. The commands write the Redis hash ``budgets:defs`` the running gateways read (within
 ``limits.budget_refresh_s``); a level set here overrides the same level in the config
 (``limits.tag_budgets`` / ``limits.global_budget``), and ``remove`` brings the config's back. ``list`` shows both
@@ -51,11 +51,11 @@ def _level(tag: str | None, is_global: bool) -> str:
 def set_budget(
     tag: str | None = TAG_OPTION,
     is_global: bool = GLOBAL_OPTION,
-    usd_day: str | None = typer.Option(None, "--usd-day", help="Budget in USD per UTC day."),
-    usd_month: str | None = typer.Option(None, "--usd-month", help="Budget in USD per UTC month."),
+    usd_day: str | None = typer.Option(None, "--usd-day", help="Spend limit in USD per UTC day."),
+    usd_month: str | None = typer.Option(None, "--usd-month", help="Spend limit in USD per UTC month."),
     config: Path | None = CONFIG_OPTION,
 ) -> None:
-    """Set (replace) the daily and/or monthly budget of a tag or of the whole gateway."""
+    """Set (replace) the daily and/or monthly spend limit (USD) of a tag or of the whole gateway."""
     from gateway.state.breaker import Breaker
     from gateway.state.budgets import BudgetStore
 
@@ -72,7 +72,7 @@ def set_budget(
 @app.command("remove")
 def remove_budget(tag: str | None = TAG_OPTION, is_global: bool = GLOBAL_OPTION,
                   config: Path | None = CONFIG_OPTION) -> None:
-    """Remove the budget set with ``budgets set`` for a level (a budget in the config file stays)."""
+    """Remove the spend limit set with ``budgets set`` for a level (one in the config file stays)."""
     from gateway.state.breaker import Breaker
     from gateway.state.budgets import BudgetStore
 
@@ -89,7 +89,7 @@ def list_budgets(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line instead of a table."),
     config: Path | None = CONFIG_OPTION,
 ) -> None:
-    """List the tag and global budgets (config and Redis) with today's and this month's spend (USD)."""
+    """List the tag and global spend limits (config and Redis) with today's and this month's spend (USD)."""
     from gateway.ledger.event import micro_to_usd
     from gateway.state.breaker import Breaker
     from gateway.state.budgets import BudgetLevels, parse_level
