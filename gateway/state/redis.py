@@ -53,16 +53,12 @@ def pack(*args: Arg) -> bytes:
     asyncio ``pack_command`` re-joins its whole buffer once per argument and encodes each through a generic
     encoder: for the hot path's script calls, 20-50 arguments, that was a fifth of the gateway's CPU.)"""
     parts = [b"*%d\r\n" % len(args)]
-    for a in args:
-        if isinstance(a, str):
-            b = a.encode()
-        elif isinstance(a, bytes):
-            b = a
-        elif isinstance(a, int):
-            b = b"%d" % a
-        else:
-            b = repr(a).encode()
-        parts += (b"$%d\r\n" % len(b), b, b"\r\n")
+    add = parts.append
+    for a in args:  # bytes as they are; str, int, float as their text (never a bool: it would be sent as True)
+        b = a if a.__class__ is bytes else str(a).encode()
+        add(b"$%d\r\n" % len(b))
+        add(b)
+        add(b"\r\n")
     return b"".join(parts)
 
 
@@ -91,7 +87,9 @@ class FastLane:
         else:
             return None
         ok = False
-        try:  # connects on first use
+        try:
+            if not conn.is_connected:  # connect() itself: a Sentinel connection asks the sentinels for the master
+                await conn.connect()  # (send_packed_command would connect to the default host:port instead)
             await conn.send_packed_command(packed, check_health=False)
             out: list[Any] = []
             for _ in range(replies):

@@ -314,7 +314,9 @@ class WriteAhead:
         conn = self._conn
         if conn is None:
             conn = self._conn = client.connection_pool.make_connection()
-        try:  # connects on first use; bounded by redis.socket_timeout_s like every command
+        try:  # bounded by redis.socket_timeout_s like every command
+            if not conn.is_connected:  # connect() itself: a Sentinel connection asks the sentinels for the master
+                await conn.connect()  # (send_packed_command would connect to the default host:port instead)
             await conn.send_packed_command(conn.pack_command("HSET", self.keys.write_ahead, *items), check_health=False)
             await conn.read_response()  # raises ResponseError for an error reply
         except BaseException:
