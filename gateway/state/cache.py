@@ -21,7 +21,9 @@ socket timeout; when Redis is unreachable the request is served uncached (``bypa
 is open, without touching the network at all. Only complete, successful responses are stored (the caller
 decides; see ``StreamAssembler.complete``); entries above ``cache.max_entry_bytes`` are skipped. Storing
 the entry and releasing the lock are one script too (``FINISH_LUA``), so a miss costs the request path two
-Redis round trips, a hit one.
+Redis round trips, a hit one. On a single Redis the lookup runs inside the request's admission call instead
+(``LOOKUP_LUA`` pasted into ``gateway/state/limits.py`` ``HOT_LUA``; :meth:`ResponseCache.prepare` /
+:meth:`ResponseCache.resume`): no round trip of its own.
 """
 
 from __future__ import annotations

@@ -39,6 +39,12 @@ reservation that is then rolled back and is refused spuriously. A Redis failure 
 reservations already made to expire after their TTL — they can only refuse too much, never admit too much.
 Each group's keys are built by ``gateway/state/keys.py``, which decides their slots.
 
+**One call for the hot path (single Redis).** With a plain Redis client (standalone or Sentinel) and not
+``grouped`` (:attr:`Limits.fused`), a request's first call is admitted by ``HOT_LUA``: ``ADMIT`` over every level
+and, only when admitted, its write-ahead record and its exact-cache lookup (a :class:`Rider`), in one atomic
+script call — the one Redis round trip before the first upstream byte. On Cluster the cache entry is in the
+tenant's slot, so even ``single`` keeps the lookup and the write-ahead record as calls of their own there.
+
 **Windows.** RPM/TPM use a sliding-window counter: ``used = prev·(1 − elapsed/60 s) + current`` over fixed
 60 s windows (two keys per limit, no per-request entries); ``Retry-After`` is the time until the window has
 slid far enough. Budget rejections say the seconds until the period ends (UTC midnight / month start), or 1 s
