@@ -14,6 +14,7 @@ stops it from paying the timeout on every request while Redis is down.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 from collections.abc import Sequence
@@ -26,7 +27,9 @@ from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.config import RedisConfig
 
@@ -90,7 +93,7 @@ class FastLane:
         try:
             if not conn.is_connected:  # connect() itself: a Sentinel connection asks the sentinels for the master
                 await conn.connect()  # (send_packed_command would connect to the default host:port instead)
-            await conn.send_packed_command(packed, check_health=False)
+            await _send(conn, packed)
             out: list[Any] = []
             for _ in range(replies):
                 try:
@@ -114,6 +117,23 @@ class FastLane:
         for conn in idle:
             with contextlib.suppress(Exception):
                 await conn.disconnect()
+
+
+async def _send(conn: AbstractConnection, packed: bytes) -> None:
+    """Write ``packed`` on ``conn``, bounded by its socket timeout with ``asyncio.timeout`` (redis-py's
+    ``send_packed_command`` wraps each write in ``asyncio.wait_for``, a task per command). Errors as redis-py's."""
+    writer = getattr(conn, "_writer", None)
+    if writer is None:  # another redis-py layout: its own path
+        await conn.send_packed_command(packed, check_health=False)
+        return
+    try:
+        writer.write(packed)
+        async with asyncio.timeout(conn.socket_timeout):
+            await writer.drain()
+    except TimeoutError:
+        raise RedisTimeoutError("Timeout writing to socket") from None
+    except OSError as exc:
+        raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
 
 
 class FastScript:
