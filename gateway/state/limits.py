@@ -407,17 +407,25 @@ class Admission:
     lookup_reply: list[Any] | None = None
 
 
-def _period_ends(now: float) -> tuple[int, int]:
-    dt = datetime.fromtimestamp(now, UTC)
-    day_end = datetime(dt.year, dt.month, dt.day, tzinfo=UTC).timestamp() + 86400
+@functools.lru_cache(maxsize=4)
+def _utc_day(day_index: int) -> tuple[str, str, int, float]:
+    """UTC day ``day_index`` (epoch s // 86400; POSIX days are 86,400 s): its ``YYYY-MM-DD``, its ``YYYY-MM``, the
+    epoch s of its end and of its month's end. Cached: every admission asks, the answer changes once a day."""
+    dt = datetime.fromtimestamp(day_index * 86400, UTC)
     last = calendar.monthrange(dt.year, dt.month)[1]
     month_end = datetime(dt.year, dt.month, last, tzinfo=UTC).timestamp() + 86400
+    day = dt.strftime("%Y-%m-%d")
+    return day, day[:7], (day_index + 1) * 86400, month_end
+
+
+def _period_ends(now: float) -> tuple[int, int]:
+    _, _, day_end, month_end = _utc_day(int(now // 86400))
     return max(1, math.ceil(day_end - now)), max(1, math.ceil(month_end - now))
 
 
 def _day_month(now: float) -> tuple[str, str]:
-    day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
-    return day, day[:7]
+    day, month, _, _ = _utc_day(int(now // 86400))
+    return day, month
 
 
 def _usd(micro: int) -> str:
