@@ -38,7 +38,8 @@ app.command()(serve)
 config_app = typer.Typer(no_args_is_help=True)
 app.add_typer(config_app, name="config", help="Inspect the effective configuration.")
 app.add_typer(keys_app, name="keys", help="Create, list and revoke API keys in the Redis key store.")
-app.add_typer(budgets_app, name="budgets", help="Spend limits (USD) of tags (team=a) and of the whole gateway: set, list, remove.")
+app.add_typer(budgets_app, name="budgets",
+              help="Spend limits (USD) of tags (team=a) and of the whole gateway: set, list, remove.")
 app.add_typer(eval_app, name="eval", help="Evaluate a running gateway's tiers on held-out problems.")
 app.add_typer(usage_app, name="usage", help="Usage: export (csv, jsonl, parquet) and the savings report.")
 

@@ -48,8 +48,10 @@ class LimitsConfig(_Strict):
     #: a stream renews its reservations every third of ``reservation_ttl_s`` while it runs, and is cut (finish
     #: reason ``length``, metered) once it has run this long, so no reservation outlives its bound
     max_stream_s: float = Field(3600.0, gt=0)
-    #: ``auto``: one admission script for every level on a single Redis, one per level group (with rollback) on
-    #: Redis Cluster; ``single`` / ``grouped`` force one (``gateway/state/limits.py``)
+    #: ``auto``: on a single Redis (or Sentinel) one hot-path script per request — admission at every level,
+    #: the write-ahead record and the exact-cache lookup together (``HOT_LUA``); on Redis Cluster one call per
+    #: slot (admission per level group with rollback, then the cache in the tenant's slot); ``single`` /
+    #: ``grouped`` force one shape (``gateway/state/limits.py``)
     admission_script: Literal["auto", "single", "grouped"] = "auto"
 
     @field_validator("alert_fractions")

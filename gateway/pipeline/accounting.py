@@ -28,6 +28,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -36,7 +37,7 @@ from gateway.auth.keys import KeyInfo
 from gateway.auth.redis_store import RedisKeyStore
 from gateway.config import Settings, TierConfig
 from gateway.errors import GatewayError
-from gateway.ledger.event import UsageEvent
+from gateway.ledger.event import RouteReason, UsageEvent
 from gateway.ledger.record import UsageRecord
 from gateway.observability.metrics import Metrics
 from gateway.openai.sse import StreamTally
@@ -46,19 +47,33 @@ from gateway.semantic.policy import question as semantic_question
 from gateway.state.alerts import Alerts
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.budgets import BudgetLevels, BudgetStore
-from gateway.state.cache import CacheEntry, ResponseCache, Ticket
+from gateway.state.cache import CacheEntry, Lookup, ResponseCache, Ticket
 from gateway.state.cache_policy import cache_key, decide, tenant_scope
 from gateway.state.keys import tenant_tag
-from gateway.state.limits import Admission, Estimate, KeyLimits, Limits, embedding_estimate, estimate
+from gateway.state.limits import Admission, Estimate, KeyLimits, Limits, Rider, embedding_estimate, estimate
 from gateway.state.metering import Meter
 from gateway.state.redis import RedisHandle, connect
 from gateway.state.spool import Spool
-from gateway.state.write_ahead import WriteAhead
+from gateway.state.write_ahead import WalRecord, WriteAhead
 
 log = logging.getLogger("thinkgate.accounting")
 
 KNOWN_KEYS_MAX = 100_000
 WRITE_BATCH_MAX = 128  # usage events per metering pipeline
+
+
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """A request's first upstream call, as known at its admission: the routed ``tier`` and ``route_reason``, the
+    ``upstream_body`` it will send (the exact cache's key) and the request's ``headers`` (its cache policy).
+    Given to :meth:`Accounting.admit`, it lets a single Redis do the whole hot path in one script call:
+    admission at every level, the write-ahead record and the exact-cache lookup (``gateway/state/limits.py``
+    ``HOT_LUA``)."""
+
+    tier: TierConfig
+    route_reason: RouteReason | None
+    upstream_body: dict[str, Any]
+    headers: Mapping[str, str]
 
 
 def event_of(record: UsageRecord) -> UsageEvent:
@@ -125,6 +140,9 @@ class Accounting:
         self._open: dict[str, KeyInfo] = {}  # request id → key, admitted and not yet metered
         self._known: dict[str, KeyInfo] = {}  # key id → last KeyInfo seen (budgets for alerts)
         self._cache_result: dict[str, str] = {}  # request id → hit|miss|bypass
+        # request id → the exact-cache lookup prepared for its admission call and that call's reply to it (None:
+        # not run), until cache_begin takes it
+        self._looked: dict[str, tuple[Lookup | Ticket, list[Any] | None]] = {}
         self._stop = asyncio.Event()
         self._replayer: asyncio.Task[None] | None = None
         # write-ahead records (metering.write_ahead): the admitted upper bound per request id until its record is
@@ -178,28 +196,54 @@ class Accounting:
 
     # --- limits -----------------------------------------------------------------------------------------
     async def admit(self, key: KeyInfo, body: dict[str, Any], record: UsageRecord,
-                    tiers: list[TierConfig]) -> Admission:
+                    tiers: list[TierConfig], ahead: Ahead | None = None) -> Admission:
         """Admit the request of ``record`` (``tiers``: where it may run: routed tier + fallbacks) or raise
-        :class:`~gateway.errors.RateLimited` / ``LimitsUnavailable``."""
-        return await self.admit_estimate(key, estimate(body, tiers), record)
+        :class:`~gateway.errors.RateLimited` / ``LimitsUnavailable``. ``ahead``: the request's first upstream
+        call (:class:`Ahead`): on a single Redis its write-ahead record and exact-cache lookup are done in the
+        same script call (``Limits.fused``); :meth:`cache_begin` and :meth:`write_ahead` then use what it did."""
+        return await self.admit_estimate(key, estimate(body, tiers), record, ahead)
 
-    async def admit_estimate(self, key: KeyInfo, est: Estimate, record: UsageRecord) -> Admission:
+    async def admit_estimate(self, key: KeyInfo, est: Estimate, record: UsageRecord,
+                             ahead: Ahead | None = None) -> Admission:
         """Admit one upstream call of ``key`` bounded by ``est`` under ``record``'s id, at the key, each of its
         tags and the global level — with the budgets in Redis at this moment (the local copy only while Redis
         is down). Raises like :meth:`admit`."""
         self._remember(key)
         lim = KeyLimits.of(key)
         await self.budgets.refresh()  # the fallback copy (Redis down) and the views; admission reads Redis
+        rider, rec, lookup = None, None, None
+        if ahead is not None and self.limits.fused:
+            rider, rec, lookup = self._rider(key, est, record, ahead)
         try:
             admission = await self.limits.admit(lim, record.request_id, est, record.ts,
-                                                self.budgets.candidates(key.tags), self.budgets.above_key(key.tags))
+                                                self.budgets.candidates(key.tags), self.budgets.above_key(key.tags),
+                                                rider)
         except GatewayError as exc:
             self.metrics.rejected(exc.code)
             raise
         self.budgets.learn(st.level for st in admission.levels)  # the copy a failed admission call falls back on
         self._open[record.request_id] = key
-        self._bounds[record.request_id] = admission.estimate  # the write-ahead record carries the upper bound
+        if admission.rode and rec is not None and self.wal is not None:
+            self.wal.written(rec)  # in Redis already: write_ahead() has nothing to write
+        else:
+            self._bounds[record.request_id] = admission.estimate  # the write-ahead record carries the upper bound
+        if lookup is not None:
+            # not ridden (Redis down: admitted locally): resume() makes it a bypass that still releases the lock
+            # the script may have taken after all (a paused server resumes)
+            self._looked[record.request_id] = (lookup, admission.lookup_reply if admission.rode else None)
         return admission
+
+    def _rider(self, key: KeyInfo, est: Estimate, record: UsageRecord,
+               ahead: Ahead) -> tuple[Rider, WalRecord | None, Lookup | Ticket | None]:
+        """What the admission call of a request's first upstream call also does on a single Redis: write its
+        write-ahead record (when ``metering.write_ahead``) and look its answer up in the exact cache."""
+        rec = None
+        if self.wal is not None:
+            rec = self.wal.open_record(record, est.micro_usd, est.tokens, tier=ahead.tier.name,
+                                       upstream_model=ahead.tier.model, route_reason=ahead.route_reason)
+        lookup = self._lookup(key, record, ahead.tier, ahead.upstream_body, ahead.headers)
+        return (Rider(self.wal.keys.write_ahead if self.wal is not None else "", rec.to_json() if rec else b"",
+                      lookup if isinstance(lookup, Lookup) else None), rec, lookup)
 
     async def renew(self, record: UsageRecord) -> int:
         """Extend the reservations of a call still running (a stream) by ``limits.reservation_ttl_s``; the
@@ -236,6 +280,22 @@ class Accounting:
                           upstream_body: dict[str, Any], headers: Mapping[str, str]) -> Ticket:
         """Look up the answer to ``upstream_body`` on ``tier`` for ``key``'s tenant scope (never raises for
         Redis outages; a ``bypass`` ticket when the policy or an outage says so)."""
+        looked = self._looked.pop(record.request_id, None)
+        if looked is None:
+            prepared = self._lookup(key, record, tier, upstream_body, headers)
+            ticket = prepared if isinstance(prepared, Ticket) else await self.cache.look(prepared)
+        else:  # prepared for the admission call (``admit``'s ``ahead``): its reply, or Redis did not answer it
+            prepared, reply = looked
+            ticket = prepared if isinstance(prepared, Ticket) else await self.cache.resume(prepared, reply)
+        if self.semantic is not None and ticket.status == "miss":
+            ticket = await self._semantic_begin(self.semantic, ticket, key, record, tier, upstream_body)
+        self._cache_result[record.request_id] = "semantic-hit" if ticket.similarity is not None else ticket.status
+        return ticket
+
+    def _lookup(self, key: KeyInfo, record: UsageRecord, tier: TierConfig, upstream_body: dict[str, Any],
+                headers: Mapping[str, str]) -> Lookup | Ticket:
+        """The exact-cache lookup of ``upstream_body`` on ``tier`` for ``key``'s tenant scope, ready for a script
+        call, or its ticket at once when the cache policy looks nothing up."""
         decision = decide(self.settings.cache, upstream_body, headers)
         scope = tenant_scope(key.id, key.cache_namespace)
         if decision.lookup or decision.store:
@@ -243,11 +303,7 @@ class Accounting:
         else:
             digest = ""  # bypass: no Redis, no hashing
         # the entry lives in its tenant's Cluster slot (gateway/state/keys.py)
-        ticket = await self.cache.begin(digest, decision, tenant_tag(scope))
-        if self.semantic is not None and ticket.status == "miss":
-            ticket = await self._semantic_begin(self.semantic, ticket, key, record, tier, upstream_body)
-        self._cache_result[record.request_id] = "semantic-hit" if ticket.similarity is not None else ticket.status
-        return ticket
+        return self.cache.prepare(digest, decision, tenant_tag(scope))
 
     async def _semantic_begin(self, semantic: SemanticCache, ticket: Ticket, key: KeyInfo, record: UsageRecord,
                               tier: TierConfig, upstream_body: dict[str, Any]) -> Ticket:
@@ -325,6 +381,8 @@ class Accounting:
         if self.wal is None:
             return
         bound = self._bounds.pop(record.request_id, None)
+        if bound is None and self.wal.is_open(record.request_id):
+            return  # written inside its admission call (a single Redis: ``admit``'s ``ahead``)
         await self.wal.begin(record, bound.micro_usd if bound else 0, bound.tokens if bound else 0)
 
     def stream_progress(self, record: UsageRecord) -> Callable[[StreamTally], None] | None:
@@ -342,6 +400,11 @@ class Accounting:
             self.wal.settled(record.request_id)  # its usage event deletes the record in Redis
         key = self._open.pop(record.request_id, None) or self._known.get(event.key_id)
         self._probes.pop(record.request_id, None)
+        looked = self._looked.pop(record.request_id, None)
+        if looked is not None and isinstance(looked[0], Lookup) and looked[1] and int(looked[1][0]) == 2:
+            # a single-flight lock its admission call took that no cache_begin turned into a ticket: release it
+            self._track(self.cache.finish(Ticket(looked[0].digest, looked[0].decision, "miss",
+                                                 lock_token=looked[0].token, tenant=looked[0].tenant), None))
         self.metrics.observe(event, self._cache_result.pop(record.request_id, "bypass"))
         self._queue.append((event, key))
         if self._writer is None or self._writer.done():

@@ -44,6 +44,7 @@ from gateway.openai.chunks import replay
 from gateway.openai.usage import needs_reasoning_count, reasoning_of
 from gateway.pipeline import abstention, escalation, policy, upstream_body
 from gateway.pipeline import request as schemas
+from gateway.pipeline.accounting import Ahead
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.relay import CLIENT_CLOSED, fill_reasoning, relay
 from gateway.pipeline.routing import RouteDecision, Routing
@@ -241,9 +242,13 @@ class Proxy:
             policy.check_caps(key, body, route.tier)
             if acct is not None:
                 # limits: reserve before the upstream call, at every budget level (429 budget_exceeded /
-                # rate_limit_exceeded with Retry-After, or 503)
+                # rate_limit_exceeded with Retry-After, or 503); on a single Redis the same script call writes the
+                # write-ahead record and looks the answer up (``Ahead``; cache key = tenant scope + the
+                # post-routing upstream request)
+                up_body = upstream_body.build(body, route.tier, endpoint)
                 with span("limits"):
-                    await acct.admit(key, body, record, [route.tier, *self._fallbacks(route)])
+                    await acct.admit(key, body, record, [route.tier, *self._fallbacks(route)],
+                                     Ahead(route.tier, route.reason, up_body, headers))
         except GatewayError as exc:
             self.refused(record, exc, route)
             raise
@@ -253,8 +258,6 @@ class Proxy:
         if acct is None:
             return await self._serve(ex, body, endpoint)
         try:
-            # cache: key = tenant scope + the post-routing upstream request
-            up_body = upstream_body.build(body, route.tier, endpoint)
             with span("cache"):
                 ex.ticket = await acct.cache_begin(key, record, route.tier, up_body, headers)
             if ex.ticket.status == "hit":

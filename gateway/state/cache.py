@@ -21,7 +21,9 @@ socket timeout; when Redis is unreachable the request is served uncached (``bypa
 is open, without touching the network at all. Only complete, successful responses are stored (the caller
 decides; see ``StreamAssembler.complete``); entries above ``cache.max_entry_bytes`` are skipped. Storing
 the entry and releasing the lock are one script too (``FINISH_LUA``), so a miss costs the request path two
-Redis round trips, a hit one.
+Redis round trips, a hit one. On a single Redis the lookup runs inside the request's admission call instead
+(``LOOKUP_LUA`` pasted into ``gateway/state/limits.py`` ``HOT_LUA``; :meth:`ResponseCache.prepare` /
+:meth:`ResponseCache.resume`): no round trip of its own.
 """
 
 from __future__ import annotations
@@ -38,16 +40,23 @@ from gateway.config import CacheConfig
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.cache_policy import CacheDecision
 from gateway.state.keys import RedisKeys
-from gateway.state.redis import RedisHandle, as_bytes
+from gateway.state.redis import FastScript, RedisHandle, as_bytes
 
-# KEYS: 1 entry, 2 lock; ARGV: 1 lock token, 2 lock TTL ms.
-# Returns {1, entry} (stored answer), {2} (lock taken: the caller leads), {0} (another request leads).
-BEGIN_LUA = """
-local v = redis.call('GET', KEYS[1])
-if v then return {1, v} end
-if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
-return {0}
+#: ``cache_lookup(entry, lock, token, wait_ms)``: the stored answer, else the single-flight lock. Returns {1, entry}
+#: (stored answer), {2} (lock taken: the caller leads), {0} (another request leads), {3} (no answer; ``token`` ''
+#: = no single-flight, no lock taken). Pasted into ``BEGIN_LUA`` and into the one-call hot path of a single Redis
+#: (``gateway/state/limits.py`` ``HOT_LUA``: admission, write-ahead record and this lookup in one script).
+LOOKUP_LUA = """
+local function cache_lookup(entry, lock, token, wait_ms)
+  local v = redis.call('GET', entry)
+  if v then return {1, v} end
+  if token == '' then return {3} end
+  if redis.call('SET', lock, token, 'NX', 'PX', wait_ms) then return {2} end
+  return {0}
+end
 """
+# KEYS: 1 entry, 2 lock; ARGV: 1 lock token ('' = none), 2 lock TTL ms. Returns what ``cache_lookup`` returns.
+BEGIN_LUA = LOOKUP_LUA + "return cache_lookup(KEYS[1], KEYS[2], ARGV[1], ARGV[2])\n"
 # KEYS: 1 entry, 2 lock; ARGV: 1 entry bytes ('' = store nothing), 2 entry TTL s, 3 lock token ('' = none).
 # Stores the entry, then deletes the lock only if it still holds our token (it may have expired and been
 # taken by another request meanwhile).
@@ -107,6 +116,20 @@ class Ticket:
         return self.lock_token is not None
 
 
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """One exact-cache lookup ready for a script call (``cache_lookup``): the entry and lock keys, the lock token
+    ("" = no single-flight) and the lock's TTL (ms). :meth:`ResponseCache.resume` turns the reply into a ticket."""
+
+    digest: str
+    decision: CacheDecision
+    tenant: str
+    entry_key: str
+    lock_key: str
+    token: str
+    wait_ms: int
+
+
 class ResponseCache:
     """Redis-backed exact cache; one per process."""
 
@@ -115,36 +138,59 @@ class ResponseCache:
         self.keys = RedisKeys(handle.prefix)
         self.breaker = breaker
         self.cfg = cfg
-        self._begin = self.redis.register_script(BEGIN_LUA)
-        self._finish = self.redis.register_script(FINISH_LUA)
+        self._begin = FastScript(handle, BEGIN_LUA)
+        self._finish = FastScript(handle, FINISH_LUA)
+
+    def prepare(self, digest: str, decision: CacheDecision, tenant: str = "") -> Ticket | Lookup:
+        """The lookup of ``digest`` under ``decision`` for a script call (:class:`Lookup`), or the ticket at once
+        when the decision looks nothing up (``miss`` when it stores, else ``bypass``): no Redis."""
+        if not decision.lookup:
+            return Ticket(digest, decision, "miss" if decision.store else "bypass", tenant=tenant)
+        token = uuid.uuid4().hex if self.cfg.single_flight_wait_s > 0 else ""
+        wait_ms = max(1, int(self.cfg.single_flight_wait_s * 1000)) if token else 0
+        return Lookup(digest, decision, tenant, self.keys.cache_entry(digest, tenant),
+                      self.keys.cache_lock(digest, tenant), token, wait_ms)
 
     async def begin(self, digest: str, decision: CacheDecision, tenant: str = "") -> Ticket:
         """Look up (and/or lead) for ``digest`` under ``decision``; ``tenant``: the tenant tag of the cache
-        scope (``gateway/state/keys.py`` ``tenant_tag``; "" = the shared slot). Never raises for Redis outages."""
-        t = tenant
-        if not decision.lookup:
-            return Ticket(digest, decision, "miss" if decision.store else "bypass", tenant=t)
+        scope (``gateway/state/keys.py`` ``tenant_tag``; "" = the shared slot). One script call
+        (``BEGIN_LUA``); never raises for Redis outages."""
+        lookup = self.prepare(digest, decision, tenant)
+        return lookup if isinstance(lookup, Ticket) else await self.look(lookup)
+
+    async def look(self, lookup: Lookup) -> Ticket:
+        """Run the prepared ``lookup`` (one ``BEGIN_LUA`` call) and :meth:`resume` with its reply."""
         try:
-            if self.cfg.single_flight_wait_s <= 0:
-                entry = await self._get(digest, decision.max_age_s, t)
+            res = await self.breaker.call(lambda: self._begin(keys=[lookup.entry_key, lookup.lock_key],
+                                                              args=[lookup.token, lookup.wait_ms]))
+        except RedisDown:
+            res = None
+        return await self.resume(lookup, res)
+
+    async def resume(self, lookup: Lookup, res: list[Any] | None) -> Ticket:
+        """The ticket of ``lookup`` from ``res``, the reply of its ``cache_lookup`` (None: Redis did not answer) —
+        run by :meth:`begin` or inside the admission call. A stale answer leads a refresh (one more call: the lock);
+        a follower of another request's single-flight lock waits for its answer (polls). Never raises for Redis
+        outages."""
+        digest, decision, t, token = lookup.digest, lookup.decision, lookup.tenant, lookup.token
+        if res is None:
+            # The script may still run (a paused server resumes): keep the token so finish() can release it.
+            return Ticket(digest, decision, "bypass", lock_token=token or None, tenant=t)
+        code = int(res[0])
+        try:
+            if not token:  # no single-flight: the answer or a miss
+                entry = self._fresh(res[1], decision.max_age_s) if code == 1 else None
                 return (Ticket(digest, decision, "hit", entry, tenant=t) if entry is not None
                         else Ticket(digest, decision, "miss", tenant=t))
-            token = uuid.uuid4().hex
-            key, lock = self.keys.cache_entry(digest, t), self.keys.cache_lock(digest, t)
-            wait_ms = max(1, int(self.cfg.single_flight_wait_s * 1000))
-            try:
-                res = await self.breaker.call(lambda: self._begin(keys=[key, lock], args=[token, wait_ms]))
-            except RedisDown:
-                # The script may still run (a paused server resumes): keep the token so finish() can release it.
-                return Ticket(digest, decision, "bypass", lock_token=token, tenant=t)
-            acquired = int(res[0]) == 2
-            if int(res[0]) == 1:
+            acquired = code == 2
+            if code == 1:
                 entry = self._fresh(res[1], decision.max_age_s)
                 if entry is not None:
                     return Ticket(digest, decision, "hit", entry, tenant=t)
                 # Too old for this request's max-age (or unreadable): lead a refresh like a miss.
                 try:
-                    acquired = bool(await self.breaker.call(lambda: self.redis.set(lock, token, nx=True, px=wait_ms)))
+                    acquired = bool(await self.breaker.call(
+                        lambda: self.redis.set(lookup.lock_key, token, nx=True, px=lookup.wait_ms)))
                 except RedisDown:
                     return Ticket(digest, decision, "bypass", lock_token=token, tenant=t)
             if acquired:
@@ -179,10 +225,6 @@ class ResponseCache:
         except RedisDown:
             return False
         return bool(data)
-
-    async def _get(self, digest: str, max_age_s: int | None, tenant: str) -> CacheEntry | None:
-        raw = await self.breaker.call(lambda: self.redis.get(self.keys.cache_entry(digest, tenant)))
-        return self._fresh(raw, max_age_s)
 
     @staticmethod
     def _fresh(raw: bytes | str | None, max_age_s: int | None) -> CacheEntry | None:

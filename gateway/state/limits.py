@@ -39,6 +39,12 @@ reservation that is then rolled back and is refused spuriously. A Redis failure 
 reservations already made to expire after their TTL — they can only refuse too much, never admit too much.
 Each group's keys are built by ``gateway/state/keys.py``, which decides their slots.
 
+**One call for the hot path (single Redis).** With a plain Redis client (standalone or Sentinel) and not
+``grouped`` (:attr:`Limits.fused`), a request's first call is admitted by ``HOT_LUA``: ``ADMIT`` over every level
+and, only when admitted, its write-ahead record and its exact-cache lookup (a :class:`Rider`), in one atomic
+script call — the one Redis round trip before the first upstream byte. On Cluster the cache entry is in the
+tenant's slot, so even ``single`` keeps the lookup and the write-ahead record as calls of their own there.
+
 **Windows.** RPM/TPM use a sliding-window counter: ``used = prev·(1 − elapsed/60 s) + current`` over fixed
 60 s windows (two keys per limit, no per-request entries); ``Retry-After`` is the time until the window has
 slid far enough. Budget rejections say the seconds until the period ends (UTC midnight / month start), or 1 s
@@ -69,9 +75,10 @@ from gateway.errors import LimitsUnavailable, RateLimited
 from gateway.ledger.event import UsageEvent, cost_micro_usd, micro_to_usd, usd_to_micro
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.budgets import Level, event_level_ids
+from gateway.state.cache import LOOKUP_LUA, Lookup
 from gateway.state.keys import RedisKeys
 from gateway.state.metering import RecordResult
-from gateway.state.redis import RedisHandle
+from gateway.state.redis import FastScript, RedisHandle
 from gateway.state.reservations import LUA_FUNCTIONS, RENEW_LUA, ROLLBACK_LUA
 
 WINDOW_MS = 60_000
@@ -94,7 +101,7 @@ FORCED_THINK_OPEN = "<think>\n"  # what forced thinking's phase 2 opens the re-s
 # Every level is reserved (budgeted or not: a budget set later sees the requests in flight).
 # Returns {1, per level: day spend, month spend, reserved, day budget, month budget (-1 none)} or
 #         {0, code, level index (1-based in this call; 0 for RPM/TPM), what, retry_after_s, budget, spent, reserved}.
-ADMIT_LUA = LUA_FUNCTIONS + """
+ADMIT_CORE = """
 local now = tonumber(ARGV[1])
 local hard = ARGV[2] == 'hard'
 local W = 60000
@@ -182,6 +189,25 @@ if tpm >= 0 then
 end
 local out = {1}
 for _, v in ipairs(seen) do out[#out + 1] = v end
+"""
+ADMIT_LUA = LUA_FUNCTIONS + ADMIT_CORE + "return out\n"
+
+# The one-call hot path of a single Redis (``Limits.fused``): ``ADMIT`` over every level, then — only when admitted,
+# in the same atomic step — the rider (:class:`Rider`): the request's write-ahead record (``HSET``,
+# ``gateway/state/write_ahead.py``) and its exact-cache lookup (``cache_lookup``, ``gateway/state/cache.py``).
+# KEYS: ADMIT's, then from x = 4n (+4 with the RPM/TPM keys): x+1 the write-ahead hash, x+2 the cache entry, x+3 the
+#       cache lock (each may be passed as any key when unused).
+# ARGV: ADMIT's (11 + 4n), then from a = 12 + 4n: a the record JSON ('' = none), a+1 its request id, a+2 lookup
+#       ('1' / '0'), a+3 lock token ('' = no single-flight), a+4 lock TTL ms.
+# Returns ADMIT's refusal, or ADMIT's admitted reply followed by the lookup's reply ({} when none).
+HOT_LUA = LUA_FUNCTIONS + LOOKUP_LUA + ADMIT_CORE + """
+local x = R + ((rpm >= 0 or tpm >= 0) and 4 or 0)
+local a = 12 + 4 * n
+if ARGV[a] ~= '' then redis.call('HSET', KEYS[x + 1], ARGV[a + 1], ARGV[a]) end
+if ARGV[a + 2] == '1' then
+  local c = cache_lookup(KEYS[x + 2], KEYS[x + 3], ARGV[a + 3], ARGV[a + 4])
+  for _, v in ipairs(c) do out[#out + 1] = v end
+end
 return out
 """
 
@@ -238,6 +264,17 @@ class Estimate:
 
     micro_usd: int
     tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rider:
+    """What rides along in a single-Redis admission call (``HOT_LUA``), done only when the call is admitted:
+    the write-ahead record (``wal_key``: the hash, ``record``: its JSON; b"" = none) and the exact-cache lookup
+    (``lookup``; None = none). The lookup's reply comes back in :attr:`Admission.lookup_reply`."""
+
+    wal_key: str = ""
+    record: bytes = b""
+    lookup: Lookup | None = None
 
 
 def _text_bytes(value: Any) -> int:
@@ -364,19 +401,31 @@ class Admission:
     spent_day_micro: int | None = None
     spent_month_micro: int | None = None
     levels: tuple[LevelState, ...] = ()
+    #: the :class:`Rider` ran in the admission call (its write-ahead record is in Redis)
+    rode: bool = False
+    #: the reply of the rider's cache lookup (``cache_lookup``'s), None when there was none
+    lookup_reply: list[Any] | None = None
+
+
+@functools.lru_cache(maxsize=4)
+def _utc_day(day_index: int) -> tuple[str, str, int, float]:
+    """UTC day ``day_index`` (epoch s // 86400; POSIX days are 86,400 s): its ``YYYY-MM-DD``, its ``YYYY-MM``, the
+    epoch s of its end and of its month's end. Cached: every admission asks, the answer changes once a day."""
+    dt = datetime.fromtimestamp(day_index * 86400, UTC)
+    last = calendar.monthrange(dt.year, dt.month)[1]
+    month_end = datetime(dt.year, dt.month, last, tzinfo=UTC).timestamp() + 86400
+    day = dt.strftime("%Y-%m-%d")
+    return day, day[:7], (day_index + 1) * 86400, month_end
 
 
 def _period_ends(now: float) -> tuple[int, int]:
-    dt = datetime.fromtimestamp(now, UTC)
-    day_end = datetime(dt.year, dt.month, dt.day, tzinfo=UTC).timestamp() + 86400
-    last = calendar.monthrange(dt.year, dt.month)[1]
-    month_end = datetime(dt.year, dt.month, last, tzinfo=UTC).timestamp() + 86400
+    _, _, day_end, month_end = _utc_day(int(now // 86400))
     return max(1, math.ceil(day_end - now)), max(1, math.ceil(month_end - now))
 
 
 def _day_month(now: float) -> tuple[str, str]:
-    day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
-    return day, day[:7]
+    day, month, _, _ = _utc_day(int(now // 86400))
+    return day, month
 
 
 def _usd(micro: int) -> str:
@@ -526,12 +575,17 @@ class Limits:
         self.breaker = breaker
         self.cfg = cfg
         self.local = LocalCounters()
-        self._script = self.redis.register_script(ADMIT_LUA)
-        self._rollback = self.redis.register_script(ROLLBACK_LUA)
-        self._renew = self.redis.register_script(RENEW_LUA)
+        self._script = FastScript(handle, ADMIT_LUA)
+        self._rollback = FastScript(handle, ROLLBACK_LUA)
+        self._renew = FastScript(handle, RENEW_LUA)
         mode = cfg.admission_script
         #: one script per level group (Redis Cluster: the levels' keys may sit in different hash slots)
         self.grouped = mode == "grouped" or (mode == "auto" and not isinstance(self.redis, Redis))
+        #: one script call for the whole hot path (admission + write-ahead record + cache lookup, ``HOT_LUA``): a
+        #: single Redis (standalone or Sentinel: every key on one server). On Cluster the cache entry lives in
+        #: its tenant's slot, away from the shared ``{tg:}`` one: per-slot calls there (even with ``single``).
+        self.fused = not self.grouped and isinstance(self.redis, Redis)
+        self._hot = FastScript(handle, HOT_LUA)
 
     def _level_keys(self, lvl: Level, day: str, month: str) -> list[str]:
         k = self.keys
@@ -540,7 +594,8 @@ class Limits:
         return [k.level_day(lvl.kind, lvl.name, day), k.level_month(lvl.kind, lvl.name, month), resv, definition]
 
     async def admit(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
-                    levels: Sequence[Level] = (), fallback: Sequence[Level] | None = None) -> Admission:
+                    levels: Sequence[Level] = (), fallback: Sequence[Level] | None = None,
+                    rider: Rider | None = None) -> Admission:
         """Admit one upstream call of key ``lim`` at ``now`` (epoch s; the request's ``ts``) or raise.
 
         ``levels``: every level above the key (``BudgetLevels.candidates``: each of its tags, then global) with
@@ -550,7 +605,8 @@ class Limits:
         while Redis is down (default: ``levels``). ``reservation_id`` must be the id of the call's usage event
         (metering settles by it). Raises :class:`~gateway.errors.RateLimited` (429, ``budget_exceeded`` /
         ``rate_limit_exceeded``, ``Retry-After``) or :class:`LimitsUnavailable` (503, Redis down and
-        ``fail_closed``).
+        ``fail_closed``). ``rider``: the write-ahead record and cache lookup to do in the same call when
+        :attr:`fused` (``Admission.rode`` says whether they were; else the caller does them on its own).
         """
         if lim.unlimited and not levels and not fallback:  # the key alone, under nothing: nothing to check
             return Admission(lim.key_id, reservation_id, "none", est)
@@ -561,16 +617,22 @@ class Limits:
             if self.grouped:
                 states = await self._admit_grouped(lim, reservation_id, est, now, all_levels, day, month)
             else:
+                if not self.fused:
+                    rider = None
                 res = await self.breaker.call(lambda: self._run(lim, reservation_id, est, now, all_levels, day,
-                                                                month, rate=True))
+                                                                month, rate=True, rider=rider))
                 states = self._states(lim, est, res, all_levels)
         except RedisDown:
             return self._admit_locally(lim, reservation_id, est, now, local_levels)
         for st in states:
             self.local.refresh(lim.key_id, now, st.spent_day_micro, st.spent_month_micro, st.level.id)
         self.local.note(lim, reservation_id, est, now, [st.level for st in states[1:] if st.level.budgeted])
+        reply = None
+        if rider is not None and not self.grouped and rider.lookup is not None:
+            reply = list(res[1 + 5 * len(all_levels):])
         return Admission(lim.key_id, reservation_id, "redis", est, states[0].spent_day_micro,
-                         states[0].spent_month_micro, tuple(states))
+                         states[0].spent_month_micro, tuple(states), rode=rider is not None and not self.grouped,
+                         lookup_reply=reply)
 
     def _admit_locally(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
                        levels: list[Level]) -> Admission:
@@ -590,8 +652,8 @@ class Limits:
         return Admission(lim.key_id, reservation_id, "local", est)
 
     async def _run(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float, group: Sequence[Level],
-                   day: str, month: str, rate: bool) -> list[Any]:
-        """One ``ADMIT`` call over ``group`` (with the key's RPM/TPM when ``rate``)."""
+                   day: str, month: str, rate: bool, rider: Rider | None = None) -> list[Any]:
+        """One ``ADMIT`` call over ``group`` (with the key's RPM/TPM when ``rate``); ``HOT_LUA`` with ``rider``."""
         now_ms = int(now * 1000)
         day_end, month_end = _period_ends(now)
         keys: list[str] = []
@@ -606,7 +668,17 @@ class Limits:
             w = now_ms // WINDOW_MS
             k = self.keys
             keys += [k.rpm(lim.key_id, w), k.rpm(lim.key_id, w - 1), k.tpm(lim.key_id, w), k.tpm(lim.key_id, w - 1)]
-        return list(await self._script(keys=keys, args=args))
+        if rider is None:
+            return list(await self._script(keys=keys, args=args))
+        look = rider.lookup
+        wal_key = rider.wal_key or keys[0]
+        if look is None:
+            keys += [wal_key, wal_key, wal_key]
+            args += [rider.record, reservation_id, 0, "", 0]
+        else:
+            keys += [wal_key, look.entry_key, look.lock_key]
+            args += [rider.record, reservation_id, 1, look.token, look.wait_ms]
+        return list(await self._hot(keys=keys, args=args))
 
     def _states(self, lim: KeyLimits, est: Estimate, res: list[Any], group: Sequence[Level]) -> list[LevelState]:
         """The level states (budgets as the script applied them) of an admitted reply, or raise its refusal."""

@@ -30,7 +30,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
@@ -39,7 +39,7 @@ from gateway.config import MeteringConfig
 from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, counter_increments
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
-from gateway.state.redis import RedisHandle, as_bytes, as_text
+from gateway.state.redis import FastScript, RedisHandle, as_bytes, as_text
 from gateway.state.reservations import LUA_FUNCTIONS
 from gateway.state.spool import Spool
 
@@ -168,8 +168,9 @@ class Meter:
         self.breaker = breaker
         self.spool = spool
         self.cfg = cfg
-        self._script = self.redis.register_script(RECORD_LUA)
-        self._audit = self.redis.register_script(AUDIT_LUA)
+        self._script = FastScript(handle, RECORD_LUA)
+        self._audit = FastScript(handle, AUDIT_LUA)
+        self._lane = handle.lane
         self.spooled = 0  # events written to the spool by this process (for metrics)
         # every event settles its request's write-ahead record (gateway/state/write_ahead.py) in the same script
         self._wal_key = self.keys.write_ahead if cfg.write_ahead else None
@@ -207,12 +208,14 @@ class Meter:
 
     async def _run_many(self, events: list[UsageEvent]) -> list[list[int]]:
         for attempt in range(2):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for event in events:
-                    keys, args = self._keys_args(event)
-                    sha = self._audit.sha if event.audit else self._script.sha
-                    pipe.evalsha(sha, len(keys), *keys, *args)
-                replies = await pipe.execute(raise_on_error=False)
+            replies = await self._lane_many(events) if self._lane is not None else None
+            if replies is None:  # Sentinel/standalone with the lane busy: redis-py's pipeline
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for event in events:
+                        keys, args = self._keys_args(event)
+                        sha = self._audit.sha if event.audit else self._script.sha
+                        pipe.evalsha(sha, len(keys), *keys, *args)
+                    replies = await pipe.execute(raise_on_error=False)
             missing = any(isinstance(r, NoScriptError) for r in replies)
             if missing and attempt == 0:  # script cache flushed (restart, SCRIPT FLUSH): load it, send again
                 await self.redis.script_load(RECORD_LUA)
@@ -223,6 +226,16 @@ class Meter:
                     raise r
             return replies
         raise AssertionError("unreachable")
+
+    async def _lane_many(self, events: list[UsageEvent]) -> list[Any] | None:
+        """The batch's ``RECORD``/``AUDIT`` calls as one packed buffer on the lane (a pipeline without redis-py's
+        per-command packing); None when the lane is busy."""
+        assert self._lane is not None
+        parts = []
+        for event in events:
+            keys, args = self._keys_args(event)
+            parts.append((self._audit if event.audit else self._script).packed(keys, args))
+        return await self._lane.exchange(b"".join(parts), len(events))
 
     async def _run(self, event: UsageEvent) -> list[int]:
         keys, args = self._keys_args(event)

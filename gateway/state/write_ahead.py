@@ -4,7 +4,10 @@ unmetered.
 Lifecycle of one record (one per usage record, i.e. per upstream call: an escalation's retry has its own):
 
 1. :meth:`WriteAhead.begin` — before the call's first upstream byte: ``HSET wal:open {request_id} {record}`` (one
-   round trip, shared by the begins of concurrent requests: a group commit; ``gateway/state/keys.py``). The
+   round trip, shared by the begins of concurrent requests: a group commit; ``gateway/state/keys.py``). On a
+   single Redis a request's first call writes it inside its admission script instead (``gateway/state/limits.py``
+   ``HOT_LUA``: the same ``HSET``, in the same atomic step that admits it; :meth:`WriteAhead.written` then tracks
+   it here), so it costs no round trip of its own; escalations and the Cluster keep :meth:`begin`. The
    record (:class:`WalRecord`) says who (key, tags), what (endpoint, models, tier), when (``ts``, the request's
    start: the usage event's day and TPM minute), the reservation's upper bound (micro-USD, tokens) and the
    owning process (``owner``).
@@ -179,16 +182,27 @@ class WriteAhead:
         self.reconciled = 0  # orphans this process metered (for logs and tests)
 
     # --- the request path -------------------------------------------------------------------------------
+    def open_record(self, record: UsageRecord, bound_micro_usd: int = 0, bound_tokens: int = 0, *,
+                    tier: str | None = None, upstream_model: str | None = None,
+                    route_reason: RouteReason | None = None) -> WalRecord:
+        """``record``'s write-ahead record as of now, not yet written anywhere (``tier``, ``upstream_model``,
+        ``route_reason``: where the call goes, when ``record`` does not say it yet)."""
+        return WalRecord(
+            request_id=record.request_id, key_id=record.key_id or "anonymous", owner=self.owner, ts=record.ts,
+            updated_ms=int(time.time() * 1000), tags=dict(record.tags), endpoint=record.endpoint,
+            requested_model=str(record.requested_model or ""), tier=record.tier or tier,
+            upstream_model=record.upstream_model or upstream_model, route_reason=record.route_reason or route_reason,
+            stream=record.stream, bound_micro_usd=bound_micro_usd, bound_tokens=bound_tokens)
+
+    def written(self, rec: WalRecord) -> None:
+        """``rec`` is in Redis (written by another script call: the one-call hot path of a single Redis,
+        ``gateway/state/limits.py``): track it here for :meth:`progress` like a begun one."""
+        self._open[rec.request_id] = _Open(rec, self._clock())
+
     async def begin(self, record: UsageRecord, bound_micro_usd: int = 0, bound_tokens: int = 0) -> None:
         """Write ``record``'s write-ahead record (before its first upstream byte): to Redis, else the spool. Never
         raises for an outage; a spool that cannot be written is logged (the request is still served)."""
-        now = time.time()
-        rec = WalRecord(
-            request_id=record.request_id, key_id=record.key_id or "anonymous", owner=self.owner, ts=record.ts,
-            updated_ms=int(now * 1000), tags=dict(record.tags), endpoint=record.endpoint,
-            requested_model=str(record.requested_model or ""), tier=record.tier, upstream_model=record.upstream_model,
-            route_reason=record.route_reason, stream=record.stream, bound_micro_usd=bound_micro_usd,
-            bound_tokens=bound_tokens)
+        rec = self.open_record(record, bound_micro_usd, bound_tokens)
         self._open[record.request_id] = _Open(rec, self._clock())
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._begins.append((rec, done))
@@ -269,6 +283,10 @@ class WriteAhead:
 
         return hook
 
+    def is_open(self, request_id: str) -> bool:
+        """Whether this process tracks a record of ``request_id`` (begun or :meth:`written`, not yet settled)."""
+        return request_id in self._open
+
     def settled(self, request_id: str) -> None:
         """The request's usage event is on its way (it deletes the record in Redis): stop tracking it here."""
         self._open.pop(request_id, None)
@@ -296,7 +314,9 @@ class WriteAhead:
         conn = self._conn
         if conn is None:
             conn = self._conn = client.connection_pool.make_connection()
-        try:  # connects on first use; bounded by redis.socket_timeout_s like every command
+        try:  # bounded by redis.socket_timeout_s like every command
+            if not conn.is_connected:  # connect() itself: a Sentinel connection asks the sentinels for the master
+                await conn.connect()  # (send_packed_command would connect to the default host:port instead)
             await conn.send_packed_command(conn.pack_command("HSET", self.keys.write_ahead, *items), check_health=False)
             await conn.read_response()  # raises ResponseError for an error reply
         except BaseException:
