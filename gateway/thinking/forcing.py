@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ from gateway.config import TierConfig
 from gateway.errors import InvalidRequest
 from gateway.ledger.event import WireEndpoint
 from gateway.openai import sse
+from gateway.openai.sse import DONE_CHUNK, Chunk
 from gateway.openai.usage import estimate_tokens, generated_text, merge_usage
 from gateway.thinking.loop_guard import LoopDetector
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamPool
@@ -53,11 +54,11 @@ Piece = tuple[str, str | None, dict[str, Any] | None, list[dict[str, Any]] | Non
 async def _pieces(resp: Any, endpoint: WireEndpoint) -> AsyncIterator[Piece]:
     """(generated text, finish_reason, usage, tool-call deltas) per event of an upstream SSE response, until
     ``[DONE]``. Tool-call deltas (chat) are passed on as the upstream sent them."""
-    async for batch in sse.data_batches(resp):
-        for payload in batch:
-            if payload == b"[DONE]":
+    async for batch in sse.chunk_batches(resp):
+        for item in batch:
+            data = item.data
+            if data is None:
                 return
-            data = orjson.loads(payload)
             if data.get("usage") and not data.get("choices"):
                 yield "", None, data["usage"], None
             for c in data.get("choices") or ():
@@ -159,19 +160,19 @@ class ForcedBudget:
         return {**results[0][2], "object": obj, "choices": choices, "usage": usage}
 
     async def _assemble(
-        self, payloads: AsyncIterator[bytes]
+        self, chunks: AsyncIterator[Chunk]
     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """(choice, usage, response metadata) from the chunks of one forced stream."""
+        """(choice, usage, response metadata) from the chunks of one forced stream (its dicts, as built)."""
         reasoning: list[str] = []
         text: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         finish: str | None = None
         usage: dict[str, Any] = {}
         meta: dict[str, Any] = {}
-        async for payload in payloads:
-            if payload == b"[DONE]":
+        async for item in chunks:
+            data = item.data
+            if data is None:
                 break
-            data = orjson.loads(payload)
             meta = meta or {k: data[k] for k in ("id", "created", "model") if k in data}
             usage = data.get("usage") or usage
             for c in data.get("choices") or ():
@@ -200,9 +201,10 @@ class ForcedBudget:
 
     # -- streamed -----------------------------------------------------------------------------------
 
-    async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        """SSE ``data:`` payloads (JSON bytes) of one seamless stream, ending with a usage chunk and
-        ``[DONE]``. Closing the iterator closes the upstream response in flight (cancelling it)."""
+    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[Chunk, None]:
+        """The chunks of one seamless stream (chat or completion chunk dicts), ending with a usage chunk and
+        :data:`~gateway.openai.sse.DONE_CHUNK`. Closing the iterator closes the upstream response in flight
+        (cancelling it)."""
         rid = f"chatcmpl-{uuid.uuid4().hex}" if self.endpoint == "chat" else f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
@@ -213,13 +215,13 @@ class ForcedBudget:
 
         head = {"id": rid, "object": obj, "created": created, "model": self.tier.model}
 
-        def chunk(piece: str | None, kind: str, finish: str | None = None) -> bytes:
+        def chunk(piece: str | None, kind: str, finish: str | None = None) -> Chunk:
             if self.endpoint == "chat":
                 delta: dict[str, Any] = {kind: piece} if piece is not None else {}
                 c: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 c = {"index": 0, "text": piece or "", "finish_reason": finish}
-            return orjson.dumps({**head, "choices": [c]})
+            return Chunk({**head, "choices": [c]})
 
         p1 = _Phase()
         looped = False
@@ -229,7 +231,7 @@ class ForcedBudget:
         try:
             if self.endpoint == "chat":
                 role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                yield orjson.dumps({**head, "choices": [role]})
+                yield Chunk({**head, "choices": [role]})
             async for piece, finish, usage, _ in _pieces(resp, self.endpoint):
                 p1.usage = usage or p1.usage
                 p1.finish_reason = finish or p1.finish_reason
@@ -258,14 +260,14 @@ class ForcedBudget:
                 p2.usage = usage or p2.usage
                 if calls:  # the answer calls tools: relayed intact
                     delta = {"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}
-                    yield orjson.dumps({**head, "choices": [delta]})
+                    yield Chunk({**head, "choices": [delta]})
                 if piece or finish:
                     yield chunk(piece or None, "content" if self.endpoint == "chat" else "text", finish)
         finally:
             await resp.aclose()
         usage = merge_usage(p1.usage, p2.usage, used)
-        yield orjson.dumps({**head, "choices": [], "usage": usage})
-        yield b"[DONE]"
+        yield Chunk({**head, "choices": [], "usage": usage})
+        yield DONE_CHUNK
 
 
 async def open_forced(
@@ -280,9 +282,19 @@ async def open_forced(
     forced = ForcedBudget(pool, tier, endpoint)
     forced.check(body)
     if body.get("stream") is not True:
-        return SyntheticResponse(content=orjson.dumps(await forced.complete(body)))
-    payloads = forced.stream(body)
-    first = await payloads.__anext__()
-    return SyntheticResponse(payloads=payloads, head=[sse.event(first)])
+        return SyntheticResponse(data=await forced.complete(body))
+    chunks = forced.stream(body)
+    first = await chunks.__anext__()
+    return SyntheticResponse(chunks=_one_by_one(chunks), head=[[first]])
+
+
+async def _one_by_one(chunks: AsyncGenerator[Chunk, None]) -> AsyncGenerator[list[Chunk], None]:
+    """Each chunk as its own batch (as an upstream sends a composed stream: one event per write); closing this
+    closes ``chunks``."""
+    try:
+        async for c in chunks:
+            yield [c]
+    finally:
+        await chunks.aclose()
 
 
