@@ -36,13 +36,16 @@ class Caller:
     model: Any
     stream: bool
     headers: Mapping[str, str]
+    #: a stream that asked for the usage chunk (``stream_options.include_usage``)
+    usage: bool = False
 
     @classmethod
     def of(cls, key: KeyInfo, body: dict[str, Any], endpoint: WireEndpoint, headers: Mapping[str, str],
            label: Endpoint | None = None) -> Caller:
         """The caller of a validated ``body`` (``model`` and ``stream`` read from it); ``label`` defaults to
         ``endpoint`` (``responses`` / ``messages`` are served as ``chat`` under their own label)."""
-        return cls(key, endpoint, label or endpoint, body.get("model"), body.get("stream") is True, headers)
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return cls(key, endpoint, label or endpoint, body.get("model"), body.get("stream") is True, headers, usage)
 
     def record(self) -> UsageRecord:
         """A new usage record (its own request id) for one upstream attempt of this caller."""

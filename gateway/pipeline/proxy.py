@@ -38,11 +38,10 @@ from gateway.ledger.event import Endpoint
 from gateway.ledger.record import UsageRecord, emit
 from gateway.openai.chunks import replay_chunks
 from gateway.openai.sse import Chunk
-from gateway.openai.usage import needs_reasoning_count, reasoning_of
 from gateway.pipeline import abstention, escalation, policy, upstream_body
 from gateway.pipeline.answer import Answer, Caller
 from gateway.pipeline.exchange import Exchange
-from gateway.pipeline.relay import CLIENT_CLOSED, fill_reasoning, relay
+from gateway.pipeline.relay import CLIENT_CLOSED, complete, relay
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import Sessions
 from gateway.pipeline.shadow import Shadow
@@ -133,7 +132,7 @@ class Proxy:
                                                        upstream_body.build(body, route.tier, caller.endpoint),
                                                        caller.headers)
                 if ex.ticket.status == "hit":
-                    answer = await self._replay_hit(ex, body)
+                    answer = await self._replay_hit(ex, caller)
                 elif caller.stream or disconnect is None:
                     answer = await self._answer(ex, body, caller)
                 else:
@@ -160,10 +159,11 @@ class Proxy:
         skipped = None
         # the cascade: each tier that lists escalation conditions is checked in turn, up the tier order
         while ex.tier.escalate_on and (nxt := self.routing.next_tier(ex.tier)) is not None:
-            before = ex.route
-            resp, data, skipped = await self._maybe_escalate(ex, resp, data, body, caller, nxt)
-            if ex.route is before:
+            resp, skipped, again = await self._escalation(ex, resp, data, body, caller, nxt)
+            if not again:
                 break
+            resp = await self._call(ex, body, caller)
+            data = None if caller.stream else await self._parsed(resp, ex)
         answer = Answer(ex.route, ex.record.request_id, ex.ticket.status if ex.ticket is not None else "bypass",
                         escalation=skipped)
         if ex.route.reason in ("fallback", "escalated"):  # only the routed tier's answer is cached
@@ -171,19 +171,10 @@ class Proxy:
         if caller.stream:
             n = body.get("n")
             choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-            answer.stream = relay(resp, ex, self.upstreams, _wants_usage(body), choices=choices)
+            answer.stream = relay(resp, ex, self.upstreams, caller.usage, choices=choices)
             return answer
         assert data is not None
-        # a non-streamed answer: fill the reasoning count if missing, record the usage, close
-        usage = data.get("usage")
-        reasoning = [r for c in data.get("choices") or () if (r := reasoning_of(c.get("message")))]
-        changed = bool(reasoning) and isinstance(usage, dict) and needs_reasoning_count(usage)
-        if changed and isinstance(usage, dict):
-            await fill_reasoning(self.upstreams, usage, ex.tier, reasoning)
-        ex.record.mark_first_byte()
-        ex.record.set_usage(usage if isinstance(usage, dict) else None)
-        complete = bool(data.get("choices")) and all(c.get("finish_reason") for c in data["choices"])
-        await ex.close(200, None, data if complete and isinstance(usage, dict) else None)
+        changed = await complete(data, ex, self.upstreams)
         answer.body, answer.raw, answer.after = data, None if changed else resp.content or None, ex.after_response
         return answer
 
@@ -236,17 +227,18 @@ class Proxy:
             raise UpstreamError(f"upstream of tier {ex.tier.name!r} sent an invalid JSON answer")
         return data
 
-    async def _maybe_escalate(self, ex: Exchange, resp: UpstreamResponse, data: dict[str, Any] | None,
-                              body: dict[str, Any], caller: Caller,
-                              nxt: TierConfig) -> tuple[UpstreamResponse, dict[str, Any] | None, str | None]:
-        """Retry on ``nxt`` when the tier's answer is empty, was cut inside its thought, abstains or is unsure
-        (``tier.escalate_on``; :mod:`gateway.pipeline.abstention`). Both calls are metered: the first attempt
-        as its own usage record (``error_code: escalated_<why>``), the retry — a new record of the caller — with
-        route reason ``escalated``. Streams are read up to the first answer token to decide
-        (:func:`gateway.pipeline.escalation.peek_stream`), or to their end when the tier checks the answer's
-        content (``abstain``/``low_confidence``). The retry is admitted — reserved at every budget level — before
-        it is sent; when that is refused (or the key may not use ``nxt``) the first answer is kept, with the note
-        ``skipped; tier=…; reason=…``. Returns (the response, its JSON answer when not streamed, the note)."""
+    async def _escalation(self, ex: Exchange, resp: UpstreamResponse, data: dict[str, Any] | None,
+                          body: dict[str, Any], caller: Caller,
+                          nxt: TierConfig) -> tuple[UpstreamResponse, str | None, bool]:
+        """Whether to retry on ``nxt``: when the tier's answer is empty, was cut inside its thought, abstains or
+        is unsure (``tier.escalate_on``; :mod:`gateway.pipeline.abstention`). Both calls are metered: the first
+        attempt as its own usage record (``error_code: escalated_<why>``, metered here), the retry — a new record
+        of the caller, the exchange's current one on return — with route reason ``escalated``. Streams are read
+        up to the first answer token to decide (:func:`gateway.pipeline.escalation.peek_stream`), or to their end
+        when the tier checks the answer's content (``abstain``/``low_confidence``). The retry is admitted —
+        reserved at every budget level — before it is sent; when that is refused (or the key may not use
+        ``nxt``) the first answer is kept, with the note ``skipped; tier=…; reason=…``. Returns (the response
+        to answer with unless retrying, the note, whether to retry)."""
         tier = ex.tier
         if caller.stream:
             whole = bool({"abstain", "low_confidence"} & set(tier.escalate_on))
@@ -257,20 +249,19 @@ class Proxy:
         why = escalation.escalation_reason(tier, summary, caller.endpoint) or abstention.cascade_reason(
             tier.escalate_on, tier.abstain_phrases, tier.min_answer_logprob, summary, caller.endpoint)
         if why is None:
-            return resp, data, None
+            return resp, None, False
         retry = replace(ex.route, tier=nxt, reason="escalated")
         again = caller.record()
         skipped = await self._admit_escalation(retry, body, caller, again)
         if skipped is not None:
             log.info("tier %s gave %s; not escalating to %s (%s)", tier.name, why, nxt.name, skipped)
-            return resp, data, f"skipped; tier={nxt.name}; reason={skipped}"
+            return resp, f"skipped; tier={nxt.name}; reason={skipped}", False
         await resp.aclose()
         log.info("tier %s gave %s; escalating to %s", tier.name, why, nxt.name)
         ex.record.mark_first_byte()
         ex.record.set_usage(summary.get("usage") if isinstance(summary.get("usage"), dict) else None)
         await ex.next_attempt(retry, 200, f"escalated_{why}", again)
-        resp = await self._call(ex, body, caller)
-        return resp, None if caller.stream else await self._parsed(resp, ex), None
+        return resp, None, True
 
     async def _admit_escalation(self, retry: RouteDecision, body: dict[str, Any], caller: Caller,
                                 again: UsageRecord) -> str | None:
@@ -285,7 +276,7 @@ class Proxy:
             return exc.code or "refused"
         return None
 
-    async def _replay_hit(self, ex: Exchange, body: dict[str, Any]) -> Answer:
+    async def _replay_hit(self, ex: Exchange, caller: Caller) -> Answer:
         """Serve a cached answer (the dict, or replayed as chunks): metered as a hit (cost 0, saved = its price)."""
         ticket = ex.ticket
         assert ticket is not None and ticket.entry is not None
@@ -305,8 +296,8 @@ class Proxy:
         if not record.stream:
             answer.body = cached
         else:
-            answer.stream = _one_by_one(replay_chunks(cached, _wants_usage(body),
-                                                      self.settings.cache.replay_chunk_chars))
+            chunks = replay_chunks(cached, caller.usage, self.settings.cache.replay_chunk_chars)
+            answer.stream = _one_by_one(chunks)
         return answer
 
     async def _unless_disconnected(self, disconnect: Callable[[], Awaitable[None]], serving: Awaitable[Answer],
@@ -383,11 +374,6 @@ class Proxy:
     def _fallbacks(self, route: RouteDecision) -> list[TierConfig]:
         """The tiers a call on ``route`` may fall back to: later tiers the key may use."""
         return self.routing.fallbacks(route.tier, route.allowed)
-
-
-def _wants_usage(body: dict[str, Any]) -> bool:
-    """True when a streamed request asked for the usage chunk (``stream_options.include_usage``)."""
-    return bool((body.get("stream_options") or {}).get("include_usage"))
 
 
 async def _one_by_one(chunks: Iterator[Chunk]) -> AsyncGenerator[list[Chunk], None]:

@@ -1,4 +1,5 @@
-"""The stream relay: pass an upstream stream's chunks on, hold back and complete its usage, close the exchange.
+"""The answer's delivery: relay a stream's chunks (hold back and complete its usage), or complete a JSON answer;
+either way close the exchange once.
 
 :func:`relay` yields batches of :class:`gateway.openai.sse.Chunk` (one batch per upstream read); ``gateway/api/``
 frames them as SSE — a chunk passed on unchanged with the upstream's own bytes — or translates them.
@@ -34,7 +35,7 @@ from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
 from gateway.openai import sse
 from gateway.openai.chunks import StreamAssembler
 from gateway.openai.sse import DONE_CHUNK, Chunk, error_chunk
-from gateway.openai.usage import estimate_tokens, needs_reasoning_count
+from gateway.openai.usage import needs_reasoning_count, reasoning_of
 from gateway.pipeline.exchange import Exchange
 from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.response import UpstreamResponse, chunk_batches
@@ -49,9 +50,8 @@ CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
 
 async def fill_reasoning(pool: UpstreamPool, usage: dict[str, Any], tier: TierConfig, texts: list[str]) -> None:
     """Set ``usage.completion_tokens_details.reasoning_tokens`` from the reasoning texts (one per choice):
-    exact counts from the upstream's ``/tokenize``, else :func:`gateway.openai.usage.estimate_tokens`."""
-    counts = await asyncio.gather(*(pool.count_tokens(tier, t) for t in texts))
-    total = sum(c if c is not None else estimate_tokens(t) for c, t in zip(counts, texts, strict=True))
+    exact counts from the upstream's ``/tokenize``, else estimated (``UpstreamPool.tokens``)."""
+    total = sum(await asyncio.gather(*(pool.tokens(tier, t) for t in texts)))
     details = usage.get("completion_tokens_details")
     if not isinstance(details, dict):
         details = {}
@@ -212,6 +212,22 @@ class _Run:
         asm = self.assembler
         complete = status == 200 and not self.cut and asm is not None and asm.complete
         await self.ex.close(status, code, asm.result() if complete and asm is not None else None)
+
+
+async def complete(data: dict[str, Any], ex: Exchange, pool: UpstreamPool) -> bool:
+    """A non-streamed answer ``data`` (its JSON document): fill its reasoning count if missing, record its
+    usage, close ``ex`` (offering a complete answer to the cache). True when ``data`` was changed (encode it
+    again), False when the upstream's bytes still say it."""
+    usage = data.get("usage")
+    reasoning = [r for c in data.get("choices") or () if (r := reasoning_of(c.get("message")))]
+    changed = bool(reasoning) and isinstance(usage, dict) and needs_reasoning_count(usage)
+    if changed and isinstance(usage, dict):
+        await fill_reasoning(pool, usage, ex.tier, reasoning)
+    ex.record.mark_first_byte()
+    ex.record.set_usage(usage if isinstance(usage, dict) else None)
+    done = bool(data.get("choices")) and all(c.get("finish_reason") for c in data["choices"])
+    await ex.close(200, None, data if done and isinstance(usage, dict) else None)
+    return changed
 
 
 async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_usage: bool,

@@ -40,7 +40,7 @@ from gateway.errors import InvalidRequest
 from gateway.ledger.event import WireEndpoint
 from gateway.openai import sse
 from gateway.openai.sse import DONE_CHUNK, Chunk
-from gateway.openai.usage import estimate_tokens, generated_text, merge_usage
+from gateway.openai.usage import generated_text, merge_usage
 from gateway.thinking.loop_guard import LoopDetector
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamPool
 from gateway.upstream.response import SyntheticResponse
@@ -245,8 +245,7 @@ class ForcedBudget:
             await resp.aclose()
         used = int((p1.usage or {}).get("completion_tokens") or 0)
         if looped or not used:
-            counted = await self.pool.count_tokens(self.tier, p1.text)
-            used = counted if counted is not None else estimate_tokens(p1.text)
+            used = await self.pool.tokens(self.tier, p1.text)
             p1.usage = {**(p1.usage or {}), "completion_tokens": used}
         natural = p1.finish_reason == "stop" and not looped
         close = end_marker(self.tier) + "\n\n" if natural else self.tier.end_of_thinking
