@@ -15,7 +15,7 @@ from gateway.pipeline.proxy import Proxy
 async def serve(proxy: Proxy, request: Request, endpoint: WireEndpoint) -> Response:
     """Serve one ``chat`` or ``completions`` request; raises GatewayError before any byte is sent (a refusal
     before any upstream call leaves an audit event and its error carries ``x-request-id``)."""
-    with proxy.tracing(endpoint, request.headers, new=True):
+    with http.tracing(proxy.telemetry, endpoint, request.headers, new=True):
         caller, body = await http.accept(proxy, request, endpoint)
         answer = await proxy.serve(caller, body, disconnect=lambda: http.disconnected(request))
     return http.respond(answer)

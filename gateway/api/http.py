@@ -1,7 +1,8 @@
 """The HTTP side of the generation endpoints: the request in, the :class:`~gateway.pipeline.answer.Answer` out.
 
-- in: :func:`read_body` (bounded by ``server.max_body_bytes``), :func:`accept` (authenticate, read, validate,
-  build the :class:`~gateway.pipeline.answer.Caller`; a refusal is audited), :func:`disconnected`;
+- in: :func:`tracing` (the request's trace, from ``traceparent``), :func:`read_body` (bounded by
+  ``server.max_body_bytes``), :func:`accept` (authenticate, read, validate, build the
+  :class:`~gateway.pipeline.answer.Caller`; a refusal is audited), :func:`disconnected`;
 - out: :func:`headers_of` (``x-thinkgate-*``, ``x-request-id``), :func:`respond` (JSON, or SSE through
   :class:`RelayResponse`, which frames chunk batches with :func:`gateway.openai.sse.frame` — an unchanged chunk
   goes out as the upstream's own bytes).
@@ -9,7 +10,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Mapping
+import contextlib
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import anyio
@@ -20,13 +22,14 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import BodyTooLarge
-from gateway.ledger.event import WireEndpoint
+from gateway.ledger.event import Endpoint, WireEndpoint
 from gateway.ledger.record import UsageRecord
 from gateway.openai import sse
 from gateway.pipeline import request as schemas
 from gateway.pipeline.answer import Answer, Caller
 from gateway.pipeline.policy import DOWNGRADE_HEADER
 from gateway.pipeline.routing import RouteDecision
+from gateway.telemetry import Telemetry, current
 
 if TYPE_CHECKING:
     from gateway.pipeline.proxy import Proxy
@@ -61,6 +64,24 @@ async def disconnected(request: Request) -> None:
     is ``http.disconnect``)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+@contextlib.contextmanager
+def tracing(telemetry: Telemetry | None, label: Endpoint, headers: Mapping[str, str],
+            new: bool = False) -> Iterator[None]:
+    """The request's trace, continuing the client's ``traceparent`` (nothing when telemetry is off, or when a
+    trace was already begun in this task unless ``new``): begun here, failed with an exception raised inside the
+    block; it ends with the request's usage record (``gateway.telemetry.finish``)."""
+    begin = telemetry is not None and (new or current() is None)
+    trace = telemetry.begin(label, headers) if begin and telemetry is not None else None
+    if trace is None:
+        yield
+        return
+    try:
+        yield
+    except BaseException as exc:
+        trace.fail(exc)
+        raise
 
 
 async def accept(proxy: Proxy, request: Request, endpoint: WireEndpoint) -> tuple[Caller, dict[str, Any]]:

@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from gateway.anthropic import messages as wire
 from gateway.api import bridge
-from gateway.api.http import disconnected, headers_of, read_body
+from gateway.api.http import disconnected, headers_of, read_body, tracing
 from gateway.config import TierConfig
 from gateway.errors import GatewayError
 from gateway.ledger.record import UsageRecord
@@ -94,7 +94,8 @@ class MessagesAPI:
             route = route_for_thinking(route, proxy.settings.tiers, thinking.budget_tokens)
         message_id = wire.new_id("msg")
         caller = Caller.of(key, chat, "chat", h, label=LABEL)
-        answer = await proxy.serve(caller, chat, route=route, disconnect=lambda: disconnected(request))
+        with tracing(proxy.telemetry, LABEL, h):
+            answer = await proxy.serve(caller, chat, route=route, disconnect=lambda: disconnected(request))
         if answer.body is not None:
             out = wire.message_object(answer.body, body, message_id)
             return Response(orjson.dumps(out), media_type="application/json", headers=headers_of(answer))

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api import bridge
-from gateway.api.http import disconnected, headers_of, read_body
+from gateway.api.http import disconnected, headers_of, read_body, tracing
 from gateway.errors import InvalidRequest, NotFound
 from gateway.ledger.record import UsageRecord
 from gateway.openai import responses as wire
@@ -83,7 +83,8 @@ class ResponsesAPI:
         response_id = wire.new_id("resp")
         session = self.session(key.id, body, chat, prev)
         caller = Caller.of(key, chat, "chat", request.headers, label=LABEL)
-        answer = await proxy.serve(caller, chat, session=session, disconnect=lambda: disconnected(request))
+        with tracing(proxy.telemetry, LABEL, request.headers):
+            answer = await proxy.serve(caller, chat, session=session, disconnect=lambda: disconnected(request))
         tier = answer.route.tier.name
         if answer.body is not None:
             out = wire.response_object(answer.body, body, response_id)

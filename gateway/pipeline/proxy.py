@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,6 @@ import orjson
 from gateway.auth.keys import KeyStore
 from gateway.config import Settings, TierConfig
 from gateway.errors import ClientClosed, GatewayError, UpstreamError, UpstreamUnavailable
-from gateway.ledger.event import Endpoint
 from gateway.ledger.record import UsageRecord, emit
 from gateway.openai.chunks import replay_chunks
 from gateway.openai.sse import Chunk
@@ -45,7 +44,7 @@ from gateway.pipeline.relay import CLIENT_CLOSED, complete, relay
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import Sessions
 from gateway.pipeline.shadow import Shadow
-from gateway.telemetry import Telemetry, current, span
+from gateway.telemetry import Telemetry, span
 from gateway.telemetry import finish as end_trace
 from gateway.thinking import dial
 from gateway.thinking.forcing import open_forced
@@ -78,7 +77,7 @@ class Proxy:
         telemetry: Telemetry | None = None,
     ) -> None:
         self.settings = settings
-        self.telemetry = telemetry  # OpenTelemetry traces (gateway/telemetry.py); None = off
+        self.telemetry = telemetry  # OpenTelemetry traces (gateway/telemetry.py; begun in api/); None = off
         self.keys = keys
         self.routing = routing
         self.upstreams = upstreams
@@ -105,50 +104,49 @@ class Proxy:
         (:meth:`_unless_disconnected`); a stream notices it itself. A session whose turn escalated is re-pinned
         to the tier that answered."""
         acct = self.accounting
-        with self.tracing(caller.label, caller.headers):
-            record = caller.record()
-            sticky = None
-            try:
-                with span("route"):
-                    route = route or self.routing.decide(body, caller.headers.get(TIER_HEADER))
-                if self.sessions is not None and caller.endpoint == "chat":
-                    sticky = await self.sessions.stick(caller.key.id, body, route, session)
-                    route = sticky.route if sticky is not None else route
-                # key policy and tier caps: allowed tiers (403 or downgrade), n ≤ max_n, max_tokens, thinking cap
-                route = policy.key_route(caller.key, route, self.settings.tiers)
-                policy.check_caps(caller.key, body, route.tier)
-                with span("limits"):  # reserved at every budget level (429 with Retry-After, or 503)
-                    await acct.admit(caller.key, body, record, [route.tier, *self._fallbacks(route)])
-            except GatewayError as exc:
-                self.refused(record, exc, route)
-                raise
-            ex = Exchange(record, route, self.usage_sinks, acct)
-            if self.shadow is not None and caller.endpoint == "chat" and self.shadow.sampled(route, body):
-                ex.on_answer = functools.partial(self._shadow_answer, body)
-            try:
-                # cache: key = tenant scope + the post-routing upstream request
-                with span("cache"):
-                    ex.ticket = await acct.cache_begin(caller.key, record, route.tier,
-                                                       upstream_body.build(body, route.tier, caller.endpoint),
-                                                       caller.headers)
-                if ex.ticket.status == "hit":
-                    answer = await self._replay_hit(ex, caller)
-                elif caller.stream or disconnect is None:
-                    answer = await self._answer(ex, body, caller)
-                else:
-                    answer = await self._unless_disconnected(disconnect, self._answer(ex, body, caller), ex)
-            except BaseException as exc:
-                # Normally every exit closed the exchange (errors included); this settles anything else.
-                cancelled = isinstance(exc, asyncio.CancelledError | anyio.get_cancelled_exc_class())
-                with anyio.CancelScope(shield=True):
-                    await ex.abandon(CLIENT_CLOSED if cancelled else 500,
-                                     "client_disconnected" if cancelled else "internal_error")
-                raise
-            if sticky is not None and self.sessions is not None:
-                answer.session = sticky.state
-                if answer.escalated:
-                    await self.sessions.repin(sticky, answer.route.tier.name)
-            return answer
+        record = caller.record()
+        sticky = None
+        try:
+            with span("route"):
+                route = route or self.routing.decide(body, caller.headers.get(TIER_HEADER))
+            if self.sessions is not None and caller.endpoint == "chat":
+                sticky = await self.sessions.stick(caller.key.id, body, route, session)
+                route = sticky.route if sticky is not None else route
+            # key policy and tier caps: allowed tiers (403 or downgrade), n ≤ max_n, max_tokens, thinking cap
+            route = policy.key_route(caller.key, route, self.settings.tiers)
+            policy.check_caps(caller.key, body, route.tier)
+            with span("limits"):  # reserved at every budget level (429 with Retry-After, or 503)
+                await acct.admit(caller.key, body, record, [route.tier, *self._fallbacks(route)])
+        except GatewayError as exc:
+            self.refused(record, exc, route)
+            raise
+        ex = Exchange(record, route, self.usage_sinks, acct)
+        if self.shadow is not None and caller.endpoint == "chat" and self.shadow.sampled(route, body):
+            ex.on_answer = functools.partial(self._shadow_answer, body)
+        try:
+            # cache: key = tenant scope + the post-routing upstream request
+            with span("cache"):
+                ex.ticket = await acct.cache_begin(caller.key, record, route.tier,
+                                                   upstream_body.build(body, route.tier, caller.endpoint),
+                                                   caller.headers)
+            if ex.ticket.status == "hit":
+                answer = await self._replay_hit(ex, caller)
+            elif caller.stream or disconnect is None:
+                answer = await self._answer(ex, body, caller)
+            else:
+                answer = await self._unless_disconnected(disconnect, self._answer(ex, body, caller), ex)
+        except BaseException as exc:
+            # Normally every exit closed the exchange (errors included); this settles anything else.
+            cancelled = isinstance(exc, asyncio.CancelledError | anyio.get_cancelled_exc_class())
+            with anyio.CancelScope(shield=True):
+                await ex.abandon(CLIENT_CLOSED if cancelled else 500,
+                                 "client_disconnected" if cancelled else "internal_error")
+            raise
+        if sticky is not None and self.sessions is not None:
+            answer.session = sticky.state
+            if answer.escalated:
+                await self.sessions.repin(sticky, answer.route.tier.name)
+        return answer
 
     async def _answer(self, ex: Exchange, body: dict[str, Any], caller: Caller) -> Answer:
         """Call the upstream (falling back), escalate up the cascade while a tier's answer asks for it, and
@@ -158,8 +156,8 @@ class Proxy:
         data = None if caller.stream else await self._parsed(resp, ex)
         skipped = None
         # the cascade: each tier that lists escalation conditions is checked in turn, up the tier order
-        while ex.tier.escalate_on and (nxt := self.routing.next_tier(ex.tier)) is not None:
-            resp, skipped, again = await self._escalation(ex, resp, data, body, caller, nxt)
+        while ex.tier.escalate_on:
+            resp, skipped, again = await self._escalation(ex, resp, data, body, caller)
             if not again:
                 break
             resp = await self._call(ex, body, caller)
@@ -228,9 +226,9 @@ class Proxy:
         return data
 
     async def _escalation(self, ex: Exchange, resp: UpstreamResponse, data: dict[str, Any] | None,
-                          body: dict[str, Any], caller: Caller,
-                          nxt: TierConfig) -> tuple[UpstreamResponse, str | None, bool]:
-        """Whether to retry on ``nxt``: when the tier's answer is empty, was cut inside its thought, abstains or
+                          body: dict[str, Any], caller: Caller) -> tuple[UpstreamResponse, str | None, bool]:
+        """Whether to retry on the next tier up (``Routing.next_tier``; none after the last): when the tier's
+        answer is empty, was cut inside its thought, abstains or
         is unsure (``tier.escalate_on``; :mod:`gateway.pipeline.abstention`). Both calls are metered: the first
         attempt as its own usage record (``error_code: escalated_<why>``, metered here), the retry — a new record
         of the caller, the exchange's current one on return — with route reason ``escalated``. Streams are read
@@ -240,6 +238,9 @@ class Proxy:
         ``nxt``) the first answer is kept, with the note ``skipped; tier=…; reason=…``. Returns (the response
         to answer with unless retrying, the note, whether to retry)."""
         tier = ex.tier
+        nxt = self.routing.next_tier(tier)
+        if nxt is None:
+            return resp, None, False
         if caller.stream:
             whole = bool({"abstain", "low_confidence"} & set(tier.escalate_on))
             resp, summary = await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole)
@@ -325,21 +326,6 @@ class Proxy:
         raise ClientClosed("the client closed the connection; the upstream call was cancelled")
 
     # --- around the way ---------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def tracing(self, label: Endpoint, headers: Mapping[str, str], new: bool = False) -> Iterator[None]:
-        """The request's trace (``telemetry``; nothing when off, or when already begun in this task unless ``new``):
-        begun here, failed with an exception raised inside the block; it ends with the request's usage record."""
-        begin = self.telemetry is not None and (new or current() is None)
-        trace = self.telemetry.begin(label, headers) if begin and self.telemetry is not None else None
-        if trace is None:
-            yield
-            return
-        try:
-            yield
-        except BaseException as exc:
-            trace.fail(exc)
-            raise
-
     @contextlib.contextmanager
     def auditing(self, record: UsageRecord) -> Iterator[UsageRecord]:
         """Audit a :class:`GatewayError` raised inside the block — a request refused before any upstream call —

@@ -27,9 +27,10 @@ Escalation (retrying a weak answer on the next tier) is a pipeline decision: :mo
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,7 @@ from gateway.openai.sse import DONE_CHUNK, Chunk
 from gateway.openai.usage import generated_text, merge_usage
 from gateway.thinking.loop_guard import LoopDetector
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamPool
-from gateway.upstream.response import SyntheticResponse
+from gateway.upstream.response import SyntheticResponse, UpstreamResponse
 
 THINK_OPEN = "<think>\n"
 
@@ -116,16 +117,24 @@ class _Phase:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-class ForcedBudget:
-    """Runs two-phase budget forcing for one request on one forced tier through the pooled upstreams."""
+#: sends one phase's upstream body (a dict) to the tier's upstream, streamed: the response
+Opener = Callable[[dict[str, Any]], Awaitable[UpstreamResponse]]
+#: the tokens of a text for the tier's model (exact, else estimated)
+Counter = Callable[[str], Awaitable[int]]
 
-    def __init__(self, pool: UpstreamPool, tier: TierConfig, endpoint: WireEndpoint) -> None:
+
+class ForcedBudget:
+    """Runs two-phase budget forcing for one request on one forced tier: ``open_phase`` sends a phase to the tier's
+    upstream, ``count`` counts a cut thought's tokens (:func:`open_forced` binds both to the pooled upstreams).
+    It reads the phases' chunk dicts and yields chunk dicts."""
+
+    def __init__(self, tier: TierConfig, endpoint: WireEndpoint, open_phase: Opener, count: Counter) -> None:
         if endpoint not in ENDPOINT_PATHS:
             raise ValueError(f"unknown endpoint {endpoint!r}")
-        self.pool = pool
         self.tier = tier
         self.endpoint = endpoint
-        self.path = ENDPOINT_PATHS[endpoint]
+        self.open_phase = open_phase
+        self.count = count
 
     def check(self, body: dict[str, Any]) -> None:
         """Refuse what forcing cannot serve: a list of prompts (completions); ``n > 1`` with streaming."""
@@ -227,7 +236,7 @@ class ForcedBudget:
         looped = False
         # Opened before the first yield: a caller that primes the generator sees connection errors (and can
         # fall back to another tier) before any byte went to the client.
-        resp = await self.pool.open(self.tier, self.path, orjson.dumps(thought_request(body, self.tier)), stream=True)
+        resp = await self.open_phase(thought_request(body, self.tier))
         try:
             if self.endpoint == "chat":
                 role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -245,7 +254,7 @@ class ForcedBudget:
             await resp.aclose()
         used = int((p1.usage or {}).get("completion_tokens") or 0)
         if looped or not used:
-            used = await self.pool.tokens(self.tier, p1.text)
+            used = await self.count(p1.text)
             p1.usage = {**(p1.usage or {}), "completion_tokens": used}
         natural = p1.finish_reason == "stop" and not looped
         close = end_marker(self.tier) + "\n\n" if natural else self.tier.end_of_thinking
@@ -253,7 +262,7 @@ class ForcedBudget:
             yield chunk(close, "text")
         p2 = _Phase()
         req2 = answer_request(body, self.tier, self.endpoint, p1.text, natural, used)
-        resp = await self.pool.open(self.tier, self.path, orjson.dumps(req2), stream=True)
+        resp = await self.open_phase(req2)
         try:
             async for piece, finish, usage, calls in _pieces(resp, self.endpoint):
                 p2.usage = usage or p2.usage
@@ -278,22 +287,14 @@ async def open_forced(
     (UpstreamUnavailable & co.) and the proxy can still fall back. Raises InvalidRequest for what forcing
     cannot serve (see :meth:`ForcedBudget.check`).
     """
-    forced = ForcedBudget(pool, tier, endpoint)
+    path = ENDPOINT_PATHS[endpoint]
+    forced = ForcedBudget(tier, endpoint,
+                          lambda phase: pool.open(tier, path, orjson.dumps(phase), stream=True),
+                          functools.partial(pool.tokens, tier))
     forced.check(body)
     if body.get("stream") is not True:
-        return SyntheticResponse(data=await forced.complete(body))
+        data = await forced.complete(body)
+        return SyntheticResponse(data=data)
     chunks = forced.stream(body)
     first = await chunks.__anext__()
-    return SyntheticResponse(chunks=_one_by_one(chunks), head=[[first]])
-
-
-async def _one_by_one(chunks: AsyncGenerator[Chunk, None]) -> AsyncGenerator[list[Chunk], None]:
-    """Each chunk as its own batch (as an upstream sends a composed stream: one event per write); closing this
-    closes ``chunks``."""
-    try:
-        async for c in chunks:
-            yield [c]
-    finally:
-        await chunks.aclose()
-
-
+    return SyntheticResponse(events=chunks, head=[[first]])

@@ -32,9 +32,10 @@ class UpstreamResponse(Protocol):
 
 class SyntheticResponse:
     """An :class:`UpstreamResponse` the gateway produced: ``data`` for a non-streamed answer (its JSON document),
-    or chunk batches from ``head`` (batches already read), then ``chunks`` (the rest). Gateway errors raised by
-    ``chunks`` propagate as they are: the relay turns :class:`gateway.errors.GatewayError` into one in-stream
-    error event. ``closer``: called by :meth:`aclose` (the wrapped response's)."""
+    or chunk batches from ``head`` (batches already read), then ``chunks`` (the rest, in batches) or ``events``
+    (the rest, one chunk a batch: a composed stream, one event per write). Gateway errors raised by them
+    propagate as they are: the relay turns :class:`gateway.errors.GatewayError` into one in-stream error event.
+    ``closer``: called by :meth:`aclose` (the wrapped response's)."""
 
     def __init__(
         self,
@@ -42,9 +43,11 @@ class SyntheticResponse:
         chunks: AsyncIterator[list[Chunk]] | None = None,
         head: list[list[Chunk]] | None = None,
         closer: Callable[[], Awaitable[None]] | None = None,
+        events: AsyncIterator[Chunk] | None = None,
     ) -> None:
         self.data = data
         self._chunks = chunks
+        self._events = events
         self._head = head or []
         self._closer = closer
 
@@ -60,6 +63,9 @@ class SyntheticResponse:
         if self._chunks is not None:
             async for batch in self._chunks:
                 yield batch
+        if self._events is not None:
+            async for c in self._events:
+                yield [c]
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """SSE bytes of :meth:`chunk_batches`."""
@@ -68,9 +74,10 @@ class SyntheticResponse:
 
     async def aclose(self) -> None:
         """Close the chunk generator (cancelling forced upstream calls) and the wrapped response."""
-        aclose = getattr(self._chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        for gen in (self._chunks, self._events):
+            aclose = getattr(gen, "aclose", None)
+            if aclose is not None:
+                await aclose()
         if self._closer is not None:
             await self._closer()
 
