@@ -15,13 +15,17 @@ this checkout) with :mod:`ast` — nothing is imported — and walks the call gr
   ``self.a``) or from a constructor call (``x = T(...)``, ``self.a = T(...)``); ``T | None`` counts as ``T``.
   Calls inside nested functions and lambdas belong to the function that contains them. Anything else (a call on
   a value of unknown type, a library call) is not followed.
-- *On the way*: a function is on the request's way when the end is reachable from it (the end included). Only
-  those are walked: what the request path calls and that never leads to the upstream call (metering, the cache's
-  Redis scripts, logging) is off the way.
-- The *walk* visits the functions on the way depth-first from the start, callees in source order, each function
-  once. *Stops*: the functions visited (start and end included). *Modules*: the distinct modules among them.
-  *Returns*: in the visit order, the stops whose module differs from the previous stop's and was already visited
-  before — the walk moving back into a module it had left.
+- *On the way*: a function is on the request's way when the end is reachable from it (the end included).
+- The *walk* goes depth-first from the start, callees in source order, each function once. It *enters* the
+  functions on the way (follows their calls) and *visits* every gateway function they call: a callee off the way
+  (routing, policy, the cache lookup, metering, the relay, the response) is a stop too — the request passes
+  through it — but the walk comes straight back from it. *Stops*: the functions visited (start and end
+  included). *Modules*: the distinct modules among them. *Returns*: in the visit order, the stops whose module
+  differs from the previous stop's and was already visited before — the walk moving back into a module it had
+  left.
+- Limits: a call through a value of unknown type (a callable parameter or attribute, ``functools.partial``) is
+  not followed, so a function that reaches the upstream only through such a callable is off the way; a lambda's
+  calls count for the function that contains it.
 
 Exit status 0; ``--max-stops N --max-returns M`` make it exit 1 when the walk exceeds either bound.
 """
@@ -32,8 +36,7 @@ import argparse
 import ast
 import json
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 FuncId = tuple[str, str]  # (module, qualified name: "f", "Class.m", "outer.<locals>.inner")
@@ -70,6 +73,7 @@ class Graph:
         self.mods: dict[str, ModuleInfo] = {}
         self.funcs: dict[FuncId, ast.FunctionDef | ast.AsyncFunctionDef] = {}
         self.owner: dict[FuncId, ClassInfo | None] = {}
+        self._callees: dict[FuncId, list[FuncId]] = {}
         for path in sorted((root / "gateway").rglob("*.py")):
             rel = path.relative_to(root).with_suffix("")
             parts = list(rel.parts)
@@ -229,6 +233,11 @@ class Graph:
     # -- calls ---------------------------------------------------------------------------------------------
     def callees(self, fid: FuncId) -> list[FuncId]:
         """The gateway functions ``fid`` calls, in source order, each once."""
+        if fid not in self._callees:
+            self._callees[fid] = self._find_callees(fid)
+        return self._callees[fid]
+
+    def _find_callees(self, fid: FuncId) -> list[FuncId]:
         mod = self.mods[fid[0]]
         fn = self.funcs[fid]
         cls = self.owner.get(fid)
@@ -330,31 +339,38 @@ class Graph:
         return out
 
     def walk(self, start: FuncId, end: FuncId) -> list[FuncId]:
-        """The stops, in visit order (depth first, callees in source order, on the way only)."""
+        """The stops, in visit order (see the module doc)."""
         way = self.reaching(end)
         order: list[FuncId] = []
         seen: set[FuncId] = set()
-
-        def visit(fid: FuncId) -> Iterator[None]:
+        todo: list[FuncId] = [start]  # an explicit stack: depth first, callees in source order
+        while todo:
+            fid = todo.pop()
+            if fid in seen:
+                continue
             seen.add(fid)
             order.append(fid)
-            if fid == end:
-                return
-            for c in self.callees(fid):
-                if c in way and c not in seen:
-                    yield from visit(c)
-            yield None
-
-        for _ in visit(start):
-            pass
+            if fid != end and fid in way:
+                todo += reversed([c for c in self.callees(fid) if c not in seen])
         return order
 
 
 END: FuncId = ("gateway.upstream.pool", "UpstreamPool.open")
 
 
-def measure(root: Path) -> dict[str, object]:
-    """``{"stops", "modules", "returns", "walk": ["module:function", …]}`` for the tree at ``root``."""
+@dataclass
+class Walk:
+    """One tree's walk: the counts and the stops in visit order (``module:function``)."""
+
+    stops: int
+    modules: int
+    returns: int
+    reached_upstream: bool
+    walk: list[str]
+
+
+def measure(root: Path) -> Walk:
+    """The walk of the tree at ``root`` (see the module doc)."""
     g = Graph(root)
     order = g.walk(g.find_start(), END)
     returns = 0
@@ -365,8 +381,7 @@ def measure(root: Path) -> dict[str, object]:
             returns += 1
         visited.add(mod)
         prev = mod
-    return {"stops": len(order), "modules": len(visited), "returns": returns,
-            "reached_upstream": END in order, "walk": [f"{m}:{f}" for m, f in order]}
+    return Walk(len(order), len(visited), returns, END in order, [f"{m}:{f}" for m, f in order])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,15 +394,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     res = measure(args.root)
     if args.json:
-        print(json.dumps(res, indent=2))
+        print(json.dumps(asdict(res), indent=2))
     else:
-        print(f"{args.root}: {res['stops']} stops in {res['modules']} modules, {res['returns']} returns"
-              f"{'' if res['reached_upstream'] else ' (the upstream call was not reached)'}")
+        print(f"{args.root}: {res.stops} stops in {res.modules} modules, {res.returns} returns"
+              f"{'' if res.reached_upstream else ' (the upstream call was not reached)'}")
         if args.show:
-            for s in res["walk"]:  # type: ignore[attr-defined]
+            for s in res.walk:
                 print("  ", s)
-    over = ((args.max_stops is not None and int(res["stops"]) > args.max_stops)  # type: ignore[call-overload]
-            or (args.max_returns is not None and int(res["returns"]) > args.max_returns))  # type: ignore[call-overload]
+    over = ((args.max_stops is not None and res.stops > args.max_stops)
+            or (args.max_returns is not None and res.returns > args.max_returns))
     return 1 if over else 0
 
 
