@@ -64,16 +64,6 @@ def error_chunk(exc: GatewayError) -> Chunk:
     return Chunk(orjson.loads(raw), raw)
 
 
-def event(payload: bytes) -> bytes:
-    """One SSE event carrying ``payload`` (a JSON document)."""
-    return b"data: " + payload + b"\n\n"
-
-
-def error_event(exc: GatewayError) -> bytes:
-    """An in-stream error in OpenAI's shape; the official SDKs raise ``openai.APIError`` on it."""
-    return event(exc.to_json())
-
-
 def frame(batch: list[Chunk]) -> bytes:
     """The SSE bytes of a batch of chunks: ``data: <raw>\\n\\n`` each (``data: [DONE]`` for the end)."""
     return b"".join([b"data: " + c.raw + b"\n\n" for c in batch])
