@@ -5,7 +5,7 @@ Routes, one module each: ``POST /v1/chat/completions`` and ``/v1/completions`` (
 ``GET /v1/models`` and ``POST /admin/router/reload`` (:mod:`gateway.api.models`), ``GET /v1/usage`` and
 ``/metrics`` (:mod:`gateway.api.usage`), ``GET /health`` and ``/ready`` (:mod:`gateway.api.ops`),
 ``GET /dashboard`` (:mod:`gateway.api.dashboard`). Errors are mapped by
-:func:`gateway.errors.install_handlers`. ``app.state.routing`` is the :class:`gateway.pipeline.routing.Routing`
+:func:`gateway.api.errors.install_handlers`. ``app.state.routing`` is the :class:`gateway.pipeline.routing.Routing`
 (plug the trained router in with ``app.state.routing.set_scorer``) and ``app.state.proxy`` the
 :class:`gateway.pipeline.proxy.Proxy` (``usage_sinks`` for metering).
 """
@@ -31,6 +31,7 @@ from gateway.api import models as models_api
 from gateway.api import ops as ops_api
 from gateway.api import responses as responses_api
 from gateway.api import usage as usage_api
+from gateway.api.errors import install_handlers
 from gateway.auth.keys import KeyStore
 from gateway.config import Settings
 from gateway.control import retrain_trigger
@@ -38,7 +39,6 @@ from gateway.control.drift import DriftMonitor
 from gateway.control.outcomes import OutcomeStore, outcome_spool_path
 from gateway.control.shadow import Shadow
 from gateway.control.target import TargetController
-from gateway.errors import install_handlers
 from gateway.ledger.record import UsageRecord
 from gateway.observability.telemetry import Telemetry
 from gateway.pipeline import upstream_body

@@ -1,8 +1,8 @@
 """One exception hierarchy for the gateway, mapped to OpenAI's error JSON and an HTTP status.
 
 Every failure the request path can produce is a :class:`GatewayError` subclass carrying its HTTP status,
-OpenAI ``type`` and ``code``, and every subclass lives in this module; :func:`install_handlers` turns them (and
-anything unexpected) into::
+OpenAI ``type`` and ``code``, and every subclass lives in this module; :func:`gateway.api.errors.install_handlers`
+turns them (and anything unexpected) into::
 
     {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
 
@@ -14,14 +14,9 @@ command, a missing extra) derive from :class:`ThinkGateError` instead (re-export
 
 from __future__ import annotations
 
-import logging
 from typing import Any, ClassVar
 
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
 
 from router.errors import ThinkGateError
 
@@ -30,10 +25,8 @@ __all__ = ["AuthError", "BodyTooLarge", "ClientClosed", "ConversationsUnavailabl
            "PermissionDenied",
            "RateLimited",
            "ThinkGateError", "TierNotAllowed", "UnknownModel", "UpstreamConnectTimeout", "UpstreamError",
-           "UpstreamRejected", "UpstreamTimeout", "UpstreamUnavailable", "UsageUnavailable", "error_response",
-           "install_handlers"]
+           "UpstreamRejected", "UpstreamTimeout", "UpstreamUnavailable", "UsageUnavailable"]
 
-log = logging.getLogger("thinkgate.errors")
 
 
 class GatewayError(Exception):
@@ -217,49 +210,3 @@ class ConversationsUnavailable(GatewayError):
     status = 503
     type = "server_error"
     default_code = "conversation_store_unavailable"
-
-
-def error_response(exc: GatewayError) -> Response:
-    """A JSON response carrying ``exc`` in OpenAI's shape, with its status and extra headers."""
-    return Response(exc.to_json(), status_code=exc.status, media_type="application/json", headers=exc.headers)
-
-
-def _param_of(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) or None
-
-
-def install_handlers(app: FastAPI) -> None:
-    """Register the handlers that map every exception to an OpenAI-shaped error (never a traceback)."""
-
-    async def on_gateway_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, GatewayError)
-        return error_response(exc)
-
-    async def on_validation(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        param = _param_of(tuple(first.get("loc", ())))
-        return error_response(InvalidRequest(f"{param or 'body'}: {first.get('msg')}", param=param))
-
-    async def on_http(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        err: GatewayError
-        if exc.status_code == 404:
-            err = InvalidRequest(f"no such endpoint: {request.method} {request.url.path}", code="not_found")
-            return Response(err.to_json(), status_code=404, media_type="application/json")
-        if exc.status_code == 405:
-            err = InvalidRequest("method not allowed", code="method_not_allowed")
-            return Response(err.to_json(), status_code=405, media_type="application/json")
-        err = InvalidRequest(str(exc.detail))
-        return Response(err.to_json(), status_code=exc.status_code, media_type="application/json")
-
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        # Logged with the traceback for operators; the client only learns that it failed.
-        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(GatewayError("internal error", code="internal_error"))
-
-    app.add_exception_handler(GatewayError, on_gateway_error)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(Exception, on_unexpected)

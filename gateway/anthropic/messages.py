@@ -255,38 +255,10 @@ def to_chat(body: dict[str, Any], *, interleaved: bool = False, budget_rule: boo
     mt = body.get("max_tokens")
     if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
         raise InvalidRequest("'max_tokens' is required: an integer >= 1", param="max_tokens")
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
-    messages: list[dict[str, Any]] = []
-    if body.get("system") is not None:
-        messages.append({"role": "system", "content": _system(body["system"])})
-    for i, m in enumerate(msgs):
-        where = f"messages.{i}"
-        role = m.get("role") if isinstance(m, dict) else None
-        if role == "user":
-            messages += _user_turn(m.get("content"), f"{where}.content")
-        elif role == "assistant":
-            messages.append(_assistant_turn(m.get("content"), f"{where}.content"))
-        else:
-            raise InvalidRequest(f"{where}.role must be user or assistant", param=f"{where}.role")
     out: dict[str, Any] = {k: v for k, v in body.items()
                            if k not in TRANSLATED and k not in IGNORED and k not in REFUSED}
-    out.update(model=model, messages=messages, max_tokens=mt)
-    stops = body.get("stop_sequences")
-    if stops is not None:
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise InvalidRequest("'stop_sequences' must be an array of strings", param="stop_sequences")
-        out["stop"] = stops
-    for k in ("temperature", "top_p"):
-        if body.get(k) is not None:
-            out[k] = body[k]
-    meta = body.get("metadata")
-    if meta is not None:
-        if not isinstance(meta, dict):
-            raise InvalidRequest("'metadata' must be an object", param="metadata")
-        if isinstance(meta.get("user_id"), str):
-            out["user"] = meta["user_id"]
+    out.update(model=model, messages=_chat_messages(body), max_tokens=mt)
+    _sampling(body, out)
     if body.get("tools"):
         out["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
@@ -307,6 +279,45 @@ def to_chat(body: dict[str, Any], *, interleaved: bool = False, budget_rule: boo
         if body["stream"]:
             out["stream_options"] = {"include_usage": True}
     return out
+
+
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages of a Messages request: ``system`` first, then each turn (raises InvalidRequest)."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
+    messages: list[dict[str, Any]] = []
+    if body.get("system") is not None:
+        messages.append({"role": "system", "content": _system(body["system"])})
+    for i, m in enumerate(msgs):
+        where = f"messages.{i}"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role == "user":
+            messages += _user_turn(m.get("content"), f"{where}.content")
+        elif role == "assistant":
+            messages.append(_assistant_turn(m.get("content"), f"{where}.content"))
+        else:
+            raise InvalidRequest(f"{where}.role must be user or assistant", param=f"{where}.role")
+    return messages
+
+
+def _sampling(body: dict[str, Any], out: dict[str, Any]) -> None:
+    """``stop_sequences`` → ``stop``, ``temperature`` / ``top_p`` as they are, ``metadata.user_id`` → ``user``
+    (into ``out``; raises InvalidRequest)."""
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise InvalidRequest("'stop_sequences' must be an array of strings", param="stop_sequences")
+        out["stop"] = stops
+    for k in ("temperature", "top_p"):
+        if body.get(k) is not None:
+            out[k] = body[k]
+    meta = body.get("metadata")
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise InvalidRequest("'metadata' must be an object", param="metadata")
+        if isinstance(meta.get("user_id"), str):
+            out["user"] = meta["user_id"]
 
 
 def usage_of(chat_usage: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,10 +1,11 @@
 """Serving another wire API through the chat pipeline: the parts ``/v1/responses`` and ``/v1/messages`` share.
 
 The translated body runs through :meth:`gateway.pipeline.proxy.Proxy.serve` unchanged — routed, limited,
-cached, metered — and what it answers is translated back: a JSON chat completion (:func:`json_of`), or its
-SSE relay, decoded chunk by chunk and re-encoded by a translator (:func:`translate_stream`). The relay is
-always read to its end, so the chat pipeline meters the request exactly as for chat (one usage event, after
-the last byte), and closed when the client goes away (the upstream call is cancelled and metered as 499).
+cached, metered — and its :class:`~gateway.pipeline.answer.Answer` is translated back: the chat completion dict,
+or its stream of chunk dicts, fed to a translator that writes the other API's events (:func:`translate_stream`).
+The stream is always read to its end, so the chat pipeline meters the request exactly as for chat (one usage
+event, after the last byte), and closed when the client goes away (the upstream call is cancelled and metered
+as 499).
 """
 
 from __future__ import annotations
@@ -13,25 +14,11 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol
 
 import anyio
-import orjson
 from starlette.responses import Response
 
-from gateway.openai import sse
-from gateway.openai.sse import SSEDecoder, chunk_of
-
-FORWARDED_PREFIXES = ("x-thinkgate-", "x-request-id")
-
-
-def forward_headers(resp: Response) -> dict[str, str]:
-    """The gateway's own response headers (``x-thinkgate-*``, ``x-request-id``) of a chat-pipeline answer."""
-    return {k: v for k, v in resp.headers.items() if k.startswith(FORWARDED_PREFIXES)}
-
-
-def json_of(resp: Response) -> dict[str, Any]:
-    """The JSON body of a non-streamed chat-pipeline answer."""
-    data = orjson.loads(bytes(resp.body))
-    assert isinstance(data, dict)
-    return data
+from gateway.api.http import RelayResponse, as_bytes, headers_of
+from gateway.openai.sse import Chunk
+from gateway.pipeline.answer import Answer
 
 
 class StreamTranslator(Protocol):
@@ -45,46 +32,45 @@ class StreamTranslator(Protocol):
 
 
 async def translate_stream(
-    relay: AsyncGenerator[bytes, None],
+    stream: AsyncGenerator[list[Chunk], None],
     translator: StreamTranslator,
     before_finish: Callable[[], Awaitable[None]] | None = None,
 ) -> AsyncGenerator[bytes, None]:
-    """Re-encode the chat SSE ``relay`` with ``translator`` (which writes its own opening events):
+    """Translate the chat chunk ``stream`` with ``translator`` (which writes its own opening events):
     ``translator.finish()`` at ``[DONE]``, sent after ``before_finish`` ran (e.g. storing the conversation and
     the final response object, so they exist before the client sees the end), ``translator.fail(error)`` on an
     in-stream ``{"error": …}``."""
-    decoder = SSEDecoder()
     ended = False
     try:
-        async for raw in relay:
+        async for batch in stream:
             out: list[bytes] = []
-            for payload in decoder.feed(raw):
+            for item in batch:
+                chunk = item.data
                 if ended:
                     continue
-                if payload == b"[DONE]":
+                if chunk is None:
                     end = translator.finish()  # the final object complete before anything is stored
                     if before_finish is not None:
                         await before_finish()
                     out.append(end)
                     ended = True
-                    continue
-                chunk = chunk_of(payload)
-                if chunk is None:
-                    continue
-                if "error" in chunk and not chunk.get("choices"):
+                elif "error" in chunk and not chunk.get("choices"):
                     err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
                     out.append(translator.fail(err))
                     ended = True
-                    continue
-                out.append(translator.feed(chunk))
+                else:
+                    out.append(translator.feed(chunk))
             data = b"".join(out)
             if data:
                 yield data
     finally:
         with anyio.CancelScope(shield=True):
-            await relay.aclose()
+            await stream.aclose()
 
 
-def streamed(resp: Response, events: AsyncGenerator[bytes, None]) -> Response:
-    """An SSE response carrying ``events`` with the chat answer's gateway headers."""
-    return sse.RelayResponse(events, forward_headers(resp))
+def streamed(answer: Answer, translator: StreamTranslator,
+             before_finish: Callable[[], Awaitable[None]] | None = None) -> Response:
+    """An SSE response carrying ``answer``'s stream translated by ``translator``, with the answer's gateway
+    headers."""
+    assert answer.stream is not None
+    return RelayResponse(translate_stream(answer.stream, translator, before_finish), headers_of(answer), as_bytes)

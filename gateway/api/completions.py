@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions`` and ``POST /v1/completions`` → :class:`gateway.pipeline.proxy.Proxy`."""
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: HTTP in (:func:`gateway.api.http.accept`), the
+chat pipeline (:meth:`gateway.pipeline.proxy.Proxy.serve`), HTTP out (:func:`gateway.api.http.respond`)."""
 
 from __future__ import annotations
 
@@ -6,19 +7,30 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.api import http
+from gateway.ledger.event import WireEndpoint
 from gateway.pipeline.proxy import Proxy
+
+
+async def serve(proxy: Proxy, request: Request, endpoint: WireEndpoint) -> Response:
+    """Serve one ``chat`` or ``completions`` request; raises GatewayError before any byte is sent (a refusal
+    before any upstream call leaves an audit event and its error carries ``x-request-id``)."""
+    with http.tracing(proxy.telemetry, endpoint, request.headers, new=True):
+        caller, body = await http.accept(proxy, request, endpoint)
+        answer = await proxy.serve(caller, body, disconnect=lambda: http.disconnected(request))
+    return http.respond(answer)
 
 
 def attach(app: FastAPI, proxy: Proxy) -> None:
     """Add the two generation routes to ``app``."""
 
     async def chat_completions(request: Request) -> Response:
-        return await proxy.handle(request, "chat")
+        return await serve(proxy, request, "chat")
 
     async def completions(request: Request) -> Response:
-        return await proxy.handle(request, "completions")
+        return await serve(proxy, request, "completions")
 
-    # Plain Starlette routes on the hot path: the body is parsed and validated by the proxy itself, so
+    # Plain Starlette routes on the hot path: the body is parsed and validated by the API layer itself, so
     # FastAPI's per-request dependency and response-model machinery would be pure overhead.
     app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.router.add_route("/v1/completions", completions, methods=["POST"])

@@ -20,12 +20,14 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.api.http import read_body, route_headers
 from gateway.config import TierConfig
 from gateway.errors import GatewayError, InvalidRequest, UnknownModel, UpstreamError
 from gateway.ledger.record import UsageRecord
 from gateway.pipeline import request as schemas
 from gateway.pipeline.exchange import Exchange
-from gateway.pipeline.proxy import CLIENT_CLOSED, Proxy, read_body, route_headers
+from gateway.pipeline.proxy import Proxy
+from gateway.pipeline.relay import CLIENT_CLOSED
 from gateway.pipeline.routing import RouteDecision
 
 LABEL: Final = "embeddings"
@@ -79,8 +81,7 @@ class EmbeddingsAPI:
         tier = self.tier_for(body["model"])
         record = UsageRecord(key_id=key.id, tags=key.tags, endpoint=LABEL, requested_model=body["model"])
         ex = Exchange(record, RouteDecision(tier, "forced"), proxy.usage_sinks, proxy.accounting)
-        if proxy.accounting is not None:
-            await proxy.accounting.admit(key, estimate_body(body), record, [tier])
+        await proxy.accounting.admit(key, estimate_body(body), record, [tier])
         try:
             try:
                 resp = await proxy.upstreams.open(tier, "/embeddings", orjson.dumps({**body, "model": tier.model}),
@@ -95,7 +96,8 @@ class EmbeddingsAPI:
             usage = data.get("usage") if isinstance(data, dict) else None
             record.set_usage(usage if isinstance(usage, dict) else None)
             await ex.close(200)
-            return Response(resp.content, media_type="application/json", headers=route_headers(ex.route, record))
+            return Response(resp.content, media_type="application/json",
+                            headers=route_headers(ex.route, record.request_id))
         except BaseException as exc:
             cancelled = isinstance(exc, asyncio.CancelledError | anyio.get_cancelled_exc_class())
             with anyio.CancelScope(shield=True):

@@ -19,12 +19,14 @@ from starlette.responses import Response
 
 from gateway.anthropic import messages as wire
 from gateway.api import bridge
+from gateway.api.http import disconnected, headers_of, read_body, tracing
 from gateway.config import TierConfig
 from gateway.errors import GatewayError
 from gateway.ledger.record import UsageRecord
 from gateway.openai.usage import estimate_tokens
 from gateway.pipeline import request as schemas
-from gateway.pipeline.proxy import TIER_HEADER, Proxy, disconnected, read_body
+from gateway.pipeline.answer import Caller
+from gateway.pipeline.proxy import TIER_HEADER, Proxy
 from gateway.pipeline.routing import RouteDecision
 
 log = logging.getLogger("thinkgate.messages")
@@ -91,13 +93,13 @@ class MessagesAPI:
         if thinking is not None and thinking.enabled and thinking.budget_tokens is not None:
             route = route_for_thinking(route, proxy.settings.tiers, thinking.budget_tokens)
         message_id = wire.new_id("msg")
-        resp = await proxy.serve(key, chat, h, "chat", label=LABEL, route=route,
-                                 disconnect=lambda: disconnected(request))
-        if not chat.get("stream"):
-            out = wire.message_object(bridge.json_of(resp), body, message_id)
-            return Response(orjson.dumps(out), media_type="application/json", headers=bridge.forward_headers(resp))
-        events = wire.MessageStream(body, message_id)
-        return bridge.streamed(resp, bridge.translate_stream(resp.relay, events))  # type: ignore[attr-defined]
+        caller = Caller.of(key, chat, "chat", h, label=LABEL)
+        with tracing(proxy.telemetry, LABEL, h):
+            answer = await proxy.serve(caller, chat, route=route, disconnect=lambda: disconnected(request))
+        if answer.body is not None:
+            out = wire.message_object(answer.body, body, message_id)
+            return Response(orjson.dumps(out), media_type="application/json", headers=headers_of(answer))
+        return bridge.streamed(answer, wire.MessageStream(body, message_id))
 
 
     async def count_tokens(self, request: Request) -> Response:

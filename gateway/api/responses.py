@@ -20,11 +20,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api import bridge
+from gateway.api.http import disconnected, headers_of, read_body, tracing
 from gateway.errors import InvalidRequest, NotFound
 from gateway.ledger.record import UsageRecord
 from gateway.openai import responses as wire
 from gateway.pipeline import request as schemas
-from gateway.pipeline.proxy import Proxy, disconnected, read_body
+from gateway.pipeline.answer import Caller
+from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.sessions import session_of
 from gateway.state.cache_policy import tenant_scope
 from gateway.state.conversations import ConversationStore
@@ -80,15 +82,15 @@ class ResponsesAPI:
         store = body.get("store") is not False
         response_id = wire.new_id("resp")
         session = self.session(key.id, body, chat, prev)
-        resp = await proxy.serve(key, chat, request.headers, "chat", label=LABEL, session=session,
-                                 disconnect=lambda: disconnected(request))
-        headers = bridge.forward_headers(resp)
-        tier = headers.get("x-thinkgate-tier")
-        if not chat.get("stream"):
-            out = wire.response_object(bridge.json_of(resp), body, response_id)
+        caller = Caller.of(key, chat, "chat", request.headers, label=LABEL)
+        with tracing(proxy.telemetry, LABEL, request.headers):
+            answer = await proxy.serve(caller, chat, session=session, disconnect=lambda: disconnected(request))
+        tier = answer.route.tier.name
+        if answer.body is not None:
+            out = wire.response_object(answer.body, body, response_id)
             if store:
                 await self.store.put(scope, response_id, [*turn, *wire.assistant_messages(out)], tier, session, out)
-            return Response(orjson.dumps(out), media_type="application/json", headers=headers)
+            return Response(orjson.dumps(out), media_type="application/json", headers=headers_of(answer))
         events = wire.EventStream(body, response_id, "")
 
         async def save() -> None:
@@ -96,8 +98,7 @@ class ResponsesAPI:
                 await self.store.put(scope, response_id, [*turn, *wire.assistant_messages(events.response)], tier,
                                      session, events.response)
 
-        relay = resp.relay  # type: ignore[attr-defined]
-        return bridge.streamed(resp, bridge.translate_stream(relay, events, save))
+        return bridge.streamed(answer, events, save)
 
 
     async def _stored(self, request: Request) -> tuple[str, str]:

@@ -3,7 +3,8 @@
 Both directions work on OpenAI's shapes (chat: ``chat.completion`` ↔ ``chat.completion.chunk``; completions:
 ``text_completion`` both ways), so a cached entry serves a streamed request and a non-streamed one alike:
 
-- :func:`replay` yields ``data: {chunk}\\n\\n`` frames: per choice a role chunk, the reasoning text
+- :func:`replay` yields ``data: {chunk}\\n\\n`` frames (:func:`replay_chunks`: the chunks): per choice a role chunk, the
+  reasoning text
   (``reasoning_content`` / ``reasoning``, whichever names the upstream used), the content, tool calls, a
   finish chunk; then the usage chunk (``choices: []``) when the client asked for it; then ``data: [DONE]``.
   Concatenating the deltas gives back exactly the stored strings.
@@ -20,13 +21,8 @@ from typing import Any
 
 import orjson
 
-from gateway.openai.sse import DONE, event
+from gateway.openai.sse import DONE_CHUNK, Chunk
 from gateway.openai.usage import REASONING_FIELDS
-
-
-def frame(obj: dict[str, Any]) -> bytes:
-    """One SSE frame carrying ``obj`` as JSON."""
-    return event(orjson.dumps(obj))
 
 
 def _pieces(text: str, size: int) -> Iterator[str]:
@@ -39,6 +35,12 @@ def replay(body: dict[str, Any], include_usage: bool, chunk_chars: int = 16) -> 
 
     ``chunk_chars``: characters per content delta (≥ 1). Raises ``KeyError`` if ``body`` has no ``choices``.
     """
+    for c in replay_chunks(body, include_usage, chunk_chars):
+        yield b"data: " + c.raw + b"\n\n"
+
+
+def replay_chunks(body: dict[str, Any], include_usage: bool, chunk_chars: int = 16) -> Iterator[Chunk]:
+    """The chunks of :func:`replay` (the last one :data:`~gateway.openai.sse.DONE_CHUNK`)."""
     chat = body.get("object") != "text_completion"
     head: dict[str, Any] = {
         "id": body.get("id", ""),
@@ -50,8 +52,8 @@ def replay(body: dict[str, Any], include_usage: bool, chunk_chars: int = 16) -> 
         head["system_fingerprint"] = body["system_fingerprint"]
     extra = {"usage": None} if include_usage else {}
 
-    def chunk(choice: dict[str, Any]) -> bytes:
-        return frame({**head, "choices": [choice], **extra})
+    def chunk(choice: dict[str, Any]) -> Chunk:
+        return Chunk({**head, "choices": [choice], **extra})
 
     for choice in body["choices"]:
         idx = choice.get("index", 0)
@@ -74,8 +76,8 @@ def replay(body: dict[str, Any], include_usage: bool, chunk_chars: int = 16) -> 
                 yield chunk({"index": idx, "text": piece, "logprobs": None, "finish_reason": None})
             yield chunk({"index": idx, "text": "", "logprobs": None, "finish_reason": choice.get("finish_reason")})
     if include_usage and body.get("usage") is not None:
-        yield frame({**head, "choices": [], "usage": body["usage"]})
-    yield DONE
+        yield Chunk({**head, "choices": [], "usage": body["usage"]})
+    yield DONE_CHUNK
 
 
 @dataclass

@@ -265,26 +265,11 @@ def to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None = None) -
         raise InvalidRequest("'model' is required", param="model")
     if "input" not in body:
         raise InvalidRequest("'input' is required", param="input")
-    messages: list[dict[str, Any]] = []
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise InvalidRequest("'instructions' must be a string", param="instructions")
-        messages.append({"role": "system", "content": instructions})
-    messages += history or []
-    messages += input_messages(body["input"])
     out: dict[str, Any] = {k: v for k, v in body.items()
                            if k not in TRANSLATED and k not in IGNORED and k not in REFUSED}
     out["model"] = model
-    out["messages"] = messages
-    if body.get("tools"):
-        out["tools"] = _tools(body["tools"])
-    if body.get("tool_choice") is not None:
-        out["tool_choice"] = _tool_choice(body["tool_choice"])
-    if body.get("parallel_tool_calls") is not None:
-        if not isinstance(body["parallel_tool_calls"], bool):
-            raise InvalidRequest("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
-        out["parallel_tool_calls"] = body["parallel_tool_calls"]
+    out["messages"] = _chat_messages(body, history)
+    _tool_fields(body, out)
     if body.get("text") is not None and (fmt := _response_format(body["text"])) is not None:
         out["response_format"] = fmt
     if body.get("reasoning") is not None and (effort := _reasoning(body["reasoning"])) is not None:
@@ -303,6 +288,32 @@ def to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None = None) -
         if body["stream"]:
             out["stream_options"] = {"include_usage": True}
     return out
+
+
+def _chat_messages(body: dict[str, Any], history: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """``instructions`` (as the system message), then ``history``, then this turn's ``input`` (raises
+    InvalidRequest)."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise InvalidRequest("'instructions' must be a string", param="instructions")
+        messages.append({"role": "system", "content": instructions})
+    messages += history or []
+    messages += input_messages(body["input"])
+    return messages
+
+
+def _tool_fields(body: dict[str, Any], out: dict[str, Any]) -> None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` in chat form, into ``out`` (raises InvalidRequest)."""
+    if body.get("tools"):
+        out["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        out["tool_choice"] = _tool_choice(body["tool_choice"])
+    if body.get("parallel_tool_calls") is not None:
+        if not isinstance(body["parallel_tool_calls"], bool):
+            raise InvalidRequest("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+        out["parallel_tool_calls"] = body["parallel_tool_calls"]
 
 
 def usage_of(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:

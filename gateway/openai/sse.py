@@ -1,21 +1,19 @@
 """Server-sent events, the way OpenAI-compatible servers stream: ``data: <json>\\n\\n`` … ``data: [DONE]\\n\\n``.
 
 :class:`SSEDecoder` (the one parser) splits a byte stream into the payloads of its ``data:`` lines (bytes, no
-decoding); :func:`data_batches` groups them by network read; :class:`RelayResponse` sends a relay generator to
-the client and closes it deterministically — also when the client disconnects, so the upstream request is
-cancelled at once instead of whenever the generator happens to be garbage-collected.
+decoding); :func:`data_batches` groups them by network read; :func:`chunk_batches` turns those into
+:class:`Chunk` batches — each chunk its parsed dict *and* the bytes it came in, so a relay that passes a chunk on
+unchanged frames the upstream's own bytes (``gateway/api/http.py``) instead of encoding the dict again.
+No HTTP here: the wire format only.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import anyio
 import orjson
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayError
 from gateway.openai.usage import reasoning_of
@@ -27,17 +25,38 @@ class UpstreamStream(Protocol):
     def aiter_raw(self) -> AsyncIterator[bytes]: ...
 
 DONE = b"data: [DONE]\n\n"
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-def event(payload: bytes) -> bytes:
-    """One SSE event carrying ``payload`` (a JSON document)."""
-    return b"data: " + payload + b"\n\n"
+class Chunk:
+    """One streamed event: ``data`` (the chunk dict; None for ``[DONE]``) and ``raw``, its JSON payload — the
+    upstream's bytes when it came from one, else ``data`` encoded. A chunk is not changed once made (build a new
+    one for a changed dict)."""
+
+    __slots__ = ("data", "raw")
+
+    def __init__(self, data: dict[str, Any] | None, raw: bytes | None = None) -> None:
+        self.data = data
+        self.raw: bytes = raw if raw is not None else orjson.dumps(data)
+
+    def __repr__(self) -> str:
+        return f"Chunk({self.data!r})"
 
 
-def error_event(exc: GatewayError) -> bytes:
-    """An in-stream error in OpenAI's shape; the official SDKs raise ``openai.APIError`` on it."""
-    return event(exc.to_json())
+#: the end of a stream that completed (``data: [DONE]`` on the wire)
+DONE_CHUNK = Chunk(None, b"[DONE]")
+
+
+def error_chunk(exc: GatewayError) -> Chunk:
+    """An in-stream error in OpenAI's shape (``{"error": {...}}``); the official SDKs raise ``openai.APIError``."""
+    raw = exc.to_json()
+    return Chunk(orjson.loads(raw), raw)
+
+
+def frame(batch: list[Chunk]) -> bytes:
+    """The SSE bytes of a batch of chunks: ``data: <raw>\\n\\n`` each (``data: [DONE]`` for the end)."""
+    if len(batch) == 1:
+        return b"data: " + batch[0].raw + b"\n\n"
+    return b"".join([b"data: " + c.raw + b"\n\n" for c in batch])
 
 
 class SSEDecoder:
@@ -97,11 +116,35 @@ async def data_batches(resp: UpstreamStream) -> AsyncIterator[list[bytes]]:
         yield tail
 
 
+def chunks_of(batch: list[bytes]) -> list[Chunk]:
+    """The chunks of a batch of ``data:`` payloads: ``[DONE]`` as :data:`DONE_CHUNK`, each JSON object with its
+    payload bytes; invalid JSON and non-objects are skipped (:func:`chunk_of`)."""
+    out: list[Chunk] = []
+    for payload in batch:
+        if payload == b"[DONE]":
+            out.append(DONE_CHUNK)
+        elif (data := chunk_of(payload)) is not None:
+            out.append(Chunk(data, payload))
+    return out
+
+
+async def chunk_batches(resp: UpstreamStream) -> AsyncIterator[list[Chunk]]:
+    """Yield, per network read of ``resp``, the :class:`Chunk` s it completed (:func:`data_batches`,
+    :func:`chunks_of`); a read that completed none yields nothing."""
+    decoder = SSEDecoder()  # data_batches inlined: one generator less per network read on the hot path
+    async for raw in resp.aiter_raw():
+        batch = decoder.feed(raw)
+        if batch and (chunks := chunks_of(batch)):
+            yield chunks
+    if (tail := decoder.flush()) and (chunks := chunks_of(tail)):
+        yield chunks
+
+
 @dataclass(slots=True)
 class StreamTally:
     """The relay's view of an upstream stream of chat or completion chunks.
 
-    :meth:`feed` returns the bytes to pass on for one batch of payloads and records: the usage-only chunk
+    :meth:`feed` returns the chunks to pass on for one batch and records: the usage-only chunk
     (held back in ``usage_chunk``), ``[DONE]`` (``done``; the relay writes its own), an in-stream
     ``{"error": …}`` (``upstream_error``, passed on, nothing after it), reasoning text per choice index
     (for counting when usage lacks it), and delta counts (≈ tokens on vLLM, for an estimate when usage
@@ -117,19 +160,18 @@ class StreamTally:
     upstream_error: bool = False
     saw_text: bool = False
 
-    def feed(self, batch: list[bytes]) -> bytes:
-        out: list[bytes] = []
-        for payload in batch:
-            if payload == b"[DONE]":
+    def feed(self, batch: list[Chunk]) -> list[Chunk]:
+        """The chunks of ``batch`` to pass on (the usage-only chunk and ``[DONE]`` held back)."""
+        out: list[Chunk] = []
+        for item in batch:
+            chunk = item.data
+            if chunk is None:
                 self.done = True
                 break
-            chunk = chunk_of(payload)
-            if chunk is None:
-                continue
             choices = chunk.get("choices")
             if "error" in chunk and not choices:
                 self.upstream_error = True
-                out.append(event(payload))
+                out.append(item)
                 break
             usage = chunk.get("usage")
             if usage and not choices:
@@ -139,8 +181,8 @@ class StreamTally:
                 self.last_usage = usage
             if choices:
                 self._count(choices)
-            out.append(event(payload))
-        return b"".join(out)
+            out.append(item)
+        return out
 
     def _count(self, choices: list[dict[str, Any]]) -> None:
         for c in choices:
@@ -162,36 +204,3 @@ class StreamTally:
     def reasoning_texts(self) -> list[str]:
         """The reasoning text of each choice that had any."""
         return [t for parts in self.reasoning.values() if (t := "".join(parts))]
-
-
-class RelayResponse(Response):
-    """A streaming response that watches for the client's disconnect and always closes its generator."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, relay: AsyncGenerator[bytes, None], headers: Mapping[str, str]) -> None:
-        self.relay = relay
-        self.status_code = 200
-        self.background = None
-        self.init_headers({**SSE_HEADERS, **headers})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as tg:
-
-            async def watch_disconnect() -> None:
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(watch_disconnect)
-            try:
-                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-                async for chunk in self.relay:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await self.relay.aclose()
-                tg.cancel_scope.cancel()

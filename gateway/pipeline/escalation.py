@@ -16,9 +16,9 @@ from typing import Any
 
 from gateway.config import TierConfig
 from gateway.ledger.event import WireEndpoint
-from gateway.openai.sse import SSEDecoder, chunk_of
+from gateway.openai.sse import Chunk
 from gateway.thinking.forcing import end_marker
-from gateway.upstream.response import SyntheticResponse, UpstreamResponse
+from gateway.upstream.response import SyntheticResponse, UpstreamResponse, chunk_batches
 from router.escalation import answer_features, should_escalate
 
 
@@ -112,20 +112,19 @@ async def peek_stream(
     byte of the weaker tier's answer reached the client.
     """
     whole = whole or "learned" in tier.escalate_on  # the answer-aware model reads the whole answer
-    head: list[bytes] = []
-    raw = resp.aiter_raw()
+    head: list[list[Chunk]] = []
+    rest = chunk_batches(resp)
     text = ""
     thought = ""
     finish: str | None = None
     usage: dict[str, Any] | None = None
     logprobs: list[Any] = []
     calls = False  # a tool-call delta: the answer has started
-    decoder = SSEDecoder()
     marker = end_marker(tier)
-    async for chunk in raw:
-        head.append(chunk)
-        for payload in decoder.feed(chunk):
-            data = chunk_of(payload)
+    async for batch in rest:
+        head.append(batch)
+        for item in batch:
+            data = item.data
             if data is None:
                 continue
             usage = data.get("usage") or usage
@@ -153,4 +152,4 @@ async def peek_stream(
         choice = {"text": text, "finish_reason": finish}
     if logprobs:
         choice["logprobs"] = {"content": logprobs}
-    return SyntheticResponse(head=head, raw=raw, closer=resp.aclose), {"choices": [choice], "usage": usage}
+    return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose), {"choices": [choice], "usage": usage}

@@ -4,7 +4,7 @@ Every exit of the pipeline — a JSON answer, the end of an SSE relay, an upstre
 a cache hit — ends in :meth:`Exchange.close`, which offers the answer to the cache (or releases the single-flight
 lock), then finishes the usage record and hands it to the usage sinks. ``close`` is idempotent, so a later
 safety net (the proxy's ``except BaseException``) can call :meth:`abandon` without double metering.
-An escalation meters the first attempt and continues with a fresh record (:meth:`next_attempt`).
+An escalation meters the first attempt and continues with the next attempt's record (:meth:`next_attempt`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Exchange:
     __slots__ = ("_closed", "accounting", "after_response", "on_answer", "record", "route", "sinks", "ticket")
 
     def __init__(self, record: UsageRecord, route: RouteDecision, sinks: list[UsageSink],
-                 accounting: Accounting | None = None) -> None:
+                 accounting: Accounting) -> None:
         self.record = record
         self.sinks = sinks
         self.accounting = accounting
@@ -76,7 +76,7 @@ class Exchange:
         """Store ``answer`` (a complete, successful response; None stores nothing) and release the ticket's
         single-flight lock. Idempotent; shielded from cancellation so a lock is never left behind."""
         ticket, self.ticket = self.ticket, None
-        if ticket is not None and self.accounting is not None:
+        if ticket is not None:
             with anyio.CancelScope(shield=True):
                 await self.accounting.cache_finish(ticket, answer, self.record, self.tier)
 
@@ -90,15 +90,12 @@ class Exchange:
         if answer is not None and status == 200 and self.on_answer is not None:
             self.on_answer(self, answer)
 
-    async def next_attempt(self, route: RouteDecision, status: int, code: str,
-                           record: UsageRecord | None = None) -> None:
+    async def next_attempt(self, route: RouteDecision, status: int, code: str, record: UsageRecord) -> None:
         """Meter the current attempt (``status``, ``code`` — e.g. ``escalated_empty_answer``) and continue on
-        ``route`` with ``record`` (already admitted under its id), or a fresh record for the same key; the cache
-        ticket stays with the exchange."""
-        old = self.record
+        ``route`` with ``record`` (the next attempt's, already admitted under its id); the cache ticket stays
+        with the exchange."""
         self._meter(status, code)
-        self.record = record or UsageRecord(key_id=old.key_id, tags=old.tags, endpoint=old.endpoint,
-                                            requested_model=old.requested_model, stream=old.stream)
+        self.record = record
         self._closed = False
         self.stamp(route)
 

@@ -49,6 +49,14 @@ def check_tier(key: KeyInfo, route: RouteDecision, order: list[TierConfig]) -> t
                          f"{[n for n in names if n in key.allowed_tiers]}", param="model")
 
 
+def key_route(key: KeyInfo, route: RouteDecision, order: list[TierConfig]) -> RouteDecision:
+    """The route as ``key`` may take it (:func:`check_tier`), carrying the key's allowed tiers (fallback and
+    escalation stay inside them) and the tier it was downgraded from. Raises :class:`TierNotAllowed`."""
+    route, downgraded = check_tier(key, route, order)
+    allowed = frozenset(key.allowed_tiers) if key.allowed_tiers is not None else None
+    return replace(route, allowed=allowed, downgraded_from=downgraded)
+
+
 def check_caps(key: KeyInfo, body: dict[str, Any], tier: TierConfig) -> None:
     """Apply the tier's caps and the key's thinking cap to ``body`` in place (see the module doc);
     raises :class:`~gateway.errors.InvalidRequest` naming the field."""

@@ -1,4 +1,8 @@
-"""The SSE relay: pass an upstream stream to the client, hold back and complete its usage, close the exchange.
+"""The answer's delivery: relay a stream's chunks (hold back and complete its usage), or complete a JSON answer;
+either way close the exchange once.
+
+:func:`relay` yields batches of :class:`gateway.openai.sse.Chunk` (one batch per upstream read); ``gateway/api/``
+frames them as SSE — a chunk passed on unchanged with the upstream's own bytes — or translates them.
 
 The usage-only chunk is held back, its missing reasoning count filled (:func:`fill_reasoning`), and forwarded
 only when the client asked (``stream_options.include_usage``). Failures after the 200 become one in-stream
@@ -25,16 +29,16 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
-import orjson
 
 from gateway.config import TierConfig
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
 from gateway.openai import sse
 from gateway.openai.chunks import StreamAssembler
-from gateway.openai.usage import estimate_tokens, needs_reasoning_count
+from gateway.openai.sse import DONE_CHUNK, Chunk, error_chunk
+from gateway.openai.usage import needs_reasoning_count, reasoning_of
 from gateway.pipeline.exchange import Exchange
 from gateway.upstream.pool import UpstreamPool
-from gateway.upstream.response import UpstreamResponse
+from gateway.upstream.response import UpstreamResponse, chunk_batches
 
 if TYPE_CHECKING:
     from gateway.pipeline.accounting import Accounting
@@ -46,9 +50,8 @@ CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
 
 async def fill_reasoning(pool: UpstreamPool, usage: dict[str, Any], tier: TierConfig, texts: list[str]) -> None:
     """Set ``usage.completion_tokens_details.reasoning_tokens`` from the reasoning texts (one per choice):
-    exact counts from the upstream's ``/tokenize``, else :func:`gateway.openai.usage.estimate_tokens`."""
-    counts = await asyncio.gather(*(pool.count_tokens(tier, t) for t in texts))
-    total = sum(c if c is not None else estimate_tokens(t) for c, t in zip(counts, texts, strict=True))
+    exact counts from the upstream's ``/tokenize``, else estimated (``UpstreamPool.tokens``)."""
+    total = sum(await asyncio.gather(*(pool.tokens(tier, t) for t in texts)))
     details = usage.get("completion_tokens_details")
     if not isinstance(details, dict):
         details = {}
@@ -63,25 +66,21 @@ def count_deltas(ex: Exchange, tally: sse.StreamTally) -> None:
     ex.record.usage_source = "counted"
 
 
-def _head(last: bytes | None) -> dict[str, Any]:
-    """id/object/created/model of a stream's chunk (``last``: its JSON payload; {} when unreadable)."""
+def _head(last: dict[str, Any] | None) -> dict[str, Any]:
+    """id/object/created/model of a stream's chunk (``last``; {} when there is none)."""
     if last is None:
         return {}
-    try:
-        data = orjson.loads(last)
-    except orjson.JSONDecodeError:
-        return {}
-    return {k: data[k] for k in ("id", "object", "created", "model") if k in data} if isinstance(data, dict) else {}
+    return {k: last[k] for k in ("id", "object", "created", "model") if k in last}
 
 
-def cut_chunk(last: bytes | None, choices: int) -> bytes:
-    """The SSE event that ends a cut stream: ``finish_reason: "length"`` for choices 0..``choices``-1, shaped
-    like the stream's last chunk (``last``: its JSON payload, for id/object/created/model)."""
+def cut_chunk(last: dict[str, Any] | None, choices: int) -> Chunk:
+    """The chunk that ends a cut stream: ``finish_reason: "length"`` for choices 0..``choices``-1, shaped like
+    the stream's last chunk (``last``, for id/object/created/model)."""
     head = _head(last)
     completions = head.get("object") == "text_completion"
     finish = [{"index": i, "text": "", "finish_reason": "length"} if completions
               else {"index": i, "delta": {}, "finish_reason": "length"} for i in range(max(1, choices))]
-    return sse.event(orjson.dumps({**head, "choices": finish}))
+    return Chunk({**head, "choices": finish})
 
 
 async def _renew(acct: Accounting, ex: Exchange) -> None:
@@ -98,104 +97,165 @@ async def _renew(acct: Accounting, ex: Exchange) -> None:
             log.exception("renewing the reservations of %s failed", ex.record.request_id)
 
 
-async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_usage: bool,
-                cache: bool, choices: int = 1) -> AsyncGenerator[bytes, None]:
-    """SSE bytes for the client from ``resp``; closes ``ex`` exactly once when it ends, however it ends.
+class _Run:
+    """One relay's state: the tally, the assembler (for the cache or a shadow comparison), the outcome."""
 
-    ``cache``: assemble the stream and offer it to the exchange's cache ticket when it completes. ``choices``:
-    how many choices the stream carries (for the chunk that ends a stream cut at ``limits.max_stream_s``).
-    """
-    tier = ex.tier
-    record = ex.record
-    tally = sse.StreamTally()
-    status: int | None = None
-    code: str | None = None
-    # the whole answer is assembled for the cache, or for a shadow comparison of this request (ex.on_answer)
-    keep = (cache and ex.ticket is not None and ex.ticket.decision.store) or ex.on_answer is not None
-    assembler = StreamAssembler() if keep else None
-    acct = ex.accounting
-    limits = acct.settings.limits if acct is not None else None
-    started = time.monotonic()
-    renewer = asyncio.ensure_future(_renew(acct, ex)) if acct is not None else None
-    last: bytes | None = None
-    cut = False
-    # the tokens relayed so far go to the request's write-ahead record (rate-bounded there)
-    progress = ex.accounting.stream_progress(record) if ex.accounting is not None else None
-    try:
-        async for batch in sse.data_batches(resp):
-            if assembler is not None:
-                assembler.feed_payloads(batch)
-            out = tally.feed(batch)
-            if progress is not None:
-                progress(tally)
-            if tally.saw_text:
-                record.mark_first_byte()
-            if out:
-                yield out
-            if tally.done or tally.upstream_error:
-                break
-            last = next((p for p in reversed(batch) if p != b"[DONE]"), last)
-            if limits is not None and time.monotonic() - started >= limits.max_stream_s:
-                cut = True  # its bound: no reservation may outlive it
-                break
-        if cut:
-            record.partial = True
-            if tally.last_usage is not None:  # continuous usage stats: the upstream's running totals
-                record.set_usage(tally.last_usage)
-            else:
-                count_deltas(ex, tally)
-            yield cut_chunk(last, choices)
-            if wants_usage:
-                usage = {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
-                         "total_tokens": record.prompt_tokens + record.completion_tokens}
-                yield sse.event(orjson.dumps({**_head(last), "choices": [], "usage": usage}))
-            yield sse.DONE
-            status, code = 200, "stream_max_duration"
-            return
+    def __init__(self, ex: Exchange, wants_usage: bool, choices: int) -> None:
+        self.ex = ex
+        self.record = ex.record
+        self.tally = sse.StreamTally()
+        self.wants_usage = wants_usage
+        self.choices = choices
+        self.status: int | None = None
+        self.code: str | None = None
+        # the whole answer is assembled for the cache, or for a shadow comparison of this request (ex.on_answer)
+        keep = (ex.ticket is not None and ex.ticket.decision.store) or ex.on_answer is not None
+        self.assembler = StreamAssembler() if keep else None
+        self.max_s = ex.accounting.settings.limits.max_stream_s
+        self.started = time.monotonic()
+        # the tokens relayed so far go to the request's write-ahead record (rate-bounded there)
+        self.progress = ex.accounting.stream_progress(self.record)
+        self.last: dict[str, Any] | None = None
+        self.cut = False
+
+    def feed(self, batch: list[Chunk]) -> list[Chunk]:
+        """The chunks of ``batch`` to pass on."""
+        if self.assembler is not None:
+            for c in batch:
+                if c.data is None:
+                    self.assembler.done = True
+                else:
+                    self.assembler.feed(c.data)
+        out = self.tally.feed(batch)
+        if self.progress is not None:
+            self.progress(self.tally)
+        if self.tally.saw_text:
+            self.record.mark_first_byte()
+        self.last = next((c.data for c in reversed(batch) if c.data is not None), self.last)
+        return out
+
+    def stop(self) -> bool:
+        """True when the relay reads no further: ``[DONE]``, an in-stream error, or ``limits.max_stream_s``."""
+        if self.tally.done or self.tally.upstream_error:
+            return True
+        if time.monotonic() - self.started >= self.max_s:
+            self.cut = True  # its bound: no reservation may outlive it
+        return self.cut
+
+    def cut_tail(self) -> list[Chunk]:
+        """A cut stream's end: meter what was seen (partial), finish every choice, the usage when asked, [DONE]."""
+        record = self.record
+        record.partial = True
+        if self.tally.last_usage is not None:  # continuous usage stats: the upstream's running totals
+            record.set_usage(self.tally.last_usage)
+        else:
+            count_deltas(self.ex, self.tally)
+        out = [cut_chunk(self.last, self.choices)]
+        if self.wants_usage:
+            usage = {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
+                     "total_tokens": record.prompt_tokens + record.completion_tokens}
+            out.append(Chunk({**_head(self.last), "choices": [], "usage": usage}))
+        out.append(DONE_CHUNK)
+        self.code = "stream_max_duration"
+        return out
+
+    async def end(self, pool: UpstreamPool) -> list[Chunk]:
+        """A stream that ended by itself: its usage (reasoning count filled) and [DONE]; nothing after an
+        in-stream error. Raises ``httpx.RemoteProtocolError`` when it ended without ``[DONE]``."""
+        tally = self.tally
         if tally.upstream_error:
-            status, code = 502, "upstream_error"
-            return
+            self.status, self.code = 502, "upstream_error"
+            return []
         if not tally.done:
             raise httpx.RemoteProtocolError("upstream stream ended without [DONE]")
+        out: list[Chunk] = []
         if tally.usage_chunk is not None:
             usage = tally.usage_chunk["usage"]
             texts = tally.reasoning_texts()
             if texts and needs_reasoning_count(usage):
-                await fill_reasoning(pool, usage, tier, texts)
-            record.set_usage(usage)
-            if assembler is not None:
-                assembler.usage = usage  # with the filled reasoning count
-            if wants_usage:
-                yield sse.event(orjson.dumps(tally.usage_chunk))
+                await fill_reasoning(pool, usage, self.ex.tier, texts)
+            self.record.set_usage(usage)
+            if self.assembler is not None:
+                self.assembler.usage = usage  # with the filled reasoning count
+            if self.wants_usage:
+                out.append(Chunk(tally.usage_chunk))
         elif tally.last_usage is not None:
-            record.set_usage(tally.last_usage)
+            self.record.set_usage(tally.last_usage)
         else:
-            count_deltas(ex, tally)
-        yield sse.DONE
-        status = 200
-    except (httpx.TimeoutException, UpstreamTimeout):
-        status, code = 504, "upstream_timeout"
-        yield sse.error_event(UpstreamTimeout(f"upstream of tier {tier.name!r} stalled mid-stream"))
-    except (httpx.HTTPError, GatewayError) as exc:
-        status, code = 502, "upstream_stream_broken"
+            count_deltas(self.ex, tally)
+        out.append(DONE_CHUNK)
+        return out
+
+    def failed(self, exc: Exception) -> Chunk:
+        """The in-stream error for a stream that stalled (504) or broke (502)."""
+        tier = self.ex.tier
+        if isinstance(exc, httpx.TimeoutException | UpstreamTimeout):
+            self.status, self.code = 504, "upstream_timeout"
+            return error_chunk(UpstreamTimeout(f"upstream of tier {tier.name!r} stalled mid-stream"))
+        self.status, self.code = 502, "upstream_stream_broken"
         why = exc.message if isinstance(exc, GatewayError) else str(exc)
-        yield sse.error_event(UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {why}", code=code))
+        return error_chunk(UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {why}", code=self.code))
+
+    async def settle(self) -> None:
+        """Close the exchange once: the status (499 when the client went away), the usage seen so far when the
+        stream did not end well, the assembled answer when it did."""
+        status, code = (self.status, self.code) if self.status is not None else (CLIENT_CLOSED, "client_disconnected")
+        tally, record = self.tally, self.record
+        if status != 200 and not self.cut:
+            record.partial = True
+            if tally.usage_chunk is not None:
+                record.set_usage(tally.usage_chunk["usage"])
+            elif tally.last_usage is not None:
+                record.set_usage(tally.last_usage)
+            else:
+                count_deltas(self.ex, tally)
+        asm = self.assembler
+        complete = status == 200 and not self.cut and asm is not None and asm.complete
+        await self.ex.close(status, code, asm.result() if complete and asm is not None else None)
+
+
+async def complete(data: dict[str, Any], ex: Exchange, pool: UpstreamPool) -> bool:
+    """A non-streamed answer ``data`` (its JSON document): fill its reasoning count if missing, record its
+    usage, close ``ex`` (offering a complete answer to the cache). True when ``data`` was changed (encode it
+    again), False when the upstream's bytes still say it."""
+    usage = data.get("usage")
+    reasoning = [r for c in data.get("choices") or () if (r := reasoning_of(c.get("message")))]
+    changed = bool(reasoning) and isinstance(usage, dict) and needs_reasoning_count(usage)
+    if changed and isinstance(usage, dict):
+        await fill_reasoning(pool, usage, ex.tier, reasoning)
+    ex.record.mark_first_byte()
+    ex.record.set_usage(usage if isinstance(usage, dict) else None)
+    done = bool(data.get("choices")) and all(c.get("finish_reason") for c in data["choices"])
+    await ex.close(200, None, data if done and isinstance(usage, dict) else None)
+    return changed
+
+
+async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_usage: bool,
+                choices: int = 1) -> AsyncGenerator[list[Chunk], None]:
+    """Chunk batches for the client from ``resp``; closes ``ex`` exactly once when it ends, however it ends.
+
+    A complete stream is assembled and offered to the exchange's cache ticket (or its shadow comparison).
+    ``choices``: how many choices the stream carries (for the chunk that ends a stream cut at
+    ``limits.max_stream_s``).
+    """
+    run = _Run(ex, wants_usage, choices)
+    renewer = asyncio.ensure_future(_renew(ex.accounting, ex))
+    try:
+        async for batch in chunk_batches(resp):
+            out = run.feed(batch)
+            if out:
+                yield out
+            if run.stop():
+                break
+        tail = run.cut_tail() if run.cut else await run.end(pool)
+        if tail:
+            yield tail
+        if run.status is None:
+            run.status = 200
+    except (httpx.HTTPError, GatewayError) as exc:
+        yield [run.failed(exc)]
     finally:
-        if renewer is not None:
-            renewer.cancel()
+        renewer.cancel()
         with anyio.CancelScope(shield=True):
             await resp.aclose()
-            if status is None:
-                status, code = CLIENT_CLOSED, "client_disconnected"
-            if status != 200 or cut:
-                record.partial = True
-                if cut:  # counted above
-                    pass
-                elif tally.usage_chunk is not None:
-                    record.set_usage(tally.usage_chunk["usage"])
-                elif tally.last_usage is not None:
-                    record.set_usage(tally.last_usage)
-                else:
-                    count_deltas(ex, tally)
-            complete = status == 200 and not cut and assembler is not None and assembler.complete
-            await ex.close(status, code, assembler.result() if complete and assembler is not None else None)
+            await run.settle()

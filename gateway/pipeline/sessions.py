@@ -37,7 +37,6 @@ from gateway.upstream.balancer import key_text
 
 log = logging.getLogger("thinkgate.sessions")
 
-SESSION_HEADER = "x-thinkgate-session"
 
 
 def session_of(key_id: str, body: dict[str, Any]) -> str | None:

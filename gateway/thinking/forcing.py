@@ -27,9 +27,10 @@ Escalation (retrying a weak answer on the next tier) is a pipeline decision: :mo
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +40,11 @@ from gateway.config import TierConfig
 from gateway.errors import InvalidRequest
 from gateway.ledger.event import WireEndpoint
 from gateway.openai import sse
-from gateway.openai.usage import estimate_tokens, generated_text, merge_usage
+from gateway.openai.sse import DONE_CHUNK, Chunk
+from gateway.openai.usage import generated_text, merge_usage
 from gateway.thinking.loop_guard import LoopDetector
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamPool
-from gateway.upstream.response import SyntheticResponse
+from gateway.upstream.response import SyntheticResponse, UpstreamResponse
 
 THINK_OPEN = "<think>\n"
 
@@ -53,11 +55,11 @@ Piece = tuple[str, str | None, dict[str, Any] | None, list[dict[str, Any]] | Non
 async def _pieces(resp: Any, endpoint: WireEndpoint) -> AsyncIterator[Piece]:
     """(generated text, finish_reason, usage, tool-call deltas) per event of an upstream SSE response, until
     ``[DONE]``. Tool-call deltas (chat) are passed on as the upstream sent them."""
-    async for batch in sse.data_batches(resp):
-        for payload in batch:
-            if payload == b"[DONE]":
+    async for batch in sse.chunk_batches(resp):
+        for item in batch:
+            data = item.data
+            if data is None:
                 return
-            data = orjson.loads(payload)
             if data.get("usage") and not data.get("choices"):
                 yield "", None, data["usage"], None
             for c in data.get("choices") or ():
@@ -115,16 +117,24 @@ class _Phase:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-class ForcedBudget:
-    """Runs two-phase budget forcing for one request on one forced tier through the pooled upstreams."""
+#: sends one phase's upstream body (a dict) to the tier's upstream, streamed: the response
+Opener = Callable[[dict[str, Any]], Awaitable[UpstreamResponse]]
+#: the tokens of a text for the tier's model (exact, else estimated)
+Counter = Callable[[str], Awaitable[int]]
 
-    def __init__(self, pool: UpstreamPool, tier: TierConfig, endpoint: WireEndpoint) -> None:
+
+class ForcedBudget:
+    """Runs two-phase budget forcing for one request on one forced tier: ``open_phase`` sends a phase to the tier's
+    upstream, ``count`` counts a cut thought's tokens (:func:`open_forced` binds both to the pooled upstreams).
+    It reads the phases' chunk dicts and yields chunk dicts."""
+
+    def __init__(self, tier: TierConfig, endpoint: WireEndpoint, open_phase: Opener, count: Counter) -> None:
         if endpoint not in ENDPOINT_PATHS:
             raise ValueError(f"unknown endpoint {endpoint!r}")
-        self.pool = pool
         self.tier = tier
         self.endpoint = endpoint
-        self.path = ENDPOINT_PATHS[endpoint]
+        self.open_phase = open_phase
+        self.count = count
 
     def check(self, body: dict[str, Any]) -> None:
         """Refuse what forcing cannot serve: a list of prompts (completions); ``n > 1`` with streaming."""
@@ -159,19 +169,19 @@ class ForcedBudget:
         return {**results[0][2], "object": obj, "choices": choices, "usage": usage}
 
     async def _assemble(
-        self, payloads: AsyncIterator[bytes]
+        self, chunks: AsyncIterator[Chunk]
     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """(choice, usage, response metadata) from the chunks of one forced stream."""
+        """(choice, usage, response metadata) from the chunks of one forced stream (its dicts, as built)."""
         reasoning: list[str] = []
         text: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         finish: str | None = None
         usage: dict[str, Any] = {}
         meta: dict[str, Any] = {}
-        async for payload in payloads:
-            if payload == b"[DONE]":
+        async for item in chunks:
+            data = item.data
+            if data is None:
                 break
-            data = orjson.loads(payload)
             meta = meta or {k: data[k] for k in ("id", "created", "model") if k in data}
             usage = data.get("usage") or usage
             for c in data.get("choices") or ():
@@ -200,9 +210,10 @@ class ForcedBudget:
 
     # -- streamed -----------------------------------------------------------------------------------
 
-    async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        """SSE ``data:`` payloads (JSON bytes) of one seamless stream, ending with a usage chunk and
-        ``[DONE]``. Closing the iterator closes the upstream response in flight (cancelling it)."""
+    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[Chunk, None]:
+        """The chunks of one seamless stream (chat or completion chunk dicts), ending with a usage chunk and
+        :data:`~gateway.openai.sse.DONE_CHUNK`. Closing the iterator closes the upstream response in flight
+        (cancelling it)."""
         rid = f"chatcmpl-{uuid.uuid4().hex}" if self.endpoint == "chat" else f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
@@ -213,23 +224,23 @@ class ForcedBudget:
 
         head = {"id": rid, "object": obj, "created": created, "model": self.tier.model}
 
-        def chunk(piece: str | None, kind: str, finish: str | None = None) -> bytes:
+        def chunk(piece: str | None, kind: str, finish: str | None = None) -> Chunk:
             if self.endpoint == "chat":
                 delta: dict[str, Any] = {kind: piece} if piece is not None else {}
                 c: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 c = {"index": 0, "text": piece or "", "finish_reason": finish}
-            return orjson.dumps({**head, "choices": [c]})
+            return Chunk({**head, "choices": [c]})
 
         p1 = _Phase()
         looped = False
         # Opened before the first yield: a caller that primes the generator sees connection errors (and can
         # fall back to another tier) before any byte went to the client.
-        resp = await self.pool.open(self.tier, self.path, orjson.dumps(thought_request(body, self.tier)), stream=True)
+        resp = await self.open_phase(thought_request(body, self.tier))
         try:
             if self.endpoint == "chat":
                 role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                yield orjson.dumps({**head, "choices": [role]})
+                yield Chunk({**head, "choices": [role]})
             async for piece, finish, usage, _ in _pieces(resp, self.endpoint):
                 p1.usage = usage or p1.usage
                 p1.finish_reason = finish or p1.finish_reason
@@ -243,8 +254,7 @@ class ForcedBudget:
             await resp.aclose()
         used = int((p1.usage or {}).get("completion_tokens") or 0)
         if looped or not used:
-            counted = await self.pool.count_tokens(self.tier, p1.text)
-            used = counted if counted is not None else estimate_tokens(p1.text)
+            used = await self.count(p1.text)
             p1.usage = {**(p1.usage or {}), "completion_tokens": used}
         natural = p1.finish_reason == "stop" and not looped
         close = end_marker(self.tier) + "\n\n" if natural else self.tier.end_of_thinking
@@ -252,20 +262,20 @@ class ForcedBudget:
             yield chunk(close, "text")
         p2 = _Phase()
         req2 = answer_request(body, self.tier, self.endpoint, p1.text, natural, used)
-        resp = await self.pool.open(self.tier, self.path, orjson.dumps(req2), stream=True)
+        resp = await self.open_phase(req2)
         try:
             async for piece, finish, usage, calls in _pieces(resp, self.endpoint):
                 p2.usage = usage or p2.usage
                 if calls:  # the answer calls tools: relayed intact
                     delta = {"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}
-                    yield orjson.dumps({**head, "choices": [delta]})
+                    yield Chunk({**head, "choices": [delta]})
                 if piece or finish:
                     yield chunk(piece or None, "content" if self.endpoint == "chat" else "text", finish)
         finally:
             await resp.aclose()
         usage = merge_usage(p1.usage, p2.usage, used)
-        yield orjson.dumps({**head, "choices": [], "usage": usage})
-        yield b"[DONE]"
+        yield Chunk({**head, "choices": [], "usage": usage})
+        yield DONE_CHUNK
 
 
 async def open_forced(
@@ -277,12 +287,14 @@ async def open_forced(
     (UpstreamUnavailable & co.) and the proxy can still fall back. Raises InvalidRequest for what forcing
     cannot serve (see :meth:`ForcedBudget.check`).
     """
-    forced = ForcedBudget(pool, tier, endpoint)
+    path = ENDPOINT_PATHS[endpoint]
+    forced = ForcedBudget(tier, endpoint,
+                          lambda phase: pool.open(tier, path, orjson.dumps(phase), stream=True),
+                          functools.partial(pool.tokens, tier))
     forced.check(body)
     if body.get("stream") is not True:
-        return SyntheticResponse(content=orjson.dumps(await forced.complete(body)))
-    payloads = forced.stream(body)
-    first = await payloads.__anext__()
-    return SyntheticResponse(payloads=payloads, head=[sse.event(first)])
-
-
+        data = await forced.complete(body)
+        return SyntheticResponse(data=data)
+    chunks = forced.stream(body)
+    first = await chunks.__anext__()
+    return SyntheticResponse(events=chunks, head=[[first]])

@@ -51,6 +51,7 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.observability.telemetry import traceparent
+from gateway.openai.usage import estimate_tokens
 from gateway.upstream.balancer import Balancer, Replica, TierPool, current_affinity
 
 log = logging.getLogger("thinkgate.upstream")
@@ -315,6 +316,12 @@ class UpstreamPool:
         (vLLM OpenAI server, ``vllm/entrypoints/openai/api_server.py``).
         """
         return await self._tokenize(tier, {"model": tier.model, "prompt": text, "add_special_tokens": False})
+
+    async def tokens(self, tier: TierConfig, text: str) -> int:
+        """Tokens of ``text`` for ``tier.model``: exact (:meth:`count_tokens`), else estimated
+        (:func:`gateway.openai.usage.estimate_tokens`, ~4 characters a token)."""
+        counted = await self.count_tokens(tier, text)
+        return counted if counted is not None else estimate_tokens(text)
 
     async def count_chat_tokens(self, tier: TierConfig, messages: list[dict[str, Any]],
                                 tools: list[dict[str, Any]] | None = None) -> int | None:

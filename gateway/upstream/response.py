@@ -1,17 +1,25 @@
 """What the request path reads from an upstream call: :class:`UpstreamResponse`, implemented by
-``httpx.Response`` (a real call) and :class:`SyntheticResponse` (an answer the gateway composed itself — budget
-forcing — or already read part of — the escalation peek)."""
+:class:`gateway.upstream.pool.AioResponse` (a real call) and :class:`SyntheticResponse` (an answer the gateway
+composed itself — budget forcing — or already read part of — the escalation peek).
+
+The pipeline reads a streamed answer as batches of :class:`gateway.openai.sse.Chunk` (:func:`chunk_batches`) and a
+non-streamed one as its JSON document (:func:`json_body`): a real response is decoded once, a synthetic one
+hands over the dicts it was built from (nothing is encoded to be parsed again).
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
+
+import orjson
 
 from gateway.openai import sse
+from gateway.openai.sse import Chunk
 
 
 class UpstreamResponse(Protocol):
-    """The part of ``httpx.Response`` the pipeline uses: ``content`` (a non-streamed body), ``aiter_raw()``
+    """The part of an HTTP response the pipeline uses: ``content`` (a non-streamed body), ``aiter_raw()``
     (SSE bytes of a streamed one) and ``aclose()`` (always called; cancels a request still in flight)."""
 
     @property
@@ -23,45 +31,68 @@ class UpstreamResponse(Protocol):
 
 
 class SyntheticResponse:
-    """An :class:`UpstreamResponse` the gateway produced: ``content`` for a non-streamed answer, or SSE bytes
-    from ``head`` (frames already read), then ``payloads`` (JSON chunk payloads, framed here) and ``raw`` (the
-    rest of a real response's bytes). Gateway errors raised by ``payloads`` propagate as they are: the relay
-    turns :class:`gateway.errors.GatewayError` into one in-stream error event."""
+    """An :class:`UpstreamResponse` the gateway produced: ``data`` for a non-streamed answer (its JSON document),
+    or chunk batches from ``head`` (batches already read), then ``chunks`` (the rest, in batches) or ``events``
+    (the rest, one chunk a batch: a composed stream, one event per write). Gateway errors raised by them
+    propagate as they are: the relay turns :class:`gateway.errors.GatewayError` into one in-stream error event.
+    ``closer``: called by :meth:`aclose` (the wrapped response's)."""
 
     def __init__(
         self,
-        content: bytes = b"",
-        payloads: AsyncIterator[bytes] | None = None,
-        head: list[bytes] | None = None,
-        raw: AsyncIterator[bytes] | None = None,
+        data: dict[str, Any] | None = None,
+        chunks: AsyncIterator[list[Chunk]] | None = None,
+        head: list[list[Chunk]] | None = None,
         closer: Callable[[], Awaitable[None]] | None = None,
+        events: AsyncIterator[Chunk] | None = None,
     ) -> None:
-        self._content = content
-        self._payloads = payloads
+        self.data = data
+        self._chunks = chunks
+        self._events = events
         self._head = head or []
-        self._raw = raw
         self._closer = closer
 
     @property
     def content(self) -> bytes:
-        """The non-streamed body (empty for a streamed answer)."""
-        return self._content
+        """The non-streamed body, encoded (empty for a streamed answer)."""
+        return orjson.dumps(self.data) if self.data is not None else b""
+
+    async def chunk_batches(self) -> AsyncIterator[list[Chunk]]:
+        """The head batches, then the rest."""
+        for batch in self._head:
+            yield batch
+        if self._chunks is not None:
+            async for batch in self._chunks:
+                yield batch
+        if self._events is not None:
+            async for c in self._events:
+                yield [c]
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
-        """SSE bytes: the head frames, then the framed payloads, then the raw rest."""
-        for frame in self._head:
-            yield frame
-        if self._payloads is not None:
-            async for payload in self._payloads:
-                yield sse.event(payload)
-        if self._raw is not None:
-            async for chunk in self._raw:
-                yield chunk
+        """SSE bytes of :meth:`chunk_batches`."""
+        async for batch in self.chunk_batches():
+            yield sse.frame(batch)
 
     async def aclose(self) -> None:
-        """Close the payload generator (cancelling forced upstream calls) and the wrapped response."""
-        aclose = getattr(self._payloads, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        """Close the chunk generator (cancelling forced upstream calls) and the wrapped response."""
+        for gen in (self._chunks, self._events):
+            aclose = getattr(gen, "aclose", None)
+            if aclose is not None:
+                await aclose()
         if self._closer is not None:
             await self._closer()
+
+
+def chunk_batches(resp: UpstreamResponse) -> AsyncIterator[list[Chunk]]:
+    """The chunk batches of a streamed answer: a synthetic response's own, else decoded from the bytes (one batch
+    per network read, :func:`gateway.openai.sse.chunk_batches`)."""
+    if isinstance(resp, SyntheticResponse):
+        return resp.chunk_batches()
+    return sse.chunk_batches(resp)
+
+
+def json_body(resp: UpstreamResponse) -> Any:
+    """The JSON document of a non-streamed answer (a synthetic response's dict as it is); raises
+    ``orjson.JSONDecodeError`` for a body that is not JSON."""
+    if isinstance(resp, SyntheticResponse) and resp.data is not None:
+        return resp.data
+    return orjson.loads(resp.content)

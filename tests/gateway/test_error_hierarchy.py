@@ -10,6 +10,7 @@ import orjson
 
 import gateway
 from gateway import errors
+from gateway.api import errors as api_errors
 from gateway.errors import GatewayError, ThinkGateError, UpstreamError, UpstreamRejected, UpstreamTimeout
 
 
@@ -37,8 +38,8 @@ def test_status_is_one_instance_attribute() -> None:
     rejected = UpstreamRejected("slow down", status=429)
     assert rejected.status == 429 and not hasattr(rejected, "status_code")
     assert orjson.loads(rejected.to_json())["error"]["type"] == "rate_limit_error"
-    assert errors.error_response(rejected).status_code == 429
-    assert errors.error_response(errors.LimitsUnavailable("down")).status_code == 503
+    assert api_errors.error_response(rejected).status_code == 429
+    assert api_errors.error_response(errors.LimitsUnavailable("down")).status_code == 503
     assert GatewayError("x", status=418).status == 418 and GatewayError("x").status == 500
 
 

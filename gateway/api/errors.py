@@ -1,0 +1,66 @@
+"""The HTTP side of :mod:`gateway.errors`: every exception as an OpenAI-shaped JSON error response.
+
+:func:`install_handlers` registers the app's handlers — a :class:`~gateway.errors.GatewayError` with its status,
+``type``, ``code`` and extra headers (``Retry-After``, ``x-request-id``); FastAPI's validation errors as 400;
+Starlette's 404/405; anything else as a 500 ``internal_error`` (logged with its traceback, never sent).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from gateway.errors import GatewayError, InvalidRequest
+
+log = logging.getLogger("thinkgate.errors")
+
+
+def error_response(exc: GatewayError) -> Response:
+    """A JSON response carrying ``exc`` in OpenAI's shape, with its status and extra headers."""
+    return Response(exc.to_json(), status_code=exc.status, media_type="application/json", headers=exc.headers)
+
+
+def _param_of(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Register the handlers that map every exception to an OpenAI-shaped error (never a traceback)."""
+
+    async def on_gateway_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GatewayError)
+        return error_response(exc)
+
+    async def on_validation(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = _param_of(tuple(first.get("loc", ())))
+        return error_response(InvalidRequest(f"{param or 'body'}: {first.get('msg')}", param=param))
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        err: GatewayError
+        if exc.status_code == 404:
+            err = InvalidRequest(f"no such endpoint: {request.method} {request.url.path}", code="not_found")
+            return Response(err.to_json(), status_code=404, media_type="application/json")
+        if exc.status_code == 405:
+            err = InvalidRequest("method not allowed", code="method_not_allowed")
+            return Response(err.to_json(), status_code=405, media_type="application/json")
+        err = InvalidRequest(str(exc.detail))
+        return Response(err.to_json(), status_code=exc.status_code, media_type="application/json")
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        # Logged with the traceback for operators; the client only learns that it failed.
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(GatewayError("internal error", code="internal_error"))
+
+    app.add_exception_handler(GatewayError, on_gateway_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)
