@@ -315,7 +315,11 @@ class Graph:
 
     # -- the walk ------------------------------------------------------------------------------------------
     def find_start(self) -> FuncId:
+        """The chat handler: ``gateway.api.completions`` ``serve`` (the routes bind it to an endpoint), else a
+        function of that module named for chat (the parent tree's ``attach.<locals>.chat_completions``)."""
         mod = "gateway.api.completions"
+        if (mod, "serve") in self.funcs:
+            return (mod, "serve")
         for fid in self.funcs:
             if fid[0] == mod and "chat" in fid[1].rsplit(".", 1)[-1]:
                 return fid

@@ -3,6 +3,8 @@ chat pipeline (:meth:`gateway.pipeline.proxy.Proxy.serve`), HTTP out (:func:`gat
 
 from __future__ import annotations
 
+import functools
+
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,15 +24,10 @@ async def serve(proxy: Proxy, request: Request, endpoint: WireEndpoint) -> Respo
 
 
 def attach(app: FastAPI, proxy: Proxy) -> None:
-    """Add the two generation routes to ``app``."""
-
-    async def chat_completions(request: Request) -> Response:
-        return await serve(proxy, request, "chat")
-
-    async def completions(request: Request) -> Response:
-        return await serve(proxy, request, "completions")
-
+    """Add the two generation routes to ``app``: :func:`serve` bound to the proxy and the endpoint."""
     # Plain Starlette routes on the hot path: the body is parsed and validated by the API layer itself, so
     # FastAPI's per-request dependency and response-model machinery would be pure overhead.
-    app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.router.add_route("/v1/completions", completions, methods=["POST"])
+    app.router.add_route("/v1/chat/completions", functools.partial(serve, proxy, endpoint="chat"), methods=["POST"],
+                         name="chat_completions")
+    app.router.add_route("/v1/completions", functools.partial(serve, proxy, endpoint="completions"),
+                         methods=["POST"], name="completions")

@@ -49,7 +49,7 @@ from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import Sessions
 from gateway.thinking import dial
 from gateway.thinking.forcing import open_forced
-from gateway.upstream.balancer import affinity, conversation_key
+from gateway.upstream.balancer import conversation_affinity
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamConnectTimeout, UpstreamPool
 from gateway.upstream.response import UpstreamResponse, json_body
 
@@ -182,19 +182,18 @@ class Proxy:
     async def _call(self, ex: Exchange, body: dict[str, Any], caller: Caller) -> UpstreamResponse:
         """Open the upstream call of the current attempt on its tier, falling back to later tiers when it is
         down (the route becomes ``fallback``, or stays ``escalated`` on an escalation's retry). A tier with
-        several replicas prefers the conversation's replica (:func:`gateway.upstream.balancer.conversation_key`).
+        several replicas prefers the conversation's replica (:func:`gateway.upstream.balancer.conversation_affinity`).
         The call's write-ahead record is written first (``Accounting.write_ahead``): nothing reaches an upstream
         unrecorded. Closes the exchange and raises the last error when no tier answers."""
         route, record = ex.route, ex.record
         await self.accounting.write_ahead(record)
         candidates = [route.tier, *self._fallbacks(route)]
         last: GatewayError | None = None
-        key = conversation_key(body) if any(len(t.upstream_urls) > 1 for t in candidates) else None
         for i, tier in enumerate(candidates):
             built = upstream_body.build(body, tier, caller.endpoint)
             resp: UpstreamResponse
             try:
-                with span("upstream"), affinity(key):
+                with span("upstream"), conversation_affinity(body, candidates):
                     if tier.budget_mode in ("forced", "prompted"):  # prompted: forcing is the hard stop
                         resp = await open_forced(self.upstreams, dial.forcing_tier(tier, body), caller.endpoint,
                                                  built)

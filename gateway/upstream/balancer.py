@@ -43,7 +43,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +115,16 @@ def affinity(key: bytes | None) -> Iterator[None]:
         yield
     finally:
         _AFFINITY.reset(token)
+
+
+@contextlib.contextmanager
+def conversation_affinity(body: dict[str, Any], tiers: Sequence[TierConfig]) -> Iterator[None]:
+    """An :func:`affinity` block for a request ``body`` that may call any of ``tiers``: keyed by the
+    conversation (:func:`conversation_key`) when one of them has several replicas — computed only then —,
+    else a block that prefers nothing."""
+    key = conversation_key(body) if any(len(t.upstream_urls) > 1 for t in tiers) else None
+    with affinity(key):
+        yield
 
 
 def current_affinity() -> bytes | None:
