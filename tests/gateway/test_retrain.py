@@ -3,7 +3,6 @@ carries its version), a worse one is refused with exit code 1 and no file."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 from pathlib import Path
 
@@ -13,17 +12,14 @@ import yaml
 from typer.testing import CliRunner
 
 from gateway.cli.main import app
-from gateway.config import OutcomesConfig, RedisConfig
-from gateway.control.outcomes import OutcomeStore
 from gateway.ledger.outcome import Outcome, window_digest
-from gateway.state.breaker import Breaker
-from gateway.state.redis import connect
 from router.fit.fitter import fit_router
 from router.fit.labels import LabelledItem
 from router.fit.retrain import is_heldout_digest, items_from_outcomes, label_of
 from router.model import ModelConfig
 from router.persistence import load_router, save_router
 from tests.fixtures.gateway import SECRETS, accounting_gateway
+from tests.fixtures.outcomes import write_outcomes
 from tests.fixtures.upstream import SimProcess, wait_for
 
 HARD = ["prove", "integral", "theorem", "derive", "lemma", "asymptotic"]
@@ -60,16 +56,6 @@ def _outcomes(invert_training: bool) -> list[Outcome]:
     return out
 
 
-def _write(redis_url: str, prefix: str, outcomes: list[Outcome], tmp: Path) -> None:
-    async def go() -> None:
-        handle = connect(RedisConfig(url=redis_url, key_prefix=prefix))
-        store = OutcomeStore(OutcomesConfig(), handle, Breaker(5.0), tmp / "spool.jsonl")
-        for o in outcomes:
-            assert await store.record(o) == "redis"
-        await handle.close()
-    asyncio.run(go())
-
-
 def _config(tmp: Path, redis_url: str, prefix: str, router: Path) -> Path:
     cfg = {"redis": {"url": redis_url, "key_prefix": prefix, "start_if_missing": False},
            "routing": {"router_path": str(router), "routed_tiers": ["short", "long"]}}
@@ -97,7 +83,7 @@ def test_retrain_writes_a_better_router_and_refuses_a_worse_one(redis_url: str, 
     # better: the router in service is noise, the outcomes teach the real rule;
     # worse: the router in service knows the rule, the fitted part of the outcomes teaches its opposite
     old = _router(tmp_path / "old.skops", informative=case == "worse")
-    _write(redis_url, redis_prefix, _outcomes(invert_training=case == "worse"), tmp_path)
+    write_outcomes(redis_url, redis_prefix, _outcomes(invert_training=case == "worse"), tmp_path)
     out = tmp_path / "new.skops"
     res = CliRunner().invoke(app, ["router", "retrain", "--from-outcomes", "--output", str(out),
                                    "--config", str(_config(tmp_path, redis_url, redis_prefix, old))])

@@ -4,7 +4,6 @@ one is kept out; a promoted router whose realised floor falls is rolled back to 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 from pathlib import Path
@@ -16,17 +15,14 @@ import yaml
 from typer.testing import CliRunner
 
 from gateway.cli.main import app
-from gateway.config import OutcomesConfig, RedisConfig
-from gateway.control.outcomes import OutcomeStore
 from gateway.ledger.outcome import Outcome, window_digest
-from gateway.state.breaker import Breaker
-from gateway.state.redis import connect
 from router.fit.fitter import fit_router
 from router.fit.labels import LabelledItem
 from router.fit.retrain import is_heldout_digest
 from router.model import ModelConfig
 from router.persistence import save_router
 from tests.fixtures.gateway import SECRETS, accounting_gateway
+from tests.fixtures.outcomes import write_outcomes
 from tests.fixtures.upstream import SimProcess, wait_for
 
 HARD = ["prove", "integral", "theorem", "derive", "lemma", "asymptotic"]
@@ -67,16 +63,6 @@ def _graded(invert_training: bool, n: int = 200) -> list[Outcome]:
     return out
 
 
-def _write(redis_url: str, prefix: str, outcomes: list[Outcome], tmp: Path) -> None:
-    async def go() -> None:
-        handle = connect(RedisConfig(url=redis_url, key_prefix=prefix))
-        store = OutcomeStore(OutcomesConfig(), handle, Breaker(5.0), tmp / "spool-test.jsonl")
-        for o in outcomes:
-            assert await store.record(o) == "redis"
-        await handle.close()
-    asyncio.run(go())
-
-
 def _routing(router: Path, tmp: Path, **retrain: Any) -> dict[str, Any]:
     return {"router_path": str(router), "routed_tiers": ["short", "long"], "reload_interval_s": 0.2,
             "retrain": {"every_outcomes": 100, "state_dir": str(tmp / "routers"), "interval_s": 0.2,
@@ -104,7 +90,8 @@ def _history(redis_url: str, prefix: str, tmp: Path) -> list[dict[str, Any]]:
 def test_a_better_router_is_promoted_and_a_worse_one_is_not(upstream_sim: SimProcess, redis_url: str,
                                                             redis_prefix: str, tmp_path: Path, case: str) -> None:
     old = _router(tmp_path / "serving.skops", informative=case == "worse")
-    _write(redis_url, redis_prefix, _graded(invert_training=case == "worse"), tmp_path)  # one fit is due at start
+    # one fit is due at start
+    write_outcomes(redis_url, redis_prefix, _graded(invert_training=case == "worse"), tmp_path)
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(old, tmp_path)) as gw:
         assert _status(gw)["learning"]["every_outcomes"] == 100
@@ -135,7 +122,7 @@ def test_a_better_router_is_promoted_and_a_worse_one_is_not(upstream_sim: SimPro
 def test_a_promoted_router_whose_realised_floor_falls_is_rolled_back(upstream_sim: SimProcess, redis_url: str,
                                                                      redis_prefix: str, tmp_path: Path) -> None:
     old = _router(tmp_path / "serving.skops", informative=False)
-    _write(redis_url, redis_prefix, _graded(invert_training=False), tmp_path)  # 260 outcomes: one fit, at start
+    write_outcomes(redis_url, redis_prefix, _graded(invert_training=False), tmp_path)  # 260 outcomes: one fit, at start
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(old, tmp_path, realised_min=10)) as gw:
         assert wait_for(lambda: _status(gw)["version"].startswith("auto-"), timeout_s=60)
@@ -145,7 +132,7 @@ def test_a_promoted_router_whose_realised_floor_falls_is_rolled_back(upstream_si
                        sufficed=i % 4 == 0, judge="client", router_version=promoted,
                        window_digest=window_digest(_text(False, 9000 + i)), text=_text(False, 9000 + i))
                for i in range(40)]
-        _write(redis_url, redis_prefix, bad, tmp_path)
+        write_outcomes(redis_url, redis_prefix, bad, tmp_path)
         assert wait_for(lambda: _status(gw)["version"] == "old-noise", timeout_s=30)
         st = _status(gw)
         assert st["path"] == str(old)
