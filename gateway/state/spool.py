@@ -135,13 +135,18 @@ class Spool(Generic[T]):
 
     async def run_replayer(self, replay: Callable[[], Awaitable[int]], stop: asyncio.Event, interval_s: float,
                            what: str) -> None:
-        """Call ``replay`` every ``interval_s`` seconds until ``stop`` is set (a background task). An unreadable
-        spool file is logged and retried, never fatal."""
+        """Call ``replay`` every ``interval_s`` seconds until ``stop`` is set (a background task). A failure — an
+        unreadable spool file, or a Redis error that is not an outage (a Cluster's ``CLUSTERDOWN`` / ``TRYAGAIN``
+        while it fails over, a client error) — is logged and retried at the next interval, never fatal: the file
+        stays as it was (:meth:`drain` truncates only once every record was accepted, and the sinks are
+        idempotent), so a dead replayer can never strand the records."""
         while not stop.is_set():
             try:
                 await replay()
             except OSError as exc:
                 log.error("%s spool replay failed: %r", what, exc)
+            except Exception:  # see the docstring: the next pass retries; only cancellation ends the task
+                log.exception("%s spool replay failed; retrying in %.1f s", what, interval_s)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
 
