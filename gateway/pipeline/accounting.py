@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import httpx
@@ -76,35 +76,23 @@ class Ahead:
     headers: Mapping[str, str]
 
 
+#: fields a usage event takes from its record as they are (same name, same meaning): every field the two share
+#: but those :func:`event_of` converts (``tests/gateway/test_event_of.py``)
+_CONVERTED = frozenset({"key_id", "requested_model", "tags", "latency_ms", "ttft_ms", "cache_similarity"})
+_AS_IS = tuple(sorted({f.name for f in fields(UsageEvent)} & {f.name for f in fields(UsageRecord)} - _CONVERTED))
+
+
 def event_of(record: UsageRecord) -> UsageEvent:
-    """The usage event of a finished record (same field names; ``event_id`` = ``request_id``)."""
+    """The usage event of a finished record: the shared fields as they are, ``event_id`` = ``request_id``, the
+    key id ``anonymous`` when none, latencies rounded to µs and the cache similarity to 4 places."""
     return UsageEvent(
+        **{name: getattr(record, name) for name in _AS_IS},
         key_id=record.key_id or "anonymous",
         requested_model=str(record.requested_model or ""),
         event_id=record.request_id,
-        ts=record.ts,
         tags=dict(record.tags),
-        request_id=record.request_id,
-        endpoint=record.endpoint,
-        tier=record.tier,
-        upstream_model=record.upstream_model,
-        route_reason=record.route_reason,
-        difficulty=record.difficulty,
-        prompt_tokens=record.prompt_tokens,
-        cached_tokens=record.cached_tokens,
-        completion_tokens=record.completion_tokens,
-        reasoning_tokens=record.reasoning_tokens,
-        cached=record.cached,
-        cost_micro_usd=record.cost_micro_usd,
-        saved_micro_usd=record.saved_micro_usd,
         latency_ms=round(record.latency_ms, 3),
         ttft_ms=round(record.ttft_ms, 3) if record.ttft_ms is not None else None,
-        status=record.status,
-        error_code=record.error_code,
-        stream=record.stream,
-        partial=record.partial,
-        usage_source=record.usage_source,
-        cache_request_id=record.cache_request_id,
         cache_similarity=round(record.cache_similarity, 4) if record.cache_similarity is not None else None,
     )
 

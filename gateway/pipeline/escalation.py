@@ -16,6 +16,7 @@ from typing import Any
 
 from gateway.config import TierConfig
 from gateway.ledger.event import WireEndpoint
+from gateway.openai.chunks import StreamAssembler
 from gateway.openai.sse import Chunk
 from gateway.thinking.forcing import end_marker
 from gateway.upstream.response import SyntheticResponse, UpstreamResponse, chunk_batches
@@ -114,34 +115,51 @@ async def peek_stream(
     whole = whole or "learned" in tier.escalate_on  # the answer-aware model reads the whole answer
     head: list[list[Chunk]] = []
     rest = chunk_batches(resp)
-    text = ""
-    thought = ""
-    finish: str | None = None
-    usage: dict[str, Any] | None = None
+    assembler = StreamAssembler()  # the one stream assembler (the cache's), read as far as needed
     logprobs: list[Any] = []
-    calls = False  # a tool-call delta: the answer has started
     marker = end_marker(tier)
     async for batch in rest:
         head.append(batch)
         for item in batch:
-            data = item.data
-            if data is None:
+            if item.data is None:
                 continue
-            usage = data.get("usage") or usage
-            for c in data.get("choices") or ():
-                part = c.get("text") if endpoint == "completions" else (c.get("delta") or {}).get("content")
-                text += str(part or "")
-                delta = c.get("delta") or {}
-                thought += str(delta.get("reasoning") or delta.get("reasoning_content") or "")
-                calls = calls or (endpoint == "chat" and bool((c.get("delta") or {}).get("tool_calls")))
-                finish = c.get("finish_reason") or finish
+            assembler.feed(item.data)
+            for c in item.data.get("choices") or ():
                 lp = c.get("logprobs")
                 if isinstance(lp, dict) and isinstance(lp.get("content"), list):
                     logprobs += lp["content"]
-        # completions carry the thought in ``text`` too: the answer is what follows the end marker
-        answer = text if endpoint == "chat" else (text.rsplit(marker, 1)[1] if marker in text else "")
-        if (answer.strip() or calls) and not whole:
+        if not whole and _answer_started(assembler.result(), endpoint, marker):
             break
+    return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose), _summary(assembler, endpoint, logprobs)
+
+
+def _joined(body: dict[str, Any], endpoint: WireEndpoint) -> tuple[str, str, bool, str | None]:
+    """(answer text, thought, any tool call, last finish reason) over the choices of an assembled body."""
+    text = thought = ""
+    calls, finish = False, None
+    for c in body["choices"]:
+        if endpoint == "completions":
+            text += c.get("text") or ""
+        else:
+            msg = c.get("message") or {}
+            text += msg.get("content") or ""
+            thought += msg.get("reasoning") or msg.get("reasoning_content") or ""
+            calls = calls or bool(msg.get("tool_calls"))
+        finish = c.get("finish_reason") or finish
+    return text, thought, calls, finish
+
+
+def _answer_started(body: dict[str, Any], endpoint: WireEndpoint, marker: str) -> bool:
+    """Whether the answer has begun: content (or a tool call) on chat; on completions, text after the thought's
+    end marker (completions carry the thought in ``text`` too)."""
+    text, _, calls, _ = _joined(body, endpoint)
+    answer = text if endpoint == "chat" else (text.rsplit(marker, 1)[1] if marker in text else "")
+    return bool(answer.strip()) or calls
+
+
+def _summary(assembler: StreamAssembler, endpoint: WireEndpoint, logprobs: list[Any]) -> dict[str, Any]:
+    """The summary :func:`escalation_reason` reads (see :func:`peek_stream`)."""
+    text, thought, calls, finish = _joined(assembler.result(), endpoint)
     if endpoint == "chat":
         choice: dict[str, Any] = {"message": {"content": text}, "finish_reason": finish}
         if thought:
@@ -152,4 +170,4 @@ async def peek_stream(
         choice = {"text": text, "finish_reason": finish}
     if logprobs:
         choice["logprobs"] = {"content": logprobs}
-    return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose), {"choices": [choice], "usage": usage}
+    return {"choices": [choice], "usage": assembler.usage}
