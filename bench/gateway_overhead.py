@@ -553,6 +553,7 @@ def run_litellm(args: argparse.Namespace) -> None:
             f"proxy's process tree at the end. Startup (process start → health endpoint answered, started one "
             f"after another before the load): {startup}. Ratios < 1× favour ThinkGate for latency, CPU and "
             f"memory; > 1× for RPS. Machine: {env_line}.\n\n{out}\n",
+            keep_history=True,
         )
 
 

@@ -14,10 +14,11 @@ is needed; elsewhere the shadow falls back to ``agreement``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from router.jsonl import read_jsonl
 
 #: a checker: ``verify(row, completion_text) -> bool`` (:data:`router.tasks.verifiers.Verifier`)
 Verifier = Callable[[dict[str, Any], str], bool]
@@ -68,21 +69,15 @@ class References:
         """Read ``path`` (JSONL, one row per line, blank lines skipped). Raises ValueError naming the file and
         line for a row without ``question`` / ``answer``, bad JSON, a missing file or an unknown verifier."""
         check = load_verifier(verifier)
-        rows: list[dict[str, Any]] = []
         try:
-            lines = Path(path).read_text(encoding="utf-8").splitlines()
+            rows = list(read_jsonl(path))
         except OSError as exc:
             raise ValueError(f"routing.shadow.references: cannot read {path}: {exc}") from None
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"routing.shadow.references: {path}:{n}: {exc}") from None
-            if not isinstance(row, dict) or "question" not in row or "answer" not in row:
-                raise ValueError(f"routing.shadow.references: {path}:{n}: a row needs 'question' and 'answer'")
-            rows.append(row)
+        except ValueError as exc:  # names the file and the line
+            raise ValueError(f"routing.shadow.references: {exc}") from None
+        for n, row in enumerate(rows, 1):
+            if "question" not in row or "answer" not in row:
+                raise ValueError(f"routing.shadow.references: {path}: row {n} needs 'question' and 'answer'")
         return cls(rows, check)
 
     def find(self, body: dict[str, Any]) -> dict[str, Any] | None:
