@@ -125,16 +125,20 @@ def headers_of(answer: Answer) -> dict[str, str]:
     return h
 
 
-def respond(answer: Answer) -> Response:
-    """``answer`` as HTTP: its JSON (the upstream's bytes when unchanged; the after-response hook as background
-    task) or its chunk stream as SSE."""
-    headers = headers_of(answer)
-    if answer.stream is not None:
-        return RelayResponse(answer.stream, headers, sse.frame)
-    content = answer.raw if answer.raw is not None else orjson.dumps(answer.body)
+def json_response(answer: Answer, content: bytes) -> Response:
+    """A JSON answer's HTTP response: ``content`` with the answer's status and headers, and its after-response
+    hook (a sampled shadow comparison) as the background task — every wire API's JSON answer goes through here,
+    so none drops the hook."""
     after = BackgroundTask(answer.after) if answer.after is not None else None
-    return Response(content, status_code=answer.status, media_type="application/json", headers=headers,
+    return Response(content, status_code=answer.status, media_type="application/json", headers=headers_of(answer),
                     background=after)
+
+
+def respond(answer: Answer) -> Response:
+    """``answer`` as HTTP: its JSON (the upstream's bytes when unchanged) or its chunk stream as SSE."""
+    if answer.stream is not None:
+        return RelayResponse(answer.stream, headers_of(answer), sse.frame)
+    return json_response(answer, answer.raw if answer.raw is not None else orjson.dumps(answer.body))
 
 
 def as_bytes(b: bytes) -> bytes:

@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from gateway.anthropic import messages as wire
 from gateway.api import bridge
-from gateway.api.http import disconnected, headers_of, read_body, tracing
+from gateway.api.http import disconnected, json_response, read_body, tracing
 from gateway.config import TierConfig
 from gateway.errors import GatewayError
 from gateway.ledger.record import UsageRecord
@@ -98,7 +98,7 @@ class MessagesAPI:
             answer = await proxy.serve(caller, chat, route=route, disconnect=lambda: disconnected(request))
         if answer.body is not None:
             out = wire.message_object(answer.body, body, message_id)
-            return Response(orjson.dumps(out), media_type="application/json", headers=headers_of(answer))
+            return json_response(answer, orjson.dumps(out))
         return bridge.streamed(answer, wire.MessageStream(body, message_id))
 
 

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api import bridge
-from gateway.api.http import disconnected, headers_of, read_body, tracing
+from gateway.api.http import disconnected, json_response, read_body, tracing
 from gateway.errors import InvalidRequest, NotFound
 from gateway.ledger.record import UsageRecord
 from gateway.openai import responses as wire
@@ -90,7 +90,7 @@ class ResponsesAPI:
             out = wire.response_object(answer.body, body, response_id)
             if store:
                 await self.store.put(scope, response_id, [*turn, *wire.assistant_messages(out)], tier, session, out)
-            return Response(orjson.dumps(out), media_type="application/json", headers=headers_of(answer))
+            return json_response(answer, orjson.dumps(out))
         events = wire.EventStream(body, response_id, "")
 
         async def save() -> None:

@@ -200,3 +200,24 @@ def test_verifier_judge_needs_references() -> None:
 
     with pytest.raises(ValueError, match="references"):
         ShadowConfig(judge="verifier")
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_a_non_streamed_answer_of_the_other_wire_apis_is_shadowed_too(api: str, upstream_sim: SimProcess,
+                                                                     redis_url: str, redis_prefix: str,
+                                                                     tmp_path: Path) -> None:
+    """``/v1/responses`` and ``/v1/messages`` answered in JSON start the sampled shadow comparison after the
+    response, as chat does (their JSON answers used to drop the after-response hook: no comparison ever ran)."""
+    body: dict[str, Any]
+    if api == "responses":
+        body = {"model": "auto", "max_output_tokens": 16, "input": "what is 2 plus 2?"}
+    else:
+        body = {"model": "auto", "max_tokens": 16, "messages": [{"role": "user", "content": "what is 2 plus 2?"}]}
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing()) as gw, httpx.Client(timeout=30) as client:
+        shadow = gw.app.state.proxy.shadow
+        r = client.post(f"{gw.base_url}/{api}", json=body, headers={"authorization": f"Bearer {SECRETS['alice']}"})
+        assert r.status_code == 200, r.text
+        assert wait_for(lambda: shadow.stats.done + sum(shadow.stats.skipped.values()) == 1, timeout_s=10)
+        assert shadow.stats.done == 1, shadow.stats
+        assert len(_outcomes(redis_url, redis_prefix)) == 1
