@@ -119,6 +119,9 @@ def test_one_script_call_per_request_on_a_single_redis(gateway: Any, redis_url: 
             hits = [ask(gw.base_url, p) for p in prompts]
             # metered off the request path, but within the window
             assert wait_for(lambda: poll.xlen(prefix + "usage:events") >= 1 + 2 * N, 10)
+            # MONITOR's copy of the last commands may still be on its way: read until it has them all (then
+            # the counts below are exact, not a race with the monitor thread)
+            wait_for(lambda: sum(kind(c, prefix) == "RECORD" for c in list(mon.commands)) >= 2 * N, 5)
     finally:
         poll.close()
     ids = [r.headers["x-request-id"] for r in misses + hits]
