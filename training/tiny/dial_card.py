@@ -77,7 +77,9 @@ def render(model_dir: Path) -> str:
             f"{c.get('max_minutes', '?')}-minute bound), data seed {c.get('seed', '?')}, {st.get('wall_s', '?')} s."
         )
     training = "\n".join(lines) + (
-        f"\n\nAll on a shared 2-core CPU (one torch thread), {summary.get('wall_s', '?')} s in all. Examples: 78% "
+        f"\n\nAll on a 2-core CPU (torch threads per stage: "
+        f"{', '.join(str(st.get('config', {}).get('threads', 1)) for st in stages)}), "
+        f"{summary.get('wall_s', '?')} s in all. Examples: 78% "
         f"budgeted thoughts (budget log-uniform over {BUDGET_RANGE[0]}–{BUDGET_RANGE[1]}), 12% unlimited (terse "
         "chain), 5% cut by the gateway's forced `\\n</think>\\n\\n` then answered, 5% thinking off; loss on "
         "completion tokens only, the train split of `arith` only."
