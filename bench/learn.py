@@ -63,7 +63,7 @@ import httpx
 import numpy as np
 import typer
 
-from bench._lib.redis_keys import delete_prefix
+from bench._lib.redis_keys import bench_redis
 from bench.traces.bench import REQUEST_TIMEOUT_S, gateway_config, tier_configs
 from bench.traces.prices import price_of
 from bench.traces.replay_upstream import ReplayProcess
@@ -241,7 +241,6 @@ def run(cfg: Config, settings: Settings, log: Any = lambda m: print(m, file=sys.
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from bench.savings_stack import Ledger, serve_gateway
-    from gateway.engine.redis_server import ensure
     from router.fit.ladder_fit import fit_ladder_router
     from router.persistence import save_router
 
@@ -265,11 +264,8 @@ def run(cfg: Config, settings: Settings, log: Any = lambda m: print(m, file=sys.
     steps: list[dict[str, Any]] = []
     with ExitStack() as stack:
         state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tg-learn-")))
-        proc, redis_url = ensure(settings.redis.url)
-        settings = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": redis_url})})
-        if proc is not None:
-            stack.callback(proc.terminate)
-        stack.callback(delete_prefix, redis_url, prefix)
+        settings = bench_redis(stack, settings, prefix)
+        redis_url = settings.redis.url
         t0 = time.monotonic()
         # ---- the offline references (fitted here, served through gateways of their own)
         offline = fit_ladder_router(cfg.traces, [cfg.dataset], lad).router

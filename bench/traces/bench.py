@@ -83,7 +83,7 @@ import httpx
 import numpy as np
 import typer
 
-from bench._lib.redis_keys import delete_prefix
+from bench._lib.redis_keys import bench_redis
 from bench.traces.prices import ListPrice, price_of
 from bench.traces.replay_upstream import ReplayProcess
 from gateway.config import Settings
@@ -369,7 +369,6 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
     from tqdm import tqdm
 
     from bench.savings_stack import Ledger, serve_gateway
-    from gateway.engine.redis_server import ensure
 
     started = time.time()
     deadline = time.monotonic() + cfg.time_budget_s
@@ -400,11 +399,7 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
                                "heldout_only": cfg.heldout_only}
     with ExitStack() as stack:
         state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tg-traces-")))
-        proc, redis_url = ensure(settings.redis.url)
-        settings = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": redis_url})})
-        if proc is not None:
-            stack.callback(proc.terminate)
-        stack.callback(delete_prefix, settings.redis.url, prefix)
+        settings = bench_redis(stack, settings, prefix)
         t0 = time.monotonic()
         replay = stack.enter_context(ReplayProcess(cfg.traces, cfg.dataset, [(lad.model, s) for s in settings_t]))
         keys = [{"id": r.key_id, "secret": r.secret, "tags": {"bench": "traces", "policy": r.policy}}

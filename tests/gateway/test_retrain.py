@@ -13,13 +13,10 @@ from typer.testing import CliRunner
 
 from gateway.cli.main import app
 from gateway.ledger.outcome import Outcome, window_digest
-from router.fit.fitter import fit_router
-from router.fit.labels import LabelledItem
 from router.fit.retrain import is_heldout_digest, items_from_outcomes, label_of
-from router.model import ModelConfig
 from router.persistence import load_router, save_router
 from tests.fixtures.gateway import SECRETS, accounting_gateway
-from tests.fixtures.outcomes import write_outcomes
+from tests.fixtures.outcomes import serving_router, write_outcomes
 from tests.fixtures.upstream import SimProcess, wait_for
 
 HARD = ["prove", "integral", "theorem", "derive", "lemma", "asymptotic"]
@@ -33,15 +30,7 @@ def _text(hard: bool, i: int) -> str:
 
 
 def _router(path: Path, informative: bool) -> Path:
-    rng = random.Random(5)
-    items = [LabelledItem(id=f"b{i}", text=_text(i % 2 == 0, 10_000 + i),
-                          label=(i % 2 == 0) if informative else rng.random() < 0.5, source="base", group=f"b{i}")
-             for i in range(80)]
-    router, _ = fit_router(items, ModelConfig(min_df=1), val_frac=0.0)
-    router.thresholds = [0.5]
-    router.metadata["version"] = "old-" + ("good" if informative else "noise")
-    save_router(router, path)
-    return path
+    return serving_router(path, informative, _text)
 
 
 def _outcomes(invert_training: bool) -> list[Outcome]:
