@@ -10,7 +10,12 @@ Stdlib only (the gateway reads it on the request path's set-up).
      "cascade": null | {"escalate_on": ["empty_answer", "length_in_thought", "abstain", "learned"?],
                         "rule": "router.abstention.abstains", "phrases": [...],
                         "models"?: {TIER: {"features", "mean", "scale", "coef", "intercept", "threshold"}}},
-     "guarantee": {"floor": 0.98, "delta": 0.1, "confidence": 0.9, "n_calibration": 184, ...}, ...}
+     "guarantee": {"floor": 0.98, "delta": 0.1, "confidence": 0.9, "n_calibration": 184, ...},
+     "budgets"?: {"tier": TIER, "cuts": [c1, ...], "budgets": [b0, b1, ...], "guarantee": {...}}, ...}
+
+``budgets`` (a dial model's router, ``thinkgate train dial-router``): on a routed request that lands on ``TIER``
+(a ``budget_mode: prompted`` tier) the thinking budget is ``budgets[i]`` for the first ``i`` with ``score <
+cuts[i]`` (else the last; ``null`` = unlimited), a step map non-decreasing in the score.
 
 Files without the block (older trace routers, the shipped default) serve their thresholds and no cascade.
 """
@@ -29,6 +34,48 @@ class Cascade:
     phrases: tuple[str, ...] | None
     #: per tier name: the answer-aware escalation model (``router.escalation``; with ``learned`` in escalate_on)
     models: dict[str, dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class BudgetMap:
+    """Router score → thinking budget (tokens; None = unlimited) on one tier: a monotone step map.
+
+    ``cuts``: ascending scores in [0, 1], one fewer than ``budgets``; ``budgets``: non-decreasing, None last."""
+
+    tier: str
+    cuts: tuple[float, ...]
+    budgets: tuple[int | None, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.budgets) != len(self.cuts) + 1 or list(self.cuts) != sorted(self.cuts):
+            raise ValueError("a budget map needs ascending cuts and one more budget than cuts")
+        finite = [b for b in self.budgets if b is not None]
+        if finite != sorted(finite) or any(b < 0 for b in finite) or None in self.budgets[: len(finite)]:
+            raise ValueError("budgets must be non-negative, non-decreasing in the score, unlimited (None) last")
+
+    def budget(self, score: float) -> int | None:
+        """The thinking budget for a router ``score``."""
+        for cut, b in zip(self.cuts, self.budgets, strict=False):
+            if score < cut:
+                return b
+        return self.budgets[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tier": self.tier, "cuts": list(self.cuts), "budgets": list(self.budgets)}
+
+
+def budget_map_of(meta: dict[str, Any] | None) -> BudgetMap | None:
+    """The served score → budget map (None: the file routes to tiers only). Raises ValueError on a malformed
+    block (a file that promises budgets it cannot serve must not load as if it had none)."""
+    s = serving(meta)
+    b = s.get("budgets") if s else None
+    if not isinstance(b, dict):
+        return None
+    try:
+        return BudgetMap(str(b["tier"]), tuple(float(c) for c in b["cuts"]),
+                         tuple(None if x is None else int(x) for x in b["budgets"]))
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"metadata.serving.budgets is malformed: {exc}") from None
 
 
 def serving(meta: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -71,6 +118,32 @@ def guarantee_sentence(meta: dict[str, Any] | None) -> str | None:
     return (f"Serves {s.get('policy')} and keeps >= {floor:.0%} of always-top accuracy on unseen traffic from the "
             f"same distribution with {1 - delta:.0%} confidence{approx} (Learn-then-Test on {n} {how}calibration "
             f"questions){tail}.")
+
+
+def budget_sentence(meta: dict[str, Any] | None) -> str | None:
+    """One sentence on the file's score → thinking budget map and its evidence (None without one)."""
+    try:
+        bmap = budget_map_of(meta)
+    except ValueError:
+        return None
+    if bmap is None:
+        return None
+
+    def name(b: int | None) -> str:
+        return "unlimited" if b is None else f"{b} tokens"
+
+    steps = ", ".join(f"score < {c:.3f}: {name(b)}" for c, b in zip(bmap.cuts, bmap.budgets, strict=False))
+    shape = f"{steps}, else {name(bmap.budgets[-1])}" if bmap.cuts else f"{name(bmap.budgets[-1])} at every score"
+    g = ((serving(meta) or {}).get("budgets") or {}).get("guarantee") or {}
+    if g.get("certified"):
+        why = (f"certified to keep >= {g.get('floor', 0):.0%} of the tier's own accuracy with "
+               f"{g.get('confidence', 0):.0%} confidence on {g.get('n_calibration')} calibration problems")
+    elif g:
+        why = (f"no cheaper map could be certified on {g.get('n_calibration')} calibration problems, so the tier's "
+               "own setting")
+    else:
+        why = "not calibrated"
+    return f"routed requests on tier {bmap.tier!r} get a thinking budget by score: {shape} ({why})"
 
 
 def cold_start_summary(meta: dict[str, Any] | None) -> str | None:

@@ -34,7 +34,7 @@ from router.base import Router, register
 from router.errors import ThinkGateError
 from router.model import TrainedRouter
 from router.persistence import RouterFileError, load_router
-from router.policy import cold_start_summary, guarantee_sentence, serving
+from router.policy import budget_map_of, budget_sentence, cold_start_summary, guarantee_sentence, serving
 
 log = logging.getLogger("thinkgate.router")
 
@@ -193,6 +193,8 @@ class RouterService(Router):
             # what `auto` serves from this file (router/policy.py): the policy and its promise, in one sentence
             "policy": (serving(meta) or {}).get("policy"),
             "guarantee": guarantee_sentence(meta),
+            # a dial model's router: the score -> thinking budget map it serves on one prompted tier
+            "budgets": budget_sentence(meta),
             # the shipped default's cold-start validation (router/fit/coldstart.py): what it serves, checked on what
             "cold_start": _cold_start_info(meta),
             "error": self._error,
@@ -226,6 +228,7 @@ class RouterService(Router):
             try:
                 router = load_router_cached(self.path)
                 self._check_thresholds(router)
+                self._check_budgets(router)
             except RouterFileError as exc:
                 self._signature = sig  # do not retry the same bytes on every check
                 self._error = str(exc)
@@ -233,7 +236,16 @@ class RouterService(Router):
             self._router, self._signature, self._error = router, sig, None
             self.reloads += 1
             log.info("router loaded from %s (thresholds %s)", self.path, self.thresholds)
+            if (said := budget_sentence(router.metadata)) is not None:
+                log.info("router: %s", said)
             return router
+
+    def _check_budgets(self, router: TrainedRouter) -> None:
+        """A malformed score -> budget map refuses the file at load (not a 500 per request later)."""
+        try:
+            budget_map_of(router.metadata)
+        except ValueError as exc:
+            raise RouterFileError(self.path, str(exc)) from None
 
     def _check_thresholds(self, router: TrainedRouter) -> None:
         need = len(self.routed_tiers) - 1
