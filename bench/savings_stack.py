@@ -689,29 +689,6 @@ def write_json(result: dict[str, Any], path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------- CLI
 
-def dial_tiers(settings: Settings, model_dir: Path) -> Settings:
-    """A dial model directory (one with ``dial.json``: ``{"budget_prompt", "tiers": {name: budget|null}}``, written
-    by ``python -m training.tiny.dial_card``) serves every tier with ``budget_mode: prompted``, its prompt format and
-    its per-tier budget (0: thinking off, ``budget_mode: off``); any other directory leaves the tiers as they are."""
-    path = model_dir / "dial.json"
-    if not path.is_file():
-        return settings
-    spec = json.loads(path.read_text())
-    budgets = spec.get("tiers") or {}
-    tiers = []
-    for t in settings.tiers:
-        if t.name not in budgets:
-            tiers.append(t)
-            continue
-        b = budgets[t.name]
-        update: dict[str, Any] = (
-            {"budget_mode": "off", "thinking_budget": 0, "enable_thinking": False} if b == 0  # the direct mode
-            else {"budget_mode": "prompted", "budget_prompt": spec["budget_prompt"], "thinking_budget": b,
-                  "enable_thinking": True})
-        tiers.append(t.model_copy(update=update))
-    return settings.model_copy(update={"tiers": tiers})
-
-
 def savings(
     n: int = typer.Option(BenchConfig.n, "--n", min=1, help="Requests per policy (synthetic + real)."),
     repeat_fraction: float = typer.Option(BenchConfig.repeat_fraction, help="Share of repeated questions."),
@@ -739,6 +716,8 @@ def savings(
     from rich.console import Console
 
     from gateway.cli.common import load_settings
+    from gateway.config import ConfigError
+    from gateway.config.model_dir import with_model_dir
 
     settings = load_settings(config)
     cfg = BenchConfig(n=n, repeat_fraction=repeat_fraction, real_fraction=real_fraction,
@@ -746,12 +725,11 @@ def savings(
                       seed=seed, url=url, escalation_url=escalation_url, time_budget_s=time_budget_s,
                       api_key=os.environ.get("THINKGATE_API_KEY"))
     if model_dir is not None:
-        if not (model_dir / "config.json").is_file():
-            typer.echo(f"thinkgate: --model-dir {model_dir}: not a model directory (no config.json)", err=True)
-            raise typer.Exit(2)
-        settings = settings.model_copy(update={"engine": settings.engine.model_copy(
-            update={"model_path": model_dir.resolve()})})
-        settings = dial_tiers(settings, model_dir)
+        try:
+            settings = with_model_dir(settings, model_dir)
+        except ConfigError as exc:
+            typer.echo(f"thinkgate: {exc}", err=True)
+            raise typer.Exit(2) from None
     if engine_url:
         settings = settings.model_copy(update={"tiers": [
             t.model_copy(update={"base_url": engine_url.rstrip("/")}) for t in settings.tiers]})

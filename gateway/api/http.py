@@ -97,8 +97,12 @@ async def accept(proxy: Proxy, request: Request, endpoint: WireEndpoint) -> tupl
     return Caller.of(key, body, endpoint, request.headers), body
 
 
+THINKING_BUDGET_HEADER = "x-thinkgate-thinking-budget"
+
+
 def route_headers(route: RouteDecision, request_id: str) -> dict[str, str]:
-    """``x-thinkgate-*`` headers of a route; the difficulty only when the router scored the request."""
+    """``x-thinkgate-*`` headers of a route; the difficulty only when the router scored the request, the thinking
+    budget (tokens) when the served tier has one."""
     h = {
         "x-thinkgate-tier": route.tier.name,
         "x-thinkgate-route-reason": route.reason,
@@ -106,6 +110,10 @@ def route_headers(route: RouteDecision, request_id: str) -> dict[str, str]:
     }
     if route.difficulty is not None:
         h["x-thinkgate-difficulty"] = f"{route.difficulty:.4f}"
+    if route.tier.thinking_budget is not None and route.tier.budget_mode != "off":
+        # the tier's thinking budget as served (a dial router's pick on a routed request); a request's own smaller
+        # thinking_token_budget still applies under it
+        h[THINKING_BUDGET_HEADER] = str(route.tier.thinking_budget)
     if route.downgraded_from is not None:
         h[DOWNGRADE_HEADER] = route.downgraded_from
     return h

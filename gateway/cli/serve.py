@@ -37,6 +37,9 @@ def serve(
     config: Path | None = CONFIG_OPTION,
     host: str | None = typer.Option(None, help="Listen address (default: server.host, 127.0.0.1)."),
     port: int | None = typer.Option(None, help="Listen port (default: server.port, 8080)."),
+    model_dir: Path | None = typer.Option(None, "--model-dir", help="Serve this model directory with the "
+                                          "embedded engine (a dial model's: with its dial tiers and router; "
+                                          "gateway/config/model_dir.py)."),
 ) -> None:
     """Run the gateway: Redis (started if missing), the local vLLM engine (if enabled), then the API."""
     import uvicorn
@@ -45,6 +48,15 @@ def serve(
     from gateway.engine.redis_server import RedisUnavailable, ensure
 
     loaded = load_settings(config)
+    if model_dir is not None:
+        from gateway.config import ConfigError
+        from gateway.config.model_dir import with_model_dir
+
+        try:
+            loaded = with_model_dir(loaded, model_dir)
+        except ConfigError as exc:
+            typer.echo(f"thinkgate: {exc}", err=True)
+            raise typer.Exit(2) from None
     logging.basicConfig(level=loaded.server.log_level.upper(), format=LOG_FORMAT)
     missing = missing_model(loaded.engine.model_path) if loaded.engine.enabled else None
     if missing is not None:  # before anything starts: a wheel install on the embedded defaults has no model

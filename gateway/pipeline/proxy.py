@@ -194,7 +194,10 @@ class Proxy:
             resp: UpstreamResponse
             try:
                 with span("upstream"), conversation_affinity(body, candidates):
-                    if tier.budget_mode in ("forced", "prompted"):  # prompted: forcing is the hard stop
+                    # prompted: forcing is the hard stop above the requested budget; with none (an unlimited dial
+                    # tier) there is nothing to stop, and one pass spares phase 2's second prompt
+                    if tier.budget_mode == "forced" or (tier.budget_mode == "prompted"
+                                                        and dial.requested_budget(body, tier) is not None):
                         resp = await open_forced(self.upstreams, dial.forcing_tier(tier, body), caller.endpoint,
                                                  built)
                     else:

@@ -26,6 +26,13 @@ gateway configured with nothing but ``routing.router_path`` (and its tiers) serv
 Explicit settings override the file: ``routing.thresholds`` replaces its thresholds, and a tier whose
 ``escalate_on`` (or ``abstain_phrases``) is set in the config keeps its own (``escalate_on: []`` = never
 escalate). Forced routes (``model: <tier>``, the header) never get the file's cascade.
+
+**Routing to a budget.** A dial model's router file may carry a score → thinking budget map for one tier
+(``metadata.serving.budgets``, :class:`router.policy.BudgetMap`, calibrated by ``thinkgate train dial-router``).
+A ``predicted`` route that lands on that tier, when the tier is ``budget_mode: prompted``, is served with the
+map's budget for its score as the tier's ``thinking_budget`` (None: unlimited); the response says it in
+``x-thinkgate-thinking-budget``. A request's own smaller ``thinking_token_budget`` still wins
+(:func:`gateway.thinking.dial.requested_budget`); forced routes keep the configured budget.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from gateway.errors import InvalidRequest, UnknownModel
 from gateway.ledger.event import RouteReason
 from router.base import LengthBaselineRouter, Router
 from router.features import clip_text
-from router.policy import cascade_of
+from router.policy import BudgetMap, budget_map_of, cascade_of
 from router.serving import RouterService
 from router.window import routing_window
 
@@ -90,8 +97,11 @@ class Routing:
         self.observers: list[Callable[[float, int], None]] = []
         #: (routed tier index, window text) -> the index served: exploration (``routing.retrain.explore``)
         self.explore: Callable[[int, str], int] | None = None
-        #: the router file's cascade applied to the tiers (per loaded router: rebuilt after a reload)
-        self._auto: tuple[object, dict[str, TierConfig]] | None = None
+        #: the router file's cascade applied to the tiers and its budget map (per loaded router: rebuilt after a
+        #: reload)
+        self._auto: tuple[object, dict[str, TierConfig], BudgetMap | None] | None = None
+        #: (router, tier name, budget) -> the tier as served with the map's budget (a few distinct budgets)
+        self._budgeted: dict[tuple[int, str, int | None], TierConfig] = {}
 
     @property
     def scorer(self) -> Router:
@@ -131,13 +141,24 @@ class Routing:
     def _auto_tiers(self) -> dict[str, TierConfig]:
         """Tier name → the tier as ``auto`` serves it: with the router file's cascade where the file serves one
         and the tier's config does not set its own (module doc). Cached per loaded router."""
+        return self._auto_policy()[0]
+
+    def _auto_policy(self) -> tuple[dict[str, TierConfig], BudgetMap | None]:
+        """(:meth:`_auto_tiers`, the file's budget map when it applies to a ``prompted`` routed tier)."""
         svc = self._service_in_use()
         router = svc.router if svc is not None and svc.available else None
         if router is None:
-            return self._tiers
+            return self._tiers, None
         cached = self._auto
         if cached is not None and cached[0] is router:
-            return cached[1]
+            return cached[1], cached[2]
+        bmap = budget_map_of(router.metadata)
+        if bmap is not None and (bmap.tier not in self.cfg.routed_tiers
+                                 or self._tiers[bmap.tier].budget_mode != "prompted"):
+            log.warning("router file's budget map is for tier %r, which is not a routed prompted tier: ignored",
+                        bmap.tier)
+            bmap = None
+        self._budgeted.clear()
         cascade = cascade_of(router.metadata)
         out = dict(self._tiers)
         if cascade is not None:
@@ -161,7 +182,18 @@ class Routing:
                     update["abstain_phrases"] = list(cascade.phrases)
                 if update:
                     out[name] = t.model_copy(update=update)
-        self._auto = (router, out)
+        self._auto = (router, out, bmap)
+        return out, bmap
+
+    def _with_budget(self, tier: TierConfig, score: float, bmap: BudgetMap | None) -> TierConfig:
+        """``tier`` with the budget map's thinking budget for ``score`` (unchanged off the map's tier)."""
+        if bmap is None or tier.name != bmap.tier:
+            return tier
+        budget = bmap.budget(score)
+        key = (id(bmap), tier.name, budget)
+        out = self._budgeted.get(key)
+        if out is None:
+            out = self._budgeted[key] = tier.model_copy(update={"thinking_budget": budget})
         return out
 
     def auto_tier(self, name: str) -> TierConfig:
@@ -238,7 +270,8 @@ class Routing:
             self.controller.record(score, i)
         for observe in self.observers:
             observe(score, i)
-        return RouteDecision(self.auto_tier(routed[i]), "predicted", score, window=text)
+        tiers, bmap = self._auto_policy()
+        return RouteDecision(self._with_budget(tiers[routed[i]], score, bmap), "predicted", score, window=text)
 
     def _window_of(self, body: dict[str, Any]) -> str:
         messages = body.get("messages")

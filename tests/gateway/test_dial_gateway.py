@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from gateway.thinking.dial import hard_stop
+from router.model import TrainedRouter
+from router.persistence import save_router
+from router.policy import BudgetMap
+from router.window import routing_window
 from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, sim_tiers
 from tests.fixtures.upstream_sim import reasoning_words
 
@@ -90,3 +95,64 @@ def test_forcing_is_the_hard_stop_above_the_requested_budget(
     assert resp.usage.completion_tokens_details.reasoning_tokens == hard_stop(LONG)
     assert body["continue_final_message"] is True  # phase 2 of forcing
     assert resp.choices[0].message.content.startswith("echo:")
+
+
+# ----------------------------------------------------------------------------- routing to a budget (router file)
+
+MAP_CUT, LOW_BUDGET, HIGH_BUDGET = 0.5, 24, 96
+
+
+@pytest.fixture
+def budget_router_gateway(upstream_sim: SimProcess, redis_url: str, tmp_path: Path) -> Iterator[GatewayServer]:
+    """A dial tier ``long`` (prompted, unlimited by its config) and a router file that sends every routed request
+    to it with a budget from the score: below ``MAP_CUT`` (a short question) ``LOW_BUDGET``, else ``HIGH_BUDGET``."""
+    bmap = BudgetMap("long", (MAP_CUT,), (LOW_BUDGET, HIGH_BUDGET))
+    meta = {"serving": {"policy": "length+budgets", "scorer": "length", "thresholds": [0.0],
+                        "budgets": bmap.to_dict()}}
+    path = save_router(TrainedRouter(pipeline=None, scorer="length", thresholds=[0.0], metadata=meta),
+                       tmp_path / "dial-router.skops")
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[2].update({"budget_mode": "prompted", "thinking_budget": None, "max_tokens": 256})
+    routing = {"router_path": str(path), "routed_tiers": ["short", "long"], "default_tier": "long",
+               "on_router_error": "refuse_start"}
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers, routing=routing)) as gw:
+        yield gw
+
+
+def _ask_raw(gw: GatewayServer, sim: SimProcess, model: str, question: str) -> tuple[Any, dict[str, Any]]:
+    client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=30)
+    tag = uuid.uuid4().hex
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": question}], extra_body={"sim": {"tag": tag}})
+    last = sim.tag(tag)
+    assert last is not None
+    return raw, last["body"]
+
+
+def test_auto_routes_to_the_budget_the_router_file_maps_the_score_to(
+    budget_router_gateway: GatewayServer, upstream_sim: SimProcess
+) -> None:
+    long_question = QUESTION + " Then add 1." * 120
+    scorer = TrainedRouter(pipeline=None, scorer="length")  # the file's scorer, on the gateway's routing window
+    score = [scorer.score(routing_window([{"role": "user", "content": q}])) for q in (QUESTION, long_question)]
+    assert score[0] < MAP_CUT <= score[1], score
+    for question, budget in ((QUESTION, LOW_BUDGET), (long_question, HIGH_BUDGET)):
+        raw, body = _ask_raw(budget_router_gateway, upstream_sim, "auto", question)
+        assert raw.headers["x-thinkgate-tier"] == "long" and raw.headers["x-thinkgate-route-reason"] == "predicted"
+        assert raw.headers["x-thinkgate-thinking-budget"] == str(budget)
+        assert _user_texts(body) == [f"{question} Think for {budget} tokens."]
+    # a forced route keeps the tier as configured: unlimited, no instruction, no budget header — and one pass
+    # (no budget, so no forcing: phase 2 would send the prompt again)
+    raw, body = _ask_raw(budget_router_gateway, upstream_sim, "long", QUESTION)
+    assert _user_texts(body) == [QUESTION] and "x-thinkgate-thinking-budget" not in raw.headers
+    assert "continue_final_message" not in body
+
+
+def test_models_says_which_budgets_the_router_file_serves(budget_router_gateway: GatewayServer) -> None:
+    import httpx
+
+    data = httpx.get(budget_router_gateway.base_url + "/models", headers={"authorization": f"Bearer {TEST_KEY}"},
+                     timeout=10).json()["data"]
+    auto = next(m for m in data if m["id"] == "auto")
+    said = auto["thinkgate"]["router_status"]["budgets"]
+    assert f"score < {MAP_CUT:.3f}: {LOW_BUDGET} tokens, else {HIGH_BUDGET} tokens" in said, said

@@ -1,23 +1,36 @@
-"""``thinkgate bench savings --model-dir <dial model>``: every tier is served from it with the dial settings."""
+"""``--model-dir`` (``thinkgate serve``, ``thinkgate bench savings``): a dial model directory serves every tier
+from it with the dial settings and its own router; any other model directory keeps the tiers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench.savings_stack import dial_tiers
-from gateway.config import Settings
+import pytest
+
+from gateway.config import ConfigError, Settings
+from gateway.config.model_dir import dial_tiers, with_model_dir
 
 ASSETS = Path(__file__).resolve().parents[2] / "models"
 
 
-def test_dial_model_dir_serves_tiers_as_budgets() -> None:
-    tiers = {t.name: t for t in dial_tiers(Settings.load(None), ASSETS / "thinkgate-tiny-dial").tiers}
+def test_dial_model_dir_serves_tiers_as_budgets_with_its_router() -> None:
+    settings = with_model_dir(Settings.load(None), ASSETS / "thinkgate-tiny-dial")
+    tiers = {t.name: t for t in settings.tiers}
     assert (tiers["none"].budget_mode, tiers["none"].enable_thinking) == ("off", False)
     assert (tiers["short"].budget_mode, tiers["short"].thinking_budget) == ("prompted", 32)
     assert (tiers["long"].budget_mode, tiers["long"].thinking_budget) == ("prompted", None)
     assert tiers["short"].budget_prompt == "Think for {budget} tokens."
+    assert settings.engine.model_path == (ASSETS / "thinkgate-tiny-dial").resolve()
+    assert settings.routing.router_path == (ASSETS / "thinkgate-tiny-dial" / "router.skops").resolve()
 
 
-def test_other_model_dirs_keep_their_tiers() -> None:
+def test_other_model_dirs_keep_their_tiers_and_router() -> None:
     base = Settings.load(None)
     assert dial_tiers(base, ASSETS / "thinkgate-tiny").tiers == base.tiers
+    short = with_model_dir(base, ASSETS / "thinkgate-tiny-short")
+    assert short.tiers == base.tiers and short.routing.router_path == base.routing.router_path
+
+
+def test_a_directory_without_a_model_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not a model directory"):
+        with_model_dir(Settings.load(None), tmp_path)

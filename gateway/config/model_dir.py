@@ -1,0 +1,58 @@
+"""Serve a model directory with the embedded engine: ``thinkgate serve --model-dir DIR`` and
+``thinkgate bench savings --model-dir DIR``.
+
+A **dial model** directory (one with ``dial.json``: ``{"budget_prompt", "tiers": {name: budget|null},
+"router"?: FILE}``, written by ``python -m training.tiny.dial_card``) serves every tier it names with
+``budget_mode: prompted``, its prompt format and its per-tier budget (0: thinking off, ``budget_mode: off``; null:
+unlimited), and its ``router`` (a router file beside it that maps the score to a thinking budget, ``thinkgate train
+dial-router``) as ``routing.router_path``. Any other directory only replaces ``engine.model_path``: same served
+name and tiers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gateway.config.base import ConfigError
+from gateway.config.settings import Settings
+
+
+def with_model_dir(settings: Settings, model_dir: Path) -> Settings:
+    """``settings`` serving ``model_dir`` (module doc). Raises ConfigError when it is not a model directory or its
+    ``dial.json`` is unreadable."""
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"--model-dir {model_dir}: not a model directory (no config.json)")
+    out = settings.model_copy(update={"engine": settings.engine.model_copy(
+        update={"model_path": model_dir.resolve()})})
+    return dial_tiers(out, model_dir)
+
+
+def dial_tiers(settings: Settings, model_dir: Path) -> Settings:
+    """The dial settings of ``model_dir`` applied to ``settings`` (module doc); unchanged without ``dial.json``."""
+    path = model_dir / "dial.json"
+    if not path.is_file():
+        return settings
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    budgets = spec.get("tiers") or {}
+    tiers = []
+    for t in settings.tiers:
+        if t.name not in budgets:
+            tiers.append(t)
+            continue
+        b = budgets[t.name]
+        update: dict[str, Any] = (
+            {"budget_mode": "off", "thinking_budget": 0, "enable_thinking": False} if b == 0  # the direct mode
+            else {"budget_mode": "prompted", "budget_prompt": spec["budget_prompt"], "thinking_budget": b,
+                  "enable_thinking": True})
+        tiers.append(t.model_copy(update=update))
+    out = settings.model_copy(update={"tiers": tiers})
+    router = spec.get("router")
+    if router and (model_dir / router).is_file():
+        out = out.model_copy(update={"routing": out.routing.model_copy(
+            update={"router_path": (model_dir / router).resolve()})})
+    return out
