@@ -10,7 +10,7 @@ from training.grpo.cli import grpo
 from training.models import TINY_MODEL_DIR
 from training.plan.cli import plan, report, runs
 from training.sft.cli import sft
-from training.tiny.dial_cli import eval_dial, train_dial_sft
+from training.tiny.dial_cli import eval_dial, train_dial_router, train_dial_sft
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -89,6 +89,7 @@ app.command("report")(report)  # thinkgate train report
 app.command("runs")(runs)  # thinkgate train runs (training/registry.py)
 app.command("sft")(sft)  # thinkgate train sft (training/sft/)
 app.command("dial-sft")(train_dial_sft)  # thinkgate train dial-sft (training/tiny/dial_sft.py)
+app.command("dial-router")(train_dial_router)  # thinkgate train dial-router (training/tiny/dial_map.py)
 
 #: Offline evaluations that join the gateway's ``thinkgate eval`` group (gateway/cli/main.py attaches them
 #: through this plug-in, so the product never imports training).

@@ -60,6 +60,31 @@ def targets_line(report: dict[str, Any]) -> str:
     )
 
 
+def routing_section(fit: dict[str, Any] | None) -> str:
+    """What the router file beside the model (``router.skops``, ``thinkgate train dial-router``) serves."""
+    if not fit:
+        return "No router file here: `model: auto` routes to the configured tiers only."
+    served = fit["served"]
+    g = served["guarantee"]
+    rows = ["| budget | accuracy | mean thinking tokens |", "|---|---|---|"]
+    rows += [f"| {'unlimited' if r['budget'] is None else r['budget']} | {_pct(r['accuracy'])} | "
+             f"{r['mean_thinking_tokens']:.1f} |" for r in fit["per_budget"]]
+    steps = ", ".join(f"score < {c:.3f} → {'unlimited' if b is None else b}"
+                      for c, b in zip(served["cuts"], served["budgets"], strict=False))
+    last = served["budgets"][-1]
+    shape = (f"{steps}, else {'unlimited' if last is None else last}" if served["cuts"]
+             else f"{'unlimited' if last is None else last} at every score")
+    verdict = (f"certified: keeps ≥ {g['floor']:.0%} of the tier's own accuracy with {g['confidence']:.0%} "
+               f"confidence at {g['calibration_token_share']:.0%} of its tokens on {g['n_calibration']} calibration "
+               "problems" if g["certified"] else
+               "no map cheaper than the tier's own setting could be certified: the unlimited (terse) thought is "
+               "both the most accurate and among the cheapest here, because a budgeted thought fills its budget")
+    return (f"`router.skops` routes every `auto` request to the tier `{served['tier']}` with a thinking budget "
+            f"picked from the router score (Learn-then-Test, `thinkgate train dial-router`, on "
+            f"{fit['n_problems']} `arith` **train**-split problems, half fit, half calibration): {shape} — "
+            f"{verdict}.\n\n" + "\n".join(rows))
+
+
 def render(model_dir: Path) -> str:
     summary = _load(model_dir / "training_summary.json") or {}
     grpo = _load(model_dir / "grpo_summary.json")
@@ -98,6 +123,7 @@ def render(model_dir: Path) -> str:
         if report
         else "Not measured yet: `thinkgate eval dial --model DIR --json DIR/eval_dial.json`."
     )
+    routing = routing_section(_load(model_dir / "router_fit.json"))
     return f"""---
 license: apache-2.0
 library_name: transformers
@@ -132,6 +158,9 @@ safetensors, {size_mb:.1f} MB. Not for any real use.
 ## Results
 {results}
 
+## Routing to a budget
+{routing}
+
 ## Serve it behind the gateway
 ```
 VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
@@ -147,7 +176,8 @@ Apache-2.0. Made only from generated data; no third-party data or weights.
 
 
 def write(model_dir: Path) -> list[Path]:
-    """Write ``README.md`` and ``dial.json`` into ``model_dir``; returns their paths."""
+    """Write ``README.md`` and ``dial.json`` into ``model_dir`` (``dial.json`` names ``router.skops`` when it is
+    there: the router ``thinkgate bench savings --model-dir`` serves); returns their paths."""
     card = model_dir / "README.md"
     card.write_text(render(model_dir))
     spec = model_dir / "dial.json"
@@ -158,6 +188,7 @@ def write(model_dir: Path) -> list[Path]:
                 "budget_range": list(BUDGET_RANGE),
                 "line_tokens": LINE_TOKENS,
                 "tiers": TIER_BUDGETS,
+                **({"router": "router.skops"} if (model_dir / "router.skops").is_file() else {}),
             },
             indent=2,
         )

@@ -64,3 +64,51 @@ def train_dial_sft(
     cfg = dial_stage(init_from or DEFAULT_INIT, steps, max_minutes, seed)
     summary = train(cfg, output_dir, log=typer.echo, sampler=sampler(DialMix()))
     typer.echo(f"done in {summary['wall_s']} s -> {output_dir}")
+
+
+def train_dial_router(
+    model: str = typer.Option(..., "--model", help="The dial model directory (Hugging Face format)."),
+    out: Path = typer.Option(..., "--out", help="Write the router file (skops) here."),
+    router: Path | None = typer.Option(None, "--router", help="Router whose score picks the budget (default: "
+                                       "the shipped default router)."),
+    tier: str = typer.Option("long", help="The routed prompted tier the budgets are for."),
+    budgets: str = typer.Option("16,32,48,64,96,128,unlimited", help="Candidate thinking budgets, ascending "
+                                "(tokens; 'unlimited' last = the tier's own setting, the floor's reference)."),
+    n: int = typer.Option(400, min=8, help="arith train-split problems (half fit, half calibration)."),
+    seed: int = typer.Option(0, help="Seed of the problem sample."),
+    bins: int = typer.Option(4, min=1, max=8, help="Score bins of the step map."),
+    floor: float = typer.Option(0.98, min=0.5, max=1.0, help="Keep this share of the tier's own accuracy."),
+    delta: float = typer.Option(0.1, min=0.001, max=0.5, help="1 - confidence of the floor."),
+    threads: int = typer.Option(2, help="torch CPU threads."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the report (JSON) here."),
+) -> None:
+    """Calibrate a router score -> thinking budget map for a dial model (Learn-then-Test on the quality floor) and
+    write a router file that serves it (training/tiny/dial_map.py). Exit 2 on bad arguments."""
+    import json
+
+    from router.errors import require
+    from training.tiny.dial_map import build, parse_budgets
+
+    try:
+        values = parse_budgets(budgets)
+    except ValueError as exc:
+        typer.echo(f"error: --budgets: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if not (Path(model) / "config.json").is_file():
+        typer.echo(f"error: {model} is not a model directory (no config.json)", err=True)
+        raise typer.Exit(2)
+    if router is None:
+        from importlib.resources import files
+
+        router = Path(str(files("router").joinpath("assets", "default.skops")))
+    if not Path(router).is_file():
+        typer.echo(f"error: --router {router}: no such file", err=True)
+        raise typer.Exit(2)
+    require("torch", "train", "thinkgate train dial-router")
+    report = build(model, Path(router), out, tier=tier, budgets=values, n=n, seed=seed, n_bins=bins, floor=floor,
+                   delta=delta, threads=threads, log=typer.echo)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        typer.echo(f"wrote {json_path}")
+    typer.echo(f"wrote {out}")
