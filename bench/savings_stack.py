@@ -716,20 +716,12 @@ def savings(
     from rich.console import Console
 
     from gateway.cli.common import load_settings
-    from gateway.config import ConfigError
-    from gateway.config.model_dir import with_model_dir
 
-    settings = load_settings(config)
+    settings = load_settings(config, model_dir)
     cfg = BenchConfig(n=n, repeat_fraction=repeat_fraction, real_fraction=real_fraction,
                       policies=tuple(p.strip() for p in policies.split(",") if p.strip()), concurrency=concurrency,
                       seed=seed, url=url, escalation_url=escalation_url, time_budget_s=time_budget_s,
                       api_key=os.environ.get("THINKGATE_API_KEY"))
-    if model_dir is not None:
-        try:
-            settings = with_model_dir(settings, model_dir)
-        except ConfigError as exc:
-            typer.echo(f"thinkgate: {exc}", err=True)
-            raise typer.Exit(2) from None
     if engine_url:
         settings = settings.model_copy(update={"tiers": [
             t.model_copy(update={"base_url": engine_url.rstrip("/")}) for t in settings.tiers]})

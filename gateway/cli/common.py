@@ -18,12 +18,15 @@ T = TypeVar("T")
 CONFIG_OPTION = typer.Option(None, "--config", "-c", help="YAML config file (default: $THINKGATE_CONFIG).")
 
 
-def load_settings(config: Path | None, **overrides: Any) -> Settings:
-    """``Settings.load(config, **overrides)``, or exit 2 with the ConfigError message."""
+def load_settings(config: Path | None, model_dir: Path | None = None, **overrides: Any) -> Settings:
+    """``Settings.load(config, **overrides)``, serving ``model_dir`` when given (``--model-dir``:
+    :func:`gateway.config.model_dir.with_model_dir`), or exit 2 with the ConfigError message."""
     from gateway.config import ConfigError, Settings
+    from gateway.config.model_dir import with_model_dir
 
     try:
-        return Settings.load(config, **overrides)
+        settings = Settings.load(config, **overrides)
+        return settings if model_dir is None else with_model_dir(settings, model_dir)
     except ConfigError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None

@@ -47,16 +47,7 @@ def serve(
     from gateway.config import missing_model
     from gateway.engine.redis_server import RedisUnavailable, ensure
 
-    loaded = load_settings(config)
-    if model_dir is not None:
-        from gateway.config import ConfigError
-        from gateway.config.model_dir import with_model_dir
-
-        try:
-            loaded = with_model_dir(loaded, model_dir)
-        except ConfigError as exc:
-            typer.echo(f"thinkgate: {exc}", err=True)
-            raise typer.Exit(2) from None
+    loaded = load_settings(config, model_dir)
     logging.basicConfig(level=loaded.server.log_level.upper(), format=LOG_FORMAT)
     missing = missing_model(loaded.engine.model_path) if loaded.engine.enabled else None
     if missing is not None:  # before anything starts: a wheel install on the embedded defaults has no model

@@ -34,3 +34,12 @@ def test_other_model_dirs_keep_their_tiers_and_router() -> None:
 def test_a_directory_without_a_model_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a model directory"):
         with_model_dir(Settings.load(None), tmp_path)
+
+
+def test_serve_refuses_a_model_dir_without_a_model_before_starting_anything(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    result = CliRunner().invoke(app, ["serve", "--model-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "not a model directory" in result.output, result.output
