@@ -30,6 +30,7 @@ from gateway.pipeline import request as schemas
 from gateway.pipeline.answer import Answer, Caller
 from gateway.pipeline.policy import DOWNGRADE_HEADER
 from gateway.pipeline.routing import RouteDecision
+from gateway.thinking import dial
 
 if TYPE_CHECKING:
     from gateway.pipeline.proxy import Proxy
@@ -100,6 +101,19 @@ async def accept(proxy: Proxy, request: Request, endpoint: WireEndpoint) -> tupl
 THINKING_BUDGET_HEADER = "x-thinkgate-thinking-budget"
 
 
+def thinking_budget(route: RouteDecision) -> int | None:
+    """The thinking budget (tokens) the route serves, for ``x-thinkgate-thinking-budget``: on a ``prompted`` tier the
+    one its dial instruction states (the request's smaller ``thinking_token_budget``, else the tier's — a dial
+    router's pick on a routed request); on a ``forced`` or ``native`` tier the tier's (a request's smaller budget is
+    passed on under it); None when thinking is off or unlimited."""
+    tier = route.tier
+    if tier.budget_mode == "off":
+        return None
+    if tier.budget_mode == "prompted":
+        return dial.requested_budget({"thinking_token_budget": route.asked_budget}, tier) or None
+    return tier.thinking_budget
+
+
 def route_headers(route: RouteDecision, request_id: str) -> dict[str, str]:
     """``x-thinkgate-*`` headers of a route; the difficulty only when the router scored the request, the thinking
     budget (tokens) when the served tier has one."""
@@ -110,10 +124,9 @@ def route_headers(route: RouteDecision, request_id: str) -> dict[str, str]:
     }
     if route.difficulty is not None:
         h["x-thinkgate-difficulty"] = f"{route.difficulty:.4f}"
-    if route.tier.thinking_budget is not None and route.tier.budget_mode != "off":
-        # the tier's thinking budget as served (a dial router's pick on a routed request); a request's own smaller
-        # thinking_token_budget still applies under it
-        h[THINKING_BUDGET_HEADER] = str(route.tier.thinking_budget)
+    budget = thinking_budget(route)
+    if budget is not None:
+        h[THINKING_BUDGET_HEADER] = str(budget)
     if route.downgraded_from is not None:
         h[DOWNGRADE_HEADER] = route.downgraded_from
     return h

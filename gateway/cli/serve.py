@@ -38,8 +38,9 @@ def serve(
     host: str | None = typer.Option(None, help="Listen address (default: server.host, 127.0.0.1)."),
     port: int | None = typer.Option(None, help="Listen port (default: server.port, 8080)."),
     model_dir: Path | None = typer.Option(None, "--model-dir", help="Serve this model directory with the "
-                                          "embedded engine (a dial model's: with its dial tiers and router; "
-                                          "gateway/config/model_dir.py)."),
+                                          "embedded engine instead of engine.model_path. A dial model's "
+                                          "directory (with dial.json) also sets its name, its tiers as budgets "
+                                          "and its router; any other keeps the tiers."),
 ) -> None:
     """Run the gateway: Redis (started if missing), the local vLLM engine (if enabled), then the API."""
     import uvicorn

@@ -39,18 +39,20 @@ def dial_tiers(settings: Settings, model_dir: Path) -> Settings:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
     budgets = spec.get("tiers") or {}
+    served = str(spec.get("served_model_name") or model_dir.resolve().name)
+    engine_name = settings.engine.served_model_name
     tiers = []
     for t in settings.tiers:
-        if t.name not in budgets:
-            tiers.append(t)
-            continue
-        b = budgets[t.name]
-        update: dict[str, Any] = (
-            {"budget_mode": "off", "thinking_budget": 0, "enable_thinking": False} if b == 0  # the direct mode
-            else {"budget_mode": "prompted", "budget_prompt": spec["budget_prompt"], "thinking_budget": b,
-                  "enable_thinking": True})
-        tiers.append(t.model_copy(update=update))
-    out = settings.model_copy(update={"tiers": tiers})
+        update: dict[str, Any] = {"model": served} if t.model == engine_name else {}
+        if t.name in budgets:
+            b = budgets[t.name]
+            update.update(
+                {"budget_mode": "off", "thinking_budget": 0, "enable_thinking": False} if b == 0  # the direct mode
+                else {"budget_mode": "prompted", "budget_prompt": spec["budget_prompt"], "thinking_budget": b,
+                      "enable_thinking": True})
+        tiers.append(t.model_copy(update=update) if update else t)
+    out = settings.model_copy(update={"tiers": tiers, "engine": settings.engine.model_copy(
+        update={"served_model_name": served})})
     router = spec.get("router")
     if router and (model_dir / router).is_file():
         out = out.model_copy(update={"routing": out.routing.model_copy(

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.config import Settings, TierConfig
@@ -71,6 +71,9 @@ class RouteDecision:
     downgraded_from: str | None = None
     #: the routing window the router scored (``predicted`` routes only; outcomes keep its digest)
     window: str | None = None
+    #: the request's own ``thinking_token_budget`` (tokens; None: it asked none) — what a ``prompted`` tier asks
+    #: the model for when below the tier's (``x-thinkgate-thinking-budget``)
+    asked_budget: int | None = None
 
 
 def default_thresholds(n_tiers: int) -> list[float]:
@@ -226,6 +229,13 @@ class Routing:
     def decide(self, body: dict[str, Any], forced_header: str | None, window_text: str | None = None) -> RouteDecision:
         """Route one request body. Raises UnknownModel (400) for an unknown model/header tier and
         InvalidRequest (400) for an unknown ``reasoning_effort``."""
+        d = self._decide(body, forced_header, window_text)
+        asked = body.get("thinking_token_budget")
+        if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0:
+            d = replace(d, asked_budget=asked)
+        return d
+
+    def _decide(self, body: dict[str, Any], forced_header: str | None, window_text: str | None) -> RouteDecision:
         if forced_header:
             t = self._tiers.get(forced_header.strip())
             if t is None:

@@ -119,11 +119,12 @@ def budget_router_gateway(upstream_sim: SimProcess, redis_url: str, tmp_path: Pa
         yield gw
 
 
-def _ask_raw(gw: GatewayServer, sim: SimProcess, model: str, question: str) -> tuple[Any, dict[str, Any]]:
+def _ask_raw(gw: GatewayServer, sim: SimProcess, model: str, question: str,
+             **extra: Any) -> tuple[Any, dict[str, Any]]:
     client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=30)
     tag = uuid.uuid4().hex
     raw = client.chat.completions.with_raw_response.create(
-        model=model, messages=[{"role": "user", "content": question}], extra_body={"sim": {"tag": tag}})
+        model=model, messages=[{"role": "user", "content": question}], extra_body={"sim": {"tag": tag}, **extra})
     last = sim.tag(tag)
     assert last is not None
     return raw, last["body"]
@@ -146,6 +147,10 @@ def test_auto_routes_to_the_budget_the_router_file_maps_the_score_to(
     raw, body = _ask_raw(budget_router_gateway, upstream_sim, "long", QUESTION)
     assert _user_texts(body) == [QUESTION] and "x-thinkgate-thinking-budget" not in raw.headers
     assert "continue_final_message" not in body
+    # a request's own smaller budget is the one stated to the model, and the one the header shows
+    raw, body = _ask_raw(budget_router_gateway, upstream_sim, "auto", QUESTION, thinking_token_budget=12)
+    assert _user_texts(body) == [f"{QUESTION} Think for 12 tokens."]
+    assert raw.headers["x-thinkgate-thinking-budget"] == "12"
 
 
 def test_models_says_which_budgets_the_router_file_serves(budget_router_gateway: GatewayServer) -> None:

@@ -43,3 +43,9 @@ def test_serve_refuses_a_model_dir_without_a_model_before_starting_anything(tmp_
 
     result = CliRunner().invoke(app, ["serve", "--model-dir", str(tmp_path)])
     assert result.exit_code == 2 and "not a model directory" in result.output, result.output
+
+
+def test_a_dial_model_is_served_under_its_own_name() -> None:
+    settings = with_model_dir(Settings.load(None), ASSETS / "thinkgate-tiny-dial")
+    assert settings.engine.served_model_name == "thinkgate-tiny-dial"
+    assert {t.model for t in settings.tiers} == {"thinkgate-tiny-dial"}

@@ -56,7 +56,8 @@ def targets_line(report: dict[str, Any]) -> str:
         (met if ok else missed).append(str(r["budget"]))
     return (
         f"Targets (≥ 90% within tolerance and accuracy ≥ forcing's − 1 point): met at budgets "
-        f"{', '.join(met) or 'none'}; missed at {', '.join(missed) or 'none'}."
+        f"{', '.join(met) or '(no budget)'}; "
+        + (f"missed at {', '.join(missed)}." if missed else "missed at no budget.")
     )
 
 
@@ -81,7 +82,8 @@ def routing_section(fit: dict[str, Any] | None) -> str:
                "both the most accurate and among the cheapest here, because a budgeted thought fills its budget")
     return (f"`router.skops` routes every `auto` request to the tier `{served['tier']}` with a thinking budget "
             f"picked from the router score (Learn-then-Test, `thinkgate train dial-router`, on "
-            f"{fit['n_problems']} `arith` **train**-split problems, half fit, half calibration): {shape} — "
+            f"{fit['n_problems']} `arith` **train**-split problems, split by a hash of the problem into "
+            f"{g.get('n_fit')} to order the candidate maps and {g['n_calibration']} to test them): {shape} — "
             f"{verdict}.\n\n" + "\n".join(rows))
 
 
@@ -168,7 +170,9 @@ VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model DI
 ```
 and give its tiers `budget_mode: prompted` (the gateway appends `budget_prompt`, default
 `"{BUDGET_TEMPLATE}"`, to the last user message and keeps budget forcing as the hard stop at
-budget × 1.25 + 16). `dial.json` here lists the tier budgets `thinkgate bench savings --model-dir DIR` uses.
+budget × 1.25 + 16). Or let the gateway do all of it: `thinkgate serve --model-dir DIR` (what `make serve` runs
+for this directory) and `thinkgate bench savings --model-dir DIR` serve every tier from it with the budgets in
+`dial.json` and the router it names.
 
 ## Licence
 Apache-2.0. Made only from generated data; no third-party data or weights.

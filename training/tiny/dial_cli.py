@@ -67,14 +67,16 @@ def train_dial_sft(
 
 
 def train_dial_router(
-    model: str = typer.Option(..., "--model", help="The dial model directory (Hugging Face format)."),
+    model: Path = typer.Option(..., "--model", help="The dial model directory (Hugging Face format)."),
     out: Path = typer.Option(..., "--out", help="Write the router file (skops) here."),
     router: Path | None = typer.Option(None, "--router", help="Router whose score picks the budget (default: "
                                        "the shipped default router)."),
     tier: str = typer.Option("long", help="The routed prompted tier the budgets are for."),
     budgets: str = typer.Option("16,32,48,64,96,128,unlimited", help="Candidate thinking budgets, ascending "
-                                "(tokens; 'unlimited' last = the tier's own setting, the floor's reference)."),
-    n: int = typer.Option(400, min=8, help="arith train-split problems (half fit, half calibration)."),
+                                "(tokens; 'unlimited' last = the tier's own setting, the floor's reference). "
+                                "Default: 16,32,48,64,96,128,unlimited."),
+    n: int = typer.Option(400, min=8, help="arith train-split problems (split by a hash of each problem into "
+                          "about half to order the candidate maps, half to test them)."),
     seed: int = typer.Option(0, help="Seed of the problem sample."),
     bins: int = typer.Option(4, min=1, max=8, help="Score bins of the step map."),
     floor: float = typer.Option(0.98, min=0.5, max=1.0, help="Keep this share of the tier's own accuracy."),
@@ -94,7 +96,7 @@ def train_dial_router(
     except ValueError as exc:
         typer.echo(f"error: --budgets: {exc}", err=True)
         raise typer.Exit(2) from None
-    if not (Path(model) / "config.json").is_file():
+    if not (model / "config.json").is_file():
         typer.echo(f"error: {model} is not a model directory (no config.json)", err=True)
         raise typer.Exit(2)
     if router is None:
@@ -105,7 +107,7 @@ def train_dial_router(
         typer.echo(f"error: --router {router}: no such file", err=True)
         raise typer.Exit(2)
     require("torch", "train", "thinkgate train dial-router")
-    report = build(model, Path(router), out, tier=tier, budgets=values, n=n, seed=seed, n_bins=bins, floor=floor,
+    report = build(str(model), Path(router), out, tier=tier, budgets=values, n=n, seed=seed, n_bins=bins, floor=floor,
                    delta=delta, threads=threads, log=typer.echo)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -62,6 +62,14 @@ def outcomes(model_dir: str, budgets: Sequence[int | None], n: int, seed: int, t
     return problems, correct, tokens
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when under it (a report holds no build machine's paths)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path.name if path.is_absolute() else str(path)
+
+
 def build(model_dir: str, router_path: Path, out: Path, *, tier: str = "long",
           budgets: Sequence[int | None] = (16, 32, 48, 64, 96, 128, None), n: int = 400, seed: int = 0,
           n_bins: int = 4, floor: float = 0.98, delta: float = 0.1, threads: int = 2,
@@ -86,10 +94,12 @@ def build(model_dir: str, router_path: Path, out: Path, *, tier: str = "long",
                  "policy_description": "every routed request goes to the dial tier "
                                        f"{tier!r} with a thinking budget picked from the router score"})
     meta.pop("cold_start", None)  # this file is not the shipped default's cold start
+    meta.pop("thresholds_calibration", None)  # nor are its thresholds the default's: every routed request -> tier
     router.thresholds = [0.0] * n_cuts
     router.metadata = meta
     save_router(router, out)
-    report = {"model": str(model_dir), "router": str(router_path), "out": str(out), "n_problems": len(problems),
+    report = {"model": _shown(Path(model_dir)), "router": _shown(router_path), "out": _shown(out),
+              "n_problems": len(problems),
               "seed": seed, "budgets": [None if b is None else int(b) for b in budgets],
               "per_budget": [{"budget": b, "accuracy": round(float(correct[j].mean()), 4),
                               "mean_thinking_tokens": round(float(tokens[j].mean()), 2)}
