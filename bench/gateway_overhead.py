@@ -65,7 +65,7 @@ import httpx
 import orjson
 import yaml
 
-from bench._lib.load import send
+from bench._lib.load import Client, make_clients, send
 from bench._lib.redis_keys import delete_prefix
 from bench._lib.results_md import write_section
 from gateway.engine.redis_server import free_port
@@ -85,6 +85,8 @@ _PROMPT_IDS = itertools.count()
 # the previous run again and be served hits instead of the misses it claims to measure.
 _RUN_NONCE = uuid.uuid4().hex[:12]
 MESSAGES = [{"role": "user", "content": "What is the sum of the first ten odd numbers? Answer briefly."}]
+#: the load generator's HTTP client (``--client``; bench/_lib/load.py says why aiohttp)
+CLIENT_KIND = "aiohttp"
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def unique_body(model: str, stream: bool) -> bytes:
                          "max_tokens": 64, "temperature": 0})
 
 
-async def closed_loop(clients: list[httpx.AsyncClient], url: str, body: Callable[[], bytes],
+async def closed_loop(clients: list[Client], url: str, body: Callable[[], bytes],
                       headers: Callable[[], Mapping[str, str]], pid: int | None, concurrency: int, n: int,
                       seconds: float, stream: bool) -> Samples:
     """``concurrency`` workers (one client each) POST ``body()`` with ``headers()`` to ``url`` until ``n``
@@ -167,7 +169,7 @@ async def closed_loop(clients: list[httpx.AsyncClient], url: str, body: Callable
     left = n
     deadline = time.perf_counter() + seconds
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(client: Client) -> None:
         nonlocal left
         while left > 0 and time.perf_counter() < deadline:
             left -= 1
@@ -192,7 +194,7 @@ async def closed_loop(clients: list[httpx.AsyncClient], url: str, body: Callable
     return out
 
 
-async def run_load(clients: list[httpx.AsyncClient], target: Target, concurrency: int, n: int, seconds: float,
+async def run_load(clients: list[Client], target: Target, concurrency: int, n: int, seconds: float,
                    stream: bool, unique: bool = False) -> Samples:
     """Closed loop (:func:`closed_loop`) of the bench's chat request to ``target``.
 
@@ -209,11 +211,10 @@ async def measure(targets: list[Target], concurrencies: list[int], n: int, secon
                   per_round: dict[tuple[str, int], list[Samples]] | None = None) -> dict[tuple[str, int], Samples]:
     """Samples per (target, concurrency), summed over ``rounds``; ``per_round`` (when given) gets each round's."""
     results: dict[tuple[str, int], Samples] = {}
-    # One single-connection client per worker: httpcore's pool bookkeeping grows with its connection count,
-    # and the load generator must not be the bottleneck it measures.
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    # One single-connection client per worker, aiohttp by default: the load generator must not be the bottleneck
+    # it measures (bench/_lib/load.py: httpx cost 0.7-0.9 ms of CPU per request here, aiohttp 0.16 ms).
     n_clients = max(4, *concurrencies)  # 4: the warm-up
-    clients = [httpx.AsyncClient(limits=limits, timeout=30, trust_env=False) for _ in range(n_clients)]
+    clients = make_clients(n_clients, CLIENT_KIND)
     try:
         for t in targets:  # warm-up: connections, imports, caches
             await run_load(clients, t, 4, 40, 10, stream, unique)
@@ -549,7 +550,8 @@ def run_litellm(args: argparse.Namespace) -> None:
             f"proxy {version} (`bench/.venv-litellm`, one worker, no database, master key, `openai/` provider, "
             f"offline and quiet env). {extra}Closed loop on loopback, {args.requests} requests or "
             f"{args.seconds:.0f} s per target and concurrency in {args.rounds} alternating rounds after a warm-up; "
-            f"client, simulator, all proxies and Redis share the machine's CPUs. Peak RSS: VmHWM summed over the "
+            f"client ({CLIENT_KIND}, one connection per worker: bench/_lib/load.py), simulator, all proxies and "
+            f"Redis share the machine's CPUs. Peak RSS: VmHWM summed over the "
             f"proxy's process tree at the end. Startup (process start → health endpoint answered, started one "
             f"after another before the load): {startup}. Ratios < 1× favour ThinkGate for latency, CPU and "
             f"memory; > 1× for RPS. Machine: {env_line}.\n\n{out}\n",
@@ -636,8 +638,7 @@ async def traced_vs_untraced(target: Target, concurrency: int, stream: bool, blo
     body = orjson.dumps({"model": target.model, "messages": MESSAGES, "stream": stream, "max_tokens": 64})
     url = target.base_url + "/chat/completions"
     plain = {"authorization": f"Bearer {target.api_key}", "content-type": "application/json"}
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    clients = [httpx.AsyncClient(limits=limits, timeout=30, trust_env=False) for _ in range(concurrency)]
+    clients = make_clients(concurrency, CLIENT_KIND)
     errors = 0
 
     def traced_headers() -> dict[str, str]:
@@ -866,6 +867,8 @@ def main() -> None:
                     help="json: non-streamed; stream: SSE (latency = last byte)")
     ap.add_argument("--extra", action="append", default=[], help="NAME=BASE_URL[,KEY[,MODEL[,PID]]] another target")
     ap.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
+    ap.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp",
+                    help="the load generator's client (aiohttp: ~0.16 ms CPU/request; httpx: ~0.8, earlier runs)")
     ap.add_argument("--floor", action="store_true",
                     help="add a bare uvicorn + httpx forwarder as a target (json mode only): the stack's floor")
     ap.add_argument("--floors", nargs="*", choices=sorted(FLOORS), default=None,
@@ -886,6 +889,8 @@ def main() -> None:
     ap.add_argument("--litellm", action="store_true",
                     help="ThinkGate (router + cache + metering) vs LiteLLM's proxy; default concurrency 1 8 32 64")
     args = ap.parse_args()
+    global CLIENT_KIND
+    CLIENT_KIND = args.client
     if args.concurrency is None and not args.litellm:
         args.concurrency = [1, 32]
     if args.floors is None:
