@@ -73,6 +73,7 @@ class RetrainTrigger:
         self.top = settings.routing.routed_tiers[-1]
         self.two_tiers = len(settings.routing.routed_tiers) == 2
         self.service = service
+        self.handle = handle
         self.redis = handle.client
         self.prefix = handle.prefix
         self.breaker = breaker
@@ -89,7 +90,7 @@ class RetrainTrigger:
     # --- keys -------------------------------------------------------------------------------------------
     @property
     def k_history(self) -> str:
-        return f"{self.prefix}router:history"
+        return history_key(self.prefix)
 
     @property
     def k_current(self) -> str:
@@ -180,9 +181,7 @@ class RetrainTrigger:
 
     async def _history(self, event: dict[str, Any]) -> None:
         self.last = event
-        data = orjson.dumps(event)
-        await self.breaker.call(lambda: self.redis.xadd(self.k_history, {"e": data}, maxlen=HISTORY_MAXLEN,
-                                                        approximate=True))
+        await write_history(self.handle, self.breaker, event)
 
     async def _all_outcomes(self) -> list[dict[str, Any]]:
         return [orjson.loads(o.to_json()) for o in await self.outcomes.outcomes()]
@@ -278,7 +277,19 @@ def attach(settings: Settings, routing: Any, handle: RedisHandle, breaker: Break
     return trigger
 
 
+def history_key(prefix: str) -> str:
+    """The audit stream of automatic retraining: ``p router:history``."""
+    return f"{prefix}router:history"
+
+
+async def write_history(handle: RedisHandle, breaker: Breaker, event: dict[str, Any]) -> None:
+    """Append one audit event to ``p router:history`` (capped at about ``HISTORY_MAXLEN`` entries)."""
+    data = orjson.dumps(event)
+    await breaker.call(lambda: handle.client.xadd(history_key(handle.prefix), {"e": data},
+                                                  maxlen=HISTORY_MAXLEN, approximate=True))
+
+
 async def read_history(handle: RedisHandle, breaker: Breaker, count: int = 100) -> list[dict[str, Any]]:
     """The last ``count`` audit events of ``p router:history``, oldest first."""
-    raw = await breaker.call(lambda: handle.client.xrevrange(f"{handle.prefix}router:history", count=count)) or []
+    raw = await breaker.call(lambda: handle.client.xrevrange(history_key(handle.prefix), count=count)) or []
     return [dict(orjson.loads(as_bytes((f or {})[b"e"]))) for _, f in reversed(raw)]

@@ -59,11 +59,33 @@ def fire_drift_alert(seeded: Seeded) -> None:
     asyncio.run(go())
 
 
+def record_promotion(seeded: Seeded) -> None:
+    """A promotion audit event through the retraining's own writer (``p router:history``)."""
+    import asyncio
+
+    from gateway.config import RedisConfig
+    from gateway.control.retrain_trigger import write_history
+    from gateway.state.breaker import Breaker
+    from gateway.state.redis import connect
+
+    async def go() -> None:
+        handle = connect(RedisConfig(url=seeded.gw.settings.redis.url, key_prefix=seeded.prefix))
+        try:
+            await write_history(handle, Breaker(1.0), {
+                "event": "promote", "ts": 1796169600.0, "version": "auto-test-002", "previous": "auto-test-001",
+                "path": "/tmp/r.skops", "outcomes": 400, "reason": "new holds the floor at 31% savings"})
+        finally:
+            await handle.close()
+
+    asyncio.run(go())
+
+
 def test_dashboard_in_chromium(seeded: Seeded, tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     assert EXECUTABLE is not None
     fire_drift_alert(seeded)
+    record_promotion(seeded)
     urls: list[str] = []
     errors: list[str] = []  # console errors (a CSP violation, a script error) and page errors
     with sync_playwright() as p:
@@ -93,6 +115,7 @@ def test_dashboard_in_chromium(seeded: Seeded, tmp_path: Path) -> None:
                                              "[b.dataset.row, Number(b.dataset.micro)]))")
             budget_rows = page.eval_on_selector_all("#budgets tr[data-row]", "rs => rs.map(r => r.dataset.row)")
             alerts = page.inner_text("#alerts")
+            promotions = page.inner_text("#router-history")
             headline = page.inner_text("#total-requests")
             bar_px = page.eval_on_selector("#spend-day .fill", "f => f.getBoundingClientRect().height")
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
@@ -118,6 +141,8 @@ def test_dashboard_in_chromium(seeded: Seeded, tmp_path: Path) -> None:
     assert {"budget:key alice:day", "budget:tag:team=a:day", "budget:global:month"} <= set(budget_rows)
     assert "key alice" in alerts and "1% of $0.002" in alerts
     assert "drift · router r-test score PSI 0.400" in alerts
+    assert ("2026-12-02 00:00:00 · promote · now auto-test-002 (was auto-test-001) · 400 outcomes · new holds the "
+            "floor at 31% savings") in promotions, promotions
     # no request carried a key in its URL (the form posts it in the body)
     assert urls and not [u for u in urls if any(s in u for s in (ADMIN_SECRET, *SECRETS.values()))]
     assert all(u.startswith(seeded.gw.url) for u in urls)  # nothing fetched from anywhere else (no CDN)

@@ -25,6 +25,7 @@ from typing import Any
 
 from gateway.api.usage import levels_view
 from gateway.config import Settings
+from gateway.control.retrain_trigger import read_history
 from gateway.ledger import report as rp
 from gateway.ledger.event import UsageEvent
 from gateway.ledger.export import group
@@ -34,6 +35,7 @@ from router.stats import percentile
 
 SPEND_GROUPS = ("day", "key", "tier", "tag")
 ALERTS_SHOWN = 50
+HISTORY_SHOWN = 20
 
 
 def month_start(now: float) -> float:
@@ -157,5 +159,7 @@ async def collect(acct: Accounting, settings: Settings, routing: Routing, since:
         "routing": routing_view(events, settings, routing),
         "budgets": await budgets_view(acct, now),
         "alerts": await acct.alerts.recent(ALERTS_SHOWN),
+        # automatic retraining's audit events (promote / keep / rollback), newest first
+        "router_history": list(reversed(await read_history(acct.handle, acct.breaker, HISTORY_SHOWN))),
         "latency": latency_view(events, settings),
     }

@@ -110,6 +110,15 @@ function render(d) {
     : when(a) + " · " + (a.level === "key" ? "key " + a.key_id : a.level) + " · " + a.period + " " + a.period_id +
       " · " + Math.round(a.fraction * 100) + "% of $" + a.budget_usd + " (spent $" + a.spent_usd + ")"})));
   if (!d.alerts.length) ul.append(el("li", {class: "muted", text: "no alert raised"}));
+
+  const hist = document.getElementById("router-history");
+  const at = h => new Date(h.ts * 1000).toISOString().slice(0, 19).replace("T", " ");
+  hist.replaceChildren(...d.router_history.map(h => el("li", {"data-event": h.event, text: at(h) + " · " + h.event +
+    (h.event === "promote" ? " · now " + h.version + " (was " + (h.previous || "—") + ")"
+      : h.event === "rollback" ? " · back to " + (h.version || "—") + " from " + h.previous
+      : " · kept " + (h.version || "—")) +
+    (h.outcomes != null ? " · " + h.outcomes + " outcomes" : "") + (h.reason ? " · " + h.reason : "")})));
+  if (!d.router_history.length) hist.append(el("li", {class: "muted", text: "no promotion, refusal or rollback yet (routing.retrain)"}));
 }
 
 function unavailable(message) {
