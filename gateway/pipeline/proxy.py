@@ -196,10 +196,9 @@ class Proxy:
                 with span("upstream"), conversation_affinity(body, candidates):
                     # prompted: forcing is the hard stop above the requested budget; with none (an unlimited dial
                     # tier) there is nothing to stop, and one pass spares phase 2's second prompt
-                    if tier.budget_mode == "forced" or (tier.budget_mode == "prompted"
-                                                        and dial.requested_budget(body, tier) is not None):
-                        resp = await open_forced(self.upstreams, dial.forcing_tier(tier, body), caller.endpoint,
-                                                 built)
+                    forced = dial.forcing_tier(tier, body) if tier.budget_mode in ("forced", "prompted") else None
+                    if forced is not None and (forced.budget_mode == "forced" or forced.thinking_budget is not None):
+                        resp = await open_forced(self.upstreams, forced, caller.endpoint, built)
                     else:
                         resp = await self.upstreams.open(tier, ENDPOINT_PATHS[caller.endpoint],
                                                          orjson.dumps(built), stream=record.stream)

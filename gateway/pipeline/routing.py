@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import Settings, TierConfig
@@ -229,20 +229,16 @@ class Routing:
     def decide(self, body: dict[str, Any], forced_header: str | None, window_text: str | None = None) -> RouteDecision:
         """Route one request body. Raises UnknownModel (400) for an unknown model/header tier and
         InvalidRequest (400) for an unknown ``reasoning_effort``."""
-        d = self._decide(body, forced_header, window_text)
-        asked = body.get("thinking_token_budget")
-        if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0:
-            d = replace(d, asked_budget=asked)
-        return d
-
-    def _decide(self, body: dict[str, Any], forced_header: str | None, window_text: str | None) -> RouteDecision:
+        asked = body.get("thinking_token_budget")  # kept on the decision for x-thinkgate-thinking-budget
+        if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
+            asked = None
         if forced_header:
             t = self._tiers.get(forced_header.strip())
             if t is None:
                 raise UnknownModel(
                     f"X-ThinkGate-Tier: unknown tier {forced_header!r} (tiers: {self._order})", param="model"
                 )
-            return RouteDecision(t, "forced")
+            return RouteDecision(t, "forced", asked_budget=asked)
         model = body.get("model")
         if model != AUTO:
             t = self._tiers.get(model)  # type: ignore[arg-type]
@@ -250,7 +246,7 @@ class Routing:
                 raise UnknownModel(
                     f"model {model!r} does not exist; use 'auto' or one of {self._order}", param="model"
                 )
-            return RouteDecision(t, "forced")
+            return RouteDecision(t, "forced", asked_budget=asked)
         effort = body.get("reasoning_effort")
         if effort is not None:
             name = self.cfg.effort_tiers.get(effort)
@@ -259,17 +255,17 @@ class Routing:
                     f"reasoning_effort {effort!r} is not one of {sorted(self.cfg.effort_tiers)}",
                     param="reasoning_effort",
                 )
-            return RouteDecision(self._tiers[name], "effort")
+            return RouteDecision(self._tiers[name], "effort", asked_budget=asked)
         svc = self._service_in_use()
         if svc is not None and not svc.available:  # no usable router file: on_router_error = default_tier
-            return RouteDecision(self._tiers[self.cfg.default_tier], "fallback", None)
+            return RouteDecision(self._tiers[self.cfg.default_tier], "fallback", None, asked_budget=asked)
         text = window_text if window_text is not None else self._window_of(body)
         try:
             score = float(self._scorer.score(text))
         except Exception:
             log.warning("router %s failed; using default tier %s", self._scorer.name, self.cfg.default_tier,
                         exc_info=True)
-            return RouteDecision(self._tiers[self.cfg.default_tier], "predicted", None)
+            return RouteDecision(self._tiers[self.cfg.default_tier], "predicted", None, asked_budget=asked)
         score = min(1.0, max(0.0, score))
         routed = self.cfg.routed_tiers
         cuts = self.thresholds
@@ -281,7 +277,8 @@ class Routing:
         for observe in self.observers:
             observe(score, i)
         tiers, bmap = self._auto_policy()
-        return RouteDecision(self._with_budget(tiers[routed[i]], score, bmap), "predicted", score, window=text)
+        return RouteDecision(self._with_budget(tiers[routed[i]], score, bmap), "predicted", score, window=text,
+                             asked_budget=asked)
 
     def _window_of(self, body: dict[str, Any]) -> str:
         messages = body.get("messages")
