@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from gateway.ledger.record import UsageRecord
-from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, sim_tiers
+from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, sim_tiers, wait_for
 
 BUDGET = 8
 QUESTION = "Start with 7. Add 5, then multiply by 3. What is the result of all these steps please?"
@@ -85,8 +85,11 @@ def test_forced_budget_stream_equals_non_stream(forced_gateway: tuple[GatewaySer
     gw, records = forced_gateway
     client = _client(gw)
     msgs = [{"role": "user", "content": QUESTION}]
+    before = len(records)
     resp = client.chat.completions.create(model="short", messages=msgs)
     reasoning, content, usage, _ = _stream_text(client, model="short", messages=msgs)
+    # the stream's usage record is written once its last byte is sent: the client may read that byte first
+    assert wait_for(lambda: len(records) >= before + 2, timeout_s=10), records[before:]
     assert reasoning == (resp.choices[0].message.model_extra or {}).get("reasoning")
     assert content == resp.choices[0].message.content
     assert usage["prompt_tokens"] == resp.usage.prompt_tokens
