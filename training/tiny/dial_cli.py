@@ -53,15 +53,20 @@ def train_dial_sft(
     steps: int = typer.Option(1500, help="SFT steps (batch 16)."),
     max_minutes: float = typer.Option(22.0, help="Wall-time bound (the LR decay ends by then)."),
     seed: int = typer.Option(5, help="Data seed."),
+    lr: float = typer.Option(1e-3, min=1e-6, max=1e-1, help="Peak learning rate (warm-up 50 steps, cosine). "
+                             "Continuing a trained dial model: 3e-4 or less (at 1e-3 it forgets first)."),
+    threads: int = typer.Option(1, min=1, help="torch CPU threads."),
 ) -> None:
     """Warm-start a dial model: SFT on thoughts that fill the budget stated in the prompt (training.tiny.dial)."""
     from router.errors import require
 
     require("torch", "train", "thinkgate train dial-sft")
+    from dataclasses import replace
+
     from training.tiny.dial_sft import DEFAULT_INIT, DialMix, dial_stage, sampler
     from training.tiny.train import train
 
-    cfg = dial_stage(init_from or DEFAULT_INIT, steps, max_minutes, seed)
+    cfg = replace(dial_stage(init_from or DEFAULT_INIT, steps, max_minutes, seed), lr=lr, threads=threads)
     summary = train(cfg, output_dir, log=typer.echo, sampler=sampler(DialMix()))
     typer.echo(f"done in {summary['wall_s']} s -> {output_dir}")
 
