@@ -130,7 +130,9 @@ def test_one_script_call_per_request_on_a_single_redis(gateway: Any, redis_url: 
     assert [r.headers["x-thinkgate-cache"] for r in misses] == ["miss"] * N
     assert [r.headers["x-thinkgate-cache"] for r in hits] == ["hit"] * N
     assert set(ids) <= set(events), "a request was not metered"
-    counts = Counter(kind(c, prefix) for c in mon.commands)
+    # the warm-up's request index is flushed in the background (every second) and may land inside the window
+    warm_id = warm.headers["x-request-id"]
+    counts = Counter(kind(c, prefix) for c in mon.commands if not any(warm_id in w for w in c))
     # the request path: one script call per request, misses and hits alike
     assert counts["HOT"] == 2 * N, counts
     assert counts["ADMIT"] == 0 and counts["BEGIN"] == 0, counts
