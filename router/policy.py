@@ -61,6 +61,7 @@ class BudgetMap:
         return self.budgets[-1]
 
     def to_dict(self) -> dict[str, Any]:
+        """The ``metadata.serving.budgets`` block without its guarantee: ``{"tier", "cuts", "budgets"}``."""
         return {"tier": self.tier, "cuts": list(self.cuts), "budgets": list(self.budgets)}
 
 

@@ -2,11 +2,12 @@
 ``thinkgate bench savings --model-dir DIR``.
 
 A **dial model** directory (one with ``dial.json``: ``{"budget_prompt", "tiers": {name: budget|null},
-"router"?: FILE}``, written by ``python -m training.tiny.dial_card``) serves every tier it names with
-``budget_mode: prompted``, its prompt format and its per-tier budget (0: thinking off, ``budget_mode: off``; null:
-unlimited), and its ``router`` (a router file beside it that maps the score to a thinking budget, ``thinkgate train
-dial-router``) as ``routing.router_path``. Any other directory only replaces ``engine.model_path``: same served
-name and tiers.
+"served_model_name"?, "router"?: FILE}``, written by ``python -m training.tiny.dial_card``) is served under its own
+name (``served_model_name``, else the directory's: ``engine.served_model_name`` and the ``model`` of every tier that
+named the engine's model), serves every tier it names with ``budget_mode: prompted``, its prompt format and its
+per-tier budget (0: thinking off, ``budget_mode: off``; null: unlimited), and its ``router`` (a router file beside it
+that maps the score to a thinking budget, ``thinkgate train dial-router``) as ``routing.router_path``. Any other
+directory only replaces ``engine.model_path``: same served name and tiers.
 """
 
 from __future__ import annotations

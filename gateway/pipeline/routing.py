@@ -103,8 +103,9 @@ class Routing:
         #: the router file's cascade applied to the tiers and its budget map (per loaded router: rebuilt after a
         #: reload)
         self._auto: tuple[object, dict[str, TierConfig], BudgetMap | None] | None = None
-        #: (router, tier name, budget) -> the tier as served with the map's budget (a few distinct budgets)
-        self._budgeted: dict[tuple[int, str, int | None], TierConfig] = {}
+        #: (tier name, budget) -> the tier as served with the loaded map's budget (a few distinct budgets; emptied
+        #: when another router file is loaded)
+        self._budgeted: dict[tuple[str, int | None], TierConfig] = {}
 
     @property
     def scorer(self) -> Router:
@@ -193,7 +194,7 @@ class Routing:
         if bmap is None or tier.name != bmap.tier:
             return tier
         budget = bmap.budget(score)
-        key = (id(bmap), tier.name, budget)
+        key = (tier.name, budget)
         out = self._budgeted.get(key)
         if out is None:
             out = self._budgeted[key] = tier.model_copy(update={"thinking_budget": budget})
