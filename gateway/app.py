@@ -174,6 +174,8 @@ def create_app(settings: Settings) -> FastAPI:
                     await task
         if controller is not None:
             await controller.close()
+        if retrain is not None:
+            retrain.close()  # the fit process, if one was started
         if proxy.shadow is not None:
             await proxy.shadow.close()
         if outcomes is not None:

@@ -112,11 +112,12 @@ class DriftConfig(_Strict):
 class RetrainConfig(_Strict):
     """Automatic retraining and safe promotion (``gateway/control/retrain_trigger.py``): off unless
     ``every_outcomes`` > 0. Every ``every_outcomes`` new outcomes in the stream, one replica (a Redis lock) fits a
-    router on the outcomes so far (``router.fit.retrain``; needs ``routing.outcomes.retain_text``) in a worker
-    thread, compares it with the router in service on the held-back ``heldout_frac`` of the outcomes under the
-    served-floor rule (accuracy ≥ ``floor`` × always-top, savings as the tie-break; at least ``min_heldout``
-    labelled windows) and promotes it — a versioned file under ``state_dir``, hot-reloaded by every replica
-    with retraining on — only when it is better. ``explore``: the share of ``auto`` requests routed to the
+    router on the outcomes so far (``router.fit.retrain``; needs ``routing.outcomes.retain_text``) in a child
+    process (``fit_in: process``, at nice +10: a fit holds the GIL, so in a thread it stalls serving) or a worker
+    thread (``fit_in: thread``), compares it with the router in service on the held-back ``heldout_frac`` of the
+    outcomes under the served-floor rule (accuracy ≥ ``floor`` × always-top, savings as the tie-break; at least
+    ``min_heldout`` labelled windows) and promotes it — a versioned file under ``state_dir``, hot-reloaded by
+    every replica with retraining on — only when it is better. ``explore``: the share of ``auto`` requests routed to the
     tier below the one predicted, at random, so that cheap answers exist to learn from (0: none). The realised
     floor (feedback on the cheap answers the promoted router chose, against feedback on top answers) is checked
     every ``interval_s``; below ``floor`` (on at least ``realised_min`` graded cheap answers) the previous file
@@ -130,6 +131,7 @@ class RetrainConfig(_Strict):
     explore: float = Field(0.0, ge=0, le=1)
     realised_min: int = Field(30, ge=5)
     fit_here: bool = True
+    fit_in: Literal["process", "thread"] = "process"
     interval_s: float = Field(1.0, gt=0)
 
     @property

@@ -9,10 +9,14 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    thread);
 2. **fits** (``fit_here``, one replica at a time: the lock ``p router:lock``): once the outcome stream
    (``p outcomes``) has ``every_outcomes`` more entries than at the last fit (``p router:fitted_at``), reads
-   every outcome and runs :func:`router.fit.promote.fit_candidate` **in a worker thread** (never on the event
-   loop): fit on the outcomes so far, compare with the router in service on the held-back slice under the
-   served-floor rule. Better → the candidate is written to ``state_dir/router-<version>.skops`` (versioned; the
-   files before it are kept), ``p router:current`` is set with the previous path, every replica follows;
+   every outcome and runs :func:`router.fit.promote.fit_and_save` **in a child process** (``fit_in: process``,
+   the default: one spawned worker at ``nice`` +10, started at the first fit and kept) or, with ``fit_in:
+   thread``, in a worker thread: fit on the outcomes so far, compare with the router in service on the held-back
+   slice under the served-floor rule. Better → the candidate is written to ``state_dir/router-<version>.skops``
+   (versioned; the files before it are kept), ``p router:current`` is set with the previous path, every replica
+   follows. Why a process: a fit holds the GIL — measured on 1,536 outcomes (fit + save 2.5–5.5 s), a fit in a
+   thread stretches the serving loop's 1 ms ticks to p99 11–16 ms, max 25–435 ms; in the child p99 0.2–1.0 ms
+   (``python -m bench.retrain_lag``; bench/RESULTS.md, "Retraining off the serving loop");
 3. **rolls back** (checked once a third of ``realised_min`` new outcomes are in): the realised floor of the
    promoted router (:func:`router.fit.promote.realised`: the feedback
    on the answers it served, explored ones left out) below ``floor`` on at least ``realised_min`` graded cheap
@@ -27,18 +31,23 @@ Each promotion, refusal and rollback is an audit event in the stream ``p router:
 cheapest goes one tier down with probability ``explore`` (seeded per process); the window's digest is kept (at
 most 10,000) so the realised floor leaves those answers out — they are the router's teacher, not its choice.
 
-The offline fit code (``router.fit``) is imported by name inside the worker thread, as the verifier judge
-imports the task checkers (the request path's import contract keeps ``router.fit`` out of its imports).
+The offline fit code (``router.fit``) is imported by name inside the fit (the child imports it itself), as the
+verifier judge imports the task checkers (the request path's import contract keeps ``router.fit`` out of its imports).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import multiprocessing
+import os
 import random
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +65,7 @@ log = logging.getLogger("thinkgate.retrain")
 LOCK_TTL_S = 600
 HISTORY_MAXLEN = 10_000
 MAX_EXPLORED = 10_000
+FIT_NICE = 10  # the fit process yields the CPU to the serving loop
 
 
 def state_dir_of(settings: Settings) -> Path:
@@ -86,6 +96,7 @@ class RetrainTrigger:
         self.fitting = False
         self.last: dict[str, Any] | None = None  # the last audit event of this replica
         self._checked_at = -1  # outcome count at the last realised-floor check
+        self._pool: ProcessPoolExecutor | None = None  # the fit process (fit_in: process), made at the first fit
 
     # --- keys -------------------------------------------------------------------------------------------
     @property
@@ -199,15 +210,15 @@ class RetrainTrigger:
             if old is None:
                 return None
             outcomes = await self._all_outcomes()
-            new, cmp = await asyncio.to_thread(self._fit, old, outcomes)
+            version = f"auto-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{self.fits + 1:03d}"
+            path, cmp, fit = await self._fit(old, outcomes, version)
             self.fits += 1
             prev_version = old.metadata.get("version") or old.metadata.get("created_utc")
             event: dict[str, Any] = {"event": "keep", "ts": round(time.time(), 3), "version": prev_version,
                                      "previous": prev_version, "path": str(self.service.path),
-                                     "outcomes": n_outcomes, "comparison": cmp, "reason": cmp["reason"]}
-            if new is not None and cmp["better"]:
-                path = await asyncio.to_thread(self._save, new)
-                version = new.metadata["version"]
+                                     "outcomes": n_outcomes, "comparison": cmp, "reason": cmp["reason"],
+                                     "fit": {"in": self.cfg.fit_in, **fit}}
+            if path is not None:
                 prev_path = str(self.service.path) if self.service.path is not None else ""
                 mapping = {"path": str(path), "version": version, "previous": prev_path,
                            "previous_version": str(prev_version or "")}
@@ -221,20 +232,35 @@ class RetrainTrigger:
             with contextlib.suppress(RedisDown):
                 await self.breaker.call(lambda: self.redis.delete(self.k_lock))
 
-    def _fit(self, old: Any, outcomes: list[dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
+    async def _fit(self, old: Any, outcomes: list[dict[str, Any]], version: str
+                   ) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+        """:func:`router.fit.promote.fit_and_save` in the fit process (or a thread): (the written path of a better
+        candidate or None, the comparison, ``{"pid", "seconds"}``). A fit process that died is replaced at the
+        next fit (this one raises ``BrokenProcessPool``, logged by :meth:`run`)."""
         from router.fit import promote  # lazy: only with routing.retrain on (listed in the contract)
-        version = f"auto-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{self.fits + 1:03d}"
-        new, cmp = promote.fit_candidate(old, outcomes, self.top, floor=self.cfg.floor,
-                                         heldout_frac=self.cfg.heldout_frac, min_heldout=self.cfg.min_heldout,
-                                         version=version)
-        return new, cmp.to_dict()
+        job = functools.partial(promote.fit_and_save, old, outcomes, self.top, str(self.dir), version,
+                                floor=self.cfg.floor, heldout_frac=self.cfg.heldout_frac,
+                                min_heldout=self.cfg.min_heldout)
+        if self.cfg.fit_in == "thread":
+            return await asyncio.to_thread(job)
+        if self._pool is None:
+            # spawn, not fork: the gateway has threads and an event loop a forked child would inherit half of
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=os.nice, initargs=(FIT_NICE,))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, job)
+        except BrokenProcessPool:
+            self._pool = None
+            raise
 
-    def _save(self, router: Any) -> Path:
-        from router import persistence
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / f"router-{router.metadata['version']}.skops"
-        persistence.save_router(router, path)
-        return Path(path)
+    def close(self) -> None:
+        """Stop the fit process (a fit in progress is abandoned: its lock expires, the next replica fits)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            for proc in list(getattr(pool, "_processes", {}).values()):  # no public way to stop a running job
+                with contextlib.suppress(OSError):
+                    proc.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
 
     async def check_realised(self) -> dict[str, Any] | None:
         """Roll back to the previous file when the promoted router's realised floor is below ``floor`` on at

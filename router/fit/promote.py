@@ -248,3 +248,28 @@ def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, fl
     ratio = 1.0 - r.q * cheap_wrong / (p_top * len(mine))
     return {"n_cheap": n_cheap, "n": len(mine), "accuracy_ratio": round(ratio, 6),
             "holds_floor": bool(ratio >= floor - 1e-12), "q": round(r.q, 6)}
+
+
+def fit_and_save(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_tier: str, out_dir: str,
+                 version: str, *, floor: float = 0.98, heldout_frac: float = 0.2,
+                 min_heldout: int = 10) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+    """:func:`fit_candidate`, then — only when the candidate is better — write it to
+    ``out_dir/router-<version>.skops`` (atomic, :func:`router.persistence.save_router`). The job automatic
+    retraining runs in a child process (``gateway/control/retrain_trigger.py``): only paths and plain dicts come
+    back, so the gateway neither unpickles nor serialises a fitted model on its event loop's GIL.
+
+    Returns (the written path or None, the comparison as a dict, ``{"pid", "seconds"}`` of the fit)."""
+    import os
+    import time
+    from pathlib import Path
+
+    from router.persistence import save_router
+
+    t0 = time.perf_counter()
+    new, cmp = fit_candidate(old, outcomes, top_tier, floor=floor, heldout_frac=heldout_frac,
+                             min_heldout=min_heldout, version=version)
+    path = None
+    if new is not None and cmp.better:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        path = str(save_router(new, Path(out_dir) / f"router-{version}.skops"))
+    return path, cmp.to_dict(), {"pid": os.getpid(), "seconds": round(time.perf_counter() - t0, 3)}

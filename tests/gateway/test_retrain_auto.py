@@ -5,6 +5,7 @@ one is kept out; a promoted router whose realised floor falls is rolled back to 
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -80,13 +81,18 @@ def test_a_better_router_is_promoted_and_a_worse_one_is_not(upstream_sim: SimPro
     old = _router(tmp_path / "serving.skops", informative=case == "worse")
     # one fit is due at start
     write_outcomes(redis_url, redis_prefix, _graded(invert_training=case == "worse"), tmp_path)
+    # the better case fits in the child process (the default), the worse one in a worker thread
+    fit_in = "process" if case == "better" else "thread"
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
-                            routing=_routing(old, tmp_path)) as gw:
+                            routing=_routing(old, tmp_path, fit_in=fit_in)) as gw:
         assert _status(gw)["learning"]["every_outcomes"] == 100
         assert wait_for(lambda: (_status(gw)["learning"] or {}).get("last_event") is not None, timeout_s=60)
         st = _status(gw)
         event = st["learning"]["last_event"]
         cmp = event["comparison"]
+        # this gateway runs in the test's process: a fit in the child reports another pid
+        assert event["fit"]["in"] == fit_in and event["fit"]["seconds"] > 0
+        assert (event["fit"]["pid"] != os.getpid()) == (fit_in == "process"), event["fit"]
         if case == "better":
             assert event["event"] == "promote", event
             assert cmp["old"]["holds_floor"] is False and cmp["new"]["holds_floor"] is True
