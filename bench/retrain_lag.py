@@ -31,35 +31,34 @@ from typing import Any
 from router.fit import promote
 from router.fit.fitter import fit_router
 from router.fit.labels import LabelledItem
-from router.jsonl import read_jsonl
+from router.fit.traces import load_ladder
 from router.model import ModelConfig, TrainedRouter
 from router.stats import percentile
 
 REPO = Path(__file__).resolve().parent.parent
-TRACES = REPO / "data" / "traces" / "frames"
+TRACES = REPO / "data" / "traces"
+LADDER = "Qwen3-14B:no_think,exd0"
 
 
 def outcome_set(copies: int, seed: int = 0) -> list[dict[str, Any]]:
     """Feedback outcomes (dicts of ``gateway.ledger.outcome.Outcome``) from the FRAMES traces."""
-    cheap = list(read_jsonl(TRACES / "Qwen3-14B__no_think.jsonl.gz"))
-    top = list(read_jsonl(TRACES / "Qwen3-14B__exd0.jsonl.gz"))
+    data = load_ladder(TRACES, "frames", LADDER)
     rng = random.Random(seed)
     out = []
-    for i, (c, t) in enumerate(zip(cheap, top, strict=True)):
+    for i, question in enumerate(data.questions):
         for k in range(copies):
-            tier = "short" if rng.random() < 0.5 else "long"
-            right = (c if tier == "short" else t)["correct"] in (True, "True")
-            out.append({"source": "feedback", "request_id": f"r{i}-{k}", "key_id": "bench", "tier": tier,
-                        "sufficed": right, "judge": "client", "window_digest": f"w{i}", "text": c["question"],
-                        "router_version": "v0", "ts": time.time()})
+            j = int(rng.random() >= 0.5)  # 0: the cheap setting ("short"), 1: the top one ("long")
+            out.append({"source": "feedback", "request_id": f"r{i}-{k}", "key_id": "bench",
+                        "tier": ("short", "long")[j], "sufficed": bool(data.correct[i, j]), "judge": "client",
+                        "window_digest": f"w{i}", "text": question, "router_version": "v0", "ts": time.time()})
     return out
 
 
 def serving_router() -> TrainedRouter:
     """The router in service before the fit: 80 questions, labels alternating (it knows nothing)."""
-    rows = list(read_jsonl(TRACES / "Qwen3-14B__no_think.jsonl.gz"))[:80]
-    items = [LabelledItem(id=f"b{i}", text=r["question"], label=i % 2 == 0, source="base", group=f"b{i}")
-             for i, r in enumerate(rows)]
+    questions = load_ladder(TRACES, "frames", LADDER).questions[:80]
+    items = [LabelledItem(id=f"b{i}", text=q, label=i % 2 == 0, source="base", group=f"b{i}")
+             for i, q in enumerate(questions)]
     router, _ = fit_router(items, ModelConfig(min_df=1), val_frac=0.0)
     router.thresholds = [0.5]
     router.metadata["version"] = "v0"

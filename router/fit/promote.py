@@ -29,8 +29,11 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import math
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,6 +41,7 @@ import numpy as np
 from router.fit.labels import LabelledItem
 from router.fit.retrain import is_heldout_digest, items_from_outcomes, score_histogram
 from router.model import ModelConfig, TrainedRouter
+from router.persistence import save_router
 
 FOLDS = 5
 Z90 = 1.2816
@@ -258,13 +262,8 @@ def fit_and_save(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_tie
     retraining runs in a child process (``gateway/control/retrain_trigger.py``): only paths and plain dicts come
     back, so the gateway neither unpickles nor serialises a fitted model on its event loop's GIL.
 
-    Returns (the written path or None, the comparison as a dict, ``{"pid", "seconds"}`` of the fit)."""
-    import os
-    import time
-    from pathlib import Path
-
-    from router.persistence import save_router
-
+    Returns (the written path or None, the comparison as a dict, ``{"pid", "seconds"}``: the process that ran the
+    job and its wall time, fit and save). Raises OSError when the file cannot be written."""
     t0 = time.perf_counter()
     new, cmp = fit_candidate(old, outcomes, top_tier, floor=floor, heldout_frac=heldout_frac,
                              min_heldout=min_heldout, version=version)
