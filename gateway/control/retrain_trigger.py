@@ -18,9 +18,10 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    thread stretches the serving loop's 1 ms ticks to p99 11–16 ms, max 25–435 ms; in the child p99 0.2–1.0 ms
    (``python -m bench.retrain_lag``; bench/RESULTS.md, "Retraining off the serving loop");
 3. **rolls back** (checked once a third of ``realised_min`` new outcomes are in): the realised floor of the
-   promoted router (:func:`router.fit.promote.realised`: the feedback
-   on the answers it served, explored ones left out) below ``floor`` on at least ``realised_min`` graded cheap
-   answers → ``p router:current`` goes back to the previous file (the version is added to ``p router:bad``).
+   promoted router (:func:`router.fit.realised.realised`: the feedback on the answers it served, explored ones
+   left out; unbiased through the audit arm once ``audit_min`` audit answers are graded, else under the nesting
+   assumption) below ``floor`` on at least ``realised_min`` graded cheap answers → ``p router:current`` goes
+   back to the previous file (the version is added to ``p router:bad``).
 
 Each promotion, refusal and rollback is an audit event in the stream ``p router:history`` (field ``e`` = JSON:
 ``{"event": "promote" | "keep" | "rollback", "ts", "version", "previous", "path", "outcomes", "comparison" |
@@ -30,6 +31,11 @@ Each promotion, refusal and rollback is an audit event in the stream ``p router:
 **Exploration** (``explore`` > 0): :meth:`explore` is the routing hook: a routed decision for a tier above the
 cheapest goes one tier down with probability ``explore`` (seeded per process); the window's digest is kept (at
 most 10,000) so the realised floor leaves those answers out — they are the router's teacher, not its choice.
+
+**Audit** (``audit`` > 0, default 5%): :meth:`audit` is the second hook: a routed decision for a tier below the
+top goes to the top tier with probability ``audit``, with route reason ``audit`` (the header, the usage event,
+the outcome). Graded, those answers measure the top tier on the questions the router sends cheap — the control
+arm that makes the realised floor unbiased.
 
 The offline fit code (``router.fit``) is imported by name inside the fit (the child imports it itself), as the
 verifier judge imports the task checkers (the request path's import contract keeps ``router.fit`` out of its imports).
@@ -131,6 +137,10 @@ class RetrainTrigger:
         self._explored_set.add(d)
         return i - 1
 
+    def audit(self) -> bool:
+        """The audit hook (module doc): whether this decision below the top tier is served by the top tier."""
+        return self.cfg.audit > 0 and self.rng.random() < self.cfg.audit
+
     def explored_digests(self) -> set[str]:
         """Window digests this replica explored (the realised floor leaves them out)."""
         return set(self._explored_set)
@@ -138,7 +148,8 @@ class RetrainTrigger:
     # --- status -----------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """For ``/v1/models``: the configuration, this replica's fits and its last audit event."""
-        return {"every_outcomes": self.cfg.every_outcomes, "explore": self.cfg.explore, "floor": self.cfg.floor,
+        return {"every_outcomes": self.cfg.every_outcomes, "explore": self.cfg.explore, "audit": self.cfg.audit,
+                "floor": self.cfg.floor,
                 "fit_here": self.cfg.fit_here, "state_dir": str(self.dir), "fits": self.fits,
                 "fitting": self.fitting, "last_event": self.last}
 
@@ -272,10 +283,10 @@ class RetrainTrigger:
         if not c.get("previous"):
             return None
         outcomes = await self._all_outcomes()
-        from router.fit import promote  # lazy: only with routing.retrain on (listed in the contract)
+        from router.fit import realised  # lazy: only with routing.retrain on (listed in the contract)
         explored = self.explored_digests()
         fb = [o for o in outcomes if o.get("window_digest") not in explored]
-        real = promote.realised(fb, c["version"], self.top, self.cfg.floor)
+        real = realised.realised(fb, c["version"], self.top, self.cfg.floor, audit_min=self.cfg.audit_min)
         if real["holds_floor"] or real["n_cheap"] < self.cfg.realised_min:
             return None
         mapping = {"path": c["previous"], "version": c.get("previous_version", ""), "previous": "",
@@ -285,8 +296,9 @@ class RetrainTrigger:
         await self.follow()
         event = {"event": "rollback", "ts": round(time.time(), 3), "version": c.get("previous_version"),
                  "previous": c["version"], "path": c["previous"], "outcomes": len(outcomes), "realised": real,
-                 "reason": f"realised floor {real['accuracy_ratio']} < {self.cfg.floor} on {real['n']} graded "
-                           f"answers ({real['n_cheap']} cheap) of {c['version']}"}
+                 "reason": f"realised floor {real['accuracy_ratio']} < {self.cfg.floor} ({real['method']} estimate) "
+                           f"on {real['n']} graded answers ({real['n_cheap']} cheap, {real['n_audit']} audit) of "
+                           f"{c['version']}"}
         await self._history(event)
         return event
 
@@ -300,6 +312,8 @@ def attach(settings: Settings, routing: Any, handle: RedisHandle, breaker: Break
     trigger = RetrainTrigger(settings, routing.service, handle, breaker, outcomes)
     if settings.routing.retrain.explore > 0:
         routing.explore = trigger.explore
+    if settings.routing.retrain.audit > 0:
+        routing.audit = trigger.audit
     return trigger
 
 

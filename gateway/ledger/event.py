@@ -37,7 +37,8 @@ WireEndpoint = Literal["chat", "completions"]
 #: (``/v1/responses``, ``/v1/messages``) and the embeddings pass-through.
 Endpoint = Literal["chat", "completions", "responses", "messages", "embeddings"]
 #: Why a request went to its tier (``x-thinkgate-route-reason``, the ``route_reason`` of its usage event).
-RouteReason = Literal["predicted", "forced", "effort", "fallback", "escalated", "cache", "shadow"]
+#: ``audit``: the router chose a cheaper tier and the top tier served it, at random (``routing.retrain.audit``).
+RouteReason = Literal["predicted", "forced", "effort", "fallback", "escalated", "cache", "shadow", "audit"]
 
 
 def micro_to_usd(micro: int) -> Decimal:

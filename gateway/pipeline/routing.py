@@ -100,6 +100,9 @@ class Routing:
         self.observers: list[Callable[[float, int], None]] = []
         #: (routed tier index, window text) -> the index served: exploration (``routing.retrain.explore``)
         self.explore: Callable[[int, str], int] | None = None
+        #: () -> whether this decision below the top tier goes to the top tier instead: the control arm of the
+        #: realised floor (``routing.retrain.audit``; route reason ``audit``)
+        self.audit: Callable[[], bool] | None = None
         #: the router file's cascade applied to the tiers and its budget map (per loaded router: rebuilt after a
         #: reload)
         self._auto: tuple[object, dict[str, TierConfig], BudgetMap | None] | None = None
@@ -273,12 +276,15 @@ class Routing:
         i = next((i for i, cut in enumerate(cuts) if score < cut), len(routed) - 1)
         if self.explore is not None:
             i = self.explore(i, text)
+        reason: RouteReason = "predicted"
+        if self.audit is not None and i < len(routed) - 1 and self.audit():
+            i, reason = len(routed) - 1, "audit"
         if self.controller is not None:
             self.controller.record(score, i)
         for observe in self.observers:
             observe(score, i)
         tiers, bmap = self._auto_policy()
-        return RouteDecision(self._with_budget(tiers[routed[i]], score, bmap), "predicted", score, window=text,
+        return RouteDecision(self._with_budget(tiers[routed[i]], score, bmap), reason, score, window=text,
                              asked_budget=asked)
 
     def _window_of(self, body: dict[str, Any]) -> str:

@@ -1,6 +1,7 @@
 """Automatic retraining: fit a candidate router on the outcome stream, compare it with the router in service on
-a held-back slice under the served-floor rule, and check the realised floor of a promoted router. Pure (NumPy /
-scikit-learn); the gateway's trigger (``gateway/control/retrain_trigger.py``) runs it in a worker thread.
+a held-back slice under the served-floor rule (the realised floor of a promoted router: :mod:`router.fit.realised`).
+Pure (NumPy / scikit-learn); the gateway's trigger (``gateway/control/retrain_trigger.py``) runs it in its fit
+process.
 
 **Labels**: :func:`router.fit.retrain.items_from_outcomes` (cheap right → 0, cheap wrong → 1, top answers →
 no label). Two routed tiers only (``cheap`` → ``top``).
@@ -233,25 +234,6 @@ def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_ti
         "score_histogram": score_histogram(new.predict_proba([it.text for it in train])),
     })
     return new, comparison
-
-
-def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, floor: float,
-             exclude: set[str] | None = None) -> dict[str, Any]:
-    """The realised floor of router ``version``: the feedback on the answers it served (``exclude``: explored
-    request ids, not its choice), the module's estimate with ``q``/``p_top`` from all feedback.
-    ``{"n_cheap", "n", "accuracy_ratio", "holds_floor"}`` (``accuracy_ratio`` None without graded answers)."""
-    ex = exclude or set()
-    mine = [o for o in outcomes if o.get("source") == "feedback" and o.get("router_version") == version
-            and o.get("sufficed") is not None and o.get("request_id") not in ex]
-    cheap_wrong = sum(1 for o in mine if o.get("tier") != top_tier and not o["sufficed"])
-    n_cheap = sum(1 for o in mine if o.get("tier") != top_tier)
-    r = rates(outcomes, top_tier, ex)
-    if not mine:
-        return {"n_cheap": 0, "n": 0, "accuracy_ratio": None, "holds_floor": True}
-    p_top = r.p_top if r.p_top else 1.0
-    ratio = 1.0 - r.q * cheap_wrong / (p_top * len(mine))
-    return {"n_cheap": n_cheap, "n": len(mine), "accuracy_ratio": round(ratio, 6),
-            "holds_floor": bool(ratio >= floor - 1e-12), "q": round(r.q, 6)}
 
 
 def fit_and_save(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_tier: str, out_dir: str,

@@ -12,12 +12,14 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 import yaml
 from typer.testing import CliRunner
 
 from gateway.cli.main import app
 from gateway.ledger.outcome import Outcome, window_digest
 from router.fit.retrain import is_heldout_digest
+from router.persistence import load_router, save_router
 from tests.fixtures.gateway import SECRETS, accounting_gateway
 from tests.fixtures.outcomes import serving_router, write_outcomes
 from tests.fixtures.upstream import SimProcess, wait_for
@@ -135,3 +137,74 @@ def test_a_promoted_router_whose_realised_floor_falls_is_rolled_back(upstream_si
         rb = events[-1]
         assert rb["previous"] == promoted and rb["version"] == "old-noise"
         assert rb["realised"]["holds_floor"] is False and rb["realised"]["n_cheap"] >= 10
+
+
+def test_the_audit_arm_sends_cheap_decisions_to_the_top_tier_and_says_so(upstream_sim: SimProcess, redis_url: str,
+                                                                         redis_prefix: str, tmp_path: Path) -> None:
+    path = _router(tmp_path / "cheap.skops", informative=False)
+    router = load_router(path)
+    router.thresholds = [1.0]  # every routed request to the cheap tier
+    save_router(router, path)
+    for audit, tier, reason in ((1.0, "long", "audit"), (0.0, "short", "predicted")):
+        prefix = f"{redis_prefix}a{int(audit)}:"
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=prefix,
+                                routing=_routing(path, tmp_path, audit=audit, every_outcomes=10_000)) as gw, \
+                httpx.Client(timeout=30) as client:
+            auth = {"authorization": f"Bearer {SECRETS['alice']}"}
+            r = client.post(gw.base_url + "/chat/completions", headers=auth, json={
+                "model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": "name a city"}]})
+            assert r.status_code == 200, r.text
+            assert (r.headers["x-thinkgate-tier"], r.headers["x-thinkgate-route-reason"]) == (tier, reason)
+            rid = r.headers["x-request-id"]
+            rdb = redis.Redis.from_url(redis_url)
+            try:
+                assert wait_for(lambda: rdb.exists(prefix + "req:" + rid) == 1, timeout_s=5)  # noqa: B023
+                fb = client.post(gw.base_url + "/feedback", headers=auth, json={"request_id": rid, "correct": True})
+                assert fb.status_code == 200, fb.text
+                [o] = [Outcome.from_json(f[b"o"]) for _, f in rdb.xrange(prefix + "outcomes")]
+            finally:
+                rdb.close()
+            assert (o.tier, o.route_reason, o.router_version) == (tier, reason, "old-noise")
+            assert _status(gw)["learning"]["audit"] == audit
+
+
+def _arms(version: str, cheap: tuple[int, int], top: tuple[int, int], audit: tuple[int, int]) -> list[Outcome]:
+    """Feedback on ``version``'s answers: (graded, right) of its cheap answers, its top answers and its audit
+    answers (top answers to questions it sent cheap)."""
+    out = []
+    for arm, tier, reason, (n, k) in (("c", "short", "predicted", cheap), ("t", "long", "predicted", top),
+                                     ("a", "long", "audit", audit)):
+        out += [Outcome(source="feedback", request_id=f"{arm}{i}", key_id="alice", tier=tier, sufficed=i < k,
+                        judge="client", router_version=version, route_reason=reason,
+                        window_digest=window_digest(_text(False, 20_000 + i)), text=_text(False, 20_000 + i))
+                for i in range(n)]
+    return out
+
+
+@pytest.mark.parametrize("case", ["audit-broken", "audit-holds", "nesting-on-the-same"])
+def test_the_realised_floor_reads_the_audit_arm(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
+                                                 tmp_path: Path, case: str) -> None:
+    """Broken: 39 of 40 cheap answers right, but the top tier is right on all 30 audited questions — nesting reads
+    0.989 (holds), the audit arm 0.978 (broken) → rolled back. Holds: 32 of 40 cheap right and the top tier right on
+    only 22 of 30 of the same kind of question — the audit arm reads 1.08 (kept), while nesting on the very same
+    feedback (``audit_min`` above the count) reads 0.92 and rolls back."""
+    old = _router(tmp_path / "serving.skops", informative=False)
+    write_outcomes(redis_url, redis_prefix, _graded(invert_training=False), tmp_path)
+    audit_min = 10**6 if case == "nesting-on-the-same" else 30
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(old, tmp_path, realised_min=10, audit_min=audit_min)) as gw:
+        assert wait_for(lambda: _status(gw)["version"].startswith("auto-"), timeout_s=60)
+        promoted = _status(gw)["version"]
+        arms = _arms(promoted, (40, 39), (20, 10), (30, 30)) if case == "audit-broken" else \
+            _arms(promoted, (40, 32), (20, 10), (30, 22))
+        write_outcomes(redis_url, redis_prefix, arms, tmp_path)
+        if case == "audit-holds":
+            assert not wait_for(lambda: _status(gw)["version"] != promoted, timeout_s=4)
+            assert [e["event"] for e in _history(redis_url, redis_prefix, tmp_path)] == ["promote"]
+            return
+        assert wait_for(lambda: _status(gw)["version"] == "old-noise", timeout_s=30)
+        rb = _history(redis_url, redis_prefix, tmp_path)[-1]
+        assert rb["event"] == "rollback" and rb["previous"] == promoted
+        method = "audit" if case == "audit-broken" else "nesting"
+        assert rb["realised"]["method"] == method and rb["realised"]["holds_floor"] is False
+        assert rb["realised"]["n_audit"] == 30 and f"({method} estimate)" in rb["reason"]
