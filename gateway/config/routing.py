@@ -117,10 +117,10 @@ class RetrainConfig(_Strict):
     thread (``fit_in: thread``), compares it with the router in service on the held-back ``heldout_frac`` of the
     outcomes under the served-floor rule (accuracy ≥ ``floor`` × always-top, savings as the tie-break; at least
     ``min_heldout`` labelled windows) and promotes it — a versioned file under ``state_dir``, hot-reloaded by
-    every replica with retraining on — only when it is better. ``explore``: the share of ``auto`` requests routed to the
-    tier below the one predicted, at random, so that cheap answers exist to learn from (0: none). The realised
-    floor (feedback on the cheap answers the promoted router chose, against feedback on top answers) is checked
-    every ``interval_s``; below ``floor`` (on at least ``realised_min`` graded cheap answers) the previous file
+    every replica with retraining on — only when it is better. ``explore``: the share of ``auto`` requests routed
+    to the tier below the one predicted, at random (route reason ``explore``), so that cheap answers exist to learn
+    from (0: none). The realised floor (feedback on the answers the promoted router chose) is checked every
+    ``interval_s``; below ``floor`` (on at least ``realised_min`` graded cheap answers) the previous file
     is served again. ``audit``: the share of the requests the router sends below the top tier that the top tier
     serves instead, at random (route reason ``audit``): the control arm that makes the realised floor unbiased
     (``router/fit/realised.py``; it costs ``audit`` of the cheap share's savings); with fewer than ``audit_min``

@@ -29,8 +29,9 @@ Each promotion, refusal and rollback is an audit event in the stream ``p router:
 (``router_status.learning``).
 
 **Exploration** (``explore`` > 0): :meth:`explore` is the routing hook: a routed decision for a tier above the
-cheapest goes one tier down with probability ``explore`` (seeded per process); the window's digest is kept (at
-most 10,000) so the realised floor leaves those answers out — they are the router's teacher, not its choice.
+cheapest goes one tier down with probability ``explore`` (seeded per process), with route reason ``explore``
+(the header, the usage event, the outcome), so the realised floor leaves those answers out on every replica —
+they are the router's teacher, not its choice.
 
 **Audit** (``audit`` > 0, default 5%): :meth:`audit` is the second hook: a routed decision for a tier below the
 top goes to the top tier with probability ``audit``, with route reason ``audit`` (the header, the usage event,
@@ -51,7 +52,6 @@ import multiprocessing
 import os
 import random
 import time
-from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -61,7 +61,6 @@ import orjson
 
 from gateway.config import RetrainConfig, Settings
 from gateway.control.outcomes import OutcomeStore
-from gateway.ledger.outcome import window_digest
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.redis import RedisHandle, as_bytes
 from router.serving import RouterService
@@ -70,7 +69,6 @@ log = logging.getLogger("thinkgate.retrain")
 
 LOCK_TTL_S = 600
 HISTORY_MAXLEN = 10_000
-MAX_EXPLORED = 10_000
 FIT_NICE = 10  # the fit process yields the CPU to the serving loop
 
 
@@ -96,8 +94,6 @@ class RetrainTrigger:
         self.outcomes = outcomes
         self.dir = state_dir_of(settings)
         self.rng = rng or random.Random()
-        self.explored: deque[str] = deque(maxlen=MAX_EXPLORED)
-        self._explored_set: set[str] = set()
         self.fits = 0
         self.fitting = False
         self.last: dict[str, Any] | None = None  # the last audit event of this replica
@@ -126,24 +122,16 @@ class RetrainTrigger:
         return f"{self.prefix}router:bad"
 
     # --- exploration ------------------------------------------------------------------------------------
-    def explore(self, i: int, text: str) -> int:
-        """The routing hook (module doc): ``i`` or, with probability ``explore`` when ``i`` > 0, ``i - 1``."""
+    def explore(self, i: int) -> int:
+        """The routing hook (module doc): ``i`` or, with probability ``explore`` when ``i`` > 0, ``i - 1``
+        (served with route reason ``explore``)."""
         if i <= 0 or self.cfg.explore <= 0 or self.rng.random() >= self.cfg.explore:
             return i
-        d = window_digest(text)
-        if len(self.explored) == self.explored.maxlen:
-            self._explored_set.discard(self.explored[0])
-        self.explored.append(d)
-        self._explored_set.add(d)
         return i - 1
 
     def audit(self) -> bool:
         """The audit hook (module doc): whether this decision below the top tier is served by the top tier."""
         return self.cfg.audit > 0 and self.rng.random() < self.cfg.audit
-
-    def explored_digests(self) -> set[str]:
-        """Window digests this replica explored (the realised floor leaves them out)."""
-        return set(self._explored_set)
 
     # --- status -----------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -284,9 +272,7 @@ class RetrainTrigger:
             return None
         outcomes = await self._all_outcomes()
         from router.fit import realised  # lazy: only with routing.retrain on (listed in the contract)
-        explored = self.explored_digests()
-        fb = [o for o in outcomes if o.get("window_digest") not in explored]
-        real = realised.realised(fb, c["version"], self.top, self.cfg.floor, audit_min=self.cfg.audit_min)
+        real = realised.realised(outcomes, c["version"], self.top, self.cfg.floor, audit_min=self.cfg.audit_min)
         if real["holds_floor"] or real["n_cheap"] < self.cfg.realised_min:
             return None
         mapping = {"path": c["previous"], "version": c.get("previous_version", ""), "previous": "",

@@ -2,7 +2,7 @@
 
 One ``CollectorRegistry`` per app (several apps can live in one process, as in the tests). Label values are
 bounded: ``tier`` and ``model`` are the configured tier names / upstream models (anything else is
-``other``; requests refused before routing are ``_unrouted``), ``route_reason`` the eight known reasons,
+``other``; requests refused before routing are ``_unrouted``), ``route_reason`` the nine known reasons,
 ``cache`` hit|semantic-hit|miss|bypass, ``status`` a class (2xx, 4xx, 5xx, 499), ``kind`` prompt|cached|completion|
 reasoning, ``code`` the gateway's own error codes; ``key_id`` only when ``metrics.key_id_label`` is set.
 
@@ -29,7 +29,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from gateway.config import MetricsConfig, TierConfig
 from gateway.ledger.event import UsageEvent
 
-ROUTE_REASONS = frozenset({"predicted", "forced", "effort", "fallback", "escalated", "cache", "shadow", "audit"})
+ROUTE_REASONS = frozenset({"predicted", "forced", "effort", "fallback", "escalated", "cache", "shadow", "audit",
+                           "explore"})
 ENDPOINTS = frozenset({"chat", "completions", "responses", "messages", "embeddings"})
 CACHE_RESULTS = frozenset({"hit", "semantic-hit", "miss", "bypass"})
 SEMANTIC_RESULTS = frozenset({"hit", "guard_rejected", "below_threshold", "miss", "bypass"})

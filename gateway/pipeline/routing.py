@@ -98,8 +98,9 @@ class Routing:
         self.controller: TargetController | None = None
         #: called with (score, routed tier index) of every routed decision (the drift alarm)
         self.observers: list[Callable[[float, int], None]] = []
-        #: (routed tier index, window text) -> the index served: exploration (``routing.retrain.explore``)
-        self.explore: Callable[[int, str], int] | None = None
+        #: routed tier index -> the index served: exploration (``routing.retrain.explore``; a changed index is
+        #: served with route reason ``explore``)
+        self.explore: Callable[[int], int] | None = None
         #: () -> whether this decision below the top tier goes to the top tier instead: the control arm of the
         #: realised floor (``routing.retrain.audit``; route reason ``audit``)
         self.audit: Callable[[], bool] | None = None
@@ -274,10 +275,12 @@ class Routing:
         routed = self.cfg.routed_tiers
         cuts = self.thresholds
         i = next((i for i, cut in enumerate(cuts) if score < cut), len(routed) - 1)
-        if self.explore is not None:
-            i = self.explore(i, text)
         reason: RouteReason = "predicted"
-        if self.audit is not None and i < len(routed) - 1 and self.audit():
+        if self.explore is not None:
+            j = self.explore(i)
+            if j != i:
+                i, reason = j, "explore"
+        if reason == "predicted" and self.audit is not None and i < len(routed) - 1 and self.audit():
             i, reason = len(routed) - 1, "audit"
         if self.controller is not None:
             self.controller.record(score, i)

@@ -2,8 +2,8 @@
 ≥ ``floor`` × what always-top would have scored on the same traffic? Pure Python (the gateway's retraining
 trigger runs it on the outcome stream; ``gateway/control/retrain_trigger.py``).
 
-Two estimates, both on one router version's ``feedback`` outcomes (graded answers; explored ones left out by the
-caller), assuming the graded answers are a random sample of the answered requests:
+Two estimates, both on one router version's ``feedback`` outcomes (graded answers; explored ones left out),
+assuming the graded answers are a random sample of the answered requests:
 
 **audit** (unbiased; ``routing.retrain.audit`` > 0). A random share ``audit`` of the requests the router sends
 below the top tier is served by the top tier instead (route reason ``audit``): the control arm. With the graded
@@ -35,6 +35,7 @@ from typing import Any
 from router.fit.promote import rates, wilson
 
 AUDIT = "audit"  # the route reason of a control-arm request
+EXPLORE = "explore"  # the route reason of an explored request: not the router's choice, never counted here
 
 
 def audit_ratio(n_c: int, k_c: int, n_a: int, k_a: int, n_t: int, k_t: int) -> tuple[float, float]:
@@ -55,17 +56,18 @@ def audit_ratio(n_c: int, k_c: int, n_a: int, k_a: int, n_t: int, k_t: int) -> t
 
 
 def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, floor: float,
-             exclude: set[str] | None = None, audit_min: int = 10) -> dict[str, Any]:
+             exclude: set[str] | None = None, audit_min: int = 30) -> dict[str, Any]:
     """The realised floor of router ``version`` (module doc) from ``outcomes`` (dicts with the fields of
-    ``gateway.ledger.outcome.Outcome``); ``exclude``: request ids to leave out (explored answers: not the
-    router's choice). The audit estimate when at least ``audit_min`` audit answers of ``version`` are graded,
-    else the nesting estimate.
+    ``gateway.ledger.outcome.Outcome``); answers with route reason ``explore`` are left out (not the router's
+    choice, whichever replica explored them), and so are the request ids in ``exclude``. The audit estimate
+    when at least ``audit_min`` audit answers of ``version`` are graded, else the nesting estimate.
 
     Returns ``{"method": "audit" | "nesting", "n", "n_cheap", "n_audit", "n_top", "accuracy_ratio",
     "ratio_low", "holds_floor"}`` (``accuracy_ratio`` None without graded answers; ``holds_floor`` reads the
     point estimate; the nesting estimate adds ``q``)."""
     ex = exclude or set()
-    mine = [o for o in outcomes if o.get("source") == "feedback" and o.get("router_version") == version
+    kept = [o for o in outcomes if o.get("route_reason") != EXPLORE]
+    mine = [o for o in kept if o.get("source") == "feedback" and o.get("router_version") == version
             and o.get("sufficed") is not None and o.get("request_id") not in ex]
     audit = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == AUDIT]
     cheap = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != AUDIT and o.get("tier") != top_tier]
@@ -77,7 +79,7 @@ def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, fl
         point, low = audit_ratio(len(cheap), sum(cheap), len(audit), sum(audit), len(top), sum(top))
         return {**out, "method": "audit", "accuracy_ratio": round(point, 6), "ratio_low": round(low, 6),
                 "holds_floor": bool(point >= floor - 1e-12)}
-    r = rates(outcomes, top_tier, ex)
+    r = rates(kept, top_tier, ex)
     p_top = r.p_top if r.p_top else 1.0
     cheap_wrong = len(cheap) - sum(cheap)
     ratio = 1.0 - r.q * cheap_wrong / (p_top * len(mine))

@@ -139,41 +139,49 @@ def test_a_promoted_router_whose_realised_floor_falls_is_rolled_back(upstream_si
         assert rb["realised"]["holds_floor"] is False and rb["realised"]["n_cheap"] >= 10
 
 
-def test_the_audit_arm_sends_cheap_decisions_to_the_top_tier_and_says_so(upstream_sim: SimProcess, redis_url: str,
-                                                                         redis_prefix: str, tmp_path: Path) -> None:
-    path = _router(tmp_path / "cheap.skops", informative=False)
+@pytest.mark.parametrize(("cut", "arms", "tier", "reason"), [
+    (1.0, {"audit": 1.0}, "long", "audit"),        # the router sends it cheap, the audit arm to the top tier
+    (1.0, {"audit": 0.0}, "short", "predicted"),
+    (0.0, {"explore": 1.0}, "short", "explore"),   # the router sends it up, exploration one tier down
+    (0.0, {"explore": 1.0, "audit": 1.0}, "short", "explore"),  # an explored answer is never audited back up
+])
+def test_audited_and_explored_answers_say_so(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
+                                             tmp_path: Path, cut: float, arms: dict[str, float], tier: str,
+                                             reason: str) -> None:
+    """The route reason of the audit arm and of exploration is on the response and on the outcome a grade of it
+    records — so the realised floor can tell them apart on any replica."""
+    path = _router(tmp_path / "cut.skops", informative=False)
     router = load_router(path)
-    router.thresholds = [1.0]  # every routed request to the cheap tier
+    router.thresholds = [cut]  # 1.0: every routed request to the cheap tier; 0.0: every one to the top tier
     save_router(router, path)
-    for audit, tier, reason in ((1.0, "long", "audit"), (0.0, "short", "predicted")):
-        prefix = f"{redis_prefix}a{int(audit)}:"
-        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=prefix,
-                                routing=_routing(path, tmp_path, audit=audit, every_outcomes=10_000)) as gw, \
-                httpx.Client(timeout=30) as client:
-            auth = {"authorization": f"Bearer {SECRETS['alice']}"}
-            r = client.post(gw.base_url + "/chat/completions", headers=auth, json={
-                "model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": "name a city"}]})
-            assert r.status_code == 200, r.text
-            assert (r.headers["x-thinkgate-tier"], r.headers["x-thinkgate-route-reason"]) == (tier, reason)
-            rid = r.headers["x-request-id"]
-            rdb = redis.Redis.from_url(redis_url)
-            try:
-                assert wait_for(lambda: rdb.exists(prefix + "req:" + rid) == 1, timeout_s=5)  # noqa: B023
-                fb = client.post(gw.base_url + "/feedback", headers=auth, json={"request_id": rid, "correct": True})
-                assert fb.status_code == 200, fb.text
-                [o] = [Outcome.from_json(f[b"o"]) for _, f in rdb.xrange(prefix + "outcomes")]
-            finally:
-                rdb.close()
-            assert (o.tier, o.route_reason, o.router_version) == (tier, reason, "old-noise")
-            assert _status(gw)["learning"]["audit"] == audit
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(path, tmp_path, every_outcomes=10_000, **arms)) as gw, \
+            httpx.Client(timeout=30) as client:
+        auth = {"authorization": f"Bearer {SECRETS['alice']}"}
+        r = client.post(gw.base_url + "/chat/completions", headers=auth, json={
+            "model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": "name a city"}]})
+        assert r.status_code == 200, r.text
+        assert (r.headers["x-thinkgate-tier"], r.headers["x-thinkgate-route-reason"]) == (tier, reason)
+        rid = r.headers["x-request-id"]
+        rdb = redis.Redis.from_url(redis_url)
+        try:
+            assert wait_for(lambda: rdb.exists(redis_prefix + "req:" + rid) == 1, timeout_s=5)
+            fb = client.post(gw.base_url + "/feedback", headers=auth, json={"request_id": rid, "correct": True})
+            assert fb.status_code == 200, fb.text
+            [o] = [Outcome.from_json(f[b"o"]) for _, f in rdb.xrange(redis_prefix + "outcomes")]
+        finally:
+            rdb.close()
+        assert (o.tier, o.route_reason, o.router_version) == (tier, reason, "old-noise")
+        assert _status(gw)["learning"]["audit"] == arms.get("audit", 0.05)
 
 
-def _arms(version: str, cheap: tuple[int, int], top: tuple[int, int], audit: tuple[int, int]) -> list[Outcome]:
-    """Feedback on ``version``'s answers: (graded, right) of its cheap answers, its top answers and its audit
-    answers (top answers to questions it sent cheap)."""
+def _arms(version: str, cheap: tuple[int, int], top: tuple[int, int], audit: tuple[int, int],
+          explored: tuple[int, int] = (0, 0)) -> list[Outcome]:
+    """Feedback on ``version``'s answers: (graded, right) of its cheap answers, its top answers, its audit
+    answers (top answers to questions it sent cheap) and explored answers (cheap answers it did not choose)."""
     out = []
     for arm, tier, reason, (n, k) in (("c", "short", "predicted", cheap), ("t", "long", "predicted", top),
-                                     ("a", "long", "audit", audit)):
+                                     ("a", "long", "audit", audit), ("e", "short", "explore", explored)):
         out += [Outcome(source="feedback", request_id=f"{arm}{i}", key_id="alice", tier=tier, sufficed=i < k,
                         judge="client", router_version=version, route_reason=reason,
                         window_digest=window_digest(_text(False, 20_000 + i)), text=_text(False, 20_000 + i))
@@ -187,7 +195,8 @@ def test_the_realised_floor_reads_the_audit_arm(upstream_sim: SimProcess, redis_
     """Broken: 39 of 40 cheap answers right, but the top tier is right on all 30 audited questions — nesting reads
     0.989 (holds), the audit arm 0.978 (broken) → rolled back. Holds: 32 of 40 cheap right and the top tier right on
     only 22 of 30 of the same kind of question — the audit arm reads 1.08 (kept), while nesting on the very same
-    feedback (``audit_min`` above the count) reads 0.92 and rolls back."""
+    feedback (``audit_min`` above the count) reads 0.92 and rolls back. Twenty explored cheap answers graded wrong
+    ride along in both: counted as the router's choice they would break the floor."""
     old = _router(tmp_path / "serving.skops", informative=False)
     write_outcomes(redis_url, redis_prefix, _graded(invert_training=False), tmp_path)
     audit_min = 10**6 if case == "nesting-on-the-same" else 30
@@ -196,11 +205,11 @@ def test_the_realised_floor_reads_the_audit_arm(upstream_sim: SimProcess, redis_
         assert wait_for(lambda: _status(gw)["version"].startswith("auto-"), timeout_s=60)
         promoted = _status(gw)["version"]
         arms = _arms(promoted, (40, 39), (20, 10), (30, 30)) if case == "audit-broken" else \
-            _arms(promoted, (40, 32), (20, 10), (30, 22))
+            _arms(promoted, (40, 32), (20, 10), (30, 22), explored=(20, 0))
         write_outcomes(redis_url, redis_prefix, arms, tmp_path)
         if case == "audit-holds":
             assert not wait_for(lambda: _status(gw)["version"] != promoted, timeout_s=4)
-            assert [e["event"] for e in _history(redis_url, redis_prefix, tmp_path)] == ["promote"]
+            assert "rollback" not in [e["event"] for e in _history(redis_url, redis_prefix, tmp_path)]
             return
         assert wait_for(lambda: _status(gw)["version"] == "old-noise", timeout_s=30)
         rb = _history(redis_url, redis_prefix, tmp_path)[-1]

@@ -72,3 +72,6 @@ def test_too_few_audit_answers_fall_back_to_nesting_and_other_versions_do_not_co
     assert r["method"] == "nesting" and r["n_audit"] == 29 and r["n"] == 69
     assert realised(outcomes, "v", "long", 0.98, audit_min=29)["method"] == "audit"
     assert realised([], "v", "long", 0.98)["accuracy_ratio"] is None
+    explored = [_fb(300 + i, "short", False, "explore") for i in range(100)]  # not the router's choice
+    assert realised(outcomes + explored, "v", "long", 0.98, audit_min=29) == realised(outcomes, "v", "long", 0.98,
+                                                                                      audit_min=29)
