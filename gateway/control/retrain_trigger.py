@@ -97,6 +97,7 @@ class RetrainTrigger:
         self.fits = 0
         self.fitting = False
         self.last: dict[str, Any] | None = None  # the last audit event of this replica
+        self.realised_last: dict[str, Any] | None = None  # the last realised-floor reading (status)
         self._checked_at = -1  # outcome count at the last realised-floor check
         self._pool: ProcessPoolExecutor | None = None  # the fit process (fit_in: process), made at the first fit
 
@@ -135,11 +136,13 @@ class RetrainTrigger:
 
     # --- status -----------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        """For ``/v1/models``: the configuration, this replica's fits and its last audit event."""
+        """For ``/v1/models``: the configuration, this replica's fits, its last audit event and its last reading
+        of the promoted router's realised floor (``{"version", "method", "n", "n_cheap", "n_audit", "n_top",
+        "accuracy_ratio", "ratio_low", "holds_floor", ...}``; None before the first check of a promoted router)."""
         return {"every_outcomes": self.cfg.every_outcomes, "explore": self.cfg.explore, "audit": self.cfg.audit,
                 "floor": self.cfg.floor,
                 "fit_here": self.cfg.fit_here, "state_dir": str(self.dir), "fits": self.fits,
-                "fitting": self.fitting, "last_event": self.last}
+                "fitting": self.fitting, "last_event": self.last, "realised": self.realised_last}
 
     # --- loop -------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -273,6 +276,7 @@ class RetrainTrigger:
         outcomes = await self._all_outcomes()
         from router.fit import realised  # lazy: only with routing.retrain on (listed in the contract)
         real = realised.realised(outcomes, c["version"], self.top, self.cfg.floor, audit_min=self.cfg.audit_min)
+        self.realised_last = {"version": c["version"], **real}
         if real["holds_floor"] or real["n_cheap"] < self.cfg.realised_min:
             return None
         mapping = {"path": c["previous"], "version": c.get("previous_version", ""), "previous": "",

@@ -209,6 +209,9 @@ def test_the_realised_floor_reads_the_audit_arm(upstream_sim: SimProcess, redis_
         write_outcomes(redis_url, redis_prefix, arms, tmp_path)
         if case == "audit-holds":
             assert not wait_for(lambda: _status(gw)["version"] != promoted, timeout_s=4)
+            real = _status(gw)["learning"]["realised"]  # the reading that kept it, in /v1/models
+            assert (real["version"], real["method"], real["n_audit"], real["n_cheap"]) == (promoted, "audit", 30, 40)
+            assert real["holds_floor"] is True and real["accuracy_ratio"] > 1.0
             assert "rollback" not in [e["event"] for e in _history(redis_url, redis_prefix, tmp_path)]
             return
         assert wait_for(lambda: _status(gw)["version"] == "old-noise", timeout_s=30)
