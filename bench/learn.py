@@ -12,10 +12,10 @@ ladder setting (:func:`bench.traces.bench.tier_configs`, no cascade), the shippe
 
 - the **traffic** replica: ``routing.retrain.every_outcomes: N`` (``--every-outcomes``), ``explore``
   (``--explore``: the share of routed requests sent one tier down, so that cheap answers exist to learn from),
-  the audit arm (``--audit``: the share of its cheap decisions the top tier serves, the realised floor's control
-  arm), shadow comparisons (``--shadow``, judge ``--judge``) and ``retain_text``;
+  the spot-check arm (``--spot-check``: the share of its cheap decisions the top tier serves, the realised
+  floor's control arm), shadow comparisons (``--shadow``, judge ``--judge``) and ``retain_text``;
 - the **measurement** replica: retraining on with ``fit_here: false`` (it serves what the traffic replica
-  promoted, never fits), no shadow, no exploration, no audit. Its requests are never graded, shadowed or
+  promoted, never fits), no shadow, no exploration, no spot checks. Its requests are never graded, shadowed or
   escalated, so they feed no outcomes.
 
 Traffic: the data set's questions outside the held-out split (:func:`router.fit.traces.heldout_mask`), shuffled
@@ -96,7 +96,7 @@ class Config:
     time_budget_s: float = 540.0
     router: Path = DEFAULT_ROUTER_PATH
     progress: bool = True
-    audit: float = 0.05
+    spot_check: float = 0.05
 
 
 class Client:
@@ -261,8 +261,8 @@ def run(cfg: Config, settings: Settings, log: Any = lambda m: print(m, file=sys.
     details: dict[str, Any] = {"run": run_id, "n_heldout": int(held.size), "n_train": int(train.size),
                                "price": {"input": str(price.input), "output": str(price.output),
                                          "source": price.source},
-                               "every_outcomes": cfg.every_outcomes, "explore": cfg.explore, "audit": cfg.audit,
-                               "shadow": cfg.shadow,
+                               "every_outcomes": cfg.every_outcomes, "explore": cfg.explore,
+                               "spot_check": cfg.spot_check, "shadow": cfg.shadow,
                                "judge": cfg.judge, "seed": cfg.seed, "router": str(cfg.router)}
     steps: list[dict[str, Any]] = []
     with ExitStack() as stack:
@@ -289,7 +289,7 @@ def run(cfg: Config, settings: Settings, log: Any = lambda m: print(m, file=sys.
             r["drift"] = {**r.get("drift", {}), "enabled": False}
             if retrain is not None:
                 r["retrain"] = {"state_dir": str(state / "routers"), "interval_s": 0.3, "explore": explore,
-                                "audit": cfg.audit if name == "traffic" else 0.0, **retrain}
+                                "spot_check": cfg.spot_check if name == "traffic" else 0.0, **retrain}
             return str(stack.enter_context(serve_gateway(data_cfg, state, f"gateway-{name}")))
 
         url_t = gw("traffic", cfg.router, {"every_outcomes": cfg.every_outcomes}, cfg.shadow, cfg.explore)
@@ -458,7 +458,8 @@ def learn(
     details_path: Path | None = typer.Option(None, "--details", help="Write the run details as JSON here."),
     every_outcomes: int = typer.Option(25, "--every-outcomes", min=1, help="routing.retrain.every_outcomes."),
     explore: float = typer.Option(0.5, "--explore", min=0, max=1, help="routing.retrain.explore."),
-    audit: float = typer.Option(0.05, "--audit", min=0, max=1, help="routing.retrain.audit (traffic replica)."),
+    spot_check: float = typer.Option(0.05, "--spot-check", min=0, max=1,
+                                     help="routing.retrain.spot_check (traffic replica)."),
     shadow: float = typer.Option(1.0, "--shadow", min=0, max=1, help="routing.shadow.fraction."),
     judge: str = typer.Option("normalised", "--judge", help="routing.shadow.judge (agreement, normalised)."),
     concurrency: int = typer.Option(4, min=1, max=32, help="Requests in flight."),
@@ -479,7 +480,8 @@ def learn(
         typer.echo("thinkgate: bench learn: --steps: comma-separated integers", err=True)
         raise typer.Exit(2) from None
     cfg = Config(traces_dir, dataset, ladder, feedback_rate, step_t, every_outcomes, explore, shadow, judge,
-                 concurrency, seed, time_budget_s, progress=os.environ.get("TG_NO_PROGRESS") is None, audit=audit)
+                 concurrency, seed, time_budget_s, progress=os.environ.get("TG_NO_PROGRESS") is None,
+                 spot_check=spot_check)
     try:
         report, details = run(cfg, load_settings(config))
     except (LearnBenchError, RuntimeError) as exc:

@@ -45,12 +45,12 @@ def covers(tier: TierConfig, budget: int) -> bool:
 
 
 def route_for_thinking(route: RouteDecision, tiers: list[TierConfig], budget: int) -> RouteDecision:
-    """The tier for ``thinking.budget_tokens = budget``: a routed (``predicted``, ``audit``, ``explore``,
+    """The tier for ``thinking.budget_tokens = budget``: a routed (``predicted``, ``spot_check``, ``explore``,
     ``fallback``) tier whose budget does not cover it gives way to the cheapest tier (configuration order) that
     does — or, when none does, the one with the largest budget — with reason ``effort`` (the client said how much
     to think). A tier that covers it keeps the request, and the smaller budget is applied there
     (``thinking_token_budget``). A forced tier is kept either way."""
-    if route.reason not in ("predicted", "audit", "explore", "fallback") or covers(route.tier, budget):
+    if route.reason not in ("predicted", "spot_check", "explore", "fallback") or covers(route.tier, budget):
         return route
     fit = next((t for t in tiers if covers(t, budget)), None)
     if fit is None:

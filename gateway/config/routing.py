@@ -121,11 +121,12 @@ class RetrainConfig(_Strict):
     to the tier below the one predicted, at random (route reason ``explore``), so that cheap answers exist to learn
     from (0: none). The realised floor (feedback on the answers the promoted router chose) is checked every
     ``interval_s``; below ``floor`` (on at least ``realised_min`` graded cheap answers) the previous file
-    is served again. ``audit``: the share of the requests the router sends below the top tier that the top tier
-    serves instead, at random (route reason ``audit``): the control arm that makes the realised floor unbiased
-    (``router/fit/realised.py``; it costs ``audit`` of the cheap share's savings); with fewer than ``audit_min``
-    graded audit answers the estimate falls back to the nesting assumption, which reads optimistic once a router
-    sends the easy questions cheap. ``fit_here: false``: this replica follows promotions but never fits."""
+    is served again. ``spot_check``: the share of the requests the router sends below the top tier that the top tier
+    serves instead, at random (route reason ``spot_check``): the control arm that makes the realised floor unbiased
+    (``router/fit/realised.py``; it costs ``spot_check`` of the cheap share's savings); with fewer than
+    ``spot_check_min`` graded spot-check answers the estimate falls back to the nesting assumption, which reads
+    optimistic once a router sends the easy questions cheap. ``fit_here: false``: this replica follows promotions
+    but never fits."""
 
     every_outcomes: int = Field(0, ge=0)
     state_dir: Path | None = None  # None: ``<usage spool dir>/routers``
@@ -134,8 +135,8 @@ class RetrainConfig(_Strict):
     floor: float = Field(0.98, gt=0, le=1)
     explore: float = Field(0.0, ge=0, le=1)
     realised_min: int = Field(30, ge=5)
-    audit: float = Field(0.05, ge=0, le=1)
-    audit_min: int = Field(30, ge=3)
+    spot_check: float = Field(0.05, ge=0, le=1)
+    spot_check_min: int = Field(30, ge=3)
     fit_here: bool = True
     fit_in: Literal["process", "thread"] = "process"
     interval_s: float = Field(1.0, gt=0)

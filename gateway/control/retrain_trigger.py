@@ -19,8 +19,8 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    (``python -m bench.retrain_lag``; bench/RESULTS.md, "Retraining off the serving loop");
 3. **rolls back** (checked once a third of ``realised_min`` new outcomes are in): the realised floor of the
    promoted router (:func:`router.fit.realised.realised`: the feedback on the answers it served, explored ones
-   left out; unbiased through the audit arm once ``audit_min`` audit answers are graded, else under the nesting
-   assumption) below ``floor`` on at least ``realised_min`` graded cheap answers → ``p router:current`` goes
+   left out; unbiased through the spot-check arm once ``spot_check_min`` spot-check answers are graded, else under
+   the nesting assumption) below ``floor`` on at least ``realised_min`` graded cheap answers → ``p router:current`` goes
    back to the previous file (the version is added to ``p router:bad``).
 
 Each promotion, refusal and rollback is an audit event in the stream ``p router:history`` (field ``e`` = JSON:
@@ -33,10 +33,10 @@ cheapest goes one tier down with probability ``explore`` (seeded per process), w
 (the header, the usage event, the outcome), so the realised floor leaves those answers out on every replica —
 they are the router's teacher, not its choice.
 
-**Audit** (``audit`` > 0, default 5%): :meth:`audit` is the second hook: a routed decision for a tier below the
-top goes to the top tier with probability ``audit``, with route reason ``audit`` (the header, the usage event,
-the outcome). Graded, those answers measure the top tier on the questions the router sends cheap — the control
-arm that makes the realised floor unbiased.
+**Spot check** (``spot_check`` > 0, default 5%): :meth:`spot_check` is the second hook: a routed decision for a
+tier below the top goes to the top tier with probability ``spot_check``, with route reason ``spot_check`` (the
+header, the usage event, the outcome). Graded, those answers measure the top tier on the questions the router
+sends cheap — the control arm that makes the realised floor unbiased.
 
 The offline fit code (``router.fit``) is imported by name inside the fit (the child imports it itself), as the
 verifier judge imports the task checkers (the request path's import contract keeps ``router.fit`` out of its imports).
@@ -130,17 +130,17 @@ class RetrainTrigger:
             return i
         return i - 1
 
-    def audit(self) -> bool:
-        """The audit hook (module doc): whether this decision below the top tier is served by the top tier."""
-        return self.cfg.audit > 0 and self.rng.random() < self.cfg.audit
+    def spot_check(self) -> bool:
+        """The spot-check hook (module doc): whether this decision below the top tier is served by the top tier."""
+        return self.cfg.spot_check > 0 and self.rng.random() < self.cfg.spot_check
 
     # --- status -----------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """For ``/v1/models``: the configuration, this replica's fits, its last audit event and its last reading
-        of the promoted router's realised floor (``{"version", "method", "n", "n_cheap", "n_audit", "n_top",
+        of the promoted router's realised floor (``{"version", "method", "n", "n_cheap", "n_spot_check", "n_top",
         "accuracy_ratio", "ratio_low", "holds_floor", ...}``; None before the first check of a promoted router)."""
-        return {"every_outcomes": self.cfg.every_outcomes, "explore": self.cfg.explore, "audit": self.cfg.audit,
-                "floor": self.cfg.floor,
+        return {"every_outcomes": self.cfg.every_outcomes, "explore": self.cfg.explore,
+                "spot_check": self.cfg.spot_check, "floor": self.cfg.floor,
                 "fit_here": self.cfg.fit_here, "state_dir": str(self.dir), "fits": self.fits,
                 "fitting": self.fitting, "last_event": self.last, "realised": self.realised_last}
 
@@ -275,7 +275,8 @@ class RetrainTrigger:
             return None
         outcomes = await self._all_outcomes()
         from router.fit import realised  # lazy: only with routing.retrain on (listed in the contract)
-        real = realised.realised(outcomes, c["version"], self.top, self.cfg.floor, audit_min=self.cfg.audit_min)
+        real = realised.realised(outcomes, c["version"], self.top, self.cfg.floor,
+                                 spot_check_min=self.cfg.spot_check_min)
         self.realised_last = {"version": c["version"], **real}
         if real["holds_floor"] or real["n_cheap"] < self.cfg.realised_min:
             return None
@@ -287,8 +288,8 @@ class RetrainTrigger:
         event = {"event": "rollback", "ts": round(time.time(), 3), "version": c.get("previous_version"),
                  "previous": c["version"], "path": c["previous"], "outcomes": len(outcomes), "realised": real,
                  "reason": f"realised floor {real['accuracy_ratio']} < {self.cfg.floor} ({real['method']} estimate) "
-                           f"on {real['n']} graded answers ({real['n_cheap']} cheap, {real['n_audit']} audit) of "
-                           f"{c['version']}"}
+                           f"on {real['n']} graded answers ({real['n_cheap']} cheap, {real['n_spot_check']} "
+                           f"spot-checked) of {c['version']}"}
         await self._history(event)
         return event
 
@@ -302,8 +303,8 @@ def attach(settings: Settings, routing: Any, handle: RedisHandle, breaker: Break
     trigger = RetrainTrigger(settings, routing.service, handle, breaker, outcomes)
     if settings.routing.retrain.explore > 0:
         routing.explore = trigger.explore
-    if settings.routing.retrain.audit > 0:
-        routing.audit = trigger.audit
+    if settings.routing.retrain.spot_check > 0:
+        routing.spot_check = trigger.spot_check
     return trigger
 
 

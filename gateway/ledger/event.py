@@ -37,9 +37,10 @@ WireEndpoint = Literal["chat", "completions"]
 #: (``/v1/responses``, ``/v1/messages``) and the embeddings pass-through.
 Endpoint = Literal["chat", "completions", "responses", "messages", "embeddings"]
 #: Why a request went to its tier (``x-thinkgate-route-reason``, the ``route_reason`` of its usage event).
-#: ``audit``: the router chose a cheaper tier and the top tier served it, at random (``routing.retrain.audit``);
+#: ``spot_check``: the router chose a cheaper tier and the top tier served it, at random
+#: (``routing.retrain.spot_check``);
 #: ``explore``: the router chose a tier and the one below served it, at random (``routing.retrain.explore``).
-RouteReason = Literal["predicted", "forced", "effort", "fallback", "escalated", "cache", "shadow", "audit",
+RouteReason = Literal["predicted", "forced", "effort", "fallback", "escalated", "cache", "shadow", "spot_check",
                       "explore"]
 
 

@@ -29,7 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from gateway.config import MetricsConfig, TierConfig
 from gateway.ledger.event import UsageEvent
 
-ROUTE_REASONS = frozenset({"predicted", "forced", "effort", "fallback", "escalated", "cache", "shadow", "audit",
+ROUTE_REASONS = frozenset({"predicted", "forced", "effort", "fallback", "escalated", "cache", "shadow", "spot_check",
                            "explore"})
 ENDPOINTS = frozenset({"chat", "completions", "responses", "messages", "embeddings"})
 CACHE_RESULTS = frozenset({"hit", "semantic-hit", "miss", "bypass"})

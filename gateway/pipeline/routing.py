@@ -102,8 +102,8 @@ class Routing:
         #: served with route reason ``explore``)
         self.explore: Callable[[int], int] | None = None
         #: () -> whether this decision below the top tier goes to the top tier instead: the control arm of the
-        #: realised floor (``routing.retrain.audit``; route reason ``audit``)
-        self.audit: Callable[[], bool] | None = None
+        #: realised floor (``routing.retrain.spot_check``; route reason ``spot_check``)
+        self.spot_check: Callable[[], bool] | None = None
         #: the router file's cascade applied to the tiers and its budget map (per loaded router: rebuilt after a
         #: reload)
         self._auto: tuple[object, dict[str, TierConfig], BudgetMap | None] | None = None
@@ -280,8 +280,8 @@ class Routing:
             j = self.explore(i)
             if j != i:
                 i, reason = j, "explore"
-        if reason == "predicted" and self.audit is not None and i < len(routed) - 1 and self.audit():
-            i, reason = len(routed) - 1, "audit"
+        if reason == "predicted" and self.spot_check is not None and i < len(routed) - 1 and self.spot_check():
+            i, reason = len(routed) - 1, "spot_check"
         if self.controller is not None:
             self.controller.record(score, i)
         for observe in self.observers:

@@ -5,21 +5,22 @@ trigger runs it on the outcome stream; ``gateway/control/retrain_trigger.py``).
 Two estimates, both on one router version's ``feedback`` outcomes (graded answers; explored ones left out),
 assuming the graded answers are a random sample of the answered requests:
 
-**audit** (unbiased; ``routing.retrain.audit`` > 0). A random share ``audit`` of the requests the router sends
-below the top tier is served by the top tier instead (route reason ``audit``): the control arm. With the graded
-answers split in three — the router's cheap answers (``n_c``, right ``k_c``), the audit answers (top answers to
-questions the router would have sent cheap: ``n_a``, ``k_a``) and the router's top answers (``n_t``, ``k_t``)::
+**spot check** (unbiased; ``routing.retrain.spot_check`` > 0). A random share ``spot_check`` of the requests the
+router sends below the top tier is served by the top tier instead (route reason ``spot_check``): the control arm.
+With the graded answers split in three — the router's cheap answers (``n_c``, right ``k_c``), the spot-check answers
+(top answers to questions the router would have sent cheap: ``n_s``, ``k_s``) and the router's top answers
+(``n_t``, ``k_t``)::
 
-    s      = (n_c + n_a) / (n_c + n_a + n_t)        share of traffic the router sends below the top tier
-    a_c    = k_c / n_c      a_a = k_a / n_a      a_t = k_t / n_t
-    top    = s · a_a + (1 − s) · a_t                always-top accuracy on this traffic
-    ratio  = 1 − s · (a_a − a_c) / top              served accuracy / always-top accuracy
+    share  = (n_c + n_s) / (n_c + n_s + n_t)        share of traffic the router sends below the top tier
+    a_c    = k_c / n_c      a_s = k_s / n_s      a_t = k_t / n_t
+    top    = share · a_s + (1 − share) · a_t        always-top accuracy on this traffic
+    ratio  = 1 − share · (a_s − a_c) / top          served accuracy / always-top accuracy
 
-Nothing is assumed about which questions each tier gets right: ``a_a`` is the top tier measured on the very
-questions the router sends cheap. ``ratio_low`` is a conservative reading (the one-sided 90% Wilson bounds: ``a_a``
+Nothing is assumed about which questions each tier gets right: ``a_s`` is the top tier measured on the very
+questions the router sends cheap. ``ratio_low`` is a conservative reading (the one-sided 90% Wilson bounds: ``a_s``
 high, ``a_c`` low); the rollback rule reads the point estimate.
 
-**nesting** (biased; the fallback without enough audit answers). :func:`router.fit.promote.rates` over all
+**nesting** (biased; the fallback without enough spot-check answers). :func:`router.fit.promote.rates` over all
 feedback, under the assumption that a question the cheap tier gets right the top tier gets right too: a cheap-wrong
 answer cost always-top a right one with probability ``q = (p_top − p_cheap) / (1 − p_cheap)``. It is biased
 optimistic exactly when it matters: once a router sends the easy questions cheap, the cheap tier's graded accuracy
@@ -34,50 +35,51 @@ from typing import Any
 
 from router.fit.promote import rates, wilson
 
-AUDIT = "audit"  # the route reason of a control-arm request
+SPOT_CHECK = "spot_check"  # the route reason of a control-arm request
 EXPLORE = "explore"  # the route reason of an explored request: not the router's choice, never counted here
 
 
-def audit_ratio(n_c: int, k_c: int, n_a: int, k_a: int, n_t: int, k_t: int) -> tuple[float, float]:
+def spot_check_ratio(n_c: int, k_c: int, n_s: int, k_s: int, n_t: int, k_t: int) -> tuple[float, float]:
     """(point estimate, conservative reading) of served accuracy / always-top accuracy from the three arms'
-    counts (module doc). Raises ValueError when ``n_c`` or ``n_a`` is 0 (no estimate without both arms)."""
-    if n_c <= 0 or n_a <= 0:
-        raise ValueError("the audit estimate needs graded cheap answers and graded audit answers")
-    s = (n_c + n_a) / (n_c + n_a + n_t)
+    counts (module doc). Raises ValueError when ``n_c`` or ``n_s`` is 0 (no estimate without both arms)."""
+    if n_c <= 0 or n_s <= 0:
+        raise ValueError("the spot-check estimate needs graded cheap answers and graded spot-check answers")
+    share = (n_c + n_s) / (n_c + n_s + n_t)
     a_t = k_t / n_t if n_t else 0.0
 
-    def ratio(a_a: float, a_c: float) -> float:
-        top = s * a_a + (1.0 - s) * a_t
+    def ratio(a_s: float, a_c: float) -> float:
+        top = share * a_s + (1.0 - share) * a_t
         if top <= 0.0:
             return 1.0  # always-top gets nothing right here: there is nothing to lose
-        return 1.0 - s * (a_a - a_c) / top
+        return 1.0 - share * (a_s - a_c) / top
 
-    return ratio(k_a / n_a, k_c / n_c), ratio(wilson(k_a / n_a, n_a, upper=True), wilson(k_c / n_c, n_c, upper=False))
+    return (ratio(k_s / n_s, k_c / n_c),
+            ratio(wilson(k_s / n_s, n_s, upper=True), wilson(k_c / n_c, n_c, upper=False)))
 
 
 def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, floor: float,
-             exclude: set[str] | None = None, audit_min: int = 30) -> dict[str, Any]:
+             exclude: set[str] | None = None, spot_check_min: int = 30) -> dict[str, Any]:
     """The realised floor of router ``version`` (module doc) from ``outcomes`` (dicts with the fields of
     ``gateway.ledger.outcome.Outcome``); answers with route reason ``explore`` are left out (not the router's
-    choice, whichever replica explored them), and so are the request ids in ``exclude``. The audit estimate
-    when at least ``audit_min`` audit answers of ``version`` are graded, else the nesting estimate.
+    choice, whichever replica explored them), and so are the request ids in ``exclude``. The spot-check estimate
+    when at least ``spot_check_min`` spot-check answers of ``version`` are graded, else the nesting estimate.
 
-    Returns ``{"method": "audit" | "nesting", "n", "n_cheap", "n_audit", "n_top", "accuracy_ratio",
+    Returns ``{"method": "spot_check" | "nesting", "n", "n_cheap", "n_spot_check", "n_top", "accuracy_ratio",
     "ratio_low", "holds_floor"}`` (``accuracy_ratio`` None without graded answers; ``holds_floor`` reads the
     point estimate; the nesting estimate adds ``q``)."""
     ex = exclude or set()
     kept = [o for o in outcomes if o.get("route_reason") != EXPLORE]
     mine = [o for o in kept if o.get("source") == "feedback" and o.get("router_version") == version
             and o.get("sufficed") is not None and o.get("request_id") not in ex]
-    audit = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == AUDIT]
-    cheap = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != AUDIT and o.get("tier") != top_tier]
-    top = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != AUDIT and o.get("tier") == top_tier]
-    out: dict[str, Any] = {"n": len(mine), "n_cheap": len(cheap), "n_audit": len(audit), "n_top": len(top)}
+    checked = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == SPOT_CHECK]
+    cheap = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") != top_tier]
+    top = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") == top_tier]
+    out: dict[str, Any] = {"n": len(mine), "n_cheap": len(cheap), "n_spot_check": len(checked), "n_top": len(top)}
     if not mine:
         return {**out, "method": "nesting", "accuracy_ratio": None, "ratio_low": None, "holds_floor": True}
-    if len(audit) >= audit_min and cheap:
-        point, low = audit_ratio(len(cheap), sum(cheap), len(audit), sum(audit), len(top), sum(top))
-        return {**out, "method": "audit", "accuracy_ratio": round(point, 6), "ratio_low": round(low, 6),
+    if len(checked) >= spot_check_min and cheap:
+        point, low = spot_check_ratio(len(cheap), sum(cheap), len(checked), sum(checked), len(top), sum(top))
+        return {**out, "method": "spot_check", "accuracy_ratio": round(point, 6), "ratio_low": round(low, 6),
                 "holds_floor": bool(point >= floor - 1e-12)}
     r = rates(kept, top_tier, ex)
     p_top = r.p_top if r.p_top else 1.0

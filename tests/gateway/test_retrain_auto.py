@@ -140,15 +140,15 @@ def test_a_promoted_router_whose_realised_floor_falls_is_rolled_back(upstream_si
 
 
 @pytest.mark.parametrize(("cut", "arms", "tier", "reason"), [
-    (1.0, {"audit": 1.0}, "long", "audit"),        # the router sends it cheap, the audit arm to the top tier
-    (1.0, {"audit": 0.0}, "short", "predicted"),
+    (1.0, {"spot_check": 1.0}, "long", "spot_check"),  # the router sends it cheap, the spot check to the top tier
+    (1.0, {"spot_check": 0.0}, "short", "predicted"),
     (0.0, {"explore": 1.0}, "short", "explore"),   # the router sends it up, exploration one tier down
-    (0.0, {"explore": 1.0, "audit": 1.0}, "short", "explore"),  # an explored answer is never audited back up
+    (0.0, {"explore": 1.0, "spot_check": 1.0}, "short", "explore"),  # an explored answer is never spot-checked back up
 ])
-def test_audited_and_explored_answers_say_so(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
+def test_spot_checked_and_explored_answers_say_so(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
                                              tmp_path: Path, cut: float, arms: dict[str, float], tier: str,
                                              reason: str) -> None:
-    """The route reason of the audit arm and of exploration is on the response and on the outcome a grade of it
+    """The route reason of the spot-check arm and of exploration is on the response and on the outcome a grade of it
     records — so the realised floor can tell them apart on any replica."""
     path = _router(tmp_path / "cut.skops", informative=False)
     router = load_router(path)
@@ -172,16 +172,16 @@ def test_audited_and_explored_answers_say_so(upstream_sim: SimProcess, redis_url
         finally:
             rdb.close()
         assert (o.tier, o.route_reason, o.router_version) == (tier, reason, "old-noise")
-        assert _status(gw)["learning"]["audit"] == arms.get("audit", 0.05)
+        assert _status(gw)["learning"]["spot_check"] == arms.get("spot_check", 0.05)
 
 
-def _arms(version: str, cheap: tuple[int, int], top: tuple[int, int], audit: tuple[int, int],
+def _arms(version: str, cheap: tuple[int, int], top: tuple[int, int], checked: tuple[int, int],
           explored: tuple[int, int] = (0, 0)) -> list[Outcome]:
-    """Feedback on ``version``'s answers: (graded, right) of its cheap answers, its top answers, its audit
+    """Feedback on ``version``'s answers: (graded, right) of its cheap answers, its top answers, its spot-check
     answers (top answers to questions it sent cheap) and explored answers (cheap answers it did not choose)."""
     out = []
     for arm, tier, reason, (n, k) in (("c", "short", "predicted", cheap), ("t", "long", "predicted", top),
-                                     ("a", "long", "audit", audit), ("e", "short", "explore", explored)):
+                                     ("s", "long", "spot_check", checked), ("e", "short", "explore", explored)):
         out += [Outcome(source="feedback", request_id=f"{arm}{i}", key_id="alice", tier=tier, sufficed=i < k,
                         judge="client", router_version=version, route_reason=reason,
                         window_digest=window_digest(_text(False, 20_000 + i)), text=_text(False, 20_000 + i))
@@ -189,34 +189,35 @@ def _arms(version: str, cheap: tuple[int, int], top: tuple[int, int], audit: tup
     return out
 
 
-@pytest.mark.parametrize("case", ["audit-broken", "audit-holds", "nesting-on-the-same"])
-def test_the_realised_floor_reads_the_audit_arm(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
+@pytest.mark.parametrize("case", ["spot-check-broken", "spot-check-holds", "nesting-on-the-same"])
+def test_the_realised_floor_reads_the_spot_check_arm(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
                                                  tmp_path: Path, case: str) -> None:
-    """Broken: 39 of 40 cheap answers right, but the top tier is right on all 30 audited questions — nesting reads
-    0.989 (holds), the audit arm 0.978 (broken) → rolled back. Holds: 32 of 40 cheap right and the top tier right on
-    only 22 of 30 of the same kind of question — the audit arm reads 1.08 (kept), while nesting on the very same
-    feedback (``audit_min`` above the count) reads 0.92 and rolls back. Twenty explored cheap answers graded wrong
-    ride along in both: counted as the router's choice they would break the floor."""
+    """Broken: 39 of 40 cheap answers right, but the top tier is right on all 30 spot-checked questions — nesting
+    reads 0.989 (holds), the spot-check arm 0.978 (broken) → rolled back. Holds: 32 of 40 cheap right and the top tier
+    right on only 22 of 30 of the same kind of question — the spot-check arm reads 1.08 (kept), while nesting on the
+    very same feedback (``spot_check_min`` above the count) reads 0.92 and rolls back. Twenty explored cheap answers
+    graded wrong ride along in both: counted as the router's choice they would break the floor."""
     old = _router(tmp_path / "serving.skops", informative=False)
     write_outcomes(redis_url, redis_prefix, _graded(invert_training=False), tmp_path)
-    audit_min = 10**6 if case == "nesting-on-the-same" else 30
+    spot_check_min = 10**6 if case == "nesting-on-the-same" else 30
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
-                            routing=_routing(old, tmp_path, realised_min=10, audit_min=audit_min)) as gw:
+                            routing=_routing(old, tmp_path, realised_min=10, spot_check_min=spot_check_min)) as gw:
         assert wait_for(lambda: _status(gw)["version"].startswith("auto-"), timeout_s=60)
         promoted = _status(gw)["version"]
-        arms = _arms(promoted, (40, 39), (20, 10), (30, 30)) if case == "audit-broken" else \
+        arms = _arms(promoted, (40, 39), (20, 10), (30, 30)) if case == "spot-check-broken" else \
             _arms(promoted, (40, 32), (20, 10), (30, 22), explored=(20, 0))
         write_outcomes(redis_url, redis_prefix, arms, tmp_path)
-        if case == "audit-holds":
+        if case == "spot-check-holds":
             assert not wait_for(lambda: _status(gw)["version"] != promoted, timeout_s=4)
             real = _status(gw)["learning"]["realised"]  # the reading that kept it, in /v1/models
-            assert (real["version"], real["method"], real["n_audit"], real["n_cheap"]) == (promoted, "audit", 30, 40)
+            assert (real["version"], real["method"], real["n_spot_check"], real["n_cheap"]) == (
+                promoted, "spot_check", 30, 40)
             assert real["holds_floor"] is True and real["accuracy_ratio"] > 1.0
             assert "rollback" not in [e["event"] for e in _history(redis_url, redis_prefix, tmp_path)]
             return
         assert wait_for(lambda: _status(gw)["version"] == "old-noise", timeout_s=30)
         rb = _history(redis_url, redis_prefix, tmp_path)[-1]
         assert rb["event"] == "rollback" and rb["previous"] == promoted
-        method = "audit" if case == "audit-broken" else "nesting"
+        method = "spot_check" if case == "spot-check-broken" else "nesting"
         assert rb["realised"]["method"] == method and rb["realised"]["holds_floor"] is False
-        assert rb["realised"]["n_audit"] == 30 and f"({method} estimate)" in rb["reason"]
+        assert rb["realised"]["n_spot_check"] == 30 and f"({method} estimate)" in rb["reason"]

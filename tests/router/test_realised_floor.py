@@ -1,5 +1,5 @@
 """The realised floor (``router/fit/realised.py``) on hand-made feedback where the truth is known: a router that
-sends the easy questions cheap fools the nesting estimate, the audit arm does not."""
+sends the easy questions cheap fools the nesting estimate, the spot-check arm does not."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from router.fit.realised import audit_ratio, realised
+from router.fit.realised import realised, spot_check_ratio
 
 
 def _fb(i: int, tier: str, right: bool, reason: str = "predicted", version: str | None = "v") -> dict[str, Any]:
@@ -16,18 +16,18 @@ def _fb(i: int, tier: str, right: bool, reason: str = "predicted", version: str 
             "router_version": version}
 
 
-def _day(rng: np.random.Generator, n: int, audit: float) -> tuple[list[dict[str, Any]], float]:
+def _day(rng: np.random.Generator, n: int, spot_check: float) -> tuple[list[dict[str, Any]], float]:
     """``n`` graded requests from a population where the top tier is right on 90% of the easy half and 50% of
     the hard half, the cheap tier right on 80% of the easy half and only where the top tier is right too (nesting
-    holds exactly) — the router sends the easy half cheap, ``audit`` of it goes to the top tier. Returns
+    holds exactly) — the router sends the easy half cheap, ``spot_check`` of it goes to the top tier. Returns
     (outcomes, the true served / always-top ratio)."""
     out = []
     for i in range(n):
         easy = i % 2 == 0
         top_right = rng.random() < (0.9 if easy else 0.5)
         cheap_right = top_right and rng.random() < 0.8 / 0.9 if easy else False
-        if easy and rng.random() < audit:
-            out.append(_fb(i, "long", top_right, "audit"))
+        if easy and rng.random() < spot_check:
+            out.append(_fb(i, "long", top_right, "spot_check"))
         elif easy:
             out.append(_fb(i, "short", cheap_right))
         else:
@@ -36,13 +36,13 @@ def _day(rng: np.random.Generator, n: int, audit: float) -> tuple[list[dict[str,
     return out, truth
 
 
-def test_the_audit_arm_sees_a_loss_the_nesting_estimate_reads_as_none() -> None:
+def test_the_spot_check_arm_sees_a_loss_the_nesting_estimate_reads_as_none() -> None:
     rng = np.random.default_rng(0)
-    outcomes, truth = _day(rng, 6000, audit=0.2)
-    a = realised(outcomes, "v", "long", 0.98, audit_min=30)
-    n = realised(outcomes, "v", "long", 0.98, audit_min=10**9)
-    assert a["method"] == "audit" and n["method"] == "nesting"
-    assert a["n_audit"] > 500 and a["n_cheap"] > 2000
+    outcomes, truth = _day(rng, 6000, spot_check=0.2)
+    a = realised(outcomes, "v", "long", 0.98, spot_check_min=30)
+    n = realised(outcomes, "v", "long", 0.98, spot_check_min=10**9)
+    assert a["method"] == "spot_check" and n["method"] == "nesting"
+    assert a["n_spot_check"] > 500 and a["n_cheap"] > 2000
     # the control arm: within 0.02 of the truth, and the floor reads broken
     assert abs(a["accuracy_ratio"] - truth) < 0.02 and a["holds_floor"] is False
     assert a["ratio_low"] < a["accuracy_ratio"]
@@ -51,27 +51,28 @@ def test_the_audit_arm_sees_a_loss_the_nesting_estimate_reads_as_none() -> None:
     assert n["q"] == 0.0 and n["accuracy_ratio"] == 1.0 and n["holds_floor"] is True
 
 
-def test_audit_ratio_is_the_formula_and_needs_both_arms() -> None:
+def test_spot_check_ratio_is_the_formula_and_needs_both_arms() -> None:
     # s = (40 + 30) / 90, a_c = 39/40, a_a = 1, a_t = 0.5: top = s + (1 - s) / 2, loss = s / 40
     s = 70 / 90
-    point, low = audit_ratio(40, 39, 30, 30, 20, 10)
+    point, low = spot_check_ratio(40, 39, 30, 30, 20, 10)
     assert point == pytest.approx(1 - s * (1 - 39 / 40) / (s + (1 - s) * 0.5))
     assert low < point
-    assert audit_ratio(10, 5, 10, 5, 0, 0)[0] == pytest.approx(1.0)  # same accuracy on the same questions
-    assert audit_ratio(10, 0, 10, 0, 0, 0)[0] == 1.0  # always-top right on nothing: nothing to lose
+    assert spot_check_ratio(10, 5, 10, 5, 0, 0)[0] == pytest.approx(1.0)  # same accuracy on the same questions
+    assert spot_check_ratio(10, 0, 10, 0, 0, 0)[0] == 1.0  # always-top right on nothing: nothing to lose
     with pytest.raises(ValueError):
-        audit_ratio(0, 0, 10, 5, 10, 5)
+        spot_check_ratio(0, 0, 10, 5, 10, 5)
     with pytest.raises(ValueError):
-        audit_ratio(10, 5, 0, 0, 10, 5)
+        spot_check_ratio(10, 5, 0, 0, 10, 5)
 
 
-def test_too_few_audit_answers_fall_back_to_nesting_and_other_versions_do_not_count() -> None:
-    outcomes = ([_fb(i, "short", True) for i in range(40)] + [_fb(100 + i, "long", True, "audit") for i in range(29)]
-                + [_fb(200 + i, "long", False, "audit", version="other") for i in range(50)])
-    r = realised(outcomes, "v", "long", 0.98, audit_min=30)
-    assert r["method"] == "nesting" and r["n_audit"] == 29 and r["n"] == 69
-    assert realised(outcomes, "v", "long", 0.98, audit_min=29)["method"] == "audit"
+def test_too_few_spot_check_answers_fall_back_to_nesting_and_other_versions_do_not_count() -> None:
+    outcomes = ([_fb(i, "short", True) for i in range(40)]
+                + [_fb(100 + i, "long", True, "spot_check") for i in range(29)]
+                + [_fb(200 + i, "long", False, "spot_check", version="other") for i in range(50)])
+    r = realised(outcomes, "v", "long", 0.98, spot_check_min=30)
+    assert r["method"] == "nesting" and r["n_spot_check"] == 29 and r["n"] == 69
+    assert realised(outcomes, "v", "long", 0.98, spot_check_min=29)["method"] == "spot_check"
     assert realised([], "v", "long", 0.98)["accuracy_ratio"] is None
     explored = [_fb(300 + i, "short", False, "explore") for i in range(100)]  # not the router's choice
-    assert realised(outcomes + explored, "v", "long", 0.98, audit_min=29) == realised(outcomes, "v", "long", 0.98,
-                                                                                      audit_min=29)
+    assert realised(outcomes + explored, "v", "long", 0.98, spot_check_min=29) == realised(outcomes, "v", "long", 0.98,
+                                                                                      spot_check_min=29)
