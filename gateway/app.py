@@ -49,6 +49,7 @@ from gateway.state.conversations import ConversationStore
 from gateway.upstream.pool import UpstreamPool
 
 _heap_frozen = False
+ROUTER_DECIDED = frozenset({"predicted", "explore", "spot_check"})  # route reasons of a router's decision
 
 
 def freeze_startup_heap() -> None:
@@ -81,7 +82,8 @@ def _attach_controller(settings: Settings, routing: Routing, proxy: Proxy,
     index = {name: i for i, name in enumerate(routed)}
 
     def cost_sink(record: UsageRecord) -> None:
-        if record.route_reason == "predicted" and record.tier in index and not record.cached:
+        # every request the router decided, explored and spot-checked ones included: they are real spend
+        if record.route_reason in ROUTER_DECIDED and record.tier in index and not record.cached:
             ctrl.record_cost(index[record.tier], record.cost_micro_usd)
 
     proxy.usage_sinks.append(cost_sink)

@@ -242,7 +242,7 @@ class RetrainTrigger:
         from router.fit import promote  # lazy: only with routing.retrain on (listed in the contract)
         job = functools.partial(promote.fit_and_save, old, outcomes, self.top, str(self.dir), version,
                                 floor=self.cfg.floor, heldout_frac=self.cfg.heldout_frac,
-                                min_heldout=self.cfg.min_heldout)
+                                min_heldout=self.cfg.min_heldout, spot_check_min=self.cfg.spot_check_min)
         if self.cfg.fit_in == "thread":
             return await asyncio.to_thread(job)
         if self._pool is None:

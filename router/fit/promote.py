@@ -12,8 +12,11 @@ tier gets right, the top tier gets right too. Then, with ``p_top`` (the top tier
 ``p_cheap`` (the cheap tier's) from the feedback outcomes, a cheap-wrong window sent to the cheap tier costs
 always-top a right answer with probability ``q = (p_top − p_cheap) / (1 − p_cheap)`` — taken conservatively, at
 the upper 90% Wilson bound of ``p_top`` and the lower one of ``p_cheap`` (clipped to [0, 1]; 1 when either is
-unknown: the strictest reading). On ``n`` labelled windows a policy that sends ``k`` label-1 windows to
-the cheap tier loses ``q·k`` of always-top's ``p_top·n`` right answers::
+unknown: the strictest reading). From all feedback the two rates describe different questions (the top tier the
+ones routed up, the cheap tier the ones routed down), which pulls ``q`` towards 0 once a router works; once the
+router in service has enough graded spot checks (``routing.retrain.spot_check``), both come from the questions it
+sends cheap instead (:func:`spot_check_rates`; ``comparison.rates.source``). On ``n`` labelled windows a policy
+that sends ``k`` label-1 windows to the cheap tier loses ``q·k`` of always-top's ``p_top·n`` right answers::
 
     accuracy_ratio ≈ 1 − q·k / (p_top·n)        holds_floor: accuracy_ratio ≥ floor
     cheap_share     = share of the n windows sent to the cheap tier   (the savings tie-break)
@@ -46,16 +49,21 @@ from router.persistence import save_router
 
 FOLDS = 5
 Z90 = 1.2816
+SPOT_CHECK = "spot_check"  # route reason: a cheap decision the top tier served (``routing.retrain.spot_check``)
+EXPLORE = "explore"  # route reason: a decision served one tier down at random (``routing.retrain.explore``)
 
 
 @dataclass
 class Rates:
-    """Graded accuracies from feedback outcomes: ``p_top``, ``p_cheap`` (None: no grade) and the counts."""
+    """Graded accuracies from feedback outcomes: ``p_top``, ``p_cheap`` (None: no grade) and the counts.
+    ``source``: ``feedback`` (all graded answers: top answers on the questions routed up, cheap ones on those routed
+    down) or ``spot_check`` (:func:`spot_check_rates`: both tiers on the questions the router sends cheap)."""
 
     p_top: float | None
     p_cheap: float | None
     n_top: int
     n_cheap: int
+    source: str = "feedback"
 
     @property
     def q(self) -> float:
@@ -89,6 +97,24 @@ def rates(outcomes: Sequence[dict[str, Any]], top_tier: str, exclude: set[str] |
              and o.get("sufficed") is not None and o.get("tier") not in (None, top_tier)
              and o.get("request_id") not in (exclude or set())]
     return Rates(float(np.mean(top)) if top else None, float(np.mean(cheap)) if cheap else None, len(top), len(cheap))
+
+
+def spot_check_rates(outcomes: Sequence[dict[str, Any]], version: str | None, top_tier: str,
+                     minimum: int) -> Rates | None:
+    """Both tiers' graded accuracy on the same questions — the ones router ``version`` sends cheap: its spot
+    checks (the top tier's answers, route reason ``spot_check``) against its own cheap answers (explored ones left
+    out). Where ``q`` from all feedback (:func:`rates`) compares the top tier on the hard questions with the cheap
+    tier on the easy ones, and so reads near 0 once a router works, this ``q`` is nesting within one population.
+    None with fewer than ``minimum`` graded spot checks (or no graded cheap answer) of ``version``."""
+    if version is None:
+        return None
+    mine = [o for o in outcomes if o.get("source") == "feedback" and o.get("router_version") == version
+            and o.get("sufficed") is not None and o.get("route_reason") != EXPLORE]
+    top = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == SPOT_CHECK]
+    cheap = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") != top_tier]
+    if len(top) < minimum or not cheap:
+        return None
+    return Rates(float(np.mean(top)), float(np.mean(cheap)), len(top), len(cheap), source=SPOT_CHECK)
 
 
 @dataclass
@@ -182,14 +208,17 @@ def better(old: FloorEstimate, new: FloorEstimate) -> bool:
 
 def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_tier: str, *, floor: float = 0.98,
                   heldout_frac: float = 0.2, min_heldout: int = 10, exclude: set[str] | None = None,
-                  version: str | None = None) -> tuple[TrainedRouter | None, Comparison]:
+                  version: str | None = None, spot_check_min: int = 30) -> tuple[TrainedRouter | None, Comparison]:
     """Fit a candidate on ``outcomes`` (dicts with the fields of ``gateway.ledger.outcome.Outcome``) and compare
     it with ``old`` (module doc). Returns (the candidate, or None when none could be fitted or judged; the
     comparison — ``better`` says whether to promote). ``exclude``: request ids whose outcomes teach no label
-    (explored answers are kept: they are the cheap answers to learn from; nothing is excluded by default)."""
+    (explored answers are kept: they are the cheap answers to learn from; nothing is excluded by default). The
+    rates behind ``q``: :func:`spot_check_rates` of the router in service once it has ``spot_check_min`` graded
+    spot checks, else :func:`rates` over all feedback."""
     obs = [o for o in outcomes if o.get("request_id") not in (exclude or set())]
     items = items_from_outcomes(obs, top_tier)
-    r = rates(outcomes, top_tier)
+    prev = old.metadata.get("version") or old.metadata.get("created_utc")
+    r = spot_check_rates(outcomes, prev, top_tier, spot_check_min) or rates(outcomes, top_tier)
     rd = {**asdict(r), "q": round(r.q, 6)}
     held = [it for it in items if is_heldout_digest(it.group or it.id, heldout_frac)]
     train = [it for it in items if not is_heldout_digest(it.group or it.id, heldout_frac)]
@@ -221,7 +250,6 @@ def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_ti
            "keep: the candidate does not hold the floor on the held-back slice" if not new_e.holds_floor else
            "keep: the candidate sends no larger share to the cheap tier")
     now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    prev = old.metadata.get("version") or old.metadata.get("created_utc")
     comparison = cmp(asdict(old_e), asdict(new_e), ok, why)
     new.metadata.update({
         "version": version or f"auto-{now}",
@@ -237,8 +265,8 @@ def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_ti
 
 
 def fit_and_save(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_tier: str, out_dir: str,
-                 version: str, *, floor: float = 0.98, heldout_frac: float = 0.2,
-                 min_heldout: int = 10) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+                 version: str, *, floor: float = 0.98, heldout_frac: float = 0.2, min_heldout: int = 10,
+                 spot_check_min: int = 30) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
     """:func:`fit_candidate`, then — only when the candidate is better — write it to
     ``out_dir/router-<version>.skops`` (atomic, :func:`router.persistence.save_router`). The job automatic
     retraining runs in a child process (``gateway/control/retrain_trigger.py``): only paths and plain dicts come
@@ -248,7 +276,7 @@ def fit_and_save(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_tie
     job and its wall time, fit and save). Raises OSError when the file cannot be written."""
     t0 = time.perf_counter()
     new, cmp = fit_candidate(old, outcomes, top_tier, floor=floor, heldout_frac=heldout_frac,
-                             min_heldout=min_heldout, version=version)
+                             min_heldout=min_heldout, version=version, spot_check_min=spot_check_min)
     path = None
     if new is not None and cmp.better:
         Path(out_dir).mkdir(parents=True, exist_ok=True)

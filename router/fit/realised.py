@@ -33,10 +33,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from router.fit.promote import rates, wilson
+from router.fit.promote import EXPLORE, SPOT_CHECK, rates, wilson
 
-SPOT_CHECK = "spot_check"  # the route reason of a control-arm request
-EXPLORE = "explore"  # the route reason of an explored request: not the router's choice, never counted here
+__all__ = ["EXPLORE", "SPOT_CHECK", "realised", "spot_check_ratio"]
 
 
 def spot_check_ratio(n_c: int, k_c: int, n_s: int, k_s: int, n_t: int, k_t: int) -> tuple[float, float]:
