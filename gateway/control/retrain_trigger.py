@@ -122,6 +122,10 @@ class RetrainTrigger:
     def k_bad(self) -> str:
         return f"{self.prefix}router:bad"
 
+    @property
+    def k_realised(self) -> str:
+        return f"{self.prefix}router:realised"
+
     # --- exploration ------------------------------------------------------------------------------------
     def explore(self, i: int) -> int:
         """The routing hook (module doc): ``i`` or, with probability ``explore`` when ``i`` > 0, ``i - 1``
@@ -136,9 +140,10 @@ class RetrainTrigger:
 
     # --- status -----------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        """For ``/v1/models``: the configuration, this replica's fits, its last audit event and its last reading
-        of the promoted router's realised floor (``{"version", "method", "n", "n_cheap", "n_spot_check", "n_top",
-        "accuracy_ratio", "ratio_low", "holds_floor", ...}``; None before the first check of a promoted router)."""
+        """For ``/v1/models``: the configuration, this replica's fits, its last audit event and the last reading
+        of the promoted router's realised floor — the fitting replica's, on every replica (``p router:realised``:
+        ``{"version", "method", "n", "n_cheap", "n_spot_check", "n_top", "accuracy_ratio", "ratio_low",
+        "holds_floor", ...}``; None before the first check of a promoted router)."""
         return {"every_outcomes": self.cfg.every_outcomes, "explore": self.cfg.explore,
                 "spot_check": self.cfg.spot_check, "floor": self.cfg.floor,
                 "fit_here": self.cfg.fit_here, "state_dir": str(self.dir), "fits": self.fits,
@@ -163,6 +168,7 @@ class RetrainTrigger:
         """One round: follow, then (``fit_here``) fit when due and check the realised floor."""
         await self.follow()
         if not self.cfg.fit_here:
+            await self.read_realised()
             return
         n = int(await self.breaker.call(lambda: self.redis.xlen(self.outcomes.keys.outcomes)) or 0)
         fitted = int(await self.breaker.call(lambda: self.redis.get(self.k_fitted)) or 0)
@@ -264,6 +270,13 @@ class RetrainTrigger:
                     proc.terminate()
             pool.shutdown(wait=False, cancel_futures=True)
 
+    async def read_realised(self) -> None:
+        """A replica that does not fit shows the fitting replica's last realised-floor reading
+        (``p router:realised``, JSON), so ``/v1/models`` says the same behind any load balancer."""
+        raw = await self.breaker.call(lambda: self.redis.get(self.k_realised))
+        if raw is not None:
+            self.realised_last = dict(orjson.loads(as_bytes(raw)))
+
     async def check_realised(self) -> dict[str, Any] | None:
         """Roll back to the previous file when the promoted router's realised floor is below ``floor`` on at
         least ``realised_min`` graded cheap answers; the rollback event (None: nothing to do)."""
@@ -278,6 +291,8 @@ class RetrainTrigger:
         real = realised.realised(outcomes, c["version"], self.top, self.cfg.floor,
                                  spot_check_min=self.cfg.spot_check_min)
         self.realised_last = {"version": c["version"], **real}
+        reading = orjson.dumps(self.realised_last)
+        await self.breaker.call(lambda: self.redis.set(self.k_realised, reading))
         if real["holds_floor"] or real["n_cheap"] < self.cfg.realised_min:
             return None
         mapping = {"path": c["previous"], "version": c.get("previous_version", ""), "previous": "",

@@ -213,6 +213,10 @@ def test_the_realised_floor_reads_the_spot_check_arm(upstream_sim: SimProcess, r
             assert (real["version"], real["method"], real["n_spot_check"], real["n_cheap"]) == (
                 promoted, "spot_check", 30, 40)
             assert real["holds_floor"] is True and real["accuracy_ratio"] > 1.0
+            # a replica that never fits (behind the same load balancer) shows the same reading
+            with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                                    routing=_routing(old, tmp_path, fit_here=False)) as other:
+                assert wait_for(lambda: _status(other)["learning"]["realised"] == real, timeout_s=10)
             assert "rollback" not in [e["event"] for e in _history(redis_url, redis_prefix, tmp_path)]
             return
         assert wait_for(lambda: _status(gw)["version"] == "old-noise", timeout_s=30)
