@@ -39,6 +39,7 @@ from gateway.control.drift import DriftMonitor
 from gateway.control.outcomes import OutcomeStore, outcome_spool_path
 from gateway.control.shadow import Shadow
 from gateway.control.target import TargetController
+from gateway.ledger.event import ROUTER_DECIDED
 from gateway.ledger.record import UsageRecord
 from gateway.observability.telemetry import Telemetry
 from gateway.pipeline import upstream_body
@@ -49,7 +50,6 @@ from gateway.state.conversations import ConversationStore
 from gateway.upstream.pool import UpstreamPool
 
 _heap_frozen = False
-ROUTER_DECIDED = frozenset({"predicted", "explore", "spot_check"})  # route reasons of a router's decision
 
 
 def freeze_startup_heap() -> None:

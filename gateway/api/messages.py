@@ -22,6 +22,7 @@ from gateway.api import bridge
 from gateway.api.http import disconnected, json_response, read_body, tracing
 from gateway.config import TierConfig
 from gateway.errors import GatewayError
+from gateway.ledger.event import ROUTER_DECIDED
 from gateway.ledger.record import UsageRecord
 from gateway.openai.usage import estimate_tokens
 from gateway.pipeline import request as schemas
@@ -45,12 +46,12 @@ def covers(tier: TierConfig, budget: int) -> bool:
 
 
 def route_for_thinking(route: RouteDecision, tiers: list[TierConfig], budget: int) -> RouteDecision:
-    """The tier for ``thinking.budget_tokens = budget``: a routed (``predicted``, ``spot_check``, ``explore``,
+    """The tier for ``thinking.budget_tokens = budget``: a routed (a router's decision, ``ROUTER_DECIDED``, or
     ``fallback``) tier whose budget does not cover it gives way to the cheapest tier (configuration order) that
     does — or, when none does, the one with the largest budget — with reason ``effort`` (the client said how much
     to think). A tier that covers it keeps the request, and the smaller budget is applied there
     (``thinking_token_budget``). A forced tier is kept either way."""
-    if route.reason not in ("predicted", "spot_check", "explore", "fallback") or covers(route.tier, budget):
+    if (route.reason not in ROUTER_DECIDED and route.reason != "fallback") or covers(route.tier, budget):
         return route
     fit = next((t for t in tiers if covers(t, budget)), None)
     if fit is None:

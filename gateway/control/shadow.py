@@ -49,7 +49,7 @@ from gateway.control.outcomes import OutcomeStore
 from gateway.control.shadow_normalised import NormalisedJudge
 from gateway.control.shadow_references import References
 from gateway.errors import GatewayError
-from gateway.ledger.event import RouteReason, WireEndpoint
+from gateway.ledger.event import ROUTER_DECIDED, RouteReason, WireEndpoint
 from gateway.ledger.record import UsageRecord
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
@@ -59,7 +59,6 @@ from gateway.upstream.pool import UpstreamPool
 log = logging.getLogger("thinkgate.shadow")
 
 SHADOW_KEY = "_shadow"
-ROUTED: frozenset[str] = frozenset({"predicted", "explore"})  # the route reasons a shadow comparison may follow
 SPEND_TTL_S = 3 * 86400
 CHAT_PATH = "/chat/completions"
 
@@ -194,10 +193,10 @@ class Shadow:
         return self.tiers[self.routed[i + 1]] if i + 1 < len(self.routed) else None
 
     def sampled(self, route: Route, body: dict[str, Any]) -> bool:
-        """Whether this request is shadowed (decided before serving: reason ``predicted`` or ``explore`` — an
-        explored cheap answer is the label exploration exists for —, a lower routed tier, one choice, sampled at
-        ``fraction``)."""
-        if self.cfg.fraction <= 0 or route.reason not in ROUTED or self.higher_of(route.tier.name) is None:
+        """Whether this request is shadowed (decided before serving: a router's decision — an explored cheap
+        answer is the label exploration exists for; a spot check is on the top tier, which has nothing above —, a
+        lower routed tier, one choice, sampled at ``fraction``)."""
+        if self.cfg.fraction <= 0 or route.reason not in ROUTER_DECIDED or self.higher_of(route.tier.name) is None:
             return False
         if (body.get("n") or 1) != 1 or not isinstance(body.get("messages"), list):
             return False
@@ -207,7 +206,7 @@ class Shadow:
             answer: dict[str, Any]) -> ShadowJob | None:
         """The job for a complete answer on ``route`` (None: the answer came from elsewhere — escalated, a
         fallback, a cache hit — or from the top tier)."""
-        if route.reason not in ROUTED or record.cached:
+        if route.reason not in ROUTER_DECIDED or record.cached:
             return None
         higher = self.higher_of(route.tier.name)
         if higher is None:

@@ -25,7 +25,7 @@ import orjson
 from gateway.config import Prices
 from gateway.ledger.pricing import cost_micro_usd
 
-__all__ = ["COUNTER_FIELDS", "Endpoint", "RouteReason", "UsageEvent", "UsageSource", "WireEndpoint",
+__all__ = ["COUNTER_FIELDS", "ROUTER_DECIDED", "Endpoint", "RouteReason", "UsageEvent", "UsageSource", "WireEndpoint",
            "cost_micro_usd", "counter_increments", "micro_to_usd", "new_event_id", "usd_to_micro"]
 
 #: Where an event's token counts came from: reported by the upstream, counted by the gateway, a cache hit, none.
@@ -42,6 +42,9 @@ Endpoint = Literal["chat", "completions", "responses", "messages", "embeddings"]
 #: ``explore``: the router chose a tier and the one below served it, at random (``routing.retrain.explore``).
 RouteReason = Literal["predicted", "forced", "effort", "fallback", "escalated", "cache", "shadow", "spot_check",
                       "explore"]
+#: The route reasons of a request whose tier the router decided (as chosen, explored or spot-checked): real routed
+#: traffic and spend, unlike a forced, effort, fallback, escalated, cache or shadow one.
+ROUTER_DECIDED: frozenset[str] = frozenset({"predicted", "explore", "spot_check"})
 
 
 def micro_to_usd(micro: int) -> Decimal:

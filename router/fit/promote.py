@@ -99,6 +99,18 @@ def rates(outcomes: Sequence[dict[str, Any]], top_tier: str, exclude: set[str] |
     return Rates(float(np.mean(top)) if top else None, float(np.mean(cheap)) if cheap else None, len(top), len(cheap))
 
 
+def version_arms(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str
+                 ) -> tuple[list[bool], list[bool], list[bool]]:
+    """The graded feedback on router ``version``'s answers, explored ones left out, as three lists of "graded
+    right": (its cheap answers, its spot checks — top answers to questions it sent cheap —, its top answers)."""
+    mine = [o for o in outcomes if o.get("source") == "feedback" and o.get("router_version") == version
+            and o.get("sufficed") is not None and o.get("route_reason") != EXPLORE]
+    checked = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == SPOT_CHECK]
+    cheap = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") != top_tier]
+    top = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") == top_tier]
+    return cheap, checked, top
+
+
 def spot_check_rates(outcomes: Sequence[dict[str, Any]], version: str | None, top_tier: str,
                      minimum: int) -> Rates | None:
     """Both tiers' graded accuracy on the same questions — the ones router ``version`` sends cheap: its spot
@@ -108,13 +120,10 @@ def spot_check_rates(outcomes: Sequence[dict[str, Any]], version: str | None, to
     None with fewer than ``minimum`` graded spot checks (or no graded cheap answer) of ``version``."""
     if version is None:
         return None
-    mine = [o for o in outcomes if o.get("source") == "feedback" and o.get("router_version") == version
-            and o.get("sufficed") is not None and o.get("route_reason") != EXPLORE]
-    top = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == SPOT_CHECK]
-    cheap = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") != top_tier]
-    if len(top) < minimum or not cheap:
+    cheap, checked, _ = version_arms(outcomes, version, top_tier)
+    if len(checked) < minimum or not cheap:
         return None
-    return Rates(float(np.mean(top)), float(np.mean(cheap)), len(top), len(cheap), source=SPOT_CHECK)
+    return Rates(float(np.mean(checked)), float(np.mean(cheap)), len(checked), len(cheap), source=SPOT_CHECK)
 
 
 @dataclass

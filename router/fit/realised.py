@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from router.fit.promote import EXPLORE, SPOT_CHECK, rates, wilson
+from router.fit.promote import EXPLORE, SPOT_CHECK, rates, version_arms, wilson
 
 __all__ = ["EXPLORE", "SPOT_CHECK", "realised", "spot_check_ratio"]
 
@@ -57,32 +57,28 @@ def spot_check_ratio(n_c: int, k_c: int, n_s: int, k_s: int, n_t: int, k_t: int)
 
 
 def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, floor: float,
-             exclude: set[str] | None = None, spot_check_min: int = 30) -> dict[str, Any]:
+             spot_check_min: int = 30) -> dict[str, Any]:
     """The realised floor of router ``version`` (module doc) from ``outcomes`` (dicts with the fields of
     ``gateway.ledger.outcome.Outcome``); answers with route reason ``explore`` are left out (not the router's
-    choice, whichever replica explored them), and so are the request ids in ``exclude``. The spot-check estimate
-    when at least ``spot_check_min`` spot-check answers of ``version`` are graded, else the nesting estimate.
+    choice, whichever replica explored them). The spot-check estimate when at least ``spot_check_min`` spot-check
+    answers of ``version`` are graded, else the nesting estimate. Ratios are dimensionless (served accuracy over
+    always-top accuracy on the same traffic).
 
     Returns ``{"method": "spot_check" | "nesting", "n", "n_cheap", "n_spot_check", "n_top", "accuracy_ratio",
     "ratio_low", "holds_floor"}`` (``accuracy_ratio`` None without graded answers; ``holds_floor`` reads the
     point estimate; the nesting estimate adds ``q``)."""
-    ex = exclude or set()
-    kept = [o for o in outcomes if o.get("route_reason") != EXPLORE]
-    mine = [o for o in kept if o.get("source") == "feedback" and o.get("router_version") == version
-            and o.get("sufficed") is not None and o.get("request_id") not in ex]
-    checked = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == SPOT_CHECK]
-    cheap = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") != top_tier]
-    top = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") == top_tier]
-    out: dict[str, Any] = {"n": len(mine), "n_cheap": len(cheap), "n_spot_check": len(checked), "n_top": len(top)}
-    if not mine:
+    cheap, checked, top = version_arms(outcomes, version, top_tier)
+    n = len(cheap) + len(checked) + len(top)
+    out: dict[str, Any] = {"n": n, "n_cheap": len(cheap), "n_spot_check": len(checked), "n_top": len(top)}
+    if not n:
         return {**out, "method": "nesting", "accuracy_ratio": None, "ratio_low": None, "holds_floor": True}
     if len(checked) >= spot_check_min and cheap:
         point, low = spot_check_ratio(len(cheap), sum(cheap), len(checked), sum(checked), len(top), sum(top))
         return {**out, "method": "spot_check", "accuracy_ratio": round(point, 6), "ratio_low": round(low, 6),
                 "holds_floor": bool(point >= floor - 1e-12)}
-    r = rates(kept, top_tier, ex)
+    r = rates([o for o in outcomes if o.get("route_reason") != EXPLORE], top_tier)
     p_top = r.p_top if r.p_top else 1.0
     cheap_wrong = len(cheap) - sum(cheap)
-    ratio = 1.0 - r.q * cheap_wrong / (p_top * len(mine))
+    ratio = 1.0 - r.q * cheap_wrong / (p_top * n)
     return {**out, "method": "nesting", "accuracy_ratio": round(ratio, 6), "ratio_low": round(ratio, 6),
             "holds_floor": bool(ratio >= floor - 1e-12), "q": round(r.q, 6)}
