@@ -5,7 +5,8 @@ A **dial model** directory (one with ``dial.json``: ``{"budget_prompt", "tiers":
 "served_model_name"?, "router"?: FILE}``, written by ``python -m training.tiny.dial_card``) is served under its own
 name (``served_model_name``, else the directory's: ``engine.served_model_name`` and the ``model`` of every tier that
 named the engine's model), serves every tier it names with ``budget_mode: prompted``, its prompt format and its
-per-tier budget (0: thinking off, ``budget_mode: off``; null: unlimited), and its ``router`` (a router file beside it
+per-tier budget (0: thinking off, ``budget_mode: off``; null: unlimited) — with ``hard_stop: native`` on the
+embedded engine's tiers (vLLM cuts an overrun in one pass) —, and its ``router`` (a router file beside it
 that maps the score to a thinking budget, ``thinkgate train dial-router``) as ``routing.router_path``. Any other
 directory only replaces ``engine.model_path``: same served name and tiers.
 """
@@ -45,12 +46,15 @@ def dial_tiers(settings: Settings, model_dir: Path) -> Settings:
     tiers = []
     for t in settings.tiers:
         update: dict[str, Any] = {"model": served} if t.model == engine_name else {}
+        # the embedded engine is vLLM: its own thinking_token_budget is the hard stop, one pass (forcing's phase 2
+        # would bill the prompt again); a tier on some other upstream keeps forcing
+        native = "native" if settings.engine.enabled and t.model == engine_name else "forced"
         if t.name in budgets:
             b = budgets[t.name]
             update.update(
                 {"budget_mode": "off", "thinking_budget": 0, "enable_thinking": False} if b == 0  # the direct mode
                 else {"budget_mode": "prompted", "budget_prompt": spec["budget_prompt"], "thinking_budget": b,
-                      "enable_thinking": True})
+                      "enable_thinking": True, "hard_stop": native})
         tiers.append(t.model_copy(update=update) if update else t)
     out = settings.model_copy(update={"tiers": tiers, "engine": settings.engine.model_copy(
         update={"served_model_name": served})})

@@ -77,7 +77,10 @@ class TierConfig(_Strict):
     forcing (stop the thought at the budget, append ``end_of_thinking``, continue for the answer);
     ``off`` sends no budget; ``prompted`` sends the budget *to the model* in its prompt (a dial model,
     ``models/thinkgate-tiny-dial``): ``budget_prompt`` (``{budget}`` = tokens) is appended to the last
-    user message, and budget forcing stays as the hard stop above it (``gateway/thinking/dial.py``).
+    user message, and a hard stop stays above it (``gateway/thinking/dial.py``): ``hard_stop: forced`` (the
+    default; any OpenAI-compatible upstream) cuts an overrun by two-phase budget forcing, whose phase 2 sends the
+    prompt again; ``hard_stop: native`` (vLLM) sends the stop as the request's ``thinking_token_budget``, one
+    pass, the prompt billed once.
     ``enable_thinking: false`` disables thinking through ``chat_template_kwargs.enable_thinking``. ``max_n``: the
     most choices (``n``) one request may ask of this tier (more is a 400); with ``max_tokens`` it bounds what one
     request can cost.
@@ -102,6 +105,8 @@ class TierConfig(_Strict):
     budget_mode: Literal["native", "forced", "off", "prompted"] = "native"
     #: the dial prompt format of a ``prompted`` tier (appended to the last user message)
     budget_prompt: str = Field("Think for {budget} tokens.", pattern=r"\{budget\}")
+    #: how a ``prompted`` tier stops a thought that overruns its requested budget (class doc)
+    hard_stop: Literal["forced", "native"] = "forced"
     enable_thinking: bool = True
     end_of_thinking: str = "\n</think>\n\n"
     escalate_on: list[Literal["empty_answer", "length_in_thought", "abstain", "low_confidence", "learned"]] = Field(

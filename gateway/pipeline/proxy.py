@@ -194,10 +194,11 @@ class Proxy:
             resp: UpstreamResponse
             try:
                 with span("upstream"), conversation_affinity(body, candidates):
-                    # prompted: forcing is the hard stop above the requested budget; with none (an unlimited dial
-                    # tier) there is nothing to stop, and one pass spares phase 2's second prompt
-                    forced = dial.forcing_tier(tier, body) if tier.budget_mode in ("forced", "prompted") else None
-                    if forced is not None and (forced.budget_mode == "forced" or forced.thinking_budget is not None):
+                    # prompted: forcing is the hard stop above the requested budget unless the upstream cuts
+                    # it (hard_stop: native); with no budget there is nothing to stop, and one pass spares
+                    # phase 2's second prompt
+                    forced = dial.forcing_tier(tier, body)
+                    if forced is not None:
                         resp = await open_forced(self.upstreams, forced, caller.endpoint, built)
                     else:
                         resp = await self.upstreams.open(tier, ENDPOINT_PATHS[caller.endpoint],

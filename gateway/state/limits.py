@@ -319,9 +319,10 @@ def call_bound(prompt: int, choices: int, asked: Any, tier: TierConfig) -> tuple
     of at most min(thinking_budget, max_tokens); phase 2 the prompt again plus that thought plus the markers,
     generating at most max(1, max_tokens − thought) — so per choice 2 × prompt + thought + markers prompt tokens
     and max_tokens + 1 completion tokens. (The thought re-sent in phase 2 is the text the upstream generated;
-    its tokens are bounded by the count phase 1 reported.) A ``prompted`` tier (a dial model) is served by the same
-    forcing with the dial instruction appended to the prompt and :func:`gateway.config.prompted_hard_stop` of its
-    budget as the thought bound.
+    its tokens are bounded by the count phase 1 reported.) A ``prompted`` tier (a dial model) carries the dial
+    instruction appended to the prompt; with ``hard_stop: forced`` it is served by the same forcing with
+    :func:`gateway.config.prompted_hard_stop` of its budget as the thought bound, with ``hard_stop: native`` in
+    one pass (the prompt once, as a ``native`` tier).
     """
     cap = tier.max_tokens
     m = min(asked, cap) if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else cap
@@ -332,6 +333,8 @@ def call_bound(prompt: int, choices: int, asked: Any, tier: TierConfig) -> tuple
         # the dial instruction appended to the prompt (a space + the filled-in text: at most the tier's budget's
         # digits, the request's own budget is smaller) and forcing's hard stop above that budget
         prompt += 1 + len(tier.budget_prompt.format(budget=budget if budget is not None else 0).encode())
+        if tier.hard_stop == "native":
+            return prompt, choices * m
         budget = prompted_hard_stop(budget) if budget is not None else None
     thought = min(budget if budget is not None else m, m)
     return choices * (2 * prompt + thought + _forced_extra_prompt(tier)), choices * (m + 1)

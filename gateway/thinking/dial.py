@@ -12,8 +12,11 @@ about N thinking tokens. On a ``prompted`` tier the gateway:
   request's ``thinking_token_budget`` is not sent on (the model's own count is the budget; vLLM's native cut
   would stop it one token short);
 - N = 0 turns thinking off (``chat_template_kwargs.enable_thinking: false``), as the dial model's direct mode;
-- serves the tier by two-phase budget forcing (:mod:`gateway.thinking.forcing`) with :func:`hard_stop` (N) as
-  the forcing budget: a model that overruns its requested budget is cut there and answers.
+- stops a model that overruns its requested budget at :func:`hard_stop` (N) tokens, where it answers:
+  ``hard_stop: forced`` (the default, any OpenAI-compatible upstream) serves the tier by two-phase budget
+  forcing (:mod:`gateway.thinking.forcing`) with that forcing budget — phase 2 sends the prompt again, so a
+  budgeted call bills its prompt twice; ``hard_stop: native`` sends it as the request's ``thinking_token_budget``
+  (vLLM's own cut: one pass, the prompt billed once). An unlimited call (N None) takes one pass either way.
 
 The completions endpoint carries a rendered prompt the gateway cannot edit safely: it gets the hard stop only.
 """
@@ -65,6 +68,8 @@ def apply_prompted(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoin
     """Put the requested budget of ``tier`` into ``body`` (in place) as the module doc says."""
     budget = requested_budget(body, tier)
     body.pop("thinking_token_budget", None)
+    if budget is not None and budget > 0 and tier.hard_stop == "native":
+        body["thinking_token_budget"] = hard_stop(budget)
     if endpoint != "chat" or budget is None:
         return
     if budget == 0:
@@ -76,11 +81,17 @@ def apply_prompted(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoin
         body["messages"] = _append_to_last_user(messages, instruction(tier, budget))
 
 
-def forcing_tier(tier: TierConfig, client_body: dict[str, Any]) -> TierConfig:
-    """The tier that budget forcing runs with: a ``prompted`` tier with :func:`hard_stop` of the requested budget
-    as its ``thinking_budget`` (unlimited stays unlimited); any other tier unchanged. ``client_body``: the request
-    as the client sent it (its ``thinking_token_budget`` is still there)."""
-    if tier.budget_mode != "prompted":
+def forcing_tier(tier: TierConfig, client_body: dict[str, Any]) -> TierConfig | None:
+    """The tier that two-phase budget forcing runs with, None when the call takes one pass: a ``forced`` tier as
+    it is; a ``prompted`` one with ``hard_stop: forced`` and a requested budget gets :func:`hard_stop` of that
+    budget as its ``thinking_budget``; an unlimited ``prompted`` call, a ``hard_stop: native`` one and any other
+    budget mode take one pass. ``client_body``: the request as the client sent it (its ``thinking_token_budget``
+    is still there)."""
+    if tier.budget_mode == "forced":
         return tier
+    if tier.budget_mode != "prompted" or tier.hard_stop == "native":
+        return None
     budget = requested_budget(client_body, tier)
-    return tier.model_copy(update={"thinking_budget": None if budget is None else hard_stop(budget)})
+    if budget is None:
+        return None  # nothing to stop: phase 2 would only send the prompt again
+    return tier.model_copy(update={"thinking_budget": hard_stop(budget)})

@@ -110,6 +110,22 @@ def test_a_prompted_dial_tier_is_bounded_like_forcing_with_its_instruction_and_h
     assert _cost(*worst) <= est.micro_usd and sum(worst) <= est.tokens
 
 
+@pytest.mark.parametrize(("n", "max_tokens", "budget"), [(1, 400, 64), (3, 400, 16)])
+def test_a_prompted_tier_with_a_native_hard_stop_is_bounded_as_one_pass(n: int, max_tokens: int, budget: int) -> None:
+    # hard_stop: native (vLLM cuts the overrun): one pass, the prompt with its instruction billed once — the bound
+    # covers that and is below the forced hard stop's (which pays the prompt twice), so a spend limit admits more
+    forced = FORCED.model_copy(update={"budget_mode": "prompted", "thinking_budget": budget, "max_tokens": 512})
+    native = forced.model_copy(update={"hard_stop": "native"})
+    text = "héllo " * 7
+    body = {"messages": [{"role": "user", "content": text}], "n": n, "max_tokens": max_tokens}
+    est = estimate(body, [native])
+    said = native.budget_prompt.format(budget=budget)
+    prompt_ub = (len(b"user") + len(text.encode()) + 1 + len(said.encode()) + MESSAGE_OVERHEAD_TOKENS
+                 + REQUEST_OVERHEAD_TOKENS)
+    assert _cost(prompt_ub, n * max_tokens) <= est.micro_usd and prompt_ub + n * max_tokens <= est.tokens
+    assert est.micro_usd < estimate(body, [forced]).micro_usd
+
+
 def test_forced_n3_billed_by_a_real_gateway_fits_the_estimate_and_not_the_old_one(upstream_sim: SimProcess,
                                                                                   redis_url: str) -> None:
     tiers = sim_tiers(upstream_sim.base_url)

@@ -97,6 +97,27 @@ def test_forcing_is_the_hard_stop_above_the_requested_budget(
     assert resp.choices[0].message.content.startswith("echo:")
 
 
+def test_a_native_hard_stop_is_one_pass_and_bills_the_prompt_once(upstream_sim: SimProcess, redis_url: str) -> None:
+    # two dial tiers with the same small budget: "short" stops an overrun by forcing (two passes), "long" by the
+    # upstream's own thinking_token_budget (hard_stop: native, vLLM's cut; the simulator honours it)
+    tiers = sim_tiers(upstream_sim.base_url)
+    for t, stop in ((tiers[1], "forced"), (tiers[2], "native")):
+        t.update({"budget_mode": "prompted", "thinking_budget": LONG, "max_tokens": 128, "hard_stop": stop})
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        forced, forced_body = _ask(gw, upstream_sim, model="short")
+        native, native_body = _ask(gw, upstream_sim, model="long")
+    assert _user_texts(native_body) == _user_texts(forced_body) == [f"{QUESTION} Think for {LONG} tokens."]
+    assert native_body["thinking_token_budget"] == hard_stop(LONG) and "continue_final_message" not in native_body
+    assert forced_body["continue_final_message"] is True
+    for resp in (forced, native):  # the same cut thought and answer either way
+        reasoning = (resp.choices[0].message.model_extra or {}).get("reasoning") or ""
+        assert len(reasoning.split()) == hard_stop(LONG)
+        assert resp.usage.completion_tokens_details.reasoning_tokens == hard_stop(LONG)
+        assert resp.choices[0].message.content.startswith("echo:")
+    # phase 2 sent the prompt again (with the thought); one pass sends it once
+    assert native.usage.prompt_tokens < forced.usage.prompt_tokens / 2
+
+
 # ----------------------------------------------------------------------------- routing to a budget (router file)
 
 MAP_CUT, LOW_BUDGET, HIGH_BUDGET = 0.5, 24, 96

@@ -20,8 +20,17 @@ def test_dial_model_dir_serves_tiers_as_budgets_with_its_router() -> None:
     assert (tiers["short"].budget_mode, tiers["short"].thinking_budget) == ("prompted", 32)
     assert (tiers["long"].budget_mode, tiers["long"].thinking_budget) == ("prompted", None)
     assert tiers["short"].budget_prompt == "Think for {budget} tokens."
+    # the embedded engine is vLLM: it cuts an overrun itself, one pass (forcing would bill the prompt twice)
+    assert tiers["short"].hard_stop == tiers["long"].hard_stop == "native"
     assert settings.engine.model_path == (ASSETS / "thinkgate-tiny-dial").resolve()
     assert settings.routing.router_path == (ASSETS / "thinkgate-tiny-dial" / "router.skops").resolve()
+
+
+def test_without_the_embedded_engine_a_dial_tier_keeps_forcing_as_its_hard_stop() -> None:
+    base = Settings.load(None)
+    base = base.model_copy(update={"engine": base.engine.model_copy(update={"enabled": False})})
+    tiers = {t.name: t for t in dial_tiers(base, ASSETS / "thinkgate-tiny-dial").tiers}
+    assert (tiers["short"].budget_mode, tiers["short"].hard_stop) == ("prompted", "forced")
 
 
 def test_other_model_dirs_keep_their_tiers_and_router() -> None:
