@@ -169,10 +169,11 @@ VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model DI
   --served-model-name thinkgate-tiny --dtype float32 --enforce-eager --reasoning-parser qwen3
 ```
 and give its tiers `budget_mode: prompted` (the gateway appends `budget_prompt`, default
-`"{BUDGET_TEMPLATE}"`, to the last user message and keeps budget forcing as the hard stop at
-budget × 1.25 + 16). Or let the gateway do all of it: `thinkgate serve --model-dir DIR` (what `make serve` runs
-for this directory) and `thinkgate bench savings --model-dir DIR` serve every tier from it with the budgets in
-`dial.json` and the router it names.
+`"{BUDGET_TEMPLATE}"`, to the last user message and keeps a hard stop at budget × 1.25 + 16: on vLLM
+`hard_stop: native`, its own `thinking_token_budget`, one pass; elsewhere budget forcing). Or let the gateway do
+all of it: `thinkgate serve --model-dir DIR` (what `make serve` runs for this directory) and `thinkgate bench
+savings --model-dir DIR` serve every tier from it with the budgets in `dial.json`, the native hard stop and the
+router it names.
 
 ## Licence
 Apache-2.0. Made only from generated data; no third-party data or weights.
