@@ -79,11 +79,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cross_check(self) -> Settings:
-        if "tiers" not in self.model_fields_set:
-            # The embedded default tiers are served by the embedded engine: they follow engine.host/port
-            # (THINKGATE_ENGINE__PORT moved the engine and left the tiers on 8001). Configured tiers are as written.
-            url = f"http://{self.engine.host}:{self.engine.port}/v1"
-            object.__setattr__(self, "tiers", [t.model_copy(update={"base_url": url}) for t in self.tiers])
+        # A tier that names no upstream (the embedded defaults, or a configured tier without base_url/base_urls)
+        # is served by the embedded engine: it follows engine.host/port (moving the engine to another port left
+        # such tiers on 8001, and every request failed with 502). A tier that names its upstream is as written.
+        url = f"http://{self.engine.host}:{self.engine.port}/v1"
+        object.__setattr__(self, "tiers", [
+            t if t.base_urls or "base_url" in t.model_fields_set else t.model_copy(update={"base_url": url})
+            for t in self.tiers])
         names = _tier_names(self.tiers)
         _check_routing(self.routing, names)
         embedder = self.cache.semantic.embedder

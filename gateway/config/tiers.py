@@ -70,7 +70,8 @@ class TierConfig(_Strict):
 
     ``base_url``: the tier's OpenAI-compatible upstream (``…/v1``). ``base_urls``: several replicas of the same
     model instead (a pool, balanced as ``pool`` says); ``base_url`` then reads as the first of them. Set one of
-    the two (or both with ``base_url`` among ``base_urls``).
+    the two (or both with ``base_url`` among ``base_urls``); with neither, the embedded engine's address
+    (``engine.host``/``engine.port``, set by ``Settings``).
 
     ``thinking_budget`` is in tokens (``None`` = unlimited). ``budget_mode``: ``native`` sends vLLM's
     per-request ``thinking_token_budget``; ``forced`` enforces it in the gateway by two-phase budget

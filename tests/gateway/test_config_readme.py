@@ -46,3 +46,17 @@ def test_embedded_default_tiers_follow_the_engine_port(monkeypatch: pytest.Monke
                                tiers=[{"name": "solo", "base_url": "http://elsewhere:1/v1", "model": "m"}],
                                routing={"routed_tiers": ["solo"], "default_tier": "solo", "router_path": None})
     assert configured.tiers[0].base_url == "http://elsewhere:1/v1"  # configured tiers are taken as written
+
+
+def test_a_configured_tier_without_an_upstream_follows_the_engine_port(tmp_path: Path) -> None:
+    """docs/local-model.md's dial tiers name no ``base_url``: the engine serves them, wherever it listens (they
+    stayed on 8001 when the engine moved, and every request failed with 502)."""
+    path = tmp_path / "dial.yaml"
+    path.write_text("engine: {port: 8002}\ntiers:\n"
+                    "- {name: none, budget_mode: \"off\", thinking_budget: 0, enable_thinking: false}\n"
+                    "- {name: short, budget_mode: prompted, thinking_budget: 32, hard_stop: native}\n"
+                    "- {name: long, budget_mode: prompted, thinking_budget: null, base_url: http://gpu:9/v1}\n"
+                    "- {name: pool, base_urls: [http://a:1/v1, http://b:1/v1]}\n")
+    s = Settings.load(path)
+    assert [t.base_url for t in s.tiers] == ["http://127.0.0.1:8002/v1", "http://127.0.0.1:8002/v1",
+                                             "http://gpu:9/v1", "http://a:1/v1"]
