@@ -78,22 +78,16 @@ def tier_snippet(
     model_dir: str | Path,
     max_completion_length: int,
     eval_after: dict[str, Any] | None,
+    dial_prompt: str | None = None,
 ) -> str:
     """YAML for the gateway config: a tier serving this model, ``thinking_budget`` = the held-out p95-ish budget
-    (max of the per-difficulty mean thought tokens, rounded up to 8), and the command that serves it."""
-    budget = None
-    if eval_after and eval_after.get("by_difficulty"):
-        worst = max(v["mean_thought_tokens"] for v in eval_after["by_difficulty"].values())
-        budget = max(8, int(math.ceil(worst / 8.0) * 8))
+    (max of the per-difficulty mean thought tokens, rounded up to 8), and the command that serves it.
+
+    ``dial_prompt``: the budget instruction of a dial run (``budget_prompt.template`` when the run trained with
+    ``dial_length``): the model follows the budget in its prompt, so the snippet is the three ``prompted`` tiers
+    (``none`` thinking off, ``short`` 32 tokens, ``long`` unlimited: the default tiers' names, so ``reasoning_effort``
+    and routing find them) with vLLM's native hard stop, as docs/local-model.md serves the shipped dial model."""
     port = base_url.rsplit(":", 1)[-1].split("/")[0]
-    tier = {
-        "name": tier_name,
-        "base_url": base_url,
-        "model": served_model_name,
-        "max_tokens": int(max_completion_length + 32),
-        "thinking_budget": budget,
-        "budget_mode": "native",
-    }
     header = (
         f"# Gateway tier for the GRPO model in {model_dir}.\n"
         f"# Serve it (CPU build of vLLM; see docs/training.md):\n"
@@ -102,4 +96,31 @@ def tier_snippet(
         f"#     --reasoning-parser qwen3\n"
         f"# then merge this into the gateway config's `tiers:` (replacing the tier of the same name).\n"
     )
+    if dial_prompt is not None:
+        common = {"base_url": base_url, "model": served_model_name}
+        tiers = [
+            {"name": "none", **common, "budget_mode": "off", "thinking_budget": 0,
+             "enable_thinking": False, "max_tokens": 64},
+            {"name": "short", **common, "budget_mode": "prompted", "budget_prompt": dial_prompt,
+             "thinking_budget": 32, "hard_stop": "native", "max_tokens": 96},
+            {"name": "long", **common, "budget_mode": "prompted", "budget_prompt": dial_prompt,
+             "thinking_budget": None, "hard_stop": "native", "max_tokens": int(max_completion_length + 32)},
+        ]
+        header = header.replace("the tier of the same name", "the tiers of the same names")
+        header += ("# A dial model: each tier states its budget in the prompt (a request's thinking_token_budget\n"
+                   "# dials it lower). To serve it with --model-dir and a budget router instead, see\n"
+                   "# docs/training.md, *A dial model* (steps 3-5).\n")
+        return header + yaml.safe_dump({"tiers": tiers}, sort_keys=False)
+    budget = None
+    if eval_after and eval_after.get("by_difficulty"):
+        worst = max(v["mean_thought_tokens"] for v in eval_after["by_difficulty"].values())
+        budget = max(8, int(math.ceil(worst / 8.0) * 8))
+    tier = {
+        "name": tier_name,
+        "base_url": base_url,
+        "model": served_model_name,
+        "max_tokens": int(max_completion_length + 32),
+        "thinking_budget": budget,
+        "budget_mode": "native",
+    }
     return header + yaml.safe_dump({"tiers": [tier]}, sort_keys=False)

@@ -718,7 +718,9 @@ def report_run(run: GRPORun, outcome: TrainOutcome) -> dict[str, Any]:
     if is_main:
         (run_dir / "tier.yaml").write_text(
             tier_snippet(
-                cfg.output.tier_name, cfg.output.served_model_name, cfg.output.base_url, shown_dir, run.max_len, after
+                cfg.output.tier_name, cfg.output.served_model_name, cfg.output.base_url, shown_dir, run.max_len, after,
+                dial_prompt=(cfg.budget_prompt.template if cfg.budget_prompt.enabled
+                             and any(r.name == "dial_length" for r in cfg.rewards) else None),
             )
         )
         plot_run(run_dir, budget_usd=lc.budget_usd, warn_fraction=lc.warn_fraction)

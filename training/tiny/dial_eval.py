@@ -109,7 +109,8 @@ def evaluate(
         row["closed_by_model"] = sum(o.closed for o in outs) / len(outs)
         log(
             f"budget {b}: within {row['within_10pct']:.0%}, mean rel err {row['mean_rel_error']:.3f}, "
-            f"p90 {row['p90_rel_error']:.3f}, accuracy {row['accuracy']:.0%}, forcing {row['forcing_accuracy']}"
+            f"p90 {row['p90_rel_error']:.3f}, accuracy {row['accuracy']:.0%}, forcing "
+            + (f"{row['forcing_accuracy']:.0%}" if row["forcing_accuracy"] is not None else "not run")
         )
         rows.append(row)
     return {
