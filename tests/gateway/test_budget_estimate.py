@@ -4,6 +4,7 @@ included —; the reservation format has one owner."""
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import Any
 
 import httpx
 import pytest
@@ -93,18 +94,25 @@ def test_estimate_bounds_the_real_cost_of_every_call_forcing_makes(n: int, max_t
             assert _cost(prompt, completion) <= native.micro_usd
 
 
+def _dial_request(tier: TierConfig, n: int, max_tokens: int, budget: int) -> tuple[dict[str, Any], int]:
+    """A request to a prompted tier and the upper bound of its prompt tokens (one byte a token), the dial
+    instruction (appended with one separator) included."""
+    text = "héllo " * 7
+    body = {"messages": [{"role": "user", "content": text}], "n": n, "max_tokens": max_tokens}
+    said = tier.budget_prompt.format(budget=budget)
+    prompt_ub = (len(b"user") + len(text.encode()) + 1 + len(said.encode()) + MESSAGE_OVERHEAD_TOKENS
+                 + REQUEST_OVERHEAD_TOKENS)
+    return body, prompt_ub
+
+
 @pytest.mark.parametrize(("n", "max_tokens", "budget"), [(1, 400, 64), (3, 400, 16), (2, 40, 64)])
 def test_a_prompted_dial_tier_is_bounded_like_forcing_with_its_instruction_and_hard_stop(
         n: int, max_tokens: int, budget: int) -> None:
     # budget_mode prompted (a dial model) is served by two-phase forcing at prompted_hard_stop(budget), with the
     # dial instruction appended to the prompt: its bound is forcing's with that thought and that prompt
     tier = FORCED.model_copy(update={"budget_mode": "prompted", "thinking_budget": budget, "max_tokens": 512})
-    text = "héllo " * 7
-    body = {"messages": [{"role": "user", "content": text}], "n": n, "max_tokens": max_tokens}
+    body, prompt_ub = _dial_request(tier, n, max_tokens, budget)
     est = estimate(body, [tier])
-    said = tier.budget_prompt.format(budget=budget)
-    prompt_ub = (len(b"user") + len(text.encode()) + 1 + len(said.encode()) + MESSAGE_OVERHEAD_TOKENS
-                 + REQUEST_OVERHEAD_TOKENS)
     worst = _forced_worst(prompt_ub, n, max_tokens,
                           tier.model_copy(update={"thinking_budget": prompted_hard_stop(budget)}))
     assert _cost(*worst) <= est.micro_usd and sum(worst) <= est.tokens
@@ -116,12 +124,8 @@ def test_a_prompted_tier_with_a_native_hard_stop_is_bounded_as_one_pass(n: int, 
     # covers that and is below the forced hard stop's (which pays the prompt twice), so a spend limit admits more
     forced = FORCED.model_copy(update={"budget_mode": "prompted", "thinking_budget": budget, "max_tokens": 512})
     native = forced.model_copy(update={"hard_stop": "native"})
-    text = "héllo " * 7
-    body = {"messages": [{"role": "user", "content": text}], "n": n, "max_tokens": max_tokens}
+    body, prompt_ub = _dial_request(native, n, max_tokens, budget)
     est = estimate(body, [native])
-    said = native.budget_prompt.format(budget=budget)
-    prompt_ub = (len(b"user") + len(text.encode()) + 1 + len(said.encode()) + MESSAGE_OVERHEAD_TOKENS
-                 + REQUEST_OVERHEAD_TOKENS)
     assert _cost(prompt_ub, n * max_tokens) <= est.micro_usd and prompt_ub + n * max_tokens <= est.tokens
     assert est.micro_usd < estimate(body, [forced]).micro_usd
 
