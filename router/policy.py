@@ -22,6 +22,7 @@ Files without the block (older trace routers, the shipped default) serve their t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,18 @@ def guarantee_sentence(meta: dict[str, Any] | None) -> str | None:
             f"questions){tail}.")
 
 
+def budget_map_shape(cuts: Sequence[float], budgets: Sequence[int | None], unit: str = " tokens") -> str:
+    """A score → thinking budget map in words: ``"score < 0.310: 32 tokens, else unlimited"``.
+
+    ``cuts``: ascending score cuts, one fewer than ``budgets`` (budget in tokens; None: unlimited)."""
+
+    def name(b: int | None) -> str:
+        return "unlimited" if b is None else f"{b}{unit}"
+
+    steps = ", ".join(f"score < {c:.3f}: {name(b)}" for c, b in zip(cuts, budgets, strict=False))
+    return f"{steps}, else {name(budgets[-1])}" if cuts else f"{name(budgets[-1])} at every score"
+
+
 def budget_sentence(meta: dict[str, Any] | None) -> str | None:
     """One sentence on the file's score → thinking budget map and its evidence (None without one)."""
     try:
@@ -130,11 +143,7 @@ def budget_sentence(meta: dict[str, Any] | None) -> str | None:
     if bmap is None:
         return None
 
-    def name(b: int | None) -> str:
-        return "unlimited" if b is None else f"{b} tokens"
-
-    steps = ", ".join(f"score < {c:.3f}: {name(b)}" for c, b in zip(bmap.cuts, bmap.budgets, strict=False))
-    shape = f"{steps}, else {name(bmap.budgets[-1])}" if bmap.cuts else f"{name(bmap.budgets[-1])} at every score"
+    shape = budget_map_shape(bmap.cuts, bmap.budgets)
     g = ((serving(meta) or {}).get("budgets") or {}).get("guarantee") or {}
     if g.get("certified"):
         why = (f"certified to keep >= {g.get('floor', 0):.0%} of the tier's own accuracy with "

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from router.policy import budget_map_shape
 from training.tiny.dial import BUDGET_TEMPLATE, LINE_TOKENS
 
 BUDGET_RANGE = (8, 320)
@@ -70,11 +71,7 @@ def routing_section(fit: dict[str, Any] | None) -> str:
     rows = ["| budget | accuracy | mean thinking tokens |", "|---|---|---|"]
     rows += [f"| {'unlimited' if r['budget'] is None else r['budget']} | {_pct(r['accuracy'])} | "
              f"{r['mean_thinking_tokens']:.1f} |" for r in fit["per_budget"]]
-    steps = ", ".join(f"score < {c:.3f} → {'unlimited' if b is None else b}"
-                      for c, b in zip(served["cuts"], served["budgets"], strict=False))
-    last = served["budgets"][-1]
-    shape = (f"{steps}, else {'unlimited' if last is None else last}" if served["cuts"]
-             else f"{'unlimited' if last is None else last} at every score")
+    shape = budget_map_shape(served["cuts"], served["budgets"], unit="")
     verdict = (f"certified: keeps ≥ {g['floor']:.0%} of the tier's own accuracy with {g['confidence']:.0%} "
                f"confidence at {g['calibration_token_share']:.0%} of its tokens on {g['n_calibration']} calibration "
                "problems" if g["certified"] else
