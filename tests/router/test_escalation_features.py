@@ -1,10 +1,10 @@
 """Answer-aware escalation: the features the fit computes on a recorded answer (router.fit.escalation_fit) are the
 features the gateway computes on the same answer served by the trace-replay upstream (gateway.pipeline.escalation),
-for every cheap answer of the shipped traces' ladders; and scoring stays well under 0.3 ms at 2,000 characters."""
+for every cheap answer of the shipped traces' ladders. Scoring latency (≤ 0.3 ms p50 at 2,000 characters) is measured in
+``python -m bench.router_latency --escalation``, not here."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 from bench.traces.replay_upstream import build_state, make_app
 from gateway.config import TierConfig
 from gateway.pipeline.escalation import learned_reason, serving_features
-from router.escalation import FEATURES, answer_features, model_probability
+from router.escalation import FEATURES
 from router.fit.escalation_fit import tier_features
 from router.fit.traces import load_ladder
 from router.model import length_prior
@@ -46,9 +46,8 @@ def test_fit_and_serving_features_are_equal_on_every_recorded_answer(dataset: st
                 (n, a, b) for n, a, b in zip(FEATURES, served, fit[i], strict=True) if abs(a - b) > 1e-12])
 
 
-def test_learned_reason_reads_the_tier_model_and_scores_fast() -> None:
-    """``learned`` escalates by the tier's model and threshold; p50 scoring (features + model) at 2,000
-    characters of answer ≤ 0.3 ms (issue's budget; measured here, ~0.05–0.1 ms on a shared core)."""
+def test_learned_reason_reads_the_tier_model() -> None:
+    """``learned`` escalates by the tier's model and threshold, only when listed in ``escalate_on``."""
     d = len(FEATURES)
     coef = [0.0] * d
     coef[FEATURES.index("abstains")] = 5.0
@@ -62,15 +61,3 @@ def test_learned_reason_reads_the_tier_model_and_scores_fast() -> None:
     assert learned_reason(TierConfig(name="cheap"), unsure, "chat", "When?", 0.2) is None, "only when listed"
     with pytest.raises(ValueError, match="learned needs escalation_model"):
         TierConfig(name="cheap", escalate_on=["learned"])
-    rng = np.random.default_rng(0)
-    words = ["the", "answer", "is", "probably", "1912", "Paris", "river", "about", "however", "King"]
-    answer = " ".join(rng.choice(words, 400))[:2000]
-    question = " ".join(rng.choice(words, 400))[:2000]
-    times = []
-    for _ in range(300):
-        t0 = time.perf_counter()
-        model_probability(model, answer_features(answer, "thinking " * 200, completion_tokens=900.0,
-                                                 reasoning_tokens=700.0, finish_reason="stop", question=question,
-                                                 score=0.4))
-        times.append(time.perf_counter() - t0)
-    assert float(np.median(times)) * 1e3 <= 0.3
