@@ -38,11 +38,16 @@ SIZES = (100, 2000, 20000)
 ANSWERS = REPO / "data" / "traces" / "frames" / "Qwen3-14B__no_think.jsonl.gz"
 
 
-def corpus_text(chars: int, corpus: Path | None = None) -> str:
+def corpus_text(chars: int, corpus: Path | None = None, field: str | None = None) -> str:
     """``chars`` characters of real prompts joined (repeated if needed): MATH-500 problems by default, or the
-    ``problem``/``question`` field of each row of ``corpus`` (e.g. a traces folder's questions.jsonl.gz)."""
+    ``problem``/``question`` field (``field`` when given, e.g. a traces ladder file's ``response``) of each row of
+    ``corpus`` (e.g. a traces folder's questions.jsonl.gz)."""
     path = corpus or data_file("math", "test")
-    text = "\n\n".join(str(row.get("problem", row.get("question", ""))) for row in read_jsonl(path))
+    rows = read_jsonl(path)
+    if field is not None:
+        text = "\n\n".join(str(row.get(field) or "") for row in rows)
+    else:
+        text = "\n\n".join(str(row.get("problem", row.get("question", ""))) for row in rows)
     while len(text) < chars:
         text += "\n\n" + text
     return text[:chars]
@@ -59,24 +64,17 @@ def timings_ms(fn, arg: str, n: int, warmup: int = 50) -> np.ndarray:  # type: i
     return out * 1000.0
 
 
-def answers_text(chars: int, path: Path = ANSWERS) -> str:
-    """``chars`` characters of the recorded cheap answers of ``path`` (a traces ladder file) joined."""
-    text = "\n\n".join(str(row.get("response") or "") for row in read_jsonl(path))
-    while len(text) < chars:
-        text += "\n\n" + text
-    return text[:chars]
-
-
 def escalation_rows(n: int) -> list[dict[str, float]]:
-    """p50/p99/min ms of one escalation scoring (features + model) per answer size."""
+    """``[{"chars", "p50_ms", "p99_ms", "min_ms"}]`` per answer size in :data:`SIZES`: one escalation scoring
+    (answer features + model), ``n`` timed calls each after a warm-up."""
     d = len(FEATURES)
     model = {"features": list(FEATURES), "mean": [0.0] * d, "scale": [1.0] * d, "coef": [0.1] * d,
              "intercept": -1.0}
-    thought = answers_text(1800)
+    thought = corpus_text(1800, ANSWERS, "response")
     question = corpus_text(2000)
     rows = []
     for size in SIZES:
-        answer = answers_text(size)
+        answer = corpus_text(size, ANSWERS, "response")
 
         def score(a: str) -> float:
             return model_probability(model, answer_features(a, thought, completion_tokens=900.0,

@@ -125,7 +125,8 @@ def guarantee_sentence(meta: dict[str, Any] | None) -> str | None:
 def budget_map_shape(cuts: Sequence[float], budgets: Sequence[int | None], unit: str = " tokens") -> str:
     """A score → thinking budget map in words: ``"score < 0.310: 32 tokens, else unlimited"``.
 
-    ``cuts``: ascending score cuts, one fewer than ``budgets`` (budget in tokens; None: unlimited)."""
+    ``cuts``: ascending score cuts, one fewer than ``budgets`` (budget in tokens; None: unlimited); ``unit``:
+    the suffix after a number. Raises IndexError when ``budgets`` is empty."""
 
     def name(b: int | None) -> str:
         return "unlimited" if b is None else f"{b}{unit}"

@@ -48,8 +48,7 @@ def _gateway(sim: SimProcess, redis_url: str, tmp: Path, prefix: str, mode: str)
     # than 0.25 s for the event loop, and these tests are about budgets, not about Redis timeouts
     return accounting_gateway(sim.base_url, redis_url, tmp, prefix, tiers=_tiers(sim.base_url),
                               limits={"budget_mode": mode, "budget_refresh_s": 0},
-                              redis={"url": redis_url, "key_prefix": prefix, "start_if_missing": False,
-                                     "breaker_cooldown_s": 0.5, "socket_timeout_s": 2.0})
+                              redis={"socket_timeout_s": 2.0})
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,9 @@ def gw(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPa
     try:
         # a 64-request burst on a loaded 2-core box can starve the gateway's event loop past the default 0.25 s
         # Redis timeout (the key lookup then answers 503 key_store_unavailable, seen in CI); these tests are about
-        # the budget race, not timeouts (tests/gateway/test_breaker_outages.py is), so the timeout is generous here
-        redis = {"url": redis_url, "key_prefix": prefix, "start_if_missing": False, "breaker_cooldown_s": 0.5,
-                 "socket_timeout_s": 5.0}
+        # the budget race, not timeouts (tests/gateway/test_breaker_outages.py is), as in test_budgets_gateway.py
         with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("limgw"), prefix,
-                                limits={"budget_mode": "soft"}, redis=redis) as g:
+                                limits={"budget_mode": "soft"}, redis={"socket_timeout_s": 5.0}) as g:
             yield g
     finally:
         cleanup(redis_url, prefix)
