@@ -1,4 +1,5 @@
-"""``create_app(settings) -> FastAPI``: build the gateway's services and attach the HTTP surface (``gateway/api/``).
+"""``create_app(settings) -> Gateway`` (FastAPI, :mod:`gateway.api.asgi`): build the gateway's services and attach
+the HTTP surface (``gateway/api/``).
 
 Routes, one module each: ``POST /v1/chat/completions`` and ``/v1/completions`` (:mod:`gateway.api.completions`),
 ``/v1/responses`` (:mod:`gateway.api.responses`), ``/v1/messages`` (:mod:`gateway.api.messages`),
@@ -31,6 +32,7 @@ from gateway.api import models as models_api
 from gateway.api import ops as ops_api
 from gateway.api import responses as responses_api
 from gateway.api import usage as usage_api
+from gateway.api.asgi import Gateway
 from gateway.api.errors import install_handlers
 from gateway.auth.keys import KeyStore
 from gateway.config import Settings
@@ -138,7 +140,7 @@ def _drift_monitor(settings: Settings, routing: Routing, accounting: Accounting)
     return monitor
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings) -> Gateway:
     """Build the gateway app for ``settings``. Upstream clients are closed on shutdown."""
     upstreams = UpstreamPool(settings.tiers)
     routing = Routing(settings)
@@ -187,7 +189,7 @@ def create_app(settings: Settings) -> FastAPI:
         if proxy.telemetry is not None:
             await asyncio.to_thread(proxy.telemetry.shutdown)  # exports the spans still queued
 
-    app = FastAPI(title="ThinkGate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = Gateway(title="ThinkGate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.routing = routing
     app.state.proxy = proxy

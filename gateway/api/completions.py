@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import functools
 
-from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api import http
+from gateway.api.asgi import Gateway
 from gateway.ledger.event import WireEndpoint
 from gateway.pipeline.proxy import Proxy
 
@@ -23,11 +23,11 @@ async def serve(proxy: Proxy, request: Request, endpoint: WireEndpoint) -> Respo
     return http.respond(answer)
 
 
-def attach(app: FastAPI, proxy: Proxy) -> None:
+def attach(app: Gateway, proxy: Proxy) -> None:
     """Add the two generation routes to ``app``: :func:`serve` bound to the proxy and the endpoint."""
-    # Plain Starlette routes on the hot path: the body is parsed and validated by the API layer itself, so
-    # FastAPI's per-request dependency and response-model machinery would be pure overhead.
-    app.router.add_route("/v1/chat/completions", functools.partial(serve, proxy, endpoint="chat"), methods=["POST"],
-                         name="chat_completions")
-    app.router.add_route("/v1/completions", functools.partial(serve, proxy, endpoint="completions"),
-                         methods=["POST"], name="completions")
+    # Dispatched before Starlette's middleware stack (gateway.api.asgi): the body is parsed and validated by the
+    # API layer itself, so FastAPI's per-request dependency and response-model machinery would be pure overhead.
+    app.add_hot_route("/v1/chat/completions", functools.partial(serve, proxy, endpoint="chat"), ["POST"],
+                      name="chat_completions")
+    app.add_hot_route("/v1/completions", functools.partial(serve, proxy, endpoint="completions"), ["POST"],
+                      name="completions")

@@ -16,10 +16,10 @@ from typing import Any, Final
 
 import anyio
 import orjson
-from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.api.asgi import Gateway
 from gateway.api.http import read_body, route_headers
 from gateway.config import TierConfig
 from gateway.errors import GatewayError, InvalidRequest, UnknownModel, UpstreamError
@@ -106,8 +106,8 @@ class EmbeddingsAPI:
             raise
 
 
-def attach(app: FastAPI, proxy: Proxy) -> EmbeddingsAPI:
+def attach(app: Gateway, proxy: Proxy) -> EmbeddingsAPI:
     """Add ``POST /v1/embeddings`` to ``app``."""
     api = EmbeddingsAPI(proxy)
-    app.router.add_route("/v1/embeddings", api.handle, methods=["POST"])
+    app.add_hot_route("/v1/embeddings", api.handle, ["POST"])
     return api

@@ -13,12 +13,12 @@ import logging
 from typing import Final
 
 import orjson
-from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.anthropic import messages as wire
 from gateway.api import bridge
+from gateway.api.asgi import Gateway
 from gateway.api.http import disconnected, json_response, read_body, tracing
 from gateway.config import TierConfig
 from gateway.errors import GatewayError
@@ -126,9 +126,9 @@ class MessagesAPI:
             return anthropic_error(exc)
 
 
-def attach(app: FastAPI, proxy: Proxy) -> MessagesAPI:
+def attach(app: Gateway, proxy: Proxy) -> MessagesAPI:
     """Add ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` to ``app``."""
     api = MessagesAPI(proxy)
-    app.router.add_route("/v1/messages", api.handle, methods=["POST"])
+    app.add_hot_route("/v1/messages", api.handle, ["POST"])
     app.router.add_route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"])
     return api

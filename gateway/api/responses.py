@@ -15,11 +15,11 @@ from __future__ import annotations
 from typing import Any, Final
 
 import orjson
-from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api import bridge
+from gateway.api.asgi import Gateway
 from gateway.api.http import disconnected, json_response, read_body, tracing
 from gateway.errors import InvalidRequest, NotFound
 from gateway.ledger.record import UsageRecord
@@ -128,10 +128,10 @@ class ResponsesAPI:
                         media_type="application/json")
 
 
-def attach(app: FastAPI, proxy: Proxy, store: ConversationStore) -> ResponsesAPI:
+def attach(app: Gateway, proxy: Proxy, store: ConversationStore) -> ResponsesAPI:
     """Add ``POST /v1/responses`` and ``GET`` / ``DELETE /v1/responses/{response_id}`` to ``app``."""
     api = ResponsesAPI(proxy, store)
-    app.router.add_route("/v1/responses", api.handle, methods=["POST"])
+    app.add_hot_route("/v1/responses", api.handle, ["POST"])
     app.router.add_route("/v1/responses/{response_id}", api.retrieve, methods=["GET"])
     app.router.add_route("/v1/responses/{response_id}", api.delete, methods=["DELETE"])
     return api

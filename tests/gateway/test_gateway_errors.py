@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.errors import GatewayError
 from tests.fixtures.upstream import TEST_KEY, GatewayServer, sim_settings
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -131,3 +132,25 @@ def test_unexpected_error_is_openai_shaped_500(upstream_sim: Any, redis_url: str
         r = httpx.get(gw.url + "/boom", timeout=5)
     assert_openai_error(r, 500, "internal_error")
     assert "secret internals" not in r.text
+
+
+def test_a_generation_route_maps_errors_as_the_framework_does(upstream_sim: Any, redis_url: str) -> None:
+    """The generation endpoints skip Starlette's middleware (gateway.api.asgi): their errors still come out
+    OpenAI-shaped — a GatewayError with its status and code, anything else a 500 that hides its text — and their
+    path's other methods still answer 405."""
+    gw = GatewayServer(sim_settings(upstream_sim.base_url, redis_url))
+
+    async def boom(_: Any) -> None:
+        raise RuntimeError("secret internals")
+
+    async def refused(_: Any) -> None:
+        raise GatewayError("no capacity", status=503, code="no_capacity")
+
+    gw.app.add_hot_route("/v1/boom", boom, ["POST"])
+    gw.app.add_hot_route("/v1/refused", refused, ["POST"])
+    with gw:
+        r = httpx.post(gw.url + "/v1/boom", json={}, timeout=5)
+        assert_openai_error(r, 500, "internal_error")
+        assert "secret internals" not in r.text
+        assert_openai_error(httpx.post(gw.url + "/v1/refused", json={}, timeout=5), 503, "no_capacity")
+        assert_openai_error(httpx.get(gw.url + "/v1/boom", timeout=5), 405)

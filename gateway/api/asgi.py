@@ -1,0 +1,65 @@
+"""The gateway's ASGI application: FastAPI, with the generation endpoints dispatched before Starlette's stack.
+
+Every request to a FastAPI app walks five layers before its handler: ``ServerErrorMiddleware``,
+``ExceptionMiddleware``, FastAPI's ``AsyncExitStackMiddleware``, the router's match over every route, and
+``request_response``'s exception wrapper. On the generation endpoints (``POST /v1/chat/completions``, …) that is
+a fixed cost per request with nothing in it the handler uses: their handlers parse and validate the body
+themselves and depend on no FastAPI dependency. :class:`Gateway` looks those exact paths up in a dict first and
+calls the handler directly, mapping its exceptions exactly as :func:`gateway.api.errors.install_handlers` does
+(a :class:`~gateway.errors.GatewayError` to its OpenAI-shaped error; anything else logged and answered
+``500 internal_error``). Every other request — other paths and methods, lifespan — takes the FastAPI stack
+unchanged. An exception raised after the response has started (a stream) reaches the server, as it does through
+Starlette.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.api.errors import error_response
+from gateway.errors import GatewayError
+
+log = logging.getLogger("thinkgate.errors")
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class Gateway(FastAPI):
+    """FastAPI with a direct dispatch of exact-path routes (module doc); register them with :meth:`add_hot_route`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hot: dict[tuple[str, str], Endpoint] = {}
+
+    def add_hot_route(self, path: str, endpoint: Endpoint, methods: Sequence[str], name: str | None = None) -> None:
+        """Serve ``methods`` on ``path`` (exact, no path parameters) by ``endpoint`` without the middleware stack.
+        The route is also added to the router, so that a path's other methods still answer 405."""
+        self.router.add_route(path, endpoint, methods=list(methods), name=name)
+        for m in methods:
+            self.hot[(m.upper(), path)] = endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self.hot.get((scope.get("method", ""), scope.get("path", ""))) if scope["type"] == "http" else None
+        if endpoint is None:
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        if self.root_path:
+            scope["root_path"] = self.root_path
+        request = Request(scope, receive, send)
+        try:
+            response = await endpoint(request)
+        except GatewayError as exc:
+            response = error_response(exc)
+        except Exception as exc:
+            # as errors.install_handlers' last handler: logged with the traceback, never sent to the client
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
+            response = error_response(GatewayError("internal error", code="internal_error"))
+        await response(scope, receive, send)
