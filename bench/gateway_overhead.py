@@ -311,15 +311,37 @@ def start_gateway(sim: SimProcess, workdir: Path, full: bool = False, *, tree: P
 
 # The least any Python proxy on a given stack can add: an ASGI server (uvicorn with httptools + uvloop, or granian)
 # + one pooled upstream client (httpx, or aiohttp), reading the body and forwarding it, nothing else (no auth,
-# routing, cache, metering or logging). argv: port, upstream base URL, server, client.
+# routing, cache, metering or logging). argv: port, upstream base URL, server, client, Redis URL or "".
+# With a Redis URL (floor-aiohttp-redis) it also makes one Redis round trip per request before forwarding (an INCR
+# on a raw pooled connection, hiredis parsing the reply): the cost of the one shared-state call ThinkGate's
+# request path must make (admission), to tell it apart from the rest of the gateway's work.
 FLOOR_APP = """
-import sys
-port, base, server, client_kind = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+import asyncio, sys
+port, base, server, client_kind, redis_url = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 HEADERS = {"content-type": "application/json"}
 _client = None
+_lane = []
+
+async def redis_round_trip():
+    import hiredis
+    from urllib.parse import urlsplit
+    if _lane:
+        reader, writer, parser = _lane.pop()
+    else:
+        u = urlsplit(redis_url)
+        reader, writer = await asyncio.open_connection(u.hostname or "127.0.0.1", u.port or 6379)
+        parser = hiredis.Reader()
+    writer.write(hiredis.pack_command((b"INCR", b"thinkgate-bench:floor-redis")))
+    reply = parser.gets()
+    while reply is False:
+        parser.feed(await reader.read(65536))
+        reply = parser.gets()
+    _lane.append((reader, writer, parser))
 
 async def forward(path, body):
     global _client
+    if redis_url:
+        await redis_round_trip()
     if client_kind == "aiohttp":
         import aiohttp
         if _client is None:
@@ -363,7 +385,7 @@ else:
 """
 #: name → (server, client) of the floor forwarders; ``floor`` is the stack ThinkGate runs on.
 FLOORS = {"floor": ("uvicorn", "httpx"), "floor-aiohttp": ("uvicorn", "aiohttp"), "floor-granian": ("granian", "httpx"),
-          "floor-granian-aiohttp": ("granian", "aiohttp")}
+          "floor-granian-aiohttp": ("granian", "aiohttp"), "floor-aiohttp-redis": ("uvicorn", "aiohttp")}
 
 
 def start_floor(sim: SimProcess, name: str = "floor") -> tuple[subprocess.Popen[bytes], Target]:
@@ -372,8 +394,9 @@ def start_floor(sim: SimProcess, name: str = "floor") -> tuple[subprocess.Popen[
     server, client = FLOORS[name]
     port = free_port()
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", FLOOR_APP, str(port), sim.base_url, server, client], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0") if name.endswith("-redis") else ""
+    proc = subprocess.Popen([sys.executable, "-c", FLOOR_APP, str(port), sim.base_url, server, client, redis_url],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=60, proc=proc)
     except BaseException:
