@@ -2,10 +2,11 @@
 
 Reads the outcomes (``{prefix}outcomes``, written by feedback, escalations and shadow comparisons; they carry the
 routing window's text only under ``routing.outcomes.retain_text``), turns them into labels
-(:mod:`router.fit.retrain`), adds the offline ``--base-labels`` (labelled JSONL, as ``router fit`` reads), fits,
-calibrates the threshold to ``routing.target.long_share`` when set (else ``--long-share``, else the share the
-router in service sends up on the same texts) and compares the new router with the one in service
-(``--router``, default ``routing.router_path``) on the held-out slice of the outcomes. Writes ``--output``
+(:mod:`router.fit.retrain`; ``routing.routed_tiers``, two or more), adds the offline ``--base-labels`` (labelled
+JSONL, as ``router fit`` reads), fits, calibrates the top threshold to ``routing.target.long_share`` when set (else
+``--long-share``, else the share the router in service sends up on the same texts; with three or more routed tiers
+each lower threshold to the share the router in service sends past it) and compares the new router with the one
+in service (``--router``, default ``routing.router_path``) on the held-out slice of the outcomes. Writes ``--output``
 (atomically) only when the new one is not worse; the gateway's hot reload then picks it up if that is
 ``routing.router_path`` (its ``version`` shows in ``GET /v1/models``). Exit codes: 0 written, 1 refused (worse,
 or too few held-out outcomes to judge), 2 invalid arguments or config, 3 Redis unreachable.
@@ -68,17 +69,19 @@ def retrain_command(
     except (RouterFileError, OSError, ValueError) as exc:
         typer.echo(f"thinkgate router retrain: {exc}", err=True)
         raise typer.Exit(2) from None
-    top = settings.routing.routed_tiers[-1]
+    tiers = settings.routing.routed_tiers
+    top = tiers[-1]
     outcomes = read_outcomes(settings, since)
-    items = items_from_outcomes(outcomes, top)
+    items = items_from_outcomes(outcomes, tiers)
     share = long_share if long_share is not None else settings.routing.target.long_share
     typer.echo(f"{len(outcomes)} outcomes → {len(items)} labelled routing windows "
                f"({sum(it.label for it in items)} needing {top}); {len(base)} base labels")
-    for src, c in sorted(label_counts(outcomes, top).items()):  # the label rule, per evidence source
+    for src, c in sorted(label_counts(outcomes, tiers).items()):  # the label rule, per evidence source
         typer.echo(f"  {src}: cheaper tier sufficed {c['cheap_sufficed']}, did not {c['cheap_failed']}, "
                    f"dropped {c['dropped']} (answered on {top}, ungraded or without text)")
     try:
-        new, report = retrain(old, items, base, long_share=share, heldout_frac=heldout_frac)
+        new, report = retrain(old, items, base, long_share=share, heldout_frac=heldout_frac,
+                              n_tiers=len(tiers))
     except RetrainRefused as exc:
         if exc.report is not None:
             _print(exc.report)
@@ -89,7 +92,9 @@ def retrain_command(
         raise typer.Exit(1) from None
     _print(report)
     save_router(new, output)
-    typer.echo(f"wrote {output} (version {new.metadata['version']}, threshold {new.thresholds[-1]:.4f})")
+    cuts = (f"threshold {new.thresholds[-1]:.4f}" if len(new.thresholds) == 1 else
+            "thresholds " + ", ".join(f"{t:.4f}" for t in new.thresholds))
+    typer.echo(f"wrote {output} (version {new.metadata['version']}, {cuts})")
 
 
 def _print(report: Any) -> None:

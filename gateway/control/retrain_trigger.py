@@ -12,7 +12,8 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    every outcome and runs :func:`router.fit.promote.fit_and_save` **in a child process** (``fit_in: process``,
    the default: one spawned worker at ``nice`` +10, started at the first fit and kept) or, with ``fit_in:
    thread``, in a worker thread: fit on the outcomes so far, compare with the router in service on the held-back
-   slice under the served-floor rule. Better → the candidate is written to ``state_dir/router-<version>.skops``
+   slice under the served-floor rule (two or more routed tiers: one cut per boundary, ``router/fit/promote.py``).
+   Better → the candidate is written to ``state_dir/router-<version>.skops``
    (versioned; the files before it are kept), ``p router:current`` is set with the previous path, every replica
    follows. Why a process: a fit holds the GIL — measured on 1,536 outcomes (fit + save 2.5–5.5 s), a fit in a
    thread stretches the serving loop's 1 ms ticks to p99 11–16 ms, max 25–435 ms; in the child p99 0.2–1.0 ms
@@ -21,7 +22,9 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    promoted router (:func:`router.fit.realised.realised`: the feedback on the answers it served, explored ones
    left out; unbiased through the spot-check arm once ``spot_check_min`` spot-check answers are graded, else under
    the nesting assumption) below ``floor`` on at least ``realised_min`` graded cheap answers → ``p router:current`` goes
-   back to the previous file (the version is added to ``p router:bad``).
+   back to the previous file (the version is added to ``p router:bad``). With three or more routed tiers every tier
+   below the top is the cheap side: the spot checks sample every decision below the top alike, so their reading
+   stays unbiased; the nesting fallback pools the lower tiers' grades into one cheap accuracy.
 
 Each promotion, refusal and rollback is an audit event in the stream ``p router:history`` (field ``e`` = JSON:
 ``{"event": "promote" | "keep" | "rollback", "ts", "version", "previous", "path", "outcomes", "comparison" |
@@ -84,8 +87,8 @@ class RetrainTrigger:
     def __init__(self, settings: Settings, service: RouterService, handle: RedisHandle, breaker: Breaker,
                  outcomes: OutcomeStore, rng: random.Random | None = None) -> None:
         self.cfg: RetrainConfig = settings.routing.retrain
-        self.top = settings.routing.routed_tiers[-1]
-        self.two_tiers = len(settings.routing.routed_tiers) == 2
+        self.tiers = list(settings.routing.routed_tiers)  # cheapest first: one cut per adjacent pair
+        self.top = self.tiers[-1]
         self.service = service
         self.handle = handle
         self.redis = handle.client
@@ -152,9 +155,14 @@ class RetrainTrigger:
     # --- loop -------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Every ``interval_s`` until cancelled: follow, fit when due, check the realised floor."""
-        if not self.two_tiers:
-            log.warning("routing.retrain: automatic retraining needs two routed tiers; off")
+        if len(self.tiers) < 2:
+            log.warning("routing.retrain: automatic retraining needs at least two routed tiers; off")
             return
+        if len(self.tiers) > 2:  # what k tiers change: say it once, at start
+            log.info("routing.retrain: %d routed tiers %s: one cut per boundary, each held to its share of the "
+                     "floor; q from each adjacent pair's feedback (spot-check rates only with two tiers); the "
+                     "realised floor reads every tier below %s as the cheap side", len(self.tiers), self.tiers,
+                     self.top)
         while stop is None or not stop.is_set():
             await asyncio.sleep(self.cfg.interval_s)
             try:
@@ -246,7 +254,7 @@ class RetrainTrigger:
         candidate or None, the comparison, ``{"pid", "seconds"}``). A fit process that died is replaced at the
         next fit (this one raises ``BrokenProcessPool``, logged by :meth:`run`)."""
         from router.fit import promote  # lazy: only with routing.retrain on (listed in the contract)
-        job = functools.partial(promote.fit_and_save, old, outcomes, self.top, str(self.dir), version,
+        job = functools.partial(promote.fit_and_save, old, outcomes, self.tiers, str(self.dir), version,
                                 floor=self.cfg.floor, heldout_frac=self.cfg.heldout_frac,
                                 min_heldout=self.cfg.min_heldout, spot_check_min=self.cfg.spot_check_min)
         if self.cfg.fit_in == "thread":

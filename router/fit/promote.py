@@ -4,7 +4,7 @@ Pure (NumPy / scikit-learn); the gateway's trigger (``gateway/control/retrain_tr
 process.
 
 **Labels**: :func:`router.fit.retrain.items_from_outcomes` (cheap right → 0, cheap wrong → 1, top answers →
-no label). Two routed tiers only (``cheap`` → ``top``).
+no label; with ``k`` ≥ 3 routed tiers one label per boundary, the rule in :mod:`router.fit.retrain`).
 
 **The served-floor estimate on outcomes.** An outcome grades the tier that answered, never both tiers, so
 "accuracy ≥ ``floor`` × always-top" is estimated, under one stated assumption — *nesting*: a question the cheap
@@ -26,6 +26,23 @@ the lowest cut (most cheap answers) whose estimate holds the floor on 5-fold out
 windows (none → the candidate routes everything up and is never better). **Better** (:func:`better`): on the
 held-back windows the candidate holds the floor and either the router in service does not, or the candidate
 sends a larger share to the cheap tier.
+
+**k ≥ 3 routed tiers** (one score, cuts ``c_1 ≤ … ≤ c_{k-1}``; boundary ``b`` between ``tiers[b-1]`` and
+``tiers[b]``). Each boundary is the two-tier problem above on the windows labelled there (``by_boundary``), with
+its own rates — the feedback on ``tiers[b]`` as "top" and on ``tiers[b-1]`` as "cheap" (:func:`tier_rates`; the
+spot-check rates compare the top tier with every tier below it, so they are read with two tiers only). Under
+nesting the answers lost at the boundaries add up (a window sent to ``tiers[j]`` loses at every boundary above
+``j`` it was labelled 1), so each boundary gets an equal share of the budget: ``floor_b = 1 − (1 − floor)/(k − 1)``
+(:func:`boundary_floor`; ``floor`` itself with two tiers), and the composed estimate is::
+
+    accuracy_ratio ≈ 1 − Σ_b (1 − accuracy_ratio_b)     holds_floor: every boundary holds floor_b (⇒ ratio ≥ floor)
+    cheap_share     = mean over the windows of (tiers below the top it is sent to) / (k − 1)
+
+The candidate's score is fitted on the pooled label; each cut ``c_b`` is the lowest that holds ``floor_b`` on the
+out-of-fold scores of the windows labelled at ``b`` (no labelled window: 0.0, nothing crosses it downwards), then
+the cuts are made monotone by lowering a cut to the one above it (more windows up: a boundary's estimate only
+improves). **Better** is the rule above on the composed estimates; since the candidate must hold every boundary,
+it never breaks the floor at a boundary where the router in service held it.
 """
 
 from __future__ import annotations
@@ -43,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from router.fit.labels import LabelledItem
-from router.fit.retrain import is_heldout_digest, items_from_outcomes, score_histogram
+from router.fit.retrain import Tiers, cuts_of, is_heldout_digest, items_from_outcomes, score_histogram, tier_order
 from router.model import ModelConfig, TrainedRouter
 from router.persistence import save_router
 
@@ -97,6 +114,22 @@ def rates(outcomes: Sequence[dict[str, Any]], top_tier: str, exclude: set[str] |
              and o.get("sufficed") is not None and o.get("tier") not in (None, top_tier)
              and o.get("request_id") not in (exclude or set())]
     return Rates(float(np.mean(top)) if top else None, float(np.mean(cheap)) if cheap else None, len(top), len(cheap))
+
+
+def tier_rates(outcomes: Sequence[dict[str, Any]], upper: str, lower: str) -> Rates:
+    """Graded accuracy of tier ``upper`` (as ``p_top``) and tier ``lower`` (as ``p_cheap``) from ``feedback``
+    outcomes: one boundary's rates with three or more routed tiers (module doc)."""
+    def graded(tier: str) -> list[bool]:
+        return [bool(o["sufficed"]) for o in outcomes if o.get("source") == "feedback"
+                and o.get("sufficed") is not None and o.get("tier") == tier]
+
+    top, cheap = graded(upper), graded(lower)
+    return Rates(float(np.mean(top)) if top else None, float(np.mean(cheap)) if cheap else None, len(top), len(cheap))
+
+
+def boundary_floor(floor: float, k: int) -> float:
+    """Each boundary's share of the floor with ``k`` routed tiers (module doc): ``1 − (1 − floor)/(k − 1)``."""
+    return floor if k <= 2 else 1.0 - (1.0 - floor) / (k - 1)
 
 
 def version_arms(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str
@@ -215,23 +248,88 @@ def better(old: FloorEstimate, new: FloorEstimate) -> bool:
     return new.holds_floor and (not old.holds_floor or new.cheap_share > old.cheap_share)
 
 
-def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_tier: str, *, floor: float = 0.98,
+def boundary_rates(outcomes: Sequence[dict[str, Any]], order: Sequence[str], version: str | None,
+                   spot_check_min: int) -> list[Rates]:
+    """The rates behind each boundary's ``q`` (module doc), lowest boundary first: with two tiers the spot-check
+    rates of router ``version`` once it has ``spot_check_min`` graded spot checks, else :func:`rates` over all
+    feedback; with more, :func:`tier_rates` of each adjacent pair."""
+    if len(order) == 2:
+        return [spot_check_rates(outcomes, version, order[-1], spot_check_min) or rates(outcomes, order[-1])]
+    return [tier_rates(outcomes, order[b], order[b - 1]) for b in range(1, len(order))]
+
+
+def labels_at(items: Sequence[LabelledItem], b: int) -> tuple[np.ndarray, np.ndarray]:
+    """(bool (n,): the items labelled at boundary ``b`` (1-based), int (n,): their label there, 0 elsewhere).
+    An item without ``meta["by_boundary"]`` carries its pooled label at every boundary."""
+    lab = [(it.meta.get("by_boundary") or [it.label] * b)[b - 1] for it in items]
+    return (np.array([x is not None for x in lab], dtype=bool),
+            np.array([0 if x is None else int(x) for x in lab], dtype=np.int64))
+
+
+def fit_cuts(scores: np.ndarray, items: Sequence[LabelledItem], rs: Sequence[Rates], floor: float) -> list[float]:
+    """One cut per boundary (``len(rs)`` of them, ascending): the lowest holding the boundary's floor on its labelled
+    windows' ``scores`` (none labelled: 0.0), then each lowered to the one above it (module doc)."""
+    fb = boundary_floor(floor, len(rs) + 1)
+    cuts = []
+    for b, r in enumerate(rs, start=1):
+        mask, y = labels_at(items, b)
+        cuts.append(lowest_cut(scores[mask], y[mask], r, fb) if mask.any() else 0.0)
+    for b in range(len(cuts) - 2, -1, -1):  # lowering a cut sends more windows up: its estimate only improves
+        cuts[b] = min(cuts[b], cuts[b + 1])
+    return cuts
+
+
+def policy_estimate(scores: np.ndarray, items: Sequence[LabelledItem], cuts: Sequence[float], rs: Sequence[Rates],
+                    floor: float) -> tuple[FloorEstimate, list[FloorEstimate]]:
+    """The served-floor estimate of the cuts ``cuts`` on windows with ``scores`` (float (n,)): (composed, one per
+    boundary) — module doc; with two tiers the composed one is the boundary's."""
+    fb = boundary_floor(floor, len(cuts) + 1)
+    per = []
+    for b, (cut, r) in enumerate(zip(cuts, rs, strict=True), start=1):
+        mask, y = labels_at(items, b)
+        per.append(estimate(scores[mask] >= cut, y[mask], r, fb))
+    if len(per) == 1:
+        return per[0], per
+    below_top = np.sum(scores[:, None] < np.asarray(cuts)[None, :], axis=1)  # boundaries not crossed
+    ratio = 1.0 - sum(1.0 - e.accuracy_ratio for e in per)
+    cheap = float(np.mean(below_top / len(cuts))) if scores.size else 0.0
+    return FloorEstimate(round(ratio, 6), all(e.holds_floor for e in per), round(cheap, 6), int(scores.size)), per
+
+
+def _report(overall: FloorEstimate, per: Sequence[FloorEstimate], order: Sequence[str],
+            floor: float) -> dict[str, Any]:
+    """An estimate as the audit event carries it: the composed one, plus each boundary's with k ≥ 3 tiers."""
+    out = asdict(overall)
+    if len(per) > 1:
+        fb = round(boundary_floor(floor, len(order)), 6)
+        out["boundaries"] = [{"tiers": [order[b], order[b + 1]], "floor": fb, **asdict(e)} for b, e in enumerate(per)]
+    return out
+
+
+def _rates_report(rs: Sequence[Rates], order: Sequence[str]) -> dict[str, Any]:
+    if len(rs) == 1:
+        return {**asdict(rs[0]), "q": round(rs[0].q, 6)}
+    return {"source": "feedback", "boundaries": [{"tiers": [order[b], order[b + 1]], **asdict(r),
+                                                  "q": round(r.q, 6)} for b, r in enumerate(rs)]}
+
+
+def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], tiers: Tiers, *, floor: float = 0.98,
                   heldout_frac: float = 0.2, min_heldout: int = 10, exclude: set[str] | None = None,
                   version: str | None = None, spot_check_min: int = 30) -> tuple[TrainedRouter | None, Comparison]:
     """Fit a candidate on ``outcomes`` (dicts with the fields of ``gateway.ledger.outcome.Outcome``) and compare
-    it with ``old`` (module doc). Returns (the candidate, or None when none could be fitted or judged; the
+    it with ``old`` (module doc). ``tiers``: the top tier's name (two tiers) or the routed tiers cheapest first.
+    Returns (the candidate — ``len(tiers) − 1`` thresholds —, or None when none could be fitted or judged; the
     comparison — ``better`` says whether to promote). ``exclude``: request ids whose outcomes teach no label
     (explored answers are kept: they are the cheap answers to learn from; nothing is excluded by default). The
-    rates behind ``q``: :func:`spot_check_rates` of the router in service once it has ``spot_check_min`` graded
-    spot checks, else :func:`rates` over all feedback."""
+    rates behind ``q``: :func:`boundary_rates`."""
+    order = tier_order(tiers)
     obs = [o for o in outcomes if o.get("request_id") not in (exclude or set())]
-    items = items_from_outcomes(obs, top_tier)
+    items = items_from_outcomes(obs, tiers)
     prev = old.metadata.get("version") or old.metadata.get("created_utc")
-    r = spot_check_rates(outcomes, prev, top_tier, spot_check_min) or rates(outcomes, top_tier)
-    rd = {**asdict(r), "q": round(r.q, 6)}
+    rs = boundary_rates(outcomes, order, prev, spot_check_min)
+    rd = _rates_report(rs, order)
     held = [it for it in items if is_heldout_digest(it.group or it.id, heldout_frac)]
     train = [it for it in items if not is_heldout_digest(it.group or it.id, heldout_frac)]
-    y_held = np.array([it.label for it in held], dtype=np.int64)
     y_train = np.array([it.label for it in train], dtype=np.int64)
 
     def cmp(old_e: dict[str, Any] | None, new_e: dict[str, Any] | None, ok: bool, why: str) -> Comparison:
@@ -243,37 +341,38 @@ def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_ti
     if len(set(y_train.tolist())) < 2 or len(train) < 2 * FOLDS:
         return None, cmp(None, None, False, f"{len(train)} training windows with labels {sorted(set(y_train))}: "
                                             "both labels are needed to fit")
-    cut = lowest_cut(oof_scores(train), y_train, r, floor)
+    cuts = fit_cuts(oof_scores(train), train, rs, floor)
     try:
         new = _fit(train)
     except ValueError as exc:
         return None, cmp(None, None, False, f"fit failed: {exc}")
-    new.thresholds = [cut]
+    new.thresholds = cuts
     texts = [it.text for it in held]
-    old_cut = old.thresholds[-1] if old.thresholds else 0.5
-    old_e = estimate(served_scores(old, texts) >= old_cut, y_held, r, floor)
-    new_e = estimate(new.predict_proba(texts) >= cut, y_held, r, floor)
+    old_e, old_per = policy_estimate(served_scores(old, texts), held, cuts_of(old, len(order)), rs, floor)
+    new_e, new_per = policy_estimate(new.predict_proba(texts), held, cuts, rs, floor)
     ok = better(old_e, new_e)
     why = ("promote: holds the floor and sends more to the cheap tier" if ok and old_e.holds_floor else
            "promote: holds the floor where the router in service does not" if ok else
            "keep: the candidate does not hold the floor on the held-back slice" if not new_e.holds_floor else
            "keep: the candidate sends no larger share to the cheap tier")
     now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    comparison = cmp(asdict(old_e), asdict(new_e), ok, why)
+    new_d = _report(new_e, new_per, order, floor)
+    comparison = cmp(_report(old_e, old_per, order, floor), new_d, ok, why)
     new.metadata.update({
         "version": version or f"auto-{now}",
         "created_utc": now,
         "retrained_from": prev,
-        "serving": {"policy": "router", "scorer": "router", "thresholds": [round(cut, 6)], "cascade": None,
-                    "guarantee": None, "floor_estimate": {"floor": floor, "heldback": asdict(new_e),
-                                                          "assumption": "nesting (router/fit/promote.py)"}},
+        "serving": {"policy": "router", "scorer": "router", "thresholds": [round(c, 6) for c in cuts],
+                    "cascade": None, "guarantee": None,
+                    "floor_estimate": {"floor": floor, "heldback": new_d,
+                                       "assumption": "nesting (router/fit/promote.py)"}},
         "auto_retrain": comparison.to_dict(),
         "score_histogram": score_histogram(new.predict_proba([it.text for it in train])),
     })
     return new, comparison
 
 
-def fit_and_save(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_tier: str, out_dir: str,
+def fit_and_save(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], tiers: Tiers, out_dir: str,
                  version: str, *, floor: float = 0.98, heldout_frac: float = 0.2, min_heldout: int = 10,
                  spot_check_min: int = 30) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
     """:func:`fit_candidate`, then — only when the candidate is better — write it to
@@ -284,7 +383,7 @@ def fit_and_save(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], top_tie
     Returns (the written path or None, the comparison as a dict, ``{"pid", "seconds"}``: the process that ran the
     job and its wall time, fit and save). Raises OSError when the file cannot be written."""
     t0 = time.perf_counter()
-    new, cmp = fit_candidate(old, outcomes, top_tier, floor=floor, heldout_frac=heldout_frac,
+    new, cmp = fit_candidate(old, outcomes, tiers, floor=floor, heldout_frac=heldout_frac,
                              min_heldout=min_heldout, version=version, spot_check_min=spot_check_min)
     path = None
     if new is not None and cmp.better:

@@ -102,3 +102,33 @@ def test_hot_reload_shows_the_retrained_version(upstream_sim: SimProcess, redis_
         new.metadata["version"] = "retrain-test"
         save_router(new, path)  # what `router retrain --output <routing.router_path>` does
         assert wait_for(lambda: version() == "retrain-test", timeout_s=10)
+
+
+def test_retrain_with_three_routed_tiers_writes_one_cut_per_boundary(redis_url: str, redis_prefix: str,
+                                                                     tmp_path: Path) -> None:
+    """With routed tiers none/short/long the written file carries two ascending cuts — the lower one at the share the
+    router in service sends past it, the upper one at its top share — so a gateway on that ladder loads it (a file
+    with one cut is refused there)."""
+    from gateway.config import Settings
+    from router.serving import RouterService
+
+    old = load_router(_router(tmp_path / "old.skops", informative=False))
+    old.thresholds = [0.3, 0.7]
+    save_router(old, tmp_path / "old.skops")
+    write_outcomes(redis_url, redis_prefix, _outcomes(invert_training=False), tmp_path)
+    cfg = {"redis": {"url": redis_url, "key_prefix": redis_prefix, "start_if_missing": False},
+           "routing": {"router_path": str(tmp_path / "old.skops"), "routed_tiers": ["none", "short", "long"],
+                       "on_router_error": "refuse_start"}}
+    (tmp_path / "gw.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "new.skops"
+    res = CliRunner().invoke(app, ["router", "retrain", "--from-outcomes", "--output", str(out),
+                                   "--config", str(tmp_path / "gw.yaml")])
+    assert res.exit_code == 0, res.output
+    assert "thresholds " in res.output
+    new = load_router(out)
+    assert len(new.thresholds) == 2 and new.thresholds[0] <= new.thresholds[1]
+    above = new.metadata["retrain"]["shares_above"]
+    assert len(above) == 2 and above[0] >= above[1] and new.metadata["retrain"]["long_share"] == above[1]
+    routing = Settings.load(tmp_path / "gw.yaml", routing={**cfg["routing"], "router_path": str(out)}).routing
+    svc = RouterService.from_config(routing)  # refuse_start: raises unless the file fits the three tiers
+    assert svc.available and svc.thresholds == new.thresholds

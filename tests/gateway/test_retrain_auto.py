@@ -226,3 +226,68 @@ def test_the_realised_floor_reads_the_spot_check_arm(upstream_sim: SimProcess, r
         method = "spot_check" if case == "spot-check-broken" else "nesting"
         assert rb["realised"]["method"] == method and rb["realised"]["holds_floor"] is False
         assert rb["realised"]["n_spot_check"] == 30 and f"({method} estimate)" in rb["reason"]
+
+
+KINDS = {"easy": EASY, "mid": ["explain", "compare", "summarise", "outline", "contrast", "describe"], "hard": HARD}
+
+
+def _text3(kind: str, i: int) -> str:
+    rng = random.Random(i)
+    return f"question {i}: " + " ".join(rng.sample(KINDS[kind], 3))
+
+
+def _graded3() -> list[Outcome]:
+    """Three routed tiers none → short → long, feedback only: easy windows right on none and short (0 at both
+    boundaries), middle ones wrong on none (1 at none|short) or right on short (0 at short|long), hard ones wrong on
+    none and short (1 at both); 60 top answers, all right."""
+    def fb(rid: str, tier: str, ok: bool, text: str) -> Outcome:
+        return Outcome(source="feedback", request_id=rid, key_id="alice", tier=tier, sufficed=ok, judge="client",
+                       window_digest=window_digest(text), text=text)
+
+    out = []
+    for i in range(240):
+        kind = ("easy", "mid", "hard")[i % 3]
+        text = _text3(kind, i)
+        if kind == "easy":
+            out += [fb(f"n{i}", "none", True, text), fb(f"s{i}", "short", True, text)]
+        elif kind == "mid":
+            out.append(fb(f"n{i}", "none", False, text) if i % 2 else fb(f"s{i}", "short", True, text))
+        else:
+            out += [fb(f"n{i}", "none", False, text), fb(f"s{i}", "short", False, text)]
+    return out + [fb(f"t{i}", "long", True, _text3("hard", 5000 + i)) for i in range(60)]
+
+
+def test_three_routed_tiers_promote_a_router_with_one_cut_per_boundary(upstream_sim: SimProcess, redis_url: str,
+                                                                       redis_prefix: str, tmp_path: Path) -> None:
+    """Automatic retraining on the none/short/long ladder: the router in service (noise, cuts 0.5/0.5) sends hard
+    questions to ``none`` and breaks the floor at both boundaries; the candidate — one score, two cuts, each held to
+    its share of the floor — is promoted, audited, shown in ``/v1/models``, and serves each kind on its own tier."""
+    path = serving_router(tmp_path / "serving.skops", False, lambda hard, i: _text3("hard" if hard else "easy", i))
+    old = load_router(path)
+    old.thresholds = [0.5, 0.5]
+    save_router(old, path)
+    write_outcomes(redis_url, redis_prefix, _graded3(), tmp_path)  # 460 outcomes: one fit, at start
+    routing = {**_routing(path, tmp_path, spot_check=0.0, fit_in="thread"), "routed_tiers": ["none", "short", "long"]}
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, routing=routing) as gw:
+        assert wait_for(lambda: (_status(gw)["learning"] or {}).get("last_event") is not None, timeout_s=60)
+        st = _status(gw)
+        event = st["learning"]["last_event"]
+        assert event["event"] == "promote", event
+        cmp = event["comparison"]
+        assert [b["tiers"] for b in cmp["new"]["boundaries"]] == [["none", "short"], ["short", "long"]]
+        assert all(b["holds_floor"] and b["floor"] == 0.99 for b in cmp["new"]["boundaries"])  # 1 - 0.02 / 2
+        assert cmp["old"]["holds_floor"] is False and cmp["new"]["holds_floor"] is True
+        assert [b["tiers"] for b in cmp["rates"]["boundaries"]] == [["none", "short"], ["short", "long"]]
+        assert st["version"] == event["version"] and st["version"].startswith("auto-")
+        promoted = load_router(Path(event["path"]))
+        assert len(promoted.thresholds) == 2 and promoted.thresholds[0] < promoted.thresholds[1]
+        assert st["thresholds"] == promoted.thresholds
+        with httpx.Client(timeout=30) as client:
+            for kind, tier in (("easy", "none"), ("mid", "short"), ("hard", "long")):
+                r = client.post(gw.base_url + "/chat/completions",
+                                headers={"authorization": f"Bearer {SECRETS['alice']}"},
+                                json={"model": "auto", "max_tokens": 8,
+                                      "messages": [{"role": "user", "content": _text3(kind, 901)}]})
+                assert (r.headers["x-thinkgate-tier"], r.headers["x-thinkgate-route-reason"]) == (tier, "predicted")
+        [h] = _history(redis_url, redis_prefix, tmp_path)
+        assert (h["event"], h["version"]) == ("promote", event["version"])

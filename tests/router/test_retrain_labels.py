@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.fit.retrain import items_from_outcomes, label_counts
+from router.fit.retrain import boundary_labels, items_from_outcomes, label_counts
 
 
 def _o(window: str, source: str, tier: str, sufficed: bool | None, judge: str) -> dict[str, Any]:
@@ -46,3 +46,48 @@ def test_label_counts_per_source() -> None:
         "shadow": {"cheap_sufficed": 1, "cheap_failed": 2, "dropped": 0},
         "escalation": {"cheap_sufficed": 0, "cheap_failed": 1, "dropped": 0},
     }
+
+
+# Three routed tiers, cheapest first: boundary 1 = none|short, boundary 2 = short|long. Answered on tier i: sufficed
+# → 0 at every boundary above i; not sufficed → 1 at every boundary up to i + 1; the top tier (or a tier outside the
+# ladder) → nothing. window → (label per boundary, pooled label)
+TIERS = ["none", "short", "long"]
+EXPECTED_3 = {
+    "easy": ([0, 0], 0),              # right on none: none is enough, so is short
+    "mid": ([1, 0], 1),               # wrong on none, right on short: a tie pools to 1 (the cautious side)
+    "mid-short-only": ([None, 0], 0),  # right on short: nothing learnt about none
+    "hard": ([1, 1], 1),              # wrong on short: neither none nor short is enough
+    "hard-none-only": ([1, None], 1),  # wrong on none: nothing learnt about short
+    "mixed": ([1, 0], 0),             # none right and wrong (a tie at none|short: 1), short right; pooled 1 of 4 → 0
+}
+OUTCOMES_3 = [
+    _o("easy", "feedback", "none", True, "client"),
+    _o("mid", "shadow", "none", False, "agreement"),
+    _o("mid", "feedback", "short", True, "client"),
+    _o("mid-short-only", "shadow", "short", True, "verifier"),
+    _o("hard", "escalation", "short", False, "escalation:empty_answer"),
+    _o("hard", "feedback", "long", False, "client"),                 # the top tier: no label
+    _o("hard-none-only", "feedback", "none", False, "client"),
+    _o("mixed", "feedback", "none", True, "client"),
+    _o("mixed", "feedback", "none", False, "client"),
+    _o("mixed", "feedback", "short", True, "client"),
+    _o("top-only", "feedback", "long", True, "client"),
+    _o("outside", "feedback", "xl", False, "client"),                # not a routed tier: its place is unknown
+    _o("ungraded", "feedback", "none", None, "client"),
+]
+
+
+def test_three_tier_outcomes_get_one_label_per_boundary() -> None:
+    assert boundary_labels({"tier": "none", "sufficed": True}, TIERS) == [0, 0]
+    assert boundary_labels({"tier": "none", "sufficed": False}, TIERS) == [1, None]
+    assert boundary_labels({"tier": "short", "sufficed": True}, TIERS) == [None, 0]
+    assert boundary_labels({"tier": "short", "sufficed": False}, TIERS) == [1, 1]
+    assert boundary_labels({"tier": "long", "sufficed": False}, TIERS) == [None, None]
+    items = items_from_outcomes(OUTCOMES_3, TIERS)
+    assert {it.id: (it.meta["by_boundary"], it.label) for it in items} == EXPECTED_3
+    assert {it.id: it.meta["n"] for it in items}["hard"] == 1  # the top answer was dropped, not counted
+    # two tiers: the same rule as before, given the top tier's name or both names (another tier is the cheap one)
+    for tiers in ("long", ["short", "long"]):
+        assert {it.id: it.label for it in items_from_outcomes(OUTCOMES, tiers)} == EXPECTED
+        assert {it.id: it.meta["by_boundary"] for it in items_from_outcomes(OUTCOMES, tiers)} == {
+            k: [v] for k, v in EXPECTED.items()}

@@ -1,0 +1,54 @@
+"""Per-boundary cuts of automatic retraining with three routed tiers (``router/fit/promote.py``): each boundary's
+floor is its share of the budget, a boundary without labelled windows is never crossed downwards, cuts are made
+monotone by lowering (never raising) a cut, and the composed estimate adds the boundaries' losses."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from router.fit.labels import LabelledItem
+from router.fit.promote import Rates, boundary_floor, fit_cuts, policy_estimate
+
+
+def _item(i: int, by_boundary: list[int | None]) -> LabelledItem:
+    known = [x for x in by_boundary if x is not None]
+    return LabelledItem(id=f"w{i}", text=f"w{i}", label=int(np.mean(known) >= 0.5), source="outcomes",
+                        meta={"by_boundary": by_boundary})
+
+
+SURE = Rates(1.0, 0.0, 1000, 1000)  # q = 1 at the bounds: every label-1 window sent below costs a right answer
+
+
+def test_boundary_floor_splits_the_budget() -> None:
+    assert boundary_floor(0.98, 2) == 0.98
+    assert abs(boundary_floor(0.98, 3) - 0.99) < 1e-12
+    assert abs(boundary_floor(0.97, 4) - 0.99) < 1e-12
+
+
+def test_cuts_hold_each_boundary_and_are_monotone() -> None:
+    scores = np.array([0.1, 0.2, 0.5, 0.6, 0.9, 0.95])
+    # boundary 1 needs crossing from 0.5 up; boundary 2 only from 0.9 — but its labels sit lower than boundary 1's
+    items = [_item(0, [0, 0]), _item(1, [0, 0]), _item(2, [1, 0]), _item(3, [1, 0]), _item(4, [1, 1]),
+             _item(5, [1, 1])]
+    assert fit_cuts(scores, items, [SURE, SURE], 0.98) == [0.5, 0.9]
+    # boundary 2's evidence alone would allow 0.9, boundary 1's only 0.95: boundary 1 is lowered to 0.9, not 2 raised
+    late = [_item(0, [0, 0]), _item(1, [0, 0]), _item(2, [0, 0]), _item(3, [0, 0]), _item(4, [0, 1]),
+            _item(5, [1, 1])]
+    assert fit_cuts(scores, late, [SURE, SURE], 0.98) == [0.9, 0.9]
+    # no window labelled at boundary 2: nothing may stay below it, so both cuts go to 0
+    blind = [_item(i, [i // 3, None]) for i in range(6)]
+    assert fit_cuts(scores, blind, [SURE, SURE], 0.98) == [0.0, 0.0]
+
+
+def test_the_composed_estimate_adds_the_boundaries_losses() -> None:
+    scores = np.array([0.1, 0.2, 0.5, 0.6, 0.9, 0.95])
+    items = [_item(0, [0, 0]), _item(1, [0, 0]), _item(2, [1, 0]), _item(3, [1, 0]), _item(4, [1, 1]),
+             _item(5, [1, 1])]
+    total, per = policy_estimate(scores, items, [0.55, 0.92], [SURE, SURE], 0.98)  # one loss at each boundary
+    assert [e.holds_floor for e in per] == [False, False]
+    assert abs(total.accuracy_ratio - (1 - (1 - per[0].accuracy_ratio) - (1 - per[1].accuracy_ratio))) < 1e-6
+    assert total.holds_floor is False and total.n == 6
+    # tiers 0, 0, 0, 1, 1, 2: boundaries below the top not crossed, averaged over (k - 1) = 2
+    assert abs(total.cheap_share - (2 + 2 + 2 + 1 + 1 + 0) / 12) < 1e-6
+    ok, _ = policy_estimate(scores, items, [0.5, 0.9], [SURE, SURE], 0.98)
+    assert ok.holds_floor and ok.accuracy_ratio == 1.0
