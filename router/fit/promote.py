@@ -12,10 +12,13 @@ tier gets right, the top tier gets right too. Then, with ``p_top`` (the top tier
 ``p_cheap`` (the cheap tier's) from the feedback outcomes, a cheap-wrong window sent to the cheap tier costs
 always-top a right answer with probability ``q = (p_top − p_cheap) / (1 − p_cheap)`` — taken conservatively, at
 the upper 90% Wilson bound of ``p_top`` and the lower one of ``p_cheap`` (clipped to [0, 1]; 1 when either is
-unknown: the strictest reading). From all feedback the two rates describe different questions (the top tier the
-ones routed up, the cheap tier the ones routed down), which pulls ``q`` towards 0 once a router works; once the
-router in service has enough graded spot checks (``routing.retrain.spot_check``), both come from the questions it
-sends cheap instead (:func:`spot_check_rates`; ``comparison.rates.source``). On ``n`` labelled windows a policy
+unknown: the strictest reading). Both rates must describe the same questions, so they come from a randomised arm
+of the router in service only (:func:`boundary_rates`; ``comparison.rates.source``): its spot checks
+(``routing.retrain.spot_check``: both tiers on the questions it sends cheap, :func:`spot_check_rates`), else its
+explored answers (``routing.retrain.explore``: both tiers on the questions it sends up, :func:`explore_rates`),
+``spot_check_min`` graded answers in each arm; else none (``q`` = 1). All feedback pooled (:func:`rates`) is
+never used here: the top tier answered the questions routed up, the cheap tier those routed down, so ``q`` reads
+near 0 once a router works — and promoted routers that sent everything cheap. On ``n`` labelled windows a policy
 that sends ``k`` label-1 windows to the cheap tier loses ``q·k`` of always-top's ``p_top·n`` right answers::
 
     accuracy_ratio ≈ 1 − q·k / (p_top·n)        holds_floor: accuracy_ratio ≥ floor
@@ -29,8 +32,9 @@ sends a larger share to the cheap tier.
 
 **k ≥ 3 routed tiers** (one score, cuts ``c_1 ≤ … ≤ c_{k-1}``; boundary ``b`` between ``tiers[b-1]`` and
 ``tiers[b]``). Each boundary is the two-tier problem above on the windows labelled there (``by_boundary``), with
-its own rates — the feedback on ``tiers[b]`` as "top" and on ``tiers[b-1]`` as "cheap" (:func:`tier_rates`; the
-spot-check rates compare the top tier with every tier below it, so they are read with two tiers only). Under
+its own rates — the explored answers on ``tiers[b-1]`` against the router's own on ``tiers[b]``
+(:func:`explore_rates`; the spot checks compare the top tier with every tier below it, so they are read with two
+tiers only). Under
 nesting the answers lost at the boundaries add up (a window sent to ``tiers[j]`` loses at every boundary above
 ``j`` it was labelled 1), so each boundary gets an equal share of the budget: ``floor_b = 1 − (1 − floor)/(k − 1)``
 (:func:`boundary_floor`; ``floor`` itself with two tiers), and the composed estimate is::
@@ -68,13 +72,16 @@ FOLDS = 5
 Z90 = 1.2816
 SPOT_CHECK = "spot_check"  # route reason: a cheap decision the top tier served (``routing.retrain.spot_check``)
 EXPLORE = "explore"  # route reason: a decision served one tier down at random (``routing.retrain.explore``)
+PREDICTED = "predicted"  # route reason: the router's own decision, served as decided
 
 
 @dataclass
 class Rates:
     """Graded accuracies from feedback outcomes: ``p_top``, ``p_cheap`` (None: no grade) and the counts.
-    ``source``: ``feedback`` (all graded answers: top answers on the questions routed up, cheap ones on those routed
-    down) or ``spot_check`` (:func:`spot_check_rates`: both tiers on the questions the router sends cheap)."""
+    ``source``: ``spot_check`` (:func:`spot_check_rates`: both tiers on the questions the router sends cheap),
+    ``explore`` (:func:`explore_rates`: both tiers on the questions it sends up), ``none`` (no randomised arm yet:
+    no rates, ``q`` = 1) or ``feedback`` (:func:`rates`: all graded answers — top answers on the questions routed
+    up, cheap ones on those routed down; the realised floor's nesting fallback, never the promotion's)."""
 
     p_top: float | None
     p_cheap: float | None
@@ -113,17 +120,6 @@ def rates(outcomes: Sequence[dict[str, Any]], top_tier: str, exclude: set[str] |
     cheap = [bool(o["sufficed"]) for o in outcomes if o.get("source") == "feedback"
              and o.get("sufficed") is not None and o.get("tier") not in (None, top_tier)
              and o.get("request_id") not in (exclude or set())]
-    return Rates(float(np.mean(top)) if top else None, float(np.mean(cheap)) if cheap else None, len(top), len(cheap))
-
-
-def tier_rates(outcomes: Sequence[dict[str, Any]], upper: str, lower: str) -> Rates:
-    """Graded accuracy of tier ``upper`` (as ``p_top``) and tier ``lower`` (as ``p_cheap``) from ``feedback``
-    outcomes: one boundary's rates with three or more routed tiers (module doc)."""
-    def graded(tier: str) -> list[bool]:
-        return [bool(o["sufficed"]) for o in outcomes if o.get("source") == "feedback"
-                and o.get("sufficed") is not None and o.get("tier") == tier]
-
-    top, cheap = graded(upper), graded(lower)
     return Rates(float(np.mean(top)) if top else None, float(np.mean(cheap)) if cheap else None, len(top), len(cheap))
 
 
@@ -248,14 +244,43 @@ def better(old: FloorEstimate, new: FloorEstimate) -> bool:
     return new.holds_floor and (not old.holds_floor or new.cheap_share > old.cheap_share)
 
 
+def explore_rates(outcomes: Sequence[dict[str, Any]], version: str | None, lower: str, upper: str,
+                  minimum: int) -> Rates | None:
+    """Both tiers' graded accuracy on the same questions — the ones router ``version`` sends to ``upper``: its
+    explored answers (served one tier down, on ``lower``, at random: route reason ``explore``) against its own
+    answers on ``upper`` (route reason ``predicted``). Exploration splits those decisions at random, so the two arms
+    are one population and ``q`` is nesting within it (as with spot checks, on the questions sent up rather than
+    down). ``lower`` ``""``: any tier but ``upper`` (two tiers named by their top alone). None with fewer than
+    ``minimum`` graded answers in either arm."""
+    if version is None:
+        return None
+    mine = [o for o in outcomes if o.get("source") == "feedback" and o.get("router_version") == version
+            and o.get("sufficed") is not None]
+    down = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == EXPLORE
+            and (o.get("tier") == lower if lower else o.get("tier") not in (None, upper))]
+    up = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == PREDICTED and o.get("tier") == upper]
+    if len(down) < minimum or len(up) < minimum:
+        return None
+    return Rates(float(np.mean(up)), float(np.mean(down)), len(up), len(down), source=EXPLORE)
+
+
 def boundary_rates(outcomes: Sequence[dict[str, Any]], order: Sequence[str], version: str | None,
                    spot_check_min: int) -> list[Rates]:
-    """The rates behind each boundary's ``q`` (module doc), lowest boundary first: with two tiers the spot-check
-    rates of router ``version`` once it has ``spot_check_min`` graded spot checks, else :func:`rates` over all
-    feedback; with more, :func:`tier_rates` of each adjacent pair."""
-    if len(order) == 2:
-        return [spot_check_rates(outcomes, version, order[-1], spot_check_min) or rates(outcomes, order[-1])]
-    return [tier_rates(outcomes, order[b], order[b - 1]) for b in range(1, len(order))]
+    """The rates behind each boundary's ``q`` (module doc), lowest boundary first, from a randomised arm of router
+    ``version`` only: with two tiers its spot checks once it has ``spot_check_min`` of them graded, else its
+    explored answers against its own on the tier above (:func:`explore_rates`, ``spot_check_min`` in each arm);
+    neither → no rates (``q`` = 1, the strictest reading). Never :func:`rates` over all feedback: there the top tier
+    answered the questions routed up and the cheap tier those routed down, so the cheap tier can read *better*
+    than the top one and ``q`` 0 — every candidate then "holds the floor" sending everything cheap (seen in
+    ``thinkgate bench learn`` on o3-mini: promoted at p_top 0.34 < p_cheap 0.55, 0.707 of always-top's accuracy
+    on the held-out questions)."""
+    out = []
+    for b in range(1, len(order)):
+        lower, upper = order[b - 1], order[b]
+        spot = spot_check_rates(outcomes, version, upper, spot_check_min) if len(order) == 2 else None
+        out.append(spot or explore_rates(outcomes, version, lower, upper, spot_check_min)
+                   or Rates(None, None, 0, 0, source="none"))
+    return out
 
 
 def labels_at(items: Sequence[LabelledItem], b: int) -> tuple[np.ndarray, np.ndarray]:

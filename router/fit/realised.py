@@ -2,8 +2,9 @@
 ≥ ``floor`` × what always-top would have scored on the same traffic? Pure Python (the gateway's retraining
 trigger runs it on the outcome stream; ``gateway/control/retrain_trigger.py``).
 
-Two estimates, both on one router version's ``feedback`` outcomes (graded answers; explored ones left out),
-assuming the graded answers are a random sample of the answered requests:
+Three estimates, all on one router version's ``feedback`` outcomes (graded answers; explored ones are not the
+router's answers — only the explore estimate's ``q`` reads them), assuming the graded answers are a random sample of
+the answered requests:
 
 **spot check** (unbiased; ``routing.retrain.spot_check`` > 0). A random share ``spot_check`` of the requests the
 router sends below the top tier is served by the top tier instead (route reason ``spot_check``): the control arm.
@@ -26,6 +27,12 @@ answer cost always-top a right one with probability ``q = (p_top − p_cheap) / 
 optimistic exactly when it matters: once a router sends the easy questions cheap, the cheap tier's graded accuracy
 rises and the top tier's falls (it answers the hard ones), ``q`` shrinks towards 0 and a real loss reads as none
 (``python -m bench.realised_floor`` measures the bias on the recorded traces).
+
+**explore** (between the two; ``routing.retrain.explore`` > 0, without enough spot checks): the nesting formula
+with ``q`` and ``p_top`` from the router's explored answers against its own top answers
+(:func:`router.fit.promote.explore_rates`, ``spot_check_min`` graded answers in each arm): both tiers on the same
+questions — the ones the router sends *up*, which are harder than those it sends cheap, so ``q`` is read high and
+``p_top`` low: a reading that errs towards rolling back, where the pooled nesting one errs towards keeping.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from router.fit.promote import EXPLORE, SPOT_CHECK, rates, version_arms, wilson
+from router.fit.promote import EXPLORE, SPOT_CHECK, explore_rates, rates, version_arms, wilson
 
 __all__ = ["EXPLORE", "SPOT_CHECK", "realised", "spot_check_ratio"]
 
@@ -61,12 +68,13 @@ def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, fl
     """The realised floor of router ``version`` (module doc) from ``outcomes`` (dicts with the fields of
     ``gateway.ledger.outcome.Outcome``); answers with route reason ``explore`` are left out (not the router's
     choice, whichever replica explored them). The spot-check estimate when at least ``spot_check_min`` spot-check
-    answers of ``version`` are graded, else the nesting estimate. Ratios are dimensionless (served accuracy over
+    answers of ``version`` are graded, else the explore estimate when both explored arms have that many, else the
+    nesting estimate. Ratios are dimensionless (served accuracy over
     always-top accuracy on the same traffic).
 
-    Returns ``{"method": "spot_check" | "nesting", "n", "n_cheap", "n_spot_check", "n_top", "accuracy_ratio",
-    "ratio_low", "holds_floor"}`` (``accuracy_ratio`` None without graded answers; ``holds_floor`` reads the
-    point estimate; the nesting estimate adds ``q``)."""
+    Returns ``{"method": "spot_check" | "explore" | "nesting", "n", "n_cheap", "n_spot_check", "n_top",
+    "accuracy_ratio", "ratio_low", "holds_floor"}`` (``accuracy_ratio`` None without graded answers;
+    ``holds_floor`` reads the point estimate; the explore and nesting estimates add ``q``)."""
     cheap, checked, top = version_arms(outcomes, version, top_tier)
     n = len(cheap) + len(checked) + len(top)
     out: dict[str, Any] = {"n": n, "n_cheap": len(cheap), "n_spot_check": len(checked), "n_top": len(top)}
@@ -76,9 +84,10 @@ def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, fl
         point, low = spot_check_ratio(len(cheap), sum(cheap), len(checked), sum(checked), len(top), sum(top))
         return {**out, "method": "spot_check", "accuracy_ratio": round(point, 6), "ratio_low": round(low, 6),
                 "holds_floor": bool(point >= floor - 1e-12)}
-    r = rates([o for o in outcomes if o.get("route_reason") != EXPLORE], top_tier)
+    explored = explore_rates(outcomes, version, "", top_tier, spot_check_min)
+    r = explored or rates([o for o in outcomes if o.get("route_reason") != EXPLORE], top_tier)
     p_top = r.p_top if r.p_top else 1.0
     cheap_wrong = len(cheap) - sum(cheap)
     ratio = 1.0 - r.q * cheap_wrong / (p_top * n)
-    return {**out, "method": "nesting", "accuracy_ratio": round(ratio, 6), "ratio_low": round(ratio, 6),
-            "holds_floor": bool(ratio >= floor - 1e-12), "q": round(r.q, 6)}
+    return {**out, "method": "explore" if explored else "nesting", "accuracy_ratio": round(ratio, 6),
+            "ratio_low": round(ratio, 6), "holds_floor": bool(ratio >= floor - 1e-12), "q": round(r.q, 6)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from router.fit.labels import LabelledItem
-from router.fit.promote import Rates, boundary_floor, fit_cuts, policy_estimate
+from router.fit.promote import Rates, boundary_floor, boundary_rates, fit_cuts, policy_estimate
 
 
 def _item(i: int, by_boundary: list[int | None]) -> LabelledItem:
@@ -52,3 +52,20 @@ def test_the_composed_estimate_adds_the_boundaries_losses() -> None:
     assert abs(total.cheap_share - (2 + 2 + 2 + 1 + 1 + 0) / 12) < 1e-6
     ok, _ = policy_estimate(scores, items, [0.5, 0.9], [SURE, SURE], 0.98)
     assert ok.holds_floor and ok.accuracy_ratio == 1.0
+
+
+def test_each_boundary_reads_q_from_its_own_explored_arm() -> None:
+    """Three tiers: boundary b's rates are the explored answers on ``tiers[b-1]`` (decisions for ``tiers[b]``)
+    against the router's own answers on ``tiers[b]``; a boundary without both arms reads none (q = 1) — never the
+    pooled feedback of the two tiers."""
+    def fb(tier: str, ok: bool, reason: str, version: str = "v1") -> dict[str, object]:
+        return {"source": "feedback", "tier": tier, "sufficed": ok, "route_reason": reason, "router_version": version}
+
+    outs = [fb("none", i % 4 == 0, "explore") for i in range(40)]   # cheap arm of none|short: 25% right
+    outs += [fb("short", i % 4 != 0, "predicted") for i in range(40)]  # its top arm: 75% right
+    outs += [fb("short", True, "predicted", "v0") for _ in range(40)]  # another version's: not this router's arm
+    outs += [fb("long", True, "predicted") for _ in range(40)]  # short|long has no explored answers on short
+    lower, upper = boundary_rates(outs, ["none", "short", "long"], "v1", 30)
+    assert (lower.source, lower.n_cheap, lower.n_top, lower.p_cheap, lower.p_top) == ("explore", 40, 40, 0.25, 0.75)
+    assert 0.5 < lower.q < 1.0
+    assert (upper.source, upper.q) == ("none", 1.0)

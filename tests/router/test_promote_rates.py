@@ -1,7 +1,7 @@
-"""The promotion comparison's ``q`` (``router/fit/promote.py``): from all feedback it compares the top tier on the
-questions routed up with the cheap tier on those routed down; with enough spot checks of the router in service it
-compares both tiers on the questions that router sends cheap — and a candidate that loses answers there is no longer
-promoted."""
+"""The promotion comparison's ``q`` (``router/fit/promote.py``) comes from a randomised arm of the router in service
+only: its spot checks (both tiers on the questions it sends cheap) or its explored answers (both tiers on the questions
+it sends up). All feedback pooled compares the top tier on the questions routed up with the cheap tier on those routed
+down — there the cheap tier can read better than the top one and ``q`` 0 — so without an arm ``q`` is 1."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from gateway.ledger.outcome import Outcome, window_digest
-from router.fit.promote import fit_candidate, spot_check_rates
+from router.fit.promote import explore_rates, fit_candidate, rates, spot_check_rates
 from router.persistence import load_router
 from tests.fixtures.outcomes import serving_router
 
@@ -44,20 +44,58 @@ def _outcomes(spot_checks: int) -> list[dict[str, Any]]:
     return out
 
 
+def test_without_a_randomised_arm_q_is_one_not_the_pooled_feedback(tmp_path: Path) -> None:
+    """The cheap tier graded right on half its answers (the easy questions it was sent), the top tier on 30% (the hard
+    ones): pooled, q reads 0.10 and a candidate sending hard windows cheap "held the floor" (promoted before this
+    rule: seen in bench learn on o3-mini, 0.707 of always-top's accuracy on held-out questions). With 29 spot checks
+    (< spot_check_min) and no explored arm the promotion reads no rates: q = 1, and the candidate sends to the cheap
+    tier no window whose cheap answer was graded wrong beyond the floor's 2% — this candidate, fitted to send more,
+    is kept out."""
+    outs = _outcomes(spot_checks=29)
+    assert rates(outs, "long").q < 0.2  # what all feedback pooled would say
+    old = load_router(serving_router(tmp_path / "old.skops", False, _text))
+    _, blind = fit_candidate(old, outs, "long", version="v")
+    assert blind.rates["source"] == "none" and blind.rates["q"] == 1.0
+    assert blind.new is not None and blind.new["holds_floor"] is False
+    assert not blind.better and "does not hold the floor" in blind.reason
+
+
 def test_spot_checks_give_the_promotion_a_q_on_the_questions_sent_cheap(tmp_path: Path) -> None:
     old = load_router(serving_router(tmp_path / "old.skops", False, _text))
-    _, blind = fit_candidate(old, _outcomes(spot_checks=29), "long", version="v")
-    # 29 < spot_check_min: q from all feedback, where the top tier answered the hard questions — 0.10
-    assert blind.rates["source"] == "feedback" and blind.rates["q"] < 0.2
-    assert blind.better and blind.new is not None and blind.new["cheap_share"] > 0.6  # promoted
-
     new, seen = fit_candidate(old, _outcomes(spot_checks=30), "long", version="v")
     # both tiers on the questions the router in service sends cheap: the top tier right on all, the cheap on half
     assert seen.rates["source"] == "spot_check" and seen.rates["q"] > 0.9
     assert (seen.rates["n_top"], seen.rates["n_cheap"]) == (30, 40)  # explored answers are not the router's
     assert seen.new is not None and seen.new["holds_floor"] is False
-    assert not seen.better and "does not hold the floor" in seen.reason  # the same candidate is kept out
+    assert not seen.better and "does not hold the floor" in seen.reason  # the candidate is kept out
     assert new is not None and new.metadata["auto_retrain"]["rates"]["source"] == "spot_check"
+
+
+def _explored(n: int) -> list[dict[str, Any]]:
+    """Questions the router in service (``old-noise``) sends up, split at random: ``n`` explored answers on the cheap
+    tier (1 in 10 right) and ``n`` of its own on the top tier (9 in 10 right)."""
+    out = [_fb(f"x{i}", "short", i % 10 == 0, _text(True, 6000 + i), "explore", "old-noise") for i in range(n)]
+    return out + [_fb(f"p{i}", "long", i % 10 != 0, _text(True, 6500 + i), "predicted", "old-noise") for i in range(n)]
+
+
+def test_explored_answers_give_the_promotion_a_q_on_the_questions_sent_up(tmp_path: Path) -> None:
+    outs = [o for o in _outcomes(spot_checks=0) if o["route_reason"] != "explore"] + _explored(30)
+    old = load_router(serving_router(tmp_path / "old.skops", False, _text))
+    _, cmp = fit_candidate(old, outs, "long", version="v")
+    assert cmp.rates["source"] == "explore" and (cmp.rates["n_top"], cmp.rates["n_cheap"]) == (30, 30)
+    assert cmp.rates["q"] > 0.6  # the Wilson bounds of 0.9 against 0.1
+    assert cmp.new is not None and cmp.new["accuracy_ratio"] >= 0.98 and cmp.new["cheap_share"] < 0.6
+
+
+def test_explore_rates_need_both_arms_the_minimum_and_the_version() -> None:
+    outs = _explored(30)
+    assert explore_rates(outs, "old-noise", "short", "long", 31) is None
+    assert explore_rates(outs, "other", "short", "long", 1) is None
+    assert explore_rates(outs, None, "short", "long", 1) is None
+    assert explore_rates([o for o in outs if o["tier"] == "short"], "old-noise", "short", "long", 1) is None
+    r = explore_rates(outs, "old-noise", "short", "long", 30)
+    assert r is not None and (r.p_top, r.p_cheap, r.source) == (0.9, 0.1, "explore")
+    assert explore_rates(outs, "old-noise", "", "long", 30) == r  # two tiers named by their top alone
 
 
 def test_spot_check_rates_need_the_minimum_and_the_version() -> None:

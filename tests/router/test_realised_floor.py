@@ -1,5 +1,6 @@
 """The realised floor (``router/fit/realised.py``) on hand-made feedback where the truth is known: a router that
-sends the easy questions cheap fools the nesting estimate, the spot-check arm does not."""
+sends the easy questions cheap fools the nesting estimate, the spot-check arm does not, and neither does the explored
+arm."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ def _fb(i: int, tier: str, right: bool, reason: str = "predicted", version: str 
             "router_version": version}
 
 
-def _day(rng: np.random.Generator, n: int, spot_check: float) -> tuple[list[dict[str, Any]], float]:
+def _day(rng: np.random.Generator, n: int, spot_check: float, explore: float = 0.0
+         ) -> tuple[list[dict[str, Any]], float]:
     """``n`` graded requests from a population where the top tier is right on 90% of the easy half and 50% of
     the hard half, the cheap tier right on 80% of the easy half and only where the top tier is right too (nesting
-    holds exactly) — the router sends the easy half cheap, ``spot_check`` of it goes to the top tier. Returns
-    (outcomes, the true served / always-top ratio)."""
+    holds exactly) — the router sends the easy half cheap, ``spot_check`` of it goes to the top tier, and ``explore``
+    of the hard half it sends up goes to the cheap tier. Returns (outcomes, the true served / always-top ratio)."""
     out = []
     for i in range(n):
         easy = i % 2 == 0
@@ -30,6 +32,8 @@ def _day(rng: np.random.Generator, n: int, spot_check: float) -> tuple[list[dict
             out.append(_fb(i, "long", top_right, "spot_check"))
         elif easy:
             out.append(_fb(i, "short", cheap_right))
+        elif rng.random() < explore:
+            out.append(_fb(i, "short", cheap_right, "explore"))
         else:
             out.append(_fb(i, "long", top_right))
     truth = (0.5 * 0.8 + 0.5 * 0.5) / (0.5 * 0.9 + 0.5 * 0.5)  # 0.9286: the floor is broken
@@ -49,6 +53,19 @@ def test_the_spot_check_arm_sees_a_loss_the_nesting_estimate_reads_as_none() -> 
     # nesting (which holds here question by question): the cheap tier is graded on the easy questions (0.8), the
     # top tier mostly on the hard ones (~0.55) — q clips to 0 and a 7-point loss reads as none
     assert n["q"] == 0.0 and n["accuracy_ratio"] == 1.0 and n["holds_floor"] is True
+
+
+def test_without_spot_checks_the_explored_arm_sees_the_loss_too() -> None:
+    """No spot checks, exploration on: q from the explored cheap answers against the router's own top answers on the
+    questions it sends up (0 right against ~50%) reads the loss — conservatively, below the truth — where the pooled
+    nesting estimate reads none."""
+    rng = np.random.default_rng(1)
+    outcomes, truth = _day(rng, 6000, spot_check=0.0, explore=0.3)
+    e = realised(outcomes, "v", "long", 0.98, spot_check_min=30)
+    assert e["method"] == "explore" and 0.4 < e["q"] < 0.7
+    assert e["holds_floor"] is False and truth - 0.1 < e["accuracy_ratio"] < truth
+    n = realised([o for o in outcomes if o["route_reason"] != "explore"], "v", "long", 0.98, spot_check_min=30)
+    assert n["method"] == "nesting" and n["holds_floor"] is True
 
 
 def test_spot_check_ratio_is_the_formula_and_needs_both_arms() -> None:
