@@ -167,3 +167,16 @@ def cold_start_summary(meta: dict[str, Any] | None) -> str | None:
     sets = [str(s) for s in cs.get("validated_on") or []]
     return (f"shipped default router: serves {what}; validated on {len(sets)} real outcome sets it was not fitted "
             f"on ({', '.join(sets)}): {cs.get('reason')}")
+
+
+def embed_cuts(cuts: Sequence[float], n_tiers: int) -> list[float]:
+    """A router file's ``cuts`` (ascending, 1 ≤ len ≤ ``n_tiers`` − 1) on a ladder of ``n_tiers`` routed tiers:
+    they serve the top boundaries, and each boundary below them gets cut 0.0 — no score is below it, so nothing
+    is routed to the tiers under the file's lowest cut (exploration and retraining can still reach them). A two-tier
+    file on ``[none, short, long]`` keeps serving ``short`` / ``long`` at its cut; ``none`` waits for a retrained
+    router with its own cut. Raises ValueError when there are no cuts or more than the ladder has boundaries."""
+    need = n_tiers - 1
+    if not cuts or len(cuts) > need:
+        raise ValueError(f"{len(cuts)} cut(s) for {n_tiers} routed tiers (1 to {need} can be served)")
+    return [0.0] * (need - len(cuts)) + [float(c) for c in cuts]
+

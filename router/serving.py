@@ -34,7 +34,14 @@ from router.base import Router, register
 from router.errors import ThinkGateError
 from router.model import TrainedRouter
 from router.persistence import RouterFileError, load_router
-from router.policy import budget_map_of, budget_sentence, cold_start_summary, guarantee_sentence, serving
+from router.policy import (
+    budget_map_of,
+    budget_sentence,
+    cold_start_summary,
+    embed_cuts,
+    guarantee_sentence,
+    serving,
+)
 
 log = logging.getLogger("thinkgate.router")
 
@@ -169,12 +176,13 @@ class RouterService(Router):
 
     @property
     def thresholds(self) -> list[float]:
-        """Cut points in use: ``routing.thresholds`` when configured, else the router file's. Empty in
-        default-tier mode without configured thresholds."""
+        """Cut points in use: ``routing.thresholds`` when configured, else the router file's — on a longer ladder
+        than the file was calibrated for, its cuts at the top boundaries and 0.0 below (:func:`embed_cuts`). Empty
+        in default-tier mode without configured thresholds."""
         if self.config_thresholds is not None:
             return list(self.config_thresholds)
         r = self._router
-        return list(r.thresholds) if r is not None else []
+        return embed_cuts(r.thresholds, len(self.routed_tiers)) if r is not None else []
 
     def info(self) -> dict[str, Any]:
         """A JSON-able summary (for ``/v1/models`` and the admin reload answer)."""
@@ -248,14 +256,25 @@ class RouterService(Router):
             raise RouterFileError(self.path, str(exc)) from None
 
     def _check_thresholds(self, router: TrainedRouter) -> None:
+        """``routing.thresholds``, when set, must have one cut per boundary; a file's own may have fewer (a file
+        calibrated for a shorter ladder: :func:`embed_cuts`, said once at load), never more or none."""
         need = len(self.routed_tiers) - 1
-        cuts = self.config_thresholds if self.config_thresholds is not None else router.thresholds
-        if len(cuts) != need:
+        if self.config_thresholds is not None:
+            ok = len(self.config_thresholds) == need
+        else:
+            ok = 1 <= len(router.thresholds) <= need
+        if not ok:
             raise RouterFileError(
                 self.path,
                 f"has {len(router.thresholds)} calibrated threshold(s) but routing.routed_tiers "
                 f"{self.routed_tiers} needs {need}: run `thinkgate router calibrate` or set routing.thresholds",
             )
+        if self.config_thresholds is None and len(router.thresholds) < need:
+            below = self.routed_tiers[:need - len(router.thresholds)]
+            log.info("router file %s has %d cut(s) for %d routed tiers: they serve the top boundaries; nothing is "
+                     "routed to %s until a router with their cuts is loaded (routing.retrain learns them from "
+                     "explored answers; or set routing.thresholds)", self.path, len(router.thresholds),
+                     len(self.routed_tiers), below)
 
     def reload_if_changed(self, *, force_check: bool = False) -> bool:
         """Reload when the file changed since the last attempt; looks at the file at most every

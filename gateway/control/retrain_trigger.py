@@ -160,7 +160,7 @@ class RetrainTrigger:
             return
         if len(self.tiers) > 2:  # what k tiers change: say it once, at start
             log.info("routing.retrain: %d routed tiers %s: one cut per boundary, each held to its share of the "
-                     "floor; q from each adjacent pair's feedback (spot-check rates only with two tiers); the "
+                     "floor; q from each boundary's explored arm (spot checks only with two tiers); the "
                      "realised floor reads every tier below %s as the cheap side", len(self.tiers), self.tiers,
                      self.top)
         while stop is None or not stop.is_set():
@@ -223,7 +223,9 @@ class RetrainTrigger:
         try:
             await self.breaker.call(lambda: self.redis.set(self.k_fitted, n_outcomes))
             old = self.service.router
-            if old is None:
+            if old is None:  # said at every due fit: nothing is learnt until a router file serves
+                log.warning("retrain: %d outcomes, but no router file is in service (%s): nothing to retrain",
+                            n_outcomes, self.service.error or "routing.router_path is unset")
                 return None
             outcomes = await self._all_outcomes()
             version = f"auto-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{self.fits + 1:03d}"
@@ -242,6 +244,8 @@ class RetrainTrigger:
                 await self.follow()
                 event.update({"event": "promote", "version": version, "path": str(path)})
             await self._history(event)
+            log.info("retrain: %s %s at %d outcomes: %s", event["event"], event["version"], n_outcomes,
+                     event["reason"])
             return event
         finally:
             self.fitting = False
@@ -314,6 +318,7 @@ class RetrainTrigger:
                            f"on {real['n']} graded answers ({real['n_cheap']} cheap, {real['n_spot_check']} "
                            f"spot-checked) of {c['version']}"}
         await self._history(event)
+        log.warning("retrain: rollback to %s: %s", event["version"], event["reason"])
         return event
 
 

@@ -50,6 +50,7 @@ from router.fit.evaluate import auc_score
 from router.fit.fitter import fit_router
 from router.fit.labels import LabelledItem
 from router.model import ModelConfig, TrainedRouter
+from router.policy import embed_cuts
 
 HIST_BINS = 20
 
@@ -187,10 +188,11 @@ def evaluate_slice(scores: np.ndarray, labels: np.ndarray, threshold: float) -> 
 
 
 def cuts_of(router: TrainedRouter, k: int) -> list[float]:
-    """The ``k`` − 1 cuts ``router`` serves for ``k`` routed tiers: its thresholds when it has that many, else its top
-    cut (0.5 without one) at every boundary."""
-    if len(router.thresholds) == k - 1:
-        return [float(t) for t in router.thresholds]
+    """The ``k`` − 1 cuts ``router`` serves for ``k`` routed tiers, as the gateway serves them
+    (:func:`router.policy.embed_cuts`: a file with fewer cuts serves them at the top boundaries, 0.0 below); its top
+    cut (0.5 without one) at every boundary when it has more."""
+    if 1 <= len(router.thresholds) <= k - 1:
+        return embed_cuts(router.thresholds, k)
     return [float(router.thresholds[-1]) if router.thresholds else 0.5] * (k - 1)
 
 

@@ -67,10 +67,24 @@ def test_loaded_router_scores_and_thresholds(variants: dict[str, Path]) -> None:
     assert svc.tier_for(svc.score(EASY)) == "short"
     override = RouterService.from_config(cfg(variants["shipped"], thresholds=[0.0]))
     assert override.thresholds == [0.0] and override.tier_for(override.score(EASY)) == "long"
-    # a file calibrated for two tiers cannot drive three without configured thresholds
-    three = cfg(variants["shipped"], routed_tiers=["none", "short", "long"])
+    # a file calibrated for two tiers drives three: its cut serves the top boundary (short / long as on two tiers),
+    # and no score is below the one under it, so nothing is routed to `none` until a file with its cut is loaded
+    three = cfg(variants["shipped"], routed_tiers=["none", "short", "long"], on_router_error="refuse_start")
+    svc3 = RouterService.from_config(three)
+    assert svc3.thresholds == [0.0, *load_router(SHIPPED).thresholds]
+    assert svc3.tier_for(svc3.score(EASY)) == "short" and svc3.tier_for(0.0) == "short"
+    assert svc3.tier_for(1.0) == "long"
+    # configured thresholds must still name every boundary
     with pytest.raises(RouterUnavailable, match="needs 2"):
-        RouterService.from_config(three.model_copy(update={"on_router_error": "refuse_start"}))
+        RouterService.from_config(three.model_copy(update={"thresholds": [0.5]}))
+
+
+def test_a_file_with_more_cuts_than_the_ladder_is_refused(tmp_path: Path) -> None:
+    r = load_router(SHIPPED)
+    r.thresholds = [0.3, 0.6]
+    path = save_router(r, tmp_path / "two-cuts.skops")
+    with pytest.raises(RouterUnavailable, match="needs 1"):
+        RouterService.from_config(cfg(path, on_router_error="refuse_start"))
 
 
 def test_reload_if_changed_respects_interval_and_survives_bad_files(variants: dict[str, Path],
