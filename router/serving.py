@@ -273,8 +273,8 @@ class RouterService(Router):
             below = self.routed_tiers[:need - len(router.thresholds)]
             log.info("router file %s has %d cut(s) for %d routed tiers: they serve the top boundaries; nothing is "
                      "routed to %s until a router with their cuts is loaded (routing.retrain learns them from "
-                     "explored answers; or set routing.thresholds)", self.path, len(router.thresholds),
-                     len(self.routed_tiers), below)
+                     "explored answers; routing.thresholds would pin the cuts of every file, promoted ones too)",
+                     self.path, len(router.thresholds), len(self.routed_tiers), below)
 
     def reload_if_changed(self, *, force_check: bool = False) -> bool:
         """Reload when the file changed since the last attempt; looks at the file at most every

@@ -177,16 +177,6 @@ def estimate(up: np.ndarray, labels: np.ndarray, r: Rates, floor: float) -> Floo
     return FloorEstimate(round(ratio, 6), bool(ratio >= floor - 1e-12), round(float(np.mean(~up)), 6), n)
 
 
-def lowest_cut(scores: np.ndarray, labels: np.ndarray, r: Rates, floor: float) -> float:
-    """The lowest threshold (most windows to the cheap tier) whose estimate holds the floor on ``scores``
-    (0.0 = everything up when none does)."""
-    cands = np.unique(np.concatenate([scores, [1.0 + 1e-9]]))
-    for cut in cands[::-1]:  # from "everything cheap" down to "everything up"
-        if estimate(scores >= cut, labels, r, floor).holds_floor:
-            return float(min(1.0, cut))
-    return 0.0
-
-
 def served_scores(router: TrainedRouter, texts: Sequence[str]) -> np.ndarray:
     """The scores the gateway serves with ``router`` (its fast path: learned, length or hash scorer)."""
     return np.array([router.score(t) for t in texts], dtype=np.float64)
@@ -252,16 +242,24 @@ def explore_rates(outcomes: Sequence[dict[str, Any]], version: str | None, lower
     are one population and ``q`` is nesting within it (as with spot checks, on the questions sent up rather than
     down). ``lower`` ``""``: any tier but ``upper`` (two tiers named by their top alone). None with fewer than
     ``minimum`` graded answers in either arm."""
-    if version is None:
+    down, up = explore_arms(outcomes, version, lower, upper)
+    if len(down) < minimum or len(up) < minimum:
         return None
+    return Rates(float(np.mean(up)), float(np.mean(down)), len(up), len(down), source=EXPLORE)
+
+
+def explore_arms(outcomes: Sequence[dict[str, Any]], version: str | None, lower: str, upper: str
+                 ) -> tuple[list[bool], list[bool]]:
+    """The two arms of :func:`explore_rates` as "graded right" lists: (explored answers on ``lower``, the router's
+    own on ``upper``); both empty without a version."""
+    if version is None:
+        return [], []
     mine = [o for o in outcomes if o.get("source") == "feedback" and o.get("router_version") == version
             and o.get("sufficed") is not None]
     down = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == EXPLORE
             and (o.get("tier") == lower if lower else o.get("tier") not in (None, upper))]
     up = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == PREDICTED and o.get("tier") == upper]
-    if len(down) < minimum or len(up) < minimum:
-        return None
-    return Rates(float(np.mean(up)), float(np.mean(down)), len(up), len(down), source=EXPLORE)
+    return down, up
 
 
 def boundary_rates(outcomes: Sequence[dict[str, Any]], order: Sequence[str], version: str | None,
@@ -278,8 +276,11 @@ def boundary_rates(outcomes: Sequence[dict[str, Any]], order: Sequence[str], ver
     for b in range(1, len(order)):
         lower, upper = order[b - 1], order[b]
         spot = spot_check_rates(outcomes, version, upper, spot_check_min) if len(order) == 2 else None
-        out.append(spot or explore_rates(outcomes, version, lower, upper, spot_check_min)
-                   or Rates(None, None, 0, 0, source="none"))
+        found = spot or explore_rates(outcomes, version, lower, upper, spot_check_min)
+        if found is None:  # no rates yet; the explored arms' counts say how far they are from the minimum
+            down, up = explore_arms(outcomes, version, lower, upper)
+            found = Rates(None, None, len(up), len(down), source="none")
+        out.append(found)
     return out
 
 
@@ -291,14 +292,39 @@ def labels_at(items: Sequence[LabelledItem], b: int) -> tuple[np.ndarray, np.nda
             np.array([0 if x is None else int(x) for x in lab], dtype=np.int64))
 
 
+def boundary_view(scores: np.ndarray, items: Sequence[LabelledItem], b: int, cut: float
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(up bool (m,), labels int (m,)) of the windows that speak to boundary ``b`` at ``cut``: those labelled there,
+    and — the strict reading — those with no evidence there that the cut sends below it, as label 1. With three
+    tiers a window only ever answered on ``short`` (sufficed: 0 at short|long) says nothing about ``none``; sent
+    to ``none`` by a low score it would otherwise cost nothing in the estimate (a new user's trial: a candidate
+    sent such questions to ``none`` at an estimated 1.0, and all 18 of the next were graded wrong)."""
+    mask, y = labels_at(items, b)
+    unknown = ~mask & (scores < cut)
+    use = mask | unknown
+    return scores[use] >= cut, np.where(unknown, 1, y)[use]
+
+
+def strict_cut(scores: np.ndarray, items: Sequence[LabelledItem], b: int, r: Rates, floor: float) -> float:
+    """The highest cut (most windows below it, to the cheaper tier) whose estimate at boundary ``b`` holds
+    ``floor`` on :func:`boundary_view` (0.0 = every window up when none does)."""
+    cands = np.unique(np.concatenate([scores, [1.0 + 1e-9]]))
+    for cut in cands[::-1]:  # from "everything cheap" down to "everything up"
+        up, y = boundary_view(scores, items, b, float(cut))
+        if estimate(up, y, r, floor).holds_floor:
+            return float(min(1.0, cut))
+    return 0.0
+
+
 def fit_cuts(scores: np.ndarray, items: Sequence[LabelledItem], rs: Sequence[Rates], floor: float) -> list[float]:
-    """One cut per boundary (``len(rs)`` of them, ascending): the lowest holding the boundary's floor on its labelled
-    windows' ``scores`` (none labelled: 0.0), then each lowered to the one above it (module doc)."""
+    """One cut per boundary (``len(rs)`` of them, ascending): the lowest holding the boundary's floor on the
+    windows that speak to it (:func:`boundary_view`; none labelled there: 0.0), then each lowered to the one above it
+    (module doc)."""
     fb = boundary_floor(floor, len(rs) + 1)
     cuts = []
     for b, r in enumerate(rs, start=1):
-        mask, y = labels_at(items, b)
-        cuts.append(lowest_cut(scores[mask], y[mask], r, fb) if mask.any() else 0.0)
+        mask, _ = labels_at(items, b)
+        cuts.append(strict_cut(scores, items, b, r, fb) if mask.any() else 0.0)
     for b in range(len(cuts) - 2, -1, -1):  # lowering a cut sends more windows up: its estimate only improves
         cuts[b] = min(cuts[b], cuts[b + 1])
     return cuts
@@ -311,8 +337,8 @@ def policy_estimate(scores: np.ndarray, items: Sequence[LabelledItem], cuts: Seq
     fb = boundary_floor(floor, len(cuts) + 1)
     per = []
     for b, (cut, r) in enumerate(zip(cuts, rs, strict=True), start=1):
-        mask, y = labels_at(items, b)
-        per.append(estimate(scores[mask] >= cut, y[mask], r, fb))
+        up, y = boundary_view(scores, items, b, cut)
+        per.append(estimate(up, y, r, fb))
     if len(per) == 1:
         return per[0], per
     below_top = np.sum(scores[:, None] < np.asarray(cuts)[None, :], axis=1)  # boundaries not crossed
@@ -334,8 +360,10 @@ def _report(overall: FloorEstimate, per: Sequence[FloorEstimate], order: Sequenc
 def _rates_report(rs: Sequence[Rates], order: Sequence[str]) -> dict[str, Any]:
     if len(rs) == 1:
         return {**asdict(rs[0]), "q": round(rs[0].q, 6)}
-    return {"source": "feedback", "boundaries": [{"tiers": [order[b], order[b + 1]], **asdict(r),
-                                                  "q": round(r.q, 6)} for b, r in enumerate(rs)]}
+    sources = {r.source for r in rs}
+    return {"source": sources.pop() if len(sources) == 1 else "mixed",
+            "boundaries": [{"tiers": [order[b], order[b + 1]], **asdict(r), "q": round(r.q, 6)}
+                           for b, r in enumerate(rs)]}
 
 
 def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], tiers: Tiers, *, floor: float = 0.98,

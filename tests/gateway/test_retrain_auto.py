@@ -239,7 +239,7 @@ def _text3(kind: str, i: int) -> str:
 def _graded3() -> list[Outcome]:
     """Three routed tiers none → short → long, feedback only: easy windows right on none and short (0 at both
     boundaries), middle ones wrong on none (1 at none|short) or right on short (0 at short|long), hard ones wrong on
-    none and short (1 at both); 60 top answers, all right."""
+    none and short (1 at both); 60 top answers, all right; and the serving router's explored arms (below)."""
     def fb(rid: str, tier: str, ok: bool, text: str) -> Outcome:
         return Outcome(source="feedback", request_id=rid, key_id="alice", tier=tier, sufficed=ok, judge="client",
                        window_digest=window_digest(text), text=text)
@@ -254,7 +254,16 @@ def _graded3() -> list[Outcome]:
             out.append(fb(f"n{i}", "none", False, text) if i % 2 else fb(f"s{i}", "short", True, text))
         else:
             out += [fb(f"n{i}", "none", False, text), fb(f"s{i}", "short", False, text)]
-    return out + [fb(f"t{i}", "long", True, _text3("hard", 5000 + i)) for i in range(60)]
+    out += [fb(f"t{i}", "long", True, _text3("hard", 5000 + i)) for i in range(60)]
+    # the router in service's randomised arms at both boundaries (no text: they give q, not labels): half right on
+    # each side, 120 graded answers in each arm — q ≈ 0.2 at the 90% bounds instead of the strict 1
+    for lower, upper in (("none", "short"), ("short", "long")):
+        for i in range(120):
+            for tier, reason in ((lower, "explore"), (upper, "predicted")):
+                out.append(Outcome(source="feedback", request_id=f"{reason}-{tier}-{upper}-{i}", key_id="alice",
+                                   tier=tier, sufficed=i % 2 == 0, judge="client", route_reason=reason,
+                                   router_version="old-noise"))
+    return out
 
 
 def test_three_routed_tiers_promote_a_router_with_one_cut_per_boundary(upstream_sim: SimProcess, redis_url: str,
@@ -281,10 +290,13 @@ def test_three_routed_tiers_promote_a_router_with_one_cut_per_boundary(upstream_
         assert [b["tiers"] for b in cmp["rates"]["boundaries"]] == [["none", "short"], ["short", "long"]]
         assert st["version"] == event["version"] and st["version"].startswith("auto-")
         promoted = load_router(Path(event["path"]))
-        assert len(promoted.thresholds) == 2 and promoted.thresholds[0] < promoted.thresholds[1]
+        assert len(promoted.thresholds) == 2 and promoted.thresholds[0] <= promoted.thresholds[1]
         assert st["thresholds"] == promoted.thresholds
-        # feedback only, no explored or spot-checked arm: no rates at either boundary (q = 1, the strictest reading)
-        assert [(b["source"], b["q"]) for b in cmp["rates"]["boundaries"]] == [("none", 1.0), ("none", 1.0)]
+        # q from each boundary's explored arm of the router in service
+        arms = [(b["source"], b["n_cheap"], b["n_top"]) for b in cmp["rates"]["boundaries"]]
+        assert arms == [("explore", 120, 120)] * 2
+        assert all(b["q"] < 0.3 for b in cmp["rates"]["boundaries"])
+        assert cmp["rates"]["source"] == "explore"  # the boundaries' common source ("mixed" when they differ)
         served = {}
         with httpx.Client(timeout=30) as client:
             for kind in ("easy", "mid", "hard"):

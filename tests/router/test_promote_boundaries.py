@@ -69,3 +69,18 @@ def test_each_boundary_reads_q_from_its_own_explored_arm() -> None:
     assert (lower.source, lower.n_cheap, lower.n_top, lower.p_cheap, lower.p_top) == ("explore", 40, 40, 0.25, 0.75)
     assert 0.5 < lower.q < 1.0
     assert (upper.source, upper.q) == ("none", 1.0)
+    assert (upper.n_top, upper.n_cheap) == (40, 0)  # how far the arms are from the minimum, shown in the event
+
+
+def test_a_window_without_evidence_at_a_boundary_sent_below_it_counts_as_lost() -> None:
+    """Three tiers: the window at 0.15 was only ever answered on ``short`` (sufficed: 0 at short|long, nothing at
+    none|short). A cut that sends it to ``none`` counts it as a loss there (the strict reading), so the first cut
+    stays at it; ignoring it, the cut went to 0.8 and the window to ``none`` unseen."""
+    scores = np.array([0.1, 0.15, 0.2, 0.8])
+    items = [_item(0, [0, 0]), _item(1, [None, 0]), _item(2, [0, 0]), _item(3, [1, 1])]
+    assert fit_cuts(scores, items, [SURE, SURE], 0.98) == [0.15, 0.8]
+    total, per = policy_estimate(scores, items, [0.8, 0.8], [SURE, SURE], 0.98)
+    assert total.holds_floor is False
+    assert per[0].holds_floor is False and per[0].n == 4 and per[1].holds_floor is True
+    _, per_ok = policy_estimate(scores, items, [0.15, 0.8], [SURE, SURE], 0.98)
+    assert per_ok[0].holds_floor is True and per_ok[0].n == 3  # the unlabelled window is sent up: not counted
