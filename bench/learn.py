@@ -420,18 +420,21 @@ def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
                          f"{details['wall_s']} s"))
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
-    """PNG: served savings vs requests, the offline fit and length as horizontal lines."""
+def plot(report: dict[str, Any], path: Path, step0: dict[str, Any] | None = None) -> None:
+    """PNG: served savings vs requests (from the default before any traffic, ``step0`` of the details, when
+    given), the offline fit and length as horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    xs = [s["requests"] for s in report["steps"]]
-    ys = [s["served"]["savings"] for s in report["steps"]]
-    ax.plot(xs, ys, marker="o", label="gateway's own router (served)")
-    for x, s in zip(xs, report["steps"], strict=True):
+    steps = ([{"requests": 0, "served": step0["served"]}] if step0 is not None else []) + list(report["steps"])
+    xs = [s["requests"] for s in steps]
+    ys = [s["served"]["savings"] for s in steps]
+    ax.plot(xs, ys, marker="o", label="gateway's own router (served; 0 = the default before any traffic)",
+            zorder=4)
+    for x, s in zip(xs, steps, strict=True):
         if not s["served"]["holds_floor"]:
             ax.scatter([x], [s["served"]["savings"]], color="red", zorder=3)
     ax.axhline(report["offline_fit"]["savings"], color="green", ls="--", label="offline fit (all non-held-out)")
@@ -494,6 +497,6 @@ def learn(
             path.write_text(text)
     if png_path:
         png_path.parent.mkdir(parents=True, exist_ok=True)
-        plot(report, png_path)
+        plot(report, png_path, details.get("step0"))
     if not details["complete"]:
         raise typer.Exit(1)
