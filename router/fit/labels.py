@@ -49,7 +49,9 @@ class LabelledItem:
         """Parse one JSONL row; raises ValueError naming the missing/invalid field."""
         for key in ("id", "text", "label"):
             if key not in d:
-                raise ValueError(f"labelled item lacks {key!r}: {str(d)[:120]}")
+                raise ValueError(f"labelled item lacks {key!r}: {str(d)[:120]} — a labelled JSONL row is "
+                                 "{id, text, label}; make one from raw data with `thinkgate router label` "
+                                 "(difficulty, outcomes or gateway)")
         label = d["label"]
         if label not in (0, 1, True, False):
             raise ValueError(f"label must be 0 or 1, got {label!r} (id {d['id']!r})")
