@@ -322,16 +322,19 @@ HEADERS = {"content-type": "application/json"}
 _client = None
 _lane = []
 
-async def redis_round_trip():
+if redis_url:  # imported and packed once, not per request: the floor counts only the round trip
     import hiredis
     from urllib.parse import urlsplit
+    REDIS_ADDR = (urlsplit(redis_url).hostname or "127.0.0.1", urlsplit(redis_url).port or 6379)
+    INCR = hiredis.pack_command((b"INCR", b"thinkgate-bench:floor-redis"))
+
+async def redis_round_trip():
     if _lane:
         reader, writer, parser = _lane.pop()
     else:
-        u = urlsplit(redis_url)
-        reader, writer = await asyncio.open_connection(u.hostname or "127.0.0.1", u.port or 6379)
+        reader, writer = await asyncio.open_connection(*REDIS_ADDR)
         parser = hiredis.Reader()
-    writer.write(hiredis.pack_command((b"INCR", b"thinkgate-bench:floor-redis")))
+    writer.write(INCR)
     reply = parser.gets()
     while reply is False:
         parser.feed(await reader.read(65536))

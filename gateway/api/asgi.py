@@ -14,7 +14,6 @@ Starlette.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -23,10 +22,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.api.errors import error_response
+from gateway.api.errors import error_response, internal_error_response
 from gateway.errors import GatewayError
-
-log = logging.getLogger("thinkgate.errors")
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -59,7 +56,5 @@ class Gateway(FastAPI):
         except GatewayError as exc:
             response = error_response(exc)
         except Exception as exc:
-            # as errors.install_handlers' last handler: logged with the traceback, never sent to the client
-            log.exception("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
-            response = error_response(GatewayError("internal error", code="internal_error"))
+            response = internal_error_response(scope["method"], scope["path"], exc)
         await response(scope, receive, send)

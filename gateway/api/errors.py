@@ -25,6 +25,13 @@ def error_response(exc: GatewayError) -> Response:
     return Response(exc.to_json(), status_code=exc.status, media_type="application/json", headers=exc.headers)
 
 
+def internal_error_response(method: str, path: str, exc: BaseException) -> Response:
+    """An unexpected exception as a ``500 internal_error``: logged with its traceback for operators, never sent
+    (the client only learns that it failed)."""
+    log.exception("unhandled error on %s %s", method, path, exc_info=exc)
+    return error_response(GatewayError("internal error", code="internal_error"))
+
+
 def _param_of(loc: tuple[Any, ...]) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts) or None
@@ -56,9 +63,7 @@ def install_handlers(app: FastAPI) -> None:
         return Response(err.to_json(), status_code=exc.status_code, media_type="application/json")
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
-        # Logged with the traceback for operators; the client only learns that it failed.
-        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(GatewayError("internal error", code="internal_error"))
+        return internal_error_response(request.method, request.url.path, exc)
 
     app.add_exception_handler(GatewayError, on_gateway_error)
     app.add_exception_handler(RequestValidationError, on_validation)

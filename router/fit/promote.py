@@ -25,7 +25,7 @@ that sends ``k`` label-1 windows to the cheap tier loses ``q·k`` of always-top'
     cheap_share     = share of the n windows sent to the cheap tier   (the savings tie-break)
 
 **Candidate**: fitted on the non-held-out windows (:func:`router.fit.retrain.is_heldout_digest`), its threshold
-the lowest cut (most cheap answers) whose estimate holds the floor on 5-fold out-of-fold scores of those
+the highest cut (most cheap answers) whose estimate holds the floor on 5-fold out-of-fold scores of those
 windows (none → the candidate routes everything up and is never better). **Better** (:func:`better`): on the
 held-back windows the candidate holds the floor and either the router in service does not, or the candidate
 sends a larger share to the cheap tier.
@@ -34,19 +34,20 @@ sends a larger share to the cheap tier.
 ``tiers[b]``). Each boundary is the two-tier problem above on the windows labelled there (``by_boundary``), with
 its own rates — the explored answers on ``tiers[b-1]`` against the router's own on ``tiers[b]``
 (:func:`explore_rates`; the spot checks compare the top tier with every tier below it, so they are read with two
-tiers only). Under
-nesting the answers lost at the boundaries add up (a window sent to ``tiers[j]`` loses at every boundary above
-``j`` it was labelled 1), so each boundary gets an equal share of the budget: ``floor_b = 1 − (1 − floor)/(k − 1)``
+tiers only). Under nesting the answers lost at the boundaries add up (a window sent to ``tiers[j]`` loses at
+every boundary above ``j`` it was labelled 1), so each boundary gets an equal share of the budget:
+``floor_b = 1 − (1 − floor)/(k − 1)``
 (:func:`boundary_floor`; ``floor`` itself with two tiers), and the composed estimate is::
 
     accuracy_ratio ≈ 1 − Σ_b (1 − accuracy_ratio_b)     holds_floor: every boundary holds floor_b (⇒ ratio ≥ floor)
     cheap_share     = mean over the windows of (tiers below the top it is sent to) / (k − 1)
 
-The candidate's score is fitted on the pooled label; each cut ``c_b`` is the lowest that holds ``floor_b`` on the
-out-of-fold scores of the windows labelled at ``b`` (no labelled window: 0.0, nothing crosses it downwards), then
-the cuts are made monotone by lowering a cut to the one above it (more windows up: a boundary's estimate only
-improves). **Better** is the rule above on the composed estimates; since the candidate must hold every boundary,
-it never breaks the floor at a boundary where the router in service held it.
+The candidate's score is fitted on the pooled label; each cut ``c_b`` is the highest (most windows below it) that
+holds ``floor_b`` on the out-of-fold scores of the windows that speak to ``b`` (:func:`boundary_view`: those
+labelled there, and those without evidence there that the cut sends below it, as lost; no labelled window: 0.0,
+nothing crosses it downwards), then the cuts are made monotone by lowering a cut to the one above it (more windows
+up: a boundary's estimate only improves). **Better** is the rule above on the composed estimates: the candidate
+must hold every boundary on the held-back windows' estimate.
 """
 
 from __future__ import annotations
@@ -128,12 +129,17 @@ def boundary_floor(floor: float, k: int) -> float:
     return floor if k <= 2 else 1.0 - (1.0 - floor) / (k - 1)
 
 
+def graded_of(outcomes: Sequence[dict[str, Any]], version: str) -> list[dict[str, Any]]:
+    """The ``feedback`` outcomes with a grade (``sufficed`` set) on answers router ``version`` served."""
+    return [o for o in outcomes if o.get("source") == "feedback" and o.get("router_version") == version
+            and o.get("sufficed") is not None]
+
+
 def version_arms(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str
                  ) -> tuple[list[bool], list[bool], list[bool]]:
     """The graded feedback on router ``version``'s answers, explored ones left out, as three lists of "graded
     right": (its cheap answers, its spot checks — top answers to questions it sent cheap —, its top answers)."""
-    mine = [o for o in outcomes if o.get("source") == "feedback" and o.get("router_version") == version
-            and o.get("sufficed") is not None and o.get("route_reason") != EXPLORE]
+    mine = [o for o in graded_of(outcomes, version) if o.get("route_reason") != EXPLORE]
     checked = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == SPOT_CHECK]
     cheap = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") != top_tier]
     top = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") == top_tier]
@@ -254,8 +260,7 @@ def explore_arms(outcomes: Sequence[dict[str, Any]], version: str | None, lower:
     own on ``upper``); both empty without a version."""
     if version is None:
         return [], []
-    mine = [o for o in outcomes if o.get("source") == "feedback" and o.get("router_version") == version
-            and o.get("sufficed") is not None]
+    mine = graded_of(outcomes, version)
     down = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == EXPLORE
             and (o.get("tier") == lower if lower else o.get("tier") not in (None, upper))]
     up = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == PREDICTED and o.get("tier") == upper]
@@ -317,9 +322,9 @@ def strict_cut(scores: np.ndarray, items: Sequence[LabelledItem], b: int, r: Rat
 
 
 def fit_cuts(scores: np.ndarray, items: Sequence[LabelledItem], rs: Sequence[Rates], floor: float) -> list[float]:
-    """One cut per boundary (``len(rs)`` of them, ascending): the lowest holding the boundary's floor on the
-    windows that speak to it (:func:`boundary_view`; none labelled there: 0.0), then each lowered to the one above it
-    (module doc)."""
+    """One cut per boundary (``len(rs)`` of them, ascending, in score units [0, 1]): :func:`strict_cut` at the
+    boundary's floor (none labelled there: 0.0), then each lowered to the one above it (module doc). ``scores``:
+    float (n,) out-of-fold scores of ``items``; ``rs``: one :class:`Rates` per boundary, lowest first."""
     fb = boundary_floor(floor, len(rs) + 1)
     cuts = []
     for b, r in enumerate(rs, start=1):
