@@ -287,8 +287,9 @@ def calibrate(
     router_path: Annotated[Path, typer.Argument(help="router file")],
     data: Annotated[list[Path], typer.Argument(help="calibration JSONL file(s)")],
     target_long: Annotated[
-        list[float] | None,
-        typer.Option(help="fraction of traffic at/above each threshold (one per threshold, decreasing)"),
+        list[str] | None,
+        typer.Option(help="fraction of traffic at/above each threshold (one per threshold, decreasing); repeat the "
+                          "flag or give them comma-separated: --target-long 0.5,0.2"),
     ] = None,
     max_quality_loss: Annotated[
         float | None, typer.Option(help="max relative quality loss vs always-long (two tiers), e.g. 0.05")
@@ -296,7 +297,11 @@ def calibrate(
     out: Annotated[Path | None, typer.Option(help="write here instead of updating ROUTER_PATH")] = None,
 ) -> None:
     """Choose thresholds RouteLLM-style (score quantile for a target %long, or max quality loss) and save
-    them in the router file."""
+    them in the router file, under a new version (``<version>+calibrated-<UTC>``: outcomes and promotions tell the
+    recalibrated file from the one it came from). A ``metadata.serving`` block gets the new thresholds, and its
+    guarantee is dropped: it was certified at the old ones."""
+    import datetime as dt
+
     import numpy as np
 
     from router.fit.calibrate import fraction_at_or_above, threshold_for_quality_loss, thresholds_for_fractions
@@ -310,10 +315,14 @@ def calibrate(
     scores = router.predict_proba([it.text for it in items])
     if target_long is not None:
         try:
-            cuts = thresholds_for_fractions(scores, target_long)
+            fractions = [float(x) for v in target_long for x in v.split(",") if x.strip()]
+        except ValueError:
+            _fail(f"--target-long takes fractions in [0, 1] (e.g. 0.5,0.2), got {target_long}")
+        try:
+            cuts = thresholds_for_fractions(scores, fractions)
         except ValueError as exc:
             _fail(str(exc))
-        how: dict[str, Any] = {"method": "target_long", "target": list(target_long)}
+        how: dict[str, Any] = {"method": "target_long", "target": fractions}
     else:
         qs, ql, _ = outcomes_of(items)
         cuts = [threshold_for_quality_loss(scores, qs, ql, float(max_quality_loss or 0))]
@@ -323,10 +332,19 @@ def calibrate(
     achieved = [round(fraction_at_or_above(scores, t), 4) for t in cuts]
     how.update({"achieved_frac_at_or_above": achieved, "n": len(items), "data_files": [str(p) for p in data]})
     router.thresholds = cuts
-    router.metadata["thresholds_calibration"] = how
+    meta = router.metadata
+    meta["thresholds_calibration"] = how
+    before = meta.get("version") or meta.get("created_utc")
+    now = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    meta["version"] = f"{str(before or 'router').split('+calibrated-')[0]}+calibrated-{now}"
+    meta["calibrated_from"] = before
+    if isinstance(meta.get("serving"), dict):
+        meta["serving"]["thresholds"] = [round(float(t), 6) for t in cuts]
+        if meta["serving"].get("guarantee"):
+            meta["serving"]["guarantee"] = None  # certified at the old thresholds; these carry none
     dest = save_router(router, out or router_path)
     typer.echo(f"thresholds {[round(t, 4) for t in cuts]} → {achieved} of {len(items)} items at/above; "
-               f"saved {dest}")
+               f"version {meta['version']}; saved {dest}")
 
 
 @app.command("eval")

@@ -75,11 +75,16 @@ def test_fit_calibrate_eval_cli_end_to_end(items: list[LabelledItem], tmp_path: 
     assert r.exit_code == 0, r.output
     assert "Validation" in r.output and out.is_file()
 
+    fitted = load_router(out).metadata
     r = runner.invoke(app, ["router", "calibrate", str(out), str(calib), "--target-long", "0.3"])
     assert r.exit_code == 0, r.output
     router = load_router(out)
     cal = router.metadata["thresholds_calibration"]
     assert cal["method"] == "target_long" and abs(cal["achieved_frac_at_or_above"][0] - 0.3) <= 0.02
+    # a new version: outcomes and promotions must not mix the recalibrated file with the one it came from
+    before = fitted.get("version") or fitted.get("created_utc")
+    assert router.metadata["version"].startswith(f"{before}+calibrated-")
+    assert router.metadata["calibrated_from"] == before
     scores = router.predict_proba([json.loads(line)["text"] for line in calib.read_text().splitlines()])
     assert abs(float(np.mean(scores >= router.thresholds[0])) - 0.3) <= 0.02
 
@@ -98,5 +103,29 @@ def test_fit_calibrate_eval_cli_end_to_end(items: list[LabelledItem], tmp_path: 
 
     r = runner.invoke(app, ["router", "calibrate", str(out), str(calib)])
     assert r.exit_code == 2 and "exactly one" in r.output
+    r = runner.invoke(app, ["router", "calibrate", str(out), str(calib), "--target-long", "0.3,x"])
+    assert r.exit_code == 2 and "fractions" in r.output
     r = runner.invoke(app, ["router", "eval", str(tmp_path / "missing.skops"), str(calib)])
     assert r.exit_code == 2 and "not found" in r.output
+
+
+def test_calibrate_a_file_with_a_serving_block_moves_its_served_thresholds(tmp_path: Path) -> None:
+    """The shipped default carries ``metadata.serving`` (what ``model: auto`` serves): calibrating it for three
+    tiers (two fractions, comma-separated) writes both cuts there too, under a new version — a new user's trial
+    found the recalibrated file still named the shipped version."""
+    import shutil
+
+    from gateway.config.paths import DEFAULT_ROUTER_PATH
+
+    calib = tmp_path / "calib.jsonl"
+    write_jsonl(calib, (it.to_dict() for it in math_items()[5::40] + mmlu_items()[5::40]))
+    path = Path(shutil.copy(DEFAULT_ROUTER_PATH, tmp_path / "default.skops"))
+    shipped = load_router(path).metadata
+    r = CliRunner().invoke(app, ["router", "calibrate", str(path), str(calib), "--target-long", "0.5,0.2"])
+    assert r.exit_code == 0, r.output
+    router = load_router(path)
+    assert len(router.thresholds) == 2 and router.thresholds[0] <= router.thresholds[1]
+    assert router.metadata["serving"]["thresholds"] == [round(t, 6) for t in router.thresholds]
+    assert router.metadata["thresholds_calibration"]["target"] == [0.5, 0.2]
+    assert router.metadata["version"] != (shipped.get("version") or shipped.get("created_utc"))
+    assert router.metadata["version"] in r.output
