@@ -420,9 +420,10 @@ def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
                          f"{details['wall_s']} s"))
 
 
-def plot(report: dict[str, Any], path: Path, step0: dict[str, Any] | None = None) -> None:
+def plot(report: dict[str, Any], path: Path, step0: dict[str, Any] | None = None) -> list[str]:
     """PNG: served savings vs requests (from the default before any traffic, ``step0`` of the details, when
-    given), the offline fit and length as horizontal lines."""
+    given), the offline fit and length as horizontal lines (one line when they are equal). Returns the legend's
+    labels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -437,17 +438,22 @@ def plot(report: dict[str, Any], path: Path, step0: dict[str, Any] | None = None
     for x, s in zip(xs, steps, strict=True):
         if not s["served"]["holds_floor"]:
             ax.scatter([x], [s["served"]["savings"]], color="red", zorder=3)
-    ax.axhline(report["offline_fit"]["savings"], color="green", ls="--", label="offline fit (all non-held-out)")
-    ax.axhline(report["length"]["savings"], color="gray", ls=":", label="prompt length (calibrated)")
+    off, length = report["offline_fit"]["savings"], report["length"]["savings"]
+    if abs(off - length) < 1e-9:  # one line, named for both: drawn twice, the second hid the first
+        ax.axhline(off, color="green", ls="--", label=f"offline fit = prompt length (calibrated): {off:.1%}")
+    else:
+        ax.axhline(off, color="green", ls="--", label=f"offline fit (all non-held-out): {off:.1%}")
+        ax.axhline(length, color="gray", ls=":", label=f"prompt length (calibrated): {length:.1%}")
     ax.set_xlabel("requests of traffic")
     ax.set_ylabel("savings (1 - tokens / always-top), held-out")
     ax.set_title(f"{report['dataset']} {report['ladder']}, feedback {report['feedback_rate']:.0%} "
                  "(red: floor not held)", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    labels = [t.get_text() for t in ax.legend(fontsize=8).get_texts()]
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return labels
 
 
 def learn(

@@ -129,6 +129,11 @@ class RetrainTrigger:
     def k_realised(self) -> str:
         return f"{self.prefix}router:realised"
 
+    @property
+    def k_looks(self) -> str:
+        """How many promotion comparisons this deployment has judged (both routers estimated)."""
+        return f"{self.prefix}router:looks"
+
     # --- exploration ------------------------------------------------------------------------------------
     def explore(self, i: int) -> int:
         """The routing hook (module doc): ``i`` or, with probability ``explore`` when ``i`` > 0, ``i - 1``
@@ -229,7 +234,12 @@ class RetrainTrigger:
                 return None
             outcomes = await self._all_outcomes()
             version = f"auto-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{self.fits + 1:03d}"
-            path, cmp, fit = await self._fit(old, outcomes, version)
+            # this comparison's number among the deployment's judged ones (every replica's, across restarts):
+            # the promotion's bounds tighten with it (router.fit.promote.look_z)
+            look = int(await self.breaker.call(lambda: self.redis.get(self.k_looks)) or 0) + 1
+            path, cmp, fit = await self._fit(old, outcomes, version, look)
+            if cmp.get("old") is not None and cmp.get("new") is not None:  # judged: a look spent
+                await self.breaker.call(lambda: self.redis.incr(self.k_looks))
             self.fits += 1
             prev_version = old.metadata.get("version") or old.metadata.get("created_utc")
             event: dict[str, Any] = {"event": "keep", "ts": round(time.time(), 3), "version": prev_version,
@@ -252,7 +262,7 @@ class RetrainTrigger:
             with contextlib.suppress(RedisDown):
                 await self.breaker.call(lambda: self.redis.delete(self.k_lock))
 
-    async def _fit(self, old: Any, outcomes: list[dict[str, Any]], version: str
+    async def _fit(self, old: Any, outcomes: list[dict[str, Any]], version: str, look: int
                    ) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
         """:func:`router.fit.promote.fit_and_save` in the fit process (or a thread): (the written path of a better
         candidate or None, the comparison, ``{"pid", "seconds"}``). A fit process that died is replaced at the
@@ -260,7 +270,8 @@ class RetrainTrigger:
         from router.fit import promote  # lazy: only with routing.retrain on (listed in the contract)
         job = functools.partial(promote.fit_and_save, old, outcomes, self.tiers, str(self.dir), version,
                                 floor=self.cfg.floor, heldout_frac=self.cfg.heldout_frac,
-                                min_heldout=self.cfg.min_heldout, spot_check_min=self.cfg.spot_check_min)
+                                min_heldout=self.cfg.min_heldout, spot_check_min=self.cfg.spot_check_min,
+                                look=look)
         if self.cfg.fit_in == "thread":
             return await asyncio.to_thread(job)
         if self._pool is None:

@@ -21,8 +21,25 @@ never used here: the top tier answered the questions routed up, the cheap tier t
 near 0 once a router works — and promoted routers that sent everything cheap. On ``n`` labelled windows a policy
 that sends ``k`` label-1 windows to the cheap tier loses ``q·k`` of always-top's ``p_top·n`` right answers::
 
-    accuracy_ratio ≈ 1 − q·k / (p_top·n)        holds_floor: accuracy_ratio ≥ floor
+    accuracy_ratio ≈ 1 − q·k / (p_top·n)        (the point estimate, reported)
+    ratio_low       = 1 − q·k⁺ / (p_top·n)      holds_floor: ratio_low ≥ floor
     cheap_share     = share of the n windows sent to the cheap tier   (the savings tie-break)
+
+where ``k⁺ = m · wilson(k/m, m)`` bounds the lost count: ``m`` windows sent cheap, the label-1 rate among them at
+its upper 90% Wilson bound (``m`` = 0: ``k⁺`` = 0 — a policy sending nothing cheap loses nothing). A slice of tens
+of windows with 0 or 1 of them lost proves little (with the point count, ``thinkgate bench learn`` on o3-mini
+ended 2 of 9 runs on promoted routers at 0.976 and 0.951 of always-top's accuracy on held-out questions). At
+``q`` = 1 and ``k`` = 0 the bound is ``m·z²/(m + z²)`` (≤ ``z²`` windows).
+
+**Looks.** Automatic retraining compares every ``every_outcomes`` outcomes, and each comparison is one more chance
+that a small slice or a randomised arm of thirty-odd grades reads lucky (``bench learn`` on o3-mini, at 90% per
+comparison: the explored arm read the cheap tier right on 49% and the top on 27% of the same kind of question
+after ~20 comparisons, ``q`` = 0, and a router sending everything cheap was promoted — 0.707 of always-top's
+accuracy on the held-out questions). So the error is spent over the deployment's comparisons
+(:func:`look_z`: ``delta`` = 0.1 in all, the ``i``-th at ``0.1 / (i (i + 1))``, half to each bound): both bounds
+above use that ``z`` — 1.96 at the first comparison, 3.3 at the tenth. With ``q`` = 1 and nothing lost, a
+candidate sending windows cheap then needs ~200 held-back windows at the first look; a router that sends
+everything up holds at once (nothing sent cheap, nothing lost).
 
 **Candidate**: fitted on the non-held-out windows (:func:`router.fit.retrain.is_heldout_digest`), its threshold
 the highest cut (most cheap answers) whose estimate holds the floor on 5-fold out-of-fold scores of those
@@ -39,7 +56,7 @@ every boundary above ``j`` it was labelled 1), so each boundary gets an equal sh
 ``floor_b = 1 − (1 − floor)/(k − 1)``
 (:func:`boundary_floor`; ``floor`` itself with two tiers), and the composed estimate is::
 
-    accuracy_ratio ≈ 1 − Σ_b (1 − accuracy_ratio_b)     holds_floor: every boundary holds floor_b (⇒ ratio ≥ floor)
+    accuracy_ratio ≈ 1 − Σ_b (1 − accuracy_ratio_b)     holds_floor: every boundary holds floor_b (⇒ ratio_low ≥ floor)
     cheap_share     = mean over the windows of (tiers below the top it is sent to) / (k − 1)
 
 The candidate's score is fitted on the pooled label; each cut ``c_b`` is the highest (most windows below it) that
@@ -58,8 +75,9 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -71,6 +89,7 @@ from router.persistence import save_router
 
 FOLDS = 5
 Z90 = 1.2816
+DELTA = 0.1  # the error a deployment's automatic promotions spend in all (look_z)
 SPOT_CHECK = "spot_check"  # route reason: a cheap decision the top tier served (``routing.retrain.spot_check``)
 EXPLORE = "explore"  # route reason: a decision served one tier down at random (``routing.retrain.explore``)
 PREDICTED = "predicted"  # route reason: the router's own decision, served as decided
@@ -89,16 +108,18 @@ class Rates:
     n_top: int
     n_cheap: int
     source: str = "feedback"
+    #: the one-sided normal quantile of the bounds (:data:`Z90`; a promotion's look sets it: :func:`look_z`)
+    z: float = 1.2816
 
     @property
     def q(self) -> float:
-        """P(top right | cheap wrong) under nesting (module doc), conservative: the upper 90% Wilson bound of
+        """P(top right | cheap wrong) under nesting (module doc), conservative: the upper Wilson bound (``z``) of
         ``p_top`` against the lower one of ``p_cheap`` (few grades → a large q → a cautious router); 1.0 when a
         rate is unknown."""
         if self.p_top is None or self.p_cheap is None:
             return 1.0
-        top = wilson(self.p_top, self.n_top, upper=True)
-        cheap = wilson(self.p_cheap, self.n_cheap, upper=False)
+        top = wilson(self.p_top, self.n_top, upper=True, z=self.z)
+        cheap = wilson(self.p_cheap, self.n_cheap, upper=False, z=self.z)
         if cheap >= 1.0:
             return 1.0
         return float(min(1.0, max(0.0, (top - cheap) / (1.0 - cheap))))
@@ -111,6 +132,18 @@ def wilson(p: float, n: int, upper: bool, z: float = Z90) -> float:
     centre = p + z * z / (2 * n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return float(min(1.0, max(0.0, (centre + (half if upper else -half)) / (1 + z * z / n))))
+
+
+def look_z(look: int | None, delta: float = DELTA) -> float:
+    """The bounds' normal quantile at a deployment's ``look``-th promotion comparison (1, 2, …): every look is
+    another chance to promote a router on a lucky slice, so the error ``delta`` is spent over all of them —
+    ``delta_i = delta / (i (i + 1))`` (Σ = ``delta``), split between the two bounds a comparison reads (``q``'s
+    rates and the lost count), each at ``1 − delta_i / 2``. Look 1: z 1.96; look 10: 3.32; look 100: 4.42. None
+    (a one-off comparison, ``thinkgate router retrain``): :data:`Z90`."""
+    if look is None:
+        return Z90
+    i = max(1, int(look))
+    return float(NormalDist().inv_cdf(1.0 - delta / (i * (i + 1)) / 2.0))
 
 
 def rates(outcomes: Sequence[dict[str, Any]], top_tier: str, exclude: set[str] | None = None) -> Rates:
@@ -163,12 +196,15 @@ def spot_check_rates(outcomes: Sequence[dict[str, Any]], version: str | None, to
 
 @dataclass
 class FloorEstimate:
-    """A policy on labelled windows (module doc): estimated accuracy ratio, floor held, cheap share, n."""
+    """A policy on labelled windows (module doc): estimated accuracy ratio (point), floor held (read at
+    ``ratio_low``), cheap share, n, and ``ratio_low``: the ratio with the count of label-1 windows sent cheap at
+    its upper 90% bound (``k⁺``, module doc; None: no windows)."""
 
     accuracy_ratio: float
     holds_floor: bool
     cheap_share: float
     n: int
+    ratio_low: float | None = None
 
 
 def estimate(up: np.ndarray, labels: np.ndarray, r: Rates, floor: float) -> FloorEstimate:
@@ -180,7 +216,15 @@ def estimate(up: np.ndarray, labels: np.ndarray, r: Rates, floor: float) -> Floo
     k = int(np.sum((labels == 1) & ~up))
     p_top = r.p_top if r.p_top else 1.0
     ratio = 1.0 - r.q * k / (p_top * n)
-    return FloorEstimate(round(ratio, 6), bool(ratio >= floor - 1e-12), round(float(np.mean(~up)), 6), n)
+    # holds_floor reads k at m × the upper Wilson bound of the label-1 rate among the m windows sent cheap, not
+    # its point count: with few windows a point count of 0 or 1 let candidates through that broke the floor on new
+    # questions (bench learn, o3-mini: 2 of 9 runs at 0.976 and 0.951 of always-top). Bounding the rate among the
+    # cheap ones (not over all n) keeps a policy that sends nothing cheap at exactly no loss.
+    m = int(np.sum(~up))
+    k_up = m * wilson(k / m, m, upper=True, z=r.z) if m else 0.0
+    ratio_low = 1.0 - r.q * k_up / (p_top * n)
+    return FloorEstimate(round(ratio, 6), bool(ratio_low >= floor - 1e-12), round(float(np.mean(~up)), 6), n,
+                         round(ratio_low, 6))
 
 
 def served_scores(router: TrainedRouter, texts: Sequence[str]) -> np.ndarray:
@@ -268,7 +312,7 @@ def explore_arms(outcomes: Sequence[dict[str, Any]], version: str | None, lower:
 
 
 def boundary_rates(outcomes: Sequence[dict[str, Any]], order: Sequence[str], version: str | None,
-                   spot_check_min: int) -> list[Rates]:
+                   spot_check_min: int, z: float = Z90) -> list[Rates]:
     """The rates behind each boundary's ``q`` (module doc), lowest boundary first, from a randomised arm of router
     ``version`` only: with two tiers its spot checks once it has ``spot_check_min`` of them graded, else its
     explored answers against its own on the tier above (:func:`explore_rates`, ``spot_check_min`` in each arm);
@@ -285,7 +329,7 @@ def boundary_rates(outcomes: Sequence[dict[str, Any]], order: Sequence[str], ver
         if found is None:  # no rates yet; the explored arms' counts say how far they are from the minimum
             down, up = explore_arms(outcomes, version, lower, upper)
             found = Rates(None, None, len(up), len(down), source="none")
-        out.append(found)
+        out.append(replace(found, z=z))
     return out
 
 
@@ -348,8 +392,10 @@ def policy_estimate(scores: np.ndarray, items: Sequence[LabelledItem], cuts: Seq
         return per[0], per
     below_top = np.sum(scores[:, None] < np.asarray(cuts)[None, :], axis=1)  # boundaries not crossed
     ratio = 1.0 - sum(1.0 - e.accuracy_ratio for e in per)
+    low = 1.0 - sum(1.0 - (e.accuracy_ratio if e.ratio_low is None else e.ratio_low) for e in per)
     cheap = float(np.mean(below_top / len(cuts))) if scores.size else 0.0
-    return FloorEstimate(round(ratio, 6), all(e.holds_floor for e in per), round(cheap, 6), int(scores.size)), per
+    return FloorEstimate(round(ratio, 6), all(e.holds_floor for e in per), round(cheap, 6), int(scores.size),
+                         round(low, 6)), per
 
 
 def _report(overall: FloorEstimate, per: Sequence[FloorEstimate], order: Sequence[str],
@@ -373,19 +419,22 @@ def _rates_report(rs: Sequence[Rates], order: Sequence[str]) -> dict[str, Any]:
 
 def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], tiers: Tiers, *, floor: float = 0.98,
                   heldout_frac: float = 0.2, min_heldout: int = 10, exclude: set[str] | None = None,
-                  version: str | None = None, spot_check_min: int = 30) -> tuple[TrainedRouter | None, Comparison]:
+                  version: str | None = None, spot_check_min: int = 30,
+                  look: int | None = None) -> tuple[TrainedRouter | None, Comparison]:
     """Fit a candidate on ``outcomes`` (dicts with the fields of ``gateway.ledger.outcome.Outcome``) and compare
     it with ``old`` (module doc). ``tiers``: the top tier's name (two tiers) or the routed tiers cheapest first.
     Returns (the candidate — ``len(tiers) − 1`` thresholds —, or None when none could be fitted or judged; the
     comparison — ``better`` says whether to promote). ``exclude``: request ids whose outcomes teach no label
     (explored answers are kept: they are the cheap answers to learn from; nothing is excluded by default). The
-    rates behind ``q``: :func:`boundary_rates`."""
+    rates behind ``q``: :func:`boundary_rates`. ``look``: this comparison's number among the deployment's
+    automatic ones (1, 2, …; the bounds' confidence grows with it, :func:`look_z`); None: a one-off at 90%."""
     order = tier_order(tiers)
     obs = [o for o in outcomes if o.get("request_id") not in (exclude or set())]
     items = items_from_outcomes(obs, tiers)
     prev = old.metadata.get("version") or old.metadata.get("created_utc")
-    rs = boundary_rates(outcomes, order, prev, spot_check_min)
-    rd = _rates_report(rs, order)
+    z = look_z(look)
+    rs = boundary_rates(outcomes, order, prev, spot_check_min, z=z)
+    rd = {**_rates_report(rs, order), "look": look, "z": round(z, 4)}
     held = [it for it in items if is_heldout_digest(it.group or it.id, heldout_frac)]
     train = [it for it in items if not is_heldout_digest(it.group or it.id, heldout_frac)]
     y_train = np.array([it.label for it in train], dtype=np.int64)
@@ -432,7 +481,8 @@ def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], tiers:
 
 def fit_and_save(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], tiers: Tiers, out_dir: str,
                  version: str, *, floor: float = 0.98, heldout_frac: float = 0.2, min_heldout: int = 10,
-                 spot_check_min: int = 30) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+                 spot_check_min: int = 30, look: int | None = None
+                 ) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
     """:func:`fit_candidate`, then — only when the candidate is better — write it to
     ``out_dir/router-<version>.skops`` (atomic, :func:`router.persistence.save_router`). The job automatic
     retraining runs in a child process (``gateway/control/retrain_trigger.py``): only paths and plain dicts come
@@ -442,7 +492,7 @@ def fit_and_save(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], tiers: 
     job and its wall time, fit and save). Raises OSError when the file cannot be written."""
     t0 = time.perf_counter()
     new, cmp = fit_candidate(old, outcomes, tiers, floor=floor, heldout_frac=heldout_frac,
-                             min_heldout=min_heldout, version=version, spot_check_min=spot_check_min)
+                             min_heldout=min_heldout, version=version, spot_check_min=spot_check_min, look=look)
     path = None
     if new is not None and cmp.better:
         Path(out_dir).mkdir(parents=True, exist_ok=True)

@@ -44,3 +44,21 @@ def test_bench_learn_smoke(tmp_path: Path, redis_url: str, monkeypatch: pytest.M
     assert d["answered"] == 60 and d["errors"] == 0 and d["feedback"] > 10
     assert (tmp_path / "l.png").stat().st_size > 1000
     assert "bench learn" not in res.output or "ThinkGate learning" in res.output
+
+
+def test_the_png_draws_equal_reference_lines_once(tmp_path: Path) -> None:
+    """When the offline fit and length serve the same savings (most ladders: both always-top, 0%), one reference
+    line is named for both — drawn twice, the second hid the first and a reader saw no offline fit."""
+    from bench.learn import plot
+
+    def served(savings: float) -> dict[str, object]:
+        return {"accuracy_ratio": 1.0, "token_share": 1 - savings, "savings": savings, "holds_floor": True}
+
+    report = {"dataset": "frames", "ladder": "m:a,b", "feedback_rate": 0.25,
+              "steps": [{"requests": 100, "served": served(0.0)}], "offline_fit": served(0.0), "length": served(0.0)}
+    labels = plot(report, tmp_path / "same.png", {"served": served(0.03)})
+    assert [x for x in labels if "offline fit" in x or "length" in x] == \
+        ["offline fit = prompt length (calibrated): 0.0%"]
+    labels = plot({**report, "offline_fit": served(0.306)}, tmp_path / "apart.png")
+    assert sum("offline fit" in x for x in labels) == 1 and sum("prompt length" in x for x in labels) == 1
+    assert (tmp_path / "same.png").read_bytes()[:4] == b"\x89PNG"

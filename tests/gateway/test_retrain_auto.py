@@ -37,9 +37,11 @@ def _router(path: Path, informative: bool) -> Path:
     return serving_router(path, informative, _text)
 
 
-def _graded(invert_training: bool, n: int = 200) -> list[Outcome]:
+def _graded(invert_training: bool, n: int = 1400) -> list[Outcome]:
     """Feedback on cheap answers (easy right, hard wrong; inverted outside the held-back slice when asked) and on
-    top answers (all right: every cheap-wrong answer costs always-top a right one)."""
+    top answers (all right: every cheap-wrong answer costs always-top a right one). ``n`` = 1,400 puts ~280 windows
+    in the held-back slice: with no randomised arm (q = 1), at the first look (z 1.96) a perfect candidate sending
+    half of them cheap has its lost count, 0, read as 3.7 — ~190 windows are needed to hold 0.98."""
     out = []
     for i in range(n):
         hard = i % 2 == 0
@@ -114,12 +116,19 @@ def test_a_better_router_is_promoted_and_a_worse_one_is_not(upstream_sim: SimPro
             assert not list((tmp_path / "routers").glob("*.skops"))
         [h] = _history(redis_url, redis_prefix, tmp_path)
         assert h["event"] == event["event"] and h["version"] == event["version"]
+        # the deployment's first judged comparison: its bounds at look 1 (z 1.96), and the count in Redis moved on
+        assert cmp["rates"]["look"] == 1 and abs(cmp["rates"]["z"] - 1.96) < 0.01
+        rdb = redis.Redis.from_url(redis_url)
+        try:
+            assert rdb.get(redis_prefix + "router:looks") == b"1"
+        finally:
+            rdb.close()
 
 
 def test_a_promoted_router_whose_realised_floor_falls_is_rolled_back(upstream_sim: SimProcess, redis_url: str,
                                                                      redis_prefix: str, tmp_path: Path) -> None:
     old = _router(tmp_path / "serving.skops", informative=False)
-    write_outcomes(redis_url, redis_prefix, _graded(invert_training=False), tmp_path)  # 260 outcomes: one fit, at start
+    write_outcomes(redis_url, redis_prefix, _graded(invert_training=False), tmp_path)  # 1,460: one fit, at start
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(old, tmp_path, realised_min=10)) as gw:
         assert wait_for(lambda: _status(gw)["version"].startswith("auto-"), timeout_s=60)
@@ -202,7 +211,9 @@ def test_the_realised_floor_reads_the_spot_check_arm(upstream_sim: SimProcess, r
     write_outcomes(redis_url, redis_prefix, _graded(invert_training=False), tmp_path)
     spot_check_min = 10**6 if case == "nesting-on-the-same" else 30
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
-                            routing=_routing(old, tmp_path, realised_min=10, spot_check_min=spot_check_min)) as gw:
+                            # one fit, at start: the arms below (110 outcomes) judge that router, not a refit
+                            routing=_routing(old, tmp_path, realised_min=10, spot_check_min=spot_check_min,
+                                             every_outcomes=1400)) as gw:
         assert wait_for(lambda: _status(gw)["version"].startswith("auto-"), timeout_s=60)
         promoted = _status(gw)["version"]
         arms = _arms(promoted, (40, 39), (20, 10), (30, 30)) if case == "spot-check-broken" else \
@@ -238,27 +249,27 @@ def _text3(kind: str, i: int) -> str:
 
 def _graded3() -> list[Outcome]:
     """Three routed tiers none → short → long, feedback only: easy windows right on none and short (0 at both
-    boundaries), middle ones wrong on none (1 at none|short) or right on short (0 at short|long), hard ones wrong on
-    none and short (1 at both); 60 top answers, all right; and the serving router's explored arms (below)."""
+    boundaries), middle ones wrong on none and right on short (1 at none|short, 0 at short|long), hard ones wrong
+    on none and short (1 at both); 60 top answers, all right; and the serving router's explored arms (below)."""
     def fb(rid: str, tier: str, ok: bool, text: str) -> Outcome:
         return Outcome(source="feedback", request_id=rid, key_id="alice", tier=tier, sufficed=ok, judge="client",
                        window_digest=window_digest(text), text=text)
 
     out = []
-    for i in range(240):
+    for i in range(720):  # ~140 held back: enough for each boundary's 0.99 at the bound (q ≈ 0.1, p_top 0.5)
         kind = ("easy", "mid", "hard")[i % 3]
         text = _text3(kind, i)
         if kind == "easy":
             out += [fb(f"n{i}", "none", True, text), fb(f"s{i}", "short", True, text)]
-        elif kind == "mid":
-            out.append(fb(f"n{i}", "none", False, text) if i % 2 else fb(f"s{i}", "short", True, text))
+        elif kind == "mid":  # both grades: labelled at both boundaries (1 at none|short, 0 at short|long)
+            out += [fb(f"n{i}", "none", False, text), fb(f"s{i}", "short", True, text)]
         else:
             out += [fb(f"n{i}", "none", False, text), fb(f"s{i}", "short", False, text)]
     out += [fb(f"t{i}", "long", True, _text3("hard", 5000 + i)) for i in range(60)]
     # the router in service's randomised arms at both boundaries (no text: they give q, not labels): half right on
-    # each side, 120 graded answers in each arm — q ≈ 0.2 at the 90% bounds instead of the strict 1
+    # each side, 600 graded answers in each arm — q ≈ 0.1 at the 90% bounds instead of the strict 1
     for lower, upper in (("none", "short"), ("short", "long")):
-        for i in range(120):
+        for i in range(600):
             for tier, reason in ((lower, "explore"), (upper, "predicted")):
                 out.append(Outcome(source="feedback", request_id=f"{reason}-{tier}-{upper}-{i}", key_id="alice",
                                    tier=tier, sufficed=i % 2 == 0, judge="client", route_reason=reason,
@@ -276,7 +287,7 @@ def test_three_routed_tiers_promote_a_router_with_one_cut_per_boundary(upstream_
     old = load_router(path)
     old.thresholds = [0.5, 0.5]
     save_router(old, path)
-    write_outcomes(redis_url, redis_prefix, _graded3(), tmp_path)  # 460 outcomes: one fit, at start
+    write_outcomes(redis_url, redis_prefix, _graded3(), tmp_path)  # 3,600 outcomes: one fit, at start
     routing = {**_routing(path, tmp_path, spot_check=0.0, fit_in="thread"), "routed_tiers": ["none", "short", "long"]}
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, routing=routing) as gw:
         assert wait_for(lambda: (_status(gw)["learning"] or {}).get("last_event") is not None, timeout_s=60)
@@ -294,8 +305,8 @@ def test_three_routed_tiers_promote_a_router_with_one_cut_per_boundary(upstream_
         assert st["thresholds"] == promoted.thresholds
         # q from each boundary's explored arm of the router in service
         arms = [(b["source"], b["n_cheap"], b["n_top"]) for b in cmp["rates"]["boundaries"]]
-        assert arms == [("explore", 120, 120)] * 2
-        assert all(b["q"] < 0.3 for b in cmp["rates"]["boundaries"])
+        assert arms == [("explore", 600, 600)] * 2
+        assert all(b["q"] < 0.15 for b in cmp["rates"]["boundaries"])
         assert cmp["rates"]["source"] == "explore"  # the boundaries' common source ("mixed" when they differ)
         served = {}
         with httpx.Client(timeout=30) as client:

@@ -9,10 +9,11 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from gateway.ledger.outcome import Outcome, window_digest
-from router.fit.promote import explore_rates, fit_candidate, rates, spot_check_rates
+from router.fit.promote import Z90, Rates, estimate, explore_rates, fit_candidate, look_z, rates, spot_check_rates
 from router.persistence import load_router
 from tests.fixtures.outcomes import serving_router
 
@@ -105,3 +106,21 @@ def test_spot_check_rates_need_the_minimum_and_the_version() -> None:
     assert spot_check_rates(outs, None, "long", 1) is None
     r = spot_check_rates(outs, "old-noise", "long", 30)
     assert r is not None and (r.p_top, r.p_cheap, r.source) == (1.0, 0.5, "spot_check")
+
+
+def test_later_looks_need_more_evidence() -> None:
+    """The error is spent over a deployment's comparisons (``look_z``): the same slice — 400 windows, 100 sent
+    cheap, 1 of them cheap-wrong, q from arms of 200 grades — holds 0.98 at the first look and not at the 50th,
+    where a lucky slice among fifty would otherwise get a router promoted."""
+    assert look_z(None) == Z90
+    zs = [look_z(i) for i in (1, 2, 10, 50, 1000)]
+    assert zs == sorted(zs) and abs(zs[0] - 1.96) < 0.01
+    labels = np.zeros(400, dtype=np.int64)
+    labels[0] = 1
+    up = np.ones(400, dtype=bool)
+    up[:100] = False
+    arms = Rates(0.5, 0.5, 200, 200, source="explore")
+    first = estimate(up, labels, Rates(**{**arms.__dict__, "z": look_z(1)}), 0.98)
+    later = estimate(up, labels, Rates(**{**arms.__dict__, "z": look_z(50)}), 0.98)
+    assert first.holds_floor and not later.holds_floor
+    assert first.ratio_low is not None and later.ratio_low is not None and later.ratio_low < 0.98 <= first.ratio_low
