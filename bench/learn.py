@@ -41,7 +41,8 @@ JSON (``--json``), exactly::
      "offline_fit": {"accuracy_ratio", "token_share", "savings", "holds_floor"}, "length": {...}}
 
 ``outcomes`` = entries in the outcome stream at the step; ``shadow_cost_usd`` = the shadow calls' spend so far
-(``p shadow:d:*``). Run details (promotions, traffic accuracy, timings) go to stderr and ``--details``.
+(``p shadow:d:*``). Progress goes to stderr; the table and a summary of the run (promotions, traffic accuracy,
+timings) to stdout; everything, the retraining's audit events included (``history``), to ``--details``.
 """
 
 from __future__ import annotations
@@ -416,8 +417,8 @@ def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
     return Group(t, Text(f"promotions {prom}, rollbacks {rb}, fits {len(details.get('history', []))}; traffic: "
                          f"{details.get('answered')} answered ({details.get('cheap_answers')} cheap, explore "
                          f"{details['explore']:.0%}), {details.get('feedback')} graded, accuracy / top "
-                         f"{details.get('traffic_accuracy_ratio')}; start-up {details.get('startup_s')} s, wall "
-                         f"{details['wall_s']} s"))
+                         f"{float(details.get('traffic_accuracy_ratio') or 0):.3f}; start-up "
+                         f"{details.get('startup_s')} s, wall {details['wall_s']} s"))
 
 
 def plot(report: dict[str, Any], path: Path, step0: dict[str, Any] | None = None) -> list[str]:
@@ -462,9 +463,13 @@ def learn(
     ladder: str = typer.Option(..., "--ladder", help="MODEL:CHEAP,TOP (two settings, cheapest first)."),
     feedback_rate: float = typer.Option(0.25, "--feedback-rate", min=0, max=1, help="Share of answers graded."),
     steps: str = typer.Option("100,200,400,800", "--steps", help="Request counts at which to measure."),
-    json_path: Path | None = typer.Option(None, "--json", help="Write the report (module doc) as JSON here."),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="Write the report as JSON here: {dataset, ladder, feedback_rate, steps: [{requests, "
+                             "outcomes, router_version, served: {accuracy_ratio, token_share, savings, holds_floor}, "
+                             "shadow_cost_usd}], offline_fit, length}."),
     png_path: Path | None = typer.Option(None, "--png", help="Write the learning-curve PNG here."),
-    details_path: Path | None = typer.Option(None, "--details", help="Write the run details as JSON here."),
+    details_path: Path | None = typer.Option(None, "--details", help="Write the run details as JSON here "
+                                                                    "(with the retraining's audit events: history)."),
     every_outcomes: int = typer.Option(25, "--every-outcomes", min=1, help="routing.retrain.every_outcomes."),
     explore: float = typer.Option(0.5, "--explore", min=0, max=1, help="routing.retrain.explore."),
     spot_check: float = typer.Option(0.05, "--spot-check", min=0, max=1,

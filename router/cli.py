@@ -331,6 +331,7 @@ def calibrate(
         how["quality"], how["always_long_quality"] = round(quality, 4), round(float(ql.mean()), 4)
     achieved = [round(fraction_at_or_above(scores, t), 4) for t in cuts]
     how.update({"achieved_frac_at_or_above": achieved, "n": len(items), "data_files": [str(p) for p in data]})
+    was = [round(float(t), 4) for t in router.thresholds]
     router.thresholds = cuts
     meta = router.metadata
     meta["thresholds_calibration"] = how
@@ -343,8 +344,12 @@ def calibrate(
         if meta["serving"].get("guarantee"):
             meta["serving"]["guarantee"] = None  # certified at the old thresholds; these carry none
     dest = save_router(router, out or router_path)
-    typer.echo(f"thresholds {[round(t, 4) for t in cuts]} → {achieved} of {len(items)} items at/above; "
-               f"version {meta['version']}; saved {dest}")
+    shares = ", ".join(f"{a:.1%}" for a in achieved)
+    typer.echo(f"thresholds {[round(t, 4) for t in cuts]} (were {was}); share of the {len(items)} calibration "
+               f"items at or above each: {shares}")
+    typer.echo(f"{len(cuts)} threshold(s): serve with {len(cuts) + 1} routed tiers (routing.routed_tiers; a file with "
+               "fewer cuts than a ladder needs serves them at its top boundaries)")
+    typer.echo(f"version {meta['version']}; saved {dest}")
 
 
 @app.command("eval")

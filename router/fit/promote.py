@@ -440,7 +440,8 @@ def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], tiers:
     y_train = np.array([it.label for it in train], dtype=np.int64)
 
     def cmp(old_e: dict[str, Any] | None, new_e: dict[str, Any] | None, ok: bool, why: str) -> Comparison:
-        return Comparison(len(outcomes), len(items), len(train), len(held), rd, old_e, new_e, ok, why)
+        judged = rd if old_e is not None and new_e is not None else {**rd, "look": None}  # no comparison spent
+        return Comparison(len(outcomes), len(items), len(train), len(held), judged, old_e, new_e, ok, why)
 
     if len(held) < min_heldout:
         return None, cmp(None, None, False, f"{len(held)} held-back labelled windows (< {min_heldout}): too few to "

@@ -124,3 +124,14 @@ def test_later_looks_need_more_evidence() -> None:
     later = estimate(up, labels, Rates(**{**arms.__dict__, "z": look_z(50)}), 0.98)
     assert first.holds_floor and not later.holds_floor
     assert first.ratio_low is not None and later.ratio_low is not None and later.ratio_low < 0.98 <= first.ratio_low
+
+
+def test_a_comparison_not_judged_spends_no_look(tmp_path: Path) -> None:
+    """Too few held-back windows: nothing is compared, so the event carries no look (a new user read the look 1
+    of such an event as spent); a judged one carries its look and z."""
+    old = load_router(serving_router(tmp_path / "old.skops", False, _text))
+    outs = _outcomes(spot_checks=0)
+    _, few = fit_candidate(old, outs[:20], "long", version="v", look=3)
+    assert few.new is None and few.rates["look"] is None
+    _, judged = fit_candidate(old, outs, "long", version="v", look=3)
+    assert judged.new is not None and judged.rates["look"] == 3 and judged.rates["z"] == round(look_z(3), 4)
