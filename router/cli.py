@@ -393,7 +393,9 @@ def _info_summary(r: Any) -> list[str]:
     from router.policy import guarantee_sentence
 
     meta = r.metadata
-    lines = []
+    # the one name /v1/models, outcomes and retraining events use (a file may also carry a recipe's router_version)
+    lines = [f"version (as the gateway reports it): {meta.get('version') or meta.get('created_utc')}; scorer "
+             f"{r.scorer}; thresholds {[round(float(t), 6) for t in r.thresholds]}"]
     promise = guarantee_sentence(meta)
     if promise:
         lines.append(promise)

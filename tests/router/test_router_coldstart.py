@@ -79,6 +79,9 @@ def test_router_info_prints_the_cold_start_table() -> None:
     for r in cs["rows"]:
         assert r["set"] in out.output
     assert out.output.count("← learned worse than length") == len(cs["worse_than_length"])
+    # the name the gateway reports for the file (not the recipe's router_version), once, in the summary
+    meta = load_router(SHIPPED, pipeline=False).metadata
+    assert f"version (as the gateway reports it): {meta.get('version') or meta['created_utc']}" in out.output
 
 
 def test_a_fresh_gateway_says_which_default_it_serves(upstream_sim: Any, redis_url: str,
