@@ -139,7 +139,7 @@ def look_z(look: int | None, delta: float = DELTA) -> float:
     another chance to promote a router on a lucky slice, so the error ``delta`` is spent over all of them —
     ``delta_i = delta / (i (i + 1))`` (Σ = ``delta``), split between the two bounds a comparison reads (``q``'s
     rates and the lost count), each at ``1 − delta_i / 2``. Look 1: z 1.96; look 10: 3.32; look 100: 4.42. None
-    (a one-off comparison, ``thinkgate router retrain``): :data:`Z90`."""
+    (a comparison outside a deployment's sequence: a direct call): :data:`Z90`."""
     if look is None:
         return Z90
     i = max(1, int(look))
@@ -427,7 +427,7 @@ def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], tiers:
     comparison — ``better`` says whether to promote). ``exclude``: request ids whose outcomes teach no label
     (explored answers are kept: they are the cheap answers to learn from; nothing is excluded by default). The
     rates behind ``q``: :func:`boundary_rates`. ``look``: this comparison's number among the deployment's
-    automatic ones (1, 2, …; the bounds' confidence grows with it, :func:`look_z`); None: a one-off at 90%."""
+    automatic ones (1, 2, …; the bounds' confidence grows with it, :func:`look_z`); None: 90%, outside a sequence."""
     order = tier_order(tiers)
     obs = [o for o in outcomes if o.get("request_id") not in (exclude or set())]
     items = items_from_outcomes(obs, tiers)
