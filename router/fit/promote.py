@@ -26,7 +26,8 @@ that sends ``k`` label-1 windows to the cheap tier loses ``q·k`` of always-top'
     cheap_share     = share of the n windows sent to the cheap tier   (the savings tie-break)
 
 where ``k⁺ = m · wilson(k/m, m)`` bounds the lost count: ``m`` windows sent cheap, the label-1 rate among them at
-its upper 90% Wilson bound (``m`` = 0: ``k⁺`` = 0 — a policy sending nothing cheap loses nothing). A slice of tens
+its upper Wilson bound (at the comparison's ``z``, *Looks* below; ``m`` = 0: ``k⁺`` = 0 — a policy sending
+nothing cheap loses nothing). A slice of tens
 of windows with 0 or 1 of them lost proves little (with the point count, ``thinkgate bench learn`` on o3-mini
 ended 2 of 9 runs on promoted routers at 0.976 and 0.951 of always-top's accuracy on held-out questions). At
 ``q`` = 1 and ``k`` = 0 the bound is ``m·z²/(m + z²)`` (≤ ``z²`` windows).
@@ -109,7 +110,7 @@ class Rates:
     n_cheap: int
     source: str = "feedback"
     #: the one-sided normal quantile of the bounds (:data:`Z90`; a promotion's look sets it: :func:`look_z`)
-    z: float = 1.2816
+    z: float = Z90
 
     @property
     def q(self) -> float:
@@ -198,7 +199,7 @@ def spot_check_rates(outcomes: Sequence[dict[str, Any]], version: str | None, to
 class FloorEstimate:
     """A policy on labelled windows (module doc): estimated accuracy ratio (point), floor held (read at
     ``ratio_low``), cheap share, n, and ``ratio_low``: the ratio with the count of label-1 windows sent cheap at
-    its upper 90% bound (``k⁺``, module doc; None: no windows)."""
+    its upper bound (``k⁺`` at the rates' ``z``, module doc; None: no windows)."""
 
     accuracy_ratio: float
     holds_floor: bool
