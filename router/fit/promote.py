@@ -199,13 +199,13 @@ def spot_check_rates(outcomes: Sequence[dict[str, Any]], version: str | None, to
 class FloorEstimate:
     """A policy on labelled windows (module doc): estimated accuracy ratio (point), floor held (read at
     ``ratio_low``), cheap share, n, and ``ratio_low``: the ratio with the count of label-1 windows sent cheap at
-    its upper bound (``k⁺`` at the rates' ``z``, module doc; None: no windows)."""
+    its upper bound (``k⁺`` at the rates' ``z``, module doc; 1.0 on no windows)."""
 
     accuracy_ratio: float
     holds_floor: bool
     cheap_share: float
     n: int
-    ratio_low: float | None = None
+    ratio_low: float = 1.0
 
 
 def estimate(up: np.ndarray, labels: np.ndarray, r: Rates, floor: float) -> FloorEstimate:
@@ -393,7 +393,7 @@ def policy_estimate(scores: np.ndarray, items: Sequence[LabelledItem], cuts: Seq
         return per[0], per
     below_top = np.sum(scores[:, None] < np.asarray(cuts)[None, :], axis=1)  # boundaries not crossed
     ratio = 1.0 - sum(1.0 - e.accuracy_ratio for e in per)
-    low = 1.0 - sum(1.0 - (e.accuracy_ratio if e.ratio_low is None else e.ratio_low) for e in per)
+    low = 1.0 - sum(1.0 - e.ratio_low for e in per)
     cheap = float(np.mean(below_top / len(cuts))) if scores.size else 0.0
     return FloorEstimate(round(ratio, 6), all(e.holds_floor for e in per), round(cheap, 6), int(scores.size),
                          round(low, 6)), per
