@@ -379,17 +379,24 @@ def evaluate(
 
 
 @app.command("info")
-def info(router_path: Annotated[Path, typer.Argument(help="router file")] = _DEFAULT_ROUTER) -> None:
-    """Print a router file's metadata (version, features, label sources, data hash, thresholds, metrics)."""
+def info(router_path: Annotated[Path, typer.Argument(help="router file")] = _DEFAULT_ROUTER,
+         as_json: Annotated[bool, typer.Option("--json", help="print the whole metadata as JSON instead (version, "
+                                               "features, label sources, data hash, thresholds, metrics)")] = False,
+         ) -> None:
+    """Say what a router file serves: version, scorer, thresholds, its promise, policy, cold-start and evaluation
+    tables. ``--json``: the file's whole metadata (hundreds of lines on a fitted router) for scripts."""
     r = _load(router_path)
-    typer.echo(json.dumps({**r.metadata, "scorer": r.scorer, "thresholds": r.thresholds,
-                           "platt": [r.platt.a, r.platt.b]}, indent=2, sort_keys=True))
+    if as_json:
+        typer.echo(json.dumps({**r.metadata, "scorer": r.scorer, "thresholds": r.thresholds,
+                               "platt": [r.platt.a, r.platt.b]}, indent=2, sort_keys=True))
+        return
     for line in _info_summary(r):
         typer.echo(line)
+    typer.echo(f"(the whole metadata: thinkgate router info {router_path} --json)")
 
 
 def _info_summary(r: Any) -> list[str]:
-    """Plain-language lines after the JSON: what the score is, and per evaluation set how it ranks vs length."""
+    """Plain-language lines: what the score is, and per evaluation set how it ranks vs length."""
     from router.policy import guarantee_sentence
 
     meta = r.metadata

@@ -4,6 +4,7 @@ is in ``thinkgate router info``, and a fresh gateway says at start and in ``/v1/
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,10 @@ def test_router_info_prints_the_cold_start_table() -> None:
     # the name the gateway reports for the file (not the recipe's router_version), once, in the summary
     meta = load_router(SHIPPED, pipeline=False).metadata
     assert f"version (as the gateway reports it): {meta.get('version') or meta['created_utc']}" in out.output
+    # the summary comes first and alone: the whole metadata only with --json, as one JSON document
+    assert out.output.startswith("version (as the gateway reports it)") and '"cold_start"' not in out.output
+    whole = CliRunner().invoke(router_app, ["info", str(SHIPPED), "--json"])
+    assert whole.exit_code == 0 and json.loads(whole.output)["cold_start"] == cs
 
 
 def test_a_fresh_gateway_says_which_default_it_serves(upstream_sim: Any, redis_url: str,
