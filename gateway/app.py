@@ -54,7 +54,7 @@ from gateway.upstream.pool import UpstreamPool
 _heap_frozen = False
 
 
-def freeze_startup_heap() -> None:
+def freeze_startup_heap(thresholds: tuple[int, int, int] | None = None) -> None:
     """Take everything allocated up to now out of the cyclic garbage collector's scans, once per process.
 
     Serving imports its libraries and builds the app: ~90k long-lived objects (~340k while the router still
@@ -62,9 +62,11 @@ def freeze_startup_heap() -> None:
     0.2–0.3 s with the event loop stopped on an idle 2-core box, 0.7–1.8 s under CPU contention, every few
     seconds at high concurrency (bench/RESULTS.md, "ThinkGate vs LiteLLM"). Frozen objects are still freed by
     reference counting; only cycles among them are never collected, which startup state does not produce in
-    any amount that matters.
+    any amount that matters. ``thresholds``: then ``gc.set_threshold`` (``server.gc_thresholds``; None: unchanged).
     """
     global _heap_frozen
+    if thresholds is not None:
+        gc.set_threshold(*thresholds)
     if _heap_frozen:
         return
     _heap_frozen = True
@@ -164,7 +166,7 @@ def create_app(settings: Settings) -> Gateway:
         upstreams.start()  # the pools' active health checks
         if outcomes is not None:
             await outcomes.start()
-        freeze_startup_heap()
+        freeze_startup_heap(settings.server.gc_thresholds)
         # hot reload of the router file: checked every routing.reload_interval_s (mtime, size, inode)
         watcher = asyncio.create_task(routing.service.watch()) if routing.service is not None else None
         steer = asyncio.create_task(controller.run()) if controller is not None else None

@@ -31,7 +31,7 @@ from gateway.ledger.outcome import Outcome, window_digest
 from gateway.ledger.record import UsageRecord
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys, key_tenant
-from gateway.state.redis import RedisHandle, as_bytes
+from gateway.state.redis import RedisHandle, as_bytes, pack
 from gateway.state.spool import Spool
 
 log = logging.getLogger("thinkgate.outcomes")
@@ -65,6 +65,7 @@ class OutcomeStore:
                  router_version: Any = None) -> None:
         self.cfg = cfg
         self.redis = handle.client
+        self.lane = handle.lane
         self.keys = RedisKeys(handle.prefix)
         self.breaker = breaker
         self.spool: Spool[Outcome] = Spool(spool_path, decode=Outcome.from_json)
@@ -139,6 +140,16 @@ class OutcomeStore:
         ttl = self.cfg.request_ttl_s
 
         async def write() -> None:
+            if self.lane is not None:  # one server: the SETs packed in one buffer (redis-py's pipeline packs
+                # each command in Python: ~1% of the gateway's CPU at concurrency 32)
+                packed = b"".join(pack(b"SET", self.keys.request(rid, key_tenant(key_id)), data, b"EX", ttl)
+                                  for rid, key_id, data in batch)
+                replies = await self.lane.exchange(packed, len(batch))
+                if replies is not None:
+                    failed = next((r for r in replies if isinstance(r, Exception)), None)
+                    if failed is not None:
+                        raise failed
+                    return
             async with self.redis.pipeline(transaction=False) as pipe:
                 for rid, key_id, data in batch:  # each in its key's tenant slot on a Cluster (keys.py)
                     pipe.set(self.keys.request(rid, key_tenant(key_id)), data, ex=ttl)

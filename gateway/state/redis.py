@@ -107,13 +107,20 @@ class FastLane:
         try:
             if not conn.is_connected:  # connect() itself: a Sentinel connection asks the sentinels for the master
                 await conn.connect()  # (send_packed_command would connect to the default host:port instead)
-            await _send(conn, packed)
-            out: list[Any] = []
-            for _ in range(replies):
+            parser = getattr(conn, "_parser", None)
+            if getattr(conn, "_writer", None) is None or parser is None:  # another redis-py layout: its own path
+                out = await _exchange_by_client(conn, packed, replies)
+            else:
+                # One timer for the write and every reply (redis-py arms one per write and one per reply: two
+                # or more asyncio.timeout objects per call, ~4% of the gateway's CPU at concurrency 32).
                 try:
-                    out.append(await conn.read_response())
-                except ResponseError as exc:  # the reply was read whole: the connection is still in step
-                    out.append(exc)
+                    async with asyncio.timeout(conn.socket_timeout):
+                        await _send(conn, packed)
+                        out = [await parser.read_response() for _ in range(replies)]
+                except TimeoutError:
+                    raise RedisTimeoutError("Timeout reading from or writing to the socket") from None
+                except OSError as exc:
+                    raise RedisConnectionError(f"Error while reading from the socket: {exc}") from exc
             ok = True
             return out
         finally:
@@ -134,20 +141,24 @@ class FastLane:
 
 
 async def _send(conn: AbstractConnection, packed: bytes) -> None:
-    """Write ``packed`` on ``conn``, bounded by its socket timeout with ``asyncio.timeout`` (redis-py's
-    ``send_packed_command`` wraps each write in ``asyncio.wait_for``, a task per command). Errors as redis-py's."""
-    writer = getattr(conn, "_writer", None)
-    if writer is None:  # another redis-py layout: its own path
-        await conn.send_packed_command(packed, check_health=False)
-        return
-    try:
-        writer.write(packed)
-        async with asyncio.timeout(conn.socket_timeout):
-            await writer.drain()
-    except TimeoutError:
-        raise RedisTimeoutError("Timeout writing to socket") from None
-    except OSError as exc:
-        raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
+    """Write ``packed`` on ``conn`` (its ``_writer``); the caller bounds it in time. An OSError propagates."""
+    writer = conn._writer
+    assert writer is not None  # the caller checked (exchange)
+    writer.write(packed)
+    await writer.drain()
+
+
+async def _exchange_by_client(conn: AbstractConnection, packed: bytes, replies: int) -> list[Any]:
+    """:meth:`FastLane.exchange` through redis-py's own connection methods (a connection without the
+    ``_writer`` / ``_parser`` this module reads): an error reply is returned as its ``ResponseError``."""
+    await conn.send_packed_command(packed, check_health=False)
+    out: list[Any] = []
+    for _ in range(replies):
+        try:
+            out.append(await conn.read_response())
+        except ResponseError as exc:  # the reply was read whole: the connection is still in step
+            out.append(exc)
+    return out
 
 
 class FastScript:

@@ -45,6 +45,8 @@ def test_feedback_only_from_the_key_that_made_the_request(upstream_sim: SimProce
         rid, tier = r.headers["x-request-id"], r.headers["x-thinkgate-tier"]
         rdb = redis.Redis.from_url(redis_url)
         assert wait_for(lambda: rdb.exists(prefix + "req:" + rid) == 1, timeout_s=5)  # indexed in the background
+        ttl = gw.settings.routing.outcomes.request_ttl_s  # feedback is accepted for that long, then forgotten
+        assert ttl - 10 <= rdb.ttl(prefix + "req:" + rid) <= ttl
         rdb.close()
 
         def fb(who: str, body: dict[str, object]) -> httpx.Response:

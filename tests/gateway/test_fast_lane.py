@@ -1,0 +1,57 @@
+"""The request path's raw Redis exchanges (``gateway.state.redis.FastLane`` / ``FastScript``) on a PRIVATE
+redis-server: replies in order, an error reply returned (not raised) with the connection kept, a script flushed
+from the server's cache reloaded, and a paused server bounded by one ``socket_timeout_s`` for the whole exchange —
+the connection dropped, the next exchange fine once the server resumes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.config import RedisConfig
+from gateway.state.redis import FastScript, connect, pack
+from tests.fixtures.redis_stack import persistent_redis
+
+TIMEOUT_S = 0.3
+
+
+def test_lane_replies_errors_scripts_and_a_paused_server(tmp_path: Path) -> None:
+    with persistent_redis(tmp_path) as server:
+        async def run() -> None:
+            handle = connect(RedisConfig(url=server.url, socket_timeout_s=TIMEOUT_S, start_if_missing=False))
+            lane = handle.lane
+            assert lane is not None
+            try:
+                # several commands in one buffer: their replies, in order; an error reply comes back as its
+                # exception and the connection stays in step (the next reply is the next command's)
+                got = await lane.exchange(pack(b"SET", b"k", b"v") + pack(b"INCR", b"k") + pack(b"GET", b"k"), 3)
+                assert got is not None and got[0] == b"OK" and got[2] == b"v"
+                assert isinstance(got[1], ResponseError)
+                assert await lane.exchange(pack(b"PING")) == [b"PONG"] and lane._live == 1
+
+                script = FastScript(handle, "return {KEYS[1], ARGV[1]}")
+                assert await script(["a"], ["b"]) == [b"a", b"b"]
+                await handle.client.script_flush()
+                assert await script(["c"], [7]) == [b"c", b"7"]  # NOSCRIPT → SCRIPT LOAD → again
+
+                server.pause()
+                try:
+                    t0 = time.monotonic()
+                    with pytest.raises(RedisTimeoutError):
+                        await lane.exchange(pack(b"PING") + pack(b"PING"), 2)
+                    took = time.monotonic() - t0
+                    # one timer for the write and both replies, not one per step
+                    assert TIMEOUT_S * 0.9 <= took < TIMEOUT_S * 1.8, took
+                    assert lane._live == 0 and not lane._idle  # the connection of unknown state is gone
+                finally:
+                    server.resume()
+                assert await lane.exchange(pack(b"PING")) == [b"PONG"] and lane._live == 1
+            finally:
+                await handle.close()
+
+        asyncio.run(run())
