@@ -32,6 +32,21 @@ of windows with 0 or 1 of them lost proves little (with the point count, ``think
 ended 2 of 9 runs on promoted routers at 0.976 and 0.951 of always-top's accuracy on held-out questions). At
 ``q`` = 1 and ``k`` = 0 the bound is ``m·z²/(m + z²)`` (≤ ``z²`` windows).
 
+**Comparison labels.** A shadow outcome judged by comparing the two answers (``agreement``, ``normalised``, an LLM
+judge; :func:`router.fit.retrain.is_comparison`) labels 1 a *disagreement*, not a wrong cheap answer. Every window
+the top tier gets right and the cheap one wrong is a disagreement (the normalised judge said "agree" on 0.1% of such
+pairs in the traces: bench/RESULTS.md, "Shadow judges"), so a disagreement sent cheap loses always-top's answer with
+probability ``P(top right, cheap wrong) / P(disagree) = q · P(cheap wrong) / P(disagree)`` — on the traces
+0.17–0.20 where ``q`` read 0.12–0.17. A window labelled by comparisons only (:func:`compared_only`) therefore costs
+``q_compared`` (:attr:`Rates.q_compared`): under nesting ``P(top right, cheap wrong) = p_top − p_cheap``, so
+``(p_top⁺ − p_cheap⁻) / p_disagree⁻`` with the disagreement rate of the comparisons on the same arm as ``q``'s rates
+(the router's own cheap answers with spot checks, its explored answers otherwise: :func:`comparison_verdicts`) at its
+lower bound; never below ``q``, 1 while that arm has no comparisons; a window with any grade (feedback, verifier,
+escalation) costs ``q``. The lost count is then a sum of per-window losses in [0, w] (w the larger of the two),
+bounded as above after scaling by w. (Counted at ``q``, comparison labels under-read the loss by ``(1 − p_cheap) /
+p_disagree``: latent while ``q``'s bound was loose, a broken floor for a deployment whose thousands of grades
+tighten it.)
+
 **Looks.** Automatic retraining compares every ``every_outcomes`` outcomes, and each comparison is one more chance
 that a small slice or a randomised arm of thirty-odd grades reads lucky (``bench learn`` on o3-mini, at 90% per
 comparison: the explored arm read the cheap tier right on 49% and the top on 27% of the same kind of question
@@ -111,6 +126,9 @@ class Rates:
     source: str = "feedback"
     #: the one-sided normal quantile of the bounds (:data:`Z90`; a promotion's look sets it: :func:`look_z`)
     z: float = Z90
+    #: the share of answer comparisons that disagree, on the arm's cheap answers (:func:`comparison_verdicts`)
+    p_disagree: float | None = None
+    n_compared: int = 0
 
     @property
     def q(self) -> float:
@@ -124,6 +142,22 @@ class Rates:
         if cheap >= 1.0:
             return 1.0
         return float(min(1.0, max(0.0, (top - cheap) / (1.0 - cheap))))
+
+    @property
+    def q_compared(self) -> float:
+        """P(top right, cheap wrong | the two answers disagree) — the loss behind a window labelled 1 by an answer
+        comparison only (module doc, *Comparison labels*): under nesting ``(p_top − p_cheap) / p_disagree``, with
+        ``p_top`` at its upper Wilson bound and ``p_cheap``, ``p_disagree`` at their lower ones (``z``); never below
+        ``q``, at most 1; 1.0 when a rate is unknown (the strictest reading)."""
+        q = self.q
+        if self.p_disagree is None or self.p_top is None or self.p_cheap is None or q >= 1.0:
+            return 1.0
+        d = wilson(self.p_disagree, self.n_compared, upper=False, z=self.z)
+        if d <= 0.0:
+            return 1.0
+        top = wilson(self.p_top, self.n_top, upper=True, z=self.z)
+        cheap = wilson(self.p_cheap, self.n_cheap, upper=False, z=self.z)
+        return float(min(1.0, max(q, (top - cheap) / d)))
 
 
 def wilson(p: float, n: int, upper: bool, z: float = Z90) -> float:
@@ -208,22 +242,28 @@ class FloorEstimate:
     ratio_low: float = 1.0
 
 
-def estimate(up: np.ndarray, labels: np.ndarray, r: Rates, floor: float) -> FloorEstimate:
+def estimate(up: np.ndarray, labels: np.ndarray, r: Rates, floor: float,
+             compared: np.ndarray | None = None) -> FloorEstimate:
     """The served-floor estimate of a policy sending ``up`` (bool (n,)) to the top tier on windows with
-    ``labels`` (int (n,), 1 = the cheap tier was not enough)."""
+    ``labels`` (int (n,), 1 = the cheap tier was not enough). ``compared`` (bool (n,), default none): the windows
+    whose label comes from answer comparisons only — a label 1 there costs ``r.q_compared``, elsewhere ``r.q``."""
     n = int(labels.size)
     if n == 0:
         return FloorEstimate(1.0, True, 0.0, 0)
-    k = int(np.sum((labels == 1) & ~up))
+    lost = (labels == 1) & ~up
+    loss_p = np.full(n, r.q) if compared is None else np.where(compared, r.q_compared, r.q)
+    k_w = float(np.sum(loss_p[lost]))  # the expected answers lost: q per graded-wrong window sent cheap
     p_top = r.p_top if r.p_top else 1.0
-    ratio = 1.0 - r.q * k / (p_top * n)
-    # holds_floor reads k at m × the upper Wilson bound of the label-1 rate among the m windows sent cheap, not
-    # its point count: with few windows a point count of 0 or 1 let candidates through that broke the floor on new
-    # questions (bench learn, o3-mini: 2 of 9 runs at 0.976 and 0.951 of always-top). Bounding the rate among the
-    # cheap ones (not over all n) keeps a policy that sends nothing cheap at exactly no loss.
+    ratio = 1.0 - k_w / (p_top * n)
+    # holds_floor reads the lost count at m × the upper Wilson bound of its rate among the m windows sent cheap,
+    # not its point count: with few windows a point count of 0 or 1 let candidates through that broke the floor on
+    # new questions (bench learn, o3-mini: 2 of 9 runs at 0.976 and 0.951 of always-top). Bounding the rate among
+    # the cheap ones (not over all n) keeps a policy that sends nothing cheap at exactly no loss. With two loss
+    # probabilities the count is scaled by the larger one (each window's loss in [0, w]) before the bound.
     m = int(np.sum(~up))
-    k_up = m * wilson(k / m, m, upper=True, z=r.z) if m else 0.0
-    ratio_low = 1.0 - r.q * k_up / (p_top * n)
+    w = float(np.max(loss_p[~up])) if m else 0.0
+    k_up = w * m * wilson(k_w / (w * m), m, upper=True, z=r.z) if m and w > 0 else 0.0
+    ratio_low = 1.0 - k_up / (p_top * n)
     return FloorEstimate(round(ratio, 6), bool(ratio_low >= floor - 1e-12), round(float(np.mean(~up)), 6), n,
                          round(ratio_low, 6))
 
@@ -330,8 +370,28 @@ def boundary_rates(outcomes: Sequence[dict[str, Any]], order: Sequence[str], ver
         if found is None:  # no rates yet; the explored arms' counts say how far they are from the minimum
             down, up = explore_arms(outcomes, version, lower, upper)
             found = Rates(None, None, len(up), len(down), source="none")
-        out.append(replace(found, z=z))
+        verdicts = comparison_verdicts(outcomes, version, "" if len(order) == 2 else lower, upper,
+                                       PREDICTED if found.source == SPOT_CHECK else EXPLORE)
+        out.append(replace(found, z=z, p_disagree=float(np.mean([not v for v in verdicts])) if verdicts else None,
+                           n_compared=len(verdicts)))
     return out
+
+
+def comparison_verdicts(outcomes: Sequence[dict[str, Any]], version: str | None, lower: str, upper: str,
+                        reason: str) -> list[bool]:
+    """The answer comparisons (shadow outcomes judged by comparing the answers,
+    :func:`router.fit.retrain.is_comparison`; ``sufficed`` = they agree) of router ``version``'s cheap answers
+    with route reason ``reason`` on ``lower`` (``""``: any tier but ``upper``) — the arm behind ``q``'s
+    ``p_cheap``: its own cheap decisions (``predicted``) with spot checks, its explored answers (``explore``)
+    otherwise. Behind :attr:`Rates.q_compared`."""
+    from router.fit.retrain import is_comparison
+
+    if version is None:
+        return []
+    return [bool(o["sufficed"]) for o in outcomes
+            if is_comparison(o) and o.get("router_version") == version and o.get("route_reason") == reason
+            and o.get("sufficed") is not None
+            and (o.get("tier") == lower if lower else o.get("tier") not in (None, upper))]
 
 
 def labels_at(items: Sequence[LabelledItem], b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -342,9 +402,16 @@ def labels_at(items: Sequence[LabelledItem], b: int) -> tuple[np.ndarray, np.nda
             np.array([0 if x is None else int(x) for x in lab], dtype=np.int64))
 
 
+def compared_only(items: Sequence[LabelledItem]) -> np.ndarray:
+    """bool (n,): the items whose every labelled outcome is an answer comparison (``meta["compared"]`` =
+    ``meta["n"]``, :func:`router.fit.retrain.is_comparison`); items without those counts: False."""
+    return np.array([int(it.meta.get("compared", 0)) >= int(it.meta.get("n", 0)) > 0 for it in items], dtype=bool)
+
+
 def boundary_view(scores: np.ndarray, items: Sequence[LabelledItem], b: int, cut: float
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """(up bool (m,), labels int (m,)) of the windows that speak to boundary ``b`` at ``cut``: those labelled there,
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(up bool (m,), labels int (m,), compared bool (m,): :func:`compared_only`) of the windows that speak to
+    boundary ``b`` at ``cut``: those labelled there,
     and — the strict reading — those with no evidence there that the cut sends below it, as label 1. With three
     tiers a window only ever answered on ``short`` (sufficed: 0 at short|long) says nothing about ``none``; sent
     to ``none`` by a low score it would otherwise cost nothing in the estimate (a new user's trial: a candidate
@@ -352,7 +419,7 @@ def boundary_view(scores: np.ndarray, items: Sequence[LabelledItem], b: int, cut
     mask, y = labels_at(items, b)
     unknown = ~mask & (scores < cut)
     use = mask | unknown
-    return scores[use] >= cut, np.where(unknown, 1, y)[use]
+    return scores[use] >= cut, np.where(unknown, 1, y)[use], (compared_only(items) & ~unknown)[use]
 
 
 def strict_cut(scores: np.ndarray, items: Sequence[LabelledItem], b: int, r: Rates, floor: float) -> float:
@@ -360,8 +427,8 @@ def strict_cut(scores: np.ndarray, items: Sequence[LabelledItem], b: int, r: Rat
     ``floor`` on :func:`boundary_view` (0.0 = every window up when none does)."""
     cands = np.unique(np.concatenate([scores, [1.0 + 1e-9]]))
     for cut in cands[::-1]:  # from "everything cheap" down to "everything up"
-        up, y = boundary_view(scores, items, b, float(cut))
-        if estimate(up, y, r, floor).holds_floor:
+        up, y, compared = boundary_view(scores, items, b, float(cut))
+        if estimate(up, y, r, floor, compared).holds_floor:
             return float(min(1.0, cut))
     return 0.0
 
@@ -387,8 +454,8 @@ def policy_estimate(scores: np.ndarray, items: Sequence[LabelledItem], cuts: Seq
     fb = boundary_floor(floor, len(cuts) + 1)
     per = []
     for b, (cut, r) in enumerate(zip(cuts, rs, strict=True), start=1):
-        up, y = boundary_view(scores, items, b, cut)
-        per.append(estimate(up, y, r, fb))
+        up, y, compared = boundary_view(scores, items, b, cut)
+        per.append(estimate(up, y, r, fb, compared))
     if len(per) == 1:
         return per[0], per
     below_top = np.sum(scores[:, None] < np.asarray(cuts)[None, :], axis=1)  # boundaries not crossed

@@ -120,10 +120,18 @@ def _rounded_mean(labels: Sequence[int]) -> int | None:
     return int(float(np.mean(labels)) >= 0.5) if labels else None  # ties → 1: the cautious side
 
 
+def is_comparison(outcome: dict[str, Any]) -> bool:
+    """True for a shadow outcome judged by comparing the two tiers' answers (judge ``agreement``, ``normalised``
+    or ``tier:<name>``): its ``sufficed`` says the answers agree, not that the cheap one is right. A ``verifier``
+    shadow checks the cheap answer against a reference: a grade, like feedback."""
+    return outcome.get("source") == "shadow" and outcome.get("judge") != "verifier"
+
+
 def items_from_outcomes(outcomes: Iterable[dict[str, Any]], tiers: Tiers) -> list[LabelledItem]:
     """One labelled item per routing window with a text and at least one label (see the module docstring);
     ``label`` = the pooled label, ``group`` = the window digest, ``source`` = ``outcomes``; ``meta``: ``n`` (labelled
-    outcomes), ``by_source`` (their count per source) and ``by_boundary`` (k−1 labels, None = no evidence)."""
+    outcomes), ``by_source`` (their count per source), ``compared`` (how many of them are answer comparisons,
+    :func:`is_comparison`) and ``by_boundary`` (k−1 labels, None = no evidence)."""
     k = len(tier_order(tiers))
     groups: dict[str, dict[str, Any]] = {}
     for o in outcomes:
@@ -138,11 +146,13 @@ def items_from_outcomes(outcomes: Iterable[dict[str, Any]], tiers: Tiers) -> lis
                 g["b"][b].append(x)
         src = str(o.get("source"))
         g["sources"][src] = g["sources"].get(src, 0) + 1
+        g["compared"] = g.get("compared", 0) + int(is_comparison(o))
     items = []
     for digest, g in sorted(groups.items()):
         pooled = _rounded_mean([x for labels in g["b"] for x in labels])
         items.append(LabelledItem(id=digest, text=g["text"], label=int(pooled or 0), source="outcomes",
                                   group=digest, meta={"n": g["n"], "by_source": g["sources"],
+                                                      "compared": g.get("compared", 0),
                                                       "by_boundary": [_rounded_mean(x) for x in g["b"]]}))
     return items
 

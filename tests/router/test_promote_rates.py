@@ -135,3 +135,63 @@ def test_a_comparison_not_judged_spends_no_look(tmp_path: Path) -> None:
     assert few.new is None and few.rates["look"] is None
     _, judged = fit_candidate(old, outs, "long", version="v", look=3)
     assert judged.new is not None and judged.rates["look"] == 3 and judged.rates["z"] == round(look_z(3), 4)
+
+
+def _shadow(rid: str, tier: str, agree: bool, text: str, judge: str = "normalised",
+            version: str | None = "old-noise", reason: str = "predicted") -> dict[str, Any]:
+    o = Outcome(source="shadow", request_id=rid, key_id="k", tier=tier, sufficed=agree, judge=judge,
+                window_digest=window_digest(text), text=text, route_reason=reason, router_version=version)
+    return dict(orjson.loads(o.to_json()))
+
+
+def test_a_disagreement_costs_more_than_a_wrong_grade_when_disagreements_are_rarer_than_wrong_answers() -> None:
+    """Every window the top tier gets right and the cheap one wrong is a disagreement (the normalised judge said
+    "agree" on 0.1% of such pairs in the traces), so under nesting P(lost | disagree) = (p_top − p_cheap) /
+    P(disagree), where a graded-wrong window costs q = (p_top − p_cheap) / (1 − p_cheap): on the traces 0.17–0.20
+    against 0.12–0.17. Counted at q, a slice labelled by comparisons reads fewer lost answers than it loses (latent
+    while q's bound was loose)."""
+    assert Rates(0.6, 0.45, 4000, 4000, source="explore", z=1.96).q_compared == 1.0  # no comparisons: strictest
+    r = Rates(0.6, 0.45, 4000, 4000, source="explore", z=1.96, p_disagree=0.40, n_compared=6000)
+    assert r.q_compared > (0.6 - 0.45) / 0.40 > r.q  # at the bounds: p_top up, p_cheap and p_disagree down
+    agreeing = Rates(0.6, 0.45, 4000, 4000, z=1.96, p_disagree=0.9, n_compared=6000)
+    assert agreeing.q_compared == agreeing.q  # never below q
+
+    # 400 windows, 120 sent cheap with 6 labelled 1: graded labels hold the floor, comparison labels do not
+    up = np.ones(400, dtype=bool)
+    up[:120] = False
+    labels = np.zeros(400, dtype=np.int64)
+    labels[:6] = 1
+    graded = estimate(up, labels, r, 0.98)
+    assert estimate(up, labels, r, 0.98, np.zeros(400, dtype=bool)) == graded  # same reading as before
+    assert graded.holds_floor
+    compared = estimate(up, labels, r, 0.98, np.ones(400, dtype=bool))
+    assert not compared.holds_floor and compared.accuracy_ratio < graded.accuracy_ratio
+
+
+def test_the_disagreement_rate_comes_from_the_arm_behind_q(tmp_path: Path) -> None:
+    """Spot checks → the router's own cheap answers' comparisons; explored answers → the explored answers'. A
+    verifier's shadow is a grade, not a comparison; items say which of their labels are comparisons only."""
+    from router.fit.promote import boundary_rates, compared_only
+    from router.fit.retrain import items_from_outcomes
+
+    outs = _outcomes(spot_checks=30)  # old-noise: 30 spot checks, 40 own cheap answers graded
+    outs += [_shadow(f"sh{i}", "short", i % 4 == 0, _text(False, 8000 + i)) for i in range(40)]  # 30 disagree
+    outs += [_shadow(f"sv{i}", "short", False, _text(False, 8100 + i), judge="verifier") for i in range(10)]
+    outs += [_shadow(f"so{i}", "short", False, _text(False, 8200 + i), version="other") for i in range(10)]
+    outs += [_shadow(f"sx{i}", "short", False, _text(False, 9000 + i), reason="explore") for i in range(10)]
+    [r] = boundary_rates(outs, ["short", "long"], "old-noise", 30, z=1.96)
+    assert r.source == "spot_check" and (r.p_disagree, r.n_compared) == (0.75, 40)
+    explored = _explored(40) + [_shadow(f"ex{i}", "short", i % 2 == 0, _text(True, 6000 + i), reason="explore")
+                                for i in range(20)]
+    [r] = boundary_rates(explored + outs[-60:], ["short", "long"], "old-noise", 30, z=1.96)
+    assert r.source == "explore" and (r.p_disagree, r.n_compared) == (0.5 * 20 / 30 + 10 / 30, 30)
+
+    items = {it.group: it for it in items_from_outcomes(outs, "long")}
+    shadow_only = items[window_digest(_text(False, 8200))]
+    both = items[window_digest(_text(False, 8000))]  # graded by feedback and compared by the shadow
+    assert shadow_only.meta["compared"] == shadow_only.meta["n"] == 1
+    assert both.meta["compared"] == 1 and both.meta["n"] == 2
+    assert compared_only([shadow_only, both]).tolist() == [True, False]
+    old = load_router(serving_router(tmp_path / "old.skops", False, _text))
+    _, cmp = fit_candidate(old, outs, "long", version="v")
+    assert cmp.rates["p_disagree"] == 0.75 and cmp.rates["n_compared"] == 40
