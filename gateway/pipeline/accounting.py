@@ -355,10 +355,17 @@ class Accounting:
     async def cache_finish(self, ticket: Ticket, body: dict[str, Any] | None, record: UsageRecord,
                            tier: TierConfig) -> None:
         """Store ``body`` (a complete, successful answer; None = nothing to store) and release the lock; a
-        stored answer is also indexed by the semantic cache."""
+        stored answer is also indexed by the semantic cache. On one Redis server, with no semantic index to
+        write, the call is queued and sent in a batch (``ResponseCache.finish_later``) instead of awaited."""
         entry = CacheEntry(body, record.endpoint, tier.name, tier.model, record.ts) if body is not None else None
-        stored = await self.cache.finish(ticket, entry)
         probe = self._probes.pop(record.request_id, None)
+        if probe is None and self.cache.batches_finish:  # nothing waits on the result: off the request path
+            writer = self.cache.finish_later(ticket, entry)
+            if writer is not None:
+                self._pending.add(writer)  # flush() and close() wait for it
+                writer.add_done_callback(self._pending.discard)
+            return
+        stored = await self.cache.finish(ticket, entry)
         if stored and probe is not None and self.semantic is not None:
             await self.semantic.store(probe, ticket.digest, record.request_id, ticket.decision.ttl_s)
 
