@@ -400,12 +400,11 @@ def _info_summary(r: Any) -> list[str]:
     from router.policy import guarantee_sentence
 
     meta = r.metadata
+    # first: what the file serves and promises, in one sentence
+    lines = [guarantee_sentence(meta) or _no_guarantee_sentence(r, meta)]
     # the one name /v1/models, outcomes and retraining events use (a file may also carry a recipe's router_version)
-    lines = [f"version (as the gateway reports it): {meta.get('version') or meta.get('created_utc')}; scorer "
-             f"{r.scorer}; thresholds {[round(float(t), 6) for t in r.thresholds]}"]
-    promise = guarantee_sentence(meta)
-    if promise:
-        lines.append(promise)
+    lines.append(f"version (as the gateway reports it): {meta.get('version') or meta.get('created_utc')}; scorer "
+                 f"{r.scorer}; thresholds {[round(float(t), 6) for t in r.thresholds]}")
     if "policy" in meta:
         lines.append(f"policy: {meta['policy']} — {meta.get('policy_description', '')}")
         lad = meta.get("ladder", {})
@@ -425,6 +424,21 @@ def _info_summary(r: Any) -> list[str]:
         lines.append(f"{row.get('kind', 'evaluation set')}: {row['set']}: AUC {row['auc']:.3f} vs length "
                      f"{row['length_auc']:.3f} → {verdict} (n={row['n']})")
     return lines
+
+
+def _no_guarantee_sentence(r: Any, meta: dict[str, Any]) -> str:
+    """The opening sentence of a file without a Learn-then-Test guarantee: what it serves, and that it promises
+    no quality floor."""
+    from router.policy import serving
+
+    s = serving(meta) or {}
+    policy = s.get("policy") or meta.get("policy") or r.scorer
+    what = {"length": "prompt length", "router": "its learned router", "always_top": "always the top tier"}.get(
+        str(policy), str(policy))
+    cs = meta.get("cold_start")
+    origin = " (the shipped default's cold-start choice, table below)" if isinstance(cs, dict) else ""
+    return (f"Serves {what}{origin} at the thresholds below; it states no quality guarantee (no Learn-then-Test "
+            "calibration on outcomes of your models) — fit a router on your traffic for one (docs/router.md).")
 
 
 @app.command("score")

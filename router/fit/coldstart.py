@@ -186,10 +186,11 @@ def table_lines(meta: dict[str, Any]) -> list[str]:
     cs = meta.get("cold_start")
     if not isinstance(cs, dict):
         return []
-    lines = [f"cold start: serves {'the learned router' if cs['choice'] == 'learned' else 'prompt length'} — "
-             f"{cs['reason']}",
-             f"{'evaluation set':<46}{'n':>6}  {'AUC learned/length/random':<27}{'savings@95% l/len/rnd':<24}"
-             "served (acc ratio, savings) learned | length"]
+    served = "the learned router" if cs["choice"] == "learned" else "prompt length"
+    reason = str(cs["reason"]).rsplit(f": the default serves {served}", 1)[0]  # said once, at the start
+    lines = [f"cold start: serves {served} — {reason}",
+             f"{'evaluation set':<46}{'n':>6}  {'AUC learned/length/random':<27}{'savings at 95% (same)':<24}"
+             "at the file's cut: (accuracy ratio, savings) learned | length"]
 
     def f(x: Any) -> str:
         return "  —  " if x is None else f"{x:.3f}"
@@ -202,7 +203,8 @@ def table_lines(meta: dict[str, Any]) -> list[str]:
             f"{f(le['savings_95'])}/{f(ln['savings_95'])}/{f(rd['savings_95'])}     "
             f"({f(le['served']['accuracy_ratio'])}, {f(le['served']['savings'])}) | "
             f"({f(ln['served']['accuracy_ratio'])}, {f(ln['served']['savings'])}){mark}")
-    lines.append("learned scored by: " + "; ".join(sorted({r["learned_scored_by"] for r in cs.get("rows", [])})))
+    lines.append("the learned candidate's scores come from: "
+                 + "; ".join(sorted({r["learned_scored_by"] for r in cs.get("rows", [])})))
     return lines
 
 

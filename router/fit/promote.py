@@ -370,8 +370,9 @@ def boundary_rates(outcomes: Sequence[dict[str, Any]], order: Sequence[str], ver
         if found is None:  # no rates yet; the explored arms' counts say how far they are from the minimum
             down, up = explore_arms(outcomes, version, lower, upper)
             found = Rates(None, None, len(up), len(down), source="none")
-        verdicts = comparison_verdicts(outcomes, version, "" if len(order) == 2 else lower, upper,
-                                       PREDICTED if found.source == SPOT_CHECK else EXPLORE)
+        verdicts = [] if found.source == "none" else comparison_verdicts(
+            outcomes, version, "" if len(order) == 2 else lower, upper,
+            PREDICTED if found.source == SPOT_CHECK else EXPLORE)
         out.append(replace(found, z=z, p_disagree=float(np.mean([not v for v in verdicts])) if verdicts else None,
                            n_compared=len(verdicts)))
     return out
@@ -478,11 +479,11 @@ def _report(overall: FloorEstimate, per: Sequence[FloorEstimate], order: Sequenc
 
 def _rates_report(rs: Sequence[Rates], order: Sequence[str]) -> dict[str, Any]:
     if len(rs) == 1:
-        return {**asdict(rs[0]), "q": round(rs[0].q, 6)}
+        return {**asdict(rs[0]), "q": round(rs[0].q, 6), "q_compared": round(rs[0].q_compared, 6)}
     sources = {r.source for r in rs}
     return {"source": sources.pop() if len(sources) == 1 else "mixed",
-            "boundaries": [{"tiers": [order[b], order[b + 1]], **asdict(r), "q": round(r.q, 6)}
-                           for b, r in enumerate(rs)]}
+            "boundaries": [{"tiers": [order[b], order[b + 1]], **asdict(r), "q": round(r.q, 6),
+                            "q_compared": round(r.q_compared, 6)} for b, r in enumerate(rs)]}
 
 
 def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], tiers: Tiers, *, floor: float = 0.98,

@@ -195,3 +195,7 @@ def test_the_disagreement_rate_comes_from_the_arm_behind_q(tmp_path: Path) -> No
     old = load_router(serving_router(tmp_path / "old.skops", False, _text))
     _, cmp = fit_candidate(old, outs, "long", version="v")
     assert cmp.rates["p_disagree"] == 0.75 and cmp.rates["n_compared"] == 40
+    assert cmp.rates["q_compared"] >= cmp.rates["q"]  # the event says what a comparison label costs
+    # no randomised arm (too few spot checks, nothing explored): no rates, and no disagreement rate either
+    [none] = boundary_rates(_outcomes(spot_checks=29) + outs[-60:], ["short", "long"], "old-noise", 30, z=1.96)
+    assert none.source == "none" and none.p_disagree is None and none.q_compared == 1.0

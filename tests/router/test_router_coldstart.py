@@ -84,7 +84,9 @@ def test_router_info_prints_the_cold_start_table() -> None:
     meta = load_router(SHIPPED, pipeline=False).metadata
     assert f"version (as the gateway reports it): {meta.get('version') or meta['created_utc']}" in out.output
     # the summary comes first and alone: the whole metadata only with --json, as one JSON document
-    assert out.output.startswith("version (as the gateway reports it)") and '"cold_start"' not in out.output
+    first = out.output.splitlines()[0]  # one sentence: what it serves and that it promises no floor
+    assert first.startswith(f"Serves {served}") and "states no quality guarantee" in first
+    assert '"cold_start"' not in out.output
     whole = CliRunner().invoke(router_app, ["info", str(SHIPPED), "--json"])
     assert whole.exit_code == 0 and json.loads(whole.output)["cold_start"] == cs
 
