@@ -268,8 +268,9 @@ class ResponseCache:
             batch, self._queued = self._queued, []
             try:
                 await self.breaker.call(functools.partial(self._send_batch, batch))
-            except RedisDown as exc:  # the answers are not stored; the locks expire with their TTL
-                log.warning("cache: %d stores/unlocks not written (redis down: %s)", len(batch), exc)
+            except RedisDown as exc:  # the answers are not stored; the locks expire with their TTL. Debug, as
+                # finish() is silent: the breaker already logged the outage, and a batch per loop pass would flood
+                log.debug("cache: %d stores/unlocks not written (redis down: %s)", len(batch), exc)
             except Exception:
                 log.exception("cache: %d stores/unlocks failed", len(batch))
 
