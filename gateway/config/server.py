@@ -19,10 +19,14 @@ class ServerConfig(_Strict):
     #: request at concurrency 32 (bench/RESULTS.md, "CPU per request"). ``null``: Python's defaults.
     gc_thresholds: tuple[int, int, int] | None = (20000, 50, 100)
 
-    @field_validator("gc_thresholds")
+    @field_validator("gc_thresholds", mode="before")
     @classmethod
-    def _positive(cls, v: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
-        if v is not None and min(v) < 1:
-            raise ValueError("gc_thresholds: three integers >= 1 (or null for Python's defaults)")
+    def _three_positive(cls, v: object) -> object:
+        # before pydantic's own tuple check, whose message for a short list is "gc_thresholds.2: Field required"
+        ok = v is None or (isinstance(v, list | tuple) and len(v) == 3
+                           and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v))
+        if not ok:
+            raise ValueError(f"expected three integers >= 1 (generations 0, 1, 2, e.g. [20000, 50, 100]) or null for "
+                             f"Python's defaults, got {v!r}")
         return v
 

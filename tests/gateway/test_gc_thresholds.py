@@ -30,6 +30,8 @@ def test_a_started_gateway_sets_the_configured_thresholds(upstream_sim: SimProce
     assert Settings().server.gc_thresholds == (20000, 50, 100)  # the default
 
 
-def test_a_threshold_below_one_is_a_config_error() -> None:
-    with pytest.raises(ValidationError, match="gc_thresholds"):
-        Settings.model_validate({"server": {"gc_thresholds": [0, 10, 10]}})
+@pytest.mark.parametrize("bad", [[0, 10, 10], [20000, 50], [1, 2, 3, 4], "20000", [1.5, 2, 3], [True, 2, 3]])
+def test_anything_but_three_positive_integers_is_a_config_error_naming_the_field(bad: object) -> None:
+    with pytest.raises(ValidationError, match=r"gc_thresholds[\s\S]*expected three integers >= 1") as err:
+        Settings.model_validate({"server": {"gc_thresholds": bad}})
+    assert "Field required" not in str(err.value)
