@@ -16,7 +16,8 @@ class ServerConfig(_Strict):
     #: ``gc.set_threshold`` of the serving process, set once the startup heap is frozen (``gateway.app``): a
     #: request allocates a few thousand short-lived containers, and with Python's default first threshold (700)
     #: the young generation is collected several times per request. 20000/50/100 measured 3–5% less CPU per
-    #: request at concurrency 32 (bench/RESULTS.md, "CPU per request"). ``null``: Python's defaults.
+    #: request at concurrency 32 (bench/RESULTS.md, "ThinkGate vs LiteLLM", the 23:01 reading). ``null``: Python's
+    #: defaults.
     gc_thresholds: tuple[int, int, int] | None = (20000, 50, 100)
 
     @field_validator("gc_thresholds", mode="before")

@@ -31,7 +31,7 @@ from gateway.ledger.outcome import Outcome, window_digest
 from gateway.ledger.record import UsageRecord
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys, key_tenant
-from gateway.state.redis import RedisHandle, as_bytes, pack
+from gateway.state.redis import RedisHandle, as_bytes, pack, raise_error_reply
 from gateway.state.spool import Spool
 
 log = logging.getLogger("thinkgate.outcomes")
@@ -146,9 +146,7 @@ class OutcomeStore:
                                   for rid, key_id, data in batch)
                 replies = await self.lane.exchange(packed, len(batch))
                 if replies is not None:
-                    failed = next((r for r in replies if isinstance(r, Exception)), None)
-                    if failed is not None:
-                        raise failed
+                    raise_error_reply(replies)
                     return
             async with self.redis.pipeline(transaction=False) as pipe:
                 for rid, key_id, data in batch:  # each in its key's tenant slot on a Cluster (keys.py)

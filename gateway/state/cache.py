@@ -43,7 +43,7 @@ from gateway.config import CacheConfig
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.cache_policy import CacheDecision
 from gateway.state.keys import RedisKeys
-from gateway.state.redis import FastScript, RedisHandle, as_bytes
+from gateway.state.redis import FastScript, RedisHandle, as_bytes, raise_error_reply
 
 log = logging.getLogger("thinkgate.cache")
 
@@ -282,9 +282,7 @@ class ResponseCache:
             for keys, args in batch:
                 await self._finish(keys=keys, args=args)
             return
-        failed = next((r for r in replies if isinstance(r, Exception)), None)
-        if failed is not None:
-            raise failed
+        raise_error_reply(replies)
 
     @staticmethod
     def _fresh(raw: bytes | str | None, max_age_s: int | None) -> CacheEntry | None:

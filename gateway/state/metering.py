@@ -39,7 +39,7 @@ from gateway.config import MeteringConfig
 from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, counter_increments
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
-from gateway.state.redis import FastScript, RedisHandle, as_bytes, as_text
+from gateway.state.redis import FastScript, RedisHandle, as_bytes, as_text, raise_error_reply
 from gateway.state.reservations import LUA_FUNCTIONS
 from gateway.state.spool import Spool
 
@@ -221,9 +221,7 @@ class Meter:
                 await self.redis.script_load(RECORD_LUA)
                 await self.redis.script_load(AUDIT_LUA)
                 continue  # safe: events already counted are dropped by event_id
-            for r in replies:
-                if isinstance(r, Exception):
-                    raise r
+            raise_error_reply(replies)
             return replies
         raise AssertionError("unreachable")
 

@@ -79,6 +79,14 @@ def _pack_py(*args: Arg) -> bytes:
     return b"".join(parts)
 
 
+def raise_error_reply(replies: Sequence[Any]) -> None:
+    """Raise the first error among a pipeline's or a lane exchange's ``replies`` (their ``ResponseError``
+    instances, returned in place, :meth:`FastLane.exchange`); nothing when every command succeeded."""
+    for r in replies:
+        if isinstance(r, Exception):
+            raise r
+
+
 class FastLane:
     """Raw exchanges with one Redis server (standalone or the Sentinel master) on connections of their own,
     outside the client's pool: a packed buffer of one or more commands out, their replies in — no pool lock,

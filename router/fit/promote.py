@@ -135,13 +135,19 @@ class Rates:
         """P(top right | cheap wrong) under nesting (module doc), conservative: the upper Wilson bound (``z``) of
         ``p_top`` against the lower one of ``p_cheap`` (few grades → a large q → a cautious router); 1.0 when a
         rate is unknown."""
-        if self.p_top is None or self.p_cheap is None:
+        bounds = self._bounds()
+        if bounds is None or bounds[1] >= 1.0:
             return 1.0
-        top = wilson(self.p_top, self.n_top, upper=True, z=self.z)
-        cheap = wilson(self.p_cheap, self.n_cheap, upper=False, z=self.z)
-        if cheap >= 1.0:
-            return 1.0
+        top, cheap = bounds
         return float(min(1.0, max(0.0, (top - cheap) / (1.0 - cheap))))
+
+    def _bounds(self) -> tuple[float, float] | None:
+        """(``p_top`` at its upper Wilson bound, ``p_cheap`` at its lower one), at ``z``; None when a rate is
+        unknown."""
+        if self.p_top is None or self.p_cheap is None:
+            return None
+        return (wilson(self.p_top, self.n_top, upper=True, z=self.z),
+                wilson(self.p_cheap, self.n_cheap, upper=False, z=self.z))
 
     @property
     def q_compared(self) -> float:
@@ -149,14 +155,13 @@ class Rates:
         comparison only (module doc, *Comparison labels*): under nesting ``(p_top − p_cheap) / p_disagree``, with
         ``p_top`` at its upper Wilson bound and ``p_cheap``, ``p_disagree`` at their lower ones (``z``); never below
         ``q``, at most 1; 1.0 when a rate is unknown (the strictest reading)."""
-        q = self.q
-        if self.p_disagree is None or self.p_top is None or self.p_cheap is None or q >= 1.0:
+        q, bounds = self.q, self._bounds()
+        if self.p_disagree is None or bounds is None or q >= 1.0:
             return 1.0
         d = wilson(self.p_disagree, self.n_compared, upper=False, z=self.z)
         if d <= 0.0:
             return 1.0
-        top = wilson(self.p_top, self.n_top, upper=True, z=self.z)
-        cheap = wilson(self.p_cheap, self.n_cheap, upper=False, z=self.z)
+        top, cheap = bounds
         return float(min(1.0, max(q, (top - cheap) / d)))
 
 
