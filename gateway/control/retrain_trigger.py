@@ -7,8 +7,11 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    file every replica with retraining on serves; when it differs from this replica's ``RouterService.path`` the
    replica points its service there and reloads it (the hot reload of ``/admin/router/reload``, in a worker
    thread);
-2. **fits** (``fit_here``, one replica at a time: the lock ``p router:lock``): once the outcome stream
-   (``p outcomes``) has ``every_outcomes`` more entries than at the last fit (``p router:fitted_at``), reads
+2. **fits** (``fit_here``, one replica at a time: the lock ``p router:lock``, holding this trigger's token, so
+   the replica that took it can take it again after a Redis outage left it behind): once the outcome stream
+   (``p outcomes``) has ``every_outcomes`` more entries than at the last judged fit (``p router:fitted_at``,
+   written once the verdict is in — a Redis failure before then, e.g. reading the outcomes, leaves it, and the
+   next tick fits again; a fit that raises is not retried on the same outcomes), reads
    every outcome and runs :func:`router.fit.promote.fit_and_save` **in a child process** (``fit_in: process``,
    the default: one spawned worker at ``nice`` +10, started at the first fit and kept) or, with ``fit_in:
    thread``, in a worker thread: fit on the outcomes so far, compare with the router in service on the held-back
@@ -55,6 +58,7 @@ import multiprocessing
 import os
 import random
 import time
+import uuid
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -103,6 +107,7 @@ class RetrainTrigger:
         self.realised_last: dict[str, Any] | None = None  # the last realised-floor reading (status)
         self._checked_at = -1  # outcome count at the last realised-floor check
         self._pool: ProcessPoolExecutor | None = None  # the fit process (fit_in: process), made at the first fit
+        self._token = f"{os.getpid()}:{uuid.uuid4().hex}"  # this trigger's value of the fit lock
 
     # --- keys -------------------------------------------------------------------------------------------
     @property
@@ -218,17 +223,36 @@ class RetrainTrigger:
     async def _all_outcomes(self) -> list[dict[str, Any]]:
         return [orjson.loads(o.to_json()) for o in await self.outcomes.outcomes()]
 
+    async def _take_lock(self) -> bool:
+        """The fit lock: taken now, or already this trigger's (a Redis failure after a fit started can leave it
+        behind: the delete in :meth:`fit_once` went to a Redis that was down)."""
+        if await self.breaker.call(lambda: self.redis.set(self.k_lock, self._token, nx=True, ex=LOCK_TTL_S)):
+            return True
+        held = await self.breaker.call(lambda: self.redis.get(self.k_lock))
+        if held is None or as_bytes(held).decode() != self._token:
+            return False
+        await self.breaker.call(lambda: self.redis.expire(self.k_lock, LOCK_TTL_S))
+        return True
+
+    async def _mark_fitted(self, n_outcomes: int) -> None:
+        await self.breaker.call(lambda: self.redis.set(self.k_fitted, n_outcomes))
+
     async def fit_once(self, n_outcomes: int) -> dict[str, Any] | None:
-        """Take the lock, fit and compare in a worker thread, promote when better; the audit event (None when
-        another replica holds the lock or no router is in service)."""
-        got = await self.breaker.call(lambda: self.redis.set(self.k_lock, "1", nx=True, ex=LOCK_TTL_S))
-        if not got:
+        """Take the lock, fit and compare (in the fit process or a worker thread), promote when better; the audit
+        event (None when another replica holds the lock or no router is in service).
+
+        ``p router:fitted_at`` moves to ``n_outcomes`` once the verdict is in, before it is written: a
+        :class:`RedisDown` before then (reading the outcomes, a stalled loop's timeout, Redis dying during the
+        fit) leaves it where it was, so the next tick fits these outcomes again instead of waiting for
+        ``every_outcomes`` more; after it, the verdict is lost with Redis but not refitted. A fit that raises
+        (anything but a Redis outage) marks the outcomes fitted: it would fail on them again."""
+        if not await self._take_lock():
             return None
         self.fitting = True  # until the verdict is served and recorded (a reader of the status waits on it)
         try:
-            await self.breaker.call(lambda: self.redis.set(self.k_fitted, n_outcomes))
             old = self.service.router
             if old is None:  # said at every due fit: nothing is learnt until a router file serves
+                await self._mark_fitted(n_outcomes)
                 log.warning("retrain: %d outcomes, but no router file is in service (%s): nothing to retrain",
                             n_outcomes, self.service.error or "routing.router_path is unset")
                 return None
@@ -237,7 +261,13 @@ class RetrainTrigger:
             # this comparison's number among the deployment's judged ones (every replica's, across restarts):
             # the promotion's bounds tighten with it (router.fit.promote.look_z)
             look = int(await self.breaker.call(lambda: self.redis.get(self.k_looks)) or 0) + 1
-            path, cmp, fit = await self._fit(old, outcomes, version, look)
+            try:
+                path, cmp, fit = await self._fit(old, outcomes, version, look)
+            except Exception:
+                with contextlib.suppress(RedisDown):
+                    await self._mark_fitted(n_outcomes)
+                raise
+            await self._mark_fitted(n_outcomes)
             if cmp.get("old") is not None and cmp.get("new") is not None:  # judged: a look spent
                 await self.breaker.call(lambda: self.redis.incr(self.k_looks))
             self.fits += 1

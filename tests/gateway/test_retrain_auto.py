@@ -5,6 +5,7 @@ one is kept out; a promoted router whose realised floor falls is rolled back to 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 from pathlib import Path
@@ -20,6 +21,7 @@ from gateway.cli.main import app
 from gateway.ledger.outcome import Outcome, window_digest
 from router.fit.retrain import is_heldout_digest
 from router.persistence import load_router, save_router
+from tests.fixtures.crash_process import DurableRedis
 from tests.fixtures.gateway import SECRETS, accounting_gateway
 from tests.fixtures.outcomes import serving_router, write_outcomes
 from tests.fixtures.upstream import SimProcess, wait_for
@@ -125,13 +127,52 @@ def test_a_better_router_is_promoted_and_a_worse_one_is_not(upstream_sim: SimPro
             rdb.close()
 
 
+def _status_or_none(gw: Any) -> dict[str, Any] | None:
+    try:
+        return _status(gw)
+    except (httpx.HTTPError, KeyError, ValueError):  # Redis down: /v1/models may answer an error
+        return None
+
+
+def test_redis_dying_during_a_fit_does_not_skip_it(upstream_sim: SimProcess, tmp_path: Path) -> None:
+    """Redis is killed while the fit runs in its child process, and comes back with its data: the gateway fits the
+    same outcomes again and promotes. Marking ``router:fitted_at`` and leaving the lock before the verdict (as it
+    was) made an outage mid-fit cost the fit: no refit until ``every_outcomes`` more outcomes, and the lock blocked
+    every replica for ten minutes."""
+    server = DurableRedis(tmp_path / "redis").start()
+    prefix = "tgtest:fit-outage:"
+    try:
+        old = _router(tmp_path / "serving.skops", informative=False)
+        write_outcomes(server.url, prefix, _graded(invert_training=False), tmp_path)  # 1,460: one fit due
+        before = {p.pid for p in multiprocessing.active_children()}
+        with accounting_gateway(upstream_sim.base_url, server.url, tmp_path, prefix=prefix,
+                                routing=_routing(old, tmp_path, every_outcomes=1400)) as gw:
+            # the fit process is spawned once the outcomes are read: the verdict will meet a dead Redis
+            assert wait_for(lambda: {p.pid for p in multiprocessing.active_children()} - before, timeout_s=60)
+            server.kill()
+            assert wait_for(lambda: (_status_or_none(gw) or {}).get("learning", {}).get("fitting") is False,
+                            timeout_s=60)
+            assert _status(gw)["version"] == "old-noise"
+            server.start()  # same port, same data (append-only file)
+            assert wait_for(lambda: str((_status_or_none(gw) or {}).get("version")).startswith("auto-"),
+                            timeout_s=60)
+            assert [e["event"] for e in _history(server.url, prefix, tmp_path)] == ["promote"]
+        rdb = redis.Redis.from_url(server.url)
+        try:
+            assert rdb.get(prefix + "router:fitted_at") == b"1460" and rdb.get(prefix + "router:lock") is None
+        finally:
+            rdb.close()
+    finally:
+        server.kill()
+
+
 def test_a_promoted_router_whose_realised_floor_falls_is_rolled_back(upstream_sim: SimProcess, redis_url: str,
                                                                      redis_prefix: str, tmp_path: Path) -> None:
     old = _router(tmp_path / "serving.skops", informative=False)
     write_outcomes(redis_url, redis_prefix, _graded(invert_training=False), tmp_path)  # 1,460: one fit, at start
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(old, tmp_path, realised_min=10)) as gw:
-        assert wait_for(lambda: _status(gw)["version"].startswith("auto-"), timeout_s=60)
+        assert wait_for(lambda: _status(gw)["version"].startswith("auto-"), timeout_s=60), _status(gw)["learning"]
         promoted = _status(gw)["version"]
         # the promoted router's own cheap answers come back graded wrong (and its top answers right)
         bad = [Outcome(source="feedback", request_id=f"p{i}", key_id="alice", tier="short" if i % 4 else "long",
@@ -214,7 +255,7 @@ def test_the_realised_floor_reads_the_spot_check_arm(upstream_sim: SimProcess, r
                             # one fit, at start: the arms below (110 outcomes) judge that router, not a refit
                             routing=_routing(old, tmp_path, realised_min=10, spot_check_min=spot_check_min,
                                              every_outcomes=1400)) as gw:
-        assert wait_for(lambda: _status(gw)["version"].startswith("auto-"), timeout_s=60)
+        assert wait_for(lambda: _status(gw)["version"].startswith("auto-"), timeout_s=60), _status(gw)["learning"]
         promoted = _status(gw)["version"]
         arms = _arms(promoted, (40, 39), (20, 10), (30, 30)) if case == "spot-check-broken" else \
             _arms(promoted, (40, 32), (20, 10), (30, 22), explored=(20, 0))
