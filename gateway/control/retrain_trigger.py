@@ -193,9 +193,16 @@ class RetrainTrigger:
         if n >= fitted + self.cfg.every_outcomes:
             await self.fit_once(n)
         # the realised floor reads the stream: only once enough new outcomes (a third of realised_min) are in
+        # (marked once read: a Redis failure mid-check leaves it due at the next tick)
         if n >= self._checked_at + max(1, self.cfg.realised_min // 3):
+            try:
+                await self.check_realised()
+            except RedisDown:
+                raise
+            except Exception:
+                self._checked_at = n  # it would fail on the same outcomes again
+                raise
             self._checked_at = n
-            await self.check_realised()
 
     async def follow(self) -> bool:
         """Serve the file ``p router:current`` names when it is not the one in service; True when switched."""
