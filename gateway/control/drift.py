@@ -195,12 +195,12 @@ class DriftMonitor:
         memo = (alert.router_version, alert.day, alert.kind)
         if memo in self._alerted or self.alerts is None:
             return
-        self._alerted.add(memo)
         mark = self.keys.alert(f"drift:{alert.kind}:{alert.router_version}", alert.day, f"{alert.threshold:g}")
         try:
-            first = await self.breaker.call(lambda: self.redis.set(mark, b"1", nx=True, ex=2 * 86400))
-        except RedisDown:
+            first = await self.alerts.claim(mark, 2 * 86400)
+        except RedisDown:  # not decided: the next update tries again
             return
+        self._alerted.add(memo)
         if first:
             await self.alerts.fire(alert)
 

@@ -3,23 +3,28 @@ crosses a configured fraction of its daily or monthly budget.
 
 Each (level, period, fraction) fires **once per period** across all replicas: the first writer of
 ``alert:{key id | tag:k=v | global}:{day|month id}:{fraction}`` (``SET NX`` with a TTL past the period's
-end) fires; everyone else sees the key and stays quiet. Firing = one structured log record on the
-``thinkgate.alerts`` logger (``extra={"alert": {...}}``, message = the JSON), an entry in the capped Redis list
-``alerts:log`` (the dashboard's "alerts raised"; newest first, :data:`LOG_MAX` kept) and, when
-``limits.alert_webhook_url`` is set, delivery to that webhook (:mod:`gateway.state.webhooks`: a
-Slack-compatible JSON body — ``text`` plus the alert's fields —, up to ``limits.alert_webhook_attempts``
-attempts with exponential backoff from ``limits.alert_webhook_backoff_s``, each with timeout
-``limits.alert_webhook_timeout_s``; an alert that could not be delivered is appended to the dead-letter log
-``limits.alert_dead_letter_path``, JSON Lines). Alerts are checked after each metering write, from the spend
-it returns (every level's, in the same reply); while Redis is down they are skipped (the next write after
-recovery catches up).
+end, the value this process's token) fires; everyone else sees the key and stays quiet. A ``SET`` whose reply
+was lost (a timeout: Redis may have applied it) is tried again at the next check, which then finds its own token
+and fires — the alert is not lost to the mark that claimed it (:meth:`Alerts.claim`).
+
+Firing = one structured log record on the ``thinkgate.alerts`` logger (``extra={"alert": {...}}``, message = the
+JSON), an entry in the capped Redis list ``alerts:log`` (the dashboard's "alerts raised"; newest first,
+:data:`LOG_MAX` kept) and, when ``limits.alert_webhook_url`` is set, delivery to that webhook
+(:mod:`gateway.state.webhooks`: a Slack-compatible JSON body — ``text`` plus the alert's fields —, up to
+``limits.alert_webhook_attempts`` attempts with exponential backoff from ``limits.alert_webhook_backoff_s``, each
+with timeout ``limits.alert_webhook_timeout_s``; an alert that could not be delivered is appended to the dead-letter
+log ``limits.alert_dead_letter_path``, JSON Lines). Alerts are checked after each metering write, from the spend it
+returns (every level's, in the same reply); while Redis is down they are skipped (the next write after recovery
+catches up).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -84,6 +89,7 @@ class Alerts:
         self.cfg = cfg
         self.http = http
         self._memo: set[tuple[str, str, float]] = set()  # already fired or seen as fired: skip Redis
+        self._token = f"{os.getpid()}:{uuid.uuid4().hex}".encode()  # the value of the marks this process sets
         self.fired: list[Any] = []  # fired by this process (for tests and /metrics)
 
     async def check(self, lim: KeyLimits, tags: dict[str, str], day: str, spent_day: int,
@@ -113,7 +119,7 @@ class Alerts:
                     continue
                 mark = self.keys.alert(mark_id, period_id, f"{fraction:g}")
                 try:
-                    first = await self.breaker.call(functools.partial(self.redis.set, mark, b"1", nx=True, ex=ttl))
+                    first = await self.claim(mark, ttl)
                 except RedisDown:
                     return fired
                 if len(self._memo) >= LOCAL_MEMO_MAX:
@@ -126,6 +132,15 @@ class Alerts:
                     await self._fire(alert)
                     fired.append(alert)
         return fired
+
+    async def claim(self, mark: str, ttl_s: int) -> bool:
+        """Whether this process fires the alert of ``mark``: True when its ``SET NX`` (value: this process's
+        token, expiry ``ttl_s`` seconds) wrote the mark — now, or at an earlier call whose reply was lost. Raises
+        :class:`RedisDown` (then nobody knows yet: call again at the next check)."""
+        if await self.breaker.call(functools.partial(self.redis.set, mark, self._token, nx=True, ex=ttl_s)):
+            return True
+        held = await self.breaker.call(functools.partial(self.redis.get, mark))
+        return held == self._token
 
     async def recent(self, n: int = 50) -> list[dict[str, Any]]:
         """The ``n`` latest alerts fired by any replica (newest first), with ``fired_at`` (epoch s).

@@ -4,6 +4,7 @@ leaves the alert in the dead-letter log (JSON Lines) — real Redis, real HTTP, 
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import threading
@@ -13,11 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from gateway.config import LimitsConfig
 from gateway.state.alerts import Alerts
+from gateway.state.keys import RedisKeys
 from gateway.state.limits import KeyLimits
-from tests.fixtures.redis_stack import stack
+from tests.fixtures.redis_stack import PersistentRedis, stack
 
 
 class Receiver:
@@ -121,3 +124,35 @@ def test_redacted_webhook_url_shows_no_secret() -> None:
         assert shown.startswith(url.split("://")[0] + "://") and shown.endswith("/…")
     assert redacted("http://127.0.0.1:9000") == "http://127.0.0.1:9000"
     assert redacted("https://alerts.example.com:8443/x") == "https://alerts.example.com:8443/…"
+
+
+async def test_an_alert_whose_mark_reply_was_lost_still_fires(tmp_path: Path) -> None:
+    """Redis stops (SIGSTOP) with the alert's ``SET NX`` in flight: the call times out, and Redis applies the SET once
+    it runs again. The mark is this process's own, so the next check fires the alert; it used to read the mark as
+    another replica's alert and stay quiet — the alert lost for the day. Another process (another token) stays
+    quiet."""
+    server = PersistentRedis(tmp_path)
+    server.start()
+    prefix = "tgtest:alert-lost-reply:"
+    cfg = LimitsConfig(alert_fractions=[0.5])
+    lim = KeyLimits("blip", budget_day_micro=1000)
+    try:
+        async with stack(server.url, prefix, tmp_path / "s", cooldown_s=0.1) as st:
+            alerts = Alerts(st.handle, st.breaker, cfg)
+            await st.handle.client.ping()  # connected before the stop
+            server.pause()
+            try:
+                assert await alerts.check(lim, {}, "2026-12-01", 600, 600) == []  # timed out: undecided
+            finally:
+                server.resume()
+            await asyncio.sleep(0.3)  # the breaker's cooldown
+            check = redis.Redis.from_url(server.url)
+            try:
+                assert check.exists(RedisKeys(prefix).alert("blip", "2026-12-01", "0.5"))  # Redis applied the SET
+            finally:
+                check.close()
+            fired = await alerts.check(lim, {}, "2026-12-01", 650, 650)
+            assert [(a.key_id, a.fraction) for a in fired] == [("blip", 0.5)]
+            assert await Alerts(st.handle, st.breaker, cfg).check(lim, {}, "2026-12-01", 700, 700) == []
+    finally:
+        server.stop()
