@@ -413,10 +413,14 @@ class WriteAhead:
             try:
                 await self.heartbeat()
                 if self._clock() >= next_pass:
-                    next_pass = self._clock() + self.cfg.reconcile_interval_s
-                    await self.reconcile()
-            except RedisDown:
-                pass
+                    due, next_pass = next_pass, self._clock() + self.cfg.reconcile_interval_s
+                    try:
+                        await self.reconcile()
+                    except RedisDown:  # a pass cut short (a timeout, a blip) is due again at the next beat,
+                        next_pass = due  # not a whole interval later: a dead replica's usage waits on it
+                        raise
+            except RedisDown as exc:
+                log.debug("write-ahead: redis down (%s)", exc)
             except Exception:
                 log.exception("write-ahead reconcile pass failed")
             with contextlib.suppress(TimeoutError):
