@@ -59,6 +59,7 @@ import os
 import random
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -108,6 +109,8 @@ class RetrainTrigger:
         self._checked_at = -1  # outcome count at the last realised-floor check
         self._pool: ProcessPoolExecutor | None = None  # the fit process (fit_in: process), made at the first fit
         self._token = f"{os.getpid()}:{uuid.uuid4().hex}"  # this trigger's value of the fit lock
+        # a verdict's Redis writes not done yet (a Redis failure cut them short): done first at the next tick
+        self._unwritten: list[Callable[[], Awaitable[Any]]] = []
 
     # --- keys -------------------------------------------------------------------------------------------
     @property
@@ -183,7 +186,9 @@ class RetrainTrigger:
                 log.exception("retrain: tick failed")
 
     async def tick(self) -> None:
-        """One round: follow, then (``fit_here``) fit when due and check the realised floor."""
+        """One round: the writes a Redis failure left undone, follow, then (``fit_here``) fit when due and check
+        the realised floor."""
+        await self._write([])
         await self.follow()
         if not self.cfg.fit_here:
             await self.read_realised()
@@ -226,6 +231,28 @@ class RetrainTrigger:
     async def _history(self, event: dict[str, Any]) -> None:
         self.last = event
         await write_history(self.handle, self.breaker, event)
+
+    async def _write(self, steps: list[Callable[[], Awaitable[Any]]]) -> None:
+        """Run a verdict's Redis writes (``steps``, after any left from before) in order. A :class:`RedisDown`
+        keeps the step that failed and those after it for the next tick, so a promotion or rollback that happened
+        is not missing from ``p router:history`` for a blip (a step whose reply was lost may run twice: an extra
+        look only tightens the next bounds)."""
+        self._unwritten += steps
+        while self._unwritten:
+            await self._unwritten[0]()
+            self._unwritten.pop(0)
+
+    async def _promote(self, mapping: dict[str, str], event: dict[str, Any]) -> None:
+        """Point ``p router:current`` at the candidate — unless it moved since the fit (a write left for a later
+        tick must not undo a newer promotion or rollback): then the event becomes a keep that says so."""
+        cur = await self.breaker.call(lambda: self.redis.hget(self.k_current, "path"))
+        if cur is not None and as_bytes(cur).decode() != mapping["previous"]:
+            event.update({"event": "keep", "version": mapping["previous_version"] or None,
+                          "path": mapping["previous"],
+                          "reason": f"superseded: router:current moved to {as_bytes(cur).decode()} while the "
+                                    "promotion waited for Redis"})
+            return
+        await self.breaker.call(lambda: self.redis.hset(self.k_current, mapping=mapping))  # type: ignore[arg-type]
 
     async def _all_outcomes(self) -> list[dict[str, Any]]:
         return [orjson.loads(o.to_json()) for o in await self.outcomes.outcomes()]
@@ -275,22 +302,23 @@ class RetrainTrigger:
                     await self._mark_fitted(n_outcomes)
                 raise
             await self._mark_fitted(n_outcomes)
-            if cmp.get("old") is not None and cmp.get("new") is not None:  # judged: a look spent
-                await self.breaker.call(lambda: self.redis.incr(self.k_looks))
             self.fits += 1
             prev_version = old.metadata.get("version") or old.metadata.get("created_utc")
             event: dict[str, Any] = {"event": "keep", "ts": round(time.time(), 3), "version": prev_version,
                                      "previous": prev_version, "path": str(self.service.path),
                                      "outcomes": n_outcomes, "comparison": cmp, "reason": cmp["reason"],
                                      "fit": {"in": self.cfg.fit_in, **fit}}
+            steps: list[Callable[[], Awaitable[Any]]] = []
+            if cmp.get("old") is not None and cmp.get("new") is not None:  # judged: a look spent
+                steps.append(lambda: self.breaker.call(lambda: self.redis.incr(self.k_looks)))
             if path is not None:
                 prev_path = str(self.service.path) if self.service.path is not None else ""
                 mapping = {"path": str(path), "version": version, "previous": prev_path,
                            "previous_version": str(prev_version or "")}
-                await self.breaker.call(lambda: self.redis.hset(self.k_current, mapping=mapping))  # type: ignore[arg-type]
-                await self.follow()
                 event.update({"event": "promote", "version": version, "path": str(path)})
-            await self._history(event)
+                steps += [functools.partial(self._promote, mapping, event), self.follow]
+            steps.append(functools.partial(self._history, event))
+            await self._write(steps)
             log.info("retrain: %s %s at %d outcomes: %s", event["event"], event["version"], n_outcomes,
                      event["reason"])
             return event
@@ -358,14 +386,14 @@ class RetrainTrigger:
         mapping = {"path": c["previous"], "version": c.get("previous_version", ""), "previous": "",
                    "previous_version": ""}
         await self.breaker.call(lambda: self.redis.hset(self.k_current, mapping=mapping))  # type: ignore[arg-type]
-        await self.breaker.call(lambda: self.redis.sadd(self.k_bad, c["version"]))
-        await self.follow()
         event = {"event": "rollback", "ts": round(time.time(), 3), "version": c.get("previous_version"),
                  "previous": c["version"], "path": c["previous"], "outcomes": len(outcomes), "realised": real,
                  "reason": f"realised floor {real['accuracy_ratio']} < {self.cfg.floor} ({real['method']} estimate) "
                            f"on {real['n']} graded answers ({real['n_cheap']} cheap, {real['n_spot_check']} "
                            f"spot-checked) of {c['version']}"}
-        await self._history(event)
+        # rolled back: the rest is written now or, after a Redis failure, at the next tick
+        await self._write([lambda: self.breaker.call(lambda: self.redis.sadd(self.k_bad, c["version"])),
+                           self.follow, functools.partial(self._history, event)])
         log.warning("retrain: rollback to %s: %s", event["version"], event["reason"])
         return event
 
