@@ -25,7 +25,9 @@ this traffic: the usage events of ``predicted`` routes, summed in ``p rt:state``
 State in Redis (``p rt:state`` hash): ``thr`` (the current top threshold), ``share`` (realized top share of
 the window), ``n``, and ``cost:{i}`` / ``cnt:{i}`` per routed tier index (micro-USD, requests). Redis down:
 the last known threshold applies, decisions wait in a bounded local buffer (the newest ``window``), and the
-first update after recovery sends them. Each replica also reads the shared state every ``interval_s`` so
+first update after recovery sends them. A batch whose reply was lost (a timeout: Redis may have applied it) is
+sent again as it was, numbered: the script applies each replica's batch number once (``p rt:seq:<replica>``),
+so its decisions and costs are not counted twice. Each replica also reads the shared state every ``interval_s`` so
 that all of them apply the same threshold.
 """
 
@@ -34,7 +36,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -46,9 +50,9 @@ from gateway.state.redis import RedisHandle, as_text
 
 log = logging.getLogger("thinkgate.routing_target")
 
-# KEYS: window list, state hash.
+# KEYS: window list, state hash, this replica's last applied batch number.
 # ARGV: window, max_step, target share ('' = none), initial threshold, min_samples, top index, gain,
-#       error window, n_costs,
+#       error window, n_costs, batch number (applied once: a resent batch only reads the state),
 #       then n_costs × (tier index, micro-USD, requests), then the decisions "score,index,t_ms".
 # Returns: {thr, share, n, first_t_ms, last_t_ms, moved(0|1), cost fields...}.
 UPDATE_LUA = """
@@ -62,13 +66,20 @@ local top = tonumber(ARGV[6])
 local gain = tonumber(ARGV[7])
 local ewin = tonumber(ARGV[8])
 local ncost = tonumber(ARGV[9])
-local a = 10
+local seq = tonumber(ARGV[10])
+local last = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
+local fresh = seq > last
+redis.call('SET', KEYS[3], tostring(math.max(seq, last)), 'EX', 86400)
+local a = 11
 for _ = 1, ncost do
-  redis.call('HINCRBY', st, 'cost:' .. ARGV[a], ARGV[a + 1])
-  redis.call('HINCRBY', st, 'cnt:' .. ARGV[a], ARGV[a + 2])
+  if fresh then
+    redis.call('HINCRBY', st, 'cost:' .. ARGV[a], ARGV[a + 1])
+    redis.call('HINCRBY', st, 'cnt:' .. ARGV[a], ARGV[a + 2])
+  end
   a = a + 3
 end
 local added = #ARGV - a + 1
+if not fresh then added = 0 end
 if added > 0 then
   for i = a, #ARGV, 200 do
     redis.call('RPUSH', win, unpack(ARGV, i, math.min(i + 199, #ARGV)))
@@ -172,7 +183,11 @@ class TargetController:
         self.initial = list(initial)
         self.redis = handle.client
         keys = RedisKeys(handle.prefix)
-        self.keys = [keys.routing_window(), keys.routing_state()]
+        # this replica's batch numbers: a resent batch is applied once (module doc)
+        self.keys = [keys.routing_window(), keys.routing_state(),
+                     keys.routing_seq(f"{os.getpid()}:{uuid.uuid4().hex[:12]}")]
+        self._seq = 0
+        self._unsent: tuple[int, list[str], dict[int, list[int]]] | None = None  # a batch whose reply was lost
         self.breaker = breaker
         self._script = self.redis.register_script(UPDATE_LUA)
         self._pending: deque[str] = deque(maxlen=self.cfg.window)
@@ -226,42 +241,41 @@ class TargetController:
 
     async def update(self) -> ControllerState:
         """Send the pending decisions and costs, move the threshold (bounded step), read the shared state.
-        Redis down: the buffer is kept (newest ``window``) and the last state stays in force."""
+        Redis down: the batch is kept, as it was, and sent first at the next update (numbered: applied once
+        however many times it is sent); decisions made meanwhile wait in the bounded buffer (newest ``window``);
+        the last state stays in force."""
         if self._busy:
             return self.state
         self._busy = True
-        entries = list(self._pending)
-        self._pending.clear()
-        costs = self._costs
-        self._costs = {}
-        target = self.target_share()
-        args: list[str | int | float] = [
-            self.cfg.window, repr(self.cfg.max_step), "" if target is None else repr(target),
-            repr(self.initial[-1] if self.initial else 0.5), self.cfg.min_samples, self.top, repr(self.cfg.gain),
-            min(self.cfg.error_window, self.cfg.window), len(costs)]
-        for i, (c, n) in costs.items():
-            args += [i, c, n]
-        args += entries
         try:
-            reply = await self.breaker.call(lambda: self._script(keys=self.keys, args=args))
-        except (RedisDown, Exception) as exc:  # keep the decisions for the next try
-            if not isinstance(exc, RedisDown):
-                log.warning("routing target update failed: %r", exc)
-            for e in reversed(entries):
-                if len(self._pending) < self.cfg.window:
-                    self._pending.appendleft(e)
-            for i, (c, n) in costs.items():
-                self._merge_cost(i, c, n)
-            return self.state
+            while True:
+                resend = self._unsent is not None
+                if self._unsent is None:
+                    self._seq += 1
+                    self._unsent = (self._seq, list(self._pending), self._costs)
+                    self._pending.clear()
+                    self._costs = {}
+                seq, entries, costs = self._unsent
+                target = self.target_share()
+                args: list[str | int | float] = [
+                    self.cfg.window, repr(self.cfg.max_step), "" if target is None else repr(target),
+                    repr(self.initial[-1] if self.initial else 0.5), self.cfg.min_samples, self.top,
+                    repr(self.cfg.gain), min(self.cfg.error_window, self.cfg.window), len(costs), seq]
+                for i, (c, n) in costs.items():
+                    args += [i, c, n]
+                args += entries
+                try:
+                    reply = await self.breaker.call(lambda a=args: self._script(keys=self.keys, args=a))  # type: ignore[misc]
+                except (RedisDown, Exception) as exc:  # keep the batch for the next try
+                    if not isinstance(exc, RedisDown):
+                        log.warning("routing target update failed: %r", exc)
+                    return self.state
+                self._unsent = None
+                self._apply([as_text(x) for x in reply], target)
+                if not resend or not self._pending:
+                    return self.state
         finally:
             self._busy = False
-        self._apply([as_text(x) for x in reply], target)
-        return self.state
-
-    def _merge_cost(self, i: int, c: int, n: int) -> None:
-        cur = self._costs.setdefault(i, [0, 0])
-        cur[0] += c
-        cur[1] += n
 
     def _apply(self, r: list[str], target: float | None) -> None:
         st = self.state

@@ -144,6 +144,10 @@ class RedisKeys:
     def routing_state(self) -> str:
         return f"{self.prefix}rt:state"
 
+    def routing_seq(self, replica: str) -> str:
+        """The last batch number of ``replica`` the cost-target controller applied (``gateway/control/target.py``)."""
+        return f"{self.prefix}rt:seq:{replica}"
+
     def cache_entry(self, digest: str, tenant: str = "") -> str:
         """An exact-cache entry; ``tenant``: the tag of the cache scope (:func:`tenant_tag`)."""
         return f"{self.tenant(tenant)}cache:{digest}"

@@ -17,6 +17,7 @@ from gateway.control.target import TargetController, share_for_spend
 from gateway.state.breaker import Breaker
 from gateway.state.redis import connect
 from tests.fixtures.gateway import SECRETS, accounting_gateway
+from tests.fixtures.redis_stack import PersistentRedis
 from tests.fixtures.upstream import SimProcess, wait_for
 
 
@@ -180,3 +181,45 @@ def test_realized_share_feedback_keeps_every_block_within_three_points(redis_url
     t = np.array(_drive(ctrl, scores)[0][500:])
     errors = [abs(t[a:a + 500].mean() - 0.35) for a in range(0, len(t), 500)]
     assert max(errors) <= 0.03, [round(e, 3) for e in errors]
+
+
+def test_a_batch_whose_reply_was_lost_is_counted_once(tmp_path: Path) -> None:
+    """Redis stops (SIGSTOP) with an update in flight: the call times out, and Redis applies the script once it runs
+    again. The controller sends the same batch again at the next update; its costs and decisions count once (they
+    used to be put back in the buffer and counted twice), and the decisions made meanwhile follow."""
+    server = PersistentRedis(tmp_path)
+    server.start()
+    prefix = "tgtest:rt-lost-reply:"
+
+    async def go() -> None:
+        cfg = RoutingConfig(router_path=None, routed_tiers=["short", "long"], thresholds=[0.5],
+                            target={"update_every": 10**6, "long_share": 0.5, "window": 100, "min_samples": 10})
+        handle = connect(RedisConfig(url=server.url, key_prefix=prefix, start_if_missing=False,
+                                     socket_timeout_s=0.25))
+        ctrl = TargetController(cfg, handle, Breaker(0.1), [0.5])
+        try:
+            ctrl.record(0.1, 0)
+            await ctrl.update()  # connected, and the script loaded (a fresh server answers NOSCRIPT to EVALSHA)
+            for i in range(20):
+                ctrl.record(i / 20, int(i >= 10))
+            ctrl.record_cost(1, 700)
+            server.pause()
+            try:
+                await ctrl.update()  # times out: Redis has the batch, the reply is lost
+            finally:
+                server.resume()
+            await asyncio.sleep(0.3)  # the breaker's cooldown
+            assert ctrl.state.n == 1 and await handle.client.llen(prefix + "rt:win") == 21  # applied, unanswered
+            for _ in range(5):
+                ctrl.record(0.9, 1)
+            ctrl.record_cost(1, 50)
+            await ctrl.update()
+            state = await handle.client.hgetall(prefix + "rt:state")
+            assert state[b"cost:1"] == b"750" and state[b"cnt:1"] == b"2", state
+            assert await handle.client.llen(prefix + "rt:win") == 26
+            assert ctrl.state.n == 26
+        finally:
+            await handle.close()
+            server.stop()
+
+    asyncio.run(go())
