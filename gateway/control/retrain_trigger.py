@@ -278,8 +278,9 @@ class RetrainTrigger:
         ``p router:fitted_at`` moves to ``n_outcomes`` once the verdict is in, before it is written: a
         :class:`RedisDown` before then (reading the outcomes, a stalled loop's timeout, Redis dying during the
         fit) leaves it where it was, so the next tick fits these outcomes again instead of waiting for
-        ``every_outcomes`` more; after it, the verdict is lost with Redis but not refitted. A fit that raises
-        (anything but a Redis outage) marks the outcomes fitted: it would fail on them again."""
+        ``every_outcomes`` more; after it, the verdict is not refitted: its writes that a Redis failure cut short
+        are done at the next tick (:meth:`_write`). A fit that raises (anything but a Redis outage) marks the
+        outcomes fitted: it would fail on them again."""
         if not await self._take_lock():
             return None
         self.fitting = True  # until the verdict is served and recorded (a reader of the status waits on it)
