@@ -135,6 +135,10 @@ class RedisKeys:
     def drift_state(self) -> str:
         return f"{self.prefix}drift:state"
 
+    def drift_seq(self, replica: str) -> str:
+        """The last batch number of ``replica`` the drift window took (``gateway/control/drift.py``)."""
+        return f"{self.prefix}drift:seq:{replica}"
+
     def drift_reference(self, version: str) -> str:
         return f"{self.prefix}drift:ref:{version}"
 

@@ -21,6 +21,7 @@ from gateway.state.alerts import Alerts
 from gateway.state.breaker import Breaker
 from gateway.state.redis import connect
 from router.fit.retrain import score_histogram
+from tests.fixtures.redis_stack import PersistentRedis
 
 
 def test_psi_and_tier_mix() -> None:
@@ -103,3 +104,40 @@ def test_usage_report_shows_drift(redis_url: str, redis_prefix: str, tmp_path: P
     assert res.exit_code == 0, res.output
     assert "score 0.310" in res.output and "ALERT" in res.output
     assert orjson.loads((tmp_path / "r.json").read_bytes())["drift"]["psi_score"] == 0.31
+
+
+def test_a_batch_whose_reply_was_lost_is_pushed_once(tmp_path: Path) -> None:
+    """Redis stops (SIGSTOP) with a window update in flight: the call times out and Redis pushes the batch once it
+    runs again. The batch is sent again as it was and not pushed twice (it used to be put back and pushed again,
+    weighing twice in the PSI window); what was recorded meanwhile goes with the next update."""
+    server = PersistentRedis(tmp_path)
+    server.start()
+    prefix = "tgtest:drift-lost-reply:"
+
+    async def go() -> None:
+        handle = connect(RedisConfig(url=server.url, key_prefix=prefix, socket_timeout_s=0.25))
+        monitor = DriftMonitor(DriftConfig(window=500, min_samples=10), handle, Breaker(0.1), None,
+                               lambda: ("v1", {"edges": [0.0, 0.5, 1.0], "counts": [50, 50], "n": 100}),
+                               lambda: [0.5], 2)
+        win = prefix + "drift:win"
+        try:
+            _feed(monitor, np.full(5, 0.2))
+            await monitor.update()  # connected, and the script loaded (a fresh server answers NOSCRIPT to EVALSHA)
+            _feed(monitor, np.full(20, 0.8))
+            server.pause()
+            try:
+                assert await monitor.update() == {}  # timed out
+            finally:
+                server.resume()
+            await asyncio.sleep(0.3)  # the breaker's cooldown
+            assert await handle.client.llen(win) == 25  # Redis pushed it; the reply was lost
+            _feed(monitor, np.full(7, 0.5))
+            await monitor.update()  # the lost batch again: not pushed twice
+            assert await handle.client.llen(win) == 25
+            state = await monitor.update()  # the 7 recorded meanwhile
+            assert await handle.client.llen(win) == 32 and state["n"] == 32
+        finally:
+            await handle.close()
+            server.stop()
+
+    asyncio.run(go())
