@@ -217,6 +217,8 @@ class DriftMonitor:
             first = await self.alerts.claim(mark, 2 * 86400)
         except RedisDown:  # not decided: the next update tries again
             return
+        if first is None:  # another task of this process is deciding it
+            return
         self._alerted.add(memo)
         if first:
             await self.alerts.fire(alert)

@@ -20,6 +20,7 @@ catches up).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -90,6 +91,7 @@ class Alerts:
         self.http = http
         self._memo: set[tuple[str, str, float]] = set()  # already fired or seen as fired: skip Redis
         self._token = f"{os.getpid()}:{uuid.uuid4().hex}".encode()  # the value of the marks this process sets
+        self._deciding: set[str] = set()  # marks a task of this process is claiming now
         self.fired: list[Any] = []  # fired by this process (for tests and /metrics)
 
     async def check(self, lim: KeyLimits, tags: dict[str, str], day: str, spent_day: int,
@@ -122,6 +124,8 @@ class Alerts:
                     first = await self.claim(mark, ttl)
                 except RedisDown:
                     return fired
+                if first is None:  # another task here is deciding it
+                    continue
                 if len(self._memo) >= LOCAL_MEMO_MAX:
                     self._memo.clear()
                 self._memo.add(memo)
@@ -133,14 +137,28 @@ class Alerts:
                     fired.append(alert)
         return fired
 
-    async def claim(self, mark: str, ttl_s: int) -> bool:
+    async def claim(self, mark: str, ttl_s: int) -> bool | None:
         """Whether this process fires the alert of ``mark``: True when its ``SET NX`` (value: this process's
-        token, expiry ``ttl_s`` seconds) wrote the mark — now, or at an earlier call whose reply was lost. Raises
-        :class:`RedisDown` (then nobody knows yet: call again at the next check)."""
-        if await self.breaker.call(functools.partial(self.redis.set, mark, self._token, nx=True, ex=ttl_s)):
-            return True
-        held = await self.breaker.call(functools.partial(self.redis.get, mark))
-        return held == self._token
+        token, expiry ``ttl_s`` seconds) wrote the mark — now, or at an earlier call whose reply was lost (the
+        mark still holds the token); False when someone else did or it has fired. Once True the mark's value
+        becomes ``fired`` (so nothing here claims it again). None: another task of this process is claiming it
+        now (not decided here: ask again at the next check). Raises :class:`RedisDown` (then nobody knows yet:
+        call again at the next check)."""
+        if mark in self._deciding:
+            return None
+        self._deciding.add(mark)
+        try:
+            ok = bool(await self.breaker.call(functools.partial(self.redis.set, mark, self._token, nx=True,
+                                                                ex=ttl_s)))
+            if not ok:
+                ok = await self.breaker.call(functools.partial(self.redis.get, mark)) == self._token
+            if ok:
+                with contextlib.suppress(RedisDown):  # else a later check may fire it again: at least once
+                    await self.breaker.call(functools.partial(self.redis.set, mark, b"fired", xx=True,
+                                                              keepttl=True))
+            return ok
+        finally:
+            self._deciding.discard(mark)
 
     async def recent(self, n: int = 50) -> list[dict[str, Any]]:
         """The ``n`` latest alerts fired by any replica (newest first), with ``fired_at`` (epoch s).

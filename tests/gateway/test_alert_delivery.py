@@ -156,3 +156,17 @@ async def test_an_alert_whose_mark_reply_was_lost_still_fires(tmp_path: Path) ->
             assert await Alerts(st.handle, st.breaker, cfg).check(lim, {}, "2026-12-01", 700, 700) == []
     finally:
         server.stop()
+
+
+async def test_one_process_claims_a_mark_once(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """Two tasks of one process claim the same mark at once (two metering writes crossing the same fraction): one
+    claims it, the other is told it is being decided; afterwards the mark reads as fired, for this process and for
+    another. (Reading one's own token back as "my earlier claim whose reply was lost" fired it twice.)"""
+    async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
+        alerts = Alerts(st.handle, st.breaker, LimitsConfig())
+        mark = RedisKeys(redis_prefix).alert("twice", "2026-12-01", "0.5")
+        got = await asyncio.gather(alerts.claim(mark, 60), alerts.claim(mark, 60))
+        assert sorted(got, key=str) == sorted([True, None], key=str), got
+        assert await alerts.claim(mark, 60) is False
+        assert await Alerts(st.handle, st.breaker, LimitsConfig()).claim(mark, 60) is False
+        assert await st.handle.client.get(mark) == b"fired"
