@@ -27,9 +27,7 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -40,6 +38,7 @@ import orjson
 
 from gateway.config import DriftConfig
 from gateway.state.alerts import Alerts
+from gateway.state.batches import FRESH_BATCH_LUA, NumberedBatches, new_token
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import RedisHandle, as_text
@@ -104,16 +103,13 @@ class DriftAlert:
 # KEYS: the shared window list, this replica's last pushed batch number. ARGV: window size, batch number, then the
 # decisions "score,index". A batch number pushed before (a resent batch whose reply was lost) is not pushed again.
 # Returns the window.
-PUSH_LUA = """
-local seq = tonumber(ARGV[2])
-local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
-if seq > last and #ARGV > 2 then
+PUSH_LUA = FRESH_BATCH_LUA + """
+if fresh_batch(KEYS[2], tonumber(ARGV[2])) and #ARGV > 2 then
   for i = 3, #ARGV, 200 do
     redis.call('RPUSH', KEYS[1], unpack(ARGV, i, math.min(i + 199, #ARGV)))
   end
   redis.call('LTRIM', KEYS[1], -tonumber(ARGV[1]), -1)
 end
-redis.call('SET', KEYS[2], tostring(math.max(seq, last)), 'EX', 86400)
 return redis.call('LRANGE', KEYS[1], 0, -1)
 """
 
@@ -136,9 +132,7 @@ class DriftMonitor:
         self.on_update = on_update
         self._pending: deque[str] = deque(maxlen=cfg.window)
         self._push = self.redis.register_script(PUSH_LUA)
-        self._seq_key = self.keys.drift_seq(f"{os.getpid()}:{uuid.uuid4().hex[:12]}")
-        self._seq = 0
-        self._unsent: tuple[int, list[str]] | None = None  # a batch whose reply was lost: sent again as it was
+        self.batches: NumberedBatches[list[str]] = NumberedBatches(self.keys.drift_seq(new_token()))
         self.state: dict[str, Any] = {}
         self._alerted: set[tuple[str, str, str]] = set()
 
@@ -146,22 +140,23 @@ class DriftMonitor:
         """Buffer one routed decision."""
         self._pending.append(f"{score:.5f},{tier_index}")
 
+    def _take(self) -> list[str]:
+        entries = list(self._pending)
+        self._pending.clear()
+        return entries
+
     async def update(self) -> dict[str, Any]:
         """Send the pending scores, compute both PSIs on the shared window, publish; {} when Redis is down or
         the window is below ``min_samples``. A batch whose reply was lost is sent again as it was, numbered (the
         script pushes each replica's batch number once); scores recorded meanwhile go with the next update."""
-        if self._unsent is None:
-            self._seq += 1
-            self._unsent = (self._seq, list(self._pending))
-            self._pending.clear()
-        seq, entries = self._unsent
-        keys = [self.keys.drift_window(), self._seq_key]
+        seq, entries, _ = self.batches.current(self._take)
+        keys = [self.keys.drift_window(), self.batches.key]
         args: list[str | int] = [self.cfg.window, seq, *entries]
         try:
             raw = await self.breaker.call(lambda: self._push(keys=keys, args=args))
         except RedisDown:
             return {}
-        self._unsent = None
+        self.batches.sent()
         rows = [as_text(r).split(",") for r in raw]
         scores = np.array([float(r[0]) for r in rows])
         tiers = np.array([int(r[1]) for r in rows])

@@ -58,7 +58,6 @@ import multiprocessing
 import os
 import random
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -69,6 +68,7 @@ import orjson
 
 from gateway.config import RetrainConfig, Settings
 from gateway.control.outcomes import OutcomeStore
+from gateway.state.batches import new_token
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.redis import RedisHandle, as_bytes
 from router.serving import RouterService
@@ -108,7 +108,7 @@ class RetrainTrigger:
         self.realised_last: dict[str, Any] | None = None  # the last realised-floor reading (status)
         self._checked_at = -1  # outcome count at the last realised-floor check
         self._pool: ProcessPoolExecutor | None = None  # the fit process (fit_in: process), made at the first fit
-        self._token = f"{os.getpid()}:{uuid.uuid4().hex}"  # this trigger's value of the fit lock
+        self._token = new_token()  # this trigger's value of the fit lock
         # a verdict's Redis writes not done yet (a Redis failure cut them short): done first at the next tick
         self._unwritten: list[Callable[[], Awaitable[Any]]] = []
 

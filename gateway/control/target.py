@@ -36,14 +36,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from decimal import Decimal
 
 from gateway.config import RoutingConfig
+from gateway.state.batches import FRESH_BATCH_LUA, NumberedBatches, new_token
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import RedisHandle, as_text
@@ -55,7 +54,7 @@ log = logging.getLogger("thinkgate.routing_target")
 #       error window, n_costs, batch number (applied once: a resent batch only reads the state),
 #       then n_costs × (tier index, micro-USD, requests), then the decisions "score,index,t_ms".
 # Returns: {thr, share, n, first_t_ms, last_t_ms, moved(0|1), cost fields...}.
-UPDATE_LUA = """
+UPDATE_LUA = FRESH_BATCH_LUA + """
 local win, st = KEYS[1], KEYS[2]
 local size = tonumber(ARGV[1])
 local max_step = tonumber(ARGV[2])
@@ -66,10 +65,7 @@ local top = tonumber(ARGV[6])
 local gain = tonumber(ARGV[7])
 local ewin = tonumber(ARGV[8])
 local ncost = tonumber(ARGV[9])
-local seq = tonumber(ARGV[10])
-local last = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
-local fresh = seq > last
-redis.call('SET', KEYS[3], tostring(math.max(seq, last)), 'EX', 86400)
+local fresh = fresh_batch(KEYS[3], tonumber(ARGV[10]))
 local a = 11
 for _ = 1, ncost do
   if fresh then
@@ -184,10 +180,9 @@ class TargetController:
         self.redis = handle.client
         keys = RedisKeys(handle.prefix)
         # this replica's batch numbers: a resent batch is applied once (module doc)
-        self.keys = [keys.routing_window(), keys.routing_state(),
-                     keys.routing_seq(f"{os.getpid()}:{uuid.uuid4().hex[:12]}")]
-        self._seq = 0
-        self._unsent: tuple[int, list[str], dict[int, list[int]]] | None = None  # a batch whose reply was lost
+        self.batches: NumberedBatches[tuple[list[str], dict[int, list[int]]]] = NumberedBatches(
+            keys.routing_seq(new_token()))
+        self.keys = [keys.routing_window(), keys.routing_state(), self.batches.key]
         self.breaker = breaker
         self._script = self.redis.register_script(UPDATE_LUA)
         self._pending: deque[str] = deque(maxlen=self.cfg.window)
@@ -249,13 +244,7 @@ class TargetController:
         self._busy = True
         try:
             while True:
-                resend = self._unsent is not None
-                if self._unsent is None:
-                    self._seq += 1
-                    self._unsent = (self._seq, list(self._pending), self._costs)
-                    self._pending.clear()
-                    self._costs = {}
-                seq, entries, costs = self._unsent
+                seq, (entries, costs), resend = self.batches.current(self._take)
                 target = self.target_share()
                 args: list[str | int | float] = [
                     self.cfg.window, repr(self.cfg.max_step), "" if target is None else repr(target),
@@ -270,12 +259,19 @@ class TargetController:
                     if not isinstance(exc, RedisDown):
                         log.warning("routing target update failed: %r", exc)
                     return self.state
-                self._unsent = None
+                self.batches.sent()
                 self._apply([as_text(x) for x in reply], target)
                 if not resend or not self._pending:
                     return self.state
         finally:
             self._busy = False
+
+    def _take(self) -> tuple[list[str], dict[int, list[int]]]:
+        """The decisions and costs buffered since the last batch, moved out of the buffer."""
+        entries, costs = list(self._pending), self._costs
+        self._pending.clear()
+        self._costs = {}
+        return entries, costs
 
     def _apply(self, r: list[str], target: float | None) -> None:
         st = self.state

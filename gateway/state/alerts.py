@@ -23,9 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -34,6 +32,7 @@ import orjson
 
 from gateway.config import LimitsConfig
 from gateway.ledger.event import micro_to_usd
+from gateway.state.batches import new_token
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.budgets import Level
 from gateway.state.keys import RedisKeys
@@ -90,7 +89,7 @@ class Alerts:
         self.cfg = cfg
         self.http = http
         self._memo: set[tuple[str, str, float]] = set()  # already fired or seen as fired: skip Redis
-        self._token = f"{os.getpid()}:{uuid.uuid4().hex}".encode()  # the value of the marks this process sets
+        self._token = new_token().encode()  # the value of the marks this process sets
         self._deciding: set[str] = set()  # marks a task of this process is claiming now
         self.fired: list[Any] = []  # fired by this process (for tests and /metrics)
 
