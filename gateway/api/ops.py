@@ -1,5 +1,16 @@
-"""``GET /health`` (liveness, no key) and ``GET /ready`` (Redis and every tier's upstream answer; no key, tier names
-only; 503 when any does not)."""
+"""``GET /health`` (liveness, no key) and ``GET /ready`` (readiness, no key, tier names only).
+
+``/ready`` answers 503 only for what makes this process unable to serve: a tier whose upstream does not answer,
+or Redis unreachable when ``limits.on_redis_down`` is ``fail_closed`` (the operator chose refusing over serving
+unchecked: every request under a budget or rate limit is refused meanwhile). With
+``fail_open`` (the default) a Redis outage leaves the process serving — admission on local counters, usage spooled
+and replayed, keys seen in the last ``auth.key_stale_s`` still accepted — so ``/ready`` stays 200 and says
+``"status": "degraded"``. Redis is shared by every replica: failing readiness on it would take every pod out of
+the Service (or every server out of a load balancer's backend) at once and turn the fail-open the operator chose
+into a full outage (Kubernetes' advice: readiness should not fail on a dependency that all pods share).
+
+Body: ``{"status": "ready" | "degraded" | "not_ready", "redis": bool, "upstreams": {tier: bool}}``.
+"""
 
 from __future__ import annotations
 
@@ -35,9 +46,8 @@ def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool) -> None:
             _redis_ok(settings.redis, min(READY_TIMEOUT_S, settings.redis.socket_timeout_s * 4)),
             *(upstreams.ready(t, READY_TIMEOUT_S) for t in tiers),
         )
+        redis_ok = bool(checks[0])
         upstream_ok = {t.name: ok for t, ok in zip(tiers, checks[1:], strict=True)}
-        ok = checks[0] and all(upstream_ok.values())
-        return _json(
-            {"status": "ready" if ok else "not_ready", "redis": checks[0], "upstreams": upstream_ok},
-            200 if ok else 503,
-        )
+        serves = all(upstream_ok.values()) and (redis_ok or settings.limits.on_redis_down == "fail_open")
+        status = ("ready" if redis_ok else "degraded") if serves else "not_ready"
+        return _json({"status": status, "redis": redis_ok, "upstreams": upstream_ok}, 200 if serves else 503)

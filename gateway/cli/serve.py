@@ -45,7 +45,7 @@ def serve(
     """Run the gateway: Redis (started if missing), the local vLLM engine (if enabled), then the API."""
     import uvicorn
 
-    from gateway.config import missing_model
+    from gateway.config import missing_model, unpriced_tiers
     from gateway.engine.redis_server import RedisUnavailable, ensure
 
     loaded = load_settings(config, model_dir)
@@ -54,6 +54,11 @@ def serve(
     if missing is not None:  # before anything starts: a wheel install on the embedded defaults has no model
         typer.echo(f"thinkgate: {missing}", err=True)
         raise typer.Exit(2)
+    unpriced = unpriced_tiers(loaded.tiers)
+    if unpriced:  # spend budgets, cost limits and USD reports silently read $0 otherwise
+        typer.echo(f"thinkgate: warning: no prices on tier(s) {', '.join(unpriced)}: their tokens are metered at "
+                   "$0, so spend budgets and cost limits never bind on them (set tiers[].prices, USD per 1M "
+                   "tokens)", err=True)
     redis_proc, redis_url = None, loaded.redis.url
     if loaded.redis.start_if_missing:
         try:

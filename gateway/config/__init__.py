@@ -46,7 +46,15 @@ from gateway.config.routing import (
 )
 from gateway.config.server import ServerConfig
 from gateway.config.settings import Settings
-from gateway.config.tiers import LoopGuard, Prices, TierConfig, UpstreamPoolConfig, _default_tiers, prompted_hard_stop
+from gateway.config.tiers import (
+    LoopGuard,
+    Prices,
+    TierConfig,
+    UpstreamPoolConfig,
+    _default_tiers,
+    prompted_hard_stop,
+    unpriced_tiers,
+)
 
 __all__ = [
     "DEFAULT_MODEL_DIR",
@@ -82,4 +90,5 @@ __all__ = [
     "_default_tiers",
     "missing_model",
     "prompted_hard_stop",
+    "unpriced_tiers",
 ]

@@ -153,6 +153,13 @@ class TierConfig(_Strict):
         return tuple(self.base_urls) or (self.base_url,)
 
 
+def unpriced_tiers(tiers: list[TierConfig]) -> list[str]:
+    """Names of the tiers whose three prices are all zero (the default when ``prices`` is left out): their tokens
+    are metered at 0 micro-USD, so no spend budget, cost limit or USD savings figure can bind on them. ``serve``
+    warns with this list at start; an on-premise tier may be free on purpose, so it is not an error."""
+    return [t.name for t in tiers if t.prices == Prices()]
+
+
 def _default_tiers() -> list[TierConfig]:
     # Budgets follow the shipped model's measured thought lengths (docs/local-model.md, "Measured"): thinkgate-tiny
     # v2 re-checks every step, 57 thought tokens on 1 operation and up to ~300 on 6; 32 keeps 98% on 1 operation.

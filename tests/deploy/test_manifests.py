@@ -262,12 +262,17 @@ def test_the_container_serves_its_probes_and_metrics(served: tuple[str, str, dic
     assert r.status_code == 200 and r.headers["x-thinkgate-tier"] in ("short", "long")
 
 
-def test_ready_fails_when_redis_is_unreachable_so_the_pod_leaves_the_service(tmp_path: Path,
-                                                                          upstream_sim: SimProcess) -> None:
-    """The readiness probe's other side: Redis gone → 503 (the kubelet takes the pod out of the Service), while
-    /health (liveness) stays 200 so the pod is not restarted for an outage it cannot fix."""
+@pytest.mark.parametrize("on_redis_down", ["fail_open", "fail_closed"])
+def test_ready_with_redis_unreachable_says_what_the_pod_serves(tmp_path: Path, upstream_sim: SimProcess,
+                                                                on_redis_down: str) -> None:
+    """The readiness probe's other side, Redis gone. ``fail_open`` (the default): the pod still answers requests,
+    so ``/ready`` stays 200 (``degraded``) — Redis is shared by every pod, and a 503 here would take them all out
+    of the Service at once. ``fail_closed``: the pod refuses what is under a budget or limit, so ``/ready`` is
+    503. Either way
+    ``/health`` (liveness) stays 200, so the pod is not restarted for an outage it cannot fix."""
     cfg = tmp_path / "thinkgate.yaml"
     cfg.write_text(yaml.safe_dump({"engine": {"enabled": False}, "redis": {"start_if_missing": False},
+                                   "limits": {"on_redis_down": on_redis_down},
                                    "tiers": [{"name": "short", "base_url": upstream_sim.base_url},
                                              {"name": "long", "base_url": upstream_sim.base_url}]}))
     port = free_port()
@@ -288,6 +293,15 @@ def test_ready_fails_when_redis_is_unreachable_so_the_pod_leaves_the_service(tmp
                 time.sleep(0.2)
         assert health is not None and health.status_code == 200
         ready = httpx.get(base + "/ready", timeout=10)
-        assert ready.status_code == 503 and ready.json()["redis"] is False
+        chat = httpx.post(base + "/v1/chat/completions", timeout=30,
+                          json={"model": "short", "messages": [{"role": "user", "content": "two plus two"}]})
+        if on_redis_down == "fail_open":
+            assert ready.status_code == 200, ready.text
+            assert ready.json() == {"status": "degraded", "redis": False, "upstreams": {"short": True, "long": True}}
+            assert chat.status_code == 200, chat.text  # what the probe promises: the pod serves
+        else:
+            assert ready.status_code == 503 and ready.json()["status"] == "not_ready", ready.text
+            assert ready.json()["redis"] is False
+        assert httpx.get(base + "/health", timeout=5).status_code == 200
     finally:
         stop_process(proc, timeout_s=20)

@@ -88,6 +88,17 @@ def test_serve_creates_dev_key_and_answers(tmp_path: Path, upstream_sim: Any, re
         output = log.read()
         log.close()
     assert f"cat {key_file}" in output
+    # the config's tiers have no prices: every token is metered at $0, and serve says so at start
+    assert "warning: no prices on tier(s) short, long" in output
+
+
+def test_only_tiers_without_prices_are_named() -> None:
+    from gateway.config import Prices, TierConfig, unpriced_tiers
+
+    tiers = [TierConfig(name="free", base_url="http://a/v1"),
+             TierConfig(name="paid", base_url="http://b/v1", prices=Prices(output_usd_per_mtok="0.6")),
+             TierConfig(name="cached-only", base_url="http://c/v1", prices=Prices(cached_input_usd_per_mtok="0.1"))]
+    assert unpriced_tiers(tiers) == ["free"]
 
 
 def test_sigterm_stops_what_serve_started(tmp_path: Path, upstream_sim: Any) -> None:

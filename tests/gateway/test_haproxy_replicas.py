@@ -2,17 +2,21 @@
 prefix: a cached answer from one replica is a hit through another, a key budget created once holds across all
 three under a concurrent burst, a per-key rate limit is one limit for the fleet, the routing controller's
 threshold is one threshold, and stopping a replica under load leaves the others serving through HAProxy
-(health checks on ``/ready``) with a usage record for every completed request."""
+(health checks on ``/ready``) with a usage record for every completed request. A Redis outage (fail-open, the
+default) leaves every replica in HAProxy's backend, serving, and the usage of what they served meanwhile lands in
+Redis once it is back."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,6 +27,7 @@ from gateway.config import TierConfig
 from gateway.state.limits import estimate
 from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, cleanup, create_key, keys_config
 from tests.fixtures.haproxy import HAPROXY, Fleet
+from tests.fixtures.redis_stack import persistent_redis
 from tests.fixtures.upstream import SimProcess, sim_tiers
 
 pytestmark = pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install -y haproxy)")
@@ -223,3 +228,54 @@ def test_stopping_a_replica_under_load_keeps_serving_and_loses_no_usage(fleet: F
     finally:
         fleet.restart(victim)
         fleet.wait_up({0, 1, 2})
+
+
+def test_a_redis_outage_keeps_every_replica_serving_and_loses_no_usage(upstream_sim: SimProcess,
+                                                                      tmp_path: Path) -> None:
+    """Redis is shared by every replica: were ``/ready`` to fail on it, HAProxy would take all of them out at once
+    and answer 503 itself — the fail-open the operator chose turned into a full outage. With ``/ready`` 200
+    (``degraded``) while Redis is gone, every replica stays UP and answers; their usage, spooled meanwhile, is
+    replayed into Redis when it returns."""
+    (tmp_path / "redis").mkdir()
+    with persistent_redis(tmp_path / "redis") as server:
+        config = {
+            "engine": {"enabled": False},
+            "redis": {"url": server.url, "start_if_missing": False, "breaker_cooldown_s": 0.5},
+            "metering": {"replay_interval_s": 0.2},
+            "tiers": [{**t, "prices": {k: str(v) for k, v in t["prices"].items()}}
+                      for t in sim_tiers(upstream_sim.base_url)],
+            "auth": keys_config(),
+        }
+        fl = Fleet(2, tmp_path, config)
+        try:
+            def ask(i: int) -> httpx.Response:
+                return httpx.post(fl.base_url + "/chat/completions", timeout=30,
+                                  headers=headers(SECRETS["bob"], **{"cache-control": "no-store"}),
+                                  json={"model": "short", "messages": [{"role": "user", "content": f"outage {i}"}]})
+
+            assert ask(0).status_code == 200  # the key is known to both replicas' auth (config keys)
+            server.stop()
+            deadline = time.monotonic() + 3.0  # > HAProxy's fall (2 checks × 300 ms) + a /ready Redis ping
+            served: list[httpx.Response] = []
+            while time.monotonic() < deadline or len(served) < 10:
+                served.append(ask(len(served) + 1))
+                time.sleep(0.1)
+            ready = [httpx.get(url + "/ready", timeout=10) for url in fl.replicas]
+            assert [r.status_code for r in ready] == [200, 200], [r.text for r in ready]
+            assert {r.json()["status"] for r in ready} == {"degraded"}
+            assert fl.up() == {0, 1}, fl.status()
+            assert [r.status_code for r in served] == [200] * len(served), [r.text[:200] for r in served
+                                                                          if r.status_code != 200][:3]
+            assert {r.headers["x-served-by"] for r in served} == {"gw0", "gw1"}
+            server.start()  # same port, same data
+            want = {r.headers["x-request-id"] for r in served}
+            deadline = time.monotonic() + 20
+            missing = want
+            while missing and time.monotonic() < deadline:
+                time.sleep(0.2)
+                with contextlib.suppress(httpx.HTTPError):
+                    missing = want - usage_ids(fl, "bob")
+            assert not missing, f"{len(missing)} of {len(want)} requests served during the outage have no usage"
+            fl.wait_up({0, 1})
+        finally:
+            fl.stop()
