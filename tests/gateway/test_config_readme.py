@@ -9,7 +9,8 @@ import pytest
 
 from gateway.config import ConfigError, Settings
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
 
 
 def _gpu_yaml() -> str:
@@ -60,3 +61,26 @@ def test_a_configured_tier_without_an_upstream_follows_the_engine_port(tmp_path:
     s = Settings.load(path)
     assert [t.base_url for t in s.tiers] == ["http://127.0.0.1:8002/v1", "http://127.0.0.1:8002/v1",
                                              "http://gpu:9/v1", "http://a:1/v1"]
+
+
+def _doc_yaml(doc: str, after: str) -> str:
+    text = (REPO / doc).read_text()
+    match = re.search(r"```yaml\n(.*?)```", text[text.index(after):], re.S)
+    assert match, f"{doc}: no YAML block after {after!r}"
+    return match.group(1)
+
+
+@pytest.mark.parametrize(("doc", "after", "tiers"), [
+    ("docs/closed-loop.md", "## An operator's first day", ["no_think", "exd0"]),
+    ("docs/deploy.md", "## 1. One box", ["short", "long"]),
+])
+def test_the_configs_the_docs_walk_through_load_as_written(tmp_path: Path, doc: str, after: str,
+                                                          tiers: list[str]) -> None:
+    """A new user copies these into a file and runs ``thinkgate serve -c`` (the closed-loop one named a default
+    tier its tiers did not have and exited 2)."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(_doc_yaml(doc, after))
+    s = Settings.load(path)
+    assert [t.name for t in s.tiers] == tiers
+    assert not s.engine.enabled
+    assert all(t.prices.output_usd_per_mtok > 0 for t in s.tiers)  # else serve warns: metered at $0
