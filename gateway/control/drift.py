@@ -13,8 +13,14 @@ score_histogram`). A file without one (the shipped and trace routers so far) is 
 every replica compares with the same one — drift since the start of service, stated as ``reference:
 "served"`` in the state.
 
-Realized: the last ``window`` routed scores of every replica (``p drift:win``, "score,tier index"), updated
-every ``interval_s``; the result goes to ``p drift:state`` (``psi_score``, ``psi_tier``, ``n``, ``ts``,
+Realized: the last ``window`` routed scores of every replica (``p drift:win``, "score,tier index,version tag"),
+updated every ``interval_s``; only the entries of the router version in service count (the tag: 8 hex digits of
+the version's SHA-256). A promotion or a hot reload changes the scoring function, so the old router's scores in
+the window say nothing about the new one's calibration — mixing them read PSI 4–10 on unchanged traffic right
+after every promotion, a page per promotion; until ``min_samples`` entries of the new version are in, no PSI is
+computed. The tier index is the one the router chose (before exploration or spot checks move a request: those
+change the served mix by design, not the traffic). Entries without a tag (written before tags) count for any
+version; the result goes to ``p drift:state`` (``psi_score``, ``psi_tier``, ``n``, ``ts``,
 ``router_version``, ``reference``), the gauge ``thinkgate_routing_drift_psi{kind}`` and, once per router version
 and UTC day when a PSI reaches ``threshold``, an alert through the budget alerts' path (log record, the
 ``alerts:log`` list, the webhook) with ``type: "drift_alert"``.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import math
@@ -135,10 +142,20 @@ class DriftMonitor:
         self.batches: NumberedBatches[list[str]] = NumberedBatches(self.keys.drift_seq(new_token()))
         self.state: dict[str, Any] = {}
         self._alerted: set[tuple[str, str, str]] = set()
+        self._tags: dict[str, str] = {}
 
     def record(self, score: float, tier_index: int) -> None:
-        """Buffer one routed decision."""
-        self._pending.append(f"{score:.5f},{tier_index}")
+        """Buffer one routed decision: its score and the tier index the router chose, tagged with the router
+        version in service."""
+        self._pending.append(f"{score:.5f},{tier_index},{self._tag(self.router_meta()[0])}")
+
+    def _tag(self, version: str) -> str:
+        tag = self._tags.get(version)
+        if tag is None:
+            if len(self._tags) > 64:  # versions come and go with promotions: keep the memo small
+                self._tags.clear()
+            tag = self._tags[version] = hashlib.sha256(version.encode()).hexdigest()[:8]
+        return tag
 
     def _take(self) -> list[str]:
         entries = list(self._pending)
@@ -157,12 +174,13 @@ class DriftMonitor:
         except RedisDown:
             return {}
         self.batches.sent()
-        rows = [as_text(r).split(",") for r in raw]
+        version, hist = self.router_meta()
+        tag = self._tag(version)
+        rows = [r for r in (as_text(x).split(",") for x in raw) if len(r) < 3 or r[2] == tag]
         scores = np.array([float(r[0]) for r in rows])
-        tiers = np.array([int(r[1]) for r in rows])
+        tiers = np.array([int(r[1]) for r in rows], dtype=np.int64)
         if scores.size < self.cfg.min_samples:
             return {}
-        version, hist = self.router_meta()
         reference = "file"
         if not hist or "counts" not in hist:
             hist = await self._served_reference(version, scores)

@@ -96,7 +96,7 @@ class Routing:
         self._thresholds = list(self.cfg.thresholds or default_thresholds(len(self.cfg.routed_tiers)))
         #: the cost-target controller (``routing.target``; None = the calibrated thresholds apply)
         self.controller: TargetController | None = None
-        #: called with (score, routed tier index) of every routed decision (the drift alarm)
+        #: called with (score, the tier index the router chose) of every routed decision (the drift alarm)
         self.observers: list[Callable[[float, int], None]] = []
         #: routed tier index -> the index served: exploration (``routing.retrain.explore``; a changed index is
         #: served with route reason ``explore``)
@@ -276,6 +276,7 @@ class Routing:
         cuts = self.thresholds
         i = next((i for i, cut in enumerate(cuts) if score < cut), len(routed) - 1)
         reason: RouteReason = "predicted"
+        chosen = i  # the router's own choice, before exploration or a spot check moves the request
         if self.explore is not None:
             j = self.explore(i)
             if j != i:
@@ -285,7 +286,7 @@ class Routing:
         if self.controller is not None:
             self.controller.record(score, i)
         for observe in self.observers:
-            observe(score, i)
+            observe(score, chosen)
         tiers, bmap = self._auto_policy()
         return RouteDecision(self._with_budget(tiers[routed[i]], score, bmap), reason, score, window=text,
                              asked_budget=asked)

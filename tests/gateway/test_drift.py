@@ -73,6 +73,35 @@ def test_drift_alarm_fires_once_past_the_threshold(redis_url: str, redis_prefix:
     asyncio.run(go())
 
 
+def test_a_new_router_version_is_judged_on_its_own_scores(redis_url: str, redis_prefix: str) -> None:
+    """A promotion changes the scoring function: the old router's scores still in the shared window say nothing
+    about the new file's calibration. Mixed in, they read a PSI far above the threshold on unchanged traffic —
+    a drift page on every promotion (seen as psi 10.2 / 4.7 in a new user's closed-loop run)."""
+    rng = np.random.default_rng(2)
+    meta: dict[str, Any] = {"version": "v1", "hist": score_histogram(rng.beta(2, 5, 5000))}
+
+    async def go() -> None:
+        handle = connect(RedisConfig(url=redis_url, key_prefix=redis_prefix))
+        breaker = Breaker(5.0)
+        alerts = Alerts(handle, breaker, LimitsConfig())
+        m = DriftMonitor(DriftConfig(window=500, min_samples=100), handle, breaker, alerts,
+                         lambda: (meta["version"], meta["hist"]), lambda: [0.5], 2)
+        _feed(m, rng.beta(2, 5, 500))
+        st = await m.update()
+        assert st["router_version"] == "v1" and st["psi_score"] < 0.1
+        # promoted: v2 scores the same traffic on another scale (calibrated on it, so no drift)
+        meta.update(version="v2", hist=score_histogram(rng.beta(5, 2, 5000)))
+        _feed(m, rng.beta(5, 2, 60))
+        assert await m.update() == {}  # 60 scores of v2 in the window: below min_samples, nothing judged yet
+        _feed(m, rng.beta(5, 2, 90))
+        st = await m.update()
+        assert st["router_version"] == "v2" and st["n"] == 150, st
+        assert st["psi_score"] < 0.25 and st["psi_tier"] < 0.25, st
+        assert alerts.fired == []
+        await m.redis.aclose()
+    asyncio.run(go())
+
+
 def test_served_reference_when_the_file_has_no_histogram(redis_url: str, redis_prefix: str) -> None:
     rng = np.random.default_rng(1)
 

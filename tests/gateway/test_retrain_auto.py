@@ -200,7 +200,8 @@ def test_spot_checked_and_explored_answers_say_so(upstream_sim: SimProcess, redi
                                              tmp_path: Path, cut: float, arms: dict[str, float], tier: str,
                                              reason: str) -> None:
     """The route reason of the spot-check arm and of exploration is on the response and on the outcome a grade of it
-    records — so the realised floor can tell them apart on any replica."""
+    records — so the realised floor can tell them apart on any replica; the drift alarm records the router's own
+    choice."""
     path = _router(tmp_path / "cut.skops", informative=False)
     router = load_router(path)
     router.thresholds = [cut]  # 1.0: every routed request to the cheap tier; 0.0: every one to the top tier
@@ -213,6 +214,10 @@ def test_spot_checked_and_explored_answers_say_so(upstream_sim: SimProcess, redi
             "model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": "name a city"}]})
         assert r.status_code == 200, r.text
         assert (r.headers["x-thinkgate-tier"], r.headers["x-thinkgate-route-reason"]) == (tier, reason)
+        # the drift alarm sees the tier the router chose, not the one exploration or a spot check served: those
+        # move the served mix by design (its window is pushed every 10 s; this request is still pending)
+        [entry] = list(gw.app.state.drift._pending)
+        assert entry.split(",")[1] == ("0" if cut == 1.0 else "1")
         rid = r.headers["x-request-id"]
         rdb = redis.Redis.from_url(redis_url)
         try:
