@@ -78,6 +78,10 @@ def _history(redis_url: str, prefix: str, tmp: Path) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = json.loads(res.output)
     for e in events:
         assert e["event"] in text
+    # the same events from a file (bench learn --details keeps them there once its Redis keys are gone)
+    saved = tmp / "details.json"
+    saved.write_text(json.dumps({"history": events}))
+    assert CliRunner().invoke(app, ["router", "history", "--file", str(saved)]).output == text
     return events
 
 
