@@ -73,13 +73,14 @@ def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, fl
     always-top accuracy on the same traffic).
 
     Returns ``{"method": "spot_check" | "explore" | "nesting", "n", "n_cheap", "n_spot_check", "n_top",
-    "accuracy_ratio", "ratio_low", "holds_floor"}`` (``accuracy_ratio`` None without graded answers;
-    ``holds_floor`` reads the point estimate; the explore and nesting estimates add ``q``)."""
+    "accuracy_ratio", "ratio_low", "holds_floor"}`` (``accuracy_ratio`` and ``holds_floor`` None without graded
+    answers: not measured, which is neither a held nor a broken floor; ``holds_floor`` reads the point estimate;
+    the explore and nesting estimates add ``q``)."""
     cheap, checked, top = version_arms(outcomes, version, top_tier)
     n = len(cheap) + len(checked) + len(top)
     out: dict[str, Any] = {"n": n, "n_cheap": len(cheap), "n_spot_check": len(checked), "n_top": len(top)}
     if not n:
-        return {**out, "method": "nesting", "accuracy_ratio": None, "ratio_low": None, "holds_floor": True}
+        return {**out, "method": "nesting", "accuracy_ratio": None, "ratio_low": None, "holds_floor": None}
     if len(checked) >= spot_check_min and cheap:
         point, low = spot_check_ratio(len(cheap), sum(cheap), len(checked), sum(checked), len(top), sum(top))
         return {**out, "method": "spot_check", "accuracy_ratio": round(point, 6), "ratio_low": round(low, 6),

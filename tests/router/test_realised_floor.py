@@ -93,3 +93,10 @@ def test_too_few_spot_check_answers_fall_back_to_nesting_and_other_versions_do_n
     explored = [_fb(300 + i, "short", False, "explore") for i in range(100)]  # not the router's choice
     assert realised(outcomes + explored, "v", "long", 0.98, spot_check_min=29) == realised(outcomes, "v", "long", 0.98,
                                                                                       spot_check_min=29)
+
+
+def test_no_graded_answer_is_no_reading() -> None:
+    """Nothing graded for the version yet: the floor is not measured — not "holds" (it read True, shown as such in
+    ``/v1/models`` with n 0)."""
+    r = realised([_fb(0, "short", True)], "other-version", "long", 0.98)
+    assert r["n"] == 0 and r["accuracy_ratio"] is None and r["holds_floor"] is None
