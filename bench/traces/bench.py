@@ -564,6 +564,10 @@ def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
     lines = [sv, t, Text(f"auto: a gateway with only the router file (served policy "
                          f"{details.get('served_policy') or 'thresholds, no cascade'}); escalations "
                          f"{details['escalations'].get('auto', 0)}"),
+             Text("questions: the router's held-out split only (never fitted or calibrated on: what new traffic "
+                  "gets)" if details.get("heldout_only") else
+                  "questions: ALL of the folder, the ones the router was fitted and calibrated on included (reads "
+                  "above what new traffic gets; --heldout-only scores its held-out split)"),
              Text(f"prices: {pr['input']} in / {pr['output']} out USD per 1M tokens, {note}"),
              Text(f"router {details['router']} (policy {details['router_policy']}, thresholds "
                   f"{details['thresholds']}, router+cascade at "
@@ -571,7 +575,7 @@ def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
                   f"point of the curve with "
                   f"accuracy >= 98% of always-top ({details['always_top_accuracy']:.1%})"),
              Text(f"errors {sum(details['errors'].values())}, answer mismatches "
-                  f"{sum(details['answer_mismatches'].values())}, escalations "
+                  f"{sum(details['answer_mismatches'].values())}, router+cascade escalations "
                   f"{details['escalations']['router+cascade']}; start-up {details['startup_s']} s, wall "
                   f"{details['wall_s']} s (budget {details['time_budget_s']:.0f} s)"
                   + ("" if details["complete"] else f"; INCOMPLETE: {details['skipped']} requests skipped"))]
