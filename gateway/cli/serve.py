@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,6 +66,13 @@ def serve(
             redis_proc, redis_url = ensure(loaded.redis.url)
         except RedisUnavailable as exc:
             typer.echo(f"thinkgate: warning: {exc}; continuing without Redis (/ready reports it)", err=True)
+        else:
+            # which Redis, said once: a server that was already answering may be shared with other gateways
+            shown = re.sub(r"//[^@/]*@", "//", redis_url)  # never print a password
+            typer.echo(f"thinkgate: Redis: started a private redis-server at {shown}" if redis_proc is not None
+                       else f"thinkgate: Redis: using the server already answering at {shown} (key prefix "
+                       f"{loaded.redis.key_prefix!r}: a gateway with the same prefix there shares keys, limits, "
+                       "cache and usage with this one)", err=True)
     # The settings are frozen: the command-line overrides, the private Redis and the dev key make one copy.
     settings = loaded.model_copy(update={
         "server": loaded.server.model_copy(update={"host": host or loaded.server.host,

@@ -67,7 +67,7 @@ def test_invalid_config_exits_2_naming_the_field(tmp_path: Path) -> None:
 def test_serve_creates_dev_key_and_answers(tmp_path: Path, upstream_sim: Any, redis_url: str) -> None:
     key_file = tmp_path / "state" / "dev-key"
     cfg = write_config(tmp_path / "c.yaml", upstream_sim.base_url, redis_url,
-                       auth={"dev_key_file": str(key_file)})
+                       auth={"dev_key_file": str(key_file)}, redis={"url": redis_url, "start_if_missing": True})
     port = free_port()
     log = (tmp_path / "serve.log").open("w+")
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)],
@@ -90,6 +90,8 @@ def test_serve_creates_dev_key_and_answers(tmp_path: Path, upstream_sim: Any, re
     assert f"cat {key_file}" in output
     # the config's tiers have no prices: every token is metered at $0, and serve says so at start
     assert "warning: no prices on tier(s) short, long" in output
+    # the test Redis was already answering: serve says it uses that one, and that it may be shared
+    assert f"Redis: using the server already answering at {redis_url} (key prefix 'tg:'" in output
 
 
 def test_only_tiers_without_prices_are_named() -> None:
@@ -111,14 +113,19 @@ def test_sigterm_stops_what_serve_started(tmp_path: Path, upstream_sim: Any) -> 
                        redis={"url": redis_url, "start_if_missing": True},
                        auth={"dev_key_file": str(tmp_path / "dev-key")})
     port = free_port()
+    log = (tmp_path / "serve.log").open("w+")
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=30, proc=proc)
         assert ping(redis_url), "serve started a private Redis"
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
+        log.seek(0)
+        output = log.read()
+        log.close()
+    assert f"Redis: started a private redis-server at {redis_url}" in output
     assert proc.returncode == 128 + signal.SIGTERM
     assert wait_for(lambda: not ping(redis_url), timeout_s=10), "the private Redis outlived serve"
 
