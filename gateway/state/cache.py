@@ -18,7 +18,11 @@ leader finishes.
 
 **Fail open.** Every Redis call goes through the shared :class:`~gateway.state.breaker.Breaker` with the short
 socket timeout; when Redis is unreachable the request is served uncached (``bypass``) and, while the breaker
-is open, without touching the network at all. Only complete, successful responses are stored (the caller
+is open, without touching the network at all. A store-and-unlock queued off the request path (:meth:`finish_later`)
+that meets an outage is kept (bounded: ``UNSENT_MAX`` calls, ``UNSENT_MAX_BYTES`` of answers) and sent with the
+next batch once Redis answers: the answer lands with the rest of its TTL and the lock is released, where it used to
+stay until its TTL (``single_flight_wait_s``) and every identical request after the outage waited that long before
+calling the upstream itself. Only complete, successful responses are stored (the caller
 decides; see ``StreamAssembler.complete``); entries above ``cache.max_entry_bytes`` are skipped. Storing
 the entry and releasing the lock are one script too (``FINISH_LUA``), so a miss costs the request path two
 Redis round trips, a hit one. On a single Redis the lookup runs inside the request's admission call instead
@@ -33,6 +37,7 @@ import functools
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -72,6 +77,20 @@ return 1
 """
 POLL_START_S = 0.01
 POLL_MAX_S = 0.1
+#: bounds of the store-and-unlock calls kept through a Redis outage (``ResponseCache._keep_unsent``)
+UNSENT_MAX = 4096
+UNSENT_MAX_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class _Unsent:
+    """A ``FINISH_LUA`` call (``keys``, ``args`` = [entry bytes, TTL s, lock token]) not written yet, with the
+    latest time its lock can still be held (monotonic s) and when the call was made (for the TTL left)."""
+
+    lock_expiry: float
+    made: float
+    keys: list[str]
+    args: list[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +167,10 @@ class ResponseCache:
         self._lane = handle.lane
         self._queued: list[tuple[list[str], list[Any]]] = []  # finish_later's calls not sent yet
         self._writer: asyncio.Task[None] | None = None
+        #: finish_later's calls a Redis outage stopped, each with (its lock's latest expiry, when it was made):
+        #: sent again with the next batch (module doc, "Fail open")
+        self._unsent: deque[_Unsent] = deque()
+        self._unsent_bytes = 0
 
     def prepare(self, digest: str, decision: CacheDecision, tenant: str = "") -> Ticket | Lookup:
         """The lookup of ``digest`` under ``decision`` for a script call (:class:`Lookup`), or the ticket at once
@@ -265,14 +288,51 @@ class ResponseCache:
 
     async def _write_queued(self) -> None:
         while self._queued:
-            batch, self._queued = self._queued, []
+            now = time.monotonic()
+            fresh = [_Unsent(now + self.cfg.single_flight_wait_s, now, k, a) for k, a in self._queued]
+            self._queued = []
+            batch = self._due_unsent(now) + fresh
             try:
-                await self.breaker.call(functools.partial(self._send_batch, batch))
-            except RedisDown as exc:  # the answers are not stored; the locks expire with their TTL. Debug, as
-                # finish() is silent: the breaker already logged the outage, and a batch per loop pass would flood
-                log.debug("cache: %d stores/unlocks not written (redis down: %s)", len(batch), exc)
+                await self.breaker.call(functools.partial(self._send_batch, [(u.keys, u.args) for u in batch]))
+            except RedisDown as exc:  # kept for the next batch. Debug, as finish() is silent: the breaker
+                # already logged the outage, and a batch per loop pass would flood
+                self._keep_unsent(batch)
+                log.debug("cache: %d stores/unlocks not written yet (redis down: %s)", len(batch), exc)
             except Exception:
                 log.exception("cache: %d stores/unlocks failed", len(batch))
+
+    def _due_unsent(self, now: float) -> list[_Unsent]:
+        """The kept calls, brought up to date: a lock past its latest expiry is not released (another request
+        may hold it now — the script checks the token anyway), a store keeps only the rest of its TTL."""
+        out: list[_Unsent] = []
+        while self._unsent:
+            u = self._unsent.popleft()
+            data, ttl_s, token = u.args
+            self._unsent_bytes -= len(data)
+            if now > u.lock_expiry:
+                token = ""
+            ttl_left = int(ttl_s - (now - u.made))
+            if ttl_left <= 0:
+                data = b""
+            if data or token:
+                out.append(_Unsent(u.lock_expiry, u.made, u.keys, [data, ttl_left if data else ttl_s, token]))
+        return out
+
+    def _keep_unsent(self, calls: list[_Unsent]) -> None:
+        """Keep ``calls`` for the next batch, bounded: beyond ``UNSENT_MAX`` calls the oldest go, beyond
+        ``UNSENT_MAX_BYTES`` of answers a call keeps only its unlock (a follower then calls the upstream itself
+        instead of waiting out the lock)."""
+        for u in calls:
+            data = u.args[0]
+            if data and self._unsent_bytes + len(data) > UNSENT_MAX_BYTES:
+                u = _Unsent(u.lock_expiry, u.made, u.keys, [b"", u.args[1], u.args[2]])
+                data = b""
+                if not u.args[2]:
+                    continue
+            self._unsent.append(u)
+            self._unsent_bytes += len(data)
+        while len(self._unsent) > UNSENT_MAX:
+            self._unsent_bytes -= len(self._unsent.popleft().args[0])
 
     async def _send_batch(self, batch: list[tuple[list[str], list[Any]]]) -> None:
         assert self._lane is not None

@@ -1,7 +1,7 @@
 """The exact cache's store-and-unlock off the request path (``ResponseCache.finish_later``) on the real Redis: the
 calls queued while a batch is out go as one packed buffer, every answer is stored and every lock released; a
-follower waiting on a lock gets the answer once the batch lands; Redis down loses only the stores (the locks expire
-with their TTL) and never raises; ``Accounting.flush`` waits for the writer."""
+follower waiting on a lock gets the answer once the batch lands; Redis down never raises, and what it stopped goes
+with the next batch; ``Accounting.flush`` waits for the writer."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from gateway.state.cache import CacheEntry, ResponseCache
@@ -59,21 +60,64 @@ def test_queued_finishes_go_in_one_batch_and_followers_get_the_answer(redis_url:
     asyncio.run(run())
 
 
-def test_redis_down_loses_only_the_stores(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+def test_redis_down_keeps_the_calls_for_the_next_batch(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """An outage stops a batch: nothing raises, and the store and the unlock go with the next batch once Redis
+    answers — the follower gets the answer instead of waiting out the lock (it used to stay until its TTL, 30 s
+    by default, for every identical request after the outage)."""
     async def run() -> None:
         async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
-            cache = ResponseCache(st.handle, st.breaker, cache_cfg())
+            cache = ResponseCache(st.handle, st.breaker, cache_cfg(single_flight_wait_s=30.0))
             ticket = await cache.begin("down", DECISION)
+            assert ticket.lock_token
             st.breaker.record_failure(ConnectionError("test: breaker open"))  # every call refused: RedisDown
             writer = cache.finish_later(ticket, CacheEntry({"id": "x"}, "chat", "short", "m", time.time()))
             assert writer is not None
             await writer  # logged, not raised
-            assert ticket.lock_token is None  # taken: nothing will try it again
+            assert ticket.lock_token is None  # taken by the kept call
             sync = redis.Redis.from_url(redis_url)
-            try:  # not stored; the lock is left to its TTL (followers wait at most that long, then call upstream)
-                assert sync.exists(cache.keys.cache_entry("down", "")) == 0
-                assert 0 < sync.pttl(cache.keys.cache_lock("down", "")) <= cache.cfg.single_flight_wait_s * 1000
+            try:
+                assert sync.exists(cache.keys.cache_entry("down", "")) == 0  # not written during the outage
+                assert sync.exists(cache.keys.cache_lock("down", "")) == 1
+                await asyncio.sleep(st.breaker.cooldown_s + 0.05)  # Redis answers again (the breaker probes)
+                other = await cache.begin("next", DECISION)
+                writer = cache.finish_later(other, CacheEntry({"id": "y"}, "chat", "short", "m", time.time()))
+                assert writer is not None
+                await writer
+                assert sync.exists(cache.keys.cache_lock("down", "")) == 0  # released with the next batch
+                assert 0 < sync.ttl(cache.keys.cache_entry("down", "")) <= DECISION.ttl_s
+                got = await asyncio.wait_for(cache.begin("down", DECISION), 5)
+                assert got.status == "hit" and got.entry is not None and got.entry.body == {"id": "x"}
+                assert got.waited_s == 0.0
             finally:
                 sync.close()
+
+    asyncio.run(run())
+
+
+def test_what_an_outage_keeps_is_bounded(redis_url: str, redis_prefix: str, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long outage under load must not grow the kept calls without bound: beyond the byte bound a call keeps
+    only its unlock, beyond the count bound the oldest go."""
+    import gateway.state.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "UNSENT_MAX", 3)
+    monkeypatch.setattr(cache_module, "UNSENT_MAX_BYTES", 250)
+
+    async def run() -> None:
+        async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
+            cache = ResponseCache(st.handle, st.breaker, cache_cfg(single_flight_wait_s=30.0))
+            tickets = [await cache.begin(f"b{i}", DECISION) for i in range(5)]
+            st.breaker.record_failure(ConnectionError("test: breaker open"))
+            for t in tickets:
+                writer = cache.finish_later(t, CacheEntry({"id": "z" * 60}, "chat", "short", "m", time.time()))
+                assert writer is not None
+                await writer
+            kept = list(cache._unsent)
+            assert [u.keys[0].endswith(f"b{i}") for i, u in zip(range(2, 5), kept, strict=True)] == [True] * 3
+            assert cache._unsent_bytes == sum(len(u.args[0]) for u in kept) <= 250
+            assert all(u.args[2] for u in kept)  # every kept call still releases its lock
+            # one ~140-byte answer fits: b0's, until the count bound dropped b0; then b4's (b1-b3 came while b0's
+            # held the bytes: unlock only)
+            assert [bool(u.args[0]) for u in kept] == [False, False, True]
 
     asyncio.run(run())
