@@ -5,8 +5,8 @@ types; the mapping is the one LiteLLM's Anthropic adapter makes:
 
 - :func:`to_chat` — a Messages body → a chat-completions body, plus the requested :class:`Thinking`
   (raises :class:`~gateway.errors.InvalidRequest`);
-- :func:`message_object` — a ``chat.completion`` → a ``message`` (content blocks ``thinking``, ``text``,
-  ``tool_use``; ``stop_reason``; ``usage``);
+- :func:`message_object` — a ``chat.completion`` → a ``message`` (content blocks ``thinking`` — only when the
+  request turned thinking on, as Anthropic's API —, ``text``, ``tool_use``; ``stop_reason``; ``usage``);
 - :class:`MessageStream` — ``chat.completion.chunk`` objects → Anthropic's events (``message_start``,
   ``content_block_start`` / ``content_block_delta`` (``thinking_delta``, ``text_delta``,
   ``input_json_delta``) / ``content_block_stop``, ``message_delta`` with ``stop_reason`` and usage,
@@ -351,12 +351,22 @@ def _input_of(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def shows_thinking(req: dict[str, Any]) -> bool:
+    """Whether the answer to Messages request ``req`` carries ``thinking`` blocks: only when the request turned
+    thinking on (``enabled`` or ``adaptive``), as Anthropic's API does. The tier may still think (under
+    ``model: auto`` the router picks a reasoning tier); its thought is then left out of the content, and its
+    tokens stay in ``usage.output_tokens`` (billed, as Anthropic bills thinking)."""
+    t = req.get("thinking")
+    return isinstance(t, dict) and t.get("type") in ("enabled", "adaptive")
+
+
 def message_object(chat: dict[str, Any], req: dict[str, Any], message_id: str) -> dict[str, Any]:
-    """The ``message`` for a non-streamed ``chat.completion`` answering ``req`` (first choice)."""
+    """The ``message`` for a non-streamed ``chat.completion`` answering ``req`` (first choice); ``thinking``
+    blocks only when ``req`` asked for them (:func:`shows_thinking`)."""
     choice = (chat.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
     content: list[dict[str, Any]] = []
-    thought = msg.get("reasoning") or msg.get("reasoning_content")
+    thought = (msg.get("reasoning") or msg.get("reasoning_content")) if shows_thinking(req) else None
     if thought:
         content.append({"type": "thinking", "thinking": thought, "signature": ""})
     if msg.get("content"):
@@ -391,6 +401,7 @@ class MessageStream:
         self._kind: str | None = None  # thinking | text | tool_use
         self._call_index: int | None = None
         self._args: list[str] = []
+        self._thinking = shows_thinking(req)
 
     def start(self) -> bytes:
         if self.started:
@@ -434,7 +445,7 @@ class MessageStream:
             if int(c.get("index") or 0) != 0:
                 continue
             delta = c.get("delta") or {}
-            thought = delta.get("reasoning") or delta.get("reasoning_content")
+            thought = (delta.get("reasoning") or delta.get("reasoning_content")) if self._thinking else None
             if thought:
                 if self._kind != "thinking":
                     out += self._start_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})

@@ -166,6 +166,8 @@ class RoutingConfig(_Strict):
             "low": "short",
             "medium": "long",
             "high": "long",
+            "xhigh": "long",  # OpenAI's two efforts above high (the SDK's ReasoningEffort): the top tier
+            "max": "long",
         }
     )
     fallback: bool = True

@@ -28,7 +28,7 @@ def test_readme_gpu_config_loads_and_fits_the_effort_map(tmp_path: Path) -> None
     assert [t.name for t in s.tiers] == ["short", "long"]
     # the default effort map named a 'none' tier this config does not have: efforts resolve to existing tiers
     assert s.routing.effort_tiers == {"none": "short", "minimal": "short", "low": "short", "medium": "long",
-                                      "high": "long"}
+                                      "high": "long", "xhigh": "long", "max": "long"}
 
 
 def test_an_explicit_effort_map_is_checked_as_written(tmp_path: Path) -> None:

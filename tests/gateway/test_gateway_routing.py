@@ -40,7 +40,8 @@ def test_forced_by_model_name_and_header(openai_client: openai.OpenAI) -> None:
                     extra_headers={"X-ThinkGate-Tier": "none"}) == ("none", "forced", None)
 
 
-@pytest.mark.parametrize(("effort", "tier"), [("none", "none"), ("low", "short"), ("high", "long")])
+@pytest.mark.parametrize(("effort", "tier"), [("none", "none"), ("low", "short"), ("high", "long"),
+                                             ("xhigh", "long"), ("max", "long")])  # the SDK's efforts above high
 def test_reasoning_effort_maps_to_tier(openai_client: openai.OpenAI, upstream_sim: Any, effort: str, tier: str) -> None:
     tag = uuid.uuid4().hex
     assert route_of(openai_client, model="auto", messages=LONG_Q, reasoning_effort=effort,
@@ -106,7 +107,7 @@ def test_decide_units(upstream_sim: Any, redis_url: str) -> None:
     with pytest.raises(UnknownModel):
         r.decide({"model": "huge", "messages": SHORT_Q}, None)
     with pytest.raises(InvalidRequest):
-        r.decide({"model": "auto", "reasoning_effort": "max", "messages": SHORT_Q}, None)
+        r.decide({"model": "auto", "reasoning_effort": "ludicrous", "messages": SHORT_Q}, None)
     with pytest.raises(ValueError, match="thresholds"):
         r.set_scorer(f, thresholds=[0.5])
     assert default_thresholds(2) == [0.5]

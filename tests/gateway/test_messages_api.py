@@ -66,16 +66,23 @@ def test_plain_message_blocks_and_usage_match_the_event(gw: GatewayServer, upstr
     assert raw.headers["x-thinkgate-tier"] == "long"
     m = raw.parse()
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
-    assert [b.type for b in m.content] == ["thinking", "text"]
+    # thinking not asked for: no thinking block (Anthropic's API; `m.content[0].text` must work), though the tier
+    # thought — its tokens are in output_tokens
+    assert [b.type for b in m.content] == ["text"]
     prompt = "Be brief.\n" + USER
-    assert m.content[0].thinking == " ".join(reasoning_words(prompt))  # type: ignore[union-attr]
-    assert m.content[1].text == " ".join(answer_words(USER))  # type: ignore[union-attr]
+    assert m.content[0].text == " ".join(answer_words(USER))  # type: ignore[union-attr]
     assert m.stop_reason == "end_turn"
     assert m.usage.input_tokens == len(prompt.split()) + 3 * 2
     assert m.usage.output_tokens == len(reasoning_words(prompt)) + len(answer_words(USER))
     assert_metered(gw, raw.headers["x-request-id"], m.usage, "long")
     sent = upstream_sim.tag(extra["sim"]["tag"])["body"]
     assert sent["messages"][0] == {"role": "system", "content": "Be brief."} and sent["max_tokens"] == 200
+    asked = sdk(gw).messages.create(model="long", max_tokens=200, system="Be brief.",
+                                    messages=[{"role": "user", "content": USER}],
+                                    thinking={"type": "enabled", "budget_tokens": 150})
+    assert [b.type for b in asked.content] == ["thinking", "text"]
+    assert asked.content[0].thinking == " ".join(reasoning_words(prompt))  # type: ignore[union-attr]
+    assert asked.usage.output_tokens == m.usage.output_tokens
 
 
 def test_bearer_auth_and_anthropic_error_shape(gw: GatewayServer) -> None:
@@ -106,17 +113,25 @@ def test_streamed_events_and_final_usage(gw: GatewayServer) -> None:
     types = [e.type for e in events]
     assert types[0] == "message_start" and types[-2:] == ["message_delta", "message_stop"]
     starts = [e.content_block.type for e in events if e.type == "content_block_start"]  # type: ignore[union-attr]
-    assert starts == ["thinking", "text"] and types.count("content_block_stop") == 2
+    assert starts == ["text"] and types.count("content_block_stop") == 1  # thinking not asked for
     deltas = [e.delta for e in events if e.type == "content_block_delta"]  # type: ignore[union-attr]
-    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == " ".join(reasoning_words(USER))
     assert "".join(d.text for d in deltas if d.type == "text_delta") == " ".join(answer_words(USER))
+    with sdk(gw).messages.with_streaming_response.create(
+            model="long", max_tokens=200, messages=[{"role": "user", "content": USER}], stream=True,
+            thinking={"type": "enabled", "budget_tokens": 150}) as raw_thinking:
+        thinking_events = list(raw_thinking.parse())
+    starts = [e.content_block.type for e in thinking_events
+              if e.type == "content_block_start"]  # type: ignore[union-attr]
+    assert starts == ["thinking", "text"]
+    deltas = [e.delta for e in thinking_events if e.type == "content_block_delta"]  # type: ignore[union-attr]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == " ".join(reasoning_words(USER))
     delta = events[-2]
     assert delta.delta.stop_reason == "end_turn"  # type: ignore[union-attr]
     assert_metered(gw, request_id, delta.usage, "long")  # type: ignore[union-attr]
     # the SDK's accumulating helper ends with the same message
     with sdk(gw).messages.stream(model="long", max_tokens=200, messages=[{"role": "user", "content": USER}]) as s:
         final = s.get_final_message()
-    assert final.content[1].text == " ".join(answer_words(USER))  # type: ignore[union-attr]
+    assert final.content[0].text == " ".join(answer_words(USER))  # type: ignore[union-attr]
     assert final.usage.input_tokens == len(USER.split()) + 3 and final.usage.output_tokens == delta.usage.output_tokens  # type: ignore[union-attr]
 
 

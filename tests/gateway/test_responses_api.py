@@ -179,6 +179,8 @@ def test_json_schema_output(gw: GatewayServer, upstream_sim: SimProcess, stream:
 def test_reasoning_effort_picks_the_tier(gw: GatewayServer) -> None:
     raw = sdk(gw).responses.with_raw_response.create(model="auto", input=USER, reasoning={"effort": "high"})
     assert (raw.headers["x-thinkgate-tier"], raw.headers["x-thinkgate-route-reason"]) == ("long", "effort")
+    raw = sdk(gw).responses.with_raw_response.create(model="auto", input=USER, reasoning={"effort": "xhigh"})
+    assert (raw.headers["x-thinkgate-tier"], raw.headers["x-thinkgate-route-reason"]) == ("long", "effort")
     raw = sdk(gw).responses.with_raw_response.create(model="auto", input=USER, reasoning={"effort": "none"})
     assert raw.headers["x-thinkgate-tier"] == "none"
     r = raw.parse()
