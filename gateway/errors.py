@@ -71,8 +71,10 @@ class InvalidRequest(GatewayError):
 
 
 class UnknownModel(InvalidRequest):
-    """400: ``model`` is neither ``auto`` nor a configured tier."""
+    """404: ``model`` is neither ``auto`` nor a configured tier (or no tier that serves the endpoint) — OpenAI's
+    and vLLM's status for an unknown model (the SDKs raise ``NotFoundError``), Anthropic's ``not_found_error``."""
 
+    status = 404
     default_code = "model_not_found"
 
 

@@ -1,4 +1,5 @@
-"""``GET /v1/models`` (``auto`` with its routing settings, then every tier with its ``thinkgate`` card) and
+"""``GET /v1/models`` (``auto`` with its routing settings, then every tier with its ``thinkgate`` card),
+``GET /v1/models/{id}`` (one of those cards) and
 ``POST /admin/router/reload`` (admin key: load the router file now; it is also watched and reloaded)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from starlette.responses import Response
 
 from gateway.api.common import json_response as _json
 from gateway.config import Settings, TierConfig
-from gateway.errors import InvalidRequest, PermissionDenied
+from gateway.errors import InvalidRequest, PermissionDenied, UnknownModel
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.routing import AUTO, Routing
 from router.persistence import RouterFileError
@@ -51,10 +52,8 @@ def _status(request: Request, routing: Routing) -> dict[str, Any] | None:
 def attach(app: FastAPI, settings: Settings, proxy: Proxy, routing: Routing, created: int) -> None:
     """Add ``/v1/models`` and ``/admin/router/reload`` to ``app``; ``created`` stamps the model cards (s)."""
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        await proxy.keys.authenticate(request.headers.get("authorization"))
-        auto = {
+    def auto_card(request: Request) -> dict[str, Any]:
+        return {
             "id": AUTO,
             "object": "model",
             "created": created,
@@ -67,7 +66,24 @@ def attach(app: FastAPI, settings: Settings, proxy: Proxy, routing: Routing, cre
                 "effort_tiers": settings.routing.effort_tiers,
             },
         }
-        return _json({"object": "list", "data": [auto, *(_tier_card(t, created) for t in settings.tiers)]})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        await proxy.keys.authenticate(request.headers.get("authorization"))
+        return _json({"object": "list",
+                      "data": [auto_card(request), *(_tier_card(t, created) for t in settings.tiers)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        """One model card (``client.models.retrieve``): ``auto`` or a tier; 404 ``model_not_found`` otherwise."""
+        await proxy.keys.authenticate(request.headers.get("authorization"))
+        if model_id == AUTO:
+            return _json(auto_card(request))
+        for t in settings.tiers:
+            if t.name == model_id:
+                return _json(_tier_card(t, created))
+        raise UnknownModel(f"the model {model_id!r} does not exist (models: auto, "
+                           f"{', '.join(t.name for t in settings.tiers)})", param="model")
 
     @app.post("/admin/router/reload")
     async def reload_router(request: Request) -> Response:

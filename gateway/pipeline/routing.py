@@ -232,7 +232,7 @@ class Routing:
         return [self._tiers[n] for n in self._order[i + 1 :] if allowed is None or n in allowed]
 
     def decide(self, body: dict[str, Any], forced_header: str | None, window_text: str | None = None) -> RouteDecision:
-        """Route one request body. Raises UnknownModel (400) for an unknown model/header tier and
+        """Route one request body. Raises UnknownModel (404) for an unknown model/header tier and
         InvalidRequest (400) for an unknown ``reasoning_effort``."""
         asked = body.get("thinking_token_budget")  # kept on the decision for x-thinkgate-thinking-budget
         if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:

@@ -68,15 +68,27 @@ def test_bad_prompt_on_completions(gateway: Any) -> None:
 
 
 def test_unknown_model_and_effort(openai_client: openai.OpenAI, gateway: Any) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
+    # 404, as OpenAI and vLLM answer an unknown model: the SDK raises NotFoundError
+    with pytest.raises(openai.NotFoundError) as nf:
         openai_client.chat.completions.create(model="gpt-17", messages=MESSAGES)  # type: ignore[arg-type]
-    assert info.value.code == "model_not_found" and info.value.param == "model"  # type: ignore[attr-defined]
+    assert nf.value.code == "model_not_found" and nf.value.param == "model"  # type: ignore[attr-defined]
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.chat.completions.create(model="auto", messages=MESSAGES,
                                               reasoning_effort="ludicrous")  # type: ignore[arg-type]
     assert info.value.param == "reasoning_effort"  # type: ignore[attr-defined]
     r = post(gateway, {"model": "auto", "messages": MESSAGES}, headers={**AUTH, "x-thinkgate-tier": "nope"})
-    assert_openai_error(r, 400, "model_not_found")
+    assert_openai_error(r, 404, "model_not_found")
+
+
+def test_one_model_card_is_served_by_id(openai_client: openai.OpenAI) -> None:
+    """``client.models.retrieve`` (``GET /v1/models/{id}``): the card ``/v1/models`` lists, or 404."""
+    listed = {m.id: m for m in openai_client.models.list()}
+    for model_id in ("auto", "short", "long"):
+        got = openai_client.models.retrieve(model_id)
+        assert got.id == model_id and got.model_dump() == listed[model_id].model_dump()
+    with pytest.raises(openai.NotFoundError) as nf:
+        openai_client.models.retrieve("gpt-17")
+    assert nf.value.code == "model_not_found"  # type: ignore[attr-defined]
 
 
 def test_body_over_limit_is_413(gateway: Any, openai_client: openai.OpenAI) -> None:
