@@ -209,13 +209,13 @@ class Routing:
         return self._auto_tiers()[name]
 
     def next_tier(self, tier: TierConfig) -> TierConfig | None:
-        """The tier after ``tier`` in configuration order (None for the last). A tier that came from
-        :meth:`auto_tier` is followed by the next one as ``auto`` serves it, so the file's cascade continues up
-        the ladder; a configured tier by the configured one."""
+        """The chat tier after ``tier`` in configuration order (None for the last; embedding tiers skipped). A
+        tier that came from :meth:`auto_tier` is followed by the next one as ``auto`` serves it, so the file's
+        cascade continues up the ladder; a configured tier by the configured one."""
         i = self._order.index(tier.name)
-        if i + 1 >= len(self._order):
+        nxt = next((n for n in self._order[i + 1:] if not self._tiers[n].embeddings), None)
+        if nxt is None:
             return None
-        nxt = self._order[i + 1]
         if tier is not self._tiers.get(tier.name):
             return self._auto_tiers()[nxt]
         return self._tiers[nxt]
@@ -224,12 +224,14 @@ class Routing:
         """Tiers after ``tier`` in configuration order (cheapest → most capable), when fallback is enabled;
         only those in ``allowed`` when given (a key's allowed tiers).
 
-        Only later tiers: falling back to a cheaper tier would silently lower answer quality.
+        Only later tiers: falling back to a cheaper tier would silently lower answer quality; and only tiers of
+        the same kind (an ``embeddings: true`` tier is never a chat tier's fallback, nor the other way round).
         """
         if not self.cfg.fallback:
             return []
         i = self._order.index(tier.name)
-        return [self._tiers[n] for n in self._order[i + 1 :] if allowed is None or n in allowed]
+        return [self._tiers[n] for n in self._order[i + 1 :] if (allowed is None or n in allowed)
+                and self._tiers[n].embeddings == tier.embeddings]  # a chat request never lands on an embedding tier
 
     def decide(self, body: dict[str, Any], forced_header: str | None, window_text: str | None = None) -> RouteDecision:
         """Route one request body. Raises UnknownModel (404) for an unknown model/header tier and

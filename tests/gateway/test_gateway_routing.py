@@ -11,7 +11,7 @@ import pytest
 from gateway.errors import InvalidRequest, UnknownModel
 from gateway.pipeline.routing import Routing, default_thresholds
 from router.base import Router
-from tests.fixtures.upstream import TEST_KEY, GatewayServer, sim_settings
+from tests.fixtures.upstream import TEST_KEY, GatewayServer, sim_settings, sim_tiers
 
 SHORT_Q = [{"role": "user", "content": "2+2?"}]
 # The length baseline saturates at 2000 characters: this window scores ~0.75, above the 0.5 threshold.
@@ -114,3 +114,16 @@ def test_decide_units(upstream_sim: Any, redis_url: str) -> None:
     assert default_thresholds(4) == [0.25, 0.5, 0.75]
     assert [t.name for t in r.fallbacks(settings.tier("none"))] == ["short", "long"]
     assert r.fallbacks(settings.tier("long")) == []
+
+
+def test_a_chat_request_never_falls_back_or_escalates_to_an_embedding_tier(upstream_sim: Any, redis_url: str) -> None:
+    """An ``embeddings: true`` tier listed after the chat tiers (a new user's config) received a chat request as
+    the fallback of a failing one (``upstream of tier 'embed' answered 503``)."""
+    tiers = [*sim_tiers(upstream_sim.base_url),
+             {"name": "embed", "base_url": upstream_sim.base_url, "model": "sim-embed", "embeddings": True}]
+    settings = sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)
+    r = Routing(settings)
+    assert [t.name for t in r.fallbacks(settings.tier("short"))] == ["long"]
+    assert r.fallbacks(settings.tier("long")) == []
+    assert r.next_tier(settings.tier("long")) is None
+    assert r.next_tier(settings.tier("short")).name == "long"  # type: ignore[union-attr]
