@@ -75,13 +75,21 @@ class EmbeddingsAPI:
 
     async def handle(self, request: Request) -> Response:
         proxy = self.proxy
-        key = await proxy.keys.authenticate(request.headers.get("authorization"))
-        body = schemas.parse_json_object(await read_body(request, proxy.max_body))
-        validate(body)
-        tier = self.tier_for(body["model"])
-        record = UsageRecord(key_id=key.id, tags=key.tags, endpoint=LABEL, requested_model=body["model"])
-        ex = Exchange(record, RouteDecision(tier, "forced"), proxy.usage_sinks, proxy.accounting)
-        await proxy.accounting.admit(key, estimate_body(body), record, [tier])
+        # refused before any upstream call (a bad key or body, an unknown model, a limit): audited, as on chat
+        with proxy.auditing(UsageRecord(endpoint=LABEL)) as record:
+            key = await proxy.keys.authenticate(request.headers.get("authorization"))
+            record.key_id, record.tags = key.id, key.tags
+            body = schemas.parse_json_object(await read_body(request, proxy.max_body))
+            record.requested_model = body.get("model")
+            validate(body)
+            tier = self.tier_for(body["model"])
+        route = RouteDecision(tier, "forced")
+        try:
+            await proxy.accounting.admit(key, estimate_body(body), record, [tier])
+        except GatewayError as exc:
+            proxy.refused(record, exc, route)
+            raise
+        ex = Exchange(record, route, proxy.usage_sinks, proxy.accounting)
         try:
             try:
                 resp = await proxy.upstreams.open(tier, "/embeddings", orjson.dumps({**body, "model": tier.model}),

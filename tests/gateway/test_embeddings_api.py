@@ -78,4 +78,8 @@ def test_embeddings_are_under_the_key_budget(gw: GatewayServer) -> None:
     with pytest.raises(openai.RateLimitError) as err:
         sdk(gw, "bob").embeddings.create(model="embed", input="word " * 1000)
     assert err.value.code == "budget_exceeded"
+    # the refusal is an audit event in the ledger, as on chat: no spend, the status and the code
+    [row] = events_of(gw, err.value.response.headers["x-request-id"])
+    assert (row["audit"], row["status"], row["error_code"], row["cost_micro_usd"]) == (True, 429, "budget_exceeded", 0)
+    assert (row["endpoint"], row["tier"]) == ("embeddings", "embed")
     assert sdk(gw, "alice").embeddings.create(model="embed", input="word " * 1000).usage.prompt_tokens == 1000
