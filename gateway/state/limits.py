@@ -449,6 +449,8 @@ def refusal(code: str, what: str, retry_after_s: int, key_id: str, level: Level 
     msg = f"{who}: {period} budget exhausted"
     if budget is not None and spent is not None:
         left = max(0, budget - spent - (reserved or 0))
+        if left > 0:  # room is left, only not enough for this request's estimate: "exhausted" would mislead
+            msg = f"{who}: {period} budget would be exceeded by this request"
         msg += f" ({_usd(budget)}; spent {_usd(spent)}, reserved by requests in flight {_usd(reserved or 0)}"
         msg += f", remaining {_usd(left)})"
         if mode == "hard" and est_micro is not None:

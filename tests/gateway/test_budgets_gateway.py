@@ -140,6 +140,9 @@ def test_one_request_worth_hundreds_of_budgets_is_refused(gw: GatewayServer, red
     err = r.json()["error"]
     assert err["code"] == "budget_exceeded" and err["type"] == "rate_limit_error"
     assert f"key {kid!r}: daily budget" in err["message"] and "remaining $0.000020" in err["message"]
+    # nothing spent: the budget is not "exhausted", this request is too big for it
+    assert f"key {kid!r}: daily budget would be exceeded by this request" in err["message"]
+    assert "exhausted" not in err["message"]
     est = _estimate(gw, {"model": "long", "n": 8, "messages": PROMPT}, "long")
     assert f"up to ${micro_to_usd(est)}" in err["message"] and est > 100 * 20
     # waiting cannot let in a request dearer than the whole budget: no Retry-After, and the message says what would
