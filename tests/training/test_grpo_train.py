@@ -187,6 +187,17 @@ def test_budget_stop_checkpoints_first(tiny: Path, tmp_path: Path) -> None:
     assert ledger_steps(tmp_path) == [1]
 
 
+def test_a_budget_spent_by_start_up_trains_no_step(tiny: Path, tmp_path: Path) -> None:
+    """Start-up and the evaluation before training used the budget up: the run ends before its first step. The
+    Trainer reads should_training_stop only after a step, so a stop set at train begin still trained and billed
+    one (31x a tiny budget, seen); nor is the evaluation after training run past a budget."""
+    cfg = make_cfg(tiny, ledger={"budget_device_hours": 1e-6}, trl={"max_steps": 3})  # 3.6 ms of device time
+    s = run(cfg, tmp_path)
+    assert s["global_step"] == 0 and s["stop_reason"].startswith("budget device_hours reached"), s["stop_reason"]
+    assert ledger_steps(tmp_path) == []
+    assert not (tmp_path / "eval_after.json").exists()
+
+
 def test_monitor_stop_rule(tiny: Path, tmp_path: Path) -> None:
     rule = {"name": "always", "metric": "entropy", "condition": "above", "threshold": 0.0, "action": "stop"}
     s = run(make_cfg(tiny, monitors={"rules": [rule]}, trl={"max_steps": 5}), tmp_path)

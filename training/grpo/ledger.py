@@ -306,7 +306,8 @@ class CostLedger:
                 )
             if used >= self.warn_fraction * limit and name not in self.warned:
                 self.warned.add(name)
-                out.warnings.append(f"budget {name}: {fmt(used)} of {fmt(limit)} spent ({used / limit:.0%})")
+                share = f"{used / limit:.0%}" if limit else "all of it"  # a budget below one unit rounds to 0
+                out.warnings.append(f"budget {name}: {fmt(used)} of {fmt(limit)} spent ({share})")
             at_warning = used >= self.warn_fraction * limit and not out.stop_reason
             if at_warning and (
                 self.past_warning == "stop" or (self.past_warning == "continue_below_floor" and self.floor_met())

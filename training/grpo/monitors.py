@@ -26,6 +26,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from router.errors import ThinkGateError
 from training.grpo.config import MonitorRule
 from training.grpo.ledger import CostLedger, StepCounters
 
@@ -150,6 +151,11 @@ class AlertLog:
             f.write(json.dumps(asdict(alert)) + "\n")
 
 
+class BudgetReachedBeforeTraining(ThinkGateError, RuntimeError):
+    """A budget was reached before the first step (start-up and the evaluation before training cost it): the run
+    ends without training a step (``train_run`` catches it; the stop reason is the ledger's)."""
+
+
 def _stop(control: TrainerControl) -> None:
     control.should_save = True
     control.should_training_stop = True
@@ -215,7 +221,9 @@ class LedgerCallback(TrainerCallback):
             self.ledger.record_overhead("startup", state.global_step, {"startup": startup, "eval": self.pre_eval_s})
             self.startup_t0 = None
             if self._check(state.global_step, state.is_world_process_zero):
-                _stop(control)
+                # The Trainer checks should_training_stop only after a step: a stop set here would still train
+                # (and bill) one step past a budget that start-up alone used up (31x a tiny budget, seen).
+                raise BudgetReachedBeforeTraining(self.ledger.check().stop_reason or "budget reached")
         self._t = time.perf_counter()
 
     def close_finish(self, step: int, eval_s: float) -> None:

@@ -631,6 +631,7 @@ def train_run(run: GRPORun) -> TrainOutcome:
     """Train step: the held-out evaluation before training, then ``trainer.train`` (resuming ``run.checkpoint``).
     Running out of learning signal stops the run with a checkpoint and its paid-for rollouts recorded; the
     budget and monitor stops are read from the ledger and the monitor callback."""
+    from training.grpo.monitors import BudgetReachedBeforeTraining
     from training.grpo.sampling import NoLearningSignalError
 
     trainer, ledger_cb = run.trainer, run.ledger_cb
@@ -641,6 +642,9 @@ def train_run(run: GRPORun) -> TrainOutcome:
     t_train = time.perf_counter()
     try:
         trainer.train(resume_from_checkpoint=run.checkpoint)
+    except BudgetReachedBeforeTraining as e:  # nothing trained: no checkpoint to write (a resumed run keeps its own)
+        stop_reason = str(e)
+        logger.warning("stopped before the first step: %s", stop_reason)
     except NoLearningSignalError as e:
         stop_reason = f"no learning signal: {e}"
         logger.error("%s", stop_reason)
@@ -678,12 +682,18 @@ def _publish_model(run: GRPORun, model_dir: Path) -> tuple[Any, dict[str, Any], 
     return final_model, published, best
 
 
-def _evaluate_after(run: GRPORun, final_model: Any, model_dir: Path) -> tuple[dict[str, Any] | None, float]:
+def _evaluate_after(run: GRPORun, final_model: Any, model_dir: Path,
+                    stop_reason: str | None = None) -> tuple[dict[str, Any] | None, float]:
     """The held-out summary of the published model (rank 0; under ZeRO-3 reloaded from ``model_dir``), written
-    to ``eval_after.json``, and the seconds it took; ``(None, 0.0)`` when ``eval.after`` is off."""
+    to ``eval_after.json``, and the seconds it took; ``(None, 0.0)`` when ``eval.after`` is off, or when a budget
+    stopped the run (``stop_reason`` "budget …": a budget is a hard stop, and the evaluation would spend past it;
+    ``thinkgate eval`` measures the published model on demand)."""
     from transformers import AutoModelForCausalLM
 
     if not run.cfg.eval.after:
+        return None, 0.0
+    if stop_reason is not None and "budget " in stop_reason:
+        logger.warning("evaluation after training skipped: %s", stop_reason)
         return None, 0.0
     trainer = run.trainer
     after = None
@@ -708,7 +718,7 @@ def report_run(run: GRPORun, outcome: TrainOutcome) -> dict[str, Any]:
     model_dir = run_dir / "model"
     final_model, published, best = _publish_model(run, model_dir)
     is_main = trainer.is_world_process_zero()
-    after, t_after = _evaluate_after(run, final_model, model_dir)
+    after, t_after = _evaluate_after(run, final_model, model_dir, outcome.stop_reason)
     before, t_eval = outcome.before, outcome.eval_s + t_after
 
     # Relative to the working directory when the run is under it (a run in the repo can be committed as is).
