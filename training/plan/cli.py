@@ -41,6 +41,9 @@ def plan(
             if price < 0 or not price.is_finite():
                 raise ConfigError("--usd-per-device-hour: must be a finite number >= 0")
         cfg = load_config(config)
+        from training.grpo.run import check_trl_options
+
+        check_trl_options(cfg)  # a plan for options the run would refuse is no plan
         if from_run is not None:
             reference, steps = from_run, None
         else:
