@@ -113,10 +113,12 @@ def _coerce_trl_value(key: str, value: Any, tp: Any) -> Any:
     return value
 
 
-def check_trl_options(cfg: RunConfig) -> None:
+def check_trl_options(cfg: RunConfig, build: bool = True) -> None:
     """Validate the run's ``trl:`` section against ``GRPOConfig``'s fields before anything is written: unknown
     names, options ThinkGate sets itself, and scalar types (numeric strings such as ``1e-5`` are converted in
-    place). Raises :class:`ConfigError` naming the option."""
+    place); with ``build``, also ``GRPOConfig``'s own checks, on one built in a scratch directory (off for
+    ``train plan``, which may plan a GPU run — DeepSpeed, say — on a machine that cannot build its config).
+    Raises :class:`ConfigError` naming the option."""
     import dataclasses
     import typing
 
@@ -136,6 +138,8 @@ def check_trl_options(cfg: RunConfig) -> None:
         hints = {}
     for k, v in list(cfg.trl.items()):
         cfg.trl[k] = _coerce_trl_value(k, v, hints.get(k))
+    if not build:
+        return
     # GRPOConfig's own checks (e.g. generation_batch_size divisible by num_generations) as a config error, not a
     # traceback after the run directory was written: build one in a scratch directory and drop it
     import tempfile

@@ -43,7 +43,7 @@ def plan(
         cfg = load_config(config)
         from training.grpo.run import check_trl_options
 
-        check_trl_options(cfg)  # a plan for options the run would refuse is no plan
+        check_trl_options(cfg, build=False)  # a plan for options the run would refuse is no plan
         if from_run is not None:
             reference, steps = from_run, None
         else:
