@@ -5,7 +5,8 @@ A run directory is one with a ``ledger.jsonl`` (GRPO and SFT runs alike). Its re
 - ``status``: ``finished`` (``summary.json`` without a stop reason), ``stopped`` (``summary.json`` with one: a
   budget, a monitor, no learning signal), ``running`` (no summary, heartbeat younger than ``stale_s``),
   ``abandoned`` (no summary and the heartbeat — or, without one, the ledger — older than ``stale_s``: the process
-  died or was killed; a zombie that still holds its budget line);
+  died or was killed; a zombie that still holds its budget line), ``interrupted`` (stopped by SIGINT / Ctrl-C:
+  the heartbeat's ``state``, :func:`mark_interrupted`; resume it with ``--resume auto``);
 - ``micro_usd`` / ``device_hours`` / tokens: sums of the ledger's rows, discarded (rolled-back) rows included — that
   money was spent;
 - ``heldout_accuracy``: ``summary.json``'s accuracy after training, else the last periodic check;
@@ -49,6 +50,22 @@ def write_heartbeat(run_dir: str | Path, step: int) -> None:
         json.dumps({"ts": round(time.time(), 3), "step": step, "pid": os.getpid(), "host": socket.gethostname()})
     )
     tmp.replace(d / HEARTBEAT_FILE)
+
+
+def mark_interrupted(run_dir: str | Path) -> int | None:
+    """Mark the run in ``run_dir`` as stopped by an interrupt (SIGINT) — its heartbeat's ``state`` — so the registry
+    says ``interrupted`` rather than ``running`` for ``stale_s``; a resumed run's next heartbeat clears it. Returns
+    the step the heartbeat last recorded (None when the run wrote none)."""
+    path = Path(run_dir) / HEARTBEAT_FILE
+    try:
+        beat = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    beat.update(state="interrupted", ts=round(time.time(), 3))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(beat))
+    tmp.replace(path)
+    return int(beat.get("step", 0))
 
 
 def heartbeat_callback(run_dir: str | Path) -> Any:
@@ -101,9 +118,12 @@ def load_run(run_dir: str | Path, now: float | None = None, stale_s: float = STA
     summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
     hb_path = d / HEARTBEAT_FILE
     last_seen: float | None = None
+    interrupted = False
     if hb_path.is_file():
         try:
-            last_seen = float(json.loads(hb_path.read_text())["ts"])
+            beat = json.loads(hb_path.read_text())
+            last_seen = float(beat["ts"])
+            interrupted = beat.get("state") == "interrupted"
         except (json.JSONDecodeError, KeyError, ValueError):
             last_seen = hb_path.stat().st_mtime
     elif (d / "ledger.jsonl").is_file():
@@ -111,6 +131,8 @@ def load_run(run_dir: str | Path, now: float | None = None, stale_s: float = STA
     stop_reason = summary.get("stop_reason") if summary else None
     if summary is not None:
         status = "stopped" if stop_reason else "finished"
+    elif interrupted:
+        status = "interrupted"
     elif last_seen is not None and now - last_seen <= stale_s:
         status = "running"
     else:

@@ -427,3 +427,42 @@ def test_past_warning_continue_below_floor_stops_once_the_floor_is_met(tiny: Pat
     s = run(cfg, tmp_path)  # floor 0.0 is met at the check after step 1: the warning line stops the run at step 2
     assert s["global_step"] == 2 and "warning line reached" in s["stop_reason"]
     assert s["below_quality_floor"] is False
+
+
+def test_sigint_says_how_to_resume_and_the_registry_says_interrupted(tiny: Path, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) on ``train grpo``: exit 130 with the step and the resume command; ``train runs`` shows the
+    run ``interrupted`` (it said ``running`` for ten minutes, with no message)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from training.registry import load_run
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"path": str(tiny)}, "eval": {"before": False, "after": False},
+                                   "trl": {"num_generations": 2, "per_device_train_batch_size": 4,
+                                           "max_completion_length": 12, "max_steps": 500, "save_steps": 1,
+                                           "seed": 0}}))
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "train", "grpo", "--config", str(cfg), "--output-dir",
+                             str(out), "--allow-dirty", "--quiet"], cwd=str(Path(__file__).resolve().parents[2]),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            beat = out / "heartbeat.json"
+            if beat.is_file() and json.loads(beat.read_text()).get("step", 0) >= 1:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted at step" in err and "--resume auto" in err
+    assert load_run(out).status == "interrupted"

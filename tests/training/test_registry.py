@@ -11,7 +11,7 @@ from pathlib import Path
 
 from training.grpo.config import REPO_ROOT
 from training.grpo.ledger import CostLedger, StepCounters
-from training.registry import attribute, list_runs, load_run, write_heartbeat
+from training.registry import attribute, list_runs, load_run, mark_interrupted, write_heartbeat
 
 PRICE = Decimal("2.50")
 
@@ -59,6 +59,11 @@ def test_statuses_include_an_abandoned_run(tmp_path: Path) -> None:
     assert recs["done"].heldout_accuracy == 0.5 and recs["done"].tags["owner"] == "ana"
     # "running" only while the heartbeat is fresh: an hour later the live run counts as abandoned too
     assert load_run(live, now=time.time() + 3600).status == "abandoned"
+    # interrupted (SIGINT): said so, not "running"; its resume's first heartbeat makes it running again
+    assert mark_interrupted(live) == 1 and load_run(live).status == "interrupted"
+    write_heartbeat(live, 2)
+    assert load_run(live).status == "running"
+    assert mark_interrupted(tmp_path / "no-such-run") is None
     # a tag filter keeps only the matching runs
     assert sorted(Path(r.run_dir).name for r in list_runs(tmp_path, {"owner": "bo"})) == ["live", "zombie"]
 

@@ -25,7 +25,8 @@ def grpo(
 
     Exit codes: 0 done (also when a monitor, a budget or exhausted data stopped the run early; the reason is
     printed and in summary.json), 2 invalid configuration, a dirty git tree without ``--allow-dirty`` or a resume
-    whose run file changed without ``--force``.
+    whose run file changed without ``--force``, 130 interrupted (SIGINT; the run is ``interrupted`` in
+    ``train runs`` until resumed).
     """
     import json
 
@@ -44,6 +45,14 @@ def grpo(
     except ConfigError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2) from e
+    except KeyboardInterrupt:  # Ctrl-C / SIGINT: say where the run stands and how to go on; `train runs` shows it
+        from training.registry import mark_interrupted
+
+        step = mark_interrupted(cfg.output_dir)
+        again = f"thinkgate train grpo --config {config} --output-dir {cfg.output_dir} --resume auto"
+        typer.echo(f"interrupted at step {step}: the steps since the last checkpoint are redone (their ledger "
+                   f"rows kept as discarded) when you resume: {again}", err=True)
+        raise typer.Exit(130) from None
     run_dir = Path(cfg.output_dir)
     keys = (
         "global_step",
