@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.config import MetricsConfig, TierConfig
@@ -43,6 +43,10 @@ REFUSAL_CODES = frozenset({"invalid_request", "invalid_json", "model_not_found",
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MAX_CACHED_CHILDREN = 10_000
+
+# No ``*_created`` series (the process start time, once per counter and label set: a second sample per series
+# that no query uses). Process-wide: the gateway is the process.
+disable_created_metrics()
 
 
 def status_class(status: int) -> str:

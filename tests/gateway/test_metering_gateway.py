@@ -215,6 +215,7 @@ def test_metrics_endpoint(gw: GatewayServer) -> None:
     assert httpx.get(gw.url + "/metrics", timeout=10).status_code == 401
     text = httpx.get(gw.url + "/metrics", headers={"authorization": f"Bearer {SECRETS['alice']}"}, timeout=10).text
     samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    assert "_created" not in text  # one sample per series: no start-time twins
 
     def total(name: str, **labels: str) -> float:
         return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v
