@@ -133,7 +133,8 @@ class KeyStore:
             if not self.require_key:
                 return KeyInfo(id=ANONYMOUS_KEY_ID)
             raise AuthError(
-                "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
+                "missing API key: send 'Authorization: Bearer <key>' (on /v1/messages also 'x-api-key: <key>')",
+                code="missing_api_key"
             )
         digest = hashlib.sha256(secret.encode()).digest()
         found: KeyInfo | None = None
