@@ -179,6 +179,7 @@ class Accounting:
         await self.meter.replay()
         if self.wal is not None:
             await self.wal.close()
+        await self.cache.close()
         await self.http.aclose()
         await self.handle.close()
 

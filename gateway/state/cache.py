@@ -33,6 +33,7 @@ Redis round trips, a hit one. On a single Redis the lookup runs inside the reque
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -84,13 +85,32 @@ UNSENT_MAX_BYTES = 8 << 20
 
 @dataclass(frozen=True, slots=True)
 class _Unsent:
-    """A ``FINISH_LUA`` call (``keys``, ``args`` = [entry bytes, TTL s, lock token]) not written yet, with the
-    latest time its lock can still be held (monotonic s) and when the call was made (for the TTL left)."""
+    """A ``FINISH_LUA`` call (``keys``, ``args`` = [entry bytes, the answer's TTL s as decided, lock token]) not
+    written yet, with the latest time its lock can still be held and when the call was made (monotonic s)."""
 
     lock_expiry: float
     made: float
     keys: list[str]
     args: list[Any]
+
+    @property
+    def data(self) -> bytes:
+        return bytes(self.args[0])
+
+    @property
+    def ttl_s(self) -> int:
+        return int(self.args[1])
+
+    @property
+    def token(self) -> str:
+        return str(self.args[2])
+
+    def call(self, now: float) -> tuple[list[str], list[Any]]:
+        """The script's keys and arguments at ``now``: the answer stored for the rest of its TTL (never less than
+        1 s; :meth:`ResponseCache._due_unsent` drops an answer whose TTL ran out)."""
+        if not self.data:
+            return self.keys, self.args
+        return self.keys, [self.data, max(1, int(self.ttl_s - (now - self.made))), self.token]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +191,7 @@ class ResponseCache:
         #: sent again with the next batch (module doc, "Fail open")
         self._unsent: deque[_Unsent] = deque()
         self._unsent_bytes = 0
+        self._retry: asyncio.Task[None] | None = None
 
     def prepare(self, digest: str, decision: CacheDecision, tenant: str = "") -> Ticket | Lookup:
         """The lookup of ``digest`` under ``decision`` for a script call (:class:`Lookup`), or the ticket at once
@@ -291,48 +312,75 @@ class ResponseCache:
             now = time.monotonic()
             fresh = [_Unsent(now + self.cfg.single_flight_wait_s, now, k, a) for k, a in self._queued]
             self._queued = []
-            batch = self._due_unsent(now) + fresh
-            try:
-                await self.breaker.call(functools.partial(self._send_batch, [(u.keys, u.args) for u in batch]))
-            except RedisDown as exc:  # kept for the next batch. Debug, as finish() is silent: the breaker
-                # already logged the outage, and a batch per loop pass would flood
-                self._keep_unsent(batch)
-                log.debug("cache: %d stores/unlocks not written yet (redis down: %s)", len(batch), exc)
-            except Exception:
-                log.exception("cache: %d stores/unlocks failed", len(batch))
+            if self.breaker.is_open:  # refused without trying: keep them, without re-walking what is kept
+                self._keep_unsent(fresh)
+                self._retry_later()
+                continue
+            await self._send([*self._due_unsent(now), *fresh])
+
+    async def _send(self, batch: list[_Unsent]) -> None:
+        """One packed batch; on an outage the calls are kept and a retry is scheduled. Never raises."""
+        if not batch:
+            return
+        try:
+            await self.breaker.call(functools.partial(self._send_batch, [u.call(time.monotonic()) for u in batch]))
+        except RedisDown as exc:  # kept for later. Debug, as finish() is silent: the breaker already logged the
+            # outage, and a batch per loop pass would flood
+            self._keep_unsent(batch)
+            self._retry_later()
+            log.debug("cache: %d stores/unlocks not written yet (redis down: %s)", len(batch), exc)
+        except Exception:
+            log.exception("cache: %d stores/unlocks failed", len(batch))
+
+    def _retry_later(self) -> None:
+        """Send the kept calls once Redis answers, with or without new traffic (a quiet gateway's lock would
+        otherwise wait out its TTL): one task, every breaker cooldown, until none is left."""
+        if self._retry is None or self._retry.done():
+            self._retry = asyncio.get_running_loop().create_task(self._retry_unsent())
+
+    async def _retry_unsent(self) -> None:
+        while self._unsent:
+            await asyncio.sleep(max(self.breaker.cooldown_s, 0.05))
+            if self.breaker.is_open or (self._writer is not None and not self._writer.done()):
+                continue  # still down, or the writer is out and takes the kept calls with its next batch
+            await self._send(self._due_unsent(time.monotonic()))
 
     def _due_unsent(self, now: float) -> list[_Unsent]:
-        """The kept calls, brought up to date: a lock past its latest expiry is not released (another request
-        may hold it now — the script checks the token anyway), a store keeps only the rest of its TTL."""
+        """The kept calls still worth sending: a call whose lock is past its latest expiry keeps only its store
+        (another request may hold the lock now — the script checks the token anyway), and whose answer's TTL
+        has run out only its unlock; a call left with neither is dropped."""
         out: list[_Unsent] = []
         while self._unsent:
             u = self._unsent.popleft()
-            data, ttl_s, token = u.args
-            self._unsent_bytes -= len(data)
-            if now > u.lock_expiry:
-                token = ""
-            ttl_left = int(ttl_s - (now - u.made))
-            if ttl_left <= 0:
-                data = b""
-            if data or token:
-                out.append(_Unsent(u.lock_expiry, u.made, u.keys, [data, ttl_left if data else ttl_s, token]))
+            self._unsent_bytes -= len(u.data)
+            if now > u.lock_expiry and u.token:
+                u = _Unsent(u.lock_expiry, u.made, u.keys, [u.data, u.ttl_s, ""])
+            if u.data and u.ttl_s - (now - u.made) < 1:
+                u = _Unsent(u.lock_expiry, u.made, u.keys, [b"", u.ttl_s, u.token])
+            if u.data or u.token:
+                out.append(u)
         return out
 
     def _keep_unsent(self, calls: list[_Unsent]) -> None:
-        """Keep ``calls`` for the next batch, bounded: beyond ``UNSENT_MAX`` calls the oldest go, beyond
+        """Keep ``calls`` for a later batch, bounded: beyond ``UNSENT_MAX`` calls the oldest go, beyond
         ``UNSENT_MAX_BYTES`` of answers a call keeps only its unlock (a follower then calls the upstream itself
         instead of waiting out the lock)."""
         for u in calls:
-            data = u.args[0]
-            if data and self._unsent_bytes + len(data) > UNSENT_MAX_BYTES:
-                u = _Unsent(u.lock_expiry, u.made, u.keys, [b"", u.args[1], u.args[2]])
-                data = b""
-                if not u.args[2]:
+            if u.data and self._unsent_bytes + len(u.data) > UNSENT_MAX_BYTES:
+                if not u.token:
                     continue
+                u = _Unsent(u.lock_expiry, u.made, u.keys, [b"", u.ttl_s, u.token])
             self._unsent.append(u)
-            self._unsent_bytes += len(data)
+            self._unsent_bytes += len(u.data)
         while len(self._unsent) > UNSENT_MAX:
-            self._unsent_bytes -= len(self._unsent.popleft().args[0])
+            self._unsent_bytes -= len(self._unsent.popleft().data)
+
+    async def close(self) -> None:
+        """Stop retrying kept calls (the gateway is stopping; their locks expire with their TTL)."""
+        if self._retry is not None and not self._retry.done():
+            self._retry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retry
 
     async def _send_batch(self, batch: list[tuple[list[str], list[Any]]]) -> None:
         assert self._lane is not None

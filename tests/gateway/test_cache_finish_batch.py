@@ -60,10 +60,13 @@ def test_queued_finishes_go_in_one_batch_and_followers_get_the_answer(redis_url:
     asyncio.run(run())
 
 
-def test_redis_down_keeps_the_calls_for_the_next_batch(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
-    """An outage stops a batch: nothing raises, and the store and the unlock go with the next batch once Redis
-    answers — the follower gets the answer instead of waiting out the lock (it used to stay until its TTL, 30 s
-    by default, for every identical request after the outage)."""
+@pytest.mark.parametrize("traffic", ["busy", "quiet"])
+def test_redis_down_keeps_the_calls_until_redis_answers(redis_url: str, redis_prefix: str, tmp_path: Path,
+                                                        traffic: str) -> None:
+    """An outage stops a batch: nothing raises, and the store and the unlock are sent once Redis answers — with the
+    next batch (busy) or by the retry every breaker cooldown (quiet: no new traffic) — so the follower gets the
+    answer instead of waiting out the lock (it used to stay until its TTL, 30 s by default, for every identical
+    request after the outage). The answer keeps the rest of its TTL, however many batches failed meanwhile."""
     async def run() -> None:
         async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
             cache = ResponseCache(st.handle, st.breaker, cache_cfg(single_flight_wait_s=30.0))
@@ -74,22 +77,33 @@ def test_redis_down_keeps_the_calls_for_the_next_batch(redis_url: str, redis_pre
             assert writer is not None
             await writer  # logged, not raised
             assert ticket.lock_token is None  # taken by the kept call
+            for i in range(20):  # more batches fail while the breaker is open
+                other = await cache.begin(f"meanwhile{i}", CacheDecision(lookup=False, store=True, ttl_s=60))
+                w = cache.finish_later(other, CacheEntry({"id": i}, "chat", "short", "m", time.time()))
+                if w is not None:
+                    await w
+                await asyncio.sleep(0.01)
             sync = redis.Redis.from_url(redis_url)
             try:
                 assert sync.exists(cache.keys.cache_entry("down", "")) == 0  # not written during the outage
                 assert sync.exists(cache.keys.cache_lock("down", "")) == 1
                 await asyncio.sleep(st.breaker.cooldown_s + 0.05)  # Redis answers again (the breaker probes)
-                other = await cache.begin("next", DECISION)
-                writer = cache.finish_later(other, CacheEntry({"id": "y"}, "chat", "short", "m", time.time()))
-                assert writer is not None
-                await writer
-                assert sync.exists(cache.keys.cache_lock("down", "")) == 0  # released with the next batch
-                assert 0 < sync.ttl(cache.keys.cache_entry("down", "")) <= DECISION.ttl_s
+                if traffic == "busy":
+                    other = await cache.begin("next", DECISION)
+                    w = cache.finish_later(other, CacheEntry({"id": "y"}, "chat", "short", "m", time.time()))
+                    assert w is not None
+                    await w
+                deadline = time.monotonic() + 5
+                while sync.exists(cache.keys.cache_lock("down", "")) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert sync.exists(cache.keys.cache_lock("down", "")) == 0  # released once Redis answered
+                assert DECISION.ttl_s - 3 <= sync.ttl(cache.keys.cache_entry("down", "")) <= DECISION.ttl_s
                 got = await asyncio.wait_for(cache.begin("down", DECISION), 5)
                 assert got.status == "hit" and got.entry is not None and got.entry.body == {"id": "x"}
                 assert got.waited_s == 0.0
             finally:
                 sync.close()
+                await cache.close()
 
     asyncio.run(run())
 
@@ -119,5 +133,25 @@ def test_what_an_outage_keeps_is_bounded(redis_url: str, redis_prefix: str, tmp_
             # one ~140-byte answer fits: b0's, until the count bound dropped b0; then b4's (b1-b3 came while b0's
             # held the bytes: unlock only)
             assert [bool(u.args[0]) for u in kept] == [False, False, True]
+
+    asyncio.run(run())
+
+
+def test_a_kept_answer_loses_only_the_time_it_waited(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """However often the kept calls are taken out and kept again (each failed send), the answer's TTL drops by the
+    time since the call was made, once: it once lost the elapsed time again at every pass (3,600 s → dropped
+    within 30 s of batches)."""
+    from gateway.state.cache import _Unsent
+
+    async def run() -> None:
+        async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
+            cache = ResponseCache(st.handle, st.breaker, cache_cfg())
+            now = time.monotonic()
+            cache._keep_unsent([_Unsent(now + 30, now - 10, ["e", "l"], [b"answer", 3600, "tok"])])
+            for _ in range(50):  # fifty failed sends
+                cache._keep_unsent(cache._due_unsent(now))
+            [u] = cache._due_unsent(now)
+            assert u.call(now)[1] == [b"answer", 3590, "tok"]
+            assert u.call(now + 3600)[1][1] == 1  # never below 1 s when sent; _due_unsent drops it before that
 
     asyncio.run(run())
