@@ -63,7 +63,8 @@ class GatewayError(Exception):
 
 
 class InvalidRequest(GatewayError):
-    """400: the body is not valid JSON, has a field of the wrong type or value, or names no known model."""
+    """400: the body is not valid JSON, or has a field of the wrong type or value (an unknown model is
+    :class:`UnknownModel`, 404)."""
 
     status = 400
     type = "invalid_request_error"

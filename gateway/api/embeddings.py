@@ -1,8 +1,8 @@
 """``POST /v1/embeddings``: passed through to a tier marked ``embeddings: true``, metered on input tokens.
 
 The tier: ``model`` naming such a tier, or ``auto`` / any other model name → the first tier marked for
-embeddings (route reason ``forced``: configuration, not the router, picks it). No tier marked → 400
-``model_not_found``; naming a tier not marked → 400. The body goes to the tier's ``/embeddings`` with
+embeddings (route reason ``forced``: configuration, not the router, picks it). No tier marked → 404
+``model_not_found``; naming a tier not marked → 404. The body goes to the tier's ``/embeddings`` with
 ``model`` = the tier's upstream model, everything else as sent (``encoding_format``, ``dimensions``, …).
 Same keys, limits and budget reservation as chat (estimate: the input's bytes, no completion); the usage event
 (``endpoint: embeddings``) takes ``usage.prompt_tokens`` from the upstream and prices them at the tier's input

@@ -97,9 +97,9 @@ def test_bearer_auth_and_anthropic_error_shape(gw: GatewayServer) -> None:
                                                    "message": "'max_tokens' is required: an integer >= 1"}}
     r = httpx.post(gw.base_url + "/messages", json=body, headers={"x-api-key": "nope"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    with pytest.raises(anthropic.BadRequestError) as err:
+    with pytest.raises(anthropic.NotFoundError) as nf:  # Anthropic's 404 not_found_error for an unknown model
         sdk(gw).messages.create(model="no-such-tier", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
-    assert err.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert nf.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=gw.url, api_key="wrong", max_retries=0).messages.create(
             model="short", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
