@@ -421,12 +421,14 @@ def test_past_warning_continue_below_floor_stops_once_the_floor_is_met(tiny: Pat
             "quality_floor": 0.0,
             "past_warning": "continue_below_floor",
         },
-        eval={"before": False, "after": False, "every_steps": 1, "every_n": 2},
+        eval={"before": False, "after": True, "every_steps": 1, "every_n": 2},
         trl={"max_steps": 3},
     )
     s = run(cfg, tmp_path)  # floor 0.0 is met at the check after step 1: the warning line stops the run at step 2
     assert s["global_step"] == 2 and "warning line reached" in s["stop_reason"]
     assert s["below_quality_floor"] is False
+    # a warning-line stop keeps its reserve for this: the evaluation after training runs (a hard stop skips it)
+    assert (tmp_path / "eval_after.json").is_file() and s["accuracy_after"] is not None
 
 
 def test_sigint_says_how_to_resume_and_the_registry_says_interrupted(tiny: Path, tmp_path: Path) -> None:

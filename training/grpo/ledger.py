@@ -155,6 +155,8 @@ _TOTAL_KEYS = (
 class BudgetCheck:
     warnings: list[str] = field(default_factory=list)
     stop_reason: str | None = None
+    #: the stop is a budget's hard line (reached, or the next step projected past it), not its warning line
+    hard: bool = False
 
 
 class CostLedger:
@@ -195,6 +197,7 @@ class CostLedger:
         self.last_row: dict[str, Any] | None = None  # the last *step* row (projections repeat a step)
         self.warned: set[str] = set()
         self.stop_reason: str | None = None
+        self.hard_stop = False  # a budget's hard line stopped the run (BudgetCheck.hard): spend nothing more
 
     @property
     def path(self) -> Path:
@@ -298,8 +301,10 @@ class CostLedger:
                 continue
             used = spent[key]
             if used >= limit:
+                out.hard = True
                 out.stop_reason = out.stop_reason or f"budget {name} reached: {fmt(used)} of {fmt(limit)}"
             elif self.stop_on_projection and last and used + last.get(key, 0) > limit:
+                out.hard = True
                 out.stop_reason = out.stop_reason or (
                     f"budget {name}: the next step is projected to exceed it ({fmt(used)} spent + "
                     f"{fmt(last.get(key, 0))} per step > {fmt(limit)})"
@@ -321,6 +326,7 @@ class CostLedger:
             )
         if out.stop_reason:
             self.stop_reason = out.stop_reason
+            self.hard_stop = self.hard_stop or out.hard
         return out
 
     def floor_met(self) -> bool:
@@ -357,6 +363,7 @@ class CostLedger:
         self.warned = set(st.get("warned", []))
         self.last_row = st.get("last_row")
         self.stop_reason = None
+        self.hard_stop = False
         ckpt_seq = st.get("seq")  # None: a state written before rows had sequence numbers (keep by step)
         discarded_path = self.run_dir / DISCARDED_FILE
         written = [*read_jsonl(self.path, missing_ok=True), *read_jsonl(discarded_path, missing_ok=True)]

@@ -717,18 +717,17 @@ def _publish_model(run: GRPORun, model_dir: Path) -> tuple[Any, dict[str, Any], 
     return final_model, published, best
 
 
-def _evaluate_after(run: GRPORun, final_model: Any, model_dir: Path,
-                    stop_reason: str | None = None) -> tuple[dict[str, Any] | None, float]:
+def _evaluate_after(run: GRPORun, final_model: Any, model_dir: Path) -> tuple[dict[str, Any] | None, float]:
     """The held-out summary of the published model (rank 0; under ZeRO-3 reloaded from ``model_dir``), written
-    to ``eval_after.json``, and the seconds it took; ``(None, 0.0)`` when ``eval.after`` is off, or when a budget
-    stopped the run (``stop_reason`` "budget …": a budget is a hard stop, and the evaluation would spend past it;
-    ``thinkgate eval`` measures the published model on demand)."""
+    to ``eval_after.json``, and the seconds it took; ``(None, 0.0)`` when ``eval.after`` is off, or when a budget's
+    hard line stopped the run (``CostLedger.hard_stop``: the evaluation would spend past it; a warning-line stop,
+    which keeps a reserve, still evaluates)."""
     from transformers import AutoModelForCausalLM
 
     if not run.cfg.eval.after:
         return None, 0.0
-    if stop_reason is not None and "budget " in stop_reason:
-        logger.warning("evaluation after training skipped: %s", stop_reason)
+    if run.ledger.hard_stop:
+        logger.warning("evaluation after training skipped: %s", run.ledger.stop_reason)
         return None, 0.0
     trainer = run.trainer
     after = None
@@ -753,7 +752,7 @@ def report_run(run: GRPORun, outcome: TrainOutcome) -> dict[str, Any]:
     model_dir = run_dir / "model"
     final_model, published, best = _publish_model(run, model_dir)
     is_main = trainer.is_world_process_zero()
-    after, t_after = _evaluate_after(run, final_model, model_dir, outcome.stop_reason)
+    after, t_after = _evaluate_after(run, final_model, model_dir)
     before, t_eval = outcome.before, outcome.eval_s + t_after
 
     # Relative to the working directory when the run is under it (a run in the repo can be committed as is).
