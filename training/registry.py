@@ -54,17 +54,23 @@ def write_heartbeat(run_dir: str | Path, step: int) -> None:
 
 def mark_interrupted(run_dir: str | Path) -> int | None:
     """Mark the run in ``run_dir`` as stopped by an interrupt (SIGINT) — its heartbeat's ``state`` — so the registry
-    says ``interrupted`` rather than ``running`` for ``stale_s``; a resumed run's next heartbeat clears it. Returns
-    the step the heartbeat last recorded (None when the run wrote none)."""
+    says ``interrupted`` rather than ``running`` for ``stale_s``; a resumed run's next heartbeat clears it. Only a
+    heartbeat this process wrote is marked (a Ctrl-C before the run directory was prepared must not mark another
+    run's), and only by the main process (every rank of a launch gets the SIGINT). Returns the step the heartbeat
+    recorded, None when nothing was marked. Never raises."""
+    if os.environ.get("RANK", "0") != "0":
+        return None
     path = Path(run_dir) / HEARTBEAT_FILE
     try:
         beat = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        if beat.get("pid") != os.getpid():
+            return None
+        beat.update(state="interrupted", ts=round(time.time(), 3))
+        tmp = path.with_name(f"{HEARTBEAT_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(beat))
+        tmp.replace(path)
+    except (OSError, ValueError):
         return None
-    beat.update(state="interrupted", ts=round(time.time(), 3))
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(beat))
-    tmp.replace(path)
     return int(beat.get("step", 0))
 
 

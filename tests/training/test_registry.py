@@ -64,6 +64,10 @@ def test_statuses_include_an_abandoned_run(tmp_path: Path) -> None:
     write_heartbeat(live, 2)
     assert load_run(live).status == "running"
     assert mark_interrupted(tmp_path / "no-such-run") is None
+    # another process's heartbeat (a Ctrl-C before this run's directory was prepared) is left alone
+    beat = json.loads((live / "heartbeat.json").read_text())
+    (live / "heartbeat.json").write_text(json.dumps({**beat, "pid": beat["pid"] + 1}))
+    assert mark_interrupted(live) is None and load_run(live).status == "running"
     # a tag filter keeps only the matching runs
     assert sorted(Path(r.run_dir).name for r in list_runs(tmp_path, {"owner": "bo"})) == ["live", "zombie"]
 

@@ -46,12 +46,7 @@ def grpo(
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2) from e
     except KeyboardInterrupt:  # Ctrl-C / SIGINT: say where the run stands and how to go on; `train runs` shows it
-        from training.registry import mark_interrupted
-
-        step = mark_interrupted(cfg.output_dir)
-        again = f"thinkgate train grpo --config {config} --output-dir {cfg.output_dir} --resume auto"
-        typer.echo(f"interrupted at step {step}: the steps since the last checkpoint are redone (their ledger "
-                   f"rows kept as discarded) when you resume: {again}", err=True)
+        typer.echo(_interrupted(cfg.output_dir if "cfg" in locals() else None, config), err=True)
         raise typer.Exit(130) from None
     run_dir = Path(cfg.output_dir)
     keys = (
@@ -65,3 +60,20 @@ def grpo(
     )
     typer.echo(json.dumps({k: summary.get(k) for k in keys}, indent=2, default=str))
     typer.echo(f"run directory: {run_dir}  (model: {run_dir / 'model'}, tier snippet: {run_dir / 'tier.yaml'})")
+
+
+def _interrupted(run_dir: str | None, config: Path | None) -> str:
+    """Mark an interrupted run (:func:`training.registry.mark_interrupted`) and say how to go on: resume from its
+    last checkpoint, or — none written yet — start again in a fresh run directory."""
+    from training.registry import mark_interrupted
+
+    step = mark_interrupted(run_dir) if run_dir is not None else None
+    if step is None:
+        return "interrupted before the run started: nothing to resume"
+    again = ["thinkgate train grpo", *([f"--config {config}"] if config is not None else []),
+             f"--output-dir {run_dir}"]
+    if not any(Path(run_dir).glob("checkpoint-*")):
+        return (f"interrupted at step {step}, before the first checkpoint: nothing to resume; start again in a new "
+                f"run directory ({' '.join(again[:-1])} --output-dir <new dir>)")
+    return (f"interrupted at step {step}: the steps since the last checkpoint are redone (their ledger rows kept as "
+            f"discarded) when you resume: {' '.join(again)} --resume auto")
