@@ -15,6 +15,7 @@ startup, update, eval, io — SFT samples nothing), ``eval_before.json``/``eval_
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from decimal import Decimal
@@ -35,6 +36,8 @@ from training.grpo.config import (
     resolve_model_path,
     stable_hash,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _default_sft_trl() -> dict[str, Any]:
@@ -125,7 +128,7 @@ def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_step
     from training.grpo import data as data_mod
     from training.grpo.evaluate import generate_and_score, summarize
     from training.grpo.ledger import Budgets, CostLedger, StepCounters
-    from training.grpo.monitors import AlertLog, LedgerCallback
+    from training.grpo.monitors import AlertLog, BudgetReachedBeforeTraining, LedgerCallback
     from training.grpo.reward_utils import policy_thinks, task_verifier
     from training.grpo.run import detect_device, git_commit
     from training.registry import heartbeat_callback, write_heartbeat
@@ -240,14 +243,17 @@ def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_step
         (run_dir / "eval_before.json").write_text(json.dumps(before, indent=2) + "\n")
     ledger_cb.startup_t0, ledger_cb.pre_eval_s = process_t0, t_eval
     t_train = time.perf_counter()
-    trainer.train()
+    try:
+        trainer.train()
+    except BudgetReachedBeforeTraining as e:  # start-up used the budget: no step trained (ledger.stop_reason says)
+        logger.warning("stopped before the first step: %s", e)
     train_wall = time.perf_counter() - t_train
     model_dir = run_dir / "model"
     trainer.save_model(str(model_dir))
     tokenizer.save_pretrained(model_dir)
     after = None
     t_after = 0.0
-    if cfg.eval.after:
+    if cfg.eval.after and not ledger.hard_stop:  # a budget's hard line: spend nothing more
         t0 = time.perf_counter()
         after = evaluate(trainer.model)
         t_after = time.perf_counter() - t0
