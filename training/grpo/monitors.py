@@ -217,13 +217,17 @@ class LedgerCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         now = time.perf_counter()
         if self.startup_t0 is not None:  # bill start-up (imports, model load, trainer set-up) and the first eval
-            startup = max(0.0, now - self.startup_t0 - self.pre_eval_s)
-            self.ledger.record_overhead("startup", state.global_step, {"startup": startup, "eval": self.pre_eval_s})
+            startup, pre_eval = max(0.0, now - self.startup_t0 - self.pre_eval_s), self.pre_eval_s
+            if self.reduce is not None:  # every process bills (and decides on) the same row, as for steps
+                startup = self.reduce(StepCounters(), startup)[1]
+                pre_eval = self.reduce(StepCounters(), pre_eval)[1]
+            self.ledger.record_overhead("startup", state.global_step, {"startup": startup, "eval": pre_eval})
             self.startup_t0 = None
             if self._check(state.global_step, state.is_world_process_zero):
                 # The Trainer checks should_training_stop only after a step: a stop set here would still train
-                # (and bill) one step past a budget that start-up alone used up (31x a tiny budget, seen).
-                raise BudgetReachedBeforeTraining(self.ledger.check().stop_reason or "budget reached")
+                # (and bill) one step past a budget that start-up alone used up (31x a tiny budget, seen). Every
+                # process raises alike: the row and the ledger they check are the same.
+                raise BudgetReachedBeforeTraining(self.ledger.stop_reason or "budget reached")
         self._t = time.perf_counter()
 
     def close_finish(self, step: int, eval_s: float) -> None:
