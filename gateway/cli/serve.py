@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import re
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 import typer
 
@@ -68,7 +68,8 @@ def serve(
             typer.echo(f"thinkgate: warning: {exc}; continuing without Redis (/ready reports it)", err=True)
         else:
             # which Redis, said once: a server that was already answering may be shared with other gateways
-            shown = re.sub(r"//[^@/]*@", "//", redis_url)  # never print a password
+            parts = urlsplit(redis_url)  # never print a password: no user info, no query (?password=…)
+            shown = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
             typer.echo(f"thinkgate: Redis: started a private redis-server at {shown}" if redis_proc is not None
                        else f"thinkgate: Redis: using the server already answering at {shown} (key prefix "
                        f"{loaded.redis.key_prefix!r}: a gateway with the same prefix there shares keys, limits, "
