@@ -44,12 +44,15 @@ _ROW_KEYS = {
 
 def write_heartbeat(run_dir: str | Path, step: int) -> None:
     """Rewrite ``<run_dir>/heartbeat.json`` (atomically: a reader never sees half a file)."""
-    d = Path(run_dir)
-    tmp = d / (HEARTBEAT_FILE + ".tmp")
-    tmp.write_text(
-        json.dumps({"ts": round(time.time(), 3), "step": step, "pid": os.getpid(), "host": socket.gethostname()})
-    )
-    tmp.replace(d / HEARTBEAT_FILE)
+    _write_beat(Path(run_dir) / HEARTBEAT_FILE,
+                {"ts": round(time.time(), 3), "step": step, "pid": os.getpid(), "host": socket.gethostname()})
+
+
+def _write_beat(path: Path, beat: dict[str, Any]) -> None:
+    # a temporary file of this process's own, then one rename: atomic, and two writers never share a temp file
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(beat))
+    tmp.replace(path)
 
 
 def mark_interrupted(run_dir: str | Path) -> int | None:
@@ -66,9 +69,7 @@ def mark_interrupted(run_dir: str | Path) -> int | None:
         if beat.get("pid") != os.getpid():
             return None
         beat.update(state="interrupted", ts=round(time.time(), 3))
-        tmp = path.with_name(f"{HEARTBEAT_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(beat))
-        tmp.replace(path)
+        _write_beat(path, beat)
     except (OSError, ValueError):
         return None
     return int(beat.get("step", 0))

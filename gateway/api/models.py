@@ -79,11 +79,11 @@ def attach(app: FastAPI, settings: Settings, proxy: Proxy, routing: Routing, cre
         await proxy.keys.authenticate(request.headers.get("authorization"))
         if model_id == AUTO:
             return _json(auto_card(request))
-        for t in settings.tiers:
-            if t.name == model_id:
-                return _json(_tier_card(t, created))
-        raise UnknownModel(f"the model {model_id!r} does not exist (models: auto, "
-                           f"{', '.join(t.name for t in settings.tiers)})", param="model")
+        try:
+            return _json(_tier_card(settings.tier(model_id), created))
+        except KeyError:
+            raise UnknownModel(f"the model {model_id!r} does not exist (models: auto, "
+                               f"{', '.join(t.name for t in settings.tiers)})", param="model") from None
 
     @app.post("/admin/router/reload")
     async def reload_router(request: Request) -> Response:

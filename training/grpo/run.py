@@ -174,17 +174,20 @@ def build_grpo_args(cfg: RunConfig, run_dir: Path, reward_weights: list[float], 
     (:func:`check_trl_options`)."""
     from trl import GRPOConfig
 
-    check_trl_options(cfg)
+    check_trl_options(cfg, build=False)  # the build below is GRPOConfig's own check: no scratch one first
     kwargs = cfg.trl_kwargs()
     agg = "normalize_then_sum" if cfg.advantages.aggregation == "decoupled" else "sum_then_normalize"
     base = cpu_defaults(cpu)
-    return GRPOConfig(
-        **{**base, **kwargs},
-        output_dir=str(run_dir),
-        reward_weights=reward_weights,
-        multi_objective_aggregation=agg,
-        scale_rewards=cfg.advantages.scale,
-    )
+    try:
+        return GRPOConfig(
+            **{**base, **kwargs},
+            output_dir=str(run_dir),
+            reward_weights=reward_weights,
+            multi_objective_aggregation=agg,
+            scale_rewards=cfg.advantages.scale,
+        )
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"trl: GRPOConfig refuses these options: {e}") from None
 
 
 # Config sections whose change alters what is learned or how it is counted; `trl` minus _NON_HPARAMS.
