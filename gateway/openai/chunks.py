@@ -15,6 +15,8 @@ Both directions work on OpenAI's shapes (chat: ``chat.completion`` ↔ ``chat.co
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,14 @@ from gateway.openai.usage import REASONING_FIELDS
 def _pieces(text: str, size: int) -> Iterator[str]:
     for i in range(0, len(text), size):
         yield text[i : i + size]
+
+
+def fresh_identity(body: dict[str, Any]) -> dict[str, Any]:
+    """A shallow copy of the complete response ``body`` with a new ``id`` (``chatcmpl-`` or ``cmpl-`` and 32 hex
+    digits, vLLM's shape) and ``created`` (Unix seconds, now): what a cached answer is served as, so that no two
+    responses share an id (SDKs, tracing tools and logs key completions by it)."""
+    prefix = "cmpl-" if body.get("object") == "text_completion" else "chatcmpl-"
+    return {**body, "id": prefix + uuid.uuid4().hex, "created": int(time.time())}
 
 
 def replay(body: dict[str, Any], include_usage: bool, chunk_chars: int = 16) -> Iterator[bytes]:

@@ -38,7 +38,7 @@ from gateway.errors import ClientClosed, GatewayError, UpstreamError, UpstreamUn
 from gateway.ledger.record import UsageRecord, emit
 from gateway.observability.telemetry import Telemetry, span
 from gateway.observability.telemetry import finish as end_trace
-from gateway.openai.chunks import replay_chunks
+from gateway.openai.chunks import fresh_identity, replay_chunks
 from gateway.openai.sse import Chunk
 from gateway.pipeline import abstention, escalation, policy, upstream_body
 from gateway.pipeline.accounting import Ahead
@@ -284,10 +284,12 @@ class Proxy:
         return None
 
     async def _replay_hit(self, ex: Exchange, caller: Caller) -> Answer:
-        """Serve a cached answer (the dict, or replayed as chunks): metered as a hit (cost 0, saved = its price)."""
+        """Serve a cached answer (the dict, or replayed as chunks): metered as a hit (cost 0, saved = its price).
+        The answer gets its own ``id`` and ``created`` (:func:`fresh_identity`): clients and tracing tools key
+        completions by id, and two requests must not share one."""
         ticket = ex.ticket
         assert ticket is not None and ticket.entry is not None
-        cached = ticket.entry.body
+        cached = fresh_identity(ticket.entry.body)
         ex.stamp(replace(ex.route, reason="cache"))
         record = ex.record
         record.cached = True

@@ -46,6 +46,11 @@ def test_miss_then_hit_with_headers_and_hit_metering(gw: GatewayServer, upstream
     assert second.headers["x-thinkgate-tier"] == "short"
     a, b = first.parse(), second.parse()
     assert a.choices[0].message.content == b.choices[0].message.content
+    # a hit is its own completion: its own id (vLLM's shape) and creation time, never the stored answer's
+    assert b.id != a.id and b.id.startswith("chatcmpl-") and len(b.id) == len("chatcmpl-") + 32
+    assert b.created >= a.created
+    third = c.chat.completions.create(**ask(tag))
+    assert third.id not in (a.id, b.id)
     assert a.usage == b.usage
     assert upstream_sim.tag(tag)["attempts"] == 1  # the hit never reached the upstream
     events = usage_events(gw, [first.headers["x-request-id"], second.headers["x-request-id"]])
@@ -109,7 +114,8 @@ def test_replayed_stream_without_usage_and_raw_sse_framing(gw: GatewayServer) ->
     body = {"model": "short", "messages": [{"role": "user", "content": f"count {tag}"}], "temperature": 0,
             "sim": {"tag": tag}}
     headers = {"authorization": f"Bearer {SECRETS['alice']}"}
-    httpx.post(gw.base_url + "/chat/completions", json=body, headers=headers, timeout=30).raise_for_status()
+    stored = httpx.post(gw.base_url + "/chat/completions", json=body, headers=headers, timeout=30)
+    stored.raise_for_status()
     r = httpx.post(gw.base_url + "/chat/completions", json={**body, "stream": True}, headers=headers, timeout=30)
     assert r.headers["x-thinkgate-cache"] == "hit"
     assert r.headers["content-type"].startswith("text/event-stream")
@@ -118,6 +124,8 @@ def test_replayed_stream_without_usage_and_raw_sse_framing(gw: GatewayServer) ->
     chunks = [orjson.loads(e[6:]) for e in events[:-2]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all(c["choices"] for c in chunks)  # no usage chunk: the client did not ask for one
+    ids = {c["id"] for c in chunks}  # one id for the whole replayed stream, not the stored answer's
+    assert len(ids) == 1 and stored.json()["id"] not in ids
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
@@ -138,6 +146,7 @@ def test_single_flight_16_concurrent_identical_misses(gw: GatewayServer, upstrea
     kinds = sorted(r.headers["x-thinkgate-cache"] for r in responses)
     assert kinds == ["hit"] * 15 + ["miss"]
     assert len({r.json()["choices"][0]["message"]["content"] for r in responses}) == 1
+    assert len({r.json()["id"] for r in responses}) == 16  # the same answer, 16 completions
 
 
 def test_cache_control_and_policy(gw: GatewayServer, upstream_sim: SimProcess) -> None:
