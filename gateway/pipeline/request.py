@@ -111,6 +111,9 @@ def _check_fields(body: dict[str, Any], checks: dict[str, Check]) -> None:
     if not isinstance(body.get("model"), str):
         raise InvalidRequest("'model' is required", param="model")
     so = body.get("stream_options")
+    if so and not body.get("stream"):  # OpenAI's and vLLM's rule, in OpenAI's words
+        raise InvalidRequest("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                             param="stream_options")
     if so is not None and "include_usage" in so and not isinstance(so["include_usage"], bool):
         raise InvalidRequest("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
 

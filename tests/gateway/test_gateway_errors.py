@@ -55,6 +55,19 @@ def test_wrong_types_through_sdk(openai_client: openai.OpenAI, field: str, value
     assert info.value.type == "invalid_request_error"  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_options_need_a_stream(gateway: Any, path: str) -> None:
+    # OpenAI's and vLLM's rule: stream_options on a non-streamed request is a 400, not silently dropped
+    body: dict[str, Any] = {"model": "auto", "stream_options": {"include_usage": True},
+                            **({"messages": MESSAGES} if "chat" in path else {"prompt": "hi"})}
+    for stream in (None, False):
+        r = post(gateway, body if stream is None else {**body, "stream": stream}, path)
+        assert_openai_error(r, 400, param="stream_options")
+        assert "only allowed when 'stream' is enabled" in r.json()["error"]["message"]
+    assert post(gateway, {**body, "stream_options": None}, path).status_code == 200
+    assert post(gateway, {**body, "stream_options": {}}, path).status_code == 200  # empty: vLLM accepts it too
+
+
 @pytest.mark.parametrize("messages", [[], "hello", [{"content": "no role"}], [{"role": "user", "content": 5}]])
 def test_bad_messages(gateway: Any, messages: Any) -> None:
     r = post(gateway, {"model": "auto", "messages": messages})
