@@ -85,7 +85,7 @@ class EmbeddingsAPI:
             tier = self.tier_for(body["model"])
         route = RouteDecision(tier, "forced")
         try:
-            await proxy.accounting.admit(key, estimate_body(body), record, [tier])
+            admitted = await proxy.accounting.admit(key, estimate_body(body), record, [tier])
         except GatewayError as exc:
             proxy.refused(record, exc, route)
             raise
@@ -104,8 +104,10 @@ class EmbeddingsAPI:
             usage = data.get("usage") if isinstance(data, dict) else None
             record.set_usage(usage if isinstance(usage, dict) else None)
             await ex.close(200)
-            return Response(resp.content, media_type="application/json",
-                            headers=route_headers(ex.route, record.request_id))
+            headers = route_headers(ex.route, record.request_id)
+            if admitted.rate is not None:
+                headers |= admitted.rate.headers()
+            return Response(resp.content, media_type="application/json", headers=headers)
         except BaseException as exc:
             cancelled = isinstance(exc, asyncio.CancelledError | anyio.get_cancelled_exc_class())
             with anyio.CancelScope(shield=True):

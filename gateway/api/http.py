@@ -134,7 +134,7 @@ def route_headers(route: RouteDecision, request_id: str) -> dict[str, str]:
 
 def headers_of(answer: Answer) -> dict[str, str]:
     """The gateway's response headers for ``answer``: route, request id, cache status (and similarity),
-    escalation note, session state."""
+    escalation note, session state, and OpenAI's ``x-ratelimit-*`` when the key has an RPM or TPM limit."""
     h = route_headers(answer.route, answer.request_id)
     h[CACHE_HEADER] = answer.cache
     if answer.similarity is not None:
@@ -143,6 +143,8 @@ def headers_of(answer: Answer) -> dict[str, str]:
         h[ESCALATION_HEADER] = answer.escalation
     if answer.session is not None:
         h[SESSION_HEADER] = answer.session
+    if answer.rate is not None:
+        h |= answer.rate.headers()
     return h
 
 

@@ -24,6 +24,7 @@ from gateway.openai.sse import Chunk
 
 if TYPE_CHECKING:
     from gateway.pipeline.routing import RouteDecision
+    from gateway.state.limits import RateState
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,8 @@ class Answer:
     raw: bytes | None = None
     stream: AsyncGenerator[list[Chunk], None] | None = None
     after: Callable[[], Awaitable[None]] | None = None
+    #: the key's RPM/TPM windows after its admission (``x-ratelimit-*`` headers); None when it has no such limit
+    rate: RateState | None = None
 
     @property
     def escalated(self) -> bool:

@@ -121,8 +121,8 @@ class Proxy:
             # the post-routing upstream request)
             up_body = upstream_body.build(body, route.tier, caller.endpoint)
             with span("limits"):
-                await acct.admit(caller.key, body, record, [route.tier, *self._fallbacks(route)],
-                                 Ahead(route.tier, route.reason, up_body, caller.headers))
+                admitted = await acct.admit(caller.key, body, record, [route.tier, *self._fallbacks(route)],
+                                            Ahead(route.tier, route.reason, up_body, caller.headers))
         except GatewayError as exc:
             self.refused(record, exc, route)
             raise
@@ -145,6 +145,7 @@ class Proxy:
                 await ex.abandon(CLIENT_CLOSED if cancelled else 500,
                                  "client_disconnected" if cancelled else "internal_error")
             raise
+        answer.rate = admitted.rate
         if sticky is not None and self.sessions is not None:
             answer.session = sticky.state
             if answer.escalated:

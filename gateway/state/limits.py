@@ -63,7 +63,7 @@ import calendar
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Literal, Protocol
@@ -82,6 +82,8 @@ from gateway.state.redis import FastScript, RedisHandle
 from gateway.state.reservations import LUA_FUNCTIONS, RENEW_LUA, ROLLBACK_LUA
 
 WINDOW_MS = 60_000
+#: values after the levels in an admitted ``ADMIT`` reply: the key's RPM and TPM windows (:class:`RateState`)
+RATE_FIELDS = 4
 MESSAGE_OVERHEAD_TOKENS = 8  # chat template tokens per message, upper bound
 REQUEST_OVERHEAD_TOKENS = 16
 TOOLS_OVERHEAD_TOKENS = 256  # the template's tool-calling preamble, upper bound
@@ -99,7 +101,9 @@ FORCED_THINK_OPEN = "<think>\n"  # what forced thinking's phase 2 opens the re-s
 #       fallback when the level has no definition hash —, 14+4i tokens to reserve here, 15+4i read the
 #       definition hash (1/0).
 # Every level is reserved (budgeted or not: a budget set later sees the requests in flight).
-# Returns {1, per level: day spend, month spend, reserved, day budget, month budget (-1 none)} or
+# Returns {1, per level: day spend, month spend, reserved, day budget, month budget (-1 none), then the key's RPM
+#         window: requests used (ceiling) and ms until empty, and its TPM window: tokens used and ms (-1 -1 each when
+#         the limit is not set or not checked in this call)} or
 #         {0, code, level index (1-based in this call; 0 for RPM/TPM), what, retry_after_s, budget, spent, reserved}.
 ADMIT_CORE = """
 local now = tonumber(ARGV[1])
@@ -161,18 +165,19 @@ local function retry_s(limit, cur, prev)
   end
   return math.max(1, math.ceil(t / 1000))
 end
+local rcur, rprev, tcur, tprev = 0, 0, 0, 0
 if rpm >= 0 then
-  local cur = tonumber(redis.call('GET', KEYS[R + 1]) or '0')
-  local prev = tonumber(redis.call('GET', KEYS[R + 2]) or '0')
-  if prev * frac + cur + 1 > rpm then
-    return {0, 'rate_limit_exceeded', 0, 'rpm', retry_s(rpm, cur, prev), rpm, 0, 0}
+  rcur = tonumber(redis.call('GET', KEYS[R + 1]) or '0')
+  rprev = tonumber(redis.call('GET', KEYS[R + 2]) or '0')
+  if rprev * frac + rcur + 1 > rpm then
+    return {0, 'rate_limit_exceeded', 0, 'rpm', retry_s(rpm, rcur, rprev), rpm, 0, 0}
   end
 end
 if tpm >= 0 then
-  local cur = tonumber(redis.call('GET', KEYS[R + 3]) or '0')
-  local prev = tonumber(redis.call('GET', KEYS[R + 4]) or '0')
-  if prev * frac + cur >= tpm then
-    return {0, 'rate_limit_exceeded', 0, 'tpm', retry_s(tpm, cur, prev), tpm, 0, 0}
+  tcur = tonumber(redis.call('GET', KEYS[R + 3]) or '0')
+  tprev = tonumber(redis.call('GET', KEYS[R + 4]) or '0')
+  if tprev * frac + tcur >= tpm then
+    return {0, 'rate_limit_exceeded', 0, 'tpm', retry_s(tpm, tcur, tprev), tpm, 0, 0}
   end
 end
 local ttl = tonumber(ARGV[8])
@@ -189,6 +194,19 @@ if tpm >= 0 then
 end
 local out = {1}
 for _, v in ipairs(seen) do out[#out + 1] = v end
+-- the key's windows after this request (x-ratelimit-* headers): used requests / tokens (ceiling), and the ms until
+-- each window is empty (-1: no such limit)
+local function rate_reply(limit, cur, prev)
+  if limit < 0 then return -1, -1 end
+  local empty = (cur > 0) and (2 * W - elapsed) or ((prev > 0) and (W - elapsed) or 0)
+  return math.ceil(prev * frac + cur), empty
+end
+local ru, rr = rate_reply(rpm, rcur + 1, rprev)
+local tu, tr = rate_reply(tpm, tcur + tonumber(ARGV[6]), tprev)
+out[#out + 1] = ru
+out[#out + 1] = rr
+out[#out + 1] = tu
+out[#out + 1] = tr
 """
 ADMIT_LUA = LUA_FUNCTIONS + ADMIT_CORE + "return out\n"
 
@@ -392,6 +410,54 @@ class LevelState:
 
 
 @dataclass(frozen=True, slots=True)
+class RateState:
+    """A key's RPM and TPM windows right after an admitted call (its own request and token estimate counted), for
+    OpenAI's ``x-ratelimit-*`` response headers. ``*_limit``: the key's limit (None: not set); ``*_remaining``: what
+    is left of it now (≥ 0; tokens count in-flight calls at their upper-bound estimate until they settle);
+    ``*_reset_ms``: ms until the sliding window holds nothing of the past (OpenAI's "resets to its initial state")."""
+
+    requests_limit: int | None = None
+    requests_remaining: int = 0
+    requests_reset_ms: int = 0
+    tokens_limit: int | None = None
+    tokens_remaining: int = 0
+    tokens_reset_ms: int = 0
+
+    @classmethod
+    def of(cls, lim: KeyLimits, tail: Sequence[Any]) -> RateState | None:
+        """From the :data:`RATE_FIELDS` values of an admitted reply; None when the key has neither limit."""
+        if lim.rpm is None and lim.tpm is None:
+            return None
+        ru, rr, tu, tr = (int(v) for v in tail[:RATE_FIELDS])
+        out = cls()
+        if lim.rpm is not None and ru >= 0:
+            out = replace(out, requests_limit=lim.rpm, requests_remaining=max(0, lim.rpm - ru), requests_reset_ms=rr)
+        if lim.tpm is not None and tu >= 0:
+            out = replace(out, tokens_limit=lim.tpm, tokens_remaining=max(0, lim.tpm - tu), tokens_reset_ms=tr)
+        return out
+
+    def headers(self) -> dict[str, str]:
+        """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` (OpenAI's names; reset as ``6m0s`` / ``20s``)
+        for the limits that are set."""
+        h: dict[str, str] = {}
+        if self.requests_limit is not None:
+            h["x-ratelimit-limit-requests"] = str(self.requests_limit)
+            h["x-ratelimit-remaining-requests"] = str(self.requests_remaining)
+            h["x-ratelimit-reset-requests"] = duration(self.requests_reset_ms)
+        if self.tokens_limit is not None:
+            h["x-ratelimit-limit-tokens"] = str(self.tokens_limit)
+            h["x-ratelimit-remaining-tokens"] = str(self.tokens_remaining)
+            h["x-ratelimit-reset-tokens"] = duration(self.tokens_reset_ms)
+        return h
+
+
+def duration(ms: int) -> str:
+    """``ms`` as OpenAI writes a rate-limit reset: ``0s``, ``20s``, ``1m30s`` (whole seconds, rounded up)."""
+    m, sec = divmod(max(0, math.ceil(ms / 1000)), 60)
+    return f"{m}m{sec}s" if m else f"{sec}s"
+
+
+@dataclass(frozen=True, slots=True)
 class Admission:
     """An admitted upstream call. ``where``: ``redis`` (reservations in Redis), ``local`` (fail-open, process
     counters), ``none`` (under no budget or limit). Spend figures are micro-USD read at admission (None if not
@@ -408,6 +474,9 @@ class Admission:
     rode: bool = False
     #: the reply of the rider's cache lookup (``cache_lookup``'s), None when there was none
     lookup_reply: list[Any] | None = None
+    #: the key's RPM/TPM windows after this call (``x-ratelimit-*``); None when it has neither limit or when the
+    #: call was not decided in Redis
+    rate: RateState | None = None
 
 
 @functools.lru_cache(maxsize=4)
@@ -439,9 +508,14 @@ def refusal(code: str, what: str, retry_after_s: int, key_id: str, level: Level 
             est_micro: int | None = None, budget: int | None = None, spent: int | None = None,
             reserved: int | None = None, mode: str = "hard") -> RateLimited:
     """The 429 error for a refusal (OpenAI shape, ``Retry-After``; budget refusals also
-    ``x-thinkgate-budget-level``). The message names the level, the period, the estimate and what remains."""
+    ``x-thinkgate-budget-level``, RPM/TPM refusals ``x-ratelimit-*`` with ``budget`` the limit). The message
+    names the level, the period, the estimate and what remains."""
     headers = {"retry-after": str(int(retry_after_s))}
     if code != "budget_exceeded":
+        if budget is not None and what in ("rpm", "tpm"):  # ``budget``: the limit; OpenAI's headers on its 429s too
+            unit = "requests" if what == "rpm" else "tokens"
+            headers |= {f"x-ratelimit-limit-{unit}": str(budget), f"x-ratelimit-remaining-{unit}": "0",
+                        f"x-ratelimit-reset-{unit}": duration(int(retry_after_s) * 1000)}
         return RateLimited(f"key {key_id!r}: {what.upper()} limit reached", code=code, headers=headers)
     lvl = level or Level("key", key_id)
     who = f"key {key_id!r}" if lvl.kind == "key" else lvl.label
@@ -546,9 +620,9 @@ class LocalCounters:
         frac = (WINDOW_MS - elapsed) / WINDOW_MS
         retry = max(1, math.ceil((WINDOW_MS - elapsed) / 1000))
         if lim.rpm is not None and rate.rpm.get(w - 1, 0) * frac + rate.rpm.get(w, 0) + 1 > lim.rpm:
-            return ("rate_limit_exceeded", "rpm", retry, None, None, None, None)
+            return ("rate_limit_exceeded", "rpm", retry, None, lim.rpm, None, None)
         if lim.tpm is not None and rate.tpm.get(w - 1, 0) * frac + rate.tpm.get(w, 0) >= lim.tpm:
-            return ("rate_limit_exceeded", "tpm", retry, None, None, None, None)
+            return ("rate_limit_exceeded", "tpm", retry, None, lim.tpm, None, None)
         return None
 
     def settle(self, event: UsageEvent) -> None:
@@ -620,13 +694,14 @@ class Limits:
         day, month = _day_month(now)
         try:
             if self.grouped:
-                states = await self._admit_grouped(lim, reservation_id, est, now, all_levels, day, month)
+                states, rate = await self._admit_grouped(lim, reservation_id, est, now, all_levels, day, month)
             else:
                 if not self.fused:
                     rider = None
                 res = await self.breaker.call(lambda: self._run(lim, reservation_id, est, now, all_levels, day,
                                                                 month, rate=True, rider=rider))
                 states = self._states(lim, est, res, all_levels)
+                rate = RateState.of(lim, res[1 + 5 * len(all_levels):])
         except RedisDown:
             return self._admit_locally(lim, reservation_id, est, now, local_levels)
         for st in states:
@@ -634,10 +709,10 @@ class Limits:
         self.local.note(lim, reservation_id, est, now, [st.level for st in states[1:] if st.level.budgeted])
         reply = None
         if rider is not None and not self.grouped and rider.lookup is not None:
-            reply = list(res[1 + 5 * len(all_levels):])
+            reply = list(res[1 + 5 * len(all_levels) + RATE_FIELDS:])
         return Admission(lim.key_id, reservation_id, "redis", est, states[0].spent_day_micro,
                          states[0].spent_month_micro, tuple(states), rode=rider is not None and not self.grouped,
-                         lookup_reply=reply)
+                         lookup_reply=reply, rate=rate)
 
     def _admit_locally(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
                        levels: list[Level]) -> Admission:
@@ -703,7 +778,8 @@ class Limits:
         return out
 
     async def _admit_grouped(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
-                             all_levels: list[Level], day: str, month: str) -> list[LevelState]:
+                             all_levels: list[Level], day: str, month: str
+                             ) -> tuple[list[LevelState], RateState | None]:
         """One atomic check-and-reserve per level (the key's with its RPM/TPM first); when one refuses, the
         levels already reserved are rolled back (``ROLLBACK_LUA``) and the refusal raised. Between a group's
         reservation and a rollback, another request may see it and be refused spuriously; no level is ever
@@ -711,6 +787,7 @@ class Limits:
         their TTL: they can only refuse, never admit, too much)."""
         states: list[LevelState] = []
         done: list[int] = []
+        rate_state = None
         for i, lvl in enumerate(all_levels):
             rate = i == 0
             res = await self.breaker.call(functools.partial(self._run, lim, reservation_id, est, now, [lvl], day,
@@ -720,8 +797,10 @@ class Limits:
             except RateLimited:
                 await self._roll_back(lim, reservation_id, est, now, [all_levels[j] for j in done])
                 raise
+            if rate:
+                rate_state = RateState.of(lim, res[6:])
             done.append(i)
-        return states
+        return states, rate_state
 
     async def _roll_back(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
                          levels: Sequence[Level]) -> None:

@@ -102,12 +102,26 @@ def test_rpm_through_the_sdk(gw: GatewayServer, redis_url: str, prefix: str) -> 
     secret = create_key(redis_url, prefix, f"rpm-{uuid.uuid4().hex[:8]}", rpm=2)
     c = openai.OpenAI(base_url=gw.base_url, api_key=secret, max_retries=0, timeout=30)
     msgs = [{"role": "user", "content": "rate me"}]
-    c.chat.completions.create(model="short", messages=msgs)  # type: ignore[arg-type]
-    c.chat.completions.create(model="short", messages=msgs)  # type: ignore[arg-type]
+    first = c.chat.completions.with_raw_response.create(model="short", messages=msgs)  # type: ignore[arg-type]
+    second = c.chat.completions.with_raw_response.create(model="short", messages=msgs,  # type: ignore[arg-type]
+                                                         stream=True)
+    # OpenAI's rate-limit headers, on JSON and SSE answers alike: the window after this request
+    for r, left in ((first, "1"), (second, "0")):
+        assert r.headers["x-ratelimit-limit-requests"] == "2"
+        assert r.headers["x-ratelimit-remaining-requests"] == left
+        assert r.headers["x-ratelimit-reset-requests"].endswith("s")
+        assert "x-ratelimit-limit-tokens" not in r.headers  # no TPM limit on this key
+    list(second.parse())
     with pytest.raises(openai.RateLimitError) as info:
         c.chat.completions.create(model="short", messages=msgs)  # type: ignore[arg-type]
     assert info.value.code == "rate_limit_exceeded"
-    assert 1 <= int(info.value.response.headers["retry-after"]) <= 120
+    h = info.value.response.headers
+    assert 1 <= int(h["retry-after"]) <= 120
+    assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) == ("2", "0")
+    # a key without limits gets none of them
+    plain = openai.OpenAI(base_url=gw.base_url, api_key=SECRETS["alice"], max_retries=0, timeout=30)
+    r = plain.chat.completions.with_raw_response.create(model="short", messages=msgs)  # type: ignore[arg-type]
+    assert not [k for k in r.headers if k.startswith("x-ratelimit-")]
 
 
 def test_tpm_through_the_gateway(gw: GatewayServer, redis_url: str, prefix: str) -> None:
@@ -118,9 +132,13 @@ def test_tpm_through_the_gateway(gw: GatewayServer, redis_url: str, prefix: str)
     for _ in range(10):
         r = httpx.post(gw.base_url + "/chat/completions", json=_body(uuid.uuid4().hex), headers=headers, timeout=30)
         codes.append(r.status_code)
+        assert r.headers["x-ratelimit-limit-tokens"] == "60"
         if r.status_code == 429:
             assert r.json()["error"]["code"] == "rate_limit_exceeded" and "TPM" in r.json()["error"]["message"]
+            assert r.headers["x-ratelimit-remaining-tokens"] == "0"
             break
+        # what is left after this request's upper-bound reservation (settled below to its real tokens)
+        assert 0 <= int(r.headers["x-ratelimit-remaining-tokens"]) < 60
         usage_events(gw, [r.headers["x-request-id"]])  # settled: the window holds real tokens, not the reservation
     assert codes[0] == 200 and codes[-1] == 429
     assert 3 <= len(codes) <= 5  # settled with the real token counts, not the reserved upper bounds

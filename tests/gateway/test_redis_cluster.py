@@ -45,7 +45,8 @@ def served(backend: ClusterSet | SentinelSet, upstream_sim: SimProcess,
     (``redis.start_if_missing: true``); alice's daily budget fits one request's admission estimate, not two."""
     tmp = tmp_path_factory.mktemp("serve")
     one = estimate(BUDGET_BODY, [TierConfig(**t) for t in sim_tiers(upstream_sim.base_url)[1:]]).micro_usd
-    auth = keys_config(alice={"budget_usd_day": str(Decimal(one * 3 // 2) / 1_000_000)})
+    auth = keys_config(alice={"budget_usd_day": str(Decimal(one * 3 // 2) / 1_000_000)},
+                       bob={"rpm": 1000, "tpm": 1_000_000})
     cfg = serve_config(upstream_sim.base_url, tmp, f"tgc{uuid.uuid4().hex[:6]}:", auth=auth)
     with serve(cfg, tmp, {"THINKGATE_REDIS__URL": backend.url}) as sp:
         yield sp
@@ -79,6 +80,12 @@ def test_requests_are_served_cached_and_metered(served: ServeProcess, upstream_s
     first, second = _post(served, "bob", body), _post(served, "bob", body)
     assert (first.status_code, second.status_code) == (200, 200), (first.text, second.text)
     assert (first.headers["x-thinkgate-cache"], second.headers["x-thinkgate-cache"]) == ("miss", "hit")
+    # the key's RPM/TPM windows as admission left them (grouped admission on Cluster, one script on Sentinel)
+    for r in (first, second):
+        assert r.headers["x-ratelimit-limit-requests"] == "1000" and r.headers["x-ratelimit-limit-tokens"] == "1000000"
+        assert 0 < int(r.headers["x-ratelimit-remaining-requests"]) < 1000
+        assert 0 < int(r.headers["x-ratelimit-remaining-tokens"]) < 1_000_000
+    assert int(second.headers["x-ratelimit-remaining-requests"]) < int(first.headers["x-ratelimit-remaining-requests"])
     assert first.json()["choices"] == second.json()["choices"]
     rec = upstream_sim.tag(tag)
     assert rec is not None and rec["attempts"] == 1
