@@ -525,6 +525,8 @@ def refusal(code: str, what: str, retry_after_s: int, key_id: str, level: Level 
         left = max(0, budget - spent - (reserved or 0))
         if left > 0:  # room is left, only not enough for this request's estimate: "exhausted" would mislead
             msg = f"{who}: {period} budget would be exceeded by this request"
+        elif spent < budget:  # not spent: held by reservations of requests in flight, which may settle lower
+            msg = f"{who}: {period} budget fully reserved by requests in flight"
         msg += f" ({_usd(budget)}; spent {_usd(spent)}, reserved by requests in flight {_usd(reserved or 0)}"
         msg += f", remaining {_usd(left)})"
         if mode == "hard" and est_micro is not None:

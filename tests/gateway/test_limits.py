@@ -94,6 +94,12 @@ async def test_reserved_in_flight_refusal_says_retry_soon(redis_url: str, redis_
             await limits.admit(lim, "r2", Estimate(6000, 10), now)
         assert info.value.headers["retry-after"] == "1" and "in flight" in info.value.message
         assert "remaining $0.004000" in info.value.message and "up to $0.006000" in info.value.message
+        # the whole budget held by a request in flight: not "exhausted", nothing is spent yet
+        await limits.admit(KeyLimits("k2", budget_month_micro=10_000), "r4", Estimate(10_000, 10), now)
+        with pytest.raises(RateLimited) as full:
+            await limits.admit(KeyLimits("k2", budget_month_micro=10_000), "r5", Estimate(1000, 10), now)
+        assert "monthly budget fully reserved by requests in flight" in full.value.message
+        assert "exhausted" not in full.value.message and full.value.headers["retry-after"] == "1"
         # a reservation never settled (crashed replica) stops counting after reservation_ttl_s
         await asyncio.sleep(0.35)
         await limits.admit(lim, "r3", Estimate(6000, 10), time.time())
