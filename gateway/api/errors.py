@@ -2,7 +2,8 @@
 
 :func:`install_handlers` registers the app's handlers — a :class:`~gateway.errors.GatewayError` with its status,
 ``type``, ``code`` and extra headers (``Retry-After``, ``x-request-id``); FastAPI's validation errors as 400;
-Starlette's 404/405; anything else as a 500 ``internal_error`` (logged with its traceback, never sent).
+Starlette's 404/405 (in Anthropic's shape under ``/v1/messages``); anything else as a 500 ``internal_error``
+(logged with its traceback, never sent).
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from gateway.anthropic.messages import error_body
 from gateway.errors import GatewayError, InvalidRequest
 
 log = logging.getLogger("thinkgate.errors")
+
+#: the Messages API's paths (``gateway/api/messages.py``): their 404/405 answer in Anthropic's error shape
+MESSAGES_PATH = "/v1/messages"
 
 
 def error_response(exc: GatewayError) -> Response:
@@ -52,15 +57,18 @@ def install_handlers(app: FastAPI) -> None:
 
     async def on_http(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
-        err: GatewayError
-        if exc.status_code == 404:
-            err = InvalidRequest(f"no such endpoint: {request.method} {request.url.path}", code="not_found")
-            return Response(err.to_json(), status_code=404, media_type="application/json")
-        if exc.status_code == 405:
-            err = InvalidRequest("method not allowed", code="method_not_allowed")
-            return Response(err.to_json(), status_code=405, media_type="application/json")
-        err = InvalidRequest(str(exc.detail))
-        return Response(err.to_json(), status_code=exc.status_code, media_type="application/json")
+        status = exc.status_code
+        if status == 404:
+            err = InvalidRequest(f"no such endpoint: {request.method} {request.url.path}", code="not_found",
+                                 status=404)
+        elif status == 405:
+            err = InvalidRequest(f"method not allowed: {request.method} {request.url.path}",
+                                 code="method_not_allowed", status=405)
+        else:
+            err = InvalidRequest(str(exc.detail), status=status)
+        # under the Messages API's path, in Anthropic's shape: its SDK parses that one (NotFoundError, …)
+        body = error_body(err) if request.url.path.startswith(MESSAGES_PATH) else err.to_json()
+        return Response(body, status_code=status, media_type="application/json")
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         return internal_error_response(request.method, request.url.path, exc)

@@ -105,6 +105,19 @@ def test_bearer_auth_and_anthropic_error_shape(gw: GatewayServer) -> None:
             model="short", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
 
 
+def test_unserved_messages_paths_answer_in_anthropic_shape(gw: GatewayServer) -> None:
+    # the Message Batches API is not served: the SDK gets Anthropic's 404, not an OpenAI-shaped body
+    with pytest.raises(anthropic.NotFoundError) as nf:
+        sdk(gw).messages.batches.list()
+    assert nf.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    assert "/v1/messages/batches" in nf.value.body["error"]["message"]  # type: ignore[index]
+    r = httpx.get(gw.base_url + "/messages", headers={"x-api-key": SECRETS["bob"]}, timeout=10)
+    assert r.status_code == 405 and r.json()["type"] == "error" and "GET /v1/messages" in r.json()["error"]["message"]
+    # the OpenAI side keeps OpenAI's shape
+    r = httpx.get(gw.base_url + "/no-such-thing", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and "type" not in r.json()
+
+
 def test_streamed_events_and_final_usage(gw: GatewayServer) -> None:
     with sdk(gw).messages.with_streaming_response.create(
             model="long", max_tokens=200, messages=[{"role": "user", "content": USER}], stream=True) as raw:
