@@ -210,6 +210,6 @@ def create_app(settings: Settings) -> Gateway:
     if outcomes is not None:
         feedback_api.attach(app, keys, outcomes)
     models_api.attach(app, settings, proxy, routing, created)
-    ops_api.attach(app, settings, upstreams)
+    ops_api.attach(app, settings, upstreams, lambda: accounting.budgets.synced)
     dashboard_api.attach(app, settings, keys, accounting, routing)
     return app

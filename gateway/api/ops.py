@@ -9,12 +9,19 @@ and replayed, keys seen in the last ``auth.key_stale_s`` still accepted — so `
 the Service (or every server out of a load balancer's backend) at once and turn the fail-open the operator chose
 into a full outage (Kubernetes' advice: readiness should not fail on a dependency that all pods share).
 
-Body: ``{"status": "ready" | "degraded" | "not_ready", "redis": bool, "upstreams": {tier: bool}}``.
+One exception: a process that has **never** reached Redis since it started (it began during the outage) is
+``not_ready`` under ``fail_open`` too. It knows none of the keys created with ``thinkgate keys create`` (every
+request with one would get a 503) nor the budgets set with ``thinkgate budgets set`` (it would admit past them);
+keeping it out of the Service lets a rolling update stall on the old, warm pods instead of replacing them.
+
+Body: ``{"status": "ready" | "degraded" | "not_ready", "redis": bool, "redis_synced": bool, "upstreams": {tier:
+bool}}`` (``redis_synced``: the budget definitions were read from Redis since start).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from fastapi import FastAPI
 from starlette.responses import Response
@@ -32,8 +39,9 @@ async def _redis_ok(cfg: RedisConfig, timeout_s: float) -> bool:
     return await redis_ping(cfg.model_copy(update={"socket_timeout_s": timeout_s}))
 
 
-def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool) -> None:
-    """Add the liveness and readiness probes to ``app``."""
+def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool, synced: Callable[[], bool]) -> None:
+    """Add the liveness and readiness probes to ``app``. ``synced``: whether this process has read its state from
+    Redis since it started (``BudgetLevels.synced``)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -48,6 +56,8 @@ def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool) -> None:
         )
         redis_ok = bool(checks[0])
         upstream_ok = {t.name: ok for t, ok in zip(tiers, checks[1:], strict=True)}
-        serves = all(upstream_ok.values()) and (redis_ok or settings.limits.on_redis_down == "fail_open")
+        warm = synced()
+        serves = all(upstream_ok.values()) and (redis_ok or (settings.limits.on_redis_down == "fail_open" and warm))
         status = ("ready" if redis_ok else "degraded") if serves else "not_ready"
-        return _json({"status": status, "redis": redis_ok, "upstreams": upstream_ok}, 200 if serves else 503)
+        return _json({"status": status, "redis": redis_ok, "redis_synced": warm, "upstreams": upstream_ok},
+                     200 if serves else 503)

@@ -150,6 +150,7 @@ class Accounting:
             await BudgetStore(self.handle, self.breaker).sync()
         except RedisDown:
             log.warning("budget definitions not checked at start (Redis down)")
+        await self.budgets.refresh(force=True)  # the copy a Redis outage falls back on (``/ready`` reads synced)
         self._replayer = asyncio.create_task(self.meter.run_replayer(self._stop), name="usage-spool-replayer")
         if self.wal is not None:
             self._wal_task = asyncio.create_task(self.wal.run(self._stop), name="write-ahead-reconciler")

@@ -116,6 +116,9 @@ class BudgetLevels:
             self._config[GLOBAL] = _from_config(cfg.global_budget)
         self._stored: dict[str, tuple[int | None, int | None]] = {}
         self._read_at: float | None = None
+        #: the definitions have been read from Redis at least once since this process started (a pod that never
+        #: reached Redis knows none of the budgets set with ``thinkgate budgets set``: ``/ready`` says so)
+        self.synced = False
 
     async def refresh(self, force: bool = False) -> None:
         """Re-read ``budgets:defs`` when the copy is older than ``budget_refresh_s`` (or ``force``)."""
@@ -136,6 +139,7 @@ class BudgetLevels:
             stored[field.decode() if isinstance(field, bytes) else field] = (_micro(d.get("usd_day")),
                                                                               _micro(d.get("usd_month")))
         self._stored = stored
+        self.synced = True
 
     def learn(self, levels: Iterable[Level]) -> None:
         """Take the budgets an admission script applied (``Admission.levels``: the definitions in Redis at that

@@ -252,7 +252,8 @@ def test_the_container_serves_its_probes_and_metrics(served: tuple[str, str, dic
     assert httpx.get(base + c["livenessProbe"]["httpGet"]["path"], timeout=5).status_code == 200
     ready = httpx.get(base + c["readinessProbe"]["httpGet"]["path"], timeout=10)
     assert ready.status_code == 200, ready.text
-    assert ready.json() == {"status": "ready", "redis": True, "upstreams": {"short": True, "long": True}}
+    assert ready.json() == {"status": "ready", "redis": True, "redis_synced": True,
+                            "upstreams": {"short": True, "long": True}}
     ann = one(rendered["base"], "Deployment")["spec"]["template"]["metadata"]["annotations"]
     assert httpx.get(base + ann["prometheus.io/path"], timeout=5).status_code == 401  # the scrape needs a key
     m = httpx.get(base + ann["prometheus.io/path"], headers={"authorization": f"Bearer {secret}"}, timeout=5)
@@ -262,46 +263,81 @@ def test_the_container_serves_its_probes_and_metrics(served: tuple[str, str, dic
     assert r.status_code == 200 and r.headers["x-thinkgate-tier"] in ("short", "long")
 
 
+def _start_pod(tmp_path: Path, name: str, upstream_url: str, redis_url: str, on_redis_down: str
+               ) -> tuple[subprocess.Popen[bytes], str]:
+    """``thinkgate serve`` as the chart runs it (engine off, Redis external), answering ``/health``."""
+    home = tmp_path / name
+    home.mkdir()
+    cfg = home / "thinkgate.yaml"
+    cfg.write_text(yaml.safe_dump({"engine": {"enabled": False}, "redis": {"start_if_missing": False},
+                                   "limits": {"on_redis_down": on_redis_down},
+                                   "tiers": [{"name": "short", "base_url": upstream_url},
+                                             {"name": "long", "base_url": upstream_url}]}))
+    port = free_port()
+    env = {"THINKGATE_CONFIG": str(cfg), "THINKGATE_STATE_DIR": str(home / "state"),
+           "THINKGATE_SERVER__HOST": "127.0.0.1", "THINKGATE_SERVER__PORT": str(port),
+           "THINKGATE_REDIS__URL": redis_url, "THINKGATE_AUTH__REQUIRE_KEY": "false"}
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("thinkgate")), "serve"], env={**os.environ, **env},
+                            cwd=home, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    stop_process(proc, timeout_s=20)
+    raise AssertionError(f"pod {name} did not answer /health")
+
+
+UPSTREAMS_OK = {"short": True, "long": True}
+
+
 @pytest.mark.parametrize("on_redis_down", ["fail_open", "fail_closed"])
 def test_ready_with_redis_unreachable_says_what_the_pod_serves(tmp_path: Path, upstream_sim: SimProcess,
                                                                 on_redis_down: str) -> None:
-    """The readiness probe's other side, Redis gone. ``fail_open`` (the default): the pod still answers requests,
-    so ``/ready`` stays 200 (``degraded``) — Redis is shared by every pod, and a 503 here would take them all out
-    of the Service at once. ``fail_closed``: the pod refuses what is under a budget or limit, so ``/ready`` is
-    503. Either way
-    ``/health`` (liveness) stays 200, so the pod is not restarted for an outage it cannot fix."""
-    cfg = tmp_path / "thinkgate.yaml"
-    cfg.write_text(yaml.safe_dump({"engine": {"enabled": False}, "redis": {"start_if_missing": False},
-                                   "limits": {"on_redis_down": on_redis_down},
-                                   "tiers": [{"name": "short", "base_url": upstream_sim.base_url},
-                                             {"name": "long", "base_url": upstream_sim.base_url}]}))
-    port = free_port()
-    env = {"THINKGATE_CONFIG": str(cfg), "THINKGATE_STATE_DIR": str(tmp_path / "state"),
-           "THINKGATE_SERVER__HOST": "127.0.0.1", "THINKGATE_SERVER__PORT": str(port),
-           "THINKGATE_REDIS__URL": f"redis://127.0.0.1:{free_port()}/0", "THINKGATE_AUTH__REQUIRE_KEY": "false"}
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("thinkgate")), "serve"], env={**os.environ, **env},
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        health = None
-        while time.monotonic() < deadline and health is None:
-            assert proc.poll() is None
-            try:
-                health = httpx.get(base + "/health", timeout=1)
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        assert health is not None and health.status_code == 200
-        ready = httpx.get(base + "/ready", timeout=10)
-        chat = httpx.post(base + "/v1/chat/completions", timeout=30,
-                          json={"model": "short", "messages": [{"role": "user", "content": "two plus two"}]})
-        if on_redis_down == "fail_open":
-            assert ready.status_code == 200, ready.text
-            assert ready.json() == {"status": "degraded", "redis": False, "upstreams": {"short": True, "long": True}}
-            assert chat.status_code == 200, chat.text  # what the probe promises: the pod serves
-        else:
-            assert ready.status_code == 503 and ready.json()["status"] == "not_ready", ready.text
-            assert ready.json()["redis"] is False
-        assert httpx.get(base + "/health", timeout=5).status_code == 200
-    finally:
-        stop_process(proc, timeout_s=20)
+    """The readiness probe's other side, Redis gone. A pod that was serving, ``fail_open`` (the default): it still
+    answers requests, so ``/ready`` stays 200 (``degraded``) — Redis is shared by every pod, and a 503 here would
+    take them all out of the Service at once. ``fail_closed``: the pod refuses what is under a budget or limit, so
+    ``/ready`` is 503. A pod that *starts* during the outage has never read the keys and budgets kept in Redis:
+    503 in either mode (a rolling update then waits on the warm pods) until Redis answers. Either way ``/health``
+    (liveness) stays 200, so no pod is restarted for an outage it cannot fix."""
+    from tests.fixtures.redis_stack import persistent_redis
+
+    chat_body = {"model": "short", "messages": [{"role": "user", "content": "two plus two"}]}
+    (tmp_path / "redis").mkdir()
+    with persistent_redis(tmp_path / "redis") as redis:
+        warm, warm_base = _start_pod(tmp_path, "warm", upstream_sim.base_url, redis.url, on_redis_down)
+        late = None
+        try:
+            ready = httpx.get(warm_base + "/ready", timeout=10)
+            assert ready.status_code == 200 and ready.json() == {"status": "ready", "redis": True,
+                                                                 "redis_synced": True, "upstreams": UPSTREAMS_OK}
+            redis.stop()
+            ready = httpx.get(warm_base + "/ready", timeout=10)
+            chat = httpx.post(warm_base + "/v1/chat/completions", timeout=30, json=chat_body)
+            if on_redis_down == "fail_open":
+                assert ready.status_code == 200, ready.text
+                assert ready.json() == {"status": "degraded", "redis": False, "redis_synced": True,
+                                        "upstreams": UPSTREAMS_OK}
+                assert chat.status_code == 200, chat.text  # what the probe promises: the pod serves
+            else:
+                assert ready.status_code == 503 and ready.json()["status"] == "not_ready", ready.text
+                assert ready.json()["redis"] is False
+            assert httpx.get(warm_base + "/health", timeout=5).status_code == 200
+            # a new pod during the outage: not ready in either mode, alive, and ready once Redis is back
+            late, late_base = _start_pod(tmp_path, "late", upstream_sim.base_url, redis.url, on_redis_down)
+            ready = httpx.get(late_base + "/ready", timeout=10)
+            assert ready.status_code == 503, ready.text
+            assert ready.json() == {"status": "not_ready", "redis": False, "redis_synced": False,
+                                    "upstreams": UPSTREAMS_OK}
+            assert httpx.get(late_base + "/health", timeout=5).status_code == 200
+            redis.start()
+            ready = httpx.get(late_base + "/ready", timeout=10)
+            assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
+        finally:
+            for proc in (warm, late):
+                if proc is not None:
+                    stop_process(proc, timeout_s=20)
