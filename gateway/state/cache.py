@@ -20,7 +20,8 @@ leader finishes.
 socket timeout; when Redis is unreachable the request is served uncached (``bypass``) and, while the breaker
 is open, without touching the network at all. A store-and-unlock queued off the request path (:meth:`finish_later`)
 that meets an outage is kept (bounded: ``UNSENT_MAX`` calls, ``UNSENT_MAX_BYTES`` of answers) and sent with the
-next batch once Redis answers: the answer lands with the rest of its TTL and the lock is released, where it used to
+next batch once Redis answers (a direct :meth:`finish`'s too — Redis Cluster's path — by the retry every breaker
+cooldown): the answer lands with the rest of its TTL and the lock is released, where it used to
 stay until its TTL (``single_flight_wait_s``) and every identical request after the outage waited that long before
 calling the upstream itself. Only complete, successful responses are stored (the caller
 decides; see ``StreamAssembler.complete``); entries above ``cache.max_entry_bytes`` are skipped. Storing
@@ -284,6 +285,11 @@ class ResponseCache:
         try:
             await self.breaker.call(lambda: self._finish(keys=keys, args=args))
         except RedisDown:
+            # kept and sent once Redis answers (as :meth:`finish_later`'s are): a lock left to its TTL would make
+            # every identical request after the outage wait that long (Redis Cluster takes this path: no lane)
+            now = time.monotonic()
+            self._keep_unsent([_Unsent(now + self.cfg.single_flight_wait_s, now, keys, args)])
+            self._retry_later()
             return False
         return bool(args[0])
 
@@ -383,10 +389,12 @@ class ResponseCache:
                 await self._retry
 
     async def _send_batch(self, batch: list[tuple[list[str], list[Any]]]) -> None:
-        assert self._lane is not None
-        replies = await self._lane.exchange(b"".join(self._finish.packed(k, a) for k, a in batch), len(batch))
+        replies = None
+        if self._lane is not None:
+            replies = await self._lane.exchange(b"".join(self._finish.packed(k, a) for k, a in batch), len(batch))
         if replies is None or any(isinstance(r, NoScriptError) for r in replies):
-            # the lane is busy, or the script cache was flushed: one call at a time (FastScript loads it)
+            # no lane (Redis Cluster: each call goes to its slot's node), the lane is busy, or the script cache was
+            # flushed: one call at a time (FastScript loads it)
             for keys, args in batch:
                 await self._finish(keys=keys, args=args)
             return

@@ -14,7 +14,10 @@ import redis
 
 from gateway.state.cache import CacheEntry, ResponseCache
 from gateway.state.cache_policy import CacheDecision
+from tests.fixtures.redis_cluster import ClusterSet, redis_cluster
 from tests.fixtures.redis_stack import cache_cfg, stack
+
+__all__ = ["redis_cluster"]  # the session fixture used below
 
 DECISION = CacheDecision(lookup=True, store=True, ttl_s=60)
 
@@ -153,5 +156,43 @@ def test_a_kept_answer_loses_only_the_time_it_waited(redis_url: str, redis_prefi
             [u] = cache._due_unsent(now)
             assert u.call(now)[1] == [b"answer", 3590, "tok"]
             assert u.call(now + 3600)[1][1] == 1  # never below 1 s when sent; _due_unsent drops it before that
+
+    asyncio.run(run())
+
+
+def test_on_a_cluster_a_finish_stopped_by_an_outage_is_sent_once_redis_answers(redis_cluster: ClusterSet,
+                                                                                tmp_path: Path) -> None:
+    """Redis Cluster has no lane: the gateway awaits :meth:`ResponseCache.finish` itself. A call stopped by an
+    outage is kept and sent by the retry every breaker cooldown, as the batched path's are — the lock used to stay
+    until its TTL (30 s by default) and every identical request after the outage waited that long."""
+    import uuid
+
+    from redis.cluster import RedisCluster
+
+    async def run() -> None:
+        prefix = f"tgfin{uuid.uuid4().hex[:6]}:"
+        async with stack(redis_cluster.url, prefix, tmp_path / "spool.jsonl") as st:
+            cache = ResponseCache(st.handle, st.breaker, cache_cfg(single_flight_wait_s=30.0))
+            assert not cache.batches_finish  # the Cluster's path: no lane
+            ticket = await cache.begin("down", DECISION, tenant="t1")
+            assert ticket.lock_token
+            st.breaker.record_failure(ConnectionError("test: breaker open"))  # every call refused: RedisDown
+            stored = await cache.finish(ticket, CacheEntry({"id": "x"}, "chat", "short", "m", time.time()))
+            assert stored is False and ticket.lock_token is None  # not written now; kept
+            sync = RedisCluster.from_url(redis_cluster.url.replace("redis+cluster://", "redis://"))
+            try:
+                entry, lock = cache.keys.cache_entry("down", "t1"), cache.keys.cache_lock("down", "t1")
+                assert sync.exists(lock) == 1 and sync.exists(entry) == 0
+                deadline = time.monotonic() + 5
+                while sync.exists(lock) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert sync.exists(lock) == 0  # released once Redis answered, with no new traffic
+                assert DECISION.ttl_s - 3 <= sync.ttl(entry) <= DECISION.ttl_s
+                got = await asyncio.wait_for(cache.begin("down", DECISION, tenant="t1"), 5)
+                assert got.status == "hit" and got.entry is not None and got.entry.body == {"id": "x"}
+                assert got.waited_s == 0.0
+            finally:
+                sync.close()
+                await cache.close()
 
     asyncio.run(run())
