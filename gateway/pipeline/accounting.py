@@ -181,6 +181,7 @@ class Accounting:
         if self.wal is not None:
             await self.wal.close()
         await self.cache.close()
+        await self.limits.close()
         await self.http.aclose()
         await self.handle.close()
 

@@ -35,8 +35,10 @@ with its RPM/TPM windows first, then each tag, then global —, each an atomic c
 a later group refuses, the groups already reserved are rolled back (``ROLLBACK_LUA``: reservation deleted, the
 RPM/TPM counts taken back) and the refusal raised. No level can be overspent (each level's check and reserve is
 atomic, and a reservation is in place before the next level is asked); at worst, a concurrent request sees a
-reservation that is then rolled back and is refused spuriously. A Redis failure between groups leaves the
-reservations already made to expire after their TTL — they can only refuse too much, never admit too much.
+reservation that is then rolled back and is refused spuriously. A rollback that a Redis outage stops is kept and
+sent once Redis answers (it is idempotent); beyond :data:`UNROLLED_MAX` kept, or when Redis fails between two
+groups of an admission, the reservations expire after their TTL — they can only refuse too much, never admit too
+much.
 Each group's keys are built by ``gateway/state/keys.py``, which decides their slots.
 
 **One call for the hot path (single Redis).** With a plain Redis client (standalone or Sentinel) and not
@@ -59,9 +61,12 @@ without a check while Redis is down, in either mode.
 
 from __future__ import annotations
 
+import asyncio
 import calendar
+import contextlib
 import functools
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -82,6 +87,8 @@ from gateway.state.redis import FastScript, RedisHandle
 from gateway.state.reservations import LUA_FUNCTIONS, RENEW_LUA, ROLLBACK_LUA
 
 WINDOW_MS = 60_000
+#: rollbacks kept through an outage (grouped admission); beyond it the oldest are left to their reservation TTL
+UNROLLED_MAX = 4096
 #: values after the levels in an admitted ``ADMIT`` reply: the key's RPM and TPM windows (:class:`RateState`)
 RATE_FIELDS = 4
 MESSAGE_OVERHEAD_TOKENS = 8  # chat template tokens per message, upper bound
@@ -667,6 +674,9 @@ class Limits:
         #: its tenant's slot, away from the shared ``{tg:}`` one: per-slot calls there (even with ``single``).
         self.fused = not self.grouped and isinstance(self.redis, Redis)
         self._hot = FastScript(handle, HOT_LUA)
+        #: grouped rollbacks an outage stopped (keys, args), sent again by :meth:`_roll_back_later`
+        self._unrolled: deque[tuple[list[str], list[Any]]] = deque(maxlen=UNROLLED_MAX)
+        self._retry: asyncio.Task[None] | None = None
 
     def _level_keys(self, lvl: Level, day: str, month: str) -> list[str]:
         k = self.keys
@@ -806,8 +816,10 @@ class Limits:
 
     async def _roll_back(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
                          levels: Sequence[Level]) -> None:
-        """Release ``reservation_id`` at ``levels`` (one call per level; the key's takes back its RPM/TPM)."""
+        """Release ``reservation_id`` at ``levels`` (one call per level; the key's takes back its RPM/TPM). Calls an
+        outage stops are kept (bounded: :data:`UNROLLED_MAX`) and sent once Redis answers; never raises RedisDown."""
         w = int(now * 1000) // WINDOW_MS
+        calls: list[tuple[list[str], list[Any]]] = []
         for lvl in levels:
             keys = [self.keys.level_reservations(lvl.kind, lvl.name)]
             rpm, tokens = 0, 0
@@ -815,11 +827,37 @@ class Limits:
                 keys += [self.keys.rpm(lim.key_id, w), self.keys.tpm(lim.key_id, w)]
                 rpm = 1 if lim.rpm is not None else 0
                 tokens = est.tokens if lim.tpm is not None else 0
+            calls.append((keys, [reservation_id, 1, rpm, tokens]))
+        for i, (keys, args) in enumerate(calls):
             try:
-                await self.breaker.call(functools.partial(self._rollback, keys=keys,
-                                                          args=[reservation_id, 1, rpm, tokens]))
+                await self.breaker.call(functools.partial(self._rollback, keys=keys, args=args))
             except RedisDown:
-                return  # the rest expire after the reservation TTL (they can only refuse too much)
+                # kept and sent once Redis answers: left to their TTL (``limits.reservation_ttl_s``, 10 min) they
+                # would refuse this tenant's requests spuriously all that while
+                self._unrolled.extend(calls[i:])
+                if self._retry is None or self._retry.done():
+                    self._retry = asyncio.get_running_loop().create_task(self._roll_back_later())
+                return
+
+    async def _roll_back_later(self) -> None:
+        """Send the rollbacks an outage stopped, every breaker cooldown until none is left (the script is
+        idempotent: a rollback sent twice takes nothing back twice)."""
+        while self._unrolled:
+            await asyncio.sleep(max(self.breaker.cooldown_s, 0.05))
+            while self._unrolled and not self.breaker.is_open:
+                keys, args = self._unrolled[0]
+                try:
+                    await self.breaker.call(functools.partial(self._rollback, keys=keys, args=args))
+                except RedisDown:
+                    break
+                self._unrolled.popleft()
+
+    async def close(self) -> None:
+        """Stop retrying kept rollbacks (the gateway is stopping: those reservations expire with their TTL)."""
+        if self._retry is not None and not self._retry.done():
+            self._retry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retry
 
     async def renew(self, key_id: str, tags: Mapping[str, str], reservation_id: str, now: float) -> int:
         """Extend the open reservations of ``reservation_id`` (at the key, each tag, global) by

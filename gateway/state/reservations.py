@@ -88,7 +88,9 @@ ROLLBACK_LUA = """
 local nres = tonumber(ARGV[2])
 local n = 0
 for i = 1, nres do n = n + redis.call('HDEL', KEYS[i], ARGV[1]) end
-if #KEYS >= nres + 2 then
+-- the counts are taken back only with a reservation still there: a call sent again (its first reply was lost to
+-- a timeout, or it was kept through an outage) takes nothing back twice
+if n > 0 and #KEYS >= nres + 2 then
   if ARGV[3] == '1' and redis.call('EXISTS', KEYS[nres + 1]) == 1 then redis.call('DECR', KEYS[nres + 1]) end
   if ARGV[4] ~= '0' and redis.call('EXISTS', KEYS[nres + 2]) == 1 then
     redis.call('DECRBY', KEYS[nres + 2], ARGV[4])

@@ -107,6 +107,38 @@ async def test_grouped_refusal_rolls_back_the_levels_already_reserved(redis_url:
             assert await r.hexists(h, "fits")
 
 
+async def test_a_rollback_stopped_by_an_outage_is_sent_once_redis_answers(redis_url: str, redis_prefix: str,
+                                                                           tmp_path: Path) -> None:
+    """Grouped admission (Redis Cluster): a rollback that meets an outage is kept and sent once Redis answers — its
+    reservations used to stay for ``reservation_ttl_s`` (10 min by default) and refuse the tenant's requests
+    spuriously all that while. The rollback is idempotent: sent twice, it takes the RPM/TPM counts back once."""
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        limits = _limits(s, "grouped")
+        lim = KeyLimits("k5", budget_day_micro=1_000_000, rpm=5, tpm=1_000)
+        levels = BudgetLevels(s.handle, s.breaker, LimitsConfig()).candidates({"team": "e"})
+        all_levels = [lim.level, *levels]
+        r = s.handle.client
+        k = limits.keys
+        now = time.time()
+        w = int(now * 1000) // 60_000
+        est = Estimate(50, 10)
+        await limits.admit(lim, "kept", est, now, levels)
+        await limits.admit(lim, "other", est, now, levels)
+        holds = [k.reservations("k5"), k.level_reservations("tag", "team=e"), k.level_reservations("global", "global")]
+        s.breaker.record_failure(ConnectionError("test: breaker open"))  # every call refused: RedisDown
+        await limits._roll_back(lim, "kept", est, now, all_levels)  # never raises
+        assert all([await r.hexists(h, "kept") for h in holds])  # not undone during the outage
+        deadline = time.monotonic() + 5
+        while await r.hexists(k.level_reservations("global", "global"), "kept") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not any([await r.hexists(h, "kept") for h in holds])  # undone once Redis answered, at every level
+        assert all([await r.hexists(h, "other") for h in holds])
+        assert int(await r.get(k.rpm("k5", w)) or 0) == 1 and int(await r.get(k.tpm("k5", w)) or 0) == 10
+        await limits._roll_back(lim, "kept", est, now, all_levels)  # again: nothing is taken back twice
+        assert int(await r.get(k.rpm("k5", w)) or 0) == 1 and int(await r.get(k.tpm("k5", w)) or 0) == 10
+        await limits.close()
+
+
 async def test_a_renewed_reservation_keeps_counting_past_its_ttl(redis_url: str, redis_prefix: str,
                                                                  tmp_path: Path) -> None:
     async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
