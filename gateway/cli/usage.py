@@ -138,6 +138,9 @@ def drift_line(state: dict[str, Any] | None, threshold: float) -> str:
     if not state:
         return ("Routing drift: not computed yet (needs routing.drift.min_samples routed requests; with a router "
                 "file without a score_histogram, such as the shipped one, a first full routing.drift.window)")
+    if state.get("psi_score") is None:
+        return (f"Routing drift: not computed yet for router {state.get('router_version')} ({state.get('n')} of "
+                "routing.drift.min_samples routed requests under it)")
     worst = max(state.get("psi_score") or 0.0, state.get("psi_tier") or 0.0)
     flag = "ALERT" if worst >= threshold else "ok"
     return (f"Routing drift (PSI vs the router's {state.get('reference')} reference, router "

@@ -180,6 +180,8 @@ class DriftMonitor:
         scores = np.array([float(r[0]) for r in rows])
         tiers = np.array([int(r[1]) for r in rows], dtype=np.int64)
         if scores.size < self.cfg.min_samples:
+            if self.state and self.state.get("router_version") != version:
+                await self._warming(version, int(scores.size))
             return {}
         reference = "file"
         if not hist or "counts" not in hist:
@@ -206,6 +208,18 @@ class DriftMonitor:
                 await self._alert(DriftAlert(kind, round(value, 4), self.cfg.threshold, int(scores.size), version,
                                              day, reference))
         return state
+
+    async def _warming(self, version: str, n: int) -> None:
+        """A new router version with fewer than ``min_samples`` scores: the last PSIs were the old version's, so the
+        state says "not computed" (``psi_*`` None) and the gauges go to NaN (no value to alert on) instead of
+        showing them against the new version until its window fills."""
+        state = {"psi_score": None, "psi_tier": None, "n": n, "ts": time.time(), "router_version": version,
+                 "reference": None}
+        with contextlib.suppress(RedisDown):
+            await self.breaker.call(lambda: self.redis.set(self.keys.drift_state(), orjson.dumps(state)))
+        self.state = state
+        if self.on_update is not None:
+            self.on_update({"score": math.nan, "tier": math.nan})
 
     async def _served_reference(self, version: str, scores: np.ndarray) -> dict[str, Any] | None:
         """The first full window under ``version`` as the reference (stored once; replicas share it)."""

@@ -84,8 +84,9 @@ def test_a_new_router_version_is_judged_on_its_own_scores(redis_url: str, redis_
         handle = connect(RedisConfig(url=redis_url, key_prefix=redis_prefix))
         breaker = Breaker(5.0)
         alerts = Alerts(handle, breaker, LimitsConfig())
+        gauges: list[dict[str, float]] = []
         m = DriftMonitor(DriftConfig(window=500, min_samples=100), handle, breaker, alerts,
-                         lambda: (meta["version"], meta["hist"]), lambda: [0.5], 2)
+                         lambda: (meta["version"], meta["hist"]), lambda: [0.5], 2, on_update=gauges.append)
         _feed(m, rng.beta(2, 5, 500))
         st = await m.update()
         assert st["router_version"] == "v1" and st["psi_score"] < 0.1
@@ -93,6 +94,13 @@ def test_a_new_router_version_is_judged_on_its_own_scores(redis_url: str, redis_
         meta.update(version="v2", hist=score_histogram(rng.beta(5, 2, 5000)))
         _feed(m, rng.beta(5, 2, 60))
         assert await m.update() == {}  # 60 scores of v2 in the window: below min_samples, nothing judged yet
+        # ... and v1's PSIs are not shown as v2's meanwhile: "not computed" in the state, NaN on the gauges
+        assert m.state == {**m.state, "router_version": "v2", "psi_score": None, "psi_tier": None, "n": 60}
+        stored = orjson.loads(await m.redis.get(m.keys.drift_state()))
+        assert stored["router_version"] == "v2" and stored["psi_score"] is None
+        assert all(np.isnan(v) for v in gauges[-1].values()) and set(gauges[-1]) == {"score", "tier"}
+        from gateway.cli.usage import drift_line
+        assert "not computed yet for router v2 (60 of" in drift_line(stored, 0.25)
         _feed(m, rng.beta(5, 2, 90))
         st = await m.update()
         assert st["router_version"] == "v2" and st["n"] == 150, st
