@@ -103,6 +103,20 @@ def test_plan_formulas_on_a_hand_computed_config(tmp_path: Path) -> None:
     assert plan2["assumptions"]["micro_usd"]["total"] == 2 * 23520
 
 
+def test_a_reference_run_of_another_model_is_named_in_a_warning(tmp_path: Path) -> None:
+    model = write_model(tmp_path / "m", {"w": [1000]})
+    ref = reference_run(tmp_path, model)
+    same = make_plan(validate(from_dict(RunConfig, run_cfg(model))), reference=ref)
+    assert same["assumptions"]["warnings"] == []
+    other = write_model(tmp_path / "m2", {"w": [2000]})
+    plan = make_plan(validate(from_dict(RunConfig, run_cfg(other))), reference=ref)
+    [w] = plan["assumptions"]["warnings"]
+    assert str(model) in w and str(other) in w and "--probe-steps" in w
+    # the size is in the rates (per parameter-token): twice the parameters, twice the sampling cost
+    m1, m2 = same["assumptions"]["micro_usd"], plan["assumptions"]["micro_usd"]
+    assert m2["sampling"]["usd"] == 2 * m1["sampling"]["usd"]
+
+
 def test_report_of_a_run_planned_from_itself_has_no_error(tmp_path: Path) -> None:
     model = write_model(tmp_path / "m", {"w": [1000]})
     ref = reference_run(tmp_path, model)

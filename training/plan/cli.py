@@ -69,6 +69,8 @@ def plan(
     typer.echo(f"sampled tokens {result['sampled_tokens']}, trained tokens {result['trained_tokens']}")
     what = "probe" if "probe" in a else "reference run"
     typer.echo(f"{what}: {ref['steps']} step(s), billed ${ref['usd']:.6f} ({ref['device_hours']:.6f} device-h)")
+    for w in a.get("warnings", []):
+        typer.echo(f"warning: {w}", err=True)
     typer.echo(f"plan: {json_out}")
 
 

@@ -140,7 +140,22 @@ def make_plan(
         "wall_s": src["wall_s"],
     }
     a["probe" if probe_steps else "reference_run"] = ref_info
+    a["warnings"] = []
+    if not _same_model(ref_cfg.model.path, cfg.model.path):
+        # the rates are per parameter-token, so the model's size is accounted for; its lengths are not
+        a["warnings"].append(
+            f"the reference run trained {ref_cfg.model.path}, this plan is for {cfg.model.path}: the lengths above "
+            "are the reference model's, and a model that thinks longer costs more than planned; measure this "
+            "model's own with --probe-steps")
     return plan
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Whether two ``model.path`` values name the same model (the same directory, or the same hub id)."""
+    try:
+        return Path(model_dir(a)).resolve() == Path(model_dir(b)).resolve()
+    except (FileNotFoundError, ConfigError, OSError):
+        return a == b
 
 
 # --- report -----------------------------------------------------------------------------------------------------
