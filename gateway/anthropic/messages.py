@@ -31,8 +31,11 @@ usage only at the end of a stream, so ``message_start`` carries zeros and ``mess
 
 from __future__ import annotations
 
+import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -488,6 +491,23 @@ class MessageStream:
         kind = "timeout_error" if error.get("code") == "upstream_timeout" else "api_error"
         return self.start() + sse_event({"type": "error", "error": {"type": kind,
                                                                     "message": str(error.get("message") or "")}})
+
+
+def ratelimit_headers(openai_headers: Mapping[str, str], now: float) -> dict[str, str]:
+    """Anthropic's ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`` from the gateway's OpenAI-named
+    ``x-ratelimit-*`` (``reset`` as an RFC 3339 UTC time, ``now`` + the window's reset, epoch s); {} without them."""
+    out: dict[str, str] = {}
+    for unit in ("requests", "tokens"):
+        limit = openai_headers.get(f"x-ratelimit-limit-{unit}")
+        if limit is None:
+            continue
+        out[f"anthropic-ratelimit-{unit}-limit"] = limit
+        out[f"anthropic-ratelimit-{unit}-remaining"] = openai_headers.get(f"x-ratelimit-remaining-{unit}", "0")
+        m = re.fullmatch(r"(?:(\d+)m)?(\d+)s", openai_headers.get(f"x-ratelimit-reset-{unit}", "0s"))
+        secs = (int(m.group(1) or 0) * 60 + int(m.group(2))) if m else 0
+        out[f"anthropic-ratelimit-{unit}-reset"] = datetime.fromtimestamp(int(now) + secs, UTC).strftime(
+            "%Y-%m-%dT%H:%M:%SZ")
+    return out
 
 
 def error_body(exc: GatewayError) -> bytes:

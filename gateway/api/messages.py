@@ -10,6 +10,7 @@ Anthropic's event stream. Every error is in Anthropic's shape (``{"type": "error
 from __future__ import annotations
 
 import logging
+import time
 from typing import Final
 
 import orjson
@@ -60,9 +61,11 @@ def route_for_thinking(route: RouteDecision, tiers: list[TierConfig], budget: in
 
 
 def anthropic_error(exc: GatewayError) -> Response:
-    """``exc`` as an Anthropic error response (status and headers such as ``Retry-After`` kept)."""
+    """``exc`` as an Anthropic error response (status and headers such as ``Retry-After`` kept; an RPM/TPM 429's
+    rate-limit headers also under Anthropic's names)."""
+    headers = {**exc.headers, **wire.ratelimit_headers(exc.headers, time.time())} if exc.headers else exc.headers
     return Response(wire.error_body(exc), status_code=getattr(exc, "status_code", exc.status),
-                    media_type="application/json", headers=exc.headers)
+                    media_type="application/json", headers=headers)
 
 
 class MessagesAPI:
@@ -99,8 +102,11 @@ class MessagesAPI:
             answer = await proxy.serve(caller, chat, route=route, disconnect=lambda: disconnected(request))
         if answer.body is not None:
             out = wire.message_object(answer.body, body, message_id)
-            return json_response(answer, orjson.dumps(out))
-        return bridge.streamed(answer, wire.MessageStream(body, message_id))
+            resp = json_response(answer, orjson.dumps(out))
+        else:
+            resp = bridge.streamed(answer, wire.MessageStream(body, message_id))
+        resp.headers.update(wire.ratelimit_headers(resp.headers, time.time()))  # Anthropic's names beside OpenAI's
+        return resp
 
 
     async def count_tokens(self, request: Request) -> Response:

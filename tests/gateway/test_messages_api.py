@@ -105,6 +105,31 @@ def test_bearer_auth_and_anthropic_error_shape(gw: GatewayServer) -> None:
             model="short", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
 
 
+def test_rate_limits_under_anthropic_names_too(gw: GatewayServer, redis_url: str) -> None:
+    from datetime import UTC, datetime
+
+    from tests.fixtures.gateway import create_key
+
+    secret = create_key(redis_url, gw.settings.redis.key_prefix, f"rl-{uuid.uuid4().hex[:8]}", rpm=2, tpm=100_000)
+    c = anthropic.Anthropic(base_url=gw.url, api_key=secret, max_retries=0, timeout=30)
+    msgs: Any = [{"role": "user", "content": "hi"}]
+    r = c.messages.with_raw_response.create(model="short", max_tokens=8, messages=msgs)
+    h = r.headers
+    assert (h["anthropic-ratelimit-requests-limit"], h["anthropic-ratelimit-requests-remaining"]) == ("2", "1")
+    assert h["x-ratelimit-remaining-requests"] == "1"  # the OpenAI names stay
+    assert h["anthropic-ratelimit-tokens-limit"] == "100000"
+    reset = datetime.strptime(h["anthropic-ratelimit-requests-reset"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    assert 0 < reset.timestamp() - datetime.now(UTC).timestamp() <= 121  # RFC 3339, within two windows
+    with c.messages.with_streaming_response.create(model="short", max_tokens=8, messages=msgs, stream=True) as s:
+        assert s.headers["anthropic-ratelimit-requests-remaining"] == "0"
+        s.read()
+    with pytest.raises(anthropic.RateLimitError) as info:
+        c.messages.create(model="short", max_tokens=8, messages=msgs)
+    h = info.value.response.headers
+    assert h["anthropic-ratelimit-requests-remaining"] == "0" and int(h["retry-after"]) >= 1
+    assert info.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+
+
 def test_unserved_messages_paths_answer_in_anthropic_shape(gw: GatewayServer) -> None:
     # the Message Batches API is not served: the SDK gets Anthropic's 404, not an OpenAI-shaped body
     with pytest.raises(anthropic.NotFoundError) as nf:
