@@ -102,16 +102,15 @@ THINKING_BUDGET_HEADER = "x-thinkgate-thinking-budget"
 
 
 def thinking_budget(route: RouteDecision) -> int | None:
-    """The thinking budget (tokens) the route serves, for ``x-thinkgate-thinking-budget``: on a ``prompted`` tier the
-    one its dial instruction states (the request's smaller ``thinking_token_budget``, else the tier's — a dial
-    router's pick on a routed request); on a ``forced`` or ``native`` tier the tier's (a request's smaller budget is
-    passed on under it); None when thinking is off or unlimited."""
+    """The thinking budget (tokens) the route serves, for ``x-thinkgate-thinking-budget``: the request's smaller
+    ``thinking_token_budget`` (after its key's ``max_thinking_budget``), else the tier's — on a ``prompted`` tier the
+    one its dial instruction states (a dial router's pick on a routed request), on a ``native`` tier the one vLLM
+    gets, on a ``forced`` tier the thought phase's cut; None when thinking is off or unlimited."""
     tier = route.tier
     if tier.budget_mode == "off":
         return None
-    if tier.budget_mode == "prompted":
-        return dial.requested_budget({"thinking_token_budget": route.asked_budget}, tier) or None
-    return tier.thinking_budget
+    budget = dial.requested_budget({"thinking_token_budget": route.asked_budget}, tier)
+    return (budget or None) if tier.budget_mode == "prompted" else budget
 
 
 def route_headers(route: RouteDecision, request_id: str) -> dict[str, str]:

@@ -116,6 +116,9 @@ class Proxy:
             # key policy and tier caps: allowed tiers (403 or downgrade), n ≤ max_n, max_tokens, thinking cap
             route = policy.key_route(caller.key, route, self.settings.tiers)
             policy.check_caps(caller.key, body, route.tier)
+            capped = body.get("thinking_token_budget")
+            if isinstance(capped, int) and capped != route.asked_budget:  # the key's cap clamped or set it
+                route = replace(route, asked_budget=capped)
             # reserved at every budget level (429 with Retry-After, or 503); on a single Redis the same script
             # call writes the write-ahead record and looks the answer up (``Ahead``; cache key = tenant scope +
             # the post-routing upstream request)

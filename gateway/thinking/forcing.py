@@ -73,13 +73,16 @@ def end_marker(tier: TierConfig) -> str:
 
 
 def thought_request(body: dict[str, Any], tier: TierConfig) -> dict[str, Any]:
-    """Phase-1 body from the tier's upstream body: at most ``thinking_budget`` tokens, stop at the marker.
+    """Phase-1 body from the tier's upstream body: at most ``thinking_budget`` tokens (or the body's smaller
+    ``thinking_token_budget``: the request's, or its key's ``max_thinking_budget``), stop at the marker.
 
     The client's ``stop`` strings apply to the answer (phase 2), not to the thought.
     """
     out = dict(body)
-    out.pop("thinking_token_budget", None)
+    asked = out.pop("thinking_token_budget", None)
     budget = tier.thinking_budget if tier.thinking_budget is not None else out["max_tokens"]
+    if isinstance(asked, int) and not isinstance(asked, bool) and 0 <= asked < budget:
+        budget = asked  # the request's (or its key's cap's, gateway/pipeline/policy.py) smaller budget, as native
     out["max_tokens"] = max(1, min(budget, out["max_tokens"]))
     out["stop"] = [end_marker(tier)]
     out["n"] = 1

@@ -17,7 +17,8 @@ def test_thought_request_caps_at_budget_and_stops_at_marker() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "q"}], "max_tokens": 100, "stop": ["X"],
             "thinking_token_budget": 5, "n": 2}
     out = thought_request(body, _tier())
-    assert out["max_tokens"] == 32
+    assert out["max_tokens"] == 5  # the request's (or its key's cap's) smaller budget cuts the thought
+    assert thought_request({**body, "thinking_token_budget": 50}, _tier())["max_tokens"] == 32  # never above the tier's
     assert out["stop"] == ["</think>"]
     assert out["n"] == 1
     assert "thinking_token_budget" not in out

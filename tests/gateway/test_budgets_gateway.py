@@ -332,6 +332,7 @@ def test_key_policy_allowed_tiers_downgrade_and_thinking_cap(gw: GatewayServer, 
         r = _post(gw, capped, {"model": "long", "messages": PROMPT, "sim": {"tag": t}, **extra})
         assert r.status_code == 200
         assert upstream_sim.tag(t)["body"]["thinking_token_budget"] == sent  # type: ignore[index]
+        assert r.headers["x-thinkgate-thinking-budget"] == str(sent)  # what was served, after the key's cap
     refuse = create_key(redis_url, prefix, f"refuse-{n}", max_thinking_budget=3, over_cap="refuse")
     r = _post(gw, refuse, {"model": "long", "messages": PROMPT, "thinking_token_budget": 100})
     assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"

@@ -81,6 +81,21 @@ def test_forced_budget_non_stream(forced_gateway: tuple[GatewayServer, list[Usag
         usage.prompt_tokens, usage.completion_tokens, usage.completion_tokens_details.reasoning_tokens)
 
 
+def test_a_smaller_request_budget_cuts_the_forced_thought(forced_gateway: tuple[GatewayServer, list[UsageRecord]],
+                                                           upstream_sim: SimProcess) -> None:
+    # the request's thinking_token_budget (and a key's max_thinking_budget, applied through it) below the tier's:
+    # the thought phase stops there, and the header says so (the tier's budget used to cut it, whatever was asked)
+    gw, _ = forced_gateway
+    for asked, served in ((3, 3), (50, BUDGET)):
+        raw = _client(gw).chat.completions.with_raw_response.create(
+            model="short", messages=[{"role": "user", "content": QUESTION}],
+            extra_body={"thinking_token_budget": asked, "sim": {"tag": uuid.uuid4().hex}})
+        msg = raw.parse().choices[0].message
+        assert 0 < len(((msg.model_extra or {}).get("reasoning") or "").split()) <= served
+        assert raw.parse().usage.completion_tokens_details.reasoning_tokens <= served
+        assert raw.headers["x-thinkgate-thinking-budget"] == str(served)
+
+
 def test_forced_budget_stream_equals_non_stream(forced_gateway: tuple[GatewayServer, list[UsageRecord]]) -> None:
     gw, records = forced_gateway
     client = _client(gw)
