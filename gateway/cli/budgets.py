@@ -77,9 +77,14 @@ def remove_budget(tag: str | None = TAG_OPTION, is_global: bool = GLOBAL_OPTION,
     from gateway.state.budgets import BudgetStore
 
     level = _level(tag, is_global)
-    removed = run_on_redis(load_settings(config), lambda h: BudgetStore(h, Breaker(1.0)).remove(level))
+    settings = load_settings(config)
+    removed = run_on_redis(settings, lambda h: BudgetStore(h, Breaker(1.0)).remove(level))
     if not removed:
-        typer.echo(f"thinkgate: no budget set for {level}", err=True)
+        lim = settings.limits
+        in_config = lim.global_budget is not None if level == "global" else level[4:] in lim.tag_budgets
+        where = ("limits.global_budget" if level == "global" else f"limits.tag_budgets[{level[4:]!r}]")
+        typer.echo(f"thinkgate: no budget set for {level} with 'budgets set'" +
+                   (f"; its budget is in the config ({where}): change it there" if in_config else ""), err=True)
         raise typer.Exit(1)
     typer.echo(f"thinkgate: budget of {level} removed", err=True)
 

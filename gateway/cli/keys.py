@@ -45,6 +45,9 @@ def _parse_tags(tags: list[str]) -> dict[str, str]:
     return out
 
 
+MICRO_USD = Decimal("0.000001")
+
+
 def _usd(value: str | None, name: str) -> Decimal | None:
     if value is None:
         return None
@@ -55,6 +58,10 @@ def _usd(value: str | None, name: str) -> Decimal | None:
         raise typer.Exit(2) from None
     if d < 0 or not d.is_finite():
         typer.echo(f"thinkgate: {name} must be >= 0", err=True)
+        raise typer.Exit(2)
+    if d != d.quantize(MICRO_USD):  # spend is kept in integer micro-USD: a finer budget would be rounded silently
+        typer.echo(f"thinkgate: {name} {value} has more than 6 decimal places (budgets are whole micro-USD, "
+                   f"$0.000001)", err=True)
         raise typer.Exit(2)
     return d
 

@@ -519,11 +519,14 @@ def refusal(code: str, what: str, retry_after_s: int, key_id: str, level: Level 
     names the level, the period, the estimate and what remains."""
     headers = {"retry-after": str(int(retry_after_s))}
     if code != "budget_exceeded":
+        msg = f"key {key_id!r}: {what.upper()} limit reached"
         if budget is not None and what in ("rpm", "tpm"):  # ``budget``: the limit; OpenAI's headers on its 429s too
             unit = "requests" if what == "rpm" else "tokens"
             headers |= {f"x-ratelimit-limit-{unit}": str(budget), f"x-ratelimit-remaining-{unit}": "0",
                         f"x-ratelimit-reset-{unit}": duration(int(retry_after_s) * 1000)}
-        return RateLimited(f"key {key_id!r}: {what.upper()} limit reached", code=code, headers=headers)
+            msg += (f" ({budget} {unit} per minute, sliding 60 s window); the window has room again in "
+                    f"{int(retry_after_s)} s")
+        return RateLimited(msg, code=code, headers=headers)
     lvl = level or Level("key", key_id)
     who = f"key {key_id!r}" if lvl.kind == "key" else lvl.label
     period = "daily" if what == "day" else "monthly"
@@ -543,6 +546,7 @@ def refusal(code: str, what: str, retry_after_s: int, key_id: str, level: Level 
                 msg += (f", more than the whole {period} budget: lower max_tokens (or max_completion_tokens) or n,"
                         " or raise the budget")
                 headers.pop("retry-after")
+                headers["x-should-retry"] = "false"  # the OpenAI and Anthropic SDKs retry a bare 429 otherwise
     if retry_after_s <= 1 and "retry-after" in headers:
         msg += "; blocked by requests in flight, retry shortly"
     headers["x-thinkgate-budget-level"] = lvl.id if lvl.kind != "key" else "key"

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import redis
 import yaml
@@ -149,6 +150,15 @@ def test_one_request_worth_hundreds_of_budgets_is_refused(gw: GatewayServer, red
     assert r.headers["x-thinkgate-budget-level"] == "key" and "retry-after" not in r.headers
     assert "more than the whole daily budget: lower max_tokens" in err["message"]
     assert upstream_sim.tag(t) is None  # nothing was sent upstream
+    # ... and the SDKs do not retry it (they retry a 429 without Retry-After unless told not to): one call, one try
+    assert r.headers["x-should-retry"] == "false"
+    sent: list[httpx.Request] = []
+    http = httpx.Client(event_hooks={"request": [sent.append]})
+    sdk = openai.OpenAI(base_url=gw.base_url, api_key=secret, max_retries=2, timeout=30, http_client=http)
+    with pytest.raises(openai.RateLimitError):
+        sdk.chat.completions.create(model="long", n=8, messages=PROMPT)  # type: ignore[arg-type]
+    assert len(sent) == 1  # max_retries=2, and one request on the wire
+    http.close()
     r = _post(gw, secret, {"model": "long", "n": 9, "messages": PROMPT})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
@@ -383,6 +393,17 @@ def test_budgets_cli_set_list_remove(redis_url: str, prefix: str, tmp_path: Path
     listed = _cli("budgets", "list", "--json", "--config", str(cfg), prefix=prefix, redis_url=redis_url)
     rows = {r["level"]: r for r in map(json.loads, listed.stdout.splitlines())}
     assert rows["tag:team=cfg"]["source"] == "config" and "global" not in rows
+    # removing a level whose budget is in the config says where it is (it said only "no budget set")
+    out = _cli("budgets", "remove", "--tag", "team=cfg", "--config", str(cfg), prefix=prefix, redis_url=redis_url)
+    assert out.returncode == 1 and "in the config (limits.tag_budgets['team=cfg'])" in out.stderr
+    # a budget finer than a micro-USD would be rounded (to $0 here: every request refused): refused up front
+    for cmd in (("budgets", "set", "--global", "--usd-day", "0.0000001"),
+                ("keys", "create", "--id", f"m{team}", "--budget-usd-day", "1e-7"),
+                ("keys", "create", "--id", f"m{team}", "--budget-usd-month", "0.0000015")):
+        out = _cli(*cmd, prefix=prefix, redis_url=redis_url)
+        assert out.returncode == 2 and "more than 6 decimal places" in out.stderr, out.stderr
+    assert _cli("keys", "create", "--id", f"m{team}", "--budget-usd-day", "1e-6", prefix=prefix,
+                redis_url=redis_url).returncode == 0
 
 
 def test_alerts_fire_per_level(upstream_sim: SimProcess, redis_url: str, prefix: str, tmp_path: Path) -> None:

@@ -118,6 +118,8 @@ def test_rpm_through_the_sdk(gw: GatewayServer, redis_url: str, prefix: str) -> 
     h = info.value.response.headers
     assert 1 <= int(h["retry-after"]) <= 120
     assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) == ("2", "0")
+    assert "RPM limit reached (2 requests per minute" in info.value.message and f"in {h['retry-after']} s" in \
+        info.value.message
     # a key without limits gets none of them
     plain = openai.OpenAI(base_url=gw.base_url, api_key=SECRETS["alice"], max_retries=0, timeout=30)
     r = plain.chat.completions.with_raw_response.create(model="short", messages=msgs)  # type: ignore[arg-type]
