@@ -1,12 +1,13 @@
-"""API keys stored in Redis, hashed at rest: create, list, revoke, look up by the secret's SHA-256.
+"""API keys stored in Redis, hashed at rest: create, list, update, revoke, look up by the secret's SHA-256.
 
 A secret is ``tg-`` + 32 random bytes (URL-safe base64, ``secrets.token_urlsafe``): high-entropy, so an
 unsalted SHA-256 is the right at-rest form (as for GitHub tokens) and lookups are one ``GET`` by digest. The
 plain secret exists only in the return value of :meth:`RedisKeyStore.create` (the CLI prints it once).
 
 Records (JSON): ``keys:rec:{id}`` (authoritative, kept after revocation for audit) and a copy at
-``keys:h:{sha256}`` (the lookup path, deleted on revocation); ``keys:ids`` lists the ids. Create and revoke
-are single Lua scripts, so a key is never half-created or half-revoked; ids are never reused.
+``keys:h:{sha256}`` (the lookup path, deleted on revocation); ``keys:ids`` lists the ids. Create, update
+and revoke are single Lua scripts, so a key is never half-created, half-updated or half-revoked; ids are never
+reused.
 
 Lookups are cached in-process for ``auth.key_cache_s`` seconds (revocation takes effect within that); a key
 seen before keeps working for ``auth.key_stale_s`` seconds while Redis is unreachable. Unknown digests are
@@ -52,6 +53,18 @@ redis.call('SET', KEYS[1], ARGV[1])
 redis.call('DEL', KEYS[2])
 return 1
 """
+
+
+# KEYS: 1 rec:{id}, 2 h:{sha}; ARGV: 1 the updated record JSON. Returns 1, or 0 when the key is revoked (or unknown).
+UPDATE_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SET', KEYS[2], ARGV[1])
+return 1
+"""
+
+#: the fields ``keys update`` may change (the rest — id, secret, creation — are the key's identity)
+UPDATABLE = ("tags", "budget_usd_day", "budget_usd_month", "rpm", "tpm", "max_thinking_budget")
 
 
 class KeyExists(ThinkGateError, ValueError):
@@ -113,6 +126,7 @@ class RedisKeyStore:
         self._cache: OrderedDict[str, tuple[KeyInfo | None, float]] = OrderedDict()
         self._create = self.redis.register_script(CREATE_LUA)
         self._revoke = self.redis.register_script(REVOKE_LUA)
+        self._update = self.redis.register_script(UPDATE_LUA)
 
     async def create(self, key_id: str, *, tags: dict[str, str] | None = None,
                      budget_usd_day: Decimal | None = None, budget_usd_month: Decimal | None = None,
@@ -180,6 +194,39 @@ class RedisKeyStore:
             raise KeyError(key_id)
         self._cache.clear()
         return int(res) == 1
+
+    async def update(self, key_id: str, **changes: Any) -> KeyRecord:
+        """Change the limits of an active key in place (``changes``: fields of :data:`UPDATABLE`, None clears a
+        limit; budgets as ``Decimal``): same secret, same id, so its usage history stays one key's. Running
+        gateways see it within ``auth.key_cache_s``. Returns the new record. Raises ``KeyError`` (unknown id),
+        ``ValueError`` (a revoked key, an unknown field or an invalid limit), :class:`RedisDown`. The last of two
+        concurrent updates of one key wins whole (an operator's command, not a hot path)."""
+        unknown = set(changes) - set(UPDATABLE)
+        if unknown:
+            raise ValueError(f"cannot update {sorted(unknown)} (updatable: {list(UPDATABLE)})")
+        for name in ("budget_usd_day", "budget_usd_month"):
+            if changes.get(name) is not None and changes[name] < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("rpm", "tpm"):
+            if changes.get(name) is not None and changes[name] < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if changes.get("max_thinking_budget") is not None and changes["max_thinking_budget"] < 0:
+            raise ValueError("max_thinking_budget must be >= 0")
+        rec = await self.get(key_id)
+        if rec is None:
+            raise KeyError(key_id)
+        if rec.revoked is not None:
+            raise ValueError(f"key {key_id!r} is revoked")
+        fields: dict[str, Any] = {k: (str(v) if k.startswith("budget_") and v is not None else v)
+                                  for k, v in changes.items()}
+        new = replace(rec, **fields)
+        k = self.keys
+        ok = await self.breaker.call(lambda: self._update(
+            keys=[k.key_record(key_id), k.key_by_hash(rec.secret_sha256)], args=[new.to_json()]))
+        if not int(ok):
+            raise ValueError(f"key {key_id!r} is revoked")
+        self._cache.clear()
+        return new
 
     async def lookup(self, sha256_hex: str) -> KeyInfo | None:
         """The active key whose secret hashes to ``sha256_hex``, or None.

@@ -145,6 +145,59 @@ def list_keys(
                    f"{r.budget_usd_month or '-':>10} {r.rpm or '-':>6} {r.tpm or '-':>8}  {tags}")
 
 
+@app.command("update")
+def update(
+    key_id: str = typer.Option(..., "--id", help="Key id."),
+    tag: list[str] = typer.Option([], "--tag", help="Replace the key's tags with these k=v (repeatable)."),
+    budget_usd_day: str | None = typer.Option(None, help="Budget in USD per UTC day."),
+    budget_usd_month: str | None = typer.Option(None, help="Budget in USD per UTC month."),
+    rpm: int | None = typer.Option(None, min=1, help="Requests per minute."),
+    tpm: int | None = typer.Option(None, min=1, help="Tokens per minute (prompt + completion)."),
+    max_thinking_budget: int | None = typer.Option(None, min=0, help="Cap on every request's thinking budget."),
+    unset: list[str] = typer.Option([], "--unset", help="Remove a limit: budget_usd_day, budget_usd_month, rpm, "
+                                    "tpm or max_thinking_budget (repeatable)."),
+    config: Path | None = CONFIG_OPTION,
+) -> None:
+    """Change an active key's limits or tags in place (same secret and id: its usage stays one key's); running
+    gateways apply it within auth.key_cache_s. Exit 1: unknown or revoked key; 2: bad arguments."""
+    from gateway.auth.redis_store import UPDATABLE
+
+    changes: dict[str, Any] = {}
+    if tag:
+        changes["tags"] = _parse_tags(tag)
+    for name, v in (("budget_usd_day", _usd(budget_usd_day, "--budget-usd-day")),
+                    ("budget_usd_month", _usd(budget_usd_month, "--budget-usd-month")), ("rpm", rpm), ("tpm", tpm),
+                    ("max_thinking_budget", max_thinking_budget)):
+        if v is not None:
+            changes[name] = v
+    for name in unset:
+        if name not in UPDATABLE or name == "tags":
+            typer.echo(f"thinkgate: --unset {name!r}: not a limit (budget_usd_day, budget_usd_month, rpm, tpm, "
+                       "max_thinking_budget)", err=True)
+            raise typer.Exit(2)
+        if name in changes:
+            typer.echo(f"thinkgate: {name} both set and --unset", err=True)
+            raise typer.Exit(2)
+        changes[name] = None
+    if not changes:
+        typer.echo("thinkgate: nothing to change (give a limit, --tag or --unset)", err=True)
+        raise typer.Exit(2)
+
+    async def go(store: Any) -> Any:
+        return await store.update(key_id, **changes)
+
+    try:
+        rec = with_store(config, go)
+    except KeyError:
+        typer.echo(f"thinkgate: no key {key_id!r}", err=True)
+        raise typer.Exit(1) from None
+    except ValueError as exc:
+        typer.echo(f"thinkgate: {exc}", err=True)
+        raise typer.Exit(1) from None
+    shown = {k: v for k, v in rec.public().items() if k in UPDATABLE}
+    typer.echo(f"thinkgate: key {key_id!r} updated: {orjson.dumps(shown).decode()}", err=True)
+
+
 @app.command("revoke")
 def revoke(key_id: str = typer.Argument(..., help="Key id."), config: Path | None = CONFIG_OPTION) -> None:
     """Revoke a key: it stops authenticating (within auth.key_cache_s on running gateways)."""

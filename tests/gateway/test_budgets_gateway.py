@@ -406,6 +406,48 @@ def test_budgets_cli_set_list_remove(redis_url: str, prefix: str, tmp_path: Path
                 redis_url=redis_url).returncode == 0
 
 
+def test_keys_update_changes_a_live_keys_limits_in_place(gw: GatewayServer, redis_url: str, prefix: str) -> None:
+    """An operator raises a key's RPM, sets a budget and retags it without a new secret or id (they had to revoke
+    and re-create, splitting the key's usage across two ids); running gateways apply it within key_cache_s."""
+    kid = f"upd-{uuid.uuid4().hex[:8]}"
+    made = _cli("keys", "create", "--id", kid, "--rpm", "1", prefix=prefix, redis_url=redis_url)
+    assert made.returncode == 0, made.stderr
+    secret = made.stdout.strip()
+    body = {"model": "short", "messages": PROMPT}
+    assert _post(gw, secret, body).headers["x-ratelimit-limit-requests"] == "1"
+    up = _cli("keys", "update", "--id", kid, "--rpm", "50", "--budget-usd-day", "1.5", "--tag", "team=q",
+              prefix=prefix, redis_url=redis_url)
+    assert up.returncode == 0 and '"rpm":50' in up.stderr, up.stderr
+
+    def served_limit() -> str | None:
+        deadline = time.monotonic() + 8  # auth.key_cache_s (5 s) and a margin
+        while True:
+            r = _post(gw, secret, body)  # the same secret throughout
+            if r.status_code == 200 and (r.headers.get("x-ratelimit-limit-requests") != "1" or
+                                         time.monotonic() > deadline):
+                return r.headers.get("x-ratelimit-limit-requests")
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.25)
+
+    assert served_limit() == "50"
+    rec = next(json.loads(x) for x in _cli("keys", "list", "--json", prefix=prefix,
+                                           redis_url=redis_url).stdout.splitlines() if json.loads(x)["id"] == kid)
+    assert (rec["rpm"], rec["budget_usd_day"], rec["tags"]) == (50, "1.5", {"team": "q"})
+    assert _cli("keys", "update", "--id", kid, "--unset", "rpm", prefix=prefix, redis_url=redis_url).returncode == 0
+    deadline = time.monotonic() + 8
+    while "x-ratelimit-limit-requests" in _post(gw, secret, body).headers:
+        assert time.monotonic() < deadline
+        time.sleep(0.25)
+    for args, code in ((("--id", "nope-" + kid, "--rpm", "2"), 1), (("--id", kid), 2),
+                       (("--id", kid, "--unset", "secret_sha256"), 2),
+                       (("--id", kid, "--rpm", "2", "--unset", "rpm"), 2),
+                       (("--id", kid, "--budget-usd-day", "1e-9"), 2)):
+        assert _cli("keys", "update", *args, prefix=prefix, redis_url=redis_url).returncode == code, args
+    assert _cli("keys", "revoke", kid, prefix=prefix, redis_url=redis_url).returncode == 0
+    out = _cli("keys", "update", "--id", kid, "--rpm", "2", prefix=prefix, redis_url=redis_url)
+    assert out.returncode == 1 and "revoked" in out.stderr  # a revoked key is not brought back
+
+
 def test_alerts_fire_per_level(upstream_sim: SimProcess, redis_url: str, prefix: str, tmp_path: Path) -> None:
     import http.server
 
