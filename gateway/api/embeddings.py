@@ -99,6 +99,7 @@ class EmbeddingsAPI:
                 raise UpstreamError(f"upstream of tier {tier.name!r} sent an invalid JSON answer") from None
             except GatewayError as exc:
                 await ex.close(exc.status, exc.code)
+                exc.headers.setdefault("x-request-id", record.request_id)  # matches the usage event
                 raise
             record.mark_first_byte()
             usage = data.get("usage") if isinstance(data, dict) else None

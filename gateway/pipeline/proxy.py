@@ -142,6 +142,8 @@ class Proxy:
             else:
                 answer = await self._unless_disconnected(disconnect, self._answer(ex, body, caller), ex)
         except BaseException as exc:
+            if isinstance(exc, GatewayError):  # an upstream's failure: the client can match it to its usage event
+                exc.headers.setdefault("x-request-id", ex.record.request_id)
             # Normally every exit closed the exchange (errors included); this settles anything else.
             cancelled = isinstance(exc, asyncio.CancelledError | anyio.get_cancelled_exc_class())
             with anyio.CancelScope(shield=True):

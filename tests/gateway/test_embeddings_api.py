@@ -63,6 +63,14 @@ def test_embeddings_pass_through_and_are_metered_on_input_tokens(gw: GatewayServ
     assert floats.data[0].embedding == embedding_of("one two", 4)
 
 
+def test_an_upstream_failure_names_its_usage_record(gw: GatewayServer) -> None:
+    r = httpx.post(gw.base_url + "/embeddings", json={"model": "embed", "input": "x", "sim": {"fail": "500"}},
+                   headers={"authorization": f"Bearer {SECRETS['alice']}"}, timeout=30)
+    assert r.status_code == 502
+    rows = events_of(gw, r.headers["x-request-id"])  # the 502's own id: its usage record
+    assert len(rows) == 1 and rows[0]["status"] == 502 and rows[0]["endpoint"] == "embeddings"
+
+
 def test_a_tier_without_embeddings_is_refused(gw: GatewayServer) -> None:
     with pytest.raises(openai.NotFoundError) as err:  # OpenAI's status for a model it does not serve here
         sdk(gw).embeddings.create(model="long", input="hello")

@@ -107,6 +107,8 @@ def test_upstream_500_is_502_without_retry(client: openai.OpenAI, fault_sim: Sim
     assert "500" in info.value.message
     assert fault_sim.tag(t)["attempts"] == 1
     assert [r.status for r in records] == [502]
+    # the error names the request id of its usage record, as a success does
+    assert info.value.response.headers["x-request-id"] == records[0].request_id
 
 
 def test_upstream_503_is_retried_then_succeeds(client: openai.OpenAI, fault_sim: SimProcess) -> None:
@@ -139,6 +141,7 @@ def test_upstream_timeout_is_504(client: openai.OpenAI, fault_sim: SimProcess, s
     elapsed = time.monotonic() - t0
     assert info.value.status_code == 504
     assert info.value.code == "upstream_timeout"  # type: ignore[attr-defined]
+    assert len(info.value.response.headers["x-request-id"]) == 32
     assert READ_TIMEOUT_S <= elapsed < READ_TIMEOUT_S + 3
     assert fault_sim.tag(t)["attempts"] == 1  # a read timeout is not retried
     # The gateway hung up, so the simulator sees its client go away long before its hang ends.
