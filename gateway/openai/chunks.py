@@ -49,6 +49,17 @@ def replay(body: dict[str, Any], include_usage: bool, chunk_chars: int = 16) -> 
         yield b"data: " + c.raw + b"\n\n"
 
 
+class _Once:
+    """A value handed out once, then None."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def take(self) -> Any:
+        value, self.value = self.value, None
+        return value
+
+
 def replay_chunks(body: dict[str, Any], include_usage: bool, chunk_chars: int = 16) -> Iterator[Chunk]:
     """The chunks of :func:`replay` (the last one :data:`~gateway.openai.sse.DONE_CHUNK`)."""
     chat = body.get("object") != "text_completion"
@@ -67,6 +78,9 @@ def replay_chunks(body: dict[str, Any], include_usage: bool, chunk_chars: int = 
 
     for choice in body["choices"]:
         idx = choice.get("index", 0)
+        # the stored logprobs (if any) ride whole on the first content chunk (or the finish chunk): a client
+        # concatenates the chunks' lists, so it gets back exactly the stored ones
+        lp = _Once(choice.get("logprobs"))
         if chat:
             msg = choice.get("message") or {}
             yield chunk({"index": idx, "delta": {"role": msg.get("role", "assistant"), "content": ""},
@@ -75,16 +89,17 @@ def replay_chunks(body: dict[str, Any], include_usage: bool, chunk_chars: int = 
                 for piece in _pieces(msg.get(name) or "", chunk_chars):
                     yield chunk({"index": idx, "delta": {name: piece}, "logprobs": None, "finish_reason": None})
             for piece in _pieces(msg.get("content") or "", chunk_chars):
-                yield chunk({"index": idx, "delta": {"content": piece}, "logprobs": None, "finish_reason": None})
+                yield chunk({"index": idx, "delta": {"content": piece}, "logprobs": lp.take(), "finish_reason": None})
             for n, call in enumerate(msg.get("tool_calls") or []):
                 yield chunk({"index": idx, "delta": {"tool_calls": [{"index": n, **call}]}, "logprobs": None,
                              "finish_reason": None})
-            yield chunk({"index": idx, "delta": {}, "logprobs": None,
+            yield chunk({"index": idx, "delta": {}, "logprobs": lp.take(),
                          "finish_reason": choice.get("finish_reason")})
         else:
             for piece in _pieces(choice.get("text") or "", chunk_chars):
-                yield chunk({"index": idx, "text": piece, "logprobs": None, "finish_reason": None})
-            yield chunk({"index": idx, "text": "", "logprobs": None, "finish_reason": choice.get("finish_reason")})
+                yield chunk({"index": idx, "text": piece, "logprobs": lp.take(), "finish_reason": None})
+            yield chunk({"index": idx, "text": "", "logprobs": lp.take(),
+                         "finish_reason": choice.get("finish_reason")})
     if include_usage and body.get("usage") is not None:
         yield Chunk({**head, "choices": [], "usage": body["usage"]})
     yield DONE_CHUNK
@@ -98,6 +113,18 @@ class _Choice:
     reasoning: dict[str, list[str]] = field(default_factory=dict)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
+    #: the chunks' logprobs folded: chat ``{"content": [...], "refusal": [...]}``, completions ``{"tokens": [...],
+    #: "token_logprobs", "top_logprobs", "text_offset"}`` (lists concatenated); None when no chunk had any
+    logprobs: dict[str, list[Any]] | None = None
+
+    def fold_logprobs(self, lp: Any) -> None:
+        if not isinstance(lp, dict):
+            return
+        if self.logprobs is None:
+            self.logprobs = {}
+        for k, v in lp.items():
+            if isinstance(v, list):
+                self.logprobs.setdefault(k, []).extend(v)
 
 
 class StreamAssembler:
@@ -139,6 +166,7 @@ class StreamAssembler:
             self.usage = chunk["usage"]
         for c in chunk.get("choices") or []:
             st = self._choices.setdefault(c.get("index", 0), _Choice(c.get("index", 0)))
+            st.fold_logprobs(c.get("logprobs"))
             if self.chat:
                 self._fold_delta(st, c.get("delta") or {})
             elif c.get("text"):
@@ -191,9 +219,10 @@ class StreamAssembler:
                     msg[name] = "".join(parts)
                 if st.tool_calls:
                     msg["tool_calls"] = [st.tool_calls[i] for i in sorted(st.tool_calls)]
-                choices.append({"index": idx, "message": msg, "logprobs": None, "finish_reason": st.finish_reason})
+                choices.append({"index": idx, "message": msg, "logprobs": st.logprobs,
+                                "finish_reason": st.finish_reason})
             else:
-                choices.append({"index": idx, "text": "".join(st.content), "logprobs": None,
+                choices.append({"index": idx, "text": "".join(st.content), "logprobs": st.logprobs,
                                 "finish_reason": st.finish_reason})
         body: dict[str, Any] = {
             "id": self._head.get("id", ""),

@@ -109,6 +109,34 @@ def test_stream_and_non_stream_serve_each_other(gw: GatewayServer, upstream_sim:
     assert upstream_sim.tag(tag)["attempts"] == 1
 
 
+@pytest.mark.parametrize("first_stream", [False, True])
+def test_a_hit_serves_the_stored_logprobs(gw: GatewayServer, first_stream: bool) -> None:
+    # a hit dropped them ("logprobs": null on every replayed chunk, and on a body assembled from a stream)
+    tag = uuid.uuid4().hex
+    c = client(gw)
+    req = {**ask(tag), "logprobs": True, "top_logprobs": 2}
+
+    def streamed() -> tuple[str, list[Any]]:
+        raw = c.chat.completions.with_raw_response.create(**req, stream=True)
+        tokens: list[Any] = []
+        for chunk in raw.parse():
+            for ch in chunk.choices:
+                if ch.logprobs is not None and ch.logprobs.content:
+                    tokens += ch.logprobs.content
+        return raw.headers["x-thinkgate-cache"], tokens
+
+    def plain() -> tuple[str, list[Any]]:
+        raw = c.chat.completions.with_raw_response.create(**req)
+        lp = raw.parse().choices[0].logprobs
+        return raw.headers["x-thinkgate-cache"], list(lp.content or []) if lp is not None else []
+
+    one, two = (streamed, plain) if first_stream else (plain, streamed)
+    (h1, lp1), (h2, lp2) = one(), two()
+    assert (h1, h2) == ("miss", "hit")
+    assert lp1 and [t.model_dump() for t in lp1] == [t.model_dump() for t in lp2]
+    assert all(len(t.top_logprobs) == 2 for t in lp2)
+
+
 def test_replayed_stream_without_usage_and_raw_sse_framing(gw: GatewayServer) -> None:
     tag = uuid.uuid4().hex
     body = {"model": "short", "messages": [{"role": "user", "content": f"count {tag}"}], "temperature": 0,
