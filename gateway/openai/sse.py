@@ -140,6 +140,18 @@ async def chunk_batches(resp: UpstreamStream) -> AsyncIterator[list[Chunk]]:
         yield chunks
 
 
+def _tool_arguments(delta: dict[str, Any]) -> bool:
+    """Whether a chat delta carries tool-call text (a name or a piece of the arguments)."""
+    calls = delta.get("tool_calls")
+    if not isinstance(calls, list):
+        return False
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and (fn.get("arguments") or fn.get("name")):
+            return True
+    return False
+
+
 @dataclass(slots=True)
 class StreamTally:
     """The relay's view of an upstream stream of chat or completion chunks.
@@ -148,7 +160,8 @@ class StreamTally:
     (held back in ``usage_chunk``), ``[DONE]`` (``done``; the relay writes its own), an in-stream
     ``{"error": …}`` (``upstream_error``, passed on, nothing after it), reasoning text per choice index
     (for counting when usage lacks it), and delta counts (≈ tokens on vLLM, for an estimate when usage
-    never comes). ``saw_text`` turns true with the first reasoning or content delta (time to first token).
+    never comes; tool-call deltas count as text). ``saw_text`` turns true with the first reasoning, content or
+    tool-call delta (time to first token).
     """
 
     reasoning: dict[int, list[str]] = field(default_factory=dict)
@@ -197,7 +210,7 @@ class StreamTally:
                 self.reasoning.setdefault(int(c.get("index") or 0), []).append(r)
                 self.reasoning_deltas += 1
                 self.saw_text = True
-            if delta.get("content"):
+            if delta.get("content") or _tool_arguments(delta):  # a tool call's arguments are output tokens too
                 self.text_deltas += 1
                 self.saw_text = True
 

@@ -76,6 +76,29 @@ def test_chat_streamed_tool_call_deltas_are_relayed_intact(gw: GatewayServer) ->
     assert json.loads(calls[0]["arguments"]) == {"city": " ".join(question.split()[:8]), "days": 4}
 
 
+def test_a_cut_tool_call_stream_is_metered_on_its_relayed_deltas(gw: GatewayServer) -> None:
+    """The upstream drops a tool-call stream: the usage event counts what was relayed (one token per delta), as for
+    text. Tool-call deltas were not counted: 0 tokens, cost 0, for output the client received."""
+    import httpx
+
+    from tests.fixtures.metered import events_of
+
+    body = {"model": "none", "stream": True, "tools": [CHAT_TOOL], "sim": {"fail": "drop"},
+            "messages": [{"role": "user", "content": q("what is the weather in the city of paris this week")}]}
+    with httpx.stream("POST", gw.base_url + "/chat/completions", json=body, timeout=30,
+                      headers={"authorization": f"Bearer {SECRETS['alice']}"}) as r:
+        rid = r.headers["x-request-id"]
+        payloads = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(p) for p in payloads if p != "[DONE]"]
+    relayed = sum(1 for c in chunks for ch in c.get("choices") or ()
+                  if any((d.get("function") or {}).get("arguments") or (d.get("function") or {}).get("name")
+                         for d in (ch.get("delta") or {}).get("tool_calls") or ()))
+    assert relayed >= 3 and "error" in chunks[-1]  # cut after some argument deltas, ended by an error event
+    [ev] = events_of(gw, rid)
+    assert ev["partial"] is True and ev["usage_source"] == "counted"
+    assert ev["completion_tokens"] == relayed and ev["cost_micro_usd"] > 0
+
+
 def test_a_tool_call_is_not_an_empty_answer_for_the_cascade(gw: GatewayServer) -> None:
     msgs = [{"role": "user", "content": q()}]
     for stream in (False, True):
