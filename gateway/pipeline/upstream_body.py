@@ -53,7 +53,11 @@ def build(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint) -> dic
     asked = out.pop("max_completion_tokens", None) or out.get("max_tokens")
     out["max_tokens"] = min(asked, tier.max_tokens) if isinstance(asked, int) else tier.max_tokens
     if out.get("stream") is True:
-        opts = out.get("stream_options")
-        out["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+        opts = dict(out.get("stream_options") or {})
+        if not opts.get("include_usage"):
+            # vLLM sends per-chunk usage only with include_usage, which the gateway always asks for: a client that
+            # did not ask for it must not get it either
+            opts.pop("continuous_usage_stats", None)
+        out["stream_options"] = {**opts, "include_usage": True}
     apply_budget(out, tier, endpoint)
     return out

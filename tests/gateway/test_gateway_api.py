@@ -92,6 +92,15 @@ def test_chat_stream_without_usage_hides_usage_chunk(openai_client: openai.OpenA
     assert all(c.choices for c in chunks)
     # The gateway still asked the upstream for usage, to meter the request.
     assert upstream_sim.tag(tag)["body"]["stream_options"] == {"include_usage": True}
+    # vLLM's per-chunk usage comes only with include_usage: without it, the client's continuous_usage_stats is not
+    # passed on (the gateway's own include_usage would have turned it on); with it, it is
+    for asked, sent in (({"continuous_usage_stats": True}, {"include_usage": True}),
+                        ({"include_usage": True, "continuous_usage_stats": True},
+                         {"include_usage": True, "continuous_usage_stats": True})):
+        tag = new_tag()
+        list(openai_client.chat.completions.create(model="short", messages=MESSAGES, stream=True,
+                                                   stream_options=asked, extra_body=tag_body(tag)))  # type: ignore[arg-type]
+        assert upstream_sim.tag(tag)["body"]["stream_options"] == sent
 
 
 def test_completions_non_stream_and_stream(openai_client: openai.OpenAI) -> None:
