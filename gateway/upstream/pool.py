@@ -8,7 +8,9 @@ old code worked around with eight client shards). Each call uses the tier's conn
 Retries (``tier.max_retries``, exponential backoff with jitter) happen only before the response is handed to
 the caller, i.e. before any byte reached the client, and only when repeating is safe:
 
-- connection errors (refused, reset, connect timeout, a pooled connection the server had closed), and
+- connection errors (refused, reset, connect timeout, a pooled connection the server had closed) before a 2xx
+  answer — a non-streamed 2xx whose body then breaks is an :class:`UpstreamError` (the generation ran: vLLM sends
+  that 200 once it is done; a retry or a fallback would pay for it twice), and
 - HTTP 502/503 from the upstream.
 
 Errors raised (all :class:`gateway.errors.GatewayError`):
@@ -246,12 +248,14 @@ class UpstreamPool:
         resp: aiohttp.ClientResponse | None = None
         ok: bool | None = False  # the call's outcome for the replica (None: cancelled, no verdict)
         owned = True  # this attempt ends the replica's call (a returned stream ends it when closed)
+        answered = False  # a 2xx's body is being read: the generation ran, and repeating it would pay twice
         try:
             resp = await session.post(url, data=body, headers=headers, timeout=timeout)
             if 200 <= resp.status < 300:
                 if stream:
                     owned = False
                     return AioResponse(resp, tier, on_close=functools.partial(pool.end, replica))
+                answered = True
                 content = await resp.read()
                 resp.release()
                 ok = True
@@ -270,6 +274,9 @@ class UpstreamPool:
         except _CONNECTION_ERRORS as exc:
             if resp is not None:
                 resp.close()
+            if answered:  # vLLM answers a non-streamed 200 once the generation is done: not retried, no fallback
+                raise UpstreamError(f"upstream of tier {tier.name!r} answered {resp.status if resp else 200} and "
+                                    f"broke its body: {type(exc).__name__}: {exc}") from None
             return UpstreamUnavailable(f"upstream of tier {tier.name!r} unreachable: {type(exc).__name__}: {exc}")
         except aiohttp.ClientError as exc:
             if resp is not None:

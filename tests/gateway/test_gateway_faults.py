@@ -165,10 +165,17 @@ def test_stream_dropped_midway_ends_with_error_event(client: openai.OpenAI, reco
     assert rec.completion_tokens > 0 and rec.cost_micro_usd >= 0
 
 
-def test_non_stream_drop_is_502(client: openai.OpenAI) -> None:
+def test_non_stream_drop_is_502(client: openai.OpenAI, fault_sim: SimProcess) -> None:
+    # a 200 whose body breaks: the generation ran (vLLM sends that 200 once it is done), so it is neither retried
+    # nor sent again elsewhere — it was retried as a connection error: up to 3 generations (and a fallback's)
+    # for one metered call
+    t = tag()
     with pytest.raises(openai.APIStatusError) as info:
-        client.chat.completions.create(model="ok", messages=MESSAGES, extra_body={"sim": {"fail": "drop"}})
+        client.chat.completions.create(model="ok", messages=MESSAGES,
+                                       extra_body={"sim": {"fail": "drop", "fail_times": 1, "tag": t}})
     assert info.value.status_code == 502
+    assert info.value.type == "upstream_error" and "broke its body" in info.value.message  # type: ignore[attr-defined]
+    assert fault_sim.tag(t)["attempts"] == 1
 
 
 def test_stream_stalled_midway_ends_with_timeout_event(client: openai.OpenAI, records: list[Any]) -> None:
