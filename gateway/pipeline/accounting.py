@@ -60,6 +60,8 @@ log = logging.getLogger("thinkgate.accounting")
 
 KNOWN_KEYS_MAX = 100_000
 WRITE_BATCH_MAX = 128  # usage events per metering pipeline
+#: the longest a request waits for the usage spool to reach Redis before its admission after an outage (seconds)
+REPLAY_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +133,7 @@ class Accounting:
         # request id → the exact-cache lookup prepared for its admission call and that call's reply to it (None:
         # not run), until cache_begin takes it
         self._looked: dict[str, tuple[Lookup | Ticket, list[Any] | None]] = {}
+        self._replaying: asyncio.Task[int] | None = None  # the spool replay admissions wait for after an outage
         self._stop = asyncio.Event()
         self._replayer: asyncio.Task[None] | None = None
         # write-ahead records (metering.write_ahead): the admitted upper bound per request id until its record is
@@ -201,6 +204,8 @@ class Accounting:
         is down). Raises like :meth:`admit`."""
         self._remember(key)
         lim = KeyLimits.of(key)
+        if self.spool.dirty and not self.breaker.is_open:
+            await self._replay_before_admitting()
         await self.budgets.refresh()  # the fallback copy (Redis down) and the views; admission reads Redis
         rider, rec, lookup = None, None, None
         if ahead is not None and self.limits.fused:
@@ -223,6 +228,19 @@ class Accounting:
             # the script may have taken after all (a paused server resumes)
             self._looked[record.request_id] = (lookup, admission.lookup_reply if admission.rode else None)
         return admission
+
+    async def _replay_before_admitting(self) -> None:
+        """Send the usage spool to Redis before Redis decides an admission again. The events spooled while Redis
+        was down are spend the admission script cannot see: admitting on Redis's counters before they land let a
+        hard budget be overspent in the seconds after an outage (until the replayer's next pass). One replay for
+        every request that waits (coalesced), bounded by :data:`REPLAY_WAIT_S`; on an outage or the bound the
+        request goes on (Redis down: admitted on the local counters, which count that spend)."""
+        if self._replaying is None or self._replaying.done():
+            self._replaying = asyncio.get_running_loop().create_task(self.meter.replay())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._replaying), REPLAY_WAIT_S)
+        except Exception as exc:  # logged by the replayer's next pass too; admission decides on what it sees
+            log.warning("usage spool not replayed before admission: %r", exc)
 
     def _rider(self, key: KeyInfo, est: Estimate, record: UsageRecord,
                ahead: Ahead) -> tuple[Rider, WalRecord | None, Lookup | Ticket | None]:

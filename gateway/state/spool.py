@@ -47,6 +47,9 @@ class Spool(Generic[T]):
         self.decode: Callable[[bytes], T] = decode or cast(Callable[[bytes], T], UsageEvent.from_json)
         self._lock = asyncio.Lock()
         self._waiting: list[tuple[bytes, asyncio.Future[None]]] = []  # appends not yet written
+        #: the file may hold records not yet sent (an append since the last full drain, or a file left by an
+        #: earlier process); an attribute read, so the request path can ask it for free
+        self.dirty = self.pending_bytes() > 0
 
     def _append_sync(self, lines: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,6 +75,7 @@ class Spool(Generic[T]):
                 batch, self._waiting = self._waiting, []
                 try:
                     await asyncio.to_thread(self._append_sync, b"".join(d for d, _ in batch))
+                    self.dirty = True
                 except BaseException as exc:
                     for _, f in batch:
                         if f is not done and not f.done():
@@ -104,10 +108,12 @@ class Spool(Generic[T]):
         left untouched (idempotent sinks make the retry safe).
         """
         if self.pending_bytes() == 0:
+            self.dirty = False
             return 0
         async with self._lock:
             fd = await asyncio.to_thread(_open_locked, self.path)
             if fd is None:
+                self.dirty = False
                 return 0
             try:
                 raw = await asyncio.to_thread(_read_fd, fd)
@@ -115,6 +121,7 @@ class Spool(Generic[T]):
                 for i in range(0, len(events), batch):
                     await sink(events[i : i + batch])
                 await asyncio.to_thread(_truncate, fd)
+                self.dirty = False  # appends wait for the lock, so none landed between the read and the truncate
                 return len(events)
             finally:
                 os.close(fd)

@@ -184,3 +184,70 @@ def test_fail_closed_refuses_limited_keys_while_redis_is_down(upstream_sim: SimP
                 time.sleep(0.2)
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_hard_budget_holds_across_an_outage_and_its_recovery(upstream_sim: SimProcess, tmp_path: Path) -> None:
+    """One gateway, hard mode: during the outage the local counters hold the budget; once Redis answers again, the
+    events spooled meanwhile reach Redis before Redis decides an admission. It used to admit on Redis's counters at
+    once — without the outage's spend, which waited for the replayer's next pass — and overspent (a new user saw
+    1,274 µUSD spent of a 1,000 budget)."""
+    from decimal import Decimal
+
+    from gateway.state.limits import estimate
+    from tests.fixtures.gateway import create_key, usage_events
+
+    body = {"model": "short", "max_tokens": 16, "messages": [{"role": "user", "content": "budget probe"}]}
+    server = PersistentRedis(tmp_path / "redis")
+    server.workdir.mkdir()
+    server.start()
+    settings = _settings(tmp_path, server, "fail_open")
+    settings["metering"]["replay_interval_s"] = 30.0  # the replayer's pass comes long after the recovery
+    try:
+        with accounting_gateway(upstream_sim.base_url, server.url, tmp_path, PREFIX, **settings) as gw:
+            names = [t.name for t in gw.settings.tiers]
+            one = estimate(body, gw.settings.tiers[names.index("short"):]).micro_usd  # the admission estimate
+            probe = httpx.post(gw.base_url + "/chat/completions", json=body, timeout=15,
+                               headers={"authorization": f"Bearer {SECRETS['alice']}", "cache-control": "no-store"})
+            rid = probe.headers["x-request-id"]
+            cost = usage_events(gw, [rid])[rid].cost_micro_usd  # what one request really costs
+            assert 0 < cost < one
+            budget = one + 8 * cost  # hard mode: about nine requests fit
+            secret = create_key(server.url, PREFIX, "outage", budget_usd_day=Decimal(budget) / 1_000_000)
+            headers = {"authorization": f"Bearer {secret}", "cache-control": "no-store"}
+
+            def until_refused(limit: int = 40) -> list[int]:
+                codes = []
+                for _ in range(limit):
+                    r = httpx.post(gw.base_url + "/chat/completions", json=body, headers=headers, timeout=15)
+                    codes.append(r.status_code)
+                    if r.status_code == 429:
+                        break
+                return codes
+
+            first = [httpx.post(gw.base_url + "/chat/completions", json=body, headers=headers,
+                                timeout=15).status_code for _ in range(2)]
+            assert first == [200, 200]
+            server.stop()  # refused connections: nothing reaches Redis meanwhile (a paused one runs what it queued)
+            try:
+                during = until_refused()  # local counters: admitted until the budget is reached, then 429
+            finally:
+                server.start()
+            assert during.count(200) >= 3 and during[-1] == 429, during
+            acct = gw.app.state.accounting
+            assert acct.spool.dirty  # the outage's events wait in the spool
+            time.sleep(1.0)  # past the breaker's cooldown: the next request is decided by Redis again
+            after = until_refused()
+            client = redis.Redis.from_url(server.url)
+            try:
+                deadline = time.monotonic() + 35
+                while acct.spool.pending_bytes() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                day = time.strftime("%Y-%m-%d", time.gmtime())
+                spent = int(client.hget(f"{PREFIX}usage:key:outage:d:{day}", "cost_micro_usd") or 0)
+            finally:
+                client.close()
+            assert spent <= budget, (spent, budget, first, during, after)
+            assert after == [429], (first, during, after)
+    finally:
+        server.stop()
