@@ -122,6 +122,9 @@ class TierConfig(_Strict):
     prices: Prices = Field(default_factory=Prices)
     connect_timeout_s: float = Field(5.0, gt=0)
     read_timeout_s: float = Field(120.0, gt=0)
+    #: how long a non-streamed answer may take (it comes whole when the generation ends: a long thought is silence
+    #: until then); the OpenAI SDK's and LiteLLM's default request timeout. Never below ``read_timeout_s``.
+    response_timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(2, ge=0)
     #: this tier's upstream serves ``POST /v1/embeddings`` (gateway/api/embeddings.py); keep it out of
     #: ``routing.routed_tiers``

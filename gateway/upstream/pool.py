@@ -17,7 +17,7 @@ Errors raised (all :class:`gateway.errors.GatewayError`):
 
 - :class:`UpstreamUnavailable` (502): no connection after the retries, or still 502/503 — the proxy may
   fall back to another tier;
-- :class:`UpstreamTimeout` (504): connect or read timeout (a read timeout is not retried: the upstream may
+- :class:`UpstreamTimeout` (504): connect or read timeout (:func:`read_timeout`; not retried: the upstream may
   still be generating and a retry would pay twice);
 - :class:`UpstreamError` (502): other 5xx or an unusable answer;
 - :class:`UpstreamRejected` (400/429): the upstream refused the request itself (4xx).
@@ -151,6 +151,12 @@ class AioResponse:
             on_close(False if self._broken else True if done else None)
 
 
+def read_timeout(tier: TierConfig, stream: bool) -> float:
+    """Seconds the upstream may stay silent: between a stream's chunks (and before its head) ``read_timeout_s``;
+    for a non-streamed answer, which comes whole at the end of the generation, ``response_timeout_s``."""
+    return tier.read_timeout_s if stream else max(tier.read_timeout_s, tier.response_timeout_s)
+
+
 class UpstreamPool:
     """Pooled connections for every upstream in ``tiers``; close with :meth:`aclose`."""
 
@@ -159,12 +165,13 @@ class UpstreamPool:
         #: the replicas of every tier (one per tier without ``base_urls``)
         self.balancer = Balancer(tiers, self._probe)
         self._headers: dict[str, dict[str, str]] = {}
-        self._timeouts: dict[str, aiohttp.ClientTimeout] = {}
+        self._timeouts: dict[tuple[str, bool], aiohttp.ClientTimeout] = {}
         self._urls: dict[tuple[str, str], str] = {}
         self._tiers = list(tiers)
         for t in tiers:
             self._headers[t.name] = self._headers_for(t)
-            self._timeouts[t.name] = self._timeout_for(t)
+            for stream in (True, False):
+                self._timeouts[t.name, stream] = self._timeout_for(t, stream)
 
     @staticmethod
     def _headers_for(t: TierConfig) -> dict[str, str]:
@@ -174,10 +181,11 @@ class UpstreamPool:
         return h
 
     @staticmethod
-    def _timeout_for(t: TierConfig) -> aiohttp.ClientTimeout:
-        # sock_read: the longest wait for the next bytes (httpx's read timeout); no total cap (long generations)
+    def _timeout_for(t: TierConfig, stream: bool) -> aiohttp.ClientTimeout:
+        # sock_read: the longest wait for the next bytes (httpx's read timeout); no total cap (long generations).
+        # A non-streamed answer sends nothing until the generation is done (vLLM): it gets response_timeout_s.
         return aiohttp.ClientTimeout(total=None, connect=t.connect_timeout_s, sock_connect=t.connect_timeout_s,
-                                     sock_read=t.read_timeout_s)
+                                     sock_read=read_timeout(t, stream))
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -219,7 +227,7 @@ class UpstreamPool:
         headers = self._headers.get(tier.name) or self._headers_for(tier)
         if (parent := traceparent()) is not None:  # telemetry on: W3C trace context to the upstream
             headers = {**headers, "traceparent": parent}
-        timeout = self._timeouts.get(tier.name) or self._timeout_for(tier)
+        timeout = self._timeouts.get((tier.name, stream)) or self._timeout_for(tier, stream)
         session = self.session
         if not self.balancer.started:
             self.balancer.start()
@@ -269,7 +277,7 @@ class UpstreamPool:
             if resp is not None:
                 resp.close()
             raise UpstreamTimeout(
-                f"upstream of tier {tier.name!r} did not answer within {tier.read_timeout_s} s"
+                f"upstream of tier {tier.name!r} did not answer within {read_timeout(tier, stream)} s"
             ) from None
         except _CONNECTION_ERRORS as exc:
             if resp is not None:

@@ -19,6 +19,7 @@ from gateway.engine.redis_server import free_port
 from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, start_sim, wait_for
 
 MESSAGES = [{"role": "user", "content": "tell me a story about a fox"}]
+RESPONSE_TIMEOUT_S = 3.0
 READ_TIMEOUT_S = 1.0
 HANG_S = 8.0  # the fault simulator's hang; well above READ_TIMEOUT_S, well below the test timeout
 
@@ -37,7 +38,8 @@ def fault_sim() -> Iterator[SimProcess]:
 
 
 def fault_tiers(sim: SimProcess, dead_port: int) -> list[dict[str, Any]]:
-    common = {"model": "sim-model", "connect_timeout_s": 1.0, "read_timeout_s": READ_TIMEOUT_S}
+    common = {"model": "sim-model", "connect_timeout_s": 1.0, "read_timeout_s": READ_TIMEOUT_S,
+              "response_timeout_s": RESPONSE_TIMEOUT_S}
     return [
         {**common, "name": "down", "base_url": f"http://127.0.0.1:{dead_port}/v1", "max_retries": 1},
         {**common, "name": "ok", "base_url": sim.base_url, "max_retries": 2},
@@ -98,6 +100,14 @@ def test_refused_connection_without_fallback_is_502(fault_sim: SimProcess, redis
         assert r.status_code == 503 and r.json()["upstreams"] == {"down": False, "ok": True}
 
 
+def test_a_non_streamed_answer_may_take_longer_than_read_timeout(client: openai.OpenAI) -> None:
+    # vLLM sends a non-streamed answer whole when the generation ends: a long thought is silence until then, and
+    # it was cut at read_timeout_s (120 s by default) with a 504
+    delay_ms = (READ_TIMEOUT_S + (RESPONSE_TIMEOUT_S - READ_TIMEOUT_S) / 2) * 1000
+    r = client.chat.completions.create(model="ok", messages=MESSAGES, extra_body={"sim": {"delay_ms": delay_ms}})
+    assert r.choices[0].message.content
+
+
 def test_upstream_500_is_502_without_retry(client: openai.OpenAI, fault_sim: SimProcess, records: list[Any]) -> None:
     t = tag()
     with pytest.raises(openai.APIStatusError) as info:
@@ -142,7 +152,9 @@ def test_upstream_timeout_is_504(client: openai.OpenAI, fault_sim: SimProcess, s
     assert info.value.status_code == 504
     assert info.value.code == "upstream_timeout"  # type: ignore[attr-defined]
     assert len(info.value.response.headers["x-request-id"]) == 32
-    assert READ_TIMEOUT_S <= elapsed < READ_TIMEOUT_S + 3
+    # a stream's silence is read_timeout_s; a non-streamed answer, which comes whole at the end, response_timeout_s
+    limit = READ_TIMEOUT_S if stream else RESPONSE_TIMEOUT_S
+    assert limit <= elapsed < limit + 3
     assert fault_sim.tag(t)["attempts"] == 1  # a read timeout is not retried
     # The gateway hung up, so the simulator sees its client go away long before its hang ends.
     rec = fault_sim.wait_tag_status(t, {"cancelled", "failed"}, timeout_s=HANG_S / 2)
