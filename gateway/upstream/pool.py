@@ -102,8 +102,19 @@ def error_for_status(tier: TierConfig, status: int, body: bytes, reason: str | N
         # The gateway's credentials for the upstream are wrong: the client cannot fix that.
         return UpstreamError(msg, code="upstream_auth_failed")
     if 400 <= status < 500:
-        return UpstreamRejected(msg, status=status)
+        return UpstreamRejected(msg, status=status, param=_upstream_param(body))
     return UpstreamError(msg)
+
+
+def _upstream_param(body: bytes) -> str | None:
+    """The field an upstream's 4xx names (OpenAI's and vLLM's ``error.param``), so the client's SDK sees it."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    err = data.get("error") if isinstance(data, dict) else None
+    param = err.get("param") if isinstance(err, dict) else None
+    return param if isinstance(param, str) and param else None
 
 
 class AioResponse:

@@ -100,6 +100,13 @@ def test_refused_connection_without_fallback_is_502(fault_sim: SimProcess, redis
         assert r.status_code == 503 and r.json()["upstreams"] == {"down": False, "ok": True}
 
 
+def test_an_upstream_400_keeps_the_field_it_names(client: openai.OpenAI) -> None:
+    # vLLM's 400 names the field in error.param: the client's SDK gets it (it was null)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="ok", messages=MESSAGES, top_logprobs=2)
+    assert info.value.code == "upstream_rejected" and info.value.param == "top_logprobs"  # type: ignore[attr-defined]
+
+
 def test_a_non_streamed_answer_may_take_longer_than_read_timeout(client: openai.OpenAI) -> None:
     # vLLM sends a non-streamed answer whole when the generation ends: a long thought is silence until then, and
     # it was cut at read_timeout_s (120 s by default) with a 504
