@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from gateway.api.common import json_response as _json
+from gateway.auth.keys import KeyInfo
 from gateway.config import Settings, TierConfig
 from gateway.errors import InvalidRequest, PermissionDenied, UnknownModel
 from gateway.pipeline.proxy import Proxy
@@ -67,23 +68,33 @@ def attach(app: FastAPI, settings: Settings, proxy: Proxy, routing: Routing, cre
             },
         }
 
+    def visible(key: KeyInfo) -> list[TierConfig]:
+        """The tiers ``key`` may ask for: a key that refuses other tiers sees only its ``allowed_tiers`` (as a
+        LiteLLM key sees only its models); one that downgrades sees them all (any of them answers it)."""
+        if key.allowed_tiers is None or key.on_disallowed_tier == "downgrade":
+            return list(settings.tiers)
+        allowed = set(key.allowed_tiers)
+        return [t for t in settings.tiers if t.name in allowed]
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        await proxy.keys.authenticate(request.headers.get("authorization"))
+        key = await proxy.keys.authenticate(request.headers.get("authorization"))
         return _json({"object": "list",
-                      "data": [auto_card(request), *(_tier_card(t, created) for t in settings.tiers)]})
+                      "data": [auto_card(request), *(_tier_card(t, created) for t in visible(key))]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
-        """One model card (``client.models.retrieve``): ``auto`` or a tier; 404 ``model_not_found`` otherwise."""
-        await proxy.keys.authenticate(request.headers.get("authorization"))
+        """One model card (``client.models.retrieve``): ``auto`` or a tier the key may ask for; 404
+        ``model_not_found`` otherwise."""
+        key = await proxy.keys.authenticate(request.headers.get("authorization"))
         if model_id == AUTO:
             return _json(auto_card(request))
-        try:
-            return _json(_tier_card(settings.tier(model_id), created))
-        except KeyError:
-            raise UnknownModel(f"the model {model_id!r} does not exist (models: auto, "
-                               f"{', '.join(t.name for t in settings.tiers)})", param="model") from None
+        tiers = visible(key)
+        found = next((t for t in tiers if t.name == model_id), None)
+        if found is None:
+            raise UnknownModel(f"the model {model_id!r} does not exist or is not available to this key (models: "
+                               f"auto, {', '.join(t.name for t in tiers)})", param="model")
+        return _json(_tier_card(found, created))
 
     @app.post("/admin/router/reload")
     async def reload_router(request: Request) -> Response:

@@ -329,11 +329,18 @@ def test_key_policy_allowed_tiers_downgrade_and_thinking_cap(gw: GatewayServer, 
     strict = create_key(redis_url, prefix, f"strict-{n}", allowed_tiers=["none", "short"])
     r = _post(gw, strict, {"model": "long", "messages": PROMPT})
     assert r.status_code == 403
+    # /v1/models lists what the key may ask for (as LiteLLM lists a key's models); retrieve agrees
+    listed = httpx.get(gw.base_url + "/models", headers={"authorization": f"Bearer {strict}"}, timeout=10).json()
+    assert [m["id"] for m in listed["data"]] == ["auto", "none", "short"]
+    got = httpx.get(gw.base_url + "/models/long", headers={"authorization": f"Bearer {strict}"}, timeout=10)
+    assert got.status_code == 404 and got.json()["error"]["code"] == "model_not_found"
     assert r.json()["error"]["code"] == "tier_not_allowed" and "['none', 'short']" in r.json()["error"]["message"]
     down = create_key(redis_url, prefix, f"down-{n}", allowed_tiers=["none", "short"], on_disallowed_tier="downgrade")
     t = uuid.uuid4().hex
     r = _post(gw, down, {"model": "long", "messages": PROMPT, "sim": {"tag": t}})
     assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short"
+    listed = httpx.get(gw.base_url + "/models", headers={"authorization": f"Bearer {down}"}, timeout=10).json()
+    assert "long" in [m["id"] for m in listed["data"]]  # a downgrading key is answered on every tier it names
     assert r.headers["x-thinkgate-downgraded-from"] == "long"
     capped = create_key(redis_url, prefix, f"cap-{n}", max_thinking_budget=3)
     for asked, sent in ((None, 3), (100, 3), (2, 2)):
