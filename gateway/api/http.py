@@ -105,12 +105,12 @@ def thinking_budget(route: RouteDecision) -> int | None:
     """The thinking budget (tokens) the route serves, for ``x-thinkgate-thinking-budget``: the request's smaller
     ``thinking_token_budget`` (after its key's ``max_thinking_budget``), else the tier's — on a ``prompted`` tier the
     one its dial instruction states (a dial router's pick on a routed request), on a ``native`` tier the one vLLM
-    gets, on a ``forced`` tier the thought phase's cut; None when thinking is off or unlimited."""
+    gets, on a ``forced`` tier the thought phase's cut (0 when the request asked for no thinking); None when the
+    tier's thinking is off or unlimited."""
     tier = route.tier
     if tier.budget_mode == "off":
         return None
-    budget = dial.requested_budget({"thinking_token_budget": route.asked_budget}, tier)
-    return (budget or None) if tier.budget_mode == "prompted" else budget
+    return dial.requested_budget({"thinking_token_budget": route.asked_budget}, tier)  # 0: thinking off
 
 
 def route_headers(route: RouteDecision, request_id: str) -> dict[str, str]:

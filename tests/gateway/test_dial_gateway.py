@@ -172,6 +172,10 @@ def test_auto_routes_to_the_budget_the_router_file_maps_the_score_to(
     raw, body = _ask_raw(budget_router_gateway, upstream_sim, "auto", QUESTION, thinking_token_budget=12)
     assert _user_texts(body) == [f"{QUESTION} Think for 12 tokens."]
     assert raw.headers["x-thinkgate-thinking-budget"] == "12"
+    # a budget of 0 turns thinking off, and the header says 0 (it was missing)
+    raw, body = _ask_raw(budget_router_gateway, upstream_sim, "auto", QUESTION, thinking_token_budget=0)
+    assert raw.headers["x-thinkgate-thinking-budget"] == "0"
+    assert body["chat_template_kwargs"]["enable_thinking"] is False
 
 
 def test_models_says_which_budgets_the_router_file_serves(budget_router_gateway: GatewayServer) -> None:
