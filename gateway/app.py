@@ -212,4 +212,25 @@ def create_app(settings: Settings) -> Gateway:
     models_api.attach(app, settings, proxy, routing, created)
     ops_api.attach(app, settings, upstreams, lambda: accounting.budgets.synced)
     dashboard_api.attach(app, settings, keys, accounting, routing)
+    if settings.server.cors_allow_origins:
+        allow_cors(app, settings.server.cors_allow_origins)
     return app
+
+
+#: the gateway's response headers a browser script may read under CORS
+EXPOSED_HEADERS = ["x-request-id", "x-thinkgate-tier", "x-thinkgate-route-reason", "x-thinkgate-difficulty",
+                   "x-thinkgate-cache", "x-thinkgate-cache-similarity", "x-thinkgate-thinking-budget",
+                   "x-thinkgate-escalation", "x-thinkgate-session", "x-thinkgate-downgraded-from",
+                   "x-thinkgate-budget-level", "retry-after", "x-ratelimit-limit-requests",
+                   "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens",
+                   "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"]
+
+
+def allow_cors(app: Gateway, origins: list[str]) -> None:
+    """Answer CORS (preflight and headers) for ``origins`` on every path: Starlette's ``CORSMiddleware``, with
+    every route through the middleware stack (the direct dispatch of the generation endpoints would skip it)."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    app.hot.clear()  # the routes stay in the router: served through the stack, CORS included
+    app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+                       expose_headers=EXPOSED_HEADERS, allow_credentials=False, max_age=600)

@@ -1,4 +1,4 @@
-"""The HTTP server (``server:``): bind address, body size, log level, the garbage collector's thresholds.
+"""The HTTP server (``server:``): bind address, body size, log level, the garbage collector's thresholds, CORS.
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ class ServerConfig(_Strict):
     #: request at concurrency 32 (bench/RESULTS.md, "ThinkGate vs LiteLLM", the 23:01 reading). ``null``: Python's
     #: defaults.
     gc_thresholds: tuple[int, int, int] | None = (20000, 50, 100)
+    #: browser origins allowed to call the API (CORS, Starlette's middleware: preflight answered, the gateway's
+    #: headers exposed); ``["*"]`` any origin (LiteLLM's default). Empty (the default): no CORS headers, and the
+    #: generation endpoints keep their direct dispatch (``gateway/api/asgi.py``), which a middleware would undo
+    cors_allow_origins: list[str] = Field(default_factory=list)
 
     @field_validator("gc_thresholds", mode="before")
     @classmethod

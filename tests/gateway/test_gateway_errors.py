@@ -179,3 +179,32 @@ def test_a_generation_route_maps_errors_as_the_framework_does(upstream_sim: Any,
         assert "secret internals" not in r.text
         assert_openai_error(httpx.post(gw.url + "/v1/refused", json={}, timeout=5), 503, "no_capacity")
         assert_openai_error(httpx.get(gw.url + "/v1/boom", timeout=5), 405)
+
+
+def test_cors_when_configured(upstream_sim: Any, redis_url: str) -> None:
+    """``server.cors_allow_origins``: a browser's preflight is answered and the gateway's headers are exposed, on the
+    generation endpoints too (their direct dispatch would skip the middleware); other origins get no CORS
+    headers. Off by default (the module's ``gateway`` fixture: a preflight is a 405)."""
+    settings = sim_settings(upstream_sim.base_url, redis_url,
+                            server={"host": "127.0.0.1", "port": 0, "cors_allow_origins": ["https://app.example"]})
+    with GatewayServer(settings) as gw:
+        pre = httpx.options(gw.url + "/v1/chat/completions", timeout=10, headers={
+            "origin": "https://app.example", "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=30,
+                       headers={"origin": "https://app.example", "authorization": f"Bearer {TEST_KEY}"},
+                       json={"model": "short", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        exposed = r.headers["access-control-expose-headers"].lower()
+        assert "x-request-id" in exposed and "x-thinkgate-tier" in exposed
+        other = httpx.post(gw.url + "/v1/chat/completions", timeout=30,
+                           headers={"origin": "https://evil.example", "authorization": f"Bearer {TEST_KEY}"},
+                           json={"model": "short", "messages": [{"role": "user", "content": "hi"}]})
+        assert "access-control-allow-origin" not in other.headers
+
+
+def test_no_cors_by_default(gateway: Any) -> None:
+    pre = httpx.options(gateway.url + "/v1/chat/completions", timeout=10, headers={
+        "origin": "https://app.example", "access-control-request-method": "POST"})
+    assert pre.status_code == 405 and "access-control-allow-origin" not in pre.headers
