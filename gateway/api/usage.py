@@ -31,7 +31,7 @@ from starlette.responses import Response
 
 from gateway.api.common import json_response as _json
 from gateway.auth.keys import KeyInfo, KeyStore
-from gateway.errors import InvalidRequest, PermissionDenied, UsageUnavailable
+from gateway.errors import InvalidRequest, NotFound, PermissionDenied, UsageUnavailable
 from gateway.ledger.event import micro_to_usd
 from gateway.ledger.export import ExportError, build, parse_group_by, parse_time
 from gateway.observability.metrics import CONTENT_TYPE
@@ -109,7 +109,13 @@ def install(app: Starlette, keys: KeyStore, acct: Accounting) -> None:
         try:
             if not group_by and since is None and until is None:
                 if target is not None:
-                    return _json(await summary(acct, target, await acct.key_info(target), now))
+                    info = await acct.key_info(target)
+                    view = await summary(acct, target, info, now)
+                    if info is None and not view["counters"]["total"].get("requests"):
+                        # a typo'd id read as "no usage" (zeros, 200): say there is no such key
+                        raise NotFound(f"no key {target!r} (in the config or the key store) and no usage "
+                                       "recorded for it", param="key_id", code="key_not_found")
+                    return _json(view)
                 ids = await acct.meter.key_ids()
                 return _json({"object": "list", "data": [await summary(acct, i, await acct.key_info(i), now)
                                                          for i in ids]})

@@ -197,6 +197,9 @@ def test_usage_visibility(gw: GatewayServer) -> None:
                      timeout=10).json()["data"]
     assert {r["key"] for r in rows} <= {"alice"}
     admin = {"authorization": f"Bearer {ADMIN_SECRET}"}
+    # a key id that names no key and no usage is a 404, not a summary of zeros (a typo read as "nothing spent")
+    nosuch = httpx.get(gw.base_url + "/usage", params={"key_id": "no-such-key"}, headers=admin, timeout=10)
+    assert nosuch.status_code == 404 and nosuch.json()["error"]["code"] == "key_not_found"
     bob = httpx.get(gw.base_url + "/usage", params={"key_id": "bob"}, headers=admin, timeout=10).json()
     assert bob["key_id"] == "bob" and bob["counters"]["total"]["requests"] >= 1
     assert httpx.get(gw.base_url + "/usage", timeout=10).status_code == 401
