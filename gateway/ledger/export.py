@@ -7,7 +7,8 @@ use ``tag:NAME`` for a partition). Grouped rows carry the counter sums (the same
 counters: requests, tokens by kind, ``cost_micro_usd``, ``saved_micro_usd``, cache hits, errors, partial)
 plus ``cost_usd`` / ``saved_usd`` as exact decimal strings and ``refused`` (audit events of refused requests
 in the group: they add nothing to any other column). Raw rows carry every event field, ``ts`` as ISO-8601
-UTC; refused requests are rows with ``audit: true``, their status and error code, and cost 0.
+UTC, ``cost_usd`` / ``saved_usd``, in order of ``ts`` (the request's start); refused requests are rows with
+``audit: true``, their status and error code, and cost 0.
 
 Times for ``since``/``until``: ``YYYY-MM-DD`` (UTC midnight), an ISO-8601 datetime (naive = UTC), or epoch
 seconds; ``since`` inclusive, ``until`` exclusive.
@@ -109,10 +110,11 @@ def group(events: Iterable[UsageEvent], group_by: list[str]) -> list[dict[str, A
 
 
 def event_row(event: UsageEvent) -> dict[str, Any]:
-    """A raw event as an export row (``ts`` ISO-8601 UTC, plus ``cost_usd``)."""
+    """A raw event as an export row (``ts`` ISO-8601 UTC, plus ``cost_usd`` and ``saved_usd``)."""
     row = event.to_dict()
     row["ts"] = datetime.fromtimestamp(event.ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     row["cost_usd"] = str(micro_to_usd(event.cost_micro_usd))
+    row["saved_usd"] = str(micro_to_usd(event.saved_micro_usd))
     return row
 
 
@@ -120,7 +122,7 @@ def columns(group_by: list[str]) -> list[str]:
     """Column order of the rows for ``group_by`` (raw events when empty)."""
     if group_by:
         return [*group_by, *COUNTER_FIELDS, "refused", "cost_usd", "saved_usd"]
-    return [*EVENT_FIELDS, "cost_usd"]
+    return [*EVENT_FIELDS, "cost_usd", "saved_usd"]
 
 
 def write(rows: list[dict[str, Any]], cols: list[str], fmt: Format, out: BinaryIO) -> None:
@@ -175,7 +177,8 @@ def build(events: Iterable[UsageEvent], group_by: list[str]) -> tuple[list[dict[
     """(rows, columns) for ``events``: grouped sums, or raw event rows when ``group_by`` is empty."""
     if group_by:
         return group(events, group_by), columns(group_by)
-    return [event_row(e) for e in events], columns([])
+    # by request start: the stream is in write order, and a spooled or crash-reconciled event is written late
+    return [event_row(e) for e in sorted(events, key=lambda e: e.ts)], columns([])
 
 
 def write_file(rows: list[dict[str, Any]], cols: list[str], fmt: Format, path: Path | None, stdout: BinaryIO) -> None:

@@ -187,6 +187,12 @@ def test_export_grouping_and_formats(tmp_path: Path) -> None:
     assert ex.parse_time("2026-11-29") == ex.parse_time("2026-11-29T00:00:00Z") == 1795910400.0
     with pytest.raises(ex.ExportError):
         ex.parse_time("yesterday")
+    from dataclasses import replace
+
+    late = replace(_event("c", "short", 9), ts=evs[0].ts - 60)  # a spooled or reconciled event, written last
+    raw_rows, cols = ex.build([*evs, late], [])
+    assert raw_rows[0]["event_id"] == late.event_id  # raw rows in ts order, not write order
+    assert raw_rows[0]["saved_usd"] == str(ex.micro_to_usd(late.saved_micro_usd)) and "saved_usd" in cols
     raw_rows, cols = ex.build(evs, [])
     buf = io.BytesIO()
     ex.write(raw_rows, cols, "parquet", buf)
