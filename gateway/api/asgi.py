@@ -9,7 +9,8 @@ calls the handler directly, mapping its exceptions exactly as :func:`gateway.api
 (a :class:`~gateway.errors.GatewayError` to its OpenAI-shaped error; anything else logged and answered
 ``500 internal_error``). Every other request — other paths and methods, lifespan — takes the FastAPI stack
 unchanged. An exception raised after the response has started (a stream) reaches the server, as it does through
-Starlette.
+Starlette. OpenAI's paths are also served without ``/v1`` (``/chat/completions`` …), as LiteLLM does: the path
+is rewritten before anything else sees it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from gateway.errors import GatewayError
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
+#: the API's paths also served without their ``/v1`` prefix (exact, and under these prefixes)
+UNVERSIONED = frozenset({"/chat/completions", "/completions", "/embeddings", "/models", "/responses", "/messages",
+                         "/usage", "/feedback"})
+UNVERSIONED_PREFIXES = ("/models/", "/responses/", "/messages/")
+
 
 class Gateway(FastAPI):
     """FastAPI with a direct dispatch of exact-path routes (module doc); register them with :meth:`add_hot_route`."""
@@ -43,7 +49,13 @@ class Gateway(FastAPI):
             self.hot[(m.upper(), path)] = endpoint
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = self.hot.get((scope.get("method", ""), scope.get("path", ""))) if scope["type"] == "http" else None
+        path = scope.get("path", "")
+        if scope["type"] == "http" and not path.startswith("/v1/") and (
+                path in UNVERSIONED or path.startswith(UNVERSIONED_PREFIXES)):
+            # OpenAI's paths without /v1 (a client whose base URL lacks it), as LiteLLM serves them
+            path = "/v1" + path
+            scope = {**scope, "path": path, "raw_path": path.encode()}
+        endpoint = self.hot.get((scope.get("method", ""), path)) if scope["type"] == "http" else None
         if endpoint is None:
             await super().__call__(scope, receive, send)
             return

@@ -208,3 +208,15 @@ def test_no_cors_by_default(gateway: Any) -> None:
     pre = httpx.options(gateway.url + "/v1/chat/completions", timeout=10, headers={
         "origin": "https://app.example", "access-control-request-method": "POST"})
     assert pre.status_code == 405 and "access-control-allow-origin" not in pre.headers
+
+
+def test_openai_paths_without_v1(gateway: Any) -> None:
+    # a client whose base URL lacks /v1 (LiteLLM serves both): the same endpoints, the same answers
+    c = openai.OpenAI(base_url=gateway.url, api_key=TEST_KEY, max_retries=0, timeout=30)
+    r = c.chat.completions.with_raw_response.create(model="short", messages=MESSAGES)
+    assert r.headers["x-thinkgate-tier"] == "short" and r.parse().choices[0].message.content
+    assert [m.id for m in c.models.list()][0] == "auto"
+    assert c.models.retrieve("short").id == "short"
+    streamed = list(c.chat.completions.create(model="short", messages=MESSAGES, stream=True))
+    assert streamed and streamed[-1].choices[0].finish_reason is not None
+    assert httpx.get(gateway.url + "/no-such-path", timeout=10).status_code == 404
