@@ -134,6 +134,7 @@ class Accounting:
         # not run), until cache_begin takes it
         self._looked: dict[str, tuple[Lookup | Ticket, list[Any] | None]] = {}
         self._replaying: asyncio.Task[int] | None = None  # the spool replay admissions wait for after an outage
+        self._replay_retry_at = 0.0  # monotonic s: a failed replay is not retried from the request path before
         self._stop = asyncio.Event()
         self._replayer: asyncio.Task[None] | None = None
         # write-ahead records (metering.write_ahead): the admitted upper bound per request id until its record is
@@ -172,6 +173,10 @@ class Accounting:
 
     async def close(self) -> None:
         """Flush, stop the replayer (one last replay attempt), close the clients."""
+        if self._replaying is not None and not self._replaying.done():
+            self._replaying.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._replaying
         await self.flush()
         self._stop.set()
         if self._replayer is not None:
@@ -204,7 +209,7 @@ class Accounting:
         is down). Raises like :meth:`admit`."""
         self._remember(key)
         lim = KeyLimits.of(key)
-        if self.spool.dirty and not self.breaker.is_open:
+        if self.spool.dirty and not self.breaker.is_open and time.monotonic() >= self._replay_retry_at:
             await self._replay_before_admitting()
         await self.budgets.refresh()  # the fallback copy (Redis down) and the views; admission reads Redis
         rider, rec, lookup = None, None, None
@@ -236,11 +241,29 @@ class Accounting:
         every request that waits (coalesced), bounded by :data:`REPLAY_WAIT_S`; on an outage or the bound the
         request goes on (Redis down: admitted on the local counters, which count that spend)."""
         if self._replaying is None or self._replaying.done():
-            self._replaying = asyncio.get_running_loop().create_task(self.meter.replay())
+            self._replaying = asyncio.get_running_loop().create_task(self._replay_spool())
         try:
             await asyncio.wait_for(asyncio.shield(self._replaying), REPLAY_WAIT_S)
+        except RedisDown:
+            pass  # still down: admitted on the local counters, which count the spooled spend
         except Exception as exc:  # logged by the replayer's next pass too; admission decides on what it sees
             log.warning("usage spool not replayed before admission: %r", exc)
+
+    async def _replay_spool(self) -> int:
+        """The replay admissions wait for. Half-open (the breaker's cooldown passed, nothing went through yet): one
+        PING first, so a Redis still down costs one probe, not a read and parse of the whole spool. A failed
+        replay (Redis down again, or an error) is not tried from the request path again for
+        ``metering.replay_interval_s`` (the background replayer keeps trying)."""
+        try:
+            if not self.breaker.closed:
+                await self.breaker.call(self.handle.client.ping)
+            n = await self.meter.replay()
+            if self.spool.dirty:
+                raise RedisDown("the usage spool is still not in Redis")
+            return n
+        except BaseException:
+            self._replay_retry_at = time.monotonic() + self.settings.metering.replay_interval_s
+            raise
 
     def _rider(self, key: KeyInfo, est: Estimate, record: UsageRecord,
                ahead: Ahead) -> tuple[Rider, WalRecord | None, Lookup | Ticket | None]:

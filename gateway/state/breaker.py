@@ -143,6 +143,11 @@ class Breaker:
             return False
         return self._probing or self._clock() - self._opened_at < self.cooldown_s
 
+    @property
+    def closed(self) -> bool:
+        """True when the last call went through (not open, not half-open waiting for its probe)."""
+        return self._opened_at is None
+
     def record_failure(self, exc: BaseException) -> None:
         """Open (or re-open) the breaker after an outage error."""
         if self._opened_at is None:

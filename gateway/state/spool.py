@@ -131,6 +131,7 @@ class Spool(Generic[T]):
         (:class:`~gateway.state.breaker.RedisDown`: the file is kept for the next try). ``what`` names the spool in
         the log line ("usage", "outcome")."""
         if self.pending_bytes() == 0:
+            self.dirty = False  # e.g. drained by another process sharing the file
             return 0
         try:
             n = await self.drain(sink)

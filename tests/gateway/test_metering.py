@@ -276,3 +276,26 @@ async def test_replayer_survives_a_redis_error_that_is_not_an_outage(tmp_path: P
             finally:
                 stop.set()
                 await task
+
+
+async def test_the_spools_dirty_flag_follows_the_file(tmp_path: Path) -> None:
+    """``Spool.dirty`` is what admission reads (for free) to know whether usage waits for Redis: set by an append
+    (or a file left by an earlier process), cleared by a full drain — also when another process sharing the file
+    drained it, else every admission of this one would wait for a replay of nothing."""
+    from gateway.state.spool import Spool
+
+    path = tmp_path / "spool.jsonl"
+    a = Spool[UsageEvent](path)
+    assert not a.dirty
+    await a.append([_event("k", "short", 1)])
+    assert a.dirty and Spool[UsageEvent](path).dirty  # a new process finds the file
+    sent: list[UsageEvent] = []
+
+    async def sink(events: list[UsageEvent]) -> None:
+        sent.extend(events)
+
+    b = Spool[UsageEvent](path)
+    assert await b.replay(sink, "usage") == 1 and not b.dirty
+    assert a.dirty  # a does not know yet ...
+    assert await a.replay(sink, "usage") == 0 and not a.dirty  # ... until its next pass finds the file empty
+    assert len(sent) == 1
