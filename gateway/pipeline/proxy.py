@@ -44,7 +44,7 @@ from gateway.pipeline import abstention, escalation, policy, upstream_body
 from gateway.pipeline.accounting import Ahead
 from gateway.pipeline.answer import Answer, Caller
 from gateway.pipeline.exchange import Exchange
-from gateway.pipeline.relay import CLIENT_CLOSED, complete, relay
+from gateway.pipeline.relay import CLIENT_CLOSED, Renewal, complete, relay
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import Sessions
 from gateway.thinking import dial
@@ -137,10 +137,15 @@ class Proxy:
                 ex.ticket = await acct.cache_begin(caller.key, record, route.tier, up_body, caller.headers)
             if ex.ticket.status == "hit":
                 answer = await self._replay_hit(ex, caller)
-            elif caller.stream or disconnect is None:
-                answer = await self._answer(ex, body, caller)
+            elif caller.stream:
+                answer = await self._answer(ex, body, caller)  # the relay renews a stream's reservations
             else:
-                answer = await self._unless_disconnected(disconnect, self._answer(ex, body, caller), ex)
+                renewal = Renewal(acct, ex)  # a long non-streamed answer must not outlive its reservations
+                try:
+                    answer = await (self._answer(ex, body, caller) if disconnect is None else
+                                    self._unless_disconnected(disconnect, self._answer(ex, body, caller), ex))
+                finally:
+                    renewal.cancel()
         except BaseException as exc:
             if isinstance(exc, GatewayError):  # an upstream's failure: the client can match it to its usage event
                 exc.headers.setdefault("x-request-id", ex.record.request_id)

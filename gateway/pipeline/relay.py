@@ -97,6 +97,28 @@ async def _renew(acct: Accounting, ex: Exchange) -> None:
             log.exception("renewing the reservations of %s failed", ex.record.request_id)
 
 
+class Renewal:
+    """The reservation renewal of a call that is not a stream (a non-streamed answer may take up to the tier's
+    ``response_timeout_s``, and its retries more, past ``limits.reservation_ttl_s``): a timer that starts
+    :func:`_renew` one third of the TTL after admission — so the usual short call costs a timer, not a task.
+    :meth:`cancel` when the call ends."""
+
+    __slots__ = ("_handle", "_task")
+
+    def __init__(self, acct: Accounting, ex: Exchange) -> None:
+        self._task: asyncio.Task[None] | None = None
+        delay = max(0.0, ex.record.ts + acct.settings.limits.reservation_ttl_s / 3 - time.time())
+        self._handle = asyncio.get_running_loop().call_later(delay, self._start, acct, ex)
+
+    def _start(self, acct: Accounting, ex: Exchange) -> None:
+        self._task = asyncio.ensure_future(_renew(acct, ex))
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+        if self._task is not None:
+            self._task.cancel()
+
+
 class _Run:
     """One relay's state: the tally, the assembler (for the cache or a shadow comparison), the outcome."""
 

@@ -5,6 +5,7 @@ TPM as the OpenAI SDK sees them (429, OpenAI error codes, Retry-After)."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Iterator
 from decimal import Decimal
@@ -192,3 +193,39 @@ def test_budget_alerts_fire_once_through_the_gateway(gw: GatewayServer, upstream
     assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429]
     assert sorted((a["period"], a["fraction"]) for a in received) == [("day", 0.5), ("day", 0.8), ("day", 1.0)]
     assert all(a["key_id"] == kid and a["tags"] == {"team": "ml"} for a in received)
+
+
+def test_a_long_non_streamed_call_keeps_its_reservation(upstream_sim: SimProcess, redis_url: str,
+                                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A non-streamed answer may take up to the tier's response_timeout_s (600 s), longer than the reservation's
+    TTL (limits.reservation_ttl_s, 600 s; 0.6 s here): its reservations are renewed while it runs, as a stream's
+    are, so concurrent requests keep seeing its upper bound. They lapsed: a hard budget could be overspent."""
+    import threading
+
+    import redis as redis_sync
+
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("renew"), prefix,
+                                limits={"reservation_ttl_s": 0.6}) as gw:
+            secret = create_key(redis_url, prefix, "slow", budget_usd_day=Decimal("1"))
+            result: list[httpx.Response] = []
+            body = {"model": "short", "messages": [{"role": "user", "content": "take your time"}],
+                    "sim": {"delay_ms": 1800}}
+            t = threading.Thread(target=lambda: result.append(httpx.post(
+                gw.base_url + "/chat/completions", json=body, timeout=30,
+                headers={"authorization": f"Bearer {secret}", "cache-control": "no-store"})))
+            t.start()
+            client = redis_sync.Redis.from_url(redis_url)
+            try:
+                time.sleep(1.3)  # past two TTLs, the call still running
+                held = client.hgetall(f"{prefix}lim:slow:resv")
+                now_ms = time.time() * 1000
+                live = [v for v in held.values() if int(v.decode().split("|")[2]) > now_ms]
+                assert len(live) == 1, held  # renewed: still counting
+            finally:
+                client.close()
+                t.join(timeout=30)
+            assert result and result[0].status_code == 200
+    finally:
+        cleanup(redis_url, prefix)
