@@ -215,7 +215,7 @@ def test_openai_paths_without_v1(gateway: Any) -> None:
     c = openai.OpenAI(base_url=gateway.url, api_key=TEST_KEY, max_retries=0, timeout=30)
     r = c.chat.completions.with_raw_response.create(model="short", messages=MESSAGES)
     assert r.headers["x-thinkgate-tier"] == "short" and r.parse().choices[0].message.content
-    assert [m.id for m in c.models.list()][0] == "auto"
+    assert next(m.id for m in c.models.list()) == "auto"
     assert c.models.retrieve("short").id == "short"
     streamed = list(c.chat.completions.create(model="short", messages=MESSAGES, stream=True))
     assert streamed and streamed[-1].choices[0].finish_reason is not None
