@@ -9,10 +9,14 @@ and replayed, keys seen in the last ``auth.key_stale_s`` still accepted — so `
 the Service (or every server out of a load balancer's backend) at once and turn the fail-open the operator chose
 into a full outage (Kubernetes' advice: readiness should not fail on a dependency that all pods share).
 
-One exception: a process that has **never** reached Redis since it started (it began during the outage) is
-``not_ready`` under ``fail_open`` too. It knows none of the keys created with ``thinkgate keys create`` (every
-request with one would get a 503) nor the budgets set with ``thinkgate budgets set`` (it would admit past them);
-keeping it out of the Service lets a rolling update stall on the old, warm pods instead of replacing them.
+One exception: a process that has **never** reached Redis since it started (it began during the outage) and has
+no keys of its own config (every key lives in the Redis store, ``thinkgate keys create``; a development key made
+per process does not count: no client of a fleet holds it) is ``not_ready`` under
+``fail_open`` too: every request it got would be a 503 (``key_store_unavailable``). Keeping it out of the Service
+lets a rolling update stall on the old, warm pods instead of replacing them. With keys in its config it can serve
+those, so it is ready (``degraded``) — without the budgets set with ``thinkgate budgets set``, which it has not
+read (the config's apply). A fleet restarted whole during an outage with Redis-only keys cannot serve, and
+reports so.
 
 Body: ``{"status": "ready" | "degraded" | "not_ready", "redis": bool, "redis_synced": bool, "upstreams": {tier:
 bool}}`` (``redis_synced``: the budget definitions were read from Redis since start).
@@ -27,6 +31,7 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from gateway.api.common import json_response as _json
+from gateway.auth.keys import DEV_KEY_ID
 from gateway.config import RedisConfig, Settings
 from gateway.state.redis import ping as redis_ping
 from gateway.upstream.pool import UpstreamPool
@@ -57,7 +62,11 @@ def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool, synced: Ca
         redis_ok = bool(checks[0])
         upstream_ok = {t.name: ok for t, ok in zip(tiers, checks[1:], strict=True)}
         warm = synced()
-        serves = all(upstream_ok.values()) and (redis_ok or (settings.limits.on_redis_down == "fail_open" and warm))
+        # a replica that never reached Redis serves only the keys of its own config: with none (every key in the
+        # Redis store) it can answer nobody, so it is not ready; with some it serves those, degraded
+        own_keys = any(k.id != DEV_KEY_ID for k in settings.auth.keys) or not settings.auth.require_key
+        serves = all(upstream_ok.values()) and (
+            redis_ok or (settings.limits.on_redis_down == "fail_open" and (warm or own_keys)))
         status = ("ready" if redis_ok else "degraded") if serves else "not_ready"
         return _json({"status": status, "redis": redis_ok, "redis_synced": warm, "upstreams": upstream_ok},
                      200 if serves else 503)

@@ -263,20 +263,24 @@ def test_the_container_serves_its_probes_and_metrics(served: tuple[str, str, dic
     assert r.status_code == 200 and r.headers["x-thinkgate-tier"] in ("short", "long")
 
 
-def _start_pod(tmp_path: Path, name: str, upstream_url: str, redis_url: str, on_redis_down: str
-               ) -> tuple[subprocess.Popen[bytes], str]:
-    """``thinkgate serve`` as the chart runs it (engine off, Redis external), answering ``/health``."""
+POD_PREFIX = "tgpod:"
+
+
+def _start_pod(tmp_path: Path, name: str, upstream_url: str, redis_url: str, on_redis_down: str,
+               auth: dict[str, Any] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """``thinkgate serve`` as the chart runs it (engine off, Redis external), answering ``/health``. ``auth``: the
+    config's keys (None: every key in the Redis store, made with ``thinkgate keys create``)."""
     home = tmp_path / name
     home.mkdir()
     cfg = home / "thinkgate.yaml"
     cfg.write_text(yaml.safe_dump({"engine": {"enabled": False}, "redis": {"start_if_missing": False},
-                                   "limits": {"on_redis_down": on_redis_down},
+                                   "limits": {"on_redis_down": on_redis_down}, **({"auth": auth} if auth else {}),
                                    "tiers": [{"name": "short", "base_url": upstream_url},
                                              {"name": "long", "base_url": upstream_url}]}))
     port = free_port()
     env = {"THINKGATE_CONFIG": str(cfg), "THINKGATE_STATE_DIR": str(home / "state"),
            "THINKGATE_SERVER__HOST": "127.0.0.1", "THINKGATE_SERVER__PORT": str(port),
-           "THINKGATE_REDIS__URL": redis_url, "THINKGATE_AUTH__REQUIRE_KEY": "false"}
+           "THINKGATE_REDIS__URL": redis_url, "THINKGATE_REDIS__KEY_PREFIX": POD_PREFIX}
     proc = subprocess.Popen([str(Path(sys.executable).with_name("thinkgate")), "serve"], env={**os.environ, **env},
                             cwd=home, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
@@ -301,23 +305,30 @@ def test_ready_with_redis_unreachable_says_what_the_pod_serves(tmp_path: Path, u
     """The readiness probe's other side, Redis gone. A pod that was serving, ``fail_open`` (the default): it still
     answers requests, so ``/ready`` stays 200 (``degraded``) — Redis is shared by every pod, and a 503 here would
     take them all out of the Service at once. ``fail_closed``: the pod refuses what is under a budget or limit, so
-    ``/ready`` is 503. A pod that *starts* during the outage has never read the keys and budgets kept in Redis:
-    503 in either mode (a rolling update then waits on the warm pods) until Redis answers. Either way ``/health``
-    (liveness) stays 200, so no pod is restarted for an outage it cannot fix."""
+    ``/ready`` is 503. A pod that *starts* during the outage with every key in the Redis store can answer nobody:
+    503 in either mode (a rolling update then waits on the warm pods) until Redis answers; one with keys in its
+    config serves those (``fail_open``: 200 ``degraded``). Either way ``/health`` (liveness) stays 200, so no pod
+    is restarted for an outage it cannot fix."""
+    from tests.fixtures.gateway import create_key, keys_config
     from tests.fixtures.redis_stack import persistent_redis
 
     chat_body = {"model": "short", "messages": [{"role": "user", "content": "two plus two"}]}
     (tmp_path / "redis").mkdir()
     with persistent_redis(tmp_path / "redis") as redis:
+        secret = create_key(redis.url, POD_PREFIX, "team")  # a key of the Redis store, as a fleet's are
+        auth = {"authorization": f"Bearer {secret}"}
         warm, warm_base = _start_pod(tmp_path, "warm", upstream_sim.base_url, redis.url, on_redis_down)
         late = None
+        with_keys = None
         try:
             ready = httpx.get(warm_base + "/ready", timeout=10)
             assert ready.status_code == 200 and ready.json() == {"status": "ready", "redis": True,
                                                                  "redis_synced": True, "upstreams": UPSTREAMS_OK}
+            assert httpx.post(warm_base + "/v1/chat/completions", timeout=30, json=chat_body,
+                              headers=auth).status_code == 200  # the key seen: kept through an outage
             redis.stop()
             ready = httpx.get(warm_base + "/ready", timeout=10)
-            chat = httpx.post(warm_base + "/v1/chat/completions", timeout=30, json=chat_body)
+            chat = httpx.post(warm_base + "/v1/chat/completions", timeout=30, json=chat_body, headers=auth)
             if on_redis_down == "fail_open":
                 assert ready.status_code == 200, ready.text
                 assert ready.json() == {"status": "degraded", "redis": False, "redis_synced": True,
@@ -334,10 +345,15 @@ def test_ready_with_redis_unreachable_says_what_the_pod_serves(tmp_path: Path, u
             assert ready.json() == {"status": "not_ready", "redis": False, "redis_synced": False,
                                     "upstreams": UPSTREAMS_OK}
             assert httpx.get(late_base + "/health", timeout=5).status_code == 200
+            if on_redis_down == "fail_open":  # a new pod with keys of its own config serves those: ready, degraded
+                with_keys, keys_base = _start_pod(tmp_path, "late-keys", upstream_sim.base_url, redis.url,
+                                                  on_redis_down, auth=keys_config())
+                ready = httpx.get(keys_base + "/ready", timeout=10)
+                assert ready.status_code == 200 and ready.json()["status"] == "degraded", ready.text
             redis.start()
             ready = httpx.get(late_base + "/ready", timeout=10)
             assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
         finally:
-            for proc in (warm, late):
+            for proc in (warm, late, with_keys):
                 if proc is not None:
                     stop_process(proc, timeout_s=20)
