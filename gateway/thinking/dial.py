@@ -88,7 +88,9 @@ def forcing_tier(tier: TierConfig, client_body: dict[str, Any]) -> TierConfig | 
     budget mode take one pass. ``client_body``: the request as the client sent it (its ``thinking_token_budget``
     is still there)."""
     if tier.budget_mode == "forced":
-        return tier
+        # a chat request that asks for no thinking (or whose key's cap is 0) is one pass with thinking off
+        # (gateway/pipeline/upstream_body.py), where phase 1 would still think a token and phase 2 bill the prompt
+        return None if client_body.get("thinking_token_budget") == 0 and "messages" in client_body else tier
     if tier.budget_mode != "prompted" or tier.hard_stop == "native":
         return None
     budget = requested_budget(client_body, tier)

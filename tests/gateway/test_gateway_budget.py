@@ -94,6 +94,16 @@ def test_a_smaller_request_budget_cuts_the_forced_thought(forced_gateway: tuple[
         assert 0 < len(((msg.model_extra or {}).get("reasoning") or "").split()) <= served
         assert raw.parse().usage.completion_tokens_details.reasoning_tokens <= served
         assert raw.headers["x-thinkgate-thinking-budget"] == str(served)
+    # no thinking asked: one pass with thinking off (phase 1 used to think a token, phase 2 to bill the prompt again)
+    t = uuid.uuid4().hex
+    raw = _client(gw).chat.completions.with_raw_response.create(
+        model="short", messages=[{"role": "user", "content": QUESTION}],
+        extra_body={"thinking_token_budget": 0, "sim": {"tag": t}})
+    assert raw.headers["x-thinkgate-thinking-budget"] == "0"
+    sent = upstream_sim.tag(t)
+    assert sent is not None and sent["attempts"] == 1
+    assert sent["body"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "continue_final_message" not in sent["body"] and "thinking_token_budget" not in sent["body"]
 
 
 def test_forced_budget_stream_equals_non_stream(forced_gateway: tuple[GatewayServer, list[UsageRecord]]) -> None:
