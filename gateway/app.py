@@ -223,7 +223,9 @@ EXPOSED_HEADERS = ["x-request-id", "x-thinkgate-tier", "x-thinkgate-route-reason
                    "x-thinkgate-escalation", "x-thinkgate-session", "x-thinkgate-downgraded-from",
                    "x-thinkgate-budget-level", "retry-after", "x-ratelimit-limit-requests",
                    "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens",
-                   "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"]
+                   "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens", "x-should-retry",
+                   *(f"anthropic-ratelimit-{u}-{f}" for u in ("requests", "tokens") for f in ("limit", "remaining",
+                                                                                             "reset"))]
 
 
 def allow_cors(app: Gateway, origins: list[str]) -> None:

@@ -65,10 +65,11 @@ import asyncio
 import calendar
 import contextlib
 import functools
+import logging
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Literal, Protocol
@@ -85,6 +86,8 @@ from gateway.state.keys import RedisKeys
 from gateway.state.metering import RecordResult
 from gateway.state.redis import FastScript, RedisHandle
 from gateway.state.reservations import LUA_FUNCTIONS, RENEW_LUA, ROLLBACK_LUA
+
+log = logging.getLogger("thinkgate.limits")
 
 WINDOW_MS = 60_000
 #: rollbacks kept through an outage (grouped admission); beyond it the oldest are left to their reservation TTL
@@ -436,12 +439,10 @@ class RateState:
         if lim.rpm is None and lim.tpm is None:
             return None
         ru, rr, tu, tr = (int(v) for v in tail[:RATE_FIELDS])
-        out = cls()
-        if lim.rpm is not None and ru >= 0:
-            out = replace(out, requests_limit=lim.rpm, requests_remaining=max(0, lim.rpm - ru), requests_reset_ms=rr)
-        if lim.tpm is not None and tu >= 0:
-            out = replace(out, tokens_limit=lim.tpm, tokens_remaining=max(0, lim.tpm - tu), tokens_reset_ms=tr)
-        return out
+        rpm = lim.rpm if lim.rpm is not None and ru >= 0 else None
+        tpm = lim.tpm if lim.tpm is not None and tu >= 0 else None
+        return cls(rpm, max(0, rpm - ru) if rpm is not None else 0, rr, tpm, max(0, tpm - tu) if tpm is not None
+                   else 0, tr)
 
     def headers(self) -> dict[str, str]:
         """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` (OpenAI's names; reset as ``6m0s`` / ``20s``)
@@ -535,7 +536,7 @@ def refusal(code: str, what: str, retry_after_s: int, key_id: str, level: Level 
         left = max(0, budget - spent - (reserved or 0))
         if left > 0:  # room is left, only not enough for this request's estimate: "exhausted" would mislead
             msg = f"{who}: {period} budget would be exceeded by this request"
-        elif spent < budget:  # not spent: held by reservations of requests in flight, which may settle lower
+        elif spent < budget and retry_after_s <= 1:  # held by reservations of requests in flight, not by spend
             msg = f"{who}: {period} budget fully reserved by requests in flight"
         msg += f" ({_usd(budget)}; spent {_usd(spent)}, reserved by requests in flight {_usd(reserved or 0)}"
         msg += f", remaining {_usd(left)})"
@@ -546,9 +547,12 @@ def refusal(code: str, what: str, retry_after_s: int, key_id: str, level: Level 
                 msg += (f", more than the whole {period} budget: lower max_tokens (or max_completion_tokens) or n,"
                         " or raise the budget")
                 headers.pop("retry-after")
-                headers["x-should-retry"] = "false"  # the OpenAI and Anthropic SDKs retry a bare 429 otherwise
     if retry_after_s <= 1 and "retry-after" in headers:
         msg += "; blocked by requests in flight, retry shortly"
+    elif "retry-after" not in headers or retry_after_s > 60:
+        # no wait lets it in, or not before the period ends: the OpenAI and Anthropic SDKs would retry it at once
+        # (they ignore a Retry-After over 60 s, and retry a 429 without one)
+        headers["x-should-retry"] = "false"
     headers["x-thinkgate-budget-level"] = lvl.id if lvl.kind != "key" else "key"
     return RateLimited(msg, code=code, headers=headers)
 
@@ -849,12 +853,14 @@ class Limits:
         while self._unrolled:
             await asyncio.sleep(max(self.breaker.cooldown_s, 0.05))
             while self._unrolled and not self.breaker.is_open:
-                keys, args = self._unrolled[0]
+                keys, args = self._unrolled.popleft()  # taken first: a full deque's eviction cannot hit another
                 try:
                     await self.breaker.call(functools.partial(self._rollback, keys=keys, args=args))
                 except RedisDown:
+                    self._unrolled.appendleft((keys, args))
                     break
-                self._unrolled.popleft()
+                except Exception:  # not an outage: this one is left to its TTL, the loop goes on
+                    log.exception("rollback of reservation %s failed", args[0])
 
     async def close(self) -> None:
         """Stop retrying kept rollbacks (the gateway is stopping: those reservations expire with their TTL)."""

@@ -197,7 +197,7 @@ def test_cors_when_configured(upstream_sim: Any, redis_url: str) -> None:
                        json={"model": "short", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
         exposed = r.headers["access-control-expose-headers"].lower()
-        assert "x-request-id" in exposed and "x-thinkgate-tier" in exposed
+        assert "x-request-id" in exposed and "x-thinkgate-tier" in exposed and "x-should-retry" in exposed
         other = httpx.post(gw.url + "/v1/chat/completions", timeout=30,
                            headers={"origin": "https://evil.example", "authorization": f"Bearer {TEST_KEY}"},
                            json={"model": "short", "messages": [{"role": "user", "content": "hi"}]})

@@ -245,3 +245,19 @@ async def test_alerts_fire_once_per_period_across_replicas(redis_url: str, redis
         assert first["key_id"] == "alerted" and first["period"] == "day" and first["fraction"] == 0.5
         assert first["budget_usd"] == "0.001000" and first["spent_usd"] == "0.000600"
         assert first["tags"] == {"team": "qa"}
+
+
+def test_refusal_wording_and_retry_hints() -> None:
+    from gateway.state.limits import refusal
+
+    # the spend alone leaves no room for the estimate (retry at the period's end): not "fully reserved", and the
+    # SDKs are told not to retry (they ignore a Retry-After over 60 s and would retry at once)
+    r = refusal("budget_exceeded", "day", 36000, "k", None, 5000, 10000, 8000, 2000, "hard")
+    assert "fully reserved" not in r.message and r.headers["retry-after"] == "36000"
+    assert r.headers["x-should-retry"] == "false"
+    # only reservations block: "fully reserved", retry in 1 s, retries welcome
+    r = refusal("budget_exceeded", "day", 1, "k", None, 5000, 10000, 4000, 6000, "hard")
+    assert "fully reserved by requests in flight" in r.message and "x-should-retry" not in r.headers
+    # an RPM refusal keeps its short Retry-After and no x-should-retry
+    r = refusal("rate_limit_exceeded", "rpm", 12, "k", None, None, 5)
+    assert r.headers["retry-after"] == "12" and "x-should-retry" not in r.headers
