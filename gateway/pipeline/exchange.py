@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from gateway.pipeline.accounting import Accounting
     from gateway.pipeline.routing import RouteDecision
     from gateway.state.cache import Ticket
+    from gateway.state.limits import RateState
 
 log = logging.getLogger("thinkgate.proxy")
 
@@ -36,7 +37,7 @@ class Exchange:
     the cache ticket (None when the cache is bypassed or already released).
     """
 
-    __slots__ = ("_closed", "accounting", "after_response", "on_answer", "record", "route", "sinks", "ticket")
+    __slots__ = ("_closed", "accounting", "after_response", "on_answer", "rate", "record", "route", "sinks", "ticket")
 
     def __init__(self, record: UsageRecord, route: RouteDecision, sinks: list[UsageSink],
                  accounting: Accounting) -> None:
@@ -50,6 +51,8 @@ class Exchange:
         #: run after a JSON response's last byte was sent (set by ``on_answer``; Starlette's background hook)
         self.after_response: Callable[[], Awaitable[None]] | None = None
         self.route = route
+        #: the key's RPM/TPM windows after the latest admission of this request (an escalation's, when one ran)
+        self.rate: RateState | None = None
         self.stamp(route)
 
     @property

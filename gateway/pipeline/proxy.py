@@ -130,6 +130,7 @@ class Proxy:
             self.refused(record, exc, route)
             raise
         ex = Exchange(record, route, self.usage_sinks, acct)
+        ex.rate = admitted.rate
         if self.shadow is not None and caller.endpoint == "chat" and self.shadow.sampled(route, body):
             ex.on_answer = functools.partial(self._shadow_answer, body)
         try:
@@ -155,7 +156,7 @@ class Proxy:
                 await ex.abandon(CLIENT_CLOSED if cancelled else 500,
                                  "client_disconnected" if cancelled else "internal_error")
             raise
-        answer.rate = admitted.rate
+        answer.rate = ex.rate
         if sticky is not None and self.sessions is not None:
             answer.session = sticky.state
             if answer.escalated:
@@ -270,7 +271,7 @@ class Proxy:
             return resp, None, False
         retry = replace(ex.route, tier=nxt, reason="escalated")
         again = caller.record()
-        skipped = await self._admit_escalation(retry, body, caller, again)
+        skipped = await self._admit_escalation(ex, retry, body, caller, again)
         if skipped is not None:
             log.info("tier %s gave %s; not escalating to %s (%s)", tier.name, why, nxt.name, skipped)
             return resp, f"skipped; tier={nxt.name}; reason={skipped}", False
@@ -281,7 +282,7 @@ class Proxy:
         await ex.next_attempt(retry, 200, f"escalated_{why}", again)
         return resp, None, True
 
-    async def _admit_escalation(self, retry: RouteDecision, body: dict[str, Any], caller: Caller,
+    async def _admit_escalation(self, ex: Exchange, retry: RouteDecision, body: dict[str, Any], caller: Caller,
                                 again: UsageRecord) -> str | None:
         """Reserve the escalated call (``again``'s id) on ``retry.tier`` and its fallbacks; None when admitted,
         else why it may not be sent (an error code)."""
@@ -289,9 +290,10 @@ class Proxy:
             return "tier_not_allowed"
         try:
             policy.check_caps(caller.key, dict(body), retry.tier)
-            await self.accounting.admit(caller.key, body, again, [retry.tier, *self._fallbacks(retry)])
+            admitted = await self.accounting.admit(caller.key, body, again, [retry.tier, *self._fallbacks(retry)])
         except GatewayError as exc:
             return exc.code or "refused"
+        ex.rate = admitted.rate or ex.rate  # the headers say what the key has left after this call too
         return None
 
     async def _replay_hit(self, ex: Exchange, caller: Caller) -> Answer:

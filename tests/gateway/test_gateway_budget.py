@@ -155,7 +155,11 @@ def test_escalation_when_cut_inside_the_thought(upstream_sim: SimProcess, redis_
     # short: native budget far above max_tokens, so the answer never starts → escalate to long
     tiers = sim_tiers(upstream_sim.base_url)
     tiers[1].update({"thinking_budget": 100, "max_tokens": 4, "escalate_on": ["length_in_thought"]})
-    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+    from tests.fixtures.upstream import TEST_KEY_ID
+
+    # an RPM limit, so the answer's x-ratelimit-* headers show both admissions (the escalation's too)
+    auth = {"keys": [{"id": TEST_KEY_ID, "secret": TEST_KEY, "rpm": 1000}]}
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers, auth=auth)) as gw:
         records: list[UsageRecord] = []
         gw.app.state.proxy.usage_sinks.append(records.append)
         client = _client(gw)
@@ -168,6 +172,8 @@ def test_escalation_when_cut_inside_the_thought(upstream_sim: SimProcess, redis_
         assert content and content.startswith("echo:")
         assert headers["x-thinkgate-tier"] == "long"
         assert headers["x-thinkgate-route-reason"] == "escalated"
+        used = 1000 - int(headers["x-ratelimit-remaining-requests"])
+        assert used >= 2, used  # this request's two calls at least: the first and the escalation
         # a stream's usage record is finished after [DONE] reached the client: wait for it (bounded)
         deadline = time.monotonic() + 5
         while len(records) < 2 and time.monotonic() < deadline:
