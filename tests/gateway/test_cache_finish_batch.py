@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -63,6 +64,20 @@ def test_queued_finishes_go_in_one_batch_and_followers_get_the_answer(redis_url:
     asyncio.run(run())
 
 
+async def _sent_once_redis_answers(cache: ResponseCache, sync: Any, tenant: str) -> None:
+    """The kept store-and-unlock of digest "down" (answer ``{"id": "x"}``) lands once Redis answers: the lock is
+    released, the answer stored with the rest of its TTL, and the next identical request a hit without waiting."""
+    lock, entry = cache.keys.cache_lock("down", tenant), cache.keys.cache_entry("down", tenant)
+    deadline = time.monotonic() + 5
+    while sync.exists(lock) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert sync.exists(lock) == 0  # released once Redis answered
+    assert DECISION.ttl_s - 3 <= sync.ttl(entry) <= DECISION.ttl_s
+    got = await asyncio.wait_for(cache.begin("down", DECISION, tenant=tenant), 5)
+    assert got.status == "hit" and got.entry is not None and got.entry.body == {"id": "x"}
+    assert got.waited_s == 0.0
+
+
 @pytest.mark.parametrize("traffic", ["busy", "quiet"])
 def test_redis_down_keeps_the_calls_until_redis_answers(redis_url: str, redis_prefix: str, tmp_path: Path,
                                                         traffic: str) -> None:
@@ -96,14 +111,7 @@ def test_redis_down_keeps_the_calls_until_redis_answers(redis_url: str, redis_pr
                     w = cache.finish_later(other, CacheEntry({"id": "y"}, "chat", "short", "m", time.time()))
                     assert w is not None
                     await w
-                deadline = time.monotonic() + 5
-                while sync.exists(cache.keys.cache_lock("down", "")) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-                assert sync.exists(cache.keys.cache_lock("down", "")) == 0  # released once Redis answered
-                assert DECISION.ttl_s - 3 <= sync.ttl(cache.keys.cache_entry("down", "")) <= DECISION.ttl_s
-                got = await asyncio.wait_for(cache.begin("down", DECISION), 5)
-                assert got.status == "hit" and got.entry is not None and got.entry.body == {"id": "x"}
-                assert got.waited_s == 0.0
+                await _sent_once_redis_answers(cache, sync, "")
             finally:
                 sync.close()
                 await cache.close()
@@ -183,14 +191,7 @@ def test_on_a_cluster_a_finish_stopped_by_an_outage_is_sent_once_redis_answers(r
             try:
                 entry, lock = cache.keys.cache_entry("down", "t1"), cache.keys.cache_lock("down", "t1")
                 assert sync.exists(lock) == 1 and sync.exists(entry) == 0
-                deadline = time.monotonic() + 5
-                while sync.exists(lock) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-                assert sync.exists(lock) == 0  # released once Redis answered, with no new traffic
-                assert DECISION.ttl_s - 3 <= sync.ttl(entry) <= DECISION.ttl_s
-                got = await asyncio.wait_for(cache.begin("down", DECISION, tenant="t1"), 5)
-                assert got.status == "hit" and got.entry is not None and got.entry.body == {"id": "x"}
-                assert got.waited_s == 0.0
+                await _sent_once_redis_answers(cache, sync, "t1")  # with no new traffic
             finally:
                 sync.close()
                 await cache.close()
