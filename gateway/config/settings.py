@@ -22,6 +22,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     YamlConfigSettingsSource,
 )
 
@@ -123,6 +124,11 @@ class Settings(BaseSettings):
             return cls(**overrides)
         except ValidationError as exc:
             raise ConfigError(_describe(exc, yaml_path)) from None
+        except SettingsError as exc:  # an environment variable pydantic-settings cannot parse (a list or a
+            # mapping must be JSON there): name it, as for any other invalid setting
+            raise ConfigError(f"invalid configuration: {exc}; a list or mapping in an environment variable is "
+                              f"JSON, e.g. THINKGATE_SERVER__CORS_ALLOW_ORIGINS='[\"https://app.example\"]'"
+                              ) from None
         finally:
             _YAML_FILE.reset(token)
 

@@ -123,7 +123,7 @@ class TierConfig(_Strict):
     connect_timeout_s: float = Field(5.0, gt=0)
     read_timeout_s: float = Field(120.0, gt=0)
     #: how long a non-streamed answer may take (it comes whole when the generation ends: a long thought is silence
-    #: until then); the OpenAI SDK's and LiteLLM's default request timeout. Never below ``read_timeout_s``.
+    #: until then); the OpenAI SDK's and LiteLLM's default request timeout. At least ``read_timeout_s``.
     response_timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(2, ge=0)
     #: this tier's upstream serves ``POST /v1/embeddings`` (gateway/api/embeddings.py); keep it out of
@@ -136,6 +136,9 @@ class TierConfig(_Strict):
             raise ValueError("escalate_on: low_confidence needs min_answer_logprob")
         if "learned" in self.escalate_on and self.escalation_model is None:
             raise ValueError("escalate_on: learned needs escalation_model (a router file serves one)")
+        if self.response_timeout_s < self.read_timeout_s:  # a whole answer cannot come before its first byte could
+            raise ValueError(f"response_timeout_s ({self.response_timeout_s}) must be >= read_timeout_s "
+                             f"({self.read_timeout_s})")
         return self
 
     @model_validator(mode="after")

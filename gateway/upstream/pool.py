@@ -165,7 +165,7 @@ class AioResponse:
 def read_timeout(tier: TierConfig, stream: bool) -> float:
     """Seconds the upstream may stay silent: between a stream's chunks (and before its head) ``read_timeout_s``;
     for a non-streamed answer, which comes whole at the end of the generation, ``response_timeout_s``."""
-    return tier.read_timeout_s if stream else max(tier.read_timeout_s, tier.response_timeout_s)
+    return tier.read_timeout_s if stream else tier.response_timeout_s
 
 
 class UpstreamPool:

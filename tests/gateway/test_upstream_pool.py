@@ -10,6 +10,7 @@ import re
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -267,3 +268,19 @@ def test_outstanding_counts_a_stream_until_it_ends(replicas: SimPool, redis_url:
         assert metric(gw, "thinkgate_upstream_requests_total", replicas.urls[i]) == 1
         # a fresh gateway sent nothing elsewhere
         assert sum(metric(gw, "thinkgate_upstream_requests_total", u) for u in replicas.urls) == 1
+
+
+def test_settings_errors_name_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("tiers: [{name: t, base_url: 'http://127.0.0.1:1/v1', read_timeout_s: 5, response_timeout_s: 2}]"
+                   "\nrouting: {routed_tiers: [t], default_tier: t, router_path: null}\n")
+    with pytest.raises(ConfigError, match=r"response_timeout_s \(2.0\) must be >= read_timeout_s \(5.0\)"):
+        Settings.load(cfg)  # it was raised to read_timeout_s without a word
+    cfg.write_text("tiers: [{name: t, base_url: 'http://127.0.0.1:1/v1'}]\nrouting: {routed_tiers: [t], default_tier: t, "
+                   "router_path: null}\n")
+    # a list in an environment variable must be JSON: a clear ConfigError (exit 2 in the CLI), not a traceback
+    monkeypatch.setenv("THINKGATE_SERVER__CORS_ALLOW_ORIGINS", "https://a.example.com")
+    with pytest.raises(ConfigError, match="environment variable is JSON"):
+        Settings.load(cfg)
+    monkeypatch.setenv("THINKGATE_SERVER__CORS_ALLOW_ORIGINS", '["https://a.example.com"]')
+    assert Settings.load(cfg).server.cors_allow_origins == ["https://a.example.com"]
