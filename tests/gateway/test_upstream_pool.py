@@ -276,8 +276,8 @@ def test_settings_errors_name_the_field(tmp_path: Path, monkeypatch: pytest.Monk
                    "\nrouting: {routed_tiers: [t], default_tier: t, router_path: null}\n")
     with pytest.raises(ConfigError, match=r"response_timeout_s \(2.0\) must be >= read_timeout_s \(5.0\)"):
         Settings.load(cfg)  # it was raised to read_timeout_s without a word
-    cfg.write_text("tiers: [{name: t, base_url: 'http://127.0.0.1:1/v1'}]\nrouting: {routed_tiers: [t], default_tier: t, "
-                   "router_path: null}\n")
+    cfg.write_text("tiers: [{name: t, base_url: 'http://127.0.0.1:1/v1'}]\n"
+                   "routing: {routed_tiers: [t], default_tier: t, router_path: null}\n")
     # a list in an environment variable must be JSON: a clear ConfigError (exit 2 in the CLI), not a traceback
     monkeypatch.setenv("THINKGATE_SERVER__CORS_ALLOW_ORIGINS", "https://a.example.com")
     with pytest.raises(ConfigError, match="environment variable is JSON"):
