@@ -293,14 +293,16 @@ class Accounting:
         return await self.admit(self.key_of(first.key_id), body, record, tiers)
 
     async def key_info(self, key_id: str) -> KeyInfo | None:
-        """The key ``key_id`` (for its budgets): seen by this process, in the config, or in the Redis store."""
-        if key_id in self._known:
-            return self._known[key_id]
+        """The key ``key_id`` (for its budgets): in the config, else as the Redis store has it now (``keys update``
+        changes it in place), else — Redis down — as this process last saw it."""
         for k in self.settings.auth.keys:
             if k.id == key_id:
                 return KeyInfo.of(k)
-        rec = await self.keystore.get(key_id)
-        return KeyInfo.of(rec) if rec is not None else None
+        try:
+            rec = await self.keystore.get(key_id)
+        except RedisDown:
+            return self._known.get(key_id)
+        return KeyInfo.of(rec) if rec is not None else self._known.get(key_id)
 
     def _remember(self, key: KeyInfo) -> None:
         if key.id not in self._known and len(self._known) >= KNOWN_KEYS_MAX:

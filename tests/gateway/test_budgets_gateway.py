@@ -441,6 +441,10 @@ def test_keys_update_changes_a_live_keys_limits_in_place(gw: GatewayServer, redi
                                            redis_url=redis_url).stdout.splitlines() if json.loads(x)["id"] == kid)
     assert (rec["rpm"], rec["budget_usd_day"], rec["tags"]) == (50, "1.5", {"team": "q"})
     assert _cli("keys", "update", "--id", kid, "--unset", "rpm", prefix=prefix, redis_url=redis_url).returncode == 0
+    # /v1/usage shows the key as it is now, before any request of it reached this gateway again (it showed the
+    # limits of the last request this process had seen)
+    limits = _summary(gw, kid)["limits"]
+    assert limits["rpm"] is None and limits["budget_usd_day"] == "1.500000", limits
     deadline = time.monotonic() + 8
     while "x-ratelimit-limit-requests" in _post(gw, secret, body).headers:
         assert time.monotonic() < deadline
