@@ -189,7 +189,9 @@ def update(
     try:
         rec = with_store(config, go)
     except KeyError:
-        typer.echo(f"thinkgate: no key {key_id!r}", err=True)
+        in_config = any(k.id == key_id for k in load_settings(config).auth.keys)
+        typer.echo(f"thinkgate: no key {key_id!r} in the key store" +
+                   ("; it is a key of the config file (auth.keys): change it there" if in_config else ""), err=True)
         raise typer.Exit(1) from None
     except ValueError as exc:
         typer.echo(f"thinkgate: {exc}", err=True)

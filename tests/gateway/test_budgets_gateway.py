@@ -413,7 +413,8 @@ def test_budgets_cli_set_list_remove(redis_url: str, prefix: str, tmp_path: Path
                 redis_url=redis_url).returncode == 0
 
 
-def test_keys_update_changes_a_live_keys_limits_in_place(gw: GatewayServer, redis_url: str, prefix: str) -> None:
+def test_keys_update_changes_a_live_keys_limits_in_place(gw: GatewayServer, redis_url: str, prefix: str,
+                                                         tmp_path: Path) -> None:
     """An operator raises a key's RPM, sets a budget and retags it without a new secret or id (they had to revoke
     and re-create, splitting the key's usage across two ids); running gateways apply it within key_cache_s."""
     kid = f"upd-{uuid.uuid4().hex[:8]}"
@@ -454,6 +455,11 @@ def test_keys_update_changes_a_live_keys_limits_in_place(gw: GatewayServer, redi
                        (("--id", kid, "--rpm", "2", "--unset", "rpm"), 2),
                        (("--id", kid, "--budget-usd-day", "1e-9"), 2)):
         assert _cli("keys", "update", *args, prefix=prefix, redis_url=redis_url).returncode == code, args
+    cfg = tmp_path / "c.yaml"  # a key of the config file is changed there: the message says so
+    cfg.write_text(yaml.safe_dump({"auth": {"keys": [{"id": "from-config", "secret": "tg-from-config-secret"}]}}))
+    out = _cli("keys", "update", "--id", "from-config", "--rpm", "2", "--config", str(cfg), prefix=prefix,
+               redis_url=redis_url)
+    assert out.returncode == 1 and "a key of the config file" in out.stderr, out.stderr
     assert _cli("keys", "revoke", kid, prefix=prefix, redis_url=redis_url).returncode == 0
     out = _cli("keys", "update", "--id", kid, "--rpm", "2", prefix=prefix, redis_url=redis_url)
     assert out.returncode == 1 and "revoked" in out.stderr  # a revoked key is not brought back
