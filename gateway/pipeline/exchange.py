@@ -9,6 +9,7 @@ An escalation meters the first attempt and continues with the next attempt's rec
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,8 @@ class Exchange:
     the cache ticket (None when the cache is bypassed or already released).
     """
 
-    __slots__ = ("_closed", "accounting", "after_response", "on_answer", "rate", "record", "route", "sinks", "ticket")
+    __slots__ = ("_closed", "accounting", "after_response", "on_answer", "rate", "record", "renewer", "route", "sinks",
+                 "ticket")
 
     def __init__(self, record: UsageRecord, route: RouteDecision, sinks: list[UsageSink],
                  accounting: Accounting) -> None:
@@ -53,6 +55,8 @@ class Exchange:
         self.route = route
         #: the key's RPM/TPM windows after the latest admission of this request (an escalation's, when one ran)
         self.rate: RateState | None = None
+        #: the renewal of a long non-streamed call's reservations, once its timer started it
+        self.renewer: asyncio.Task[None] | None = None
         self.stamp(route)
 
     @property

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -44,7 +45,7 @@ from gateway.pipeline import abstention, escalation, policy, upstream_body
 from gateway.pipeline.accounting import Ahead
 from gateway.pipeline.answer import Answer, Caller
 from gateway.pipeline.exchange import Exchange
-from gateway.pipeline.relay import CLIENT_CLOSED, Renewal, complete, relay
+from gateway.pipeline.relay import CLIENT_CLOSED, complete, relay, renew
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import Sessions
 from gateway.thinking import dial
@@ -141,12 +142,18 @@ class Proxy:
             elif caller.stream:
                 answer = await self._answer(ex, body, caller)  # the relay renews a stream's reservations
             else:
-                renewal = Renewal(acct, ex)  # a long non-streamed answer must not outlive its reservations
+                # a long non-streamed answer must not outlive its reservations: a timer starts their renewal a
+                # third of the TTL after admission (the usual short call costs a timer, not a task)
+                every = acct.settings.limits.reservation_ttl_s / 3
+                timer = asyncio.get_running_loop().call_later(max(0.0, record.ts + every - time.time()),
+                                                              self._start_renewal, ex)
                 try:
                     answer = await (self._answer(ex, body, caller) if disconnect is None else
                                     self._unless_disconnected(disconnect, self._answer(ex, body, caller), ex))
                 finally:
-                    renewal.cancel()
+                    timer.cancel()
+                    if ex.renewer is not None:
+                        ex.renewer.cancel()
         except BaseException as exc:
             if isinstance(exc, GatewayError):  # an upstream's failure: the client can match it to its usage event
                 exc.headers.setdefault("x-request-id", ex.record.request_id)
@@ -365,6 +372,9 @@ class Proxy:
         self.accounting.audit(record, exc.status, exc.code)
         end_trace(record)  # the request span says what was known: the model asked for, the tier when routed
         exc.headers.setdefault("x-request-id", record.request_id)
+
+    def _start_renewal(self, ex: Exchange) -> None:
+        ex.renewer = asyncio.ensure_future(renew(self.accounting, ex))
 
     def _shadow_answer(self, body: dict[str, Any], ex: Exchange, answer: dict[str, Any]) -> None:
         """A sampled request's answer is complete: compare it with the next tier up once the client has it (a

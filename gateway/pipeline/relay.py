@@ -83,9 +83,10 @@ def cut_chunk(last: dict[str, Any] | None, choices: int) -> Chunk:
     return Chunk({**head, "choices": finish})
 
 
-async def _renew(acct: Accounting, ex: Exchange) -> None:
-    """While the stream runs (cancelled when it ends): renew its reservations every third of their TTL, counted
-    from its admission (``record.ts``), so they never lapse under a live stream."""
+async def renew(acct: Accounting, ex: Exchange) -> None:
+    """While the call runs (cancelled when it ends): renew its reservations every third of their TTL, counted from
+    its admission (``record.ts``), so they never lapse under a live stream — or a long non-streamed answer, whose
+    renewal :meth:`gateway.pipeline.proxy.Proxy.serve` starts by a timer a third of the TTL after admission."""
     every = acct.settings.limits.reservation_ttl_s / 3
     due = ex.record.ts + every
     while True:
@@ -95,28 +96,6 @@ async def _renew(acct: Accounting, ex: Exchange) -> None:
             await acct.renew(ex.record)
         except Exception:  # never break the stream for it; the next round tries again
             log.exception("renewing the reservations of %s failed", ex.record.request_id)
-
-
-class Renewal:
-    """The reservation renewal of a call that is not a stream (a non-streamed answer may take up to the tier's
-    ``response_timeout_s``, and its retries more, past ``limits.reservation_ttl_s``): a timer that starts
-    :func:`_renew` one third of the TTL after admission — so the usual short call costs a timer, not a task.
-    :meth:`cancel` when the call ends."""
-
-    __slots__ = ("_handle", "_task")
-
-    def __init__(self, acct: Accounting, ex: Exchange) -> None:
-        self._task: asyncio.Task[None] | None = None
-        delay = max(0.0, ex.record.ts + acct.settings.limits.reservation_ttl_s / 3 - time.time())
-        self._handle = asyncio.get_running_loop().call_later(delay, self._start, acct, ex)
-
-    def _start(self, acct: Accounting, ex: Exchange) -> None:
-        self._task = asyncio.ensure_future(_renew(acct, ex))
-
-    def cancel(self) -> None:
-        self._handle.cancel()
-        if self._task is not None:
-            self._task.cancel()
 
 
 class _Run:
@@ -261,7 +240,7 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
     ``limits.max_stream_s``).
     """
     run = _Run(ex, wants_usage, choices)
-    renewer = asyncio.ensure_future(_renew(ex.accounting, ex))
+    renewer = asyncio.ensure_future(renew(ex.accounting, ex))
     try:
         async for batch in chunk_batches(resp):
             out = run.feed(batch)

@@ -454,7 +454,10 @@ def test_sigint_says_how_to_resume_and_the_registry_says_interrupted(tiny: Path,
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "train", "grpo", "--config", str(cfg), "--output-dir",
                              str(out), "--allow-dirty", "--quiet"], cwd=str(Path(__file__).resolve().parents[2]),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a shell's background job (CI started with `&`) ignores SIGINT, and Python keeps an
+                            # inherited SIG_IGN: the default disposition, as at a terminal
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:
