@@ -53,8 +53,9 @@ class Gateway(FastAPI):
         if scope["type"] == "http" and not path.startswith("/v1/") and (
                 path in UNVERSIONED or path.startswith(UNVERSIONED_PREFIXES)):
             # OpenAI's paths without /v1 (a client whose base URL lacks it), as LiteLLM serves them
+            raw = scope.get("raw_path") or scope["path"].encode()
             path = "/v1" + path
-            scope = {**scope, "path": path, "raw_path": path.encode()}
+            scope = {**scope, "path": path, "raw_path": b"/v1" + raw}  # the raw path keeps its percent-encoding
         endpoint = self.hot.get((scope.get("method", ""), path)) if scope["type"] == "http" else None
         if endpoint is None:
             await super().__call__(scope, receive, send)

@@ -16,7 +16,8 @@ per process does not count: no client of a fleet holds it) is ``not_ready`` unde
 lets a rolling update stall on the old, warm pods instead of replacing them. With keys in its config it can serve
 those, so it is ready (``degraded``) — without the budgets set with ``thinkgate budgets set``, which it has not
 read (the config's apply). A fleet restarted whole during an outage with Redis-only keys cannot serve, and
-reports so.
+reports so. ``server.ready_requires_redis_sync`` overrides the rule: ``true`` when clients use keys of the store
+and the config's keys are only for operations, ``false`` to stay ready whatever the keys.
 
 Body: ``{"status": "ready" | "degraded" | "not_ready", "redis": bool, "redis_synced": bool, "upstreams": {tier:
 bool}}`` (``redis_synced``: the budget definitions were read from Redis since start).
@@ -31,7 +32,6 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from gateway.api.common import json_response as _json
-from gateway.auth.keys import DEV_KEY_ID
 from gateway.config import RedisConfig, Settings
 from gateway.state.redis import ping as redis_ping
 from gateway.upstream.pool import UpstreamPool
@@ -64,9 +64,11 @@ def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool, synced: Ca
         warm = synced()
         # a replica that never reached Redis serves only the keys of its own config: with none (every key in the
         # Redis store) it can answer nobody, so it is not ready; with some it serves those, degraded
-        own_keys = any(k.id != DEV_KEY_ID for k in settings.auth.keys) or not settings.auth.require_key
+        need = settings.server.ready_requires_redis_sync
+        if need is None:
+            need = settings.auth.require_key and (settings.auth.dev_key_only or not settings.auth.keys)
         serves = all(upstream_ok.values()) and (
-            redis_ok or (settings.limits.on_redis_down == "fail_open" and (warm or own_keys)))
+            redis_ok or (settings.limits.on_redis_down == "fail_open" and (warm or not need)))
         status = ("ready" if redis_ok else "degraded") if serves else "not_ready"
         return _json({"status": status, "redis": redis_ok, "redis_synced": warm, "upstreams": upstream_ok},
                      200 if serves else 503)

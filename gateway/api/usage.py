@@ -111,7 +111,7 @@ def install(app: Starlette, keys: KeyStore, acct: Accounting) -> None:
                 if target is not None:
                     info = await acct.key_info(target)
                     view = await summary(acct, target, info, now)
-                    if info is None and not view["counters"]["total"].get("requests"):
+                    if info is None and q.get("key_id") and not view["counters"]["total"].get("requests"):
                         # a typo'd id read as "no usage" (zeros, 200): say there is no such key
                         raise NotFound(f"no key {target!r} (in the config or the key store) and no usage "
                                        "recorded for it", param="key_id", code="key_not_found")

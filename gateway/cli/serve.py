@@ -79,7 +79,8 @@ def serve(
         "server": loaded.server.model_copy(update={"host": host or loaded.server.host,
                                                    "port": port if port is not None else loaded.server.port}),
         "redis": loaded.redis.model_copy(update={"url": redis_url}),
-        "auth": loaded.auth.model_copy(update={"keys": _dev_keys(loaded)}),
+        "auth": loaded.auth.model_copy(update={"keys": (keys := _dev_keys(loaded)),
+                                               "dev_key_only": keys is not loaded.auth.keys}),
     })
     # uvicorn re-raises a captured SIGTERM after its graceful shutdown; with the default handler that kills
     # the process before the ``finally`` below, orphaning the engine and the private Redis.

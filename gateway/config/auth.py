@@ -62,4 +62,7 @@ class AuthConfig(_Strict):
     dev_key_file: Path = STATE_DIR / "dev-key"
     key_cache_s: float = Field(5.0, ge=0)
     key_stale_s: float = Field(3600.0, ge=0)
+    #: set by ``thinkgate serve`` when ``keys`` holds only the development key it made (no client of a fleet holds
+    #: that one: ``/ready`` does not count it as a key of the replica's own)
+    dev_key_only: bool = False
 

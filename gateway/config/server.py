@@ -23,6 +23,11 @@ class ServerConfig(_Strict):
     #: headers exposed); ``["*"]`` any origin (LiteLLM's default). Empty (the default): no CORS headers, and the
     #: generation endpoints keep their direct dispatch (``gateway/api/asgi.py``), which a middleware would undo
     cors_allow_origins: list[str] = Field(default_factory=list)
+    #: ``/ready`` for a replica that has never reached Redis since it started, under ``limits.on_redis_down:
+    #: fail_open`` (gateway/api/ops.py): ``null`` (auto) — not ready unless the config holds keys of its own (it
+    #: can serve those); ``true`` — never ready (clients on keys of the Redis store, config keys only for ops: a
+    #: rolling update during an outage then waits on warm replicas); ``false`` — ready, degraded
+    ready_requires_redis_sync: bool | None = None
 
     @field_validator("gc_thresholds", mode="before")
     @classmethod

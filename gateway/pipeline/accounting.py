@@ -251,9 +251,9 @@ class Accounting:
 
     async def _replay_spool(self) -> int:
         """The replay admissions wait for. Half-open (the breaker's cooldown passed, nothing went through yet): one
-        PING first, so a Redis still down costs one probe, not a read and parse of the whole spool. A failed
-        replay (Redis down again, or an error) is not tried from the request path again for
-        ``metering.replay_interval_s`` (the background replayer keeps trying)."""
+        PING first, so a Redis still down costs one probe, not a read and parse of the whole spool. A replay
+        that fails with an error that is not an outage is not tried from the request path again for
+        ``metering.replay_interval_s`` (the background replayer keeps trying); an outage is paced by the breaker."""
         try:
             if not self.breaker.closed:
                 await self.breaker.call(self.handle.client.ping)
@@ -261,7 +261,9 @@ class Accounting:
             if self.spool.dirty:
                 raise RedisDown("the usage spool is still not in Redis")
             return n
-        except BaseException:
+        except RedisDown:
+            raise  # an outage (or a probe already out): the breaker paces the next try, no throttle of our own
+        except Exception:
             self._replay_retry_at = time.monotonic() + self.settings.metering.replay_interval_s
             raise
 

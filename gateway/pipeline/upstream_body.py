@@ -41,8 +41,8 @@ def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint)
         asked = body.get("thinking_token_budget")
         keep = isinstance(asked, int) and not isinstance(asked, bool) and 0 <= asked < tier.thinking_budget
         body["thinking_token_budget"] = asked if keep else tier.thinking_budget
-    if tier.budget_mode == "forced" and body.get("thinking_token_budget") == 0 and endpoint == "chat":
-        body.pop("thinking_token_budget")  # no thinking asked: one pass with thinking off (dial.forcing_tier)
+    if tier.budget_mode == "forced" and endpoint == "chat" and dial.thinking_off(body):
+        body.pop("thinking_token_budget", None)  # no thinking asked: one pass with thinking off (dial.forcing_tier)
         kwargs = body.get("chat_template_kwargs")
         body["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}), "enable_thinking": False}
     if not tier.enable_thinking and endpoint == "chat":

@@ -857,7 +857,8 @@ class Limits:
                 try:
                     await self.breaker.call(functools.partial(self._rollback, keys=keys, args=args))
                 except RedisDown:
-                    self._unrolled.appendleft((keys, args))
+                    if len(self._unrolled) < UNROLLED_MAX:  # full: this one, the oldest, is left to its TTL
+                        self._unrolled.appendleft((keys, args))
                     break
                 except Exception:  # not an outage: this one is left to its TTL, the loop goes on
                     log.exception("rollback of reservation %s failed", args[0])

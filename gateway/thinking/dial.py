@@ -81,6 +81,14 @@ def apply_prompted(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoin
         body["messages"] = _append_to_last_user(messages, instruction(tier, budget))
 
 
+def thinking_off(body: dict[str, Any]) -> bool:
+    """Whether a chat body asks for no thinking: ``thinking_token_budget: 0`` (or a key's cap of 0), or
+    ``chat_template_kwargs.enable_thinking: false`` (the client's, or an Anthropic request's ``thinking: disabled``)."""
+    kwargs = body.get("chat_template_kwargs")
+    off = isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False
+    return body.get("thinking_token_budget") == 0 or off
+
+
 def forcing_tier(tier: TierConfig, client_body: dict[str, Any]) -> TierConfig | None:
     """The tier that two-phase budget forcing runs with, None when the call takes one pass: a ``forced`` tier as
     it is; a ``prompted`` one with ``hard_stop: forced`` and a requested budget gets :func:`hard_stop` of that
@@ -90,7 +98,7 @@ def forcing_tier(tier: TierConfig, client_body: dict[str, Any]) -> TierConfig | 
     if tier.budget_mode == "forced":
         # a chat request that asks for no thinking (or whose key's cap is 0) is one pass with thinking off
         # (gateway/pipeline/upstream_body.py), where phase 1 would still think a token and phase 2 bill the prompt
-        return None if client_body.get("thinking_token_budget") == 0 and "messages" in client_body else tier
+        return None if "messages" in client_body and thinking_off(client_body) else tier
     if tier.budget_mode != "prompted" or tier.hard_stop == "native":
         return None
     budget = requested_budget(client_body, tier)

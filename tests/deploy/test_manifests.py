@@ -267,7 +267,7 @@ POD_PREFIX = "tgpod:"
 
 
 def _start_pod(tmp_path: Path, name: str, upstream_url: str, redis_url: str, on_redis_down: str,
-               auth: dict[str, Any] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+               auth: dict[str, Any] | None = None, **env_extra: str) -> tuple[subprocess.Popen[bytes], str]:
     """``thinkgate serve`` as the chart runs it (engine off, Redis external), answering ``/health``. ``auth``: the
     config's keys (None: every key in the Redis store, made with ``thinkgate keys create``)."""
     home = tmp_path / name
@@ -280,7 +280,7 @@ def _start_pod(tmp_path: Path, name: str, upstream_url: str, redis_url: str, on_
     port = free_port()
     env = {"THINKGATE_CONFIG": str(cfg), "THINKGATE_STATE_DIR": str(home / "state"),
            "THINKGATE_SERVER__HOST": "127.0.0.1", "THINKGATE_SERVER__PORT": str(port),
-           "THINKGATE_REDIS__URL": redis_url, "THINKGATE_REDIS__KEY_PREFIX": POD_PREFIX}
+           "THINKGATE_REDIS__URL": redis_url, "THINKGATE_REDIS__KEY_PREFIX": POD_PREFIX, **env_extra}
     proc = subprocess.Popen([str(Path(sys.executable).with_name("thinkgate")), "serve"], env={**os.environ, **env},
                             cwd=home, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
@@ -350,6 +350,14 @@ def test_ready_with_redis_unreachable_says_what_the_pod_serves(tmp_path: Path, u
                                                   on_redis_down, auth=keys_config())
                 ready = httpx.get(keys_base + "/ready", timeout=10)
                 assert ready.status_code == 200 and ready.json()["status"] == "degraded", ready.text
+                # ... unless the operator says its clients use keys of the store (config keys only for ops)
+                strict, strict_base = _start_pod(tmp_path, "late-strict", upstream_sim.base_url, redis.url,
+                                                 on_redis_down, auth=keys_config(),
+                                                 THINKGATE_SERVER__READY_REQUIRES_REDIS_SYNC="true")
+                try:
+                    assert httpx.get(strict_base + "/ready", timeout=10).status_code == 503
+                finally:
+                    stop_process(strict, timeout_s=20)
             redis.start()
             ready = httpx.get(late_base + "/ready", timeout=10)
             assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
