@@ -35,7 +35,7 @@ from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
 from gateway.openai import sse
 from gateway.openai.chunks import StreamAssembler
 from gateway.openai.sse import DONE_CHUNK, Chunk, error_chunk
-from gateway.openai.usage import needs_reasoning_count, reasoning_of
+from gateway.openai.usage import estimate_tokens, needs_reasoning_count, reasoning_of
 from gateway.pipeline.exchange import Exchange
 from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.response import UpstreamResponse, chunk_batches
@@ -64,6 +64,35 @@ def count_deltas(ex: Exchange, tally: sse.StreamTally) -> None:
     ex.record.completion_tokens = tally.reasoning_deltas + tally.text_deltas
     ex.record.reasoning_tokens = tally.reasoning_deltas
     ex.record.usage_source = "counted"
+
+
+def _strings(value: Any) -> str:
+    """The text of a messages list (every string in it, contents and tool arguments alike), space-joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return " ".join(_strings(v) for v in value.values())
+    if isinstance(value, list):
+        return " ".join(_strings(v) for v in value)
+    return ""
+
+
+async def count_prompt(pool: UpstreamPool, tier: TierConfig, body: dict[str, Any]) -> int:
+    """Prompt tokens of the client's ``body`` on ``tier``, for a stream that ended with no upstream usage (the
+    client went away, the upstream broke it): the upstream had read the whole prompt by its first chunk, so it is
+    billed. vLLM's ``/tokenize`` of the messages under the tier's chat template (or of a completions prompt),
+    else estimated (~4 characters a token). The first phase's prompt on a ``forced`` tier: a lower bound there."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        tools = body.get("tools")
+        counted = await pool.count_chat_tokens(tier, messages, tools if isinstance(tools, list) else None)
+        return counted if counted is not None else estimate_tokens(_strings(messages))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return len(prompt)  # pre-tokenised
+    if isinstance(prompt, str):
+        return await pool.tokens(tier, prompt)
+    return estimate_tokens(_strings(prompt))
 
 
 def _head(last: dict[str, Any] | None) -> dict[str, Any]:
@@ -101,8 +130,11 @@ async def renew(acct: Accounting, ex: Exchange) -> None:
 class _Run:
     """One relay's state: the tally, the assembler (for the cache or a shadow comparison), the outcome."""
 
-    def __init__(self, ex: Exchange, wants_usage: bool, choices: int) -> None:
+    def __init__(self, ex: Exchange, wants_usage: bool, choices: int, pool: UpstreamPool,
+                 body: dict[str, Any] | None) -> None:
         self.ex = ex
+        self.pool = pool
+        self.body = body  # the client's request, to count its prompt when no upstream usage comes
         self.record = ex.record
         self.tally = sse.StreamTally()
         self.wants_usage = wants_usage
@@ -143,14 +175,20 @@ class _Run:
             self.cut = True  # its bound: no reservation may outlive it
         return self.cut
 
-    def cut_tail(self) -> list[Chunk]:
+    async def count(self) -> None:
+        """No upstream usage: the relayed deltas (:func:`count_deltas`) and the prompt (:func:`count_prompt`)."""
+        count_deltas(self.ex, self.tally)
+        if self.body is not None and not self.record.prompt_tokens:
+            self.record.prompt_tokens = await count_prompt(self.pool, self.ex.tier, self.body)
+
+    async def cut_tail(self) -> list[Chunk]:
         """A cut stream's end: meter what was seen (partial), finish every choice, the usage when asked, [DONE]."""
         record = self.record
         record.partial = True
         if self.tally.last_usage is not None:  # continuous usage stats: the upstream's running totals
             record.set_usage(self.tally.last_usage)
         else:
-            count_deltas(self.ex, self.tally)
+            await self.count()
         out = [cut_chunk(self.last, self.choices)]
         if self.wants_usage:
             usage = {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
@@ -183,7 +221,7 @@ class _Run:
         elif tally.last_usage is not None:
             self.record.set_usage(tally.last_usage)
         else:
-            count_deltas(self.ex, tally)
+            await self.count()
         out.append(DONE_CHUNK)
         return out
 
@@ -209,7 +247,7 @@ class _Run:
             elif tally.last_usage is not None:
                 record.set_usage(tally.last_usage)
             else:
-                count_deltas(self.ex, tally)
+                await self.count()
         asm = self.assembler
         complete = status == 200 and not self.cut and asm is not None and asm.complete
         await self.ex.close(status, code, asm.result() if complete and asm is not None else None)
@@ -232,14 +270,15 @@ async def complete(data: dict[str, Any], ex: Exchange, pool: UpstreamPool) -> bo
 
 
 async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_usage: bool,
-                choices: int = 1) -> AsyncGenerator[list[Chunk], None]:
+                choices: int = 1, body: dict[str, Any] | None = None) -> AsyncGenerator[list[Chunk], None]:
     """Chunk batches for the client from ``resp``; closes ``ex`` exactly once when it ends, however it ends.
 
     A complete stream is assembled and offered to the exchange's cache ticket (or its shadow comparison).
     ``choices``: how many choices the stream carries (for the chunk that ends a stream cut at
-    ``limits.max_stream_s``).
+    ``limits.max_stream_s``); ``body``: the client's request, whose prompt is counted (:func:`count_prompt`) when
+    the stream ends with no upstream usage.
     """
-    run = _Run(ex, wants_usage, choices)
+    run = _Run(ex, wants_usage, choices, pool, body)
     renewer = asyncio.ensure_future(renew(ex.accounting, ex))
     try:
         async for batch in chunk_batches(resp):
@@ -248,7 +287,7 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
                 yield out
             if run.stop():
                 break
-        tail = run.cut_tail() if run.cut else await run.end(pool)
+        tail = await run.cut_tail() if run.cut else await run.end(pool)
         if tail:
             yield tail
         if run.status is None:

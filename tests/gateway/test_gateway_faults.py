@@ -182,6 +182,7 @@ def test_stream_dropped_midway_ends_with_error_event(client: openai.OpenAI, reco
     rec = records[0]
     assert (rec.status, rec.partial, rec.usage_source) == (502, True, "counted")
     assert rec.completion_tokens > 0 and rec.cost_micro_usd >= 0
+    assert rec.prompt_tokens > 0  # the prompt was read before the first chunk: billed (tokenized or estimated)
 
 
 def test_non_stream_drop_is_502(client: openai.OpenAI, fault_sim: SimProcess) -> None:

@@ -92,6 +92,12 @@ def test_client_disconnect_mid_stream_is_metered(gw: GatewayServer, upstream_sim
     assert ev.status == 499 and ev.partial and ev.error_code == "client_disconnected"
     assert ev.usage_source == "counted"
     assert 5 <= ev.completion_tokens <= rec["chunks_sent"]  # what was relayed, counted one token per delta
+    # the prompt is billed too (the upstream read it before its first chunk): the upstream's /tokenize of the
+    # messages, the count a complete answer to the same messages reports
+    whole = httpx.post(gw.base_url + "/chat/completions", headers=headers, timeout=30,
+                       json={**body, "stream": False, "sim": {"tag": tag + "-whole"}})
+    assert whole.status_code == 200
+    assert ev.prompt_tokens == whole.json()["usage"]["prompt_tokens"] > 0
     tier = gw.settings.tier("long")
     assert ev.cost_micro_usd == cost_micro_usd(tier.prices, prompt_tokens=ev.prompt_tokens, cached_tokens=0,
                                                completion_tokens=ev.completion_tokens) > 0
