@@ -78,7 +78,10 @@ def attach(app: FastAPI, keys: KeyStore, store: OutcomeStore) -> None:
                           sufficed=sufficed, judge="client", outcome_id=f"fb:{rid}",
                           route_reason=entry.get("route_reason"), window_digest=entry.get("window_digest"),
                           score=entry.get("score"), value=score if score is not None else float(bool(correct)),
-                          comment=comment, text=entry.get("text"), router_version=store.router_version())
+                          comment=comment, text=entry.get("text"),
+                          # the router that served the request (an entry written before the index kept it: now's)
+                          router_version=entry["router_version"] if "router_version" in entry
+                          else store.router_version())
         stored = await store.record(outcome)
         return json_response({"id": outcome.outcome_id, "object": "feedback", "request_id": rid,
                               "sufficed": sufficed, "stored": stored})

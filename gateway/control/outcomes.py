@@ -7,7 +7,8 @@ fsync'd spool file (:class:`gateway.state.spool.Spool`, the usage spool's class 
 :meth:`OutcomeStore.run_replayer` sends it once Redis answers.
 
 Request index, for ``POST /v1/feedback``: every answered request leaves ``p req:{request_id}`` (JSON: key id,
-tier, route reason, router score, window digest and — under ``retain_text`` — the window text), TTL
+tier, route reason, router score, window digest, the version of the router serving when it was answered — its
+feedback is that router's, however late it comes — and, under ``retain_text``, the window text), TTL
 ``routing.outcomes.request_ttl_s``. These writes are batched in the background (one pipeline every 0.2 s)
 and best effort: while Redis is down they are dropped, and feedback on those requests answers 404. Feedback
 reaching the replica that answered is served from its queue until the write lands; another replica sees the
@@ -110,7 +111,9 @@ class OutcomeStore:
         entry: dict[str, Any] = {"key_id": record.key_id, "tier": record.tier, "route_reason": record.route_reason,
                                  "score": record.difficulty,
                                  "window_digest": window_digest(record.routing_window)
-                                 if record.routing_window is not None else None}
+                                 if record.routing_window is not None else None,
+                                 # the router that served it: feedback may come after a promotion
+                                 "router_version": self.router_version()}
         if self.cfg.retain_text and record.routing_window is not None:
             entry["text"] = record.routing_window
         self._index.append((record.request_id, record.key_id, orjson.dumps(entry)))

@@ -109,6 +109,11 @@ DELTA = 0.1  # the error a deployment's automatic promotions spend in all (look_
 SPOT_CHECK = "spot_check"  # route reason: a cheap decision the top tier served (``routing.retrain.spot_check``)
 EXPLORE = "explore"  # route reason: a decision served one tier down at random (``routing.retrain.explore``)
 PREDICTED = "predicted"  # route reason: the router's own decision, served as decided
+#: The route reasons of the answers a router version served by its own decision: as decided, spot-checked, or
+#: escalated by the cascade it serves. Not explored ones (a randomised arm), nor forced, effort, fallback, cache or
+#: shadow answers: the client, the upstream's failure, the cache or the gateway chose those tiers, and their grades
+#: say nothing of the router's floor.
+ROUTER_ANSWERS = frozenset({PREDICTED, SPOT_CHECK, "escalated"})
 
 
 @dataclass
@@ -210,9 +215,10 @@ def graded_of(outcomes: Sequence[dict[str, Any]], version: str) -> list[dict[str
 
 def version_arms(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str
                  ) -> tuple[list[bool], list[bool], list[bool]]:
-    """The graded feedback on router ``version``'s answers, explored ones left out, as three lists of "graded
-    right": (its cheap answers, its spot checks — top answers to questions it sent cheap —, its top answers)."""
-    mine = [o for o in graded_of(outcomes, version) if o.get("route_reason") != EXPLORE]
+    """The graded feedback on router ``version``'s own answers (route reason in :data:`ROUTER_ANSWERS`: explored,
+    forced, effort, fallback and cached ones left out), as three lists of "graded right": (its cheap answers, its
+    spot checks — top answers to questions it sent cheap —, its top answers)."""
+    mine = [o for o in graded_of(outcomes, version) if o.get("route_reason") in ROUTER_ANSWERS]
     checked = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == SPOT_CHECK]
     cheap = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") != top_tier]
     top = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") == top_tier]

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from router.fit.promote import EXPLORE, SPOT_CHECK, explore_rates, rates, version_arms, wilson
+from router.fit.promote import EXPLORE, ROUTER_ANSWERS, SPOT_CHECK, explore_rates, rates, version_arms, wilson
 
 __all__ = ["EXPLORE", "SPOT_CHECK", "realised", "spot_check_ratio"]
 
@@ -66,8 +66,9 @@ def spot_check_ratio(n_c: int, k_c: int, n_s: int, k_s: int, n_t: int, k_t: int)
 def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, floor: float,
              spot_check_min: int = 30) -> dict[str, Any]:
     """The realised floor of router ``version`` (module doc) from ``outcomes`` (dicts with the fields of
-    ``gateway.ledger.outcome.Outcome``); answers with route reason ``explore`` are left out (not the router's
-    choice, whichever replica explored them). The spot-check estimate when at least ``spot_check_min`` spot-check
+    ``gateway.ledger.outcome.Outcome``); only the router's own answers count (route reason in
+    :data:`~router.fit.promote.ROUTER_ANSWERS`: explored, forced, effort, fallback and cached ones are not its
+    choice). The spot-check estimate when at least ``spot_check_min`` spot-check
     answers of ``version`` are graded, else the explore estimate when both explored arms have that many, else the
     nesting estimate. Ratios are dimensionless (served accuracy over
     always-top accuracy on the same traffic).
@@ -86,9 +87,10 @@ def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, fl
         return {**out, "method": "spot_check", "accuracy_ratio": round(point, 6), "ratio_low": round(low, 6),
                 "holds_floor": bool(point >= floor - 1e-12)}
     explored = explore_rates(outcomes, version, "", top_tier, spot_check_min)
-    r = explored or rates([o for o in outcomes if o.get("route_reason") != EXPLORE], top_tier)
+    r = explored or rates([o for o in outcomes if o.get("route_reason") in ROUTER_ANSWERS], top_tier)
     p_top = r.p_top if r.p_top else 1.0
     cheap_wrong = len(cheap) - sum(cheap)
-    ratio = 1.0 - r.q * cheap_wrong / (p_top * n)
+    # a ratio of two accuracies is ≥ 0: the formula's loss can pass 1 when p_top is read low on few answers
+    ratio = max(0.0, 1.0 - r.q * cheap_wrong / (p_top * n))
     return {**out, "method": "explore" if explored else "nesting", "accuracy_ratio": round(ratio, 6),
             "ratio_low": round(ratio, 6), "holds_floor": bool(ratio >= floor - 1e-12), "q": round(r.q, 6)}

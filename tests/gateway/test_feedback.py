@@ -137,3 +137,28 @@ def test_feedback_right_after_the_answer(upstream_sim: SimProcess, redis_url: st
             assert ok.status_code == 200, ok.text
             assert ok.json()["stored"] == "redis"
         assert len(_outcomes(redis_url, redis_prefix)) == 5
+
+
+def test_late_feedback_is_credited_to_the_router_that_served(upstream_sim: SimProcess, redis_url: str,
+                                                             redis_prefix: str, tmp_path: Path) -> None:
+    """A grade sent after a promotion belongs to the router that answered the request, not to the one serving when
+    the grade arrives (the realised floor — and so a rollback — read the previous router's answers as the new
+    one's). The version is taken when the request is indexed."""
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix) as gw, \
+            httpx.Client(timeout=30) as client:
+        store = gw.app.state.outcomes
+        serving = {"version": "router-a"}
+        store.router_version = lambda: serving["version"]  # what a promotion changes: the version in service
+        r = client.post(gw.base_url + "/chat/completions", headers=_auth("alice"), json={
+            "model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": "late grade?"}]})
+        assert r.status_code == 200
+        rid = r.headers["x-request-id"]
+        rdb = redis.Redis.from_url(redis_url)
+        assert wait_for(lambda: rdb.exists(redis_prefix + "req:" + rid) == 1, timeout_s=5)
+        rdb.close()
+        serving["version"] = "router-b"  # promoted after the answer, before the grade
+        ok = client.post(gw.base_url + "/feedback", headers=_auth("alice"), json={"request_id": rid,
+                                                                                  "correct": False})
+        assert ok.status_code == 200, ok.text
+        [o] = _outcomes(redis_url, redis_prefix)
+        assert o.router_version == "router-a"

@@ -100,3 +100,28 @@ def test_no_graded_answer_is_no_reading() -> None:
     ``/v1/models`` with n 0)."""
     r = realised([_fb(0, "short", True)], "other-version", "long", 0.98)
     assert r["n"] == 0 and r["accuracy_ratio"] is None and r["holds_floor"] is None
+
+
+def test_answers_the_router_did_not_choose_do_not_count() -> None:
+    """A router that sent nothing cheap, and 40 cheap answers graded wrong that the client forced (or the cache,
+    an effort hint, a fallback or a shadow call chose): its realised floor is unmeasured by them, not broken — the
+    rollback read them as its own and undid a router that had made none of those decisions (a new-user helper's
+    walk of docs/closed-loop.md)."""
+    own = [_fb(i, "long", i % 3 != 0) for i in range(3)]
+    others = [_fb(100 + i, "short", False, reason)
+              for i, reason in enumerate(["forced", "cache", "effort", "fallback", "shadow"] * 8)]
+    r = realised(own + others, "v", "long", 0.98)
+    assert (r["n"], r["n_cheap"], r["n_top"]) == (3, 0, 3)
+    assert r["accuracy_ratio"] == 1.0 and r["holds_floor"] is True
+    # the router's own cheap answers and its escalated ones do count
+    mine = own + [_fb(200 + i, "short", False) for i in range(4)] + [_fb(300, "long", True, "escalated")]
+    assert realised(mine + others, "v", "long", 0.98)["n"] == 8
+
+
+def test_the_nesting_ratio_is_never_negative() -> None:
+    """Few graded top answers, most wrong, many cheap answers wrong: the formula's loss passes 1; a ratio of two
+    accuracies is still ≥ 0 (it read −0.42 in ``thinkgate router history``)."""
+    outcomes = ([_fb(i, "long", i == 0) for i in range(3)]
+                + [_fb(10 + i, "short", False) for i in range(40)])
+    r = realised(outcomes, "v", "long", 0.98, spot_check_min=10**9)
+    assert r["method"] == "nesting" and r["accuracy_ratio"] == 0.0 and r["holds_floor"] is False
