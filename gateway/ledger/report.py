@@ -12,8 +12,9 @@ What it reports (money in exact integer micro-USD, 1 USD = 1 000 000; tokens are
 - **Cache savings**: the sum of ``saved_micro_usd``.
 - **Counterfactual always-long**: the estimated cost had every request been answered by the long tier's
   upstream (no routing, no cache). Per request (an event that is not an escalated first attempt —
-  ``error_code`` ``escalated_*``: its retry event stands for the request — and not refused, status < 400 or
-  499): its own prompt tokens (and upstream-prefix-cached tokens) at the long tier's input prices plus the
+  ``error_code`` ``escalated_*``: its retry event stands for the request —, not a shadow call — route reason
+  ``shadow``: the gateway's own call to learn from, paid but asked by no client — and not refused, status < 400
+  or 499): its own prompt tokens (and upstream-prefix-cached tokens) at the long tier's input prices plus the
   long tier's **measured mean completion tokens** for the request's difficulty bucket at the output price.
   Buckets are ``n_buckets`` equal-width bins of the router score ``difficulty`` in [0, 1] (deciles by
   default; score 1.0 falls in the last bin); events without a score form the bucket ``unscored``. The mean
@@ -62,8 +63,11 @@ def _round_micro(value: Decimal) -> int:
 
 
 def counts_as_request(event: UsageEvent) -> bool:
-    """True when the event stands for one answered client request (see the module doc)."""
+    """True when the event stands for one answered client request (see the module doc): not an escalated first
+    attempt (its retry stands for the request), not a shadow call (the gateway's own, to learn from), not refused."""
     if event.error_code and event.error_code.startswith("escalated_"):
+        return False
+    if event.route_reason == "shadow":
         return False
     return event.status < 400 or event.status == 499
 
@@ -199,9 +203,10 @@ def _add_to_tier(t: TierSpend, ev: UsageEvent) -> None:
 
 def _add_to_bucket(row: BucketRow, ev: UsageEvent, long_tier: str) -> bool:
     """Count one billed event into its difficulty bucket; True when it counts as a request (the always-long
-    price is computed over those). Escalated first attempts are paid: their cost stays with the bucket."""
+    price is computed over those). Escalated first attempts and shadow calls are paid: their cost stays with the
+    bucket (a shadow call on the long tier also measures it: a long sample)."""
     request = counts_as_request(ev)
-    if request or (ev.error_code or "").startswith("escalated_"):
+    if request or (ev.error_code or "").startswith("escalated_") or ev.route_reason == "shadow":
         row.cost_micro_usd += ev.cost_micro_usd
         row.saved_micro_usd += ev.saved_micro_usd
     if request:

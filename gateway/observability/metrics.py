@@ -12,7 +12,7 @@ Series (counters get ``_total``): ``thinkgate_requests``, ``thinkgate_tokens``, 
 ``thinkgate_upstream_errors``, ``thinkgate_limit_rejections``, ``thinkgate_refused_requests`` (every request
 refused before an upstream call, by ``status`` and ``code``); histograms
 ``thinkgate_request_latency_seconds`` and ``thinkgate_ttft_seconds``; gauges ``thinkgate_redis_breaker_open``,
-``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events``; with ``routing.target`` set,
+``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events_total``; with ``routing.target`` set,
 ``thinkgate_routing_share{tier}`` (the controller's window), ``thinkgate_routing_target_share`` and
 ``thinkgate_routing_threshold{tier}`` (the cut point into that tier); ``thinkgate_routing_drift_psi{kind}``
 (score | tier, the drift alarm).
@@ -95,13 +95,18 @@ class Metrics:
                                   registry=r)
         self.spool_bytes = Gauge("thinkgate_usage_spool_bytes", "Bytes of usage events waiting in the spool.",
                                  registry=r)
-        self.spooled = Gauge("thinkgate_usage_spooled_events", "Usage events this process has spooled.",
-                             registry=r)
+        # a counter (rate() over it reads spooling as it happens); render() adds what the spool counted since
+        self.spooled = Counter("thinkgate_usage_spooled_events", "Usage events this process has spooled "
+                               "(Redis down: kept on disk, replayed later).", registry=r)
+        self._spooled_seen = 0
         self.routing_share = Gauge("thinkgate_routing_share", "Share of the routed requests in the cost-target "
                                    "controller's window, by routed tier.", ["tier"], registry=r)
+        # registered with the controller only (render): a label-less gauge is always exposed, and 0 read as
+        # "target 0%" where no routing.target is set
         self.routing_target_share = Gauge("thinkgate_routing_target_share", "The top routed tier's target share "
                                           "(routing.target; NaN while a spend target is not measured yet).",
-                                          registry=r)
+                                          registry=None)
+        self._target_registered = False
         self.routing_threshold = Gauge("thinkgate_routing_threshold", "Routing cut points in force, by the tier a "
                                        "score at or above it goes to.", ["tier"], registry=r)
         self.drift_psi = Gauge("thinkgate_routing_drift_psi", "Population Stability Index of the realized router "
@@ -157,6 +162,8 @@ class Metrics:
         if event.status >= 500:
             code = event.error_code if event.error_code in ERROR_CODES else "other"
             child(self.upstream_errors, tier, code).inc()
+        if reason == "shadow":  # the gateway's own background call: no client waited for it
+            return
         stream = "true" if event.stream else "false"
         child(self.latency, tier, stream).observe(event.latency_ms / 1000)
         if event.ttft_ms is not None:
@@ -183,8 +190,13 @@ class Metrics:
         """The exposition text, with the gauges set from the current state."""
         self.breaker_open.set(1 if breaker_open else 0)
         self.spool_bytes.set(spool_bytes)
-        self.spooled.set(spooled)
+        if spooled > self._spooled_seen:
+            self.spooled.inc(spooled - self._spooled_seen)
+            self._spooled_seen = spooled
         if self.routing_view is not None:
+            if not self._target_registered:
+                self.registry.register(self.routing_target_share)
+                self._target_registered = True
             shares, target, cuts = self.routing_view()
             for tier, v in shares.items():
                 self._child(self.routing_share, tier).set(v)

@@ -239,7 +239,33 @@ def test_metrics_endpoint(gw: GatewayServer) -> None:
     assert total("thinkgate_route_decisions_total", tier="short", reason="cache") >= 1
     assert total("thinkgate_request_latency_seconds_count") >= 2 and total("thinkgate_ttft_seconds_count") >= 2
     assert total("thinkgate_redis_breaker_open") == 0
+    # counters end in _total (a cumulative count as a gauge breaks rate()); no controller, no target-share series
+    # (a label-less gauge always renders, and its 0 read as "target 0%")
+    assert any(s.name == "thinkgate_usage_spooled_events_total" for s in samples)
+    assert not any(s.name.startswith("thinkgate_routing_target_share") for s in samples)
     # bounded labels: tiers/models from the config only, no per-key series unless configured
     tiers = {s.labels["tier"] for s in samples if "tier" in s.labels}
     assert tiers <= {t.name for t in gw.settings.tiers} | {"_unrouted", "other"}
     assert not any("key_id" in s.labels for s in samples)
+
+
+def test_shadow_calls_stay_out_of_the_client_latency_histograms(gw: GatewayServer) -> None:
+    """A shadow call runs in the background after the client's answer: it is counted (requests, tokens, cost, with
+    route_reason shadow) but no client waited for it, so it must not move the latency an SLO reads."""
+    from gateway.ledger.event import UsageEvent
+    from gateway.observability.metrics import Metrics
+
+    m = Metrics(gw.settings.metrics, gw.settings.tiers)
+    shadow = UsageEvent(key_id="alice", requested_model="auto", tier="long", upstream_model="m", route_reason="shadow",
+                        prompt_tokens=10, completion_tokens=5, status=200, latency_ms=900.0, ttft_ms=100.0)
+    client = UsageEvent(key_id="alice", requested_model="auto", tier="long", upstream_model="m",
+                        route_reason="predicted", prompt_tokens=10, completion_tokens=5, status=200,
+                        latency_ms=50.0, ttft_ms=10.0)
+    m.observe(shadow, "bypass")
+    m.observe(client, "miss")
+    reg = m.registry
+    assert reg.get_sample_value("thinkgate_requests_total", {"endpoint": "chat", "tier": "long", "model": "other",
+                                                             "route_reason": "shadow", "cache": "bypass",
+                                                             "status": "2xx"}) == 1
+    for hist in ("thinkgate_request_latency_seconds_count", "thinkgate_ttft_seconds_count"):
+        assert reg.get_sample_value(hist, {"tier": "long", "stream": "false"}) == 1  # the client's only

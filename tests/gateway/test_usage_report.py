@@ -103,6 +103,21 @@ async def test_report_from_the_ledger_by_hand(redis_url: str, redis_prefix: str,
     check_report(rp.build(read, "long", LONG))
 
 
+def test_shadow_calls_are_paid_but_are_not_requests() -> None:
+    """A shadow call (the gateway's own call to the next tier, to learn from) is spend of the routed traffic but no
+    client's request: counting it as one priced an extra always-long request per shadow, and a loop that saved
+    nothing read 30% saved (a new-user helper's walk of docs/closed-loop.md). It does measure the long tier."""
+    base = [_ev("short", 0.1, 40, 20), _ev("short", 0.1, 40, 20)]  # 2 requests sent cheap: 12 µ$ each
+    shadows = [_ev("long", 0.1, 40, 100, route="shadow"), _ev("long", 0.1, 40, 100, route="shadow")]  # 220 each
+    r = rp.build(base + shadows, "long", LONG)
+    assert r.requests == 2 and r.spend_micro_usd == 2 * 12 + 2 * 220
+    b = r.buckets[0]
+    assert b.requests == 2 and b.cost_micro_usd == 2 * 12 + 2 * 220  # the shadows' cost stays with the traffic
+    assert b.long_samples == 2 and b.estimate == "measured"  # …and they measured the long tier on it
+    assert r.always_long_micro_usd == 2 * 220  # 2 requests at 40 prompt + 100 completion on long
+    assert r.savings_micro_usd == 440 - 464 < 0  # the shadows cost more than routing saved: it says so
+
+
 def test_no_long_events_means_no_estimate() -> None:
     r = rp.build([_ev("short", 0.1, 10, 10)], "long", LONG)
     assert r.always_long_micro_usd is None and r.savings_micro_usd is None and r.buckets[0].estimate == "none"
