@@ -134,17 +134,30 @@ class RateLimited(GatewayError):
 
 
 class UpstreamError(GatewayError):
-    """502: the upstream refused the connection, failed (5xx) or broke the response."""
+    """502: the upstream refused the connection, failed (5xx) or broke the response.
+
+    Sent with ``x-should-retry: false`` (the header the OpenAI and Anthropic SDKs obey): a 500 or a broken body
+    may follow a generation that ran — which an SDK's retry would pay again — and the gateway has already retried
+    what is safe to retry. :class:`UpstreamUnavailable` (no connection, or the upstream's 502/503: nothing ran)
+    leaves the client's retry to the client."""
 
     status = 502
     type = "upstream_error"
     default_code = "upstream_error"
+    #: the SDKs may retry it (nothing ran upstream)
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        if not self.retryable:
+            self.headers.setdefault("x-should-retry", "false")
 
 
 class UpstreamUnavailable(UpstreamError):
     """502: no connection to the upstream could be made after the retries (a candidate for tier fallback)."""
 
     default_code = "upstream_unavailable"
+    retryable = True
 
 
 class UpstreamTimeout(UpstreamError):
@@ -158,6 +171,7 @@ class UpstreamConnectTimeout(UpstreamTimeout):
     """504: the upstream did not accept a connection in time after the retries (a fallback candidate)."""
 
     default_code = "upstream_connect_timeout"
+    retryable = True
 
 
 class UpstreamRejected(GatewayError):

@@ -232,7 +232,7 @@ class _Run:
             self.status, self.code = 504, "upstream_timeout"
             return error_chunk(UpstreamTimeout(f"upstream of tier {tier.name!r} stalled mid-stream"))
         self.status, self.code = 502, "upstream_stream_broken"
-        why = exc.message if isinstance(exc, GatewayError) else str(exc)
+        why = exc.message if isinstance(exc, GatewayError) else type(exc).__name__  # no internal address
         return error_chunk(UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {why}", code=self.code))
 
     async def settle(self) -> None:

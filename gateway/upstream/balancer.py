@@ -47,6 +47,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator,
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -332,6 +333,14 @@ class Balancer:
         return _PoolCollector(self)
 
 
+def label_url(url: str) -> str:
+    """A replica's URL as a metric label: scheme, host, port and path — no userinfo (``user:token@``) or query,
+    where credentials live: ``/metrics`` is readable with any API key."""
+    parts = urlsplit(url)
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{parts.hostname or ''}{port}{parts.path}"
+
+
 class _PoolCollector(Collector):
     def __init__(self, balancer: Balancer) -> None:
         self.balancer = balancer
@@ -349,9 +358,10 @@ class _PoolCollector(Collector):
         health = CounterMetricFamily("thinkgate_upstream_health_check_failures", "Failed active health checks.",
                                      labels=["upstream"])
         for r in reps:
-            outstanding.add_metric([r.url], r.outstanding)
-            rotation.add_metric([r.url], 1 if r.in_rotation else 0)
-            requests.add_metric([r.url], r.requests)
-            ejections.add_metric([r.url], r.ejections)
-            health.add_metric([r.url], r.health_failures)
+            url = label_url(r.url)
+            outstanding.add_metric([url], r.outstanding)
+            rotation.add_metric([url], 1 if r.in_rotation else 0)
+            requests.add_metric([url], r.requests)
+            ejections.add_metric([url], r.ejections)
+            health.add_metric([url], r.health_failures)
         return [outstanding, rotation, requests, ejections, health]

@@ -54,7 +54,7 @@ from gateway.errors import (
 )
 from gateway.observability.telemetry import traceparent
 from gateway.openai.usage import estimate_tokens
-from gateway.upstream.balancer import Balancer, Replica, TierPool, current_affinity
+from gateway.upstream.balancer import Balancer, Replica, TierPool, current_affinity, label_url
 
 log = logging.getLogger("thinkgate.upstream")
 
@@ -149,7 +149,8 @@ class AioResponse:
             raise UpstreamTimeout(f"upstream of tier {self._tier.name!r} stalled mid-stream") from None
         except (aiohttp.ClientError, ConnectionError) as exc:
             self._broken = True
-            raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
+            log.warning("upstream %s broke a stream: %s: %s", self._tier.name, type(exc).__name__, exc)
+            raise UpstreamError(f"{type(exc).__name__}") from None  # the detail may name an internal address
 
     async def aclose(self) -> None:
         done = self._resp.content.at_eof()
@@ -293,14 +294,20 @@ class UpstreamPool:
         except _CONNECTION_ERRORS as exc:
             if resp is not None:
                 resp.close()
+            # the client's message names the tier and the kind of failure; the log has the detail, whose address
+            # (host and port of an internal replica) is not the client's business
+            log.warning("upstream %s (%s): %s: %s (attempt %d)", tier.name, label_url(url), type(exc).__name__, exc,
+                        attempt + 1)
             if answered:  # vLLM answers a non-streamed 200 once the generation is done: not retried, no fallback
                 raise UpstreamError(f"upstream of tier {tier.name!r} answered {resp.status if resp else 200} and "
-                                    f"broke its body: {type(exc).__name__}: {exc}") from None
-            return UpstreamUnavailable(f"upstream of tier {tier.name!r} unreachable: {type(exc).__name__}: {exc}")
+                                    f"broke its body ({type(exc).__name__})") from None
+            return UpstreamUnavailable(f"upstream of tier {tier.name!r} unreachable ({type(exc).__name__})")
         except aiohttp.ClientError as exc:
             if resp is not None:
                 resp.close()
-            raise UpstreamError(f"upstream of tier {tier.name!r} failed: {type(exc).__name__}: {exc}") from None
+            log.warning("upstream %s (%s): %s: %s (attempt %d)", tier.name, label_url(url), type(exc).__name__, exc,
+                        attempt + 1)
+            raise UpstreamError(f"upstream of tier {tier.name!r} failed ({type(exc).__name__})") from None
         except BaseException:  # cancelled (the client went away): do not leave the connection half-read
             ok = None
             if resp is not None:
@@ -312,7 +319,7 @@ class UpstreamPool:
         err = error_for_status(tier, resp.status, err_body, resp.reason)
         if resp.status not in RETRY_STATUSES:
             raise err
-        log.info("upstream %s (%s) answered %s (attempt %d)", tier.name, url, resp.status, attempt + 1)
+        log.info("upstream %s (%s) answered %s (attempt %d)", tier.name, label_url(url), resp.status, attempt + 1)
         return err
 
     async def _get_or_post(self, method: str, url: str, tier: TierConfig | None, timeout: aiohttp.ClientTimeout,

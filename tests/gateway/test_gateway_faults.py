@@ -96,6 +96,9 @@ def test_refused_connection_without_fallback_is_502(fault_sim: SimProcess, redis
         assert time.monotonic() - t0 < 5
         assert info.value.status_code == 502
         assert info.value.code == "upstream_unavailable"  # type: ignore[attr-defined]
+        dead = gw.settings.tier("down").base_url
+        assert "127.0.0.1" not in info.value.message and dead not in info.value.message  # the address stays inside
+        assert "x-should-retry" not in info.value.response.headers  # nothing ran upstream: the SDK may retry
         r = httpx.get(gw.url + "/ready", timeout=10)
         assert r.status_code == 503 and r.json()["upstreams"] == {"down": False, "ok": True}
 
@@ -196,6 +199,11 @@ def test_non_stream_drop_is_502(client: openai.OpenAI, fault_sim: SimProcess) ->
     assert info.value.status_code == 502
     assert info.value.type == "upstream_error" and "broke its body" in info.value.message  # type: ignore[attr-defined]
     assert fault_sim.tag(t)["attempts"] == 1
+    # nor by the client's SDK (the OpenAI and Anthropic SDKs retry every 5xx unless told not to): three
+    # generations for one call again, each metered at 0
+    assert info.value.response.headers.get("x-should-retry") == "false"
+    # the client is told what failed, not where: no internal address in the message
+    assert "127.0.0.1" not in info.value.message and str(fault_sim.port) not in info.value.message
 
 
 def test_stream_stalled_midway_ends_with_timeout_event(client: openai.OpenAI, records: list[Any]) -> None:

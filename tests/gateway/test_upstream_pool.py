@@ -284,3 +284,14 @@ def test_settings_errors_name_the_field(tmp_path: Path, monkeypatch: pytest.Monk
         Settings.load(cfg)
     monkeypatch.setenv("THINKGATE_SERVER__CORS_ALLOW_ORIGINS", '["https://a.example.com"]')
     assert Settings.load(cfg).server.cors_allow_origins == ["https://a.example.com"]
+
+
+def test_metrics_never_show_upstream_credentials(replicas: SimPool, redis_url: str) -> None:
+    """``/metrics`` is readable with any API key: a replica URL with credentials in it (``user:token@``) is
+    labelled without them (it leaked the token on five series)."""
+    urls = [u.replace("http://", "http://tguser:S3CRETTOKEN@") for u in replicas.urls]
+    with GatewayServer(sim_settings(urls[0], redis_url, tiers=pool_tiers(urls))) as gw, httpx.Client() as c:
+        assert ask(c, gw).status_code == 200
+        text = httpx.get(gw.url + "/metrics", headers=AUTH, timeout=10).text
+        assert "S3CRETTOKEN" not in text and "tguser" not in text
+        assert sum(metric(gw, "thinkgate_upstream_requests_total", u) for u in replicas.urls) == 1
