@@ -79,7 +79,8 @@ def report_cmd(
     since: str | None = typer.Option(None, help="From (inclusive): YYYY-MM-DD, ISO-8601 or epoch seconds, UTC."),
     until: str | None = typer.Option(None, help="Until (exclusive), same forms."),
     key: str | None = typer.Option(None, "--key", help="Only this key id."),
-    long_tier: str = typer.Option("long", "--long-tier", help="Tier of the always-long counterfactual."),
+    long_tier: str | None = typer.Option(None, "--long-tier", help="Tier of the always-long counterfactual "
+                                         "(default: 'long' when configured, else the last tier, as the dashboard)."),
     buckets: int = typer.Option(10, "--buckets", min=1, max=100, help="Difficulty buckets (equal width)."),
     csv_path: Path | None = typer.Option(None, "--csv", help="Write the report rows as CSV here."),
     png_path: Path | None = typer.Option(None, "--png", help="Write the chart as PNG here."),
@@ -103,6 +104,7 @@ def report_cmd(
     if png_path:
         require("matplotlib", "report", "thinkgate usage report --png")
     settings = load_settings(config)
+    long_tier = long_tier or rp.long_tier_of(settings)
     try:
         prices = settings.tier(long_tier).prices
     except KeyError:

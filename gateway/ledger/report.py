@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
-from gateway.config import Prices
+from gateway.config import Prices, Settings
 from gateway.ledger.event import UsageEvent, micro_to_usd
 
 UNSCORED = "unscored"
@@ -60,6 +60,13 @@ def bucket_of(difficulty: float | None, n_buckets: int = 10) -> str:
 
 def _round_micro(value: Decimal) -> int:
     return int(value.quantize(Decimal(1), rounding=ROUND_HALF_UP))
+
+
+def long_tier_of(settings: Settings) -> str:
+    """The counterfactual tier (the report's and the dashboard's): ``long`` when configured, else the last tier
+    (the top of the ladder)."""
+    names = [t.name for t in settings.tiers]
+    return "long" if "long" in names else names[-1]
 
 
 def counts_as_request(event: UsageEvent) -> bool:

@@ -156,3 +156,22 @@ async def test_cli_report_csv_png_json(redis_url: str, redis_prefix: str, tmp_pa
     bad = subprocess.run([sys.executable, "-m", "gateway", "usage", "report", "--long-tier", "huge",
                           "--config", str(config)], cwd=REPO, capture_output=True, timeout=60)
     assert bad.returncode == 2 and b"no tier 'huge'" in bad.stderr
+
+
+def test_cli_report_defaults_to_the_top_tier(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """A configuration without a tier named ``long`` (docs/closed-loop.md's ladder: no_think → exd0): the report's
+    counterfactual is the last tier, as the dashboard's — it refused with "no tier 'long'" (exit 2)."""
+    cfg: dict[str, Any] = {
+        "engine": {"enabled": False},
+        "redis": {"url": redis_url, "key_prefix": redis_prefix, "start_if_missing": False},
+        "routing": {"router_path": None, "routed_tiers": ["no_think", "exd0"], "default_tier": "exd0",
+                    "effort_tiers": {"low": "no_think", "high": "exd0"}},
+        "tiers": [{"name": "no_think"}, {"name": "exd0"}],
+    }
+    config = tmp_path / "tg.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    r = subprocess.run([sys.executable, "-m", "gateway", "usage", "report", "--since", str(T0 - 10), "--until",
+                        str(T0 + 10), "--config", str(config)],
+                       cwd=REPO, capture_output=True, timeout=120, env={**os.environ, "THINKGATE_CONFIG": ""})
+    assert r.returncode == 0, r.stderr.decode()
+    assert "no complete uncached events on tier 'exd0'" in r.stdout.decode()

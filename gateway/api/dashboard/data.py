@@ -44,12 +44,6 @@ def month_start(now: float) -> float:
     return datetime(dt.year, dt.month, 1, tzinfo=UTC).timestamp()
 
 
-def long_tier_of(settings: Settings) -> str:
-    """The counterfactual tier: ``long`` when configured (as ``thinkgate usage report``), else the last tier."""
-    names = [t.name for t in settings.tiers]
-    return "long" if "long" in names else names[-1]
-
-
 def target_shares(routed: list[str], calibration: dict[str, Any] | None) -> dict[str, float] | None:
     """Share of routed requests per routed tier that the calibration achieved (``achieved_frac_at_or_above``
     of each cut point: tier i gets f[i-1] − f[i], with f[-1] = 1 and f[n] = 0); None without it."""
@@ -148,7 +142,7 @@ async def collect(acct: Accounting, settings: Settings, routing: Routing, since:
     :class:`gateway.state.breaker.RedisDown` when Redis is unreachable."""
     since = month_start(now) if since is None else since
     events = [e async for e in acct.meter.events(since, until)]
-    long_tier = long_tier_of(settings)
+    long_tier = rp.long_tier_of(settings)
     report = rp.build(events, long_tier, settings.tier(long_tier).prices, since=since, until=until)
     total = group(events, [])
     return {
