@@ -6,7 +6,8 @@ optional ``"comment"`` (a string of at most 2,000 characters). ``request_id`` is
 ``routing.outcomes.request_ttl_s``; another key's request, or an unknown one, is a 404 (the two are not told
 apart). Recorded as a ``feedback`` outcome (``gateway/control/outcomes.py``; spooled while Redis is down): 200
 ``{"id", "object": "feedback", "request_id", "sufficed", "stored": "redis" | "spool" | "duplicate"}``. One
-outcome per request: a second feedback on the same request answers ``stored: "duplicate"`` and changes nothing.
+outcome per request: a second feedback on the same request answers ``stored: "duplicate"`` with the ``sufficed``
+of the first (which stands) and changes nothing.
 Errors: 400 ``invalid_request`` (body), 401 (key), 404 ``request_not_found``, 503 ``outcomes_unavailable``
 (Redis down: the request's key cannot be checked).
 """
@@ -82,6 +83,7 @@ def attach(app: FastAPI, keys: KeyStore, store: OutcomeStore) -> None:
                           # the router that served the request (an entry written before the index kept it: now's)
                           router_version=entry["router_version"] if "router_version" in entry
                           else store.router_version())
-        stored = await store.record(outcome)
+        stored, kept = await store.record_graded(outcome)
+        # a duplicate changes nothing: the answer says the grade that stands (the first), not this one
         return json_response({"id": outcome.outcome_id, "object": "feedback", "request_id": rid,
-                              "sufficed": sufficed, "stored": stored})
+                              "sufficed": kept, "stored": stored})

@@ -41,10 +41,22 @@ SEEN_TTL_S = 40 * 86400
 INDEX_FLUSH_S = 0.2
 MAX_INDEX_QUEUE = 10_000
 
-# KEYS: seen-set, stream. ARGV: outcome id, JSON, seen TTL s, maxlen. Returns 1 (written) or 0 (a replay).
+# KEYS: seen-set, stream[, grades hash]. ARGV: outcome id, JSON, seen TTL s, maxlen[, grade "1"/"0"]. Returns 1
+# (written), 0 (a replay) or, for a graded outcome already there, "g" + the grade it was written with (the first
+# grade stands, and the client is told which).
 RECORD_LUA = """
-if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
+  if KEYS[3] then
+    local g = redis.call('HGET', KEYS[3], ARGV[1])
+    if g then return 'g' .. g end
+  end
+  return 0
+end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+if KEYS[3] then
+  redis.call('HSET', KEYS[3], ARGV[1], ARGV[5])
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
+end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'o', ARGV[2])
 return 1
 """
@@ -173,18 +185,28 @@ class OutcomeStore:
     async def record(self, outcome: Outcome) -> str:
         """Write ``outcome`` once: ``"redis"``, ``"duplicate"`` (already there) or ``"spool"`` (Redis down).
         Raises ``OSError`` only when Redis is down and the spool cannot be written."""
+        return (await self.record_graded(outcome))[0]
+
+    async def record_graded(self, outcome: Outcome) -> tuple[str, bool | None]:
+        """:meth:`record`, and the grade (``sufficed``) of the outcome now stored under its id: ``outcome``'s
+        when written or spooled, the first one's for a duplicate (None when that is not known)."""
         try:
-            written = await self.breaker.call(lambda: self._run(outcome))
+            reply = await self.breaker.call(lambda: self._run(outcome))
         except RedisDown:
             await self.spool.append([outcome])
             self.spooled += 1
-            return "spool"
-        return "redis" if written else "duplicate"
+            return "spool", outcome.sufficed
+        if isinstance(reply, bytes | str) and len(reply) == 2:  # "g1" / "g0": a duplicate of a graded outcome
+            return "duplicate", as_bytes(reply)[1:] == b"1"
+        return ("redis", outcome.sufficed) if int(reply) else ("duplicate", None)
 
-    async def _run(self, outcome: Outcome) -> int:
-        return int(await self._script(keys=[self.keys.outcomes_seen(outcome.day), self.keys.outcomes],
-                                      args=[outcome.outcome_id, outcome.to_json(), SEEN_TTL_S,
-                                            self.cfg.stream_maxlen]))
+    async def _run(self, outcome: Outcome) -> Any:
+        keys = [self.keys.outcomes_seen(outcome.day), self.keys.outcomes]
+        args: list[Any] = [outcome.outcome_id, outcome.to_json(), SEEN_TTL_S, self.cfg.stream_maxlen]
+        if outcome.source == "feedback" and outcome.sufficed is not None:  # kept for a duplicate's answer
+            keys.append(self.keys.outcomes_grades(outcome.day))
+            args.append("1" if outcome.sufficed else "0")
+        return await self._script(keys=keys, args=args)
 
     async def _record_batch(self, outcomes: list[Outcome]) -> None:
         for o in outcomes:

@@ -56,6 +56,7 @@ key                                     type        contents
 ``p rt:state``                          hash        controller state: thr, share, n; cost:{i}, cnt:{i} per tier
 ``p outcomes``                          stream      routing outcomes, field ``o`` = outcome JSON (control/outcomes.py)
 ``p outcomes:seen:{YYYY-MM-DD}``        set         outcome ids already written (a replay writes nothing), TTL
+``p outcomes:grades:{YYYY-MM-DD}``      hash        feedback outcome id → grade "1"/"0" (told to a duplicate), TTL
 ``t req:{request_id}``  T               string      request index for feedback (key id, tier, score, digest), TTL
 ``p shadow:d:{YYYY-MM-DD}``             string      shadow comparisons' spend that UTC day, micro-USD (shadow.py)
 ``p drift:win``                         list        drift alarm window: "score,tier index", newest last (drift.py)
@@ -121,6 +122,10 @@ class RedisKeys:
 
     def outcomes_seen(self, day: str) -> str:
         return f"{self.prefix}outcomes:seen:{day}"
+
+    def outcomes_grades(self, day: str) -> str:
+        """The grades (``sufficed``) of the day's graded outcomes, by outcome id: a duplicate's answer."""
+        return f"{self.prefix}outcomes:grades:{day}"
 
     def request(self, request_id: str, tenant: str = "") -> str:
         """A request's feedback index entry; ``tenant``: the key's tag (:func:`key_tenant`)."""

@@ -69,6 +69,7 @@ def test_feedback_only_from_the_key_that_made_the_request(upstream_sim: SimProce
                                             "stored": "redis"}
         again = fb("alice", {"request_id": rid, "score": 0.9})
         assert again.status_code == 200 and again.json()["stored"] == "duplicate"
+        assert again.json()["sufficed"] is False  # the first grade stands, and the answer says so (it echoed True)
         [o] = _outcomes(redis_url, prefix)
         assert (o.source, o.request_id, o.key_id, o.tier, o.sufficed, o.judge, o.comment, o.value) == (
             "feedback", rid, "alice", tier, False, "client", "wrong city", 0.0)
