@@ -54,6 +54,16 @@ def escalation_reason(tier: TierConfig, data: dict[str, Any], endpoint: WireEndp
     return None
 
 
+def cut_by_client(summary: dict[str, Any], asked: Any, tier: TierConfig) -> bool:
+    """True when the answer in ``summary`` stopped on ``length`` at the client's own bound: ``asked`` (its
+    ``max_completion_tokens``/``max_tokens``) is at most the tier's ``max_tokens``. The next tier would be held to
+    the same bound, so escalating pays a second call for the same cut answer — the client asked for that."""
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked <= 0 or asked > tier.max_tokens:
+        return False
+    choices = summary.get("choices") or []
+    return bool(choices) and isinstance(choices[0], dict) and choices[0].get("finish_reason") == "length"
+
+
 def serving_features(data: dict[str, Any], endpoint: WireEndpoint, tier: TierConfig, question: str | None,
                      score: float | None) -> list[float] | None:
     """:func:`router.escalation.answer_features` of the first choice of ``data`` (an OpenAI response, or the

@@ -253,7 +253,8 @@ class Proxy:
                           body: dict[str, Any], caller: Caller) -> tuple[UpstreamResponse, str | None, bool]:
         """Whether to retry on the next tier up (``Routing.next_tier``; none after the last): when the tier's
         answer is empty, was cut inside its thought, abstains or
-        is unsure (``tier.escalate_on``; :mod:`gateway.pipeline.abstention`). Both calls are metered: the first
+        is unsure (``tier.escalate_on``; :mod:`gateway.pipeline.abstention`) — never when the client's own
+        ``max_tokens`` cut it (:func:`gateway.pipeline.escalation.cut_by_client`). Both calls are metered: the first
         attempt as its own usage record (``error_code: escalated_<why>``, metered here), the retry — a new record
         of the caller, the exchange's current one on return — with route reason ``escalated``. Streams are read
         up to the first answer token to decide (:func:`gateway.pipeline.escalation.peek_stream`), or to their end
@@ -271,6 +272,8 @@ class Proxy:
         else:
             assert data is not None
             summary = data
+        if escalation.cut_by_client(summary, body.get("max_completion_tokens") or body.get("max_tokens"), tier):
+            return resp, None, False
         why = escalation.escalation_reason(tier, summary, caller.endpoint) or abstention.cascade_reason(
             tier.escalate_on, tier.abstain_phrases, tier.min_answer_logprob, summary, caller.endpoint) or \
             escalation.learned_reason(tier, summary, caller.endpoint, ex.route.window, ex.route.difficulty)

@@ -191,6 +191,30 @@ def test_escalation_when_cut_inside_the_thought(upstream_sim: SimProcess, redis_
         assert second.cost_micro_usd > 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_escalation_when_the_clients_own_max_tokens_cut_it(upstream_sim: SimProcess, redis_url: str,
+                                                             stream: bool) -> None:
+    """The same cut, made by the client's ``max_tokens`` (below the tier's cap): the next tier is held to the same
+    bound, so escalating paid a second call for the same empty answer (a new-user helper with the Anthropic SDK)."""
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"thinking_budget": 100, "escalate_on": ["empty_answer", "length_in_thought"]})
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        records: list[UsageRecord] = []
+        gw.app.state.proxy.usage_sinks.append(records.append)
+        raw = _client(gw).chat.completions.with_raw_response.create(
+            model="short", messages=[{"role": "user", "content": QUESTION}], max_tokens=4, stream=stream)
+        if stream:
+            finishes = [c.choices[0].finish_reason for c in raw.parse() if c.choices and c.choices[0].finish_reason]
+            assert finishes == ["length"]
+        else:
+            assert raw.parse().choices[0].finish_reason == "length"
+        assert raw.headers["x-thinkgate-tier"] == "short"
+        assert raw.headers["x-thinkgate-route-reason"] == "forced"
+        assert wait_for(lambda: len(records) >= 1, timeout_s=5)
+        time.sleep(0.2)
+        assert [(r.tier, r.error_code) for r in records] == [("short", None)]  # one call, not two
+
+
 def test_no_escalation_when_the_answer_is_there(upstream_sim: SimProcess, redis_url: str) -> None:
     tiers = sim_tiers(upstream_sim.base_url)
     tiers[1].update({"escalate_on": ["empty_answer", "length_in_thought"]})
