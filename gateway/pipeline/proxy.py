@@ -30,12 +30,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import httpx
 import orjson
 
 from gateway.auth.keys import KeyStore
 from gateway.config import Settings, TierConfig
 from gateway.control.shadow import Shadow
-from gateway.errors import ClientClosed, GatewayError, UpstreamError, UpstreamUnavailable
+from gateway.errors import ClientClosed, GatewayError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.ledger.record import UsageRecord, emit
 from gateway.observability.telemetry import Telemetry, span
 from gateway.observability.telemetry import finish as end_trace
@@ -159,9 +160,11 @@ class Proxy:
                 exc.headers.setdefault("x-request-id", ex.record.request_id)
             # Normally every exit closed the exchange (errors included); this settles anything else.
             cancelled = isinstance(exc, asyncio.CancelledError | anyio.get_cancelled_exc_class())
+            status, code = (CLIENT_CLOSED, "client_disconnected") if cancelled else (500, "internal_error")
+            if isinstance(exc, GatewayError):  # the record says what the client got
+                status, code = exc.status, exc.code or "upstream_error"
             with anyio.CancelScope(shield=True):
-                await ex.abandon(CLIENT_CLOSED if cancelled else 500,
-                                 "client_disconnected" if cancelled else "internal_error")
+                await ex.abandon(status, code)
             raise
         answer.rate = ex.rate
         if sticky is not None and self.sessions is not None:
@@ -268,7 +271,14 @@ class Proxy:
             return resp, None, False
         if caller.stream:
             whole = bool({"abstain", "low_confidence"} & set(tier.escalate_on))
-            resp, summary = await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole)
+            try:
+                resp, summary = await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole)
+            except UpstreamTimeout:
+                raise
+            except (UpstreamError, httpx.HTTPError) as exc:  # broken before a byte reached the client: a 502
+                why = exc.message if isinstance(exc, GatewayError) else type(exc).__name__
+                raise UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {why}",
+                                    code="upstream_stream_broken") from None
         else:
             assert data is not None
             summary = data

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import openai
+import httpx
 import pytest
 
 from gateway.ledger.record import UsageRecord
@@ -213,6 +214,26 @@ def test_no_escalation_when_the_clients_own_max_tokens_cut_it(upstream_sim: SimP
         assert wait_for(lambda: len(records) >= 1, timeout_s=5)
         time.sleep(0.2)
         assert [(r.tier, r.error_code) for r in records] == [("short", None)]  # one call, not two
+
+
+def test_a_stream_broken_while_peeked_is_a_502_and_its_record_says_so(upstream_sim: SimProcess,
+                                                                      redis_url: str) -> None:
+    """A tier that escalates reads its stream before the client sees a byte; a stream that breaks there is the
+    client's 502 ``upstream_stream_broken`` naming the tier — and the usage record says the same (it said 500
+    ``internal_error``: a gateway bug in the ledger for an upstream failure)."""
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"escalate_on": ["empty_answer", "abstain"]})  # abstain: the whole stream is read first
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        records: list[UsageRecord] = []
+        gw.app.state.proxy.usage_sinks.append(records.append)
+        r = httpx.post(gw.base_url + "/chat/completions", headers={"authorization": f"Bearer {TEST_KEY}"},
+                       json={"model": "short", "stream": True, "messages": [{"role": "user", "content": QUESTION}],
+                             "sim": {"fail": "drop"}}, timeout=30)
+        assert r.status_code == 502
+        err = r.json()["error"]
+        assert err["code"] == "upstream_stream_broken" and "'short'" in err["message"]
+        assert wait_for(lambda: len(records) >= 1, timeout_s=5)
+        assert (records[0].status, records[0].error_code, records[0].partial) == (502, "upstream_stream_broken", True)
 
 
 def test_no_escalation_when_the_answer_is_there(upstream_sim: SimProcess, redis_url: str) -> None:
