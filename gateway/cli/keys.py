@@ -56,8 +56,8 @@ def _usd(value: str | None, name: str) -> Decimal | None:
     except InvalidOperation:
         typer.echo(f"thinkgate: {name} wants a decimal USD amount, got {value!r}", err=True)
         raise typer.Exit(2) from None
-    if d < 0 or not d.is_finite():
-        typer.echo(f"thinkgate: {name} must be >= 0", err=True)
+    if not d.is_finite() or d < 0:  # finite first: a NaN does not compare (InvalidOperation)
+        typer.echo(f"thinkgate: {name} must be a finite amount >= 0, got {value!r}", err=True)
         raise typer.Exit(2)
     if d != d.quantize(MICRO_USD):  # spend is kept in integer micro-USD: a finer budget would be rounded silently
         typer.echo(f"thinkgate: {name} {value} has more than 6 decimal places (budgets are whole micro-USD, "

@@ -409,6 +409,13 @@ def test_budgets_cli_set_list_remove(redis_url: str, prefix: str, tmp_path: Path
                 ("keys", "create", "--id", f"m{team}", "--budget-usd-month", "0.0000015")):
         out = _cli(*cmd, prefix=prefix, redis_url=redis_url)
         assert out.returncode == 2 and "more than 6 decimal places" in out.stderr, out.stderr
+    # not a number, or not finite: a one-line error (NaN raised InvalidOperation: a traceback, exit 1)
+    for cmd in (("budgets", "set", "--tag", "team=a", "--usd-day", "NaN"),
+                ("keys", "create", "--id", f"n{team}", "--budget-usd-day", "nan"),
+                ("keys", "create", "--id", f"n{team}", "--budget-usd-month", "snan"),
+                ("budgets", "set", "--global", "--usd-month", "inf")):
+        out = _cli(*cmd, prefix=prefix, redis_url=redis_url)
+        assert out.returncode == 2 and "must be a finite amount >= 0" in out.stderr, out.stderr
     assert _cli("keys", "create", "--id", f"m{team}", "--budget-usd-day", "1e-6", prefix=prefix,
                 redis_url=redis_url).returncode == 0
 
