@@ -158,11 +158,13 @@ def test_loop_guard_cuts_a_repeating_thought(upstream_sim: SimProcess, redis_url
         assert len(((resp.choices[0].message.model_extra or {}).get("reasoning") or "").split()) >= 19
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_escalation_when_cut_inside_the_thought(upstream_sim: SimProcess, redis_url: str, stream: bool) -> None:
+@pytest.mark.parametrize("stream,why", [(False, "length_in_thought"), (True, "length_in_thought"),
+                                        (False, "empty_answer"), (True, "empty_answer")])
+def test_escalation_when_cut_inside_the_thought(upstream_sim: SimProcess, redis_url: str, stream: bool,
+                                                why: str) -> None:
     # short: native budget far above max_tokens, so the answer never starts → escalate to long
     tiers = sim_tiers(upstream_sim.base_url)
-    tiers[1].update({"thinking_budget": 100, "max_tokens": 4, "escalate_on": ["length_in_thought"]})
+    tiers[1].update({"thinking_budget": 100, "max_tokens": 4, "escalate_on": [why]})
     # an RPM limit on a key of this case's own (a fresh window), so the answer's x-ratelimit-* headers show both
     # admissions: the first call's and the escalation's
     auth = {"keys": [{"id": f"esc-{uuid.uuid4().hex[:8]}", "secret": TEST_KEY, "rpm": 1000}]}
@@ -185,8 +187,7 @@ def test_escalation_when_cut_inside_the_thought(upstream_sim: SimProcess, redis_
         while len(records) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         first, second = records[-2:]
-        assert (first.tier, first.route_reason, first.error_code) == ("short", "forced",
-                                                                      "escalated_length_in_thought")
+        assert (first.tier, first.route_reason, first.error_code) == ("short", "forced", f"escalated_{why}")
         assert first.completion_tokens == 4 and first.cost_micro_usd > 0
         assert (second.tier, second.route_reason, second.status) == ("long", "escalated", 200)
         assert second.cost_micro_usd > 0
