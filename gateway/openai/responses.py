@@ -70,7 +70,9 @@ def _text_part(part: Any, where: str) -> dict[str, Any]:
         raise InvalidRequest(f"{where} must be an object", param=where)
     kind = part.get("type")
     if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-        return {"type": "text", "text": str(part.get("text") or "")}
+        if not isinstance(part.get("text"), str):  # OpenAI's 400: an input_text with no text
+            raise InvalidRequest(f"Missing required parameter: '{where}.text'.", param=f"{where}.text")
+        return {"type": "text", "text": part["text"]}
     if kind == "input_image":
         url = part.get("image_url")
         if not isinstance(url, str):
@@ -78,7 +80,8 @@ def _text_part(part: Any, where: str) -> dict[str, Any]:
         return {"type": "image_url", "image_url": {"url": url}}
     if kind == "refusal":
         return {"type": "text", "text": str(part.get("refusal") or "")}
-    raise InvalidRequest(f"{where}: content part type {kind!r} is not supported", param=where)
+    raise InvalidRequest(f"{where}: content part type {kind!r} is not supported", param=where,
+                         code="unsupported_parameter")
 
 
 def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
@@ -141,7 +144,8 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             continue
         else:
-            raise InvalidRequest(f"{where}: input item type {kind!r} is not supported", param=where)
+            raise InvalidRequest(f"{where}: input item type {kind!r} is not supported", param=where,
+                                 code="unsupported_parameter")
     return out
 
 
@@ -152,7 +156,8 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
             kind = t.get("type") if isinstance(t, dict) else None
-            raise InvalidRequest(f"tools.{i}: only function tools are supported (got {kind!r})", param=f"tools.{i}")
+            raise InvalidRequest(f"tools.{i}: only function tools are supported (got {kind!r})", param=f"tools.{i}",
+                                 code="unsupported_parameter")
         fn: dict[str, Any] = {"name": t["name"]}
         for k in ("description", "parameters", "strict"):
             if t.get(k) is not None:

@@ -90,6 +90,9 @@ _COMPLETIONS: dict[str, Check] = {
 }
 #: The chat roles of the OpenAI API (``developer`` is the newer name of ``system``; ``function`` is legacy).
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+#: The roles whose messages must carry ``content`` (OpenAI's rule: an assistant turn may hold only tool calls, a
+#: legacy function result may be null).
+CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -131,13 +134,20 @@ def validate_chat(body: dict[str, Any]) -> None:
             raise InvalidRequest(f"messages[{i}].role must be one of {sorted(ROLES)}, got {m['role'][:40]!r}",
                                  param=f"messages.{i}.role")
         c = m.get("content")
+        if c is None and m["role"] in CONTENT_REQUIRED:  # only an assistant turn may carry none (its tool calls)
+            raise InvalidRequest(f"Missing required parameter: 'messages[{i}].content'.", param=f"messages.{i}.content")
         if c is not None and not isinstance(c, str | list):
             raise InvalidRequest(
                 f"messages[{i}].content must be a string or an array of content parts", param=f"messages.{i}.content"
             )
-        if isinstance(c, list) and not all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in c):
-            raise InvalidRequest(f"messages[{i}].content parts must be objects with a string 'type'",
-                                 param=f"messages.{i}.content")
+        if isinstance(c, list):
+            for j, p in enumerate(c):
+                if not isinstance(p, dict) or not isinstance(p.get("type"), str):
+                    raise InvalidRequest(f"messages[{i}].content parts must be objects with a string 'type'",
+                                         param=f"messages.{i}.content")
+                if p["type"] == "text" and not isinstance(p.get("text"), str):
+                    raise InvalidRequest(f"Missing required parameter: 'messages[{i}].content[{j}].text'.",
+                                         param=f"messages.{i}.content.{j}.text")
 
 
 def validate_completion(body: dict[str, Any]) -> None:

@@ -68,11 +68,22 @@ def test_stream_options_need_a_stream(gateway: Any, path: str) -> None:
     assert post(gateway, {**body, "stream_options": {}}, path).status_code == 200  # empty: vLLM accepts it too
 
 
-@pytest.mark.parametrize("messages", [[], "hello", [{"content": "no role"}], [{"role": "user", "content": 5}]])
+@pytest.mark.parametrize("messages", [[], "hello", [{"content": "no role"}], [{"role": "user", "content": 5}],
+                                      # no content (OpenAI's 400; it was answered and billed as an empty prompt)
+                                      [{"role": "user"}], [{"role": "system", "content": None}],
+                                      [{"role": "user", "content": [{"type": "text"}]}]])
 def test_bad_messages(gateway: Any, messages: Any) -> None:
     r = post(gateway, {"model": "auto", "messages": messages})
     assert_openai_error(r, 400)
     assert r.json()["error"]["param"].startswith("messages")
+
+
+def test_an_assistant_turn_may_carry_only_tool_calls(gateway: Any) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    r = post(gateway, {"model": "auto", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]})
+    assert r.status_code == 200, r.text
 
 
 def test_bad_prompt_on_completions(gateway: Any) -> None:

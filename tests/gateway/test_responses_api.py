@@ -225,18 +225,26 @@ def test_cache_hits_are_tenant_scoped_and_replay_streams(gw: GatewayServer) -> N
         a.parse().output[0].content[0].text  # type: ignore[union-attr,index]
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"background": True}, "background"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0"),
-    ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0"),
-    ({"max_output_tokens": 0}, "max_output_tokens"),
-    ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+@pytest.mark.parametrize("body,param,code", [
+    ({"background": True}, "background", "unsupported_parameter"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0", "unsupported_parameter"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0", "unsupported_parameter"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input.0.content.0", "unsupported_parameter"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_text"}]}]},
+     "input.0.content.0.text", "invalid_request"),  # no text: it was sent upstream as an empty prompt, and billed
+    ({"max_output_tokens": 0}, "max_output_tokens", None),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format", None),
 ])
-def test_refused_fields_are_clear_400s(gw: GatewayServer, body: dict[str, Any], param: str) -> None:
+def test_refused_fields_are_clear_400s(gw: GatewayServer, body: dict[str, Any], param: str, code: str | None) -> None:
+    """Each refusal names the field, with the code docs/gateway.md's table gives (``unsupported_parameter`` for
+    what the gateway does not serve)."""
     r = httpx.post(gw.base_url + "/responses", json={"model": "short", "input": "hi", **body},
                    headers={"authorization": f"Bearer {SECRETS['alice']}"}, timeout=10)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+    if code is not None:
+        assert r.json()["error"]["code"] == code
 
 
 @pytest.mark.parametrize("body,param,code,message", [
