@@ -75,7 +75,12 @@ def _is_int(v: Any) -> bool:
 
 
 def _block_text(block: dict[str, Any]) -> str:
-    return str(block.get("text") or "")
+    """A text block's ``text`` (raises InvalidRequest without one: Anthropic's 400, where it was sent on as an
+    empty prompt and billed)."""
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise InvalidRequest("text content blocks must have a string 'text'", param="text")
+    return text
 
 
 def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -256,8 +261,10 @@ def to_chat(body: dict[str, Any], *, interleaved: bool = False, budget_rule: boo
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required", param="model")
     mt = body.get("max_tokens")
+    if mt is None:
+        raise InvalidRequest("max_tokens: Field required", param="max_tokens")
     if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
-        raise InvalidRequest("'max_tokens' is required: an integer >= 1", param="max_tokens")
+        raise InvalidRequest(f"max_tokens: must be an integer >= 1, got {str(mt)[:40]!r}", param="max_tokens")
     out: dict[str, Any] = {k: v for k, v in body.items()
                            if k not in TRANSLATED and k not in IGNORED and k not in REFUSED}
     out.update(model=model, messages=_chat_messages(body), max_tokens=mt)
@@ -312,15 +319,22 @@ def _sampling(body: dict[str, Any], out: dict[str, Any]) -> None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise InvalidRequest("'stop_sequences' must be an array of strings", param="stop_sequences")
         out["stop"] = stops
-    for k in ("temperature", "top_p"):
-        if body.get(k) is not None:
-            out[k] = body[k]
+    for k in ("temperature", "top_p"):  # Anthropic's ranges: both in [0, 1] (OpenAI's temperature goes to 2)
+        v = body.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
+            raise InvalidRequest(f"{k}: must be a number in [0, 1], got {str(v)[:40]!r}", param=k)
+        out[k] = v
     meta = body.get("metadata")
     if meta is not None:
         if not isinstance(meta, dict):
             raise InvalidRequest("'metadata' must be an object", param="metadata")
-        if isinstance(meta.get("user_id"), str):
-            out["user"] = meta["user_id"]
+        uid = meta.get("user_id")
+        if uid is not None and not isinstance(uid, str):
+            raise InvalidRequest("metadata.user_id: must be a string", param="metadata.user_id")
+        if isinstance(uid, str):
+            out["user"] = uid
 
 
 def usage_of(chat_usage: dict[str, Any] | None) -> dict[str, Any]:

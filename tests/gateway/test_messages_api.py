@@ -94,7 +94,7 @@ def test_bearer_auth_and_anthropic_error_shape(gw: GatewayServer) -> None:
                    headers={"x-api-key": SECRETS["bob"]}, timeout=10)
     assert r.status_code == 400
     assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
-                                                   "message": "'max_tokens' is required: an integer >= 1"}}
+                                                   "message": "max_tokens: Field required"}}
     r = httpx.post(gw.base_url + "/messages", json=body, headers={"x-api-key": "nope"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.NotFoundError) as nf:  # Anthropic's 404 not_found_error for an unknown model
@@ -265,6 +265,11 @@ def test_cache_is_tenant_scoped(gw: GatewayServer) -> None:
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages.0.content.0"),
     ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "thinking.budget_tokens"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    # Anthropic's own rules, not OpenAI's: temperature and top_p in [0, 1] (1.5 passed as a chat temperature)
+    ({"temperature": 1.5}, "temperature"), ({"top_p": -0.1}, "top_p"),
+    ({"max_tokens": "x"}, "max_tokens"),  # it said "'max_tokens' is required" of a field that was there
+    ({"metadata": {"user_id": 7}}, "metadata.user_id"),  # dropped silently
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "text"),  # no text: an empty prompt, billed
 ])
 def test_refused_fields_are_anthropic_400s(gw: GatewayServer, body: dict[str, Any], param: str) -> None:
     base = {"model": "short", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
