@@ -48,11 +48,12 @@ def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool, synced: Ca
     """Add the liveness and readiness probes to ``app``. ``synced``: whether this process has read its state from
     Redis since it started (``BudgetLevels.synced``)."""
 
-    @app.get("/health")
+    # GET and HEAD: Kubernetes probes GET; load balancers and uptime checkers often HEAD (405 failed them)
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return _json({"status": "ok"})
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready() -> Response:
         tiers = settings.tiers
         checks = await asyncio.gather(

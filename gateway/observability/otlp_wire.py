@@ -29,6 +29,9 @@ from typing import Any, Protocol
 
 log = logging.getLogger("thinkgate.telemetry")
 
+#: The step that calls the upstream: a CLIENT span (the others are INTERNAL).
+CLIENT_STEP = "upstream"
+
 
 class Step(Protocol):
     """What the encoder reads of a finished step (:class:`gateway.observability.telemetry.Step` is one): its name,
@@ -190,9 +193,11 @@ def _frame_of(n: int) -> bytes:
 
 
 def _step_span(head: bytes, parent: bytes, step: Step) -> bytes:
-    # trace id, span id, [trace state], parent (the request span), name, kind INTERNAL, times, status, flags
+    # trace id, span id, [trace state], parent (the request span), name, kind (INTERNAL = 1; CLIENT = 3 for the call
+    # to the upstream, which propagates traceparent: service graphs pair it with the upstream's SERVER span),
+    # times, status, flags
     name = _name(step.name)
-    times = _TIMES(0x30, 1, 0x39, step.start, 0x41, step.end)
+    times = _TIMES(0x30, 3 if step.name == CLIENT_STEP else 1, 0x39, step.start, 0x41, step.end)
     tail = _status(2, step.error) + _FLAGS_LOCAL if step.error else _STEP_TAIL
     n = len(head) + 8 + len(parent) + len(name) + 20 + len(tail)  # 20: the packed kind and times
     return b"".join((_frame_of(n), head, step.sid().to_bytes(8, "big"), parent, name, times, tail))

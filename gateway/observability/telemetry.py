@@ -43,6 +43,7 @@ from contextvars import ContextVar
 from typing import Any, Protocol
 
 from gateway.config import TelemetryConfig
+from gateway.observability.otlp_wire import CLIENT_STEP
 from router.errors import require
 
 OPERATIONS = {"chat": "chat", "responses": "chat", "messages": "chat", "completions": "text_completion",
@@ -333,9 +334,9 @@ class SdkSpans:
 
     def _step(self, trace: RequestTrace, step: Step) -> Any:
         status = self._status(STATUS_ERROR, step.error) if step.error else self._status(STATUS_UNSET, "")
+        kind = self._api.SpanKind.CLIENT if step.name == CLIENT_STEP else self._api.SpanKind.INTERNAL
         return self._sdk.ReadableSpan(step.name, self._context(trace, step.sid()), self._context(trace, trace.span_id),
-                                      self.resource, {}, (), (), self._api.SpanKind.INTERNAL, None, status,
-                                      step.start, step.end, self.scope)
+                                      self.resource, {}, (), (), kind, None, status, step.start, step.end, self.scope)
 
     def spans(self, trace: RequestTrace, attrs: Mapping[str, Any], code: int, message: str,
               end: int) -> list[Any]:

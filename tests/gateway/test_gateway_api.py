@@ -214,6 +214,10 @@ def test_health_and_ready_need_no_key(gateway: Any) -> None:
     body = r.json()
     assert body["status"] == "ready" and body["redis"] is True
     assert body["upstreams"] == {"none": True, "short": True, "long": True}
+    # HEAD too (load balancers' and uptime checkers' probes): the status, no body (it was a 405)
+    for path in ("/health", "/ready"):
+        h = httpx.head(gateway.url + path, timeout=10)
+        assert h.status_code == 200 and h.content == b"", path
 
 
 def test_usage_record_priced_exactly(gateway: Any, openai_client: openai.OpenAI) -> None:

@@ -8,8 +8,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import openai
 import httpx
+import openai
 import pytest
 
 from gateway.ledger.record import UsageRecord

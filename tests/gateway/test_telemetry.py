@@ -76,6 +76,9 @@ def test_span_tree_attributes_and_traceparent(traced: tuple[GatewayServer, Any],
     assert a["thinkgate.request_id"] == r.headers["x-request-id"]
     # W3C trace context reached the upstream: the upstream span's ids
     upstream_span = next(s for s in children if s.name == "upstream")
+    # a CLIENT span (it carries traceparent to a remote server), the other steps INTERNAL
+    assert upstream_span.kind.name == "CLIENT"
+    assert {s.kind.name for s in children if s.name != "upstream"} == {"INTERNAL"}
     got = upstream_sim.tag(tag)
     assert got is not None
     version, trace_id, span_id, flags = got["headers"]["traceparent"].split("-")
