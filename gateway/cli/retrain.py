@@ -6,9 +6,12 @@ routing window's text only under ``routing.outcomes.retain_text``), turns them i
 JSONL, as ``router fit`` reads), fits, calibrates the top threshold to ``routing.target.long_share`` when set (else
 ``--long-share``, else the share the router in service sends up on the same texts; with three or more routed tiers
 each lower threshold to the share the router in service sends past it) and compares the new router with the one
-in service (``--router``, default ``routing.router_path``) on the held-out slice of the outcomes. Writes ``--output``
-(atomically) only when the new one is not worse; the gateway's hot reload then picks it up if that is
-``routing.router_path`` (its ``version`` shows in ``GET /v1/models``). Exit codes: 0 written, 1 refused (worse,
+in service (``--router``; default: the router automatic retraining promoted, ``p router:current``, when there is one
+— the replicas serve that one —, else ``routing.router_path``) on the held-out slice of the outcomes. Writes
+``--output`` (atomically) only when the new one is not worse; the gateway's hot reload then picks it up if that is
+``routing.router_path`` (its ``version`` shows in ``GET /v1/models``) — with a promoted router in service, the
+command also points ``p router:current`` at it, with a ``promote`` audit event, so the replicas follow.
+Exit codes: 0 written, 1 refused (worse,
 or too few held-out outcomes to judge), 2 invalid arguments or config, 3 Redis unreachable.
 """
 
@@ -39,6 +42,37 @@ def read_outcomes(settings: Any, since_days: float | None) -> list[dict[str, Any
     return run_on_redis(settings, collect, min_timeout_s=5.0)
 
 
+def promoted_router(settings: Any) -> tuple[Path, str] | None:
+    """``(path, version)`` of the router automatic retraining promoted (``p router:current``), which every replica
+    with ``routing.retrain`` on serves instead of ``routing.router_path``; None when there is none. Exits 3 when
+    Redis is down."""
+
+    async def read(handle: Any) -> tuple[Path, str] | None:
+        cur = await handle.client.hgetall(f"{handle.prefix}router:current")
+        path = cur.get(b"path") if cur else None
+        return (Path(path.decode()), (cur.get(b"version") or b"").decode()) if path else None
+
+    return run_on_redis(settings, read, min_timeout_s=5.0)
+
+
+def adopt(settings: Any, path: Path, version: str, previous: tuple[Path, str], n_outcomes: int) -> None:
+    """Make ``path`` the promoted router (``p router:current``) — the replicas follow within
+    ``routing.retrain.interval_s`` — with a ``promote`` audit event saying an operator wrote it. Without this the
+    file written to ``routing.router_path`` was never served while a promoted one was (silently)."""
+    from gateway.control.retrain_trigger import write_history
+    from gateway.state.breaker import Breaker
+
+    async def write(handle: Any) -> None:
+        await handle.client.hset(f"{handle.prefix}router:current", mapping={
+            "path": str(path), "version": version, "previous": str(previous[0]), "previous_version": previous[1]})
+        await write_history(handle, Breaker(1.0), {
+            "event": "promote", "ts": round(time.time(), 3), "version": version, "previous": previous[1] or None,
+            "path": str(path), "outcomes": n_outcomes,
+            "reason": "operator: thinkgate router retrain --output routing.router_path"})
+
+    run_on_redis(settings, write, min_timeout_s=5.0)
+
+
 def retrain_command(
     from_outcomes: bool = typer.Option(False, "--from-outcomes", help="Learn from the gateway's outcome stream."),
     output: Path = typer.Option(..., "--output", "-o", help="Router file to write (.skops)."),
@@ -59,7 +93,12 @@ def retrain_command(
         typer.echo("thinkgate router retrain: --from-outcomes is required (the only source so far)", err=True)
         raise typer.Exit(2)
     settings = load_settings(config)
-    old_path = router or settings.routing.router_path
+    promoted = promoted_router(settings) if router is None else None
+    # in service: the promoted router when automatic retraining promoted one (the replicas serve it, not the file
+    # routing.router_path names), else the configured file
+    old_path = router or (promoted[0] if promoted is not None else settings.routing.router_path)
+    if promoted is not None:
+        typer.echo(f"in service: {promoted[0]} (promoted by automatic retraining, version {promoted[1]})")
     if old_path is None:
         typer.echo("thinkgate router retrain: no router in service to compare with; pass --router FILE", err=True)
         raise typer.Exit(2)
@@ -95,6 +134,11 @@ def retrain_command(
     cuts = (f"threshold {new.thresholds[-1]:.4f}" if len(new.thresholds) == 1 else
             "thresholds " + ", ".join(f"{t:.4f}" for t in new.thresholds))
     typer.echo(f"wrote {output} (version {new.metadata['version']}, {cuts})")
+    configured = settings.routing.router_path
+    if promoted is not None and configured is not None and output.resolve() == Path(configured).resolve():
+        adopt(settings, output.resolve(), str(new.metadata["version"]), promoted, len(outcomes))
+        typer.echo(f"router:current now names {output} (it named {promoted[0]}): the replicas serve it within "
+                   f"routing.retrain.interval_s")
 
 
 def _print(report: Any) -> None:

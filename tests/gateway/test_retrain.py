@@ -89,6 +89,34 @@ def test_retrain_writes_a_better_router_and_refuses_a_worse_one(redis_url: str, 
         assert not out.exists()
 
 
+def test_retrain_into_router_path_takes_over_from_a_promoted_router(redis_url: str, redis_prefix: str,
+                                                                    tmp_path: Path) -> None:
+    """With a router promoted by automatic retraining (``p router:current``), the replicas serve that file, not
+    ``routing.router_path``: the command compares with the promoted one, and a file it writes to
+    ``routing.router_path`` becomes the promoted router (audited) — it was written and silently never served."""
+    import orjson
+    import redis
+
+    configured = _router(tmp_path / "configured.skops", informative=False)
+    promoted = _router(tmp_path / "promoted.skops", informative=False)
+    r = redis.Redis.from_url(redis_url)
+    r.hset(redis_prefix + "router:current", mapping={"path": str(promoted), "version": "auto-1",
+                                                     "previous": str(configured)})
+    write_outcomes(redis_url, redis_prefix, _outcomes(invert_training=False), tmp_path)
+    res = CliRunner().invoke(app, ["router", "retrain", "--from-outcomes", "--output", str(configured),
+                                   "--config", str(_config(tmp_path, redis_url, redis_prefix, configured))])
+    assert res.exit_code == 0, res.output
+    assert f"in service: {promoted}" in res.output
+    cur = {k.decode(): v.decode() for k, v in r.hgetall(redis_prefix + "router:current").items()}
+    version = load_router(configured).metadata["version"]
+    assert cur["path"] == str(configured.resolve()) and cur["version"] == version
+    assert (cur["previous"], cur["previous_version"]) == (str(promoted), "auto-1")
+    [(_, fields)] = r.xrevrange(redis_prefix + "router:history", count=1)
+    event = orjson.loads(fields[b"e"])
+    assert event["event"] == "promote" and event["version"] == version and event["reason"].startswith("operator")
+    r.close()
+
+
 def test_hot_reload_shows_the_retrained_version(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
                                                 tmp_path: Path) -> None:
     path = _router(tmp_path / "serving.skops", informative=False)
