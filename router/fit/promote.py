@@ -112,8 +112,9 @@ PREDICTED = "predicted"  # route reason: the router's own decision, served as de
 #: The route reasons of the answers a router version served by its own decision: as decided, spot-checked, or
 #: escalated by the cascade it serves. Not explored ones (a randomised arm), nor forced, effort, fallback, cache or
 #: shadow answers: the client, the upstream's failure, the cache or the gateway chose those tiers, and their grades
-#: say nothing of the router's floor.
-ROUTER_ANSWERS = frozenset({PREDICTED, SPOT_CHECK, "escalated"})
+#: say nothing of the router's floor. None: an outcome recorded without a route reason (written before outcomes
+#: carried one, or by a tool), counted as the router's as it always was.
+ROUTER_ANSWERS: frozenset[str | None] = frozenset({PREDICTED, SPOT_CHECK, "escalated", None})
 
 
 @dataclass
