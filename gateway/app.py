@@ -166,6 +166,8 @@ def create_app(settings: Settings) -> Gateway:
         upstreams.start()  # the pools' active health checks
         if outcomes is not None:
             await outcomes.start()
+        if retrain is not None:
+            await retrain.start()  # the promoted router before the first request, not a tick later
         freeze_startup_heap(settings.server.gc_thresholds)
         # hot reload of the router file: checked every routing.reload_interval_s (mtime, size, inode)
         watcher = asyncio.create_task(routing.service.watch()) if routing.service is not None else None

@@ -166,6 +166,19 @@ class RetrainTrigger:
                 "fitting": self.fitting, "last_event": self.last, "realised": self.realised_last}
 
     # --- loop -------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """At process start, before the first request: serve the promoted router now (a restarted replica served
+        the configured file — and had its answers' outcomes stamped with its version — until the first tick,
+        ``interval_s`` later) and read the last audit event (``router_status.learning.last_event`` read null after
+        a restart). Redis down or slow: skipped, the ticks catch up."""
+        try:
+            await asyncio.wait_for(self.follow(), START_FOLLOW_S)
+            last = await asyncio.wait_for(read_history(self.handle, self.breaker, count=1), START_FOLLOW_S)
+            if last and self.last is None:
+                self.last = last[-1]
+        except (RedisDown, TimeoutError) as exc:
+            log.warning("retrain: the promoted router was not read at start (%s); the next tick follows it", exc)
+
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Every ``interval_s`` until cancelled: follow, fit when due, check the realised floor."""
         if len(self.tiers) < 2:
@@ -411,6 +424,10 @@ def attach(settings: Settings, routing: Any, handle: RedisHandle, breaker: Break
     if settings.routing.retrain.spot_check > 0:
         routing.spot_check = trigger.spot_check
     return trigger
+
+
+#: How long a replica's start waits for Redis to name the promoted router (s; each of two reads).
+START_FOLLOW_S = 5.0
 
 
 def history_key(prefix: str) -> str:

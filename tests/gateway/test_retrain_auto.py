@@ -131,6 +131,28 @@ def test_a_better_router_is_promoted_and_a_worse_one_is_not(upstream_sim: SimPro
             rdb.close()
 
 
+def test_a_restarted_replica_serves_the_promoted_router_from_its_first_request(
+        upstream_sim: SimProcess, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """A replica that starts while ``p router:current`` names a promoted router serves it before its first request
+    and shows the last audit event — it served the configured file until its first tick (and stamped its answers'
+    outcomes with that version), and read ``last_event: null``. Ticks are 60 s apart here: only the start can do it."""
+    configured = _router(tmp_path / "configured.skops", informative=False)
+    promoted = _router(tmp_path / "promoted.skops", informative=True)
+    rdb = redis.Redis.from_url(redis_url)
+    try:
+        rdb.hset(redis_prefix + "router:current", mapping={"path": str(promoted), "version": "old-good",
+                                                           "previous": str(configured)})
+        event = {"event": "promote", "ts": 1.0, "version": "old-good", "path": str(promoted), "reason": "test"}
+        rdb.xadd(redis_prefix + "router:history", {"e": json.dumps(event)})
+    finally:
+        rdb.close()
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(configured, tmp_path, interval_s=60.0, every_outcomes=10**6)) as gw:
+        st = _status(gw)
+        assert (st["version"], st["path"]) == ("old-good", str(promoted))
+        assert st["learning"]["last_event"]["version"] == "old-good"
+
+
 def _status_or_none(gw: Any) -> dict[str, Any] | None:
     try:
         return _status(gw)
