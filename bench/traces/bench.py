@@ -47,19 +47,23 @@ all built from the per-question ledger tokens of the ``always:<s>`` replays and 
 
 JSON (``--json``), exactly::
 
-    {"dataset", "ladder", "n_questions",
-     "policies": {NAME: {"accuracy", "completion_tokens", "reasoning_tokens", "cost_usd", "requests",
+    {"dataset", "ladder", "n_questions", "complete", "skipped",
+     "policies": {NAME: {"accuracy", "completion_tokens", "reasoning_tokens", "cost_usd", "requests", "sent",
                          "tiers": {SETTING: share}}},
      "curves": {NAME: [[token_share, accuracy], ...]}, "savings_at_98": {NAME: float},
-     "served": {NAME: {"accuracy_ratio", "token_share", "savings", "holds_floor"}}}
+     "served": {NAME: {"accuracy_ratio", "token_share", "savings", "holds_floor", "n_questions"}}}
 
 ``savings_at_98`` is the **curve metric** (each curve's best threshold picked on the questions it scores);
 ``served`` is the deployable number: ``router``, ``router+cascade`` and ``auto`` at the thresholds their gateway
-served, accuracy_ratio = accuracy / always-top accuracy, token_share = completion tokens / always-top's (ledger),
-savings = 1 − token_share, holds_floor = accuracy ≥ 98% of always-top.
+served, over the ``n_questions`` questions the policy answered and against always-top on those same questions:
+accuracy_ratio = Σ correct / Σ always-top correct, token_share = completion tokens / always-top's (ledger),
+savings = 1 − token_share, holds_floor = Σ correct ≥ 98% of Σ always-top correct (None, all four, for a policy
+that answered nothing). ``sent``: the requests a policy sent before the time budget ran out (the oracle: 0, it
+is computed).
 
 Time: the whole run is bounded by ``--time-budget-s`` (default 280 s, under 5 minutes with start-up); requests
-not sent by then are skipped, the run says so and exits 1 (the JSON is still written, with what was measured).
+not sent by then are skipped, the run says so and exits 1 (the JSON is still written, with what was measured,
+``"complete": false`` and ``"skipped"``: the requests not sent, over all policies).
 """
 
 from __future__ import annotations
@@ -263,6 +267,7 @@ def summarize(run: Run, data: LadderData, settings: tuple[str, ...]) -> dict[str
         "cost_usd": sum(e.cost_micro_usd for e in run.events) / 1_000_000,
         "requests": n,
         "tiers": {s: round(counts.get(s, 0) / n, 6) if n else 0.0 for s in settings},
+        "sent": len(run.sent),
     }
 
 
@@ -473,7 +478,7 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
             o_cost += e.cost_micro_usd
             o_rt += e.reasoning_tokens
     policies["oracle"] = {"accuracy": round(o_acc, 6), "completion_tokens": int(o_tok), "reasoning_tokens": o_rt,
-                          "cost_usd": o_cost / 1_000_000, "requests": 0,
+                          "cost_usd": o_cost / 1_000_000, "requests": 0, "sent": 0,
                           "tiers": {s: round(float(np.mean(oc == j)), 6) for j, s in enumerate(settings_t)}}
     skipped = sum(r.skipped for r in runs.values())
     details.update({
@@ -492,7 +497,8 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
     })
     report = {"dataset": cfg.dataset, "ladder": lad.name, "n_questions": n, "policies": policies,
               "curves": {name: _curve(cv) for name, cv in curves.items()}, "savings_at_98": sav,
-              "served": served_block(policies, top_acc, settings_t)}
+              "served": served_block(runs, policies, correct, tokens[:, -1], settings_t),
+              "complete": skipped == 0, "skipped": skipped}
     return report, details
 
 
@@ -508,21 +514,45 @@ def _cuts(value: Any, k: int) -> list[float] | None:
 SERVED = ("router", "router+cascade", "auto")
 
 
-def served_block(policies: dict[str, Any], top_acc: float, settings: tuple[str, ...],
-                 floor: float = 0.98) -> dict[str, Any]:
-    """``{NAME: {"accuracy_ratio", "token_share", "savings", "holds_floor"}}`` for :data:`SERVED`: accuracy / always-top
-    accuracy, completion tokens / always-top's (both from the ledger), savings = 1 − token_share, holds_floor =
-    accuracy ≥ ``floor`` × always-top."""
-    top_tok = policies[f"always:{settings[-1]}"]["completion_tokens"]
+def answered_questions(run: Run, settings: tuple[str, ...]) -> list[tuple[int, int]]:
+    """``[(question index, setting index)]`` of the requests ``run`` got a graded answer to (HTTP 200 from a ladder
+    setting): the questions its accuracy — and its ``served`` figures — are measured on."""
+    idx = {s: j for j, s in enumerate(settings)}
+    return [(s.q, idx[s.tier]) for s in run.sent if s.status == 200 and s.tier in idx]
+
+
+def served_block(runs: dict[str, Run], policies: dict[str, Any], correct: np.ndarray, top_tokens: np.ndarray,
+                 settings: tuple[str, ...], floor: float = 0.98) -> dict[str, Any]:
+    """``{NAME: {"accuracy_ratio", "token_share", "savings", "holds_floor", "n_questions"}}`` for :data:`SERVED`,
+    each over the ``n_questions`` questions that policy answered (:func:`answered_questions`) against always-top on
+    the same questions — a run cut by the time budget is compared with what always-top cost and scored *there*,
+    not with the whole set.
+
+    ``correct``: bool (n, k) recorded grading; ``top_tokens``: (n,) always-top completion tokens per question
+    (ledger, :func:`per_question_tokens`); ``policies[NAME]["completion_tokens"]``: the policy's ledger sum (every
+    upstream call of the requests it sent, escalated first attempts included — they carry their own request ids,
+    so the run's sum is the per-question cost). accuracy_ratio = Σ correct / Σ always-top correct (from counts,
+    rounded for output only), token_share = tokens / Σ always-top tokens, savings = 1 − token_share, holds_floor =
+    Σ correct ≥ ``floor`` × Σ always-top correct. All four are None for a policy that answered no question."""
     out: dict[str, Any] = {}
     for name in SERVED:
-        e = policies.get(name)
-        if e is None:
+        e, r = policies.get(name), runs.get(name)
+        if e is None or r is None:
             continue
+        got = answered_questions(r, settings)
+        if not got:
+            out[name] = {"accuracy_ratio": None, "token_share": None, "savings": None, "holds_floor": None,
+                         "n_questions": 0}
+            continue
+        qs = np.asarray([q for q, _ in got], dtype=np.int64)
+        hits = int(sum(bool(correct[q, j]) for q, j in got))
+        top_hits = int(correct[qs, -1].sum())
+        top_tok = float(top_tokens[qs].sum())
         share = e["completion_tokens"] / top_tok if top_tok else 1.0
-        out[name] = {"accuracy_ratio": round(e["accuracy"] / top_acc, 6) if top_acc else 1.0,
+        out[name] = {"accuracy_ratio": round(hits / top_hits, 6) if top_hits else 1.0,
                      "token_share": round(share, 6), "savings": round(1.0 - share, 6),
-                     "holds_floor": bool(e["accuracy"] >= floor * top_acc - 1e-12)}
+                     # integer counts: an answer set identical to always-top's holds exactly, no float residue
+                     "holds_floor": bool(hits >= floor * top_hits - 1e-9), "n_questions": len(got)}
     return out
 
 
@@ -533,6 +563,15 @@ ORDER = ("always", "auto", "router", "router+cascade", "random", "length", "orac
 
 def _ordered(report: dict[str, Any]) -> list[str]:
     return sorted(report["policies"], key=lambda p: (ORDER.index(p.split(":")[0]), p))
+
+
+def _served_cells(e: dict[str, Any], no: str = "NO") -> list[str]:
+    """accuracy ratio, token share, savings, keeps-98% of one ``served`` entry as text; "—" for a policy the time
+    budget cut before it answered anything (its figures are None)."""
+    if e["accuracy_ratio"] is None:
+        return ["—", "—", "—", "— (nothing answered)"]
+    return [f"{e['accuracy_ratio']:.3f}", f"{e['token_share']:.1%}", f"{e['savings']:.1%}",
+            "yes" if e["holds_floor"] else no]
 
 
 def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
@@ -554,11 +593,10 @@ def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
                   str(e["requests"]), " ".join(f"{k}:{v:.0%}" for k, v in e["tiers"].items()),
                   "" if sav is None else f"{sav:.1%}")
     sv = Table(title="served: each policy at the thresholds its gateway serves (the deployable number)")
-    for c in ("policy", "accuracy / always-top", "token share", "savings", "keeps 98%"):
+    for c in ("policy", "accuracy / always-top", "token share", "savings", "keeps 98%", "questions"):
         sv.add_column(c, justify="left" if c == "policy" else "right")
     for p, e in report.get("served", {}).items():
-        sv.add_row(p, f"{e['accuracy_ratio']:.3f}", f"{e['token_share']:.1%}", f"{e['savings']:.1%}",
-                   "yes" if e["holds_floor"] else "NO")
+        sv.add_row(p, *_served_cells(e), str(e.get("n_questions", report["n_questions"])))
     pr = details["price"]
     note = ("NOMINAL price (no published list price)" if pr["source"] == "nominal" else f"list price ({pr['source']})")
     lines = [sv, t, Text(f"auto: a gateway with only the router file (served policy "
@@ -578,7 +616,11 @@ def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
                   f"{sum(details['answer_mismatches'].values())}, router+cascade escalations "
                   f"{details['escalations']['router+cascade']}; start-up {details['startup_s']} s, wall "
                   f"{details['wall_s']} s (budget {details['time_budget_s']:.0f} s)"
-                  + ("" if details["complete"] else f"; INCOMPLETE: {details['skipped']} requests skipped"))]
+                  + ("" if details["complete"] else f"; INCOMPLETE: {details['skipped']} requests skipped ("
+                     + ", ".join(f"{p} sent {e['sent']}/{report['n_questions']}"
+                                 for p, e in report["policies"].items()
+                                 if p != "oracle" and e.get("sent", 0) < report["n_questions"])
+                     + "; served figures are over the questions each policy answered)"))]
     return Group(*lines)
 
 
@@ -586,8 +628,7 @@ def markdown(report: dict[str, Any], details: dict[str, Any]) -> str:
     """The policy table as Markdown."""
     out = ["| served policy | accuracy / always-top | token share | savings | keeps 98% |", "|---|---:|---:|---:|---|"]
     for p, e in report.get("served", {}).items():
-        out.append(f"| {p} | {e['accuracy_ratio']:.3f} | {e['token_share']:.1%} | {e['savings']:.1%} | "
-                   f"{'yes' if e['holds_floor'] else 'no'} |")
+        out.append(f"| {p} | {' | '.join(_served_cells(e, no='no'))} |")
     out += ["", "| policy | accuracy | completion tok | reasoning tok | token share | cost USD (ledger) | requests | "
             "tiers | savings@98 (curve metric) |", "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for p in _ordered(report):

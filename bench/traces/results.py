@@ -88,7 +88,7 @@ def served_table(out: Path) -> list[str]:
         r: dict[str, Any] = json.loads(Path(f"{base}.json").read_text())
         meta = json.loads(Path(f"{base}.meta.json").read_text()) if Path(f"{base}.meta.json").is_file() else {}
         sv = r.get("served") or {}
-        if "auto" not in sv:
+        if "auto" not in sv or sv["auto"].get("savings") is None:  # None: a run cut before auto answered anything
             continue
         p = r["policies"]
         n = r["n_questions"]
@@ -101,7 +101,8 @@ def served_table(out: Path) -> list[str]:
             sav.append(a["savings"])
             curve.append(max(r["savings_at_98"]["router"], r["savings_at_98"]["router+cascade"]))
             worst = min(worst, a["accuracy_ratio"])
-        cell = {k: (f"{sv[k]['savings']:.1%} / {sv[k]['accuracy_ratio']:.3f}" if k in sv else "—")
+        cell = {k: (f"{sv[k]['savings']:.1%} / {sv[k]['accuracy_ratio']:.3f}"
+                    if sv.get(k, {}).get("savings") is not None else "—")
                 for k in ("router", "router+cascade")}
         g = meta.get("guarantee") or {}
         first = (g.get("tested") or [{}])[0]

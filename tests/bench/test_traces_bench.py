@@ -12,7 +12,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.traces.bench import Config, TracesBenchError, check_router_ladder, router_heldout_frac, run
+from bench.traces.bench import (
+    Config,
+    Run,
+    Sent,
+    TracesBenchError,
+    check_router_ladder,
+    router_heldout_frac,
+    run,
+    served_block,
+)
 from bench.traces.prices import price_of
 from bench.traces.replay_upstream import estimate_prompt_tokens
 from gateway.config import Prices, Settings
@@ -71,15 +80,18 @@ def test_bench_traces_end_to_end(tmp_path: Path, redis_url: str) -> None:
     cfg = Config(traces, "frames", f"{MODEL}:low_effort,high_effort", router_file, concurrency=4,
                  time_budget_s=200, progress=False)
     report, details = run(cfg, settings, log=lambda _: None)
-    assert set(report) == {"dataset", "ladder", "n_questions", "policies", "curves", "savings_at_98", "served"}
+    assert set(report) == {"dataset", "ladder", "n_questions", "policies", "curves", "savings_at_98", "served",
+                           "complete", "skipped"}
+    assert report["complete"] is True and report["skipped"] == 0
     assert report["n_questions"] == N and details["complete"] and sum(details["errors"].values()) == 0
     assert sum(details["answer_mismatches"].values()) == 0, "every served answer is the answering tier's recording"
     pols = report["policies"]
     assert set(pols) == {"always:low_effort", "always:high_effort", "router", "random", "length", "router+cascade",
                          "auto", "oracle"}
     for p, e in pols.items():
-        assert set(e) == {"accuracy", "completion_tokens", "reasoning_tokens", "cost_usd", "requests", "tiers"}, p
-        assert e["requests"] == (0 if p == "oracle" else N)
+        assert set(e) == {"accuracy", "completion_tokens", "reasoning_tokens", "cost_usd", "requests", "sent",
+                          "tiers"}, p
+        assert e["requests"] == e["sent"] == (0 if p == "oracle" else N)
     assert set(report["curves"]) == {"router", "router+cascade", "random", "length"}
     assert set(report["savings_at_98"]) == {"router", "router+cascade", "random", "length", "oracle"}
 
@@ -115,7 +127,8 @@ def test_bench_traces_end_to_end(tmp_path: Path, redis_url: str) -> None:
     assert set(report["served"]) == {"router", "router+cascade", "auto"}
     top_acc = pols["always:high_effort"]["accuracy"]
     for name, e in report["served"].items():
-        assert set(e) == {"accuracy_ratio", "token_share", "savings", "holds_floor"}
+        assert set(e) == {"accuracy_ratio", "token_share", "savings", "holds_floor", "n_questions"}
+        assert e["n_questions"] == N
         share = pols[name]["completion_tokens"] / sum(top)
         assert e["token_share"] == pytest.approx(share, abs=1e-6)
         assert e["savings"] == pytest.approx(1 - share, abs=1e-6)
@@ -197,3 +210,43 @@ def test_a_gateway_with_only_the_file_escalates_as_its_learned_model_says(tmp_pa
     assert details["escalations"]["auto"] == len(esc)
     want = float(data.tokens[:, 0].sum() + data.tokens[esc, 1].sum())
     assert report["policies"]["auto"]["completion_tokens"] == want
+
+
+SETTINGS = ("low_effort", "high_effort")
+
+
+def _run(policy: str, answered: dict[int, str]) -> Run:
+    r = Run(policy, f"k-{policy}", "s")
+    r.sent = [Sent(q, 200, tier) for q, tier in answered.items()]
+    return r
+
+
+def test_served_is_measured_on_the_questions_a_cut_run_answered() -> None:
+    """A policy the time budget cut (8 of 10 questions sent, all answered by the top setting) costs what always-top
+    cost on those 8 — savings 0, not the 20% a partial ledger over the whole always-top total reads; a policy that
+    answered nothing has no served figures (None), not savings 1.0."""
+    n = 10
+    correct = np.zeros((n, 2), dtype=bool)
+    correct[:, 1] = [True] * 7 + [False] * 3
+    top_tokens = np.full(n, 100.0)
+    runs = {"router+cascade": _run("router+cascade", {q: "high_effort" for q in range(8)}), "auto": _run("auto", {}),
+            "router": _run("router", {q: "high_effort" for q in range(n)})}
+    policies = {"router+cascade": {"completion_tokens": 800}, "auto": {"completion_tokens": 0},
+                "router": {"completion_tokens": 1000}}
+    sv = served_block(runs, policies, correct, top_tokens, SETTINGS)
+    cut = sv["router+cascade"]
+    assert cut["n_questions"] == 8 and cut["token_share"] == 1.0 and cut["savings"] == 0.0
+    assert cut["accuracy_ratio"] == 1.0 and cut["holds_floor"] is True
+    assert sv["auto"] == {"accuracy_ratio": None, "token_share": None, "savings": None, "holds_floor": None,
+                          "n_questions": 0}
+    assert sv["router"]["n_questions"] == n and sv["router"]["savings"] == 0.0
+
+
+def test_served_accuracy_ratio_is_exact_for_a_policy_identical_to_always_top() -> None:
+    """Ratio from counts (Σ correct / Σ always-top correct): 1.0 exactly, not a rounded accuracy over an unrounded
+    one (1/3 rounds to 0.333333, and 0.333333 / 0.3333… = 0.999999)."""
+    n = 3
+    correct = np.array([[False, True], [False, False], [False, False]])
+    runs = {"router": _run("router", {q: "high_effort" for q in range(n)})}
+    sv = served_block(runs, {"router": {"completion_tokens": 300}}, correct, np.full(n, 100.0), SETTINGS)
+    assert sv["router"]["accuracy_ratio"] == 1.0 and sv["router"]["holds_floor"] is True
