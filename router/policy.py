@@ -115,11 +115,17 @@ def guarantee_sentence(meta: dict[str, Any] | None) -> str | None:
                 f"point could be shown to keep {floor:.0%} of always-top accuracy with {1 - delta:.0%} confidence "
                 "— too little evidence to promise savings.")
     share = g.get("calibration_token_share")
-    tail = f" (calibration: {1 - share:.0%} fewer tokens)" if isinstance(share, int | float) else ""
+    tail = f" (calibration: {_token_change(share)})" if isinstance(share, int | float) else ""
     approx = " (approximate: cross-fitted scores)" if g.get("cross_fitted") else ""
     return (f"Serves {s.get('policy')} and keeps >= {floor:.0%} of always-top accuracy on unseen traffic from the "
             f"same distribution with {1 - delta:.0%} confidence{approx} (Learn-then-Test on {n} {how}calibration "
             f"questions){tail}.")
+
+
+def _token_change(share: float) -> str:
+    """``share`` (tokens / always-top's) in words: "40% fewer tokens", or "25% more tokens" above 1 — a file can
+    carry such a share (fitted on a ladder that was not cheapest first), and a negative "fewer" reads as savings."""
+    return f"{1 - share:.0%} fewer tokens" if share <= 1 else f"{share - 1:.0%} more tokens than always-top"
 
 
 def budget_map_shape(cuts: Sequence[float], budgets: Sequence[int | None], unit: str = " tokens") -> str:

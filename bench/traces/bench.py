@@ -95,7 +95,15 @@ from gateway.ledger.event import UsageEvent
 from gateway.ledger.report import counts_as_request
 from gateway.pipeline.abstention import abstains
 from router.fit.ladder_eval import cascade_curve, random_curve, savings_at_98, threshold_curve
-from router.fit.traces import HELDOUT_FRAC, Ladder, LadderData, heldout_mask, load_ladder, parse_ladder
+from router.fit.traces import (
+    HELDOUT_FRAC,
+    Ladder,
+    LadderData,
+    check_cheapest_first,
+    heldout_mask,
+    load_ladder,
+    parse_ladder,
+)
 
 CASCADE_ON = ["empty_answer", "length_in_thought", "abstain"]
 REQUEST_TIMEOUT_S = 60.0
@@ -352,6 +360,7 @@ def _load_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Ladder, Ladde
         raise TracesBenchError("ladders of 2 or 3 settings are supported (the curves)")
     try:
         data = load_ladder(cfg.traces, cfg.dataset, lad)
+        check_cheapest_first(data)  # always-top is the last setting: a reversed ladder benches the wrong baseline
     except (FileNotFoundError, ValueError) as exc:
         raise TracesBenchError(str(exc)) from None
     if not cfg.router.is_file():

@@ -60,6 +60,7 @@ from router.fit.traces import (
     Ladder,
     LadderData,
     available_models,
+    check_cheapest_first,
     heldout_mask,
     load_ladder,
     parse_ladder,
@@ -392,7 +393,9 @@ def fit_ladder_router(
 
     ``policy``: ``auto`` (the fallback rule) or force ``router`` / ``length`` / ``random``. Returns a
     :class:`LadderFit` whose ``router`` carries thresholds and metadata (ladder, tiers, datasets, policy,
-    validation comparison, held-out rule). Raises ValueError (bad ladder/policy, too few questions) and
+    validation comparison, held-out rule). Raises ValueError (bad ladder/policy, a ladder whose mean completion
+    tokens do not rise cheapest first on the fit data — :func:`router.fit.traces.check_cheapest_first` —, too
+    few questions) and
     FileNotFoundError (missing trace file).
     """
     t0 = time.perf_counter()
@@ -402,6 +405,7 @@ def fit_ladder_router(
     data = load_ladder(traces, datasets, lad)
     keep = ~heldout_mask(data, heldout_frac) if exclude_heldout else np.ones(data.n, dtype=bool)
     train = data.subset(np.flatnonzero(keep))
+    check_cheapest_first(train)
     if train.n < 2 * folds:
         raise ValueError(f"only {train.n} training questions for {lad.name}; need at least {2 * folds}")
     is_cal = calibration_mask(train.keys, cal_frac)

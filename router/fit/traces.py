@@ -19,6 +19,7 @@ import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,23 @@ def load_ladder(traces: str | Path, datasets: str | Iterable[str], ladder: Ladde
         resp,
         thoughts,
     )
+
+
+def check_cheapest_first(data: LadderData) -> None:
+    """Raise ValueError unless the ladder's mean completion tokens rise strictly from its first setting to its
+    last on ``data`` — a ladder is cheapest first: its last setting is "always-top", the cut-off the thresholds are
+    certified against, and a reversed ladder fits a router that sends the easy questions to the *dearer* tier. The
+    message gives the means (tokens per question) and the ladder in the order they suggest."""
+    if data.n == 0:
+        return
+    means = [float(np.nanmean(data.tokens[:, j])) for j in range(len(data.ladder.settings))]
+    if all(a < b for a, b in pairwise(means)):
+        return
+    lad = data.ladder
+    have = ", ".join(f"{s} {m:.0f}" for s, m in zip(lad.settings, means, strict=True))
+    order = ",".join(s for _, s in sorted(zip(means, lad.settings, strict=True)))
+    raise ValueError(f"ladder {lad.name} is not cheapest first: mean completion tokens per question {have}; "
+                     f"list the settings cheapest first (e.g. {lad.model}:{order})")
 
 
 def _id_key(qid: str) -> tuple[int, float, str]:

@@ -149,6 +149,10 @@ def test_a_router_fitted_on_another_ladder_is_refused_before_anything_starts(tmp
     cfg = Config(traces, "frames", f"{MODEL}:low_effort,high_effort", other, progress=False)
     with pytest.raises(TracesBenchError, match="fitted on ladder Qwen3-14B:no_think,exd0, not o3-mini"):
         run(cfg, settings, log=lambda _: None)
+    # a ladder given dearest first is refused too (its "always-top" would be the cheap setting)
+    rev = Config(traces, "frames", f"{MODEL}:high_effort,low_effort", other, progress=False)
+    with pytest.raises(TracesBenchError, match="not cheapest first"):
+        run(rev, settings, log=lambda _: None)
 
 
 def test_router_checks_transfer_note_and_the_files_heldout_share() -> None:

@@ -234,11 +234,13 @@ def test_router_fit_traces_cli_end_to_end(tmp_path: Path) -> None:
     bad = CliRunner().invoke(app, [*base, "--ladder", "m", "--output", str(out)])
     assert bad.exit_code == 2 and "MODEL:SETTING1" in bad.output
     small = _toy_folder(tmp_path / "small")
+    for s in ("no_think", "exd0"):  # a second model with the same recordings: a second (cheapest-first) ladder
+        (small / "toy" / f"m2__{s}.jsonl.gz").write_bytes((small / "toy" / f"m__{s}.jsonl.gz").read_bytes())
     base = ["router", "fit", "--traces", str(small), "--dataset", "toy"]
-    many = CliRunner().invoke(app, [*base, "--ladder", "m:no_think,exd0", "--ladder", "m:exd0,no_think",
+    many = CliRunner().invoke(app, [*base, "--ladder", "m:no_think,exd0", "--ladder", "m2:no_think,exd0",
                                     "--output", str(tmp_path / "routers")])
     assert many.exit_code == 0, many.output
-    assert sorted(p.name for p in (tmp_path / "routers").iterdir()) == ["m__exd0-no_think.skops",
+    assert sorted(p.name for p in (tmp_path / "routers").iterdir()) == ["m2__no_think-exd0.skops",
                                                                          "m__no_think-exd0.skops"]
 
 
@@ -254,3 +256,21 @@ def test_a_wrong_data_set_model_or_setting_is_named_with_what_the_folder_has(tmp
             load_ladder(tmp_path, ds, ladder)
     with pytest.raises(FileNotFoundError, match="traces folder not found"):
         load_ladder(tmp_path / "nope", "frames", "Qwen3-14B:no_think,exd0")
+
+
+def test_a_ladder_not_cheapest_first_is_refused_and_no_share_reads_as_negative_savings(tmp_path: Path) -> None:
+    """Most expensive first (exd0 200 tokens, no_think 10): one line, exit 2, no file — it used to fit, and print
+    "(calibration: -437% fewer tokens)"; a share above 1 is said as more tokens."""
+    from router.policy import guarantee_sentence
+
+    folder = _toy_folder(tmp_path / "traces")
+    out = tmp_path / "rev.skops"
+    res = CliRunner().invoke(app, ["router", "fit", "--traces", str(folder), "--dataset", "toy", "--ladder",
+                                   "m:exd0,no_think", "--output", str(out)])
+    assert res.exit_code == 2 and not out.exists()
+    assert "not cheapest first" in res.output and "exd0 200" in res.output and "m:no_think,exd0" in res.output
+    assert "Traceback" not in res.output
+    meta = {"serving": {"policy": "router", "guarantee": {"floor": 0.98, "delta": 0.1, "n_calibration": 50,
+                                                          "calibration_token_share": 5.37}}}
+    sentence = guarantee_sentence(meta) or ""
+    assert "437% more tokens than always-top" in sentence and "fewer" not in sentence
