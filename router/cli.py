@@ -43,6 +43,26 @@ def _load(path: Path) -> Any:
         _fail(str(exc))
 
 
+def _check_output(path: Path | None, flag: str, *, folder: bool = False) -> None:
+    """Fail (exit 2, one line naming ``flag``) when ``path`` cannot be written — before the work that fills it
+    (:func:`router.fit.outputs.output_problem`); None passes."""
+    from router.fit.outputs import output_problem
+
+    why = output_problem(path, folder=folder) if path is not None else None
+    if why:
+        _fail(f"{flag}: {why}")
+
+
+def _save(save: Any, router: Any, dest: Path) -> Path:
+    """``save(router, dest)`` (:func:`router.persistence.save_router`), a write failure the up-front check could
+    not foresee (a full disk) as one line, exit 2."""
+    try:
+        return Path(save(router, dest))
+    except OSError as exc:
+        _fail(f"cannot write {dest}: {exc.strerror or exc}")
+        raise AssertionError from None  # unreachable
+
+
 def _items(paths: list[Path]) -> list[Any]:
     from router.fit.labels import load_items
 
@@ -205,6 +225,8 @@ def fit(
     if out is None:
         _fail("--output FILE is required")
         raise AssertionError  # unreachable
+    # several ladders write a folder of files (checked again in _fit_traces: a suffix there is refused)
+    _check_output(out, "--output", folder=traces is not None and len(ladder or []) > 1)
     if traces is not None:
         if data:
             _fail("give labelled files or --traces, not both")
@@ -234,7 +256,7 @@ def fit(
                                     data_files=[str(p) for p in data])
     except ValueError as exc:
         _fail(str(exc))
-    save_router(router, out)
+    _save(save_router, router, out)
     con = _console()
     con.print(f"fit {report.n_fit} · platt {report.n_platt} · validation {report.n_val} items in "
               f"{report.fit_seconds:.1f} s{' (then refitted on all)' if report.refit else ''}")
@@ -268,7 +290,7 @@ def _fit_traces(traces: Path, datasets: list[str], ladders: list[str], out: Path
         except (OSError, ValueError) as exc:
             _fail(str(exc))
             raise AssertionError from None  # unreachable
-        save_router(res.router, dest)
+        _save(save_router, res.router, dest)
         from router.policy import guarantee_sentence
 
         v = res.validation
@@ -314,6 +336,7 @@ def calibrate(
 
     if (target_long is None) == (max_quality_loss is None):
         _fail("give exactly one of --target-long or --max-quality-loss")
+    _check_output(out, "--out")
     router = _load(router_path)
     items = _items(data)
     scores = router.predict_proba([it.text for it in items])
@@ -369,6 +392,8 @@ def evaluate(
 
     from router.fit.evaluate import evaluate_scores, plot_curves, render_table
 
+    _check_output(plot, "--plot")
+    _check_output(json_out, "--json")
     router = _load(router_path)
     results = []
     for p in data:

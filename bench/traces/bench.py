@@ -707,7 +707,14 @@ def traces(
     from rich.console import Console
 
     from gateway.cli.common import load_settings
+    from router.fit.outputs import output_problem
 
+    # checked before the run (minutes): a path that cannot be written fails now, in one line, not after it
+    for flag, path in (("--json", json_path), ("--png", png_path), ("--markdown", md_path)):
+        why = output_problem(path) if path is not None else None
+        if why:
+            typer.echo(f"thinkgate: bench traces: {flag}: {why}", err=True)
+            raise typer.Exit(2)
     settings = load_settings(config)
     cfg = Config(traces_dir, dataset, ladder, router_file, heldout_only, concurrency, time_budget_s, seed,
                  progress=os.environ.get("TG_NO_PROGRESS") is None)

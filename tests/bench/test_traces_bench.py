@@ -254,3 +254,20 @@ def test_served_accuracy_ratio_is_exact_for_a_policy_identical_to_always_top() -
     runs = {"router": _run("router", {q: "high_effort" for q in range(n)})}
     sv = served_block(runs, {"router": {"completion_tokens": 300}}, correct, np.full(n, 100.0), SETTINGS)
     assert sv["router"]["accuracy_ratio"] == 1.0 and sv["router"]["holds_floor"] is True
+
+
+def test_an_output_that_cannot_be_written_fails_before_the_run(tmp_path: Path) -> None:
+    """--json / --png / --markdown are checked before anything starts (the router file here does not exist: the run
+    would fail on it first): one line, exit 2, naming the flag — they were tracebacks after a minutes-long run."""
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    base = ["bench", "traces", "--traces", str(tmp_path), "--dataset", "frames", "--ladder", f"{MODEL}:low_effort,"
+            "high_effort", "--router", str(tmp_path / "none.skops")]
+    for flag, out in (("--json", afile / "x.json"), ("--png", tmp_path), ("--markdown", Path("/proc/x.md"))):
+        res = CliRunner().invoke(app, [*base, flag, str(out)])
+        assert res.exit_code == 2, res.output
+        assert f"bench traces: {flag}: " in res.output and "Traceback" not in res.output, res.output

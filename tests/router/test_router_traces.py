@@ -274,3 +274,20 @@ def test_a_ladder_not_cheapest_first_is_refused_and_no_share_reads_as_negative_s
                                                           "calibration_token_share": 5.37}}}
     sentence = guarantee_sentence(meta) or ""
     assert "437% more tokens than always-top" in sentence and "fewer" not in sentence
+
+
+def test_an_output_that_cannot_be_written_fails_before_fitting(tmp_path: Path) -> None:
+    """One line, exit 2, naming --output, before any fit (the data folder here does not even exist: a fit would fail
+    on it first) — these were tracebacks after the fit. A single file may not be a folder; several ladders need one."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    base = ["router", "fit", "--traces", str(tmp_path / "no-traces"), "--dataset", "toy"]
+    one, two = ["--ladder", "m:no_think,exd0"], ["--ladder", "m:no_think,exd0", "--ladder", "m2:no_think,exd0"]
+    cases = {(str(afile / "x.skops"), 1): "is not a folder", (str(tmp_path), 1): "is a folder; give a file name",
+             ("/proc/x.skops", 1): "no file can be created in /proc", (str(afile), 2): "several outputs need a folder"}
+    for (out, n), message in cases.items():
+        res = CliRunner().invoke(app, [*base, *(one if n == 1 else two), "--output", out])
+        assert res.exit_code == 2, (out, res.output)
+        assert "--output" in res.output and message in res.output and "Traceback" not in res.output, res.output
+    labels = CliRunner().invoke(app, ["router", "fit", str(tmp_path / "none.jsonl"), "--output", str(afile / "x")])
+    assert labels.exit_code == 2 and "is not a folder" in labels.output
