@@ -63,14 +63,19 @@ def _save(save: Any, router: Any, dest: Path) -> Path:
         raise AssertionError from None  # unreachable
 
 
-def _items(paths: list[Path]) -> list[Any]:
+def _items(paths: list[Path], *, at_least: int = 0) -> list[Any]:
+    """The labelled items of ``paths``; fails (exit 2, one line) on an unreadable file or fewer than ``at_least``
+    items (``calibrate``/``eval``: :data:`router.fit.labels.MIN_LABELLED_ITEMS`, as ``fit`` needs)."""
     from router.fit.labels import load_items
 
     try:
-        return load_items(paths)
+        items = load_items(paths)
     except (OSError, ValueError) as exc:
         _fail(str(exc))
         raise  # unreachable
+    if len(items) < at_least:
+        _fail(f"need at least {at_least} labelled items, got {len(items)} in {', '.join(map(str, paths))}")
+    return items
 
 
 # ---- label ---------------------------------------------------------------------------------------------------
@@ -332,13 +337,14 @@ def calibrate(
 
     from router.fit.calibrate import fraction_at_or_above, threshold_for_quality_loss, thresholds_for_fractions
     from router.fit.evaluate import outcomes_of
+    from router.fit.labels import MIN_LABELLED_ITEMS
     from router.persistence import save_router
 
     if (target_long is None) == (max_quality_loss is None):
         _fail("give exactly one of --target-long or --max-quality-loss")
     _check_output(out, "--out")
     router = _load(router_path)
-    items = _items(data)
+    items = _items(data, at_least=MIN_LABELLED_ITEMS)
     scores = router.predict_proba([it.text for it in items])
     if target_long is not None:
         try:
@@ -391,13 +397,14 @@ def evaluate(
     import numpy as np
 
     from router.fit.evaluate import evaluate_scores, plot_curves, render_table
+    from router.fit.labels import MIN_LABELLED_ITEMS
 
     _check_output(plot, "--plot")
     _check_output(json_out, "--json")
     router = _load(router_path)
     results = []
     for p in data:
-        items = _items([p])
+        items = _items([p], at_least=MIN_LABELLED_ITEMS)
         scores = np.asarray(router.predict_proba([it.text for it in items]))
         results.append(evaluate_scores(p.name.split(".")[0], items, scores, short_cost_ratio))
     _console().print(render_table(results, title=f"Router {router_path.name}"))

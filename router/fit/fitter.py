@@ -27,7 +27,7 @@ import numpy as np
 
 from router.fit.evaluate import EvalResult, evaluate_grouped
 from router.fit.jsonl import sha256_rows
-from router.fit.labels import LabelledItem
+from router.fit.labels import MIN_LABELLED_ITEMS, LabelledItem
 from router.model import FEATURE_DESCRIPTION, ModelConfig, Platt, TrainedRouter, build_pipeline
 
 ROUTER_VERSION = "1"
@@ -107,8 +107,8 @@ def fit_router(
     hold a single class."""
     cfg = cfg or ModelConfig()
     items = list(items)
-    if len(items) < 10:
-        raise ValueError(f"need at least 10 labelled items, got {len(items)}")
+    if len(items) < MIN_LABELLED_ITEMS:
+        raise ValueError(f"need at least {MIN_LABELLED_ITEMS} labelled items, got {len(items)}")
     train_idx, val_idx = split_by_group(items, val_frac, cfg.seed)
     t0 = time.perf_counter()
     router, n_fit, n_platt = _fit_once([items[i] for i in train_idx], cfg, platt_frac)

@@ -27,6 +27,10 @@ from typing import Any
 
 from router.fit.jsonl import read_jsonl
 
+#: the fewest labelled items ``router fit``, ``calibrate`` and ``eval`` work on: below it a threshold or a metric is
+#: one or two items' say (and on none, a scikit-learn traceback)
+MIN_LABELLED_ITEMS = 10
+
 
 @dataclass
 class LabelledItem:

@@ -129,3 +129,25 @@ def test_calibrate_a_file_with_a_serving_block_moves_its_served_thresholds(tmp_p
     assert router.metadata["thresholds_calibration"]["target"] == [0.5, 0.2]
     assert router.metadata["version"] != (shipped.get("version") or shipped.get("created_utc"))
     assert router.metadata["version"] in r.output
+
+
+def test_calibrate_and_eval_need_as_many_labelled_items_as_fit(tmp_path: Path) -> None:
+    """An empty labels file gave a scikit-learn traceback; one item silently wrote a threshold. Both are fit's
+    one-line error (exit 2), and the router file is left as it was."""
+    import shutil
+
+    from gateway.config.paths import DEFAULT_ROUTER_PATH
+
+    path = Path(shutil.copy(DEFAULT_ROUTER_PATH, tmp_path / "default.skops"))
+    before = path.read_bytes()
+    empty, one = tmp_path / "empty.jsonl", tmp_path / "one.jsonl"
+    empty.write_text("")
+    write_jsonl(one, (it.to_dict() for it in math_items()[:1]))
+    for labels, n in ((empty, 0), (one, 1)):
+        for argv in (["calibrate", str(path), str(labels), "--target-long", "0.3"],
+                     ["calibrate", str(path), str(labels), "--max-quality-loss", "0.05"],
+                     ["eval", str(path), str(labels)]):
+            r = CliRunner().invoke(app, ["router", *argv])
+            assert r.exit_code == 2, (argv, r.output)
+            assert f"need at least 10 labelled items, got {n}" in r.output and "Traceback" not in r.output
+    assert path.read_bytes() == before
