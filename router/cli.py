@@ -53,6 +53,14 @@ def _check_output(path: Path | None, flag: str, *, folder: bool = False) -> None
         _fail(f"{flag}: {why}")
 
 
+def _check_range(flag: str, value: float, lo: float, hi: float, *, hi_ok: bool = False) -> None:
+    """Fail (exit 2, one line naming ``flag``) unless ``lo < value < hi`` (``value <= hi`` with ``hi_ok``): a
+    share of always-top accuracy above 1, a confidence of 100% or a split of more than everything fits nothing
+    meaningful — or fails deep inside the fit."""
+    if not (lo < value < hi or (hi_ok and value == hi)):
+        _fail(f"{flag} must be in ({lo:g}, {hi:g}{']' if hi_ok else ')'}, got {value:g}")
+
+
 def _save(save: Any, router: Any, dest: Path) -> Path:
     """``save(router, dest)`` (:func:`router.persistence.save_router`), a write failure the up-front check could
     not foresee (a full disk) as one line, exit 2."""
@@ -230,6 +238,10 @@ def fit(
     if out is None:
         _fail("--output FILE is required")
         raise AssertionError  # unreachable
+    _check_range("--quality-target", quality_target, 0.0, 1.0, hi_ok=True)
+    _check_range("--delta", delta, 0.0, 1.0)
+    _check_range("--cal-frac", cal_frac, 0.0, 1.0)
+    _check_range("--heldout-frac", heldout_frac, 0.0, 1.0)
     # several ladders write a folder of files (checked again in _fit_traces: a suffix there is refused)
     _check_output(out, "--output", folder=traces is not None and len(ladder or []) > 1)
     if traces is not None:

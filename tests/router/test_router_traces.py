@@ -291,3 +291,16 @@ def test_an_output_that_cannot_be_written_fails_before_fitting(tmp_path: Path) -
         assert "--output" in res.output and message in res.output and "Traceback" not in res.output, res.output
     labels = CliRunner().invoke(app, ["router", "fit", str(tmp_path / "none.jsonl"), "--output", str(afile / "x")])
     assert labels.exit_code == 2 and "is not a folder" in labels.output
+
+
+def test_fit_range_checks_its_shares_and_confidence(tmp_path: Path) -> None:
+    """--quality-target 1.5, --delta 0 or 1, --cal-frac 1.5 were accepted; each is one line naming the flag, exit 2
+    (before anything is read: the folder does not exist)."""
+    base = ["router", "fit", "--traces", str(tmp_path / "none"), "--dataset", "toy", "--ladder", "m:no_think,exd0",
+            "--output", str(tmp_path / "r.skops")]
+    for flag, value in (("--quality-target", "1.5"), ("--quality-target", "0"), ("--delta", "0"),
+                        ("--delta", "1"), ("--cal-frac", "1.5"), ("--cal-frac", "0"), ("--heldout-frac", "1")):
+        res = CliRunner().invoke(app, [*base, flag, value])
+        assert res.exit_code == 2 and f"{flag} must be in (0, 1" in res.output, (flag, value, res.output)
+    ok = CliRunner().invoke(app, [*base, "--quality-target", "1"])  # a floor of all of always-top is allowed
+    assert "--quality-target" not in ok.output and "traces folder not found" in ok.output
