@@ -461,9 +461,10 @@ def _info_summary(r: Any) -> list[str]:
         lines.append(f"ladder {lad.get('model')}: tiers {tiers} (cheapest first), thresholds {cuts}: score s goes "
                      f"to tiers[#thresholds <= s]; fitted on {meta.get('datasets')}")
         val = meta.get("metrics", {}).get("validation", {})
-        if val:
+        if isinstance(val, dict) and val:
             lines.append("validation savings_at_98: " + ", ".join(
                 f"{k} {100 * v:.1f}%" for k, v in val.get("savings_at_98", {}).items()))
+    lines.extend(_label_validation_lines(meta))
     from router.fit.coldstart import table_lines
 
     lines.extend(table_lines(meta))
@@ -474,6 +475,25 @@ def _info_summary(r: Any) -> list[str]:
     return lines
 
 
+def _label_validation_lines(meta: dict[str, Any]) -> list[str]:
+    """The validation table ``router fit`` on labelled files printed and saved (``metrics.validation``: a list of
+    :meth:`router.fit.evaluate.EvalResult.summary` rows, overall then per source), one line per row; [] for other
+    files (a trace router's validation is a dict, said above)."""
+    m = meta.get("metrics") or {}
+    rows = m.get("validation")
+    if not isinstance(rows, list) or not rows:
+        return []
+
+    def f(v: Any, pct: bool = False) -> str:
+        return "—" if not isinstance(v, int | float) else f"{100 * v:.1f}%" if pct else f"{v:.3f}"
+
+    out = [f"validation ({m.get('validation_note') or 'held-out groups'}):"]
+    out += [f"  {r.get('name')}: n {r.get('n')}, AUC {f(r.get('auc'))}, APGR {f(r.get('apgr'))}, cost reduction at "
+            f"95% of always-long quality {f(r.get('cost_reduction_95'), True)} (random "
+            f"{f(r.get('random_cost_reduction_95'), True)})" for r in rows if isinstance(r, dict)]
+    return out
+
+
 def _no_guarantee_sentence(r: Any, meta: dict[str, Any]) -> str:
     """The opening sentence of a file without a Learn-then-Test guarantee: what it serves, and that it promises
     no quality floor."""
@@ -481,11 +501,16 @@ def _no_guarantee_sentence(r: Any, meta: dict[str, Any]) -> str:
 
     s = serving(meta) or {}
     policy = s.get("policy") or meta.get("policy") or r.scorer
-    what = {"length": "prompt length", "router": "its learned router", "always_top": "always the top tier"}.get(
-        str(policy), str(policy))
+    what = {"length": "prompt length", "router": "its learned router", "always_top": "always the top tier",
+            "pipeline": "its learned text classifier (router fit on labelled files)"}.get(str(policy), str(policy))
     cs = meta.get("cold_start")
     origin = " (the shipped default's cold-start choice, table below)" if isinstance(cs, dict) else ""
-    return (f"Serves {what}{origin} at the thresholds below; it states no quality guarantee (no Learn-then-Test "
+    # a file fitted from labels has no thresholds until `router calibrate`: a gateway refuses it without
+    # routing.thresholds, so "serves … at the thresholds below" would be false
+    where = ("at the thresholds below" if r.thresholds else
+             "once it has thresholds — it has none yet: run thinkgate router calibrate FILE DATA, or set "
+             "routing.thresholds")
+    return (f"Serves {what}{origin} {where}; it states no quality guarantee (no Learn-then-Test "
             "calibration on outcomes of your models) — fit a router on your traffic for one (docs/router.md).")
 
 

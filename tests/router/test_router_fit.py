@@ -151,3 +151,25 @@ def test_calibrate_and_eval_need_as_many_labelled_items_as_fit(tmp_path: Path) -
             assert r.exit_code == 2, (argv, r.output)
             assert f"need at least 10 labelled items, got {n}" in r.output and "Traceback" not in r.output
     assert path.read_bytes() == before
+
+
+def test_info_on_a_file_fitted_from_labels_says_what_is_true_and_prints_its_validation() -> None:
+    """It read "Serves pipeline at the thresholds below…" with thresholds [] and no validation table."""
+    from types import SimpleNamespace
+
+    from router.cli import _info_summary
+
+    row = {"name": "validation", "n": 120, "auc": 0.7712, "apgr": 0.61, "cost_reduction_95": 0.25,
+           "random_cost_reduction_95": 0.05}
+    meta = {"created_utc": "2025-01-01T00:00:00Z",
+            "metrics": {"validation": [row, {**row, "name": "math-level>=4", "auc": None}],
+                        "validation_note": "held-out groups"}}
+    lines = _info_summary(SimpleNamespace(scorer="pipeline", thresholds=[], metadata=meta))
+    text = "\n".join(lines)
+    assert "Serves pipeline" not in text and "at the thresholds below" not in text
+    assert "learned text classifier" in text and "thinkgate router calibrate" in text
+    assert "validation (held-out groups):" in text
+    assert "validation: n 120, AUC 0.771, APGR 0.610" in text and "25.0% (random 5.0%)" in text
+    assert "math-level>=4: n 120, AUC —" in text
+    calibrated = "\n".join(_info_summary(SimpleNamespace(scorer="pipeline", thresholds=[0.4], metadata=meta)))
+    assert "at the thresholds below" in calibrated
