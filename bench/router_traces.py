@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -48,6 +50,18 @@ LADDERS: tuple[tuple[str, str], ...] = (
     ("frames", "gemini-2.5-flash:no_think,budget256,budget1024"),
 )
 SPREAD_POLICIES = ("router", "router+cascade", "length", "random", "oracle")
+
+
+def fail(msg: str) -> NoReturn:
+    """One line on stderr (``error: …``), exit 2 — the scripts' bad-argument exit, as the CLI's."""
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_traces_folder(traces: Path) -> None:
+    """Exit 2 (:func:`fail`) unless ``traces`` is a folder: a typo in ``--traces`` is said at once, before a fit."""
+    if not traces.is_dir():
+        fail(f"--traces {traces}: no such folder (DIR/<dataset>/<MODEL>__<SETTING>.jsonl.gz)")
 
 
 def _heldout(traces: Path, ds: str, ladder: str) -> LadderData:
@@ -169,17 +183,21 @@ def plot(results: list[dict], path: Path) -> Path:
     return path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
     ap.add_argument("--bootstrap", type=int, default=300)
     ap.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "router_traces.json")
     ap.add_argument("--png", type=Path, default=REPO / "bench" / "results" / "router_traces.png")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    check_traces_folder(args.traces)
     t0 = time.perf_counter()
     results = []
     for ds, ladder in LADDERS:
-        r = run_ladder(args.traces, ds, ladder, args.bootstrap)
+        try:
+            r = run_ladder(args.traces, ds, ladder, args.bootstrap)
+        except (FileNotFoundError, ValueError) as exc:  # a data set, model or setting the folder lacks
+            fail(f"{ds} {ladder}: {exc}")
         results.append(r)
         print(f"  {ds} {ladder}: shipped {r['policy_shipped']} ({r['seconds']} s)", flush=True)
     la = os.getloadavg()

@@ -19,6 +19,7 @@ import gzip
 import json
 from pathlib import Path
 
+from bench.router_traces import check_traces_folder, fail
 from gateway.pipeline.abstention import DEFAULT_PHRASES, abstains, final_part
 from router.fit.traces import is_heldout
 
@@ -44,7 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-correct", type=float, default=0.05)
     ap.add_argument("--phrase", action="append", default=[], help="a candidate phrase (repeatable)")
     args = ap.parse_args(argv)
+    check_traces_folder(args.traces)
     data = rows(args.traces)
+    if not data:  # "0 answers", exit 0, read as a finding; it is a folder without trace files
+        fail(f"--traces {args.traces}: no trace rows of a non-top setting (DIR/<dataset>/<MODEL>__<SETTING>.jsonl.gz)")
     tails = [(final_part(str(r.get("response") or "")), bool(r["correct"]), r.get("grading")) for _, r in data]
     kept = []
     print(f"{len(data)} answers (non-top settings, non-held-out questions)")

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.router_traces import DEFAULT_TRACES, LADDERS
+from bench.router_traces import DEFAULT_TRACES, LADDERS, check_traces_folder, fail
 from router.abstention import abstains
 from router.escalation import answer_features, should_escalate
 from router.fit.ladder_eval import abstain_matrix, cascade_outcome, route
@@ -80,16 +80,20 @@ def served_on_heldout(traces: Path, dataset: str, ladder: str, delta: float, flo
             "savings": round(1 - float(np.sum(tokens)) / top_t, 4)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
     ap.add_argument("--delta", type=float, action="append")
     ap.add_argument("--floor", type=float, action="append", help="the promised floor (default 0.98; repeatable)")
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    check_traces_folder(args.traces)
     out = []
     for floor, delta in [(f, d) for f in args.floor or [0.98] for d in args.delta or [0.1]]:
-        rows = [served_on_heldout(args.traces, ds, lad, delta, floor) for ds, lad in LADDERS]
+        try:
+            rows = [served_on_heldout(args.traces, ds, lad, delta, floor) for ds, lad in LADDERS]
+        except (FileNotFoundError, ValueError) as exc:  # a data set, model or setting the folder lacks
+            fail(str(exc))
         two = [x for x in rows if len(x["ladder"].split(",")) == 2]
         pooled = sum(x["correct"] for x in two) / sum(x["top_correct"] for x in two)
         print(f"floor {floor}, delta {delta}: pooled accuracy ratio {pooled:.3f}, "
