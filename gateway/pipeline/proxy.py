@@ -276,8 +276,8 @@ class Proxy:
             except UpstreamTimeout:
                 raise
             except (UpstreamError, httpx.HTTPError) as exc:  # broken before a byte reached the client: a 502
-                why = exc.message if isinstance(exc, GatewayError) else type(exc).__name__
-                raise UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {why}",
+                broke = exc.message if isinstance(exc, GatewayError) else type(exc).__name__
+                raise UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {broke}",
                                     code="upstream_stream_broken") from None
         else:
             assert data is not None
