@@ -332,3 +332,26 @@ def test_count_tokens(gw: GatewayServer, upstream_sim: SimProcess) -> None:
     m = sdk(gw).messages.create(model="short", max_tokens=16, system="Be brief.", messages=msgs)  # type: ignore[arg-type]
     assert m.usage.input_tokens == n.input_tokens
     assert upstream_sim.stats()["requests"] == before + 1
+
+
+def test_the_anthropic_sdk_lists_and_retrieves_models(gw: GatewayServer) -> None:
+    """``models.list`` / ``models.retrieve`` of the Anthropic SDK (``x-api-key``, ``anthropic-version``): its own
+    page and ``ModelInfo`` shape, and its error shape — it got a 401 (Bearer only), then OpenAI-shaped cards with
+    ``created_at``, ``display_name`` and ``type`` all None. The OpenAI SDK still gets OpenAI's list."""
+    page = sdk(gw).models.list()
+    ids = [m.id for m in page.data]
+    assert ids[0] == "auto" and {"short", "long"} <= set(ids)
+    assert all(m.type == "model" and m.display_name == m.id and m.created_at.year >= 2024 for m in page.data)
+    assert page.has_more is False and (page.first_id, page.last_id) == (ids[0], ids[-1])
+    one = sdk(gw).models.retrieve("long")
+    assert (one.id, one.type) == ("long", "model")
+    with pytest.raises(anthropic.NotFoundError) as nf:
+        sdk(gw).models.retrieve("nope")
+    assert nf.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    bad = anthropic.Anthropic(base_url=gw.url, api_key="nope", max_retries=0, timeout=30)
+    with pytest.raises(anthropic.AuthenticationError):
+        bad.models.list()
+    import openai
+
+    listed = openai.OpenAI(base_url=gw.base_url, api_key=SECRETS["alice"], max_retries=0).models.list()
+    assert listed.data[0].id == "auto" and listed.data[0].object == "model"
