@@ -17,7 +17,7 @@ from typing import Any
 from gateway.config import TierConfig
 from gateway.ledger.event import WireEndpoint
 from gateway.openai.chunks import StreamAssembler
-from gateway.openai.sse import Chunk
+from gateway.openai.sse import Chunk, StreamTally
 from gateway.thinking.forcing import end_marker
 from gateway.upstream.response import SyntheticResponse, UpstreamResponse, chunk_batches
 from router.escalation import answer_features, should_escalate
@@ -118,6 +118,7 @@ async def peek_stream(
 
     Returns (a response replaying everything read and then the rest, a summary for
     :func:`escalation_reason`: ``{"choices": [{"message"|"text": …, "finish_reason", "logprobs"?}], "usage"}``,
+    plus ``"counted": {"completion_tokens", "reasoning_tokens"}`` — the deltas read — when no usage came,
     ``logprobs.content`` gathered from the deltas when the upstream sent any). The thought (with ``whole``,
     the answer too) is buffered meanwhile, which is the price of escalating a streamed request before any
     byte of the weaker tier's answer reached the client.
@@ -126,10 +127,12 @@ async def peek_stream(
     head: list[list[Chunk]] = []
     rest = chunk_batches(resp)
     assembler = StreamAssembler()  # the one stream assembler (the cache's), read as far as needed
+    tally = StreamTally()  # the deltas read, for the attempt's usage when the upstream sends none
     logprobs: list[Any] = []
     marker = end_marker(tier)
     async for batch in rest:
         head.append(batch)
+        tally.feed(batch)
         for item in batch:
             if item.data is None:
                 continue
@@ -140,7 +143,12 @@ async def peek_stream(
                     logprobs += lp["content"]
         if not whole and _answer_started(assembler.result(), endpoint, marker):
             break
-    return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose), _summary(assembler, endpoint, logprobs)
+    summary = _summary(assembler, endpoint, logprobs)
+    if summary["usage"] is None:  # none came (an error event ended it): the running totals, or the deltas read
+        summary["usage"] = tally.last_usage
+        summary["counted"] = {"completion_tokens": tally.reasoning_deltas + tally.text_deltas,
+                              "reasoning_tokens": tally.reasoning_deltas}
+    return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose), summary
 
 
 def _joined(body: dict[str, Any], endpoint: WireEndpoint) -> tuple[str, str, bool, str | None]:

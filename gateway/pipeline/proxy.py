@@ -46,7 +46,7 @@ from gateway.pipeline import abstention, escalation, policy, upstream_body
 from gateway.pipeline.accounting import Ahead
 from gateway.pipeline.answer import Answer, Caller
 from gateway.pipeline.exchange import Exchange
-from gateway.pipeline.relay import CLIENT_CLOSED, complete, relay, renew
+from gateway.pipeline.relay import CLIENT_CLOSED, complete, count_prompt, relay, renew
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import Sessions
 from gateway.thinking import dial
@@ -298,9 +298,21 @@ class Proxy:
         await resp.aclose()
         log.info("tier %s gave %s; escalating to %s", tier.name, why, nxt.name)
         ex.record.mark_first_byte()
-        ex.record.set_usage(summary.get("usage") if isinstance(summary.get("usage"), dict) else None)
+        usage = summary.get("usage")
+        ex.record.set_usage(usage if isinstance(usage, dict) else None)
+        counted = summary.get("counted")
+        if not isinstance(usage, dict) and isinstance(counted, dict):  # the stream ended with no usage: counted
+            await self._count_attempt(ex, counted, body)
         await ex.next_attempt(retry, 200, f"escalated_{why}", again)
         return resp, None, True
+
+    async def _count_attempt(self, ex: Exchange, counted: dict[str, int], body: dict[str, Any]) -> None:
+        """A peeked attempt that brought no usage (an upstream error event ended it) is billed what it generated
+        (the deltas read) and its prompt (:func:`gateway.pipeline.relay.count_prompt`) — it was metered at 0."""
+        rec = ex.record
+        rec.completion_tokens, rec.reasoning_tokens = counted["completion_tokens"], counted["reasoning_tokens"]
+        rec.prompt_tokens = await count_prompt(self.upstreams, ex.tier, body)
+        rec.usage_source = "counted"
 
     async def _admit_escalation(self, ex: Exchange, retry: RouteDecision, body: dict[str, Any], caller: Caller,
                                 again: UsageRecord) -> str | None:

@@ -237,6 +237,27 @@ def test_a_stream_broken_while_peeked_is_a_502_and_its_record_says_so(upstream_s
         assert (records[0].status, records[0].error_code, records[0].partial) == (502, "upstream_stream_broken", True)
 
 
+def test_an_attempt_ended_by_an_error_event_is_billed_what_it_generated(upstream_sim: SimProcess,
+                                                                         redis_url: str) -> None:
+    """The cheap tier's stream ends with the upstream's error event after some thought (no usage chunk): the request
+    escalates, and the first attempt is metered on the deltas it sent and its prompt — it was metered at 0
+    (``usage_source: none``) though the upstream had generated them."""
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"thinking_budget": 100, "escalate_on": ["empty_answer"]})
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        records: list[UsageRecord] = []
+        gw.app.state.proxy.usage_sinks.append(records.append)
+        r = httpx.post(gw.base_url + "/chat/completions", headers={"authorization": f"Bearer {TEST_KEY}"},
+                       # a short question: a thought of 16+ words, an answer of 3, so the error comes in the thought
+                       json={"model": "short", "stream": True, "messages": [{"role": "user", "content": "hi there"}],
+                             "sim": {"fail": "error-event"}}, timeout=30)
+        assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "long"
+        assert wait_for(lambda: len(records) >= 2, timeout_s=5)
+        first = records[0]
+        assert (first.tier, first.error_code, first.usage_source) == ("short", "escalated_empty_answer", "counted")
+        assert first.completion_tokens > 0 and first.prompt_tokens > 0 and first.cost_micro_usd > 0
+
+
 def test_no_escalation_when_the_answer_is_there(upstream_sim: SimProcess, redis_url: str) -> None:
     tiers = sim_tiers(upstream_sim.base_url)
     tiers[1].update({"escalate_on": ["empty_answer", "length_in_thought"]})
