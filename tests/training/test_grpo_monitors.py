@@ -122,6 +122,29 @@ def test_config_errors_name_the_field(data: dict, match: str) -> None:
         validate(from_dict(RunConfig, data))
 
 
+@pytest.mark.parametrize("field", ["budget_usd", "budget_device_hours", "budget_sampled_tokens"])
+@pytest.mark.parametrize("value", ["-1", "0", "NaN", "inf"])
+def test_budgets_must_be_finite_and_positive(tmp_path: Path, field: str, value: str) -> None:
+    """A NaN budget raised at the first budget check, after start-up was paid; 0 or a negative one stopped every
+    run before its first step: refused at config load, in the GRPO and the SFT run file alike."""
+    from training.sft.run import load_sft_config
+
+    if field == "budget_sampled_tokens" and value in ("NaN", "inf"):
+        value = "-5"  # an integer field: pydantic refuses NaN already
+    p = tmp_path / "run.yaml"
+    p.write_text(f"ledger:\n  {field}: {value if field != 'budget_usd' else repr(value)}\n")
+    for load in (load_config, load_sft_config):
+        with pytest.raises(ConfigError, match=rf"^ledger\.{field}: must be finite and > 0"):
+            load(p)
+
+
+def test_prices_must_be_finite() -> None:
+    from training.grpo.config import validate
+
+    with pytest.raises(ConfigError, match=r"ledger\.price_usd_per_device_hour: prices must be finite and >= 0"):
+        validate(from_dict(RunConfig, {"ledger": {"price_usd_per_device_hour": {"cpu": "NaN"}}}))
+
+
 def test_shipped_configs_load() -> None:
     root = Path(__file__).resolve().parents[2] / "training" / "configs"
     files = sorted(root.glob("*.yaml"))

@@ -472,18 +472,31 @@ def _check_budget_prompt(bp: BudgetPromptConfig, names: list[str]) -> None:
 
 
 def _check_ledger_money(lc: LedgerConfig) -> None:
-    """Device-hour prices are decimals >= 0; the dollar budget, when set, a decimal."""
+    """Device-hour prices are finite decimals >= 0; each budget, when set, finite and > 0 (USD a decimal,
+    device-hours a number, sampled tokens an integer). Raises :class:`ConfigError` naming the field."""
     try:
         prices = lc.prices()
     except Exception as e:  # decimal.InvalidOperation
         raise ConfigError(f"ledger.price_usd_per_device_hour: not a decimal ({e})") from e
-    if any(p < 0 for p in prices.values()):
-        raise ConfigError("ledger.price_usd_per_device_hour: prices must be >= 0")
+    if any(not p.is_finite() or p < 0 for p in prices.values()):
+        raise ConfigError("ledger.price_usd_per_device_hour: prices must be finite and >= 0")
     if lc.budget_usd is not None:
         try:
-            Decimal(lc.budget_usd)
+            usd = Decimal(lc.budget_usd)
         except Exception as e:
             raise ConfigError(f"ledger.budget_usd: not a decimal: {lc.budget_usd!r}") from e
+        _check_budget("budget_usd", usd)
+    if lc.budget_device_hours is not None:
+        _check_budget("budget_device_hours", Decimal(str(lc.budget_device_hours)))
+    if lc.budget_sampled_tokens is not None:
+        _check_budget("budget_sampled_tokens", Decimal(lc.budget_sampled_tokens))
+
+
+def _check_budget(name: str, value: Decimal) -> None:
+    """A hard budget must be finite and > 0: NaN made the first budget check raise after start-up was paid, and
+    0 or a negative one stops every run before its first step (unlimited is ``null``). Raises ConfigError."""
+    if not value.is_finite() or value <= 0:
+        raise ConfigError(f"ledger.{name}: must be finite and > 0 (null = unlimited), got {value}")
 
 
 def _check_ledger_limits(cfg: RunConfig) -> None:

@@ -31,6 +31,7 @@ from training.grpo.config import (
     LedgerConfig,
     ModelConfig,
     TaskConfig,
+    _check_ledger_money,
     _Section,
     from_dict,
     resolve_model_path,
@@ -93,6 +94,7 @@ def load_sft_config(path: str | Path | None) -> SFTRunConfig:
         raise ConfigError(f"traces.style: {cfg.traces.style!r} is not one of ['terse', 'medium', 'verbose']")
     if cfg.traces.per_problem < 1:
         raise ConfigError("traces.per_problem: must be >= 1")
+    _check_ledger_money(cfg.ledger)  # GRPO's rules: prices finite >= 0, budgets finite > 0
     return cfg
 
 
