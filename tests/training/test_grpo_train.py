@@ -178,6 +178,36 @@ def test_fresh_run_refuses_a_used_run_dir(tiny: Path, tmp_path: Path) -> None:
         run(make_cfg(tiny, trl={"max_steps": 1}), tmp_path)
 
 
+def test_resume_refuses_another_run_directorys_checkpoint(tiny: Path, tmp_path: Path) -> None:
+    """``--output-dir B --resume A/checkpoint-1`` started B's ledger from A's totals: A's spend counted in both
+    runs (``train runs`` and summary.json disagreed). Refused before B is created."""
+    from training.grpo.config import ConfigError
+
+    first = tmp_path / "a"
+    run(make_cfg(tiny, trl={"max_steps": 1, "save_steps": 1}), first)
+    foreign = tmp_path / "b"
+    with pytest.raises(ConfigError, match=r"^--resume: .*checkpoint-1 is not a checkpoint of the run directory"):
+        run(make_cfg(tiny, trl={"max_steps": 2}), foreign, resume=str(first / "checkpoint-1"))
+    assert not foreign.exists()
+
+
+@pytest.mark.parametrize("resume", ["auto", "missing/checkpoint-3", "not-a-checkpoint"])
+def test_resume_of_nothing_exits_2_and_writes_nothing(tmp_path: Path, resume: str) -> None:
+    """A missing checkpoint raised FileNotFoundError (exit 1) after config.yaml and heartbeat.json were written;
+    ``--resume auto`` on a missing directory created it before failing."""
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    (tmp_path / "not-a-checkpoint").mkdir()
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["train", "grpo", "--output-dir", str(out), "--allow-dirty",
+                                 "--resume", resume if resume == "auto" else str(tmp_path / resume)])
+    assert r.exit_code == 2 and r.output.startswith("config error: --resume"), r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
+    assert not out.exists()
+
+
 def test_budget_stop_checkpoints_first(tiny: Path, tmp_path: Path) -> None:
     cfg = make_cfg(tiny, ledger={"budget_sampled_tokens": 1}, trl={"max_steps": 5})
     s = run(cfg, tmp_path)

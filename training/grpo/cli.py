@@ -14,7 +14,9 @@ def grpo(
     config: Path | None = typer.Option(None, "--config", "-c", help="Run file (YAML); see training/configs/."),
     max_steps: int | None = typer.Option(None, "--max-steps", help="Override trl.max_steps (optimizer steps)."),
     output_dir: Path | None = typer.Option(None, "--output-dir", help="Override the run directory."),
-    resume: str | None = typer.Option(None, "--resume", help="'auto' (last checkpoint in the run dir) or a path."),
+    resume: str | None = typer.Option(
+        None, "--resume", help="'auto' (last checkpoint in the run dir) or a checkpoint-N path inside the run dir."
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
     force: bool = typer.Option(False, "--force", help="Resume even though the run file changed rewards/hparams."),
     allow_dirty: bool = typer.Option(

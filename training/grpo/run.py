@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -396,12 +397,11 @@ def prepare_run_dir(
     resume: str | None = None,
     force: bool = False,
 ) -> tuple[Path, str | None]:
-    """Check the ``trl:`` options, create the run directory and write its ``config.yaml`` and first heartbeat
-    (rank 0); returns ``(run_dir, checkpoint to resume or None)``. ``max_steps``/``output_dir`` override the
-    config (in place). Raises :class:`ConfigError`: no checkpoint to resume, a fresh run into a used directory,
+    """Check the ``trl:`` options and the checkpoint to resume, then create the run directory and write its
+    ``config.yaml`` and first heartbeat (rank 0); returns ``(run_dir, checkpoint to resume or None)``.
+    ``max_steps``/``output_dir`` override the config (in place). Raises :class:`ConfigError` before anything is
+    created or written: no checkpoint to resume (:func:`resolve_checkpoint`), a fresh run into a used directory,
     a resume under a changed run file without ``force``."""
-    from transformers.trainer_utils import get_last_checkpoint
-
     from training.registry import write_heartbeat
 
     if max_steps is not None:
@@ -412,14 +412,10 @@ def prepare_run_dir(
     check_device_options(cfg, torch.cuda.is_available())
     run_dir = Path(output_dir or cfg.output_dir)
     cfg.output_dir = str(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint: str | None = None
-    if resume:
-        checkpoint = get_last_checkpoint(str(run_dir)) if resume == "auto" else resume
-        if checkpoint is None:
-            raise ConfigError(f"--resume auto: no checkpoint-* in {run_dir}")
-    elif (run_dir / "ledger.jsonl").exists():
+    checkpoint = resolve_checkpoint(run_dir, resume) if resume else None
+    if not resume and (run_dir / "ledger.jsonl").exists():
         raise ConfigError(f"{run_dir} already holds a run (ledger.jsonl): pass --resume auto or a new --output-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.yaml"
     if checkpoint and config_path.is_file():
         _check_resumed_config(cfg, config_path, run_dir, force)
@@ -427,6 +423,35 @@ def prepare_run_dir(
         config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         write_heartbeat(run_dir, 0)  # the registry tells running from abandoned runs by this file's age
     return run_dir, checkpoint
+
+
+def resolve_checkpoint(run_dir: Path, resume: str) -> str:
+    """The checkpoint ``--resume`` names: ``"auto"`` = the last ``checkpoint-N`` in ``run_dir``, else a path that
+    must be a ``checkpoint-N`` directory of ``run_dir`` itself with the ledger's state in it. Creates nothing.
+
+    Raises :class:`ConfigError`: no run directory or no checkpoint in it (auto); a path that does not exist, is
+    not a ThinkGate checkpoint, or belongs to another run directory — its ledger state would start this run from
+    the other run's totals, counting that spend in both runs."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if resume == "auto":
+        if not run_dir.is_dir():
+            raise ConfigError(f"--resume auto: no run directory at {run_dir}")
+        last = get_last_checkpoint(str(run_dir))
+        if last is None:
+            raise ConfigError(f"--resume auto: no checkpoint-* in {run_dir}")
+        return str(last)
+    ckpt = Path(resume)
+    if not ckpt.is_dir():
+        raise ConfigError(f"--resume: no checkpoint directory at {ckpt}")
+    if not re.fullmatch(r"checkpoint-\d+", ckpt.name) or not (ckpt / "ledger_state.json").is_file():
+        raise ConfigError(f"--resume: {ckpt} is not a ThinkGate checkpoint (checkpoint-N with ledger_state.json)")
+    if ckpt.resolve().parent != run_dir.resolve():
+        raise ConfigError(
+            f"--resume: {ckpt} is not a checkpoint of the run directory {run_dir} (its ledger would carry the other "
+            f"run's spend into this one): resume it in its own run (--output-dir {ckpt.parent})"
+        )
+    return str(ckpt)
 
 
 def _build_ledger(
