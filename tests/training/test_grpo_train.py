@@ -142,7 +142,7 @@ def test_resume_mid_epoch_continues_without_double_counting(tiny: Path, tmp_path
     # 8 problems, 2 per step -> 4 steps per epoch; checkpoint at 2 is mid-epoch.
     run(make_cfg(tiny, trl={"max_steps": 3, "save_steps": 2}), tmp_path)
     assert ledger_steps(tmp_path) == [1, 2, 3]
-    s = run(make_cfg(tiny, trl={"max_steps": 4, "save_steps": 2}), tmp_path, resume=str(tmp_path / "checkpoint-2"))
+    s = run(make_cfg(tiny, trl={"save_steps": 2}), tmp_path, resume=str(tmp_path / "checkpoint-2"), max_steps=4)
     assert s["global_step"] == 4
     assert ledger_steps(tmp_path) == [1, 2, 3, 4]  # each step once
     assert ledger_steps(tmp_path, "ledger_discarded.jsonl") == [3]  # the abandoned step 3, kept apart
@@ -159,7 +159,7 @@ def test_resume_at_epoch_boundary(tiny: Path, tmp_path: Path) -> None:
     run(make_cfg(tiny, trl={"max_steps": 2, "save_steps": 2}), tmp_path, problems=probs)
     state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and state["epoch"] == pytest.approx(1.0)
-    s = run(make_cfg(tiny, trl={"max_steps": 4, "save_steps": 2}), tmp_path, problems=probs, resume="auto")
+    s = run(make_cfg(tiny, trl={"save_steps": 2}), tmp_path, problems=probs, resume="auto", max_steps=4)
     assert s["global_step"] == 4
     assert ledger_steps(tmp_path) == [1, 2, 3, 4]
     # nothing on the training path was abandoned; only the first segment's finish row (saving, plots) is discarded
@@ -383,14 +383,47 @@ def test_resume_refuses_a_changed_run_file_unless_forced(tiny: Path, tmp_path: P
     with pytest.raises(ConfigError, match=r"trl.learning_rate .*--force"):
         run(changed, tmp_path, resume="auto")
     more_steps = make_cfg(tiny, trl={"max_steps": 3, "save_steps": 2})  # max_steps is not a hyper-parameter
-    assert run(more_steps, tmp_path, resume="auto")["global_step"] == 3
+    assert run(more_steps, tmp_path, resume="auto", max_steps=3)["global_step"] == 3
     s = run(
-        make_cfg(tiny, trl={"max_steps": 4, "save_steps": 2, "learning_rate": 1e-3}),
+        make_cfg(tiny, trl={"save_steps": 2, "learning_rate": 1e-3}),
         tmp_path,
         resume="auto",
         force=True,
+        max_steps=4,
     )
     assert s["global_step"] == 4 and (tmp_path / "config.previous.yaml").is_file()
+
+
+def test_resume_keeps_the_runs_max_steps_and_never_trains_past_it(tiny: Path, tmp_path: Path) -> None:
+    """A run started with --max-steps 4 over a run file's 2, resumed without the flag (the old SIGINT hint): it went
+    on to the run file's 2 — training one step past it, to 3 — and rewrote config.yaml with 2. It keeps the
+    recorded 4 now; a resume with nothing left to train is refused before anything is written."""
+    from training.grpo.config import ConfigError
+
+    run(make_cfg(tiny, trl={"max_steps": 2, "save_steps": 2}), tmp_path, max_steps=4)
+    s = run(make_cfg(tiny, trl={"max_steps": 2, "save_steps": 2}), tmp_path, resume=str(tmp_path / "checkpoint-2"))
+    assert s["global_step"] == 4 and ledger_steps(tmp_path) == [1, 2, 3, 4]
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trl"]["max_steps"] == 4
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    for max_steps in (None, 4, 3):
+        with pytest.raises(ConfigError, match=r"^--resume: checkpoint-4 is at step 4 and trl.max_steps is \d: nothing"):
+            run(make_cfg(tiny, trl={"max_steps": 2, "save_steps": 2}), tmp_path, resume="auto", max_steps=max_steps)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_the_interrupt_hint_repeats_the_original_flags(tmp_path: Path) -> None:
+    from training.grpo.cli import _again_flags, _interrupted
+    from training.registry import write_heartbeat
+
+    run_dir = tmp_path / "my run"
+    (run_dir / "checkpoint-3").mkdir(parents=True)
+    write_heartbeat(run_dir, 4)
+    flags = _again_flags(Path("training/configs/smoke.yaml"), 12, allow_dirty=True, quiet=False)
+    hint = _interrupted(str(run_dir), flags)
+    assert hint.endswith(
+        "thinkgate train grpo --config training/configs/smoke.yaml --max-steps 12 --allow-dirty "
+        f"--output-dir '{run_dir}' --resume auto"
+    ), hint
 
 
 def test_dirty_git_tree_is_refused_unless_allowed(tmp_path: Path) -> None:
@@ -479,11 +512,12 @@ def test_sigint_says_how_to_resume_and_the_registry_says_interrupted(tiny: Path,
     cfg.write_text(yaml.safe_dump({"model": {"path": str(tiny)}, "eval": {"before": False, "after": False},
                                    "monitors": {"rules": []},
                                    "trl": {"num_generations": 2, "per_device_train_batch_size": 4,
-                                           "max_completion_length": 12, "max_steps": 500, "save_steps": 1,
+                                           "max_completion_length": 12, "max_steps": 2, "save_steps": 1,
                                            "seed": 0}}))
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "train", "grpo", "--config", str(cfg), "--output-dir",
-                             str(out), "--allow-dirty", "--quiet"], cwd=str(Path(__file__).resolve().parents[2]),
+                             str(out), "--allow-dirty", "--quiet", "--max-steps", "500"],
+                            cwd=str(Path(__file__).resolve().parents[2]),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             # a shell's background job (CI started with `&`) ignores SIGINT, and Python keeps an
                             # inherited SIG_IGN: the default disposition, as at a terminal
@@ -502,5 +536,5 @@ def test_sigint_says_how_to_resume_and_the_registry_says_interrupted(tiny: Path,
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err[-2000:]
-    assert "interrupted at step" in err and "--resume auto" in err
+    assert "interrupted at step" in err and "--max-steps 500 --allow-dirty --quiet" in err and "--resume auto" in err
     assert load_run(out).status == "interrupted"

@@ -48,7 +48,8 @@ def grpo(
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2) from e
     except KeyboardInterrupt:  # Ctrl-C / SIGINT: say where the run stands and how to go on; `train runs` shows it
-        typer.echo(_interrupted(cfg.output_dir if "cfg" in locals() else None, config), err=True)
+        flags = _again_flags(config, max_steps, allow_dirty=allow_dirty, quiet=quiet)
+        typer.echo(_interrupted(cfg.output_dir if "cfg" in locals() else None, flags), err=True)
         raise typer.Exit(130) from None
     run_dir = Path(cfg.output_dir)
     keys = (
@@ -64,18 +65,33 @@ def grpo(
     typer.echo(f"run directory: {run_dir}  (model: {run_dir / 'model'}, tier snippet: {run_dir / 'tier.yaml'})")
 
 
-def _interrupted(run_dir: str | None, config: Path | None) -> str:
+def _again_flags(config: Path | None, max_steps: int | None, *, allow_dirty: bool, quiet: bool) -> list[str]:
+    """The original command's flags that a resume or a fresh start must repeat (shell-quoted): ``--config``, the
+    ``--max-steps`` override (else the run file's max_steps would apply to a fresh start), ``--allow-dirty`` and
+    ``--quiet``. ``--output-dir`` is added by :func:`_interrupted`; ``--force`` is not repeated (the resumed run's
+    ``config.yaml`` already holds the forced run file)."""
+    import shlex
+
+    flags = [f"--config {shlex.quote(str(config))}"] if config is not None else []
+    if max_steps is not None:
+        flags.append(f"--max-steps {max_steps}")
+    return flags + (["--allow-dirty"] if allow_dirty else []) + (["--quiet"] if quiet else [])
+
+
+def _interrupted(run_dir: str | None, flags: list[str]) -> str:
     """Mark an interrupted run (:func:`training.registry.mark_interrupted`) and say how to go on: resume from its
-    last checkpoint, or — none written yet — start again in a fresh run directory."""
+    last checkpoint, or — none written yet — start again in a fresh run directory; ``flags`` are the original
+    command's (:func:`_again_flags`)."""
+    import shlex
+
     from training.registry import mark_interrupted
 
     step = mark_interrupted(run_dir) if run_dir is not None else None
-    if step is None:
+    if run_dir is None or step is None:
         return "interrupted before the run started: nothing to resume"
-    again = ["thinkgate train grpo", *([f"--config {config}"] if config is not None else []),
-             f"--output-dir {run_dir}"]
+    command = " ".join(["thinkgate train grpo", *flags])
     if not any(Path(run_dir).glob("checkpoint-*")):
         return (f"interrupted at step {step}, before the first checkpoint: nothing to resume; start again in a new "
-                f"run directory ({' '.join(again[:-1])} --output-dir <new dir>)")
+                f"run directory ({command} --output-dir <new dir>)")
     return (f"interrupted at step {step}: the steps since the last checkpoint are redone (their ledger rows kept as "
-            f"discarded) when you resume: {' '.join(again)} --resume auto")
+            f"discarded) when you resume: {command} --output-dir {shlex.quote(run_dir)} --resume auto")

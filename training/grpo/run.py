@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from training.grpo.config import REPO_ROOT, ConfigError, RunConfig, resolve_model_path, stable_hash
+from training.grpo.config import REPO_ROOT, ConfigError, RunConfig, _default_trl, resolve_model_path, stable_hash
 from training.grpo.reward_utils import Verifier
 
 logger = logging.getLogger(__name__)
@@ -373,9 +373,10 @@ def run_grpo(
     return report_run(run, train_run(run))
 
 
-def _check_resumed_config(cfg: RunConfig, config_path: Path, run_dir: Path, force: bool) -> None:
+def _check_resumed_config(cfg: RunConfig, config_path: Path, force: bool) -> list[str]:
     """Refuse (:class:`ConfigError`) to resume under a run file that differs from the run's ``config.yaml``,
-    unless ``force`` (then the old one is kept as ``config.previous.yaml``)."""
+    unless ``force``; returns the differences (:func:`config_changes`; the caller keeps the old file as
+    ``config.previous.yaml`` when there are some). Writes nothing."""
     changed = config_changes(yaml.safe_load(config_path.read_text()) or {}, cfg.to_dict())
     if changed and not force:
         raise ConfigError(
@@ -385,8 +386,48 @@ def _check_resumed_config(cfg: RunConfig, config_path: Path, run_dir: Path, forc
         )
     if changed:
         logger.warning("--resume --force with a changed config: %s", "; ".join(changed))
-        if int(os.environ.get("RANK", "0")) == 0:
-            (run_dir / "config.previous.yaml").write_text(config_path.read_text())
+    return changed
+
+
+def _keep_recorded_max_steps(cfg: RunConfig, config_path: Path) -> None:
+    """A resume without ``--max-steps`` trains to the run's recorded ``trl.max_steps`` (its ``config.yaml``), not
+    the run file's: a run started with ``--max-steps 20`` over a run file's 6 went on to 6 (and one step past)
+    when resumed without the flag. Sets ``cfg.trl["max_steps"]`` in place; warns when the run file differs."""
+    recorded = {**_default_trl(), **((yaml.safe_load(config_path.read_text()) or {}).get("trl") or {})}
+    steps = recorded.get("max_steps")
+    if not isinstance(steps, int) or isinstance(steps, bool):
+        return
+    if cfg.trl_kwargs().get("max_steps") != steps:
+        logger.warning("--resume: trl.max_steps stays the run's %d (the run file says %s); pass --max-steps to change "
+                       "it", steps, cfg.trl_kwargs().get("max_steps"))
+    cfg.trl["max_steps"] = steps
+
+
+def _check_resume(
+    cfg: RunConfig, config_path: Path, checkpoint: str, max_steps: int | None, force: bool
+) -> list[str]:
+    """The resume's run config against the run's recorded ``config_path``: keep its max_steps unless ``max_steps``
+    (``--max-steps``) was given, refuse a changed run file unless ``force``, and a resume with nothing left to
+    train. Returns the forced changes; raises :class:`ConfigError`. Writes nothing."""
+    changed: list[str] = []
+    if config_path.is_file():
+        if max_steps is None:
+            _keep_recorded_max_steps(cfg, config_path)
+        changed = _check_resumed_config(cfg, config_path, force)
+    _check_steps_left(cfg, checkpoint)
+    return changed
+
+
+def _check_steps_left(cfg: RunConfig, checkpoint: str) -> None:
+    """Refuse (:class:`ConfigError`) a resume with nothing left to train: ``max_steps`` at or below the
+    checkpoint's step. The Trainer would train one step past it before checking (step 7 of max_steps 6, seen)."""
+    steps = cfg.trl_kwargs().get("max_steps")
+    done = int(Path(checkpoint).name.rsplit("-", 1)[-1])
+    if isinstance(steps, int) and 0 < steps <= done:
+        raise ConfigError(
+            f"--resume: {Path(checkpoint).name} is at step {done} and trl.max_steps is {steps}: nothing left to train; "
+            f"pass --max-steps greater than {done} to train on"
+        )
 
 
 def prepare_run_dir(
@@ -415,11 +456,12 @@ def prepare_run_dir(
     checkpoint = resolve_checkpoint(run_dir, resume) if resume else None
     if not resume and (run_dir / "ledger.jsonl").exists():
         raise ConfigError(f"{run_dir} already holds a run (ledger.jsonl): pass --resume auto or a new --output-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.yaml"
-    if checkpoint and config_path.is_file():
-        _check_resumed_config(cfg, config_path, run_dir, force)
+    changed = _check_resume(cfg, config_path, checkpoint, max_steps, force) if checkpoint else []
+    run_dir.mkdir(parents=True, exist_ok=True)
     if int(os.environ.get("RANK", "0")) == 0:  # before the trainer exists (torchrun/accelerate set RANK)
+        if changed:  # --force: the run file it replaces is kept
+            (run_dir / "config.previous.yaml").write_text(config_path.read_text())
         config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         write_heartbeat(run_dir, 0)  # the registry tells running from abandoned runs by this file's age
     return run_dir, checkpoint
