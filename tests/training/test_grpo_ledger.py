@@ -61,15 +61,57 @@ def test_rows_and_cumulative_totals(tmp_path: Path) -> None:
 
 
 def test_usd_budget_warns_then_stops_on_projection(tmp_path: Path) -> None:
-    led = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"), Budgets(usd=Decimal("0.0001")), warn_fraction=0.8)
-    led.record(1, counters(), 0.040)  # 40 micro-USD of 100
+    # $3.60/h = 1 micro-USD per device-ms; the finish is reserved at FINISH_FLOOR_MS = 2000 ms here
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"), Budgets(usd=Decimal("0.0025")), warn_fraction=0.15)
+    led.record(1, counters(), 0.200)  # 200 micro-USD of 2500
     c1 = led.check()
-    assert c1.stop_reason is None and c1.warnings == []  # 40 + 40 projected = 80 <= 100
-    led.record(2, counters(), 0.040)  # 80 of 100
+    assert c1.stop_reason is None and c1.warnings == []  # 200 + 200 next step + 2000 finish = 2400 <= 2500
+    led.record(2, counters(), 0.200)  # 400 of 2500
     c2 = led.check()
-    assert len(c2.warnings) == 1 and "80%" in c2.warnings[0]
-    assert c2.stop_reason is not None and "projected" in c2.stop_reason  # 80 + 40 > 100
+    assert len(c2.warnings) == 1 and "16%" in c2.warnings[0]
+    assert c2.stop_reason == (
+        "budget usd: the next step is projected to exceed it ($0.000400 spent + $0.000200 per step + $0.002000 to "
+        "finish > $0.002500)"
+    )
     assert led.check().warnings == []  # warned once
+
+
+def test_a_budget_stop_leaves_room_for_the_finish_row(tmp_path: Path) -> None:
+    """The stop projected one step only; the finish row billed after it (checkpoint, model, plots) ended a *hard*
+    budget 4.4% over (0.000522 of 0.0005, the smoke config). The projection now adds the costliest of the last 3
+    steps and the finish; a resumed run reserves the finish it has seen."""
+    from training.grpo.ledger import FINISH_FLOOR_MS
+
+    budget = Decimal("0.006")  # 6000 micro-USD at 1 micro-USD per device-ms
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"), Budgets(usd=budget))
+    led.record_overhead("startup", 0, {"startup": 1.0})
+    step = 0
+    for wall in (0.9, 0.3, 0.3, 0.3, 0.3, 0.3):
+        step += 1
+        led.record(step, counters(), wall)
+        if led.check().stop_reason:
+            break
+    # 1000 + 900 + 300 + 300 = 2500 after step 3: + 900 (step 1 is still among the last 3) + 2000 = 5400 <= 6000;
+    # after step 4 (2800): + 300 + 2000 = 5100, after step 5 (3100): 5400, after step 6 (3400): 5700 - all go on
+    assert step == 6 and led.stop_reason is None
+    led.record(7, counters(), 0.3)  # 3700 + 300 + 2000 = 6000: not over
+    assert led.check().stop_reason is None
+    led.record(8, counters(), 0.3)  # 4000 + 300 + 2000 > 6000
+    assert "to finish" in (led.check().stop_reason or "")
+    led.record_overhead("finish", 8, {"io": FINISH_FLOOR_MS / 1000})
+    assert led.spent()["cost_micro_usd"] <= budget * 1_000_000  # ends within the hard budget
+    led.save_state(tmp_path / "checkpoint-8")
+
+    again = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"), Budgets(usd=Decimal("0.1")))
+    led.record_overhead("finish", 8, {"io": 3.0})  # a slower finish seen once: a resume reserves it
+    again.resume(tmp_path / "checkpoint-8")
+    assert again.finish_reserve_device_ms() == 3000 and again.next_step("cost_micro_usd") == 300
+    slow = CostLedger(tmp_path / "s", "cpu", 2, Decimal("3.60"))
+    slow.record_overhead("startup", 0, {"startup": 40.0, "eval": 9.0})  # a loaded box: the finish slows down too
+    assert slow.finish_reserve_device_ms() == 2 * 5000  # 1/8 of the start-up phase, on each of 2 devices
+    tokens = CostLedger(tmp_path / "t", "cpu", 1, Decimal("3.60"), Budgets(sampled_tokens=720))
+    tokens.record(1, counters(), 0.1)  # 240 tokens + 240 next step <= 720: the finish samples none
+    assert tokens.check().stop_reason is None
 
 
 def test_budget_reached_without_projection(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ budget stop, monitor stop, clean stop on all-solved data, CLI."""
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,35 @@ def test_budget_stop_checkpoints_first(tiny: Path, tmp_path: Path) -> None:
     assert "sampled_tokens" in s["stop_reason"]
     assert (tmp_path / "checkpoint-1" / "ledger_state.json").is_file()
     assert ledger_steps(tmp_path) == [1]
+
+
+def test_a_usd_budget_stop_ends_within_the_budget_and_the_cost_plot_shows_every_row(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The smoke config with budget_usd 0.0005 stopped on projection at $0.000494, then billed the finish row (the
+    checkpoint, the model, the plots) to $0.000522: 4.4% over a hard budget, and plots/cost.png, drawn before the
+    finish row, ended at $0.000494."""
+    from training.grpo import plots
+
+    # start-up from run_grpo's start, not from this pytest process's (the documented fallback where /proc is not)
+    monkeypatch.setattr("training.grpo.ledger.seconds_since_process_start", lambda: None)
+    drawn: dict[str, list[float]] = {}
+
+    def spy(path: Path, title: str, ylabel: str, lines: Any, **kw: Any) -> Any:
+        drawn.update({f"{path.name}:{label}": list(ys) for label, (_, ys) in lines})
+        return plots.line_plot(path, title, ylabel, lines, **kw)
+
+    monkeypatch.setattr(plots, "_plot", spy)
+    budget = "0.012"  # at $3.60 per device-hour: 12 s of the CPU, some steps after a start-up of a few seconds
+    cfg = make_cfg(tiny, ledger={"budget_usd": budget, "price_usd_per_device_hour": {"cpu": "3.60"}},
+                   monitors={"rules": []}, trl={"max_steps": 200, "save_steps": 5})
+    s = run(cfg, tmp_path)
+    assert "projected" in s["stop_reason"] and "to finish" in s["stop_reason"], s["stop_reason"]
+    assert 0 < s["global_step"] < 200
+    assert Decimal(s["spent_usd"]) <= Decimal(budget), s
+    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert rows[-1]["kind"] == "finish"
+    assert drawn["cost.png:spent (micro-USD)"] == [float(r["spent_micro_usd"]) for r in rows]
 
 
 def test_a_budget_spent_by_start_up_trains_no_step(tiny: Path, tmp_path: Path) -> None:

@@ -223,7 +223,11 @@ class LedgerConfig(_Section):
     budget_device_hours: float | None = _f(None, "Hard budget in device-hours.")
     budget_sampled_tokens: int | None = _f(None, "Hard budget in sampled (generated) tokens.")
     warn_fraction: float = _f(0.8, "Warn once when a budget is this fraction spent.")
-    stop_on_projection: bool = _f(True, "Stop before a step that is projected (from the last step) to exceed a budget.")
+    stop_on_projection: bool = _f(
+        True,
+        "Stop before a step that is projected (the costliest of the last 3, plus the finish phase after it) to exceed "
+        "a budget.",
+    )
     quality_floor: float | None = _f(
         None,
         "Held-out accuracy (the periodic check, heldout/accuracy) the run is meant to reach. A budget stop before it "

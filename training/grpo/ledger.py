@@ -42,6 +42,13 @@ PARQUET_FILE = "ledger.parquet"
 STATE_FILE = "ledger_state.json"
 MICRO = Decimal(1_000_000)
 MS_PER_HOUR = Decimal(3_600_000)
+PROJECTION_WINDOW = 3  # step rows a budget projection looks back over (a step's cost varied 3x on a busy box)
+# The finish phase's fixed part, per device (ms): rendering the plots (matplotlib's import included) and writing the
+# card took 1.3-1.5 s of a 1.5 s finish row on the smoke config (2 busy CPU cores) - and 3.7 s on a box so loaded
+# that start-up took 36 s (1.5 s after a 24 s one): the finish is reserved at 1/8 of start-up when that is more.
+FINISH_FLOOR_MS = 2000
+FINISH_STARTUP_SHARE = 8
+_RECENT_KEYS = ("cost_micro_usd", "device_ms", "sampled_tokens", "io_ms")
 
 
 @dataclass
@@ -195,6 +202,11 @@ class CostLedger:
         self.segment = 0
         self.seq = 0  # sequence number of the last row written (all kinds, all segments)
         self.last_row: dict[str, Any] | None = None  # the last *step* row (projections repeat a step)
+        # the last PROJECTION_WINDOW step rows' projected keys and io_ms, and the costliest finish row this run
+        # billed (a resumed run has seen one): the projection of :meth:`check`
+        self.recent: list[dict[str, int]] = []
+        self.finish_device_ms = 0
+        self.startup_ms = 0  # the longest start-up phase (wall ms) of this run's segments: how loaded the box is
         self.warned: set[str] = set()
         self.stop_reason: str | None = None
         self.hard_stop = False  # a budget's hard line stopped the run (BudgetCheck.hard): spend nothing more
@@ -221,6 +233,7 @@ class CostLedger:
         row = self._append("step", step, c, wall_ms, phases)
         self.last_step = step
         self.last_row = row
+        self.recent = [*self.recent, {k: row[k] for k in _RECENT_KEYS}][-PROJECTION_WINDOW:]
         return row
 
     def record_overhead(self, kind: str, step: int, phase_s: dict[str, float]) -> dict[str, Any]:
@@ -230,7 +243,12 @@ class CostLedger:
         if unknown:
             raise ValueError(f"ledger: unknown phase(s) {sorted(unknown)}; known {PHASES}")
         phases = {p: _ms(phase_s.get(p, 0.0)) for p in PHASES}
-        return self._append(kind, step, StepCounters(), sum(phases.values()), phases)
+        row = self._append(kind, step, StepCounters(), sum(phases.values()), phases)
+        if kind == "finish":
+            self.finish_device_ms = max(self.finish_device_ms, row["device_ms"])
+        if kind == "startup":
+            self.startup_ms = max(self.startup_ms, row["startup_ms"])
+        return row
 
     def _append(self, kind: str, step: int, c: StepCounters, wall_ms: int, phases: dict[str, int]) -> dict[str, Any]:
         device_ms = wall_ms * self.device_count
@@ -273,12 +291,31 @@ class CostLedger:
         """Totals including discarded (rolled-back) spend."""
         return {k: self.totals[k] + self.discarded[k] for k in _TOTAL_KEYS}
 
+    def next_step(self, key: str) -> int:
+        """The next step's projected ``key`` (``cost_micro_usd``, ``device_ms``, ``sampled_tokens``): the costliest
+        of the last :data:`PROJECTION_WINDOW` steps — a step's cost varied 3x from one to the next on a busy box,
+        so the last one alone under-projected."""
+        return max((r[key] for r in self.recent), default=0)
+
+    def finish_reserve_device_ms(self) -> int:
+        """Device-ms kept for the finish phase a stop is followed by (saving a checkpoint and the model, plots,
+        card; no evaluation after a hard stop): the costliest of a finish row this run billed (exact, after a
+        resume), two checkpoint saves (a step's io: the save after the step before) and the fixed part (the
+        plots and the card): :data:`FINISH_FLOOR_MS`, or 1/:data:`FINISH_STARTUP_SHARE` of the start-up phase
+        when that is more — both slow down alike on a loaded box. All per device."""
+        saves = 2 * max((r["io_ms"] for r in self.recent), default=0)
+        fixed = max(FINISH_FLOOR_MS, self.startup_ms // FINISH_STARTUP_SHARE)
+        return max(self.finish_device_ms, max(saves, fixed) * self.device_count)
+
     def check(self) -> BudgetCheck:
         """Warn once per budget at ``warn_fraction``; stop when a budget is reached, or (``stop_on_projection``)
-        when repeating the last step would exceed it."""
+        when one more step (:meth:`next_step`) and then the finish (:meth:`finish_reserve_device_ms`; it samples
+        no tokens) would exceed it — a hard budget's stop leaves room for the finish row billed after it."""
         out = BudgetCheck()
         spent = self.spent()
         last = self.last_row or {}
+        reserve_ms = self.finish_reserve_device_ms()
+        reserve = {"cost_micro_usd": micro_usd(reserve_ms, self.price), "device_ms": reserve_ms, "sampled_tokens": 0}
         limits: list[tuple[str, int | None, str, Any]] = [
             (
                 "usd",
@@ -303,11 +340,12 @@ class CostLedger:
             if used >= limit:
                 out.hard = True
                 out.stop_reason = out.stop_reason or f"budget {name} reached: {fmt(used)} of {fmt(limit)}"
-            elif self.stop_on_projection and last and used + last.get(key, 0) > limit:
+            elif self.stop_on_projection and last and used + self.next_step(key) + reserve[key] > limit:
                 out.hard = True
+                finish = f" + {fmt(reserve[key])} to finish" if reserve[key] else ""
                 out.stop_reason = out.stop_reason or (
                     f"budget {name}: the next step is projected to exceed it ({fmt(used)} spent + "
-                    f"{fmt(last.get(key, 0))} per step > {fmt(limit)})"
+                    f"{fmt(self.next_step(key))} per step{finish} > {fmt(limit)})"
                 )
             if used >= self.warn_fraction * limit and name not in self.warned:
                 self.warned.add(name)
@@ -345,6 +383,7 @@ class CostLedger:
             "discarded": self.discarded,
             "warned": sorted(self.warned),
             "last_row": self.last_row,
+            "recent": self.recent,
         }
 
     def save_state(self, checkpoint_dir: str | Path) -> None:
@@ -362,12 +401,17 @@ class CostLedger:
         self.discarded = {k: int(st["discarded"].get(k, 0)) for k in _TOTAL_KEYS}
         self.warned = set(st.get("warned", []))
         self.last_row = st.get("last_row")
+        last = self.last_row or {}
+        default_recent = [{k: int(last.get(k, 0)) for k in _RECENT_KEYS}] if last else []
+        self.recent = [{k: int(r.get(k, 0)) for k in _RECENT_KEYS} for r in st.get("recent", default_recent)]
         self.stop_reason = None
         self.hard_stop = False
         ckpt_seq = st.get("seq")  # None: a state written before rows had sequence numbers (keep by step)
         discarded_path = self.run_dir / DISCARDED_FILE
         written = [*read_jsonl(self.path, missing_ok=True), *read_jsonl(discarded_path, missing_ok=True)]
         self.segment = max([int(st.get("segment", 0))] + [int(r.get("segment", 0)) for r in written]) + 1
+        self.finish_device_ms = max([0] + [int(r["device_ms"]) for r in written if r.get("kind") == "finish"])
+        self.startup_ms = max([0] + [int(r.get("startup_ms", 0)) for r in written if r.get("kind") == "startup"])
         self.seq = max([int(ckpt_seq or 0)] + [int(r.get("seq", 0)) for r in written])
         keep, drop = [], []
         for row in read_jsonl(self.path, missing_ok=True):

@@ -81,11 +81,32 @@ def dedupe_by_step(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot_run(run_dir: str | Path, budget_usd: str | None = None, warn_fraction: float = 0.8) -> list[Path]:
-    """Write ``plots/{reward,length,entropy,signal,cost}.png`` under ``run_dir``; returns the files written. The
-    cost plot shows the cumulative spend per ledger row (start-up at step 0) with the budget and warning lines."""
+    """Write ``plots/{reward,length,entropy,signal,cost}.png`` under ``run_dir``: :func:`plot_metrics` and
+    :func:`plot_cost`; returns the files written."""
+    written = plot_metrics(run_dir)
+    cost = plot_cost(run_dir, budget_usd, warn_fraction)
+    return written + ([cost] if cost is not None else [])
+
+
+def plot_cost(run_dir: str | Path, budget_usd: str | None = None, warn_fraction: float = 0.8) -> Path | None:
+    """Write ``plots/cost.png``: the cumulative spend (micro-USD, rolled-back work included) after every ledger row
+    — start-up at step 0, the steps, the finish row at the last step — with the budget and warning lines. None
+    when the ledger has no rows."""
+    run = Path(run_dir)
+    return _plot(
+        run / "plots" / "cost.png",
+        "Cumulative cost",
+        "micro-USD",
+        [("spent (micro-USD)", _series(_read_jsonl(run / "ledger.jsonl"), "spent_micro_usd"))],
+        hlines=budget_lines(budget_usd, warn_fraction),
+    )
+
+
+def plot_metrics(run_dir: str | Path) -> list[Path]:
+    """Write ``plots/{reward,length,entropy,signal}.png`` from ``metrics.jsonl`` (one log per step); returns the
+    files written (a plot without data is left out)."""
     run = Path(run_dir)
     metrics = dedupe_by_step([r for r in _read_jsonl(run / "metrics.jsonl") if "loss" in r or "reward" in r])
-    ledger = _read_jsonl(run / "ledger.jsonl")
     out = run / "plots"
     out.mkdir(exist_ok=True)
     reward_keys = sorted({k for r in metrics for k in r if k.startswith("rewards/") and k.endswith("/mean")})
@@ -115,13 +136,6 @@ def plot_run(run_dir: str | Path, budget_usd: str | None = None, warn_fraction: 
                 ("trained batch", _series(metrics, "signal/batch_effective_ratio")),
                 ("truncated rate", _series(metrics, "completions/clipped_ratio")),
             ],
-        ),
-        _plot(
-            out / "cost.png",
-            "Cumulative cost",
-            "micro-USD",
-            [("spent (micro-USD)", _series(ledger, "spent_micro_usd"))],
-            hlines=budget_lines(budget_usd, warn_fraction),
         ),
     ]
     return [p for p in written if p is not None]
