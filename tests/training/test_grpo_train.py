@@ -297,6 +297,30 @@ def test_cli_registered_and_config_error_exit_code(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "unknown key" in r.output
 
 
+def test_quiet_prints_no_log_dicts_nor_progress_bars(tiny: Path, tmp_path: Path) -> None:
+    """``--quiet`` swapped TRL's progress bar for HF Trainer's PrinterCallback: a metrics dict on stdout per step
+    (and transformers' weight-loading bars stayed). Now only the warnings and the summary are printed."""
+    from transformers.utils import logging as hf_logging
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(json.dumps({"model": {"path": str(tiny)}, "eval": {"before": False, "after": False},
+                               "trl": {"num_generations": 2, "per_device_train_batch_size": 4,
+                                       "max_completion_length": 12, "max_steps": 2, "seed": 0}}))
+    try:
+        r = CliRunner().invoke(app, ["train", "grpo", "--config", str(cfg), "--output-dir", str(tmp_path / "run"),
+                                     "--allow-dirty", "--quiet"])
+    finally:
+        hf_logging.enable_progress_bar()
+    assert r.exit_code == 0, r.output
+    assert "'loss'" not in r.output and "Loading weights" not in r.output, r.output
+    assert '"global_step": 2' in r.output  # the summary
+    logs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logs if "loss" in m] == [1, 2]  # the logs are kept
+
+
 def test_sampled_evaluation_returns_one_row_per_sample(tiny: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -17,7 +17,9 @@ def grpo(
     resume: str | None = typer.Option(
         None, "--resume", help="'auto' (last checkpoint in the run dir) or a checkpoint-N path inside the run dir."
     ),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    quiet: bool = typer.Option(
+        False, "--quiet", help="No progress bars and no per-step log dicts (the logs are in metrics.jsonl)."
+    ),
     force: bool = typer.Option(False, "--force", help="Resume even though the run file changed rewards/hparams."),
     allow_dirty: bool = typer.Option(
         False, "--allow-dirty", help="Run from a git tree with uncommitted changes (the tag records -dirty)."
@@ -38,6 +40,10 @@ def grpo(
     from training.grpo.config import ConfigError, load_config
     from training.grpo.run import check_clean_tree, run_grpo
 
+    if quiet:  # transformers' own bars too (loading and writing weights)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         cfg = load_config(config)
         check_clean_tree(allow_dirty=allow_dirty)

@@ -561,7 +561,7 @@ def build_run(
     periodic evaluation under ZeRO-3)."""
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PrinterCallback
 
     from training.grpo import data as data_mod
     from training.grpo.evaluate import generate_and_score, summarize
@@ -659,6 +659,10 @@ def build_run(
         counters=counters,
         dynamic_sampler=sampler,
     )
+    if not progress:
+        # HF Trainer swaps its progress bar for PrinterCallback under disable_tqdm, which prints every log dict to
+        # stdout: quiet means neither (the logs are in metrics.jsonl)
+        trainer.remove_callback(PrinterCallback)
     if trainer.accelerator.num_processes > 1:
         ledger_cb.reduce = _make_reduce(trainer)
     # billed devices: one per training process (1 on CPU), plus e.g. the GPUs of a vLLM server
