@@ -1,6 +1,6 @@
 """Run registry: every run directory under a root, with status, bill, accuracy, tokens and tags; cost by tag.
 
-A run directory is one with a ``ledger.jsonl`` (GRPO and SFT runs alike). Its record:
+A run directory is one with a ``ledger.jsonl`` (GRPO, SFT and dial-sft runs alike). Its record:
 
 - ``status``: ``finished`` (``summary.json`` without a stop reason), ``stopped`` (``summary.json`` with one: a
   budget, a monitor, no learning signal), ``running`` (no summary, heartbeat younger than ``stale_s``),

@@ -57,18 +57,24 @@ def train_dial_sft(
                              "Continuing a trained dial model: 3e-4 or less (at 1e-3 it forgets first)."),
     threads: int = typer.Option(1, min=1, help="torch CPU threads."),
 ) -> None:
-    """Warm-start a dial model: SFT on thoughts that fill the budget stated in the prompt (training.tiny.dial)."""
+    """Warm-start a dial model: SFT on thoughts that fill the budget stated in the prompt (training.tiny.dial).
+    Billed by a cost ledger in the output directory (``train runs`` lists it); exit 2 when the directory already
+    holds a run."""
     from router.errors import require
 
     require("torch", "train", "thinkgate train dial-sft")
     from dataclasses import replace
 
-    from training.tiny.dial_sft import DEFAULT_INIT, DialMix, dial_stage, sampler
-    from training.tiny.train import train
+    from training.grpo.config import ConfigError
+    from training.tiny.dial_sft import DEFAULT_INIT, dial_stage, run_dial_sft
 
     cfg = replace(dial_stage(init_from or DEFAULT_INIT, steps, max_minutes, seed), lr=lr, threads=threads)
-    summary = train(cfg, output_dir, log=typer.echo, sampler=sampler(DialMix()))
-    typer.echo(f"done in {summary['wall_s']} s -> {output_dir}")
+    try:
+        summary = run_dial_sft(cfg, output_dir, log=typer.echo)
+    except ConfigError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2) from e
+    typer.echo(f"done in {summary['wall_s']} s, billed ${summary['spent_usd']} -> {output_dir}")
 
 
 def train_dial_router(

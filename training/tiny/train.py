@@ -122,10 +122,12 @@ def train(
     log: Callable[[str], None] = print,
     show_progress: bool = True,
     sampler: Sampler = sample_example,
+    on_step: Callable[[int, list[Example]], None] | None = None,
 ) -> dict[str, Any]:
     """Run the recipe and save the model to ``output_dir``; returns a summary dict (also saved as
     ``training_summary.json``: steps done, final loss, wall seconds, parameter count, config). ``sampler``: see
-    :func:`batches`."""
+    :func:`batches`. ``on_step(step, batch)``: called once with ``(0, [])`` when the model is loaded and the loop
+    starts, then after every optimizer step with the batch it trained on (a cost ledger bills from it)."""
     import torch
     from tqdm import tqdm
 
@@ -162,6 +164,8 @@ def train(
     def progress() -> float:
         return progress_at(step, time.monotonic() - t_train, cfg)
 
+    if on_step is not None:
+        on_step(0, [])
     for batch in batches(tokenizer, cfg, progress, sampler):
         if step >= cfg.steps:
             break
@@ -181,6 +185,8 @@ def train(
         opt.zero_grad(set_to_none=True)
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         step += 1
+        if on_step is not None:
+            on_step(step, batch)
         bar.update(1)
         done = progress()
         bar.set_postfix(loss=f"{ema:.3f}", maxd=max_difficulty_at(done, cfg), T=x.shape[1], refresh=False)
