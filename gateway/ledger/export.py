@@ -38,23 +38,36 @@ class ExportError(ThinkGateError, ValueError):
     """Invalid export arguments (format, group-by field, time)."""
 
 
+#: The latest time a period may name: 9999-12-31 (epoch seconds); the ledger's stream ids are milliseconds.
+MAX_TIME_S = 253_402_300_799.0
+
+
 def parse_time(value: str | float | None) -> float | None:
-    """Epoch seconds from ``YYYY-MM-DD``, ISO-8601 or epoch seconds (see module doc); None stays None."""
+    """Epoch seconds from ``YYYY-MM-DD``, ISO-8601 or epoch seconds (see module doc); None stays None. Raises
+    :class:`ExportError` for text that is none of those, and for a time outside 1970-01-01 … 9999-12-31 (NaN,
+    infinities and 1e400 included: they reached the ledger reader as a 500, or an OverflowError)."""
     if value is None or value == "":
         return None
     if isinstance(value, int | float):
-        return float(value)
+        return _in_range(float(value), value)
     try:
-        return float(value)
-    except ValueError:
-        pass
+        return _in_range(float(value), value)
+    except ValueError as exc:
+        if isinstance(exc, ExportError):
+            raise
     try:
         dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         raise ExportError(f"cannot read time {value!r} (YYYY-MM-DD, ISO-8601 or epoch seconds)") from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=UTC)
-    return dt.timestamp()
+    return _in_range(dt.timestamp(), value)
+
+
+def _in_range(ts: float, given: object) -> float:
+    if not 0.0 <= ts <= MAX_TIME_S:  # False for NaN too
+        raise ExportError(f"time {given!r} is outside 1970-01-01 … 9999-12-31 (epoch seconds 0 … {MAX_TIME_S:.0f})")
+    return ts
 
 
 def parse_group_by(spec: str | Iterable[str] | None) -> list[str]:

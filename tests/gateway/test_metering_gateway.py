@@ -211,6 +211,11 @@ def test_usage_visibility(gw: GatewayServer) -> None:
     assert httpx.get(gw.base_url + "/usage", timeout=10).status_code == 401
     assert httpx.get(gw.base_url + "/usage", params={"group_by": "colour"}, headers=admin, timeout=10).status_code \
         == 400
+    # a time that is no time (not finite, before 1970, after 9999) is the client's 400, not a 500 from the reader
+    for bad in ({"since": "1e400"}, {"since": "nan"}, {"since": "-1e20"}, {"until": "nan"},
+                {"since": "99999999999999999999"}):
+        r = httpx.get(gw.base_url + "/usage", params=bad, headers=admin, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (bad, r.text)
 
 
 def test_metrics_endpoint(gw: GatewayServer) -> None:
