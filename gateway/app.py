@@ -49,6 +49,7 @@ from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.routing import Routing
 from gateway.state.conversations import ConversationStore
+from gateway.state.redis import known_nodes
 from gateway.upstream.pool import UpstreamPool
 
 _heap_frozen = False
@@ -212,7 +213,8 @@ def create_app(settings: Settings) -> Gateway:
     if outcomes is not None:
         feedback_api.attach(app, keys, outcomes)
     models_api.attach(app, settings, proxy, routing, created)
-    ops_api.attach(app, settings, upstreams, lambda: accounting.budgets.synced)
+    ops_api.attach(app, settings, upstreams, lambda: accounting.budgets.synced,
+                   lambda: known_nodes(accounting.handle))
     dashboard_api.attach(app, settings, keys, accounting, routing)
     if settings.server.cors_allow_origins:
         allow_cors(app, settings.server.cors_allow_origins)

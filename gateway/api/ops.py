@@ -1,8 +1,9 @@
 """``GET /health`` (liveness, no key) and ``GET /ready`` (readiness, no key, tier names only).
 
-``/ready`` answers 503 only for what makes this process unable to serve: a tier whose upstream does not answer,
-or Redis unreachable when ``limits.on_redis_down`` is ``fail_closed`` (the operator chose refusing over serving
-unchecked: every request under a budget or rate limit is refused meanwhile). With
+``/ready`` answers 503 only for what makes this process unable to serve: no tier's upstream answering (one
+tier's upstream down is ``degraded``, 200: upstreams are shared by every replica, and the other tiers and
+fallback still answer), or Redis unreachable when ``limits.on_redis_down`` is ``fail_closed`` (the operator chose
+refusing over serving unchecked: every request under a budget or rate limit is refused meanwhile). With
 ``fail_open`` (the default) a Redis outage leaves the process serving — admission on local counters, usage spooled
 and replayed, keys seen in the last ``auth.key_stale_s`` still accepted — so ``/ready`` stays 200 and says
 ``"status": "degraded"``. Redis is shared by every replica: failing readiness on it would take every pod out of
@@ -39,14 +40,16 @@ from gateway.upstream.pool import UpstreamPool
 READY_TIMEOUT_S = 2.0
 
 
-async def _redis_ok(cfg: RedisConfig, timeout_s: float) -> bool:
-    # Through the gateway's own client factory, so every URL form answers (one server, Cluster, Sentinel).
-    return await redis_ping(cfg.model_copy(update={"socket_timeout_s": timeout_s}))
+async def _redis_ok(cfg: RedisConfig, timeout_s: float, known: list[tuple[str, int]]) -> bool:
+    # Through the gateway's own client factory, so every URL form answers (one server, Cluster, Sentinel); a
+    # Cluster through the nodes the running client found too, so a dead seed is not a dead cluster
+    return await redis_ping(cfg.model_copy(update={"socket_timeout_s": timeout_s}), known)
 
 
-def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool, synced: Callable[[], bool]) -> None:
+def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool, synced: Callable[[], bool],
+           known: Callable[[], list[tuple[str, int]]] = list) -> None:
     """Add the liveness and readiness probes to ``app``. ``synced``: whether this process has read its state from
-    Redis since it started (``BudgetLevels.synced``)."""
+    Redis since it started (``BudgetLevels.synced``); ``known``: the Cluster nodes the running client has found."""
 
     # GET and HEAD: Kubernetes probes GET; load balancers and uptime checkers often HEAD (405 failed them)
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -57,7 +60,7 @@ def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool, synced: Ca
     async def ready() -> Response:
         tiers = settings.tiers
         checks = await asyncio.gather(
-            _redis_ok(settings.redis, min(READY_TIMEOUT_S, settings.redis.socket_timeout_s * 4)),
+            _redis_ok(settings.redis, min(READY_TIMEOUT_S, settings.redis.socket_timeout_s * 4), known()),
             *(upstreams.ready(t, READY_TIMEOUT_S) for t in tiers),
         )
         redis_ok = bool(checks[0])
@@ -68,8 +71,12 @@ def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool, synced: Ca
         need = settings.server.ready_requires_redis_sync
         if need is None:
             need = settings.auth.require_key and (settings.auth.dev_key_only or not settings.auth.keys)
-        serves = all(upstream_ok.values()) and (
+        # an upstream is shared by every replica, as Redis is: one tier's upstream down fails no replica's
+        # readiness (that emptied the Service while the other tiers, and fallback, still answered); none answering
+        # does — this replica can serve nothing
+        serves = any(upstream_ok.values()) and (
             redis_ok or (settings.limits.on_redis_down == "fail_open" and (warm or not need)))
-        status = ("ready" if redis_ok else "degraded") if serves else "not_ready"
+        whole = redis_ok and all(upstream_ok.values())
+        status = ("ready" if whole else "degraded") if serves else "not_ready"
         return _json({"status": status, "redis": redis_ok, "redis_synced": warm, "upstreams": upstream_ok},
                      200 if serves else 503)

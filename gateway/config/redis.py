@@ -3,16 +3,61 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
+from urllib.parse import urlparse
+
+from pydantic import Field, field_validator
 
 from gateway.config.base import _Strict
+
+
+def url_nodes(parsed: Any, default_port: int) -> list[tuple[str, int]]:
+    """The ``host:port`` list of a URL's netloc (comma-separated; credentials dropped). Raises ValueError for a
+    port that is not a number, or no host."""
+    netloc = parsed.netloc.rsplit("@", 1)[-1]
+    nodes: list[tuple[str, int]] = []
+    for part in netloc.split(","):
+        host, _, port = part.rpartition(":")
+        if host and not port.isdigit():
+            raise ValueError(f"redis.url: port {port!r} of {part!r} is not a number")
+        nodes.append((host or part, int(port) if host else default_port))
+    if not nodes or not all(h for h, _ in nodes):
+        raise ValueError("redis.url: no host")
+    return nodes
+
+
+def check_url(url: str) -> None:
+    """Raise ValueError (one line) when ``url`` is not a Redis URL :func:`gateway.state.redis.connect` takes: its
+    scheme, its ports, a Sentinel URL's service name — checked when the configuration loads, not at the first
+    command."""
+    parsed = urlparse(url)
+    scheme = parsed.scheme.lower()
+    if scheme in ("redis+cluster", "rediss+cluster"):
+        url_nodes(parsed, 6379)
+    elif scheme in ("redis+sentinel", "rediss+sentinel"):
+        url_nodes(parsed, 26379)
+        if not [p for p in parsed.path.split("/") if p]:
+            raise ValueError("redis.url: a redis+sentinel:// URL needs the service name as its path")
+    elif scheme in ("redis", "rediss"):
+        try:
+            parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
+        except ValueError:
+            raise ValueError(f"redis.url: the port of {url!r} is not a number") from None
+        if "," in parsed.netloc:
+            raise ValueError("redis.url: several hosts are for redis+cluster:// or redis+sentinel:// URLs")
+    elif scheme != "unix":
+        raise ValueError(f"redis.url: unsupported scheme {parsed.scheme!r} (redis, rediss, unix, redis+cluster, "
+                         "redis+sentinel)")
+
+
 
 
 class RedisConfig(_Strict):
     """Where the shared state lives (see ``gateway/state/redis.py`` for the URL forms).
 
-    ``url``: ``redis://`` / ``rediss://`` / ``unix://`` (one server), ``redis+cluster://host:port`` (Redis
-    Cluster), ``redis+sentinel://host:port[,host:port…]/service_name[/db]`` (Sentinel). In Cluster mode
+    ``url``: ``redis://`` / ``rediss://`` / ``unix://`` (one server), ``redis+cluster://host:port[,host:port…]``
+    (Redis Cluster: list several seeds, so one dead node does not read as a dead cluster),
+    ``redis+sentinel://host:port[,host:port…]/service_name[/db]`` (Sentinel). In Cluster mode
     ``key_prefix`` is wrapped in a hash tag (``{tg:}``) unless it already has one: the keys of the admission and
     metering scripts share that slot, and tenant-owned keys (cache, conversations, sessions…) get a tag of their
     own tenant (``{tg:<tenant>}``, ``gateway/state/keys.py``); a prefix with its own hash tag keeps every key in
@@ -26,4 +71,10 @@ class RedisConfig(_Strict):
     start_if_missing: bool = True
     breaker_cooldown_s: float = Field(5.0, gt=0)
     max_connections: int = Field(256, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        check_url(v)  # a bad URL is a config error at load (exit 2), not a traceback at the first command
+        return v
 

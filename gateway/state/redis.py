@@ -23,6 +23,7 @@ from typing import Any, cast
 from urllib.parse import unquote, urlparse
 
 from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
@@ -32,6 +33,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError, R
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.config import RedisConfig
+from gateway.config.redis import url_nodes
 
 _hiredis_pack: Any
 try:
@@ -234,18 +236,18 @@ def _common(cfg: RedisConfig) -> dict[str, Any]:
     }
 
 
-def connect(cfg: RedisConfig) -> RedisHandle:
-    """Build the client for ``cfg.url`` (no network I/O happens here; the first command connects).
+def connect(cfg: RedisConfig, known: Sequence[tuple[str, int]] = ()) -> RedisHandle:
+    """Build the client for ``cfg.url`` (no network I/O happens here; the first command connects). ``known``:
+    Cluster nodes to try after the URL's seeds (a readiness probe passes the topology the running client found).
 
-    Raises ``ValueError`` for an unsupported scheme or a Sentinel URL without a service name.
+    Raises ``ValueError`` for an unsupported scheme, a port that is not a number, or a Sentinel URL without a
+    service name (:func:`check_url` says the same at config load).
     """
     parsed = urlparse(cfg.url)
     scheme = parsed.scheme.lower()
     common = _common(cfg)
     if scheme in ("redis+cluster", "rediss+cluster"):
-        url = cfg.url.replace("+cluster", "", 1)
-        cluster = RedisCluster.from_url(url, max_connections=cfg.max_connections, **common)
-        return RedisHandle(cluster, "cluster", cluster_prefix(cfg.key_prefix))
+        return RedisHandle(_cluster(cfg, parsed, common, known), "cluster", cluster_prefix(cfg.key_prefix))
     lane_size = min(LANE_SIZE_MAX, cfg.max_connections)
     if scheme in ("redis+sentinel", "rediss+sentinel"):
         master = _sentinel_master(cfg, parsed, common)
@@ -257,15 +259,25 @@ def connect(cfg: RedisConfig) -> RedisHandle:
                      "redis+sentinel)")
 
 
-async def ping(cfg: RedisConfig) -> bool:
+def known_nodes(handle: RedisHandle) -> list[tuple[str, int]]:
+    """The Cluster nodes ``handle``'s client has found (host, port); [] for one server or Sentinel."""
+    client = handle.client
+    if not isinstance(client, RedisCluster):
+        return []
+    return [(n.host, int(n.port)) for n in client.get_nodes()]
+
+
+async def ping(cfg: RedisConfig, known: Sequence[tuple[str, int]] = ()) -> bool:
     """True when the Redis of ``cfg.url`` answers PING within ``cfg.socket_timeout_s`` (any URL form; never raises).
 
     One server: PING. Sentinel: the sentinels name the master, the master answers. Cluster: every primary
-    serving slots answers (a slot whose master is down and not yet failed over makes the cluster unready). A
-    fresh client each call, so a readiness probe never reuses a connection the request path broke.
+    serving slots answers (a slot whose master is down and not yet failed over makes the cluster unready),
+    reached through the URL's seeds and then the ``known`` nodes — the topology the running client has found, so
+    a dead seed does not read as a dead cluster. A fresh client each call, so a readiness probe never reuses a
+    connection the request path broke.
     """
     try:
-        handle = connect(cfg)
+        handle = connect(cfg, known)
     except (ValueError, RedisError, RedisClusterException, OSError):
         return False
     try:
@@ -279,12 +291,26 @@ async def ping(cfg: RedisConfig) -> bool:
             await handle.close()
 
 
+def _cluster(cfg: RedisConfig, parsed: Any, common: dict[str, Any],
+             known: Sequence[tuple[str, int]]) -> RedisCluster:
+    """A ``RedisCluster`` started from every seed of the URL (``redis+cluster://a:7000,b:7001``; one dead seed
+    then costs nothing) and the ``known`` nodes."""
+    seeds = url_nodes(parsed, 6379)
+    if len(seeds) == 1 and not known:
+        return RedisCluster.from_url(cfg.url.replace("+cluster", "", 1), max_connections=cfg.max_connections,
+                                     **common)
+    auth: dict[str, Any] = {}
+    if parsed.username:
+        auth["username"] = unquote(parsed.username)
+    if parsed.password:
+        auth["password"] = unquote(parsed.password)
+    nodes = [ClusterNode(h, p) for h, p in dict.fromkeys([*seeds, *known])]
+    return RedisCluster(startup_nodes=nodes, max_connections=cfg.max_connections,
+                        ssl=parsed.scheme.startswith("rediss"), **common, **auth)
+
+
 def _sentinel_master(cfg: RedisConfig, parsed: Any, common: dict[str, Any]) -> Redis:
-    netloc = parsed.netloc.rsplit("@", 1)[-1]
-    nodes: list[tuple[str, int]] = []
-    for part in netloc.split(","):
-        host, _, port = part.rpartition(":")
-        nodes.append((host or part, int(port) if host else 26379))
+    nodes = url_nodes(parsed, 26379)
     path = [p for p in parsed.path.split("/") if p]
     if not path:
         raise ValueError("redis.url: a redis+sentinel:// URL needs the service name as its path")

@@ -99,8 +99,24 @@ def test_refused_connection_without_fallback_is_502(fault_sim: SimProcess, redis
         dead = gw.settings.tier("down").base_url
         assert "127.0.0.1" not in info.value.message and dead not in info.value.message  # the address stays inside
         assert "x-should-retry" not in info.value.response.headers  # nothing ran upstream: the SDK may retry
+        # one tier's upstream down: degraded, still ready — upstreams are shared by every replica, and the other
+        # tier answers (a 503 here emptied the load balancer's backend while each replica could serve)
         r = httpx.get(gw.url + "/ready", timeout=10)
-        assert r.status_code == 503 and r.json()["upstreams"] == {"down": False, "ok": True}
+        assert r.status_code == 200 and r.json()["upstreams"] == {"down": False, "ok": True}
+        assert r.json()["status"] == "degraded"
+
+
+def test_ready_fails_when_no_upstream_answers(redis_url: str) -> None:
+    """Every tier's upstream down: this replica can serve nothing, so it is not ready."""
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    tiers = [{"name": n, "base_url": dead, "model": "m", "connect_timeout_s": 0.5} for n in ("a", "b")]
+    settings = sim_settings(dead, redis_url, tiers=tiers, routing={"router_path": None, "routed_tiers": ["a", "b"],
+                                                                   "thresholds": [0.5], "default_tier": "b",
+                                                                   "effort_tiers": {"low": "a", "high": "b"}})
+    with GatewayServer(settings) as gw:
+        r = httpx.get(gw.url + "/ready", timeout=10)
+        assert r.status_code == 503 and r.json() | {"redis_synced": None} == {
+            "status": "not_ready", "redis": True, "redis_synced": None, "upstreams": {"a": False, "b": False}}
 
 
 def test_an_upstream_400_keeps_the_field_it_names(client: openai.OpenAI) -> None:
