@@ -11,14 +11,22 @@ Unicode NFKC, case-folded, number words written as digits (``seventeen`` → ``1
 an answer. Two questions pass only when they have
 
 - the same multiset of numbers (after the normalisation above; ``17×23`` ≠ ``17×24``, ``3.5`` = ``3.50``);
-- the same multiset of operators (``+ - × ÷ ^ = < > ≤ ≥ % √ !``; ``17+23`` ≠ ``17×23``);
-- the same single-letter symbols (``x``, ``n``: ``2x+1`` ≠ ``2y+1``; ``a``/``i`` are words, not symbols);
+- the same multiset of operators and brackets (``+ - × ÷ ^ = < > ≤ ≥ % √ ! ( ) [ ]``; ``17+23`` ≠ ``17×23``,
+  ``3 + 4 × 2`` ≠ ``(3 + 4) × 2``); superscript exponents are written ``^`` before NFKC (``5²`` is ``5 ^ 2``, not
+  ``52``), and a leading decimal point is kept (``.5`` is ``0.5``, not ``5``);
+- the same single-letter symbols (``x``, ``n``: ``2x+1`` ≠ ``2y+1``; ``a``/``i`` are words, but symbols beside
+  an operator: ``a - i`` ≠ ``i - a``);
 - the same quoted strings (``"…"``, ``“…”``, ``«…»``, ``'…'`` up to case and spacing; `` `…` `` code spans
   exactly);
 - the same capitalised names: every capitalised word of one that is not a common sentence word (``Alice``,
   ``NASA``, ``Paris``) must occur, case-folded, among the words of the other, both ways — so lower-casing a
   question keeps its names, changing ``Alice`` to ``Maria`` does not;
-- the same number of negations (``not``, ``no``, ``never``, ``n't``, ``without``, …);
+- the same number of negations (``not``, ``no``, ``never``, ``n't``, ``without``, …), in the same place among the
+  content words (the word-order check below);
+- where both use one: the same question word (``when`` ≠ ``where``), persons in order (``he`` ≠ ``she``, ``his
+  dog … her cat`` ≠ ``her dog … his cat``), tense (``is`` ≠ ``was``), modals (``can`` ≠ ``must``) and quantifiers
+  (``all`` ≠ ``some``) — common words that still decide what is asked (a new-user helper's wrong hits; a class
+  one question does not use, ``Tell me …`` against ``What is …``, is not compared);
 - the same comparison words by direction (``more``/``greater``/``largest``/``above``/``after`` vs
   ``less``/``fewer``/``smallest``/``below``/``before``);
 - the same language (script, and for Latin script the dominant function words of en/fr/de/es/it/pt/nl);
@@ -101,7 +109,7 @@ _QUOTES = re.compile(r"\"([^\"\n]{1,300})\"|“([^”\n]{1,300})”|«([^»\n]{1
 _QUOTE_CHARS = frozenset("\"“«`'")  # a text without any of them has no quoted string
 _NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+")
 _WORD = re.compile(r"[^\W\d_]+(?:['’][^\W\d_]+)*")
-_TOKEN = re.compile(r"\d+(?:\.\d+)?|[^\W\d_]+|[+\-×÷^=<>≤≥≠±%√!]")
+_TOKEN = re.compile(r"\d+(?:\.\d+)?|(?<![\d.])\.\d+|[^\W\d_]+|[+\-×÷^=<>≤≥≠±%√!()\[\]]")
 _TIMES_X = re.compile(r"(?<=\d)\s*[x×✕*·]\s*(?=[\d(-])")
 _WORD_HYPHEN = re.compile(r"(?<=[^\W\d_])-(?=[^\W\d_])")
 _BANG = re.compile(r"(?<=\d)!")
@@ -175,8 +183,19 @@ def _words_to_numbers(tokens: list[str]) -> list[str]:
     return out
 
 
+_SUPERSCRIPT = re.compile("[⁻⁺]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
+_SUPER_DIGITS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻⁺", "0123456789-+")
+
+
+def _powers(text: str) -> str:
+    """Superscript exponents written with ``^`` before NFKC would fold them into the base (``5²`` → ``52``)."""
+    return _SUPERSCRIPT.sub(lambda m: "^" + m.group().translate(_SUPER_DIGITS), text)
+
+
 def _symbolise(text: str) -> str:
     """NFKC + LaTeX and symbol forms of arithmetic written as single operator characters."""
+    if not text.isascii():
+        text = _powers(text)
     text = unicodedata.normalize("NFKC", text)
     if "\\" in text:
         for pattern, repl in _LATEX:
@@ -296,10 +315,24 @@ further furthest farther cheapest cheaper richest richer poorest poorer hottest 
 warmer coolest cooler deepest deeper newest newer wider widest narrower narrowest thicker thickest thinner
 thinnest stronger strongest weaker weakest louder loudest quieter quietest darker darkest brighter brightest
 easier easiest harder hardest simpler simplest safer safest"""))
+#: Common words that still decide what is asked; each class is compared when both questions use it (so an
+#: imperative "Tell me …" still meets "What is …"): the question word (``when`` ≠ ``where``), the persons in
+#: order (``he`` ≠ ``she``, ``his dog … her cat`` ≠ ``her dog … his cat``), the tense (``is`` ≠ ``was``), the
+#: modals (``can`` ≠ ``must``) and the quantifiers (``all`` ≠ ``some``; ``each`` = ``every``).
+WH = frozenset(_words("what which who whom whose when where why how"))
+#: third persons only: "Can you tell me: …" adds a first and a second person to a question without changing it
+PERSONS = {**dict.fromkeys(_words("he him his himself"), "3m"), **dict.fromkeys(_words("she her hers herself"), "3f"),
+           **dict.fromkeys(_words("they them their theirs themselves"), "3p")}
+TENSES = {**dict.fromkeys(_words("is are am does do has have"), "present"),
+          **dict.fromkeys(_words("was were did had"), "past")}
+MODALS = frozenset(_words("will shall can could may might must should would ought"))
+#: universal or existential ("each" and "every" ask the same; "how many", "few" (polarity) are not here)
+QUANTIFIERS = {**dict.fromkeys(_words("all each every both"), "all"),
+               **dict.fromkeys(_words("some any several either"), "some")}
 _CURRENCY = re.compile(r"[$€£¥₹₽₩¢]")
 _SKIP = COMMON | RELATIONS | NEGATIONS | DEGREE | ORDINALS | _ORDINAL_SUFFIX
 _WINDOW = 6  # tokens searched on each side of a relation word for its two ends
-GUARD_VERSION = 2  # stored features of another version are refused ("when in doubt, miss")
+GUARD_VERSION = 3  # stored features of another version are refused ("when in doubt, miss")
 
 
 def _is_number(t: str) -> bool:
@@ -378,6 +411,14 @@ class Features:
     currency: tuple[str, ...] = ()
     sequence: tuple[str, ...] = ()
     version: int = GUARD_VERSION
+    #: the question words, persons (``3m``/``3f``/``3p``), tenses (``present``/``past``), modals and
+    #: quantifiers (``all``/``some``), each in order (:data:`WH`, :data:`PERSONS`, :data:`TENSES`, :data:`MODALS`,
+    #: :data:`QUANTIFIERS`)
+    wh: tuple[str, ...] = ()
+    persons: tuple[str, ...] = ()
+    tenses: tuple[str, ...] = ()
+    modals: tuple[str, ...] = ()
+    quantifiers: tuple[str, ...] = ()
 
     @property
     def ordered_numbers(self) -> tuple[str, ...]:
@@ -389,7 +430,8 @@ class Features:
                 "q": list(self.quoted), "c": sorted(self.names), "w": list(self.sequence), "g": self.negations,
                 "p": list(self.polarity), "l": self.language, "m": list(self.math), "u": list(self.units),
                 "r": list(self.relations), "od": list(self.ordinals), "dg": list(self.degree),
-                "cu": list(self.currency)}
+                "cu": list(self.currency), "wh": list(self.wh), "pe": list(self.persons), "te": list(self.tenses),
+                "mo": list(self.modals), "qu": list(self.quantifiers)}
 
     @classmethod
     def from_json(cls, d: dict[str, object]) -> Features:
@@ -407,7 +449,8 @@ class Features:
         words = frozenset(t for t in sequence if t.isalpha() and t not in COMMON)
         return cls(seq("n"), seq("o"), seq("s"), seq("q"), frozenset(seq("c")), words,
                    int(neg) if isinstance(neg, int) else 0, p, str(d.get("l", "und")), seq("m"), seq("u"), seq("r"),
-                   seq("od"), seq("dg"), seq("cu"), sequence, version if isinstance(version, int) else 0)
+                   seq("od"), seq("dg"), seq("cu"), sequence, version if isinstance(version, int) else 0,
+                   seq("wh"), seq("pe"), seq("te"), seq("mo"), seq("qu"))
 
 
 def _fold(word: str) -> str:
@@ -433,7 +476,12 @@ def features(text: str) -> Features:
     math: list[str] = []
     sequence: list[str] = []
     negations = more = less = 0
-    for t in toks:  # one pass: the multisets, the arithmetic and the content words in order, the counts
+    wh: list[str] = []
+    persons: list[str] = []
+    tenses: list[str] = []
+    modals: list[str] = []
+    quantifiers: list[str] = []
+    for i, t in enumerate(toks):  # one pass: the multisets, the arithmetic and the content words in order, counts
         if t[:1].isdigit():
             numbers.append(t)
             math.append(t)
@@ -444,13 +492,16 @@ def features(text: str) -> Features:
             math.append(t)
             sequence.append(t)
             continue
-        if len(t) == 1 and t.isalpha() and t not in ("a", "i"):
-            symbols.append(t)
+        if len(t) == 1 and t.isalpha() and (t not in ("a", "i") or _beside_operator(toks, i)):
+            symbols.append(t)  # "a"/"i" are words, but symbols beside an operator ("a - i" ≠ "i - a")
             math.append(t)
             sequence.append(t)
             continue
-        if (t.isalpha() and t not in COMMON) or t in ORDINALS:
-            sequence.append(t)  # content words and ordinals ("second day" ≠ "day second"); names are never COMMON
+        if (t.isalpha() and t not in COMMON) or t in ORDINALS or t in NEGATIONS:
+            # content words, ordinals ("second day" ≠ "day second") and negations ("John is not tall and Mary
+            # is tall" ≠ "John is tall and Mary is not tall") in order; names are never COMMON
+            sequence.append(t)
+        _classify(t, wh, persons, tenses, modals, quantifiers)
         negations += t in NEGATIONS
         more += t in MORE
         less += t in LESS
@@ -462,7 +513,37 @@ def features(text: str) -> Features:
     words = frozenset(t for t in sequence if t.isalpha() and t not in COMMON)
     return Features(tuple(sorted(numbers)), tuple(sorted(operators)), tuple(sorted(symbols)), quoted, names, words,
                     negations, (more, less), language(text), tuple(math), units, relations, ordinals,
-                    tuple(t for t in toks if t in DEGREE), tuple(_CURRENCY.findall(text)), tuple(sequence))
+                    tuple(t for t in toks if t in DEGREE), tuple(_CURRENCY.findall(text)), tuple(sequence),
+                    GUARD_VERSION, tuple(wh), tuple(persons), tuple(tenses), tuple(modals), tuple(quantifiers))
+
+
+def _classify(t: str, wh: list[str], persons: list[str], tenses: list[str], modals: list[str],
+              quantifiers: list[str]) -> None:
+    """Append token ``t`` to the class of :data:`WH`/:data:`PERSONS`/… words it belongs to, if any (persons,
+    tenses and quantifiers as their category: ``3m``, ``past``, ``all``)."""
+    if t in WH:
+        wh.append(t)
+    elif t in PERSONS:
+        persons.append(PERSONS[t])
+    elif t in TENSES:
+        tenses.append(TENSES[t])
+    elif t in MODALS:
+        modals.append(t)
+    elif t in QUANTIFIERS:
+        quantifiers.append(QUANTIFIERS[t])
+
+
+def _beside_operator(toks: list[str], i: int) -> bool:
+    """Is the token at ``i`` next to an operator character (``a = 2``, ``a - i``)?"""
+    return any(0 <= j < len(toks) and len(toks[j]) == 1 and not toks[j].isalnum() for j in (i - 1, i + 1))
+
+
+def _class_differs(name: str) -> Callable[[Features, Features], bool]:
+    """A class of :data:`WH`/… words differs only when both questions use it (module doc)."""
+    def differs(a: Features, b: Features) -> bool:
+        x, y = getattr(a, name), getattr(b, name)
+        return bool(x) and bool(y) and x != y
+    return differs
 
 
 def _word_order(a: Features, b: Features) -> bool:
@@ -491,6 +572,9 @@ _CHECKS: tuple[tuple[str, Callable[[Features, Features], bool]], ...] = (
     ("order", _field("math")), ("units", _field("units")), ("relation", _field("relations")),
     ("ordinal", _field("ordinals")), ("comparative", _field("degree")), ("currency", _field("currency")),
     ("word_order", lambda a, b: not _word_order(a, b)),
+    ("question_word", _class_differs("wh")), ("person", _class_differs("persons")),
+    ("tense", _class_differs("tenses")), ("modal", _class_differs("modals")),
+    ("quantifier", _class_differs("quantifiers")),
 )
 
 
@@ -502,7 +586,8 @@ def mismatch(a: Features, b: Features, same_words: bool = False) -> str | None:
     stands on each side of ``from``/``to``/``of``/``per``/``than``/``north of``…), ``ordinal`` (``first`` ≠
     ``second``, ``half`` ≠ ``twice``), ``comparative`` (the comparison and superlative words in order),
     ``currency``, ``word_order`` (the content words both share, in order: names and nouns around a verb
-    ``Alice pays Bob`` / ``Bob pays Alice``, a moved clause) — and with ``same_words``, ``words``.
+    ``Alice pays Bob`` / ``Bob pays Alice``, a moved clause), then — where both questions use one —
+    ``question_word``, ``person``, ``tense``, ``modal``, ``quantifier``; and with ``same_words``, ``words``.
 
     ``same_words`` also requires the same set of content words (normalised tokens that are not common
     sentence words): for a lexical similarity, which cannot tell a synonym (``buy`` → ``purchase``) from a

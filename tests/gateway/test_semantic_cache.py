@@ -70,6 +70,39 @@ ORDER_DIFFERENT = [
     ("If Tom gives Ann 3 apples, how many does Ann have?", "How many does Ann have if Tom gives Ann 3 apples?",
      "word_order"),
 ]
+# A new-user helper's wrong hits (each served the other's answer): grouping, exponents and leading decimals the
+# tokens lost, and common words that still decide what is asked — compared when both questions use their class.
+CLASS_DIFFERENT = [
+    ("What is 3 + 4 × 2?", "What is (3 + 4) × 2?", "operators"),
+    ("What is -(2^2)?", "What is (-2)^2?", "order"),
+    ("What is 5² + 3?", "What is 52 + 3?", "numbers"),
+    ("What is 2¹⁰?", "What is 210?", "numbers"),
+    ("How much is $.99 times 3?", "How much is $99 times 3?", "numbers"),
+    ("In a short paragraph for a school report, explain when Albert Einstein was born and give some context.",
+     "In a short paragraph for a school report, explain where Albert Einstein was born and give some context.",
+     "question_word"),
+    ("For my logic homework, answer with one word and a short justification: are all prime numbers odd?",
+     "For my logic homework, answer with one word and a short justification: are some prime numbers odd?",
+     "quantifier"),
+    ("For my history homework, answer in one sentence with a name: who is the CEO of Apple?",
+     "For my history homework, answer in one sentence with a name: who was the CEO of Apple?", "tense"),
+    ("For the driving theory test, answer in one sentence: can you overtake a cyclist at a crossing?",
+     "For the driving theory test, answer in one sentence: must you overtake a cyclist at a crossing?", "modal"),
+    ("Translate into Spanish: he is a doctor", "Translate into Spanish: she is a doctor", "person"),
+    ("his dog bit her cat; whose pet was bitten?", "her dog bit his cat; whose pet was bitten?", "person"),
+    ("John is not tall and Mary is tall. Who is tall?", "John is tall and Mary is not tall. Who is tall?",
+     "word_order"),
+    ("If a = 2 and i = 3, what is a - i?", "If a = 2 and i = 3, what is i - a?", "order"),
+]
+# ...while a class one side does not use stays free (an imperative still meets a question; "Can you tell me: …"
+# adds no third person), and "each" asks what "every" asks. (Each class is compared in order: "does … have" against
+# "has" is a tense miss — when in doubt, miss.)
+CLASS_SAME = [
+    ("Tell me the capital of France.", "What is the capital of France?"),
+    ("Can you tell me: how old is she if she was born in 1990?", "How old is she if she was born in 1990?"),
+    ("Find the cost of each apple.", "find the cost of every apple"),
+    ("What is (3 + 4) × 2?", "what is (3+4)*2"),
+]
 # With an embedding model the content words may differ (synonyms); these still may not.
 EMBEDDING_DIFFERENT = [
     ("Which is the largest planet?", "Which is the heaviest planet?", "comparative"),
@@ -94,6 +127,18 @@ def test_guard_reads_order_and_roles(a: str, b: str, why: str) -> None:
     for same_words in (False, True):  # the embedding mode (no content-word check) and the lexical one
         assert mismatch(features(a), features(b), same_words) == why
         assert mismatch(features(b), features(a), same_words) == why
+
+
+@pytest.mark.parametrize(("a", "b", "why"), CLASS_DIFFERENT)
+def test_guard_reads_grouping_exponents_and_the_words_that_decide_the_question(a: str, b: str, why: str) -> None:
+    for same_words in (False, True):
+        assert mismatch(features(a), features(b), same_words) == why
+        assert mismatch(features(b), features(a), same_words) == why
+
+
+@pytest.mark.parametrize(("a", "b"), CLASS_SAME)
+def test_guard_compares_a_word_class_only_where_both_use_it(a: str, b: str) -> None:
+    assert mismatch(features(a), features(b), True) is None
 
 
 @pytest.mark.parametrize(("a", "b", "why"), EMBEDDING_DIFFERENT)
