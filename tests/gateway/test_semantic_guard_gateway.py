@@ -40,6 +40,13 @@ CHANGED = [
      "Convert 5 km to miles and round the result to two decimal places."),
     ("ordinal", "Who was the first president of the United States of America?",
      "Who was the second president of the United States of America?"),
+    # common words that decide the question (a new-user helper's wrong hits; guard v3)
+    ("question_word", "In a short paragraph for a school report, explain when Albert Einstein was born.",
+     "In a short paragraph for a school report, explain where Albert Einstein was born."),
+    ("person", "Translate into Spanish and explain the grammar briefly: he is a doctor at the city hospital.",
+     "Translate into Spanish and explain the grammar briefly: she is a doctor at the city hospital."),
+    ("grouping", "What is 3 + 4 × 2? Show every step of the calculation and give the final answer.",
+     "What is (3 + 4) × 2? Show every step of the calculation and give the final answer."),
 ]
 
 
