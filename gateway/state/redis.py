@@ -105,41 +105,62 @@ class FastLane:
 
     async def exchange(self, packed: bytes, replies: int = 1) -> list[Any] | None:
         """Send ``packed`` and read ``replies`` replies (an error reply is returned as its ``ResponseError``, the
-        others as the parser gives them); None when every connection of the lane is busy."""
-        if self._idle:
-            conn = self._idle.pop()
-        elif self._live < self.size:
-            conn = self.client.connection_pool.make_connection()
-            self._live += 1
-        else:
-            return None
-        ok = False
-        try:
-            if not conn.is_connected:  # connect() itself: a Sentinel connection asks the sentinels for the master
-                await conn.connect()  # (send_packed_command would connect to the default host:port instead)
-            parser = getattr(conn, "_parser", None)
-            if getattr(conn, "_writer", None) is None or parser is None:  # another redis-py layout: its own path
-                out = await _exchange_by_client(conn, packed, replies)
+        others as the parser gives them); None when every connection of the lane is busy.
+
+        A kept connection that fails with a connection error (the server restarted, or Sentinel failed over and
+        the old master is gone) means the other kept ones point at the same dead server: all are dropped, and the
+        call is sent once more on a fresh connection (through the sentinels: the new master). Each stale
+        connection used to fail a request of its own and open the breaker again, for tens of seconds after a
+        failover. A timeout is not retried (the server may be running the script)."""
+        for attempt in (0, 1):
+            if self._idle:
+                conn, kept = self._idle.pop(), True
+            elif self._live < self.size:
+                conn, kept = self.client.connection_pool.make_connection(), False
+                self._live += 1
             else:
-                # One timer for the write and every reply (redis-py arms one per write and one per reply: two
-                # or more asyncio.timeout objects per call, ~4% of the gateway's CPU at concurrency 32).
-                try:
-                    async with asyncio.timeout(conn.socket_timeout):
-                        await _send(conn, packed)
-                        out = [await parser.read_response() for _ in range(replies)]
-                except TimeoutError:
-                    raise RedisTimeoutError("Timeout reading from or writing to the socket") from None
-                except OSError as exc:
-                    raise RedisConnectionError(f"Error while reading from the socket: {exc}") from exc
-            ok = True
-            return out
-        finally:
-            if ok:
-                self._idle.append(conn)
-            else:
-                self._live -= 1
+                return None
+            try:
+                out = await self._on(conn, packed, replies)
+            except RedisConnectionError:
+                await self._drop(conn)
+                if not kept:
+                    raise
+                await self.close()  # the other kept connections: the same dead server
                 with contextlib.suppress(Exception):
-                    await conn.disconnect(nowait=True)
+                    await self.client.connection_pool.disconnect(inuse_connections=False)  # and the client's
+                if attempt:
+                    raise
+                continue
+            except BaseException:
+                await self._drop(conn)
+                raise
+            self._idle.append(conn)
+            return out
+        return None  # pragma: no cover (the loop returns or raises)
+
+    async def _on(self, conn: AbstractConnection, packed: bytes, replies: int) -> list[Any]:
+        if not conn.is_connected:  # connect() itself: a Sentinel connection asks the sentinels for the master
+            await conn.connect()  # (send_packed_command would connect to the default host:port instead)
+        parser = getattr(conn, "_parser", None)
+        if getattr(conn, "_writer", None) is None or parser is None:  # another redis-py layout: its own path
+            return await _exchange_by_client(conn, packed, replies)
+        # One timer for the write and every reply (redis-py arms one per write and one per reply: two
+        # or more asyncio.timeout objects per call, ~4% of the gateway's CPU at concurrency 32).
+        try:
+            async with asyncio.timeout(conn.socket_timeout):
+                await _send(conn, packed)
+                return [await parser.read_response() for _ in range(replies)]
+        except TimeoutError:
+            raise RedisTimeoutError("Timeout reading from or writing to the socket") from None
+        except OSError as exc:
+            raise RedisConnectionError(f"Error while reading from the socket: {exc}") from exc
+
+    async def _drop(self, conn: AbstractConnection) -> None:
+        """Forget a connection whose exchange failed or was interrupted (its state is unknown)."""
+        self._live -= 1
+        with contextlib.suppress(Exception):
+            await conn.disconnect(nowait=True)
 
     async def close(self) -> None:
         """Close the idle connections (busy ones close when their exchange ends badly, or with the process)."""

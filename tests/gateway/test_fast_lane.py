@@ -55,3 +55,32 @@ def test_lane_replies_errors_scripts_and_a_paused_server(tmp_path: Path) -> None
                 await handle.close()
 
         asyncio.run(run())
+
+
+def test_kept_connections_to_a_restarted_server_cost_no_request(tmp_path: Path) -> None:
+    """The server restarts (or Sentinel fails over: the old master gone) while the lane keeps connections to it:
+    the next exchange drops them all and goes through on a fresh connection — each stale one used to fail a
+    request of its own and open the breaker again, tens of seconds after a Sentinel failover."""
+    with persistent_redis(tmp_path) as server:
+        async def fill_and_use(handle: object) -> None:
+            lane = handle.lane  # type: ignore[attr-defined]
+            # four concurrent exchanges: four kept connections
+            assert await asyncio.gather(*(lane.exchange(pack(b"PING")) for _ in range(4))) == [[b"PONG"]] * 4
+            assert len(lane._idle) == 4
+
+        async def after(handle: object) -> None:
+            lane = handle.lane  # type: ignore[attr-defined]
+            for _ in range(4):  # one call per stale connection: none may fail
+                assert await lane.exchange(pack(b"PING")) == [b"PONG"]
+            assert lane._live == len(lane._idle) == 1
+
+        handle = connect(RedisConfig(url=server.url, socket_timeout_s=TIMEOUT_S, start_if_missing=False))
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(fill_and_use(handle))
+            server.stop()
+            server.start()
+            loop.run_until_complete(after(handle))
+        finally:
+            loop.run_until_complete(handle.close())
+            loop.close()
