@@ -105,7 +105,11 @@ def list_budgets(
     day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
 
     async def go(handle: Any) -> list[dict[str, Any]]:
-        levels = BudgetLevels(handle, Breaker(1.0), settings.limits)
+        breaker = Breaker(1.0)
+        # Redis first: the refresh below keeps its last copy when Redis is down (the request path's rule), and an
+        # empty table with exit 0 read as "no budgets set" (exit 3, as every other Redis command)
+        await breaker.call(lambda: handle.client.ping())
+        levels = BudgetLevels(handle, breaker, settings.limits)
         await levels.refresh(force=True)
         keys = RedisKeys(handle.prefix)
         rows = []

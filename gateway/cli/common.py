@@ -50,5 +50,19 @@ def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_time
     try:
         return asyncio.run(go())
     except RedisDown as exc:
-        typer.echo(f"thinkgate: Redis unreachable at {settings.redis.url}: {exc}", err=True)
+        # one line: no password from the URL, and no redis-py pool repr (a Sentinel failure dumped ~1,500 chars)
+        why = " ".join(str(exc).split())
+        why = why if len(why) <= 200 else why[:200] + "…"
+        typer.echo(f"thinkgate: Redis unreachable at {_shown(settings.redis.url)}: {why}", err=True)
         raise typer.Exit(3) from None
+
+
+def _shown(url: str) -> str:
+    """``url`` without its password (``redis://user:***@host``)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()

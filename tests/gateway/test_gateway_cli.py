@@ -130,15 +130,18 @@ def test_sigterm_stops_what_serve_started(tmp_path: Path, upstream_sim: Any) -> 
     assert wait_for(lambda: not ping(redis_url), timeout_s=10), "the private Redis outlived serve"
 
 
-@pytest.mark.parametrize("argv", [["keys", "list"], ["usage", "export", "--format", "jsonl", "--output", "-"]])
+@pytest.mark.parametrize("argv", [["keys", "list"], ["usage", "export", "--format", "jsonl", "--output", "-"],
+                                  ["budgets", "list"]])
 def test_offline_commands_exit_3_when_redis_is_unreachable(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """``keys`` and ``usage`` talk to Redis directly (gateway/cli_common.run_on_redis): a refused connection is a
-    one-line error and exit code 3, not a traceback."""
+    """``keys``, ``usage`` and ``budgets`` talk to Redis directly (gateway/cli_common.run_on_redis): a refused
+    connection is a one-line error and exit code 3, not a traceback — ``budgets list`` printed an empty table and
+    exited 0 ("no budgets set") — and the URL's password is not printed."""
     from typer.testing import CliRunner
 
     from gateway.cli.main import app
 
-    monkeypatch.setenv("THINKGATE_REDIS__URL", f"redis://127.0.0.1:{free_port()}/0")
+    monkeypatch.setenv("THINKGATE_REDIS__URL", f"redis://user:s3cretpw@127.0.0.1:{free_port()}/0")
     r = CliRunner().invoke(app, argv)
     assert r.exit_code == 3, r.output
-    assert "Redis unreachable" in r.output
+    assert "Redis unreachable" in r.output and "s3cretpw" not in r.output and "***" in r.output
+    assert len(r.output.strip().splitlines()) == 1
