@@ -48,6 +48,11 @@ def _parse_tags(tags: list[str]) -> dict[str, str]:
 MICRO_USD = Decimal("0.000001")
 
 
+#: The largest budget a key or level may have (USD): spend is kept in integer micro-USD in Redis (a signed 64-bit
+#: counter holds 9.2e12 USD); no real budget comes near it.
+MAX_BUDGET_USD = Decimal(10) ** 12
+
+
 def _usd(value: str | None, name: str) -> Decimal | None:
     if value is None:
         return None
@@ -58,6 +63,9 @@ def _usd(value: str | None, name: str) -> Decimal | None:
         raise typer.Exit(2) from None
     if not d.is_finite() or d < 0:  # finite first: a NaN does not compare (InvalidOperation)
         typer.echo(f"thinkgate: {name} must be a finite amount >= 0, got {value!r}", err=True)
+        raise typer.Exit(2)
+    if d > MAX_BUDGET_USD:  # beyond it quantize() overflows Decimal's 28 digits (InvalidOperation: a traceback)
+        typer.echo(f"thinkgate: {name} {value} is above the largest budget, {MAX_BUDGET_USD:,} USD", err=True)
         raise typer.Exit(2)
     if d != d.quantize(MICRO_USD):  # spend is kept in integer micro-USD: a finer budget would be rounded silently
         typer.echo(f"thinkgate: {name} {value} has more than 6 decimal places (budgets are whole micro-USD, "

@@ -416,6 +416,10 @@ def test_budgets_cli_set_list_remove(redis_url: str, prefix: str, tmp_path: Path
                 ("budgets", "set", "--global", "--usd-month", "inf")):
         out = _cli(*cmd, prefix=prefix, redis_url=redis_url)
         assert out.returncode == 2 and "must be a finite amount >= 0" in out.stderr, out.stderr
+    for cmd in (("keys", "create", "--id", f"h{team}", "--budget-usd-day", "1e400"),
+                ("budgets", "set", "--tag", "team=q", "--usd-month", "1E+30")):  # InvalidOperation in quantize()
+        out = _cli(*cmd, prefix=prefix, redis_url=redis_url)
+        assert out.returncode == 2 and "above the largest budget" in out.stderr, out.stderr
     assert _cli("keys", "create", "--id", f"m{team}", "--budget-usd-day", "1e-6", prefix=prefix,
                 redis_url=redis_url).returncode == 0
 
