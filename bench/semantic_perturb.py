@@ -164,12 +164,18 @@ def _noun_swap(text: str, rng: random.Random) -> str | None:
     return _swap_spans(text, *rng.choice(pairs)) if pairs else None
 
 
-def _relation(text: str, rng: random.Random) -> str | None:
-    spots = list(RELATION_RE.finditer(text))
+def _replace_one(text: str, rng: random.Random, pattern: re.Pattern[str], mapping: dict[str, str]) -> str | None:
+    """``text`` with one match of ``pattern`` (chosen by ``rng``) replaced by its ``mapping`` entry; None when
+    there is none."""
+    spots = list(pattern.finditer(text))
     if not spots:
         return None
     m = rng.choice(spots)
-    return text[:m.start()] + OPPOSITE[m.group(0)] + text[m.end():]
+    return text[:m.start()] + mapping[m.group(0)] + text[m.end():]
+
+
+def _relation(text: str, rng: random.Random) -> str | None:
+    return _replace_one(text, rng, RELATION_RE, OPPOSITE)
 
 
 def _relation_swap(text: str, rng: random.Random) -> str | None:
@@ -215,11 +221,7 @@ def _unit(text: str, rng: random.Random) -> str | None:
 
 
 def _comparative(text: str, rng: random.Random) -> str | None:
-    spots = list(COMPARATIVE_RE.finditer(text))
-    if not spots:
-        return None
-    m = rng.choice(spots)
-    return text[:m.start()] + COMPARATIVE[m.group(0)] + text[m.end():]
+    return _replace_one(text, rng, COMPARATIVE_RE, COMPARATIVE)
 
 
 def _number(text: str, rng: random.Random) -> str | None:
@@ -248,11 +250,7 @@ DECIDING_RE = re.compile(r"\b(" + "|".join(DECIDING) + r")\b")
 
 
 def _deciding_word(text: str, rng: random.Random) -> str | None:
-    spots = list(DECIDING_RE.finditer(text))
-    if not spots:
-        return None
-    m = rng.choice(spots)
-    return text[:m.start()] + DECIDING[m.group(0)] + text[m.end():]
+    return _replace_one(text, rng, DECIDING_RE, DECIDING)
 
 
 def _grouping(text: str, rng: random.Random) -> str | None:
