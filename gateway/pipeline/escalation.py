@@ -110,6 +110,20 @@ def learned_reason(tier: TierConfig, data: dict[str, Any], endpoint: WireEndpoin
     return "learned" if x is not None and should_escalate(model, x) else None
 
 
+class PeekBroken(Exception):
+    """A stream that failed while :func:`peek_stream` read it: ``cause`` (the upstream's error), ``counted`` (the
+    deltas read before it, as in a summary's ``counted``) — the attempt is billed those."""
+
+    def __init__(self, cause: BaseException, counted: dict[str, int]) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.counted = counted
+
+
+def _counted(tally: StreamTally) -> dict[str, int]:
+    return {"completion_tokens": tally.reasoning_deltas + tally.text_deltas, "reasoning_tokens": tally.reasoning_deltas}
+
+
 async def peek_stream(
     resp: UpstreamResponse, tier: TierConfig, endpoint: WireEndpoint, *, whole: bool = False
 ) -> tuple[SyntheticResponse, dict[str, Any]]:
@@ -130,24 +144,26 @@ async def peek_stream(
     tally = StreamTally()  # the deltas read, for the attempt's usage when the upstream sends none
     logprobs: list[Any] = []
     marker = end_marker(tier)
-    async for batch in rest:
-        head.append(batch)
-        tally.feed(batch)
-        for item in batch:
-            if item.data is None:
-                continue
-            assembler.feed(item.data)
-            for c in item.data.get("choices") or ():
-                lp = c.get("logprobs")
-                if isinstance(lp, dict) and isinstance(lp.get("content"), list):
-                    logprobs += lp["content"]
-        if not whole and _answer_started(assembler.result(), endpoint, marker):
-            break
+    try:
+        async for batch in rest:
+            head.append(batch)
+            tally.feed(batch)
+            for item in batch:
+                if item.data is None:
+                    continue
+                assembler.feed(item.data)
+                for c in item.data.get("choices") or ():
+                    lp = c.get("logprobs")
+                    if isinstance(lp, dict) and isinstance(lp.get("content"), list):
+                        logprobs += lp["content"]
+            if not whole and _answer_started(assembler.result(), endpoint, marker):
+                break
+    except Exception as exc:  # the stream broke or stalled while read: what it had sent is billed all the same
+        raise PeekBroken(exc, _counted(tally)) from exc
     summary = _summary(assembler, endpoint, logprobs)
     if summary["usage"] is None:  # none came (an error event ended it): the running totals, or the deltas read
         summary["usage"] = tally.last_usage
-        summary["counted"] = {"completion_tokens": tally.reasoning_deltas + tally.text_deltas,
-                              "reasoning_tokens": tally.reasoning_deltas}
+        summary["counted"] = _counted(tally)
     return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose), summary
 
 

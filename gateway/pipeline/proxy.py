@@ -273,9 +273,12 @@ class Proxy:
             whole = bool({"abstain", "low_confidence"} & set(tier.escalate_on))
             try:
                 resp, summary = await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole)
-            except UpstreamTimeout:
-                raise
-            except (UpstreamError, httpx.HTTPError) as exc:  # broken before a byte reached the client: a 502
+            except escalation.PeekBroken as broken:  # before a byte reached the client: the deltas read are billed
+                await self._count_attempt(ex, broken.counted, body)
+                ex.record.partial = True
+                exc = broken.cause
+                if isinstance(exc, UpstreamTimeout) or not isinstance(exc, UpstreamError | httpx.HTTPError):
+                    raise exc from None
                 broke = exc.message if isinstance(exc, GatewayError) else type(exc).__name__
                 raise UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {broke}",
                                     code="upstream_stream_broken") from None
@@ -307,8 +310,9 @@ class Proxy:
         return resp, None, True
 
     async def _count_attempt(self, ex: Exchange, counted: dict[str, int], body: dict[str, Any]) -> None:
-        """A peeked attempt that brought no usage (an upstream error event ended it) is billed what it generated
-        (the deltas read) and its prompt (:func:`gateway.pipeline.relay.count_prompt`) — it was metered at 0."""
+        """A peeked attempt that brought no usage (an upstream error event ended it, or the stream broke while it
+        was read) is billed what it generated (the deltas read) and its prompt
+        (:func:`gateway.pipeline.relay.count_prompt`) — it was metered at 0."""
         rec = ex.record
         rec.completion_tokens, rec.reasoning_tokens = counted["completion_tokens"], counted["reasoning_tokens"]
         rec.prompt_tokens = await count_prompt(self.upstreams, ex.tier, body)

@@ -224,7 +224,8 @@ def forget_tokens() -> None:
 def _tokens(text: str) -> tuple[str, ...]:
     text = _symbolise(text).casefold().replace("'", "").replace("’", "")
     toks = _TOKEN.findall(text)
-    toks = [_canonical_number(t) if t[:1].isdigit() else t for t in toks]
+    # a leading decimal point is a number too (".5" → "0.5"): every later check reads numbers by their first digit
+    toks = [_canonical_number(t) if t[:1].isdigit() or (t[:1] == "." and t[1:2].isdigit()) else t for t in toks]
     toks = _words_to_numbers(toks)
     out: list[str] = []
     for i, t in enumerate(toks):

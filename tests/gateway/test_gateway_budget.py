@@ -235,6 +235,9 @@ def test_a_stream_broken_while_peeked_is_a_502_and_its_record_says_so(upstream_s
         assert err["code"] == "upstream_stream_broken" and "'short'" in err["message"]
         assert wait_for(lambda: len(records) >= 1, timeout_s=5)
         assert (records[0].status, records[0].error_code, records[0].partial) == (502, "upstream_stream_broken", True)
+        # what it had sent before the break is billed, as on a tier that does not escalate (it was 0)
+        assert records[0].usage_source == "counted" and records[0].completion_tokens > 0
+        assert records[0].prompt_tokens > 0 and records[0].cost_micro_usd > 0
 
 
 def test_an_attempt_ended_by_an_error_event_is_billed_what_it_generated(upstream_sim: SimProcess,

@@ -78,6 +78,7 @@ CLASS_DIFFERENT = [
     ("What is 5² + 3?", "What is 52 + 3?", "numbers"),
     ("What is 2¹⁰?", "What is 210?", "numbers"),
     ("How much is $.99 times 3?", "How much is $99 times 3?", "numbers"),
+    ("Convert .25 miles to km.", "Convert .75 miles to km.", "numbers"),  # a leading decimal on both sides
     ("In a short paragraph for a school report, explain when Albert Einstein was born and give some context.",
      "In a short paragraph for a school report, explain where Albert Einstein was born and give some context.",
      "question_word"),
@@ -102,6 +103,7 @@ CLASS_SAME = [
     ("Can you tell me: how old is she if she was born in 1990?", "How old is she if she was born in 1990?"),
     ("Find the cost of each apple.", "find the cost of every apple"),
     ("What is (3 + 4) × 2?", "what is (3+4)*2"),
+    ("What is .5 + 1?", "what is 0.5 + 1"),
 ]
 # With an embedding model the content words may differ (synonyms); these still may not.
 EMBEDDING_DIFFERENT = [
