@@ -66,33 +66,59 @@ def count_deltas(ex: Exchange, tally: sse.StreamTally) -> None:
     ex.record.usage_source = "counted"
 
 
-def _strings(value: Any) -> str:
-    """The text of a messages list (every string in it, contents and tool arguments alike), space-joined."""
+#: Prompt tokens an image or audio part counts for in an estimate (OpenAI's low-detail image: 85); its bytes
+#: (a base64 data URL of a megabyte is 250,000 "tokens" at 4 characters each) are never counted as text.
+MEDIA_TOKENS = 85
+_MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "input_audio", "audio", "file", "input_file"})
+
+
+def _text_and_media(value: Any) -> tuple[list[str], int]:
+    """The strings of a messages list (contents and tool arguments alike) and its count of media parts."""
     if isinstance(value, str):
-        return value
+        return ([] if value.startswith("data:") else [value]), 0
     if isinstance(value, dict):
-        return " ".join(_strings(v) for v in value.values())
+        if value.get("type") in _MEDIA_PARTS:
+            return [], 1
+        texts, media = [], 0
+        for v in value.values():
+            t, m = _text_and_media(v)
+            texts += t
+            media += m
+        return texts, media
     if isinstance(value, list):
-        return " ".join(_strings(v) for v in value)
-    return ""
+        texts, media = [], 0
+        for v in value:
+            t, m = _text_and_media(v)
+            texts += t
+            media += m
+        return texts, media
+    return [], 0
+
+
+def estimate_prompt(value: Any) -> int:
+    """Prompt tokens of a messages list or a prompt when no tokenizer answers: ~4 characters a token of its
+    text, :data:`MEDIA_TOKENS` per image or audio part (its bytes are not text)."""
+    texts, media = _text_and_media(value)
+    return estimate_tokens(" ".join(texts)) + MEDIA_TOKENS * media
 
 
 async def count_prompt(pool: UpstreamPool, tier: TierConfig, body: dict[str, Any]) -> int:
     """Prompt tokens of the client's ``body`` on ``tier``, for a stream that ended with no upstream usage (the
     client went away, the upstream broke it): the upstream had read the whole prompt by its first chunk, so it is
     billed. vLLM's ``/tokenize`` of the messages under the tier's chat template (or of a completions prompt),
-    else estimated (~4 characters a token). The first phase's prompt on a ``forced`` tier: a lower bound there."""
+    else estimated (~4 characters a token of text, :data:`MEDIA_TOKENS` per image or audio part). The first
+    phase's prompt on a ``forced`` tier: a lower bound there."""
     messages = body.get("messages")
     if isinstance(messages, list):
         tools = body.get("tools")
         counted = await pool.count_chat_tokens(tier, messages, tools if isinstance(tools, list) else None)
-        return counted if counted is not None else estimate_tokens(_strings(messages))
+        return counted if counted is not None else estimate_prompt(messages)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return len(prompt)  # pre-tokenised
     if isinstance(prompt, str):
         return await pool.tokens(tier, prompt)
-    return estimate_tokens(_strings(prompt))
+    return estimate_prompt(prompt)
 
 
 def _head(last: dict[str, Any] | None) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote, urlparse, urlunsplit
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
@@ -108,36 +108,32 @@ class FastLane:
         others as the parser gives them); None when every connection of the lane is busy.
 
         A kept connection that fails with a connection error (the server restarted, or Sentinel failed over and
-        the old master is gone) means the other kept ones point at the same dead server: all are dropped, and the
-        call is sent once more on a fresh connection (through the sentinels: the new master). Each stale
-        connection used to fail a request of its own and open the breaker again, for tens of seconds after a
-        failover. A timeout is not retried (the server may be running the script)."""
-        for attempt in (0, 1):
-            if self._idle:
-                conn, kept = self._idle.pop(), True
-            elif self._live < self.size:
-                conn, kept = self.client.connection_pool.make_connection(), False
-                self._live += 1
-            else:
-                return None
-            try:
-                out = await self._on(conn, packed, replies)
-            except RedisConnectionError:
-                await self._drop(conn)
-                if not kept:
-                    raise
+        the old master is gone) means the other kept ones point at the same dead server: all of them, and the
+        client's idle ones, are dropped, so the next calls connect afresh (through the sentinels: the new master).
+        Each stale connection used to fail a request of its own and reopen the breaker, for tens of seconds after
+        a failover. The failed call itself is not sent again: the server may have run it before the connection
+        died (an admission twice, a cache lock waiting on itself)."""
+        if self._idle:
+            conn, kept = self._idle.pop(), True
+        elif self._live < self.size:
+            conn, kept = self.client.connection_pool.make_connection(), False
+            self._live += 1
+        else:
+            return None
+        try:
+            out = await self._on(conn, packed, replies)
+        except RedisConnectionError:
+            await self._drop(conn)
+            if kept:
                 await self.close()  # the other kept connections: the same dead server
                 with contextlib.suppress(Exception):
                     await self.client.connection_pool.disconnect(inuse_connections=False)  # and the client's
-                if attempt:
-                    raise
-                continue
-            except BaseException:
-                await self._drop(conn)
-                raise
-            self._idle.append(conn)
-            return out
-        return None  # pragma: no cover (the loop returns or raises)
+            raise
+        except BaseException:
+            await self._drop(conn)
+            raise
+        self._idle.append(conn)
+        return out
 
     async def _on(self, conn: AbstractConnection, packed: bytes, replies: int) -> list[Any]:
         if not conn.is_connected:  # connect() itself: a Sentinel connection asks the sentinels for the master
@@ -315,19 +311,16 @@ async def ping(cfg: RedisConfig, known: Sequence[tuple[str, int]] = ()) -> bool:
 def _cluster(cfg: RedisConfig, parsed: Any, common: dict[str, Any],
              known: Sequence[tuple[str, int]]) -> RedisCluster:
     """A ``RedisCluster`` started from every seed of the URL (``redis+cluster://a:7000,b:7001``; one dead seed
-    then costs nothing) and the ``known`` nodes."""
+    then costs nothing) and the ``known`` nodes. Built from the first seed's URL, so its credentials and query
+    options (``?ssl_cert_reqs=none``, ``ssl_ca_certs``…) hold for every node."""
     seeds = url_nodes(parsed, 6379)
-    if len(seeds) == 1 and not known:
-        return RedisCluster.from_url(cfg.url.replace("+cluster", "", 1), max_connections=cfg.max_connections,
-                                     **common)
-    auth: dict[str, Any] = {}
-    if parsed.username:
-        auth["username"] = unquote(parsed.username)
-    if parsed.password:
-        auth["password"] = unquote(parsed.password)
-    nodes = [ClusterNode(h, p) for h, p in dict.fromkeys([*seeds, *known])]
-    return RedisCluster(startup_nodes=nodes, max_connections=cfg.max_connections,
-                        ssl=parsed.scheme.startswith("rediss"), **common, **auth)
+    userinfo = parsed.netloc.rsplit("@", 1)[0] + "@" if "@" in parsed.netloc else ""
+    host, port = seeds[0]
+    first = urlunsplit((parsed.scheme.replace("+cluster", "", 1), f"{userinfo}{host}:{port}", parsed.path,
+                        parsed.query, ""))
+    others = [ClusterNode(h, p) for h, p in dict.fromkeys([*seeds[1:], *known]) if (h, p) != seeds[0]]
+    extra: dict[str, Any] = {"startup_nodes": others} if others else {}
+    return RedisCluster.from_url(first, max_connections=cfg.max_connections, **common, **extra)
 
 
 def _sentinel_master(cfg: RedisConfig, parsed: Any, common: dict[str, Any]) -> Redis:

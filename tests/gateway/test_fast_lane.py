@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -57,10 +58,11 @@ def test_lane_replies_errors_scripts_and_a_paused_server(tmp_path: Path) -> None
         asyncio.run(run())
 
 
-def test_kept_connections_to_a_restarted_server_cost_no_request(tmp_path: Path) -> None:
+def test_kept_connections_to_a_restarted_server_cost_one_call(tmp_path: Path) -> None:
     """The server restarts (or Sentinel fails over: the old master gone) while the lane keeps connections to it:
-    the next exchange drops them all and goes through on a fresh connection — each stale one used to fail a
-    request of its own and open the breaker again, tens of seconds after a Sentinel failover."""
+    the first exchange on one fails (it is not sent again: the server may have run it) and drops them all, so the
+    next ones go through on fresh connections — each stale one used to fail a call of its own and open the
+    breaker again, tens of seconds after a Sentinel failover."""
     with persistent_redis(tmp_path) as server:
         async def fill_and_use(handle: object) -> None:
             lane = handle.lane  # type: ignore[attr-defined]
@@ -70,7 +72,10 @@ def test_kept_connections_to_a_restarted_server_cost_no_request(tmp_path: Path) 
 
         async def after(handle: object) -> None:
             lane = handle.lane  # type: ignore[attr-defined]
-            for _ in range(4):  # one call per stale connection: none may fail
+            with pytest.raises(RedisConnectionError):
+                await lane.exchange(pack(b"PING"))
+            assert lane._live == len(lane._idle) == 0  # every stale connection dropped with it
+            for _ in range(3):  # where three more stale connections each failed a call
                 assert await lane.exchange(pack(b"PING")) == [b"PONG"]
             assert lane._live == len(lane._idle) == 1
 

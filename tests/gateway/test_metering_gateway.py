@@ -274,3 +274,16 @@ def test_shadow_calls_stay_out_of_the_client_latency_histograms(gw: GatewayServe
                                                              "status": "2xx"}) == 1
     for hist in ("thinkgate_request_latency_seconds_count", "thinkgate_ttft_seconds_count"):
         assert reg.get_sample_value(hist, {"tier": "long", "stream": "false"}) == 1  # the client's only
+
+
+def test_a_cut_streams_prompt_estimate_counts_text_not_image_bytes() -> None:
+    """Where the upstream cannot tokenize (not vLLM, or a multimodal prompt), the prompt of a cut stream is
+    estimated from its text: a 1 MB base64 image was 250,000 "tokens" (a client that walked away from a vision
+    request billed a quarter of a million prompt tokens)."""
+    from gateway.pipeline.relay import MEDIA_TOKENS, estimate_prompt
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 1_000_000}}
+    text = {"type": "text", "text": "what is in this image?"}
+    # the words (role and part type included: a rough count) plus one image's share
+    assert MEDIA_TOKENS < estimate_prompt([{"role": "user", "content": [text, image]}]) < MEDIA_TOKENS + 20
+    assert 3 <= estimate_prompt([{"role": "user", "content": "hello there world"}]) <= 8
