@@ -74,7 +74,8 @@ def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool, synced: Ca
         # an upstream is shared by every replica, as Redis is: one tier's upstream down fails no replica's
         # readiness (that emptied the Service while the other tiers, and fallback, still answered); none answering
         # does — this replica can serve nothing
-        serves = any(upstream_ok.values()) and (
+        generating = [ok for t, ok in zip(tiers, checks[1:], strict=True) if not t.embeddings] or [False]
+        serves = any(generating) and (  # an embeddings tier alone answers no chat or completion
             redis_ok or (settings.limits.on_redis_down == "fail_open" and (warm or not need)))
         whole = redis_ok and all(upstream_ok.values())
         status = ("ready" if whole else "degraded") if serves else "not_ready"

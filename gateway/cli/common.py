@@ -35,6 +35,7 @@ def load_settings(config: Path | None, model_dir: Path | None = None, **override
 def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_timeout_s: float = 2.0) -> T:
     """Run ``fn(RedisHandle)`` on the configured Redis (socket timeout at least ``min_timeout_s`` seconds: an
     offline command may wait longer than the request path) and close it; exit 3 when Redis is unreachable."""
+    from gateway.config.redis import shown_url
     from gateway.state.breaker import RedisDown
     from gateway.state.redis import connect
 
@@ -53,16 +54,6 @@ def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_time
         # one line: no password from the URL, and no redis-py pool repr (a Sentinel failure dumped ~1,500 chars)
         why = " ".join(str(exc).split())
         why = why if len(why) <= 200 else why[:200] + "…"
-        typer.echo(f"thinkgate: Redis unreachable at {_shown(settings.redis.url)}: {why}", err=True)
+        typer.echo(f"thinkgate: Redis unreachable at {shown_url(settings.redis.url)}: {why}", err=True)
         raise typer.Exit(3) from None
 
-
-def _shown(url: str) -> str:
-    """``url`` without its password (``redis://user:***@host``)."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit, urlunsplit
 
 from pydantic import Field, field_validator
 
@@ -26,6 +26,17 @@ def url_nodes(parsed: Any, default_port: int) -> list[tuple[str, int]]:
     return nodes
 
 
+def shown_url(url: str) -> str:
+    """``url`` as messages show it: no password (``user:***@``) and no query (``?password=…``)."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}:***@{host}" if ":" in userinfo else f"{user}@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
 def check_url(url: str) -> None:
     """Raise ValueError (one line) when ``url`` is not a Redis URL :func:`gateway.state.redis.connect` takes: its
     scheme, its ports, a Sentinel URL's service name — checked when the configuration loads, not at the first
@@ -42,7 +53,7 @@ def check_url(url: str) -> None:
         try:
             parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
         except ValueError:
-            raise ValueError(f"redis.url: the port of {url!r} is not a number") from None
+            raise ValueError(f"redis.url: the port of {shown_url(url)!r} is not a number") from None
         if "," in parsed.netloc:
             raise ValueError("redis.url: several hosts are for redis+cluster:// or redis+sentinel:// URLs")
     elif scheme != "unix":

@@ -172,12 +172,14 @@ class RetrainTrigger:
         ``interval_s`` later) and read the last audit event (``router_status.learning.last_event`` read null after
         a restart). Redis down or slow: skipped, the ticks catch up."""
         try:
-            await asyncio.wait_for(self.follow(), START_FOLLOW_S)
+            # shielded: a slow reload that outlives the wait still finishes (or rolls the path back) on its own
+            await asyncio.wait_for(asyncio.shield(self.follow()), START_FOLLOW_S)
             last = await asyncio.wait_for(read_history(self.handle, self.breaker, count=1), START_FOLLOW_S)
             if last and self.last is None:
                 self.last = last[-1]
-        except (RedisDown, TimeoutError) as exc:
-            log.warning("retrain: the promoted router was not read at start (%s); the next tick follows it", exc)
+        except Exception as exc:  # Redis down or slow, a bad history entry: never a reason not to start
+            log.warning("retrain: the promoted router was not read at start (%s: %s); the next tick follows it",
+                        type(exc).__name__, exc)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Every ``interval_s`` until cancelled: follow, fit when due, check the realised floor."""

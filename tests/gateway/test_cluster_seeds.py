@@ -63,11 +63,13 @@ def test_a_url_may_list_several_seeds(cluster: ClusterSet, upstream_sim: SimProc
     ("redis+sentinel://127.0.0.1:xx/mymaster", "not a number"),
     ("rediscluster://127.0.0.1:7000", "unsupported scheme"),
     ("redis://127.0.0.1:7000,127.0.0.1:7001/0", "not a number"),
+    ("redis://:s3cret@127.0.0.1:63a79/0", "not a number"),
 ])
 def test_a_malformed_redis_url_is_a_config_error(url: str, says: str, tmp_path: Path) -> None:
     with pytest.raises(ValidationError) as info:
         RedisConfig(url=url)
     assert says in str(info.value)
+    assert "s3cret" not in str(info.value).split("input_value=")[0]  # the message never shows the password
     for ok in ("redis://127.0.0.1:6379/0", "unix:///tmp/r.sock", "redis+cluster://a:7000,b:7001",
                "redis+sentinel://a:26379,b:26380/mymaster/1"):
         RedisConfig(url=ok)

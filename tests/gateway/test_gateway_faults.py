@@ -106,17 +106,20 @@ def test_refused_connection_without_fallback_is_502(fault_sim: SimProcess, redis
         assert r.json()["status"] == "degraded"
 
 
-def test_ready_fails_when_no_upstream_answers(redis_url: str) -> None:
-    """Every tier's upstream down: this replica can serve nothing, so it is not ready."""
+def test_ready_fails_when_no_upstream_answers(redis_url: str, fault_sim: SimProcess) -> None:
+    """Every generation tier's upstream down: this replica can serve no chat or completion, so it is not ready —
+    an embeddings tier that answers does not make it ready."""
     dead = f"http://127.0.0.1:{free_port()}/v1"
-    tiers = [{"name": n, "base_url": dead, "model": "m", "connect_timeout_s": 0.5} for n in ("a", "b")]
+    tiers = [{"name": "emb", "base_url": fault_sim.base_url, "model": "m", "embeddings": True}]
+    tiers += [{"name": n, "base_url": dead, "model": "m", "connect_timeout_s": 0.5} for n in ("a", "b")]
     settings = sim_settings(dead, redis_url, tiers=tiers, routing={"router_path": None, "routed_tiers": ["a", "b"],
                                                                    "thresholds": [0.5], "default_tier": "b",
                                                                    "effort_tiers": {"low": "a", "high": "b"}})
     with GatewayServer(settings) as gw:
         r = httpx.get(gw.url + "/ready", timeout=10)
         assert r.status_code == 503 and r.json() | {"redis_synced": None} == {
-            "status": "not_ready", "redis": True, "redis_synced": None, "upstreams": {"a": False, "b": False}}
+            "status": "not_ready", "redis": True, "redis_synced": None,
+            "upstreams": {"emb": True, "a": False, "b": False}}
 
 
 def test_an_upstream_400_keeps_the_field_it_names(client: openai.OpenAI) -> None:
