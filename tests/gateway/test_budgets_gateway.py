@@ -33,9 +33,11 @@ ADMIN = {"authorization": f"Bearer {ADMIN_SECRET}"}
 PROMPT = [{"role": "user", "content": "spend some budget please"}]
 
 
-def _tiers(base_url: str) -> list[dict[str, Any]]:
+def _tiers(base_url: str, short_max_tokens: int = 64) -> list[dict[str, Any]]:
     tiers = sim_tiers(base_url)
-    tiers[1]["escalate_on"] = ["length_in_thought"]  # short: a thought cut by max_tokens escalates to long
+    # short: a thought cut by the tier's max_tokens escalates to long (not one cut by the client's own max_tokens:
+    # the next tier would be held to the same bound)
+    tiers[1].update({"escalate_on": ["length_in_thought"], "max_tokens": short_max_tokens})
     return tiers
 
 
@@ -44,10 +46,10 @@ def prefix() -> str:
     return f"tgtest:{uuid.uuid4().hex[:12]}:"
 
 
-def _gateway(sim: SimProcess, redis_url: str, tmp: Path, prefix: str, mode: str) -> Any:
+def _gateway(sim: SimProcess, redis_url: str, tmp: Path, prefix: str, mode: str, short_max_tokens: int = 64) -> Any:
     # a 2 s Redis socket timeout (default 0.25 s): 64 concurrent requests on a loaded 2-core box can wait longer
     # than 0.25 s for the event loop, and these tests are about budgets, not about Redis timeouts
-    return accounting_gateway(sim.base_url, redis_url, tmp, prefix, tiers=_tiers(sim.base_url),
+    return accounting_gateway(sim.base_url, redis_url, tmp, prefix, tiers=_tiers(sim.base_url, short_max_tokens),
                               limits={"budget_mode": mode, "budget_refresh_s": 0},
                               redis={"socket_timeout_s": 2.0})
 
@@ -107,8 +109,9 @@ SHAPES = [
     pytest.param({"model": "long", "n": 4, "max_tokens": 5, "stream": True}, "long", id="long-n4-max5-stream"),
     pytest.param({"model": "long", "n": 8}, "long", id="long-n8-uncapped"),
     pytest.param({"model": "short", "n": 2, "max_tokens": 1_000_000}, "short", id="short-n2-huge-max"),
-    pytest.param({"model": "short", "max_tokens": 4}, "short", id="short-escalating"),
-    pytest.param({"model": "short", "n": 3, "max_tokens": 4, "stream": True}, "short", id="short-escalating-stream"),
+    # cut by the client's own max_tokens: not escalated, but admitted on the bound that would cover it
+    pytest.param({"model": "short", "max_tokens": 4}, "short", id="short-cut-max4"),
+    pytest.param({"model": "short", "n": 3, "max_tokens": 4, "stream": True}, "short", id="short-cut-max4-stream"),
     pytest.param({"model": "auto", "stream": True, "stream_options": {"include_usage": True}}, "long",
                  id="auto-stream"),
 ]
@@ -213,12 +216,21 @@ def test_64_concurrent_requests_of_4_keys_share_a_tag_budget(upstream_sim: SimPr
             assert budget <= spent <= budget + est, (spent, budget, est)
 
 
-def test_escalation_has_its_own_reservation_while_in_flight(gw: GatewayServer, upstream_sim: SimProcess,
+@pytest.fixture(scope="module")
+def cutting(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory,
+            prefix: str) -> Iterator[GatewayServer]:
+    """The same gateway with ``short`` capped at 4 tokens: its thought is cut by the tier, so it escalates."""
+    with _gateway(upstream_sim, redis_url, tmp_path_factory.mktemp("budcut"), prefix, "hard", 4) as g:
+        yield g
+
+
+def test_escalation_has_its_own_reservation_while_in_flight(cutting: GatewayServer, upstream_sim: SimProcess,
                                                             redis_url: str, prefix: str) -> None:
+    gw = cutting
     kid = f"esc-{uuid.uuid4().hex[:8]}"
     secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(1_000_000))
     t = uuid.uuid4().hex
-    body = {"model": "short", "max_tokens": 4, "messages": PROMPT, "sim": {"tag": t, "delay_ms": 1200}}
+    body = {"model": "short", "messages": PROMPT, "sim": {"tag": t, "delay_ms": 1200}}
     result: dict[str, httpx.Response] = {}
     worker = threading.Thread(target=lambda: result.setdefault("r", _post(gw, secret, body)))
     worker.start()
@@ -239,9 +251,10 @@ def test_escalation_has_its_own_reservation_while_in_flight(gw: GatewayServer, u
     assert r.headers["x-request-id"] in seen  # the escalated call's own reservation, before it was sent
 
 
-def test_refused_escalation_returns_the_first_answer_saying_why(gw: GatewayServer, redis_url: str,
+def test_refused_escalation_returns_the_first_answer_saying_why(cutting: GatewayServer, redis_url: str,
                                                                 prefix: str) -> None:
-    body = {"model": "short", "max_tokens": 4, "messages": PROMPT}
+    gw = cutting
+    body = {"model": "short", "messages": PROMPT}
     est = _estimate(gw, body, "short")
     kid = f"noesc-{uuid.uuid4().hex[:8]}"
     secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(est + est // 2))
