@@ -137,14 +137,14 @@ def test_an_escalated_turn_moves_the_session(upstream_sim: SimProcess, redis_url
                                              tmp_path_factory: pytest.TempPathFactory) -> None:
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
     tiers = sim_tiers(upstream_sim.base_url)
-    tiers[1]["escalate_on"] = ["empty_answer"]
+    tiers[1].update({"escalate_on": ["empty_answer"], "max_tokens": 4})  # the tier's cap cuts its thought
     routing = {"router_path": None, "routed_tiers": ["short", "long"], "thresholds": [0.5], "session_ttl_s": 600}
     try:
         with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("sessesc"), prefix,
                                 tiers=tiers, routing=routing) as gw:
             msgs = [{"role": "user", "content": f"short question {uuid.uuid4().hex[:6]}"}]
-            # 4 tokens: short's answer is cut in its thought (empty) → escalated to long
-            first = oai(gw).chat.completions.with_raw_response.create(model="auto", messages=msgs, max_tokens=4)  # type: ignore[arg-type]
+            # short's 4 tokens: its answer is cut in its thought (empty) → escalated to long
+            first = oai(gw).chat.completions.with_raw_response.create(model="auto", messages=msgs)  # type: ignore[arg-type]
             assert (first.headers["x-thinkgate-tier"], first.headers["x-thinkgate-route-reason"],
                     first.headers["x-thinkgate-session"]) == ("long", "escalated", "new")
             again = oai(gw).chat.completions.with_raw_response.create(model="auto", messages=msgs)  # type: ignore[arg-type]
