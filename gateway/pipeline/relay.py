@@ -76,23 +76,15 @@ def _text_and_media(value: Any) -> tuple[list[str], int]:
     """The strings of a messages list (contents and tool arguments alike) and its count of media parts."""
     if isinstance(value, str):
         return ([] if value.startswith("data:") else [value]), 0
-    if isinstance(value, dict):
-        if value.get("type") in _MEDIA_PARTS:
-            return [], 1
-        texts, media = [], 0
-        for v in value.values():
-            t, m = _text_and_media(v)
-            texts += t
-            media += m
-        return texts, media
-    if isinstance(value, list):
-        texts, media = [], 0
-        for v in value:
-            t, m = _text_and_media(v)
-            texts += t
-            media += m
-        return texts, media
-    return [], 0
+    if isinstance(value, dict) and value.get("type") in _MEDIA_PARTS:
+        return [], 1
+    texts: list[str] = []
+    media = 0
+    for v in value.values() if isinstance(value, dict) else value if isinstance(value, list) else ():
+        t, m = _text_and_media(v)
+        texts += t
+        media += m
+    return texts, media
 
 
 def estimate_prompt(value: Any) -> int:
