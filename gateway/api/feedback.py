@@ -77,7 +77,8 @@ def attach(app: FastAPI, keys: KeyStore, store: OutcomeStore) -> None:
         sufficed = correct if correct is not None else bool(score is not None and score >= 0.5)
         outcome = Outcome(source="feedback", request_id=rid, key_id=key.id, tier=entry.get("tier"),
                           sufficed=sufficed, judge="client", outcome_id=f"fb:{rid}",
-                          route_reason=entry.get("route_reason"), window_digest=entry.get("window_digest"),
+                          route_reason=entry.get("route_reason"), escalated_from=entry.get("escalated_from"),
+                          window_digest=entry.get("window_digest"),
                           score=entry.get("score"), value=score if score is not None else float(bool(correct)),
                           comment=comment, text=entry.get("text"),
                           # the router that served the request (an entry written before the index kept it: now's)

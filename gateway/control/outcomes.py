@@ -126,6 +126,8 @@ class OutcomeStore:
                                  if record.routing_window is not None else None,
                                  # the router that served it: feedback may come after a promotion
                                  "router_version": self.router_version()}
+        if record.escalated_from is not None:
+            entry["escalated_from"] = record.escalated_from
         if self.cfg.retain_text and record.routing_window is not None:
             entry["text"] = record.routing_window
         self._index.append((record.request_id, record.key_id, orjson.dumps(entry)))

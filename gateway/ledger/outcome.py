@@ -48,6 +48,7 @@ class Outcome:
     outcome_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     ts: float = field(default_factory=time.time)
     route_reason: str | None = None
+    escalated_from: str | None = None  # an escalated answer: the first attempt's route reason
     window_digest: str | None = None
     score: float | None = None
     other_tier: str | None = None

@@ -63,6 +63,9 @@ class UsageRecord:
     cache_request_id: str | None = None  # semantic hit: the request whose stored answer was served
     cache_similarity: float | None = None  # semantic hit: similarity of the two questions
     routing_window: str | None = None  # the text the router scored (not metered; outcomes keep its digest)
+    # an escalated attempt: the route reason of the request's first attempt (``predicted``: the router's choice;
+    # ``forced``, ``explore``…: not) — the realised floor counts an escalated answer only when the router chose it
+    escalated_from: RouteReason | None = None
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def set_usage(self, usage: dict[str, Any] | None) -> None:
@@ -98,7 +101,7 @@ class UsageRecord:
 
 # Not logged: private fields, and the routing window — the user's prompt text, which only the outcome store may
 # keep, and only under ``routing.outcomes.retain_text`` (a data-retention decision; docs/closed-loop.md).
-_UNLOGGED = frozenset({"routing_window"})
+_UNLOGGED = frozenset({"routing_window", "escalated_from"})
 _PUBLIC_FIELDS = tuple(f.name for f in fields(UsageRecord) if not f.name.startswith("_") and f.name not in _UNLOGGED)
 
 

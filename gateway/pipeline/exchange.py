@@ -102,6 +102,7 @@ class Exchange:
         ``route`` with ``record`` (the next attempt's, already admitted under its id); the cache ticket stays
         with the exchange."""
         self._meter(status, code)
+        record.escalated_from = self.record.escalated_from or self.record.route_reason
         self.record = record
         self._closed = False
         self.stamp(route)

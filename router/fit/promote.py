@@ -115,6 +115,18 @@ PREDICTED = "predicted"  # route reason: the router's own decision, served as de
 #: say nothing of the router's floor. None: an outcome recorded without a route reason (written before outcomes
 #: carried one, or by a tool), counted as the router's as it always was.
 ROUTER_ANSWERS: frozenset[str | None] = frozenset({PREDICTED, SPOT_CHECK, "escalated", None})
+#: The first attempts whose escalation is still the router's answer: its own decision (or an outcome written
+#: before outcomes carried ``escalated_from``). A forced or explored tier the cascade escalated is not.
+ROUTER_ESCALATIONS: frozenset[str | None] = frozenset({PREDICTED, None})
+
+
+def is_router_answer(outcome: dict[str, Any]) -> bool:
+    """Whether ``outcome`` grades an answer its router version chose (:data:`ROUTER_ANSWERS`; an escalated answer
+    only when the escalated attempt was the router's own, :data:`ROUTER_ESCALATIONS`)."""
+    reason = outcome.get("route_reason")
+    if reason == "escalated":
+        return outcome.get("escalated_from") in ROUTER_ESCALATIONS
+    return reason in ROUTER_ANSWERS
 
 
 @dataclass
@@ -219,7 +231,7 @@ def version_arms(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str
     """The graded feedback on router ``version``'s own answers (route reason in :data:`ROUTER_ANSWERS`: explored,
     forced, effort, fallback and cached ones left out), as three lists of "graded right": (its cheap answers, its
     spot checks — top answers to questions it sent cheap —, its top answers)."""
-    mine = [o for o in graded_of(outcomes, version) if o.get("route_reason") in ROUTER_ANSWERS]
+    mine = [o for o in graded_of(outcomes, version) if is_router_answer(o)]
     checked = [bool(o["sufficed"]) for o in mine if o.get("route_reason") == SPOT_CHECK]
     cheap = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") != top_tier]
     top = [bool(o["sufficed"]) for o in mine if o.get("route_reason") != SPOT_CHECK and o.get("tier") == top_tier]

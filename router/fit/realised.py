@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from router.fit.promote import EXPLORE, ROUTER_ANSWERS, SPOT_CHECK, explore_rates, rates, version_arms, wilson
+from router.fit.promote import EXPLORE, SPOT_CHECK, explore_rates, is_router_answer, rates, version_arms, wilson
 
 __all__ = ["EXPLORE", "SPOT_CHECK", "realised", "spot_check_ratio"]
 
@@ -68,10 +68,10 @@ def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, fl
     """The realised floor of router ``version`` (module doc) from ``outcomes`` (dicts with the fields of
     ``gateway.ledger.outcome.Outcome``); only the router's own answers count (route reason in
     :data:`~router.fit.promote.ROUTER_ANSWERS`: explored, forced, effort, fallback and cached ones are not its
-    choice). The spot-check estimate when at least ``spot_check_min`` spot-check
-    answers of ``version`` are graded, else the explore estimate when both explored arms have that many, else the
-    nesting estimate. Ratios are dimensionless (served accuracy over
-    always-top accuracy on the same traffic).
+    choice, nor an escalation of one of those, :func:`~router.fit.promote.is_router_answer`). The spot-check
+    estimate when at least ``spot_check_min`` spot-check answers of ``version`` are graded, else the explore
+    estimate when both explored arms have that many, else the nesting estimate. Ratios are dimensionless (served
+    accuracy over always-top accuracy on the same traffic).
 
     Returns ``{"method": "spot_check" | "explore" | "nesting", "n", "n_cheap", "n_spot_check", "n_top",
     "accuracy_ratio", "ratio_low", "holds_floor"}`` (``accuracy_ratio`` and ``holds_floor`` None without graded
@@ -87,7 +87,7 @@ def realised(outcomes: Sequence[dict[str, Any]], version: str, top_tier: str, fl
         return {**out, "method": "spot_check", "accuracy_ratio": round(point, 6), "ratio_low": round(low, 6),
                 "holds_floor": bool(point >= floor - 1e-12)}
     explored = explore_rates(outcomes, version, "", top_tier, spot_check_min)
-    r = explored or rates([o for o in outcomes if o.get("route_reason") in ROUTER_ANSWERS], top_tier)
+    r = explored or rates([o for o in outcomes if is_router_answer(o)], top_tier)
     p_top = r.p_top if r.p_top else 1.0
     cheap_wrong = len(cheap) - sum(cheap)
     # a ratio of two accuracies is ≥ 0: the formula's loss can pass 1 when p_top is read low on few answers

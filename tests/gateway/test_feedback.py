@@ -93,6 +93,19 @@ def test_escalations_are_outcomes(upstream_sim: SimProcess, redis_url: str, redi
         assert (o.source, o.key_id, o.tier, o.sufficed, o.judge) == (
             "escalation", "bob", "short", False, "escalation:length_in_thought")
         assert o.text == "a b c" and o.window_digest == window_digest("a b c")
+        # graded, the escalated answer says which attempt escalated: the router's decision here, the client's
+        # when it named the tier — only the first is the router's answer for its realised floor
+        forced = httpx.post(gw.base_url + "/chat/completions", headers=_auth("bob"), timeout=30, json={
+            "model": "short", "messages": [{"role": "user", "content": "a b c d"}]})
+        assert forced.status_code == 200 and forced.headers["x-thinkgate-route-reason"] == "escalated"
+        for resp in (r, forced):
+            fb = httpx.post(gw.base_url + "/feedback", headers=_auth("bob"), timeout=30,
+                            json={"request_id": resp.headers["x-request-id"], "correct": False})
+            assert fb.status_code == 200, fb.text
+        graded = {o.request_id: o for o in _outcomes(redis_url, prefix) if o.source == "feedback"}
+        mine, theirs = graded[r.headers["x-request-id"]], graded[forced.headers["x-request-id"]]
+        assert (mine.route_reason, mine.escalated_from, mine.tier) == ("escalated", "predicted", "long")
+        assert (theirs.route_reason, theirs.escalated_from) == ("escalated", "forced")
 
 
 def test_outcomes_survive_a_redis_outage(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:

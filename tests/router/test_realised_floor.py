@@ -116,6 +116,13 @@ def test_answers_the_router_did_not_choose_do_not_count() -> None:
     # the router's own cheap answers and its escalated ones do count
     mine = own + [_fb(200 + i, "short", False) for i in range(4)] + [_fb(300, "long", True, "escalated")]
     assert realised(mine + others, "v", "long", 0.98)["n"] == 8
+    # an escalation counts when the router chose the escalated attempt, not when the client forced it or the
+    # router explored (the retry's own reason is "escalated" either way; ``escalated_from`` says which)
+    chosen = [{**_fb(400 + i, "long", False, "escalated"), "escalated_from": "predicted"} for i in range(3)]
+    not_chosen = [{**_fb(500 + i, "long", False, "escalated"), "escalated_from": why}
+                  for i, why in enumerate(["forced", "explore", "effort", "fallback"] * 5)]
+    r = realised(mine + others + chosen + not_chosen, "v", "long", 0.98)
+    assert (r["n"], r["n_top"]) == (11, 7)
 
 
 def test_the_nesting_ratio_is_never_negative() -> None:
