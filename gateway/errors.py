@@ -131,6 +131,10 @@ class RateLimited(GatewayError):
     status = 429
     type = "rate_limit_error"
     default_code = "rate_limit_exceeded"
+    #: A budget refusal on spend already past the budget: ``(level, "day" | "month", spent micro-USD)`` (a
+    #: ``gateway.state.budgets.Level``) — the budget alerts of that level are checked on it (a budget lowered below
+    #: the spend refuses every request and meters none, which is where alerts were checked). None otherwise.
+    exhausted: Any = None
 
 
 class UpstreamError(GatewayError):

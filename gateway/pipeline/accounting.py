@@ -36,7 +36,7 @@ import httpx
 from gateway.auth.keys import KeyInfo
 from gateway.auth.redis_store import RedisKeyStore
 from gateway.config import Settings, TierConfig
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, RateLimited
 from gateway.ledger.event import RouteReason, UsageEvent
 from gateway.ledger.record import UsageRecord
 from gateway.observability.metrics import Metrics
@@ -46,7 +46,7 @@ from gateway.semantic.embed import embedder_for
 from gateway.semantic.policy import question as semantic_question
 from gateway.state.alerts import Alerts
 from gateway.state.breaker import Breaker, RedisDown
-from gateway.state.budgets import BudgetLevels, BudgetStore
+from gateway.state.budgets import BudgetLevels, BudgetStore, Level
 from gateway.state.cache import CacheEntry, Lookup, ResponseCache, Ticket
 from gateway.state.cache_policy import cache_key, decide, tenant_scope
 from gateway.state.keys import tenant_tag
@@ -221,6 +221,8 @@ class Accounting:
                                                 rider)
         except GatewayError as exc:
             self.metrics.rejected(exc.code)
+            if isinstance(exc, RateLimited) and exc.exhausted is not None:
+                self._track(self._alert_exhausted(exc.exhausted, key, record.ts))
             raise
         self.budgets.learn(st.level for st in admission.levels)  # the copy a failed admission call falls back on
         self._open[record.request_id] = key
@@ -520,6 +522,18 @@ class Accounting:
                 await self.alerts.check_level(level, key.tags, event.day, day_cost, month_cost, key.id)
         except Exception:
             log.exception("budget alert check failed for event %s", event.event_id)
+
+    async def _alert_exhausted(self, exhausted: tuple[Level, str, int], key: KeyInfo, ts: float) -> None:
+        """A request refused on spend past a budget: the level's alerts, as metering checks them after a request
+        (a budget lowered below today's spend refused everything without the operator hearing of it). Each alert
+        fires once per level and period (the marks), so a stream of refusals fires it once."""
+        level, period, spent = exhausted
+        try:
+            day = time.strftime("%Y-%m-%d", time.gmtime(ts))
+            await self.alerts.check_level(level, key.tags, day, spent if period == "day" else 0,
+                                          spent if period == "month" else 0, key.id)
+        except Exception:
+            log.exception("budget alert check failed for a refused request of key %s", key.id)
 
     def render_metrics(self) -> bytes:
         return self.metrics.render(self.breaker.is_open, self.spool.pending_bytes(), self.meter.spooled)

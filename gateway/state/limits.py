@@ -554,7 +554,10 @@ def refusal(code: str, what: str, retry_after_s: int, key_id: str, level: Level 
         # (they ignore a Retry-After over 60 s, and retry a 429 without one)
         headers["x-should-retry"] = "false"
     headers["x-thinkgate-budget-level"] = lvl.id if lvl.kind != "key" else "key"
-    return RateLimited(msg, code=code, headers=headers)
+    exc = RateLimited(msg, code=code, headers=headers)
+    if budget is not None and spent is not None and spent >= budget:
+        exc.exhausted = (lvl, what, spent)
+    return exc
 
 
 @dataclass
