@@ -433,10 +433,17 @@ class MessageStream:
         if self._kind is None:
             return []
         index = len(self.message["content"]) - 1
+        out = []
         if self._kind == "tool_use":
             self.message["content"][index]["input"] = _input_of("".join(self._args))
+        elif self._kind == "thinking":
+            # Anthropic ends a thinking block with its signature_delta; clients that assemble blocks wait for it.
+            # The upstream (vLLM, an OpenAI-compatible server) signs nothing: the signature is empty, as in the
+            # non-streamed answer
+            out.append(self._delta({"type": "signature_delta", "signature": ""}))
         self._kind = None
-        return [sse_event({"type": "content_block_stop", "index": index})]
+        out.append(sse_event({"type": "content_block_stop", "index": index}))
+        return out
 
     def _start_block(self, kind: str, block: dict[str, Any]) -> list[bytes]:
         out = self._stop_block()

@@ -163,6 +163,12 @@ def test_streamed_events_and_final_usage(gw: GatewayServer) -> None:
     assert starts == ["thinking", "text"]
     deltas = [e.delta for e in thinking_events if e.type == "content_block_delta"]  # type: ignore[union-attr]
     assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == " ".join(reasoning_words(USER))
+    # as Anthropic's: the thinking block ends with its signature_delta (empty: the upstream signs nothing), right
+    # before that block's content_block_stop
+    kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in thinking_events]
+    at = kinds.index(("content_block_delta", "signature_delta"))
+    assert kinds[at - 1] == ("content_block_delta", "thinking_delta") and kinds[at + 1][0] == "content_block_stop"
+    assert [d.signature for d in deltas if d.type == "signature_delta"] == [""]
     delta = events[-2]
     assert delta.delta.stop_reason == "end_turn"  # type: ignore[union-attr]
     assert_metered(gw, request_id, delta.usage, "long")  # type: ignore[union-attr]
