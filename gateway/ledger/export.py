@@ -161,6 +161,8 @@ def _csv_cell(v: Any) -> Any:
         return orjson.dumps(v).decode()
     if v is None:
         return ""
+    if isinstance(v, bool):  # as JSON Lines writes them (and pandas, DuckDB, BigQuery read them): not Python's True
+        return "true" if v else "false"
     return v
 
 

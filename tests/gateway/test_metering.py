@@ -203,6 +203,12 @@ def test_export_grouping_and_formats(tmp_path: Path) -> None:
     out = tmp_path / "e.csv"
     ex.write_file(raw_rows, cols, "csv", out, io.BytesIO())
     assert out.read_text().splitlines()[0].split(",")[:3] == ["key_id", "requested_model", "event_id"]
+    import csv
+
+    first = next(csv.DictReader(io.StringIO(out.read_text())))
+    # booleans as JSON Lines writes them (and loaders read them): true/false, not Python's True/False
+    assert (first["stream"], first["cached"], first["audit"]) == (str(evs[0].stream).lower(),
+                                                                  str(evs[0].cached).lower(), "false")
 
 
 async def test_record_many_one_pipeline_counts_once_and_reloads_a_flushed_script(redis_url: str, redis_prefix: str,
