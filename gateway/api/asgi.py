@@ -51,12 +51,18 @@ class Gateway(FastAPI):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and not path.startswith("/v1/") and (
-                path in UNVERSIONED or path.startswith(UNVERSIONED_PREFIXES)):
+                path in UNVERSIONED or path.startswith(UNVERSIONED_PREFIXES) or path[:-1] in UNVERSIONED):
             # OpenAI's paths without /v1 (a client whose base URL lacks it), as LiteLLM serves them
             raw = scope.get("raw_path") or scope["path"].encode()
             path = "/v1" + path
             scope = {**scope, "path": path, "raw_path": b"/v1" + raw}  # the raw path keeps its percent-encoding
         endpoint = self.hot.get((scope.get("method", ""), path)) if scope["type"] == "http" else None
+        if endpoint is None and scope["type"] == "http" and path.endswith("/") and len(path) > 1:
+            # ``POST /v1/chat/completions/``: served, not redirected — Starlette's 307 points at the Host the request
+            # named (an internal address behind a proxy) and makes the client send the body twice
+            endpoint = self.hot.get((scope.get("method", ""), path.rstrip("/")))
+            if endpoint is not None:
+                scope = {**scope, "path": path.rstrip("/")}
         if endpoint is None:
             await super().__call__(scope, receive, send)
             return

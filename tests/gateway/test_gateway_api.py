@@ -206,6 +206,18 @@ def test_models_lists_auto_and_tiers(openai_client: openai.OpenAI) -> None:
     assert models["auto"].model_extra["thinkgate"]["routed_tiers"] == ["short", "long"]  # type: ignore[index]
 
 
+def test_a_trailing_slash_is_served_not_redirected(gateway: Any) -> None:
+    """``POST /v1/chat/completions/`` (a base URL joined with a slash too many): answered like the path without
+    it. It was a 307 to the Host the client named — an internal address behind a proxy, and the body sent twice."""
+    from tests.fixtures.upstream import TEST_KEY
+
+    for path in ("/v1/chat/completions/", "/chat/completions/"):
+        r = httpx.post(gateway.url + path, headers={"authorization": f"Bearer {TEST_KEY}"}, timeout=30,
+                       json={"model": "auto", "messages": MESSAGES})
+        assert r.status_code == 200, (path, r.status_code, r.text)
+        assert r.json()["object"] == "chat.completion"
+
+
 def test_health_and_ready_need_no_key(gateway: Any) -> None:
     r = httpx.get(gateway.url + "/health", timeout=5)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
