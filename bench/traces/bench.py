@@ -497,8 +497,7 @@ def run(cfg: Config, settings: Settings, log: Callable[[str], None] = lambda m: 
         "escalations": {p: sum(1 for e in r.events if (e.error_code or "").startswith("escalated_"))
                         for p, r in runs.items()},
         "upstream_calls": {p: len(r.events) for p, r in runs.items()},
-        "token_share": {p: round(e["completion_tokens"] / top_tok, 6) if top_tok else None
-                        for p, e in policies.items()},
+        "token_share": token_shares(runs, policies, tokens[:, -1], settings_t),
         "router_score_max_diff": max((abs(s.difficulty - scores[s.q]) for s in runs["router"].sent
                                       if s.difficulty is not None), default=None),
         "always_top_accuracy": round(top_acc, 6),
@@ -528,6 +527,21 @@ def answered_questions(run: Run, settings: tuple[str, ...]) -> list[tuple[int, i
     setting): the questions its accuracy — and its ``served`` figures — are measured on."""
     idx = {s: j for j, s in enumerate(settings)}
     return [(s.q, idx[s.tier]) for s in run.sent if s.status == 200 and s.tier in idx]
+
+
+def token_shares(runs: dict[str, Run], policies: dict[str, Any], top_tokens: np.ndarray,
+                 settings: tuple[str, ...]) -> dict[str, float | None]:
+    """``{NAME: completion tokens / always-top's on the questions NAME answered}`` (:func:`answered_questions`; the
+    computed oracle: every question). A run cut by the time budget answered a subset: over all questions its share
+    read low (a cut ``always:<top>`` itself read below 100%). None where always-top spent nothing there."""
+    out: dict[str, float | None] = {}
+    for name, e in policies.items():
+        r = runs.get(name)
+        qs = np.arange(len(top_tokens)) if r is None else np.asarray(
+            sorted({q for q, _ in answered_questions(r, settings)}), dtype=np.int64)
+        top = float(top_tokens[qs].sum()) if qs.size else 0.0
+        out[name] = round(e["completion_tokens"] / top, 6) if top else None
+    return out
 
 
 def served_block(runs: dict[str, Run], policies: dict[str, Any], correct: np.ndarray, top_tokens: np.ndarray,

@@ -21,6 +21,7 @@ from bench.traces.bench import (
     router_heldout_frac,
     run,
     served_block,
+    token_shares,
 )
 from bench.traces.prices import price_of
 from bench.traces.replay_upstream import estimate_prompt_tokens
@@ -244,6 +245,9 @@ def test_served_is_measured_on_the_questions_a_cut_run_answered() -> None:
     assert sv["auto"] == {"accuracy_ratio": None, "token_share": None, "savings": None, "holds_floor": None,
                           "n_questions": 0}
     assert sv["router"]["n_questions"] == n and sv["router"]["savings"] == 0.0
+    # the console's token-share column: the same questions (it read 80% for the cut run, over all ten)
+    shares = token_shares(runs, {**policies, "oracle": {"completion_tokens": 250}}, top_tokens, SETTINGS)
+    assert shares == {"router+cascade": 1.0, "auto": None, "router": 1.0, "oracle": 0.25}
 
 
 def test_served_accuracy_ratio_is_exact_for_a_policy_identical_to_always_top() -> None:
