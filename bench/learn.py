@@ -157,11 +157,18 @@ def served_of(correct: np.ndarray, tokens: float, top_acc: float, top_tokens: fl
 def measure(client: Client, ledger: Any, key_id: str, data: LadderData, held: np.ndarray,
             settings: tuple[str, ...], concurrency: int, model: str = "auto"
             ) -> tuple[np.ndarray, float, dict[str, int]]:
-    """Send each held-out question once; (correct per question, ledger completion tokens, tier counts)."""
+    """Send each held-out question once; (correct per question, ledger completion tokens, tier counts).
+
+    The tokens are every upstream call the measurement made: the answers' events and the escalated first attempts,
+    which are metered under request ids of their own (not the client's ``x-request-id``) — counting the answers'
+    alone read o3-mini's offline fit at 30.6% savings where the ledger says 23.1%. They are the events of
+    ``key_id`` created between the measurement's first request and its last answer (measurements with one key run
+    one after the other), waited for until every answer's event is in."""
     idx = {s: j for j, s in enumerate(settings)}
     t0 = time.time()
     with ThreadPoolExecutor(concurrency) as pool:
         res = list(pool.map(lambda q: client.ask(data.questions[int(q)], model), held))
+    t1 = time.time()
     correct = np.array([bool(data.correct[int(q), idx[t]]) if st == 200 and t in idx else False
                         for q, (st, t, _) in zip(held, res, strict=True)])
     tiers: dict[str, int] = {}
@@ -170,8 +177,8 @@ def measure(client: Client, ledger: Any, key_id: str, data: LadderData, held: np
     ids = {rid for st, _, rid in res if st == 200 and rid}
     events: list[Any] = []
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:  # this measurement's events only (matched by request id)
-        events = [e for e in ledger.events(t0 - 1.0, time.time() + 1.0, {key_id}) if e.request_id in ids]
+    while time.monotonic() < deadline:  # this measurement's events only (created between t0 and t1)
+        events = [e for e in ledger.events(t0 - 1.0, t1 + 1.0, {key_id}) if t0 <= e.ts <= t1]
         if {e.request_id for e in events} >= ids:
             break
         time.sleep(0.2)
