@@ -201,19 +201,18 @@ class RetrainTrigger:
                 log.exception("retrain: tick failed")
 
     async def tick(self) -> None:
-        """One round: the writes a Redis failure left undone, follow, then (``fit_here``) fit when due and check
-        the realised floor."""
+        """One round: the writes a Redis failure left undone, follow, then (``fit_here``) check the realised floor
+        and fit when due."""
         await self._write([])
         await self.follow()
         if not self.cfg.fit_here:
             await self.read_realised()
             return
         n = int(await self.breaker.call(lambda: self.redis.xlen(self.outcomes.keys.outcomes)) or 0)
-        fitted = int(await self.breaker.call(lambda: self.redis.get(self.k_fitted)) or 0)
-        if n >= fitted + self.cfg.every_outcomes:
-            await self.fit_once(n)
-        # the realised floor reads the stream: only once enough new outcomes (a third of realised_min) are in
-        # (marked once read: a Redis failure mid-check leaves it due at the next tick)
+        # the realised floor first: a fit due at the same tick would replace a router whose floor broke by a
+        # promotion ("holds the floor where the router in service does not") — the broken floor never recorded, the
+        # audit trail saying promote where it is a rollback. Read only once enough new outcomes (a third of
+        # realised_min) are in (marked once read: a Redis failure mid-check leaves it due at the next tick)
         if n >= self._checked_at + max(1, self.cfg.realised_min // 3):
             try:
                 await self.check_realised()
@@ -223,6 +222,9 @@ class RetrainTrigger:
                 self._checked_at = n  # it would fail on the same outcomes again
                 raise
             self._checked_at = n
+        fitted = int(await self.breaker.call(lambda: self.redis.get(self.k_fitted)) or 0)
+        if n >= fitted + self.cfg.every_outcomes:
+            await self.fit_once(n)
 
     async def follow(self) -> bool:
         """Serve the file ``p router:current`` names when it is not the one in service; True when switched."""
