@@ -8,7 +8,8 @@ against the mix the reference implies at the thresholds in force). Rule of thumb
 comes from): < 0.1 stable, 0.1–0.25 moderate, > 0.25 significant — the default alarm threshold.
 
 Reference: the router file's ``score_histogram`` metadata (``{"edges", "counts", "n"}``, :func:`router.fit.retrain.
-score_histogram`). A file without one (the shipped and trace routers so far) is compared with the first
+score_histogram`). A file without one (the shipped and trace routers so far), or with one of fewer than
+``min_samples`` scores (too few to compare with), is compared with the first
 ``window`` scores the gateway saw under that router version instead, stored once in Redis (``SET NX``) so
 every replica compares with the same one — drift since the start of service, stated as ``reference:
 "served"`` in the state.
@@ -54,6 +55,12 @@ log = logging.getLogger("thinkgate.drift")
 
 EPS = 1e-4
 DEFAULT_EDGES = [i / 20 for i in range(21)]
+
+
+def _hist_n(hist: dict[str, Any]) -> int:
+    """The number of scores behind a reference histogram (its ``n``, else the sum of its counts)."""
+    n = hist.get("n")
+    return int(n) if isinstance(n, int | float) else int(sum(hist.get("counts") or ()))
 
 
 def psi(realized: Sequence[float] | np.ndarray, reference: Sequence[float] | np.ndarray) -> float:
@@ -184,7 +191,10 @@ class DriftMonitor:
                 await self._warming(version, int(scores.size))
             return {}
         reference = "file"
-        if not hist or "counts" not in hist:
+        if not hist or "counts" not in hist or _hist_n(hist) < self.cfg.min_samples:
+            # no histogram, or one of too few scores to compare with: a histogram of n scores over b bins reads a
+            # PSI of about (b − 1) / n against the same traffic (a retrained file's 36 fit scores: 0.59 — a drift
+            # page minutes after its promotion, on unchanged traffic)
             hist = await self._served_reference(version, scores)
             reference = "served"
             if hist is None:

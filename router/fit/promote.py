@@ -568,7 +568,8 @@ def fit_candidate(old: TrainedRouter, outcomes: Sequence[dict[str, Any]], tiers:
                     "floor_estimate": {"floor": floor, "heldback": new_d,
                                        "assumption": "nesting (router/fit/promote.py)"}},
         "auto_retrain": comparison.to_dict(),
-        "score_histogram": score_histogram(new.predict_proba([it.text for it in train])),
+        # every labelled window (the drift alarm ignores a histogram of fewer than its min_samples scores)
+        "score_histogram": score_histogram(new.predict_proba([it.text for it in (*train, *held)])),
     })
     return new, comparison
 

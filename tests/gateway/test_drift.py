@@ -125,6 +125,23 @@ def test_served_reference_when_the_file_has_no_histogram(redis_url: str, redis_p
     asyncio.run(go())
 
 
+def test_a_histogram_of_too_few_scores_is_not_the_reference(redis_url: str, redis_prefix: str) -> None:
+    """A retrained file's histogram of its 36 fit windows' scores: against 300 scores of the same traffic its PSI
+    reads ~0.5 (a histogram of n scores over 20 bins reads about 19 / n on no drift) — a drift page 14 s after the
+    first promotion (a new user's first day). Below ``min_samples`` the served reference is used instead."""
+    rng = np.random.default_rng(3)
+    small = score_histogram(rng.beta(2, 5, 36))
+
+    async def go() -> None:
+        m, alerts = _monitor(redis_url, redis_prefix, small, window=300, min_samples=100)
+        _feed(m, rng.beta(2, 5, 300))
+        st = await m.update()
+        assert st["reference"] == "served" and st["psi_score"] == pytest.approx(0.0)
+        assert alerts.fired == []
+        await m.redis.aclose()
+    asyncio.run(go())
+
+
 def test_usage_report_shows_drift(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(yaml.safe_dump({"redis": {"url": redis_url, "key_prefix": redis_prefix,
