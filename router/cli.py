@@ -385,9 +385,17 @@ def calibrate(
     meta["version"] = f"{str(before or 'router').split('+calibrated-')[0]}+calibrated-{now}"
     meta["calibrated_from"] = before
     if isinstance(meta.get("serving"), dict):
-        meta["serving"]["thresholds"] = [round(float(t), 6) for t in cuts]
-        if meta["serving"].get("guarantee"):
-            meta["serving"]["guarantee"] = None  # certified at the old thresholds; these carry none
+        sv = meta["serving"]
+        sv["thresholds"] = [round(float(t), 6) for t in cuts]
+        if sv.get("guarantee"):
+            sv["guarantee"] = None  # certified at the old thresholds; these carry none
+        if sv.get("policy") == "always_top":
+            # the file routes at the new thresholds now: "always_top" in router info and /v1/models was false
+            # (a new user's file sent 99 of 116 questions cheap under that name)
+            cascade = sv.get("cascade") or {}
+            suffix = ("+escalation" if "learned" in (cascade.get("escalate_on") or ()) else
+                      "+cascade" if cascade else "")
+            sv["policy"] = f"{sv.get('scorer') or router.scorer}{suffix}"
     dest = save_router(router, out or router_path)
     shares = ", ".join(f"{a:.1%}" for a in achieved)
     typer.echo(f"thresholds {[round(t, 4) for t in cuts]} (were {was}); share of the {len(items)} calibration "
@@ -454,7 +462,8 @@ def _info_summary(r: Any) -> list[str]:
     lines.append(f"version (as the gateway reports it): {meta.get('version') or meta.get('created_utc')}; scorer "
                  f"{r.scorer}; thresholds {[round(float(t), 6) for t in r.thresholds]}")
     if "policy" in meta:
-        lines.append(f"policy: {meta['policy']} — {meta.get('policy_description', '')}")
+        # the scorer family the fit chose (what the thresholds cut); what the file serves is the first line
+        lines.append(f"scorer chosen at fit: {meta['policy']} — {meta.get('policy_description', '')}")
         lad = meta.get("ladder", {})
         tiers = meta.get("tiers", [])
         cuts = r.thresholds
@@ -522,7 +531,10 @@ def score(
     """Score one text: P(needs long) and the tier its thresholds pick for tiers short/long."""
     r = _load(router_path)
     s = r.score(text)
-    tier = r.route(s, ["short", "long"]) if len(r.thresholds) == 1 else "?"
+    tiers = r.metadata.get("tiers")  # a trace router's ladder settings; else the gateway's default tier names
+    names = [str(t) for t in tiers] if isinstance(tiers, list) and len(tiers) == len(r.thresholds) + 1 else \
+        ["short", "long"] if len(r.thresholds) == 1 else None
+    tier = r.route(s, names) if names else "?"
     typer.echo(json.dumps({"difficulty": round(s, 4), "thresholds": r.thresholds, "tier": tier}))
 
 

@@ -131,6 +131,33 @@ def test_calibrate_a_file_with_a_serving_block_moves_its_served_thresholds(tmp_p
     assert router.metadata["version"] in r.output
 
 
+def test_calibrating_a_file_that_does_not_route_names_what_it_serves_now(tmp_path: Path) -> None:
+    """A trace router whose fit certified nothing serves ``always_top``; calibrated to a target share it routes at
+    the new thresholds — ``router info`` and ``/v1/models`` still said "always the top tier" (a new user's file sent
+    99 of 116 questions cheap under that name). The policy becomes the scorer's, with no guarantee."""
+    import shutil
+
+    from gateway.config.paths import DEFAULT_ROUTER_PATH
+    from router.persistence import save_router
+    from router.policy import serving
+
+    calib = tmp_path / "calib.jsonl"
+    write_jsonl(calib, (it.to_dict() for it in math_items()[5::40] + mmlu_items()[5::40]))
+    path = Path(shutil.copy(DEFAULT_ROUTER_PATH, tmp_path / "top.skops"))
+    router = load_router(path)
+    router.metadata["serving"] = {"policy": "always_top", "scorer": router.scorer, "thresholds": [1.0],
+                                  "cascade": None, "guarantee": {"floor": 0.98, "delta": 0.1, "n_calibration": 396}}
+    router.thresholds = [1.0]
+    save_router(router, path)
+    assert "always the top tier" in CliRunner().invoke(app, ["router", "info", str(path)]).output
+    r = CliRunner().invoke(app, ["router", "calibrate", str(path), str(calib), "--target-long", "0.3"])
+    assert r.exit_code == 0, r.output
+    sv = serving(load_router(path).metadata) or {}
+    assert sv["policy"] == router.scorer and sv["guarantee"] is None and sv["thresholds"][0] < 1.0
+    info = CliRunner().invoke(app, ["router", "info", str(path)]).output
+    assert "always the top tier" not in info and "states no quality guarantee" in info
+
+
 def test_calibrate_and_eval_need_as_many_labelled_items_as_fit(tmp_path: Path) -> None:
     """An empty labels file gave a scikit-learn traceback; one item silently wrote a threshold. Both are fit's
     one-line error (exit 2), and the router file is left as it was."""

@@ -227,7 +227,7 @@ def test_router_fit_traces_cli_end_to_end(tmp_path: Path) -> None:
     assert ev["savings_at_98"]["router"] > 0.3
     assert meta["serving"]["policy"] != "always_top" and meta["serving"]["guarantee"]["delta"] == 0.1
     info = CliRunner().invoke(app, ["router", "info", str(out)])
-    assert info.exit_code == 0 and "policy:" in info.output and "ladder m" in info.output
+    assert info.exit_code == 0 and "scorer chosen at fit:" in info.output and "ladder m" in info.output
     assert "keeps >= 98% of always-top accuracy" in info.output and "90% confidence" in info.output
     # several ladders → a folder; a bad ladder is a clear error
     base = ["router", "fit", "--traces", str(folder), "--dataset", "toy"]
