@@ -49,7 +49,12 @@ def history_command(
     for e in events:
         ts = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(e.get("ts") or 0)))
         typer.echo(f"{ts:<20} {e.get('event', ''):<9} {e.get('version')!s:<34} {e.get('previous')!s:<34} "
-                   f"{e.get('outcomes', ''):>8}  {e.get('reason', '')}")
+                   f"{_cell(e.get('outcomes')):>8}  {e.get('reason', '')}")
+
+
+def _cell(v: Any) -> str:
+    """A table cell: "—" for a missing or null value (``f"{None:>8}"`` raises, and the table stopped there)."""
+    return "—" if v is None else str(v)
 
 
 def _from_file(path: Path) -> list[dict[str, Any]]:

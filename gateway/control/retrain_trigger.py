@@ -3,6 +3,9 @@
 One :class:`RetrainTrigger` per gateway process, a background task (:meth:`RetrainTrigger.run`) that every
 ``interval_s``:
 
+0. **adopts** a new file written to ``routing.router_path`` (:meth:`RetrainTrigger.adopt_configured`) as the
+   promoted router, with an operator's ``promote`` event — while a promotion is in force the replicas serve
+   ``router:current``, and the file was otherwise never served;
 1. **follows** the promoted router: ``p router:current`` (a hash: ``path``, ``version``, ``previous``) names the
    file every replica with retraining on serves; when it differs from this replica's ``RouterService.path`` the
    replica points its service there and reloads it (the hot reload of ``/admin/router/reload``, in a worker
@@ -71,7 +74,7 @@ from gateway.control.outcomes import OutcomeStore
 from gateway.state.batches import new_token
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.redis import RedisHandle, as_bytes
-from router.serving import RouterService
+from router.serving import RouterService, load_router_cached
 
 log = logging.getLogger("thinkgate.retrain")
 
@@ -111,6 +114,9 @@ class RetrainTrigger:
         self._token = new_token()  # this trigger's value of the fit lock
         # a verdict's Redis writes not done yet (a Redis failure cut them short): done first at the next tick
         self._unwritten: list[Callable[[], Awaitable[Any]]] = []
+        # routing.router_path and its (mtime, size, inode) as last seen: a new file there is the operator's router
+        self.configured = settings.routing.router_path.resolve() if settings.routing.router_path else None
+        self._configured_seen = _file_signature(self.configured)
 
     # --- keys -------------------------------------------------------------------------------------------
     @property
@@ -204,6 +210,7 @@ class RetrainTrigger:
         """One round: the writes a Redis failure left undone, follow, then (``fit_here``) check the realised floor
         and fit when due."""
         await self._write([])
+        await self.adopt_configured()
         await self.follow()
         if not self.cfg.fit_here:
             await self.read_realised()
@@ -225,6 +232,50 @@ class RetrainTrigger:
         fitted = int(await self.breaker.call(lambda: self.redis.get(self.k_fitted)) or 0)
         if n >= fitted + self.cfg.every_outcomes:
             await self.fit_once(n)
+
+    @property
+    def k_adopted(self) -> str:
+        return f"{self.prefix}router:adopted"
+
+    async def adopt_configured(self) -> bool:
+        """A new file written to ``routing.router_path`` while a promoted router is in service becomes the promoted
+        one (``p router:current``, the previous kept for a rollback) with a ``promote`` audit event, "operator: a new
+        file at routing.router_path"; every replica follows. Without it the file was never served and nothing said
+        so (replicas serve ``router:current``). Seen by its (mtime, size, inode) changing after this process
+        started; one replica writes the event (``SET NX`` on the file's version and signature). A file that does
+        not load is logged and left (the promoted router keeps serving). True when adopted here."""
+        seen = _file_signature(self.configured)
+        if self.configured is None or seen is None or seen == self._configured_seen:
+            return False
+        cur = await self.breaker.call(lambda: self.redis.hgetall(self.k_current))
+        self._configured_seen = seen
+        if not cur:  # no promotion in force: the service's own hot reload serves the new file
+            return False
+        c = {as_bytes(k).decode(): as_bytes(v).decode() for k, v in cur.items()}
+        try:
+            router = await asyncio.to_thread(load_router_cached, self.configured)
+        except Exception as exc:
+            log.warning("retrain: a new file at routing.router_path (%s) does not load, the promoted router keeps "
+                        "serving: %s", self.configured, exc)
+            return False
+        meta = router.metadata
+        version = str(meta.get("version") or meta.get("created_utc") or f"file-{seen[0]}")
+        if c.get("path") == str(self.configured) and c.get("version") == version:
+            return False  # adopted already (``thinkgate router retrain --output``, or another replica)
+        mark = f"{self.k_adopted}:{version}:{seen[0]}:{seen[1]}"
+        if not await self.breaker.call(lambda: self.redis.set(mark, "1", nx=True, ex=86400)):
+            return False
+        mapping = {"path": str(self.configured), "version": version, "previous": c.get("path", ""),
+                   "previous_version": c.get("version", "")}
+        await self.breaker.call(lambda: self.redis.hset(self.k_current, mapping=mapping))  # type: ignore[arg-type]
+        n = int(await self.breaker.call(lambda: self.redis.xlen(self.outcomes.keys.outcomes)) or 0)
+        event = {"event": "promote", "ts": round(time.time(), 3), "version": version,
+                 "previous": c.get("version") or None, "path": str(self.configured), "outcomes": n,
+                 "reason": "operator: a new file at routing.router_path"}
+        await self._write([functools.partial(self._history, event)])
+        log.info("retrain: %s (version %s) written to routing.router_path replaces the promoted %s",
+                 self.configured, version, c.get("version"))
+        return True
 
     async def follow(self) -> bool:
         """Serve the file ``p router:current`` names when it is not the one in service; True when switched."""
@@ -437,6 +488,17 @@ START_FOLLOW_S = 5.0
 def history_key(prefix: str) -> str:
     """The audit stream of automatic retraining: ``p router:history``."""
     return f"{prefix}router:history"
+
+
+def _file_signature(path: Path | None) -> tuple[int, int, int] | None:
+    """(mtime_ns, size, inode) of ``path``; None without one or when it cannot be read."""
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 async def write_history(handle: RedisHandle, breaker: Breaker, event: dict[str, Any]) -> None:

@@ -153,6 +153,44 @@ def test_a_restarted_replica_serves_the_promoted_router_from_its_first_request(
         assert st["learning"]["last_event"]["version"] == "old-good"
 
 
+def test_a_file_written_to_router_path_replaces_the_promoted_router(
+        upstream_sim: SimProcess, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """After a promotion the replicas serve ``p router:current``; an operator who writes a new file to
+    ``routing.router_path`` (docs/router.md's hot reload: write elsewhere, rename over) had it ignored, with nothing
+    said (a new user's first day). Now it becomes the promoted router with an operator's audit event, the promoted
+    one kept as its previous; a file that does not load is left out and the promoted router keeps serving."""
+    configured = _router(tmp_path / "configured.skops", informative=False)
+    promoted = _router(tmp_path / "promoted.skops", informative=True)
+    rdb = redis.Redis.from_url(redis_url)
+    try:
+        rdb.hset(redis_prefix + "router:current", mapping={"path": str(promoted), "version": "old-good",
+                                                           "previous": str(configured)})
+    finally:
+        rdb.close()
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(configured, tmp_path, every_outcomes=10**6)) as gw:
+        assert _status(gw)["version"] == "old-good"
+        broken = tmp_path / "broken.tmp"
+        broken.write_bytes(b"not a router file")
+        os.replace(broken, configured)
+        assert not wait_for(lambda: _status(gw)["version"] != "old-good", timeout_s=2)
+        fresh = serving_router(tmp_path / "fresh.tmp", False, lambda hard, i: _text(hard, i + 77))
+        router = load_router(fresh)
+        router.metadata["version"] = "operator-1"
+        save_router(router, fresh)
+        os.replace(fresh, configured)
+        assert wait_for(lambda: _status(gw)["version"] == "operator-1", timeout_s=10), _status(gw)
+        assert _status(gw)["path"] == str(configured.resolve())
+        events = _history(redis_url, redis_prefix, tmp_path)
+        assert [(e["event"], e["version"], e["previous"]) for e in events] == [("promote", "operator-1", "old-good")]
+        assert events[0]["reason"] == "operator: a new file at routing.router_path"
+        rdb = redis.Redis.from_url(redis_url)
+        try:
+            assert rdb.hget(redis_prefix + "router:current", "previous") == str(promoted).encode()
+        finally:
+            rdb.close()
+
+
 def _status_or_none(gw: Any) -> dict[str, Any] | None:
     try:
         return _status(gw)
