@@ -79,9 +79,12 @@ def _attach_controller(settings: Settings, routing: Routing, proxy: Proxy,
                        accounting: Accounting) -> TargetController | None:
     """The cost-target controller when ``routing.target`` sets a target: it sees every routed score (through
     ``routing``), the cost of every ``predicted`` request (a usage sink) and feeds the Prometheus gauges."""
-    if not settings.routing.target.enabled:
-        return None
     routed = settings.routing.routed_tiers
+    if not settings.routing.target.enabled:
+        # the cut points in force are still worth a gauge (the HELP line had no samples without the controller)
+        accounting.metrics.thresholds_view = lambda: {routed[i + 1]: t for i, t in enumerate(routing.thresholds)
+                                                      if i + 1 < len(routed)}
+        return None
     ctrl = TargetController(settings.routing, accounting.handle, accounting.breaker, routing.base_thresholds)
     routing.attach_controller(ctrl)
     index = {name: i for i, name in enumerate(routed)}

@@ -114,6 +114,8 @@ class Metrics:
                                ["kind"], registry=r)
         #: set by the app when the controller is on: () -> (share by tier, target share, threshold by tier)
         self.routing_view: Callable[[], tuple[dict[str, float], float | None, dict[str, float]]] | None = None
+        #: without the controller: tier → the cut point into it (``thinkgate_routing_threshold``)
+        self.thresholds_view: Callable[[], dict[str, float]] | None = None
 
         # (metric id, label values) -> child: prometheus_client's labels() validates and locks on every call
         # (~3 µs, ten times per request); the series themselves are still created on first use, as before.
@@ -202,6 +204,9 @@ class Metrics:
                 self._child(self.routing_share, tier).set(v)
             self.routing_target_share.set(float("nan") if target is None else target)
             for tier, v in cuts.items():
+                self._child(self.routing_threshold, tier).set(v)
+        elif self.thresholds_view is not None:
+            for tier, v in self.thresholds_view().items():
                 self._child(self.routing_threshold, tier).set(v)
         return generate_latest(self.registry)
 

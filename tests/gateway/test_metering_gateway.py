@@ -248,6 +248,10 @@ def test_metrics_endpoint(gw: GatewayServer) -> None:
     # (a label-less gauge always renders, and its 0 read as "target 0%")
     assert any(s.name == "thinkgate_usage_spooled_events_total" for s in samples)
     assert not any(s.name.startswith("thinkgate_routing_target_share") for s in samples)
+    # ... but the cut points in force have their gauge (it had a HELP line and no sample without the controller)
+    cuts = {s.labels["tier"]: s.value for s in samples if s.name == "thinkgate_routing_threshold"}
+    routed = gw.settings.routing.routed_tiers
+    assert set(cuts) == set(routed[1:]) and all(0.0 <= v <= 1.0 for v in cuts.values()), cuts
     # bounded labels: tiers/models from the config only, no per-key series unless configured
     tiers = {s.labels["tier"] for s in samples if "tier" in s.labels}
     assert tiers <= {t.name for t in gw.settings.tiers} | {"_unrouted", "other"}
