@@ -27,7 +27,7 @@ from gateway.ledger.record import UsageRecord
 from gateway.pipeline import request as schemas
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.proxy import Proxy
-from gateway.pipeline.relay import CLIENT_CLOSED
+from gateway.pipeline.relay import CLIENT_CLOSED, estimate_prompt
 from gateway.pipeline.routing import RouteDecision
 
 LABEL: Final = "embeddings"
@@ -103,7 +103,9 @@ class EmbeddingsAPI:
                 raise
             record.mark_first_byte()
             usage = data.get("usage") if isinstance(data, dict) else None
-            record.set_usage(usage if isinstance(usage, dict) else None)
+            if not record.set_usage(usage if isinstance(usage, dict) else None, completion=False):
+                # no usage to meter (or none to trust): the input estimated, not billed at 0
+                record.prompt_tokens, record.usage_source = estimate_prompt(body.get("input")), "counted"
             await ex.close(200)
             headers = route_headers(ex.route, record.request_id)
             if admitted.rate is not None:

@@ -51,6 +51,7 @@ from gateway.control.shadow_references import References
 from gateway.errors import GatewayError
 from gateway.ledger.event import ROUTER_DECIDED, RouteReason, WireEndpoint
 from gateway.ledger.record import UsageRecord
+from gateway.openai.usage import estimate_tokens, generated_text
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import RedisHandle
@@ -323,8 +324,14 @@ class Shadow:
         try:
             resp = await self.upstreams.open(tier, CHAT_PATH, orjson.dumps(built), stream=False)
             data = orjson.loads(resp.content)
-            record.set_usage(data.get("usage"))
             text = answer_text(data)
+            if not record.set_usage(data.get("usage")):  # none to meter: our own spend, estimated, not 0
+                messages = built.get("messages") or ()
+                record.prompt_tokens = estimate_tokens(" ".join(str(m.get("content") or "") for m in messages
+                                                                if isinstance(m, dict)))
+                record.completion_tokens = sum(estimate_tokens(generated_text(c, "chat"))
+                                               for c in data.get("choices") or () if isinstance(c, dict))
+                record.usage_source = "counted"
         except Exception as exc:
             status = getattr(exc, "status", 502)
             record.error_code = getattr(exc, "code", "upstream_error")

@@ -19,6 +19,7 @@ import orjson
 from gateway.config import TierConfig
 from gateway.ledger.event import Endpoint, RouteReason, UsageSource
 from gateway.ledger.pricing import cost_micro_usd
+from gateway.openai.usage import usage_counts
 
 log = logging.getLogger("thinkgate.usage")
 
@@ -66,17 +67,31 @@ class UsageRecord:
     # an escalated attempt: the route reason of the request's first attempt (``predicted``: the router's choice;
     # ``forced``, ``explore``…: not) — the realised floor counts an escalated answer only when the router chose it
     escalated_from: RouteReason | None = None
+    # the most completion tokens the current upstream call may generate (``gateway.state.limits.completion_bound``)
+    completion_bound: int | None = None
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
-    def set_usage(self, usage: dict[str, Any] | None) -> None:
-        """Take counts from an OpenAI/vLLM ``usage`` object (missing fields count as 0)."""
-        if not usage:
-            return
+    def set_usage(self, usage: dict[str, Any] | None, completion: bool = True) -> bool:
+        """Take counts from an OpenAI/vLLM ``usage`` object; True when taken. False — nothing set — when there is
+        none or it is not one the gateway can meter (:func:`gateway.openai.usage.usage_counts`: missing, null,
+        negative or absurd counts): the caller counts the call itself. A completion count above
+        :attr:`completion_bound` (the most the call was allowed to generate) is metered at the bound: the upstream
+        ignored ``max_tokens`` or misreports, and admission reserved no more. ``completion=False``: an embeddings
+        usage (no completion count)."""
+        counts = usage_counts(usage, completion)
+        if counts is None:
+            if usage:
+                log.warning("request %s: upstream usage %.200r is not a usage object the gateway can meter; "
+                            "counting the call itself", self.request_id, usage)
+            return False
         self.usage_source = "upstream"
-        self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        self.completion_tokens = int(usage.get("completion_tokens") or 0)
-        self.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        self.reasoning_tokens = int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.reasoning_tokens = counts
+        bound = self.completion_bound
+        if bound is not None and self.completion_tokens > bound:
+            log.warning("request %s: upstream reported %d completion tokens, above the %d it was allowed; metered %d",
+                        self.request_id, self.completion_tokens, bound, bound)
+            self.completion_tokens, self.reasoning_tokens = bound, min(self.reasoning_tokens, bound)
+        return True
 
     def mark_first_byte(self) -> None:
         if self.ttft_ms is None:
@@ -101,7 +116,7 @@ class UsageRecord:
 
 # Not logged: private fields, and the routing window — the user's prompt text, which only the outcome store may
 # keep, and only under ``routing.outcomes.retain_text`` (a data-retention decision; docs/closed-loop.md).
-_UNLOGGED = frozenset({"routing_window", "escalated_from"})
+_UNLOGGED = frozenset({"routing_window", "escalated_from", "completion_bound"})
 _PUBLIC_FIELDS = tuple(f.name for f in fields(UsageRecord) if not f.name.startswith("_") and f.name not in _UNLOGGED)
 
 

@@ -450,8 +450,11 @@ class Accounting:
             # a single-flight lock its admission call took that no cache_begin turned into a ticket: release it
             self._track(self.cache.finish(Ticket(looked[0].digest, looked[0].decision, "miss",
                                                  lock_token=looked[0].token, tenant=looked[0].tenant), None))
-        self.metrics.observe(event, self._cache_result.pop(record.request_id, "bypass"))
-        self._queue.append((event, key))
+        self._queue.append((event, key))  # first: a failing metric must never cost the usage record
+        try:
+            self.metrics.observe(event, self._cache_result.pop(record.request_id, "bypass"))
+        except Exception:
+            log.exception("metrics of usage event %s failed", event.event_id)
         if self._writer is None or self._writer.done():
             self._start_writer()
 

@@ -49,6 +49,7 @@ from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.relay import CLIENT_CLOSED, complete, count_prompt, relay, renew
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import Sessions
+from gateway.state.limits import completion_bound
 from gateway.thinking import dial
 from gateway.thinking.forcing import open_forced
 from gateway.upstream.balancer import conversation_affinity
@@ -197,7 +198,7 @@ class Proxy:
             answer.stream = relay(resp, ex, self.upstreams, caller.usage, choices=choices, body=body)
             return answer
         assert data is not None
-        changed = await complete(data, ex, self.upstreams)
+        changed = await complete(data, ex, self.upstreams, body, caller.endpoint)
         answer.body, answer.raw, answer.after = data, None if changed else resp.content or None, ex.after_response
         return answer
 
@@ -235,6 +236,7 @@ class Proxy:
                 raise
             if i > 0:
                 ex.stamp(replace(route, tier=tier, reason="escalated" if route.reason == "escalated" else "fallback"))
+            record.completion_bound = completion_bound(body, tier)
             return resp
         assert last is not None
         await ex.close(last.status, last.code)
@@ -302,9 +304,9 @@ class Proxy:
         log.info("tier %s gave %s; escalating to %s", tier.name, why, nxt.name)
         ex.record.mark_first_byte()
         usage = summary.get("usage")
-        ex.record.set_usage(usage if isinstance(usage, dict) else None)
+        taken = ex.record.set_usage(usage if isinstance(usage, dict) else None)
         counted = summary.get("counted")
-        if not isinstance(usage, dict) and isinstance(counted, dict):  # the stream ended with no usage: counted
+        if not taken and isinstance(counted, dict):  # the stream ended with no usage (or none to trust): counted
             await self._count_attempt(ex, counted, body)
         await ex.next_attempt(retry, 200, f"escalated_{why}", again)
         return resp, None, True

@@ -35,7 +35,7 @@ from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
 from gateway.openai import sse
 from gateway.openai.chunks import StreamAssembler
 from gateway.openai.sse import DONE_CHUNK, Chunk, error_chunk
-from gateway.openai.usage import estimate_tokens, needs_reasoning_count, reasoning_of
+from gateway.openai.usage import estimate_tokens, generated_text, needs_reasoning_count, reasoning_of
 from gateway.pipeline.exchange import Exchange
 from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.response import UpstreamResponse, chunk_batches
@@ -203,9 +203,8 @@ class _Run:
         """A cut stream's end: meter what was seen (partial), finish every choice, the usage when asked, [DONE]."""
         record = self.record
         record.partial = True
-        if self.tally.last_usage is not None:  # continuous usage stats: the upstream's running totals
-            record.set_usage(self.tally.last_usage)
-        else:
+        # continuous usage stats: the upstream's running totals (else, or when not usable, counted)
+        if not record.set_usage(self.tally.last_usage):
             await self.count()
         out = [cut_chunk(self.last, self.choices)]
         if self.wants_usage:
@@ -226,20 +225,26 @@ class _Run:
         if not tally.done:
             raise httpx.RemoteProtocolError("upstream stream ended without [DONE]")
         out: list[Chunk] = []
-        if tally.usage_chunk is not None:
-            usage = tally.usage_chunk["usage"]
+        usage = tally.usage_chunk["usage"] if tally.usage_chunk is not None else None
+        if isinstance(usage, dict):
             texts = tally.reasoning_texts()
             if texts and needs_reasoning_count(usage):
                 await fill_reasoning(pool, usage, self.ex.tier, texts)
-            self.record.set_usage(usage)
+        if not self.record.set_usage(usage):
+            if self.record.set_usage(tally.last_usage):  # continuous usage stats: the running totals
+                usage = tally.last_usage
+            else:  # no usage, or none the gateway can meter (metered at 0 before): counted, and said so when asked
+                await self.count()
+                r = self.record
+                usage = {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+                         "total_tokens": r.prompt_tokens + r.completion_tokens,
+                         "completion_tokens_details": {"reasoning_tokens": r.reasoning_tokens}}
+        if usage is not None:
             if self.assembler is not None:
                 self.assembler.usage = usage  # with the filled reasoning count
             if self.wants_usage:
-                out.append(Chunk(tally.usage_chunk))
-        elif tally.last_usage is not None:
-            self.record.set_usage(tally.last_usage)
-        else:
-            await self.count()
+                head = tally.usage_chunk if tally.usage_chunk is not None else {**_head(self.last), "choices": []}
+                out.append(Chunk({**head, "usage": usage}))
         out.append(DONE_CHUNK)
         return out
 
@@ -260,31 +265,55 @@ class _Run:
         tally, record = self.tally, self.record
         if status != 200 and not self.cut:
             record.partial = True
-            if tally.usage_chunk is not None:
-                record.set_usage(tally.usage_chunk["usage"])
-            elif tally.last_usage is not None:
-                record.set_usage(tally.last_usage)
-            else:
+            usage = tally.usage_chunk["usage"] if tally.usage_chunk is not None else None
+            if not record.set_usage(usage) and not record.set_usage(tally.last_usage):
                 await self.count()
         asm = self.assembler
         complete = status == 200 and not self.cut and asm is not None and asm.complete
         await self.ex.close(status, code, asm.result() if complete and asm is not None else None)
 
 
-async def complete(data: dict[str, Any], ex: Exchange, pool: UpstreamPool) -> bool:
+async def complete(data: dict[str, Any], ex: Exchange, pool: UpstreamPool, body: dict[str, Any] | None = None,
+                   endpoint: str = "chat") -> bool:
     """A non-streamed answer ``data`` (its JSON document): fill its reasoning count if missing, record its
-    usage, close ``ex`` (offering a complete answer to the cache). True when ``data`` was changed (encode it
-    again), False when the upstream's bytes still say it."""
+    usage, close ``ex`` (offering a complete answer to the cache). An answer with no usage, or one the gateway
+    cannot meter (:func:`gateway.openai.usage.usage_counts`), is counted (:func:`count_answer`; ``body``: the
+    client's request, for its prompt) and carries the counted usage — it was metered at 0, and every such request
+    was free. True when ``data`` was changed (encode it again), False when the upstream's bytes still say it."""
     usage = data.get("usage")
     reasoning = [r for c in data.get("choices") or () if (r := reasoning_of(c.get("message")))]
     changed = bool(reasoning) and isinstance(usage, dict) and needs_reasoning_count(usage)
     if changed and isinstance(usage, dict):
         await fill_reasoning(pool, usage, ex.tier, reasoning)
     ex.record.mark_first_byte()
-    ex.record.set_usage(usage if isinstance(usage, dict) else None)
+    if not ex.record.set_usage(usage if isinstance(usage, dict) else None):
+        data["usage"] = await count_answer(pool, ex, data, body, endpoint)
+        changed = True
     done = bool(data.get("choices")) and all(c.get("finish_reason") for c in data["choices"])
-    await ex.close(200, None, data if done and isinstance(usage, dict) else None)
+    await ex.close(200, None, data if done else None)
     return changed
+
+
+async def count_answer(pool: UpstreamPool, ex: Exchange, data: dict[str, Any], body: dict[str, Any] | None,
+                       endpoint: str) -> dict[str, Any]:
+    """Count a non-streamed answer the upstream sent no usable usage with: its generated text per choice
+    (thought included) and its thoughts by the upstream's ``/tokenize`` (else ~4 characters a token), the prompt
+    by :func:`count_prompt`; set on ``ex.record`` (``usage_source: counted``, held to its completion bound).
+    Returns the usage object (OpenAI's shape) for the answer."""
+    choices = [c for c in data.get("choices") or () if isinstance(c, dict)]
+    tier = ex.tier
+    completion = sum(await asyncio.gather(*(pool.tokens(tier, generated_text(c, endpoint)) for c in choices)))
+    thoughts = [r for c in choices if (r := reasoning_of(c.get("message")))]
+    reasoning = sum(await asyncio.gather(*(pool.tokens(tier, t) for t in thoughts))) if thoughts else 0
+    rec = ex.record
+    bound = rec.completion_bound if rec.completion_bound is not None else completion
+    rec.completion_tokens, rec.reasoning_tokens = min(completion, bound), min(reasoning, completion, bound)
+    rec.prompt_tokens = await count_prompt(pool, tier, body) if body is not None else 0
+    rec.cached_tokens = 0
+    rec.usage_source = "counted"
+    return {"prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
+            "total_tokens": rec.prompt_tokens + rec.completion_tokens,
+            "completion_tokens_details": {"reasoning_tokens": rec.reasoning_tokens}}
 
 
 async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_usage: bool,

@@ -400,6 +400,12 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     return Estimate(micro, tokens)
 
 
+def completion_bound(body: dict[str, Any], tier: TierConfig) -> int:
+    """The most completion tokens one upstream call of ``body`` on ``tier`` may generate (:func:`call_bound`'s,
+    as admission reserved them): metering holds a reported count to it."""
+    return call_bound(0, _choices(body), body.get("max_completion_tokens") or body.get("max_tokens"), tier)[1]
+
+
 def embedding_estimate(text: str, tier: TierConfig) -> Estimate:
     """Upper bounds of one embedding call of ``text`` on ``tier``: its UTF-8 bytes plus the request overhead,
     as prompt tokens at the dearer input rate; no completion."""

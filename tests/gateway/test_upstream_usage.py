@@ -1,0 +1,120 @@
+"""An upstream's usage the gateway cannot trust, through a real gateway, Redis and the upstream simulator (its
+``"sim": {"usage": …}`` sends any usage object): negative, fractional, null, non-numeric or absurd counts, or
+none at all. Every request is metered once — counted by the gateway where the usage is no count (it was lost, a
+500 after the upstream had generated, or free at $0) — no write-ahead record stays open, and a completion count
+above what the call was allowed is held to that bound."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis
+
+from tests.fixtures.gateway import SECRETS, accounting_gateway, usage_events
+from tests.fixtures.upstream import GatewayServer, SimProcess
+from tests.fixtures.upstream_sim import answer_words
+
+QUESTION = "What is six times seven exactly?"
+
+
+@pytest.fixture(scope="module")
+def gw(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+       ) -> Iterator[GatewayServer]:
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path_factory.mktemp("usage")) as g:
+        yield g
+
+
+def _ask(gw: GatewayServer, usage: Any, stream: bool = False, **extra: Any) -> httpx.Response:
+    body = {"model": "long", "messages": [{"role": "user", "content": f"{QUESTION} {uuid.uuid4().hex[:6]}"}],
+            "sim": {"usage": usage}, **extra}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return httpx.post(gw.base_url + "/chat/completions", json=body, timeout=30,
+                      headers={"authorization": f"Bearer {SECRETS['alice']}"})
+
+
+def _open_wal(gw: GatewayServer, redis_url: str) -> int:
+    r = redis.Redis.from_url(redis_url)
+    try:
+        return int(r.hlen(gw.settings.redis.key_prefix + "wal:open"))
+    finally:
+        r.close()
+
+
+BAD = [
+    pytest.param("omit", id="no-usage"),
+    pytest.param({"prompt_tokens": None, "completion_tokens": None}, id="null-counts"),
+    pytest.param({"prompt_tokens": -10, "completion_tokens": -1000}, id="negative"),
+    pytest.param({"prompt_tokens": 12, "completion_tokens": "abc"}, id="string"),
+    pytest.param({"prompt_tokens": 12, "completion_tokens": 1e12}, id="absurd"),
+    pytest.param({"prompt_tokens": 12.7, "completion_tokens": 20}, id="fractional"),
+    pytest.param("not a usage object", id="not-an-object"),
+]
+
+
+@pytest.mark.parametrize("usage", BAD)
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_usage_that_is_no_count_is_counted_by_the_gateway(gw: GatewayServer, redis_url: str, usage: Any,
+                                                            stream: bool) -> None:
+    r = _ask(gw, usage, stream)
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    if stream:
+        chunks = [orjson.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+        assert r.text.rstrip().endswith("data: [DONE]")
+        told = [c["usage"] for c in chunks if c.get("usage") and not c.get("choices")]
+    else:
+        told = [r.json()["usage"]]
+    ev = usage_events(gw, [rid])[rid]
+    assert (ev.status, ev.usage_source) == (200, "counted")
+    assert ev.prompt_tokens > 0 and ev.completion_tokens >= len(answer_words(QUESTION)) // 2 and ev.cost_micro_usd > 0
+    # the client is told the usage that was metered (the upstream's was none to trust)
+    assert [(u["prompt_tokens"], u["completion_tokens"]) for u in told] == [(ev.prompt_tokens, ev.completion_tokens)]
+    assert _open_wal(gw, redis_url) == 0 or rid.encode() not in redis.Redis.from_url(redis_url).hkeys(
+        gw.settings.redis.key_prefix + "wal:open")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_bad_details_are_clipped_not_fatal(gw: GatewayServer, stream: bool) -> None:
+    """A negative reasoning count (a Prometheus counter refused it inside the usage sink: the request answered 200
+    and its usage event was lost) and a cached count above the prompt: the totals are taken, the details clipped."""
+    usage = {"prompt_tokens": 12, "completion_tokens": 20, "total_tokens": 32,
+             "completion_tokens_details": {"reasoning_tokens": -5},
+             "prompt_tokens_details": {"cached_tokens": 100_000}}
+    r = _ask(gw, usage, stream)
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    ev = usage_events(gw, [rid])[rid]
+    assert (ev.usage_source, ev.prompt_tokens, ev.completion_tokens) == ("upstream", 12, 20)
+    assert ev.cached_tokens == 12 and 0 <= ev.reasoning_tokens <= 20
+
+
+def test_a_completion_count_above_the_bound_is_held_to_it(gw: GatewayServer) -> None:
+    """An upstream reporting 5,000 completion tokens for a call allowed 50 (max_tokens): admission reserved 50,
+    and a hard budget could be overspent 100-fold on one request. Metered at 50."""
+    r = _ask(gw, {"prompt_tokens": 12, "completion_tokens": 5000, "total_tokens": 5012}, max_tokens=50)
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    ev = usage_events(gw, [rid])[rid]
+    assert (ev.usage_source, ev.prompt_tokens, ev.completion_tokens) == ("upstream", 12, 50)
+
+
+def test_embeddings_without_usage_are_estimated_not_free(tmp_path: Path, upstream_sim: SimProcess,
+                                                         redis_url: str) -> None:
+    from tests.fixtures.upstream import sim_tiers
+
+    tiers = [*sim_tiers(upstream_sim.base_url), {"name": "embed", "base_url": upstream_sim.base_url,
+                                                 "model": "sim-model", "embeddings": True}]
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, tiers=tiers) as g:
+        r = httpx.post(g.base_url + "/embeddings", timeout=30, headers={"authorization": f"Bearer {SECRETS['alice']}"},
+                       json={"model": "embed", "input": "some words to embed here", "sim": {"usage": "omit"}})
+        assert r.status_code == 200, r.text
+        rid = r.headers["x-request-id"]
+        ev = usage_events(g, [rid])[rid]
+    assert ev.usage_source == "counted" and ev.prompt_tokens > 0
