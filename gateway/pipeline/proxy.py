@@ -151,7 +151,7 @@ class Proxy:
                                                               self._start_renewal, ex)
                 try:
                     answer = await (self._answer(ex, body, caller) if disconnect is None else
-                                    self._unless_disconnected(disconnect, self._answer(ex, body, caller), ex))
+                                    self._unless_disconnected(disconnect, self._answer(ex, body, caller), ex, body))
                 finally:
                     timer.cancel()
                     if ex.renewer is not None:
@@ -215,6 +215,8 @@ class Proxy:
         for i, tier in enumerate(candidates):
             built = upstream_body.build(body, tier, caller.endpoint)
             resp: UpstreamResponse
+            # set before the call: it also says the call went out (a non-streamed disconnect bills the prompt)
+            record.completion_bound = completion_bound(body, tier)
             try:
                 with span("upstream"), conversation_affinity(body, candidates):
                     # prompted: forcing is the hard stop above the requested budget unless the upstream cuts
@@ -236,7 +238,6 @@ class Proxy:
                 raise
             if i > 0:
                 ex.stamp(replace(route, tier=tier, reason="escalated" if route.reason == "escalated" else "fallback"))
-            record.completion_bound = completion_bound(body, tier)
             return resp
         assert last is not None
         await ex.close(last.status, last.code)
@@ -361,12 +362,13 @@ class Proxy:
         return answer
 
     async def _unless_disconnected(self, disconnect: Callable[[], Awaitable[None]], serving: Awaitable[Answer],
-                                   ex: Exchange) -> Answer:
+                                   ex: Exchange, body: dict[str, Any]) -> Answer:
         """Run ``serving`` (a non-streamed answer) until done, or until the client goes away: then cancel it —
         which closes the upstream request, and vLLM aborts a request whose connection closed — meter the
         current attempt as ``partial`` with status 499, and raise :class:`ClientClosed`. A non-streamed
-        upstream reports no usage before its end, so such a record has the tokens known (none) and
-        ``usage_source: none``."""
+        upstream reports no usage before its end: when the attempt's call had gone out, its prompt is billed
+        (:func:`~gateway.pipeline.relay.count_prompt`, ``usage_source: counted``; the upstream had it and began on
+        it — a client that hung up each time got the compute for $0), its generated tokens are unknown (0)."""
         work = asyncio.ensure_future(serving)
         watch = asyncio.ensure_future(disconnect())
         try:
@@ -381,6 +383,9 @@ class Proxy:
                 await work
             except (asyncio.CancelledError, Exception) as exc:  # the client is gone either way
                 log.debug("cancelled request %s ended with %r", ex.record.request_id, exc)
+            rec = ex.record
+            if not ex.closed and rec.completion_bound is not None and rec.usage_source == "none":
+                rec.prompt_tokens, rec.usage_source = await count_prompt(self.upstreams, ex.tier, body), "counted"
             await ex.abandon(CLIENT_CLOSED, "client_disconnected")
         raise ClientClosed("the client closed the connection; the upstream call was cancelled")
 

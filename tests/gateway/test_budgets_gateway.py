@@ -289,6 +289,8 @@ def test_non_streamed_disconnect_cancels_upstream_and_meters_partial(gw: Gateway
         time.sleep(0.05)
     assert len(mine) == 1
     assert mine[0]["status"] == 499 and mine[0]["partial"] is True and mine[0]["error_code"] == "client_disconnected"
+    # the upstream had the prompt and worked on it for 0.8 s: billed (it was $0 — hang up, compute for free)
+    assert mine[0]["usage_source"] == "counted" and mine[0]["prompt_tokens"] > 0 and int(mine[0]["cost_micro_usd"]) > 0
     client = redis.Redis.from_url(redis_url)
     try:
         assert client.hlen(f"{prefix}lim:{kid}:resv") == 0  # settled, not left to expire
