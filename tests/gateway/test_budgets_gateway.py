@@ -5,6 +5,7 @@ own reservation, non-streamed disconnects, audit events of refused requests, key
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -491,8 +492,11 @@ def test_keys_update_changes_a_live_keys_limits_in_place(gw: GatewayServer, redi
     assert out.returncode == 1 and "revoked" in out.stderr  # a revoked key is not brought back
 
 
-def _webhook() -> tuple[Any, list[dict[str, Any]]]:
-    """A loopback alert webhook (204 to every POST): (the server, the bodies it received)."""
+@contextlib.contextmanager
+def _alerting(sim: SimProcess, redis_url: str, prefix: str, tmp: Path, fractions: list[float], tag_key: str
+              ) -> Iterator[tuple[GatewayServer, str, str, list[dict[str, Any]]]]:
+    """A gateway whose budget alerts go to a loopback webhook (204 to every POST), with a new key tagged with a new
+    team: yields (gateway, team, key secret, the alert bodies received — complete once the block has ended)."""
     import http.server
 
     received: list[dict[str, Any]] = []
@@ -508,42 +512,40 @@ def _webhook() -> tuple[Any, list[dict[str, Any]]]:
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, received
-
-
-def test_alerts_fire_per_level(upstream_sim: SimProcess, redis_url: str, prefix: str, tmp_path: Path) -> None:
-    server, received = _webhook()
     team = f"t{uuid.uuid4().hex[:8]}"
-    limits = {"budget_refresh_s": 0, "alert_fractions": [0.5],
+    limits = {"budget_refresh_s": 0, "alert_fractions": fractions,
               "alert_webhook_url": f"http://127.0.0.1:{server.server_port}/h"}
     try:
-        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix, tiers=_tiers(upstream_sim.base_url),
-                                limits=limits) as g:
-            body = {"model": "long", "max_tokens": 5, "messages": PROMPT}
-            kid = f"{team}-alert"
-            secret = create_key(redis_url, prefix, kid, tags={"team": team})  # no key budget: only the tag's
-            r = _post(g, secret, body)
-            assert r.status_code == 200
-            cost = usage_events(g, [r.headers["x-request-id"]])[r.headers["x-request-id"]].cost_micro_usd
-            # a tag budget the next request takes past 50 %, and enough room left for its estimate
-            budget = _estimate(g, body, "long") * 4
-            assert _cli("budgets", "set", "--tag", f"team={team}", "--usd-day", str(micro_to_usd(budget)),
-                        prefix=prefix, redis_url=redis_url).returncode == 0
-            spent = cost
-            while spent < budget // 2:
-                r = _post(g, secret, body)
-                assert r.status_code == 200, r.text
-                rid = r.headers["x-request-id"]
-                spent += usage_events(g, [rid])[rid].cost_micro_usd
+        with accounting_gateway(sim.base_url, redis_url, tmp, prefix, tiers=_tiers(sim.base_url), limits=limits) as g:
+            secret = create_key(redis_url, prefix, f"{team}-{tag_key}", tags={"team": team})  # no key budget
+            yield g, team, secret, received
             deadline = time.monotonic() + 5
-            while not received and time.monotonic() < deadline:
+            while len(received) < len(fractions) and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(0.3)
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_alerts_fire_per_level(upstream_sim: SimProcess, redis_url: str, prefix: str, tmp_path: Path) -> None:
+    body = {"model": "long", "max_tokens": 5, "messages": PROMPT}
+    with _alerting(upstream_sim, redis_url, prefix, tmp_path, [0.5], "alert") as (g, team, secret, received):
+        r = _post(g, secret, body)
+        assert r.status_code == 200
+        cost = usage_events(g, [r.headers["x-request-id"]])[r.headers["x-request-id"]].cost_micro_usd
+        # a tag budget the next request takes past 50 %, and enough room left for its estimate
+        budget = _estimate(g, body, "long") * 4
+        assert _cli("budgets", "set", "--tag", f"team={team}", "--usd-day", str(micro_to_usd(budget)),
+                    prefix=prefix, redis_url=redis_url).returncode == 0
+        spent = cost
+        while spent < budget // 2:
+            r = _post(g, secret, body)
+            assert r.status_code == 200, r.text
+            rid = r.headers["x-request-id"]
+            spent += usage_events(g, [rid])[rid].cost_micro_usd
     assert [(a["level"], a["period"], a["fraction"]) for a in received] == [(f"tag:team={team}", "day", 0.5)]
-    assert received[0]["key_id"] == kid and received[0]["budget_usd"] == str(micro_to_usd(budget))
+    assert received[0]["key_id"] == f"{team}-alert" and received[0]["budget_usd"] == str(micro_to_usd(budget))
 
 
 def test_a_budget_lowered_below_the_spend_alerts_on_the_first_refusal(upstream_sim: SimProcess, redis_url: str,
@@ -551,34 +553,19 @@ def test_a_budget_lowered_below_the_spend_alerts_on_the_first_refusal(upstream_s
     """An operator lowers a tag's budget below what the tag has spent today: every request is refused, none is
     metered, and the alerts were checked only after a metered request — so the 100% alert never fired. It fires on
     the first refusal now, once (a burst of refusals fires nothing more)."""
-    server, received = _webhook()
-    team = f"t{uuid.uuid4().hex[:8]}"
-    limits = {"budget_refresh_s": 0, "alert_fractions": [0.5, 1.0],
-              "alert_webhook_url": f"http://127.0.0.1:{server.server_port}/h"}
-    try:
-        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix, tiers=_tiers(upstream_sim.base_url),
-                                limits=limits) as g:
-            body = {"model": "long", "max_tokens": 5, "messages": PROMPT}
-            kid = f"{team}-low"
-            secret = create_key(redis_url, prefix, kid, tags={"team": team})
-            spent = 0
-            for _ in range(3):  # spend under no budget
-                r = _post(g, secret, body)
-                assert r.status_code == 200, r.text
-                spent += usage_events(g, [r.headers["x-request-id"]])[r.headers["x-request-id"]].cost_micro_usd
-            low = max(1, spent // 2)
-            assert _cli("budgets", "set", "--tag", f"team={team}", "--usd-day", str(micro_to_usd(low)),
-                        prefix=prefix, redis_url=redis_url).returncode == 0
-            for _ in range(4):
-                r = _post(g, secret, body)
-                assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded", r.text
-            deadline = time.monotonic() + 5
-            while len(received) < 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.3)
-    finally:
-        server.shutdown()
-        server.server_close()
+    body = {"model": "long", "max_tokens": 5, "messages": PROMPT}
+    with _alerting(upstream_sim, redis_url, prefix, tmp_path, [0.5, 1.0], "low") as (g, team, secret, received):
+        spent = 0
+        for _ in range(3):  # spend under no budget
+            r = _post(g, secret, body)
+            assert r.status_code == 200, r.text
+            spent += usage_events(g, [r.headers["x-request-id"]])[r.headers["x-request-id"]].cost_micro_usd
+        low = max(1, spent // 2)
+        assert _cli("budgets", "set", "--tag", f"team={team}", "--usd-day", str(micro_to_usd(low)),
+                    prefix=prefix, redis_url=redis_url).returncode == 0
+        for _ in range(4):
+            r = _post(g, secret, body)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded", r.text
     assert sorted((a["level"], a["period"], a["fraction"]) for a in received) == [
         (f"tag:team={team}", "day", 0.5), (f"tag:team={team}", "day", 1.0)]
     assert {a["budget_usd"] for a in received} == {str(micro_to_usd(low))}

@@ -131,17 +131,28 @@ def test_a_better_router_is_promoted_and_a_worse_one_is_not(upstream_sim: SimPro
             rdb.close()
 
 
+def _promoted(redis_url: str, prefix: str, tmp: Path) -> tuple[Path, Path]:
+    """A configured router file (``old-noise``) and a promoted one (``old-good``) that ``p router:current`` names,
+    as automatic retraining leaves them: (configured, promoted)."""
+    configured = _router(tmp / "configured.skops", informative=False)
+    promoted = _router(tmp / "promoted.skops", informative=True)
+    rdb = redis.Redis.from_url(redis_url)
+    try:
+        rdb.hset(prefix + "router:current", mapping={"path": str(promoted), "version": "old-good",
+                                                     "previous": str(configured)})
+    finally:
+        rdb.close()
+    return configured, promoted
+
+
 def test_a_restarted_replica_serves_the_promoted_router_from_its_first_request(
         upstream_sim: SimProcess, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
     """A replica that starts while ``p router:current`` names a promoted router serves it before its first request
     and shows the last audit event — it served the configured file until its first tick (and stamped its answers'
     outcomes with that version), and read ``last_event: null``. Ticks are 60 s apart here: only the start can do it."""
-    configured = _router(tmp_path / "configured.skops", informative=False)
-    promoted = _router(tmp_path / "promoted.skops", informative=True)
+    configured, promoted = _promoted(redis_url, redis_prefix, tmp_path)
     rdb = redis.Redis.from_url(redis_url)
     try:
-        rdb.hset(redis_prefix + "router:current", mapping={"path": str(promoted), "version": "old-good",
-                                                           "previous": str(configured)})
         event = {"event": "promote", "ts": 1.0, "version": "old-good", "path": str(promoted), "reason": "test"}
         rdb.xadd(redis_prefix + "router:history", {"e": json.dumps(event)})
     finally:
@@ -159,14 +170,7 @@ def test_a_file_written_to_router_path_replaces_the_promoted_router(
     ``routing.router_path`` (docs/router.md's hot reload: write elsewhere, rename over) had it ignored, with nothing
     said (a new user's first day). Now it becomes the promoted router with an operator's audit event, the promoted
     one kept as its previous; a file that does not load is left out and the promoted router keeps serving."""
-    configured = _router(tmp_path / "configured.skops", informative=False)
-    promoted = _router(tmp_path / "promoted.skops", informative=True)
-    rdb = redis.Redis.from_url(redis_url)
-    try:
-        rdb.hset(redis_prefix + "router:current", mapping={"path": str(promoted), "version": "old-good",
-                                                           "previous": str(configured)})
-    finally:
-        rdb.close()
+    configured, promoted = _promoted(redis_url, redis_prefix, tmp_path)
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(configured, tmp_path, every_outcomes=10**6)) as gw:
         assert _status(gw)["version"] == "old-good"
