@@ -67,7 +67,8 @@ class UsageRecord:
     # an escalated attempt: the route reason of the request's first attempt (``predicted``: the router's choice;
     # ``forced``, ``explore``…: not) — the realised floor counts an escalated answer only when the router chose it
     escalated_from: RouteReason | None = None
-    # the most completion tokens the current upstream call may generate (``gateway.state.limits.completion_bound``)
+    # the most completion tokens the current upstream call may generate (admission's ``Estimate.completion``: the
+    # tier and its fallbacks)
     completion_bound: int | None = None
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 

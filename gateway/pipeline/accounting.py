@@ -200,7 +200,9 @@ class Accounting:
         :class:`~gateway.errors.RateLimited` / ``LimitsUnavailable``. ``ahead``: the request's first upstream
         call (:class:`Ahead`): on a single Redis its write-ahead record and exact-cache lookup are done in the
         same script call (``Limits.fused``); :meth:`cache_begin` and :meth:`write_ahead` then use what it did."""
-        return await self.admit_estimate(key, estimate(body, tiers), record, ahead)
+        est = estimate(body, tiers)
+        record.completion_bound = est.completion  # metering holds a reported completion count to it
+        return await self.admit_estimate(key, est, record, ahead)
 
     async def admit_estimate(self, key: KeyInfo, est: Estimate, record: UsageRecord,
                              ahead: Ahead | None = None) -> Admission:

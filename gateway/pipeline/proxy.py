@@ -49,7 +49,6 @@ from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.relay import CLIENT_CLOSED, complete, count_prompt, relay, renew
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import Sessions
-from gateway.state.limits import completion_bound
 from gateway.thinking import dial
 from gateway.thinking.forcing import open_forced
 from gateway.upstream.balancer import conversation_affinity
@@ -215,8 +214,6 @@ class Proxy:
         for i, tier in enumerate(candidates):
             built = upstream_body.build(body, tier, caller.endpoint)
             resp: UpstreamResponse
-            # set before the call: it also says the call went out (a non-streamed disconnect bills the prompt)
-            record.completion_bound = completion_bound(body, tier)
             try:
                 with span("upstream"), conversation_affinity(body, candidates):
                     # prompted: forcing is the hard stop above the requested budget unless the upstream cuts
@@ -366,9 +363,10 @@ class Proxy:
         """Run ``serving`` (a non-streamed answer) until done, or until the client goes away: then cancel it —
         which closes the upstream request, and vLLM aborts a request whose connection closed — meter the
         current attempt as ``partial`` with status 499, and raise :class:`ClientClosed`. A non-streamed
-        upstream reports no usage before its end: when the attempt's call had gone out, its prompt is billed
-        (:func:`~gateway.pipeline.relay.count_prompt`, ``usage_source: counted``; the upstream had it and began on
-        it — a client that hung up each time got the compute for $0), its generated tokens are unknown (0)."""
+        upstream reports no usage before its end: once the attempt was admitted (its call follows at once), its
+        prompt is billed (:func:`~gateway.pipeline.relay.count_prompt`, ``usage_source: counted``; the upstream had
+        it and began on it — a client that hung up each time got the compute for $0), its generated tokens are
+        unknown (0)."""
         work = asyncio.ensure_future(serving)
         watch = asyncio.ensure_future(disconnect())
         try:

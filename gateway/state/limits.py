@@ -288,10 +288,12 @@ class KeyLimits:
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
-    """Upper bounds of one request: cost (micro-USD) and tokens (prompt + completion)."""
+    """Upper bounds of one request: cost (micro-USD), tokens (prompt + completion) and completion tokens (None:
+    not bounded here, e.g. an embedding) — metering holds a reported completion count to the last."""
 
     micro_usd: int
     tokens: int
+    completion: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,7 +391,7 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     prompt += REQUEST_OVERHEAD_TOKENS
     choices = _choices(body)
     asked = body.get("max_completion_tokens") or body.get("max_tokens")
-    micro, tokens = 0, prompt
+    micro, tokens, generated = 0, prompt, 0
     for tier in tiers:
         billed_prompt, completion = call_bound(prompt, choices, asked, tier)
         p = tier.prices
@@ -397,13 +399,8 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
         micro = max(micro, cost_micro_usd(p, prompt_tokens=billed_prompt, cached_tokens=cached,
                                           completion_tokens=completion))
         tokens = max(tokens, billed_prompt + completion)
-    return Estimate(micro, tokens)
-
-
-def completion_bound(body: dict[str, Any], tier: TierConfig) -> int:
-    """The most completion tokens one upstream call of ``body`` on ``tier`` may generate (:func:`call_bound`'s,
-    as admission reserved them): metering holds a reported count to it."""
-    return call_bound(0, _choices(body), body.get("max_completion_tokens") or body.get("max_tokens"), tier)[1]
+        generated = max(generated, completion)
+    return Estimate(micro, tokens, generated)
 
 
 def embedding_estimate(text: str, tier: TierConfig) -> Estimate:
