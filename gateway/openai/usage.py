@@ -35,7 +35,7 @@ def needs_reasoning_count(usage: dict[str, Any] | None) -> bool:
     A 0 next to non-empty reasoning text is treated as missing: some vLLM reasoning parsers report 0; so is a count
     that is no count (negative, not a number)."""
     details = (usage or {}).get("completion_tokens_details") or {}
-    return not (isinstance(details, dict) and (_count(details.get("reasoning_tokens")) or 0) > 0)
+    return not (isinstance(details, dict) and (token_count(details.get("reasoning_tokens")) or 0) > 0)
 
 
 #: The largest token count one usage field may carry (above every context window and output limit there is):
@@ -44,7 +44,7 @@ def needs_reasoning_count(usage: dict[str, Any] | None) -> bool:
 MAX_USAGE_TOKENS = 10_000_000
 
 
-def _count(v: Any) -> int | None:
+def token_count(v: Any) -> int | None:
     """``v`` as a token count: a non-negative integer (an integral float too) up to :data:`MAX_USAGE_TOKENS`;
     None for anything else (negative, fractional, a string, a bool, null)."""
     if isinstance(v, bool) or not isinstance(v, int | float):
@@ -57,19 +57,19 @@ def _count(v: Any) -> int | None:
 def usage_counts(usage: Any, completion: bool = True) -> tuple[int, int, int, int] | None:
     """(prompt, completion, cached prompt, reasoning) tokens of an upstream ``usage`` object the gateway can meter,
     or None when it cannot trust it: ``prompt_tokens`` and ``completion_tokens`` must both be counts
-    (:func:`_count`: a missing, null, negative, fractional, non-numeric or absurd value is none). The details are
+    (:func:`token_count`: a missing, null, negative, fractional, non-numeric or absurd value is none). The details are
     optional: a bad ``cached_tokens`` or ``reasoning_tokens`` counts as 0, and each is clipped to its total (a
     cached count above the prompt, a reasoning count above the completion, are not possible). ``completion=False``:
     an embeddings usage, which has no ``completion_tokens`` (0 when absent)."""
     if not isinstance(usage, dict):
         return None
-    prompt = _count(usage.get("prompt_tokens"))
-    generated = _count(usage.get("completion_tokens", None if completion else 0))
+    prompt = token_count(usage.get("prompt_tokens"))
+    generated = token_count(usage.get("completion_tokens", None if completion else 0))
     if prompt is None or generated is None:
         return None
     pd, cd = usage.get("prompt_tokens_details"), usage.get("completion_tokens_details")
-    cached = _count(pd.get("cached_tokens")) if isinstance(pd, dict) else None
-    reasoning = _count(cd.get("reasoning_tokens")) if isinstance(cd, dict) else None
+    cached = token_count(pd.get("cached_tokens")) if isinstance(pd, dict) else None
+    reasoning = token_count(cd.get("reasoning_tokens")) if isinstance(cd, dict) else None
     return prompt, generated, min(cached or 0, prompt), min(reasoning or 0, generated)
 
 
@@ -82,10 +82,18 @@ def estimate_tokens(text: str) -> int:
 def merge_usage(u1: dict[str, Any] | None, u2: dict[str, Any] | None, reasoning_tokens: int) -> dict[str, Any]:
     """Sum two upstream usage objects (tokens); ``reasoning_tokens`` is set as given (the thought phase's
     completion tokens under budget forcing). Cached prompt tokens are summed when either reports them."""
-    c1, c2 = usage_counts(u1) or (0, 0, 0, 0), usage_counts(u2) or (0, 0, 0, 0)  # a phase's bad usage: 0, not a 500
-    prompt = c1[0] + c2[0]
-    completion = c1[1] + c2[1]
-    cached = c1[2] + c2[2]
+    u1, u2 = u1 or {}, u2 or {}
+
+    def field(u: dict[str, Any], name: str, part: str | None = None) -> int:
+        # each field on its own (phase 1 under the loop guard carries completion_tokens alone); one that is no
+        # count adds 0 — not a 500 mid-answer
+        holder = u.get(part) if part else u
+        return (token_count(holder.get(name)) or 0) if isinstance(holder, dict) else 0
+
+    prompt = field(u1, "prompt_tokens") + field(u2, "prompt_tokens")
+    completion = field(u1, "completion_tokens") + field(u2, "completion_tokens")
+    cached = min(prompt, field(u1, "cached_tokens", "prompt_tokens_details")
+                 + field(u2, "cached_tokens", "prompt_tokens_details"))
     usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

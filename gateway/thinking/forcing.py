@@ -41,7 +41,7 @@ from gateway.errors import InvalidRequest
 from gateway.ledger.event import WireEndpoint
 from gateway.openai import sse
 from gateway.openai.sse import DONE_CHUNK, Chunk
-from gateway.openai.usage import generated_text, merge_usage
+from gateway.openai.usage import generated_text, merge_usage, token_count
 from gateway.thinking.loop_guard import LoopDetector
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamPool
 from gateway.upstream.response import SyntheticResponse, UpstreamResponse
@@ -255,7 +255,7 @@ class ForcedBudget:
                         break
         finally:
             await resp.aclose()
-        used = int((p1.usage or {}).get("completion_tokens") or 0)
+        used = token_count((p1.usage or {}).get("completion_tokens")) or 0  # no count (negative, a string): counted
         if looped or not used:
             used = await self.count(p1.text)
             p1.usage = {**(p1.usage or {}), "completion_tokens": used}

@@ -150,6 +150,11 @@ def test_loop_guard_cuts_a_repeating_thought(upstream_sim: SimProcess, redis_url
         reasoning = (resp.choices[0].message.model_extra or {}).get("reasoning") or ""
         assert 3 < len(reasoning.split()) < 10, reasoning
         assert resp.choices[0].message.content
+        # the cut thought is billed: phase 1's counted tokens are in the completion (a review found them dropped
+        # when the merged usage rejected phase 1's usage for lacking prompt_tokens)
+        u = resp.usage
+        assert u is not None and u.completion_tokens_details is not None
+        assert u.completion_tokens >= u.completion_tokens_details.reasoning_tokens >= len(reasoning.split())
     tiers = _tiers(upstream_sim, thinking_budget=60)
     with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
         resp = _client(gw).chat.completions.create(model="short",
