@@ -248,6 +248,13 @@ class RouterService(Router):
                 log.info("router: %s", said)
             return router
 
+    def check(self, router: TrainedRouter) -> None:
+        """Raise :class:`RouterFileError` when this service would refuse ``router`` at load (its thresholds for
+        the routed tiers, its budget map): what :meth:`reload` checks, for a file about to be named the promoted
+        one."""
+        self._check_thresholds(router)
+        self._check_budgets(router)
+
     def _check_budgets(self, router: TrainedRouter) -> None:
         """A malformed score -> budget map refuses the file at load (not a 500 per request later)."""
         try:

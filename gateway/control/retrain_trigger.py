@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import multiprocessing
 import os
@@ -114,9 +115,10 @@ class RetrainTrigger:
         self._token = new_token()  # this trigger's value of the fit lock
         # a verdict's Redis writes not done yet (a Redis failure cut them short): done first at the next tick
         self._unwritten: list[Callable[[], Awaitable[Any]]] = []
-        # routing.router_path and its (mtime, size, inode) as last seen: a new file there is the operator's router
+        # routing.router_path and its (mtime, size, inode) as last read here (None: not yet — the first tick reads
+        # it and compares its digest with the deployment's, :meth:`adopt_configured`)
         self.configured = settings.routing.router_path.resolve() if settings.routing.router_path else None
-        self._configured_seen = _file_signature(self.configured)
+        self._configured_seen: tuple[int, int, int] | None = None
 
     # --- keys -------------------------------------------------------------------------------------------
     @property
@@ -237,44 +239,70 @@ class RetrainTrigger:
     def k_adopted(self) -> str:
         return f"{self.prefix}router:adopted"
 
+    @property
+    def k_configured(self) -> str:
+        return f"{self.prefix}router:configured"
+
     async def adopt_configured(self) -> bool:
-        """A new file written to ``routing.router_path`` while a promoted router is in service becomes the promoted
-        one (``p router:current``, the previous kept for a rollback) with a ``promote`` audit event, "operator: a new
-        file at routing.router_path"; every replica follows. Without it the file was never served and nothing said
-        so (replicas serve ``router:current``). Seen by its (mtime, size, inode) changing after this process
-        started; one replica writes the event (``SET NX`` on the file's version and signature). A file that does
-        not load is logged and left (the promoted router keeps serving). True when adopted here."""
+        """A new file at ``routing.router_path`` while a promoted router is in service becomes the promoted one
+        (``p router:current``, the promoted one kept as ``previous`` for a rollback) with a ``promote`` audit event,
+        "operator: a new file at routing.router_path"; every replica follows. Without it the file was never served
+        and nothing said so (replicas serve ``router:current``).
+
+        New = its content's SHA-256 differs from ``p router:configured``, the digest of the configured file the
+        deployment last saw (set at the first look, and at each adoption): the same on every replica whatever its
+        copy's inode or mtime, and across restarts — a file written while the replicas were down (a new ConfigMap
+        and a rollout) is adopted by the first replica up, a replica restarted on the same file adopts nothing.
+        One replica adopts (``SET NX`` on the digest); the writes go through :meth:`_write` (a Redis failure
+        finishes them at the next tick). A file that does not load, or that this service would refuse (its
+        thresholds for the routed tiers, its budget map), is logged and left out; the promoted router keeps
+        serving. The file is read only when its (mtime, size, inode) changed here. True when adopted here."""
         seen = _file_signature(self.configured)
         if self.configured is None or seen is None or seen == self._configured_seen:
             return False
+        path = self.configured
+        try:
+            digest = hashlib.sha256(await asyncio.to_thread(path.read_bytes)).hexdigest()[:32]
+        except OSError:
+            return False
+        stored = await self.breaker.call(lambda: self.redis.get(self.k_configured))
+        if stored is None or as_bytes(stored).decode() == digest:
+            if stored is None:  # the first look of this deployment: the baseline, nothing to adopt
+                await self.breaker.call(lambda: self.redis.set(self.k_configured, digest, nx=True))
+            self._configured_seen = seen
+            return False
         cur = await self.breaker.call(lambda: self.redis.hgetall(self.k_current))
-        self._configured_seen = seen
         if not cur:  # no promotion in force: the service's own hot reload serves the new file
+            await self.breaker.call(lambda: self.redis.set(self.k_configured, digest))
+            self._configured_seen = seen
             return False
         c = {as_bytes(k).decode(): as_bytes(v).decode() for k, v in cur.items()}
         try:
-            router = await asyncio.to_thread(load_router_cached, self.configured)
+            router = await asyncio.to_thread(load_router_cached, path)
+            self.service.check(router)
         except Exception as exc:
-            log.warning("retrain: a new file at routing.router_path (%s) does not load, the promoted router keeps "
-                        "serving: %s", self.configured, exc)
+            self._configured_seen = seen  # the same bytes are not tried again; a new write is
+            log.warning("retrain: a new file at routing.router_path (%s) is not served, the promoted router keeps "
+                        "serving: %s", path, exc)
             return False
         meta = router.metadata
-        version = str(meta.get("version") or meta.get("created_utc") or f"file-{seen[0]}")
-        if c.get("path") == str(self.configured) and c.get("version") == version:
-            return False  # adopted already (``thinkgate router retrain --output``, or another replica)
-        mark = f"{self.k_adopted}:{version}:{seen[0]}:{seen[1]}"
-        if not await self.breaker.call(lambda: self.redis.set(mark, "1", nx=True, ex=86400)):
+        version = str(meta.get("version") or meta.get("created_utc") or f"file-{digest[:12]}")
+        if not await self.breaker.call(lambda: self.redis.set(f"{self.k_adopted}:{digest}", "1", nx=True,
+                                                              ex=86400)):
+            self._configured_seen = seen  # another replica adopts it
             return False
-        mapping = {"path": str(self.configured), "version": version, "previous": c.get("path", ""),
-                   "previous_version": c.get("version", "")}
-        await self.breaker.call(lambda: self.redis.hset(self.k_current, mapping=mapping))  # type: ignore[arg-type]
         n = int(await self.breaker.call(lambda: self.redis.xlen(self.outcomes.keys.outcomes)) or 0)
+        mapping = {"path": str(path), "version": version, "previous": c.get("path", ""),
+                   "previous_version": c.get("version", "")}
         event = {"event": "promote", "ts": round(time.time(), 3), "version": version,
-                 "previous": c.get("version") or None, "path": str(self.configured), "outcomes": n,
+                 "previous": c.get("version") or None, "path": str(path), "outcomes": n,
                  "reason": "operator: a new file at routing.router_path"}
-        await self._write([functools.partial(self._history, event)])
-        log.info("retrain: %s (version %s) written to routing.router_path replaces the promoted %s",
-                 self.configured, version, c.get("version"))
+        self._configured_seen = seen
+        await self._write([lambda: self.breaker.call(lambda: self.redis.hset(self.k_current, mapping=mapping)),  # type: ignore[arg-type]
+                           lambda: self.breaker.call(lambda: self.redis.set(self.k_configured, digest)),
+                           functools.partial(self._history, event)])
+        log.info("retrain: %s (version %s) written to routing.router_path replaces the promoted %s", path, version,
+                 c.get("version"))
         return True
 
     async def follow(self) -> bool:

@@ -178,6 +178,14 @@ def test_a_file_written_to_router_path_replaces_the_promoted_router(
         broken.write_bytes(b"not a router file")
         os.replace(broken, configured)
         assert not wait_for(lambda: _status(gw)["version"] != "old-good", timeout_s=2)
+        # one that loads but that the service refuses (two cuts for two routed tiers): left out too — named the
+        # promoted router, no replica could serve it and the loop stalled on it
+        wrong = serving_router(tmp_path / "wrong.tmp", False, lambda hard, i: _text(hard, i + 55))
+        router = load_router(wrong)
+        router.thresholds, router.metadata["version"] = [0.3, 0.6], "operator-3tier"
+        save_router(router, wrong)
+        os.replace(wrong, configured)
+        assert not wait_for(lambda: _status(gw)["version"] != "old-good", timeout_s=2)
         fresh = serving_router(tmp_path / "fresh.tmp", False, lambda hard, i: _text(hard, i + 77))
         router = load_router(fresh)
         router.metadata["version"] = "operator-1"
@@ -191,8 +199,24 @@ def test_a_file_written_to_router_path_replaces_the_promoted_router(
         rdb = redis.Redis.from_url(redis_url)
         try:
             assert rdb.hget(redis_prefix + "router:current", "previous") == str(promoted).encode()
+            # the promoted router back in router:current (as a later promotion would): a replica restarted on the
+            # same file adopts nothing — the deployment has seen that file
+            rdb.hset(redis_prefix + "router:current", mapping={"path": str(promoted), "version": "old-good",
+                                                               "previous": str(configured)})
         finally:
             rdb.close()
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(configured, tmp_path, every_outcomes=10**6)) as gw:
+        assert not wait_for(lambda: _status(gw)["version"] != "old-good", timeout_s=2)
+    # a file written while no replica runs (a new ConfigMap, then a rollout): adopted by the first one up
+    later = serving_router(tmp_path / "later.tmp", False, lambda hard, i: _text(hard, i + 99))
+    router = load_router(later)
+    router.metadata["version"] = "operator-2"
+    save_router(router, later)
+    os.replace(later, configured)
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(configured, tmp_path, every_outcomes=10**6)) as gw:
+        assert wait_for(lambda: _status(gw)["version"] == "operator-2", timeout_s=10), _status(gw)
 
 
 def _status_or_none(gw: Any) -> dict[str, Any] | None:
@@ -260,8 +284,12 @@ def test_a_promoted_router_whose_realised_floor_falls_is_rolled_back(upstream_si
                for i in range(n_bad)]
         write_outcomes(redis_url, redis_prefix, bad, tmp_path)
 
-        def rolled_back() -> bool:
-            return "rollback" in [e["event"] for e in _history(redis_url, redis_prefix, tmp_path)]
+        def rolled_back() -> bool:  # one read (``_history`` compares three, which an event landing between fails)
+            cfg = tmp_path / "poll.yaml"
+            cfg.write_text(yaml.safe_dump({"redis": {"url": redis_url, "key_prefix": redis_prefix,
+                                                     "start_if_missing": False}}))
+            res = CliRunner().invoke(app, ["router", "history", "--json", "--config", str(cfg)])
+            return res.exit_code == 0 and "rollback" in [e["event"] for e in json.loads(res.output)]
 
         assert wait_for(rolled_back, timeout_s=60), _history(redis_url, redis_prefix, tmp_path)
         events = _history(redis_url, redis_prefix, tmp_path)
