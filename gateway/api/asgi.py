@@ -51,7 +51,8 @@ class Gateway(FastAPI):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and not path.startswith("/v1/") and (
-                path in UNVERSIONED or path.startswith(UNVERSIONED_PREFIXES) or path[:-1] in UNVERSIONED):
+                path in UNVERSIONED or path.startswith(UNVERSIONED_PREFIXES)
+                or (path.endswith("/") and path[:-1] in UNVERSIONED)):
             # OpenAI's paths without /v1 (a client whose base URL lacks it), as LiteLLM serves them
             raw = scope.get("raw_path") or scope["path"].encode()
             path = "/v1" + path
@@ -62,7 +63,8 @@ class Gateway(FastAPI):
             # named (an internal address behind a proxy) and makes the client send the body twice
             endpoint = self.hot.get((scope.get("method", ""), path.rstrip("/")))
             if endpoint is not None:
-                scope = {**scope, "path": path.rstrip("/")}
+                raw = scope.get("raw_path") or scope["path"].encode()
+                scope = {**scope, "path": path.rstrip("/"), "raw_path": raw.rstrip(b"/")}
         if endpoint is None:
             await super().__call__(scope, receive, send)
             return

@@ -105,7 +105,10 @@ class EmbeddingsAPI:
             usage = data.get("usage") if isinstance(data, dict) else None
             if not record.set_usage(usage if isinstance(usage, dict) else None, completion=False):
                 # no usage to meter (or none to trust): the input estimated, not billed at 0
-                record.prompt_tokens, record.usage_source = estimate_prompt(body.get("input")), "counted"
+                v = body.get("input")
+                ids = estimate_body(body)["prompt"] if isinstance(v, list) and v and not isinstance(v[0], str) else None
+                record.prompt_tokens = len(ids) if ids is not None else estimate_prompt(v)  # token ids: their count
+                record.usage_source = "counted"
             await ex.close(200)
             headers = route_headers(ex.route, record.request_id)
             if admitted.rate is not None:

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from gateway.api.common import json_response
+from gateway.api.http import read_body
 from gateway.auth.keys import KeyStore
 from gateway.control.outcomes import OutcomeStore
 from gateway.errors import InvalidRequest, OutcomesUnavailable
@@ -63,9 +64,7 @@ def attach(app: FastAPI, keys: KeyStore, store: OutcomeStore) -> None:
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> Response:
         key = await keys.authenticate(request.headers.get("authorization"))
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise InvalidRequest(f"feedback bodies are at most {MAX_BODY} bytes")
+        raw = await read_body(request, MAX_BODY)  # refused past the limit, before the rest is read (413)
         rid, correct, score, comment = parse_feedback(parse_json_object(raw))
         try:
             entry = await store.request(rid, key.id)

@@ -163,7 +163,14 @@ def _csv_cell(v: Any) -> Any:
         return ""
     if isinstance(v, bool):  # as JSON Lines writes them (and pandas, DuckDB, BigQuery read them): not Python's True
         return "true" if v else "false"
+    if isinstance(v, str) and v[:1] in _FORMULA_START:
+        # a text a spreadsheet would run as a formula (a client's own ``model`` string: "=HYPERLINK(…)"): quoted
+        # with a leading apostrophe (OWASP's CSV injection rule); JSON Lines and Parquet keep it as sent
+        return "'" + v
     return v
+
+
+_FORMULA_START = frozenset("=+-@\t\r")
 
 
 def _write_parquet(rows: list[dict[str, Any]], cols: list[str], out: BinaryIO) -> None:

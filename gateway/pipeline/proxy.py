@@ -46,7 +46,7 @@ from gateway.pipeline import abstention, escalation, policy, upstream_body
 from gateway.pipeline.accounting import Ahead
 from gateway.pipeline.answer import Answer, Caller
 from gateway.pipeline.exchange import Exchange
-from gateway.pipeline.relay import CLIENT_CLOSED, complete, count_prompt, relay, renew
+from gateway.pipeline.relay import CLIENT_CLOSED, complete, count_answer, count_prompt, relay, renew
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import Sessions
 from gateway.thinking import dial
@@ -306,6 +306,8 @@ class Proxy:
         counted = summary.get("counted")
         if not taken and isinstance(counted, dict):  # the stream ended with no usage (or none to trust): counted
             await self._count_attempt(ex, counted, body)
+        elif not taken and data is not None:  # a non-streamed answer with none: its text counted, not $0
+            await count_answer(self.upstreams, ex, data, body, caller.endpoint)
         await ex.next_attempt(retry, 200, f"escalated_{why}", again)
         return resp, None, True
 

@@ -60,10 +60,14 @@ async def fill_reasoning(pool: UpstreamPool, usage: dict[str, Any], tier: TierCo
 
 
 def count_deltas(ex: Exchange, tally: sse.StreamTally) -> None:
-    """No upstream usage (client gone, stream broken): vLLM sends about one token per delta."""
-    ex.record.completion_tokens = tally.reasoning_deltas + tally.text_deltas
-    ex.record.reasoning_tokens = tally.reasoning_deltas
-    ex.record.usage_source = "counted"
+    """No upstream usage (client gone, stream broken): vLLM sends about one token per delta — held to the call's
+    completion bound (an upstream that ignores ``max_tokens`` and sends no usage overspent a hard budget)."""
+    rec = ex.record
+    counted = tally.reasoning_deltas + tally.text_deltas
+    bound = rec.completion_bound if rec.completion_bound is not None else counted
+    rec.completion_tokens = min(counted, bound)
+    rec.reasoning_tokens = min(tally.reasoning_deltas, rec.completion_tokens)
+    rec.usage_source = "counted"
 
 
 #: Prompt tokens an image or audio part counts for in an estimate (OpenAI's low-detail image: 85); its bytes

@@ -270,7 +270,9 @@ class UpstreamPool:
         owned = True  # this attempt ends the replica's call (a returned stream ends it when closed)
         answered = False  # a 2xx's body is being read: the generation ran, and repeating it would pay twice
         try:
-            resp = await session.post(url, data=body, headers=headers, timeout=timeout)
+            # no redirects: an upstream's 3xx would send the prompt (and the tier's key, to the same origin) to
+            # wherever it points; a 3xx is an upstream error
+            resp = await session.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
             if 200 <= resp.status < 300:
                 if stream:
                     owned = False
@@ -325,7 +327,8 @@ class UpstreamPool:
     async def _get_or_post(self, method: str, url: str, tier: TierConfig | None, timeout: aiohttp.ClientTimeout,
                            payload: bytes | None = None) -> tuple[int, bytes]:
         headers = self._headers.get(tier.name) if tier is not None else None
-        async with self.session.request(method, url, data=payload, headers=headers, timeout=timeout) as resp:
+        async with self.session.request(method, url, data=payload, headers=headers, timeout=timeout,
+                                        allow_redirects=False) as resp:
             return resp.status, await resp.read()
 
     async def _tokenize(self, tier: TierConfig, doc: dict[str, Any]) -> int | None:

@@ -61,6 +61,9 @@ def test_feedback_only_from_the_key_that_made_the_request(upstream_sim: SimProce
             bad_r = fb("alice", bad)
             assert bad_r.status_code == 400 and bad_r.json()["error"]["type"] == "invalid_request_error", bad
         assert client.post(gw.base_url + "/feedback", json={"request_id": rid, "correct": True}).status_code == 401
+        # a body over the limit is refused before it is read whole (413, as every endpoint; it read 400 MB first)
+        big = client.post(gw.base_url + "/feedback", headers=_auth("alice"), content=b"x" * 20_000)
+        assert big.status_code == 413, big.text
         assert _outcomes(redis_url, prefix) == []  # nothing recorded by the refused ones
 
         ok = fb("alice", {"request_id": rid, "correct": False, "comment": "wrong city"})

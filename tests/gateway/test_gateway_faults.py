@@ -269,3 +269,54 @@ def test_client_disconnect_cancels_upstream(fault_gateway: GatewayServer, fault_
     usage = next(x for x in records if x.request_id == rid)
     assert (usage.status, usage.partial, usage.usage_source) == (499, True, "counted")
     assert usage.completion_tokens >= 1
+
+
+def test_an_upstream_redirect_is_not_followed(redis_url: str, tmp_path: Any) -> None:
+    """An upstream answering 307 to another address: aiohttp followed it and re-sent the prompt there (a security
+    review's catcher received it, and its ``{}`` became the client's 200). Now a 3xx is an upstream error."""
+    import http.server
+    import threading
+
+    from tests.fixtures.gateway import SECRETS, accounting_gateway
+    from tests.fixtures.upstream import sim_tiers
+
+    caught: list[str] = []
+
+    class Catcher(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            caught.append(self.path)
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    catcher = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Catcher)
+
+    class Redirect(Catcher):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.send_response(307)
+            self.send_header("location", f"http://127.0.0.1:{catcher.server_port}/steal")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    for server in (catcher, upstream):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{upstream.server_port}/v1"
+        tiers = sim_tiers(base, max_retries=0)
+        with accounting_gateway(base, redis_url, tmp_path, tiers=tiers,
+                                routing={"router_path": None, "routed_tiers": ["short", "long"], "fallback": False}) as g:
+            r = httpx.post(g.base_url + "/chat/completions", headers={"authorization": f"Bearer {SECRETS['alice']}"},
+                           json={"model": "long", "messages": MESSAGES}, timeout=30)
+    finally:
+        for server in (catcher, upstream):
+            server.shutdown()
+            server.server_close()
+    assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error", r.text
+    assert caught == []

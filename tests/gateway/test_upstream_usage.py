@@ -118,3 +118,34 @@ def test_embeddings_without_usage_are_estimated_not_free(tmp_path: Path, upstrea
         rid = r.headers["x-request-id"]
         ev = usage_events(g, [rid])[rid]
     assert ev.usage_source == "counted" and ev.prompt_tokens > 0
+
+
+def test_a_counted_stream_is_held_to_the_bound_too(gw: GatewayServer) -> None:
+    """An upstream that ignores max_tokens and sends no usage: the gateway counts the relayed deltas — held to the
+    call's bound as a reported count is (a security review overspent a hard budget by 20% this way)."""
+    r = _ask(gw, "omit", stream=True, max_tokens=4, sim={"usage": "omit", "ignore_max_tokens": True})
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    deltas = sum(1 for x in r.text.split("\n\n") if x.startswith("data: {") and '"delta"' in x and
+                 ('"content"' in x or '"reasoning"' in x))
+    ev = usage_events(gw, [rid])[rid]
+    assert deltas > 4 and (ev.usage_source, ev.completion_tokens) == ("counted", 4)
+
+
+def test_an_escalated_non_streamed_attempt_without_usage_is_counted(upstream_sim: SimProcess, redis_url: str,
+                                                                    tmp_path: Path) -> None:
+    """The cascade's first attempt (cut in its thought, escalated) sent no usage: it was metered at $0 while the
+    escalated call was counted (a review)."""
+    from tests.fixtures.upstream import sim_tiers
+
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"thinking_budget": 100, "max_tokens": 4, "escalate_on": ["length_in_thought"]})
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, tiers=tiers) as g:
+        r = httpx.post(g.base_url + "/chat/completions", timeout=30, headers={"authorization": f"Bearer {SECRETS['alice']}"},
+                       json={"model": "short", "messages": [{"role": "user", "content": QUESTION}],
+                             "sim": {"usage": "omit"}})
+        assert r.status_code == 200 and r.headers["x-thinkgate-route-reason"] == "escalated", r.text
+        events = usage_events(g, count=2)
+    first = [e for e in events.values() if (e.error_code or "").startswith("escalated_")]
+    assert len(first) == 1 and first[0].usage_source == "counted" and first[0].completion_tokens == 4
+    assert first[0].prompt_tokens > 0 and first[0].cost_micro_usd > 0
