@@ -310,8 +310,8 @@ def test_an_upstream_redirect_is_not_followed(redis_url: str, tmp_path: Any) -> 
     try:
         base = f"http://127.0.0.1:{upstream.server_port}/v1"
         tiers = sim_tiers(base, max_retries=0)
-        with accounting_gateway(base, redis_url, tmp_path, tiers=tiers,
-                                routing={"router_path": None, "routed_tiers": ["short", "long"], "fallback": False}) as g:
+        routing = {"router_path": None, "routed_tiers": ["short", "long"], "fallback": False}
+        with accounting_gateway(base, redis_url, tmp_path, tiers=tiers, routing=routing) as g:
             r = httpx.post(g.base_url + "/chat/completions", headers={"authorization": f"Bearer {SECRETS['alice']}"},
                            json={"model": "long", "messages": MESSAGES}, timeout=30)
     finally:

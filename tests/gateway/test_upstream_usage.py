@@ -141,7 +141,8 @@ def test_an_escalated_non_streamed_attempt_without_usage_is_counted(upstream_sim
     tiers = sim_tiers(upstream_sim.base_url)
     tiers[1].update({"thinking_budget": 100, "max_tokens": 4, "escalate_on": ["length_in_thought"]})
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, tiers=tiers) as g:
-        r = httpx.post(g.base_url + "/chat/completions", timeout=30, headers={"authorization": f"Bearer {SECRETS['alice']}"},
+        r = httpx.post(g.base_url + "/chat/completions", timeout=30,
+                       headers={"authorization": f"Bearer {SECRETS['alice']}"},
                        json={"model": "short", "messages": [{"role": "user", "content": QUESTION}],
                              "sim": {"usage": "omit"}})
         assert r.status_code == 200 and r.headers["x-thinkgate-route-reason"] == "escalated", r.text
