@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import orjson
 import typer
 
+from gateway.auth.keys import ANONYMOUS_KEY_ID, DEV_KEY_ID
 from gateway.cli.common import CONFIG_OPTION, load_settings, run_on_redis
 
 T = TypeVar("T")
@@ -74,6 +75,10 @@ def _usd(value: str | None, name: str) -> Decimal | None:
     return d
 
 
+#: ids the gateway gives keys of its own: the admin key, the development key, requests without a key, shadow calls
+RESERVED_KEY_IDS = frozenset({"admin", DEV_KEY_ID, ANONYMOUS_KEY_ID, "_shadow"})  # _shadow: control.shadow.SHADOW_KEY
+
+
 @app.command("create")
 def create(
     key_id: str = typer.Option(..., "--id", help="Key id (letters, digits, _ . : -); never reused."),
@@ -101,8 +106,16 @@ def create(
     if not re.fullmatch(r"[A-Za-z0-9_.:-]+", key_id):
         typer.echo("thinkgate: --id may contain only letters, digits and _ . : -", err=True)
         raise typer.Exit(2)
+    settings = load_settings(config)
+    taken = RESERVED_KEY_IDS | {k.id for k in settings.auth.keys}
+    if key_id in taken:
+        # an id the gateway or the config already uses: the new key would read that key's usage, cached answers,
+        # stored responses and feedback (a security review reached another team's conversations this way)
+        what = "a key of the config file" if key_id in {k.id for k in settings.auth.keys} else "reserved"
+        typer.echo(f"thinkgate: --id {key_id!r} is {what}; choose another id", err=True)
+        raise typer.Exit(2)
     tags = _parse_tags(tag)
-    names = [t.name for t in load_settings(config).tiers]
+    names = [t.name for t in settings.tiers]
     unknown = [t for t in allowed_tier if t not in names]
     if unknown:
         typer.echo(f"thinkgate: --allowed-tier: unknown tier(s) {unknown} (tiers: {names})", err=True)

@@ -438,6 +438,15 @@ def test_budgets_cli_set_list_remove(redis_url: str, prefix: str, tmp_path: Path
         assert out.returncode == 2 and "above the largest budget" in out.stderr, out.stderr
     assert _cli("keys", "create", "--id", f"m{team}", "--budget-usd-day", "1e-6", prefix=prefix,
                 redis_url=redis_url).returncode == 0
+    # an id the gateway or the config already uses: refused (the new key read the other's usage, cached answers,
+    # stored responses and feedback — a security review's finding)
+    for kid in ("admin", "dev", "anonymous", "_shadow"):
+        out = _cli("keys", "create", "--id", kid, prefix=prefix, redis_url=redis_url)
+        assert out.returncode == 2 and "reserved" in out.stderr, (kid, out.stderr)
+    conf = tmp_path / "keys.yaml"
+    conf.write_text(yaml.safe_dump({"auth": {"keys": [{"id": "team-b", "secret": "tg-team-b-secret-0000000000"}]}}))
+    out = _cli("keys", "create", "--id", "team-b", "--config", str(conf), prefix=prefix, redis_url=redis_url)
+    assert out.returncode == 2 and "a key of the config file" in out.stderr, out.stderr
 
 
 def test_keys_update_changes_a_live_keys_limits_in_place(gw: GatewayServer, redis_url: str, prefix: str,
