@@ -59,10 +59,22 @@ def config_show(config: Path | None = CONFIG_OPTION) -> None:
     """Print the effective configuration (file + THINKGATE_* environment + defaults) as YAML."""
     import yaml
 
+    from gateway.config.redis import shown_url
+    from gateway.state.webhooks import redacted
+
     data = load_settings(config).model_dump(mode="json")
+    # secrets shown as ***: a tier's api_key, Redis's password, the alert webhook's path (Slack's is the secret), the
+    # OTLP exporter's headers (an authorization token) — the output goes to terminals, tickets and CI logs
     for tier in data.get("tiers", []):
         if tier.get("api_key"):
             tier["api_key"] = "***"
+    if isinstance(data.get("redis"), dict) and data["redis"].get("url"):
+        data["redis"]["url"] = shown_url(str(data["redis"]["url"]))
+    if isinstance(data.get("limits"), dict) and data["limits"].get("alert_webhook_url"):
+        data["limits"]["alert_webhook_url"] = redacted(data["limits"]["alert_webhook_url"])
+    tel = data.get("telemetry")
+    if isinstance(tel, dict) and isinstance(tel.get("headers"), dict):
+        tel["headers"] = dict.fromkeys(tel["headers"], "***")
     typer.echo(yaml.safe_dump(data, sort_keys=False), nl=False)
 
 

@@ -50,6 +50,16 @@ def test_config_show_prints_effective_yaml(tmp_path: Path, redis_url: str) -> No
     assert shown["server"]["port"] == 9123  # environment override applied
     assert shown["tiers"][0]["api_key"] == "***" and "upstream-secret" not in r.stdout
     assert shown["tiers"][0]["prices"]["output_usd_per_mtok"] == "0"
+    # the other secrets a config carries are not printed either (a security review found them in the output)
+    r = thinkgate("config", "show", "--config", str(cfg), env={
+        "THINKGATE_REDIS__URL": "redis://:REDISPASS@127.0.0.1:6399/0",
+        "THINKGATE_LIMITS__ALERT_WEBHOOK_URL": "https://hooks.example/services/T0/B0/WEBHOOKSECRET",
+        "THINKGATE_TELEMETRY__HEADERS": '{"authorization": "Bearer OTLPSECRET"}'})
+    assert r.returncode == 0, r.stderr
+    assert "REDISPASS" not in r.stdout and "WEBHOOKSECRET" not in r.stdout and "OTLPSECRET" not in r.stdout
+    shown = yaml.safe_load(r.stdout)
+    assert shown["redis"]["url"].startswith("redis://:***@127.0.0.1:6399")
+    assert shown["telemetry"]["headers"] == {"authorization": "***"}
 
 
 def test_invalid_config_exits_2_naming_the_field(tmp_path: Path) -> None:
