@@ -92,15 +92,33 @@ class SSEDecoder:
 
 
 def chunk_of(payload: bytes) -> dict[str, Any] | None:
-    """The JSON object one ``data:`` payload carries; None for ``[DONE]``, invalid JSON or a non-object (an
-    upstream's stray keep-alive or a proxy's garbage is skipped, never fatal)."""
+    """The JSON object one ``data:`` payload carries; None for ``[DONE]``, invalid JSON, a non-object or a chunk
+    not shaped like one (:func:`well_formed`) — an upstream's stray keep-alive or a proxy's garbage is skipped,
+    never fatal (``"choices": "abc"`` crashed the relay mid-stream and was metered as the client's disconnect)."""
     if payload == b"[DONE]":
         return None
     try:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
         return None
-    return obj if isinstance(obj, dict) else None
+    return obj if isinstance(obj, dict) and well_formed(obj) else None
+
+
+def well_formed(chunk: dict[str, Any]) -> bool:
+    """Whether the parts of a chunk or answer that the gateway reads have their types: ``choices`` a list of
+    objects, each one's ``delta`` / ``message`` (when present) an object."""
+    choices = chunk.get("choices")
+    if choices is None:
+        return True
+    if not isinstance(choices, list):
+        return False
+    for c in choices:
+        if not isinstance(c, dict):
+            return False
+        for part in ("delta", "message"):
+            if c.get(part) is not None and not isinstance(c[part], dict):
+                return False
+    return True
 
 
 async def data_batches(resp: UpstreamStream) -> AsyncIterator[list[bytes]]:

@@ -41,7 +41,7 @@ from gateway.ledger.record import UsageRecord, emit
 from gateway.observability.telemetry import Telemetry, span
 from gateway.observability.telemetry import finish as end_trace
 from gateway.openai.chunks import fresh_identity, replay_chunks
-from gateway.openai.sse import Chunk
+from gateway.openai.sse import Chunk, well_formed
 from gateway.pipeline import abstention, escalation, policy, upstream_body
 from gateway.pipeline.accounting import Ahead
 from gateway.pipeline.answer import Answer, Caller
@@ -247,7 +247,7 @@ class Proxy:
             data = json_body(resp)
         except orjson.JSONDecodeError:
             data = None
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or not well_formed(data):  # (a list for ``choices`` was a 500, retried by SDKs)
             await ex.close(502, "upstream_error")
             raise UpstreamError(f"upstream of tier {ex.tier.name!r} sent an invalid JSON answer")
         return data

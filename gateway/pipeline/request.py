@@ -103,6 +103,11 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    try:  # the gateway re-encodes what it forwards, inside records of its own: orjson encodes 254 levels (reads 1,024)
+        orjson.dumps([[[[body]]]])
+    except orjson.JSONEncodeError:
+        # it was a 500 with a 176 KB traceback per 6 KB request, from wherever the body was next encoded or walked
+        raise InvalidRequest("request body nests too deeply (at most 250 levels)", code="invalid_json") from None
     return body
 
 

@@ -39,6 +39,18 @@ def test_malformed_json(gateway: Any) -> None:
     assert_openai_error(post(gateway, b'{"model": "auto", "messages": [}'), 400, "invalid_json")
     assert_openai_error(post(gateway, b"[1, 2]"), 400, "invalid_json")
     assert_openai_error(post(gateway, b""), 400, "invalid_json")
+    # nested deeper than the gateway can encode again (a pass-through field 600 levels deep, a list 1,000 deep):
+    # a 400, not a 500 from wherever the body was next encoded or walked — on every JSON endpoint
+    deep = b'{"model": "auto", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": ' + \
+        b'{"a": ' * 600 + b"1" + b"}" * 600 + b"}"
+    deep_list = b'{"model": "auto", "messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 1000 + \
+        b"]" * 1000 + b"}"
+    for body in (deep, deep_list):
+        for path in ("/v1/chat/completions", "/v1/responses"):
+            assert_openai_error(post(gateway, body, path), 400, "invalid_json")
+        assert post(gateway, body, "/v1/messages").status_code == 400  # Anthropic's error shape there
+    ok = b'{"model": "auto", "messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 100 + b"]" * 100 + b"}"
+    assert post(gateway, ok).status_code != 400  # a hundred levels are still a body
 
 
 @pytest.mark.parametrize(

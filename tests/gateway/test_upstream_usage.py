@@ -150,3 +150,20 @@ def test_an_escalated_non_streamed_attempt_without_usage_is_counted(upstream_sim
     first = [e for e in events.values() if (e.error_code or "").startswith("escalated_")]
     assert len(first) == 1 and first[0].usage_source == "counted" and first[0].completion_tokens == 4
     assert first[0].prompt_tokens > 0 and first[0].cost_micro_usd > 0
+
+
+@pytest.mark.parametrize("inject", [{"choices": "abc"}, {"choices": [1, 2]}, {"choices": [{"delta": "str"}]}])
+def test_a_malformed_chunk_is_skipped_and_a_malformed_answer_is_a_502(gw: GatewayServer, inject: Any) -> None:
+    """Chunks whose choices are no list of objects crashed the relay mid-stream (the client got a truncated 200 and
+    the request was metered as its own disconnect); a non-streamed answer like that was a 500 — which the SDKs
+    retry — not the upstream's 502."""
+    r = _ask(gw, None, stream=True, sim={"inject": inject})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+    rid = r.headers["x-request-id"]
+    ev = usage_events(gw, [rid])[rid]
+    assert (ev.status, ev.error_code, ev.usage_source) == (200, None, "upstream")
+    bad = {"choices": [{"index": 0, "message": "not an object", "finish_reason": "stop"}]} \
+        if inject == {"choices": [{"delta": "str"}]} else inject
+    r = _ask(gw, None, sim={"inject": bad})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error", r.text
+    assert r.headers.get("x-should-retry") == "false"
