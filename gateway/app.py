@@ -197,7 +197,10 @@ def create_app(settings: Settings) -> Gateway:
         if proxy.telemetry is not None:
             await asyncio.to_thread(proxy.telemetry.shutdown)  # exports the spans still queued
 
-    app = Gateway(title="ThinkGate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # no /openapi.json (it was the one page besides the probes answered without a key), no slash redirects (their
+    # Location is built from the Host header the client sent; the generation endpoints serve a trailing slash)
+    app = Gateway(title="ThinkGate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None, redirect_slashes=False)
     app.state.settings = settings
     app.state.routing = routing
     app.state.proxy = proxy

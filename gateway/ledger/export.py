@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import csv
 import io
+import os
+import tempfile
 from collections.abc import Iterable
 from dataclasses import fields
 from datetime import UTC, datetime
@@ -208,7 +210,17 @@ def write_file(rows: list[dict[str, Any]], cols: list[str], fmt: Format, path: P
     if path is None:
         write(rows, cols, fmt, stdout)
         return
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(rows, cols, fmt, f)
-    tmp.replace(path)
+    # a new file of our own beside the target (mkstemp: O_EXCL, never through a link someone left at "<name>.tmp"
+    # in a shared directory), renamed over it
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
+    mask = os.umask(0)  # the mode a plain open() would give (mkstemp's is 0600); the CLI is one thread
+    os.umask(mask)
+    os.fchmod(fd, 0o666 & ~mask)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(rows, cols, fmt, f)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -216,6 +216,11 @@ def test_a_trailing_slash_is_served_not_redirected(gateway: Any) -> None:
                        json={"model": "auto", "messages": MESSAGES})
         assert r.status_code == 200, (path, r.status_code, r.text)
         assert r.json()["object"] == "chat.completion"
+    # other paths with a slash too many: an honest 404, not a redirect to the Host the client named
+    for path in ("/dashboard/", "/metrics/", "/v1/feedback/"):
+        r = httpx.get(gateway.url + path, headers={"host": "evil.example"}, timeout=10, follow_redirects=False)
+        assert r.status_code == 404 and "location" not in r.headers, (path, r.status_code)
+    assert httpx.get(gateway.url + "/openapi.json", timeout=10).status_code == 404  # no page without a key
 
 
 def test_health_and_ready_need_no_key(gateway: Any) -> None:

@@ -214,6 +214,13 @@ def test_export_grouping_and_formats(tmp_path: Path) -> None:
     rows_f, cols_f = ex.build([formula], [])
     ex.write_file(rows_f, cols_f, "csv", out, io.BytesIO())
     assert next(csv.DictReader(io.StringIO(out.read_text())))["requested_model"] == "'" + formula.requested_model
+    # the temp file is a new one of the export's own: a link left at "<name>.tmp" is not written through
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "e.csv.tmp").symlink_to(victim)
+    ex.write_file(rows_f, cols_f, "csv", out, io.BytesIO())
+    assert victim.read_text() == "keep me" and out.read_text().startswith("key_id,")
+    assert not [x for x in tmp_path.iterdir() if x.name.startswith(".e.csv.")]  # no temp file left behind
 
 
 async def test_record_many_one_pipeline_counts_once_and_reloads_a_flushed_script(redis_url: str, redis_prefix: str,
