@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, UpstreamError
 from gateway.openai.usage import reasoning_of
 
 
@@ -59,6 +59,18 @@ def frame(batch: list[Chunk]) -> bytes:
     return b"".join([b"data: " + c.raw + b"\n\n" for c in batch])
 
 
+#: The longest ``data:`` line a stream may send (a chunk is a few hundred bytes; a tool call's arguments or a long
+#: usage object a few kilobytes).
+MAX_LINE_BYTES = 8 * 1024 * 1024
+
+
+class UpstreamStreamError(UpstreamError):
+    """The upstream's stream cannot be read as SSE (a line past :data:`MAX_LINE_BYTES`): the relay's broken stream
+    (502 ``upstream_stream_broken`` in the stream)."""
+
+    default_code = "upstream_stream_broken"
+
+
 class SSEDecoder:
     """The one SSE parser: :meth:`feed` raw bytes, get the payloads of the ``data:`` lines they completed.
 
@@ -83,6 +95,9 @@ class SSEDecoder:
             if line.startswith(b"data:"):
                 out.append(line[5:].strip())
         self._buf = buf[start:]
+        if len(self._buf) > MAX_LINE_BYTES:
+            # an event line with no end: it was buffered whole (40 MB in a test; a pod's memory is finite)
+            raise UpstreamStreamError(f"an upstream stream line passed {MAX_LINE_BYTES} bytes without ending")
         return out
 
     def flush(self) -> list[bytes]:

@@ -278,7 +278,7 @@ class UpstreamPool:
                     owned = False
                     return AioResponse(resp, tier, on_close=functools.partial(pool.end, replica))
                 answered = True
-                content = await resp.read()
+                content = await _read_bounded(resp, tier)
                 resp.release()
                 ok = True
                 return AioResponse(resp, tier, content)
@@ -393,3 +393,25 @@ class UpstreamPool:
         """The balancer's health check of one replica (with the credentials of the first tier that lists it)."""
         tier = next((t for t in self._tiers if replica.url in t.upstream_urls), None)
         return await self._answers(tier, replica.url, timeout_s)
+
+
+#: The largest non-streamed answer an upstream may send (decompressed): a chat completion is kilobytes; an
+#: embeddings batch a few megabytes. A 300 MB answer, or a 306 KB gzip body that inflates to it, took the gateway to
+#: 1 GB of memory (a pod's limit in the shipped chart is 512 MiB).
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse, tier: TierConfig) -> bytes:
+    """The whole body of a 2xx answer, at most :data:`MAX_RESPONSE_BYTES` after decompression; beyond it,
+    :class:`UpstreamError` (502). A plain body whose declared length fits is read in one call."""
+    if resp.content_length is not None and resp.content_length <= MAX_RESPONSE_BYTES and \
+            not resp.headers.get("content-encoding"):
+        return await resp.read()
+    parts: list[bytes] = []
+    size = 0
+    async for piece in resp.content.iter_chunked(1 << 16):
+        size += len(piece)
+        if size > MAX_RESPONSE_BYTES:
+            raise UpstreamError(f"upstream of tier {tier.name!r} sent an answer larger than {MAX_RESPONSE_BYTES} bytes")
+        parts.append(piece)
+    return b"".join(parts)

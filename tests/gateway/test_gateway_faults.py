@@ -320,3 +320,56 @@ def test_an_upstream_redirect_is_not_followed(redis_url: str, tmp_path: Any) -> 
             server.server_close()
     assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error", r.text
     assert caught == []
+
+
+def test_an_upstream_answer_past_the_size_bounds_is_a_502(redis_url: str, tmp_path: Any) -> None:
+    """A gzip body that inflates past the answer bound (70 MB of zeros in ~70 KB), and a stream whose data line
+    never ends: both were read whole (a security review's gateway reached 1 GB). Now: 502 upstream_error, and the
+    stream's in-stream error, within bounded memory."""
+    import gzip
+    import http.server
+    import json
+    import threading
+
+    from gateway.openai.sse import MAX_LINE_BYTES
+    from gateway.upstream.pool import MAX_RESPONSE_BYTES
+    from tests.fixtures.gateway import SECRETS, accounting_gateway
+    from tests.fixtures.upstream import sim_tiers
+
+    bomb = gzip.compress(b"0" * (MAX_RESPONSE_BYTES + 6 * 1024 * 1024), compresslevel=9)
+
+    class Hostile(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)))
+            self.send_response(200)
+            if body.get("stream"):
+                self.send_header("content-type", "text/event-stream")
+                self.end_headers()
+                self.wfile.write(b"data: " + b"x" * (MAX_LINE_BYTES + 1024 * 1024))
+                self.wfile.flush()
+                return
+            self.send_header("content-type", "application/json")
+            self.send_header("content-encoding", "gzip")
+            self.send_header("content-length", str(len(bomb)))
+            self.end_headers()
+            self.wfile.write(bomb)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{upstream.server_port}/v1"
+        routing = {"router_path": None, "routed_tiers": ["short", "long"], "fallback": False}
+        with accounting_gateway(base, redis_url, tmp_path, tiers=sim_tiers(base, max_retries=0), routing=routing) as g:
+            auth = {"authorization": f"Bearer {SECRETS['alice']}"}
+            r = httpx.post(g.base_url + "/chat/completions", headers=auth, timeout=60,
+                           json={"model": "long", "messages": MESSAGES})
+            assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error", r.text[:300]
+            s = httpx.post(g.base_url + "/chat/completions", headers=auth, timeout=60,
+                           json={"model": "long", "messages": MESSAGES, "stream": True})
+            assert s.status_code == 200 and '"upstream_stream_broken"' in s.text, s.text[:300]
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
