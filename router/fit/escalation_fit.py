@@ -142,9 +142,11 @@ def joint_points(scores: np.ndarray, probs: np.ndarray, data: LadderData, u: np.
     return out
 
 
-def certify_joint(points: Sequence[JointPoint], delta: float = DELTA) -> tuple[int | None, int]:
+def certify_joint(points: Sequence[JointPoint], delta: float = DELTA, top_tokens: float | None = None
+                  ) -> tuple[int | None, int]:
     """Fixed-sequence test over ``points`` in their order: (index of the cheapest rejected point or None,
-    number rejected)."""
+    number rejected). None too when that point spends ``top_tokens`` (always-top's) or more: it keeps the floor
+    at a cost, and always-top does for less (a statistician's review found sequences where it would be served)."""
     rejected = []
     for i, p in enumerate(points):
         if p.pvalue > delta:
@@ -152,7 +154,10 @@ def certify_joint(points: Sequence[JointPoint], delta: float = DELTA) -> tuple[i
         rejected.append(i)
     if not rejected:
         return None, 0
-    return min(rejected, key=lambda i: (points[i].tokens, -points[i].correct.mean())), len(rejected)
+    best = min(rejected, key=lambda i: (points[i].tokens, -points[i].correct.mean()))
+    if top_tokens is not None and points[best].tokens >= top_tokens:
+        return None, len(rejected)
+    return best, len(rejected)
 
 
 def escalation_probs(data: LadderData, scores: np.ndarray, folds: np.ndarray, phrases: Sequence[str] | None
@@ -178,9 +183,9 @@ def fit_joint(data: LadderData, scores: np.ndarray, folds: np.ndarray, phrases: 
     models, probs = escalation_probs(data, scores, folds, phrases)
     u = slack_uniforms(data.keys)
     pts = joint_points(scores, probs, data, u, floor)
-    best, nrej = certify_joint(pts, delta)
     top_acc = float(data.correct[:, -1].mean())
     top_tok = float(data.tokens[:, -1].sum())
+    best, nrej = certify_joint(pts, delta, top_tok)
     from sklearn.metrics import roc_auc_score
 
     aucs = []

@@ -139,6 +139,8 @@ def certify(fit_correct: np.ndarray, fit_tokens: np.ndarray, fit_top: np.ndarray
         return Certified(None, None, 1.0, 1.0, n, tested, 0, delta, floor)
     ct = np.asarray(cal_tokens, dtype=np.float64)
     best = min(rejected, key=lambda j: (ct[j], -cc[j].mean()))
+    if cal_top_tokens and ct[best] >= cal_top_tokens:  # keeps the floor at a cost: always-top does for less
+        return Certified(None, None, 1.0, 1.0, n, tested, len(rejected), delta, floor)
     ratio = float(cc[best].mean() / top_acc) if top_acc > 0 else float("inf")
     return Certified(best, float(p_cal[best]), ratio, float(ct[best] / cal_top_tokens) if cal_top_tokens else 1.0,
                      n, tested, len(rejected), delta, floor)

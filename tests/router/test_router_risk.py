@@ -134,3 +134,22 @@ def test_the_joint_family_holds_its_floor_and_fails_without_the_bound() -> None:
     assert ltt_bad / seeds <= DELTA + 3 * np.sqrt(DELTA * (1 - DELTA) / seeds)
     assert plain_bad / seeds > 2 * DELTA, "without the bound the joint family breaks the floor far more often"
     assert certified > seeds / 4, "and the guarantee still routes"
+
+
+def test_a_certified_point_dearer_than_always_top_is_not_served() -> None:
+    """A point that keeps the floor (here: more accurate, by gaining 20 answers) but spends more tokens than always
+    top — a cascade that calls both tiers — is rejected by the test yet never worth serving: always top (None)."""
+    from router.fit.escalation_fit import JointPoint, certify_joint
+
+    top = np.array([True] * 50 + [False] * 50)
+    better = top.copy()
+    better[50:70] = True
+    u = np.full(100, 0.5)
+    correct = np.stack([better, better])
+    for dear, expect in ((1000.0, None), (900.0, 1)):
+        c = certify(correct, np.array([2000.0, dear]), top, u, correct, np.array([2000.0, dear]), top, 950.0, u)
+        assert c.index == expect and (expect is not None or c.rejected == 2), (dear, c)
+    pv = floor_pvalue(top, better, u)
+    pts = [JointPoint(0.0, 0.5, 1.0, [1.0], better, tokens, pv, 0, 20) for tokens in (2000.0, 1000.0)]
+    assert certify_joint(pts, DELTA, 950.0) == (None, 2)
+    assert certify_joint(pts, DELTA, 1500.0) == (1, 2)
