@@ -32,10 +32,11 @@ import httpx
 
 from gateway.config import TierConfig
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
+from gateway.ledger.record import UsageRecord
 from gateway.openai import sse
 from gateway.openai.chunks import StreamAssembler
 from gateway.openai.sse import DONE_CHUNK, Chunk, error_chunk
-from gateway.openai.usage import estimate_tokens, generated_text, needs_reasoning_count, reasoning_of
+from gateway.openai.usage import estimate_tokens, generated_text, needs_reasoning_count, reasoning_of, usage_counts
 from gateway.pipeline.exchange import Exchange
 from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.response import UpstreamResponse, chunk_batches
@@ -239,10 +240,9 @@ class _Run:
                 usage = tally.last_usage
             else:  # no usage, or none the gateway can meter (metered at 0 before): counted, and said so when asked
                 await self.count()
-                r = self.record
-                usage = {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-                         "total_tokens": r.prompt_tokens + r.completion_tokens,
-                         "completion_tokens_details": {"reasoning_tokens": r.reasoning_tokens}}
+                usage = usage_of(self.record)
+        if held_to_bound(usage, self.record):  # the client is told what was metered
+            usage = usage_of(self.record)
         if usage is not None:
             if self.assembler is not None:
                 self.assembler.usage = usage  # with the filled reasoning count
@@ -293,9 +293,28 @@ async def complete(data: dict[str, Any], ex: Exchange, pool: UpstreamPool, body:
     if not ex.record.set_usage(usage if isinstance(usage, dict) else None):
         data["usage"] = await count_answer(pool, ex, data, body, endpoint)
         changed = True
+    elif held_to_bound(usage, ex.record):  # the client is told what was metered
+        data["usage"] = usage_of(ex.record)
+        changed = True
     done = bool(data.get("choices")) and all(c.get("finish_reason") for c in data["choices"])
     await ex.close(200, None, data if done else None)
     return changed
+
+
+def usage_of(rec: UsageRecord) -> dict[str, Any]:
+    """The usage object (OpenAI's shape) of what ``rec`` meters."""
+    usage: dict[str, Any] = {"prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
+                             "total_tokens": rec.prompt_tokens + rec.completion_tokens,
+                             "completion_tokens_details": {"reasoning_tokens": rec.reasoning_tokens}}
+    if rec.cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": rec.cached_tokens}
+    return usage
+
+
+def held_to_bound(usage: Any, rec: UsageRecord) -> bool:
+    """Whether ``rec`` metered fewer completion tokens than ``usage`` reported (held to the call's bound)."""
+    counts = usage_counts(usage)
+    return counts is not None and counts[1] > rec.completion_tokens
 
 
 async def count_answer(pool: UpstreamPool, ex: Exchange, data: dict[str, Any], body: dict[str, Any] | None,
@@ -315,9 +334,7 @@ async def count_answer(pool: UpstreamPool, ex: Exchange, data: dict[str, Any], b
     rec.prompt_tokens = await count_prompt(pool, tier, body) if body is not None else 0
     rec.cached_tokens = 0
     rec.usage_source = "counted"
-    return {"prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
-            "total_tokens": rec.prompt_tokens + rec.completion_tokens,
-            "completion_tokens_details": {"reasoning_tokens": rec.reasoning_tokens}}
+    return usage_of(rec)
 
 
 async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_usage: bool,

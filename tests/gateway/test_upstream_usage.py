@@ -98,11 +98,16 @@ def test_bad_details_are_clipped_not_fatal(gw: GatewayServer, stream: bool) -> N
 def test_a_completion_count_above_the_bound_is_held_to_it(gw: GatewayServer) -> None:
     """An upstream reporting 5,000 completion tokens for a call allowed 50 (max_tokens): admission reserved 50,
     and a hard budget could be overspent 100-fold on one request. Metered at 50."""
-    r = _ask(gw, {"prompt_tokens": 12, "completion_tokens": 5000, "total_tokens": 5012}, max_tokens=50)
-    assert r.status_code == 200, r.text
-    rid = r.headers["x-request-id"]
-    ev = usage_events(gw, [rid])[rid]
-    assert (ev.usage_source, ev.prompt_tokens, ev.completion_tokens) == ("upstream", 12, 50)
+    for stream in (False, True):
+        r = _ask(gw, {"prompt_tokens": 12, "completion_tokens": 5000, "total_tokens": 5012}, stream, max_tokens=50)
+        assert r.status_code == 200, r.text
+        rid = r.headers["x-request-id"]
+        ev = usage_events(gw, [rid])[rid]
+        assert (ev.usage_source, ev.prompt_tokens, ev.completion_tokens) == ("upstream", 12, 50)
+        # ... and the client is told what was metered (the review found it told the upstream's 5,000)
+        told = [orjson.loads(x[6:])["usage"] for x in r.text.split("\n\n")
+                if x.startswith("data: {") and '"usage"' in x] if stream else [r.json()["usage"]]
+        assert [u["completion_tokens"] for u in told] == [50], told
 
 
 def test_embeddings_without_usage_are_estimated_not_free(tmp_path: Path, upstream_sim: SimProcess,
