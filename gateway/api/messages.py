@@ -26,6 +26,7 @@ from gateway.errors import GatewayError
 from gateway.ledger.event import ROUTER_DECIDED
 from gateway.ledger.record import UsageRecord
 from gateway.openai.usage import estimate_tokens
+from gateway.pipeline import policy
 from gateway.pipeline import request as schemas
 from gateway.pipeline.answer import Caller
 from gateway.pipeline.proxy import TIER_HEADER, Proxy
@@ -117,11 +118,12 @@ class MessagesAPI:
             proxy = self.proxy
             h = request.headers
             authorization = h.get("authorization") or (f"Bearer {h['x-api-key']}" if h.get("x-api-key") else None)
-            await proxy.keys.authenticate(authorization)
+            key = await proxy.keys.authenticate(authorization)
             body = schemas.parse_json_object(await read_body(request, proxy.max_body))
             chat = wire.to_chat({**body, "max_tokens": 1, "stream": False},  # max_tokens: not asked here
                                 budget_rule=False)
-            route = proxy.routing.decide(chat, h.get(TIER_HEADER))
+            # the key's tier policy as on a message (a key held to one tier counted on any: a security review)
+            route = policy.key_route(key, proxy.routing.decide(chat, h.get(TIER_HEADER)), proxy.settings.tiers)
             count = await proxy.upstreams.count_chat_tokens(route.tier, chat["messages"], chat.get("tools"))
             headers = {"x-thinkgate-tier": route.tier.name}
             if count is None:

@@ -329,6 +329,22 @@ def test_stop_sequences(gw: GatewayServer) -> None:
     assert (events[-2].delta.stop_reason, events[-2].delta.stop_sequence) == ("stop_sequence", "seven")  # type: ignore[union-attr]
 
 
+def test_count_tokens_keeps_the_keys_tier_policy(gw: GatewayServer, redis_url: str) -> None:
+    """A key held to one tier was counted on any (``x-thinkgate-tier: long``): count_tokens now routes as a
+    message does — 403 for a tier the key may not use."""
+    from tests.fixtures.gateway import create_key
+
+    secret = create_key(redis_url, gw.settings.redis.key_prefix, f"one-{uuid.uuid4().hex[:8]}", allowed_tiers=["short"])
+    body = {"model": "auto", "max_tokens": 16, "messages": [{"role": "user", "content": USER}]}
+    head = {"x-api-key": secret, "anthropic-version": "2023-06-01"}
+    r = httpx.post(gw.base_url + "/messages/count_tokens", json=body, headers={**head, "x-thinkgate-tier": "long"},
+                   timeout=10)
+    assert r.status_code == 403 and r.json()["type"] == "error", r.text
+    ok = httpx.post(gw.base_url + "/messages/count_tokens", json=body, headers={**head, "x-thinkgate-tier": "short"},
+                    timeout=10)
+    assert ok.status_code == 200 and ok.headers["x-thinkgate-tier"] == "short", ok.text
+
+
 def test_count_tokens(gw: GatewayServer, upstream_sim: SimProcess) -> None:
     msgs = [{"role": "user", "content": USER}]
     before = upstream_sim.stats()["requests"]
