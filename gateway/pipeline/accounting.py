@@ -62,6 +62,14 @@ KNOWN_KEYS_MAX = 100_000
 WRITE_BATCH_MAX = 128  # usage events per metering pipeline
 #: the longest a request waits for the usage spool to reach Redis before its admission after an outage (seconds)
 REPLAY_WAIT_S = 5.0
+#: Audit events of requests with no valid key (401): at most this many per second per process, in bursts of
+#: :data:`ANON_AUDIT_BURST` — anyone on the network can send them, and each one is a stream entry plus a 40-day
+#: dedup entry in Redis (~810 bytes): unbounded, they were a way to fill Redis without a key. Past the bound they are
+#: counted (``thinkgate_refused_requests_total``) and logged once per second, not written.
+ANON_AUDIT_PER_S = 20.0
+ANON_AUDIT_BURST = 100.0
+#: The longest client-chosen text an audit event keeps (a 900 KB ``model`` string was stored verbatim)
+AUDIT_TEXT_MAX = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +134,7 @@ class Accounting:
         self._probes: dict[str, Probe] = {}  # request id → semantic probe, until the answer is stored or not
         self._pending: set[asyncio.Task[None]] = set()  # the metering writer and alert checks
         self._queue: list[tuple[UsageEvent, KeyInfo | None]] = []  # finished events not yet handed to Redis
+        self._anon_tokens, self._anon_at, self._anon_dropped = ANON_AUDIT_BURST, time.monotonic(), 0
         self._writer: asyncio.Task[None] | None = None
         self._open: dict[str, KeyInfo] = {}  # request id → key, admitted and not yet metered
         self._known: dict[str, KeyInfo] = {}  # key id → last KeyInfo seen (budgets for alerts)
@@ -474,8 +483,13 @@ class Accounting:
         one audit event with cost 0 (``UsageEvent.audit``) and the refusal counter by status and code."""
         record.finish(None, status)
         record.error_code = code
+        if not record.key_id and not self._anon_admitted():
+            self.metrics.refused(status, code)
+            return
         event = event_of(record)
         event.key_id = record.key_id or ""  # unknown (401): no key id, never "anonymous"
+        if event.requested_model and len(event.requested_model) > AUDIT_TEXT_MAX:
+            event.requested_model = event.requested_model[:AUDIT_TEXT_MAX]
         event.audit = True
         event.cost_micro_usd = event.saved_micro_usd = 0
         event.usage_source = "none"
@@ -484,6 +498,22 @@ class Accounting:
         self._queue.append((event, None))
         if self._writer is None or self._writer.done():
             self._start_writer()
+
+    def _anon_admitted(self) -> bool:
+        """Whether an audit event without a key may be written now (token bucket, :data:`ANON_AUDIT_PER_S`)."""
+        now = time.monotonic()
+        self._anon_tokens = min(ANON_AUDIT_BURST, self._anon_tokens + (now - self._anon_at) * ANON_AUDIT_PER_S)
+        if self._anon_tokens >= 1.0:
+            self._anon_tokens -= 1.0
+            if self._anon_dropped:
+                log.warning("%d audit events of requests without a valid key were not written (more than %g/s)",
+                            self._anon_dropped, ANON_AUDIT_PER_S)
+                self._anon_dropped = 0
+            self._anon_at = now
+            return True
+        self._anon_at = now
+        self._anon_dropped += 1
+        return False
 
     def abandon(self, record: UsageRecord, tier: TierConfig | None, status: int, code: str) -> None:
         """Meter a request that ends without a record (error or cancellation) if it was admitted."""

@@ -339,6 +339,48 @@ def test_refused_requests_are_audit_events_in_the_export_not_spend(gw: GatewaySe
     assert 'thinkgate_refused_requests_total{code="tier_not_allowed",status="403"}' in metrics
 
 
+def test_unauthenticated_refusals_are_bounded_in_redis(gw: GatewayServer, redis_url: str, prefix: str) -> None:
+    """Anyone can send requests without a key; each 401 wrote an audit event and a 40-day dedup entry (~810 bytes)
+    — a way to fill Redis without a key (a security review). Past a token bucket (20/s, bursts of 100) they are
+    counted, not written. A valid key's refusal keeps its audit event, its client-chosen model string cut to 256."""
+    from gateway.pipeline.accounting import ANON_AUDIT_BURST, ANON_AUDIT_PER_S
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        def anon_audits() -> int:
+            n = 0
+            for _, f in client.xrange(prefix + "usage:events"):
+                ev = json.loads(f[b"e"])
+                n += ev.get("audit") is True and ev.get("key_id") == ""
+            return n
+
+        before = anon_audits()
+        t0 = time.monotonic()
+        with httpx.Client(timeout=10) as http:
+            for _ in range(300):
+                r = http.post(gw.base_url + "/chat/completions", json={"model": "short", "messages": PROMPT},
+                              headers={"authorization": "Bearer tg-not-a-key"})
+                assert r.status_code == 401
+        elapsed = time.monotonic() - t0
+        time.sleep(1.0)  # the metering writer's last batch
+        written = anon_audits() - before
+        assert 1 <= written <= ANON_AUDIT_BURST + ANON_AUDIT_PER_S * (elapsed + 1.0) + 1, (written, elapsed)
+        assert written < 300
+    finally:
+        client.close()
+    kid = f"long-{uuid.uuid4().hex[:8]}"
+    secret = create_key(redis_url, prefix, kid)
+    r = _post(gw, secret, {"model": "m" * 50_000, "messages": PROMPT})
+    assert r.status_code == 404, r.text
+    rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 10
+    while not rows and time.monotonic() < deadline:
+        rows = [row for row in httpx.get(gw.base_url + "/usage", params={"key_id": kid, "since": "0"}, headers=ADMIN,
+                                         timeout=10).json()["data"] if row["key_id"] == kid]
+        time.sleep(0.05)
+    assert rows and rows[0]["audit"] is True and len(rows[0]["requested_model"]) == 256
+
+
 def test_key_policy_allowed_tiers_downgrade_and_thinking_cap(gw: GatewayServer, upstream_sim: SimProcess,
                                                              redis_url: str, prefix: str) -> None:
     n = uuid.uuid4().hex[:8]
