@@ -66,8 +66,12 @@ def test_login_contract_cookie_and_refusals(seeded: Seeded, caplog: pytest.LogCa
     body, sig = value.split(".")
     forged = body[:-2] + ("AA" if body[-2:] != "AA" else "BB") + "." + sig
     assert httpx.get(url + "/dashboard/data", cookies={name: forged}, timeout=10).status_code == 401
+    other = login(url, ADMIN_SECRET).cookies  # a second session of the same key
     out = httpx.post(url + "/dashboard/logout", cookies=jar, timeout=10)
     assert "Max-Age=0" in out.headers["set-cookie"]
+    # the logged-out cookie is no session any more (it read the data for its 8 hours), the other session still is
+    assert httpx.get(url + "/dashboard/data", cookies=jar, timeout=10).status_code == 401
+    assert httpx.get(url + "/dashboard/data", cookies=other, timeout=10).status_code == 200
     # the server side's records (the test's own client logs the URLs it was told to send)
     served = "\n".join(f"{r.name} {r.getMessage()}" for r in caplog.records
                        if not r.name.startswith(("httpx", "httpcore")))

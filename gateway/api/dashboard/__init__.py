@@ -20,6 +20,7 @@ that holds only while it is the single key and there is no admin key.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import html
@@ -95,11 +96,11 @@ def attach(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting,
             state["s"] = Sessions(load_secret(cfg.secret_file), cfg.session_ttl_s, cfg.secure_cookie)
         return state["s"]
 
-    def session_key(request: Request) -> str | None:
-        return sessions().check(request.cookies.get(COOKIE))
+    async def session_key(request: Request) -> str | None:
+        return await _session_key(sessions(), acct.handle, request)
 
     async def page(request: Request) -> Response:
-        key_id = session_key(request)
+        key_id = await session_key(request)
         if key_id is None:
             return login_page()
         tiers = ", ".join(html.escape(t.name) for t in settings.tiers)
@@ -117,13 +118,14 @@ def attach(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting,
         resp.headers.append("set-cookie", sessions().cookie_header(sessions().issue(key.id)))
         return resp
 
-    async def logout(_: Request) -> Response:
+    async def logout(request: Request) -> Response:
+        await _revoke(sessions(), acct.handle, request)
         resp = RedirectResponse("/dashboard", status_code=303, headers=SECURITY_HEADERS)
         resp.headers.append("set-cookie", sessions().clear_header())
         return resp
 
     async def data(request: Request) -> Response:
-        if session_key(request) is None:
+        if await session_key(request) is None:
             return _json({"error": {"message": "log in at /dashboard", "type": "authentication_error",
                                     "code": "no_session"}}, 401)
         return await _data(request, acct, settings, routing)
@@ -139,6 +141,32 @@ def attach(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting,
     app.router.add_route("/dashboard/logout", logout, methods=["POST"])
     app.router.add_route("/dashboard/data", data, methods=["GET"])
     app.router.add_route("/dashboard/static/{name}", static, methods=["GET"])
+
+
+def _revoked_key(handle: Any, nonce: str) -> str:
+    return f"{handle.prefix}dashboard:revoked:{nonce}"
+
+
+async def _session_key(sessions: Sessions, handle: Any, request: Request) -> str | None:
+    """The key id of the request's session: a valid cookie that no logout revoked (a logged-out cookie went on
+    reading the data for its 8 hours: a security review). Redis down: the signature decides (the data answer needs
+    Redis anyway)."""
+    parsed = sessions.parse(request.cookies.get(COOKIE))
+    if parsed is None:
+        return None
+    with contextlib.suppress(Exception):
+        if await handle.client.exists(_revoked_key(handle, parsed[1])):
+            return None
+    return parsed[0]
+
+
+async def _revoke(sessions: Sessions, handle: Any, request: Request) -> None:
+    """Logout: the request's session is revoked on every replica until it would have expired."""
+    parsed = sessions.parse(request.cookies.get(COOKIE))
+    if parsed is not None:
+        ttl = max(1, parsed[2] - int(time.time()))
+        with contextlib.suppress(Exception):
+            await handle.client.set(_revoked_key(handle, parsed[1]), "1", ex=ttl)
 
 
 async def _login_secret(request: Request) -> str | Response:

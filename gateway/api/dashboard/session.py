@@ -64,6 +64,12 @@ class Sessions:
 
     def check(self, value: str | None, now: float | None = None) -> str | None:
         """The key id of a valid, unexpired cookie value; None for anything else."""
+        parsed = self.parse(value, now)
+        return parsed[0] if parsed is not None else None
+
+    def parse(self, value: str | None, now: float | None = None) -> tuple[str, str, int] | None:
+        """(key id, nonce, expiry epoch s) of a valid, unexpired cookie value; None for anything else. The nonce
+        names the session (logout revokes it by that name)."""
         if not value or value.count(".") != 1:
             return None
         body, sig = value.split(".")
@@ -81,7 +87,7 @@ class Sessions:
             return None
         if data["exp"] <= (now if now is not None else time.time()):
             return None
-        return str(data["k"])
+        return str(data["k"]), str(data.get("n") or ""), int(data["exp"])
 
     def cookie_header(self, value: str) -> str:
         """The ``Set-Cookie`` value for a new session."""
