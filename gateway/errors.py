@@ -25,7 +25,7 @@ __all__ = ["AuthError", "BodyTooLarge", "ClientClosed", "ConversationsUnavailabl
            "PermissionDenied",
            "RateLimited",
            "ThinkGateError", "TierNotAllowed", "UnknownModel", "UpstreamConnectTimeout", "UpstreamError",
-           "UpstreamRejected", "UpstreamTimeout", "UpstreamUnavailable", "UsageUnavailable"]
+           "UpstreamRejected", "UpstreamStreamError", "UpstreamTimeout", "UpstreamUnavailable", "UsageUnavailable"]
 
 
 
@@ -155,6 +155,13 @@ class UpstreamError(GatewayError):
         super().__init__(message, **kwargs)
         if not self.retryable:
             self.headers.setdefault("x-should-retry", "false")
+
+
+class UpstreamStreamError(UpstreamError):
+    """The upstream's stream cannot be read as SSE (a line past ``gateway.openai.sse.MAX_LINE_BYTES``): the relay's
+    broken stream (502 ``upstream_stream_broken`` in the stream)."""
+
+    default_code = "upstream_stream_broken"
 
 
 class UpstreamUnavailable(UpstreamError):

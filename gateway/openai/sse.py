@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway.errors import GatewayError, UpstreamError
+from gateway.errors import GatewayError, UpstreamStreamError
 from gateway.openai.usage import reasoning_of
 
 
@@ -62,13 +62,6 @@ def frame(batch: list[Chunk]) -> bytes:
 #: The longest ``data:`` line a stream may send (a chunk is a few hundred bytes; a tool call's arguments or a long
 #: usage object a few kilobytes).
 MAX_LINE_BYTES = 8 * 1024 * 1024
-
-
-class UpstreamStreamError(UpstreamError):
-    """The upstream's stream cannot be read as SSE (a line past :data:`MAX_LINE_BYTES`): the relay's broken stream
-    (502 ``upstream_stream_broken`` in the stream)."""
-
-    default_code = "upstream_stream_broken"
 
 
 class SSEDecoder:
