@@ -164,6 +164,17 @@ def test_a_restarted_replica_serves_the_promoted_router_from_its_first_request(
         assert st["learning"]["last_event"]["version"] == "old-good"
 
 
+def _write_router(path: Path, seed: int, version: str, thresholds: list[float] | None = None) -> None:
+    """An operator's router file written over ``path`` the safe way (elsewhere, then renamed over it)."""
+    tmp = serving_router(path.with_name(f"{version}.tmp"), False, lambda hard, i: _text(hard, i + seed))
+    router = load_router(tmp)
+    router.metadata["version"] = version
+    if thresholds is not None:
+        router.thresholds = thresholds
+    save_router(router, tmp)
+    os.replace(tmp, path)
+
+
 def test_a_file_written_to_router_path_replaces_the_promoted_router(
         upstream_sim: SimProcess, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
     """After a promotion the replicas serve ``p router:current``; an operator who writes a new file to
@@ -180,17 +191,9 @@ def test_a_file_written_to_router_path_replaces_the_promoted_router(
         assert not wait_for(lambda: _status(gw)["version"] != "old-good", timeout_s=2)
         # one that loads but that the service refuses (two cuts for two routed tiers): left out too — named the
         # promoted router, no replica could serve it and the loop stalled on it
-        wrong = serving_router(tmp_path / "wrong.tmp", False, lambda hard, i: _text(hard, i + 55))
-        router = load_router(wrong)
-        router.thresholds, router.metadata["version"] = [0.3, 0.6], "operator-3tier"
-        save_router(router, wrong)
-        os.replace(wrong, configured)
+        _write_router(configured, 55, "operator-3tier", [0.3, 0.6])
         assert not wait_for(lambda: _status(gw)["version"] != "old-good", timeout_s=2)
-        fresh = serving_router(tmp_path / "fresh.tmp", False, lambda hard, i: _text(hard, i + 77))
-        router = load_router(fresh)
-        router.metadata["version"] = "operator-1"
-        save_router(router, fresh)
-        os.replace(fresh, configured)
+        _write_router(configured, 77, "operator-1")
         assert wait_for(lambda: _status(gw)["version"] == "operator-1", timeout_s=10), _status(gw)
         assert _status(gw)["path"] == str(configured.resolve())
         events = _history(redis_url, redis_prefix, tmp_path)
@@ -209,11 +212,7 @@ def test_a_file_written_to_router_path_replaces_the_promoted_router(
                             routing=_routing(configured, tmp_path, every_outcomes=10**6)) as gw:
         assert not wait_for(lambda: _status(gw)["version"] != "old-good", timeout_s=2)
     # a file written while no replica runs (a new ConfigMap, then a rollout): adopted by the first one up
-    later = serving_router(tmp_path / "later.tmp", False, lambda hard, i: _text(hard, i + 99))
-    router = load_router(later)
-    router.metadata["version"] = "operator-2"
-    save_router(router, later)
-    os.replace(later, configured)
+    _write_router(configured, 99, "operator-2")
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(configured, tmp_path, every_outcomes=10**6)) as gw:
         assert wait_for(lambda: _status(gw)["version"] == "operator-2", timeout_s=10), _status(gw)
