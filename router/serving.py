@@ -52,7 +52,9 @@ class RouterUnavailable(ThinkGateError, RuntimeError):
     """No usable router and ``on_router_error: refuse_start``; the message says why and what to do."""
 
 
-def _signature(path: Path) -> _Signature | None:
+def file_signature(path: Path) -> _Signature | None:
+    """(mtime_ns, size, inode) of ``path``: a file rewritten or renamed over reads differently; None when it cannot
+    be read."""
     try:
         st = path.stat()
     except OSError:
@@ -68,7 +70,7 @@ def load_router_cached(path: Path) -> TrainedRouter:
     """:func:`router.persistence.load_router` for serving (``pipeline=False``: NumPy only when the file carries
     its fast-path arrays) memoised on (resolved path, mtime_ns, size, inode), so many gateway apps in one
     process (tests, workers) load a file once. Keeps the 2 most recent entries."""
-    sig = _signature(path)
+    sig = file_signature(path)
     if sig is None:
         raise RouterFileError(path, "not found")
     key = (str(path.resolve()), sig)
@@ -232,7 +234,7 @@ class RouterService(Router):
             if self.path is None:
                 self._error = "no router file configured (routing.router_path is null)"
                 raise RouterFileError(None, self._error)
-            sig = _signature(self.path)
+            sig = file_signature(self.path)
             try:
                 router = load_router_cached(self.path)
                 self._check_thresholds(router)
@@ -291,7 +293,7 @@ class RouterService(Router):
         if self.path is None or (now < self._next_check and not force_check):
             return False
         self._next_check = now + self.reload_interval_s
-        sig = _signature(self.path)
+        sig = file_signature(self.path)
         if sig is None or sig == self._signature:
             return False
         try:

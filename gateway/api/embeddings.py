@@ -24,10 +24,11 @@ from gateway.api.http import read_body, route_headers
 from gateway.config import TierConfig
 from gateway.errors import GatewayError, InvalidRequest, UnknownModel, UpstreamError
 from gateway.ledger.record import UsageRecord
+from gateway.openai.usage import estimate_prompt
 from gateway.pipeline import request as schemas
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.proxy import Proxy
-from gateway.pipeline.relay import CLIENT_CLOSED, estimate_prompt
+from gateway.pipeline.relay import CLIENT_CLOSED
 from gateway.pipeline.routing import RouteDecision
 
 LABEL: Final = "embeddings"
@@ -48,13 +49,18 @@ def validate(body: dict[str, Any]) -> None:
         raise InvalidRequest("'input' must be a string, an array of strings, or token ids", param="input")
 
 
+def token_ids(v: Any) -> int | None:
+    """How many token ids an ``input`` of ids carries (a list of ids, or a list of such lists); None for text."""
+    if isinstance(v, list) and v and not isinstance(v[0], str):
+        return sum(len(p) for p in v) if isinstance(v[0], list) else len(v)
+    return None
+
+
 def estimate_body(body: dict[str, Any]) -> dict[str, Any]:
     """The body the budget estimate reads: the input as a prompt (one byte per token id), no completion."""
     v = body["input"]
-    if isinstance(v, list) and v and not isinstance(v[0], str):
-        ids = sum(len(p) for p in v) if isinstance(v[0], list) else len(v)
-        return {"prompt": " " * ids, "max_tokens": 1}
-    return {"prompt": v, "max_tokens": 1}
+    ids = token_ids(v)
+    return {"prompt": " " * ids if ids is not None else v, "max_tokens": 1}
 
 
 class EmbeddingsAPI:
@@ -105,9 +111,8 @@ class EmbeddingsAPI:
             usage = data.get("usage") if isinstance(data, dict) else None
             if not record.set_usage(usage if isinstance(usage, dict) else None, completion=False):
                 # no usage to meter (or none to trust): the input estimated, not billed at 0
-                v = body.get("input")
-                ids = estimate_body(body)["prompt"] if isinstance(v, list) and v and not isinstance(v[0], str) else None
-                record.prompt_tokens = len(ids) if ids is not None else estimate_prompt(v)  # token ids: their count
+                ids = token_ids(body.get("input"))
+                record.prompt_tokens = ids if ids is not None else estimate_prompt(body.get("input"))
                 record.usage_source = "counted"
             await ex.close(200)
             headers = route_headers(ex.route, record.request_id)

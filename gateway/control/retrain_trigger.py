@@ -75,7 +75,7 @@ from gateway.control.outcomes import OutcomeStore
 from gateway.state.batches import new_token
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.redis import RedisHandle, as_bytes
-from router.serving import RouterService, load_router_cached
+from router.serving import RouterService, file_signature, load_router_cached
 
 log = logging.getLogger("thinkgate.retrain")
 
@@ -257,7 +257,7 @@ class RetrainTrigger:
         finishes them at the next tick). A file that does not load, or that this service would refuse (its
         thresholds for the routed tiers, its budget map), is logged and left out; the promoted router keeps
         serving. The file is read only when its (mtime, size, inode) changed here. True when adopted here."""
-        seen = _file_signature(self.configured)
+        seen = file_signature(self.configured) if self.configured is not None else None
         if self.configured is None or seen is None or seen == self._configured_seen:
             return False
         path = self.configured
@@ -516,17 +516,6 @@ START_FOLLOW_S = 5.0
 def history_key(prefix: str) -> str:
     """The audit stream of automatic retraining: ``p router:history``."""
     return f"{prefix}router:history"
-
-
-def _file_signature(path: Path | None) -> tuple[int, int, int] | None:
-    """(mtime_ns, size, inode) of ``path``; None without one or when it cannot be read."""
-    if path is None:
-        return None
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 async def write_history(handle: RedisHandle, breaker: Breaker, event: dict[str, Any]) -> None:

@@ -51,7 +51,7 @@ from gateway.control.shadow_references import References
 from gateway.errors import GatewayError
 from gateway.ledger.event import ROUTER_DECIDED, RouteReason, WireEndpoint
 from gateway.ledger.record import UsageRecord
-from gateway.openai.usage import estimate_tokens, generated_text
+from gateway.openai.usage import estimate_prompt, estimate_tokens, generated_text
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import RedisHandle
@@ -326,12 +326,9 @@ class Shadow:
             data = orjson.loads(resp.content)
             text = answer_text(data)
             if not record.set_usage(data.get("usage")):  # none to meter: our own spend, estimated, not 0
-                messages = built.get("messages") or ()
-                record.prompt_tokens = estimate_tokens(" ".join(str(m.get("content") or "") for m in messages
-                                                                if isinstance(m, dict)))
-                record.completion_tokens = sum(estimate_tokens(generated_text(c, "chat"))
-                                               for c in data.get("choices") or () if isinstance(c, dict))
-                record.usage_source = "counted"
+                record.prompt_tokens = estimate_prompt(built.get("messages"))
+                record.set_counted(sum(estimate_tokens(generated_text(c, "chat"))
+                                       for c in data.get("choices") or () if isinstance(c, dict)), 0)
         except Exception as exc:
             status = getattr(exc, "status", 502)
             record.error_code = getattr(exc, "code", "upstream_error")

@@ -94,6 +94,15 @@ class UsageRecord:
             self.completion_tokens, self.reasoning_tokens = bound, min(self.reasoning_tokens, bound)
         return True
 
+    def set_counted(self, completion: int, reasoning: int) -> None:
+        """Counts the gateway made itself (no usage from the upstream to trust): ``completion`` and ``reasoning``
+        tokens, held to :attr:`completion_bound` as a reported count is (an upstream that ignores ``max_tokens``
+        and sends no usage overspent a hard budget); ``usage_source: counted``. The prompt is the caller's."""
+        bound = self.completion_bound if self.completion_bound is not None else completion
+        self.completion_tokens = min(completion, bound)
+        self.reasoning_tokens = min(reasoning, self.completion_tokens)
+        self.usage_source = "counted"
+
     def mark_first_byte(self) -> None:
         if self.ttft_ms is None:
             self.ttft_ms = (time.perf_counter() - self._t0) * 1000

@@ -79,6 +79,34 @@ def estimate_tokens(text: str) -> int:
     return max(1, (len(text) + 3) // 4) if text else 0
 
 
+#: Prompt tokens an image or audio part counts for in an estimate (OpenAI's low-detail image: 85); its bytes
+#: (a base64 data URL of a megabyte is 250,000 "tokens" at 4 characters each) are never counted as text.
+MEDIA_TOKENS = 85
+_MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "input_audio", "audio", "file", "input_file"})
+
+
+def _text_and_media(value: Any) -> tuple[list[str], int]:
+    """The strings of a messages list (contents and tool arguments alike) and its count of media parts."""
+    if isinstance(value, str):
+        return ([] if value.startswith("data:") else [value]), 0
+    if isinstance(value, dict) and value.get("type") in _MEDIA_PARTS:
+        return [], 1
+    texts: list[str] = []
+    media = 0
+    for v in value.values() if isinstance(value, dict) else value if isinstance(value, list) else ():
+        t, m = _text_and_media(v)
+        texts += t
+        media += m
+    return texts, media
+
+
+def estimate_prompt(value: Any) -> int:
+    """Prompt tokens of a messages list or a prompt when no tokenizer answers: ~4 characters a token of its
+    text, :data:`MEDIA_TOKENS` per image or audio part (its bytes are not text)."""
+    texts, media = _text_and_media(value)
+    return estimate_tokens(" ".join(texts)) + MEDIA_TOKENS * media
+
+
 def merge_usage(u1: dict[str, Any] | None, u2: dict[str, Any] | None, reasoning_tokens: int) -> dict[str, Any]:
     """Sum two upstream usage objects (tokens); ``reasoning_tokens`` is set as given (the thought phase's
     completion tokens under budget forcing). Cached prompt tokens are summed when either reports them."""

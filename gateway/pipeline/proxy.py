@@ -316,9 +316,8 @@ class Proxy:
         was read) is billed what it generated (the deltas read) and its prompt
         (:func:`gateway.pipeline.relay.count_prompt`) — it was metered at 0."""
         rec = ex.record
-        rec.completion_tokens, rec.reasoning_tokens = counted["completion_tokens"], counted["reasoning_tokens"]
+        rec.set_counted(counted["completion_tokens"], counted["reasoning_tokens"])
         rec.prompt_tokens = await count_prompt(self.upstreams, ex.tier, body)
-        rec.usage_source = "counted"
 
     async def _admit_escalation(self, ex: Exchange, retry: RouteDecision, body: dict[str, Any], caller: Caller,
                                 again: UsageRecord) -> str | None:

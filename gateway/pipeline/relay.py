@@ -36,7 +36,13 @@ from gateway.ledger.record import UsageRecord
 from gateway.openai import sse
 from gateway.openai.chunks import StreamAssembler
 from gateway.openai.sse import DONE_CHUNK, Chunk, error_chunk
-from gateway.openai.usage import estimate_tokens, generated_text, needs_reasoning_count, reasoning_of, usage_counts
+from gateway.openai.usage import (
+    estimate_prompt,
+    generated_text,
+    needs_reasoning_count,
+    reasoning_of,
+    token_count,
+)
 from gateway.pipeline.exchange import Exchange
 from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.response import UpstreamResponse, chunk_batches
@@ -63,48 +69,15 @@ async def fill_reasoning(pool: UpstreamPool, usage: dict[str, Any], tier: TierCo
 def count_deltas(ex: Exchange, tally: sse.StreamTally) -> None:
     """No upstream usage (client gone, stream broken): vLLM sends about one token per delta — held to the call's
     completion bound (an upstream that ignores ``max_tokens`` and sends no usage overspent a hard budget)."""
-    rec = ex.record
-    counted = tally.reasoning_deltas + tally.text_deltas
-    bound = rec.completion_bound if rec.completion_bound is not None else counted
-    rec.completion_tokens = min(counted, bound)
-    rec.reasoning_tokens = min(tally.reasoning_deltas, rec.completion_tokens)
-    rec.usage_source = "counted"
-
-
-#: Prompt tokens an image or audio part counts for in an estimate (OpenAI's low-detail image: 85); its bytes
-#: (a base64 data URL of a megabyte is 250,000 "tokens" at 4 characters each) are never counted as text.
-MEDIA_TOKENS = 85
-_MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "input_audio", "audio", "file", "input_file"})
-
-
-def _text_and_media(value: Any) -> tuple[list[str], int]:
-    """The strings of a messages list (contents and tool arguments alike) and its count of media parts."""
-    if isinstance(value, str):
-        return ([] if value.startswith("data:") else [value]), 0
-    if isinstance(value, dict) and value.get("type") in _MEDIA_PARTS:
-        return [], 1
-    texts: list[str] = []
-    media = 0
-    for v in value.values() if isinstance(value, dict) else value if isinstance(value, list) else ():
-        t, m = _text_and_media(v)
-        texts += t
-        media += m
-    return texts, media
-
-
-def estimate_prompt(value: Any) -> int:
-    """Prompt tokens of a messages list or a prompt when no tokenizer answers: ~4 characters a token of its
-    text, :data:`MEDIA_TOKENS` per image or audio part (its bytes are not text)."""
-    texts, media = _text_and_media(value)
-    return estimate_tokens(" ".join(texts)) + MEDIA_TOKENS * media
+    ex.record.set_counted(tally.reasoning_deltas + tally.text_deltas, tally.reasoning_deltas)
 
 
 async def count_prompt(pool: UpstreamPool, tier: TierConfig, body: dict[str, Any]) -> int:
     """Prompt tokens of the client's ``body`` on ``tier``, for a stream that ended with no upstream usage (the
     client went away, the upstream broke it): the upstream had read the whole prompt by its first chunk, so it is
     billed. vLLM's ``/tokenize`` of the messages under the tier's chat template (or of a completions prompt),
-    else estimated (~4 characters a token of text, :data:`MEDIA_TOKENS` per image or audio part). The first
-    phase's prompt on a ``forced`` tier: a lower bound there."""
+    else estimated (:func:`~gateway.openai.usage.estimate_prompt`: ~4 characters a token of text, a fixed count
+    per image or audio part). The first phase's prompt on a ``forced`` tier: a lower bound there."""
     messages = body.get("messages")
     if isinstance(messages, list):
         tools = body.get("tools")
@@ -213,9 +186,7 @@ class _Run:
             await self.count()
         out = [cut_chunk(self.last, self.choices)]
         if self.wants_usage:
-            usage = {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
-                     "total_tokens": record.prompt_tokens + record.completion_tokens}
-            out.append(Chunk({**_head(self.last), "choices": [], "usage": usage}))
+            out.append(Chunk({**_head(self.last), "choices": [], "usage": usage_of(record)}))
         out.append(DONE_CHUNK)
         self.code = "stream_max_duration"
         return out
@@ -313,8 +284,8 @@ def usage_of(rec: UsageRecord) -> dict[str, Any]:
 
 def held_to_bound(usage: Any, rec: UsageRecord) -> bool:
     """Whether ``rec`` metered fewer completion tokens than ``usage`` reported (held to the call's bound)."""
-    counts = usage_counts(usage)
-    return counts is not None and counts[1] > rec.completion_tokens
+    reported = token_count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
+    return reported is not None and reported > rec.completion_tokens
 
 
 async def count_answer(pool: UpstreamPool, ex: Exchange, data: dict[str, Any], body: dict[str, Any] | None,
@@ -329,11 +300,9 @@ async def count_answer(pool: UpstreamPool, ex: Exchange, data: dict[str, Any], b
     thoughts = [r for c in choices if (r := reasoning_of(c.get("message")))]
     reasoning = sum(await asyncio.gather(*(pool.tokens(tier, t) for t in thoughts))) if thoughts else 0
     rec = ex.record
-    bound = rec.completion_bound if rec.completion_bound is not None else completion
-    rec.completion_tokens, rec.reasoning_tokens = min(completion, bound), min(reasoning, completion, bound)
+    rec.set_counted(completion, reasoning)
     rec.prompt_tokens = await count_prompt(pool, tier, body) if body is not None else 0
     rec.cached_tokens = 0
-    rec.usage_source = "counted"
     return usage_of(rec)
 
 

@@ -284,7 +284,7 @@ def test_a_cut_streams_prompt_estimate_counts_text_not_image_bytes() -> None:
     """Where the upstream cannot tokenize (not vLLM, or a multimodal prompt), the prompt of a cut stream is
     estimated from its text: a 1 MB base64 image was 250,000 "tokens" (a client that walked away from a vision
     request billed a quarter of a million prompt tokens)."""
-    from gateway.pipeline.relay import MEDIA_TOKENS, estimate_prompt
+    from gateway.openai.usage import MEDIA_TOKENS, estimate_prompt
 
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 1_000_000}}
     text = {"type": "text", "text": "what is in this image?"}
