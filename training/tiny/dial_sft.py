@@ -14,9 +14,9 @@ Loss on completion tokens only. Everything is generated from the **train** split
 
     python -m training.tiny.dial_sft --output-dir runs/dial-sft [--steps N] [--max-minutes M]
 
-Billed like ``train grpo`` and ``train sft`` (:class:`DialBilling`): ``ledger.jsonl``/``.parquet`` (rows
-``startup`` / ``step`` / ``finish``, CPU at the default price), ``summary.json`` and ``heartbeat.json`` beside the
-model files, so ``train runs`` lists the run (tag ``method: dial-sft``).
+Billed like ``train grpo`` and ``train sft`` (:class:`~training.tiny.billing.SFTBilling`): ``ledger.jsonl`` /
+``.parquet`` (rows ``startup`` / ``step`` / ``finish``, CPU at the default price), ``summary.json`` and
+``heartbeat.json`` beside the model files, so ``train runs`` lists the run (tag ``method: dial-sft``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 
 from router.tasks.arithmetic import Chain, phrase, random_chain, split_of
 from training.models import TINY_MODEL_DIR
+from training.tiny.billing import SFTBilling
 from training.tiny.data import FORCED_ENDS, Example, Mix, answer_text, thought
 from training.tiny.dial import BudgetDraw, dial_thought, with_budget
 from training.tiny.tokenizer import IM_END, THINK_END, render_prompt
@@ -100,65 +101,12 @@ def dial_stage(init_from: str = DEFAULT_INIT, steps: int = 1500, max_minutes: fl
     )
 
 
-class DialBilling:
-    """The cost ledger of one dial-sft run (:class:`~training.grpo.ledger.CostLedger`, the device and price
-    GRPO's defaults give a CPU, ``cpu`` at ``ledger.price_usd_per_device_hour``): a ``startup`` row from process
-    start to the first step, one row per optimizer step (``prompts`` = examples, ``trained_tokens`` = tokens
-    under the loss), a ``finish`` row for saving the model. Raises :class:`~training.grpo.config.ConfigError`
-    when ``run_dir`` already holds a run (a ledger): two runs must not share one bill."""
-
-    def __init__(self, run_dir: Path, tags: dict[str, str]) -> None:
-        import time
-
-        from training.grpo.config import ConfigError, LedgerConfig
-        from training.grpo.ledger import CostLedger, seconds_since_process_start
-        from training.grpo.run import git_commit
-
-        if (run_dir / "ledger.jsonl").exists():
-            raise ConfigError(f"{run_dir} already holds a run (ledger.jsonl): choose a new --output-dir")
-        since = seconds_since_process_start()
-        self._t = time.perf_counter() - (since if since is not None else 0.0)
-        price = LedgerConfig().prices()["cpu"]
-        self.ledger = CostLedger(run_dir, "cpu", 1, price, tags={**tags, "git_commit": git_commit()})
-
-    def on_step(self, step: int, batch: list[Example]) -> None:
-        """:func:`training.tiny.train.train`'s hook: step 0 closes the start-up row, later steps their own."""
-        import time
-
-        from training.grpo.ledger import StepCounters
-        from training.registry import write_heartbeat
-
-        now = time.perf_counter()
-        wall, self._t = now - self._t, now
-        if step == 0:
-            self.ledger.record_overhead("startup", 0, {"startup": wall})
-        else:
-            trained = sum(1 for e in batch for label in e.labels if label != -100)
-            self.ledger.record(step, StepCounters(prompts=len(batch), trained_tokens=trained), wall)
-        write_heartbeat(self.ledger.run_dir, step)
-
-    def finish(self, steps: int) -> dict[str, Any]:
-        """Bill the time since the last step (saving the model) as the ``finish`` row; write the Parquet copy,
-        ``summary.json`` and the last heartbeat. Returns the summary."""
-        import json
-        import time
-
-        from training.registry import write_heartbeat
-
-        self.ledger.record_overhead("finish", steps, {"io": time.perf_counter() - self._t})
-        self.ledger.write_parquet()
-        summary = {**self.ledger.summary(), "global_step": steps}
-        (self.ledger.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        write_heartbeat(self.ledger.run_dir, steps)
-        return summary
-
-
 def run_dial_sft(cfg: SFTConfig, output_dir: Path, log: Any = print) -> dict[str, Any]:
-    """Train the warm start ``cfg`` into ``output_dir`` under a :class:`DialBilling` ledger; returns the training
-    summary with ``spent_usd``. Raises ConfigError for a directory that already holds a run."""
-    billing = DialBilling(output_dir, {"run_name": "dial-sft", "method": "dial-sft"})
+    """Train the warm start ``cfg`` into ``output_dir`` under a :class:`~training.tiny.billing.SFTBilling` ledger;
+    returns the training summary with ``spent_usd``. Raises ConfigError for a directory that already holds a run."""
+    billing = SFTBilling(output_dir, {"run_name": "dial-sft", "method": "dial-sft"})
     summary = train(cfg, output_dir, log=log, sampler=sampler(DialMix()), on_step=billing.on_step)
-    return {**summary, "spent_usd": billing.finish(summary["steps_done"])["spent_usd"]}
+    return {**summary, "spent_usd": billing.finish()["spent_usd"]}
 
 
 def main(argv: list[str] | None = None) -> int:

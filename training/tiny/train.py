@@ -266,18 +266,20 @@ def train_recipe(
     output_dir: Path,
     log: Callable[[str], None] = print,
     show_progress: bool = True,
+    on_step: Callable[[int, list[Example]], None] | None = None,
 ) -> dict[str, Any]:
     """Run both stages; stage 1 is written to ``output_dir/stage1`` (deleted afterwards), stage 2 to
-    ``output_dir``. Returns stage 2's summary with ``stages`` (both summaries) and total ``wall_s``."""
+    ``output_dir``. Returns stage 2's summary with ``stages`` (both summaries) and total ``wall_s``. ``on_step``:
+    :func:`train`'s hook, passed to both stages (a cost ledger bills the two as one run)."""
     import shutil
     from dataclasses import replace
 
     s1, s2 = stages
     tmp = output_dir / "stage1"
     log("stage 1: from scratch")
-    sum1 = train(s1, tmp, log=log, show_progress=show_progress)
+    sum1 = train(s1, tmp, log=log, show_progress=show_progress, on_step=on_step)
     log("stage 2: continued")
-    sum2 = train(replace(s2, init_from=str(tmp)), output_dir, log=log, show_progress=show_progress)
+    sum2 = train(replace(s2, init_from=str(tmp)), output_dir, log=log, show_progress=show_progress, on_step=on_step)
     shutil.rmtree(tmp, ignore_errors=True)
     total = {**sum2, "wall_s": round(sum1["wall_s"] + sum2["wall_s"], 1), "stages": [sum1, sum2]}
     (output_dir / "training_summary.json").write_text(json.dumps(total, indent=2, default=str) + "\n")
@@ -309,15 +311,16 @@ def train_overthink(
     log: Callable[[str], None] = print,
     show_progress: bool = True,
     earlier: list[dict[str, Any]] | None = None,
+    on_step: Callable[[int, list[Example]], None] | None = None,
 ) -> dict[str, Any]:
     """Run stage 3 (``cfg`` from :func:`overthink_stage`) into ``output_dir``; the summary lists every stage:
     ``earlier`` (stages 1–2 when run in the same command) or those recorded in the ``init_from`` directory's
-    ``training_summary.json``, then this one; ``wall_s`` is the total."""
+    ``training_summary.json``, then this one; ``wall_s`` is the total. ``on_step``: :func:`train`'s hook."""
     if earlier is None:
         prev = Path(cfg.init_from or "") / "training_summary.json"
         earlier = json.loads(prev.read_text()).get("stages", []) if prev.is_file() else []
     log("stage 3: over-thinking (verbose thoughts), continued")
-    s3 = train(cfg, output_dir, log=log, show_progress=show_progress)
+    s3 = train(cfg, output_dir, log=log, show_progress=show_progress, on_step=on_step)
     stages = [*earlier, s3]
     total = {**s3, "wall_s": round(sum(s["wall_s"] for s in stages), 1), "stages": stages}
     (output_dir / "training_summary.json").write_text(json.dumps(total, indent=2, default=str) + "\n")
