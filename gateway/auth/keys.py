@@ -23,6 +23,7 @@ from gateway.config import AuthConfig
 from gateway.errors import AuthError
 
 DEV_KEY_ID = "dev"
+ADMIN_KEY_ID = "admin"  # the id of ``auth.admin_key_sha256``
 ANONYMOUS_KEY_ID = "anonymous"
 
 
@@ -124,7 +125,7 @@ class KeyStore:
             (bytes.fromhex(k.secret_sha256 or ""), KeyInfo.of(k)) for k in cfg.keys
         ]
         if cfg.admin_key_sha256:
-            self._entries.append((bytes.fromhex(cfg.admin_key_sha256), KeyInfo(id="admin", is_admin=True)))
+            self._entries.append((bytes.fromhex(cfg.admin_key_sha256), KeyInfo(id=ADMIN_KEY_ID, is_admin=True)))
 
     async def authenticate(self, authorization: str | None) -> KeyInfo:
         """Resolve the ``Authorization`` header to a key; raises AuthError when missing or unknown."""

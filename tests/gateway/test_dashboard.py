@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,9 +24,9 @@ from gateway.auth.keys import KeyInfo
 from gateway.config import Settings
 from gateway.ledger.event import micro_to_usd
 from tests.fixtures.dashboard import Seeded, cli, export_rows, seeded_gateway, usage_rows
-from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway, cleanup, keys_config
 from tests.fixtures.redis_stack import PersistentRedis
-from tests.fixtures.upstream import SimProcess
+from tests.fixtures.upstream import GatewayServer, SimProcess
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +162,14 @@ def test_dev_key_opens_the_dashboard_only_on_embedded_defaults(tmp_path: Path) -
 
 def test_sessions_expire_and_helpers() -> None:
     s = Sessions(b"k" * 32, ttl_s=60)
-    v = s.issue("admin", now=1000.0)
+    digest = hashlib.sha256(b"tg-some-key").digest()
+    v = s.issue("admin", digest, now=1000.0)
     assert s.check(v, now=1059.0) == "admin" and s.check(v, now=1060.0) is None
     assert Sessions(b"x" * 32, 60).check(v, now=1000.0) is None
+    parsed = s.parse(v, now=1000.0)
+    assert parsed is not None and s.bound_to(parsed, digest)
+    assert not s.bound_to(parsed, hashlib.sha256(b"tg-other-key").digest()) and not s.bound_to(parsed, None)
+    assert digest.hex() not in v and s.credential_tag(digest) != Sessions(b"x" * 32, 60).credential_tag(digest)
     assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0 and percentile([1.0, 2.0], 99) == 2.0
     assert percentile([], 50) is None
     assert target_shares(["short", "long"], {"achieved_frac_at_or_above": [0.7192]}) == {"short": 0.2808,
@@ -185,3 +191,48 @@ def test_routing_target_is_the_share_shown(upstream_sim: SimProcess, redis_url: 
     assert d["routing"]["target_source"] == "routing.target"
     shares = {t["tier"]: t["target_share"] for t in d["routing"]["tiers"]}
     assert shares["long"] == 0.3 and abs(shares["short"] - 0.7) < 1e-9 and shares["none"] is None
+
+
+def test_rotating_the_admin_key_ends_its_sessions(upstream_sim: SimProcess, redis_url: str, tmp_path: Path) -> None:
+    """A session names the key id, and the admin key's id (``admin``) survives its rotation: the session must be
+    bound to the credential itself, or a cookie of the old key reads the dashboard for its 8 hours after the
+    rotation. The gateway is restarted as a rotation deploys it (new config, same dashboard secret, same Redis)."""
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
+    dash = {"secret_file": str(tmp_path / "secret")}
+    rotated = "tg-admin-rotated-" + uuid.uuid4().hex
+
+    def data(gw: GatewayServer, jar: Any) -> int:
+        return httpx.get(gw.url + "/dashboard/data", cookies=jar, timeout=10).status_code
+
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix, dashboard=dash) as gw:
+            old = login(gw.url, ADMIN_SECRET).cookies
+            assert data(gw, old) == 200
+        auth = {**keys_config(), "admin_key_sha256": hashlib.sha256(rotated.encode()).hexdigest()}
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix, dashboard=dash, auth=auth) as gw:
+            assert data(gw, old) == 401  # the old key's session ended with the key
+            assert 'name="key"' in httpx.get(gw.url + "/dashboard", cookies=old, timeout=10).text  # the login form
+            assert login(gw.url, ADMIN_SECRET).status_code == 401
+            new = login(gw.url, rotated).cookies
+            assert data(gw, new) == 200
+        # the admin key removed altogether: its sessions end too
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix, dashboard=dash,
+                                auth={k: v for k, v in auth.items() if k != "admin_key_sha256"}) as gw:
+            assert data(gw, new) == 401 and data(gw, old) == 401
+    finally:
+        cleanup(redis_url, prefix)
+
+
+def test_a_rewritten_dev_key_ends_its_sessions(upstream_sim: SimProcess, redis_url: str, tmp_path: Path) -> None:
+    """Embedded defaults: the development key is admin for the dashboard while it is the key of its file. Rewriting
+    the file (the operator's way to change it) ends the sessions it opened at their next request, live."""
+    secret = "tg-dev-" + uuid.uuid4().hex
+    dev_file = tmp_path / "dev-key"
+    dev_file.write_text(secret + "\n")
+    auth = {"dev_key_file": str(dev_file), "keys": [{"id": "dev", "secret": secret}]}
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, auth=auth,
+                            dashboard={"secret_file": str(tmp_path / "secret")}) as gw:
+        jar = login(gw.url, secret).cookies
+        assert httpx.get(gw.url + "/dashboard/data", cookies=jar, timeout=10).status_code == 200
+        dev_file.write_text("tg-dev-" + uuid.uuid4().hex + "\n")
+        assert httpx.get(gw.url + "/dashboard/data", cookies=jar, timeout=10).status_code == 401

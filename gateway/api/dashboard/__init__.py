@@ -7,7 +7,8 @@ Routes:
 - ``POST /dashboard/login`` — form field ``key`` (``application/x-www-form-urlencoded``, never a query
   string): an admin key sets the session cookie (:mod:`gateway.api.dashboard.session`) and redirects (303) to
   ``/dashboard``; an unknown key answers 401, a non-admin key 403 (the form again, with the reason). The key is
-  never logged, never put in a URL, never stored in the cookie (which names only the key id).
+  never logged, never put in a URL, never stored in the cookie (which names the key id and a keyed tag of the
+  key's digest: :func:`admin_credential` — a rotated or removed admin key ends its sessions).
 - ``POST /dashboard/logout`` — ends the session.
 - ``GET /dashboard/data`` — the JSON the page polls (:mod:`gateway.api.dashboard.data`); ``since`` / ``until``
   as for ``GET /v1/usage``. 401 without a session; 503 ``{"redis": "unreachable"}`` while Redis is down.
@@ -36,7 +37,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from gateway.api.dashboard.data import collect
 from gateway.api.dashboard.session import COOKIE, Sessions, load_secret
-from gateway.auth.keys import DEV_KEY_ID, KeyInfo, KeyStore
+from gateway.auth.keys import ADMIN_KEY_ID, DEV_KEY_ID, KeyInfo, KeyStore, sha256_hex
 from gateway.config import Settings
 from gateway.errors import AuthError, GatewayError
 from gateway.ledger.export import ExportError, parse_time
@@ -64,6 +65,19 @@ def dev_key_is_admin(settings: Settings, key: KeyInfo) -> bool:
         return False
     stored = auth.keys[0].secret_sha256 or ""
     return bool(secret) and hmac.compare_digest(hashlib.sha256(secret.encode()).hexdigest(), stored)
+
+
+def admin_credential(settings: Settings, key_id: str) -> bytes | None:
+    """The SHA-256 digest of the credential that makes ``key_id`` an admin of the dashboard now, or None when it is
+    no admin now. A session is good only while this is the credential it logged in with: a rotated admin key (a
+    new ``auth.admin_key_sha256``, same id ``admin``), a removed one, or a development key that stopped being admin
+    (keys configured, its file rewritten) ends the sessions it opened at their next request."""
+    auth = settings.auth
+    if key_id == ADMIN_KEY_ID and auth.admin_key_sha256:
+        return bytes.fromhex(auth.admin_key_sha256)
+    if key_id == DEV_KEY_ID and dev_key_is_admin(settings, KeyInfo(id=DEV_KEY_ID)):
+        return bytes.fromhex(auth.keys[0].secret_sha256 or "")
+    return None
 
 
 def _asset(name: str) -> bytes:
@@ -97,7 +111,7 @@ def attach(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting,
         return state["s"]
 
     async def session_key(request: Request) -> str | None:
-        return await _session_key(sessions(), acct.handle, request)
+        return await _session_key(sessions(), acct.handle, request, settings)
 
     async def page(request: Request) -> Response:
         key_id = await session_key(request)
@@ -115,7 +129,9 @@ def attach(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting,
         if isinstance(key, Response):
             return key
         resp = RedirectResponse("/dashboard", status_code=303, headers=SECURITY_HEADERS)
-        resp.headers.append("set-cookie", sessions().cookie_header(sessions().issue(key.id)))
+        # bound to this key's digest, not only its id: the id ``admin`` outlives a rotation of the admin key
+        cookie = sessions().issue(key.id, bytes.fromhex(sha256_hex(secret)))
+        resp.headers.append("set-cookie", sessions().cookie_header(cookie))
         return resp
 
     async def logout(request: Request) -> Response:
@@ -147,26 +163,27 @@ def _revoked_key(handle: Any, nonce: str) -> str:
     return f"{handle.prefix}dashboard:revoked:{nonce}"
 
 
-async def _session_key(sessions: Sessions, handle: Any, request: Request) -> str | None:
-    """The key id of the request's session: a valid cookie that no logout revoked (a logged-out cookie went on
-    reading the data for its 8 hours: a security review). Redis down: the signature decides (the data answer needs
-    Redis anyway)."""
+async def _session_key(sessions: Sessions, handle: Any, request: Request, settings: Settings) -> str | None:
+    """The key id of the request's session: a valid cookie, opened with the key id's current admin credential
+    (:func:`admin_credential` — a session outlived the rotation of the key that opened it: a security review), that
+    no logout revoked (a logged-out cookie went on reading the data for its 8 hours: the same review). Redis down:
+    the signature and the credential decide (the data answer needs Redis anyway)."""
     parsed = sessions.parse(request.cookies.get(COOKIE))
-    if parsed is None:
+    if parsed is None or not sessions.bound_to(parsed, admin_credential(settings, parsed.key_id)):
         return None
     with contextlib.suppress(Exception):
-        if await handle.client.exists(_revoked_key(handle, parsed[1])):
+        if await handle.client.exists(_revoked_key(handle, parsed.nonce)):
             return None
-    return parsed[0]
+    return parsed.key_id
 
 
 async def _revoke(sessions: Sessions, handle: Any, request: Request) -> None:
     """Logout: the request's session is revoked on every replica until it would have expired."""
     parsed = sessions.parse(request.cookies.get(COOKIE))
     if parsed is not None:
-        ttl = max(1, parsed[2] - int(time.time()))
+        ttl = max(1, parsed.exp - int(time.time()))
         with contextlib.suppress(Exception):
-            await handle.client.set(_revoked_key(handle, parsed[1]), "1", ex=ttl)
+            await handle.client.set(_revoked_key(handle, parsed.nonce), "1", ex=ttl)
 
 
 async def _login_secret(request: Request) -> str | Response:
