@@ -200,7 +200,7 @@ def create_app(settings: Settings) -> Gateway:
     # no /openapi.json (it was the one page besides the probes answered without a key), no slash redirects (their
     # Location is built from the Host header the client sent; the generation endpoints serve a trailing slash)
     app = Gateway(title="ThinkGate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None, redirect_slashes=False)
+                  openapi_url=None, redirect_slashes=False, body_timeout_s=settings.server.request_body_timeout_s)
     app.state.settings = settings
     app.state.routing = routing
     app.state.proxy = proxy

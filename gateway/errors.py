@@ -23,7 +23,7 @@ from router.errors import ThinkGateError
 __all__ = ["AuthError", "BodyTooLarge", "ClientClosed", "ConversationsUnavailable", "GatewayError",
            "InvalidRequest", "KeyStoreUnavailable", "LimitsUnavailable", "NotFound", "OutcomesUnavailable",
            "PermissionDenied",
-           "RateLimited",
+           "RateLimited", "RequestTimeout",
            "ThinkGateError", "TierNotAllowed", "UnknownModel", "UpstreamConnectTimeout", "UpstreamError",
            "UpstreamRejected", "UpstreamStreamError", "UpstreamTimeout", "UpstreamUnavailable", "UsageUnavailable"]
 
@@ -115,6 +115,15 @@ class ClientClosed(GatewayError):
     status = 499
     type = "invalid_request_error"
     default_code = "client_disconnected"
+
+
+class RequestTimeout(GatewayError):
+    """408: the client did not send its request (head or body) within ``server.request_head_timeout_s`` /
+    ``request_body_timeout_s`` (``gateway/api/slow_clients.py``). The connection is closed after it."""
+
+    status = 408
+    type = "invalid_request_error"
+    default_code = "request_timeout"
 
 
 class BodyTooLarge(GatewayError):

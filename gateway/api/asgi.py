@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.errors import error_response, internal_error_response
+from gateway.api.slow_clients import guard_body
 from gateway.errors import GatewayError
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -37,9 +38,11 @@ UNVERSIONED_PREFIXES = ("/models/", "/responses/", "/messages/")
 class Gateway(FastAPI):
     """FastAPI with a direct dispatch of exact-path routes (module doc); register them with :meth:`add_hot_route`."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, body_timeout_s: float | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.hot: dict[tuple[str, str], Endpoint] = {}
+        #: ``server.request_body_timeout_s``: every HTTP request's body reads are bounded by it (None: unbounded)
+        self.body_timeout_s = body_timeout_s
 
     def add_hot_route(self, path: str, endpoint: Endpoint, methods: Sequence[str], name: str | None = None) -> None:
         """Serve ``methods`` on ``path`` (exact, no path parameters) by ``endpoint`` without the middleware stack.
@@ -50,6 +53,9 @@ class Gateway(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
+        if self.body_timeout_s is not None and scope["type"] == "http":
+            # a body sent a byte at a time would hold the request (and its connection) forever
+            receive = guard_body(receive, self.body_timeout_s)
         if scope["type"] == "http" and not path.startswith("/v1/") and (
                 path in UNVERSIONED or path.startswith(UNVERSIONED_PREFIXES)
                 or (path.endswith("/") and path[:-1] in UNVERSIONED)):

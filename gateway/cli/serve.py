@@ -101,8 +101,10 @@ def serve(
         if settings.dashboard.enabled:
             typer.echo(f"thinkgate: dashboard on http://{settings.server.host}:{settings.server.port}/dashboard "
                        "(log in with the admin key; on embedded defaults the development key)", err=True)
+        from gateway.api.slow_clients import uvicorn_options
+
         uvicorn.run(app, host=settings.server.host, port=settings.server.port,
-                    log_level=settings.server.log_level, access_log=False)
+                    log_level=settings.server.log_level, access_log=False, **uvicorn_options(settings.server))
     finally:
         if engine is not None:
             engine.stop()

@@ -1,4 +1,5 @@
-"""The HTTP server (``server:``): bind address, body size, log level, the garbage collector's thresholds, CORS.
+"""The HTTP server (``server:``): bind address, body size, log level, the garbage collector's thresholds, CORS,
+slow-client timeouts.
 """
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ class ServerConfig(_Strict):
     #: can serve those); ``true`` — never ready (clients on keys of the Redis store, config keys only for ops: a
     #: rolling update during an outage then waits on warm replicas); ``false`` — ready, degraded
     ready_requires_redis_sync: bool | None = None
+    #: slow clients (slowloris; ``gateway/api/slow_clients.py``): the request line and headers must be in within
+    #: ``request_head_timeout_s`` of the connection opening (or of the request's first byte on a kept-alive one),
+    #: the whole body within ``request_body_timeout_s`` of the head — else 408 and the connection is closed. The
+    #: bounds are on the whole head and body, not per read (a byte every few seconds passes a per-read timeout)
+    request_head_timeout_s: float = Field(10.0, gt=0)
+    request_body_timeout_s: float = Field(60.0, gt=0)
+    #: how long an idle kept-alive connection stays open between requests (uvicorn's ``timeout_keep_alive``)
+    keep_alive_timeout_s: float = Field(5.0, gt=0)
+    #: at most this many connections or requests in flight; beyond, uvicorn answers 503 (null: no cap)
+    limit_concurrency: int | None = Field(None, ge=1)
 
     @field_validator("gc_thresholds", mode="before")
     @classmethod

@@ -1,0 +1,140 @@
+"""Bounds on slow clients (slowloris): how long a connection may take to send a request, and idle between requests.
+
+uvicorn bounds only the idle time between two requests of a kept-alive connection (``timeout_keep_alive``, armed
+when a response completes). A connection that sends nothing, or half a request head, or a body a byte at a time,
+is held open forever — each held connection costs a socket and a slot in the event loop, so a few hundred of them
+from one client keep the gateway busy doing nothing. Three bounds, all in ``server:``:
+
+- ``request_head_timeout_s``: the request line and headers must be in within this of the connection opening (its
+  first request) or of the request's first byte (a later request on a kept-alive connection). Enforced by
+  :class:`GuardedHttpToolsProtocol` (uvicorn has no such timeout; the ASGI app never sees a head that is not
+  complete): ``408`` with an OpenAI-shaped error body, then the connection is closed.
+- ``request_body_timeout_s``: the whole body must be in within this of the head. Enforced where the app reads it
+  (:func:`guard_body`, wrapped around ``receive`` by :class:`gateway.api.asgi.Gateway`): the read raises
+  :class:`~gateway.errors.RequestTimeout`, which the endpoint answers as any refusal (``408``, OpenAI's error
+  shape — Anthropic's on ``/v1/messages``), with ``connection: close``. The protocol closes a connection whose
+  body is still arriving :data:`BODY_GRACE_S` after that (a body the app did not read because it answered first).
+- ``keep_alive_timeout_s``: uvicorn's ``timeout_keep_alive``.
+
+The bound is on the whole head and the whole body, not on the gap between two packets: a client that sends a
+byte every few seconds passes any per-read timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.types import Message, Receive
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.config import ServerConfig
+from gateway.errors import RequestTimeout
+
+#: after ``request_body_timeout_s``, the protocol's own cut of a body still arriving waits this much longer, so
+#: the app's 408 (which says why) goes out first when the app is the one reading the body
+BODY_GRACE_S = 1.0
+
+
+def guard_body(receive: Receive, timeout_s: float) -> Receive:
+    """``receive`` that raises :class:`RequestTimeout` when the request body is not complete ``timeout_s`` from
+    now. Once the last body part is in, later calls (the wait for ``http.disconnect`` while an answer streams) are
+    passed through unbounded."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    done = False
+
+    async def guarded() -> Message:
+        nonlocal done
+        if done:
+            return await receive()
+        try:
+            async with asyncio.timeout_at(deadline):
+                message = await receive()
+        except TimeoutError:
+            done = True
+            raise RequestTimeout(f"the request body was not received within {timeout_s:g} s "
+                                 "(server.request_body_timeout_s)", headers={"connection": "close"}) from None
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            done = True
+        return message
+
+    return guarded
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline on reading each request (module doc). Subclassed per server
+    by :func:`protocol_class` with the configured bounds."""
+
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_timer: asyncio.TimerHandle | None = None
+
+    def _arm(self, delay_s: float, callback: Any) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+        self._read_timer = self.loop.call_later(delay_s, callback)
+
+    def _disarm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        # a connection that never sends a byte is a request head that never completes
+        self._arm(self.head_timeout_s, self._head_expired)
+
+    def data_received(self, data: bytes) -> None:
+        # Between requests no timer runs (uvicorn's keep-alive timer does, and the first byte cancels it): the
+        # first byte of the next request starts its head's clock. Armed before parsing, so that a request that
+        # completes within this call is disarmed by on_message_complete below.
+        if self._read_timer is None:
+            self._arm(self.head_timeout_s, self._head_expired)
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._arm(self.body_timeout_s + BODY_GRACE_S, self._body_expired)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _head_expired(self) -> None:
+        self._read_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_complete:
+            # nothing else is being written on this connection: say why it is closed
+            err = RequestTimeout(f"the request head was not received within {self.head_timeout_s:g} s "
+                                 "(server.request_head_timeout_s)")
+            body = err.to_json()
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
+                                 + body)
+        self.transport.close()
+
+    def _body_expired(self) -> None:
+        self._read_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def protocol_class(server: ServerConfig) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class for uvicorn's ``http=`` with ``server``'s bounds (uvicorn builds one instance per
+    connection from the class alone, so the bounds are class attributes of a subclass)."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
+                {"head_timeout_s": server.request_head_timeout_s, "body_timeout_s": server.request_body_timeout_s})
+
+
+def uvicorn_options(server: ServerConfig) -> dict[str, Any]:
+    """The uvicorn settings of ``server:`` beyond host and port: the slow-client bounds and the concurrency cap."""
+    return {"http": protocol_class(server), "timeout_keep_alive": server.keep_alive_timeout_s,
+            "limit_concurrency": server.limit_concurrency}
