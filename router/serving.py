@@ -23,6 +23,7 @@ records the error; a service that had no router stays in ``default_tier`` mode u
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
@@ -60,6 +61,19 @@ def file_signature(path: Path) -> _Signature | None:
     except OSError:
         return None
     return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def file_sha256(path: Path) -> str | None:
+    """The SHA-256 (hex) of ``path``'s bytes: the file's identity in ``GET /v1/models`` (with its name), where the
+    absolute path would tell every key the server's layout; None when it cannot be read."""
+    h = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError:
+        return None
+    return h.hexdigest()
 
 
 _CACHE: dict[tuple[str, _Signature], TrainedRouter] = {}
@@ -118,6 +132,7 @@ class RouterService(Router):
         self._clock = clock
         self._router: TrainedRouter | None = None
         self._signature: _Signature | None = None
+        self._sha256: str | None = None  # of the file in service (read once per load)
         self._error: str | None = None
         self._next_check = 0.0
         self._lock = threading.Lock()  # serialises reloads (scoring never takes it)
@@ -186,13 +201,20 @@ class RouterService(Router):
         r = self._router
         return embed_cuts(r.thresholds, len(self.routed_tiers)) if r is not None else []
 
-    def info(self) -> dict[str, Any]:
-        """A JSON-able summary (for ``/v1/models`` and the admin reload answer)."""
+    def info(self, *, with_path: bool = True) -> dict[str, Any]:
+        """A JSON-able summary (for ``/v1/models`` and the admin reload answer). The file is named by ``file`` (its
+        name) and ``sha256`` (of the bytes in service); ``with_path=False`` leaves out its full path — there and in
+        ``error`` — for views any API key reads (the path tells a client the server's directory layout)."""
         r = self._router
         meta = r.metadata if r is not None else {}
-        return {
+        error = self._error
+        if not with_path and error is not None and self.path is not None:
+            error = error.replace(str(self.path), self.path.name)
+        out = {
             "mode": self.mode,
             "path": None if self.path is None else str(self.path),
+            "file": None if self.path is None else self.path.name,
+            "sha256": self._sha256 if r is not None else None,
             "router": meta.get("router"),
             "version": meta.get("version") or meta.get("created_utc"),
             "created_utc": meta.get("created_utc"),
@@ -207,9 +229,12 @@ class RouterService(Router):
             "budgets": budget_sentence(meta),
             # the shipped default's cold-start validation (router/fit/coldstart.py): what it serves, checked on what
             "cold_start": _cold_start_info(meta),
-            "error": self._error,
+            "error": error,
             "reloads": self.reloads,
         }
+        if not with_path:
+            del out["path"]
+        return out
 
     # ---- scoring ---------------------------------------------------------------------------------------
 
@@ -243,7 +268,10 @@ class RouterService(Router):
                 self._signature = sig  # do not retry the same bytes on every check
                 self._error = str(exc)
                 raise
-            self._router, self._signature, self._error = router, sig, None
+            digest = file_sha256(self.path)
+            if file_signature(self.path) != sig:
+                digest = None  # replaced while it was read: not the bytes loaded (the watcher loads it next)
+            self._router, self._signature, self._error, self._sha256 = router, sig, None, digest
             self.reloads += 1
             log.info("router loaded from %s (thresholds %s)", self.path, self.thresholds)
             if (said := budget_sentence(router.metadata)) is not None:

@@ -92,18 +92,22 @@ def _shaped(request: Request, exc: GatewayError) -> Response:
     return Response(error_body(exc), status_code=exc.status, media_type="application/json", headers=exc.headers)
 
 
-def _status(request: Request, routing: Routing) -> dict[str, Any] | None:
-    """The router service's info plus ``learning`` (automatic retraining's status, None when off)."""
+def _status(request: Request, routing: Routing, key: KeyInfo) -> dict[str, Any] | None:
+    """The router service's info plus ``learning`` (automatic retraining's status, None when off). Files are named
+    by name and content digest; their full paths only to the admin key (any key reads this list, and a path tells
+    a client the server's directory layout)."""
     if routing.service is None:
         return None
     trigger = getattr(request.app.state, "retrain", None)
-    return {**routing.service.info(), "learning": trigger.status() if trigger is not None else None}
+    admin = key.is_admin
+    return {**routing.service.info(with_path=admin),
+            "learning": trigger.status(with_paths=admin) if trigger is not None else None}
 
 
 def attach(app: FastAPI, settings: Settings, proxy: Proxy, routing: Routing, created: int) -> None:
     """Add ``/v1/models`` and ``/admin/router/reload`` to ``app``; ``created`` stamps the model cards (s)."""
 
-    def auto_card(request: Request) -> dict[str, Any]:
+    def auto_card(request: Request, key: KeyInfo) -> dict[str, Any]:
         return {
             "id": AUTO,
             "object": "model",
@@ -111,7 +115,7 @@ def attach(app: FastAPI, settings: Settings, proxy: Proxy, routing: Routing, cre
             "owned_by": "thinkgate",
             "thinkgate": {
                 "router": routing.scorer.name,
-                "router_status": _status(request, routing),
+                "router_status": _status(request, routing, key),
                 "routed_tiers": settings.routing.routed_tiers,
                 "thresholds": routing.thresholds,
                 "effort_tiers": settings.routing.effort_tiers,
@@ -137,19 +141,20 @@ def attach(app: FastAPI, settings: Settings, proxy: Proxy, routing: Routing, cre
             data = [_anthropic_card(n, created) for n in names]
             return _json({"data": data, "has_more": False, "first_id": names[0], "last_id": names[-1]})
         return _json({"object": "list",
-                      "data": [auto_card(request), *(_tier_card(t, created) for t in visible(key))]})
+                      "data": [auto_card(request, key), *(_tier_card(t, created) for t in visible(key))]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         """One model card (``client.models.retrieve``): ``auto`` or a tier the key may ask for; 404
         ``model_not_found`` otherwise (Anthropic's card and ``not_found_error`` to an Anthropic client)."""
         try:
-            found = _card_tier(visible(await key_of(request)), model_id)
+            key = await key_of(request)
+            found = _card_tier(visible(key), model_id)
         except GatewayError as exc:
             return _shaped(request, exc)
         if anthropic_client(request):
             return _json(_anthropic_card(model_id, created))
-        return _json(auto_card(request) if found is None else _tier_card(found, created))
+        return _json(auto_card(request, key) if found is None else _tier_card(found, created))
 
     @app.post("/admin/router/reload")
     async def reload_router(request: Request) -> Response:

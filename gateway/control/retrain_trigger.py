@@ -163,15 +163,19 @@ class RetrainTrigger:
         return self.cfg.spot_check > 0 and self.rng.random() < self.cfg.spot_check
 
     # --- status -----------------------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self, *, with_paths: bool = True) -> dict[str, Any]:
         """For ``/v1/models``: the configuration, this replica's fits, its last audit event and the last reading
         of the promoted router's realised floor — the fitting replica's, on every replica (``p router:realised``:
         ``{"version", "method", "n", "n_cheap", "n_spot_check", "n_top", "accuracy_ratio", "ratio_low",
-        "holds_floor", ...}``; None before the first check of a promoted router)."""
+        "holds_floor", ...}``; None before the first check of a promoted router). ``with_paths=False`` (what any
+        API key reads): no ``state_dir``, and the last event's file by name only."""
+        last = self.last
+        if not with_paths and last is not None and last.get("path"):
+            last = {**last, "path": Path(str(last["path"])).name}
         return {"every_outcomes": self.cfg.every_outcomes, "explore": self.cfg.explore,
                 "spot_check": self.cfg.spot_check, "floor": self.cfg.floor,
-                "fit_here": self.cfg.fit_here, "state_dir": str(self.dir), "fits": self.fits,
-                "fitting": self.fitting, "last_event": self.last, "realised": self.realised_last}
+                "fit_here": self.cfg.fit_here, "state_dir": str(self.dir) if with_paths else None,
+                "fits": self.fits, "fitting": self.fitting, "last_event": last, "realised": self.realised_last}
 
     # --- loop -------------------------------------------------------------------------------------------
     async def start(self) -> None:

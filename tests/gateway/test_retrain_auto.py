@@ -22,7 +22,7 @@ from gateway.ledger.outcome import Outcome, window_digest
 from router.fit.retrain import is_heldout_digest
 from router.persistence import load_router, save_router
 from tests.fixtures.crash_process import DurableRedis
-from tests.fixtures.gateway import SECRETS, accounting_gateway
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway
 from tests.fixtures.outcomes import serving_router, write_outcomes
 from tests.fixtures.upstream import SimProcess, wait_for
 
@@ -64,8 +64,9 @@ def _routing(router: Path, tmp: Path, **retrain: Any) -> dict[str, Any]:
                         "min_heldout": 10, **retrain}}
 
 
-def _status(gw: Any) -> dict[str, Any]:
-    r = httpx.get(gw.base_url + "/models", headers={"authorization": f"Bearer {SECRETS['alice']}"}, timeout=10)
+def _status(gw: Any, secret: str = ADMIN_SECRET) -> dict[str, Any]:
+    """``router_status`` as the admin key reads it (with the files' full paths; any other key reads names)."""
+    r = httpx.get(gw.base_url + "/models", headers={"authorization": f"Bearer {secret}"}, timeout=10)
     return dict(r.json()["data"][0]["thinkgate"]["router_status"])
 
 
@@ -109,6 +110,11 @@ def test_a_better_router_is_promoted_and_a_worse_one_is_not(upstream_sim: SimPro
             assert cmp["old"]["holds_floor"] is False and cmp["new"]["holds_floor"] is True
             assert st["version"] == event["version"] and st["version"].startswith("auto-")
             assert st["path"] == event["path"] and Path(event["path"]).parent == tmp_path / "routers"
+            # any other key reads the promoted file by name and digest: no directory of this server
+            tenant = _status(gw, SECRETS["alice"])
+            assert "path" not in tenant and tenant["learning"]["state_dir"] is None
+            assert tenant["file"] == tenant["learning"]["last_event"]["path"] == Path(event["path"]).name
+            assert tenant["sha256"] == st["sha256"] and str(tmp_path) not in json.dumps(tenant)
             assert old.exists()  # the previous file is kept
             # the promoted router serves: easy questions go to the cheap tier, hard ones up
             r = httpx.post(gw.base_url + "/chat/completions", headers={"authorization": f"Bearer {SECRETS['alice']}"},

@@ -131,3 +131,27 @@ def test_missing_router_file_default_tier_and_refuse_start(upstream_sim: Any, re
     corrupt.write_bytes(SHIPPED.read_bytes()[:1000])
     with pytest.raises(RouterUnavailable, match="corrupt"):
         create_app(settings_for(upstream_sim, redis_url, corrupt, on_router_error="refuse_start"))
+
+
+def test_models_names_the_router_file_without_its_path(upstream_sim: Any, redis_url: str, live: Path) -> None:
+    """``GET /v1/models`` is read by every API key: it names the router file by its name and the SHA-256 of its
+    bytes, never by its absolute path (the server's directory layout) — not in a load error either. The admin key
+    reads the path (there and in the reload answer)."""
+    digest = hashlib.sha256(live.read_bytes()).hexdigest()
+    with GatewayServer(settings_for(upstream_sim, redis_url, live, reload_interval_s=3600.0)) as gw:
+        def models(key: str, path: str = "/models") -> httpx.Response:
+            return httpx.get(gw.base_url + path, headers={"authorization": f"Bearer {key}"}, timeout=10)
+
+        for r in (models(TEST_KEY), models(TEST_KEY, "/models/auto")):
+            assert r.status_code == 200 and str(live.parent) not in r.text
+        status = models(TEST_KEY).json()["data"][0]["thinkgate"]["router_status"]
+        assert "path" not in status and (status["file"], status["sha256"]) == ("router.skops", digest)
+        admin = models(ADMIN).json()["data"][0]["thinkgate"]["router_status"]
+        assert admin["path"] == str(live) and admin["sha256"] == digest
+        live.write_bytes(b"not a router")  # a broken deploy: its error names the file
+        r = reload(gw, ADMIN)
+        assert r.status_code == 422 and str(live) in r.json()["router"]["error"]
+        r = models(TEST_KEY)
+        status = r.json()["data"][0]["thinkgate"]["router_status"]
+        assert "router.skops" in status["error"] and str(live.parent) not in r.text
+        assert status["sha256"] == digest  # the router in service is still the one loaded
