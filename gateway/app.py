@@ -209,7 +209,7 @@ def create_app(settings: Settings) -> Gateway:
     app.state.drift = drift
     app.state.retrain = retrain
     install_handlers(app)
-    usage_api.install(app, keys, accounting)
+    usage_api.install(app, settings, keys, accounting)
     responses_api.attach(app, proxy, ConversationStore(accounting.handle, accounting.breaker,
                                                        settings.responses.store_ttl_s))
     messages_api.attach(app, proxy)

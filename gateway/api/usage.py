@@ -14,13 +14,18 @@
   start of the current UTC month; raw events (no ``group_by``) are capped at ``limit`` (default 1000).
 - ``key_id`` selects a key (admin only for other keys: 403 otherwise).
 
-``GET /metrics``: Prometheus exposition (any valid key; scrape with ``authorization`` in the scrape config).
+``GET /metrics``: Prometheus exposition, for the operator (``metrics.access``, default ``admin``: the admin key or
+``metrics.scrape_key_sha256``'s key — any other key 403, none 401; scrape with ``authorization`` in the scrape
+config). Its series carry the upstream replicas' URLs (internal hosts and ports), the tiers' upstream models and,
+with ``metrics.key_id_label``, every key's id and spend: nothing a tenant's key should read.
 While Redis is unreachable ``/v1/usage`` answers 503 (``usage_unavailable``).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -30,7 +35,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.common import json_response as _json
-from gateway.auth.keys import KeyInfo, KeyStore
+from gateway.auth.keys import KeyInfo, KeyStore, bearer_secret, dev_key_only_admin
+from gateway.config import Settings
 from gateway.errors import InvalidRequest, NotFound, PermissionDenied, UsageUnavailable
 from gateway.ledger.event import micro_to_usd
 from gateway.ledger.export import ExportError, build, parse_group_by, parse_time
@@ -88,7 +94,24 @@ async def levels_view(acct: Accounting, key: KeyInfo, day: str, now: float) -> l
     return out
 
 
-def install(app: Starlette, keys: KeyStore, acct: Accounting) -> None:
+async def _may_scrape(settings: Settings, keys: KeyStore, authorization: str | None) -> None:
+    """Return when ``authorization`` may read ``/metrics`` under ``metrics.access``; raise AuthError (401: no key,
+    an unknown one) or PermissionDenied (403: a key that is not the operator's)."""
+    cfg = settings.metrics
+    if cfg.access == "open":
+        return
+    secret = bearer_secret(authorization)
+    if secret is not None and cfg.scrape_key_sha256 and hmac.compare_digest(
+            hashlib.sha256(secret.encode()).digest(), bytes.fromhex(cfg.scrape_key_sha256)):
+        return
+    key = await keys.authenticate(authorization)
+    if cfg.access == "any_key" or key.is_admin or dev_key_only_admin(settings.auth, key.id):
+        return
+    raise PermissionDenied("/metrics is for the operator: send the admin key or the scrape key "
+                           "(metrics.scrape_key_sha256); metrics.access: any_key opens it to every key")
+
+
+def install(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting) -> None:
     """Add ``GET /v1/usage`` and ``GET /metrics`` to ``app``."""
 
     async def usage(request: Request) -> Response:
@@ -134,7 +157,7 @@ def install(app: Starlette, keys: KeyStore, acct: Accounting) -> None:
         return _json({"object": "list", "group_by": group_by, "since": since, "until": until, "data": rows})
 
     async def metrics(request: Request) -> Response:
-        await keys.authenticate(request.headers.get("authorization"))
+        await _may_scrape(settings, keys, request.headers.get("authorization"))
         return Response(acct.render_metrics(), media_type=CONTENT_TYPE)
 
     app.router.add_route("/v1/usage", usage, methods=["GET"])

@@ -152,6 +152,20 @@ class KeyStore:
         return found
 
 
+def dev_key_only_admin(auth: AuthConfig, key_id: str) -> bool:
+    """True when ``key_id`` is the development key of embedded defaults (``thinkgate serve`` registered
+    ``auth.dev_key_file`` as the only key, no admin key): its holder is the operator, so the operator's pages (the
+    dashboard, ``/metrics``) take it as admin — while it is the single key and still the file's."""
+    if auth.admin_key_sha256 or len(auth.keys) != 1 or key_id != DEV_KEY_ID or auth.keys[0].id != DEV_KEY_ID:
+        return False
+    try:
+        secret = auth.dev_key_file.read_text().strip()
+    except OSError:
+        return False
+    stored = auth.keys[0].secret_sha256 or ""
+    return bool(secret) and hmac.compare_digest(hashlib.sha256(secret.encode()).hexdigest(), stored)
+
+
 def ensure_dev_key(path: Path) -> tuple[str, bool]:
     """Return (secret, created) of the development key in ``path``, creating it (mode 0600) if missing.
 

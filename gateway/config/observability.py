@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from gateway.config.base import _Strict
@@ -27,4 +29,13 @@ class MetricsConfig(_Strict):
     cache result, status class; the key id only when ``key_id_label`` (one series per key)."""
 
     key_id_label: bool = False
+    #: who reads ``/metrics``. The series are the operator's, not a tenant's: the upstream replicas' URLs
+    #: (``thinkgate_upstream_*{upstream}``: internal hosts and ports), the tiers' upstream models, every key's
+    #: spend with ``key_id_label``. ``admin`` (default): the admin key or the scrape key below (403 for any other
+    #: key); ``any_key``: any valid API key (the behaviour before this setting); ``open``: no key — only for a
+    #: listener no client can reach (a NetworkPolicy or firewall admitting Prometheus alone)
+    access: Literal["admin", "any_key", "open"] = "admin"
+    #: SHA-256 (hex) of a key that opens ``/metrics`` and nothing else — Prometheus' bearer token, so the scrape
+    #: job need not hold the admin key (``printf %s "$SECRET" | sha256sum``)
+    scrape_key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
 

@@ -335,7 +335,7 @@ class Balancer:
 
 def label_url(url: str) -> str:
     """A replica's URL as a metric label: scheme, host, port and path — no userinfo (``user:token@``) or query,
-    where credentials live: ``/metrics`` is readable with any API key."""
+    where credentials live (``/metrics`` is the operator's by default, but ``metrics.access`` may open it)."""
     parts = urlsplit(url)
     port = f":{parts.port}" if parts.port else ""
     return f"{parts.scheme}://{parts.hostname or ''}{port}{parts.path}"

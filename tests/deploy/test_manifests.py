@@ -37,6 +37,7 @@ TARGETS = {"base": KUSTOMIZE / "base", "redis-cluster": KUSTOMIZE / "overlays" /
 #: the newest schema kubernetes-validate ships
 K8S_VERSIONS = ("1.30.0", None)
 
+SCRAPE = "tg-k8s-scrape-0000000000000000"  # Prometheus' key in the served pod's Secret
 needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
                                    reason="kubectl (which has kustomize built in) is not installed")
 
@@ -223,7 +224,8 @@ def served(rendered: dict[str, list[dict[str, Any]]], upstream_sim: SimProcess, 
            "THINKGATE_SERVER__HOST": "127.0.0.1", "THINKGATE_SERVER__PORT": str(port),
            "THINKGATE_REDIS__URL": redis_url, "THINKGATE_REDIS__KEY_PREFIX": prefix,
            "THINKGATE_AUTH__KEYS": json.dumps([{"id": "team-a", "tags": {"team": "a"},
-                                                "secret_sha256": hashlib.sha256(secret.encode()).hexdigest()}])}
+                                                "secret_sha256": hashlib.sha256(secret.encode()).hexdigest()}]),
+           "THINKGATE_METRICS__SCRAPE_KEY_SHA256": hashlib.sha256(SCRAPE.encode()).hexdigest()}
     exe = Path(sys.executable).with_name(c["command"][0])
     log = tmp_path / "serve.log"
     with log.open("wb") as sink:
@@ -256,7 +258,10 @@ def test_the_container_serves_its_probes_and_metrics(served: tuple[str, str, dic
                             "upstreams": {"short": True, "long": True}}
     ann = one(rendered["base"], "Deployment")["spec"]["template"]["metadata"]["annotations"]
     assert httpx.get(base + ann["prometheus.io/path"], timeout=5).status_code == 401  # the scrape needs a key
-    m = httpx.get(base + ann["prometheus.io/path"], headers={"authorization": f"Bearer {secret}"}, timeout=5)
+    # the Secret's scrape key reads it; a tenant's key does not (the series name internal upstream hosts)
+    assert httpx.get(base + ann["prometheus.io/path"], headers={"authorization": f"Bearer {secret}"},
+                     timeout=5).status_code == 403
+    m = httpx.get(base + ann["prometheus.io/path"], headers={"authorization": f"Bearer {SCRAPE}"}, timeout=5)
     assert m.status_code == 200 and "# TYPE" in m.text
     r = httpx.post(base + "/v1/chat/completions", headers={"authorization": f"Bearer {secret}"}, timeout=30,
                    json={"model": "auto", "messages": [{"role": "user", "content": "what is two plus two"}]})

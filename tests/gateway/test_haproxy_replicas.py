@@ -131,7 +131,7 @@ def test_a_rate_limit_is_one_limit_for_the_fleet(fleet: Fleet, redis_url: str) -
 
 
 def _threshold(replica: str) -> float | None:
-    text = httpx.get(replica + "/metrics", headers=headers(SECRETS["alice"]), timeout=10).text
+    text = httpx.get(replica + "/metrics", headers=headers(ADMIN_SECRET), timeout=10).text
     m = re.search(r'^thinkgate_routing_threshold\{tier="long"\} (\S+)$', text, re.M)
     return float(m.group(1)) if m else None
 

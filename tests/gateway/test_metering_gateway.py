@@ -4,6 +4,7 @@ events (CLI and API), keys from the CLI, /v1/usage visibility and /metrics."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -227,7 +228,7 @@ def test_metrics_endpoint(gw: GatewayServer) -> None:
     c.chat.completions.create(model="short", messages=question, temperature=0)
     time.sleep(0.1)
     assert httpx.get(gw.url + "/metrics", timeout=10).status_code == 401
-    text = httpx.get(gw.url + "/metrics", headers={"authorization": f"Bearer {SECRETS['alice']}"}, timeout=10).text
+    text = httpx.get(gw.url + "/metrics", headers={"authorization": f"Bearer {ADMIN_SECRET}"}, timeout=10).text
     samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
     assert "_created" not in text  # one sample per series: no start-time twins
 
@@ -291,3 +292,29 @@ def test_a_cut_streams_prompt_estimate_counts_text_not_image_bytes() -> None:
     # the words (role and part type included: a rough count) plus one image's share
     assert MEDIA_TOKENS < estimate_prompt([{"role": "user", "content": [text, image]}]) < MEDIA_TOKENS + 20
     assert 3 <= estimate_prompt([{"role": "user", "content": "hello there world"}]) <= 8
+
+
+def test_metrics_are_the_operators(upstream_sim: SimProcess, redis_url: str, tmp_path: Path) -> None:
+    """``/metrics`` labels the upstream replicas by URL (internal hosts and ports) and names every tier's upstream
+    model: by default (``metrics.access: admin``) a tenant's key is refused (403, OpenAI's shape), the admin key
+    and the scrape key read it, and the scrape key opens nothing else; ``any_key`` is the old, open behaviour."""
+    scrape = "tg-scrape-" + uuid.uuid4().hex
+    digest = hashlib.sha256(scrape.encode()).hexdigest()
+
+    def get(gw: GatewayServer, secret: str | None, path: str = "/metrics") -> httpx.Response:
+        headers = {"authorization": f"Bearer {secret}"} if secret else {}
+        return httpx.get(gw.url + path, headers=headers, timeout=10)
+
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, metrics={"scrape_key_sha256": digest}) as gw:
+        refused = get(gw, SECRETS["alice"])
+        assert refused.status_code == 403 and upstream_sim.base_url.split("//")[1] not in refused.text
+        err = refused.json()["error"]
+        assert err["type"] == "permission_denied" or err["code"] == "permission_denied", err
+        assert "scrape_key_sha256" in err["message"]
+        assert get(gw, None).status_code == 401 and get(gw, "tg-not-a-key").status_code == 401
+        assert get(gw, ADMIN_SECRET).status_code == 200
+        ok = get(gw, scrape)
+        assert ok.status_code == 200 and "# TYPE thinkgate_requests" in ok.text
+        assert get(gw, scrape, "/v1/models").status_code == 401  # a scrape key, not an API key
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, metrics={"access": "any_key"}) as gw:
+        assert get(gw, SECRETS["alice"]).status_code == 200 and get(gw, None).status_code == 401

@@ -16,9 +16,11 @@ from gateway.config import RedisConfig, RoutingConfig, Settings
 from gateway.control.target import TargetController, share_for_spend
 from gateway.state.breaker import Breaker
 from gateway.state.redis import connect
-from tests.fixtures.gateway import SECRETS, accounting_gateway
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway
 from tests.fixtures.redis_stack import PersistentRedis
 from tests.fixtures.upstream import SimProcess, wait_for
+
+ADMIN = {"authorization": f"Bearer {ADMIN_SECRET}"}  # /metrics is the operator's
 
 
 def _controller(redis_url: str, prefix: str, **target: object) -> TargetController:
@@ -153,18 +155,18 @@ def test_two_gateways_on_one_prefix_share_thresholds(upstream_sim: SimProcess, r
                     "model": "auto", "max_tokens": 4, "messages": [{"role": "user", "content": "q" * int(n)}]})
                 assert r.status_code == 200, r.text
                 tiers.append(r.headers["x-thinkgate-tier"])
-            ma = client.get(a.url + "/metrics").text
+            ma = client.get(a.url + "/metrics", headers=ADMIN).text
             thr_a = _metric(ma, "thinkgate_routing_threshold", "long")
             assert thr_a is not None and thr_a < 0.5  # A moved its threshold down toward a 20 % long share
             assert _metric(ma, "thinkgate_routing_target_share") == 0.2
             assert tiers[:8] == ["short"] * 8  # before the first update: the configured 0.5
 
             def b_agrees() -> bool:  # A's loop sends its last pending decisions; then both read one state
-                ta = _metric(client.get(a.url + "/metrics").text, "thinkgate_routing_threshold", "long")
-                tb = _metric(client.get(b.url + "/metrics").text, "thinkgate_routing_threshold", "long")
+                ta = _metric(client.get(a.url + "/metrics", headers=ADMIN).text, "thinkgate_routing_threshold", "long")
+                tb = _metric(client.get(b.url + "/metrics", headers=ADMIN).text, "thinkgate_routing_threshold", "long")
                 return ta is not None and ta == tb
             assert wait_for(b_agrees, timeout_s=10)  # B (no traffic) applies the shared threshold
-            mb = client.get(b.url + "/metrics").text
+            mb = client.get(b.url + "/metrics", headers=ADMIN).text
             assert _metric(mb, "thinkgate_routing_share", "long") is not None
             on_b = [client.post(b.base_url + "/chat/completions", json={
                 "model": "auto", "max_tokens": 4, "messages": [{"role": "user", "content": "q" * int(n)}]}

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from gateway.pipeline.sessions import session_of
-from tests.fixtures.gateway import SECRETS, accounting_gateway, cleanup
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway, cleanup
 from tests.fixtures.upstream import GatewayServer, SimProcess, sim_tiers
 
 # The length baseline scores characters / 2000 over system + last user turn: 0.6 > the 0.5 cut → "long".
@@ -127,7 +127,7 @@ def test_prometheus_counts_sessions(gw: GatewayServer) -> None:
     msgs = [{"role": "user", "content": f"count me {uuid.uuid4().hex[:8]}"}]
     oai(gw).chat.completions.create(model="auto", messages=msgs)  # type: ignore[arg-type]
     oai(gw).chat.completions.create(model="auto", messages=[*msgs, {"role": "user", "content": LONG_TURN}])  # type: ignore[arg-type]
-    text = httpx.get(gw.url + "/metrics", headers={"authorization": f"Bearer {SECRETS['alice']}"}, timeout=10).text
+    text = httpx.get(gw.url + "/metrics", headers={"authorization": f"Bearer {ADMIN_SECRET}"}, timeout=10).text
     counts = {m.group(1): float(m.group(2))
               for m in re.finditer(r'^thinkgate_session_routes_total\{state="(\w+)"\} (\S+)$', text, re.M)}
     assert counts["new"] >= 1 and counts["sticky"] >= 1 and counts["flip_avoided"] >= 1

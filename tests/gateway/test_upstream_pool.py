@@ -6,6 +6,7 @@ active health checks, and the per-upstream Prometheus series."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 import uuid
@@ -22,6 +23,10 @@ from tests.fixtures.sim_pool import SimPool, pool_tiers
 from tests.fixtures.upstream import TEST_KEY, GatewayServer, sim_settings, wait_for
 
 AUTH = {"authorization": f"Bearer {TEST_KEY}"}
+SCRAPE_KEY = "tg-pool-scrape-0000000000000"
+# /metrics is the operator's (metrics.access: admin): these gateways' scrape key reads it
+METRICS = {"metrics": {"scrape_key_sha256": hashlib.sha256(SCRAPE_KEY.encode()).hexdigest()}}
+SCRAPE = {"authorization": f"Bearer {SCRAPE_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,8 @@ def gateway(sims: SimPool, redis_url: str, routing: dict[str, Any] | None = None
                             "default_tier": "long", **routing}
         extra["redis"] = {"url": redis_url, "start_if_missing": False,
                           "key_prefix": f"tgtest:{uuid.uuid4().hex[:12]}:"}
-    return GatewayServer(sim_settings(sims.urls[0], redis_url, tiers=pool_tiers(sims.urls, **pool), **extra))
+    return GatewayServer(sim_settings(sims.urls[0], redis_url, tiers=pool_tiers(sims.urls, **pool), **extra,
+                                      **METRICS))
 
 
 def chat(client: httpx.Client, gw: GatewayServer, messages: list[dict[str, Any]], tag: str | None = None,
@@ -63,7 +69,7 @@ def ask(client: httpx.Client, gw: GatewayServer, text: str | None = None) -> htt
 
 
 def metric(gw: GatewayServer, name: str, url: str) -> float:
-    text = httpx.get(gw.url + "/metrics", headers=AUTH, timeout=10).text
+    text = httpx.get(gw.url + "/metrics", headers=SCRAPE, timeout=10).text
     m = re.search(rf'^{name}\{{upstream="{re.escape(url)}"\}} (\S+)$', text, re.M)
     assert m is not None, f"{name} for {url} not in /metrics"
     return float(m.group(1))
@@ -287,11 +293,12 @@ def test_settings_errors_name_the_field(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_metrics_never_show_upstream_credentials(replicas: SimPool, redis_url: str) -> None:
-    """``/metrics`` is readable with any API key: a replica URL with credentials in it (``user:token@``) is
-    labelled without them (it leaked the token on five series)."""
+    """A replica URL with credentials in it (``user:token@``) is labelled without them (it leaked the token on
+    five series; ``/metrics`` is the operator's by default, but ``metrics.access: any_key`` opens it to tenants)."""
     urls = [u.replace("http://", "http://tguser:S3CRETTOKEN@") for u in replicas.urls]
-    with GatewayServer(sim_settings(urls[0], redis_url, tiers=pool_tiers(urls))) as gw, httpx.Client() as c:
+    settings = sim_settings(urls[0], redis_url, tiers=pool_tiers(urls), **METRICS)
+    with GatewayServer(settings) as gw, httpx.Client() as c:
         assert ask(c, gw).status_code == 200
-        text = httpx.get(gw.url + "/metrics", headers=AUTH, timeout=10).text
+        text = httpx.get(gw.url + "/metrics", headers=SCRAPE, timeout=10).text
         assert "S3CRETTOKEN" not in text and "tguser" not in text
         assert sum(metric(gw, "thinkgate_upstream_requests_total", u) for u in replicas.urls) == 1

@@ -22,8 +22,6 @@ that holds only while it is the single key and there is no admin key.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import html
 import time
 from importlib.resources import files
@@ -37,7 +35,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from gateway.api.dashboard.data import collect
 from gateway.api.dashboard.session import COOKIE, Sessions, load_secret
-from gateway.auth.keys import ADMIN_KEY_ID, DEV_KEY_ID, KeyInfo, KeyStore, sha256_hex
+from gateway.auth.keys import ADMIN_KEY_ID, DEV_KEY_ID, KeyInfo, KeyStore, dev_key_only_admin, sha256_hex
 from gateway.config import Settings
 from gateway.errors import AuthError, GatewayError
 from gateway.ledger.export import ExportError, parse_time
@@ -56,15 +54,7 @@ SECURITY_HEADERS = {"content-security-policy": "default-src 'self'; frame-ancest
 
 def dev_key_is_admin(settings: Settings, key: KeyInfo) -> bool:
     """True when ``key`` is the development key of embedded defaults (see the module doc)."""
-    auth = settings.auth
-    if auth.admin_key_sha256 or len(auth.keys) != 1 or key.id != DEV_KEY_ID or auth.keys[0].id != DEV_KEY_ID:
-        return False
-    try:
-        secret = auth.dev_key_file.read_text().strip()
-    except OSError:
-        return False
-    stored = auth.keys[0].secret_sha256 or ""
-    return bool(secret) and hmac.compare_digest(hashlib.sha256(secret.encode()).hexdigest(), stored)
+    return dev_key_only_admin(settings.auth, key.id)
 
 
 def admin_credential(settings: Settings, key_id: str) -> bytes | None:
