@@ -212,6 +212,12 @@ class Proxy:
         candidates = [route.tier, *self._fallbacks(route)]
         last: GatewayError | None = None
         for i, tier in enumerate(candidates):
+            if i > 0:
+                # the record names the call in flight before it is sent: a non-streamed answer is read whole inside
+                # ``open``, and a client that hangs up meanwhile is billed this call's prompt
+                # (:meth:`_unless_disconnected`) — on the tier it was sent to, at that tier's prices, not the one
+                # that refused it
+                ex.stamp(replace(route, tier=tier, reason="escalated" if route.reason == "escalated" else "fallback"))
             built = upstream_body.build(body, tier, caller.endpoint)
             resp: UpstreamResponse
             try:
@@ -233,10 +239,9 @@ class Proxy:
             except GatewayError as exc:
                 await ex.close(exc.status, exc.code)
                 raise
-            if i > 0:
-                ex.stamp(replace(route, tier=tier, reason="escalated" if route.reason == "escalated" else "fallback"))
             return resp
         assert last is not None
+        ex.stamp(route)  # no tier answered (nothing ran, nothing billed): the record keeps the request's route
         await ex.close(last.status, last.code)
         raise last
 

@@ -373,3 +373,48 @@ def test_an_upstream_answer_past_the_size_bounds_is_a_502(redis_url: str, tmp_pa
     finally:
         upstream.shutdown()
         upstream.server_close()
+
+
+def test_disconnect_during_a_fallback_bills_the_fallback_call(redis_url: str) -> None:
+    """The routed tier's upstream refuses (503), the call falls back to a dearer tier whose upstream is slow, and
+    the client hangs up while that call runs. The prompt the fallback upstream had is billed — on the fallback
+    tier, at its prices (it was billed at the refusing tier's, and the record named the tier nothing ran on)."""
+    from decimal import Decimal
+
+    from gateway.ledger.pricing import cost_micro_usd
+
+    failing = start_sim("--fail-mode", "503", "--model", "cheap-model")
+    slow = start_sim("--delay-ms", "4000", "--model", "dear-model")
+    try:
+        common = {"connect_timeout_s": 1.0, "read_timeout_s": 10.0, "max_retries": 0}
+        tiers = [
+            {**common, "name": "cheap", "base_url": failing.base_url, "model": "cheap-model",
+             "prices": {"input_usd_per_mtok": Decimal("0.10"), "output_usd_per_mtok": Decimal("0.40")}},
+            {**common, "name": "dear", "base_url": slow.base_url, "model": "dear-model",
+             "prices": {"input_usd_per_mtok": Decimal("3.00"), "output_usd_per_mtok": Decimal("12.00")}},
+        ]
+        settings = sim_settings(slow.base_url, redis_url, tiers=tiers, routing={
+            "router_path": None, "routed_tiers": ["cheap", "dear"], "thresholds": [0.5], "default_tier": "dear",
+            "fallback": True})
+        with GatewayServer(settings) as gw:
+            got: list[Any] = []
+            gw.app.state.proxy.usage_sinks.append(got.append)
+            t = tag()
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up mid-call and closes the connection
+                httpx.post(gw.base_url + "/chat/completions", timeout=1.0,
+                           json={"model": "cheap", "messages": MESSAGES, "sim": {"tag": t}},
+                           headers={"authorization": f"Bearer {TEST_KEY}"})
+            rec = slow.wait_tag_status(t, {"cancelled", "completed"}, timeout_s=10)
+            assert rec is not None and rec["status"] == "cancelled", rec  # the fallback call was the one in flight
+            assert failing.tag(t) is not None and failing.tag(t)["status"] == "failed"  # the routed tier refused
+            assert wait_for(lambda: len(got) == 1, timeout_s=10), got
+            usage = got[0]
+            assert (usage.status, usage.error_code, usage.partial) == (499, "client_disconnected", True)
+            assert (usage.tier, usage.upstream_model, usage.route_reason) == ("dear", "dear-model", "fallback")
+            assert usage.usage_source == "counted" and usage.prompt_tokens == 7 + 3  # the sim's words + template
+            dear = gw.settings.tier("dear").prices
+            assert usage.cost_micro_usd == cost_micro_usd(dear, prompt_tokens=10, cached_tokens=0,
+                                                          completion_tokens=0) == 30
+    finally:
+        failing.stop()
+        slow.stop()
