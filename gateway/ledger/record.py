@@ -19,7 +19,7 @@ import orjson
 from gateway.config import TierConfig
 from gateway.ledger.event import Endpoint, RouteReason, UsageSource
 from gateway.ledger.pricing import cost_micro_usd
-from gateway.openai.usage import usage_counts
+from gateway.openai.usage import usage_counts, usage_limit
 
 log = logging.getLogger("thinkgate.usage")
 
@@ -70,6 +70,9 @@ class UsageRecord:
     # the most completion tokens the current upstream call may generate (admission's ``Estimate.completion``: the
     # tier and its fallbacks)
     completion_bound: int | None = None
+    # the most tokens (prompt + completion) the current upstream call may be billed (admission's
+    # ``Estimate.tokens``): how large a reported count may be and still be one (``usage_limit``)
+    token_bound: int | None = None
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def set_usage(self, usage: dict[str, Any] | None, completion: bool = True) -> bool:
@@ -79,7 +82,7 @@ class UsageRecord:
         :attr:`completion_bound` (the most the call was allowed to generate) is metered at the bound: the upstream
         ignored ``max_tokens`` or misreports, and admission reserved no more. ``completion=False``: an embeddings
         usage (no completion count)."""
-        counts = usage_counts(usage, completion)
+        counts = usage_counts(usage, completion, self.usage_limit)
         if counts is None:
             if usage:
                 log.warning("request %s: upstream usage %.200r is not a usage object the gateway can meter; "
@@ -93,6 +96,12 @@ class UsageRecord:
                         self.request_id, self.completion_tokens, bound, bound)
             self.completion_tokens, self.reasoning_tokens = bound, min(self.reasoning_tokens, bound)
         return True
+
+    @property
+    def usage_limit(self) -> int:
+        """The largest count one usage field of this call may carry (:func:`gateway.openai.usage.usage_limit` of
+        :attr:`token_bound`)."""
+        return usage_limit(self.token_bound)
 
     def set_counted(self, completion: int, reasoning: int) -> None:
         """Counts the gateway made itself (no usage from the upstream to trust): ``completion`` and ``reasoning``
@@ -126,7 +135,7 @@ class UsageRecord:
 
 # Not logged: private fields, and the routing window — the user's prompt text, which only the outcome store may
 # keep, and only under ``routing.outcomes.retain_text`` (a data-retention decision; docs/closed-loop.md).
-_UNLOGGED = frozenset({"routing_window", "escalated_from", "completion_bound"})
+_UNLOGGED = frozenset({"routing_window", "escalated_from", "completion_bound", "token_bound"})
 _PUBLIC_FIELDS = tuple(f.name for f in fields(UsageRecord) if not f.name.startswith("_") and f.name not in _UNLOGGED)
 
 

@@ -38,38 +38,49 @@ def needs_reasoning_count(usage: dict[str, Any] | None) -> bool:
     return not (isinstance(details, dict) and (token_count(details.get("reasoning_tokens")) or 0) > 0)
 
 
-#: The largest token count one usage field may carry (above every context window and output limit there is):
-#: a count past it — 1e12 completion tokens booked $2,000,000 on one request — is not a count, and the gateway
-#: counts the call itself.
+#: The largest token count one usage field of a single prompt and choice may carry (above every context window
+#: and output limit there is): a count past it — 1e12 completion tokens booked $2,000,000 on one request — is not a
+#: count, and the gateway counts the call itself. A call admitted with a larger bound may report up to that bound
+#: (:func:`usage_limit`): ``n: 128`` choices of 100k tokens each are 12.8M legitimately.
 MAX_USAGE_TOKENS = 10_000_000
 
 
-def token_count(v: Any) -> int | None:
-    """``v`` as a token count: a non-negative integer (an integral float too) up to :data:`MAX_USAGE_TOKENS`;
-    None for anything else (negative, fractional, a string, a bool, null)."""
+def usage_limit(token_bound: int | None) -> int:
+    """The largest count one usage field of a call may carry: :data:`MAX_USAGE_TOKENS`, or the call's admitted
+    token bound (prompt + every choice's completion, at most) when that is larger — a count above both is no count
+    of this call; None: no bound known (the floor alone)."""
+    return MAX_USAGE_TOKENS if token_bound is None else max(MAX_USAGE_TOKENS, token_bound)
+
+
+def token_count(v: Any, limit: int | None = MAX_USAGE_TOKENS) -> int | None:
+    """``v`` as a token count: a non-negative integer (an integral float too) up to ``limit`` (None: any size, for a
+    sum of the gateway's own whose parts were checked, or are checked again as a whole); None for anything else
+    (negative, fractional, a string, a bool, null, above the limit)."""
     if isinstance(v, bool) or not isinstance(v, int | float):
         return None
     if isinstance(v, float) and not v.is_integer():
         return None
-    return int(v) if 0 <= v <= MAX_USAGE_TOKENS else None
+    return int(v) if v >= 0 and (limit is None or v <= limit) else None
 
 
-def usage_counts(usage: Any, completion: bool = True) -> tuple[int, int, int, int] | None:
+def usage_counts(usage: Any, completion: bool = True,
+                 limit: int = MAX_USAGE_TOKENS) -> tuple[int, int, int, int] | None:
     """(prompt, completion, cached prompt, reasoning) tokens of an upstream ``usage`` object the gateway can meter,
     or None when it cannot trust it: ``prompt_tokens`` and ``completion_tokens`` must both be counts
-    (:func:`token_count`: a missing, null, negative, fractional, non-numeric or absurd value is none). The details are
-    optional: a bad ``cached_tokens`` or ``reasoning_tokens`` counts as 0, and each is clipped to its total (a
-    cached count above the prompt, a reasoning count above the completion, are not possible). ``completion=False``:
-    an embeddings usage, which has no ``completion_tokens`` (0 when absent)."""
+    (:func:`token_count` up to ``limit``, the call's :func:`usage_limit`: a missing, null, negative, fractional,
+    non-numeric or absurd value is none). The details are optional: a bad ``cached_tokens`` or ``reasoning_tokens``
+    counts as 0, and each is clipped to its total (a cached count above the prompt, a reasoning count above the
+    completion, are not possible). ``completion=False``: an embeddings usage, which has no ``completion_tokens`` (0
+    when absent)."""
     if not isinstance(usage, dict):
         return None
-    prompt = token_count(usage.get("prompt_tokens"))
-    generated = token_count(usage.get("completion_tokens", None if completion else 0))
+    prompt = token_count(usage.get("prompt_tokens"), limit)
+    generated = token_count(usage.get("completion_tokens", None if completion else 0), limit)
     if prompt is None or generated is None:
         return None
     pd, cd = usage.get("prompt_tokens_details"), usage.get("completion_tokens_details")
-    cached = token_count(pd.get("cached_tokens")) if isinstance(pd, dict) else None
-    reasoning = token_count(cd.get("reasoning_tokens")) if isinstance(cd, dict) else None
+    cached = token_count(pd.get("cached_tokens"), limit) if isinstance(pd, dict) else None
+    reasoning = token_count(cd.get("reasoning_tokens"), limit) if isinstance(cd, dict) else None
     return prompt, generated, min(cached or 0, prompt), min(reasoning or 0, generated)
 
 
@@ -114,9 +125,11 @@ def merge_usage(u1: dict[str, Any] | None, u2: dict[str, Any] | None, reasoning_
 
     def field(u: dict[str, Any], name: str, part: str | None = None) -> int:
         # each field on its own (phase 1 under the loop guard carries completion_tokens alone); one that is no
-        # count adds 0 — not a 500 mid-answer
+        # count adds 0 — not a 500 mid-answer. No size limit here: ``u1`` is the running sum over a request's
+        # choices (n choices pass 10M legitimately), and the merged usage is held to the call's own limit where it
+        # is metered (``UsageRecord.set_usage``)
         holder = u.get(part) if part else u
-        return (token_count(holder.get(name)) or 0) if isinstance(holder, dict) else 0
+        return (token_count(holder.get(name), None) or 0) if isinstance(holder, dict) else 0
 
     prompt = field(u1, "prompt_tokens") + field(u2, "prompt_tokens")
     completion = field(u1, "completion_tokens") + field(u2, "completion_tokens")

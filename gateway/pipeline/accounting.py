@@ -211,6 +211,7 @@ class Accounting:
         same script call (``Limits.fused``); :meth:`cache_begin` and :meth:`write_ahead` then use what it did."""
         est = estimate(body, tiers)
         record.completion_bound = est.completion  # metering holds a reported completion count to it
+        record.token_bound = est.tokens  # …and trusts a reported count up to it (n choices may pass 10M tokens)
         return await self.admit_estimate(key, est, record, ahead)
 
     async def admit_estimate(self, key: KeyInfo, est: Estimate, record: UsageRecord,

@@ -38,12 +38,14 @@ from gateway.openai.chunks import StreamAssembler
 from gateway.openai.sse import DONE_CHUNK, Chunk, error_chunk
 from gateway.openai.usage import (
     estimate_prompt,
+    estimate_tokens,
     generated_text,
     needs_reasoning_count,
     reasoning_of,
     token_count,
 )
 from gateway.pipeline.exchange import Exchange
+from gateway.state.limits import requested_choices
 from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.response import UpstreamResponse, chunk_batches
 
@@ -55,10 +57,34 @@ log = logging.getLogger("thinkgate.relay")
 CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
 
 
-async def fill_reasoning(pool: UpstreamPool, usage: dict[str, Any], tier: TierConfig, texts: list[str]) -> None:
-    """Set ``usage.completion_tokens_details.reasoning_tokens`` from the reasoning texts (one per choice):
-    exact counts from the upstream's ``/tokenize``, else estimated (``UpstreamPool.tokens``)."""
-    total = sum(await asyncio.gather(*(pool.tokens(tier, t) for t in texts)))
+#: The most ``/tokenize`` calls one count has in flight at once. An answer is counted choice by choice, and the
+#: choices are the upstream's to send: unbounded, an upstream's answer with thousands of them fired thousands of
+#: requests at once at its own ``/tokenize`` (and held as many connections of the gateway's pool).
+TOKENIZE_CONCURRENCY = 8
+
+
+async def count_texts(pool: UpstreamPool, tier: TierConfig, texts: list[str], exact: int) -> int:
+    """Tokens of ``texts`` (one per choice): the first ``exact`` — the choices the request asked for — by the
+    upstream's ``/tokenize`` (``UpstreamPool.tokens``), at most :data:`TOKENIZE_CONCURRENCY` at a time; any further
+    ones an upstream sent are estimated (~4 characters a token) without a call: what the client did not ask for
+    gets no request of its own, and the whole count is held to the call's bound where it is metered."""
+    gate = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
+
+    async def one(text: str) -> int:
+        async with gate:
+            return await pool.tokens(tier, text)
+
+    exact = max(0, exact)
+    counted = await asyncio.gather(*(one(t) for t in texts[:exact])) if texts[:exact] else []
+    return sum(counted) + sum(estimate_tokens(t) for t in texts[exact:])
+
+
+async def fill_reasoning(pool: UpstreamPool, usage: dict[str, Any], tier: TierConfig, texts: list[str],
+                         asked: int) -> None:
+    """Set ``usage.completion_tokens_details.reasoning_tokens`` from the reasoning texts (one per choice; ``asked``:
+    the choices the request asked for): exact counts from the upstream's ``/tokenize``, else estimated
+    (:func:`count_texts`)."""
+    total = await count_texts(pool, tier, texts, asked)
     details = usage.get("completion_tokens_details")
     if not isinstance(details, dict):
         details = {}
@@ -205,7 +231,8 @@ class _Run:
         if isinstance(usage, dict):
             texts = tally.reasoning_texts()
             if texts and needs_reasoning_count(usage):
-                await fill_reasoning(pool, usage, self.ex.tier, texts)
+                asked = requested_choices(self.body) if self.body is not None else self.choices
+                await fill_reasoning(pool, usage, self.ex.tier, texts, asked)
         if not self.record.set_usage(usage):
             if self.record.set_usage(tally.last_usage):  # continuous usage stats: the running totals
                 usage = tally.last_usage
@@ -259,7 +286,7 @@ async def complete(data: dict[str, Any], ex: Exchange, pool: UpstreamPool, body:
     reasoning = [r for c in data.get("choices") or () if (r := reasoning_of(c.get("message")))]
     changed = bool(reasoning) and isinstance(usage, dict) and needs_reasoning_count(usage)
     if changed and isinstance(usage, dict):
-        await fill_reasoning(pool, usage, ex.tier, reasoning)
+        await fill_reasoning(pool, usage, ex.tier, reasoning, requested_choices(body) if body is not None else 1)
     ex.record.mark_first_byte()
     if not ex.record.set_usage(usage if isinstance(usage, dict) else None):
         data["usage"] = await count_answer(pool, ex, data, body, endpoint)
@@ -284,21 +311,23 @@ def usage_of(rec: UsageRecord) -> dict[str, Any]:
 
 def held_to_bound(usage: Any, rec: UsageRecord) -> bool:
     """Whether ``rec`` metered fewer completion tokens than ``usage`` reported (held to the call's bound)."""
-    reported = token_count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
+    reported = token_count(usage.get("completion_tokens"), rec.usage_limit) if isinstance(usage, dict) else None
     return reported is not None and reported > rec.completion_tokens
 
 
 async def count_answer(pool: UpstreamPool, ex: Exchange, data: dict[str, Any], body: dict[str, Any] | None,
                        endpoint: str) -> dict[str, Any]:
     """Count a non-streamed answer the upstream sent no usable usage with: its generated text per choice
-    (thought included) and its thoughts by the upstream's ``/tokenize`` (else ~4 characters a token), the prompt
-    by :func:`count_prompt`; set on ``ex.record`` (``usage_source: counted``, held to its completion bound).
-    Returns the usage object (OpenAI's shape) for the answer."""
+    (thought included) and its thoughts by the upstream's ``/tokenize`` (else ~4 characters a token; the choices
+    the request asked for only, a bounded number at a time: :func:`count_texts`), the prompt by :func:`count_prompt`;
+    set on ``ex.record`` (``usage_source: counted``, held to its completion bound). Returns the usage object
+    (OpenAI's shape) for the answer."""
     choices = [c for c in data.get("choices") or () if isinstance(c, dict)]
     tier = ex.tier
-    completion = sum(await asyncio.gather(*(pool.tokens(tier, generated_text(c, endpoint)) for c in choices)))
+    asked = requested_choices(body) if body is not None else 1
+    completion = await count_texts(pool, tier, [generated_text(c, endpoint) for c in choices], asked)
     thoughts = [r for c in choices if (r := reasoning_of(c.get("message")))]
-    reasoning = sum(await asyncio.gather(*(pool.tokens(tier, t) for t in thoughts))) if thoughts else 0
+    reasoning = await count_texts(pool, tier, thoughts, asked) if thoughts else 0
     rec = ex.record
     rec.set_counted(completion, reasoning)
     rec.prompt_tokens = await count_prompt(pool, tier, body) if body is not None else 0

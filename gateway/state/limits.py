@@ -321,7 +321,8 @@ def _text_bytes(value: Any) -> int:
     return 0
 
 
-def _choices(body: dict[str, Any]) -> int:
+def requested_choices(body: dict[str, Any]) -> int:
+    """Choices ``body`` has generated: ``n`` (or ``best_of`` when larger) × prompts of a completions batch."""
     n = body.get("n")
     n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
     best_of = body.get("best_of")
@@ -389,7 +390,7 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     if tools:
         prompt += _text_bytes(tools) + TOOLS_OVERHEAD_TOKENS
     prompt += REQUEST_OVERHEAD_TOKENS
-    choices = _choices(body)
+    choices = requested_choices(body)
     asked = body.get("max_completion_tokens") or body.get("max_tokens")
     micro, tokens, generated = 0, prompt, 0
     for tier in tiers:

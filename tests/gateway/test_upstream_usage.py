@@ -172,3 +172,60 @@ def test_a_malformed_chunk_is_skipped_and_a_malformed_answer_is_a_502(gw: Gatewa
     r = _ask(gw, None, sim={"inject": bad})
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error", r.text
     assert r.headers.get("x-should-retry") == "false"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_large_legitimate_batch_is_metered_as_reported(upstream_sim: SimProcess, redis_url: str, tmp_path: Path,
+                                                         stream: bool) -> None:
+    """``n: 128`` choices of up to 100k tokens each may generate 12.8M tokens: a report of 11M was taken for no count
+    (every field was capped at 10M whatever the call) and the gateway counted the answer itself — 128 /tokenize
+    calls, and a bill far below the upstream's."""
+    from gateway.ledger.pricing import cost_micro_usd
+    from tests.fixtures.upstream import sim_tiers
+
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[2].update({"max_tokens": 100_000, "max_n": 128})
+    reported = {"prompt_tokens": 12, "completion_tokens": 11_000_000, "total_tokens": 11_000_012,
+                "completion_tokens_details": {"reasoning_tokens": 9_000_000}}
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, tiers=tiers) as g:
+        r = _ask(g, reported, stream, n=128, max_tokens=100_000)
+        assert r.status_code == 200, r.text
+        rid = r.headers["x-request-id"]
+        ev = usage_events(g, [rid])[rid]
+        long = g.settings.tier("long").prices
+    assert (ev.usage_source, ev.prompt_tokens, ev.completion_tokens, ev.reasoning_tokens) == (
+        "upstream", 12, 11_000_000, 9_000_000)
+    assert ev.cost_micro_usd == cost_micro_usd(long, prompt_tokens=12, cached_tokens=0,
+                                               completion_tokens=11_000_000) == 6 + 22_000_000
+
+
+def test_a_hostile_answer_is_counted_with_bounded_tokenize_calls(redis_url: str, tmp_path: Path) -> None:
+    """An upstream answering ``n: 16`` with 200 choices and an absurd usage: the gateway counts the answer itself,
+    and it called the upstream's /tokenize once per choice (twice with a thought), all at once — thousands of
+    requests at an upstream's command. Now the choices asked for are tokenized, at most TOKENIZE_CONCURRENCY at a
+    time (seen at the simulator's /tokenize), the rest estimated; the count is held to the call's bound."""
+    from tests.fixtures.upstream import sim_tiers, start_sim
+
+    sim = start_sim("--tokenize-delay-ms", "50")
+    try:
+        tiers = sim_tiers(sim.base_url)
+        tiers[2].update({"max_n": 16})
+        words = " ".join(["word"] * 20)
+        choices = [{"index": i, "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": words, "reasoning": words}} for i in range(200)]
+        with accounting_gateway(sim.base_url, redis_url, tmp_path, tiers=tiers) as g:
+            before = sim.stats()["tokenize"]
+            r = _ask(g, {"prompt_tokens": 12, "completion_tokens": 1e12}, n=16, max_tokens=8,
+                     sim={"usage": {"prompt_tokens": 12, "completion_tokens": 1e12}, "inject": {"choices": choices}})
+            assert r.status_code == 200, r.text
+            rid = r.headers["x-request-id"]
+            ev = usage_events(g, [rid])[rid]
+            bound = 16 * 8
+        stats = sim.stats()
+    finally:
+        sim.stop()
+    assert len(r.json()["choices"]) == 200  # the answer is the upstream's, passed on
+    assert (ev.usage_source, ev.completion_tokens) == ("counted", bound)  # 200 × ~25 tokens, held to 16 × 8
+    # the reasoning fill, the answer's texts and its thoughts (16 each) and the prompt: not 601 calls
+    assert stats["tokenize"] - before <= 3 * 16 + 1
+    assert 1 < stats["tokenize_max_inflight"] <= 8  # gateway.pipeline.relay.TOKENIZE_CONCURRENCY
