@@ -29,19 +29,23 @@ def render(report: SavingsReport) -> Any:
         tt.add_row(t.tier, str(t.events), str(t.cache_hits), str(t.prompt_tokens), str(t.completion_tokens),
                    str(t.reasoning_tokens), _usd(t.cost_micro_usd), _usd(t.saved_micro_usd))
     bt = Table(title=f"Always-{report.long_tier} counterfactual by difficulty bucket")
-    for c in ("bucket", "requests", "spend USD", f"{report.long_tier} samples", "mean completion tok",
+    for c in ("bucket", "requests", "spend USD", "shadow USD", f"{report.long_tier} samples", "mean completion tok",
               "estimate", f"always-{report.long_tier} USD"):
         bt.add_column(c, justify="left" if c == "bucket" else "right")
     for b in report.buckets:
         mean = b.long_mean_completion_tokens
-        bt.add_row(b.bucket, str(b.requests), _usd(b.cost_micro_usd), str(b.long_samples),
+        bt.add_row(b.bucket, str(b.requests), _usd(b.cost_micro_usd), _usd(b.shadow_micro_usd), str(b.long_samples),
                    "—" if mean is None else f"{mean:.1f}", b.estimate, _usd(b.always_long_micro_usd) or "—")
     s = report.summary()
     frac = s["savings_fraction"]
+    # savings are the served traffic's; the shadow (learning) spend is its own line, so a first day that shadows
+    # every cheap answer does not read as routing losing money
     head = (f"spend {s['spend_usd']} USD over {report.requests} requests ({report.events} events); "
             f"cache saved {s['cache_saved_usd']} USD; always-{report.long_tier} estimate "
             f"{s['always_long_usd'] or 'n/a'} USD; saved {s['savings_usd'] or 'n/a'} USD"
-            + (f" ({frac:.1%})" if frac is not None else ""))
+            + (f" ({frac:.1%})" if frac is not None else "") + " on served traffic"
+            + f"\nshadow calls (learning) {s['shadow_spend_usd']} USD; net of them saved "
+            f"{s['net_savings_usd'] or 'n/a'} USD")
     parts: list[Any] = [tt, bt, Text(head)]
     parts += [Text("note: " + n, style="yellow") for n in report.notes]
     return Group(*parts)
@@ -67,8 +71,10 @@ def plot(report: SavingsReport, path: Path) -> None:
     ax1.legend()
     labels = [b.bucket for b in report.buckets]
     x = range(len(labels))
-    ax2.bar([i - 0.2 for i in x], [float(micro_to_usd(b.cost_micro_usd)) for b in report.buckets], width=0.4,
-            label="actual")
+    served = [float(micro_to_usd(b.cost_micro_usd)) for b in report.buckets]
+    ax2.bar([i - 0.2 for i in x], served, width=0.4, label="actual (served)")
+    ax2.bar([i - 0.2 for i in x], [float(micro_to_usd(b.shadow_micro_usd)) for b in report.buckets], width=0.4,
+            bottom=served, label="shadow (learning)", alpha=0.6)
     ax2.bar([i + 0.2 for i in x], [float(micro_to_usd(b.always_long_micro_usd or 0)) for b in report.buckets],
             width=0.4, label=f"always-{report.long_tier} (est.)",
             color=["tab:orange" if b.estimate == "measured" else "tab:gray" for b in report.buckets])

@@ -21,8 +21,12 @@ What it reports (money in exact integer micro-USD, 1 USD = 1 000 000; tokens are
   of a bucket comes from the events that ran on the long tier in it (uncached, status 200, complete); a
   bucket with none falls back to the long tier's overall mean, and the row says so (``estimate:
   fallback``). With no long-tier event at all there is no estimate (``None``).
-- **Savings** = counterfactual − actual spend (both over the same requests), and the share of the
-  counterfactual saved.
+- **Savings** (on served traffic) = counterfactual − what the served requests cost (their escalated first
+  attempts included), and the share of the counterfactual saved.
+- **Shadow spend** (learning): what the shadow calls cost (route reason ``shadow``: the next tier asked, after
+  the client had its answer, to label the cheap one for retraining). Paid, so in the spend; asked by no client, so
+  not in the savings: counted there, a first day that shadowed every cheap answer read −4.5% saved with nothing to
+  say why. It is its own line, and **net savings** = savings − shadow spend says what the learning costs on top.
 
 The counterfactual cost of a bucket is a ``Decimal`` sum (prices in USD per 1M tokens are micro-USD per
 token, so no division is needed except the mean) rounded once, half up, to micro-USD; the total is rounded
@@ -111,6 +115,7 @@ class BucketRow:
     requests: int = 0
     cost_micro_usd: int = 0
     saved_micro_usd: int = 0
+    shadow_micro_usd: int = 0  # the bucket's shadow calls (learning): paid, not in ``cost_micro_usd``
     long_samples: int = 0
     long_completion_sum: int = 0
     long_reasoning_sum: int = 0
@@ -147,8 +152,14 @@ class SavingsReport:
 
     @property
     def request_spend_micro_usd(self) -> int:
-        """Paid for the requests the counterfactual covers, incl. their escalated first attempts."""
+        """Paid for the requests the counterfactual covers, incl. their escalated first attempts (served traffic;
+        no shadow call)."""
         return sum(b.cost_micro_usd for b in self.buckets)
+
+    @property
+    def shadow_spend_micro_usd(self) -> int:
+        """Paid for shadow calls (learning): part of :attr:`spend_micro_usd`, not of the served requests'."""
+        return sum(b.shadow_micro_usd for b in self.buckets)
 
     @property
     def cache_saved_micro_usd(self) -> int:
@@ -170,9 +181,15 @@ class SavingsReport:
         cf, saved = self.always_long_micro_usd, self.savings_micro_usd
         return None if cf in (None, 0) or saved is None else saved / cf
 
+    @property
+    def net_savings_micro_usd(self) -> int | None:
+        """Savings on served traffic less the shadow spend: what routing saved once its learning is paid for."""
+        sv = self.savings_micro_usd
+        return None if sv is None else sv - self.shadow_spend_micro_usd
+
     def summary(self) -> dict[str, Any]:
         """Headline figures (micro-USD ints, USD as exact decimal strings)."""
-        cf, sv = self.always_long_micro_usd, self.savings_micro_usd
+        cf, sv, net = self.always_long_micro_usd, self.savings_micro_usd, self.net_savings_micro_usd
         return {
             "events": self.events,
             "requests": self.requests,
@@ -186,6 +203,10 @@ class SavingsReport:
             "savings_micro_usd": sv,
             "savings_usd": None if sv is None else str(micro_to_usd(sv)),
             "savings_fraction": self.savings_fraction,
+            "shadow_spend_micro_usd": self.shadow_spend_micro_usd,
+            "shadow_spend_usd": str(micro_to_usd(self.shadow_spend_micro_usd)),
+            "net_savings_micro_usd": net,
+            "net_savings_usd": None if net is None else str(micro_to_usd(net)),
             "long_mean_completion_tokens": (None if self.long_mean_completion_tokens is None
                                             else float(self.long_mean_completion_tokens)),
             "notes": list(self.notes),
@@ -210,10 +231,13 @@ def _add_to_tier(t: TierSpend, ev: UsageEvent) -> None:
 
 def _add_to_bucket(row: BucketRow, ev: UsageEvent, long_tier: str) -> bool:
     """Count one billed event into its difficulty bucket; True when it counts as a request (the always-long
-    price is computed over those). Escalated first attempts and shadow calls are paid: their cost stays with the
-    bucket (a shadow call on the long tier also measures it: a long sample)."""
+    price is computed over those). Escalated first attempts are paid for the request: their cost stays with the
+    bucket's. Shadow calls are paid for learning: their cost is the bucket's ``shadow_micro_usd`` (a shadow call on
+    the long tier also measures it: a long sample)."""
     request = counts_as_request(ev)
-    if request or (ev.error_code or "").startswith("escalated_") or ev.route_reason == "shadow":
+    if ev.route_reason == "shadow":
+        row.shadow_micro_usd += ev.cost_micro_usd
+    elif request or (ev.error_code or "").startswith("escalated_"):
         row.cost_micro_usd += ev.cost_micro_usd
         row.saved_micro_usd += ev.saved_micro_usd
     if request:
@@ -267,6 +291,10 @@ def build(events: Iterable[UsageEvent], long_tier: str, long_prices: Prices, n_b
             requests.append(ev)
 
     overall, notes = _long_means(buckets, long_tier)
+    shadow = sum(b.shadow_micro_usd for b in buckets.values())
+    if shadow:  # said where the figures are read, so a low or negative net saving is not a mystery
+        notes.append(f"savings are on served traffic; shadow calls (learning: the next tier asked to label cheap "
+                     f"answers for retraining) cost {micro_to_usd(shadow)} USD on top (net savings: after them)")
     p = long_prices
     for ev in requests:
         row = buckets[bucket_of(ev.difficulty, n_buckets)]
@@ -296,7 +324,8 @@ def build(events: Iterable[UsageEvent], long_tier: str, long_prices: Prices, n_b
 
 CSV_COLUMNS = ("section", "name", "events", "requests", "cache_hits", "prompt_tokens", "completion_tokens",
                "reasoning_tokens", "cost_micro_usd", "cost_usd", "saved_micro_usd", "saved_usd", "long_samples",
-               "long_mean_completion_tokens", "estimate", "always_long_micro_usd", "always_long_usd")
+               "long_mean_completion_tokens", "estimate", "always_long_micro_usd", "always_long_usd",
+               "shadow_micro_usd", "shadow_usd")
 
 
 def usd_text(micro: int | None) -> str:
@@ -320,14 +349,17 @@ def rows(report: SavingsReport) -> list[dict[str, Any]]:
                     "long_samples": b.long_samples,
                     "long_mean_completion_tokens": "" if mean is None else f"{mean:.3f}",
                     "estimate": b.estimate, "always_long_micro_usd": b.always_long_micro_usd,
-                    "always_long_usd": usd_text(b.always_long_micro_usd)})
+                    "always_long_usd": usd_text(b.always_long_micro_usd), "shadow_micro_usd": b.shadow_micro_usd,
+                    "shadow_usd": usd_text(b.shadow_micro_usd)})
     cf = report.always_long_micro_usd
     out.append({"section": "total", "name": "all", "events": report.events, "requests": report.requests,
                 "cache_hits": sum(t.cache_hits for t in report.tiers),
                 "cost_micro_usd": report.spend_micro_usd, "cost_usd": usd_text(report.spend_micro_usd),
                 "saved_micro_usd": report.cache_saved_micro_usd, "saved_usd": usd_text(report.cache_saved_micro_usd),
                 "estimate": "measured" if cf is not None else "none",
-                "always_long_micro_usd": cf, "always_long_usd": usd_text(cf)})
+                "always_long_micro_usd": cf, "always_long_usd": usd_text(cf),
+                "shadow_micro_usd": report.shadow_spend_micro_usd,
+                "shadow_usd": usd_text(report.shadow_spend_micro_usd)})
     return out
 
 

@@ -181,3 +181,55 @@ def test_redis_down_page_says_so(upstream_sim: SimProcess, tmp_path: Path) -> No
                 browser.close()
     finally:
         server.stop()
+
+
+def test_shadow_spend_is_its_own_line_not_negative_savings(upstream_sim: SimProcess, redis_url: str,
+                                                           tmp_path: Path) -> None:
+    """Every cheap answer shadowed on the top tier (a first day with ``shadow.fraction: 1``): the shadow calls were
+    counted as the served traffic's spend, and "saved by routing" went negative with nothing on the page to say
+    why. The page shows savings on served traffic, the shadow (learning) spend as its own card with the saving net
+    of it, and the total spend still everything paid — the figures of ``GET /v1/usage`` and the usage report."""
+    import json
+    import time
+
+    from playwright.sync_api import sync_playwright
+
+    from tests.fixtures.dashboard import cli
+
+    assert EXECUTABLE is not None
+    routing = {"router_path": None, "routed_tiers": ["short", "long"], "thresholds": [0.5], "default_tier": "long",
+               "shadow": {"fraction": 1.0, "max_usd_day": "5"}}
+    with seeded_gateway(upstream_sim.base_url, redis_url, tmp_path, routing=routing) as seeded:
+        # the shadow calls run after their answers: wait until they are metered and no more come (the page, the API
+        # and the report must read the same ledger)
+        deadline = time.monotonic() + 20
+        seen: list[int] = []
+        while time.monotonic() < deadline and not (len(seen) >= 3 and seen[-1] == seen[-3] > 0):
+            seen.append(sum(r["cost_micro_usd"] for r in usage_rows(seeded.gw, "key", 0) if r["key"] == "_shadow"))
+            time.sleep(0.5)
+        assert seen and seen[-1] > 0, "no shadow call was metered"
+        with sync_playwright() as p:
+            browser = launch(p, EXECUTABLE)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                log_in(page, seeded.gw.url, ADMIN_SECRET)
+                wait_ready(page)
+                since = float(page.get_attribute("body", "data-since") or "nan")
+                micro = {i: int(page.get_attribute(f"#{i}", "data-micro") or "-1")
+                         for i in ("total-spend", "always-long", "savings", "shadow-spend", "net-savings")}
+                fraction = page.inner_text("#savings-fraction")
+                net_text = page.inner_text("#net-savings")
+                page.screenshot(path=str(tmp_path / "dashboard-shadow.png"), full_page=True)
+            finally:
+                browser.close()
+        by_key = {r["key"]: r["cost_micro_usd"] for r in usage_rows(seeded.gw, "key", since)}
+        out = tmp_path / "report.json"
+        r = cli("usage", "report", "--since", str(since), "--json", str(out), config=seeded.config)
+        assert r.returncode == 0, r.stderr
+        summary = json.loads(out.read_text())["summary"]
+    assert micro["shadow-spend"] == by_key["_shadow"] == summary["shadow_spend_micro_usd"] > 0
+    assert micro["total-spend"] == sum(by_key.values()) == summary["spend_micro_usd"]  # everything paid, still
+    served = micro["total-spend"] - micro["shadow-spend"]  # every seeded request answered 200: no other spend
+    assert micro["savings"] == micro["always-long"] - served == summary["savings_micro_usd"]
+    assert micro["net-savings"] == micro["savings"] - micro["shadow-spend"] == summary["net_savings_micro_usd"]
+    assert "on served traffic" in fraction and net_text.startswith("net of them saved $")

@@ -102,7 +102,7 @@ def test_figures_equal_usage_api_export_and_report(seeded: Seeded) -> None:
     assert r.returncode == 0, r.stderr
     summary = json.loads(out.read_text())["summary"]
     for field in ("always_long_micro_usd", "savings_micro_usd", "cache_saved_micro_usd", "spend_micro_usd",
-                  "requests"):
+                  "shadow_spend_micro_usd", "net_savings_micro_usd", "requests"):
         assert d["savings"][field] == summary[field], field
     assert d["savings"]["cache_saved_micro_usd"] > 0  # the seeded cache hit
     # budgets: alice's key level, the team=a tag level, the global level — with what remains

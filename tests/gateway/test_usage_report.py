@@ -104,18 +104,28 @@ async def test_report_from_the_ledger_by_hand(redis_url: str, redis_prefix: str,
 
 
 def test_shadow_calls_are_paid_but_are_not_requests() -> None:
-    """A shadow call (the gateway's own call to the next tier, to learn from) is spend of the routed traffic but no
-    client's request: counting it as one priced an extra always-long request per shadow, and a loop that saved
-    nothing read 30% saved (a new-user helper's walk of docs/closed-loop.md). It does measure the long tier."""
+    """A shadow call (the gateway's own call to the next tier, to learn from) is paid but no client's request:
+    counting it as one priced an extra always-long request per shadow, and a loop that saved nothing read 30% saved
+    (a new-user helper's walk of docs/closed-loop.md). Nor is it the served traffic's spend: counted there, an
+    operator's first day (every cheap answer shadowed) read −4.5% saved with nothing to say why. Savings are the
+    served traffic's; the shadow spend is its own line, and the net says what learning costs on top. It does
+    measure the long tier."""
     base = [_ev("short", 0.1, 40, 20), _ev("short", 0.1, 40, 20)]  # 2 requests sent cheap: 12 µ$ each
     shadows = [_ev("long", 0.1, 40, 100, route="shadow"), _ev("long", 0.1, 40, 100, route="shadow")]  # 220 each
     r = rp.build(base + shadows, "long", LONG)
-    assert r.requests == 2 and r.spend_micro_usd == 2 * 12 + 2 * 220
+    assert r.requests == 2 and r.spend_micro_usd == 2 * 12 + 2 * 220  # what was paid is still what was paid
     b = r.buckets[0]
-    assert b.requests == 2 and b.cost_micro_usd == 2 * 12 + 2 * 220  # the shadows' cost stays with the traffic
+    assert b.requests == 2 and b.cost_micro_usd == 2 * 12 and b.shadow_micro_usd == 2 * 220
     assert b.long_samples == 2 and b.estimate == "measured"  # …and they measured the long tier on it
     assert r.always_long_micro_usd == 2 * 220  # 2 requests at 40 prompt + 100 completion on long
-    assert r.savings_micro_usd == 440 - 464 < 0  # the shadows cost more than routing saved: it says so
+    assert r.request_spend_micro_usd + r.shadow_spend_micro_usd == r.spend_micro_usd
+    assert r.savings_micro_usd == 440 - 24 == 416 and r.shadow_spend_micro_usd == 440  # served; learning
+    assert r.net_savings_micro_usd == 416 - 440 < 0  # the shadows cost more than routing saved: said so, apart
+    s = r.summary()
+    assert (s["savings_usd"], s["shadow_spend_usd"], s["net_savings_usd"]) == ("0.000416", "0.000440", "-0.000024")
+    assert any("shadow calls" in n and "0.000440 USD" in n for n in r.notes)
+    total = next(x for x in rp.rows(r) if x["section"] == "total")
+    assert (total["cost_micro_usd"], total["shadow_micro_usd"]) == (464, 440)
 
 
 def test_no_long_events_means_no_estimate() -> None:
@@ -153,6 +163,8 @@ async def test_cli_report_csv_png_json(redis_url: str, redis_prefix: str, tmp_pa
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads(out_json.read_text())["summary"]
     assert summary["savings_micro_usd"] == 1236 and summary["savings_usd"] == "0.001236"
+    assert summary["shadow_spend_micro_usd"] == 0 and summary["net_savings_micro_usd"] == 1236
+    assert "shadow calls (learning) 0.000000 USD; net of them saved 0.001236 USD" in r.stdout.decode()
     bad = subprocess.run([sys.executable, "-m", "gateway", "usage", "report", "--long-tier", "huge",
                           "--config", str(config)], cwd=REPO, capture_output=True, timeout=60)
     assert bad.returncode == 2 and b"no tier 'huge'" in bad.stderr

@@ -7,7 +7,8 @@ Shape (money: integer micro-USD plus exact USD strings; latency in ms)::
 
     {"object": "dashboard.data", "redis": "ok", "since": s, "until": s | null, "generated": s,
      "total": {group row}, "spend": {"day": [...], "key": [...], "tier": [...], "tag": [...]},
-     "savings": {report summary: always_long_micro_usd, savings_micro_usd, cache_saved_micro_usd, ...},
+     "savings": {report summary: always_long_micro_usd, savings_micro_usd (served traffic), shadow_spend_micro_usd,
+                 net_savings_micro_usd, cache_saved_micro_usd, ...},
      "routing": {"routed_tiers": [...], "thresholds": [...], "calibration": {...} | null,
                  "tiers": [{"tier", "requests", "share", "target_share" | null, "reasons": {reason: n}}]},
      "budgets": [{"level", "period", "budget_usd", "spent_usd", "reserved_usd", "remaining_usd", "key_id"?}],

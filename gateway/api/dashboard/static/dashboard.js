@@ -58,8 +58,14 @@ function render(d) {
     " errors · " + (t ? t.refused : 0) + " refused";
   setMoney("always-long", s.always_long_micro_usd, s.always_long_usd);
   document.getElementById("long-tier").textContent = "every request on tier " + s.long_tier + " (estimate)";
+  // savings on served traffic; the shadow calls (paid to label cheap answers for retraining) are their own card,
+  // with the saving net of them: counted in, a first day's learning read as routing losing money
   setMoney("savings", s.savings_micro_usd, s.savings_usd);
-  document.getElementById("savings-fraction").textContent = pct(s.savings_fraction) + " of always-long";
+  document.getElementById("savings-fraction").textContent = pct(s.savings_fraction) + " of always-long, on served traffic";
+  setMoney("shadow-spend", s.shadow_spend_micro_usd, s.shadow_spend_usd);
+  const net = document.getElementById("net-savings");
+  net.textContent = "net of them saved " + usd(s.net_savings_usd);
+  net.dataset.micro = s.net_savings_micro_usd === null || s.net_savings_micro_usd === undefined ? "" : String(s.net_savings_micro_usd);
   setMoney("cache-saved", s.cache_saved_micro_usd, s.cache_saved_usd);
   document.getElementById("cache-hits").textContent = (t ? t.cache_hits : 0) + " cache hits";
 
