@@ -9,9 +9,13 @@
   ``{"level": "key" | "tag:team=a" | "global", "period": "day" | "month", "budget_usd", "spent_usd",
   "reserved_usd" (requests in flight), "remaining_usd"}`` (remaining = budget − spent − reserved, ≥ 0).
   The admin key without ``key_id`` gets ``{"object": "list", "data": [summary per key]}``.
-- ``group_by`` (``key,tier,model,day,tag,tag:NAME``) and/or ``since`` / ``until`` → rows from the event stream
+- ``group_by`` (``key,tier,model,day,tag,tag:NAME``) and/or ``since`` / ``until`` → rows
   (``gateway/ledger/export.py``): ``{"object": "list", "group_by": [...], "data": [...]}``. ``since`` defaults to the
-  start of the current UTC month; raw events (no ``group_by``) are capped at ``limit`` (default 1000).
+  start of the current UTC month. Grouped rows come from the per-key, per-day usage cubes the metering script
+  keeps (:meth:`gateway.state.metering.Meter.grouped`: a month costs a few dozen hash reads, not a scan of the
+  month's events), with the stream read only for sub-day edges of the period and days the cubes cannot answer;
+  the rows are the scan's, to the micro-USD. Raw events (no ``group_by``) come from the stream, capped at
+  ``limit`` (default 1000).
 - ``key_id`` selects a key (admin only for other keys: 403 otherwise).
 
 ``GET /metrics``: Prometheus exposition, for the operator (``metrics.access``, default ``admin``: the admin key or
@@ -145,15 +149,18 @@ def install(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting
             if since is None:
                 dt = datetime.fromtimestamp(now, UTC)
                 since = datetime(dt.year, dt.month, 1, tzinfo=UTC).timestamp()
-            events = []
-            async for event in acct.meter.events(since, until):
-                if target is None or event.key_id == target:
-                    events.append(event)
-                    if not group_by and len(events) >= min(limit, MAX_RAW_EVENTS):
-                        break
+            if group_by:  # whole days from the per-day cubes, the stream only for what they cannot answer
+                rows: list[dict[str, Any]] = (await acct.meter.grouped(group_by, since, until, target, now)).rows
+            else:
+                events = []
+                async for event in acct.meter.events(since, until):
+                    if target is None or event.key_id == target:
+                        events.append(event)
+                        if len(events) >= min(limit, MAX_RAW_EVENTS):
+                            break
+                rows, _ = build(events, group_by)
         except RedisDown:
             raise UsageUnavailable("usage store unreachable; retry later", headers={"retry-after": "5"}) from None
-        rows, _ = build(events, group_by)
         return _json({"object": "list", "group_by": group_by, "since": since, "until": until, "data": rows})
 
     async def metrics(request: Request) -> Response:

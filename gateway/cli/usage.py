@@ -3,8 +3,10 @@
 ``report`` is the savings report (spend by tier, cache savings, always-long counterfactual per difficulty
 bucket; ``gateway/ledger/report.py``, ``docs/savings.md``) as a table, CSV, PNG and JSON. ``export``:
 
-Reads the same stream ``GET /v1/usage`` reads (every key; filter with ``--key``). Without ``--group-by`` one
-row per event; with it, summed counters per group (``gateway/ledger/export.py``). Output to ``--output FILE``
+Reads the same ledger ``GET /v1/usage`` reads (every key; filter with ``--key``). Without ``--group-by`` one
+row per event, from the stream; with it, summed counters per group (``gateway/ledger/export.py``) — with
+``--since``, whole UTC days from the per-day usage cubes (``Meter.grouped``, the same rows) and the stream only for
+the rest; without ``--since`` (all history) from the stream. Output to ``--output FILE``
 (written atomically) or stdout. Exit codes: 0 ok, 2 invalid arguments or config, 3 Redis unreachable.
 """
 
@@ -33,6 +35,20 @@ def read_events(settings: Any, since: float | None, until: float | None, key: st
     async def collect(handle: Any) -> list[Any]:
         meter = Meter(handle, Breaker(1.0), Spool(settings.metering.spool_path), settings.metering)
         return [e async for e in meter.events(since, until) if key is None or e.key_id == key]
+
+    return run_on_redis(settings, collect, min_timeout_s=5.0)
+
+
+def read_grouped(settings: Any, group_by: list[str], since: float, until: float | None, key: str | None) -> Any:
+    """:meth:`gateway.state.metering.Meter.grouped` (a ``GroupedUsage``) on the configured Redis. Exits with code 3
+    when Redis is unreachable."""
+    from gateway.state.breaker import Breaker
+    from gateway.state.metering import Meter
+    from gateway.state.spool import Spool
+
+    async def collect(handle: Any) -> Any:
+        meter = Meter(handle, Breaker(1.0), Spool(settings.metering.spool_path), settings.metering)
+        return await meter.grouped(group_by, since, until, key)
 
     return run_on_redis(settings, collect, min_timeout_s=5.0)
 
@@ -67,11 +83,46 @@ def export(
         typer.echo(f"thinkgate: {exc}", err=True)
         raise typer.Exit(2) from None
     settings = load_settings(config)
-    events = read_events(settings, t0, t1, key)
-    rows, cols = ex.build(events, groups)
+    if groups and t0 is not None:  # whole days from the usage cubes (the same rows), the stream for the rest
+        got = read_grouped(settings, groups, t0, t1, key)
+        rows, cols = got.rows, ex.columns(groups)
+        summary = f"{len(got.cube_days)} days from the usage cubes, {got.events_scanned} events scanned"
+    else:
+        events = read_events(settings, t0, t1, key)
+        rows, cols = ex.build(events, groups)
+        summary = f"{len(events)} events"
     ex.write_file(rows, cols, fmt, output, sys.stdout.buffer)  # type: ignore[arg-type]
     sys.stdout.buffer.flush()
-    typer.echo(f"thinkgate: {len(events)} events, {len(rows)} rows", err=True)
+    typer.echo(f"thinkgate: {summary}, {len(rows)} rows", err=True)
+
+
+@app.command("backfill")
+def backfill(
+    since: str | None = typer.Option(None, help="Only days from this one (YYYY-MM-DD, ISO-8601 or epoch seconds, "
+                                     "UTC); default: every day in the stream."),
+    config: Path | None = CONFIG_OPTION,
+) -> None:
+    """Build the per-day usage cubes of days counted before they existed (run once after the upgrade, when every
+    replica runs it). Grouped queries scan the stream for such days until then; running it again is harmless."""
+    from gateway.ledger import export as ex
+    from gateway.state.breaker import Breaker
+    from gateway.state.metering import Meter
+    from gateway.state.spool import Spool
+
+    try:
+        t0 = ex.parse_time(since)
+    except ex.ExportError as exc:
+        typer.echo(f"thinkgate: {exc}", err=True)
+        raise typer.Exit(2) from None
+    settings = load_settings(config)
+
+    async def run(handle: Any) -> dict[str, int]:
+        meter = Meter(handle, Breaker(1.0), Spool(settings.metering.spool_path), settings.metering)
+        return await meter.backfill(t0)
+
+    got = run_on_redis(settings, run, min_timeout_s=5.0)
+    typer.echo(f"thinkgate: {got['days']} days with events: {got['complete']} complete already, {got['rebuilt']} "
+               f"rebuilt, {got['skipped']} skipped (events of the day arrived meanwhile: run again)")
 
 
 @app.command("report")

@@ -20,11 +20,11 @@ import csv
 import io
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, Protocol
 
 import orjson
 
@@ -83,7 +83,22 @@ def parse_group_by(spec: str | Iterable[str] | None) -> list[str]:
     return parts
 
 
-def _group_values(event: UsageEvent, group_by: list[str]) -> list[tuple[str, ...]]:
+class Groupable(Protocol):
+    """What grouping reads of an event or of a cube cell (:class:`gateway.ledger.aggregate.Cell`)."""
+
+    @property
+    def key_id(self) -> str: ...
+    @property
+    def tier(self) -> str | None: ...
+    @property
+    def upstream_model(self) -> str | None: ...
+    @property
+    def day(self) -> str: ...
+    @property
+    def tags(self) -> dict[str, str]: ...
+
+
+def _group_values(event: Groupable, group_by: list[str]) -> list[tuple[str, ...]]:
     combos: list[tuple[str, ...]] = [()]
     for g in group_by:
         if g == "key":
@@ -102,16 +117,26 @@ def _group_values(event: UsageEvent, group_by: list[str]) -> list[tuple[str, ...
     return combos
 
 
+def increments(event: UsageEvent) -> dict[str, int]:
+    """What one event adds to its group: :func:`counter_increments` plus ``refused`` (1 for an audit event, whose
+    counters are all 0)."""
+    return {**counter_increments(event), "refused": int(event.audit)}
+
+
 def group(events: Iterable[UsageEvent], group_by: list[str]) -> list[dict[str, Any]]:
     """Sum the counters of ``events`` per group (rows sorted by group values)."""
+    return group_sums(((e, increments(e)) for e in events), group_by)
+
+
+def group_sums(parts: Iterable[tuple[Groupable, Mapping[str, int]]], group_by: list[str]) -> list[dict[str, Any]]:
+    """Rows of ``group_by`` from ``(attributes, sums)`` parts — events with their :func:`increments`, or cube cells
+    with their counters (``gateway/ledger/aggregate.py``): one row per group value combination that any part
+    has, with every counter of :data:`COUNTER_FIELDS`, ``refused``, and ``cost_usd`` / ``saved_usd`` (exact
+    decimal strings), sorted by the group values."""
     sums: dict[tuple[str, ...], dict[str, int]] = {}
-    for event in events:
-        inc = counter_increments(event)
-        for values in _group_values(event, group_by):
+    for part, inc in parts:
+        for values in _group_values(part, group_by):
             acc = sums.setdefault(values, dict.fromkeys((*COUNTER_FIELDS, "refused"), 0))
-            if event.audit:
-                acc["refused"] += 1
-                continue
             for k, v in inc.items():
                 acc[k] += v
     rows = []

@@ -31,6 +31,11 @@ key                                     type        contents
 ``p usage:tier:{tier}``                 hash        all-time counters of a tier
 ``p usage:tier:{tier}:d:{YYYY-MM-DD}``  hash        a tier's counters for one UTC day
 ``p usage:keys``                        set         key ids that have counters
+``p usage:agg:key:{id}:d:{YYYY-MM-DD}`` hash        a key's usage cube for one UTC day: "<counter> <cell>" → sum,
+                                                    cell = JSON [tier, model, {tags}] (ledger/aggregate.py), TTL
+``p usage:agg:d:{YYYY-MM-DD}:keys``     set         key ids with a cube that day, TTL
+``p usage:agg:index``                   hash        ``n:{day}`` events aggregated that day; ``ok:{day}`` "1" once
+                                                    the day was found complete (every counted event aggregated)
 ``p usage:tag:{k=v}:d:{YYYY-MM-DD}``    hash        a tag's spend for one UTC day (``cost_micro_usd``, ``requests``)
 ``p usage:tag:{k=v}:m:{YYYY-MM}``       hash        a tag's spend for one UTC month
 ``p usage:global:d:{YYYY-MM-DD}``       hash        the whole gateway's spend for one UTC day
@@ -189,6 +194,19 @@ class RedisKeys:
     @property
     def usage_keys(self) -> str:
         return f"{self.prefix}usage:keys"
+
+    def agg_cube(self, key_id: str, day: str) -> str:
+        """A key's usage cube for one UTC day (``gateway/ledger/aggregate.py``): ``"<counter> <cell>"`` → sum."""
+        return f"{self.prefix}usage:agg:key:{key_id}:d:{day}"
+
+    def agg_day_keys(self, day: str) -> str:
+        """The key ids with a cube on one UTC day."""
+        return f"{self.prefix}usage:agg:d:{day}:keys"
+
+    @property
+    def agg_index(self) -> str:
+        """Per UTC day: events aggregated (``n:{day}``) and whether it was found complete (``ok:{day}``)."""
+        return f"{self.prefix}usage:agg:index"
 
     def reservations(self, key_id: str) -> str:
         return f"{self.prefix}lim:{key_id}:resv"

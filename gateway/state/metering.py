@@ -11,16 +11,23 @@ window corrected by the real token count.
 In the same step it deletes the request's write-ahead record (``gateway/state/write_ahead.py``): the record
 an upstream call leaves before its first byte is settled by exactly its usage event; :meth:`Meter.settle_orphan`
 counts the record of a dead process instead (an atomic claim).
-Audit events (refused requests, ``UsageEvent.audit``) go through ``AUDIT`` instead: stream only.
-Counters are integers only (micro-USD, tokens, counts).
+Audit events (refused requests, ``UsageEvent.audit``) go through ``AUDIT`` instead: the stream and the cube's
+``refused`` count only. Counters are integers only (micro-USD, tokens, counts).
+
+Usage cubes (``gateway/ledger/aggregate.py``): in the same step, ``RECORD`` and ``AUDIT`` add the event to its key's
+cube of the day (one hash field per counter and cell: tier, model, tags) and count it in the cube index, so a
+counted event is in the cubes exactly once whichever path counted it (the writer, a spool replay, the orphan
+reconciler). :meth:`Meter.grouped` answers grouped usage from them; :meth:`Meter.backfill` builds them for days
+counted before they existed.
 
 When Redis is unreachable (or the breaker is open) the event goes to the fsync'd local :class:`Spool`;
 :meth:`Meter.replay` (run every ``metering.replay_interval_s`` by :meth:`Meter.run_replayer`) sends the
 spool back through the same script once Redis answers. Nothing is lost, nothing is counted twice — within
 ``metering.dedup_ttl_s`` (the seen-sets' lifetime).
 
-Redis Cluster: the script touches several keys, so all ThinkGate keys share one hash slot (the prefix is a
-hash tag, see ``gateway/state/redis.py``).
+Redis Cluster: the script touches several keys, so all its keys share one hash slot (the prefix is a hash tag,
+see ``gateway/state/redis.py``) — the cubes too, although they are per key: they must be written in the step that
+counts the event (the day's seen-set, shared by every key), and a script cannot span slots.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,7 +44,19 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
 from gateway.config import MeteringConfig
+from gateway.ledger.aggregate import (
+    DAY_S,
+    GroupedUsage,
+    cell_of,
+    day_of,
+    day_start,
+    day_verdict,
+    merge_windows,
+    parse_cube,
+    plan_period,
+)
 from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, counter_increments
+from gateway.ledger.export import Groupable, group_sums, increments
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import FastScript, RedisHandle, as_bytes, as_text, raise_error_reply
@@ -53,21 +73,25 @@ REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
 
 # KEYS: 1 seen-set, 2 stream, 3 key total, 4 key day, 5 key month, 6 tier total, 7 tier day, 8 usage:keys,
 #       9 the key's reservation hash, 10 the key's TPM counter of the event's minute, 11 global day,
-#       12 global month, 13 global reservations, then per tag j (0-based): 14+3j day, 15+3j month, 16+3j resv
+#       12 global month, 13 global reservations, 14 the key's usage cube of the day, 15 the cube index,
+#       16 the day's cube key set, then per tag j (0-based): 17+3j day, 18+3j month, 19+3j resv
 # ARGV: 1 event_id, 2 event JSON, 3 seen TTL s, 4 day TTL s, 5 month TTL s, 6 stream maxlen (0 = none),
 #       7 key id, 8 upstream tokens of the event, 9 TPM TTL ms, 10 cost micro-USD, 11 number of tags,
-#       12.. counter field/increment pairs
+#       12 UTC day, 13 the event's cube cell (gateway/ledger/aggregate.py), 14.. counter field/increment pairs
 # The reservations made at admission under event_id (gateway/state/reservations.py) are released at every
 # level (once: HDEL) and the TPM window corrected by (actual - reserved) tokens. Levels above the key
 # (global, tags) count cost_micro_usd and requests per UTC day and month.
-# Write-ahead (gateway/state/write_ahead.py), optional trailing KEYS: 14+3n the write-ahead hash (n = tags): the
-# request's record is deleted (settled) with the event; 15+3n an owner's heartbeat: the event is a dead process's
+# The cube (gateway/ledger/aggregate.py) is added to in the same step that counts the event, so a counted event
+# is in it exactly once whichever path counted it (the writer, the spool replay, the orphan reconciler); n:{day}
+# of the index counts the events aggregated, which the query compares with the day's seen-set.
+# Write-ahead (gateway/state/write_ahead.py), optional trailing KEYS: 17+3n the write-ahead hash (n = tags): the
+# request's record is deleted (settled) with the event; 18+3n an owner's heartbeat: the event is a dead process's
 # orphan being reconciled, counted only if its record is still there and the heartbeat still absent (the atomic
 # claim: a record settled normally, or claimed by another replica first, is left alone; reply {0, 0, …}).
 # Returns {counted (1/0), key day cost, key month cost, global day, global month, tag day, tag month, …}.
 RECORD_LUA = LUA_FUNCTIONS + """
 local ntags = tonumber(ARGV[11])
-local wal, owner_hb = KEYS[14 + 3 * ntags], KEYS[15 + 3 * ntags]
+local wal, owner_hb = KEYS[17 + 3 * ntags], KEYS[18 + 3 * ntags]
 if owner_hb and (redis.call('HEXISTS', wal, ARGV[1]) == 0 or redis.call('EXISTS', owner_hb) == 1) then
   local none = {0, 0, 0, 0, 0}
   for j = 1, 2 * ntags do none[#none + 1] = 0 end
@@ -83,7 +107,7 @@ if reserved then
   end
 end
 release(KEYS[13], ARGV[1])
-for j = 0, ntags - 1 do release(KEYS[16 + 3 * j], ARGV[1]) end
+for j = 0, ntags - 1 do release(KEYS[19 + 3 * j], ARGV[1]) end
 local counted = 0
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   counted = 1
@@ -93,17 +117,22 @@ if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   else
     redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
   end
-  for i = 12, #ARGV, 2 do
+  local cell = ' ' .. ARGV[13]
+  for i = 14, #ARGV, 2 do
     if ARGV[i + 1] ~= '0' then
       for k = 3, 7 do redis.call('HINCRBY', KEYS[k], ARGV[i], ARGV[i + 1]) end
+      redis.call('HINCRBY', KEYS[14], ARGV[i] .. cell, ARGV[i + 1])
     end
   end
+  redis.call('EXPIRE', KEYS[14], ARGV[4])
+  redis.call('HINCRBY', KEYS[15], 'n:' .. ARGV[12], 1)
+  if redis.call('SADD', KEYS[16], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[16], ARGV[4]) end
   redis.call('EXPIRE', KEYS[4], ARGV[4])
   redis.call('EXPIRE', KEYS[5], ARGV[5])
   redis.call('EXPIRE', KEYS[7], ARGV[4])
   redis.call('SADD', KEYS[8], ARGV[7])
   local lv = {11}
-  for j = 0, ntags - 1 do lv[#lv + 1] = 14 + 3 * j end
+  for j = 0, ntags - 1 do lv[#lv + 1] = 17 + 3 * j end
   for _, d in ipairs(lv) do
     redis.call('HINCRBY', KEYS[d], 'cost_micro_usd', ARGV[10])
     redis.call('HINCRBY', KEYS[d], 'requests', 1)
@@ -117,15 +146,17 @@ local out = {counted}
 local function cost(k) return tonumber(redis.call('HGET', KEYS[k], 'cost_micro_usd') or '0') end
 out[2], out[3], out[4], out[5] = cost(4), cost(5), cost(11), cost(12)
 for j = 0, ntags - 1 do
-  out[#out + 1] = cost(14 + 3 * j)
-  out[#out + 1] = cost(15 + 3 * j)
+  out[#out + 1] = cost(17 + 3 * j)
+  out[#out + 1] = cost(18 + 3 * j)
 end
 return out
 """
 
-# The record of a refused request (UsageEvent.audit): once by event_id, into the stream only — no counter,
-# no level, no reservation (it never had one).
-# KEYS: 1 seen-set, 2 stream; ARGV: 1 event_id, 2 event JSON, 3 seen TTL s, 4 stream maxlen (0 = none).
+# The record of a refused request (UsageEvent.audit): once by event_id, into the stream and the cube's ``refused``
+# count only — no counter, no level, no reservation (it never had one).
+# KEYS: 1 seen-set, 2 stream, 3 the key's cube of the day, 4 the cube index, 5 the day's cube key set;
+# ARGV: 1 event_id, 2 event JSON, 3 seen TTL s, 4 stream maxlen (0 = none), 5 UTC day, 6 cube cell, 7 key id,
+#       8 day TTL s.
 AUDIT_LUA = """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return {0, 0, 0} end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
@@ -134,7 +165,35 @@ if ARGV[4] ~= '0' then
 else
   redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
 end
+redis.call('HINCRBY', KEYS[3], 'refused ' .. ARGV[6], 1)
+redis.call('EXPIRE', KEYS[3], ARGV[8])
+redis.call('HINCRBY', KEYS[4], 'n:' .. ARGV[5], 1)
+if redis.call('SADD', KEYS[5], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[5], ARGV[8]) end
 return {1, 0, 0}
+"""
+
+# A day's cubes rebuilt from the stream (``thinkgate usage backfill``), only if the script aggregated no event of
+# that day since the rebuild read the index (n:{day} unchanged): else it is left for the next run.
+# KEYS: 1 the cube index, 2 the day's cube key set, 3.. every cube key of the day (the old ones and the new);
+# ARGV: 1 day, 2 n:{day} read before the stream was, 3 events of the day in the stream, 4 day TTL s,
+#       5 "1" to mark the day ok (it is over), 6 number of key ids that follow, then the key ids (their cubes are
+#       KEYS 3.. in order, then the old cubes to delete), then (cube number 1-based, field, value) triples.
+BACKFILL_LUA = """
+local n0 = redis.call('HGET', KEYS[1], 'n:' .. ARGV[1]) or '0'
+if n0 ~= ARGV[2] then return 0 end
+for i = 3, #KEYS do redis.call('DEL', KEYS[i]) end
+redis.call('DEL', KEYS[2])
+local nk = tonumber(ARGV[6])
+for i = 1, nk do redis.call('SADD', KEYS[2], ARGV[6 + i]) end
+for i = 7 + nk, #ARGV, 3 do
+  local key = KEYS[2 + tonumber(ARGV[i])]
+  redis.call('HSET', key, ARGV[i + 1], ARGV[i + 2])
+  redis.call('EXPIRE', key, ARGV[4])
+end
+if nk > 0 then redis.call('EXPIRE', KEYS[2], ARGV[4]) end
+redis.call('HSET', KEYS[1], 'n:' .. ARGV[1], ARGV[3])
+if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'ok:' .. ARGV[1], '1') end
+return 1
 """
 
 
@@ -253,29 +312,33 @@ class Meter:
 
     def _keys_args(self, event: UsageEvent) -> tuple[list[str], list[str | bytes | int]]:
         k = self.keys
+        day = event.day
+        cube = [k.agg_cube(event.key_id, day), k.agg_index, k.agg_day_keys(day)]
         if event.audit:
-            return ([k.seen(event.day), k.events],
-                    [event.event_id, event.to_json(), self.cfg.dedup_ttl_s, self.cfg.stream_maxlen or 0])
+            return ([k.seen(day), k.events, *cube],
+                    [event.event_id, event.to_json(), self.cfg.dedup_ttl_s, self.cfg.stream_maxlen or 0, day,
+                     cell_of(event), event.key_id, DAY_TTL_S])
         tier = event.tier or UNROUTED
         keys = [
-            k.seen(event.day),
+            k.seen(day),
             k.events,
             k.key_total(event.key_id),
-            k.key_day(event.key_id, event.day),
+            k.key_day(event.key_id, day),
             k.key_month(event.key_id, event.month),
             k.tier_total(tier),
-            k.tier_day(tier, event.day),
+            k.tier_day(tier, day),
             k.usage_keys,
             k.reservations(event.key_id),
             k.tpm(event.key_id, event.minute),
-            k.level_day("global", "global", event.day),
+            k.level_day("global", "global", day),
             k.level_month("global", "global", event.month),
             k.level_reservations("global", "global"),
+            *cube,
         ]
         tags = sorted(event.tags.items())
         for tag_name, tag_value in tags:
             tag = f"{tag_name}={tag_value}"
-            keys += [k.level_day("tag", tag, event.day), k.level_month("tag", tag, event.month),
+            keys += [k.level_day("tag", tag, day), k.level_month("tag", tag, event.month),
                      k.level_reservations("tag", tag)]
         if self._wal_key is not None:
             keys.append(self._wal_key)
@@ -291,6 +354,8 @@ class Meter:
             TPM_TTL_MS,
             event.cost_micro_usd,
             len(tags),
+            day,
+            cell_of(event),
         ]
         for name, value in counter_increments(event).items():
             args += [name, value]
@@ -352,6 +417,119 @@ class Meter:
             if len(batch) < page:
                 return
             start = "(" + as_text(batch[-1][0] or b"")
+
+    async def grouped(self, group_by: list[str], since: float, until: float | None = None,
+                      key_id: str | None = None, now: float | None = None) -> GroupedUsage:
+        """Usage of ``[since, until)`` (epoch seconds; ``until`` None = open) grouped by ``group_by`` (non-empty;
+        see :func:`gateway.ledger.export.parse_group_by`), of one ``key_id`` or every key: the same rows as
+        :func:`gateway.ledger.export.group` over :meth:`events` — integers (tokens, micro-USD, counts) plus exact
+        USD strings — read from the per-day cubes (``gateway/ledger/aggregate.py``) for every whole UTC day they
+        can answer, and from the stream only for the sub-day edges of the period and the days they cannot (not
+        yet aggregated, or expired). Raises :class:`RedisDown`."""
+        now = time.time() if now is None else now
+        k = self.keys
+        index = {as_text(f): as_text(v)
+                 for f, v in (await self.breaker.call(lambda: self.redis.hgetall(k.agg_index))).items()}
+        known = [f[2:] for f in index if f.startswith("n:")]
+        days, windows = plan_period(since, until, now, known)
+        # days whose cube may have expired are scanned without asking their seen-set (a since of 1970 names
+        # twenty thousand days)
+        live = [d for d in days if day_start(d) + DAY_TTL_S - DAY_S > now]
+        seen = await self._pipelined([("scard", k.seen(d)) for d in live])
+        sizes = dict(zip(live, (int(n) for n in seen), strict=True))
+        cube_days: list[str] = []
+        newly_ok: list[str] = []
+        for d in days:
+            n = int(index.get(f"n:{d}", 0))
+            verdict = day_verdict(d, n, sizes.get(d, 0), index.get(f"ok:{d}") == "1", now, self.cfg.dedup_ttl_s,
+                                  DAY_TTL_S) if d in sizes else "scan"
+            if verdict == "cube":
+                cube_days.append(d)
+                if sizes[d] and index.get(f"ok:{d}") != "1" and day_start(d) + DAY_S < now:
+                    newly_ok.append(d)  # complete and over: trusted once its seen-set expires
+            elif verdict == "scan":
+                windows.append((day_start(d), day_start(d) + DAY_S))
+        if newly_ok:
+            await self.breaker.call(lambda: self.redis.hset(k.agg_index, mapping={f"ok:{d}": "1" for d in newly_ok}))
+        parts: list[tuple[Groupable, Mapping[str, int]]] = []
+        if key_id is None:
+            members = await self._pipelined([("smembers", k.agg_day_keys(d)) for d in cube_days])
+            cubes = [(as_text(m), d) for d, ms in zip(cube_days, members, strict=True) for m in sorted(ms)]
+        else:
+            cubes = [(key_id, d) for d in cube_days]
+        raws = await self._pipelined([("hgetall", k.agg_cube(i, d)) for i, d in cubes])
+        for (i, d), raw in zip(cubes, raws, strict=True):
+            parts.extend(parse_cube(i, d, raw))
+        windows = merge_windows(windows)
+        scanned = 0
+        if windows:
+            hi_all = None if any(hi is None for _, hi in windows) else max(hi for _, hi in windows if hi is not None)
+            async for event in self.events(windows[0][0], hi_all):
+                scanned += 1
+                if (key_id is None or event.key_id == key_id) and any(
+                        lo <= event.ts and (hi is None or event.ts < hi) for lo, hi in windows):
+                    parts.append((event, increments(event)))
+        return GroupedUsage(group_sums(parts, group_by), cube_days, windows, scanned)
+
+    async def backfill(self, since: float | None = None, now: float | None = None) -> dict[str, int]:
+        """Rebuild from the stream the cubes of every day (from ``since``'s UTC day on; None: the whole stream)
+        that :meth:`grouped` would have to scan — days counted before the cubes existed (an upgrade), or by a
+        replica still running the old script —, each day in one atomic step that is skipped when the metering
+        script aggregated an event of that day meanwhile (run again). Idempotent: a rebuilt day is the stream's.
+        Returns ``{"days": days with events, "rebuilt": …, "skipped": …, "complete": already complete}``.
+        Reads the whole stream from ``since``: a one-time operation. Raises :class:`RedisDown`."""
+        now = time.time() if now is None else now
+        k = self.keys
+        index = {as_text(f): as_text(v)
+                 for f, v in (await self.breaker.call(lambda: self.redis.hgetall(k.agg_index))).items()}
+        start = None if since is None else day_start(day_of(since))
+        by_day: dict[str, list[UsageEvent]] = {}
+        async for event in self.events(start, None):
+            by_day.setdefault(event.day, []).append(event)
+        days = sorted(d for d in by_day if day_start(d) + DAY_TTL_S - DAY_S > now)
+        sizes = dict(zip(days, (int(n) for n in await self._pipelined([("scard", k.seen(d)) for d in days])),
+                         strict=True))
+        olds = await self._pipelined([("smembers", k.agg_day_keys(d)) for d in days])
+        out = {"days": len(days), "rebuilt": 0, "skipped": 0, "complete": 0}
+        script = self.redis.register_script(BACKFILL_LUA)
+        for d, old in zip(days, olds, strict=True):
+            n0 = index.get(f"n:{d}", "0")
+            if day_verdict(d, int(n0), sizes[d], index.get(f"ok:{d}") == "1", now, self.cfg.dedup_ttl_s,
+                           DAY_TTL_S) == "cube":
+                out["complete"] += 1
+                continue
+            cubes: dict[str, dict[str, int]] = {}
+            for event in by_day[d]:
+                cube, cell = cubes.setdefault(event.key_id, {}), " " + cell_of(event)
+                for name, value in increments(event).items():
+                    if value:
+                        cube[name + cell] = cube.get(name + cell, 0) + value
+            ids = sorted(cubes)
+            stale = sorted({as_text(m) for m in old} - set(ids))
+            keys = [k.agg_index, k.agg_day_keys(d), *(k.agg_cube(i, d) for i in ids),
+                    *(k.agg_cube(i, d) for i in stale)]
+            args: list[str | int] = [d, n0, len(by_day[d]), DAY_TTL_S, int(day_start(d) + DAY_S < now), len(ids), *ids]
+            for j, i in enumerate(ids, start=1):
+                for field_name, value in cubes[i].items():
+                    args += [j, field_name, value]
+            done = await self.breaker.call(functools.partial(script, keys=keys, args=args))
+            out["rebuilt" if done else "skipped"] += 1
+        return out
+
+    async def _pipelined(self, calls: list[tuple[str, str]]) -> list[Any]:
+        """One reply per ``(command method, key)`` call, sent as pipelines of at most 1000 (one round trip each)."""
+        out: list[Any] = []
+        for i in range(0, len(calls), 1000):
+            chunk = calls[i:i + 1000]
+
+            async def run(chunk: list[tuple[str, str]] = chunk) -> list[Any]:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for method, key in chunk:
+                        getattr(pipe, method)(key)
+                    return list(await pipe.execute())
+
+            out.extend(await self.breaker.call(run))
+        return out
 
 
 def _ints(raw: Mapping[bytes | str, bytes | str]) -> dict[str, int]:
