@@ -128,6 +128,9 @@ def group(events: Iterable[UsageEvent], group_by: list[str]) -> list[dict[str, A
     return group_sums(((e, increments(e)) for e in events), group_by)
 
 
+_SUMS = (*COUNTER_FIELDS, "refused")
+
+
 def group_sums(parts: Iterable[tuple[Groupable, Mapping[str, int]]], group_by: list[str]) -> list[dict[str, Any]]:
     """Rows of ``group_by`` from ``(attributes, sums)`` parts — events with their :func:`increments`, or cube cells
     with their counters (``gateway/ledger/aggregate.py``): one row per group value combination that any part
@@ -136,7 +139,9 @@ def group_sums(parts: Iterable[tuple[Groupable, Mapping[str, int]]], group_by: l
     sums: dict[tuple[str, ...], dict[str, int]] = {}
     for part, inc in parts:
         for values in _group_values(part, group_by):
-            acc = sums.setdefault(values, dict.fromkeys((*COUNTER_FIELDS, "refused"), 0))
+            acc = sums.get(values)
+            if acc is None:
+                acc = sums[values] = dict.fromkeys(_SUMS, 0)
             for k, v in inc.items():
                 acc[k] += v
     rows = []

@@ -150,6 +150,18 @@ def test_every_cli_command_works(served: ServeProcess, backend: ClusterSet | Sen
         time.sleep(0.2)
     events = [orjson.loads(line) for line in export.stdout.splitlines()]
     assert [e["key_id"] for e in events] == [kid]
+    # grouped with --since: from the usage cubes (written by the metering script in the shared slot), the same rows
+    # as the scan of the whole stream (no --since); the backfill finds nothing to rebuild
+    day = events[0]["ts"][:10]
+    by_cubes = _cli(served, backend, "usage", "export", "--format", "jsonl", "--key", kid, "--group-by",
+                    "day,tier,model,tag", "--since", day)
+    by_scan = _cli(served, backend, "usage", "export", "--format", "jsonl", "--key", kid, "--group-by",
+                   "day,tier,model,tag")
+    assert by_cubes.returncode == 0 and by_scan.returncode == 0, by_cubes.stderr + by_scan.stderr
+    assert by_cubes.stdout == by_scan.stdout and orjson.loads(by_cubes.stdout)["requests"] == 1
+    assert "days from the usage cubes, 0 events scanned" in by_cubes.stderr, by_cubes.stderr
+    backfill = _cli(served, backend, "usage", "backfill", "--since", day)
+    assert backfill.returncode == 0 and "0 rebuilt" in backfill.stdout, backfill.stdout + backfill.stderr
     report = _cli(served, backend, "usage", "report", "--key", kid, "--json", str(tmp_path / "r.json"))
     assert report.returncode == 0, report.stderr
     assert orjson.loads((tmp_path / "r.json").read_bytes())["summary"]["requests"] == 1
