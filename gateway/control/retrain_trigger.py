@@ -37,6 +37,16 @@ Each promotion, refusal and rollback is an audit event in the stream ``p router:
 "realised", "reason"}``), read by ``thinkgate router history`` and summarised in ``GET /v1/models``
 (``router_status.learning``).
 
+**Transitions** of ``p router:current`` (an adoption, a fit's promotion, a rollback) are one compare-and-set each
+(:class:`CurrentRouter`, :data:`TRANSITION_LUA`): the hash carries a generation ``gen``, bumped by every
+transition; a writer names the ``gen`` and ``path`` it read, and the script writes the new state with its
+``promote`` / ``rollback`` audit event only when they are still there. Separate reads
+and writes let an adoption and a rollback on two replicas interleave: the rollback overwritten (the rolled-back
+file kept as ``previous``), or the adoption lost, with audit events for both. A writer whose read went stale reads
+again (an adoption: the operator's file still replaces whatever serves now) or gives up (a rollback judged the
+router that no longer serves; a fit's candidate was compared with it: a ``keep`` says so). An adoption also sets
+``p router:adopted:{digest}`` in the same script: one promote event per file, whichever replica adopts it.
+
 **Exploration** (``explore`` > 0): :meth:`explore` is the routing hook: a routed decision for a tier above the
 cheapest goes one tier down with probability ``explore`` (seeded per process), with route reason ``explore``
 (the header, the usage event, the outcome), so the realised floor leaves those answers out on every replica —
@@ -81,6 +91,34 @@ log = logging.getLogger("thinkgate.retrain")
 
 LOCK_TTL_S = 600
 HISTORY_MAXLEN = 10_000
+ADOPTED_TTL_S = 86400  # how long a file's digest stays marked adopted (p router:adopted:{digest})
+#: Compare-and-set tries of one transition before it is left for the next tick (each retry follows a transition
+#: by another writer, and those are minutes apart: more than a few in a row means something is wrong)
+TRANSITION_TRIES = 8
+
+# The one way p router:current changes (module doc, "Transitions").
+# KEYS: router:current, router:history[, router:adopted:{digest} and router:configured (adopt) | router:bad
+# (rollback)]. ARGV: expected gen, expected path, then the new path, version, previous, previous_version, the audit
+# event (JSON), history maxlen, kind ("promote" | "adopt" | "rollback")[, digest (adopt) | the rolled-back version
+# (rollback)], adopted TTL s (adopt). A hash without ``gen`` (written before it existed, or never) reads as gen 0.
+# Returns {1, new gen} (written), {0, gen, path} (router:current is not what the writer read: nothing written) or
+# {-1} (adopt: the file is adopted already, by this writer or another: nothing written).
+TRANSITION_LUA = """
+if ARGV[9] == 'adopt' and redis.call('EXISTS', KEYS[3]) == 1 then return {-1} end
+local gen = redis.call('HGET', KEYS[1], 'gen') or '0'
+local path = redis.call('HGET', KEYS[1], 'path') or ''
+if gen ~= ARGV[1] or path ~= ARGV[2] then return {0, gen, path} end
+if ARGV[9] == 'adopt' then
+  redis.call('SET', KEYS[3], '1', 'EX', ARGV[11])
+  redis.call('SET', KEYS[4], ARGV[10])
+elseif ARGV[9] == 'rollback' then
+  redis.call('SADD', KEYS[3], ARGV[10])
+end
+local new = redis.call('HINCRBY', KEYS[1], 'gen', 1)
+redis.call('HSET', KEYS[1], 'path', ARGV[3], 'version', ARGV[4], 'previous', ARGV[5], 'previous_version', ARGV[6])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'e', ARGV[7])
+return {1, new}
+"""
 FIT_NICE = 10  # the fit process yields the CPU to the serving loop
 
 
@@ -102,6 +140,7 @@ class RetrainTrigger:
         self.handle = handle
         self.redis = handle.client
         self.prefix = handle.prefix
+        self.current = CurrentRouter(handle, breaker)  # p router:current: every write of it goes through here
         self.breaker = breaker
         self.outcomes = outcomes
         self.dir = state_dir_of(settings)
@@ -257,8 +296,9 @@ class RetrainTrigger:
         deployment last saw (set at the first look, and at each adoption): the same on every replica whatever its
         copy's inode or mtime, and across restarts — a file written while the replicas were down (a new ConfigMap
         and a rollout) is adopted by the first replica up, a replica restarted on the same file adopts nothing.
-        One replica adopts (``SET NX`` on the digest); the writes go through :meth:`_write` (a Redis failure
-        finishes them at the next tick). A file that does not load, or that this service would refuse (its
+        One replica adopts it: the digest's mark ``p router:adopted:{digest}`` is set in the compare-and-set that
+        moves ``p router:current`` (:meth:`CurrentRouter.adopt`); that write goes through :meth:`_write` (a Redis
+        failure finishes it at the next tick). A file that does not load, or that this service would refuse (its
         thresholds for the routed tiers, its budget map), is logged and left out; the promoted router keeps
         serving. The file is read only when its (mtime, size, inode) changed here. True when adopted here."""
         seen = file_signature(self.configured) if self.configured is not None else None
@@ -266,7 +306,7 @@ class RetrainTrigger:
             return False
         path = self.configured
         try:
-            digest = hashlib.sha256(await asyncio.to_thread(path.read_bytes)).hexdigest()[:32]
+            digest = file_digest(await asyncio.to_thread(path.read_bytes))
         except OSError:
             return False
         stored = await self.breaker.call(lambda: self.redis.get(self.k_configured))
@@ -275,12 +315,10 @@ class RetrainTrigger:
                 await self.breaker.call(lambda: self.redis.set(self.k_configured, digest, nx=True))
             self._configured_seen = seen
             return False
-        cur = await self.breaker.call(lambda: self.redis.hgetall(self.k_current))
-        if not cur:  # no promotion in force: the service's own hot reload serves the new file
+        if not await self.current.read():  # no promotion in force: the service's own hot reload serves the new file
             await self.breaker.call(lambda: self.redis.set(self.k_configured, digest))
             self._configured_seen = seen
             return False
-        c = {as_bytes(k).decode(): as_bytes(v).decode() for k, v in cur.items()}
         try:
             router = await asyncio.to_thread(load_router_cached, path)
             self.service.check(router)
@@ -291,23 +329,24 @@ class RetrainTrigger:
             return False
         meta = router.metadata
         version = str(meta.get("version") or meta.get("created_utc") or f"file-{digest[:12]}")
-        if not await self.breaker.call(lambda: self.redis.set(f"{self.k_adopted}:{digest}", "1", nx=True,
-                                                              ex=86400)):
-            self._configured_seen = seen  # another replica adopts it
+        if await self.breaker.call(lambda: self.redis.exists(f"{self.k_adopted}:{digest}")):
+            self._configured_seen = seen  # another replica adopted it
             return False
         n = int(await self.breaker.call(lambda: self.redis.xlen(self.outcomes.keys.outcomes)) or 0)
-        mapping = {"path": str(path), "version": version, "previous": c.get("path", ""),
-                   "previous_version": c.get("version", "")}
-        event = {"event": "promote", "ts": round(time.time(), 3), "version": version,
-                 "previous": c.get("version") or None, "path": str(path), "outcomes": n,
-                 "reason": "operator: a new file at routing.router_path"}
         self._configured_seen = seen
-        await self._write([lambda: self.breaker.call(lambda: self.redis.hset(self.k_current, mapping=mapping)),  # type: ignore[arg-type]
-                           lambda: self.breaker.call(lambda: self.redis.set(self.k_configured, digest)),
-                           functools.partial(self._history, event)])
-        log.info("retrain: %s (version %s) written to routing.router_path replaces the promoted %s", path, version,
-                 c.get("version"))
-        return True
+        adopted: list[dict[str, Any]] = []
+
+        async def adopt() -> None:
+            # the mark, router:configured, router:current and the event in one script (CurrentRouter.adopt): of the
+            # replicas racing for this file, one adopts it, on the state serving when it does
+            event = await self.current.adopt(path, version, digest, n, "operator: a new file at routing.router_path")
+            if event is not None:
+                self.last = event
+                adopted.append(event)
+                log.info("retrain: %s (version %s) written to routing.router_path replaces the promoted %s", path,
+                         version, event["previous"])
+        await self._write([adopt])
+        return bool(adopted)
 
     async def follow(self) -> bool:
         """Serve the file ``p router:current`` names when it is not the one in service; True when switched."""
@@ -343,16 +382,26 @@ class RetrainTrigger:
             self._unwritten.pop(0)
 
     async def _promote(self, mapping: dict[str, str], event: dict[str, Any]) -> None:
-        """Point ``p router:current`` at the candidate — unless it moved since the fit (a write left for a later
-        tick must not undo a newer promotion or rollback): then the event becomes a keep that says so."""
-        cur = await self.breaker.call(lambda: self.redis.hget(self.k_current, "path"))
-        if cur is not None and as_bytes(cur).decode() != mapping["previous"]:
-            event.update({"event": "keep", "version": mapping["previous_version"] or None,
-                          "path": mapping["previous"],
-                          "reason": f"superseded: router:current moved to {as_bytes(cur).decode()} while the "
-                                    "promotion waited for Redis"})
-            return
-        await self.breaker.call(lambda: self.redis.hset(self.k_current, mapping=mapping))  # type: ignore[arg-type]
+        """Point ``p router:current`` at the candidate, with its promote event — unless it moved since the fit
+        (another writer's adoption or rollback, or a write left for a later tick that must not undo a newer one):
+        the candidate was compared with a router no longer serving, so the event becomes a keep that says so."""
+        for _ in range(TRANSITION_TRIES):
+            c = await self.current.read()
+            if c.get("path") == mapping["path"]:  # an earlier try wrote it (and its event): its reply was lost
+                self.last = event
+                return
+            if c and c.get("path") != mapping["previous"]:
+                event.update({"event": "keep", "version": mapping["previous_version"] or None,
+                              "path": mapping["previous"],
+                              "reason": f"superseded: router:current moved to {c.get('path')} while the "
+                                        "candidate was fitted or its promotion waited for Redis"})
+                await self._history(event)
+                return
+            # compare-and-set on what was just read: a transition landing in between is read at the next try
+            if await self.current.transition(c, mapping, event, "promote") == 1:
+                self.last = event
+                return
+        raise RuntimeError(f"router:current moved {TRANSITION_TRIES} times while {mapping['path']} was promoted")
 
     async def _all_outcomes(self) -> list[dict[str, Any]]:
         return [orjson.loads(o.to_json()) for o in await self.outcomes.outcomes()]
@@ -417,8 +466,10 @@ class RetrainTrigger:
                 mapping = {"path": str(path), "version": version, "previous": prev_path,
                            "previous_version": str(prev_version or "")}
                 event.update({"event": "promote", "version": version, "path": str(path)})
+                # the promote event is written with router:current (or a keep instead), by _promote
                 steps += [functools.partial(self._promote, mapping, event), self.follow]
-            steps.append(functools.partial(self._history, event))
+            else:
+                steps.append(functools.partial(self._history, event))
             await self._write(steps)
             log.info("retrain: %s %s at %d outcomes: %s", event["event"], event["version"], n_outcomes,
                      event["reason"])
@@ -469,10 +520,7 @@ class RetrainTrigger:
     async def check_realised(self) -> dict[str, Any] | None:
         """Roll back to the previous file when the promoted router's realised floor is below ``floor`` on at
         least ``realised_min`` graded cheap answers; the rollback event (None: nothing to do)."""
-        cur = await self.breaker.call(lambda: self.redis.hgetall(self.k_current))
-        if not cur:
-            return None
-        c = {as_bytes(k).decode(): as_bytes(v).decode() for k, v in cur.items()}
+        c = await self.current.read()
         if not c.get("previous"):
             return None
         outcomes = await self._all_outcomes()
@@ -486,15 +534,21 @@ class RetrainTrigger:
             return None
         mapping = {"path": c["previous"], "version": c.get("previous_version", ""), "previous": "",
                    "previous_version": ""}
-        await self.breaker.call(lambda: self.redis.hset(self.k_current, mapping=mapping))  # type: ignore[arg-type]
         event = {"event": "rollback", "ts": round(time.time(), 3), "version": c.get("previous_version"),
                  "previous": c["version"], "path": c["previous"], "outcomes": len(outcomes), "realised": real,
                  "reason": f"realised floor {real['accuracy_ratio']} < {self.cfg.floor} ({real['method']} estimate) "
                            f"on {real['n']} graded answers ({real['n_cheap']} cheap, {real['n_spot_check']} "
                            f"spot-checked) of {c['version']}"}
-        # rolled back: the rest is written now or, after a Redis failure, at the next tick
-        await self._write([lambda: self.breaker.call(lambda: self.redis.sadd(self.k_bad, c["version"])),
-                           self.follow, functools.partial(self._history, event)])
+        # compare-and-set on the state read before the reading (router:current, router:bad and the event at once): a
+        # transition since (an adoption, another replica's rollback) replaced the router this reading judged, and
+        # rolling back over it would undo it — the new router's own floor is read at a later check. A Redis failure
+        # here leaves the check due at the next tick, which reads router:current again.
+        if await self.current.transition(c, mapping, event, "rollback", bad=c["version"]) != 1:
+            log.warning("retrain: no rollback of %s (its realised floor %s < %s): router:current moved while it was "
+                        "read", c["version"], real["accuracy_ratio"], self.cfg.floor)
+            return None
+        self.last = event
+        await self._write([self.follow])  # a Redis failure: followed at the next tick
         log.warning("retrain: rollback to %s: %s", event["version"], event["reason"])
         return event
 
@@ -533,3 +587,65 @@ async def read_history(handle: RedisHandle, breaker: Breaker, count: int = 100) 
     """The last ``count`` audit events of ``p router:history``, oldest first."""
     raw = await breaker.call(lambda: handle.client.xrevrange(history_key(handle.prefix), count=count)) or []
     return [dict(orjson.loads(as_bytes((f or {})[b"e"]))) for _, f in reversed(raw)]
+
+
+def file_digest(data: bytes) -> str:
+    """What ``p router:configured`` and ``p router:adopted:{digest}`` name a router file by: its content's
+    SHA-256 (32 hex characters) — the same on every replica."""
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+class CurrentRouter:
+    """``p router:current`` and its transitions, each one compare-and-set (module doc, "Transitions")."""
+
+    def __init__(self, handle: RedisHandle, breaker: Breaker) -> None:
+        self.handle = handle
+        self.breaker = breaker
+        self.prefix = handle.prefix
+        self.key = f"{self.prefix}router:current"
+        self._script = handle.client.register_script(TRANSITION_LUA)
+
+    async def read(self) -> dict[str, str]:
+        """The hash as text (``{}``: no promotion yet)."""
+        cur = await self.breaker.call(lambda: self.handle.client.hgetall(self.key))
+        return {as_bytes(k).decode(): as_bytes(v).decode() for k, v in (cur or {}).items()}
+
+    async def transition(self, seen: dict[str, str], mapping: dict[str, str], event: dict[str, Any], kind: str,
+                         digest: str = "", bad: str = "") -> int:
+        """Replace ``seen`` (what :meth:`read` returned) by ``mapping`` and append ``event`` to the history, both
+        only if ``seen`` still holds: 1 written, 0 ``router:current`` moved since (nothing written), -1 ``kind``
+        ``adopt`` and the file whose ``digest`` this is was adopted already (nothing written)."""
+        keys = [self.key, history_key(self.prefix)]
+        args: list[Any] = [seen.get("gen", "0"), seen.get("path", ""), mapping["path"], mapping["version"],
+                           mapping["previous"], mapping["previous_version"], orjson.dumps(event), HISTORY_MAXLEN,
+                           kind]
+        if kind == "adopt":
+            keys += [f"{self.prefix}router:adopted:{digest}", f"{self.prefix}router:configured"]
+            args += [digest, ADOPTED_TTL_S]
+        elif kind == "rollback":
+            keys.append(f"{self.prefix}router:bad")
+            args.append(bad)
+        reply = await self.breaker.call(lambda: self._script(keys=keys, args=args))
+        return int(reply[0])
+
+    async def adopt(self, path: Path, version: str, digest: str, outcomes: int, reason: str
+                    ) -> dict[str, Any] | None:
+        """Make the file at ``path`` (content digest ``digest``) the promoted router, the one serving now kept as
+        its ``previous``, with a ``promote`` event; the event, or None when the file was adopted already (by
+        another replica, or this call's earlier try whose reply a Redis failure lost). A transition by another
+        writer between the read and the write (a rollback, a fit's promotion) is read again: the operator's file
+        replaces whatever serves by then."""
+        for _ in range(TRANSITION_TRIES):
+            c = await self.read()
+            mapping = {"path": str(path), "version": version, "previous": c.get("path", ""),
+                       "previous_version": c.get("version", "")}
+            event = {"event": "promote", "ts": round(time.time(), 3), "version": version,
+                     "previous": c.get("version") or None, "path": str(path), "outcomes": outcomes,
+                     "reason": reason}
+            done = await self.transition(c, mapping, event, "adopt", digest=digest)
+            if done == 1:
+                return event
+            if done == -1:
+                return None
+        raise RuntimeError(f"router:current moved {TRANSITION_TRIES} times while {path} was being adopted: not "
+                           "adopted yet (a replica tries again at its next tick)")

@@ -1,0 +1,126 @@
+"""Transitions of ``p router:current`` race on the real Redis: one replica adopts a new file at
+``routing.router_path`` while another rolls the promoted router back (its realised floor broke), each a real
+:class:`RetrainTrigger` with its own connection, started together many times over. With a separate read and write
+each, the two interleaved: the rollback was overwritten (``router:current`` kept the rolled-back file as the
+adopted one's ``previous``) or the adoption lost, with audit events for both. Every run must end in a state that
+the audit events, replayed from the start, lead to."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+from gateway.config import RedisConfig
+from gateway.control.outcomes import OutcomeStore, outcome_spool_path
+from gateway.control.retrain_trigger import RetrainTrigger
+from gateway.ledger.outcome import Outcome
+from gateway.state.breaker import Breaker
+from gateway.state.redis import connect
+from router.persistence import load_router, save_router
+from router.serving import RouterService
+from tests.fixtures.gateway import gateway_settings
+from tests.fixtures.outcomes import serving_router, write_outcomes
+
+RUNS = 40  # the bad interleaving showed in most runs before the fix; bounded by TIME_S too
+TIME_S = 90.0
+
+
+def _text(hard: bool, i: int) -> str:
+    rng = random.Random(i)
+    return f"question {i}: " + " ".join(rng.sample(["prove", "integral", "theorem", "derive"] if hard
+                                                    else ["capital", "color", "name", "city"], 3))
+
+
+def _replica(settings: Any, redis_url: str, prefix: str) -> RetrainTrigger:
+    """A replica's trigger as ``create_app`` builds it (its own connection and breaker)."""
+    handle = connect(RedisConfig(url=redis_url, key_prefix=prefix))
+    breaker = Breaker(5.0)
+    store = OutcomeStore(settings.routing.outcomes, handle, breaker, outcome_spool_path(settings))
+    return RetrainTrigger(settings, RouterService.from_config(settings.routing), handle, breaker, store)
+
+
+def _replay(start: dict[str, str], events: list[dict[str, Any]]) -> dict[str, str]:
+    """The state of ``router:current`` the audit events lead to from ``start``; each event must start from the
+    state the one before it left (its ``previous`` is the version serving when it happened)."""
+    state = dict(start)
+    for e in events:
+        assert e["previous"] == (state["version"] or None), (e, state, events)
+        if e["event"] == "promote":
+            state = {"path": e["path"], "version": e["version"], "previous": state["path"]}
+        else:
+            assert e["event"] == "rollback" and e["path"] == state["previous"], (e, state, events)
+            state = {"path": e["path"], "version": e["version"], "previous": ""}
+    return state
+
+
+def test_an_adoption_racing_a_rollback_ends_in_a_state_its_audit_events_lead_to(
+        redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    before = serving_router(tmp_path / "before.skops", False, _text)  # old-noise: what a rollback goes back to
+    promoted = tmp_path / "promoted.skops"
+    router = load_router(before)
+    router.metadata["version"] = "auto-x"
+    save_router(router, promoted)
+    configured = tmp_path / "configured.skops"
+    save_router(router, configured)
+    # the promoted router's own cheap answers graded wrong (and its top answers right): its floor is broken
+    write_outcomes(redis_url, redis_prefix, [
+        Outcome(source="feedback", request_id=f"p{i}", key_id="alice", tier="short" if i % 4 else "long",
+                sufficed=i % 4 == 0, judge="client", router_version="auto-x") for i in range(40)], tmp_path)
+    settings = gateway_settings("http://127.0.0.1:1", redis_url, redis_prefix, tmp_path / "spool.jsonl", routing={
+        "router_path": str(configured), "routed_tiers": ["short", "long"],
+        "retrain": {"every_outcomes": 10**6, "state_dir": str(tmp_path / "routers"), "realised_min": 10}})
+    start = {"path": str(promoted), "version": "auto-x", "previous": str(before)}
+    rdb = redis.Redis.from_url(redis_url)
+
+    async def race() -> dict[str, int]:
+        adopter, checker = _replica(settings, redis_url, redis_prefix), _replica(settings, redis_url, redis_prefix)
+        seen = {"rollback then promote": 0, "promote only": 0, "other": 0}
+        deadline = time.monotonic() + TIME_S
+        try:
+            for run in range(RUNS):
+                if time.monotonic() > deadline:
+                    break
+                # each run: the promoted router serving, its floor broken, and a new operator file at router_path
+                rdb.delete(*[redis_prefix + k for k in ("router:current", "router:history", "router:bad")])
+                rdb.hset(redis_prefix + "router:current", mapping={**start, "previous_version": "old-noise"})
+                # the deployment has seen the file there now (p router:configured: its SHA-256, 32 hex characters)
+                rdb.set(redis_prefix + "router:configured",
+                        hashlib.sha256(configured.read_bytes()).hexdigest()[:32])
+                router.metadata["version"] = f"operator-{run}"
+                save_router(router, tmp_path / "next.tmp")
+                os.replace(tmp_path / "next.tmp", configured)
+
+                async def after(delay: float, job: Any) -> Any:
+                    await asyncio.sleep(delay)
+                    return await job()
+
+                await asyncio.gather(after(random.uniform(0, 0.004), adopter.adopt_configured),
+                                     after(random.uniform(0, 0.004), checker.check_realised))
+                events = [orjson.loads(f[b"e"]) for _, f in rdb.xrange(redis_prefix + "router:history")]
+                cur = {k.decode(): v.decode() for k, v in rdb.hgetall(redis_prefix + "router:current").items()}
+                want = _replay(start, events)
+                assert {k: cur.get(k) for k in want} == want, (run, cur, events)
+                kinds = [e["event"] for e in events]
+                # the operator's file is never lost: adopted once, whatever the rollback did
+                assert kinds.count("promote") == 1 and kinds.count("rollback") <= 1, (run, events)
+                assert cur["version"] == f"operator-{run}", (run, cur, events)
+                seen[{("rollback", "promote"): "rollback then promote", ("promote",): "promote only"}.get(
+                    tuple(kinds), "other")] += 1
+        finally:
+            for t in (adopter, checker):
+                await t.handle.close()
+        return seen
+
+    try:
+        seen = asyncio.run(race())
+    finally:
+        rdb.close()
+    assert seen["other"] == 0 and sum(seen.values()) >= 10, seen
