@@ -10,7 +10,8 @@ in service (``--router``; default: the router automatic retraining promoted, ``p
 — the replicas serve that one —, else ``routing.router_path``) on the held-out slice of the outcomes. Writes
 ``--output`` (atomically) only when the new one is not worse; the gateway's hot reload then picks it up if that is
 ``routing.router_path`` (its ``version`` shows in ``GET /v1/models``) — with a promoted router in service, the
-command also points ``p router:current`` at it, with a ``promote`` audit event, so the replicas follow.
+command also points ``p router:current`` at it, with a ``promote`` audit event, so the replicas follow (one event
+per file: a replica that adopted the file first leaves nothing to do).
 Exit codes: 0 written, 1 refused (worse,
 or too few held-out outcomes to judge), 2 invalid arguments or config, 3 Redis unreachable.
 """
@@ -55,22 +56,25 @@ def promoted_router(settings: Any) -> tuple[Path, str] | None:
     return run_on_redis(settings, read, min_timeout_s=5.0)
 
 
-def adopt(settings: Any, path: Path, version: str, previous: tuple[Path, str], n_outcomes: int) -> None:
+def adopt(settings: Any, path: Path, version: str, n_outcomes: int) -> dict[str, Any] | None:
     """Make ``path`` the promoted router (``p router:current``) — the replicas follow within
     ``routing.retrain.interval_s`` — with a ``promote`` audit event saying an operator wrote it. Without this the
-    file written to ``routing.router_path`` was never served while a promoted one was (silently)."""
-    from gateway.control.retrain_trigger import write_history
+    file written to ``routing.router_path`` was never served while a promoted one was (silently).
+
+    The replicas watch that path and adopt a new file there themselves: both go through the one compare-and-set
+    (:meth:`gateway.control.retrain_trigger.CurrentRouter.adopt`, the file's digest marked adopted with it), so
+    the file gets one promote event, whoever is first (this command wrote one and a replica another). The event,
+    or None when a replica had adopted the file already."""
+    from gateway.control.retrain_trigger import CurrentRouter, file_digest
     from gateway.state.breaker import Breaker
 
-    async def write(handle: Any) -> None:
-        await handle.client.hset(f"{handle.prefix}router:current", mapping={
-            "path": str(path), "version": version, "previous": str(previous[0]), "previous_version": previous[1]})
-        await write_history(handle, Breaker(1.0), {
-            "event": "promote", "ts": round(time.time(), 3), "version": version, "previous": previous[1] or None,
-            "path": str(path), "outcomes": n_outcomes,
-            "reason": "operator: thinkgate router retrain --output routing.router_path"})
+    digest = file_digest(path.read_bytes())
 
-    run_on_redis(settings, write, min_timeout_s=5.0)
+    async def write(handle: Any) -> dict[str, Any] | None:
+        return await CurrentRouter(handle, Breaker(1.0)).adopt(
+            path, version, digest, n_outcomes, "operator: thinkgate router retrain --output routing.router_path")
+
+    return run_on_redis(settings, write, min_timeout_s=5.0)
 
 
 def retrain_command(
@@ -136,9 +140,12 @@ def retrain_command(
     typer.echo(f"wrote {output} (version {new.metadata['version']}, {cuts})")
     configured = settings.routing.router_path
     if promoted is not None and configured is not None and output.resolve() == Path(configured).resolve():
-        adopt(settings, output.resolve(), str(new.metadata["version"]), promoted, len(outcomes))
-        typer.echo(f"router:current now names {output} (it named {promoted[0]}): the replicas serve it within "
-                   f"routing.retrain.interval_s")
+        event = adopt(settings, output.resolve(), str(new.metadata["version"]), len(outcomes))
+        if event is None:  # a replica watching routing.router_path saw the file first (one promote event per file)
+            typer.echo(f"router:current names {output}: a replica adopted it already")
+        else:
+            typer.echo(f"router:current now names {output} (it named version {event['previous']}): the replicas serve"
+                       f" it within routing.retrain.interval_s")
 
 
 def _print(report: Any) -> None:

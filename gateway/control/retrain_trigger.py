@@ -37,15 +37,16 @@ Each promotion, refusal and rollback is an audit event in the stream ``p router:
 "realised", "reason"}``), read by ``thinkgate router history`` and summarised in ``GET /v1/models``
 (``router_status.learning``).
 
-**Transitions** of ``p router:current`` (an adoption, a fit's promotion, a rollback) are one compare-and-set each
-(:class:`CurrentRouter`, :data:`TRANSITION_LUA`): the hash carries a generation ``gen``, bumped by every
-transition; a writer names the ``gen`` and ``path`` it read, and the script writes the new state with its
-``promote`` / ``rollback`` audit event only when they are still there. Separate reads
+**Transitions** of ``p router:current`` (an adoption, a fit's promotion, a rollback, ``thinkgate router retrain
+--output``) are one compare-and-set each (:class:`CurrentRouter`, :data:`TRANSITION_LUA`): the hash carries a
+generation ``gen``, bumped by every transition; a writer names the ``gen`` and ``path`` it read, and the script
+writes the new state with its ``promote`` / ``rollback`` audit event only when they are still there. Separate reads
 and writes let an adoption and a rollback on two replicas interleave: the rollback overwritten (the rolled-back
 file kept as ``previous``), or the adoption lost, with audit events for both. A writer whose read went stale reads
 again (an adoption: the operator's file still replaces whatever serves now) or gives up (a rollback judged the
 router that no longer serves; a fit's candidate was compared with it: a ``keep`` says so). An adoption also sets
-``p router:adopted:{digest}`` in the same script: one promote event per file, whichever replica adopts it.
+``p router:adopted:{digest}`` in the same script: one promote event per file, whoever adopts it (a replica, or the
+command that wrote it).
 
 **Exploration** (``explore`` > 0): :meth:`explore` is the routing hook: a routed decision for a tier above the
 cheapest goes one tier down with probability ``explore`` (seeded per process), with route reason ``explore``
@@ -296,9 +297,10 @@ class RetrainTrigger:
         deployment last saw (set at the first look, and at each adoption): the same on every replica whatever its
         copy's inode or mtime, and across restarts — a file written while the replicas were down (a new ConfigMap
         and a rollout) is adopted by the first replica up, a replica restarted on the same file adopts nothing.
-        One replica adopts it: the digest's mark ``p router:adopted:{digest}`` is set in the compare-and-set that
-        moves ``p router:current`` (:meth:`CurrentRouter.adopt`); that write goes through :meth:`_write` (a Redis
-        failure finishes it at the next tick). A file that does not load, or that this service would refuse (its
+        One writer adopts it — a replica, or ``thinkgate router retrain --output`` that wrote it —: the digest's mark
+        ``p router:adopted:{digest}`` is set in the compare-and-set that moves ``p router:current``
+        (:meth:`CurrentRouter.adopt`); a replica's write goes through :meth:`_write` (a Redis failure finishes it at
+        the next tick). A file that does not load, or that this service would refuse (its
         thresholds for the routed tiers, its budget map), is logged and left out; the promoted router keeps
         serving. The file is read only when its (mtime, size, inode) changed here. True when adopted here."""
         seen = file_signature(self.configured) if self.configured is not None else None
@@ -330,7 +332,7 @@ class RetrainTrigger:
         meta = router.metadata
         version = str(meta.get("version") or meta.get("created_utc") or f"file-{digest[:12]}")
         if await self.breaker.call(lambda: self.redis.exists(f"{self.k_adopted}:{digest}")):
-            self._configured_seen = seen  # another replica adopted it
+            self._configured_seen = seen  # another replica (or the command that wrote it) adopted it
             return False
         n = int(await self.breaker.call(lambda: self.redis.xlen(self.outcomes.keys.outcomes)) or 0)
         self._configured_seen = seen
@@ -338,7 +340,7 @@ class RetrainTrigger:
 
         async def adopt() -> None:
             # the mark, router:configured, router:current and the event in one script (CurrentRouter.adopt): of the
-            # replicas racing for this file, one adopts it, on the state serving when it does
+            # replicas and the command racing for this file, one adopts it, on the state serving when it does
             event = await self.current.adopt(path, version, digest, n, "operator: a new file at routing.router_path")
             if event is not None:
                 self.last = event
@@ -591,7 +593,7 @@ async def read_history(handle: RedisHandle, breaker: Breaker, count: int = 100) 
 
 def file_digest(data: bytes) -> str:
     """What ``p router:configured`` and ``p router:adopted:{digest}`` name a router file by: its content's
-    SHA-256 (32 hex characters) — the same on every replica."""
+    SHA-256 (32 hex characters) — the same on every replica and for the command that wrote it."""
     return hashlib.sha256(data).hexdigest()[:32]
 
 
@@ -632,9 +634,9 @@ class CurrentRouter:
                     ) -> dict[str, Any] | None:
         """Make the file at ``path`` (content digest ``digest``) the promoted router, the one serving now kept as
         its ``previous``, with a ``promote`` event; the event, or None when the file was adopted already (by
-        another replica, or this call's earlier try whose reply a Redis failure lost). A transition by another
-        writer between the read and the write (a rollback, a fit's promotion) is read again: the operator's file
-        replaces whatever serves by then."""
+        another replica, the command that wrote it, or this call's earlier try whose reply a Redis failure lost). A
+        transition by another writer between the read and the write (a rollback, a fit's promotion) is read again:
+        the operator's file replaces whatever serves by then."""
         for _ in range(TRANSITION_TRIES):
             c = await self.read()
             mapping = {"path": str(path), "version": version, "previous": c.get("path", ""),

@@ -4,6 +4,7 @@ carries its version), a worse one is refused with exit code 1 and no file."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import httpx
@@ -160,3 +161,60 @@ def test_retrain_with_three_routed_tiers_writes_one_cut_per_boundary(redis_url: 
     routing = Settings.load(tmp_path / "gw.yaml", routing={**cfg["routing"], "router_path": str(out)}).routing
     svc = RouterService.from_config(routing)  # refuse_start: raises unless the file fits the three tiers
     assert svc.available and svc.thresholds == new.thresholds
+
+
+def test_a_file_written_by_retrain_gets_one_promote_event_with_replicas_watching(
+        upstream_sim: SimProcess, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """``router retrain --output routing.router_path`` points ``router:current`` at the file it wrote, and a replica
+    watching that path adopts a new file there: both wrote a promote event for the one file (and the replica's
+    adoption kept the file itself as its own ``previous``). One file, one promote event — whoever is first; the
+    other says so and writes nothing. Both orders: the command while a replica runs, then a replica first."""
+    import orjson
+    import redis
+
+    from gateway.cli.common import load_settings
+    from gateway.cli.retrain import adopt
+    from gateway.control.retrain_trigger import file_digest
+
+    configured = _router(tmp_path / "configured.skops", informative=False)
+    promoted = _router(tmp_path / "promoted.skops", informative=False)
+    r = redis.Redis.from_url(redis_url)
+    r.hset(redis_prefix + "router:current", mapping={"path": str(promoted), "version": "auto-1",
+                                                     "previous": str(configured)})
+    write_outcomes(redis_url, redis_prefix, _outcomes(invert_training=False), tmp_path)
+    config = _config(tmp_path, redis_url, redis_prefix, configured)
+    routing = {"router_path": str(configured), "routed_tiers": ["short", "long"], "reload_interval_s": 0.1,
+               "retrain": {"every_outcomes": 10**6, "state_dir": str(tmp_path / "routers"), "interval_s": 0.05}}
+
+    def promotes() -> list[tuple[str, str | None]]:
+        events = [orjson.loads(f[b"e"]) for _, f in r.xrange(redis_prefix + "router:history")]
+        return [(e["version"], e["previous"]) for e in events if e["event"] == "promote"]
+
+    def current() -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in r.hgetall(redis_prefix + "router:current").items()}
+
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                                routing=routing) as gw:
+            # the replica's first look: the configured file is the deployment's baseline, nothing to adopt
+            assert wait_for(lambda: r.exists(redis_prefix + "router:configured") == 1, timeout_s=10)
+            res = CliRunner().invoke(app, ["router", "retrain", "--from-outcomes", "--output", str(configured),
+                                           "--config", str(config)])
+            assert res.exit_code == 0, res.output
+            version = load_router(configured).metadata["version"]
+            assert wait_for(lambda: gw.app.state.retrain.service.path == configured.resolve(), timeout_s=10)
+            time.sleep(1.0)  # twenty more ticks: a second adoption would be written by now
+            assert promotes() == [(version, "auto-1")], res.output
+            assert current()["previous"] == str(promoted)  # not the file itself (the second adoption's previous)
+
+            # a replica first: it adopts the file an operator wrote; the command's step for the same file is a no-op
+            again = load_router(configured)
+            again.metadata["version"] = "operator-2"
+            save_router(again, tmp_path / "next.tmp")
+            (tmp_path / "next.tmp").replace(configured)
+            assert wait_for(lambda: current()["version"] == "operator-2", timeout_s=10)
+            assert r.get(redis_prefix + "router:configured").decode() == file_digest(configured.read_bytes())
+            assert adopt(load_settings(config), configured.resolve(), "operator-2", 0) is None
+            assert promotes() == [(version, "auto-1"), ("operator-2", version)]
+    finally:
+        r.close()
