@@ -7,7 +7,8 @@ optional ``"comment"`` (a string of at most 2,000 characters). ``request_id`` is
 apart). Recorded as a ``feedback`` outcome (``gateway/control/outcomes.py``; spooled while Redis is down): 200
 ``{"id", "object": "feedback", "request_id", "sufficed", "stored": "redis" | "spool" | "duplicate"}``. One
 outcome per request: a second feedback on the same request answers ``stored: "duplicate"`` with the ``sufficed``
-of the first (which stands) and changes nothing.
+of the first (which stands) and changes nothing — a first written before grades were kept beside the seen-set
+(``p outcomes:grades:{day}``) is read from its stream entry; ``null`` only when the stream no longer holds it.
 Errors: 400 ``invalid_request`` (body), 401 (key), 404 ``request_not_found``, 503 ``outcomes_unavailable``
 (Redis down: the request's key cannot be checked).
 """

@@ -20,8 +20,10 @@ The usage sink (:meth:`OutcomeStore.sink`) also turns each escalated first attem
 from __future__ import annotations
 
 import asyncio
+import calendar
 import contextlib
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -200,7 +202,52 @@ class OutcomeStore:
             return "spool", outcome.sufficed
         if isinstance(reply, bytes | str) and len(reply) == 2:  # "g1" / "g0": a duplicate of a graded outcome
             return "duplicate", as_bytes(reply)[1:] == b"1"
-        return ("redis", outcome.sufficed) if int(reply) else ("duplicate", None)
+        if int(reply):
+            return "redis", outcome.sufficed
+        if outcome.source == "feedback" and outcome.sufficed is not None:
+            return "duplicate", await self._legacy_grade(outcome)
+        return "duplicate", None
+
+    async def _legacy_grade(self, outcome: Outcome) -> bool | None:
+        """The grade of a feedback outcome seen before but without an entry in the day's grades hash: one written
+        before the hash existed (commit 96eb0d2; or by a replica not yet upgraded, during a rollout), which is in
+        the day's seen-set and the stream only — its duplicate answered ``sufficed: null``. Read from its stream
+        entry (``sufficed``; else the client's ``value`` ≥ 0.5, the rule it was graded by) and copied into the
+        grades hash, so the next duplicate is answered by the write script. None when the stream no longer holds
+        it (trimmed past ``stream_maxlen``): then nothing says what it was. Raises :class:`RedisDown`."""
+        # the first was found in the seen-set of this outcome's day, so its ``ts`` is in that day and its stream
+        # entry (added after it was made) is not older than the day's start — less an hour for a gateway clock
+        # ahead of Redis's (stream ids are Redis's clock): the scan stops there instead of reading the whole stream
+        floor_ms = (calendar.timegm(time.strptime(outcome.day, "%Y-%m-%d")) - 3600) * 1000
+        needle = orjson.dumps(outcome.outcome_id)
+        top = "+"
+        while True:
+            batch = await self.breaker.call(
+                lambda t=top: self.redis.xrevrange(self.keys.outcomes, max=t, min=floor_ms, count=1000)) or []  # type: ignore[misc]
+            for _, fields in batch:
+                raw = as_bytes((fields or {})[b"o"])
+                if needle not in raw:  # most entries are other outcomes: parsed only when the id is in there
+                    continue
+                stored = Outcome.from_json(raw)
+                if stored.outcome_id != outcome.outcome_id:
+                    continue
+                grade = stored.sufficed if stored.sufficed is not None else (
+                    None if stored.value is None else stored.value >= 0.5)
+                if grade is not None:
+                    key = self.keys.outcomes_grades(outcome.day)
+                    await self.breaker.call(lambda k=key, g=grade: self._backfill(k, outcome.outcome_id, g))  # type: ignore[misc]
+                return grade
+            if len(batch) < 1000:
+                return None
+            last = batch[-1][0]
+            top = "(" + (last.decode() if isinstance(last, bytes) else str(last))
+
+    async def _backfill(self, key: str, outcome_id: str, grade: bool) -> None:
+        # HSETNX: a grade written there meanwhile is the first's too; the TTL as the write script sets it
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hsetnx(key, outcome_id, "1" if grade else "0")
+            pipe.expire(key, SEEN_TTL_S)
+            await pipe.execute()
 
     async def _run(self, outcome: Outcome) -> Any:
         keys = [self.keys.outcomes_seen(outcome.day), self.keys.outcomes]

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
+import pytest
 import redis
 
 from gateway.config import OutcomesConfig, RedisConfig
@@ -179,3 +181,53 @@ def test_late_feedback_is_credited_to_the_router_that_served(upstream_sim: SimPr
         assert ok.status_code == 200, ok.text
         [o] = _outcomes(redis_url, redis_prefix)
         assert o.router_version == "router-a"
+
+
+# The write script before grades were kept beside the seen-set (commit 96eb0d2): a feedback outcome written by it —
+# by a gateway before that change, or by a replica not yet upgraded during a rollout — is in the day's seen-set and
+# the stream, and in no grades hash.
+PRE_GRADES_RECORD_LUA = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'o', ARGV[2])
+return 1
+"""
+
+
+@pytest.mark.parametrize(("first", "want"), [({"correct": True}, True), ({"score": 0.3}, False)])
+def test_a_duplicate_of_a_grade_written_before_grades_were_kept_says_that_grade(
+        upstream_sim: SimProcess, redis_url: str, redis_prefix: str, tmp_path: Path, first: dict[str, Any],
+        want: bool) -> None:
+    """The first grade written in the old shape (seen-set and stream, no grades hash); a second grade on the same
+    request answers ``stored: "duplicate"`` with the first's ``sufficed``, read from the stream — it answered
+    ``sufficed: null``, though the grade that stands was there all along."""
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix) as gw, \
+            httpx.Client(timeout=30) as client:
+        r = client.post(gw.base_url + "/chat/completions", headers=_auth("alice"), json={
+            "model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": "graded long ago?"}]})
+        assert r.status_code == 200
+        rid, tier = r.headers["x-request-id"], r.headers["x-thinkgate-tier"]
+        # what the gateway of that time wrote for the first grade (the same feedback rule, the same outcome id)
+        value = first["score"] if "score" in first else float(first["correct"])
+        old = Outcome(source="feedback", request_id=rid, key_id="alice", tier=tier, sufficed=value >= 0.5,
+                      judge="client", outcome_id=f"fb:{rid}", value=value)
+        rdb = redis.Redis.from_url(redis_url)
+        try:
+            # a few other outcomes of the day after it: the grade is found among them
+            others = [Outcome(source="shadow", request_id=f"s{i}", key_id="alice", tier="short", sufficed=True,
+                              judge="agreement") for i in range(3)]
+            script = rdb.register_script(PRE_GRADES_RECORD_LUA)
+            for o in (old, *others):
+                assert script(keys=[redis_prefix + f"outcomes:seen:{o.day}", redis_prefix + "outcomes"],
+                              args=[o.outcome_id, o.to_json(), 40 * 86400, 1_000_000]) == 1
+            assert wait_for(lambda: rdb.exists(redis_prefix + "req:" + rid) == 1, timeout_s=5)
+            for second in ({"correct": not want}, {"score": 0.0 if want else 1.0}):  # read, then as kept
+                again = client.post(gw.base_url + "/feedback", headers=_auth("alice"),
+                                    json={"request_id": rid, **second})
+                assert again.status_code == 200, again.text
+                assert (again.json()["stored"], again.json()["sufficed"]) == ("duplicate", want)
+            assert rdb.hget(redis_prefix + f"outcomes:grades:{old.day}", old.outcome_id) == (b"1" if want else b"0")
+        finally:
+            rdb.close()
+        assert [(o.outcome_id, o.sufficed) for o in _outcomes(redis_url, redis_prefix)
+                if o.source == "feedback"] == [(old.outcome_id, want)]  # the first stands, nothing added
