@@ -231,8 +231,8 @@ def fit(
     """Fit a router: from labelled JSONL files, or from recorded traces (--traces, --dataset, --ladder).
 
     With --traces: per ladder, the fixed held-out questions are set aside, a ridge router is fitted on the rest
-    (5-fold bagged, on a fit split), the served thresholds are certified on a calibration split to keep
-    --quality-target of always-top accuracy with confidence 1 - --delta (Learn-then-Test), and the file carries
+    (5-fold bagged), the served thresholds are certified with cross-fitted scores to keep --quality-target of
+    always-top accuracy with nominal confidence 1 - --delta (Learn-then-Test; approximate), and the file carries
     the whole served policy (scorer, thresholds, cascade or not, the guarantee; see docs/router.md).
     """
     if out is None:

@@ -21,8 +21,10 @@ conservative→aggressive sequence would end at its first point. Each point is t
 binomial test of :mod:`router.fit.risk` on **all** non-held-out questions, with cross-fitted (5-fold out-of-fold)
 router and escalation scores; the sequence stops at the first point not rejected; the cheapest rejected point is
 served, none → always top. Caveat (stored in the file): cross-fitting reuses labels across folds and the
-thresholds are quantiles of the same scores, so δ is the nominal level of an approximation, not the exact
-split-sample guarantee (which ``--cal-frac > 0`` keeps).
+thresholds are quantiles of the same scores, so δ is the nominal level of an approximation. The split-sample
+family (``--cal-frac > 0``, ``serving.split_family``) is no exact guarantee either: its calibration half is scored
+by the same cross-fitted fold models, trained on folds holding other calibration questions
+(:mod:`router.fit.ladder_fit`, steps 5–6).
 """
 
 from __future__ import annotations

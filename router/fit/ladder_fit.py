@@ -17,12 +17,17 @@ Recipe (:func:`fit_ladder_router`), for one ladder on one or more data sets:
    (a bagged linear model: same features, same scale as the validation scores). Score =
    ``sigmoid((z − μ) / σ)`` with μ, σ of the out-of-fold logits (monotone, so ranking is unchanged).
 5. **Split**: the non-held-out questions are split again (:func:`calibration_mask`, salted SHA-256, ``cal_frac``):
-   steps 3–4 and every choice below use the *fit* split; the *calibration* split is scored by the bagged model the
-   file serves and used only to certify its thresholds.
+   every choice below uses the *fit* split's scores; the *calibration* split's scores are used only to certify
+   thresholds. Steps 3–4 run on both splits: a calibration question's score is its out-of-fold score (a fold model
+   trained on the other folds, calibration questions among them; vectorisers and score scale from all non-held-out
+   questions), not the fold-mean model's the file serves — so it depends on other calibration questions' labels.
 6. **Thresholds with a guarantee** (:mod:`router.fit.risk`, Learn-then-Test): candidate points from the fit split's
-   score quantiles, ordered on the fit split, tested on the calibration split (exact binomial test of "accuracy ≥
+   score quantiles, ordered on the fit split, tested on the calibration split (the binomial test of "accuracy ≥
    ``quality_target`` × always-top", fixed sequence at level ``delta``); the cheapest certified point is served,
-   none → always top ("do not route").
+   none → always top ("do not route"). The test is exact only for scores independent of the questions tested:
+   with the cross-fitted scores of step 5 the learned scorer's split-family guarantee is approximate (``delta``
+   nominal), as the served point's is (``serving.guarantee.caveat``); the length and random scorers learn nothing
+   from labels, and for them it is a clean split.
 7. **Policy**: the scorer (learned / length / random) × cascade-or-not family with the most in-sample certified
    savings on the fit split. The file's ``metadata.serving`` (:mod:`router.policy`) carries the served thresholds,
    the cascade rule with its phrases (:mod:`router.abstention`), the guarantee (floor, δ, calibration size) and the
@@ -426,8 +431,9 @@ def fit_ladder_router(
         "random": savings_at_98(random_curve(fit_part.correct, fit_part.tokens,
                                              1001 if lad.settings[2:] == () else 101), top_acc, quality_target),
     }
-    # ---- the served operating point, with a guarantee (router/fit/risk.py): family chosen on the fit split, the
-    # thresholds certified by Learn-then-Test on the calibration split, scored by the model the file serves
+    # ---- the split family (router/fit/risk.py): family chosen on the fit split, the thresholds certified by
+    # Learn-then-Test on the calibration split — scored out of fold by the fold models above, which saw other
+    # calibration questions' labels: approximate, not a clean split-sample guarantee (module doc, steps 5-6)
     phrases = list(DEFAULT_PHRASES)
     fit_scores_by = {"router": oof, "length": length, "random": np.array([hash_score(q) for q in fit_part.questions])}
     cal_scores_by = {"router": oof_all[is_cal],
