@@ -71,7 +71,7 @@ def adopt(settings: Any, path: Path, version: str, n_outcomes: int) -> dict[str,
     digest = file_digest(path.read_bytes())
 
     async def write(handle: Any) -> dict[str, Any] | None:
-        return await CurrentRouter(handle, Breaker(1.0)).adopt(
+        return await CurrentRouter(handle, Breaker(1.0), settings.routing.retrain.readopt_after_s).adopt(
             path, version, digest, n_outcomes, "operator: thinkgate router retrain --output routing.router_path")
 
     return run_on_redis(settings, write, min_timeout_s=5.0)

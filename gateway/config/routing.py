@@ -140,6 +140,12 @@ class RetrainConfig(_Strict):
     fit_here: bool = True
     fit_in: Literal["process", "thread"] = "process"
     interval_s: float = Field(1.0, gt=0)
+    #: seconds a file adopted from ``routing.router_path`` stays marked adopted (``p router:adopted:{digest}``):
+    #: within it the same bytes are not adopted again — a replica whose copy of the path lags (a ConfigMap still
+    #: propagating, a pod of the previous rollout restarting) would otherwise flip the fleet back to the file the
+    #: new one replaced —; after it, writing a file back (an operator putting an earlier router back) adopts it
+    #: again. Longer than the deployment's worst skew between two replicas' copies of the path.
+    readopt_after_s: int = Field(900, ge=1)
 
     @property
     def enabled(self) -> bool:

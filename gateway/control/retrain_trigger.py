@@ -45,8 +45,9 @@ and writes let an adoption and a rollback on two replicas interleave: the rollba
 file kept as ``previous``), or the adoption lost, with audit events for both. A writer whose read went stale reads
 again (an adoption: the operator's file still replaces whatever serves now) or gives up (a rollback judged the
 router that no longer serves; a fit's candidate was compared with it: a ``keep`` says so). An adoption also sets
-``p router:adopted:{digest}`` in the same script: one promote event per file, whoever adopts it (a replica, or the
-command that wrote it).
+``p router:adopted:{digest}`` in the same script, for ``readopt_after_s``: one promote event per file, whoever adopts
+it (a replica, or the command that wrote it), and a replica's lagging copy of a replaced file is not adopted back;
+after that window the same file written again is adopted again (an operator putting an earlier router back).
 
 **Exploration** (``explore`` > 0): :meth:`explore` is the routing hook: a routed decision for a tier above the
 cheapest goes one tier down with probability ``explore`` (seeded per process), with route reason ``explore``
@@ -92,7 +93,6 @@ log = logging.getLogger("thinkgate.retrain")
 
 LOCK_TTL_S = 600
 HISTORY_MAXLEN = 10_000
-ADOPTED_TTL_S = 86400  # how long a file's digest stays marked adopted (p router:adopted:{digest})
 #: Compare-and-set tries of one transition before it is left for the next tick (each retry follows a transition
 #: by another writer, and those are minutes apart: more than a few in a row means something is wrong)
 TRANSITION_TRIES = 8
@@ -141,7 +141,8 @@ class RetrainTrigger:
         self.handle = handle
         self.redis = handle.client
         self.prefix = handle.prefix
-        self.current = CurrentRouter(handle, breaker)  # p router:current: every write of it goes through here
+        # p router:current: every write of it goes through here
+        self.current = CurrentRouter(handle, breaker, self.cfg.readopt_after_s)
         self.breaker = breaker
         self.outcomes = outcomes
         self.dir = state_dir_of(settings)
@@ -332,7 +333,13 @@ class RetrainTrigger:
         meta = router.metadata
         version = str(meta.get("version") or meta.get("created_utc") or f"file-{digest[:12]}")
         if await self.breaker.call(lambda: self.redis.exists(f"{self.k_adopted}:{digest}")):
-            self._configured_seen = seen  # another replica (or the command that wrote it) adopted it
+            # adopted within routing.retrain.readopt_after_s and replaced since (router:configured names another
+            # file): a lagging copy of the path, or an operator writing it back too soon — said, not served
+            self._configured_seen = seen
+            log.warning("retrain: the file at routing.router_path (%s, sha256 %s…) was adopted less than "
+                        "routing.retrain.readopt_after_s = %d s ago and replaced since: not adopted again (a "
+                        "replica's lagging copy of the path?); write it again after that to put it back", path,
+                        digest[:12], self.cfg.readopt_after_s)
             return False
         n = int(await self.breaker.call(lambda: self.redis.xlen(self.outcomes.keys.outcomes)) or 0)
         self._configured_seen = seen
@@ -600,9 +607,10 @@ def file_digest(data: bytes) -> str:
 class CurrentRouter:
     """``p router:current`` and its transitions, each one compare-and-set (module doc, "Transitions")."""
 
-    def __init__(self, handle: RedisHandle, breaker: Breaker) -> None:
+    def __init__(self, handle: RedisHandle, breaker: Breaker, readopt_after_s: int) -> None:
         self.handle = handle
         self.breaker = breaker
+        self.readopt_after_s = readopt_after_s  # routing.retrain.readopt_after_s: the adopted mark's TTL
         self.prefix = handle.prefix
         self.key = f"{self.prefix}router:current"
         self._script = handle.client.register_script(TRANSITION_LUA)
@@ -623,7 +631,7 @@ class CurrentRouter:
                            kind]
         if kind == "adopt":
             keys += [f"{self.prefix}router:adopted:{digest}", f"{self.prefix}router:configured"]
-            args += [digest, ADOPTED_TTL_S]
+            args += [digest, self.readopt_after_s]
         elif kind == "rollback":
             keys.append(f"{self.prefix}router:bad")
             args.append(bad)

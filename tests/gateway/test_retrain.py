@@ -218,3 +218,60 @@ def test_a_file_written_by_retrain_gets_one_promote_event_with_replicas_watching
             assert promotes() == [(version, "auto-1"), ("operator-2", version)]
     finally:
         r.close()
+
+
+def test_a_file_written_back_is_adopted_again_after_the_readopt_window(
+        upstream_sim: SimProcess, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """The adopted mark of a file lasted a day, so an operator putting an earlier router back by writing its file
+    to ``routing.router_path`` (as docs/closed-loop.md says to) was ignored for up to a day, silently. Within
+    ``routing.retrain.readopt_after_s`` a replaced file is still not adopted back (a lagging replica's copy must
+    not flip the fleet); after it, it is."""
+    import orjson
+    import redis
+
+    configured = _router(tmp_path / "configured.skops", informative=False)
+    promoted = _router(tmp_path / "promoted.skops", informative=False)
+    r = redis.Redis.from_url(redis_url)
+    r.hset(redis_prefix + "router:current", mapping={"path": str(promoted), "version": "auto-1",
+                                                     "previous": str(configured)})
+    write_outcomes(redis_url, redis_prefix, _outcomes(invert_training=False), tmp_path)
+    window_s = 3
+    routing = {"router_path": str(configured), "routed_tiers": ["short", "long"], "reload_interval_s": 0.1,
+               "retrain": {"every_outcomes": 10**6, "state_dir": str(tmp_path / "routers"), "interval_s": 0.05,
+                           "readopt_after_s": window_s}}
+
+    saved = {}
+    for version in ("operator-a", "operator-b"):
+        f = load_router(configured)
+        f.metadata["version"] = version
+        save_router(f, tmp_path / f"{version}.skops")
+        saved[version] = (tmp_path / f"{version}.skops").read_bytes()  # the same bytes each time it is written
+
+    def write(version: str) -> None:
+        (tmp_path / "next.tmp").write_bytes(saved[version])
+        (tmp_path / "next.tmp").replace(configured)  # a new inode: the replica reads the path again
+
+    def current() -> str:
+        return r.hget(redis_prefix + "router:current", "version").decode()
+
+    def promotes() -> list[str]:
+        events = [orjson.loads(f[b"e"]) for _, f in r.xrange(redis_prefix + "router:history")]
+        return [e["version"] for e in events if e["event"] == "promote"]
+
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, routing=routing):
+            assert wait_for(lambda: r.exists(redis_prefix + "router:configured") == 1, timeout_s=10)
+            write("operator-a")
+            assert wait_for(lambda: current() == "operator-a", timeout_s=10)
+            adopted_a = time.monotonic()
+            write("operator-b")
+            assert wait_for(lambda: current() == "operator-b", timeout_s=10)
+            write("operator-a")  # within the window: taken for a lagging copy, not adopted
+            time.sleep(0.5)  # ten ticks
+            assert current() == "operator-b" and promotes() == ["operator-a", "operator-b"]
+            time.sleep(max(0.0, window_s + 0.5 - (time.monotonic() - adopted_a)))
+            write("operator-a")  # the same bytes again, after the window: put back
+            assert wait_for(lambda: current() == "operator-a", timeout_s=10)
+            assert promotes() == ["operator-a", "operator-b", "operator-a"]
+    finally:
+        r.close()
