@@ -124,8 +124,10 @@ def test_sigterm_stops_what_serve_started(tmp_path: Path, upstream_sim: Any) -> 
                        auth={"dev_key_file": str(tmp_path / "dev-key")})
     port = free_port()
     log = (tmp_path / "serve.log").open("w+")
+    # without the suite's REDIS_URL: it would override the config's redis.url (its documented alias)
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=30, proc=proc)
         assert ping(redis_url), "serve started a private Redis"

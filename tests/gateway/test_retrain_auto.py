@@ -231,11 +231,13 @@ def _status_or_none(gw: Any) -> dict[str, Any] | None:
         return None
 
 
-def test_redis_dying_during_a_fit_does_not_skip_it(upstream_sim: SimProcess, tmp_path: Path) -> None:
+def test_redis_dying_during_a_fit_does_not_skip_it(upstream_sim: SimProcess, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Redis is killed while the fit runs in its child process, and comes back with its data: the gateway fits the
     same outcomes again and promotes. Marking ``router:fitted_at`` and leaving the lock before the verdict (as it
     was) made an outage mid-fit cost the fit: no refit until ``every_outcomes`` more outcomes, and the lock blocked
     every replica for ten minutes."""
+    monkeypatch.delenv("REDIS_URL", raising=False)  # the suite's: it would override this test's private Redis
     server = DurableRedis(tmp_path / "redis").start()
     prefix = "tgtest:fit-outage:"
     try:
