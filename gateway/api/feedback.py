@@ -6,8 +6,9 @@ optional ``"comment"`` (a string of at most 2,000 characters). ``request_id`` is
 ``routing.outcomes.request_ttl_s``; another key's request, or an unknown one, is a 404 (the two are not told
 apart). Recorded as a ``feedback`` outcome (``gateway/control/outcomes.py``; spooled while Redis is down): 200
 ``{"id", "object": "feedback", "request_id", "sufficed", "stored": "redis" | "spool" | "duplicate"}``. One
-outcome per request: a second feedback on the same request answers ``stored: "duplicate"`` with the ``sufficed``
-of the first (which stands) and changes nothing — a first written before grades were kept beside the seen-set
+outcome per request: a second feedback on the same request — also after midnight: grades are deduplicated in the
+answered request's UTC day — answers ``stored: "duplicate"`` with the ``sufficed`` of the first (which stands) and
+changes nothing — a first written before grades were kept beside the seen-set
 (``p outcomes:grades:{day}``) is read from its stream entry; ``null`` only when the stream no longer holds it.
 Errors: 400 ``invalid_request`` (body), 401 (key), 404 ``request_not_found``, 503 ``outcomes_unavailable``
 (Redis down: the request's key cannot be checked).
@@ -81,6 +82,7 @@ def attach(app: FastAPI, keys: KeyStore, store: OutcomeStore) -> None:
                           window_digest=entry.get("window_digest"),
                           score=entry.get("score"), value=score if score is not None else float(bool(correct)),
                           comment=comment, text=entry.get("text"),
+                          request_ts=float(entry["ts"]) if isinstance(entry.get("ts"), int | float) else None,
                           # the router that served the request (an entry written before the index kept it: now's)
                           router_version=entry["router_version"] if "router_version" in entry
                           else store.router_version())

@@ -127,7 +127,9 @@ class OutcomeStore:
                                  "window_digest": window_digest(record.routing_window)
                                  if record.routing_window is not None else None,
                                  # the router that served it: feedback may come after a promotion
-                                 "router_version": self.router_version()}
+                                 "router_version": self.router_version(),
+                                 # its day's seen-set dedups its grades, however late they come (Outcome.seen_day)
+                                 "ts": record.ts}
         if record.escalated_from is not None:
             entry["escalated_from"] = record.escalated_from
         if self.cfg.retain_text and record.routing_window is not None:
@@ -215,10 +217,11 @@ class OutcomeStore:
         entry (``sufficed``; else the client's ``value`` ≥ 0.5, the rule it was graded by) and copied into the
         grades hash, so the next duplicate is answered by the write script. None when the stream no longer holds
         it (trimmed past ``stream_maxlen``): then nothing says what it was. Raises :class:`RedisDown`."""
-        # the first was found in the seen-set of this outcome's day, so its ``ts`` is in that day and its stream
-        # entry (added after it was made) is not older than the day's start — less an hour for a gateway clock
-        # ahead of Redis's (stream ids are Redis's clock): the scan stops there instead of reading the whole stream
-        floor_ms = (calendar.timegm(time.strptime(outcome.day, "%Y-%m-%d")) - 3600) * 1000
+        # the first was found in the seen-set of this outcome's seen day, so it was made after that day's start (a
+        # grade comes after its request) and its stream entry (added after it was made) is not older than that —
+        # less an hour for a gateway clock ahead of Redis's (stream ids are Redis's clock): the scan stops there
+        # instead of reading the whole stream
+        floor_ms = (calendar.timegm(time.strptime(outcome.seen_day, "%Y-%m-%d")) - 3600) * 1000
         needle = orjson.dumps(outcome.outcome_id)
         top = "+"
         while True:
@@ -234,7 +237,7 @@ class OutcomeStore:
                 grade = stored.sufficed if stored.sufficed is not None else (
                     None if stored.value is None else stored.value >= 0.5)
                 if grade is not None:
-                    key = self.keys.outcomes_grades(outcome.day)
+                    key = self.keys.outcomes_grades(outcome.seen_day)
                     await self.breaker.call(lambda k=key, g=grade: self._backfill(k, outcome.outcome_id, g))  # type: ignore[misc]
                 return grade
             if len(batch) < 1000:
@@ -250,10 +253,10 @@ class OutcomeStore:
             await pipe.execute()
 
     async def _run(self, outcome: Outcome) -> Any:
-        keys = [self.keys.outcomes_seen(outcome.day), self.keys.outcomes]
+        keys = [self.keys.outcomes_seen(outcome.seen_day), self.keys.outcomes]
         args: list[Any] = [outcome.outcome_id, outcome.to_json(), SEEN_TTL_S, self.cfg.stream_maxlen]
         if outcome.source == "feedback" and outcome.sufficed is not None:  # kept for a duplicate's answer
-            keys.append(self.keys.outcomes_grades(outcome.day))
+            keys.append(self.keys.outcomes_grades(outcome.seen_day))
             args.append("1" if outcome.sufficed else "0")
         return await self._script(keys=keys, args=args)
 

@@ -58,10 +58,20 @@ class Outcome:
     router_version: str | None = None
     text: str | None = None
     answers: list[str] | None = None
+    #: when the graded request was answered (epoch s; feedback only, None for entries indexed before it was kept)
+    request_ts: float | None = None
 
     @property
     def day(self) -> str:
         return time.strftime("%Y-%m-%d", time.gmtime(self.ts))
+
+    @property
+    def seen_day(self) -> str:
+        """The UTC day whose seen-set (and grades hash) holds this outcome's id: the answered request's day for
+        feedback — a grade may come up to ``request_ttl_s`` later, across midnight, and must meet the first
+        grade's seen-set to be a duplicate —, else (and for a request indexed before its time was kept) the
+        outcome's own."""
+        return time.strftime("%Y-%m-%d", time.gmtime(self.ts if self.request_ts is None else self.request_ts))
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)

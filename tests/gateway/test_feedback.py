@@ -231,3 +231,47 @@ def test_a_duplicate_of_a_grade_written_before_grades_were_kept_says_that_grade(
             rdb.close()
         assert [(o.outcome_id, o.sufficed) for o in _outcomes(redis_url, redis_prefix)
                 if o.source == "feedback"] == [(old.outcome_id, want)]  # the first stands, nothing added
+
+
+def test_a_second_grade_after_midnight_is_a_duplicate(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
+                                                       tmp_path: Path) -> None:
+    """A request answered yesterday evening, graded before midnight, graded again after it (within the feedback
+    window): the second grade went to the seen-set of *its* day, missed the first and was stored as a second
+    outcome — two labels for one answer in the next retrain. Grades are deduplicated in the answered request's
+    day."""
+    import time
+
+    from gateway.control.outcomes import RECORD_LUA
+
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix) as gw, \
+            httpx.Client(timeout=30) as client:
+        r = client.post(gw.base_url + "/chat/completions", headers=_auth("alice"), json={
+            "model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": "graded twice?"}]})
+        assert r.status_code == 200
+        rid, tier = r.headers["x-request-id"], r.headers["x-thinkgate-tier"]
+        rdb = redis.Redis.from_url(redis_url)
+        try:
+            index = redis_prefix + "req:" + rid
+            assert wait_for(lambda: rdb.exists(index) == 1, timeout_s=5)
+            # answered yesterday (the entry the gateway indexed then) ...
+            entry = orjson.loads(rdb.get(index))
+            assert abs(entry["ts"] - time.time()) < 60  # the index keeps when the request was answered
+            yesterday = time.time() - 86400
+            entry["ts"] = yesterday
+            rdb.set(index, orjson.dumps(entry), keepttl=True)
+            # ... and graded then, before midnight, by the gateway's write script (seen-set, stream, grades hash)
+            first = Outcome(source="feedback", request_id=rid, key_id="alice", tier=tier, sufficed=True,
+                            judge="client", outcome_id=f"fb:{rid}", value=1.0, ts=yesterday, request_ts=yesterday)
+            day = first.day
+            assert rdb.register_script(RECORD_LUA)(
+                keys=[redis_prefix + f"outcomes:seen:{day}", redis_prefix + "outcomes",
+                      redis_prefix + f"outcomes:grades:{day}"],
+                args=[first.outcome_id, first.to_json(), 40 * 86400, 1_000_000, "1"]) == 1
+            again = client.post(gw.base_url + "/feedback", headers=_auth("alice"),
+                                json={"request_id": rid, "correct": False})  # today
+            assert again.status_code == 200, again.text
+            assert (again.json()["stored"], again.json()["sufficed"]) == ("duplicate", True)
+        finally:
+            rdb.close()
+        assert [(o.outcome_id, o.sufficed) for o in _outcomes(redis_url, redis_prefix)
+                if o.source == "feedback"] == [(f"fb:{rid}", True)]  # the first stands, nothing added
