@@ -25,11 +25,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import orjson
 
 from gateway.ledger.event import COUNTER_FIELDS, UsageEvent
+
+if TYPE_CHECKING:
+    from gateway.ledger.export import Groupable
 
 #: every counter of a cube cell: the event counters and ``refused`` (audit events)
 CUBE_FIELDS: tuple[str, ...] = (*COUNTER_FIELDS, "refused")
@@ -165,6 +168,18 @@ class GroupedUsage:
     ``events_scanned``: stream events read for them."""
 
     rows: list[dict[str, object]]
+    cube_days: list[str]
+    scan_windows: list[tuple[float, float | None]]
+    events_scanned: int = 0
+
+
+@dataclass
+class PeriodParts:
+    """A period's usage before grouping: ``parts`` are ``(attributes, sums)`` pairs for
+    :func:`gateway.ledger.export.group_sums` (cube cells, and stream events for what the cubes cannot answer);
+    ``cube_days``, ``scan_windows``, ``events_scanned`` as in :class:`GroupedUsage`."""
+
+    parts: list[tuple[Groupable, Mapping[str, int]]]
     cube_days: list[str]
     scan_windows: list[tuple[float, float | None]]
     events_scanned: int = 0

@@ -47,6 +47,7 @@ from gateway.config import MeteringConfig
 from gateway.ledger.aggregate import (
     DAY_S,
     GroupedUsage,
+    PeriodParts,
     cell_of,
     day_of,
     day_start,
@@ -70,6 +71,10 @@ MONTH_TTL_S = 800 * 86400
 TPM_TTL_MS = 120_000
 UNROUTED = "_unrouted"  # tier label of requests refused before routing
 REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
+# How far a stream id (the write time, Redis's clock) may lie after / before its event's ts (the request's start,
+# the replica's clock) for a read by id range to find it: a request's duration, and clock skew between hosts.
+LATE_SLACK_S = 900.0
+EARLY_SLACK_S = 60.0
 
 # KEYS: 1 seen-set, 2 stream, 3 key total, 4 key day, 5 key month, 6 tier total, 7 tier day, 8 usage:keys,
 #       9 the key's reservation hash, 10 the key's TPM counter of the event's minute, 11 global day,
@@ -426,6 +431,16 @@ class Meter:
         USD strings — read from the per-day cubes (``gateway/ledger/aggregate.py``) for every whole UTC day they
         can answer, and from the stream only for the sub-day edges of the period and the days they cannot (not
         yet aggregated, or expired). Raises :class:`RedisDown`."""
+        usage = await self.grouped_parts(since, until, key_id, now)
+        return GroupedUsage(group_sums(usage.parts, group_by), usage.cube_days, usage.scan_windows,
+                            usage.events_scanned)
+
+    async def grouped_parts(self, since: float, until: float | None = None, key_id: str | None = None,
+                            now: float | None = None) -> PeriodParts:
+        """What :meth:`grouped` groups, read once: ``parts`` — ``(attributes, sums)`` pairs (cube cells with their
+        counters, stream events with their :func:`~gateway.ledger.export.increments`) for
+        :func:`gateway.ledger.export.group_sums` — so a caller that needs several groupings of one period (the
+        dashboard: by day, key, tier, tag and the total) reads the cubes once. Raises :class:`RedisDown`."""
         now = time.time() if now is None else now
         k = self.keys
         index = {as_text(f): as_text(v)
@@ -469,7 +484,26 @@ class Meter:
                 if (key_id is None or event.key_id == key_id) and any(
                         lo <= event.ts and (hi is None or event.ts < hi) for lo, hi in windows):
                     parts.append((event, increments(event)))
-        return GroupedUsage(group_sums(parts, group_by), cube_days, windows, scanned)
+        return PeriodParts(parts, cube_days, windows, scanned)
+
+    async def recent(self, limit: int, since: float | None = None,
+                     until: float | None = None) -> tuple[list[UsageEvent], int]:
+        """The most recent events (by stream id, newest last) with ``since <= ts < until`` (epoch seconds, None =
+        open), reading at most ``limit`` stream entries: one ``XREVRANGE … COUNT limit`` from the newest entry
+        (``until`` None) or from ``until`` plus :data:`LATE_SLACK_S` (an event is written when its request ends,
+        after its ``ts``) down to ``since`` less :data:`EARLY_SLACK_S`. Returns ``(events, entries read)``; entries
+        read < ``limit`` means every event of the period written within those slacks is there. Raises
+        :class:`RedisDown`."""
+        hi = "+" if until is None else f"{int((until + LATE_SLACK_S) * 1000)}"
+        lo = "-" if since is None else f"{max(0, int((since - EARLY_SLACK_S) * 1000))}"
+        batch = await self.breaker.call(
+            functools.partial(self.redis.xrevrange, self.keys.events, max=hi, min=lo, count=limit)) or []
+        out = []
+        for _stream_id, fields in reversed(batch):
+            event = UsageEvent.from_json(as_bytes((fields or {})[b"e"]))
+            if (since is None or event.ts >= since) and (until is None or event.ts < until):
+                out.append(event)
+        return out, len(batch)
 
     async def backfill(self, since: float | None = None, now: float | None = None) -> dict[str, int]:
         """Rebuild from the stream the cubes of every day (from ``since``'s UTC day on; None: the whole stream)

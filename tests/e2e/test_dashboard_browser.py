@@ -118,6 +118,8 @@ def test_dashboard_in_chromium(seeded: Seeded, tmp_path: Path) -> None:
             promotions = page.inner_text("#router-history")
             headline = page.inner_text("#total-requests")
             bar_px = page.eval_on_selector("#spend-day .fill", "f => f.getBoundingClientRect().height")
+            window_notes = [page.inner_text(f"#{i}", timeout=2000) for i in ("latency-window", "routing-window",
+                                                                            "long-tier", "savings-fraction")]
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
         finally:
             browser.close()
@@ -126,6 +128,9 @@ def test_dashboard_in_chromium(seeded: Seeded, tmp_path: Path) -> None:
     # the refused login's 403 is the only error the console may show; no CSP violation, no script error
     assert [e for e in errors if "403" not in e] == []
     assert bar_px > 20  # the day bars are drawn (sizes set through the CSSOM, which the CSP allows)
+    # the per-event figures say which events they cover: here every event of the period
+    assert all("events of the period" in n and n.split(" events")[0].endswith(tuple("0123456789"))
+               for n in window_notes), window_notes
     # the page's numbers are the API's and the export's
     api_key = {f"key:{r['key']}": r["cost_micro_usd"] for r in usage_rows(seeded.gw, "key", since)}
     assert by_key == api_key and set(api_key) >= {"key:alice", "key:bob"}
@@ -233,3 +238,33 @@ def test_shadow_spend_is_its_own_line_not_negative_savings(upstream_sim: SimProc
     assert micro["savings"] == micro["always-long"] - served == summary["savings_micro_usd"]
     assert micro["net-savings"] == micro["savings"] - micro["shadow-spend"] == summary["net_savings_micro_usd"]
     assert "on served traffic" in fraction and net_text.startswith("net of them saved $")
+
+
+def test_windowed_figures_are_labelled_as_the_last_n_events(upstream_sim: SimProcess, redis_url: str,
+                                                            tmp_path: Path) -> None:
+    """A ledger larger than ``dashboard.window_events`` (3 here): the page labels the always-long estimate, the
+    savings, the routing mix and the latency table "last 3 events only", while the spend figures are still the whole
+    period's (``GET /v1/usage``)."""
+    from playwright.sync_api import sync_playwright
+
+    assert EXECUTABLE is not None
+    dash = {"secret_file": str(tmp_path / "secret"), "poll_s": 1, "window_events": 3}
+    with seeded_gateway(upstream_sim.base_url, redis_url, tmp_path, dashboard=dash) as seeded, \
+            sync_playwright() as p:
+        browser = launch(p, EXECUTABLE)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            log_in(page, seeded.gw.url, ADMIN_SECRET)
+            wait_ready(page)
+            since = float(page.get_attribute("body", "data-since") or "nan")
+            notes = {i: page.inner_text(f"#{i}", timeout=2000)
+                     for i in ("latency-window", "routing-window", "long-tier", "savings-fraction", "net-savings")}
+            complete = page.get_attribute("body", "data-window-complete")
+            by_key = _money_by_row(page, "spend-key")
+            total = int(page.get_attribute("#total-spend", "data-micro") or "-1")
+        finally:
+            browser.close()
+        api_key = {f"key:{r['key']}": r["cost_micro_usd"] for r in usage_rows(seeded.gw, "key", since)}
+    assert complete == "false"
+    assert all("last 3 events only" in n for n in notes.values()), notes
+    assert by_key == api_key and total == sum(api_key.values()) > 0

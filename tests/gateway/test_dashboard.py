@@ -16,13 +16,16 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from gateway.api.dashboard import dev_key_is_admin
 from gateway.api.dashboard.data import percentile, target_shares
 from gateway.api.dashboard.session import Sessions
 from gateway.auth.keys import KeyInfo
 from gateway.config import Settings
-from gateway.ledger.event import micro_to_usd
+from gateway.ledger import report as rp
+from gateway.ledger.event import UsageEvent, micro_to_usd
+from gateway.state.keys import RedisKeys
 from tests.fixtures.dashboard import Seeded, cli, export_rows, seeded_gateway, usage_rows
 from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway, cleanup, keys_config
 from tests.fixtures.redis_stack import PersistentRedis
@@ -101,9 +104,15 @@ def test_figures_equal_usage_api_export_and_report(seeded: Seeded) -> None:
     r = cli("usage", "report", "--since", str(since), "--json", str(out), config=seeded.config)
     assert r.returncode == 0, r.stderr
     summary = json.loads(out.read_text())["summary"]
+    # sums over the period, from the cubes
+    for field in ("cache_saved_micro_usd", "spend_micro_usd", "shadow_spend_micro_usd"):
+        assert d["savings"][field] == summary[field], field
+    # the per-event figures, over the window of recent events: here it holds the whole period, so they are the
+    # report's
+    assert d["window"]["complete"] and d["window"]["read"] < d["window"]["limit"] == 5000
     for field in ("always_long_micro_usd", "savings_micro_usd", "cache_saved_micro_usd", "spend_micro_usd",
                   "shadow_spend_micro_usd", "net_savings_micro_usd", "requests"):
-        assert d["savings"][field] == summary[field], field
+        assert d["window"]["savings"][field] == summary[field], field
     assert d["savings"]["cache_saved_micro_usd"] > 0  # the seeded cache hit
     # budgets: alice's key level, the team=a tag level, the global level — with what remains
     levels = {(b["level"], b["period"], b.get("key_id")) for b in d["budgets"]}
@@ -236,3 +245,42 @@ def test_a_rewritten_dev_key_ends_its_sessions(upstream_sim: SimProcess, redis_u
         assert httpx.get(gw.url + "/dashboard/data", cookies=jar, timeout=10).status_code == 200
         dev_file.write_text("tg-dev-" + uuid.uuid4().hex + "\n")
         assert httpx.get(gw.url + "/dashboard/data", cookies=jar, timeout=10).status_code == 401
+
+
+def test_the_poll_reads_a_bounded_window_and_every_sum_from_the_cubes(upstream_sim: SimProcess, redis_url: str,
+                                                                       tmp_path: Path) -> None:
+    """The poll scanned the month's stream (seconds at 150,000 events, every few seconds). With a window of 3
+    events and a ledger of more: the poll reads at most 3 stream entries, its per-event figures (latency, routing
+    mix, the always-long estimate) are exactly those of the stream's last 3 events, and every sum is still the whole
+    period's, equal to ``GET /v1/usage``."""
+    dash = {"secret_file": str(tmp_path / "secret"), "poll_s": 1, "window_events": 3}
+    with seeded_gateway(upstream_sim.base_url, redis_url, tmp_path, dashboard=dash) as seeded:
+        d = _data(seeded)
+        since = d["since"]
+        by_key = usage_rows(seeded.gw, "key", since)
+        r = redis.Redis.from_url(redis_url)
+        try:
+            stream = RedisKeys(seeded.prefix).events
+            n_stream = r.xlen(stream)
+            last = [UsageEvent.from_json(f[b"e"]) for _, f in reversed(r.xrevrange(stream, count=3))]
+        finally:
+            r.close()
+    assert n_stream >= len(seeded.request_ids) > 3
+    w = d["window"]
+    assert w["limit"] == 3 and w["read"] == 3 and w["events"] == 3 and not w["complete"]
+    assert (w["oldest"], w["newest"]) == (last[0].ts, last[-1].ts)
+    # sums: the whole period (every seeded request), not the window
+    assert d["spend"]["key"] == by_key
+    assert d["total"]["requests"] == sum(x["requests"] for x in by_key) >= len(seeded.request_ids)
+    assert d["savings"]["spend_micro_usd"] == sum(x["cost_micro_usd"] for x in by_key) > 0
+    # per-event figures: exactly the last 3 events'
+    lat = {x["tier"]: x["events"] for x in d["latency"] if x["events"]}
+    want: dict[str, int] = {}
+    for ev in last:
+        if not ev.audit and ev.tier is not None:
+            want[ev.tier] = want.get(ev.tier, 0) + 1
+    assert lat == want and sum(lat.values()) <= 3
+    assert sum(x["requests"] for x in d["routing"]["tiers"]) == sum(1 for ev in last if rp.counts_as_request(ev))
+    report = rp.build(last, rp.long_tier_of(seeded.gw.settings), seeded.gw.settings.tier("long").prices)
+    assert w["savings"]["always_long_micro_usd"] == report.always_long_micro_usd
+    assert w["savings"]["spend_micro_usd"] == report.spend_micro_usd < d["savings"]["spend_micro_usd"]

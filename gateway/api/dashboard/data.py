@@ -1,19 +1,36 @@
-"""The dashboard's one JSON document (``GET /dashboard/data``), computed by the functions behind
-``GET /v1/usage`` and ``thinkgate usage export`` (:func:`gateway.ledger.export.group` over
-:meth:`gateway.state.metering.Meter.events`) and ``thinkgate usage report`` (:func:`gateway.ledger.report.build`),
-so every figure equals theirs for the same period.
+"""The dashboard's one JSON document (``GET /dashboard/data``), polled by the page every ``dashboard.poll_s``.
 
-Shape (money: integer micro-USD plus exact USD strings; latency in ms)::
+Two sources, so that a poll costs the same at 150,000 events of the month as at 150:
+
+- **Sums over the period** (spend, tokens, requests, errors, cache hits, refused — in total and per day, key, tier
+  and tag; cache savings; shadow spend) come from the per-key, per-day usage cubes through
+  :meth:`gateway.state.metering.Meter.grouped_parts`, read once per poll and grouped with
+  :func:`gateway.ledger.export.group_sums`: the same rows as ``GET /v1/usage?group_by=…`` and
+  ``thinkgate usage export --group-by`` for the same period, to the micro-USD. Shadow spend is the spend of the
+  shadow runner's own key ``_shadow`` (:data:`gateway.control.shadow.SHADOW_KEY`: every shadow and judge call is
+  metered under it, and nothing else is), as ``thinkgate usage report``'s ``shadow_spend_micro_usd``.
+- **Figures that need each event** (the always-long counterfactual and the savings against it, routing mix by
+  route reason, latency percentiles, error rate per tier) come from a bounded read: the most recent
+  ``dashboard.window_events`` events of the period (:meth:`gateway.state.metering.Meter.recent`, one
+  ``XREVRANGE … COUNT``), never the whole stream. ``window`` says what that read covered; ``window.complete`` is
+  true when it holds every event of the period (then its figures are ``thinkgate usage report``'s), and the page
+  labels these figures "last N events" otherwise.
+
+Shape (money: integer micro-USD plus exact USD strings; latency in ms; times epoch seconds)::
 
     {"object": "dashboard.data", "redis": "ok", "since": s, "until": s | null, "generated": s,
-     "total": {group row}, "spend": {"day": [...], "key": [...], "tier": [...], "tag": [...]},
-     "savings": {report summary: always_long_micro_usd, savings_micro_usd (served traffic), shadow_spend_micro_usd,
-                 net_savings_micro_usd, cache_saved_micro_usd, ...},
-     "routing": {"routed_tiers": [...], "thresholds": [...], "calibration": {...} | null,
+     "total": {group row} | null, "spend": {"day": [...], "key": [...], "tier": [...], "tag": [...]},
+     "savings": {"long_tier", "spend_micro_usd", "spend_usd", "cache_saved_micro_usd", "cache_saved_usd",
+                 "shadow_spend_micro_usd", "shadow_spend_usd"},                      # the whole period (cubes)
+     "window": {"limit": N, "read": stream entries read (<= N), "events": events of the period among them,
+                "complete": bool, "oldest": s | null, "newest": s | null,
+                "savings": {report summary over the window: always_long_micro_usd, savings_micro_usd (served
+                            traffic), savings_fraction, shadow_spend_micro_usd, net_savings_micro_usd, requests, …}},
+     "routing": {"routed_tiers": [...], "thresholds": [...], "calibration": {...} | null,   # over the window
                  "tiers": [{"tier", "requests", "share", "target_share" | null, "reasons": {reason: n}}]},
      "budgets": [{"level", "period", "budget_usd", "spent_usd", "reserved_usd", "remaining_usd", "key_id"?}],
      "alerts": [alert, ...], "latency": [{"tier", "events", "p50_ms", "p99_ms", "ttft_p50_ms", "errors",
-                                         "error_rate"}]}
+                                         "error_rate"}]}                                   # over the window
 
 While Redis is unreachable the endpoint answers 503 ``{"object": "dashboard.data", "redis": "unreachable"}``
 and the page says so instead of showing numbers.
@@ -27,9 +44,10 @@ from typing import Any
 from gateway.api.usage import levels_view
 from gateway.config import Settings
 from gateway.control.retrain_trigger import read_history
+from gateway.control.shadow import SHADOW_KEY
 from gateway.ledger import report as rp
-from gateway.ledger.event import UsageEvent
-from gateway.ledger.export import group
+from gateway.ledger.event import UsageEvent, micro_to_usd
+from gateway.ledger.export import group_sums
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.routing import Routing
 from router.stats import percentile
@@ -139,18 +157,32 @@ async def budgets_view(acct: Accounting, now: float) -> list[dict[str, Any]]:
 
 async def collect(acct: Accounting, settings: Settings, routing: Routing, since: float | None,
                   until: float | None, now: float) -> dict[str, Any]:
-    """The dashboard document for events in [since, until) (``since`` None = this UTC month). Raises
-    :class:`gateway.state.breaker.RedisDown` when Redis is unreachable."""
+    """The dashboard document for events in [since, until) (``since`` None = this UTC month; see the module doc
+    for which figures are the period's and which the window's). Raises :class:`gateway.state.breaker.RedisDown`
+    when Redis is unreachable."""
     since = month_start(now) if since is None else since
-    events = [e async for e in acct.meter.events(since, until)]
+    usage = await acct.meter.grouped_parts(since, until, None, now)  # the cubes, read once for every grouping
+    total = group_sums(usage.parts, [])
+    spend = {g: group_sums(usage.parts, [g]) for g in SPEND_GROUPS}
+    shadow = sum(r["cost_micro_usd"] for r in spend["key"] if r["key"] == SHADOW_KEY)
+    limit = settings.dashboard.window_events
+    events, read = await acct.meter.recent(limit, since, until)
     long_tier = rp.long_tier_of(settings)
     report = rp.build(events, long_tier, settings.tier(long_tier).prices, since=since, until=until)
-    total = group(events, [])
+    spent = total[0]["cost_micro_usd"] if total else 0
+    saved = total[0]["saved_micro_usd"] if total else 0
     return {
         "object": "dashboard.data", "redis": "ok", "since": since, "until": until, "generated": now,
         "total": total[0] if total else None,
-        "spend": {g: group(events, [g]) for g in SPEND_GROUPS},
-        "savings": {"long_tier": long_tier, **report.summary()},
+        "spend": spend,
+        "savings": {"long_tier": long_tier,
+                    "spend_micro_usd": spent, "spend_usd": str(micro_to_usd(spent)),
+                    "cache_saved_micro_usd": saved, "cache_saved_usd": str(micro_to_usd(saved)),
+                    "shadow_spend_micro_usd": shadow, "shadow_spend_usd": str(micro_to_usd(shadow))},
+        # fewer entries than asked for: the read reached the start of the period, so it holds all of it
+        "window": {"limit": limit, "read": read, "events": len(events), "complete": read < limit,
+                   "oldest": events[0].ts if events else None, "newest": events[-1].ts if events else None,
+                   "savings": report.summary()},
         "routing": routing_view(events, settings, routing),
         "budgets": await budgets_view(acct, now),
         "alerts": await acct.alerts.recent(ALERTS_SHOWN),

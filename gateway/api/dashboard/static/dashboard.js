@@ -51,21 +51,32 @@ function spendRows(rows, field) {
     money(r.cost_micro_usd, r.cost_usd), money(r.saved_micro_usd, r.saved_usd)));
 }
 
+// what the per-event figures cover: the page never passes a window of recent events off as the whole period
+function windowLabel(w) {
+  if (w.complete) return "all " + w.events + " events of the period";
+  const from = w.oldest ? " (since " + new Date(w.oldest * 1000).toISOString().slice(0, 16).replace("T", " ") + " UTC)" : "";
+  return "last " + w.read + " events only" + from;
+}
+
 function render(d) {
-  const s = d.savings, t = d.total;
+  const s = d.savings, t = d.total, w = d.window, ws = w.savings, wl = windowLabel(w);
   setMoney("total-spend", t ? t.cost_micro_usd : 0, t ? t.cost_usd : "0");
   document.getElementById("total-requests").textContent = (t ? t.requests : 0) + " requests · " + (t ? t.errors : 0) +
     " errors · " + (t ? t.refused : 0) + " refused";
-  setMoney("always-long", s.always_long_micro_usd, s.always_long_usd);
-  document.getElementById("long-tier").textContent = "every request on tier " + s.long_tier + " (estimate)";
+  // the counterfactual needs each event's difficulty and tokens: computed over the event window, and said so
+  setMoney("always-long", ws.always_long_micro_usd, ws.always_long_usd);
+  document.getElementById("long-tier").textContent = "every request on tier " + s.long_tier + " (estimate) · " + wl;
   // savings on served traffic; the shadow calls (paid to label cheap answers for retraining) are their own card,
   // with the saving net of them: counted in, a first day's learning read as routing losing money
-  setMoney("savings", s.savings_micro_usd, s.savings_usd);
-  document.getElementById("savings-fraction").textContent = pct(s.savings_fraction) + " of always-long, on served traffic";
+  setMoney("savings", ws.savings_micro_usd, ws.savings_usd);
+  document.getElementById("savings-fraction").textContent = pct(ws.savings_fraction) + " of always-long, on served traffic · " + wl;
   setMoney("shadow-spend", s.shadow_spend_micro_usd, s.shadow_spend_usd);
   const net = document.getElementById("net-savings");
-  net.textContent = "net of them saved " + usd(s.net_savings_usd);
-  net.dataset.micro = s.net_savings_micro_usd === null || s.net_savings_micro_usd === undefined ? "" : String(s.net_savings_micro_usd);
+  net.textContent = "net of them saved " + usd(ws.net_savings_usd) + " · " + wl;
+  net.dataset.micro = ws.net_savings_micro_usd === null || ws.net_savings_micro_usd === undefined ? "" : String(ws.net_savings_micro_usd);
+  document.body.dataset.windowComplete = String(w.complete);
+  document.body.dataset.windowRead = String(w.read);
+  for (const id of ["routing-window", "latency-window"]) document.getElementById(id).textContent = wl;
   setMoney("cache-saved", s.cache_saved_micro_usd, s.cache_saved_usd);
   document.getElementById("cache-hits").textContent = (t ? t.cache_hits : 0) + " cache hits";
 
