@@ -14,8 +14,11 @@
   start of the current UTC month. Grouped rows come from the per-key, per-day usage cubes the metering script
   keeps (:meth:`gateway.state.metering.Meter.grouped`: a month costs a few dozen hash reads, not a scan of the
   month's events), with the stream read only for sub-day edges of the period and days the cubes cannot answer;
-  the rows are the scan's, to the micro-USD. Raw events (no ``group_by``) come from the stream, capped at
-  ``limit`` (default 1000).
+  the rows are the scan's, to the micro-USD. Each stretch read from the stream is read by its stream-id range, and
+  ``since`` is raised to the oldest retained day. A non-admin key's query that would need more than
+  ``KEY_MAX_SCAN_S`` (two days) of the stream read, or a read that cannot stop at its end, is refused: 400
+  ``usage_scan_too_large`` (give ``since``/``until`` as UTC days). Raw events (no ``group_by``) come from the
+  stream by id range (from ``since``; up to ``until`` when given), capped at ``limit`` (default 1000).
 - ``key_id`` selects a key (admin only for other keys: 403 otherwise).
 
 ``GET /metrics``: Prometheus exposition, for the operator (``metrics.access``, default ``admin``: the admin key or
@@ -42,6 +45,7 @@ from gateway.api.common import json_response as _json
 from gateway.auth.keys import KeyInfo, KeyStore, bearer_secret, dev_key_only_admin
 from gateway.config import Settings
 from gateway.errors import InvalidRequest, NotFound, PermissionDenied, UsageUnavailable
+from gateway.ledger.aggregate import ScanTooLarge
 from gateway.ledger.event import micro_to_usd
 from gateway.ledger.export import ExportError, build, parse_group_by, parse_time
 from gateway.observability.metrics import CONTENT_TYPE
@@ -51,6 +55,9 @@ from gateway.state.limits import KeyLimits
 from gateway.state.reservations import open_total
 
 MAX_RAW_EVENTS = 10_000
+#: How much of the event stream a non-admin key's grouped query may have read (seconds of stream time): the two
+#: sub-day edges of any period fit; days the usage cubes cannot answer beyond that are the admin's to read.
+KEY_MAX_SCAN_S = 2 * 86400.0
 
 
 
@@ -115,6 +122,18 @@ async def _may_scrape(settings: Settings, keys: KeyStore, authorization: str | N
                            "(metrics.scrape_key_sha256); metrics.access: any_key opens it to every key")
 
 
+async def _grouped(acct: Accounting, key: KeyInfo, group_by: list[str], since: float, until: float | None,
+                   target: str | None, now: float) -> list[dict[str, Any]]:
+    """Grouped rows (:meth:`gateway.state.metering.Meter.grouped`); a non-admin key's query is refused (400
+    ``usage_scan_too_large``) when it would need more than ``KEY_MAX_SCAN_S`` of the event stream read."""
+    # a key's own query may not make the gateway read much of everyone's stream (its sub-day edges fit)
+    cap = None if key.is_admin else KEY_MAX_SCAN_S
+    try:
+        return (await acct.meter.grouped(group_by, since, until, target, now, cap)).rows
+    except ScanTooLarge as exc:
+        raise InvalidRequest(str(exc), param="since", code="usage_scan_too_large") from None
+
+
 def install(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting) -> None:
     """Add ``GET /v1/usage`` and ``GET /metrics`` to ``app``."""
 
@@ -150,7 +169,7 @@ def install(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting
                 dt = datetime.fromtimestamp(now, UTC)
                 since = datetime(dt.year, dt.month, 1, tzinfo=UTC).timestamp()
             if group_by:  # whole days from the per-day cubes, the stream only for what they cannot answer
-                rows: list[dict[str, Any]] = (await acct.meter.grouped(group_by, since, until, target, now)).rows
+                rows: list[dict[str, Any]] = await _grouped(acct, key, group_by, since, until, target, now)
             else:
                 events = []
                 async for event in acct.meter.events(since, until):

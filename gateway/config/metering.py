@@ -30,4 +30,8 @@ class MeteringConfig(_Strict):
     heartbeat_ttl_s: float = Field(15.0, ge=0.5)
     reconcile_interval_s: float = Field(30.0, gt=0)
     reconcile_batch: int = Field(1000, ge=1)
+    # Reads of the stream by id range (a period's sub-day edges, exports with an end) stop late_after_s past the
+    # period's end; the metering script indexes every event written later than that after its ts (a spool replay,
+    # a reconciled orphan, a request longer than that) so the read still finds it. Same value on every replica.
+    late_after_s: float = Field(900.0, ge=1)
 

@@ -183,3 +183,8 @@ class PeriodParts:
     cube_days: list[str]
     scan_windows: list[tuple[float, float | None]]
     events_scanned: int = 0
+
+
+class ScanTooLarge(ValueError):
+    """A key's grouped query would read more of the event stream than a key may ask for (the message says how
+    much, and how to ask instead): ``GET /v1/usage`` answers it 400 ``usage_scan_too_large``."""

@@ -204,6 +204,12 @@ class RedisKeys:
         return f"{self.prefix}usage:agg:d:{day}:keys"
 
     @property
+    def late_events(self) -> str:
+        """Sorted set of the stream ids of events written more than ``metering.late_after_s`` after their ``ts``
+        (score: ``ts`` in ms): what a read of the stream by id range must add (``Meter.events``)."""
+        return f"{self.prefix}usage:late"
+
+    @property
     def agg_index(self) -> str:
         """Per UTC day: events aggregated (``n:{day}``) and whether it was found complete (``ok:{day}``)."""
         return f"{self.prefix}usage:agg:index"

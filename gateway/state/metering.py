@@ -48,6 +48,7 @@ from gateway.ledger.aggregate import (
     DAY_S,
     GroupedUsage,
     PeriodParts,
+    ScanTooLarge,
     cell_of,
     day_of,
     day_start,
@@ -76,27 +77,44 @@ REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
 LATE_SLACK_S = 900.0
 EARLY_SLACK_S = 60.0
 
+# Reads of the stream by id range (Meter.events) stop late_after_s past the period's end: an event written later
+# than that after its ts (a spool replay, a reconciled orphan) is indexed in the late set (score: its ts in ms) so
+# they still find it. late:from in the cube index is the id time of the first event this script wrote: events
+# written before it (an older script) were never indexed, so a read reaching back before it cannot stop early.
+NOTE_LATE = """
+local function note_late(index, late, id, ts_ms, late_ms, ttl)
+  local ms = tonumber(string.sub(id, 1, string.find(id, '-', 1, true) - 1))
+  redis.call('HSETNX', index, 'late:from', ms)
+  if ms > tonumber(ts_ms) + tonumber(late_ms) then
+    redis.call('ZADD', late, ts_ms, id)
+    redis.call('EXPIRE', late, ttl)
+  end
+end
+"""
+
 # KEYS: 1 seen-set, 2 stream, 3 key total, 4 key day, 5 key month, 6 tier total, 7 tier day, 8 usage:keys,
 #       9 the key's reservation hash, 10 the key's TPM counter of the event's minute, 11 global day,
 #       12 global month, 13 global reservations, 14 the key's usage cube of the day, 15 the cube index,
 #       16 the day's cube key set, then per tag j (0-based): 17+3j day, 18+3j month, 19+3j resv
 # ARGV: 1 event_id, 2 event JSON, 3 seen TTL s, 4 day TTL s, 5 month TTL s, 6 stream maxlen (0 = none),
 #       7 key id, 8 upstream tokens of the event, 9 TPM TTL ms, 10 cost micro-USD, 11 number of tags,
-#       12 UTC day, 13 the event's cube cell (gateway/ledger/aggregate.py), 14.. counter field/increment pairs
+#       12 UTC day, 13 the event's cube cell (gateway/ledger/aggregate.py), 14 the event's ts (ms),
+#       15 metering.late_after_s (ms), 16.. counter field/increment pairs
 # The reservations made at admission under event_id (gateway/state/reservations.py) are released at every
 # level (once: HDEL) and the TPM window corrected by (actual - reserved) tokens. Levels above the key
 # (global, tags) count cost_micro_usd and requests per UTC day and month.
 # The cube (gateway/ledger/aggregate.py) is added to in the same step that counts the event, so a counted event
 # is in it exactly once whichever path counted it (the writer, the spool replay, the orphan reconciler); n:{day}
 # of the index counts the events aggregated, which the query compares with the day's seen-set.
-# Write-ahead (gateway/state/write_ahead.py), optional trailing KEYS: 17+3n the write-ahead hash (n = tags): the
-# request's record is deleted (settled) with the event; 18+3n an owner's heartbeat: the event is a dead process's
+# KEYS 17+3n (n = tags): the late index (NOTE_LATE).
+# Write-ahead (gateway/state/write_ahead.py), optional trailing KEYS: 18+3n the write-ahead hash: the
+# request's record is deleted (settled) with the event; 19+3n an owner's heartbeat: the event is a dead process's
 # orphan being reconciled, counted only if its record is still there and the heartbeat still absent (the atomic
 # claim: a record settled normally, or claimed by another replica first, is left alone; reply {0, 0, …}).
 # Returns {counted (1/0), key day cost, key month cost, global day, global month, tag day, tag month, …}.
-RECORD_LUA = LUA_FUNCTIONS + """
+RECORD_LUA = LUA_FUNCTIONS + NOTE_LATE + """
 local ntags = tonumber(ARGV[11])
-local wal, owner_hb = KEYS[17 + 3 * ntags], KEYS[18 + 3 * ntags]
+local late, wal, owner_hb = KEYS[17 + 3 * ntags], KEYS[18 + 3 * ntags], KEYS[19 + 3 * ntags]
 if owner_hb and (redis.call('HEXISTS', wal, ARGV[1]) == 0 or redis.call('EXISTS', owner_hb) == 1) then
   local none = {0, 0, 0, 0, 0}
   for j = 1, 2 * ntags do none[#none + 1] = 0 end
@@ -117,13 +135,15 @@ local counted = 0
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   counted = 1
   redis.call('EXPIRE', KEYS[1], ARGV[3])
+  local id
   if ARGV[6] ~= '0' then
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'e', ARGV[2])
+    id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'e', ARGV[2])
   else
-    redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
+    id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
   end
+  note_late(KEYS[15], late, id, ARGV[14], ARGV[15], ARGV[4])
   local cell = ' ' .. ARGV[13]
-  for i = 14, #ARGV, 2 do
+  for i = 16, #ARGV, 2 do
     if ARGV[i + 1] ~= '0' then
       for k = 3, 7 do redis.call('HINCRBY', KEYS[k], ARGV[i], ARGV[i + 1]) end
       redis.call('HINCRBY', KEYS[14], ARGV[i] .. cell, ARGV[i + 1])
@@ -159,17 +179,19 @@ return out
 
 # The record of a refused request (UsageEvent.audit): once by event_id, into the stream and the cube's ``refused``
 # count only — no counter, no level, no reservation (it never had one).
-# KEYS: 1 seen-set, 2 stream, 3 the key's cube of the day, 4 the cube index, 5 the day's cube key set;
-# ARGV: 1 event_id, 2 event JSON, 3 seen TTL s, 4 stream maxlen (0 = none), 5 UTC day, 6 cube cell, 7 key id,
-#       8 day TTL s.
-AUDIT_LUA = """
+# KEYS: 1 seen-set, 2 stream, 3 the key's cube of the day, 4 the cube index, 5 the day's cube key set, 6 the late
+#       index; ARGV: 1 event_id, 2 event JSON, 3 seen TTL s, 4 stream maxlen (0 = none), 5 UTC day, 6 cube cell,
+#       7 key id, 8 day TTL s, 9 the event's ts (ms), 10 metering.late_after_s (ms).
+AUDIT_LUA = NOTE_LATE + """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return {0, 0, 0} end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+local id
 if ARGV[4] ~= '0' then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'e', ARGV[2])
+  id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'e', ARGV[2])
 else
-  redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
+  id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
 end
+note_late(KEYS[4], KEYS[6], id, ARGV[9], ARGV[10], ARGV[8])
 redis.call('HINCRBY', KEYS[3], 'refused ' .. ARGV[6], 1)
 redis.call('EXPIRE', KEYS[3], ARGV[8])
 redis.call('HINCRBY', KEYS[4], 'n:' .. ARGV[5], 1)
@@ -200,6 +222,13 @@ redis.call('HSET', KEYS[1], 'n:' .. ARGV[1], ARGV[3])
 if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'ok:' .. ARGV[1], '1') end
 return 1
 """
+
+
+@dataclass(slots=True)
+class ReadTally:
+    """Stream entries a read went through (:meth:`Meter.events`' ``tally``), whatever its filter kept."""
+
+    entries: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,10 +348,11 @@ class Meter:
         k = self.keys
         day = event.day
         cube = [k.agg_cube(event.key_id, day), k.agg_index, k.agg_day_keys(day)]
+        ts_ms, late_ms = int(event.ts * 1000), int(self.cfg.late_after_s * 1000)
         if event.audit:
-            return ([k.seen(day), k.events, *cube],
+            return ([k.seen(day), k.events, *cube, k.late_events],
                     [event.event_id, event.to_json(), self.cfg.dedup_ttl_s, self.cfg.stream_maxlen or 0, day,
-                     cell_of(event), event.key_id, DAY_TTL_S])
+                     cell_of(event), event.key_id, DAY_TTL_S, ts_ms, late_ms])
         tier = event.tier or UNROUTED
         keys = [
             k.seen(day),
@@ -345,6 +375,7 @@ class Meter:
             tag = f"{tag_name}={tag_value}"
             keys += [k.level_day("tag", tag, day), k.level_month("tag", tag, event.month),
                      k.level_reservations("tag", tag)]
+        keys.append(k.late_events)
         if self._wal_key is not None:
             keys.append(self._wal_key)
         args: list[str | bytes | int] = [
@@ -361,6 +392,8 @@ class Meter:
             len(tags),
             day,
             cell_of(event),
+            ts_ms,
+            late_ms,
         ]
         for name, value in counter_increments(event).items():
             args += [name, value]
@@ -405,47 +438,84 @@ class Meter:
         return sorted(as_text(m) for m in raw)
 
     async def events(self, since_ts: float | None = None, until_ts: float | None = None,
-                     page: int = 1000) -> AsyncIterator[UsageEvent]:
-        """Every event with ``since_ts <= ts < until_ts`` (epoch seconds), in stream order.
+                     page: int = 1000, tally: ReadTally | None = None) -> AsyncIterator[UsageEvent]:
+        """Every event with ``since_ts <= ts < until_ts`` (epoch seconds), in stream order (events written late
+        last).
 
-        The stream id is the *write* time, never earlier than the event's ``ts`` (replayed events are
-        written late), so the scan starts at ``since_ts`` and filters on ``ts``. Raises :class:`RedisDown`.
-        """
+        Reads by stream id (the *write* time, never earlier than the event's ``ts``): from ``since_ts``, and — when
+        ``until_ts`` is given and every event that could fall in it was written by a script that indexes late
+        events (``late:from``, see ``NOTE_LATE``) — only up to ``until_ts`` + ``metering.late_after_s``, plus the
+        late index's entries of the period; otherwise to the stream's end. ``tally`` (optional) counts the stream
+        entries read. Raises :class:`RedisDown`."""
         start = f"{int(since_ts * 1000)}-0" if since_ts is not None else "-"
+        end, late_ids = "+", []
+        if until_ts is not None:
+            hi_ms = int(until_ts * 1000) + int(self.cfg.late_after_s * 1000)
+            late_from = await self.breaker.call(lambda: self.redis.hget(self.keys.agg_index, "late:from"))
+            if late_from is not None and int(late_from) <= hi_ms:
+                end = str(hi_ms)
+                lo = "-inf" if since_ts is None else str(int(since_ts * 1000))
+                # scores are whole ms (floored): ts < until_ts allows the score floor(until_ts ms) itself
+                ids = await self.breaker.call(functools.partial(
+                    self.redis.zrangebyscore, self.keys.late_events, lo, str(int(until_ts * 1000))))
+                late_ids = [t for t in (as_text(i) for i in ids if isinstance(i, bytes | str))
+                            if int(t.split("-")[0]) > hi_ms]
         while True:
             batch = await self.breaker.call(
-                functools.partial(self.redis.xrange, self.keys.events, min=start, max="+", count=page)) or []
+                functools.partial(self.redis.xrange, self.keys.events, min=start, max=end, count=page)) or []
+            if tally is not None:
+                tally.entries += len(batch)
             for _stream_id, fields in batch:
                 event = UsageEvent.from_json(as_bytes((fields or {})[b"e"]))
                 if (since_ts is None or event.ts >= since_ts) and (until_ts is None or event.ts < until_ts):
                     yield event
             if len(batch) < page:
-                return
+                break
             start = "(" + as_text(batch[-1][0] or b"")
+        for i in range(0, len(late_ids), page):  # written after the range read: fetched one by one, pipelined
+            entries = await self._pipelined([("xrange", i_) for i_ in late_ids[i:i + page]], args=True)
+            for found in entries:
+                if tally is not None:
+                    tally.entries += len(found)
+                for _stream_id, fields in found or []:
+                    event = UsageEvent.from_json(as_bytes((fields or {})[b"e"]))
+                    if (since_ts is None or event.ts >= since_ts) and event.ts < until_ts:  # type: ignore[operator]
+                        yield event
 
     async def grouped(self, group_by: list[str], since: float, until: float | None = None,
-                      key_id: str | None = None, now: float | None = None) -> GroupedUsage:
+                      key_id: str | None = None, now: float | None = None,
+                      max_scan_s: float | None = None) -> GroupedUsage:
         """Usage of ``[since, until)`` (epoch seconds; ``until`` None = open) grouped by ``group_by`` (non-empty;
         see :func:`gateway.ledger.export.parse_group_by`), of one ``key_id`` or every key: the same rows as
         :func:`gateway.ledger.export.group` over :meth:`events` — integers (tokens, micro-USD, counts) plus exact
         USD strings — read from the per-day cubes (``gateway/ledger/aggregate.py``) for every whole UTC day they
         can answer, and from the stream only for the sub-day edges of the period and the days they cannot (not
-        yet aggregated, or expired). Raises :class:`RedisDown`."""
-        usage = await self.grouped_parts(since, until, key_id, now)
+        yet aggregated, or expired), each by its id range. ``max_scan_s``: see :meth:`grouped_parts` (raises
+        :class:`~gateway.ledger.aggregate.ScanTooLarge`). Raises :class:`RedisDown`."""
+        usage = await self.grouped_parts(since, until, key_id, now, max_scan_s)
         return GroupedUsage(group_sums(usage.parts, group_by), usage.cube_days, usage.scan_windows,
                             usage.events_scanned)
 
     async def grouped_parts(self, since: float, until: float | None = None, key_id: str | None = None,
-                            now: float | None = None) -> PeriodParts:
+                            now: float | None = None, max_scan_s: float | None = None) -> PeriodParts:
         """What :meth:`grouped` groups, read once: ``parts`` — ``(attributes, sums)`` pairs (cube cells with their
         counters, stream events with their :func:`~gateway.ledger.export.increments`) for
         :func:`gateway.ledger.export.group_sums` — so a caller that needs several groupings of one period (the
-        dashboard: by day, key, tier, tag and the total) reads the cubes once. Raises :class:`RedisDown`."""
+        dashboard: by day, key, tier, tag and the total) reads the cubes once.
+
+        ``since`` is first raised to the UTC midnight of the oldest thing retained (the oldest day in the cube
+        index, the stream's first entry less ``metering.late_after_s``, the late index's oldest ``ts``): before it
+        there is nothing to read, so ``since=0`` costs what the retained period costs. Each stretch the cubes cannot
+        answer is read from the stream by id range (:meth:`events`). ``max_scan_s`` (a key's own query): raises
+        :class:`~gateway.ledger.aggregate.ScanTooLarge` *before reading the stream* when those stretches add up to
+        more than that many seconds, or one of them cannot be read by id range (events written before the late
+        index existed). Raises :class:`RedisDown`."""
         now = time.time() if now is None else now
         k = self.keys
         index = {as_text(f): as_text(v)
                  for f, v in (await self.breaker.call(lambda: self.redis.hgetall(k.agg_index))).items()}
         known = [f[2:] for f in index if f.startswith("n:")]
+        since = max(since, await self._retained_from(known, index.get("late:from"), now))
         days, windows = plan_period(since, until, now, known)
         # days whose cube may have expired are scanned without asking their seen-set (a since of 1970 names
         # twenty thousand days)
@@ -464,6 +534,8 @@ class Meter:
                     newly_ok.append(d)  # complete and over: trusted once its seen-set expires
             elif verdict == "scan":
                 windows.append((day_start(d), day_start(d) + DAY_S))
+        if max_scan_s is not None:
+            self._check_scan(merge_windows(windows), index.get("late:from"), now, max_scan_s)
         if newly_ok:
             await self.breaker.call(lambda: self.redis.hset(k.agg_index, mapping={f"ok:{d}": "1" for d in newly_ok}))
         parts: list[tuple[Groupable, Mapping[str, int]]] = []
@@ -476,15 +548,48 @@ class Meter:
         for (i, d), raw in zip(cubes, raws, strict=True):
             parts.extend(parse_cube(i, d, raw))
         windows = merge_windows(windows)
-        scanned = 0
-        if windows:
-            hi_all = None if any(hi is None for _, hi in windows) else max(hi for _, hi in windows if hi is not None)
-            async for event in self.events(windows[0][0], hi_all):
-                scanned += 1
-                if (key_id is None or event.key_id == key_id) and any(
-                        lo <= event.ts and (hi is None or event.ts < hi) for lo, hi in windows):
+        tally = ReadTally()
+        # each stretch by its own id range: a sub-day edge at the start of the month no longer reads the month
+        for lo, hi in windows:
+            async for event in self.events(lo, hi, tally=tally):
+                if key_id is None or event.key_id == key_id:
                     parts.append((event, increments(event)))
-        return PeriodParts(parts, cube_days, windows, scanned)
+        return PeriodParts(parts, cube_days, windows, tally.entries)
+
+    def _check_scan(self, windows: list[tuple[float, float | None]], late_from: str | None, now: float,
+                    max_scan_s: float) -> None:
+        """Raise :class:`ScanTooLarge` when ``windows`` need more than ``max_scan_s`` seconds of the stream read, or
+        a read that cannot stop at the window's end (see :meth:`events`)."""
+        span = 0.0
+        for lo, hi in windows:
+            if hi is None:  # the open end past every known day: nothing is written there yet
+                span += max(0.0, now - lo)
+                continue
+            span += hi - lo
+            if late_from is None or int(late_from) > int(hi * 1000) + int(self.cfg.late_after_s * 1000):
+                raise ScanTooLarge("this period reaches back before the metering script indexed late events: "
+                                   "only the admin key may read it from the event stream")
+        if span > max_scan_s:
+            raise ScanTooLarge(f"this period needs {span / 3600:.1f} h of the event stream read (sub-day edges of "
+                               "since/until, or days the usage cubes cannot answer); a key may have at most "
+                               f"{max_scan_s / 3600:.0f} h read per query: give since/until as UTC days "
+                               "(YYYY-MM-DD), or ask the admin")
+
+    async def _retained_from(self, known: list[str], late_from: str | None, now: float) -> float:
+        """UTC midnight of the oldest ``ts`` anything retained may hold (see :meth:`grouped_parts`); ``now``'s
+        midnight when nothing is retained; 0 when the stream still holds entries written before ``late_from`` (an
+        older script: one written late says nothing about how old its ``ts`` is)."""
+        first = await self.breaker.call(functools.partial(self.redis.xrange, self.keys.events, count=1)) or []
+        if first and (late_from is None or int(as_text(first[0][0] or b"0").split("-")[0]) < int(late_from)):
+            return 0.0
+        late = await self.breaker.call(functools.partial(self.redis.zrange, self.keys.late_events, 0, 0,
+                                                         withscores=True)) or []
+        floor = [day_start(min(known))] if known else []
+        if first:
+            floor.append(int(as_text(first[0][0] or b"0").split("-")[0]) / 1000 - self.cfg.late_after_s)
+        if late:
+            floor.append(float(late[0][1]) / 1000)
+        return day_start(day_of(min(floor, default=now)))
 
     async def recent(self, limit: int, since: float | None = None,
                      until: float | None = None) -> tuple[list[UsageEvent], int]:
@@ -550,8 +655,9 @@ class Meter:
             out["rebuilt" if done else "skipped"] += 1
         return out
 
-    async def _pipelined(self, calls: list[tuple[str, str]]) -> list[Any]:
-        """One reply per ``(command method, key)`` call, sent as pipelines of at most 1000 (one round trip each)."""
+    async def _pipelined(self, calls: list[tuple[str, str]], args: bool = False) -> list[Any]:
+        """One reply per ``(command method, key)`` call, sent as pipelines of at most 1000 (one round trip each).
+        ``args``: the calls are ``("xrange", stream id)`` — that one entry of the stream."""
         out: list[Any] = []
         for i in range(0, len(calls), 1000):
             chunk = calls[i:i + 1000]
@@ -559,7 +665,10 @@ class Meter:
             async def run(chunk: list[tuple[str, str]] = chunk) -> list[Any]:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for method, key in chunk:
-                        getattr(pipe, method)(key)
+                        if args:
+                            getattr(pipe, method)(self.keys.events, min=key, max=key)
+                        else:
+                            getattr(pipe, method)(key)
                     return list(await pipe.execute())
 
             out.extend(await self.breaker.call(run))
