@@ -453,8 +453,13 @@ class Accounting:
         """Usage sink: metrics now, Redis write (metering → local settle → alerts) in the background."""
         event = event_of(record)
         self._bounds.pop(record.request_id, None)
-        if self.wal is not None:
-            self.wal.settled(record.request_id)  # its usage event deletes the record in Redis
+        if self.wal is not None:  # its usage event deletes the record in Redis
+            # The writer busy: the event waits for its round trip, then its own — a kill meanwhile would leave the
+            # record with the tokens of its last progress write (none for a short call), so the event goes into
+            # the record first (one background write for all the events queued meanwhile). The writer idle: the
+            # event leaves now, as soon as that write could. Redis down: the event goes to the fsync'd spool.
+            waits = self._writer is not None and not self._writer.done() and self.breaker.closed
+            self.wal.settled(record.request_id, event if waits else None)
         key = self._open.pop(record.request_id, None) or self._known.get(event.key_id)
         self._probes.pop(record.request_id, None)
         looked = self._looked.pop(record.request_id, None)

@@ -13,29 +13,44 @@ Lifecycle of one record (one per usage record, i.e. per upstream call: an escala
    owning process (``owner``).
 2. :meth:`WriteAhead.progress` — as a stream relays tokens: the tokens known so far (deltas counted, or the
    upstream's running usage when it sends one), written at most every ``metering.write_ahead_interval_s`` per
-   stream, in the background (at most one write in flight per request), and only while the request is not
-   settled (a script checks the day's seen-set).
-3. Settlement — the request's usage event: the metering script (``gateway/state/metering.py``) deletes the record
+   stream, in the background.
+3. The final event — the request finished and its usage event has to wait in the process's queue (the metering
+   writer has a batch out; ``Accounting.sink``): :meth:`WriteAhead.settled` puts the event itself into the record,
+   in the background. A writer with nothing out sends the event at once instead: a write of the record could not
+   land sooner.
+4. Settlement — the request's usage event: the metering script (``gateway/state/metering.py``) deletes the record
    in the same atomic step that counts the event. Exactly one settled event per request id: the event id is the
    request id and the script counts an id once.
+
+Steps 2 and 3 are updates: one task writes every due record in one script call (a group commit) and collects the next
+batch while it is out, so a record has at most one write in flight and its states land in order; each is written
+only while its request is not settled (the script checks the day's seen-set), so a late update never reopens it.
+None of them is awaited by the request, so none adds a round trip before its response's last byte.
 
 Each process keeps a heartbeat ``wal:hb:{owner}`` (``PX metering.heartbeat_ttl_s``, refreshed every third of it).
 :meth:`WriteAhead.reconcile` — at start and every ``metering.reconcile_interval_s`` — scans the open records
 (at most ``metering.reconcile_batch`` per pass) and meters those of dead owners: heartbeat absent, record not
 updated for a heartbeat TTL, and seen so for a TTL by this reconciler (a live owner whose heartbeat lapsed while
-Redis was away gets that long to renew it). It meters such a record as a usage event with ``partial: true``,
-``status`` 500, ``error_code: gateway_lost`` and the tokens of its last update, priced at its tier's prices, through
-:meth:`Meter.settle_orphan` — which counts it only if the record is still open and the owner's heartbeat still
-absent, atomically deleting it (two replicas reconciling at once count it once), and which releases its budget
-reservations at every level and corrects its TPM window, like any usage event. Before each pass the local spools
-are replayed, so events a dead process on this machine spooled are counted first (then its records are settled,
-not reconciled).
+Redis was away gets that long to renew it). Such a record is settled as one of two, each under the same atomic
+claim — only if the record is still open and the owner's heartbeat still absent, deleting it in that step (two
+replicas reconciling at once settle it once) — and each releasing the request's budget reservations at every level
+and correcting its TPM window, like any usage event:
 
-Redis down: a begin or progress write goes to its own fsync'd spool (``<usage spool>.wal.jsonl``) and is replayed
+- **finished** (the record holds its final event, step 3): that event, counted as it is (its real status and
+  tokens) through :meth:`Meter.settle_orphan`.
+- **lost** (otherwise): a usage event with ``partial: true``, ``status`` 500, ``error_code: gateway_lost`` and the
+  tokens of its last update, priced at its tier's prices (:meth:`Meter.settle_orphan`).
+
+Before each pass the local spools are replayed, so events a dead process on this machine spooled are counted
+first (then its records are settled, not reconciled).
+
+Redis down: a begin or an update goes to its own fsync'd spool (``<usage spool>.wal.jsonl``) and is replayed
 (records of requests already settled are dropped: the script checks the seen-set) before the next reconcile.
 Known gaps: prompt tokens of a stream cut before its usage chunk are counted only when the upstream reports
-running usage (else 0, as for a client disconnect), and a record spooled on a machine that never restarts its
-gateway stays there.
+running usage (else 0, as for a client disconnect); a request that finished is settled at its final event only
+if that reached its record before the kill — one background write after it was queued, or its own event's
+write, whichever lands first: killed in between, it is settled as lost, at its last progress write; and a record
+spooled on a machine that never restarts its gateway stays there.
 """
 
 from __future__ import annotations
@@ -65,19 +80,26 @@ from gateway.openai.sse import StreamTally
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
 from gateway.state.metering import Meter
-from gateway.state.redis import RedisHandle, as_bytes
+from gateway.state.redis import FastScript, RedisHandle, as_bytes
 from gateway.state.spool import Spool
 
 log = logging.getLogger("thinkgate.metering")
 
 SCAN_COUNT = 200  # HSCAN page size of a reconcile pass
 
-# Write a record (begin replayed from the spool, or progress) unless its request was already settled.
-# KEYS: 1 the write-ahead hash, 2 the seen-set of the request's day; ARGV: 1 request id, 2 record JSON.
+# Write records (updates: the sent mark, progress, the final event; begins replayed from the spool), each unless its
+# request was already settled (its usage event counted: a late update must not reopen it).
+# KEYS: 1 the write-ahead hash, 1+i the seen-set of the i-th record's day; ARGV: 2i-1 its request id, 2i its JSON.
+# Returns how many were written.
 PUT_LUA = """
-if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-return 1
+local n = 0
+for i = 1, #ARGV / 2 do
+  if redis.call('SISMEMBER', KEYS[1 + i], ARGV[2 * i - 1]) == 0 then
+    redis.call('HSET', KEYS[1], ARGV[2 * i - 1], ARGV[2 * i])
+    n = n + 1
+  end
+end
+return n
 """
 
 
@@ -115,6 +137,8 @@ class WalRecord:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     usage_source: UsageSource = "none"
+    #: the request's own usage event, once the request finished while that event waited in its process's queue
+    final: UsageEvent | None = None
 
     @property
     def day(self) -> str:
@@ -128,7 +152,10 @@ class WalRecord:
     def from_json(cls, raw: bytes | str) -> WalRecord:
         data = orjson.loads(raw)
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        rec = cls(**{k: v for k, v in data.items() if k in known})
+        if isinstance(rec.final, dict):
+            rec.final = UsageEvent.from_dict(rec.final)
+        return rec
 
     def event(self, prices: Prices | None) -> UsageEvent:
         """The partial usage event of a call whose process died: the tokens of the last write, at ``prices`` (the
@@ -148,11 +175,11 @@ class WalRecord:
 
 @dataclass(slots=True)
 class _Open:
-    """This process's view of one of its records: the last one written, when, and whether a write is in flight."""
+    """This process's view of one of its records: its latest state (written, or due in the next update) and when
+    its tokens were last written."""
 
     rec: WalRecord
     written_at: float  # monotonic s
-    writing: bool = False
 
 
 class WriteAhead:
@@ -171,8 +198,11 @@ class WriteAhead:
         self.prices = dict(prices)
         self.owner = owner or new_owner()
         self.spool: Spool[WalRecord] = Spool(wal_spool_path(cfg.spool_path), decode=WalRecord.from_json)
-        self._put = self.redis.register_script(PUT_LUA)
+        self._put = FastScript(handle, PUT_LUA)
         self._open: dict[str, _Open] = {}
+        # records whose latest state is due in the next update (insertion order), and the one task writing them
+        self._due: dict[str, WalRecord] = {}
+        self._updater: asyncio.Task[None] | None = None
         self._suspects: dict[str, float] = {}  # request id → when this reconciler first saw its owner dead
         self._tasks: set[asyncio.Task[None]] = set()
         self._begins: list[tuple[WalRecord, asyncio.Future[None]]] = []  # begins waiting for the next write
@@ -242,7 +272,7 @@ class WriteAhead:
         ``tier``/``upstream_model``: where the call went — a fallback changes them after the record was begun).
         Cheap when nothing is due: a dict lookup and a clock read; a due write runs in the background."""
         op = self._open.get(request_id)
-        if op is None or op.writing:
+        if op is None:
             return
         now = self._clock()
         if now - op.written_at < self.cfg.write_ahead_interval_s:
@@ -263,10 +293,7 @@ class WriteAhead:
                          reasoning_tokens=reasoning, usage_source=source, updated_ms=int(time.time() * 1000),
                          tier=tier or rec.tier, upstream_model=upstream_model or rec.upstream_model)
         op.written_at = now
-        op.writing = True
-        task = asyncio.get_running_loop().create_task(self._write_progress(op))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._update(op.rec)
 
     def tracker(self, record: UsageRecord) -> Callable[[StreamTally], None] | None:
         """A stream's progress hook, called with the relay's tally after each batch: :meth:`progress` when a write
@@ -287,21 +314,47 @@ class WriteAhead:
         """Whether this process tracks a record of ``request_id`` (begun or :meth:`written`, not yet settled)."""
         return request_id in self._open
 
-    def settled(self, request_id: str) -> None:
-        """The request's usage event is on its way (it deletes the record in Redis): stop tracking it here."""
-        self._open.pop(request_id, None)
+    def settled(self, request_id: str, final: UsageEvent | None = None) -> None:
+        """The request's usage event is on its way (it deletes the record in Redis): stop tracking it here.
+        ``final``: that event, when it has to wait in the process's queue (the metering writer is busy): it goes
+        into the record with the next update, so a process killed before the event reaches Redis leaves it there
+        for the reconciler to count as it is, instead of the tokens of the last progress write (0 for a short
+        stream or a non-streamed call)."""
+        op = self._open.pop(request_id, None)
+        if op is not None and final is not None:
+            self._update(replace(op.rec, final=final, updated_ms=int(time.time() * 1000)))
 
-    async def _write_progress(self, op: _Open) -> None:
-        rec = op.rec
+    def _update(self, rec: WalRecord) -> None:
+        """Write ``rec`` (a newer state of an open record) with the next update: one task writes every due record
+        in one script call (a group commit, like begins) and, while that call is out, collects the next batch —
+        so a record has at most one write in flight and its states land in order (a newer one never overwritten
+        by an older one). A record due twice before its write is written once, in its latest state."""
+        self._due[rec.request_id] = rec
+        if self._updater is None:
+            task = asyncio.get_running_loop().create_task(self._write_updates())
+            self._updater = task
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _write_updates(self) -> None:
         try:
-            await self.breaker.call(lambda: self._put(keys=[self.keys.write_ahead, self.keys.seen(rec.day)],
-                                                      args=[rec.request_id, rec.to_json()]))
-        except RedisDown:
-            await self._spool(rec)
-        except Exception:
-            log.exception("write-ahead progress of %s failed", rec.request_id)
+            while self._due:
+                batch, self._due = list(self._due.values()), {}
+                try:
+                    await self.breaker.call(functools.partial(self._put_many, batch))
+                except RedisDown:
+                    await self._spool(*batch)
+                except Exception:
+                    log.exception("write-ahead updates of %s failed", ", ".join(r.request_id for r in batch))
         finally:
-            op.writing = False
+            self._updater = None
+
+    async def _put_many(self, recs: list[WalRecord]) -> None:
+        """The records ``recs`` (``PUT_LUA``: each unless its request was settled meanwhile)."""
+        args: list[str | bytes] = []
+        for rec in recs:
+            args += [rec.request_id, rec.to_json()]
+        await self._put(keys=[self.keys.write_ahead, *(self.keys.seen(rec.day) for rec in recs)], args=args)
 
     async def _hset(self, items: list[str | bytes]) -> None:
         """``HSET wal:open f1 v1 f2 v2 …``. Standalone and Sentinel: on a connection of its own, outside the pool —
@@ -344,8 +397,7 @@ class WriteAhead:
 
     async def _replay_batch(self, recs: list[WalRecord]) -> None:
         for rec in recs:
-            await self.breaker.call(functools.partial(
-                self._put, keys=[self.keys.write_ahead, self.keys.seen(rec.day)], args=[rec.request_id, rec.to_json()]))
+            await self.breaker.call(functools.partial(self._put_many, [rec]))
 
     async def reconcile(self) -> int:
         """One bounded pass: meter the records of dead owners (see the module doc). Returns how many it counted.
@@ -373,13 +425,17 @@ class WriteAhead:
             first = self._suspects.setdefault(rec.request_id, now)
             if now - first < self.cfg.heartbeat_ttl_s:
                 continue
-            result = await self.meter.settle_orphan(rec.event(self.prices.get(rec.tier or "")),
-                                                    self.keys.heartbeat(rec.owner))
+            owner_hb = self.keys.heartbeat(rec.owner)
             self._suspects.pop(rec.request_id, None)
+            if rec.final is not None:  # it finished: its own event, which its process had no time to write
+                result = await self.meter.settle_orphan(rec.final, owner_hb)
+            else:
+                result = await self.meter.settle_orphan(rec.event(self.prices.get(rec.tier or "")), owner_hb)
             if result.counted:
                 counted += 1
-                log.warning("metered write-ahead record %s of dead process %s as partial (%d completion tokens)",
-                            rec.request_id, rec.owner, rec.completion_tokens)
+                log.warning("metered write-ahead record %s of dead process %s as %s (%d completion tokens)",
+                            rec.request_id, rec.owner, "finished" if rec.final is not None else "partial",
+                            rec.final.completion_tokens if rec.final is not None else rec.completion_tokens)
         self.reconciled += counted
         return counted
 

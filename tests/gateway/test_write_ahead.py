@@ -10,6 +10,8 @@ the killed requests have no event at all and these tests fail.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import threading
 import time
 import uuid
@@ -24,14 +26,15 @@ import redis
 
 from gateway.config import MeteringConfig, Prices, RedisConfig
 from gateway.ledger.event import UsageEvent
+from gateway.ledger.pricing import cost_micro_usd
 from gateway.ledger.record import UsageRecord
 from gateway.state.breaker import Breaker
 from gateway.state.keys import RedisKeys
-from gateway.state.metering import Meter
+from gateway.state.metering import AUDIT_LUA, Meter
 from gateway.state.redis import connect
 from gateway.state.spool import Spool
 from gateway.state.write_ahead import WalRecord, WriteAhead
-from tests.fixtures.crash_process import DurableRedis, GatewayProcess
+from tests.fixtures.crash_process import DurableRedis, FreezingProxy, GatewayProcess
 from tests.fixtures.gateway import SECRETS, cleanup, keys_config
 from tests.fixtures.upstream import SimProcess, sim_tiers, start_sim, wait_for
 
@@ -66,17 +69,20 @@ def gateway_config(sim: SimProcess, redis_url: str, prefix: str, tmp: Path) -> d
 
 
 class Stream:
-    """One streamed ``long`` request in a thread: its status, request id, SSE events received and whether it ended."""
+    """One streamed ``long`` request in a thread: its status, request id, SSE events received, whether it ended and
+    the usage it was told (``extra``: more body fields, e.g. ``stream_options``; ``text``: its prompt)."""
 
-    def __init__(self, base_url: str, i: int, chunk_ms: int) -> None:
+    def __init__(self, base_url: str, i: int, chunk_ms: int, extra: dict[str, Any] | None = None,
+                 text: str | None = None) -> None:
         self.status: int | None = None
         self.request_id: str | None = None
         self.events = 0
         self.done = False
+        self.usage: dict[str, Any] | None = None
         words = " ".join(f"w{i}x{j}" for j in range(20))
         self.body = {"model": "long", "stream": True, "max_tokens": 256,
-                     "messages": [{"role": "user", "content": f"write-ahead {uuid.uuid4().hex[:6]} {words}"}],
-                     "sim": {"chunk_delay_ms": chunk_ms}}
+                     "messages": [{"role": "user", "content": text or f"write-ahead {uuid.uuid4().hex[:6]} {words}"}],
+                     "sim": {"chunk_delay_ms": chunk_ms}, **(extra or {})}
         self.url = base_url + "/chat/completions"
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -90,6 +96,8 @@ class Stream:
                     if line.startswith("data: "):
                         self.events += 1
                         self.done = self.done or line == "data: [DONE]"
+                        if not self.done and '"usage"' in line:
+                            self.usage = json.loads(line[6:]).get("usage") or self.usage
         except httpx.HTTPError:
             pass  # the gateway was killed under it
 
@@ -207,6 +215,67 @@ def test_kill_9_redis_then_gateway_mid_stream_nothing_lost(slow_sim: SimProcess,
     finally:
         gw.kill()
         store.kill()
+
+
+@pytest.mark.slow
+def test_kill_9_with_finished_streams_still_queued_meters_them_at_their_own_usage(slow_sim: SimProcess, redis_url: str,
+                                                                                   tmp_path: Path) -> None:
+    # Streams shorter than a write-ahead interval (no progress write) finish while the metering writer waits on a
+    # call to Redis — here its first, an audit event, frozen on its way by a proxy, as a batch held up by a slow
+    # Redis — so their usage events wait in the process's queue; then the gateway is killed. Each must be settled
+    # as what it was, a 200 with the usage its client was told — not as a 0-token `gateway_lost`.
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    proxy = FreezingProxy(redis_url).start()
+    cfg = gateway_config(slow_sim, redis_url, prefix, tmp_path)
+    cfg["metering"]["write_ahead_interval_s"] = 60.0
+    # through the proxy, with a socket timeout the frozen call cannot reach before the kill (timed out, its batch
+    # and the events after it would go to the usage spool, which the next gateway replays)
+    gw = GatewayProcess({**cfg, "redis": {**cfg["redis"], "url": proxy.url, "socket_timeout_s": 60.0}}, tmp_path,
+                        "gw").start()
+    replica: GatewayProcess | None = None
+    try:
+        proxy.arm(hashlib.sha1(AUDIT_LUA.encode()).hexdigest().encode())
+        refused = httpx.post(gw.base_url + "/chat/completions", headers={"authorization": "Bearer sk-nobody"},
+                             json={"model": "long", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+        assert refused.status_code == 401
+        assert wait_for(lambda: proxy.frozen == 1, 10)  # the metering writer now waits on it
+        streams = [Stream(gw.base_url, i, FAST_CHUNK_MS, {"stream_options": {"include_usage": True}})
+                   for i in range(6)]
+        assert wait_for(lambda: all(s.done for s in streams), 30), [(s.status, s.events) for s in streams]
+        time.sleep(1.0)  # what the gateway writes in the background lands in milliseconds
+        gw.kill()
+        ids = [s.request_id for s in streams if s.request_id]
+        assert len(ids) == 6 and all(s.usage for s in streams)
+        assert not settled_ids(redis_url, prefix)  # none of their events reached Redis
+        replica = GatewayProcess(cfg, tmp_path, "replica").start()
+        assert wait_for(lambda: set(ids) <= set(settled_ids(redis_url, prefix)), SETTLE_TIMEOUT_S)
+        events = [e for e in ledger(redis_url, prefix) if not e.audit]
+        assert sorted(e.event_id for e in events) == sorted(ids)
+        long_prices = Prices(**next(t for t in sim_tiers(slow_sim.base_url) if t["name"] == "long")["prices"])
+        by_id = {e.event_id: e for e in events}
+        for s in streams:
+            e, usage = by_id[s.request_id or ""], s.usage or {}
+            assert (e.status, e.error_code, e.partial, e.tier) == (200, None, False, "long"), e
+            assert (e.prompt_tokens, e.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
+            assert e.completion_tokens > 0
+            assert e.cost_micro_usd == cost_micro_usd(long_prices, prompt_tokens=e.prompt_tokens, cached_tokens=0,
+                                                      completion_tokens=e.completion_tokens)
+        k = RedisKeys(prefix)
+        client = redis.Redis.from_url(redis_url)
+        try:
+            counters = {f.decode(): int(v) for f, v in client.hgetall(k.key_total("alice")).items()}
+            assert counters["requests"] == 6 and counters.get("errors", 0) == 0
+            assert counters["cost_micro_usd"] == sum(e.cost_micro_usd for e in events)
+            assert counters["completion_tokens"] == sum(e.completion_tokens for e in events)
+            assert client.hlen(k.write_ahead) == 0 and client.hlen(k.reservations("alice")) == 0
+        finally:
+            client.close()
+    finally:
+        gw.kill()
+        if replica is not None:
+            replica.stop()
+        proxy.stop()
+        cleanup(redis_url, prefix)
 
 
 def test_reconcile_claim_counts_an_orphan_once_and_never_a_settled_request(redis_url: str, redis_prefix: str,
