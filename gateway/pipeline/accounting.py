@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -331,12 +332,15 @@ class Accounting:
         """Look up the answer to ``upstream_body`` on ``tier`` for ``key``'s tenant scope (never raises for
         Redis outages; a ``bypass`` ticket when the policy or an outage says so)."""
         looked = self._looked.pop(record.request_id, None)
+        # a single-flight follower's wait (up to cache.single_flight_wait_s) is where a killed process leaves most
+        # records of requests never sent upstream: marked so (one background write, on that path only)
+        on_wait = functools.partial(self.wal.waiting, record.request_id) if self.wal is not None else None
         if looked is None:
             prepared = self._lookup(key, record, tier, upstream_body, headers)
-            ticket = prepared if isinstance(prepared, Ticket) else await self.cache.look(prepared)
+            ticket = prepared if isinstance(prepared, Ticket) else await self.cache.look(prepared, on_wait)
         else:  # prepared for the admission call (``admit``'s ``ahead``): its reply, or Redis did not answer it
             prepared, reply = looked
-            ticket = prepared if isinstance(prepared, Ticket) else await self.cache.resume(prepared, reply)
+            ticket = prepared if isinstance(prepared, Ticket) else await self.cache.resume(prepared, reply, on_wait)
         if self.semantic is not None and ticket.status == "miss":
             ticket = await self._semantic_begin(self.semantic, ticket, key, record, tier, upstream_body)
         self._cache_result[record.request_id] = "semantic-hit" if ticket.similarity is not None else ticket.status
@@ -439,7 +443,11 @@ class Accounting:
             return
         bound = self._bounds.pop(record.request_id, None)
         if bound is None and self.wal.is_open(record.request_id):
-            return  # written inside its admission call (a single Redis: ``admit``'s ``ahead``)
+            # written inside its admission call (a single Redis: ``admit``'s ``ahead``); a request that waited on
+            # another's single-flight lock marked it waiting (taken for never sent after a crash): cleared first
+            if self.wal.is_waiting(record.request_id):
+                await self.wal.sending(record.request_id)
+            return
         await self.wal.begin(record, bound.micro_usd if bound else 0, bound.tokens if bound else 0)
 
     def stream_progress(self, record: UsageRecord) -> Callable[[StreamTally], None] | None:

@@ -40,6 +40,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -211,20 +212,21 @@ class ResponseCache:
         lookup = self.prepare(digest, decision, tenant)
         return lookup if isinstance(lookup, Ticket) else await self.look(lookup)
 
-    async def look(self, lookup: Lookup) -> Ticket:
+    async def look(self, lookup: Lookup, on_wait: Callable[[], object] | None = None) -> Ticket:
         """Run the prepared ``lookup`` (one ``BEGIN_LUA`` call) and :meth:`resume` with its reply."""
         try:
             res = await self.breaker.call(lambda: self._begin(keys=[lookup.entry_key, lookup.lock_key],
                                                               args=[lookup.token, lookup.wait_ms]))
         except RedisDown:
             res = None
-        return await self.resume(lookup, res)
+        return await self.resume(lookup, res, on_wait)
 
-    async def resume(self, lookup: Lookup, res: list[Any] | None) -> Ticket:
+    async def resume(self, lookup: Lookup, res: list[Any] | None,
+                     on_wait: Callable[[], object] | None = None) -> Ticket:
         """The ticket of ``lookup`` from ``res``, the reply of its ``cache_lookup`` (None: Redis did not answer) —
         run by :meth:`begin` or inside the admission call. A stale answer leads a refresh (one more call: the lock);
-        a follower of another request's single-flight lock waits for its answer (polls). Never raises for Redis
-        outages."""
+        a follower of another request's single-flight lock waits for its answer (polls; ``on_wait`` is called as the
+        wait starts: the write-ahead record says so). Never raises for Redis outages."""
         digest, decision, t, token = lookup.digest, lookup.decision, lookup.tenant, lookup.token
         if res is None:
             # The script may still run (a paused server resumes): keep the token so finish() can release it.
@@ -248,6 +250,8 @@ class ResponseCache:
                     return Ticket(digest, decision, "bypass", lock_token=token, tenant=t)
             if acquired:
                 return Ticket(digest, decision, "miss", lock_token=token, tenant=t)
+            if on_wait is not None:
+                on_wait()
             t0 = time.monotonic()
             entry = await self._wait(digest, decision.max_age_s, t0 + self.cfg.single_flight_wait_s, t)
             waited = time.monotonic() - t0

@@ -10,7 +10,8 @@ admission under the same id at every level, ``gateway/state/reservations.py``) a
 window corrected by the real token count.
 In the same step it deletes the request's write-ahead record (``gateway/state/write_ahead.py``): the record
 an upstream call leaves before its first byte is settled by exactly its usage event; :meth:`Meter.settle_orphan`
-counts the record of a dead process instead (an atomic claim).
+counts the record of a dead process instead (an atomic claim), and :meth:`Meter.release_orphan` releases the
+record of a dead process's request that was waiting, never sent upstream (same claim; no counter, an audit event).
 Audit events (refused requests, ``UsageEvent.audit``) go through ``AUDIT`` instead: the stream and the cube's
 ``refused`` count only. Counters are integers only (micro-USD, tokens, counts).
 
@@ -199,6 +200,41 @@ if redis.call('SADD', KEYS[5], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[5], 
 return {1, 0, 0}
 """
 
+# The write-ahead record of a dead process's request that was waiting and never sent upstream
+# (gateway/state/write_ahead.py): if the record is still open and the owner's heartbeat still absent (the claim, as
+# in RECORD), delete it, release the request's reservations at every level, take its reserved tokens back out of the
+# TPM window (it used none) and record its audit event as AUDIT does (stream, the cube's ``refused``, the index).
+# The audit event has an id of its own (``{request id}:unsent``, in the seen-set like any audit event, so the cube
+# index still equals the seen-set); the request id itself is not added: nothing was counted, so should the owner
+# have been alive after all (its heartbeat lapsed while Redis was away) and send the call, that call's own event
+# still counts once.
+# KEYS: 1-5 as AUDIT's (seen-set, stream, the key's cube of the day, cube index, the day's cube key set),
+#       6 write-ahead hash, 7 owner heartbeat, 8 the key's reservation hash, 9 the key's TPM counter of the event's
+#       minute, 10 global reservations, 11.. each tag's reservations
+# ARGV: 1-8 as AUDIT's (1 the audit event's id), 9 request id, 10 TPM TTL ms. Returns 1 (released) or 0.
+RELEASE_LUA = LUA_FUNCTIONS + """
+if redis.call('HEXISTS', KEYS[6], ARGV[9]) == 0 or redis.call('EXISTS', KEYS[7]) == 1 then return 0 end
+redis.call('HDEL', KEYS[6], ARGV[9])
+local reserved = release(KEYS[8], ARGV[9])
+if reserved and reserved > 0 and redis.call('EXISTS', KEYS[9]) == 1 then
+  redis.call('INCRBY', KEYS[9], -reserved)
+  redis.call('PEXPIRE', KEYS[9], ARGV[10])
+end
+for j = 10, #KEYS do release(KEYS[j], ARGV[9]) end
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 1 end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+if ARGV[4] ~= '0' then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'e', ARGV[2])
+else
+  redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
+end
+redis.call('HINCRBY', KEYS[3], 'refused ' .. ARGV[6], 1)
+redis.call('EXPIRE', KEYS[3], ARGV[8])
+redis.call('HINCRBY', KEYS[4], 'n:' .. ARGV[5], 1)
+if redis.call('SADD', KEYS[5], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[5], ARGV[8]) end
+return 1
+"""
+
 # A day's cubes rebuilt from the stream (``thinkgate usage backfill``), only if the script aggregated no event of
 # that day since the rebuild read the index (n:{day} unchanged): else it is left for the next run.
 # KEYS: 1 the cube index, 2 the day's cube key set, 3.. every cube key of the day (the old ones and the new);
@@ -263,6 +299,7 @@ class Meter:
         self.cfg = cfg
         self._script = FastScript(handle, RECORD_LUA)
         self._audit = FastScript(handle, AUDIT_LUA)
+        self._release = FastScript(handle, RELEASE_LUA)
         self._lane = handle.lane
         self.spooled = 0  # events written to the spool by this process (for metrics)
         # every event settles its request's write-ahead record (gateway/state/write_ahead.py) in the same script
@@ -343,6 +380,20 @@ class Meter:
         keys.append(owner_heartbeat)
         reply = await self.breaker.call(lambda: self._script(keys=keys, args=args))
         return RecordResult.of_reply(event, reply)
+
+    async def release_orphan(self, event: UsageEvent, owner_heartbeat: str) -> bool:
+        """Settle the write-ahead record of a dead process's request that was never sent upstream, under the same
+        claim as :meth:`settle_orphan`: its reservations released at every level and ``event`` — its audit event
+        (``audit``; ``request_id`` the request's, ``event_id`` its own) — in the stream and the cube like any audit
+        event, nothing counted (``RELEASE_LUA``). True when this call released it. Raises :class:`RedisDown`."""
+        assert event.audit and event.event_id != event.request_id  # the request's own id must stay free
+        k = self.keys
+        audit_keys, audit_args = self._keys_args(event)
+        keys = [*audit_keys, k.write_ahead, owner_heartbeat, k.reservations(event.key_id),
+                k.tpm(event.key_id, event.minute), k.level_reservations("global", "global"),
+                *(k.level_reservations("tag", f"{n}={v}") for n, v in sorted(event.tags.items()))]
+        args = [*audit_args, event.request_id, TPM_TTL_MS]
+        return bool(await self.breaker.call(lambda: self._release(keys=keys, args=args)))
 
     def _keys_args(self, event: UsageEvent) -> tuple[list[str], list[str | bytes | int]]:
         k = self.keys

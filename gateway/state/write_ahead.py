@@ -10,36 +10,59 @@ Lifecycle of one record (one per usage record, i.e. per upstream call: an escala
    it here), so it costs no round trip of its own; escalations and the Cluster keep :meth:`begin`. The
    record (:class:`WalRecord`) says who (key, tags), what (endpoint, models, tier), when (``ts``, the request's
    start: the usage event's day and TPM minute), the reservation's upper bound (micro-USD, tokens) and the
-   owning process (``owner``).
-2. :meth:`WriteAhead.progress` — as a stream relays tokens: the tokens known so far (deltas counted, or the
+   owning process (``owner``). A record is taken for a call sent upstream unless it says ``waiting``.
+2. :meth:`WriteAhead.waiting` — a request whose admission script wrote its record and that then waits before its
+   upstream call (a single-flight follower waiting for an identical request's answer, ``gateway/state/cache.py``:
+   up to ``cache.single_flight_wait_s``) marks it ``waiting``, in the background; :meth:`WriteAhead.sending`
+   clears the mark before the call is sent if the wait ends in one (awaited: the record says so before the first
+   byte). Only such a wait writes: the common path (no wait, or a wait that ends in a cache hit) writes nothing.
+3. :meth:`WriteAhead.progress` — as a stream relays tokens: the tokens known so far (deltas counted, or the
    upstream's running usage when it sends one), written at most every ``metering.write_ahead_interval_s`` per
    stream, in the background.
-3. The final event — the request finished and its usage event has to wait in the process's queue (the metering
+4. The final event — the request finished and its usage event has to wait in the process's queue (the metering
    writer has a batch out; ``Accounting.sink``): :meth:`WriteAhead.settled` puts the event itself into the record,
    in the background. A writer with nothing out sends the event at once instead: a write of the record could not
    land sooner.
-4. Settlement — the request's usage event: the metering script (``gateway/state/metering.py``) deletes the record
+5. Settlement — the request's usage event: the metering script (``gateway/state/metering.py``) deletes the record
    in the same atomic step that counts the event. Exactly one settled event per request id: the event id is the
    request id and the script counts an id once.
 
-Steps 2 and 3 are updates: one task writes every due record in one script call (a group commit) and collects the next
+Steps 2–4 are updates: one task writes every due record in one script call (a group commit) and collects the next
 batch while it is out, so a record has at most one write in flight and its states land in order; each is written
 only while its request is not settled (the script checks the day's seen-set), so a late update never reopens it.
-None of them is awaited by the request, so none adds a round trip before its response's last byte.
+None of them is awaited by the request — but the end of a wait that goes on to the upstream (step 2, a rare path)
+— so none adds a round trip before its response's last byte.
 
 Each process keeps a heartbeat ``wal:hb:{owner}`` (``PX metering.heartbeat_ttl_s``, refreshed every third of it).
 :meth:`WriteAhead.reconcile` — at start and every ``metering.reconcile_interval_s`` — scans the open records
 (at most ``metering.reconcile_batch`` per pass) and meters those of dead owners: heartbeat absent, record not
 updated for a heartbeat TTL, and seen so for a TTL by this reconciler (a live owner whose heartbeat lapsed while
-Redis was away gets that long to renew it). Such a record is settled as one of two, each under the same atomic
+Redis was away gets that long to renew it). Such a record is settled as one of three, each under the same atomic
 claim — only if the record is still open and the owner's heartbeat still absent, deleting it in that step (two
 replicas reconciling at once settle it once) — and each releasing the request's budget reservations at every level
 and correcting its TPM window, like any usage event:
 
-- **finished** (the record holds its final event, step 3): that event, counted as it is (its real status and
+- **finished** (the record holds its final event, step 4): that event, counted as it is (its real status and
   tokens) through :meth:`Meter.settle_orphan`.
-- **lost** (otherwise): a usage event with ``partial: true``, ``status`` 500, ``error_code: gateway_lost`` and the
-  tokens of its last update, priced at its tier's prices (:meth:`Meter.settle_orphan`).
+- **never sent** (``waiting``, no token, no final event): the process died while the request waited before its
+  upstream call (step 2), or replayed the answer that wait brought (a cache hit). Nothing was used upstream, so it
+  is not a request: :meth:`Meter.release_orphan` releases its reservations and records an *audit* event
+  (``UsageEvent.audit``: ``status`` 500, ``error_code`` :data:`UNSENT_CODE`, cost 0, ``request_id`` the request's,
+  ``event_id`` ``{request id}:unsent``) — in the stream, the exports and the usage cube's ``refused`` (as not
+  served, with the refusals), in no counter, spend sum or request/error count; so an auditor finds every admitted
+  request id in the ledger, counted or not. The request id itself is not added to the seen-set: should the owner
+  turn out to be alive (its heartbeat lapsed while Redis was away) and send the call, that call's own event still
+  counts once.
+- **lost** (otherwise: sent, not finished): a usage event with ``partial: true``, ``status`` 500,
+  ``error_code: gateway_lost`` and the tokens of its last update, priced at its tier's prices
+  (:meth:`Meter.settle_orphan`).
+
+What is left of "never sent" taken for "lost": a process killed in the short stretch between a request's admission
+and its upstream call without a wait (routing the admission reply, a cache miss's bookkeeping, a semantic cache's
+lookup and its embedding call — tens of milliseconds at most), or within the one background write of a wait's
+start (the mark not yet in Redis) leaves a record taken for a sent call: it is settled as ``gateway_lost`` at 0
+tokens, cost 0 — a request and an error too many in the counts, never money. Marking every request at its start
+would close it at one more script call per request (measured 10–16% more gateway CPU; ``bench/RESULTS.md``).
 
 Before each pass the local spools are replayed, so events a dead process on this machine spooled are counted
 first (then its records are settled, not reconciled).
@@ -86,8 +109,10 @@ from gateway.state.spool import Spool
 log = logging.getLogger("thinkgate.metering")
 
 SCAN_COUNT = 200  # HSCAN page size of a reconcile pass
+#: ``error_code`` of the audit event that settles the record of a call never sent upstream
+UNSENT_CODE = "gateway_lost_unsent"
 
-# Write records (updates: the sent mark, progress, the final event; begins replayed from the spool), each unless its
+# Write records (updates: the waiting mark, progress, the final event; begins replayed from the spool), each unless its
 # request was already settled (its usage event counted: a late update must not reopen it).
 # KEYS: 1 the write-ahead hash, 1+i the seen-set of the i-th record's day; ARGV: 2i-1 its request id, 2i its JSON.
 # Returns how many were written.
@@ -137,6 +162,10 @@ class WalRecord:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     usage_source: UsageSource = "none"
+    #: True while its request waits before its upstream call (a single-flight follower; :meth:`WriteAhead.waiting`)
+    #: — or, after a wait that ended in a cache hit, for good: no upstream call. False (the default, and a record
+    #: written before this field existed): taken for a call sent upstream
+    waiting: bool = False
     #: the request's own usage event, once the request finished while that event waited in its process's queue
     final: UsageEvent | None = None
 
@@ -144,6 +173,12 @@ class WalRecord:
     def day(self) -> str:
         """The request's UTC day (its usage event's, hence its seen-set's)."""
         return UsageEvent(key_id="", requested_model="", ts=self.ts).day
+
+    @property
+    def unsent(self) -> bool:
+        """Never sent upstream: marked waiting, no token, no final event (see the module doc)."""
+        return (self.waiting and self.final is None
+                and not (self.prompt_tokens or self.completion_tokens or self.reasoning_tokens))
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)
@@ -171,6 +206,17 @@ class WalRecord:
             latency_ms=float(max(0, self.updated_ms - int(self.ts * 1000))), status=500, error_code="gateway_lost",
             stream=self.stream, partial=True,
             usage_source="counted" if self.usage_source == "none" else self.usage_source)
+
+    def unsent_event(self) -> UsageEvent:
+        """The audit event of a call that was never sent upstream (:attr:`unsent`): cost 0, counted nowhere
+        (``UsageEvent.audit``), ``error_code`` :data:`UNSENT_CODE`; an event id of its own (``{request id}:unsent``),
+        so the request id stays free for the request's own event should its process turn out alive."""
+        return UsageEvent(
+            key_id=self.key_id, requested_model=self.requested_model, event_id=f"{self.request_id}:unsent", ts=self.ts,
+            tags=dict(self.tags), request_id=self.request_id, endpoint=self.endpoint, tier=self.tier,
+            upstream_model=self.upstream_model, route_reason=self.route_reason,
+            latency_ms=float(max(0, self.updated_ms - int(self.ts * 1000))), status=500, error_code=UNSENT_CODE,
+            stream=self.stream, usage_source="none", audit=True)
 
 
 @dataclass(slots=True)
@@ -202,6 +248,7 @@ class WriteAhead:
         self._open: dict[str, _Open] = {}
         # records whose latest state is due in the next update (insertion order), and the one task writing them
         self._due: dict[str, WalRecord] = {}
+        self._due_waiters: list[asyncio.Future[None]] = []  # released once the updates due now are written
         self._updater: asyncio.Task[None] | None = None
         self._suspects: dict[str, float] = {}  # request id → when this reconciler first saw its owner dead
         self._tasks: set[asyncio.Task[None]] = set()
@@ -210,6 +257,7 @@ class WriteAhead:
         self._conn: Connection | None = None  # the begin writer's own connection (standalone / Sentinel)
         self._clock = clock
         self.reconciled = 0  # orphans this process metered (for logs and tests)
+        self.released = 0  # orphans never sent upstream that this process released (for logs and tests)
 
     # --- the request path -------------------------------------------------------------------------------
     def open_record(self, record: UsageRecord, bound_micro_usd: int = 0, bound_tokens: int = 0, *,
@@ -264,6 +312,35 @@ class WriteAhead:
             for _, done in self._begins:  # cancelled (shutdown): release the waiting requests
                 if not done.done():
                     done.set_result(None)
+
+    def waiting(self, request_id: str) -> None:
+        """``request_id`` starts a wait before its upstream call (a single-flight follower): mark its record
+        ``waiting``, in the background (the wait itself is the time the write needs). No-op when this process has
+        no record of it (Redis Cluster: a request's record is begun only right before its call)."""
+        op = self._open.get(request_id)
+        if op is None or op.rec.waiting:
+            return
+        op.rec = replace(op.rec, waiting=True, updated_ms=int(time.time() * 1000))
+        self._update(op.rec)
+
+    def is_waiting(self, request_id: str) -> bool:
+        """Whether ``request_id``'s record is marked :meth:`waiting` (then :meth:`sending` must run before its call)."""
+        op = self._open.get(request_id)
+        return op is not None and op.rec.waiting
+
+    async def sending(self, request_id: str) -> None:
+        """The wait of ``request_id`` ended and its upstream call is about to be sent: clear the ``waiting`` mark and
+        return once that is written (Redis, else the spool) — awaited, unlike the other updates, so the record says
+        sent before the call's first byte: a record taken for a wait would be settled as no request at all. Only a
+        request that waited and then missed pays this round trip."""
+        op = self._open.get(request_id)
+        if op is None or not op.rec.waiting:
+            return
+        op.rec = replace(op.rec, waiting=False, updated_ms=int(time.time() * 1000))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._due_waiters.append(done)
+        self._update(op.rec)
+        await done
 
     def progress(self, request_id: str, completion_tokens: int, reasoning_tokens: int,
                  usage: dict[str, Any] | None = None, tier: str | None = None,
@@ -340,14 +417,22 @@ class WriteAhead:
         try:
             while self._due:
                 batch, self._due = list(self._due.values()), {}
+                waiters, self._due_waiters = self._due_waiters, []
                 try:
                     await self.breaker.call(functools.partial(self._put_many, batch))
                 except RedisDown:
                     await self._spool(*batch)
                 except Exception:
                     log.exception("write-ahead updates of %s failed", ", ".join(r.request_id for r in batch))
+                for done in waiters:
+                    if not done.done():
+                        done.set_result(None)
         finally:
             self._updater = None
+            waiters, self._due_waiters = self._due_waiters, []
+            for done in waiters:  # cancelled (shutdown): release the waiting requests
+                if not done.done():
+                    done.set_result(None)
 
     async def _put_many(self, recs: list[WalRecord]) -> None:
         """The records ``recs`` (``PUT_LUA``: each unless its request was settled meanwhile)."""
@@ -427,6 +512,12 @@ class WriteAhead:
                 continue
             owner_hb = self.keys.heartbeat(rec.owner)
             self._suspects.pop(rec.request_id, None)
+            if rec.unsent:  # no usage, no request: its reservations released, an audit event says why
+                if await self.meter.release_orphan(rec.unsent_event(), owner_hb):
+                    self.released += 1
+                    log.warning("released write-ahead record %s of dead process %s: never sent upstream",
+                                rec.request_id, rec.owner)
+                continue
             if rec.final is not None:  # it finished: its own event, which its process had no time to write
                 result = await self.meter.settle_orphan(rec.final, owner_hb)
             else:

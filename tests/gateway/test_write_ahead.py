@@ -10,6 +10,7 @@ the killed requests have no event at all and these tests fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import threading
@@ -276,6 +277,119 @@ def test_kill_9_with_finished_streams_still_queued_meters_them_at_their_own_usag
             replica.stop()
         proxy.stop()
         cleanup(redis_url, prefix)
+
+
+@pytest.mark.slow
+def test_kill_9_before_the_upstream_call_releases_without_counting_a_request(slow_sim: SimProcess, redis_url: str,
+                                                                             tmp_path: Path) -> None:
+    # Killed while 3 admitted requests wait for an identical request's answer (the cache's single-flight: their
+    # write-ahead records written by admission, marked waiting, nothing sent upstream) and 2 calls are upstream (a
+    # stream, and a non-streamed call, which has no progress write). The 2 sent are settled as lost — requests,
+    # errors; the 3 never sent are no request: reservations released, one audit event each (in the stream and the
+    # usage cube's refused count, exactly once), nothing counted.
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    cfg = gateway_config(slow_sim, redis_url, prefix, tmp_path)
+    gw = GatewayProcess(cfg, tmp_path, "gw").start()
+    replica: GatewayProcess | None = None
+    k = RedisKeys(prefix)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        same, text = {"temperature": 0}, f"single flight {uuid.uuid4().hex[:8]}"  # cacheable, identical
+        leader = Stream(gw.base_url, 0, SLOW_CHUNK_MS, same, text)
+        _wait_streaming([leader], 4)
+        followers = [Stream(gw.base_url, 0, SLOW_CHUNK_MS, same, text) for _ in range(3)]
+        slow_call = {"model": "long", "max_tokens": 16, "sim": {"delay_ms": 25_000},
+                     "messages": [{"role": "user", "content": f"non-streamed {uuid.uuid4().hex[:8]}"}]}
+        threading.Thread(target=lambda: _post_quietly(gw.base_url, slow_call), daemon=True).start()
+        assert wait_for(lambda: client.hlen(k.write_ahead) == 5, 15), client.hlen(k.write_ahead)
+        time.sleep(1.0)  # the non-streamed call is upstream by now
+        records = [WalRecord.from_json(raw) for raw in client.hvals(k.write_ahead)]
+        gw.kill()
+        assert leader.request_id and not any(f.status for f in followers)  # still waiting: no answer begun
+        sent = [leader.request_id, next(r.request_id for r in records if not r.stream)]
+        waiting = sorted({r.request_id for r in records} - set(sent))
+        assert len(waiting) == 3
+        assert sorted(r.request_id for r in records if r.waiting) == waiting  # only the waits wrote a mark
+        replica = GatewayProcess(cfg, tmp_path, "replica").start()
+        assert wait_for(lambda: client.hlen(k.write_ahead) == 0, SETTLE_TIMEOUT_S)
+        events = ledger(redis_url, prefix)
+        counted = {e.event_id: e for e in events if not e.audit}
+        assert sorted(counted) == sorted(sent)
+        assert all((e.status, e.error_code, e.partial) == (500, "gateway_lost", True) for e in counted.values())
+        assert counted[leader.request_id].completion_tokens > 0
+        audited = [e for e in events if e.audit and e.request_id in waiting]
+        assert sorted(e.request_id for e in audited) == waiting and len(events) == 5
+        # an id of its own: the request id stays free for the request's own event (its owner alive after all)
+        assert all(e.event_id == f"{e.request_id}:unsent" for e in audited)
+        assert all(e.error_code == "gateway_lost_unsent" and e.cost_micro_usd == 0 for e in audited)
+        counters = {f.decode(): int(v) for f, v in client.hgetall(k.key_total("alice")).items()}
+        assert (counters["requests"], counters["errors"]) == (2, 2)
+        assert counters["cost_micro_usd"] == sum(e.cost_micro_usd for e in counted.values())
+        day = counted[leader.request_id].day
+        assert int(client.hget(k.level_day("global", "global", day), "requests") or 0) == 2
+        for resv in (k.reservations("alice"), k.level_reservations("global", "global"),
+                     k.level_reservations("tag", "team=a")):
+            assert client.hlen(resv) == 0, resv
+        # the usage cube: each event once (the index's count = the seen-set's, so grouped queries trust the cube)
+        cube = {f.decode(): int(v) for f, v in client.hgetall(k.agg_cube("alice", day)).items()}
+        assert sum(v for f, v in cube.items() if f.startswith("refused ")) == 3
+        assert sum(v for f, v in cube.items() if f.startswith("requests ")) == 2
+        assert int(client.hget(k.agg_index, f"n:{day}") or 0) == client.scard(k.seen(day)) == 5
+    finally:
+        gw.kill()
+        if replica is not None:
+            replica.stop()
+        client.close()
+        cleanup(redis_url, prefix)
+
+
+@pytest.mark.slow
+def test_kill_9_after_a_wait_that_ended_upstream_settles_the_calls_as_lost(slow_sim: SimProcess, redis_url: str,
+                                                                           tmp_path: Path) -> None:
+    # 3 requests wait on a leader's single-flight lock (marked waiting); the leader's client hangs up, so the lock
+    # goes without an answer and each calls the upstream itself. Killed while those calls are upstream: they were
+    # sent, so each is a lost request (500 gateway_lost), not a release — the mark was cleared before each call.
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    cfg = gateway_config(slow_sim, redis_url, prefix, tmp_path)
+    gw = GatewayProcess(cfg, tmp_path, "gw").start()
+    replica: GatewayProcess | None = None
+    k = RedisKeys(prefix)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        body = {"model": "long", "max_tokens": 16, "temperature": 0, "sim": {"delay_ms": 6_000},
+                "messages": [{"role": "user", "content": f"single flight {uuid.uuid4().hex[:8]}"}]}
+        leader = threading.Thread(target=lambda: _post_quietly(gw.base_url, body, timeout_s=2.0), daemon=True)
+        leader.start()
+        assert wait_for(lambda: client.hlen(k.write_ahead) == 1, 15)
+        for _ in range(3):
+            threading.Thread(target=lambda: _post_quietly(gw.base_url, body), daemon=True).start()
+        assert wait_for(lambda: sum(WalRecord.from_json(raw).waiting for raw in client.hvals(k.write_ahead)) == 3, 10)
+        leader.join(10)  # hung up after 2 s: its call is cancelled, its lock released without an answer
+        assert wait_for(lambda: any(not e.audit for e in ledger(redis_url, prefix)), 10)  # the leader's, 499
+        assert wait_for(lambda: client.hlen(k.write_ahead) == 3
+                        and not any(WalRecord.from_json(raw).waiting for raw in client.hvals(k.write_ahead)), 10)
+        time.sleep(0.5)  # upstream by now (each waits 6 s for its answer)
+        followers = sorted(r.decode() for r in client.hkeys(k.write_ahead))
+        gw.kill()
+        replica = GatewayProcess(cfg, tmp_path, "replica").start()
+        assert wait_for(lambda: client.hlen(k.write_ahead) == 0, SETTLE_TIMEOUT_S)
+        events = {e.event_id: e for e in ledger(redis_url, prefix) if e.request_id in followers}
+        assert sorted(events) == followers, sorted(events)
+        assert all((e.audit, e.status, e.error_code) == (False, 500, "gateway_lost") for e in events.values())
+        for resv in (k.reservations("alice"), k.level_reservations("global", "global")):
+            assert client.hlen(resv) == 0, resv
+    finally:
+        gw.kill()
+        if replica is not None:
+            replica.stop()
+        client.close()
+        cleanup(redis_url, prefix)
+
+
+def _post_quietly(base_url: str, body: dict[str, Any], timeout_s: float = 60.0) -> None:
+    with contextlib.suppress(httpx.HTTPError):  # the gateway is killed under it (or the client gives up first)
+        httpx.post(base_url + "/chat/completions", json=body, timeout=timeout_s,
+                   headers={"authorization": f"Bearer {SECRETS['alice']}"})
 
 
 def test_reconcile_claim_counts_an_orphan_once_and_never_a_settled_request(redis_url: str, redis_prefix: str,
