@@ -39,6 +39,10 @@ ratio of two identical off gateways (what the machine's noise alone moves); ``--
 **Write-ahead metering on vs off** (``--write-ahead``): the same gateway with ``metering.write_ahead`` off and on,
 ``--processes`` of each on a throw-away Redis prefix, interleaved round by round; CPU ms/request on / off per
 round, the A/A ratio, p50/p99 off → on; ``--write-results`` replaces the "Write-ahead metering overhead" section.
+With ``--tree NAME=DIR``: this checkout against checkout DIR instead, write-ahead on in both (DIR's gateways are the
+baseline, and their A/A the noise). With ``--budget-usd``: the bench key has a daily budget, so admission runs in
+Redis and, on a single Redis, writes the write-ahead record inside the admission script (without a budget the
+record is one ``HSET`` of its own).
 """
 
 from __future__ import annotations
@@ -818,14 +822,20 @@ def run_write_ahead(args: argparse.Namespace) -> None:
     seed = _pin_hash_seed()
     targets = [Target("direct", sim.base_url, "none", "sim-model")]
     per_round: dict[str, dict[tuple[str, int], list[Samples]]] = {}
+    # --tree: the other checkout is the baseline (first), both with write-ahead on; else this one off vs on
+    trees = {name: Path(d).resolve() for name, _, d in (spec.partition("=") for spec in args.tree)}
+    variants = (*trees, "wal-on") if trees else WRITE_AHEAD_VARIANTS
+    base, label = variants[0], ("this" if trees else "on")
+    auth = ({"auth": {"keys": [{"id": "bench", "secret": BENCH_KEY, "budget_usd_day": args.budget_usd}]}}
+            if args.budget_usd else {})
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for k in range(args.processes):
-                for v in WRITE_AHEAD_VARIANTS:
+                for v in variants:
                     metering = {"spool_path": str(Path(tmp) / f"spool-{v}-{k}.jsonl"),
-                                "write_ahead": v == "wal-on"}
-                    proc, target = start_gateway(sim, Path(tmp), name=f"{v}#{k + 1}",
-                                                 extra={"redis": redis_section, "metering": metering})
+                                "write_ahead": v != "wal-off"}
+                    proc, target = start_gateway(sim, Path(tmp), name=f"{v}#{k + 1}", tree=trees.get(v, REPO),
+                                                 extra={"redis": redis_section, "metering": metering, **auth})
                     procs.append(proc)
                     targets.append(target)
             by_mode = {mode: asyncio.run(measure(targets, args.concurrency, args.requests, args.seconds, args.rounds,
@@ -837,30 +847,32 @@ def run_write_ahead(args: argparse.Namespace) -> None:
         with contextlib.suppress(Exception):
             delete_prefix(str(redis_section["url"]), prefix)
     out = table(by_mode, targets, args.concurrency)
-    lines = ["| mode | concurrency | CPU ms/req off | on | on / off | median per-round on / off (min … max) "
-             "| A/A: off / off (min … max) | p50 ms off → on | p99 ms off → on |",
+    lines = [f"| mode | concurrency | CPU ms/req {base} | {label} | {label} / {base} | median per-round {label} / "
+             f"{base} (min … max) | A/A: {base} / {base} (min … max) | p50 ms {base} → {label} "
+             f"| p99 ms {base} → {label} |",
              "|---|---:|---:|---:|---:|---|---|---:|---:|"]
     verdicts: list[float] = []
     for mode, results in by_mode.items():
         for c in args.concurrency:
-            acc = _variant_samples(results, WRITE_AHEAD_VARIANTS, args.processes, c)
-            off, on = (_per_request_ms(acc[v]) for v in WRITE_AHEAD_VARIANTS)
+            acc = _variant_samples(results, variants, args.processes, c)
+            off, on = (_per_request_ms(acc[v]) for v in (base, "wal-on"))
             if not (off and on):
                 continue
-            ratios = telemetry_ratios(per_round[mode], args.processes, c, args.rounds, WRITE_AHEAD_VARIANTS)
+            ratios = telemetry_ratios(per_round[mode], args.processes, c, args.rounds, variants)
             if ratios["wal-on"]:
                 verdicts.append(statistics.median(ratios["wal-on"]))
-            a, b = acc["wal-off"], acc["wal-on"]
+            a, b = acc[base], acc["wal-on"]
             lines.append(f"| {mode} | {c} | {off:.3f} | {on:.3f} | {on / off:.3f} | {_spread(ratios['wal-on'])} "
                          f"| {_spread(ratios['A/A'])} "
                          f"| {a.pct(50):.2f} → {b.pct(50):.2f} ({b.pct(50) - a.pct(50):+.2f}) "
                          f"| {a.pct(99):.2f} → {b.pct(99):.2f} ({b.pct(99) - a.pct(99):+.2f}) |")
     ratio = "\n".join(lines)
     worst = max(verdicts) if verdicts else float("nan")
-    verdict = (f"Target on ≤ 1.10 × off (CPU per request): **{'met' if worst <= 1.10 else 'not met'}** — median "
-               f"per-round on / off at worst {worst:.3f}; compare with the A/A column (two identical off gateways).")
+    verdict = (f"Target {label} ≤ 1.10 × {base} (CPU per request): **{'met' if worst <= 1.10 else 'not met'}** — "
+               f"median per-round {label} / {base} at worst {worst:.3f}; compare with the A/A column (two identical "
+               f"{base} gateways).")
     print(out, "", ratio, "", verdict, sep="\n")
-    if args.write_results:
+    if args.write_results and not trees and not args.budget_usd:  # the section describes that run only
         write_section(
             WRITE_AHEAD_SECTION,
             f"{WRITE_AHEAD_SECTION}\n\n`python -m bench.gateway_overhead --write-ahead` — {started}. "
@@ -911,7 +923,11 @@ def main() -> None:
                          "(1024 = 3 export batches of 2048 spans)")
     ap.add_argument("--blocks", type=int, default=8, help="with --telemetry: traced/untraced block pairs per row")
     ap.add_argument("--write-ahead", action="store_true",
-                    help="the gateway with write-ahead metering records off vs on (metering.write_ahead)")
+                    help="the gateway with write-ahead metering records off vs on (metering.write_ahead); with "
+                         "--tree: this checkout vs that one, write-ahead on in both")
+    ap.add_argument("--budget-usd", default=None, metavar="USD",
+                    help="with --write-ahead: the bench key's daily budget (admission then runs in Redis and writes "
+                         "the write-ahead record in its script, as for any budgeted key)")
     ap.add_argument("--litellm", action="store_true",
                     help="ThinkGate (router + cache + metering) vs LiteLLM's proxy; default concurrency 1 8 32 64")
     args = ap.parse_args()
