@@ -208,26 +208,30 @@ return {1, 0, 0}
 # index still equals the seen-set); the request id itself is not added: nothing was counted, so should the owner
 # have been alive after all (its heartbeat lapsed while Redis was away) and send the call, that call's own event
 # still counts once.
-# KEYS: 1-5 as AUDIT's (seen-set, stream, the key's cube of the day, cube index, the day's cube key set),
-#       6 write-ahead hash, 7 owner heartbeat, 8 the key's reservation hash, 9 the key's TPM counter of the event's
-#       minute, 10 global reservations, 11.. each tag's reservations
-# ARGV: 1-8 as AUDIT's (1 the audit event's id), 9 request id, 10 TPM TTL ms. Returns 1 (released) or 0.
-RELEASE_LUA = LUA_FUNCTIONS + """
-if redis.call('HEXISTS', KEYS[6], ARGV[9]) == 0 or redis.call('EXISTS', KEYS[7]) == 1 then return 0 end
-redis.call('HDEL', KEYS[6], ARGV[9])
-local reserved = release(KEYS[8], ARGV[9])
-if reserved and reserved > 0 and redis.call('EXISTS', KEYS[9]) == 1 then
-  redis.call('INCRBY', KEYS[9], -reserved)
-  redis.call('PEXPIRE', KEYS[9], ARGV[10])
+# Such an event is written long after its ``ts`` (a heartbeat TTL and more): it goes into the late index (NOTE_LATE)
+# like any audit event written late, or reads of its period by id range would not find it.
+# KEYS: 1-6 as AUDIT's (seen-set, stream, the key's cube of the day, cube index, the day's cube key set, the late
+#       index), 7 write-ahead hash, 8 owner heartbeat, 9 the key's reservation hash, 10 the key's TPM counter of the
+#       event's minute, 11 global reservations, 12.. each tag's reservations
+# ARGV: 1-10 as AUDIT's (1 the audit event's id), 11 request id, 12 TPM TTL ms. Returns 1 (released) or 0.
+RELEASE_LUA = LUA_FUNCTIONS + NOTE_LATE + """
+if redis.call('HEXISTS', KEYS[7], ARGV[11]) == 0 or redis.call('EXISTS', KEYS[8]) == 1 then return 0 end
+redis.call('HDEL', KEYS[7], ARGV[11])
+local reserved = release(KEYS[9], ARGV[11])
+if reserved and reserved > 0 and redis.call('EXISTS', KEYS[10]) == 1 then
+  redis.call('INCRBY', KEYS[10], -reserved)
+  redis.call('PEXPIRE', KEYS[10], ARGV[12])
 end
-for j = 10, #KEYS do release(KEYS[j], ARGV[9]) end
+for j = 11, #KEYS do release(KEYS[j], ARGV[11]) end
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 1 end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+local id
 if ARGV[4] ~= '0' then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'e', ARGV[2])
+  id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'e', ARGV[2])
 else
-  redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
+  id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
 end
+note_late(KEYS[4], KEYS[6], id, ARGV[9], ARGV[10], ARGV[8])
 redis.call('HINCRBY', KEYS[3], 'refused ' .. ARGV[6], 1)
 redis.call('EXPIRE', KEYS[3], ARGV[8])
 redis.call('HINCRBY', KEYS[4], 'n:' .. ARGV[5], 1)
@@ -389,6 +393,8 @@ class Meter:
         assert event.audit and event.event_id != event.request_id  # the request's own id must stay free
         k = self.keys
         audit_keys, audit_args = self._keys_args(event)
+        # RELEASE_LUA numbers its KEYS and ARGV after AUDIT's: a change of that layout must change it too
+        assert len(audit_keys) == 6 and len(audit_args) == 10, "RELEASE_LUA's KEYS/ARGV follow AUDIT's layout"
         keys = [*audit_keys, k.write_ahead, owner_heartbeat, k.reservations(event.key_id),
                 k.tpm(event.key_id, event.minute), k.level_reservations("global", "global"),
                 *(k.level_reservations("tag", f"{n}={v}") for n, v in sorted(event.tags.items()))]

@@ -289,6 +289,9 @@ def test_kill_9_before_the_upstream_call_releases_without_counting_a_request(slo
     # usage cube's refused count, exactly once), nothing counted.
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
     cfg = gateway_config(slow_sim, redis_url, prefix, tmp_path)
+    # every event here is settled seconds after its ts, past this: each must be in the late index, or a read of its
+    # period by id range (usage exports with an end, a period's sub-day edges) misses it
+    cfg["metering"]["late_after_s"] = 1
     gw = GatewayProcess(cfg, tmp_path, "gw").start()
     replica: GatewayProcess | None = None
     k = RedisKeys(prefix)
@@ -335,6 +338,8 @@ def test_kill_9_before_the_upstream_call_releases_without_counting_a_request(slo
         assert sum(v for f, v in cube.items() if f.startswith("refused ")) == 3
         assert sum(v for f, v in cube.items() if f.startswith("requests ")) == 2
         assert int(client.hget(k.agg_index, f"n:{day}") or 0) == client.scard(k.seen(day)) == 5
+        stream_ids = {i.decode() for i, _ in client.xrange(k.events)}
+        assert {m.decode() for m in client.zrange(k.late_events, 0, -1)} == stream_ids and len(stream_ids) == 5
     finally:
         gw.kill()
         if replica is not None:
