@@ -18,7 +18,9 @@
   ``since`` is raised to the oldest retained day. A non-admin key's query that would need more than
   ``KEY_MAX_SCAN_S`` (two days) of the stream read, or a read that cannot stop at its end, is refused: 400
   ``usage_scan_too_large`` (give ``since``/``until`` as UTC days). Raw events (no ``group_by``) come from the
-  stream by id range (from ``since``; up to ``until`` when given), capped at ``limit`` (default 1000).
+  stream by id range (from ``since``; up to ``until`` when given), capped at ``limit`` (default 1000); a non-admin
+  key's raw read may span at most ``KEY_MAX_SCAN_S`` (400 ``usage_scan_too_large`` beyond: it filters everyone's
+  stream by key).
 - ``key_id`` selects a key (admin only for other keys: 403 otherwise).
 
 ``GET /metrics``: Prometheus exposition, for the operator (``metrics.access``, default ``admin``: the admin key or
@@ -134,6 +136,28 @@ async def _grouped(acct: Accounting, key: KeyInfo, group_by: list[str], since: f
         raise InvalidRequest(str(exc), param="since", code="usage_scan_too_large") from None
 
 
+async def _raw(acct: Accounting, key: KeyInfo, since: float, until: float | None, target: str | None, limit: int,
+               now: float) -> list[dict[str, Any]]:
+    """Raw event rows of ``[since, until)`` (of ``target``, or every key), at most ``min(limit, MAX_RAW_EVENTS)``;
+    a non-admin key's read may span at most ``KEY_MAX_SCAN_S`` (400 ``usage_scan_too_large``)."""
+    span = (now if until is None else until) - since
+    if not key.is_admin and span > KEY_MAX_SCAN_S:
+        # every raw read filters everyone's stream by key: a key with few events asking for a month made the
+        # gateway read the month (seconds of CPU per call at 150,000 events)
+        raise InvalidRequest(
+            f"raw events (no group_by) of {span / 3600:.1f} h: a key may read at most {KEY_MAX_SCAN_S / 3600:.0f} h "
+            "of events per query — give since/until at most that far apart, use group_by (answered from the daily "
+            "usage cubes), or ask the admin", param="since", code="usage_scan_too_large")
+    events = []
+    async for event in acct.meter.events(since, until):
+        if target is None or event.key_id == target:
+            events.append(event)
+            if len(events) >= min(limit, MAX_RAW_EVENTS):
+                break
+    rows, _ = build(events, [])
+    return rows
+
+
 def install(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting) -> None:
     """Add ``GET /v1/usage`` and ``GET /metrics`` to ``app``."""
 
@@ -171,13 +195,7 @@ def install(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting
             if group_by:  # whole days from the per-day cubes, the stream only for what they cannot answer
                 rows: list[dict[str, Any]] = await _grouped(acct, key, group_by, since, until, target, now)
             else:
-                events = []
-                async for event in acct.meter.events(since, until):
-                    if target is None or event.key_id == target:
-                        events.append(event)
-                        if len(events) >= min(limit, MAX_RAW_EVENTS):
-                            break
-                rows, _ = build(events, group_by)
+                rows = await _raw(acct, key, since, until, target, limit, now)
         except RedisDown:
             raise UsageUnavailable("usage store unreachable; retry later", headers={"retry-after": "5"}) from None
         return _json({"object": "list", "group_by": group_by, "since": since, "until": until, "data": rows})

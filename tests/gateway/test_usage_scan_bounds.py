@@ -109,6 +109,18 @@ def test_a_key_cannot_force_an_unbounded_scan(upstream_sim: SimProcess, redis_ur
             today = datetime.now(UTC).strftime("%Y-%m-%d")
             mine = usage(SECRETS["alice"], today)
             assert mine.status_code == 200 and [d["day"] for d in mine.json()["data"]] == [today]
+
+            # raw events (no group_by) filter everyone's stream by key: a key may read two days of it per query
+            def raw(secret: str, since: str, until: str | None = None) -> httpx.Response:
+                return httpx.get(gw.base_url + "/usage", params={"since": since, **({"until": until} if until else {})},
+                                 headers={"authorization": f"Bearer {secret}"}, timeout=10)
+
+            month = raw(SECRETS["alice"], since)
+            assert month.status_code == 400, month.text
+            assert month.json()["error"]["code"] == "usage_scan_too_large"
+            assert raw(ADMIN_SECRET, since).status_code == 200
+            window = raw(SECRETS["alice"], today)
+            assert window.status_code == 200 and len(window.json()["data"]) == 1  # alice's one request of today
     finally:
         r.close()
         cleanup(redis_url, prefix)
