@@ -24,14 +24,15 @@ def render(report: SavingsReport) -> Any:
     tt = Table(title="Spend by tier (upstream tokens; USD)")
     for c in ("tier", "events", "cache hits", "prompt tok", "completion tok", "reasoning tok", "spend USD",
               "cache saved USD"):
-        tt.add_column(c, justify="left" if c == "tier" else "right")
+        # fold, never cut: in a narrow or piped terminal rich shortened amounts to "0.0001…" (a bill must not)
+        tt.add_column(c, justify="left" if c == "tier" else "right", overflow="fold")
     for t in report.tiers:
         tt.add_row(t.tier, str(t.events), str(t.cache_hits), str(t.prompt_tokens), str(t.completion_tokens),
                    str(t.reasoning_tokens), _usd(t.cost_micro_usd), _usd(t.saved_micro_usd))
     bt = Table(title=f"Always-{report.long_tier} counterfactual by difficulty bucket")
     for c in ("bucket", "requests", "spend USD", "shadow USD", f"{report.long_tier} samples", "mean completion tok",
               "estimate", f"always-{report.long_tier} USD"):
-        bt.add_column(c, justify="left" if c == "bucket" else "right")
+        bt.add_column(c, justify="left" if c == "bucket" else "right", overflow="fold")
     for b in report.buckets:
         mean = b.long_mean_completion_tokens
         bt.add_row(b.bucket, str(b.requests), _usd(b.cost_micro_usd), _usd(b.shadow_micro_usd), str(b.long_samples),

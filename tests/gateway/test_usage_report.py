@@ -165,6 +165,13 @@ async def test_cli_report_csv_png_json(redis_url: str, redis_prefix: str, tmp_pa
     assert summary["savings_micro_usd"] == 1236 and summary["savings_usd"] == "0.001236"
     assert summary["shadow_spend_micro_usd"] == 0 and summary["net_savings_micro_usd"] == 1236
     assert "shadow calls (learning) 0.000000 USD; net of them saved 0.001236 USD" in r.stdout.decode()
+    # a narrow (or piped: 80 columns) terminal: amounts are folded onto more lines, never cut to "0.0001…"
+    narrow = subprocess.run(
+        [sys.executable, "-m", "gateway", "usage", "report", "--since", str(T0 - 10), "--until", "2023-11-15",
+         "--key", "alice", "--config", str(config)],
+        cwd=REPO, capture_output=True, timeout=120, env={**os.environ, "THINKGATE_CONFIG": "", "COLUMNS": "60"})
+    assert narrow.returncode == 0, narrow.stderr.decode()
+    assert "…" not in narrow.stdout.decode(), narrow.stdout.decode()
     bad = subprocess.run([sys.executable, "-m", "gateway", "usage", "report", "--long-tier", "huge",
                           "--config", str(config)], cwd=REPO, capture_output=True, timeout=60)
     assert bad.returncode == 2 and b"no tier 'huge'" in bad.stderr
