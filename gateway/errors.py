@@ -22,7 +22,7 @@ from router.errors import ThinkGateError
 
 __all__ = ["AuthError", "BodyTooLarge", "ClientClosed", "ConversationsUnavailable", "GatewayError",
            "InvalidRequest", "KeyStoreUnavailable", "LimitsUnavailable", "NotFound", "OutcomesUnavailable",
-           "PermissionDenied",
+           "Overloaded", "PermissionDenied",
            "RateLimited", "RequestTimeout",
            "ThinkGateError", "TierNotAllowed", "UnknownModel", "UpstreamConnectTimeout", "UpstreamError",
            "UpstreamRejected", "UpstreamStreamError", "UpstreamTimeout", "UpstreamUnavailable", "UsageUnavailable"]
@@ -208,6 +208,15 @@ class UpstreamRejected(GatewayError):
         if self.status == 429:
             d["error"]["type"] = "rate_limit_error"
         return d
+
+
+class Overloaded(GatewayError):
+    """503: this process holds ``server.limit_concurrency`` connections or requests already
+    (``gateway/api/slow_clients.py``); retry, another replica may have room. Probes are never refused for it."""
+
+    status = 503
+    type = "server_error"
+    default_code = "overloaded"
 
 
 class LimitsUnavailable(GatewayError):

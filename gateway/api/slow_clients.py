@@ -15,6 +15,11 @@ from one client keep the gateway busy doing nothing. Three bounds, all in ``serv
   shape — Anthropic's on ``/v1/messages``), with ``connection: close``. The protocol closes a connection whose
   body is still arriving :data:`BODY_GRACE_S` after that (a body the app did not read because it answered first).
 - ``keep_alive_timeout_s``: uvicorn's ``timeout_keep_alive``.
+- ``limit_concurrency``: uvicorn's cap on connections plus requests in flight, with two changes
+  (:meth:`GuardedHttpToolsProtocol.on_headers_complete`): the probes (``/health``, ``/ready``) are always served —
+  uvicorn refused them too, so a liveness probe failed at the cap and Kubernetes restarted the busiest pods —, and
+  the refusal is :class:`~gateway.errors.Overloaded` (503, OpenAI's error shape, ``retry-after``) instead of
+  uvicorn's plain-text "Service Unavailable".
 
 The bound is on the whole head and the whole body, not on the gap between two packets: a client that sends a
 byte every few seconds passes any per-read timeout.
@@ -29,7 +34,7 @@ from starlette.types import Message, Receive
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import ServerConfig
-from gateway.errors import RequestTimeout
+from gateway.errors import Overloaded, RequestTimeout
 
 #: after ``request_body_timeout_s``, the protocol's own cut of a body still arriving waits this much longer, so
 #: the app's 408 (which says why) goes out first when the app is the one reading the body
@@ -59,6 +64,21 @@ def guard_body(receive: Receive, timeout_s: float) -> Receive:
         return message
 
     return guarded
+
+
+#: paths served whatever the concurrency cap: the probes (an orchestrator reads a refusal as a dead or unready pod)
+PROBE_PATHS = frozenset({b"/health", b"/ready"})
+_OVERLOADED = Overloaded("this gateway process is at server.limit_concurrency: retry (another replica may have room)",
+                         headers={"retry-after": "1"})
+
+
+async def overloaded(scope: Any, receive: Any, send: Any) -> None:
+    """The ASGI answer past ``server.limit_concurrency``: :class:`Overloaded` in OpenAI's shape, then close."""
+    body = _OVERLOADED.to_json()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", b"1"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -96,7 +116,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().data_received(data)
 
     def on_headers_complete(self) -> None:
-        super().on_headers_complete()
+        limit = self.limit_concurrency
+        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+            # at the cap (uvicorn's test, which would answer its plain-text 503 to every path): a probe is served,
+            # anything else gets the provider-shaped refusal; uvicorn's own check is switched off for this call
+            app = self.app
+            self.limit_concurrency = None
+            if self.url.split(b"?", 1)[0] not in PROBE_PATHS:
+                self.app = overloaded
+                self.logger.warning("Exceeded concurrency limit (server.limit_concurrency = %d).", limit)
+            try:
+                super().on_headers_complete()
+            finally:
+                self.limit_concurrency, self.app = limit, app
+        else:
+            super().on_headers_complete()
         self._arm(self.body_timeout_s + BODY_GRACE_S, self._body_expired)
 
     def on_message_complete(self) -> None:

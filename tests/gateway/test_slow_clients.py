@@ -34,7 +34,11 @@ SLACK_S = 3.0  # a busy 2-core box: timers fire late, never early
 @pytest.fixture(scope="module")
 def served(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """The port of a ``thinkgate serve`` with short bounds."""
-    tmp = tmp_path_factory.mktemp("slow")
+    yield from serve(upstream_sim, redis_url, tmp_path_factory.mktemp("slow"))
+
+
+def serve(upstream_sim: SimProcess, redis_url: str, tmp: Path, **server: object) -> Iterator[int]:
+    """Run ``thinkgate serve`` with the short bounds (and ``server`` settings); yield its port."""
     port, prefix = free_port(), f"tgtest:{uuid.uuid4().hex[:12]}:"
     cfg = tmp / "thinkgate.yaml"
     cfg.write_text(yaml.safe_dump({
@@ -44,7 +48,7 @@ def served(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.Te
                   for t in sim_tiers(upstream_sim.base_url)],
         "auth": {"keys": [{"id": "slow", "secret": SECRET}]},
         "server": {"host": "127.0.0.1", "port": port, "request_head_timeout_s": HEAD_S,
-                   "request_body_timeout_s": BODY_S, "keep_alive_timeout_s": IDLE_S},
+                   "request_body_timeout_s": BODY_S, "keep_alive_timeout_s": IDLE_S, **server},
     }))
     log = tmp / "serve.log"
     env = {**os.environ, "THINKGATE_CONFIG": "", "THINKGATE_STATE_DIR": str(tmp / "state")}
@@ -157,3 +161,46 @@ def test_slow_but_in_time_is_served_and_idle_keep_alive_is_closed(served: int) -
         t0 = time.monotonic()  # the response is in: the connection is idle from here
         rest, closed = until_closed(s, t0, IDLE_S + SLACK_S)
     assert rest == b"" and closed >= IDLE_S * 0.9
+
+
+def test_at_the_concurrency_cap_probes_are_served_and_the_rest_refused_in_openai_shape(
+        upstream_sim: SimProcess, redis_url: str, tmp_path: Path) -> None:
+    """``server.limit_concurrency: 3`` (connections, this one counted) with two slow requests in flight: uvicorn
+    answered every other request — the
+    probes too, so a liveness probe failed under load and the orchestrator restarted the busiest pod — with a
+    plain-text 503. ``/health`` and ``/ready`` are served; a chat request gets 503 ``overloaded`` in OpenAI's shape
+    with ``retry-after``; once the slow ones are done, requests are served again."""
+    import threading
+
+    gen = serve(upstream_sim, redis_url, tmp_path, limit_concurrency=3)
+    port = next(gen)
+    base = f"http://127.0.0.1:{port}"
+    auth = {"authorization": f"Bearer {SECRET}"}
+    slow = {"model": "short", "max_tokens": 8, "sim": {"delay_ms": 4000},
+            "messages": [{"role": "user", "content": "take your time"}]}
+    done: list[int] = []
+
+    def post_slowly() -> None:
+        done.append(httpx.post(base + "/v1/chat/completions", json=slow, headers=auth, timeout=30).status_code)
+
+    try:
+        threads = [threading.Thread(target=post_slowly) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # both in flight
+        with httpx.Client(timeout=10) as client:
+            assert client.get(base + "/health").status_code == 200
+            assert client.get(base + "/ready").status_code == 200
+        refused = httpx.post(base + "/v1/chat/completions", headers=auth, timeout=10, json={
+            "model": "short", "max_tokens": 8, "messages": [{"role": "user", "content": "one more"}]})
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "overloaded"
+        assert refused.json()["error"]["type"] == "server_error" and refused.headers["retry-after"] == "1"
+        for t in threads:
+            t.join(30)
+        assert done == [200, 200]
+        again = httpx.post(base + "/v1/chat/completions", headers=auth, timeout=10, json={
+            "model": "short", "max_tokens": 8, "messages": [{"role": "user", "content": "now?"}]})
+        assert again.status_code == 200, again.text
+    finally:
+        gen.close()
