@@ -73,9 +73,8 @@ MONTH_TTL_S = 800 * 86400
 TPM_TTL_MS = 120_000
 UNROUTED = "_unrouted"  # tier label of requests refused before routing
 REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
-# How far a stream id (the write time, Redis's clock) may lie after / before its event's ts (the request's start,
-# the replica's clock) for a read by id range to find it: a request's duration, and clock skew between hosts.
-LATE_SLACK_S = 900.0
+# How far a stream id (the write time, Redis's clock) may lie before its event's ts (the request's start, the
+# replica's clock) for Meter.recent to find it: clock skew between hosts. (After it: metering.late_after_s.)
 EARLY_SLACK_S = 60.0
 
 # Reads of the stream by id range (Meter.events) stop late_after_s past the period's end: an event written later
@@ -652,20 +651,38 @@ class Meter:
                      until: float | None = None) -> tuple[list[UsageEvent], int]:
         """The most recent events (by stream id, newest last) with ``since <= ts < until`` (epoch seconds, None =
         open), reading at most ``limit`` stream entries: one ``XREVRANGE … COUNT limit`` from the newest entry
-        (``until`` None) or from ``until`` plus :data:`LATE_SLACK_S` (an event is written when its request ends,
-        after its ``ts``) down to ``since`` less :data:`EARLY_SLACK_S`. Returns ``(events, entries read)``; entries
-        read < ``limit`` means every event of the period written within those slacks is there. Raises
-        :class:`RedisDown`."""
-        hi = "+" if until is None else f"{int((until + LATE_SLACK_S) * 1000)}"
+        (``until`` None) or — as :meth:`events` reads a period — from ``until`` plus ``metering.late_after_s`` (an
+        event is written when its request ends, after its ``ts``), with the late index's entries of the period
+        written after that (a spool replay, a reconciled orphan: the newest of all), down to ``since`` less
+        :data:`EARLY_SLACK_S`. Returns ``(events, entries read)``; entries read < ``limit`` means every event of the
+        period that :meth:`events` finds is there. Raises :class:`RedisDown`."""
         lo = "-" if since is None else f"{max(0, int((since - EARLY_SLACK_S) * 1000))}"
-        batch = await self.breaker.call(
-            functools.partial(self.redis.xrevrange, self.keys.events, max=hi, min=lo, count=limit)) or []
+        hi, late_ids = "+", list[str]()
+        if until is not None:
+            hi_ms = int(until * 1000) + int(self.cfg.late_after_s * 1000)
+            hi = str(hi_ms)
+            # written after the id range (NOTE_LATE): the newest entries of the period, read first
+            low = "-inf" if since is None else str(int(since * 1000))
+            ids = await self.breaker.call(functools.partial(
+                self.redis.zrangebyscore, self.keys.late_events, low, str(int(until * 1000))))
+            late = [t for t in (as_text(i) for i in ids or () if isinstance(i, bytes | str))
+                    if int(t.split("-")[0]) > hi_ms]
+            late_ids = sorted(late, key=lambda t: tuple(int(p) for p in t.split("-")))[-limit:] if limit > 0 else []
+        found: list[Any] = []
+        for entries in await self._pipelined([("xrange", i) for i in late_ids], args=True) if late_ids else []:
+            found.extend(entries or [])
+        rest = limit - len(late_ids)
+        batch: list[Any] = []
+        if rest > 0:
+            newest = await self.breaker.call(
+                functools.partial(self.redis.xrevrange, self.keys.events, max=hi, min=lo, count=rest))
+            batch = list(newest or [])
         out = []
-        for _stream_id, fields in reversed(batch):
+        for _stream_id, fields in [*reversed(batch), *found]:
             event = UsageEvent.from_json(as_bytes((fields or {})[b"e"]))
             if (since is None or event.ts >= since) and (until is None or event.ts < until):
                 out.append(event)
-        return out, len(batch)
+        return out, len(late_ids) + len(batch)
 
     async def backfill(self, since: float | None = None, now: float | None = None) -> dict[str, int]:
         """Rebuild from the stream the cubes of every day (from ``since``'s UTC day on; None: the whole stream)
