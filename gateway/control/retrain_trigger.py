@@ -34,7 +34,8 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
 
 Each promotion, refusal and rollback is an audit event in the stream ``p router:history`` (field ``e`` = JSON:
 ``{"event": "promote" | "keep" | "rollback", "ts", "version", "previous", "path", "outcomes", "comparison" |
-"realised", "reason"}``), read by ``thinkgate router history`` and summarised in ``GET /v1/models``
+"realised", "reason"}``; a promotion superseded before it was written, a ``keep`` with ``current``: the file
+``router:current`` had moved to), read by ``thinkgate router history`` and summarised in ``GET /v1/models``
 (``router_status.learning``).
 
 **Transitions** of ``p router:current`` (an adoption, a fit's promotion, a rollback, ``thinkgate router retrain
@@ -209,10 +210,10 @@ class RetrainTrigger:
         of the promoted router's realised floor — the fitting replica's, on every replica (``p router:realised``:
         ``{"version", "method", "n", "n_cheap", "n_spot_check", "n_top", "accuracy_ratio", "ratio_low",
         "holds_floor", ...}``; None before the first check of a promoted router). ``with_paths=False`` (what any
-        API key reads): no ``state_dir``, and the last event's file by name only."""
+        API key reads): no ``state_dir``, and the last event's files (``path``, a keep's ``current``) by name only."""
         last = self.last
-        if not with_paths and last is not None and last.get("path"):
-            last = {**last, "path": Path(str(last["path"])).name}
+        if not with_paths and last is not None:
+            last = {**last, **{f: Path(str(last[f])).name for f in ("path", "current") if last.get(f)}}
         return {"every_outcomes": self.cfg.every_outcomes, "explore": self.cfg.explore,
                 "spot_check": self.cfg.spot_check, "floor": self.cfg.floor,
                 "fit_here": self.cfg.fit_here, "state_dir": str(self.dir) if with_paths else None,
@@ -400,10 +401,13 @@ class RetrainTrigger:
                 self.last = event
                 return
             if c and c.get("path") != mapping["previous"]:
+                # the file it moved to by name in the reason (any API key reads the last event: status()), its
+                # path in ``current``, which the tenant's view names by file as it does ``path``
                 event.update({"event": "keep", "version": mapping["previous_version"] or None,
-                              "path": mapping["previous"],
-                              "reason": f"superseded: router:current moved to {c.get('path')} while the "
-                                        "candidate was fitted or its promotion waited for Redis"})
+                              "path": mapping["previous"], "current": c.get("path", ""),
+                              "reason": f"superseded: router:current moved to {Path(c.get('path', '')).name} "
+                                        f"(version {c.get('version') or '?'}) while the candidate was fitted or "
+                                        "its promotion waited for Redis"})
                 await self._history(event)
                 return
             # compare-and-set on what was just read: a transition landing in between is read at the next try

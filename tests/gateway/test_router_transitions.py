@@ -124,3 +124,38 @@ def test_an_adoption_racing_a_rollback_ends_in_a_state_its_audit_events_lead_to(
     finally:
         rdb.close()
     assert seen["other"] == 0 and sum(seen.values()) >= 10, seen
+
+
+def test_a_superseded_promotion_names_no_path_to_a_tenant(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """A fit's promotion finds ``router:current`` moved (another replica adopted a file meanwhile): its event becomes
+    a ``keep`` whose reason says where it moved. ``/v1/models`` shows that event to every API key
+    (``status(with_paths=False)``): the file by name, never its path — the reason named the full path (the
+    server's directory layout, which the tenant's view leaves out everywhere else)."""
+    before = serving_router(tmp_path / "before.skops", False, _text)
+    settings = gateway_settings("http://127.0.0.1:1", redis_url, redis_prefix, tmp_path / "spool.jsonl", routing={
+        "router_path": str(before), "routed_tiers": ["short", "long"],
+        "retrain": {"every_outcomes": 10**6, "state_dir": str(tmp_path / "routers")}})
+    moved = tmp_path / "deep" / "layout" / "operator.skops"
+    rdb = redis.Redis.from_url(redis_url)
+    rdb.hset(redis_prefix + "router:current", mapping={"path": str(moved), "version": "operator-1",
+                                                       "previous": str(before), "previous_version": "old"})
+
+    async def go() -> dict[str, Any]:
+        trigger = _replica(settings, redis_url, redis_prefix)
+        try:
+            candidate = tmp_path / "routers" / "router-auto-1.skops"
+            event: dict[str, Any] = {"event": "promote", "ts": time.time(), "version": "auto-1", "previous": "old",
+                                     "path": str(candidate), "outcomes": 10, "reason": "better"}
+            await trigger._promote({"path": str(candidate), "version": "auto-1", "previous": str(before),
+                                    "previous_version": "old"}, event)
+            assert event["event"] == "keep" and moved.name in event["reason"]
+            return trigger.status(with_paths=False)
+        finally:
+            await trigger.handle.close()
+
+    try:
+        status = asyncio.run(go())
+    finally:
+        rdb.close()
+    text = orjson.dumps(status).decode()
+    assert str(tmp_path) not in text, status["last_event"]
