@@ -100,6 +100,7 @@ from gateway.ledger.event import Endpoint, RouteReason, UsageEvent, UsageSource
 from gateway.ledger.pricing import cost_micro_usd
 from gateway.ledger.record import UsageRecord
 from gateway.openai.sse import StreamTally
+from gateway.openai.usage import usage_counts, usage_limit
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
 from gateway.state.metering import Meter
@@ -355,11 +356,13 @@ class WriteAhead:
         if now - op.written_at < self.cfg.write_ahead_interval_s:
             return
         rec = op.rec
-        if usage:
-            prompt = int(usage.get("prompt_tokens") or 0)
-            completion = int(usage.get("completion_tokens") or 0)
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-            reasoning = int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or reasoning_tokens)
+        # the upstream's running usage only when the gateway would meter it (usage_counts, up to the call's bound):
+        # a dead process's record is billed at it, and a count that is no count (1e12 tokens, a string, not an
+        # object) must neither be billed nor raise out of the relay's hook mid-stream — the relayed count instead
+        counts = usage_counts(usage, limit=usage_limit(rec.bound_tokens or None)) if usage else None
+        if counts is not None:
+            prompt, completion, cached, reasoning = counts
+            reasoning = reasoning or min(reasoning_tokens, completion)
             source: UsageSource = "upstream"
         else:
             prompt, cached, completion, reasoning, source = rec.prompt_tokens, rec.cached_tokens, completion_tokens, \

@@ -486,3 +486,52 @@ def test_progress_writes_are_rate_bounded_and_stop_at_settlement(redis_url: str,
             await handle.close()
 
     asyncio.run(go())
+
+
+def test_progress_takes_no_running_usage_the_gateway_would_not_meter(redis_url: str, redis_prefix: str,
+                                                                     tmp_path: Path) -> None:
+    # A stream's running usage goes into its write-ahead record, and a dead process's record is billed at it. Usage
+    # the gateway refuses to meter anywhere else (5cf5346: a count above the call's bound — 1e12 completion tokens
+    # booked $2,000,000 — or no count at all) was written as it came: billed in full after a kill, or, not a dict,
+    # raised out of the relay's progress hook mid-stream. It is the relayed count instead.
+    now = [1000.0]
+    prices = Prices(input_usd_per_mtok=Decimal("0.5"), cached_input_usd_per_mtok=Decimal("0.25"),
+                    output_usd_per_mtok=Decimal("2"))
+
+    async def go() -> None:
+        handle = connect(RedisConfig(url=redis_url, key_prefix=redis_prefix, socket_timeout_s=2.0))
+        cfg = MeteringConfig(spool_path=tmp_path / "spool.jsonl", write_ahead_interval_s=1.0)
+        breaker = Breaker(1.0)
+        meter = Meter(handle, breaker, Spool(cfg.spool_path), cfg)
+        wal = WriteAhead(handle, breaker, meter, cfg, {"long": prices}, owner="me", clock=lambda: now[0])
+        k = RedisKeys(redis_prefix)
+
+        async def stored(rid: str) -> WalRecord:
+            await asyncio.gather(*list(wal._tasks))
+            return WalRecord.from_json(await handle.client.hget(k.write_ahead, rid))
+
+        try:
+            huge = UsageRecord(key_id="alice", tier="long", stream=True)
+            await wal.begin(huge, 1234, 600)
+            now[0] += 2
+            wal.progress(huge.request_id, 30, 0, {"prompt_tokens": 12, "completion_tokens": 10**12})
+            rec = await stored(huge.request_id)
+            assert rec.completion_tokens == 30 and rec.event(prices).cost_micro_usd < 1000
+            odd = UsageRecord(key_id="alice", tier="long", stream=True)
+            await wal.begin(odd, 1234, 600)
+            now[0] += 2
+            for running in (["not", "usage"], {"prompt_tokens": "many", "completion_tokens": 3}):
+                now[0] += 2
+                wal.progress(odd.request_id, 40, 0, running)  # type: ignore[arg-type]
+                assert (await stored(odd.request_id)).completion_tokens == 40
+            # usage it meters is still taken as it comes (prompt and cached included)
+            now[0] += 2
+            wal.progress(odd.request_id, 41, 0, {"prompt_tokens": 12, "completion_tokens": 50,
+                                                 "prompt_tokens_details": {"cached_tokens": 4}})
+            rec = await stored(odd.request_id)
+            assert (rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens, rec.usage_source) == \
+                (12, 4, 50, "upstream")
+        finally:
+            await handle.close()
+
+    asyncio.run(go())
