@@ -88,6 +88,9 @@ local function note_late(index, late, id, ts_ms, late_ms, ttl)
   if ms > tonumber(ts_ms) + tonumber(late_ms) then
     redis.call('ZADD', late, ts_ms, id)
     redis.call('EXPIRE', late, ttl)
+    -- each add renews the set's TTL, so without a trim it only grew: entries whose ts is older than the cubes'
+    -- lifetime (ttl) serve no read any more
+    redis.call('ZREMRANGEBYSCORE', late, '-inf', '(' .. (ms - tonumber(ttl) * 1000))
   end
 end
 """

@@ -124,3 +124,30 @@ def test_a_key_cannot_force_an_unbounded_scan(upstream_sim: SimProcess, redis_ur
     finally:
         r.close()
         cleanup(redis_url, prefix)
+
+
+def test_the_late_index_keeps_only_what_reads_can_use(redis_url: str, tmp_path: Path) -> None:
+    """Every event written late renewed the late index's expiry and nothing trimmed it: it only grew. Entries whose
+    ``ts`` is older than the cubes' lifetime (400 days) serve no read: each late write drops them; younger ones
+    stay."""
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
+
+    async def go() -> None:
+        handle = connect(RedisConfig(url=redis_url, key_prefix=prefix))
+        meter = Meter(handle, Breaker(1.0), Spool(tmp_path / "spool.jsonl"),
+                      MeteringConfig(spool_path=tmp_path / "spool.jsonl", late_after_s=1.0))
+        late_key = meter.keys.late_events
+        try:
+            now_ms = int(time.time() * 1000)
+            await handle.client.zadd(late_key, {"1-0": now_ms - 401 * DAY_S * 1000,  # past the cubes' lifetime
+                                                "2-0": now_ms - 399 * DAY_S * 1000})  # still readable
+            await meter.record(_event("a", 5, ts=time.time() - 3600))  # written an hour after its ts: late
+            members = [m.decode() for m in await handle.client.zrange(late_key, 0, -1)]
+            assert "1-0" not in members and "2-0" in members and len(members) == 2
+        finally:
+            await handle.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        cleanup(redis_url, prefix)
