@@ -61,6 +61,11 @@ log = logging.getLogger("thinkgate.accounting")
 
 KNOWN_KEYS_MAX = 100_000
 WRITE_BATCH_MAX = 128  # usage events per metering pipeline
+#: a metering batch out longer than this is a stall, not a round trip: events queued behind it are written into
+#: their write-ahead records meanwhile (:meth:`Accounting.sink`). Below it the event's own batch leaves about as
+#: soon as that write could land, so writing it twice would buy nothing (and cost ~5% CPU per request at 32
+#: concurrent, bench/RESULTS.md "Write-ahead metering overhead")
+WAL_FINAL_AFTER_S = 0.05
 #: the longest a request waits for the usage spool to reach Redis before its admission after an outage (seconds)
 REPLAY_WAIT_S = 5.0
 #: Audit events of requests with no valid key (401): at most this many per second per process, in bursts of
@@ -137,6 +142,7 @@ class Accounting:
         self._queue: list[tuple[UsageEvent, KeyInfo | None]] = []  # finished events not yet handed to Redis
         self._anon_tokens, self._anon_at, self._anon_dropped = ANON_AUDIT_BURST, time.monotonic(), 0
         self._writer: asyncio.Task[None] | None = None
+        self._batch_since: float | None = None  # monotonic s: when the metering batch now out was sent (None: none)
         self._open: dict[str, KeyInfo] = {}  # request id → key, admitted and not yet metered
         self._known: dict[str, KeyInfo] = {}  # key id → last KeyInfo seen (budgets for alerts)
         self._cache_result: dict[str, str] = {}  # request id → hit|miss|bypass
@@ -462,11 +468,13 @@ class Accounting:
         event = event_of(record)
         self._bounds.pop(record.request_id, None)
         if self.wal is not None:  # its usage event deletes the record in Redis
-            # The writer busy: the event waits for its round trip, then its own — a kill meanwhile would leave the
-            # record with the tokens of its last progress write (none for a short call), so the event goes into
-            # the record first (one background write for all the events queued meanwhile). The writer idle: the
-            # event leaves now, as soon as that write could. Redis down: the event goes to the fsync'd spool.
-            waits = self._writer is not None and not self._writer.done() and self.breaker.closed
+            # The writer stalled (a batch out past WAL_FINAL_AFTER_S): the event waits for that call, then its own —
+            # a kill meanwhile would leave the record with the tokens of its last progress write (none for a short
+            # call), so the event goes into the record first (one background write for all the events queued
+            # meanwhile). The writer idle or within a round trip: the event leaves with the next batch, as soon as
+            # that write could. Redis down: the event goes to the fsync'd spool.
+            since = self._batch_since
+            waits = since is not None and time.monotonic() - since > WAL_FINAL_AFTER_S and self.breaker.closed
             self.wal.settled(record.request_id, event if waits else None)
         key = self._open.pop(record.request_id, None) or self._known.get(event.key_id)
         self._probes.pop(record.request_id, None)
@@ -546,11 +554,14 @@ class Accounting:
             await self._write_batch(batch)
 
     async def _write_batch(self, batch: list[tuple[UsageEvent, KeyInfo | None]]) -> None:
+        self._batch_since = time.monotonic()
         try:
             results = await self.meter.record_many([event for event, _ in batch])
         except Exception:  # never lose the reason; the events are in Redis or the spool unless disk failed
             log.exception("usage write failed for events %s", ", ".join(e.event_id for e, _ in batch))
             return
+        finally:
+            self._batch_since = None
         for (event, key), result in zip(batch, results, strict=True):
             try:
                 self.limits.settled(event, result)

@@ -19,10 +19,10 @@ Lifecycle of one record (one per usage record, i.e. per upstream call: an escala
 3. :meth:`WriteAhead.progress` — as a stream relays tokens: the tokens known so far (deltas counted, or the
    upstream's running usage when it sends one), written at most every ``metering.write_ahead_interval_s`` per
    stream, in the background.
-4. The final event — the request finished and its usage event has to wait in the process's queue (the metering
-   writer has a batch out; ``Accounting.sink``): :meth:`WriteAhead.settled` puts the event itself into the record,
-   in the background. A writer with nothing out sends the event at once instead: a write of the record could not
-   land sooner.
+4. The final event — the request finished and its usage event has to wait in the process's queue behind a stalled
+   metering batch (out for more than ``WAL_FINAL_AFTER_S``; ``Accounting.sink``): :meth:`WriteAhead.settled` puts
+   the event itself into the record, in the background. A writer idle or within a round trip sends the event with
+   its next batch instead: a write of the record would land no sooner.
 5. Settlement — the request's usage event: the metering script (``gateway/state/metering.py``) deletes the record
    in the same atomic step that counts the event. Exactly one settled event per request id: the event id is the
    request id and the script counts an id once.
@@ -396,7 +396,7 @@ class WriteAhead:
 
     def settled(self, request_id: str, final: UsageEvent | None = None) -> None:
         """The request's usage event is on its way (it deletes the record in Redis): stop tracking it here.
-        ``final``: that event, when it has to wait in the process's queue (the metering writer is busy): it goes
+        ``final``: that event, when it has to wait in the process's queue (behind a stalled metering batch): it goes
         into the record with the next update, so a process killed before the event reaches Redis leaves it there
         for the reconciler to count as it is, instead of the tokens of the last progress write (0 for a short
         stream or a non-streamed call)."""
