@@ -185,20 +185,29 @@ return out
 # KEYS: 1 seen-set, 2 stream, 3 the key's cube of the day, 4 the cube index, 5 the day's cube key set, 6 the late
 #       index; ARGV: 1 event_id, 2 event JSON, 3 seen TTL s, 4 stream maxlen (0 = none), 5 UTC day, 6 cube cell,
 #       7 key id, 8 day TTL s, 9 the event's ts (ms), 10 metering.late_after_s (ms).
-AUDIT_LUA = NOTE_LATE + """
-if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return {0, 0, 0} end
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-local id
-if ARGV[4] ~= '0' then
-  id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'e', ARGV[2])
-else
-  id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
+# write_audit(): the audit event of KEYS[1..6] / ARGV[1..10] (AUDIT's layout, above) once by its id — the stream,
+# the late index, the cube's ``refused`` count, the day's aggregated count and key set; 1 written, 0 a duplicate.
+# AUDIT and RELEASE both record one through it.
+WRITE_AUDIT = NOTE_LATE + """
+local function write_audit()
+  if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  local id
+  if ARGV[4] ~= '0' then
+    id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'e', ARGV[2])
+  else
+    id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
+  end
+  note_late(KEYS[4], KEYS[6], id, ARGV[9], ARGV[10], ARGV[8])
+  redis.call('HINCRBY', KEYS[3], 'refused ' .. ARGV[6], 1)
+  redis.call('EXPIRE', KEYS[3], ARGV[8])
+  redis.call('HINCRBY', KEYS[4], 'n:' .. ARGV[5], 1)
+  if redis.call('SADD', KEYS[5], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[5], ARGV[8]) end
+  return 1
 end
-note_late(KEYS[4], KEYS[6], id, ARGV[9], ARGV[10], ARGV[8])
-redis.call('HINCRBY', KEYS[3], 'refused ' .. ARGV[6], 1)
-redis.call('EXPIRE', KEYS[3], ARGV[8])
-redis.call('HINCRBY', KEYS[4], 'n:' .. ARGV[5], 1)
-if redis.call('SADD', KEYS[5], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[5], ARGV[8]) end
+"""
+AUDIT_LUA = WRITE_AUDIT + """
+if write_audit() == 0 then return {0, 0, 0} end
 return {1, 0, 0}
 """
 
@@ -216,7 +225,7 @@ return {1, 0, 0}
 #       index), 7 write-ahead hash, 8 owner heartbeat, 9 the key's reservation hash, 10 the key's TPM counter of the
 #       event's minute, 11 global reservations, 12.. each tag's reservations
 # ARGV: 1-10 as AUDIT's (1 the audit event's id), 11 request id, 12 TPM TTL ms. Returns 1 (released) or 0.
-RELEASE_LUA = LUA_FUNCTIONS + NOTE_LATE + """
+RELEASE_LUA = LUA_FUNCTIONS + WRITE_AUDIT + """
 if redis.call('HEXISTS', KEYS[7], ARGV[11]) == 0 or redis.call('EXISTS', KEYS[8]) == 1 then return 0 end
 redis.call('HDEL', KEYS[7], ARGV[11])
 local reserved = release(KEYS[9], ARGV[11])
@@ -225,19 +234,7 @@ if reserved and reserved > 0 and redis.call('EXISTS', KEYS[10]) == 1 then
   redis.call('PEXPIRE', KEYS[10], ARGV[12])
 end
 for j = 11, #KEYS do release(KEYS[j], ARGV[11]) end
-if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 1 end
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-local id
-if ARGV[4] ~= '0' then
-  id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'e', ARGV[2])
-else
-  id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
-end
-note_late(KEYS[4], KEYS[6], id, ARGV[9], ARGV[10], ARGV[8])
-redis.call('HINCRBY', KEYS[3], 'refused ' .. ARGV[6], 1)
-redis.call('EXPIRE', KEYS[3], ARGV[8])
-redis.call('HINCRBY', KEYS[4], 'n:' .. ARGV[5], 1)
-if redis.call('SADD', KEYS[5], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[5], ARGV[8]) end
+write_audit()
 return 1
 """
 
