@@ -82,6 +82,11 @@ EARLY_SLACK_S = 60.0
 # they still find it. late:from in the cube index is the id time of the first event this script wrote: events
 # written before it (an older script) were never indexed, so a read reaching back before it cannot stop early.
 NOTE_LATE = """
+-- the event's JSON appended to the stream (trimmed to maxlen when not '0'); its stream id
+local function append_event(stream, maxlen, json)
+  if maxlen ~= '0' then return redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'e', json) end
+  return redis.call('XADD', stream, '*', 'e', json)
+end
 local function note_late(index, late, id, ts_ms, late_ms, ttl)
   local ms = tonumber(string.sub(id, 1, string.find(id, '-', 1, true) - 1))
   redis.call('HSETNX', index, 'late:from', ms)
@@ -138,12 +143,7 @@ local counted = 0
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   counted = 1
   redis.call('EXPIRE', KEYS[1], ARGV[3])
-  local id
-  if ARGV[6] ~= '0' then
-    id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'e', ARGV[2])
-  else
-    id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
-  end
+  local id = append_event(KEYS[2], ARGV[6], ARGV[2])
   note_late(KEYS[15], late, id, ARGV[14], ARGV[15], ARGV[4])
   local cell = ' ' .. ARGV[13]
   for i = 16, #ARGV, 2 do
@@ -192,12 +192,7 @@ WRITE_AUDIT = NOTE_LATE + """
 local function write_audit()
   if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
   redis.call('EXPIRE', KEYS[1], ARGV[3])
-  local id
-  if ARGV[4] ~= '0' then
-    id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'e', ARGV[2])
-  else
-    id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
-  end
+  local id = append_event(KEYS[2], ARGV[4], ARGV[2])
   note_late(KEYS[4], KEYS[6], id, ARGV[9], ARGV[10], ARGV[8])
   redis.call('HINCRBY', KEYS[3], 'refused ' .. ARGV[6], 1)
   redis.call('EXPIRE', KEYS[3], ARGV[8])
