@@ -377,6 +377,9 @@ class RetrainTrigger:
         log.info("retrain: now serving %s", path)
         return True
 
+    async def _show(self, event: dict[str, Any]) -> None:
+        self.last = event
+
     async def _history(self, event: dict[str, Any]) -> None:
         self.last = event
         await write_history(self.handle, self.breaker, event)
@@ -398,7 +401,6 @@ class RetrainTrigger:
         for _ in range(TRANSITION_TRIES):
             c = await self.current.read()
             if c.get("path") == mapping["path"]:  # an earlier try wrote it (and its event): its reply was lost
-                self.last = event
                 return
             if c and c.get("path") != mapping["previous"]:
                 # the file it moved to by name in the reason (any API key reads the last event: status()), its
@@ -412,7 +414,6 @@ class RetrainTrigger:
                 return
             # compare-and-set on what was just read: a transition landing in between is read at the next try
             if await self.current.transition(c, mapping, event, "promote") == 1:
-                self.last = event
                 return
         raise RuntimeError(f"router:current moved {TRANSITION_TRIES} times while {mapping['path']} was promoted")
 
@@ -480,7 +481,9 @@ class RetrainTrigger:
                            "previous_version": str(prev_version or "")}
                 event.update({"event": "promote", "version": version, "path": str(path)})
                 # the promote event is written with router:current (or a keep instead), by _promote
-                steps += [functools.partial(self._promote, mapping, event), self.follow]
+                # shown in the status (self.last) once this replica serves it, as before the compare-and-set
+                steps += [functools.partial(self._promote, mapping, event), self.follow,
+                          functools.partial(self._show, event)]
             else:
                 steps.append(functools.partial(self._history, event))
             await self._write(steps)
