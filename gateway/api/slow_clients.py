@@ -33,6 +33,7 @@ from typing import Any
 from starlette.types import Message, Receive
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.api.errors import error_response
 from gateway.config import ServerConfig
 from gateway.errors import Overloaded, RequestTimeout
 
@@ -69,16 +70,12 @@ def guard_body(receive: Receive, timeout_s: float) -> Receive:
 #: paths served whatever the concurrency cap: the probes (an orchestrator reads a refusal as a dead or unready pod)
 PROBE_PATHS = frozenset({b"/health", b"/ready"})
 _OVERLOADED = Overloaded("this gateway process is at server.limit_concurrency: retry (another replica may have room)",
-                         headers={"retry-after": "1"})
+                         headers={"retry-after": "1", "connection": "close"})
 
 
 async def overloaded(scope: Any, receive: Any, send: Any) -> None:
     """The ASGI answer past ``server.limit_concurrency``: :class:`Overloaded` in OpenAI's shape, then close."""
-    body = _OVERLOADED.to_json()
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", b"1"), (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await error_response(_OVERLOADED)(scope, receive, send)
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):

@@ -505,12 +505,7 @@ class Meter:
             late_from = await self.breaker.call(lambda: self.redis.hget(self.keys.agg_index, "late:from"))
             if late_from is not None and int(late_from) <= hi_ms:
                 end = str(hi_ms)
-                lo = "-inf" if since_ts is None else str(int(since_ts * 1000))
-                # scores are whole ms (floored): ts < until_ts allows the score floor(until_ts ms) itself
-                ids = await self.breaker.call(functools.partial(
-                    self.redis.zrangebyscore, self.keys.late_events, lo, str(int(until_ts * 1000))))
-                late_ids = [t for t in (as_text(i) for i in ids if isinstance(i, bytes | str))
-                            if int(t.split("-")[0]) > hi_ms]
+                late_ids = await self._late_ids(since_ts, until_ts, hi_ms)
         while True:
             batch = await self.breaker.call(
                 functools.partial(self.redis.xrange, self.keys.events, min=start, max=end, count=page)) or []
@@ -642,6 +637,17 @@ class Meter:
             floor.append(float(late[0][1]) / 1000)
         return day_start(day_of(min(floor, default=now)))
 
+    async def _late_ids(self, since: float | None, until: float, hi_ms: int) -> list[str]:
+        """Stream ids (text) of the late index's events with ``since <= ts < until`` (epoch s; ``since`` None =
+        open) that were written after ``hi_ms`` (the end of a read by id range, ms): the ones that read misses.
+        Raises :class:`RedisDown`."""
+        lo = "-inf" if since is None else str(int(since * 1000))
+        # scores are whole ms (floored): ts < until allows the score floor(until ms) itself
+        ids = await self.breaker.call(functools.partial(
+            self.redis.zrangebyscore, self.keys.late_events, lo, str(int(until * 1000))))
+        return [t for t in (as_text(i) for i in ids or () if isinstance(i, bytes | str))
+                if int(t.split("-")[0]) > hi_ms]
+
     async def recent(self, limit: int, since: float | None = None,
                      until: float | None = None) -> tuple[list[UsageEvent], int]:
         """The most recent events (by stream id, newest last) with ``since <= ts < until`` (epoch seconds, None =
@@ -657,11 +663,7 @@ class Meter:
             hi_ms = int(until * 1000) + int(self.cfg.late_after_s * 1000)
             hi = str(hi_ms)
             # written after the id range (NOTE_LATE): the newest entries of the period, read first
-            low = "-inf" if since is None else str(int(since * 1000))
-            ids = await self.breaker.call(functools.partial(
-                self.redis.zrangebyscore, self.keys.late_events, low, str(int(until * 1000))))
-            late = [t for t in (as_text(i) for i in ids or () if isinstance(i, bytes | str))
-                    if int(t.split("-")[0]) > hi_ms]
+            late = await self._late_ids(since, until, hi_ms)
             late_ids = sorted(late, key=lambda t: tuple(int(p) for p in t.split("-")))[-limit:] if limit > 0 else []
         found: list[Any] = []
         for entries in await self._pipelined([("xrange", i) for i in late_ids], args=True) if late_ids else []:
