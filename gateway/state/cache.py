@@ -395,7 +395,8 @@ class ResponseCache:
     async def _send_batch(self, batch: list[tuple[list[str], list[Any]]]) -> None:
         replies = None
         if self._lane is not None:
-            replies = await self._lane.exchange(b"".join(self._finish.packed(k, a) for k, a in batch), len(batch))
+            replies = await self._lane.exchange(b"".join(self._finish.packed(k, a) for k, a in batch), len(batch),
+                                                coalesce=True)  # with the metering writer's batch of the same pass
         if replies is None or any(isinstance(r, NoScriptError) for r in replies):
             # no lane (Redis Cluster: each call goes to its slot's node), the lane is busy, or the script cache was
             # flushed: one call at a time (FastScript loads it)

@@ -40,9 +40,9 @@ def test_queued_finishes_go_in_one_batch_and_followers_get_the_answer(redis_url:
             sent: list[int] = []
             exchange = lane.exchange
 
-            async def counting(packed: bytes, replies: int = 1) -> list[object] | None:
+            async def counting(packed: bytes, replies: int = 1, **kw: bool) -> list[object] | None:
                 sent.append(replies)
-                return await exchange(packed, replies)
+                return await exchange(packed, replies, **kw)
 
             lane.exchange = counting  # type: ignore[method-assign]  # count the batches, the real call underneath
             writers = [cache.finish_later(t, CacheEntry({"id": f"a{i}"}, "chat", "short", "m", time.time()))
@@ -195,5 +195,38 @@ def test_on_a_cluster_a_finish_stopped_by_an_outage_is_sent_once_redis_answers(r
             finally:
                 sync.close()
                 await cache.close()
+
+    asyncio.run(run())
+
+
+def test_a_usage_event_and_a_cache_store_of_one_pass_go_as_one_exchange(redis_url: str, redis_prefix: str,
+                                                                        tmp_path: Path) -> None:
+    """The two background writes a finished request leaves — its usage event (the metering writer) and its cache
+    store-and-unlock — were two writes and two reads; made in one pass of the loop they now leave together, and
+    both land."""
+    from gateway.ledger.event import UsageEvent
+
+    async def run() -> None:
+        async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
+            cache = ResponseCache(st.handle, st.breaker, cache_cfg())
+            lane = st.handle.lane
+            assert lane is not None
+            ticket = await cache.begin("one-pass", DECISION)
+            event = UsageEvent(key_id="k1", requested_model="short", tier="short", upstream_model="m",
+                               prompt_tokens=10, completion_tokens=5, cost_micro_usd=7)
+            sent: list[int] = []
+            direct = lane._exchange
+
+            async def counting(packed: bytes, replies: int) -> list[object] | None:
+                sent.append(replies)
+                return await direct(packed, replies)
+
+            lane._exchange = counting  # type: ignore[method-assign]  # count the exchanges, the real one beneath
+            writer = cache.finish_later(ticket, CacheEntry({"id": "x"}, "chat", "short", "m", time.time()))
+            results, _ = await asyncio.gather(st.meter.record_many([event]), writer or asyncio.sleep(0))
+            assert sent == [2], sent  # the RECORD script and the store-and-unlock: one exchange
+            assert results[0].stored == "redis" and results[0].counted
+            got = await cache.begin("one-pass", DECISION)
+            assert got.status == "hit" and got.entry is not None and got.entry.body == {"id": "x"}
 
     asyncio.run(run())

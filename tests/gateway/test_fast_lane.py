@@ -89,3 +89,61 @@ def test_kept_connections_to_a_restarted_server_cost_one_call(tmp_path: Path) ->
         finally:
             loop.run_until_complete(handle.close())
             loop.close()
+
+
+def test_coalesced_exchanges_share_one_write_and_each_gets_its_own_replies(tmp_path: Path) -> None:
+    """``exchange(..., coalesce=True)`` calls made in one pass of the loop leave as one exchange (one write, one
+    read): each caller gets its own replies in order, an error reply in place; a caller that stops waiting does
+    not put the connection out of step; a timeout reaches every joined caller; a busy lane answers None to all."""
+    with persistent_redis(tmp_path) as server:
+        async def run() -> None:
+            handle = connect(RedisConfig(url=server.url, socket_timeout_s=TIMEOUT_S, start_if_missing=False,
+                                         max_connections=1))
+            lane = handle.lane
+            assert lane is not None and lane.size == 1
+            sent: list[int] = []
+            direct = lane._exchange
+
+            async def counting(packed: bytes, replies: int) -> list[object] | None:
+                sent.append(replies)
+                return await direct(packed, replies)
+
+            lane._exchange = counting  # type: ignore[method-assign]  # count the exchanges, the real one beneath
+            try:
+                calls = [pack(b"SET", b"c", b"v"), pack(b"INCR", b"c") + pack(b"GET", b"c"), pack(b"PING")]
+                got = await asyncio.gather(*(lane.exchange(p, n, coalesce=True) for p, n in zip(calls, [1, 2, 1],
+                                                                                               strict=True)))
+                assert sent == [4]  # one exchange for the three calls
+                assert got[0] == [b"OK"] and got[2] == [b"PONG"]
+                assert got[1] is not None and isinstance(got[1][0], ResponseError) and got[1][1] == b"v"
+                assert await lane.exchange(pack(b"PING")) == [b"PONG"] and lane._live == 1
+
+                # a caller cancelled while its exchange is out: the others get theirs, the connection stays in step
+                server.pause()
+                try:
+                    a = asyncio.ensure_future(lane.exchange(pack(b"INCR", b"n"), coalesce=True))
+                    b = asyncio.ensure_future(lane.exchange(pack(b"INCR", b"n"), coalesce=True))
+                    await asyncio.sleep(0.05)
+                    a.cancel()
+                finally:
+                    server.resume()
+                assert await b == [2]  # a's INCR ran first: the reply read for it was skipped, not b's
+                assert await lane.exchange(pack(b"GET", b"n")) == [b"2"] and lane._live == 1
+
+                server.pause()
+                try:
+                    joined = [lane.exchange(pack(b"PING"), coalesce=True) for _ in range(3)]
+                    outs = await asyncio.gather(*joined, return_exceptions=True)
+                    assert all(isinstance(o, RedisTimeoutError) for o in outs), outs
+                    # the lane's one connection busy with a direct exchange: a coalesced call is told to use the
+                    # client (None), as a direct one is
+                    held = asyncio.ensure_future(lane.exchange(pack(b"PING")))
+                    await asyncio.sleep(0.01)
+                    assert await lane.exchange(pack(b"PING"), coalesce=True) is None
+                finally:
+                    server.resume()
+                assert await held == [b"PONG"]
+            finally:
+                await handle.close()
+
+        asyncio.run(run())
