@@ -29,13 +29,17 @@ def generated_text(choice: dict[str, Any], endpoint: str, delta: bool = False) -
     return str(reasoning_of(part) or "") + str(part.get("content") or "")
 
 
-def needs_reasoning_count(usage: dict[str, Any] | None) -> bool:
+def needs_reasoning_count(usage: dict[str, Any] | None, limit: int | None = None) -> bool:
     """True when ``usage`` lacks a positive ``completion_tokens_details.reasoning_tokens``.
 
     A 0 next to non-empty reasoning text is treated as missing: some vLLM reasoning parsers report 0; so is a count
-    that is no count (negative, not a number)."""
+    that is no count (negative, not a number, above ``limit``: the call's :func:`usage_limit`, as every other field
+    of its usage is checked — None: :data:`MAX_USAGE_TOKENS`; a legitimate count of ``n`` choices above 10M was
+    taken for none and recounted)."""
     details = (usage or {}).get("completion_tokens_details") or {}
-    return not (isinstance(details, dict) and (token_count(details.get("reasoning_tokens")) or 0) > 0)
+    count = token_count(details.get("reasoning_tokens"), MAX_USAGE_TOKENS if limit is None else limit) \
+        if isinstance(details, dict) else None
+    return not (count or 0) > 0
 
 
 #: The largest token count one usage field of a single prompt and choice may carry (above every context window

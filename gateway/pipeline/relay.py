@@ -230,7 +230,7 @@ class _Run:
         usage = tally.usage_chunk["usage"] if tally.usage_chunk is not None else None
         if isinstance(usage, dict):
             texts = tally.reasoning_texts()
-            if texts and needs_reasoning_count(usage):
+            if texts and needs_reasoning_count(usage, self.record.usage_limit):
                 asked = requested_choices(self.body) if self.body is not None else self.choices
                 await fill_reasoning(pool, usage, self.ex.tier, texts, asked)
         if not self.record.set_usage(usage):
@@ -284,7 +284,7 @@ async def complete(data: dict[str, Any], ex: Exchange, pool: UpstreamPool, body:
     was free. True when ``data`` was changed (encode it again), False when the upstream's bytes still say it."""
     usage = data.get("usage")
     reasoning = [r for c in data.get("choices") or () if (r := reasoning_of(c.get("message")))]
-    changed = bool(reasoning) and isinstance(usage, dict) and needs_reasoning_count(usage)
+    changed = bool(reasoning) and isinstance(usage, dict) and needs_reasoning_count(usage, ex.record.usage_limit)
     if changed and isinstance(usage, dict):
         await fill_reasoning(pool, usage, ex.tier, reasoning, requested_choices(body) if body is not None else 1)
     ex.record.mark_first_byte()

@@ -229,3 +229,36 @@ def test_a_hostile_answer_is_counted_with_bounded_tokenize_calls(redis_url: str,
     # the reasoning fill, the answer's texts and its thoughts (16 each) and the prompt: not 601 calls
     assert stats["tokenize"] - before <= 3 * 16 + 1
     assert 1 < stats["tokenize_max_inflight"] <= 8  # gateway.pipeline.relay.TOKENIZE_CONCURRENCY
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_large_legitimate_reasoning_count_is_not_recounted(redis_url: str, tmp_path: Path, stream: bool) -> None:
+    """The reasoning count of an ``n: 128`` batch may pass 10M as its completion count may (5cf5346): one of 10.5M
+    was checked against the fixed 10M (``needs_reasoning_count``), taken for no count, and replaced by the
+    gateway's own count of the thoughts — 128 /tokenize calls and a reasoning figure a million times too small,
+    while the completion count beside it was trusted."""
+    from tests.fixtures.upstream import sim_tiers, start_sim
+
+    sim = start_sim()
+    try:
+        tiers = sim_tiers(sim.base_url)
+        tiers[2].update({"max_tokens": 100_000, "max_n": 128})
+        reported = {"prompt_tokens": 12, "completion_tokens": 11_000_000, "total_tokens": 11_000_012,
+                    "completion_tokens_details": {"reasoning_tokens": 10_500_000}}
+        with accounting_gateway(sim.base_url, redis_url, tmp_path, tiers=tiers) as g:
+            before = sim.stats()["tokenize"]
+            r = _ask(g, reported, stream, n=128, max_tokens=100_000)
+            assert r.status_code == 200, r.text
+            rid = r.headers["x-request-id"]
+            ev = usage_events(g, [rid])[rid]
+        tokenized = sim.stats()["tokenize"] - before
+    finally:
+        sim.stop()
+    if stream:
+        chunks = [orjson.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+        told = [c["usage"] for c in chunks if c.get("usage") and not c.get("choices")]
+    else:
+        told = [r.json()["usage"]]
+    assert (ev.usage_source, ev.completion_tokens, ev.reasoning_tokens) == ("upstream", 11_000_000, 10_500_000)
+    assert [u["completion_tokens_details"]["reasoning_tokens"] for u in told] == [10_500_000]
+    assert tokenized == 0  # nothing was counted: the upstream's count was one
