@@ -55,7 +55,10 @@ and correcting its TPM window, like any usage event:
   counts once.
 - **lost** (otherwise: sent, not finished): a usage event with ``partial: true``, ``status`` 500,
   ``error_code: gateway_lost`` and the tokens of its last update, priced at its tier's prices
-  (:meth:`Meter.settle_orphan`).
+  (:meth:`Meter.settle_orphan`). Its completion count is held to the call's admitted bound (``bound_completion``:
+  choices × min(max_tokens, tier cap)), as a finished call's reported or counted one is: a record that claims more
+  (an upstream that ignored ``max_tokens`` and streamed on, a running usage that misreports) is metered at the
+  bound, ``error_code`` :data:`OVER_BOUND_CODE`.
 
 What is left of "never sent" taken for "lost": a process killed in the short stretch between a request's admission
 and its upstream call without a wait (routing the admission reply, a cache miss's bookkeeping, a semantic cache's
@@ -112,6 +115,9 @@ log = logging.getLogger("thinkgate.metering")
 SCAN_COUNT = 200  # HSCAN page size of a reconcile pass
 #: ``error_code`` of the audit event that settles the record of a call never sent upstream
 UNSENT_CODE = "gateway_lost_unsent"
+#: ``error_code`` of a lost call (``gateway_lost``) whose record claimed more completion tokens than the call was
+#: admitted to generate: metered at that bound (:meth:`WalRecord.event`)
+OVER_BOUND_CODE = "gateway_lost_over_bound"
 
 # Write records (updates: the waiting mark, progress, the final event; begins replayed from the spool), each unless its
 # request was already settled (its usage event counted: a late update must not reopen it).
@@ -158,6 +164,11 @@ class WalRecord:
     stream: bool = False
     bound_micro_usd: int = 0
     bound_tokens: int = 0
+    #: the most completion tokens the call may generate (admission's ``Estimate.completion``, the usage record's
+    #: ``completion_bound``: choices × min(max_tokens, tier cap) over the tier and its fallbacks); None: not known
+    #: (no completion, or a record written before this field: :attr:`completion_limit` falls back on
+    #: ``bound_tokens``)
+    bound_completion: int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -181,6 +192,15 @@ class WalRecord:
         return (self.waiting and self.final is None
                 and not (self.prompt_tokens or self.completion_tokens or self.reasoning_tokens))
 
+    @property
+    def completion_limit(self) -> int | None:
+        """The most completion tokens this call can be billed: :attr:`bound_completion`, else ``bound_tokens``
+        (prompt + completion: never less than the completion bound) when the call was admitted with one; None:
+        unbounded (admitted without a reservation)."""
+        if self.bound_completion is not None:
+            return self.bound_completion
+        return self.bound_tokens or None
+
     def to_json(self) -> bytes:
         return orjson.dumps(self)
 
@@ -195,17 +215,23 @@ class WalRecord:
 
     def event(self, prices: Prices | None) -> UsageEvent:
         """The partial usage event of a call whose process died: the tokens of the last write, at ``prices`` (the
-        tier's; None = unknown tier, cost 0)."""
+        tier's; None = unknown tier, cost 0), ``error_code`` ``gateway_lost``. A completion count above what the call
+        could generate (:attr:`completion_limit`: an upstream that ignored ``max_tokens`` and streamed on, or a
+        running usage that misreports) is metered at that bound, as a finished call's is
+        (``UsageRecord.set_usage``), and the event says so: ``error_code`` :data:`OVER_BOUND_CODE`."""
+        completion, reasoning, code = self.completion_tokens, self.reasoning_tokens, "gateway_lost"
+        bound = self.completion_limit
+        if bound is not None and completion > bound:
+            completion, reasoning, code = bound, min(reasoning, bound), OVER_BOUND_CODE
         cost = (cost_micro_usd(prices, prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
-                               completion_tokens=self.completion_tokens) if prices is not None else 0)
+                               completion_tokens=completion) if prices is not None else 0)
         return UsageEvent(
             key_id=self.key_id, requested_model=self.requested_model, event_id=self.request_id, ts=self.ts,
             tags=dict(self.tags), request_id=self.request_id, endpoint=self.endpoint, tier=self.tier,
             upstream_model=self.upstream_model, route_reason=self.route_reason, prompt_tokens=self.prompt_tokens,
-            cached_tokens=self.cached_tokens, completion_tokens=self.completion_tokens,
-            reasoning_tokens=self.reasoning_tokens, cost_micro_usd=cost,
-            latency_ms=float(max(0, self.updated_ms - int(self.ts * 1000))), status=500, error_code="gateway_lost",
-            stream=self.stream, partial=True,
+            cached_tokens=self.cached_tokens, completion_tokens=completion, reasoning_tokens=reasoning,
+            cost_micro_usd=cost, latency_ms=float(max(0, self.updated_ms - int(self.ts * 1000))), status=500,
+            error_code=code, stream=self.stream, partial=True,
             usage_source="counted" if self.usage_source == "none" else self.usage_source)
 
     def unsent_event(self) -> UsageEvent:
@@ -271,7 +297,8 @@ class WriteAhead:
             updated_ms=int(time.time() * 1000), tags=dict(record.tags), endpoint=record.endpoint,
             requested_model=str(record.requested_model or ""), tier=record.tier or tier,
             upstream_model=record.upstream_model or upstream_model, route_reason=record.route_reason or route_reason,
-            stream=record.stream, bound_micro_usd=bound_micro_usd, bound_tokens=bound_tokens)
+            stream=record.stream, bound_micro_usd=bound_micro_usd, bound_tokens=bound_tokens,
+            bound_completion=record.completion_bound)
 
     def written(self, rec: WalRecord) -> None:
         """``rec`` is in Redis (written by another script call: the one-call hot path of a single Redis,
@@ -521,15 +548,15 @@ class WriteAhead:
                     log.warning("released write-ahead record %s of dead process %s: never sent upstream",
                                 rec.request_id, rec.owner)
                 continue
-            if rec.final is not None:  # it finished: its own event, which its process had no time to write
-                result = await self.meter.settle_orphan(rec.final, owner_hb)
-            else:
-                result = await self.meter.settle_orphan(rec.event(self.prices.get(rec.tier or "")), owner_hb)
+            # it finished: its own event, which its process had no time to write; else lost, at its last update
+            event = rec.final if rec.final is not None else rec.event(self.prices.get(rec.tier or ""))
+            result = await self.meter.settle_orphan(event, owner_hb)
             if result.counted:
                 counted += 1
-                log.warning("metered write-ahead record %s of dead process %s as %s (%d completion tokens)",
+                log.warning("metered write-ahead record %s of dead process %s as %s (%d completion tokens%s)",
                             rec.request_id, rec.owner, "finished" if rec.final is not None else "partial",
-                            rec.final.completion_tokens if rec.final is not None else rec.completion_tokens)
+                            event.completion_tokens, f"; its record claimed {rec.completion_tokens}, above its bound"
+                            if event.error_code == OVER_BOUND_CODE else "")
         self.reconciled += counted
         return counted
 

@@ -391,6 +391,60 @@ def test_kill_9_after_a_wait_that_ended_upstream_settles_the_calls_as_lost(slow_
         cleanup(redis_url, prefix)
 
 
+@pytest.mark.slow
+def test_kill_9_meters_a_stream_past_its_bound_at_the_bound(slow_sim: SimProcess, redis_url: str,
+                                                            tmp_path: Path) -> None:
+    # An upstream that ignores max_tokens (8) streams on: the relayed deltas, written to the write-ahead record as
+    # progress, claim more completion tokens than the call was admitted to generate. A finished call is metered
+    # at the bound (UsageRecord.set_usage / set_counted); the orphan of a killed process was billed the claim.
+    # Beside it, a stream within its bound is metered at its progress, as before.
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    cfg = gateway_config(slow_sim, redis_url, prefix, tmp_path)
+    gw = GatewayProcess(cfg, tmp_path, "gw").start()
+    replica: GatewayProcess | None = None
+    k = RedisKeys(prefix)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        over = Stream(gw.base_url, 0, SLOW_CHUNK_MS, {"max_tokens": 8, "sim": {
+            "chunk_delay_ms": SLOW_CHUNK_MS, "ignore_max_tokens": True}})
+        within = Stream(gw.base_url, 1, SLOW_CHUNK_MS)
+        _wait_streaming([over, within], 16)  # 16 deltas relayed, twice the bound
+
+        def stored(s: Stream) -> WalRecord:
+            return WalRecord.from_json(client.hget(k.write_ahead, s.request_id or "") or b"{}")
+
+        assert wait_for(lambda: stored(over).completion_tokens >= 12 and stored(within).completion_tokens > 0, 10)
+        gw.kill()
+        time.sleep(0.2)  # a write on the wire at the kill has landed
+        assert not over.done and not within.done and over.request_id and within.request_id
+        claimed, kept = stored(over), stored(within)
+        assert claimed.completion_tokens > 8  # the record claims more than the call could generate
+        assert 0 < kept.completion_tokens <= 256
+        replica = GatewayProcess(cfg, tmp_path, "replica").start()
+        assert wait_for(lambda: client.hlen(k.write_ahead) == 0, SETTLE_TIMEOUT_S)
+        by_id = {e.event_id: e for e in ledger(redis_url, prefix) if not e.audit}
+        long_prices = Prices(**next(t for t in sim_tiers(slow_sim.base_url) if t["name"] == "long")["prices"])
+        e = by_id[over.request_id]
+        assert e.completion_tokens == 8 and e.reasoning_tokens <= 8  # billed at the bound, not the claim
+        assert e.cost_micro_usd == cost_micro_usd(long_prices, prompt_tokens=e.prompt_tokens, cached_tokens=0,
+                                                  completion_tokens=8)
+        assert (e.status, e.partial, e.error_code, e.tier) == (500, True, "gateway_lost_over_bound", "long")
+        assert (claimed.bound_completion, kept.bound_completion) == (8, 256)  # max_tokens × 1 choice, each
+        e = by_id[within.request_id]
+        assert (e.status, e.partial, e.error_code) == (500, True, "gateway_lost")
+        assert e.completion_tokens == kept.completion_tokens
+        counters = {f.decode(): int(v) for f, v in client.hgetall(k.key_total("alice")).items()}
+        assert counters["completion_tokens"] == sum(e.completion_tokens for e in by_id.values())
+        assert counters["cost_micro_usd"] == sum(e.cost_micro_usd for e in by_id.values())
+        assert client.hlen(k.reservations("alice")) == 0
+    finally:
+        gw.kill()
+        if replica is not None:
+            replica.stop()
+        client.close()
+        cleanup(redis_url, prefix)
+
+
 def _post_quietly(base_url: str, body: dict[str, Any], timeout_s: float = 60.0) -> None:
     with contextlib.suppress(httpx.HTTPError):  # the gateway is killed under it (or the client gives up first)
         httpx.post(base_url + "/chat/completions", json=body, timeout=timeout_s,
