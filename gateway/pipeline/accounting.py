@@ -456,6 +456,13 @@ class Accounting:
             return
         await self.wal.begin(record, bound.micro_usd if bound else 0, bound.tokens if bound else 0)
 
+    async def fallback(self, record: UsageRecord) -> None:
+        """``record``'s call falls back to the tier it now names (``Exchange.stamp``): its write-ahead record names
+        that tier, its model and route reason before the fallback call is sent (``WriteAhead.retarget``: one
+        awaited write, on a fallback only), so the call is priced on it should this process die meanwhile."""
+        if self.wal is not None and record.tier is not None and record.upstream_model is not None:
+            await self.wal.retarget(record.request_id, record.tier, record.upstream_model, record.route_reason)
+
     def stream_progress(self, record: UsageRecord) -> Callable[[StreamTally], None] | None:
         """The progress hook of ``record``'s stream: call it with the relay's tally after each batch; the tokens
         relayed so far go to the write-ahead record at most every ``metering.write_ahead_interval_s``. None when

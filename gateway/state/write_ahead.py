@@ -16,22 +16,27 @@ Lifecycle of one record (one per usage record, i.e. per upstream call: an escala
    up to ``cache.single_flight_wait_s``) marks it ``waiting``, in the background; :meth:`WriteAhead.sending`
    clears the mark before the call is sent if the wait ends in one (awaited: the record says so before the first
    byte). Only such a wait writes: the common path (no wait, or a wait that ends in a cache hit) writes nothing.
-3. :meth:`WriteAhead.progress` — as a stream relays tokens: the tokens known so far (deltas counted, or the
+3. :meth:`WriteAhead.retarget` — a call that falls back to another tier (its routed tier refused it) names that tier
+   (its model, route reason ``fallback``) before the fallback call is sent (awaited: a fallback's one extra round
+   trip after a refused call; a call without a fallback writes nothing), so a call killed during its fallback is
+   priced on the tier it ran on, not the one that refused it.
+4. :meth:`WriteAhead.progress` — as a stream relays tokens: the tokens known so far (deltas counted, or the
    upstream's running usage when it sends one), written at most every ``metering.write_ahead_interval_s`` per
    stream, in the background.
-4. The final event — the request finished and its usage event has to wait in the process's queue behind a stalled
+5. The final event — the request finished and its usage event has to wait in the process's queue behind a stalled
    metering batch (out for more than ``WAL_FINAL_AFTER_S``; ``Accounting.sink``): :meth:`WriteAhead.settled` puts
    the event itself into the record, in the background. A writer idle or within a round trip sends the event with
    its next batch instead: a write of the record would land no sooner.
-5. Settlement — the request's usage event: the metering script (``gateway/state/metering.py``) deletes the record
+6. Settlement — the request's usage event: the metering script (``gateway/state/metering.py``) deletes the record
    in the same atomic step that counts the event. Exactly one settled event per request id: the event id is the
    request id and the script counts an id once.
 
-Steps 2–4 are updates: one task writes every due record in one script call (a group commit) and collects the next
+Steps 2–5 are updates: one task writes every due record in one script call (a group commit) and collects the next
 batch while it is out, so a record has at most one write in flight and its states land in order; each is written
 only while its request is not settled (the script checks the day's seen-set), so a late update never reopens it.
-None of them is awaited by the request — but the end of a wait that goes on to the upstream (step 2, a rare path)
-— so none adds a round trip before its response's last byte.
+None of them is awaited by the request but the end of a wait that goes on to the upstream (step 2) and a
+fallback's tier (step 3), rare paths that pay one round trip before their call: a request that neither waits nor
+falls back has no write-ahead round trip before its response's last byte.
 
 Each process keeps a heartbeat ``wal:hb:{owner}`` (``PX metering.heartbeat_ttl_s``, refreshed every third of it).
 :meth:`WriteAhead.reconcile` — at start and every ``metering.reconcile_interval_s`` — scans the open records
@@ -42,7 +47,7 @@ claim — only if the record is still open and the owner's heartbeat still absen
 replicas reconciling at once settle it once) — and each releasing the request's budget reservations at every level
 and correcting its TPM window, like any usage event:
 
-- **finished** (the record holds its final event, step 4): that event, counted as it is (its real status and
+- **finished** (the record holds its final event, step 5): that event, counted as it is (its real status and
   tokens) through :meth:`Meter.settle_orphan`.
 - **never sent** (``waiting``, no token, no final event): the process died while the request waited before its
   upstream call (step 2), or replayed the answer that wait brought (a cache hit). Nothing was used upstream, so it
@@ -54,11 +59,11 @@ and correcting its TPM window, like any usage event:
   turn out to be alive (its heartbeat lapsed while Redis was away) and send the call, that call's own event still
   counts once.
 - **lost** (otherwise: sent, not finished): a usage event with ``partial: true``, ``status`` 500,
-  ``error_code: gateway_lost`` and the tokens of its last update, priced at its tier's prices
-  (:meth:`Meter.settle_orphan`). Its completion count is held to the call's admitted bound (``bound_completion``:
-  choices × min(max_tokens, tier cap)), as a finished call's reported or counted one is: a record that claims more
-  (an upstream that ignored ``max_tokens`` and streamed on, a running usage that misreports) is metered at the
-  bound, ``error_code`` :data:`OVER_BOUND_CODE`.
+  ``error_code: gateway_lost`` and the tokens of its last update, priced at its tier's prices — the tier of the
+  call in flight, a fallback's once it was sent (step 3) (:meth:`Meter.settle_orphan`). Its completion count is
+  held to the call's admitted bound (``bound_completion``: choices × min(max_tokens, tier cap)), as a finished
+  call's reported or counted one is: a record that claims more (an upstream that ignored ``max_tokens`` and
+  streamed on, a running usage that misreports) is metered at the bound, ``error_code`` :data:`OVER_BOUND_CODE`.
 
 What is left of "never sent" taken for "lost": a process killed in the short stretch between a request's admission
 and its upstream call without a wait (routing the admission reply, a cache miss's bookkeeping, a semantic cache's
@@ -365,6 +370,25 @@ class WriteAhead:
         if op is None or not op.rec.waiting:
             return
         op.rec = replace(op.rec, waiting=False, updated_ms=int(time.time() * 1000))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._due_waiters.append(done)
+        self._update(op.rec)
+        await done
+
+    async def retarget(self, request_id: str, tier: str, upstream_model: str, route_reason: RouteReason | None) -> None:
+        """``request_id``'s call goes to another tier (a fallback, the routed tier having refused it): name that
+        tier in the record — the reconciler prices a lost call at its record's tier — and return once that is
+        written (Redis, else the spool), so the record names the call in flight before the call's first byte:
+        a non-streamed call has no progress write, and a stream's first one comes an interval later — a kill
+        meanwhile priced the call on the tier that refused it. Awaited, like :meth:`sending`; only a fallback pays
+        it (one round trip after a refused call). No-op when this process has no record of ``request_id``, or it
+        names that tier already."""
+        op = self._open.get(request_id)
+        if op is None or (op.rec.tier, op.rec.upstream_model, op.rec.route_reason) == (tier, upstream_model,
+                                                                                        route_reason):
+            return
+        op.rec = replace(op.rec, tier=tier, upstream_model=upstream_model, route_reason=route_reason,
+                         updated_ms=int(time.time() * 1000))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._due_waiters.append(done)
         self._update(op.rec)

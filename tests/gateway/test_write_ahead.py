@@ -445,6 +445,65 @@ def test_kill_9_meters_a_stream_past_its_bound_at_the_bound(slow_sim: SimProcess
         cleanup(redis_url, prefix)
 
 
+@pytest.mark.slow
+def test_kill_9_during_a_fallback_meters_the_call_on_the_fallback_tier(redis_url: str, tmp_path: Path) -> None:
+    # The routed tier's upstream refuses (503), the non-streamed call falls back to a dearer tier whose upstream is
+    # slow, and the gateway is killed while that call runs. Its write-ahead record named the routed tier (a
+    # non-streamed call has no progress write to correct it), so the reconciler settled it on the tier that
+    # refused, at that tier's prices. The record names the fallback before the fallback call is sent.
+    failing = start_sim("--fail-mode", "503", "--model", "cheap-model")
+    slow = start_sim("--delay-ms", "25000", "--model", "dear-model")
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    common = {"read_timeout_s": 30.0, "connect_timeout_s": 2.0, "max_retries": 0}
+    dear_prices = {"input_usd_per_mtok": "3.00", "cached_input_usd_per_mtok": "1.50", "output_usd_per_mtok": "12.00"}
+    cfg = {**gateway_config(slow, redis_url, prefix, tmp_path),
+           "tiers": [{**common, "name": "cheap", "base_url": failing.base_url, "model": "cheap-model",
+                      "prices": {"input_usd_per_mtok": "0.10", "cached_input_usd_per_mtok": "0.05",
+                                 "output_usd_per_mtok": "0.40"}},
+                     {**common, "name": "dear", "base_url": slow.base_url, "model": "dear-model",
+                      "prices": dear_prices}],
+           "routing": {"router_path": None, "routed_tiers": ["cheap", "dear"], "thresholds": [0.5],
+                       "default_tier": "dear", "fallback": True}}
+    gw = GatewayProcess(cfg, tmp_path, "gw").start()
+    replica: GatewayProcess | None = None
+    k = RedisKeys(prefix)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        t = uuid.uuid4().hex
+        body = {"model": "cheap", "max_tokens": 16, "sim": {"tag": t},
+                "messages": [{"role": "user", "content": f"fallback {uuid.uuid4().hex[:8]}"}]}
+        threading.Thread(target=lambda: _post_quietly(gw.base_url, body), daemon=True).start()
+        rec = slow.wait_tag_status(t, {"running"}, timeout_s=15)
+        assert rec is not None and rec["status"] == "running", rec  # the fallback call is in flight
+        failed = failing.tag(t)
+        assert failed is not None and failed["status"] == "failed"  # the routed tier refused it
+        time.sleep(0.3)
+        gw.kill()
+        (raw,) = client.hvals(k.write_ahead)
+        in_flight = WalRecord.from_json(raw)
+        replica = GatewayProcess(cfg, tmp_path, "replica").start()
+        assert wait_for(lambda: client.hlen(k.write_ahead) == 0, SETTLE_TIMEOUT_S)
+        (e,) = [e for e in ledger(redis_url, prefix) if not e.audit]
+        assert (e.event_id, e.status, e.partial, e.error_code) == (in_flight.request_id, 500, True, "gateway_lost")
+        assert (e.tier, e.upstream_model, e.route_reason) == ("dear", "dear-model", "fallback")
+        # named in the record before the kill: the fallback call was not the routed tier's
+        assert (in_flight.tier, in_flight.upstream_model, in_flight.route_reason) == ("dear", "dear-model",
+                                                                                     "fallback")
+        dear = Prices(**{f: Decimal(v) for f, v in dear_prices.items()})
+        assert e.cost_micro_usd == cost_micro_usd(dear, prompt_tokens=e.prompt_tokens, cached_tokens=e.cached_tokens,
+                                                  completion_tokens=e.completion_tokens)
+        for resv in (k.reservations("alice"), k.level_reservations("global", "global")):
+            assert client.hlen(resv) == 0, resv
+    finally:
+        gw.kill()
+        if replica is not None:
+            replica.stop()
+        client.close()
+        failing.stop()
+        slow.stop()
+        cleanup(redis_url, prefix)
+
+
 def _post_quietly(base_url: str, body: dict[str, Any], timeout_s: float = 60.0) -> None:
     with contextlib.suppress(httpx.HTTPError):  # the gateway is killed under it (or the client gives up first)
         httpx.post(base_url + "/chat/completions", json=body, timeout=timeout_s,
