@@ -499,13 +499,10 @@ class Meter:
         late index's entries of the period; otherwise to the stream's end. ``tally`` (optional) counts the stream
         entries read. Raises :class:`RedisDown`."""
         start = f"{int(since_ts * 1000)}-0" if since_ts is not None else "-"
-        end, late_ids = "+", []
+        end, late_ids = "+", list[str]()
         if until_ts is not None:
-            hi_ms = int(until_ts * 1000) + int(self.cfg.late_after_s * 1000)
-            late_from = await self.breaker.call(lambda: self.redis.hget(self.keys.agg_index, "late:from"))
-            if late_from is not None and int(late_from) <= hi_ms:
-                end = str(hi_ms)
-                late_ids = await self._late_ids(since_ts, until_ts, hi_ms)
+            hi_ms, late_ids = await self._period_end(since_ts, until_ts)
+            end = "+" if hi_ms is None else str(hi_ms)
         while True:
             batch = await self.breaker.call(
                 functools.partial(self.redis.xrange, self.keys.events, min=start, max=end, count=page)) or []
@@ -637,6 +634,18 @@ class Meter:
             floor.append(float(late[0][1]) / 1000)
         return day_start(day_of(min(floor, default=now)))
 
+    async def _period_end(self, since: float | None, until: float) -> tuple[int | None, list[str]]:
+        """Where a read by stream id of the events with ``since <= ts < until`` may stop, for :meth:`events` and
+        :meth:`recent` alike: ``(until + metering.late_after_s in ms, the late index's ids of the period written
+        after that)`` when every event that could fall in the period was written by a script that indexes late
+        events (``late:from`` at or before that end, ``NOTE_LATE``); else ``(None, [])``: the read goes on to the
+        stream's end (an event written late before the upgrade is in no index). Raises :class:`RedisDown`."""
+        hi_ms = int(until * 1000) + int(self.cfg.late_after_s * 1000)
+        late_from = await self.breaker.call(lambda: self.redis.hget(self.keys.agg_index, "late:from"))
+        if late_from is None or int(late_from) > hi_ms:
+            return None, []
+        return hi_ms, await self._late_ids(since, until, hi_ms)
+
     async def _late_ids(self, since: float | None, until: float, hi_ms: int) -> list[str]:
         """Stream ids (text) of the late index's events with ``since <= ts < until`` (epoch s; ``since`` None =
         open) that were written after ``hi_ms`` (the end of a read by id range, ms): the ones that read misses.
@@ -655,15 +664,18 @@ class Meter:
         (``until`` None) or — as :meth:`events` reads a period — from ``until`` plus ``metering.late_after_s`` (an
         event is written when its request ends, after its ``ts``), with the late index's entries of the period
         written after that (a spool replay, a reconciled orphan: the newest of all), down to ``since`` less
-        :data:`EARLY_SLACK_S`. Returns ``(events, entries read)``; entries read < ``limit`` means every event of the
-        period that :meth:`events` finds is there. Raises :class:`RedisDown`."""
+        :data:`EARLY_SLACK_S`. As :meth:`events`, the read stops past ``until`` only when every event that could
+        fall in the period was written by a script that indexes late events (``late:from``, see ``NOTE_LATE``): a
+        period reaching back before it is read from the newest entry, since an event of it written late before the
+        upgrade is in no index (the window is then mostly later events, and says it is incomplete unless the whole
+        stream down to ``since`` fits in ``limit``). Returns ``(events, entries read)``; entries read < ``limit``
+        means every event of the period that :meth:`events` finds is there. Raises :class:`RedisDown`."""
         lo = "-" if since is None else f"{max(0, int((since - EARLY_SLACK_S) * 1000))}"
         hi, late_ids = "+", list[str]()
         if until is not None:
-            hi_ms = int(until * 1000) + int(self.cfg.late_after_s * 1000)
-            hi = str(hi_ms)
+            hi_ms, late = await self._period_end(since, until)
+            hi = "+" if hi_ms is None else str(hi_ms)
             # written after the id range (NOTE_LATE): the newest entries of the period, read first
-            late = await self._late_ids(since, until, hi_ms)
             late_ids = sorted(late, key=lambda t: tuple(int(p) for p in t.split("-")))[-limit:] if limit > 0 else []
         found: list[Any] = []
         for entries in await self._pipelined([("xrange", i) for i in late_ids], args=True) if late_ids else []:

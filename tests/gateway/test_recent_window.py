@@ -1,7 +1,7 @@
 """The dashboard's window of recent events (``Meter.recent``) is complete only when it holds every event of its
 period: the events a read by id range finds (``Meter.events``) — those written late too (a spool replay, a
-reconciled orphan: the late index), and those written up to ``metering.late_after_s`` after their ``ts``. Real
-Redis."""
+reconciled orphan: the late index), those written up to ``metering.late_after_s`` after their ``ts``, and those of
+a period from before the late index (``late:from``), which only a read to the stream's end finds. Real Redis."""
 
 from __future__ import annotations
 
@@ -63,6 +63,29 @@ def test_an_event_within_late_after_s_is_in_a_complete_window(redis_url: str, tm
         await meter.record(_event("a", now - 1200))
         try:
             await _check(meter, now - 1300, now - 1100)
+        finally:
+            await meter.redis.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_period_from_before_the_late_index_is_read_to_the_stream_end(redis_url: str, tmp_path: Path) -> None:
+    """An event written an hour after its ts by the script before the late index (no ``late:from`` yet, no late
+    entry: the upgrade came later). ``Meter.events`` cannot stop its read of that period early, and finds it; the
+    window stopped 900 s past the period anyway — reading nothing, it said complete without the event."""
+
+    async def go() -> None:
+        meter = _meter(redis_url, tmp_path, late_after_s=900.0)
+        now = time.time()
+        old = _event("a", now - 3600)
+        # the old script: the event appended to the stream, with no late index and no late:from
+        await meter.redis.xadd(meter.keys.events, {"e": old.to_json()})
+        await meter.record(_event("b", now))  # the upgrade: the first event the new script writes sets late:from
+        try:
+            assert await meter.redis.hget(meter.keys.agg_index, "late:from") is not None
+            await _check(meter, now - 4000, now - 3000)
+            events, read = await meter.recent(1, now - 4000, now - 3000)  # the newest entry alone: not the period's
+            assert (events, read) == ([], 1)  # …and the window does not say it is complete (read == limit)
         finally:
             await meter.redis.aclose()
 
