@@ -49,7 +49,7 @@ from gateway.config import Settings
 from gateway.errors import InvalidRequest, NotFound, PermissionDenied, UsageUnavailable
 from gateway.ledger.aggregate import ScanTooLarge
 from gateway.ledger.event import micro_to_usd
-from gateway.ledger.export import ExportError, build, parse_group_by, parse_time
+from gateway.ledger.export import ExportError, build, month_start, parse_group_by, parse_time
 from gateway.observability.metrics import CONTENT_TYPE
 from gateway.pipeline.accounting import Accounting
 from gateway.state.breaker import RedisDown
@@ -190,8 +190,7 @@ def install(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting
                 return _json({"object": "list", "data": [await summary(acct, i, await acct.key_info(i), now)
                                                          for i in ids]})
             if since is None:
-                dt = datetime.fromtimestamp(now, UTC)
-                since = datetime(dt.year, dt.month, 1, tzinfo=UTC).timestamp()
+                since = month_start(now)
             if group_by:  # whole days from the per-day cubes, the stream only for what they cannot answer
                 rows: list[dict[str, Any]] = await _grouped(acct, key, group_by, since, until, target, now)
             else:

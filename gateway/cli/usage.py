@@ -4,15 +4,18 @@
 bucket; ``gateway/ledger/report.py``, ``docs/savings.md``) as a table, CSV, PNG and JSON. ``export``:
 
 Reads the same ledger ``GET /v1/usage`` reads (every key; filter with ``--key``). Without ``--group-by`` one
-row per event, from the stream; with it, summed counters per group (``gateway/ledger/export.py``) — with
-``--since``, whole UTC days from the per-day usage cubes (``Meter.grouped``, the same rows) and the stream only for
-the rest; without ``--since`` (all history) from the stream. Output to ``--output FILE``
-(written atomically) or stdout. Exit codes: 0 ok, 2 invalid arguments or config, 3 Redis unreachable.
+row per event, from the stream (without ``--since``: all of it); with it, summed counters per group
+(``gateway/ledger/export.py``): whole UTC days from the per-day usage cubes (``Meter.grouped``, the same rows) and
+the stream only for the rest. ``--since`` of a grouped export defaults, as ``GET /v1/usage``'s, to the start of the
+current UTC month (said on stderr); ``--since 0`` asks for all history, from the oldest retained day, through the
+cubes. Output to ``--output FILE`` (written atomically) or stdout.
+Exit codes: 0 ok, 2 invalid arguments or config, 3 Redis unreachable.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +59,17 @@ def read_grouped(settings: Any, group_by: list[str], since: float, until: float 
 @app.command("export")
 def export(
     fmt: str = typer.Option("csv", "--format", "-f", help="csv | jsonl | parquet"),
-    since: str | None = typer.Option(None, help="From (inclusive): YYYY-MM-DD, ISO-8601 or epoch seconds, UTC."),
+    since: str | None = typer.Option(None, help="From (inclusive): YYYY-MM-DD, ISO-8601 or epoch seconds, UTC. "
+                                     "Default: with --group-by the start of the current UTC month (as GET "
+                                     "/v1/usage; --since 0 for all history), without it the whole stream."),
     until: str | None = typer.Option(None, help="Until (exclusive), same forms."),
     group_by: str | None = typer.Option(None, "--group-by", help="Comma list of key,tier,model,day,tag,tag:NAME."),
     key: str | None = typer.Option(None, "--key", help="Only this key id."),
     output: Path | None = typer.Option(None, "--output", "-o", help="File to write (default, or '-': stdout)."),
     config: Path | None = CONFIG_OPTION,
 ) -> None:
-    """Export usage: raw events, or sums grouped by key/tier/model/day/tag."""
+    """Export usage: raw events (all unless --since/--until), or sums grouped by key/tier/model/day/tag (this UTC
+    month unless --since)."""
     from gateway.ledger import export as ex
 
     if output is not None and str(output) == "-":  # the Unix convention: '-' is standard output
@@ -83,7 +89,11 @@ def export(
         typer.echo(f"thinkgate: {exc}", err=True)
         raise typer.Exit(2) from None
     settings = load_settings(config)
-    if groups and t0 is not None:  # whole days from the usage cubes (the same rows), the stream for the rest
+    if groups:  # whole days from the usage cubes (the same rows), the stream for the rest
+        if t0 is None:  # GET /v1/usage's default period: the month so far, not all history
+            t0 = ex.month_start(time.time())
+            typer.echo(f"thinkgate: since {time.strftime('%Y-%m-%d', time.gmtime(t0))} (the start of this UTC month; "
+                       "--since 0 for all history)", err=True)
         got = read_grouped(settings, groups, t0, t1, key)
         rows, cols = got.rows, ex.columns(groups)
         summary = f"{len(got.cube_days)} days from the usage cubes, {got.events_scanned} events scanned"

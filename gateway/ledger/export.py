@@ -66,6 +66,13 @@ def parse_time(value: str | float | None) -> float | None:
     return _in_range(dt.timestamp(), value)
 
 
+def month_start(now: float) -> float:
+    """Epoch seconds of the start of ``now``'s UTC month: the default ``since`` of a grouped or raw query
+    (``GET /v1/usage``, ``thinkgate usage export --group-by``, the dashboard)."""
+    dt = datetime.fromtimestamp(now, UTC)
+    return datetime(dt.year, dt.month, 1, tzinfo=UTC).timestamp()
+
+
 def _in_range(ts: float, given: object) -> float:
     if not 0.0 <= ts <= MAX_TIME_S:  # False for NaN too
         raise ExportError(f"time {given!r} is outside 1970-01-01 … 9999-12-31 (epoch seconds 0 … {MAX_TIME_S:.0f})")

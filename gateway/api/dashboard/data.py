@@ -47,7 +47,7 @@ from gateway.control.retrain_trigger import read_history
 from gateway.control.shadow import SHADOW_KEY
 from gateway.ledger import report as rp
 from gateway.ledger.event import UsageEvent, micro_to_usd
-from gateway.ledger.export import group_sums
+from gateway.ledger.export import group_sums, month_start
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.routing import Routing
 from router.stats import percentile
@@ -55,12 +55,6 @@ from router.stats import percentile
 SPEND_GROUPS = ("day", "key", "tier", "tag")
 ALERTS_SHOWN = 50
 HISTORY_SHOWN = 20
-
-
-def month_start(now: float) -> float:
-    """Epoch seconds of the start of ``now``'s UTC month (the default period, as ``GET /v1/usage``)."""
-    dt = datetime.fromtimestamp(now, UTC)
-    return datetime(dt.year, dt.month, 1, tzinfo=UTC).timestamp()
 
 
 def target_shares(routed: list[str], calibration: dict[str, Any] | None) -> dict[str, float] | None:

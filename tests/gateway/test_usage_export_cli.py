@@ -1,0 +1,69 @@
+"""``thinkgate usage export --group-by`` without ``--since`` on a real Redis: the current UTC month, as
+``GET /v1/usage`` answers the same query (it read the whole stream: all history, scanned event by event)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from gateway.cli.main import app
+from gateway.config import MeteringConfig, RedisConfig
+from gateway.ledger.event import UsageEvent
+from gateway.ledger.export import month_start
+from gateway.state.breaker import Breaker
+from gateway.state.metering import Meter
+from gateway.state.redis import connect
+from gateway.state.spool import Spool
+
+
+def _event(key: str, ts: float, cost: int) -> UsageEvent:
+    return UsageEvent(key_id=key, requested_model="auto", ts=ts, tier="short", upstream_model="m",
+                      prompt_tokens=10, completion_tokens=5, cost_micro_usd=cost)
+
+
+def _record(redis_url: str, prefix: str, tmp_path: Path, events: list[UsageEvent]) -> None:
+    async def go() -> None:
+        handle = connect(RedisConfig(url=redis_url, key_prefix=prefix))
+        meter = Meter(handle, Breaker(1.0), Spool(tmp_path / "spool.jsonl"),
+                      MeteringConfig(spool_path=tmp_path / "spool.jsonl"))
+        try:
+            await meter.record_many(events)
+        finally:
+            await meter.redis.aclose()
+
+    asyncio.run(go())
+
+
+def _export(cfg: Path, out: Path, *extra: str) -> tuple[dict[str, int], str]:
+    """``{key: cost_micro_usd}`` of ``usage export --group-by key`` and what it said on stderr."""
+    res = CliRunner().invoke(app, ["usage", "export", "--format", "jsonl", "--group-by", "key", "--output",
+                                   str(out), "--config", str(cfg), *extra])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return {r["key"]: r["cost_micro_usd"] for r in rows}, res.output
+
+
+def test_grouped_export_defaults_to_this_month(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    now = time.time()
+    last_month = month_start(now) - 86400 - 3600  # the last day of last month
+    _record(redis_url, redis_prefix, tmp_path, [_event("old", last_month, 100), _event("new", now, 7)])
+    cfg = tmp_path / "cli.yaml"
+    cfg.write_text(yaml.safe_dump({"redis": {"url": redis_url, "key_prefix": redis_prefix,
+                                             "start_if_missing": False},
+                                   "metering": {"spool_path": str(tmp_path / "spool.jsonl")}}))
+    rows, said = _export(cfg, tmp_path / "month.jsonl")
+    assert rows == {"new": 7}  # the month so far: last month's event is not in it
+    assert time.strftime("since %Y-%m-%d", time.gmtime(month_start(now))) in said and "--since 0" in said
+    # all history is asked for by name (from the oldest retained day, through the cubes)
+    assert _export(cfg, tmp_path / "all.jsonl", "--since", "0")[0] == {"old": 100, "new": 7}
+    # a raw export without --since is still the whole stream
+    res = CliRunner().invoke(app, ["usage", "export", "--format", "jsonl", "--output", str(tmp_path / "raw.jsonl"),
+                                   "--config", str(cfg)])
+    assert res.exit_code == 0, res.output
+    assert sorted(json.loads(line)["key_id"] for line in (tmp_path / "raw.jsonl").read_text().splitlines()) == [
+        "new", "old"]
