@@ -37,6 +37,8 @@ from gateway.config.observability import MetricsConfig, TelemetryConfig
 from gateway.config.paths import DEFAULT_MODEL_DIR, DEFAULT_ROUTER_PATH, MODELS_DIR, STATE_DIR, missing_model
 from gateway.config.redis import RedisConfig
 from gateway.config.routing import (
+    MAX_REQUEST_TTL_S,
+    OUTCOMES_SEEN_TTL_S,
     DriftConfig,
     OutcomesConfig,
     RetrainConfig,
@@ -59,7 +61,9 @@ from gateway.config.tiers import (
 __all__ = [
     "DEFAULT_MODEL_DIR",
     "DEFAULT_ROUTER_PATH",
+    "MAX_REQUEST_TTL_S",
     "MODELS_DIR",
+    "OUTCOMES_SEEN_TTL_S",
     "STATE_DIR",
     "AuthConfig",
     "CacheConfig",

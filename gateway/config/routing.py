@@ -50,14 +50,26 @@ class RoutingTargetConfig(_Strict):
         return any(v is not None for v in (self.long_share, self.usd_per_day, self.usd_per_1k_requests))
 
 
+#: How long a UTC day's outcome seen-set (and its grades hash) lives after its last new outcome: what deduplicates
+#: the grades of that day's requests (``gateway/control/outcomes.py``, ``Outcome.seen_day``).
+OUTCOMES_SEEN_TTL_S = 40 * 86400
+#: The longest ``routing.outcomes.request_ttl_s``: a request is graded for that long, and each grade must still meet
+#: the seen-set its first grade went into (which lives ``OUTCOMES_SEEN_TTL_S`` from then); a day to spare for the
+#: request's own duration, the index write's delay and clock skew between replicas and Redis.
+MAX_REQUEST_TTL_S = OUTCOMES_SEEN_TTL_S - 86400
+
+
 class OutcomesConfig(_Strict):
     """Routing outcomes (``gateway/control/outcomes.py``): client feedback (``POST /v1/feedback``), escalations and
     shadow comparisons, in the Redis stream ``{prefix}outcomes`` (at most ``stream_maxlen`` entries, trimmed
     approximately), spooled to ``spool_path`` (default: beside the usage spool) while Redis is down and
     replayed every ``replay_interval_s``.
     Feedback is accepted for ``request_ttl_s`` seconds after a request (each request leaves a small index
-    entry: key id, tier, router score, window digest). ``retain_text``: also keep the routing window's text (and
-    shadow answers) in the outcomes, which ``router retrain`` needs to learn from them; off = digests only."""
+    entry: key id, tier, router score, window digest), at most ``MAX_REQUEST_TTL_S`` (39 days): a request's grades
+    are deduplicated by its UTC day's seen-set, which lives ``OUTCOMES_SEEN_TTL_S`` (40 days) — a longer TTL let
+    a second grade come after the first one's seen-set expired, and count twice. ``retain_text``: also keep the
+    routing window's text (and shadow answers) in the outcomes, which ``router retrain`` needs to learn from them;
+    off = digests only."""
 
     enabled: bool = True
     retain_text: bool = False
@@ -65,6 +77,16 @@ class OutcomesConfig(_Strict):
     stream_maxlen: int = Field(1_000_000, ge=1000)
     spool_path: Path | None = None  # None: next to the usage spool, ``<usage spool stem>.outcomes.jsonl``
     replay_interval_s: float = Field(5.0, gt=0)
+
+    @field_validator("request_ttl_s")
+    @classmethod
+    def _graded_within_the_seen_sets(cls, v: int) -> int:
+        if v > MAX_REQUEST_TTL_S:
+            raise ValueError(f"routing.outcomes.request_ttl_s must be at most {MAX_REQUEST_TTL_S} s "
+                             f"({MAX_REQUEST_TTL_S // 86400} days): grades are deduplicated by per-day seen-sets "
+                             f"that live {OUTCOMES_SEEN_TTL_S // 86400} days, so a request graded later than that "
+                             "could have a second grade counted")
+        return v
 
 
 class ShadowConfig(_Strict):

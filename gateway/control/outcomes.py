@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from gateway.config import OutcomesConfig, Settings
+from gateway.config import OUTCOMES_SEEN_TTL_S, OutcomesConfig, Settings
 from gateway.ledger.outcome import Outcome, window_digest
 from gateway.ledger.record import UsageRecord
 from gateway.state.breaker import Breaker, RedisDown
@@ -39,7 +39,8 @@ from gateway.state.spool import Spool
 
 log = logging.getLogger("thinkgate.outcomes")
 
-SEEN_TTL_S = 40 * 86400
+# a day's seen-set: what deduplicates its outcomes (and the grades of its requests: request_ttl_s is bounded by it)
+SEEN_TTL_S = OUTCOMES_SEEN_TTL_S
 INDEX_FLUSH_S = 0.2
 MAX_INDEX_QUEUE = 10_000
 
