@@ -53,6 +53,14 @@ class RouterUnavailable(ThinkGateError, RuntimeError):
     """No usable router and ``on_router_error: refuse_start``; the message says why and what to do."""
 
 
+def file_version(router: TrainedRouter, sha256: str | None) -> str:
+    """What a router file is called in ``router:current`` and the retraining audit events: its metadata
+    ``version``, else its ``created_utc``, else ``file-`` and the first 12 hex digits of its content's SHA-256
+    (``""`` when that is not known either)."""
+    meta = router.metadata
+    return str(meta.get("version") or meta.get("created_utc") or (f"file-{sha256[:12]}" if sha256 else ""))
+
+
 def file_signature(path: Path) -> _Signature | None:
     """(mtime_ns, size, inode) of ``path``: a file rewritten or renamed over reads differently; None when it cannot
     be read."""
@@ -137,6 +145,10 @@ class RouterService(Router):
         self._next_check = 0.0
         self._lock = threading.Lock()  # serialises reloads (scoring never takes it)
         self.reloads = 0
+        #: versions (:func:`file_version`) a reload refuses, the router in service kept: the gateway's retraining
+        #: sets the rolled-back ones (``p router:bad``), so a file written back over the path it serves is not
+        #: served again (replaced whole, never mutated: reloads read it from worker threads)
+        self.refused_versions: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(cls, cfg: Any, clock: Callable[[], float] = time.monotonic) -> RouterService:
@@ -190,6 +202,12 @@ class RouterService(Router):
     @property
     def router(self) -> TrainedRouter | None:
         return self._router
+
+    @property
+    def version(self) -> str | None:
+        """The router in service's :func:`file_version` (None: default-tier mode)."""
+        r = self._router
+        return None if r is None else file_version(r, self._sha256)
 
     @property
     def thresholds(self) -> list[float]:
@@ -271,6 +289,11 @@ class RouterService(Router):
             digest = file_sha256(self.path)
             if file_signature(self.path) != sig:
                 digest = None  # replaced while it was read: not the bytes loaded (the watcher loads it next)
+            if (version := file_version(router, digest)) in self.refused_versions:
+                self._signature = sig  # the same bytes are not tried again
+                raise RouterFileError(self.path, f"is version {version}, which was rolled back (its realised "
+                                                 "floor fell; router:bad): not served again — save it under a new "
+                                                 "version to serve it anyway")
             self._router, self._signature, self._error, self._sha256 = router, sig, None, digest
             self.reloads += 1
             log.info("router loaded from %s (thresholds %s)", self.path, self.thresholds)

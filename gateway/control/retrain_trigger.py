@@ -5,7 +5,7 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
 
 0. **adopts** a new file written to ``routing.router_path`` (:meth:`RetrainTrigger.adopt_configured`) as the
    promoted router, with an operator's ``promote`` event — while a promotion is in force the replicas serve
-   ``router:current``, and the file was otherwise never served;
+   ``router:current``, and the file was otherwise never served —, unless its version was rolled back (step 3);
 1. **follows** the promoted router: ``p router:current`` (a hash: ``path``, ``version``, ``previous``) names the
    file every replica with retraining on serves; when it differs from this replica's ``RouterService.path`` the
    replica points its service there and reloads it (the hot reload of ``/admin/router/reload``, in a worker
@@ -28,7 +28,9 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    promoted router (:func:`router.fit.realised.realised`: the feedback on the answers it served, explored ones
    left out; unbiased through the spot-check arm once ``spot_check_min`` spot-check answers are graded, else under
    the nesting assumption) below ``floor`` on at least ``realised_min`` graded cheap answers → ``p router:current`` goes
-   back to the previous file (the version is added to ``p router:bad``). With three or more routed tiers every tier
+   back to the previous file (the version is added to ``p router:bad``: a file of that version written to
+   ``routing.router_path`` again is not adopted, step 0 — a fit's candidate always has a new version). With three
+   or more routed tiers every tier
    below the top is the cheap side: the spot checks sample every decision below the top alike, so their reading
    stays unbiased; the nesting fallback pools the lower tiers' grades into one cheap accuracy.
 
@@ -88,7 +90,7 @@ from gateway.control.outcomes import OutcomeStore
 from gateway.state.batches import new_token
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.redis import RedisHandle, as_bytes
-from router.serving import RouterService, file_signature, load_router_cached
+from router.serving import RouterService, file_signature, file_version, load_router_cached
 
 log = logging.getLogger("thinkgate.retrain")
 
@@ -181,6 +183,7 @@ class RetrainTrigger:
 
     @property
     def k_bad(self) -> str:
+        """The versions rolled back (a set, written by the rollback's compare-and-set): never adopted again."""
         return f"{self.prefix}router:bad"
 
     @property
@@ -226,8 +229,14 @@ class RetrainTrigger:
         ``interval_s`` later) and read the last audit event (``router_status.learning.last_event`` read null after
         a restart). Redis down or slow: skipped, the ticks catch up."""
         try:
+            await asyncio.wait_for(self.read_bad(), START_FOLLOW_S)
             # shielded: a slow reload that outlives the wait still finishes (or rolls the path back) on its own
             await asyncio.wait_for(asyncio.shield(self.follow()), START_FOLLOW_S)
+            if (v := self.service.version) is not None and v in self.service.refused_versions:
+                # loaded at start from a path router:current still names, before router:bad was read: nothing else
+                # to go to — said, loudly (docs/closed-loop.md)
+                log.error("retrain: serving %s, version %s, which was rolled back (router:bad): router:current names "
+                          "this path and no other file; replace it, or promote another router", self.service.path, v)
             last = await asyncio.wait_for(read_history(self.handle, self.breaker, count=1), START_FOLLOW_S)
             if last and self.last is None:
                 self.last = last[-1]
@@ -258,6 +267,7 @@ class RetrainTrigger:
         """One round: the writes a Redis failure left undone, follow, then (``fit_here``) check the realised floor
         and fit when due."""
         await self._write([])
+        await self.read_bad()
         await self.adopt_configured()
         await self.follow()
         if not self.cfg.fit_here:
@@ -304,7 +314,13 @@ class RetrainTrigger:
         (:meth:`CurrentRouter.adopt`); a replica's write goes through :meth:`_write` (a Redis failure finishes it at
         the next tick). A file that does not load, or that this service would refuse (its
         thresholds for the routed tiers, its budget map), is logged and left out; the promoted router keeps
-        serving. The file is read only when its (mtime, size, inode) changed here. True when adopted here."""
+        serving. So is a file whose version is in ``p router:bad``: one a rollback took out of service because its
+        realised floor fell below ``routing.retrain.floor`` — written back (a config management tool or a ConfigMap
+        reverted to it, past ``readopt_after_s``) it would serve again the answers it was rolled back for; the
+        warning says how to serve it anyway (save it under a new version). Where the promoted router is the file at
+        ``routing.router_path`` itself (an adopted one), the service's hot reload refuses it too
+        (:meth:`read_bad`). The file is read only when its (mtime, size, inode) changed here. True when adopted
+        here."""
         seen = file_signature(self.configured) if self.configured is not None else None
         if self.configured is None or seen is None or seen == self._configured_seen:
             return False
@@ -331,8 +347,15 @@ class RetrainTrigger:
             log.warning("retrain: a new file at routing.router_path (%s) is not served, the promoted router keeps "
                         "serving: %s", path, exc)
             return False
-        meta = router.metadata
-        version = str(meta.get("version") or meta.get("created_utc") or f"file-{digest[:12]}")
+        version = file_version(router, digest)
+        if await self.breaker.call(lambda: self.redis.sismember(self.k_bad, version)):
+            # rolled back on its graded answers (check_realised): never promoted again by a file written back
+            self._configured_seen = seen
+            log.warning("retrain: the file at routing.router_path (%s) is version %s, which was rolled back (its "
+                        "realised floor fell below routing.retrain.floor; listed in router:bad): not adopted, the "
+                        "promoted router keeps serving. To serve it anyway, save it under a new metadata version "
+                        "and write that file", path, version)
+            return False
         if await self.breaker.call(lambda: self.redis.exists(f"{self.k_adopted}:{digest}")):
             # adopted within routing.retrain.readopt_after_s and replaced since (router:configured names another
             # file): a lagging copy of the path, or an operator writing it back too soon — said, not served
@@ -357,6 +380,15 @@ class RetrainTrigger:
                          version, event["previous"])
         await self._write([adopt])
         return bool(adopted)
+
+    async def read_bad(self) -> None:
+        """The rolled-back versions (``p router:bad``) into the service's ``refused_versions``: its own hot reload
+        of the file it serves (``routing.router_path`` once a file there was adopted) does not load one written
+        back there."""
+        bad = await self.breaker.call(lambda: self.redis.smembers(self.k_bad))
+        versions = frozenset(as_bytes(v).decode() for v in bad or ())
+        if versions != self.service.refused_versions:
+            self.service.refused_versions = versions
 
     async def follow(self) -> bool:
         """Serve the file ``p router:current`` names when it is not the one in service; True when switched."""
@@ -564,6 +596,7 @@ class RetrainTrigger:
                         "read", c["version"], real["accuracy_ratio"], self.cfg.floor)
             return None
         self.last = event
+        self.service.refused_versions |= {c["version"]}  # every replica reads router:bad at its next tick
         await self._write([self.follow])  # a Redis failure: followed at the next tick
         log.warning("retrain: rollback to %s: %s", event["version"], event["reason"])
         return event

@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +223,47 @@ def test_a_file_written_to_router_path_replaces_the_promoted_router(
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(configured, tmp_path, every_outcomes=10**6)) as gw:
         assert wait_for(lambda: _status(gw)["version"] == "operator-2", timeout_s=10), _status(gw)
+
+
+def test_a_rolled_back_file_written_back_is_not_adopted_again(
+        upstream_sim: SimProcess, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """An operator's file is adopted, its cheap answers come back graded wrong and it is rolled back (its version
+    into ``router:bad``); a later file replaces the promoted router, then the rolled-back file is written back past
+    ``readopt_after_s`` (a ConfigMap reverted to it). ``router:bad`` was written and never read: the file was
+    adopted again and served the answers it had been rolled back for. Now it is left out; the same router saved
+    under a new version is served (the way to put it back on purpose)."""
+    configured, _ = _promoted(redis_url, redis_prefix, tmp_path)
+    rdb = redis.Redis.from_url(redis_url)
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(configured, tmp_path, every_outcomes=10**6, realised_min=10,
+                                             readopt_after_s=1)) as gw:
+        try:
+            assert wait_for(lambda: rdb.exists(redis_prefix + "router:configured") == 1, timeout_s=10)
+            _write_router(configured, 77, "operator-1")
+            assert wait_for(lambda: _status(gw)["version"] == "operator-1", timeout_s=10), _status(gw)
+            rolled_back_bytes = configured.read_bytes()
+            # operator-1's cheap answers: half of them wrong, where the top tier is right on all its own
+            write_outcomes(redis_url, redis_prefix, _arms("operator-1", (40, 20), (30, 30), (0, 0)), tmp_path)
+            assert wait_for(lambda: _status(gw)["version"] == "old-good", timeout_s=30), _status(gw)
+            assert rdb.smembers(redis_prefix + "router:bad") == {b"operator-1"}
+            _write_router(configured, 99, "operator-2")
+            assert wait_for(lambda: _status(gw)["version"] == "operator-2", timeout_s=10), _status(gw)
+            time.sleep(1.5)  # past readopt_after_s: the adopted mark is no reason to leave it out any more
+            back = tmp_path / "back.tmp"
+            back.write_bytes(rolled_back_bytes)
+            os.replace(back, configured)  # the rolled-back file, byte for byte, written back
+            assert not wait_for(lambda: _status(gw)["version"] != "operator-2", timeout_s=3), _status(gw)
+            events = _history(redis_url, redis_prefix, tmp_path)
+            assert [(e["event"], e["version"]) for e in events] == [
+                ("promote", "operator-1"), ("rollback", "old-good"), ("promote", "operator-2")]
+            # the same router under a new version: an operator's deliberate choice, served
+            router = load_router(configured)
+            router.metadata["version"] = "operator-1-again"
+            save_router(router, back)
+            os.replace(back, configured)
+            assert wait_for(lambda: _status(gw)["version"] == "operator-1-again", timeout_s=10), _status(gw)
+        finally:
+            rdb.close()
 
 
 def _status_or_none(gw: Any) -> dict[str, Any] | None:
