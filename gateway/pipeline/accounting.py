@@ -444,24 +444,25 @@ class Accounting:
     # --- write-ahead ------------------------------------------------------------------------------------
     async def write_ahead(self, record: UsageRecord) -> None:
         """Before ``record``'s upstream call sends its first byte: its write-ahead record, with the admitted upper
-        bound (Redis, else the spool; never raises for an outage)."""
+        bound (Redis, else the spool; never raises for an outage). Called again before a fallback's call (the
+        record stamped with the fallback tier, ``Exchange.stamp``): the write-ahead record then names that tier,
+        its model and route reason before the call is sent (``WriteAhead.retarget``: one awaited write, on a
+        fallback only), so a process killed during it is settled on the tier the call ran on."""
         if self.wal is None:
             return
         bound = self._bounds.pop(record.request_id, None)
-        if bound is None and self.wal.is_open(record.request_id):
-            # written inside its admission call (a single Redis: ``admit``'s ``ahead``); a request that waited on
-            # another's single-flight lock marked it waiting (taken for never sent after a crash): cleared first
-            if self.wal.is_waiting(record.request_id):
-                await self.wal.sending(record.request_id)
+        rid = record.request_id
+        if bound is None and self.wal.is_open(rid):
+            # written inside its admission call (a single Redis: ``admit``'s ``ahead``), or by an earlier call of this
+            # request; a request that waited on another's single-flight lock marked it waiting (taken for never sent
+            # after a crash): cleared first
+            if self.wal.is_waiting(rid):
+                await self.wal.sending(rid)
+            if record.tier is not None and record.upstream_model is not None \
+                    and not self.wal.names(rid, record.tier, record.upstream_model, record.route_reason):
+                await self.wal.retarget(rid, record.tier, record.upstream_model, record.route_reason)
             return
         await self.wal.begin(record, bound.micro_usd if bound else 0, bound.tokens if bound else 0)
-
-    async def fallback(self, record: UsageRecord) -> None:
-        """``record``'s call falls back to the tier it now names (``Exchange.stamp``): its write-ahead record names
-        that tier, its model and route reason before the fallback call is sent (``WriteAhead.retarget``: one
-        awaited write, on a fallback only), so the call is priced on it should this process die meanwhile."""
-        if self.wal is not None and record.tier is not None and record.upstream_model is not None:
-            await self.wal.retarget(record.request_id, record.tier, record.upstream_model, record.route_reason)
 
     def stream_progress(self, record: UsageRecord) -> Callable[[StreamTally], None] | None:
         """The progress hook of ``record``'s stream: call it with the relay's tally after each batch; the tokens

@@ -206,8 +206,8 @@ class Proxy:
         down (the route becomes ``fallback``, or stays ``escalated`` on an escalation's retry). A tier with
         several replicas prefers the conversation's replica (:func:`gateway.upstream.balancer.conversation_affinity`).
         The call's write-ahead record is written first (``Accounting.write_ahead``): nothing reaches an upstream
-        unrecorded; a fallback names its tier there before it is sent (``Accounting.fallback``). Closes the
-        exchange and raises the last error when no tier answers."""
+        unrecorded; a fallback names its tier there before it is sent (``Accounting.write_ahead`` again). Closes
+        the exchange and raises the last error when no tier answers."""
         route, record = ex.route, ex.record
         await self.accounting.write_ahead(record)
         candidates = [route.tier, *self._fallbacks(route)]
@@ -220,7 +220,7 @@ class Proxy:
                 # that refused it; so does its write-ahead record (awaited: a process killed during the call is
                 # settled from it), on this fallback path only
                 ex.stamp(replace(route, tier=tier, reason="escalated" if route.reason == "escalated" else "fallback"))
-                await self.accounting.fallback(record)
+                await self.accounting.write_ahead(record)
             built = upstream_body.build(body, tier, caller.endpoint)
             resp: UpstreamResponse
             try:

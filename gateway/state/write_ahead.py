@@ -375,6 +375,13 @@ class WriteAhead:
         self._update(op.rec)
         await done
 
+    def names(self, request_id: str, tier: str, upstream_model: str, route_reason: RouteReason | None) -> bool:
+        """True when this process's record of ``request_id`` names that tier, model and route reason (or it has
+        none): :meth:`retarget` would write nothing."""
+        op = self._open.get(request_id)
+        return op is None or (op.rec.tier, op.rec.upstream_model, op.rec.route_reason) == (tier, upstream_model,
+                                                                                            route_reason)
+
     async def retarget(self, request_id: str, tier: str, upstream_model: str, route_reason: RouteReason | None) -> None:
         """``request_id``'s call goes to another tier (a fallback, the routed tier having refused it): name that
         tier in the record — the reconciler prices a lost call at its record's tier — and return once that is
@@ -384,8 +391,7 @@ class WriteAhead:
         it (one round trip after a refused call). No-op when this process has no record of ``request_id``, or it
         names that tier already."""
         op = self._open.get(request_id)
-        if op is None or (op.rec.tier, op.rec.upstream_model, op.rec.route_reason) == (tier, upstream_model,
-                                                                                        route_reason):
+        if op is None or self.names(request_id, tier, upstream_model, route_reason):
             return
         op.rec = replace(op.rec, tier=tier, upstream_model=upstream_model, route_reason=route_reason,
                          updated_ms=int(time.time() * 1000))
