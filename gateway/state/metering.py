@@ -77,24 +77,125 @@ REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
 # replica's clock) for Meter.recent to find it: clock skew between hosts. (After it: metering.late_after_s.)
 EARLY_SLACK_S = 60.0
 
+# All or nothing. Redis runs a script atomically but never rolls back the writes it made before one of its commands
+# failed (a key of the wrong type — a string SET at one of these hashes —, a hash field that holds no integer): the
+# event was half counted (in the seen-set, the stream, some counters; its reservations gone), and a replay dropped it
+# as a duplicate. So each metering script writes through these helpers, which log the inverse of every write that
+# changed something: SADD → SREM, XADD → XDEL (and DEL of a stream it left empty with no consumer group), HINCRBY →
+# HINCRBY of the opposite (then HDEL at 0: a counter at 0 reads as none), INCRBY → INCRBY of the opposite,
+# HSETNX/ZADD of a new field/member → HDEL/ZREM, the HDEL of a reservation → HSET of its old value. The script's body
+# runs under ``pcall`` (``all_or_nothing``); on the first error the log is undone in reverse order and the script
+# answers an error reply: Redis's error code (``WRONGTYPE``, ``ERR``, ``OOM``…), the command and the key that failed,
+# then Redis's message. EXPIRE/PEXPIRE and the late index's trim are not undone (a TTL renewed, entries past their
+# use removed). The write-ahead record's HDEL is each script's last write, so it needs no undo. Cost: four table
+# stores and two upvalue stores per write (bench/RESULTS.md, "All-or-nothing metering scripts").
+UNDO_LUA = """
+local U, nu, at_cmd, at_key = {}, 0, '', ''
+-- RECORD's counter HINCRBYs are not logged (most of its writes): it counts them (na, then nb: the levels) and
+-- counted_writes() lists them in the same order, {key, field, n} each, for undo() to take back the first na / nb
+local na, nb, counted_writes = 0, 0, nil
+local function logged(op, k, a, b)
+  U[nu + 1], U[nu + 2], U[nu + 3], U[nu + 4] = op, k, a, b
+  nu = nu + 4
+end
+local function hincr(k, f, n)
+  at_cmd, at_key = 'HINCRBY', k
+  redis.call('HINCRBY', k, f, n)
+  U[nu + 1], U[nu + 2], U[nu + 3], U[nu + 4] = 'h', k, f, n
+  nu = nu + 4
+end
+local function sadd(k, m)
+  at_cmd, at_key = 'SADD', k
+  local r = redis.call('SADD', k, m)
+  if r == 1 then logged('s', k, m) end
+  return r
+end
+local function incrby(k, n)
+  at_cmd, at_key = 'INCRBY', k
+  redis.call('INCRBY', k, n)
+  logged('i', k, nil, n)
+end
+local function neg(n)
+  if type(n) == 'number' then return -n end
+  if string.sub(n, 1, 1) == '-' then return string.sub(n, 2) end
+  return '-' .. n
+end
+local function unincr(k, f, n)
+  if redis.pcall('HINCRBY', k, f, neg(n)) == 0 then redis.pcall('HDEL', k, f) end
+end
+local function undo()
+  if counted_writes then
+    local a, b = counted_writes()
+    -- failed in one of the counted loops (at_cmd 'A' / 'B'): at the write after the last one done
+    if at_cmd == 'A' then at_cmd, at_key = 'HINCRBY', (a[na + 1] or {'?'})[1] end
+    if at_cmd == 'B' then at_cmd, at_key = 'HINCRBY', (b[nb + 1] or {'?'})[1] end
+    for i = 1, na do unincr(a[i][1], a[i][2], a[i][3]) end
+    for i = 1, nb do unincr(b[i][1], b[i][2], b[i][3]) end
+  end
+  for i = nu - 3, 1, -4 do
+    local op, k, a, b = U[i], U[i + 1], U[i + 2], U[i + 3]
+    if op == 'h' then unincr(k, a, b)
+    elseif op == 's' then redis.pcall('SREM', k, a)
+    elseif op == 'x' then
+      redis.pcall('XDEL', k, a)
+      -- a stream the XADD created: gone again (an empty stream with no consumer group reads as none)
+      if redis.pcall('XLEN', k) == 0 and #redis.pcall('XINFO', 'GROUPS', k) == 0 then redis.pcall('DEL', k) end
+    elseif op == 'z' then redis.pcall('ZREM', k, a)
+    elseif op == 'f' then redis.pcall('HDEL', k, a)
+    elseif op == 'r' then redis.pcall('HSET', k, a, b)
+    elseif op == 'i' then redis.pcall('INCRBY', k, neg(b))
+    end
+  end
+end
+local function all_or_nothing(body)
+  local ok, res = pcall(body)
+  if ok then return res end
+  undo()
+  local err = type(res) == 'table' and res.err or tostring(res)
+  local code, msg = string.match(err, '^(%u[%u_]*) (.*)$')
+  if not code then code, msg = 'ERR', err end
+  return redis.error_reply(code .. ' ThinkGate metering: ' .. at_cmd .. ' ' .. at_key
+    .. ' failed, nothing written (undone): ' .. msg)
+end
+"""
+
+# After LUA_FUNCTIONS and UNDO_LUA: a reservation released (``release``), its old value logged to put it back.
+SETTLE_LUA = """
+local function settle(hash, id)
+  at_cmd, at_key = 'HDEL', hash
+  local tokens, v = release(hash, id)
+  if v then logged('r', hash, id, v) end
+  return tokens
+end
+"""
+
 # Reads of the stream by id range (Meter.events) stop late_after_s past the period's end: an event written later
 # than that after its ts (a spool replay, a reconciled orphan) is indexed in the late set (score: its ts in ms) so
 # they still find it. late:from in the cube index is the id time of the first event this script wrote: events
 # written before it (an older script) were never indexed, so a read reaching back before it cannot stop early.
-NOTE_LATE = """
+NOTE_LATE = UNDO_LUA + """
 -- the event's JSON appended to the stream (trimmed to maxlen when not '0'); its stream id
 local function append_event(stream, maxlen, json)
-  if maxlen ~= '0' then return redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'e', json) end
-  return redis.call('XADD', stream, '*', 'e', json)
+  at_cmd, at_key = 'XADD', stream
+  local id
+  if maxlen ~= '0' then
+    id = redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'e', json)
+  else
+    id = redis.call('XADD', stream, '*', 'e', json)
+  end
+  logged('x', stream, id)
+  return id
 end
 local function note_late(index, late, id, ts_ms, late_ms, ttl)
   local ms = tonumber(string.sub(id, 1, string.find(id, '-', 1, true) - 1))
-  redis.call('HSETNX', index, 'late:from', ms)
+  at_cmd, at_key = 'HSETNX', index
+  if redis.call('HSETNX', index, 'late:from', ms) == 1 then logged('f', index, 'late:from') end
   if ms > tonumber(ts_ms) + tonumber(late_ms) then
-    redis.call('ZADD', late, ts_ms, id)
+    at_cmd, at_key = 'ZADD', late
+    if redis.call('ZADD', late, ts_ms, id) == 1 then logged('z', late, id) end
     redis.call('EXPIRE', late, ttl)
     -- each add renews the set's TTL, so without a trim it only grew: entries whose ts is older than the cubes'
-    -- lifetime (ttl) serve no read any more
+    -- lifetime (ttl) serve no read any more (a trim is not undone: what it removed was past its use)
     redis.call('ZREMRANGEBYSCORE', late, '-inf', '(' .. (ms - tonumber(ttl) * 1000))
   end
 end
@@ -120,64 +221,111 @@ end
 # orphan being reconciled, counted only if its record is still there and the heartbeat still absent (the atomic
 # claim: a record settled normally, or claimed by another replica first, is left alone; reply {0, 0, …}).
 # Returns {counted (1/0), key day cost, key month cost, global day, global month, tag day, tag month, …}.
-RECORD_LUA = LUA_FUNCTIONS + NOTE_LATE + """
-local ntags = tonumber(ARGV[11])
-local late, wal, owner_hb = KEYS[17 + 3 * ntags], KEYS[18 + 3 * ntags], KEYS[19 + 3 * ntags]
-if owner_hb and (redis.call('HEXISTS', wal, ARGV[1]) == 0 or redis.call('EXISTS', owner_hb) == 1) then
-  local none = {0, 0, 0, 0, 0}
-  for j = 1, 2 * ntags do none[#none + 1] = 0 end
-  return none
-end
-if wal then redis.call('HDEL', wal, ARGV[1]) end
-local reserved = release(KEYS[9], ARGV[1])
-if reserved then
-  local delta = tonumber(ARGV[8]) - reserved
-  if reserved > 0 and delta ~= 0 and redis.call('EXISTS', KEYS[10]) == 1 then
-    redis.call('INCRBY', KEYS[10], delta)
-    redis.call('PEXPIRE', KEYS[10], ARGV[9])
-  end
-end
-release(KEYS[13], ARGV[1])
-for j = 0, ntags - 1 do release(KEYS[19 + 3 * j], ARGV[1]) end
-local counted = 0
-if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
-  counted = 1
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-  local id = append_event(KEYS[2], ARGV[6], ARGV[2])
-  note_late(KEYS[15], late, id, ARGV[14], ARGV[15], ARGV[4])
-  local cell = ' ' .. ARGV[13]
-  for i = 16, #ARGV, 2 do
-    if ARGV[i + 1] ~= '0' then
-      for k = 3, 7 do redis.call('HINCRBY', KEYS[k], ARGV[i], ARGV[i + 1]) end
-      redis.call('HINCRBY', KEYS[14], ARGV[i] .. cell, ARGV[i + 1])
-    end
-  end
-  redis.call('EXPIRE', KEYS[14], ARGV[4])
-  redis.call('HINCRBY', KEYS[15], 'n:' .. ARGV[12], 1)
-  if redis.call('SADD', KEYS[16], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[16], ARGV[4]) end
-  redis.call('EXPIRE', KEYS[4], ARGV[4])
-  redis.call('EXPIRE', KEYS[5], ARGV[5])
-  redis.call('EXPIRE', KEYS[7], ARGV[4])
-  redis.call('SADD', KEYS[8], ARGV[7])
+RECORD_LUA = LUA_FUNCTIONS + NOTE_LATE + SETTLE_LUA + """
+-- the KEYS index of each level's day hash (its month hash follows): global, then each tag
+local function levels(ntags)
   local lv = {11}
   for j = 0, ntags - 1 do lv[#lv + 1] = 17 + 3 * j end
-  for _, d in ipairs(lv) do
-    redis.call('HINCRBY', KEYS[d], 'cost_micro_usd', ARGV[10])
-    redis.call('HINCRBY', KEYS[d], 'requests', 1)
-    redis.call('HINCRBY', KEYS[d + 1], 'cost_micro_usd', ARGV[10])
-    redis.call('HINCRBY', KEYS[d + 1], 'requests', 1)
-    redis.call('EXPIRE', KEYS[d], ARGV[4])
-    redis.call('EXPIRE', KEYS[d + 1], ARGV[5])
+  return lv
+end
+-- the counter HINCRBYs of record() (its loops 'A' and 'B'), in its order: {key, field, n} each
+counted_writes = function()
+  local a, b, cell = {}, {}, ' ' .. ARGV[13]
+  for i = 16, #ARGV, 2 do
+    if ARGV[i + 1] ~= '0' then
+      for k = 3, 7 do a[#a + 1] = {KEYS[k], ARGV[i], ARGV[i + 1]} end
+      a[#a + 1] = {KEYS[14], ARGV[i] .. cell, ARGV[i + 1]}
+    end
   end
+  for _, d in ipairs(levels(tonumber(ARGV[11]))) do
+    b[#b + 1] = {KEYS[d], 'cost_micro_usd', ARGV[10]}
+    b[#b + 1] = {KEYS[d], 'requests', 1}
+    b[#b + 1] = {KEYS[d + 1], 'cost_micro_usd', ARGV[10]}
+    b[#b + 1] = {KEYS[d + 1], 'requests', 1}
+  end
+  return a, b
 end
-local out = {counted}
-local function cost(k) return tonumber(redis.call('HGET', KEYS[k], 'cost_micro_usd') or '0') end
-out[2], out[3], out[4], out[5] = cost(4), cost(5), cost(11), cost(12)
-for j = 0, ntags - 1 do
-  out[#out + 1] = cost(17 + 3 * j)
-  out[#out + 1] = cost(18 + 3 * j)
+local function record()
+  local ntags = tonumber(ARGV[11])
+  local late, wal, owner_hb = KEYS[17 + 3 * ntags], KEYS[18 + 3 * ntags], KEYS[19 + 3 * ntags]
+  if owner_hb then
+    at_cmd, at_key = 'HEXISTS', wal
+    if redis.call('HEXISTS', wal, ARGV[1]) == 0 or redis.call('EXISTS', owner_hb) == 1 then
+      local none = {0, 0, 0, 0, 0}
+      for j = 1, 2 * ntags do none[#none + 1] = 0 end
+      return none
+    end
+  end
+  local reserved = settle(KEYS[9], ARGV[1])
+  if reserved then
+    local delta = tonumber(ARGV[8]) - reserved
+    if reserved > 0 and delta ~= 0 and redis.call('EXISTS', KEYS[10]) == 1 then
+      incrby(KEYS[10], delta)
+      redis.call('PEXPIRE', KEYS[10], ARGV[9])
+    end
+  end
+  settle(KEYS[13], ARGV[1])
+  for j = 0, ntags - 1 do settle(KEYS[19 + 3 * j], ARGV[1]) end
+  local counted = 0
+  if sadd(KEYS[1], ARGV[1]) == 1 then
+    counted = 1
+    redis.call('EXPIRE', KEYS[1], ARGV[3])
+    local id = append_event(KEYS[2], ARGV[6], ARGV[2])
+    note_late(KEYS[15], late, id, ARGV[14], ARGV[15], ARGV[4])
+    -- counted, not logged (most of the writes): counted_writes() lists them in this order
+    at_cmd = 'A'
+    local cell = ' ' .. ARGV[13]
+    for i = 16, #ARGV, 2 do
+      local n = ARGV[i + 1]
+      if n ~= '0' then
+        local f = ARGV[i]
+        for k = 3, 7 do
+          redis.call('HINCRBY', KEYS[k], f, n)
+          na = na + 1
+        end
+        redis.call('HINCRBY', KEYS[14], f .. cell, n)
+        na = na + 1
+      end
+    end
+    redis.call('EXPIRE', KEYS[14], ARGV[4])
+    hincr(KEYS[15], 'n:' .. ARGV[12], 1)
+    if sadd(KEYS[16], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[16], ARGV[4]) end
+    redis.call('EXPIRE', KEYS[4], ARGV[4])
+    redis.call('EXPIRE', KEYS[5], ARGV[5])
+    redis.call('EXPIRE', KEYS[7], ARGV[4])
+    sadd(KEYS[8], ARGV[7])
+    at_cmd = 'B'
+    for _, d in ipairs(levels(ntags)) do
+      redis.call('HINCRBY', KEYS[d], 'cost_micro_usd', ARGV[10])
+      nb = nb + 1
+      redis.call('HINCRBY', KEYS[d], 'requests', 1)
+      nb = nb + 1
+      redis.call('HINCRBY', KEYS[d + 1], 'cost_micro_usd', ARGV[10])
+      nb = nb + 1
+      redis.call('HINCRBY', KEYS[d + 1], 'requests', 1)
+      nb = nb + 1
+      redis.call('EXPIRE', KEYS[d], ARGV[4])
+      redis.call('EXPIRE', KEYS[d + 1], ARGV[5])
+    end
+  end
+  local out = {counted}
+  local function cost(k)
+    at_cmd, at_key = 'HGET', KEYS[k]
+    return tonumber(redis.call('HGET', KEYS[k], 'cost_micro_usd') or '0')
+  end
+  out[2], out[3], out[4], out[5] = cost(4), cost(5), cost(11), cost(12)
+  for j = 0, ntags - 1 do
+    out[#out + 1] = cost(17 + 3 * j)
+    out[#out + 1] = cost(18 + 3 * j)
+  end
+  -- the write-ahead record last: nothing can fail after its HDEL, which so needs no undo
+  if wal then
+    at_cmd, at_key = 'HDEL', wal
+    redis.call('HDEL', wal, ARGV[1])
+  end
+  return out
 end
-return out
+return all_or_nothing(record)
 """
 
 # The record of a refused request (UsageEvent.audit): once by event_id, into the stream and the cube's ``refused``
@@ -190,20 +338,22 @@ return out
 # AUDIT and RELEASE both record one through it.
 WRITE_AUDIT = NOTE_LATE + """
 local function write_audit()
-  if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
+  if sadd(KEYS[1], ARGV[1]) == 0 then return 0 end
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   local id = append_event(KEYS[2], ARGV[4], ARGV[2])
   note_late(KEYS[4], KEYS[6], id, ARGV[9], ARGV[10], ARGV[8])
-  redis.call('HINCRBY', KEYS[3], 'refused ' .. ARGV[6], 1)
+  hincr(KEYS[3], 'refused ' .. ARGV[6], 1)
   redis.call('EXPIRE', KEYS[3], ARGV[8])
-  redis.call('HINCRBY', KEYS[4], 'n:' .. ARGV[5], 1)
-  if redis.call('SADD', KEYS[5], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[5], ARGV[8]) end
+  hincr(KEYS[4], 'n:' .. ARGV[5], 1)
+  if sadd(KEYS[5], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[5], ARGV[8]) end
   return 1
 end
 """
 AUDIT_LUA = WRITE_AUDIT + """
-if write_audit() == 0 then return {0, 0, 0} end
-return {1, 0, 0}
+return all_or_nothing(function()
+  if write_audit() == 0 then return {0, 0, 0} end
+  return {1, 0, 0}
+end)
 """
 
 # The write-ahead record of a dead process's request that was waiting and never sent upstream
@@ -220,17 +370,22 @@ return {1, 0, 0}
 #       index), 7 write-ahead hash, 8 owner heartbeat, 9 the key's reservation hash, 10 the key's TPM counter of the
 #       event's minute, 11 global reservations, 12.. each tag's reservations
 # ARGV: 1-10 as AUDIT's (1 the audit event's id), 11 request id, 12 TPM TTL ms. Returns 1 (released) or 0.
-RELEASE_LUA = LUA_FUNCTIONS + WRITE_AUDIT + """
-if redis.call('HEXISTS', KEYS[7], ARGV[11]) == 0 or redis.call('EXISTS', KEYS[8]) == 1 then return 0 end
-redis.call('HDEL', KEYS[7], ARGV[11])
-local reserved = release(KEYS[9], ARGV[11])
-if reserved and reserved > 0 and redis.call('EXISTS', KEYS[10]) == 1 then
-  redis.call('INCRBY', KEYS[10], -reserved)
-  redis.call('PEXPIRE', KEYS[10], ARGV[12])
-end
-for j = 11, #KEYS do release(KEYS[j], ARGV[11]) end
-write_audit()
-return 1
+RELEASE_LUA = LUA_FUNCTIONS + WRITE_AUDIT + SETTLE_LUA + """
+return all_or_nothing(function()
+  at_cmd, at_key = 'HEXISTS', KEYS[7]
+  if redis.call('HEXISTS', KEYS[7], ARGV[11]) == 0 or redis.call('EXISTS', KEYS[8]) == 1 then return 0 end
+  local reserved = settle(KEYS[9], ARGV[11])
+  if reserved and reserved > 0 and redis.call('EXISTS', KEYS[10]) == 1 then
+    incrby(KEYS[10], -reserved)
+    redis.call('PEXPIRE', KEYS[10], ARGV[12])
+  end
+  for j = 11, #KEYS do settle(KEYS[j], ARGV[11]) end
+  write_audit()
+  -- the write-ahead record last: nothing can fail after its HDEL, which so needs no undo
+  at_cmd, at_key = 'HDEL', KEYS[7]
+  redis.call('HDEL', KEYS[7], ARGV[11])
+  return 1
+end)
 """
 
 # A day's cubes rebuilt from the stream (``thinkgate usage backfill``), only if the script aggregated no event of

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 #: ``open_reserved(hash, now_ms)`` → the micro-USD sum of the hash's unexpired reservations (expired ones
 #: are deleted on the way). ``reserve(hash, id, micro, tokens, expires_ms, ttl_ms)`` writes one.
-#: ``release(hash, id)`` deletes one and returns its reserved tokens (nil when it was not there).
+#: ``release(hash, id)`` deletes one and returns its reserved tokens (nil when it was not there) and the field's
+#: value (the metering scripts keep it to put the field back should a later write of theirs fail).
 LUA_FUNCTIONS = """
 local function open_reserved(hash, now)
   local total = 0
@@ -59,7 +60,7 @@ local function release(hash, id)
   local v = redis.call('HGET', hash, id)
   if not v then return nil end
   redis.call('HDEL', hash, id)
-  return tonumber(string.match(v, '^[^|]*|([^|]*)|')) or 0
+  return tonumber(string.match(v, '^[^|]*|([^|]*)|')) or 0, v
 end
 """
 
