@@ -19,6 +19,9 @@ class MeteringConfig(_Strict):
 
     spool_path: Path = STATE_DIR / "usage-spool.jsonl"
     replay_interval_s: float = Field(5.0, gt=0)
+    # Events Redis refused with an error reply (a ThinkGate key of the wrong type, gateway/state/metering.py): kept
+    # in the dead-letter spool beside the usage spool and sent again every dead_letter_interval_s seconds
+    dead_letter_interval_s: float = Field(60.0, gt=0)
     dedup_ttl_s: int = Field(40 * 86400, ge=60)
     stream_maxlen: int | None = Field(None, ge=1000)
     # Write-ahead records (gateway/state/write_ahead.py): every upstream call leaves one in Redis before its first

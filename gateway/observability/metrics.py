@@ -12,10 +12,11 @@ Series (counters get ``_total``): ``thinkgate_requests``, ``thinkgate_tokens``, 
 ``thinkgate_upstream_errors``, ``thinkgate_limit_rejections``, ``thinkgate_refused_requests`` (every request
 refused before an upstream call, by ``status`` and ``code``); histograms
 ``thinkgate_request_latency_seconds`` and ``thinkgate_ttft_seconds``; gauges ``thinkgate_redis_breaker_open``,
-``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events_total``; with ``routing.target`` set,
-``thinkgate_routing_share{tier}`` (the controller's window), ``thinkgate_routing_target_share`` and
-``thinkgate_routing_threshold{tier}`` (the cut point into that tier); ``thinkgate_routing_drift_psi{kind}``
-(score | tier, the drift alarm).
+``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events_total``, ``thinkgate_usage_dead_letter_bytes``,
+``thinkgate_usage_dead_lettered_events_total`` (events Redis refused, kept in the dead-letter spool); with
+``routing.target`` set, ``thinkgate_routing_share{tier}`` (the controller's window),
+``thinkgate_routing_target_share`` and ``thinkgate_routing_threshold{tier}`` (the cut point into that tier);
+``thinkgate_routing_drift_psi{kind}`` (score | tier, the drift alarm).
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ class Metrics:
         self.spooled = Counter("thinkgate_usage_spooled_events", "Usage events this process has spooled "
                                "(Redis down: kept on disk, replayed later).", registry=r)
         self._spooled_seen = 0
+        self.dead_letter_bytes = Gauge("thinkgate_usage_dead_letter_bytes", "Bytes of usage events Redis refused "
+                                       "(an error reply), waiting in the dead-letter spool.", registry=r)
+        self.dead_lettered = Counter("thinkgate_usage_dead_lettered_events", "Usage events this process put in the "
+                                     "dead-letter spool (Redis refused them: nothing written; retried later).",
+                                     registry=r)
+        self._dead_lettered_seen = 0
         self.routing_share = Gauge("thinkgate_routing_share", "Share of the routed requests in the cost-target "
                                    "controller's window, by routed tier.", ["tier"], registry=r)
         # registered with the controller only (render): a label-less gauge is always exposed, and 0 read as
@@ -188,13 +195,18 @@ class Metrics:
         """Count a request refused before any upstream call, by HTTP status and error code."""
         self._child(self.refusals, str(status), code if code in REFUSAL_CODES else "other").inc()
 
-    def render(self, breaker_open: bool, spool_bytes: int, spooled: int) -> bytes:
+    def render(self, breaker_open: bool, spool_bytes: int, spooled: int, dead_letter_bytes: int = 0,
+               dead_lettered: int = 0) -> bytes:
         """The exposition text, with the gauges set from the current state."""
         self.breaker_open.set(1 if breaker_open else 0)
         self.spool_bytes.set(spool_bytes)
         if spooled > self._spooled_seen:
             self.spooled.inc(spooled - self._spooled_seen)
             self._spooled_seen = spooled
+        self.dead_letter_bytes.set(dead_letter_bytes)
+        if dead_lettered > self._dead_lettered_seen:
+            self.dead_lettered.inc(dead_lettered - self._dead_lettered_seen)
+            self._dead_lettered_seen = dead_lettered
         if self.routing_view is not None:
             if not self._target_registered:
                 self.registry.register(self.routing_target_share)

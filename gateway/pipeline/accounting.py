@@ -153,6 +153,7 @@ class Accounting:
         self._replay_retry_at = 0.0  # monotonic s: a failed replay is not retried from the request path before
         self._stop = asyncio.Event()
         self._replayer: asyncio.Task[None] | None = None
+        self._dead_retrier: asyncio.Task[None] | None = None
         # write-ahead records (metering.write_ahead): the admitted upper bound per request id until its record is
         # written, and the heartbeat/reconcile task
         self.wal: WriteAhead | None = None
@@ -172,6 +173,8 @@ class Accounting:
             log.warning("budget definitions not checked at start (Redis down)")
         await self.budgets.refresh(force=True)  # the copy a Redis outage falls back on (``/ready`` reads synced)
         self._replayer = asyncio.create_task(self.meter.run_replayer(self._stop), name="usage-spool-replayer")
+        self._dead_retrier = asyncio.create_task(self.meter.run_dead_letters(self._stop),
+                                                 name="usage-dead-letter-retrier")
         if self.wal is not None:
             self._wal_task = asyncio.create_task(self.wal.run(self._stop), name="write-ahead-reconciler")
         if self.semantic is not None:
@@ -195,9 +198,10 @@ class Accounting:
                 await self._replaying
         await self.flush()
         self._stop.set()
-        if self._replayer is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._replayer
+        for task in (self._replayer, self._dead_retrier):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._wal_task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._wal_task
@@ -565,7 +569,7 @@ class Accounting:
         self._batch_since = time.monotonic()
         try:
             results = await self.meter.record_many([event for event, _ in batch])
-        except Exception:  # never lose the reason; the events are in Redis or the spool unless disk failed
+        except Exception:  # never lose the reason; the events are in Redis or a spool unless disk failed
             log.exception("usage write failed for events %s", ", ".join(e.event_id for e, _ in batch))
             return
         finally:
@@ -604,4 +608,5 @@ class Accounting:
             log.exception("budget alert check failed for a refused request of key %s", key.id)
 
     def render_metrics(self) -> bytes:
-        return self.metrics.render(self.breaker.is_open, self.spool.pending_bytes(), self.meter.spooled)
+        return self.metrics.render(self.breaker.is_open, self.spool.pending_bytes(), self.meter.spooled,
+                                   self.meter.dead.pending_bytes(), self.meter.dead_lettered)

@@ -39,10 +39,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, OutOfMemoryError, ReadOnlyError, ResponseError
 
 from gateway.config import MeteringConfig
 from gateway.ledger.aggregate import (
@@ -60,9 +61,9 @@ from gateway.ledger.aggregate import (
 )
 from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, counter_increments
 from gateway.ledger.export import Groupable, group_sums, increments
-from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.breaker import Breaker, RedisDown, is_outage
 from gateway.state.keys import RedisKeys
-from gateway.state.redis import FastScript, RedisHandle, as_bytes, as_text, raise_error_reply
+from gateway.state.redis import FastScript, RedisHandle, as_bytes, as_text
 from gateway.state.reservations import LUA_FUNCTIONS
 from gateway.state.spool import Spool
 
@@ -73,6 +74,9 @@ MONTH_TTL_S = 800 * 86400
 TPM_TTL_MS = 120_000
 UNROUTED = "_unrouted"  # tier label of requests refused before routing
 REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
+#: error replies of a Redis that cannot write *now* (a replica after a failover, a script running, memory full):
+#: the event goes to the usage spool like on an outage, not to the dead letters
+TRANSIENT_REPLIES = ("BUSY ", "NOREPLICAS ")
 # How far a stream id (the write time, Redis's clock) may lie before its event's ts (the request's start, the
 # replica's clock) for Meter.recent to find it: clock skew between hosts. (After it: metering.late_after_s.)
 EARLY_SLACK_S = 60.0
@@ -424,7 +428,7 @@ class ReadTally:
 class RecordResult:
     """Where the event went, and (when it reached Redis) the key's spend so far this day/month (micro-USD)."""
 
-    stored: Literal["redis", "spool"]
+    stored: Literal["redis", "spool", "dead_letter"]  # dead_letter: Redis refused it (Meter.dead), kept to retry
     counted: bool = False  # False for a duplicate event_id (already counted) or a spooled event
     day_cost_micro_usd: int | None = None
     month_cost_micro_usd: int | None = None
@@ -455,14 +459,19 @@ class Meter:
         self._release = FastScript(handle, RELEASE_LUA)
         self._lane = handle.lane
         self.spooled = 0  # events written to the spool by this process (for metrics)
+        #: events Redis refused with an error reply (the script undid itself: nothing of them written), kept
+        #: beside the usage spool until a retry counts them (:meth:`retry_dead_letters`)
+        self.dead = Spool(dead_letter_path(spool.path), spool.decode)
+        self.dead_lettered = 0  # events this process put into the dead-letter spool (for metrics)
         # every event settles its request's write-ahead record (gateway/state/write_ahead.py) in the same script
         self._wal_key = self.keys.write_ahead if cfg.write_ahead else None
 
     # --- write path -------------------------------------------------------------------------------------
     async def record(self, event: UsageEvent) -> RecordResult:
-        """Count ``event`` once in Redis (and settle its reservation), or spool it durably when Redis is down.
+        """Count ``event`` once in Redis (and settle its reservation), or spool it durably when Redis is down, or
+        keep it in the dead-letter spool when Redis refuses it (an error reply: nothing of it was written).
 
-        Raises ``OSError`` only when Redis is down *and* the spool cannot be written (disk full).
+        Raises ``OSError`` only when Redis is down (or refuses) *and* the spool cannot be written (disk full).
         """
         try:
             reply = await self.breaker.call(lambda: self._run(event))
@@ -470,14 +479,18 @@ class Meter:
             await self.spool.append([event])
             self.spooled += 1
             return RecordResult("spool")
+        except ResponseError as exc:
+            return (await self._refused([(event, exc)]))[0]
         return RecordResult.of_reply(event, reply)
 
     async def record_many(self, events: list[UsageEvent]) -> list[RecordResult]:
         """:meth:`record` for several events in one Redis round trip (a pipeline of ``RECORD`` scripts).
 
         All or nothing on an outage: if the pipeline fails, every event of the batch is spooled (with one
-        fsync); events whose script did run before the failure are dropped by ``event_id`` on replay.
-        Raises like :meth:`record`.
+        fsync); events whose script did run before the failure are dropped by ``event_id`` on replay. An event
+        whose script answered an error reply (and so wrote nothing, see ``UNDO_LUA``) goes to the dead-letter spool
+        (or the usage spool, for a Redis that cannot write now: :data:`TRANSIENT_REPLIES`); the other events of the
+        batch stay counted. Raises like :meth:`record`.
         """
         if len(events) <= 1 or not isinstance(self.redis, Redis):  # Redis Cluster: one by one
             return [await self.record(e) for e in events]
@@ -487,9 +500,39 @@ class Meter:
             await self.spool.append(events)
             self.spooled += len(events)
             return [RecordResult("spool") for _ in events]
-        return [RecordResult.of_reply(e, r) for e, r in zip(events, replies, strict=True)]
+        refused = [(e, r) for e, r in zip(events, replies, strict=True) if isinstance(r, ResponseError)]
+        if not refused:
+            return [RecordResult.of_reply(e, r) for e, r in zip(events, replies, strict=True)]
+        kept = iter(await self._refused(refused))
+        return [next(kept) if isinstance(r, ResponseError) else RecordResult.of_reply(e, r)
+                for e, r in zip(events, replies, strict=True)]
 
-    async def _run_many(self, events: list[UsageEvent]) -> list[list[int]]:
+    async def _refused(self, refused: list[tuple[UsageEvent, ResponseError]]) -> list[RecordResult]:
+        """Keep events Redis answered with an error reply: in the usage spool when the error is transient
+        (:func:`transient`), else in the dead-letter spool (one ERROR line per error, naming the key)."""
+        later = [e for e, exc in refused if transient(exc)]
+        dead = [(e, exc) for e, exc in refused if not transient(exc)]
+        if later:
+            await self.spool.append(later)
+            self.spooled += len(later)
+        if dead:
+            await self._dead_letter(dead)
+        return [RecordResult("spool" if transient(exc) else "dead_letter") for _, exc in refused]
+
+    async def _dead_letter(self, dead: list[tuple[UsageEvent, ResponseError]]) -> None:
+        await self.dead.append([e for e, _ in dead])
+        self.dead_lettered += len(dead)
+        by_error: dict[str, list[str]] = {}
+        for event, exc in dead:
+            by_error.setdefault(str(exc), []).append(event.event_id)
+        for error, ids in by_error.items():
+            log.error("usage events %s refused by Redis, kept in the dead-letter spool %s and sent again every "
+                      "%.0f s (fix or delete the key it names; they count once then): %s", ", ".join(ids),
+                      self.dead.path, self.cfg.dead_letter_interval_s, error)
+
+    async def _run_many(self, events: list[UsageEvent]) -> list[Any]:
+        """The batch's replies in order: an error reply as its ``ResponseError``. Raises an outage error (or any
+        exception that is no error reply) for the breaker."""
         for attempt in range(2):
             replies = await self._lane_many(events) if self._lane is not None else None
             if replies is None:  # Sentinel/standalone with the lane busy: redis-py's pipeline
@@ -504,8 +547,10 @@ class Meter:
                 await self.redis.script_load(RECORD_LUA)
                 await self.redis.script_load(AUDIT_LUA)
                 continue  # safe: events already counted are dropped by event_id
-            raise_error_reply(replies)
-            return replies
+            for r in replies:  # an outage (CLUSTERDOWN, MASTERDOWN…), or anything not an error reply, is raised
+                if isinstance(r, Exception) and (is_outage(r) or not isinstance(r, ResponseError)):
+                    raise r
+            return list(replies)
         raise AssertionError("unreachable")
 
     async def _lane_many(self, events: list[UsageEvent]) -> list[Any] | None:
@@ -606,13 +651,31 @@ class Meter:
         return keys, args
 
     async def _record_batch(self, events: list[UsageEvent]) -> None:
+        """The spool replay's sink: an event Redis refuses goes to the dead-letter spool, so one bad event never
+        holds the spool back; a transient refusal (:func:`transient`) raises (the spool is kept for the next try)."""
+        refused = await self._send(events)
+        for _, exc in refused:
+            if transient(exc):
+                raise exc
+        if refused:
+            await self._dead_letter(refused)
+
+    async def _send(self, events: list[UsageEvent]) -> list[tuple[UsageEvent, ResponseError]]:
+        """Send ``events`` (pipelines of :data:`REPLAY_PIPELINE`); the ones Redis refused, with its error reply.
+        Raises :class:`RedisDown`."""
+        refused: list[tuple[UsageEvent, ResponseError]] = []
         if not isinstance(self.redis, Redis):
             for event in events:
-                await self.breaker.call(functools.partial(self._run, event))
-            return
+                try:
+                    await self.breaker.call(functools.partial(self._run, event))
+                except ResponseError as exc:
+                    refused.append((event, exc))
+            return refused
         for i in range(0, len(events), REPLAY_PIPELINE):  # a few round trips instead of one per event
             chunk = events[i : i + REPLAY_PIPELINE]
-            await self.breaker.call(functools.partial(self._run_many, chunk))
+            replies = await self.breaker.call(functools.partial(self._run_many, chunk))
+            refused += [(e, r) for e, r in zip(chunk, replies, strict=True) if isinstance(r, ResponseError)]
+        return refused
 
     async def replay(self) -> int:
         """Send the spool to Redis; returns the number of records sent (0 when empty or Redis is down)."""
@@ -621,6 +684,36 @@ class Meter:
     async def run_replayer(self, stop: asyncio.Event) -> None:
         """Replay the spool every ``replay_interval_s`` seconds until ``stop`` is set (a background task)."""
         await self.spool.run_replayer(self.replay, stop, self.cfg.replay_interval_s, "usage")
+
+    async def retry_dead_letters(self) -> tuple[int, int]:
+        """Send the dead-letter spool to Redis again: the events it now takes are counted (once: by ``event_id``),
+        the ones it still refuses stay. Returns ``(sent, still refused)``; ``(0, 0)`` when empty or Redis is down."""
+        errors: list[str] = []
+
+        async def sink(events: list[UsageEvent]) -> list[UsageEvent]:
+            refused = await self._send(events)
+            errors.extend(str(exc) for _, exc in refused[:1])
+            return [e for e, _ in refused]
+
+        if self.dead.pending_bytes() == 0:
+            return 0, 0
+        try:
+            sent, kept = await self.dead.drain_keeping(sink)
+        except RedisDown:
+            return 0, 0
+        if sent > kept:
+            log.info("dead-letter spool: %d usage events counted (or already counted)", sent - kept)
+        if kept:
+            log.warning("dead-letter spool: %d usage events still refused by Redis, next try in %.0f s: %s", kept,
+                        self.cfg.dead_letter_interval_s, errors[0] if errors else "?")
+        return sent, kept
+
+    async def run_dead_letters(self, stop: asyncio.Event) -> None:
+        """Retry the dead-letter spool every ``dead_letter_interval_s`` seconds until ``stop`` is set."""
+        async def retry() -> int:
+            return (await self.retry_dead_letters())[0]
+
+        await self.dead.run_replayer(retry, stop, self.cfg.dead_letter_interval_s, "usage dead-letter")
 
     # --- read path --------------------------------------------------------------------------------------
     async def key_counters(self, key_id: str, day: str | None = None, month: str | None = None) -> dict[str, int]:
@@ -911,6 +1004,17 @@ class Meter:
 
             out.extend(await self.breaker.call(run))
         return out
+
+
+def dead_letter_path(usage_spool: Path) -> Path:
+    """Where events Redis refused wait: beside the usage spool, ``<stem>.dead.jsonl``."""
+    return usage_spool.with_name(usage_spool.stem + ".dead.jsonl")
+
+
+def transient(exc: ResponseError) -> bool:
+    """Whether an error reply means Redis cannot write now (a replica, memory full, a script running) rather than
+    that it refuses this event (a key of the wrong type): the event is spooled, not dead-lettered."""
+    return isinstance(exc, ReadOnlyError | OutOfMemoryError) or str(exc).startswith(TRANSIENT_REPLIES)
 
 
 def _ints(raw: Mapping[bytes | str, bytes | str]) -> dict[str, int]:

@@ -10,6 +10,12 @@ the file only when the sink accepted all of them. A crash or failure in the midd
 place; the next drain sends the already-counted events again and the metering script drops them by
 ``event_id`` (so nothing is lost and nothing counted twice). A torn last line (crash during a write, never
 acknowledged) is skipped with a warning.
+
+:meth:`Spool.drain_keeping` (the dead-letter spool of events Redis refused, ``gateway/state/metering.py``) keeps
+the records its sink did not accept: the file is replaced by one holding only those, written beside it, fsync'd
+and renamed over it (so a crash leaves the old file or the new, never neither). Every append and drain checks,
+once it holds the lock, that the file it opened is still the one at the path (else it opens the new one): an
+append that waited on the lock of a replaced file is never written into it.
 """
 
 from __future__ import annotations
@@ -53,9 +59,13 @@ class Spool(Generic[T]):
 
     def _append_sync(self, lines: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
+        while True:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
+            if _is_current(fd, self.path):
+                break
+            os.close(fd)  # replaced (drain_keeping) while we waited for its lock: the new file
+        try:
             view = memoryview(lines)
             while view:
                 view = view[os.write(fd, view):]
@@ -126,6 +136,32 @@ class Spool(Generic[T]):
             finally:
                 os.close(fd)
 
+    async def drain_keeping(self, sink: Callable[[list[T]], Awaitable[list[T]]], batch: int = 200) -> tuple[int, int]:
+        """:meth:`drain`, but ``sink`` returns the records of its batch it did not accept: the file is then replaced
+        by one holding only those (written beside it, fsync'd, renamed over it), or truncated when it accepted all.
+        Returns ``(records sent, records kept)``. When ``sink`` raises, the file is left untouched."""
+        if self.pending_bytes() == 0:
+            self.dirty = False
+            return 0, 0
+        async with self._lock:
+            fd = await asyncio.to_thread(_open_locked, self.path)
+            if fd is None:
+                self.dirty = False
+                return 0, 0
+            try:
+                events = _parse(await asyncio.to_thread(_read_fd, fd), self.decode)
+                kept: list[T] = []
+                for i in range(0, len(events), batch):
+                    kept += await sink(events[i : i + batch])
+                if kept:
+                    await asyncio.to_thread(_replace, self.path, b"".join(e.to_json() + b"\n" for e in kept))
+                else:
+                    await asyncio.to_thread(_truncate, fd)
+                    self.dirty = False
+                return len(events), len(kept)
+            finally:
+                os.close(fd)
+
     async def replay(self, sink: Callable[[list[T]], Awaitable[None]], what: str) -> int:
         """:meth:`drain` into ``sink`` (a writer to Redis); 0 when the spool is empty or Redis is down
         (:class:`~gateway.state.breaker.RedisDown`: the file is kept for the next try). ``what`` names the spool in
@@ -160,12 +196,44 @@ class Spool(Generic[T]):
 
 
 def _open_locked(path: Path) -> int | None:
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _is_current(fd, path):
+            return fd
+        os.close(fd)  # replaced (drain_keeping) while we waited for its lock: the new file
+
+
+def _is_current(fd: int, path: Path) -> bool:
+    """Whether the file open as ``fd`` is still the one at ``path``."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        st = os.stat(path)
     except FileNotFoundError:
-        return None
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Replace the file at ``path`` by one holding ``data``, durably (a crash leaves the old file or the new)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def _truncate(fd: int) -> None:

@@ -1,0 +1,226 @@
+"""A metering script that fails partway writes nothing, and its event is not lost: against a real Redis.
+
+A ThinkGate key of the wrong type (a string SET at the stream, a counter hash, a cube, a tag level's hash) or a hash
+field that is no integer makes a command of ``RECORD``/``AUDIT`` fail after earlier writes of the same call; Redis
+does not roll those back. The scripts undo their own writes (``UNDO_LUA``, ``gateway/state/metering.py``) and the
+event goes to the dead-letter spool, retried until the key is fixed — then counted exactly once; the other events of
+the same pipelined batch are counted at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.config import Prices
+from gateway.ledger.event import UsageEvent
+from gateway.state.keys import RedisKeys
+from tests.fixtures.redis_stack import Stack, stack
+
+PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
+                output_usd_per_mtok=Decimal("2.00"))
+TAG = "team=a"
+RESERVED_TOKENS = 5000
+TPM_BEFORE = 7000
+
+
+def _event(key: str, i: int, *, tags: dict[str, str] | None = None, audit: bool = False,
+           ts: float | None = None) -> UsageEvent:
+    ev = UsageEvent(key_id=key, requested_model="auto", tier="short", upstream_model="m", route_reason="predicted",
+                    prompt_tokens=100 + i, cached_tokens=3, completion_tokens=50 + i, reasoning_tokens=7,
+                    tags=tags or {}, ts=time.time() if ts is None else ts)
+    ev.price(PRICES)
+    if audit:
+        ev.audit, ev.status, ev.error_code = True, 429, "rate_limit_exceeded"
+        ev.cost_micro_usd = ev.saved_micro_usd = 0
+        ev.usage_source = "none"
+    return ev
+
+
+async def _snapshot(st: Stack) -> dict[bytes, tuple[str, Any]]:
+    """Every key under the test's prefix with its type and content (TTLs left out)."""
+    r = st.handle.client
+    out: dict[bytes, tuple[str, Any]] = {}
+    async for k in r.scan_iter(match=st.handle.prefix + "*", count=1000):
+        t = (await r.type(k)).decode()
+        if t == "hash":
+            v: Any = await r.hgetall(k)
+        elif t == "set":
+            v = sorted(await r.smembers(k))
+        elif t == "zset":
+            v = await r.zrange(k, 0, -1, withscores=True)
+        elif t == "stream":
+            v = await r.xrange(k)
+        else:
+            v = await r.get(k)
+        out[k] = (t, v)
+    return out
+
+
+async def _open_request(st: Stack, ev: UsageEvent) -> None:
+    """What admission and the upstream call leave for ``ev``: reservations at its key, its tags and the global level,
+    the key's TPM window and the call's write-ahead record."""
+    r, k = st.handle.client, st.meter.keys
+    exp = int(time.time() * 1000) + 600_000
+    await r.hset(k.reservations(ev.key_id), ev.event_id, f"9000|{RESERVED_TOKENS}|{exp}")
+    await r.hset(k.level_reservations("global", "global"), ev.event_id, f"9000|0|{exp}")
+    for name, value in ev.tags.items():
+        await r.hset(k.level_reservations("tag", f"{name}={value}"), ev.event_id, f"9000|0|{exp}")
+    await r.set(k.tpm(ev.key_id, ev.minute), TPM_BEFORE, px=120_000)
+    await r.hset(k.write_ahead, ev.event_id, "record")
+
+
+async def _stream_ids(st: Stack) -> list[str]:
+    entries = await st.handle.client.xrange(st.meter.keys.events)
+    return [json.loads(fields[b"e"])["event_id"] for _, fields in entries]
+
+
+def _poison(k: RedisKeys, case: str, ev: UsageEvent) -> tuple[str, str]:
+    """The key of ``case`` and what breaks it: ``"string"`` (a SET) or ``"field"`` (a counter holding text)."""
+    return {
+        "stream": (k.events, "string"),
+        "key_total": (k.key_total(ev.key_id), "string"),
+        "cube": (k.agg_cube(ev.key_id, ev.day), "string"),
+        "tag_day": (k.level_day("tag", TAG, ev.day), "string"),
+        "tag_month": (k.level_month("tag", TAG, ev.month), "string"),
+        "not_an_integer": (k.key_month(ev.key_id, ev.month), "field"),
+    }[case]
+
+
+async def _break(st: Stack, key: str, how: str) -> None:
+    r = st.handle.client
+    if how == "string":
+        await r.delete(key)
+        await r.set(key, "not a hash")
+    else:
+        await r.hset(key, "cost_micro_usd", "not a number")
+
+
+CASES = ["stream", "key_total", "cube", "tag_day", "tag_month", "not_an_integer"]
+
+
+@pytest.mark.parametrize("case", CASES)
+async def test_a_failing_script_writes_nothing_and_its_event_counts_once_the_key_is_fixed(
+        redis_url: str, redis_prefix: str, tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
+        k = st.meter.keys
+        # written late (a replay): the late index and its HSETNX/ZADD are part of what must be undone
+        bad = _event("k1", 1, tags={"team": "a"}, ts=time.time() - 2000)
+        audit = _event("k1", 2, audit=True)  # in the cube and the stream, no counter
+        poisoned, how = _poison(k, case, bad)
+        fails_audit = case in ("stream", "cube")
+        await _open_request(st, bad)  # (an audit event has no reservation, no write-ahead record)
+        await _break(st, poisoned, how)
+
+        # 1. nothing counted yet: a batch of failing events leaves Redis exactly as it was (TTLs aside)
+        batch1 = [bad, audit] if fails_audit else [bad]
+        before = await _snapshot(st)
+        caplog.set_level(logging.ERROR, logger="thinkgate.metering")
+        results = await st.meter.record_many(batch1)
+        assert [r.stored for r in results] == ["dead_letter"] * len(batch1)
+        assert await _snapshot(st) == before
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR and bad.event_id in r.getMessage()]
+        assert len(errors) == 1 and poisoned in errors[0].getMessage()
+        assert [e.event_id for e in st.meter.dead.read_all()] == [e.event_id for e in batch1]
+        assert st.meter.dead_lettered == len(batch1)
+
+        # 2. a batch mixing them with events that can be counted: those are, the failing ones leave no trace
+        ok = _event("k2", 3)  # another key, no tag: touches none of the poisoned keys but the stream
+        await _open_request(st, ok)
+        bad2 = _event("k1", 4, tags={"team": "a"})
+        await _open_request(st, bad2)
+        seen_before = await st.handle.client.smembers(k.seen(bad.day))
+        results = await st.meter.record_many([bad2, ok])
+        if case == "stream":
+            assert [r.stored for r in results] == ["dead_letter", "dead_letter"]
+        else:
+            assert [r.stored for r in results] == ["dead_letter", "redis"] and results[1].counted
+            assert (await st.meter.key_counters("k2"))["requests"] == 1
+        seen = await st.handle.client.smembers(k.seen(bad.day))
+        assert bad2.event_id.encode() not in seen and bad.event_id.encode() not in seen
+        assert seen - seen_before == (set() if case == "stream" else {ok.event_id.encode()})
+        assert bad2.event_id not in (await _stream_ids(st) if case != "stream" else [])
+        for ev in (bad, bad2):  # reservations and write-ahead record untouched
+            assert await st.handle.client.hexists(k.reservations("k1"), ev.event_id)
+            assert await st.handle.client.hexists(k.level_reservations("tag", TAG), ev.event_id)
+            assert await st.handle.client.hexists(k.level_reservations("global", "global"), ev.event_id)
+            assert await st.handle.client.hget(k.write_ahead, ev.event_id) == b"record"
+
+        # 3. a retry while the key is still broken changes nothing and keeps them
+        dead_ids = [e.event_id for e in st.meter.dead.read_all()]
+        snap = await _snapshot(st)
+        sent, kept = await st.meter.retry_dead_letters()
+        assert sent == kept == len(dead_ids)
+        assert await _snapshot(st) == snap
+        assert sorted(e.event_id for e in st.meter.dead.read_all()) == sorted(dead_ids)
+
+        # 4. the operator deletes the key: the next retry counts every one of them exactly once
+        await st.handle.client.delete(poisoned)
+        assert await st.meter.retry_dead_letters() == (len(dead_ids), 0)
+        assert st.meter.dead.read_all() == [] and st.meter.dead.pending_bytes() == 0
+        assert await st.meter.retry_dead_letters() == (0, 0)
+        everything = [bad, bad2, ok, audit] if fails_audit else [bad, bad2, ok]
+        ids = await _stream_ids(st)
+        assert sorted(ids) == sorted(e.event_id for e in everything)  # each once in the stream
+        seen = await st.handle.client.smembers(k.seen(bad.day)) | await st.handle.client.smembers(k.seen(audit.day))
+        assert {e.event_id.encode() for e in everything} <= seen
+        counted = [bad, bad2, ok]
+        glob = await st.handle.client.hgetall(k.level_day("global", "global", bad.day))
+        assert int(glob[b"requests"]) == 3
+        assert int(glob[b"cost_micro_usd"]) == sum(e.cost_micro_usd for e in counted)
+        tag = await st.handle.client.hgetall(k.level_month("tag", TAG, bad.month))
+        assert (int(tag[b"requests"]), int(tag[b"cost_micro_usd"])) == (2, bad.cost_micro_usd + bad2.cost_micro_usd)
+        if case not in ("key_total", "not_an_integer"):  # those two hashes were deleted by the fix
+            assert (await st.meter.key_counters("k1"))["requests"] == 2
+            assert (await st.meter.key_counters("k1", month=bad.month))["prompt_tokens"] == (
+                bad.prompt_tokens + bad2.prompt_tokens)
+        for ev in (bad, bad2):
+            assert not await st.handle.client.hexists(k.reservations("k1"), ev.event_id)
+            assert not await st.handle.client.hexists(k.write_ahead, ev.event_id)
+        # the TPM window corrected once per counted event of the key (real tokens - reserved)
+        tpm = sum(e.upstream_tokens - RESERVED_TOKENS for e in (bad, bad2) if e.minute == bad.minute)
+        assert int(await st.handle.client.get(k.tpm("k1", bad.minute))) == TPM_BEFORE + tpm
+        # sent again (a replay): nothing counted twice
+        assert not any(r.counted for r in await st.meter.record_many(everything))
+        assert int((await st.handle.client.hgetall(k.level_day("global", "global", bad.day)))[b"requests"]) == 3
+
+
+async def test_one_refused_event_does_not_hold_the_spool_back(redis_url: str, redis_prefix: str,
+                                                              tmp_path: Path) -> None:
+    """The spool replay sends a batch in which Redis refuses one event: the others are counted, the file is
+    emptied, the refused one waits in the dead-letter spool (a replay that raised kept the whole file forever)."""
+    async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
+        k = st.meter.keys
+        bad, ok = _event("k1", 1, tags={"team": "a"}), _event("k2", 2)
+        await st.handle.client.set(k.key_total("k1"), "not a hash")
+        await st.spool.append([bad, ok])
+        assert await st.meter.replay() == 2
+        assert st.spool.pending_bytes() == 0 and await st.meter.replay() == 0
+        assert (await st.meter.key_counters("k2"))["requests"] == 1
+        assert [e.event_id for e in st.meter.dead.read_all()] == [bad.event_id]
+        assert not await st.handle.client.sismember(k.seen(bad.day), bad.event_id)
+        await st.handle.client.delete(k.key_total("k1"))
+        assert await st.meter.retry_dead_letters() == (1, 0)
+        assert (await st.meter.key_counters("k1"))["requests"] == 1
+        assert await _stream_ids(st) == [ok.event_id, bad.event_id]
+
+
+async def test_a_single_event_is_kept_too(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """``Meter.record`` (one event, no pipeline) refused: dead-lettered, nothing written."""
+    async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
+        k = st.meter.keys
+        bad = _event("k1", 1, tags={"team": "a"})
+        await _open_request(st, bad)
+        await st.handle.client.set(k.level_month("global", "global", bad.month), "not a hash")
+        before = await _snapshot(st)
+        assert (await st.meter.record(bad)).stored == "dead_letter"
+        assert await _snapshot(st) == before
+        await st.handle.client.delete(k.level_month("global", "global", bad.month))
+        assert await st.meter.retry_dead_letters() == (1, 0)
+        assert await _stream_ids(st) == [bad.event_id]
