@@ -102,6 +102,7 @@ from typing import Any, cast
 import orjson
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
+from redis.exceptions import ResponseError
 
 from gateway.config import MeteringConfig, Prices
 from gateway.ledger.event import Endpoint, RouteReason, UsageEvent, UsageSource
@@ -283,6 +284,7 @@ class WriteAhead:
         self._due_waiters: list[asyncio.Future[None]] = []  # released once the updates due now are written
         self._updater: asyncio.Task[None] | None = None
         self._suspects: dict[str, float] = {}  # request id → when this reconciler first saw its owner dead
+        self._refused: set[str] = set()  # request ids Redis refused to settle (logged once), while they stay open
         self._tasks: set[asyncio.Task[None]] = set()
         self._begins: list[tuple[WalRecord, asyncio.Future[None]]] = []  # begins waiting for the next write
         self._begin_writer: asyncio.Task[None] | None = None
@@ -562,6 +564,7 @@ class WriteAhead:
         seen = {rec.request_id for rec in candidates}
         for rid in [r for r in self._suspects if r not in seen]:
             del self._suspects[rid]
+        self._refused &= seen
         counted = 0
         for rec in candidates:
             if rec.owner in alive or now_ms - rec.updated_ms < ttl_ms:
@@ -572,15 +575,25 @@ class WriteAhead:
                 continue
             owner_hb = self.keys.heartbeat(rec.owner)
             self._suspects.pop(rec.request_id, None)
-            if rec.unsent:  # no usage, no request: its reservations released, an audit event says why
-                if await self.meter.release_orphan(rec.unsent_event(), owner_hb):
-                    self.released += 1
-                    log.warning("released write-ahead record %s of dead process %s: never sent upstream",
-                                rec.request_id, rec.owner)
+            try:
+                if rec.unsent:  # no usage, no request: its reservations released, an audit event says why
+                    if await self.meter.release_orphan(rec.unsent_event(), owner_hb):
+                        self.released += 1
+                        log.warning("released write-ahead record %s of dead process %s: never sent upstream",
+                                    rec.request_id, rec.owner)
+                    continue
+                # it finished: its own event, which its process had no time to write; else lost, at its last update
+                event = rec.final if rec.final is not None else rec.event(self.prices.get(rec.tier or ""))
+                result = await self.meter.settle_orphan(event, owner_hb)
+            except ResponseError as exc:
+                # Redis refused it (a key of the wrong type): the script wrote nothing, the record stays for a later
+                # pass; the other records go on (one such record stopped every pass at it)
+                if rec.request_id not in self._refused:
+                    self._refused.add(rec.request_id)
+                    log.error("write-ahead record %s of dead process %s refused by Redis, left for the next pass "
+                              "(fix or delete the key it names): %s", rec.request_id, rec.owner, exc)
                 continue
-            # it finished: its own event, which its process had no time to write; else lost, at its last update
-            event = rec.final if rec.final is not None else rec.event(self.prices.get(rec.tier or ""))
-            result = await self.meter.settle_orphan(event, owner_hb)
+            self._refused.discard(rec.request_id)
             if result.counted:
                 counted += 1
                 log.warning("metered write-ahead record %s of dead process %s as %s (%d completion tokens%s)",

@@ -9,18 +9,22 @@ the same pipelined batch are counted at once.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
+import uuid
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.exceptions import ResponseError
 
 from gateway.config import Prices
 from gateway.ledger.event import UsageEvent
 from gateway.state.keys import RedisKeys
+from gateway.state.write_ahead import WalRecord, WriteAhead
 from tests.fixtures.redis_stack import Stack, stack
 
 PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
@@ -224,3 +228,53 @@ async def test_a_single_event_is_kept_too(redis_url: str, redis_prefix: str, tmp
         await st.handle.client.delete(k.level_month("global", "global", bad.month))
         assert await st.meter.retry_dead_letters() == (1, 0)
         assert await _stream_ids(st) == [bad.event_id]
+
+
+async def test_orphan_settlement_is_all_or_nothing_and_one_refused_orphan_does_not_stop_the_pass(
+        redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """``settle_orphan`` (RECORD with the claim) and ``release_orphan`` (RELEASE) refused: nothing written, the
+    write-ahead record stays; the reconciler goes on to the next record; after the fix both settle."""
+    async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
+        r, k = st.handle.client, st.meter.keys
+        cfg = st.metering_cfg.model_copy(update={"heartbeat_ttl_s": 0.5})
+        wal = WriteAhead(st.handle, st.breaker, st.meter, cfg, {"short": PRICES}, owner="live:1:x")
+        now = time.time()
+        sent = WalRecord(request_id=uuid.uuid4().hex, key_id="k1", owner="dead:1:x", ts=now, updated_ms=0,
+                         tags={"team": "a"}, tier="short", completion_tokens=40)
+        unsent = WalRecord(request_id=uuid.uuid4().hex, key_id="k1", owner="dead:1:x", ts=now, updated_ms=0,
+                           tags={"team": "a"}, tier="short", waiting=True)
+        fine = WalRecord(request_id=uuid.uuid4().hex, key_id="k2", owner="dead:1:x", ts=now, updated_ms=0,
+                         tags={}, tier="short", completion_tokens=5)
+        exp = int(now * 1000) + 600_000
+        for rec in (sent, unsent, fine):
+            await r.hset(k.write_ahead, rec.request_id, rec.to_json())
+            await r.hset(k.reservations(rec.key_id), rec.request_id, f"9000|{RESERVED_TOKENS}|{exp}")
+            await r.hset(k.level_reservations("global", "global"), rec.request_id, f"9000|0|{exp}")
+        await r.set(k.tpm("k1", sent.event(PRICES).minute), TPM_BEFORE, px=120_000)
+        # RECORD fails at the tag's month hash (late in the script), RELEASE at its cube (in the audit part)
+        await r.set(k.level_month("tag", TAG, sent.event(PRICES).month), "not a hash")
+        await r.set(k.agg_cube("k1", unsent.unsent_event().day), "not a hash")
+        before = await _snapshot(st)
+        hb = k.heartbeat("dead:1:x")
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await st.meter.settle_orphan(sent.event(PRICES), hb)
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await st.meter.release_orphan(unsent.unsent_event(), hb)
+        assert await _snapshot(st) == before
+        # the reconciler: the refused records stay, the other one is counted
+        assert await wal.reconcile() == 0  # first sight of a dead owner: suspects only
+        await asyncio.sleep(0.6)
+        assert await wal.reconcile() == 1
+        assert await r.hexists(k.write_ahead, sent.request_id) and await r.hexists(k.write_ahead, unsent.request_id)
+        assert not await r.hexists(k.write_ahead, fine.request_id)
+        assert (await st.meter.key_counters("k2"))["requests"] == 1
+        await r.delete(k.level_month("tag", TAG, sent.event(PRICES).month), k.agg_cube("k1", unsent.unsent_event().day))
+        assert await wal.reconcile() == 0  # suspects again (the refused ones left the list)
+        await asyncio.sleep(0.6)
+        assert await wal.reconcile() == 1 and wal.released == 1
+        assert not await r.hexists(k.write_ahead, sent.request_id)
+        assert not await r.hexists(k.write_ahead, unsent.request_id)
+        assert not await r.hexists(k.reservations("k1"), unsent.request_id)
+        assert (await st.meter.key_counters("k1"))["requests"] == 1
+        assert sorted(await _stream_ids(st)) == sorted([fine.request_id, sent.request_id,
+                                                        unsent.unsent_event().event_id])
