@@ -26,6 +26,17 @@ When Redis is unreachable (or the breaker is open) the event goes to the fsync'd
 spool back through the same script once Redis answers. Nothing is lost, nothing is counted twice — within
 ``metering.dedup_ttl_s`` (the seen-sets' lifetime).
 
+When Redis answers but refuses an event — a command of the script fails: a ThinkGate key of the wrong type (a string
+SET at the stream, a counter hash, a cube, a level's hash), a counter field holding text — nothing of it is written:
+each script is all or nothing (``UNDO_LUA``: it undoes its own earlier writes and answers an error reply naming the
+command and the key that failed). The event goes to a second fsync'd spool, the dead letters
+(``<spool stem>.dead.jsonl``, :func:`dead_letter_path`), is counted in ``thinkgate_usage_dead_lettered_events_total``
+and logged at ERROR once; :meth:`Meter.run_dead_letters` sends the dead letters again every
+``metering.dead_letter_interval_s`` — once the key is fixed they are counted, once (by ``event_id``). The other events
+of the same pipelined batch are counted as usual; the spool replay dead-letters a refused event and goes on (it used to
+keep the whole spool forever). A refusal that only means Redis cannot write *now* (``READONLY`` after a failover,
+``OOM``, ``BUSY``, ``NOREPLICAS``: :func:`transient`) spools the event like an outage instead.
+
 Redis Cluster: the script touches several keys, so all its keys share one hash slot (the prefix is a hash tag,
 see ``gateway/state/redis.py``) — the cubes too, although they are per key: they must be written in the step that
 counts the event (the day's seen-set, shared by every key), and a script cannot span slots.
@@ -91,8 +102,9 @@ EARLY_SLACK_S = 60.0
 # runs under ``pcall`` (``all_or_nothing``); on the first error the log is undone in reverse order and the script
 # answers an error reply: Redis's error code (``WRONGTYPE``, ``ERR``, ``OOM``…), the command and the key that failed,
 # then Redis's message. EXPIRE/PEXPIRE and the late index's trim are not undone (a TTL renewed, entries past their
-# use removed). The write-ahead record's HDEL is each script's last write, so it needs no undo. Cost: four table
-# stores and two upvalue stores per write (bench/RESULTS.md, "All-or-nothing metering scripts").
+# use removed). The write-ahead record's HDEL is each script's last write, so it needs no undo. RECORD's counter
+# HINCRBYs (most of its writes) are not logged but counted (na, nb), and listed again only on failure: +2 µs of Redis
+# time per RECORD call (+4%; logging them too cost +9 µs; bench/RESULTS.md, "All-or-nothing metering scripts").
 UNDO_LUA = """
 local U, nu, at_cmd, at_key = {}, 0, '', ''
 -- RECORD's counter HINCRBYs are not logged (most of its writes): it counts them (na, then nb: the levels) and
