@@ -98,7 +98,8 @@ EARLY_SLACK_S = 60.0
 # as a duplicate. So each metering script writes through these helpers, which log the inverse of every write that
 # changed something: SADD → SREM, XADD → XDEL (and DEL of a stream it left empty with no consumer group), HINCRBY →
 # HINCRBY of the opposite (then HDEL at 0: a counter at 0 reads as none), INCRBY → INCRBY of the opposite,
-# HSETNX/ZADD of a new field/member → HDEL/ZREM, the HDEL of a reservation → HSET of its old value. The script's body
+# HSETNX/ZADD of a new field/member → HDEL/ZREM, the HDEL of a reservation → HSET of its old value (and, when that
+# HDEL had emptied and so deleted the hash, a TTL again: the reservation's expiry). The script's body
 # runs under ``pcall`` (``all_or_nothing``); on the first error the log is undone in reverse order and the script
 # answers an error reply: Redis's error code (``WRONGTYPE``, ``ERR``, ``OOM``…), the command and the key that failed,
 # then Redis's message. EXPIRE/PEXPIRE and the late index's trim are not undone (a TTL renewed, entries past their
@@ -158,7 +159,11 @@ local function undo()
       if redis.pcall('XLEN', k) == 0 and #redis.pcall('XINFO', 'GROUPS', k) == 0 then redis.pcall('DEL', k) end
     elseif op == 'z' then redis.pcall('ZREM', k, a)
     elseif op == 'f' then redis.pcall('HDEL', k, a)
-    elseif op == 'r' then redis.pcall('HSET', k, a, b)
+    elseif op == 'r' then
+      redis.pcall('HSET', k, a, b)
+      -- alone in it again: the HDEL had emptied the hash, which went with its TTL; it expires with the reservation
+      local exp = tonumber(string.match(b, '|(%d+)$'))
+      if exp and redis.pcall('HLEN', k) == 1 then redis.pcall('PEXPIREAT', k, exp) end
     elseif op == 'i' then redis.pcall('INCRBY', k, neg(b))
     end
   end

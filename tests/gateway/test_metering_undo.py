@@ -47,10 +47,11 @@ def _event(key: str, i: int, *, tags: dict[str, str] | None = None, audit: bool 
     return ev
 
 
-async def _snapshot(st: Stack) -> dict[bytes, tuple[str, Any]]:
-    """Every key under the test's prefix with its type and content (TTLs left out)."""
+async def _snapshot(st: Stack) -> dict[bytes, tuple[str, Any, bool]]:
+    """Every key under the test's prefix with its type, its content and whether it has a TTL (a renewed TTL is not
+    undone, so not its value)."""
     r = st.handle.client
-    out: dict[bytes, tuple[str, Any]] = {}
+    out: dict[bytes, tuple[str, Any, bool]] = {}
     async for k in r.scan_iter(match=st.handle.prefix + "*", count=1000):
         t = (await r.type(k)).decode()
         if t == "hash":
@@ -63,7 +64,7 @@ async def _snapshot(st: Stack) -> dict[bytes, tuple[str, Any]]:
             v = await r.xrange(k)
         else:
             v = await r.get(k)
-        out[k] = (t, v)
+        out[k] = (t, v, await r.pttl(k) != -1)
     return out
 
 
@@ -72,10 +73,11 @@ async def _open_request(st: Stack, ev: UsageEvent) -> None:
     the key's TPM window and the call's write-ahead record."""
     r, k = st.handle.client, st.meter.keys
     exp = int(time.time() * 1000) + 600_000
-    await r.hset(k.reservations(ev.key_id), ev.event_id, f"9000|{RESERVED_TOKENS}|{exp}")
-    await r.hset(k.level_reservations("global", "global"), ev.event_id, f"9000|0|{exp}")
-    for name, value in ev.tags.items():
-        await r.hset(k.level_reservations("tag", f"{name}={value}"), ev.event_id, f"9000|0|{exp}")
+    hashes = [k.reservations(ev.key_id), k.level_reservations("global", "global"),
+              *(k.level_reservations("tag", f"{n}={v}") for n, v in ev.tags.items())]
+    for i, h in enumerate(hashes):
+        await r.hset(h, ev.event_id, f"9000|{RESERVED_TOKENS if i == 0 else 0}|{exp}")
+        await r.pexpire(h, 600_000)  # as admission's reserve() does
     await r.set(k.tpm(ev.key_id, ev.minute), TPM_BEFORE, px=120_000)
     await r.hset(k.write_ahead, ev.event_id, "record")
 
