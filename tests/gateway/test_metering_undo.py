@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 from redis.exceptions import ResponseError
 
-from gateway.config import Prices
+from gateway.config import MetricsConfig, Prices
 from gateway.ledger.event import UsageEvent
+from gateway.observability.metrics import Metrics
 from gateway.state.keys import RedisKeys
 from gateway.state.write_ahead import WalRecord, WriteAhead
 from tests.fixtures.redis_stack import Stack, stack
@@ -280,3 +281,12 @@ async def test_orphan_settlement_is_all_or_nothing_and_one_refused_orphan_does_n
         assert (await st.meter.key_counters("k1"))["requests"] == 1
         assert sorted(await _stream_ids(st)) == sorted([fine.request_id, sent.request_id,
                                                         unsent.unsent_event().event_id])
+
+
+def test_dead_letters_are_in_the_metrics() -> None:
+    metrics = Metrics(MetricsConfig(), [])
+    text = metrics.render(False, 0, 0, 123, 2).decode()
+    assert "thinkgate_usage_dead_lettered_events_total 2.0" in text
+    assert "thinkgate_usage_dead_letter_bytes 123.0" in text
+    text = metrics.render(False, 0, 0, 0, 3).decode()  # the meter's running count: the counter adds what is new
+    assert "thinkgate_usage_dead_lettered_events_total 3.0" in text and "thinkgate_usage_dead_letter_bytes 0.0" in text
