@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from gateway.ledger.event import UsageEvent
-from tests.fixtures.gateway import SECRETS, accounting_gateway, keys_config
+from gateway.state.keys import RedisKeys
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway, cleanup, keys_config
 from tests.fixtures.redis_stack import PersistentRedis
 from tests.fixtures.upstream import SimProcess
 
@@ -68,19 +69,20 @@ async def _load(url: str, faults: list[tuple[float, Callable[[], None]]], secret
     return results
 
 
-def _stream_events(url: str) -> list[UsageEvent]:
+def _stream_events(url: str, prefix: str = PREFIX) -> list[UsageEvent]:
     client = redis.Redis.from_url(url)
     try:
-        return [UsageEvent.from_json(f[b"e"]) for _, f in client.xrange(PREFIX + "usage:events")]
+        return [UsageEvent.from_json(f[b"e"]) for _, f in client.xrange(prefix + "usage:events")]
     finally:
         client.close()
 
 
-def _wait_drained(spool: Path, url: str, want: set[str], timeout_s: float = 20.0) -> list[UsageEvent]:
+def _wait_drained(spool: Path, url: str, want: set[str], timeout_s: float = 20.0,
+                  prefix: str = PREFIX) -> list[UsageEvent]:
     deadline = time.monotonic() + timeout_s
     events: list[UsageEvent] = []
     while time.monotonic() < deadline:
-        events = _stream_events(url)
+        events = _stream_events(url, prefix)
         if want <= {e.event_id for e in events} and (not spool.exists() or spool.stat().st_size == 0):
             break
         time.sleep(0.1)
@@ -251,3 +253,56 @@ def test_a_hard_budget_holds_across_an_outage_and_its_recovery(upstream_sim: Sim
             assert after == [429], (first, during, after)
     finally:
         server.stop()
+
+
+def test_a_key_of_the_wrong_type_loses_no_usage_event_through_the_gateway(upstream_sim: SimProcess, redis_url: str,
+                                                                        tmp_path: Path) -> None:
+    """Someone SETs a string at alice's all-time counter hash: her requests are still served, their usage events wait
+    in the dead-letter spool (``/metrics`` counts them), bob's — in the same writer batches — are counted at once;
+    once the key is deleted the retry counts alice's, each once, and settles their reservations and records."""
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    k = RedisKeys(prefix)
+    client = redis.Redis.from_url(redis_url)
+    client.set(k.key_total("alice"), "not a hash")
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix,
+                                metering={"spool_path": str(tmp_path / "spool.jsonl"), "replay_interval_s": 0.2,
+                                          "dead_letter_interval_s": 0.3}) as gw:
+            acct = gw.app.state.accounting
+
+            async def send() -> list[tuple[str, str]]:
+                async with httpx.AsyncClient(timeout=30) as http:
+                    async def one(who: str, i: int) -> tuple[str, str]:
+                        r = await http.post(gw.base_url + "/chat/completions",
+                                            json={"model": "short", "messages": [{"role": "user",
+                                                                                  "content": f"count me {i}"}]},
+                                            headers={"authorization": f"Bearer {SECRETS[who]}",
+                                                     "cache-control": "no-store"})
+                        assert r.status_code == 200, r.text
+                        return who, r.headers["x-request-id"]
+                    return list(await asyncio.gather(*(one(("alice", "bob")[i % 2], i) for i in range(8))))
+
+            sent = asyncio.run(send())
+            alice = {rid for who, rid in sent if who == "alice"}
+            bob = {rid for who, rid in sent if who == "bob"}
+            deadline = time.monotonic() + 10
+            while acct.meter.dead_lettered < len(alice) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert acct.meter.dead_lettered == len(alice) == 4
+            metrics = httpx.get(gw.url + "/metrics", headers={"authorization": f"Bearer {ADMIN_SECRET}"},
+                                timeout=10).text
+            assert "thinkgate_usage_dead_lettered_events_total 4.0" in metrics
+            assert {e.event_id for e in acct.meter.dead.read_all()} == alice
+            events = _stream_events(redis_url, prefix)
+            assert bob <= {e.event_id for e in events} and not alice & {e.event_id for e in events}
+            assert client.hlen(k.write_ahead) == len(alice)  # their records stay open, undone with the rest
+
+            client.delete(k.key_total("alice"))  # the operator's fix: the next retry counts them
+            events = _wait_drained(tmp_path / "spool.dead.jsonl", redis_url, alice | bob, prefix=prefix)
+        ids = [e.event_id for e in events]
+        assert sorted(ids) == sorted(alice | bob)  # each once
+        assert int(client.hget(k.key_total("alice"), "requests") or 0) == len(alice)
+        assert client.hlen(k.reservations("alice")) == 0 and client.hlen(k.write_ahead) == 0
+    finally:
+        cleanup(redis_url, prefix)
+        client.close()
