@@ -104,17 +104,17 @@ EARLY_SLACK_S = 60.0
 # answers an error reply: Redis's error code (``WRONGTYPE``, ``ERR``, ``OOM``…), the command and the key that failed,
 # then Redis's message. EXPIRE/PEXPIRE and the late index's trim are not undone (a TTL renewed, entries past their
 # use removed). The write-ahead record's HDEL is each script's last write, so it needs no undo. RECORD's counter
-# HINCRBYs (most of its writes) are not logged but counted (na, nb), and listed again only on failure: +2 µs of Redis
-# time per RECORD call (+4%; logging them too cost +9 µs; bench/RESULTS.md, "All-or-nothing metering scripts").
+# HINCRBYs (most of its writes) are not logged but counted (na, nb), and listed again only on failure; the undo code
+# (UNDONE_LUA) is reached, and its functions made, only on failure: +3 to +4 µs of Redis time per RECORD call (~5%;
+# logging every write cost +9 µs; bench/RESULTS.md, "All-or-nothing metering scripts").
 UNDO_LUA = """
-local U, nu, at_cmd, at_key = {}, 0, '', ''
--- RECORD's counter HINCRBYs are not logged (most of its writes): it counts them (na, then nb: the levels) and
--- counted_writes() lists them in the same order, {key, field, n} each, for undo() to take back the first na / nb
-local na, nb, counted_writes = 0, 0, nil
-local function logged(op, k, a, b)
-  U[nu + 1], U[nu + 2], U[nu + 3], U[nu + 4] = op, k, a, b
-  nu = nu + 4
-end
+-- the undo log: 4 slots a write (op, key, a, b), made 64 slots long at once (16 logged writes: an event with 4 tags)
+-- instead of grown by doubling
+local U = {""" + ", ".join(["false"] * 64) + """}
+local nu, at_cmd, at_key = 0, '', ''
+-- RECORD's counter HINCRBYs are not logged (most of its writes): it counts them (na, then nb: the levels); its
+-- failure path lists them again in the same order to take back the first na / nb
+local na, nb = 0, 0
 local function hincr(k, f, n)
   at_cmd, at_key = 'HINCRBY', k
   redis.call('HINCRBY', k, f, n)
@@ -124,14 +124,24 @@ end
 local function sadd(k, m)
   at_cmd, at_key = 'SADD', k
   local r = redis.call('SADD', k, m)
-  if r == 1 then logged('s', k, m) end
+  if r == 1 then
+    U[nu + 1], U[nu + 2], U[nu + 3] = 's', k, m
+    nu = nu + 4
+  end
   return r
 end
 local function incrby(k, n)
   at_cmd, at_key = 'INCRBY', k
   redis.call('INCRBY', k, n)
-  logged('i', k, nil, n)
+  U[nu + 1], U[nu + 2], U[nu + 4] = 'i', k, n
+  nu = nu + 4
 end
+"""
+
+# The end of each metering script: its body (a function) run under pcall; on an error, undone (``UNDO_LUA``) and an
+# error reply. Everything after ``if ok`` runs only on that path, so its functions cost nothing on the others.
+# ``failed``: Lua of the script's own to run first on that path (RECORD: its counted writes taken back).
+UNDONE_LUA = """
 local function neg(n)
   if type(n) == 'number' then return -n end
   if string.sub(n, 1, 1) == '-' then return string.sub(n, 2) end
@@ -140,52 +150,48 @@ end
 local function unincr(k, f, n)
   if redis.pcall('HINCRBY', k, f, neg(n)) == 0 then redis.pcall('HDEL', k, f) end
 end
-local function undo()
-  if counted_writes then
-    local a, b = counted_writes()
-    -- failed in one of the counted loops (at_cmd 'A' / 'B'): at the write after the last one done
-    if at_cmd == 'A' then at_cmd, at_key = 'HINCRBY', (a[na + 1] or {'?'})[1] end
-    if at_cmd == 'B' then at_cmd, at_key = 'HINCRBY', (b[nb + 1] or {'?'})[1] end
-    for i = 1, na do unincr(a[i][1], a[i][2], a[i][3]) end
-    for i = 1, nb do unincr(b[i][1], b[i][2], b[i][3]) end
-  end
-  for i = nu - 3, 1, -4 do
-    local op, k, a, b = U[i], U[i + 1], U[i + 2], U[i + 3]
-    if op == 'h' then unincr(k, a, b)
-    elseif op == 's' then redis.pcall('SREM', k, a)
-    elseif op == 'x' then
-      redis.pcall('XDEL', k, a)
-      -- a stream the XADD created: gone again (an empty stream with no consumer group reads as none)
-      if redis.pcall('XLEN', k) == 0 and #redis.pcall('XINFO', 'GROUPS', k) == 0 then redis.pcall('DEL', k) end
-    elseif op == 'z' then redis.pcall('ZREM', k, a)
-    elseif op == 'f' then redis.pcall('HDEL', k, a)
-    elseif op == 'r' then
-      redis.pcall('HSET', k, a, b)
-      -- alone in it again: the HDEL had emptied the hash, which went with its TTL; it expires with the reservation
-      local exp = tonumber(string.match(b, '|(%d+)$'))
-      if exp and redis.pcall('HLEN', k) == 1 then redis.pcall('PEXPIREAT', k, exp) end
-    elseif op == 'i' then redis.pcall('INCRBY', k, neg(b))
-    end
-  end
-end
-local function all_or_nothing(body)
-  local ok, res = pcall(body)
-  if ok then return res end
-  undo()
-  local err = type(res) == 'table' and res.err or tostring(res)
-  local code, msg = string.match(err, '^(%u[%u_]*) (.*)$')
-  if not code then code, msg = 'ERR', err end
-  return redis.error_reply(code .. ' ThinkGate metering: ' .. at_cmd .. ' ' .. at_key
-    .. ' failed, nothing written (undone): ' .. msg)
-end
 """
+UNDO_LOG_LUA = """
+for i = nu - 3, 1, -4 do
+  local op, k, a, b = U[i], U[i + 1], U[i + 2], U[i + 3]
+  if op == 'h' then unincr(k, a, b)
+  elseif op == 's' then redis.pcall('SREM', k, a)
+  elseif op == 'x' then
+    redis.pcall('XDEL', k, a)
+    -- a stream the XADD created: gone again (an empty stream with no consumer group reads as none)
+    if redis.pcall('XLEN', k) == 0 and #redis.pcall('XINFO', 'GROUPS', k) == 0 then redis.pcall('DEL', k) end
+  elseif op == 'z' then redis.pcall('ZREM', k, a)
+  elseif op == 'f' then redis.pcall('HDEL', k, a)
+  elseif op == 'r' then
+    redis.pcall('HSET', k, a, b)
+    -- alone in it again: the HDEL had emptied the hash, which went with its TTL; it expires with the reservation
+    local exp = tonumber(string.match(b, '|(%d+)$'))
+    if exp and redis.pcall('HLEN', k) == 1 then redis.pcall('PEXPIREAT', k, exp) end
+  elseif op == 'i' then redis.pcall('INCRBY', k, neg(b))
+  end
+end
+local err = type(res) == 'table' and res.err or tostring(res)
+local code, msg = string.match(err, '^(%u[%u_]*) (.*)$')
+if not code then code, msg = 'ERR', err end
+return redis.error_reply(code .. ' ThinkGate metering: ' .. at_cmd .. ' ' .. at_key
+  .. ' failed, nothing written (undone): ' .. msg)
+"""
+
+
+def all_or_nothing(body: str, failed: str = "") -> str:
+    """The Lua that runs ``body`` (an expression: a function) all or nothing (``UNDO_LUA``)."""
+    return f"local ok, res = pcall({body})\nif ok then return res end\n" + UNDONE_LUA + failed + UNDO_LOG_LUA
+
 
 # After LUA_FUNCTIONS and UNDO_LUA: a reservation released (``release``), its old value logged to put it back.
 SETTLE_LUA = """
 local function settle(hash, id)
   at_cmd, at_key = 'HDEL', hash
   local tokens, v = release(hash, id)
-  if v then logged('r', hash, id, v) end
+  if v then
+    U[nu + 1], U[nu + 2], U[nu + 3], U[nu + 4] = 'r', hash, id, v
+    nu = nu + 4
+  end
   return tokens
 end
 """
@@ -204,16 +210,23 @@ local function append_event(stream, maxlen, json)
   else
     id = redis.call('XADD', stream, '*', 'e', json)
   end
-  logged('x', stream, id)
+  U[nu + 1], U[nu + 2], U[nu + 3] = 'x', stream, id
+  nu = nu + 4
   return id
 end
 local function note_late(index, late, id, ts_ms, late_ms, ttl)
   local ms = tonumber(string.sub(id, 1, string.find(id, '-', 1, true) - 1))
   at_cmd, at_key = 'HSETNX', index
-  if redis.call('HSETNX', index, 'late:from', ms) == 1 then logged('f', index, 'late:from') end
+  if redis.call('HSETNX', index, 'late:from', ms) == 1 then
+    U[nu + 1], U[nu + 2], U[nu + 3] = 'f', index, 'late:from'
+    nu = nu + 4
+  end
   if ms > tonumber(ts_ms) + tonumber(late_ms) then
     at_cmd, at_key = 'ZADD', late
-    if redis.call('ZADD', late, ts_ms, id) == 1 then logged('z', late, id) end
+    if redis.call('ZADD', late, ts_ms, id) == 1 then
+      U[nu + 1], U[nu + 2], U[nu + 3] = 'z', late, id
+      nu = nu + 4
+    end
     redis.call('EXPIRE', late, ttl)
     -- each add renews the set's TTL, so without a trim it only grew: entries whose ts is older than the cubes'
     -- lifetime (ttl) serve no read any more (a trim is not undone: what it removed was past its use)
@@ -243,29 +256,6 @@ end
 # claim: a record settled normally, or claimed by another replica first, is left alone; reply {0, 0, …}).
 # Returns {counted (1/0), key day cost, key month cost, global day, global month, tag day, tag month, …}.
 RECORD_LUA = LUA_FUNCTIONS + NOTE_LATE + SETTLE_LUA + """
--- the KEYS index of each level's day hash (its month hash follows): global, then each tag
-local function levels(ntags)
-  local lv = {11}
-  for j = 0, ntags - 1 do lv[#lv + 1] = 17 + 3 * j end
-  return lv
-end
--- the counter HINCRBYs of record() (its loops 'A' and 'B'), in its order: {key, field, n} each
-counted_writes = function()
-  local a, b, cell = {}, {}, ' ' .. ARGV[13]
-  for i = 16, #ARGV, 2 do
-    if ARGV[i + 1] ~= '0' then
-      for k = 3, 7 do a[#a + 1] = {KEYS[k], ARGV[i], ARGV[i + 1]} end
-      a[#a + 1] = {KEYS[14], ARGV[i] .. cell, ARGV[i + 1]}
-    end
-  end
-  for _, d in ipairs(levels(tonumber(ARGV[11]))) do
-    b[#b + 1] = {KEYS[d], 'cost_micro_usd', ARGV[10]}
-    b[#b + 1] = {KEYS[d], 'requests', 1}
-    b[#b + 1] = {KEYS[d + 1], 'cost_micro_usd', ARGV[10]}
-    b[#b + 1] = {KEYS[d + 1], 'requests', 1}
-  end
-  return a, b
-end
 local function record()
   local ntags = tonumber(ARGV[11])
   local late, wal, owner_hb = KEYS[17 + 3 * ntags], KEYS[18 + 3 * ntags], KEYS[19 + 3 * ntags]
@@ -293,7 +283,7 @@ local function record()
     redis.call('EXPIRE', KEYS[1], ARGV[3])
     local id = append_event(KEYS[2], ARGV[6], ARGV[2])
     note_late(KEYS[15], late, id, ARGV[14], ARGV[15], ARGV[4])
-    -- counted, not logged (most of the writes): counted_writes() lists them in this order
+    -- counted, not logged (most of the writes): the failure path (below) lists them in this order
     at_cmd = 'A'
     local cell = ' ' .. ARGV[13]
     for i = 16, #ARGV, 2 do
@@ -316,7 +306,9 @@ local function record()
     redis.call('EXPIRE', KEYS[7], ARGV[4])
     sadd(KEYS[8], ARGV[7])
     at_cmd = 'B'
-    for _, d in ipairs(levels(ntags)) do
+    local lv = {11}
+    for j = 0, ntags - 1 do lv[#lv + 1] = 17 + 3 * j end
+    for _, d in ipairs(lv) do
       redis.call('HINCRBY', KEYS[d], 'cost_micro_usd', ARGV[10])
       nb = nb + 1
       redis.call('HINCRBY', KEYS[d], 'requests', 1)
@@ -346,8 +338,29 @@ local function record()
   end
   return out
 end
-return all_or_nothing(record)
-"""
+""" + all_or_nothing("record", """
+-- the counter HINCRBYs of record() (its loops 'A' and 'B'), in its order, {key, field, n} each: the first na / nb
+-- were done; a failure in a loop was at the write after them
+local a, b, cell = {}, {}, ' ' .. ARGV[13]
+for i = 16, #ARGV, 2 do
+  if ARGV[i + 1] ~= '0' then
+    for k = 3, 7 do a[#a + 1] = {KEYS[k], ARGV[i], ARGV[i + 1]} end
+    a[#a + 1] = {KEYS[14], ARGV[i] .. cell, ARGV[i + 1]}
+  end
+end
+local lv = {11}
+for j = 0, tonumber(ARGV[11]) - 1 do lv[#lv + 1] = 17 + 3 * j end
+for _, d in ipairs(lv) do
+  b[#b + 1] = {KEYS[d], 'cost_micro_usd', ARGV[10]}
+  b[#b + 1] = {KEYS[d], 'requests', 1}
+  b[#b + 1] = {KEYS[d + 1], 'cost_micro_usd', ARGV[10]}
+  b[#b + 1] = {KEYS[d + 1], 'requests', 1}
+end
+if at_cmd == 'A' then at_cmd, at_key = 'HINCRBY', (a[na + 1] or {'?'})[1] end
+if at_cmd == 'B' then at_cmd, at_key = 'HINCRBY', (b[nb + 1] or {'?'})[1] end
+for i = 1, na do unincr(a[i][1], a[i][2], a[i][3]) end
+for i = 1, nb do unincr(b[i][1], b[i][2], b[i][3]) end
+""")
 
 # The record of a refused request (UsageEvent.audit): once by event_id, into the stream and the cube's ``refused``
 # count only — no counter, no level, no reservation (it never had one).
@@ -370,12 +383,10 @@ local function write_audit()
   return 1
 end
 """
-AUDIT_LUA = WRITE_AUDIT + """
-return all_or_nothing(function()
+AUDIT_LUA = WRITE_AUDIT + all_or_nothing("""function()
   if write_audit() == 0 then return {0, 0, 0} end
   return {1, 0, 0}
-end)
-"""
+end""")
 
 # The write-ahead record of a dead process's request that was waiting and never sent upstream
 # (gateway/state/write_ahead.py): if the record is still open and the owner's heartbeat still absent (the claim, as
@@ -391,8 +402,7 @@ end)
 #       index), 7 write-ahead hash, 8 owner heartbeat, 9 the key's reservation hash, 10 the key's TPM counter of the
 #       event's minute, 11 global reservations, 12.. each tag's reservations
 # ARGV: 1-10 as AUDIT's (1 the audit event's id), 11 request id, 12 TPM TTL ms. Returns 1 (released) or 0.
-RELEASE_LUA = LUA_FUNCTIONS + WRITE_AUDIT + SETTLE_LUA + """
-return all_or_nothing(function()
+RELEASE_LUA = LUA_FUNCTIONS + WRITE_AUDIT + SETTLE_LUA + all_or_nothing("""function()
   at_cmd, at_key = 'HEXISTS', KEYS[7]
   if redis.call('HEXISTS', KEYS[7], ARGV[11]) == 0 or redis.call('EXISTS', KEYS[8]) == 1 then return 0 end
   local reserved = settle(KEYS[9], ARGV[11])
@@ -406,8 +416,7 @@ return all_or_nothing(function()
   at_cmd, at_key = 'HDEL', KEYS[7]
   redis.call('HDEL', KEYS[7], ARGV[11])
   return 1
-end)
-"""
+end""")
 
 # A day's cubes rebuilt from the stream (``thinkgate usage backfill``), only if the script aggregated no event of
 # that day since the rebuild read the index (n:{day} unchanged): else it is left for the next run.
