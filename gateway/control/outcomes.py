@@ -166,7 +166,7 @@ class OutcomeStore:
                 # each command in Python: ~1% of the gateway's CPU at concurrency 32)
                 packed = b"".join(pack(b"SET", self.keys.request(rid, key_tenant(key_id)), data, b"EX", ttl)
                                   for rid, key_id, data in batch)
-                replies = await self.lane.exchange(packed, len(batch), coalesce=True)  # background, with the others
+                replies = await self.lane.exchange(packed, len(batch), coalesce="background")
                 if replies is not None:
                     raise_error_reply(replies)
                     return

@@ -395,8 +395,9 @@ class ResponseCache:
     async def _send_batch(self, batch: list[tuple[list[str], list[Any]]]) -> None:
         replies = None
         if self._lane is not None:
+            # with the metering writer's batch of the same loop pass: one exchange
             replies = await self._lane.exchange(b"".join(self._finish.packed(k, a) for k, a in batch), len(batch),
-                                                coalesce=True)  # with the metering writer's batch of the same pass
+                                                coalesce="background")
         if replies is None or any(isinstance(r, NoScriptError) for r in replies):
             # no lane (Redis Cluster: each call goes to its slot's node), the lane is busy, or the script cache was
             # flushed: one call at a time (FastScript loads it)

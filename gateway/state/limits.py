@@ -777,7 +777,7 @@ class Limits:
             keys += [k.rpm(lim.key_id, w), k.rpm(lim.key_id, w - 1), k.tpm(lim.key_id, w), k.tpm(lim.key_id, w - 1)]
         if rider is None:
             # with the other admissions of this loop pass: one write for all (FastLane.exchange)
-            return list(await self._script(keys=keys, args=args, coalesce=True))
+            return list(await self._script(keys=keys, args=args, coalesce="request"))
         look = rider.lookup
         wal_key = rider.wal_key or keys[0]
         if look is None:
@@ -786,7 +786,7 @@ class Limits:
         else:
             keys += [wal_key, look.entry_key, look.lock_key]
             args += [rider.record, reservation_id, 1, look.token, look.wait_ms]
-        return list(await self._hot(keys=keys, args=args, coalesce=True))
+        return list(await self._hot(keys=keys, args=args, coalesce="request"))
 
     def _states(self, lim: KeyLimits, est: Estimate, res: list[Any], group: Sequence[Level]) -> list[LevelState]:
         """The level states (budgets as the script applied them) of an admitted reply, or raise its refusal."""

@@ -587,11 +587,11 @@ class Meter:
         for event in events:
             keys, args = self._keys_args(event)
             parts.append((self._audit if event.audit else self._script).packed(keys, args))
-        return await self._lane.exchange(b"".join(parts), len(events), coalesce=True)
+        return await self._lane.exchange(b"".join(parts), len(events), coalesce="background")
 
     async def _run(self, event: UsageEvent) -> list[int]:
         keys, args = self._keys_args(event)  # off the request path: with the cache's stores of the same pass
-        return await (self._audit if event.audit else self._script)(keys=keys, args=args, coalesce=True)
+        return await (self._audit if event.audit else self._script)(keys=keys, args=args, coalesce="background")
 
     async def settle_orphan(self, event: UsageEvent, owner_heartbeat: str) -> RecordResult:
         """Count ``event`` — built from the write-ahead record of a process that died — only if that record is still

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 from urllib.parse import unquote, urlparse, urlunsplit
 
 from redis.asyncio import Redis, RedisCluster
@@ -56,6 +57,8 @@ def as_text(reply: bytes | str) -> str:
 
 
 Arg = bytes | str | int | float
+#: a group of :meth:`FastLane.exchange` calls that may share one exchange
+Coalesce = Literal["request", "background"]
 LANE_SIZE_MAX = 64  # connections of a FastLane (beyond them, calls go through the client's pool)
 
 
@@ -102,22 +105,26 @@ class FastLane:
         self.size = size
         self._idle: list[AbstractConnection] = []
         self._live = 0
-        self._joined: list[tuple[bytes, int, asyncio.Future[list[Any] | None]]] = []
-        self._flusher: asyncio.Task[None] | None = None
+        # per coalescing group: the calls joined since its flush task was made, and that task
+        self._joined: dict[str, list[tuple[bytes, int, asyncio.Future[list[Any] | None]]]] = {}
+        self._flusher: dict[str, asyncio.Task[None]] = {}
         self._flushes: set[asyncio.Task[None]] = set()
 
-    async def exchange(self, packed: bytes, replies: int = 1, *, coalesce: bool = False) -> list[Any] | None:
+    async def exchange(self, packed: bytes, replies: int = 1, *, coalesce: Coalesce | None = None) -> list[Any] | None:
         """Send ``packed`` and read ``replies`` replies (an error reply is returned as its ``ResponseError``, the
         others as the parser gives them); None when every connection of the lane is busy.
 
-        ``coalesce``: the exchange leaves with every other coalesced one made before the next pass of the event
-        loop, as one write and one read on one connection (auto-pipelining, as ioredis and Lettuce do); same
-        replies and errors as without it, a caller that stops waiting leaves the others and the connection in
-        step. Used by the admission call and the background writers (metering, the cache's stores, the outcome
-        index): a finished request's usage event and cache store were two writes and two reads, concurrent
-        admissions one each. Measured (full configuration, interleaved A/B, 3,000 requests × 6 rounds, five
-        runs on a loaded 2-core box): gateway CPU per request −1 to −14% (mean −8%) at concurrency 32, within
-        ±2% at 1, where the one extra loop pass costs about what the saved write does.
+        ``coalesce``: the exchange leaves with the other calls of its group (``"request"``: the request path's
+        admission calls; ``"background"``: the metering writer, the cache's stores, the outcome index) made before
+        the next pass of the event loop, as one write and one read on one connection (auto-pipelining, as ioredis
+        and Lettuce do). Each caller gets its own replies and error replies; what the shared exchange raises
+        (a timeout: one ``socket_timeout_s`` for the whole buffer; a lost connection) reaches every caller of it,
+        and None (the lane busy) too. A caller that stops waiting leaves the others and the connection in step.
+        The groups never share an exchange: an admission does not wait behind a 128-event metering batch. Why:
+        a finished request's usage event and cache store were two writes and two reads, concurrent admissions one
+        each. Measured (full configuration, interleaved A/B, 3,000 requests × 6 rounds, five runs on a loaded
+        2-core box): gateway CPU per request −1 to −14% (mean −8%) at concurrency 32, within ±2% at 1, where the
+        one extra loop pass costs about what the saved write does (bench/RESULTS.md, "Coalesced Redis exchanges").
 
         A kept connection that fails with a connection error (the server restarted, or Sentinel failed over and
         the old master is gone) means the other kept ones point at the same dead server: all of them, and the
@@ -125,8 +132,8 @@ class FastLane:
         Each stale connection used to fail a request of its own and reopen the breaker, for tens of seconds after
         a failover. The failed call itself is not sent again: the server may have run it before the connection
         died (an admission twice, a cache lock waiting on itself)."""
-        if coalesce:
-            return await self._coalesced(packed, replies)
+        if coalesce is not None:
+            return await self._coalesced(packed, replies, coalesce)
         return await self._exchange(packed, replies)
 
     async def _exchange(self, packed: bytes, replies: int) -> list[Any] | None:
@@ -152,20 +159,30 @@ class FastLane:
         self._idle.append(conn)
         return out
 
-    async def _coalesced(self, packed: bytes, replies: int) -> list[Any] | None:
+    async def _coalesced(self, packed: bytes, replies: int, group: Coalesce) -> list[Any] | None:
         fut: asyncio.Future[list[Any] | None] = asyncio.get_running_loop().create_future()
-        self._joined.append((packed, replies, fut))
-        if self._flusher is None:  # its first step runs on the loop's next pass: the calls made before it join
-            task = asyncio.get_running_loop().create_task(self._flush())
-            self._flusher = task
+        self._joined.setdefault(group, []).append((packed, replies, fut))
+        if group not in self._flusher:  # its first step runs on the loop's next pass: the calls made before it join
+            task = asyncio.get_running_loop().create_task(self._flush(group))
+            self._flusher[group] = task
             self._flushes.add(task)
-            task.add_done_callback(self._flushes.discard)
+            task.add_done_callback(functools.partial(self._flush_done, group))
         return await fut
 
-    async def _flush(self) -> None:
-        """Send the joined calls as one exchange and hand each its replies (or the exchange's error, or None when
-        the lane is busy). A caller that stopped waiting is skipped: the connection still reads every reply."""
-        calls, self._joined, self._flusher = self._joined, [], None
+    def _flush_done(self, group: Coalesce, task: asyncio.Task[None]) -> None:
+        """A flush task ended. Cancelled before its first step (a loop shutting down), it never took its calls:
+        they are cancelled and the group free again — else every later call would join a list nothing sends."""
+        self._flushes.discard(task)
+        if self._flusher.get(group) is task:
+            del self._flusher[group]
+            for _, _, fut in self._joined.pop(group, []):
+                fut.cancel()
+
+    async def _flush(self, group: Coalesce) -> None:
+        """Send the group's joined calls as one exchange and hand each its replies (or the exchange's error, or None
+        when the lane is busy). A caller that stopped waiting is skipped: the connection still reads every reply."""
+        calls = self._joined.pop(group, [])
+        del self._flusher[group]
         try:
             out = await self._exchange(b"".join(c[0] for c in calls), sum(c[1] for c in calls))
         except asyncio.CancelledError:
@@ -252,7 +269,7 @@ class FastScript:
         """The ``EVALSHA`` command of one call (for a pipeline of several: concatenate them)."""
         return pack(b"EVALSHA", self.sha, len(keys), *keys, *args)
 
-    async def __call__(self, keys: Sequence[Arg], args: Sequence[Arg], *, coalesce: bool = False) -> Any:
+    async def __call__(self, keys: Sequence[Arg], args: Sequence[Arg], *, coalesce: Coalesce | None = None) -> Any:
         """Run the script; ``coalesce``: on the lane, with the other calls of this loop pass
         (:meth:`FastLane.exchange`)."""
         if self.lane is not None:

@@ -40,7 +40,7 @@ def test_queued_finishes_go_in_one_batch_and_followers_get_the_answer(redis_url:
             sent: list[int] = []
             exchange = lane.exchange
 
-            async def counting(packed: bytes, replies: int = 1, **kw: bool) -> list[object] | None:
+            async def counting(packed: bytes, replies: int = 1, **kw: str) -> list[object] | None:
                 sent.append(replies)
                 return await exchange(packed, replies, **kw)
 

@@ -92,7 +92,7 @@ def test_kept_connections_to_a_restarted_server_cost_one_call(tmp_path: Path) ->
 
 
 def test_coalesced_exchanges_share_one_write_and_each_gets_its_own_replies(tmp_path: Path) -> None:
-    """``exchange(..., coalesce=True)`` calls made in one pass of the loop leave as one exchange (one write, one
+    """``exchange(..., coalesce="background")`` calls made in one pass of the loop leave as one exchange (one write, one
     read): each caller gets its own replies in order, an error reply in place; a caller that stops waiting does
     not put the connection out of step; a timeout reaches every joined caller; a busy lane answers None to all."""
     with persistent_redis(tmp_path) as server:
@@ -111,8 +111,8 @@ def test_coalesced_exchanges_share_one_write_and_each_gets_its_own_replies(tmp_p
             lane._exchange = counting  # type: ignore[method-assign]  # count the exchanges, the real one beneath
             try:
                 calls = [pack(b"SET", b"c", b"v"), pack(b"INCR", b"c") + pack(b"GET", b"c"), pack(b"PING")]
-                got = await asyncio.gather(*(lane.exchange(p, n, coalesce=True) for p, n in zip(calls, [1, 2, 1],
-                                                                                               strict=True)))
+                got = await asyncio.gather(*(lane.exchange(p, n, coalesce="background")
+                                             for p, n in zip(calls, [1, 2, 1], strict=True)))
                 assert sent == [4]  # one exchange for the three calls
                 assert got[0] == [b"OK"] and got[2] == [b"PONG"]
                 assert got[1] is not None and isinstance(got[1][0], ResponseError) and got[1][1] == b"v"
@@ -121,8 +121,8 @@ def test_coalesced_exchanges_share_one_write_and_each_gets_its_own_replies(tmp_p
                 # a caller cancelled while its exchange is out: the others get theirs, the connection stays in step
                 server.pause()
                 try:
-                    a = asyncio.ensure_future(lane.exchange(pack(b"INCR", b"n"), coalesce=True))
-                    b = asyncio.ensure_future(lane.exchange(pack(b"INCR", b"n"), coalesce=True))
+                    a = asyncio.ensure_future(lane.exchange(pack(b"INCR", b"n"), coalesce="background"))
+                    b = asyncio.ensure_future(lane.exchange(pack(b"INCR", b"n"), coalesce="background"))
                     await asyncio.sleep(0.05)
                     a.cancel()
                 finally:
@@ -132,17 +132,55 @@ def test_coalesced_exchanges_share_one_write_and_each_gets_its_own_replies(tmp_p
 
                 server.pause()
                 try:
-                    joined = [lane.exchange(pack(b"PING"), coalesce=True) for _ in range(3)]
+                    joined = [lane.exchange(pack(b"PING"), coalesce="background") for _ in range(3)]
                     outs = await asyncio.gather(*joined, return_exceptions=True)
                     assert all(isinstance(o, RedisTimeoutError) for o in outs), outs
                     # the lane's one connection busy with a direct exchange: a coalesced call is told to use the
                     # client (None), as a direct one is
                     held = asyncio.ensure_future(lane.exchange(pack(b"PING")))
                     await asyncio.sleep(0.01)
-                    assert await lane.exchange(pack(b"PING"), coalesce=True) is None
+                    assert await lane.exchange(pack(b"PING"), coalesce="background") is None
                 finally:
                     server.resume()
                 assert await held == [b"PONG"]
+            finally:
+                await handle.close()
+
+        asyncio.run(run())
+
+
+def test_coalescing_groups_and_a_flush_cancelled_before_it_ran(tmp_path: Path) -> None:
+    """The request path's calls and the background writers' never share an exchange (an admission would wait
+    behind a metering batch's replies and share its timeout); a flush task cancelled before its first step (a loop
+    shutting down) cancels its joined calls and frees the group — its calls waited forever, and so did every later
+    call of the group."""
+    with persistent_redis(tmp_path) as server:
+        async def run() -> None:
+            handle = connect(RedisConfig(url=server.url, socket_timeout_s=TIMEOUT_S, start_if_missing=False))
+            lane = handle.lane
+            assert lane is not None
+            sent: list[int] = []
+            direct = lane._exchange
+
+            async def counting(packed: bytes, replies: int) -> list[object] | None:
+                sent.append(replies)
+                return await direct(packed, replies)
+
+            lane._exchange = counting  # type: ignore[method-assign]  # count the exchanges, the real one beneath
+            try:
+                got = await asyncio.gather(lane.exchange(pack(b"PING") * 3, 3, coalesce="background"),
+                                           lane.exchange(pack(b"PING"), coalesce="request"),
+                                           lane.exchange(pack(b"PING"), coalesce="request"))
+                assert got == [[b"PONG"] * 3, [b"PONG"], [b"PONG"]]
+                assert sorted(sent) == [2, 3]  # the two admissions together, the batch apart
+
+                joined = asyncio.ensure_future(lane.exchange(pack(b"PING"), coalesce="background"))
+                await asyncio.sleep(0)  # the call joined and made the group's flush task, not yet run
+                flusher = lane._flusher["background"]
+                flusher.cancel()
+                await asyncio.sleep(0.01)
+                assert joined.cancelled() and "background" not in lane._flusher
+                assert await asyncio.wait_for(lane.exchange(pack(b"PING"), coalesce="background"), 2) == [b"PONG"]
             finally:
                 await handle.close()
 
