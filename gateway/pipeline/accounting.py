@@ -574,6 +574,9 @@ class Accounting:
             return
         finally:
             self._batch_since = None
+        parked = [event for (event, _), result in zip(batch, results, strict=True) if result.stored == "dead_letter"]
+        if parked and self.wal is not None:
+            self._track(self._park(parked))
         for (event, key), result in zip(batch, results, strict=True):
             try:
                 self.limits.settled(event, result)
@@ -587,6 +590,16 @@ class Accounting:
                 spend = [(lim.level, result.day_cost_micro_usd, result.month_cost_micro_usd or 0)]
                 spend += [(lv, *result.levels[lv.id]) for lv in levels]
                 self._track(self._alert(spend, key, event))
+
+    async def _park(self, events: list[UsageEvent]) -> None:
+        """Dead-lettered events into their write-ahead records (``WriteAhead.park``); a failure is logged (the
+        events are safe in the dead-letter spool either way)."""
+        assert self.wal is not None
+        try:
+            await self.wal.park(events)
+        except Exception:
+            log.exception("write-ahead: dead-lettered events %s not put into their records",
+                          ", ".join(e.event_id for e in events))
 
     async def _alert(self, spend: list[Any], key: KeyInfo, event: UsageEvent) -> None:
         try:

@@ -85,9 +85,10 @@ MONTH_TTL_S = 800 * 86400
 TPM_TTL_MS = 120_000
 UNROUTED = "_unrouted"  # tier label of requests refused before routing
 REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
+DEAD_LETTER_PROBE = 50  # dead letters sent first on a retry: all refused, the rest waits for the next one
 #: error replies of a Redis that cannot write *now* (a replica after a failover, a script running, memory full):
 #: the event goes to the usage spool like on an outage, not to the dead letters
-TRANSIENT_REPLIES = ("BUSY ", "NOREPLICAS ")
+TRANSIENT_REPLIES = ("BUSY ", "NOREPLICAS ", "MISCONF ")  # MISCONF: writes stopped after a failed RDB save
 # How far a stream id (the write time, Redis's clock) may lie before its event's ts (the request's start, the
 # replica's clock) for Meter.recent to find it: clock skew between hosts. (After it: metering.late_after_s.)
 EARLY_SLACK_S = 60.0
@@ -144,6 +145,8 @@ end
 UNDONE_LUA = """
 local function neg(n)
   if type(n) == 'number' then return -n end
+  -- '-0' is no integer to HINCRBY (a zero-cost event's level increments): its undo failed, leaving the hash
+  if n == '0' then return '0' end
   if string.sub(n, 1, 1) == '-' then return string.sub(n, 2) end
   return '-' .. n
 end
@@ -713,7 +716,11 @@ class Meter:
 
     async def retry_dead_letters(self) -> tuple[int, int]:
         """Send the dead-letter spool to Redis again: the events it now takes are counted (once: by ``event_id``),
-        the ones it still refuses stay. Returns ``(sent, still refused)``; ``(0, 0)`` when empty or Redis is down."""
+        the ones it still refuses stay. The oldest :data:`DEAD_LETTER_PROBE` go first: when Redis refuses every
+        one of them the rest is not sent (nor parsed, nor the file rewritten) — a key still broken under an hour of
+        traffic held hundreds of thousands, all sent again every pass while the spool's lock held back the
+        writer's own dead letters. Returns ``(sent, still refused)`` (a refused probe: its size, twice);
+        ``(0, 0)`` when empty or Redis is down."""
         errors: list[str] = []
 
         async def sink(events: list[UsageEvent]) -> list[UsageEvent]:
@@ -724,14 +731,20 @@ class Meter:
         if self.dead.pending_bytes() == 0:
             return 0, 0
         try:
-            sent, kept = await self.dead.drain_keeping(sink)
+            probe = await asyncio.to_thread(self.dead.head, DEAD_LETTER_PROBE)
+            if probe and len(await sink(probe)) == len(probe):
+                log.warning("dead-letter spool: still refused by Redis (the oldest %d usage events tried, the rest "
+                            "kept), next try in %.0f s: %s", len(probe), self.cfg.dead_letter_interval_s,
+                            errors[0] if errors else "?")
+                return len(probe), len(probe)
+            sent, kept = await self.dead.drain_keeping(sink)  # the probe's counted ones are dropped by event_id
         except RedisDown:
             return 0, 0
         if sent > kept:
             log.info("dead-letter spool: %d usage events counted (or already counted)", sent - kept)
         if kept:
             log.warning("dead-letter spool: %d usage events still refused by Redis, next try in %.0f s: %s", kept,
-                        self.cfg.dead_letter_interval_s, errors[0] if errors else "?")
+                        self.cfg.dead_letter_interval_s, errors[-1] if errors else "?")
         return sent, kept
 
     async def run_dead_letters(self, stop: asyncio.Event) -> None:

@@ -453,6 +453,20 @@ class WriteAhead:
         """Whether this process tracks a record of ``request_id`` (begun or :meth:`written`, not yet settled)."""
         return request_id in self._open
 
+    async def park(self, events: list[UsageEvent]) -> None:
+        """Usage events Redis refused (the metering script undone; in the dead-letter spool,
+        ``gateway/state/metering.py``): each goes into its request's record, which the undo left open, as its
+        final event — so whichever settles the request first, the dead-letter retry or the reconciler once this
+        process is gone (any restart while the key is broken), counts the real event once. The record alone held
+        the tokens of its last progress write (0 for a non-streamed call): the reconciler counted that as
+        ``gateway_lost`` and the real event, retried later, was dropped as a duplicate. Background, read then
+        written through the update script (which skips a request settled meanwhile). Raises :class:`RedisDown`."""
+        raw = await self.breaker.call(
+            lambda: self.redis.hmget(self.keys.write_ahead, [e.event_id for e in events]))
+        for event, r in zip(events, raw, strict=True):
+            if r is not None:
+                self._update(replace(WalRecord.from_json(r), final=event, updated_ms=int(time.time() * 1000)))
+
     def settled(self, request_id: str, final: UsageEvent | None = None) -> None:
         """The request's usage event is on its way (it deletes the record in Redis): stop tracking it here.
         ``final``: that event, when it has to wait in the process's queue (behind a stalled metering batch): it goes

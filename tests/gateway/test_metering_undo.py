@@ -290,3 +290,37 @@ def test_dead_letters_are_in_the_metrics() -> None:
     assert "thinkgate_usage_dead_letter_bytes 123.0" in text
     text = metrics.render(False, 0, 0, 0, 3).decode()  # the meter's running count: the counter adds what is new
     assert "thinkgate_usage_dead_lettered_events_total 3.0" in text and "thinkgate_usage_dead_letter_bytes 0.0" in text
+
+
+async def test_a_zero_cost_event_is_undone_too(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """A zero-cost event (a cache hit) refused at the global month hash: its level increments were ``+0``, whose undo
+    was ``HINCRBY … -0`` — no integer to Redis, so it failed and left the day's global hash behind (no TTL)."""
+    async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
+        k = st.meter.keys
+        hit = _event("k1", 1)
+        hit.cached, hit.cost_micro_usd = True, 0
+        await st.handle.client.set(k.level_month("global", "global", hit.month), "not a hash")
+        before = await _snapshot(st)
+        assert (await st.meter.record(hit)).stored == "dead_letter"
+        assert await _snapshot(st) == before
+
+
+async def test_a_retry_while_still_refused_sends_only_the_oldest(redis_url: str, redis_prefix: str,
+                                                                  tmp_path: Path) -> None:
+    """While the key is still broken a retry sends the oldest ``DEAD_LETTER_PROBE`` dead letters and leaves the
+    file as it is (it sent every one and rewrote the file each pass); once fixed, every one is counted, once."""
+    from gateway.state.metering import DEAD_LETTER_PROBE
+
+    async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
+        k = st.meter.keys
+        events = [_event("k1", i) for i in range(DEAD_LETTER_PROBE + 70)]
+        await st.handle.client.set(k.key_total("k1"), "not a hash")
+        await st.meter.dead.append(events)
+        path = st.meter.dead.path
+        before, inode = path.read_bytes(), path.stat().st_ino
+        assert await st.meter.retry_dead_letters() == (DEAD_LETTER_PROBE, DEAD_LETTER_PROBE)
+        assert path.read_bytes() == before and path.stat().st_ino == inode  # not rewritten
+        await st.handle.client.delete(k.key_total("k1"))
+        assert await st.meter.retry_dead_letters() == (len(events), 0)
+        assert (await st.meter.key_counters("k1"))["requests"] == len(events)
+        assert sorted(await _stream_ids(st)) == sorted(e.event_id for e in events)

@@ -17,6 +17,7 @@ import redis
 
 from gateway.ledger.event import UsageEvent
 from gateway.state.keys import RedisKeys
+from gateway.state.write_ahead import WalRecord
 from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway, cleanup, keys_config
 from tests.fixtures.redis_stack import PersistentRedis
 from tests.fixtures.upstream import SimProcess
@@ -296,6 +297,15 @@ def test_a_key_of_the_wrong_type_loses_no_usage_event_through_the_gateway(upstre
             events = _stream_events(redis_url, prefix)
             assert bob <= {e.event_id for e in events} and not alice & {e.event_id for e in events}
             assert client.hlen(k.write_ahead) == len(alice)  # their records stay open, undone with the rest
+            # each holds its event as final: a restart meanwhile would have the reconciler count the real event
+            # (it counted the record's last progress — 0 tokens for these non-streamed calls — as gateway_lost)
+            def parked() -> list[WalRecord]:
+                return [WalRecord.from_json(raw) for raw in client.hvals(k.write_ahead)]
+            deadline = time.monotonic() + 10
+            while any(rec.final is None for rec in parked()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            finals = {rec.request_id: rec.final for rec in parked()}
+            assert set(finals) == alice and all(f is not None and f.completion_tokens > 0 for f in finals.values())
 
             client.delete(k.key_total("alice"))  # the operator's fix: the next retry counts them
             events = _wait_drained(tmp_path / "spool.dead.jsonl", redis_url, alice | bob, prefix=prefix)
