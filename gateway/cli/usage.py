@@ -60,8 +60,8 @@ def read_grouped(settings: Any, group_by: list[str], since: float, until: float 
 def export(
     fmt: str = typer.Option("csv", "--format", "-f", help="csv | jsonl | parquet"),
     since: str | None = typer.Option(None, help="From (inclusive): YYYY-MM-DD, ISO-8601 or epoch seconds, UTC. "
-                                     "Default: with --group-by the start of the current UTC month (as GET "
-                                     "/v1/usage; --since 0 for all history), without it the whole stream."),
+                                     "Default: with --group-by and no --until the start of the current UTC month "
+                                     "(as GET /v1/usage; --since 0 for all history), otherwise the whole stream."),
     until: str | None = typer.Option(None, help="Until (exclusive), same forms."),
     group_by: str | None = typer.Option(None, "--group-by", help="Comma list of key,tier,model,day,tag,tag:NAME."),
     key: str | None = typer.Option(None, "--key", help="Only this key id."),
@@ -88,12 +88,17 @@ def export(
     except ex.ExportError as exc:
         typer.echo(f"thinkgate: {exc}", err=True)
         raise typer.Exit(2) from None
+    if t0 is not None and t1 is not None and t0 >= t1:
+        typer.echo("thinkgate: --since must be before --until (the period would be empty)", err=True)
+        raise typer.Exit(2)
     settings = load_settings(config)
     if groups:  # whole days from the usage cubes (the same rows), the stream for the rest
-        if t0 is None:  # GET /v1/usage's default period: the month so far, not all history
+        if t0 is None and t1 is None:  # GET /v1/usage's default period: the month so far, not all history
             t0 = ex.month_start(time.time())
             typer.echo(f"thinkgate: since {time.strftime('%Y-%m-%d', time.gmtime(t0))} (the start of this UTC month; "
                        "--since 0 for all history)", err=True)
+        elif t0 is None:  # --until alone: everything before it (a billing run on the 1st: last month and before)
+            t0 = 0.0
         got = read_grouped(settings, groups, t0, t1, key)
         rows, cols = got.rows, ex.columns(groups)
         summary = f"{len(got.cube_days)} days from the usage cubes, {got.events_scanned} events scanned"

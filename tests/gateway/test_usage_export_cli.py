@@ -67,3 +67,10 @@ def test_grouped_export_defaults_to_this_month(redis_url: str, redis_prefix: str
     assert res.exit_code == 0, res.output
     assert sorted(json.loads(line)["key_id"] for line in (tmp_path / "raw.jsonl").read_text().splitlines()) == [
         "new", "old"]
+    # --until alone: everything before it (a billing run on the 1st asks for last month and before — with the
+    # month default it read an empty period and exited 0)
+    assert _export(cfg, tmp_path / "until.jsonl", "--until", str(month_start(now)))[0] == {"old": 100}
+    # an empty period is an error, not an empty file
+    res = CliRunner().invoke(app, ["usage", "export", "--group-by", "key", "--since", str(now), "--until",
+                                   str(now - 60), "--config", str(cfg)])
+    assert res.exit_code == 2 and "--since must be before --until" in res.output
