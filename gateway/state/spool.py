@@ -66,10 +66,7 @@ class Spool(Generic[T]):
                 break
             os.close(fd)  # replaced (drain_keeping) while we waited for its lock: the new file
         try:
-            view = memoryview(lines)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
+            _write_all(fd, lines)
         finally:
             os.close(fd)  # closing releases the flock
 
@@ -232,15 +229,20 @@ def _is_current(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd`` (``os.write`` may write less than asked) and fsync it."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)
+
+
 def _replace(path: Path, data: bytes) -> None:
     """Replace the file at ``path`` by one holding ``data``, durably (a crash leaves the old file or the new)."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
+        _write_all(fd, data)
     finally:
         os.close(fd)
     os.replace(tmp, path)

@@ -16,7 +16,7 @@ import redis
 from gateway.state.cache import CacheEntry, ResponseCache
 from gateway.state.cache_policy import CacheDecision
 from tests.fixtures.redis_cluster import ClusterSet, redis_cluster
-from tests.fixtures.redis_stack import cache_cfg, stack
+from tests.fixtures.redis_stack import cache_cfg, count_exchanges, stack
 
 __all__ = ["redis_cluster"]  # the session fixture used below
 
@@ -214,14 +214,7 @@ def test_a_usage_event_and_a_cache_store_of_one_pass_go_as_one_exchange(redis_ur
             ticket = await cache.begin("one-pass", DECISION)
             event = UsageEvent(key_id="k1", requested_model="short", tier="short", upstream_model="m",
                                prompt_tokens=10, completion_tokens=5, cost_micro_usd=7)
-            sent: list[int] = []
-            direct = lane._exchange
-
-            async def counting(packed: bytes, replies: int) -> list[object] | None:
-                sent.append(replies)
-                return await direct(packed, replies)
-
-            lane._exchange = counting  # type: ignore[method-assign]  # count the exchanges, the real one beneath
+            sent = count_exchanges(lane)  # the real exchange beneath
             writer = cache.finish_later(ticket, CacheEntry({"id": "x"}, "chat", "short", "m", time.time()))
             results, _ = await asyncio.gather(st.meter.record_many([event]), writer or asyncio.sleep(0))
             assert sent == [2], sent  # the RECORD script and the store-and-unlock: one exchange

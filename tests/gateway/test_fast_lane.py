@@ -16,7 +16,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.config import RedisConfig
 from gateway.state.redis import FastScript, connect, pack
-from tests.fixtures.redis_stack import persistent_redis
+from tests.fixtures.redis_stack import count_exchanges, persistent_redis
 
 TIMEOUT_S = 0.3
 
@@ -101,14 +101,7 @@ def test_coalesced_exchanges_share_one_write_and_each_gets_its_own_replies(tmp_p
                                          max_connections=1))
             lane = handle.lane
             assert lane is not None and lane.size == 1
-            sent: list[int] = []
-            direct = lane._exchange
-
-            async def counting(packed: bytes, replies: int) -> list[object] | None:
-                sent.append(replies)
-                return await direct(packed, replies)
-
-            lane._exchange = counting  # type: ignore[method-assign]  # count the exchanges, the real one beneath
+            sent = count_exchanges(lane)  # the real exchange beneath
             try:
                 calls = [pack(b"SET", b"c", b"v"), pack(b"INCR", b"c") + pack(b"GET", b"c"), pack(b"PING")]
                 got = await asyncio.gather(*(lane.exchange(p, n, coalesce="background")
@@ -159,14 +152,7 @@ def test_coalescing_groups_and_a_flush_cancelled_before_it_ran(tmp_path: Path) -
             handle = connect(RedisConfig(url=server.url, socket_timeout_s=TIMEOUT_S, start_if_missing=False))
             lane = handle.lane
             assert lane is not None
-            sent: list[int] = []
-            direct = lane._exchange
-
-            async def counting(packed: bytes, replies: int) -> list[object] | None:
-                sent.append(replies)
-                return await direct(packed, replies)
-
-            lane._exchange = counting  # type: ignore[method-assign]  # count the exchanges, the real one beneath
+            sent = count_exchanges(lane)  # the real exchange beneath
             try:
                 got = await asyncio.gather(lane.exchange(pack(b"PING") * 3, 3, coalesce="background"),
                                            lane.exchange(pack(b"PING"), coalesce="request"),
