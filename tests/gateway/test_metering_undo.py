@@ -26,7 +26,10 @@ from gateway.ledger.event import UsageEvent
 from gateway.observability.metrics import Metrics
 from gateway.state.keys import RedisKeys
 from gateway.state.write_ahead import WalRecord, WriteAhead
+from tests.fixtures.redis_cluster import ClusterSet, redis_cluster
 from tests.fixtures.redis_stack import Stack, stack
+
+__all__ = ["redis_cluster"]  # the session fixture used below
 
 PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
                 output_usd_per_mtok=Decimal("2.00"))
@@ -324,3 +327,27 @@ async def test_a_retry_while_still_refused_sends_only_the_oldest(redis_url: str,
         assert await st.meter.retry_dead_letters() == (len(events), 0)
         assert (await st.meter.key_counters("k1"))["requests"] == len(events)
         assert sorted(await _stream_ids(st)) == sorted(e.event_id for e in events)
+
+
+async def test_on_a_cluster_a_refused_event_is_dead_lettered_and_counted_once_fixed(redis_cluster: ClusterSet,
+                                                                                   tmp_path: Path) -> None:
+    """Redis Cluster has no lane and no pipeline of scripts: events go one by one through redis-py's cluster client,
+    which raises an error reply instead of returning it — the same all-or-nothing script, the same dead letter."""
+    prefix = f"tgdl{uuid.uuid4().hex[:6]}:"
+    async with stack(redis_cluster.url, prefix, tmp_path / "spool.jsonl") as st:
+        assert st.handle.kind == "cluster" and st.handle.lane is None
+        k = st.meter.keys
+        bad, ok = _event("k1", 1, tags={"team": "a"}), _event("k2", 2)
+        await _open_request(st, bad)
+        await st.handle.client.set(k.key_total("k1"), "not a hash")
+        before = await st.handle.client.hgetall(k.reservations("k1"))
+        results = await st.meter.record_many([bad, ok])
+        assert [r.stored for r in results] == ["dead_letter", "redis"]
+        assert [e.event_id for e in st.meter.dead.read_all()] == [bad.event_id]
+        assert not await st.handle.client.sismember(k.seen(bad.day), bad.event_id)
+        assert await st.handle.client.hgetall(k.reservations("k1")) == before  # the release undone too
+        assert (await st.meter.key_counters("k2"))["requests"] == 1
+        await st.handle.client.delete(k.key_total("k1"))
+        assert await st.meter.retry_dead_letters() == (1, 0)
+        assert (await st.meter.key_counters("k1"))["requests"] == 1
+        assert await st.handle.client.hgetall(k.reservations("k1")) == {}
