@@ -59,12 +59,8 @@ class Spool(Generic[T]):
 
     def _append_sync(self, lines: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if _is_current(fd, self.path):
-                break
-            os.close(fd)  # replaced (drain_keeping) while we waited for its lock: the new file
+        fd = _open_locked(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        assert fd is not None  # O_CREAT: there is always a file to open
         try:
             _write_all(fd, lines)
         finally:
@@ -207,10 +203,13 @@ class Spool(Generic[T]):
                 await asyncio.wait_for(stop.wait(), interval_s)
 
 
-def _open_locked(path: Path) -> int | None:
+def _open_locked(path: Path, flags: int = os.O_RDWR) -> int | None:
+    """``path`` opened with ``flags`` and locked (``flock``, exclusive): the file at the path once the lock is held —
+    one replaced meanwhile (:meth:`Spool.drain_keeping`) is let go and the new one opened. None when there is no
+    file (without ``O_CREAT``)."""
     while True:
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, flags, 0o600)
         except FileNotFoundError:
             return None
         fcntl.flock(fd, fcntl.LOCK_EX)
