@@ -569,7 +569,8 @@ class Accounting:
         self._batch_since = time.monotonic()
         try:
             results = await self.meter.record_many([event for event, _ in batch])
-        except Exception:  # never lose the reason; the events are in Redis or a spool unless disk failed
+        except Exception:  # the spool could not be written (disk full): Meter keeps every other failure;
+            # the events' write-ahead records stay open, so the reconciler bills them if this process dies
             log.exception("usage write failed for events %s", ", ".join(e.event_id for e, _ in batch))
             return
         finally:

@@ -500,16 +500,18 @@ class Meter:
         """Count ``event`` once in Redis (and settle its reservation), or spool it durably when Redis is down, or
         keep it in the dead-letter spool when Redis refuses it (an error reply: nothing of it was written).
 
-        Raises ``OSError`` only when Redis is down (or refuses) *and* the spool cannot be written (disk full).
+        A write that fails any other way (neither an outage nor an error reply: a Redis Cluster client giving up
+        on a slot in flux) is kept in the usage spool too (:meth:`_unexpected`). Raises ``OSError`` only when the
+        event could not be written to Redis *and* the spool cannot be written (disk full).
         """
         try:
             reply = await self.breaker.call(lambda: self._run(event))
         except RedisDown:
-            await self.spool.append([event])
-            self.spooled += 1
-            return RecordResult("spool")
+            return (await self._keep([event]))[0]
         except ResponseError as exc:
             return (await self._refused([(event, exc)]))[0]
+        except Exception:  # neither an outage nor an error reply: see _unexpected
+            return (await self._unexpected([event]))[0]
         return RecordResult.of_reply(event, reply)
 
     async def record_many(self, events: list[UsageEvent]) -> list[RecordResult]:
@@ -526,9 +528,9 @@ class Meter:
         try:
             replies = await self.breaker.call(lambda: self._run_many(events))
         except RedisDown:
-            await self.spool.append(events)
-            self.spooled += len(events)
-            return [RecordResult("spool") for _ in events]
+            return await self._keep(events)
+        except Exception:  # neither an outage nor an error reply: see _unexpected
+            return await self._unexpected(events)
         refused = [(e, r) for e, r in zip(events, replies, strict=True) if isinstance(r, ResponseError)]
         if not refused:
             return [RecordResult.of_reply(e, r) for e, r in zip(events, replies, strict=True)]
@@ -536,14 +538,29 @@ class Meter:
         return [next(kept) if isinstance(r, ResponseError) else RecordResult.of_reply(e, r)
                 for e, r in zip(events, replies, strict=True)]
 
+    async def _keep(self, events: list[UsageEvent]) -> list[RecordResult]:
+        """``events`` into the usage spool (one fsync), replayed once Redis takes writes again."""
+        await self.spool.append(events)
+        self.spooled += len(events)
+        return [RecordResult("spool") for _ in events]
+
+    async def _unexpected(self, events: list[UsageEvent]) -> list[RecordResult]:
+        """Keep ``events`` whose write raised neither an outage error nor an error reply — e.g. a Redis Cluster
+        client error while the slot map changes under a failover. The caller used to log such an exception and
+        drop the batch ("the events are in Redis or a spool" did not hold), and on a Cluster, where a batch is
+        written event by event, the rest of the batch with it. They go to the usage spool: whatever part of them
+        reached Redis is dropped by ``event_id`` on replay, and the replayer retries a write that fails again."""
+        log.exception("usage write failed for events %s; kept in the usage spool %s",
+                      ", ".join(e.event_id for e in events), self.spool.path)
+        return await self._keep(events)
+
     async def _refused(self, refused: list[tuple[UsageEvent, ResponseError]]) -> list[RecordResult]:
         """Keep events Redis answered with an error reply: in the usage spool when the error is transient
         (:func:`transient`), else in the dead-letter spool (one ERROR line per error, naming the key)."""
         later = [e for e, exc in refused if transient(exc)]
         dead = [(e, exc) for e, exc in refused if not transient(exc)]
         if later:
-            await self.spool.append(later)
-            self.spooled += len(later)
+            await self._keep(later)
         if dead:
             await self._dead_letter(dead)
         return [RecordResult("spool" if transient(exc) else "dead_letter") for _, exc in refused]

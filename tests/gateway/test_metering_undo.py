@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from redis.exceptions import ResponseError
 
 from gateway.config import MetricsConfig, Prices
@@ -351,3 +352,33 @@ async def test_on_a_cluster_a_refused_event_is_dead_lettered_and_counted_once_fi
         assert await st.meter.retry_dead_letters() == (1, 0)
         assert (await st.meter.key_counters("k1"))["requests"] == 1
         assert await st.handle.client.hgetall(k.reservations("k1")) == {}
+
+
+async def test_on_a_cluster_a_write_failing_without_an_error_reply_is_spooled_not_lost(redis_cluster: ClusterSet,
+                                                                                      tmp_path: Path) -> None:
+    """A slot left half-migrated (``MIGRATING`` on its master, the target not ``IMPORTING``: a resharding that
+    stopped) bounces redis-py's cluster client between ASK and MOVED until it gives up with ``ClusterError("TTL
+    exhausted.")`` — neither an outage nor an error reply. The batch's events (written event by event on a Cluster)
+    are kept in the usage spool and counted once each when the slot is stable again. Before, the first event's
+    exception left ``record_many``, the writer only logged it, and the whole batch was gone."""
+    prefix = f"tgmig{uuid.uuid4().hex[:6]}:"
+    async with stack(redis_cluster.url, prefix, tmp_path / "spool.jsonl") as st:
+        assert st.handle.kind == "cluster"
+        k = st.meter.keys
+        events = [_event("k1", 1), _event("k2", 2)]
+        src = redis_cluster.master_of(k.key_total("k1"))
+        dst = next(p for p in redis_cluster.masters() if p != src)
+        admin = redis.Redis(port=src)
+        slot = int(admin.execute_command("CLUSTER", "KEYSLOT", k.key_total("k1")))
+        dst_id = redis.Redis(port=dst).execute_command("CLUSTER", "MYID")
+        admin.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        try:
+            results = await st.meter.record_many(events)
+        finally:
+            admin.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+        assert [r.stored for r in results] == ["spool", "spool"]
+        assert [e.event_id for e in st.meter.spool.read_all()] == [e.event_id for e in events]
+        assert await st.meter.replay() == 2
+        assert await st.meter.replay() == 0
+        assert (await st.meter.key_counters("k1"))["requests"] == 1
+        assert (await st.meter.key_counters("k2"))["requests"] == 1
