@@ -16,7 +16,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -148,38 +148,100 @@ def _wait_streaming(streams: list[Stream], min_events: int, timeout_s: float = 3
         [(s.status, s.events) for s in streams]
 
 
-@pytest.mark.slow
-def test_kill_9_gateway_mid_stream_every_admitted_request_settled_once(slow_sim: SimProcess, redis_url: str,
-                                                                       tmp_path: Path) -> None:
-    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
-    cfg = gateway_config(slow_sim, redis_url, prefix, tmp_path)
-    gw = GatewayProcess(cfg, tmp_path, "gw").start()
-    replicas: list[GatewayProcess] = []
-    try:
-        streams = [Stream(gw.base_url, i, FAST_CHUNK_MS if i < 2 else SLOW_CHUNK_MS) for i in range(8)]
-        assert wait_for(lambda: all(s.done for s in streams[:2]), 30)
-        _wait_streaming(streams, 8)  # ≥ 2 s into each slow stream: several write-ahead updates
-        assert wait_for(lambda: len(settled_ids(redis_url, prefix)) >= 2, 10)  # the 2 complete ones are metered
-        time.sleep(0.5)
-        gw.kill()
-        admitted = [s.request_id for s in streams if s.status == 200 and s.request_id]
-        killed = [s.request_id for s in streams[2:] if s.request_id and not s.done]
-        assert len(admitted) == 8 and len(killed) == 6
-        # two replicas start at once on the same Redis: both reconcile the dead process's records
-        replicas = [GatewayProcess(cfg, tmp_path, f"replica-{i}") for i in range(2)]
-        for r in replicas:
-            r.start()
-        assert_exactly_once(redis_url, prefix, admitted, killed)
-        # a request on a restarted gateway is settled normally, once, and leaves no record behind
-        after = Stream(replicas[0].base_url, 99, FAST_CHUNK_MS)
-        after.thread.join(30)
-        assert after.done and after.request_id
-        assert_exactly_once(redis_url, prefix, [*admitted, after.request_id], killed)
-    finally:
-        gw.kill()
-        for r in replicas:
+class Crash:
+    """What every SIGKILL test sets up: a fresh key prefix on ``redis_url`` (:attr:`keys`), a client on it
+    (:attr:`client`), the gateway processes it starts through :meth:`gateway` and :meth:`replica`, and whatever
+    else it hands to :meth:`defer`. :meth:`close` — at the end of :func:`crash_scene`, however the test ends —
+    SIGKILLs the gateways (those the test has not killed itself), stops the replicas, closes the client, runs the
+    deferred stops and deletes the prefix's keys: the teardown each test used to write out in its own copy."""
+
+    def __init__(self, redis_url: str, tmp: Path) -> None:
+        self.redis_url = redis_url
+        self.tmp = tmp
+        self.prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+        self.keys = RedisKeys(self.prefix)
+        self.client = redis.Redis.from_url(redis_url)  # connects on its first command
+        self._killed: list[GatewayProcess] = []
+        self._stopped: list[GatewayProcess] = []
+        self._deferred: list[Callable[[], None]] = []
+
+    def config(self, sim: SimProcess) -> dict[str, Any]:
+        """:func:`gateway_config` over ``sim`` on this scene's Redis, prefix and directory."""
+        return gateway_config(sim, self.redis_url, self.prefix, self.tmp)
+
+    def gateway(self, cfg: dict[str, Any], name: str = "gw") -> GatewayProcess:
+        """Start the gateway under test (SIGKILLed at the end, should the test not have killed it)."""
+        gw = GatewayProcess(cfg, self.tmp, name)
+        self._killed.append(gw)
+        return gw.start()
+
+    def replica(self, cfg: dict[str, Any], name: str = "replica") -> GatewayProcess:
+        """Start a gateway that comes after the kill (stopped, SIGTERM, at the end)."""
+        r = GatewayProcess(cfg, self.tmp, name)
+        self._stopped.append(r)
+        return r.start()
+
+    def defer(self, stop: Callable[[], None]) -> None:
+        """Run ``stop`` at the end, after the gateways are down (a simulator, a proxy)."""
+        self._deferred.append(stop)
+
+    def ledger(self) -> list[UsageEvent]:
+        return ledger(self.redis_url, self.prefix)
+
+    def settled_ids(self) -> list[str]:
+        return settled_ids(self.redis_url, self.prefix)
+
+    def close(self, delete_keys: bool = True) -> None:
+        for gw in self._killed:
+            gw.kill()
+        for r in self._stopped:
             r.stop()
-        cleanup(redis_url, prefix)
+        self.client.close()
+        for stop in self._deferred:
+            stop()
+        if delete_keys:
+            cleanup(self.redis_url, self.prefix)
+
+
+@contextlib.contextmanager
+def crash_scene(redis_url: str, tmp: Path, *, delete_keys: bool = True) -> Iterator[Crash]:
+    """A :class:`Crash` on ``redis_url``, closed on the way out (``delete_keys``: False for a private Redis the test
+    kills itself)."""
+    scene = Crash(redis_url, tmp)
+    try:
+        yield scene
+    finally:
+        scene.close(delete_keys)
+
+
+@pytest.fixture
+def crash(redis_url: str, tmp_path: Path) -> Iterator[Crash]:
+    """:func:`crash_scene` on the suite's Redis."""
+    with crash_scene(redis_url, tmp_path) as scene:
+        yield scene
+
+
+@pytest.mark.slow
+def test_kill_9_gateway_mid_stream_every_admitted_request_settled_once(slow_sim: SimProcess, crash: Crash) -> None:
+    cfg = crash.config(slow_sim)
+    gw = crash.gateway(cfg)
+    streams = [Stream(gw.base_url, i, FAST_CHUNK_MS if i < 2 else SLOW_CHUNK_MS) for i in range(8)]
+    assert wait_for(lambda: all(s.done for s in streams[:2]), 30)
+    _wait_streaming(streams, 8)  # ≥ 2 s into each slow stream: several write-ahead updates
+    assert wait_for(lambda: len(crash.settled_ids()) >= 2, 10)  # the 2 complete ones are metered
+    time.sleep(0.5)
+    gw.kill()
+    admitted = [s.request_id for s in streams if s.status == 200 and s.request_id]
+    killed = [s.request_id for s in streams[2:] if s.request_id and not s.done]
+    assert len(admitted) == 8 and len(killed) == 6
+    # two replicas start at once on the same Redis: both reconcile the dead process's records
+    replicas = [crash.replica(cfg, f"replica-{i}") for i in range(2)]
+    assert_exactly_once(crash.redis_url, crash.prefix, admitted, killed)
+    # a request on a restarted gateway is settled normally, once, and leaves no record behind
+    after = Stream(replicas[0].base_url, 99, FAST_CHUNK_MS)
+    after.thread.join(30)
+    assert after.done and after.request_id
+    assert_exactly_once(crash.redis_url, crash.prefix, [*admitted, after.request_id], killed)
 
 
 @pytest.mark.slow
@@ -187,276 +249,231 @@ def test_kill_9_redis_then_gateway_mid_stream_nothing_lost(slow_sim: SimProcess,
     # Redis dies under 8 streams (records written before), 2 more are admitted while it is down (records spooled),
     # the progress of all goes to the spool, then the gateway is killed too; both restart on their data
     store = DurableRedis(tmp_path / "redis").start()
-    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
-    cfg = gateway_config(slow_sim, store.url, prefix, tmp_path)
-    gw = GatewayProcess(cfg, tmp_path, "gw").start()
     try:
-        streams = [Stream(gw.base_url, i, FAST_CHUNK_MS if i < 2 else SLOW_CHUNK_MS) for i in range(8)]
-        assert wait_for(lambda: all(s.done for s in streams[:2]), 30)
-        _wait_streaming(streams, 6)
-        assert wait_for(lambda: len(settled_ids(store.url, prefix)) >= 2, 10)
-        store.kill()
-        during = [Stream(gw.base_url, 10 + i, SLOW_CHUNK_MS) for i in range(2)]
-        _wait_streaming(during, 6)
-        time.sleep(0.5)
-        gw.kill()
-        streams += during
-        admitted = [s.request_id for s in streams if s.status == 200 and s.request_id]
-        killed = [s.request_id for s in streams[2:] if s.request_id and not s.done]
-        assert len(admitted) == 10 and len(killed) == 8
-        spool = tmp_path / "usage-spool.wal.jsonl"
-        spooled = spool.stat().st_size if spool.exists() else 0
-        store.start()
-        gw.start()
-        assert_exactly_once(store.url, prefix, admitted, killed)
-        assert spooled > 0  # the outage's records waited on disk (then were replayed: nothing is left open)
-        # the requests admitted during the outage were metered from their spooled records
-        by_id = {e.event_id: e for e in ledger(store.url, prefix)}
-        assert all(by_id[s.request_id].completion_tokens > 0 for s in during if s.request_id)
+        with crash_scene(store.url, tmp_path, delete_keys=False) as crash:  # the store goes with the test
+            gw = crash.gateway(crash.config(slow_sim))
+            streams = [Stream(gw.base_url, i, FAST_CHUNK_MS if i < 2 else SLOW_CHUNK_MS) for i in range(8)]
+            assert wait_for(lambda: all(s.done for s in streams[:2]), 30)
+            _wait_streaming(streams, 6)
+            assert wait_for(lambda: len(crash.settled_ids()) >= 2, 10)
+            store.kill()
+            during = [Stream(gw.base_url, 10 + i, SLOW_CHUNK_MS) for i in range(2)]
+            _wait_streaming(during, 6)
+            time.sleep(0.5)
+            gw.kill()
+            streams += during
+            admitted = [s.request_id for s in streams if s.status == 200 and s.request_id]
+            killed = [s.request_id for s in streams[2:] if s.request_id and not s.done]
+            assert len(admitted) == 10 and len(killed) == 8
+            spool = tmp_path / "usage-spool.wal.jsonl"
+            spooled = spool.stat().st_size if spool.exists() else 0
+            store.start()
+            gw.start()
+            assert_exactly_once(crash.redis_url, crash.prefix, admitted, killed)
+            assert spooled > 0  # the outage's records waited on disk (then were replayed: nothing is left open)
+            # the requests admitted during the outage were metered from their spooled records
+            by_id = {e.event_id: e for e in crash.ledger()}
+            assert all(by_id[s.request_id].completion_tokens > 0 for s in during if s.request_id)
     finally:
-        gw.kill()
         store.kill()
 
 
 @pytest.mark.slow
-def test_kill_9_with_finished_streams_still_queued_meters_them_at_their_own_usage(slow_sim: SimProcess, redis_url: str,
-                                                                                   tmp_path: Path) -> None:
+def test_kill_9_with_finished_streams_still_queued_meters_them_at_their_own_usage(slow_sim: SimProcess,
+                                                                                   crash: Crash) -> None:
     # Streams shorter than a write-ahead interval (no progress write) finish while the metering writer waits on a
     # call to Redis — here its first, an audit event, frozen on its way by a proxy, as a batch held up by a slow
     # Redis — so their usage events wait in the process's queue; then the gateway is killed. Each must be settled
     # as what it was, a 200 with the usage its client was told — not as a 0-token `gateway_lost`.
-    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
-    proxy = FreezingProxy(redis_url).start()
-    cfg = gateway_config(slow_sim, redis_url, prefix, tmp_path)
+    proxy = FreezingProxy(crash.redis_url).start()
+    crash.defer(proxy.stop)
+    cfg = crash.config(slow_sim)
     cfg["metering"]["write_ahead_interval_s"] = 60.0
     # through the proxy, with a socket timeout the frozen call cannot reach before the kill (timed out, its batch
     # and the events after it would go to the usage spool, which the next gateway replays)
-    gw = GatewayProcess({**cfg, "redis": {**cfg["redis"], "url": proxy.url, "socket_timeout_s": 60.0}}, tmp_path,
-                        "gw").start()
-    replica: GatewayProcess | None = None
-    try:
-        proxy.arm(hashlib.sha1(AUDIT_LUA.encode()).hexdigest().encode())
-        refused = httpx.post(gw.base_url + "/chat/completions", headers={"authorization": "Bearer sk-nobody"},
-                             json={"model": "long", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
-        assert refused.status_code == 401
-        assert wait_for(lambda: proxy.frozen == 1, 10)  # the metering writer now waits on it
-        streams = [Stream(gw.base_url, i, FAST_CHUNK_MS, {"stream_options": {"include_usage": True}})
-                   for i in range(6)]
-        assert wait_for(lambda: all(s.done for s in streams), 30), [(s.status, s.events) for s in streams]
-        time.sleep(1.0)  # what the gateway writes in the background lands in milliseconds
-        gw.kill()
-        ids = [s.request_id for s in streams if s.request_id]
-        assert len(ids) == 6 and all(s.usage for s in streams)
-        assert not settled_ids(redis_url, prefix)  # none of their events reached Redis
-        replica = GatewayProcess(cfg, tmp_path, "replica").start()
-        assert wait_for(lambda: set(ids) <= set(settled_ids(redis_url, prefix)), SETTLE_TIMEOUT_S)
-        events = [e for e in ledger(redis_url, prefix) if not e.audit]
-        assert sorted(e.event_id for e in events) == sorted(ids)
-        long_prices = Prices(**next(t for t in sim_tiers(slow_sim.base_url) if t["name"] == "long")["prices"])
-        by_id = {e.event_id: e for e in events}
-        for s in streams:
-            e, usage = by_id[s.request_id or ""], s.usage or {}
-            assert (e.status, e.error_code, e.partial, e.tier) == (200, None, False, "long"), e
-            assert (e.prompt_tokens, e.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
-            assert e.completion_tokens > 0
-            assert e.cost_micro_usd == cost_micro_usd(long_prices, prompt_tokens=e.prompt_tokens, cached_tokens=0,
-                                                      completion_tokens=e.completion_tokens)
-        k = RedisKeys(prefix)
-        client = redis.Redis.from_url(redis_url)
-        try:
-            counters = {f.decode(): int(v) for f, v in client.hgetall(k.key_total("alice")).items()}
-            assert counters["requests"] == 6 and counters.get("errors", 0) == 0
-            assert counters["cost_micro_usd"] == sum(e.cost_micro_usd for e in events)
-            assert counters["completion_tokens"] == sum(e.completion_tokens for e in events)
-            assert client.hlen(k.write_ahead) == 0 and client.hlen(k.reservations("alice")) == 0
-        finally:
-            client.close()
-    finally:
-        gw.kill()
-        if replica is not None:
-            replica.stop()
-        proxy.stop()
-        cleanup(redis_url, prefix)
+    gw = crash.gateway({**cfg, "redis": {**cfg["redis"], "url": proxy.url, "socket_timeout_s": 60.0}})
+    proxy.arm(hashlib.sha1(AUDIT_LUA.encode()).hexdigest().encode())
+    refused = httpx.post(gw.base_url + "/chat/completions", headers={"authorization": "Bearer sk-nobody"},
+                         json={"model": "long", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+    assert refused.status_code == 401
+    assert wait_for(lambda: proxy.frozen == 1, 10)  # the metering writer now waits on it
+    streams = [Stream(gw.base_url, i, FAST_CHUNK_MS, {"stream_options": {"include_usage": True}})
+               for i in range(6)]
+    assert wait_for(lambda: all(s.done for s in streams), 30), [(s.status, s.events) for s in streams]
+    time.sleep(1.0)  # what the gateway writes in the background lands in milliseconds
+    gw.kill()
+    ids = [s.request_id for s in streams if s.request_id]
+    assert len(ids) == 6 and all(s.usage for s in streams)
+    assert not crash.settled_ids()  # none of their events reached Redis
+    crash.replica(cfg)
+    assert wait_for(lambda: set(ids) <= set(crash.settled_ids()), SETTLE_TIMEOUT_S)
+    events = [e for e in crash.ledger() if not e.audit]
+    assert sorted(e.event_id for e in events) == sorted(ids)
+    long_prices = Prices(**next(t for t in sim_tiers(slow_sim.base_url) if t["name"] == "long")["prices"])
+    by_id = {e.event_id: e for e in events}
+    for s in streams:
+        e, usage = by_id[s.request_id or ""], s.usage or {}
+        assert (e.status, e.error_code, e.partial, e.tier) == (200, None, False, "long"), e
+        assert (e.prompt_tokens, e.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
+        assert e.completion_tokens > 0
+        assert e.cost_micro_usd == cost_micro_usd(long_prices, prompt_tokens=e.prompt_tokens, cached_tokens=0,
+                                                  completion_tokens=e.completion_tokens)
+    k, client = crash.keys, crash.client
+    counters = {f.decode(): int(v) for f, v in client.hgetall(k.key_total("alice")).items()}
+    assert counters["requests"] == 6 and counters.get("errors", 0) == 0
+    assert counters["cost_micro_usd"] == sum(e.cost_micro_usd for e in events)
+    assert counters["completion_tokens"] == sum(e.completion_tokens for e in events)
+    assert client.hlen(k.write_ahead) == 0 and client.hlen(k.reservations("alice")) == 0
 
 
 @pytest.mark.slow
-def test_kill_9_before_the_upstream_call_releases_without_counting_a_request(slow_sim: SimProcess, redis_url: str,
-                                                                             tmp_path: Path) -> None:
+def test_kill_9_before_the_upstream_call_releases_without_counting_a_request(slow_sim: SimProcess,
+                                                                             crash: Crash) -> None:
     # Killed while 3 admitted requests wait for an identical request's answer (the cache's single-flight: their
     # write-ahead records written by admission, marked waiting, nothing sent upstream) and 2 calls are upstream (a
     # stream, and a non-streamed call, which has no progress write). The 2 sent are settled as lost — requests,
     # errors; the 3 never sent are no request: reservations released, one audit event each (in the stream and the
     # usage cube's refused count, exactly once), nothing counted.
-    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
-    cfg = gateway_config(slow_sim, redis_url, prefix, tmp_path)
+    cfg = crash.config(slow_sim)
     # every event here is settled seconds after its ts, past this: each must be in the late index, or a read of its
     # period by id range (usage exports with an end, a period's sub-day edges) misses it
     cfg["metering"]["late_after_s"] = 1
-    gw = GatewayProcess(cfg, tmp_path, "gw").start()
-    replica: GatewayProcess | None = None
-    k = RedisKeys(prefix)
-    client = redis.Redis.from_url(redis_url)
-    try:
-        same, text = {"temperature": 0}, f"single flight {uuid.uuid4().hex[:8]}"  # cacheable, identical
-        leader = Stream(gw.base_url, 0, SLOW_CHUNK_MS, same, text)
-        _wait_streaming([leader], 4)
-        followers = [Stream(gw.base_url, 0, SLOW_CHUNK_MS, same, text) for _ in range(3)]
-        slow_call = {"model": "long", "max_tokens": 16, "sim": {"delay_ms": 25_000},
-                     "messages": [{"role": "user", "content": f"non-streamed {uuid.uuid4().hex[:8]}"}]}
-        threading.Thread(target=lambda: _post_quietly(gw.base_url, slow_call), daemon=True).start()
-        assert wait_for(lambda: client.hlen(k.write_ahead) == 5, 15), client.hlen(k.write_ahead)
-        time.sleep(1.0)  # the non-streamed call is upstream by now
-        records = [WalRecord.from_json(raw) for raw in client.hvals(k.write_ahead)]
-        gw.kill()
-        assert leader.request_id and not any(f.status for f in followers)  # still waiting: no answer begun
-        sent = [leader.request_id, next(r.request_id for r in records if not r.stream)]
-        waiting = sorted({r.request_id for r in records} - set(sent))
-        assert len(waiting) == 3
-        assert sorted(r.request_id for r in records if r.waiting) == waiting  # only the waits wrote a mark
-        replica = GatewayProcess(cfg, tmp_path, "replica").start()
-        assert wait_for(lambda: client.hlen(k.write_ahead) == 0, SETTLE_TIMEOUT_S)
-        events = ledger(redis_url, prefix)
-        counted = {e.event_id: e for e in events if not e.audit}
-        assert sorted(counted) == sorted(sent)
-        assert all((e.status, e.error_code, e.partial) == (500, "gateway_lost", True) for e in counted.values())
-        assert counted[leader.request_id].completion_tokens > 0
-        audited = [e for e in events if e.audit and e.request_id in waiting]
-        assert sorted(e.request_id for e in audited) == waiting and len(events) == 5
-        # an id of its own: the request id stays free for the request's own event (its owner alive after all)
-        assert all(e.event_id == f"{e.request_id}:unsent" for e in audited)
-        assert all(e.error_code == "gateway_lost_unsent" and e.cost_micro_usd == 0 for e in audited)
-        counters = {f.decode(): int(v) for f, v in client.hgetall(k.key_total("alice")).items()}
-        assert (counters["requests"], counters["errors"]) == (2, 2)
-        assert counters["cost_micro_usd"] == sum(e.cost_micro_usd for e in counted.values())
-        day = counted[leader.request_id].day
-        assert int(client.hget(k.level_day("global", "global", day), "requests") or 0) == 2
-        for resv in (k.reservations("alice"), k.level_reservations("global", "global"),
-                     k.level_reservations("tag", "team=a")):
-            assert client.hlen(resv) == 0, resv
-        # the usage cube: each event once (the index's count = the seen-set's, so grouped queries trust the cube)
-        cube = {f.decode(): int(v) for f, v in client.hgetall(k.agg_cube("alice", day)).items()}
-        assert sum(v for f, v in cube.items() if f.startswith("refused ")) == 3
-        assert sum(v for f, v in cube.items() if f.startswith("requests ")) == 2
-        assert int(client.hget(k.agg_index, f"n:{day}") or 0) == client.scard(k.seen(day)) == 5
-        stream_ids = {i.decode() for i, _ in client.xrange(k.events)}
-        assert {m.decode() for m in client.zrange(k.late_events, 0, -1)} == stream_ids and len(stream_ids) == 5
-    finally:
-        gw.kill()
-        if replica is not None:
-            replica.stop()
-        client.close()
-        cleanup(redis_url, prefix)
+    gw = crash.gateway(cfg)
+    k, client = crash.keys, crash.client
+    same, text = {"temperature": 0}, f"single flight {uuid.uuid4().hex[:8]}"  # cacheable, identical
+    leader = Stream(gw.base_url, 0, SLOW_CHUNK_MS, same, text)
+    _wait_streaming([leader], 4)
+    followers = [Stream(gw.base_url, 0, SLOW_CHUNK_MS, same, text) for _ in range(3)]
+    slow_call = {"model": "long", "max_tokens": 16, "sim": {"delay_ms": 25_000},
+                 "messages": [{"role": "user", "content": f"non-streamed {uuid.uuid4().hex[:8]}"}]}
+    threading.Thread(target=lambda: _post_quietly(gw.base_url, slow_call), daemon=True).start()
+    assert wait_for(lambda: client.hlen(k.write_ahead) == 5, 15), client.hlen(k.write_ahead)
+    time.sleep(1.0)  # the non-streamed call is upstream by now
+    records = [WalRecord.from_json(raw) for raw in client.hvals(k.write_ahead)]
+    gw.kill()
+    assert leader.request_id and not any(f.status for f in followers)  # still waiting: no answer begun
+    sent = [leader.request_id, next(r.request_id for r in records if not r.stream)]
+    waiting = sorted({r.request_id for r in records} - set(sent))
+    assert len(waiting) == 3
+    assert sorted(r.request_id for r in records if r.waiting) == waiting  # only the waits wrote a mark
+    crash.replica(cfg)
+    assert wait_for(lambda: client.hlen(k.write_ahead) == 0, SETTLE_TIMEOUT_S)
+    events = crash.ledger()
+    counted = {e.event_id: e for e in events if not e.audit}
+    assert sorted(counted) == sorted(sent)
+    assert all((e.status, e.error_code, e.partial) == (500, "gateway_lost", True) for e in counted.values())
+    assert counted[leader.request_id].completion_tokens > 0
+    audited = [e for e in events if e.audit and e.request_id in waiting]
+    assert sorted(e.request_id for e in audited) == waiting and len(events) == 5
+    # an id of its own: the request id stays free for the request's own event (its owner alive after all)
+    assert all(e.event_id == f"{e.request_id}:unsent" for e in audited)
+    assert all(e.error_code == "gateway_lost_unsent" and e.cost_micro_usd == 0 for e in audited)
+    counters = {f.decode(): int(v) for f, v in client.hgetall(k.key_total("alice")).items()}
+    assert (counters["requests"], counters["errors"]) == (2, 2)
+    assert counters["cost_micro_usd"] == sum(e.cost_micro_usd for e in counted.values())
+    day = counted[leader.request_id].day
+    assert int(client.hget(k.level_day("global", "global", day), "requests") or 0) == 2
+    for resv in (k.reservations("alice"), k.level_reservations("global", "global"),
+                 k.level_reservations("tag", "team=a")):
+        assert client.hlen(resv) == 0, resv
+    # the usage cube: each event once (the index's count = the seen-set's, so grouped queries trust the cube)
+    cube = {f.decode(): int(v) for f, v in client.hgetall(k.agg_cube("alice", day)).items()}
+    assert sum(v for f, v in cube.items() if f.startswith("refused ")) == 3
+    assert sum(v for f, v in cube.items() if f.startswith("requests ")) == 2
+    assert int(client.hget(k.agg_index, f"n:{day}") or 0) == client.scard(k.seen(day)) == 5
+    stream_ids = {i.decode() for i, _ in client.xrange(k.events)}
+    assert {m.decode() for m in client.zrange(k.late_events, 0, -1)} == stream_ids and len(stream_ids) == 5
 
 
 @pytest.mark.slow
-def test_kill_9_after_a_wait_that_ended_upstream_settles_the_calls_as_lost(slow_sim: SimProcess, redis_url: str,
-                                                                           tmp_path: Path) -> None:
+def test_kill_9_after_a_wait_that_ended_upstream_settles_the_calls_as_lost(slow_sim: SimProcess,
+                                                                           crash: Crash) -> None:
     # 3 requests wait on a leader's single-flight lock (marked waiting); the leader's client hangs up, so the lock
     # goes without an answer and each calls the upstream itself. Killed while those calls are upstream: they were
     # sent, so each is a lost request (500 gateway_lost), not a release — the mark was cleared before each call.
-    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
-    cfg = gateway_config(slow_sim, redis_url, prefix, tmp_path)
-    gw = GatewayProcess(cfg, tmp_path, "gw").start()
-    replica: GatewayProcess | None = None
-    k = RedisKeys(prefix)
-    client = redis.Redis.from_url(redis_url)
-    try:
-        body = {"model": "long", "max_tokens": 16, "temperature": 0, "sim": {"delay_ms": 6_000},
-                "messages": [{"role": "user", "content": f"single flight {uuid.uuid4().hex[:8]}"}]}
-        leader = threading.Thread(target=lambda: _post_quietly(gw.base_url, body, timeout_s=2.0), daemon=True)
-        leader.start()
-        assert wait_for(lambda: client.hlen(k.write_ahead) == 1, 15)
-        for _ in range(3):
-            threading.Thread(target=lambda: _post_quietly(gw.base_url, body), daemon=True).start()
-        assert wait_for(lambda: sum(WalRecord.from_json(raw).waiting for raw in client.hvals(k.write_ahead)) == 3, 10)
-        leader.join(10)  # hung up after 2 s: its call is cancelled, its lock released without an answer
-        assert wait_for(lambda: any(not e.audit for e in ledger(redis_url, prefix)), 10)  # the leader's, 499
-        assert wait_for(lambda: client.hlen(k.write_ahead) == 3
-                        and not any(WalRecord.from_json(raw).waiting for raw in client.hvals(k.write_ahead)), 10)
-        time.sleep(0.5)  # upstream by now (each waits 6 s for its answer)
-        followers = sorted(r.decode() for r in client.hkeys(k.write_ahead))
-        gw.kill()
-        replica = GatewayProcess(cfg, tmp_path, "replica").start()
-        assert wait_for(lambda: client.hlen(k.write_ahead) == 0, SETTLE_TIMEOUT_S)
-        events = {e.event_id: e for e in ledger(redis_url, prefix) if e.request_id in followers}
-        assert sorted(events) == followers, sorted(events)
-        assert all((e.audit, e.status, e.error_code) == (False, 500, "gateway_lost") for e in events.values())
-        for resv in (k.reservations("alice"), k.level_reservations("global", "global")):
-            assert client.hlen(resv) == 0, resv
-    finally:
-        gw.kill()
-        if replica is not None:
-            replica.stop()
-        client.close()
-        cleanup(redis_url, prefix)
+    cfg = crash.config(slow_sim)
+    gw = crash.gateway(cfg)
+    k, client = crash.keys, crash.client
+    body = {"model": "long", "max_tokens": 16, "temperature": 0, "sim": {"delay_ms": 6_000},
+            "messages": [{"role": "user", "content": f"single flight {uuid.uuid4().hex[:8]}"}]}
+    leader = threading.Thread(target=lambda: _post_quietly(gw.base_url, body, timeout_s=2.0), daemon=True)
+    leader.start()
+    assert wait_for(lambda: client.hlen(k.write_ahead) == 1, 15)
+    for _ in range(3):
+        threading.Thread(target=lambda: _post_quietly(gw.base_url, body), daemon=True).start()
+    assert wait_for(lambda: sum(WalRecord.from_json(raw).waiting for raw in client.hvals(k.write_ahead)) == 3, 10)
+    leader.join(10)  # hung up after 2 s: its call is cancelled, its lock released without an answer
+    assert wait_for(lambda: any(not e.audit for e in crash.ledger()), 10)  # the leader's, 499
+    assert wait_for(lambda: client.hlen(k.write_ahead) == 3
+                    and not any(WalRecord.from_json(raw).waiting for raw in client.hvals(k.write_ahead)), 10)
+    time.sleep(0.5)  # upstream by now (each waits 6 s for its answer)
+    followers = sorted(r.decode() for r in client.hkeys(k.write_ahead))
+    gw.kill()
+    crash.replica(cfg)
+    assert wait_for(lambda: client.hlen(k.write_ahead) == 0, SETTLE_TIMEOUT_S)
+    events = {e.event_id: e for e in crash.ledger() if e.request_id in followers}
+    assert sorted(events) == followers, sorted(events)
+    assert all((e.audit, e.status, e.error_code) == (False, 500, "gateway_lost") for e in events.values())
+    for resv in (k.reservations("alice"), k.level_reservations("global", "global")):
+        assert client.hlen(resv) == 0, resv
 
 
 @pytest.mark.slow
-def test_kill_9_meters_a_stream_past_its_bound_at_the_bound(slow_sim: SimProcess, redis_url: str,
-                                                            tmp_path: Path) -> None:
+def test_kill_9_meters_a_stream_past_its_bound_at_the_bound(slow_sim: SimProcess, crash: Crash) -> None:
     # An upstream that ignores max_tokens (8) streams on: the relayed deltas, written to the write-ahead record as
     # progress, claim more completion tokens than the call was admitted to generate. A finished call is metered
     # at the bound (UsageRecord.set_usage / set_counted); the orphan of a killed process was billed the claim.
     # Beside it, a stream within its bound is metered at its progress, as before.
-    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
-    cfg = gateway_config(slow_sim, redis_url, prefix, tmp_path)
-    gw = GatewayProcess(cfg, tmp_path, "gw").start()
-    replica: GatewayProcess | None = None
-    k = RedisKeys(prefix)
-    client = redis.Redis.from_url(redis_url)
-    try:
-        over = Stream(gw.base_url, 0, SLOW_CHUNK_MS, {"max_tokens": 8, "sim": {
-            "chunk_delay_ms": SLOW_CHUNK_MS, "ignore_max_tokens": True}})
-        within = Stream(gw.base_url, 1, SLOW_CHUNK_MS)
-        _wait_streaming([over, within], 16)  # 16 deltas relayed, twice the bound
+    cfg = crash.config(slow_sim)
+    gw = crash.gateway(cfg)
+    k, client = crash.keys, crash.client
+    over = Stream(gw.base_url, 0, SLOW_CHUNK_MS, {"max_tokens": 8, "sim": {
+        "chunk_delay_ms": SLOW_CHUNK_MS, "ignore_max_tokens": True}})
+    within = Stream(gw.base_url, 1, SLOW_CHUNK_MS)
+    _wait_streaming([over, within], 16)  # 16 deltas relayed, twice the bound
 
-        def stored(s: Stream) -> WalRecord:
-            return WalRecord.from_json(client.hget(k.write_ahead, s.request_id or "") or b"{}")
+    def stored(s: Stream) -> WalRecord:
+        return WalRecord.from_json(client.hget(k.write_ahead, s.request_id or "") or b"{}")
 
-        assert wait_for(lambda: stored(over).completion_tokens >= 12 and stored(within).completion_tokens > 0, 10)
-        gw.kill()
-        time.sleep(0.2)  # a write on the wire at the kill has landed
-        assert not over.done and not within.done and over.request_id and within.request_id
-        claimed, kept = stored(over), stored(within)
-        assert claimed.completion_tokens > 8  # the record claims more than the call could generate
-        assert 0 < kept.completion_tokens <= 256
-        replica = GatewayProcess(cfg, tmp_path, "replica").start()
-        assert wait_for(lambda: client.hlen(k.write_ahead) == 0, SETTLE_TIMEOUT_S)
-        by_id = {e.event_id: e for e in ledger(redis_url, prefix) if not e.audit}
-        long_prices = Prices(**next(t for t in sim_tiers(slow_sim.base_url) if t["name"] == "long")["prices"])
-        e = by_id[over.request_id]
-        assert e.completion_tokens == 8 and e.reasoning_tokens <= 8  # billed at the bound, not the claim
-        assert e.cost_micro_usd == cost_micro_usd(long_prices, prompt_tokens=e.prompt_tokens, cached_tokens=0,
-                                                  completion_tokens=8)
-        assert (e.status, e.partial, e.error_code, e.tier) == (500, True, "gateway_lost_over_bound", "long")
-        assert (claimed.bound_completion, kept.bound_completion) == (8, 256)  # max_tokens × 1 choice, each
-        e = by_id[within.request_id]
-        assert (e.status, e.partial, e.error_code) == (500, True, "gateway_lost")
-        assert e.completion_tokens == kept.completion_tokens
-        counters = {f.decode(): int(v) for f, v in client.hgetall(k.key_total("alice")).items()}
-        assert counters["completion_tokens"] == sum(e.completion_tokens for e in by_id.values())
-        assert counters["cost_micro_usd"] == sum(e.cost_micro_usd for e in by_id.values())
-        assert client.hlen(k.reservations("alice")) == 0
-    finally:
-        gw.kill()
-        if replica is not None:
-            replica.stop()
-        client.close()
-        cleanup(redis_url, prefix)
+    assert wait_for(lambda: stored(over).completion_tokens >= 12 and stored(within).completion_tokens > 0, 10)
+    gw.kill()
+    time.sleep(0.2)  # a write on the wire at the kill has landed
+    assert not over.done and not within.done and over.request_id and within.request_id
+    claimed, kept = stored(over), stored(within)
+    assert claimed.completion_tokens > 8  # the record claims more than the call could generate
+    assert 0 < kept.completion_tokens <= 256
+    crash.replica(cfg)
+    assert wait_for(lambda: client.hlen(k.write_ahead) == 0, SETTLE_TIMEOUT_S)
+    by_id = {e.event_id: e for e in crash.ledger() if not e.audit}
+    long_prices = Prices(**next(t for t in sim_tiers(slow_sim.base_url) if t["name"] == "long")["prices"])
+    e = by_id[over.request_id]
+    assert e.completion_tokens == 8 and e.reasoning_tokens <= 8  # billed at the bound, not the claim
+    assert e.cost_micro_usd == cost_micro_usd(long_prices, prompt_tokens=e.prompt_tokens, cached_tokens=0,
+                                              completion_tokens=8)
+    assert (e.status, e.partial, e.error_code, e.tier) == (500, True, "gateway_lost_over_bound", "long")
+    assert (claimed.bound_completion, kept.bound_completion) == (8, 256)  # max_tokens × 1 choice, each
+    e = by_id[within.request_id]
+    assert (e.status, e.partial, e.error_code) == (500, True, "gateway_lost")
+    assert e.completion_tokens == kept.completion_tokens
+    counters = {f.decode(): int(v) for f, v in client.hgetall(k.key_total("alice")).items()}
+    assert counters["completion_tokens"] == sum(e.completion_tokens for e in by_id.values())
+    assert counters["cost_micro_usd"] == sum(e.cost_micro_usd for e in by_id.values())
+    assert client.hlen(k.reservations("alice")) == 0
 
 
 @pytest.mark.slow
-def test_kill_9_during_a_fallback_meters_the_call_on_the_fallback_tier(redis_url: str, tmp_path: Path) -> None:
+def test_kill_9_during_a_fallback_meters_the_call_on_the_fallback_tier(crash: Crash) -> None:
     # The routed tier's upstream refuses (503), the non-streamed call falls back to a dearer tier whose upstream is
     # slow, and the gateway is killed while that call runs. Its write-ahead record named the routed tier (a
     # non-streamed call has no progress write to correct it), so the reconciler settled it on the tier that
     # refused, at that tier's prices. The record names the fallback before the fallback call is sent.
     failing = start_sim("--fail-mode", "503", "--model", "cheap-model")
+    crash.defer(failing.stop)
     slow = start_sim("--delay-ms", "25000", "--model", "dear-model")
-    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    crash.defer(slow.stop)
     common = {"read_timeout_s": 30.0, "connect_timeout_s": 2.0, "max_retries": 0}
     dear_prices = {"input_usd_per_mtok": "3.00", "cached_input_usd_per_mtok": "1.50", "output_usd_per_mtok": "12.00"}
-    cfg = {**gateway_config(slow, redis_url, prefix, tmp_path),
+    cfg = {**crash.config(slow),
            "tiers": [{**common, "name": "cheap", "base_url": failing.base_url, "model": "cheap-model",
                       "prices": {"input_usd_per_mtok": "0.10", "cached_input_usd_per_mtok": "0.05",
                                  "output_usd_per_mtok": "0.40"}},
@@ -464,44 +481,33 @@ def test_kill_9_during_a_fallback_meters_the_call_on_the_fallback_tier(redis_url
                       "prices": dear_prices}],
            "routing": {"router_path": None, "routed_tiers": ["cheap", "dear"], "thresholds": [0.5],
                        "default_tier": "dear", "fallback": True}}
-    gw = GatewayProcess(cfg, tmp_path, "gw").start()
-    replica: GatewayProcess | None = None
-    k = RedisKeys(prefix)
-    client = redis.Redis.from_url(redis_url)
-    try:
-        t = uuid.uuid4().hex
-        body = {"model": "cheap", "max_tokens": 16, "sim": {"tag": t},
-                "messages": [{"role": "user", "content": f"fallback {uuid.uuid4().hex[:8]}"}]}
-        threading.Thread(target=lambda: _post_quietly(gw.base_url, body), daemon=True).start()
-        rec = slow.wait_tag_status(t, {"running"}, timeout_s=15)
-        assert rec is not None and rec["status"] == "running", rec  # the fallback call is in flight
-        failed = failing.tag(t)
-        assert failed is not None and failed["status"] == "failed"  # the routed tier refused it
-        time.sleep(0.3)
-        gw.kill()
-        (raw,) = client.hvals(k.write_ahead)
-        in_flight = WalRecord.from_json(raw)
-        replica = GatewayProcess(cfg, tmp_path, "replica").start()
-        assert wait_for(lambda: client.hlen(k.write_ahead) == 0, SETTLE_TIMEOUT_S)
-        (e,) = [e for e in ledger(redis_url, prefix) if not e.audit]
-        assert (e.event_id, e.status, e.partial, e.error_code) == (in_flight.request_id, 500, True, "gateway_lost")
-        assert (e.tier, e.upstream_model, e.route_reason) == ("dear", "dear-model", "fallback")
-        # named in the record before the kill: the fallback call was not the routed tier's
-        assert (in_flight.tier, in_flight.upstream_model, in_flight.route_reason) == ("dear", "dear-model",
-                                                                                     "fallback")
-        dear = Prices(**{f: Decimal(v) for f, v in dear_prices.items()})
-        assert e.cost_micro_usd == cost_micro_usd(dear, prompt_tokens=e.prompt_tokens, cached_tokens=e.cached_tokens,
-                                                  completion_tokens=e.completion_tokens)
-        for resv in (k.reservations("alice"), k.level_reservations("global", "global")):
-            assert client.hlen(resv) == 0, resv
-    finally:
-        gw.kill()
-        if replica is not None:
-            replica.stop()
-        client.close()
-        failing.stop()
-        slow.stop()
-        cleanup(redis_url, prefix)
+    gw = crash.gateway(cfg)
+    k, client = crash.keys, crash.client
+    t = uuid.uuid4().hex
+    body = {"model": "cheap", "max_tokens": 16, "sim": {"tag": t},
+            "messages": [{"role": "user", "content": f"fallback {uuid.uuid4().hex[:8]}"}]}
+    threading.Thread(target=lambda: _post_quietly(gw.base_url, body), daemon=True).start()
+    rec = slow.wait_tag_status(t, {"running"}, timeout_s=15)
+    assert rec is not None and rec["status"] == "running", rec  # the fallback call is in flight
+    failed = failing.tag(t)
+    assert failed is not None and failed["status"] == "failed"  # the routed tier refused it
+    time.sleep(0.3)
+    gw.kill()
+    (raw,) = client.hvals(k.write_ahead)
+    in_flight = WalRecord.from_json(raw)
+    crash.replica(cfg)
+    assert wait_for(lambda: client.hlen(k.write_ahead) == 0, SETTLE_TIMEOUT_S)
+    (e,) = [e for e in crash.ledger() if not e.audit]
+    assert (e.event_id, e.status, e.partial, e.error_code) == (in_flight.request_id, 500, True, "gateway_lost")
+    assert (e.tier, e.upstream_model, e.route_reason) == ("dear", "dear-model", "fallback")
+    # named in the record before the kill: the fallback call was not the routed tier's
+    assert (in_flight.tier, in_flight.upstream_model, in_flight.route_reason) == ("dear", "dear-model",
+                                                                                 "fallback")
+    dear = Prices(**{f: Decimal(v) for f, v in dear_prices.items()})
+    assert e.cost_micro_usd == cost_micro_usd(dear, prompt_tokens=e.prompt_tokens, cached_tokens=e.cached_tokens,
+                                              completion_tokens=e.completion_tokens)
+    for resv in (k.reservations("alice"), k.level_reservations("global", "global")):
+        assert client.hlen(resv) == 0, resv
 
 
 def _post_quietly(base_url: str, body: dict[str, Any], timeout_s: float = 60.0) -> None:
