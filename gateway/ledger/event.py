@@ -74,6 +74,11 @@ class UsageEvent:
     ``audit`` marks the record of a request refused before any upstream call (400/401/403/413/429, or a 5xx
     such as ``limits_unavailable``): cost 0, kept in the stream and the exports, never in the counters, spend
     sums or budgets.
+    ``over_bound`` marks an event whose tokens were held to the call's admitted bound: the upstream reported (or
+    the gateway counted, or a dead process's write-ahead record claimed) more than the call could use — an
+    upstream that ignored ``max_tokens`` or misreports — and the event carries, and is priced at, the bound. The
+    request itself may have succeeded (status 200): the mark is on the event, not in ``error_code``, so it shows
+    in the exports and ``GET /v1/usage`` beside whatever status and code the request had.
     """
 
     key_id: str
@@ -104,6 +109,7 @@ class UsageEvent:
     cache_request_id: str | None = None
     cache_similarity: float | None = None
     audit: bool = False
+    over_bound: bool = False
 
     @property
     def day(self) -> str:

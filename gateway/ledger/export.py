@@ -220,7 +220,8 @@ def _write_parquet(rows: list[dict[str, Any]], cols: list[str], out: BinaryIO) -
     types.update({"ts": pa.timestamp("ms", tz="UTC"), "tags": pa.map_(pa.string(), pa.string()),
                   "difficulty": pa.float64(), "latency_ms": pa.float64(), "ttft_ms": pa.float64(),
                   "cache_similarity": pa.float64(),
-                  "status": pa.int64(), "cached": pa.bool_(), "stream": pa.bool_(), "audit": pa.bool_()})
+                  "status": pa.int64(), "cached": pa.bool_(), "stream": pa.bool_(), "audit": pa.bool_(),
+                  "over_bound": pa.bool_()})
     if "requests" not in cols:  # raw events: partial is a bool there
         types["partial"] = pa.bool_()
     arrays = []

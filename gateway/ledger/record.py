@@ -63,6 +63,9 @@ class UsageRecord:
     error_code: str | None = None
     cache_request_id: str | None = None  # semantic hit: the request whose stored answer was served
     cache_similarity: float | None = None  # semantic hit: similarity of the two questions
+    # the completion count was held to ``completion_bound`` (the upstream reported, or the gateway counted, more than
+    # the call could generate): the usage event says so (``UsageEvent.over_bound``), not only a log line
+    over_bound: bool = False
     routing_window: str | None = None  # the text the router scored (not metered; outcomes keep its digest)
     # an escalated attempt: the route reason of the request's first attempt (``predicted``: the router's choice;
     # ``forced``, ``explore``…: not) — the realised floor counts an escalated answer only when the router chose it
@@ -80,8 +83,9 @@ class UsageRecord:
         none or it is not one the gateway can meter (:func:`gateway.openai.usage.usage_counts`: missing, null,
         negative or absurd counts): the caller counts the call itself. A completion count above
         :attr:`completion_bound` (the most the call was allowed to generate) is metered at the bound: the upstream
-        ignored ``max_tokens`` or misreports, and admission reserved no more. ``completion=False``: an embeddings
-        usage (no completion count)."""
+        ignored ``max_tokens`` or misreports, and admission reserved no more; :attr:`over_bound` says so on the
+        event (set or cleared by every count taken: the last count is the one metered). ``completion=False``: an
+        embeddings usage (no completion count)."""
         counts = usage_counts(usage, completion, self.usage_limit)
         if counts is None:
             if usage:
@@ -91,7 +95,8 @@ class UsageRecord:
         self.usage_source = "upstream"
         self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.reasoning_tokens = counts
         bound = self.completion_bound
-        if bound is not None and self.completion_tokens > bound:
+        self.over_bound = bound is not None and self.completion_tokens > bound
+        if bound is not None and self.over_bound:
             log.warning("request %s: upstream reported %d completion tokens, above the %d it was allowed; metered %d",
                         self.request_id, self.completion_tokens, bound, bound)
             self.completion_tokens, self.reasoning_tokens = bound, min(self.reasoning_tokens, bound)
@@ -106,8 +111,10 @@ class UsageRecord:
     def set_counted(self, completion: int, reasoning: int) -> None:
         """Counts the gateway made itself (no usage from the upstream to trust): ``completion`` and ``reasoning``
         tokens, held to :attr:`completion_bound` as a reported count is (an upstream that ignores ``max_tokens``
-        and sends no usage overspent a hard budget); ``usage_source: counted``. The prompt is the caller's."""
+        and sends no usage overspent a hard budget; :attr:`over_bound` says when it was); ``usage_source: counted``.
+        The prompt is the caller's."""
         bound = self.completion_bound if self.completion_bound is not None else completion
+        self.over_bound = completion > bound
         self.completion_tokens = min(completion, bound)
         self.reasoning_tokens = min(reasoning, self.completion_tokens)
         self.usage_source = "counted"

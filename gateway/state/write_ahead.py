@@ -63,7 +63,8 @@ and correcting its TPM window, like any usage event:
   call in flight, a fallback's once it was sent (step 3) (:meth:`Meter.settle_orphan`). Its completion count is
   held to the call's admitted bound (``bound_completion``: choices × min(max_tokens, tier cap)), as a finished
   call's reported or counted one is: a record that claims more (an upstream that ignored ``max_tokens`` and
-  streamed on, a running usage that misreports) is metered at the bound, ``error_code`` :data:`OVER_BOUND_CODE`.
+  streamed on, a running usage that misreports) is metered at the bound, ``error_code`` :data:`OVER_BOUND_CODE`
+  and ``over_bound`` (the mark of a finished call held to its bound).
 
 What is left of "never sent" taken for "lost": a process killed in the short stretch between a request's admission
 and its upstream call without a wait (routing the admission reply, a cache miss's bookkeeping, a semantic cache's
@@ -224,7 +225,8 @@ class WalRecord:
         tier's; None = unknown tier, cost 0), ``error_code`` ``gateway_lost``. A completion count above what the call
         could generate (:attr:`completion_limit`: an upstream that ignored ``max_tokens`` and streamed on, or a
         running usage that misreports) is metered at that bound, as a finished call's is
-        (``UsageRecord.set_usage``), and the event says so: ``error_code`` :data:`OVER_BOUND_CODE`."""
+        (``UsageRecord.set_usage``), and the event says so: ``error_code`` :data:`OVER_BOUND_CODE` and
+        ``over_bound`` (the mark a finished call held to its bound carries too)."""
         completion, reasoning, code = self.completion_tokens, self.reasoning_tokens, "gateway_lost"
         bound = self.completion_limit
         if bound is not None and completion > bound:
@@ -238,7 +240,8 @@ class WalRecord:
             cached_tokens=self.cached_tokens, completion_tokens=completion, reasoning_tokens=reasoning,
             cost_micro_usd=cost, latency_ms=float(max(0, self.updated_ms - int(self.ts * 1000))), status=500,
             error_code=code, stream=self.stream, partial=True,
-            usage_source="counted" if self.usage_source == "none" else self.usage_source)
+            usage_source="counted" if self.usage_source == "none" else self.usage_source,
+            over_bound=code == OVER_BOUND_CODE)
 
     def unsent_event(self) -> UsageEvent:
         """The audit event of a call that was never sent upstream (:attr:`unsent`): cost 0, counted nowhere

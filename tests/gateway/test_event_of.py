@@ -16,7 +16,7 @@ def test_every_shared_field_reaches_the_event() -> None:
                       difficulty=0.25, stream=True, prompt_tokens=11, cached_tokens=3, completion_tokens=7,
                       reasoning_tokens=5, usage_source="upstream", partial=True, cost_micro_usd=42, cached=True,
                       saved_micro_usd=9, latency_ms=12.34567, ttft_ms=1.23456, status=206, error_code="x",
-                      cache_request_id="r-0", cache_similarity=0.912345)
+                      cache_request_id="r-0", cache_similarity=0.912345, over_bound=True)
     ev = event_of(rec)
     shared = {f.name for f in fields(UsageEvent)} & {f.name for f in fields(UsageRecord)}
     converted = {"latency_ms": 12.346, "ttft_ms": 1.235, "cache_similarity": 0.9123}

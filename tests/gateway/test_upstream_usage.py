@@ -6,6 +6,8 @@ above what the call was allowed is held to that bound."""
 
 from __future__ import annotations
 
+import csv
+import io
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,7 @@ import orjson
 import pytest
 import redis
 
+from gateway.ledger import export
 from tests.fixtures.gateway import SECRETS, accounting_gateway, usage_events
 from tests.fixtures.upstream import GatewayServer, SimProcess
 from tests.fixtures.upstream_sim import answer_words
@@ -93,21 +96,37 @@ def test_bad_details_are_clipped_not_fatal(gw: GatewayServer, stream: bool) -> N
     ev = usage_events(gw, [rid])[rid]
     assert (ev.usage_source, ev.prompt_tokens, ev.completion_tokens) == ("upstream", 12, 20)
     assert ev.cached_tokens == 12 and 0 <= ev.reasoning_tokens <= 20
+    assert not ev.over_bound  # within its bound (256): metered as reported, no mark
 
 
 def test_a_completion_count_above_the_bound_is_held_to_it(gw: GatewayServer) -> None:
     """An upstream reporting 5,000 completion tokens for a call allowed 50 (max_tokens): admission reserved 50,
-    and a hard budget could be overspent 100-fold on one request. Metered at 50."""
+    and a hard budget could be overspent 100-fold on one request. Metered at 50 — and the usage event says so
+    (``over_bound``: the request was a 200, its code None; the cap had left only a log line), in ``GET /v1/usage``
+    and every export format."""
+    events = []
     for stream in (False, True):
         r = _ask(gw, {"prompt_tokens": 12, "completion_tokens": 5000, "total_tokens": 5012}, stream, max_tokens=50)
         assert r.status_code == 200, r.text
         rid = r.headers["x-request-id"]
-        ev = usage_events(gw, [rid])[rid]
+        ev = usage_events(gw, [rid])[rid]  # GET /v1/usage's raw row
         assert (ev.usage_source, ev.prompt_tokens, ev.completion_tokens) == ("upstream", 12, 50)
+        assert (ev.status, ev.error_code, ev.over_bound) == (200, None, True)
         # ... and the client is told what was metered (the review found it told the upstream's 5,000)
         told = [orjson.loads(x[6:])["usage"] for x in r.text.split("\n\n")
                 if x.startswith("data: {") and '"usage"' in x] if stream else [r.json()["usage"]]
         assert [u["completion_tokens"] for u in told] == [50], told
+        events.append(ev)
+    import pyarrow.parquet as pq
+
+    rows, cols = export.build(events, [])
+    formats: tuple[export.Format, ...] = ("csv", "jsonl", "parquet")
+    out = {fmt: io.BytesIO() for fmt in formats}
+    for fmt in formats:
+        export.write(rows, cols, fmt, out[fmt])
+    assert [r["over_bound"] for r in csv.DictReader(io.StringIO(out["csv"].getvalue().decode()))] == ["true"] * 2
+    assert [orjson.loads(line)["over_bound"] for line in out["jsonl"].getvalue().splitlines()] == [True] * 2
+    assert pq.read_table(io.BytesIO(out["parquet"].getvalue())).column("over_bound").to_pylist() == [True] * 2
 
 
 def test_embeddings_without_usage_are_estimated_not_free(tmp_path: Path, upstream_sim: SimProcess,
@@ -135,6 +154,7 @@ def test_a_counted_stream_is_held_to_the_bound_too(gw: GatewayServer) -> None:
                  ('"content"' in x or '"reasoning"' in x))
     ev = usage_events(gw, [rid])[rid]
     assert deltas > 4 and (ev.usage_source, ev.completion_tokens) == ("counted", 4)
+    assert ev.over_bound  # marked on the event, as a reported count held to the bound is
 
 
 def test_an_escalated_non_streamed_attempt_without_usage_is_counted(upstream_sim: SimProcess, redis_url: str,

@@ -451,10 +451,11 @@ def test_kill_9_meters_a_stream_past_its_bound_at_the_bound(slow_sim: SimProcess
     assert e.cost_micro_usd == cost_micro_usd(long_prices, prompt_tokens=e.prompt_tokens, cached_tokens=0,
                                               completion_tokens=8)
     assert (e.status, e.partial, e.error_code, e.tier) == (500, True, "gateway_lost_over_bound", "long")
+    assert e.over_bound  # the mark a finished call held to its bound carries too
     assert (claimed.bound_completion, kept.bound_completion) == (8, 256)  # max_tokens × 1 choice, each
     e = by_id[within.request_id]
     assert (e.status, e.partial, e.error_code) == (500, True, "gateway_lost")
-    assert e.completion_tokens == kept.completion_tokens
+    assert e.completion_tokens == kept.completion_tokens and not e.over_bound
     counters = {f.decode(): int(v) for f, v in client.hgetall(k.key_total("alice")).items()}
     assert counters["completion_tokens"] == sum(e.completion_tokens for e in by_id.values())
     assert counters["cost_micro_usd"] == sum(e.cost_micro_usd for e in by_id.values())
