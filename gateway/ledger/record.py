@@ -76,6 +76,9 @@ class UsageRecord:
     # the most tokens (prompt + completion) the current upstream call may be billed (admission's
     # ``Estimate.tokens``): how large a reported count may be and still be one (``usage_limit``)
     token_bound: int | None = None
+    # the most prompt tokens the current upstream call may be billed (admission's ``Estimate.prompt``): the write-ahead
+    # record carries it, and a dead process's record that claims more is metered at it
+    prompt_bound: int | None = None
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def set_usage(self, usage: dict[str, Any] | None, completion: bool = True) -> bool:
@@ -142,7 +145,7 @@ class UsageRecord:
 
 # Not logged: private fields, and the routing window — the user's prompt text, which only the outcome store may
 # keep, and only under ``routing.outcomes.retain_text`` (a data-retention decision; docs/closed-loop.md).
-_UNLOGGED = frozenset({"routing_window", "escalated_from", "completion_bound", "token_bound"})
+_UNLOGGED = frozenset({"routing_window", "escalated_from", "completion_bound", "token_bound", "prompt_bound"})
 _PUBLIC_FIELDS = tuple(f.name for f in fields(UsageRecord) if not f.name.startswith("_") and f.name not in _UNLOGGED)
 
 

@@ -223,6 +223,7 @@ class Accounting:
         est = estimate(body, tiers)
         record.completion_bound = est.completion  # metering holds a reported completion count to it
         record.token_bound = est.tokens  # …and trusts a reported count up to it (n choices may pass 10M tokens)
+        record.prompt_bound = est.prompt  # a killed call's write-ahead record is billed at most this prompt
         return await self.admit_estimate(key, est, record, ahead)
 
     async def admit_estimate(self, key: KeyInfo, est: Estimate, record: UsageRecord,

@@ -288,12 +288,16 @@ class KeyLimits:
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
-    """Upper bounds of one request: cost (micro-USD), tokens (prompt + completion) and completion tokens (None:
-    not bounded here, e.g. an embedding) — metering holds a reported completion count to the last."""
+    """Upper bounds of one request: cost (micro-USD), tokens (prompt + completion), completion tokens (None:
+    not bounded here, e.g. an embedding) — metering holds a reported completion count to it — and prompt tokens
+    (None: not given) — a dead process's write-ahead record is held to it (``WalRecord.event``). Each is a maximum
+    over the tiers the call may reach, on its own: ``tokens`` is not ``prompt + completion`` when the tier with the
+    largest prompt bound (a forced-thinking one) is not the one with the largest completion bound."""
 
     micro_usd: int
     tokens: int
     completion: int | None = None
+    prompt: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,7 +396,7 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     prompt += REQUEST_OVERHEAD_TOKENS
     choices = requested_choices(body)
     asked = body.get("max_completion_tokens") or body.get("max_tokens")
-    micro, tokens, generated = 0, prompt, 0
+    micro, tokens, generated, read = 0, prompt, 0, prompt
     for tier in tiers:
         billed_prompt, completion = call_bound(prompt, choices, asked, tier)
         p = tier.prices
@@ -401,7 +405,8 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
                                           completion_tokens=completion))
         tokens = max(tokens, billed_prompt + completion)
         generated = max(generated, completion)
-    return Estimate(micro, tokens, generated)
+        read = max(read, billed_prompt)
+    return Estimate(micro, tokens, generated, read)
 
 
 def embedding_estimate(text: str, tier: TierConfig) -> Estimate:
@@ -410,7 +415,8 @@ def embedding_estimate(text: str, tier: TierConfig) -> Estimate:
     prompt = len(text.encode()) + REQUEST_OVERHEAD_TOKENS
     p = tier.prices
     cached = prompt if p.cached_input_usd_per_mtok > p.input_usd_per_mtok else 0
-    return Estimate(cost_micro_usd(p, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=0), prompt)
+    return Estimate(cost_micro_usd(p, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=0), prompt,
+                    prompt=prompt)
 
 
 @dataclass(frozen=True, slots=True)

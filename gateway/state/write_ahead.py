@@ -64,7 +64,11 @@ and correcting its TPM window, like any usage event:
   held to the call's admitted bound (``bound_completion``: choices × min(max_tokens, tier cap)), as a finished
   call's reported or counted one is: a record that claims more (an upstream that ignored ``max_tokens`` and
   streamed on, a running usage that misreports) is metered at the bound, ``error_code`` :data:`OVER_BOUND_CODE`
-  and ``over_bound`` (the mark of a finished call held to its bound).
+  and ``over_bound`` (the mark of a finished call held to its bound). Its prompt count is held to the call's
+  admitted prompt bound (``bound_prompt``: what admission reserved for the prompt — its UTF-8 bytes plus template
+  overhead, a forced-thinking tier's two phases, the largest over the tier and its fallbacks): the only source of
+  a lost call's prompt count is the upstream's running usage, and one that claims more than the request could
+  hold is metered at that bound, with the same code and mark.
 
 What is left of "never sent" taken for "lost": a process killed in the short stretch between a request's admission
 and its upstream call without a wait (routing the admission reply, a cache miss's bookkeeping, a semantic cache's
@@ -123,7 +127,8 @@ SCAN_COUNT = 200  # HSCAN page size of a reconcile pass
 #: ``error_code`` of the audit event that settles the record of a call never sent upstream
 UNSENT_CODE = "gateway_lost_unsent"
 #: ``error_code`` of a lost call (``gateway_lost``) whose record claimed more completion tokens than the call was
-#: admitted to generate: metered at that bound (:meth:`WalRecord.event`)
+#: admitted to generate, or more prompt tokens than its request could hold: metered at that bound
+#: (:meth:`WalRecord.event`)
 OVER_BOUND_CODE = "gateway_lost_over_bound"
 
 # Write records (updates: the waiting mark, progress, the final event; begins replayed from the spool), each unless its
@@ -176,6 +181,11 @@ class WalRecord:
     #: (no completion, or a record written before this field: :attr:`completion_limit` falls back on
     #: ``bound_tokens``)
     bound_completion: int | None = None
+    #: the most prompt tokens the call may be billed (admission's ``Estimate.prompt``, the usage record's
+    #: ``prompt_bound``: the prompt's UTF-8 bytes plus template overhead, a forced-thinking tier's two phases, over
+    #: the tier and its fallbacks); None: not known (a record written before this field: :attr:`prompt_limit`
+    #: falls back on ``bound_tokens``)
+    bound_prompt: int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -208,6 +218,14 @@ class WalRecord:
             return self.bound_completion
         return self.bound_tokens or None
 
+    @property
+    def prompt_limit(self) -> int | None:
+        """The most prompt tokens this call can be billed: :attr:`bound_prompt`, else ``bound_tokens`` (prompt +
+        completion: never less than the prompt bound) when the call was admitted with one; None: unbounded."""
+        if self.bound_prompt is not None:
+            return self.bound_prompt
+        return self.bound_tokens or None
+
     def to_json(self) -> bytes:
         return orjson.dumps(self)
 
@@ -226,18 +244,24 @@ class WalRecord:
         could generate (:attr:`completion_limit`: an upstream that ignored ``max_tokens`` and streamed on, or a
         running usage that misreports) is metered at that bound, as a finished call's is
         (``UsageRecord.set_usage``), and the event says so: ``error_code`` :data:`OVER_BOUND_CODE` and
-        ``over_bound`` (the mark a finished call held to its bound carries too)."""
+        ``over_bound`` (the mark a finished call held to its bound carries too). So is a prompt count above what
+        the request could hold (:attr:`prompt_limit`, what admission reserved for it): the record's prompt count
+        comes from the upstream's running usage alone, and one that misreports was billed as written."""
         completion, reasoning, code = self.completion_tokens, self.reasoning_tokens, "gateway_lost"
+        prompt, cached = self.prompt_tokens, self.cached_tokens
         bound = self.completion_limit
         if bound is not None and completion > bound:
             completion, reasoning, code = bound, min(reasoning, bound), OVER_BOUND_CODE
-        cost = (cost_micro_usd(prices, prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+        read = self.prompt_limit
+        if read is not None and prompt > read:
+            prompt, cached, code = read, min(cached, read), OVER_BOUND_CODE
+        cost = (cost_micro_usd(prices, prompt_tokens=prompt, cached_tokens=cached,
                                completion_tokens=completion) if prices is not None else 0)
         return UsageEvent(
             key_id=self.key_id, requested_model=self.requested_model, event_id=self.request_id, ts=self.ts,
             tags=dict(self.tags), request_id=self.request_id, endpoint=self.endpoint, tier=self.tier,
-            upstream_model=self.upstream_model, route_reason=self.route_reason, prompt_tokens=self.prompt_tokens,
-            cached_tokens=self.cached_tokens, completion_tokens=completion, reasoning_tokens=reasoning,
+            upstream_model=self.upstream_model, route_reason=self.route_reason, prompt_tokens=prompt,
+            cached_tokens=cached, completion_tokens=completion, reasoning_tokens=reasoning,
             cost_micro_usd=cost, latency_ms=float(max(0, self.updated_ms - int(self.ts * 1000))), status=500,
             error_code=code, stream=self.stream, partial=True,
             usage_source="counted" if self.usage_source == "none" else self.usage_source,
@@ -308,7 +332,7 @@ class WriteAhead:
             requested_model=str(record.requested_model or ""), tier=record.tier or tier,
             upstream_model=record.upstream_model or upstream_model, route_reason=record.route_reason or route_reason,
             stream=record.stream, bound_micro_usd=bound_micro_usd, bound_tokens=bound_tokens,
-            bound_completion=record.completion_bound)
+            bound_completion=record.completion_bound, bound_prompt=record.prompt_bound)
 
     def written(self, rec: WalRecord) -> None:
         """``rec`` is in Redis (written by another script call: the one-call hot path of a single Redis,
@@ -613,10 +637,11 @@ class WriteAhead:
             self._refused.discard(rec.request_id)
             if result.counted:
                 counted += 1
-                log.warning("metered write-ahead record %s of dead process %s as %s (%d completion tokens%s)",
-                            rec.request_id, rec.owner, "finished" if rec.final is not None else "partial",
-                            event.completion_tokens, f"; its record claimed {rec.completion_tokens}, above its bound"
-                            if event.error_code == OVER_BOUND_CODE else "")
+                log.warning("metered write-ahead record %s of dead process %s as %s (%d prompt, %d completion "
+                            "tokens%s)", rec.request_id, rec.owner, "finished" if rec.final is not None else "partial",
+                            event.prompt_tokens, event.completion_tokens,
+                            f"; its record claimed {rec.prompt_tokens} prompt and {rec.completion_tokens} completion "
+                            "tokens, above its bounds" if event.error_code == OVER_BOUND_CODE else "")
         self.reconciled += counted
         return counted
 

@@ -84,6 +84,7 @@ def test_estimate_bounds_the_real_cost_of_every_call_forcing_makes(n: int, max_t
     prompt_ub = len(b"user") + len(text.encode()) + MESSAGE_OVERHEAD_TOKENS + REQUEST_OVERHEAD_TOKENS
     worst = _forced_worst(prompt_ub, n, max_tokens, FORCED)
     assert _cost(*worst) <= est.micro_usd and sum(worst) <= est.tokens
+    assert est.prompt is not None and worst[0] <= est.prompt  # both phases' prompts, every choice's
     old = estimate(body, [FORCED.model_copy(update={"budget_mode": "native"})])  # the estimate before forcing counted
     if n > 1 or max_tokens <= 40:
         assert _cost(*worst) > old.micro_usd  # these shapes overspent a hard budget before
@@ -92,6 +93,21 @@ def test_estimate_bounds_the_real_cost_of_every_call_forcing_makes(n: int, max_t
     for prompt in (1, prompt_ub // 2, prompt_ub):
         for completion in (0, 1, n * min(max_tokens, LONG.max_tokens)):
             assert _cost(prompt, completion) <= native.micro_usd
+
+
+def test_the_prompt_bound_is_the_largest_over_the_tiers_on_its_own() -> None:
+    # A killed call's write-ahead record is billed at most Estimate.prompt. Over a forced tier (the prompt twice per
+    # choice) and a native one with a larger completion cap, the largest prompt bound is the forced tier's — more
+    # than tokens − completion, the native tier's prompt: derived from the other two bounds, it would have held a
+    # forced call's honest prompt count to half of it.
+    text = "a " * 300
+    big = TierConfig(name="big", max_tokens=4000, prices=PRICES)
+    body = {"messages": [{"role": "user", "content": text}]}
+    prompt_ub = len(b"user") + len(text.encode()) + MESSAGE_OVERHEAD_TOKENS + REQUEST_OVERHEAD_TOKENS
+    est = estimate(body, [FORCED, big])
+    assert est.prompt == estimate(body, [FORCED]).prompt and est.prompt is not None and est.prompt > 2 * prompt_ub
+    assert (est.completion, est.tokens - 4000) == (4000, prompt_ub)
+    assert estimate(body, [big]).prompt == prompt_ub
 
 
 def _dial_request(tier: TierConfig, n: int, max_tokens: int, budget: int) -> tuple[dict[str, Any], int]:
@@ -116,6 +132,7 @@ def test_a_prompted_dial_tier_is_bounded_like_forcing_with_its_instruction_and_h
     worst = _forced_worst(prompt_ub, n, max_tokens,
                           tier.model_copy(update={"thinking_budget": prompted_hard_stop(budget)}))
     assert _cost(*worst) <= est.micro_usd and sum(worst) <= est.tokens
+    assert est.prompt is not None and worst[0] <= est.prompt  # both phases' prompts, every choice's
 
 
 @pytest.mark.parametrize(("n", "max_tokens", "budget"), [(1, 400, 64), (3, 400, 16)])

@@ -17,11 +17,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis
 
@@ -462,6 +464,62 @@ def test_kill_9_meters_a_stream_past_its_bound_at_the_bound(slow_sim: SimProcess
     assert client.hlen(k.reservations("alice")) == 0
 
 
+def _running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """A stream chunk with a delta and the upstream's running usage (vLLM's continuous usage stats), for the
+    simulator's ``inject``: the write-ahead record takes its counts."""
+    return {"id": "chatcmpl-running", "object": "chat.completion.chunk", "created": 0, "model": "sim-model",
+            "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": None}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+@pytest.mark.slow
+def test_kill_9_meters_a_prompt_count_past_its_bound_at_the_bound(slow_sim: SimProcess, crash: Crash) -> None:
+    # A stream's write-ahead record takes its prompt count from the upstream's running usage — the only source of a
+    # lost call's prompt count. One that claims 50,000 prompt tokens for a prompt of a few dozen bytes (a
+    # misreporting upstream) was billed as written after a kill, though admission reserved the prompt at its bound:
+    # its UTF-8 bytes + 8 per message + 16 (a byte-level token covers at least one byte). It is metered at that
+    # bound, marked like a completion count past its bound; beside it, an honest running count is kept as written.
+    cfg = crash.config(slow_sim)
+    gw = crash.gateway(cfg)
+    k, client = crash.keys, crash.client
+    texts = [f"prompt bound {uuid.uuid4().hex[:8]}" for _ in range(2)]
+    over = Stream(gw.base_url, 0, SLOW_CHUNK_MS, {"sim": {"chunk_delay_ms": SLOW_CHUNK_MS,
+                                                          "inject": _running_usage(50_000, 3)}}, texts[0])
+    within = Stream(gw.base_url, 1, SLOW_CHUNK_MS, {"sim": {"chunk_delay_ms": SLOW_CHUNK_MS,
+                                                            "inject": _running_usage(20, 2)}}, texts[1])
+
+    def stored(s: Stream) -> WalRecord:
+        return WalRecord.from_json(client.hget(k.write_ahead, s.request_id or "") or b"{}")
+
+    assert wait_for(lambda: over.request_id is not None and within.request_id is not None
+                    and stored(over).prompt_tokens == 50_000 and stored(within).prompt_tokens == 20, 15)
+    gw.kill()
+    time.sleep(0.2)  # a write on the wire at the kill has landed
+    assert not over.done and not within.done and over.request_id and within.request_id
+    claimed, kept = stored(over), stored(within)
+    # what admission knew of each prompt: "user" + the text, in bytes, + 8 for the message + 16 for the request
+    bounds = [len(b"user") + len(t.encode()) + 8 + 16 for t in texts]
+    assert (claimed.bound_prompt, kept.bound_prompt) == tuple(bounds)
+    assert claimed.prompt_tokens > bounds[0] and kept.prompt_tokens == 20 < bounds[1]
+    crash.replica(cfg)
+    assert wait_for(lambda: client.hlen(k.write_ahead) == 0, SETTLE_TIMEOUT_S)
+    by_id = {e.event_id: e for e in crash.ledger() if not e.audit}
+    long_prices = Prices(**next(t for t in sim_tiers(slow_sim.base_url) if t["name"] == "long")["prices"])
+    e = by_id[over.request_id]
+    assert (e.prompt_tokens, e.completion_tokens) == (bounds[0], 3)  # billed at the bound, not the claim
+    assert e.cost_micro_usd == cost_micro_usd(long_prices, prompt_tokens=bounds[0], cached_tokens=0,
+                                              completion_tokens=3)
+    assert (e.status, e.partial, e.error_code, e.over_bound) == (500, True, "gateway_lost_over_bound", True)
+    e = by_id[within.request_id]
+    assert (e.prompt_tokens, e.completion_tokens) == (20, 2)
+    assert (e.status, e.partial, e.error_code, e.over_bound) == (500, True, "gateway_lost", False)
+    counters = {f.decode(): int(v) for f, v in client.hgetall(k.key_total("alice")).items()}
+    assert counters["prompt_tokens"] == sum(e.prompt_tokens for e in by_id.values())
+    assert counters["cost_micro_usd"] == sum(e.cost_micro_usd for e in by_id.values())
+    assert client.hlen(k.reservations("alice")) == 0
+
+
 @pytest.mark.slow
 def test_kill_9_during_a_fallback_meters_the_call_on_the_fallback_tier(crash: Crash) -> None:
     # The routed tier's upstream refuses (503), the non-streamed call falls back to a dearer tier whose upstream is
@@ -557,6 +615,27 @@ def test_reconcile_claim_counts_an_orphan_once_and_never_a_settled_request(redis
             await handle.close()
 
     asyncio.run(go())
+
+
+def test_a_lost_calls_prompt_is_held_to_its_admitted_bound() -> None:
+    # WalRecord.event alone (the SIGKILL test above drives it through a real gateway): the prompt and its cached
+    # part held to bound_prompt; a record written before that field falls back on bound_tokens (prompt +
+    # completion: never below the prompt bound); one admitted without a reservation is taken as written.
+    prices = Prices(input_usd_per_mtok=Decimal("0.5"), cached_input_usd_per_mtok=Decimal("0.25"),
+                    output_usd_per_mtok=Decimal("2"))
+    rec = WalRecord(request_id="r", key_id="alice", owner="dead:1:x", ts=time.time(), updated_ms=0, tags={},
+                    tier="long", bound_tokens=300, bound_completion=256, bound_prompt=40, prompt_tokens=100,
+                    cached_tokens=60, completion_tokens=5)
+    e = rec.event(prices)
+    assert (e.prompt_tokens, e.cached_tokens, e.completion_tokens) == (40, 40, 5)
+    assert (e.error_code, e.over_bound) == ("gateway_lost_over_bound", True)
+    assert e.cost_micro_usd == cost_micro_usd(prices, prompt_tokens=40, cached_tokens=40, completion_tokens=5)
+    older = WalRecord.from_json(orjson.dumps({k: v for k, v in orjson.loads(rec.to_json()).items()
+                                              if k != "bound_prompt"}))
+    assert older.bound_prompt is None and older.event(prices).prompt_tokens == 100  # within bound_tokens (300)
+    assert replace(older, prompt_tokens=400).event(prices).prompt_tokens == 300
+    unbounded = replace(rec, bound_tokens=0, bound_completion=None, bound_prompt=None, prompt_tokens=10**6)
+    assert (unbounded.event(prices).prompt_tokens, unbounded.event(prices).error_code) == (10**6, "gateway_lost")
 
 
 def test_progress_writes_are_rate_bounded_and_stop_at_settlement(redis_url: str, redis_prefix: str,
