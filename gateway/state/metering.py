@@ -75,8 +75,9 @@ from gateway.ledger.export import Groupable, group_sums, increments
 from gateway.state.breaker import Breaker, RedisDown, is_outage
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import FastScript, RedisHandle, as_bytes, as_text
-from gateway.state.reservations import LUA_FUNCTIONS
+from gateway.state.reservations import LUA_FUNCTIONS, SETTLE_LUA
 from gateway.state.spool import Spool
+from gateway.state.undo import UNDO_LUA, all_or_nothing
 
 log = logging.getLogger("thinkgate.metering")
 
@@ -92,112 +93,6 @@ TRANSIENT_REPLIES = ("BUSY ", "NOREPLICAS ", "MISCONF ")  # MISCONF: writes stop
 # How far a stream id (the write time, Redis's clock) may lie before its event's ts (the request's start, the
 # replica's clock) for Meter.recent to find it: clock skew between hosts. (After it: metering.late_after_s.)
 EARLY_SLACK_S = 60.0
-
-# All or nothing. Redis runs a script atomically but never rolls back the writes it made before one of its commands
-# failed (a key of the wrong type — a string SET at one of these hashes —, a hash field that holds no integer): the
-# event was half counted (in the seen-set, the stream, some counters; its reservations gone), and a replay dropped it
-# as a duplicate. So each metering script writes through these helpers, which log the inverse of every write that
-# changed something: SADD → SREM, XADD → XDEL (and DEL of a stream it left empty with no consumer group), HINCRBY →
-# HINCRBY of the opposite (then HDEL at 0: a counter at 0 reads as none), INCRBY → INCRBY of the opposite,
-# HSETNX/ZADD of a new field/member → HDEL/ZREM, the HDEL of a reservation → HSET of its old value (and, when that
-# HDEL had emptied and so deleted the hash, a TTL again: the reservation's expiry). The script's body
-# runs under ``pcall`` (``all_or_nothing``); on the first error the log is undone in reverse order and the script
-# answers an error reply: Redis's error code (``WRONGTYPE``, ``ERR``, ``OOM``…), the command and the key that failed,
-# then Redis's message. EXPIRE/PEXPIRE and the late index's trim are not undone (a TTL renewed, entries past their
-# use removed). The write-ahead record's HDEL is each script's last write, so it needs no undo. RECORD's counter
-# HINCRBYs (most of its writes) are not logged but counted (na, nb), and listed again only on failure; the undo code
-# (UNDONE_LUA) is reached, and its functions made, only on failure: +3 to +4 µs of Redis time per RECORD call (~5%;
-# logging every write cost +9 µs; bench/RESULTS.md, "All-or-nothing metering scripts").
-UNDO_LUA = """
--- the undo log: 4 slots a write (op, key, a, b), made 64 slots long at once (16 logged writes: an event with 4 tags)
--- instead of grown by doubling
-local U = {""" + ", ".join(["false"] * 64) + """}
-local nu, at_cmd, at_key = 0, '', ''
--- RECORD's counter HINCRBYs are not logged (most of its writes): it counts them (na, then nb: the levels); its
--- failure path lists them again in the same order to take back the first na / nb
-local na, nb = 0, 0
-local function hincr(k, f, n)
-  at_cmd, at_key = 'HINCRBY', k
-  redis.call('HINCRBY', k, f, n)
-  U[nu + 1], U[nu + 2], U[nu + 3], U[nu + 4] = 'h', k, f, n
-  nu = nu + 4
-end
-local function sadd(k, m)
-  at_cmd, at_key = 'SADD', k
-  local r = redis.call('SADD', k, m)
-  if r == 1 then
-    U[nu + 1], U[nu + 2], U[nu + 3] = 's', k, m
-    nu = nu + 4
-  end
-  return r
-end
-local function incrby(k, n)
-  at_cmd, at_key = 'INCRBY', k
-  redis.call('INCRBY', k, n)
-  U[nu + 1], U[nu + 2], U[nu + 4] = 'i', k, n
-  nu = nu + 4
-end
-"""
-
-# The end of each metering script: its body (a function) run under pcall; on an error, undone (``UNDO_LUA``) and an
-# error reply. Everything after ``if ok`` runs only on that path, so its functions cost nothing on the others.
-# ``failed``: Lua of the script's own to run first on that path (RECORD: its counted writes taken back).
-UNDONE_LUA = """
-local function neg(n)
-  if type(n) == 'number' then return -n end
-  -- '-0' is no integer to HINCRBY (a zero-cost event's level increments): its undo failed, leaving the hash
-  if n == '0' then return '0' end
-  if string.sub(n, 1, 1) == '-' then return string.sub(n, 2) end
-  return '-' .. n
-end
-local function unincr(k, f, n)
-  if redis.pcall('HINCRBY', k, f, neg(n)) == 0 then redis.pcall('HDEL', k, f) end
-end
-"""
-UNDO_LOG_LUA = """
-for i = nu - 3, 1, -4 do
-  local op, k, a, b = U[i], U[i + 1], U[i + 2], U[i + 3]
-  if op == 'h' then unincr(k, a, b)
-  elseif op == 's' then redis.pcall('SREM', k, a)
-  elseif op == 'x' then
-    redis.pcall('XDEL', k, a)
-    -- a stream the XADD created: gone again (an empty stream with no consumer group reads as none)
-    if redis.pcall('XLEN', k) == 0 and #redis.pcall('XINFO', 'GROUPS', k) == 0 then redis.pcall('DEL', k) end
-  elseif op == 'z' then redis.pcall('ZREM', k, a)
-  elseif op == 'f' then redis.pcall('HDEL', k, a)
-  elseif op == 'r' then
-    redis.pcall('HSET', k, a, b)
-    -- alone in it again: the HDEL had emptied the hash, which went with its TTL; it expires with the reservation
-    local exp = tonumber(string.match(b, '|(%d+)$'))
-    if exp and redis.pcall('HLEN', k) == 1 then redis.pcall('PEXPIREAT', k, exp) end
-  elseif op == 'i' then redis.pcall('INCRBY', k, neg(b))
-  end
-end
-local err = type(res) == 'table' and res.err or tostring(res)
-local code, msg = string.match(err, '^(%u[%u_]*) (.*)$')
-if not code then code, msg = 'ERR', err end
-return redis.error_reply(code .. ' ThinkGate metering: ' .. at_cmd .. ' ' .. at_key
-  .. ' failed, nothing written (undone): ' .. msg)
-"""
-
-
-def all_or_nothing(body: str, failed: str = "") -> str:
-    """The Lua that runs ``body`` (an expression: a function) all or nothing (``UNDO_LUA``)."""
-    return f"local ok, res = pcall({body})\nif ok then return res end\n" + UNDONE_LUA + failed + UNDO_LOG_LUA
-
-
-# After LUA_FUNCTIONS and UNDO_LUA: a reservation released (``release``), its old value logged to put it back.
-SETTLE_LUA = """
-local function settle(hash, id)
-  at_cmd, at_key = 'HDEL', hash
-  local tokens, v = release(hash, id)
-  if v then
-    U[nu + 1], U[nu + 2], U[nu + 3], U[nu + 4] = 'r', hash, id, v
-    nu = nu + 4
-  end
-  return tokens
-end
-"""
 
 # Reads of the stream by id range (Meter.events) stop late_after_s past the period's end: an event written later
 # than that after its ts (a spool replay, a reconciled orphan) is indexed in the late set (score: its ts in ms) so

@@ -64,6 +64,20 @@ local function release(hash, id)
 end
 """
 
+# After LUA_FUNCTIONS and UNDO_LUA (``gateway/state/undo.py``): a reservation released (``release``), its old value
+# logged to put it back should a later write of the script fail (the metering scripts).
+SETTLE_LUA = """
+local function settle(hash, id)
+  at_cmd, at_key = 'HDEL', hash
+  local tokens, v = release(hash, id)
+  if v then
+    U[nu + 1], U[nu + 2], U[nu + 3], U[nu + 4] = 'r', hash, id, v
+    nu = nu + 4
+  end
+  return tokens
+end
+"""
+
 # Extend the reservation ``ARGV[1]`` in every hash of KEYS to expire at ``ARGV[2]`` (epoch ms; the hash's own
 # TTL to ``ARGV[3]`` ms). Returns how many hashes still held it.
 RENEW_LUA = """

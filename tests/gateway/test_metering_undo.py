@@ -2,7 +2,7 @@
 
 A ThinkGate key of the wrong type (a string SET at the stream, a counter hash, a cube, a tag level's hash) or a hash
 field that is no integer makes a command of ``RECORD``/``AUDIT`` fail after earlier writes of the same call; Redis
-does not roll those back. The scripts undo their own writes (``UNDO_LUA``, ``gateway/state/metering.py``) and the
+does not roll those back. The scripts undo their own writes (``UNDO_LUA``, ``gateway/state/undo.py``) and the
 event goes to the dead-letter spool, retried until the key is fixed — then counted exactly once; the other events of
 the same pipelined batch are counted at once.
 """
