@@ -57,6 +57,14 @@ when only in-flight reservations block (they may settle below their estimate).
 process's own requests since, and this process's RPM/TPM windows (approximate: other replicas unseen).
 A request under no budget or limit that this process knows of (its last copy of the definitions) is admitted
 without a check while Redis is down, in either mode.
+
+**Redis refuses the script.** ``ADMIT`` and ``HOT`` are all or nothing (``gateway/state/undo.py``): a command that
+fails partway (a key of the wrong type, a window counter that is no integer) takes back the call's reservations, its
+RPM/TPM counts and its write-ahead record, and the script answers an error naming the command and the key. Grouped
+admission rolls back the groups before a refused one. :meth:`Limits.admit` then decides the request as with Redis
+down (``limits.on_redis_down``: 503 ``limits_unavailable`` or the local counters — never unchecked under a budget or
+limit this process knows of), logs the error at ERROR (at most once a minute per error) and leaves the breaker
+closed: Redis answers, other keys and metering go on.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ import contextlib
 import functools
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +84,7 @@ from decimal import Decimal
 from typing import Any, Literal, Protocol
 
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.config import LimitsConfig, TierConfig, prompted_hard_stop
 from gateway.errors import LimitsUnavailable, RateLimited
@@ -85,13 +95,17 @@ from gateway.state.cache import LOOKUP_LUA, Lookup
 from gateway.state.keys import RedisKeys
 from gateway.state.metering import RecordResult
 from gateway.state.redis import FastScript, RedisHandle
-from gateway.state.reservations import LUA_FUNCTIONS, RENEW_LUA, ROLLBACK_LUA
+from gateway.state.reservations import LUA_FUNCTIONS, RENEW_LUA, RESERVE_LUA, ROLLBACK_LUA
+from gateway.state.undo import UNDO_LUA, all_or_nothing
 
 log = logging.getLogger("thinkgate.limits")
 
 WINDOW_MS = 60_000
 #: rollbacks kept through an outage (grouped admission); beyond it the oldest are left to their reservation TTL
 UNROLLED_MAX = 4096
+#: an admission script Redis refuses (an error reply) is logged at ERROR at most once per this many seconds per
+#: distinct error (a broken key refuses every request of its tenant: thousands of lines a second otherwise)
+REFUSED_LOG_EVERY_S = 60.0
 #: values after the levels in an admitted ``ADMIT`` reply: the key's RPM and TPM windows (:class:`RateState`)
 RATE_FIELDS = 4
 MESSAGE_OVERHEAD_TOKENS = 8  # chat template tokens per message, upper bound
@@ -128,13 +142,20 @@ local seen = {}
 for i = 0, n - 1 do
   local a = 12 + 4 * i
   local bday, bmonth = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  -- each read names its key first: a key of the wrong type (or a value that is no number) fails the call with an
+  -- error naming it (the undo machinery's reply, ``gateway/state/undo.py``)
   if ARGV[a + 3] == '1' then
+    at_cmd, at_key = 'HMGET', KEYS[4 + 4 * i]
     local d = redis.call('HMGET', KEYS[4 + 4 * i], 'day', 'month')
     if d[1] or d[2] then bday, bmonth = tonumber(d[1] or '-1'), tonumber(d[2] or '-1') end
   end
+  at_cmd, at_key = 'HGET', KEYS[1 + 4 * i]
   local sd = tonumber(redis.call('HGET', KEYS[1 + 4 * i], 'cost_micro_usd') or '0')
+  at_key = KEYS[2 + 4 * i]
   local sm = tonumber(redis.call('HGET', KEYS[2 + 4 * i], 'cost_micro_usd') or '0')
   local reserved = 0
+  -- the sweep of expired reservations (open_reserved's HDELs) is not undone: they count nothing
+  at_cmd, at_key = 'HGETALL', KEYS[3 + 4 * i]
   if bday >= 0 or bmonth >= 0 then
     reserved = open_reserved(KEYS[3 + 4 * i], now)
   elseif redis.call('HLEN', KEYS[3 + 4 * i]) > SWEEP_AT then
@@ -177,29 +198,34 @@ local function retry_s(limit, cur, prev)
 end
 local rcur, rprev, tcur, tprev = 0, 0, 0, 0
 if rpm >= 0 then
+  at_cmd, at_key = 'GET', KEYS[R + 1]
   rcur = tonumber(redis.call('GET', KEYS[R + 1]) or '0')
+  at_key = KEYS[R + 2]
   rprev = tonumber(redis.call('GET', KEYS[R + 2]) or '0')
   if rprev * frac + rcur + 1 > rpm then
     return {0, 'rate_limit_exceeded', 0, 'rpm', retry_s(rpm, rcur, rprev), rpm, 0, 0}
   end
 end
 if tpm >= 0 then
+  at_cmd, at_key = 'GET', KEYS[R + 3]
   tcur = tonumber(redis.call('GET', KEYS[R + 3]) or '0')
+  at_key = KEYS[R + 4]
   tprev = tonumber(redis.call('GET', KEYS[R + 4]) or '0')
   if tprev * frac + tcur >= tpm then
     return {0, 'rate_limit_exceeded', 0, 'tpm', retry_s(tpm, tcur, tprev), tpm, 0, 0}
   end
 end
+-- the writes, each logged (UNDO_LUA): a later one that fails takes them all back
 local ttl = tonumber(ARGV[8])
 for i = 0, n - 1 do
   reserve(KEYS[3 + 4 * i], ARGV[7], ARGV[5], ARGV[14 + 4 * i], now + ttl, ttl)
 end
 if rpm >= 0 then
-  redis.call('INCR', KEYS[R + 1])
+  incrby(KEYS[R + 1], 1)
   redis.call('PEXPIRE', KEYS[R + 1], 2 * W)
 end
 if tpm >= 0 then
-  redis.call('INCRBY', KEYS[R + 3], ARGV[6])
+  incrby(KEYS[R + 3], ARGV[6])
   redis.call('PEXPIRE', KEYS[R + 3], 2 * W)
 end
 local out = {1}
@@ -218,7 +244,12 @@ out[#out + 1] = rr
 out[#out + 1] = tu
 out[#out + 1] = tr
 """
-ADMIT_LUA = LUA_FUNCTIONS + ADMIT_CORE + "return out\n"
+# All or nothing (``gateway/state/undo.py``): a command that fails after the first reservation was written (a key of
+# the wrong type, a window counter that is no integer) takes back every reservation and count of the call, which answers
+# an error reply naming the command and the key (``Limits.admit`` then decides as with Redis down). The refusals and
+# reads come before any write but the sweep of expired reservations, which is not undone (they count nothing).
+ADMIT_PREAMBLE = LUA_FUNCTIONS + UNDO_LUA + RESERVE_LUA
+ADMIT_LUA = ADMIT_PREAMBLE + all_or_nothing("function()\n" + ADMIT_CORE + "return out\nend", what="admission")
 
 # The one-call hot path of a single Redis (``Limits.fused``): ``ADMIT`` over every level, then — only when admitted,
 # in the same atomic step — the rider (:class:`Rider`): the request's write-ahead record (``HSET``,
@@ -228,16 +259,19 @@ ADMIT_LUA = LUA_FUNCTIONS + ADMIT_CORE + "return out\n"
 # ARGV: ADMIT's (11 + 4n), then from a = 12 + 4n: a the record JSON ('' = none), a+1 its request id, a+2 lookup
 #       ('1' / '0'), a+3 lock token ('' = no single-flight), a+4 lock TTL ms.
 # Returns ADMIT's refusal, or ADMIT's admitted reply followed by the lookup's reply ({} when none).
-HOT_LUA = LUA_FUNCTIONS + LOOKUP_LUA + ADMIT_CORE + """
+# All or nothing like ``ADMIT``: the write-ahead record is logged too; the lookup's GET (a key of the wrong type at
+# the entry) can fail after every other write, its lock (SET NX, the last write) cannot.
+HOT_LUA = ADMIT_PREAMBLE + LOOKUP_LUA + all_or_nothing("function()\n" + ADMIT_CORE + """
 local x = R + ((rpm >= 0 or tpm >= 0) and 4 or 0)
 local a = 12 + 4 * n
-if ARGV[a] ~= '' then redis.call('HSET', KEYS[x + 1], ARGV[a + 1], ARGV[a]) end
+if ARGV[a] ~= '' then hset(KEYS[x + 1], ARGV[a + 1], ARGV[a]) end
 if ARGV[a + 2] == '1' then
+  at_cmd, at_key = 'GET', KEYS[x + 2]
   local c = cache_lookup(KEYS[x + 2], KEYS[x + 3], ARGV[a + 3], ARGV[a + 4])
   for _, v in ipairs(c) do out[#out + 1] = v end
 end
 return out
-"""
+end""", what="admission")
 
 
 class KeyLike(Protocol):
@@ -698,6 +732,8 @@ class Limits:
         #: grouped rollbacks an outage stopped (keys, args), sent again by :meth:`_roll_back_later`
         self._unrolled: deque[tuple[list[str], list[Any]]] = deque(maxlen=UNROLLED_MAX)
         self._retry: asyncio.Task[None] | None = None
+        #: refused admission scripts' errors → (monotonic s of their last ERROR line, refusals not logged since)
+        self._refused_logged: dict[str, tuple[float, int]] = {}
 
     def _level_keys(self, lvl: Level, day: str, month: str) -> list[str]:
         k = self.keys
@@ -737,6 +773,15 @@ class Limits:
                 rate = RateState.of(lim, res[1 + 5 * len(all_levels):])
         except RedisDown:
             return self._admit_locally(lim, reservation_id, est, now, local_levels)
+        except ResponseError as exc:
+            if isinstance(exc, NoScriptError):  # FastScript loads a flushed script itself: not a refusal
+                raise
+            # Redis answers but refused the script (a key of the wrong type, a counter that is no integer; or it
+            # cannot write now: READONLY, OOM…): the script wrote nothing (all or nothing). Undecidable in Redis, so
+            # decided as with Redis down — fail_closed refuses (503), fail_open applies the local counters — and
+            # never admitted unchecked; the breaker stays closed (other keys, and metering, go on)
+            self._log_refused(exc)
+            return self._admit_locally(lim, reservation_id, est, now, local_levels, script_refused=True)
         for st in states:
             self.local.refresh(lim.key_id, now, st.spent_day_micro, st.spent_month_micro, st.level.id)
         self.local.note(lim, reservation_id, est, now, [st.level for st in states[1:] if st.level.budgeted])
@@ -748,13 +793,16 @@ class Limits:
                          lookup_reply=reply, rate=rate)
 
     def _admit_locally(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
-                       levels: list[Level]) -> Admission:
-        """Redis is down: admit under nothing, refuse (``fail_closed``) or decide on the local counters."""
+                       levels: list[Level], script_refused: bool = False) -> Admission:
+        """Redis is down (or refused the admission script: ``script_refused``): admit under nothing, refuse
+        (``fail_closed``) or decide on the local counters."""
         if lim.unlimited and not levels:  # under no budget or limit this process knows of: nothing to check
             return Admission(lim.key_id, reservation_id, "none", est)
         if self.cfg.on_redis_down == "fail_closed":
             retry = max(1, math.ceil(self.breaker.cooldown_s))
-            raise LimitsUnavailable("usage limits cannot be checked (Redis unreachable); retry later",
+            why = "Redis refused the admission script; the gateway logged the key at fault" if script_refused else (
+                "Redis unreachable")
+            raise LimitsUnavailable(f"usage limits cannot be checked ({why}); retry later",
                                     headers={"retry-after": str(retry)})
         refused = self.local.check(lim, now, est, self.cfg.budget_mode, levels)
         if refused is not None:
@@ -763,6 +811,23 @@ class Limits:
                           self.cfg.budget_mode)
         self.local.note(lim, reservation_id, est, now, levels)
         return Admission(lim.key_id, reservation_id, "local", est)
+
+    def _log_refused(self, exc: ResponseError) -> None:
+        """One ERROR line for an admission script Redis refused — its error names the command and the key
+        (``gateway/state/undo.py``) — at most every :data:`REFUSED_LOG_EVERY_S` per distinct error, with the count of
+        the ones not logged since."""
+        error, now = str(exc), time.monotonic()
+        last, quiet = self._refused_logged.get(error, (None, 0))
+        if last is not None and now - last < REFUSED_LOG_EVERY_S:
+            self._refused_logged[error] = (last, quiet + 1)
+            return
+        if len(self._refused_logged) >= 1024:  # distinct errors (keys) without end: forget the old ones
+            self._refused_logged.clear()
+        self._refused_logged[error] = (now, 0)
+        mode = ("refused with 503 limits_unavailable" if self.cfg.on_redis_down == "fail_closed" else
+                "decided on this process's counters (fail_open)")
+        log.error("admission script refused by Redis, nothing of it written; its requests are %s until the key is "
+                  "fixed or deleted%s: %s", mode, f" ({quiet} more since the last line)" if quiet else "", error)
 
     async def _run(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float, group: Sequence[Level],
                    day: str, month: str, rate: bool, rider: Rider | None = None) -> list[Any]:
@@ -818,14 +883,20 @@ class Limits:
         levels already reserved are rolled back (``ROLLBACK_LUA``) and the refusal raised. Between a group's
         reservation and a rollback, another request may see it and be refused spuriously; no level is ever
         overspent (each level's own check is atomic). Raises RedisDown (the reservations made stay until
-        their TTL: they can only refuse, never admit, too much)."""
+        their TTL: they can only refuse, never admit, too much), or the ``ResponseError`` of a group's script that
+        Redis refused (it wrote nothing, ``gateway/state/undo.py``) once the groups before it are rolled back: Redis
+        answers, so nothing of the admission is left behind."""
         states: list[LevelState] = []
         done: list[int] = []
         rate_state = None
         for i, lvl in enumerate(all_levels):
             rate = i == 0
-            res = await self.breaker.call(functools.partial(self._run, lim, reservation_id, est, now, [lvl], day,
-                                                            month, rate))
+            try:
+                res = await self.breaker.call(functools.partial(self._run, lim, reservation_id, est, now, [lvl], day,
+                                                                month, rate))
+            except ResponseError:
+                await self._roll_back(lim, reservation_id, est, now, [all_levels[j] for j in done])
+                raise
             try:
                 states += self._states(lim, est, res, [lvl])
             except RateLimited:
@@ -839,7 +910,10 @@ class Limits:
     async def _roll_back(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
                          levels: Sequence[Level]) -> None:
         """Release ``reservation_id`` at ``levels`` (one call per level; the key's takes back its RPM/TPM). Calls an
-        outage stops are kept (bounded: :data:`UNROLLED_MAX`) and sent once Redis answers; never raises RedisDown."""
+        outage stops are kept (bounded: :data:`UNROLLED_MAX`) and sent once Redis answers; never raises RedisDown.
+        A call Redis refuses (its script wrote nothing) is logged and left to the reservation's TTL — it can only
+        refuse too much —, the others go on; nothing raised: the caller's own refusal or error is what the client
+        gets."""
         w = int(now * 1000) // WINDOW_MS
         calls: list[tuple[list[str], list[Any]]] = []
         for lvl in levels:
@@ -860,6 +934,9 @@ class Limits:
                 if self._retry is None or self._retry.done():
                     self._retry = asyncio.get_running_loop().create_task(self._roll_back_later())
                 return
+            except ResponseError as exc:
+                log.error("rollback of reservation %s refused by Redis, left to its TTL (%.0f s): %s", reservation_id,
+                          self.cfg.reservation_ttl_s, exc)
 
     async def _roll_back_later(self) -> None:
         """Send the rollbacks an outage stopped, every breaker cooldown until none is left (the script is

@@ -24,7 +24,8 @@ A field that is gone (settled, or expired after a crash) is not re-created.
 
 **Rollback** (``ROLLBACK_LUA``): grouped admission (Redis Cluster, ``gateway/state/limits.py``) reserves one
 level group at a time; when a later group refuses, the groups already reserved are released with this script
-(their fields deleted, the key group's RPM/TPM counts taken back).
+(their fields deleted, the key group's RPM/TPM counts taken back) — also when a later group's script is
+refused (an error reply: a key of the wrong type). All or nothing, like the admission script itself.
 
 The Lua fragments below are pasted at the top of the scripts that use them (Redis scripts cannot import).
 """
@@ -34,8 +35,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gateway.state.undo import UNDO_LUA, all_or_nothing
+
 #: ``open_reserved(hash, now_ms)`` → the micro-USD sum of the hash's unexpired reservations (expired ones
-#: are deleted on the way). ``reserve(hash, id, micro, tokens, expires_ms, ttl_ms)`` writes one.
+#: are deleted on the way).
 #: ``release(hash, id)`` deletes one and returns its reserved tokens (nil when it was not there) and the field's
 #: value (the metering scripts keep it to put the field back should a later write of theirs fail).
 LUA_FUNCTIONS = """
@@ -52,10 +55,6 @@ local function open_reserved(hash, now)
   end
   return total
 end
-local function reserve(hash, id, micro, tokens, expires, ttl)
-  redis.call('HSET', hash, id, micro .. '|' .. tokens .. '|' .. expires)
-  redis.call('PEXPIRE', hash, ttl)
-end
 local function release(hash, id)
   local v = redis.call('HGET', hash, id)
   if not v then return nil end
@@ -64,8 +63,17 @@ local function release(hash, id)
 end
 """
 
+# After UNDO_LUA (``gateway/state/undo.py``): ``reserve(hash, id, micro, tokens, expires_ms, ttl_ms)`` writes one,
+# logged (``hset``: deleted again should a later write of the admission script fail).
+RESERVE_LUA = """
+local function reserve(hash, id, micro, tokens, expires, ttl)
+  hset(hash, id, micro .. '|' .. tokens .. '|' .. expires)
+  redis.call('PEXPIRE', hash, ttl)
+end
+"""
+
 # After LUA_FUNCTIONS and UNDO_LUA (``gateway/state/undo.py``): a reservation released (``release``), its old value
-# logged to put it back should a later write of the script fail (the metering scripts).
+# logged to put it back should a later write of the script fail (the metering scripts; ROLLBACK).
 SETTLE_LUA = """
 local function settle(hash, id)
   at_cmd, at_key = 'HDEL', hash
@@ -99,20 +107,26 @@ return n
 # Undo one admission group: delete the reservation ``ARGV[1]`` from the ``ARGV[2]`` reservation hashes KEYS[1..n];
 # the key group also passes its RPM and TPM counters of the window it was counted in (KEYS[n+1], KEYS[n+2]): one
 # request is taken back when ``ARGV[3]`` = '1', ``ARGV[4]`` tokens from the TPM count. Returns the fields deleted.
-ROLLBACK_LUA = """
-local nres = tonumber(ARGV[2])
-local n = 0
-for i = 1, nres do n = n + redis.call('HDEL', KEYS[i], ARGV[1]) end
--- the counts are taken back only with a reservation still there: a call sent again (its first reply was lost to
--- a timeout, or it was kept through an outage) takes nothing back twice
-if n > 0 and #KEYS >= nres + 2 then
-  if ARGV[3] == '1' and redis.call('EXISTS', KEYS[nres + 1]) == 1 then redis.call('DECR', KEYS[nres + 1]) end
-  if ARGV[4] ~= '0' and redis.call('EXISTS', KEYS[nres + 2]) == 1 then
-    redis.call('DECRBY', KEYS[nres + 2], ARGV[4])
+# All or nothing (``gateway/state/undo.py``): a counter that is no integer (or a key of the wrong type) fails the
+# call with the reservations still there, so the call can be sent again in full once the key is fixed — the counts
+# are taken back only with a reservation still there, so a rollback that had deleted them and then failed left the
+# counts up for good.
+ROLLBACK_LUA = LUA_FUNCTIONS + UNDO_LUA + SETTLE_LUA + all_or_nothing("""function()
+  local nres = tonumber(ARGV[2])
+  local n = 0
+  for i = 1, nres do
+    if settle(KEYS[i], ARGV[1]) then n = n + 1 end
   end
-end
-return n
-"""
+  -- the counts are taken back only with a reservation still there: a call sent again (its first reply was lost to
+  -- a timeout, or it was kept through an outage) takes nothing back twice
+  if n > 0 and #KEYS >= nres + 2 then
+    if ARGV[3] == '1' and redis.call('EXISTS', KEYS[nres + 1]) == 1 then incrby(KEYS[nres + 1], -1) end
+    if ARGV[4] ~= '0' and redis.call('EXISTS', KEYS[nres + 2]) == 1 then
+      incrby(KEYS[nres + 2], '-' .. ARGV[4])
+    end
+  end
+  return n
+end""", what="admission rollback")
 
 
 @dataclass(frozen=True, slots=True)

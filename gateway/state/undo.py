@@ -3,25 +3,29 @@
 Redis runs a script atomically but never rolls back the writes it made before one of its commands failed (a key of
 the wrong type — a string ``SET`` at one of ThinkGate's hashes —, a hash field or counter that holds no integer): a
 usage event was half counted (in the seen-set, the stream, some counters; its reservations gone) and a replay dropped
-it as a duplicate. So those scripts write through the helpers of :data:`UNDO_LUA`, which log the inverse of every
-write that changed something, and run their body under ``pcall`` (:func:`all_or_nothing`): on the first error the
-log is undone in reverse order and the script answers an error reply naming the command and the key that failed.
+it as a duplicate; an admission was half made (some levels reserved, the RPM window counted) with nothing to release
+it. So those scripts write through the helpers of :data:`UNDO_LUA`, which log the inverse of every write that changed
+something, and run their body under ``pcall`` (:func:`all_or_nothing`): on the first error the log is undone in
+reverse order and the script answers an error reply naming the command and the key that failed.
 
-One module for every script that needs it (``gateway/state/metering.py``: ``RECORD``, ``AUDIT``, ``RELEASE``), so
-an undo is written once: the scripts cannot import, they are pasted together from these fragments.
+One module for both families (``gateway/state/metering.py``: ``RECORD``, ``AUDIT``, ``RELEASE``;
+``gateway/state/limits.py``: ``ADMIT`` and the hot path's ``HOT``; ``gateway/state/reservations.py``: ``ROLLBACK``),
+so an undo is written once: the scripts cannot import, they are pasted together from these fragments.
 """
 
 from __future__ import annotations
 
 # The inverses: SADD → SREM, XADD → XDEL (and DEL of a stream it left empty with no consumer group), HINCRBY →
-# HINCRBY of the opposite (then HDEL at 0: a counter at 0 reads as none), INCRBY → INCRBY of the opposite,
-# HSETNX/ZADD of a new field/member → HDEL/ZREM, the HDEL of a reservation → HSET of its old value (and, when that HDEL
-# had emptied and so deleted the hash, a TTL again: the reservation's expiry). EXPIRE/PEXPIRE and the late index's
-# trim are not undone (a TTL renewed, entries past their use removed). A script's last write needs no undo (nothing
-# can fail after it): the metering scripts' HDEL of the write-ahead record. RECORD's counter HINCRBYs (most of its
-# writes) are not logged but counted (na, nb), and listed again only on failure; the undo code (UNDONE_LUA) is
-# reached, and its functions made, only on failure: +3 to +4 µs of Redis time per RECORD call (~5%; logging every
-# write cost +9 µs; bench/RESULTS.md, "All-or-nothing metering scripts").
+# HINCRBY of the opposite (then HDEL at 0: a counter at 0 reads as none), INCRBY → INCRBY of the opposite (then DEL
+# at 0: a window the INCR made is gone again, and a counter at 0 reads as none), HSETNX/ZADD of a new field/member →
+# HDEL/ZREM, an HSET over a field (``hset``) → HSET of its old value, the HDEL of a reservation → HSET of its old value
+# (and, when that HDEL had emptied and so deleted the hash, a TTL again: the reservation's expiry). EXPIRE/PEXPIRE,
+# the late index's trim and admission's sweep of expired reservations are not undone (a TTL renewed, entries past
+# their use removed). A script's last write needs no undo (nothing can fail after it): the metering scripts' HDEL of
+# the write-ahead record, the hot path's cache lock. RECORD's counter HINCRBYs (most of its writes) are not logged
+# but counted (na, nb), and listed again only on failure; the undo code (UNDONE_LUA) is reached, and its functions
+# made, only on failure: +3 to +4 µs of Redis time per RECORD call (~5%; logging every write cost +9 µs;
+# bench/RESULTS.md, "All-or-nothing metering scripts").
 UNDO_LUA = """
 -- the undo log: 4 slots a write (op, key, a, b), made 64 slots long at once (16 logged writes: an event with 4 tags)
 -- instead of grown by doubling
@@ -49,6 +53,18 @@ local function incrby(k, n)
   at_cmd, at_key = 'INCRBY', k
   redis.call('INCRBY', k, n)
   U[nu + 1], U[nu + 2], U[nu + 4] = 'i', k, n
+  nu = nu + 4
+end
+-- one hash field set: HSETNX (one command, as HSET) when it is new, logged as HDEL; else its old value read and
+-- logged to be put back (a call sent twice under the same id)
+local function hset(k, f, v)
+  at_cmd, at_key = 'HSET', k
+  if redis.call('HSETNX', k, f, v) == 1 then
+    U[nu + 1], U[nu + 2], U[nu + 3] = 'f', k, f
+  else
+    U[nu + 1], U[nu + 2], U[nu + 3], U[nu + 4] = 'r', k, f, redis.call('HGET', k, f)
+    redis.call('HSET', k, f, v)
+  end
   nu = nu + 4
 end
 """
@@ -83,7 +99,8 @@ for i = nu - 3, 1, -4 do
     -- alone in it again: the HDEL had emptied the hash, which went with its TTL; it expires with the reservation
     local exp = tonumber(string.match(b, '|(%d+)$'))
     if exp and redis.pcall('HLEN', k) == 1 then redis.pcall('PEXPIREAT', k, exp) end
-  elseif op == 'i' then redis.pcall('INCRBY', k, neg(b))
+  elseif op == 'i' then
+    if redis.pcall('INCRBY', k, neg(b)) == 0 then redis.pcall('DEL', k) end
   end
 end
 local err = type(res) == 'table' and res.err or tostring(res)

@@ -16,7 +16,6 @@ import time
 import uuid
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -28,7 +27,7 @@ from gateway.observability.metrics import Metrics
 from gateway.state.keys import RedisKeys
 from gateway.state.write_ahead import WalRecord, WriteAhead
 from tests.fixtures.redis_cluster import ClusterSet, redis_cluster
-from tests.fixtures.redis_stack import Stack, stack
+from tests.fixtures.redis_stack import Stack, snapshot, stack
 
 __all__ = ["redis_cluster"]  # the session fixture used below
 
@@ -50,27 +49,6 @@ def _event(key: str, i: int, *, tags: dict[str, str] | None = None, audit: bool 
         ev.cost_micro_usd = ev.saved_micro_usd = 0
         ev.usage_source = "none"
     return ev
-
-
-async def _snapshot(st: Stack) -> dict[bytes, tuple[str, Any, bool]]:
-    """Every key under the test's prefix with its type, its content and whether it has a TTL (a renewed TTL is not
-    undone, so not its value)."""
-    r = st.handle.client
-    out: dict[bytes, tuple[str, Any, bool]] = {}
-    async for k in r.scan_iter(match=st.handle.prefix + "*", count=1000):
-        t = (await r.type(k)).decode()
-        if t == "hash":
-            v: Any = await r.hgetall(k)
-        elif t == "set":
-            v = sorted(await r.smembers(k))
-        elif t == "zset":
-            v = await r.zrange(k, 0, -1, withscores=True)
-        elif t == "stream":
-            v = await r.xrange(k)
-        else:
-            v = await r.get(k)
-        out[k] = (t, v, await r.pttl(k) != -1)
-    return out
 
 
 async def _open_request(st: Stack, ev: UsageEvent) -> None:
@@ -131,11 +109,11 @@ async def test_a_failing_script_writes_nothing_and_its_event_counts_once_the_key
 
         # 1. nothing counted yet: a batch of failing events leaves Redis exactly as it was (TTLs aside)
         batch1 = [bad, audit] if fails_audit else [bad]
-        before = await _snapshot(st)
+        before = await snapshot(st)
         caplog.set_level(logging.ERROR, logger="thinkgate.metering")
         results = await st.meter.record_many(batch1)
         assert [r.stored for r in results] == ["dead_letter"] * len(batch1)
-        assert await _snapshot(st) == before
+        assert await snapshot(st) == before
         errors = [r for r in caplog.records if r.levelno == logging.ERROR and bad.event_id in r.getMessage()]
         assert len(errors) == 1 and poisoned in errors[0].getMessage()
         assert [e.event_id for e in st.meter.dead.read_all()] == [e.event_id for e in batch1]
@@ -165,10 +143,10 @@ async def test_a_failing_script_writes_nothing_and_its_event_counts_once_the_key
 
         # 3. a retry while the key is still broken changes nothing and keeps them
         dead_ids = [e.event_id for e in st.meter.dead.read_all()]
-        snap = await _snapshot(st)
+        snap = await snapshot(st)
         sent, kept = await st.meter.retry_dead_letters()
         assert sent == kept == len(dead_ids)
-        assert await _snapshot(st) == snap
+        assert await snapshot(st) == snap
         assert sorted(e.event_id for e in st.meter.dead.read_all()) == sorted(dead_ids)
 
         # 4. the operator deletes the key: the next retry counts every one of them exactly once
@@ -229,9 +207,9 @@ async def test_a_single_event_is_kept_too(redis_url: str, redis_prefix: str, tmp
         bad = _event("k1", 1, tags={"team": "a"})
         await _open_request(st, bad)
         await st.handle.client.set(k.level_month("global", "global", bad.month), "not a hash")
-        before = await _snapshot(st)
+        before = await snapshot(st)
         assert (await st.meter.record(bad)).stored == "dead_letter"
-        assert await _snapshot(st) == before
+        assert await snapshot(st) == before
         await st.handle.client.delete(k.level_month("global", "global", bad.month))
         assert await st.meter.retry_dead_letters() == (1, 0)
         assert await _stream_ids(st) == [bad.event_id]
@@ -261,13 +239,13 @@ async def test_orphan_settlement_is_all_or_nothing_and_one_refused_orphan_does_n
         # RECORD fails at the tag's month hash (late in the script), RELEASE at its cube (in the audit part)
         await r.set(k.level_month("tag", TAG, sent.event(PRICES).month), "not a hash")
         await r.set(k.agg_cube("k1", unsent.unsent_event().day), "not a hash")
-        before = await _snapshot(st)
+        before = await snapshot(st)
         hb = k.heartbeat("dead:1:x")
         with pytest.raises(ResponseError, match="WRONGTYPE"):
             await st.meter.settle_orphan(sent.event(PRICES), hb)
         with pytest.raises(ResponseError, match="WRONGTYPE"):
             await st.meter.release_orphan(unsent.unsent_event(), hb)
-        assert await _snapshot(st) == before
+        assert await snapshot(st) == before
         # the reconciler: the refused records stay, the other one is counted
         assert await wal.reconcile() == 0  # first sight of a dead owner: suspects only
         await asyncio.sleep(0.6)
@@ -304,9 +282,9 @@ async def test_a_zero_cost_event_is_undone_too(redis_url: str, redis_prefix: str
         hit = _event("k1", 1)
         hit.cached, hit.cost_micro_usd = True, 0
         await st.handle.client.set(k.level_month("global", "global", hit.month), "not a hash")
-        before = await _snapshot(st)
+        before = await snapshot(st)
         assert (await st.meter.record(hit)).stored == "dead_letter"
-        assert await _snapshot(st) == before
+        assert await snapshot(st) == before
 
 
 async def test_a_retry_while_still_refused_sends_only_the_oldest(redis_url: str, redis_prefix: str,
