@@ -318,6 +318,10 @@ end""")
 
 # A day's cubes rebuilt from the stream (``thinkgate usage backfill``), only if the script aggregated no event of
 # that day since the rebuild read the index (n:{day} unchanged): else it is left for the next run.
+# All or nothing without an undo log (``gateway/state/undo.py``): no command after its first write can fail. Its first
+# command reads the index (a key of the wrong type there fails it before any write); every other key it writes — the
+# day's cubes, old and new, and the day's key set — it deletes first (DEL takes a key of any type), so a key of the
+# wrong type there is rebuilt, not met. Keep it so: a write before those DELs would need the undo log.
 # KEYS: 1 the cube index, 2 the day's cube key set, 3.. every cube key of the day (the old ones and the new);
 # ARGV: 1 day, 2 n:{day} read before the stream was, 3 events of the day in the stream, 4 day TTL s,
 #       5 "1" to mark the day ok (it is over), 6 number of key ids that follow, then the key ids (their cubes are
@@ -897,6 +901,9 @@ class Meter:
         that :meth:`grouped` would have to scan — days counted before the cubes existed (an upgrade), or by a
         replica still running the old script —, each day in one atomic step that is skipped when the metering
         script aggregated an event of that day meanwhile (run again). Idempotent: a rebuilt day is the stream's.
+        A day is rebuilt whole or not at all (``BACKFILL_LUA``), whatever its cubes and key set hold (a key of the
+        wrong type there is deleted and written anew); a run stopped between days (Redis down, a refused index) is
+        run again: the days it rebuilt are complete and skipped.
         Returns ``{"days": days with events, "rebuilt": …, "skipped": …, "complete": already complete}``.
         Reads the whole stream from ``since``: a one-time operation. Raises :class:`RedisDown`."""
         now = time.time() if now is None else now
@@ -910,10 +917,14 @@ class Meter:
         days = sorted(d for d in by_day if day_start(d) + DAY_TTL_S - DAY_S > now)
         sizes = dict(zip(days, (int(n) for n in await self._pipelined([("scard", k.seen(d)) for d in days])),
                          strict=True))
-        olds = await self._pipelined([("smembers", k.agg_day_keys(d)) for d in days])
+        # a day's key set of the wrong type is no reason to stop: the day's script deletes it and writes it anew
+        olds = await self._pipelined([("smembers", k.agg_day_keys(d)) for d in days], raise_on_error=False)
         out = {"days": len(days), "rebuilt": 0, "skipped": 0, "complete": 0}
         script = self.redis.register_script(BACKFILL_LUA)
         for d, old in zip(days, olds, strict=True):
+            if isinstance(old, ResponseError):
+                log.warning("usage backfill: the key set of %s is unreadable (%s), rebuilt from the stream", d, old)
+                old = set()
             n0 = index.get(f"n:{d}", "0")
             if day_verdict(d, int(n0), sizes[d], index.get(f"ok:{d}") == "1", now, self.cfg.dedup_ttl_s,
                            DAY_TTL_S) == "cube":
@@ -937,9 +948,11 @@ class Meter:
             out["rebuilt" if done else "skipped"] += 1
         return out
 
-    async def _pipelined(self, calls: list[tuple[str, str]], args: bool = False) -> list[Any]:
+    async def _pipelined(self, calls: list[tuple[str, str]], args: bool = False,
+                         raise_on_error: bool = True) -> list[Any]:
         """One reply per ``(command method, key)`` call, sent as pipelines of at most 1000 (one round trip each).
-        ``args``: the calls are ``("xrange", stream id)`` — that one entry of the stream."""
+        ``args``: the calls are ``("xrange", stream id)`` — that one entry of the stream. ``raise_on_error`` False:
+        an error reply is returned in place (its ``ResponseError``) instead of raised."""
         out: list[Any] = []
         for i in range(0, len(calls), 1000):
             chunk = calls[i:i + 1000]
@@ -951,7 +964,7 @@ class Meter:
                             getattr(pipe, method)(self.keys.events, min=key, max=key)
                         else:
                             getattr(pipe, method)(key)
-                    return list(await pipe.execute())
+                    return list(await pipe.execute(raise_on_error=raise_on_error))
 
             out.extend(await self.breaker.call(run))
         return out
