@@ -23,6 +23,13 @@ class MeteringConfig(_Strict):
     # in the dead-letter spool beside the usage spool and sent again every dead_letter_interval_s seconds
     dead_letter_interval_s: float = Field(60.0, gt=0)
     dedup_ttl_s: int = Field(40 * 86400, ge=60)
+    # Redis replicates asynchronously: a master that crashes before its replicas have a write loses it in the
+    # failover. replica_acks = N > 0: after each batch of usage events is counted, WAIT N replicas (at most
+    # replica_ack_timeout_ms); events fewer acknowledge are also kept in the usage spool, replayed (dropped by event_id
+    # where they survived) and let go once N replicas hold them. 0: off (one more round trip per batch, off the
+    # request path, when on; the spool grows while fewer than N replicas are up).
+    replica_acks: int = Field(0, ge=0)
+    replica_ack_timeout_ms: int = Field(100, ge=1, le=10_000)
     stream_maxlen: int | None = Field(None, ge=1000)
     # Write-ahead records (gateway/state/write_ahead.py): every upstream call leaves one in Redis before its first
     # byte, its streamed tokens written at most every write_ahead_interval_s, deleted by its usage event; records

@@ -13,7 +13,8 @@ Series (counters get ``_total``): ``thinkgate_requests``, ``thinkgate_tokens``, 
 refused before an upstream call, by ``status`` and ``code``); histograms
 ``thinkgate_request_latency_seconds`` and ``thinkgate_ttft_seconds``; gauges ``thinkgate_redis_breaker_open``,
 ``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events_total``, ``thinkgate_usage_dead_letter_bytes``,
-``thinkgate_usage_dead_lettered_events_total`` (events Redis refused, kept in the dead-letter spool); with
+``thinkgate_usage_dead_lettered_events_total`` (events Redis refused, kept in the dead-letter spool),
+``thinkgate_usage_unreplicated_events_total`` (counted events also spooled: too few replica acks); with
 ``routing.target`` set, ``thinkgate_routing_share{tier}`` (the controller's window),
 ``thinkgate_routing_target_share`` and ``thinkgate_routing_threshold{tier}`` (the cut point into that tier);
 ``thinkgate_routing_drift_psi{kind}`` (score | tier, the drift alarm).
@@ -106,6 +107,10 @@ class Metrics:
                                      "dead-letter spool (Redis refused them: nothing written; retried later).",
                                      registry=r)
         self._dead_lettered_seen = 0
+        self.unreplicated = Counter("thinkgate_usage_unreplicated_events", "Counted usage events this process kept "
+                                    "in the usage spool as well: fewer Redis replicas than metering.replica_acks "
+                                    "acknowledged them in time (replayed; dropped where they survived).", registry=r)
+        self._unreplicated_seen = 0
         self.routing_share = Gauge("thinkgate_routing_share", "Share of the routed requests in the cost-target "
                                    "controller's window, by routed tier.", ["tier"], registry=r)
         # registered with the controller only (render): a label-less gauge is always exposed, and 0 read as
@@ -196,7 +201,7 @@ class Metrics:
         self._child(self.refusals, str(status), code if code in REFUSAL_CODES else "other").inc()
 
     def render(self, breaker_open: bool, spool_bytes: int, spooled: int, dead_letter_bytes: int = 0,
-               dead_lettered: int = 0) -> bytes:
+               dead_lettered: int = 0, unreplicated: int = 0) -> bytes:
         """The exposition text, with the gauges set from the current state."""
         self.breaker_open.set(1 if breaker_open else 0)
         self.spool_bytes.set(spool_bytes)
@@ -207,6 +212,9 @@ class Metrics:
         if dead_lettered > self._dead_lettered_seen:
             self.dead_lettered.inc(dead_lettered - self._dead_lettered_seen)
             self._dead_lettered_seen = dead_lettered
+        if unreplicated > self._unreplicated_seen:
+            self.unreplicated.inc(unreplicated - self._unreplicated_seen)
+            self._unreplicated_seen = unreplicated
         if self.routing_view is not None:
             if not self._target_registered:
                 self.registry.register(self.routing_target_share)

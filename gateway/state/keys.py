@@ -25,6 +25,7 @@ key                                     type        contents
 ``t cache:lock:{sha256}``  T            string      single-flight lock (token), PX = wait bound
 ``p usage:events``                      stream      usage events, field ``e`` = event JSON (append-only)
 ``p usage:seen:{YYYY-MM-DD}``           set         event_ids already counted (idempotency), TTL
+``p usage:replica:probe``               string      written before each WAIT of ``metering.replica_acks``, PX 60 s
 ``p usage:key:{id}``                    hash        all-time counters of a key
 ``p usage:key:{id}:d:{YYYY-MM-DD}``     hash        a key's counters for one UTC day (budgets read these)
 ``p usage:key:{id}:m:{YYYY-MM}``        hash        a key's counters for one UTC month
@@ -172,6 +173,11 @@ class RedisKeys:
     @property
     def events(self) -> str:
         return f"{self.prefix}usage:events"
+
+    @property
+    def replica_probe(self) -> str:
+        """Written before each ``WAIT`` of ``metering.replica_acks`` (``Meter.replica_acks``); in the shared slot."""
+        return f"{self.prefix}usage:replica:probe"
 
     def seen(self, day: str) -> str:
         return f"{self.prefix}usage:seen:{day}"

@@ -86,6 +86,7 @@ MONTH_TTL_S = 800 * 86400
 TPM_TTL_MS = 120_000
 UNROUTED = "_unrouted"  # tier label of requests refused before routing
 REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
+PROBE_TTL_MS = 60_000  # the replica-acknowledgement probe key (Meter.replica_acks): rewritten on every check
 DEAD_LETTER_PROBE = 50  # dead letters sent first on a retry: all refused, the rest waits for the next one
 #: error replies of a Redis that cannot write *now* (a replica after a failover, a script running, memory full):
 #: the event goes to the usage spool like on an outage, not to the dead letters
@@ -391,6 +392,8 @@ class Meter:
         #: beside the usage spool until a retry counts them (:meth:`retry_dead_letters`)
         self.dead = Spool(dead_letter_path(spool.path), spool.decode)
         self.dead_lettered = 0  # events this process put into the dead-letter spool (for metrics)
+        self.unreplicated = 0  # counted events spooled as well: too few replicas acknowledged them (for metrics)
+        self._unreplicated_logged = float("-inf")
         # every event settles its request's write-ahead record (gateway/state/write_ahead.py) in the same script
         self._wal_key = self.keys.write_ahead if cfg.write_ahead else None
 
@@ -400,9 +403,13 @@ class Meter:
         keep it in the dead-letter spool when Redis refuses it (an error reply: nothing of it was written).
 
         A write that fails any other way (neither an outage nor an error reply: a Redis Cluster client giving up
-        on a slot in flux) is kept in the usage spool too (:meth:`_unexpected`). Raises ``OSError`` only when the
-        event could not be written to Redis *and* the spool cannot be written (disk full).
+        on a slot in flux) is kept in the usage spool too (:meth:`_unexpected`). With ``metering.replica_acks``,
+        a counted event that fewer replicas acknowledge is also kept in the spool (:meth:`_acked`). Raises
+        ``OSError`` only when the event could not be written to Redis *and* the spool cannot be written (disk full).
         """
+        return (await self._acked([event], [await self._record_one(event)]))[0]
+
+    async def _record_one(self, event: UsageEvent) -> RecordResult:
         try:
             reply = await self.breaker.call(lambda: self._run(event))
         except RedisDown:
@@ -423,7 +430,12 @@ class Meter:
         batch stay counted. Raises like :meth:`record`.
         """
         if len(events) <= 1 or not isinstance(self.redis, Redis):  # Redis Cluster: one by one
-            return [await self.record(e) for e in events]
+            results = [await self._record_one(e) for e in events]
+        else:
+            results = await self._record_many(events)
+        return await self._acked(events, results)
+
+    async def _record_many(self, events: list[UsageEvent]) -> list[RecordResult]:
         try:
             replies = await self.breaker.call(lambda: self._run_many(events))
         except RedisDown:
@@ -436,6 +448,56 @@ class Meter:
         kept = iter(await self._refused(refused))
         return [next(kept) if isinstance(r, ResponseError) else RecordResult.of_reply(e, r)
                 for e, r in zip(events, replies, strict=True)]
+
+    async def _acked(self, events: list[UsageEvent], results: list[RecordResult]) -> list[RecordResult]:
+        """With ``metering.replica_acks`` = N > 0: the events counted in Redis are also kept in the usage spool
+        unless N replicas acknowledge them within ``replica_ack_timeout_ms`` (:meth:`replica_acks`).
+
+        Why: Redis replicates asynchronously. A master that crashes (SIGKILL, a lost host) before its replicas
+        have a write loses it in the failover, though it answered "counted" — and the writer had let the event
+        go. Kept in the spool, it is replayed: dropped by ``event_id`` where it survived, counted where the
+        failover lost it; the replay itself is let go only once N replicas have it. The results are unchanged
+        (the events were counted; budgets and alerts read them as such)."""
+        want = self.cfg.replica_acks
+        counted = [e for e, r in zip(events, results, strict=True) if r.stored == "redis"] if want else []
+        if not counted or await self.replica_acks() >= want:
+            return results
+        await self.spool.append(counted)
+        self.spooled += len(counted)
+        self.unreplicated += len(counted)
+        now = time.monotonic()
+        if now - self._unreplicated_logged >= 60.0:  # once a minute: a replica down would log every batch
+            self._unreplicated_logged = now
+            log.warning("usage events not acknowledged by %d Redis replica(s) within %d ms (metering.replica_acks): "
+                        "%d kept in the usage spool %s as well, %d so far; replayed once the replicas have them",
+                        want, self.cfg.replica_ack_timeout_ms, len(counted), self.spool.path, self.unreplicated)
+        return results
+
+    async def replica_acks(self) -> int:
+        """How many replicas hold every metering write made so far (the usage keys share one slot, so one master):
+        a probe write (``p usage:replica:probe``), then ``WAIT replica_acks replica_ack_timeout_ms`` on the same
+        connection. WAIT counts the replicas past *its connection's* last write; the probe makes that write later
+        than every event this process had counted (on the lane or another connection), and the master's
+        replication stream is one ordered log. 0 when it cannot tell (an outage, a refusal, a slot in flux)."""
+        probe, n, t = self.keys.replica_probe, self.cfg.replica_acks, self.cfg.replica_ack_timeout_ms
+        try:
+            async def ask() -> list[Any]:
+                if isinstance(self.redis, Redis):
+                    async with self.redis.pipeline(transaction=False) as pipe:  # one connection to the master
+                        pipe.set(probe, b"1", px=PROBE_TTL_MS)
+                        pipe.execute_command("WAIT", n, t)
+                        return list(await pipe.execute())
+                await self.redis.initialize()  # a no-op once done; the slot map is read at the first command
+                node = self.redis.get_node_from_key(probe)
+                async with self.redis.pipeline() as cpipe:  # a cluster pipeline: one connection per node, in order
+                    cpipe.set(probe, b"1", px=PROBE_TTL_MS)
+                    cpipe.execute_command("WAIT", n, t, target_nodes=node)  # not where redis-py sends a keyless WAIT
+                    return list(await cpipe.execute())
+            replies = await self.breaker.call(ask)
+            return int(replies[1])
+        except Exception as exc:  # any failure means "not known to be replicated": keep the events
+            log.debug("replica acknowledgement unknown: %r", exc)
+            return 0
 
     async def _keep(self, events: list[UsageEvent]) -> list[RecordResult]:
         """``events`` into the usage spool (one fsync), replayed once Redis takes writes again."""
@@ -604,6 +666,10 @@ class Meter:
                 raise exc
         if refused:
             await self._dead_letter(refused)
+        if self.cfg.replica_acks and await self.replica_acks() < self.cfg.replica_acks:
+            # the spool is let go only once the replicas hold what it counted (see _acked)
+            raise RedisDown(f"usage spool kept: fewer than {self.cfg.replica_acks} Redis replica(s) acknowledged "
+                            "its events (metering.replica_acks)")
 
     async def _send(self, events: list[UsageEvent]) -> list[tuple[UsageEvent, ResponseError]]:
         """Send ``events`` (pipelines of :data:`REPLAY_PIPELINE`); the ones Redis refused, with its error reply.
