@@ -53,6 +53,12 @@ class RouterUnavailable(ThinkGateError, RuntimeError):
     """No usable router and ``on_router_error: refuse_start``; the message says why and what to do."""
 
 
+#: How many hex digits of a router file's SHA-256 name it where the gateway's retraining keeps it by content
+#: (``p router:current``'s ``digest``, the kept copies ``<state_dir>/<digest>.skops``): 128 bits, the length
+#: ``p router:configured`` has always used.
+DIGEST_HEX = 32
+
+
 def file_version(router: TrainedRouter, sha256: str | None) -> str:
     """What a router file is called in ``router:current`` and the retraining audit events: its metadata
     ``version``, else its ``created_utc``, else ``file-`` and the first 12 hex digits of its content's SHA-256
@@ -204,6 +210,12 @@ class RouterService(Router):
         return self._router
 
     @property
+    def sha256(self) -> str | None:
+        """The SHA-256 (hex) of the bytes in service (None: default-tier mode, or the file was replaced while it was
+        read — the watcher loads it again)."""
+        return self._sha256 if self._router is not None else None
+
+    @property
     def version(self) -> str | None:
         """The router in service's :func:`file_version` (None: default-tier mode)."""
         r = self._router
@@ -270,9 +282,11 @@ class RouterService(Router):
 
     # ---- reload ----------------------------------------------------------------------------------------
 
-    def reload(self) -> TrainedRouter:
+    def reload(self, expected: str | None = None) -> TrainedRouter:
         """Load ``path`` now and swap it in. On failure raise :class:`RouterFileError` and keep the current
-        router (if any); the error is kept in :attr:`error`."""
+        router (if any); the error is kept in :attr:`error`. ``expected`` (the first :data:`DIGEST_HEX` hex digits
+        of a SHA-256): serve the file only when its bytes are those — the gateway's retraining names the router every
+        replica serves by content (``p router:current``), and a file of other bytes at that path is not it."""
         with self._lock:
             if self.path is None:
                 self._error = "no router file configured (routing.router_path is null)"
@@ -289,6 +303,10 @@ class RouterService(Router):
             digest = file_sha256(self.path)
             if file_signature(self.path) != sig:
                 digest = None  # replaced while it was read: not the bytes loaded (the watcher loads it next)
+            if expected is not None and (digest is None or digest[:DIGEST_HEX] != expected):
+                # not this file's fault (as a refusal, below): the router in service and its error stay
+                raise RouterFileError(self.path, f"holds other bytes (sha256 {(digest or '?')[:DIGEST_HEX]}) than "
+                                                 f"the router named to be served (sha256 {expected}): not served")
             if (version := file_version(router, digest)) in self.refused_versions:
                 self._signature = sig  # the same bytes are not tried again
                 raise RouterFileError(self.path, f"is version {version}, which was rolled back (its realised "

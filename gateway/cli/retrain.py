@@ -64,15 +64,21 @@ def adopt(settings: Any, path: Path, version: str, n_outcomes: int) -> dict[str,
     The replicas watch that path and adopt a new file there themselves: both go through the one compare-and-set
     (:meth:`gateway.control.retrain_trigger.CurrentRouter.adopt`, the file's digest marked adopted with it), so
     the file gets one promote event, whoever is first (this command wrote one and a replica another). The event,
-    or None when a replica had adopted the file already."""
-    from gateway.control.retrain_trigger import CurrentRouter, file_digest
+    or None when a replica had adopted the file already.
+
+    As a replica does, it names the bytes it wrote, not the path: a copy kept under their digest in the retraining's
+    state dir (``<state_dir>/<digest>.skops``), which no later write to ``routing.router_path`` changes (a replica
+    whose state dir is not this one's keeps its own copy from its ``routing.router_path``)."""
+    from gateway.control.retrain_trigger import CurrentRouter, file_digest, keep_copy, state_dir_of
     from gateway.state.breaker import Breaker
 
-    digest = file_digest(path.read_bytes())
+    data = path.read_bytes()
+    digest = file_digest(data)
+    copy = keep_copy(data, state_dir_of(settings), digest)
 
     async def write(handle: Any) -> dict[str, Any] | None:
         return await CurrentRouter(handle, Breaker(1.0), settings.routing.retrain.readopt_after_s).adopt(
-            path, version, digest, n_outcomes, "operator: thinkgate router retrain --output routing.router_path")
+            copy, version, digest, n_outcomes, "operator: thinkgate router retrain --output routing.router_path")
 
     return run_on_redis(settings, write, min_timeout_s=5.0)
 
@@ -144,8 +150,8 @@ def retrain_command(
         if event is None:  # a replica watching routing.router_path saw the file first (one promote event per file)
             typer.echo(f"router:current names {output}: a replica adopted it already")
         else:
-            typer.echo(f"router:current now names {output} (it named version {event['previous']}): the replicas serve"
-                       f" it within routing.retrain.interval_s")
+            typer.echo(f"router:current now names {output}, kept as {event['path']} (it named version "
+                       f"{event['previous']}): the replicas serve it within routing.retrain.interval_s")
 
 
 def _print(report: Any) -> None:

@@ -151,7 +151,10 @@ class RetrainConfig(_Strict):
     but never fits."""
 
     every_outcomes: int = Field(0, ge=0)
-    state_dir: Path | None = None  # None: ``<usage spool dir>/routers``
+    #: where the fits' versioned files and the adopted routers' copies (``<digest>.skops``) are kept: every replica
+    #: reads a fit's file from it (share it); an adopted copy missing there a replica keeps itself from its own
+    #: ``routing.router_path``. None: ``<usage spool dir>/routers``
+    state_dir: Path | None = None
     heldout_frac: float = Field(0.2, ge=0.05, le=0.5)
     min_heldout: int = Field(10, ge=4)
     floor: float = Field(0.98, gt=0, le=1)

@@ -5,11 +5,15 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
 
 0. **adopts** a new file written to ``routing.router_path`` (:meth:`RetrainTrigger.adopt_configured`) as the
    promoted router, with an operator's ``promote`` event — while a promotion is in force the replicas serve
-   ``router:current``, and the file was otherwise never served —, unless its version was rolled back (step 3);
-1. **follows** the promoted router: ``p router:current`` (a hash: ``path``, ``version``, ``previous``) names the
-   file every replica with retraining on serves; when it differs from this replica's ``RouterService.path`` the
-   replica points its service there and reloads it (the hot reload of ``/admin/router/reload``, in a worker
-   thread);
+   ``router:current``, and the file was otherwise never served —, unless it was rolled back (step 3). What is
+   adopted is the bytes read, kept as ``state_dir/<digest>.skops`` (:func:`keep_copy`): the path can be written
+   again at any time (a replica's lagging copy, a rolled-back file put back), the copy never changes;
+1. **follows** the promoted router: ``p router:current`` (a hash: ``path``, ``version``, ``digest``, ``previous``,
+   ``previous_version``, ``previous_digest``: :data:`ROUTER_FIELDS`) names the file every replica with retraining
+   on serves, and its content (``digest``, :func:`file_digest`); when it differs from this replica's
+   ``RouterService.path`` the replica points its service there and reloads it (the hot reload of
+   ``/admin/router/reload``, in a worker thread), serving it only if its bytes are the ones named (a state written
+   before ``digest`` existed: the path as it is);
 2. **fits** (``fit_here``, one replica at a time: the lock ``p router:lock``, holding this trigger's token, so
    the replica that took it can take it again after a Redis outage left it behind): once the outcome stream
    (``p outcomes``) has ``every_outcomes`` more entries than at the last judged fit (``p router:fitted_at``,
@@ -76,6 +80,7 @@ import logging
 import multiprocessing
 import os
 import random
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -90,7 +95,8 @@ from gateway.control.outcomes import OutcomeStore
 from gateway.state.batches import new_token
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.redis import RedisHandle, as_bytes
-from router.serving import RouterService, file_signature, file_version, load_router_cached
+from router.persistence import load_router
+from router.serving import DIGEST_HEX, RouterService, file_signature, file_version
 
 log = logging.getLogger("thinkgate.retrain")
 
@@ -102,27 +108,32 @@ TRANSITION_TRIES = 8
 
 # The one way p router:current changes (module doc, "Transitions").
 # KEYS: router:current, router:history[, router:adopted:{digest} and router:configured (adopt) | router:bad
-# (rollback)]. ARGV: expected gen, expected path, then the new path, version, previous, previous_version, the audit
-# event (JSON), history maxlen, kind ("promote" | "adopt" | "rollback")[, digest (adopt) | the rolled-back version
-# (rollback)], adopted TTL s (adopt). A hash without ``gen`` (written before it existed, or never) reads as gen 0.
+# (rollback)]. ARGV: expected gen, expected path, kind ("promote" | "adopt" | "rollback"), the audit event (JSON),
+# history maxlen, the digest (adopt) | the router:bad entry (rollback) | "", adopted TTL s (adopt) | 0, then the new
+# hash's fields and values (every one of ROUTER_FIELDS: a field the new state has no value for is written empty, not
+# left from the old one). A hash without ``gen`` (written before it existed, or never) reads as gen 0.
 # Returns {1, new gen} (written), {0, gen, path} (router:current is not what the writer read: nothing written) or
 # {-1} (adopt: the file is adopted already, by this writer or another: nothing written).
 TRANSITION_LUA = """
-if ARGV[9] == 'adopt' and redis.call('EXISTS', KEYS[3]) == 1 then return {-1} end
+if ARGV[3] == 'adopt' and redis.call('EXISTS', KEYS[3]) == 1 then return {-1} end
 local gen = redis.call('HGET', KEYS[1], 'gen') or '0'
 local path = redis.call('HGET', KEYS[1], 'path') or ''
 if gen ~= ARGV[1] or path ~= ARGV[2] then return {0, gen, path} end
-if ARGV[9] == 'adopt' then
-  redis.call('SET', KEYS[3], '1', 'EX', ARGV[11])
-  redis.call('SET', KEYS[4], ARGV[10])
-elseif ARGV[9] == 'rollback' then
-  redis.call('SADD', KEYS[3], ARGV[10])
+if ARGV[3] == 'adopt' then
+  redis.call('SET', KEYS[3], '1', 'EX', ARGV[7])
+  redis.call('SET', KEYS[4], ARGV[6])
+elseif ARGV[3] == 'rollback' then
+  redis.call('SADD', KEYS[3], ARGV[6])
 end
 local new = redis.call('HINCRBY', KEYS[1], 'gen', 1)
-redis.call('HSET', KEYS[1], 'path', ARGV[3], 'version', ARGV[4], 'previous', ARGV[5], 'previous_version', ARGV[6])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'e', ARGV[7])
+redis.call('HSET', KEYS[1], unpack(ARGV, 8))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'e', ARGV[4])
 return {1, new}
 """
+#: The fields of ``p router:current`` a transition writes (besides ``gen``): the file every replica serves (``path``,
+#: its ``version`` and content ``digest``: :func:`file_digest`) and the one before it, for a rollback. ``digest`` /
+#: ``previous_digest`` empty: a state written before routers were kept by content (its ``path`` is loaded as it is).
+ROUTER_FIELDS = ("path", "version", "digest", "previous", "previous_version", "previous_digest")
 FIT_NICE = 10  # the fit process yields the CPU to the serving loop
 
 
@@ -163,6 +174,8 @@ class RetrainTrigger:
         # it and compares its digest with the deployment's, :meth:`adopt_configured`)
         self.configured = settings.routing.router_path.resolve() if settings.routing.router_path else None
         self._configured_seen: tuple[int, int, int] | None = None
+        # (the file loaded, the path router:current named, its digest) at this replica's last follow (:meth:`_served`)
+        self._followed: tuple[Path, Path, str] | None = None
 
     # --- keys -------------------------------------------------------------------------------------------
     @property
@@ -233,10 +246,13 @@ class RetrainTrigger:
             # shielded: a slow reload that outlives the wait still finishes (or rolls the path back) on its own
             await asyncio.wait_for(asyncio.shield(self.follow()), START_FOLLOW_S)
             if (v := self.service.version) is not None and v in self.service.refused_versions:
-                # loaded at start from a path router:current still names, before router:bad was read: nothing else
-                # to go to — said, loudly (docs/closed-loop.md)
+                # loaded at start, before router:bad was read, and router:current named no other router this replica
+                # could load (a state written before routers were kept by content names routing.router_path itself;
+                # or the copy it names is missing here and this replica's copy of the path holds other bytes):
+                # nothing else to go to — said, loudly (docs/closed-loop.md)
                 log.error("retrain: serving %s, version %s, which was rolled back (router:bad): router:current names "
-                          "this path and no other file; replace it, or promote another router", self.service.path, v)
+                          "no other router this replica can load; replace the file, or promote another router",
+                          self.service.path, v)
             last = await asyncio.wait_for(read_history(self.handle, self.breaker, count=1), START_FOLLOW_S)
             if last and self.last is None:
                 self.last = last[-1]
@@ -312,23 +328,31 @@ class RetrainTrigger:
         One writer adopts it — a replica, or ``thinkgate router retrain --output`` that wrote it —: the digest's mark
         ``p router:adopted:{digest}`` is set in the compare-and-set that moves ``p router:current``
         (:meth:`CurrentRouter.adopt`); a replica's write goes through :meth:`_write` (a Redis failure finishes it at
-        the next tick). A file that does not load, or that this service would refuse (its
-        thresholds for the routed tiers, its budget map), is logged and left out; the promoted router keeps
-        serving. So is a file whose version is in ``p router:bad``: one a rollback took out of service because its
-        realised floor fell below ``routing.retrain.floor`` — written back (a config management tool or a ConfigMap
-        reverted to it, past ``readopt_after_s``) it would serve again the answers it was rolled back for; the
-        warning says how to serve it anyway (save it under a new version). Where the promoted router is the file at
-        ``routing.router_path`` itself (an adopted one), the service's hot reload refuses it too
-        (:meth:`read_bad`). The file is read only when its (mtime, size, inode) changed here. True when adopted
-        here."""
+        the next tick).
+
+        What is adopted is the bytes read, not the path: they are kept as ``<state_dir>/<digest>.skops``
+        (:func:`keep_copy`, written before ``router:current`` names it) and ``router:current`` names that copy and
+        its digest. ``routing.router_path`` can be rewritten any time — by a lagging replica's copy of it (a
+        ConfigMap still propagating), by a rolled-back file put back —, and while the promoted router was the path
+        itself, every replica's hot reload served whatever was written there and a replica starting on it served it
+        (it was what ``router:current`` named); the copy never changes.
+
+        A file that does not load, or that this service would refuse (its thresholds for the routed tiers, its
+        budget map), is logged and left out; the promoted router keeps serving. So is a file whose version is in
+        ``p router:bad``: one a rollback took out of service because its realised floor fell below
+        ``routing.retrain.floor`` — written back (a config management tool or a ConfigMap reverted to it, past
+        ``readopt_after_s``) it would serve again the answers it was rolled back for; the warning says how to serve
+        it anyway (save it under a new version). The file is read only when its (mtime, size, inode) changed here.
+        True when adopted here."""
         seen = file_signature(self.configured) if self.configured is not None else None
         if self.configured is None or seen is None or seen == self._configured_seen:
             return False
         path = self.configured
         try:
-            digest = file_digest(await asyncio.to_thread(path.read_bytes))
+            data = await asyncio.to_thread(path.read_bytes)
         except OSError:
             return False
+        digest = file_digest(data)
         stored = await self.breaker.call(lambda: self.redis.get(self.k_configured))
         if stored is None or as_bytes(stored).decode() == digest:
             if stored is None:  # the first look of this deployment: the baseline, nothing to adopt
@@ -339,23 +363,7 @@ class RetrainTrigger:
             await self.breaker.call(lambda: self.redis.set(self.k_configured, digest))
             self._configured_seen = seen
             return False
-        try:
-            router = await asyncio.to_thread(load_router_cached, path)
-            self.service.check(router)
-        except Exception as exc:
-            self._configured_seen = seen  # the same bytes are not tried again; a new write is
-            log.warning("retrain: a new file at routing.router_path (%s) is not served, the promoted router keeps "
-                        "serving: %s", path, exc)
-            return False
-        version = file_version(router, digest)
-        if await self.breaker.call(lambda: self.redis.sismember(self.k_bad, version)):
-            # rolled back on its graded answers (check_realised): never promoted again by a file written back
-            self._configured_seen = seen
-            log.warning("retrain: the file at routing.router_path (%s) is version %s, which was rolled back (its "
-                        "realised floor fell below routing.retrain.floor; listed in router:bad): not adopted, the "
-                        "promoted router keeps serving. To serve it anyway, save it under a new metadata version "
-                        "and write that file", path, version)
-            return False
+        bad = {as_bytes(v).decode() for v in await self.breaker.call(lambda: self.redis.smembers(self.k_bad)) or ()}
         if await self.breaker.call(lambda: self.redis.exists(f"{self.k_adopted}:{digest}")):
             # adopted within routing.retrain.readopt_after_s and replaced since (router:configured names another
             # file): a lagging copy of the path, or an operator writing it back too soon — said, not served
@@ -365,6 +373,35 @@ class RetrainTrigger:
                         "replica's lagging copy of the path?); write it again after that to put it back", path,
                         digest[:12], self.cfg.readopt_after_s)
             return False
+        # the bytes read, staged beside their kept name and loaded from there: what is checked is what is kept
+        try:
+            staged = await asyncio.to_thread(stage_copy, data, self.dir)
+        except OSError as exc:
+            self._configured_seen = seen  # said once per file written: a new write tries again
+            log.warning("retrain: a new file at routing.router_path (%s) is not adopted: no copy of it can be kept in "
+                        "routing.retrain.state_dir (%s): %s", path, self.dir, exc)
+            return False
+        try:
+            try:
+                router = await asyncio.to_thread(load_router, staged, pipeline=False)
+                self.service.check(router)
+            except Exception as exc:
+                self._configured_seen = seen  # the same bytes are not tried again; a new write is
+                log.warning("retrain: a new file at routing.router_path (%s) is not served, the promoted router keeps "
+                            "serving: %s", path, str(exc).replace(str(staged), str(path)))
+                return False
+            version = file_version(router, digest)
+            if version in bad:
+                # rolled back on its graded answers (check_realised): never promoted again by a file written back
+                self._configured_seen = seen
+                log.warning("retrain: the file at routing.router_path (%s) is version %s, which was rolled back (its "
+                            "realised floor fell below routing.retrain.floor; listed in router:bad): not adopted, the "
+                            "promoted router keeps serving. To serve it anyway, save it under a new metadata version "
+                            "and write that file", path, version)
+                return False
+            copy = await asyncio.to_thread(settle_copy, staged, router_copy(self.dir, digest))
+        finally:
+            staged.unlink(missing_ok=True)
         n = int(await self.breaker.call(lambda: self.redis.xlen(self.outcomes.keys.outcomes)) or 0)
         self._configured_seen = seen
         adopted: list[dict[str, Any]] = []
@@ -372,42 +409,91 @@ class RetrainTrigger:
         async def adopt() -> None:
             # the mark, router:configured, router:current and the event in one script (CurrentRouter.adopt): of the
             # replicas and the command racing for this file, one adopts it, on the state serving when it does
-            event = await self.current.adopt(path, version, digest, n, "operator: a new file at routing.router_path")
+            event = await self.current.adopt(copy, version, digest, n, "operator: a new file at routing.router_path")
             if event is not None:
                 self.last = event
                 adopted.append(event)
-                log.info("retrain: %s (version %s) written to routing.router_path replaces the promoted %s", path,
-                         version, event["previous"])
+                log.info("retrain: %s (version %s, kept as %s) written to routing.router_path replaces the promoted "
+                         "%s", path, version, copy.name, event["previous"])
         await self._write([adopt])
         return bool(adopted)
 
     async def read_bad(self) -> None:
-        """The rolled-back versions (``p router:bad``) into the service's ``refused_versions``: its own hot reload
-        of the file it serves (``routing.router_path`` once a file there was adopted) does not load one written
-        back there."""
+        """The rolled-back versions (``p router:bad``) into the service's ``refused_versions``: its hot reload
+        of the file it serves (``routing.router_path`` while no promotion is in force, or one ``router:current``
+        named before routers were kept by content) does not load one written back there."""
         bad = await self.breaker.call(lambda: self.redis.smembers(self.k_bad))
         versions = frozenset(as_bytes(v).decode() for v in bad or ())
         if versions != self.service.refused_versions:
             self.service.refused_versions = versions
 
     async def follow(self) -> bool:
-        """Serve the file ``p router:current`` names when it is not the one in service; True when switched."""
-        cur = await self.breaker.call(lambda: self.redis.hget(self.k_current, "path"))
-        if cur is None:
+        """Serve the router ``p router:current`` names when it is not the one in service; True when switched.
+
+        Named with a digest, the file loaded is this replica's copy of those bytes (:meth:`_local_copy`), and it is
+        served only if its bytes are those (``RouterService.reload(expected=...)``); the service's hot reload then
+        watches a file that never changes. Without one (a state written before routers were kept by content) the
+        named path is loaded as it is."""
+        c = await self.current.read()
+        if not c.get("path"):
             return False
-        path = Path(as_bytes(cur).decode())
+        named, digest = Path(c["path"]), c.get("digest", "")
+        path = await asyncio.to_thread(self._local_copy, named, digest) if digest else named
         if self.service.path is not None and path == self.service.path:
+            self._followed = (path, named, digest)  # e.g. loaded at start from the path router:current names
             return False
         old = self.service.path
         self.service.path = path
         try:
-            await asyncio.to_thread(self.service.reload)
+            await asyncio.to_thread(self.service.reload, digest or None)
         except Exception as exc:  # keep serving the router we have
             self.service.path = old
             log.warning("retrain: cannot load the promoted router %s: %s", path, exc)
             return False
+        self._followed = (path, named, digest)
         log.info("retrain: now serving %s", path)
         return True
+
+    def _local_copy(self, named: Path, digest: str) -> Path:
+        """The file to load for ``router:current`` naming ``named`` with content ``digest`` (in a worker thread):
+        this replica's kept copy of those bytes (``<state_dir>/<digest>.skops``) when it has one, else ``named``
+        when it exists (a fit's candidate, or a copy in a state_dir shared with the replica that kept it), else a
+        copy kept now from this replica's ``routing.router_path`` when that file has those bytes (a state_dir of its
+        own: the file was adopted from another replica's copy of the path), else ``named`` (its load fails, said;
+        tried again at the next tick — a replica whose copy of the path lags serves what it has until it arrives)."""
+        own = router_copy(self.dir, digest)
+        if own.is_file():
+            return own
+        if named.is_file() or self.configured is None:
+            return named
+        try:
+            data = self.configured.read_bytes()
+            return keep_copy(data, self.dir, digest) if file_digest(data) == digest else named
+        except OSError as exc:  # the path unreadable, or the state dir not writable: the load of named says the rest
+            log.warning("retrain: no copy of the promoted router (sha256 %s) kept in %s: %s", digest, self.dir, exc)
+            return named
+
+    def _served(self) -> tuple[str, str]:
+        """(path, digest) that name the router in service as a fit's ``previous`` in ``router:current`` (in a worker
+        thread): what ``router:current`` named when this replica followed it, else — the file at
+        ``routing.router_path``, which can change under it — a copy of its bytes kept under their digest
+        (:func:`keep_copy`), so that a rollback goes back to the router that served, not to whatever the path holds
+        then; ``(path, "")`` when its bytes are not known (replaced since they were loaded: a rollback loads the
+        path as it is, as before routers were kept by content)."""
+        path, sha = self.service.path, self.service.sha256
+        if path is None:
+            return "", ""
+        if self._followed is not None and self._followed[0] == path:
+            return str(self._followed[1]), self._followed[2]
+        if sha is None:
+            return str(path), ""
+        try:
+            data = path.read_bytes()
+            digest = file_digest(data)
+            return (str(keep_copy(data, self.dir, digest)), digest) if digest == sha[:DIGEST_HEX] else (str(path), "")
+        except OSError as exc:  # never a reason to lose the verdict: the path as it is, as before
+            log.warning("retrain: no copy of the router in service (%s) kept in %s: %s", path, self.dir, exc)
+            return str(path), ""
 
     async def _show(self, event: dict[str, Any]) -> None:
         self.last = event
@@ -508,10 +594,13 @@ class RetrainTrigger:
             if cmp.get("old") is not None and cmp.get("new") is not None:  # judged: a look spent
                 steps.append(lambda: self.breaker.call(lambda: self.redis.incr(self.k_looks)))
             if path is not None:
-                prev_path = str(self.service.path) if self.service.path is not None else ""
-                mapping = {"path": str(path), "version": version, "previous": prev_path,
-                           "previous_version": str(prev_version or "")}
-                event.update({"event": "promote", "version": version, "path": str(path)})
+                # by content: the candidate's digest, and the router it replaces as router:current named it (or, the
+                # configured file, a copy of its bytes: a rollback goes back to them)
+                digest = file_digest(await asyncio.to_thread(Path(path).read_bytes))
+                prev_path, prev_digest = await asyncio.to_thread(self._served)
+                mapping = {"path": str(path), "version": version, "digest": digest, "previous": prev_path,
+                           "previous_version": str(prev_version or ""), "previous_digest": prev_digest}
+                event.update({"event": "promote", "version": version, "path": str(path), "digest": digest})
                 # the promote event is written with router:current (or a keep instead), by _promote
                 # shown in the status (self.last) once this replica serves it, as before the compare-and-set
                 steps += [functools.partial(self._promote, mapping, event), self.follow,
@@ -580,10 +669,11 @@ class RetrainTrigger:
         await self.breaker.call(lambda: self.redis.set(self.k_realised, reading))
         if real["holds_floor"] or real["n_cheap"] < self.cfg.realised_min:
             return None
-        mapping = {"path": c["previous"], "version": c.get("previous_version", ""), "previous": "",
-                   "previous_version": ""}
+        mapping = {"path": c["previous"], "version": c.get("previous_version", ""),
+                   "digest": c.get("previous_digest", "")}  # no previous: the fields written empty
         event = {"event": "rollback", "ts": round(time.time(), 3), "version": c.get("previous_version"),
-                 "previous": c["version"], "path": c["previous"], "outcomes": len(outcomes), "realised": real,
+                 "previous": c["version"], "path": c["previous"], "digest": c.get("previous_digest") or None,
+                 "previous_digest": c.get("digest") or None, "outcomes": len(outcomes), "realised": real,
                  "reason": f"realised floor {real['accuracy_ratio']} < {self.cfg.floor} ({real['method']} estimate) "
                            f"on {real['n']} graded answers ({real['n_cheap']} cheap, {real['n_spot_check']} "
                            f"spot-checked) of {c['version']}"}
@@ -639,9 +729,62 @@ async def read_history(handle: RedisHandle, breaker: Breaker, count: int = 100) 
 
 
 def file_digest(data: bytes) -> str:
-    """What ``p router:configured`` and ``p router:adopted:{digest}`` name a router file by: its content's
-    SHA-256 (32 hex characters) — the same on every replica and for the command that wrote it."""
-    return hashlib.sha256(data).hexdigest()[:32]
+    """What ``p router:configured``, ``p router:adopted:{digest}`` and ``p router:current``'s ``digest`` name a
+    router file by: its content's SHA-256 (:data:`router.serving.DIGEST_HEX` = 32 hex
+    characters) — the same on every replica and for the command that wrote it."""
+    return hashlib.sha256(data).hexdigest()[:DIGEST_HEX]
+
+
+def router_copy(state_dir: Path, digest: str) -> Path:
+    """Where the router file with content ``digest`` is kept once ``router:current`` names it (adopted from
+    ``routing.router_path``, or the configured file a fit's promotion replaced): ``<state_dir>/<digest>.skops``."""
+    return state_dir / f"{digest}.skops"
+
+
+def stage_copy(data: bytes, state_dir: Path) -> Path:
+    """``data`` in a new temporary file in ``state_dir`` (created when missing), flushed to disk: the first half of
+    :func:`keep_copy`, for bytes that are checked (loaded) before they are kept. The caller removes it."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".router-", suffix=".tmp", dir=state_dir)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(name, 0o644)  # mkstemp makes 0600; a router file is not a secret (save_router does the same)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+    return Path(name)
+
+
+def settle_copy(staged: Path, dest: Path) -> Path:
+    """Rename ``staged`` (:func:`stage_copy`) to ``dest`` and flush the directory, so the name survives a crash —
+    unless ``dest`` is there already: named by its content, it holds these bytes (written the same way, by this
+    replica or one sharing the directory) and is left as it is (a replica serving it sees no new file)."""
+    if dest.is_file():
+        return dest
+    os.replace(staged, dest)
+    dfd = os.open(dest.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return dest
+
+
+def keep_copy(data: bytes, state_dir: Path, digest: str) -> Path:
+    """Keep ``data`` (content ``digest``) as ``<state_dir>/<digest>.skops`` (:func:`router_copy`), written atomically
+    — a temporary file, fsync'd, renamed —, so no reader ever sees half of it; the path. A file named by content
+    never changes: ``router:current`` names it, and no later write to the path it came from reaches the replicas."""
+    dest = router_copy(state_dir, digest)
+    if dest.is_file():
+        return dest
+    staged = stage_copy(data, state_dir)
+    try:
+        return settle_copy(staged, dest)
+    finally:
+        staged.unlink(missing_ok=True)
 
 
 class CurrentRouter:
@@ -662,36 +805,39 @@ class CurrentRouter:
 
     async def transition(self, seen: dict[str, str], mapping: dict[str, str], event: dict[str, Any], kind: str,
                          digest: str = "", bad: str = "") -> int:
-        """Replace ``seen`` (what :meth:`read` returned) by ``mapping`` and append ``event`` to the history, both
-        only if ``seen`` still holds: 1 written, 0 ``router:current`` moved since (nothing written), -1 ``kind``
-        ``adopt`` and the file whose ``digest`` this is was adopted already (nothing written)."""
+        """Replace ``seen`` (what :meth:`read` returned) by ``mapping`` (:data:`ROUTER_FIELDS`; one missing is
+        written empty) and append ``event`` to the history, both only if ``seen`` still holds: 1 written, 0
+        ``router:current`` moved since (nothing written), -1 ``kind`` ``adopt`` and the file whose ``digest`` this is
+        was adopted already (nothing written). ``bad`` (rollback): the ``p router:bad`` entry added with it."""
         keys = [self.key, history_key(self.prefix)]
-        args: list[Any] = [seen.get("gen", "0"), seen.get("path", ""), mapping["path"], mapping["version"],
-                           mapping["previous"], mapping["previous_version"], orjson.dumps(event), HISTORY_MAXLEN,
-                           kind]
+        args: list[Any] = [seen.get("gen", "0"), seen.get("path", ""), kind, orjson.dumps(event), HISTORY_MAXLEN]
         if kind == "adopt":
             keys += [f"{self.prefix}router:adopted:{digest}", f"{self.prefix}router:configured"]
             args += [digest, self.readopt_after_s]
         elif kind == "rollback":
             keys.append(f"{self.prefix}router:bad")
-            args.append(bad)
+            args += [bad, 0]
+        else:
+            args += ["", 0]
+        for field in ROUTER_FIELDS:
+            args += [field, mapping.get(field, "")]
         reply = await self.breaker.call(lambda: self._script(keys=keys, args=args))
         return int(reply[0])
 
     async def adopt(self, path: Path, version: str, digest: str, outcomes: int, reason: str
                     ) -> dict[str, Any] | None:
-        """Make the file at ``path`` (content digest ``digest``) the promoted router, the one serving now kept as
-        its ``previous``, with a ``promote`` event; the event, or None when the file was adopted already (by
-        another replica, the command that wrote it, or this call's earlier try whose reply a Redis failure lost). A
-        transition by another writer between the read and the write (a rollback, a fit's promotion) is read again:
-        the operator's file replaces whatever serves by then."""
+        """Make the file at ``path`` (content digest ``digest``: the copy :func:`keep_copy` kept) the promoted
+        router, the one serving now kept as its ``previous``, with a ``promote`` event; the event, or None when the
+        file was adopted already (by another replica, the command that wrote it, or this call's earlier try whose
+        reply a Redis failure lost). A transition by another writer between the read and the write (a rollback, a
+        fit's promotion) is read again: the operator's file replaces whatever serves by then."""
         for _ in range(TRANSITION_TRIES):
             c = await self.read()
-            mapping = {"path": str(path), "version": version, "previous": c.get("path", ""),
-                       "previous_version": c.get("version", "")}
+            mapping = {"path": str(path), "version": version, "digest": digest, "previous": c.get("path", ""),
+                       "previous_version": c.get("version", ""), "previous_digest": c.get("digest", "")}
             event = {"event": "promote", "ts": round(time.time(), 3), "version": version,
-                     "previous": c.get("version") or None, "path": str(path), "outcomes": outcomes,
-                     "reason": reason}
+                     "previous": c.get("version") or None, "path": str(path), "digest": digest,
+                     "outcomes": outcomes, "reason": reason}
             done = await self.transition(c, mapping, event, "adopt", digest=digest)
             if done == 1:
                 return event

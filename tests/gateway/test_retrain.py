@@ -47,8 +47,10 @@ def _outcomes(invert_training: bool) -> list[Outcome]:
 
 
 def _config(tmp: Path, redis_url: str, prefix: str, router: Path) -> Path:
+    # the retraining's state dir: where the command keeps the copy of a file it adopts (the replicas' own, below)
     cfg = {"redis": {"url": redis_url, "key_prefix": prefix, "start_if_missing": False},
-           "routing": {"router_path": str(router), "routed_tiers": ["short", "long"]}}
+           "routing": {"router_path": str(router), "routed_tiers": ["short", "long"],
+                       "retrain": {"state_dir": str(tmp / "routers")}}}
     path = tmp / "gw.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -98,6 +100,8 @@ def test_retrain_into_router_path_takes_over_from_a_promoted_router(redis_url: s
     import orjson
     import redis
 
+    from gateway.control.retrain_trigger import file_digest
+
     configured = _router(tmp_path / "configured.skops", informative=False)
     promoted = _router(tmp_path / "promoted.skops", informative=False)
     r = redis.Redis.from_url(redis_url)
@@ -110,7 +114,10 @@ def test_retrain_into_router_path_takes_over_from_a_promoted_router(redis_url: s
     assert f"in service: {promoted}" in res.output
     cur = {k.decode(): v.decode() for k, v in r.hgetall(redis_prefix + "router:current").items()}
     version = load_router(configured).metadata["version"]
-    assert cur["path"] == str(configured.resolve()) and cur["version"] == version
+    # the bytes written, kept under their digest: a later write to routing.router_path does not change what serves
+    digest = file_digest(configured.read_bytes())
+    assert cur["path"] == str(tmp_path / "routers" / f"{digest}.skops") and cur["digest"] == digest
+    assert Path(cur["path"]).read_bytes() == configured.read_bytes() and cur["version"] == version
     assert (cur["previous"], cur["previous_version"]) == (str(promoted), "auto-1")
     [(_, fields)] = r.xrevrange(redis_prefix + "router:history", count=1)
     event = orjson.loads(fields[b"e"])
@@ -202,7 +209,8 @@ def test_a_file_written_by_retrain_gets_one_promote_event_with_replicas_watching
                                            "--config", str(config)])
             assert res.exit_code == 0, res.output
             version = load_router(configured).metadata["version"]
-            assert wait_for(lambda: gw.app.state.retrain.service.path == configured.resolve(), timeout_s=10)
+            kept = tmp_path / "routers" / f"{file_digest(configured.read_bytes())}.skops"
+            assert wait_for(lambda: gw.app.state.retrain.service.path == kept, timeout_s=10)
             time.sleep(1.0)  # twenty more ticks: a second adoption would be written by now
             assert promotes() == [(version, "auto-1")], res.output
             assert current()["previous"] == str(promoted)  # not the file itself (the second adoption's previous)

@@ -19,6 +19,7 @@ import yaml
 from typer.testing import CliRunner
 
 from gateway.cli.main import app
+from gateway.control.retrain_trigger import file_digest
 from gateway.ledger.outcome import Outcome, window_digest
 from router.fit.retrain import is_heldout_digest
 from router.persistence import load_router, save_router
@@ -202,17 +203,19 @@ def test_a_file_written_to_router_path_replaces_the_promoted_router(
         assert not wait_for(lambda: _status(gw)["version"] != "old-good", timeout_s=2)
         _write_router(configured, 77, "operator-1")
         assert wait_for(lambda: _status(gw)["version"] == "operator-1", timeout_s=10), _status(gw)
-        assert _status(gw)["path"] == str(configured.resolve())
+        # served from the bytes adopted, kept under their digest (a later write to the path does not reach it)
+        assert _status(gw)["path"] == str(tmp_path / "routers" / f"{file_digest(configured.read_bytes())}.skops")
         events = _history(redis_url, redis_prefix, tmp_path)
         assert [(e["event"], e["version"], e["previous"]) for e in events] == [("promote", "operator-1", "old-good")]
         assert events[0]["reason"] == "operator: a new file at routing.router_path"
         rdb = redis.Redis.from_url(redis_url)
         try:
             assert rdb.hget(redis_prefix + "router:current", "previous") == str(promoted).encode()
-            # the promoted router back in router:current (as a later promotion would): a replica restarted on the
-            # same file adopts nothing — the deployment has seen that file
-            rdb.hset(redis_prefix + "router:current", mapping={"path": str(promoted), "version": "old-good",
-                                                               "previous": str(configured)})
+            # the promoted router back in router:current (as a later promotion would, with its digest): a replica
+            # restarted on the same file adopts nothing — the deployment has seen that file
+            rdb.hset(redis_prefix + "router:current", mapping={
+                "path": str(promoted), "version": "old-good", "digest": file_digest(promoted.read_bytes()),
+                "previous": str(configured), "previous_version": "", "previous_digest": ""})
         finally:
             rdb.close()
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
@@ -253,6 +256,13 @@ def test_a_rolled_back_file_written_back_is_not_adopted_again(
             back.write_bytes(rolled_back_bytes)
             os.replace(back, configured)  # the rolled-back file, byte for byte, written back
             assert not wait_for(lambda: _status(gw)["version"] != "operator-2", timeout_s=3), _status(gw)
+            # a replica that starts now loads the rolled-back file at routing.router_path, and router:current named
+            # that very path (operator-2 was adopted there): it served operator-1 again, with an error in the log.
+            # router:current names operator-2's kept copy: it serves that from its first request
+            with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                                    routing=_routing(configured, tmp_path, every_outcomes=10**6, interval_s=60.0,
+                                                     realised_min=10, readopt_after_s=1)) as late:
+                assert _status(late)["version"] == "operator-2", _status(late)
             events = _history(redis_url, redis_prefix, tmp_path)
             assert [(e["event"], e["version"]) for e in events] == [
                 ("promote", "operator-1"), ("rollback", "old-good"), ("promote", "operator-2")]
@@ -264,6 +274,36 @@ def test_a_rolled_back_file_written_back_is_not_adopted_again(
             assert wait_for(lambda: _status(gw)["version"] == "operator-1-again", timeout_s=10), _status(gw)
         finally:
             rdb.close()
+
+
+def test_a_lagging_copy_of_router_path_is_not_served_by_the_hot_reload(
+        upstream_sim: SimProcess, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """Two operator files are adopted in turn from ``routing.router_path``, then the first one's bytes land there again
+    within ``readopt_after_s`` (a replica's lagging copy of the path): not adopted — and not served. While
+    ``router:current`` named the path itself, the service's hot reload of that path (every ``reload_interval_s``)
+    loaded whatever was written there: the replica served the file the fleet had replaced, and router:current, the
+    audit trail and /v1/models' learning said otherwise. Served now is the adopted bytes' copy, which no write to the
+    path changes."""
+    configured, _ = _promoted(redis_url, redis_prefix, tmp_path)
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                            routing=_routing(configured, tmp_path, every_outcomes=10**6)) as gw:
+        rdb = redis.Redis.from_url(redis_url)
+        try:
+            assert wait_for(lambda: rdb.exists(redis_prefix + "router:configured") == 1, timeout_s=10)
+        finally:
+            rdb.close()
+        _write_router(configured, 77, "operator-a")
+        lagging = configured.read_bytes()
+        assert wait_for(lambda: _status(gw)["version"] == "operator-a", timeout_s=10), _status(gw)
+        _write_router(configured, 99, "operator-b")
+        assert wait_for(lambda: _status(gw)["version"] == "operator-b", timeout_s=10), _status(gw)
+        back = tmp_path / "lagging.tmp"
+        back.write_bytes(lagging)
+        os.replace(back, configured)  # operator-a's bytes again, well within readopt_after_s (900 s)
+        # ten hot-reload intervals and ten ticks
+        assert not wait_for(lambda: _status(gw)["version"] != "operator-b", timeout_s=2), _status(gw)
+        assert [(e["event"], e["version"]) for e in _history(redis_url, redis_prefix, tmp_path)] == [
+            ("promote", "operator-a"), ("promote", "operator-b")]
 
 
 def _status_or_none(gw: Any) -> dict[str, Any] | None:
@@ -343,9 +383,11 @@ def test_a_promoted_router_whose_realised_floor_falls_is_rolled_back(upstream_si
         assert wait_for(rolled_back, timeout_s=60), _history(redis_url, redis_prefix, tmp_path)
         events = _history(redis_url, redis_prefix, tmp_path)
         assert [e["event"] for e in events][:2] == ["promote", "rollback"]
-        if n_bad == 40:  # nothing else due: the previous file serves again
+        if n_bad == 40:  # nothing else due: the previous file serves again — the bytes that served, kept under
+            # their digest when the fit replaced them (routing.router_path may hold others by now)
             assert wait_for(lambda: _status(gw)["version"] == "old-noise", timeout_s=30)
-            assert _status(gw)["path"] == str(old) and len(events) == 2
+            assert _status(gw)["path"] == str(tmp_path / "routers" / f"{file_digest(old.read_bytes())}.skops")
+            assert len(events) == 2
         rb = events[1]
         assert rb["previous"] == promoted and rb["version"] == "old-noise"
         assert rb["realised"]["holds_floor"] is False and rb["realised"]["n_cheap"] >= 10

@@ -1,0 +1,108 @@
+"""Routers adopted by the gateway's retraining are kept by content: ``p router:current`` names a copy of the bytes
+adopted (``<state_dir>/<digest>.skops``) with their digest. Real :class:`RetrainTrigger` replicas (each its own
+connection, state dir and ``routing.router_path``) on the real Redis; the gateway-level cases (a lagging copy, a
+replica starting on a rolled-back file) are in ``test_retrain_auto.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from gateway.config import RedisConfig
+from gateway.control.outcomes import OutcomeStore, outcome_spool_path
+from gateway.control.retrain_trigger import RetrainTrigger, file_digest
+from gateway.state.breaker import Breaker
+from gateway.state.redis import connect
+from router.persistence import load_router, save_router
+from router.serving import RouterService
+from tests.fixtures.gateway import gateway_settings
+from tests.fixtures.outcomes import serving_router
+
+
+def _text(hard: bool, i: int) -> str:
+    rng = random.Random(i)
+    return f"question {i}: " + " ".join(rng.sample(["prove", "integral", "theorem", "derive"] if hard
+                                                    else ["capital", "color", "name", "city"], 3))
+
+
+def _settings(tmp: Path, redis_url: str, prefix: str, configured: Path, state_dir: Path) -> Any:
+    return gateway_settings("http://127.0.0.1:1", redis_url, prefix, tmp / f"spool-{state_dir.parent.name}.jsonl",
+                            routing={"router_path": str(configured), "routed_tiers": ["short", "long"],
+                                     "retrain": {"every_outcomes": 10**6, "state_dir": str(state_dir),
+                                                 "realised_min": 10, "readopt_after_s": 1}})
+
+
+def _replica(settings: Any, redis_url: str, prefix: str) -> RetrainTrigger:
+    """A replica's trigger as ``create_app`` builds it (its own connection and breaker)."""
+    handle = connect(RedisConfig(url=redis_url, key_prefix=prefix))
+    breaker = Breaker(5.0)
+    store = OutcomeStore(settings.routing.outcomes, handle, breaker, outcome_spool_path(settings))
+    return RetrainTrigger(settings, RouterService.from_config(settings.routing), handle, breaker, store)
+
+
+def _write(base: Path, path: Path, version: str, cut: float) -> bytes:
+    """A router file written over ``path`` the safe way (elsewhere, then renamed over it): ``base``'s router with
+    ``version`` and threshold ``cut`` (two cuts, two files of other bytes); its bytes."""
+    router = load_router(base)
+    router.metadata["version"] = version
+    router.thresholds = [cut]
+    tmp = path.with_name(path.name + ".tmp")
+    save_router(router, tmp)
+    os.replace(tmp, path)
+    return path.read_bytes()
+
+
+def _put(data: bytes, path: Path) -> None:
+    """``data`` written over ``path`` (elsewhere, then renamed over it): a file put back byte for byte (a router
+    saved again is other bytes: the zip members carry their time)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def test_a_replica_with_a_state_dir_of_its_own_keeps_its_own_copy(redis_url: str, redis_prefix: str,
+                                                                 tmp_path: Path) -> None:
+    """Replicas that share no state dir (each its own volume) but each have a copy of ``routing.router_path``
+    (a ConfigMap): replica A adopts a file, ``router:current`` names A's copy, which B cannot read. B keeps its own
+    copy from its ``routing.router_path`` once that holds the bytes named — before it does (its copy of the path
+    lags) it keeps serving what it has."""
+    before = serving_router(tmp_path / "before.skops", False, _text)
+    conf_a, conf_b = tmp_path / "a" / "router.skops", tmp_path / "b" / "router.skops"
+    for p in (conf_a, conf_b):
+        p.parent.mkdir()
+        _write(before, p, "operator-0", 0.5)
+    set_a = _settings(tmp_path, redis_url, redis_prefix, conf_a, tmp_path / "a" / "routers")
+    set_b = _settings(tmp_path, redis_url, redis_prefix, conf_b, tmp_path / "b" / "routers")
+    rdb = redis.Redis.from_url(redis_url)
+    rdb.hset(redis_prefix + "router:current", mapping={"path": str(before), "version": "old-noise"})
+    rdb.set(redis_prefix + "router:configured", file_digest(conf_a.read_bytes()))
+
+    async def go() -> None:
+        a, b = _replica(set_a, redis_url, redis_prefix), _replica(set_b, redis_url, redis_prefix)
+        try:
+            assert await b.follow() and b.service.version == "old-noise"
+            new = _write(before, conf_a, "operator-1", 0.4)
+            assert await a.adopt_configured()
+            kept_a = tmp_path / "a" / "routers" / f"{file_digest(new)}.skops"
+            assert await a.follow() and a.service.path == kept_a
+            kept_a.rename(tmp_path / "elsewhere.skops")  # not on B's disk
+            assert not await b.follow()  # B's copy of the path lags: nothing to load, old-noise keeps serving
+            assert b.service.version == "old-noise"
+            _put(new, conf_b)  # B's copy arrives
+            assert await b.follow()
+            assert b.service.path == tmp_path / "b" / "routers" / f"{file_digest(new)}.skops"
+            assert b.service.version == "operator-1" and b.service.path.read_bytes() == new
+            assert not await b.follow()  # followed: no reload at every tick
+        finally:
+            for t in (a, b):
+                await t.handle.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        rdb.close()
