@@ -54,8 +54,8 @@ class RouterUnavailable(ThinkGateError, RuntimeError):
 
 
 #: How many hex digits of a router file's SHA-256 name it where the gateway's retraining keeps it by content
-#: (``p router:current``'s ``digest``, the kept copies ``<state_dir>/<digest>.skops``): 128 bits, the length
-#: ``p router:configured`` has always used.
+#: (``p router:current``'s ``digest``, the ``sha256:`` entries of ``p router:bad``, the kept copies
+#: ``<state_dir>/<digest>.skops``): 128 bits, the length ``p router:configured`` has always used.
 DIGEST_HEX = 32
 
 
@@ -152,9 +152,14 @@ class RouterService(Router):
         self._lock = threading.Lock()  # serialises reloads (scoring never takes it)
         self.reloads = 0
         #: versions (:func:`file_version`) a reload refuses, the router in service kept: the gateway's retraining
-        #: sets the rolled-back ones (``p router:bad``), so a file written back over the path it serves is not
-        #: served again (replaced whole, never mutated: reloads read it from worker threads)
+        #: sets the rolled-back ones of ``p router:bad`` written before it named files by content (version-only
+        #: entries), so a file written back over the path it serves is not served again (replaced whole, never
+        #: mutated: reloads read it from worker threads)
         self.refused_versions: frozenset[str] = frozenset()
+        #: content digests (the first :data:`DIGEST_HEX` hex digits of the SHA-256) a reload refuses: the rolled-back
+        #: routers of ``p router:bad`` — by their bytes, so neither another file that happens to carry a rolled-back
+        #: version nor the rolled-back bytes under another name are confused (replaced whole, as above)
+        self.refused_digests: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(cls, cfg: Any, clock: Callable[[], float] = time.monotonic) -> RouterService:
@@ -214,6 +219,21 @@ class RouterService(Router):
         """The SHA-256 (hex) of the bytes in service (None: default-tier mode, or the file was replaced while it was
         read — the watcher loads it again)."""
         return self._sha256 if self._router is not None else None
+
+    def refused_reason(self) -> str | None:
+        """Why a reload would refuse the router in service now (its version or digest in :attr:`refused_versions` /
+        :attr:`refused_digests`, set after it was loaded), or None."""
+        r = self._router
+        return None if r is None else self._refusal(r, self._sha256)
+
+    def _refusal(self, router: TrainedRouter, sha256: str | None) -> str | None:
+        if sha256 is not None and sha256[:DIGEST_HEX] in self.refused_digests:
+            return (f"is the router file with sha256 {sha256[:DIGEST_HEX]}, which was rolled back (its realised floor "
+                    "fell; router:bad): not served again — save it under a new version to serve it anyway")
+        if (version := file_version(router, sha256)) in self.refused_versions:
+            return (f"is version {version}, which was rolled back (its realised floor fell; router:bad): not served "
+                    "again — save it under a new version to serve it anyway")
+        return None
 
     @property
     def version(self) -> str | None:
@@ -307,11 +327,9 @@ class RouterService(Router):
                 # not this file's fault (as a refusal, below): the router in service and its error stay
                 raise RouterFileError(self.path, f"holds other bytes (sha256 {(digest or '?')[:DIGEST_HEX]}) than "
                                                  f"the router named to be served (sha256 {expected}): not served")
-            if (version := file_version(router, digest)) in self.refused_versions:
+            if (refused := self._refusal(router, digest)) is not None:
                 self._signature = sig  # the same bytes are not tried again
-                raise RouterFileError(self.path, f"is version {version}, which was rolled back (its realised "
-                                                 "floor fell; router:bad): not served again — save it under a new "
-                                                 "version to serve it anyway")
+                raise RouterFileError(self.path, refused)
             self._router, self._signature, self._error, self._sha256 = router, sig, None, digest
             self.reloads += 1
             log.info("router loaded from %s (thresholds %s)", self.path, self.thresholds)

@@ -32,8 +32,9 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    promoted router (:func:`router.fit.realised.realised`: the feedback on the answers it served, explored ones
    left out; unbiased through the spot-check arm once ``spot_check_min`` spot-check answers are graded, else under
    the nesting assumption) below ``floor`` on at least ``realised_min`` graded cheap answers → ``p router:current`` goes
-   back to the previous file (the version is added to ``p router:bad``: a file of that version written to
-   ``routing.router_path`` again is not adopted, step 0 — a fit's candidate always has a new version). With three
+   back to the previous file (the router is added to ``p router:bad`` by its digest, ``sha256:<digest>``: its bytes
+   written to ``routing.router_path`` again are not adopted, step 0, nor loaded by any replica's reload; another
+   file with the same version is — an entry without ``sha256:``, written before, refuses its version). With three
    or more routed tiers every tier
    below the top is the cheap side: the spot checks sample every decision below the top alike, so their reading
    stays unbiased; the nesting fallback pools the lower tiers' grades into one cheap accuracy.
@@ -134,6 +135,9 @@ return {1, new}
 #: its ``version`` and content ``digest``: :func:`file_digest`) and the one before it, for a rollback. ``digest`` /
 #: ``previous_digest`` empty: a state written before routers were kept by content (its ``path`` is loaded as it is).
 ROUTER_FIELDS = ("path", "version", "digest", "previous", "previous_version", "previous_digest")
+#: How ``p router:bad`` names a rolled-back router by its content (:func:`bad_entry`); an entry without it is a
+#: version, as every entry was before (still refused by version).
+BAD_DIGEST = "sha256:"
 FIT_NICE = 10  # the fit process yields the CPU to the serving loop
 
 
@@ -245,14 +249,13 @@ class RetrainTrigger:
             await asyncio.wait_for(self.read_bad(), START_FOLLOW_S)
             # shielded: a slow reload that outlives the wait still finishes (or rolls the path back) on its own
             await asyncio.wait_for(asyncio.shield(self.follow()), START_FOLLOW_S)
-            if (v := self.service.version) is not None and v in self.service.refused_versions:
+            if (why := self.service.refused_reason()) is not None:
                 # loaded at start, before router:bad was read, and router:current named no other router this replica
                 # could load (a state written before routers were kept by content names routing.router_path itself;
                 # or the copy it names is missing here and this replica's copy of the path holds other bytes):
                 # nothing else to go to — said, loudly (docs/closed-loop.md)
-                log.error("retrain: serving %s, version %s, which was rolled back (router:bad): router:current names "
-                          "no other router this replica can load; replace the file, or promote another router",
-                          self.service.path, v)
+                log.error("retrain: serving %s: it %s. router:current names no other router this replica can load: "
+                          "replace the file, or promote another router", self.service.path, why)
             last = await asyncio.wait_for(read_history(self.handle, self.breaker, count=1), START_FOLLOW_S)
             if last and self.last is None:
                 self.last = last[-1]
@@ -338,12 +341,12 @@ class RetrainTrigger:
         (it was what ``router:current`` named); the copy never changes.
 
         A file that does not load, or that this service would refuse (its thresholds for the routed tiers, its
-        budget map), is logged and left out; the promoted router keeps serving. So is a file whose version is in
-        ``p router:bad``: one a rollback took out of service because its realised floor fell below
-        ``routing.retrain.floor`` — written back (a config management tool or a ConfigMap reverted to it, past
-        ``readopt_after_s``) it would serve again the answers it was rolled back for; the warning says how to serve
-        it anyway (save it under a new version). The file is read only when its (mtime, size, inode) changed here.
-        True when adopted here."""
+        budget map), is logged and left out; the promoted router keeps serving. So is a file in ``p router:bad``
+        (by its digest, or by its version for an entry written before rollbacks named digests): one a rollback took
+        out of service because its realised floor fell below ``routing.retrain.floor`` — written back (a config
+        management tool or a ConfigMap reverted to it, past ``readopt_after_s``) it would serve again the answers it
+        was rolled back for; the warning says how to serve it anyway (save it under a new version). The file is read
+        only when its (mtime, size, inode) changed here. True when adopted here."""
         seen = file_signature(self.configured) if self.configured is not None else None
         if self.configured is None or seen is None or seen == self._configured_seen:
             return False
@@ -364,6 +367,14 @@ class RetrainTrigger:
             self._configured_seen = seen
             return False
         bad = {as_bytes(v).decode() for v in await self.breaker.call(lambda: self.redis.smembers(self.k_bad)) or ()}
+        if bad_entry(digest) in bad:
+            # rolled back on its graded answers (check_realised): never promoted again by a file written back
+            self._configured_seen = seen
+            log.warning("retrain: the file at routing.router_path (%s, sha256 %s) was rolled back (its realised floor "
+                        "fell below routing.retrain.floor; listed in router:bad): not adopted, the promoted router "
+                        "keeps serving. To serve it anyway, save it under a new metadata version and write that file",
+                        path, digest)
+            return False
         if await self.breaker.call(lambda: self.redis.exists(f"{self.k_adopted}:{digest}")):
             # adopted within routing.retrain.readopt_after_s and replaced since (router:configured names another
             # file): a lagging copy of the path, or an operator writing it back too soon — said, not served
@@ -391,8 +402,7 @@ class RetrainTrigger:
                             "serving: %s", path, str(exc).replace(str(staged), str(path)))
                 return False
             version = file_version(router, digest)
-            if version in bad:
-                # rolled back on its graded answers (check_realised): never promoted again by a file written back
+            if version in bad:  # an entry of router:bad written before rollbacks named the digest
                 self._configured_seen = seen
                 log.warning("retrain: the file at routing.router_path (%s) is version %s, which was rolled back (its "
                             "realised floor fell below routing.retrain.floor; listed in router:bad): not adopted, the "
@@ -419,13 +429,18 @@ class RetrainTrigger:
         return bool(adopted)
 
     async def read_bad(self) -> None:
-        """The rolled-back versions (``p router:bad``) into the service's ``refused_versions``: its hot reload
-        of the file it serves (``routing.router_path`` while no promotion is in force, or one ``router:current``
-        named before routers were kept by content) does not load one written back there."""
-        bad = await self.breaker.call(lambda: self.redis.smembers(self.k_bad))
-        versions = frozenset(as_bytes(v).decode() for v in bad or ())
+        """The rolled-back routers (``p router:bad``) into the service's ``refused_digests`` (``sha256:`` entries)
+        and ``refused_versions`` (the others: written before rollbacks named the digest): its reloads do not serve
+        one — a file written back to a path it serves (``routing.router_path`` while no promotion is in force, or
+        one ``router:current`` named before routers were kept by content), nor one a stale ``router:current``
+        names."""
+        bad = {as_bytes(v).decode() for v in await self.breaker.call(lambda: self.redis.smembers(self.k_bad)) or ()}
+        digests = frozenset(v[len(BAD_DIGEST):] for v in bad if v.startswith(BAD_DIGEST))
+        versions = frozenset(v for v in bad if not v.startswith(BAD_DIGEST))
         if versions != self.service.refused_versions:
             self.service.refused_versions = versions
+        if digests != self.service.refused_digests:
+            self.service.refused_digests = digests
 
     async def follow(self) -> bool:
         """Serve the router ``p router:current`` names when it is not the one in service; True when switched.
@@ -671,6 +686,9 @@ class RetrainTrigger:
             return None
         mapping = {"path": c["previous"], "version": c.get("previous_version", ""),
                    "digest": c.get("previous_digest", "")}  # no previous: the fields written empty
+        # router:bad names the rolled-back router by its bytes; by its version only when router:current did not carry
+        # them (a state written before routers were kept by content)
+        bad = bad_entry(c["digest"]) if c.get("digest") else c["version"]
         event = {"event": "rollback", "ts": round(time.time(), 3), "version": c.get("previous_version"),
                  "previous": c["version"], "path": c["previous"], "digest": c.get("previous_digest") or None,
                  "previous_digest": c.get("digest") or None, "outcomes": len(outcomes), "realised": real,
@@ -681,12 +699,15 @@ class RetrainTrigger:
         # transition since (an adoption, another replica's rollback) replaced the router this reading judged, and
         # rolling back over it would undo it — the new router's own floor is read at a later check. A Redis failure
         # here leaves the check due at the next tick, which reads router:current again.
-        if await self.current.transition(c, mapping, event, "rollback", bad=c["version"]) != 1:
+        if await self.current.transition(c, mapping, event, "rollback", bad=bad) != 1:
             log.warning("retrain: no rollback of %s (its realised floor %s < %s): router:current moved while it was "
                         "read", c["version"], real["accuracy_ratio"], self.cfg.floor)
             return None
         self.last = event
-        self.service.refused_versions |= {c["version"]}  # every replica reads router:bad at its next tick
+        if c.get("digest"):  # every replica reads router:bad at its next tick
+            self.service.refused_digests |= {c["digest"]}
+        else:
+            self.service.refused_versions |= {c["version"]}
         await self._write([self.follow])  # a Redis failure: followed at the next tick
         log.warning("retrain: rollback to %s: %s", event["version"], event["reason"])
         return event
@@ -729,10 +750,16 @@ async def read_history(handle: RedisHandle, breaker: Breaker, count: int = 100) 
 
 
 def file_digest(data: bytes) -> str:
-    """What ``p router:configured``, ``p router:adopted:{digest}`` and ``p router:current``'s ``digest`` name a
-    router file by: its content's SHA-256 (:data:`router.serving.DIGEST_HEX` = 32 hex
+    """What ``p router:configured``, ``p router:adopted:{digest}``, ``p router:current``'s ``digest`` and
+    ``p router:bad`` name a router file by: its content's SHA-256 (:data:`router.serving.DIGEST_HEX` = 32 hex
     characters) — the same on every replica and for the command that wrote it."""
     return hashlib.sha256(data).hexdigest()[:DIGEST_HEX]
+
+
+def bad_entry(digest: str) -> str:
+    """The ``p router:bad`` entry of the rolled-back router with content ``digest``: by its bytes, so another file
+    that carries the same version is not refused with it (nor are its bytes let through under another version)."""
+    return BAD_DIGEST + digest
 
 
 def router_copy(state_dir: Path, digest: str) -> Path:

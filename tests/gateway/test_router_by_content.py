@@ -1,27 +1,31 @@
 """Routers adopted by the gateway's retraining are kept by content: ``p router:current`` names a copy of the bytes
-adopted (``<state_dir>/<digest>.skops``) with their digest. Real :class:`RetrainTrigger` replicas (each its own
-connection, state dir and ``routing.router_path``) on the real Redis; the gateway-level cases (a lagging copy, a
-replica starting on a rolled-back file) are in ``test_retrain_auto.py``."""
+adopted (``<state_dir>/<digest>.skops``) with their digest, and ``p router:bad`` names a rolled-back router by its
+digest. Real :class:`RetrainTrigger` replicas (each its own connection, state dir and ``routing.router_path``) on the
+real Redis; the gateway-level cases (a lagging copy, a replica starting on a rolled-back file) are in
+``test_retrain_auto.py``."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from gateway.config import RedisConfig
 from gateway.control.outcomes import OutcomeStore, outcome_spool_path
 from gateway.control.retrain_trigger import RetrainTrigger, file_digest
+from gateway.ledger.outcome import Outcome
 from gateway.state.breaker import Breaker
 from gateway.state.redis import connect
-from router.persistence import load_router, save_router
+from router.persistence import RouterFileError, load_router, save_router
 from router.serving import RouterService
 from tests.fixtures.gateway import gateway_settings
-from tests.fixtures.outcomes import serving_router
+from tests.fixtures.outcomes import serving_router, write_outcomes
 
 
 def _text(hard: bool, i: int) -> str:
@@ -63,6 +67,82 @@ def _put(data: bytes, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def test_router_bad_names_a_rolled_back_router_by_its_bytes(redis_url: str, redis_prefix: str,
+                                                            tmp_path: Path) -> None:
+    """An operator's file (``operator-1``) is adopted and rolled back. ``router:bad`` held its version: another
+    file that carries the same version string (a different router) was refused with it. Now it holds the bytes'
+    digest: the other file is adopted, the rolled-back bytes written back are not, and a version-only entry left
+    in Redis from before still refuses that version (by adoption and by the service's reload)."""
+    before = serving_router(tmp_path / "before.skops", False, _text)  # old-noise: what the rollback goes back to
+    configured = tmp_path / "configured.skops"
+    settings = _settings(tmp_path, redis_url, redis_prefix, configured, tmp_path / "routers")
+    _write(before, configured, "operator-0", 0.5)
+    rdb = redis.Redis.from_url(redis_url)
+    rdb.hset(redis_prefix + "router:current", mapping={"path": str(before), "version": "old-noise"})
+    rdb.set(redis_prefix + "router:configured", file_digest(configured.read_bytes()))  # the deployment's baseline
+
+    def current() -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in rdb.hgetall(redis_prefix + "router:current").items()}
+
+    async def go() -> None:
+        trigger = _replica(settings, redis_url, redis_prefix)
+        try:
+            rolled_back = _write(before, configured, "operator-1", 0.5)
+            assert await trigger.adopt_configured()
+            cur = current()
+            assert (cur["version"], cur["digest"]) == ("operator-1", file_digest(rolled_back))
+            assert Path(cur["path"]).read_bytes() == rolled_back and cur["previous"] == str(before)
+            # operator-1's cheap answers graded wrong (its top answers right): its realised floor is broken
+            await asyncio.to_thread(write_outcomes, redis_url, redis_prefix, [
+                Outcome(source="feedback", request_id=f"p{i}", key_id="alice", tier="short" if i % 4 else "long",
+                        sufficed=i % 4 == 0, judge="client", router_version="operator-1") for i in range(40)],
+                tmp_path)
+            event = await trigger.check_realised()
+            assert event is not None and event["event"] == "rollback" and current()["path"] == str(before)
+            assert rdb.smembers(redis_prefix + "router:bad") == {f"sha256:{file_digest(rolled_back)}".encode()}
+            assert event["previous_digest"] == file_digest(rolled_back)
+
+            # another router that happens to carry the same version string: adopted
+            other = _write(before, configured, "operator-1", 0.4)
+            assert other != rolled_back
+            assert await trigger.adopt_configured()
+            assert (current()["version"], current()["digest"]) == ("operator-1", file_digest(other))
+
+            # the rolled-back bytes written back, past readopt_after_s: not adopted (by their digest)
+            await asyncio.sleep(1.2)
+            _put(rolled_back, configured)
+            assert not await trigger.adopt_configured()
+            assert current()["digest"] == file_digest(other)
+
+            # a version-only entry (written before rollbacks named digests) still refuses that version
+            rdb.sadd(redis_prefix + "router:bad", "operator-9")
+            _write(before, configured, "operator-9", 0.45)
+            assert not await trigger.adopt_configured()
+            assert current()["digest"] == file_digest(other)
+            # the service's own reload refuses both kinds (router:bad read as every tick does): the rolled-back
+            # bytes at any path, and the legacy version
+            await trigger.read_bad()
+            svc = trigger.service
+            assert svc.refused_versions == {"operator-9"} and svc.refused_digests == {file_digest(rolled_back)}
+            svc.path = configured  # operator-9
+            with pytest.raises(RouterFileError, match="version operator-9"):
+                svc.reload()
+            (tmp_path / "renamed.skops").write_bytes(rolled_back)
+            svc.path = tmp_path / "renamed.skops"
+            with pytest.raises(RouterFileError, match=f"sha256 {file_digest(rolled_back)}"):
+                svc.reload()
+            svc.path = tmp_path / "other.skops"
+            svc.path.write_bytes(other)  # same version as the rolled-back file, other bytes: served
+            assert svc.reload().metadata["version"] == "operator-1" and svc.sha256 == hashlib.sha256(other).hexdigest()
+        finally:
+            await trigger.handle.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        rdb.close()
 
 
 def test_a_replica_with_a_state_dir_of_its_own_keeps_its_own_copy(redis_url: str, redis_prefix: str,
