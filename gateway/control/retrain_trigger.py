@@ -112,7 +112,8 @@ TRANSITION_TRIES = 8
 # (rollback)]. ARGV: expected gen, expected path, kind ("promote" | "adopt" | "rollback"), the audit event (JSON),
 # history maxlen, the digest (adopt) | the router:bad entry (rollback) | "", adopted TTL s (adopt) | 0, then the new
 # hash's fields and values (every one of ROUTER_FIELDS: a field the new state has no value for is written empty, not
-# left from the old one). A hash without ``gen`` (written before it existed, or never) reads as gen 0.
+# left from the old one), and ``digest_gen`` = the new gen (:meth:`CurrentRouter.read`). A hash without ``gen``
+# (written before it existed, or never) reads as gen 0.
 # Returns {1, new gen} (written), {0, gen, path} (router:current is not what the writer read: nothing written) or
 # {-1} (adopt: the file is adopted already, by this writer or another: nothing written).
 TRANSITION_LUA = """
@@ -127,7 +128,7 @@ elseif ARGV[3] == 'rollback' then
   redis.call('SADD', KEYS[3], ARGV[6])
 end
 local new = redis.call('HINCRBY', KEYS[1], 'gen', 1)
-redis.call('HSET', KEYS[1], unpack(ARGV, 8))
+redis.call('HSET', KEYS[1], 'digest_gen', new, unpack(ARGV, 8))
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'e', ARGV[4])
 return {1, new}
 """
@@ -826,9 +827,16 @@ class CurrentRouter:
         self._script = handle.client.register_script(TRANSITION_LUA)
 
     async def read(self) -> dict[str, str]:
-        """The hash as text (``{}``: no promotion yet)."""
+        """The hash as text (``{}``: no promotion yet), its ``digest`` / ``previous_digest`` left out unless they
+        were written with the state they describe (``digest_gen`` is ``gen``): a replica of an earlier release,
+        still running in a rolling upgrade, moves ``path`` and bumps ``gen`` but leaves the digests of the state
+        before — followed, they would serve that router instead of the one named (its path is loaded as it is)."""
         cur = await self.breaker.call(lambda: self.handle.client.hgetall(self.key))
-        return {as_bytes(k).decode(): as_bytes(v).decode() for k, v in (cur or {}).items()}
+        out = {as_bytes(k).decode(): as_bytes(v).decode() for k, v in (cur or {}).items()}
+        if out.get("digest_gen") != out.get("gen"):
+            out.pop("digest", None)
+            out.pop("previous_digest", None)
+        return out
 
     async def transition(self, seen: dict[str, str], mapping: dict[str, str], event: dict[str, Any], kind: str,
                          digest: str = "", bad: str = "") -> int:

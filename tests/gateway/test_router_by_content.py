@@ -186,3 +186,43 @@ def test_a_replica_with_a_state_dir_of_its_own_keeps_its_own_copy(redis_url: str
         asyncio.run(go())
     finally:
         rdb.close()
+
+
+def test_a_transition_by_a_replica_of_the_earlier_release_is_followed_by_its_path(
+        redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """A rolling upgrade: a replica of the release before ``router:current`` carried digests adopts a new file at
+    ``routing.router_path`` — it moves ``path`` (to the path itself) and ``version``, bumps ``gen``, and leaves the
+    ``digest`` of the state before. Followed by that digest, the replicas of this release kept serving the router it
+    replaced (their kept copy of it). A digest not written with the state (``digest_gen`` ≠ ``gen``) is not
+    trusted: the path named is loaded as it is, as before."""
+    before = serving_router(tmp_path / "before.skops", False, _text)
+    configured = tmp_path / "configured.skops"
+    _write(before, configured, "operator-0", 0.5)
+    settings = _settings(tmp_path, redis_url, redis_prefix, configured, tmp_path / "routers")
+    rdb = redis.Redis.from_url(redis_url)
+    rdb.hset(redis_prefix + "router:current", mapping={"path": str(before), "version": "old-noise"})
+    rdb.set(redis_prefix + "router:configured", file_digest(configured.read_bytes()))
+
+    async def go() -> None:
+        trigger = _replica(settings, redis_url, redis_prefix)
+        try:
+            first = _write(before, configured, "operator-1", 0.4)
+            assert await trigger.adopt_configured() and await trigger.follow()
+            assert trigger.service.version == "operator-1"
+            # the earlier release's adoption of the next file: its script's writes, no digest fields
+            _write(before, configured, "operator-2", 0.45)
+            rdb.hincrby(redis_prefix + "router:current", "gen", 1)
+            rdb.hset(redis_prefix + "router:current", mapping={
+                "path": str(configured), "version": "operator-2", "previous": str(trigger.service.path),
+                "previous_version": "operator-1"})
+            assert rdb.hget(redis_prefix + "router:current", "digest") == file_digest(first).encode()  # stale
+            assert await trigger.follow()
+            assert (trigger.service.path, trigger.service.version) == (configured, "operator-2")
+            assert "digest" not in await trigger.current.read()
+        finally:
+            await trigger.handle.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        rdb.close()
