@@ -10,8 +10,9 @@ outcome per request: a second feedback on the same request — also after midnig
 answered request's UTC day — answers ``stored: "duplicate"`` with the ``sufficed`` of the first (which stands) and
 changes nothing — a first written before grades were kept beside the seen-set
 (``p outcomes:grades:{day}``) is read from its stream entry; ``null`` only when the stream no longer holds it.
-Errors: 400 ``invalid_request`` (body), 401 (key), 404 ``request_not_found``, 503 ``outcomes_unavailable``
-(Redis down: the request's key cannot be checked).
+Errors: 400 ``invalid_request`` (body), 401 (key), 404 ``request_not_found`` (its message says to retry after a
+second: a request another replica answered less than one index flush ago is not in Redis yet), 503
+``outcomes_unavailable`` (Redis down: the request's key cannot be checked).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from starlette.responses import Response
 from gateway.api.common import json_response
 from gateway.api.http import read_body
 from gateway.auth.keys import KeyStore
-from gateway.control.outcomes import OutcomeStore
+from gateway.control.outcomes import INDEX_FLUSH_S, OutcomeStore
 from gateway.errors import InvalidRequest, OutcomesUnavailable
 from gateway.ledger.outcome import Outcome
 from gateway.pipeline.request import parse_json_object
@@ -73,8 +74,11 @@ def attach(app: FastAPI, keys: KeyStore, store: OutcomeStore) -> None:
         except RedisDown as exc:
             raise OutcomesUnavailable("the outcome store is unavailable; retry later") from exc
         if entry is None or entry.get("key_id") != key.id:
-            raise InvalidRequest(f"no request {rid!r} made with this key (or it is older than the feedback window)",
-                                 param="request_id", code="request_not_found", status=404)
+            # the request index is written in the background (INDEX_FLUSH_S): another replica's answer of a moment
+            # ago is not in Redis yet, and a retry after a second finds it
+            raise InvalidRequest(f"no request {rid!r} made with this key (or it is older than the feedback window); "
+                                 f"one another replica answered moments ago is indexed within {INDEX_FLUSH_S:g} s: "
+                                 "retry after a second", param="request_id", code="request_not_found", status=404)
         sufficed = correct if correct is not None else bool(score is not None and score >= 0.5)
         outcome = Outcome(source="feedback", request_id=rid, key_id=key.id, tier=entry.get("tier"),
                           sufficed=sufficed, judge="client", outcome_id=f"fb:{rid}",

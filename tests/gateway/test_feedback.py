@@ -56,6 +56,8 @@ def test_feedback_only_from_the_key_that_made_the_request(upstream_sim: SimProce
 
         other = fb("bob", {"request_id": rid, "correct": True})
         assert other.status_code == 404 and other.json()["error"]["code"] == "request_not_found"
+        # the 404 says what to do when the request was answered a moment ago by another replica (not indexed yet)
+        assert "retry after a second" in other.json()["error"]["message"]
         assert fb("alice", {"request_id": "nope", "correct": True}).status_code == 404
         for bad in ({"request_id": rid}, {"request_id": rid, "correct": True, "score": 1},
                     {"request_id": rid, "score": 1.5}, {"request_id": rid, "correct": "yes"},
