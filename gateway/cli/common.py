@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 CONFIG_OPTION = typer.Option(None, "--config", "-c", help="YAML config file (default: $THINKGATE_CONFIG).")
+#: ``--model-dir`` of ``serve`` and ``config show`` (one meaning: :func:`load_settings` applies it).
+MODEL_DIR_OPTION = typer.Option(None, "--model-dir", help="Serve this model directory with the embedded engine "
+                                "instead of engine.model_path. A dial model's directory (with dial.json) also sets "
+                                "its name, its tiers as budgets and its router; any other keeps the tiers.")
 
 
 def load_settings(config: Path | None, model_dir: Path | None = None, **overrides: Any) -> Settings:

@@ -21,7 +21,7 @@ from pathlib import Path
 import typer
 
 from gateway.cli.budgets import app as budgets_app
-from gateway.cli.common import CONFIG_OPTION, load_settings
+from gateway.cli.common import CONFIG_OPTION, MODEL_DIR_OPTION, load_settings
 from gateway.cli.eval import app as eval_app
 from gateway.cli.keys import app as keys_app
 from gateway.cli.serve import serve
@@ -55,14 +55,15 @@ PLUGIN_GROUPS: dict[str, tuple[str, str]] = {
 
 
 @config_app.command("show")
-def config_show(config: Path | None = CONFIG_OPTION) -> None:
-    """Print the effective configuration (file + THINKGATE_* environment + defaults) as YAML."""
+def config_show(config: Path | None = CONFIG_OPTION, model_dir: Path | None = MODEL_DIR_OPTION) -> None:
+    """Print the effective configuration (file + THINKGATE_* environment + defaults, and ``--model-dir`` as
+    ``serve`` applies it: ``make serve``'s is ``--model-dir models/thinkgate-tiny-dial``) as YAML."""
     import yaml
 
     from gateway.config.redis import shown_url
     from gateway.state.webhooks import redacted
 
-    data = load_settings(config).model_dump(mode="json")
+    data = load_settings(config, model_dir).model_dump(mode="json")
     # secrets shown as ***: a tier's api_key, Redis's password, the alert webhook's path (Slack's is the secret), the
     # OTLP exporter's headers (an authorization token) — the output goes to terminals, tickets and CI logs
     for tier in data.get("tiers", []):

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import typer
 
-from gateway.cli.common import CONFIG_OPTION, load_settings
+from gateway.cli.common import CONFIG_OPTION, MODEL_DIR_OPTION, load_settings
 
 if TYPE_CHECKING:
     from gateway.config import Settings
@@ -38,10 +38,7 @@ def serve(
     config: Path | None = CONFIG_OPTION,
     host: str | None = typer.Option(None, help="Listen address (default: server.host, 127.0.0.1)."),
     port: int | None = typer.Option(None, help="Listen port (default: server.port, 8080)."),
-    model_dir: Path | None = typer.Option(None, "--model-dir", help="Serve this model directory with the "
-                                          "embedded engine instead of engine.model_path. A dial model's "
-                                          "directory (with dial.json) also sets its name, its tiers as budgets "
-                                          "and its router; any other keeps the tiers."),
+    model_dir: Path | None = MODEL_DIR_OPTION,
 ) -> None:
     """Run the gateway: Redis (started if missing), the local vLLM engine (if enabled), then the API."""
     import uvicorn

@@ -62,6 +62,29 @@ def test_config_show_prints_effective_yaml(tmp_path: Path, redis_url: str) -> No
     assert shown["telemetry"]["headers"] == {"authorization": "***"}
 
 
+def test_config_show_model_dir_shows_what_serve_runs(tmp_path: Path) -> None:
+    # `make serve` is `thinkgate serve --model-dir models/thinkgate-tiny-dial`: config show takes the same option, with
+    # the same meaning (the dial model's name, its tiers as prompted budgets, its router)
+    dial = REPO / "models" / "thinkgate-tiny-dial"
+    r = thinkgate("config", "show", "--model-dir", str(dial), env={"THINKGATE_CONFIG": ""})
+    assert r.returncode == 0, r.stderr
+    shown = yaml.safe_load(r.stdout)
+    assert shown["engine"]["model_path"] == str(dial.resolve())
+    assert shown["engine"]["served_model_name"] == "thinkgate-tiny-dial"
+    tiers = {t["name"]: t for t in shown["tiers"]}
+    assert {n: (t["budget_mode"], t["thinking_budget"], t["model"]) for n, t in tiers.items()} == {
+        "none": ("off", 0, "thinkgate-tiny-dial"), "short": ("prompted", 32, "thinkgate-tiny-dial"),
+        "long": ("prompted", None, "thinkgate-tiny-dial")}
+    assert shown["routing"]["router_path"] == str((dial / "router.skops").resolve())
+    # without it: the embedded defaults (plain `thinkgate serve`)
+    plain = yaml.safe_load(thinkgate("config", "show", env={"THINKGATE_CONFIG": ""}).stdout)
+    assert {t["name"]: t["thinking_budget"] for t in plain["tiers"]} == {"none": 0, "short": 32, "long": 320}
+    assert plain["engine"]["served_model_name"] == "thinkgate-tiny"
+    # not a model directory: exit 2 and one line, as serve
+    r = thinkgate("config", "show", "--model-dir", str(tmp_path))
+    assert r.returncode == 2 and "not a model directory" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_invalid_config_exits_2_naming_the_field(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"tiers": [{"name": "short", "max_tokens": -5}], "server": {"port": "x"}}))
