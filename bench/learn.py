@@ -491,9 +491,8 @@ def learn(
     """The gateway's own router learning from traffic and feedback, measured served on held-out questions."""
     import os
 
-    from rich.console import Console
-
     from gateway.cli.common import load_settings
+    from router.console import console
 
     try:
         step_t = tuple(int(s) for s in steps.split(",") if s.strip())
@@ -508,7 +507,7 @@ def learn(
     except (LearnBenchError, RuntimeError) as exc:
         typer.echo(f"thinkgate: bench learn: {exc}", err=True)
         raise typer.Exit(2) from None
-    Console(width=None if sys.stdout.isatty() else 160).print(render(report, details))
+    console().print(render(report, details))
     for path, text in ((json_path, json.dumps(report, indent=1)), (details_path, json.dumps(details, indent=1))):
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)

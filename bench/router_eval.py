@@ -54,15 +54,16 @@ def mmlu_heldout_subjects(folds: int) -> tuple[list, np.ndarray, list[EvalResult
 
 
 def main() -> None:
-    from rich.console import Console
     from scipy.stats import spearmanr
+
+    from router.console import console
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "router_eval.json")
     ap.add_argument("--plot", type=Path, default=REPO / "bench" / "results" / "router_eval.png")
     ap.add_argument("--folds", type=int, default=5)
     args = ap.parse_args()
-    con = Console(width=200)
+    con = console(width=200)
     results: list[EvalResult] = []
     extra: dict[str, float] = {}
 

@@ -713,9 +713,8 @@ def savings(
                                          "also report the targets against its always-long policy."),
 ) -> None:
     """Replay one workload under none/short/long/auto/auto+escalation; cost from the metering ledger."""
-    from rich.console import Console
-
     from gateway.cli.common import load_settings
+    from router.console import console
 
     settings = load_settings(config, model_dir)
     cfg = BenchConfig(n=n, repeat_fraction=repeat_fraction, real_fraction=real_fraction,
@@ -743,7 +742,7 @@ def savings(
             result["vs_baseline"] = targets_vs_baseline(result, base, str(baseline))
         except BenchError as exc:  # the run's own results are still written below
             baseline_error = str(exc)
-    Console(width=None if sys.stdout.isatty() else 200).print(render(result))
+    console().print(render(result))
     if json_path:
         write_json(result, json_path)
     if png_path:

@@ -24,9 +24,9 @@ _LEARNED_ROUTER = Path(__file__).resolve().parent / "assets" / "default-learned.
 
 
 def _console() -> Any:
-    from rich.console import Console
+    from router.console import console
 
-    return Console(width=200)
+    return console(width=200)  # on a terminal too: the fit and eval tables are wider than most
 
 
 def _fail(msg: str, code: int = 2) -> None:

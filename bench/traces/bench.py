@@ -718,9 +718,8 @@ def traces(
     """Replay recorded traces through the gateway under every policy; cost from the metering ledger."""
     import json
 
-    from rich.console import Console
-
     from gateway.cli.common import load_settings
+    from router.console import console
     from router.fit.outputs import output_problem
 
     # checked before the run (minutes): a path that cannot be written fails now, in one line, not after it
@@ -737,7 +736,7 @@ def traces(
     except (TracesBenchError, RuntimeError) as exc:
         typer.echo(f"thinkgate: bench traces: {exc}", err=True)
         raise typer.Exit(2) from None
-    Console(width=None if sys.stdout.isatty() else 200).print(render(report, details))
+    console().print(render(report, details))
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=1))

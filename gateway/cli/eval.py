@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from router.console import console
+
 app = typer.Typer(no_args_is_help=True)
 
 
@@ -21,7 +23,6 @@ def tiers_cmd(
     json_path: Path | None = typer.Option(None, "--json", help="Also write the report as JSON here."),
 ) -> None:
     """Accuracy, mean/max reasoning tokens and cost per tier and per difficulty."""
-    from rich.console import Console
 
     from gateway.cli.evals import render, run
 
@@ -37,7 +38,7 @@ def tiers_cmd(
     except RuntimeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    Console().print(render(result))
+    console().print(render(result))
     if json_path:
         json_path.write_text(json.dumps(result, indent=2))
         typer.echo(f"wrote {json_path}")

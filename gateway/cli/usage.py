@@ -22,6 +22,7 @@ from typing import Any
 import typer
 
 from gateway.cli.common import CONFIG_OPTION, load_settings, run_on_redis
+from router.console import console
 from router.errors import require
 
 app = typer.Typer(no_args_is_help=True)
@@ -156,8 +157,6 @@ def report_cmd(
     """Savings report from the ledger: spend by tier, cache savings, estimated cost of always-long."""
     import json
 
-    from rich.console import Console
-
     from gateway.cli.usage_report import plot, render
     from gateway.ledger import export as ex
     from gateway.ledger import report as rp
@@ -179,7 +178,7 @@ def report_cmd(
     events = read_events(settings, t0, t1, key)
     result = rp.build(events, long_tier, prices, n_buckets=buckets, since=t0, until=t1, key=key)
     drift = read_drift(settings)
-    Console(stderr=False).print(render(result))
+    console().print(render(result))
     typer.echo(drift_line(drift, settings.routing.drift.threshold))
     if csv_path:
         csv_path.write_text(rp.to_csv(result))

@@ -165,13 +165,22 @@ async def test_cli_report_csv_png_json(redis_url: str, redis_prefix: str, tmp_pa
     assert summary["savings_micro_usd"] == 1236 and summary["savings_usd"] == "0.001236"
     assert summary["shadow_spend_micro_usd"] == 0 and summary["net_savings_micro_usd"] == 1236
     assert "shadow calls (learning) 0.000000 USD; net of them saved 0.001236 USD" in r.stdout.decode()
-    # a narrow (or piped: 80 columns) terminal: amounts are folded onto more lines, never cut to "0.0001…"
-    narrow = subprocess.run(
-        [sys.executable, "-m", "gateway", "usage", "report", "--since", str(T0 - 10), "--until", "2023-11-15",
-         "--key", "alice", "--config", str(config)],
-        cwd=REPO, capture_output=True, timeout=120, env={**os.environ, "THINKGATE_CONFIG": "", "COLUMNS": "60"})
-    assert narrow.returncode == 0, narrow.stderr.decode()
-    assert "…" not in narrow.stdout.decode(), narrow.stdout.decode()
+    # piped (no terminal on any standard stream, no $COLUMNS: rich assumed 80 columns, and $COLUMNS=60 is no
+    # narrower): every amount whole on one line — never cut to "0.0001…", nor folded into "0.00078" and "2"
+    expected = rp.build([e for e in events() if e.key_id == "alice" and e.ts >= T0 - 10], "long", LONG)
+    amounts = [rp.usd_text(t.cost_micro_usd) for t in expected.tiers] + [
+        rp.usd_text(b.always_long_micro_usd) for b in expected.buckets if b.always_long_micro_usd]
+    assert len(amounts) > 4 and all(len(a) == 8 for a in amounts)  # "0.001395": the widest cells of the tables
+    for columns in (None, "60"):
+        env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | {"THINKGATE_CONFIG": ""}
+        piped = subprocess.run(
+            [sys.executable, "-m", "gateway", "usage", "report", "--since", str(T0 - 10), "--until", "2023-11-15",
+             "--key", "alice", "--config", str(config)], stdin=subprocess.DEVNULL,
+            cwd=REPO, capture_output=True, timeout=120, env=env if columns is None else env | {"COLUMNS": columns})
+        assert piped.returncode == 0, piped.stderr.decode()
+        out = piped.stdout.decode()
+        assert "…" not in out, out
+        assert all(a in out for a in amounts), (amounts, out)
     bad = subprocess.run([sys.executable, "-m", "gateway", "usage", "report", "--long-tier", "huge",
                           "--config", str(config)], cwd=REPO, capture_output=True, timeout=60)
     assert bad.returncode == 2 and b"no tier 'huge'" in bad.stderr
