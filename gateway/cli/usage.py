@@ -169,6 +169,7 @@ def report_cmd(
     if png_path:
         require("matplotlib", "report", "thinkgate usage report --png")
     settings = load_settings(config)
+    chosen = long_tier
     long_tier = long_tier or rp.long_tier_of(settings)
     try:
         prices = settings.tier(long_tier).prices
@@ -177,6 +178,16 @@ def report_cmd(
         raise typer.Exit(2) from None
     events = read_events(settings, t0, t1, key)
     result = rp.build(events, long_tier, prices, n_buckets=buckets, since=t0, until=t1, key=key)
+    if result.long_mean_completion_tokens is None and chosen is None and "tiers" not in settings.model_fields_set:
+        # no estimate on the embedded defaults' 'long': most likely the gateway's tiers are others (its config
+        # was not given), and the note alone read as "nothing ran on the top tier"
+        seen = sorted({t.tier for t in result.tiers} - {t.name for t in settings.tiers} - {"_unrouted"})
+        result.notes.append(
+            f"the tiers are the embedded defaults ({', '.join(t.name for t in settings.tiers)}): no --config FILE "
+            "and no THINKGATE_CONFIG was given" + (f", and these events are on tiers {', '.join(seen)}" if seen
+                                                    else "")
+            + "; pass the gateway's configuration with --config FILE (--long-tier only picks one of the "
+            "configuration's tiers)")
     drift = read_drift(settings)
     console().print(render(result))
     typer.echo(drift_line(drift, settings.routing.drift.threshold))

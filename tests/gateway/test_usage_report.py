@@ -203,3 +203,32 @@ def test_cli_report_defaults_to_the_top_tier(redis_url: str, redis_prefix: str, 
                        cwd=REPO, capture_output=True, timeout=120, env={**os.environ, "THINKGATE_CONFIG": ""})
     assert r.returncode == 0, r.stderr.decode()
     assert "no complete uncached events on tier 'exd0'" in r.stdout.decode()
+    assert "embedded defaults" not in r.stdout.decode()  # its tiers came from the file
+
+
+async def test_cli_report_without_config_says_it_used_the_embedded_tiers(redis_url: str, redis_prefix: str,
+                                                                         tmp_path: Path) -> None:
+    """docs/closed-loop.md's gateway (tiers no_think, exd0) reported without its -c: the embedded tiers have a
+    'long' that no event is on, and the report said only "no complete uncached events on tier 'long'"."""
+    async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl") as st:
+        for tier, prompt, completion in (("no_think", 40, 20), ("exd0", 60, 300)):
+            await st.meter.record(_ev(tier, 0.5, prompt, completion))
+    env = {**os.environ, "THINKGATE_CONFIG": "", "REDIS_URL": redis_url, "THINKGATE_REDIS__KEY_PREFIX": redis_prefix,
+           "THINKGATE_STATE_DIR": str(tmp_path / "state")}
+    env.pop("THINKGATE_REDIS__URL", None)
+    args = [sys.executable, "-m", "gateway", "usage", "report", "--since", str(T0 - 10), "--until", str(T0 + 10)]
+    r = subprocess.run(args, cwd=REPO, capture_output=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr.decode()
+    out = " ".join(r.stdout.decode().split())
+    assert "no complete uncached events on tier 'long'" in out and "saved n/a" in out
+    assert ("the tiers are the embedded defaults (none, short, long): no --config FILE and no THINKGATE_CONFIG was "
+            "given, and these events are on tiers exd0, no_think; pass the gateway's configuration with --config "
+            "FILE (--long-tier only picks one of the configuration's tiers)") in out, out
+    # and --long-tier cannot name a tier the configuration lacks (what the note says)
+    r = subprocess.run([*args, "--long-tier", "exd0"], cwd=REPO, capture_output=True, timeout=120, env=env,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and b"no tier 'exd0'" in r.stderr
+    # named: no such note (the tier has no event here either: the same "no always-long estimate" note, no hint)
+    r = subprocess.run([*args, "--long-tier", "short"], cwd=REPO, capture_output=True, timeout=120, env=env,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0 and "embedded defaults" not in r.stdout.decode(), r.stdout.decode()
