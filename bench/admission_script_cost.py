@@ -15,7 +15,6 @@ the rider (an escalation's, a shadow's). Each batch's reservations, records and 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib.util
 import statistics
@@ -27,6 +26,7 @@ from decimal import Decimal
 from types import ModuleType
 from typing import Any
 
+from bench._lib.script_cost import evalsha_usec, head_commit, paired_args
 from bench.usage_query import REPO
 from gateway.config import LimitsConfig, RedisConfig
 from gateway.engine.redis_server import start_private
@@ -138,21 +138,14 @@ async def pair(urls: list[str], scripts: list[str], which: str, batches: int, nt
                 await p.execute()
     out = []
     for handle, *_ in runs:
-        out.append(float((await handle.client.info("commandstats"))["cmdstat_evalsha"]["usec_per_call"]))
-        await handle.client.flushdb()
+        out.append(await evalsha_usec(handle.client))
         await handle.close()
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", default="801fc82", help="the commit whose admission scripts are 'before'")
-    ap.add_argument("--tags", type=int, default=2, help="tags per key (a level each)")
-    ap.add_argument("--batches", type=int, default=300, help="pipelines of 32 calls per version, script and pair")
-    ap.add_argument("--pairs", type=int, default=3, help="runs, each once per server order")
-    args = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
+    args = paired_args(__doc__.split("\n\n")[0], "801fc82", "admission scripts", "key")
+    commit = head_commit(REPO)
     old = scripts_at(args.base)
     new = {"HOT": limits_mod.HOT_LUA, "ADMIT": limits_mod.ADMIT_LUA}
     servers = [start_private(), start_private()]

@@ -11,16 +11,15 @@ write-ahead record (deleted by it). Prints, per pair, µs of Redis time per scri
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
-import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 from types import ModuleType
 
+from bench._lib.script_cost import evalsha_usec, head_commit, paired_args
 from bench.usage_query import REPO, meter_module_at
 from gateway.config import MeteringConfig, RedisConfig
 from gateway.engine.redis_server import start_private
@@ -70,21 +69,14 @@ async def pair(urls: list[str], scripts: list[str], batches: int, ntags: int) ->
                 await p.execute(raise_on_error=True)
     out = []
     for meter, _ in runs:
-        out.append(float((await meter.redis.info("commandstats"))["cmdstat_evalsha"]["usec_per_call"]))
-        await meter.redis.flushdb()
+        out.append(await evalsha_usec(meter.redis))
         await meter.redis.aclose()
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", default="6bbebf0", help="the commit whose RECORD script is 'before'")
-    ap.add_argument("--tags", type=int, default=2, help="tags per event (a level each)")
-    ap.add_argument("--batches", type=int, default=300, help="pipelines of 32 events per version and pair")
-    ap.add_argument("--pairs", type=int, default=3, help="runs, each once per server order")
-    args = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
+    args = paired_args(__doc__.split("\n\n")[0], "6bbebf0", "RECORD script", "event")
+    commit = head_commit(REPO)
     old: ModuleType = meter_module_at(args.base)
     scripts = {"before": old.RECORD_LUA, "after": metering.RECORD_LUA}
     servers = [start_private(), start_private()]

@@ -96,6 +96,7 @@ from gateway.control.outcomes import OutcomeStore
 from gateway.state.batches import new_token
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.redis import RedisHandle, as_bytes
+from router.durable import fsync_dir
 from router.persistence import load_router
 from router.serving import DIGEST_HEX, RouterService, file_signature, file_version
 
@@ -793,11 +794,7 @@ def settle_copy(staged: Path, dest: Path) -> Path:
     if dest.is_file():
         return dest
     os.replace(staged, dest)
-    dfd = os.open(dest.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_dir(dest.parent)
     return dest
 
 

@@ -31,6 +31,7 @@ from typing import Any, Generic, Protocol, TypeVar, cast
 
 from gateway.ledger.event import UsageEvent
 from gateway.state.breaker import RedisDown
+from router.durable import fsync_dir
 
 log = logging.getLogger("thinkgate.metering")
 
@@ -245,11 +246,7 @@ def _replace(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_dir(path.parent)
 
 
 def _truncate(fd: int) -> None:

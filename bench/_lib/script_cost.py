@@ -1,0 +1,33 @@
+"""What the paired Lua-script cost benches share (``bench/metering_script_cost.py``,
+``bench/admission_script_cost.py``): their command line, and the Redis time per ``EVALSHA`` read from a private
+server's ``INFO commandstats``."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+from typing import Any
+
+
+def paired_args(description: str, base: str, what: str, unit: str) -> argparse.Namespace:
+    """``--base`` (the commit whose ``what`` is "before"), ``--tags`` (per ``unit``), ``--batches``, ``--pairs``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--base", default=base, help=f"the commit whose {what} is 'before'")
+    ap.add_argument("--tags", type=int, default=2, help=f"tags per {unit} (a level each)")
+    ap.add_argument("--batches", type=int, default=300, help="pipelines of 32 calls per version and pair")
+    ap.add_argument("--pairs", type=int, default=3, help="runs, each once per server order")
+    return ap.parse_args()
+
+
+def head_commit(repo: Path) -> str:
+    """The checkout's short HEAD (the "after" side is HEAD plus its working tree)."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
+                          text=True).stdout.strip()
+
+
+async def evalsha_usec(client: Any) -> float:
+    """Mean µs of Redis time per ``EVALSHA`` since the server's start, then the server emptied for the next run."""
+    us = float((await client.info("commandstats"))["cmdstat_evalsha"]["usec_per_call"])
+    await client.flushdb()
+    return us
