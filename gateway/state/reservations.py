@@ -20,7 +20,8 @@ replica's) once it holds more than 4,096, so it cannot grow without bound.
 **Renewal** (``RENEW_LUA``): a stream still running rewrites the ``expires_ms`` of its fields (same id, same
 ``micro|tokens``) every third of the TTL, so a long stream never stops counting while it runs; the stream itself
 is bounded by ``limits.max_stream_s`` (``gateway/pipeline/relay.py`` cuts it), so a renewed reservation is too.
-A field that is gone (settled, or expired after a crash) is not re-created.
+A field that is gone (settled, or expired after a crash) is not re-created. All or nothing, like admission: a
+renewal Redis refuses partway (a hash of the wrong type) renews no level.
 
 **Rollback** (``ROLLBACK_LUA``): grouped admission (Redis Cluster, ``gateway/state/limits.py``) reserves one
 level group at a time; when a later group refuses, the groups already reserved are released with this script
@@ -88,21 +89,27 @@ end
 
 # Extend the reservation ``ARGV[1]`` in every hash of KEYS to expire at ``ARGV[2]`` (epoch ms; the hash's own
 # TTL to ``ARGV[3]`` ms). Returns how many hashes still held it.
-RENEW_LUA = """
-local n = 0
-for i = 1, #KEYS do
-  local v = redis.call('HGET', KEYS[i], ARGV[1])
-  if v then
-    local m, t = string.match(v, '^(%d+)|(%d+)|%d+$')
-    if m then
-      redis.call('HSET', KEYS[i], ARGV[1], m .. '|' .. t .. '|' .. ARGV[2])
-      redis.call('PEXPIRE', KEYS[i], ARGV[3])
-      n = n + 1
+# All or nothing (``gateway/state/undo.py``): a hash of the wrong type after the first (a string SET at the global
+# level's) used to fail the call with the levels before it renewed and the others not — a stream's reservation then
+# lapsed at some levels and not at others; now each field rewritten is logged (``hset`` with the value just read: no
+# extra command) and put back, and the call answers an error reply naming the key. The PEXPIREs are not undone (a
+# hash's TTL renewed), except that a hash holding only that reservation gets its old expiry back with it.
+RENEW_LUA = UNDO_LUA + all_or_nothing("""function()
+  local n = 0
+  for i = 1, #KEYS do
+    at_cmd, at_key = 'HGET', KEYS[i]
+    local v = redis.call('HGET', KEYS[i], ARGV[1])
+    if v then
+      local m, t = string.match(v, '^(%d+)|(%d+)|%d+$')
+      if m then
+        hset(KEYS[i], ARGV[1], m .. '|' .. t .. '|' .. ARGV[2], v)
+        redis.call('PEXPIRE', KEYS[i], ARGV[3])
+        n = n + 1
+      end
     end
   end
-end
-return n
-"""
+  return n
+end""", what="reservation renewal")
 
 # Undo one admission group: delete the reservation ``ARGV[1]`` from the ``ARGV[2]`` reservation hashes KEYS[1..n];
 # the key group also passes its RPM and TPM counters of the window it was counted in (KEYS[n+1], KEYS[n+2]): one

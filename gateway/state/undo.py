@@ -9,7 +9,8 @@ something, and run their body under ``pcall`` (:func:`all_or_nothing`): on the f
 reverse order and the script answers an error reply naming the command and the key that failed.
 
 One module for both families (``gateway/state/metering.py``: ``RECORD``, ``AUDIT``, ``RELEASE``;
-``gateway/state/limits.py``: ``ADMIT`` and the hot path's ``HOT``; ``gateway/state/reservations.py``: ``ROLLBACK``),
+``gateway/state/limits.py``: ``ADMIT`` and the hot path's ``HOT``; ``gateway/state/reservations.py``: ``ROLLBACK`` and
+``RENEW``; ``gateway/state/budgets.py``: ``SET``),
 so an undo is written once: the scripts cannot import, they are pasted together from these fragments.
 """
 
@@ -56,13 +57,14 @@ local function incrby(k, n)
   nu = nu + 4
 end
 -- one hash field set: HSETNX (one command, as HSET) when it is new, logged as HDEL; else its old value read and
--- logged to be put back (a call sent twice under the same id)
-local function hset(k, f, v)
+-- logged to be put back (a call sent twice under the same id). ``old``: the field's value the caller has just read
+-- (RENEW): no HSETNX, no HGET — an HSET logged to put it back
+local function hset(k, f, v, old)
   at_cmd, at_key = 'HSET', k
-  if redis.call('HSETNX', k, f, v) == 1 then
+  if not old and redis.call('HSETNX', k, f, v) == 1 then
     U[nu + 1], U[nu + 2], U[nu + 3] = 'f', k, f
   else
-    U[nu + 1], U[nu + 2], U[nu + 3], U[nu + 4] = 'r', k, f, redis.call('HGET', k, f)
+    U[nu + 1], U[nu + 2], U[nu + 3], U[nu + 4] = 'r', k, f, old or redis.call('HGET', k, f)
     redis.call('HSET', k, f, v)
   end
   nu = nu + 4

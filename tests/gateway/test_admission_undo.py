@@ -223,3 +223,37 @@ def test_the_client_gets_an_openai_error_through_a_real_gateway(
     finally:
         cleanup(redis_url, prefix)
         client.close()
+
+
+@pytest.mark.parametrize("alone", [False, True])
+async def test_a_renewal_refused_partway_renews_no_level(redis_url: str, redis_prefix: str, tmp_path: Path,
+                                                         alone: bool) -> None:
+    """``RENEW`` over the key, the tag and global: a string SET at the global level's reservation hash (the last one)
+    fails the call after the key's and the tag's fields were rewritten — they were left renewed and global not; now
+    every field is as it was (a hash that held only this reservation with its old expiry) and the error names the
+    key. Fixed, the renewal renews every level."""
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        limits = _limits(s, "single")
+        levels = await _levels(s)
+        r, k = s.handle.client, limits.keys
+        await _admit(limits, levels, "streaming", False)
+        if not alone:
+            await _admit(limits, levels, "other", False)
+        glob = k.level_reservations("global", "global")
+        await r.delete(glob)
+        await r.set(glob, "not a hash")
+        key_hash = k.reservations("k1")
+        ttl_before = await r.pttl(key_hash)
+        before = await snapshot(s)
+        later = time.time() + 100
+        with pytest.raises(ResponseError) as info:
+            await limits.renew("k1", TAGS, "streaming", later)
+        assert await snapshot(s) == before
+        assert 0 < await r.pttl(key_hash) <= ttl_before  # not renewed: the hash still expires with the reservation
+        assert f"ThinkGate reservation renewal: HGET {glob} failed, nothing written (undone)" in str(info.value)
+
+        await r.delete(glob)
+        assert await limits.renew("k1", TAGS, "streaming", later) == 2
+        exp = int(later * 1000) + int(limits.cfg.reservation_ttl_s * 1000)
+        for h in (key_hash, k.level_reservations("tag", "team=a")):
+            assert (await r.hget(h, "streaming")).endswith(b"|%d" % exp)
