@@ -14,7 +14,10 @@ refused before an upstream call, by ``status`` and ``code``); histograms
 ``thinkgate_request_latency_seconds`` and ``thinkgate_ttft_seconds``; gauges ``thinkgate_redis_breaker_open``,
 ``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events_total``, ``thinkgate_usage_dead_letter_bytes``,
 ``thinkgate_usage_dead_lettered_events_total`` (events Redis refused, kept in the dead-letter spool),
-``thinkgate_usage_unreplicated_events_total`` (counted events also spooled: too few replica acks); with
+``thinkgate_usage_unreplicated_events_total`` (counted events also spooled: too few replica acks),
+``thinkgate_admission_refused_scripts_total{script}`` (admission scripts Redis refused with an error reply, each
+having written nothing: ``admit`` — a call then decided as with Redis down, ``limits.on_redis_down`` —, ``rollback``,
+``renew``; ``gateway/state/limits.py``); with
 ``routing.target`` set, ``thinkgate_routing_share{tier}`` (the controller's window),
 ``thinkgate_routing_target_share`` and ``thinkgate_routing_threshold{tier}`` (the cut point into that tier);
 ``thinkgate_routing_drift_psi{kind}`` (score | tier, the drift alarm).
@@ -22,7 +25,7 @@ refused before an upstream call, by ``status`` and ``code``); histograms
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -30,6 +33,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.config import MetricsConfig, TierConfig
 from gateway.ledger.event import UsageEvent
+from gateway.state.limits import REFUSED_SCRIPTS
 
 ROUTE_REASONS = frozenset({"predicted", "forced", "effort", "fallback", "escalated", "cache", "shadow", "spot_check",
                            "explore"})
@@ -111,6 +115,14 @@ class Metrics:
                                     "in the usage spool as well: fewer Redis replicas than metering.replica_acks "
                                     "acknowledged them in time (replayed; dropped where they survived).", registry=r)
         self._unreplicated_seen = 0
+        # only a once-a-minute log line said so, and under fail_open such a call is no rejection either
+        self.refused_scripts = Counter(
+            "thinkgate_admission_refused_scripts", "Admission script calls Redis refused with an error reply (a key "
+            "of the wrong type, a counter that is no integer; nothing written): script=admit — the call decided as "
+            "with Redis down (limits.on_redis_down) —, rollback, renew.", ["script"], registry=r)
+        for script in REFUSED_SCRIPTS:  # exposed at 0 from the start, as the label-less counters are
+            self.refused_scripts.labels(script)
+        self._refused_seen: dict[str, int] = dict.fromkeys(REFUSED_SCRIPTS, 0)
         self.routing_share = Gauge("thinkgate_routing_share", "Share of the routed requests in the cost-target "
                                    "controller's window, by routed tier.", ["tier"], registry=r)
         # registered with the controller only (render): a label-less gauge is always exposed, and 0 read as
@@ -201,8 +213,11 @@ class Metrics:
         self._child(self.refusals, str(status), code if code in REFUSAL_CODES else "other").inc()
 
     def render(self, breaker_open: bool, spool_bytes: int, spooled: int, dead_letter_bytes: int = 0,
-               dead_lettered: int = 0, unreplicated: int = 0) -> bytes:
-        """The exposition text, with the gauges set from the current state."""
+               dead_lettered: int = 0, unreplicated: int = 0,
+               refused_scripts: Mapping[str, int] | None = None) -> bytes:
+        """The exposition text, with the gauges set from the current state; the counters fed from a process count
+        (``spooled``, ``dead_lettered``, ``unreplicated``, ``refused_scripts``: ``Limits.refused_scripts``) grow by
+        what it counted since the last call."""
         self.breaker_open.set(1 if breaker_open else 0)
         self.spool_bytes.set(spool_bytes)
         if spooled > self._spooled_seen:
@@ -215,6 +230,11 @@ class Metrics:
         if unreplicated > self._unreplicated_seen:
             self.unreplicated.inc(unreplicated - self._unreplicated_seen)
             self._unreplicated_seen = unreplicated
+        for script, n in (refused_scripts or {}).items():
+            seen = self._refused_seen.get(script)
+            if seen is not None and n > seen:  # a known label value only
+                self.refused_scripts.labels(script).inc(n - seen)
+                self._refused_seen[script] = n
         if self.routing_view is not None:
             if not self._target_registered:
                 self.registry.register(self.routing_target_share)

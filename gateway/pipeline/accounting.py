@@ -625,4 +625,4 @@ class Accounting:
     def render_metrics(self) -> bytes:
         return self.metrics.render(self.breaker.is_open, self.spool.pending_bytes(), self.meter.spooled,
                                    self.meter.dead.pending_bytes(), self.meter.dead_lettered,
-                                   self.meter.unreplicated)
+                                   self.meter.unreplicated, self.limits.refused_scripts)

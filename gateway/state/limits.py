@@ -106,6 +106,10 @@ UNROLLED_MAX = 4096
 #: an admission script Redis refuses (an error reply) is logged at ERROR at most once per this many seconds per
 #: distinct error (a broken key refuses every request of its tenant: thousands of lines a second otherwise)
 REFUSED_LOG_EVERY_S = 60.0
+#: the ``script`` label of ``thinkgate_admission_refused_scripts_total``: ``admit`` (``ADMIT``/``HOT``: a call's
+#: admission, then decided as with Redis down), ``rollback`` (a grouped admission's ``ROLLBACK``: left to the
+#: reservation's TTL), ``renew`` (a stream's ``RENEW``: the reservations lapse at their TTL unless a later round works)
+REFUSED_SCRIPTS = ("admit", "rollback", "renew")
 #: values after the levels in an admitted ``ADMIT`` reply: the key's RPM and TPM windows (:class:`RateState`)
 RATE_FIELDS = 4
 MESSAGE_OVERHEAD_TOKENS = 8  # chat template tokens per message, upper bound
@@ -734,6 +738,10 @@ class Limits:
         self._retry: asyncio.Task[None] | None = None
         #: refused admission scripts' errors → (monotonic s of their last ERROR line, refusals not logged since)
         self._refused_logged: dict[str, tuple[float, int]] = {}
+        #: script calls Redis refused with an error reply (each wrote nothing), by :data:`REFUSED_SCRIPTS` —
+        #: ``thinkgate_admission_refused_scripts_total`` (the log line is once a minute; under ``fail_open`` such an
+        #: admission is no rejection either, so nothing else counts them)
+        self.refused_scripts: dict[str, int] = dict.fromkeys(REFUSED_SCRIPTS, 0)
 
     def _level_keys(self, lvl: Level, day: str, month: str) -> list[str]:
         k = self.keys
@@ -780,6 +788,7 @@ class Limits:
             # cannot write now: READONLY, OOM…): the script wrote nothing (all or nothing). Undecidable in Redis, so
             # decided as with Redis down — fail_closed refuses (503), fail_open applies the local counters — and
             # never admitted unchecked; the breaker stays closed (other keys, and metering, go on)
+            self.refused_scripts["admit"] += 1
             self._log_refused(exc)
             return self._admit_locally(lim, reservation_id, est, now, local_levels, script_refused=True)
         for st in states:
@@ -935,6 +944,7 @@ class Limits:
                     self._retry = asyncio.get_running_loop().create_task(self._roll_back_later())
                 return
             except ResponseError as exc:
+                self.refused_scripts["rollback"] += 1
                 log.error("rollback of reservation %s refused by Redis, left to its TTL (%.0f s): %s", reservation_id,
                           self.cfg.reservation_ttl_s, exc)
 
@@ -951,7 +961,9 @@ class Limits:
                     if len(self._unrolled) < UNROLLED_MAX:  # full: this one, the oldest, is left to its TTL
                         self._unrolled.appendleft((keys, args))
                     break
-                except Exception:  # not an outage: this one is left to its TTL, the loop goes on
+                except Exception as exc:  # not an outage: this one is left to its TTL, the loop goes on
+                    if isinstance(exc, ResponseError):
+                        self.refused_scripts["rollback"] += 1
                     log.exception("rollback of reservation %s failed", args[0])
 
     async def close(self) -> None:
@@ -964,7 +976,9 @@ class Limits:
     async def renew(self, key_id: str, tags: Mapping[str, str], reservation_id: str, now: float) -> int:
         """Extend the open reservations of ``reservation_id`` (at the key, each tag, global) by
         ``reservation_ttl_s`` from ``now`` (epoch s): a stream that is still running. Returns the number of
-        levels that still held it (0 when Redis is down: the local counters keep theirs until settled)."""
+        levels that still held it (0 when Redis is down: the local counters keep theirs until settled). Raises the
+        ``ResponseError`` of a renewal Redis refused (it renewed nothing, ``RENEW_LUA``), counted in
+        :attr:`refused_scripts` (the caller logs it and tries again next round)."""
         ttl = int(self.cfg.reservation_ttl_s * 1000)
         k = self.keys
         hashes = [k.reservations(key_id), *(k.level_reservations("tag", f"{a}={b}") for a, b in sorted(tags.items())),
@@ -979,6 +993,10 @@ class Limits:
             return total
         except RedisDown:
             return 0
+        except ResponseError as exc:
+            if not isinstance(exc, NoScriptError):
+                self.refused_scripts["renew"] += 1
+            raise
 
     def settled(self, event: UsageEvent, result: RecordResult) -> None:
         """After metering: update the local approximations (Redis settled itself inside the metering write)."""

@@ -31,7 +31,7 @@ from gateway.state.keys import RedisKeys
 from gateway.state.limits import Estimate, KeyLimits, Limits, Rider
 from gateway.state.redis import FastScript
 from gateway.state.reservations import ROLLBACK_LUA
-from tests.fixtures.gateway import SECRETS, accounting_gateway, cleanup, keys_config
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway, cleanup, keys_config
 from tests.fixtures.redis_stack import Stack, snapshot, stack
 from tests.fixtures.upstream import SimProcess
 
@@ -162,6 +162,7 @@ async def test_grouped_admission_rolls_back_the_groups_before_a_refused_one(redi
         else:
             assert (await _admit(limits, levels, "refused", False)).where == "local"  # type: ignore[attr-defined]
         assert await snapshot(s) == before
+        assert limits.refused_scripts == {"admit": 1, "rollback": 0, "renew": 0}  # the key group's rollback went
 
 
 async def test_a_rollback_that_fails_partway_writes_nothing_and_can_be_sent_again(redis_url: str, redis_prefix: str,
@@ -248,6 +249,7 @@ async def test_a_renewal_refused_partway_renews_no_level(redis_url: str, redis_p
         later = time.time() + 100
         with pytest.raises(ResponseError) as info:
             await limits.renew("k1", TAGS, "streaming", later)
+        assert limits.refused_scripts == {"admit": 0, "rollback": 0, "renew": 1}  # thinkgate_admission_refused_…
         assert await snapshot(s) == before
         assert 0 < await r.pttl(key_hash) <= ttl_before  # not renewed: the hash still expires with the reservation
         assert f"ThinkGate reservation renewal: HGET {glob} failed, nothing written (undone)" in str(info.value)
@@ -257,3 +259,51 @@ async def test_a_renewal_refused_partway_renews_no_level(redis_url: str, redis_p
         exp = int(later * 1000) + int(limits.cfg.reservation_ttl_s * 1000)
         for h in (key_hash, k.level_reservations("tag", "team=a")):
             assert (await r.hget(h, "streaming")).endswith(b"|%d" % exp)
+
+
+def _refused_series(metrics: str) -> dict[str, float]:
+    """``thinkgate_admission_refused_scripts_total`` by ``script``, from an exposition text."""
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith("thinkgate_admission_refused_scripts_total{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('script="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
+
+
+def test_refused_admission_scripts_are_counted_in_metrics_under_fail_open(
+        upstream_sim: SimProcess, redis_url: str, tmp_path: Path) -> None:
+    """``fail_open``, a string SET at the global budget definition: alice's admissions are refused by Redis and
+    decided on the local counters — served, so no limit rejection counts them, and the ERROR line is once a minute:
+    only ``thinkgate_admission_refused_scripts_total{script="admit"}`` says how many (exposed at 0 before)."""
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    k = RedisKeys(prefix)
+    client = redis.Redis.from_url(redis_url)
+    body = {"model": "short", "messages": [{"role": "user", "content": "count me"}]}
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix,
+                                limits={"on_redis_down": "fail_open"},
+                                auth=keys_config(alice={"budget_usd_day": "5"})) as gw:
+            def metrics() -> str:
+                got = httpx.get(gw.url + "/metrics", headers={"authorization": f"Bearer {ADMIN_SECRET}"}, timeout=10)
+                assert got.status_code == 200, got.text
+                return got.text
+
+            assert _refused_series(metrics()) == {"admit": 0.0, "rollback": 0.0, "renew": 0.0}
+            client.set(k.level_budget("global", "global"), "not a hash")
+            def post() -> httpx.Response:
+                return httpx.post(gw.base_url + "/chat/completions", json=body, timeout=30, headers={
+                    "authorization": f"Bearer {SECRETS['alice']}", "cache-control": "no-store"})
+
+            for _ in range(3):
+                served = post()
+                assert served.status_code == 200, served.text
+            text = metrics()
+            assert _refused_series(text) == {"admit": 3.0, "rollback": 0.0, "renew": 0.0}
+            assert "thinkgate_limit_rejections_total{" not in text  # served on the local counters: no rejection
+            client.delete(k.level_budget("global", "global"))
+            assert post().status_code == 200
+            assert _refused_series(metrics())["admit"] == 3.0  # decided in Redis again: not counted
+    finally:
+        cleanup(redis_url, prefix)
+        client.close()
