@@ -11,15 +11,18 @@ admission. The commands write the Redis hash ``budgets:defs`` the running gatewa
 (``limits.tag_budgets`` / ``limits.global_budget``), and ``remove`` brings the config's back. ``list`` shows both
 sources with today's and this month's spend.
 
-Exit codes: 0 ok, 1 no such budget (remove), 2 invalid arguments or config, 3 Redis unreachable.
+Exit codes: 0 ok, 1 no such budget (remove), 2 invalid arguments or config, 3 Redis unreachable, 4 Redis refused the
+write (a ThinkGate key of the wrong type, named in the message; nothing written: ``set`` and ``remove`` are all or
+nothing).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import typer
@@ -28,9 +31,24 @@ from gateway.cli.common import CONFIG_OPTION, load_settings, run_on_redis
 from gateway.cli.keys import _usd
 
 app = typer.Typer(no_args_is_help=True)
+T = TypeVar("T")
 
 TAG_OPTION = typer.Option(None, "--tag", help="The tag level, name=value (every key with this tag).")
 GLOBAL_OPTION = typer.Option(False, "--global", help="The global level (every key).")
+
+
+def _written(what: str, level: str, write: Callable[[], T]) -> T:
+    """Run ``write`` (a ``run_on_redis`` of a :class:`~gateway.state.budgets.BudgetStore` write); a write Redis
+    refused (an error reply: a key of the wrong type) is one line naming the key — the script's error says which, and
+    that nothing was written — and exit 4, not a traceback."""
+    from redis.exceptions import ResponseError
+
+    try:
+        return write()
+    except ResponseError as exc:
+        typer.echo(f"thinkgate: budget of {level} not {what}, nothing written — Redis refused the write: {exc}; fix or "
+                   "delete the key it names, then run the command again", err=True)
+        raise typer.Exit(4) from None
 
 
 def _level(tag: str | None, is_global: bool) -> str:
@@ -64,7 +82,9 @@ def set_budget(
     if day is None and month is None:
         typer.echo("thinkgate: give --usd-day and/or --usd-month", err=True)
         raise typer.Exit(2)
-    run_on_redis(load_settings(config), lambda h: BudgetStore(h, Breaker(1.0)).set(level, day, month))
+    settings = load_settings(config)
+    _written("set", level, lambda: run_on_redis(settings, lambda h: BudgetStore(h, Breaker(1.0)).set(level, day,
+                                                                                                     month)))
     typer.echo(f"thinkgate: budget of {level} set: usd/day {day if day is not None else '-'}, "
                f"usd/month {month if month is not None else '-'}", err=True)
 
@@ -78,7 +98,8 @@ def remove_budget(tag: str | None = TAG_OPTION, is_global: bool = GLOBAL_OPTION,
 
     level = _level(tag, is_global)
     settings = load_settings(config)
-    removed = run_on_redis(settings, lambda h: BudgetStore(h, Breaker(1.0)).remove(level))
+    removed = _written("removed", level,
+                       lambda: run_on_redis(settings, lambda h: BudgetStore(h, Breaker(1.0)).remove(level)))
     if not removed:
         lim = settings.limits
         in_config = lim.global_budget is not None if level == "global" else level[4:] in lim.tag_budgets

@@ -37,10 +37,34 @@ from gateway.config import LevelBudget, LimitsConfig
 from gateway.ledger.event import usd_to_micro
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
-from gateway.state.redis import RedisHandle
+from gateway.state.redis import FastScript, RedisHandle
+from gateway.state.undo import UNDO_LUA, all_or_nothing
 
 LevelKind = Literal["key", "tag", "global"]
 GLOBAL = "global"
+
+# ``thinkgate budgets set``: the level's definition hash (KEYS[1]: ``day`` ARGV[1], ``month`` ARGV[2], integer
+# micro-USD, -1 = none) and its listing (KEYS[2] ``budgets:defs``: field ARGV[3], the level id → ARGV[4], its JSON),
+# in one script, all or nothing (``gateway/state/undo.py``). Two writes used to make it: a listing of the wrong type
+# (a string SET at ``budgets:defs``) refused the second after the first, and the budget was in force (admission reads
+# the definition) but listed nowhere: not in ``budgets list`` or ``/v1/usage``, nor in the replicas' own copies (what
+# ``fail_open`` decides on). Now the definition is put back as it was and the error reply names the key. Both keys
+# are shared (one slot on a Cluster, ``gateway/state/keys.py``).
+SET_LUA = UNDO_LUA + all_or_nothing("""function()
+  hset(KEYS[1], 'day', ARGV[1])
+  hset(KEYS[1], 'month', ARGV[2])
+  hset(KEYS[2], ARGV[3], ARGV[4])
+  return 1
+end""", what="budgets set")
+
+# ``thinkgate budgets remove``: the listing's field first (HDEL ARGV[1] of KEYS[2] — the one command that can fail, on
+# a listing of the wrong type, before anything is written), then the definition hash (DEL, which no key's type
+# fails): all or nothing without an undo log, in one script. Returns whether the level was listed.
+REMOVE_LUA = """
+local n = redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[1])
+return n
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,10 +219,14 @@ class BudgetStore:
         self.redis = handle.client
         self.keys = RedisKeys(handle.prefix)
         self.breaker = breaker
+        self._set = FastScript(handle, SET_LUA)
+        self._remove = FastScript(handle, REMOVE_LUA)
 
     async def set(self, level_id: str, usd_day: Decimal | None, usd_month: Decimal | None) -> None:
-        """Set (replace) the budgets of ``level_id`` (``tag:k=v`` or ``global``); at least one amount."""
-        parse_level(level_id)
+        """Set (replace) the budgets of ``level_id`` (``tag:k=v`` or ``global``); at least one amount. The definition
+        (what admission applies) and the listing are written all or nothing (:data:`SET_LUA`): raises the
+        ``ResponseError`` of a write Redis refused (a key of the wrong type, named in it), nothing written."""
+        kind, name = parse_level(level_id)
         if usd_day is None and usd_month is None:
             raise ValueError("give a daily and/or a monthly amount")
         for v in (usd_day, usd_month):
@@ -206,21 +234,17 @@ class BudgetStore:
                 raise ValueError("budgets must be >= 0")
         value = orjson.dumps({"usd_day": str(usd_day) if usd_day is not None else None,
                               "usd_month": str(usd_month) if usd_month is not None else None})
-        # the definition admission reads first (it is what takes effect), then the listing
-        await self.breaker.call(lambda: self._write_definition(level_id, usd_day, usd_month))
-        await self.breaker.call(lambda: self.redis.hset(self.keys.budget_defs, level_id, value))
-
-    async def _write_definition(self, level_id: str, usd_day: Decimal | None, usd_month: Decimal | None) -> None:
-        kind, name = parse_level(level_id)
         day = usd_to_micro(usd_day) if usd_day is not None else -1
         month = usd_to_micro(usd_month) if usd_month is not None else -1
-        await self.redis.hset(self.keys.level_budget(kind, name), mapping={"day": day, "month": month})
+        keys = [self.keys.level_budget(kind, name), self.keys.budget_defs]
+        await self.breaker.call(lambda: self._set(keys=keys, args=[day, month, level_id, value]))
 
     async def remove(self, level_id: str) -> bool:
-        """Delete the stored budgets of ``level_id``; False when there were none."""
+        """Delete the stored budgets of ``level_id``; False when there were none. All or nothing
+        (:data:`REMOVE_LUA`): raises the ``ResponseError`` of a listing Redis refused, nothing deleted."""
         kind, name = parse_level(level_id)
-        await self.breaker.call(lambda: self.redis.delete(self.keys.level_budget(kind, name)))
-        return bool(await self.breaker.call(lambda: self.redis.hdel(self.keys.budget_defs, level_id)))
+        keys = [self.keys.level_budget(kind, name), self.keys.budget_defs]
+        return bool(await self.breaker.call(lambda: self._remove(keys=keys, args=[level_id])))
 
     async def sync(self) -> int:
         """Give every level listed in ``budgets:defs`` without a definition hash one (definitions stored before
