@@ -113,7 +113,9 @@ end""", what="reservation renewal")
 
 # Undo one admission group: delete the reservation ``ARGV[1]`` from the ``ARGV[2]`` reservation hashes KEYS[1..n];
 # the key group also passes its RPM and TPM counters of the window it was counted in (KEYS[n+1], KEYS[n+2]): one
-# request is taken back when ``ARGV[3]`` = '1', ``ARGV[4]`` tokens from the TPM count. Returns the fields deleted.
+# request is taken back when ``ARGV[3]`` = '1', ``ARGV[4]`` tokens from the TPM count; a counter brought to 0 is
+# deleted (it used to be left as "0" until its TTL: admission reads a missing window as 0, and metering corrects only a
+# TPM window that exists — at 0 it holds no other call's reserved tokens to correct). Returns the fields deleted.
 # All or nothing (``gateway/state/undo.py``): a counter that is no integer (or a key of the wrong type) fails the
 # call with the reservations still there, so the call can be sent again in full once the key is fixed — the counts
 # are taken back only with a reservation still there, so a rollback that had deleted them and then failed left the
@@ -127,10 +129,18 @@ ROLLBACK_LUA = LUA_FUNCTIONS + UNDO_LUA + SETTLE_LUA + all_or_nothing("""functio
   -- the counts are taken back only with a reservation still there: a call sent again (its first reply was lost to
   -- a timeout, or it was kept through an outage) takes nothing back twice
   if n > 0 and #KEYS >= nres + 2 then
-    if ARGV[3] == '1' and redis.call('EXISTS', KEYS[nres + 1]) == 1 then incrby(KEYS[nres + 1], -1) end
-    if ARGV[4] ~= '0' and redis.call('EXISTS', KEYS[nres + 2]) == 1 then
-      incrby(KEYS[nres + 2], '-' .. ARGV[4])
+    local zero = {}
+    if ARGV[3] == '1' and redis.call('EXISTS', KEYS[nres + 1]) == 1 and incrby(KEYS[nres + 1], -1) == 0 then
+      zero[#zero + 1] = KEYS[nres + 1]
     end
+    if ARGV[4] ~= '0' and redis.call('EXISTS', KEYS[nres + 2]) == 1
+        and incrby(KEYS[nres + 2], '-' .. ARGV[4]) == 0 then
+      zero[#zero + 1] = KEYS[nres + 2]
+    end
+    -- a window brought back to 0 is deleted (as the undo of the admission's own INCR does): a counter at 0 reads as
+    -- none. Last, after every write that can fail: an undo of the decrement would re-create a deleted window
+    -- without its TTL
+    for _, k in ipairs(zero) do redis.call('DEL', k) end
   end
   return n
 end""", what="admission rollback")

@@ -52,9 +52,10 @@ local function sadd(k, m)
 end
 local function incrby(k, n)
   at_cmd, at_key = 'INCRBY', k
-  redis.call('INCRBY', k, n)
+  local r = redis.call('INCRBY', k, n)
   U[nu + 1], U[nu + 2], U[nu + 4] = 'i', k, n
   nu = nu + 4
+  return r
 end
 -- one hash field set: HSETNX (one command, as HSET) when it is new, logged as HDEL; else its old value read and
 -- logged to be put back (a call sent twice under the same id). ``old``: the field's value the caller has just read

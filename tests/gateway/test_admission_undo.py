@@ -251,7 +251,8 @@ async def test_a_renewal_refused_partway_renews_no_level(redis_url: str, redis_p
             await limits.renew("k1", TAGS, "streaming", later)
         assert limits.refused_scripts == {"admit": 0, "rollback": 0, "renew": 1}  # thinkgate_admission_refused_…
         assert await snapshot(s) == before
-        assert 0 < await r.pttl(key_hash) <= ttl_before  # not renewed: the hash still expires with the reservation
+        if alone:  # its hash's TTL too (a renewed TTL is not undone where the hash holds other reservations)
+            assert 0 < await r.pttl(key_hash) <= ttl_before
         assert f"ThinkGate reservation renewal: HGET {glob} failed, nothing written (undone)" in str(info.value)
 
         await r.delete(glob)
@@ -307,3 +308,37 @@ def test_refused_admission_scripts_are_counted_in_metrics_under_fail_open(
     finally:
         cleanup(redis_url, prefix)
         client.close()
+
+
+async def test_a_rollback_that_brings_a_window_to_zero_deletes_it(redis_url: str, redis_prefix: str,
+                                                                  tmp_path: Path) -> None:
+    """``ROLLBACK`` of the window's only call: its RPM and TPM counters are deleted, not left as "0" until their TTL
+    (as the undo of an admission's own INCR does); one that still counts other calls is decremented. And a rollback
+    that fails after bringing the RPM window to 0 leaves it as it was, TTL included (the DEL comes last: an undone
+    decrement would re-create a deleted window without one)."""
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        r, k = s.handle.client, RedisKeys(s.handle.prefix)
+        rollback = FastScript(s.handle, ROLLBACK_LUA)
+        exp = int(time.time() * 1000) + 600_000
+        keys, args = [k.reservations("k1"), k.rpm("k1", 7), k.tpm("k1", 7)], ["rid", 1, 1, 300]
+        await r.hset(k.reservations("k1"), "rid", f"9000|300|{exp}")
+        await r.set(k.rpm("k1", 7), 1, px=120_000)
+        await r.set(k.tpm("k1", 7), 300, px=120_000)
+        assert await rollback(keys=keys, args=args) == 1
+        assert await r.exists(k.rpm("k1", 7), k.tpm("k1", 7), k.reservations("k1")) == 0
+
+        await r.hset(k.reservations("k1"), "rid", f"9000|300|{exp}")
+        await r.set(k.rpm("k1", 7), 2, px=120_000)
+        await r.set(k.tpm("k1", 7), 300, px=120_000)
+        assert await rollback(keys=keys, args=args) == 1
+        assert int(await r.get(k.rpm("k1", 7))) == 1 and 0 < await r.pttl(k.rpm("k1", 7)) <= 120_000
+        assert await r.exists(k.tpm("k1", 7)) == 0
+
+        await r.hset(k.reservations("k1"), "rid", f"9000|300|{exp}")
+        await r.pexpire(k.reservations("k1"), 600_000)  # as admission leaves it (the undo puts its expiry back)
+        await r.set(k.tpm("k1", 7), "1.5", px=120_000)
+        before = await snapshot(s)
+        with pytest.raises(ResponseError, match="ThinkGate admission rollback: INCRBY"):
+            await rollback(keys=keys, args=args)
+        assert await snapshot(s) == before
+        assert int(await r.get(k.rpm("k1", 7))) == 1 and await r.pttl(k.rpm("k1", 7)) > 0
