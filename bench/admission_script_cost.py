@@ -56,15 +56,20 @@ def _module_at(commit: str, path: str, name: str) -> ModuleType:
 
 
 def scripts_at(commit: str) -> dict[str, str]:
-    """``HOT_LUA`` and ``ADMIT_LUA`` as of ``commit``: its ``limits.py`` loaded against its own ``reservations.py``
-    (the Lua fragments it pastes in), the rest of its imports today's."""
-    here = sys.modules["gateway.state.reservations"]
-    sys.modules["gateway.state.reservations"] = _module_at(commit, "gateway/state/reservations.py",
-                                                           "bench_reservations_before")
+    """``HOT_LUA`` and ``ADMIT_LUA`` as of ``commit``: its ``limits.py`` loaded against its own ``reservations.py`` and
+    ``undo.py`` (the Lua fragments it pastes in; a commit before ``undo.py`` pastes none of it), the rest of its
+    imports today's — else a change to the undo helpers alone would be on both sides."""
+    swapped = {"gateway.state.undo": "gateway/state/undo.py", "gateway.state.reservations":
+               "gateway/state/reservations.py"}
+    here = {name: sys.modules[name] for name in swapped}
     try:
+        for name, path in swapped.items():  # undo first: reservations.py of the commit imports it
+            there = subprocess.run(["git", "cat-file", "-e", f"{commit}:{path}"], cwd=REPO, capture_output=True)
+            if there.returncode == 0:
+                sys.modules[name] = _module_at(commit, path, f"bench_{name.rsplit('.', 1)[1]}_before")
         old = _module_at(commit, "gateway/state/limits.py", "bench_limits_before")
     finally:
-        sys.modules["gateway.state.reservations"] = here
+        sys.modules.update(here)
     return {"HOT": old.HOT_LUA, "ADMIT": old.ADMIT_LUA}
 
 
