@@ -148,7 +148,12 @@ class RetrainConfig(_Strict):
     (``router/fit/realised.py``; it costs ``spot_check`` of the cheap share's savings); with fewer than
     ``spot_check_min`` graded spot-check answers the estimate falls back to the nesting assumption, which reads
     optimistic once a router sends the easy questions cheap. ``fit_here: false``: this replica follows promotions
-    but never fits."""
+    but never fits. ``keep_files``: every promotion and adoption adds a file of a few hundred KB to a few MB to
+    ``state_dir``; when a replica follows one, it removes the files ThinkGate wrote there that nothing still needs —
+    it keeps the files ``router:current`` names (the router serving and the previous one, all a rollback can go back
+    to), the one it serves, those it saw named in the last 10 minutes (a replica sharing the directory that has not
+    followed yet serves one), any written in the last 10 minutes, and the newest ``keep_files`` others (None: none
+    removed, as before)."""
 
     every_outcomes: int = Field(0, ge=0)
     #: where the fits' versioned files and the adopted routers' copies (``<digest>.skops``) are kept: every replica
@@ -171,6 +176,11 @@ class RetrainConfig(_Strict):
     #: new one replaced —; after it, writing a file back (an operator putting an earlier router back) adopts it
     #: again. Longer than the deployment's worst skew between two replicas' copies of the path.
     readopt_after_s: int = Field(900, ge=1)
+    #: how many router files in ``state_dir`` no longer in use (``router-<version>.skops`` of earlier fits,
+    #: ``<digest>.skops`` of earlier adoptions) are kept, newest first, when a replica follows a transition; the rest
+    #: are removed (``retrain_trigger.prune_state_dir``: only those names, never another file). The files still in use
+    #: are kept whatever this says. None: nothing is removed (the directory grows with every promotion)
+    keep_files: int | None = Field(20, ge=0)
 
     @property
     def enabled(self) -> bool:

@@ -23,9 +23,9 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    the default: one spawned worker at ``nice`` +10, started at the first fit and kept) or, with ``fit_in:
    thread``, in a worker thread: fit on the outcomes so far, compare with the router in service on the held-back
    slice under the served-floor rule (two or more routed tiers: one cut per boundary, ``router/fit/promote.py``).
-   Better → the candidate is written to ``state_dir/router-<version>.skops``
-   (versioned; the files before it are kept), ``p router:current`` is set with the previous path, every replica
-   follows. Why a process: a fit holds the GIL — measured on 1,536 outcomes (fit + save 2.5–5.5 s), a fit in a
+   Better → the candidate is written to ``state_dir/router-<version>.skops`` (versioned; the files before it are
+   kept, up to ``keep_files``: "Retention" below), ``p router:current`` is set with the previous path, every
+   replica follows. Why a process: a fit holds the GIL — measured on 1,536 outcomes (fit + save 2.5–5.5 s), a fit in a
    thread stretches the serving loop's 1 ms ticks to p99 11–16 ms, max 25–435 ms; in the child p99 0.2–1.0 ms
    (``python -m bench.retrain_lag``; bench/RESULTS.md, "Retraining off the serving loop");
 3. **rolls back** (checked once a third of ``realised_min`` new outcomes are in): the realised floor of the
@@ -57,6 +57,14 @@ router that no longer serves; a fit's candidate was compared with it: a ``keep``
 it (a replica, or the command that wrote it), and a replica's lagging copy of a replaced file is not adopted back;
 after that window the same file written again is adopted again (an operator putting an earlier router back).
 
+**Retention** (``keep_files``, 20 by default; None: off): every adoption and promotion adds a file to the state dir
+(a few hundred KB to a few MB). A replica that follows a transition (:meth:`RetrainTrigger.follow`) then removes the
+router files nothing needs any more (:meth:`RetrainTrigger._retain`, :func:`prune_state_dir`): it keeps what
+``router:current`` names (the router serving and its ``previous``, the only one a rollback can go back to), the file
+it serves, the files it saw named in the last :data:`RETAIN_NAMED_S` (a replica sharing the directory that has not
+followed yet serves one), any written in the last :data:`RETAIN_YOUNG_S` and the newest ``keep_files`` others; only
+the names ThinkGate writes there are ever removed.
+
 **Exploration** (``explore`` > 0): :meth:`explore` is the routing hook: a routed decision for a tier above the
 cheapest goes one tier down with probability ``explore`` (seeded per process), with route reason ``explore``
 (the header, the usage event, the outcome), so the realised floor leaves those answers out on every replica —
@@ -81,9 +89,10 @@ import logging
 import multiprocessing
 import os
 import random
+import re
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -142,6 +151,21 @@ ROUTER_FIELDS = ("path", "version", "digest", "previous", "previous_version", "p
 BAD_DIGEST = "sha256:"
 FIT_NICE = 10  # the fit process yields the CPU to the serving loop
 
+# --- retention of the state dir (prune_state_dir): the only names it ever removes are the ones ThinkGate writes there
+#: an adopted router's copy (:func:`router_copy`)
+KEPT_COPY = re.compile(rf"[0-9a-f]{{{DIGEST_HEX}}}\.skops")
+#: a fit's promoted candidate (``router-<version>.skops``, the version :meth:`RetrainTrigger.fit_once` makes)
+FIT_FILE = re.compile(r"router-auto-\d{8}T\d{6}-\d{3,}\.skops")
+#: a temporary file left by a writer that died: :func:`stage_copy`'s, or :func:`router.persistence.save_router`'s
+#: writing a fit's candidate (``<name>.<random>.tmp``)
+LEFTOVER = re.compile(rf"\.router-[a-z0-9_]+\.tmp|{FIT_FILE.pattern}\.[a-z0-9_]+\.tmp")
+#: seconds a file written to the state dir is never removed: a fit's candidate or an adopted copy about to be named by
+#: ``router:current`` (its transition waiting for Redis), a temporary file still being written
+RETAIN_YOUNG_S = 600.0
+#: seconds a file a replica saw ``router:current`` name is kept after it stopped being named: a replica sharing the
+#: directory that has not followed yet serves it (after a rollback, or two transitions within one of its ticks)
+RETAIN_NAMED_S = 600.0
+
 
 def state_dir_of(settings: Settings) -> Path:
     """Where versioned router files go: ``routing.retrain.state_dir``, else ``<usage spool dir>/routers``."""
@@ -182,6 +206,8 @@ class RetrainTrigger:
         self._configured_seen: tuple[int, int, int] | None = None
         # (the file loaded, the path router:current named, its digest) at this replica's last follow (:meth:`_served`)
         self._followed: tuple[Path, Path, str] | None = None
+        # file name -> time.monotonic() when router:current last named it here (:meth:`_saw`, :meth:`_retain`)
+        self._named: dict[str, float] = {}
 
     # --- keys -------------------------------------------------------------------------------------------
     @property
@@ -452,6 +478,7 @@ class RetrainTrigger:
         watches a file that never changes. Without one (a state written before routers were kept by content) the
         named path is loaded as it is."""
         c = await self.current.read()
+        self._saw(c)
         if not c.get("path"):
             return False
         named, digest = Path(c["path"]), c.get("digest", "")
@@ -469,7 +496,49 @@ class RetrainTrigger:
             return False
         self._followed = (path, named, digest)
         log.info("retrain: now serving %s", path)
+        await self._retain()
         return True
+
+    def _saw(self, c: Mapping[str, str]) -> None:
+        """Remember when ``router:current`` last named each file (every tick's read): :meth:`_retain` keeps them
+        for :data:`RETAIN_NAMED_S` after."""
+        now = time.monotonic()
+        for name in named_files(c):
+            self._named[name] = now
+
+    async def _retain(self) -> None:
+        """After this replica followed a transition (an adoption, a fit's promotion, a rollback — each adds a file
+        or leaves one unused): remove the router files of the state dir nothing needs any more, beyond the newest
+        ``routing.retrain.keep_files`` (:func:`prune_state_dir`; in a worker thread, never on the request path).
+
+        Kept: the files ``router:current`` names now, read afresh (``path``/``digest``, the router every replica
+        serves, and ``previous``/``previous_digest``: the only router a rollback goes back to — it writes
+        ``previous`` empty, so nothing older is ever gone back to), the one this replica serves, and those it saw
+        named in the last :data:`RETAIN_NAMED_S`. Why that is enough for replicas sharing the directory: each follows
+        ``router:current`` every ``interval_s``, so a replica serves what it names or, one transition behind,
+        its ``previous`` — except right after a rollback (``previous`` written empty: the rolled-back router) or
+        after two transitions within one of its ticks; those files were named moments ago, and this replica saw
+        them named. Redis down: nothing removed (what is in use is not known)."""
+        if self.cfg.keep_files is None:
+            return
+        try:
+            raw = await self.breaker.call(lambda: self.redis.hgetall(self.k_current))
+        except RedisDown:
+            return
+        c = {as_bytes(k).decode(): as_bytes(v).decode() for k, v in (raw or {}).items()}
+        self._saw(c)
+        now = time.monotonic()
+        self._named = {n: t for n, t in self._named.items() if now - t <= RETAIN_NAMED_S}
+        keep = set(self._named)
+        keep.update(p.name for p in (self.service.path, *(self._followed or ())[:2]) if isinstance(p, Path))
+        try:
+            removed = await asyncio.to_thread(prune_state_dir, self.dir, keep, self.cfg.keep_files)
+        except OSError as exc:  # the directory unreadable: nothing removed, said
+            log.warning("retrain: the router files of %s were not pruned: %s", self.dir, exc)
+            return
+        if removed:
+            log.info("retrain: removed %d router file(s) no longer in use from %s (routing.retrain.keep_files = "
+                     "%d): %s", len(removed), self.dir, self.cfg.keep_files, ", ".join(removed))
 
     def _local_copy(self, named: Path, digest: str) -> Path:
         """The file to load for ``router:current`` naming ``named`` with content ``digest`` (in a worker thread):
@@ -590,6 +659,7 @@ class RetrainTrigger:
                             n_outcomes, self.service.error or "routing.router_path is unset")
                 return None
             outcomes = await self._all_outcomes()
+            # its file, router-<version>.skops, is one retention may remove once unused (FIT_FILE: keep them alike)
             version = f"auto-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{self.fits + 1:03d}"
             # this comparison's number among the deployment's judged ones (every replica's, across restarts):
             # the promotion's bounds tighten with it (router.fit.promote.look_z)
@@ -768,6 +838,58 @@ def router_copy(state_dir: Path, digest: str) -> Path:
     """Where the router file with content ``digest`` is kept once ``router:current`` names it (adopted from
     ``routing.router_path``, or the configured file a fit's promotion replaced): ``<state_dir>/<digest>.skops``."""
     return state_dir / f"{digest}.skops"
+
+
+def named_files(c: Mapping[str, str]) -> set[str]:
+    """The names of the files a ``router:current`` state ``c`` (its fields as text) names: its ``path`` and
+    ``previous``, and the kept copies of its ``digest`` and ``previous_digest`` (:func:`router_copy`) — by name, so
+    a path written by a replica that mounts the shared directory elsewhere still names the file here."""
+    names = {Path(c[f]).name for f in ("path", "previous") if c.get(f)}
+    names.update(router_copy(Path(), c[f]).name for f in ("digest", "previous_digest") if c.get(f))
+    return names
+
+
+def prune_state_dir(state_dir: Path, keep: Collection[str], keep_files: int, now: float | None = None) -> list[str]:
+    """Remove from ``state_dir`` the router files nothing needs (:meth:`RetrainTrigger._retain`); the names removed.
+
+    Only the names ThinkGate writes there are looked at — an adopted copy (:data:`KEPT_COPY`), a fit's candidate
+    (:data:`FIT_FILE`), a leftover temporary file (:data:`LEFTOVER`) —, and only plain files: whatever else an
+    operator keeps in the directory is never touched. Of the router files, those named in ``keep``, those modified in
+    the last :data:`RETAIN_YOUNG_S` (a file about to be named) and the ``keep_files`` newest others (by mtime) stay; a
+    temporary file goes once it is older than :data:`RETAIN_YOUNG_S` (its writer died). A file gone already
+    (another replica sharing the directory removed it) or that cannot be removed is skipped."""
+    now = time.time() if now is None else now
+    others: list[tuple[float, str]] = []
+    stale: list[str] = []
+    with os.scandir(state_dir) as it:
+        for entry in it:
+            router = KEPT_COPY.fullmatch(entry.name) or FIT_FILE.fullmatch(entry.name)
+            if not (router or LEFTOVER.fullmatch(entry.name)) or entry.name in keep:
+                continue
+            try:
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                mtime = entry.stat(follow_symlinks=False).st_mtime
+            except OSError:  # removed meanwhile
+                continue
+            if now - mtime < RETAIN_YOUNG_S:
+                continue
+            if router:
+                others.append((mtime, entry.name))
+            else:
+                stale.append(entry.name)
+    others.sort(reverse=True)
+    removed: list[str] = []
+    for name in stale + [n for _, n in others[keep_files:]]:
+        try:
+            (state_dir / name).unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("retrain: cannot remove %s from %s: %s", name, state_dir, exc)
+            continue
+        removed.append(name)
+    return removed
 
 
 def stage_copy(data: bytes, state_dir: Path) -> Path:
