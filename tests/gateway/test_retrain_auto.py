@@ -27,6 +27,7 @@ from tests.fixtures.crash_process import DurableRedis
 from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway
 from tests.fixtures.outcomes import serving_router, write_outcomes
 from tests.fixtures.upstream import SimProcess, wait_for
+from tests.gateway.test_router_retention import seed_state_dir
 
 HARD = ["prove", "integral", "theorem", "derive", "lemma", "asymptotic"]
 EASY = ["capital", "color", "name", "city", "animal", "fruit"]
@@ -305,6 +306,40 @@ def test_a_lagging_copy_of_router_path_is_not_served_by_the_hot_reload(
         assert not wait_for(lambda: _status(gw)["version"] != "operator-b", timeout_s=2), _status(gw)
         assert [(e["event"], e["version"]) for e in _history(redis_url, redis_prefix, tmp_path)] == [
             ("promote", "operator-a"), ("promote", "operator-b")]
+
+
+def test_the_state_dir_keeps_the_routers_in_use_and_the_newest_others(
+        upstream_sim: SimProcess, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """A gateway whose state dir holds months of router files (``keep_files: 1``) adopts a new file at
+    ``routing.router_path``: every adoption and promotion added a file there and none was ever removed. Now, once it
+    follows, only the newest old router file is left besides the two in use — the adopted copy serving and the router
+    it replaced (``previous``, what a rollback goes back to; older than every other file) —, ThinkGate's leftover
+    temporary files are gone and everything else in the directory is as it was."""
+    configured, promoted = _promoted(redis_url, redis_prefix, tmp_path)
+    routers = tmp_path / "routers"
+    old, leftovers, others = seed_state_dir(routers, tmp_path / "outside.skops")
+    data = promoted.read_bytes()
+    previous = routers / f"{file_digest(data)}.skops"  # old-good as an earlier adoption kept it
+    previous.write_bytes(data)
+    os.utime(previous, (time.time() - 100 * 3600,) * 2)
+    rdb = redis.Redis.from_url(redis_url)
+    try:
+        rdb.hset(redis_prefix + "router:current", mapping={"path": str(previous), "digest": file_digest(data),
+                                                           "gen": 1, "digest_gen": 1})
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+                                routing=_routing(configured, tmp_path, every_outcomes=10**6, keep_files=1)) as gw:
+            assert _status(gw)["version"] == "old-good"
+            assert wait_for(lambda: rdb.exists(redis_prefix + "router:configured") == 1, timeout_s=10)
+            _write_router(configured, 77, "operator-1")
+            assert wait_for(lambda: _status(gw)["version"] == "operator-1", timeout_s=10), _status(gw)
+            current = routers / f"{file_digest(configured.read_bytes())}.skops"
+            assert rdb.hget(redis_prefix + "router:current", "previous") == str(previous).encode()
+            want = {current.name, previous.name, old[0]} | others
+            assert wait_for(lambda: {p.name for p in routers.iterdir()} == want, timeout_s=5), sorted(
+                p.name for p in routers.iterdir())
+            assert not set(leftovers) & {p.name for p in routers.iterdir()}
+    finally:
+        rdb.close()
 
 
 def _status_or_none(gw: Any) -> dict[str, Any] | None:
