@@ -849,7 +849,7 @@ def named_files(c: Mapping[str, str]) -> set[str]:
     return names
 
 
-def prune_state_dir(state_dir: Path, keep: Collection[str], keep_files: int, now: float | None = None) -> list[str]:
+def prune_state_dir(state_dir: Path, keep: Collection[str], keep_files: int) -> list[str]:
     """Remove from ``state_dir`` the router files nothing needs (:meth:`RetrainTrigger._retain`); the names removed.
 
     Only the names ThinkGate writes there are looked at — an adopted copy (:data:`KEPT_COPY`), a fit's candidate
@@ -857,27 +857,31 @@ def prune_state_dir(state_dir: Path, keep: Collection[str], keep_files: int, now
     operator keeps in the directory is never touched. Of the router files, those named in ``keep``, those modified in
     the last :data:`RETAIN_YOUNG_S` (a file about to be named) and the ``keep_files`` newest others (by mtime) stay; a
     temporary file goes once it is older than :data:`RETAIN_YOUNG_S` (its writer died). A file gone already
-    (another replica sharing the directory removed it) or that cannot be removed is skipped."""
-    now = time.time() if now is None else now
+    (another replica sharing the directory removed it) or that cannot be removed is skipped; no directory yet (no
+    router copied there: ``router:current`` names files elsewhere), nothing to do."""
+    now = time.time()
     others: list[tuple[float, str]] = []
     stale: list[str] = []
-    with os.scandir(state_dir) as it:
-        for entry in it:
-            router = KEPT_COPY.fullmatch(entry.name) or FIT_FILE.fullmatch(entry.name)
-            if not (router or LEFTOVER.fullmatch(entry.name)) or entry.name in keep:
+    try:
+        entries = list(os.scandir(state_dir))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        router = KEPT_COPY.fullmatch(entry.name) or FIT_FILE.fullmatch(entry.name)
+        if not (router or LEFTOVER.fullmatch(entry.name)) or entry.name in keep:
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
                 continue
-            try:
-                if not entry.is_file(follow_symlinks=False):
-                    continue
-                mtime = entry.stat(follow_symlinks=False).st_mtime
-            except OSError:  # removed meanwhile
-                continue
-            if now - mtime < RETAIN_YOUNG_S:
-                continue
-            if router:
-                others.append((mtime, entry.name))
-            else:
-                stale.append(entry.name)
+            mtime = entry.stat(follow_symlinks=False).st_mtime
+        except OSError:  # removed meanwhile
+            continue
+        if now - mtime < RETAIN_YOUNG_S:
+            continue
+        if router:
+            others.append((mtime, entry.name))
+        else:
+            stale.append(entry.name)
     others.sort(reverse=True)
     removed: list[str] = []
     for name in stale + [n for _, n in others[keep_files:]]:

@@ -8,11 +8,13 @@ gateway-level case is in ``test_retrain_auto.py``."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from gateway.control.retrain_trigger import file_digest
@@ -156,3 +158,30 @@ def test_keep_files_null_removes_nothing(redis_url: str, redis_prefix: str, tmp_
         asyncio.run(go())
     finally:
         rdb.close()
+
+
+def test_no_state_dir_yet_is_nothing_to_prune(redis_url: str, redis_prefix: str, tmp_path: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """``router:current`` names a file outside the state dir, which does not exist yet (nothing was ever copied
+    there): following it is no reason for a warning at every transition — there is nothing to prune."""
+    before = serving_router(tmp_path / "before.skops", False, _text)
+    conf = tmp_path / "a.skops"
+    _write(before, conf, "operator-0", 0.5)
+    settings = _settings(tmp_path, redis_url, redis_prefix, "a", conf, tmp_path / "routers", 2)
+    rdb = redis.Redis.from_url(redis_url)
+    rdb.hset(redis_prefix + "router:current", mapping={"path": str(before), "version": "old-noise"})
+
+    async def go() -> None:
+        a = _replica(settings, redis_url, redis_prefix)
+        try:
+            with caplog.at_level(logging.WARNING, logger="thinkgate.retrain"):
+                assert await a.follow() and a.service.version == "old-noise"
+        finally:
+            await a.handle.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        rdb.close()
+    assert not (tmp_path / "routers").exists()
+    assert not [r for r in caplog.records if r.name == "thinkgate.retrain"], caplog.text
