@@ -12,8 +12,8 @@ admission. The commands write the Redis hash ``budgets:defs`` the running gatewa
 sources with today's and this month's spend.
 
 Exit codes: 0 ok, 1 no such budget (remove), 2 invalid arguments or config, 3 Redis unreachable, 4 Redis refused the
-write (a ThinkGate key of the wrong type, named in the message; nothing written: ``set`` and ``remove`` are all or
-nothing).
+write or, for ``list``, the read (a ThinkGate key of the wrong type, named in the message; nothing written: ``set``
+and ``remove`` are all or nothing).
 """
 
 from __future__ import annotations
@@ -116,6 +116,8 @@ def list_budgets(
     config: Path | None = CONFIG_OPTION,
 ) -> None:
     """List the tag and global spend limits (config and Redis) with today's and this month's spend (USD)."""
+    from redis.exceptions import ResponseError
+
     from gateway.ledger.event import micro_to_usd
     from gateway.state.breaker import Breaker
     from gateway.state.budgets import BudgetLevels, parse_level
@@ -132,6 +134,8 @@ def list_budgets(
         await breaker.call(lambda: handle.client.ping())
         levels = BudgetLevels(handle, breaker, settings.limits)
         await levels.refresh(force=True)
+        if levels.refused is not None:  # the gateway keeps its last copy; a listing must not show a partial one
+            raise ResponseError(levels.refused)
         keys = RedisKeys(handle.prefix)
         rows = []
         for level_id, (d, m, source) in sorted(levels.configured().items()):
@@ -147,7 +151,12 @@ def list_budgets(
             })
         return rows
 
-    rows = run_on_redis(settings, go)
+    try:
+        rows = run_on_redis(settings, go)
+    except ResponseError as exc:
+        typer.echo(f"thinkgate: budgets not listed — Redis refused a read: {exc}; fix or delete the key it names, "
+                   "then run the command again", err=True)
+        raise typer.Exit(4) from None
     if as_json:
         for r in rows:
             typer.echo(orjson.dumps(r).decode())

@@ -33,6 +33,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import httpx
+from redis.exceptions import ResponseError
 
 from gateway.auth.keys import KeyInfo
 from gateway.auth.redis_store import RedisKeyStore
@@ -171,6 +172,9 @@ class Accounting:
             await BudgetStore(self.handle, self.breaker).sync()
         except RedisDown:
             log.warning("budget definitions not checked at start (Redis down)")
+        except ResponseError as exc:  # the listing of the wrong type: serve (budgets.refresh keeps its copy) and say
+            log.error("budget definitions not checked at start: Redis refused reading %s (%s) — fix or delete that "
+                      "key", self.budgets.keys.budget_defs, exc)
         await self.budgets.refresh(force=True)  # the copy a Redis outage falls back on (``/ready`` reads synced)
         self._replayer = asyncio.create_task(self.meter.run_replayer(self._stop), name="usage-spool-replayer")
         self._dead_retrier = asyncio.create_task(self.meter.run_dead_letters(self._stop),

@@ -25,6 +25,7 @@ Level ids: ``key:{id}`` (internal only), ``tag:{k=v}``, ``global``.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
 import orjson
+from redis.exceptions import ResponseError
 
 from gateway.config import LevelBudget, LimitsConfig
 from gateway.ledger.event import usd_to_micro
@@ -39,6 +41,8 @@ from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import FastScript, RedisHandle
 from gateway.state.undo import UNDO_LUA, all_or_nothing
+
+log = logging.getLogger("thinkgate.limits")
 
 LevelKind = Literal["key", "tag", "global"]
 GLOBAL = "global"
@@ -61,7 +65,10 @@ end""", what="budgets set")
 # a listing of the wrong type, before anything is written), then the definition hash (DEL, which no key's type
 # fails): all or nothing without an undo log, in one script. Returns whether the level was listed.
 REMOVE_LUA = """
-local n = redis.call('HDEL', KEYS[2], ARGV[1])
+local n = redis.pcall('HDEL', KEYS[2], ARGV[1])
+if type(n) == 'table' and n.err then  -- name the key, as the all-or-nothing scripts' errors do
+  return redis.error_reply(n.err .. ' (HDEL ' .. KEYS[2] .. ')')
+end
 redis.call('DEL', KEYS[1])
 return n
 """
@@ -140,6 +147,9 @@ class BudgetLevels:
             self._config[GLOBAL] = _from_config(cfg.global_budget)
         self._stored: dict[str, tuple[int | None, int | None]] = {}
         self._read_at: float | None = None
+        self._refused_logged = float("-inf")  # the last ERROR line for a listing Redis refused to read
+        #: the key and error of the last read of the listing Redis refused (None: the last read was taken)
+        self.refused: str | None = None
         #: the definitions have been read from Redis at least once since this process started (a pod that never
         #: reached Redis knows none of the budgets set with ``thinkgate budgets set``: ``/ready`` says so)
         self.synced = False
@@ -154,6 +164,15 @@ class BudgetLevels:
             raw = await self.breaker.call(lambda: self.redis.hgetall(self.keys.budget_defs))
         except RedisDown:
             return  # keep the last copy
+        except ResponseError as exc:  # the listing is not a hash (a key of the wrong type): keep the last copy
+            # too — this read runs before every admission, and raising it answered every request 500 (admission
+            # itself reads each level's definition, so a budget set there still holds)
+            self.refused = f"{self.keys.budget_defs}: {exc}"
+            if now - self._refused_logged >= 60.0:
+                self._refused_logged = now
+                log.error("budgets: Redis refused reading %s (%s); the budgets as last read are kept — fix or "
+                          "delete that key", self.keys.budget_defs, exc)
+            return
         stored: dict[str, tuple[int | None, int | None]] = {}
         for field, value in raw.items():
             try:
@@ -164,6 +183,7 @@ class BudgetLevels:
                                                                               _micro(d.get("usd_month")))
         self._stored = stored
         self.synced = True
+        self.refused = None
 
     def learn(self, levels: Iterable[Level]) -> None:
         """Take the budgets an admission script applied (``Admission.levels``: the definitions in Redis at that

@@ -12,16 +12,22 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+import uuid
 from decimal import Decimal
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 from redis.exceptions import ResponseError
 
-from gateway.state.budgets import BudgetStore
+from gateway.config import LimitsConfig
+from gateway.state.budgets import BudgetLevels, BudgetStore
 from gateway.state.keys import RedisKeys
+from tests.fixtures.gateway import SECRETS, accounting_gateway, cleanup
 from tests.fixtures.redis_stack import snapshot, stack
+from tests.fixtures.upstream import SimProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,4 +93,73 @@ def test_the_cli_says_which_key_refused_a_budget_and_exits_4(redis_url: str, red
         assert k.budget_defs in got.stderr
         assert client.exists(k.level_budget("tag", "team=a")) == 0
     finally:
+        client.close()
+
+
+def _cli(redis_url: str, redis_prefix: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "THINKGATE_CONFIG": "", "THINKGATE_REDIS__URL": redis_url,
+           "THINKGATE_REDIS__KEY_PREFIX": redis_prefix, "THINKGATE_REDIS__START_IF_MISSING": "false"}
+    return subprocess.run([sys.executable, "-m", "gateway", "budgets", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+def test_list_and_remove_name_the_refused_key_and_exit_4(redis_url: str, redis_prefix: str) -> None:
+    """The listing a string: ``budgets list`` was a traceback (exit 1) and ``remove``'s error named only the script's
+    SHA. Both say which key, one line, exit 4."""
+    k = RedisKeys(redis_prefix)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.set(k.budget_defs, "not a hash")
+        for args in (("list",), ("list", "--json"), ("remove", "--tag", "team=a")):
+            got = _cli(redis_url, redis_prefix, *args)
+            assert got.returncode == 4, (args, got.stderr)
+            last = got.stderr.strip().splitlines()[-1]  # (list: after the gateway's own ERROR line for the read)
+            assert "Traceback" not in got.stderr and last.startswith("thinkgate: budget"), got.stderr
+            assert k.budget_defs in last, got.stderr
+    finally:
+        client.delete(k.budget_defs)
+        client.close()
+
+
+async def test_a_listing_redis_refuses_keeps_the_budgets_as_last_read(redis_url: str, redis_prefix: str,
+                                                                      tmp_path: Path) -> None:
+    """The gateway re-reads the listing before admissions (``BudgetLevels.refresh``): a listing of the wrong type
+    raised there — every request a 500. Now the copy as last read is kept (a budget set before still known) and the
+    refusal is logged, once a minute, naming the key."""
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        r, k = s.handle.client, RedisKeys(s.handle.prefix)
+        await BudgetStore(s.handle, s.breaker).set("tag:team=a", Decimal("7"), None)
+        levels = BudgetLevels(s.handle, s.breaker, LimitsConfig())
+        await levels.refresh(force=True)
+        assert levels.configured()["tag:team=a"][0] == 7_000_000 and levels.refused is None
+        await r.delete(k.budget_defs)
+        await r.set(k.budget_defs, "not a hash")
+        await levels.refresh(force=True)
+        assert levels.configured()["tag:team=a"][0] == 7_000_000  # as last read
+        assert levels.refused is not None and k.budget_defs in levels.refused
+        assert not s.breaker.is_open
+        await r.delete(k.budget_defs)
+        await levels.refresh(force=True)
+        assert levels.refused is None and "tag:team=a" not in levels.configured()
+
+
+def test_a_gateway_with_a_listing_of_the_wrong_type_still_serves(upstream_sim: SimProcess, redis_url: str,
+                                                                 tmp_path: Path) -> None:
+    """Through a real gateway: requests were answered 500 ``internal_error`` (with a traceback each) while the
+    listing was a string; now 200."""
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    k = RedisKeys(prefix)
+    client = redis.Redis.from_url(redis_url)
+    client.set(k.budget_defs, "not a hash")
+    body = {"model": "short", "messages": [{"role": "user", "content": "budgets unreadable"}]}
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix,
+                                limits={"budget_refresh_s": 0.01}) as gw:
+            for _ in range(3):
+                got = httpx.post(gw.base_url + "/chat/completions", json=body, timeout=30,
+                                 headers={"authorization": f"Bearer {SECRETS['bob']}", "cache-control": "no-store"})
+                assert got.status_code == 200, got.text
+                time.sleep(0.05)
+    finally:
+        cleanup(redis_url, prefix)
         client.close()
