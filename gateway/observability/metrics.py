@@ -99,7 +99,8 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.breaker_open = Gauge("thinkgate_redis_breaker_open", "1 while the Redis circuit breaker is open.",
                                   registry=r)
-        self.spool_bytes = Gauge("thinkgate_usage_spool_bytes", "Bytes of usage events waiting in the spool.",
+        self.spool_bytes = Gauge("thinkgate_usage_spool_bytes", "Bytes of usage events waiting in the spool (and, with "
+                                 "metering.replica_acks, in the spool of events too few replicas acknowledged).",
                                  registry=r)
         # a counter (rate() over it reads spooling as it happens); render() adds what the spool counted since
         self.spooled = Counter("thinkgate_usage_spooled_events", "Usage events this process has spooled "

@@ -574,8 +574,9 @@ class Accounting:
         self._batch_since = time.monotonic()
         try:
             results = await self.meter.record_many([event for event, _ in batch])
-        except Exception:  # the spool could not be written (disk full): Meter keeps every other failure;
-            # the events' write-ahead records stay open, so the reconciler bills them if this process dies
+        except Exception:  # a spool could not be written (disk full): Meter keeps every other failure. Events
+            # not counted keep their write-ahead records open (the reconciler bills them if this process dies);
+            # counted ones lost only their extra copy for too few replica acknowledgements (metering.replica_acks)
             log.exception("usage write failed for events %s", ", ".join(e.event_id for e, _ in batch))
             return
         finally:
@@ -627,6 +628,7 @@ class Accounting:
             log.exception("budget alert check failed for a refused request of key %s", key.id)
 
     def render_metrics(self) -> bytes:
-        return self.metrics.render(self.breaker.is_open, self.spool.pending_bytes(), self.meter.spooled,
+        return self.metrics.render(self.breaker.is_open,
+                                   self.spool.pending_bytes() + self.meter.unacked.pending_bytes(), self.meter.spooled,
                                    self.meter.dead.pending_bytes(), self.meter.dead_lettered,
                                    self.meter.unreplicated, self.limits.refused_scripts)

@@ -48,7 +48,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -87,6 +87,7 @@ TPM_TTL_MS = 120_000
 UNROUTED = "_unrouted"  # tier label of requests refused before routing
 REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
 PROBE_TTL_MS = 60_000  # the replica-acknowledgement probe key (Meter.replica_acks): rewritten on every check
+ACK_BACKOFF_S = 1.0  # after too few replica acknowledgements, batches skip the WAIT this long (Meter._acked)
 DEAD_LETTER_PROBE = 50  # dead letters sent first on a retry: all refused, the rest waits for the next one
 #: error replies of a Redis that cannot write *now* (a replica after a failover, a script running, memory full):
 #: the event goes to the usage spool like on an outage, not to the dead letters
@@ -393,7 +394,12 @@ class Meter:
         self.dead = Spool(dead_letter_path(spool.path), spool.decode)
         self.dead_lettered = 0  # events this process put into the dead-letter spool (for metrics)
         self.unreplicated = 0  # counted events spooled as well: too few replicas acknowledged them (for metrics)
+        #: counted events too few replicas acknowledged (``metering.replica_acks``, :meth:`_acked`), beside the usage
+        #: spool: replayed only once the replicas answer again, so a shortfall neither holds back nor re-reads the
+        #: events an outage spooled
+        self.unacked = Spool(unacked_path(spool.path), spool.decode)
         self._unreplicated_logged = float("-inf")
+        self._acks_short_until = float("-inf")  # after a shortfall, batches skip the WAIT until then (ACK_BACKOFF_S)
         # every event settles its request's write-ahead record (gateway/state/write_ahead.py) in the same script
         self._wal_key = self.keys.write_ahead if cfg.write_ahead else None
 
@@ -460,17 +466,22 @@ class Meter:
         (the events were counted; budgets and alerts read them as such)."""
         want = self.cfg.replica_acks
         counted = [e for e, r in zip(events, results, strict=True) if r.stored == "redis"] if want else []
-        if not counted or await self.replica_acks() >= want:
+        if not counted:
             return results
-        await self.spool.append(counted)
-        self.spooled += len(counted)
-        self.unreplicated += len(counted)
         now = time.monotonic()
+        # After a shortfall the next batches go straight to the spool for ACK_BACKOFF_S: a replica that is down
+        # would otherwise hold every batch for the whole WAIT and cap the writer at batch / timeout events a second.
+        if now >= self._acks_short_until:
+            if await self.replica_acks() >= want:
+                return results
+            self._acks_short_until = time.monotonic() + ACK_BACKOFF_S
+        await self.unacked.append(counted)
+        self.unreplicated += len(counted)
         if now - self._unreplicated_logged >= 60.0:  # once a minute: a replica down would log every batch
             self._unreplicated_logged = now
             log.warning("usage events not acknowledged by %d Redis replica(s) within %d ms (metering.replica_acks): "
-                        "%d kept in the usage spool %s as well, %d so far; replayed once the replicas have them",
-                        want, self.cfg.replica_ack_timeout_ms, len(counted), self.spool.path, self.unreplicated)
+                        "%d kept in %s as well, %d so far; replayed once the replicas have them",
+                        want, self.cfg.replica_ack_timeout_ms, len(counted), self.unacked.path, self.unreplicated)
         return results
 
     async def replica_acks(self) -> int:
@@ -478,22 +489,30 @@ class Meter:
         a probe write (``p usage:replica:probe``), then ``WAIT replica_acks replica_ack_timeout_ms`` on the same
         connection. WAIT counts the replicas past *its connection's* last write; the probe makes that write later
         than every event this process had counted (on the lane or another connection), and the master's
-        replication stream is one ordered log. 0 when it cannot tell (an outage, a refusal, a slot in flux)."""
+        replication stream is one ordered log. 0 when it cannot tell (an outage, a refusal, a slot in flux, a
+        WAIT longer than ``redis.socket_timeout_s``).
+
+        Not through the breaker: a replica that is slow to acknowledge says nothing about the master, and a read
+        timeout here opened the breaker — the whole gateway in its Redis-down mode because of one lagging replica.
+        An open breaker still answers 0 without asking."""
         probe, n, t = self.keys.replica_probe, self.cfg.replica_acks, self.cfg.replica_ack_timeout_ms
+        if self.breaker.is_open:
+            return 0
         try:
-            async def ask() -> list[Any]:
-                if isinstance(self.redis, Redis):
-                    async with self.redis.pipeline(transaction=False) as pipe:  # one connection to the master
-                        pipe.set(probe, b"1", px=PROBE_TTL_MS)
-                        pipe.execute_command("WAIT", n, t)
-                        return list(await pipe.execute())
+            if isinstance(self.redis, Redis):
+                async with self.redis.pipeline(transaction=False) as pipe:  # one connection to the master
+                    pipe.set(probe, b"1", px=PROBE_TTL_MS)
+                    pipe.execute_command("WAIT", n, t)
+                    replies = await pipe.execute()
+            else:
                 await self.redis.initialize()  # a no-op once done; the slot map is read at the first command
                 node = self.redis.get_node_from_key(probe)
                 async with self.redis.pipeline() as cpipe:  # a cluster pipeline: one connection per node, in order
-                    cpipe.set(probe, b"1", px=PROBE_TTL_MS)
+                    # both to that node: were the slot map to change between the lookup and the send, a SET routed by
+                    # key would leave the WAIT on a connection without a write, which answers at once
+                    cpipe.execute_command("SET", probe, b"1", "PX", PROBE_TTL_MS, target_nodes=node)
                     cpipe.execute_command("WAIT", n, t, target_nodes=node)  # not where redis-py sends a keyless WAIT
-                    return list(await cpipe.execute())
-            replies = await self.breaker.call(ask)
+                    replies = await cpipe.execute()
             return int(replies[1])
         except Exception as exc:  # any failure means "not known to be replicated": keep the events
             log.debug("replica acknowledgement unknown: %r", exc)
@@ -526,7 +545,7 @@ class Meter:
             await self._dead_letter(dead)
         return [RecordResult("spool" if transient(exc) else "dead_letter") for _, exc in refused]
 
-    async def _dead_letter(self, dead: list[tuple[UsageEvent, ResponseError]]) -> None:
+    async def _dead_letter(self, dead: Sequence[tuple[UsageEvent, Exception]]) -> None:
         await self.dead.append([e for e, _ in dead])
         self.dead_lettered += len(dead)
         by_error: dict[str, list[str]] = {}
@@ -660,7 +679,13 @@ class Meter:
     async def _record_batch(self, events: list[UsageEvent]) -> None:
         """The spool replay's sink: an event Redis refuses goes to the dead-letter spool, so one bad event never
         holds the spool back; a transient refusal (:func:`transient`) raises (the spool is kept for the next try)."""
-        refused = await self._send(events)
+        refused: Sequence[tuple[UsageEvent, Exception]]
+        try:
+            refused = await self._send(events)
+        except (RedisDown, ResponseError):
+            raise
+        except Exception:  # neither an outage nor an error reply: find the events that raise it (_one_by_one)
+            refused = await self._one_by_one(events)
         for _, exc in refused:
             if transient(exc):
                 raise exc
@@ -670,6 +695,22 @@ class Meter:
             # the spool is let go only once the replicas hold what it counted (see _acked)
             raise RedisDown(f"usage spool kept: fewer than {self.cfg.replica_acks} Redis replica(s) acknowledged "
                             "its events (metering.replica_acks)")
+
+    async def _one_by_one(self, events: list[UsageEvent]) -> list[tuple[UsageEvent, Exception]]:
+        """A replayed batch that raised neither an outage nor an error reply, sent again one event at a time: the
+        events that raise again are returned with the exception, for the dead-letter spool. Before, one such event
+        (a client-side encoding error, a bug building its keys) raised on every pass and the drain kept the whole
+        spool — nothing an outage had spooled was ever counted. A Cluster error that passes (a slot settled) just
+        sends the rest. Raises :class:`RedisDown`."""
+        stuck: list[tuple[UsageEvent, Exception]] = []
+        for event in events:
+            try:
+                stuck.extend(await self._send([event]))
+            except (RedisDown, ResponseError):
+                raise
+            except Exception as exc:
+                stuck.append((event, exc))
+        return stuck
 
     async def _send(self, events: list[UsageEvent]) -> list[tuple[UsageEvent, ResponseError]]:
         """Send ``events`` (pipelines of :data:`REPLAY_PIPELINE`); the ones Redis refused, with its error reply.
@@ -689,8 +730,14 @@ class Meter:
         return refused
 
     async def replay(self) -> int:
-        """Send the spool to Redis; returns the number of records sent (0 when empty or Redis is down)."""
-        return await self.spool.replay(self._record_batch, "usage")
+        """Send the spool to Redis; returns the number of records sent (0 when empty or Redis is down). With
+        ``metering.replica_acks``, then the events too few replicas acknowledged (:attr:`unacked`) — only when the
+        replicas answer now: while they do not, that file is neither read nor sent."""
+        sent = await self.spool.replay(self._record_batch, "usage")
+        if (self.cfg.replica_acks and self.unacked.pending_bytes()
+                and await self.replica_acks() >= self.cfg.replica_acks):
+            sent += await self.unacked.replay(self._record_batch, "unreplicated usage")
+        return sent
 
     async def run_replayer(self, stop: asyncio.Event) -> None:
         """Replay the spool every ``replay_interval_s`` seconds until ``stop`` is set (a background task)."""
@@ -1036,15 +1083,22 @@ class Meter:
         return out
 
 
+def unacked_path(usage_spool: Path) -> Path:
+    """Where counted events too few replicas acknowledged wait (``metering.replica_acks``): beside the usage spool,
+    ``<stem>.unacked.jsonl``."""
+    return usage_spool.with_name(usage_spool.stem + ".unacked.jsonl")
+
+
 def dead_letter_path(usage_spool: Path) -> Path:
     """Where events Redis refused wait: beside the usage spool, ``<stem>.dead.jsonl``."""
     return usage_spool.with_name(usage_spool.stem + ".dead.jsonl")
 
 
-def transient(exc: ResponseError) -> bool:
+def transient(exc: Exception) -> bool:
     """Whether an error reply means Redis cannot write now (a replica, memory full, a script running) rather than
     that it refuses this event (a key of the wrong type): the event is spooled, not dead-lettered."""
-    return isinstance(exc, ReadOnlyError | OutOfMemoryError) or str(exc).startswith(TRANSIENT_REPLIES)
+    return isinstance(exc, ReadOnlyError | OutOfMemoryError) or (isinstance(exc, ResponseError)
+                                                                  and str(exc).startswith(TRANSIENT_REPLIES))
 
 
 def _ints(raw: Mapping[bytes | str, bytes | str]) -> dict[str, int]:

@@ -360,3 +360,22 @@ async def test_on_a_cluster_a_write_failing_without_an_error_reply_is_spooled_no
         assert await st.meter.replay() == 0
         assert (await st.meter.key_counters("k1"))["requests"] == 1
         assert (await st.meter.key_counters("k2"))["requests"] == 1
+
+
+async def test_one_event_that_always_raises_does_not_hold_the_usage_spool_back(redis_url: str,
+                                                                              tmp_path: Path) -> None:
+    """A spooled event whose write raises neither an outage nor an error reply every time (here a line whose ``ts``
+    is not a number — a hand-edited or version-skewed spool): the replay used to raise it on every pass, the drain
+    kept the whole file, and nothing an outage had spooled was ever counted. Now the batch is sent again one event
+    at a time, the one that raises goes to the dead-letter spool, the others are counted."""
+    prefix = f"tgpoison{uuid.uuid4().hex[:6]}:"
+    async with stack(redis_url, prefix, tmp_path / "spool.jsonl") as st:
+        good = [_event("k1", 1), _event("k1", 2)]
+        bad = json.loads(_event("k1", 3).to_json())
+        bad["ts"] = "not a number"
+        with open(st.meter.spool.path, "ab") as f:
+            f.write(good[0].to_json() + b"\n" + json.dumps(bad).encode() + b"\n" + good[1].to_json() + b"\n")
+        assert await st.meter.replay() == 3
+        assert st.meter.spool.pending_bytes() == 0
+        assert (await st.meter.key_counters("k1"))["requests"] == 2
+        assert [e.event_id for e in st.meter.dead.read_all()] == [bad["event_id"]]
