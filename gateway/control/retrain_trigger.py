@@ -918,6 +918,9 @@ def settle_copy(staged: Path, dest: Path) -> Path:
     unless ``dest`` is there already: named by its content, it holds these bytes (written the same way, by this
     replica or one sharing the directory) and is left as it is (a replica serving it sees no new file)."""
     if dest.is_file():
+        # young again: retention (_retain) spares files written in the last minutes, and this one is about to be
+        # named — another replica's prune could otherwise remove an old copy of a router adopted once more
+        os.utime(dest)
         return dest
     os.replace(staged, dest)
     fsync_dir(dest.parent)

@@ -97,14 +97,15 @@ def estimate_tokens(text: str) -> int:
 #: Prompt tokens an image or audio part counts for in an estimate (OpenAI's low-detail image: 85); its bytes
 #: (a base64 data URL of a megabyte is 250,000 "tokens" at 4 characters each) are never counted as text.
 MEDIA_TOKENS = 85
-_MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "input_audio", "audio", "file", "input_file"})
+#: content part types whose tokens are not their bytes (an image, audio or file: by URL or inline)
+MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "input_audio", "audio", "file", "input_file"})
 
 
 def _text_and_media(value: Any) -> tuple[list[str], int]:
     """The strings of a messages list (contents and tool arguments alike) and its count of media parts."""
     if isinstance(value, str):
         return ([] if value.startswith("data:") else [value]), 0
-    if isinstance(value, dict) and value.get("type") in _MEDIA_PARTS:
+    if isinstance(value, dict) and value.get("type") in MEDIA_PARTS:
         return [], 1
     texts: list[str] = []
     media = 0
@@ -113,6 +114,13 @@ def _text_and_media(value: Any) -> tuple[list[str], int]:
         texts += t
         media += m
     return texts, media
+
+
+def has_media(value: Any) -> bool:
+    """Whether a messages list (or a prompt, or tools) holds an image, audio or file part (:data:`MEDIA_PARTS`)."""
+    if isinstance(value, dict):
+        return value.get("type") in MEDIA_PARTS or any(has_media(v) for v in value.values())
+    return isinstance(value, list) and any(has_media(v) for v in value)
 
 
 def estimate_prompt(value: Any) -> int:

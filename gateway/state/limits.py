@@ -89,6 +89,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from gateway.config import LimitsConfig, TierConfig, prompted_hard_stop
 from gateway.errors import LimitsUnavailable, RateLimited
 from gateway.ledger.event import UsageEvent, cost_micro_usd, micro_to_usd, usd_to_micro
+from gateway.openai.usage import has_media
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.budgets import Level, event_level_ids
 from gateway.state.cache import LOOKUP_LUA, Lookup
@@ -444,7 +445,10 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
         tokens = max(tokens, billed_prompt + completion)
         generated = max(generated, completion)
         read = max(read, billed_prompt)
-    return Estimate(micro, tokens, generated, read)
+    # The prompt bound counts bytes: an image, audio or file part (by URL: a few dozen bytes) bills far more tokens
+    # than that, so a request carrying one has no prompt bound (a killed call's record is billed as it claims)
+    return Estimate(micro, tokens, generated, None if has_media(messages if isinstance(messages, list)
+                                                                 else body.get("prompt")) else read)
 
 
 def embedding_estimate(text: str, tier: TierConfig) -> Estimate:

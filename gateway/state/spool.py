@@ -183,7 +183,8 @@ class Spool(Generic[T]):
         except RedisDown:
             return 0
         if n:
-            log.info("%s spool replayed: %d records", what, n)
+            log.info("%s spool replayed: %d records sent (each counted once: one already counted is dropped by its "
+                     "id)", what, n)
         return n
 
     async def run_replayer(self, replay: Callable[[], Awaitable[int]], stop: asyncio.Event, interval_s: float,

@@ -183,8 +183,7 @@ class WalRecord:
     bound_completion: int | None = None
     #: the most prompt tokens the call may be billed (admission's ``Estimate.prompt``, the usage record's
     #: ``prompt_bound``: the prompt's UTF-8 bytes plus template overhead, a forced-thinking tier's two phases, over
-    #: the tier and its fallbacks); None: not known (a record written before this field: :attr:`prompt_limit`
-    #: falls back on ``bound_tokens``)
+    #: the tier and its fallbacks); None: none (a request with media parts, or a record written before this field)
     bound_prompt: int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -220,11 +219,10 @@ class WalRecord:
 
     @property
     def prompt_limit(self) -> int | None:
-        """The most prompt tokens this call can be billed: :attr:`bound_prompt`, else ``bound_tokens`` (prompt +
-        completion: never less than the prompt bound) when the call was admitted with one; None: unbounded."""
-        if self.bound_prompt is not None:
-            return self.bound_prompt
-        return self.bound_tokens or None
+        """The most prompt tokens this call can be billed: :attr:`bound_prompt`; None: unbounded — a request with
+        an image, audio or file part (its tokens are not its bytes), or a record written before this field (not
+        ``bound_tokens``: for such a request that is no bound either, and those records were billed as written)."""
+        return self.bound_prompt
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)

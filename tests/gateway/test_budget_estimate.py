@@ -173,3 +173,16 @@ def test_reservation_format_round_trip_and_open_total() -> None:
     assert Reservation.decode("garbage") is None and Reservation.decode("1|2") is None
     fields = {b"a": b"10|0|2000", b"b": b"5|0|500", b"c": b"bad"}
     assert open_total(fields, now_ms=1000) == 10  # expired and malformed fields never count
+
+
+def test_a_request_with_an_image_has_no_prompt_bound() -> None:
+    """The prompt bound counts bytes; an image by URL is a few dozen bytes and bills hundreds of tokens (a reviewer's
+    snippet: an image_url request bounded at 96 tokens, a killed call's 1,200 claimed tokens billed as 96). A request
+    with an image, audio or file part has none; a text request keeps its bound."""
+    tier = TierConfig(name="long", base_url="http://u/v1", model="m", max_tokens=64)
+    image = {"model": "long", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is in it?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png", "detail": "high"}}]}]}
+    assert estimate(image, [tier]).prompt is None
+    text = {"model": "long", "messages": [{"role": "user", "content": [{"type": "text", "text": "what is in it?"}]}]}
+    assert estimate(text, [tier]).prompt is not None

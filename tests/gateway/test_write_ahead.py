@@ -619,8 +619,8 @@ def test_reconcile_claim_counts_an_orphan_once_and_never_a_settled_request(redis
 
 def test_a_lost_calls_prompt_is_held_to_its_admitted_bound() -> None:
     # WalRecord.event alone (the SIGKILL test above drives it through a real gateway): the prompt and its cached
-    # part held to bound_prompt; a record written before that field falls back on bound_tokens (prompt +
-    # completion: never below the prompt bound); one admitted without a reservation is taken as written.
+    # part held to bound_prompt; a record without one (written before that field, or a request with media parts,
+    # whose tokens are not its bytes) is taken as written — not held to bound_tokens, no bound for such a request.
     prices = Prices(input_usd_per_mtok=Decimal("0.5"), cached_input_usd_per_mtok=Decimal("0.25"),
                     output_usd_per_mtok=Decimal("2"))
     rec = WalRecord(request_id="r", key_id="alice", owner="dead:1:x", ts=time.time(), updated_ms=0, tags={},
@@ -632,8 +632,8 @@ def test_a_lost_calls_prompt_is_held_to_its_admitted_bound() -> None:
     assert e.cost_micro_usd == cost_micro_usd(prices, prompt_tokens=40, cached_tokens=40, completion_tokens=5)
     older = WalRecord.from_json(orjson.dumps({k: v for k, v in orjson.loads(rec.to_json()).items()
                                               if k != "bound_prompt"}))
-    assert older.bound_prompt is None and older.event(prices).prompt_tokens == 100  # within bound_tokens (300)
-    assert replace(older, prompt_tokens=400).event(prices).prompt_tokens == 300
+    assert older.bound_prompt is None and older.event(prices).prompt_tokens == 100
+    assert replace(older, prompt_tokens=1200).event(prices).prompt_tokens == 1200  # an image's tokens, as claimed
     unbounded = replace(rec, bound_tokens=0, bound_completion=None, bound_prompt=None, prompt_tokens=10**6)
     assert (unbounded.event(prices).prompt_tokens, unbounded.event(prices).error_code) == (10**6, "gateway_lost")
 
