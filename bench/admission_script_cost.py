@@ -26,7 +26,7 @@ from decimal import Decimal
 from types import ModuleType
 from typing import Any
 
-from bench._lib.script_cost import evalsha_usec, head_commit, paired_args
+from bench._lib.script_cost import evalsha_usec, head_commit, paired_args, paired_deltas
 from bench.usage_query import REPO
 from gateway.config import LimitsConfig, RedisConfig
 from gateway.engine.redis_server import start_private
@@ -159,15 +159,9 @@ def main() -> None:
         print(f"HOT and ADMIT of {args.base} (before) and of {commit} + working tree (after), {args.tags} tags, "
               f"{args.batches} x {BATCH} calls each per run; µs of Redis time per call")
         for which in SCRIPTS:
-            deltas: list[float] = []
-            for _ in range(args.pairs):
-                for order in (("before", "after"), ("after", "before")):
-                    scripts = [(old if o == "before" else new)[which] for o in order]
-                    us = asyncio.run(pair(urls, scripts, which, args.batches, args.tags))
-                    got = dict(zip(order, us, strict=True))
-                    deltas.append(got["after"] - got["before"])
-                    print(f"  {which:5} before {got['before']:6.2f}  after {got['after']:6.2f}  "
-                          f"after - before {deltas[-1]:+.2f} ({deltas[-1] / got['before']:+.1%})")
+            deltas = paired_deltas(
+                lambda scripts, w=which: asyncio.run(pair(urls, scripts, w, args.batches, args.tags)),
+                old[which], new[which], args.pairs, f"{which:5} ")
             print(f"{which}: mean after - before {statistics.mean(deltas):+.2f} µs, "
                   f"median {statistics.median(deltas):+.2f}")
     finally:

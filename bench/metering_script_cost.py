@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from types import ModuleType
 
-from bench._lib.script_cost import evalsha_usec, head_commit, paired_args
+from bench._lib.script_cost import evalsha_usec, head_commit, paired_args, paired_deltas
 from bench.usage_query import REPO, meter_module_at
 from gateway.config import MeteringConfig, RedisConfig
 from gateway.engine.redis_server import start_private
@@ -81,17 +81,11 @@ def main() -> None:
     scripts = {"before": old.RECORD_LUA, "after": metering.RECORD_LUA}
     servers = [start_private(), start_private()]
     urls = [url for _, url in servers]
-    deltas: list[float] = []
     try:
         print(f"RECORD of {args.base} (before) and of {commit} + working tree (after), {args.tags} tags, "
               f"{args.batches} x {BATCH} calls each per run; µs of Redis time per call")
-        for _ in range(args.pairs):
-            for order in (("before", "after"), ("after", "before")):
-                us = asyncio.run(pair(urls, [scripts[o] for o in order], args.batches, args.tags))
-                got = dict(zip(order, us, strict=True))
-                deltas.append(got["after"] - got["before"])
-                print(f"  before {got['before']:6.2f}  after {got['after']:6.2f}  "
-                      f"after - before {deltas[-1]:+.2f} ({deltas[-1] / got['before']:+.1%})")
+        deltas = paired_deltas(lambda pair_scripts: asyncio.run(pair(urls, pair_scripts, args.batches, args.tags)),
+                               scripts["before"], scripts["after"], args.pairs)
         print(f"mean after - before {statistics.mean(deltas):+.2f} µs, median {statistics.median(deltas):+.2f}")
     finally:
         for proc, _ in servers:

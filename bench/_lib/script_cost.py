@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +32,18 @@ async def evalsha_usec(client: Any) -> float:
     us = float((await client.info("commandstats"))["cmdstat_evalsha"]["usec_per_call"])
     await client.flushdb()
     return us
+
+
+def paired_deltas(run: Callable[[list[str]], list[float]], before: str, after: str, pairs: int,
+                  label: str = "") -> list[float]:
+    """``run([script on server 0, script on server 1])`` → µs per call on each, ``pairs`` times in each order (the
+    two servers swapped, so a faster server is on both sides); prints each pair and returns after − before."""
+    deltas: list[float] = []
+    for _ in range(pairs):
+        for order in (("before", "after"), ("after", "before")):
+            us = run([before if o == "before" else after for o in order])
+            got = dict(zip(order, us, strict=True))
+            deltas.append(got["after"] - got["before"])
+            print(f"  {label}before {got['before']:6.2f}  after {got['after']:6.2f}  "
+                  f"after - before {deltas[-1]:+.2f} ({deltas[-1] / got['before']:+.1%})")
+    return deltas
