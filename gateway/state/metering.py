@@ -677,8 +677,29 @@ class Meter:
         return keys, args
 
     async def _record_batch(self, events: list[UsageEvent]) -> None:
-        """The spool replay's sink: an event Redis refuses goes to the dead-letter spool, so one bad event never
-        holds the spool back; a transient refusal (:func:`transient`) raises (the spool is kept for the next try)."""
+        """The usage spool replay's sink: an event Redis refuses goes to the dead-letter spool, so one bad event
+        never holds the spool back; a transient refusal (:func:`transient`) raises (the spool is kept for the next
+        try). With ``metering.replica_acks``, the events it counted that too few replicas acknowledge move to
+        :attr:`unacked` (see :meth:`_acked`): the usage spool is let go once its spend is in Redis — admission
+        waits for that (``Accounting._replay_before_admitting``), and a spool kept for the replicas held every
+        request for the wait."""
+        counted = await self._send_replayed(events)
+        if counted and self.cfg.replica_acks and await self.replica_acks() < self.cfg.replica_acks:
+            await self.unacked.append(counted)
+            self.unreplicated += len(counted)
+
+    async def _record_unacked(self, events: list[UsageEvent]) -> None:
+        """The sink of :attr:`unacked`'s replay: sent again (dropped by ``event_id`` where they survived), and the
+        file let go only once the replicas hold what it counted; raises :class:`RedisDown` (the file kept) when they
+        do not."""
+        await self._send_replayed(events)
+        if await self.replica_acks() < self.cfg.replica_acks:
+            raise RedisDown(f"fewer than {self.cfg.replica_acks} Redis replica(s) acknowledged the replayed usage "
+                            "events (metering.replica_acks): kept")
+
+    async def _send_replayed(self, events: list[UsageEvent]) -> list[UsageEvent]:
+        """Send replayed ``events``; the refused ones go to the dead-letter spool (a transient refusal raises: the
+        spool is kept). Returns the others (counted now, or already). Raises :class:`RedisDown`."""
         refused: Sequence[tuple[UsageEvent, Exception]]
         try:
             refused = await self._send(events)
@@ -691,10 +712,8 @@ class Meter:
                 raise exc
         if refused:
             await self._dead_letter(refused)
-        if self.cfg.replica_acks and await self.replica_acks() < self.cfg.replica_acks:
-            # the spool is let go only once the replicas hold what it counted (see _acked)
-            raise RedisDown(f"usage spool kept: fewer than {self.cfg.replica_acks} Redis replica(s) acknowledged "
-                            "its events (metering.replica_acks)")
+        out = {id(e) for e, _ in refused}
+        return [e for e in events if id(e) not in out]
 
     async def _one_by_one(self, events: list[UsageEvent]) -> list[tuple[UsageEvent, Exception]]:
         """A replayed batch that raised neither an outage nor an error reply, sent again one event at a time: the
@@ -731,12 +750,13 @@ class Meter:
 
     async def replay(self) -> int:
         """Send the spool to Redis; returns the number of records sent (0 when empty or Redis is down). With
-        ``metering.replica_acks``, then the events too few replicas acknowledged (:attr:`unacked`) — only when the
-        replicas answer now: while they do not, that file is neither read nor sent."""
+        ``metering.replica_acks``, the events it counted that too few replicas acknowledge move to :attr:`unacked`;
+        then that file is sent — only when the replicas answer now: while they do not, it is neither read nor
+        sent."""
         sent = await self.spool.replay(self._record_batch, "usage")
         if (self.cfg.replica_acks and self.unacked.pending_bytes()
                 and await self.replica_acks() >= self.cfg.replica_acks):
-            sent += await self.unacked.replay(self._record_batch, "unreplicated usage")
+            sent += await self.unacked.replay(self._record_unacked, "unreplicated usage")
         return sent
 
     async def run_replayer(self, stop: asyncio.Event) -> None:

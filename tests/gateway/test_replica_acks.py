@@ -66,6 +66,21 @@ async def test_sentinel_events_fewer_replicas_acknowledge_are_spooled_until_they
         assert (await st.meter.key_counters("k1"))["requests"] == 5  # dropped by event_id: each counted once
 
 
+async def test_an_outage_spool_replayed_while_replicas_are_short_is_let_go(redis_sentinel: SentinelSet,
+                                                                           tmp_path: Path) -> None:
+    """Events an outage spooled, replayed while too few replicas acknowledge: counted, and moved to the unacked
+    file — the usage spool is let go. Kept there instead, it held every request's admission for its wait
+    (``Accounting._replay_before_admitting`` waits for the usage spool to be in Redis) and was resent every pass."""
+    prefix, spool = f"tgack{uuid.uuid4().hex[:6]}:", tmp_path / "spool.jsonl"
+    async with stack(redis_sentinel.url, prefix, spool, replica_acks=3, replica_ack_timeout_ms=50) as st:
+        outage = _events(3)
+        await st.meter.spool.append(outage)
+        assert await st.meter.replay() == 3
+        assert st.meter.spool.pending_bytes() == 0 and not st.meter.spool.dirty
+        assert (await st.meter.key_counters("k1"))["requests"] == 3
+        assert [e.event_id for e in st.meter.unacked.read_all()] == [e.event_id for e in outage]
+
+
 async def test_a_wait_longer_than_the_socket_timeout_leaves_the_breaker_closed(redis_sentinel: SentinelSet,
                                                                                tmp_path: Path) -> None:
     """A replica slow to acknowledge says nothing about the master: a WAIT whose read times out (1 s against
