@@ -3,10 +3,13 @@ replica acknowledgement (a probe write and ``WAIT N`` after each batch, ``Meter.
 master with one replica on loopback.
 
     python -m bench.replica_ack_cost [--batches 300] [--batch 32] [--rounds 3]
+    python -m bench.replica_ack_cost --gateway [--requests 3000] [--seconds 30] [--rounds 3]
 
 Prints, per setting, the wall time per batch (the writer's latency: it runs off the request path, so this is how
 long a batch's events wait before the writer takes the next batch) and this process's CPU per event. Nothing is
-spooled in either setting (the replica keeps up); ``unreplicated`` says so.
+spooled in either setting (the replica keeps up); ``unreplicated`` says so. ``--gateway``: two ``thinkgate serve``
+processes on that master (``metering.replica_acks`` 0 and 1) under the same closed loop at 32 concurrent,
+alternating (``bench/gateway_overhead.py``'s load and CPU accounting): gateway CPU per request and RPS.
 """
 
 from __future__ import annotations
@@ -87,11 +90,41 @@ async def _run(url: str, prefix: str, workdir: Path, acks: int, batches: int, ba
         await handle.close()
 
 
+def _gateways(url: str, workdir: Path, args: argparse.Namespace) -> None:
+    """``--gateway``: gateway CPU per request and RPS with ``replica_acks`` 0 and 1 (module doc)."""
+    import os
+
+    from bench.gateway_overhead import measure, start_gateway, stop_all
+    from tests.fixtures.upstream import start_sim
+
+    os.environ["REDIS_URL"] = url  # start_gateway's Redis
+    sim = start_sim()
+    procs = []
+    try:
+        targets = []
+        for acks in (0, 1):
+            proc, target = start_gateway(sim, workdir, name=f"acks{acks}", extra={"metering": {
+                "replica_acks": acks, "spool_path": str(workdir / f"gw-spool-{acks}.jsonl")}})
+            procs.append(proc)
+            targets.append(target)
+        res = asyncio.run(measure(targets, [32], args.requests, args.seconds, args.rounds, False))
+        print(f"c=32, {args.rounds} rounds alternating, master + 1 replica on loopback")
+        print("replica_acks | requests | RPS | p99 ms | gateway CPU ms/request")
+        for t in targets:
+            x = res[(t.name, 32)]
+            print(f"{t.name[-1]} | {len(x.latencies_ms)} | {x.rps:.0f} | {x.pct(99):.2f} | {x.cpu_ms_per_request}")
+    finally:
+        stop_all(procs, sim)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32, help="events per batch")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the two settings")
+    ap.add_argument("--gateway", action="store_true", help="gateway CPU per request instead (module doc)")
+    ap.add_argument("--requests", type=int, default=3000, help="--gateway: requests per setting")
+    ap.add_argument("--seconds", type=float, default=30.0, help="--gateway: time cap per setting")
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="thinkgate-ack-"))
     master, replica = free_port(), free_port()
@@ -101,6 +134,9 @@ def main() -> None:
     try:
         _wait(lambda: _online(master), "replica")
         url = f"redis://127.0.0.1:{master}/0"
+        if args.gateway:
+            _gateways(url, workdir, args)
+            return
         rows: dict[int, list[tuple[float, float, int]]] = {0: [], 1: []}
         for _ in range(args.rounds):
             for acks in (0, 1):

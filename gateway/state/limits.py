@@ -813,8 +813,9 @@ class Limits:
             return Admission(lim.key_id, reservation_id, "none", est)
         if self.cfg.on_redis_down == "fail_closed":
             retry = max(1, math.ceil(self.breaker.cooldown_s))
-            why = "Redis refused the admission script; the gateway logged the key at fault" if script_refused else (
-                "Redis unreachable")
+            # a refusal names a key only when one is at fault (not for OOM, BUSY…): the log line says which
+            why = ("Redis refused the admission script; the gateway logged its error" if script_refused
+                   else "Redis unreachable")
             raise LimitsUnavailable(f"usage limits cannot be checked ({why}); retry later",
                                     headers={"retry-after": str(retry)})
         refused = self.local.check(lim, now, est, self.cfg.budget_mode, levels)
