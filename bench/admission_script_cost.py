@@ -26,10 +26,9 @@ from decimal import Decimal
 from types import ModuleType
 from typing import Any
 
-from bench._lib.script_cost import evalsha_usec, head_commit, paired_args, paired_deltas
+from bench._lib.script_cost import evalsha_usec, head_commit, paired_args, paired_deltas, two_servers
 from bench.usage_query import REPO
 from gateway.config import LimitsConfig, RedisConfig
-from gateway.engine.redis_server import start_private
 from gateway.state import limits as limits_mod
 from gateway.state.breaker import Breaker
 from gateway.state.budgets import BudgetLevels, BudgetStore
@@ -153,9 +152,7 @@ def main() -> None:
     commit = head_commit(REPO)
     old = scripts_at(args.base)
     new = {"HOT": limits_mod.HOT_LUA, "ADMIT": limits_mod.ADMIT_LUA}
-    servers = [start_private(), start_private()]
-    urls = [url for _, url in servers]
-    try:
+    with two_servers() as urls:
         print(f"HOT and ADMIT of {args.base} (before) and of {commit} + working tree (after), {args.tags} tags, "
               f"{args.batches} x {BATCH} calls each per run; µs of Redis time per call")
         for which in SCRIPTS:
@@ -164,11 +161,6 @@ def main() -> None:
                 old[which], new[which], args.pairs, f"{which:5} ")
             print(f"{which}: mean after - before {statistics.mean(deltas):+.2f} µs, "
                   f"median {statistics.median(deltas):+.2f}")
-    finally:
-        for proc, _ in servers:
-            proc.terminate()
-            proc.wait(timeout=15)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import sys
 import time
 import uuid
 from pathlib import Path
 from types import ModuleType
 
-from bench._lib.script_cost import evalsha_usec, head_commit, paired_args, paired_deltas
+from bench._lib.script_cost import evalsha_usec, head_commit, paired_args, paired_deltas, two_servers
 from bench.usage_query import REPO, meter_module_at
 from gateway.config import MeteringConfig, RedisConfig
-from gateway.engine.redis_server import start_private
 from gateway.ledger.event import UsageEvent
 from gateway.state import metering
 from gateway.state.breaker import Breaker
@@ -79,19 +77,12 @@ def main() -> None:
     commit = head_commit(REPO)
     old: ModuleType = meter_module_at(args.base)
     scripts = {"before": old.RECORD_LUA, "after": metering.RECORD_LUA}
-    servers = [start_private(), start_private()]
-    urls = [url for _, url in servers]
-    try:
+    with two_servers() as urls:
         print(f"RECORD of {args.base} (before) and of {commit} + working tree (after), {args.tags} tags, "
               f"{args.batches} x {BATCH} calls each per run; µs of Redis time per call")
         deltas = paired_deltas(lambda pair_scripts: asyncio.run(pair(urls, pair_scripts, args.batches, args.tags)),
                                scripts["before"], scripts["after"], args.pairs)
         print(f"mean after - before {statistics.mean(deltas):+.2f} µs, median {statistics.median(deltas):+.2f}")
-    finally:
-        for proc, _ in servers:
-            proc.terminate()
-            proc.wait(timeout=15)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ server's ``INFO commandstats``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +49,19 @@ def paired_deltas(run: Callable[[list[str]], list[float]], before: str, after: s
             print(f"  {label}before {got['before']:6.2f}  after {got['after']:6.2f}  "
                   f"after - before {deltas[-1]:+.2f} ({deltas[-1] / got['before']:+.1%})")
     return deltas
+
+
+@contextlib.contextmanager
+def two_servers() -> Iterator[list[str]]:
+    """Two private ``redis-server`` processes (``start_private``: a free loopback port each) → their URLs; stopped
+    on exit, stdout flushed."""
+    from gateway.engine.redis_server import start_private
+
+    servers = [start_private(), start_private()]
+    try:
+        yield [url for _, url in servers]
+    finally:
+        for proc, _ in servers:
+            proc.terminate()
+            proc.wait(timeout=15)
+        sys.stdout.flush()

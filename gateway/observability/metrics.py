@@ -105,17 +105,14 @@ class Metrics:
         # a counter (rate() over it reads spooling as it happens); render() adds what the spool counted since
         self.spooled = Counter("thinkgate_usage_spooled_events", "Usage events this process has spooled "
                                "(Redis down: kept on disk, replayed later).", registry=r)
-        self._spooled_seen = 0
         self.dead_letter_bytes = Gauge("thinkgate_usage_dead_letter_bytes", "Bytes of usage events Redis refused "
                                        "(an error reply), waiting in the dead-letter spool.", registry=r)
         self.dead_lettered = Counter("thinkgate_usage_dead_lettered_events", "Usage events this process put in the "
                                      "dead-letter spool (Redis refused them: nothing written; retried later).",
                                      registry=r)
-        self._dead_lettered_seen = 0
         self.unreplicated = Counter("thinkgate_usage_unreplicated_events", "Counted usage events this process kept "
-                                    "in the usage spool as well: fewer Redis replicas than metering.replica_acks "
+                                    "in the unacked spool as well: fewer Redis replicas than metering.replica_acks "
                                     "acknowledged them in time (replayed; dropped where they survived).", registry=r)
-        self._unreplicated_seen = 0
         # only a once-a-minute log line said so, and under fail_open such a call is no rejection either
         self.refused_scripts = Counter(
             "thinkgate_admission_refused_scripts", "Admission script calls Redis refused with an error reply (a key "
@@ -123,7 +120,8 @@ class Metrics:
             "with Redis down (limits.on_redis_down) —, rollback, renew.", ["script"], registry=r)
         for script in REFUSED_SCRIPTS:  # exposed at 0 from the start, as the label-less counters are
             self.refused_scripts.labels(script)
-        self._refused_seen: dict[str, int] = dict.fromkeys(REFUSED_SCRIPTS, 0)
+        #: the process counts the counters above were last brought up to (:meth:`_catch_up`), by series/label
+        self._seen: dict[tuple[int, str], int] = {}
         self.routing_share = Gauge("thinkgate_routing_share", "Share of the routed requests in the cost-target "
                                    "controller's window, by routed tier.", ["tier"], registry=r)
         # registered with the controller only (render): a label-less gauge is always exposed, and 0 read as
@@ -213,6 +211,15 @@ class Metrics:
         """Count a request refused before any upstream call, by HTTP status and error code."""
         self._child(self.refusals, str(status), code if code in REFUSAL_CODES else "other").inc()
 
+    def _catch_up(self, counter: Counter, label: str, count: int) -> None:
+        """Grow ``counter`` (its ``label`` child; "" for a label-less one) by what the process count ``count`` grew
+        since the last call: the counts live in the components (``Meter.spooled``…), the series here."""
+        key = (id(counter), label)  # the counters live as long as this object
+        seen = self._seen.get(key, 0)
+        if count > seen:
+            (counter.labels(label) if label else counter).inc(count - seen)
+            self._seen[key] = count
+
     def render(self, breaker_open: bool, spool_bytes: int, spooled: int, dead_letter_bytes: int = 0,
                dead_lettered: int = 0, unreplicated: int = 0,
                refused_scripts: Mapping[str, int] | None = None) -> bytes:
@@ -221,21 +228,13 @@ class Metrics:
         what it counted since the last call."""
         self.breaker_open.set(1 if breaker_open else 0)
         self.spool_bytes.set(spool_bytes)
-        if spooled > self._spooled_seen:
-            self.spooled.inc(spooled - self._spooled_seen)
-            self._spooled_seen = spooled
+        self._catch_up(self.spooled, "", spooled)
         self.dead_letter_bytes.set(dead_letter_bytes)
-        if dead_lettered > self._dead_lettered_seen:
-            self.dead_lettered.inc(dead_lettered - self._dead_lettered_seen)
-            self._dead_lettered_seen = dead_lettered
-        if unreplicated > self._unreplicated_seen:
-            self.unreplicated.inc(unreplicated - self._unreplicated_seen)
-            self._unreplicated_seen = unreplicated
+        self._catch_up(self.dead_lettered, "", dead_lettered)
+        self._catch_up(self.unreplicated, "", unreplicated)
         for script, n in (refused_scripts or {}).items():
-            seen = self._refused_seen.get(script)
-            if seen is not None and n > seen:  # a known label value only
-                self.refused_scripts.labels(script).inc(n - seen)
-                self._refused_seen[script] = n
+            if script in REFUSED_SCRIPTS:  # a known label value only
+                self._catch_up(self.refused_scripts, script, n)
         if self.routing_view is not None:
             if not self._target_registered:
                 self.registry.register(self.routing_target_share)
