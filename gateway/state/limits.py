@@ -982,8 +982,10 @@ class Limits:
         """Extend the open reservations of ``reservation_id`` (at the key, each tag, global) by
         ``reservation_ttl_s`` from ``now`` (epoch s): a stream that is still running. Returns the number of
         levels that still held it (0 when Redis is down: the local counters keep theirs until settled). Raises the
-        ``ResponseError`` of a renewal Redis refused (it renewed nothing, ``RENEW_LUA``), counted in
-        :attr:`refused_scripts` (the caller logs it and tries again next round)."""
+        ``ResponseError`` of a renewal Redis refused, counted in :attr:`refused_scripts` (the caller says so and
+        tries again next round): on a single Redis one call for every level, all or nothing (``RENEW_LUA``: it
+        renewed nothing); grouped, one call per level (:meth:`_renew_each`: every level is tried, the first
+        refusal raised once the last was)."""
         ttl = int(self.cfg.reservation_ttl_s * 1000)
         k = self.keys
         hashes = [k.reservations(key_id), *(k.level_reservations("tag", f"{a}={b}") for a, b in sorted(tags.items())),
@@ -991,13 +993,33 @@ class Limits:
         args: list[str | int] = [reservation_id, int(now * 1000) + ttl, ttl]
         try:
             if not self.grouped:
-                return int(await self.breaker.call(functools.partial(self._renew, keys=hashes, args=args)))
-            total = 0
-            for h in hashes:
-                total += int(await self.breaker.call(functools.partial(self._renew, keys=[h], args=args)))
-            return total
+                return await self._renew_call(hashes, args)
+            return await self._renew_each(hashes, args)
         except RedisDown:
             return 0
+
+    async def _renew_each(self, hashes: Sequence[str], args: Sequence[str | int]) -> int:
+        """Grouped renewal (Redis Cluster: each level's hash may be in a slot of its own): one ``RENEW`` call per
+        level hash in ``hashes``, each all or nothing on its own. A level Redis refuses does not stop the ones after
+        it — it used to: one broken level's hash let the reservations at every later level lapse at their TTL
+        under a live stream, so concurrent requests no longer saw it there. Returns the number of levels that held
+        the reservation; raises the first refusal (one per round, whatever the number of refused levels) after
+        the last level was tried, or RedisDown at once (an outage: the next levels would fail the same way)."""
+        total, refused = 0, None
+        for h in hashes:
+            try:
+                total += await self._renew_call([h], args)
+            except ResponseError as exc:
+                refused = refused or exc
+        if refused is not None:
+            raise refused
+        return total
+
+    async def _renew_call(self, keys: Sequence[str], args: Sequence[str | int]) -> int:
+        """One ``RENEW`` call over ``keys``: the number of them that held the reservation. A refusal (an error
+        reply: it renewed nothing) is counted in :attr:`refused_scripts` and raised; raises RedisDown."""
+        try:
+            return int(await self.breaker.call(functools.partial(self._renew, keys=keys, args=args)))
         except ResponseError as exc:
             if not isinstance(exc, NoScriptError):
                 self.refused_scripts["renew"] += 1

@@ -21,7 +21,9 @@ replica's) once it holds more than 4,096, so it cannot grow without bound.
 ``micro|tokens``) every third of the TTL, so a long stream never stops counting while it runs; the stream itself
 is bounded by ``limits.max_stream_s`` (``gateway/pipeline/relay.py`` cuts it), so a renewed reservation is too.
 A field that is gone (settled, or expired after a crash) is not re-created. All or nothing, like admission: a
-renewal Redis refuses partway (a hash of the wrong type) renews no level.
+renewal Redis refuses partway (a hash of the wrong type) renews no level. Grouped admission (Redis Cluster) renews
+one level per call (``Limits.renew``): a refused level does not stop the others, which are renewed; the refusal is
+raised once, after the last level.
 
 **Rollback** (``ROLLBACK_LUA``): grouped admission (Redis Cluster, ``gateway/state/limits.py``) reserves one
 level group at a time; when a later group refuses, the groups already reserved are released with this script

@@ -262,6 +262,42 @@ async def test_a_renewal_refused_partway_renews_no_level(redis_url: str, redis_p
             assert (await r.hget(h, "streaming")).endswith(b"|%d" % exp)
 
 
+@pytest.mark.parametrize("broken", [("key",), ("tag",), ("key", "global")])
+async def test_a_grouped_renewal_renews_every_level_redis_does_not_refuse(redis_url: str, redis_prefix: str,
+                                                                          tmp_path: Path,
+                                                                          broken: tuple[str, ...]) -> None:
+    """Grouped (Redis Cluster: one ``RENEW`` call per level): a string SET at the ``broken`` levels' reservation hashes
+    refuses their calls; every other level is renewed all the same — the levels after the first refused one used to
+    be left to lapse at their TTL under the live stream — and the first refusal is raised once, after the last level,
+    naming its key; each refused call is counted (``thinkgate_admission_refused_scripts_total{script="renew"}``)."""
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        limits = _limits(s, "grouped")
+        levels = await _levels(s)
+        r, k = s.handle.client, limits.keys
+        await _admit(limits, levels, "streaming", False)
+        hashes = {"key": k.reservations("k1"), "tag": k.level_reservations("tag", "team=a"),
+                  "global": k.level_reservations("global", "global")}
+        for level in broken:
+            await r.delete(hashes[level])
+            await r.set(hashes[level], "not a hash")
+        later = time.time() + 100
+        with pytest.raises(ResponseError) as info:
+            await limits.renew("k1", TAGS, "streaming", later)
+        first = hashes[broken[0]]
+        assert f"ThinkGate reservation renewal: HGET {first} failed, nothing written (undone)" in str(info.value)
+        assert limits.refused_scripts == {"admit": 0, "rollback": 0, "renew": len(broken)}
+        exp = int(later * 1000) + int(limits.cfg.reservation_ttl_s * 1000)
+        renewed = {level: (await r.hget(h, "streaming")).endswith(b"|%d" % exp)
+                   for level, h in hashes.items() if level not in broken}
+        assert renewed == dict.fromkeys(renewed, True)
+        for level in broken:
+            assert await r.get(hashes[level]) == b"not a hash"  # a refused level: left as it was
+
+        for level in broken:
+            await r.delete(hashes[level])
+        assert await limits.renew("k1", TAGS, "streaming", later) == 3 - len(broken)  # fixed: no error
+
+
 def _refused_series(metrics: str) -> dict[str, float]:
     """``thinkgate_admission_refused_scripts_total`` by ``script``, from an exposition text."""
     out = {}
