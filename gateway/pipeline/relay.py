@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
+from redis.exceptions import ResponseError
 
 from gateway.config import TierConfig
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
@@ -140,13 +141,29 @@ async def renew(acct: Accounting, ex: Exchange) -> None:
     renewal :meth:`gateway.pipeline.proxy.Proxy.serve` starts by a timer a third of the TTL after admission."""
     every = acct.settings.limits.reservation_ttl_s / 3
     due = ex.record.ts + every
+    warned = False
     while True:
         await asyncio.sleep(max(0.0, due - time.time()))
         due = time.time() + every
         try:
             await acct.renew(ex.record)
-        except Exception:  # never break the stream for it; the next round tries again
+        except ResponseError as exc:  # never break the stream for it; the next round tries again
+            if not warned:
+                warned = True
+                _warn_refused(acct, ex, exc)
+        except Exception:  # not a refusal (a bug): its traceback is what says where
             log.exception("renewing the reservations of %s failed", ex.record.request_id)
+
+
+def _warn_refused(acct: Accounting, ex: Exchange, exc: ResponseError) -> None:
+    """The one WARNING line of a stream whose renewal Redis refused: Redis answered, so a traceback says nothing the
+    error reply does not — it names the command and the key (the level's reservation hash, ``gateway/state/undo.py``)
+    —, and one every round (a third of ``limits.reservation_ttl_s``) of every stream of the tenant was noise. Each
+    refused call is counted in ``thinkgate_admission_refused_scripts_total{script="renew"}`` (``Limits.renew``)."""
+    log.warning("reservations of request %s (key %s) not renewed: Redis refused the renewal (%s); they lapse within "
+                "%g s unless a later round works — fix or delete the key it names (said once per stream, every "
+                "refusal counted in thinkgate_admission_refused_scripts_total{script=\"renew\"})",
+                ex.record.request_id, ex.record.key_id or "anonymous", exc, acct.settings.limits.reservation_ttl_s)
 
 
 class _Run:

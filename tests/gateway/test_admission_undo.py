@@ -378,3 +378,49 @@ async def test_a_rollback_that_brings_a_window_to_zero_deletes_it(redis_url: str
             await rollback(keys=keys, args=args)
         assert await snapshot(s) == before
         assert int(await r.get(k.rpm("k1", 7))) == 1 and await r.pttl(k.rpm("k1", 7)) > 0
+
+
+def test_a_refused_renewal_is_one_warning_per_stream_and_counted_every_round(
+        upstream_sim: SimProcess, redis_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A running stream whose renewal Redis refuses (a string SET at the global level's reservation hash once it was
+    admitted): the stream goes on, ``thinkgate.relay`` says so in one WARNING line naming the request, the key and the
+    broken Redis key, without a traceback — it logged an ERROR with a traceback every round (a third of
+    ``limits.reservation_ttl_s``) —, and every refused round is counted in
+    ``thinkgate_admission_refused_scripts_total{script="renew"}``."""
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    glob = RedisKeys(prefix).level_reservations("global", "global")
+    client = redis.Redis.from_url(redis_url)
+    body = {"model": "long", "stream": True, "messages": [{"role": "user", "content": "a slow stream of words"}],
+            "sim": {"chunk_delay_ms": 150}}  # ~25 chunks: ~3.7 s, a renewal round every 0.2 s
+    caplog.set_level(logging.DEBUG, logger="thinkgate.relay")
+    try:
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix,
+                                limits={"reservation_ttl_s": 0.6},
+                                auth=keys_config(alice={"budget_usd_day": "5"})) as gw:
+            def renew_refused() -> float:
+                got = httpx.get(gw.url + "/metrics", headers={"authorization": f"Bearer {ADMIN_SECRET}"}, timeout=10)
+                return _refused_series(got.text)["renew"]
+
+            with httpx.stream("POST", gw.base_url + "/chat/completions", json=body, timeout=30, headers={
+                    "authorization": f"Bearer {SECRETS['alice']}", "cache-control": "no-store"}) as r:
+                assert r.status_code == 200
+                rid = r.headers["x-request-id"]
+                client.delete(glob)  # admitted: its reservation there is replaced by a key of the wrong type
+                client.set(glob, "not a hash")
+                lines = r.iter_lines()
+                for _ in lines:
+                    if renew_refused() >= 3:
+                        break
+                refused_rounds = renew_refused()
+                client.delete(glob)  # fixed before the end: the stream's usage event is metered as usual
+                rest = [line for line in lines if line]
+        assert refused_rounds >= 3, refused_rounds
+        assert rest and rest[-1] == "data: [DONE]"  # the stream went on to its end
+        said = [rec for rec in caplog.records if rec.name == "thinkgate.relay"]
+        assert len(said) == 1, [rec.getMessage() for rec in said]
+        line = said[0]
+        assert line.levelno == logging.WARNING and line.exc_info is None
+        assert rid in line.getMessage() and "key alice" in line.getMessage() and glob in line.getMessage()
+    finally:
+        cleanup(redis_url, prefix)
+        client.close()
