@@ -144,7 +144,8 @@ end
 #       12 UTC day, 13 the event's cube cell (gateway/ledger/aggregate.py), 14 the event's ts (ms),
 #       15 metering.late_after_s (ms), 16.. counter field/increment pairs
 # The reservations made at admission under event_id (gateway/state/reservations.py) are released at every
-# level (once: HDEL) and the TPM window corrected by (actual - reserved) tokens. Levels above the key
+# level (once: HDEL) and the TPM window corrected by (actual - reserved) tokens (deleted when that brings it to 0,
+# ``del_zero`` in gateway/state/reservations.py). Levels above the key
 # (global, tags) count cost_micro_usd and requests per UTC day and month.
 # The cube (gateway/ledger/aggregate.py) is added to in the same step that counts the event, so a counted event
 # is in it exactly once whichever path counted it (the writer, the spool replay, the orphan reconciler); n:{day}
@@ -168,10 +169,11 @@ local function record()
     end
   end
   local reserved = settle(KEYS[9], ARGV[1])
+  local tpm_zero = false  -- the TPM window brought to 0: deleted last (below)
   if reserved then
     local delta = tonumber(ARGV[8]) - reserved
     if reserved > 0 and delta ~= 0 and redis.call('EXISTS', KEYS[10]) == 1 then
-      incrby(KEYS[10], delta)
+      tpm_zero = incrby(KEYS[10], delta) == 0
       redis.call('PEXPIRE', KEYS[10], ARGV[9])
     end
   end
@@ -236,6 +238,7 @@ local function record()
     at_cmd, at_key = 'HDEL', wal
     redis.call('HDEL', wal, ARGV[1])
   end
+  del_zero(tpm_zero, KEYS[10])
   return out
 end
 """ + all_or_nothing("record", """
@@ -291,7 +294,8 @@ end""")
 # The write-ahead record of a dead process's request that was waiting and never sent upstream
 # (gateway/state/write_ahead.py): if the record is still open and the owner's heartbeat still absent (the claim, as
 # in RECORD), delete it, release the request's reservations at every level, take its reserved tokens back out of the
-# TPM window (it used none) and record its audit event as AUDIT does (stream, the cube's ``refused``, the index).
+# TPM window (it used none; a window brought to 0 is deleted, as RECORD's) and record its audit event as AUDIT does
+# (stream, the cube's ``refused``, the index).
 # The audit event has an id of its own (``{request id}:unsent``, in the seen-set like any audit event, so the cube
 # index still equals the seen-set); the request id itself is not added: nothing was counted, so should the owner
 # have been alive after all (its heartbeat lapsed while Redis was away) and send the call, that call's own event
@@ -306,8 +310,9 @@ RELEASE_LUA = LUA_FUNCTIONS + WRITE_AUDIT + SETTLE_LUA + all_or_nothing("""funct
   at_cmd, at_key = 'HEXISTS', KEYS[7]
   if redis.call('HEXISTS', KEYS[7], ARGV[11]) == 0 or redis.call('EXISTS', KEYS[8]) == 1 then return 0 end
   local reserved = settle(KEYS[9], ARGV[11])
+  local tpm_zero = false  -- the TPM window brought to 0: deleted last (below)
   if reserved and reserved > 0 and redis.call('EXISTS', KEYS[10]) == 1 then
-    incrby(KEYS[10], -reserved)
+    tpm_zero = incrby(KEYS[10], -reserved) == 0
     redis.call('PEXPIRE', KEYS[10], ARGV[12])
   end
   for j = 11, #KEYS do settle(KEYS[j], ARGV[11]) end
@@ -315,6 +320,7 @@ RELEASE_LUA = LUA_FUNCTIONS + WRITE_AUDIT + SETTLE_LUA + all_or_nothing("""funct
   -- the write-ahead record last: nothing can fail after its HDEL, which so needs no undo
   at_cmd, at_key = 'HDEL', KEYS[7]
   redis.call('HDEL', KEYS[7], ARGV[11])
+  del_zero(tpm_zero, KEYS[10])
   return 1
 end""")
 

@@ -77,6 +77,11 @@ end
 
 # After LUA_FUNCTIONS and UNDO_LUA (``gateway/state/undo.py``): a reservation released (``release``), its old value
 # logged to put it back should a later write of the script fail (the metering scripts; ROLLBACK).
+# ``del_zero(zero, window)``: the TPM window a settlement brought to 0 (``zero``) deleted, as ROLLBACK deletes its
+# windows at 0 — left as "0" until its TTL it was an empty key to no use: admission reads a missing window as 0, and
+# metering corrects only a window that exists (at 0 it holds no other call's reserved tokens to correct). Called after
+# every write of the script that can fail (DEL itself cannot): an undone correction would re-create a deleted window
+# without its TTL.
 SETTLE_LUA = """
 local function settle(hash, id)
   at_cmd, at_key = 'HDEL', hash
@@ -86,6 +91,9 @@ local function settle(hash, id)
     nu = nu + 4
   end
   return tokens
+end
+local function del_zero(zero, window)
+  if zero then redis.call('DEL', window) end
 end
 """
 

@@ -22,6 +22,7 @@ from gateway.errors import RateLimited
 from gateway.ledger.event import UsageEvent
 from gateway.state.alerts import Alerts
 from gateway.state.limits import Estimate, KeyLimits, Limits, LimitsUnavailable, estimate
+from gateway.state.write_ahead import WalRecord
 from tests.fixtures.redis_stack import Stack, stack
 
 PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
@@ -155,6 +156,34 @@ async def test_tpm_limit_reserves_then_settles_real_tokens(redis_url: str, redis
         w = int(now * 1000) // 60_000
         assert int(await st.handle.client.get(limits.keys.tpm("tpm-key", w))) == 20
         await limits.admit(lim, "r4", est, now)
+
+
+async def test_a_tpm_window_settled_back_to_zero_is_deleted(redis_url: str, redis_prefix: str,
+                                                             tmp_path: Path) -> None:
+    """The window's last call settled with no upstream tokens (``RECORD``: an upstream error before any token) or
+    released unsent (``RELEASE``: a dead replica's call that was waiting): its TPM window is deleted, not left as "0"
+    until its TTL (``ROLLBACK`` already deleted its windows at 0); a window still holding another call's tokens is
+    corrected and keeps its TTL."""
+    async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
+        limits = Limits(st.handle, st.breaker, LimitsConfig())
+        r, k = st.handle.client, limits.keys
+        lim = KeyLimits("tpm-key", tpm=1000)
+        now = time.time()
+        window = k.tpm("tpm-key", int(now * 1000) // 60_000)
+        for rid in ("r1", "r2"):
+            await limits.admit(lim, rid, Estimate(10, 60), now)
+        assert int(await r.get(window)) == 120
+        await st.meter.record(_event("tpm-key", "r1", now, prompt=0, completion=0))
+        assert int(await r.get(window)) == 60 and await r.pttl(window) > 0  # r2's tokens still in it
+        await st.meter.record(_event("tpm-key", "r2", now, prompt=0, completion=0))
+        assert await r.exists(window) == 0
+
+        await limits.admit(lim, "r3", Estimate(10, 60), now)
+        unsent = WalRecord(request_id="r3", key_id="tpm-key", owner="dead:1:x", ts=now, updated_ms=0, tags={},
+                           tier="short", waiting=True)
+        await r.hset(k.write_ahead, unsent.request_id, unsent.to_json())
+        assert await st.meter.release_orphan(unsent.unsent_event(), k.heartbeat("dead:1:x"))
+        assert await r.exists(window, k.reservations("tpm-key"), k.write_ahead) == 0
 
 
 async def test_estimate_is_an_upper_bound_over_candidate_tiers() -> None:
