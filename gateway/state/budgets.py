@@ -17,14 +17,13 @@ lowered holds for the next request on every replica — no window in which a rep
 :class:`BudgetLevels` keeps a per-process copy (re-read at most every ``limits.budget_refresh_s`` seconds) that
 serves only while Redis is down (``fail_open``), and for views (``/v1/usage``, alerts). Definitions stored by
 an older version (``budgets:defs`` only) get their definition hash on a gateway's start
-(:meth:`BudgetStore.sync`).
+(:meth:`BudgetStore.sync`: one script, which never writes over a budget set or removed meanwhile).
 
 Level ids: ``key:{id}`` (internal only), ``tag:{k=v}``, ``global``.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -72,6 +71,30 @@ end
 redis.call('DEL', KEYS[1])
 return n
 """
+
+# :meth:`BudgetStore.sync` (a gateway's start): a definition hash for each listed level that has none (definitions
+# stored by an older version: ``budgets:defs`` only). KEYS[1] ``budgets:defs``, then per level i (0-based) its
+# definition hash KEYS[2+i]; ARGV per level: 1+4i its listing field (the level id), 2+4i the listing's JSON as sync
+# read it, 3+4i ``day``, 4+4i ``month`` (integer micro-USD, -1 = none). A level is written only while its listing still
+# holds that JSON and it still has no definition, in the same atomic step: a ``budgets set`` or ``remove`` between
+# sync's read and its write wins. Sync used to check and write level by level with commands of their own: a level
+# ``budgets remove`` took away in between got its definition back (in force, listed nowhere), and a ``budgets set``
+# between the check and the write had its new amounts overwritten by the old. All or nothing
+# (``gateway/state/undo.py``), like SET; its keys are shared (one slot on a Cluster, ``gateway/state/keys.py``).
+# Returns how many levels it wrote.
+SYNC_LUA = UNDO_LUA + all_or_nothing("""function()
+  local n = 0
+  for i = 2, #KEYS do
+    local a = 4 * (i - 2)
+    at_cmd, at_key = 'HGET', KEYS[1]
+    if redis.call('HGET', KEYS[1], ARGV[a + 1]) == ARGV[a + 2] and redis.call('EXISTS', KEYS[i]) == 0 then
+      hset(KEYS[i], 'day', ARGV[a + 3])
+      hset(KEYS[i], 'month', ARGV[a + 4])
+      n = n + 1
+    end
+  end
+  return n
+end""", what="budgets sync")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +145,11 @@ def _micro(v: Any) -> int | None:
     except InvalidOperation:
         return None
     return usd_to_micro(d) if d.is_finite() and d >= 0 else None
+
+
+def _def_amount(micro: int | None) -> int:
+    """A definition hash's amount: integer micro-USD, -1 = none."""
+    return -1 if micro is None else micro
 
 
 def _from_config(b: LevelBudget | None) -> tuple[int | None, int | None]:
@@ -241,6 +269,7 @@ class BudgetStore:
         self.breaker = breaker
         self._set = FastScript(handle, SET_LUA)
         self._remove = FastScript(handle, REMOVE_LUA)
+        self._sync = FastScript(handle, SYNC_LUA)
 
     async def set(self, level_id: str, usd_day: Decimal | None, usd_month: Decimal | None) -> None:
         """Set (replace) the budgets of ``level_id`` (``tag:k=v`` or ``global``); at least one amount. The definition
@@ -268,24 +297,34 @@ class BudgetStore:
 
     async def sync(self) -> int:
         """Give every level listed in ``budgets:defs`` without a definition hash one (definitions stored before
-        admission read them in Redis); returns how many were written. Raises RedisDown."""
+        admission read them in Redis); returns how many were written. One read of the listing, then one script
+        (:data:`SYNC_LUA`) that writes a level only while its listing is still what was read and it still has no
+        definition — a ``budgets set`` or ``remove`` in between wins —, all or nothing. Raises RedisDown, or the
+        ``ResponseError`` of a listing Redis refused (a key of the wrong type, named in it; nothing written)."""
         raw = await self.breaker.call(lambda: self.redis.hgetall(self.keys.budget_defs))
-        written = 0
+        keys: list[str] = [self.keys.budget_defs]
+        args: list[str | bytes | int] = []
         for field, value in raw.items():
-            name = field.decode() if isinstance(field, bytes) else field
-            try:
-                kind, level = parse_level(name)
-                d = orjson.loads(value)
-            except (ValueError, orjson.JSONDecodeError):
-                continue
-            key = self.keys.level_budget(kind, level)
-            if await self.breaker.call(functools.partial(self.redis.exists, key)):
-                continue
-            day, month = _micro(d.get("usd_day")), _micro(d.get("usd_month"))
-            items: list[str | int] = ["day", -1 if day is None else day, "month", -1 if month is None else month]
-            await self.breaker.call(functools.partial(self.redis.hset, key, items=items))
-            written += 1
-        return written
+            level = self._listed(field, value)
+            if level is not None:
+                keys.append(self.keys.level_budget(level.kind, level.name))
+                args += [field, value, _def_amount(level.day_micro), _def_amount(level.month_micro)]
+        if len(keys) == 1:
+            return 0
+        return int(await self.breaker.call(lambda: self._sync(keys=keys, args=args)))
+
+    @staticmethod
+    def _listed(field: bytes | str, value: bytes | str) -> Level | None:
+        """The level of one ``budgets:defs`` entry with its amounts (integer micro-USD); None for a field that is no
+        level id or a value that is no JSON object (``budgets set`` writes neither: left alone)."""
+        try:
+            kind, name = parse_level(field.decode() if isinstance(field, bytes) else field)
+            d = orjson.loads(value)
+        except (ValueError, orjson.JSONDecodeError):
+            return None
+        if not isinstance(d, dict):
+            return None
+        return Level(kind, name, _micro(d.get("usd_day")), _micro(d.get("usd_month")))
 
     async def list(self) -> dict[str, dict[str, str | None]]:
         """Stored budgets: level id → ``{"usd_day", "usd_month"}`` (decimal strings or None)."""

@@ -10,7 +10,7 @@ reverse order and the script answers an error reply naming the command and the k
 
 One module for both families (``gateway/state/metering.py``: ``RECORD``, ``AUDIT``, ``RELEASE``;
 ``gateway/state/limits.py``: ``ADMIT`` and the hot path's ``HOT``; ``gateway/state/reservations.py``: ``ROLLBACK`` and
-``RENEW``; ``gateway/state/budgets.py``: ``SET``),
+``RENEW``; ``gateway/state/budgets.py``: ``SET`` and ``SYNC``),
 so an undo is written once: the scripts cannot import, they are pasted together from these fragments.
 """
 

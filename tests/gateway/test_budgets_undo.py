@@ -14,8 +14,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -23,13 +25,18 @@ import redis
 from redis.exceptions import ResponseError
 
 from gateway.config import LimitsConfig
+from gateway.state.breaker import Breaker
 from gateway.state.budgets import BudgetLevels, BudgetStore
 from gateway.state.keys import RedisKeys
 from tests.fixtures.gateway import SECRETS, accounting_gateway, cleanup
-from tests.fixtures.redis_stack import snapshot, stack
+from tests.fixtures.redis_cluster import ClusterSet, redis_cluster
+from tests.fixtures.redis_stack import Stack, snapshot, stack
 from tests.fixtures.upstream import SimProcess
 
 REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+__all__ = ["redis_cluster"]  # the session fixture used below
 
 
 @pytest.mark.parametrize("defined", [False, True])
@@ -163,3 +170,85 @@ def test_a_gateway_with_a_listing_of_the_wrong_type_still_serves(upstream_sim: S
     finally:
         cleanup(redis_url, prefix)
         client.close()
+
+
+OLD_LISTING = {"tag:team=a": b'{"usd_day": "50", "usd_month": null}',
+               "global": b'{"usd_day": null, "usd_month": "5000"}',
+               "tag:team=b": b'{"usd_day": "1", "usd_month": null}',
+               "bogus": b'{"usd_day": "1"}', "tag:x=y": b"no json"}
+
+
+async def _sync_once_and_again(s: Stack) -> None:
+    """A listing an older version wrote (``budgets:defs`` only; ``tag:team=b`` defined since, a field that is no level
+    and a value that is no JSON beside them): ``sync`` gives each listed level without a definition its amounts,
+    once — a second sync writes nothing — and leaves the defined level and the junk alone."""
+    r, k = s.handle.client, RedisKeys(s.handle.prefix)
+    await r.hset(k.budget_defs, mapping=OLD_LISTING)
+    await r.hset(k.level_budget("tag", "team=b"), mapping={"day": 7, "month": -1})
+    store = BudgetStore(s.handle, s.breaker)
+    assert await store.sync() == 2
+    assert await r.hgetall(k.level_budget("tag", "team=a")) == {b"day": b"50000000", b"month": b"-1"}
+    assert await r.hgetall(k.level_budget("global", "global")) == {b"day": b"-1", b"month": b"5000000000"}
+    assert await r.hgetall(k.level_budget("tag", "team=b")) == {b"day": b"7", b"month": b"-1"}
+    assert await r.exists(k.level_budget("tag", "x=y")) == 0
+    assert await store.sync() == 0
+
+
+async def test_sync_gives_every_listed_level_without_one_its_definition(redis_url: str, redis_prefix: str,
+                                                                        tmp_path: Path) -> None:
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        await _sync_once_and_again(s)
+
+
+async def test_sync_runs_in_one_slot_on_a_cluster(redis_cluster: ClusterSet, tmp_path: Path) -> None:
+    """The same on Redis Cluster: the listing and every definition are shared keys (the ``{prefix}`` slot), so the one
+    script may take them all (a CROSSSLOT error otherwise)."""
+    async with stack(redis_cluster.url, f"tgsync{uuid.uuid4().hex[:6]}:", tmp_path / "s", socket_timeout_s=2.0) as s:
+        assert s.handle.kind == "cluster"
+        await _sync_once_and_again(s)
+
+
+class _Meanwhile(Breaker):
+    """The breaker the store's calls go through, which runs ``meanwhile`` (another process's ``thinkgate budgets``)
+    right before the store's second Redis call: after ``sync`` read the listing, before it writes."""
+
+    def __init__(self, meanwhile: Callable[[], Awaitable[object]]) -> None:
+        super().__init__(0.5)
+        self.meanwhile = meanwhile
+        self.calls = 0
+
+    async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        self.calls += 1
+        if self.calls == 2:
+            await self.meanwhile()
+        return await super().call(fn)
+
+
+@pytest.mark.parametrize("meanwhile", ["remove", "set"])
+async def test_a_budget_changed_while_sync_runs_is_not_undone(redis_url: str, redis_prefix: str, tmp_path: Path,
+                                                              meanwhile: str) -> None:
+    """``thinkgate budgets remove`` (or ``set``) of a level between sync's read of the listing and its write wins:
+    sync used to check and write level by level, so a removed level got its definition back — a budget in force but
+    listed nowhere (not in ``budgets list``, ``/v1/usage``, nor the replicas' copies) — and a level set between the
+    check and the write got the old amounts. The script writes a level only while its listing is still what sync
+    read and it still has no definition."""
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        r, k = s.handle.client, RedisKeys(s.handle.prefix)
+        await r.hset(k.budget_defs, "tag:team=a", OLD_LISTING["tag:team=a"])  # an older version's: no definition
+        cli = BudgetStore(s.handle, s.breaker)
+
+        async def change() -> None:
+            if meanwhile == "remove":
+                assert await cli.remove("tag:team=a") is True
+            else:
+                await cli.set("tag:team=a", Decimal("9"), None)
+
+        store = BudgetStore(s.handle, _Meanwhile(change))
+        assert await store.sync() == 0
+        listed = await cli.list()
+        defined = await r.hgetall(k.level_budget("tag", "team=a"))
+        if meanwhile == "remove":
+            assert (listed, defined) == ({}, {})  # out of force and unlisted, both
+        else:
+            assert listed == {"tag:team=a": {"usd_day": "9", "usd_month": None}}
+            assert defined == {b"day": b"9000000", b"month": b"-1"}
