@@ -172,9 +172,10 @@ class Accounting:
             await BudgetStore(self.handle, self.breaker).sync()
         except RedisDown:
             log.warning("budget definitions not checked at start (Redis down)")
-        except ResponseError as exc:  # the listing of the wrong type: serve (budgets.refresh keeps its copy) and say
-            log.error("budget definitions not checked at start: Redis refused reading %s (%s) — fix or delete that "
-                      "key", self.budgets.keys.budget_defs, exc)
+        except ResponseError as exc:  # a listing of the wrong type, or a refused write (OOM, READONLY): serve
+            # (budgets.refresh keeps its copy) and say so; Redis's reply names the command and the key
+            log.error("budget definitions not checked at start: Redis refused the sync of %s and its definition "
+                      "hashes (%s)", self.budgets.keys.budget_defs, exc)
         await self.budgets.refresh(force=True)  # the copy a Redis outage falls back on (``/ready`` reads synced)
         self._replayer = asyncio.create_task(self.meter.run_replayer(self._stop), name="usage-spool-replayer")
         self._dead_retrier = asyncio.create_task(self.meter.run_dead_letters(self._stop),
