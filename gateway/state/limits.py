@@ -983,9 +983,11 @@ class Limits:
         ``reservation_ttl_s`` from ``now`` (epoch s): a stream that is still running. Returns the number of
         levels that still held it (0 when Redis is down: the local counters keep theirs until settled). Raises the
         ``ResponseError`` of a renewal Redis refused, counted in :attr:`refused_scripts` (the caller says so and
-        tries again next round): on a single Redis one call for every level, all or nothing (``RENEW_LUA``: it
-        renewed nothing); grouped, one call per level (:meth:`_renew_each`: every level is tried, the first
-        refusal raised once the last was)."""
+        tries again next round). On a single Redis one call for every level, all or nothing (``RENEW_LUA``); refused,
+        it renewed nothing, and the levels are then tried one call each as grouped admission always does
+        (:meth:`_renew_each`: every level Redis does not refuse is renewed, the first refusal raised once the last
+        was tried) — one broken level's hash must not let the stream's reservations lapse at the healthy ones,
+        where concurrent requests would no longer see them."""
         ttl = int(self.cfg.reservation_ttl_s * 1000)
         k = self.keys
         hashes = [k.reservations(key_id), *(k.level_reservations("tag", f"{a}={b}") for a, b in sorted(tags.items())),
@@ -993,7 +995,10 @@ class Limits:
         args: list[str | int] = [reservation_id, int(now * 1000) + ttl, ttl]
         try:
             if not self.grouped:
-                return await self._renew_call(hashes, args)
+                try:
+                    return await self._renew_call(hashes, args)
+                except ResponseError:  # renewed nothing (all or nothing): each level on its own, below
+                    pass
             return await self._renew_each(hashes, args)
         except RedisDown:
             return 0

@@ -23,7 +23,8 @@ is bounded by ``limits.max_stream_s`` (``gateway/pipeline/relay.py`` cuts it), s
 A field that is gone (settled, or expired after a crash) is not re-created. All or nothing, like admission: a
 renewal Redis refuses partway (a hash of the wrong type) renews no level. Grouped admission (Redis Cluster) renews
 one level per call (``Limits.renew``): a refused level does not stop the others, which are renewed; the refusal is
-raised once, after the last level.
+raised once, after the last level. On a single Redis a refused call for every level is followed by those per-level
+calls, so a broken level lapses alone there too.
 
 **Rollback** (``ROLLBACK_LUA``): grouped admission (Redis Cluster, ``gateway/state/limits.py``) reserves one
 level group at a time; when a later group refuses, the groups already reserved are released with this script

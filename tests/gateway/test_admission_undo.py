@@ -232,7 +232,8 @@ async def test_a_renewal_refused_partway_renews_no_level(redis_url: str, redis_p
     """``RENEW`` over the key, the tag and global: a string SET at the global level's reservation hash (the last one)
     fails the call after the key's and the tag's fields were rewritten — they were left renewed and global not; now
     every field is as it was (a hash that held only this reservation with its old expiry) and the error names the
-    key. Fixed, the renewal renews every level."""
+    key. The script itself, as ``Limits.renew`` sends it on a single Redis (what ``Limits.renew`` does next:
+    :func:`test_a_single_redis_renewal_refused_renews_the_other_levels_one_by_one`)."""
     async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
         limits = _limits(s, "single")
         levels = await _levels(s)
@@ -244,22 +245,54 @@ async def test_a_renewal_refused_partway_renews_no_level(redis_url: str, redis_p
         await r.delete(glob)
         await r.set(glob, "not a hash")
         key_hash = k.reservations("k1")
+        hashes = [key_hash, k.level_reservations("tag", "team=a"), glob]
         ttl_before = await r.pttl(key_hash)
         before = await snapshot(s)
         later = time.time() + 100
+        ttl = int(limits.cfg.reservation_ttl_s * 1000)
+        args: list[str | int] = ["streaming", int(later * 1000) + ttl, ttl]
         with pytest.raises(ResponseError) as info:
-            await limits.renew("k1", TAGS, "streaming", later)
-        assert limits.refused_scripts == {"admit": 0, "rollback": 0, "renew": 1}  # thinkgate_admission_refused_…
+            await limits._renew(keys=hashes, args=args)
         assert await snapshot(s) == before
         if alone:  # its hash's TTL too (a renewed TTL is not undone where the hash holds other reservations)
             assert 0 < await r.pttl(key_hash) <= ttl_before
         assert f"ThinkGate reservation renewal: HGET {glob} failed, nothing written (undone)" in str(info.value)
 
         await r.delete(glob)
-        assert await limits.renew("k1", TAGS, "streaming", later) == 2
+        assert await limits._renew(keys=hashes, args=args) == 2
         exp = int(later * 1000) + int(limits.cfg.reservation_ttl_s * 1000)
         for h in (key_hash, k.level_reservations("tag", "team=a")):
             assert (await r.hget(h, "streaming")).endswith(b"|%d" % exp)
+
+
+async def test_a_single_redis_renewal_refused_renews_the_other_levels_one_by_one(redis_url: str, redis_prefix: str,
+                                                                                 tmp_path: Path) -> None:
+    """A single Redis, a string SET at the global level's reservation hash: the one call for every level is refused
+    and renews nothing (above); ``Limits.renew`` then renews each level on its own, as grouped admission does — the
+    key's and the tag's reservations are extended (they used to lapse with the broken level's under the live
+    stream), global is left as it was, the refusal is raised once naming its key, and both refused calls (the whole
+    call, then global's) are counted."""
+    async with stack(redis_url, redis_prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        limits = _limits(s, "single")
+        levels = await _levels(s)
+        r, k = s.handle.client, limits.keys
+        await _admit(limits, levels, "streaming", False)
+        glob = k.level_reservations("global", "global")
+        await r.delete(glob)
+        await r.set(glob, "not a hash")
+        later = time.time() + 100
+        with pytest.raises(ResponseError) as info:
+            await limits.renew("k1", TAGS, "streaming", later)
+        assert f"ThinkGate reservation renewal: HGET {glob} failed, nothing written (undone)" in str(info.value)
+        assert limits.refused_scripts == {"admit": 0, "rollback": 0, "renew": 2}  # thinkgate_admission_refused_…
+        exp = int(later * 1000) + int(limits.cfg.reservation_ttl_s * 1000)
+        for h in (k.reservations("k1"), k.level_reservations("tag", "team=a")):
+            assert (await r.hget(h, "streaming")).endswith(b"|%d" % exp)
+        assert await r.get(glob) == b"not a hash"
+
+        await r.delete(glob)
+        assert await limits.renew("k1", TAGS, "streaming", later) == 2  # fixed: no error, one call again
+        assert limits.refused_scripts["renew"] == 2
 
 
 @pytest.mark.parametrize("broken", [("key",), ("tag",), ("key", "global")])
