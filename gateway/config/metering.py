@@ -14,7 +14,8 @@ from gateway.config.paths import STATE_DIR
 class MeteringConfig(_Strict):
     """Usage events: Redis Stream ``{prefix}usage:events`` + counters; a local fsync'd spool while Redis is
     down, replayed every ``replay_interval_s`` seconds. ``dedup_ttl_s`` is how long an ``event_id`` is
-    remembered (a spool replayed later than that could count twice). ``stream_maxlen`` trims the stream
+    remembered: a replay sets aside an event older than that less an hour (it could count twice) in the
+    quarantine file beside the spool (``docs/metering.md``). ``stream_maxlen`` trims the stream
     approximately (None = never; exports read the stream)."""
 
     spool_path: Path = STATE_DIR / "usage-spool.jsonl"

@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 #: every counter of a cube cell: the event counters and ``refused`` (audit events)
 CUBE_FIELDS: tuple[str, ...] = (*COUNTER_FIELDS, "refused")
 DAY_S = 86400
+#: how long before its TTL says so a seen-set is taken for gone (its day's ``ok:`` mark, :func:`day_verdict`; an event
+#: too old to be replayed, ``gateway/state/metering.py``): clock skew between the replica that stamped a ``ts`` and
+#: Redis, which runs the TTL, and the time between a check and the script it guards
+SEEN_MARGIN_S = 3600
 
 Verdict = Literal["cube", "empty", "scan"]
 _NAMES = {name.encode(): name for name in CUBE_FIELDS}
@@ -143,7 +147,7 @@ def day_verdict(day: str, aggregated: int, seen: int, ok_mark: bool, now: float,
         return "scan"
     if seen > 0:
         return "cube" if aggregated == seen else "scan"
-    if start + dedup_ttl_s > now + 3600:  # the seen-set would still live: nothing was counted that day
+    if start + dedup_ttl_s > now + SEEN_MARGIN_S:  # the seen-set would still live: nothing was counted that day
         return "empty" if aggregated == 0 else "scan"
     return "cube" if ok_mark else "scan"
 

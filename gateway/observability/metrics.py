@@ -15,6 +15,8 @@ refused before an upstream call, by ``status`` and ``code``); histograms
 ``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events_total``, ``thinkgate_usage_dead_letter_bytes``,
 ``thinkgate_usage_dead_lettered_events_total`` (events Redis refused, kept in the dead-letter spool),
 ``thinkgate_usage_unreplicated_events_total`` (counted events also spooled: too few replica acks),
+``thinkgate_usage_quarantine_bytes`` and ``thinkgate_usage_quarantined_events_total{reason}`` (events a replay set
+aside, neither counted nor dropped: ``past_dedup_window``; ``gateway/state/spool.py`` ``Quarantine``),
 ``thinkgate_admission_refused_scripts_total{script}`` (admission scripts Redis refused with an error reply, each
 having written nothing: ``admit`` — a call then decided as with Redis down, ``limits.on_redis_down`` —, ``rollback``,
 ``renew``; ``gateway/state/limits.py``); with
@@ -34,6 +36,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from gateway.config import MetricsConfig, TierConfig
 from gateway.ledger.event import UsageEvent
 from gateway.state.limits import REFUSED_SCRIPTS
+from gateway.state.spool import QUARANTINE_REASONS
 
 ROUTE_REASONS = frozenset({"predicted", "forced", "effort", "fallback", "escalated", "cache", "shadow", "spot_check",
                            "explore"})
@@ -113,6 +116,14 @@ class Metrics:
         self.unreplicated = Counter("thinkgate_usage_unreplicated_events", "Counted usage events this process kept "
                                     "in the unacked spool as well: fewer Redis replicas than metering.replica_acks "
                                     "acknowledged them in time (replayed; dropped where they survived).", registry=r)
+        self.quarantine_bytes = Gauge("thinkgate_usage_quarantine_bytes", "Bytes of usage events set aside in the "
+                                      "quarantine file: neither counted nor dropped, an operator decides.", registry=r)
+        self.quarantined = Counter(
+            "thinkgate_usage_quarantined_events", "Usage events this process set aside in the quarantine file, by "
+            "reason: past_dedup_window — older than metering.dedup_ttl_s less an hour, a replay could have counted "
+            "them twice.", ["reason"], registry=r)
+        for reason in QUARANTINE_REASONS:  # exposed at 0 from the start
+            self.quarantined.labels(reason)
         # only a once-a-minute log line said so, and under fail_open such a call is no rejection either
         self.refused_scripts = Counter(
             "thinkgate_admission_refused_scripts", "Admission script calls Redis refused with an error reply (a key "
@@ -222,16 +233,21 @@ class Metrics:
 
     def render(self, breaker_open: bool, spool_bytes: int, spooled: int, dead_letter_bytes: int = 0,
                dead_lettered: int = 0, unreplicated: int = 0,
-               refused_scripts: Mapping[str, int] | None = None) -> bytes:
+               refused_scripts: Mapping[str, int] | None = None, quarantine_bytes: int = 0,
+               quarantined: Mapping[str, int] | None = None) -> bytes:
         """The exposition text, with the gauges set from the current state; the counters fed from a process count
-        (``spooled``, ``dead_lettered``, ``unreplicated``, ``refused_scripts``: ``Limits.refused_scripts``) grow by
-        what it counted since the last call."""
+        (``spooled``, ``dead_lettered``, ``unreplicated``, ``refused_scripts``: ``Limits.refused_scripts``,
+        ``quarantined``: ``Quarantine.counts`` by reason) grow by what it counted since the last call."""
         self.breaker_open.set(1 if breaker_open else 0)
         self.spool_bytes.set(spool_bytes)
         self._catch_up(self.spooled, "", spooled)
         self.dead_letter_bytes.set(dead_letter_bytes)
         self._catch_up(self.dead_lettered, "", dead_lettered)
         self._catch_up(self.unreplicated, "", unreplicated)
+        self.quarantine_bytes.set(quarantine_bytes)
+        for reason, n in (quarantined or {}).items():
+            if reason in QUARANTINE_REASONS:  # a known label value only
+                self._catch_up(self.quarantined, reason, n)
         for script, n in (refused_scripts or {}).items():
             if script in REFUSED_SCRIPTS:  # a known label value only
                 self._catch_up(self.refused_scripts, script, n)

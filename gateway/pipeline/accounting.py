@@ -632,4 +632,5 @@ class Accounting:
         return self.metrics.render(self.breaker.is_open,
                                    self.spool.pending_bytes() + self.meter.unacked.pending_bytes(), self.meter.spooled,
                                    self.meter.dead.pending_bytes(), self.meter.dead_lettered,
-                                   self.meter.unreplicated, self.limits.refused_scripts)
+                                   self.meter.unreplicated, self.limits.refused_scripts,
+                                   self.meter.quarantine.pending_bytes(), self.meter.quarantine.counts)

@@ -37,6 +37,12 @@ of the same pipelined batch are counted as usual; the spool replay dead-letters 
 keep the whole spool forever). A refusal that only means Redis cannot write *now* (``READONLY`` after a failover,
 ``OOM``, ``BUSY``, ``NOREPLICAS``: :func:`transient`) spools the event like an outage instead.
 
+Every replay (the usage spool, the unacked file, the dead letters) first sets aside the events whose id may have left
+its seen-set (:func:`past_dedup_window`: ``ts`` older than ``metering.dedup_ttl_s`` less
+:data:`~gateway.ledger.aggregate.SEEN_MARGIN_S`): counted already, such an event would be counted again, and whether
+it was cannot be told any more. They go to the quarantine file (``<spool stem>.quarantine.jsonl``,
+:func:`quarantine_path`), which is never sent: an operator decides (``docs/metering.md``).
+
 Redis Cluster: the script touches several keys, so all its keys share one hash slot (the prefix is a hash tag,
 see ``gateway/state/redis.py``) — the cubes too, although they are per key: they must be written in the step that
 counts the event (the day's seen-set, shared by every key), and a script cannot span slots.
@@ -47,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +66,7 @@ from redis.exceptions import NoScriptError, OutOfMemoryError, ReadOnlyError, Res
 from gateway.config import MeteringConfig
 from gateway.ledger.aggregate import (
     DAY_S,
+    SEEN_MARGIN_S,
     GroupedUsage,
     PeriodParts,
     ScanTooLarge,
@@ -76,7 +84,7 @@ from gateway.state.breaker import Breaker, RedisDown, is_outage
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import FastScript, RedisHandle, as_bytes, as_text
 from gateway.state.reservations import LUA_FUNCTIONS, SETTLE_LUA
-from gateway.state.spool import Spool
+from gateway.state.spool import Quarantine, Spool, quarantined
 from gateway.state.undo import UNDO_LUA, all_or_nothing
 
 log = logging.getLogger("thinkgate.metering")
@@ -406,6 +414,8 @@ class Meter:
         self.unacked = Spool(unacked_path(spool.path), spool.decode)
         self._unreplicated_logged = float("-inf")
         self._acks_short_until = float("-inf")  # after a shortfall, batches skip the WAIT until then (ACK_BACKOFF_S)
+        #: what a replay must neither count nor drop (:meth:`_fresh`): never sent, an operator decides
+        self.quarantine = Quarantine(quarantine_path(spool.path))
         # every event settles its request's write-ahead record (gateway/state/write_ahead.py) in the same script
         self._wal_key = self.keys.write_ahead if cfg.write_ahead else None
 
@@ -688,8 +698,8 @@ class Meter:
         try). With ``metering.replica_acks``, the events it counted that too few replicas acknowledge move to
         :attr:`unacked` (see :meth:`_acked`): the usage spool is let go once its spend is in Redis — admission
         waits for that (``Accounting._replay_before_admitting``), and a spool kept for the replicas held every
-        request for the wait."""
-        counted = await self._send_replayed(events)
+        request for the wait. Events past the dedup window are set aside first (:meth:`_fresh`)."""
+        counted = await self._send_replayed(await self._fresh(events, self.spool.path))
         if counted and self.cfg.replica_acks and await self.replica_acks() < self.cfg.replica_acks:
             await self.unacked.append(counted)
             self.unreplicated += len(counted)
@@ -697,11 +707,34 @@ class Meter:
     async def _record_unacked(self, events: list[UsageEvent]) -> None:
         """The sink of :attr:`unacked`'s replay: sent again (dropped by ``event_id`` where they survived), and the
         file let go only once the replicas hold what it counted; raises :class:`RedisDown` (the file kept) when they
-        do not."""
-        await self._send_replayed(events)
+        do not. Events past the dedup window are set aside first (:meth:`_fresh`)."""
+        await self._send_replayed(await self._fresh(events, self.unacked.path))
         if await self.replica_acks() < self.cfg.replica_acks:
             raise RedisDown(f"fewer than {self.cfg.replica_acks} Redis replica(s) acknowledged the replayed usage "
                             "events (metering.replica_acks): kept")
+
+    async def _fresh(self, events: list[UsageEvent], source: Path) -> list[UsageEvent]:
+        """``events`` less those past the dedup window (:func:`past_dedup_window`), which go to the quarantine file
+        (:attr:`quarantine`, reason ``past_dedup_window``) with one WARNING line per batch. Why: the seen-set that
+        drops a replayed event already counted lives ``metering.dedup_ttl_s`` after the day's last event; an event
+        kept longer than that (a spool, the unacked file, a dead letter whose key was fixed late) may have been
+        counted and forgotten, and would be counted twice — or lost by a failover and never counted: which, only
+        the stream can tell, so neither is done for it. Raises ``OSError`` when the quarantine cannot be written
+        (the events stay where they were: the caller's file is kept)."""
+        now = time.time()
+        stale = {id(e) for e in events if past_dedup_window(e, self.cfg.dedup_ttl_s, now)}
+        if not stale:
+            return events
+        old = [e for e in events if id(e) in stale]
+        detail = (f"ts older than metering.dedup_ttl_s ({self.cfg.dedup_ttl_s} s) less {SEEN_MARGIN_S} s: its "
+                  "event_id may have left the seen-set, so a replay could count it twice; not sent")
+        if await self.quarantine.append([quarantined("past_dedup_window", detail, source, e.to_dict()) for e in old]):
+            log.warning("usage events %s in %s are older than metering.dedup_ttl_s (%d s) less %d s: not sent (their "
+                        "ids may have left the seen-sets, a replay could count them twice), kept in %s: check each "
+                        "event_id against the stream (thinkgate usage export) before counting it by hand",
+                        ", ".join(e.event_id for e in old), source, self.cfg.dedup_ttl_s, SEEN_MARGIN_S,
+                        self.quarantine.path)
+        return [e for e in events if id(e) not in stale]
 
     async def _send_replayed(self, events: list[UsageEvent]) -> list[UsageEvent]:
         """Send replayed ``events``; the refused ones go to the dead-letter spool (a transient refusal raises: the
@@ -779,7 +812,7 @@ class Meter:
         errors: list[str] = []
 
         async def sink(events: list[UsageEvent]) -> list[UsageEvent]:
-            refused = await self._send(events)
+            refused = await self._send(await self._fresh(events, self.dead.path))
             errors.extend(str(exc) for _, exc in refused[:1])
             return [e for e, _ in refused]
 
@@ -787,6 +820,7 @@ class Meter:
             return 0, 0
         try:
             probe = await asyncio.to_thread(self.dead.head, DEAD_LETTER_PROBE)
+            # one set aside (past the dedup window) is no refusal: the whole pass below goes on
             if probe and len(await sink(probe)) == len(probe):
                 log.warning("dead-letter spool: still refused by Redis (the oldest %d usage events tried, the rest "
                             "kept), next try in %.0f s: %s", len(probe), self.cfg.dead_letter_interval_s,
@@ -1113,6 +1147,27 @@ def unacked_path(usage_spool: Path) -> Path:
     """Where counted events too few replicas acknowledged wait (``metering.replica_acks``): beside the usage spool,
     ``<stem>.unacked.jsonl``."""
     return usage_spool.with_name(usage_spool.stem + ".unacked.jsonl")
+
+
+def quarantine_path(usage_spool: Path) -> Path:
+    """Where replays set aside what they must neither count nor drop (:meth:`Meter._fresh`): beside the usage spool,
+    ``<stem>.quarantine.jsonl``."""
+    return usage_spool.with_name(usage_spool.stem + ".quarantine.jsonl")
+
+
+def past_dedup_window(event: UsageEvent, dedup_ttl_s: int, now: float) -> bool:
+    """Whether ``event``'s id may have left the seen-set that makes its replay a no-op once counted: its ``ts``
+    (epoch s) is ``dedup_ttl_s`` less :data:`~gateway.ledger.aggregate.SEEN_MARGIN_S` old at ``now`` (epoch s).
+
+    Why ``ts`` bounds it: an event is counted at or after its ``ts``, and counting it (``SADD``, then ``EXPIRE
+    dedup_ttl_s``) renews its day's seen-set, so had it been counted, its id stays there at least ``dedup_ttl_s``
+    after ``ts`` (every replica on the same ``metering.dedup_ttl_s``); the margin covers clock skew between the
+    replica that stamped ``ts`` and Redis. False for a ``ts`` that is no finite number: such an event cannot be
+    written at all (its day cannot be named), the dead-letter spool keeps it."""
+    ts = event.ts
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+        return False
+    return ts + dedup_ttl_s - SEEN_MARGIN_S <= now
 
 
 def dead_letter_path(usage_spool: Path) -> Path:

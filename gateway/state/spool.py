@@ -16,6 +16,10 @@ the records its sink did not accept: the file is replaced by one holding only th
 and renamed over it (so a crash leaves the old file or the new, never neither). Every append and drain checks,
 once it holds the lock, that the file it opened is still the one at the path (else it opens the new one): an
 append that waited on the lock of a replaced file is never written into it.
+
+:class:`Quarantine` (``<spool stem>.quarantine.jsonl``, ``gateway/state/metering.py``) is where metering sets aside
+what it must neither count nor drop: an event too old to be counted once for sure (its id may have left the seen-set
+that dedups it). It is append-only and never read back by the gateway: an operator decides.
 """
 
 from __future__ import annotations
@@ -25,9 +29,14 @@ import contextlib
 import fcntl
 import logging
 import os
+import threading
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, cast
+
+import orjson
 
 from gateway.ledger.event import UsageEvent
 from gateway.state.breaker import RedisDown
@@ -203,6 +212,97 @@ class Spool(Generic[T]):
                 log.exception("%s spool replay failed; retrying in %.1f s", what, interval_s)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
+
+
+#: why a record is set aside (:class:`Quarantined`'s ``reason``, the metrics' label): ``past_dedup_window`` — an event
+#: too old to be replayed once for sure (``gateway/state/metering.py``, ``past_dedup_window``)
+QUARANTINE_REASONS = ("past_dedup_window",)
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """One line of the quarantine file: what was set aside (``event``: the record as it was read), from which
+    file (``source``), when (``at``, epoch s), why (``reason``, a short name the metrics label with; ``detail``, the
+    sentence for a person)."""
+
+    reason: str
+    detail: str
+    source: str
+    event: dict[str, Any]
+    at: float
+
+    @property
+    def key(self) -> str:
+        """What makes two records the same: the reason and the event's id (a pass retried after a failure sets the
+        same event aside again)."""
+        return f"{self.reason} {self.event.get('event_id')}"
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self)
+
+
+class Quarantine:
+    """Append-only fsync'd JSONL file of :class:`Quarantined` records at ``path``, shared by processes like a spool
+    (``flock``). Never read by the gateway. ``counts`` (by reason) are this process's records, for the metrics.
+
+    A pass that sets records aside and then fails (Redis down before its file is truncated) keeps its file and sets
+    them aside again on the next pass: this process writes each ``(reason, event_id)`` once (``_written``, bounded),
+    so a long outage does not fill the file with copies; another process, or a restart, may still write one twice
+    (same ``event_id``)."""
+
+    #: records remembered as written; past it the memory starts afresh (a rare copy, never a loss)
+    MEMORY = 100_000
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.counts: dict[str, int] = {}
+        self._written: set[str] = set()
+        self._lock = threading.Lock()  # appends run in worker threads (asyncio.to_thread)
+
+    def append_sync(self, records: list[Quarantined]) -> int:
+        """Write the ``records`` this process has not written yet, durably (fsync'd when this returns); how many were
+        new. Raises ``OSError`` (disk full): the caller keeps them where they were."""
+        with self._lock:
+            new = list({r.key: r for r in records if r.key not in self._written}.values())
+            if not new:
+                return 0
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = _open_locked(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            assert fd is not None  # O_CREAT
+            try:
+                _write_all(fd, b"".join(r.to_json() + b"\n" for r in new))
+            finally:
+                os.close(fd)
+            if len(self._written) > self.MEMORY:
+                self._written.clear()
+            for r in new:
+                self._written.add(r.key)
+                self.counts[r.reason] = self.counts.get(r.reason, 0) + 1
+            return len(new)
+
+    async def append(self, records: list[Quarantined]) -> int:
+        """:meth:`append_sync` in a worker thread."""
+        return await asyncio.to_thread(self.append_sync, records) if records else 0
+
+    def pending_bytes(self) -> int:
+        """Size of the file in bytes (0 when absent): non-zero means something waits for an operator."""
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def read_all(self) -> list[dict[str, Any]]:
+        """Every record of the file as a dict (for inspection and tests)."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return []
+        return [orjson.loads(line) for line in raw.splitlines() if line.strip()]
+
+
+def quarantined(reason: str, detail: str, source: Path, event: dict[str, Any]) -> Quarantined:
+    """A :class:`Quarantined` record stamped now."""
+    return Quarantined(reason, detail, str(source), event, time.time())
 
 
 def _open_locked(path: Path, flags: int = os.O_RDWR) -> int | None:
