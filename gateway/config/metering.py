@@ -21,7 +21,8 @@ class MeteringConfig(_Strict):
     spool_path: Path = STATE_DIR / "usage-spool.jsonl"
     replay_interval_s: float = Field(5.0, gt=0)
     # Events Redis refused with an error reply (a ThinkGate key of the wrong type, gateway/state/metering.py): kept
-    # in the dead-letter spool beside the usage spool and sent again every dead_letter_interval_s seconds
+    # in the dead-letter spool beside the usage spool and sent again after dead_letter_interval_s seconds — the wait
+    # doubling, up to an hour, while a retry counts none of them
     dead_letter_interval_s: float = Field(60.0, gt=0)
     dedup_ttl_s: int = Field(40 * 86400, ge=60)
     # Redis replicates asynchronously: a master that crashes before its replicas have a write loses it in the

@@ -16,7 +16,8 @@ refused before an upstream call, by ``status`` and ``code``); histograms
 ``thinkgate_usage_dead_lettered_events_total`` (events Redis refused, kept in the dead-letter spool),
 ``thinkgate_usage_unreplicated_events_total`` (counted events also spooled: too few replica acks),
 ``thinkgate_usage_quarantine_bytes`` and ``thinkgate_usage_quarantined_events_total{reason}`` (events a replay set
-aside, neither counted nor dropped: ``past_dedup_window``; ``gateway/state/spool.py`` ``Quarantine``),
+aside, neither counted nor dropped: ``past_dedup_window``, ``malformed``, ``unreadable``;
+``gateway/state/spool.py`` ``Quarantine``),
 ``thinkgate_admission_refused_scripts_total{script}`` (admission scripts Redis refused with an error reply, each
 having written nothing: ``admit`` — a call then decided as with Redis down, ``limits.on_redis_down`` —, ``rollback``,
 ``renew``; ``gateway/state/limits.py``); with
@@ -121,7 +122,8 @@ class Metrics:
         self.quarantined = Counter(
             "thinkgate_usage_quarantined_events", "Usage events this process set aside in the quarantine file, by "
             "reason: past_dedup_window — older than metering.dedup_ttl_s less an hour, a replay could have counted "
-            "them twice.", ["reason"], registry=r)
+            "them twice; malformed — a dead letter whose write cannot be built; unreadable — a spool line that is "
+            "no event.", ["reason"], registry=r)
         for reason in QUARANTINE_REASONS:  # exposed at 0 from the start
             self.quarantined.labels(reason)
         # only a once-a-minute log line said so, and under fail_open such a call is no rejection either

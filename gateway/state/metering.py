@@ -31,8 +31,9 @@ SET at the stream, a counter hash, a cube, a level's hash), a counter field hold
 each script is all or nothing (``UNDO_LUA``: it undoes its own earlier writes and answers an error reply naming the
 command and the key that failed). The event goes to a second fsync'd spool, the dead letters
 (``<spool stem>.dead.jsonl``, :func:`dead_letter_path`), is counted in ``thinkgate_usage_dead_lettered_events_total``
-and logged at ERROR once; :meth:`Meter.run_dead_letters` sends the dead letters again every
-``metering.dead_letter_interval_s`` — once the key is fixed they are counted, once (by ``event_id``). The other events
+and logged at ERROR once; :meth:`Meter.run_dead_letters` sends the dead letters again after
+``metering.dead_letter_interval_s`` (doubled while none counts, up to an hour) — once the key is fixed they are counted,
+once (by ``event_id``). The other events
 of the same pipelined batch are counted as usual; the spool replay dead-letters a refused event and goes on (it used to
 keep the whole spool forever). A refusal that only means Redis cannot write *now* (``READONLY`` after a failover,
 ``OOM``, ``BUSY``, ``NOREPLICAS``: :func:`transient`) spools the event like an outage instead.
@@ -41,7 +42,9 @@ Every replay (the usage spool, the unacked file, the dead letters) first sets as
 its seen-set (:func:`past_dedup_window`: ``ts`` older than ``metering.dedup_ttl_s`` less
 :data:`~gateway.ledger.aggregate.SEEN_MARGIN_S`): counted already, such an event would be counted again, and whether
 it was cannot be told any more. They go to the quarantine file (``<spool stem>.quarantine.jsonl``,
-:func:`quarantine_path`), which is never sent: an operator decides (``docs/metering.md``).
+:func:`quarantine_path`), which is never sent: an operator decides (``docs/metering.md``). So do dead letters whose
+write cannot even be built (:meth:`Meter._malformed`) and spool lines no event can be read from. The dead-letter
+retry backs off (:meth:`Meter.run_dead_letters`) while it counts none.
 
 Redis Cluster: the script touches several keys, so all its keys share one hash slot (the prefix is a hash tag,
 see ``gateway/state/redis.py``) — the cubes too, although they are per key: they must be written in the step that
@@ -51,6 +54,7 @@ counts the event (the day's seen-set, shared by every key), and a script cannot 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -97,6 +101,11 @@ REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
 PROBE_TTL_MS = 60_000  # the replica-acknowledgement probe key (Meter.replica_acks): rewritten on every check
 ACK_BACKOFF_S = 1.0  # after too few replica acknowledgements, batches skip the WAIT this long (Meter._acked)
 DEAD_LETTER_PROBE = 50  # dead letters sent first on a retry: all refused, the rest waits for the next one
+#: the longest wait between two dead-letter retries (seconds): each pass that counts none doubles the wait from
+#: metering.dead_letter_interval_s up to this — a key broken for days, or an event Redis refuses for ever, was retried
+#: (and logged) every minute
+DEAD_LETTER_MAX_INTERVAL_S = 3600.0
+POISON_MEMORY = 10_000  # event ids remembered as having logged their traceback (Meter._poison_logged)
 #: error replies of a Redis that cannot write *now* (a replica after a failover, a script running, memory full):
 #: the event goes to the usage spool like on an outage, not to the dead letters
 TRANSIENT_REPLIES = ("BUSY ", "NOREPLICAS ", "MISCONF ")  # MISCONF: writes stopped after a failed RDB save
@@ -403,19 +412,26 @@ class Meter:
         self._release = FastScript(handle, RELEASE_LUA)
         self._lane = handle.lane
         self.spooled = 0  # events written to the spool by this process (for metrics)
+        #: what a replay must neither count nor drop (:meth:`_fresh`, :meth:`_writable`, a line no event can be read
+        #: from): never sent, an operator decides
+        self.quarantine = Quarantine(quarantine_path(spool.path))
+        if spool.quarantine is None:  # its unreadable lines: kept there, not dropped by the drain's truncate
+            spool.quarantine = self.quarantine
         #: events Redis refused with an error reply (the script undid itself: nothing of them written), kept
         #: beside the usage spool until a retry counts them (:meth:`retry_dead_letters`)
-        self.dead = Spool(dead_letter_path(spool.path), spool.decode)
+        self.dead = Spool(dead_letter_path(spool.path), spool.decode, self.quarantine)
+        #: seconds until the next dead-letter retry (:meth:`run_dead_letters`): ``metering.dead_letter_interval_s``,
+        #: doubled after each pass that counted none, up to :data:`DEAD_LETTER_MAX_INTERVAL_S`
+        self.dead_retry_s = cfg.dead_letter_interval_s
+        self._poison_logged: set[str] = set()  # event ids whose send raised, traceback logged (once each)
         self.dead_lettered = 0  # events this process put into the dead-letter spool (for metrics)
         self.unreplicated = 0  # counted events spooled as well: too few replicas acknowledged them (for metrics)
         #: counted events too few replicas acknowledged (``metering.replica_acks``, :meth:`_acked`), beside the usage
         #: spool: replayed only once the replicas answer again, so a shortfall neither holds back nor re-reads the
         #: events an outage spooled
-        self.unacked = Spool(unacked_path(spool.path), spool.decode)
+        self.unacked = Spool(unacked_path(spool.path), spool.decode, self.quarantine)
         self._unreplicated_logged = float("-inf")
         self._acks_short_until = float("-inf")  # after a shortfall, batches skip the WAIT until then (ACK_BACKOFF_S)
-        #: what a replay must neither count nor drop (:meth:`_fresh`): never sent, an operator decides
-        self.quarantine = Quarantine(quarantine_path(spool.path))
         # every event settles its request's write-ahead record (gateway/state/write_ahead.py) in the same script
         self._wal_key = self.keys.write_ahead if cfg.write_ahead else None
 
@@ -568,9 +584,10 @@ class Meter:
         for event, exc in dead:
             by_error.setdefault(str(exc), []).append(event.event_id)
         for error, ids in by_error.items():
-            log.error("usage events %s refused by Redis, kept in the dead-letter spool %s and sent again every "
-                      "%.0f s (fix or delete the key it names; they count once then): %s", ", ".join(ids),
-                      self.dead.path, self.cfg.dead_letter_interval_s, error)
+            log.error("usage events %s refused by Redis, kept in the dead-letter spool %s and sent again from "
+                      "every %.0f s, backing off to every %.0f s while refused (fix or delete the key it names; they "
+                      "count once then): %s", ", ".join(ids), self.dead.path, self.cfg.dead_letter_interval_s,
+                      DEAD_LETTER_MAX_INTERVAL_S, error)
 
     async def _run_many(self, events: list[UsageEvent]) -> list[Any]:
         """The batch's replies in order: an error reply as its ``ResponseError``. Raises an outage error (or any
@@ -807,41 +824,120 @@ class Meter:
         the ones it still refuses stay. The oldest :data:`DEAD_LETTER_PROBE` go first: when Redis refuses every
         one of them the rest is not sent (nor parsed, nor the file rewritten) — a key still broken under an hour of
         traffic held hundreds of thousands, all sent again every pass while the spool's lock held back the
-        writer's own dead letters. Returns ``(sent, still refused)`` (a refused probe: its size, twice);
-        ``(0, 0)`` when empty or Redis is down."""
+        writer's own dead letters.
+
+        Set aside in the quarantine file, never sent: events past the dedup window (:meth:`_fresh`), events whose
+        write cannot be built (:meth:`_malformed`: sent again they only raised again, with a traceback every pass)
+        and lines no event can be read from. An event whose send raises anything but an error reply stays, its
+        traceback logged once (:meth:`_send_dead`). Sets :attr:`dead_retry_s` (doubled when none was counted).
+        Returns ``(sent, still kept)`` (a refused probe: its size, twice); ``(0, 0)`` when empty or Redis is down.
+        Raises ``OSError`` when the file (or the quarantine) cannot be read or written."""
         errors: list[str] = []
 
         async def sink(events: list[UsageEvent]) -> list[UsageEvent]:
-            refused = await self._send(await self._fresh(events, self.dead.path))
-            errors.extend(str(exc) for _, exc in refused[:1])
-            return [e for e, _ in refused]
+            events = await self._malformed(await self._fresh(events, self.dead.path))
+            kept = await self._send_dead(events)
+            errors.extend(str(exc) for _, exc in kept[:1])
+            return [e for e, _ in kept]
 
         if self.dead.pending_bytes() == 0:
+            self.dead_retry_s = self.cfg.dead_letter_interval_s
             return 0, 0
         try:
             probe = await asyncio.to_thread(self.dead.head, DEAD_LETTER_PROBE)
-            # one set aside (past the dedup window) is no refusal: the whole pass below goes on
+            # one set aside (past the dedup window, malformed) is no refusal: the whole pass below goes on
             if probe and len(await sink(probe)) == len(probe):
+                self._backoff(stuck=True)
                 log.warning("dead-letter spool: still refused by Redis (the oldest %d usage events tried, the rest "
-                            "kept), next try in %.0f s: %s", len(probe), self.cfg.dead_letter_interval_s,
+                            "kept), next try in %.0f s: %s", len(probe), self.dead_retry_s,
                             errors[0] if errors else "?")
                 return len(probe), len(probe)
             sent, kept = await self.dead.drain_keeping(sink)  # the probe's counted ones are dropped by event_id
         except RedisDown:
+            self._backoff(stuck=False)  # tried again as soon as it answers
             return 0, 0
+        self._backoff(stuck=bool(kept) and kept >= sent)
         if sent > kept:
-            log.info("dead-letter spool: %d usage events counted (or already counted)", sent - kept)
+            log.info("dead-letter spool: %d usage events counted (or already counted, or set aside)", sent - kept)
         if kept:
-            log.warning("dead-letter spool: %d usage events still refused by Redis, next try in %.0f s: %s", kept,
-                        self.cfg.dead_letter_interval_s, errors[-1] if errors else "?")
+            log.warning("dead-letter spool: %d usage events still not counted, next try in %.0f s: %s", kept,
+                        self.dead_retry_s, errors[-1] if errors else "?")
         return sent, kept
 
-    async def run_dead_letters(self, stop: asyncio.Event) -> None:
-        """Retry the dead-letter spool every ``dead_letter_interval_s`` seconds until ``stop`` is set."""
-        async def retry() -> int:
-            return (await self.retry_dead_letters())[0]
+    def _backoff(self, stuck: bool) -> None:
+        """The next dead-letter wait (:attr:`dead_retry_s`): doubled after a pass that counted none of what it kept
+        (``stuck``), up to :data:`DEAD_LETTER_MAX_INTERVAL_S`; back to ``metering.dead_letter_interval_s`` once
+        one was counted or the file is empty — a fixed key is then drained at once."""
+        base = self.cfg.dead_letter_interval_s
+        self.dead_retry_s = min(max(self.dead_retry_s, base) * 2, max(base, DEAD_LETTER_MAX_INTERVAL_S)) if stuck \
+            else base
 
-        await self.dead.run_replayer(retry, stop, self.cfg.dead_letter_interval_s, "usage dead-letter")
+    async def _malformed(self, events: list[UsageEvent]) -> list[UsageEvent]:
+        """``events`` less those whose write cannot be built (:meth:`_writable`), which go to the quarantine file
+        (reason ``malformed``) with one ERROR line per batch, the first one's traceback with it. Beyond repair: the
+        keys and arguments come from the event alone (a ``ts`` that is no number names no day), so a retry raises
+        the same way for ever — the event is kept for a person, never dropped. Raises ``OSError`` (quarantine)."""
+        bad = [(e, exc) for e in events if (exc := self._writable(e)) is not None]
+        if not bad:
+            return events
+        detail = "its write cannot be built (sent again it would only raise again): {}"
+        if await self.quarantine.append([quarantined("malformed", detail.format(repr(exc)), self.dead.path,
+                                                     e.to_dict()) for e, exc in bad]):
+            log.error("usage events %s in %s cannot be written at all (%r): kept in %s, not sent again",
+                      ", ".join(e.event_id for e, _ in bad), self.dead.path, bad[0][1], self.quarantine.path,
+                      exc_info=bad[0][1])
+        out = {id(e) for e, _ in bad}
+        return [e for e in events if id(e) not in out]
+
+    def _writable(self, event: UsageEvent) -> Exception | None:
+        """The exception building ``event``'s script call raises (its keys, arguments and the packed command: local
+        work, the same every time), or None when it can be sent."""
+        try:
+            keys, args = self._keys_args(event)
+            (self._audit if event.audit else self._script).packed(keys, args)
+        except Exception as exc:
+            return exc
+        return None
+
+    async def _send_dead(self, events: list[UsageEvent]) -> list[tuple[UsageEvent, Exception]]:
+        """Send dead letters; the ones still not counted, with why: Redis's error reply, or the exception their send
+        raised (sent one by one, :meth:`_one_by_one`) — its traceback logged the first time each event raises
+        (:attr:`_poison_logged`), a retry's only in the pass's one WARNING line. Raises :class:`RedisDown`."""
+        try:
+            return list(await self._send(events))
+        except (RedisDown, ResponseError):
+            raise
+        except Exception:  # neither an outage nor an error reply: find the events that raise it
+            stuck = await self._one_by_one(events)
+        for event, exc in stuck:
+            if isinstance(exc, ResponseError) or event.event_id in self._poison_logged:
+                continue
+            if len(self._poison_logged) >= POISON_MEMORY:
+                self._poison_logged.clear()
+            self._poison_logged.add(event.event_id)
+            log.error("dead-letter spool: sending usage event %s raised (kept, retried with backoff; logged once)",
+                      event.event_id, exc_info=exc)
+        return stuck
+
+    async def run_dead_letters(self, stop: asyncio.Event) -> None:
+        """Retry the dead-letter spool until ``stop`` is set: every ``dead_letter_interval_s`` seconds while it
+        counts, backing off to :data:`DEAD_LETTER_MAX_INTERVAL_S` while it does not (:attr:`dead_retry_s`). A pass
+        that raises (an unreadable file, a full disk) is logged with its traceback the first time, one line after
+        while it keeps failing, and backs off the same way."""
+        failing = False
+        while not stop.is_set():
+            try:
+                await self.retry_dead_letters()
+                failing = False
+            except Exception as exc:  # never fatal: the file stays as it was (drain_keeping), tried again later
+                self._backoff(stuck=True)
+                if failing:
+                    log.error("usage dead-letter retry failed again, next try in %.0f s: %r", self.dead_retry_s, exc)
+                else:
+                    log.exception("usage dead-letter retry failed, next try in %.0f s", self.dead_retry_s)
+                failing = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.dead_retry_s)
 
     # --- read path --------------------------------------------------------------------------------------
     async def key_counters(self, key_id: str, day: str | None = None, month: str | None = None) -> dict[str, int]:

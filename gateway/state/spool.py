@@ -9,7 +9,9 @@ Draining never rewrites the file partially: it reads every line, hands the event
 the file only when the sink accepted all of them. A crash or failure in the middle leaves the whole file in
 place; the next drain sends the already-counted events again and the metering script drops them by
 ``event_id`` (so nothing is lost and nothing counted twice). A torn last line (crash during a write, never
-acknowledged) is skipped with a warning.
+acknowledged) is skipped with a warning — or, for a spool given a :class:`Quarantine`, kept there before the
+file is truncated (every usage spool: a line the drain cannot read may be money, and a truncate dropped it). An
+append after such a torn line first ends it with a newline: glued to it, the appended record was unreadable too.
 
 :meth:`Spool.drain_keeping` (the dead-letter spool of events Redis refused, ``gateway/state/metering.py``) keeps
 the records its sink did not accept: the file is replaced by one holding only those, written beside it, fsync'd
@@ -19,7 +21,8 @@ append that waited on the lock of a replaced file is never written into it.
 
 :class:`Quarantine` (``<spool stem>.quarantine.jsonl``, ``gateway/state/metering.py``) is where metering sets aside
 what it must neither count nor drop: an event too old to be counted once for sure (its id may have left the seen-set
-that dedups it). It is append-only and never read back by the gateway: an operator decides.
+that dedups it), one that cannot be written at all (malformed), a line no record can be read from (unreadable). It is
+append-only and never read back by the gateway: an operator decides.
 """
 
 from __future__ import annotations
@@ -58,8 +61,11 @@ class Spool(Generic[T]):
     ``decode`` parses one line back (default ``UsageEvent.from_json``): the outcome stream
     (``gateway/control/outcomes.py``) spools its records in a file of its own through the same class."""
 
-    def __init__(self, path: Path, decode: Callable[[bytes], T] | None = None) -> None:
+    def __init__(self, path: Path, decode: Callable[[bytes], T] | None = None,
+                 quarantine: Quarantine | None = None) -> None:
         self.path = Path(path)
+        #: where a drain keeps the lines it cannot read (None: skipped with a warning, as the outcome spool does)
+        self.quarantine = quarantine
         self.decode: Callable[[bytes], T] = decode or cast(Callable[[bytes], T], UsageEvent.from_json)
         self._lock = asyncio.Lock()
         self._waiting: list[tuple[bytes, asyncio.Future[None]]] = []  # appends not yet written
@@ -69,9 +75,14 @@ class Spool(Generic[T]):
 
     def _append_sync(self, lines: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = _open_locked(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        fd = _open_locked(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
         assert fd is not None  # O_CREAT: there is always a file to open
         try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                # a line torn by a crash mid-write: ended here, or the first record appended now would be glued to it
+                # and unreadable with it (the drain skipped the pair: an acknowledged event lost)
+                lines = b"\n" + lines
             _write_all(fd, lines)
         finally:
             os.close(fd)  # closing releases the flock
@@ -129,8 +140,7 @@ class Spool(Generic[T]):
                 self.dirty = False
                 return 0
             try:
-                raw = await asyncio.to_thread(_read_fd, fd)
-                events = _parse(raw, self.decode)
+                events = await self._read_locked(fd)
                 for i in range(0, len(events), batch):
                     await sink(events[i : i + batch])
                 await asyncio.to_thread(_truncate, fd)
@@ -138,6 +148,17 @@ class Spool(Generic[T]):
                 return len(events)
             finally:
                 os.close(fd)
+
+    async def _read_locked(self, fd: int) -> list[T]:
+        """The records of the file open (and locked) as ``fd``; with a :attr:`quarantine`, the lines that are none
+        are kept there first (reason ``unreadable``): the drain that reads them truncates or replaces the file.
+        Raises ``OSError`` when the quarantine cannot be written (the drain then keeps the file)."""
+        records, bad = _parse_lines(await asyncio.to_thread(_read_fd, fd), self.decode)
+        if bad and self.quarantine is not None:
+            await self.quarantine.append([
+                quarantined("unreadable", f"line {n} is no record: {err}", self.path,
+                            {"line": line.decode("utf-8", "backslashreplace")}) for n, line, err in bad])
+        return records
 
     def head(self, n: int) -> list[T]:
         """The first ``n`` records of the file, read without its lock (a probe: an append racing it at most adds a
@@ -167,7 +188,7 @@ class Spool(Generic[T]):
                 self.dirty = False
                 return 0, 0
             try:
-                events = _parse(await asyncio.to_thread(_read_fd, fd), self.decode)
+                events = await self._read_locked(fd)
                 kept: list[T] = []
                 for i in range(0, len(events), batch):
                     kept += await sink(events[i : i + batch])
@@ -215,8 +236,10 @@ class Spool(Generic[T]):
 
 
 #: why a record is set aside (:class:`Quarantined`'s ``reason``, the metrics' label): ``past_dedup_window`` — an event
-#: too old to be replayed once for sure (``gateway/state/metering.py``, ``past_dedup_window``)
-QUARANTINE_REASONS = ("past_dedup_window",)
+#: too old to be replayed once for sure (``gateway/state/metering.py``, ``past_dedup_window``); ``malformed`` — an
+#: event whose write cannot even be built (a ``ts`` that is no number: no day to count it on), sent again it would
+#: only raise again; ``unreadable`` — a spool line that is no record (``event``: ``{"line": its text}``)
+QUARANTINE_REASONS = ("past_dedup_window", "malformed", "unreadable")
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,9 +256,9 @@ class Quarantined:
 
     @property
     def key(self) -> str:
-        """What makes two records the same: the reason and the event's id (a pass retried after a failure sets the
-        same event aside again)."""
-        return f"{self.reason} {self.event.get('event_id')}"
+        """What makes two records the same: the reason and the event's id, or an unreadable line's text (a pass
+        retried after a failure sets the same event aside again)."""
+        return f"{self.reason} {self.event.get('event_id') or self.event.get('line')}"
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)
@@ -364,7 +387,15 @@ def _read_fd(fd: int) -> bytes:
 
 
 def _parse(raw: bytes, decode: Callable[[bytes], Any]) -> list[Any]:
+    """The records of ``raw`` (JSON lines), unreadable ones skipped with a warning."""
+    return _parse_lines(raw, decode)[0]
+
+
+def _parse_lines(raw: bytes, decode: Callable[[bytes], Any]) -> tuple[list[Any], list[tuple[int, bytes, str]]]:
+    """``(records, unreadable)`` of ``raw``: each unreadable line as ``(line number, its bytes, the error)``, logged
+    at WARNING."""
     events: list[Any] = []
+    bad: list[tuple[int, bytes, str]] = []
     for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue
@@ -372,4 +403,5 @@ def _parse(raw: bytes, decode: Callable[[bytes], Any]) -> list[Any]:
             events.append(decode(line))
         except (ValueError, TypeError) as exc:
             log.warning("usage spool: skipping unreadable line %d: %r", n, exc)
-    return events
+            bad.append((n, line, repr(exc)))
+    return events, bad
