@@ -7,8 +7,12 @@ scan the event stream, and which days of a period they can answer.
 text ``[tier, upstream model, {tags}]`` (``""`` for a missing tier or model, tags with sorted keys): together
 with the key and the day it is every attribute ``group_by`` may name (``key``, ``tier``, ``model``, ``day``,
 ``tag``, ``tag:NAME``), so any grouping of the events is a grouping of the cells with the same sums. Counters are
-:data:`~gateway.ledger.event.COUNTER_FIELDS` plus ``refused`` (audit events), integers (tokens, micro-USD,
-counts); a counter whose increment is 0 is not written (an absent field reads 0).
+:data:`~gateway.ledger.event.COUNTER_FIELDS` plus ``refused`` (audit events) and
+:data:`~gateway.ledger.event.CUBE_ONLY_FIELDS` (``over_bound_events``: events whose tokens were held to the call's
+admitted bound, ``UsageEvent.over_bound``; in the cube, not in the key's and tier's counter hashes), integers
+(tokens, micro-USD, counts); a counter whose increment is 0 is not written (an absent field reads 0). A cube written
+before ``over_bound_events`` existed reads 0 there: the raw export (``over_bound`` per event) is the record of those
+days.
 
 **Which days the cube can answer** (:func:`day_verdict`): the script also counts, per day, how many events it
 aggregated (``n:{day}`` of ``usage:agg:index``); the day's seen-set (``usage:seen:{day}``, every counted event id of
@@ -29,13 +33,13 @@ from typing import TYPE_CHECKING, Literal
 
 import orjson
 
-from gateway.ledger.event import COUNTER_FIELDS, UsageEvent
+from gateway.ledger.event import COUNTER_FIELDS, CUBE_ONLY_FIELDS, UsageEvent
 
 if TYPE_CHECKING:
     from gateway.ledger.export import Groupable
 
-#: every counter of a cube cell: the event counters and ``refused`` (audit events)
-CUBE_FIELDS: tuple[str, ...] = (*COUNTER_FIELDS, "refused")
+#: every counter of a cube cell: the event counters, ``refused`` (audit events) and ``CUBE_ONLY_FIELDS``
+CUBE_FIELDS: tuple[str, ...] = (*COUNTER_FIELDS, "refused", *CUBE_ONLY_FIELDS)
 DAY_S = 86400
 #: how long before its TTL says so a seen-set is taken for gone (its day's ``ok:`` mark, :func:`day_verdict`; an event
 #: too old to be replayed, ``gateway/state/metering.py``): clock skew between the replica that stamped a ``ts`` and

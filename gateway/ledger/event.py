@@ -25,8 +25,9 @@ import orjson
 from gateway.config import Prices
 from gateway.ledger.pricing import cost_micro_usd
 
-__all__ = ["COUNTER_FIELDS", "ROUTER_DECIDED", "Endpoint", "RouteReason", "UsageEvent", "UsageSource", "WireEndpoint",
-           "cost_micro_usd", "counter_increments", "micro_to_usd", "new_event_id", "usd_to_micro"]
+__all__ = ["COUNTER_FIELDS", "CUBE_ONLY_FIELDS", "ROUTER_DECIDED", "Endpoint", "RouteReason", "UsageEvent",
+           "UsageSource", "WireEndpoint", "cost_micro_usd", "counter_increments", "cube_only_increments",
+           "micro_to_usd", "new_event_id", "usd_to_micro"]
 
 #: Where an event's token counts came from: reported by the upstream, counted by the gateway, a cache hit, none.
 UsageSource = Literal["upstream", "counted", "cache", "none"]
@@ -180,6 +181,18 @@ COUNTER_FIELDS: tuple[str, ...] = (
     "errors",
     "partial",
 )
+
+
+#: counters of the per-day usage cubes (``gateway/ledger/aggregate.py``) and the grouped exports that are in no counter
+#: hash of a key or tier (the metering script writes them to the cube only): ``over_bound_events``, the events whose
+#: tokens were held to the call's admitted bound (:attr:`UsageEvent.over_bound`)
+CUBE_ONLY_FIELDS: tuple[str, ...] = ("over_bound_events",)
+
+
+def cube_only_increments(event: UsageEvent) -> dict[str, int]:
+    """What ``event`` adds to the :data:`CUBE_ONLY_FIELDS` of its cube cell and group (an audit event: nothing — it
+    was refused before any call, so nothing was held to a bound)."""
+    return {"over_bound_events": int(event.over_bound and not event.audit)}
 
 
 def counter_increments(event: UsageEvent) -> dict[str, int]:

@@ -5,8 +5,10 @@ event's ``ts``), ``tag:NAME`` (the value of tag NAME, "" when absent) or ``tag``
 the event — an event with two tags counts in two groups, so sums over ``tag`` groups can exceed the total;
 use ``tag:NAME`` for a partition). Grouped rows carry the counter sums (the same integers as the Redis
 counters: requests, tokens by kind, ``cost_micro_usd``, ``saved_micro_usd``, cache hits, errors, partial)
-plus ``cost_usd`` / ``saved_usd`` as exact decimal strings and ``refused`` (audit events of refused requests
-in the group: they add nothing to any other column). Raw rows carry every event field, ``ts`` as ISO-8601
+plus ``cost_usd`` / ``saved_usd`` as exact decimal strings, ``refused`` (audit events of refused requests
+in the group: they add nothing to any other column) and, last, ``over_bound_events`` (events whose tokens were held to
+the call's admitted bound: ``over_bound`` in the raw rows). The columns only ever grow at the end: scripts read them by
+position. Raw rows carry every event field, ``ts`` as ISO-8601
 UTC, ``cost_usd`` / ``saved_usd``, in order of ``ts`` (the request's start); refused requests are rows with
 ``audit: true``, their status and error code, and cost 0.
 
@@ -28,7 +30,14 @@ from typing import Any, BinaryIO, Literal, Protocol
 
 import orjson
 
-from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, counter_increments, micro_to_usd
+from gateway.ledger.event import (
+    COUNTER_FIELDS,
+    CUBE_ONLY_FIELDS,
+    UsageEvent,
+    counter_increments,
+    cube_only_increments,
+    micro_to_usd,
+)
 from router.errors import ThinkGateError, require
 
 Format = Literal["csv", "jsonl", "parquet"]
@@ -126,8 +135,9 @@ def _group_values(event: Groupable, group_by: list[str]) -> list[tuple[str, ...]
 
 def increments(event: UsageEvent) -> dict[str, int]:
     """What one event adds to its group: :func:`counter_increments` plus ``refused`` (1 for an audit event, whose
-    counters are all 0)."""
-    return {**counter_increments(event), "refused": int(event.audit)}
+    counters are all 0) and :func:`~gateway.ledger.aggregate.cube_only_increments` (``over_bound_events``) — what
+    the metering script adds to its cube cell."""
+    return {**counter_increments(event), "refused": int(event.audit), **cube_only_increments(event)}
 
 
 def group(events: Iterable[UsageEvent], group_by: list[str]) -> list[dict[str, Any]]:
@@ -135,14 +145,14 @@ def group(events: Iterable[UsageEvent], group_by: list[str]) -> list[dict[str, A
     return group_sums(((e, increments(e)) for e in events), group_by)
 
 
-_SUMS = (*COUNTER_FIELDS, "refused")
+_SUMS = (*COUNTER_FIELDS, "refused", *CUBE_ONLY_FIELDS)
 
 
 def group_sums(parts: Iterable[tuple[Groupable, Mapping[str, int]]], group_by: list[str]) -> list[dict[str, Any]]:
     """Rows of ``group_by`` from ``(attributes, sums)`` parts — events with their :func:`increments`, or cube cells
     with their counters (``gateway/ledger/aggregate.py``): one row per group value combination that any part
-    has, with every counter of :data:`COUNTER_FIELDS`, ``refused``, and ``cost_usd`` / ``saved_usd`` (exact
-    decimal strings), sorted by the group values."""
+    has, with every counter of :data:`COUNTER_FIELDS`, ``refused``, ``over_bound_events`` and ``cost_usd`` /
+    ``saved_usd`` (exact decimal strings), sorted by the group values."""
     sums: dict[tuple[str, ...], dict[str, int]] = {}
     for part, inc in parts:
         for values in _group_values(part, group_by):
@@ -173,7 +183,8 @@ def event_row(event: UsageEvent) -> dict[str, Any]:
 def columns(group_by: list[str]) -> list[str]:
     """Column order of the rows for ``group_by`` (raw events when empty)."""
     if group_by:
-        return [*group_by, *COUNTER_FIELDS, "refused", "cost_usd", "saved_usd"]
+        # over_bound_events after the columns scripts already read by position: a column is only ever added at the end
+        return [*group_by, *COUNTER_FIELDS, "refused", "cost_usd", "saved_usd", *CUBE_ONLY_FIELDS]
     return [*EVENT_FIELDS, "cost_usd", "saved_usd"]
 
 
@@ -216,7 +227,7 @@ def _write_parquet(rows: list[dict[str, Any]], cols: list[str], out: BinaryIO) -
     pa = require("pyarrow", "report", "Parquet export")
     import pyarrow.parquet as pq
 
-    types: dict[str, Any] = {c: pa.int64() for c in (*COUNTER_FIELDS, "refused")}
+    types: dict[str, Any] = {c: pa.int64() for c in (*COUNTER_FIELDS, "refused", *CUBE_ONLY_FIELDS)}
     types.update({"ts": pa.timestamp("ms", tz="UTC"), "tags": pa.map_(pa.string(), pa.string()),
                   "difficulty": pa.float64(), "latency_ms": pa.float64(), "ttft_ms": pa.float64(),
                   "cache_similarity": pa.float64(),

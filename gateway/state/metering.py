@@ -82,7 +82,13 @@ from gateway.ledger.aggregate import (
     parse_cube,
     plan_period,
 )
-from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, counter_increments
+from gateway.ledger.event import (
+    COUNTER_FIELDS,
+    CUBE_ONLY_FIELDS,
+    UsageEvent,
+    counter_increments,
+    cube_only_increments,
+)
 from gateway.ledger.export import Groupable, group_sums, increments
 from gateway.state.breaker import Breaker, RedisDown, is_outage
 from gateway.state.keys import RedisKeys
@@ -159,7 +165,8 @@ end
 # ARGV: 1 event_id, 2 event JSON, 3 seen TTL s, 4 day TTL s, 5 month TTL s, 6 stream maxlen (0 = none),
 #       7 key id, 8 upstream tokens of the event, 9 TPM TTL ms, 10 cost micro-USD, 11 number of tags,
 #       12 UTC day, 13 the event's cube cell (gateway/ledger/aggregate.py), 14 the event's ts (ms),
-#       15 metering.late_after_s (ms), 16.. counter field/increment pairs
+#       15 metering.late_after_s (ms), 16.. counter field/increment pairs (a field of CUBE_ONLY: the cube's only,
+#       not the key's and tier's counter hashes — gateway/ledger/event.py CUBE_ONLY_FIELDS)
 # The reservations made at admission under event_id (gateway/state/reservations.py) are released at every
 # level (once: HDEL) and the TPM window corrected by (actual - reserved) tokens (deleted when that brings it to 0,
 # ``del_zero`` in gateway/state/reservations.py). Levels above the key
@@ -174,6 +181,7 @@ end
 # claim: a record settled normally, or claimed by another replica first, is left alone; reply {0, 0, …}).
 # Returns {counted (1/0), key day cost, key month cost, global day, global month, tag day, tag month, …}.
 RECORD_LUA = LUA_FUNCTIONS + NOTE_LATE + SETTLE_LUA + """
+local CUBE_ONLY = {""" + ", ".join(f"{f} = true" for f in CUBE_ONLY_FIELDS) + """}
 local function record()
   local ntags = tonumber(ARGV[11])
   local late, wal, owner_hb = KEYS[17 + 3 * ntags], KEYS[18 + 3 * ntags], KEYS[19 + 3 * ntags]
@@ -209,9 +217,11 @@ local function record()
       local n = ARGV[i + 1]
       if n ~= '0' then
         local f = ARGV[i]
-        for k = 3, 7 do
-          redis.call('HINCRBY', KEYS[k], f, n)
-          na = na + 1
+        if not CUBE_ONLY[f] then
+          for k = 3, 7 do
+            redis.call('HINCRBY', KEYS[k], f, n)
+            na = na + 1
+          end
         end
         redis.call('HINCRBY', KEYS[14], f .. cell, n)
         na = na + 1
@@ -264,7 +274,9 @@ end
 local a, b, cell = {}, {}, ' ' .. ARGV[13]
 for i = 16, #ARGV, 2 do
   if ARGV[i + 1] ~= '0' then
-    for k = 3, 7 do a[#a + 1] = {KEYS[k], ARGV[i], ARGV[i + 1]} end
+    if not CUBE_ONLY[ARGV[i]] then
+      for k = 3, 7 do a[#a + 1] = {KEYS[k], ARGV[i], ARGV[i + 1]} end
+    end
     a[#a + 1] = {KEYS[14], ARGV[i] .. cell, ARGV[i + 1]}
   end
 end
@@ -706,6 +718,9 @@ class Meter:
             late_ms,
         ]
         for name, value in counter_increments(event).items():
+            args += [name, value]
+        # the cube's own counts (CUBE_ONLY_FIELDS, last: RECORD_LUA skips the counter hashes for them); 0 writes nothing
+        for name, value in cube_only_increments(event).items():
             args += [name, value]
         return keys, args
 

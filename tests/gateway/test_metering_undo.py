@@ -42,7 +42,8 @@ def _event(key: str, i: int, *, tags: dict[str, str] | None = None, audit: bool 
            ts: float | None = None) -> UsageEvent:
     ev = UsageEvent(key_id=key, requested_model="auto", tier="short", upstream_model="m", route_reason="predicted",
                     prompt_tokens=100 + i, cached_tokens=3, completion_tokens=50 + i, reasoning_tokens=7,
-                    tags=tags or {}, ts=time.time() if ts is None else ts)
+                    tags=tags or {}, ts=time.time() if ts is None else ts,
+                    over_bound=i % 2 == 1)  # its cube-only count (over_bound_events) is undone too
     ev.price(PRICES)
     if audit:
         ev.audit, ev.status, ev.error_code = True, 429, "rate_limit_exceeded"

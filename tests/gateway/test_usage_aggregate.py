@@ -1,13 +1,13 @@
 """Grouped usage from the per-day cubes equals the stream scan, exactly, on a real Redis.
 
 A random event set (keys, the unknown key ``""``, tiers and models with and without, 0–2 tags, cache hits, errors,
-client disconnects, refused requests) over four UTC days, counted through every path that counts in production —
-the batched writer (``record_many``), single writes, duplicates (a lost reply resent), the spool replay and the
-orphan reconciler's claim (``settle_orphan``) — then every group-by field and combinations, per key and for all
-keys, over whole days and periods with sub-day edges: :meth:`Meter.grouped` must give the rows
-:func:`gateway.ledger.export.group` gives over :meth:`Meter.events`, which must equal the rows of the events as
-generated. Then an upgrade: days counted without cubes are answered from the stream until the backfill rebuilds
-them.
+client disconnects, events held to their admitted bound, refused requests) over four UTC days, counted through every
+path that counts in production — the batched writer (``record_many``), single writes, duplicates (a lost reply
+resent), the spool replay and the orphan reconciler's claim (``settle_orphan``) — then every group-by field and
+combinations, per key and for all keys, over whole days and periods with sub-day edges: :meth:`Meter.grouped` must
+give the rows :func:`gateway.ledger.export.group` gives over :meth:`Meter.events`, which must equal the rows of the
+events as generated. Then an upgrade: days counted without cubes are answered from the stream until the backfill
+rebuilds them.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def random_events(rng: random.Random, n: int, first_day: float, n_days: int) -> 
                 ev.cost_micro_usd = rng.randrange(0, 10**7)
             ev.status = rng.choice([200, 200, 200, 200, 499, 500, 502])
             ev.partial = ev.status == 499 or rng.random() < 0.05
+            ev.over_bound = rng.random() < 0.1  # held to its admitted bound: over_bound_events
         out.append(ev)
     return out
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import csv
+import io
 import json
 import time
 from pathlib import Path
@@ -21,9 +23,9 @@ from gateway.state.redis import connect
 from gateway.state.spool import Spool
 
 
-def _event(key: str, ts: float, cost: int) -> UsageEvent:
+def _event(key: str, ts: float, cost: int, over_bound: bool = False) -> UsageEvent:
     return UsageEvent(key_id=key, requested_model="auto", ts=ts, tier="short", upstream_model="m",
-                      prompt_tokens=10, completion_tokens=5, cost_micro_usd=cost)
+                      prompt_tokens=10, completion_tokens=5, cost_micro_usd=cost, over_bound=over_bound)
 
 
 def _record(redis_url: str, prefix: str, tmp_path: Path, events: list[UsageEvent]) -> None:
@@ -74,3 +76,40 @@ def test_grouped_export_defaults_to_this_month(redis_url: str, redis_prefix: str
     res = CliRunner().invoke(app, ["usage", "export", "--group-by", "key", "--since", str(now), "--until",
                                    str(now - 60), "--config", str(cfg)])
     assert res.exit_code == 2 and "--since must be before --until" in res.output
+
+
+#: the grouped columns scripts read by position before over_bound_events: they stay, in this order
+GROUPED_BY_KEY = ["key", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens",
+                  "cost_micro_usd", "saved_micro_usd", "cache_hits", "errors", "partial", "refused", "cost_usd",
+                  "saved_usd"]
+
+
+def test_grouped_export_counts_over_bound_events(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """``over_bound`` (tokens held to the call's admitted bound) was in the raw export only: a grouped export — the
+    per-day cubes — could not say how many of a key's calls were capped. Now a last column, ``over_bound_events``,
+    from the cubes (nothing scanned), the columns before it unchanged; the key's counters gain no field."""
+    now = time.time()
+    today = time.strftime("%Y-%m-%d", time.gmtime(now))
+    _record(redis_url, redis_prefix, tmp_path, [_event("a", now, 5, over_bound=True), _event("a", now, 6),
+                                                _event("a", now, 7, over_bound=True), _event("b", now, 8)])
+    cfg = tmp_path / "cli.yaml"
+    cfg.write_text(yaml.safe_dump({"redis": {"url": redis_url, "key_prefix": redis_prefix,
+                                             "start_if_missing": False},
+                                   "metering": {"spool_path": str(tmp_path / "spool.jsonl")}}))
+    out = tmp_path / "grouped.csv"
+    res = CliRunner().invoke(app, ["usage", "export", "--format", "csv", "--group-by", "key", "--since", today,
+                                   "--output", str(out), "--config", str(cfg)])
+    assert res.exit_code == 0, res.output
+    assert "1 days from the usage cubes, 0 events scanned" in res.output
+    header, *rows = list(csv.reader(io.StringIO(out.read_text())))
+    assert header == [*GROUPED_BY_KEY, "over_bound_events"]
+    by_key = {r[0]: dict(zip(header, r, strict=True)) for r in rows}
+    assert {k: (r["requests"], r["over_bound_events"]) for k, r in by_key.items()} == {"a": ("3", "2"),
+                                                                                       "b": ("1", "0")}
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:  # the per-key counters (GET /v1/usage's today/month/all-time) are as they were
+        assert b"over_bound_events" not in client.hgetall(f"{redis_prefix}usage:key:a")
+    finally:
+        client.close()
