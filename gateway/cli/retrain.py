@@ -11,7 +11,9 @@ in service (``--router``; default: the router automatic retraining promoted, ``p
 ``--output`` (atomically) only when the new one is not worse; the gateway's hot reload then picks it up if that is
 ``routing.router_path`` (its ``version`` shows in ``GET /v1/models``) — with a promoted router in service, the
 command also points ``p router:current`` at it, with a ``promote`` audit event, so the replicas follow (one event
-per file: a replica that adopted the file first leaves nothing to do).
+per file: a replica that adopted the file first leaves nothing to do), and — as a replica does after each transition
+— removes the router copies of the state dir nothing needs beyond the newest ``routing.retrain.keep_files``
+(:func:`prune_copies`).
 Exit codes: 0 written, 1 refused (worse,
 or too few held-out outcomes to judge), 2 invalid arguments or config, 3 Redis unreachable.
 """
@@ -83,6 +85,32 @@ def adopt(settings: Any, path: Path, version: str, n_outcomes: int) -> dict[str,
     return run_on_redis(settings, write, min_timeout_s=5.0)
 
 
+def prune_copies(settings: Any) -> list[str]:
+    """Remove the router files of the retraining's state dir nothing needs any more, beyond the newest
+    ``routing.retrain.keep_files`` (None: nothing), with the helper a replica's retention uses
+    (:func:`gateway.control.retrain_trigger.prune_state_dir`): every adoption keeps a copy there, and the command's
+    copies were never removed — a cron job retraining nightly grew the directory by a router file a night. Kept:
+    what ``p router:current`` names, read after the adoption (the router serving and its ``previous``, the only one
+    a rollback goes back to), files written in the last ``RETAIN_YOUNG_S`` (a replica's file about to be named),
+    the ``keep_files`` newest others, and every file ThinkGate did not write. Unlike a replica, the command has not
+    watched which files were named lately: a replica sharing the directory that still serves a router named minutes
+    ago and no more (right after a rollback) keeps it loaded, and that file is among the newest unless
+    ``keep_files`` newer ones came since. The names removed; exits 3 when Redis is down. Raises ``OSError`` when
+    the directory cannot be read."""
+    from gateway.control.retrain_trigger import CurrentRouter, named_files, prune_state_dir, state_dir_of
+    from gateway.state.breaker import Breaker
+
+    keep_files = settings.routing.retrain.keep_files
+    if keep_files is None:
+        return []
+
+    async def read(handle: Any) -> dict[str, str]:
+        return await CurrentRouter(handle, Breaker(1.0), settings.routing.retrain.readopt_after_s).read()
+
+    keep = named_files(run_on_redis(settings, read, min_timeout_s=5.0))
+    return prune_state_dir(state_dir_of(settings), keep, keep_files)
+
+
 def retrain_command(
     from_outcomes: bool = typer.Option(False, "--from-outcomes", help="Learn from the gateway's outcome stream."),
     output: Path = typer.Option(..., "--output", "-o", help="Router file to write (.skops)."),
@@ -152,6 +180,14 @@ def retrain_command(
         else:
             typer.echo(f"router:current now names {output}, kept as {event['path']} (it named version "
                        f"{event['previous']}): the replicas serve it within routing.retrain.interval_s")
+        try:
+            removed = prune_copies(settings)
+        except OSError as exc:  # the directory unreadable: the router is written and adopted, nothing removed
+            typer.echo(f"router files of the state dir not pruned: {exc}", err=True)
+            removed = []
+        if removed:
+            typer.echo(f"removed {len(removed)} router file(s) no longer in use (routing.retrain.keep_files = "
+                       f"{settings.routing.retrain.keep_files}): {', '.join(removed)}")
 
 
 def _print(report: Any) -> None:

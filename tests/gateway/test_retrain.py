@@ -283,3 +283,45 @@ def test_a_file_written_back_is_adopted_again_after_the_readopt_window(
             assert promotes() == ["operator-a", "operator-b", "operator-a"]
     finally:
         r.close()
+
+
+def test_retrain_into_router_path_prunes_old_copies_like_a_replica(redis_url: str, redis_prefix: str,
+                                                                   tmp_path: Path) -> None:
+    """The command keeps a copy of the file it adopts in the retraining's state dir, as a replica does, but never
+    removed one: a nightly retrain grew the directory by a router a night. Now it prunes with the replicas' helper —
+    the newest ``routing.retrain.keep_files`` others stay, what ``router:current`` names stays, and so does every
+    file ThinkGate did not write."""
+    import os
+
+    import redis
+
+    from gateway.control.retrain_trigger import file_digest
+
+    configured = _router(tmp_path / "configured.skops", informative=False)
+    promoted = _router(tmp_path / "promoted.skops", informative=False)
+    state = tmp_path / "routers"
+    state.mkdir()
+    old = [state / f"{i:032x}.skops" for i in range(1, 6)]  # earlier adoptions' copies, an hour apart
+    for i, path in enumerate(old):
+        path.write_bytes(b"an old router")
+        t = time.time() - (10 - i) * 3600
+        os.utime(path, (t, t))
+    mine = state / "notes.txt"  # an operator's own file: never touched
+    mine.write_text("hands off")
+    os.utime(mine, (time.time() - 86400, time.time() - 86400))
+    r = redis.Redis.from_url(redis_url)
+    r.hset(redis_prefix + "router:current", mapping={"path": str(promoted), "version": "auto-1",
+                                                     "previous": str(configured)})
+    write_outcomes(redis_url, redis_prefix, _outcomes(invert_training=False), tmp_path)
+    config = _config(tmp_path, redis_url, redis_prefix, configured)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["routing"]["retrain"]["keep_files"] = 2
+    config.write_text(yaml.safe_dump(cfg))
+    res = CliRunner().invoke(app, ["router", "retrain", "--from-outcomes", "--output", str(configured),
+                                   "--config", str(config)])
+    assert res.exit_code == 0, res.output
+    kept = state / f"{file_digest(configured.read_bytes())}.skops"
+    assert r.hget(redis_prefix + "router:current", "path").decode() == str(kept)
+    assert sorted(p.name for p in state.iterdir()) == sorted([kept.name, old[3].name, old[4].name, mine.name])
+    assert "removed 3 router file(s) no longer in use (routing.retrain.keep_files = 2)" in res.output
+    r.close()
