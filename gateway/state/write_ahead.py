@@ -80,13 +80,23 @@ would close it at one more script call per request (measured 10–16% more gatew
 Before each pass the local spools are replayed, so events a dead process on this machine spooled are counted
 first (then its records are settled, not reconciled).
 
+Replica acknowledgement (``metering.replica_acks`` = N > 0): each heartbeat also re-asserts this process's records
+(:meth:`WriteAhead.reassert`): every open record it holds whose last write is older than a beat is written again, as
+it is (its ``updated_ms`` kept: a re-assertion is no news of the call), through the update script (a record settled
+meanwhile is not reopened); then N replicas are asked to acknowledge (``Meter.replica_acks``: a probe write and
+``WAIT`` on its connection). Redis replicates asynchronously: a failover that promotes a replica which had not yet
+received a record loses it, and a process killed after that left its call unbilled; re-asserted, the record is back
+within a beat of the new master answering. Off (the default): no such write, no ``WAIT``.
+
 Redis down: a begin or an update goes to its own fsync'd spool (``<usage spool>.wal.jsonl``) and is replayed
 (records of requests already settled are dropped: the script checks the seen-set) before the next reconcile.
 Known gaps: prompt tokens of a stream cut before its usage chunk are counted only when the upstream reports
 running usage (else 0, as for a client disconnect); a request that finished is settled at its final event only
 if that reached its record before the kill — one background write after it was queued, or its own event's
-write, whichever lands first: killed in between, it is settled as lost, at its last progress write; and a record
-spooled on a machine that never restarts its gateway stays there.
+write, whichever lands first: killed in between, it is settled as lost, at its last progress write; a record
+spooled on a machine that never restarts its gateway stays there; and a record a failover lost is back only at its
+process's next beat (with ``metering.replica_acks``; never without): a process killed before that leaves its call
+unbilled.
 """
 
 from __future__ import annotations
@@ -317,6 +327,10 @@ class WriteAhead:
         self._clock = clock
         self.reconciled = 0  # orphans this process metered (for logs and tests)
         self.released = 0  # orphans never sent upstream that this process released (for logs and tests)
+        self.reasserted = 0  # record writes of reassert() (metering.replica_acks; for logs and tests)
+        #: re-asserted records fewer than ``metering.replica_acks`` replicas acknowledged in time (for metrics)
+        self.unreplicated = 0
+        self._unreplicated_logged = float("-inf")
 
     # --- the request path -------------------------------------------------------------------------------
     def open_record(self, record: UsageRecord, bound_micro_usd: int = 0, bound_tokens: int = 0, *,
@@ -571,6 +585,62 @@ class WriteAhead:
             log.exception("write-ahead records of %s could not be spooled (Redis down, disk failed)",
                           ", ".join(r.request_id for r in recs))
 
+    # --- replica acknowledgement (metering.replica_acks) ---------------------------------------------------
+    @property
+    def beat_s(self) -> float:
+        """The period of :meth:`run`'s loop, s: a third of ``heartbeat_ttl_s`` (``reconcile_interval_s`` when that
+        is shorter)."""
+        return min(self.cfg.heartbeat_ttl_s / 3, self.cfg.reconcile_interval_s)
+
+    async def reassert(self) -> int:
+        """With ``metering.replica_acks`` = N > 0: write again, as they are, the records this process holds open
+        whose last write is older than a beat (:attr:`beat_s`), then ask N replicas to acknowledge them
+        (``Meter.replica_acks``: a probe write and ``WAIT`` on its connection, not through the breaker — on a
+        Cluster to the master of the shared slot, which holds ``wal:open`` too). Fewer count in
+        :attr:`unreplicated` (logged at most once a minute). Returns how many records it sent: 0 when off (no
+        Redis call at all), when none is that old, or with the breaker open. Raises nothing for an outage: a
+        write that meets one goes to the spool like any update (and no ``WAIT`` is asked).
+
+        Why again at every beat: Redis replicates asynchronously, and a failover that promotes a replica which had
+        not yet received a record (written by the admission script, or a begin) loses it — at any time, so once
+        is not enough; while this process lives, a record lost so is back within a beat of the new master
+        answering (a process killed before that still leaves its call unbilled). A record written less than a
+        beat ago (admitted, or a progress write) is left to the next beat, should it still be open then: most
+        calls are settled before it. Through the update task (:meth:`_update`), not beside it: a record keeps
+        one write in flight and its states land in order (a re-assertion never overwrites a newer progress
+        write), and the update script skips a request settled meanwhile (its day's seen-set), so a settled
+        record is never reopened."""
+        want = self.cfg.replica_acks
+        if not want or self.breaker.is_open:
+            return 0
+        cutoff_ms = int((time.time() - self.beat_s) * 1000)
+        old = [op.rec for op in self._open.values() if op.rec.updated_ms <= cutoff_ms]
+        if not old:
+            return 0
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._due_waiters.append(done)
+        for rec in old:
+            self._update(rec)  # one script call for all (with any update due now): the next batch
+        await done
+        self.reasserted += len(old)
+        if self.breaker.is_open:  # the write met an outage: spooled; the next beat after it writes them again
+            return len(old)
+        if await self.meter.replica_acks() < want:
+            self._unacknowledged(len(old))
+        return len(old)
+
+    def _unacknowledged(self, n: int) -> None:
+        """``n`` re-asserted records fewer than ``metering.replica_acks`` replicas acknowledged: counted, and logged
+        at most once a minute (a replica down would log every beat). Nothing more to do: the next beat writes them
+        again while they are open."""
+        self.unreplicated += n
+        now = time.monotonic()
+        if now - self._unreplicated_logged >= 60.0:
+            self._unreplicated_logged = now
+            log.warning("write-ahead records not acknowledged by %d Redis replica(s) within %d ms "
+                        "(metering.replica_acks): %d re-asserted, %d so far; written again every %.1f s while open",
+                        self.cfg.replica_acks, self.cfg.replica_ack_timeout_ms, n, self.unreplicated, self.beat_s)
+
     # --- heartbeat and reconciliation ---------------------------------------------------------------------
     async def heartbeat(self) -> None:
         """Renew this process's heartbeat (raises :class:`RedisDown`)."""
@@ -664,14 +734,19 @@ class WriteAhead:
                 return out
 
     async def run(self, stop: asyncio.Event) -> None:
-        """The background task: heartbeat every third of its TTL, reconcile at start and every
-        ``reconcile_interval_s``, until ``stop`` is set; then drop the heartbeat (a clean exit leaves no orphans:
-        its requests were settled by then)."""
-        beat_every = self.cfg.heartbeat_ttl_s / 3
+        """The background task: heartbeat every third of its TTL (with ``metering.replica_acks``, then
+        :meth:`reassert`), reconcile at start and every ``reconcile_interval_s``, until ``stop`` is set; then drop
+        the heartbeat (a clean exit leaves no orphans: its requests were settled by then)."""
         next_pass = 0.0
         while not stop.is_set():
             try:
                 await self.heartbeat()
+                # On the heartbeat's beat rather than a timer of its own: the heartbeat key is lost in the same
+                # failover and comes back at the same beat, a beat that finds Redis down skips both, and a beat
+                # (5 s by default) is short beside a failover itself (Sentinel's down-after-milliseconds, 30 s by
+                # default; a Cluster's node timeout, 15 s) — a shorter one would narrow the window little, at one
+                # more script call and WAIT each time
+                await self.reassert()
                 if self._clock() >= next_pass:
                     due, next_pass = next_pass, self._clock() + self.cfg.reconcile_interval_s
                     try:
@@ -684,7 +759,7 @@ class WriteAhead:
             except Exception:
                 log.exception("write-ahead reconcile pass failed")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), min(beat_every, self.cfg.reconcile_interval_s))
+                await asyncio.wait_for(stop.wait(), self.beat_s)
 
     async def close(self) -> None:
         """Wait for progress writes in flight; remove the heartbeat (best effort)."""
