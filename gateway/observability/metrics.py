@@ -18,6 +18,8 @@ refused before an upstream call, by ``status`` and ``code``); histograms
 ``thinkgate_usage_quarantine_bytes`` and ``thinkgate_usage_quarantined_events_total{reason}`` (events a replay set
 aside, neither counted nor dropped: ``past_dedup_window``, ``malformed``, ``unreadable``;
 ``gateway/state/spool.py`` ``Quarantine``),
+``thinkgate_write_ahead_unreplicated_records_total`` (write-ahead records re-asserted that too few replicas
+acknowledged; ``WriteAhead.reassert``),
 ``thinkgate_admission_refused_scripts_total{script}`` (admission scripts Redis refused with an error reply, each
 having written nothing: ``admit`` — a call then decided as with Redis down, ``limits.on_redis_down`` —, ``rollback``,
 ``renew``; ``gateway/state/limits.py``); with
@@ -126,6 +128,10 @@ class Metrics:
             "no event.", ["reason"], registry=r)
         for reason in QUARANTINE_REASONS:  # exposed at 0 from the start
             self.quarantined.labels(reason)
+        self.wal_unreplicated = Counter("thinkgate_write_ahead_unreplicated_records", "Write-ahead records this "
+                                        "process re-asserted that fewer Redis replicas than metering.replica_acks "
+                                        "acknowledged in time (written again at the next heartbeat while open).",
+                                        registry=r)
         # only a once-a-minute log line said so, and under fail_open such a call is no rejection either
         self.refused_scripts = Counter(
             "thinkgate_admission_refused_scripts", "Admission script calls Redis refused with an error reply (a key "
@@ -236,10 +242,11 @@ class Metrics:
     def render(self, breaker_open: bool, spool_bytes: int, spooled: int, dead_letter_bytes: int = 0,
                dead_lettered: int = 0, unreplicated: int = 0,
                refused_scripts: Mapping[str, int] | None = None, quarantine_bytes: int = 0,
-               quarantined: Mapping[str, int] | None = None) -> bytes:
+               quarantined: Mapping[str, int] | None = None, wal_unreplicated: int = 0) -> bytes:
         """The exposition text, with the gauges set from the current state; the counters fed from a process count
         (``spooled``, ``dead_lettered``, ``unreplicated``, ``refused_scripts``: ``Limits.refused_scripts``,
-        ``quarantined``: ``Quarantine.counts`` by reason) grow by what it counted since the last call."""
+        ``quarantined``: ``Quarantine.counts`` by reason, ``wal_unreplicated``: ``WriteAhead.unreplicated``) grow by
+        what it counted since the last call."""
         self.breaker_open.set(1 if breaker_open else 0)
         self.spool_bytes.set(spool_bytes)
         self._catch_up(self.spooled, "", spooled)
@@ -250,6 +257,7 @@ class Metrics:
         for reason, n in (quarantined or {}).items():
             if reason in QUARANTINE_REASONS:  # a known label value only
                 self._catch_up(self.quarantined, reason, n)
+        self._catch_up(self.wal_unreplicated, "", wal_unreplicated)
         for script, n in (refused_scripts or {}).items():
             if script in REFUSED_SCRIPTS:  # a known label value only
                 self._catch_up(self.refused_scripts, script, n)

@@ -633,4 +633,5 @@ class Accounting:
                                    self.spool.pending_bytes() + self.meter.unacked.pending_bytes(), self.meter.spooled,
                                    self.meter.dead.pending_bytes(), self.meter.dead_lettered,
                                    self.meter.unreplicated, self.limits.refused_scripts,
-                                   self.meter.quarantine.pending_bytes(), self.meter.quarantine.counts)
+                                   self.meter.quarantine.pending_bytes(), self.meter.quarantine.counts,
+                                   self.wal.unreplicated if self.wal is not None else 0)

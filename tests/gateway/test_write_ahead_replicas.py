@@ -23,8 +23,9 @@ import redis
 from redis.asyncio import Redis as AsyncRedis
 from redis.cluster import key_slot
 
-from gateway.config import Prices
+from gateway.config import MetricsConfig, Prices
 from gateway.ledger.record import UsageRecord
+from gateway.observability.metrics import Metrics
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import as_bytes, cluster_prefix
 from gateway.state.write_ahead import PUT_LUA, WalRecord, WriteAhead
@@ -177,6 +178,15 @@ async def test_off_by_default_no_reassertion_no_wait(redis_url: str, redis_prefi
     print(f"\nreplica_acks 1: {dict(on)} in {on['SET wal:hb']} beats; extra: {dict(extra)}")
     assert beats >= 3 and wal.reasserted == beats and wal.unreplicated == beats
     assert extra == Counter({"EVALSHA wal:open": beats, "SET usage:replica:probe": beats, "WAIT": beats}), extra
+
+
+def test_unacknowledged_records_are_in_the_metrics() -> None:
+    metrics = Metrics(MetricsConfig(), [])
+    assert "thinkgate_write_ahead_unreplicated_records_total 0.0" in metrics.render(False, 0, 0).decode()
+    text = metrics.render(False, 0, 0, wal_unreplicated=4).decode()
+    assert "thinkgate_write_ahead_unreplicated_records_total 4.0" in text
+    text = metrics.render(False, 0, 0, wal_unreplicated=5).decode()  # the running count: the counter adds what is new
+    assert "thinkgate_write_ahead_unreplicated_records_total 5.0" in text
 
 
 @pytest.fixture
