@@ -28,8 +28,10 @@ class MeteringConfig(_Strict):
     # Redis replicates asynchronously: a master that crashes before its replicas have a write loses it in the
     # failover. replica_acks = N > 0: after each batch of usage events is counted, WAIT N replicas (at most
     # replica_ack_timeout_ms); events fewer acknowledge are also kept in the usage spool, replayed (dropped by event_id
-    # where they survived) and let go once N replicas hold them. 0: off (one more round trip per batch, off the
-    # request path, when on; the spool grows while fewer than N replicas are up).
+    # where they survived) and let go once N replicas hold them; and at every heartbeat the process's write-ahead
+    # records older than a beat are written again and WAITed for (WriteAhead.reassert). 0: off (one more round trip
+    # per batch, and two per beat while a call is open longer than a beat, off the request path, when on; the spool
+    # grows while fewer than N replicas are up).
     replica_acks: int = Field(0, ge=0)
     replica_ack_timeout_ms: int = Field(100, ge=1, le=10_000)
     stream_maxlen: int | None = Field(None, ge=1000)
