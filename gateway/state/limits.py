@@ -73,6 +73,7 @@ import asyncio
 import calendar
 import contextlib
 import functools
+import json
 import logging
 import math
 import time
@@ -364,6 +365,13 @@ def _text_bytes(value: Any) -> int:
     return 0
 
 
+def _json_bytes(value: Any) -> int:
+    """UTF-8 bytes of ``value`` rendered as JSON the way chat templates render ``tools`` (Jinja's ``tojson``:
+    ``", "`` and ``": "`` separators, non-ASCII as is) — keys, numbers, literals and punctuation included: a tool
+    schema is mostly key names (its parameters), which :func:`_text_bytes` (values only) counted as nothing."""
+    return len(json.dumps(value, ensure_ascii=False).encode())
+
+
 def requested_choices(body: dict[str, Any]) -> int:
     """Choices ``body`` has generated: ``n`` (or ``best_of`` when larger) × prompts of a completions batch."""
     n = body.get("n")
@@ -419,9 +427,10 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     the tier and its fallbacks).
 
     Prompt: UTF-8 bytes of the messages/prompt (a byte-level BPE token covers ≥ 1 byte; a token id counts 1)
-    and of ``tools``/``functions``, plus template overhead, priced at the dearer of the input and cached-input
-    rates; completion: choices × min(requested ``max_tokens``/``max_completion_tokens``, tier cap), where
-    choices = ``n`` (or ``best_of`` when larger) × prompts in a completions batch. A forced-thinking tier
+    and of ``tools``/``functions`` as the JSON a template renders (keys included: :func:`_json_bytes`), plus
+    template overhead, priced at the dearer of the input and cached-input rates; completion: choices × min(requested
+    ``max_tokens``/``max_completion_tokens``, tier cap), where choices = ``n`` (or ``best_of`` when larger) × prompts
+    in a completions batch. A forced-thinking tier
     bills per choice its two phases (:func:`call_bound`). The maximum over ``tiers``.
     """
     messages = body.get("messages")
@@ -431,7 +440,7 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
         prompt = _text_bytes(body.get("prompt"))
     tools = [body.get(k) for k in ("tools", "functions") if body.get(k)]
     if tools:
-        prompt += _text_bytes(tools) + TOOLS_OVERHEAD_TOKENS
+        prompt += _json_bytes(tools) + TOOLS_OVERHEAD_TOKENS
     prompt += REQUEST_OVERHEAD_TOKENS
     choices = requested_choices(body)
     asked = body.get("max_completion_tokens") or body.get("max_tokens")

@@ -3,7 +3,10 @@ included —; the reservation format has one owner."""
 
 from __future__ import annotations
 
+import json
+import uuid
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,6 +17,7 @@ from gateway.ledger.pricing import cost_micro_usd
 from gateway.ledger.record import UsageRecord
 from gateway.state.limits import MESSAGE_OVERHEAD_TOKENS, REQUEST_OVERHEAD_TOKENS, TOOLS_OVERHEAD_TOKENS, estimate
 from gateway.state.reservations import Reservation, open_total
+from tests.fixtures.gateway import SECRETS, accounting_gateway, keys_config, usage_events
 from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, sim_tiers
 
 PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
@@ -186,3 +190,42 @@ def test_a_request_with_an_image_has_no_prompt_bound() -> None:
     assert estimate(image, [tier]).prompt is None
     text = {"model": "long", "messages": [{"role": "user", "content": [{"type": "text", "text": "what is in it?"}]}]}
     assert estimate(text, [tier]).prompt is not None
+
+
+def _key_heavy_tools(n: int) -> list[dict[str, Any]]:
+    """A function tool whose schema is almost all key names (``{"<name>": {}}`` per parameter): a chat template
+    renders it as JSON, keys and punctuation included."""
+    props = {f"a_rather_long_descriptive_parameter_name_{i:05d}": {} for i in range(n)}
+    return [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": props,
+                                                                          "minimum": 1.5, "strict": True}}}]
+
+
+def test_a_tool_schema_counts_as_the_json_a_template_renders_keys_included() -> None:
+    # The prompt bound counted only the string values of ``tools``: the 3,000 parameter names of this schema (its
+    # keys, ~150 KB rendered) counted 0 bytes, and the request was bounded at ~300 prompt tokens
+    tools = _key_heavy_tools(3000)
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 1}
+    rendered = len(json.dumps(tools, ensure_ascii=False).encode())  # Jinja's tojson: ", " and ": " separators
+    est = estimate(body, [LONG])
+    assert est.prompt is not None and est.prompt >= rendered + TOOLS_OVERHEAD_TOKENS
+
+
+def test_a_hard_budget_holds_for_a_request_whose_tool_schema_is_mostly_keys(upstream_sim: SimProcess,
+                                                                            redis_url: str,
+                                                                            tmp_path: Path) -> None:
+    # a real gateway and Redis: the upstream reports the prompt a tokenizer would (~3 bytes a token of the rendered
+    # JSON) — before, admitted on a ~300-token bound against a $0.01 budget and booked $0.013
+    tools = _key_heavy_tools(1500)  # ~78 KB: under the test gateway's max_body_bytes
+    prompt = len(json.dumps(tools).encode()) // 3
+    auth = keys_config(alice={"budget_usd_day": "0.01"})
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, auth=auth) as gw:
+        body = {"model": "long", "max_tokens": 5, "tools": tools, "tool_choice": "none",
+                "messages": [{"role": "user", "content": f"hi {uuid.uuid4().hex[:6]}"}],
+                "sim": {"usage": {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}}}
+        r = httpx.post(gw.base_url + "/chat/completions", json=body, timeout=30,
+                       headers={"authorization": f"Bearer {SECRETS['alice']}", "cache-control": "no-store"})
+        assert r.status_code in (200, 429), r.text
+        spent = sum(ev.cost_micro_usd for ev in usage_events(gw, [r.headers["x-request-id"]]).values()
+                    if ev.key_id == "alice" and not ev.audit)
+        assert spent <= 10_000, f"a $0.01 hard budget was booked {spent} micro-USD (status {r.status_code})"
+        assert r.status_code == 429  # the estimate alone is above the whole budget
