@@ -62,7 +62,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, OutOfMemoryError, ReadOnlyError, ResponseError
@@ -1266,9 +1266,17 @@ def quarantine_path(usage_spool: Path) -> Path:
     return usage_spool.with_name(usage_spool.stem + ".quarantine.jsonl")
 
 
-def past_dedup_window(event: UsageEvent, dedup_ttl_s: int, now: float) -> bool:
+class _Stamped(Protocol):
+    """A usage event, or a write-ahead record (``gateway/state/write_ahead.py``): its ``ts``, epoch s."""
+
+    @property
+    def ts(self) -> Any: ...
+
+
+def past_dedup_window(event: _Stamped, dedup_ttl_s: int, now: float) -> bool:
     """Whether ``event``'s id may have left the seen-set that makes its replay a no-op once counted: its ``ts``
     (epoch s) is ``dedup_ttl_s`` less :data:`~gateway.ledger.aggregate.SEEN_MARGIN_S` old at ``now`` (epoch s).
+    ``event``: a usage event, or a write-ahead record (its request's event has the record's ``ts`` and id).
 
     Why ``ts`` bounds it: an event is counted at or after its ``ts``, and counting it (``SADD``, then ``EXPIRE
     dedup_ttl_s``) renews its day's seen-set, so had it been counted, its id stays there at least ``dedup_ttl_s``

@@ -120,6 +120,7 @@ from redis.asyncio.connection import Connection
 from redis.exceptions import ResponseError
 
 from gateway.config import MeteringConfig, Prices
+from gateway.ledger.aggregate import SEEN_MARGIN_S
 from gateway.ledger.event import Endpoint, RouteReason, UsageEvent, UsageSource
 from gateway.ledger.pricing import cost_micro_usd
 from gateway.ledger.record import UsageRecord
@@ -127,9 +128,9 @@ from gateway.openai.sse import StreamTally
 from gateway.openai.usage import usage_counts, usage_limit
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
-from gateway.state.metering import Meter
+from gateway.state.metering import Meter, past_dedup_window
 from gateway.state.redis import FastScript, RedisHandle, as_bytes
-from gateway.state.spool import Spool
+from gateway.state.spool import Spool, quarantined
 
 log = logging.getLogger("thinkgate.metering")
 
@@ -652,8 +653,31 @@ class WriteAhead:
         return await self.spool.replay(self._replay_batch, "write-ahead")
 
     async def _replay_batch(self, recs: list[WalRecord]) -> None:
-        for rec in recs:
+        for rec in await self._fresh(recs):
             await self.breaker.call(functools.partial(self._put_many, [rec]))
+
+    async def _fresh(self, recs: list[WalRecord]) -> list[WalRecord]:
+        """``recs`` less those past the dedup window (``past_dedup_window``), which go to the usage quarantine file
+        (``Meter.quarantine``, reason ``past_dedup_window``) with one WARNING line per batch. Why: the update script
+        skips the record of a request already settled by its day's seen-set, which lives ``metering.dedup_ttl_s``;
+        a record spooled longer than that would be written back for a request settled long ago, and the reconciler
+        would then settle it again as lost — counted twice. Whether it was settled only the stream can tell.
+        Raises ``OSError`` when the quarantine cannot be written (the spool is kept)."""
+        now = time.time()
+        old = [r for r in recs if past_dedup_window(r, self.cfg.dedup_ttl_s, now)]
+        if not old:
+            return recs
+        detail = (f"ts older than metering.dedup_ttl_s ({self.cfg.dedup_ttl_s} s) less {SEEN_MARGIN_S} s: the request "
+                  "may have been settled and forgotten, so the record written back could bill it twice; not sent")
+        quarantine = self.meter.quarantine
+        if await quarantine.append([quarantined("past_dedup_window", detail, self.spool.path, orjson.loads(r.to_json()))
+                                    for r in old]):
+            log.warning("write-ahead records of requests %s in %s are older than metering.dedup_ttl_s (%d s) less "
+                        "%d s: not sent (a settled request would be billed again), kept in %s: check each request "
+                        "id against the stream (thinkgate usage export) before billing it by hand",
+                        ", ".join(r.request_id for r in old), self.spool.path, self.cfg.dedup_ttl_s, SEEN_MARGIN_S,
+                        quarantine.path)
+        return [r for r in recs if not past_dedup_window(r, self.cfg.dedup_ttl_s, now)]
 
     async def reconcile(self) -> int:
         """One bounded pass: meter the records of dead owners (see the module doc). Returns how many it counted.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from decimal import Decimal
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from gateway.ledger.aggregate import SEEN_MARGIN_S
 from gateway.ledger.event import UsageEvent
 from gateway.observability.metrics import Metrics
 from gateway.state.metering import past_dedup_window
+from gateway.state.write_ahead import WalRecord, WriteAhead
 from tests.fixtures.redis_stack import Stack, stack
 
 PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
@@ -100,3 +102,33 @@ async def test_an_event_past_the_dedup_window_is_set_aside_not_counted_twice(
         assert 'thinkgate_usage_quarantined_events_total{reason="past_dedup_window"} 1.0' in text
         assert f"thinkgate_usage_quarantine_bytes {float(st.meter.quarantine.pending_bytes())}" in text
 
+
+
+async def test_a_write_ahead_record_past_the_dedup_window_is_not_written_back(
+        redis_url: str, redis_prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The write-ahead spool (``<stem>.wal.jsonl``: records written while Redis was down) is replayed through the
+    update script, which skips a request already settled by its day's seen-set. A record kept past the dedup window
+    was written back for a request settled long ago — open again, and the reconciler would bill it a second time as
+    lost. Now it is set aside in the quarantine file; a fresh record of the same spool is written as before."""
+    now = time.time()
+    async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl", dedup_ttl_s=DEDUP_TTL_S) as st:
+        wal = WriteAhead(st.handle, st.breaker, st.meter, st.metering_cfg, {"short": PRICES}, owner="dead:1:x")
+        old = WalRecord(request_id=uuid.uuid4().hex, key_id="k1", owner="dead:1:x", ts=now - DEDUP_TTL_S,
+                        updated_ms=int((now - DEDUP_TTL_S) * 1000), tags={}, tier="short", completion_tokens=7)
+        settled = old.event(PRICES)
+        settled.partial, settled.status, settled.error_code = False, 200, None
+        await _counted_then_forgotten(st, settled)
+        fresh = WalRecord(request_id=uuid.uuid4().hex, key_id="k2", owner="dead:1:x", ts=now - 60,
+                          updated_ms=int((now - 60) * 1000), tags={}, tier="short")
+        await wal.spool.append([old, fresh])
+        with caplog.at_level(logging.WARNING, logger="thinkgate.metering"):
+            await wal.replay()
+        assert wal.spool.pending_bytes() == 0
+        r, k = st.handle.client, st.meter.keys
+        assert not await r.hexists(k.write_ahead, old.request_id)  # was written back: open again
+        assert await r.hexists(k.write_ahead, fresh.request_id)
+        [kept] = st.meter.quarantine.read_all()
+        assert kept["reason"] == "past_dedup_window" and kept["event"]["request_id"] == old.request_id
+        assert kept["source"] == str(wal.spool.path)
+        warned = [x for x in caplog.records if "dedup_ttl_s" in x.getMessage()]
+        assert len(warned) == 1 and old.request_id in warned[0].getMessage()
