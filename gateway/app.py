@@ -231,9 +231,10 @@ def create_app(settings: Settings) -> Gateway:
 EXPOSED_HEADERS = ["x-request-id", "x-thinkgate-tier", "x-thinkgate-route-reason", "x-thinkgate-difficulty",
                    "x-thinkgate-cache", "x-thinkgate-cache-similarity", "x-thinkgate-thinking-budget",
                    "x-thinkgate-escalation", "x-thinkgate-session", "x-thinkgate-downgraded-from",
-                   "x-thinkgate-budget-level", "x-thinkgate-token-count", "retry-after", "x-ratelimit-limit-requests",
-                   "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens",
-                   "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens", "x-should-retry",
+                   "x-thinkgate-budget-level", "x-thinkgate-token-count", "retry-after", "retry-after-ms",
+                   "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
+                   "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens",
+                   "x-should-retry",
                    *(f"anthropic-ratelimit-{u}-{f}" for u in ("requests", "tokens") for f in ("limit", "remaining",
                                                                                              "reset"))]
 

@@ -22,6 +22,11 @@ Errors raised (all :class:`gateway.errors.GatewayError`):
 - :class:`UpstreamError` (502): other 5xx or an unusable answer;
 - :class:`UpstreamRejected` (400/429): the upstream refused the request itself (4xx).
 
+An upstream's 429 or 503 that says when to come back (``Retry-After``, OpenAI's ``retry-after-ms``) passes that on
+in the error's headers (:func:`retry_after_headers`), so the client's SDK waits as the upstream asked. Each error
+carries the headers of its own answer: after retries and fallbacks the client gets those of the failure it sees
+(the last), never an earlier attempt's.
+
 A streamed :class:`AioResponse` raises the same errors from ``aiter_raw()`` when the upstream stalls
 (:class:`UpstreamTimeout`) or breaks the stream (:class:`UpstreamError`) mid-body.
 
@@ -36,8 +41,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import random
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from datetime import UTC
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import aiohttp
@@ -62,6 +71,12 @@ log = logging.getLogger("thinkgate.upstream")
 ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 
 RETRY_STATUSES = frozenset({502, 503})
+#: The upstream statuses whose ``Retry-After`` / ``retry-after-ms`` reach the client (RFC 9110 gives the header
+#: its meaning on these two; OpenAI's SDK reads it on any status it retries).
+RETRY_AFTER_STATUSES = frozenset({429, 503})
+#: The longest wait passed on, seconds: a day covers a provider's daily quota; more (a date years ahead) is an
+#: upstream's bug, not a wait to hold a client to.
+RETRY_AFTER_MAX_S = 86_400
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 1.0
 TOKENIZE_TIMEOUT_S = 5.0
@@ -93,17 +108,62 @@ def _upstream_message(body: bytes, reason: str | None) -> str:
     return body[:300].decode("utf-8", "replace") or (reason or "")
 
 
-def error_for_status(tier: TierConfig, status: int, body: bytes, reason: str | None = None) -> GatewayError:
-    """Map a non-2xx upstream answer (status, body) to the gateway error the client should see."""
+def error_for_status(tier: TierConfig, status: int, body: bytes, reason: str | None = None,
+                     headers: Mapping[str, str] | None = None) -> GatewayError:
+    """Map a non-2xx upstream answer (status, body, response ``headers``) to the gateway error the client should
+    see; a 429's or 503's wait (:func:`retry_after_headers`) goes into the error's headers."""
     msg = f"upstream of tier {tier.name!r} answered {status}: {_upstream_message(body, reason)}"
+    wait = retry_after_headers(headers) if headers is not None and status in RETRY_AFTER_STATUSES else {}
     if status in RETRY_STATUSES:
-        return UpstreamUnavailable(msg)
+        return UpstreamUnavailable(msg, headers=wait)
     if status in (401, 403):
         # The gateway's credentials for the upstream are wrong: the client cannot fix that.
         return UpstreamError(msg, code="upstream_auth_failed")
     if 400 <= status < 500:
-        return UpstreamRejected(msg, status=status, param=_upstream_param(body))
+        return UpstreamRejected(msg, status=status, param=_upstream_param(body), headers=wait)
     return UpstreamError(msg)
+
+
+def retry_after_headers(headers: Mapping[str, str], now: float | None = None) -> dict[str, str]:
+    """An upstream answer's ``retry-after`` and ``retry-after-ms`` as the gateway sends them on: whole seconds
+    (rounded up: waiting less than asked meets the same refusal) and whole milliseconds, each capped at
+    :data:`RETRY_AFTER_MAX_S`. An HTTP-date becomes the seconds from ``now`` (default: the clock) until it, 0 once
+    past — one form for every client, and no upstream text copied into the gateway's headers. A value that is
+    neither (negative, not a number, not a date) is dropped: no header beats a wrong one."""
+    out: dict[str, str] = {}
+    if (secs := _retry_after_s(headers.get("retry-after"), time.time() if now is None else now)) is not None:
+        out["retry-after"] = str(secs)
+    if (ms := _bounded_ceil(headers.get("retry-after-ms"), RETRY_AFTER_MAX_S * 1000)) is not None:
+        out["retry-after-ms"] = str(ms)
+    return out
+
+
+def _bounded_ceil(value: str | None, cap: int) -> int | None:
+    """``value`` as a number rounded up to an integer in [0, ``cap``]; None when absent, not a finite number or
+    negative."""
+    try:
+        number = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    if not math.isfinite(number) or number < 0:
+        return None
+    return min(cap, math.ceil(number))
+
+
+def _retry_after_s(value: str | None, now: float) -> int | None:
+    """A ``Retry-After`` (delay-seconds or an HTTP-date, RFC 9110 §10.2.3) as seconds from ``now``; None when it is
+    neither."""
+    if value is None:
+        return None
+    if (secs := _bounded_ceil(value, RETRY_AFTER_MAX_S)) is not None:
+        return secs
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # "-0000" (no zone said): HTTP-dates are GMT
+        when = when.replace(tzinfo=UTC)
+    return max(0, min(RETRY_AFTER_MAX_S, math.ceil(when.timestamp() - now)))
 
 
 def _upstream_param(body: bytes) -> str | None:
@@ -318,7 +378,7 @@ class UpstreamPool:
         finally:
             if owned:
                 pool.end(replica, ok)
-        err = error_for_status(tier, resp.status, err_body, resp.reason)
+        err = error_for_status(tier, resp.status, err_body, resp.reason, resp.headers)
         if resp.status not in RETRY_STATUSES:
             raise err
         log.info("upstream %s (%s) answered %s (attempt %d)", tier.name, label_url(url), resp.status, attempt + 1)

@@ -418,3 +418,89 @@ def test_disconnect_during_a_fallback_bills_the_fallback_call(redis_url: str) ->
     finally:
         failing.stop()
         slow.stop()
+
+
+def _post_chat(gw: GatewayServer, sim: dict[str, Any], path: str = "/chat/completions",
+               model: str = "ok") -> httpx.Response:
+    """One non-streamed request through ``gw`` with the simulator's per-request ``sim`` options."""
+    body: dict[str, Any] = {"model": model, "messages": MESSAGES, "sim": sim}
+    if path == "/messages":
+        body["max_tokens"] = 32
+    return httpx.post(gw.base_url + path, json=body, headers={"authorization": f"Bearer {TEST_KEY}"}, timeout=15)
+
+
+def test_an_upstream_429_keeps_its_retry_after(client: openai.OpenAI, fault_gateway: GatewayServer) -> None:
+    """The upstream's 429 says when to come back: the client's 429 says so too (it lost the header, and the SDK
+    retried at once with its own backoff), in OpenAI's and in Anthropic's API."""
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(model="ok", messages=MESSAGES,
+                                       extra_body={"sim": {"fail": "429", "retry_after": "7"}})
+    assert (info.value.type, info.value.code) == ("rate_limit_error", "upstream_rejected")  # type: ignore[attr-defined]
+    assert info.value.response.headers["retry-after"] == "7"
+    r = _post_chat(fault_gateway, {"fail": "429", "retry_after": "7", "retry_after_ms": "6500"})
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
+    assert (r.headers["retry-after"], r.headers["retry-after-ms"]) == ("7", "6500")  # OpenAI's ms header too
+    anthropic_429 = _post_chat(fault_gateway, {"fail": "429", "retry_after": "7"}, path="/messages")
+    assert anthropic_429.status_code == 429 and anthropic_429.json()["type"] == "error", anthropic_429.text
+    assert anthropic_429.headers["retry-after"] == "7"
+
+
+def test_an_upstream_503_retry_after_reaches_the_502(fault_gateway: GatewayServer, fault_sim: SimProcess) -> None:
+    """A 503 still refusing after the retries: the client's 502 ``upstream_unavailable`` (which the SDK retries)
+    carries its Retry-After, and no ``x-should-retry: false``."""
+    t = tag()
+    r = _post_chat(fault_gateway, {"fail": "503", "retry_after": "7", "tag": t})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable", r.text
+    assert r.headers["retry-after"] == "7" and "x-should-retry" not in r.headers
+    assert fault_sim.tag(t)["attempts"] == 3  # 1 + max_retries, each refused
+
+
+@pytest.mark.parametrize(("sent", "passed"), [
+    ("7.2", "8"),  # rounded up: waiting less than asked meets the same refusal
+    ("99999999", "86400"),  # capped at a day
+    ("-3", None), ("soon", None), ("nan", None),  # no header beats a wrong one
+    ("Wed, 21 Oct 2015 07:28:00 GMT", "0"),  # an HTTP-date already past
+    (None, None),  # none sent, none made up
+])
+def test_an_upstream_retry_after_is_sanitised(fault_gateway: GatewayServer, sent: str | None,
+                                              passed: str | None) -> None:
+    r = _post_chat(fault_gateway, {"fail": "429"} if sent is None else {"fail": "429", "retry_after": sent})
+    assert r.status_code == 429, r.text
+    assert r.headers.get("retry-after") == passed
+
+
+def test_an_upstream_retry_after_http_date_becomes_seconds(fault_gateway: GatewayServer) -> None:
+    from email.utils import formatdate
+
+    r = _post_chat(fault_gateway, {"fail": "429", "retry_after": formatdate(time.time() + 30, usegmt=True)})
+    assert r.status_code == 429 and 25 <= int(r.headers["retry-after"]) <= 31, r.headers
+
+
+def test_the_retry_after_is_that_of_the_failure_the_client_sees(redis_url: str) -> None:
+    """The routed tier's upstream answers 503 with Retry-After: 7 and the call falls back to a later tier: the
+    client's error carries the fallback's own Retry-After — or none when the fallback sent none — never the 7 of
+    an attempt it does not see."""
+    first = start_sim("--fail-mode", "503", "--retry-after", "7")
+    second = start_sim("--fail-mode", "503")
+    try:
+        common = {"model": "sim-model", "connect_timeout_s": 1.0, "read_timeout_s": 5.0, "max_retries": 0}
+        tiers = [{**common, "name": "first", "base_url": first.base_url},
+                 {**common, "name": "second", "base_url": second.base_url}]
+        settings = sim_settings(first.base_url, redis_url, tiers=tiers, routing={
+            "router_path": None, "routed_tiers": ["first", "second"], "thresholds": [0.5], "default_tier": "second",
+            "effort_tiers": {"low": "first", "high": "second"}, "fallback": True})
+        with GatewayServer(settings) as gw:
+            t = tag()
+            r = _post_chat(gw, {"tag": t}, model="first")
+            assert r.status_code == 502 and "second" in r.json()["error"]["message"], r.text
+            assert first.tag(t)["status"] == second.tag(t)["status"] == "failed"  # both tiers were asked
+            assert "retry-after" not in r.headers
+            second.set_mode(retry_after="3")
+            r = _post_chat(gw, {}, model="first")
+            assert r.status_code == 502 and r.headers["retry-after"] == "3", r.headers
+            second.set_mode(fail_mode="429")
+            r = _post_chat(gw, {}, model="first")
+            assert r.status_code == 429 and r.headers["retry-after"] == "3", r.headers
+    finally:
+        first.stop()
+        second.stop()
