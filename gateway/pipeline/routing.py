@@ -8,7 +8,10 @@ Precedence (first match wins):
 4. ``model: "auto"``                        → router score s ∈ [0, 1] over the routing window, then the first
    ``routed_tiers[i]`` with ``s < thresholds[i]`` (else the last routed tier), reason ``predicted``
 
-``reasoning_effort`` with a forced tier keeps the forced tier (the explicit choice wins) and is passed on.
+``reasoning_effort`` with a forced tier keeps the forced tier (the explicit choice wins) and is passed on. Whatever
+the model, it must be one of the efforts ``routing.effort_tiers`` maps (by default OpenAI's seven, ``none`` to
+``max``), else 400 ``invalid_value`` (:meth:`Routing.check_effort`): a forced tier once sent any string on, so a
+typo was answered by the upstream (or silently ignored) where ``auto`` refused it.
 The scorer is the trained router file at ``routing.router_path`` (:class:`router.serving.RouterService`,
 hot-reloaded; its calibrated thresholds apply unless ``routing.thresholds`` is set). When that file is
 missing or fails to load: ``on_router_error: refuse_start`` → :class:`router.serving.RouterUnavailable`
@@ -233,9 +236,24 @@ class Routing:
         return [self._tiers[n] for n in self._order[i + 1 :] if (allowed is None or n in allowed)
                 and self._tiers[n].embeddings == tier.embeddings]  # a chat request never lands on an embedding tier
 
+    def check_effort(self, body: dict[str, Any]) -> str | None:
+        """The request's ``reasoning_effort`` (None when not given), checked the same whatever the model: one of
+        ``routing.effort_tiers``'s keys, the efforts ``auto`` can route, else InvalidRequest (400
+        ``invalid_value``, ``param: reasoning_effort``)."""
+        effort = body.get("reasoning_effort")
+        if effort is None:
+            return None
+        if not isinstance(effort, str) or effort not in self.cfg.effort_tiers:
+            raise InvalidRequest(
+                f"reasoning_effort {effort!r} is not one of {sorted(self.cfg.effort_tiers)}",
+                param="reasoning_effort", code="invalid_value",
+            )
+        return effort
+
     def decide(self, body: dict[str, Any], forced_header: str | None, window_text: str | None = None) -> RouteDecision:
         """Route one request body. Raises UnknownModel (404) for an unknown model/header tier and
-        InvalidRequest (400) for an unknown ``reasoning_effort``."""
+        InvalidRequest (400) for an unknown ``reasoning_effort`` (:meth:`check_effort`, forced tiers included)."""
+        effort = self.check_effort(body)
         asked = body.get("thinking_token_budget")  # kept on the decision for x-thinkgate-thinking-budget
         if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
             asked = None
@@ -254,15 +272,8 @@ class Routing:
                     f"model {model!r} does not exist; use 'auto' or one of {self._order}", param="model"
                 )
             return RouteDecision(t, "forced", asked_budget=asked)
-        effort = body.get("reasoning_effort")
         if effort is not None:
-            name = self.cfg.effort_tiers.get(effort)
-            if name is None:
-                raise InvalidRequest(
-                    f"reasoning_effort {effort!r} is not one of {sorted(self.cfg.effort_tiers)}",
-                    param="reasoning_effort",
-                )
-            return RouteDecision(self._tiers[name], "effort", asked_budget=asked)
+            return RouteDecision(self._tiers[self.cfg.effort_tiers[effort]], "effort", asked_budget=asked)
         svc = self._service_in_use()
         if svc is not None and not svc.available:  # no usable router file: on_router_error = default_tier
             return RouteDecision(self._tiers[self.cfg.default_tier], "fallback", None, asked_budget=asked)

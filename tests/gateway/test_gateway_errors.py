@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import httpx
@@ -114,6 +115,47 @@ def test_unknown_model_and_effort(openai_client: openai.OpenAI, gateway: Any) ->
     assert info.value.param == "reasoning_effort"  # type: ignore[attr-defined]
     r = post(gateway, {"model": "auto", "messages": MESSAGES}, headers={**AUTH, "x-thinkgate-tier": "nope"})
     assert_openai_error(r, 404, "model_not_found")
+
+
+#: one body per generation endpoint, with ``reasoning_effort`` at its top level (Responses and Messages pass the
+#: field on to the chat body they build, as any field they do not translate)
+EFFORT_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"messages": MESSAGES},
+    "/v1/completions": {"prompt": "hi"},
+    "/v1/responses": {"input": "hi"},
+    "/v1/messages": {"messages": MESSAGES, "max_tokens": 16},
+}
+
+
+@pytest.mark.parametrize("path", list(EFFORT_BODIES))
+@pytest.mark.parametrize("how", ["auto", "model", "header"])
+def test_an_unknown_reasoning_effort_is_refused_whatever_the_model(gateway: Any, upstream_sim: Any, path: str,
+                                                                   how: str) -> None:
+    """``reasoning_effort: "ultra"`` was a 400 under ``model: auto`` and sent upstream when a tier was named (by
+    model or by header): now the same 400 either way, OpenAI-shaped (Anthropic's shape on /v1/messages), and
+    nothing reaches the upstream."""
+    body = {"model": "short" if how == "model" else "auto", **EFFORT_BODIES[path], "reasoning_effort": "ultra"}
+    headers = {**AUTH, "x-thinkgate-tier": "short"} if how == "header" else None
+    before = upstream_sim.stats()["requests"]
+    r = post(gateway, body, path, headers=headers)
+    if path == "/v1/messages":
+        assert r.status_code == 400, r.text
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+        assert "reasoning_effort" in r.json()["error"]["message"]
+    else:
+        assert_openai_error(r, 400, code="invalid_value", param="reasoning_effort")
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert "'ultra'" in r.json()["error"]["message"]
+    assert upstream_sim.stats()["requests"] == before
+
+
+def test_a_known_reasoning_effort_on_a_named_tier_is_passed_on(gateway: Any, upstream_sim: Any) -> None:
+    """Every effort ``routing.effort_tiers`` names still reaches a named tier as sent (it does not pick the tier)."""
+    for effort in ("none", "minimal", "low", "medium", "high", "xhigh", "max"):
+        t = uuid.uuid4().hex
+        r = post(gateway, {"model": "short", "messages": MESSAGES, "reasoning_effort": effort, "sim": {"tag": t}})
+        assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short", r.text
+        assert upstream_sim.tag(t)["body"]["reasoning_effort"] == effort
 
 
 def test_one_model_card_is_served_by_id(openai_client: openai.OpenAI) -> None:
