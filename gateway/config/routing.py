@@ -187,6 +187,11 @@ class RetrainConfig(_Strict):
         return self.every_outcomes > 0
 
 
+#: the values of OpenAI's ``reasoning_effort`` (openai-python's ``ReasoningEffort``), what vLLM's chat templates read:
+#: a named tier accepts these (passed on as sent) besides ``routing.effort_tiers``'s own keys
+OPENAI_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
 class RoutingConfig(_Strict):
     """How ``model: "auto"`` picks a tier.
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from gateway.config.routing import OPENAI_REASONING_EFFORTS
 from gateway.errors import InvalidRequest
 
 #: Responses fields with no meaning on a chat upstream that the gateway refuses rather than ignore silently.
@@ -43,7 +44,7 @@ TRANSLATED = ("model", "input", "instructions", "tools", "tool_choice", "paralle
 #: ``reasoning`` as the OpenAI API defines it (openai-python ``types.shared.Reasoning``): each field's allowed
 #: values (None: any string). ``effort`` → ``reasoning_effort``; the others are accepted and not acted on.
 REASONING_FIELDS: dict[str, tuple[str, ...] | None] = {
-    "effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
+    "effort": OPENAI_REASONING_EFFORTS,
     "summary": ("auto", "concise", "detailed"),
     "generate_summary": ("auto", "concise", "detailed"),  # deprecated alias of summary
     "context": ("auto", "current_turn", "all_turns"),

@@ -9,9 +9,10 @@ Precedence (first match wins):
    ``routed_tiers[i]`` with ``s < thresholds[i]`` (else the last routed tier), reason ``predicted``
 
 ``reasoning_effort`` with a forced tier keeps the forced tier (the explicit choice wins) and is passed on. Whatever
-the model, it must be one of the efforts ``routing.effort_tiers`` maps (by default OpenAI's seven, ``none`` to
-``max``), else 400 ``invalid_value`` (:meth:`Routing.check_effort`): a forced tier once sent any string on, so a
-typo was answered by the upstream (or silently ignored) where ``auto`` refused it.
+the model it is checked (:meth:`Routing.check_effort`, else 400 ``invalid_value``): under ``auto`` it must be one
+of the efforts ``routing.effort_tiers`` maps (by default OpenAI's seven, ``none`` to ``max``), on a forced tier one
+of those or of OpenAI's seven — a forced tier once sent any string on, so a typo was answered by the upstream (or
+silently ignored) where ``auto`` refused it.
 The scorer is the trained router file at ``routing.router_path`` (:class:`router.serving.RouterService`,
 hot-reloaded; its calibrated thresholds apply unless ``routing.thresholds`` is set). When that file is
 missing or fails to load: ``on_router_error: refuse_start`` → :class:`router.serving.RouterUnavailable`
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import Settings, TierConfig
+from gateway.config.routing import OPENAI_REASONING_EFFORTS
 from gateway.control.target import TargetController
 from gateway.errors import InvalidRequest, UnknownModel
 from gateway.ledger.event import RouteReason
@@ -236,24 +238,25 @@ class Routing:
         return [self._tiers[n] for n in self._order[i + 1 :] if (allowed is None or n in allowed)
                 and self._tiers[n].embeddings == tier.embeddings]  # a chat request never lands on an embedding tier
 
-    def check_effort(self, body: dict[str, Any]) -> str | None:
-        """The request's ``reasoning_effort`` (None when not given), checked the same whatever the model: one of
-        ``routing.effort_tiers``'s keys, the efforts ``auto`` can route, else InvalidRequest (400
-        ``invalid_value``, ``param: reasoning_effort``)."""
+    def check_effort(self, body: dict[str, Any], forced: bool) -> str | None:
+        """The request's ``reasoning_effort`` (None when not given), checked whatever the model: under ``auto`` one
+        of ``routing.effort_tiers``'s keys (the efforts it can route); on a named (``forced``) tier also any of
+        OpenAI's values (:data:`~gateway.config.routing.OPENAI_REASONING_EFFORTS`, passed on as sent — an operator's
+        narrowed map must not refuse what the tier's model reads). Else InvalidRequest (400 ``invalid_value``,
+        ``param: reasoning_effort``)."""
         effort = body.get("reasoning_effort")
         if effort is None:
             return None
-        if not isinstance(effort, str) or effort not in self.cfg.effort_tiers:
-            raise InvalidRequest(
-                f"reasoning_effort {effort!r} is not one of {sorted(self.cfg.effort_tiers)}",
-                param="reasoning_effort", code="invalid_value",
-            )
+        allowed = set(self.cfg.effort_tiers) | (set(OPENAI_REASONING_EFFORTS) if forced else set())
+        if not isinstance(effort, str) or effort not in allowed:
+            raise InvalidRequest(f"reasoning_effort {effort!r} is not one of {sorted(allowed)}",
+                                 param="reasoning_effort", code="invalid_value")
         return effort
 
     def decide(self, body: dict[str, Any], forced_header: str | None, window_text: str | None = None) -> RouteDecision:
         """Route one request body. Raises UnknownModel (404) for an unknown model/header tier and
         InvalidRequest (400) for an unknown ``reasoning_effort`` (:meth:`check_effort`, forced tiers included)."""
-        effort = self.check_effort(body)
+        effort = self.check_effort(body, forced=bool(forced_header) or body.get("model") != AUTO)
         asked = body.get("thinking_token_budget")  # kept on the decision for x-thinkgate-thinking-budget
         if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
             asked = None

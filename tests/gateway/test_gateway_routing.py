@@ -127,3 +127,23 @@ def test_a_chat_request_never_falls_back_or_escalates_to_an_embedding_tier(upstr
     assert r.fallbacks(settings.tier("long")) == []
     assert r.next_tier(settings.tier("long")) is None
     assert r.next_tier(settings.tier("short")).name == "long"  # type: ignore[union-attr]
+
+
+def test_a_narrowed_effort_map_narrows_auto_not_what_a_named_tier_passes_on(upstream_sim: Any, redis_url: str) -> None:
+    """``routing.effort_tiers`` narrowed to two efforts: under ``auto`` only those route (``medium`` is a 400), but a
+    named tier still takes any of OpenAI's values and passes it on (the tier's model reads it, the map is about
+    routing) — and a value that is neither is refused there too."""
+    settings = sim_settings(upstream_sim.base_url, redis_url,
+                            routing={"router_path": None, "effort_tiers": {"low": "short", "high": "long"}})
+    r = Routing(settings)
+    with pytest.raises(InvalidRequest) as info:
+        r.decide({"model": "auto", "reasoning_effort": "medium", "messages": SHORT_Q}, None)
+    assert info.value.param == "reasoning_effort"
+    assert (r.decide({"model": "auto", "reasoning_effort": "high", "messages": SHORT_Q}, None).tier.name
+            == "long")
+    for forced in ({"model": "short"}, {"model": "auto"}):
+        header = "short" if forced["model"] == "auto" else None
+        d = r.decide({**forced, "reasoning_effort": "medium", "messages": SHORT_Q}, header)
+        assert (d.tier.name, d.reason) == ("short", "forced")
+        with pytest.raises(InvalidRequest):
+            r.decide({**forced, "reasoning_effort": "ultra", "messages": SHORT_Q}, header)
