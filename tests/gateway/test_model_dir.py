@@ -58,3 +58,18 @@ def test_a_dial_model_is_served_under_its_own_name() -> None:
     settings = with_model_dir(Settings.load(None), ASSETS / "thinkgate-tiny-dial")
     assert settings.engine.served_model_name == "thinkgate-tiny-dial"
     assert {t.model for t in settings.tiers} == {"thinkgate-tiny-dial"}
+
+
+def test_the_dial_router_has_a_version_of_its_own() -> None:
+    """The dial model's router is built from the shipped default (``thinkgate train dial-router``) and kept its
+    version: two different files answered to one name in ``router info``, ``/v1/models``, ``router history`` and a
+    rollback's ``router:bad`` (by version)."""
+    from router.persistence import load_router
+    from router.serving import file_version
+    from training.tiny.dial_map import dial_version
+
+    default = file_version(load_router(Path(__file__).resolve().parents[2] / "router" / "assets" / "default.skops"),
+                           None)
+    dial = file_version(load_router(ASSETS / "thinkgate-tiny-dial" / "router.skops"), None)
+    assert dial != default
+    assert dial == dial_version(default, "thinkgate-tiny-dial") == dial_version(dial, "thinkgate-tiny-dial")

@@ -70,6 +70,12 @@ def _shown(path: Path) -> str:
         return path.name if path.is_absolute() else str(path)
 
 
+def dial_version(base: object, model_name: str) -> str:
+    """The dial router's version: the version of the router it was built from (the shipped default's), ``+dial-``
+    and the dial model directory's name — deterministic, so a rebuild from the same inputs names the same policy."""
+    return f"{str(base or 'router').split('+dial-')[0]}+dial-{model_name}"
+
+
 def build(model_dir: str, router_path: Path, out: Path, *, tier: str = "long",
           budgets: Sequence[int | None] = (16, 32, 48, 64, 96, 128, None), n: int = 400, seed: int = 0,
           n_bins: int = 4, floor: float = 0.98, delta: float = 0.1, threads: int = 2,
@@ -90,6 +96,9 @@ def build(model_dir: str, router_path: Path, out: Path, *, tier: str = "long",
     n_cuts = max(1, len(router.thresholds))
     serving.update({"policy": f"{serving.get('policy') or router.scorer}+budgets", "scorer": router.scorer,
                     "thresholds": [0.0] * n_cuts, "budgets": fit.to_serving()})
+    # a version of its own: the gateway, `router info`/`history` and a rollback's router:bad name a file by it, and a
+    # copy of the default's made two different files answer to one name
+    meta["version"] = dial_version(meta.get("version") or meta.get("created_utc"), Path(model_dir).name)
     meta.update({"serving": serving, "dial_model": Path(model_dir).name,
                  "policy_description": "every routed request goes to the dial tier "
                                        f"{tier!r} with a thinking budget picked from the router score"})
