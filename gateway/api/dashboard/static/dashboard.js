@@ -95,7 +95,7 @@ function render(d) {
   document.getElementById("routing-note").textContent = "router " + r.router + " · thresholds " + JSON.stringify(r.thresholds) +
     (r.target_source === "routing.target" ? " · target: routing.target (the controller moves the top cut point)"
       : r.calibration ? " · target: the router file's calibration (" + r.calibration.method + ")"
-      : " · no target (thresholds set in the config, no calibration metadata)") +
+      : " · no target share (thresholds set in the config, or a router file without a calibration)") +
     " · share of " + r.predicted_requests + " router-decided requests";
   table("routing", ["tier", "requests", "router share", "target share", "reasons"], r.tiers.map(x => el("tr", {"data-row": "tier:" + x.tier},
     el("td", {text: x.tier}), el("td", {"data-field": "requests", text: String(x.requests)}),
