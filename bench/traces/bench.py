@@ -664,8 +664,9 @@ def markdown(report: dict[str, Any], details: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def plot(report: dict[str, Any], details: dict[str, Any], path: Path) -> None:
-    """PNG: accuracy vs token share, each policy's curve, the served points and the oracle."""
+def plot(report: dict[str, Any], details: dict[str, Any], path: Path) -> list[str]:
+    """PNG: accuracy vs token share, each policy's curve, the served points and the oracle. Returns the point labels
+    written (policies served at the same point share one: ``"router = length"``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -676,11 +677,15 @@ def plot(report: dict[str, Any], details: dict[str, Any], path: Path) -> None:
         if cv:
             xs, ys = zip(*cv, strict=True)
             ax.step(xs, ys, where="post", label=f"{name} (savings@98 {report['savings_at_98'][name]:.0%})", lw=1.2)
+    at: dict[tuple[float, float], list[str]] = {}  # policies served at the same point share one label
     for p in _ordered(report):
         e = report["policies"][p]
         x = details["token_share"].get(p) or 0.0
         ax.scatter([x], [e["accuracy"]], s=30, marker="*" if p == "oracle" else "o", zorder=3)
-        ax.annotate(p, (x, e["accuracy"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        at.setdefault((round(x, 3), round(e["accuracy"], 3)), []).append(p)
+    labels = [" = ".join(names) for names in at.values()]
+    for (x, y), label in zip(at, labels, strict=True):  # one label per point: printed over each other, unreadable
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     top = details["always_top_accuracy"]
     ax.axhline(0.98 * top, color="gray", ls=":", lw=1, label="98% of always-top")
     ax.set_xlabel("completion tokens / always-top (metering ledger)")
@@ -693,6 +698,7 @@ def plot(report: dict[str, Any], details: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return labels
 
 
 # --------------------------------------------------------------------------------------------------- CLI

@@ -18,6 +18,7 @@ from bench.traces.bench import (
     Sent,
     TracesBenchError,
     check_router_ladder,
+    plot,
     router_heldout_frac,
     run,
     served_block,
@@ -275,3 +276,17 @@ def test_an_output_that_cannot_be_written_fails_before_the_run(tmp_path: Path) -
         res = CliRunner().invoke(app, [*base, flag, str(out)])
         assert res.exit_code == 2, res.output
         assert f"bench traces: {flag}: " in res.output and "Traceback" not in res.output, res.output
+
+
+def test_policies_served_at_one_point_share_one_label_on_the_plot(tmp_path: Path) -> None:
+    """A new user's o3-mini plot printed "router", "router+cascade", "random", "length" and "always:high_effort" on
+    top of each other at one point: now one label names them all, and a point of its own keeps its own."""
+    same = {"accuracy": 0.383}
+    report = {"dataset": "frames", "ladder": "o3-mini:low_effort,high_effort", "n_questions": 4,
+              "curves": {"router": [(0.0, 0.3), (1.0, 0.383)]}, "savings_at_98": {"router": 0.0},
+              "policies": {"always:high_effort": same, "router": same, "length": same, "auto": {"accuracy": 0.39}}}
+    details = {"token_share": {"always:high_effort": 1.0, "router": 1.0, "length": 1.0, "auto": 0.7},
+               "always_top_accuracy": 0.383}
+    labels = plot(report, details, tmp_path / "p.png")
+    assert sorted(labels) == ["always:high_effort = router = length", "auto"]
+    assert (tmp_path / "p.png").stat().st_size > 0
