@@ -4,7 +4,7 @@
 # Builds the wheel from this checkout, installs it ALONE (base dependencies only, no extras) into a fresh venv,
 # then, from a scratch directory so the checkout is not importable:
 #   - the wheel holds gateway/ and router/ only (no training package, no models, no bench or tests);
-#   - `thinkgate --help`;
+#   - `thinkgate --help`; `thinkgate train tiny`, `thinkgate bench --help` answer in one line (source checkout);
 #   - `python -X importtime -c "import gateway.app"` imports no lab or extra library;
 #   - the shipped test splits load (package data) and verifying a math answer names the `eval` extra;
 #   - `thinkgate serve` with the engine on answers in one line that a wheel ships no model, and how to fix it;
@@ -73,6 +73,18 @@ unset THINKGATE_CONFIG
 step "thinkgate --help"
 timeout 60 "$TG" --help >"$WORK/help.log" 2>&1 || fail "thinkgate --help"
 grep -q "serve" "$WORK/help.log" || fail "thinkgate --help lists no serve command"
+
+step "train and bench (not in the wheel) answer every invocation with one line: run them from a source checkout"
+for args in "train" "train tiny" "train --help" "bench --help"; do
+  set +e
+  # shellcheck disable=SC2086  # the words of $args are the arguments
+  timeout 60 "$TG" $args >"$WORK/plugin.log" 2>&1
+  RC=$?
+  set -e
+  [ "$RC" -eq 2 ] || fail "thinkgate $args: exit $RC, expected 2: $(cat "$WORK/plugin.log")"
+  [ "$(wc -l <"$WORK/plugin.log")" -eq 1 ] && grep -q "unavailable here.*source checkout" "$WORK/plugin.log" \
+    || fail "thinkgate $args: $(cat "$WORK/plugin.log")"
+done
 
 step "import gateway.app imports no lab library"
 timeout 60 "$VPY" -X importtime -c "import gateway.app" 2>"$WORK/importtime.log" || fail "import gateway.app"

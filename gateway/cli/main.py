@@ -79,16 +79,18 @@ def config_show(config: Path | None = CONFIG_OPTION, model_dir: Path | None = MO
     typer.echo(yaml.safe_dump(data, sort_keys=False), nl=False)
 
 
-def _missing_group(name: str, hint: str, exc: Exception) -> typer.Typer:
-    stub = typer.Typer(invoke_without_command=True, add_help_option=False,
-                       context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def _add_missing_group(root: typer.Typer, name: str, help_text: str, hint: str, exc: Exception) -> None:
+    """Register ``name``, whose package is missing, as one command that takes any arguments and options
+    (``train tiny``, ``bench --help``) and answers every invocation with the same line and exit code 2.
 
-    @stub.callback()
+    A command, not an empty group: click resolves a group's subcommand before the group's callback runs, so
+    ``thinkgate train tiny`` answered "No such command 'tiny'" instead of saying what to do."""
+
+    @root.command(name, help=help_text, add_help_option=False,
+                  context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def _unavailable() -> None:
         typer.echo(f"thinkgate {name}: unavailable here ({exc}); {hint}", err=True)
         raise typer.Exit(2)
-
-    return stub
 
 
 #: The gateway's own commands: a ``thinkgate``/``python -m gateway`` process started for one of them does not import
@@ -119,17 +121,17 @@ def _attach_plugins(root: typer.Typer) -> None:
                 raise ModuleNotFoundError("no 'thinkgate.cli' entry point")
             sub = ep.load()
         except ImportError as exc:
-            sub = _missing_group(name, hint, exc)
-        else:
-            if name == "router":  # reads the gateway's outcome stream, so it lives on this side of the imports
-                from gateway.cli.retrain import retrain_command
-                from gateway.cli.router_history import history_command
+            _add_missing_group(root, name, help_text, hint, exc)
+            continue
+        if name == "router":  # reads the gateway's outcome stream, so it lives on this side of the imports
+            from gateway.cli.retrain import retrain_command
+            from gateway.cli.router_history import history_command
 
-                sub.command("retrain")(retrain_command)
-                sub.command("history")(history_command)
-            # offline evaluations owned by a plug-in (``thinkgate eval dial`` from training) join ``eval``
-            for cmd_name, fn in (getattr(sub, "eval_commands", None) or {}).items():
-                eval_app.command(cmd_name)(fn)
+            sub.command("retrain")(retrain_command)
+            sub.command("history")(history_command)
+        # offline evaluations owned by a plug-in (``thinkgate eval dial`` from training) join ``eval``
+        for cmd_name, fn in (getattr(sub, "eval_commands", None) or {}).items():
+            eval_app.command(cmd_name)(fn)
         root.add_typer(sub, name=name, help=help_text)
 
 

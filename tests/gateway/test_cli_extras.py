@@ -57,3 +57,48 @@ def test_train_without_torch_says_install_train(tmp_path: Path) -> None:
     assert help_.returncode == 0, help_.stderr  # --help never needs the extra
     r = _cli_without("torch", "train", "tiny", "--output-dir", str(tmp_path / "m"), tmp=tmp_path)
     assert (r.returncode, r.stderr) == (2, "thinkgate train tiny needs torch: pip install 'thinkgate[train]'\n")
+
+
+def _wheel_only_cli(*argv: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    """A real ``thinkgate`` process that sees what a wheel install holds: ``gateway`` and ``router`` (linked into a
+    scratch folder), not the checkout's ``training`` and ``bench`` — its folder is taken off ``sys.path`` (the
+    editable install's .pth puts it there; ``-I`` drops PYTHONPATH and the working directory). The entry points
+    still name ``training.cli`` and ``bench.cli``, as the wheel's do."""
+    site = tmp / "wheel-site"
+    site.mkdir(exist_ok=True)
+    for pkg in ("gateway", "router"):
+        if not (site / pkg).exists():
+            (site / pkg).symlink_to(REPO / pkg, target_is_directory=True)
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path[:] = [{str(site)!r}] + [p for p in sys.path if p and os.path.realpath(p) != {str(REPO)!r}]
+        sys.argv = ["thinkgate", *{list(argv)!r}]
+        from gateway.cli.main import main
+        main()
+    """)
+    env = {**os.environ, "THINKGATE_STATE_DIR": str(tmp / "state")}
+    return subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60, env=env,
+                          cwd=tmp)
+
+
+@pytest.mark.parametrize("group, argv", [
+    ("train", ()), ("train", ("tiny",)), ("train", ("--help",)), ("train", ("grpo", "--allow-dirty")),
+    ("bench", ("traces", "--help")), ("bench", ("--help",)),
+])
+def test_a_missing_plugin_group_answers_every_invocation_with_its_hint(group: str, argv: tuple[str, ...],
+                                                                       tmp_path: Path) -> None:
+    """Without the checkout's ``training``/``bench`` (a wheel install), ``thinkgate train tiny`` and ``thinkgate
+    bench --help`` print the same one line as bare ``thinkgate train`` (exit 2) — they printed click's "No such
+    command 'tiny'": the stand-in group had no commands and click resolves one before the group's callback runs."""
+    r = _wheel_only_cli(group, *argv, tmp=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"thinkgate {group}: unavailable here ("), r.stderr
+    assert "No module named" in lines[0] and "run it from a source checkout" in lines[0], r.stderr
+    assert r.stdout == ""
+
+
+def test_a_missing_plugin_group_is_still_listed_by_help(tmp_path: Path) -> None:
+    r = _wheel_only_cli("--help", tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "Offline training jobs" in r.stdout and "Benchmarks of the whole stack" in r.stdout, r.stdout
