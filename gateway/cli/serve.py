@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
@@ -44,7 +45,7 @@ def serve(
     import uvicorn
 
     from gateway.config import missing_model, unpriced_tiers
-    from gateway.engine.redis_server import RedisUnavailable, ensure
+    from gateway.engine.redis_server import RedisUnavailable, ensure, port_dir
 
     loaded = load_settings(config, model_dir)
     logging.basicConfig(level=loaded.server.log_level.upper(), format=LOG_FORMAT)
@@ -60,14 +61,17 @@ def serve(
     redis_proc, redis_url = None, loaded.redis.url
     if loaded.redis.start_if_missing:
         try:
-            redis_proc, redis_url = ensure(loaded.redis.url)
+            # persisted (the product's keys, budgets and usage outlive a restart) and in its own session: a
+            # terminal's Ctrl-C goes to the gateway only, which stops this server in ``finally`` after its shutdown
+            redis_proc, redis_url = ensure(loaded.redis.url, data_dir=loaded.redis.data_dir, own_session=True)
         except RedisUnavailable as exc:
             typer.echo(f"thinkgate: warning: {exc}; continuing without Redis (/ready reports it)", err=True)
         else:
             # which Redis, said once: a server that was already answering may be shared with other gateways
             parts = urlsplit(redis_url)  # never print a password: no user info, no query (?password=…)
             shown = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
-            typer.echo(f"thinkgate: Redis: started a private redis-server at {shown}" if redis_proc is not None
+            typer.echo(f"thinkgate: Redis: started a private redis-server at {shown} (its data in "
+                       f"{port_dir(loaded.redis.data_dir, parts.port or 6379)})" if redis_proc is not None
                        else f"thinkgate: Redis: using the server already answering at {shown} (key prefix "
                        f"{loaded.redis.key_prefix!r}: a gateway with the same prefix there shares keys, limits, "
                        "cache and usage with this one)", err=True)
@@ -106,7 +110,18 @@ def serve(
         if engine is not None:
             engine.stop()
         if redis_proc is not None:
-            redis_proc.terminate()
+            _stop_redis(redis_proc)
+
+
+def _stop_redis(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """Stop the private Redis and wait for it: on SIGTERM it writes its append-only file out before exiting, and a
+    ``serve`` started again at once must find the port free and the data complete (killed only if it hangs)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _exit_on_sigterm(signum: int, _frame: Any) -> None:

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse, urlsplit, urlunsplit
 
 from pydantic import Field, field_validator
 
 from gateway.config.base import _Strict
+from gateway.config.paths import STATE_DIR
 
 
 def url_nodes(parsed: Any, default_port: int) -> list[tuple[str, int]]:
@@ -74,12 +76,15 @@ class RedisConfig(_Strict):
     own tenant (``{tg:<tenant>}``, ``gateway/state/keys.py``); a prefix with its own hash tag keeps every key in
     that one slot. ``socket_timeout_s`` bounds connect and every command;
     after a failure the circuit breaker answers "down" at once for ``breaker_cooldown_s`` seconds.
+    ``data_dir``: where the private ``redis-server`` that ``serve`` starts (``start_if_missing``) keeps its
+    append-only file, one folder per port (``<data_dir>/6379/``), so keys, budgets and usage survive a restart.
     """
 
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "tg:"
     socket_timeout_s: float = Field(0.25, gt=0)
     start_if_missing: bool = True
+    data_dir: Path = STATE_DIR / "redis"
     breaker_cooldown_s: float = Field(5.0, gt=0)
     max_connections: int = Field(256, ge=1)
 

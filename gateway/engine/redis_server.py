@@ -1,7 +1,10 @@
 """Make sure a Redis server answers: use the configured one, or start a private ``redis-server``.
 
-Used by ``thinkgate serve`` (when ``redis.start_if_missing``) and by the test suite. A private server keeps
-nothing on disk (``--save "" --appendonly no``) and listens on loopback only.
+Used by ``thinkgate serve`` (when ``redis.start_if_missing``) and by the test suite. A private server listens on
+loopback only. The one ``serve`` starts keeps its data in an append-only file under ``redis.data_dir`` (fsync'd
+every second), so keys, budgets and usage survive a restart on the same port, and runs in its own session, so a
+terminal's Ctrl-C reaches the gateway only (which stops it after its own shutdown has flushed). The tests' servers
+keep nothing on disk (``--save "" --appendonly no``) and share the caller's process group.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 from urllib.parse import urlparse
 
 from router.errors import ThinkGateError
@@ -61,9 +65,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_private(port: int | None = None, timeout_s: float = 10.0) -> tuple[subprocess.Popen[bytes], str]:
+def port_dir(data_dir: Path, port: int) -> Path:
+    """Where the private server on ``port`` keeps its files: ``data_dir/<port>``, absolute (redis-server chdirs
+    into ``--dir``). One folder per port: two servers sharing an append-only file would corrupt it, and a restart on
+    the same port is what finds the data again."""
+    return Path(data_dir).resolve() / str(port)
+
+
+def persistence_args(data_dir: Path | None, port: int) -> list[str]:
+    """The ``redis-server`` arguments of what it keeps on disk: nothing when ``data_dir`` is None; else an
+    append-only file fsync'd every second in :func:`port_dir` (created, mode 0700: it holds key hashes and usage).
+    No RDB snapshots either way: the append-only file is the record.
+    """
+    if data_dir is None:
+        return ["--save", "", "--appendonly", "no"]
+    where = port_dir(data_dir, port)
+    where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(where)]
+
+
+def start_private(port: int | None = None, timeout_s: float = 10.0, *, data_dir: Path | None = None,
+                  own_session: bool = False) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``redis-server`` on 127.0.0.1:``port`` (a free one if None); return (process, url).
 
+    ``data_dir``: persist there (:func:`persistence_args`); None keeps nothing on disk (the tests' servers).
+    ``own_session``: start it in a session and process group of its own, so a signal sent to the caller's
+    process group (a terminal's Ctrl-C) does not stop it before the caller has finished with it.
     Raises :class:`RedisUnavailable` if the binary is missing or the server does not answer in time.
     """
     binary = shutil.which("redis-server")
@@ -71,9 +98,10 @@ def start_private(port: int | None = None, timeout_s: float = 10.0) -> tuple[sub
         raise RedisUnavailable("redis-server not found on PATH (Debian/Ubuntu: apt-get install redis-server)")
     port = port or free_port()
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        [binary, "--port", str(port), "--bind", "127.0.0.1", *persistence_args(data_dir, port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=own_session,
     )
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + timeout_s
@@ -87,13 +115,15 @@ def start_private(port: int | None = None, timeout_s: float = 10.0) -> tuple[sub
     raise RedisUnavailable(f"redis-server did not answer on port {port} within {timeout_s} s")
 
 
-def ensure(url: str, start_if_missing: bool = True) -> tuple[subprocess.Popen[bytes] | None, str]:
+def ensure(url: str, start_if_missing: bool = True, *, data_dir: Path | None = None,
+           own_session: bool = False) -> tuple[subprocess.Popen[bytes] | None, str]:
     """Return (process or None, url of an answering Redis).
 
     If ``url`` answers it is used as is. Otherwise, when ``start_if_missing`` and the URL is a single server on
-    loopback, a private server is started on that URL's port. A Cluster or Sentinel URL that does not answer is
-    never replaced by a private single server (that would split the state). Raises :class:`RedisUnavailable`
-    otherwise.
+    loopback, a private server is started on that URL's port (``data_dir`` and ``own_session`` as
+    :func:`start_private`: ``serve`` gives both, the tests and benches neither). A Cluster or Sentinel URL that does
+    not answer is never replaced by a private single server (that would split the state). Raises
+    :class:`RedisUnavailable` otherwise.
     """
     if ping(url):
         return None, url
@@ -102,6 +132,6 @@ def ensure(url: str, start_if_missing: bool = True) -> tuple[subprocess.Popen[by
         raise RedisUnavailable(f"no Redis {parsed.scheme.split('+')[1].title()} answers at {url}")
     if not start_if_missing or parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
         raise RedisUnavailable(f"no Redis answers at {url}")
-    proc, started = start_private(parsed.port or 6379)
+    proc, started = start_private(parsed.port or 6379, data_dir=data_dir, own_session=own_session)
     db = parsed.path.lstrip("/") or "0"
     return proc, started.rsplit("/", 1)[0] + f"/{db}"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +145,7 @@ def test_sigterm_stops_what_serve_started(tmp_path: Path, upstream_sim: Any) -> 
 
     redis_url = f"redis://127.0.0.1:{free_port()}/0"
     cfg = write_config(tmp_path / "c.yaml", upstream_sim.base_url, redis_url,
-                       redis={"url": redis_url, "start_if_missing": True},
+                       redis={"url": redis_url, "start_if_missing": True, "data_dir": str(tmp_path / "redis")},
                        auth={"dev_key_file": str(tmp_path / "dev-key")})
     port = free_port()
     log = (tmp_path / "serve.log").open("w+")
@@ -163,6 +165,91 @@ def test_sigterm_stops_what_serve_started(tmp_path: Path, upstream_sim: Any) -> 
     assert f"Redis: started a private redis-server at {redis_url}" in output
     assert proc.returncode == 128 + signal.SIGTERM
     assert wait_for(lambda: not ping(redis_url), timeout_s=10), "the private Redis outlived serve"
+
+
+def _serve_in_own_group(cfg: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    """``thinkgate serve`` as a terminal runs a foreground job: the leader of a process group of its own, the group
+    a Ctrl-C is sent to (without the suite's REDIS_URL: it would override the config's redis.url)."""
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    return subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)],
+                            cwd=REPO, stdout=log.open("a"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def _ctrl_c_timeline(proc: subprocess.Popen[bytes], redis_url: str, log: Path) -> list[str]:
+    """Send SIGINT to ``proc``'s whole process group, as a terminal's Ctrl-C does, and wait for it to exit;
+    the log lines that were written when the private Redis was first seen not answering (empty: it answered until
+    the gateway had exited)."""
+    from gateway.engine.redis_server import ping
+
+    os.killpg(proc.pid, signal.SIGINT)
+    seen_when_down: list[str] | None = None
+    deadline = time.monotonic() + 30
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, "serve did not stop on Ctrl-C"
+        # ping first, then read the log: a line in the log read after a failed ping was written before that ping
+        if seen_when_down is None and not ping(redis_url, timeout_s=0.2):
+            seen_when_down = log.read_text(errors="replace").splitlines()
+        time.sleep(0.02)
+    return seen_when_down or []
+
+
+def test_ctrl_c_stops_the_private_redis_after_the_gateway_and_a_restart_finds_its_data(
+        tmp_path: Path, upstream_sim: Any) -> None:
+    """``make serve``'s private Redis persists (keys, usage) under ``redis.data_dir``, and a terminal's Ctrl-C
+    reaches the gateway only: the Redis, in a session of its own, is stopped by the gateway once its shutdown is
+    done — it got the SIGINT too and went first, so the shutdown logged "redis unreachable, breaker open" and a
+    restart found no key (a fresh server: the old key answered 401)."""
+    import redis
+
+    redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    cfg = write_config(tmp_path / "c.yaml", upstream_sim.base_url, redis_url,
+                       redis={"url": redis_url, "start_if_missing": True, "data_dir": str(tmp_path / "redis")},
+                       auth={"dev_key_file": str(tmp_path / "dev-key")})
+    port, log = free_port(), tmp_path / "serve.log"
+    cli_env = {"THINKGATE_CONFIG": str(cfg), "THINKGATE_REDIS__URL": redis_url,
+               "THINKGATE_REDIS__START_IF_MISSING": "false"}
+    proc = _serve_in_own_group(cfg, port, log)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=30, proc=proc)
+        client = redis.Redis.from_url(redis_url)
+        redis_pid = int(client.info("server")["process_id"])
+        client.close()
+        made = thinkgate("keys", "create", "--id", "kept", env=cli_env)
+        assert made.returncode == 0, made.stderr
+        chat = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=made.stdout.strip(), max_retries=0,
+                             timeout=10).chat.completions.create(model="long", messages=[{"role": "user",
+                                                                                           "content": "hi"}])
+        assert chat.choices[0].message.content == "echo: hi"
+        assert os.getpgid(redis_pid) != os.getpgid(proc.pid), "the private Redis shares the terminal's process group"
+        before_redis_went = _ctrl_c_timeline(proc, redis_url, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    output = log.read_text(errors="replace")
+    assert "redis unreachable" not in output, output
+    assert "Application shutdown complete" in output, output
+    assert not before_redis_went or any("Application shutdown complete" in line for line in before_redis_went), (
+        "the private Redis stopped answering before the gateway's shutdown was complete:\n"
+        + "\n".join(before_redis_went))
+    assert not Path(f"/proc/{redis_pid}").exists(), "the private Redis outlived serve"
+    assert list((tmp_path / "redis").glob("*/appendonlydir/*.aof")), "no append-only file under redis.data_dir"
+
+    # `make serve` again on the same port: a fresh private Redis that loads the same data
+    proc = _serve_in_own_group(cfg, port, log)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=30, proc=proc)
+        assert output.count("started a private redis-server") == 1
+        keys = thinkgate("keys", "list", "--json", env=cli_env)
+        assert keys.returncode == 0 and '"id":"kept"' in keys.stdout.replace(" ", ""), keys.stdout + keys.stderr
+        usage = thinkgate("usage", "export", "--format", "jsonl", "--output", "-", env=cli_env)
+        rows = [json.loads(line) for line in usage.stdout.splitlines() if line.strip()]
+        assert [r["key_id"] for r in rows] == ["kept"], usage.stdout + usage.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    assert log.read_text(errors="replace").count("started a private redis-server") == 2
 
 
 @pytest.mark.parametrize("argv", [["keys", "list"], ["usage", "export", "--format", "jsonl", "--output", "-"],
