@@ -1,9 +1,10 @@
-"""``thinkgate keys create|list|revoke``: manage the API keys in the running gateway's Redis key store.
+"""``thinkgate keys create|list|update|revoke``: manage the API keys in the running gateway's Redis key store.
 
 The commands talk to Redis directly (``redis.url`` of the config; ``REDIS_URL`` honoured), the same store the
 gateway reads, so a new key works on every replica at once and a revoked one stops within
 ``auth.key_cache_s`` seconds. ``create`` prints the new secret once, alone on stdout (everything else goes
-to stderr): ``export THINKGATE_API_KEY=$(thinkgate keys create --id team-a)``.
+to stderr): ``export THINKGATE_API_KEY=$(thinkgate keys create --id team-a)``. The key id of ``create``,
+``update`` and ``revoke`` is their first argument or ``--id`` alike.
 
 Exit codes: 0 ok, 1 the key exists / is unknown, 2 invalid arguments or config, 3 Redis unreachable.
 """
@@ -75,13 +76,34 @@ def _usd(value: str | None, name: str) -> Decimal | None:
     return d
 
 
+#: The key id of ``create``, ``update`` and ``revoke``: the first argument (``keys update team-a --rpm 2``, as
+#: ``revoke`` always took it) or ``--id`` (what ``create`` and ``update`` took, and scripts use), never both apart.
+KEY_ID_ARGUMENT = typer.Argument(None, metavar="ID", show_default=False, help="Key id (or --id).")
+KEY_ID_OPTION = typer.Option(None, "--id", show_default=False, help="Key id (or as the first argument).")
+
+
+def _key_id(positional: str | None, option: str | None) -> str:
+    """The one key id given, as the argument or as ``--id``; exit 2 when neither is, or two that differ are."""
+    if positional is not None and option is not None and positional != option:
+        typer.echo(f"thinkgate: two key ids, {positional!r} and --id {option!r}: give one", err=True)
+        raise typer.Exit(2)
+    key_id = positional if positional is not None else option
+    if key_id is None:
+        typer.echo("thinkgate: give the key id, as the first argument or with --id", err=True)
+        raise typer.Exit(2)
+    return key_id
+
+
 #: ids the gateway gives keys of its own: the admin key, the development key, requests without a key, shadow calls
 RESERVED_KEY_IDS = frozenset({"admin", DEV_KEY_ID, ANONYMOUS_KEY_ID, "_shadow"})  # _shadow: control.shadow.SHADOW_KEY
 
 
 @app.command("create")
 def create(
-    key_id: str = typer.Option(..., "--id", help="Key id (letters, digits, _ . : -); never reused."),
+    key_arg: str | None = KEY_ID_ARGUMENT,
+    key_opt: str | None = typer.Option(None, "--id", show_default=False,
+                                       help="Key id (letters, digits, _ . : -; or as the first argument); never "
+                                       "reused."),
     tag: list[str] = typer.Option([], "--tag", help="Tag k=v for metering (repeatable)."),
     budget_usd_day: str | None = typer.Option(None, help="Budget in USD per UTC day."),
     budget_usd_month: str | None = typer.Option(None, help="Budget in USD per UTC month."),
@@ -103,8 +125,9 @@ def create(
 
     from gateway.auth.redis_store import KeyExists
 
+    key_id = _key_id(key_arg, key_opt)
     if not re.fullmatch(r"[A-Za-z0-9_.:-]+", key_id):
-        typer.echo("thinkgate: --id may contain only letters, digits and _ . : -", err=True)
+        typer.echo(f"thinkgate: key id {key_id!r}: only letters, digits and _ . : -", err=True)
         raise typer.Exit(2)
     settings = load_settings(config)
     taken = RESERVED_KEY_IDS | {k.id for k in settings.auth.keys}
@@ -112,7 +135,7 @@ def create(
         # an id the gateway or the config already uses: the new key would read that key's usage, cached answers,
         # stored responses and feedback (a security review reached another team's conversations this way)
         what = "a key of the config file" if key_id in {k.id for k in settings.auth.keys} else "reserved"
-        typer.echo(f"thinkgate: --id {key_id!r} is {what}; choose another id", err=True)
+        typer.echo(f"thinkgate: key id {key_id!r} is {what}; choose another id", err=True)
         raise typer.Exit(2)
     tags = _parse_tags(tag)
     names = [t.name for t in settings.tiers]
@@ -168,7 +191,8 @@ def list_keys(
 
 @app.command("update")
 def update(
-    key_id: str = typer.Option(..., "--id", help="Key id."),
+    key_arg: str | None = KEY_ID_ARGUMENT,
+    key_opt: str | None = KEY_ID_OPTION,
     tag: list[str] = typer.Option([], "--tag", help="Replace the key's tags with these k=v (repeatable)."),
     budget_usd_day: str | None = typer.Option(None, help="Budget in USD per UTC day."),
     budget_usd_month: str | None = typer.Option(None, help="Budget in USD per UTC month."),
@@ -183,6 +207,7 @@ def update(
     gateways apply it within auth.key_cache_s. Exit 1: unknown or revoked key; 2: bad arguments."""
     from gateway.auth.redis_store import UPDATABLE
 
+    key_id = _key_id(key_arg, key_opt)
     changes: dict[str, Any] = {}
     if tag:
         changes["tags"] = _parse_tags(tag)
@@ -222,8 +247,10 @@ def update(
 
 
 @app.command("revoke")
-def revoke(key_id: str = typer.Argument(..., help="Key id."), config: Path | None = CONFIG_OPTION) -> None:
+def revoke(key_arg: str | None = KEY_ID_ARGUMENT, key_opt: str | None = KEY_ID_OPTION,
+           config: Path | None = CONFIG_OPTION) -> None:
     """Revoke a key: it stops authenticating (within auth.key_cache_s on running gateways)."""
+    key_id = _key_id(key_arg, key_opt)
 
     async def go(store: Any) -> bool:
         return await store.revoke(key_id)

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 import time
+import uuid
 from decimal import Decimal
 from pathlib import Path
 
@@ -17,6 +22,8 @@ from gateway.errors import AuthError
 from gateway.state.breaker import Breaker
 from gateway.state.redis import connect
 from tests.fixtures.redis_stack import stack
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 async def test_create_lookup_list_revoke(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
@@ -86,3 +93,36 @@ async def test_lookup_cache_and_outage(redis_url: str, redis_prefix: str, tmp_pa
             await store.lookup(digest)
         assert time.monotonic() - t0 < 1.0
         await dead.close()
+
+
+def _keys_cli(*args: str, redis_url: str, prefix: str) -> subprocess.CompletedProcess[str]:
+    """``thinkgate keys …`` as a user runs it, on the test Redis under ``prefix``."""
+    env = {**os.environ, "THINKGATE_CONFIG": "", "THINKGATE_REDIS__URL": redis_url,
+           "THINKGATE_REDIS__KEY_PREFIX": prefix, "THINKGATE_REDIS__START_IF_MISSING": "false"}
+    return subprocess.run([sys.executable, "-m", "gateway", "keys", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+def test_keys_take_the_id_as_argument_or_as_id_option(redis_url: str, redis_prefix: str) -> None:
+    """``create``, ``update`` and ``revoke`` take the key id alike: first argument or ``--id`` (scripts use it).
+    ``keys update team-a --rpm 2`` failed with "Missing option '--id'" while ``keys revoke team-a`` took it so."""
+    pos, opt = f"pos-{uuid.uuid4().hex[:8]}", f"opt-{uuid.uuid4().hex[:8]}"
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return _keys_cli(*args, redis_url=redis_url, prefix=redis_prefix)
+
+    for made in (cli("create", pos), cli("create", "--id", opt)):
+        assert made.returncode == 0 and made.stdout.strip(), made.stderr
+    up = cli("update", pos, "--rpm", "2")
+    assert up.returncode == 0 and '"rpm":2' in up.stderr, up.stderr
+    up = cli("update", "--id", pos, "--rpm", "3")
+    assert up.returncode == 0 and '"rpm":3' in up.stderr, up.stderr
+    both = cli("update", pos, "--id", opt, "--rpm", "4")
+    assert both.returncode == 2 and "two key ids" in both.stderr, both.stderr
+    neither = cli("update", "--rpm", "4")
+    assert neither.returncode == 2 and "give the key id" in neither.stderr, neither.stderr
+    assert cli("update", pos, "--id", pos, "--rpm", "5").returncode == 0  # the same id twice is one id
+    for gone in (cli("revoke", "--id", opt), cli("revoke", pos)):
+        assert gone.returncode == 0 and "revoked" in gone.stderr, gone.stderr
+    listed = {r["id"]: r for r in map(json.loads, cli("list", "--json").stdout.splitlines())}
+    assert listed[pos]["rpm"] == 5 and listed[pos]["revoked"] and listed[opt]["revoked"], listed  # revoked: a time
