@@ -84,13 +84,21 @@ def persistence_args(data_dir: Path | None, port: int) -> list[str]:
     return ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(where)]
 
 
-def start_private(port: int | None = None, timeout_s: float = 10.0, *, data_dir: Path | None = None,
+#: how long a private server that loads a persisted append-only file may take to answer, s: Redis answers
+#: ``LOADING`` (no PING) until the file is read — about a second per few hundred MB here; a server without a file
+#: answers within 10 s
+LOAD_TIMEOUT_S = 120.0
+
+
+def start_private(port: int | None = None, timeout_s: float | None = None, *, data_dir: Path | None = None,
                   own_session: bool = False) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``redis-server`` on 127.0.0.1:``port`` (a free one if None); return (process, url).
 
     ``data_dir``: persist there (:func:`persistence_args`); None keeps nothing on disk (the tests' servers).
     ``own_session``: start it in a session and process group of its own, so a signal sent to the caller's
-    process group (a terminal's Ctrl-C) does not stop it before the caller has finished with it.
+    process group (a terminal's Ctrl-C) does not stop it before the caller has finished with it. ``timeout_s``:
+    how long to wait for it to answer (default 10 s, :data:`LOAD_TIMEOUT_S` with a ``data_dir``: it reads its file
+    before it answers).
     Raises :class:`RedisUnavailable` if the binary is missing or the server does not answer in time.
     """
     binary = shutil.which("redis-server")
@@ -104,6 +112,8 @@ def start_private(port: int | None = None, timeout_s: float = 10.0, *, data_dir:
         start_new_session=own_session,
     )
     url = f"redis://127.0.0.1:{port}/0"
+    if timeout_s is None:
+        timeout_s = 10.0 if data_dir is None else LOAD_TIMEOUT_S
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if ping(url):
