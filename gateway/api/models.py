@@ -32,6 +32,8 @@ def _tier_card(t: TierConfig, created: int) -> dict[str, Any]:
         "thinkgate": {
             "upstream_model": t.model,
             "thinking_budget": t.thinking_budget,
+            # the budgets the tier's model follows (null: any); a budget asked outside is served at the nearest end
+            "thinking_budget_range": list(t.thinking_budget_range) if t.thinking_budget_range else None,
             "budget_mode": t.budget_mode,
             "enable_thinking": t.enable_thinking,
             "max_tokens": t.max_tokens,

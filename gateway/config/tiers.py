@@ -82,6 +82,11 @@ class TierConfig(_Strict):
     default; any OpenAI-compatible upstream) cuts an overrun by two-phase budget forcing, whose phase 2 sends the
     prompt again; ``hard_stop: native`` (vLLM) sends the stop as the request's ``thinking_token_budget``, one
     pass, the prompt billed once.
+    ``thinking_budget_range: [min, max]`` declares the budgets the tier's model follows (a dial model's
+    ``budget_range``): every budget the tier serves — its own, a dial router's pick, a request's
+    ``thinking_token_budget`` (Anthropic's ``thinking.budget_tokens``), a key's cap — is clamped into it
+    (:meth:`applied_budget`; a key with ``over_cap: refuse`` gets a 400 for a request's own budget outside it
+    instead, ``gateway/pipeline/policy.py``); ``thinking_budget`` itself must lie in it (or be 0 / null).
     ``enable_thinking: false`` disables thinking through ``chat_template_kwargs.enable_thinking``. ``max_n``: the
     most choices (``n``) one request may ask of this tier (more is a 400); with ``max_tokens`` it bounds what one
     request can cost.
@@ -108,6 +113,10 @@ class TierConfig(_Strict):
     budget_prompt: str = Field("Think for {budget} tokens.", pattern=r"\{budget\}")
     #: how a ``prompted`` tier stops a thought that overruns its requested budget (class doc)
     hard_stop: Literal["forced", "native"] = "forced"
+    #: the thinking budgets (tokens, ``[min, max]``) this tier's model follows — a dial model's ``budget_range``
+    #: (its ``dial.json``); a budget asked outside it is served at the nearest end, and that is the one
+    #: ``x-thinkgate-thinking-budget`` reports (:meth:`applied_budget`); null: any budget, as asked
+    thinking_budget_range: tuple[int, int] | None = None
     enable_thinking: bool = True
     end_of_thinking: str = "\n</think>\n\n"
     escalate_on: list[Literal["empty_answer", "length_in_thought", "abstain", "low_confidence", "learned"]] = Field(
@@ -142,6 +151,19 @@ class TierConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _budget_in_range(self) -> TierConfig:
+        r = self.thinking_budget_range
+        if r is None:
+            return self
+        if not 1 <= r[0] <= r[1]:
+            raise ValueError(f"thinking_budget_range must be [min, max] with 1 <= min <= max, got {list(r)}")
+        b = self.thinking_budget
+        if b is not None and b != 0 and not r[0] <= b <= r[1]:  # 0 is thinking off, None unlimited: no budget
+            raise ValueError(f"thinking_budget {b} is outside thinking_budget_range {list(r)}: the tier's model "
+                             "would not follow it")
+        return self
+
+    @model_validator(mode="after")
     def _one_upstream_field(self) -> TierConfig:
         if not self.base_urls:
             return self
@@ -152,6 +174,15 @@ class TierConfig(_Strict):
         # code that needs one address (the semantic cache's embedder, logs) reads the first replica
         object.__setattr__(self, "base_url", self.base_urls[0])
         return self
+
+    def applied_budget(self, budget: int | None) -> int | None:
+        """The thinking budget (tokens) this tier serves for ``budget``: clamped into ``thinking_budget_range``
+        when the tier declares one (above its maximum → the maximum, below its minimum → the minimum), else as
+        given; None (unlimited) and 0 (thinking off) are not budgets to clamp and stay as they are."""
+        r = self.thinking_budget_range
+        if r is None or budget is None or budget <= 0:
+            return budget
+        return min(max(budget, r[0]), r[1])
 
     @property
     def upstream_urls(self) -> tuple[str, ...]:

@@ -10,9 +10,14 @@ In order (the first failure answers; nothing is sent upstream):
 2. **Choices**: ``n`` (and ``best_of``) above the tier's ``max_n`` → 400 naming the field.
 3. **Completion cap**: ``max_tokens`` / ``max_completion_tokens`` above the tier's ``max_tokens`` is clamped to it
    (the upstream body does so), or refused (400 naming the field) for a key with ``over_cap: refuse``.
-4. **Thinking cap** (``KeyConfig.max_thinking_budget``): a ``thinking_token_budget`` above it is clamped (or
+4. **Thinking range** (``TierConfig.thinking_budget_range``): a request's ``thinking_token_budget`` outside the
+   budgets the tier's model follows is served at the nearest end of the range (``TierConfig.applied_budget``,
+   wherever the budget is applied, so a fallback or escalation tier clamps into its own range) — or refused (400
+   naming the range) for a key with ``over_cap: refuse``.
+5. **Thinking cap** (``KeyConfig.max_thinking_budget``): a ``thinking_token_budget`` above it is clamped (or
    refused with ``over_cap: refuse``); without one the key's cap is sent as the request's budget, which a
-   native-budget tier keeps when it is below the tier's own (``upstream_body.apply_budget``).
+   native-budget tier keeps when it is below the tier's own (``upstream_body.apply_budget``). A cap below a
+   tier's ``thinking_budget_range`` is served at the range's minimum (the model would not follow less).
 """
 
 from __future__ import annotations
@@ -57,9 +62,25 @@ def key_route(key: KeyInfo, route: RouteDecision, order: list[TierConfig]) -> Ro
     return replace(route, allowed=allowed, downgraded_from=downgraded)
 
 
-def check_caps(key: KeyInfo, body: dict[str, Any], tier: TierConfig) -> None:
+def outside_range(asked: Any, tier: TierConfig) -> bool:
+    """Whether a request's ``thinking_token_budget`` ``asked`` would be served on ``tier`` at another budget than
+    asked because it lies outside the tier's ``thinking_budget_range`` (0, thinking off, and a budget the tier's
+    own smaller ``thinking_budget`` replaces anyway never do)."""
+    r = tier.thinking_budget_range
+    if r is None or not isinstance(asked, int) or isinstance(asked, bool) or asked <= 0:
+        return False
+    if tier.budget_mode == "off" or not tier.enable_thinking:
+        return False
+    if tier.thinking_budget is not None and asked >= tier.thinking_budget:
+        return False  # the tier's own budget applies, and it lies in the range
+    return not r[0] <= asked <= r[1]
+
+
+def check_caps(key: KeyInfo, body: dict[str, Any], tier: TierConfig,
+               budget_param: str = "thinking_token_budget") -> None:
     """Apply the tier's caps and the key's thinking cap to ``body`` in place (see the module doc);
-    raises :class:`~gateway.errors.InvalidRequest` naming the field."""
+    raises :class:`~gateway.errors.InvalidRequest` naming the field (``budget_param``: the name the client gave
+    the thinking budget — ``thinking.budget_tokens`` on the Messages API)."""
     for name in ("n", "best_of"):
         v = body.get(name)
         if isinstance(v, int) and v > tier.max_n:
@@ -71,14 +92,19 @@ def check_caps(key: KeyInfo, body: dict[str, Any], tier: TierConfig) -> None:
         if refuse and isinstance(v, int) and v > tier.max_tokens:
             raise InvalidRequest(f"'{name}' must be <= {tier.max_tokens} on tier {tier.name!r} (its cap), got {v}",
                                  param=name)
+    asked = body.get("thinking_token_budget")
+    if refuse and outside_range(asked, tier):  # other keys are served at the nearest end of the range
+        lo, hi = tier.thinking_budget_range or (0, 0)
+        raise InvalidRequest(f"'{budget_param}' must be between {lo} and {hi} on tier {tier.name!r} (the thinking "
+                             f"budgets its model follows: its thinking_budget_range), got {asked}",
+                             param=budget_param)
     cap = key.max_thinking_budget
     if cap is None:
         return
-    asked = body.get("thinking_token_budget")
     if isinstance(asked, int) and asked > cap:
         if refuse:
-            raise InvalidRequest(f"'thinking_token_budget' must be <= {cap} for key {key.id!r}, got {asked}",
-                                 param="thinking_token_budget")
+            raise InvalidRequest(f"'{budget_param}' must be <= {cap} for key {key.id!r}, got {asked}",
+                                 param=budget_param)
         body["thinking_token_budget"] = cap
     elif asked is None and tier.enable_thinking and (tier.thinking_budget is None or tier.thinking_budget > cap):
         body["thinking_token_budget"] = cap

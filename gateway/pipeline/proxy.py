@@ -117,7 +117,8 @@ class Proxy:
                 route = sticky.route if sticky is not None else route
             # key policy and tier caps: allowed tiers (403 or downgrade), n ≤ max_n, max_tokens, thinking cap
             route = policy.key_route(caller.key, route, self.settings.tiers)
-            policy.check_caps(caller.key, body, route.tier)
+            policy.check_caps(caller.key, body, route.tier, budget_param="thinking.budget_tokens"
+                              if caller.label == "messages" else "thinking_token_budget")
             capped = body.get("thinking_token_budget")
             if isinstance(capped, int) and capped != route.asked_budget:  # the key's cap clamped or set it
                 route = replace(route, asked_budget=capped)

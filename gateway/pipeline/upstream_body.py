@@ -29,7 +29,8 @@ def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint)
     """Apply ``tier``'s thinking budget to ``body`` in place (native form only, for now).
 
     - ``budget_mode == "native"`` with a budget: vLLM's per-request ``thinking_token_budget`` (tokens); a
-      smaller non-negative budget sent by the client is kept.
+      smaller non-negative budget sent by the client is kept (on an unlimited tier the client's, as sent); either
+      clamped into the tier's ``thinking_budget_range`` when it declares one.
     - ``enable_thinking: false`` (chat only): ``chat_template_kwargs.enable_thinking = false``, merged into
       the client's ``chat_template_kwargs``.
     - ``forced`` mode is enforced by two-phase budget forcing in ``gateway/thinking/forcing.py``, not here.
@@ -37,10 +38,10 @@ def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint)
     """
     if tier.budget_mode == "prompted":
         dial.apply_prompted(body, tier, endpoint)
-    if tier.budget_mode == "native" and tier.thinking_budget is not None:
-        asked = body.get("thinking_token_budget")
-        keep = isinstance(asked, int) and not isinstance(asked, bool) and 0 <= asked < tier.thinking_budget
-        body["thinking_token_budget"] = asked if keep else tier.thinking_budget
+    if tier.budget_mode == "native":
+        budget = dial.requested_budget(body, tier)  # the client's smaller one, else the tier's; in its range
+        if budget is not None:
+            body["thinking_token_budget"] = budget
     if tier.budget_mode == "forced" and endpoint == "chat" and dial.thinking_off(body):
         body.pop("thinking_token_budget", None)  # no thinking asked: one pass with thinking off (dial.forcing_tier)
         kwargs = body.get("chat_template_kwargs")

@@ -6,7 +6,9 @@ about N thinking tokens. On a ``prompted`` tier the gateway:
 
 - takes the **requested budget** N (tokens): the request's own ``thinking_token_budget`` when it is below the
   tier's ``thinking_budget``, else the tier's (``reasoning_effort`` picks the tier, so it picks the tier's budget);
-  None (unlimited tier, no request budget) sends no instruction and the model thinks as long as it likes;
+  None (unlimited tier, no request budget) sends no instruction and the model thinks as long as it likes; a
+  tier with ``thinking_budget_range`` (the dial model's ``budget_range``, the budgets it was trained to follow)
+  clamps N into it — a model whose counter reads three digits cannot follow "Think for 100000 tokens.";
 - appends ``tier.budget_prompt.format(budget=N)`` to the **last user message** (chat; a string content gets
   ``" " + instruction``, a list of parts one more text part) — nothing else in the body changes, and the
   request's ``thinking_token_budget`` is not sent on (the model's own count is the budget; vLLM's native cut
@@ -32,14 +34,16 @@ hard_stop = prompted_hard_stop
 
 
 def requested_budget(body: dict[str, Any], tier: TierConfig) -> int | None:
-    """The budget (tokens) a ``prompted`` tier asks the model for: the request's smaller non-negative
-    ``thinking_token_budget``, else ``tier.thinking_budget`` (None = unlimited)."""
+    """The budget (tokens) a ``prompted`` tier asks the model for (and the one a ``native`` tier sends, a
+    ``forced`` tier cuts at, ``x-thinkgate-thinking-budget`` reports): the request's smaller non-negative
+    ``thinking_token_budget``, else ``tier.thinking_budget`` (None = unlimited) — clamped into the tier's
+    ``thinking_budget_range`` when it declares one (:meth:`~gateway.config.TierConfig.applied_budget`)."""
     asked = body.get("thinking_token_budget")
     if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0:
         cap = tier.thinking_budget
         if cap is None or asked < cap:
-            return asked
-    return tier.thinking_budget
+            return tier.applied_budget(asked)
+    return tier.applied_budget(tier.thinking_budget)
 
 
 def instruction(tier: TierConfig, budget: int) -> str:
@@ -104,4 +108,5 @@ def forcing_tier(tier: TierConfig, client_body: dict[str, Any]) -> TierConfig | 
     budget = requested_budget(client_body, tier)
     if budget is None:
         return None  # nothing to stop: phase 2 would only send the prompt again
-    return tier.model_copy(update={"thinking_budget": hard_stop(budget)})
+    # the hard stop lies above the requested budget on purpose: it is not a budget for the model to follow
+    return tier.model_copy(update={"thinking_budget": hard_stop(budget), "thinking_budget_range": None})

@@ -74,16 +74,18 @@ def end_marker(tier: TierConfig) -> str:
 
 def thought_request(body: dict[str, Any], tier: TierConfig) -> dict[str, Any]:
     """Phase-1 body from the tier's upstream body: at most ``thinking_budget`` tokens (or the body's smaller
-    ``thinking_token_budget``: the request's, or its key's ``max_thinking_budget``), stop at the marker.
+    ``thinking_token_budget``: the request's, or its key's ``max_thinking_budget``; clamped into the tier's
+    ``thinking_budget_range`` when it declares one), stop at the marker.
 
     The client's ``stop`` strings apply to the answer (phase 2), not to the thought.
     """
     out = dict(body)
     asked = out.pop("thinking_token_budget", None)
-    budget = tier.thinking_budget if tier.thinking_budget is not None else out["max_tokens"]
-    if isinstance(asked, int) and not isinstance(asked, bool) and 0 <= asked < budget:
+    budget = tier.thinking_budget
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0 and (budget is None or asked < budget):
         budget = asked  # the request's (or its key's cap's, gateway/pipeline/policy.py) smaller budget, as native
-    out["max_tokens"] = max(1, min(budget, out["max_tokens"]))
+    budget = tier.applied_budget(budget)  # in the tier's thinking_budget_range, when it declares one
+    out["max_tokens"] = max(1, min(budget if budget is not None else out["max_tokens"], out["max_tokens"]))
     out["stop"] = [end_marker(tier)]
     out["n"] = 1
     return out

@@ -186,3 +186,140 @@ def test_models_says_which_budgets_the_router_file_serves(budget_router_gateway:
     auto = next(m for m in data if m["id"] == "auto")
     said = auto["thinkgate"]["router_status"]["budgets"]
     assert f"score < {MAP_CUT:.3f}: {LOW_BUDGET} tokens, else {HIGH_BUDGET} tokens" in said, said
+
+
+# ----------------------------------------------------------------- the budgets the model follows (budget_range)
+
+DIAL_DIR = Path(__file__).resolve().parents[2] / "models" / "thinkgate-tiny-dial"
+REPRO = "Start with 3. Add 4. What is the result?"
+
+
+@pytest.fixture
+def shipped_dial_gateway(upstream_sim: SimProcess, redis_url: str) -> Iterator[GatewayServer]:
+    """The shipped dial model's tiers (``--model-dir models/thinkgate-tiny-dial``: its dial.json, its
+    ``budget_range: [8, 320]``) served over the simulator instead of vLLM, with a key that refuses what it would
+    otherwise get clamped (``over_cap: refuse``)."""
+    from gateway.config.model_dir import dial_tiers
+
+    auth = {"keys": [{"id": "test", "secret": TEST_KEY}, {"id": "strict", "secret": STRICT_KEY, "over_cap": "refuse"}]}
+    routing = {"router_path": None, "routed_tiers": ["short", "long"], "default_tier": "long"}  # the file's cuts
+    settings = dial_tiers(sim_settings(upstream_sim.base_url, redis_url, auth=auth, routing=routing), DIAL_DIR)
+    assert {t.name: t.thinking_budget_range for t in settings.tiers}["long"] == (8, 320)
+    with GatewayServer(settings) as gw:
+        yield gw
+
+
+STRICT_KEY = "tg-test-strict-0123456789"
+
+
+@pytest.mark.parametrize(("asked", "applied"), [(448, 320), (100000, 320), (4, 8), (100, 100), (320, 320), (8, 8)])
+def test_a_budget_outside_the_models_range_is_served_at_its_nearest_end_and_said_so(
+    shipped_dial_gateway: GatewayServer, upstream_sim: SimProcess, asked: int, applied: int
+) -> None:
+    # the new user's repro (make serve, model auto: every request goes to the unlimited `long`, so the request's
+    # budget is the one stated): 448 and 100000 were stated as asked (the model's 3-digit counter read "100") and
+    # the header echoed them; 4 was below anything the model was trained on
+    for model in ("auto", "long"):
+        raw, body = _ask_raw(shipped_dial_gateway, upstream_sim, model, REPRO, thinking_token_budget=asked)
+        assert raw.headers["x-thinkgate-tier"] == "long"
+        assert _user_texts(body) == [f"{REPRO} Think for {applied} tokens."], (asked, _user_texts(body))
+        assert raw.headers["x-thinkgate-thinking-budget"] == str(applied)
+
+
+def test_the_range_bounds_a_tier_budget_too_and_leaves_thinking_off_alone(
+    shipped_dial_gateway: GatewayServer, upstream_sim: SimProcess
+) -> None:
+    # `short` (32): a larger request keeps the tier's own budget, as before; a smaller one below the range gets 8
+    raw, body = _ask_raw(shipped_dial_gateway, upstream_sim, "short", REPRO, thinking_token_budget=448)
+    assert _user_texts(body) == [f"{REPRO} Think for 32 tokens."] and raw.headers["x-thinkgate-thinking-budget"] == "32"
+    raw, body = _ask_raw(shipped_dial_gateway, upstream_sim, "short", REPRO, thinking_token_budget=3)
+    assert _user_texts(body) == [f"{REPRO} Think for 8 tokens."] and raw.headers["x-thinkgate-thinking-budget"] == "8"
+    # 0 is not a budget but thinking off (the model's direct mode): not raised to the minimum
+    raw, body = _ask_raw(shipped_dial_gateway, upstream_sim, "long", REPRO, thinking_token_budget=0)
+    assert raw.headers["x-thinkgate-thinking-budget"] == "0" and _user_texts(body) == [REPRO]
+    assert body["chat_template_kwargs"]["enable_thinking"] is False
+    # no budget asked on the unlimited tier: no instruction, no header, as before
+    raw, body = _ask_raw(shipped_dial_gateway, upstream_sim, "long", REPRO)
+    assert _user_texts(body) == [REPRO] and "x-thinkgate-thinking-budget" not in raw.headers
+
+
+def test_the_messages_api_clamps_budget_tokens_the_same_way(
+    shipped_dial_gateway: GatewayServer, upstream_sim: SimProcess
+) -> None:
+    import httpx
+
+    for asked, applied, max_tokens in ((448, 320, 512), (4, 8, 64)):
+        tag = uuid.uuid4().hex
+        r = httpx.post(shipped_dial_gateway.url + "/v1/messages", timeout=30, headers={"x-api-key": TEST_KEY},
+                       json={"model": "long", "max_tokens": max_tokens, "sim": {"tag": tag},
+                             "thinking": {"type": "enabled", "budget_tokens": asked},
+                             "messages": [{"role": "user", "content": REPRO}]})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-thinkgate-thinking-budget"] == str(applied)
+        last = upstream_sim.tag(tag)
+        assert last is not None and _user_texts(last["body"]) == [f"{REPRO} Think for {applied} tokens."]
+
+
+def test_a_refusing_key_gets_a_400_naming_the_range_and_nothing_is_sent(
+    shipped_dial_gateway: GatewayServer, upstream_sim: SimProcess
+) -> None:
+    import httpx
+
+    auth = {"authorization": f"Bearer {STRICT_KEY}"}
+    for asked in (448, 4):
+        tag = uuid.uuid4().hex
+        r = httpx.post(shipped_dial_gateway.base_url + "/chat/completions", headers=auth, timeout=30,
+                       json={"model": "long", "thinking_token_budget": asked, "sim": {"tag": tag},
+                             "messages": [{"role": "user", "content": REPRO}]})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["param"]) == ("invalid_request_error", "thinking_token_budget")
+        assert "between 8 and 320" in err["message"] and f"got {asked}" in err["message"]
+        assert upstream_sim.tag(tag) is None
+        # the Messages API: Anthropic's error shape, naming its own field
+        r = httpx.post(shipped_dial_gateway.url + "/v1/messages", timeout=30, headers={"x-api-key": STRICT_KEY},
+                       json={"model": "long", "max_tokens": 512, "sim": {"tag": tag},
+                             "thinking": {"type": "enabled", "budget_tokens": asked},
+                             "messages": [{"role": "user", "content": REPRO}]})
+        assert r.status_code == 400, r.text
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert "'thinking.budget_tokens' must be between 8 and 320" in body["error"]["message"]
+        assert upstream_sim.tag(tag) is None
+    # /v1/models states the range on each tier's card
+    cards = httpx.get(shipped_dial_gateway.base_url + "/models", headers=auth, timeout=10).json()["data"]
+    assert {c["id"]: c.get("thinkgate", {}).get("thinking_budget_range") for c in cards if c["id"] != "auto"} == {
+        "none": None, "short": [8, 320], "long": [8, 320]}
+    # in range, or the tier's own smaller budget applies: served
+    raw, _ = _ask_raw_key(shipped_dial_gateway, upstream_sim, STRICT_KEY, "long", thinking_token_budget=100)
+    assert raw.headers["x-thinkgate-thinking-budget"] == "100"
+    raw, _ = _ask_raw_key(shipped_dial_gateway, upstream_sim, STRICT_KEY, "short", thinking_token_budget=448)
+    assert raw.headers["x-thinkgate-thinking-budget"] == "32"
+
+
+def _ask_raw_key(gw: GatewayServer, sim: SimProcess, key: str, model: str, **extra: Any) -> tuple[Any, dict[str, Any]]:
+    client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0, timeout=30)
+    tag = uuid.uuid4().hex
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": REPRO}], extra_body={"sim": {"tag": tag}, **extra})
+    last = sim.tag(tag)
+    assert last is not None
+    return raw, last["body"]
+
+
+@pytest.mark.parametrize("model", ["short", "long"])
+def test_a_native_or_forced_tier_with_a_range_clamps_what_the_upstream_cuts_at(
+    upstream_sim: SimProcess, redis_url: str, model: str
+) -> None:
+    # not only dial tiers: a native tier sends the clamped budget as vLLM's thinking_token_budget, a forced tier
+    # cuts its thought phase there (the simulator thinks 16-31 words and honours thinking_token_budget)
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"budget_mode": "native", "thinking_budget": None, "thinking_budget_range": [8, 12]})
+    tiers[2].update({"budget_mode": "forced", "thinking_budget": None, "thinking_budget_range": [8, 12]})
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        for asked, applied in ((1000, 12), (3, 8), (10, 10)):  # short: native, long: forced
+            raw, body = _ask_raw(gw, upstream_sim, model, QUESTION, thinking_token_budget=asked)
+            assert raw.headers["x-thinkgate-thinking-budget"] == str(applied), asked
+            assert raw.parse().usage.completion_tokens_details.reasoning_tokens == applied, asked
+            if model == "short":
+                assert body["thinking_token_budget"] == applied

@@ -24,6 +24,9 @@ def test_dial_model_dir_serves_tiers_as_budgets_with_its_router() -> None:
     assert tiers["short"].hard_stop == tiers["long"].hard_stop == "native"
     assert settings.engine.model_path == (ASSETS / "thinkgate-tiny-dial").resolve()
     assert settings.routing.router_path == (ASSETS / "thinkgate-tiny-dial" / "router.skops").resolve()
+    # dial.json's budget_range: the budgets the model follows (its counter reads three digits, trained on 8-320)
+    assert tiers["short"].thinking_budget_range == tiers["long"].thinking_budget_range == (8, 320)
+    assert tiers["none"].thinking_budget_range is None  # thinking off: no budget to bound
 
 
 def test_without_the_embedded_engine_a_dial_tier_keeps_forcing_as_its_hard_stop() -> None:
@@ -73,3 +76,41 @@ def test_the_dial_router_has_a_version_of_its_own() -> None:
     dial = file_version(load_router(ASSETS / "thinkgate-tiny-dial" / "router.skops"), None)
     assert dial != default
     assert dial == dial_version(default, "thinkgate-tiny-dial") == dial_version(dial, "thinkgate-tiny-dial")
+
+
+def _dial_dir(tmp_path: Path, **spec: object) -> Path:
+    import json
+    import shutil
+
+    d = tmp_path / "dial"
+    d.mkdir()
+    shutil.copy(ASSETS / "thinkgate-tiny-dial" / "config.json", d / "config.json")
+    (d / "dial.json").write_text(json.dumps({"budget_prompt": "Think for {budget} tokens.",
+                                             "tiers": {"none": 0, "short": 32, "long": None}, **spec}))
+    return d
+
+
+def test_a_dial_json_whose_budgets_or_range_do_not_fit_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"tier 'short'.s budget 32 is outside its budget_range \[48, 320\]"):
+        dial_tiers(Settings.load(None), _dial_dir(tmp_path, budget_range=[48, 320]))
+    for i, bad in enumerate(([320, 8], [0, 8], [8], "8-320", [8.0, 320])):
+        (tmp_path / str(i)).mkdir()
+        with pytest.raises(ConfigError, match="budget_range must be"):
+            dial_tiers(Settings.load(None), _dial_dir(tmp_path / str(i), budget_range=bad))
+
+
+def test_a_dial_json_without_a_range_leaves_every_budget_as_asked(tmp_path: Path) -> None:
+    tiers = {t.name: t for t in dial_tiers(Settings.load(None), _dial_dir(tmp_path)).tiers}
+    assert tiers["long"].thinking_budget_range is None and tiers["long"].applied_budget(100000) == 100000
+
+
+def test_a_tier_budget_outside_its_declared_range_is_refused_at_load() -> None:
+    from gateway.config import TierConfig
+
+    with pytest.raises(ValueError, match=r"thinking_budget 448 is outside thinking_budget_range \[8, 320\]"):
+        TierConfig(name="t", budget_mode="prompted", thinking_budget=448, thinking_budget_range=[8, 320])
+    with pytest.raises(ValueError, match="1 <= min <= max"):
+        TierConfig(name="t", thinking_budget_range=[0, 320])
+    t = TierConfig(name="t", budget_mode="prompted", thinking_budget=0, thinking_budget_range=[8, 320])  # off: fine
+    assert [t.applied_budget(b) for b in (None, 0, 1, 8, 100, 320, 448, 100000)] == [None, 0, 8, 8, 100, 320, 320, 320]
+

@@ -123,6 +123,7 @@ def render(model_dir: Path) -> str:
         else "Not measured yet: `thinkgate eval dial --model DIR --json DIR/eval_dial.json`."
     )
     routing = routing_section(_load(model_dir / "router_fit.json"))
+    lo, hi = BUDGET_RANGE
     return f"""---
 license: apache-2.0
 library_name: transformers
@@ -167,10 +168,12 @@ VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model DI
 ```
 and give its tiers `budget_mode: prompted` (the gateway appends `budget_prompt`, default
 `"{BUDGET_TEMPLATE}"`, to the last user message and keeps a hard stop at budget × 1.25 + 16: on vLLM
-`hard_stop: native`, its own `thinking_token_budget`, one pass; elsewhere budget forcing). Or let the gateway do
-all of it: `thinkgate serve --model-dir DIR` (what `make serve` runs for this directory) and `thinkgate bench
-savings --model-dir DIR` serve every tier from it with the budgets in `dial.json`, the native hard stop and the
-router it names.
+`hard_stop: native`, its own `thinking_token_budget`, one pass; elsewhere budget forcing) and
+`thinking_budget_range: [{lo}, {hi}]`, the budgets it was trained to follow: a budget asked outside is served at the
+nearest end (a request for 448 or 100000 tokens gets {hi}, one for 4 gets {lo}) and
+`x-thinkgate-thinking-budget` says which. Or let the gateway do all of it: `thinkgate serve --model-dir DIR` (what
+`make serve` runs for this directory) and `thinkgate bench savings --model-dir DIR` serve every tier from it with
+the budgets and the `budget_range` in `dial.json`, the native hard stop and the router it names.
 
 ## Licence
 Apache-2.0. Made only from generated data; no third-party data or weights.
