@@ -413,8 +413,10 @@ def call_bound(prompt: int, choices: int, asked: Any, tier: TierConfig) -> tuple
     budget = tier.thinking_budget
     if tier.budget_mode == "prompted":
         # the dial instruction appended to the prompt (a space + the filled-in text: at most the tier's budget's
-        # digits, the request's own budget is smaller) and forcing's hard stop above that budget
-        prompt += 1 + len(tier.budget_prompt.format(budget=budget if budget is not None else 0).encode())
+        # digits, the request's own budget is smaller; on an unlimited tier with a thinking_budget_range, at most
+        # the range's maximum's, which a request's budget is clamped to) and forcing's hard stop above that budget
+        stated = budget if budget is not None else (tier.thinking_budget_range or (0, 0))[1]
+        prompt += 1 + len(tier.budget_prompt.format(budget=stated).encode())
         if tier.hard_stop == "native":
             return prompt, choices * m
         budget = prompted_hard_stop(budget) if budget is not None else None

@@ -151,6 +151,16 @@ def test_a_prompted_tier_with_a_native_hard_stop_is_bounded_as_one_pass(n: int, 
     assert est.micro_usd < estimate(body, [forced]).micro_usd
 
 
+def test_an_unlimited_prompted_tier_with_a_range_bounds_the_instruction_at_the_range_maximum() -> None:
+    # an unlimited dial tier states a request's own budget, clamped into thinking_budget_range: at most the range's
+    # maximum ("Think for 320 tokens."), not "Think for 0 tokens." (the bound once counted the digits of 0)
+    tier = FORCED.model_copy(update={"budget_mode": "prompted", "thinking_budget": None, "max_tokens": 512,
+                                     "hard_stop": "native", "thinking_budget_range": (8, 320)})
+    body, prompt_ub = _dial_request(tier, 1, 400, tier.applied_budget(100000) or 0)
+    est = estimate({**body, "thinking_token_budget": 100000}, [tier])
+    assert est.prompt is not None and prompt_ub <= est.prompt and prompt_ub + 400 <= est.tokens
+
+
 def test_forced_n3_billed_by_a_real_gateway_fits_the_estimate_and_not_the_old_one(upstream_sim: SimProcess,
                                                                                   redis_url: str) -> None:
     tiers = sim_tiers(upstream_sim.base_url)
