@@ -196,6 +196,7 @@ class SavingsReport:
             "spend_micro_usd": self.spend_micro_usd,
             "spend_usd": str(micro_to_usd(self.spend_micro_usd)),
             "request_spend_micro_usd": self.request_spend_micro_usd,
+            "request_spend_usd": str(micro_to_usd(self.request_spend_micro_usd)),
             "cache_saved_micro_usd": self.cache_saved_micro_usd,
             "cache_saved_usd": str(micro_to_usd(self.cache_saved_micro_usd)),
             "always_long_micro_usd": cf,

@@ -89,6 +89,32 @@ def check_report(r: rp.SavingsReport) -> None:
     assert any("0.0-0.1" in n and "unscored" in n and "157.5" in n for n in r.notes)
 
 
+def test_headline_sets_the_savings_against_served_spend() -> None:
+    """The headline's spend is the served requests', the one the savings are computed on: it printed the total
+    (shadow calls included) beside them — "spend 0.127461 USD … always-exd0 estimate 0.122936 USD; saved 0.056587
+    USD (46.0%)", more spent than always-top yet 46% saved (a new user's report). The total, the shadow spend and
+    the net follow on the second line, and the parts add up to the total."""
+    from gateway.cli.usage_report import render
+    from router.console import console
+
+    base = [_ev("short", 0.1, 40, 20), _ev("short", 0.1, 40, 20)]  # 2 requests served cheap: 12 µ$ each
+    shadows = [_ev("long", 0.1, 40, 100, route="shadow"), _ev("long", 0.1, 40, 100, route="shadow")]  # 220 each
+    failed = [_ev("short", 0.1, 40, 0, status=502, error_code="upstream_stream_broken")]  # its prompt: 4 µ$
+    r = rp.build(base + shadows + failed, "long", LONG)
+    assert r.spend_micro_usd == 24 + 440 + 4 > r.always_long_micro_usd == 440 > r.savings_micro_usd == 416
+    con = console(width=1000)
+    with con.capture() as cap:
+        con.print(render(r))
+    lines = cap.get().splitlines()
+    first = next((x for x in lines if "on served traffic" in x), "")
+    assert first.startswith("served spend 0.000024 USD over 2 requests (5 events);"), lines
+    assert "always-long estimate 0.000440 USD; saved 0.000416 USD (94.5%) on served traffic" in first
+    assert "0.000468" not in first  # the total is not set against always-long
+    assert ("shadow calls (learning) 0.000440 USD; net of them saved -0.000024 USD; total spend 0.000468 USD "
+            "(served 0.000024 + shadow 0.000440 + other calls 0.000004)") in lines
+    assert r.summary()["request_spend_usd"] == "0.000024"  # the served spend, as text too (a key added)
+
+
 def test_bucket_labels() -> None:
     assert rp.bucket_of(0.0) == "0.0-0.1" and rp.bucket_of(0.0999) == "0.0-0.1" and rp.bucket_of(0.1) == "0.1-0.2"
     assert rp.bucket_of(1.0) == "0.9-1.0" and rp.bucket_of(None) == "unscored"
