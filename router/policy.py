@@ -122,6 +122,30 @@ def guarantee_sentence(meta: dict[str, Any] | None) -> str | None:
             f"questions){tail}.")
 
 
+def thresholds_text(cuts: Sequence[float]) -> str:
+    """Router cuts with what they mean when it is not a split: ``[0.0]`` is "always top" (every score at or above
+    it), cuts of 1.0 or more send no question straight to the top (scores lie in [0, 1)) — printed bare, a served
+    ``[1.0]`` beside an unserved ``[0.0]`` read as if the second were a cut of its own."""
+    shown = f"[{', '.join(str(round(float(c), 6)) for c in cuts)}]"
+    if cuts and all(c <= 0 for c in cuts):
+        return f"{shown} = always top"
+    if cuts and all(c >= 1 for c in cuts):
+        return f"{shown} = none straight to the top"
+    return shown
+
+
+def certified_text(cert: dict[str, Any] | None, on: str = "calibration questions") -> str:
+    """A Learn-then-Test result (``router.fit.risk.Certified.to_dict``, or a ``guarantee`` block) in words: the
+    savings and accuracy it certified on ``n_calibration`` ``on``, or that it certified nothing (the point is then
+    always top and saves nothing)."""
+    cert = cert or {}
+    share, acc = cert.get("calibration_token_share"), cert.get("calibration_accuracy_ratio")
+    n = cert.get("n_calibration")
+    if cert.get("pvalue") is None or not isinstance(share, int | float) or not isinstance(acc, int | float):
+        return f"nothing certified on {n} {on}: 0% savings"
+    return f"certified on {n} {on}: {_token_change(share)} at {acc:.1%} of always-top accuracy"
+
+
 def _token_change(share: float) -> str:
     """``share`` (tokens / always-top's) in words: "40% fewer tokens", or "25% more tokens" above 1 — a file can
     carry such a share (fitted on a ladder that was not cheapest first), and a negative "fewer" reads as savings."""

@@ -597,6 +597,21 @@ def _served_cells(e: dict[str, Any], no: str = "NO") -> list[str]:
             "yes" if e["holds_floor"] else no]
 
 
+def _router_line(details: dict[str, Any]) -> str:
+    """The router file and the cuts each row ran at: the file's served policy (``auto``) and its split-family points
+    (``router``, ``router+cascade``: without them in the file, its thresholds). It printed "thresholds [1.0],
+    router+cascade at [0.0]" with no word that [0.0] is always top — nothing certified for that point — so the
+    row's 0.0% savings read as a broken cascade."""
+    from router.policy import thresholds_text
+
+    own = details["thresholds"]
+    return (f"router {details['router']} (scorer {details['router_policy']}; auto serves "
+            f"{details.get('served_policy') or 'its thresholds'} at {thresholds_text(own)}; row router at "
+            f"{thresholds_text(details.get('router_thresholds') or own)}, router+cascade at "
+            f"{thresholds_text(details['cascade_thresholds'] or own)}: split-family points, always top where the "
+            "calibration split certified nothing)")
+
+
 def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
     """A rich table of the policies plus the price and timing lines."""
     from rich.console import Group
@@ -630,10 +645,7 @@ def render(report: dict[str, Any], details: dict[str, Any]) -> Any:
                   "questions: ALL of the folder, the ones the router was fitted and calibrated on included (reads "
                   "above what new traffic gets; --heldout-only scores its held-out split)"),
              Text(f"prices: {pr['input']} in / {pr['output']} out USD per 1M tokens, {note}"),
-             Text(f"router {details['router']} (policy {details['router_policy']}, thresholds "
-                  f"{details['thresholds']}, router+cascade at "
-                  f"{details['cascade_thresholds'] or 'the same'}); savings@98 = 1 - token share at the cheapest "
-                  f"point of the curve with "
+             Text(_router_line(details) + "; savings@98 = 1 - token share at the cheapest point of the curve with "
                   f"accuracy >= 98% of always-top ({details['always_top_accuracy']:.1%})"),
              Text(f"errors {sum(details['errors'].values())}, answer mismatches "
                   f"{sum(details['answer_mismatches'].values())}, router+cascade escalations "

@@ -304,3 +304,40 @@ def test_fit_range_checks_its_shares_and_confidence(tmp_path: Path) -> None:
         assert res.exit_code == 2 and f"{flag} must be in (0, 1" in res.output, (flag, value, res.output)
     ok = CliRunner().invoke(app, [*base, "--quality-target", "1"])  # a floor of all of always-top is allowed
     assert "--quality-target" not in ok.output and "traces folder not found" in ok.output
+
+
+def test_fit_summary_names_each_point_with_its_cuts_and_what_was_certified(tmp_path: Path) -> None:
+    """The README's o3-mini fit serves length+escalation at a cut of 1.0 while the split family's points (the
+    scorer alone and with the cascade) certified nothing on the calibration split: always top, [0.0]. The summary
+    printed "serves length+escalation at thresholds [1.0] (router alone [0.0], with the cascade [0.0])" — read as
+    cuts of the served policy, with the in-sample "router+cascade 32.1%" above it as if that were certified (a new
+    user's report). Each point is now named with its cuts, what they mean, and what was certified for it."""
+    out = tmp_path / "o3.skops"
+    res = CliRunner().invoke(app, ["router", "fit", "--traces", str(Path(__file__).parents[2] / "data" / "traces"),
+                                   "--dataset", "frames", "--ladder", "o3-mini:low_effort,high_effort",
+                                   "--output", str(out)])
+    assert res.exit_code == 0, res.output
+    sv = load_router(out).metadata["serving"]
+    assert (sv["policy"], sv["thresholds"], sv["router_thresholds"], sv["cascade_thresholds"]) == (
+        "length+escalation", [1.0], [0.0], [0.0])  # the reported case, unchanged by the fix
+    g, n_cal = sv["guarantee"], sv["cascade_guarantee"]["n_calibration"]
+    assert ("serves length+escalation at thresholds [1.0] = none straight to the top: certified on "
+            f"{g['n_calibration']} cross-fitted questions (every non-held-out one): "
+            f"{1 - g['calibration_token_share']:.0%} fewer tokens at {g['calibration_accuracy_ratio']:.1%} of "
+            "always-top accuracy") in res.output, res.output
+    assert (f"length alone at [0.0] = always top, nothing certified on {n_cal} calibration questions: 0% savings; "
+            f"length+cascade at [0.0] = always top, nothing certified on {n_cal} calibration questions: 0% "
+            "savings") in res.output, res.output
+    assert "a ranking, not a certificate" in res.output and "router alone" not in res.output
+
+
+def test_bench_traces_names_the_cuts_each_row_ran_at() -> None:
+    """``bench traces``' router line: "thresholds [1.0], router+cascade at [0.0]" left a row at 0.0% savings looking
+    like a broken cascade; [0.0] is always top, the calibration split having certified nothing for that point."""
+    from bench.traces.bench import _router_line
+
+    line = _router_line({"router": "o3.skops", "router_policy": "length", "served_policy": "length+escalation",
+                         "thresholds": [1.0], "router_thresholds": [0.0], "cascade_thresholds": [0.0]})
+    assert line.startswith("router o3.skops (scorer length; auto serves length+escalation at [1.0] = none straight "
+                           "to the top; row router at [0.0] = always top, router+cascade at [0.0] = always top")
+    assert "certified nothing" in line
