@@ -105,6 +105,28 @@ def replay_chunks(body: dict[str, Any], include_usage: bool, chunk_chars: int = 
     yield DONE_CHUNK
 
 
+#: Characters a delta of :func:`answer_chunks` carries: ~one token (the gateway's estimate, 4 characters a token), as
+#: vLLM streams one token a delta — so a relay that counts the deltas of an answer sent with no usage it can meter
+#: (``gateway/pipeline/relay.py``'s ``count_deltas``) counts about the answer's tokens, not a quarter of them.
+ANSWER_DELTA_CHARS = 4
+
+
+def answer_chunks(body: dict[str, Any]) -> Iterator[Chunk]:
+    """The stream a complete answer ``body`` (chat or text completion) would have been: :func:`replay_chunks`, one
+    token's worth of text a delta (:data:`ANSWER_DELTA_CHARS`), then the usage chunk (``choices: []``) whenever
+    ``body`` has a usage — a relay holds it back, meters it and forwards it only when the client asked — then
+    [DONE]. For an upstream that answered a stream request with the whole answer as one JSON document. Raises
+    ``KeyError`` if ``body`` has no ``choices``, ``TypeError`` / ``AttributeError`` for parts not of their types."""
+    usage = body.get("usage")
+    head: dict[str, Any] = {}
+    for c in replay_chunks(body, False, ANSWER_DELTA_CHARS):
+        if c.data is None and usage is not None:
+            yield Chunk({**head, "choices": [], "usage": usage})
+        elif c.data is not None:
+            head = {k: v for k, v in c.data.items() if k != "choices"}
+        yield c
+
+
 @dataclass
 class _Choice:
     index: int

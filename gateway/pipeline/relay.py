@@ -2,7 +2,9 @@
 either way close the exchange once.
 
 :func:`relay` yields batches of :class:`gateway.openai.sse.Chunk` (one batch per upstream read); ``gateway/api/``
-frames them as SSE — a chunk passed on unchanged with the upstream's own bytes — or translates them.
+frames them as SSE — a chunk passed on unchanged with the upstream's own bytes — or translates them. An upstream
+that answered the stream with one JSON document instead of SSE is relayed as the stream it would have been, its
+usage metered like any stream's (``gateway/upstream/response.py`` ``json_answer_batches``).
 
 The usage-only chunk is held back, its missing reasoning count filled (:func:`fill_reasoning`), and forwarded
 only when the client asked (``stream_options.include_usage``). Failures after the 200 become one in-stream

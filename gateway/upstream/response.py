@@ -4,7 +4,8 @@ composed itself — budget forcing — or already read part of — the escalatio
 
 The pipeline reads a streamed answer as batches of :class:`gateway.openai.sse.Chunk` (:func:`chunk_batches`) and a
 non-streamed one as its JSON document (:func:`json_body`): a real response is decoded once, a synthetic one
-hands over the dicts it was built from (nothing is encoded to be parsed again).
+hands over the dicts it was built from (nothing is encoded to be parsed again). A streamed call answered with one
+JSON document instead of SSE is read as the stream it would have been (:func:`json_answer_batches`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from typing import Any, Protocol
 
 import orjson
 
+from gateway.errors import UpstreamError
 from gateway.openai import sse
+from gateway.openai.chunks import answer_chunks
 from gateway.openai.sse import Chunk
+from gateway.upstream.pool import MAX_RESPONSE_BYTES
 
 
 class UpstreamResponse(Protocol):
@@ -83,11 +87,55 @@ class SyntheticResponse:
 
 
 def chunk_batches(resp: UpstreamResponse) -> AsyncIterator[list[Chunk]]:
-    """The chunk batches of a streamed answer: a synthetic response's own, else decoded from the bytes (one batch
-    per network read, :func:`gateway.openai.sse.chunk_batches`)."""
+    """The chunk batches of a streamed answer: a synthetic response's own; an upstream's JSON answer as the stream it
+    would have been (:func:`json_answer_batches`); else decoded from the bytes (one batch per network read,
+    :func:`gateway.openai.sse.chunk_batches`)."""
     if isinstance(resp, SyntheticResponse):
         return resp.chunk_batches()
+    if is_json(resp):
+        return json_answer_batches(resp)
     return sse.chunk_batches(resp)
+
+
+def is_json(resp: UpstreamResponse) -> bool:
+    """Whether ``resp`` says its body is one JSON document (``content-type`` ``application/json`` or ``…+json``)
+    rather than SSE: an upstream, or a proxy before it, that does not stream answers a stream request so."""
+    headers = getattr(resp, "headers", None)  # a real call's (AioResponse); a synthetic response streams
+    media = str(headers.get("content-type") or "") if headers is not None else ""
+    media = media.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+async def json_answer_batches(resp: UpstreamResponse) -> AsyncIterator[list[Chunk]]:
+    """One batch: the stream a streamed call's JSON body would have been. An answer (``choices``) as its chunks,
+    its usage chunk and ``[DONE]`` (:func:`gateway.openai.chunks.answer_chunks`) — the upstream said what the call
+    used, and the relay meters that as it meters any stream's usage (bounded by the call's usage limit); an error
+    document (``{"error": …}``) as the in-stream error it is. Nothing for a body that is neither (no JSON, parts not
+    of their types): the relay reads a stream that ended without ``[DONE]``, a broken one. The body is read whole,
+    at most :data:`~gateway.upstream.pool.MAX_RESPONSE_BYTES` (a non-streamed answer's bound), else
+    :class:`~gateway.errors.UpstreamError`."""
+    parts: list[bytes] = []
+    size = 0
+    async for piece in resp.aiter_raw():
+        size += len(piece)
+        if size > MAX_RESPONSE_BYTES:
+            raise UpstreamError(f"upstream sent a JSON answer larger than {MAX_RESPONSE_BYTES} bytes")
+        parts.append(piece)
+    raw = b"".join(parts)
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return
+    if not isinstance(doc, dict) or not sse.well_formed(doc):
+        return
+    if "error" in doc and not doc.get("choices"):
+        yield [Chunk(doc, raw)]
+        return
+    try:
+        chunks = list(answer_chunks(doc))
+    except (KeyError, TypeError, AttributeError):  # no choices, or text that is no text: not an answer
+        return
+    yield chunks
 
 
 def json_body(resp: UpstreamResponse) -> Any:

@@ -243,6 +243,61 @@ def test_in_stream_engine_error_is_forwarded(client: openai.OpenAI) -> None:
             pass
 
 
+#: a usage the simulated upstream reports (``"sim": {"usage": …}``) that no count of the gateway's would give
+REPORTED_USAGE = {"prompt_tokens": 41, "completion_tokens": 97, "total_tokens": 138,
+                  "completion_tokens_details": {"reasoning_tokens": 60}}
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_answered_with_a_json_body_is_relayed_as_a_stream(client: openai.OpenAI, records: list[Any],
+                                                                 include_usage: bool) -> None:
+    """An upstream (or a proxy before it) that answers a stream request 200 with the whole answer as one JSON
+    document (``application/json``, not SSE). The gateway read no ``data:`` line in it: the client got an in-stream
+    ``upstream_stream_broken`` and the call was billed the counted prompt alone, though the upstream said what it
+    used. Now the answer reaches the client as a valid stream (its text, the usage chunk when asked, ``[DONE]``) and
+    the usage event bills the reported usage."""
+    expected = client.chat.completions.create(model="ok", messages=MESSAGES, extra_body={"sim": {"fail": "none"}})
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    stream = client.chat.completions.create(model="ok", messages=MESSAGES, stream=True, **options,  # type: ignore[call-overload]
+                                            extra_body={"sim": {"fail": "json-body", "usage": REPORTED_USAGE}})
+    content, reasoning, finish, usage = "", "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump(exclude_none=True)
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            reasoning += (c.delta.model_extra or {}).get("reasoning") or ""
+            finish = c.finish_reason or finish
+    message = expected.choices[0].message
+    assert (content, reasoning, finish) == (message.content, (message.model_extra or {})["reasoning"], "stop")
+    assert usage == (REPORTED_USAGE if include_usage else None)
+    assert wait_for(lambda: len(records) == 2)
+    rec = records[1]
+    assert (rec.status, rec.error_code, rec.partial, rec.usage_source) == (200, None, False, "upstream")
+    assert (rec.prompt_tokens, rec.completion_tokens, rec.reasoning_tokens) == (41, 97, 60)
+
+
+@pytest.mark.parametrize(("inject", "code"), [
+    ({"choices": [], "error": {"message": "simulated engine error", "type": "InternalServerError", "code": 500}},
+     "upstream_error"),
+    ({"choices": "abc"}, "upstream_stream_broken"),
+])
+def test_stream_answered_with_a_json_error_or_garbage_is_an_in_stream_error(
+        client: openai.OpenAI, records: list[Any], inject: dict[str, Any], code: str) -> None:
+    """A streamed call's JSON body that is no answer: an error document is passed on as the in-stream error it is,
+    a malformed one is a broken stream — as before, never a 200 with nothing in it."""
+    with pytest.raises(openai.APIError) as info:
+        for _ in client.chat.completions.create(model="ok", messages=MESSAGES, stream=True,
+                                                extra_body={"sim": {"fail": "json-body", "inject": inject}}):
+            pass
+    if code == "upstream_error":
+        assert "simulated engine error" in info.value.message
+    else:
+        assert info.value.body["code"] == code  # type: ignore[index]
+    assert wait_for(lambda: len(records) == 1)
+    assert (records[0].status, records[0].error_code) == (502, code)
+
+
 def test_client_disconnect_cancels_upstream(fault_gateway: GatewayServer, fault_sim: SimProcess,
                                             records: list[Any]) -> None:
     t = tag()
