@@ -46,6 +46,24 @@ def model_hash(path: Path = DEFAULT_MODEL_DIR) -> str:
     return h.hexdigest()[:12]
 
 
+def router_words(stack: dict[str, Any]) -> str:
+    """The router the run served, for the section's header line: its path (relative to the checkout when inside it),
+    its content's SHA-256 (first 12 hex) and version (``thinkgate router info``'s) — the path alone named two runs the
+    same though another router was saved there between them. A JSON of a run before the stack block named the digest
+    gives the path alone; one before it named the path, the shipped router (what those runs served)."""
+    path = stack.get("router")
+    if path is None:
+        return "the shipped router (`router/assets/default.skops`)"
+    if path == "None":  # routing.router_path: null — the stack block holds str() of it
+        return "no router file (default-tier mode)"
+    shown = Path(path)
+    if shown.is_relative_to(REPO):
+        shown = shown.relative_to(REPO)
+    ident = [f"sha256 {stack['router_sha256']}"] if stack.get("router_sha256") else []
+    ident += [f"version {stack['router_version']}"] if stack.get("router_version") else []
+    return f"the router `{shown}`" + (f" ({', '.join(ident)})" if ident else "")
+
+
 def section(result: dict[str, Any], started: str, load: float) -> str:
     """The Markdown "Savings" section for ``result``."""
     w, st = result["workload"], result.get("stack", {})
@@ -57,8 +75,8 @@ def section(result: dict[str, Any], started: str, load: float) -> str:
         f"(engine start-up {st.get('engine_startup_s', '—')} s). The whole stack on this machine: Redis, the local "
         f"vLLM engine with the model in `models/thinkgate-tiny` (weights sha256 "
         f"{st.get('model_sha256') or model_hash()}, last commit of the folder "
-        f"{git('log', '-1', '--format=%h', '--', 'models')}), two `thinkgate serve` with the "
-        f"shipped router (`router/assets/default.skops`); tiers {tiers}. Workload: {w['n']} requests per policy "
+        f"{git('log', '-1', '--format=%h', '--', 'models')}), two `thinkgate serve` with "
+        f"{router_words(st)}; tiers {tiers}. Workload: {w['n']} requests per policy "
         f"({w['synthetic']} synthetic arithmetic held-out levels 1–6, {w['real']} GSM8K/MATH test questions), "
         f"{w['repeat_fraction']:.0%} repeats, temperature 0, {w['concurrency']} in flight, seed {w['seed']}. "
         f"Accuracy = the synthetic task's verifier; *real* = GSM8K/MATH (the tiny model cannot solve them: routing "

@@ -39,6 +39,11 @@ JSON (``--json``)::
                          "cost_usd", "p50_ms", "p99_ms", "cache_hit_rate", …extras}},
      "targets": {…}, "workload": {…}, "stack": {…}}
 
+``stack``: ``run``, ``gateways``, ``router`` (the router file's path), ``router_sha256`` (its content's SHA-256, first
+12 hex) and ``router_version`` (what ``thinkgate router info`` calls it) — a rerun with another file at the same path
+is another router, not nondeterminism —, ``tiers``; with the local engine ``engine_startup_s`` and ``model_sha256``;
+with ``--url`` only ``run`` and ``url``.
+
 Extras per policy: ``cost_micro_usd``, ``events``, ``errors``, ``mean_*_tokens`` (per request), ``tiers``
 (answered requests per tier, from the ledger), ``escalations``, ``cache_results`` (the ``x-thinkgate-cache``
 headers seen: hit/miss/bypass), and ``synthetic`` / ``real`` sub-reports. The bench gateways get
@@ -483,9 +488,29 @@ def _start_stack(cfg: BenchConfig, settings: Settings, stack: ExitStack, state_d
         model = "auto" if p.startswith("auto") else p
         endpoints[p] = (Endpoint(urls[p == "auto+escalation"], "", model), None)
     stack_info.update({"gateways": len(urls), "router": str(settings.routing.router_path),
+                       **router_identity(settings.routing.router_path),
                        "tiers": {t.name: {"thinking_budget": t.thinking_budget, "max_tokens": t.max_tokens}
                                  for t in settings.tiers}})
     return settings, endpoints, secrets_by_key
+
+
+def router_identity(path: Path | None) -> dict[str, str | None]:
+    """What the stack block says of the router file beside its path: ``router_sha256`` (the first 12 hex digits of
+    its content's SHA-256) and ``router_version`` (:func:`router.serving.file_version`, the version ``thinkgate
+    router info`` and ``router:current`` name it by). The path alone named two runs the same though another router
+    was saved there between them (the auto policy's figures moved and read as nondeterminism). None for each when
+    no router is configured or its file cannot be read or loaded."""
+    from router.persistence import RouterFileError, load_router
+    from router.serving import file_sha256, file_version
+
+    digest = file_sha256(path) if path is not None else None
+    version = None
+    if path is not None and digest is not None:
+        try:
+            version = file_version(load_router(path, pipeline=False), digest) or None
+        except RouterFileError:  # the gateways say why they did not serve it; the bench still names its bytes
+            version = None
+    return {"router_sha256": digest[:12] if digest else None, "router_version": version}
 
 
 def _external_endpoints(cfg: BenchConfig, log: Callable[[str], None], stack_info: dict[str, Any]) -> Endpoints:

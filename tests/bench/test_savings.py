@@ -106,6 +106,7 @@ def test_bench_against_the_simulator(sim: SimProcess, redis_url: str, redis_pref
     assert set(p["auto"]["tiers"]) <= {"short", "long"} and sum(p["auto"]["tiers"].values()) == 12
     assert p["auto"]["cost_micro_usd"] < p["long"]["cost_micro_usd"]
     assert set(data["targets"]) == {"auto", "auto+escalation"}
+    assert {"router", "router_sha256", "router_version"} <= set(data["stack"])  # the router by its bytes too
     check_against_ledger(result, ledger(redis_url, redis_prefix, tmp_path), settings)
     sv.plot(result, tmp_path / "f.png")
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
@@ -137,6 +138,34 @@ def test_targets_against_a_baseline_run() -> None:
         sv.targets_vs_baseline(result, {**base, "workload": {"n": 11, "seed": 0}}, "b.json")
     with pytest.raises(sv.BenchError, match="no always-long"):
         sv.targets_vs_baseline(result, {"workload": wl, "policies": {}}, "b.json")
+
+
+def test_stack_block_names_the_router_by_its_bytes_and_version() -> None:
+    """The stack block named the router file by its path alone: a rerun with another router saved at the same path
+    read as nondeterminism. It now carries the file's SHA-256 (first 12 hex) and the version ``router info`` reports,
+    and the RESULTS section's header line says both — on the shipped router file."""
+    import hashlib
+
+    from typer.testing import CliRunner
+
+    from bench.savings_results import section
+    from gateway.config.paths import DEFAULT_ROUTER_PATH
+    from router.cli import app
+
+    ident = sv.router_identity(DEFAULT_ROUTER_PATH)
+    assert ident["router_sha256"] == hashlib.sha256(DEFAULT_ROUTER_PATH.read_bytes()).hexdigest()[:12]
+    info = CliRunner().invoke(app, ["info", str(DEFAULT_ROUTER_PATH)])
+    assert info.exit_code == 0, info.output
+    assert ident["router_version"] and \
+        f"version (as the gateway reports it): {ident['router_version']};" in info.output
+    assert sv.router_identity(None) == {"router_sha256": None, "router_version": None}
+    stack = {"run": "r", "model_sha256": "abc", "gateways": 2, "router": str(DEFAULT_ROUTER_PATH), **ident,
+             "tiers": {}}
+    result = {"wall_s": 1.0, "stack": stack, "policies": {}, "targets": {},
+              "workload": {"n": 2, "synthetic": 1, "real": 1, "repeat_fraction": 0.0, "concurrency": 1, "seed": 0}}
+    header = section(result, "2026-12-06 00:00 UTC", 0.0).splitlines()[2]
+    assert f"`router/assets/default.skops` (sha256 {ident['router_sha256']}, version {ident['router_version']})" \
+        in header
 
 
 def test_model_dir_must_be_a_model_directory(tmp_path: Path) -> None:
