@@ -26,6 +26,7 @@ from gateway.cli.eval import app as eval_app
 from gateway.cli.keys import app as keys_app
 from gateway.cli.serve import serve
 from gateway.cli.usage import app as usage_app
+from router.errors import install_hint
 
 app = typer.Typer(
     name="thinkgate",
@@ -45,7 +46,7 @@ app.add_typer(usage_app, name="usage", help="Usage: export (csv, jsonl, parquet)
 
 #: Plug-in groups: name → (help, what to install when the group's package is missing).
 PLUGIN_GROUPS: dict[str, tuple[str, str]] = {
-    "router": ("Fit, calibrate, evaluate and label the difficulty router.", "pip install thinkgate"),
+    "router": ("Fit, calibrate, evaluate and label the difficulty router.", install_hint()),
     "train": ("Offline training jobs (tiny local model, GRPO).",
               "run it from a source checkout (the wheel ships no training code or models): make venv, then "
               ".venv/bin/thinkgate train …"),

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 import typer
 
 from gateway.cli.common import CONFIG_OPTION, MODEL_DIR_OPTION, load_settings
+from router.errors import install_hint
 
 if TYPE_CHECKING:
     from gateway.config import Settings
@@ -134,9 +135,8 @@ def _start_engine(settings: Settings) -> LocalEngine:
     from gateway.engine.vllm import EngineError, LocalEngine
 
     if find_spec("vllm") is None:
-        typer.echo("thinkgate: the embedded engine (engine.enabled: true) needs vllm: pip install "
-                   "'thinkgate[engine-cpu]', or set THINKGATE_ENGINE__ENABLED=false and point the tiers at your "
-                   "vLLM servers", err=True)
+        typer.echo(f"thinkgate: the embedded engine (engine.enabled: true) needs vllm; {install_hint('engine-cpu')}, "
+                   "or set THINKGATE_ENGINE__ENABLED=false and point the tiers at your vLLM servers", err=True)
         raise typer.Exit(2)
     engine = LocalEngine(settings.engine)
     typer.echo(f"thinkgate: starting the local vLLM engine ({settings.engine.served_model_name}) …", err=True)

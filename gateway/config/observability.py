@@ -13,7 +13,7 @@ from gateway.config.base import _Strict
 
 class TelemetryConfig(_Strict):
     """OpenTelemetry traces (``gateway/observability/telemetry.py``), off unless ``otlp_endpoint`` is set: the OTLP/HTTP
-    traces URL (e.g. ``http://127.0.0.1:4318/v1/traces``). Needs ``pip install 'thinkgate[otel]'``.
+    traces URL (e.g. ``http://127.0.0.1:4318/v1/traces``). Needs the ``otel`` extra (``router.errors.install_hint``).
     ``sample_ratio``: the share of new traces recorded (``ParentBased(TraceIdRatioBased)``: a client's sampled
     ``traceparent`` is always followed); 1.0 records every request."""
 

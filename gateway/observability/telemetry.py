@@ -19,7 +19,7 @@ when the request's usage record is metered (the end of a stream included) or whe
 - ``http.response.status_code`` and, for a failure, ``error.type`` (the gateway's error code) and status ERROR.
 
 An escalated first attempt is an event (``thinkgate.escalated``) on the request span. Spans go to OTLP/HTTP
-protobuf in batches (:class:`gateway.observability.otlp_wire.OtlpBatchExporter`; ``pip install 'thinkgate[otel]'``).
+protobuf in batches (:class:`gateway.observability.otlp_wire.OtlpBatchExporter`; the ``otel`` extra).
 ``telemetry.sample_ratio`` (1.0) records that share of new traces, decided as the SDK's
 ``ParentBased(TraceIdRatioBased)`` decides; the others cost one sampling decision per request, record no step
 and still propagate ``traceparent`` (flags 00).

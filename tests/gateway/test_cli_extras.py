@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from router.errors import MissingExtra, ThinkGateError, require
+from router.errors import MissingExtra, ThinkGateError, install_hint, require
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,10 +19,25 @@ def test_require_names_the_extra() -> None:
     with pytest.raises(MissingExtra) as info:
         require("thinkgate_no_such_module.sub", "report", "thinkgate usage export --format parquet")
     assert str(info.value) == (
-        "thinkgate usage export --format parquet needs thinkgate_no_such_module: pip install 'thinkgate[report]'"
+        "thinkgate usage export --format parquet needs thinkgate_no_such_module; install the 'report' extra: "
+        "pip install '<the thinkgate wheel or checkout>[report]'"
     )
     assert isinstance(info.value, ThinkGateError) and isinstance(info.value, ImportError)
     assert require("json", "eval", "x").dumps([1]) == "[1]"
+
+
+def test_install_hint_names_the_wheel_or_checkout_not_an_index() -> None:
+    """ThinkGate is on no package index: ``pip install 'thinkgate[report]'`` (the old hint) asks one for a project
+    it cannot find. Every hint points pip at what ThinkGate was installed from — the wheel file or the checkout — as
+    README "Install the product alone" says, and carries the extra's name."""
+    assert install_hint("report") == \
+        "install the 'report' extra: pip install '<the thinkgate wheel or checkout>[report]'"
+    assert install_hint() == "install thinkgate: pip install '<the thinkgate wheel or checkout>'"
+    readme = (REPO / "README.md").read_text()
+    assert "install the 'report' extra: pip install '<the thinkgate wheel or checkout>[report]'" in readme
+    assert "'dist/thinkgate-0.1.0-py3-none-any.whl[report]'" in readme and "'.[report]'" in readme
+    for hint in (install_hint("otel"), install_hint()):
+        assert "'thinkgate[" not in hint and "pip install thinkgate" not in hint
 
 
 def _cli_without(blocked: str, *argv: str, tmp: Path) -> subprocess.CompletedProcess[str]:
@@ -48,7 +63,8 @@ def test_parquet_export_without_pyarrow_says_install_report(tmp_path: Path) -> N
                      tmp=tmp_path)
     assert r.returncode == 2, r.stderr
     assert r.stderr == (
-        "thinkgate usage export --format parquet needs pyarrow: pip install 'thinkgate[report]'\n"
+        "thinkgate usage export --format parquet needs pyarrow; install the 'report' extra: "
+        "pip install '<the thinkgate wheel or checkout>[report]'\n"
     )
 
 
@@ -56,7 +72,8 @@ def test_train_without_torch_says_install_train(tmp_path: Path) -> None:
     help_ = _cli_without("torch", "train", "tiny", "--help", tmp=tmp_path)
     assert help_.returncode == 0, help_.stderr  # --help never needs the extra
     r = _cli_without("torch", "train", "tiny", "--output-dir", str(tmp_path / "m"), tmp=tmp_path)
-    assert (r.returncode, r.stderr) == (2, "thinkgate train tiny needs torch: pip install 'thinkgate[train]'\n")
+    assert (r.returncode, r.stderr) == (2, "thinkgate train tiny needs torch; install the 'train' extra: "
+                                           "pip install '<the thinkgate wheel or checkout>[train]'\n")
 
 
 def _wheel_only_cli(*argv: str, tmp: Path) -> subprocess.CompletedProcess[str]:

@@ -16,7 +16,7 @@ from gateway.observability.otlp_wire import OtlpBatchExporter
 from gateway.observability.telemetry import SCOPE, Telemetry, finish, span
 from tests.fixtures.otlp import OtlpReceiver
 
-pytest.importorskip("opentelemetry.sdk", reason="the otel extra (pip install 'thinkgate[otel]') is not installed")
+pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed")
 
 
 def _one_request(tel: Telemetry, tier: str = "short") -> None:
