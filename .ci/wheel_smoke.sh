@@ -118,7 +118,7 @@ assert len(problems) == 6, problems
 try:
     verify(problems[-1], "42")
 except MissingExtra as exc:
-    assert "pip install 'thinkgate[eval]'" in str(exc), exc
+    assert "install the 'eval' extra: pip install '<the thinkgate wheel or checkout>[eval]'" in str(exc), exc
 else:
     raise AssertionError("math-verify is not installed, yet verify() did not say which extra to install")
 try:
@@ -188,7 +188,7 @@ RC=$?
 set -e
 [ "$RC" -eq 2 ] || fail "parquet export without pyarrow: exit $RC, expected 2"
 [ "$(wc -l <"$WORK/parquet.log")" -eq 1 ] || fail "parquet export: not one line: $(cat "$WORK/parquet.log")"
-grep -q "pip install 'thinkgate\[report\]'" "$WORK/parquet.log" || fail "parquet export: $(cat "$WORK/parquet.log")"
+grep -q "install the 'report' extra: pip install '<the thinkgate wheel or checkout>\[report\]'" "$WORK/parquet.log" || fail "parquet export: $(cat "$WORK/parquet.log")"
 echo "  $(cat "$WORK/parquet.log")"
 
 kill "$GW_PID" && wait "$GW_PID" 2>/dev/null || true
