@@ -467,11 +467,18 @@ async def _read_bounded(resp: aiohttp.ClientResponse, tier: TierConfig) -> bytes
     if resp.content_length is not None and resp.content_length <= MAX_RESPONSE_BYTES and \
             not resp.headers.get("content-encoding"):
         return await resp.read()
+    return await join_bounded(resp.content.iter_chunked(1 << 16), f"upstream of tier {tier.name!r}")
+
+
+async def join_bounded(pieces: AsyncIterator[bytes], who: str) -> bytes:
+    """The bytes of ``pieces`` (a body as it arrives) joined, at most :data:`MAX_RESPONSE_BYTES`; past it,
+    :class:`UpstreamError` (502) saying ``who`` sent an answer larger than that — read no further. Errors of
+    ``pieces`` itself pass through."""
     parts: list[bytes] = []
     size = 0
-    async for piece in resp.content.iter_chunked(1 << 16):
+    async for piece in pieces:
         size += len(piece)
         if size > MAX_RESPONSE_BYTES:
-            raise UpstreamError(f"upstream of tier {tier.name!r} sent an answer larger than {MAX_RESPONSE_BYTES} bytes")
+            raise UpstreamError(f"{who} sent an answer larger than {MAX_RESPONSE_BYTES} bytes")
         parts.append(piece)
     return b"".join(parts)

@@ -15,11 +15,10 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway.errors import UpstreamError
 from gateway.openai import sse
 from gateway.openai.chunks import answer_chunks
 from gateway.openai.sse import Chunk
-from gateway.upstream.pool import MAX_RESPONSE_BYTES
+from gateway.upstream.pool import join_bounded
 
 
 class UpstreamResponse(Protocol):
@@ -114,14 +113,7 @@ async def json_answer_batches(resp: UpstreamResponse) -> AsyncIterator[list[Chun
     of their types): the relay reads a stream that ended without ``[DONE]``, a broken one. The body is read whole,
     at most :data:`~gateway.upstream.pool.MAX_RESPONSE_BYTES` (a non-streamed answer's bound), else
     :class:`~gateway.errors.UpstreamError`."""
-    parts: list[bytes] = []
-    size = 0
-    async for piece in resp.aiter_raw():
-        size += len(piece)
-        if size > MAX_RESPONSE_BYTES:
-            raise UpstreamError(f"upstream sent a JSON answer larger than {MAX_RESPONSE_BYTES} bytes")
-        parts.append(piece)
-    raw = b"".join(parts)
+    raw = await join_bounded(resp.aiter_raw(), "upstream")
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError:
