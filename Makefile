@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.thinkgate-installed
 
-.PHONY: venv serve test lint bench-savings bench-savings-grpo bench-litellm-env clean
+.PHONY: venv serve test lint bench-savings bench-savings-grpo bench-litellm-env clean clean-state
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -47,5 +47,21 @@ bench-savings-grpo: venv
 bench-litellm-env:
 	PY=$(PY) bash bench/litellm_env.sh
 
+# What `make venv` and the local engine built: the virtualenv and the engine's caches. The gateway's state under
+# .thinkgate/ (keys, budgets and usage in the private Redis's append-only file, the usage spools, the development
+# key) is data, not a build product: `make clean` keeps it.
+STATE_DIR ?= $(or $(THINKGATE_STATE_DIR),.thinkgate)
 clean:
-	rm -rf $(VENV) .thinkgate
+	rm -rf $(VENV) $(STATE_DIR)/engine
+
+# Deletes the state too — and refuses while a usage record still waits in a spool (not yet counted in Redis, or set
+# aside for an operator: `thinkgate usage quarantine`), since deleting it would lose money. FORCE=1 deletes anyway.
+PENDING = $(wildcard $(STATE_DIR)/*.jsonl)
+clean-state: clean
+	@pending="$$(for f in $(PENDING); do test -s "$$f" && echo "$$f"; done)"; \
+	if [ -n "$$pending" ] && [ "$(FORCE)" != 1 ]; then \
+	  echo "clean-state: records still wait in: $$pending" >&2; \
+	  echo "  usage spools replay when the gateway starts with Redis answering; FORCE=1 deletes them anyway" >&2; \
+	  exit 1; \
+	fi
+	rm -rf $(STATE_DIR)
