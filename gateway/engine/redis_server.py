@@ -3,7 +3,8 @@
 Used by ``thinkgate serve`` (when ``redis.start_if_missing``) and by the test suite. A private server listens on
 loopback only. The one ``serve`` starts keeps its data in an append-only file under ``redis.data_dir`` (fsync'd
 every second), so keys, budgets and usage survive a restart on the same port, and runs in its own session, so a
-terminal's Ctrl-C reaches the gateway only (which stops it after its own shutdown has flushed). The tests' servers
+terminal's Ctrl-C reaches the gateway only (which stops it after its own shutdown has flushed); a gateway killed
+outright takes it down too (SIGTERM from the kernel, :mod:`gateway.engine.children`). The tests' servers
 keep nothing on disk (``--save "" --appendonly no``) and share the caller's process group.
 """
 
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from gateway.engine.children import popen_options
 from router.errors import ThinkGateError
 
 
@@ -110,6 +112,7 @@ def start_private(port: int | None = None, timeout_s: float | None = None, *, da
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=own_session,
+        **popen_options(),  # stops with its caller even when that is SIGKILLed (gateway/engine/children.py)
     )
     url = f"redis://127.0.0.1:{port}/0"
     if timeout_s is None:

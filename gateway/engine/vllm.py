@@ -36,6 +36,7 @@ from types import TracebackType
 import httpx
 
 from gateway.config import STATE_DIR, EngineConfig
+from gateway.engine.children import popen_options
 from router.errors import ThinkGateError
 
 
@@ -159,6 +160,8 @@ class LocalEngine:
                 env=self.environment(),
                 cwd=str(self.state_dir / "engine"),
                 start_new_session=True,  # own process group: stop() reaches vLLM's engine-core child too
+                # a SIGKILLed gateway runs no stop(): the kernel sends SIGTERM instead (gateway/engine/children.py)
+                **popen_options(),
             )
         atexit.register(self.stop)
         try:

@@ -267,3 +267,42 @@ def test_offline_commands_exit_3_when_redis_is_unreachable(argv: list[str], monk
     assert r.exit_code == 3, r.output
     assert "Redis unreachable" in r.output and "s3cretpw" not in r.output and "***" in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_a_killed_serve_takes_its_private_redis_down_with_its_data_on_disk(tmp_path: Path, upstream_sim: Any) -> None:
+    """``serve`` SIGKILLed (the OOM killer, ``kill -9``) runs no ``finally``: its private Redis, in a session of its
+    own, used to live on as an orphan, serving a port no gateway owned (the local engine likewise held its port,
+    and the next ``make serve`` refused to start). The kernel now sends it SIGTERM (PR_SET_PDEATHSIG), a graceful
+    stop that flushes the append-only file: the key made before the kill is on disk."""
+    import redis
+
+    redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    cfg = write_config(tmp_path / "c.yaml", upstream_sim.base_url, redis_url,
+                       redis={"url": redis_url, "start_if_missing": True, "data_dir": str(tmp_path / "redis")},
+                       auth={"dev_key_file": str(tmp_path / "dev-key")})
+    port, log = free_port(), tmp_path / "serve.log"
+    cli_env = {"THINKGATE_CONFIG": str(cfg), "THINKGATE_REDIS__URL": redis_url,
+               "THINKGATE_REDIS__START_IF_MISSING": "false"}
+    proc = _serve_in_own_group(cfg, port, log)
+    redis_pid = None
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=30, proc=proc)
+        client = redis.Redis.from_url(redis_url)
+        redis_pid = int(client.info("server")["process_id"])
+        client.close()
+        made = thinkgate("keys", "create", "--id", "kept-after-kill", env=cli_env)
+        assert made.returncode == 0, made.stderr
+        proc.kill()  # the gateway process alone, as the OOM killer does: no signal reaches its Redis's session
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while Path(f"/proc/{redis_pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{redis_pid}").exists(), "the private Redis outlived a SIGKILLed serve"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        if redis_pid is not None and Path(f"/proc/{redis_pid}").exists():
+            os.kill(redis_pid, signal.SIGKILL)
+    aof = b"".join(p.read_bytes() for p in (tmp_path / "redis").glob("*/appendonlydir/*.aof"))
+    assert b"kept-after-kill" in aof, "the key made before the kill is not in the append-only file"
