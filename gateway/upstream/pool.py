@@ -11,7 +11,11 @@ the caller, i.e. before any byte reached the client, and only when repeating is 
 - connection errors (refused, reset, connect timeout, a pooled connection the server had closed) before a 2xx
   answer — a non-streamed 2xx whose body then breaks is an :class:`UpstreamError` (the generation ran: vLLM sends
   that 200 once it is done; a retry or a fallback would pay for it twice), and
-- HTTP 502/503 from the upstream.
+- HTTP 502/503 from the upstream — but a 503 whose ``Retry-After`` / ``retry-after-ms`` asks for more than the
+  longest backoff (:data:`BACKOFF_MAX_S`) is not sent to the same replica again in this call (a shorter wait is
+  waited out before the retry): LiteLLM and OpenAI's SDK also wait what the upstream asks; a gateway that held the
+  client that long, under the client's own retries, would only multiply the load on an upstream that said it has
+  too much.
 
 Errors raised (all :class:`gateway.errors.GatewayError`):
 
@@ -136,6 +140,18 @@ def retry_after_headers(headers: Mapping[str, str], now: float | None = None) ->
     if (ms := _bounded_ceil(headers.get("retry-after-ms"), RETRY_AFTER_MAX_S * 1000)) is not None:
         out["retry-after-ms"] = str(ms)
     return out
+
+
+def asked_wait_s(headers: Mapping[str, str] | None) -> float | None:
+    """The wait an error's headers ask for (:func:`retry_after_headers`' ``retry-after-ms``, else ``retry-after``),
+    in seconds; None when they ask for none."""
+    if not headers:
+        return None
+    if (ms := headers.get("retry-after-ms")) is not None:
+        return int(ms) / 1000
+    if (secs := headers.get("retry-after")) is not None:
+        return float(secs)
+    return None
 
 
 def _bounded_ceil(value: str | None, cap: int) -> int | None:
@@ -306,16 +322,26 @@ class UpstreamPool:
         pool = self.balancer.tier(tier)
         key = affinity if affinity is not None else current_affinity()
         tried: list[Replica] = []
+        asked: dict[str, float] = {}  # replica URL → the wait its 503 asked for (Retry-After), seconds
         last: GatewayError | None = None
         for attempt in range(tier.max_retries + 1):
             replica = pool.pick(key, tried)
             if attempt and replica in tried:  # the same upstream again: give it time
-                await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (attempt - 1)) * (0.5 + random.random()))
+                wait = asked.get(replica.url, 0.0)
+                if wait > BACKOFF_MAX_S:
+                    # it said when to come back, and that is not within this call: asking again sooner would meet
+                    # the same refusal and add load where there is too much (the client's error carries the wait;
+                    # the proxy may still fall back to another tier)
+                    break
+                backoff = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (attempt - 1)) * (0.5 + random.random())
+                await asyncio.sleep(max(backoff, wait))
             tried.append(replica)
             got = await self._attempt(session, pool, replica, tier, path, body, headers, timeout, stream, attempt)
             if isinstance(got, AioResponse):
                 return got
             last = got
+            if (wait_s := asked_wait_s(got.headers)) is not None:
+                asked[replica.url] = wait_s
         assert last is not None
         raise last
 

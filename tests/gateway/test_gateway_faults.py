@@ -501,13 +501,35 @@ def test_an_upstream_429_keeps_its_retry_after(client: openai.OpenAI, fault_gate
 
 
 def test_an_upstream_503_retry_after_reaches_the_502(fault_gateway: GatewayServer, fault_sim: SimProcess) -> None:
-    """A 503 still refusing after the retries: the client's 502 ``upstream_unavailable`` (which the SDK retries)
-    carries its Retry-After, and no ``x-should-retry: false``."""
+    """A 503 that asks for 7 s: not asked again within the call (the gateway used to retry it twice within a
+    second, each meeting the same refusal); the client's 502 ``upstream_unavailable`` (which the SDK retries, after
+    the wait) carries its Retry-After, and no ``x-should-retry: false``."""
     t = tag()
+    started = time.monotonic()
     r = _post_chat(fault_gateway, {"fail": "503", "retry_after": "7", "tag": t})
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable", r.text
     assert r.headers["retry-after"] == "7" and "x-should-retry" not in r.headers
+    assert fault_sim.tag(t)["attempts"] == 1
+    assert time.monotonic() - started < 5
+
+
+def test_an_upstream_503_short_wait_is_waited_out_before_each_retry(fault_gateway: GatewayServer,
+                                                                       fault_sim: SimProcess) -> None:
+    """A 503 asking for 400 ms (``retry-after-ms``, OpenAI's header; preferred to the coarser ``Retry-After``)
+    is within the backoff's range: retried, each time after at least that wait; a 503 without a wait is retried
+    at the backoff alone (50–100 ms, then 100–200 ms)."""
+    t = tag()
+    started = time.monotonic()
+    r = _post_chat(fault_gateway, {"fail": "503", "retry_after": "1", "retry_after_ms": "400", "tag": t})
+    waited = time.monotonic() - started
+    assert r.status_code == 502 and r.headers["retry-after-ms"] == "400", r.text
     assert fault_sim.tag(t)["attempts"] == 3  # 1 + max_retries, each refused
+    assert waited >= 0.8, waited  # two waits of at least 400 ms
+    t = tag()
+    started = time.monotonic()
+    r = _post_chat(fault_gateway, {"fail": "503", "tag": t})
+    assert r.status_code == 502 and fault_sim.tag(t)["attempts"] == 3
+    assert time.monotonic() - started < waited, "a wait was taken where none was asked"
 
 
 @pytest.mark.parametrize(("sent", "passed"), [
