@@ -731,10 +731,18 @@ class Meter:
         :attr:`unacked` (see :meth:`_acked`): the usage spool is let go once its spend is in Redis — admission
         waits for that (``Accounting._replay_before_admitting``), and a spool kept for the replicas held every
         request for the wait. Events past the dedup window are set aside first (:meth:`_fresh`)."""
-        counted = await self._send_replayed(await self._fresh(events, self.spool.path))
+        await self._keep_unreplicated(await self._send_replayed(await self._fresh(events, self.spool.path)))
+
+    async def _keep_unreplicated(self, counted: list[UsageEvent]) -> bool:
+        """With ``metering.replica_acks``: ``counted`` (events a replay just counted in Redis, before its file lets
+        them go) kept in :attr:`unacked` too when too few replicas acknowledge them — a failover that lost them would
+        otherwise lose them for good. Used by the usage spool's replay and the dead-letter retry. Returns whether
+        they were kept."""
         if counted and self.cfg.replica_acks and await self.replica_acks() < self.cfg.replica_acks:
             await self.unacked.append(counted)
             self.unreplicated += len(counted)
+            return True
+        return False
 
     async def _record_unacked(self, events: list[UsageEvent]) -> None:
         """The sink of :attr:`unacked`'s replay: sent again (dropped by ``event_id`` where they survived), and the
@@ -848,11 +856,16 @@ class Meter:
         Returns ``(sent, still kept)`` (a refused probe: its size, twice); ``(0, 0)`` when empty or Redis is down.
         Raises ``OSError`` when the file (or the quarantine) cannot be read or written."""
         errors: list[str] = []
+        unreplicated: set[str] = set()  # kept in the unacked file this pass (the probe's events are sent twice)
 
         async def sink(events: list[UsageEvent]) -> list[UsageEvent]:
             events = await self._malformed(await self._fresh(events, self.dead.path))
             kept = await self._send_dead(events)
             errors.extend(str(exc) for _, exc in kept[:1])
+            still = {id(e) for e, _ in kept}
+            counted = [e for e in events if id(e) not in still and e.event_id not in unreplicated]
+            if await self._keep_unreplicated(counted):
+                unreplicated.update(e.event_id for e in counted)
             return [e for e, _ in kept]
 
         if self.dead.pending_bytes() == 0:

@@ -81,6 +81,26 @@ async def test_an_outage_spool_replayed_while_replicas_are_short_is_let_go(redis
         assert [e.event_id for e in st.meter.unacked.read_all()] == [e.event_id for e in outage]
 
 
+async def test_dead_letters_counted_while_replicas_are_short_are_kept_unacked(redis_sentinel: SentinelSet,
+                                                                              tmp_path: Path) -> None:
+    """A dead-letter retry that counts its events while too few replicas acknowledge them keeps them in the unacked
+    file as the spool's replay does. It let them go at once: a failover losing the master's unreplicated writes lost
+    them for good (the dead-letter file was already rewritten without them)."""
+    prefix, spool = f"tgack{uuid.uuid4().hex[:6]}:", tmp_path / "spool.jsonl"
+    async with stack(redis_sentinel.url, prefix, spool, replica_acks=3, replica_ack_timeout_ms=50) as st:
+        dead = _events(3)
+        await st.meter.dead.append(dead)  # events Redis once refused (a key fixed since): what the retry sends
+        assert await st.meter.retry_dead_letters() == (3, 0)
+        assert st.meter.dead.pending_bytes() == 0
+        assert (await st.meter.key_counters("k1"))["requests"] == 3
+        assert [e.event_id for e in st.meter.unacked.read_all()] == [e.event_id for e in dead]
+        assert st.meter.unreplicated == 3
+    async with stack(redis_sentinel.url, prefix, spool, replica_acks=2) as st:
+        assert await st.meter.replay() == 3  # acknowledged now: let go, dropped by event_id
+        assert st.meter.unacked.pending_bytes() == 0
+        assert (await st.meter.key_counters("k1"))["requests"] == 3
+
+
 async def test_a_wait_longer_than_the_socket_timeout_leaves_the_breaker_closed(redis_sentinel: SentinelSet,
                                                                                tmp_path: Path) -> None:
     """A replica slow to acknowledge says nothing about the master: a WAIT whose read times out (1 s against
