@@ -18,6 +18,13 @@ thought again; an engine with prefix caching reports it in ``prompt_tokens_detai
 ``completion_tokens`` = p1 + p2, ``completion_tokens_details.reasoning_tokens`` = phase-1 completion tokens
 (≤ the budget). Units are tokens throughout.
 
+**What a phase's upstream sends** is read as the relay reads a stream (:func:`gateway.upstream.response.chunk_batches`):
+a phase answered with one JSON document instead of SSE is the stream it would have been (its usage as reported); an
+error document — an in-stream ``{"error": …}`` event, or such a body — ends the forced answer there: streamed, that
+chunk is the relay's in-stream error (no answer phase after a failed thought; metered as a failed stream: 502
+``upstream_error``, the deltas relayed and the prompt counted), not streamed a 502; a phase that ends without
+``[DONE]`` is a broken stream (``upstream_stream_broken``).
+
 **Loop guard** (``loop_guard`` on a forced tier): an n-gram of whitespace words seen ``max_repeats`` times in
 the streamed thought ends phase 1 early, as if the budget were hit.
 
@@ -37,14 +44,13 @@ from typing import Any
 import orjson
 
 from gateway.config import TierConfig
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, UpstreamError, UpstreamStreamError
 from gateway.ledger.event import WireEndpoint
-from gateway.openai import sse
 from gateway.openai.sse import DONE_CHUNK, Chunk
 from gateway.openai.usage import generated_text, merge_usage, token_count
 from gateway.thinking.loop_guard import LoopDetector
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamPool
-from gateway.upstream.response import SyntheticResponse, UpstreamResponse
+from gateway.upstream.response import SyntheticResponse, UpstreamResponse, chunk_batches
 
 THINK_OPEN = "<think>\n"
 
@@ -52,19 +58,37 @@ THINK_OPEN = "<think>\n"
 Piece = tuple[str, str | None, dict[str, Any] | None, list[dict[str, Any]] | None]
 
 
+class PhaseError(Exception):
+    """A phase's upstream stream carried an error document (``{"error": …}``, in-stream or as the JSON body of a
+    stream request): ``chunk`` is that chunk, passed on to a streaming client as the relay passes one on."""
+
+    def __init__(self, chunk: Chunk) -> None:
+        error = (chunk.data or {}).get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+        super().__init__(str(message or "the upstream sent an error"))
+        self.chunk = chunk
+
+
 async def _pieces(resp: Any, endpoint: WireEndpoint) -> AsyncIterator[Piece]:
-    """(generated text, finish_reason, usage, tool-call deltas) per event of an upstream SSE response, until
-    ``[DONE]``. Tool-call deltas (chat) are passed on as the upstream sent them."""
-    async for batch in sse.chunk_batches(resp):
+    """(generated text, finish_reason, usage, tool-call deltas) per event of a phase's upstream response, until
+    ``[DONE]``. Tool-call deltas (chat) are passed on as the upstream sent them. Read as the relay reads a stream
+    (:func:`gateway.upstream.response.chunk_batches`: SSE, or the stream a JSON answer would have been). Raises
+    :class:`PhaseError` at an error document and :class:`~gateway.errors.UpstreamStreamError` when the stream
+    ended without ``[DONE]`` (a broken stream, or a JSON body that is no answer): a phase cut short is no
+    thought to answer from, nor an answer to send as complete."""
+    async for batch in chunk_batches(resp):
         for item in batch:
             data = item.data
             if data is None:
                 return
+            if "error" in data and not data.get("choices"):
+                raise PhaseError(item)
             if data.get("usage") and not data.get("choices"):
                 yield "", None, data["usage"], None
             for c in data.get("choices") or ():
                 calls = (c.get("delta") or {}).get("tool_calls") if endpoint == "chat" else None
                 yield generated_text(c, endpoint, delta=True), c.get("finish_reason"), None, calls or None
+    raise UpstreamStreamError("the stream ended without [DONE]")
 
 
 def end_marker(tier: TierConfig) -> str:
@@ -176,7 +200,8 @@ class ForcedBudget:
     async def _assemble(
         self, chunks: AsyncIterator[Chunk]
     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """(choice, usage, response metadata) from the chunks of one forced stream (its dicts, as built)."""
+        """(choice, usage, response metadata) from the chunks of one forced stream (its dicts, as built). Raises
+        :class:`~gateway.errors.UpstreamError` for a stream that ended in an upstream's error."""
         reasoning: list[str] = []
         text: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
@@ -187,6 +212,8 @@ class ForcedBudget:
             data = item.data
             if data is None:
                 break
+            if "error" in data and not data.get("choices"):  # a phase's error: the call failed (502)
+                raise UpstreamError(f"upstream of tier {self.tier.name!r} sent an error: {PhaseError(item)}")
             meta = meta or {k: data[k] for k in ("id", "created", "model") if k in data}
             usage = data.get("usage") or usage
             for c in data.get("choices") or ():
@@ -255,6 +282,11 @@ class ForcedBudget:
                     if guard is not None and guard.feed(piece):
                         looped = True
                         break
+        except PhaseError as exc:
+            # the upstream's error ends the stream there, as on a tier without forcing: the relay passes it on and
+            # meters the call as a failed stream (no answer is forced from a thought the engine gave up on)
+            yield exc.chunk
+            return
         finally:
             await resp.aclose()
         used = token_count((p1.usage or {}).get("completion_tokens")) or 0  # no count (negative, a string): counted
@@ -276,6 +308,9 @@ class ForcedBudget:
                     yield Chunk({**head, "choices": [delta]})
                 if piece or finish:
                     yield chunk(piece or None, "content" if self.endpoint == "chat" else "text", finish)
+        except PhaseError as exc:
+            yield exc.chunk
+            return
         finally:
             await resp.aclose()
         usage = merge_usage(p1.usage, p2.usage, used)
