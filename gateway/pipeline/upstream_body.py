@@ -33,7 +33,8 @@ def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint)
       clamped into the tier's ``thinking_budget_range`` when it declares one.
     - ``enable_thinking: false`` (chat only): ``chat_template_kwargs.enable_thinking = false``, merged into
       the client's ``chat_template_kwargs``.
-    - ``forced`` mode is enforced by two-phase budget forcing in ``gateway/thinking/forcing.py``, not here.
+    - ``forced`` mode is enforced by two-phase budget forcing in ``gateway/thinking/forcing.py``, not here; the
+      body carries the budget its thought phase is cut at (the one ``native`` would send), never sent upstream.
     - ``prompted`` mode: the budget goes into the prompt for a dial model (``gateway/thinking/dial.py``).
     """
     if tier.budget_mode == "prompted":
@@ -46,6 +47,13 @@ def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint)
         body.pop("thinking_token_budget", None)  # no thinking asked: one pass with thinking off (dial.forcing_tier)
         kwargs = body.get("chat_template_kwargs")
         body["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}), "enable_thinking": False}
+    elif tier.budget_mode == "forced":
+        # the thought phase's cut, as applied: it is what forcing reads (and never sends on), and the cache key is
+        # this body — a request for 448 and one for 100000, both cut at 320, are the same request, and one cut
+        # elsewhere is not
+        budget = dial.requested_budget(body, tier)
+        if budget is not None:
+            body["thinking_token_budget"] = budget
     if not tier.enable_thinking and endpoint == "chat":
         kwargs = body.get("chat_template_kwargs")
         body["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}), "enable_thinking": False}

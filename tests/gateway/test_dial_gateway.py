@@ -323,3 +323,33 @@ def test_a_native_or_forced_tier_with_a_range_clamps_what_the_upstream_cuts_at(
             assert raw.parse().usage.completion_tokens_details.reasoning_tokens == applied, asked
             if model == "short":
                 assert body["thinking_token_budget"] == applied
+
+
+@pytest.mark.parametrize("model", ["short", "long"])
+def test_budgets_served_at_one_applied_budget_share_one_cache_entry(
+    upstream_sim: SimProcess, redis_url: str, model: str
+) -> None:
+    # the exact cache's key is the upstream body: a forced tier kept the client's budget there, so 448 and 100000
+    # (both served at 12) were two entries and a request at 12 hit neither; never may a request get an answer
+    # cached at another applied budget (10 here: a shorter thought). short: native (always was right), long: forced
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"budget_mode": "native", "thinking_budget": None, "thinking_budget_range": [8, 12]})
+    tiers[2].update({"budget_mode": "forced", "thinking_budget": None, "thinking_budget_range": [8, 12]})
+    client = openai.OpenAI(api_key=TEST_KEY, max_retries=0, timeout=30)
+    question = f"{QUESTION} {uuid.uuid4().hex}"  # entries of earlier runs on a shared Redis are not found
+
+    def ask(budget: int) -> tuple[str, str, str]:
+        raw = client.with_options(base_url=gw.base_url).chat.completions.with_raw_response.create(
+            model=model, messages=[{"role": "user", "content": question}], temperature=0,
+            extra_body={"thinking_token_budget": budget})
+        msg = raw.parse().choices[0].message
+        assert raw.headers["x-thinkgate-thinking-budget"] == str(min(max(budget, 8), 12))
+        return raw.headers["x-thinkgate-cache"], (msg.model_extra or {}).get("reasoning") or "", msg.content or ""
+
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        cache, thought, answer = ask(448)
+        assert cache == "miss" and len(thought.split()) == 12 and answer
+        assert ask(100000) == ask(12) == ("hit", thought, answer)
+        cache, shorter, _ = ask(10)
+        assert cache == "miss" and len(shorter.split()) == 10
+        assert ask(10)[0] == "hit"
