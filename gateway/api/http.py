@@ -106,9 +106,10 @@ def thinking_budget(route: RouteDecision) -> int | None:
     ``thinking_token_budget`` (after its key's ``max_thinking_budget``), else the tier's — on a ``prompted`` tier the
     one its dial instruction states (a dial router's pick on a routed request), on a ``native`` tier the one vLLM
     gets, on a ``forced`` tier the thought phase's cut (0 when the request asked for no thinking); None when the
-    tier's thinking is off or unlimited."""
+    tier's thinking is off (``enable_thinking: false`` or ``budget_mode: off``: no budget is sent, whatever the request
+    asked) or unlimited."""
     tier = route.tier
-    if tier.budget_mode == "off":
+    if not dial.sends_budget(tier):  # thinking off, or no budget applied: none served, whatever was asked
         return None
     return dial.requested_budget({"thinking_token_budget": route.asked_budget}, tier)  # 0: thinking off
 

@@ -36,7 +36,17 @@ def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint)
     - ``forced`` mode is enforced by two-phase budget forcing in ``gateway/thinking/forcing.py``, not here; the
       body carries the budget its thought phase is cut at (the one ``native`` would send), never sent upstream.
     - ``prompted`` mode: the budget goes into the prompt for a dial model (``gateway/thinking/dial.py``).
+    - a tier that does not think (``enable_thinking: false``) or sends no budget (``budget_mode: off``) sends none
+      of the client's either (``thinking_token_budget`` removed; Anthropic's ``thinking`` is translated into it).
     """
+    if not dial.sends_budget(tier):
+        # vLLM would get a budget beside enable_thinking: false (a no_think tier), or an upstream without thinking a
+        # field it may refuse; x-thinkgate-thinking-budget says no budget was served, and it is true
+        body.pop("thinking_token_budget", None)
+        if not tier.enable_thinking and endpoint == "chat":
+            kwargs = body.get("chat_template_kwargs")
+            body["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}), "enable_thinking": False}
+        return
     if tier.budget_mode == "prompted":
         dial.apply_prompted(body, tier, endpoint)
     if tier.budget_mode == "native":
@@ -54,9 +64,6 @@ def apply_budget(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint)
         budget = dial.requested_budget(body, tier)
         if budget is not None:
             body["thinking_token_budget"] = budget
-    if not tier.enable_thinking and endpoint == "chat":
-        kwargs = body.get("chat_template_kwargs")
-        body["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}), "enable_thinking": False}
 
 
 def build(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint) -> dict[str, Any]:

@@ -93,12 +93,21 @@ def thinking_off(body: dict[str, Any]) -> bool:
     return body.get("thinking_token_budget") == 0 or off
 
 
+def sends_budget(tier: TierConfig) -> bool:
+    """Whether ``tier`` applies a thinking budget at all: False when its model does not think
+    (``enable_thinking: false``) or its ``budget_mode`` is ``off`` — then no budget, the client's included, is sent
+    upstream, forced or stated, and none is reported (``x-thinkgate-thinking-budget``)."""
+    return tier.enable_thinking and tier.budget_mode != "off"
+
+
 def forcing_tier(tier: TierConfig, client_body: dict[str, Any]) -> TierConfig | None:
     """The tier that two-phase budget forcing runs with, None when the call takes one pass: a ``forced`` tier as
     it is; a ``prompted`` one with ``hard_stop: forced`` and a requested budget gets :func:`hard_stop` of that
     budget as its ``thinking_budget``; an unlimited ``prompted`` call, a ``hard_stop: native`` one and any other
     budget mode take one pass. ``client_body``: the request as the client sent it (its ``thinking_token_budget``
     is still there)."""
+    if not sends_budget(tier):
+        return None  # nothing to cut: the model does not think
     if tier.budget_mode == "forced":
         # a chat request that asks for no thinking (or whose key's cap is 0) is one pass with thinking off
         # (gateway/pipeline/upstream_body.py), where phase 1 would still think a token and phase 2 bill the prompt
