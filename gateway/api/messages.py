@@ -31,6 +31,7 @@ from gateway.pipeline import request as schemas
 from gateway.pipeline.answer import Caller
 from gateway.pipeline.proxy import TIER_HEADER, Proxy
 from gateway.pipeline.routing import RouteDecision
+from gateway.thinking import dial
 
 log = logging.getLogger("thinkgate.messages")
 
@@ -42,22 +43,35 @@ def thinks(tier: TierConfig) -> bool:
     return tier.enable_thinking and tier.thinking_budget != 0
 
 
+def served(tier: TierConfig, budget: int) -> int | None:
+    """The thinking budget (tokens) ``tier`` serves for ``thinking.budget_tokens = budget``, as chat serves a
+    ``thinking_token_budget``: the smaller of it and the tier's own, clamped into the tier's
+    ``thinking_budget_range`` (:func:`gateway.thinking.dial.requested_budget`); None = unlimited."""
+    return dial.requested_budget({"thinking_token_budget": budget}, tier)
+
+
 def covers(tier: TierConfig, budget: int) -> bool:
-    """True when ``tier`` may think at least ``budget`` tokens (``thinking_budget: null`` = unlimited)."""
-    return thinks(tier) and (tier.thinking_budget is None or tier.thinking_budget >= budget)
+    """True when ``tier`` may think at least ``budget`` tokens: it thinks and serves that budget at least — a tier
+    whose own budget or ``thinking_budget_range`` would cut it lower does not cover it (``thinking_budget: null``
+    and no range: unlimited)."""
+    if not thinks(tier):
+        return False
+    got = served(tier, budget)
+    return got is None or got >= budget
 
 
 def route_for_thinking(route: RouteDecision, tiers: list[TierConfig], budget: int) -> RouteDecision:
     """The tier for ``thinking.budget_tokens = budget``: a routed (a router's decision, ``ROUTER_DECIDED``, or
-    ``fallback``) tier whose budget does not cover it gives way to the cheapest tier (configuration order) that
-    does — or, when none does, the one with the largest budget — with reason ``effort`` (the client said how much
-    to think). A tier that covers it keeps the request, and the smaller budget is applied there
-    (``thinking_token_budget``). A forced tier is kept either way."""
+    ``fallback``) tier that does not cover it (:func:`covers`) gives way to the cheapest tier (configuration order)
+    that does — or, when none does, the one that serves the largest budget for it — with reason ``effort`` (the client
+    said how much to think). A tier that covers it keeps the request, and the budget it serves is applied there
+    (``thinking_token_budget``: the smaller one, in the tier's range). A forced tier is kept either way, its budget
+    clamped as on chat."""
     if (route.reason not in ROUTER_DECIDED and route.reason != "fallback") or covers(route.tier, budget):
         return route
     fit = next((t for t in tiers if covers(t, budget)), None)
     if fit is None:
-        fit = max((t for t in tiers if thinks(t)), key=lambda t: t.thinking_budget or 0, default=route.tier)
+        fit = max((t for t in tiers if thinks(t)), key=lambda t: served(t, budget) or 0, default=route.tier)
     return RouteDecision(fit, "effort", route.difficulty)
 
 

@@ -16,7 +16,7 @@ import pytest
 from gateway.ledger.pricing import cost_micro_usd
 from tests.fixtures.gateway import SECRETS, accounting_gateway, cleanup
 from tests.fixtures.metered import events_of
-from tests.fixtures.upstream import GatewayServer, SimProcess
+from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, sim_tiers
 from tests.fixtures.upstream_sim import answer_words, reasoning_words
 
 USER = "what is seven times six"
@@ -208,6 +208,30 @@ def test_thinking_budget_picks_the_cheapest_covering_tier_or_applies_the_smaller
                                 extra_body=extra)
     assert [b.type for b in m.content] == ["text"]
     assert upstream_sim.tag(extra["sim"]["tag"])["body"]["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_the_covering_tier_is_one_whose_range_serves_the_budget(upstream_sim: SimProcess, redis_url: str) -> None:
+    """A tier covers ``budget_tokens`` N when the budget it serves for N — the smaller of N and its own, clamped into
+    its ``thinking_budget_range``, as chat serves a ``thinking_token_budget`` — is at least N. An unlimited tier
+    with a range [8, 12] counted as covering 100 and served 12; now the cheapest tier that serves N gets it, else
+    the one that serves the most. A named tier is kept and clamps, as on chat."""
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"thinking_budget": None, "thinking_budget_range": [8, 12]})  # short, routed for USER
+    tiers[2].update({"thinking_budget": None, "thinking_budget_range": [8, 64]})  # long
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as g:
+        client = anthropic.Anthropic(base_url=g.url, api_key=TEST_KEY, max_retries=0, timeout=30)
+        for model, budget, tier, reason, applied in (
+                ("auto", 10, "short", "predicted", 10),  # served as asked: stays
+                ("auto", 4, "short", "predicted", 8),  # served at the range's minimum, more than asked: stays
+                ("auto", 50, "long", "effort", 50),  # short serves 12: the cheapest tier that serves 50
+                ("auto", 100, "long", "effort", 64),  # none serves 100: the one that serves the most
+                ("short", 100, "short", "forced", 12)):  # a named tier is kept, clamped as on chat
+            raw = client.messages.with_raw_response.create(
+                model=model, max_tokens=2 * budget + 64, messages=[{"role": "user", "content": USER}],
+                thinking={"type": "enabled", "budget_tokens": budget}, extra_body=tag())
+            got = (raw.headers["x-thinkgate-tier"], raw.headers["x-thinkgate-route-reason"],
+                   raw.headers["x-thinkgate-thinking-budget"])
+            assert got == (tier, reason, str(applied)), (model, budget)
 
 
 def test_tool_use_round_trip(gw: GatewayServer, upstream_sim: SimProcess) -> None:
