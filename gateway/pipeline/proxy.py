@@ -259,6 +259,14 @@ class Proxy:
         if not isinstance(data, dict) or not well_formed(data):  # (a list for ``choices`` was a 500, retried by SDKs)
             await ex.close(502, "upstream_error")
             raise UpstreamError(f"upstream of tier {ex.tier.name!r} sent an invalid JSON answer")
+        if "error" in data and not data.get("choices"):
+            # a 200 whose body is an error document (a proxy before the engine, an engine's error after its headers):
+            # the call failed — passed on as the 200 it came with, an SDK read it as an answer with no choices
+            error = data["error"]
+            message = error.get("message") if isinstance(error, dict) else error
+            await ex.close(502, "upstream_error")
+            raise UpstreamError(f"upstream of tier {ex.tier.name!r} answered 200 with an error: "
+                                f"{str(message or 'no message')[:300]}")
         return data
 
     async def _escalation(self, ex: Exchange, resp: UpstreamResponse, data: dict[str, Any] | None,

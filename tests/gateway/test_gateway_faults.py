@@ -150,6 +150,23 @@ def test_upstream_500_is_502_without_retry(client: openai.OpenAI, fault_sim: Sim
     assert info.value.response.headers["x-request-id"] == records[0].request_id
 
 
+def test_a_200_with_an_error_document_is_a_502(client: openai.OpenAI, fault_sim: SimProcess,
+                                               records: list[Any]) -> None:
+    """An upstream (or a proxy before it) answering 200 with ``{"error": …}`` and no choices: the call failed. The
+    gateway passed it on as a 200, which the SDK read as a completion with no choices; now a 502 ``upstream_error``
+    with the upstream's message (not retried, ``x-should-retry: false``: the engine may have run), recorded as
+    such."""
+    t = tag()
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="ok", messages=MESSAGES,
+                                       extra_body={"sim": {"fail": "json-error", "tag": t}})
+    assert info.value.status_code == 502 and info.value.type == "upstream_error"  # type: ignore[attr-defined]
+    assert "simulated engine error" in info.value.message
+    assert info.value.response.headers.get("x-should-retry") == "false"
+    assert fault_sim.tag(t)["attempts"] == 1
+    assert [(r.status, r.error_code) for r in records] == [(502, "upstream_error")]
+
+
 def test_upstream_503_is_retried_then_succeeds(client: openai.OpenAI, fault_sim: SimProcess) -> None:
     t = tag()
     for stream in (False, True):
