@@ -110,7 +110,11 @@ class MessagesAPI:
             route = proxy.routing.decide(chat, h.get(TIER_HEADER))
         thinking = wire.thinking_of(body)
         if thinking is not None and thinking.enabled and thinking.budget_tokens is not None:
-            route = route_for_thinking(route, proxy.settings.tiers, thinking.budget_tokens)
+            # among the tiers that answer messages and that this key may use: an embeddings tier, or one the key's
+            # policy refuses (a 403, or a downgrade below the tier the client's budget asked for), is no cover
+            usable = [t for t in proxy.settings.tiers if not t.embeddings
+                      and (key.allowed_tiers is None or t.name in key.allowed_tiers)]
+            route = route_for_thinking(route, usable, thinking.budget_tokens)
         message_id = wire.new_id("msg")
         caller = Caller.of(key, chat, "chat", h, label=LABEL)
         with tracing(proxy.telemetry, LABEL, h):

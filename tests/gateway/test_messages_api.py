@@ -234,6 +234,23 @@ def test_the_covering_tier_is_one_whose_range_serves_the_budget(upstream_sim: Si
             assert got == (tier, reason, str(applied)), (model, budget)
 
 
+def test_the_covering_tier_is_one_the_key_may_use(gw: GatewayServer, redis_url: str) -> None:
+    """``thinking.budget_tokens`` that the routed tier does not cover moves the request to a covering tier — only
+    among the tiers the key may use. It looked at every tier, so a key held to ``none``/``short`` asking for 100
+    was moved to ``long`` and refused (403) by its own policy; now it stays on the one it may use that serves the
+    most."""
+    from tests.fixtures.gateway import create_key
+
+    secret = create_key(redis_url, gw.settings.redis.key_prefix, f"two-{uuid.uuid4().hex[:8]}",
+                        allowed_tiers=["none", "short"])
+    client = anthropic.Anthropic(base_url=gw.url, api_key=secret, max_retries=0, timeout=30)
+    raw = client.messages.with_raw_response.create(model="auto", max_tokens=264,
+                                                   messages=[{"role": "user", "content": USER}],
+                                                   thinking={"type": "enabled", "budget_tokens": 100})
+    assert raw.status_code == 200
+    assert raw.headers["x-thinkgate-tier"] == "short"
+
+
 def test_tool_use_round_trip(gw: GatewayServer, upstream_sim: SimProcess) -> None:
     client = sdk(gw)
     question = "weather in Paris today"
