@@ -256,9 +256,15 @@ class Quarantined:
 
     @property
     def key(self) -> str:
-        """What makes two records the same: the reason and the event's id, or an unreadable line's text (a pass
-        retried after a failure sets the same event aside again)."""
-        return f"{self.reason} {self.event.get('event_id') or self.event.get('line')}"
+        """What makes two records the same: the reason and the event's id, a write-ahead record's request id and
+        the time of its last write (it has no ``event_id``: keyed on that alone, every record after a process's
+        first was taken for a copy of it and dropped with its spool), or an unreadable line's text (a pass retried
+        after a failure sets the same event aside again)."""
+        ev = self.event
+        ident = ev.get("event_id") or ev.get("line")
+        if ident is None and ev.get("request_id"):
+            ident = f"{ev['request_id']} {ev.get('updated_ms')}"
+        return f"{self.reason} {ident}"
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
 
@@ -132,3 +133,28 @@ async def test_a_write_ahead_record_past_the_dedup_window_is_not_written_back(
         assert kept["source"] == str(wal.spool.path)
         warned = [x for x in caplog.records if "dedup_ttl_s" in x.getMessage()]
         assert len(warned) == 1 and old.request_id in warned[0].getMessage()
+
+
+async def test_every_write_ahead_record_past_the_window_is_kept_not_only_the_first(
+        redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """A write-ahead record has no ``event_id``: the quarantine's memory of what it wrote keyed them all alike, so of
+    the old records of one replay only one was written — and the write-ahead spool was then truncated, the others
+    gone (a lost call never billed). Each record is its own line now (request id and last write), and a pass that
+    meets them again still writes none twice."""
+    now = time.time()
+    async with stack(redis_url, redis_prefix, tmp_path / "spool.jsonl", dedup_ttl_s=DEDUP_TTL_S) as st:
+        wal = WriteAhead(st.handle, st.breaker, st.meter, st.metering_cfg, {"short": PRICES}, owner="dead:1:x")
+        olds = [WalRecord(request_id=uuid.uuid4().hex, key_id="k1", owner="dead:1:x", ts=now - DEDUP_TTL_S - i,
+                          updated_ms=int((now - DEDUP_TTL_S) * 1000) + i, tags={}, tier="short", completion_tokens=i)
+                for i in range(3)]
+        # a later write of the first request: its own line too
+        later = replace(olds[0], updated_ms=olds[0].updated_ms + 1000, completion_tokens=9)
+        await wal.spool.append([*olds, later])
+        await wal.replay()
+        assert wal.spool.pending_bytes() == 0
+        kept = st.meter.quarantine.read_all()
+        assert sorted((k["event"]["request_id"], k["event"]["completion_tokens"]) for k in kept) == sorted(
+            [(r.request_id, r.completion_tokens) for r in olds] + [(later.request_id, 9)])
+        await wal.spool.append([*olds, later])  # met again (a pass that failed after setting them aside)
+        await wal.replay()
+        assert len(st.meter.quarantine.read_all()) == 4
