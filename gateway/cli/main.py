@@ -42,7 +42,8 @@ app.add_typer(keys_app, name="keys", help="Create, list and revoke API keys in t
 app.add_typer(budgets_app, name="budgets",
               help="Spend limits (USD) of tags (team=a) and of the whole gateway: set, list, remove.")
 app.add_typer(eval_app, name="eval", help="Evaluate a running gateway's tiers on held-out problems.")
-app.add_typer(usage_app, name="usage", help="Usage: export (csv, jsonl, parquet) and the savings report.")
+app.add_typer(usage_app, name="usage",
+              help="Usage: export (csv, jsonl, parquet), the savings report, the quarantine file.")
 
 #: Plug-in groups: name → (help, what to install when the group's package is missing).
 PLUGIN_GROUPS: dict[str, tuple[str, str]] = {

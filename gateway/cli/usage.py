@@ -1,4 +1,5 @@
 """``thinkgate usage export`` and ``thinkgate usage report``: usage from the Redis Stream (the metering ledger).
+``thinkgate usage quarantine`` (``gateway/cli/usage_quarantine.py``) settles the usage quarantine file against it.
 
 ``report`` is the savings report (spend by tier, cache savings, always-long counterfactual per difficulty
 bucket; ``gateway/ledger/report.py``, ``docs/savings.md``) as a table, CSV, PNG and JSON. ``export``:
@@ -22,10 +23,12 @@ from typing import Any
 import typer
 
 from gateway.cli.common import CONFIG_OPTION, load_settings, run_on_redis
+from gateway.cli.usage_quarantine import quarantine
 from router.console import console
 from router.errors import require
 
 app = typer.Typer(no_args_is_help=True)
+app.command("quarantine")(quarantine)
 
 
 def read_events(settings: Any, since: float | None, until: float | None, key: str | None) -> list[Any]:

@@ -424,7 +424,7 @@ class Meter:
         self._release = FastScript(handle, RELEASE_LUA)
         self._lane = handle.lane
         self.spooled = 0  # events written to the spool by this process (for metrics)
-        #: what a replay must neither count nor drop (:meth:`_fresh`, :meth:`_writable`, a line no event can be read
+        #: what a replay must neither count nor drop (:meth:`_fresh`, :meth:`write_error`, a line no event can be read
         #: from): never sent, an operator decides
         self.quarantine = Quarantine(quarantine_path(spool.path))
         if spool.quarantine is None:  # its unreadable lines: kept there, not dropped by the drain's truncate
@@ -638,6 +638,15 @@ class Meter:
         keys, args = self._keys_args(event)  # off the request path: with the cache's stores of the same pass
         return await (self._audit if event.audit else self._script)(keys=keys, args=args, coalesce="background")
 
+    async def record_direct(self, event: UsageEvent) -> RecordResult:
+        """Count ``event`` once through the metering script (``RECORD``; ``AUDIT`` for an audit event) — the writer's
+        own step: stream, counters, cube, budget levels — and nothing else: never spooled, never dead-lettered. For
+        ``thinkgate usage quarantine --settle`` (``gateway/state/quarantine.py``), which keeps the quarantine line
+        itself when this raises. ``counted`` False: its id was in its day's seen-set (counted already). Raises
+        :class:`RedisDown`, or ``ResponseError`` (Redis refused it; the script wrote nothing)."""
+        reply = await self.breaker.call(lambda: self._run(event))
+        return RecordResult.of_reply(event, reply)
+
     async def settle_orphan(self, event: UsageEvent, owner_heartbeat: str) -> RecordResult:
         """Count ``event`` — built from the write-ahead record of a process that died — only if that record is still
         open and its owner's heartbeat key ``owner_heartbeat`` still absent, atomically with deleting the record
@@ -770,8 +779,8 @@ class Meter:
                   "event_id may have left the seen-set, so a replay could count it twice; not sent")
         if await self.quarantine.append([quarantined("past_dedup_window", detail, source, e.to_dict()) for e in old]):
             log.warning("usage events %s in %s are older than metering.dedup_ttl_s (%d s) less %d s: not sent (their "
-                        "ids may have left the seen-sets, a replay could count them twice), kept in %s: check each "
-                        "event_id against the stream (thinkgate usage export) before counting it by hand",
+                        "ids may have left the seen-sets, a replay could count them twice), kept in %s: settle them "
+                        "with thinkgate usage quarantine (counts the ones absent from the stream, once)",
                         ", ".join(e.event_id for e in old), source, self.cfg.dedup_ttl_s, SEEN_MARGIN_S,
                         self.quarantine.path)
         return [e for e in events if id(e) not in stale]
@@ -901,11 +910,11 @@ class Meter:
             else base
 
     async def _malformed(self, events: list[UsageEvent]) -> list[UsageEvent]:
-        """``events`` less those whose write cannot be built (:meth:`_writable`), which go to the quarantine file
+        """``events`` less those whose write cannot be built (:meth:`write_error`), which go to the quarantine file
         (reason ``malformed``) with one ERROR line per batch, the first one's traceback with it. Beyond repair: the
         keys and arguments come from the event alone (a ``ts`` that is no number names no day), so a retry raises
         the same way for ever — the event is kept for a person, never dropped. Raises ``OSError`` (quarantine)."""
-        bad = [(e, exc) for e in events if (exc := self._writable(e)) is not None]
+        bad = [(e, exc) for e in events if (exc := self.write_error(e)) is not None]
         if not bad:
             return events
         detail = "its write cannot be built (sent again it would only raise again): {}"
@@ -917,9 +926,10 @@ class Meter:
         out = {id(e) for e, _ in bad}
         return [e for e in events if id(e) not in out]
 
-    def _writable(self, event: UsageEvent) -> Exception | None:
+    def write_error(self, event: UsageEvent) -> Exception | None:
         """The exception building ``event``'s script call raises (its keys, arguments and the packed command: local
-        work, the same every time), or None when it can be sent."""
+        work, the same every time), or None when it can be sent. Also asked by ``thinkgate usage quarantine``
+        (``gateway/state/quarantine.py``): such an event cannot be settled either."""
         try:
             keys, args = self._keys_args(event)
             (self._audit if event.audit else self._script).packed(keys, args)

@@ -21,8 +21,9 @@ append that waited on the lock of a replaced file is never written into it.
 
 :class:`Quarantine` (``<spool stem>.quarantine.jsonl``, ``gateway/state/metering.py``) is where metering sets aside
 what it must neither count nor drop: an event too old to be counted once for sure (its id may have left the seen-set
-that dedups it), one that cannot be written at all (malformed), a line no record can be read from (unreadable). It is
-append-only and never read back by the gateway: an operator decides.
+that dedups it), one that cannot be written at all (malformed), a line no record can be read from (unreadable). The
+gateway only appends to it and never reads it back: an operator decides, with ``thinkgate usage quarantine``
+(``gateway/state/quarantine.py``), which rewrites it without what it settled (:meth:`Quarantine.remove_lines`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, cast
@@ -271,8 +273,9 @@ class Quarantined:
 
 
 class Quarantine:
-    """Append-only fsync'd JSONL file of :class:`Quarantined` records at ``path``, shared by processes like a spool
-    (``flock``). Never read by the gateway. ``counts`` (by reason) are this process's records, for the metrics.
+    """Fsync'd JSONL file of :class:`Quarantined` records at ``path``, shared by processes like a spool (``flock``).
+    The gateway only appends; ``thinkgate usage quarantine --settle`` removes what it settled (:meth:`remove_lines`).
+    ``counts`` (by reason) are this process's records, for the metrics.
 
     A pass that sets records aside and then fails (Redis down before its file is truncated) keeps its file and sets
     them aside again on the next pass: this process writes each ``(reason, event_id)`` once (``_written``, bounded),
@@ -327,6 +330,45 @@ class Quarantine:
         except FileNotFoundError:
             return []
         return [orjson.loads(line) for line in raw.splitlines() if line.strip()]
+
+    def read_locked(self) -> list[bytes]:
+        """The file's lines (bytes, without their newline; blank ones left out), read under its lock, so no append is
+        half written; [] when there is no file. Raises ``OSError``."""
+        fd = _open_locked(self.path, os.O_RDONLY)
+        if fd is None:
+            return []
+        try:
+            return [line for line in _read_fd(fd).split(b"\n") if line.strip()]
+        finally:
+            os.close(fd)
+
+    def remove_lines(self, lines: Iterable[bytes]) -> int:
+        """Rewrite the file without ``lines`` (as :meth:`read_locked` gave them; one listed twice removes two
+        copies) — ``thinkgate usage quarantine --settle``. Under the file's lock the file is read again, so a record
+        a gateway appended since the caller read it is kept; the rest is written beside it, fsync'd and renamed over
+        it (a crash leaves the old file or the new), and an append that waited on the old file's lock writes into
+        the new one (:func:`_open_locked`). Every kept line ends with a newline (a line a crash tore is ended).
+        Returns how many lines were removed. Raises ``OSError`` (the file is then as it was)."""
+        gone = Counter(lines)
+        if not gone:
+            return 0
+        with self._lock:  # this process's own appends (worker threads)
+            fd = _open_locked(self.path)
+            if fd is None:
+                return 0
+            try:
+                kept, removed = [], 0
+                for line in _read_fd(fd).split(b"\n"):
+                    if gone[line] > 0:
+                        gone[line] -= 1
+                        removed += 1
+                    elif line.strip():
+                        kept.append(line + b"\n")
+                if removed:
+                    _replace(self.path, b"".join(kept))
+                return removed
+            finally:
+                os.close(fd)  # after the rename: a waiting append then finds the new file at the path
 
 
 def quarantined(reason: str, detail: str, source: Path, event: dict[str, Any]) -> Quarantined:
