@@ -673,8 +673,8 @@ class WriteAhead:
         if await quarantine.append([quarantined("past_dedup_window", detail, self.spool.path, orjson.loads(r.to_json()))
                                     for r in old]):
             log.warning("write-ahead records of requests %s in %s are older than metering.dedup_ttl_s (%d s) less "
-                        "%d s: not sent (a settled request would be billed again), kept in %s: check each request "
-                        "id against the stream (thinkgate usage export) before billing it by hand",
+                        "%d s: not sent (a settled request would be billed again), kept in %s: settle them with "
+                        "thinkgate usage quarantine (bills the ones absent from the stream, once)",
                         ", ".join(r.request_id for r in old), self.spool.path, self.cfg.dedup_ttl_s, SEEN_MARGIN_S,
                         quarantine.path)
         return [r for r in recs if not past_dedup_window(r, self.cfg.dedup_ttl_s, now)]
