@@ -183,12 +183,12 @@ def test_bench_through_the_real_engine(engine: str, redis_url: str, redis_prefix
     loaded = Settings.load(None, engine={"enabled": False},
                            redis={"url": redis_url, "start_if_missing": False, "key_prefix": redis_prefix})
     base = loaded.model_copy(update={"tiers": [t.model_copy(update={"base_url": engine}) for t in loaded.tiers]})
-    cfg = sv.BenchConfig(n=6, repeat_fraction=0.0, real_fraction=0.0, concurrency=2, progress=False,
+    cfg = sv.BenchConfig(n=4, repeat_fraction=0.0, real_fraction=0.0, concurrency=2, progress=False,
                          policies=("none", "long", "auto+escalation"))
     result = sv.run(cfg, base, start_engine=False, log=lambda _m: None)
     p = result["policies"]
     assert set(p) == {"none", "long", "auto+escalation"}
-    assert all(e["requests"] == 6 and e["errors"] == 0 for e in p.values())
+    assert all(e["requests"] == 4 and e["errors"] == 0 for e in p.values())
     assert p["none"]["reasoning_tokens"] == 0 < p["long"]["reasoning_tokens"]
     assert p["long"]["cost_micro_usd"] > p["none"]["cost_micro_usd"] > 0
     check_against_ledger(result, ledger(redis_url, redis_prefix, tmp_path), base)

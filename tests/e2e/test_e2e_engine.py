@@ -153,13 +153,13 @@ def test_eval_tiers_report(engine_gateway: Any, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("THINKGATE_URL", gw.url)
     monkeypatch.setenv("THINKGATE_API_KEY", TEST_KEY)
     before = len(records)
-    result = run(["short", "long"], task="arith", n_per_level=3, difficulties=[1, 4], concurrency=2, progress=False)
+    result = run(["short", "long"], task="arith", n_per_level=2, difficulties=[1, 4], concurrency=2, progress=False)
     # the report's cost is the gateway's metered cost of the same requests, to the micro-dollar
     metered = sum(r.cost_micro_usd for r in records[before:])
     assert sum(result["tiers"][t]["cost_micro_usd"] for t in ("short", "long")) == metered > 0
     for name in ("short", "long"):
         entry = result["tiers"][name]
-        assert entry["requests"] == 6
+        assert entry["requests"] == 4
         assert set(entry["by_difficulty"]) == {"1", "4"}
         assert 0 <= entry["accuracy"] <= 1 and entry["cost_usd"] > 0
         assert entry["max_reasoning_tokens"] <= (LONG_BUDGET if name == "long" else SHORT_BUDGET) + FORCED_END_TOKENS
