@@ -258,7 +258,7 @@ class _Run:
             else:  # no usage, or none the gateway can meter (metered at 0 before): counted, and said so when asked
                 await self.count()
                 usage = usage_of(self.record)
-        if held_to_bound(usage, self.record):  # the client is told what was metered
+        if metered_otherwise(usage, self.record):  # the client is told what was metered
             usage = usage_of(self.record)
         if usage is not None:
             if self.assembler is not None:
@@ -310,7 +310,7 @@ async def complete(data: dict[str, Any], ex: Exchange, pool: UpstreamPool, body:
     if not ex.record.set_usage(usage if isinstance(usage, dict) else None):
         data["usage"] = await count_answer(pool, ex, data, body, endpoint)
         changed = True
-    elif held_to_bound(usage, ex.record):  # the client is told what was metered
+    elif metered_otherwise(usage, ex.record):  # the client is told what was metered
         data["usage"] = usage_of(ex.record)
         changed = True
     done = bool(data.get("choices")) and all(c.get("finish_reason") for c in data["choices"])
@@ -328,10 +328,22 @@ def usage_of(rec: UsageRecord) -> dict[str, Any]:
     return usage
 
 
-def held_to_bound(usage: Any, rec: UsageRecord) -> bool:
-    """Whether ``rec`` metered fewer completion tokens than ``usage`` reported (held to the call's bound)."""
-    reported = token_count(usage.get("completion_tokens"), rec.usage_limit) if isinstance(usage, dict) else None
-    return reported is not None and reported > rec.completion_tokens
+def metered_otherwise(usage: Any, rec: UsageRecord) -> bool:
+    """Whether ``rec`` metered other counts than ``usage`` says: a completion count held to the call's bound, or a
+    detail clipped (:meth:`UsageRecord.set_usage` — a cached count above the prompt, a reasoning count above the
+    completion or a negative one). The client is then told :func:`usage_of` ``rec``, what was metered: it was told
+    100,000 cached tokens of a 12-token prompt (on ``/v1/messages``, ``input_tokens: -99988``)."""
+    if not isinstance(usage, dict):
+        return False
+
+    def same(holder: Any, name: str, metered: int) -> bool:
+        v = holder.get(name) if isinstance(holder, dict) else None
+        return metered == 0 if v is None else token_count(v, rec.usage_limit) == metered
+
+    return not (same(usage, "prompt_tokens", rec.prompt_tokens)
+                and same(usage, "completion_tokens", rec.completion_tokens)
+                and same(usage.get("prompt_tokens_details"), "cached_tokens", rec.cached_tokens)
+                and same(usage.get("completion_tokens_details"), "reasoning_tokens", rec.reasoning_tokens))
 
 
 async def count_answer(pool: UpstreamPool, ex: Exchange, data: dict[str, Any], body: dict[str, Any] | None,

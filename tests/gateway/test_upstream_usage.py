@@ -99,6 +99,55 @@ def test_bad_details_are_clipped_not_fatal(gw: GatewayServer, stream: bool) -> N
     assert not ev.over_bound  # within its bound (256): metered as reported, no mark
 
 
+def _told(r: httpx.Response, stream: bool) -> list[dict[str, Any]]:
+    """The usage objects a client read: the JSON answer's, or every SSE data line's (``usage``, a Responses
+    event's ``response.usage``, an Anthropic ``message_delta``'s)."""
+    if not stream:
+        return [r.json()["usage"]]
+    docs = [orjson.loads(x[x.index("data: ") + 6:]) for x in r.text.split("\n\n") if "data: {" in x]
+    told = [d.get("usage") or (d.get("response") or {}).get("usage") for d in docs]
+    return [u for u in told if u and any(u.values())]
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/responses", "/messages"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_the_client_is_told_the_clipped_details_that_were_metered(gw: GatewayServer, path: str, stream: bool) -> None:
+    """A cached count above the prompt and a reasoning count above the completion are clipped where they are
+    metered; the client was told the upstream's counts — 100,000 cached tokens of a 12-token prompt, 50 thought
+    tokens of 20, and on ``/v1/messages`` ``input_tokens: -99988`` — where every API promises the usage it is
+    priced with."""
+    usage = {"prompt_tokens": 12, "completion_tokens": 20, "total_tokens": 32,
+             "completion_tokens_details": {"reasoning_tokens": 50},
+             "prompt_tokens_details": {"cached_tokens": 100_000}}
+    text = f"{QUESTION} {uuid.uuid4().hex[:6]}"
+    body: dict[str, Any] = {"model": "long", "sim": {"usage": usage}, "stream": stream}
+    if path == "/responses":
+        body |= {"input": text}
+    else:
+        body |= {"messages": [{"role": "user", "content": text}], "max_tokens": 256}
+    if path == "/chat/completions" and stream:
+        body["stream_options"] = {"include_usage": True}
+    r = httpx.post(gw.base_url + path, json=body, timeout=30, headers={"authorization": f"Bearer {SECRETS['alice']}"})
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    ev = usage_events(gw, [rid])[rid]
+    assert (ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.reasoning_tokens) == (12, 20, 12, 20)
+    told = _told(r, stream)
+    assert told, r.text
+    for u in told:
+        if path == "/chat/completions":
+            got = (u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"],
+                   u["completion_tokens_details"]["reasoning_tokens"])
+        elif path == "/responses":
+            got = (u["input_tokens"], u["output_tokens"], u["input_tokens_details"]["cached_tokens"],
+                   u["output_tokens_details"]["reasoning_tokens"])
+        else:  # Anthropic counts the cache read apart from input_tokens
+            got = (u["input_tokens"] + u["cache_read_input_tokens"], u["output_tokens"], u["cache_read_input_tokens"],
+                   u["output_tokens_details"]["thinking_tokens"])
+            assert u["input_tokens"] >= 0, u
+        assert got == (12, 20, 12, 20), u
+
+
 def test_a_completion_count_above_the_bound_is_held_to_it(gw: GatewayServer) -> None:
     """An upstream reporting 5,000 completion tokens for a call allowed 50 (max_tokens): admission reserved 50,
     and a hard budget could be overspent 100-fold on one request. Metered at 50 — and the usage event says so
