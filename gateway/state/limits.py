@@ -372,6 +372,33 @@ def _json_bytes(value: Any) -> int:
     return len(json.dumps(value, ensure_ascii=False).encode())
 
 
+def _arguments_bytes(args: Any) -> int:
+    """UTF-8 bytes of a tool call's ``arguments`` as a chat template renders them. vLLM (and SGLang) parse a JSON
+    string into an object before the template renders it with ``tojson`` (:func:`_json_bytes`), and take an object as
+    it is: the rendered form is longer than the string sent — ``", "`` and ``": "`` separators, a number as Python
+    prints it (``1e15`` → ``1000000000000000.0``, 4 bytes → 18) — and an object's keys are text :func:`_text_bytes`
+    does not count. The larger of the two; the string as sent when it is no JSON (the upstream refuses it)."""
+    sent = _text_bytes(args)
+    try:
+        rendered = _json_bytes(json.loads(args) if isinstance(args, str) else args)
+    except (ValueError, RecursionError):
+        return sent
+    return max(sent, rendered)
+
+
+def _messages_bytes(messages: list[Any]) -> int:
+    """UTF-8 bytes of a messages list's text (:func:`_text_bytes`), each tool call's ``arguments`` counted as the
+    template renders them (:func:`_arguments_bytes`)."""
+    total = _text_bytes(messages)
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        for call in calls if isinstance(calls, list) else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and fn.get("arguments") is not None:
+                total += _arguments_bytes(fn["arguments"]) - _text_bytes(fn["arguments"])
+    return total
+
+
 def requested_choices(body: dict[str, Any]) -> int:
     """Choices ``body`` has generated: ``n`` (or ``best_of`` when larger) × prompts of a completions batch."""
     n = body.get("n")
@@ -428,8 +455,9 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     """Upper bounds of cost and tokens of ``body`` on any of ``tiers`` (the tiers one upstream call may reach:
     the tier and its fallbacks).
 
-    Prompt: UTF-8 bytes of the messages/prompt (a byte-level BPE token covers ≥ 1 byte; a token id counts 1)
-    and of ``tools``/``functions`` as the JSON a template renders (keys included: :func:`_json_bytes`), plus
+    Prompt: UTF-8 bytes of the messages/prompt (a byte-level BPE token covers ≥ 1 byte; a token id counts 1; a
+    tool call's ``arguments`` as the template renders them: :func:`_arguments_bytes`) and of ``tools``/``functions``
+    as the JSON a template renders (keys included: :func:`_json_bytes`), plus
     template overhead, priced at the dearer of the input and cached-input rates; completion: choices × min(requested
     ``max_tokens``/``max_completion_tokens``, tier cap), where choices = ``n`` (or ``best_of`` when larger) × prompts
     in a completions batch. A forced-thinking tier
@@ -437,7 +465,7 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     """
     messages = body.get("messages")
     if isinstance(messages, list):
-        prompt = _text_bytes(messages) + MESSAGE_OVERHEAD_TOKENS * len(messages)
+        prompt = _messages_bytes(messages) + MESSAGE_OVERHEAD_TOKENS * len(messages)
     else:
         prompt = _text_bytes(body.get("prompt"))
     tools = [body.get(k) for k in ("tools", "functions") if body.get(k)]

@@ -239,3 +239,49 @@ def test_a_hard_budget_holds_for_a_request_whose_tool_schema_is_mostly_keys(upst
                     if ev.key_id == "alice" and not ev.audit)
         assert spent <= 10_000, f"a $0.01 hard budget was booked {spent} micro-USD (status {r.status_code})"
         assert r.status_code == 429  # the estimate alone is above the whole budget
+
+
+def _history_with_a_tool_call(arguments: Any) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"hi {uuid.uuid4().hex[:6]}"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+
+
+@pytest.mark.parametrize("arguments", [
+    pytest.param("[" + ",".join(["1e15"] * 2000) + "]", id="compact-string"),  # 5 bytes sent, 20 rendered
+    pytest.param({f"key_{i:05d}": 1 for i in range(2000)}, id="object"),  # keys: text _text_bytes did not count
+])
+def test_a_tool_calls_arguments_count_as_the_json_a_template_renders(arguments: Any) -> None:
+    # vLLM parses a tool call's arguments string (and takes an object as is) before the template renders it with
+    # tojson: ", " separators and floats as Python prints them (1e15 -> 1000000000000000.0) — the prompt bound
+    # counted the string's bytes (a quarter of the rendered text) or an object's values only
+    parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    rendered = len(json.dumps(parsed, ensure_ascii=False).encode())
+    est = estimate({"messages": _history_with_a_tool_call(arguments), "max_tokens": 1}, [LONG])
+    assert est.prompt is not None and est.prompt >= rendered
+    # no JSON, or nested past the parser: the string as sent (the upstream refuses it)
+    for odd in ("not json", "[" * 5000):
+        est = estimate({"messages": _history_with_a_tool_call(odd), "max_tokens": 1}, [LONG])
+        assert est.prompt is not None and est.prompt >= len(odd)
+
+
+def test_a_hard_budget_holds_for_a_request_whose_tool_call_arguments_render_longer(upstream_sim: SimProcess,
+                                                                                   redis_url: str,
+                                                                                   tmp_path: Path) -> None:
+    # a real gateway and Redis: the upstream reports the prompt of the rendered arguments (~0.9 tokens a byte: a
+    # tokenizer splitting digits one a token) — before, admitted on the ~15 KB string's bound against a $0.01 budget
+    # and booked 2.7x it
+    arguments = "[" + ",".join(["1e15"] * 3000) + "]"
+    prompt = len(json.dumps(json.loads(arguments)).encode()) * 9 // 10
+    auth = keys_config(alice={"budget_usd_day": "0.01"})
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, auth=auth) as gw:
+        body = {"model": "long", "max_tokens": 5, "messages": _history_with_a_tool_call(arguments),
+                "sim": {"usage": {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}}}
+        r = httpx.post(gw.base_url + "/chat/completions", json=body, timeout=30,
+                       headers={"authorization": f"Bearer {SECRETS['alice']}", "cache-control": "no-store"})
+        assert r.status_code in (200, 429), r.text
+        spent = sum(ev.cost_micro_usd for ev in usage_events(gw, [r.headers["x-request-id"]]).values()
+                    if ev.key_id == "alice" and not ev.audit)
+        assert spent <= 10_000, f"a $0.01 hard budget was booked {spent} micro-USD (status {r.status_code})"
+        assert r.status_code == 429  # the estimate alone is above the whole budget
