@@ -48,6 +48,9 @@ TRANSLATED = ("model", "messages", "system", "max_tokens", "stop_sequences", "te
 IGNORED = ("service_tier", "container", "context_management", "inference_geo", "output_config")
 #: refused with a 400 (no meaning on a chat upstream)
 REFUSED = ("mcp_servers",)
+#: chat's several-answers fields: a message has one answer, so passed through they billed every choice and showed
+#: one (``n: 8`` cost eight); refused unless 1, as Anthropic refuses fields it does not define
+ONE_ANSWER = ("n", "best_of")
 
 #: the ``anthropic-beta`` flag (prefix; dated versions) under which ``budget_tokens`` may exceed ``max_tokens``
 INTERLEAVED_BETA = "interleaved-thinking-"
@@ -247,6 +250,16 @@ def check_budget(thinking: Thinking | None, max_tokens: int, *, interleaved: boo
             param="thinking.budget_tokens")
 
 
+def _refuse(body: dict[str, Any]) -> None:
+    """Raise InvalidRequest for a field of :data:`REFUSED` that is set, or of :data:`ONE_ANSWER` other than 1."""
+    for name in REFUSED:
+        if body.get(name):
+            raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
+    for name in ONE_ANSWER:
+        if body.get(name) not in (None, 1):
+            raise InvalidRequest(f"{name}: Extra inputs are not permitted", param=name)
+
+
 def to_chat(body: dict[str, Any], *, interleaved: bool = False, budget_rule: bool = True) -> dict[str, Any]:
     """The chat-completions body for a Messages request (see the module doc; ``thinking``: ``disabled`` →
     ``chat_template_kwargs.enable_thinking: false``, ``enabled`` → vLLM's ``thinking_token_budget``, which
@@ -254,9 +267,7 @@ def to_chat(body: dict[str, Any], *, interleaved: bool = False, budget_rule: boo
     through (``top_k`` and other vLLM extras). ``interleaved``: the interleaved-thinking beta is on (the budget
     may exceed ``max_tokens``); ``budget_rule=False`` skips :func:`check_budget` (``count_tokens``, which has
     no ``max_tokens``). Raises InvalidRequest (400, ``param`` names the field)."""
-    for name in REFUSED:
-        if body.get(name):
-            raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
+    _refuse(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required", param="model")
@@ -266,7 +277,7 @@ def to_chat(body: dict[str, Any], *, interleaved: bool = False, budget_rule: boo
     if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
         raise InvalidRequest(f"max_tokens: must be an integer >= 1, got {str(mt)[:40]!r}", param="max_tokens")
     out: dict[str, Any] = {k: v for k, v in body.items()
-                           if k not in TRANSLATED and k not in IGNORED and k not in REFUSED}
+                           if k not in TRANSLATED and k not in IGNORED and k not in REFUSED and k not in ONE_ANSWER}
     out.update(model=model, messages=_chat_messages(body), max_tokens=mt)
     _sampling(body, out)
     if body.get("tools"):

@@ -33,6 +33,9 @@ from gateway.errors import InvalidRequest
 
 #: Responses fields with no meaning on a chat upstream that the gateway refuses rather than ignore silently.
 REFUSED = ("background", "conversation", "prompt")
+#: Chat's several-answers fields: a response has one answer, so passed through they billed every choice and showed
+#: one (``n: 8`` cost eight); refused unless 1 (OpenAI's Responses API has neither: "Unknown parameter")
+ONE_ANSWER = ("n", "best_of")
 #: Responses fields accepted and not acted on (documented in docs/gateway.md).
 IGNORED = ("include", "truncation", "service_tier", "top_logprobs", "safety_identifier", "prompt_cache_key",
            "prompt_cache_retention", "max_tool_calls", "stream_options", "context_management")
@@ -252,6 +255,16 @@ def _max_output_tokens(v: Any) -> int:
     return int(v)
 
 
+def _refuse(body: dict[str, Any]) -> None:
+    """Raise InvalidRequest for a field of :data:`REFUSED` that is set, or of :data:`ONE_ANSWER` other than 1."""
+    for name in REFUSED:
+        if body.get(name) not in (None, False):
+            raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name, code="unsupported_parameter")
+    for name in ONE_ANSWER:
+        if body.get(name) not in (None, 1):
+            raise InvalidRequest(f"Unknown parameter: '{name}'.", param=name, code="unknown_parameter")
+
+
 def to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The chat-completions body for a Responses request ``body``; ``history``: the stored conversation of
     ``previous_response_id`` (chat messages), placed before this turn's input.
@@ -263,16 +276,14 @@ def to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None = None) -
     ``reasoning`` and ``max_output_tokens`` are checked as OpenAI checks them (:data:`REASONING_FIELDS`,
     :data:`MIN_OUTPUT_TOKENS`; OpenAI's messages and codes). Raises InvalidRequest (400, ``param`` names the field).
     """
-    for name in REFUSED:
-        if body.get(name) not in (None, False):
-            raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name, code="unsupported_parameter")
+    _refuse(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required", param="model")
     if "input" not in body:
         raise InvalidRequest("'input' is required", param="input")
     out: dict[str, Any] = {k: v for k, v in body.items()
-                           if k not in TRANSLATED and k not in IGNORED and k not in REFUSED}
+                           if k not in TRANSLATED and k not in IGNORED and k not in REFUSED and k not in ONE_ANSWER}
     out["model"] = model
     out["messages"] = _chat_messages(body, history)
     _tool_fields(body, out)

@@ -251,6 +251,20 @@ def test_the_covering_tier_is_one_the_key_may_use(gw: GatewayServer, redis_url: 
     assert raw.headers["x-thinkgate-tier"] == "short"
 
 
+@pytest.mark.parametrize("field", ["n", "best_of"])
+def test_several_answers_are_refused_not_billed(gw: GatewayServer, field: str) -> None:
+    """A message has one answer: ``n`` (or ``best_of``) passed through to the chat upstream billed every choice
+    and showed the first (``n: 8`` cost eight answers). Refused as Anthropic refuses a field it does not define;
+    1 is harmless and accepted."""
+    body = {"model": "short", "max_tokens": 32, "messages": [{"role": "user", "content": USER}], field: 8}
+    head = {"x-api-key": SECRETS["alice"], "anthropic-version": "2023-06-01"}
+    r = httpx.post(gw.base_url + "/messages", json=body, headers=head, timeout=10)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and field in r.json()["error"]["message"]
+    ok = httpx.post(gw.base_url + "/messages", json={**body, field: 1}, headers=head, timeout=30)
+    assert ok.status_code == 200, ok.text
+
+
 def test_tool_use_round_trip(gw: GatewayServer, upstream_sim: SimProcess) -> None:
     client = sdk(gw)
     question = "weather in Paris today"

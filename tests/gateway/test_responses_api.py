@@ -235,6 +235,9 @@ def test_cache_hits_are_tenant_scoped_and_replay_streams(gw: GatewayServer) -> N
      "input.0.content.0.text", "invalid_request"),  # no text: it was sent upstream as an empty prompt, and billed
     ({"max_output_tokens": 0}, "max_output_tokens", None),
     ({"text": {"format": {"type": "yaml"}}}, "text.format", None),
+    # a response has one answer: passed through to chat, n = 8 billed eight choices and showed one
+    ({"n": 8}, "n", "unknown_parameter"),
+    ({"best_of": 3}, "best_of", "unknown_parameter"),
 ])
 def test_refused_fields_are_clear_400s(gw: GatewayServer, body: dict[str, Any], param: str, code: str | None) -> None:
     """Each refusal names the field, with the code docs/gateway.md's table gives (``unsupported_parameter`` for
