@@ -151,6 +151,16 @@ class TierConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _one_answer_by_default(self) -> TierConfig:
+        # admission bounds a request's cost from the client's own n and best_of; a default of several answers from
+        # the tier would be billed n times over what was booked against the budgets
+        several = sorted(k for k in ("n", "best_of") if self.sampling.get(k) not in (None, 1))
+        if several:
+            raise ValueError(f"sampling: {', '.join(several)} cannot be set on a tier (several answers per request "
+                             "are the client's to ask for, and admission books them from the request)")
+        return self
+
+    @model_validator(mode="after")
     def _budget_in_range(self) -> TierConfig:
         r = self.thinking_budget_range
         if r is None:
