@@ -129,6 +129,11 @@ def _check_fields(body: dict[str, Any], checks: dict[str, Check]) -> None:
 def validate_chat(body: dict[str, Any]) -> None:
     """Check a ``/v1/chat/completions`` body in place (no copy); raises InvalidRequest."""
     _check_fields(body, _CHAT)
+    if body.get("chat_template") is not None:
+        # a request's own Jinja template renders whatever prompt it likes from a short body: no bound admission can
+        # book against the budgets (vLLM itself refuses one unless started with --trust-request-chat-template)
+        raise InvalidRequest("'chat_template' is not accepted: the tier's model renders its own template",
+                             param="chat_template", code="unsupported_parameter")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array of messages", param="messages")

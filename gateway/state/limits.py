@@ -457,7 +457,8 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
 
     Prompt: UTF-8 bytes of the messages/prompt (a byte-level BPE token covers ≥ 1 byte; a token id counts 1; a
     tool call's ``arguments`` as the template renders them: :func:`_arguments_bytes`) and of ``tools``/``functions``
-    as the JSON a template renders (keys included: :func:`_json_bytes`), plus
+    as the JSON a template renders (keys included: :func:`_json_bytes`), so are vLLM's ``documents`` and
+    ``chat_template_kwargs``, plus
     template overhead, priced at the dearer of the input and cached-input rates; completion: choices × min(requested
     ``max_tokens``/``max_completion_tokens``, tier cap), where choices = ``n`` (or ``best_of`` when larger) × prompts
     in a completions batch. A forced-thinking tier
@@ -471,6 +472,10 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     tools = [body.get(k) for k in ("tools", "functions") if body.get(k)]
     if tools:
         prompt += _json_bytes(tools) + TOOLS_OVERHEAD_TOKENS
+    # vLLM's chat extras a template renders into the prompt: retrieved documents, and the template's own arguments
+    rendered = [body.get(k) for k in ("documents", "chat_template_kwargs") if body.get(k)]
+    if rendered:
+        prompt += _json_bytes(rendered)
     prompt += REQUEST_OVERHEAD_TOKENS
     choices = requested_choices(body)
     asked = body.get("max_completion_tokens") or body.get("max_tokens")

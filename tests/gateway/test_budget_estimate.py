@@ -285,3 +285,32 @@ def test_a_hard_budget_holds_for_a_request_whose_tool_call_arguments_render_long
                     if ev.key_id == "alice" and not ev.audit)
         assert spent <= 10_000, f"a $0.01 hard budget was booked {spent} micro-USD (status {r.status_code})"
         assert r.status_code == 429  # the estimate alone is above the whole budget
+
+
+def test_documents_and_template_arguments_count_in_the_prompt_bound() -> None:
+    # vLLM renders a chat request's `documents` (retrieval) and `chat_template_kwargs` into the prompt through the
+    # template: the bound counted neither, so 20 KB of documents were booked as a one-word question
+    question = [{"role": "user", "content": "summarise"}]
+    docs = [{"title": f"doc {i}", "text": "lorem ipsum dolor " * 60} for i in range(20)]
+    rendered = len(json.dumps(docs, ensure_ascii=False).encode())
+    plain = estimate({"messages": question, "max_tokens": 1}, [LONG])
+    with_docs = estimate({"messages": question, "max_tokens": 1, "documents": docs}, [LONG])
+    assert plain.prompt is not None and with_docs.prompt is not None
+    assert with_docs.prompt - plain.prompt >= rendered
+    kwargs = {"enable_thinking": True, "persona": "x" * 5000}
+    with_kwargs = estimate({"messages": question, "max_tokens": 1, "chat_template_kwargs": kwargs}, [LONG])
+    assert with_kwargs.prompt is not None and with_kwargs.prompt - plain.prompt >= 5000
+
+
+def test_a_requests_own_chat_template_is_refused(upstream_sim: SimProcess, redis_url: str) -> None:
+    # a request's template renders any prompt it likes from a short body (here: the question 5,000 times) — no bound
+    # could be booked; refused before any upstream call, as vLLM refuses it unless told to trust request templates
+    template = "{% for i in range(5000) %}{{ messages[0].content }}{% endfor %}"
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url)) as gw:
+        before = upstream_sim.stats()["requests"]
+        r = httpx.post(gw.base_url + "/chat/completions", timeout=10, headers={"authorization": f"Bearer {TEST_KEY}"},
+                       json={"model": "long", "messages": [{"role": "user", "content": "hi"}],
+                             "chat_template": template})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "chat_template" and r.json()["error"]["code"] == "unsupported_parameter"
+        assert upstream_sim.stats()["requests"] == before
