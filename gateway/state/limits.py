@@ -467,8 +467,10 @@ def estimate(body: dict[str, Any], tiers: Iterable[TierConfig]) -> Estimate:
     messages = body.get("messages")
     if isinstance(messages, list):
         prompt = _messages_bytes(messages) + MESSAGE_OVERHEAD_TOKENS * len(messages)
-    else:
-        prompt = _text_bytes(body.get("prompt"))
+    else:  # a completion's suffix is prompt text too (fill-in-the-middle), once per prompt of a batch
+        given = body.get("prompt")
+        batch = len(given) if isinstance(given, list) and given and not all(isinstance(p, int) for p in given) else 1
+        prompt = _text_bytes(given) + _text_bytes(body.get("suffix")) * batch
     tools = [body.get(k) for k in ("tools", "functions") if body.get(k)]
     if tools:
         prompt += _json_bytes(tools) + TOOLS_OVERHEAD_TOKENS

@@ -314,3 +314,13 @@ def test_a_requests_own_chat_template_is_refused(upstream_sim: SimProcess, redis
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "chat_template" and r.json()["error"]["code"] == "unsupported_parameter"
         assert upstream_sim.stats()["requests"] == before
+
+
+def test_a_completions_suffix_counts_in_the_prompt_bound_once_per_prompt() -> None:
+    # fill-in-the-middle: the suffix is prompt text the upstream reads with every prompt of a batch
+    suffix = "s" * 3000
+    one = estimate({"prompt": "def f(", "max_tokens": 1}, [LONG])
+    with_suffix = estimate({"prompt": "def f(", "suffix": suffix, "max_tokens": 1}, [LONG])
+    assert one.prompt is not None and with_suffix.prompt is not None and with_suffix.prompt - one.prompt == 3000
+    batch = estimate({"prompt": ["a(", "b("], "suffix": suffix, "max_tokens": 1}, [LONG])
+    assert batch.prompt is not None and batch.prompt >= 2 * 3000
