@@ -9,10 +9,12 @@ fsync'd spool file (:class:`gateway.state.spool.Spool`, the usage spool's class 
 Request index, for ``POST /v1/feedback``: every answered request leaves ``p req:{request_id}`` (JSON: key id,
 tier, route reason, router score, window digest, the version of the router serving when it was answered — its
 feedback is that router's, however late it comes — and, under ``retain_text``, the window text), TTL
-``routing.outcomes.request_ttl_s``. These writes are batched in the background (one pipeline every 0.2 s)
-and best effort: while Redis is down they are dropped, and feedback on those requests answers 404. Feedback
-reaching the replica that answered is served from its queue until the write lands; another replica sees the
-request after that write (up to 0.2 s).
+``routing.outcomes.request_ttl_s``. These writes are batched in the background (one pipeline every 0.2 s).
+Feedback reaching the replica that answered is served from its queue, and from the batch being written, until
+that write has returned — at no instant is an entry in neither place; another replica sees the request after the
+write (up to 0.2 s). A write that fails (Redis down) puts its batch back in front of the queue, to be written at
+a later flush: feedback reaching this replica meanwhile still finds it (its outcome is spooled). The queue is
+bounded (:data:`MAX_INDEX_QUEUE`, the oldest dropped first); what a process holds when it stops is lost.
 The usage sink (:meth:`OutcomeStore.sink`) also turns each escalated first attempt (``error_code``
 ``escalated_<why>``) into an ``escalation`` outcome: the cheap tier did not suffice.
 """
@@ -24,6 +26,7 @@ import calendar
 import contextlib
 import logging
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +92,12 @@ class OutcomeStore:
         #: () -> the router file's version string (or None), stamped into every outcome
         self.router_version = router_version or (lambda: None)
         self.spooled = 0
-        self._index: list[tuple[str, str, bytes]] = []  # (request id, key id, entry JSON)
+        # (request id, key id, entry JSON) not yet written, newest last; full, the oldest is dropped (a request is
+        # graded soon after its answer, if at all)
+        self._index: deque[tuple[str, str, bytes]] = deque(maxlen=MAX_INDEX_QUEUE)
+        # the batch a flush is writing: still read by request() until its write returns (feedback got a 404 while
+        # an entry was in neither the queue nor Redis)
+        self._flushing: list[tuple[str, str, bytes]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
@@ -104,11 +112,11 @@ class OutcomeStore:
         """Write what is queued, stop the loops, one last replay attempt."""
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        await self.flush_index()
         self._stop.set()
-        for t in self._loops:
+        for t in self._loops:  # the index loop ends after its last flush…
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        await self.flush_index()  # …and this writes what was queued while that one was out (one at a time)
         await self.replay()
 
     # --- the usage sink ---------------------------------------------------------------------------------
@@ -121,7 +129,7 @@ class OutcomeStore:
             self._spawn(self.record(self.outcome_of(record, "escalation", sufficed=False,
                                                     judge="escalation:" + code.removeprefix("escalated_"))))
             return
-        if record.status != 200 or record.error_code is not None or len(self._index) >= MAX_INDEX_QUEUE:
+        if record.status != 200 or record.error_code is not None:
             return
         entry: dict[str, Any] = {"key_id": record.key_id, "tier": record.tier, "route_reason": record.route_reason,
                                  "score": record.difficulty,
@@ -155,10 +163,13 @@ class OutcomeStore:
         task.add_done_callback(self._tasks.discard)
 
     async def flush_index(self) -> None:
-        """Write the queued request-index entries (one pipeline); dropped when Redis is down."""
-        batch, self._index = self._index, []
-        if not batch:
+        """Write the queued request-index entries (one pipeline). Until the write returns they stay readable in
+        ``_flushing``; a failed write (Redis down, or an error reply) puts them back in front of the queue."""
+        if not self._index or self._flushing:  # one flush at a time (close() and the loop may both call)
             return
+        batch = list(self._index)
+        self._flushing = batch  # visible to request() before the queue is emptied: no instant without it
+        self._index.clear()
         ttl = self.cfg.request_ttl_s
 
         async def write() -> None:
@@ -174,10 +185,19 @@ class OutcomeStore:
                 for rid, key_id, data in batch:  # each in its key's tenant slot on a Cluster (keys.py)
                     pipe.set(self.keys.request(rid, key_tenant(key_id)), data, ex=ttl)
                 await pipe.execute()
+        written = False
         try:
             await self.breaker.call(write)
+            written = True
         except RedisDown as exc:
-            log.debug("request index: %d entries dropped (redis down: %s)", len(batch), exc)
+            log.debug("request index: %d entries kept for the next flush (redis down: %s)", len(batch), exc)
+        finally:
+            if not written:  # back in front of what was queued meanwhile (SET is idempotent: a partially
+                # written batch written again is harmless); over the bound, the oldest go
+                room = MAX_INDEX_QUEUE - len(self._index)
+                if room > 0:
+                    self._index.extendleft(reversed(batch[-room:]))
+            self._flushing = []
 
     async def _index_loop(self) -> None:
         while not self._stop.is_set():
@@ -278,11 +298,13 @@ class OutcomeStore:
         """The request-index entry of ``request_id`` made with key ``key_id`` (None: unknown, expired, or
         another key's: the entry is looked up in ``key_id``'s tenant slot). Raises :class:`RedisDown`.
 
-        An entry still queued on this replica (answered less than one flush interval ago) is read from the
-        queue: a client grading the answer it has just received must not get a 404."""
-        for rid, kid, data in reversed(self._index):
-            if rid == request_id and kid == key_id:
-                return dict(orjson.loads(data))
+        An entry still queued on this replica (answered less than one flush interval ago, or kept through an
+        outage) or in the batch being written is read from there: a client grading the answer it has just
+        received must not get a 404."""
+        for queue in (self._index, self._flushing):  # both read before any await: an entry leaves _flushing
+            for rid, kid, data in reversed(queue):  # only once its write has returned
+                if rid == request_id and kid == key_id:
+                    return dict(orjson.loads(data))
         raw = await self.breaker.call(lambda: self.redis.get(self.keys.request(request_id, key_tenant(key_id))))
         return None if raw is None else dict(orjson.loads(as_bytes(raw)))
 
