@@ -28,7 +28,7 @@ import orjson
 
 from gateway.auth.keys import KeyInfo
 from gateway.errors import KeyStoreUnavailable
-from gateway.state.breaker import Breaker, RedisDown
+from gateway.state.breaker import Breaker, RedisDown, RedisStalled
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import RedisHandle, as_text
 from router.errors import ThinkGateError
@@ -232,14 +232,20 @@ class RedisKeyStore:
         """The active key whose secret hashes to ``sha256_hex``, or None.
 
         Raises :class:`KeyStoreUnavailable` (503) when Redis is unreachable and the digest was not seen
-        within ``stale_s``.
+        within ``stale_s``. A read that timed out because this process's event loop stalled
+        (:class:`RedisStalled`) is tried once more first.
         """
         now = self._clock()
         cached = self._cache.get(sha256_hex)
         if cached is not None and now - cached[1] < self.cache_s:
             return cached[0]
+        name = self.keys.key_by_hash(sha256_hex)
         try:
-            raw = await self.breaker.call(lambda: self.redis.get(self.keys.key_by_hash(sha256_hex)))
+            try:
+                raw = await self.breaker.call(lambda: self.redis.get(name))
+            except RedisStalled:  # this process's loop stalled, not Redis: a read, safe to repeat — once (a
+                # healthy Redis answered a key's first request 503 key_store_unavailable)
+                raw = await self.breaker.call(lambda: self.redis.get(name))
         except RedisDown:
             if cached is not None and cached[0] is not None and now - cached[1] < self.stale_s:
                 return cached[0]

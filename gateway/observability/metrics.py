@@ -20,6 +20,8 @@ aside, neither counted nor dropped: ``past_dedup_window``, ``malformed``, ``unre
 ``gateway/state/spool.py`` ``Quarantine``),
 ``thinkgate_write_ahead_unreplicated_records_total`` (write-ahead records re-asserted that too few replicas
 acknowledged; ``WriteAhead.reassert``),
+``thinkgate_redis_stall_timeouts_total`` (Redis calls that timed out while the event loop stalled: each failed
+without opening the breaker; ``gateway/state/breaker.py``),
 ``thinkgate_admission_refused_scripts_total{script}`` (admission scripts Redis refused with an error reply, each
 having written nothing: ``admit`` — a call then decided as with Redis down, ``limits.on_redis_down`` —, ``rollback``,
 ``renew``; ``gateway/state/limits.py``); with
@@ -139,6 +141,10 @@ class Metrics:
             "with Redis down (limits.on_redis_down) —, rollback, renew.", ["script"], registry=r)
         for script in REFUSED_SCRIPTS:  # exposed at 0 from the start, as the label-less counters are
             self.refused_scripts.labels(script)
+        # a stalled loop's timeouts fail calls without opening the breaker: only this series shows them
+        self.stall_timeouts = Counter("thinkgate_redis_stall_timeouts", "Redis calls that timed out while this "
+                                      "process's event loop stalled (a starved host): each call failed — the caller "
+                                      "degraded as with Redis down — but the breaker stayed closed.", registry=r)
         #: the process counts the counters above were last brought up to (:meth:`_catch_up`), by series/label
         self._seen: dict[tuple[int, str], int] = {}
         self.routing_share = Gauge("thinkgate_routing_share", "Share of the routed requests in the cost-target "
@@ -242,10 +248,12 @@ class Metrics:
     def render(self, breaker_open: bool, spool_bytes: int, spooled: int, dead_letter_bytes: int = 0,
                dead_lettered: int = 0, unreplicated: int = 0,
                refused_scripts: Mapping[str, int] | None = None, quarantine_bytes: int = 0,
-               quarantined: Mapping[str, int] | None = None, wal_unreplicated: int = 0) -> bytes:
+               quarantined: Mapping[str, int] | None = None, wal_unreplicated: int = 0,
+               stall_timeouts: int = 0) -> bytes:
         """The exposition text, with the gauges set from the current state; the counters fed from a process count
         (``spooled``, ``dead_lettered``, ``unreplicated``, ``refused_scripts``: ``Limits.refused_scripts``,
-        ``quarantined``: ``Quarantine.counts`` by reason, ``wal_unreplicated``: ``WriteAhead.unreplicated``) grow by
+        ``quarantined``: ``Quarantine.counts`` by reason, ``wal_unreplicated``: ``WriteAhead.unreplicated``,
+        ``stall_timeouts``: ``Breaker.stall_timeouts``) grow by
         what it counted since the last call."""
         self.breaker_open.set(1 if breaker_open else 0)
         self.spool_bytes.set(spool_bytes)
@@ -258,6 +266,7 @@ class Metrics:
             if reason in QUARANTINE_REASONS:  # a known label value only
                 self._catch_up(self.quarantined, reason, n)
         self._catch_up(self.wal_unreplicated, "", wal_unreplicated)
+        self._catch_up(self.stall_timeouts, "", stall_timeouts)
         for script, n in (refused_scripts or {}).items():
             if script in REFUSED_SCRIPTS:  # a known label value only
                 self._catch_up(self.refused_scripts, script, n)

@@ -634,4 +634,5 @@ class Accounting:
                                    self.meter.dead.pending_bytes(), self.meter.dead_lettered,
                                    self.meter.unreplicated, self.limits.refused_scripts,
                                    self.meter.quarantine.pending_bytes(), self.meter.quarantine.counts,
-                                   self.wal.unreplicated if self.wal is not None else 0)
+                                   self.wal.unreplicated if self.wal is not None else 0,
+                                   self.breaker.stall_timeouts)

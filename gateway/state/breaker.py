@@ -21,7 +21,11 @@ busy machine), every Redis call in flight "times out" when it resumes although R
 one such stall used to open the breaker for ``cooldown_s`` (cache bypassed, every usage event spooled with
 an fsync). With ``stall_s`` set, a :class:`LoopWatch` notes how late the loop runs; a *timeout* during which
 the loop stalled for ``stall_s`` or more fails that call (:class:`RedisDown`, the caller degrades as usual)
-without opening the breaker (counted in :attr:`Breaker.stall_timeouts`). Connection errors always count.
+without opening the breaker. It raises :class:`RedisStalled` (a :class:`RedisDown`, so every caller degrades
+as before; a read that is safe to repeat may retry it once, as the key lookup does), counts it in
+:attr:`Breaker.stall_timeouts` (``thinkgate_redis_stall_timeouts_total``) and logs a WARNING at most once a
+minute — such a call had failed without a word: a request refused 503 ``key_store_unavailable`` with Redis
+healthy, or a usage event spooled, left nothing to explain it. Connection errors always count.
 """
 
 from __future__ import annotations
@@ -73,6 +77,15 @@ TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (rexc.TimeoutError, asyncio.Ti
 
 class RedisDown(ThinkGateError, RuntimeError):
     """Redis is unreachable (or the breaker is open); the caller falls back to its degraded mode."""
+
+
+class RedisStalled(RedisDown):
+    """A call timed out while the event loop itself stalled (the breaker stays closed): Redis most likely answered
+    in time. A caller may repeat a read once; otherwise handled as :class:`RedisDown`."""
+
+
+#: at most one WARNING about stall timeouts per this many seconds (a starved host has them in bursts)
+STALL_LOG_EVERY_S = 60.0
 
 
 class LoopWatch:
@@ -135,6 +148,8 @@ class Breaker:
         self.stall_s = stall_s
         self.watch = LoopWatch() if stall_s is not None else None
         self.stall_timeouts = 0  # timeouts blamed on a stalled event loop (breaker left closed)
+        self._stall_logged_at: float | None = None
+        self._stall_logged_count = 0  # stall_timeouts when the last WARNING was written
 
     @property
     def is_open(self) -> bool:
@@ -161,6 +176,17 @@ class Breaker:
             log.info("redis reachable again, breaker closed")
         self._opened_at = None
 
+    def _log_stall(self, stalled_s: float, exc: BaseException) -> None:
+        now = self._clock()
+        if self._stall_logged_at is not None and now - self._stall_logged_at < STALL_LOG_EVERY_S:
+            return
+        since = self.stall_timeouts - self._stall_logged_count
+        self._stall_logged_at, self._stall_logged_count = now, self.stall_timeouts
+        log.warning("a Redis call timed out while this process's event loop stalled for %.2f s (a starved or "
+                    "overloaded host, a long garbage collection): that call failed, the breaker stays closed; "
+                    "%d such timeout(s) since the last report, %d in all "
+                    "(thinkgate_redis_stall_timeouts_total): %r", stalled_s, since, self.stall_timeouts, exc)
+
     async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run ``fn()`` unless the breaker is open; raise :class:`RedisDown` on refusal or an outage error."""
         probing = False
@@ -181,8 +207,10 @@ class Breaker:
                 raise
             if (watch is not None and self.stall_s is not None and isinstance(exc, TIMEOUT_ERRORS)
                     and watch.stalled_since(t0) >= self.stall_s):
+                stalled = watch.stalled_since(t0)
                 self.stall_timeouts += 1
-                raise RedisDown(f"timed out while the event loop stalled: {exc}") from exc
+                self._log_stall(stalled, exc)
+                raise RedisStalled(f"timed out while the event loop stalled for {stalled:.2f} s: {exc}") from exc
             self.record_failure(exc)
             raise RedisDown(str(exc) or type(exc).__name__) from exc
         finally:
