@@ -220,7 +220,7 @@ def create_app(settings: Settings) -> Gateway:
         feedback_api.attach(app, keys, outcomes)
     models_api.attach(app, settings, proxy, routing, created)
     ops_api.attach(app, settings, upstreams, lambda: accounting.budgets.synced,
-                   lambda: known_nodes(accounting.handle))
+                   lambda: known_nodes(accounting.handle), lambda: accounting.budgets.refresh(force=True))
     dashboard_api.attach(app, settings, keys, accounting, routing)
     if settings.server.cors_allow_origins:
         allow_cors(app, settings.server.cors_allow_origins)

@@ -21,13 +21,14 @@ reports so. ``server.ready_requires_redis_sync`` overrides the rule: ``true`` wh
 and the config's keys are only for operations, ``false`` to stay ready whatever the keys.
 
 Body: ``{"status": "ready" | "degraded" | "not_ready", "redis": bool, "redis_synced": bool, "upstreams": {tier:
-bool}}`` (``redis_synced``: the budget definitions were read from Redis since start).
+bool}}`` (``redis_synced``: the budget definitions were read from Redis since start — read by the probe itself,
+and every ``limits.budget_refresh_s`` in the background, once Redis answers again; no request needed).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 from starlette.responses import Response
@@ -47,9 +48,13 @@ async def _redis_ok(cfg: RedisConfig, timeout_s: float, known: list[tuple[str, i
 
 
 def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool, synced: Callable[[], bool],
-           known: Callable[[], list[tuple[str, int]]] = list) -> None:
+           known: Callable[[], list[tuple[str, int]]] = list,
+           sync: Callable[[], Awaitable[None]] | None = None) -> None:
     """Add the liveness and readiness probes to ``app``. ``synced``: whether this process has read its state from
-    Redis since it started (``BudgetLevels.synced``); ``known``: the Cluster nodes the running client has found."""
+    Redis since it started (``BudgetLevels.synced``); ``known``: the Cluster nodes the running client has found;
+    ``sync``: reads that state now (``BudgetLevels.refresh``), awaited by a probe that finds Redis answering and
+    the process not synced yet — so ``redis_synced`` turns true with the first probe after an outage, not with
+    the first admitted request (or the background read, ``Accounting._sync_budgets``)."""
 
     # GET and HEAD: Kubernetes probes GET; load balancers and uptime checkers often HEAD (405 failed them)
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -65,6 +70,8 @@ def attach(app: FastAPI, settings: Settings, upstreams: UpstreamPool, synced: Ca
         )
         redis_ok = bool(checks[0])
         upstream_ok = {t.name: ok for t, ok in zip(tiers, checks[1:], strict=True)}
+        if redis_ok and sync is not None and not synced():
+            await sync()  # through the breaker: bounded by the socket timeout; a failure leaves it unsynced
         warm = synced()
         # a replica that never reached Redis serves only the keys of its own config: with none (every key in the
         # Redis store) it can answer nobody, so it is not ready; with some it serves those, degraded

@@ -69,6 +69,9 @@ WRITE_BATCH_MAX = 128  # usage events per metering pipeline
 WAL_FINAL_AFTER_S = 0.05
 #: the longest a request waits for the usage spool to reach Redis before its admission after an outage (seconds)
 REPLAY_WAIT_S = 5.0
+#: a process started during an outage tries to read the budget definitions at least this far apart (seconds;
+#: ``limits.budget_refresh_s`` may be 0) until it has read them once
+FIRST_SYNC_MIN_S = 0.5
 #: Audit events of requests with no valid key (401): at most this many per second per process, in bursts of
 #: :data:`ANON_AUDIT_BURST` — anyone on the network can send them, and each one is a stream entry plus a 40-day
 #: dedup entry in Redis (~810 bytes): unbounded, they were a way to fill Redis without a key. Past the bound they are
@@ -163,6 +166,7 @@ class Accounting:
                                   {t.name: t.prices for t in settings.tiers})
         self._bounds: dict[str, Estimate] = {}
         self._wal_task: asyncio.Task[None] | None = None
+        self._syncer: asyncio.Task[None] | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -177,6 +181,8 @@ class Accounting:
             log.error("budget definitions not checked at start: Redis refused the sync of %s and its definition "
                       "hashes (%s)", self.budgets.keys.budget_defs, exc)
         await self.budgets.refresh(force=True)  # the copy a Redis outage falls back on (``/ready`` reads synced)
+        if not self.budgets.synced:  # started during an outage: read them once Redis answers, traffic or not
+            self._syncer = asyncio.create_task(self._sync_budgets(), name="budget-first-sync")
         self._replayer = asyncio.create_task(self.meter.run_replayer(self._stop), name="usage-spool-replayer")
         self._dead_retrier = asyncio.create_task(self.meter.run_dead_letters(self._stop),
                                                  name="usage-dead-letter-retrier")
@@ -187,6 +193,22 @@ class Accounting:
             log.info("semantic cache on (embedder %s, threshold %.2f): LSH index in Redis%s",
                      self.semantic.embedder.name, self.semantic.cfg.threshold,
                      " (the server's vector search module is present but not used)" if search else "")
+
+    async def _sync_budgets(self) -> None:
+        """Read the budget definitions every ``limits.budget_refresh_s`` (at least every :data:`FIRST_SYNC_MIN_S`)
+        until a read succeeds (``BudgetLevels.synced``), then stop. A process started while Redis was down used to
+        stay unsynced until it admitted a request — ``/ready`` said ``redis_synced: false`` with Redis back, and
+        ``not_ready`` (503) if Redis went again before any traffic came."""
+        period = max(self.settings.limits.budget_refresh_s, FIRST_SYNC_MIN_S)
+        while not self.budgets.synced and not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), period)
+            if self._stop.is_set():
+                return
+            try:
+                await self.budgets.refresh(force=True)  # Redis still down: the breaker answers at once
+            except Exception:  # a refused listing is logged by refresh; anything else must not end the loop
+                log.exception("budget definitions not read")
 
     async def flush(self) -> None:
         """Wait until every usage event finished so far has been written (Redis or spool)."""
@@ -203,7 +225,7 @@ class Accounting:
                 await self._replaying
         await self.flush()
         self._stop.set()
-        for task in (self._replayer, self._dead_retrier):
+        for task in (self._replayer, self._dead_retrier, self._syncer):
             if task is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
