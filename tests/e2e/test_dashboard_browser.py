@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.ledger.event import micro_to_usd
 from tests.fixtures.browser import chromium_path, launch, log_in, wait_ready
 from tests.fixtures.dashboard import Seeded, export_rows, seeded_gateway, usage_rows
 from tests.fixtures.gateway import ADMIN_SECRET, SECRETS
@@ -224,10 +225,14 @@ def test_shadow_spend_is_its_own_line_not_negative_savings(upstream_sim: SimProc
                          for i in ("total-spend", "always-long", "savings", "shadow-spend", "net-savings")}
                 fraction = page.inner_text("#savings-fraction")
                 net_text = page.inner_text("#net-savings")
+                headline = page.inner_text("#total-requests")
+                # the page's own formatter on a loss (net savings go negative on a first day of learning)
+                formatted = page.evaluate("[usd('-0.002554'), usd('0.5'), usd(null)]")
                 page.screenshot(path=str(tmp_path / "dashboard-shadow.png"), full_page=True)
             finally:
                 browser.close()
-        by_key = {r["key"]: r["cost_micro_usd"] for r in usage_rows(seeded.gw, "key", since)}
+        rows = usage_rows(seeded.gw, "key", since)
+        by_key = {r["key"]: r["cost_micro_usd"] for r in rows}
         out = tmp_path / "report.json"
         r = cli("usage", "report", "--since", str(since), "--json", str(out), config=seeded.config)
         assert r.returncode == 0, r.stderr
@@ -237,7 +242,17 @@ def test_shadow_spend_is_its_own_line_not_negative_savings(upstream_sim: SimProc
     served = micro["total-spend"] - micro["shadow-spend"]  # every seeded request answered 200: no other spend
     assert micro["savings"] == micro["always-long"] - served == summary["savings_micro_usd"]
     assert micro["net-savings"] == micro["savings"] - micro["shadow-spend"] == summary["net_savings_micro_usd"]
-    assert "on served traffic" in fraction and net_text.startswith("net of them saved $")
+    assert "on served traffic" in fraction
+    # the sign before the currency sign, as the usage report writes money (it read "$-0.002554")
+    assert formatted == ["-$0.002554", "$0.5", "—"], formatted
+    net_usd = str(micro_to_usd(micro["net-savings"]))
+    assert net_text.startswith("net of them saved " + ("-$" + net_usd[1:] if micro["net-savings"] < 0
+                                                       else "$" + net_usd)), net_text
+    # the shadow calls are counted apart from the clients' requests, as the report does (they were "requests")
+    asked = {r["key"]: r["requests"] for r in rows}
+    shadow_calls = asked.pop("_shadow")
+    assert shadow_calls > 0 and headline.startswith(
+        f"{sum(asked.values())} requests + {shadow_calls} shadow calls · "), (headline, asked, shadow_calls)
 
 
 def test_windowed_figures_are_labelled_as_the_last_n_events(upstream_sim: SimProcess, redis_url: str,

@@ -21,7 +21,8 @@ Shape (money: integer micro-USD plus exact USD strings; latency in ms; times epo
     {"object": "dashboard.data", "redis": "ok", "since": s, "until": s | null, "generated": s,
      "total": {group row} | null, "spend": {"day": [...], "key": [...], "tier": [...], "tag": [...]},
      "savings": {"long_tier", "spend_micro_usd", "spend_usd", "cache_saved_micro_usd", "cache_saved_usd",
-                 "shadow_spend_micro_usd", "shadow_spend_usd"},                      # the whole period (cubes)
+                 "shadow_spend_micro_usd", "shadow_spend_usd",
+                 "shadow_requests"},                                                    # the whole period (cubes)
      "window": {"limit": N, "read": stream entries read (<= N), "events": events of the period among them,
                 "complete": bool, "oldest": s | null, "newest": s | null,
                 "savings": {report summary over the window: always_long_micro_usd, savings_micro_usd (served
@@ -159,6 +160,7 @@ async def collect(acct: Accounting, settings: Settings, routing: Routing, since:
     total = group_sums(usage.parts, [])
     spend = {g: group_sums(usage.parts, [g]) for g in SPEND_GROUPS}
     shadow = sum(r["cost_micro_usd"] for r in spend["key"] if r["key"] == SHADOW_KEY)
+    shadow_requests = sum(r["requests"] for r in spend["key"] if r["key"] == SHADOW_KEY)
     limit = settings.dashboard.window_events
     events, read = await acct.meter.recent(limit, since, until)
     long_tier = rp.long_tier_of(settings)
@@ -172,7 +174,9 @@ async def collect(acct: Accounting, settings: Settings, routing: Routing, since:
         "savings": {"long_tier": long_tier,
                     "spend_micro_usd": spent, "spend_usd": str(micro_to_usd(spent)),
                     "cache_saved_micro_usd": saved, "cache_saved_usd": str(micro_to_usd(saved)),
-                    "shadow_spend_micro_usd": shadow, "shadow_spend_usd": str(micro_to_usd(shadow))},
+                    "shadow_spend_micro_usd": shadow, "shadow_spend_usd": str(micro_to_usd(shadow)),
+                    # the shadow and judge calls among total.requests (the page shows them apart)
+                    "shadow_requests": shadow_requests},
         # fewer entries than asked for: the read reached the start of the period, so it holds all of it
         "window": {"limit": limit, "read": read, "events": len(events), "complete": read < limit,
                    "oldest": events[0].ts if events else None, "newest": events[-1].ts if events else None,

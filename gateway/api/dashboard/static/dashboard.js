@@ -16,7 +16,12 @@ function el(tag, attrs, ...children) {
   return e;
 }
 
-function usd(s) { return s === null || s === undefined ? "—" : "$" + s; }
+// the sign before the currency sign: -$0.002554, as the usage report writes it ("$-0.002554" read as a typo)
+function usd(s) {
+  if (s === null || s === undefined) return "—";
+  const t = String(s);
+  return t.startsWith("-") ? "-$" + t.slice(1) : "$" + t;
+}
 function microToUsd(m) {  // exact: integer micro-USD → decimal string
   if (m === null || m === undefined) return null;
   const neg = m < 0; const a = Math.abs(m); const whole = Math.floor(a / 1e6); const frac = String(a % 1e6).padStart(6, "0");
@@ -61,7 +66,11 @@ function windowLabel(w) {
 function render(d) {
   const s = d.savings, t = d.total, w = d.window, ws = w.savings, wl = windowLabel(w);
   setMoney("total-spend", t ? t.cost_micro_usd : 0, t ? t.cost_usd : "0");
-  document.getElementById("total-requests").textContent = (t ? t.requests : 0) + " requests · " + (t ? t.errors : 0) +
+  // the shadow calls (the gateway's own, asked by no client) are not requests: counted apart, as the usage report
+  // does ("800 requests (1166 events)"); their cost stays in the spend, which is everything paid
+  const shadowCalls = s.shadow_requests || 0;
+  document.getElementById("total-requests").textContent = ((t ? t.requests : 0) - shadowCalls) + " requests" +
+    (shadowCalls ? " + " + shadowCalls + " shadow calls" : "") + " · " + (t ? t.errors : 0) +
     " errors · " + (t ? t.refused : 0) + " refused";
   // the counterfactual needs each event's difficulty and tokens: computed over the event window, and said so
   setMoney("always-long", ws.always_long_micro_usd, ws.always_long_usd);
