@@ -4,6 +4,7 @@ exit (code 2 and the ConfigError message, no traceback) on an invalid configurat
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -52,6 +53,11 @@ def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_time
         finally:
             await handle.close()
 
+    # the breaker's WARNING ("redis unreachable, breaker open…") is the server's log line: with no logging set up,
+    # Python printed it bare to the terminal before this command's own message, which says the same once
+    breaker_log = logging.getLogger("thinkgate.redis")
+    level = breaker_log.level
+    breaker_log.setLevel(logging.ERROR)
     try:
         return asyncio.run(go())
     except RedisDown as exc:
@@ -60,4 +66,6 @@ def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_time
         why = why if len(why) <= 200 else why[:200] + "…"
         typer.echo(f"thinkgate: Redis unreachable at {shown_url(settings.redis.url)}: {why}", err=True)
         raise typer.Exit(3) from None
+    finally:
+        breaker_log.setLevel(level)
 

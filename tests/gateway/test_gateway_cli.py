@@ -306,3 +306,14 @@ def test_a_killed_serve_takes_its_private_redis_down_with_its_data_on_disk(tmp_p
             os.kill(redis_pid, signal.SIGKILL)
     aof = b"".join(p.read_bytes() for p in (tmp_path / "redis").glob("*/appendonlydir/*.aof"))
     assert b"kept-after-kill" in aof, "the key made before the kill is not in the append-only file"
+
+
+def test_an_offline_command_prints_only_its_own_message_when_redis_is_unreachable() -> None:
+    """As a user runs it (a process with no logging set up): the breaker's WARNING ("redis unreachable, breaker open
+    for 1.0 s: …", the server's log line) was printed bare before the command's own message. In-process (above)
+    pytest's log capture hides that line, so this runs the real command."""
+    r = thinkgate("keys", "list", env={"THINKGATE_CONFIG": "",
+                                       "THINKGATE_REDIS__URL": f"redis://127.0.0.1:{free_port()}/0"})
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert r.stdout == "" and r.stderr.startswith("thinkgate: Redis unreachable at redis://127.0.0.1:"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
