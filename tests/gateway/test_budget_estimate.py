@@ -227,10 +227,18 @@ def test_a_hard_budget_holds_for_a_request_whose_tool_schema_is_mostly_keys(upst
     # JSON) — before, admitted on a ~300-token bound against a $0.01 budget and booked $0.013
     tools = _key_heavy_tools(1500)  # ~78 KB: under the test gateway's max_body_bytes
     prompt = len(json.dumps(tools).encode()) // 3
+    _refused_by_a_cent(upstream_sim, redis_url, tmp_path, prompt,
+                       {"tools": tools, "tool_choice": "none",
+                        "messages": [{"role": "user", "content": f"hi {uuid.uuid4().hex[:6]}"}]})
+
+
+def _refused_by_a_cent(upstream_sim: SimProcess, redis_url: str, tmp_path: Path, prompt: int,
+                       fields: dict[str, Any]) -> None:
+    """One request of ``fields`` (``max_tokens`` 5) from a key with a $0.01 daily hard budget, its upstream
+    reporting ``prompt`` prompt tokens: refused (429) on its estimate alone, nothing booked past the budget."""
     auth = keys_config(alice={"budget_usd_day": "0.01"})
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, auth=auth) as gw:
-        body = {"model": "long", "max_tokens": 5, "tools": tools, "tool_choice": "none",
-                "messages": [{"role": "user", "content": f"hi {uuid.uuid4().hex[:6]}"}],
+        body = {"model": "long", "max_tokens": 5, **fields,
                 "sim": {"usage": {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}}}
         r = httpx.post(gw.base_url + "/chat/completions", json=body, timeout=30,
                        headers={"authorization": f"Bearer {SECRETS['alice']}", "cache-control": "no-store"})
@@ -274,17 +282,7 @@ def test_a_hard_budget_holds_for_a_request_whose_tool_call_arguments_render_long
     # and booked 2.7x it
     arguments = "[" + ",".join(["1e15"] * 3000) + "]"
     prompt = len(json.dumps(json.loads(arguments)).encode()) * 9 // 10
-    auth = keys_config(alice={"budget_usd_day": "0.01"})
-    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, auth=auth) as gw:
-        body = {"model": "long", "max_tokens": 5, "messages": _history_with_a_tool_call(arguments),
-                "sim": {"usage": {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}}}
-        r = httpx.post(gw.base_url + "/chat/completions", json=body, timeout=30,
-                       headers={"authorization": f"Bearer {SECRETS['alice']}", "cache-control": "no-store"})
-        assert r.status_code in (200, 429), r.text
-        spent = sum(ev.cost_micro_usd for ev in usage_events(gw, [r.headers["x-request-id"]]).values()
-                    if ev.key_id == "alice" and not ev.audit)
-        assert spent <= 10_000, f"a $0.01 hard budget was booked {spent} micro-USD (status {r.status_code})"
-        assert r.status_code == 429  # the estimate alone is above the whole budget
+    _refused_by_a_cent(upstream_sim, redis_url, tmp_path, prompt, {"messages": _history_with_a_tool_call(arguments)})
 
 
 def test_documents_and_template_arguments_count_in_the_prompt_bound() -> None:

@@ -167,6 +167,18 @@ def test_sigterm_stops_what_serve_started(tmp_path: Path, upstream_sim: Any) -> 
     assert wait_for(lambda: not ping(redis_url), timeout_s=10), "the private Redis outlived serve"
 
 
+def _private_redis_serve(tmp_path: Path, upstream_sim: Any) -> tuple[str, Path, int, Path, dict[str, str]]:
+    """(Redis URL, config, gateway port, log, CLI environment) of a ``serve`` that starts its own persisted Redis
+    on a free port, as ``make serve`` does (data under ``tmp_path/redis``)."""
+    redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    cfg = write_config(tmp_path / "c.yaml", upstream_sim.base_url, redis_url,
+                       redis={"url": redis_url, "start_if_missing": True, "data_dir": str(tmp_path / "redis")},
+                       auth={"dev_key_file": str(tmp_path / "dev-key")})
+    cli_env = {"THINKGATE_CONFIG": str(cfg), "THINKGATE_REDIS__URL": redis_url,
+               "THINKGATE_REDIS__START_IF_MISSING": "false"}
+    return redis_url, cfg, free_port(), tmp_path / "serve.log", cli_env
+
+
 def _serve_in_own_group(cfg: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     """``thinkgate serve`` as a terminal runs a foreground job: the leader of a process group of its own, the group
     a Ctrl-C is sent to (without the suite's REDIS_URL: it would override the config's redis.url)."""
@@ -202,13 +214,7 @@ def test_ctrl_c_stops_the_private_redis_after_the_gateway_and_a_restart_finds_it
     restart found no key (a fresh server: the old key answered 401)."""
     import redis
 
-    redis_url = f"redis://127.0.0.1:{free_port()}/0"
-    cfg = write_config(tmp_path / "c.yaml", upstream_sim.base_url, redis_url,
-                       redis={"url": redis_url, "start_if_missing": True, "data_dir": str(tmp_path / "redis")},
-                       auth={"dev_key_file": str(tmp_path / "dev-key")})
-    port, log = free_port(), tmp_path / "serve.log"
-    cli_env = {"THINKGATE_CONFIG": str(cfg), "THINKGATE_REDIS__URL": redis_url,
-               "THINKGATE_REDIS__START_IF_MISSING": "false"}
+    redis_url, cfg, port, log, cli_env = _private_redis_serve(tmp_path, upstream_sim)
     proc = _serve_in_own_group(cfg, port, log)
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=30, proc=proc)
@@ -276,13 +282,7 @@ def test_a_killed_serve_takes_its_private_redis_down_with_its_data_on_disk(tmp_p
     stop that flushes the append-only file: the key made before the kill is on disk."""
     import redis
 
-    redis_url = f"redis://127.0.0.1:{free_port()}/0"
-    cfg = write_config(tmp_path / "c.yaml", upstream_sim.base_url, redis_url,
-                       redis={"url": redis_url, "start_if_missing": True, "data_dir": str(tmp_path / "redis")},
-                       auth={"dev_key_file": str(tmp_path / "dev-key")})
-    port, log = free_port(), tmp_path / "serve.log"
-    cli_env = {"THINKGATE_CONFIG": str(cfg), "THINKGATE_REDIS__URL": redis_url,
-               "THINKGATE_REDIS__START_IF_MISSING": "false"}
+    redis_url, cfg, port, log, cli_env = _private_redis_serve(tmp_path, upstream_sim)
     proc = _serve_in_own_group(cfg, port, log)
     redis_pid = None
     try:
