@@ -8,6 +8,8 @@ from typing import Any
 
 import yaml
 
+from training.grpo.tier_prices import tier_prices
+
 
 def _table(summary: dict[str, Any] | None) -> list[str]:
     if not summary:
@@ -79,6 +81,7 @@ def tier_snippet(
     max_completion_length: int,
     eval_after: dict[str, Any] | None,
     dial_prompt: str | None = None,
+    prices: dict[str, dict[str, str]] | None = None,
 ) -> str:
     """YAML for the gateway config: a tier serving this model, ``thinking_budget`` = the held-out p95-ish budget
     (max of the per-difficulty mean thought tokens, rounded up to 8), and the command that serves it.
@@ -86,7 +89,16 @@ def tier_snippet(
     ``dial_prompt``: the budget instruction of a dial run (``budget_prompt.template`` when the run trained with
     ``dial_length``): the model follows the budget in its prompt, so the snippet is the three ``prompted`` tiers
     (``none`` thinking off, ``short`` 32 tokens, ``long`` unlimited: the default tiers' names, so ``reasoning_effort``
-    and routing find them) with vLLM's native hard stop, as docs/local-model.md serves the shipped dial model."""
+    and routing find them) with vLLM's native hard stop, as docs/local-model.md serves the shipped dial model.
+
+    ``prices``: the run file's ``output.tier_prices`` (tier name -> USD per 1M tokens). Each tier carries its
+    prices — those, else the shipped default tier of the same name's (:mod:`training.grpo.tier_prices`): the snippet
+    replaces that tier, and a tier without prices is metered at $0. A tier name with neither gets none and a
+    header line saying so.
+
+    Without a held-out evaluation after training (``eval.after: false``, or a budget's hard stop skipped it) the
+    thought lengths are unknown: ``thinking_budget`` is then ``max_completion_length`` — no training rollout could
+    think longer — and the header says so (``null`` would be *unlimited* thinking)."""
     port = base_url.rsplit(":", 1)[-1].split("/")[0]
     header = (
         f"# Gateway tier for the GRPO model in {model_dir}.\n"
@@ -96,6 +108,7 @@ def tier_snippet(
         f"#     --reasoning-parser qwen3\n"
         f"# then merge this into the gateway config's `tiers:` (replacing the tier of the same name).\n"
     )
+    configured = prices or {}
     if dial_prompt is not None:
         common = {"base_url": base_url, "model": served_model_name}
         tiers = [
@@ -110,11 +123,16 @@ def tier_snippet(
         header += ("# A dial model: each tier states its budget in the prompt (a request's thinking_token_budget\n"
                    "# dials it lower). To serve it with --model-dir and a budget router instead, see\n"
                    "# docs/training.md, *A dial model* (steps 3-5).\n")
-        return header + yaml.safe_dump({"tiers": tiers}, sort_keys=False)
-    budget = None
+        header += _prices_note([t["name"] for t in tiers], configured)
+        return header + yaml.safe_dump({"tiers": [_priced(t, configured) for t in tiers]}, sort_keys=False)
     if eval_after and eval_after.get("by_difficulty"):
         worst = max(v["mean_thought_tokens"] for v in eval_after["by_difficulty"].values())
         budget = max(8, int(math.ceil(worst / 8.0) * 8))
+    else:
+        budget = int(max_completion_length)
+        header += (f"# thinking_budget: not measured (no held-out evaluation after training: eval.after is off or a\n"
+                   f"# budget stop skipped it); {budget} = trl.max_completion_length, the longest thought a training\n"
+                   f"# rollout could have. Evaluate model/ and lower it to the measured thought length.\n")
     tier = {
         "name": tier_name,
         "base_url": base_url,
@@ -123,4 +141,22 @@ def tier_snippet(
         "thinking_budget": budget,
         "budget_mode": "native",
     }
-    return header + yaml.safe_dump({"tiers": [tier]}, sort_keys=False)
+    header += _prices_note([tier_name], configured)
+    return header + yaml.safe_dump({"tiers": [_priced(tier, configured)]}, sort_keys=False)
+
+
+def _priced(tier: dict[str, Any], configured: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """``tier`` with its ``prices`` (:func:`training.grpo.tier_prices.tier_prices`), when any are known."""
+    p = tier_prices(tier["name"], configured)
+    return {**tier, "prices": p} if p is not None else tier
+
+
+def _prices_note(names: list[str], configured: dict[str, dict[str, str]]) -> str:
+    """Header lines: where the tiers' prices come from, and which tiers have none (metered at $0)."""
+    unpriced = [n for n in names if tier_prices(n, configured) is None]
+    note = ("# prices: USD per 1M tokens, from the run file's output.tier_prices, else the shipped default tier of\n"
+            "# the same name's; set output.tier_prices.<tier> to your own.\n")
+    if unpriced:
+        note += (f"# NO PRICES for tier(s) {', '.join(unpriced)} (no default tier of that name): the gateway meters\n"
+                 f"# them at $0 and no spend budget binds; add prices: or set output.tier_prices.\n")
+    return note

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router.errors import ThinkGateError
+from training.grpo.tier_prices import check_prices
 from training.models import TINY_MODEL_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -267,6 +268,12 @@ class OutputConfig(_Section):
     base_url: str = _f(
         "http://127.0.0.1:8002/v1", "Upstream base URL in the tier snippet (8001 is the embedded engine)."
     )
+    tier_prices: dict[str, dict[str, str]] = _f(
+        dict,
+        "Token prices per tier in the tier snippet: tier name -> {input_usd_per_mtok, cached_input_usd_per_mtok, "
+        "output_usd_per_mtok} (USD per 1M tokens, decimal strings). A tier not named here gets the shipped default "
+        "tier of the same name's prices (none/short/long); the gateway meters a tier without prices at $0.",
+    )
 
 
 class StorageConfig(_Section):
@@ -431,6 +438,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         )
     _check_scale_preserving(cfg, names)
     _check_ledger_money(cfg.ledger)
+    for tier, tp in cfg.output.tier_prices.items():
+        problem = check_prices(f"output.tier_prices.{tier}", tp)
+        if problem:
+            raise ConfigError(problem)
     if cfg.eval.temperature < 0 or cfg.eval.samples < 1 or (cfg.eval.samples > 1 and cfg.eval.temperature == 0):
         raise ConfigError("eval: temperature >= 0, samples >= 1, and samples > 1 only with temperature > 0")
     _check_ledger_limits(cfg)

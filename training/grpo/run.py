@@ -839,6 +839,7 @@ def report_run(run: GRPORun, outcome: TrainOutcome) -> dict[str, Any]:
                 cfg.output.tier_name, cfg.output.served_model_name, cfg.output.base_url, shown_dir, run.max_len, after,
                 dial_prompt=(cfg.budget_prompt.template if cfg.budget_prompt.enabled
                              and any(r.name == "dial_length" for r in cfg.rewards) else None),
+                prices=cfg.output.tier_prices,
             )
         )
         plot_metrics(run_dir)
