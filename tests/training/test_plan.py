@@ -201,3 +201,32 @@ def test_shipped_configs_have_a_shape(name: str) -> None:
     cfg = load_config(REPO_ROOT / "training" / "configs" / f"{name}.yaml")
     shape = run_shape(resolved(cfg), 1)
     assert shape.steps == cfg.trl_kwargs()["max_steps"] and shape.eval_completions > 0
+
+
+def test_report_phase_actuals_add_up_to_the_total_at_each_rows_price(tmp_path: Path) -> None:
+    """N6 D4: ``train report``'s phases read 278 micro-USD against a total of 277 (each phase's summed ms rounded
+    once, not per row), and took every row's price from the first row. Rows here: the smoke run's shape at the
+    cpu price ($0.05/h = 1/72 micro-USD per ms), then a segment resumed on a device at $3.6/h (the real resume)."""
+    from training.grpo.ledger import phase_costs
+    from training.plan.planner import actual_by_phase
+
+    d = tmp_path / "run"
+    led = CostLedger(d, "cpu", 1, Decimal("0.05"))
+    led.record_overhead("startup", 0, {"startup": 0.100, "eval": 0.050})
+    c = StepCounters(generation_s=0.030, reward_s=0.030, io_s=0.030)
+    led.record(1, c, 0.130)
+    led.save_state(d / "checkpoint-1")
+    led.record(2, StepCounters(generation_s=0.030, reward_s=0.030), 0.100)  # rolled back by the resume below
+    led2 = CostLedger(d, "nvidia-x", 1, PRICE)  # resumed on another device kind: 1 micro-USD per ms
+    led2.resume(d / "checkpoint-1")
+    led2.record_overhead("startup", 1, {"startup": 0.007})
+    led2.record(2, StepCounters(generation_s=0.003, reward_s=0.002), 0.006)
+    led2.record_overhead("finish", 2, {"eval": 0.001, "io": 0.002})
+    rows = led2.rows()
+    act = actual_by_phase(d)
+    assert sum(act[p]["micro_usd"] for p in ("startup", "sampling", "reward", "update", "eval", "io")) == (
+        act["total_micro_usd"]) == sum(r["cost_micro_usd"] for r in rows) == 2 + 2 + 7 + 6 + 3
+    # each row's price is its own: the resumed segment's 7 ms of start-up are 7 micro-USD, not 7/72
+    assert act["startup"]["micro_usd"] == phase_costs(rows[0])["startup"] + 7
+    for r in rows:
+        assert sum(phase_costs(r).values()) == r["cost_micro_usd"]

@@ -117,6 +117,29 @@ def pro_rata(micro: int, part: int, whole: int) -> int:
     return int(value.to_integral_value(rounding=ROUND_HALF_EVEN))
 
 
+_KIND_PHASE = {"startup": "startup", "step": "update", "finish": "io"}
+
+
+def phase_costs(row: dict[str, Any]) -> dict[str, int]:
+    """A ledger row's own ``cost_micro_usd`` split over its phases (:data:`PHASES`) in proportion to their ms, by
+    largest remainder (ties in :data:`PHASES` order): integer micro-USD that add up to the row's cost exactly, so
+    per-phase sums over rows add up to the ledger's total. (Rounding each phase's summed device-ms instead was off
+    by a micro-USD from the total, and one price for all rows was wrong for a resumed segment at another price.)"""
+    cost = int(row["cost_micro_usd"])
+    weights = {p: max(0, int(row.get(f"{p}_ms", 0))) for p in PHASES}
+    whole = sum(weights.values())
+    if whole == 0:  # no phase time (a 0 ms row costs 0): the cost, if any, goes to the row kind's own phase
+        out = dict.fromkeys(PHASES, 0)
+        out[_KIND_PHASE.get(str(row.get("kind", "step")), "update")] = cost
+        return out
+    out = {p: cost * w // whole for p, w in weights.items()}
+    left = cost - sum(out.values())
+    by_remainder = sorted(PHASES, key=lambda p: (-(cost * weights[p] % whole), PHASES.index(p)))
+    for p in by_remainder[:left]:
+        out[p] += 1
+    return out
+
+
 _BRAND_WORDS = {"nvidia", "tesla", "geforce", "quadro"}
 
 

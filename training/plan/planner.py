@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from training.grpo.config import REPO_ROOT, ConfigError, RunConfig, from_dict, validate
-from training.grpo.ledger import MICRO, PHASES, micro_usd
+from training.grpo.ledger import MICRO, PHASES, phase_costs
 from training.plan.estimate import RunShape, count_parameters, estimate, reference_rates, run_shape
 
 PROBE_MARKER = "probe.json"
@@ -161,13 +161,14 @@ def _same_model(a: str, b: str) -> bool:
 # --- report -----------------------------------------------------------------------------------------------------
 def actual_by_phase(run_dir: Path) -> dict[str, Any]:
     """The ledger's bill of a run per phase: ``{phase: {device_hours, micro_usd}}`` plus totals; a phase's USD is
-    its device-ms at each row's price (micro-USD, round half even); the total is the ledger's own sum of rows."""
+    the sum over rows of its share of each row's own integer cost (:func:`training.grpo.ledger.phase_costs`, so each
+    row's price is its own), and the phases add up to the total, the ledger's own sum of rows, exactly."""
     rows = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines() if x.strip()]
+    shares = [phase_costs(r) for r in rows]
     out: dict[str, Any] = {}
     for p in PHASES:
         dev = sum(int(r[f"{p}_ms"]) * int(r.get("device_count", 1)) for r in rows)
-        price = Decimal(rows[0]["price_usd_per_device_hour"]) if rows else Decimal(0)
-        out[p] = {"device_hours": dev / 3.6e6, "micro_usd": micro_usd(dev, price)}
+        out[p] = {"device_hours": dev / 3.6e6, "micro_usd": sum(s[p] for s in shares)}
     out["total_micro_usd"] = sum(int(r["cost_micro_usd"]) for r in rows)
     out["steps"] = sum(1 for r in rows if r["kind"] == "step")
     out["sampled_tokens"] = sum(int(r["sampled_tokens"]) for r in rows)
