@@ -592,3 +592,61 @@ def test_sigint_says_how_to_resume_and_the_registry_says_interrupted(tiny: Path,
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted at step" in err and "--max-steps 500 --allow-dirty --quiet" in err and "--resume auto" in err
     assert load_run(out).status == "interrupted"
+
+
+class _InterruptingToy(Toy):
+    """A held-out problem whose question sends this process a real SIGINT when the run reads it (building the
+    evaluation rows, inside ``build_run``: before the run's ledger exists)."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "question":
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGINT)  # Python's default handler raises KeyboardInterrupt right here
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize("where", ["build", "eval_before"])
+def test_ctrl_c_during_start_up_is_billed_and_the_run_is_listed_interrupted(
+    tiny: Path, tmp_path: Path, where: str
+) -> None:
+    """N6 D2: a SIGINT before the first step left no ledger row — start-up billed nowhere — and, without a ledger,
+    ``train runs`` did not list the run. Here a real SIGINT to this process while the run is being built (its
+    ledger not made yet) or during the evaluation before training: the start-up row is written (process start to
+    the interrupt) and the run is ``interrupted``."""
+    import os
+    import signal
+
+    from training.grpo.cli import _interrupted
+    from training.grpo.ledger import micro_usd
+    from training.registry import list_runs
+
+    def interrupting_verifier(row: Any, text: str) -> bool:
+        os.kill(os.getpid(), signal.SIGINT)
+        return exact_answer_verifier(row, text)
+
+    out = tmp_path / "run"
+    # thinks: false — the verifier is asked about every completion, cut-off thoughts included
+    cfg = make_cfg(tiny, model={"path": str(tiny), "thinks": False}, eval={"before": True, "after": False})
+    kw: dict[str, Any] = {"verifier": interrupting_verifier}
+    if where == "build":
+        kw = {"eval_problems": [_InterruptingToy("x", "What is 1 + 1?", "2", 1)]}
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            from training.grpo.run import run_grpo
+
+            run_grpo(cfg, output_dir=out, train_problems=PROBLEMS, progress=False,
+                     **{"verifier": exact_answer_verifier, "eval_problems": PROBLEMS[:4], **kw})
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    rows = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    [row] = rows
+    assert row["kind"] == "startup" and row["step"] == 0 and row["startup_ms"] > 0
+    assert (row["eval_ms"] == 0) is (where == "build")  # an unfinished evaluation is billed as start-up
+    assert row["cost_micro_usd"] == micro_usd(row["device_ms"], Decimal(row["price_usd_per_device_hour"]))
+    assert row["spent_micro_usd"] == row["cost_micro_usd"]
+    assert "before the first checkpoint" in _interrupted(str(out), [])  # what the CLI does on KeyboardInterrupt
+    [rec] = list_runs(tmp_path)
+    assert rec.status == "interrupted" and rec.micro_usd == row["cost_micro_usd"]

@@ -213,6 +213,8 @@ class LedgerCallback(TrainerCallback):
         # set by the run: perf_counter() at process start, and the evaluation before training (seconds)
         self.startup_t0: float | None = None
         self.pre_eval_s = 0.0
+        self.startup_billed = False  # the start-up row is written (a Ctrl-C before it bills start-up itself)
+        self.eval_t0: float | None = None  # perf_counter() when the evaluation before training began
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         now = time.perf_counter()
@@ -223,6 +225,7 @@ class LedgerCallback(TrainerCallback):
                 pre_eval = self.reduce(StepCounters(), pre_eval)[1]
             self.ledger.record_overhead("startup", state.global_step, {"startup": startup, "eval": pre_eval})
             self.startup_t0 = None
+            self.startup_billed = True
             if self._check(state.global_step, state.is_world_process_zero):
                 # The Trainer checks should_training_stop only after a step: a stop set here would still train
                 # (and bill) one step past a budget that start-up alone used up (31x a tiny budget, seen). Every

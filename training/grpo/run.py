@@ -360,17 +360,78 @@ def run_grpo(
     since_start = seconds_since_process_start()
     process_t0 = time.perf_counter() - (since_start if since_start is not None else 0.0)
     run_dir, checkpoint = prepare_run_dir(cfg, max_steps=max_steps, output_dir=output_dir, resume=resume, force=force)
-    run = build_run(
-        cfg,
-        run_dir,
-        checkpoint,
-        process_t0,
-        verifier=verifier,
-        train_problems=train_problems,
-        eval_problems=eval_problems,
-        progress=progress,
-    )
-    return report_run(run, train_run(run))
+    run: GRPORun | None = None
+    try:
+        run = build_run(
+            cfg,
+            run_dir,
+            checkpoint,
+            process_t0,
+            verifier=verifier,
+            train_problems=train_problems,
+            eval_problems=eval_problems,
+            progress=progress,
+        )
+        outcome = train_run(run)
+    except KeyboardInterrupt:
+        bill_interrupted_startup(cfg, run_dir, checkpoint, process_t0, run, train_problems)
+        raise
+    return report_run(run, outcome)
+
+
+def bill_interrupted_startup(
+    cfg: RunConfig,
+    run_dir: Path,
+    checkpoint: str | None,
+    process_t0: float,
+    run: GRPORun | None,
+    train_problems: Sequence[Any] | None = None,
+) -> dict[str, Any] | None:
+    """On Ctrl-C before the first step: write the ``startup`` row the first step would have written (from the
+    process start to now; the evaluation before training, finished or not, as ``eval``), so start-up is billed and
+    the run — a directory with a ledger — is listed (``interrupted``) by ``train runs``. Without it a SIGINT during
+    a model load left no ledger at all: minutes of device time on a large model, billed nowhere.
+
+    Interrupted inside :func:`build_run` (``run`` None), the ledger is built here (a resume's is restored from its
+    checkpoint first, so the row follows the rows it keeps and a later resume discards it, as any row after the
+    checkpoint). Returns the row, or None when start-up was billed already or billing failed (logged: the
+    interrupt still propagates). Rank 0 writes; no collective is run on this path."""
+    if run is not None and run.ledger_cb.startup_billed:
+        return None
+    wall_s = max(0.0, time.perf_counter() - process_t0)
+    try:
+        if run is not None:
+            ledger, pre_eval = run.ledger, run.ledger_cb.pre_eval_s
+            if not pre_eval and run.ledger_cb.eval_t0 is not None:  # interrupted during that evaluation
+                pre_eval = time.perf_counter() - run.ledger_cb.eval_t0
+        else:
+            from training.grpo import data as data_mod
+
+            if train_problems is None:
+                train_problems = data_mod.load_problems(cfg.task, cfg.task.train_split, cfg.task.n_train)
+            rows = data_mod.problem_rows(
+                train_problems, data_mod.resolve_budget_prompt(cfg.budget_prompt, cfg.reward_names())
+            )
+            kind, count = detect_device()
+            ledger = _build_ledger(cfg, run_dir, rows, cfg.trl_kwargs(), kind, count)
+            # billed devices as build_run counts them: one per training process (1 on CPU), plus extra devices
+            world = int(os.environ.get("WORLD_SIZE", "1")) if kind != "cpu" else 1
+            ledger.device_count = world + cfg.ledger.extra_devices
+            ledger.writer = int(os.environ.get("RANK", "0")) == 0
+            if checkpoint:
+                ledger.resume(checkpoint)
+            pre_eval = 0.0
+        step = int(Path(checkpoint).name.rsplit("-", 1)[-1]) if checkpoint else 0
+        row: dict[str, Any] = ledger.record_overhead(
+            "startup", step, {"startup": max(0.0, wall_s - pre_eval), "eval": pre_eval}
+        )
+        if ledger.writer:
+            ledger.write_parquet()
+        logger.warning("interrupted during start-up: %.1f s billed (%s micro-USD)", wall_s, row["cost_micro_usd"])
+        return row
+    except Exception:  # the interrupt must still reach the user with its message
+        logger.exception("interrupted during start-up: could not bill it")
+        return None
 
 
 def _check_resumed_config(cfg: RunConfig, config_path: Path, force: bool) -> list[str]:
@@ -728,6 +789,7 @@ def _evaluate_before(run: GRPORun) -> tuple[dict[str, Any] | None, float]:
         return json.loads(before_path.read_text()), 0.0
     before = None
     t0 = time.perf_counter()
+    run.ledger_cb.eval_t0 = t0  # a Ctrl-C during it bills the part done as eval (bill_interrupted_startup)
     trainer = run.trainer
     if trainer.is_world_process_zero():  # rank 0 evaluates; the others wait
         before = run.evaluate_rows(_eval_model(trainer, run.model_path, run.dtype, run.zero3), run.eval_rows)
