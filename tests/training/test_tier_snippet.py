@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from decimal import Decimal
+from pathlib import Path
 
 import yaml
 
@@ -89,3 +90,18 @@ def test_an_unevaluated_run_gets_its_training_length_cap_not_unlimited_thinking(
     (tier,) = yaml.safe_load(text)["tiers"]
     assert TierConfig(**tier).thinking_budget == 128
     assert "thinking_budget: not measured" in text and "trl.max_completion_length" in text
+
+
+def test_the_card_of_an_unevaluated_run_says_not_measured(tmp_path: Path) -> None:
+    """N6 D8: a budget-stopped run's card said "Accuracy gain: None percentage points ... (no gain)"."""
+    from training.grpo.card import model_card
+    from training.grpo.config import RunConfig
+    from training.grpo.ledger import CostLedger
+
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("0.05"))
+    led.record_overhead("startup", 0, {"startup": 1.0})
+    cfg = RunConfig().to_dict()
+    card = model_card("r", "m", cfg, None, None, {**led.summary(None, None), "tags": {}})
+    assert "None" not in card and "no gain" not in card and "Accuracy gain: not measured" in card
+    gained = model_card("r", "m", cfg, None, None, {**led.summary(0.5, 0.6), "tags": {}})
+    assert "Accuracy gain: 10.0 percentage points" in gained

@@ -39,7 +39,13 @@ def model_card(
     rewards = ", ".join(f"{r['name']}×{r['weight']}" for r in config["rewards"])
     trl = config.get("trl", {})
     s = ledger_summary
-    per_point = f"${s['usd_per_accuracy_point']}" if s.get("usd_per_accuracy_point") else "n/a (no gain)"
+    gain_pp = s.get("accuracy_gain_pp")
+    if gain_pp is None:  # not evaluated before and after (eval off, or a budget stop skipped it): no gain is known
+        gain = "Accuracy gain: not measured (no held-out evaluation before and after training); cost per accuracy " \
+               "point: n/a"
+    else:
+        per_point = f"${s['usd_per_accuracy_point']}" if s.get("usd_per_accuracy_point") else "n/a (no gain)"
+        gain = f"Accuracy gain: {gain_pp} percentage points; cost per accuracy point: {per_point}"
     lines = [
         f"# {run_name}",
         "",
@@ -66,7 +72,7 @@ def model_card(
         f"- Device: {s['device_count']} × {s['device_kind']} at ${s['price_usd_per_device_hour']}/device-hour",
         f"- Spent: ${s['spent_usd']} ({s['device_hours']:.6f} device-hours; "
         f"{s['totals']['sampled_tokens']} sampled tokens, {s['totals']['trained_tokens']} trained tokens)",
-        f"- Accuracy gain: {s.get('accuracy_gain_pp')} percentage points; cost per accuracy point: {per_point}",
+        f"- {gain}",
         f"- Tags: {', '.join(f'{k}={v}' for k, v in s['tags'].items())}",
         "",
     ]
