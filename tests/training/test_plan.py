@@ -230,3 +230,18 @@ def test_report_phase_actuals_add_up_to_the_total_at_each_rows_price(tmp_path: P
     assert act["startup"]["micro_usd"] == phase_costs(rows[0])["startup"] + 7
     for r in rows:
         assert sum(phase_costs(r).values()) == r["cost_micro_usd"]
+
+
+def test_report_names_only_the_missing_file(tmp_path: Path) -> None:
+    """N6 D11: with the ledger there and no plan.json, the error named both files."""
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    model = write_model(tmp_path / "m", {"w": [1000]})
+    ref = reference_run(tmp_path, model)  # a real ledger, no plan.json
+    r = CliRunner().invoke(app, ["train", "report", str(ref)])
+    assert r.exit_code == 2
+    assert f"no {ref / 'plan.json'}" in r.output and "ledger.jsonl" not in r.output
+    r = CliRunner().invoke(app, ["train", "report", str(tmp_path / "nothing")])
+    assert r.exit_code == 2 and "plan.json" in r.output and "and no" in r.output and "ledger.jsonl" in r.output

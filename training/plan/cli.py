@@ -86,8 +86,14 @@ def report(
     from training.plan.planner import report as compare
 
     pf = plan_file or run_dir / "plan.json"
-    if not pf.is_file() or not (run_dir / "ledger.jsonl").is_file():
-        typer.echo(f"report error: need {pf} (thinkgate train plan --json) and {run_dir / 'ledger.jsonl'}", err=True)
+    # name only what is missing: the user looked for a ledger that was there when both were named
+    missing: list[str] = []
+    if not pf.is_file():
+        missing.append(f"{pf} (write it with thinkgate train plan --json, or pass --plan)")
+    if not (run_dir / "ledger.jsonl").is_file():
+        missing.append(f"{run_dir / 'ledger.jsonl'} (not a run directory, or the run has not started)")
+    if missing:
+        typer.echo(f"report error: no {' and no '.join(missing)}", err=True)
         raise typer.Exit(2)
     rep = compare(json.loads(pf.read_text()), run_dir)
     typer.echo(format_report(rep))
