@@ -313,3 +313,21 @@ def test_vllm_generation_is_refused_without_a_cuda_device() -> None:
         check_device_options(cfg, cuda=False)
     check_device_options(cfg, cuda=True)
     check_device_options(from_dict(RunConfig, {"trl": {}}), cuda=False)
+
+
+@pytest.mark.parametrize("bad", ["model:\n  path: models/nope\n",
+                                 "ledger:\n  price_usd_per_device_hour: {nvidia-h200: '3.5'}\n"])
+def test_bad_model_path_or_unpriced_device_exits_2_before_the_run_directory_exists(tmp_path: Path, bad: str) -> None:
+    """N6 D6: a bad ``model.path`` (or a device kind with no price) was refused only in build_run, after the run
+    directory, its config.yaml and heartbeat were written — against "before anything is created or written"."""
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(bad)
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["train", "grpo", "--config", str(cfg), "--output-dir", str(out), "--allow-dirty"])
+    assert r.exit_code == 2, r.output
+    assert "model.path: no Hugging Face model directory" in r.output or "no price for device kind 'cpu'" in r.output
+    assert not out.exists()

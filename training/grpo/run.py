@@ -502,8 +502,9 @@ def prepare_run_dir(
     """Check the ``trl:`` options and the checkpoint to resume, then create the run directory and write its
     ``config.yaml`` and first heartbeat (rank 0); returns ``(run_dir, checkpoint to resume or None)``.
     ``max_steps``/``output_dir`` override the config (in place). Raises :class:`ConfigError` before anything is
-    created or written: no checkpoint to resume (:func:`resolve_checkpoint`), a fresh run into a used directory,
-    a resume under a changed run file without ``force``."""
+    created or written: no model directory at ``model.path``, no price for the device kind, no checkpoint to resume
+    (:func:`resolve_checkpoint`), a fresh run into a used directory, a resume under a changed run file without
+    ``force``."""
     from training.registry import write_heartbeat
 
     if max_steps is not None:
@@ -512,6 +513,9 @@ def prepare_run_dir(
     import torch
 
     check_device_options(cfg, torch.cuda.is_available())
+    # checked again in build_run; here so that a bad model path or an unpriced device leaves no half-made run dir
+    resolve_model_path(cfg.model.path)
+    _device_price(cfg, detect_device()[0])
     run_dir = Path(output_dir or cfg.output_dir)
     cfg.output_dir = str(run_dir)
     checkpoint = resolve_checkpoint(run_dir, resume) if resume else None
@@ -557,6 +561,18 @@ def resolve_checkpoint(run_dir: Path, resume: str) -> str:
     return str(ckpt)
 
 
+def _device_price(cfg: RunConfig, detected_kind: str) -> tuple[str, Decimal]:
+    """``(device kind, USD per device-hour)``: ``ledger.device_kind`` or the detected one, and its price. Raises
+    :class:`ConfigError` for an unpriced kind."""
+    kind = cfg.ledger.device_kind or detected_kind
+    prices = cfg.ledger.prices()
+    if kind not in prices:
+        raise ConfigError(
+            f"ledger.price_usd_per_device_hour: no price for device kind {kind!r}; known {sorted(prices)}"
+        )
+    return kind, prices[kind]
+
+
 def _build_ledger(
     cfg: RunConfig,
     run_dir: Path,
@@ -571,12 +587,7 @@ def _build_ledger(
     from training.grpo.ledger import Budgets, CostLedger
 
     lc = cfg.ledger
-    kind = lc.device_kind or device_kind
-    prices = lc.prices()
-    if kind not in prices:
-        raise ConfigError(
-            f"ledger.price_usd_per_device_hour: no price for device kind {kind!r}; known {sorted(prices)}"
-        )
+    kind, price = _device_price(cfg, device_kind)
     hparams = {k: v for k, v in trl_kw.items() if k not in _NON_HPARAMS}
     tags = {
         **cfg.tags,
@@ -592,7 +603,7 @@ def _build_ledger(
         run_dir,
         kind,
         device_count,
-        prices[kind],
+        price,
         Budgets(
             usd=Decimal(lc.budget_usd) if lc.budget_usd is not None else None,
             device_hours=lc.budget_device_hours,
