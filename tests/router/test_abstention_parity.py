@@ -13,8 +13,11 @@ from gateway.pipeline import abstention as serving
 from router import abstention
 from router.fit import ladder_eval
 
-TRACES = next((p for p in (Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces",
-                           Path(__file__).resolve().parents[3] / "shared" / "data" / "traces") if p.is_dir()), None)
+# the traces the repository ships (data/traces: every answer of the shared set, without its grading), so a clean
+# clone runs this check too; the shared folder beside the checkout only where the repository's copy is missing
+TRACES = next((p for p in (Path(__file__).resolve().parents[2] / "data" / "traces",
+                           Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces") if p.is_dir()),
+              None)
 TOP = ("exd0", "budget1024", "high_effort")  # each model's most expensive setting: never a cascade's first answer
 
 
@@ -23,7 +26,7 @@ def test_fit_and_serving_use_the_same_function() -> None:
     assert serving.abstains is abstention.abstains and serving.DEFAULT_PHRASES is abstention.DEFAULT_PHRASES
 
 
-@pytest.mark.skipif(TRACES is None, reason="no ../shared/data/traces beside the checkout")
+@pytest.mark.skipif(TRACES is None, reason="no data/traces in the checkout (nor ../shared/data/traces beside it)")
 def test_fit_and_serving_agree_on_every_recorded_cheap_answer() -> None:
     assert TRACES is not None
     n = flagged = 0
@@ -39,5 +42,5 @@ def test_fit_and_serving_agree_on_every_recorded_cheap_answer() -> None:
                     disagree.append((f.name, str(text)[-80:]))
                 n += 1
                 flagged += bool(fit)
-    assert n > 9_000 and 0 < flagged < n
+    assert n > 7_500 and 0 < flagged < n  # 7,855 cheap answers in data/traces (9,819 with the medium settings)
     assert not disagree, f"{len(disagree)} of {n} cheap answers differ, e.g. {disagree[:3]}"
