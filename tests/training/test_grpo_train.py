@@ -595,6 +595,12 @@ def test_sigint_says_how_to_resume_and_the_registry_says_interrupted(tiny: Path,
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted at step" in err and "--max-steps 500 --allow-dirty --quiet" in err and "--resume auto" in err
     assert load_run(out).status == "interrupted"
+    # the step the SIGINT cut short was paid for: billed as an `interrupted` row after the last finished step's (only
+    # finished steps had rows, so it was billed nowhere)
+    rows = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    assert last["kind"] == "interrupted" and last["step"] == max(r["step"] for r in rows if r["kind"] == "step")
+    assert last["wall_ms"] > 0 and last["seq"] == max(r["seq"] for r in rows)
 
 
 class _InterruptingToy(Toy):

@@ -117,7 +117,7 @@ def pro_rata(micro: int, part: int, whole: int) -> int:
     return int(value.to_integral_value(rounding=ROUND_HALF_EVEN))
 
 
-_KIND_PHASE = {"startup": "startup", "step": "update", "finish": "io"}
+_KIND_PHASE = {"startup": "startup", "step": "update", "finish": "io", "interrupted": "update"}
 
 
 def phase_costs(row: dict[str, Any]) -> dict[str, int]:
@@ -259,14 +259,16 @@ class CostLedger:
         self.recent = [*self.recent, {k: row[k] for k in _RECENT_KEYS}][-PROJECTION_WINDOW:]
         return row
 
-    def record_overhead(self, kind: str, step: int, phase_s: dict[str, float]) -> dict[str, Any]:
-        """Append a ``startup`` or ``finish`` row: ``phase_s`` maps phases (:data:`PHASES`) to seconds; the row's
-        wall time is their sum. ``step`` is the optimizer step the run stood at."""
+    def record_overhead(self, kind: str, step: int, phase_s: dict[str, float],
+                        counters: StepCounters | None = None) -> dict[str, Any]:
+        """Append a ``startup``, ``finish`` or ``interrupted`` row (the part of a step a Ctrl-C cut, with what it had
+        sampled: ``counters``): ``phase_s`` maps phases (:data:`PHASES`) to seconds; the row's wall time is their
+        sum. ``step`` is the optimizer step the run stood at."""
         unknown = set(phase_s) - set(PHASES)
         if unknown:
             raise ValueError(f"ledger: unknown phase(s) {sorted(unknown)}; known {PHASES}")
         phases = {p: _ms(phase_s.get(p, 0.0)) for p in PHASES}
-        row = self._append(kind, step, StepCounters(), sum(phases.values()), phases)
+        row = self._append(kind, step, counters or StepCounters(), sum(phases.values()), phases)
         if kind == "finish":
             self.finish_device_ms = max(self.finish_device_ms, row["device_ms"])
         if kind == "startup":

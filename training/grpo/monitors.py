@@ -242,6 +242,19 @@ class LedgerCallback(TrainerCallback):
         self.counters.reset()
         self.ledger.record_overhead("finish", step, {"eval": ev, "io": max(0.0, total - ev)})
 
+    def close_interrupted(self, step: int) -> dict[str, Any]:
+        """Bill the time since the last row — the step a Ctrl-C cut short, ``step`` the last one finished — as an
+        ``interrupted`` row, with the rollouts it had sampled: paid for, though no step row will ever hold them (a
+        resume redoes the step, and keeps this row as discarded spend). No collective: the other processes may be
+        gone; each bills its own wall time and only the writer writes."""
+        now = time.perf_counter()
+        wall, self._t = now - self._t, now
+        c = self.counters.snapshot()
+        self.counters.reset()
+        spent = {"sampling": c.generation_s, "reward": c.reward_s, "eval": c.eval_s, "io": c.io_s}
+        return self.ledger.record_overhead("interrupted", step,
+                                           {**spent, "update": max(0.0, wall - sum(spent.values()))}, c)
+
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if self.close_step(state.global_step, state.is_world_process_zero):
             _stop(control)
