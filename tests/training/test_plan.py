@@ -190,6 +190,11 @@ def test_plan_cli_rejects_bad_input(tmp_path: Path) -> None:
     proc = subprocess.run([*base[:5], "--config", str(bad), "--from-run", str(tmp_path), "--json",
                            str(tmp_path / "p.json")], cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "trl.learning_rate: expected a number, got 'fast'" in proc.stderr, proc.stderr
+    # an SFT run file: said plainly (it failed on "traces: unknown key")
+    proc = subprocess.run([*base[:5], "--config", "training/configs/sft_smoke.yaml", "--from-run", str(tmp_path),
+                           "--json", str(tmp_path / "p.json")], cwd=str(REPO_ROOT), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "is an SFT run file" in proc.stderr and "GRPO runs only" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("name", ["smoke", "short_tier", "bench"])

@@ -9,6 +9,22 @@ from pathlib import Path
 import typer
 
 
+def _refuse_sft(config: Path) -> None:
+    """Raise ConfigError for an SFT run file (its ``traces:`` section): the planner models GRPO's phases (rollouts,
+    rewards), and read as a GRPO file an SFT one only failed on ``traces: unknown key``."""
+    import yaml
+
+    from training.grpo.config import ConfigError
+
+    try:
+        doc = yaml.safe_load(config.read_text())
+    except (OSError, yaml.YAMLError):
+        return  # load_config says what is wrong with it
+    if isinstance(doc, dict) and "traces" in doc:
+        raise ConfigError(f"{config} is an SFT run file (it has `traces:`): `train plan` estimates GRPO runs only; "
+                          "an SFT run's ledger is read by `train runs`")
+
+
 def plan(
     config: Path = typer.Option(..., "--config", "-c", help="Run file (YAML) to estimate; see training/configs/."),
     json_out: Path = typer.Option(..., "--json", help="Write the plan (JSON) here, e.g. runs/smoke/plan.json."),
@@ -40,6 +56,7 @@ def plan(
                 raise ConfigError(f"--usd-per-device-hour: not a decimal: {usd_per_device_hour!r}") from e
             if price < 0 or not price.is_finite():
                 raise ConfigError("--usd-per-device-hour: must be a finite number >= 0")
+        _refuse_sft(config)
         cfg = load_config(config)
         from training.grpo.run import check_trl_options
 
