@@ -64,6 +64,26 @@ def test_a_tier_that_does_not_think_sends_no_budget_and_claims_none(
     assert "x-thinkgate-thinking-budget" not in r.headers
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "responses"])
+def test_a_tier_that_does_not_think_gets_no_reasoning_effort(
+        gw: GatewayServer, upstream_sim: SimProcess, endpoint: str) -> None:
+    # the client's effort was passed on beside enable_thinking: false; a thinking tier still gets it (the control)
+    for model, passed in (("no_think", False), ("long", True)):
+        tag = uuid.uuid4().hex
+        path, body = _request(endpoint, model, tag)
+        del body["thinking_token_budget"]
+        if endpoint == "chat":
+            body["reasoning_effort"] = "high"
+        else:
+            body["reasoning"] = {"effort": "high"}
+        _post(gw, path, body)
+        sent = upstream_sim.tag(tag)
+        assert sent is not None
+        assert ("reasoning_effort" in sent["body"]) is passed, (model, sent["body"])
+        if passed:
+            assert sent["body"]["reasoning_effort"] == "high"
+
+
 def test_a_tier_that_thinks_still_gets_the_budget(gw: GatewayServer, upstream_sim: SimProcess) -> None:
     # the control: the same requests on a native tier that thinks send the budget and say so
     for endpoint in ("chat", "responses", "messages"):
