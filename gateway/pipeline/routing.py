@@ -8,8 +8,8 @@ Precedence (first match wins):
 4. ``model: "auto"``                        → router score s ∈ [0, 1] over the routing window, then the first
    ``routed_tiers[i]`` with ``s < thresholds[i]`` (else the last routed tier), reason ``predicted``
 
-``reasoning_effort`` with a forced tier keeps the forced tier (the explicit choice wins) and is passed on (not to a tier
-that does not think, ``enable_thinking: false``: ``gateway/pipeline/upstream_body.py``). Whatever
+``reasoning_effort`` with a forced tier keeps the forced tier (the explicit choice wins) and is passed on (to a tier
+that does not think, ``enable_thinking: false``, only ``none``: ``gateway/pipeline/upstream_body.py``). Whatever
 the model it is checked (:meth:`Routing.check_effort`, else 400 ``invalid_value``): under ``auto`` it must be one
 of the efforts ``routing.effort_tiers`` maps (by default OpenAI's seven, ``none`` to ``max``), on a forced tier one
 of those or of OpenAI's seven — a forced tier once sent any string on, so a typo was answered by the upstream (or

@@ -11,8 +11,8 @@ can be built from the same input) with:
   chunk again when the client did not ask for it);
 - the tier's thinking budget (:func:`apply_budget`; ``forced`` and ``prompted`` tiers are served by
   ``gateway/thinking/forcing.py``, a ``prompted`` one with its budget in the prompt: ``gateway/thinking/dial.py``);
-- on a tier that does not think (``enable_thinking: false``), no client ``reasoning_effort`` (the tier's own
-  ``sampling.reasoning_effort``, if the operator set one, is kept).
+- on a tier that does not think (``enable_thinking: false``), no client ``reasoning_effort`` other than ``none``
+  (the tier's own ``sampling.reasoning_effort``, if the operator set one, is kept).
 
 Every other field — vLLM extras such as ``chat_template_kwargs``, ``top_k``, ``repetition_penalty`` — is
 passed through unchanged.
@@ -72,9 +72,10 @@ def build(body: dict[str, Any], tier: TierConfig, endpoint: WireEndpoint) -> dic
     """The upstream body for ``tier`` (``endpoint``: ``chat`` or ``completions``); see the module doc."""
     out = {**tier.sampling, **body} if tier.sampling else dict(body)
     out["model"] = tier.model
-    if not tier.enable_thinking and "reasoning_effort" in body:
+    if not tier.enable_thinking and body.get("reasoning_effort", "none") != "none":
         # the model is told not to think (chat_template_kwargs.enable_thinking: false): an effort beside it is a
-        # contradiction an upstream may refuse or act on; the budget is dropped for the same reason (apply_budget)
+        # contradiction an upstream may refuse or act on (a template that reads the effort and not the switch
+        # thinks at it); the budget is dropped for the same reason (apply_budget). "none" says what the tier does.
         if "reasoning_effort" in tier.sampling:
             out["reasoning_effort"] = tier.sampling["reasoning_effort"]
         else:
