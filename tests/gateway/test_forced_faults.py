@@ -16,7 +16,15 @@ import openai
 import pytest
 
 from gateway.ledger.record import UsageRecord
-from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, sim_tiers, wait_for
+from tests.fixtures.upstream import (
+    TEST_KEY,
+    GatewayServer,
+    SimProcess,
+    StreamRead,
+    sim_settings,
+    sim_tiers,
+    wait_for,
+)
 
 BUDGET = 8
 QUESTION = "Start with 7. Add 5, then multiply by 3. What is the result of all these steps?"
@@ -39,17 +47,9 @@ def _client(gw: GatewayServer) -> openai.OpenAI:
 
 def _streamed(client: openai.OpenAI, sim: dict[str, Any]) -> tuple[str, str, str | None, dict[str, Any] | None]:
     """(reasoning, content, finish_reason, usage) of a streamed forced answer with ``include_usage``."""
-    reasoning = content = ""
-    finish, usage = None, None
-    for chunk in client.chat.completions.create(model="short", messages=MESSAGES, stream=True,  # type: ignore[call-overload]
-                                                stream_options={"include_usage": True}, extra_body={"sim": sim}):
-        if chunk.usage is not None:
-            usage = chunk.usage.model_dump(exclude_none=True)
-        for c in chunk.choices:
-            content += c.delta.content or ""
-            reasoning += (c.delta.model_extra or {}).get("reasoning") or ""
-            finish = c.finish_reason or finish
-    return reasoning, content, finish, usage
+    got = StreamRead().read(client.chat.completions.create(  # type: ignore[call-overload]
+        model="short", messages=MESSAGES, stream=True, stream_options={"include_usage": True}, extra_body={"sim": sim}))
+    return got.reasoning, got.content, got.finish, got.usage
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -16,7 +16,15 @@ import openai
 import pytest
 
 from gateway.engine.redis_server import free_port
-from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, start_sim, wait_for
+from tests.fixtures.upstream import (
+    TEST_KEY,
+    GatewayServer,
+    SimProcess,
+    StreamRead,
+    sim_settings,
+    start_sim,
+    wait_for,
+)
 
 MESSAGES = [{"role": "user", "content": "tell me a story about a fox"}]
 RESPONSE_TIMEOUT_S = 3.0
@@ -277,17 +285,11 @@ def test_stream_answered_with_a_json_body_is_relayed_as_a_stream(client: openai.
     options = {"stream_options": {"include_usage": True}} if include_usage else {}
     stream = client.chat.completions.create(model="ok", messages=MESSAGES, stream=True, **options,  # type: ignore[call-overload]
                                             extra_body={"sim": {"fail": "json-body", "usage": REPORTED_USAGE}})
-    content, reasoning, finish, usage = "", "", None, None
-    for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage.model_dump(exclude_none=True)
-        for c in chunk.choices:
-            content += c.delta.content or ""
-            reasoning += (c.delta.model_extra or {}).get("reasoning") or ""
-            finish = c.finish_reason or finish
+    got = StreamRead().read(stream)
     message = expected.choices[0].message
-    assert (content, reasoning, finish) == (message.content, (message.model_extra or {})["reasoning"], "stop")
-    assert usage == (REPORTED_USAGE if include_usage else None)
+    assert (got.content, got.reasoning, got.finish) == (message.content, (message.model_extra or {})["reasoning"],
+                                                        "stop")
+    assert got.usage == (REPORTED_USAGE if include_usage else None)
     assert wait_for(lambda: len(records) == 2)
     rec = records[1]
     assert (rec.status, rec.error_code, rec.partial, rec.usage_source) == (200, None, False, "upstream")
