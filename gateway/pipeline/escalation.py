@@ -164,7 +164,8 @@ async def peek_stream(
     if summary["usage"] is None:  # none came (an error event ended it): the running totals, or the deltas read
         summary["usage"] = tally.last_usage
         summary["counted"] = _counted(tally)
-    return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose), summary
+    counted = isinstance(resp, SyntheticResponse) and resp.counted_on_failure  # a forced stream's, kept
+    return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose, counted_on_failure=counted), summary
 
 
 def _joined(body: dict[str, Any], endpoint: WireEndpoint) -> tuple[str, str, bool, str | None]:

@@ -50,7 +50,7 @@ from gateway.pipeline.relay import CLIENT_CLOSED, complete, count_answer, count_
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import Sessions
 from gateway.thinking import dial
-from gateway.thinking.forcing import open_forced
+from gateway.thinking.forcing import ForcedCallFailed, open_forced
 from gateway.upstream.balancer import conversation_affinity
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamConnectTimeout, UpstreamPool
 from gateway.upstream.response import UpstreamResponse, json_body
@@ -235,6 +235,12 @@ class Proxy:
                     else:
                         resp = await self.upstreams.open(tier, ENDPOINT_PATHS[caller.endpoint],
                                                          orjson.dumps(built), stream=record.stream)
+            except ForcedCallFailed as failed:  # a non-streamed forced call that failed once part of it ran
+                record.partial = True
+                if record.set_usage(failed.usage):  # what is known to have run (phase 1, phase 2 begun), billed
+                    record.usage_source = "counted"
+                await ex.close(failed.error.status, failed.error.code)
+                raise failed.error from None
             except (UpstreamUnavailable, UpstreamConnectTimeout) as exc:
                 log.warning("tier %s unavailable (%s)%s", tier.name, exc.message,
                             "; falling back" if i + 1 < len(candidates) else "")

@@ -50,7 +50,7 @@ from gateway.openai.usage import (
 from gateway.pipeline.exchange import Exchange
 from gateway.state.limits import requested_choices
 from gateway.upstream.pool import UpstreamPool
-from gateway.upstream.response import UpstreamResponse, chunk_batches
+from gateway.upstream.response import SyntheticResponse, UpstreamResponse, chunk_batches
 
 if TYPE_CHECKING:
     from gateway.pipeline.accounting import Accounting
@@ -172,8 +172,10 @@ class _Run:
     """One relay's state: the tally, the assembler (for the cache or a shadow comparison), the outcome."""
 
     def __init__(self, ex: Exchange, wants_usage: bool, choices: int, pool: UpstreamPool,
-                 body: dict[str, Any] | None) -> None:
+                 body: dict[str, Any] | None, counted_on_failure: bool = False) -> None:
         self.ex = ex
+        # a usage chunk held back from a stream that then failed is the gateway's count (a forced call's bill)
+        self.counted_on_failure = counted_on_failure
         self.pool = pool
         self.body = body  # the client's request, to count its prompt when no upstream usage comes
         self.record = ex.record
@@ -287,7 +289,10 @@ class _Run:
         if status != 200 and not self.cut:
             record.partial = True
             usage = tally.usage_chunk["usage"] if tally.usage_chunk is not None else None
-            if not record.set_usage(usage) and not record.set_usage(tally.last_usage):
+            if record.set_usage(usage):
+                if self.counted_on_failure and self.status is not None:  # it failed after the gateway's bill
+                    record.usage_source = "counted"
+            elif not record.set_usage(tally.last_usage):
                 await self.count()
         asm = self.assembler
         complete = status == 200 and not self.cut and asm is not None and asm.complete
@@ -375,7 +380,8 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
     ``limits.max_stream_s``); ``body``: the client's request, whose prompt is counted (:func:`count_prompt`) when
     the stream ends with no upstream usage.
     """
-    run = _Run(ex, wants_usage, choices, pool, body)
+    run = _Run(ex, wants_usage, choices, pool, body,
+               counted_on_failure=isinstance(resp, SyntheticResponse) and resp.counted_on_failure)
     renewer = asyncio.ensure_future(renew(ex.accounting, ex))
     try:
         async for batch in chunk_batches(resp):

@@ -25,6 +25,12 @@ chunk is the relay's in-stream error (no answer phase after a failed thought; me
 ``upstream_error``, the deltas relayed and the prompt counted), not streamed a 502; a phase that ends without
 ``[DONE]`` is a broken stream (``upstream_stream_broken``).
 
+**A call that fails in phase 2** (its error document, a broken or stalled stream, an answer phase refused) is billed
+what the upstream is known to have processed, streamed or not (:meth:`ForcedBudget._spent`): phase 1 as it reported
+it, plus phase 2's prompt when phase 2 was answered 200 (the upstream read it before its first event — the rule the
+relay applies to any failed stream — and reported nothing) and the answer deltas it sent. The client's error stays
+what it was; the usage event says ``partial`` and ``usage_source: counted``.
+
 **Loop guard** (``loop_guard`` on a forced tier): an n-gram of whitespace words seen ``max_repeats`` times in
 the streamed thought ends phase 1 early, as if the budget were hit.
 
@@ -34,6 +40,7 @@ Escalation (retrying a weak answer on the next tier) is a pipeline decision: :mo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 import uuid
@@ -44,10 +51,10 @@ from typing import Any
 import orjson
 
 from gateway.config import TierConfig
-from gateway.errors import InvalidRequest, UpstreamError, UpstreamStreamError
+from gateway.errors import GatewayError, InvalidRequest, UpstreamError, UpstreamStreamError
 from gateway.ledger.event import WireEndpoint
 from gateway.openai.sse import DONE_CHUNK, Chunk
-from gateway.openai.usage import generated_text, merge_usage, token_count
+from gateway.openai.usage import generated_text, merge_usage, token_count, usage_counts
 from gateway.thinking.loop_guard import LoopDetector
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamPool
 from gateway.upstream.response import SyntheticResponse, UpstreamResponse, chunk_batches
@@ -67,6 +74,18 @@ class PhaseError(Exception):
         message = error.get("message") if isinstance(error, dict) else error
         super().__init__(str(message or "the upstream sent an error"))
         self.chunk = chunk
+
+
+class ForcedCallFailed(Exception):
+    """A non-streamed forced call that failed after some of it is known to have run (phase 2's failure, or one of
+    its ``n`` generations'): ``error`` is the error the client gets (the same as without this), ``usage`` (OpenAI's
+    shape, tokens) what the upstream is known to have processed (:meth:`ForcedBudget._spent`, summed over the
+    choices). The proxy meters ``usage`` (``partial``, ``usage_source: counted``) and raises ``error``."""
+
+    def __init__(self, error: GatewayError, usage: dict[str, Any]) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.usage = usage
 
 
 async def _pieces(resp: Any, endpoint: WireEndpoint) -> AsyncIterator[Piece]:
@@ -144,6 +163,7 @@ class _Phase:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    failed: bool = False
 
 
 #: sends one phase's upstream body (a dict) to the tier's upstream, streamed: the response
@@ -183,17 +203,31 @@ class ForcedBudget:
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """One combined non-streamed response (OpenAI JSON). ``body`` is the tier's upstream body; ``n``
         choices are ``n`` independent forced generations. Built from :meth:`stream` (the upstream calls are
-        streamed either way), so the loop guard applies to both."""
+        streamed either way), so the loop guard applies to both.
+
+        A generation that fails fails the call with its error, once all ``n`` ended (each one's usage is known then,
+        not lost with the first error): :class:`ForcedCallFailed` with the usage of what ran — the complete choices'
+        and the failed ones' bills (:meth:`_spent`) — when there is any, else the error itself (nothing known ran:
+        the proxy may still fall back to another tier)."""
         n = int(body.get("n") or 1)
         one = {**body, "n": 1, "stream": True}
-        results = await asyncio.gather(*(self._assemble(self.stream(one)) for _ in range(n)))
+        # every generation runs to its end, so that one's failure does not lose the others' usage
+        outcomes = await asyncio.gather(*(self._assemble(self.stream(one)) for _ in range(n)), return_exceptions=True)
         usage: dict[str, Any] = {}
         reasoning = 0
-        choices = []
-        for i, (choice, u, _) in enumerate(results):
-            reasoning += u["completion_tokens_details"]["reasoning_tokens"]
-            usage = merge_usage(usage, u, reasoning)
-            choices.append({**choice, "index": i})
+        for out in outcomes:
+            u = out.usage if isinstance(out, ForcedCallFailed) else None if isinstance(out, BaseException) else out[1]
+            if u:
+                reasoning += token_count((u.get("completion_tokens_details") or {}).get("reasoning_tokens"), None) or 0
+                usage = merge_usage(usage, u, reasoning)
+        failed = next((out for out in outcomes if isinstance(out, BaseException)), None)
+        if failed is not None:
+            error = failed.error if isinstance(failed, ForcedCallFailed) else failed
+            if usage and isinstance(error, GatewayError):
+                raise ForcedCallFailed(error, usage)
+            raise error
+        results = [out for out in outcomes if not isinstance(out, BaseException)]
+        choices = [{**choice, "index": i} for i, (choice, _, _) in enumerate(results)]
         obj = "chat.completion" if self.endpoint == "chat" else "text_completion"
         return {**results[0][2], "object": obj, "choices": choices, "usage": usage}
 
@@ -201,36 +235,42 @@ class ForcedBudget:
         self, chunks: AsyncIterator[Chunk]
     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """(choice, usage, response metadata) from the chunks of one forced stream (its dicts, as built). Raises
-        :class:`~gateway.errors.UpstreamError` for a stream that ended in an upstream's error."""
+        :class:`~gateway.errors.UpstreamError` for a stream that ended in an upstream's error, and the stream's own
+        errors — as :class:`ForcedCallFailed` with the usage the stream sent before it failed (its phase-2 bill)."""
         reasoning: list[str] = []
         text: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         finish: str | None = None
         usage: dict[str, Any] = {}
         meta: dict[str, Any] = {}
-        async for item in chunks:
-            data = item.data
-            if data is None:
-                break
-            if "error" in data and not data.get("choices"):  # a phase's error: the call failed (502)
-                raise UpstreamError(f"upstream of tier {self.tier.name!r} sent an error: {PhaseError(item)}")
-            meta = meta or {k: data[k] for k in ("id", "created", "model") if k in data}
-            usage = data.get("usage") or usage
-            for c in data.get("choices") or ():
-                finish = c.get("finish_reason") or finish
-                if self.endpoint == "completions":
-                    text.append(c.get("text") or "")
-                    continue
-                delta = c.get("delta") or {}
-                reasoning.append(delta.get("reasoning") or "")
-                text.append(delta.get("content") or "")
-                for call in delta.get("tool_calls") or ():
-                    slot = calls.setdefault(int(call.get("index") or 0),
-                                            {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-                    fn = call.get("function") or {}
-                    slot["id"] = call.get("id") or slot["id"]
-                    slot["function"]["name"] = fn.get("name") or slot["function"]["name"]
-                    slot["function"]["arguments"] += fn.get("arguments") or ""
+        try:
+            async for item in chunks:
+                data = item.data
+                if data is None:
+                    break
+                if "error" in data and not data.get("choices"):  # a phase's error: the call failed (502)
+                    raise UpstreamError(f"upstream of tier {self.tier.name!r} sent an error: {PhaseError(item)}")
+                meta = meta or {k: data[k] for k in ("id", "created", "model") if k in data}
+                usage = data.get("usage") or usage
+                for c in data.get("choices") or ():
+                    finish = c.get("finish_reason") or finish
+                    if self.endpoint == "completions":
+                        text.append(c.get("text") or "")
+                        continue
+                    delta = c.get("delta") or {}
+                    reasoning.append(delta.get("reasoning") or "")
+                    text.append(delta.get("content") or "")
+                    for call in delta.get("tool_calls") or ():
+                        slot = calls.setdefault(int(call.get("index") or 0), {
+                            "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                        fn = call.get("function") or {}
+                        slot["id"] = call.get("id") or slot["id"]
+                        slot["function"]["name"] = fn.get("name") or slot["function"]["name"]
+                        slot["function"]["arguments"] += fn.get("arguments") or ""
+        except GatewayError as exc:
+            if usage:  # sent before the failure: what the call is known to have used (phase 1, phase 2 begun)
+                raise ForcedCallFailed(exc, usage) from exc
+            raise
         if self.endpoint == "chat":
             content = "".join(text)
             message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else ""),
@@ -299,23 +339,77 @@ class ForcedBudget:
             yield chunk(close, "text")
         p2 = _Phase()
         req2 = answer_request(body, self.tier, self.endpoint, p1.text, natural, used)
-        resp = await self.open_phase(req2)
-        try:
-            async for piece, finish, usage, calls in _pieces(resp, self.endpoint):
-                p2.usage = usage or p2.usage
-                if calls:  # the answer calls tools: relayed intact
-                    delta = {"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}
-                    yield Chunk({**head, "choices": [delta]})
-                if piece or finish:
-                    yield chunk(piece or None, "content" if self.endpoint == "chat" else "text", finish)
-        except PhaseError as exc:
-            yield exc.chunk
+        async with contextlib.aclosing(self._answer(req2, head, chunk, p1, used, p2)) as answer:
+            async for item in answer:  # closed with this stream: its upstream response with it
+                yield item
+        if p2.failed:  # its error (and the bill before it) was the stream's end
             return
-        finally:
-            await resp.aclose()
         usage = merge_usage(p1.usage, p2.usage, used)
         yield Chunk({**head, "choices": [], "usage": usage})
         yield DONE_CHUNK
+
+    async def _answer(self, req2: dict[str, Any], head: dict[str, Any], chunk: Callable[..., Chunk], p1: _Phase,
+                      used: int, p2: _Phase) -> AsyncGenerator[Chunk, None]:
+        """Phase 2 (``req2``): its answer chunks, its usage into ``p2``. When it fails, the bill of what ran
+        (:meth:`_spent`) comes first, then its error chunk (``p2.failed``) or its error raised (a broken, stalled
+        or refused phase: the relay's error)."""
+        sent = 0  # answer deltas passed on (≈ tokens on vLLM)
+        answer: UpstreamResponse | None = None
+        try:
+            answer = await self.open_phase(req2)
+            async for piece, finish, usage, calls in _pieces(answer, self.endpoint):
+                p2.usage = usage or p2.usage
+                if calls:  # the answer calls tools: relayed intact
+                    delta = {"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}
+                    sent += 1
+                    yield Chunk({**head, "choices": [delta]})
+                if piece or finish:
+                    sent += bool(piece)
+                    yield chunk(piece or None, "content" if self.endpoint == "chat" else "text", finish)
+        except PhaseError as exc:
+            if (bill := await self._spent(head, p1, used, p2, req2 if answer is not None else None, sent)):
+                yield bill
+            p2.failed = True
+            yield exc.chunk
+        except GatewayError:
+            if (bill := await self._spent(head, p1, used, p2, req2 if answer is not None else None, sent)):
+                yield bill
+            raise
+        finally:
+            if answer is not None:
+                await answer.aclose()
+
+    async def _spent(self, head: dict[str, Any], p1: _Phase, used: int, p2: _Phase, req2: dict[str, Any] | None,
+                     sent: int) -> Chunk | None:
+        """The usage-only chunk of a call that failed in phase 2: what the upstream is known to have processed, in
+        tokens, summed as a complete call's usage is (``reasoning_tokens`` = ``used``, phase 1's completion):
+
+        - phase 1 as the upstream reported it (prompt, cached prompt, completion);
+        - phase 2 as reported, when its usage came before the failure; else its prompt (``req2``, the phase-2 body)
+          — completions: its prompt text tokenized; chat: phase 1's reported prompt plus the tokens of the
+          assistant turn phase 2 adds (``"<think>\\n" + thought + close``: vLLM renders phase 2's prompt with
+          ``continue_final_message`` as phase 1's followed by that text), tokenized by the tier's upstream, else
+          estimated — and one completion token per answer delta sent (``sent``, as the relay counts a failed
+          stream). The prompt is billed because the upstream answered phase 2 with 200, so it had read it (the
+          relay's rule for any failed stream), and reported no usage; its cached part is unknown, so it is billed
+          at the input rate. ``req2`` None: phase 2 was never answered (refused, no connection): nothing of it is
+          known to have run, and nothing of it is billed.
+
+        None when phase 1 reported no prompt count: nothing is known well enough to bill, and the relay counts the
+        call as any failed stream (a non-streamed call is then billed no tokens, as before)."""
+        prompt1 = token_count((p1.usage or {}).get("prompt_tokens"))
+        if prompt1 is None:
+            return None
+        if usage_counts(p2.usage) is not None:
+            phase2 = p2.usage
+        else:
+            prompt2 = 0
+            if req2 is not None and self.endpoint == "completions":
+                prompt2 = await self.count(req2["prompt"])
+            elif req2 is not None:
+                prompt2 = prompt1 + await self.count(req2["messages"][-1]["content"])
+            phase2 = {"prompt_tokens": prompt2, "completion_tokens": sent}
+        return Chunk({**head, "choices": [], "usage": merge_usage(p1.usage, phase2, used)})
 
 
 async def open_forced(
@@ -325,7 +419,9 @@ async def open_forced(
 
     Streams are primed up to the first chunk, so connection failures of the thought phase raise here
     (UpstreamUnavailable & co.) and the proxy can still fall back. Raises InvalidRequest for what forcing
-    cannot serve (see :meth:`ForcedBudget.check`).
+    cannot serve (see :meth:`ForcedBudget.check`), and :class:`ForcedCallFailed` for a non-streamed call that
+    failed once some of it had run. A stream's bill of a failed phase 2 is a usage-only chunk before its error
+    (:meth:`ForcedBudget._spent`): the response says so (``counted_on_failure``), for the relay.
     """
     path = ENDPOINT_PATHS[endpoint]
     forced = ForcedBudget(tier, endpoint,
@@ -337,4 +433,4 @@ async def open_forced(
         return SyntheticResponse(data=data)
     chunks = forced.stream(body)
     first = await chunks.__anext__()
-    return SyntheticResponse(events=chunks, head=[[first]])
+    return SyntheticResponse(events=chunks, head=[[first]], counted_on_failure=True)

@@ -38,7 +38,10 @@ class SyntheticResponse:
     or chunk batches from ``head`` (batches already read), then ``chunks`` (the rest, in batches) or ``events``
     (the rest, one chunk a batch: a composed stream, one event per write). Gateway errors raised by them
     propagate as they are: the relay turns :class:`gateway.errors.GatewayError` into one in-stream error event.
-    ``closer``: called by :meth:`aclose` (the wrapped response's)."""
+    ``closer``: called by :meth:`aclose` (the wrapped response's). ``counted_on_failure``: a usage-only chunk the
+    stream sends before it fails is the gateway's count of what ran, not an upstream's report (budget forcing's
+    bill of a failed answer phase, :meth:`gateway.thinking.forcing.ForcedBudget._spent`): the relay meters it as
+    ``usage_source: counted``."""
 
     def __init__(
         self,
@@ -47,8 +50,10 @@ class SyntheticResponse:
         head: list[list[Chunk]] | None = None,
         closer: Callable[[], Awaitable[None]] | None = None,
         events: AsyncIterator[Chunk] | None = None,
+        counted_on_failure: bool = False,
     ) -> None:
         self.data = data
+        self.counted_on_failure = counted_on_failure
         self._chunks = chunks
         self._events = events
         self._head = head or []

@@ -12,11 +12,16 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
+import redis
 
+from gateway.ledger.event import UsageEvent
 from gateway.ledger.record import UsageRecord
+from gateway.state.keys import RedisKeys
 from tests.fixtures.upstream import (
+    SESSION_PREFIX,
     TEST_KEY,
     GatewayServer,
     SimProcess,
@@ -121,6 +126,70 @@ def test_a_non_streamed_forced_call_whose_phase_fails_is_a_502(
     assert info.value.status_code == 502 and "simulated engine error" in info.value.message
     assert wait_for(lambda: len(records) == before + 1, timeout_s=10)
     assert (records[-1].status, records[-1].error_code) == (502, "upstream_error")
+
+
+def _event(redis_url: str, request_id: str) -> UsageEvent:
+    """The usage event of ``request_id`` in Redis (the ledger's event stream), once it was written."""
+    client = redis.Redis.from_url(redis_url)
+    found: list[UsageEvent] = []
+
+    def written() -> bool:
+        found[:] = [e for _, f in client.xrange(RedisKeys(SESSION_PREFIX).events)
+                    if (e := UsageEvent.from_json(f[b"e"])).request_id == request_id]
+        return bool(found)
+
+    try:
+        assert wait_for(written, timeout_s=10), f"no usage event of {request_id} in Redis"
+    finally:
+        client.close()
+    return found[0]
+
+
+@pytest.mark.parametrize("mode", ["error-event", "json-error"])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_a_call_that_fails_in_phase_2_is_billed_the_thought_and_the_answer_phase_it_began(
+        forced: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess, redis_url: str, endpoint: str,
+        mode: str) -> None:
+    """Phase 1 completed and reported its usage; phase 2 was answered 200, then failed (an error event after some of
+    the answer, or the error document as its body). Streamed or not, the call is billed the same: phase 1 as reported
+    (its completion as reasoning), phase 2's prompt (phase 1's and the thought again) and the answer deltas it sent
+    — in the usage event in Redis. Not streamed it was billed no tokens at all; streamed, phase 1's prompt (counted)
+    and the deltas, not phase 2's prompt. The client's errors are unchanged (the tests above)."""
+    gw, records = forced
+    client = _client(gw)
+    chat = endpoint == "chat"
+    ask: dict[str, Any] = {"messages": MESSAGES} if chat else {"prompt": QUESTION}
+    create = client.chat.completions.create if chat else client.completions.create
+    whole = create(model="short", **ask, extra_body={"sim": {"fail": "none"}})  # type: ignore[operator]
+    assert whole.usage is not None and whole.usage.completion_tokens_details is not None
+    thought = whole.usage.completion_tokens_details.reasoning_tokens  # phase 1's reported completion
+    assert thought and 0 < thought < whole.usage.completion_tokens
+    prompt1 = httpx.post(upstream_sim.root + "/tokenize", json=ask, timeout=5).json()["count"]
+
+    before = len(records)
+    got = StreamRead()
+    with pytest.raises(openai.APIError, match="simulated engine error"):
+        got.read(create(model="short", **ask, stream=True,  # type: ignore[operator]
+                        extra_body={"sim": {"fail": mode, "tag": uuid.uuid4().hex, "fail_from": 1}}))
+    with pytest.raises(openai.APIStatusError, match="simulated engine error") as info:
+        create(model="short", **ask,  # type: ignore[operator]
+               extra_body={"sim": {"fail": mode, "tag": uuid.uuid4().hex, "fail_from": 1}})
+    assert info.value.status_code == 502
+    assert wait_for(lambda: len(records) == before + 2, timeout_s=10)
+    streamed, answered = (_event(redis_url, r.request_id) for r in records[before:])
+    assert (streamed.stream, answered.stream) == (True, False)
+    for ev in (streamed, answered):
+        assert (ev.status, ev.error_code, ev.partial, ev.usage_source, ev.over_bound) == (
+            502, "upstream_error", True, "counted", False)
+        assert ev.reasoning_tokens == thought
+        # phase 2's prompt re-reads phase 1's and the thought: both billed, never more than a complete call's
+        assert 2 * prompt1 + thought <= ev.prompt_tokens <= whole.usage.prompt_tokens
+        assert ev.cost_micro_usd > 0
+    if chat:  # the answer deltas the client got before the error, one token each (none after an error body)
+        assert streamed.completion_tokens == thought + got.deltas
+        assert (got.deltas > 0) == (mode == "error-event")
+    assert (answered.prompt_tokens, answered.completion_tokens, answered.reasoning_tokens, answered.cost_micro_usd) \
+        == (streamed.prompt_tokens, streamed.completion_tokens, streamed.reasoning_tokens, streamed.cost_micro_usd)
 
 
 def test_a_phase_stream_that_ends_without_done_is_a_broken_stream(
