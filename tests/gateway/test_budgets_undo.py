@@ -29,14 +29,13 @@ from gateway.state.breaker import Breaker
 from gateway.state.budgets import BudgetLevels, BudgetStore
 from gateway.state.keys import RedisKeys
 from tests.fixtures.gateway import SECRETS, accounting_gateway, cleanup
-from tests.fixtures.redis_cluster import ClusterSet, redis_cluster
+from tests.fixtures.redis_cluster import ClusterSet
 from tests.fixtures.redis_stack import Stack, snapshot, stack
 from tests.fixtures.upstream import SimProcess
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
-__all__ = ["redis_cluster"]  # the session fixture used below
 
 
 @pytest.mark.parametrize("defined", [False, True])

@@ -15,10 +15,8 @@ import redis
 
 from gateway.state.cache import CacheEntry, ResponseCache
 from gateway.state.cache_policy import CacheDecision
-from tests.fixtures.redis_cluster import ClusterSet, redis_cluster
+from tests.fixtures.redis_cluster import ClusterSet
 from tests.fixtures.redis_stack import cache_cfg, count_exchanges, stack
-
-__all__ = ["redis_cluster"]  # the session fixture used below
 
 DECISION = CacheDecision(lookup=True, store=True, ttl_s=60)
 

@@ -18,10 +18,8 @@ from gateway.state.keys import RedisKeys, key_tenant, tenant_tag
 from gateway.state.redis import cluster_prefix
 from tests.fixtures.gateway import ADMIN_SECRET
 from tests.fixtures.gateway_process import serve, serve_config
-from tests.fixtures.redis_cluster import ClusterSet, redis_cluster
+from tests.fixtures.redis_cluster import ClusterSet
 from tests.fixtures.upstream import SimProcess
-
-__all__ = ["redis_cluster"]
 
 TENANTS = 100
 REQUESTS_PER_TENANT = 8

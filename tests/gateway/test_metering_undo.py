@@ -26,10 +26,8 @@ from gateway.ledger.event import UsageEvent
 from gateway.observability.metrics import Metrics
 from gateway.state.keys import RedisKeys
 from gateway.state.write_ahead import WalRecord, WriteAhead
-from tests.fixtures.redis_cluster import ClusterSet, redis_cluster
+from tests.fixtures.redis_cluster import ClusterSet
 from tests.fixtures.redis_stack import Stack, snapshot, stack
-
-__all__ = ["redis_cluster"]  # the session fixture used below
 
 PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
                 output_usd_per_mtok=Decimal("2.00"))

@@ -23,10 +23,8 @@ from gateway.config import TierConfig
 from gateway.state.limits import estimate
 from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, keys_config
 from tests.fixtures.gateway_process import REPO, ServeProcess, serve, serve_config
-from tests.fixtures.redis_cluster import ClusterSet, SentinelSet, redis_cluster, redis_sentinel
+from tests.fixtures.redis_cluster import ClusterSet, SentinelSet
 from tests.fixtures.upstream import SimProcess, sim_tiers
-
-__all__ = ["redis_cluster", "redis_sentinel"]  # module fixtures used below
 
 ADMIN = {"authorization": f"Bearer {ADMIN_SECRET}"}
 BUDGET_BODY = {"model": "short", "messages": [{"role": "user", "content": "budget race"}], "sim": {"delay_ms": 300}}
@@ -34,8 +32,21 @@ BUDGET_BODY = {"model": "short", "messages": [{"role": "user", "content": "budge
 
 @pytest.fixture(scope="module", params=["cluster", "sentinel"])
 def backend(request: pytest.FixtureRequest) -> ClusterSet | SentinelSet:
-    """The real Cluster, then the real Sentinel set (each started once for this module)."""
-    return request.getfixturevalue("redis_cluster" if request.param == "cluster" else "redis_sentinel")
+    """The real Cluster (the session's, whole again: :meth:`ClusterSet.wait_settled`), then the real Sentinel set
+    (started for this module)."""
+    if request.param == "cluster":
+        c: ClusterSet = request.getfixturevalue("shared_redis_cluster")
+        c.wait_settled()
+        return c
+    s: SentinelSet = request.getfixturevalue("redis_sentinel")
+    return s
+
+
+@pytest.fixture(autouse=True)
+def _settled(backend: ClusterSet | SentinelSet) -> None:
+    """Each test, not only the module's first, starts on a whole shared Cluster (the check takes milliseconds)."""
+    if isinstance(backend, ClusterSet):
+        backend.wait_settled()
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,8 @@ import redis
 
 from gateway.config import Prices
 from gateway.ledger.event import UsageEvent
-from tests.fixtures.redis_cluster import ClusterSet, SentinelSet, redis_cluster, redis_sentinel
+from tests.fixtures.redis_cluster import ClusterSet, SentinelSet
 from tests.fixtures.redis_stack import stack
-
-__all__ = ["redis_cluster", "redis_sentinel"]  # the fixtures used below
 
 PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
                 output_usd_per_mtok=Decimal("2.00"))

@@ -30,10 +30,8 @@ from gateway.state import quarantine as q
 from gateway.state.metering import quarantine_path
 from gateway.state.spool import Quarantine, quarantined
 from gateway.state.write_ahead import WalRecord, WriteAhead
-from tests.fixtures.redis_cluster import ClusterSet, redis_cluster
+from tests.fixtures.redis_cluster import ClusterSet
 from tests.fixtures.redis_stack import Stack, stack
-
-__all__ = ["redis_cluster"]  # the session fixture used below
 
 REPO = Path(__file__).resolve().parents[2]
 PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),

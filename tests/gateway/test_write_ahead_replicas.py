@@ -29,12 +29,10 @@ from gateway.observability.metrics import Metrics
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import as_bytes, cluster_prefix
 from gateway.state.write_ahead import PUT_LUA, WalRecord, WriteAhead
-from tests.fixtures.redis_cluster import ClusterSet, SentinelSet, redis_cluster, redis_sentinel
+from tests.fixtures.redis_cluster import ClusterSet, SentinelSet
 from tests.fixtures.redis_stack import Stack, stack
 from tests.fixtures.upstream import SimProcess, start_sim, wait_for
 from tests.gateway.test_write_ahead import SETTLE_TIMEOUT_S, Stream, crash_scene
-
-__all__ = ["redis_cluster", "redis_sentinel"]  # the fixtures used below
 
 PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
                 output_usd_per_mtok=Decimal("2.00"))
