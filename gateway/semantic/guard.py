@@ -109,7 +109,13 @@ _QUOTES = re.compile(r"\"([^\"\n]{1,300})\"|“([^”\n]{1,300})”|«([^»\n]{1
 _QUOTE_CHARS = frozenset("\"“«`'")  # a text without any of them has no quoted string
 _NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+")
 _WORD = re.compile(r"[^\W\d_]+(?:['’][^\W\d_]+)*")
-_TOKEN = re.compile(r"\d+(?:\.\d+)?|(?<![\d.])\.\d+|[^\W\d_]+|[+\-×÷^=<>≤≥≠±%√!()\[\]]")
+_TOKEN = re.compile(r"\d+(?:\.\d+)?|(?<![\d.])\.\d+|[^\W\d_]+|[+\-×÷^=<>≤≥≠±%√!()\[\]]|:(?=\S)|[^\w\s:]")
+#: ASCII punctuation that is an operator in code and maths (``5 & 3``, ``C#``, ``A @ B``); every other character
+#: that is neither a word, a number nor one of the operators above is kept only if it is a symbol (Unicode
+#: categories Sm and So: ``∪ ∩ ⊆ ∧ ∨ ¬ → ≈ ≡ | ~``, ``°``, emoji). A colon is kept when text follows it directly
+#: (``x[1:]`` ≠ ``x[:1]``, ``3:2``), not as a sentence's ``Question: …``. Other punctuation (``. , ; ? " …``) is
+#: dropped.
+_CODE_PUNCT = frozenset("&#@")
 _TIMES_X = re.compile(r"(?<=\d)\s*[x×✕*·]\s*(?=[\d(-])")
 _WORD_HYPHEN = re.compile(r"(?<=[^\W\d_])-(?=[^\W\d_])")
 _BANG = re.compile(r"(?<=\d)!")
@@ -200,7 +206,7 @@ def _symbolise(text: str) -> str:
     if "\\" in text:
         for pattern, repl in _LATEX:
             text = pattern.sub(repl, text)
-    text = text.replace("**", "^").replace("−", "-").replace("–", "-")
+    text = text.replace("**", "^").replace("−", "-").replace("–", "-").replace("⁄", "/")  # ½ → 1⁄2 → 1/2
     text = _WORD_HYPHEN.sub(" ", text)  # twenty-three, well-known: words, not a subtraction
     text = _TIMES_X.sub(" × ", text)
     text = _BANG.sub(" ! ", text)
@@ -223,7 +229,7 @@ def forget_tokens() -> None:
 @functools.lru_cache(maxsize=256)
 def _tokens(text: str) -> tuple[str, ...]:
     text = _symbolise(text).casefold().replace("'", "").replace("’", "")
-    toks = _TOKEN.findall(text)
+    toks = [t for t in _TOKEN.findall(text) if len(t) > 1 or t.isalnum() or t in _OPERATOR_CHARS or _is_symbol(t)]
     # a leading decimal point is a number too (".5" → "0.5"): every later check reads numbers by their first digit
     toks = [_canonical_number(t) if t[:1].isdigit() or (t[:1] == "." and t[1:2].isdigit()) else t for t in toks]
     toks = _words_to_numbers(toks)
@@ -238,6 +244,17 @@ def _tokens(text: str) -> tuple[str, ...]:
             continue  # "multiplied by", "divided by"
         out.append(t)
     return tuple(out)
+
+
+_OPERATOR_CHARS = frozenset("+-×÷^=<>≤≥≠±%√!()[]:")
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_symbol(ch: str) -> bool:
+    """Is ``ch`` (one character that is no word, number or listed operator) a symbol the guard keeps? A text
+    differing only in one (``5 & 3`` / ``5 | 3``, ``A ∪ B`` / ``A ∩ B``, ``C#`` / ``C``, 👍 / 👎) asks something
+    else; these were dropped as punctuation, so such questions compared identical."""
+    return ch in _CODE_PUNCT or unicodedata.category(ch) in ("Sm", "So")
 
 
 def _numeric_near(toks: list[str], i: int) -> bool:
@@ -333,7 +350,7 @@ QUANTIFIERS = {**dict.fromkeys(_words("all each every both"), "all"),
 _CURRENCY = re.compile(r"[$€£¥₹₽₩¢]")
 _SKIP = COMMON | RELATIONS | NEGATIONS | DEGREE | ORDINALS | _ORDINAL_SUFFIX
 _WINDOW = 6  # tokens searched on each side of a relation word for its two ends
-GUARD_VERSION = 3  # stored features of another version are refused ("when in doubt, miss")
+GUARD_VERSION = 4  # stored features of another version are refused ("when in doubt, miss")
 
 
 def _is_number(t: str) -> bool:

@@ -113,6 +113,28 @@ EMBEDDING_DIFFERENT = [
 ]
 
 
+# An adversary's wrong hits (each served the other's answer, similarity >= 0.8 with the lexical embedder): symbols
+# that are neither words, numbers nor the listed operators were dropped as punctuation, so these compared identical.
+SYMBOL_DIFFERENT = [
+    ("In Python, what is 5 & 3?", "In Python, what is 5 | 3?", "operators"),
+    ("In JavaScript, what does true && false evaluate to?", "In JavaScript, what does true || false evaluate to?",
+     "operators"),
+    ("Compute {1, 2, 3} ∪ {2, 3, 4}", "Compute {1, 2, 3} ∩ {2, 3, 4}", "operators"),
+    ("Is A ⊆ B when A = {1} and B = {1, 2}?", "Is A ⊇ B when A = {1} and B = {1, 2}?", "operators"),
+    ("Is p ∧ q true when p is true and q is false?", "Is p ∨ q true when p is true and q is false?", "operators"),
+    ("Is ¬p true when p is false?", "Is p true when p is false?", "operators"),
+    ("What is x if x ≈ 3?", "What is x if x ≡ 3?", "operators"),
+    ("What is C# mainly used for?", "What is C mainly used for?", "operators"),
+    ("What does the 👍 emoji mean?", "What does the 👎 emoji mean?", "operators"),
+    ("In Python, what does x[1:] return for x = [1, 2, 3]?", "In Python, what does x[:1] return for x = [1, 2, 3]?",
+     "order"),
+]
+SYMBOL_SAME = [
+    ("What is ½ of 10?", "what is 1/2 of 10"),  # NFKC writes ½ with a fraction slash: a division
+    ("Question: what is 5 & 3?", "question:  what is 5&3"),  # a sentence's colon is still punctuation
+]
+
+
 @pytest.mark.parametrize(("a", "b"), SAME)
 def test_guard_passes_rephrasings(a: str, b: str) -> None:
     assert mismatch(features(a), features(b)) is None
@@ -147,6 +169,18 @@ def test_guard_compares_a_word_class_only_where_both_use_it(a: str, b: str) -> N
 def test_guard_compares_degree_currency_and_ordinals_without_the_word_check(a: str, b: str, why: str) -> None:
     assert mismatch(features(a), features(b)) == why
     assert mismatch(features(b), features(a)) == why
+
+
+@pytest.mark.parametrize(("a", "b", "why"), SYMBOL_DIFFERENT)
+def test_guard_reads_symbols_that_are_not_punctuation(a: str, b: str, why: str) -> None:
+    for same_words in (False, True):
+        assert mismatch(features(a), features(b), same_words) == why
+        assert mismatch(features(b), features(a), same_words) == why
+
+
+@pytest.mark.parametrize(("a", "b"), SYMBOL_SAME)
+def test_guard_symbols_keep_rephrasings(a: str, b: str) -> None:
+    assert mismatch(features(a), features(b), True) is None
 
 
 def test_features_round_trip_and_an_older_guards_features_are_refused() -> None:

@@ -47,6 +47,13 @@ CHANGED = [
      "Translate into Spanish and explain the grammar briefly: she is a doctor at the city hospital."),
     ("grouping", "What is 3 + 4 × 2? Show every step of the calculation and give the final answer.",
      "What is (3 + 4) × 2? Show every step of the calculation and give the final answer."),
+    # an adversary's wrong hits (guard v4): symbols dropped as punctuation
+    ("symbol", "In Python, what is 5 & 3? Explain the bitwise operation step by step.",
+     "In Python, what is 5 | 3? Explain the bitwise operation step by step."),
+    ("set_symbol", "Compute {1, 2, 3, 4} ∪ {3, 4, 5, 6} and list the elements in increasing order.",
+     "Compute {1, 2, 3, 4} ∩ {3, 4, 5, 6} and list the elements in increasing order."),
+    ("emoji", "What does the 👍 emoji usually mean when someone sends it in a work chat?",
+     "What does the 👎 emoji usually mean when someone sends it in a work chat?"),
 ]
 
 
