@@ -89,20 +89,30 @@ MORE = frozenset(_words("more greater larger bigger higher longer taller older m
 LESS = frozenset(_words("less fewer smaller lower shorter younger least fewest smallest lowest shortest "
                         "youngest minimum min below before earlier earliest decrease decreased decreases "
                         "lighter lightest slower slowest"))
-# Capitalised words that are not names: sentence starters, question words, imperatives of task prompts.
+# Words that are neither names nor content words: sentence starters, question words, and the imperatives that all
+# ask for the answer (``find``/``compute``/``determine``, ``explain``/``describe``, ``write``/``compose``…).
 COMMON = frozenset(_words("""a an the this that these those there here it its i we you he she they me my our your
 his her their what which who whom whose when where why how if then else is are was were be been being am do does did
 can could should would will shall may might must has have had let suppose assume consider given find compute
-calculate determine solve evaluate simplify express write explain describe give list name show prove state
+calculate determine solve evaluate express write explain describe give list name show prove state
 tell provide answer imagine pretend please now next also so but and or nor yet for of in on at by to from
 with without as after before during while because since until unless although though however therefore thus
 each every all some any many much most few several both either neither one two three four five six seven eight
 nine ten first second third last yes no not okay ok hi hello dear assistant question problem step part
-note hint use using based according compose create draft generate rewrite summarize summarise
-identify extract analyze analyse discuss develop design implement construct convert translate classify rank rate
-pick choose select estimate approximate round factor expand graph plot sketch draw complete fill read respond
-reply act embody picture craft share help edit revise return output print suggest recommend compare
+note hint use using based according compose convert read respond reply act embody picture craft share help
 define"""))
+#: The imperatives that say *what to do* with the rest of the question — ``Summarize``/``Translate``/``Classify``
+#: the same paragraph are three questions. Not names when capitalised, but content words (the lexical mode's
+#: same-words check, the word order) and, where both questions use one, compared by class in both modes
+#: (``task``); spelling variants and synonyms share a class.
+TASKS = {**{w: w for w in _words("""create draft generate rewrite identify extract discuss develop design implement
+construct translate classify rank rate estimate approximate round factor expand sketch draw complete fill edit revise
+return output print suggest recommend compare simplify proofread paraphrase critique review debug refactor fix
+optimize optimise correct categorize categorise sort reverse shorten lengthen continue""")},
+         "summarize": "summarize", "summarise": "summarize", "analyze": "analyze", "analyse": "analyze",
+         "pick": "choose", "choose": "choose", "select": "choose", "graph": "plot", "plot": "plot"}
+#: Capitalised words that are not names.
+NOT_NAMES = COMMON | TASKS.keys()
 
 _QUOTES = re.compile(r"\"([^\"\n]{1,300})\"|“([^”\n]{1,300})”|«([^»\n]{1,300})»|`([^`\n]{1,300})`"
                      r"|(?:(?<=^)|(?<=[\s(\[]))'([^'\n]{1,300})'(?=[\s.,;:!?)\]]|$)")
@@ -439,6 +449,11 @@ class Features:
     quantifiers: tuple[str, ...] = ()
 
     @property
+    def tasks(self) -> tuple[str, ...]:
+        """The task imperatives (:data:`TASKS`) by class, in order: ``summarize``, ``translate``…"""
+        return tuple(TASKS[t] for t in self.sequence if t in TASKS)
+
+    @property
     def ordered_numbers(self) -> tuple[str, ...]:
         """The numbers in the order they occur (``numbers`` is their sorted multiset)."""
         return tuple(t for t in self.math if _is_number(t))
@@ -525,7 +540,7 @@ def features(text: str) -> Features:
         less += t in LESS
     raw_words = _WORD.findall(_WORD_HYPHEN.sub(" ", unicodedata.normalize("NFKC", text)))
     names = frozenset(f for w in raw_words
-                      if w[:1].isupper() and len(w) > 1 and (f := _fold(w)) not in COMMON
+                      if w[:1].isupper() and len(w) > 1 and (f := _fold(w)) not in NOT_NAMES
                       and f not in NUMBER_WORDS and f not in OPERATOR_WORDS)
     units, relations, ordinals = _roles(toks)
     words = frozenset(t for t in sequence if t.isalpha() and t not in COMMON)
@@ -592,7 +607,7 @@ _CHECKS: tuple[tuple[str, Callable[[Features, Features], bool]], ...] = (
     ("word_order", lambda a, b: not _word_order(a, b)),
     ("question_word", _class_differs("wh")), ("person", _class_differs("persons")),
     ("tense", _class_differs("tenses")), ("modal", _class_differs("modals")),
-    ("quantifier", _class_differs("quantifiers")),
+    ("quantifier", _class_differs("quantifiers")), ("task", _class_differs("tasks")),
 )
 
 
@@ -605,7 +620,8 @@ def mismatch(a: Features, b: Features, same_words: bool = False) -> str | None:
     ``second``, ``half`` ≠ ``twice``), ``comparative`` (the comparison and superlative words in order),
     ``currency``, ``word_order`` (the content words both share, in order: names and nouns around a verb
     ``Alice pays Bob`` / ``Bob pays Alice``, a moved clause), then — where both questions use one —
-    ``question_word``, ``person``, ``tense``, ``modal``, ``quantifier``; and with ``same_words``, ``words``.
+    ``question_word``, ``person``, ``tense``, ``modal``, ``quantifier``, ``task``; and with ``same_words``,
+    ``words``.
 
     ``same_words`` also requires the same set of content words (normalised tokens that are not common
     sentence words): for a lexical similarity, which cannot tell a synonym (``buy`` → ``purchase``) from a

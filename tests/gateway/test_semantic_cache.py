@@ -134,6 +134,26 @@ SYMBOL_SAME = [
     ("Question: what is 5 & 3?", "question:  what is 5&3"),  # a sentence's colon is still punctuation
 ]
 
+# ...and the imperatives that say what to do with the rest (``summarize``/``translate``) were common words: the same
+# paragraph under another task compared the same (0.80–0.90). Compared by class (both modes) where both use one.
+TASK_DIFFERENT = [
+    ("Summarize the following paragraph: The mitochondria is the powerhouse of the cell, producing energy "
+     "through respiration.", "Translate the following paragraph: The mitochondria is the powerhouse of the cell, "
+     "producing energy through respiration.", "relation"),  # 'following' is a relation word: its left end
+    ("Classify this review as positive or negative: the food was cold and the service slow.",
+     "Rewrite this review as positive or negative: the food was cold and the service slow.", "task"),
+    ("Rank these cities by population: Tokyo, Delhi, Shanghai, Sao Paulo, Mexico City.",
+     "Rate these cities by population: Tokyo, Delhi, Shanghai, Sao Paulo, Mexico City.", "task"),
+    ("Draft an email declining the job offer from Acme politely and briefly thanking the recruiter.",
+     "Edit an email declining the job offer from Acme politely and briefly thanking the recruiter.", "task"),
+]
+TASK_SAME = [
+    ("Summarize this paragraph: the cell makes energy.", "summarize this paragraph the cell makes energy"),
+    ("Please answer this: Translate the sentence into German: the cat sleeps.",
+     "Translate the sentence into German: the cat sleeps."),
+    ("Calculate the area of a circle of radius 3.", "Compute the area of a circle of radius 3."),  # still common
+]
+
 
 @pytest.mark.parametrize(("a", "b"), SAME)
 def test_guard_passes_rephrasings(a: str, b: str) -> None:
@@ -180,6 +200,22 @@ def test_guard_reads_symbols_that_are_not_punctuation(a: str, b: str, why: str) 
 
 @pytest.mark.parametrize(("a", "b"), SYMBOL_SAME)
 def test_guard_symbols_keep_rephrasings(a: str, b: str) -> None:
+    assert mismatch(features(a), features(b), True) is None
+
+
+@pytest.mark.parametrize(("a", "b", "why"), TASK_DIFFERENT)
+def test_guard_reads_the_task_asked(a: str, b: str, why: str) -> None:
+    for same_words in (False, True):
+        assert mismatch(features(a), features(b), same_words) == why
+        assert mismatch(features(b), features(a), same_words) == why
+    # and a task added to a bare text is refused by the lexical mode (a changed content word, or its relation)
+    text = a.partition(": ")[2]
+    if text:
+        assert mismatch(features(a), features(text), True) is not None
+
+
+@pytest.mark.parametrize(("a", "b"), TASK_SAME)
+def test_guard_tasks_keep_rephrasings(a: str, b: str) -> None:
     assert mismatch(features(a), features(b), True) is None
 
 

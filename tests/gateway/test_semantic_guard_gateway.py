@@ -54,6 +54,10 @@ CHANGED = [
      "Compute {1, 2, 3, 4} ∩ {3, 4, 5, 6} and list the elements in increasing order."),
     ("emoji", "What does the 👍 emoji usually mean when someone sends it in a work chat?",
      "What does the 👎 emoji usually mean when someone sends it in a work chat?"),
+    # the task imperative was a common word
+    ("task", "Summarize the following paragraph: The mitochondria is the powerhouse of the cell, producing energy "
+     "through respiration.", "Translate the following paragraph: The mitochondria is the powerhouse of the cell, "
+     "producing energy through respiration."),
 ]
 
 
