@@ -349,10 +349,15 @@ easier easiest harder hardest simpler simplest safer safest"""))
 #: modals (``can`` ≠ ``must``) and the quantifiers (``all`` ≠ ``some``; ``each`` = ``every``).
 WH = frozenset(_words("what which who whom whose when where why how"))
 #: third persons only: "Can you tell me: …" adds a first and a second person to a question without changing it
+#: (the first and second persons are in the word order instead, :data:`SPEAKERS`)
 PERSONS = {**dict.fromkeys(_words("he him his himself"), "3m"), **dict.fromkeys(_words("she her hers herself"), "3f"),
            **dict.fromkeys(_words("they them their theirs themselves"), "3p")}
 TENSES = {**dict.fromkeys(_words("is are am does do has have"), "present"),
           **dict.fromkeys(_words("was were did had"), "past")}
+#: The first and second persons: common words, but who does what to whom — "I owe you 10 dollars and you owe me 4"
+#: is not "you owe me 10 dollars and I owe you 4". Kept in the word order (``sequence``), so they are compared where
+#: both questions use the same one; "Can you tell me: …" before a question without "you" or "me" changes nothing.
+SPEAKERS = frozenset(_words("i me my mine myself we us our ours ourselves you your yours yourself yourselves"))
 MODALS = frozenset(_words("will shall can could may might must should would ought"))
 #: universal or existential ("each" and "every" ask the same; "how many", "few" (polarity) are not here)
 QUANTIFIERS = {**dict.fromkeys(_words("all each every both"), "all"),
@@ -530,9 +535,10 @@ def features(text: str) -> Features:
             math.append(t)
             sequence.append(t)
             continue
-        if (t.isalpha() and t not in COMMON) or t in ORDINALS or t in NEGATIONS:
-            # content words, ordinals ("second day" ≠ "day second") and negations ("John is not tall and Mary
-            # is tall" ≠ "John is tall and Mary is not tall") in order; names are never COMMON
+        if (t.isalpha() and t not in COMMON) or t in ORDINALS or t in NEGATIONS or t in SPEAKERS:
+            # content words, ordinals ("second day" ≠ "day second"), negations ("John is not tall and Mary
+            # is tall" ≠ "John is tall and Mary is not tall") and the first and second persons ("I owe you" ≠
+            # "you owe me") in order; names are never COMMON
             sequence.append(t)
         _classify(t, wh, persons, tenses, modals, quantifiers)
         negations += t in NEGATIONS

@@ -154,6 +154,21 @@ TASK_SAME = [
     ("Calculate the area of a circle of radius 3.", "Compute the area of a circle of radius 3."),  # still common
 ]
 
+# ...and the first and second persons were common words outside the word order: "I owe you … you owe me" with the
+# roles swapped compared the same (0.84). They are in the word order now (compared where both use the same one).
+SPEAKER_DIFFERENT = [
+    ("If I owe you 10 dollars and you owe me 4 dollars, who pays whom and how much?",
+     "If you owe me 10 dollars and I owe you 4 dollars, who pays whom and how much?", "word_order"),
+    ("You sold me your car for 5000 dollars and I sold it for 6000 dollars. How much profit did I make?",
+     "I sold you my car for 5000 dollars and you sold it for 6000 dollars. How much profit did I make?",
+     "word_order"),
+]
+SPEAKER_SAME = [
+    ("Can you tell me: how much do I owe him if I borrowed 10 dollars?",
+     "How much do I owe him if I borrowed 10 dollars?"),
+    ("If I owe you 10 dollars, how much do I owe you?", "if i owe you 10 dollars how much do i owe you"),
+]
+
 
 @pytest.mark.parametrize(("a", "b"), SAME)
 def test_guard_passes_rephrasings(a: str, b: str) -> None:
@@ -216,6 +231,18 @@ def test_guard_reads_the_task_asked(a: str, b: str, why: str) -> None:
 
 @pytest.mark.parametrize(("a", "b"), TASK_SAME)
 def test_guard_tasks_keep_rephrasings(a: str, b: str) -> None:
+    assert mismatch(features(a), features(b), True) is None
+
+
+@pytest.mark.parametrize(("a", "b", "why"), SPEAKER_DIFFERENT)
+def test_guard_reads_who_does_what_to_whom_in_the_first_and_second_person(a: str, b: str, why: str) -> None:
+    for same_words in (False, True):
+        assert mismatch(features(a), features(b), same_words) == why
+        assert mismatch(features(b), features(a), same_words) == why
+
+
+@pytest.mark.parametrize(("a", "b"), SPEAKER_SAME)
+def test_guard_speakers_keep_rephrasings(a: str, b: str) -> None:
     assert mismatch(features(a), features(b), True) is None
 
 

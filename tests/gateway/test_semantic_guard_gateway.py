@@ -58,6 +58,9 @@ CHANGED = [
     ("task", "Summarize the following paragraph: The mitochondria is the powerhouse of the cell, producing energy "
      "through respiration.", "Translate the following paragraph: The mitochondria is the powerhouse of the cell, "
      "producing energy through respiration."),
+    # the first and second persons were outside the word order
+    ("speakers", "If I owe you 10 dollars and you owe me 4 dollars, who pays whom and how much?",
+     "If you owe me 10 dollars and I owe you 4 dollars, who pays whom and how much?"),
 ]
 
 
