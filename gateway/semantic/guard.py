@@ -362,6 +362,9 @@ MODALS = frozenset(_words("will shall can could may might must should would ough
 #: universal or existential ("each" and "every" ask the same; "how many", "few" (polarity) are not here)
 QUANTIFIERS = {**dict.fromkeys(_words("all each every both"), "all"),
                **dict.fromkeys(_words("some any several either"), "some")}
+#: "and" and "or" (``nor`` is a negation): "how many bought apples and oranges" is not "… apples or oranges", nor
+#: "A and B or C" "A or B and C"; compared in order where both questions use one.
+CONJUNCTIONS = frozenset(("and", "or"))
 _CURRENCY = re.compile(r"[$€£¥₹₽₩¢]")
 _SKIP = COMMON | RELATIONS | NEGATIONS | DEGREE | ORDINALS | _ORDINAL_SUFFIX
 _WINDOW = 6  # tokens searched on each side of a relation word for its two ends
@@ -452,6 +455,8 @@ class Features:
     tenses: tuple[str, ...] = ()
     modals: tuple[str, ...] = ()
     quantifiers: tuple[str, ...] = ()
+    #: ``and``/``or`` in order (:data:`CONJUNCTIONS`)
+    conjunctions: tuple[str, ...] = ()
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -469,7 +474,7 @@ class Features:
                 "p": list(self.polarity), "l": self.language, "m": list(self.math), "u": list(self.units),
                 "r": list(self.relations), "od": list(self.ordinals), "dg": list(self.degree),
                 "cu": list(self.currency), "wh": list(self.wh), "pe": list(self.persons), "te": list(self.tenses),
-                "mo": list(self.modals), "qu": list(self.quantifiers)}
+                "mo": list(self.modals), "qu": list(self.quantifiers), "cj": list(self.conjunctions)}
 
     @classmethod
     def from_json(cls, d: dict[str, object]) -> Features:
@@ -488,7 +493,7 @@ class Features:
         return cls(seq("n"), seq("o"), seq("s"), seq("q"), frozenset(seq("c")), words,
                    int(neg) if isinstance(neg, int) else 0, p, str(d.get("l", "und")), seq("m"), seq("u"), seq("r"),
                    seq("od"), seq("dg"), seq("cu"), sequence, version if isinstance(version, int) else 0,
-                   seq("wh"), seq("pe"), seq("te"), seq("mo"), seq("qu"))
+                   seq("wh"), seq("pe"), seq("te"), seq("mo"), seq("qu"), seq("cj"))
 
 
 def _fold(word: str) -> str:
@@ -519,6 +524,7 @@ def features(text: str) -> Features:
     tenses: list[str] = []
     modals: list[str] = []
     quantifiers: list[str] = []
+    conjunctions: list[str] = []
     for i, t in enumerate(toks):  # one pass: the multisets, the arithmetic and the content words in order, counts
         if t[:1].isdigit():
             numbers.append(t)
@@ -541,6 +547,8 @@ def features(text: str) -> Features:
             # "you owe me") in order; names are never COMMON
             sequence.append(t)
         _classify(t, wh, persons, tenses, modals, quantifiers)
+        if t in CONJUNCTIONS:
+            conjunctions.append(t)
         negations += t in NEGATIONS
         more += t in MORE
         less += t in LESS
@@ -553,7 +561,8 @@ def features(text: str) -> Features:
     return Features(tuple(sorted(numbers)), tuple(sorted(operators)), tuple(sorted(symbols)), quoted, names, words,
                     negations, (more, less), language(text), tuple(math), units, relations, ordinals,
                     tuple(t for t in toks if t in DEGREE), tuple(_CURRENCY.findall(text)), tuple(sequence),
-                    GUARD_VERSION, tuple(wh), tuple(persons), tuple(tenses), tuple(modals), tuple(quantifiers))
+                    GUARD_VERSION, tuple(wh), tuple(persons), tuple(tenses), tuple(modals), tuple(quantifiers),
+                    tuple(conjunctions))
 
 
 def _classify(t: str, wh: list[str], persons: list[str], tenses: list[str], modals: list[str],
@@ -614,6 +623,7 @@ _CHECKS: tuple[tuple[str, Callable[[Features, Features], bool]], ...] = (
     ("question_word", _class_differs("wh")), ("person", _class_differs("persons")),
     ("tense", _class_differs("tenses")), ("modal", _class_differs("modals")),
     ("quantifier", _class_differs("quantifiers")), ("task", _class_differs("tasks")),
+    ("conjunction", _class_differs("conjunctions")),
 )
 
 
@@ -626,8 +636,8 @@ def mismatch(a: Features, b: Features, same_words: bool = False) -> str | None:
     ``second``, ``half`` ≠ ``twice``), ``comparative`` (the comparison and superlative words in order),
     ``currency``, ``word_order`` (the content words both share, in order: names and nouns around a verb
     ``Alice pays Bob`` / ``Bob pays Alice``, a moved clause), then — where both questions use one —
-    ``question_word``, ``person``, ``tense``, ``modal``, ``quantifier``, ``task``; and with ``same_words``,
-    ``words``.
+    ``question_word``, ``person``, ``tense``, ``modal``, ``quantifier``, ``task``, ``conjunction``; and with
+    ``same_words``, ``words``.
 
     ``same_words`` also requires the same set of content words (normalised tokens that are not common
     sentence words): for a lexical similarity, which cannot tell a synonym (``buy`` → ``purchase``) from a

@@ -169,6 +169,19 @@ SPEAKER_SAME = [
     ("If I owe you 10 dollars, how much do I owe you?", "if i owe you 10 dollars how much do i owe you"),
 ]
 
+# ...and "and"/"or" were common words: a union asked as an intersection compared the same (0.91–0.97).
+CONJUNCTION_DIFFERENT = [
+    ("A store sells apples and oranges. How many customers bought apples and oranges if 30 bought apples, "
+     "20 bought oranges?", "A store sells apples and oranges. How many customers bought apples or oranges if 30 "
+     "bought apples, 20 bought oranges?", "conjunction"),
+    ("Is the function continuous and differentiable at x = 0 for f(x) = |x|?",
+     "Is the function continuous or differentiable at x = 0 for f(x) = |x|?", "conjunction"),
+]
+CONJUNCTION_SAME = [
+    ("Please answer this: is 7 odd and prime?", "Is 7 odd and prime?"),
+    ("Name the capital of France and of Spain.", "name the capital of France and of Spain"),
+]
+
 
 @pytest.mark.parametrize(("a", "b"), SAME)
 def test_guard_passes_rephrasings(a: str, b: str) -> None:
@@ -243,6 +256,18 @@ def test_guard_reads_who_does_what_to_whom_in_the_first_and_second_person(a: str
 
 @pytest.mark.parametrize(("a", "b"), SPEAKER_SAME)
 def test_guard_speakers_keep_rephrasings(a: str, b: str) -> None:
+    assert mismatch(features(a), features(b), True) is None
+
+
+@pytest.mark.parametrize(("a", "b", "why"), CONJUNCTION_DIFFERENT)
+def test_guard_reads_and_or(a: str, b: str, why: str) -> None:
+    for same_words in (False, True):
+        assert mismatch(features(a), features(b), same_words) == why
+        assert mismatch(features(b), features(a), same_words) == why
+
+
+@pytest.mark.parametrize(("a", "b"), CONJUNCTION_SAME)
+def test_guard_conjunctions_keep_rephrasings(a: str, b: str) -> None:
     assert mismatch(features(a), features(b), True) is None
 
 

@@ -61,6 +61,10 @@ CHANGED = [
     # the first and second persons were outside the word order
     ("speakers", "If I owe you 10 dollars and you owe me 4 dollars, who pays whom and how much?",
      "If you owe me 10 dollars and I owe you 4 dollars, who pays whom and how much?"),
+    # "and"/"or" were common words
+    ("conjunction", "A store sells apples and oranges. How many customers bought apples and oranges if 30 bought "
+     "apples, 20 bought oranges?", "A store sells apples and oranges. How many customers bought apples or oranges "
+     "if 30 bought apples, 20 bought oranges?"),
 ]
 
 
