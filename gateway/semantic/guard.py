@@ -80,7 +80,7 @@ OPERATOR_WORDS = {"plus": "+", "minus": "-", "times": "×", "multiplied": "×", 
 LATEX = [(r"\\times|\\cdot", " × "), (r"\\div", " ÷ "), (r"\\frac", " ÷ "), (r"\\sqrt", " √ "),
          (r"\\leq?|\\leqslant", " ≤ "), (r"\\geq?|\\geqslant", " ≥ "), (r"\\neq?", " ≠ "), (r"\\pm", " ± ")]
 _LATEX = [(re.compile(pattern), repl) for pattern, repl in LATEX]
-NEGATIONS = frozenset(_words("not no never none nothing nobody nowhere neither nor cannot without isnt arent "
+NEGATIONS = frozenset(_words("not no never none nothing nobody nowhere neither nor cannot without unless isnt arent "
                              "wasnt werent dont doesnt didnt wont wouldnt cant couldnt shouldnt hasnt havent "
                              "hadnt mustnt neednt aint shant mightnt"))
 MORE = frozenset(_words("more greater larger bigger higher longer taller older most greatest largest biggest highest "

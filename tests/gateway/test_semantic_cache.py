@@ -177,7 +177,12 @@ CONJUNCTION_DIFFERENT = [
     ("Is the function continuous and differentiable at x = 0 for f(x) = |x|?",
      "Is the function continuous or differentiable at x = 0 for f(x) = |x|?", "conjunction"),
 ]
+# "unless" is "if not": it was a common word, so "if" and "unless" compared the same (0.84). A negation now.
+CONJUNCTION_DIFFERENT.append(
+    ("You will pass the exam if you study every day for 3 weeks before the test. True or false?",
+     "You will pass the exam unless you study every day for 3 weeks before the test. True or false?", "negation"))
 CONJUNCTION_SAME = [
+    ("You will fail the exam unless you study every day.", "You will fail the exam if you do not study every day."),
     ("Please answer this: is 7 odd and prime?", "Is 7 odd and prime?"),
     ("Name the capital of France and of Spain.", "name the capital of France and of Spain"),
 ]

@@ -65,6 +65,8 @@ CHANGED = [
     ("conjunction", "A store sells apples and oranges. How many customers bought apples and oranges if 30 bought "
      "apples, 20 bought oranges?", "A store sells apples and oranges. How many customers bought apples or oranges "
      "if 30 bought apples, 20 bought oranges?"),
+    ("unless", "You will pass the exam if you study every day for 3 weeks before the test. True or false?",
+     "You will pass the exam unless you study every day for 3 weeks before the test. True or false?"),
 ]
 
 
