@@ -119,3 +119,86 @@ def test_readme_rephrasing_still_hits(gw: GatewayServer, upstream_sim: SimProces
     assert r.headers["x-thinkgate-cache"] == "semantic-hit"
     assert r.parse().choices[0].message.content == "echo: What is 17 * 23?"
     assert _attempts(upstream_sim, tag) == 1
+
+
+# --- what is not the question: the context and the tenant (an adversary's checks; each held) -----------------
+
+CONTEXT_Q = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for "
+             "her friends every day with four. How many eggs are left each day?")
+TOOL = {"type": "function", "function": {"name": "calc", "description": "evaluate arithmetic",
+                                         "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+
+
+def _chat(gw: GatewayServer, messages: list[dict[str, Any]], tag: str, who: str = "alice", **extra: Any) -> Any:
+    c = openai.OpenAI(base_url=gw.base_url, api_key=SECRETS[who], max_retries=0, timeout=30)
+    body: dict[str, Any] = {"temperature": 0, **extra}
+    extra_body = {"sim": {"tag": tag}, **body.pop("extra_body", {})}
+    return c.chat.completions.with_raw_response.create(model="short", messages=messages,  # type: ignore[arg-type]
+                                                       extra_body=extra_body, **body)
+
+
+@pytest.mark.parametrize(("what", "messages", "extra"), [
+    ("system prompt", [{"role": "system", "content": "Answer in French."}], {}),
+    ("earlier turn", [{"role": "user", "content": "Count the eggs of Maria's hens instead."},
+                      {"role": "assistant", "content": "Sure."}], {}),
+    ("tools", [], {"tools": [TOOL]}),
+    ("response_format", [], {"response_format": {"type": "json_object"}}),
+    ("sampling", [], {"temperature": 0.9, "seed": 7}),
+    ("top_p", [], {"top_p": 0.5}),
+    ("n", [], {"n": 2}),
+    ("thinking budget", [], {"extra_body": {"thinking_token_budget": 4}}),  # below the tier's own 8
+    ("other key", [], {"who": "bob"}),
+])
+def test_a_rephrasing_in_another_context_or_tenant_is_not_served(gw: GatewayServer, upstream_sim: SimProcess,
+                                                                  what: str, messages: list[dict[str, Any]],
+                                                                  extra: dict[str, Any]) -> None:
+    """The same question, rephrased (similarity ≥ the threshold, the guard passes it), asked with another system
+    prompt, earlier turn, tools, response format, sampling, ``n``, thinking budget or API key: never served the
+    stored answer (the index is partitioned by tenant and context), while the plain rephrasing is."""
+    tag = uuid.uuid4().hex
+    assert _chat(gw, [{"role": "user", "content": CONTEXT_Q}], tag).headers["x-thinkgate-cache"] == "miss"
+    para = [{"role": "user", "content": CONTEXT_Q.lower()}]
+    r = _chat(gw, [*messages, *para], tag, **extra)
+    assert r.headers["x-thinkgate-cache"] == "miss", what
+    assert _attempts(upstream_sim, tag) == 2
+    assert _chat(gw, para, tag).headers["x-thinkgate-cache"] == "semantic-hit"
+
+
+def test_keys_share_semantic_entries_only_through_a_configured_namespace(upstream_sim: SimProcess, redis_url: str,
+                                                                         tmp_path: Any) -> None:
+    """alice and bob sharing a ``cache_namespace`` share entries (configured on purpose); a third key outside
+    it does not."""
+    from tests.fixtures.gateway import keys_config
+    auth = keys_config(alice={"cache_namespace": "team"}, bob={"cache_namespace": "team"})
+    carol = "tg-carol-secret-00000000000"
+    auth["keys"].append({"id": "carol", "secret": carol, "tags": {"team": "c"}})
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, auth=auth,
+                            cache={"semantic": {"enabled": True, "threshold": THRESHOLD}}) as g:
+        tag = uuid.uuid4().hex
+        assert _chat(g, [{"role": "user", "content": CONTEXT_Q}], tag).headers["x-thinkgate-cache"] == "miss"
+        para = [{"role": "user", "content": CONTEXT_Q.lower()}]
+        assert _chat(g, para, tag, who="bob").headers["x-thinkgate-cache"] == "semantic-hit"
+        c = openai.OpenAI(base_url=g.base_url, api_key=carol, max_retries=0, timeout=30)
+        r = c.chat.completions.with_raw_response.create(model="short", messages=para,  # type: ignore[arg-type]
+                                                        temperature=0, extra_body={"sim": {"tag": tag}})
+        assert r.headers["x-thinkgate-cache"] == "miss"
+        assert _attempts(upstream_sim, tag) == 2
+
+
+def test_a_stored_conversation_is_part_of_the_context(gw: GatewayServer) -> None:
+    """``/v1/responses`` with ``previous_response_id``: the same last question after another stored earlier turn
+    is not served the first conversation's answer; after the same earlier turn its rephrasing is."""
+    c = openai.OpenAI(base_url=gw.base_url, api_key=SECRETS["alice"], max_retries=0, timeout=30)
+    salt = uuid.uuid4().hex[:8]
+    q = f"Given what I told you before, how many eggs are left each day for the farmers market stall {salt}?"
+    heads = [c.responses.create(model="short", input=f"My ducks lay {n} eggs a day and I eat three.", temperature=0,
+                                store=True) for n in (16, 19)]
+    first = c.responses.with_raw_response.create(model="short", input=q, temperature=0,
+                                                 previous_response_id=heads[0].id)
+    assert first.headers["x-thinkgate-cache"] == "miss"
+    other = c.responses.with_raw_response.create(model="short", input=q.lower(), temperature=0,
+                                                 previous_response_id=heads[1].id)
+    assert other.headers["x-thinkgate-cache"] == "miss"
+    same = c.responses.with_raw_response.create(model="short", input=q.lower(), temperature=0,
+                                                previous_response_id=heads[0].id)
+    assert same.headers["x-thinkgate-cache"] == "semantic-hit"
