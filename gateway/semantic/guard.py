@@ -83,10 +83,14 @@ _LATEX = [(re.compile(pattern), repl) for pattern, repl in LATEX]
 NEGATIONS = frozenset(_words("not no never none nothing nobody nowhere neither nor cannot without unless isnt arent "
                              "wasnt werent dont doesnt didnt wont wouldnt cant couldnt shouldnt hasnt havent "
                              "hadnt mustnt neednt aint shant mightnt"))
-MORE = frozenset(_words("more greater larger bigger higher longer taller older most greatest largest biggest highest "
-                 "longest tallest oldest maximum max above after later latest increase increased increases "
-                 "heavier heaviest faster fastest"))
-LESS = frozenset(_words("less fewer smaller lower shorter younger least fewest smallest lowest shortest "
+#: ``many``/``much`` and ``few``/``little`` ask about amounts by direction too ("did many people support it" /
+#: "did few people support it"), like more/less; compared by direction only (``how much in dollars`` = ``how many
+#: dollars``), not in the exact comparison words (:data:`DEGREE`).
+_AMOUNT = frozenset(("many", "much", "few", "little"))
+MORE = frozenset(_words("many much more greater larger bigger higher longer taller older most greatest largest "
+                        "biggest highest longest tallest oldest maximum max above after later latest increase "
+                        "increased increases heavier heaviest faster fastest"))
+LESS = frozenset(_words("few little less fewer smaller lower shorter younger least fewest smallest lowest shortest "
                         "youngest minimum min below before earlier earliest decrease decreased decreases "
                         "lighter lightest slower slowest"))
 # Words that are neither names nor content words: sentence starters, question words, and the imperatives that all
@@ -338,8 +342,8 @@ primary secondary tertiary"""))
 _ORDINAL_SUFFIX = frozenset(("st", "nd", "rd", "th"))
 #: Comparison and superlative words compared exactly and in order (``largest`` ≠ ``heaviest`` even in the
 #: embedding mode, where the content-word check is off); the by-direction count (``polarity``) stays too.
-DEGREE = MORE | LESS | frozenset(_words("""most best worst better worse closest closer nearest nearer farthest
-further furthest farther cheapest cheaper richest richer poorest poorer hottest hotter coldest colder warmest
+DEGREE = (MORE | LESS) - _AMOUNT | frozenset(_words("""most best worst better worse closest closer nearest nearer
+farthest further furthest farther cheapest cheaper richest richer poorest poorer hottest hotter coldest colder warmest
 warmer coolest cooler deepest deeper newest newer wider widest narrower narrowest thicker thickest thinner
 thinnest stronger strongest weaker weakest louder loudest quieter quietest darker darkest brighter brightest
 easier easiest harder hardest simpler simplest safer safest"""))

@@ -181,7 +181,14 @@ CONJUNCTION_DIFFERENT = [
 CONJUNCTION_DIFFERENT.append(
     ("You will pass the exam if you study every day for 3 weeks before the test. True or false?",
      "You will pass the exam unless you study every day for 3 weeks before the test. True or false?", "negation"))
+# "many"/"much" and "few"/"little" were common words without a direction: "did many people…" and "did few
+# people…" compared the same (0.89). Compared by direction now, as more/less ("how much" = "how many").
+CONJUNCTION_DIFFERENT.append(
+    ("In the survey of 200 voters in the town, did many people support the new park proposal or not at the meeting?",
+     "In the survey of 200 voters in the town, did few people support the new park proposal or not at the meeting?",
+     "polarity"))
 CONJUNCTION_SAME = [
+    ("How much in dollars does she make?", "how many dollars does she make"),
     ("You will fail the exam unless you study every day.", "You will fail the exam if you do not study every day."),
     ("Please answer this: is 7 odd and prime?", "Is 7 odd and prime?"),
     ("Name the capital of France and of Spain.", "name the capital of France and of Spain"),

@@ -67,6 +67,8 @@ CHANGED = [
      "if 30 bought apples, 20 bought oranges?"),
     ("unless", "You will pass the exam if you study every day for 3 weeks before the test. True or false?",
      "You will pass the exam unless you study every day for 3 weeks before the test. True or false?"),
+    ("amount", "In the survey of 200 voters in the town, did many people support the new park proposal or not?",
+     "In the survey of 200 voters in the town, did few people support the new park proposal or not?"),
 ]
 
 
