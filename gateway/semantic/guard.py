@@ -13,7 +13,9 @@ an answer. Two questions pass only when they have
 - the same multiset of numbers (after the normalisation above; ``17×23`` ≠ ``17×24``, ``3.5`` = ``3.50``);
 - the same multiset of operators and brackets (``+ - × ÷ ^ = < > ≤ ≥ % √ ! ( ) [ ]``; ``17+23`` ≠ ``17×23``,
   ``3 + 4 × 2`` ≠ ``(3 + 4) × 2``); superscript exponents are written ``^`` before NFKC (``5²`` is ``5 ^ 2``, not
-  ``52``), and a leading decimal point is kept (``.5`` is ``0.5``, not ``5``);
+  ``52``), and a leading decimal point is kept (``.5`` is ``0.5``, not ``5``); every other symbol is an operator
+  too (``& # @``, Unicode Sm/So: ``∪ ∩ ⊆ ∧ ∨ ¬ → ≈ | ~``, emoji; a colon with text right after it: ``x[1:]``), only
+  punctuation is dropped;
 - the same single-letter symbols (``x``, ``n``: ``2x+1`` ≠ ``2y+1``; ``a``/``i`` are words, but symbols beside
   an operator: ``a - i`` ≠ ``i - a``);
 - the same quoted strings (``"…"``, ``“…”``, ``«…»``, ``'…'`` up to case and spacing; `` `…` `` code spans
@@ -21,14 +23,15 @@ an answer. Two questions pass only when they have
 - the same capitalised names: every capitalised word of one that is not a common sentence word (``Alice``,
   ``NASA``, ``Paris``) must occur, case-folded, among the words of the other, both ways — so lower-casing a
   question keeps its names, changing ``Alice`` to ``Maria`` does not;
-- the same number of negations (``not``, ``no``, ``never``, ``n't``, ``without``, …), in the same place among the
-  content words (the word-order check below);
+- the same number of negations (``not``, ``no``, ``never``, ``n't``, ``without``, ``unless``, …), in the same place
+  among the content words (the word-order check below);
 - where both use one: the same question word (``when`` ≠ ``where``), persons in order (``he`` ≠ ``she``, ``his
   dog … her cat`` ≠ ``her dog … his cat``), tense (``is`` ≠ ``was``), modals (``can`` ≠ ``must``) and quantifiers
-  (``all`` ≠ ``some``) — common words that still decide what is asked (a new-user helper's wrong hits; a class
+  (``all`` ≠ ``some``), the task imperative (``summarize`` ≠ ``translate``, :data:`TASKS`) and ``and``/``or`` —
+  common words that still decide what is asked (a new-user helper's wrong hits; a class
   one question does not use, ``Tell me …`` against ``What is …``, is not compared);
-- the same comparison words by direction (``more``/``greater``/``largest``/``above``/``after`` vs
-  ``less``/``fewer``/``smallest``/``below``/``before``);
+- the same comparison words by direction (``many``/``much``/``more``/``greater``/``largest``/``above``/``after`` vs
+  ``few``/``little``/``less``/``fewer``/``smallest``/``below``/``before``);
 - the same language (script, and for Latin script the dominant function words of en/fr/de/es/it/pt/nl);
 
 and, since a bag of tokens cannot tell ``Subtract 3 from 10`` from ``Subtract 10 from 3`` (issue 25), the same
@@ -42,7 +45,8 @@ order and roles:
 - the same ordinals and multipliers in order (``first`` ≠ ``second``, ``3rd`` ≠ ``4th``, ``half`` ≠ ``twice``),
   the same comparison/superlative words in order (``largest`` ≠ ``heaviest``), the same currency signs;
 - the content words and arithmetic both share in the same order (``Alice pays Bob`` ≠ ``Bob pays Alice``,
-  ``a cat chases a dog`` ≠ ``a dog chases a cat``). A moved clause or sentence is refused too (``If A, B``
+  ``a cat chases a dog`` ≠ ``a dog chases a cat``), the first and second persons among them (``I owe you`` ≠
+  ``you owe me``). A moved clause or sentence is refused too (``If A, B``
   vs ``B if A``): the guard cannot tell a harmless move from a changed role — when in doubt, miss.
 
 With the ``lexical`` embedder it also requires the same content words (every normalised word that is not a
