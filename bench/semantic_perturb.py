@@ -12,7 +12,10 @@ them **by rules** are looked up with the real ``SemanticCache.prepare`` + ``look
   ``relation_swap`` (the two ends of a relation word trade places: ``A from B`` → ``B from A``), ``ordinal``
   (first→second, 3rd→4th, half→twice…), ``unit_swap`` (two units of the question trade places: ``5 miles … km`` →
   ``5 km … miles``), ``unit`` (a unit after a number replaced by another of its kind), ``comparative``
-  (largest→smallest…), ``number`` (one number changed), ``negation`` (``not`` added or removed);
+  (largest→smallest…), ``number`` (one number changed), ``negation`` (``not`` added or removed),
+  ``deciding_word``, ``grouping``, ``task`` (the first task imperative replaced: write→summarize,
+  explain→translate, find→estimate…), ``speaker`` (the first and second persons traded: I/me↔you), ``conjunction``
+  (one and↔or), ``conditional`` (one if↔unless), ``amount`` (one many↔few, not ``how many``);
 - *true rephrasings* (each should hit its own entry): ``lower``, ``spacing``, ``punct``, ``prefix`` (``Please
   answer this: …``, common words only), ``synonym`` (common words: calculate/compute, find/determine,
   each/every…), ``number_words`` (``16`` → ``sixteen``), ``thousands`` (``12000`` → ``12,000``), ``combo`` (prefix
@@ -67,7 +70,8 @@ from gateway.state.redis import connect
 
 SECTION = "## Semantic cache: changed questions and rephrasings"
 CHANGED = ("operand_swap", "entity_swap", "noun_swap", "relation", "relation_swap", "ordinal", "unit_swap", "unit",
-           "comparative", "number", "negation", "deciding_word", "grouping")
+           "comparative", "number", "negation", "deciding_word", "grouping", "task", "speaker", "conjunction",
+           "conditional", "amount")
 REPHRASED = ("lower", "spacing", "punct", "prefix", "synonym", "number_words", "thousands", "combo")
 REPORTED_ONLY = ("clause",)
 
@@ -261,6 +265,44 @@ def _grouping(text: str, rng: random.Random) -> str | None:
     return text[:m.start()] + "(" + m.group(0) + ")" + text[m.end():]
 
 
+#: The imperative that says what to do, each with one that asks for something else (an adversary's wrong hits:
+#: "Summarize the following paragraph" / "Translate the following paragraph"); the first of the question only.
+TASK_SWAP = {"write": "summarize", "explain": "translate", "describe": "classify", "summarize": "translate",
+             "list": "rank", "give": "estimate", "compose": "rewrite", "find": "estimate", "calculate": "estimate",
+             "compute": "estimate", "simplify": "expand", "evaluate": "estimate", "identify": "extract",
+             "create": "edit", "draft": "edit", "rewrite": "translate", "suggest": "rank"}
+TASK_RE = re.compile(r"\b(" + "|".join(TASK_SWAP) + r")\b", re.I)
+#: The first and second persons traded (who owes whom): every "I"/"me" becomes "you" and every "you" "me".
+SPEAKER_RE = re.compile(r"\b(I|me|you|my|your)\b")
+SPEAKER_SWAP = {"I": "you", "me": "you", "you": "me", "my": "your", "your": "my"}
+
+
+def _task(text: str, rng: random.Random) -> str | None:
+    m = TASK_RE.search(text)
+    if not m:
+        return None
+    new = TASK_SWAP[m.group(0).lower()]
+    return text[:m.start()] + (new.capitalize() if m.group(0)[0].isupper() else new) + text[m.end():]
+
+
+def _speaker(text: str, rng: random.Random) -> str | None:
+    if len(set(SPEAKER_RE.findall(text)) & {"I", "me", "my"}) == 0 or "you" not in text.lower().split():
+        return None  # both persons must be there for their roles to trade
+    return SPEAKER_RE.sub(lambda m: SPEAKER_SWAP[m.group(0)], text)
+
+
+def _conjunction(text: str, rng: random.Random) -> str | None:
+    return _replace_one(text, rng, re.compile(r"\b(and|or)\b"), {"and": "or", "or": "and"})
+
+
+def _conditional(text: str, rng: random.Random) -> str | None:
+    return _replace_one(text, rng, re.compile(r"\b(if|unless)\b"), {"if": "unless", "unless": "if"})
+
+
+def _amount(text: str, rng: random.Random) -> str | None:
+    return _replace_one(text, rng, re.compile(r"(?<![Hh]ow )\b(many|few)\b"), {"many": "few", "few": "many"})
+
+
 #: What each rule ``kind`` of :func:`changed` does to a question (None: it does not apply).
 CHANGERS: dict[str, Callable[[str, random.Random], str | None]] = {
     "operand_swap": _operand_swap,
@@ -276,6 +318,11 @@ CHANGERS: dict[str, Callable[[str, random.Random], str | None]] = {
     "negation": _negation,
     "deciding_word": _deciding_word,
     "grouping": _grouping,
+    "task": _task,
+    "speaker": _speaker,
+    "conjunction": _conjunction,
+    "conditional": _conditional,
+    "amount": _amount,
 }
 
 
@@ -344,14 +391,9 @@ def rephrased(kind: str, text: str, rng: random.Random) -> str | None:
 
 # --- the run ----------------------------------------------------------------------------------------------
 
-async def perturb_part(sem: SemanticCache, keys: RedisKeys, per_source: int, seed: int) -> dict[str, Any]:
-    rng = random.Random(seed)
-    bases = questions(per_source, rng)
-    scope = tenant_scope("bench-perturb")
-    texts = [q for _, q in bases]
-    fill_s = await fill(sem, keys, scope, texts)
-    emb = LexicalEmbedder()
-    queries: list[tuple[str, str, str, str]] = []  # (changed|rephrased, family, base digest, text)
+def _variants(texts: list[str], rng: random.Random) -> list[tuple[str, str, str, str]]:
+    """(changed|rephrased, family, base digest, text) of every rule that applies to each of ``texts``."""
+    queries: list[tuple[str, str, str, str]] = []
     for q in texts:
         for kind in CHANGED:
             v = changed(kind, q, rng)
@@ -361,6 +403,17 @@ async def perturb_part(sem: SemanticCache, keys: RedisKeys, per_source: int, see
             v = rephrased(kind, q, rng)
             if v is not None:
                 queries.append(("rephrased", kind, digest_of(q), v))
+    return queries
+
+
+async def perturb_part(sem: SemanticCache, keys: RedisKeys, per_source: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    bases = questions(per_source, rng)
+    scope = tenant_scope("bench-perturb")
+    texts = [q for _, q in bases]
+    fill_s = await fill(sem, keys, scope, texts)
+    emb = LexicalEmbedder()
+    queries = _variants(texts, rng)
     base_text = {digest_of(q): q for q in texts}
     n: Counter[str] = Counter()
     hits: Counter[str] = Counter()
@@ -368,6 +421,7 @@ async def perturb_part(sem: SemanticCache, keys: RedisKeys, per_source: int, see
     reasons: dict[str, Counter[str]] = defaultdict(Counter)
     outcomes: dict[str, Counter[str]] = defaultdict(Counter)
     false_examples: list[str] = []
+    other: Counter[str] = Counter()  # rephrasings served another stored question's answer
     threshold = sem.cfg.threshold
     t0 = time.perf_counter()
     for pol, kind, base, text in queries:
@@ -393,9 +447,15 @@ async def perturb_part(sem: SemanticCache, keys: RedisKeys, per_source: int, see
                     false_examples.append(f"- `{kind}`: {text[:140]!r}")
         elif res.outcome == "hit" and res.entry_id == base:
             hits[kind] += 1
+        elif res.outcome == "hit" and _plain(base_text.get(res.entry_id or "", "")) != _plain(base_text[base]):
+            # a rephrasing served *another* stored question's answer: a false hit too
+            other[kind] += 1
+            if len(false_examples) < 12:
+                false_examples.append(f"- `{kind}` (another question's answer): {text[:140]!r}")
     lookup_s = time.perf_counter() - t0
     return {"bases": Counter(s for s, _ in bases), "fill_s": fill_s, "n": n, "hits": hits, "sim_only": sim_only,
-            "reasons": reasons, "outcomes": outcomes, "false_examples": false_examples, "lookup_s": lookup_s,
+            "reasons": reasons, "outcomes": outcomes, "false_examples": false_examples, "other": other,
+            "lookup_s": lookup_s,
             "queries": len(queries), "threshold": threshold}
 
 
@@ -420,12 +480,14 @@ def report(par: dict[str, Any], lat: list[dict[str, Any]], when: str, mach: str,
         why = ", ".join(f"{r} {c}" for r, c in reasons[k].most_common(4))
         lines.append(f"| {k} | {n[k]} | {hits[k]} | {sim_only[k]} | {why} |")
     lines += ["", f"**True rephrasings: recall {recalled / max(1, n_reph):.3f}** ({recalled:,} of {n_reph:,} hit "
-              "their own entry).", "", "| family | looked up | hits | recall | refused by |",
-              "|---|---:|---:|---:|---|"]
+              f"their own entry; {sum(par['other'].values())} served another stored question's answer).", "",
+              "| family | looked up | hits | recall | another question's answer | refused by |",
+              "|---|---:|---:|---:|---:|---|"]
     for k in (*REPHRASED, *REPORTED_ONLY):
         why = ", ".join(f"{r} {c}" for r, c in reasons[k].most_common(3))
         mark = " (not in the headline)" if k in REPORTED_ONLY else ""
-        lines.append(f"| {k}{mark} | {n[k]} | {hits[k]} | {hits[k] / max(1, n[k]):.3f} | {why} |")
+        lines.append(f"| {k}{mark} | {n[k]} | {hits[k]} | {hits[k] / max(1, n[k]):.3f} | {par['other'][k]} "
+                     f"| {why} |")
     if par["false_examples"]:
         lines += ["", "False hits:", *par["false_examples"]]
     if lat:
