@@ -44,7 +44,7 @@ from gateway.ledger.record import UsageRecord
 from gateway.observability.metrics import Metrics
 from gateway.openai.sse import StreamTally
 from gateway.semantic.cache import Probe, SemanticCache
-from gateway.semantic.embed import embedder_for
+from gateway.semantic.embed import Sketch, embedder_for
 from gateway.semantic.policy import question as semantic_question
 from gateway.state.alerts import Alerts
 from gateway.state.breaker import Breaker, RedisDown
@@ -408,7 +408,7 @@ class Accounting:
             return ticket  # the embedding call is not admitted: no semantic lookup, the request goes on
         probe = await semantic.prepare(scope, record.endpoint, tier.name, upstream_body)
         if isinstance(emb, UsageRecord):  # admitted: metered whatever the call did (settles its reservation)
-            self._meter_embedding(emb, probe.sketch.tokens if probe is not None else 0)
+            self._meter_embedding(emb, probe.sketch if probe is not None else None)
         if probe is None:
             return ticket
         if ticket.decision.lookup:
@@ -447,13 +447,14 @@ class Accounting:
             return False
         return emb
 
-    def _meter_embedding(self, emb: UsageRecord, tokens: int) -> None:
-        """The usage event of an admitted embedding call (its prompt tokens at the tier's prices; 0 when it
-        failed)."""
+    def _meter_embedding(self, emb: UsageRecord, sketch: Sketch | None) -> None:
+        """The usage event of an admitted embedding call: its prompt tokens at the tier's prices — as the upstream
+        reported them, else counted (``usage_source: counted``, :class:`~gateway.semantic.embed.Sketch`) —; none
+        and status 502 when it failed (``sketch`` None)."""
         tier = self.settings.tier(emb.tier or "")
-        emb.prompt_tokens = tokens
-        emb.usage_source = "upstream" if tokens else "none"
-        emb.finish(tier, 200 if tokens else 502)
+        emb.prompt_tokens = sketch.tokens if sketch is not None else 0
+        emb.usage_source = "none" if sketch is None else "counted" if sketch.counted else "upstream"
+        emb.finish(tier, 200 if sketch is not None else 502)
         self.sink(emb)
 
     async def cache_finish(self, ticket: Ticket, body: dict[str, Any] | None, record: UsageRecord,

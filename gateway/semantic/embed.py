@@ -22,13 +22,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import httpx
 import numpy as np
 
 from gateway.config import TierConfig
+from gateway.openai.usage import estimate_prompt, usage_counts
 from gateway.semantic.guard import tokens
 from router.errors import ThinkGateError
 
@@ -47,12 +48,14 @@ class EmbedError(ThinkGateError, RuntimeError):
 class Sketch:
     """``kind``: ``minhash`` | ``dense``; ``bands``: :data:`BANDS` hex band hashes; ``payload``: the bytes the
     similarity is computed from (uint32 signature, or float16 unit vector); ``tokens``: upstream tokens the
-    embedding cost (0 for ``lexical``)."""
+    embedding cost (0 for ``lexical``); ``counted``: the upstream sent no usage to trust, ``tokens`` is the input
+    counted by the gateway."""
 
     kind: str
     bands: tuple[str, ...]
     payload: bytes
     tokens: int = 0
+    counted: bool = False
 
     def similarity(self, other_kind: str, other_payload: bytes) -> float:
         """Similarity in [0, 1] with a stored sketch; 0.0 when the kinds or sizes differ."""
@@ -197,12 +200,16 @@ class OpenAIEmbedder:
         try:
             data = r.json()
             vector = data["data"][0]["embedding"]
-            used = int((data.get("usage") or {}).get("prompt_tokens") or 0)
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise EmbedError(f"embedding upstream {url} sent an unreadable answer") from exc
         if not isinstance(vector, list):
             raise EmbedError(f"embedding upstream {url} sent a non-list embedding")
-        return self.sketch_vector(vector, used)
+        # metered as POST /v1/embeddings is: a usage missing, negative, fractional or absurd is none to trust — the
+        # input is counted instead (it was billed as sent: a 500 on a negative count, $0 on none, any sum on 1e12)
+        counts = usage_counts(data.get("usage") if isinstance(data, dict) else None, completion=False)
+        if counts is None:
+            return replace(self.sketch_vector(vector, estimate_prompt(text)), counted=True)
+        return self.sketch_vector(vector, counts[0])
 
 
 def embedder_for(spec: str, tiers: list[TierConfig], http: httpx.AsyncClient, timeout_s: float) -> Embedder:

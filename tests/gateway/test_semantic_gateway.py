@@ -14,6 +14,7 @@ import httpx
 import openai
 import orjson
 import pytest
+import redis
 
 from gateway.ledger.event import cost_micro_usd
 from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway, usage_events
@@ -259,3 +260,41 @@ def test_an_embedding_call_is_admitted_before_it_is_made(upstream_sim: SimProces
         mine = [e for e in events.values() if e.key_id == kid]
         assert [e.endpoint for e in mine] == ["chat"]  # no embedding call billed
         assert 0 < sum(e.cost_micro_usd for e in mine) <= budget
+
+
+@pytest.mark.parametrize("usage", ["omit", {"prompt_tokens": -100000, "total_tokens": -100000},
+                                   {"prompt_tokens": 10 ** 12, "total_tokens": 10 ** 12}])
+def test_an_embedding_call_with_a_usage_it_cannot_trust_is_billed_its_input(redis_url: str, redis_prefix: str,
+                                                                              tmp_path: Path, usage: Any) -> None:
+    """The semantic cache's embedding call is metered as ``POST /v1/embeddings`` is: a usage missing, negative or
+    absurd is none to meter, and the input is counted instead (``usage_source: counted``). Before, a missing usage
+    was a $0 event with status 502 for a call that ran (its embedding was used), and a negative or absurd count
+    was booked as sent: a credit of spend under a hard budget, or $10,000,000 for one lookup."""
+    from decimal import Decimal
+
+    from gateway.openai.usage import estimate_tokens
+    from tests.fixtures.upstream import sim_tiers, start_sim
+
+    sim = start_sim()
+    try:
+        sim.set_mode(embed_usage=usage)
+        embed = {"name": "embed", "base_url": sim.base_url, "model": "sim-words",
+                 "prices": {"input_usd_per_mtok": Decimal("10")}}
+        semantic = {"cache": {"semantic": {"enabled": True, "embedder": "openai:embed", "threshold": 0.95}}}
+        tiers = [embed, *sim_tiers(sim.base_url)]
+        q = "How many plums did Lee pick in the garden on Sunday if he had 14 and gave away 6?"
+        with accounting_gateway(sim.base_url, redis_url, tmp_path, prefix=redis_prefix, tiers=tiers,
+                                **semantic) as g:
+            r = client(g).chat.completions.with_raw_response.create(**ask(q, uuid.uuid4().hex))
+            assert r.headers["x-thinkgate-cache"] == "miss"
+            events = usage_events(g, count=2)
+            [emb] = [e for e in events.values() if e.endpoint == "embeddings"]
+            counted = estimate_tokens(q)
+            assert (emb.status, emb.usage_source, emb.prompt_tokens) == (200, "counted", counted)
+            assert emb.cost_micro_usd == counted * 10
+            day = time.strftime("%Y-%m-%d", time.gmtime())
+            spent = int(redis.Redis.from_url(redis_url).hget(f"{redis_prefix}usage:key:alice:d:{day}",
+                                                             "cost_micro_usd") or 0)
+            assert spent == sum(e.cost_micro_usd for e in events.values())
+    finally:
+        sim.stop()
