@@ -31,6 +31,7 @@ job to a task and returns at once, so the client's response and its connection a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import re
@@ -60,6 +61,9 @@ from gateway.upstream.pool import UpstreamPool
 log = logging.getLogger("thinkgate.shadow")
 
 SHADOW_KEY = "_shadow"
+#: the status of a shadow or judge call cancelled in flight (the gateway stopping): nginx's "client closed request",
+#: as a request whose client went away is metered
+CANCELLED_STATUS = 499
 SPEND_TTL_S = 3 * 86400
 CHAT_PATH = "/chat/completions"
 
@@ -329,15 +333,29 @@ class Shadow:
                 record.prompt_tokens = estimate_prompt(built.get("messages"))
                 record.set_counted(sum(estimate_tokens(generated_text(c, "chat"))
                                        for c in data.get("choices") or () if isinstance(c, dict)), 0)
+        except asyncio.CancelledError:
+            # cut by the gateway stopping (close): the call was sent, the upstream read its prompt — metered as a
+            # cancelled non-streamed call is (prompt counted, nothing known generated), and its reservation settled
+            # now instead of at its TTL; it used to leave no usage event at all
+            record.partial, record.error_code = True, "cancelled"
+            record.prompt_tokens, record.usage_source = estimate_prompt(built.get("messages")), "counted"
+            record.finish(tier, CANCELLED_STATUS)
+            self._meter(record)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._charge(record.cost_micro_usd))
+            raise
         except Exception as exc:
             status = getattr(exc, "status", 502)
             record.error_code = getattr(exc, "code", "upstream_error")
             log.info("shadow call on %s failed: %r", tier.name, exc)
         record.finish(tier, status)
-        for sink in self.sinks:
-            sink(record)
+        self._meter(record)
         await self._charge(record.cost_micro_usd)
         return text, record.cost_micro_usd
+
+    def _meter(self, record: UsageRecord) -> None:
+        for sink in self.sinks:
+            sink(record)
 
     async def _judge(self, job: ShadowJob, higher_answer: str) -> tuple[bool | None, int]:
         assert self.judge_tier is not None

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis
 
@@ -223,3 +224,37 @@ def test_a_non_streamed_answer_of_the_other_wire_apis_is_shadowed_too(api: str, 
         assert wait_for(lambda: shadow.stats.done + sum(shadow.stats.skipped.values()) == 1, timeout_s=10)
         assert shadow.stats.done == 1, shadow.stats
         assert len(_outcomes(redis_url, redis_prefix)) == 1
+
+
+def test_a_shadow_call_cut_by_the_gateway_stopping_is_metered(upstream_sim: SimProcess, redis_url: str,
+                                                              redis_prefix: str, tmp_path: Path) -> None:
+    """A gateway that stops lets its shadow calls run ``Shadow.close``'s few seconds, then cancels them: the call
+    was sent (the upstream has the prompt and is generating), so it is metered — ``partial``, status 499, its prompt
+    counted — and its reservation settled at once. Before, a cancelled shadow call left no usage event at all (the
+    upstream saw the call, the ledger did not) and its reservation held the shadow and global budgets until its TTL."""
+    slow = start_sim("--delay-ms", "8000")  # the shadow tier: longer than Shadow.close waits (5 s)
+    try:
+        tiers = sim_tiers(upstream_sim.base_url)
+        tiers[2]["base_url"] = slow.base_url
+        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, tiers=tiers,
+                                routing=_routing()) as gw, httpx.Client(timeout=30) as client:
+            shadow = gw.app.state.proxy.shadow
+            _, r = _ask(client, gw.base_url, 5)
+            assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short"
+            assert wait_for(lambda: slow.stats()["requests"] == 1, timeout_s=5)  # the shadow call is sent
+            assert shadow.stats.started == 1
+        # stopped: the shadow call was cancelled after 5 s
+        check = redis.Redis.from_url(redis_url)
+        try:
+            events = [orjson.loads(f[b"e"]) for _, f in check.xrange(redis_prefix + "usage:events")]
+            reserved = check.hgetall(f"{redis_prefix}lim:_shadow:resv")
+        finally:
+            check.close()
+        shadowed = [e for e in events if e["route_reason"] == "shadow"]
+        assert len(shadowed) == 1, events
+        [e] = shadowed
+        assert (e["key_id"], e["tier"], e["status"], e["partial"]) == ("_shadow", "long", 499, True)
+        assert e["prompt_tokens"] > 0 and e["cost_micro_usd"] > 0 and e["usage_source"] == "counted"
+        assert not reserved
+    finally:
+        slow.stop()
