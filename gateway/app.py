@@ -159,7 +159,8 @@ def create_app(settings: Settings) -> Gateway:
     outcomes = _outcome_store(settings, routing, proxy, accounting)
     if outcomes is not None and settings.routing.shadow.fraction > 0:
         proxy.shadow = Shadow(settings, upstreams, accounting.handle, accounting.breaker, outcomes,
-                              proxy.usage_sinks, build_body=upstream_body.build, admit=accounting.admit)
+                              proxy.usage_sinks, build_body=upstream_body.build, admit=accounting.admit,
+                              write_ahead=accounting.write_ahead)
     drift = _drift_monitor(settings, routing, accounting)
     retrain = retrain_trigger.attach(settings, routing, accounting.handle, accounting.breaker, outcomes)
     created = int(time.time())

@@ -15,7 +15,9 @@ job to a task and returns at once, so the client's response and its connection a
    call it is admitted first (``Accounting.admit``): reserved against the shadow's own budget — the key
    ``_shadow`` with ``max_usd_day`` as its daily budget, whose spend is exactly the shadow calls' — *and* the
    global level, so in hard mode neither can be overspent by shadow or judge calls; a refused call is skipped
-   (``stats.skipped["admission"]``), never sent;
+   (``stats.skipped["admission"]``), never sent. An admitted call's write-ahead record is written before it is
+   sent (``Accounting.write_ahead``), so a gateway killed during it has it billed by the next reconcile, and one
+   cancelled in flight (the gateway stopping) is metered ``partial``, status 499;
 3. judges: ``agreement`` compares the normalised final answers (:func:`normalise_answer`: the part after a
    last ``Answer:``, thinking removed, lower case, punctuation, articles and extra spaces dropped); a
    ``tier:<name>`` judge gets :data:`JUDGE_PROMPT` and answers YES/NO (its call metered as ``shadow`` too);
@@ -159,8 +161,9 @@ class Shadow:
     def __init__(self, settings: Settings, upstreams: UpstreamPool, handle: RedisHandle, breaker: Breaker,
                  outcomes: OutcomeStore, sinks: list[Any], *, build_body: BodyBuilder,
                  rng: random.Random | None = None,
-                 admit: Callable[[KeyInfo, dict[str, Any], UsageRecord, list[TierConfig]], Awaitable[Any]] | None = None
-                 ) -> None:
+                 admit: Callable[[KeyInfo, dict[str, Any], UsageRecord, list[TierConfig]],
+                                 Awaitable[Any]] | None = None,
+                 write_ahead: Callable[[UsageRecord], Awaitable[None]] | None = None) -> None:
         self.cfg = settings.routing.shadow
         self.routed = list(settings.routing.routed_tiers)
         self.tiers = {t.name: t for t in settings.tiers}
@@ -184,6 +187,8 @@ class Shadow:
         self.budget_micro = int(self.cfg.max_usd_day * Decimal(1_000_000))
         #: admission of each shadow/judge call (``Accounting.admit``; None: no accounting, nothing to admit)
         self.admit = admit
+        #: the write-ahead record of each admitted call, before it is sent (``Accounting.write_ahead``; None: off)
+        self.write_ahead = write_ahead
         self.key = KeyInfo(id=SHADOW_KEY, budget_usd_day=self.cfg.max_usd_day)
         self.stats = ShadowStats()
         self._inflight = 0
@@ -324,6 +329,8 @@ class Shadow:
             except GatewayError as exc:
                 log.info("shadow call on %s not admitted: %s", tier.name, exc.code)
                 raise NotAdmitted(exc.code or "refused") from None
+        if self.write_ahead is not None:  # recorded before it is sent: a crash during it is billed by a reconcile
+            await self.write_ahead(record)
         status, text = 200, None
         try:
             resp = await self.upstreams.open(tier, CHAT_PATH, orjson.dumps(built), stream=False)

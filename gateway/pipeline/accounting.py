@@ -445,6 +445,7 @@ class Accounting:
             log.info("semantic cache lookup of %s skipped: its embedding call was not admitted (%s)",
                      record.request_id, exc.code)
             return False
+        await self.write_ahead(emb)  # recorded before it is sent, as every upstream call: a crash during it is billed
         return emb
 
     def _meter_embedding(self, emb: UsageRecord, sketch: Sketch | None) -> None:

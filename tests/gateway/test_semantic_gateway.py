@@ -298,3 +298,46 @@ def test_an_embedding_call_with_a_usage_it_cannot_trust_is_billed_its_input(redi
             assert spent == sum(e.cost_micro_usd for e in events.values())
     finally:
         sim.stop()
+
+
+def test_an_embedding_call_has_its_write_ahead_record_while_it_runs(redis_url: str, redis_prefix: str,
+                                                                    tmp_path: Path) -> None:
+    """The semantic cache's embedding call is recorded in Redis (``wal:open``) before it is sent, like every
+    upstream call, and settled by its usage event: a gateway killed during it has it billed by the next
+    reconcile (to the request's key and tags, on the embedding tier). Before, it had no record: a crash lost it."""
+    import threading
+    from decimal import Decimal
+
+    from tests.fixtures.upstream import sim_tiers, start_sim, wait_for
+
+    sim, slow = start_sim(), start_sim("--delay-ms", "1500")
+    try:
+        embed = {"name": "embed", "base_url": slow.base_url, "model": "sim-words",
+                 "prices": {"input_usd_per_mtok": Decimal("10")}}
+        semantic = {"cache": {"semantic": {"enabled": True, "embedder": "openai:embed", "threshold": 0.95,
+                                           "embed_timeout_s": 5.0}}}
+        tiers = [embed, *sim_tiers(sim.base_url)]
+        q = "How many figs did Max pick in the yard on Tuesday if he had 15 and gave away 7?"
+        with accounting_gateway(sim.base_url, redis_url, tmp_path, prefix=redis_prefix, tiers=tiers,
+                                **semantic) as g:
+            check = redis.Redis.from_url(redis_url)
+            try:
+                done: list[Any] = []
+                t = threading.Thread(target=lambda: done.append(
+                    client(g).chat.completions.with_raw_response.create(**ask(q, uuid.uuid4().hex))))
+                t.start()
+                assert wait_for(lambda: slow.stats()["requests"] == 1, timeout_s=5)  # the embedding call is out
+                records = [orjson.loads(v) for v in check.hvals(redis_prefix + "wal:open")]
+                emb = [w for w in records if w["endpoint"] == "embeddings"]
+                assert [(w["key_id"], w["tier"], w["tags"]) for w in emb] == [("alice", "embed", {"team": "a"})]
+                assert emb[0]["bound_micro_usd"] > 0
+                t.join(timeout=15)
+                assert done and done[0].headers["x-thinkgate-cache"] == "miss"
+                assert wait_for(lambda: check.hlen(redis_prefix + "wal:open") == 0, timeout_s=5)  # all settled
+                events = usage_events(g, count=2)
+                assert sorted(e.endpoint for e in events.values()) == ["chat", "embeddings"]
+            finally:
+                check.close()
+    finally:
+        sim.stop()
+        slow.stop()

@@ -258,3 +258,29 @@ def test_a_shadow_call_cut_by_the_gateway_stopping_is_metered(upstream_sim: SimP
         assert not reserved
     finally:
         slow.stop()
+
+
+def test_a_shadow_call_has_its_write_ahead_record_while_it_runs(upstream_sim: SimProcess, slow_sim: SimProcess,
+                                                                redis_url: str, redis_prefix: str,
+                                                                tmp_path: Path) -> None:
+    """Like every upstream call, a shadow call is recorded in Redis (``wal:open``) before it is sent, and its usage
+    event settles the record: a gateway killed during it has it billed by the next reconcile (to ``_shadow``, on
+    the shadow tier). Before, shadow and judge calls had no record: a crash lost their spend."""
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[2]["base_url"] = slow_sim.base_url  # the shadow tier answers 1.5 s late
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, tiers=tiers,
+                            routing=_routing()) as gw, httpx.Client(timeout=30) as client:
+        check = redis.Redis.from_url(redis_url)
+        try:
+            before = slow_sim.stats()["requests"]
+            _, r = _ask(client, gw.base_url, 6)
+            assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short"
+            assert wait_for(lambda: slow_sim.stats()["requests"] == before + 1, timeout_s=5)  # sent, not answered
+            records = [orjson.loads(v) for v in check.hvals(redis_prefix + "wal:open")]
+            assert [(w["key_id"], w["tier"], w["route_reason"]) for w in records] == [("_shadow", "long", "shadow")]
+            assert records[0]["bound_micro_usd"] > 0
+            shadow = gw.app.state.proxy.shadow
+            assert wait_for(lambda: shadow.stats.done == 1, timeout_s=10)
+            assert wait_for(lambda: check.hlen(redis_prefix + "wal:open") == 0, timeout_s=5)  # settled by its event
+        finally:
+            check.close()
