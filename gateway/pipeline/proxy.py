@@ -321,17 +321,28 @@ class Proxy:
         if skipped is not None:
             log.info("tier %s gave %s; not escalating to %s (%s)", tier.name, why, nxt.name, skipped)
             return resp, f"skipped; tier={nxt.name}; reason={skipped}", False
-        await resp.aclose()
-        log.info("tier %s gave %s; escalating to %s", tier.name, why, nxt.name)
-        ex.record.mark_first_byte()
-        usage = summary.get("usage")
-        taken = ex.record.set_usage(usage if isinstance(usage, dict) else None)
-        counted = summary.get("counted")
-        if not taken and isinstance(counted, dict):  # the stream ended with no usage (or none to trust): counted
-            await self._count_attempt(ex, counted, body)
-        elif not taken and data is not None:  # a non-streamed answer with none: its text counted, not $0
-            await count_answer(self.upstreams, ex, data, body, caller.endpoint)
-        await ex.next_attempt(retry, 200, f"escalated_{why}", again)
+        try:
+            await resp.aclose()
+            log.info("tier %s gave %s; escalating to %s", tier.name, why, nxt.name)
+            ex.record.mark_first_byte()
+            usage = summary.get("usage")
+            taken = ex.record.set_usage(usage if isinstance(usage, dict) else None)
+            counted = summary.get("counted")
+            if not taken and isinstance(counted, dict):  # the stream ended with no usage (or none to trust): counted
+                await self._count_attempt(ex, counted, body)
+            elif not taken and data is not None:  # a non-streamed answer with none: its text counted, not $0
+                await count_answer(self.upstreams, ex, data, body, caller.endpoint)
+            await ex.next_attempt(retry, 200, f"escalated_{why}", again)
+        except BaseException as exc:
+            # admitted, never sent (the client went away, or counting the first answer failed): metered as the call
+            # that never ran — nothing sent, cost 0 — so its reservations are settled now, not held for
+            # limits.reservation_ttl_s; the first attempt is the exchange's to close
+            if ex.record is not again:
+                cancelled = isinstance(exc, asyncio.CancelledError | anyio.get_cancelled_exc_class())
+                again.tier, again.upstream_model, again.route_reason = nxt.name, nxt.model, "escalated"
+                self.accounting.abandon(again, nxt, CLIENT_CLOSED if cancelled else 500,
+                                        "client_disconnected" if cancelled else "internal_error")
+            raise
         return resp, None, True
 
     async def _count_attempt(self, ex: Exchange, counted: dict[str, int], body: dict[str, Any]) -> None:

@@ -6,14 +6,25 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
+import redis
 
 from gateway.ledger.record import UsageRecord
-from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings, sim_tiers, wait_for
+from tests.fixtures.upstream import (
+    TEST_KEY,
+    GatewayServer,
+    SimProcess,
+    sim_settings,
+    sim_tiers,
+    start_sim,
+    wait_for,
+)
 
 BUDGET = 8
 QUESTION = "Start with 7. Add 5, then multiply by 3. What is the result of all these steps please?"
@@ -277,3 +288,39 @@ def test_no_escalation_when_the_answer_is_there(upstream_sim: SimProcess, redis_
             assert raw.headers["x-thinkgate-route-reason"] == "forced"
             if stream:
                 assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+
+
+def test_an_escalation_admitted_and_never_sent_settles_its_reservation(redis_url: str, redis_prefix: str,
+                                                                       tmp_path: Path) -> None:
+    """A client that hangs up after the escalation was admitted and before it was sent (here: while the first
+    attempt's answer, which came with no usage, is being counted by a slow ``/tokenize``) leaves no reservation
+    behind: the escalation is metered as the cancelled call it is (status 499, nothing sent, cost 0), settling its
+    reservation at every level at once. Before, it held the key's, tags' and global budgets for
+    ``limits.reservation_ttl_s`` (600 s) — in hard mode, a budget that refused requests for nothing."""
+    from tests.fixtures.gateway import SECRETS, accounting_gateway, keys_config
+
+    sim = start_sim("--tokenize-delay-ms", "3000")
+    try:
+        tiers = sim_tiers(sim.base_url)
+        tiers[1].update({"thinking_budget": 100, "max_tokens": 4, "escalate_on": ["length_in_thought"]})
+        with accounting_gateway(sim.base_url, redis_url, tmp_path, prefix=redis_prefix, tiers=tiers,
+                                auth=keys_config(alice={"budget_usd_day": "1"})) as gw:
+            body = {"model": "short", "messages": [{"role": "user", "content": QUESTION}],
+                    "sim": {"usage": "omit"}}  # the first answer is counted: /tokenize, 3 s
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(gw.base_url + "/chat/completions", json=body, timeout=1.0,
+                           headers={"authorization": f"Bearer {SECRETS['alice']}"})
+            check = redis.Redis.from_url(redis_url)
+            try:
+                assert wait_for(lambda: len(check.xrange(redis_prefix + "usage:events")) >= 2, timeout_s=10)
+                time.sleep(0.3)
+                events = [orjson.loads(f[b"e"]) for _, f in check.xrange(redis_prefix + "usage:events")]
+                assert sorted((e["tier"], e["status"]) for e in events) == [("long", 499), ("short", 499)]
+                assert [e["cost_micro_usd"] for e in events if e["tier"] == "long"] == [0]
+                assert sim.stats()["requests"] == 1  # the escalation was never sent
+                assert check.hgetall(redis_prefix + "lim:alice:resv") == {}
+                assert check.hlen(redis_prefix + "wal:open") == 0
+            finally:
+                check.close()
+    finally:
+        sim.stop()
