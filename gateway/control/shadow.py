@@ -329,10 +329,10 @@ class Shadow:
             except GatewayError as exc:
                 log.info("shadow call on %s not admitted: %s", tier.name, exc.code)
                 raise NotAdmitted(exc.code or "refused") from None
-        if self.write_ahead is not None:  # recorded before it is sent: a crash during it is billed by a reconcile
-            await self.write_ahead(record)
         status, text = 200, None
         try:
+            if self.write_ahead is not None:  # recorded before it is sent: a crash during it is billed by a reconcile
+                await self.write_ahead(record)
             resp = await self.upstreams.open(tier, CHAT_PATH, orjson.dumps(built), stream=False)
             data = orjson.loads(resp.content)
             text = answer_text(data)

@@ -406,7 +406,14 @@ class Accounting:
         emb = await self._admit_embedding(semantic, key, record, scope, tier, upstream_body)
         if emb is False:
             return ticket  # the embedding call is not admitted: no semantic lookup, the request goes on
-        probe = await semantic.prepare(scope, record.endpoint, tier.name, upstream_body)
+        try:
+            if isinstance(emb, UsageRecord):  # recorded before it is sent, as every upstream call: a crash is billed
+                await self.write_ahead(emb)
+            probe = await semantic.prepare(scope, record.endpoint, tier.name, upstream_body)
+        except BaseException as exc:  # cancelled in flight: metered (nothing known of it), its reservation settled now
+            if isinstance(emb, UsageRecord):
+                self._meter_embedding(emb, None, 499 if isinstance(exc, asyncio.CancelledError) else 500)
+            raise
         if isinstance(emb, UsageRecord):  # admitted: metered whatever the call did (settles its reservation)
             self._meter_embedding(emb, probe.sketch if probe is not None else None)
         if probe is None:
@@ -445,17 +452,17 @@ class Accounting:
             log.info("semantic cache lookup of %s skipped: its embedding call was not admitted (%s)",
                      record.request_id, exc.code)
             return False
-        await self.write_ahead(emb)  # recorded before it is sent, as every upstream call: a crash during it is billed
         return emb
 
-    def _meter_embedding(self, emb: UsageRecord, sketch: Sketch | None) -> None:
+    def _meter_embedding(self, emb: UsageRecord, sketch: Sketch | None, failed: int = 502) -> None:
         """The usage event of an admitted embedding call: its prompt tokens at the tier's prices — as the upstream
         reported them, else counted (``usage_source: counted``, :class:`~gateway.semantic.embed.Sketch`) —; none
-        and status 502 when it failed (``sketch`` None)."""
+        and status ``failed`` when it failed (``sketch`` None: 502, or 499 cancelled in flight, ``partial``)."""
         tier = self.settings.tier(emb.tier or "")
         emb.prompt_tokens = sketch.tokens if sketch is not None else 0
         emb.usage_source = "none" if sketch is None else "counted" if sketch.counted else "upstream"
-        emb.finish(tier, 200 if sketch is not None else 502)
+        emb.partial = sketch is None and failed != 502
+        emb.finish(tier, 200 if sketch is not None else failed)
         self.sink(emb)
 
     async def cache_finish(self, ticket: Ticket, body: dict[str, Any] | None, record: UsageRecord,

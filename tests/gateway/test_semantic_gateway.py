@@ -341,3 +341,66 @@ def test_an_embedding_call_has_its_write_ahead_record_while_it_runs(redis_url: s
     finally:
         sim.stop()
         slow.stop()
+
+
+def test_an_embedding_call_cancelled_in_flight_is_metered_and_settled(redis_url: str, redis_prefix: str,
+                                                                     tmp_path: Path) -> None:
+    """A request cancelled while its embedding call is out (the gateway's own lookup, before the request's upstream
+    call) still meters that call — status 499, ``partial``, nothing known of it, cost 0 — so its reservation and
+    write-ahead record are settled at once. Before, the admitted call was never metered: its reservation held the
+    key's, tags' and global budgets until ``limits.reservation_ttl_s``."""
+    import asyncio
+    from decimal import Decimal
+
+    from gateway.auth.keys import KeyInfo
+    from gateway.ledger.record import UsageRecord
+    from gateway.pipeline.accounting import Accounting
+    from gateway.pipeline.upstream_body import build
+    from tests.fixtures.gateway import gateway_settings
+    from tests.fixtures.upstream import sim_tiers, start_sim
+
+    slow = start_sim("--delay-ms", "5000")
+    try:
+        embed = {"name": "embed", "base_url": slow.base_url, "model": "sim-words",
+                 "prices": {"input_usd_per_mtok": Decimal("10")}}
+        settings = gateway_settings(slow.base_url, redis_url, redis_prefix, tmp_path / "spool.jsonl",
+                                    tiers=[embed, *sim_tiers(slow.base_url)],
+                                    cache={"semantic": {"enabled": True, "embedder": "openai:embed",
+                                                        "embed_timeout_s": 10.0}})
+        tier = settings.tier("short")
+        body = {"model": "short", "temperature": 0,
+                "messages": [{"role": "user", "content": "How many limes did Zoe pick on Monday if she had 9?"}]}
+
+        async def go() -> None:
+            acct = Accounting(settings)
+            await acct.start()
+            try:
+                key = KeyInfo(id="alice", tags={"team": "a"})
+                record = UsageRecord(key_id="alice", tags={"team": "a"}, endpoint="chat", requested_model="short")
+                await acct.admit(key, body, record, [tier])
+                task = asyncio.create_task(acct.cache_begin(key, record, tier, build(body, tier, "chat"), {}))
+                for _ in range(100):  # until the embedding call is out
+                    await asyncio.sleep(0.05)
+                    if slow.stats()["requests"] == 1:
+                        break
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                acct.abandon(record, tier, 499, "client_disconnected")
+                await acct.flush()
+            finally:
+                await acct.close()
+
+        asyncio.run(go())
+        check = redis.Redis.from_url(redis_url)
+        try:
+            events = [orjson.loads(f[b"e"]) for _, f in check.xrange(redis_prefix + "usage:events")]
+            emb = [e for e in events if e["endpoint"] == "embeddings"]
+            assert [(e["key_id"], e["tier"], e["status"], e["partial"], e["cost_micro_usd"]) for e in emb] == [
+                ("alice", "embed", 499, True, 0)]
+            assert check.hgetall(redis_prefix + "lim:alice:resv") == {}
+            assert check.hlen(redis_prefix + "wal:open") == 0
+        finally:
+            check.close()
+    finally:
+        slow.stop()
