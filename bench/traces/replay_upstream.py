@@ -285,9 +285,10 @@ class ReplayProcess:
                  python: str | None = None) -> None:
         import sys
 
-        from gateway.engine.redis_server import free_port
+        from tests.fixtures.ports import Lease
 
-        self.port = free_port()
+        self._lease = Lease()  # the port is this process's while the object lives (tests.fixtures.ports)
+        self.port = self._lease.port
         self.root = f"http://127.0.0.1:{self.port}"
         self.base_url = self.root + "/v1"
         flags = [a for m, s in pairs for a in ("--ladder", f"{m}:{s}")]
