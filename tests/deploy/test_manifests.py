@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,6 @@ import pytest
 import yaml
 
 from bench._lib.process import stop_process
-from gateway.engine.redis_server import free_port
 from tests.fixtures.gateway import cleanup
 from tests.fixtures.upstream import SimProcess
 
@@ -206,7 +205,7 @@ def test_the_configmap_and_secret_load_as_gateway_settings(rendered: dict[str, l
 
 @pytest.fixture()
 def served(rendered: dict[str, list[dict[str, Any]]], upstream_sim: SimProcess, redis_url: str,
-           tmp_path: Path) -> Iterator[tuple[str, str, dict[str, Any]]]:
+           tmp_path: Path, port_lease: Callable[[], int]) -> Iterator[tuple[str, str, dict[str, Any]]]:
     """``thinkgate serve`` run as the container runs it — its command, its environment and Secret, its mounted
     config — on loopback: the tiers' in-cluster URLs point at the upstream simulator, Redis at the test server
     (a private key prefix), and the Secret holds one key this test knows. Yields (base URL, key, container)."""
@@ -218,7 +217,7 @@ def served(rendered: dict[str, list[dict[str, Any]]], upstream_sim: SimProcess, 
     cfg.write_text(text)
     secret = f"tg-k8s-{uuid.uuid4().hex}"
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
-    port = free_port()
+    port = port_lease()
     env = {**pod_env(docs),
            "THINKGATE_CONFIG": str(cfg), "THINKGATE_STATE_DIR": str(tmp_path / "state"), "TMPDIR": str(tmp_path),
            "THINKGATE_SERVER__HOST": "127.0.0.1", "THINKGATE_SERVER__PORT": str(port),
@@ -272,7 +271,8 @@ POD_PREFIX = "tgpod:"
 
 
 def _start_pod(tmp_path: Path, name: str, upstream_url: str, redis_url: str, on_redis_down: str,
-               auth: dict[str, Any] | None = None, **env_extra: str) -> tuple[subprocess.Popen[bytes], str]:
+               port_lease: Callable[[], int], auth: dict[str, Any] | None = None,
+               **env_extra: str) -> tuple[subprocess.Popen[bytes], str]:
     """``thinkgate serve`` as the chart runs it (engine off, Redis external), answering ``/health``. ``auth``: the
     config's keys (None: every key in the Redis store, made with ``thinkgate keys create``)."""
     home = tmp_path / name
@@ -282,7 +282,7 @@ def _start_pod(tmp_path: Path, name: str, upstream_url: str, redis_url: str, on_
                                    "limits": {"on_redis_down": on_redis_down}, **({"auth": auth} if auth else {}),
                                    "tiers": [{"name": "short", "base_url": upstream_url},
                                              {"name": "long", "base_url": upstream_url}]}))
-    port = free_port()
+    port = port_lease()
     env = {"THINKGATE_CONFIG": str(cfg), "THINKGATE_STATE_DIR": str(home / "state"),
            "THINKGATE_SERVER__HOST": "127.0.0.1", "THINKGATE_SERVER__PORT": str(port),
            "THINKGATE_REDIS__URL": redis_url, "THINKGATE_REDIS__KEY_PREFIX": POD_PREFIX, **env_extra}
@@ -306,7 +306,8 @@ UPSTREAMS_OK = {"short": True, "long": True}
 
 @pytest.mark.parametrize("on_redis_down", ["fail_open", "fail_closed"])
 def test_ready_with_redis_unreachable_says_what_the_pod_serves(tmp_path: Path, upstream_sim: SimProcess,
-                                                                on_redis_down: str) -> None:
+                                                                on_redis_down: str,
+                                                                port_lease: Callable[[], int]) -> None:
     """The readiness probe's other side, Redis gone. A pod that was serving, ``fail_open`` (the default): it still
     answers requests, so ``/ready`` stays 200 (``degraded``) — Redis is shared by every pod, and a 503 here would
     take them all out of the Service at once. ``fail_closed``: the pod refuses what is under a budget or limit, so
@@ -322,7 +323,7 @@ def test_ready_with_redis_unreachable_says_what_the_pod_serves(tmp_path: Path, u
     with persistent_redis(tmp_path / "redis") as redis:
         secret = create_key(redis.url, POD_PREFIX, "team")  # a key of the Redis store, as a fleet's are
         auth = {"authorization": f"Bearer {secret}"}
-        warm, warm_base = _start_pod(tmp_path, "warm", upstream_sim.base_url, redis.url, on_redis_down)
+        warm, warm_base = _start_pod(tmp_path, "warm", upstream_sim.base_url, redis.url, on_redis_down, port_lease)
         late = None
         with_keys = None
         try:
@@ -344,7 +345,7 @@ def test_ready_with_redis_unreachable_says_what_the_pod_serves(tmp_path: Path, u
                 assert ready.json()["redis"] is False
             assert httpx.get(warm_base + "/health", timeout=5).status_code == 200
             # a new pod during the outage: not ready in either mode, alive, and ready once Redis is back
-            late, late_base = _start_pod(tmp_path, "late", upstream_sim.base_url, redis.url, on_redis_down)
+            late, late_base = _start_pod(tmp_path, "late", upstream_sim.base_url, redis.url, on_redis_down, port_lease)
             ready = httpx.get(late_base + "/ready", timeout=10)
             assert ready.status_code == 503, ready.text
             assert ready.json() == {"status": "not_ready", "redis": False, "redis_synced": False,
@@ -352,12 +353,12 @@ def test_ready_with_redis_unreachable_says_what_the_pod_serves(tmp_path: Path, u
             assert httpx.get(late_base + "/health", timeout=5).status_code == 200
             if on_redis_down == "fail_open":  # a new pod with keys of its own config serves those: ready, degraded
                 with_keys, keys_base = _start_pod(tmp_path, "late-keys", upstream_sim.base_url, redis.url,
-                                                  on_redis_down, auth=keys_config())
+                                                  on_redis_down, port_lease, auth=keys_config())
                 ready = httpx.get(keys_base + "/ready", timeout=10)
                 assert ready.status_code == 200 and ready.json()["status"] == "degraded", ready.text
                 # ... unless the operator says its clients use keys of the store (config keys only for ops)
                 strict, strict_base = _start_pod(tmp_path, "late-strict", upstream_sim.base_url, redis.url,
-                                                 on_redis_down, auth=keys_config(),
+                                                 on_redis_down, port_lease, auth=keys_config(),
                                                  THINKGATE_SERVER__READY_REQUIRES_REDIS_SYNC="true")
                 try:
                     assert httpx.get(strict_base + "/ready", timeout=10).status_code == 503

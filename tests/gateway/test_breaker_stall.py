@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -66,10 +67,9 @@ async def test_loop_watch_reports_a_stall_under_way_and_past_ones() -> None:
     assert watch.stalled_since(loop.time() + 1) < 0.1
 
 
-async def test_real_outage_still_opens_the_breaker() -> None:
-    from gateway.engine.redis_server import free_port
+async def test_real_outage_still_opens_the_breaker(port_lease: Callable[[], int]) -> None:
 
-    client = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.2,
+    client = aioredis.Redis.from_url(f"redis://127.0.0.1:{port_lease()}/0", socket_timeout=0.2,
                                      socket_connect_timeout=0.2)
     breaker = Breaker(5.0, stall_s=0.1)
     try:

@@ -24,9 +24,10 @@ import pytest
 import redis
 import yaml
 
-from gateway.engine.redis_server import free_port, start_private
+from gateway.engine.redis_server import start_private
 from gateway.state.keys import RedisKeys
 from tests.fixtures.gateway import cleanup, create_key, keys_config
+from tests.fixtures.ports import Lease
 from tests.fixtures.upstream import SimProcess, sim_tiers, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,10 +38,11 @@ BURST = {"model": "long", "max_tokens": 64, "messages": [{"role": "user", "conte
 
 
 class Replica:
-    """One ``thinkgate serve`` process."""
+    """One ``thinkgate serve`` process, on a port leased to it until :meth:`stop`."""
 
-    def __init__(self, cfg_path: Path, port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}"
+    def __init__(self, cfg_path: Path, lease: Lease) -> None:
+        self.lease = lease
+        self.url = f"http://127.0.0.1:{lease.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(cfg_path)],
                                      cwd=REPO, env={**os.environ, "THINKGATE_CONFIG": ""},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -52,10 +54,12 @@ class Replica:
             self.proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.lease.release()
 
 
-def _config(tmp: Path, sim: SimProcess, redis_url: str, prefix: str, name: str) -> tuple[Path, int]:
-    port = free_port()
+def _config(tmp: Path, sim: SimProcess, redis_url: str, prefix: str, name: str) -> tuple[Path, Lease]:
+    lease = Lease()
+    port = lease.port
     cfg = {
         "engine": {"enabled": False},
         "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
@@ -69,7 +73,7 @@ def _config(tmp: Path, sim: SimProcess, redis_url: str, prefix: str, name: str) 
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    return path, port
+    return path, lease
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gateway.config import CacheConfig
-from gateway.engine.redis_server import free_port
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.cache import CacheEntry, ResponseCache
 from gateway.state.cache_policy import CacheDecision, cache_key, decide, is_deterministic, tenant_scope
@@ -256,8 +256,8 @@ async def test_single_flight_wait_is_bounded(redis_url: str, redis_prefix: str, 
         await cache.finish(leader, None)
 
 
-async def test_fails_open_fast_when_redis_is_unreachable(tmp_path: Path) -> None:
-    url = f"redis://127.0.0.1:{free_port()}/0"
+async def test_fails_open_fast_when_redis_is_unreachable(tmp_path: Path, port_lease: Callable[[], int]) -> None:
+    url = f"redis://127.0.0.1:{port_lease()}/0"
     async with stack(url, "tgtest:down:", tmp_path / "s", cooldown_s=30) as st:
         cache = ResponseCache(st.handle, st.breaker, CacheConfig())
         digest = cache_key(tenant_scope("a"), "chat", "short", BASE)

@@ -5,7 +5,7 @@ several seeds — and a malformed Redis URL is a configuration error at load, no
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -13,7 +13,6 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.config import RedisConfig
-from gateway.engine.redis_server import free_port
 from tests.fixtures.redis_cluster import ClusterSet, cluster_set
 from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, sim_settings
 
@@ -44,10 +43,11 @@ def test_a_dead_seed_is_not_a_dead_cluster(cluster: ClusterSet, upstream_sim: Si
         assert r.status_code == 200 and r.json()["redis"] is True, r.text
 
 
-def test_a_url_may_list_several_seeds(cluster: ClusterSet, upstream_sim: SimProcess) -> None:
+def test_a_url_may_list_several_seeds(cluster: ClusterSet, upstream_sim: SimProcess,
+        port_lease: Callable[[], int]) -> None:
     """``redis+cluster://dead:port,live:port``: the gateway starts and serves on the first seed that answers (a
     comma list was a traceback: "Port could not be cast to integer")."""
-    url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{cluster.masters()[0]}"
+    url = f"redis+cluster://127.0.0.1:{port_lease()},127.0.0.1:{cluster.masters()[0]}"
     with GatewayServer(sim_settings(upstream_sim.base_url, "", redis=_redis(url))) as gw:
         body = {"model": "short", "max_tokens": 4, "messages": [{"role": "user", "content": "seeds"}]}
         r = httpx.post(gw.base_url + "/chat/completions", json=body, timeout=30,

@@ -11,14 +11,15 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from gateway.config import DEFAULT_MODEL_DIR, EngineConfig
-from gateway.engine.redis_server import free_port
 from gateway.engine.vllm import EngineError, LocalEngine
+from tests.fixtures.ports import lease_port, release_port
 
 FAKE_SERVER = f"""#!{sys.executable}
 # Answers GET /health like vLLM once up; records its argv and environment.
@@ -52,8 +53,23 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
+@pytest.fixture(autouse=True)
+def _leases() -> Iterator[list[int]]:
+    """The ports :func:`_cfg` leased in this test, given back after it."""
+    _LEASED.clear()
+    yield _LEASED
+    for port in _LEASED:
+        release_port(port)
+    _LEASED.clear()
+
+
+_LEASED: list[int] = []
+
+
 def _cfg(**kw: object) -> EngineConfig:
-    return EngineConfig(model_path=DEFAULT_MODEL_DIR, port=free_port(), **kw)  # type: ignore[arg-type]
+    """An engine config on a port leased until the test ends (:mod:`tests.fixtures.ports`)."""
+    _LEASED.append(lease_port())
+    return EngineConfig(**{"model_path": DEFAULT_MODEL_DIR, **kw}, port=_LEASED[-1])  # type: ignore[arg-type]
 
 
 def test_command_and_environment() -> None:
@@ -120,7 +136,7 @@ def test_startup_timeout_kills_the_process_group(tmp_path: Path) -> None:
 
 def test_missing_model_and_busy_port_are_refused(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match=r"no config\.json"):
-        LocalEngine(EngineConfig(model_path=tmp_path / "nowhere", port=free_port()), state_dir=tmp_path).start()
+        LocalEngine(_cfg(model_path=tmp_path / "nowhere"), state_dir=tmp_path).start()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()

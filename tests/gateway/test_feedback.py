@@ -5,6 +5,7 @@ written while Redis is down are spooled and replayed once."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,6 @@ import redis
 
 from gateway.config import OutcomesConfig, RedisConfig
 from gateway.control.outcomes import OutcomeStore
-from gateway.engine.redis_server import free_port
 from gateway.ledger.outcome import Outcome, window_digest
 from gateway.state.breaker import Breaker
 from gateway.state.redis import connect
@@ -115,12 +115,13 @@ def test_escalations_are_outcomes(upstream_sim: SimProcess, redis_url: str, redi
         assert (theirs.route_reason, theirs.escalated_from) == ("escalated", "forced")
 
 
-def test_outcomes_survive_a_redis_outage(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+def test_outcomes_survive_a_redis_outage(redis_url: str, redis_prefix: str, tmp_path: Path,
+        port_lease: Callable[[], int]) -> None:
     spool = tmp_path / "outcomes.jsonl"
     cfg = OutcomesConfig()
 
     async def go() -> None:
-        dead = connect(RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0", key_prefix=redis_prefix,
+        dead = connect(RedisConfig(url=f"redis://127.0.0.1:{port_lease()}/0", key_prefix=redis_prefix,
                                    socket_timeout_s=0.2))
         down = OutcomeStore(cfg, dead, Breaker(5.0), spool)
         outcome = Outcome(source="shadow", request_id="r1", key_id="alice", tier="short", sufficed=True,

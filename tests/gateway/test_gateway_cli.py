@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,6 @@ import openai
 import pytest
 import yaml
 
-from gateway.engine.redis_server import free_port
 from tests.fixtures.upstream import wait_for, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,11 +99,12 @@ def test_invalid_config_exits_2_naming_the_field(tmp_path: Path) -> None:
     assert r.returncode == 2 and "config file not found" in r.stderr
 
 
-def test_serve_creates_dev_key_and_answers(tmp_path: Path, upstream_sim: Any, redis_url: str) -> None:
+def test_serve_creates_dev_key_and_answers(tmp_path: Path, upstream_sim: Any, redis_url: str,
+        port_lease: Callable[[], int]) -> None:
     key_file = tmp_path / "state" / "dev-key"
     cfg = write_config(tmp_path / "c.yaml", upstream_sim.base_url, redis_url,
                        auth={"dev_key_file": str(key_file)}, redis={"url": redis_url, "start_if_missing": True})
-    port = free_port()
+    port = port_lease()
     log = (tmp_path / "serve.log").open("w+")
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -138,16 +139,16 @@ def test_only_tiers_without_prices_are_named() -> None:
     assert unpriced_tiers(tiers) == ["free"]
 
 
-def test_sigterm_stops_what_serve_started(tmp_path: Path, upstream_sim: Any) -> None:
+def test_sigterm_stops_what_serve_started(tmp_path: Path, upstream_sim: Any, port_lease: Callable[[], int]) -> None:
     """SIGTERM ends ``serve`` through its clean-up: the private redis-server it started (as it would the local
     engine) is stopped too, not orphaned."""
     from gateway.engine.redis_server import ping
 
-    redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    redis_url = f"redis://127.0.0.1:{port_lease()}/0"
     cfg = write_config(tmp_path / "c.yaml", upstream_sim.base_url, redis_url,
                        redis={"url": redis_url, "start_if_missing": True, "data_dir": str(tmp_path / "redis")},
                        auth={"dev_key_file": str(tmp_path / "dev-key")})
-    port = free_port()
+    port = port_lease()
     log = (tmp_path / "serve.log").open("w+")
     # without the suite's REDIS_URL: it would override the config's redis.url (its documented alias)
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
@@ -167,16 +168,17 @@ def test_sigterm_stops_what_serve_started(tmp_path: Path, upstream_sim: Any) -> 
     assert wait_for(lambda: not ping(redis_url), timeout_s=10), "the private Redis outlived serve"
 
 
-def _private_redis_serve(tmp_path: Path, upstream_sim: Any) -> tuple[str, Path, int, Path, dict[str, str]]:
+def _private_redis_serve(tmp_path: Path, upstream_sim: Any,
+        port_lease: Callable[[], int]) -> tuple[str, Path, int, Path, dict[str, str]]:
     """(Redis URL, config, gateway port, log, CLI environment) of a ``serve`` that starts its own persisted Redis
     on a free port, as ``make serve`` does (data under ``tmp_path/redis``)."""
-    redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    redis_url = f"redis://127.0.0.1:{port_lease()}/0"
     cfg = write_config(tmp_path / "c.yaml", upstream_sim.base_url, redis_url,
                        redis={"url": redis_url, "start_if_missing": True, "data_dir": str(tmp_path / "redis")},
                        auth={"dev_key_file": str(tmp_path / "dev-key")})
     cli_env = {"THINKGATE_CONFIG": str(cfg), "THINKGATE_REDIS__URL": redis_url,
                "THINKGATE_REDIS__START_IF_MISSING": "false"}
-    return redis_url, cfg, free_port(), tmp_path / "serve.log", cli_env
+    return redis_url, cfg, port_lease(), tmp_path / "serve.log", cli_env
 
 
 def _serve_in_own_group(cfg: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
@@ -207,14 +209,14 @@ def _ctrl_c_timeline(proc: subprocess.Popen[bytes], redis_url: str, log: Path) -
 
 
 def test_ctrl_c_stops_the_private_redis_after_the_gateway_and_a_restart_finds_its_data(
-        tmp_path: Path, upstream_sim: Any) -> None:
+        tmp_path: Path, upstream_sim: Any, port_lease: Callable[[], int]) -> None:
     """``make serve``'s private Redis persists (keys, usage) under ``redis.data_dir``, and a terminal's Ctrl-C
     reaches the gateway only: the Redis, in a session of its own, is stopped by the gateway once its shutdown is
     done — it got the SIGINT too and went first, so the shutdown logged "redis unreachable, breaker open" and a
     restart found no key (a fresh server: the old key answered 401)."""
     import redis
 
-    redis_url, cfg, port, log, cli_env = _private_redis_serve(tmp_path, upstream_sim)
+    redis_url, cfg, port, log, cli_env = _private_redis_serve(tmp_path, upstream_sim, port_lease)
     proc = _serve_in_own_group(cfg, port, log)
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=30, proc=proc)
@@ -260,7 +262,8 @@ def test_ctrl_c_stops_the_private_redis_after_the_gateway_and_a_restart_finds_it
 
 @pytest.mark.parametrize("argv", [["keys", "list"], ["usage", "export", "--format", "jsonl", "--output", "-"],
                                   ["budgets", "list"]])
-def test_offline_commands_exit_3_when_redis_is_unreachable(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_offline_commands_exit_3_when_redis_is_unreachable(argv: list[str], monkeypatch: pytest.MonkeyPatch,
+        port_lease: Callable[[], int]) -> None:
     """``keys``, ``usage`` and ``budgets`` talk to Redis directly (gateway/cli_common.run_on_redis): a refused
     connection is a one-line error and exit code 3, not a traceback — ``budgets list`` printed an empty table and
     exited 0 ("no budgets set") — and the URL's password is not printed."""
@@ -268,21 +271,22 @@ def test_offline_commands_exit_3_when_redis_is_unreachable(argv: list[str], monk
 
     from gateway.cli.main import app
 
-    monkeypatch.setenv("THINKGATE_REDIS__URL", f"redis://user:s3cretpw@127.0.0.1:{free_port()}/0")
+    monkeypatch.setenv("THINKGATE_REDIS__URL", f"redis://user:s3cretpw@127.0.0.1:{port_lease()}/0")
     r = CliRunner().invoke(app, argv)
     assert r.exit_code == 3, r.output
     assert "Redis unreachable" in r.output and "s3cretpw" not in r.output and "***" in r.output
     assert len(r.output.strip().splitlines()) == 1
 
 
-def test_a_killed_serve_takes_its_private_redis_down_with_its_data_on_disk(tmp_path: Path, upstream_sim: Any) -> None:
+def test_a_killed_serve_takes_its_private_redis_down_with_its_data_on_disk(tmp_path: Path, upstream_sim: Any,
+                                                                           port_lease: Callable[[], int]) -> None:
     """``serve`` SIGKILLed (the OOM killer, ``kill -9``) runs no ``finally``: its private Redis, in a session of its
     own, used to live on as an orphan, serving a port no gateway owned (the local engine likewise held its port,
     and the next ``make serve`` refused to start). The kernel now sends it SIGTERM (PR_SET_PDEATHSIG), a graceful
     stop that flushes the append-only file: the key made before the kill is on disk."""
     import redis
 
-    redis_url, cfg, port, log, cli_env = _private_redis_serve(tmp_path, upstream_sim)
+    redis_url, cfg, port, log, cli_env = _private_redis_serve(tmp_path, upstream_sim, port_lease)
     proc = _serve_in_own_group(cfg, port, log)
     redis_pid = None
     try:
@@ -308,12 +312,13 @@ def test_a_killed_serve_takes_its_private_redis_down_with_its_data_on_disk(tmp_p
     assert b"kept-after-kill" in aof, "the key made before the kill is not in the append-only file"
 
 
-def test_an_offline_command_prints_only_its_own_message_when_redis_is_unreachable() -> None:
+def test_an_offline_command_prints_only_its_own_message_when_redis_is_unreachable(
+        port_lease: Callable[[], int]) -> None:
     """As a user runs it (a process with no logging set up): the breaker's WARNING ("redis unreachable, breaker open
     for 1.0 s: …", the server's log line) was printed bare before the command's own message. In-process (above)
     pytest's log capture hides that line, so this runs the real command."""
     r = thinkgate("keys", "list", env={"THINKGATE_CONFIG": "",
-                                       "THINKGATE_REDIS__URL": f"redis://127.0.0.1:{free_port()}/0"})
+                                       "THINKGATE_REDIS__URL": f"redis://127.0.0.1:{port_lease()}/0"})
     assert r.returncode == 3, r.stdout + r.stderr
     assert r.stdout == "" and r.stderr.startswith("thinkgate: Redis unreachable at redis://127.0.0.1:"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from gateway.engine.redis_server import free_port
+from tests.fixtures.ports import leased_port
 from tests.fixtures.upstream import (
     TEST_KEY,
     GatewayServer,
@@ -54,17 +54,24 @@ def fault_tiers(sim: SimProcess, dead_port: int) -> list[dict[str, Any]]:
     ]
 
 
-def fault_settings(sim: SimProcess, redis_url: str, fallback: bool) -> Any:
+@pytest.fixture(scope="module")
+def dead_port() -> Iterator[int]:
+    """A port where nothing listens, leased for the module (no other test server is started there)."""
+    with leased_port() as port:
+        yield port
+
+
+def fault_settings(sim: SimProcess, redis_url: str, fallback: bool, dead_port: int) -> Any:
     return sim_settings(
-        sim.base_url, redis_url, tiers=fault_tiers(sim, free_port()),
+        sim.base_url, redis_url, tiers=fault_tiers(sim, dead_port),
         routing={"router_path": None, "routed_tiers": ["down", "ok"], "thresholds": [0.5], "default_tier": "ok",
                  "effort_tiers": {"low": "down", "high": "ok"}, "fallback": fallback},
     )
 
 
 @pytest.fixture(scope="module")
-def fault_gateway(fault_sim: SimProcess, redis_url: str) -> Iterator[GatewayServer]:
-    with GatewayServer(fault_settings(fault_sim, redis_url, fallback=True)) as gw:
+def fault_gateway(fault_sim: SimProcess, redis_url: str, dead_port: int) -> Iterator[GatewayServer]:
+    with GatewayServer(fault_settings(fault_sim, redis_url, fallback=True, dead_port=dead_port)) as gw:
         yield gw
 
 
@@ -95,8 +102,8 @@ def test_refused_connection_falls_back_to_next_tier(client: openai.OpenAI, strea
         assert raw.parse().choices[0].message.content.startswith("echo:")
 
 
-def test_refused_connection_without_fallback_is_502(fault_sim: SimProcess, redis_url: str) -> None:
-    with GatewayServer(fault_settings(fault_sim, redis_url, fallback=False)) as gw:
+def test_refused_connection_without_fallback_is_502(fault_sim: SimProcess, redis_url: str, dead_port: int) -> None:
+    with GatewayServer(fault_settings(fault_sim, redis_url, fallback=False, dead_port=dead_port)) as gw:
         c = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=15)
         t0 = time.monotonic()
         with pytest.raises(openai.APIStatusError) as info:
@@ -114,10 +121,11 @@ def test_refused_connection_without_fallback_is_502(fault_sim: SimProcess, redis
         assert r.json()["status"] == "degraded"
 
 
-def test_ready_fails_when_no_upstream_answers(redis_url: str, fault_sim: SimProcess) -> None:
+def test_ready_fails_when_no_upstream_answers(redis_url: str, fault_sim: SimProcess,
+        port_lease: Callable[[], int]) -> None:
     """Every generation tier's upstream down: this replica can serve no chat or completion, so it is not ready —
     an embeddings tier that answers does not make it ready."""
-    dead = f"http://127.0.0.1:{free_port()}/v1"
+    dead = f"http://127.0.0.1:{port_lease()}/v1"
     tiers = [{"name": "emb", "base_url": fault_sim.base_url, "model": "m", "embeddings": True}]
     tiers += [{"name": n, "base_url": dead, "model": "m", "connect_timeout_s": 0.5} for n in ("a", "b")]
     settings = sim_settings(dead, redis_url, tiers=tiers, routing={"router_path": None, "routed_tiers": ["a", "b"],

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 
@@ -17,7 +18,6 @@ import pytest
 from gateway.auth.keys import KeyStore
 from gateway.auth.redis_store import KeyExists, KeyStoreUnavailable, RedisKeyStore
 from gateway.config import AuthConfig
-from gateway.engine.redis_server import free_port
 from gateway.errors import AuthError
 from gateway.state.breaker import Breaker
 from gateway.state.redis import connect
@@ -71,7 +71,8 @@ async def test_auth_keystore_uses_config_keys_then_redis(redis_url: str, redis_p
             await auth.authenticate(f"Bearer {secret}")
 
 
-async def test_lookup_cache_and_outage(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+async def test_lookup_cache_and_outage(redis_url: str, redis_prefix: str, tmp_path: Path,
+        port_lease: Callable[[], int]) -> None:
     async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
         now = [1000.0]
         store = RedisKeyStore(st.handle, st.breaker, cache_s=5, stale_s=60, clock=lambda: now[0])
@@ -79,7 +80,7 @@ async def test_lookup_cache_and_outage(redis_url: str, redis_prefix: str, tmp_pa
         digest = hashlib.sha256(secret.encode()).hexdigest()
         assert (await store.lookup(digest)) is not None
         # the same store object, but Redis now unreachable (a client on a dead port)
-        dead = connect(st.redis_cfg.model_copy(update={"url": f"redis://127.0.0.1:{free_port()}/0"}))
+        dead = connect(st.redis_cfg.model_copy(update={"url": f"redis://127.0.0.1:{port_lease()}/0"}))
         store.redis = dead.client
         store.breaker = Breaker(30)
         now[0] += 10  # past key_cache_s: it tries Redis, fails, serves the stale entry

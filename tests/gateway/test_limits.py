@@ -8,7 +8,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import ClassVar
@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from gateway.config import LimitsConfig, Prices, TierConfig
-from gateway.engine.redis_server import free_port
 from gateway.errors import RateLimited
 from gateway.ledger.event import UsageEvent
 from gateway.state.alerts import Alerts
@@ -196,8 +195,9 @@ async def test_estimate_is_an_upper_bound_over_candidate_tiers() -> None:
     assert est.micro_usd == max(int(prompt_ub * 0.5 + 2 * 64 * 2 + 0.5), 2 * 100 * 4)
 
 
-async def test_fail_open_uses_local_counters_and_fail_closed_refuses(tmp_path: Path) -> None:
-    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens
+async def test_fail_open_uses_local_counters_and_fail_closed_refuses(tmp_path: Path,
+        port_lease: Callable[[], int]) -> None:
+    url = f"redis://127.0.0.1:{port_lease()}/0"  # nothing listens
     async with stack(url, "tgtest:lim-down:", tmp_path / "s", cooldown_s=30) as st:
         open_limits = Limits(st.handle, st.breaker, LimitsConfig(on_redis_down="fail_open"))
         lim = KeyLimits("k", budget_day_micro=ONE_REQUEST, rpm=2)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
 
 from gateway.config import Prices
-from gateway.engine.redis_server import free_port
 from gateway.ledger.event import COUNTER_FIELDS, UsageEvent, cost_micro_usd, counter_increments
 from gateway.ledger.record import UsageRecord
 from tests.fixtures.redis_stack import persistent_redis, stack
@@ -100,9 +100,9 @@ async def test_events_since_until_filters_on_event_time(redis_url: str, redis_pr
         assert got_all == [e.event_id for e in events]
 
 
-async def test_spool_when_redis_down_then_replay_once(tmp_path: Path) -> None:
+async def test_spool_when_redis_down_then_replay_once(tmp_path: Path, port_lease: Callable[[], int]) -> None:
     """Redis not there at all: events spool (fsync'd); when it starts, replay counts each exactly once."""
-    port = free_port()
+    port = port_lease()
     url = f"redis://127.0.0.1:{port}/0"
     spool_path = tmp_path / "spool.jsonl"
     async with stack(url, "tgtest:spool:", spool_path, cooldown_s=0.2) as st:
@@ -120,8 +120,7 @@ async def test_spool_when_redis_down_then_replay_once(tmp_path: Path) -> None:
         server_dir.mkdir()
         from tests.fixtures.redis_stack import PersistentRedis
 
-        server = PersistentRedis(server_dir)
-        server.port, server.url = port, url
+        server = PersistentRedis(server_dir, port=port)
         server.start()
         try:
             await asyncio.sleep(0.25)  # breaker cooldown
@@ -242,8 +241,9 @@ async def test_record_many_one_pipeline_counts_once_and_reloads_a_flushed_script
         assert len(day) == 40 and day[-1] == sum(e.cost_micro_usd for e in events if e.key_id == events[-1].key_id)
 
 
-async def test_record_many_spools_the_whole_batch_when_redis_is_down(tmp_path: Path) -> None:
-    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+async def test_record_many_spools_the_whole_batch_when_redis_is_down(tmp_path: Path,
+        port_lease: Callable[[], int]) -> None:
+    url = f"redis://127.0.0.1:{port_lease()}/0"  # nothing listens there
     async with stack(url, "tgtest:batchspool:", tmp_path / "spool.jsonl", cooldown_s=0.2) as st:
         events = [_event("k", "short", i) for i in range(7)]
         results = await st.meter.record_many(events)

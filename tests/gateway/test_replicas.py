@@ -11,15 +11,16 @@ import uuid
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import yaml
 
 from gateway.config import TierConfig
-from gateway.engine.redis_server import free_port
 from gateway.state.limits import estimate
 from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, cleanup, keys_config
+from tests.fixtures.ports import leased_port
 from tests.fixtures.upstream import SimProcess, sim_tiers, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,9 +43,16 @@ def replicas(upstream_sim: SimProcess, redis_url: str,
     auth = keys_config(alice={"budget_usd_day": str(Decimal(_budget_micro(upstream_sim)) / 1_000_000)})
     procs: list[subprocess.Popen[bytes]] = []
     urls = []
+    with leased_port() as port_a, leased_port() as port_b:
+        yield from _run(upstream_sim, redis_url, tmp, prefix, auth, procs, urls, (port_a, port_b))
+
+
+def _run(upstream_sim: SimProcess, redis_url: str, tmp: Path, prefix: str, auth: dict[str, Any],
+         procs: list[subprocess.Popen[bytes]], urls: list[str], ports: tuple[int, int]) -> Iterator[tuple[str, str]]:
+    """Start the two replicas on ``ports`` (leased by the caller); yield their base URLs; stop them."""
     try:
         for i in range(2):
-            port = free_port()
+            port = ports[i]
             cfg = {
                 "engine": {"enabled": False},
                 "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gateway.config import CacheConfig, SemanticCacheConfig, Settings
-from gateway.engine.redis_server import free_port
 from gateway.semantic.cache import Probe, SemanticCache
 from gateway.semantic.embed import LexicalEmbedder, OpenAIEmbedder
 from gateway.semantic.guard import Features, features, mismatch, normalise
@@ -544,8 +544,8 @@ async def test_vector_search_is_detected_from_the_module_list(redis_url: str, re
         assert await sem.index.detect() is bool(names & {"search", "ft", "searchlight"})
 
 
-async def test_redis_down_bypasses_without_error(tmp_path: Path) -> None:
-    url = f"redis://127.0.0.1:{free_port()}/0"
+async def test_redis_down_bypasses_without_error(tmp_path: Path, port_lease: Callable[[], int]) -> None:
+    url = f"redis://127.0.0.1:{port_lease()}/0"
     async with stack(url, "tgtest:semdown:", tmp_path / "s", cooldown_s=30) as st:
         sem = SemanticCache(st.handle, st.breaker, SemanticCacheConfig(enabled=True), LexicalEmbedder())
         probe = await sem.prepare(tenant_scope("a"), "chat", "short", _body())
@@ -625,12 +625,13 @@ def test_question_leaves_the_request_body_untouched() -> None:
     assert completion == {"model": "m", "prompt": "What is 17 * 23?", "max_tokens": 7}
 
 
-async def test_embedder_down_means_no_probe_not_an_error(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+async def test_embedder_down_means_no_probe_not_an_error(redis_url: str, redis_prefix: str, tmp_path: Path,
+        port_lease: Callable[[], int]) -> None:
     import httpx
 
     from gateway.config import TierConfig
 
-    dead = TierConfig(name="e", base_url=f"http://127.0.0.1:{free_port()}/v1")
+    dead = TierConfig(name="e", base_url=f"http://127.0.0.1:{port_lease()}/v1")
     async with stack(redis_url, redis_prefix, tmp_path / "s") as st, httpx.AsyncClient() as http:
         sem = SemanticCache(st.handle, st.breaker, SemanticCacheConfig(), OpenAIEmbedder(dead, http, 0.5))
         assert await sem.prepare(tenant_scope("a"), "chat", "short", _body()) is None

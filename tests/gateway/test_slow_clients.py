@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from bench._lib.process import stop_process
-from gateway.engine.redis_server import free_port
 from tests.fixtures.gateway import cleanup
+from tests.fixtures.ports import Lease
 from tests.fixtures.upstream import SimProcess, sim_tiers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +39,8 @@ def served(upstream_sim: SimProcess, redis_url: str, tmp_path_factory: pytest.Te
 
 def serve(upstream_sim: SimProcess, redis_url: str, tmp: Path, **server: object) -> Iterator[int]:
     """Run ``thinkgate serve`` with the short bounds (and ``server`` settings); yield its port."""
-    port, prefix = free_port(), f"tgtest:{uuid.uuid4().hex[:12]}:"
+    lease, prefix = Lease(), f"tgtest:{uuid.uuid4().hex[:12]}:"  # the port is the server's until it stops
+    port = lease.port
     cfg = tmp / "thinkgate.yaml"
     cfg.write_text(yaml.safe_dump({
         "engine": {"enabled": False}, "routing": {"router_path": None},
@@ -69,6 +70,7 @@ def serve(upstream_sim: SimProcess, redis_url: str, tmp: Path, **server: object)
         yield port
     finally:
         stop_process(proc, timeout_s=20)
+        lease.release()
         cleanup(redis_url, prefix)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -10,14 +11,13 @@ import pytest
 import yaml
 
 from gateway.config import DEFAULT_MODEL_DIR, EngineConfig
-from gateway.engine.redis_server import free_port
 from gateway.engine.vllm import LocalEngine
 from training.grpo.config import RunConfig, from_dict
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
-def test_grpo_output_serves_in_vllm(tmp_path: Path) -> None:
+def test_grpo_output_serves_in_vllm(tmp_path: Path, port_lease: Callable[[], int]) -> None:
     from training.grpo.run import run_grpo
 
     cfg = from_dict(
@@ -35,7 +35,7 @@ def test_grpo_output_serves_in_vllm(tmp_path: Path) -> None:
     assert summary["global_step"] == 2
     tier = yaml.safe_load((run_dir / "tier.yaml").read_text())["tiers"][0]
 
-    ecfg = EngineConfig(model_path=run_dir / "model", served_model_name=tier["model"], port=free_port(),
+    ecfg = EngineConfig(model_path=run_dir / "model", served_model_name=tier["model"], port=port_lease(),
                         startup_timeout_s=240)
     with LocalEngine(ecfg, state_dir=tmp_path / "engine-state") as eng:
         r = httpx.post(
