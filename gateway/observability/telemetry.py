@@ -18,7 +18,8 @@ when the request's usage record is metered (the end of a stream included) or whe
   score, when scored), ``thinkgate.request_id``, ``thinkgate.endpoint``;
 - ``http.response.status_code`` and, for a failure, ``error.type`` (the gateway's error code) and status ERROR.
 
-An escalated first attempt is an event (``thinkgate.escalated``) on the request span. Spans go to OTLP/HTTP
+An escalated first attempt is an event (``thinkgate.escalated``) on the request span, and so is an escalation's
+call that failed while the first answer could still be served (``thinkgate.escalation_failed``). Spans go to OTLP/HTTP
 protobuf in batches (:class:`gateway.observability.otlp_wire.OtlpBatchExporter`; the ``otel`` extra).
 ``telemetry.sample_ratio`` (1.0) records that share of new traces, decided as the SDK's
 ``ParentBased(TraceIdRatioBased)`` decides; the others cost one sampling decision per request, record no step
@@ -262,10 +263,7 @@ class RequestTrace:
         if self.ended or record.endpoint != self.endpoint:  # e.g. the semantic cache's embedding record
             return
         if (record.error_code or "").startswith("escalated_"):
-            if self.sampled:
-                self.events.append((time.time_ns(), "thinkgate.escalated", {
-                    "thinkgate.tier": record.tier or "", "thinkgate.error_code": record.error_code,
-                    "thinkgate.cost_micro_usd": record.cost_micro_usd}))
+            self.event("thinkgate.escalated", record)
             return
         if not self.sampled:
             self.ended = True
@@ -295,6 +293,14 @@ class RequestTrace:
             if record.status >= 500:
                 code, message = STATUS_ERROR, record.error_code or str(record.status)
         self._end(attrs, code, message)
+
+    def event(self, name: str, record: Any) -> None:
+        """An event on the request span about one attempt's usage record (its tier, error code and cost) that does
+        not end it: an escalated first attempt, an escalation's failed call."""
+        if self.sampled and not self.ended and record.endpoint == self.endpoint:
+            self.events.append((time.time_ns(), name, {
+                "thinkgate.tier": record.tier or "", "thinkgate.error_code": record.error_code or "",
+                "thinkgate.cost_micro_usd": record.cost_micro_usd}))
 
     def fail(self, exc: BaseException) -> None:
         """End the request span for a request refused or broken before its usage record (no-op after finish)."""
@@ -379,6 +385,14 @@ def traceparent() -> str | None:
     """The W3C ``traceparent`` for an outgoing call from the current step, or None when off."""
     trace = _CURRENT.get()
     return None if trace is None else trace.traceparent()
+
+
+def event(name: str, record: Any) -> None:
+    """An event on the current request's span about an attempt's record (:meth:`RequestTrace.event`; no-op when
+    off)."""
+    trace = _CURRENT.get()
+    if trace is not None:
+        trace.event(name, record)
 
 
 def finish(record: Any) -> None:

@@ -58,7 +58,8 @@ class Caller:
 class Answer:
     """The pipeline's result for one request (see the module doc). ``cache``: ``hit`` | ``semantic-hit`` |
     ``miss`` | ``bypass``; ``similarity``: a semantic hit's cosine; ``session``: ``new`` | ``sticky`` (None: no
-    session applies); ``escalation``: why an escalation was skipped (``skipped; tier=…; reason=…``)."""
+    session applies); ``escalation``: why an escalation was skipped or failed, the first answer kept
+    (``skipped|failed; tier=…; reason=…``)."""
 
     route: RouteDecision
     request_id: str

@@ -4,7 +4,9 @@ Every exit of the pipeline — a JSON answer, the end of an SSE relay, an upstre
 a cache hit — ends in :meth:`Exchange.close`, which offers the answer to the cache (or releases the single-flight
 lock), then finishes the usage record and hands it to the usage sinks. ``close`` is idempotent, so a later
 safety net (the proxy's ``except BaseException``) can call :meth:`abandon` without double metering.
-An escalation meters the first attempt and continues with the next attempt's record (:meth:`next_attempt`).
+An escalation finishes the first attempt and continues with the next attempt's record (:meth:`next_attempt`); the
+first is metered once the next call answered (:meth:`meter_held`), or served after all when it could not
+(:meth:`resume_held`).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ class Exchange:
     the cache ticket (None when the cache is bypassed or already released).
     """
 
-    __slots__ = ("_closed", "accounting", "after_response", "on_answer", "rate", "record", "renewer", "route", "sinks",
-                 "ticket")
+    __slots__ = ("_closed", "_held", "accounting", "after_response", "on_answer", "rate", "record", "renewer", "route",
+                 "sinks", "ticket")
 
     def __init__(self, record: UsageRecord, route: RouteDecision, sinks: list[UsageSink],
                  accounting: Accounting) -> None:
@@ -48,6 +50,8 @@ class Exchange:
         self.accounting = accounting
         self.ticket: Ticket | None = None
         self._closed = False
+        #: an escalation's previous attempt, finished and not yet metered, and its route (:meth:`next_attempt`)
+        self._held: tuple[UsageRecord, RouteDecision] | None = None
         #: called with a complete, successful answer when the exchange closes (the shadow comparisons)
         self.on_answer: Callable[[Exchange, dict[str, Any]], None] | None = None
         #: run after a JSON response's last byte was sent (set by ``on_answer``; Starlette's background hook)
@@ -98,12 +102,33 @@ class Exchange:
             self.on_answer(self, answer)
 
     async def next_attempt(self, route: RouteDecision, status: int, code: str, record: UsageRecord) -> None:
-        """Meter the current attempt (``status``, ``code`` — e.g. ``escalated_empty_answer``) and continue on
+        """Finish the current attempt (``status``, ``code`` — e.g. ``escalated_empty_answer``) and continue on
         ``route`` with ``record`` (the next attempt's, already admitted under its id); the cache ticket stays
-        with the exchange."""
-        self._meter(status, code)
-        record.escalated_from = self.record.escalated_from or self.record.route_reason
+        with the exchange. The finished attempt is held, not metered yet: :meth:`meter_held` meters it once the
+        next call answered (or the request ends any other way); :meth:`resume_held` serves it after all when the
+        next call failed before answering."""
+        held = self.record
+        held.error_code = code
+        held.finish(self.tier, status)
+        self._held = (held, self.route)
+        record.escalated_from = held.escalated_from or held.route_reason
         self.record = record
+        self._closed = False
+        self.stamp(route)
+
+    def meter_held(self) -> None:
+        """Meter the attempt :meth:`next_attempt` held, as it was finished there (no-op when none is held)."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._send(held[0])
+
+    def resume_held(self) -> None:
+        """The next attempt failed before it answered (and was metered as the failed call it was): the held
+        attempt's answer is the request's after all — it becomes the current attempt again, unmetered and open, as
+        if it had not been escalated (its error code cleared; the answer's way closes it)."""
+        assert self._held is not None and self._closed
+        (self.record, route), self._held = self._held, None
+        self.record.error_code = None
         self._closed = False
         self.stamp(route)
 
@@ -120,10 +145,18 @@ class Exchange:
         self._closed = True
         self.record.error_code = code
         self.record.finish(self.tier, status)
+        self._send(self.record)
+
+    def _send(self, record: UsageRecord) -> None:
+        """Hand a finished record to the usage sinks; end the request span with it — unless an attempt is held
+        (an escalation's call that failed, whose held answer may still be served): then it is an event on it."""
         with telemetry.span("metering"):
             for sink in self.sinks:
                 try:
-                    sink(self.record)
+                    sink(record)
                 except Exception:
                     log.exception("usage sink %r failed", sink)
-        telemetry.finish(self.record)
+        if self._held is None:
+            telemetry.finish(record)
+        else:
+            telemetry.event("thinkgate.escalation_failed", record)

@@ -177,7 +177,11 @@ class Proxy:
     async def _answer(self, ex: Exchange, body: dict[str, Any], caller: Caller) -> Answer:
         """Call the upstream (falling back), escalate up the cascade while a tier's answer asks for it, and
         answer: the stream of chunks (relayed, metered at its end), or the JSON answer (metered now). Only the
-        routed tier's answer is offered to the cache."""
+        routed tier's answer is offered to the cache. An escalation whose call fails before it answers (the next
+        tier down, refused, a 5xx; metered as that failed call, which releases the cache ticket) leaves the answer
+        it would have improved — the exchange's held attempt, served as if not escalated, with the note
+        ``failed; tier=…; reason=<error code>``; the held attempt is metered as escalated once the call answered, or
+        as before when the request ends otherwise."""
         resp = await self._call(ex, body, caller)
         data = None if caller.stream else await self._parsed(resp, ex)
         skipped = None
@@ -186,8 +190,26 @@ class Proxy:
             resp, skipped, again = await self._escalation(ex, resp, data, body, caller)
             if not again:
                 break
-            resp = await self._call(ex, body, caller)
-            data = None if caller.stream else await self._parsed(resp, ex)
+            nxt = ex.tier.name
+            try:
+                retried = await self._call(ex, body, caller)
+                retried_data = None if caller.stream else await self._parsed(retried, ex)
+            except GatewayError as exc:
+                if not ex.closed:  # not the escalation's call failing (its failure closes the exchange)
+                    ex.meter_held()
+                    raise
+                # the next tier could not answer (down, refused, failed before answering; metered as the failed
+                # call it was): the client keeps the answer it would have had without the escalation, as when the
+                # budget refuses it — not a 502 for an answer billed and thrown away
+                skipped = f"failed; tier={nxt}; reason={exc.code or 'upstream_error'}"
+                ex.resume_held()
+                log.warning("escalation to %s failed (%s); answering with tier %s", nxt, exc.code, ex.tier.name)
+                break
+            except BaseException:
+                ex.meter_held()  # the client went away, or something broke: the first attempt is metered as before
+                raise
+            ex.meter_held()  # the next tier answered: the first attempt was escalated
+            resp, data = retried, retried_data
         answer = Answer(ex.route, ex.record.request_id, ex.ticket.status if ex.ticket is not None else "bypass",
                         escalation=skipped)
         if ex.route.reason in ("fallback", "escalated"):  # only the routed tier's answer is cached
@@ -286,7 +308,9 @@ class Proxy:
         up to the first answer token to decide (:func:`gateway.pipeline.escalation.peek_stream`), or to their end
         when the tier checks the answer's content (``abstain``/``low_confidence``). The retry is admitted —
         reserved at every budget level — before it is sent; when that is refused (or the key may not use
-        ``nxt``) the first answer is kept, with the note ``skipped; tier=…; reason=…``. Returns (the response
+        ``nxt``) the first answer is kept, with the note ``skipped; tier=…; reason=…``. The first attempt is finished
+        here and held by the exchange (:meth:`Exchange.next_attempt`): :meth:`_answer` meters it, or serves it when
+        the retry fails before answering. Returns (the response
         to answer with unless retrying, the note, whether to retry)."""
         tier = ex.tier
         nxt = self.routing.next_tier(tier)
