@@ -212,7 +212,9 @@ class Proxy:
             resp, data = retried, retried_data
         answer = Answer(ex.route, ex.record.request_id, ex.ticket.status if ex.ticket is not None else "bypass",
                         escalation=skipped)
-        if ex.route.reason in ("fallback", "escalated"):  # only the routed tier's answer is cached
+        if ex.route.reason in ("fallback", "escalated") or skipped is not None:
+            # only the routed tier's answer is cached, and not one its escalate_on judged too weak (an escalation
+            # refused or failed): replayed, the same request would never escalate again
             await ex.release_cache()
         if caller.stream:
             n = body.get("n")

@@ -266,6 +266,25 @@ def test_refused_escalation_returns_the_first_answer_saying_why(cutting: Gateway
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_refused_escalations_first_answer_is_not_cached(cutting: GatewayServer, redis_url: str,
+                                                          prefix: str) -> None:
+    # the answer the tier's escalate_on judged too weak (cut in its thought) was stored and replayed to the same
+    # request later, which then never escalated, whatever the budget by then
+    gw = cutting
+    body = {"model": "short", "messages": [{"role": "user", "content": f"cacheable {uuid.uuid4().hex}"}],
+            "temperature": 0}
+    est = _estimate(gw, body, "short")
+    kid = f"nocache-{uuid.uuid4().hex[:8]}"
+    secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(est + est // 2))
+    headers = {"authorization": f"Bearer {secret}"}  # the cache allowed (no no-store)
+    first = httpx.post(gw.base_url + "/chat/completions", json=body, headers=headers, timeout=30)
+    assert first.status_code == 200, first.text
+    assert first.headers["x-thinkgate-escalation"] == "skipped; tier=long; reason=budget_exceeded"
+    again = httpx.post(gw.base_url + "/chat/completions", json=body, headers=headers, timeout=30)
+    assert again.status_code == 200, again.text
+    assert again.headers["x-thinkgate-cache"] != "hit"
+
+
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_non_streamed_disconnect_cancels_upstream_and_meters_partial(gw: GatewayServer, upstream_sim: SimProcess,
                                                                      redis_url: str, prefix: str, api: str) -> None:
