@@ -5,8 +5,7 @@ a cache hit — ends in :meth:`Exchange.close`, which offers the answer to the c
 lock), then finishes the usage record and hands it to the usage sinks. ``close`` is idempotent, so a later
 safety net (the proxy's ``except BaseException``) can call :meth:`abandon` without double metering.
 An escalation finishes the first attempt and continues with the next attempt's record (:meth:`next_attempt`); the
-first is metered once the next call answered (:meth:`meter_held`), or served after all when it could not
-(:meth:`resume_held`).
+first is metered once the next call answered, or served after all when it could not (:meth:`settle_held`).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from gateway.config import TierConfig
+from gateway.errors import GatewayError
 from gateway.ledger.record import UsageRecord
 from gateway.observability import telemetry
 
@@ -104,9 +104,9 @@ class Exchange:
     async def next_attempt(self, route: RouteDecision, status: int, code: str, record: UsageRecord) -> None:
         """Finish the current attempt (``status``, ``code`` — e.g. ``escalated_empty_answer``) and continue on
         ``route`` with ``record`` (the next attempt's, already admitted under its id); the cache ticket stays
-        with the exchange. The finished attempt is held, not metered yet: :meth:`meter_held` meters it once the
-        next call answered (or the request ends any other way); :meth:`resume_held` serves it after all when the
-        next call failed before answering."""
+        with the exchange. The finished attempt is held, not metered yet: :meth:`settle_held` meters it once the
+        next call answered (or the request ends any other way), or serves it after all when the next call failed
+        before answering."""
         held = self.record
         held.error_code = code
         held.finish(self.tier, status)
@@ -116,21 +116,25 @@ class Exchange:
         self._closed = False
         self.stamp(route)
 
-    def meter_held(self) -> None:
-        """Meter the attempt :meth:`next_attempt` held, as it was finished there (no-op when none is held)."""
+    def settle_held(self, failed: BaseException | None = None) -> bool:
+        """Settle the attempt :meth:`next_attempt` held once the next call is out of the way. ``failed``: what the
+        next call raised, if it did. When it is a gateway error that closed the exchange (the next call failed
+        before it answered, and was metered as the failed call it was), the held attempt's answer is the request's
+        after all: it becomes the current attempt again, unmetered and open, as if it had not been escalated (its
+        error code cleared; the answer's way closes it) — returns True. Otherwise (the next call answered, or the
+        request ends another way: the client gone, an error before the call) the held attempt is metered as it was
+        finished there, escalated — returns False. No-op (False) when none is held, and after the first call."""
         held, self._held = self._held, None
-        if held is not None:
-            self._send(held[0])
-
-    def resume_held(self) -> None:
-        """The next attempt failed before it answered (and was metered as the failed call it was): the held
-        attempt's answer is the request's after all — it becomes the current attempt again, unmetered and open, as
-        if it had not been escalated (its error code cleared; the answer's way closes it)."""
-        assert self._held is not None and self._closed
-        (self.record, route), self._held = self._held, None
-        self.record.error_code = None
-        self._closed = False
-        self.stamp(route)
+        if held is None:
+            return False
+        if isinstance(failed, GatewayError) and self._closed:
+            self.record, route = held
+            self.record.error_code = None
+            self._closed = False
+            self.stamp(route)
+            return True
+        self._send(held[0])
+        return False
 
     async def abandon(self, status: int, code: str) -> None:
         """The safety net for an exit no step closed (an unexpected error, a cancellation): release the cache

@@ -194,21 +194,16 @@ class Proxy:
             try:
                 retried = await self._call(ex, body, caller)
                 retried_data = None if caller.stream else await self._parsed(retried, ex)
-            except GatewayError as exc:
-                if not ex.closed:  # not the escalation's call failing (its failure closes the exchange)
-                    ex.meter_held()
-                    raise
+            except BaseException as exc:
+                if not ex.settle_held(exc) or not isinstance(exc, GatewayError):
+                    raise  # the client went away, something broke, or not the escalation's call: metered as before
                 # the next tier could not answer (down, refused, failed before answering; metered as the failed
                 # call it was): the client keeps the answer it would have had without the escalation, as when the
                 # budget refuses it — not a 502 for an answer billed and thrown away
                 skipped = f"failed; tier={nxt}; reason={exc.code or 'upstream_error'}"
-                ex.resume_held()
                 log.warning("escalation to %s failed (%s); answering with tier %s", nxt, exc.code, ex.tier.name)
                 break
-            except BaseException:
-                ex.meter_held()  # the client went away, or something broke: the first attempt is metered as before
-                raise
-            ex.meter_held()  # the next tier answered: the first attempt was escalated
+            ex.settle_held()  # the next tier answered: the first attempt was escalated
             resp, data = retried, retried_data
         answer = Answer(ex.route, ex.record.request_id, ex.ticket.status if ex.ticket is not None else "bypass",
                         escalation=skipped)
