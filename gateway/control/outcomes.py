@@ -16,7 +16,11 @@ write (up to 0.2 s). A write that fails (Redis down) puts its batch back in fron
 a later flush: feedback reaching this replica meanwhile still finds it (its outcome is spooled). The queue is
 bounded (:data:`MAX_INDEX_QUEUE`, the oldest dropped first); what a process holds when it stops is lost.
 The usage sink (:meth:`OutcomeStore.sink`) also turns each escalated first attempt (``error_code``
-``escalated_<why>``) into an ``escalation`` outcome: the cheap tier did not suffice.
+``escalated_<why>``) into an ``escalation`` outcome: the cheap tier did not suffice. So is an answer whose escalation
+was asked for and not made (``UsageRecord.escalation_not_taken``: refused by the budget or the key's policy —
+``x-thinkgate-escalation: skipped; …`` — or its call failed — ``failed; …``), with ``other_tier`` the tier it would
+have asked and ``comment`` that note: the tier's ``escalate_on`` judged the same answer too weak, whether or not the
+next tier could be reached. That answer was served, so it is indexed for feedback as well.
 """
 
 from __future__ import annotations
@@ -129,6 +133,13 @@ class OutcomeStore:
             self._spawn(self.record(self.outcome_of(record, "escalation", sufficed=False,
                                                     judge="escalation:" + code.removeprefix("escalated_"))))
             return
+        if record.escalation_not_taken is not None:
+            # judged too weak by its tier's escalate_on, served because the escalation was refused or failed: the
+            # same evidence about this answer as an escalated attempt's (whatever then became of the answer served),
+            # and the answer is still gradable below
+            why, asked, note = record.escalation_not_taken
+            self._spawn(self.record(self.outcome_of(record, "escalation", sufficed=False, judge="escalation:" + why,
+                                                    other_tier=asked, comment=note)))
         if record.status != 200 or record.error_code is not None:
             return
         entry: dict[str, Any] = {"key_id": record.key_id, "tier": record.tier, "route_reason": record.route_reason,

@@ -5,7 +5,9 @@ Sources (``source``):
 - ``feedback``: the client said so (``POST /v1/feedback``: ``correct`` or a ``value`` in [0, 1]; judge
   ``client``); ``sufficed`` = correct, or value >= 0.5.
 - ``escalation``: the gateway's cascade found the answer empty, cut or abstaining and asked the next tier
-  (judge ``escalation:<why>``, ``sufficed`` False, ``other_tier`` the tier asked next).
+  (judge ``escalation:<why>``, ``sufficed`` False) — or would have, but the escalation was refused (budget, key
+  policy) or failed: the same verdict on the same answer, with ``other_tier`` the tier it would have asked and
+  ``comment`` the ``x-thinkgate-escalation`` note (``skipped; …`` / ``failed; …``).
 - ``shadow``: a sampled request was also sent to the next tier up after the client's answer was complete and
   the two answers were compared (judge ``agreement`` | ``verifier`` | ``tier:<name>``).
 

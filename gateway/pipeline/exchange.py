@@ -116,25 +116,27 @@ class Exchange:
         self._closed = False
         self.stamp(route)
 
-    def settle_held(self, failed: BaseException | None = None) -> bool:
+    def settle_held(self, failed: BaseException | None = None) -> str | None:
         """Settle the attempt :meth:`next_attempt` held once the next call is out of the way. ``failed``: what the
         next call raised, if it did. When it is a gateway error that closed the exchange (the next call failed
         before it answered, and was metered as the failed call it was), the held attempt's answer is the request's
         after all: it becomes the current attempt again, unmetered and open, as if it had not been escalated (its
-        error code cleared; the answer's way closes it) — returns True. Otherwise (the next call answered, or the
-        request ends another way: the client gone, an error before the call) the held attempt is metered as it was
-        finished there, escalated — returns False. No-op (False) when none is held, and after the first call."""
+        error code cleared; the answer's way closes it) — returns why it was escalated (``<why>`` of its
+        ``escalated_<why>``). Otherwise (the next call answered, or the request ends another way: the client gone,
+        an error before the call) the held attempt is metered as it was finished there, escalated — returns None.
+        No-op (None) when none is held, and after the first call."""
         held, self._held = self._held, None
         if held is None:
-            return False
+            return None
         if isinstance(failed, GatewayError) and self._closed:
             self.record, route = held
+            why = (self.record.error_code or "").removeprefix("escalated_")
             self.record.error_code = None
             self._closed = False
             self.stamp(route)
-            return True
+            return why
         self._send(held[0])
-        return False
+        return None
 
     async def abandon(self, status: int, code: str) -> None:
         """The safety net for an exit no step closed (an unexpected error, a cancellation): release the cache

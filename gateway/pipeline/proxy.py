@@ -195,12 +195,15 @@ class Proxy:
                 retried = await self._call(ex, body, caller)
                 retried_data = None if caller.stream else await self._parsed(retried, ex)
             except BaseException as exc:
-                if not ex.settle_held(exc) or not isinstance(exc, GatewayError):
+                why = ex.settle_held(exc)  # the first attempt is the current one again, or metered as escalated
+                if why is None or not isinstance(exc, GatewayError):
                     raise  # the client went away, something broke, or not the escalation's call: metered as before
                 # the next tier could not answer (down, refused, failed before answering; metered as the failed
                 # call it was): the client keeps the answer it would have had without the escalation, as when the
                 # budget refuses it — not a 502 for an answer billed and thrown away
                 skipped = f"failed; tier={nxt}; reason={exc.code or 'upstream_error'}"
+                # still judged too weak by its tier's escalate_on: an escalation outcome, as an escalated one is
+                ex.record.escalation_not_taken = (why, nxt, skipped)
                 log.warning("escalation to %s failed (%s); answering with tier %s", nxt, exc.code, ex.tier.name)
                 break
             ex.settle_held()  # the next tier answered: the first attempt was escalated
@@ -341,7 +344,10 @@ class Proxy:
         skipped = await self._admit_escalation(ex, retry, body, caller, again)
         if skipped is not None:
             log.info("tier %s gave %s; not escalating to %s (%s)", tier.name, why, nxt.name, skipped)
-            return resp, f"skipped; tier={nxt.name}; reason={skipped}", False
+            note = f"skipped; tier={nxt.name}; reason={skipped}"
+            # the answer was judged too weak all the same: an escalation outcome when it is metered (outcomes.py)
+            ex.record.escalation_not_taken = (why, nxt.name, note)
+            return resp, note, False
         try:
             await resp.aclose()
             log.info("tier %s gave %s; escalating to %s", tier.name, why, nxt.name)
