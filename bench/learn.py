@@ -41,7 +41,8 @@ JSON (``--json``), exactly::
      "offline_fit": {"accuracy_ratio", "token_share", "savings", "holds_floor"}, "length": {...}}
 
 ``outcomes`` = entries in the outcome stream at the step; ``shadow_cost_usd`` = the shadow calls' spend so far
-(``p shadow:d:*``). Progress goes to stderr; the table and a summary of the run (promotions, traffic accuracy,
+(the usage ledger's all-time counter of the key ``_shadow``, ``p usage:key:_shadow``: what metering counted for
+the shadow and judge calls). Progress goes to stderr; the table and a summary of the run (promotions, traffic accuracy,
 timings) to stdout; everything, the retraining's audit events included (``history``), to ``--details``.
 """
 
@@ -196,8 +197,9 @@ def _redis_int(url: str, fn: Any) -> int:
 
 
 def shadow_spend_usd(url: str, prefix: str) -> float:
-    """Σ ``p shadow:d:*`` (micro-USD) in USD."""
-    return _redis_int(url, lambda c: sum(int(c.get(k) or 0) for k in c.scan_iter(match=prefix + "shadow:d:*"))) / 1e6
+    """The shadow calls' spend so far in USD: ``cost_micro_usd`` of the key ``_shadow``'s all-time usage counters
+    (``p usage:key:_shadow``), what metering counted — the gateway keeps no other shadow spend counter."""
+    return _redis_int(url, lambda c: c.hget(prefix + "usage:key:_shadow", "cost_micro_usd")) / 1e6
 
 
 def wait_settled(url: str, prefix: str, every: int, traffic: Client, timeout_s: float = 60.0) -> None:

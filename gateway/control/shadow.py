@@ -6,10 +6,15 @@ complete — a JSON answer: from the response's background hook, which Starlette
 sent; a stream: when the relay closed the exchange after the last chunk — :meth:`Shadow.start` hands the
 job to a task and returns at once, so the client's response and its connection are never held. The task:
 
-1. skips when ``max_concurrency`` shadow calls are in flight on this replica, or when today's shadow spend
-   (``p shadow:d:{YYYY-MM-DD}``, micro-USD, shared by the replicas) has reached ``max_usd_day``, or when
-   Redis is down (the budget cannot be checked). The budget is checked before each call and charged after
-   it, so one day may overshoot by at most ``max_concurrency`` calls per replica;
+1. skips when ``max_concurrency`` shadow calls are in flight on this replica, or when today's shadow spend has
+   reached ``max_usd_day``, or when Redis does not answer that read in time (a timeout, Redis down, the breaker
+   open). Today's shadow spend is what metering counted for the key ``_shadow`` that UTC day — ``cost_micro_usd``
+   of ``p usage:key:_shadow:d:{YYYY-MM-DD}``, written atomically with each usage event by the metering script and,
+   for an event spooled during an outage, when it is replayed — the one number shown as shadow spend (``thinkgate
+   usage report``, the dashboard) and the one admission reserves against; there is no second counter. This check
+   only saves a doomed call: a call that finished a moment ago may not be counted yet, and admission (step 2) is
+   what holds the cap. Skipping on a timeout is deliberate: a comparison is optional evidence, and one not made
+   costs a label, never money (``stats.skipped["redis_down"]``);
 2. sends the same request, non-streamed, to the next routed tier up; metered as a usage event with route
    reason ``shadow`` under the key id ``_shadow`` (so a client's budget never pays for it). Like every upstream
    call it is admitted first (``Accounting.admit``): reserved against the shadow's own budget — the key
@@ -33,7 +38,6 @@ job to a task and returns at once, so the client's response and its connection a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import re
@@ -66,7 +70,6 @@ SHADOW_KEY = "_shadow"
 #: the status of a shadow or judge call cancelled in flight (the gateway stopping): nginx's "client closed request",
 #: as a request whose client went away is metered
 CANCELLED_STATUS = 499
-SPEND_TTL_S = 3 * 86400
 CHAT_PATH = "/chat/completions"
 
 JUDGE_PROMPT = (
@@ -290,32 +293,24 @@ class Shadow:
         finally:
             self._inflight -= 1
 
+    async def spent_today(self) -> int:
+        """Today's (UTC) shadow spend in micro-USD: what metering counted for the key ``_shadow`` (its day
+        counter's ``cost_micro_usd``; module docstring, step 1). Raises :class:`RedisDown` when Redis does not
+        answer in time."""
+        name = self.keys.key_day(SHADOW_KEY, time.strftime("%Y-%m-%d", time.gmtime()))
+        spent = await self.breaker.call(lambda: self.redis.hget(name, "cost_micro_usd"))
+        return int(spent or 0)
+
     async def _within_budget(self) -> bool:
-        day = time.strftime("%Y-%m-%d", time.gmtime())
         try:
-            spent = await self.breaker.call(lambda: self.redis.get(self.keys.shadow_spend(day)))
-        except RedisDown:
+            spent = await self.spent_today()
+        except RedisDown:  # deliberate: no comparison while the day's spend cannot be read (module docstring)
             self.stats.skip("redis_down")
             return False
-        if int(spent or 0) >= self.budget_micro:
+        if spent >= self.budget_micro:
             self.stats.skip("budget")
             return False
         return True
-
-    async def _charge(self, micro: int) -> None:
-        if micro <= 0:
-            return
-        k = self.keys.shadow_spend(time.strftime("%Y-%m-%d", time.gmtime()))
-
-        async def incr() -> None:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.incrby(k, micro)
-                pipe.expire(k, SPEND_TTL_S)
-                await pipe.execute()
-        try:
-            await self.breaker.call(incr)
-        except RedisDown:
-            log.warning("shadow spend of %d micro-USD not counted (redis down)", micro)
 
     async def _call(self, tier: TierConfig, body: dict[str, Any], job: ShadowJob) -> tuple[str | None, int]:
         """One non-streamed call on ``tier``, metered as ``shadow``; (its answer text or None, its cost)."""
@@ -348,16 +343,13 @@ class Shadow:
             record.prompt_tokens, record.usage_source = estimate_prompt(built.get("messages")), "counted"
             record.finish(tier, CANCELLED_STATUS)
             self._meter(record)
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._charge(record.cost_micro_usd))
             raise
         except Exception as exc:
             status = getattr(exc, "status", 502)
             record.error_code = getattr(exc, "code", "upstream_error")
             log.info("shadow call on %s failed: %r", tier.name, exc)
         record.finish(tier, status)
-        self._meter(record)
-        await self._charge(record.cost_micro_usd)
+        self._meter(record)  # the one count of its spend: the usage ledger (today's shadow spend reads it)
         return text, record.cost_micro_usd
 
     def _meter(self, record: UsageRecord) -> None:

@@ -27,7 +27,8 @@ key                                     type        contents
 ``p usage:seen:{YYYY-MM-DD}``           set         event_ids already counted (idempotency), TTL
 ``p usage:replica:probe``               string      written before each WAIT of ``metering.replica_acks``, PX 60 s
 ``p usage:key:{id}``                    hash        all-time counters of a key
-``p usage:key:{id}:d:{YYYY-MM-DD}``     hash        a key's counters for one UTC day (budgets read these)
+``p usage:key:{id}:d:{YYYY-MM-DD}``     hash        a key's counters for one UTC day (budgets read these; the key
+                                                    ``_shadow``'s is the day's shadow spend, shadow.py)
 ``p usage:key:{id}:m:{YYYY-MM}``        hash        a key's counters for one UTC month
 ``p usage:tier:{tier}``                 hash        all-time counters of a tier
 ``p usage:tier:{tier}:d:{YYYY-MM-DD}``  hash        a tier's counters for one UTC day
@@ -64,7 +65,6 @@ key                                     type        contents
 ``p outcomes:seen:{YYYY-MM-DD}``        set         outcome ids already written (a replay writes nothing), TTL
 ``p outcomes:grades:{YYYY-MM-DD}``      hash        feedback outcome id → grade "1"/"0" (told to a duplicate), TTL
 ``t req:{request_id}``  T               string      request index for feedback (key id, tier, score, digest), TTL
-``p shadow:d:{YYYY-MM-DD}``             string      shadow comparisons' spend that UTC day, micro-USD (shadow.py)
 ``p drift:win``                         list        drift alarm window: "score,tier index", newest last (drift.py)
 ``p drift:state``                       string      last drift statistics (JSON: psi_score, psi_tier, n, ts, ...)
 ``p drift:ref:{version}``               string      served reference histogram of a router version without one
@@ -136,9 +136,6 @@ class RedisKeys:
     def request(self, request_id: str, tenant: str = "") -> str:
         """A request's feedback index entry; ``tenant``: the key's tag (:func:`key_tenant`)."""
         return f"{self.tenant(tenant)}req:{request_id}"
-
-    def shadow_spend(self, day: str) -> str:
-        return f"{self.prefix}shadow:d:{day}"
 
     def drift_window(self) -> str:
         return f"{self.prefix}drift:win"

@@ -21,6 +21,7 @@ from gateway.ledger.outcome import Outcome
 from gateway.pipeline import upstream_body
 from gateway.state.limits import estimate
 from tests.fixtures.gateway import SECRETS, accounting_gateway, usage_events
+from tests.fixtures.redis_stack import persistent_redis
 from tests.fixtures.upstream import SimProcess, sim_tiers, start_sim, wait_for
 
 SHADOW_DELAY_S = 1.5
@@ -284,3 +285,51 @@ def test_a_shadow_call_has_its_write_ahead_record_while_it_runs(upstream_sim: Si
             assert wait_for(lambda: check.hlen(redis_prefix + "wal:open") == 0, timeout_s=5)  # settled by its event
         finally:
             check.close()
+
+
+@pytest.mark.slow
+def test_the_shadow_budget_reads_what_metering_counted_through_a_redis_timeout(
+        upstream_sim: SimProcess, slow_sim: SimProcess, tmp_path: Path) -> None:
+    """Today's shadow spend, the one the pre-check compares with ``max_usd_day``, is what metering counted for the
+    key ``_shadow`` (``usage:key:_shadow:d:{day}``, written atomically with the usage event and replayed from the
+    spool after an outage) — not a second counter. Here a shadow call ends while every Redis write is held (``CLIENT
+    PAUSE … WRITE`` on a private Redis, past the 0.25 s socket timeout): its usage event is spooled and replayed,
+    the ledger has its cost. The next comparison is then skipped by the pre-check (``budget``) — before, the separate
+    ``shadow:d:{day}`` counter had lost that write (756 vs 972 micro-USD measured), read 0, and the comparison went
+    on to admission, which refused it against the ledger."""
+    (tmp_path / "redis").mkdir()
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[2]["base_url"] = slow_sim.base_url  # the shadow tier answers 1.5 s late: the pause begins while it thinks
+    # soft budgets: a call is admitted while the day's spend is under the budget — one micro-USD here, so the first
+    # comparison is admitted and its cost alone reaches the cap
+    with persistent_redis(tmp_path / "redis") as server, \
+            accounting_gateway(upstream_sim.base_url, server.url, tmp_path, prefix="tgshadow:", tiers=tiers,
+                               routing=_routing(max_usd_day="0.000001"), limits={"budget_mode": "soft"}) as gw, \
+            httpx.Client(timeout=30) as client:
+        admin = redis.Redis.from_url(server.url)
+        shadow = gw.app.state.proxy.shadow
+        day = time.strftime("%Y-%m-%d", time.gmtime())
+        ledger = f"tgshadow:usage:key:_shadow:d:{day}"
+        try:
+            _, r = _ask(client, gw.base_url, 1)
+            assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short"
+            # admitted and written ahead: sent, not answered yet — hold every write until well after it answered
+            assert wait_for(lambda: admin.hlen("tgshadow:wal:open") == 1, timeout_s=5)
+            admin.execute_command("CLIENT", "PAUSE", 2500, "WRITE")
+            assert wait_for(lambda: shadow.stats.done + shadow.stats.failed == 1, timeout_s=10)
+            # the event was spooled (the write timed out) and is replayed once Redis takes writes again
+            assert wait_for(lambda: int(admin.hget(ledger, "cost_micro_usd") or 0) > 0, timeout_s=10)
+            spent = int(admin.hget(ledger, "cost_micro_usd") or 0)
+            events = usage_events(gw, count=2)
+            assert [e.cost_micro_usd for e in events.values() if e.route_reason == "shadow"] == [spent]
+            time.sleep(1.0)  # the breaker closed again (cooldown 0.5 s)
+
+            _, r = _ask(client, gw.base_url, 2)
+            assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short"
+            assert wait_for(lambda: sum(shadow.stats.skipped.values()) == 1, timeout_s=5)
+            # it was {"admission": 1}: the pre-check read the separate counter, which never had the first call's cost
+            assert shadow.stats.skipped == {"budget": 1}, shadow.stats.skipped
+            assert shadow.stats.done == 1
+            assert int(admin.hget(ledger, "cost_micro_usd") or 0) == spent  # nothing more was spent
+        finally:
+            admin.close()
