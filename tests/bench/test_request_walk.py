@@ -1,8 +1,12 @@
 """The request's way stays short: the static walk from the chat handler to the upstream call (bench/request_walk.py).
 
-The bounds are issue 23's target — 40 stops, 12 returns — which this tree meets (40 stops, 11 returns; the parent
+The bounds were issue 23's target — 40 stops, 12 returns — which its tree met (40 stops, 11 returns; the parent
 tree of the refactor walked 69 stops in 24 modules with 27 returns). A change that lengthens the way — a new hop
 between the handler and the upstream call, a helper module the way keeps leaving and coming back to — fails here.
+
+41 since stop 48, on purpose: an escalation whose retry cannot be served leaves the client the first tier's answer
+(it was a 502), so the retry settles the attempt it holds (``Exchange.settle_held``) — one stop, on the escalation's
+retry after the first upstream call, not between the handler and it. Issue 23's 40 is not met by that one stop.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import pytest
 from bench.request_walk import END, Graph, main, measure
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_STOPS = 40
+MAX_STOPS = 41
 MAX_RETURNS = 12
 
 
