@@ -51,9 +51,15 @@ SEMANTIC_RESULTS = frozenset({"hit", "guard_rejected", "below_threshold", "miss"
 ERROR_CODES = frozenset({"upstream_error", "upstream_unavailable", "upstream_timeout", "upstream_rejected",
                          "upstream_stream_broken", "client_disconnected", "budget_exceeded",
                          "rate_limit_exceeded", "limits_unavailable", "key_store_unavailable"})
-REFUSAL_CODES = frozenset({"invalid_request", "invalid_json", "model_not_found", "missing_api_key", "invalid_api_key",
-                           "permission_denied", "tier_not_allowed", "request_too_large", "budget_exceeded",
-                           "rate_limit_exceeded", "limits_unavailable", "key_store_unavailable", "internal_error"})
+#: every code a refused request can carry (a finite set: label values; ``tests/gateway/test_refusal_codes.py``
+#: checks that each code the gateway's errors name is here), anything else counted as ``other``
+REFUSAL_CODES = frozenset({
+    "invalid_request", "invalid_json", "invalid_value", "invalid_type", "integer_below_min_value",
+    "unsupported_parameter", "unknown_parameter", "model_not_found", "not_found", "method_not_allowed",
+    "previous_response_not_found", "request_not_found", "key_not_found", "missing_api_key", "invalid_api_key",
+    "permission_denied", "tier_not_allowed", "request_timeout", "request_too_large", "usage_scan_too_large",
+    "budget_exceeded", "rate_limit_exceeded", "overloaded", "limits_unavailable", "key_store_unavailable",
+    "outcomes_unavailable", "usage_unavailable", "conversation_store_unavailable", "internal_error"})
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MAX_CACHED_CHILDREN = 10_000

@@ -625,6 +625,8 @@ def refusal(code: str, what: str, retry_after_s: int, key_id: str, level: Level 
                         f"x-ratelimit-reset-{unit}": duration(int(retry_after_s) * 1000)}
             msg += (f" ({budget} {unit} per minute, sliding 60 s window); the window has room again in "
                     f"{int(retry_after_s)} s")
+        if retry_after_s > 60:  # the SDKs ignore a Retry-After over 60 s and retry at once (as for budgets, below)
+            headers["x-should-retry"] = "false"
         return RateLimited(msg, code=code, headers=headers)
     lvl = level or Level("key", key_id)
     who = f"key {key_id!r}" if lvl.kind == "key" else lvl.label

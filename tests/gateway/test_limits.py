@@ -290,3 +290,6 @@ def test_refusal_wording_and_retry_hints() -> None:
     # an RPM refusal keeps its short Retry-After and no x-should-retry
     r = refusal("rate_limit_exceeded", "rpm", 12, "k", None, None, 5)
     assert r.headers["retry-after"] == "12" and "x-should-retry" not in r.headers
+    # one past 60 s (a low RPM's sliding window: 87 s at rpm 1) is one the SDKs ignore and retry at once: told not to
+    r = refusal("rate_limit_exceeded", "rpm", 87, "k", None, None, 1)
+    assert r.headers["retry-after"] == "87" and r.headers["x-should-retry"] == "false"
