@@ -642,6 +642,10 @@ def refusal(code: str, what: str, retry_after_s: int, key_id: str, level: Level 
         msg += f", remaining {_usd(left)})"
         if mode == "hard" and est_micro is not None:
             msg += f"; this request may cost up to {_usd(est_micro)} (its estimate)"
+            if est_micro <= budget and left > 0:
+                # it fits the budget, not what is left: its estimate (max_tokens at the dearest tier it may be
+                # served by, fallbacks included) is what the client can lower
+                msg += ": a lower max_tokens (or max_completion_tokens) lowers it"
             if est_micro > budget:
                 # no wait lets this request in: say what would, and send no Retry-After a client would obey
                 msg += (f", more than the whole {period} budget: lower max_tokens (or max_completion_tokens) or n,"

@@ -283,6 +283,10 @@ def test_refusal_wording_and_retry_hints() -> None:
     # SDKs are told not to retry (they ignore a Retry-After over 60 s and would retry at once)
     r = refusal("budget_exceeded", "day", 36000, "k", None, 5000, 10000, 8000, 2000, "hard")
     assert "fully reserved" not in r.message and r.headers["retry-after"] == "36000"
+    assert "lower max_tokens" not in r.message  # nothing is left: no estimate would fit
+    # room is left, only not enough for the estimate, which fits the budget: the estimate is what a client lowers
+    r = refusal("budget_exceeded", "day", 36000, "k", None, 5000, 10000, 6000, 0, "hard")
+    assert "would be exceeded" in r.message and "a lower max_tokens (or max_completion_tokens) lowers it" in r.message
     assert r.headers["x-should-retry"] == "false"
     # only reservations block: "fully reserved", retry in 1 s, retries welcome
     r = refusal("budget_exceeded", "day", 1, "k", None, 5000, 10000, 4000, 6000, "hard")
