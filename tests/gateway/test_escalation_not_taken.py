@@ -13,27 +13,19 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from gateway.config import TierConfig
 from gateway.engine.redis_server import free_port
 from gateway.ledger.event import micro_to_usd
-from gateway.ledger.outcome import Outcome, window_digest
+from gateway.ledger.outcome import window_digest
 from gateway.state.limits import estimate
 from tests.fixtures.gateway import SECRETS, accounting_gateway, keys_config
+from tests.fixtures.redis_db import read_outcomes
 from tests.fixtures.upstream import GatewayServer, SimProcess, sim_tiers, wait_for
 
 AUTH = {"authorization": f"Bearer {SECRETS['alice']}", "cache-control": "no-store"}
 ROUTING = {"router_path": None, "routed_tiers": ["short", "long"], "thresholds": [0.9], "default_tier": "long",
            "outcomes": {"retain_text": True}}
-
-
-def _outcomes(redis_url: str, prefix: str) -> list[Outcome]:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        return [Outcome.from_json(f[b"o"]) for _, f in client.xrange(prefix + "outcomes")]
-    finally:
-        client.close()
 
 
 def _body(question: str, stream: bool) -> dict[str, Any]:
@@ -77,9 +69,9 @@ def test_an_escalation_not_taken_is_an_escalation_outcome(gw: tuple[GatewayServe
     rid = r.headers["x-request-id"]
 
     # it was: no outcome at all (the escalated_<why> attempt that records one never existed)
-    assert wait_for(lambda: any(o.request_id == rid for o in _outcomes(redis_url, redis_prefix)), timeout_s=5), \
-        _outcomes(redis_url, redis_prefix)
-    [o] = [o for o in _outcomes(redis_url, redis_prefix) if o.request_id == rid]
+    assert wait_for(lambda: any(o.request_id == rid for o in read_outcomes(redis_url, redis_prefix)), timeout_s=5), \
+        read_outcomes(redis_url, redis_prefix)
+    [o] = [o for o in read_outcomes(redis_url, redis_prefix) if o.request_id == rid]
     assert (o.source, o.key_id, o.tier, o.route_reason, o.sufficed, o.judge) == (
         "escalation", "alice", "short", "predicted", False, "escalation:length_in_thought")
     assert (o.other_tier, o.comment) == ("long", note)
@@ -88,5 +80,5 @@ def test_an_escalation_not_taken_is_an_escalation_outcome(gw: tuple[GatewayServe
     # the answer served is still the request's: the client may grade it (its request index entry is written too)
     fb = httpx.post(gw_.base_url + "/feedback", headers=AUTH, timeout=30, json={"request_id": rid, "correct": True})
     assert fb.status_code == 200, fb.text
-    graded = [x for x in _outcomes(redis_url, redis_prefix) if x.request_id == rid]
+    graded = [x for x in read_outcomes(redis_url, redis_prefix) if x.request_id == rid]
     assert sorted((x.source, x.sufficed) for x in graded) == [("escalation", False), ("feedback", True)]

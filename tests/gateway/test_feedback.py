@@ -20,19 +20,12 @@ from gateway.ledger.outcome import Outcome, window_digest
 from gateway.state.breaker import Breaker
 from gateway.state.redis import connect
 from tests.fixtures.gateway import SECRETS, accounting_gateway
+from tests.fixtures.redis_db import read_outcomes
 from tests.fixtures.upstream import SimProcess, sim_tiers, wait_for
 
 
 def _auth(who: str) -> dict[str, str]:
     return {"authorization": f"Bearer {SECRETS[who]}"}
-
-
-def _outcomes(redis_url: str, prefix: str) -> list[Outcome]:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        return [Outcome.from_json(f[b"o"]) for _, f in client.xrange(prefix + "outcomes")]
-    finally:
-        client.close()
 
 
 def test_feedback_only_from_the_key_that_made_the_request(upstream_sim: SimProcess, redis_url: str,
@@ -68,7 +61,7 @@ def test_feedback_only_from_the_key_that_made_the_request(upstream_sim: SimProce
         # a body over the limit is refused before it is read whole (413, as every endpoint; it read 400 MB first)
         big = client.post(gw.base_url + "/feedback", headers=_auth("alice"), content=b"x" * 20_000)
         assert big.status_code == 413, big.text
-        assert _outcomes(redis_url, prefix) == []  # nothing recorded by the refused ones
+        assert read_outcomes(redis_url, prefix) == []  # nothing recorded by the refused ones
 
         ok = fb("alice", {"request_id": rid, "correct": False, "comment": "wrong city"})
         assert ok.status_code == 200, ok.text
@@ -77,14 +70,14 @@ def test_feedback_only_from_the_key_that_made_the_request(upstream_sim: SimProce
         again = fb("alice", {"request_id": rid, "score": 0.9})
         assert again.status_code == 200 and again.json()["stored"] == "duplicate"
         assert again.json()["sufficed"] is False  # the first grade stands, and the answer says so (it echoed True)
-        [o] = _outcomes(redis_url, prefix)
+        [o] = read_outcomes(redis_url, prefix)
         assert (o.source, o.request_id, o.key_id, o.tier, o.sufficed, o.judge, o.comment, o.value) == (
             "feedback", rid, "alice", tier, False, "client", "wrong city", 0.0)
         assert o.route_reason == "predicted" and o.score is not None
         assert o.window_digest == window_digest(question) and o.text is None  # text only under retain_text
 
 
-def test_escalations_are_outcomes(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
+def test_escalations_areread_outcomes(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
                                   tmp_path: Path) -> None:
     tiers = sim_tiers(upstream_sim.base_url)
     tiers[1].update({"thinking_budget": 100, "max_tokens": 4, "escalate_on": ["length_in_thought"]})
@@ -95,8 +88,8 @@ def test_escalations_are_outcomes(upstream_sim: SimProcess, redis_url: str, redi
         r = httpx.post(gw.base_url + "/chat/completions", headers=_auth("bob"), timeout=30, json={
             "model": "auto", "messages": [{"role": "user", "content": "a b c"}]})
         assert r.status_code == 200 and r.headers["x-thinkgate-route-reason"] == "escalated"
-        assert wait_for(lambda: len(_outcomes(redis_url, prefix)) == 1, timeout_s=5)
-        [o] = _outcomes(redis_url, prefix)
+        assert wait_for(lambda: len(read_outcomes(redis_url, prefix)) == 1, timeout_s=5)
+        [o] = read_outcomes(redis_url, prefix)
         assert (o.source, o.key_id, o.tier, o.sufficed, o.judge) == (
             "escalation", "bob", "short", False, "escalation:length_in_thought")
         assert o.text == "a b c" and o.window_digest == window_digest("a b c")
@@ -109,7 +102,7 @@ def test_escalations_are_outcomes(upstream_sim: SimProcess, redis_url: str, redi
             fb = httpx.post(gw.base_url + "/feedback", headers=_auth("bob"), timeout=30,
                             json={"request_id": resp.headers["x-request-id"], "correct": False})
             assert fb.status_code == 200, fb.text
-        graded = {o.request_id: o for o in _outcomes(redis_url, prefix) if o.source == "feedback"}
+        graded = {o.request_id: o for o in read_outcomes(redis_url, prefix) if o.source == "feedback"}
         mine, theirs = graded[r.headers["x-request-id"]], graded[forced.headers["x-request-id"]]
         assert (mine.route_reason, mine.escalated_from, mine.tier) == ("escalated", "predicted", "long")
         assert (theirs.route_reason, theirs.escalated_from) == ("escalated", "forced")
@@ -158,7 +151,7 @@ def test_feedback_right_after_the_answer(upstream_sim: SimProcess, redis_url: st
                                                                                       "correct": True})
             assert ok.status_code == 200, ok.text
             assert ok.json()["stored"] == "redis"
-        assert len(_outcomes(redis_url, redis_prefix)) == 5
+        assert len(read_outcomes(redis_url, redis_prefix)) == 5
 
 
 def test_late_feedback_is_credited_to_the_router_that_served(upstream_sim: SimProcess, redis_url: str,
@@ -182,7 +175,7 @@ def test_late_feedback_is_credited_to_the_router_that_served(upstream_sim: SimPr
         ok = client.post(gw.base_url + "/feedback", headers=_auth("alice"), json={"request_id": rid,
                                                                                   "correct": False})
         assert ok.status_code == 200, ok.text
-        [o] = _outcomes(redis_url, redis_prefix)
+        [o] = read_outcomes(redis_url, redis_prefix)
         assert o.router_version == "router-a"
 
 
@@ -232,7 +225,7 @@ def test_a_duplicate_of_a_grade_written_before_grades_were_kept_says_that_grade(
             assert rdb.hget(redis_prefix + f"outcomes:grades:{old.day}", old.outcome_id) == (b"1" if want else b"0")
         finally:
             rdb.close()
-        assert [(o.outcome_id, o.sufficed) for o in _outcomes(redis_url, redis_prefix)
+        assert [(o.outcome_id, o.sufficed) for o in read_outcomes(redis_url, redis_prefix)
                 if o.source == "feedback"] == [(old.outcome_id, want)]  # the first stands, nothing added
 
 
@@ -276,5 +269,5 @@ def test_a_second_grade_after_midnight_is_a_duplicate(upstream_sim: SimProcess, 
             assert (again.json()["stored"], again.json()["sufficed"]) == ("duplicate", True)
         finally:
             rdb.close()
-        assert [(o.outcome_id, o.sufficed) for o in _outcomes(redis_url, redis_prefix)
+        assert [(o.outcome_id, o.sufficed) for o in read_outcomes(redis_url, redis_prefix)
                 if o.source == "feedback"] == [(f"fb:{rid}", True)]  # the first stands, nothing added

@@ -17,10 +17,10 @@ import redis
 from gateway.config import TierConfig
 from gateway.control.shadow import answers_agree, normalise_answer
 from gateway.ledger.event import micro_to_usd
-from gateway.ledger.outcome import Outcome
 from gateway.pipeline import upstream_body
 from gateway.state.limits import estimate
 from tests.fixtures.gateway import SECRETS, accounting_gateway, usage_events
+from tests.fixtures.redis_db import read_outcomes
 from tests.fixtures.redis_stack import persistent_redis
 from tests.fixtures.upstream import SimProcess, sim_tiers, start_sim, wait_for
 
@@ -34,14 +34,6 @@ def slow_sim() -> Iterator[SimProcess]:
         yield sim
     finally:
         sim.stop()
-
-
-def _outcomes(redis_url: str, prefix: str) -> list[Outcome]:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        return [Outcome.from_json(f[b"o"]) for _, f in client.xrange(prefix + "outcomes")]
-    finally:
-        client.close()
 
 
 def _routing(**shadow: Any) -> dict[str, Any]:
@@ -85,12 +77,12 @@ def test_shadow_calls_never_delay_the_response(upstream_sim: SimProcess, slow_si
                 lat.append(dt)
             latencies[on] = lat
             if on:
-                assert wait_for(lambda p=prefix: len(_outcomes(redis_url, p)) == 8, timeout_s=15)
+                assert wait_for(lambda p=prefix: len(read_outcomes(redis_url, p)) == 8, timeout_s=15)
                 shadow = gw.app.state.proxy.shadow
                 # counted done after its outcome is written: the last one may lag the stream by a moment
                 assert wait_for(lambda s=shadow: s.stats.done == 8, timeout_s=5)
                 assert shadow.stats.skipped == {}
-                outcomes = _outcomes(redis_url, prefix)
+                outcomes = read_outcomes(redis_url, prefix)
                 assert {(o.source, o.tier, o.other_tier, o.judge, o.key_id) for o in outcomes} == {
                     ("shadow", "short", "long", "agreement", "alice")}
                 assert all(o.cost_micro_usd > 0 and o.sufficed is not None for o in outcomes)
@@ -99,7 +91,7 @@ def test_shadow_calls_never_delay_the_response(upstream_sim: SimProcess, slow_si
                 assert len(shadow_events) == 8
                 assert {(e.key_id, e.tier) for e in shadow_events} == {("_shadow", "long")}
             else:
-                assert gw.app.state.proxy.shadow is None and _outcomes(redis_url, prefix) == []
+                assert gw.app.state.proxy.shadow is None and read_outcomes(redis_url, prefix) == []
     # the client never waits for the 1.5 s shadow call: every response (JSON and stream, each on the same
     # keep-alive connection as the shadowed one before it) well under the shadow tier's delay
     assert max(latencies[True]) < SHADOW_DELAY_S / 2, latencies
@@ -132,7 +124,7 @@ def test_shadow_calls_respect_their_daily_budget(upstream_sim: SimProcess, redis
         events = usage_events(gw, count=5)
         shadowed = [e for e in events.values() if e.route_reason == "shadow"]
         assert len(shadowed) == 1 and shadowed[0].cost_micro_usd <= budget
-        assert len(_outcomes(redis_url, redis_prefix)) == 1
+        assert len(read_outcomes(redis_url, redis_prefix)) == 1
 
 
 def test_shadow_calls_are_admitted_against_the_global_budget(upstream_sim: SimProcess, redis_url: str,
@@ -165,8 +157,8 @@ def test_judge_tier_is_asked_and_metered(upstream_sim: SimProcess, redis_url: st
                             routing=_routing(judge="tier:none")) as gw, httpx.Client(timeout=30) as client:
         _, r = _ask(client, gw.base_url, 7)
         assert r.status_code == 200
-        assert wait_for(lambda: len(_outcomes(redis_url, redis_prefix)) == 1, timeout_s=5)
-        [o] = _outcomes(redis_url, redis_prefix)
+        assert wait_for(lambda: len(read_outcomes(redis_url, redis_prefix)) == 1, timeout_s=5)
+        [o] = read_outcomes(redis_url, redis_prefix)
         assert o.judge == "tier:none" and o.sufficed is not None
         events = [e for e in usage_events(gw, count=3).values() if e.route_reason == "shadow"]
         assert sorted(e.tier for e in events) == ["long", "none"]  # the shadow call and the judge's
@@ -188,8 +180,8 @@ def test_verifier_judge_uses_the_reference_answer_where_one_exists(upstream_sim:
                 "model": "auto", "max_tokens": 16, "messages": [{"role": "user", "content": q}]},
                 headers={"authorization": f"Bearer {SECRETS['alice']}"})
             assert r.status_code == 200
-        assert wait_for(lambda: len(_outcomes(redis_url, redis_prefix)) == 3, timeout_s=10)
-        by_id = {o.request_id: o for o in _outcomes(redis_url, redis_prefix)}
+        assert wait_for(lambda: len(read_outcomes(redis_url, redis_prefix)) == 3, timeout_s=10)
+        by_id = {o.request_id: o for o in read_outcomes(redis_url, redis_prefix)}
         got = sorted((o.judge, o.sufficed, o.other_tier, o.cost_micro_usd > 0) for o in by_id.values()
                      if o.judge == "verifier")
         assert got == [("verifier", False, None, False), ("verifier", True, None, False)]
@@ -224,7 +216,7 @@ def test_a_non_streamed_answer_of_the_other_wire_apis_is_shadowed_too(api: str, 
         assert r.status_code == 200, r.text
         assert wait_for(lambda: shadow.stats.done + sum(shadow.stats.skipped.values()) == 1, timeout_s=10)
         assert shadow.stats.done == 1, shadow.stats
-        assert len(_outcomes(redis_url, redis_prefix)) == 1
+        assert len(read_outcomes(redis_url, redis_prefix)) == 1
 
 
 def test_a_shadow_call_cut_by_the_gateway_stopping_is_metered(upstream_sim: SimProcess, redis_url: str,
