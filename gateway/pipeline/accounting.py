@@ -412,7 +412,7 @@ class Accounting:
             probe = await semantic.prepare(scope, record.endpoint, tier.name, upstream_body)
         except BaseException as exc:  # cancelled in flight: metered (nothing known of it), its reservation settled now
             if isinstance(emb, UsageRecord):
-                self._meter_embedding(emb, None, 499 if isinstance(exc, asyncio.CancelledError) else 500)
+                self._meter_embedding(emb, None, 499 if isinstance(exc, asyncio.CancelledError) else 500, partial=True)
             raise
         if isinstance(emb, UsageRecord):  # admitted: metered whatever the call did (settles its reservation)
             self._meter_embedding(emb, probe.sketch if probe is not None else None)
@@ -454,14 +454,15 @@ class Accounting:
             return False
         return emb
 
-    def _meter_embedding(self, emb: UsageRecord, sketch: Sketch | None, failed: int = 502) -> None:
+    def _meter_embedding(self, emb: UsageRecord, sketch: Sketch | None, failed: int = 502,
+                         partial: bool = False) -> None:
         """The usage event of an admitted embedding call: its prompt tokens at the tier's prices — as the upstream
         reported them, else counted (``usage_source: counted``, :class:`~gateway.semantic.embed.Sketch`) —; none
-        and status ``failed`` when it failed (``sketch`` None: 502, or 499 cancelled in flight, ``partial``)."""
+        and status ``failed`` when it failed (``sketch`` None: 502, or 499/500 cut in flight with ``partial``)."""
         tier = self.settings.tier(emb.tier or "")
         emb.prompt_tokens = sketch.tokens if sketch is not None else 0
         emb.usage_source = "none" if sketch is None else "counted" if sketch.counted else "upstream"
-        emb.partial = sketch is None and failed != 502
+        emb.partial = sketch is None and partial
         emb.finish(tier, 200 if sketch is not None else failed)
         self.sink(emb)
 
