@@ -25,7 +25,7 @@ serve: venv
 	$(BIN)/thinkgate serve --model-dir models/thinkgate-tiny-dial
 
 test: venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 3
 
 lint: venv
 	$(BIN)/ruff check gateway router training tests bench
