@@ -5,7 +5,8 @@ a cache hit — ends in :meth:`Exchange.close`, which offers the answer to the c
 lock), then finishes the usage record and hands it to the usage sinks. ``close`` is idempotent, so a later
 safety net (the proxy's ``except BaseException``) can call :meth:`abandon` without double metering.
 An escalation finishes the first attempt and continues with the next attempt's record (:meth:`next_attempt`); the
-first is metered once the next call answered, or served after all when it could not (:meth:`settle_held`).
+first is metered once the next call answered (a stream the cascade peeks in turn: once the peek read it), or served
+after all when it could not (:meth:`settle_held`).
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ class Exchange:
         ``route`` with ``record`` (the next attempt's, already admitted under its id); the cache ticket stays
         with the exchange. The finished attempt is held, not metered yet: :meth:`settle_held` meters it once the
         next call answered (or the request ends any other way), or serves it after all when the next call failed
-        before answering."""
+        before answering. An attempt held before (the previous step of a cascade) is metered as escalated first:
+        the current call, which escalates in turn, answered."""
+        self.settle_held()
         held = self.record
         held.error_code = code
         held.finish(self.tier, status)

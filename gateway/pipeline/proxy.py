@@ -178,39 +178,45 @@ class Proxy:
         """Call the upstream (falling back), escalate up the cascade while a tier's answer asks for it, and
         answer: the stream of chunks (relayed, metered at its end), or the JSON answer (metered now). Only the
         routed tier's answer is offered to the cache. An escalation whose call fails before it answers (the next
-        tier down, refused, a 5xx; metered as that failed call, which releases the cache ticket) leaves the answer
-        it would have improved — the exchange's held attempt, served as if not escalated, with the note
-        ``failed; tier=…; reason=<error code>``; the held attempt is metered as escalated once the call answered, or
-        as before when the request ends otherwise."""
+        tier down, refused, a 5xx; a stream that broke or stalled while peeked, the next tier escalating in turn:
+        nothing of it reached the client; metered as that failed call, which releases the cache ticket) leaves the
+        answer it would have improved — the exchange's held attempt, served as if not escalated, with the note
+        ``failed; tier=…; reason=<error code>``; the held attempt is metered as escalated once the call answered (a
+        peeked stream: once the peek read it), or as before when the request ends otherwise."""
         resp = await self._call(ex, body, caller)
         data = None if caller.stream else await self._parsed(resp, ex)
-        skipped = None
+        note = None
+        # the held attempt's answer and the tier its escalation asked, while that tier's call has not answered
+        held: tuple[UpstreamResponse, dict[str, Any] | None, str] | None = None
         # the cascade: each tier that lists escalation conditions is checked in turn, up the tier order
-        while ex.tier.escalate_on:
-            resp, skipped, again = await self._escalation(ex, resp, data, body, caller)
-            if not again:
-                break
-            nxt = ex.tier.name
+        while True:
             try:
-                retried = await self._call(ex, body, caller)
-                retried_data = None if caller.stream else await self._parsed(retried, ex)
+                if held is not None:  # the escalation's call (a non-streamed answer is read whole here)
+                    resp = await self._call(ex, body, caller)
+                    data = None if caller.stream else await self._parsed(resp, ex)
+                again = False
+                if ex.tier.escalate_on:  # a stream is peeked here: until then the call has not answered
+                    resp, note, again = await self._escalation(ex, resp, data, body, caller)
             except BaseException as exc:
-                why = ex.settle_held(exc)  # the first attempt is the current one again, or metered as escalated
-                if why is None or not isinstance(exc, GatewayError):
+                why = ex.settle_held(exc)  # the held attempt is the current one again, or metered as escalated
+                if held is None or why is None or not isinstance(exc, GatewayError):
                     raise  # the client went away, something broke, or not the escalation's call: metered as before
-                # the next tier could not answer (down, refused, failed before answering; metered as the failed
-                # call it was): the client keeps the answer it would have had without the escalation, as when the
-                # budget refuses it — not a 502 for an answer billed and thrown away
-                skipped = f"failed; tier={nxt}; reason={exc.code or 'upstream_error'}"
+                # the next tier could not answer (down, refused, failed or broke before answering; metered as the
+                # failed call it was): the client keeps the answer it would have had without the escalation, as when
+                # the budget refuses it — not a 502 for an answer billed and thrown away
+                resp, data, nxt = held
+                note = f"failed; tier={nxt}; reason={exc.code or 'upstream_error'}"
                 # still judged too weak by its tier's escalate_on: an escalation outcome, as an escalated one is
-                ex.record.escalation_not_taken = (why, nxt, skipped)
+                ex.record.escalation_not_taken = (why, nxt, note)
                 log.warning("escalation to %s failed (%s); answering with tier %s", nxt, exc.code, ex.tier.name)
                 break
-            ex.settle_held()  # the next tier answered: the first attempt was escalated
-            resp, data = retried, retried_data
+            if not again:
+                ex.settle_held()  # the escalation's call answered (if one was made): the held attempt was escalated
+                break
+            held = (resp, data, ex.tier.name)
         answer = Answer(ex.route, ex.record.request_id, ex.ticket.status if ex.ticket is not None else "bypass",
-                        escalation=skipped)
-        if ex.route.reason in ("fallback", "escalated") or skipped is not None:
+                        escalation=note)
+        if ex.route.reason in ("fallback", "escalated") or note is not None:
             # only the routed tier's answer is cached, and not one its escalate_on judged too weak (an escalation
             # refused or failed): replayed, the same request would never escalate again
             await ex.release_cache()
@@ -306,11 +312,15 @@ class Proxy:
         attempt as its own usage record (``error_code: escalated_<why>``, metered here), the retry — a new record
         of the caller, the exchange's current one on return — with route reason ``escalated``. Streams are read
         up to the first answer token to decide (:func:`gateway.pipeline.escalation.peek_stream`), or to their end
-        when the tier checks the answer's content (``abstain``/``low_confidence``). The retry is admitted —
+        when the tier checks the answer's content (``abstain``/``low_confidence``); a stream that breaks or stalls
+        meanwhile is metered as the failed call it was (what it sent billed, partial) and its error raised — a 502/504
+        for the request's first call; an escalation's call (this tier was the one asked) leaves the client the
+        answer the exchange holds (:meth:`_answer`). The retry is admitted —
         reserved at every budget level — before it is sent; when that is refused (or the key may not use
         ``nxt``) the first answer is kept, with the note ``skipped; tier=…; reason=…``. The first attempt is finished
-        here and held by the exchange (:meth:`Exchange.next_attempt`): :meth:`_answer` meters it, or serves it when
-        the retry fails before answering. Returns (the response
+        here and held by the exchange (:meth:`Exchange.next_attempt`, which meters as escalated an attempt it held
+        before: this tier's call answered): :meth:`_answer` meters it, or serves it when the retry fails before
+        answering. Returns (the response
         to answer with unless retrying, the note, whether to retry)."""
         tier = ex.tier
         nxt = self.routing.next_tier(tier)
@@ -324,11 +334,15 @@ class Proxy:
                 await self._count_attempt(ex, broken.counted, body)
                 ex.record.partial = True
                 exc = broken.cause
-                if isinstance(exc, UpstreamTimeout) or not isinstance(exc, UpstreamError | httpx.HTTPError):
-                    raise exc from None
-                broke = exc.message if isinstance(exc, GatewayError) else type(exc).__name__
-                raise UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {broke}",
-                                    code="upstream_stream_broken") from None
+                if not isinstance(exc, UpstreamTimeout) and isinstance(exc, UpstreamError | httpx.HTTPError):
+                    broke = exc.message if isinstance(exc, GatewayError) else type(exc).__name__
+                    exc = UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {broke}",
+                                        code="upstream_stream_broken")
+                if isinstance(exc, GatewayError):
+                    # metered as the failed call it was; an escalation's (a tier up the cascade peeked in turn):
+                    # the attempt the exchange holds is served instead (_answer)
+                    await ex.close(exc.status, exc.code)
+                raise exc from None
         else:
             assert data is not None
             summary = data
