@@ -15,8 +15,10 @@ that write has returned — at no instant is an entry in neither place; another 
 write (up to 0.2 s). A write that fails (Redis down) puts its batch back in front of the queue, to be written at
 a later flush: feedback reaching this replica meanwhile still finds it (its outcome is spooled). The queue is
 bounded (:data:`MAX_INDEX_QUEUE`, the oldest dropped first); what a process holds when it stops is lost.
-The usage sink (:meth:`OutcomeStore.sink`) also turns each escalated first attempt (``error_code``
-``escalated_<why>``) into an ``escalation`` outcome: the cheap tier did not suffice. So is an answer whose escalation
+The usage sink (:meth:`OutcomeStore.sink`) also turns each escalated attempt (``error_code``
+``escalated_<why>``) into an ``escalation`` outcome: the cheap tier did not suffice; ``other_tier`` the tier the
+escalation asked, ``escalated_from`` (the second step of a cascade: the attempt escalated was itself an escalation's)
+the route reason of the request's first attempt. So is an answer whose escalation
 was asked for and not made (``UsageRecord.escalation_not_taken``: refused by the budget or the key's policy —
 ``x-thinkgate-escalation: skipped; …`` — or its call failed — ``failed; …``), with ``other_tier`` the tier it would
 have asked and ``comment`` that note: the tier's ``escalate_on`` judged the same answer too weak, whether or not the
@@ -131,7 +133,9 @@ class OutcomeStore:
         code = record.error_code or ""
         if code.startswith("escalated_"):
             self._spawn(self.record(self.outcome_of(record, "escalation", sufficed=False,
-                                                    judge="escalation:" + code.removeprefix("escalated_"))))
+                                                    judge="escalation:" + code.removeprefix("escalated_"),
+                                                    other_tier=record.escalated_to,
+                                                    escalated_from=record.escalated_from)))
             return
         if record.escalation_not_taken is not None:
             # judged too weak by its tier's escalate_on, served because the escalation was refused or failed: the
@@ -139,7 +143,8 @@ class OutcomeStore:
             # and the answer is still gradable below
             why, asked, note = record.escalation_not_taken
             self._spawn(self.record(self.outcome_of(record, "escalation", sufficed=False, judge="escalation:" + why,
-                                                    other_tier=asked, comment=note)))
+                                                    other_tier=asked, comment=note,
+                                                    escalated_from=record.escalated_from)))
         if record.status != 200 or record.error_code is not None:
             return
         entry: dict[str, Any] = {"key_id": record.key_id, "tier": record.tier, "route_reason": record.route_reason,

@@ -70,6 +70,9 @@ class UsageRecord:
     # an escalated attempt: the route reason of the request's first attempt (``predicted``: the router's choice;
     # ``forced``, ``explore``…: not) — the realised floor counts an escalated answer only when the router chose it
     escalated_from: RouteReason | None = None
+    # an escalated attempt (``error_code`` ``escalated_<why>``): the tier its escalation asked (the outcome's
+    # ``other_tier``)
+    escalated_to: str | None = None
     # an answer the cascade judged too weak (``tier.escalate_on`` gave ``why``) and served all the same, because the
     # escalation was refused (budget, key policy) or its call failed: (why, the tier it would have asked, the
     # ``x-thinkgate-escalation`` note). The outcome store records it as the ``escalation`` outcome an escalated
@@ -151,8 +154,8 @@ class UsageRecord:
 
 # Not logged: private fields, and the routing window — the user's prompt text, which only the outcome store may
 # keep, and only under ``routing.outcomes.retain_text`` (a data-retention decision; docs/closed-loop.md).
-_UNLOGGED = frozenset({"routing_window", "escalated_from", "escalation_not_taken", "completion_bound", "token_bound",
-                       "prompt_bound"})
+_UNLOGGED = frozenset({"routing_window", "escalated_from", "escalated_to", "escalation_not_taken", "completion_bound",
+                       "token_bound", "prompt_bound"})
 _PUBLIC_FIELDS = tuple(f.name for f in fields(UsageRecord) if not f.name.startswith("_") and f.name not in _UNLOGGED)
 
 

@@ -112,6 +112,7 @@ class Exchange:
         self.settle_held()
         held = self.record
         held.error_code = code
+        held.escalated_to = route.tier.name
         held.finish(self.tier, status)
         self._held = (held, self.route)
         record.escalated_from = held.escalated_from or held.route_reason
@@ -134,7 +135,7 @@ class Exchange:
         if isinstance(failed, GatewayError) and self._closed:
             self.record, route = held
             why = (self.record.error_code or "").removeprefix("escalated_")
-            self.record.error_code = None
+            self.record.error_code = self.record.escalated_to = None
             self._closed = False
             self.stamp(route)
             return why

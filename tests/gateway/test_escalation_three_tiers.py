@@ -7,6 +7,10 @@ nothing was sent: the client keeps ``short``'s answer, as the two-tier case does
 200, ``x-thinkgate-escalation: failed; tier=mid; reason=…`` — instead of the 502 it got (the first answer billed as
 escalated and thrown away). The ledger has two events: ``short`` billed once as the request's answer, ``mid`` metered
 as the broken call it was (what it streamed before breaking, partial); ``long`` is never called.
+
+A cascade that goes all the way up leaves one ``escalation`` outcome per escalated step, each naming the tier it
+asked (``other_tier``); the second step's says which route reason the request's first attempt had
+(``escalated_from``), as the escalated answer's usage record does.
 """
 
 from __future__ import annotations
@@ -129,3 +133,32 @@ def test_a_middle_tier_whose_stream_breaks_in_the_peek_leaves_the_first_answer(
     [o] = [o for o in read_outcomes(redis_url, redis_prefix) if o.request_id == rid]
     assert (o.source, o.tier, o.judge, o.other_tier) == ("escalation", "short", "escalation:length_in_thought", "mid")
 
+
+@pytest.fixture
+def cascade(upstream_sim: SimProcess, redis_url: str, tmp_path: Path, redis_prefix: str) -> Iterator[GatewayServer]:
+    """All three tiers on the shared simulator: ``short`` and ``mid`` both cut in their thought, ``long`` answers."""
+    tiers = _three_tiers(upstream_sim.base_url, upstream_sim.base_url, **CUT)
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, tiers=tiers,
+                            auth=keys_config()) as g:
+        yield g
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_each_escalated_step_is_an_outcome_naming_the_tier_it_asked(
+        cascade: GatewayServer, redis_url: str, redis_prefix: str, stream: bool) -> None:
+    r, text = _stream(cascade, "/chat/completions",
+                      {"model": "short", "messages": [{"role": "user", "content": QUESTION}], "stream": stream}, AUTH)
+    assert r.status_code == 200, text
+    assert (r.headers["x-thinkgate-tier"], r.headers["x-thinkgate-route-reason"]) == ("long", "escalated")
+    events = _events(redis_url, redis_prefix, 3)
+    assert sorted((e["tier"], e["error_code"]) for e in events) == [
+        ("long", None), ("mid", "escalated_length_in_thought"), ("short", "escalated_length_in_thought")]
+
+    def escalations() -> list[Any]:
+        return [o for o in read_outcomes(redis_url, redis_prefix) if o.source == "escalation"]
+    assert wait_for(lambda: len(escalations()) == 2, timeout_s=5), escalations()
+    by_tier = {o.tier: o for o in escalations()}
+    short, mid = by_tier["short"], by_tier["mid"]
+    # was: other_tier None on both, escalated_from None on mid's
+    assert (short.route_reason, short.escalated_from, short.other_tier) == ("forced", None, "mid")
+    assert (mid.route_reason, mid.escalated_from, mid.other_tier) == ("escalated", "forced", "long")
