@@ -23,7 +23,8 @@ class LevelBudget(_Strict):
 class LimitsConfig(_Strict):
     """Budgets and rate limits. ``budget_mode``: ``hard`` admits only when spend + open reservations + this
     request's upper-bound estimate fit in every budget it is under; ``soft`` admits while spend + open
-    reservations are below the budget (overshoot bounded by one capped request; ``docs/metering.md``).
+    reservations are below the budget (overshoot bounded by one capped request; ``docs/metering.md``) — the keys'
+    budgets' mode: shadow and judge calls are always admitted ``hard`` (``routing.shadow.max_usd_day``).
     ``tag_budgets`` (``"team=a": {usd_day, usd_month}``) are shared by every key with that tag,
     ``global_budget`` by all keys; budgets set with ``thinkgate budgets set`` (Redis) override these per level
     and are in force for the next request (admission reads them in Redis); the per-process copy re-read every

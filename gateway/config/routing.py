@@ -93,10 +93,11 @@ class ShadowConfig(_Strict):
     """Shadow comparisons (``gateway/control/shadow.py``): a sampled ``fraction`` of the routed chat requests
     answered by a cheaper routed tier are sent again, after the client's answer is complete, to the next routed tier up
     (non-streamed; at most ``max_concurrency`` at once per replica, others skipped), metered with route reason
-    ``shadow`` under the key id ``_shadow`` (never the client's budget) and stopped for the UTC day once they cost
-    ``max_usd_day``. ``judge``: ``agreement`` (normalised final answers equal: two tiers that agree need no third
-    opinion), ``normalised`` (final answers compared with the ``router.tasks`` checkers where a task applies —
-    numbers, math — else abstentions and word containment) or ``tier:<name>`` (that tier is asked, with the prompt
+    ``shadow`` under the key id ``_shadow`` (never the client's budget) and admitted only while they fit in
+    ``max_usd_day`` per UTC day — in ``hard`` mode whatever ``limits.budget_mode`` says, so the cap is never
+    passed. ``judge``: ``agreement`` (normalised final answers equal: two tiers that agree need no third opinion),
+    ``normalised`` (final answers compared with the ``router.tasks`` checkers where a task applies — numbers, math —
+    else abstentions and word containment) or ``tier:<name>`` (that tier is asked, with the prompt
     shipped in shadow.py, whether the cheap answer reaches the same answer; its call is metered as ``shadow`` too).
     The result is a ``shadow`` outcome. ``verifier``: where the request's last user message is a question of the
     ``references`` JSONL (question rows: ``question``, ``answer``, optionally ``task``), the ``verifier``

@@ -19,7 +19,11 @@ job to a task and returns at once, so the client's response and its connection a
    reason ``shadow`` under the key id ``_shadow`` (so a client's budget never pays for it). Like every upstream
    call it is admitted first (``Accounting.admit``): reserved against the shadow's own budget — the key
    ``_shadow`` with ``max_usd_day`` as its daily budget, whose spend is exactly the shadow calls' — *and* the
-   global level, so in hard mode neither can be overspent by shadow or judge calls; a refused call is skipped
+   global level, always in ``hard`` mode whatever ``limits.budget_mode`` says for the keys: spend + open
+   reservations + this call's upper-bound estimate must fit, so neither budget can be overspent by shadow or judge
+   calls, however many are in flight (``soft`` admitted while spend + reserved was below the cap, and the last
+   call admitted took the day's shadow spend past ``max_usd_day`` by up to its estimate: the cap is a promise
+   about the gateway's own spend, and a comparison is optional evidence); a refused call is skipped
    (``stats.skipped["admission"]``), never sent. An admitted call's write-ahead record is written before it is
    sent (``Accounting.write_ahead``), so a gateway killed during it has it billed by the next reconcile, and one
    cancelled in flight (the gateway stopping) is metered ``partial``, status 499;
@@ -61,6 +65,7 @@ from gateway.ledger.record import UsageRecord
 from gateway.openai.usage import estimate_prompt, estimate_tokens, generated_text
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
+from gateway.state.limits import BudgetMode
 from gateway.state.redis import RedisHandle
 from gateway.upstream.pool import UpstreamPool
 
@@ -130,6 +135,13 @@ class Route(Protocol):
 BodyBuilder = Callable[[dict[str, Any], TierConfig, WireEndpoint], dict[str, Any]]
 
 
+class Admit(Protocol):
+    """``Accounting.admit``: reserve one call's upper bound at every level it is under, or raise (429/503)."""
+
+    def __call__(self, key: KeyInfo, body: dict[str, Any], record: UsageRecord, tiers: list[TierConfig], /, *,
+                 budget_mode: BudgetMode | None = None) -> Awaitable[Any]: ...
+
+
 class NotAdmitted(Exception):
     """A shadow or judge call that admission refused (its budget or the global one): never sent."""
 
@@ -164,8 +176,7 @@ class Shadow:
     def __init__(self, settings: Settings, upstreams: UpstreamPool, handle: RedisHandle, breaker: Breaker,
                  outcomes: OutcomeStore, sinks: list[Any], *, build_body: BodyBuilder,
                  rng: random.Random | None = None,
-                 admit: Callable[[KeyInfo, dict[str, Any], UsageRecord, list[TierConfig]],
-                                 Awaitable[Any]] | None = None,
+                 admit: Admit | None = None,
                  write_ahead: Callable[[UsageRecord], Awaitable[None]] | None = None) -> None:
         self.cfg = settings.routing.shadow
         self.routed = list(settings.routing.routed_tiers)
@@ -320,7 +331,8 @@ class Shadow:
                              upstream_model=tier.model, route_reason="shadow", difficulty=job.route.difficulty)
         if self.admit is not None:
             try:
-                await self.admit(self.key, built, record, [tier])
+                # hard whatever limits.budget_mode: max_usd_day caps our own spend (module docstring, step 2)
+                await self.admit(self.key, built, record, [tier], budget_mode="hard")
             except GatewayError as exc:
                 log.info("shadow call on %s not admitted: %s", tier.name, exc.code)
                 raise NotAdmitted(exc.code or "refused") from None

@@ -52,7 +52,7 @@ from gateway.state.budgets import BudgetLevels, BudgetStore, Level
 from gateway.state.cache import CacheEntry, Lookup, ResponseCache, Ticket
 from gateway.state.cache_policy import cache_key, decide, tenant_scope
 from gateway.state.keys import tenant_tag
-from gateway.state.limits import Admission, Estimate, KeyLimits, Limits, Rider, embedding_estimate, estimate
+from gateway.state.limits import Admission, BudgetMode, Estimate, KeyLimits, Limits, Rider, embedding_estimate, estimate
 from gateway.state.metering import Meter
 from gateway.state.redis import RedisHandle, connect
 from gateway.state.spool import Spool
@@ -242,19 +242,22 @@ class Accounting:
 
     # --- limits -----------------------------------------------------------------------------------------
     async def admit(self, key: KeyInfo, body: dict[str, Any], record: UsageRecord,
-                    tiers: list[TierConfig], ahead: Ahead | None = None) -> Admission:
+                    tiers: list[TierConfig], ahead: Ahead | None = None, *,
+                    budget_mode: BudgetMode | None = None) -> Admission:
         """Admit the request of ``record`` (``tiers``: where it may run: routed tier + fallbacks) or raise
         :class:`~gateway.errors.RateLimited` / ``LimitsUnavailable``. ``ahead``: the request's first upstream
         call (:class:`Ahead`): on a single Redis its write-ahead record and exact-cache lookup are done in the
-        same script call (``Limits.fused``); :meth:`cache_begin` and :meth:`write_ahead` then use what it did."""
+        same script call (``Limits.fused``); :meth:`cache_begin` and :meth:`write_ahead` then use what it did.
+        ``budget_mode``: this call's budget mode at every level (default ``limits.budget_mode``; the shadow's
+        calls are ``hard``, ``gateway/control/shadow.py``)."""
         est = estimate(body, tiers)
         record.completion_bound = est.completion  # metering holds a reported completion count to it
         record.token_bound = est.tokens  # …and trusts a reported count up to it (n choices may pass 10M tokens)
         record.prompt_bound = est.prompt  # a killed call's write-ahead record is billed at most this prompt
-        return await self.admit_estimate(key, est, record, ahead)
+        return await self.admit_estimate(key, est, record, ahead, budget_mode=budget_mode)
 
     async def admit_estimate(self, key: KeyInfo, est: Estimate, record: UsageRecord,
-                             ahead: Ahead | None = None) -> Admission:
+                             ahead: Ahead | None = None, *, budget_mode: BudgetMode | None = None) -> Admission:
         """Admit one upstream call of ``key`` bounded by ``est`` under ``record``'s id, at the key, each of its
         tags and the global level — with the budgets in Redis at this moment (the local copy only while Redis
         is down). Raises like :meth:`admit`."""
@@ -266,10 +269,10 @@ class Accounting:
         rider, rec, lookup = None, None, None
         if ahead is not None and self.limits.fused:
             rider, rec, lookup = self._rider(key, est, record, ahead)
+        admitting = self.limits.admit(lim, record.request_id, est, record.ts, self.budgets.candidates(key.tags),
+                                      self.budgets.above_key(key.tags), rider, budget_mode)
         try:
-            admission = await self.limits.admit(lim, record.request_id, est, record.ts,
-                                                self.budgets.candidates(key.tags), self.budgets.above_key(key.tags),
-                                                rider)
+            admission = await admitting
         except GatewayError as exc:
             self.metrics.rejected(exc.code)
             if isinstance(exc, RateLimited) and exc.exhausted is not None:

@@ -14,7 +14,9 @@ upper-bound estimate (:func:`estimate`), it admits only when, for each level and
   spend past the budget (as long as ``e`` is an upper bound, which the tier caps make it; forced thinking's
   two phases per choice are in it, :func:`call_bound`);
 - ``soft``: spend < B and spend + reserved < B — the overshoot is bounded by one request's estimate, itself
-  bounded by the caps (``max_n`` × ``max_tokens`` at the priciest reachable tier, plus the prompt);
+  bounded by the caps (``max_n`` × ``max_tokens`` at the priciest reachable tier, plus the prompt). The mode is
+  ``limits.budget_mode`` for the keys' calls; a call may name its own (:meth:`Limits.admit`'s ``mode``): shadow and
+  judge calls are always ``hard``, their ``routing.shadow.max_usd_day`` being a cap on the gateway's own spend;
 
 and RPM: requests in the sliding 60 s window + 1 ≤ ``rpm``; TPM: tokens in the window < ``tpm``. Then, in the
 same atomic step, it records a reservation of ``e`` at *every* level (budgeted or not, so a budget set while
@@ -102,6 +104,8 @@ from gateway.state.undo import UNDO_LUA, all_or_nothing
 
 log = logging.getLogger("thinkgate.limits")
 
+#: ``limits.budget_mode``, or a call's own (:meth:`Limits.admit`'s ``mode``: the shadow's calls are always ``hard``)
+BudgetMode = Literal["hard", "soft"]
 WINDOW_MS = 60_000
 #: rollbacks kept through an outage (grouped admission); beyond it the oldest are left to their reservation TTL
 UNROLLED_MAX = 4096
@@ -807,7 +811,7 @@ class Limits:
 
     async def admit(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
                     levels: Sequence[Level] = (), fallback: Sequence[Level] | None = None,
-                    rider: Rider | None = None) -> Admission:
+                    rider: Rider | None = None, mode: BudgetMode | None = None) -> Admission:
         """Admit one upstream call of key ``lim`` at ``now`` (epoch s; the request's ``ts``) or raise.
 
         ``levels``: every level above the key (``BudgetLevels.candidates``: each of its tags, then global) with
@@ -819,24 +823,27 @@ class Limits:
         ``rate_limit_exceeded``, ``Retry-After``) or :class:`LimitsUnavailable` (503, Redis down and
         ``fail_closed``). ``rider``: the write-ahead record and cache lookup to do in the same call when
         :attr:`fused` (``Admission.rode`` says whether they were; else the caller does them on its own).
+        ``mode``: the budget mode of this call at every level (default ``limits.budget_mode``); the shadow's calls
+        pass ``hard`` — its ``max_usd_day`` is a cap on the gateway's own spend, whatever the keys' mode.
         """
         if lim.unlimited and not levels and not fallback:  # the key alone, under nothing: nothing to check
             return Admission(lim.key_id, reservation_id, "none", est)
+        mode = mode or self.cfg.budget_mode
         local_levels = [lv for lv in (levels if fallback is None else fallback) if lv.budgeted]
         all_levels = [lim.level, *levels]
         day, month = _day_month(now)
         try:
             if self.grouped:
-                states, rate = await self._admit_grouped(lim, reservation_id, est, now, all_levels, day, month)
+                states, rate = await self._admit_grouped(lim, reservation_id, est, now, all_levels, day, month, mode)
             else:
                 if not self.fused:
                     rider = None
                 res = await self.breaker.call(lambda: self._run(lim, reservation_id, est, now, all_levels, day,
-                                                                month, rate=True, rider=rider))
-                states = self._states(lim, est, res, all_levels)
+                                                                month, rate=True, rider=rider, mode=mode))
+                states = self._states(lim, est, res, all_levels, mode)
                 rate = RateState.of(lim, res[1 + 5 * len(all_levels):])
         except RedisDown:
-            return self._admit_locally(lim, reservation_id, est, now, local_levels)
+            return self._admit_locally(lim, reservation_id, est, now, local_levels, mode=mode)
         except ResponseError as exc:
             if isinstance(exc, NoScriptError):  # FastScript loads a flushed script itself: not a refusal
                 raise
@@ -846,7 +853,7 @@ class Limits:
             # never admitted unchecked; the breaker stays closed (other keys, and metering, go on)
             self.refused_scripts["admit"] += 1
             self._log_refused(exc)
-            return self._admit_locally(lim, reservation_id, est, now, local_levels, script_refused=True)
+            return self._admit_locally(lim, reservation_id, est, now, local_levels, script_refused=True, mode=mode)
         for st in states:
             self.local.refresh(lim.key_id, now, st.spent_day_micro, st.spent_month_micro, st.level.id)
         self.local.note(lim, reservation_id, est, now, [st.level for st in states[1:] if st.level.budgeted])
@@ -858,7 +865,7 @@ class Limits:
                          lookup_reply=reply, rate=rate)
 
     def _admit_locally(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
-                       levels: list[Level], script_refused: bool = False) -> Admission:
+                       levels: list[Level], script_refused: bool = False, mode: BudgetMode = "hard") -> Admission:
         """Redis is down (or refused the admission script: ``script_refused``): admit under nothing, refuse
         (``fail_closed``) or decide on the local counters."""
         if lim.unlimited and not levels:  # under no budget or limit this process knows of: nothing to check
@@ -870,11 +877,10 @@ class Limits:
                    else "Redis unreachable")
             raise LimitsUnavailable(f"usage limits cannot be checked ({why}); retry later",
                                     headers={"retry-after": str(retry)})
-        refused = self.local.check(lim, now, est, self.cfg.budget_mode, levels)
+        refused = self.local.check(lim, now, est, mode, levels)
         if refused is not None:
             code, what, retry, lvl, budget, spent, reserved = refused
-            raise refusal(code, what, retry, lim.key_id, lvl, est.micro_usd, budget, spent, reserved,
-                          self.cfg.budget_mode)
+            raise refusal(code, what, retry, lim.key_id, lvl, est.micro_usd, budget, spent, reserved, mode)
         self.local.note(lim, reservation_id, est, now, levels)
         return Admission(lim.key_id, reservation_id, "local", est)
 
@@ -896,12 +902,14 @@ class Limits:
                   "fixed or deleted%s: %s", mode, f" ({quiet} more since the last line)" if quiet else "", error)
 
     async def _run(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float, group: Sequence[Level],
-                   day: str, month: str, rate: bool, rider: Rider | None = None) -> list[Any]:
-        """One ``ADMIT`` call over ``group`` (with the key's RPM/TPM when ``rate``); ``HOT_LUA`` with ``rider``."""
+                   day: str, month: str, rate: bool, rider: Rider | None = None,
+                   mode: BudgetMode | None = None) -> list[Any]:
+        """One ``ADMIT`` call over ``group`` (with the key's RPM/TPM when ``rate``); ``HOT_LUA`` with ``rider``;
+        ``mode``: the budget mode (default ``limits.budget_mode``)."""
         now_ms = int(now * 1000)
         day_end, month_end = _period_ends(now)
         keys: list[str] = []
-        args: list[Any] = [now_ms, self.cfg.budget_mode, _or_minus(lim.rpm) if rate else -1,
+        args: list[Any] = [now_ms, mode or self.cfg.budget_mode, _or_minus(lim.rpm) if rate else -1,
                            _or_minus(lim.tpm) if rate else -1, est.micro_usd, est.tokens, reservation_id,
                            int(self.cfg.reservation_ttl_s * 1000), day_end, month_end, len(group)]
         for lvl in group:
@@ -925,7 +933,8 @@ class Limits:
             args += [rider.record, reservation_id, 1, look.token, look.wait_ms]
         return list(await self._hot(keys=keys, args=args, coalesce="request"))
 
-    def _states(self, lim: KeyLimits, est: Estimate, res: list[Any], group: Sequence[Level]) -> list[LevelState]:
+    def _states(self, lim: KeyLimits, est: Estimate, res: list[Any], group: Sequence[Level],
+                mode: BudgetMode | None = None) -> list[LevelState]:
         """The level states (budgets as the script applied them) of an admitted reply, or raise its refusal."""
         if int(res[0]) == 0:
             _, code, index, what, retry, budget, spent, reserved = res
@@ -934,7 +943,7 @@ class Limits:
             if refused_at is not None:
                 refused_at = Level(refused_at.kind, refused_at.name, *_budgets(refused_at, _s(what), int(budget)))
             raise refusal(_s(code), _s(what), int(retry), lim.key_id, refused_at, est.micro_usd, int(budget),
-                          int(spent), int(reserved), self.cfg.budget_mode)
+                          int(spent), int(reserved), mode or self.cfg.budget_mode)
         out = []
         for i, lvl in enumerate(group):
             d, m = int(res[4 + 5 * i]), int(res[5 + 5 * i])
@@ -943,7 +952,7 @@ class Limits:
         return out
 
     async def _admit_grouped(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
-                             all_levels: list[Level], day: str, month: str
+                             all_levels: list[Level], day: str, month: str, mode: BudgetMode | None = None
                              ) -> tuple[list[LevelState], RateState | None]:
         """One atomic check-and-reserve per level (the key's with its RPM/TPM first); when one refuses, the
         levels already reserved are rolled back (``ROLLBACK_LUA``) and the refusal raised. Between a group's
@@ -959,12 +968,12 @@ class Limits:
             rate = i == 0
             try:
                 res = await self.breaker.call(functools.partial(self._run, lim, reservation_id, est, now, [lvl], day,
-                                                                month, rate))
+                                                                month, rate, mode=mode))
             except ResponseError:
                 await self._roll_back(lim, reservation_id, est, now, [all_levels[j] for j in done])
                 raise
             try:
-                states += self._states(lim, est, res, [lvl])
+                states += self._states(lim, est, res, [lvl], mode)
             except RateLimited:
                 await self._roll_back(lim, reservation_id, est, now, [all_levels[j] for j in done])
                 raise

@@ -127,6 +127,44 @@ def test_shadow_calls_respect_their_daily_budget(upstream_sim: SimProcess, redis
         assert len(read_outcomes(redis_url, redis_prefix)) == 1
 
 
+def test_the_shadow_cap_holds_in_soft_budget_mode(upstream_sim: SimProcess, slow_sim: SimProcess, redis_url: str,
+                                                 redis_prefix: str, tmp_path: Path) -> None:
+    """``limits.budget_mode: soft`` is the operator's choice for the keys' budgets; the shadow's ``max_usd_day`` caps
+    the gateway's own spend (docs/closed-loop.md) and its calls are admitted ``hard`` in either mode. Eight shadowed
+    requests in a row, the shadow tier answering 1.5 s late so their shadow calls are in flight together, against a
+    cap of one call's estimate + 1 micro-USD: one call fits, the others are refused by admission, and the day's
+    shadow spend stays within the cap. Before, soft admission let a second call in while spend + reserved (one
+    estimate) was below the cap, and the two calls' spend went past it."""
+    n = 8
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[2]["base_url"] = slow_sim.base_url  # long, the shadow tier, answers 1.5 s late
+    cap = max(_shadow_estimate(upstream_sim, i) for i in range(n)) + 1
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, tiers=tiers,
+                            routing=_routing(max_usd_day=str(micro_to_usd(cap)), max_concurrency=16),
+                            limits={"budget_mode": "soft"}) as gw, httpx.Client(timeout=30) as client:
+        shadow = gw.app.state.proxy.shadow
+        t0 = time.monotonic()
+        for i in range(n):
+            _, r = _ask(client, gw.base_url, i)
+            assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short"
+        assert time.monotonic() - t0 < SHADOW_DELAY_S  # every shadow call was started before the first answered
+        assert wait_for(lambda: shadow.stats.done + shadow.stats.failed + sum(shadow.stats.skipped.values()) == n,
+                        timeout_s=15)
+        assert wait_for(lambda: not shadow._tasks, timeout_s=5)
+        events = usage_events(gw, count=n + shadow.stats.done)
+        shadowed = [e for e in events.values() if e.route_reason == "shadow"]
+        day = time.strftime("%Y-%m-%d", time.gmtime())
+        check = redis.Redis.from_url(redis_url)
+        try:
+            spent = int(check.hget(f"{redis_prefix}usage:key:_shadow:d:{day}", "cost_micro_usd") or 0)
+            reserved = check.hgetall(f"{redis_prefix}lim:_shadow:resv")
+        finally:
+            check.close()
+        assert spent == sum(e.cost_micro_usd for e in shadowed) and not reserved
+        assert 0 < spent <= cap, (spent, cap, [e.cost_micro_usd for e in shadowed])
+        assert shadow.stats.done == 1 and shadow.stats.skipped == {"admission": n - 1}, shadow.stats
+
+
 def test_shadow_calls_are_admitted_against_the_global_budget(upstream_sim: SimProcess, redis_url: str,
                                                              redis_prefix: str, tmp_path: Path) -> None:
     # the global level has room for the client's request (its estimate) and not for the shadow call after it:
@@ -286,42 +324,46 @@ def test_the_shadow_budget_reads_what_metering_counted_through_a_redis_timeout(
     key ``_shadow`` (``usage:key:_shadow:d:{day}``, written atomically with the usage event and replayed from the
     spool after an outage) — not a second counter. Here a shadow call ends while every Redis write is held (``CLIENT
     PAUSE … WRITE`` on a private Redis, past the 0.25 s socket timeout): its usage event is spooled and replayed,
-    the ledger has its cost. The next comparison is then skipped by the pre-check (``budget``) — before, the separate
-    ``shadow:d:{day}`` counter had lost that write (756 vs 972 micro-USD measured), read 0, and the comparison went
-    on to admission, which refused it against the ledger."""
+    the ledger has its cost. A gateway whose ``max_usd_day`` is exactly that spend then skips the next comparison in
+    the pre-check (``budget``) — before, the separate ``shadow:d:{day}`` counter had lost that write (756 vs 972
+    micro-USD measured), read 0, and the comparison went on to admission, which refused it against the ledger."""
     (tmp_path / "redis").mkdir()
     tiers = sim_tiers(upstream_sim.base_url)
     tiers[2]["base_url"] = slow_sim.base_url  # the shadow tier answers 1.5 s late: the pause begins while it thinks
-    # soft budgets: a call is admitted while the day's spend is under the budget — one micro-USD here, so the first
-    # comparison is admitted and its cost alone reaches the cap
-    with persistent_redis(tmp_path / "redis") as server, \
-            accounting_gateway(upstream_sim.base_url, server.url, tmp_path, prefix="tgshadow:", tiers=tiers,
-                               routing=_routing(max_usd_day="0.000001"), limits={"budget_mode": "soft"}) as gw, \
-            httpx.Client(timeout=30) as client:
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    ledger = f"tgshadow:usage:key:_shadow:d:{day}"
+    # the first gateway's cap admits one comparison (its estimate; shadow calls are admitted hard)
+    first_cap = micro_to_usd(_shadow_estimate(upstream_sim, 1))
+    with persistent_redis(tmp_path / "redis") as server:
         admin = redis.Redis.from_url(server.url)
-        shadow = gw.app.state.proxy.shadow
-        day = time.strftime("%Y-%m-%d", time.gmtime())
-        ledger = f"tgshadow:usage:key:_shadow:d:{day}"
         try:
-            _, r = _ask(client, gw.base_url, 1)
-            assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short"
-            # admitted and written ahead: sent, not answered yet — hold every write until well after it answered
-            assert wait_for(lambda: admin.hlen("tgshadow:wal:open") == 1, timeout_s=5)
-            admin.execute_command("CLIENT", "PAUSE", 2500, "WRITE")
-            assert wait_for(lambda: shadow.stats.done + shadow.stats.failed == 1, timeout_s=10)
-            # the event was spooled (the write timed out) and is replayed once Redis takes writes again
-            assert wait_for(lambda: int(admin.hget(ledger, "cost_micro_usd") or 0) > 0, timeout_s=10)
-            spent = int(admin.hget(ledger, "cost_micro_usd") or 0)
-            events = usage_events(gw, count=2)
-            assert [e.cost_micro_usd for e in events.values() if e.route_reason == "shadow"] == [spent]
-            time.sleep(1.0)  # the breaker closed again (cooldown 0.5 s)
-
-            _, r = _ask(client, gw.base_url, 2)
-            assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short"
-            assert wait_for(lambda: sum(shadow.stats.skipped.values()) == 1, timeout_s=5)
-            # it was {"admission": 1}: the pre-check read the separate counter, which never had the first call's cost
-            assert shadow.stats.skipped == {"budget": 1}, shadow.stats.skipped
-            assert shadow.stats.done == 1
-            assert int(admin.hget(ledger, "cost_micro_usd") or 0) == spent  # nothing more was spent
+            with accounting_gateway(upstream_sim.base_url, server.url, tmp_path, prefix="tgshadow:", tiers=tiers,
+                                    routing=_routing(max_usd_day=str(first_cap))) as gw, \
+                    httpx.Client(timeout=30) as client:
+                shadow = gw.app.state.proxy.shadow
+                _, r = _ask(client, gw.base_url, 1)
+                assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short"
+                # admitted and written ahead: sent, not answered yet — hold every write until well after it answered
+                assert wait_for(lambda: any(b'"_shadow"' in v for v in admin.hvals("tgshadow:wal:open")), timeout_s=5)
+                admin.execute_command("CLIENT", "PAUSE", 2500, "WRITE")
+                assert wait_for(lambda: shadow.stats.done + shadow.stats.failed == 1, timeout_s=10)
+                # the event was spooled (the write timed out) and is replayed once Redis takes writes again
+                assert wait_for(lambda: int(admin.hget(ledger, "cost_micro_usd") or 0) > 0, timeout_s=10)
+                spent = int(admin.hget(ledger, "cost_micro_usd") or 0)
+                events = usage_events(gw, count=2)
+                assert [e.cost_micro_usd for e in events.values() if e.route_reason == "shadow"] == [spent]
+            # the same day's ledger, read by a gateway whose cap is what it counted
+            with accounting_gateway(upstream_sim.base_url, server.url, tmp_path, prefix="tgshadow:", tiers=tiers,
+                                    routing=_routing(max_usd_day=str(micro_to_usd(spent)))) as gw, \
+                    httpx.Client(timeout=30) as client:
+                shadow = gw.app.state.proxy.shadow
+                _, r = _ask(client, gw.base_url, 2)
+                assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "short"
+                assert wait_for(lambda: sum(shadow.stats.skipped.values()) == 1, timeout_s=5)
+                # it was {"admission": 1}: the pre-check read the separate counter, which never had the first call's
+                # cost
+                assert shadow.stats.skipped == {"budget": 1}, shadow.stats.skipped
+                assert shadow.stats.done == 0
+                assert int(admin.hget(ledger, "cost_micro_usd") or 0) == spent  # nothing more was spent
         finally:
             admin.close()
