@@ -26,7 +26,9 @@ job to a task and returns at once, so the client's response and its connection a
    about the gateway's own spend, and a comparison is optional evidence); a refused call is skipped
    (``stats.skipped["admission"]``), never sent. An admitted call's write-ahead record is written before it is
    sent (``Accounting.write_ahead``), so a gateway killed during it has it billed by the next reconcile, and one
-   cancelled in flight (the gateway stopping) is metered ``partial``, status 499;
+   cancelled in flight (the gateway stopping) is metered ``partial``, status 499; one cancelled while its
+   admission is out is metered as never sent (499, cost 0) once that admission admits, which settles its
+   reservations at once (``Accounting.admit_estimate``);
 3. judges: ``agreement`` compares the normalised final answers (:func:`normalise_answer`: the part after a
    last ``Answer:``, thinking removed, lower case, punctuation, articles and extra spaces dropped); a
    ``tier:<name>`` judge gets :data:`JUDGE_PROMPT` and answers YES/NO (its call metered as ``shadow`` too);

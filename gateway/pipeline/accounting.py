@@ -28,7 +28,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -142,7 +142,7 @@ class Accounting:
             embedder = embedder_for(sem.embedder, settings.tiers, self.http, sem.embed_timeout_s)
             self.semantic = SemanticCache(self.handle, self.breaker, sem, embedder)
         self._probes: dict[str, Probe] = {}  # request id → semantic probe, until the answer is stored or not
-        self._pending: set[asyncio.Task[None]] = set()  # the metering writer and alert checks
+        self._pending: set[asyncio.Task[Any]] = set()  # the metering writer, alert checks, cancelled admissions
         self._queue: list[tuple[UsageEvent, KeyInfo | None]] = []  # finished events not yet handed to Redis
         self._anon_tokens, self._anon_at, self._anon_dropped = ANON_AUDIT_BURST, time.monotonic(), 0
         self._writer: asyncio.Task[None] | None = None
@@ -260,7 +260,14 @@ class Accounting:
                              ahead: Ahead | None = None, *, budget_mode: BudgetMode | None = None) -> Admission:
         """Admit one upstream call of ``key`` bounded by ``est`` under ``record``'s id, at the key, each of its
         tags and the global level — with the budgets in Redis at this moment (the local copy only while Redis
-        is down). Raises like :meth:`admit`."""
+        is down). Raises like :meth:`admit`.
+
+        **Cancelled while admitted.** A call with no rider (every call but a request's first on a single Redis:
+        an escalation's, a shadow or judge call, an embedding call) is admitted in a task of its own that a
+        cancellation of the caller does not stop: the script may already be on its way to Redis (a coalesced
+        exchange is sent whatever its callers do), so its outcome is awaited and, when it admitted, the call that
+        will never be sent is metered as such (:meth:`abandon`: status 499, cost 0, ``cancelled``) — its
+        reservations are settled at once instead of holding the budgets until ``limits.reservation_ttl_s``."""
         self._remember(key)
         lim = KeyLimits.of(key)
         if self.spool.dirty and not self.breaker.is_open and time.monotonic() >= self._replay_retry_at:
@@ -272,7 +279,8 @@ class Accounting:
         admitting = self.limits.admit(lim, record.request_id, est, record.ts, self.budgets.candidates(key.tags),
                                       self.budgets.above_key(key.tags), rider, budget_mode)
         try:
-            admission = await admitting
+            # the hot path's first call (rider) keeps its one await; the others are released if cancelled
+            admission = await (admitting if rider is not None else self._released_if_cancelled(admitting, key, record))
         except GatewayError as exc:
             self.metrics.rejected(exc.code)
             if isinstance(exc, RateLimited) and exc.exhausted is not None:
@@ -289,6 +297,29 @@ class Accounting:
             # the script may have taken after all (a paused server resumes)
             self._looked[record.request_id] = (lookup, admission.lookup_reply if admission.rode else None)
         return admission
+
+    async def _released_if_cancelled(self, admitting: Coroutine[Any, Any, Admission], key: KeyInfo,
+                                     record: UsageRecord) -> Admission:
+        """Await ``admitting`` (a :meth:`Limits.admit` call for ``record``) in a task a cancellation of the caller
+        leaves running; if the caller is cancelled and the call is then admitted, it is metered as never sent
+        (:meth:`_cancelled_admission`). The task is pending work until then (:meth:`flush` waits for it)."""
+        task = asyncio.get_running_loop().create_task(admitting)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._pending.add(task)  # flush() and close() wait for its outcome
+            task.add_done_callback(functools.partial(self._cancelled_admission, key, record))
+            raise
+
+    def _cancelled_admission(self, key: KeyInfo, record: UsageRecord, task: asyncio.Task[Admission]) -> None:
+        """The admission of a caller that was cancelled meanwhile has ended: refused (nothing reserved) or
+        admitted — then metered as the call that was never sent (status 499, cost 0, ``cancelled``), which settles
+        its reservations at every level (and the local counters' copy) now."""
+        self._pending.discard(task)
+        if task.cancelled() or task.exception() is not None:  # refused, or undecided: nothing of it was reserved
+            return
+        self._open[record.request_id] = key
+        self.abandon(record, None, 499, "cancelled")
 
     async def _replay_before_admitting(self) -> None:
         """Send the usage spool to Redis before Redis decides an admission again. The events spooled while Redis

@@ -355,6 +355,9 @@ class Proxy:
             return resp, None, False
         retry = replace(ex.route, tier=nxt, reason="escalated")
         again = caller.record()
+        # stamped before its admission: a call admitted and never sent (the client gone, meanwhile or after) is
+        # metered as the escalated call it was for (here, or by Accounting when cancelled during the admission)
+        again.tier, again.upstream_model, again.route_reason = nxt.name, nxt.model, "escalated"
         skipped = await self._admit_escalation(ex, retry, body, caller, again)
         if skipped is not None:
             log.info("tier %s gave %s; not escalating to %s (%s)", tier.name, why, nxt.name, skipped)
@@ -380,7 +383,6 @@ class Proxy:
             # limits.reservation_ttl_s; the first attempt is the exchange's to close
             if ex.record is not again:
                 cancelled = isinstance(exc, asyncio.CancelledError | anyio.get_cancelled_exc_class())
-                again.tier, again.upstream_model, again.route_reason = nxt.name, nxt.model, "escalated"
                 self.accounting.abandon(again, nxt, CLIENT_CLOSED if cancelled else 500,
                                         "client_disconnected" if cancelled else "internal_error")
             raise
