@@ -24,13 +24,21 @@ from gateway.ledger.outcome import Outcome, window_digest
 from router.fit.retrain import is_heldout_digest
 from router.persistence import load_router, save_router
 from tests.fixtures.crash_process import DurableRedis
-from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, accounting_gateway
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS
+from tests.fixtures.gateway import accounting_gateway as _accounting_gateway
 from tests.fixtures.outcomes import serving_router, write_outcomes
 from tests.fixtures.upstream import SimProcess, wait_for
 from tests.gateway.test_router_retention import seed_state_dir
 
 HARD = ["prove", "integral", "theorem", "derive", "lemma", "asymptotic"]
 EASY = ["capital", "color", "name", "city", "animal", "fruit"]
+
+
+def _gateway(*args: Any, **kwargs: Any) -> Any:
+    """:func:`tests.fixtures.gateway.accounting_gateway` with Redis commands bounded at 2 s, not 0.25 s: retraining
+    is under test here, not the breaker; with a fit process and other pytest workers on both cores, the default bound
+    opened the breaker and the retrain loop skipped its windows (CI, 2026-12-07)."""
+    return _accounting_gateway(*args, redis={"socket_timeout_s": 2.0}, **kwargs)
 
 
 def _text(hard: bool, i: int) -> str:
@@ -98,7 +106,7 @@ def test_a_better_router_is_promoted_and_a_worse_one_is_not(upstream_sim: SimPro
     # the better case fits in the child process (the default), the worse one in a worker thread
     fit_in = "process" if case == "better" else "thread"
     # no spot checks: the request below must be served where the promoted router sends it (5% by default would go up)
-    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+    with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(old, tmp_path, fit_in=fit_in, spot_check=0.0)) as gw:
         assert _status(gw)["learning"]["every_outcomes"] == 100
         assert wait_for(lambda: (_status(gw)["learning"] or {}).get("last_event") is not None, timeout_s=60)
@@ -166,7 +174,7 @@ def test_a_restarted_replica_serves_the_promoted_router_from_its_first_request(
         rdb.xadd(redis_prefix + "router:history", {"e": json.dumps(event)})
     finally:
         rdb.close()
-    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+    with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(configured, tmp_path, interval_s=60.0, every_outcomes=10**6)) as gw:
         st = _status(gw)
         assert (st["version"], st["path"]) == ("old-good", str(promoted))
@@ -191,7 +199,7 @@ def test_a_file_written_to_router_path_replaces_the_promoted_router(
     said (a new user's first day). Now it becomes the promoted router with an operator's audit event, the promoted
     one kept as its previous; a file that does not load is left out and the promoted router keeps serving."""
     configured, promoted = _promoted(redis_url, redis_prefix, tmp_path)
-    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+    with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(configured, tmp_path, every_outcomes=10**6)) as gw:
         assert _status(gw)["version"] == "old-good"
         broken = tmp_path / "broken.tmp"
@@ -219,12 +227,12 @@ def test_a_file_written_to_router_path_replaces_the_promoted_router(
                 "previous": str(configured), "previous_version": "", "previous_digest": ""})
         finally:
             rdb.close()
-    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+    with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(configured, tmp_path, every_outcomes=10**6)) as gw:
         assert not wait_for(lambda: _status(gw)["version"] != "old-good", timeout_s=2)
     # a file written while no replica runs (a new ConfigMap, then a rollout): adopted by the first one up
     _write_router(configured, 99, "operator-2")
-    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+    with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(configured, tmp_path, every_outcomes=10**6)) as gw:
         assert wait_for(lambda: _status(gw)["version"] == "operator-2", timeout_s=10), _status(gw)
 
@@ -238,7 +246,7 @@ def test_a_rolled_back_file_written_back_is_not_adopted_again(
     under a new version is served (the way to put it back on purpose)."""
     configured, _ = _promoted(redis_url, redis_prefix, tmp_path)
     rdb = redis.Redis.from_url(redis_url)
-    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+    with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(configured, tmp_path, every_outcomes=10**6, realised_min=10,
                                              readopt_after_s=1)) as gw:
         try:
@@ -261,7 +269,7 @@ def test_a_rolled_back_file_written_back_is_not_adopted_again(
             # a replica that starts now loads the rolled-back file at routing.router_path, and router:current named
             # that very path (operator-2 was adopted there): it served operator-1 again, with an error in the log.
             # router:current names operator-2's kept copy: it serves that from its first request
-            with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+            with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                                     routing=_routing(configured, tmp_path, every_outcomes=10**6, interval_s=60.0,
                                                      realised_min=10, readopt_after_s=1)) as late:
                 assert _status(late)["version"] == "operator-2", _status(late)
@@ -287,7 +295,7 @@ def test_a_lagging_copy_of_router_path_is_not_served_by_the_hot_reload(
     audit trail and /v1/models' learning said otherwise. Served now is the adopted bytes' copy, which no write to the
     path changes."""
     configured, _ = _promoted(redis_url, redis_prefix, tmp_path)
-    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+    with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(configured, tmp_path, every_outcomes=10**6)) as gw:
         rdb = redis.Redis.from_url(redis_url)
         try:
@@ -326,7 +334,7 @@ def test_the_state_dir_keeps_the_routers_in_use_and_the_newest_others(
     try:
         rdb.hset(redis_prefix + "router:current", mapping={"path": str(previous), "digest": file_digest(data),
                                                            "gen": 1, "digest_gen": 1})
-        with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+        with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                                 routing=_routing(configured, tmp_path, every_outcomes=10**6, keep_files=1)) as gw:
             assert _status(gw)["version"] == "old-good"
             assert wait_for(lambda: rdb.exists(redis_prefix + "router:configured") == 1, timeout_s=10)
@@ -362,7 +370,7 @@ def test_redis_dying_during_a_fit_does_not_skip_it(upstream_sim: SimProcess, tmp
         old = _router(tmp_path / "serving.skops", informative=False)
         write_outcomes(server.url, prefix, _graded(invert_training=False), tmp_path)  # 1,460: one fit due
         before = {p.pid for p in multiprocessing.active_children()}
-        with accounting_gateway(upstream_sim.base_url, server.url, tmp_path, prefix=prefix,
+        with _gateway(upstream_sim.base_url, server.url, tmp_path, prefix=prefix,
                                 routing=_routing(old, tmp_path, every_outcomes=1400)) as gw:
             # the fit process is spawned once the outcomes are read: the verdict will meet a dead Redis
             assert wait_for(lambda: {p.pid for p in multiprocessing.active_children()} - before, timeout_s=60)
@@ -394,7 +402,7 @@ def test_a_promoted_router_whose_realised_floor_falls_is_rolled_back(upstream_si
     audit trail said promote, not rollback)."""
     old = _router(tmp_path / "serving.skops", informative=False)
     write_outcomes(redis_url, redis_prefix, _graded(invert_training=False), tmp_path)  # 1,460: one fit, at start
-    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+    with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(old, tmp_path, realised_min=10)) as gw:
         assert wait_for(lambda: _status(gw)["version"].startswith("auto-"), timeout_s=120), _status(gw)["learning"]
         promoted = _status(gw)["version"]
@@ -445,7 +453,7 @@ def test_spot_checked_and_explored_answers_say_so(upstream_sim: SimProcess, redi
     router = load_router(path)
     router.thresholds = [cut]  # 1.0: every routed request to the cheap tier; 0.0: every one to the top tier
     save_router(router, path)
-    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+    with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             routing=_routing(path, tmp_path, every_outcomes=10_000, **arms)) as gw, \
             httpx.Client(timeout=30) as client:
         auth = {"authorization": f"Bearer {SECRETS['alice']}"}
@@ -495,7 +503,7 @@ def test_the_realised_floor_reads_the_spot_check_arm(upstream_sim: SimProcess, r
     old = _router(tmp_path / "serving.skops", informative=False)
     write_outcomes(redis_url, redis_prefix, _graded(invert_training=False), tmp_path)
     spot_check_min = 10**6 if case == "nesting-on-the-same" else 30
-    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+    with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                             # one fit, at start: the arms below (110 outcomes) judge that router, not a refit
                             routing=_routing(old, tmp_path, realised_min=10, spot_check_min=spot_check_min,
                                              every_outcomes=1400)) as gw:
@@ -511,7 +519,7 @@ def test_the_realised_floor_reads_the_spot_check_arm(upstream_sim: SimProcess, r
                 promoted, "spot_check", 30, 40)
             assert real["holds_floor"] is True and real["accuracy_ratio"] > 1.0
             # a replica that never fits (behind the same load balancer) shows the same reading
-            with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
+            with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix,
                                     routing=_routing(old, tmp_path, fit_here=False)) as other:
                 assert wait_for(lambda: _status(other)["learning"]["realised"] == real, timeout_s=10)
             assert "rollback" not in [e["event"] for e in _history(redis_url, redis_prefix, tmp_path)]
@@ -574,7 +582,7 @@ def test_three_routed_tiers_promote_a_router_with_one_cut_per_boundary(upstream_
     save_router(old, path)
     write_outcomes(redis_url, redis_prefix, _graded3(), tmp_path)  # 3,600 outcomes: one fit, at start
     routing = {**_routing(path, tmp_path, spot_check=0.0, fit_in="thread"), "routed_tiers": ["none", "short", "long"]}
-    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, routing=routing) as gw:
+    with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, routing=routing) as gw:
         assert wait_for(lambda: (_status(gw)["learning"] or {}).get("last_event") is not None, timeout_s=60)
         st = _status(gw)
         event = st["learning"]["last_event"]
