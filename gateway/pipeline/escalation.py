@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.config import TierConfig
+from gateway.errors import UpstreamError
 from gateway.ledger.event import WireEndpoint
 from gateway.openai.chunks import StreamAssembler
 from gateway.openai.sse import Chunk, StreamTally
@@ -111,13 +112,19 @@ def learned_reason(tier: TierConfig, data: dict[str, Any], endpoint: WireEndpoin
 
 
 class PeekBroken(Exception):
-    """A stream that failed while :func:`peek_stream` read it: ``cause`` (the upstream's error), ``counted`` (the
-    deltas read before it, as in a summary's ``counted``) — the attempt is billed those."""
+    """A stream that failed while :func:`peek_stream` read it: ``cause`` (the error: the transport's, or with
+    ``reported`` an :class:`~gateway.errors.UpstreamError` ``upstream_error`` for the upstream's own in-stream error
+    event), ``counted`` (the deltas read before it, as in a summary's ``counted``) — the attempt is billed those,
+    unless ``usage`` (the usage the upstream sent before failing: its usage chunk, or continuous usage stats'
+    running totals; None when none) says what ran."""
 
-    def __init__(self, cause: BaseException, counted: dict[str, int]) -> None:
+    def __init__(self, cause: BaseException, counted: dict[str, int], *, reported: bool = False,
+                 usage: dict[str, Any] | None = None) -> None:
         super().__init__(str(cause))
         self.cause = cause
         self.counted = counted
+        self.reported = reported
+        self.usage = usage
 
 
 def _counted(tally: StreamTally) -> dict[str, int]:
@@ -136,6 +143,10 @@ async def peek_stream(
     ``logprobs.content`` gathered from the deltas when the upstream sent any). The thought (with ``whole``,
     the answer too) is buffered meanwhile, which is the price of escalating a streamed request before any
     byte of the weaker tier's answer reached the client.
+
+    A stream that fails before the answer is decided raises :class:`PeekBroken` (``resp`` closed): one that broke
+    or stalled, and one that sent an in-stream error event (``{"error": …}``, as vLLM and OpenAI send when the
+    generation fails after the 200 headers) — a failed call, not an answer with no finish reason.
     """
     whole = whole or "learned" in tier.escalate_on  # the answer-aware model reads the whole answer
     head: list[list[Chunk]] = []
@@ -156,16 +167,35 @@ async def peek_stream(
                     lp = c.get("logprobs")
                     if isinstance(lp, dict) and isinstance(lp.get("content"), list):
                         logprobs += lp["content"]
+            if tally.upstream_error:  # the upstream's error event: nothing follows it
+                break
             if not whole and _answer_started(assembler.result(), endpoint, marker):
                 break
     except Exception as exc:  # the stream broke or stalled while read: what it had sent is billed all the same
+        await resp.aclose()
         raise PeekBroken(exc, _counted(tally)) from exc
+    if tally.upstream_error:  # the call failed after its headers, as the relay meters an error event it passes on
+        await resp.aclose()
+        usage = tally.usage_chunk["usage"] if tally.usage_chunk is not None else tally.last_usage
+        error = UpstreamError(f"upstream of tier {tier.name!r} sent an error mid-stream: {_error_message(head)}")
+        raise PeekBroken(error, _counted(tally), reported=True, usage=usage if isinstance(usage, dict) else None)
     summary = _summary(assembler, endpoint, logprobs)
-    if summary["usage"] is None:  # none came (an error event ended it): the running totals, or the deltas read
+    if summary["usage"] is None:  # none came: the running totals, or the deltas read
         summary["usage"] = tally.last_usage
         summary["counted"] = _counted(tally)
     counted = isinstance(resp, SyntheticResponse) and resp.counted_on_failure  # a forced stream's, kept
     return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose, counted_on_failure=counted), summary
+
+
+def _error_message(head: list[list[Chunk]]) -> str:
+    """The message of the in-stream error event among the batches read (the last one's), at most 300 characters."""
+    for batch in reversed(head):
+        for item in reversed(batch):
+            if item.data is not None and "error" in item.data and not item.data.get("choices"):
+                error = item.data["error"]
+                message = error.get("message") if isinstance(error, dict) else error
+                return str(message or "no message")[:300]
+    return "no message"
 
 
 def _joined(body: dict[str, Any], endpoint: WireEndpoint) -> tuple[str, str, bool, str | None]:

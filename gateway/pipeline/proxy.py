@@ -178,11 +178,11 @@ class Proxy:
         """Call the upstream (falling back), escalate up the cascade while a tier's answer asks for it, and
         answer: the stream of chunks (relayed, metered at its end), or the JSON answer (metered now). Only the
         routed tier's answer is offered to the cache. An escalation whose call fails before it answers (the next
-        tier down, refused, a 5xx; a stream that broke or stalled while peeked, the next tier escalating in turn:
-        nothing of it reached the client; metered as that failed call, which releases the cache ticket) leaves the
-        answer it would have improved — the exchange's held attempt, served as if not escalated, with the note
-        ``failed; tier=…; reason=<error code>``; the held attempt is metered as escalated once the call answered (a
-        peeked stream: once the peek read it), or as before when the request ends otherwise."""
+        tier down, refused, a 5xx; a stream that broke, stalled or sent an error event while peeked, the next tier
+        escalating in turn: nothing of it reached the client; metered as that failed call, which releases the cache
+        ticket) leaves the answer it would have improved — the exchange's held attempt, served as if not escalated,
+        with the note ``failed; tier=…; reason=<error code>``; the held attempt is metered as escalated once the call
+        answered (a peeked stream: once the peek read it), or as before when the request ends otherwise."""
         resp = await self._call(ex, body, caller)
         data = None if caller.stream else await self._parsed(resp, ex)
         note = None
@@ -313,9 +313,10 @@ class Proxy:
         of the caller, the exchange's current one on return — with route reason ``escalated``. Streams are read
         up to the first answer token to decide (:func:`gateway.pipeline.escalation.peek_stream`), or to their end
         when the tier checks the answer's content (``abstain``/``low_confidence``); a stream that breaks or stalls
-        meanwhile is metered as the failed call it was (what it sent billed, partial) and its error raised — a 502/504
-        for the request's first call; an escalation's call (this tier was the one asked) leaves the client the
-        answer the exchange holds (:meth:`_answer`). The retry is admitted —
+        meanwhile, or sends an in-stream error event (``upstream_error``), is metered as the failed call it was (what
+        it sent billed, partial) and its error raised — a 502/504 for the request's first call; an escalation's call
+        (this tier was the one asked) leaves the client the answer the exchange holds (:meth:`_answer`). The retry is
+        admitted —
         reserved at every budget level — before it is sent; when that is refused (or the key may not use
         ``nxt``) the first answer is kept, with the note ``skipped; tier=…; reason=…``. The first attempt is finished
         here and held by the exchange (:meth:`Exchange.next_attempt`, which meters as escalated an attempt it held
@@ -331,10 +332,12 @@ class Proxy:
             try:
                 resp, summary = await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole)
             except escalation.PeekBroken as broken:  # before a byte reached the client: the deltas read are billed
-                await self._count_attempt(ex, broken.counted, body)
+                if not ex.record.set_usage(broken.usage):  # (or what the upstream said had run, when it said it)
+                    await self._count_attempt(ex, broken.counted, body)
                 ex.record.partial = True
-                exc = broken.cause
-                if not isinstance(exc, UpstreamTimeout) and isinstance(exc, UpstreamError | httpx.HTTPError):
+                exc = broken.cause  # an in-stream error event: upstream_error, as the relay meters one it passes on
+                if not broken.reported and not isinstance(exc, UpstreamTimeout) and \
+                        isinstance(exc, UpstreamError | httpx.HTTPError):
                     broke = exc.message if isinstance(exc, GatewayError) else type(exc).__name__
                     exc = UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {broke}",
                                         code="upstream_stream_broken")
@@ -389,8 +392,8 @@ class Proxy:
         return resp, None, True
 
     async def _count_attempt(self, ex: Exchange, counted: dict[str, int], body: dict[str, Any]) -> None:
-        """A peeked attempt that brought no usage (an upstream error event ended it, or the stream broke while it
-        was read) is billed what it generated (the deltas read) and its prompt
+        """A peeked attempt that brought no usage (the stream ended without any, or it broke, stalled or sent an
+        error event while it was read) is billed what it generated (the deltas read) and its prompt
         (:func:`gateway.pipeline.relay.count_prompt`) — it was metered at 0."""
         rec = ex.record
         rec.set_counted(counted["completion_tokens"], counted["reasoning_tokens"])

@@ -2,11 +2,13 @@
 upstream simulator process per broken tier.
 
 ``short`` is cut in its thought and escalates to ``mid``, which lists ``escalate_on`` itself: its stream is peeked
-before any byte reaches the client. When ``mid``'s stream breaks (its connection dropped) or stalls during that peek,
-nothing was sent: the client keeps ``short``'s answer, as the two-tier case does when the next tier cannot answer —
-200, ``x-thinkgate-escalation: failed; tier=mid; reason=…`` — instead of the 502 it got (the first answer billed as
-escalated and thrown away). The ledger has two events: ``short`` billed once as the request's answer, ``mid`` metered
-as the broken call it was (what it streamed before breaking, partial); ``long`` is never called.
+before any byte reaches the client. When ``mid``'s stream breaks (its connection dropped), stalls, or ends in an
+in-stream error event (``data: {"error": …}``, as vLLM and OpenAI send when generation fails after the 200 headers)
+during that peek, nothing was sent: the client keeps ``short``'s answer, as the two-tier case does when the next tier
+cannot answer — 200, ``x-thinkgate-escalation: failed; tier=mid; reason=…`` — instead of the 502 it got (the first
+answer billed as escalated and thrown away; for the error event, mid's thought and the error relayed after a 200).
+The ledger has two events: ``short`` billed once as the request's answer, ``mid`` metered as the failed call it was
+(what it streamed before failing, partial); ``long`` is never called.
 
 A cascade that goes all the way up leaves one ``escalation`` outcome per escalated step, each naming the tier it
 asked (``other_tier``); the second step's says which route reason the request's first attempt had
@@ -44,10 +46,15 @@ def _three_tiers(base_url: str, mid_url: str, **mid: Any) -> list[dict[str, Any]
     return [short, middle, long]
 
 
-@pytest.fixture(scope="module", params=["drop", "stall"])
+#: mid's failure mode → the error code its failed call is metered with (and the escalation header names)
+REASONS = {"drop": "upstream_stream_broken", "stall": "upstream_timeout", "error-event": "upstream_error"}
+
+
+@pytest.fixture(scope="module", params=["drop", "stall", "error-event"])
 def mid_sim(request: pytest.FixtureRequest) -> Iterator[tuple[SimProcess, str]]:
-    """``mid``'s own simulator: every stream sends half its chunks (inside the thought), then drops the connection
-    or hangs."""
+    """``mid``'s own simulator: every stream sends half its chunks (inside the thought), then drops the connection,
+    hangs, or sends an error event and ends (the in-stream error was read as an answer with no finish reason: not
+    cut by length, so mid's stream was relayed — 200, mid's thought, then the error event)."""
     sim = start_sim("--fail-mode", request.param, "--hang-s", "5")
     try:
         yield sim, request.param
@@ -94,8 +101,8 @@ def test_a_middle_tier_whose_stream_breaks_in_the_peek_leaves_the_first_answer(
     else:
         r, text = _stream(gw, "/messages", {"model": "short", "max_tokens": 32, "messages": messages,
                                             "stream": True}, {"x-api-key": SECRETS["alice"]})
-    reason = "upstream_stream_broken" if mode == "drop" else "upstream_timeout"
-    assert r.status_code == 200, text  # was: 502 (504 for the stall) with nothing sent
+    reason = REASONS[mode]
+    assert r.status_code == 200, text  # was: 502 (504 for the stall) with nothing sent; the error event relayed
     assert r.headers["x-thinkgate-tier"] == "short"
     assert r.headers["x-thinkgate-route-reason"] != "escalated"
     assert r.headers["x-thinkgate-escalation"] == f"failed; tier=mid; reason={reason}"
@@ -118,7 +125,7 @@ def test_a_middle_tier_whose_stream_breaks_in_the_peek_leaves_the_first_answer(
     assert (first["status"], first["error_code"], first["partial"]) == (200, None, False)
     assert first["completion_tokens"] == 4 and first["cost_micro_usd"] > 0
     assert (failed["status"], failed["error_code"], failed["route_reason"], failed["partial"]) == (
-        502 if mode == "drop" else 504, reason, "escalated", True)
+        504 if mode == "stall" else 502, reason, "escalated", True)
     # what mid streamed before it broke (half its chunks, inside its thought) and its prompt are billed
     assert failed["completion_tokens"] > 0 and failed["prompt_tokens"] > 0 and failed["cost_micro_usd"] > 0
     client = redis.Redis.from_url(redis_url)

@@ -258,9 +258,10 @@ def test_a_stream_broken_while_peeked_is_a_502_and_its_record_says_so(upstream_s
 
 def test_an_attempt_ended_by_an_error_event_is_billed_what_it_generated(upstream_sim: SimProcess,
                                                                          redis_url: str) -> None:
-    """The cheap tier's stream ends with the upstream's error event after some thought (no usage chunk): the request
-    escalates, and the first attempt is metered on the deltas it sent and its prompt — it was metered at 0
-    (``usage_source: none``) though the upstream had generated them."""
+    """The cheap tier's stream ends with the upstream's error event after some thought (no usage chunk), while the
+    gateway peeks it for escalation: the call failed, a 502 ``upstream_error`` as a stream that broke there is (it was
+    escalated as an empty answer — see tests/gateway/test_escalation_peek_error.py), and it is metered on the deltas
+    it sent and its prompt — it was metered at 0 (``usage_source: none``) though the upstream had generated them."""
     tiers = sim_tiers(upstream_sim.base_url)
     tiers[1].update({"thinking_budget": 100, "escalate_on": ["empty_answer"]})
     with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
@@ -270,10 +271,11 @@ def test_an_attempt_ended_by_an_error_event_is_billed_what_it_generated(upstream
                        # a short question: a thought of 16+ words, an answer of 3, so the error comes in the thought
                        json={"model": "short", "stream": True, "messages": [{"role": "user", "content": "hi there"}],
                              "sim": {"fail": "error-event"}}, timeout=30)
-        assert r.status_code == 200 and r.headers["x-thinkgate-tier"] == "long"
-        assert wait_for(lambda: len(records) >= 2, timeout_s=5)
-        first = records[0]
-        assert (first.tier, first.error_code, first.usage_source) == ("short", "escalated_empty_answer", "counted")
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+        assert wait_for(lambda: len(records) >= 1, timeout_s=5)
+        [first] = records  # long was not called
+        assert (first.tier, first.status, first.error_code, first.usage_source, first.partial) == (
+            "short", 502, "upstream_error", "counted", True)
         assert first.completion_tokens > 0 and first.prompt_tokens > 0 and first.cost_micro_usd > 0
 
 
