@@ -11,15 +11,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
-import orjson
 import pytest
 import redis
 
 from gateway.engine.redis_server import free_port
 from tests.fixtures.gateway import SECRETS, accounting_gateway, keys_config
+from tests.fixtures.redis_db import read_usage_events
 from tests.fixtures.upstream import GatewayServer, SimProcess, sim_tiers, start_sim, wait_for
 
 QUESTION = "What is six times seven exactly?"
@@ -50,26 +49,15 @@ def gw(request: pytest.FixtureRequest, upstream_sim: SimProcess, redis_url: str,
         yield g
 
 
-def _events(redis_url: str, prefix: str, n: int) -> list[dict[str, Any]]:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        def read() -> list[dict[str, Any]]:
-            return [orjson.loads(f[b"e"]) for _, f in client.xrange(prefix + "usage:events")]
-        assert wait_for(lambda: len(read()) >= n, timeout_s=10)
-        return read()
-    finally:
-        client.close()
-
-
 def _check_ledger(gw: GatewayServer, redis_url: str, prefix: str, request_id: str) -> None:
     """Two events: the first answer (its id the client's ``x-request-id``) billed once as the request's answer,
     the escalation metered as the failed call it was; nothing reserved or open after."""
-    events = _events(redis_url, prefix, 2)
+    events = read_usage_events(redis_url, prefix, 2)
     client = redis.Redis.from_url(redis_url)
     try:
         # a third event (the first answer metered twice, or as an escalated attempt too) would show up now
         assert wait_for(lambda: client.hlen(prefix + "wal:open") == 0, timeout_s=5)
-        events = _events(redis_url, prefix, 2)
+        events = read_usage_events(redis_url, prefix, 2)
         assert len(events) == 2, events
         first = next(e for e in events if e["tier"] == "short")
         failed = next(e for e in events if e["tier"] == "long")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import orjson
@@ -28,7 +27,8 @@ import pytest
 import redis
 
 from tests.fixtures.gateway import SECRETS, accounting_gateway, keys_config
-from tests.fixtures.upstream import GatewayServer, SimProcess, sim_tiers, wait_for
+from tests.fixtures.redis_db import read_usage_events
+from tests.fixtures.upstream import GatewayServer, SimProcess, sim_tiers
 
 QUESTION = "What is six times seven exactly?"
 AUTH = {"authorization": f"Bearer {SECRETS['alice']}", "cache-control": "no-store"}
@@ -44,18 +44,6 @@ def gw(request: pytest.FixtureRequest, upstream_sim: SimProcess, redis_url: str,
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, tiers=tiers,
                             auth=keys_config(alice={"budget_usd_day": "1"})) as g:
         yield g
-
-
-def _events(redis_url: str, prefix: str, n: int) -> list[dict[str, Any]]:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        def read() -> list[dict[str, Any]]:
-            return [orjson.loads(f[b"e"]) for _, f in client.xrange(prefix + "usage:events")]
-        assert wait_for(lambda: len(read()) >= n, timeout_s=10), read()
-        assert wait_for(lambda: client.hlen(prefix + "wal:open") == 0, timeout_s=5)
-        return read()  # a second event (the next tier called, or the failed call metered twice) would show up now
-    finally:
-        client.close()
 
 
 @pytest.mark.parametrize("mode", ["drop", "error-event"])
@@ -78,7 +66,7 @@ def test_a_first_call_that_fails_in_the_peek_is_a_502(gw: GatewayServer, upstrea
     assert r.headers["x-request-id"]
     assert "x-thinkgate-escalation" not in r.headers
 
-    [event] = _events(redis_url, redis_prefix, 1)  # long was never called
+    [event] = read_usage_events(redis_url, redis_prefix, 1)  # long was never called
     assert event["request_id"] == r.headers["x-request-id"]
     assert (event["tier"], event["status"], event["error_code"], event["partial"]) == ("short", 502, code, True)
     # what short streamed before it failed (inside its thought) and its prompt are billed

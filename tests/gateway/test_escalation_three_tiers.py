@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 import redis
 
 from tests.fixtures.gateway import SECRETS, accounting_gateway, keys_config
-from tests.fixtures.redis_db import read_outcomes
+from tests.fixtures.redis_db import read_outcomes, read_usage_events
 from tests.fixtures.upstream import GatewayServer, SimProcess, sim_tiers, start_sim, wait_for
 
 QUESTION = "What is six times seven exactly?"
@@ -72,18 +71,6 @@ def broken(mid_sim: tuple[SimProcess, str], upstream_sim: SimProcess, redis_url:
         yield g, mode
 
 
-def _events(redis_url: str, prefix: str, n: int) -> list[dict[str, Any]]:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        def read() -> list[dict[str, Any]]:
-            return [orjson.loads(f[b"e"]) for _, f in client.xrange(prefix + "usage:events")]
-        assert wait_for(lambda: len(read()) >= n, timeout_s=10), read()
-        assert wait_for(lambda: client.hlen(prefix + "wal:open") == 0, timeout_s=5)
-        return read()  # a third event (the first answer metered twice, or as escalated too) would show up now
-    finally:
-        client.close()
-
-
 def _stream(gw: GatewayServer, path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[httpx.Response,
                                                                                                     str]:
     with httpx.stream("POST", gw.base_url + path, json=body, timeout=30, headers=headers) as r:
@@ -117,7 +104,7 @@ def test_a_middle_tier_whose_stream_breaks_in_the_peek_leaves_the_first_answer(
         assert "event: message_stop" in text and "event: error" not in text
         assert '"stop_reason":"max_tokens"' in text.replace(" ", "")
 
-    events = _events(redis_url, redis_prefix, 2)
+    events = read_usage_events(redis_url, redis_prefix, 2)
     assert sorted(e["tier"] for e in events) == ["mid", "short"], events  # long was never called
     first = next(e for e in events if e["tier"] == "short")
     failed = next(e for e in events if e["tier"] == "mid")
@@ -157,7 +144,7 @@ def test_each_escalated_step_is_an_outcome_naming_the_tier_it_asked(
                       {"model": "short", "messages": [{"role": "user", "content": QUESTION}], "stream": stream}, AUTH)
     assert r.status_code == 200, text
     assert (r.headers["x-thinkgate-tier"], r.headers["x-thinkgate-route-reason"]) == ("long", "escalated")
-    events = _events(redis_url, redis_prefix, 3)
+    events = read_usage_events(redis_url, redis_prefix, 3)
     assert sorted((e["tier"], e["error_code"]) for e in events) == [
         ("long", None), ("mid", "escalated_length_in_thought"), ("short", "escalated_length_in_thought")]
 
