@@ -131,11 +131,19 @@ def _counted(tally: StreamTally) -> dict[str, int]:
     return {"completion_tokens": tally.reasoning_deltas + tally.text_deltas, "reasoning_tokens": tally.reasoning_deltas}
 
 
+#: how many batches :func:`peek_stream` reads, at most, for the start of an escalation's stream (``start``)
+START_BATCHES = 8
+
+
 async def peek_stream(
-    resp: UpstreamResponse, tier: TierConfig, endpoint: WireEndpoint, *, whole: bool = False
+    resp: UpstreamResponse, tier: TierConfig, endpoint: WireEndpoint, *, whole: bool = False, start: bool = False
 ) -> tuple[SyntheticResponse, dict[str, Any]]:
     """Read an SSE response until its answer starts (a non-empty ``content``/``text`` delta) or it ends —
-    with ``whole``, always to its end (checks on the answer's content need all of it).
+    with ``whole``, always to its end (checks on the answer's content need all of it); with ``start`` (an
+    escalation's call that is not peeked for escalation: the last tier of a cascade), only until its first chunk
+    that carries content — a reasoning, content or tool-call delta — or :data:`START_BATCHES` batches, whichever
+    comes first: nothing is buffered beyond what the client would wait for anyway, and a stream that fails before
+    it (at its very start) fails here, while the held answer can still be served.
 
     Returns (a response replaying everything read and then the rest, a summary for
     :func:`escalation_reason`: ``{"choices": [{"message"|"text": …, "finish_reason", "logprobs"?}], "usage"}``,
@@ -148,7 +156,7 @@ async def peek_stream(
     or stalled, and one that sent an in-stream error event (``{"error": …}``, as vLLM and OpenAI send when the
     generation fails after the 200 headers) — a failed call, not an answer with no finish reason.
     """
-    whole = whole or "learned" in tier.escalate_on  # the answer-aware model reads the whole answer
+    whole = not start and (whole or "learned" in tier.escalate_on)  # the answer-aware model reads the whole answer
     head: list[list[Chunk]] = []
     rest = chunk_batches(resp)
     assembler = StreamAssembler()  # the one stream assembler (the cache's), read as far as needed
@@ -169,7 +177,10 @@ async def peek_stream(
                         logprobs += lp["content"]
             if tally.upstream_error:  # the upstream's error event: nothing follows it
                 break
-            if not whole and _answer_started(assembler.result(), endpoint, marker):
+            if start:
+                if tally.saw_text or len(head) >= START_BATCHES:  # its first content is the client's to have now
+                    break
+            elif not whole and _answer_started(assembler.result(), endpoint, marker):
                 break
     except Exception as exc:  # the stream broke or stalled while read: what it had sent is billed all the same
         await resp.aclose()

@@ -179,7 +179,8 @@ class Proxy:
         answer: the stream of chunks (relayed, metered at its end), or the JSON answer (metered now). Only the
         routed tier's answer is offered to the cache. An escalation whose call fails before it answers (the next
         tier down, refused, a 5xx; a stream that broke, stalled or sent an error event while peeked, the next tier
-        escalating in turn: nothing of it reached the client; metered as that failed call, which releases the cache
+        escalating in turn, or the last tier's before its first content: nothing of it reached the client; metered as
+        that failed call, which releases the cache
         ticket) leaves the answer it would have improved — the exchange's held attempt, served as if not escalated,
         with the note ``failed; tier=…; reason=<error code>``; the held attempt is metered as escalated once the call
         answered (a peeked stream: once the peek read it), or as before when the request ends otherwise."""
@@ -195,8 +196,10 @@ class Proxy:
                     resp = await self._call(ex, body, caller)
                     data = None if caller.stream else await self._parsed(resp, ex)
                 again = False
-                if ex.tier.escalate_on:  # a stream is peeked here: until then the call has not answered
-                    resp, note, again = await self._escalation(ex, resp, data, body, caller)
+                # a stream is peeked here: until then the call has not answered (an escalation's stream, up to its
+                # first content, whether its tier escalates or not)
+                if ex.tier.escalate_on or (held is not None and caller.stream):
+                    resp, note, again = await self._escalation(ex, resp, data, body, caller, asked=held is not None)
             except BaseException as exc:
                 why = ex.settle_held(exc)  # the held attempt is the current one again, or metered as escalated
                 if held is None or why is None or not isinstance(exc, GatewayError):
@@ -304,7 +307,8 @@ class Proxy:
         return data
 
     async def _escalation(self, ex: Exchange, resp: UpstreamResponse, data: dict[str, Any] | None,
-                          body: dict[str, Any], caller: Caller) -> tuple[UpstreamResponse, str | None, bool]:
+                          body: dict[str, Any], caller: Caller,
+                          asked: bool = False) -> tuple[UpstreamResponse, str | None, bool]:
         """Whether to retry on the next tier up (``Routing.next_tier``; none after the last): when the tier's
         answer is empty, was cut inside its thought, abstains or
         is unsure (``tier.escalate_on``; :mod:`gateway.pipeline.abstention`) — never when the client's own
@@ -315,7 +319,10 @@ class Proxy:
         when the tier checks the answer's content (``abstain``/``low_confidence``); a stream that breaks or stalls
         meanwhile, or sends an in-stream error event (``upstream_error``), is metered as the failed call it was (what
         it sent billed, partial) and its error raised — a 502/504 for the request's first call; an escalation's call
-        (this tier was the one asked) leaves the client the answer the exchange holds (:meth:`_answer`). The retry is
+        (this tier was the one asked) leaves the client the answer the exchange holds (:meth:`_answer`). An
+        escalation's streamed call (``asked``) whose tier does not escalate in turn (no ``escalate_on``, or none above
+        it) is read only up to its first content (``peek_stream``'s ``start``) and relayed from there; failing before
+        it, it is metered and raised the same way. The retry is
         admitted —
         reserved at every budget level — before it is sent; when that is refused (or the key may not use
         ``nxt``) the first answer is kept, with the note ``skipped; tier=…; reason=…``. The first attempt is finished
@@ -324,13 +331,15 @@ class Proxy:
         answering. Returns (the response
         to answer with unless retrying, the note, whether to retry)."""
         tier = ex.tier
-        nxt = self.routing.next_tier(tier)
-        if nxt is None:
+        nxt = self.routing.next_tier(tier) if tier.escalate_on else None
+        if nxt is None and not (asked and caller.stream):
             return resp, None, False
         if caller.stream:
             whole = bool({"abstain", "low_confidence"} & set(tier.escalate_on))
             try:
-                resp, summary = await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole)
+                # a tier that does not escalate, asked by an escalation: read up to its first content only
+                resp, summary = await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole,
+                                                             start=nxt is None)
             except escalation.PeekBroken as broken:  # before a byte reached the client: the deltas read are billed
                 if not ex.record.set_usage(broken.usage):  # (or what the upstream said had run, when it said it)
                     await self._count_attempt(ex, broken.counted, body)
@@ -349,6 +358,8 @@ class Proxy:
         else:
             assert data is not None
             summary = data
+        if nxt is None:  # an escalation's stream, its start read (nothing failed there): relayed from here, as it comes
+            return resp, None, False
         if escalation.cut_by_client(summary, body.get("max_completion_tokens") or body.get("max_tokens"), tier):
             return resp, None, False
         why = escalation.escalation_reason(tier, summary, caller.endpoint) or abstention.cascade_reason(
