@@ -142,7 +142,12 @@ class Accounting:
             embedder = embedder_for(sem.embedder, settings.tiers, self.http, sem.embed_timeout_s)
             self.semantic = SemanticCache(self.handle, self.breaker, sem, embedder)
         self._probes: dict[str, Probe] = {}  # request id → semantic probe, until the answer is stored or not
-        self._pending: set[asyncio.Task[Any]] = set()  # the metering writer, alert checks, cancelled admissions
+        # the metering writer, alert checks, cancelled admissions (a first call's: a future its reply resolves)
+        self._pending: set[asyncio.Future[Any]] = set()
+        # request id → resolved once the first-call admission its cancelled caller left out is settled (flush waits);
+        # the ids whose admission was told before the caller's cancellation reached admit_estimate
+        self._orphans: dict[str, asyncio.Future[None]] = {}
+        self._orphans_told: set[str] = set()
         self._queue: list[tuple[UsageEvent, KeyInfo | None]] = []  # finished events not yet handed to Redis
         self._anon_tokens, self._anon_at, self._anon_dropped = ANON_AUDIT_BURST, time.monotonic(), 0
         self._writer: asyncio.Task[None] | None = None
@@ -267,7 +272,11 @@ class Accounting:
         cancellation of the caller does not stop: the script may already be on its way to Redis (a coalesced
         exchange is sent whatever its callers do), so its outcome is awaited and, when it admitted, the call that
         will never be sent is metered as such (:meth:`abandon`: status 499, cost 0, ``cancelled``) — its
-        reservations are settled at once instead of holding the budgets until ``limits.reservation_ttl_s``."""
+        reservations are settled at once instead of holding the budgets until ``limits.reservation_ttl_s``.
+        A request's first call on a single Redis (``ahead``: one script call that also writes its write-ahead record and
+        may take the exact cache's single-flight lock) keeps its one await and no task: the lane's flush that reads
+        the script's reply tells it to :meth:`_first_call_orphaned` (``Rider.orphan``), which meters it the same way
+        — that usage event also deletes its write-ahead record and releases the lock."""
         self._remember(key)
         lim = KeyLimits.of(key)
         if self.spool.dirty and not self.breaker.is_open and time.monotonic() >= self._replay_retry_at:
@@ -285,6 +294,10 @@ class Accounting:
             self.metrics.rejected(exc.code)
             if isinstance(exc, RateLimited) and exc.exhausted is not None:
                 self._track(self._alert_exhausted(exc.exhausted, key, record.ts))
+            raise
+        except asyncio.CancelledError:
+            if rider is not None:  # its script's outcome is told to _first_call_orphaned: flush() waits for it
+                self._await_orphan(record.request_id)
             raise
         self.budgets.learn(st.level for st in admission.levels)  # the copy a failed admission call falls back on
         self._open[record.request_id] = key
@@ -320,6 +333,45 @@ class Accounting:
             return
         self._open[record.request_id] = key
         self.abandon(record, None, 499, "cancelled")
+
+    def _await_orphan(self, rid: str) -> None:
+        """The caller of ``rid``'s first-call admission was cancelled: :meth:`flush` waits until its outcome is
+        settled (unless it was told already: the reply came before the cancellation took effect)."""
+        if rid in self._orphans_told:
+            self._orphans_told.discard(rid)
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._orphans[rid] = waiter
+        self._pending.add(waiter)
+
+    def _first_call_orphaned(self, key: KeyInfo, record: UsageRecord, ahead: Ahead, rec: WalRecord | None,
+                             lookup: Lookup | Ticket | None, admission: Admission | None) -> None:
+        """What the hot-path admission of a request's first call did, its caller (the request) cancelled while the
+        script was out (``Rider.orphan``; called once, from the lane's flush or the cancelled caller). Admitted: the
+        call will never be sent, so it is metered as such (status 499, cost 0, ``cancelled``; the routed tier): its
+        usage event settles the reservations at every level, deletes the write-ahead record — which the reconciler
+        would otherwise bill as a partial call once this process is gone — and releases the single-flight lock the
+        script took (:meth:`sink`). Refused, or its outcome unknown: nothing to settle here."""
+        rid = record.request_id
+        waiter = self._orphans.pop(rid, None)
+        if waiter is None:
+            self._orphans_told.add(rid)  # told before the caller's cancellation reached admit_estimate
+        try:
+            if admission is not None:
+                self.budgets.learn(st.level for st in admission.levels)
+                self._open[rid] = key
+                if rec is not None and self.wal is not None:
+                    self.wal.written(rec)
+                if lookup is not None:
+                    self._looked[rid] = (lookup, admission.lookup_reply)
+                if record.tier is None:
+                    record.tier, record.upstream_model = ahead.tier.name, ahead.tier.model
+                    record.route_reason = record.route_reason or ahead.route_reason
+                self.abandon(record, None, 499, "cancelled")
+        finally:
+            if waiter is not None:
+                self._pending.discard(waiter)
+                waiter.set_result(None)
 
     async def _replay_before_admitting(self) -> None:
         """Send the usage spool to Redis before Redis decides an admission again. The events spooled while Redis
@@ -363,8 +415,10 @@ class Accounting:
             rec = self.wal.open_record(record, est.micro_usd, est.tokens, tier=ahead.tier.name,
                                        upstream_model=ahead.tier.model, route_reason=ahead.route_reason)
         lookup = self._lookup(key, record, ahead.tier, ahead.upstream_body, ahead.headers)
+        # told what the script did if the request is cancelled while it is out (no task on the normal path)
+        orphan = functools.partial(self._first_call_orphaned, key, record, ahead, rec, lookup)
         return (Rider(self.wal.keys.write_ahead if self.wal is not None else "", rec.to_json() if rec else b"",
-                      lookup if isinstance(lookup, Lookup) else None), rec, lookup)
+                      lookup if isinstance(lookup, Lookup) else None, orphan), rec, lookup)
 
     async def renew(self, record: UsageRecord) -> int:
         """Extend the reservations of a call still running (a stream) by ``limits.reservation_ttl_s``; the

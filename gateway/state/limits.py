@@ -80,7 +80,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -348,11 +348,18 @@ class Estimate:
 class Rider:
     """What rides along in a single-Redis admission call (``HOT_LUA``), done only when the call is admitted:
     the write-ahead record (``wal_key``: the hash, ``record``: its JSON; b"" = none) and the exact-cache lookup
-    (``lookup``; None = none). The lookup's reply comes back in :attr:`Admission.lookup_reply`."""
+    (``lookup``; None = none). The lookup's reply comes back in :attr:`Admission.lookup_reply`.
+
+    ``orphan``: told, once, what the call did if its caller is cancelled while it is out (the script may still run:
+    a coalesced exchange is sent whatever its callers do) — the :class:`Admission` it made (its reservations, the
+    write-ahead record and the lock are then the caller's to settle), or None when it admitted nothing, or when that
+    is unknown (the exchange failed: logged; as for a caller that was not cancelled, they are then left to expire).
+    The caller's ``await`` stays the one it was: the lane's flush hands the reply over (``FastLane.exchange``)."""
 
     wal_key: str = ""
     record: bytes = b""
     lookup: Lookup | None = None
+    orphan: Callable[[Admission | None], None] | None = None
 
 
 def _text_bytes(value: Any) -> int:
@@ -840,8 +847,7 @@ class Limits:
                     rider = None
                 res = await self.breaker.call(lambda: self._run(lim, reservation_id, est, now, all_levels, day,
                                                                 month, rate=True, rider=rider, mode=mode))
-                states = self._states(lim, est, res, all_levels, mode)
-                rate = RateState.of(lim, res[1 + 5 * len(all_levels):])
+                return self._admitted(lim, reservation_id, est, now, all_levels, mode, rider, res)
         except RedisDown:
             return self._admit_locally(lim, reservation_id, est, now, local_levels, mode=mode)
         except ResponseError as exc:
@@ -854,15 +860,43 @@ class Limits:
             self.refused_scripts["admit"] += 1
             self._log_refused(exc)
             return self._admit_locally(lim, reservation_id, est, now, local_levels, script_refused=True, mode=mode)
+        return self._noted(lim, reservation_id, est, now, states, rate)
+
+    def _noted(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float, states: list[LevelState],
+               rate: RateState | None, rode: bool = False, reply: list[Any] | None = None) -> Admission:
+        """The admission Redis made (``states``: its levels, key first): in the local counters, then returned."""
         for st in states:
             self.local.refresh(lim.key_id, now, st.spent_day_micro, st.spent_month_micro, st.level.id)
         self.local.note(lim, reservation_id, est, now, [st.level for st in states[1:] if st.level.budgeted])
-        reply = None
-        if rider is not None and not self.grouped and rider.lookup is not None:
-            reply = list(res[1 + 5 * len(all_levels) + RATE_FIELDS:])
         return Admission(lim.key_id, reservation_id, "redis", est, states[0].spent_day_micro,
-                         states[0].spent_month_micro, tuple(states), rode=rider is not None and not self.grouped,
-                         lookup_reply=reply, rate=rate)
+                         states[0].spent_month_micro, tuple(states), rode=rode, lookup_reply=reply, rate=rate)
+
+    def _admitted(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float, all_levels: list[Level],
+                  mode: BudgetMode, rider: Rider | None, res: list[Any]) -> Admission:
+        """The admission of one script call's reply ``res`` over ``all_levels`` (``HOT_LUA``'s with ``rider``), or
+        raise its refusal."""
+        states = self._states(lim, est, res, all_levels, mode)
+        rate = RateState.of(lim, res[1 + 5 * len(all_levels):])
+        reply = None
+        if rider is not None and rider.lookup is not None:
+            reply = list(res[1 + 5 * len(all_levels) + RATE_FIELDS:])
+        return self._noted(lim, reservation_id, est, now, states, rate, rode=rider is not None, reply=reply)
+
+    def _orphaned(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float, all_levels: list[Level],
+                  mode: BudgetMode, rider: Rider, outcome: Any) -> None:
+        """What the hot-path script call of a cancelled caller did (``outcome``, :data:`gateway.state.redis.Orphan`),
+        told to ``rider.orphan``: the admission it made, else None."""
+        assert rider.orphan is not None
+        admission = None
+        if isinstance(outcome, list):
+            with contextlib.suppress(RateLimited):  # refused: nothing of it was written
+                admission = self._admitted(lim, reservation_id, est, now, all_levels, mode, rider, outcome)
+        elif isinstance(outcome, BaseException) and not isinstance(outcome, ResponseError):
+            # sent or not, unknown (a timeout, a lost connection, an interrupted exchange): as for a caller still
+            # waiting (RedisDown), what it may have written expires (reservations: limits.reservation_ttl_s)
+            log.warning("admission %s: its caller was cancelled and the script's outcome is unknown (%r); what it "
+                        "may have reserved expires with its TTL", reservation_id, outcome)
+        rider.orphan(admission)
 
     def _admit_locally(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
                        levels: list[Level], script_refused: bool = False, mode: BudgetMode = "hard") -> Admission:
@@ -923,6 +957,10 @@ class Limits:
         if rider is None:
             # with the other admissions of this loop pass: one write for all (FastLane.exchange)
             return list(await self._script(keys=keys, args=args, coalesce="request"))
+        orphan = None
+        if rider.orphan is not None:
+            orphan = functools.partial(self._orphaned, lim, reservation_id, est, now, list(group),
+                                       mode or self.cfg.budget_mode, rider)
         look = rider.lookup
         wal_key = rider.wal_key or keys[0]
         if look is None:
@@ -931,7 +969,7 @@ class Limits:
         else:
             keys += [wal_key, look.entry_key, look.lock_key]
             args += [rider.record, reservation_id, 1, look.token, look.wait_ms]
-        return list(await self._hot(keys=keys, args=args, coalesce="request"))
+        return list(await self._hot(keys=keys, args=args, coalesce="request", orphan=orphan))
 
     def _states(self, lim: KeyLimits, est: Estimate, res: list[Any], group: Sequence[Level],
                 mode: BudgetMode | None = None) -> list[LevelState]:

@@ -18,7 +18,8 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 from urllib.parse import unquote, urlparse, urlunsplit
@@ -43,6 +44,14 @@ except ImportError:  # pragma: no cover - hiredis is a dependency
     _hiredis_pack = None
 
 AnyRedis = Redis | RedisCluster
+
+log = logging.getLogger("thinkgate.redis")
+
+#: Told what became of a call its caller stopped waiting for (cancelled while it was out): its reply (a list of
+#: replies from :meth:`FastLane.exchange`, the script's reply from :class:`FastScript`), None when it was never sent
+#: (nothing of it ran), or the exception of an exchange that failed or was interrupted (its outcome unknown; an error
+#: reply — a ``ResponseError`` — is a call Redis refused). Called once, from the task that learns it.
+Orphan = Callable[[Any], None]
 
 
 def as_bytes(reply: bytes | str) -> bytes:
@@ -106,11 +115,12 @@ class FastLane:
         self._idle: list[AbstractConnection] = []
         self._live = 0
         # per coalescing group: the calls joined since its flush task was made, and that task
-        self._joined: dict[str, list[tuple[bytes, int, asyncio.Future[list[Any] | None]]]] = {}
+        self._joined: dict[str, list[tuple[bytes, int, asyncio.Future[list[Any] | None], Orphan | None]]] = {}
         self._flusher: dict[str, asyncio.Task[None]] = {}
         self._flushes: set[asyncio.Task[None]] = set()
 
-    async def exchange(self, packed: bytes, replies: int = 1, *, coalesce: Coalesce | None = None) -> list[Any] | None:
+    async def exchange(self, packed: bytes, replies: int = 1, *, coalesce: Coalesce | None = None,
+                       orphan: Orphan | None = None) -> list[Any] | None:
         """Send ``packed`` and read ``replies`` replies (an error reply is returned as its ``ResponseError``, the
         others as the parser gives them); None when every connection of the lane is busy.
 
@@ -131,9 +141,16 @@ class FastLane:
         client's idle ones, are dropped, so the next calls connect afresh (through the sentinels: the new master).
         Each stale connection used to fail a request of its own and reopen the breaker, for tens of seconds after
         a failover. The failed call itself is not sent again: the server may have run it before the connection
-        died (an admission twice, a cache lock waiting on itself)."""
+        died (an admission twice, a cache lock waiting on itself).
+
+        ``orphan`` (a coalesced call only): what to tell if the caller is cancelled while its call is out — the
+        coalesced exchange is sent whatever its callers do, so a cancelled caller's call may still run (a request's
+        first admission, which reserves and writes a write-ahead record). It is called once, with the replies the
+        caller would have got (when they come, or at once if they came before the cancellation took effect), None
+        if the call was never sent, or the exception of the exchange. No task and no extra future: the flush that
+        reads the replies hands them over."""
         if coalesce is not None:
-            return await self._coalesced(packed, replies, coalesce)
+            return await self._coalesced(packed, replies, coalesce, orphan)
         return await self._exchange(packed, replies)
 
     async def _exchange(self, packed: bytes, replies: int) -> list[Any] | None:
@@ -159,15 +176,24 @@ class FastLane:
         self._idle.append(conn)
         return out
 
-    async def _coalesced(self, packed: bytes, replies: int, group: Coalesce) -> list[Any] | None:
+    async def _coalesced(self, packed: bytes, replies: int, group: Coalesce,
+                         orphan: Orphan | None = None) -> list[Any] | None:
         fut: asyncio.Future[list[Any] | None] = asyncio.get_running_loop().create_future()
-        self._joined.setdefault(group, []).append((packed, replies, fut))
+        self._joined.setdefault(group, []).append((packed, replies, fut, orphan))
         if group not in self._flusher:  # its first step runs on the loop's next pass: the calls made before it join
             task = asyncio.get_running_loop().create_task(self._flush(group))
             self._flusher[group] = task
             self._flushes.add(task)
             task.add_done_callback(functools.partial(self._flush_done, group))
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # the replies came before the cancellation took effect (the flush set them, this task had not run
+            # yet): told here; a future cancelled while pending is told by the flush (_flush, _flush_done)
+            if orphan is not None and fut.done() and not fut.cancelled():
+                exc = fut.exception()
+                _tell(orphan, exc if exc is not None else fut.result())
+            raise
 
     def _flush_done(self, group: Coalesce, task: asyncio.Task[None]) -> None:
         """A flush task ended. Cancelled before its first step (a loop shutting down), it never took its calls:
@@ -175,8 +201,10 @@ class FastLane:
         self._flushes.discard(task)
         if self._flusher.get(group) is task:
             del self._flusher[group]
-            for _, _, fut in self._joined.pop(group, []):
+            for _, _, fut, orphan in self._joined.pop(group, []):
                 fut.cancel()
+                if orphan is not None:
+                    _tell(orphan, None)  # never sent
 
     async def _flush(self, group: Coalesce) -> None:
         """Send the group's joined calls as one exchange and hand each its replies (or the exchange's error, or None
@@ -185,19 +213,26 @@ class FastLane:
         del self._flusher[group]
         try:
             out = await self._exchange(b"".join(c[0] for c in calls), sum(c[1] for c in calls))
-        except asyncio.CancelledError:
-            for _, _, fut in calls:
+        except asyncio.CancelledError as exc:
+            for _, _, fut, orphan in calls:
                 fut.cancel()
+                if orphan is not None:
+                    _tell(orphan, exc)  # interrupted: sent or not, unknown
             raise
         except Exception as exc:
-            for _, _, fut in calls:
+            for _, _, fut, orphan in calls:
                 if not fut.done():
                     fut.set_exception(exc)
+                elif orphan is not None and fut.cancelled():
+                    _tell(orphan, exc)
             return
         i = 0
-        for _, n, fut in calls:
+        for _, n, fut, orphan in calls:
+            got = None if out is None else out[i:i + n]
             if not fut.done():
-                fut.set_result(None if out is None else out[i:i + n])
+                fut.set_result(got)
+            elif orphan is not None and fut.cancelled():  # its caller stopped waiting: told what it did
+                _tell(orphan, got)
             i += n
 
     async def _on(self, conn: AbstractConnection, packed: bytes, replies: int) -> list[Any]:
@@ -230,6 +265,14 @@ class FastLane:
         for conn in idle:
             with contextlib.suppress(Exception):
                 await conn.disconnect()
+
+
+def _tell(orphan: Orphan, outcome: Any) -> None:
+    """Hand a cancelled caller's outcome to its :data:`Orphan` callback; what it raises is logged, never the flush's."""
+    try:
+        orphan(outcome)
+    except Exception:
+        log.exception("the outcome of a cancelled Redis call was not handled")
 
 
 async def _send(conn: AbstractConnection, packed: bytes) -> None:
@@ -269,22 +312,60 @@ class FastScript:
         """The ``EVALSHA`` command of one call (for a pipeline of several: concatenate them)."""
         return pack(b"EVALSHA", self.sha, len(keys), *keys, *args)
 
-    async def __call__(self, keys: Sequence[Arg], args: Sequence[Arg], *, coalesce: Coalesce | None = None) -> Any:
+    async def __call__(self, keys: Sequence[Arg], args: Sequence[Arg], *, coalesce: Coalesce | None = None,
+                       orphan: Orphan | None = None) -> Any:
         """Run the script; ``coalesce``: on the lane, with the other calls of this loop pass
-        (:meth:`FastLane.exchange`)."""
-        if self.lane is not None:
+        (:meth:`FastLane.exchange`). ``orphan`` (with ``coalesce``): if the caller is cancelled, it is told once what
+        the script did (:data:`Orphan`: its reply, None when it did not run, or the exception: a ``ResponseError``
+        when Redis refused it, else unknown) — the hot path keeps its one await; only a call the lane cannot take
+        (all its connections busy) runs in a task, so that its outcome outlives the caller."""
+        lane = self.lane
+        if lane is not None:
+            told = None if orphan is None else functools.partial(_first_reply, orphan)
             for attempt in range(2):
-                got = await self.lane.exchange(self.packed(keys, args), coalesce=coalesce)
+                try:
+                    got = await lane.exchange(self.packed(keys, args), coalesce=coalesce, orphan=told)
+                except asyncio.CancelledError:
+                    if orphan is not None and coalesce is None:  # not coalesced: no one is told; it is unknown
+                        _tell(orphan, asyncio.CancelledError())
+                    raise
                 if got is None:
                     break
                 res = got[0]
                 if isinstance(res, NoScriptError) and attempt == 0:  # script cache flushed (restart, SCRIPT FLUSH)
-                    await self.client.script_load(self.script)
+                    try:
+                        await self.client.script_load(self.script)
+                    except asyncio.CancelledError:
+                        if orphan is not None:
+                            _tell(orphan, None)  # the script did not run (NOSCRIPT) and will not be sent again
+                        raise
                     continue
                 if isinstance(res, Exception):
                     raise res
                 return res
-        return await self._fallback(keys=cast(Any, keys), args=cast(Any, args))
+        calling = self._fallback(keys=cast(Any, keys), args=cast(Any, args))
+        if orphan is None:
+            return await calling
+        task = asyncio.get_running_loop().create_task(calling)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(functools.partial(_task_outcome, orphan))
+            raise
+
+
+def _first_reply(orphan: Orphan, outcome: Any) -> None:
+    """A lane's outcome (a list of replies) as one script call's: its one reply."""
+    orphan(outcome[0] if isinstance(outcome, list) else outcome)
+
+
+def _task_outcome(orphan: Orphan, task: asyncio.Task[Any]) -> None:
+    """Tell ``orphan`` what ``task`` (a script call through the client) ended with."""
+    if task.cancelled():
+        _tell(orphan, asyncio.CancelledError())
+    else:
+        exc = task.exception()
+        _tell(orphan, exc if exc is not None else task.result())
 
 
 @dataclass(frozen=True)
