@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 import redis
 
 from tests.fixtures.gateway import SECRETS, accounting_gateway, keys_config
-from tests.fixtures.upstream import GatewayServer, SimProcess, sim_tiers, wait_for
+from tests.fixtures.redis_db import read_usage_events
+from tests.fixtures.upstream import GatewayServer, SimProcess, sim_tiers
 
 QUESTION = "What is six times seven exactly?"
 AUTH = {"authorization": f"Bearer {SECRETS['alice']}", "cache-control": "no-store"}
@@ -53,16 +53,15 @@ def gw(upstream_sim: SimProcess, redis_url: str, tmp_path: Path, redis_prefix: s
 
 
 def _events(redis_url: str, prefix: str, n: int) -> list[dict[str, Any]]:
+    """The usage events once every call is settled (a third event, an attempt metered twice, would show up); alice
+    holds no reservation."""
+    events = read_usage_events(redis_url, prefix, n)
     client = redis.Redis.from_url(redis_url)
     try:
-        def read() -> list[dict[str, Any]]:
-            return [orjson.loads(f[b"e"]) for _, f in client.xrange(prefix + "usage:events")]
-        assert wait_for(lambda: len(read()) >= n, timeout_s=10), read()
-        assert wait_for(lambda: client.hlen(prefix + "wal:open") == 0, timeout_s=5)
         assert client.hgetall(prefix + "lim:alice:resv") == {}
-        return read()  # a third event (an attempt metered twice) would show up now
     finally:
         client.close()
+    return events
 
 
 def _chat(gw: GatewayServer, mode: str, at: int | None) -> tuple[httpx.Response, str, str]:
@@ -72,6 +71,9 @@ def _chat(gw: GatewayServer, mode: str, at: int | None) -> tuple[httpx.Response,
     sim: dict[str, Any] = {"fail": mode, "fail_from": 1, "tag": tag}
     if at is not None:
         sim["fail_at"] = at
+    else:  # chunks 20 ms apart: long's first content is read (and relayed) before the failure comes — all at once,
+        # content and failure are one read, nothing has reached the client, and the held answer is served instead
+        sim["chunk_delay_ms"] = 20
     body = {"model": "short", "messages": [{"role": "user", "content": QUESTION}], "stream": True,
             "stream_options": {"include_usage": True}, "sim": sim}
     with httpx.stream("POST", gw.base_url + "/chat/completions", json=body, timeout=30, headers=AUTH) as r:
