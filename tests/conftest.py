@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.fixtures.engine import *  # noqa: F403
+from tests.fixtures.paused_redis import private_redis
 from tests.fixtures.ports import port_lease
 from tests.fixtures.redis_cluster import redis_cluster, redis_sentinel, shared_redis_cluster
 from tests.fixtures.redis_db import *  # noqa: F403
@@ -20,7 +21,7 @@ from tests.fixtures.upstream import *  # noqa: F403
 from tests.fixtures.workers import ENGINE_FILES, file_of, make_scheduler
 
 # registered here, once: imported into each test module instead, the session's cluster was started once per module
-__all__ = ["port_lease", "redis_cluster", "redis_sentinel", "shared_redis_cluster"]
+__all__ = ["port_lease", "private_redis", "redis_cluster", "redis_sentinel", "shared_redis_cluster"]
 
 ENGINE_FIXTURES = frozenset({"engine", "local_engine"})
 

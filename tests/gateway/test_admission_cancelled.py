@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -22,29 +21,12 @@ from gateway.control.shadow import SHADOW_KEY
 from gateway.ledger.record import UsageRecord
 from gateway.pipeline.accounting import Accounting
 from tests.fixtures.gateway import gateway_settings
-from tests.fixtures.redis_stack import PersistentRedis, persistent_redis
+from tests.fixtures.paused_redis import held_commands, reservations
+from tests.fixtures.redis_stack import PersistentRedis
 from tests.fixtures.upstream import SimProcess
 
 PREFIX = "tgcancel:"
 PAUSE_MS = 1500
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PersistentRedis]:
-    """Pausing it touches no other test's Redis."""
-    (tmp_path / "redis").mkdir()
-    with persistent_redis(tmp_path / "redis") as server:
-        yield server
-
-
-def _held(admin: redis.Redis) -> list[str]:
-    """The commands CLIENT PAUSE is holding now (clients flagged ``b``)."""
-    return [str(c.get("cmd")) for c in admin.client_list() if "b" in str(c.get("flags", ""))]
-
-
-def _reserved(admin: redis.Redis) -> dict[str, int]:
-    """Every reservation hash under the prefix with its number of open reservations."""
-    return {k.decode(): int(admin.hlen(k)) for k in admin.scan_iter(PREFIX + "*resv")}
 
 
 @pytest.mark.parametrize("who", ["alice", SHADOW_KEY])
@@ -78,16 +60,16 @@ def test_a_call_cancelled_during_its_admission_releases_its_reservations(
             task = asyncio.create_task(acct.admit(key, body, record, [tier], budget_mode=mode))
             for _ in range(100):  # until the admission script is held by the pause (bounded: 1 s)
                 await asyncio.sleep(0.01)
-                if "evalsha" in _held(admin):
+                if "evalsha" in held_commands(admin):
                     break
-            assert "evalsha" in _held(admin)
+            assert "evalsha" in held_commands(admin)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             # the pause ends, the script runs and reserves; what the gateway does with it is then written
-            while _held(admin) and time.monotonic() - paused_at < PAUSE_MS / 1000 + 5:
+            while held_commands(admin) and time.monotonic() - paused_at < PAUSE_MS / 1000 + 5:
                 await asyncio.sleep(0.05)
-            assert not _held(admin)
+            assert not held_commands(admin)
             await asyncio.sleep(0.1)  # the script's reply reaches the gateway
             await acct.flush()
             return record
@@ -98,7 +80,7 @@ def test_a_call_cancelled_during_its_admission_releases_its_reservations(
         record = asyncio.run(go())
         # the admission ran once the pause ended (it reserved at the key, its tag and global) and is settled: no
         # reservation is left open at any level
-        assert sum(_reserved(admin).values()) == 0, _reserved(admin)
+        assert sum(reservations(admin, PREFIX).values()) == 0, reservations(admin, PREFIX)
         # settled by the usage event of the call that was never sent: status 499, nothing spent
         events = [orjson.loads(f[b"e"]) for _, f in admin.xrange(PREFIX + "usage:events")]
         mine = [e for e in events if e["event_id"] == record.request_id]

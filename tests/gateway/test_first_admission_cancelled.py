@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -25,29 +24,12 @@ from gateway.ledger.record import UsageRecord
 from gateway.pipeline import upstream_body
 from gateway.pipeline.accounting import Accounting, Ahead
 from tests.fixtures.gateway import gateway_settings
-from tests.fixtures.redis_stack import PersistentRedis, persistent_redis
+from tests.fixtures.paused_redis import held_commands, reservations
+from tests.fixtures.redis_stack import PersistentRedis
 from tests.fixtures.upstream import SimProcess
 
 PREFIX = "tgfirst:"
 PAUSE_MS = 1500
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PersistentRedis]:
-    """Pausing it touches no other test's Redis."""
-    (tmp_path / "redis").mkdir()
-    with persistent_redis(tmp_path / "redis") as server:
-        yield server
-
-
-def _held(admin: redis.Redis) -> list[str]:
-    """The commands CLIENT PAUSE is holding now (clients flagged ``b``)."""
-    return [str(c.get("cmd")) for c in admin.client_list() if "b" in str(c.get("flags", ""))]
-
-
-def _reserved(admin: redis.Redis) -> dict[str, int]:
-    """Every reservation hash under the prefix with its number of open reservations."""
-    return {k.decode(): int(admin.hlen(k)) for k in admin.scan_iter(PREFIX + "*resv")}
 
 
 @pytest.mark.parametrize("cached", [True, False], ids=["single-flight", "bypass"])
@@ -87,16 +69,16 @@ def test_a_first_call_cancelled_during_its_admission_is_settled_as_never_sent(
             task = asyncio.create_task(acct.admit(key, body, rec, [tier], ahead))
             for _ in range(100):  # until the admission script is held by the pause (bounded: 1 s)
                 await asyncio.sleep(0.01)
-                if "evalsha" in _held(admin):
+                if "evalsha" in held_commands(admin):
                     break
-            assert "evalsha" in _held(admin)
+            assert "evalsha" in held_commands(admin)
             task.cancel()  # the client went away
             with pytest.raises(asyncio.CancelledError):
                 await task
             # the pause ends, the script runs: reserves, writes the write-ahead record, takes the lock
-            while _held(admin) and time.monotonic() - paused_at < PAUSE_MS / 1000 + 5:
+            while held_commands(admin) and time.monotonic() - paused_at < PAUSE_MS / 1000 + 5:
                 await asyncio.sleep(0.05)
-            assert not _held(admin)
+            assert not held_commands(admin)
             await acct.flush()  # waits for the script's reply, then for what the gateway does with it
             return rec, acct
         finally:
@@ -106,7 +88,7 @@ def test_a_first_call_cancelled_during_its_admission_is_settled_as_never_sent(
         rec, acct = asyncio.run(go())
         left = {
             # (a) reservations open at a level (key, tag, global)
-            "reserved": {k: n for k, n in _reserved(admin).items() if n},
+            "reserved": {k: n for k, n in reservations(admin, PREFIX).items() if n},
             # (b) write-ahead records the reconciler would bill (a partial call, up to its prompt bound) once this
             # process is gone, though the call was never sent
             "write_ahead": {k.decode(): orjson.loads(v).get("bound_prompt")
