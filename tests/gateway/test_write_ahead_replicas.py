@@ -30,7 +30,7 @@ from gateway.state.keys import RedisKeys
 from gateway.state.redis import as_bytes, cluster_prefix
 from gateway.state.write_ahead import PUT_LUA, WalRecord, WriteAhead
 from tests.fixtures.redis_cluster import ClusterSet, SentinelSet
-from tests.fixtures.redis_stack import Stack, stack
+from tests.fixtures.redis_stack import PersistentRedis, Stack, stack
 from tests.fixtures.upstream import SimProcess, start_sim, wait_for
 from tests.gateway.test_write_ahead import SETTLE_TIMEOUT_S, Stream, crash_scene
 
@@ -170,10 +170,13 @@ async def _commands(url: str, prefix: str, spool: Path, run_s: float, **metering
     return seen, wal
 
 
-async def test_off_by_default_no_reassertion_no_wait(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+async def test_off_by_default_no_reassertion_no_wait(private_redis: PersistentRedis, tmp_path: Path) -> None:
     """``replica_acks`` 0: a record open for several beats costs the heartbeat and the reconcile scan, nothing more —
     no record write, no probe, no WAIT. With 1 (on this server without replicas: never acknowledged), each beat
-    adds one update script call (the record written again) and the probe + WAIT: three commands, two round trips."""
+    adds one update script call (the record written again) and the probe + WAIT: three commands, two round trips.
+    On a Redis of its own: MONITOR on the shared one streams every other test's commands into this event loop, which
+    then ran one beat in 1.1 s, not three (a CI run with 3 workers)."""
+    redis_url, redis_prefix = private_redis.url, "tgwal:"
     off, wal = await _commands(redis_url, redis_prefix + "off:", tmp_path / "off.jsonl", 1.1)
     assert wal.cfg.replica_acks == 0 and wal.reasserted == 0
     assert set(off) == {"SET wal:hb", "HSCAN wal:open"}, off  # the heartbeat and one reconcile pass
