@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.config import TierConfig
-from gateway.errors import UpstreamError
+from gateway.errors import UpstreamError, UpstreamStreamError
 from gateway.ledger.event import WireEndpoint
 from gateway.openai.chunks import StreamAssembler
 from gateway.openai.sse import Chunk, StreamTally
@@ -153,8 +153,10 @@ async def peek_stream(
     byte of the weaker tier's answer reached the client.
 
     A stream that fails before the answer is decided raises :class:`PeekBroken` (``resp`` closed): one that broke
-    or stalled, and one that sent an in-stream error event (``{"error": …}``, as vLLM and OpenAI send when the
-    generation fails after the 200 headers) — a failed call, not an answer with no finish reason.
+    or stalled, one that sent an in-stream error event (``{"error": …}``, as vLLM and OpenAI send when the
+    generation fails after the 200 headers), and one that ended while read — its connection closed normally —
+    without ``[DONE]`` (an :class:`~gateway.errors.UpstreamStreamError`, the break the relay reads in a stream that
+    ends so after its 200) — a failed call, not an answer with no finish reason.
     """
     whole = not start and (whole or "learned" in tier.escalate_on)  # the answer-aware model reads the whole answer
     head: list[list[Chunk]] = []
@@ -163,6 +165,7 @@ async def peek_stream(
     tally = StreamTally()  # the deltas read, for the attempt's usage when the upstream sends none
     logprobs: list[Any] = []
     marker = end_marker(tier)
+    ended = False
     try:
         async for batch in rest:
             head.append(batch)
@@ -182,9 +185,18 @@ async def peek_stream(
                     break
             elif not whole and _answer_started(assembler.result(), endpoint, marker):
                 break
+        else:
+            ended = True  # read to its end: not stopped at the answer (its start, an error event) first
     except Exception as exc:  # the stream broke or stalled while read: what it had sent is billed all the same
         await resp.aclose()
         raise PeekBroken(exc, _counted(tally)) from exc
+    if ended and not tally.done and not tally.upstream_error:
+        # it ended without [DONE] (nor an error event) before anything reached the client: cut short, not an
+        # answer — a broken stream, as the relay reads one after its 200
+        await resp.aclose()
+        usage = tally.usage_chunk["usage"] if tally.usage_chunk is not None else tally.last_usage
+        raise PeekBroken(UpstreamStreamError("the stream ended without [DONE]"), _counted(tally),
+                         usage=usage if isinstance(usage, dict) else None)
     if tally.upstream_error:  # the call failed after its headers, as the relay meters an error event it passes on
         await resp.aclose()
         usage = tally.usage_chunk["usage"] if tally.usage_chunk is not None else tally.last_usage

@@ -317,9 +317,10 @@ class Proxy:
         of the caller, the exchange's current one on return — with route reason ``escalated``. Streams are read
         up to the first answer token to decide (:func:`gateway.pipeline.escalation.peek_stream`), or to their end
         when the tier checks the answer's content (``abstain``/``low_confidence``); a stream that breaks or stalls
-        meanwhile, or sends an in-stream error event (``upstream_error``), is metered as the failed call it was (what
-        it sent billed, partial) and its error raised — a 502/504 for the request's first call; an escalation's call
-        (this tier was the one asked) leaves the client the answer the exchange holds (:meth:`_answer`). An
+        meanwhile, ends without ``[DONE]`` (a break), or sends an in-stream error event (``upstream_error``), is
+        metered as the failed call it was (what it sent billed, partial) and its error raised — a 502/504 for the
+        request's first call; an escalation's call (this tier was the one asked) leaves the client the answer the
+        exchange holds (:meth:`_answer`). An
         escalation's streamed call (``asked``) whose tier does not escalate in turn (no ``escalate_on``, or none above
         it) is read only up to its first content (``peek_stream``'s ``start``) and relayed from there; failing before
         it, it is metered and raised the same way. The retry is
