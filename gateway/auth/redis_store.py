@@ -5,9 +5,37 @@ unsalted SHA-256 is the right at-rest form (as for GitHub tokens) and lookups ar
 plain secret exists only in the return value of :meth:`RedisKeyStore.create` (the CLI prints it once).
 
 Records (JSON): ``keys:rec:{id}`` (authoritative, kept after revocation for audit) and a copy at
-``keys:h:{sha256}`` (the lookup path, deleted on revocation); ``keys:ids`` lists the ids. Create, update
-and revoke are single Lua scripts, so a key is never half-created, half-updated or half-revoked; ids are never
-reused.
+``keys:h:{sha256}`` (the lookup path, deleted on revocation); ``keys:ids`` lists the ids. On one server or
+Sentinel (and any prefix that is not sharded, ``RedisKeys.sharded``) create, update and revoke are single Lua
+scripts, so a key is never half-created, half-updated or half-revoked; ids are never reused.
+
+**On a Cluster (sharded prefix ``{tg:}``)** the three keys are in three slots, so that 100 keys spread over the
+masters instead of sitting on the master of ``{tg:}``: the record in the key's tenant slot
+(``{tg:<key_tenant(id)>}keys:rec:{id}``, with the key's cache and sessions), the lookup copy in a slot of the
+secret's own (``{tg:<tenant_tag("secret:" + sha256)>}keys:h:{sha256}``: a lookup is still one ``GET`` by digest
+and needs no id) and ``keys:ids`` in the shared slot. No script can span them, so each operation is ordered
+single-slot steps, each of which leaves a state the others read correctly when the process dies right after it
+(or a later step fails: Redis unreachable mid-way leaves the same states, and the caller gets :class:`RedisDown`):
+
+- **create**: ``SADD ids`` (the claim: 0 → :class:`KeyExists`; ids are never reused, so two creates of one id
+  cannot both pass it) → ``SET h`` → ``SET rec``. A crash after the claim leaves an id with no record: ``list``
+  and ``get`` skip it, ``revoke``/``update`` say unknown, and the id stays taken. A crash after ``SET h`` also
+  leaves a lookup copy whose secret was never returned, let alone printed (32 random bytes): nobody can present
+  it, so it authenticates no one. The record is written last, so a key that ``list`` shows always has its lookup
+  copy (until revoked).
+- **revoke**: ``DEL h`` first — from then on the key no longer authenticates (after ``auth.key_cache_s``) —
+  then the record is rewritten as revoked (:data:`SET_ACTIVE_LUA`, on the record's slot). A crash between
+  leaves a key that no longer authenticates but is listed as active; ``update`` refuses it (no lookup copy:
+  revoked) and a rerun of ``revoke`` finishes it (the record is active, ``DEL h`` is a no-op, the revoked
+  record is written, True). Never the other way round: a record marked revoked whose secret still works.
+- **update**: the lookup copy is rewritten only if it exists (``SET … XX``; none → the key is revoked, or
+  being revoked → ``ValueError`` as on one server), then the record only if it is not revoked
+  (:data:`SET_ACTIVE_LUA`; a revoke that came between → ``ValueError``, the copy it wrote is already deleted
+  or about to be). ``XX`` means an update never recreates the copy a revoke deleted. A crash between leaves
+  the new limits in force (the lookup copy is what requests authenticate with) and the old ones listed; a
+  rerun of the same ``update`` converges. The conditional record write is a one-key Lua script rather than
+  ``WATCH``/``MULTI``: it runs in one round trip on the record's slot, needs no retry loop under contention,
+  and works the same on redis-py's asyncio ``RedisCluster`` and on one server.
 
 Lookups are cached in-process for ``auth.key_cache_s`` seconds (revocation takes effect within that); a key
 seen before keeps working for ``auth.key_stale_s`` seconds while Redis is unreachable. Unknown digests are
@@ -60,6 +88,17 @@ UPDATE_LUA = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('SET', KEYS[2], ARGV[1])
+return 1
+"""
+
+# Sharded prefix (a Cluster) only. KEYS: 1 rec:{id}; ARGV: 1 the new record JSON. Writes it only while the stored
+# record is active. Returns 1 (written), 0 (the stored record is revoked), -1 (no record).
+SET_ACTIVE_LUA = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return -1 end
+local revoked = cjson.decode(raw)['revoked']
+if revoked ~= nil and revoked ~= cjson.null then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
 return 1
 """
 
@@ -127,6 +166,7 @@ class RedisKeyStore:
         self._create = self.redis.register_script(CREATE_LUA)
         self._revoke = self.redis.register_script(REVOKE_LUA)
         self._update = self.redis.register_script(UPDATE_LUA)
+        self._set_active = self.redis.register_script(SET_ACTIVE_LUA)
 
     async def create(self, key_id: str, *, tags: dict[str, str] | None = None,
                      budget_usd_day: Decimal | None = None, budget_usd_month: Decimal | None = None,
@@ -159,18 +199,37 @@ class RedisKeyStore:
                         list(allowed_tiers) if allowed_tiers is not None else None, on_disallowed_tier,
                         max_thinking_budget, over_cap)
         k = self.keys
+        if k.sharded:
+            await self._create_sharded(rec)
+            return secret
         ok = await self.breaker.call(lambda: self._create(
             keys=[k.key_record(key_id), k.key_by_hash(digest), k.key_ids], args=[rec.to_json(), key_id]))
         if not ok:
             raise KeyExists(f"key id {key_id!r} exists (ids are never reused)")
         return secret
 
+    async def _create_sharded(self, rec: KeyRecord) -> None:
+        """Create on a sharded prefix: claim the id, then the lookup copy, then the record (module doc)."""
+        k, raw = self.keys, rec.to_json()
+        if not int(await self.breaker.call(lambda: self.redis.sadd(k.key_ids, rec.id))):
+            raise KeyExists(f"key id {rec.id!r} exists (ids are never reused)")
+        await self.breaker.call(lambda: self.redis.set(k.key_by_hash(rec.secret_sha256), raw))
+        await self.breaker.call(lambda: self.redis.set(k.key_record(rec.id), raw))
+
     async def list(self) -> list[KeyRecord]:
         """Every key (revoked ones included), by id. Raises :class:`RedisDown`."""
         ids = sorted(as_text(m) for m in await self.breaker.call(lambda: self.redis.smembers(self.keys.key_ids)))
         if not ids:
             return []
-        raws = await self.breaker.call(lambda: self.redis.mget([self.keys.key_record(i) for i in ids]))
+        if self.keys.sharded:  # records in many slots: MGET would span slots, so one GET each, pipelined
+            async def gets() -> list[Any]:
+                pipe = self.redis.pipeline(transaction=False)
+                for i in ids:
+                    pipe.get(self.keys.key_record(i))
+                return list(await pipe.execute())
+            raws = await self.breaker.call(gets)
+        else:
+            raws = await self.breaker.call(lambda: self.redis.mget([self.keys.key_record(i) for i in ids]))
         return [KeyRecord.from_json(r) for r in raws if r is not None]
 
     async def get(self, key_id: str) -> KeyRecord | None:
@@ -188,6 +247,14 @@ class RedisKeyStore:
         if rec.revoked is not None:
             return False
         revoked = replace(rec, revoked=time.time())
+        if k.sharded:  # the lookup copy first (the key stops authenticating), then the record (module doc)
+            await self.breaker.call(lambda: self.redis.delete(k.key_by_hash(rec.secret_sha256)))
+            res = await self.breaker.call(lambda: self._set_active(keys=[k.key_record(key_id)],
+                                                                   args=[revoked.to_json()]))
+            if int(res) == -1:
+                raise KeyError(key_id)
+            self._cache.clear()
+            return int(res) == 1
         res = await self.breaker.call(lambda: self._revoke(
             keys=[k.key_record(key_id), k.key_by_hash(rec.secret_sha256)], args=[revoked.to_json()]))
         if int(res) == -1:
@@ -221,6 +288,18 @@ class RedisKeyStore:
                                   for k, v in changes.items()}
         new = replace(rec, **fields)
         k = self.keys
+        if k.sharded:  # the lookup copy if it still exists, then the record if still active (module doc)
+            raw = new.to_json()
+            copied = await self.breaker.call(lambda: self.redis.set(k.key_by_hash(rec.secret_sha256), raw, xx=True))
+            if not copied:
+                raise ValueError(f"key {key_id!r} is revoked")
+            res = await self.breaker.call(lambda: self._set_active(keys=[k.key_record(key_id)], args=[raw]))
+            self._cache.clear()
+            if int(res) == -1:
+                raise KeyError(key_id)
+            if int(res) == 0:  # revoked since it was read: that revoke deleted the copy just written
+                raise ValueError(f"key {key_id!r} is revoked")
+            return new
         ok = await self.breaker.call(lambda: self._update(
             keys=[k.key_record(key_id), k.key_by_hash(rec.secret_sha256)], args=[new.to_json()]))
         if not int(ok):

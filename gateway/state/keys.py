@@ -13,10 +13,16 @@ Every other key is **shared** and stays in the one ``{tg:}`` slot, because a scr
 with keys of other tenants or of levels above the key: admission (``limits.py`` ``ADMIT``: the key's spend,
 reservations and RPM/TPM windows with its tags' and the global level's) and metering (``metering.py``
 ``RECORD``: the key's and tier's counters, the global and tag levels, the stream and the seen-set in one
-atomic step). One slot is what keeps those scripts atomic on a cluster today; the key store's scripts
-(record + hash + id set) and the budgets hash are shared for the same reason. The per-key admission keys
+atomic step). One slot is what keeps those scripts atomic on a cluster today; the budgets hash is shared
+for the same reason. The per-key admission keys
 (``usage:key:{id}:d|m``, ``lim:{id}:*``) move under the tenant tag once admission and metering are split
 per level group (each level's keys in its own slot).
+
+Keys marked *K* are the **key store's** (``gateway/auth/redis_store.py``): on a sharded prefix a key's record
+is in its tenant's slot and the lookup copy in a slot of the secret's digest (:func:`secret_tag`), while the id
+set stays shared; the store then writes them in ordered single-slot steps (its module doc says why a crash
+between steps is harmless). On one server or Sentinel they are ``p keys:rec:{id}`` / ``p keys:h:{sha256}``,
+written together by one script as always.
 
 =====================================  ==========  ====================================================
 key                                     type        contents
@@ -53,9 +59,11 @@ key                                     type        contents
 ``p lim:{id}:tpm:{window}``             string      tokens (reserved, then settled) in a 60 s window
 ``p alert:{level}:{period}:{fraction}`` string      set once when an alert fired (SET NX); level = key id,
                                                     ``tag:k=v`` or ``global``
-``p keys:rec:{id}``                     string      API key record JSON (hash of the secret only)
-``p keys:h:{sha256}``                   string      secret hash → key id
-``p keys:ids``                          set         all key ids in the store
+``t keys:rec:{id}``  K                  string      API key record JSON (hash of the secret only); ``t`` of the
+                                                    key's own tenant tag (:func:`key_tenant`)
+``t keys:h:{sha256}``  K                string      lookup copy of the record by secret hash (deleted on revoke);
+                                                    ``t`` of :func:`secret_tag` (the digest's own slot)
+``p keys:ids``                          set         all key ids in the store (shared: create claims an id here)
 ``t resp:{scope}:{response_id}``  T     string      stored /v1/responses conversation (JSON), TTL (conversations.py)
 ``t sess:{digest}``  T                  string      sticky-routing session → tier name, TTL (pipeline/sessions.py)
 ``p rt:win``                            list        cost-target controller window: "score,tier index,t_ms", newest
@@ -93,6 +101,11 @@ def tenant_tag(scope: str) -> str:
 def key_tenant(key_id: str) -> str:
     """The tenant tag of an API key's own data (its scope ``key:<id>``; see ``cache_policy.tenant_scope``)."""
     return tenant_tag(f"key:{key_id}")
+
+
+def secret_tag(sha256: str) -> str:
+    """The tag of the slot of an API key's lookup copy (``keys:h:{sha256}``), from the secret's digest alone."""
+    return tenant_tag(f"secret:{sha256}")
 
 
 @dataclass(frozen=True)
@@ -260,13 +273,17 @@ class RedisKeys:
         return f"{self.prefix}alert:{key_id}:{period}:{fraction}"
 
     def key_record(self, key_id: str) -> str:
-        return f"{self.prefix}keys:rec:{key_id}"
+        """An API key's record: in the key's tenant slot (:func:`key_tenant`) on a sharded prefix."""
+        return f"{self.tenant(key_tenant(key_id))}keys:rec:{key_id}"
 
     def key_by_hash(self, sha256: str) -> str:
-        return f"{self.prefix}keys:h:{sha256}"
+        """The lookup copy of a key's record by the SHA-256 hex of its secret: on a sharded prefix in a slot of
+        the secret's own (:func:`secret_tag`), so a lookup needs the digest only."""
+        return f"{self.tenant(secret_tag(sha256))}keys:h:{sha256}"
 
     @property
     def key_ids(self) -> str:
+        """The set of every key id (the shared slot: ``keys create`` claims an id here)."""
         return f"{self.prefix}keys:ids"
 
     def semantic_entries(self, tenant: str) -> str:

@@ -40,6 +40,11 @@ def test_single_server_key_names_are_unchanged() -> None:
     # a prefix with its own hash tag somewhere keeps every key in that one slot (no tenant tags)
     assert not RedisKeys("{app}:tg:").sharded
     assert RedisKeys("{app}:tg:").cache_entry("d", t) == "{app}:tg:cache:d"
+    # the key store's names too (its single scripts span all three)
+    for p in ("tg:", "{app}:tg:"):
+        kp = RedisKeys(p)
+        assert (kp.key_record("alice"), kp.key_by_hash("00"), kp.key_ids) == (
+            f"{p}keys:rec:alice", f"{p}keys:h:00", f"{p}keys:ids")
 
 
 def test_cluster_tenant_keys_share_a_slot_and_shared_keys_another() -> None:
@@ -56,8 +61,14 @@ def test_cluster_tenant_keys_share_a_slot_and_shared_keys_another() -> None:
               k.key_month("bob", "2026-12"), k.reservations("alice"), k.rpm("bob", 1), k.tpm("alice", 2),
               k.level_day("tag", "team=a", "2026-12-01"), k.level_month("global", "global", "2026-12"),
               k.level_reservations("global", "global"), k.tier_total("short"), k.usage_keys, k.budget_defs,
-              k.key_record("alice"), k.key_by_hash("00"), k.key_ids]
+              k.key_ids]
     assert {_slot(x) for x in shared} == {_slot("{tg:}")}
+    # the key store: a record in its key's tenant slot, the lookup copy in a slot of the secret's digest
+    d = hashlib.sha256(b"tg-some-secret").hexdigest()
+    assert k.key_record("alice") == "{tg:" + a + "}keys:rec:alice"
+    assert k.key_by_hash(d) == "{tg:" + tenant_tag("secret:" + d) + "}keys:h:" + d
+    assert _slot(k.key_record("alice")) == _slot(k.tenant(a)) != _slot(k.key_record("bob"))
+    assert _slot(k.key_by_hash(d)) not in (_slot("{tg:}"), _slot(k.tenant(a)))
     # 1000 tenants land on many slots (a slot per tenant, up to hash collisions)
     assert len({_slot(k.tenant(key_tenant(f"t{i}"))) for i in range(1000)}) > 950
 

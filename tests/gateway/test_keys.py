@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -9,19 +11,22 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from redis.crc import key_slot
 
 from gateway.auth.keys import KeyStore
-from gateway.auth.redis_store import KeyExists, KeyStoreUnavailable, RedisKeyStore
+from gateway.auth.redis_store import KeyExists, KeyRecord, KeyStoreUnavailable, RedisKeyStore
 from gateway.config import AuthConfig
 from gateway.errors import AuthError
 from gateway.state.breaker import Breaker
+from gateway.state.keys import key_tenant, tenant_tag
 from gateway.state.redis import connect
-from tests.fixtures.redis_stack import stack
+from tests.fixtures.redis_cluster import ClusterSet
+from tests.fixtures.redis_stack import Stack, stack
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,3 +132,158 @@ def test_keys_take_the_id_as_argument_or_as_id_option(redis_url: str, redis_pref
         assert gone.returncode == 0 and "revoked" in gone.stderr, gone.stderr
     listed = {r["id"]: r for r in map(json.loads, cli("list", "--json").stdout.splitlines())}
     assert listed[pos]["rpm"] == 5 and listed[pos]["revoked"] and listed[opt]["revoked"], listed  # revoked: a time
+
+
+# --- on a real Redis Cluster: the key store's three keys in three slots, written in ordered steps ---------------
+
+
+def _slot(key: str) -> int:
+    return int(key_slot(key.encode()))
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@contextlib.asynccontextmanager
+async def _cluster_store(cluster: ClusterSet, tmp_path: Path) -> AsyncIterator[tuple[Stack, RedisKeyStore]]:
+    prefix = f"tgk{uuid.uuid4().hex[:6]}:"
+    async with stack(cluster.url, prefix, tmp_path / "s", socket_timeout_s=2.0) as st:
+        assert st.handle.kind == "cluster" and st.handle.prefix == "{" + prefix + "}"
+        yield st, RedisKeyStore(st.handle, st.breaker, cache_s=0)
+
+
+async def test_on_a_cluster_create_list_get_update_revoke_lookup(redis_cluster: ClusterSet, tmp_path: Path) -> None:
+    async with _cluster_store(redis_cluster, tmp_path) as (st, store):
+        r, k = st.handle.client, store.keys
+        secret = await store.create("team-a", tags={"team": "a"}, budget_usd_day=Decimal("1.5"), rpm=60)
+        digest = _digest(secret)
+        # the record in the key's tenant slot, the lookup copy in the digest's own, the id set shared
+        rec_key, h_key = k.key_record("team-a"), k.key_by_hash(digest)
+        assert _slot(rec_key) == _slot(k.tenant(key_tenant("team-a")))
+        assert _slot(h_key) == _slot(k.tenant(tenant_tag("secret:" + digest)))
+        assert len({_slot(rec_key), _slot(h_key), _slot(k.key_ids)}) == 3
+        assert await r.get(rec_key) == await r.get(h_key) and await r.sismember(k.key_ids, "team-a")
+        info = await store.lookup(digest)
+        assert info is not None and (info.id, info.tags, info.rpm) == ("team-a", {"team": "a"}, 60)
+        with pytest.raises(KeyExists):
+            await store.create("team-a")
+        secret_b = await store.create("team-b")
+        assert [x.id for x in await store.list()] == ["team-a", "team-b"]
+        got = await store.get("team-a")
+        assert got is not None and got.budget_usd_day == "1.5" and got.revoked is None
+        new = await store.update("team-a", rpm=5, budget_usd_day=None)
+        assert (new.rpm, new.budget_usd_day) == (5, None)
+        info = await store.lookup(digest)
+        assert info is not None and (info.rpm, info.budget_usd_day) == (5, None)
+        got = await store.get("team-a")
+        assert got is not None and got.rpm == 5
+        with pytest.raises(KeyError):
+            await store.update("nobody", rpm=1)
+        assert await store.revoke("team-a") is True
+        assert await store.revoke("team-a") is False
+        with pytest.raises(KeyError):
+            await store.revoke("nobody")
+        assert await store.lookup(digest) is None and await r.exists(h_key) == 0
+        with pytest.raises(ValueError, match="revoked"):
+            await store.update("team-a", rpm=7)
+        listed = {x.id: x for x in await store.list()}
+        assert listed["team-a"].revoked is not None and listed["team-a"].rpm == 5 and listed["team-b"].revoked is None
+        assert (await store.lookup(_digest(secret_b))) is not None
+        with pytest.raises(KeyExists):  # ids are never reused
+            await store.create("team-a")
+
+
+async def test_on_a_cluster_a_hundred_keys_spread_over_the_masters(redis_cluster: ClusterSet,
+                                                                   tmp_path: Path) -> None:
+    async with _cluster_store(redis_cluster, tmp_path) as (st, store):
+        k = store.keys
+        names = [k.key_ids]
+        for i in range(100):
+            key_id = f"tenant{i:03d}"
+            secret = await store.create(key_id)
+            names += [k.key_record(key_id), k.key_by_hash(_digest(secret))]
+        assert len(await store.list()) == 100
+        assert [await st.handle.client.exists(n) for n in names] == [1] * len(names)
+        counts = redis_cluster.slot_counts(names)
+        print(f"\nthe key store's {len(names)} keys per master: {counts}")
+        assert len(counts) == 3 and sum(counts.values()) == len(names)
+        assert max(counts.values()) <= 0.5 * len(names), counts
+
+
+async def test_on_a_cluster_each_half_done_step_is_harmless(redis_cluster: ClusterSet, tmp_path: Path) -> None:
+    """The states a crash between the ordered steps leaves (module doc of ``gateway/auth/redis_store.py``), written
+    by hand: how lookup, list, get, update, revoke and create treat each."""
+    async with _cluster_store(redis_cluster, tmp_path) as (st, store):
+        r, k = st.handle.client, store.keys
+        await store.create("whole")
+        # create, crashed after the claim: an id without a record — skipped, unknown, and taken for good
+        await r.sadd(k.key_ids, "claimed")
+        # create, crashed after the lookup copy too: a copy whose secret was never returned (nor printed)
+        never_printed = _digest("tg-never-printed")
+        half = KeyRecord("copied", never_printed, created=time.time())
+        await r.sadd(k.key_ids, "copied")
+        await r.set(k.key_by_hash(never_printed), half.to_json())
+        assert [x.id for x in await store.list()] == ["whole"]
+        for key_id in ("claimed", "copied"):
+            assert await store.get(key_id) is None
+            with pytest.raises(KeyError):
+                await store.revoke(key_id)
+            with pytest.raises(KeyError):
+                await store.update(key_id, rpm=1)
+            with pytest.raises(KeyExists):
+                await store.create(key_id)
+        assert [x.id for x in await store.list()] == ["whole"]
+
+        # revoke, crashed after deleting the lookup copy: no longer authenticates, listed active, update refuses
+        secret = await store.create("revoking")
+        digest = _digest(secret)
+        await r.delete(k.key_by_hash(digest))
+        assert await store.lookup(digest) is None
+        listed = {x.id: x for x in await store.list()}
+        assert listed["revoking"].revoked is None
+        with pytest.raises(ValueError, match="revoked"):
+            await store.update("revoking", rpm=3)
+        # ... and a rerun of revoke finishes it
+        assert await store.revoke("revoking") is True
+        got = await store.get("revoking")
+        assert got is not None and got.revoked is not None and got.rpm is None
+        assert await store.revoke("revoking") is False
+        assert await store.lookup(digest) is None and await r.exists(k.key_by_hash(digest)) == 0
+
+        # update, crashed after the lookup copy: the new limits are in force, the old ones listed; a rerun converges
+        secret = await store.create("updating", rpm=10)
+        digest = _digest(secret)
+        rec = await store.get("updating")
+        assert rec is not None
+        await r.set(k.key_by_hash(digest), dataclasses.replace(rec, rpm=20).to_json(), xx=True)
+        info = await store.lookup(digest)
+        assert info is not None and info.rpm == 20
+        got = await store.get("updating")
+        assert got is not None and got.rpm == 10
+        await store.update("updating", rpm=20)
+        got, info = await store.get("updating"), await store.lookup(digest)
+        assert got is not None and info is not None and got.rpm == info.rpm == 20
+        assert await r.get(k.key_by_hash(digest)) == await r.get(k.key_record("updating"))
+
+        # an update that lost the race to a revoke (its record step finds the record revoked) writes nothing more
+        secret = await store.create("raced", rpm=1)
+        digest = _digest(secret)
+        old = await store.get("raced")
+        assert old is not None
+        real_set = r.set
+
+        async def revoke_first(name: str, value: bytes, **kw: object) -> object:
+            done = await real_set(name, value, **kw)  # the update's lookup-copy step, then the whole revoke
+            assert await store.revoke("raced") is True
+            return done
+
+        r.set = revoke_first  # type: ignore[method-assign]
+        try:
+            with pytest.raises(ValueError, match="revoked"):
+                await store.update("raced", rpm=2)
+        finally:
+            r.set = real_set  # type: ignore[method-assign]
+        got = await store.get("raced")
+        assert got is not None and got.revoked is not None and got.rpm == 1
+        assert await store.lookup(digest) is None and await r.exists(k.key_by_hash(digest)) == 0
