@@ -697,7 +697,7 @@ async def run(args: argparse.Namespace) -> str:
         cfg = SemanticCacheConfig(enabled=True, threshold=0.0, max_chars=MAX_CHARS,
                                   max_entries_per_tenant=max(args.size_list) + 1000)
         sem = SemanticCache(handle, breaker, cfg, LexicalEmbedder())
-        keys = RedisKeys(handle.prefix)
+        keys = RedisKeys.of(handle)
         t0 = time.monotonic()
         par = await paraphrase_part(sem, keys, args.per_source, args.seed)
         for kind in NEGATIVE_KINDS:

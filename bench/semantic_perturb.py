@@ -525,7 +525,7 @@ async def run(args: argparse.Namespace) -> str:
         breaker = Breaker(1.0)
         cfg = SemanticCacheConfig(enabled=True, max_chars=MAX_CHARS, max_entries_per_tenant=max([*sizes, 0]) + 10_000)
         sem = SemanticCache(handle, breaker, cfg, LexicalEmbedder())
-        keys = RedisKeys(handle.prefix)
+        keys = RedisKeys.of(handle)
         t0 = time.monotonic()
         par = await perturb_part(sem, keys, args.per_source, args.seed)
         print(f"perturbation part: {time.monotonic() - t0:.0f} s, {par['queries']} lookups", flush=True)

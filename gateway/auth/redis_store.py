@@ -6,10 +6,11 @@ plain secret exists only in the return value of :meth:`RedisKeyStore.create` (th
 
 Records (JSON): ``keys:rec:{id}`` (authoritative, kept after revocation for audit) and a copy at
 ``keys:h:{sha256}`` (the lookup path, deleted on revocation); ``keys:ids`` lists the ids. On one server or
-Sentinel (and any prefix that is not sharded, ``RedisKeys.sharded``) create, update and revoke are single Lua
-scripts, so a key is never half-created, half-updated or half-revoked; ids are never reused.
+Sentinel, and on a Cluster with ``redis.cluster_placement: shared`` (the default), create, update and revoke are
+single Lua scripts, so a key is never half-created, half-updated or half-revoked; ids are never reused.
 
-**On a Cluster (sharded prefix ``{tg:}``)** the three keys are in three slots, so that 100 keys spread over the
+**On a Cluster with ``redis.cluster_placement: tenant``** (``RedisKeys.per_key_slots``) the three keys are in three
+slots, so that 100 keys spread over the
 masters instead of sitting on the master of ``{tg:}``: the record in the key's tenant slot
 (``{tg:<key_tenant(id)>}keys:rec:{id}``, with the key's cache and sessions), the lookup copy in a slot of the
 secret's own (``{tg:<tenant_tag("secret:" + sha256)>}keys:h:{sha256}``: a lookup is still one ``GET`` by digest
@@ -157,7 +158,7 @@ class RedisKeyStore:
                  clock: Any = time.monotonic) -> None:
         self.redis = handle.client
         self.prefix = handle.prefix
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.cache_s = cache_s
         self.stale_s = stale_s
@@ -199,7 +200,7 @@ class RedisKeyStore:
                         list(allowed_tiers) if allowed_tiers is not None else None, on_disallowed_tier,
                         max_thinking_budget, over_cap)
         k = self.keys
-        if k.sharded:
+        if k.per_key_slots:
             await self._create_sharded(rec)
             return secret
         ok = await self.breaker.call(lambda: self._create(
@@ -221,7 +222,7 @@ class RedisKeyStore:
         ids = sorted(as_text(m) for m in await self.breaker.call(lambda: self.redis.smembers(self.keys.key_ids)))
         if not ids:
             return []
-        if self.keys.sharded:  # records in many slots: MGET would span slots, so one GET each, pipelined
+        if self.keys.per_key_slots:  # records in many slots: MGET would span slots, so one GET each, pipelined
             async def gets() -> list[Any]:
                 pipe = self.redis.pipeline(transaction=False)
                 for i in ids:
@@ -247,7 +248,7 @@ class RedisKeyStore:
         if rec.revoked is not None:
             return False
         revoked = replace(rec, revoked=time.time())
-        if k.sharded:  # the lookup copy first (the key stops authenticating), then the record (module doc)
+        if k.per_key_slots:  # the lookup copy first (the key stops authenticating), then the record (module doc)
             await self.breaker.call(lambda: self.redis.delete(k.key_by_hash(rec.secret_sha256)))
             res = await self.breaker.call(lambda: self._set_active(keys=[k.key_record(key_id)],
                                                                    args=[revoked.to_json()]))
@@ -288,7 +289,7 @@ class RedisKeyStore:
                                   for k, v in changes.items()}
         new = replace(rec, **fields)
         k = self.keys
-        if k.sharded:  # the lookup copy if it still exists, then the record if still active (module doc)
+        if k.per_key_slots:  # the lookup copy if it still exists, then the record if still active (module doc)
             raw = new.to_json()
             copied = await self.breaker.call(lambda: self.redis.set(k.key_by_hash(rec.secret_sha256), raw, xx=True))
             if not copied:

@@ -136,7 +136,7 @@ def list_budgets(
         await levels.refresh(force=True)
         if levels.refused is not None:  # the gateway keeps its last copy; a listing must not show a partial one
             raise ResponseError(levels.refused)
-        keys = RedisKeys(handle.prefix)
+        keys = RedisKeys.of(handle)
         rows = []
         for level_id, (d, m, source) in sorted(levels.configured().items()):
             kind, name = parse_level(level_id)

@@ -84,6 +84,10 @@ def serve(
         "auth": loaded.auth.model_copy(update={"keys": (keys := _dev_keys(loaded)),
                                                "dev_key_only": keys is not loaded.auth.keys}),
     })
+    conflict = _placement_conflict(settings)
+    if conflict is not None:
+        typer.echo(f"thinkgate: {conflict}", err=True)
+        raise typer.Exit(2)
     # uvicorn re-raises a captured SIGTERM after its graceful shutdown; with the default handler that kills
     # the process before the ``finally`` below, orphaning the engine and the private Redis.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -112,6 +116,31 @@ def serve(
             engine.stop()
         if redis_proc is not None:
             _stop_redis(redis_proc)
+
+
+def _placement_conflict(settings: Any) -> str | None:
+    """On a Redis Cluster: data of the other ``redis.cluster_placement`` there (``gateway/state/placement.py``), or
+    None. Redis unreachable: None — the gateway starts and ``/ready`` reports it, as without the check."""
+    import asyncio
+
+    from gateway.state.placement import placement_conflict
+    from gateway.state.redis import connect
+
+    handle = connect(settings.redis)
+    if handle.kind != "cluster":
+        return None
+
+    async def check() -> str | None:
+        try:
+            return await placement_conflict(handle)
+        except Exception as exc:  # an outage, a cluster still forming: not this check's to decide
+            logging.getLogger("thinkgate").warning("could not check redis.cluster_placement against the cluster's "
+                                                   "data: %r", exc)
+            return None
+        finally:
+            await handle.close()
+
+    return asyncio.run(check())
 
 
 def _stop_redis(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse, urlsplit, urlunsplit
 
 from pydantic import Field, field_validator
@@ -74,7 +74,12 @@ class RedisConfig(_Strict):
     ``key_prefix`` is wrapped in a hash tag (``{tg:}``) unless it already has one: the keys of the admission and
     metering scripts share that slot, and tenant-owned keys (cache, conversations, sessions…) get a tag of their
     own tenant (``{tg:<tenant>}``, ``gateway/state/keys.py``); a prefix with its own hash tag keeps every key in
-    that one slot. ``socket_timeout_s`` bounds connect and every command;
+    that one slot. ``cluster_placement`` (Cluster only): ``shared`` keeps each API key's own metering and admission
+    keys (its counters, usage cubes, reservations, RPM/TPM windows) in that shared slot, with the levels above the
+    key; ``tenant`` puts them in the key's tenant slot, so admission and metering spread over the masters too
+    (the metering scripts then run per slot, ``gateway/state/metering.py``). ``tenant`` is for a new cluster: the
+    counters an existing deployment wrote under ``shared`` are not moved (``docs/metering.md``, *Redis Cluster*).
+    ``socket_timeout_s`` bounds connect and every command;
     after a failure the circuit breaker answers "down" at once for ``breaker_cooldown_s`` seconds.
     ``data_dir``: where the private ``redis-server`` that ``serve`` starts (``start_if_missing``) keeps its
     append-only file, one folder per port (``<data_dir>/6379/``), so keys, budgets and usage survive a restart.
@@ -82,6 +87,7 @@ class RedisConfig(_Strict):
 
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "tg:"
+    cluster_placement: Literal["shared", "tenant"] = "shared"
     socket_timeout_s: float = Field(0.25, gt=0)
     start_if_missing: bool = True
     data_dir: Path = STATE_DIR / "redis"

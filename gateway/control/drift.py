@@ -137,7 +137,7 @@ class DriftMonitor:
                  on_update: Callable[[dict[str, float]], None] | None = None) -> None:
         self.cfg = cfg
         self.redis = handle.client
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.alerts = alerts
         self.router_meta = router_meta  # () -> (version, score_histogram metadata or None)
@@ -271,5 +271,5 @@ class DriftMonitor:
 
 async def read_state(handle: RedisHandle, breaker: Breaker) -> dict[str, Any] | None:
     """The last published drift state (None: never computed). Raises RedisDown."""
-    raw = await breaker.call(lambda: handle.client.get(RedisKeys(handle.prefix).drift_state()))
+    raw = await breaker.call(lambda: handle.client.get(RedisKeys.of(handle).drift_state()))
     return None if raw is None else dict(orjson.loads(raw))

@@ -91,7 +91,7 @@ class OutcomeStore:
         self.cfg = cfg
         self.redis = handle.client
         self.lane = handle.lane
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.spool: Spool[Outcome] = Spool(spool_path, decode=Outcome.from_json)
         self._script = self.redis.register_script(RECORD_LUA)

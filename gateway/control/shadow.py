@@ -195,7 +195,7 @@ class Shadow:
         #: the upstream body of a shadow or judge call (the pipeline's builder, passed in by the app)
         self.build_body = build_body
         self.redis = handle.client
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.outcomes = outcomes
         self.sinks = sinks

@@ -178,7 +178,7 @@ class TargetController:
         self.top = self.n_tiers - 1
         self.initial = list(initial)
         self.redis = handle.client
-        keys = RedisKeys(handle.prefix)
+        keys = RedisKeys.of(handle)
         # this replica's batch numbers: a resent batch is applied once (module doc)
         self.batches: NumberedBatches[tuple[list[str], dict[int, list[int]]]] = NumberedBatches(
             keys.routing_seq(new_token()))

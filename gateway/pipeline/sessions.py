@@ -77,7 +77,7 @@ class Sessions:
         self.ttl_s = settings.routing.session_ttl_s
         self.tiers = {t.name: t for t in settings.tiers}
         self.redis = handle.client
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.metrics = metrics
 

@@ -100,7 +100,7 @@ class SemanticCache:
         self.breaker = breaker
         self.handle = handle
         self.redis = handle.client
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.index = SemanticIndex(handle, breaker, cfg.max_entries_per_tenant, cfg.max_candidates)
         self.outcomes: Counter[str] = Counter()
         self.embed_failures = 0

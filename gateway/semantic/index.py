@@ -159,7 +159,7 @@ class SemanticIndex:
     def __init__(self, handle: RedisHandle, breaker: Breaker, max_entries_per_tenant: int,
                  max_candidates: int = 16) -> None:
         self.redis = handle.client
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.cap = max_entries_per_tenant
         self.max_candidates = max_candidates

@@ -84,7 +84,7 @@ class Alerts:
     def __init__(self, handle: RedisHandle, breaker: Breaker, cfg: LimitsConfig,
                  http: httpx.AsyncClient | None = None) -> None:
         self.redis = handle.client
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.cfg = cfg
         self.http = http

@@ -165,7 +165,7 @@ class BudgetLevels:
     def __init__(self, handle: RedisHandle, breaker: Breaker, cfg: LimitsConfig,
                  clock: Any = time.monotonic) -> None:
         self.redis = handle.client
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.cfg = cfg
         self._clock = clock
@@ -265,7 +265,7 @@ class BudgetStore:
 
     def __init__(self, handle: RedisHandle, breaker: Breaker) -> None:
         self.redis = handle.client
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self._set = FastScript(handle, SET_LUA)
         self._remove = FastScript(handle, REMOVE_LUA)

@@ -181,7 +181,7 @@ class ResponseCache:
 
     def __init__(self, handle: RedisHandle, breaker: Breaker, cfg: CacheConfig) -> None:
         self.redis = handle.client
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.cfg = cfg
         self._begin = FastScript(handle, BEGIN_LUA)

@@ -32,7 +32,7 @@ class ConversationStore:
 
     def __init__(self, handle: RedisHandle, breaker: Breaker, ttl_s: int) -> None:
         self.redis = handle.client
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.ttl_s = ttl_s
 

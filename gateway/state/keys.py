@@ -10,19 +10,27 @@ or by scripts whose keys all belong to that tenant (the cache's BEGIN/FINISH, th
 server or Sentinel ``t`` is the plain prefix: key names there are exactly what they always were.
 
 Every other key is **shared** and stays in the one ``{tg:}`` slot, because a script touches it together
-with keys of other tenants or of levels above the key: admission (``limits.py`` ``ADMIT``: the key's spend,
-reservations and RPM/TPM windows with its tags' and the global level's) and metering (``metering.py``
-``RECORD``: the key's and tier's counters, the global and tag levels, the stream and the seen-set in one
-atomic step). One slot is what keeps those scripts atomic on a cluster today; the budgets hash is shared
-for the same reason. The per-key admission keys
-(``usage:key:{id}:d|m``, ``lim:{id}:*``) move under the tenant tag once admission and metering are split
-per level group (each level's keys in its own slot).
+with keys of other tenants or of levels above the key: the tier, tag and global levels, the stream and the
+seen-set, the write-ahead records, the budgets hash.
 
-Keys marked *K* are the **key store's** (``gateway/auth/redis_store.py``): on a sharded prefix a key's record
-is in its tenant's slot and the lookup copy in a slot of the secret's digest (:func:`secret_tag`), while the id
-set stays shared; the store then writes them in ordered single-slot steps (its module doc says why a crash
-between steps is harmless). On one server or Sentinel they are ``p keys:rec:{id}`` / ``p keys:h:{sha256}``,
-written together by one script as always.
+**Where an API key's own data lives: ``redis.cluster_placement``.** Keys marked *L* (the key's counters and
+usage cubes, its reservations and RPM/TPM windows) and *K* (the key store's record and lookup copy) start with
+``l``:
+
+- ``shared`` (the default, and the layout of every earlier version): ``l`` = ``p``, the shared slot. Admission
+  (``limits.py`` ``ADMIT``) and metering (``metering.py`` ``RECORD``) are then one atomic script each, over the
+  key's level and the levels above it; the key store writes its record, lookup copy and id set in one script. All
+  admission and metering load, and every key's data, is on the shared slot's master (a fleet of keys with little
+  cached traffic: 72% of the keys on one of three masters, ``docs/metering.md``).
+- ``tenant`` (:attr:`RedisKeys.per_key_slots`): ``l`` = the key's tenant prefix ``{tg:<key_tenant(id)>}``, except the
+  lookup copy, in a slot of the secret's digest (:func:`secret_tag`: a lookup knows only the digest). Admission then
+  runs one script per level (``limits.py`` grouped), metering three calls per event — shared part, key part, finish
+  (``metering.py`` ``RECORD_SHARED_LUA``) — and the key store ordered single-slot steps (``gateway/auth/redis_store.py``
+  says why a crash between steps is harmless). The key ids' set stays shared. For a new cluster: the data an existing
+  deployment wrote under ``shared`` stays under its old names and is not read.
+
+On one server or Sentinel ``t`` and ``l`` are the plain prefix whatever the setting: key names there are exactly what
+they always were.
 
 =====================================  ==========  ====================================================
 key                                     type        contents
@@ -32,15 +40,19 @@ key                                     type        contents
 ``p usage:events``                      stream      usage events, field ``e`` = event JSON (append-only)
 ``p usage:seen:{YYYY-MM-DD}``           set         event_ids already counted (idempotency), TTL
 ``p usage:replica:probe``               string      written before each WAIT of ``metering.replica_acks``, PX 60 s
-``p usage:key:{id}``                    hash        all-time counters of a key
-``p usage:key:{id}:d:{YYYY-MM-DD}``     hash        a key's counters for one UTC day (budgets read these; the key
+``l usage:key:{id}``  L                 hash        all-time counters of a key
+``l usage:key:{id}:d:{YYYY-MM-DD}`` L   hash        a key's counters for one UTC day (budgets read these; the key
                                                     ``_shadow``'s is the day's shadow spend, shadow.py)
-``p usage:key:{id}:m:{YYYY-MM}``        hash        a key's counters for one UTC month
+``l usage:key:{id}:m:{YYYY-MM}``  L     hash        a key's counters for one UTC month
 ``p usage:tier:{tier}``                 hash        all-time counters of a tier
 ``p usage:tier:{tier}:d:{YYYY-MM-DD}``  hash        a tier's counters for one UTC day
 ``p usage:keys``                        set         key ids that have counters
-``p usage:agg:key:{id}:d:{YYYY-MM-DD}`` hash        a key's usage cube for one UTC day: "<counter> <cell>" → sum,
+``l usage:agg:key:{id}:d:{day}``  L     hash        a key's usage cube for one UTC day: "<counter> <cell>" → sum,
                                                     cell = JSON [tier, model, {tags}] (ledger/aggregate.py), TTL
+``l usage:seen:{YYYY-MM-DD}``  L        set         (``tenant`` only) event ids counted in the key's own keys that
+                                                    day: the key part's idempotency (metering.py), TTL
+``p usage:pending``                     hash        (``tenant`` only) event id → its key part's call (JSON), from the
+                                                    shared part until the finish (metering.py)
 ``p usage:agg:d:{YYYY-MM-DD}:keys``     set         key ids with a cube that day, TTL
 ``p usage:agg:index``                   hash        ``n:{day}`` events aggregated that day; ``ok:{day}`` "1" once
                                                     the day was found complete (every counted event aggregated)
@@ -48,21 +60,20 @@ key                                     type        contents
 ``p usage:tag:{k=v}:m:{YYYY-MM}``       hash        a tag's spend for one UTC month
 ``p usage:global:d:{YYYY-MM-DD}``       hash        the whole gateway's spend for one UTC day
 ``p usage:global:m:{YYYY-MM}``          hash        the whole gateway's spend for one UTC month
-``p lim:{id}:resv``                     hash        a key's open reservations: id → "micro|tokens|exp_ms"
+``l lim:{id}:resv``  L                  hash        a key's open reservations: id → "micro|tokens|exp_ms"
 ``p budget:tag:{k=v}:resv``             hash        a tag's open reservations (same format, reservations.py)
 ``p budget:global:resv``                hash        the global level's open reservations
 ``p budgets:defs``                      hash        budgets set by the CLI: level id → JSON {usd_day, usd_month}
 ``p budget:tag:{k=v}:def``              hash        a tag's budgets as admission reads them: day, month (micro-USD,
                                                     -1 = none); written with ``budgets:defs`` (budgets.py)
 ``p budget:global:def``                 hash        the global level's budgets (same fields)
-``p lim:{id}:rpm:{window}``             string      requests admitted in a 60 s window
-``p lim:{id}:tpm:{window}``             string      tokens (reserved, then settled) in a 60 s window
+``l lim:{id}:rpm:{window}``  L          string      requests admitted in a 60 s window
+``l lim:{id}:tpm:{window}``  L          string      tokens (reserved, then settled) in a 60 s window
 ``p alert:{level}:{period}:{fraction}`` string      set once when an alert fired (SET NX); level = key id,
                                                     ``tag:k=v`` or ``global``
-``t keys:rec:{id}``  K                  string      API key record JSON (hash of the secret only); ``t`` of the
-                                                    key's own tenant tag (:func:`key_tenant`)
-``t keys:h:{sha256}``  K                string      lookup copy of the record by secret hash (deleted on revoke);
-                                                    ``t`` of :func:`secret_tag` (the digest's own slot)
+``l keys:rec:{id}``  K                  string      API key record JSON (hash of the secret only)
+``l keys:h:{sha256}``  K                string      lookup copy of the record by secret hash (deleted on revoke);
+                                                    under ``tenant`` in the slot of :func:`secret_tag`
 ``p keys:ids``                          set         all key ids in the store (shared: create claims an id here)
 ``t resp:{scope}:{response_id}``  T     string      stored /v1/responses conversation (JSON), TTL (conversations.py)
 ``t sess:{digest}``  T                  string      sticky-routing session → tier name, TTL (pipeline/sessions.py)
@@ -88,8 +99,10 @@ key                                     type        contents
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
+from typing import Protocol
 
 
 def tenant_tag(scope: str) -> str:
@@ -98,6 +111,7 @@ def tenant_tag(scope: str) -> str:
     return hashlib.sha256(scope.encode()).hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=65536)
 def key_tenant(key_id: str) -> str:
     """The tenant tag of an API key's own data (its scope ``key:<id>``; see ``cache_policy.tenant_scope``)."""
     return tenant_tag(f"key:{key_id}")
@@ -108,18 +122,46 @@ def secret_tag(sha256: str) -> str:
     return tenant_tag(f"secret:{sha256}")
 
 
+class _Handle(Protocol):
+    @property
+    def prefix(self) -> str: ...
+    @property
+    def placement(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class RedisKeys:
     """Key builder bound to a prefix. A prefix that is one whole hash tag (``{tg:}``: what ``cluster_prefix``
-    makes on a Cluster) turns on per-tenant hash tags for the tenant keys (see the module doc)."""
+    makes on a Cluster) turns on per-tenant hash tags for the tenant keys (see the module doc).
+
+    ``placement``: where a key's own metering and admission keys live on such a prefix — ``shared`` (the one
+    ``{tg:}`` slot, with the levels above the key) or ``tenant`` (the key's tenant slot, ``{tg:<key_tenant(id)>}``:
+    ``redis.cluster_placement``); ignored on an unsharded prefix (one server, Sentinel)."""
 
     prefix: str
+    placement: str = "shared"
 
-    @property
+    @classmethod
+    def of(cls, handle: _Handle) -> RedisKeys:
+        """The key builder of a connection (``gateway/state/redis.py`` ``RedisHandle``): its prefix and placement."""
+        return cls(handle.prefix, handle.placement)
+
+    @functools.cached_property
     def sharded(self) -> bool:
         """True when tenant keys get their own hash tag (a Cluster prefix ``{…}``)."""
         p = self.prefix
         return len(p) > 2 and p[0] == "{" and p[-1] == "}" and "{" not in p[1:-1] and "}" not in p[1:-1]
+
+    @functools.cached_property
+    def per_key_slots(self) -> bool:
+        """True when a key's own metering and admission keys sit in its tenant slot, away from the shared one: the
+        metering scripts then run per slot (``gateway/state/metering.py``, *Redis Cluster*) and admission per level
+        (``gateway/state/limits.py`` grouped)."""
+        return self.sharded and self.placement == "tenant"
+
+    def _kp(self, key_id: str) -> str:
+        """The prefix of key ``key_id``'s own metering and admission keys (see :attr:`per_key_slots`)."""
+        return self.tenant(key_tenant(key_id)) if self.per_key_slots else self.prefix
 
     def tenant(self, tag: str) -> str:
         """The prefix of tenant ``tag``'s keys: ``{tg:<tag>}`` on a Cluster prefix ``{tg:}`` (the tenant's own
@@ -192,14 +234,25 @@ class RedisKeys:
     def seen(self, day: str) -> str:
         return f"{self.prefix}usage:seen:{day}"
 
+    def key_seen(self, key_id: str, day: str) -> str:
+        """The event ids counted in key ``key_id``'s own keys that day (:attr:`per_key_slots` only: the key part's
+        idempotency, ``gateway/state/metering.py``)."""
+        return f"{self._kp(key_id)}usage:seen:{day}"
+
+    @property
+    def pending(self) -> str:
+        """Events whose shared part is counted and whose key part may not be yet (:attr:`per_key_slots` only): event
+        id → the key part's call (JSON), ``gateway/state/metering.py``."""
+        return f"{self.prefix}usage:pending"
+
     def key_total(self, key_id: str) -> str:
-        return f"{self.prefix}usage:key:{key_id}"
+        return f"{self._kp(key_id)}usage:key:{key_id}"
 
     def key_day(self, key_id: str, day: str) -> str:
-        return f"{self.prefix}usage:key:{key_id}:d:{day}"
+        return f"{self._kp(key_id)}usage:key:{key_id}:d:{day}"
 
     def key_month(self, key_id: str, month: str) -> str:
-        return f"{self.prefix}usage:key:{key_id}:m:{month}"
+        return f"{self._kp(key_id)}usage:key:{key_id}:m:{month}"
 
     def tier_total(self, tier: str) -> str:
         return f"{self.prefix}usage:tier:{tier}"
@@ -213,7 +266,7 @@ class RedisKeys:
 
     def agg_cube(self, key_id: str, day: str) -> str:
         """A key's usage cube for one UTC day (``gateway/ledger/aggregate.py``): ``"<counter> <cell>"`` → sum."""
-        return f"{self.prefix}usage:agg:key:{key_id}:d:{day}"
+        return f"{self._kp(key_id)}usage:agg:key:{key_id}:d:{day}"
 
     def agg_day_keys(self, day: str) -> str:
         """The key ids with a cube on one UTC day."""
@@ -231,7 +284,7 @@ class RedisKeys:
         return f"{self.prefix}usage:agg:index"
 
     def reservations(self, key_id: str) -> str:
-        return f"{self.prefix}lim:{key_id}:resv"
+        return f"{self._kp(key_id)}lim:{key_id}:resv"
 
     def level_day(self, kind: str, name: str, day: str) -> str:
         """Spend counters of a budget level (``kind``: key | tag | global) for one UTC day."""
@@ -259,10 +312,10 @@ class RedisKeys:
         return f"{self.prefix}budgets:defs"
 
     def rpm(self, key_id: str, window: int) -> str:
-        return f"{self.prefix}lim:{key_id}:rpm:{window}"
+        return f"{self._kp(key_id)}lim:{key_id}:rpm:{window}"
 
     def tpm(self, key_id: str, window: int) -> str:
-        return f"{self.prefix}lim:{key_id}:tpm:{window}"
+        return f"{self._kp(key_id)}lim:{key_id}:tpm:{window}"
 
     @property
     def alerts_log(self) -> str:
@@ -273,13 +326,13 @@ class RedisKeys:
         return f"{self.prefix}alert:{key_id}:{period}:{fraction}"
 
     def key_record(self, key_id: str) -> str:
-        """An API key's record: in the key's tenant slot (:func:`key_tenant`) on a sharded prefix."""
-        return f"{self.tenant(key_tenant(key_id))}keys:rec:{key_id}"
+        """An API key's record: in the key's tenant slot (:func:`key_tenant`) where :attr:`per_key_slots`."""
+        return f"{self._kp(key_id)}keys:rec:{key_id}"
 
     def key_by_hash(self, sha256: str) -> str:
-        """The lookup copy of a key's record by the SHA-256 hex of its secret: on a sharded prefix in a slot of
-        the secret's own (:func:`secret_tag`), so a lookup needs the digest only."""
-        return f"{self.tenant(secret_tag(sha256))}keys:h:{sha256}"
+        """The lookup copy of a key's record by the SHA-256 hex of its secret: where :attr:`per_key_slots` in a slot
+        of the secret's own (:func:`secret_tag`), so a lookup needs the digest only."""
+        return f"{self.tenant(secret_tag(sha256)) if self.per_key_slots else self.prefix}keys:h:{sha256}"
 
     @property
     def key_ids(self) -> str:

@@ -785,7 +785,7 @@ class Limits:
 
     def __init__(self, handle: RedisHandle, breaker: Breaker, cfg: LimitsConfig) -> None:
         self.redis = handle.client
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.cfg = cfg
         self.local = LocalCounters()
@@ -794,7 +794,10 @@ class Limits:
         self._renew = FastScript(handle, RENEW_LUA)
         mode = cfg.admission_script
         #: one script per level group (Redis Cluster: the levels' keys may sit in different hash slots)
-        self.grouped = mode == "grouped" or (mode == "auto" and not isinstance(self.redis, Redis))
+        # (a Cluster whose keys' own levels live in their tenant slots, ``RedisKeys.per_key_slots``: grouped whatever
+        # the mode — a single script there would span slots)
+        self.grouped = (mode == "grouped" or (mode == "auto" and not isinstance(self.redis, Redis))
+                        or self.keys.per_key_slots)
         #: one script call for the whole hot path (admission + write-ahead record + cache lookup, ``HOT_LUA``): a
         #: single Redis (standalone or Sentinel: every key on one server). On Cluster the cache entry lives in
         #: its tenant's slot, away from the shared ``{tg:}`` one: per-slot calls there (even with ``single``).

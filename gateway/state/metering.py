@@ -46,9 +46,11 @@ it was cannot be told any more. They go to the quarantine file (``<spool stem>.q
 write cannot even be built (:meth:`Meter._malformed`) and spool lines no event can be read from. The dead-letter
 retry backs off (:meth:`Meter.run_dead_letters`) while it counts none.
 
-Redis Cluster: the script touches several keys, so all its keys share one hash slot (the prefix is a hash tag,
-see ``gateway/state/redis.py``) — the cubes too, although they are per key: they must be written in the step that
-counts the event (the day's seen-set, shared by every key), and a script cannot span slots.
+Redis Cluster: a script may only touch keys of one hash slot. Under ``redis.cluster_placement: shared`` (the
+default) every key of these scripts shares the one slot of the prefix's hash tag (``gateway/state/redis.py``) —
+the cubes too, although they are per key. Under ``tenant`` a key's own counters, cube, reservation and TPM window
+are in its tenant slot (``RedisKeys.per_key_slots``) and each event is written in three calls, each all or nothing:
+the shared part, the key part, the finish (``RECORD_SHARED_LUA`` says how a crash between them is completed, once).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+import orjson
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, OutOfMemoryError, ReadOnlyError, ResponseError
 
@@ -104,6 +107,7 @@ MONTH_TTL_S = 800 * 86400
 TPM_TTL_MS = 120_000
 UNROUTED = "_unrouted"  # tier label of requests refused before routing
 REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
+CLUSTER_WRITERS = 16  # events of a batch written at once on a Redis Cluster (Meter.record_many)
 PROBE_TTL_MS = 60_000  # the replica-acknowledgement probe key (Meter.replica_acks): rewritten on every check
 ACK_BACKOFF_S = 1.0  # after too few replica acknowledgements, batches skip the WAIT this long (Meter._acked)
 DEAD_LETTER_PROBE = 50  # dead letters sent first on a retry: all refused, the rest waits for the next one
@@ -353,6 +357,203 @@ RELEASE_LUA = LUA_FUNCTIONS + WRITE_AUDIT + SETTLE_LUA + all_or_nothing("""funct
   return 1
 end""")
 
+# --- Redis Cluster with each key's own levels in its tenant slot (``RedisKeys.per_key_slots``) -----------------------
+# RECORD, AUDIT and RELEASE each touch a key's own keys (its counters, cube, reservations and TPM window: the key's
+# tenant slot) and the shared ones (the stream, the seen-set, the tier, tag and global levels, the write-ahead record:
+# the shared slot); a script cannot span slots, so there each runs as three calls (Meter._run_split), each all or
+# nothing on its own:
+#   1. SHARED (the shared slot): the write-ahead claim of an orphan; the levels above the key settled; once by event id
+#      (the shared seen-set): the stream, the tier and level counters, the cube index and day key set — and the key
+#      part's call (its KEYS and ARGV, JSON) stored under the event id in ``usage:pending``. Answers that pending call
+#      whoever stored it: a retry, a replay or a second reconciler completes the *first* writer's key part, so the key's
+#      counters always count the amounts the stream holds.
+#   2. KEY (the tenant slot): the key's reservation settled and its TPM window corrected; once by event id (the key's
+#      own seen-set, ``RedisKeys.key_seen``): the key's counters and cube.
+#   3. FINISH (the shared slot): the write-ahead record deleted, then the pending call.
+# A crash (or an outage) between 1 and 3 leaves the pending call and, for an upstream call, the write-ahead record: the
+# event's spool replay, the orphan reconciler, or the sweep of pending calls older than PENDING_SWEEP_S
+# (Meter.finish_pending, run by the replayer) completes it; 2 counts once whoever runs it. Meanwhile the key's counters
+# lag the stream by that one event (its budget reads a few ms behind; after a crash, until the sweep), never ahead.
+
+# KEYS: 1 the key's seen-set of the day, 2 key total, 3 key day, 4 key month, 5 the key's reservation hash, 6 the key's
+#       TPM counter of the event's minute, 7 the key's cube of the day
+# ARGV: 1 event id, 2 reservation id ('' none), 3 TPM: 'd' correct by (tokens - reserved), 'b' take the reserved
+#       tokens back (a call never sent), '' none; 4 upstream tokens, 5 TPM TTL ms, 6 seen TTL s, 7 day TTL s,
+#       8 month TTL s, 9 the cube cell, 10 'k' (counters and cube) or 'c' (cube only: an audit event), 11.. field /
+#       increment pairs (a field of CUBE_ONLY: the cube's only). Returns {counted (1/0), key day cost, key month cost}.
+RECORD_KEY_LUA = LUA_FUNCTIONS + UNDO_LUA + SETTLE_LUA + """
+local CUBE_ONLY = {""" + ", ".join(f"{f} = true" for f in CUBE_ONLY_FIELDS) + """}
+local function record_key()
+  local tpm_zero = false  -- the TPM window brought to 0: deleted last (below)
+  if ARGV[2] ~= '' then
+    local reserved = settle(KEYS[5], ARGV[2])
+    if reserved and reserved > 0 and ARGV[3] ~= '' and redis.call('EXISTS', KEYS[6]) == 1 then
+      local delta = -reserved
+      if ARGV[3] == 'd' then delta = tonumber(ARGV[4]) - reserved end
+      if delta ~= 0 then
+        tpm_zero = incrby(KEYS[6], delta) == 0
+        redis.call('PEXPIRE', KEYS[6], ARGV[5])
+      end
+    end
+  end
+  local counted = 0
+  if sadd(KEYS[1], ARGV[1]) == 1 then
+    counted = 1
+    redis.call('EXPIRE', KEYS[1], ARGV[6])
+    at_cmd = 'A'
+    local cell, all = ' ' .. ARGV[9], ARGV[10] == 'k'
+    for i = 11, #ARGV, 2 do
+      local n = ARGV[i + 1]
+      if n ~= '0' then
+        local f = ARGV[i]
+        if all and not CUBE_ONLY[f] then
+          for k = 2, 4 do
+            redis.call('HINCRBY', KEYS[k], f, n)
+            na = na + 1
+          end
+        end
+        redis.call('HINCRBY', KEYS[7], f .. cell, n)
+        na = na + 1
+      end
+    end
+    redis.call('EXPIRE', KEYS[7], ARGV[7])
+    if all then
+      redis.call('EXPIRE', KEYS[3], ARGV[7])
+      redis.call('EXPIRE', KEYS[4], ARGV[8])
+    end
+  end
+  at_cmd, at_key = 'HGET', KEYS[3]
+  local d = tonumber(redis.call('HGET', KEYS[3], 'cost_micro_usd') or '0')
+  at_key = KEYS[4]
+  local m = tonumber(redis.call('HGET', KEYS[4], 'cost_micro_usd') or '0')
+  del_zero(tpm_zero, KEYS[6])
+  return {counted, d, m}
+end
+""" + all_or_nothing("record_key", """
+local a, cell, all = {}, ' ' .. ARGV[9], ARGV[10] == 'k'
+for i = 11, #ARGV, 2 do
+  if ARGV[i + 1] ~= '0' then
+    if all and not CUBE_ONLY[ARGV[i]] then
+      for k = 2, 4 do a[#a + 1] = {KEYS[k], ARGV[i], ARGV[i + 1]} end
+    end
+    a[#a + 1] = {KEYS[7], ARGV[i] .. cell, ARGV[i + 1]}
+  end
+end
+if at_cmd == 'A' then at_cmd, at_key = 'HINCRBY', (a[na + 1] or {'?'})[1] end
+for i = 1, na do unincr(a[i][1], a[i][2], a[i][3]) end
+""")
+
+# KEYS: 1 seen-set, 2 stream, 3 tier total, 4 tier day, 5 usage:keys, 6 global day, 7 global month, 8 global
+#       reservations, 9 the cube index, 10 the day's cube key set, 11 the late index, 12 usage:pending, then per tag
+#       j (0-based): 13+3j day, 14+3j month, 15+3j reservations; then, optional: 13+3n the write-ahead hash (its
+#       record claimed: an orphan), 14+3n the owner's heartbeat
+# ARGV: 1 event id, 2 event JSON, 3 seen TTL s, 4 day TTL s, 5 month TTL s, 6 stream maxlen (0 = none), 7 key id,
+#       8 cost micro-USD, 9 number of tags, 10 UTC day, 11 the event's ts (ms), 12 metering.late_after_s (ms),
+#       13 the key part's call (JSON, stored in usage:pending), 14 'r' (a usage event), 'a' (an audit event: no
+#       counter, no level) or 'x' (a dead process's unsent call released: its levels' reservations, an audit event),
+#       15 the request id (reservations, the write-ahead record), 16.. counter field / increment pairs ('r')
+# Returns {-1} when the claim fails (the record settled, or its owner alive), else {counted (1/0), the pending key
+# part ('' when none is pending: done, or never split), global day cost, global month cost, tag day, tag month, …}.
+RECORD_SHARED_LUA = LUA_FUNCTIONS + NOTE_LATE + SETTLE_LUA + """
+local CUBE_ONLY = {""" + ", ".join(f"{f} = true" for f in CUBE_ONLY_FIELDS) + """}
+local function shared()
+  local ntags, mode, rid = tonumber(ARGV[9]), ARGV[14], ARGV[15]
+  local wal, owner_hb = KEYS[13 + 3 * ntags], KEYS[14 + 3 * ntags]
+  if owner_hb then
+    at_cmd, at_key = 'HEXISTS', wal
+    if redis.call('HEXISTS', wal, rid) == 0 or redis.call('EXISTS', owner_hb) == 1 then return {-1} end
+  end
+  if mode ~= 'a' then
+    settle(KEYS[8], rid)
+    for j = 0, ntags - 1 do settle(KEYS[15 + 3 * j], rid) end
+  end
+  local counted = 0
+  if sadd(KEYS[1], ARGV[1]) == 1 then
+    counted = 1
+    redis.call('EXPIRE', KEYS[1], ARGV[3])
+    local id = append_event(KEYS[2], ARGV[6], ARGV[2])
+    note_late(KEYS[9], KEYS[11], id, ARGV[11], ARGV[12], ARGV[4])
+    if mode == 'r' then
+      at_cmd = 'A'
+      for i = 16, #ARGV, 2 do
+        local n = ARGV[i + 1]
+        if n ~= '0' and not CUBE_ONLY[ARGV[i]] then
+          for k = 3, 4 do
+            redis.call('HINCRBY', KEYS[k], ARGV[i], n)
+            na = na + 1
+          end
+        end
+      end
+      redis.call('EXPIRE', KEYS[4], ARGV[4])
+      sadd(KEYS[5], ARGV[7])
+      at_cmd = 'B'
+      local lv = {6}
+      for j = 0, ntags - 1 do lv[#lv + 1] = 13 + 3 * j end
+      for _, d in ipairs(lv) do
+        redis.call('HINCRBY', KEYS[d], 'cost_micro_usd', ARGV[8])
+        nb = nb + 1
+        redis.call('HINCRBY', KEYS[d], 'requests', 1)
+        nb = nb + 1
+        redis.call('HINCRBY', KEYS[d + 1], 'cost_micro_usd', ARGV[8])
+        nb = nb + 1
+        redis.call('HINCRBY', KEYS[d + 1], 'requests', 1)
+        nb = nb + 1
+        redis.call('EXPIRE', KEYS[d], ARGV[4])
+        redis.call('EXPIRE', KEYS[d + 1], ARGV[5])
+      end
+    end
+    hincr(KEYS[9], 'n:' .. ARGV[10], 1)
+    if sadd(KEYS[10], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[10], ARGV[4]) end
+    hset(KEYS[12], ARGV[1], ARGV[13])
+  end
+  at_cmd, at_key = 'HGET', KEYS[12]
+  local out = {counted, redis.call('HGET', KEYS[12], ARGV[1]) or ''}
+  if mode == 'r' then
+    local function cost(k)
+      at_cmd, at_key = 'HGET', KEYS[k]
+      return tonumber(redis.call('HGET', KEYS[k], 'cost_micro_usd') or '0')
+    end
+    out[3], out[4] = cost(6), cost(7)
+    for j = 0, ntags - 1 do
+      out[#out + 1] = cost(13 + 3 * j)
+      out[#out + 1] = cost(14 + 3 * j)
+    end
+  end
+  return out
+end
+""" + all_or_nothing("shared", """
+local a, b = {}, {}
+for i = 16, #ARGV, 2 do
+  if ARGV[i + 1] ~= '0' and not CUBE_ONLY[ARGV[i]] then
+    for k = 3, 4 do a[#a + 1] = {KEYS[k], ARGV[i], ARGV[i + 1]} end
+  end
+end
+local lv = {6}
+for j = 0, tonumber(ARGV[9]) - 1 do lv[#lv + 1] = 13 + 3 * j end
+for _, d in ipairs(lv) do
+  b[#b + 1] = {KEYS[d], 'cost_micro_usd', ARGV[8]}
+  b[#b + 1] = {KEYS[d], 'requests', 1}
+  b[#b + 1] = {KEYS[d + 1], 'cost_micro_usd', ARGV[8]}
+  b[#b + 1] = {KEYS[d + 1], 'requests', 1}
+end
+if at_cmd == 'A' then at_cmd, at_key = 'HINCRBY', (a[na + 1] or {'?'})[1] end
+if at_cmd == 'B' then at_cmd, at_key = 'HINCRBY', (b[nb + 1] or {'?'})[1] end
+for i = 1, na do unincr(a[i][1], a[i][2], a[i][3]) end
+for i = 1, nb do unincr(b[i][1], b[i][2], b[i][3]) end
+""")
+
+# KEYS: 1 usage:pending, 2 (optional) the write-ahead hash; ARGV: 1 event id, 2 request id. The write-ahead record
+# first (a failure there leaves both, and the next try does both), then the pending call. Returns 1.
+FINISH_LUA = """
+if KEYS[2] then redis.call('HDEL', KEYS[2], ARGV[2]) end
+redis.call('HDEL', KEYS[1], ARGV[1])
+return 1
+"""
+#: a pending key part older than this (seconds) is completed by Meter.finish_pending: its writer died, or lost Redis,
+#: between the shared part and the end
+PENDING_SWEEP_S = 30.0
+PENDING_SWEEP_MAX = 500  # pending calls one sweep completes at most
+
 # A day's cubes rebuilt from the stream (``thinkgate usage backfill``), only if the script aggregated no event of
 # that day since the rebuild read the index (n:{day} unchanged): else it is left for the next run.
 # All or nothing without an undo log (``gateway/state/undo.py``): no command after its first write can fail. Its first
@@ -376,6 +577,28 @@ for i = 7 + nk, #ARGV, 3 do
   redis.call('EXPIRE', key, ARGV[4])
 end
 if nk > 0 then redis.call('EXPIRE', KEYS[2], ARGV[4]) end
+redis.call('HSET', KEYS[1], 'n:' .. ARGV[1], ARGV[3])
+if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'ok:' .. ARGV[1], '1') end
+return 1
+"""
+
+# Backfill where the cubes are in their keys' tenant slots (Meter._backfill_split): one cube rewritten (KEYS: 1 the
+# cube; ARGV: 1 day TTL s, then field / value pairs; DEL first, so a key of the wrong type there is rebuilt) …
+CUBE_REWRITE_LUA = """
+redis.call('DEL', KEYS[1])
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if #ARGV > 1 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+return 1
+"""
+# … and, last, the day's index and key set, only if n:{day} is what it was when the rebuild read it (as BACKFILL_LUA):
+# KEYS: 1 the cube index, 2 the day's cube key set; ARGV: 1 day, 2 n:{day} read before the stream was, 3 events of
+# the day in the stream, 4 day TTL s, 5 "1" to mark the day ok, 6.. the key ids with a cube that day.
+INDEX_REWRITE_LUA = """
+local n0 = redis.call('HGET', KEYS[1], 'n:' .. ARGV[1]) or '0'
+if n0 ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[2])
+for i = 6, #ARGV do redis.call('SADD', KEYS[2], ARGV[i]) end
+if #ARGV >= 6 then redis.call('EXPIRE', KEYS[2], ARGV[4]) end
 redis.call('HSET', KEYS[1], 'n:' .. ARGV[1], ARGV[3])
 if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'ok:' .. ARGV[1], '1') end
 return 1
@@ -407,7 +630,9 @@ class RecordResult:
         levels = {"global": (int(reply[3]), int(reply[4]))}
         for j, (k, v) in enumerate(sorted(event.tags.items())):
             levels[f"tag:{k}={v}"] = (int(reply[5 + 2 * j]), int(reply[6 + 2 * j]))
-        return cls("redis", bool(reply[0]), int(reply[1]), int(reply[2]), levels)
+        # None: a key part another writer completed (Redis Cluster, Meter._run_split): the key's spend not read
+        day, month = (None, None) if reply[1] is None else (int(reply[1]), int(reply[2]))
+        return cls("redis", bool(reply[0]), day, month, levels)
 
 
 class Meter:
@@ -415,13 +640,21 @@ class Meter:
 
     def __init__(self, handle: RedisHandle, breaker: Breaker, spool: Spool[UsageEvent], cfg: MeteringConfig) -> None:
         self.redis = handle.client
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.spool = spool
         self.cfg = cfg
         self._script = FastScript(handle, RECORD_LUA)
         self._audit = FastScript(handle, AUDIT_LUA)
         self._release = FastScript(handle, RELEASE_LUA)
+        #: Redis Cluster with each key's own levels in its tenant slot: RECORD, AUDIT and RELEASE as three calls
+        #: (``RECORD_SHARED_LUA``, ``RECORD_KEY_LUA``, ``FINISH_LUA``; see there)
+        self.split = self.keys.per_key_slots
+        self._shared = FastScript(handle, RECORD_SHARED_LUA)
+        self._key_part = FastScript(handle, RECORD_KEY_LUA)
+        self._finish = FastScript(handle, FINISH_LUA)
+        self._cube_rewrite = FastScript(handle, CUBE_REWRITE_LUA)
+        self._index_rewrite = FastScript(handle, INDEX_REWRITE_LUA)
         self._lane = handle.lane
         self.spooled = 0  # events written to the spool by this process (for metrics)
         #: what a replay must neither count nor drop (:meth:`_fresh`, :meth:`write_error`, a line no event can be read
@@ -479,8 +712,14 @@ class Meter:
         (or the usage spool, for a Redis that cannot write now: :data:`TRANSIENT_REPLIES`); the other events of the
         batch stay counted. Raises like :meth:`record`.
         """
-        if len(events) <= 1 or not isinstance(self.redis, Redis):  # Redis Cluster: one by one
+        if len(events) <= 1:
             results = [await self._record_one(e) for e in events]
+        elif not isinstance(self.redis, Redis):
+            # Redis Cluster: no pipeline of scripts across slots — each event's calls on their own, CLUSTER_WRITERS
+            # events at a time (independent: each is counted once by its id whatever the order)
+            results = []
+            for i in range(0, len(events), CLUSTER_WRITERS):
+                results += await asyncio.gather(*(self._record_one(e) for e in events[i:i + CLUSTER_WRITERS]))
         else:
             results = await self._record_many(events)
         return await self._acked(events, results)
@@ -634,9 +873,104 @@ class Meter:
             parts.append((self._audit if event.audit else self._script).packed(keys, args))
         return await self._lane.exchange(b"".join(parts), len(events), coalesce="background")
 
-    async def _run(self, event: UsageEvent) -> list[int]:
+    async def _run(self, event: UsageEvent) -> list[Any]:
+        if self.split:
+            return await self._run_split(event)
         keys, args = self._keys_args(event)  # off the request path: with the cache's stores of the same pass
         return await (self._audit if event.audit else self._script)(keys=keys, args=args, coalesce="background")
+
+    async def _run_split(self, event: UsageEvent, owner_heartbeat: str | None = None,
+                         release: str | None = None) -> list[Any]:
+        """RECORD (AUDIT for an audit event; RELEASE with ``release``, the request id of an unsent call) as its three
+        calls on a Cluster whose keys' own levels are in their tenant slots (``RECORD_SHARED_LUA``, above). Answers
+        RECORD's reply (the key's costs None when another writer completed its key part), or ``[-1]`` when the
+        claim of ``owner_heartbeat``'s record failed. Raises what a call raises: the calls before it stay done and
+        the next try (a replay, the reconciler, :meth:`finish_pending`) completes the rest."""
+        k = self.keys
+        day, rid = event.day, release or event.event_id
+        mode = "x" if release else ("a" if event.audit else "r")
+        tags = [] if event.audit and not release else sorted(event.tags.items())
+        wal = k.write_ahead if (self._wal_key is not None or owner_heartbeat is not None) and mode != "a" else None
+        ts_ms, late_ms = int(event.ts * 1000), int(self.cfg.late_after_s * 1000)
+        # the key part's call: stored as it is sent (the sweep and a second writer send exactly this)
+        part_keys = [k.key_seen(event.key_id, day), k.key_total(event.key_id), k.key_day(event.key_id, day),
+                     k.key_month(event.key_id, event.month), k.reservations(event.key_id),
+                     k.tpm(event.key_id, event.minute), k.agg_cube(event.key_id, day)]
+        pairs: list[str | int] = []
+        if mode == "r":
+            for name, value in counter_increments(event).items():
+                pairs += [name, value]
+            for name, value in cube_only_increments(event).items():
+                pairs += [name, value]
+        else:
+            pairs = ["refused", 1]
+        part_args: list[str | int] = [event.event_id, "" if mode == "a" else rid,
+                                      {"r": "d", "x": "b"}.get(mode, ""), event.upstream_tokens, TPM_TTL_MS,
+                                      self.cfg.dedup_ttl_s, DAY_TTL_S, MONTH_TTL_S, cell_of(event),
+                                      "k" if mode == "r" else "c", *pairs]
+        pending = orjson.dumps({"k": part_keys, "a": part_args, "t": int(time.time() * 1000), "r": rid,
+                                "w": wal or "", "d": day})
+        keys = [k.seen(day), k.events, k.tier_total(event.tier or UNROUTED), k.tier_day(event.tier or UNROUTED, day),
+                k.usage_keys, k.level_day("global", "global", day), k.level_month("global", "global", event.month),
+                k.level_reservations("global", "global"), k.agg_index, k.agg_day_keys(day), k.late_events, k.pending]
+        for tag_name, tag_value in tags:
+            tag = f"{tag_name}={tag_value}"
+            keys += [k.level_day("tag", tag, day), k.level_month("tag", tag, event.month),
+                     k.level_reservations("tag", tag)]
+        if owner_heartbeat is not None:
+            keys += [k.write_ahead, owner_heartbeat]
+        args: list[str | bytes | int] = [
+            event.event_id, event.to_json(), self.cfg.dedup_ttl_s, DAY_TTL_S, MONTH_TTL_S,
+            self.cfg.stream_maxlen or 0, event.key_id, 0 if mode != "r" else event.cost_micro_usd, len(tags), day,
+            ts_ms, late_ms, pending, mode, rid]
+        if mode == "r":
+            for name, value in counter_increments(event).items():
+                args += [name, value]
+        reply = list(await self._shared(keys=keys, args=args, coalesce="background"))
+        if int(reply[0]) == -1:
+            return [-1]
+        key_costs: list[Any] = [None, None]
+        stored = as_bytes(reply[1]) if reply[1] else b""
+        if stored:
+            key_costs = (await self._complete(stored))[1:]
+        return [int(reply[0]), *key_costs, *reply[2:]]
+
+    async def _complete(self, stored: bytes) -> list[int]:
+        """Run a pending key part (``stored``: its JSON in ``usage:pending``) and finish it: its write-ahead record and
+        the pending entry deleted. Answers the key part's reply ``[counted, key day cost, key month cost]``."""
+        call = orjson.loads(stored)
+        reply = list(await self._key_part(keys=call["k"], args=call["a"], coalesce="background"))
+        finish_keys = [self.keys.pending, *([call["w"]] if call["w"] else [])]
+        await self._finish(keys=finish_keys, args=[call["a"][0], call["r"]], coalesce="background")
+        return [int(x) for x in reply]
+
+    async def finish_pending(self, now: float | None = None) -> int:
+        """Complete the key parts left pending longer than :data:`PENDING_SWEEP_S` (their writer died or lost Redis
+        between the calls of :meth:`_run_split`; at most :data:`PENDING_SWEEP_MAX` a pass). Only where
+        :attr:`split`; run by :meth:`run_replayer`. Returns how many it completed. Raises :class:`RedisDown`, or the
+        ``ResponseError`` of a key part Redis refused (the others of the pass are done first)."""
+        if not self.split:
+            return 0
+        now_ms = int((time.time() if now is None else now) * 1000)
+        cursor, done, refused = 0, 0, None
+        while done < PENDING_SWEEP_MAX:
+            cursor, entries = await self.breaker.call(
+                functools.partial(self.redis.hscan, self.keys.pending, cursor, count=200))
+            for raw in (entries.values() if isinstance(entries, dict) else entries[1::2]):
+                if done >= PENDING_SWEEP_MAX:
+                    break
+                if int(orjson.loads(raw).get("t", 0)) > now_ms - PENDING_SWEEP_S * 1000:
+                    continue
+                try:
+                    await self.breaker.call(functools.partial(self._complete, as_bytes(raw)))
+                    done += 1
+                except ResponseError as exc:
+                    refused = refused or exc
+            if not cursor:
+                break
+        if refused is not None:
+            raise refused
+        return done
 
     async def record_direct(self, event: UsageEvent) -> RecordResult:
         """Count ``event`` once through the metering script (``RECORD``; ``AUDIT`` for an audit event) — the writer's
@@ -652,6 +986,11 @@ class Meter:
         open and its owner's heartbeat key ``owner_heartbeat`` still absent, atomically with deleting the record
         (the claim: two replicas reconciling at once count it once; a request settled normally is never counted
         again). Never spooled: the record stays in Redis for the next pass. Raises :class:`RedisDown`."""
+        if self.split:
+            reply = await self.breaker.call(functools.partial(self._run_split, event, owner_heartbeat))
+            if reply == [-1]:  # not claimed: as RECORD's {0, 0, …}
+                reply = [0, 0, 0, 0, 0, *([0, 0] * len(event.tags))]
+            return RecordResult.of_reply(event, reply)
         keys, args = self._keys_args(event)
         if self._wal_key is None:  # write-ahead off here: the record may still be one another replica wrote
             keys.append(self.keys.write_ahead)
@@ -665,6 +1004,10 @@ class Meter:
         (``audit``; ``request_id`` the request's, ``event_id`` its own) — in the stream and the cube like any audit
         event, nothing counted (``RELEASE_LUA``). True when this call released it. Raises :class:`RedisDown`."""
         assert event.audit and event.event_id != event.request_id  # the request's own id must stay free
+        if self.split:
+            reply = await self.breaker.call(functools.partial(self._run_split, event, owner_heartbeat,
+                                                              event.request_id))
+            return reply != [-1]
         k = self.keys
         audit_keys, audit_args = self._keys_args(event)
         # RELEASE_LUA numbers its KEYS and ARGV after AUDIT's: a change of that layout must change it too
@@ -842,6 +1185,15 @@ class Meter:
         then that file is sent — only when the replicas answer now: while they do not, it is neither read nor
         sent."""
         sent = await self.spool.replay(self._record_batch, "usage")
+        if self.split:
+            try:
+                if n := await self.finish_pending():
+                    log.warning("completed %d usage event(s) whose writer stopped between the shared and the key "
+                                "part (Redis Cluster, usage:pending)", n)
+            except RedisDown:
+                return sent
+            except ResponseError as exc:
+                log.error("a pending key part was refused by Redis (kept, tried again next pass): %s", exc)
         if (self.cfg.replica_acks and self.unacked.pending_bytes()
                 and await self.replica_acks() >= self.cfg.replica_acks):
             sent += await self.unacked.replay(self._record_unacked, "unreplicated usage")
@@ -1251,9 +1603,33 @@ class Meter:
             for j, i in enumerate(ids, start=1):
                 for field_name, value in cubes[i].items():
                     args += [j, field_name, value]
-            done = await self.breaker.call(functools.partial(script, keys=keys, args=args))
+            if self.split:
+                done = await self._backfill_split(d, n0, len(by_day[d]), ids, stale, cubes, day_start(d) + DAY_S < now)
+            else:
+                done = await self.breaker.call(functools.partial(script, keys=keys, args=args))
             out["rebuilt" if done else "skipped"] += 1
         return out
+
+    async def _backfill_split(self, day: str, n0: str, n_events: int, ids: list[str], stale: list[str],
+                              cubes: dict[str, dict[str, int]], over: bool) -> bool:
+        """:meth:`backfill`'s step for one day where the cubes are in their keys' tenant slots (:attr:`split`): no
+        script spans them, so each cube is rewritten on its own (``CUBE_REWRITE_LUA``), then the index and the day's
+        key set in one step that, like ``BACKFILL_LUA``, takes effect only if no event of the day was aggregated since
+        ``n0`` was read (``INDEX_REWRITE_LUA``); else the day stays answered from the stream until the next run. A day
+        with a key part still pending is skipped before any write: that event is in the stream read, and its key part
+        would add it to the rewritten cube a second time."""
+        k = self.keys
+        pending = await self.breaker.call(lambda: self.redis.hgetall(k.pending))
+        if any(orjson.loads(v).get("d") == day for v in pending.values()):
+            return False
+        for key_id in [*ids, *stale]:
+            flat: list[str | int] = [DAY_TTL_S]
+            for field_name, value in cubes.get(key_id, {}).items():
+                flat += [field_name, value]
+            await self.breaker.call(functools.partial(self._cube_rewrite, keys=[k.agg_cube(key_id, day)], args=flat))
+        return bool(await self.breaker.call(functools.partial(
+            self._index_rewrite, keys=[k.agg_index, k.agg_day_keys(day)],
+            args=[day, n0, n_events, DAY_TTL_S, int(over), *ids])))
 
     async def _pipelined(self, calls: list[tuple[str, str]], args: bool = False,
                          raise_on_error: bool = True) -> list[Any]:

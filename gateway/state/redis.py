@@ -377,6 +377,9 @@ class RedisHandle:
     kind: str  # "standalone" | "cluster" | "sentinel"
     prefix: str
     lane: FastLane | None = field(default=None, compare=False)
+    #: where a key's own metering and admission keys live on a Cluster (``redis.cluster_placement``;
+    #: ``gateway/state/keys.py`` ``RedisKeys.per_key_slots``)
+    placement: str = "shared"
 
     async def close(self) -> None:
         """Close the client's connections (idempotent)."""
@@ -412,7 +415,8 @@ def connect(cfg: RedisConfig, known: Sequence[tuple[str, int]] = ()) -> RedisHan
     scheme = parsed.scheme.lower()
     common = _common(cfg)
     if scheme in ("redis+cluster", "rediss+cluster"):
-        return RedisHandle(_cluster(cfg, parsed, common, known), "cluster", cluster_prefix(cfg.key_prefix))
+        return RedisHandle(_cluster(cfg, parsed, common, known), "cluster", cluster_prefix(cfg.key_prefix),
+                           placement=cfg.cluster_placement)
     lane_size = min(LANE_SIZE_MAX, cfg.max_connections)
     if scheme in ("redis+sentinel", "rediss+sentinel"):
         master = _sentinel_master(cfg, parsed, common)

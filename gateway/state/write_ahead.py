@@ -306,7 +306,7 @@ class WriteAhead:
                  prices: Mapping[str, Prices], owner: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.redis = handle.client
-        self.keys = RedisKeys(handle.prefix)
+        self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.meter = meter
         self.cfg = cfg

@@ -173,6 +173,9 @@ def test_overlays_point_redis_at_a_cluster_or_sentinel(rendered: dict[str, list[
             await handle.close()
 
     assert {t: asyncio.run(kind_of(u)) for t, u in urls.items()} == kinds
+    # the cluster overlay is for a new cluster: each API key's own data in its own slot (docs/deploy.md §3)
+    placements = {t: pod_env(d).get("THINKGATE_REDIS__CLUSTER_PLACEMENT") for t, d in rendered.items()}
+    assert placements == {"base": None, "redis-cluster": "tenant", "redis-sentinel": None}
 
 
 def pod_env(docs: list[dict[str, Any]]) -> dict[str, str]:

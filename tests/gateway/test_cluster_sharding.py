@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import time
 from collections import Counter
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
@@ -61,14 +62,17 @@ def test_cluster_tenant_keys_share_a_slot_and_shared_keys_another() -> None:
               k.key_month("bob", "2026-12"), k.reservations("alice"), k.rpm("bob", 1), k.tpm("alice", 2),
               k.level_day("tag", "team=a", "2026-12-01"), k.level_month("global", "global", "2026-12"),
               k.level_reservations("global", "global"), k.tier_total("short"), k.usage_keys, k.budget_defs,
-              k.key_ids]
+              k.key_ids, k.key_record("alice"), k.key_by_hash("00")]
     assert {_slot(x) for x in shared} == {_slot("{tg:}")}
-    # the key store: a record in its key's tenant slot, the lookup copy in a slot of the secret's digest
+    # with redis.cluster_placement: tenant, the key store: a record in its key's tenant slot, the lookup copy in a
+    # slot of the secret's digest (a key's levels: tests/gateway/test_cluster_key_levels.py)
+    t = RedisKeys(cluster_prefix("tg:"), "tenant")
     d = hashlib.sha256(b"tg-some-secret").hexdigest()
-    assert k.key_record("alice") == "{tg:" + a + "}keys:rec:alice"
-    assert k.key_by_hash(d) == "{tg:" + tenant_tag("secret:" + d) + "}keys:h:" + d
-    assert _slot(k.key_record("alice")) == _slot(k.tenant(a)) != _slot(k.key_record("bob"))
-    assert _slot(k.key_by_hash(d)) not in (_slot("{tg:}"), _slot(k.tenant(a)))
+    assert t.key_record("alice") == "{tg:" + a + "}keys:rec:alice"
+    assert t.key_by_hash(d) == "{tg:" + tenant_tag("secret:" + d) + "}keys:h:" + d
+    assert _slot(t.key_record("alice")) == _slot(t.tenant(a)) != _slot(t.key_record("bob"))
+    assert _slot(t.key_by_hash(d)) not in (_slot("{tg:}"), _slot(t.tenant(a)))
+    assert t.key_ids == k.key_ids
     # 1000 tenants land on many slots (a slot per tenant, up to hash collisions)
     assert len({_slot(k.tenant(key_tenant(f"t{i}"))) for i in range(1000)}) > 950
 
@@ -190,3 +194,79 @@ def test_semantic_cache_on_the_cluster_stays_in_the_tenant_slot(redis_cluster: C
             assert slots == {_slot("{tgsem:" + t + "}")}
 
     asyncio.run(go())
+
+
+KEY_STORE_TENANTS = 100
+
+
+async def _create_keys(url: str, prefix: str, placement: str) -> list[str]:
+    """``KEY_STORE_TENANTS`` keys in the Redis key store, as ``thinkgate keys create --budget-usd-day 5 --rpm 600
+    --tpm 600000 --tag team=…`` makes them (the store's own code, not the CLI's 100 processes)."""
+    from gateway.auth.redis_store import RedisKeyStore
+    from gateway.config import RedisConfig
+    from gateway.state.breaker import Breaker
+    from gateway.state.redis import connect
+
+    handle = connect(RedisConfig(url=url, key_prefix=prefix, socket_timeout_s=2.0, cluster_placement=placement))
+    try:
+        store = RedisKeyStore(handle, Breaker(1.0))
+        return [await store.create(f"team{i:03d}", tags={"team": f"t{i % 5}"}, budget_usd_day=Decimal(5), rpm=600,
+                                   tpm=600_000) for i in range(KEY_STORE_TENANTS)]
+    finally:
+        await handle.close()
+
+
+def test_a_hundred_stored_keys_with_little_traffic_spread_with_tenant_placement(
+        redis_cluster: ClusterSet, upstream_sim: SimProcess, tmp_path: Path) -> None:
+    """The fleet a new user measured at 72% on one master: keys made with ``thinkgate keys create`` (budgets, RPM,
+    TPM), two requests each. With ``redis.cluster_placement: tenant`` each key's record, counters, cube,
+    reservations and windows sit in its own slot; the shared slot keeps the stream, the levels above the keys and
+    the key ids. (With ``shared``, the default, this workload put 87% of the keys on one master: 884 of 1,020.)"""
+    redis_cluster.flush()
+    prefix = "tg:"
+    secrets = asyncio.run(_create_keys(redis_cluster.url, prefix, "tenant"))
+    auth = {"keys": [], "admin_key_sha256": hashlib.sha256(ADMIN_SECRET.encode()).hexdigest()}
+    cfg = serve_config(upstream_sim.base_url, tmp_path, prefix, auth=auth,
+                       redis={"socket_timeout_s": 1.0, "cluster_placement": "tenant"})
+    want = 2 * KEY_STORE_TENANTS
+    with serve(cfg, tmp_path, {"THINKGATE_REDIS__URL": redis_cluster.url}, wait="/ready") as sp:
+        async def traffic() -> list[int]:
+            sem = asyncio.Semaphore(12)
+
+            async def one(http: httpx.AsyncClient, i: int, j: int) -> int:
+                body = {"model": "none", "messages": [{"role": "user", "content": f"key {i} question {j}"}]}
+                async with sem:
+                    r = await http.post(sp.base_url + "/chat/completions", json=body,
+                                        headers={"authorization": f"Bearer {secrets[i]}"})
+                return r.status_code
+
+            async with httpx.AsyncClient(timeout=60) as http:
+                return await asyncio.gather(*(one(http, i, j) for j in range(2) for i in range(KEY_STORE_TENANTS)))
+
+        codes = asyncio.run(traffic())
+        assert Counter(codes) == {200: want}
+        admin = {"authorization": f"Bearer {ADMIN_SECRET}"}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            r = httpx.get(sp.base_url + "/usage", params={"since": "0", "limit": "10000"}, headers=admin, timeout=30)
+            if len(r.json()["data"]) >= want:
+                break
+            time.sleep(0.2)
+        assert len(r.json()["data"]) == want
+        # every key's own counters say 2 requests, read from its own slot through the gateway
+        for i in (0, 57, 99):
+            mine = httpx.get(sp.base_url + "/usage", headers={"authorization": f"Bearer {secrets[i]}"}, timeout=10)
+            assert mine.status_code == 200, mine.text
+            counters = mine.json()["counters"]
+            assert counters["day"]["requests"] == counters["total"]["requests"] == 2, counters
+            key_budget = next(b for b in mine.json()["budgets"] if b["level"] == "key" and b["period"] == "day")
+            assert Decimal(key_budget["spent_usd"]) > 0, key_budget
+        time.sleep(1.0)  # the request index is flushed every 0.2 s
+    counts = redis_cluster.key_counts()
+    total = sum(counts.values())
+    shares = {port: n / total for port, n in counts.items()}
+    print(f"\nkeys per master, {KEY_STORE_TENANTS} stored keys x 2 requests (tenant placement): {counts} "
+          f"(total {total}); shares {', '.join(f'{s:.1%}' for s in shares.values())}; shared-slot keys "
+          f"{_count_in_slot(redis_cluster, _slot(cluster_prefix(prefix)))}")
+    assert max(shares.values()) <= 0.5, counts
+    assert not redis.Redis(port=redis_cluster.master_of("{tg:}usage:pending")).hlen("{tg:}usage:pending")

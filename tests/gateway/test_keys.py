@@ -148,7 +148,7 @@ def _digest(secret: str) -> str:
 @contextlib.asynccontextmanager
 async def _cluster_store(cluster: ClusterSet, tmp_path: Path) -> AsyncIterator[tuple[Stack, RedisKeyStore]]:
     prefix = f"tgk{uuid.uuid4().hex[:6]}:"
-    async with stack(cluster.url, prefix, tmp_path / "s", socket_timeout_s=2.0) as st:
+    async with stack(cluster.url, prefix, tmp_path / "s", socket_timeout_s=2.0, placement="tenant") as st:
         assert st.handle.kind == "cluster" and st.handle.prefix == "{" + prefix + "}"
         yield st, RedisKeyStore(st.handle, st.breaker, cache_s=0)
 

@@ -30,11 +30,18 @@ ADMIN = {"authorization": f"Bearer {ADMIN_SECRET}"}
 BUDGET_BODY = {"model": "short", "messages": [{"role": "user", "content": "budget race"}], "sim": {"delay_ms": 300}}
 
 
-@pytest.fixture(scope="module", params=["cluster", "sentinel"])
-def backend(request: pytest.FixtureRequest) -> ClusterSet | SentinelSet:
+@pytest.fixture(scope="module", params=["cluster", "cluster-tenant", "sentinel"])
+def backend_kind(request: pytest.FixtureRequest) -> str:
+    """``cluster-tenant``: the Cluster with ``redis.cluster_placement: tenant`` (each key's own metering and
+    admission keys in its tenant slot: the metering scripts run per slot, admission per level)."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def backend(backend_kind: str, request: pytest.FixtureRequest) -> ClusterSet | SentinelSet:
     """The real Cluster (the session's, whole again: :meth:`ClusterSet.wait_settled`), then the real Sentinel set
     (started for this module)."""
-    if request.param == "cluster":
+    if backend_kind.startswith("cluster"):
         c: ClusterSet = request.getfixturevalue("shared_redis_cluster")
         c.wait_settled()
         return c
@@ -50,7 +57,7 @@ def _settled(backend: ClusterSet | SentinelSet) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(backend: ClusterSet | SentinelSet, upstream_sim: SimProcess,
+def served(backend: ClusterSet | SentinelSet, backend_kind: str, upstream_sim: SimProcess,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     """``thinkgate serve`` on ``THINKGATE_REDIS__URL=<backend url>`` with the defaults a new user has
     (``redis.start_if_missing: true``); alice's daily budget fits one request's admission estimate, not two."""
@@ -59,6 +66,8 @@ def served(backend: ClusterSet | SentinelSet, upstream_sim: SimProcess,
     auth = keys_config(alice={"budget_usd_day": str(Decimal(one * 3 // 2) / 1_000_000)},
                        bob={"rpm": 1000, "tpm": 1_000_000})
     cfg = serve_config(upstream_sim.base_url, tmp, f"tgc{uuid.uuid4().hex[:6]}:", auth=auth)
+    if backend_kind == "cluster-tenant":  # in the config file: the CLI commands below read it too
+        cfg["redis"]["cluster_placement"] = "tenant"
     with serve(cfg, tmp, {"THINKGATE_REDIS__URL": backend.url}) as sp:
         yield sp
 

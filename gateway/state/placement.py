@@ -1,0 +1,40 @@
+"""Whether a Redis Cluster holds API-key data written under the other ``redis.cluster_placement``.
+
+``tenant`` keeps each API key's own record, counters and limits in its tenant slot; ``shared`` (every earlier
+version) in the one shared slot (``gateway/state/keys.py``). The names differ, so a gateway switched from one to the
+other on a cluster that already holds keys would find none of them: its keys stop authenticating and its spend
+budgets read $0 spent — the budgets reset mid-month. ``thinkgate serve`` refuses to start then
+(:func:`placement_conflict`) instead of serving on half the data.
+"""
+
+from __future__ import annotations
+
+from gateway.state.keys import RedisKeys
+from gateway.state.redis import RedisHandle, as_text
+
+SAMPLE = 8  # key ids sampled from each of the two shared id sets
+
+
+async def placement_conflict(handle: RedisHandle) -> str | None:
+    """A one-line reason when the cluster behind ``handle`` holds key records or counters under the placement
+    ``handle`` does not use (sampled: :data:`SAMPLE` ids of the key store's id set and of ``usage:keys``, both
+    shared); None when it holds none, or ``handle`` is no sharded Cluster prefix (one server, Sentinel: the names are
+    the same whatever the setting). Raises what the client raises (the caller decides what an outage means)."""
+    keys = RedisKeys.of(handle)
+    if not keys.sharded:
+        return None
+    other = RedisKeys(keys.prefix, "shared" if keys.per_key_slots else "tenant")
+    r = handle.client
+    ids: set[str] = set()
+    for name in (keys.key_ids, keys.usage_keys):
+        ids.update(as_text(m) for m in (await r.srandmember(name, SAMPLE) or []) if isinstance(m, bytes | str))
+    for key_id in sorted(ids):
+        for mine, theirs in ((keys.key_record(key_id), other.key_record(key_id)),
+                             (keys.key_total(key_id), other.key_total(key_id))):
+            if await r.exists(theirs) and not await r.exists(mine):
+                return (f"this Redis Cluster holds API key {key_id!r}'s data under redis.cluster_placement: "
+                        f"{other.placement} ({theirs}), and this gateway is configured with {keys.placement}: it "
+                        "would not find that key, nor its spend (its budgets would read $0 spent). Set "
+                        f"redis.cluster_placement: {other.placement}, or use a new key_prefix or cluster "
+                        "(docs/metering.md, Redis Cluster)")
+    return None

@@ -1,0 +1,259 @@
+"""``redis.cluster_placement: tenant`` on a real 3-master Redis Cluster: each API key's own metering and admission
+keys (counters, cubes, reservations, RPM/TPM windows) live in the key's tenant slot, and the metering scripts run
+per slot — the shared part, the key part, the finish (``gateway/state/metering.py``, ``RECORD_SHARED_LUA``).
+
+What must hold, each checked here against the real cluster: an event is counted once everywhere (stream, key,
+tier, levels, cube) and its reservations released at every level; a writer that stops between the parts (the key
+part refused, or the process gone) leaves a pending key part that a replay, the orphan reconciler or the sweep
+completes — once, with the amounts the stream holds, whoever completes it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+import yaml
+from redis.crc import key_slot
+from redis.exceptions import ResponseError
+
+from gateway.config import Prices
+from gateway.ledger.aggregate import DAY_S, day_start
+from gateway.ledger.event import UsageEvent
+from gateway.state.keys import RedisKeys, key_tenant
+from gateway.state.redis import cluster_prefix
+from tests.fixtures.gateway_process import REPO, serve_config
+from tests.fixtures.redis_cluster import ClusterSet
+from tests.fixtures.redis_stack import Stack, stack
+from tests.fixtures.upstream import SimProcess
+
+PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
+                output_usd_per_mtok=Decimal("2.00"))
+RESERVED_TOKENS = 5000
+TPM_BEFORE = 7000
+
+
+def _slot(key: str) -> int:
+    return int(key_slot(key.encode()))
+
+
+def _event(key: str, i: int, *, tags: dict[str, str] | None = None, audit: bool = False,
+           event_id: str | None = None) -> UsageEvent:
+    ev = UsageEvent(key_id=key, requested_model="auto", tier="short", upstream_model="m", route_reason="predicted",
+                    prompt_tokens=100 + i, cached_tokens=3, completion_tokens=50 + i, reasoning_tokens=7,
+                    tags=tags or {}, ts=time.time())
+    if event_id is not None:
+        ev.event_id = event_id
+    ev.price(PRICES)
+    if audit:
+        ev.audit, ev.status, ev.error_code = True, 429, "rate_limit_exceeded"
+        ev.cost_micro_usd = ev.saved_micro_usd = 0
+        ev.usage_source = "none"
+    return ev
+
+
+async def _open_request(st: Stack, ev: UsageEvent, request_id: str | None = None) -> None:
+    """Reservations at the key, its tags and the global level, the key's TPM window and the write-ahead record."""
+    r, k, rid = st.handle.client, st.meter.keys, request_id or ev.event_id
+    exp = int(time.time() * 1000) + 600_000
+    hashes = [k.reservations(ev.key_id), k.level_reservations("global", "global"),
+              *(k.level_reservations("tag", f"{n}={v}") for n, v in ev.tags.items())]
+    for i, h in enumerate(hashes):
+        await r.hset(h, rid, f"9000|{RESERVED_TOKENS if i == 0 else 0}|{exp}")
+        await r.pexpire(h, 600_000)
+    await r.set(k.tpm(ev.key_id, ev.minute), TPM_BEFORE, px=120_000)
+    await r.hset(k.write_ahead, rid, "record")
+
+
+async def _stream(st: Stack) -> list[dict[str, object]]:
+    return [json.loads(f[b"e"]) for _, f in await st.handle.client.xrange(st.meter.keys.events)]
+
+
+def test_placement_in_the_tenant_slot_only_when_asked_on_a_cluster() -> None:
+    day, month = "2026-12-01", "2026-12"
+    split = RedisKeys(cluster_prefix("tg:"), "tenant")
+    assert split.per_key_slots
+    own = [split.key_total("alice"), split.key_day("alice", day), split.key_month("alice", month),
+           split.agg_cube("alice", day), split.reservations("alice"), split.rpm("alice", 3), split.tpm("alice", 3),
+           split.key_seen("alice", day), split.level_day("key", "alice", day),
+           split.level_reservations("key", "alice")]
+    assert {_slot(x) for x in own} == {_slot(split.tenant(key_tenant("alice")))}
+    assert _slot(split.key_total("bob")) != _slot(split.key_total("alice"))
+    shared = [split.events, split.seen(day), split.pending, split.tier_total("short"), split.usage_keys,
+              split.level_day("tag", "team=a", day), split.level_reservations("global", "global"), split.agg_index,
+              split.agg_day_keys(day), split.write_ahead]
+    assert {_slot(x) for x in shared} == {_slot("{tg:}")}
+    # the default placement, and one server or Sentinel whatever the setting: every name as it always was
+    for k in (RedisKeys(cluster_prefix("tg:")), RedisKeys("tg:", "tenant"), RedisKeys("{app}:tg:", "tenant")):
+        assert not k.per_key_slots
+        assert k.key_total("alice") == f"{k.prefix}usage:key:alice"
+        assert k.reservations("alice") == f"{k.prefix}lim:alice:resv"
+
+
+async def test_an_event_is_counted_once_in_both_slots(redis_cluster: ClusterSet, tmp_path: Path) -> None:
+    prefix = f"tgkl{uuid.uuid4().hex[:6]}:"
+    async with stack(redis_cluster.url, prefix, tmp_path / "spool.jsonl", placement="tenant") as st:
+        k, r = st.meter.keys, st.handle.client
+        assert st.meter.split and k.per_key_slots
+        ev = _event("alice", 1, tags={"team": "a"})
+        await _open_request(st, ev)
+        res = await st.meter.record(ev)
+        assert res.stored == "redis" and res.counted
+        assert res.day_cost_micro_usd == ev.cost_micro_usd == res.month_cost_micro_usd
+        assert res.levels == {"global": (ev.cost_micro_usd,) * 2, "tag:team=a": (ev.cost_micro_usd,) * 2}
+        assert (await st.meter.key_counters("alice"))["requests"] == 1
+        assert (await st.meter.key_counters("alice", day=ev.day))["cost_micro_usd"] == ev.cost_micro_usd
+        assert (await st.meter.tier_counters("short"))["requests"] == 1
+        assert [e["event_id"] for e in await _stream(st)] == [ev.event_id]
+        # every reservation released, the TPM window corrected by the real tokens, the record and pending gone
+        for h in (k.reservations("alice"), k.level_reservations("global", "global"),
+                  k.level_reservations("tag", "team=a")):
+            assert await r.hgetall(h) == {}
+        assert int(await r.get(k.tpm("alice", ev.minute))) == TPM_BEFORE - RESERVED_TOKENS + ev.upstream_tokens
+        assert await r.hgetall(k.write_ahead) == {} and await r.hgetall(k.pending) == {}
+        # the key's keys sit on the tenant slot's master, the stream on the shared slot's
+        assert redis_cluster.master_of(k.key_total("alice")) == redis_cluster.master_of(
+            k.tenant(key_tenant("alice")))
+        # a replay counts nothing again, anywhere
+        again = await st.meter.record(ev)
+        assert again.stored == "redis" and not again.counted
+        assert (await st.meter.key_counters("alice"))["requests"] == 1
+        assert len(await _stream(st)) == 1
+        # grouped usage reads the key's cube from its slot
+        start = day_start(ev.day)
+        usage = await st.meter.grouped(["key"], start, start + DAY_S)
+        assert usage.cube_days == [ev.day]
+        assert [(row["key"], row["requests"]) for row in usage.rows] == [("alice", 1)]
+        # an audit event: the stream and the key's cube, no counter
+        audit = _event("alice", 2, audit=True)
+        assert (await st.meter.record(audit)).counted
+        assert (await st.meter.key_counters("alice"))["requests"] == 1
+        cube = await r.hgetall(k.agg_cube("alice", audit.day))
+        assert sum(int(v) for f, v in cube.items() if f.startswith(b"refused ")) == 1
+
+
+async def test_a_key_part_refused_is_completed_once_when_retried(redis_cluster: ClusterSet, tmp_path: Path) -> None:
+    """The key part refused (its counter hash poisoned): the shared part stays counted and the key part pending; the
+    event is dead-lettered; once the key is fixed the retry completes the pending part — counted once."""
+    prefix = f"tgkr{uuid.uuid4().hex[:6]}:"
+    async with stack(redis_cluster.url, prefix, tmp_path / "spool.jsonl", placement="tenant") as st:
+        k, r = st.meter.keys, st.handle.client
+        ev = _event("carol", 1, tags={"team": "b"})
+        await _open_request(st, ev)
+        await r.set(k.key_total("carol"), "not a hash")
+        assert (await st.meter.record(ev)).stored == "dead_letter"
+        assert [e["event_id"] for e in await _stream(st)] == [ev.event_id]  # the shared part is counted
+        assert await r.hexists(k.pending, ev.event_id) and await r.hexists(k.write_ahead, ev.event_id)
+        assert await r.hgetall(k.key_day("carol", ev.day)) == {}  # the key part wrote nothing (all or nothing)
+        assert await r.hexists(k.reservations("carol"), ev.event_id)
+        await r.delete(k.key_total("carol"))
+        assert await st.meter.retry_dead_letters() == (1, 0)
+        assert (await st.meter.key_counters("carol"))["requests"] == 1
+        assert (await st.meter.key_counters("carol", day=ev.day))["cost_micro_usd"] == ev.cost_micro_usd
+        assert await r.hgetall(k.pending) == {} and await r.hgetall(k.write_ahead) == {}
+        assert await r.hgetall(k.reservations("carol")) == {}
+        assert len(await _stream(st)) == 1
+
+
+async def test_the_sweep_completes_a_stranded_key_part(redis_cluster: ClusterSet, tmp_path: Path) -> None:
+    """A writer gone between the shared and the key part (here: its key part refused, and the event then lost with
+    its process): the sweep completes it once it is older than PENDING_SWEEP_S, not before; sending the event
+    afterwards counts nothing more."""
+    from gateway.state.metering import PENDING_SWEEP_S
+
+    prefix = f"tgks{uuid.uuid4().hex[:6]}:"
+    async with stack(redis_cluster.url, prefix, tmp_path / "spool.jsonl", placement="tenant") as st:
+        k, r = st.meter.keys, st.handle.client
+        ev = _event("dave", 1)
+        await r.set(k.key_total("dave"), "not a hash")
+        assert (await st.meter.record(ev)).stored == "dead_letter"
+        st.meter.dead.path.unlink()  # the process and its files are gone: only Redis knows of the event
+        await r.delete(k.key_total("dave"))
+        assert await st.meter.finish_pending() == 0  # too recent: its writer may still be at it
+        assert await st.meter.finish_pending(now=time.time() + PENDING_SWEEP_S + 1) == 1
+        assert (await st.meter.key_counters("dave"))["requests"] == 1
+        assert await r.hgetall(k.pending) == {}
+        assert not (await st.meter.record(ev)).counted
+        assert (await st.meter.key_counters("dave"))["requests"] == 1
+
+
+async def test_the_key_counts_the_amounts_the_stream_holds(redis_cluster: ClusterSet, tmp_path: Path) -> None:
+    """Two writers of one event id with different amounts (a reconciler billing a dead owner's call at its last
+    written tokens, and the owner after all): the first shared part wins the stream, and whoever completes the key
+    part completes *that* writer's — the key's counters never disagree with the stream."""
+    prefix = f"tgkw{uuid.uuid4().hex[:6]}:"
+    async with stack(redis_cluster.url, prefix, tmp_path / "spool.jsonl", placement="tenant") as st:
+        k, r = st.meter.keys, st.handle.client
+        rid = "req-" + uuid.uuid4().hex[:8]
+        partial = _event("erin", 1, event_id=rid)
+        final = _event("erin", 400, event_id=rid)
+        assert final.cost_micro_usd != partial.cost_micro_usd
+        await _open_request(st, partial)
+        await r.set(k.key_total("erin"), "not a hash")  # the reconciler's key part refused: left pending
+        with pytest.raises(ResponseError):  # the reconciler's pass fails; the record stays for its next one
+            await st.meter.settle_orphan(partial, k.heartbeat("gone-owner"))
+        assert await r.hexists(k.pending, rid) and await r.hexists(k.write_ahead, rid)
+        await r.delete(k.key_total("erin"))
+        res = await st.meter.record(final)  # the owner's own event, same id
+        assert not res.counted
+        assert (await st.meter.key_counters("erin"))["cost_micro_usd"] == partial.cost_micro_usd
+        assert [e["cost_micro_usd"] for e in await _stream(st)] == [partial.cost_micro_usd]
+        assert await r.hgetall(k.pending) == {} and await r.hgetall(k.write_ahead) == {}
+
+
+async def test_an_unsent_orphan_is_released_in_both_slots(redis_cluster: ClusterSet, tmp_path: Path) -> None:
+    prefix = f"tgku{uuid.uuid4().hex[:6]}:"
+    async with stack(redis_cluster.url, prefix, tmp_path / "spool.jsonl", placement="tenant") as st:
+        k, r = st.meter.keys, st.handle.client
+        rid = "req-" + uuid.uuid4().hex[:8]
+        audit = _event("frank", 1, tags={"team": "c"}, audit=True, event_id=f"{rid}:unsent")
+        audit.request_id = rid
+        await _open_request(st, audit, request_id=rid)
+        assert await st.meter.release_orphan(audit, k.heartbeat("gone-owner"))
+        for h in (k.reservations("frank"), k.level_reservations("global", "global"),
+                  k.level_reservations("tag", "team=c")):
+            assert await r.hgetall(h) == {}
+        assert int(await r.get(k.tpm("frank", audit.minute))) == TPM_BEFORE - RESERVED_TOKENS
+        assert await r.hgetall(k.write_ahead) == {} and await r.hgetall(k.pending) == {}
+        assert [e["event_id"] for e in await _stream(st)] == [audit.event_id]
+        assert (await st.meter.key_counters("frank"))["requests"] == 0  # an unsent call counts nothing
+        # claimed once: a second reconciler finds the record gone
+        assert not await st.meter.release_orphan(audit, k.heartbeat("gone-owner"))
+
+
+def test_serve_refuses_a_cluster_holding_the_other_placements_keys(redis_cluster: ClusterSet,
+                                                                    upstream_sim: SimProcess, tmp_path: Path) -> None:
+    """A gateway switched between placements on a cluster that holds keys would find none of them (their budgets
+    reading $0 spent): ``thinkgate serve`` exits 2 saying so, in both directions."""
+    for written, configured in (("shared", "tenant"), ("tenant", "shared")):
+        prefix = f"tgpc{uuid.uuid4().hex[:6]}:"
+        asyncio.run(_create_key(redis_cluster.url, prefix, written))
+        cfg = serve_config(upstream_sim.base_url, tmp_path, prefix,
+                           redis={"cluster_placement": configured, "start_if_missing": False})
+        path = tmp_path / f"{written}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        run = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(path)], cwd=REPO,
+                             env={**os.environ, "THINKGATE_CONFIG": "", "THINKGATE_REDIS__URL": redis_cluster.url},
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2, run.stderr
+        assert f"redis.cluster_placement: {written}" in run.stderr and "team-x" in run.stderr, run.stderr
+
+
+async def _create_key(url: str, prefix: str, placement: str) -> None:
+    from gateway.auth.redis_store import RedisKeyStore
+    from gateway.config import RedisConfig
+    from gateway.state.breaker import Breaker
+    from gateway.state.redis import connect
+
+    handle = connect(RedisConfig(url=url, key_prefix=prefix, socket_timeout_s=2.0, cluster_placement=placement))
+    try:
+        await RedisKeyStore(handle, Breaker(1.0)).create("team-x")
+    finally:
+        await handle.close()
