@@ -51,8 +51,10 @@ class LimitsConfig(_Strict):
     max_stream_s: float = Field(3600.0, gt=0)
     #: ``auto``: on a single Redis (or Sentinel) one hot-path script per request — admission at every level,
     #: the write-ahead record and the exact-cache lookup together (``HOT_LUA``); on Redis Cluster one call per
-    #: slot (admission per level group with rollback, then the cache in the tenant's slot); ``single`` /
-    #: ``grouped`` force one shape (``gateway/state/limits.py``)
+    #: slot: admission at every level in the shared slot (``redis.cluster_placement: shared``), or the key's level
+    #: in its slot then the levels above it with rollback (``tenant``), then the cache in the tenant's slot;
+    #: ``single`` / ``grouped`` (one call per level, with rollback) force one shape where the slots allow
+    #: (``tenant`` is always grouped by slot; ``gateway/state/limits.py``)
     admission_script: Literal["auto", "single", "grouped"] = "auto"
 
     @field_validator("alert_fractions")

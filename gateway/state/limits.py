@@ -793,11 +793,11 @@ class Limits:
         self._rollback = FastScript(handle, ROLLBACK_LUA)
         self._renew = FastScript(handle, RENEW_LUA)
         mode = cfg.admission_script
-        #: one script per level group (Redis Cluster: the levels' keys may sit in different hash slots)
-        # (a Cluster whose keys' own levels live in their tenant slots, ``RedisKeys.per_key_slots``: grouped whatever
-        # the mode — a single script there would span slots)
-        self.grouped = (mode == "grouped" or (mode == "auto" and not isinstance(self.redis, Redis))
-                        or self.keys.per_key_slots)
+        #: one script per level group: ``grouped``, or a Cluster whose keys' own levels live in their tenant slots
+        #: (``RedisKeys.per_key_slots``: the key's level in its slot, the levels above it in the shared one — a
+        #: single script would span slots). A Cluster with every level in the shared slot (``cluster_placement:
+        #: shared``) runs the one script, as one server does: atomic over every level, one call.
+        self.grouped = mode == "grouped" or self.keys.per_key_slots
         #: one script call for the whole hot path (admission + write-ahead record + cache lookup, ``HOT_LUA``): a
         #: single Redis (standalone or Sentinel: every key on one server). On Cluster the cache entry lives in
         #: its tenant's slot, away from the shared ``{tg:}`` one: per-slot calls there (even with ``single``).
@@ -995,32 +995,37 @@ class Limits:
     async def _admit_grouped(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
                              all_levels: list[Level], day: str, month: str, mode: BudgetMode | None = None
                              ) -> tuple[list[LevelState], RateState | None]:
-        """One atomic check-and-reserve per level (the key's with its RPM/TPM first); when one refuses, the
-        levels already reserved are rolled back (``ROLLBACK_LUA``) and the refusal raised. Between a group's
-        reservation and a rollback, another request may see it and be refused spuriously; no level is ever
-        overspent (each level's own check is atomic). Raises RedisDown (the reservations made stay until
-        their TTL: they can only refuse, never admit, too much), or the ``ResponseError`` of a group's script that
-        Redis refused (it wrote nothing, ``gateway/state/undo.py``) once the groups before it are rolled back: Redis
-        answers, so nothing of the admission is left behind."""
+        """One atomic check-and-reserve per level group — the key's level with its RPM/TPM first, then each level
+        above it (``grouped``) or, where the key's level is in its tenant slot, every level above it in one call
+        (they share the shared slot); when one refuses, the levels already reserved are rolled back
+        (``ROLLBACK_LUA``) and the refusal raised. Between a group's reservation and a rollback, another request may
+        see it and be refused spuriously; no level is ever overspent (each group's check is atomic). Raises
+        RedisDown (the reservations made stay until their TTL: they can only refuse, never admit, too much), or the
+        ``ResponseError`` of a group's script that Redis refused (it wrote nothing, ``gateway/state/undo.py``) once
+        the groups before it are rolled back: Redis answers, so nothing of the admission is left behind."""
         states: list[LevelState] = []
-        done: list[int] = []
+        done: list[Level] = []
         rate_state = None
-        for i, lvl in enumerate(all_levels):
+        # the key's level first (with its RPM/TPM); then each level above in a call of its own — or, where the key's
+        # level is in its tenant slot and the levels above all share the shared slot, those in one call
+        above = all_levels[1:]
+        groups = [[all_levels[0]], *([above] if self.keys.per_key_slots and above else ([lv] for lv in above))]
+        for i, group in enumerate(groups):
             rate = i == 0
             try:
-                res = await self.breaker.call(functools.partial(self._run, lim, reservation_id, est, now, [lvl], day,
+                res = await self.breaker.call(functools.partial(self._run, lim, reservation_id, est, now, group, day,
                                                                 month, rate, mode=mode))
             except ResponseError:
-                await self._roll_back(lim, reservation_id, est, now, [all_levels[j] for j in done])
+                await self._roll_back(lim, reservation_id, est, now, done)
                 raise
             try:
-                states += self._states(lim, est, res, [lvl], mode)
+                states += self._states(lim, est, res, group, mode)
             except RateLimited:
-                await self._roll_back(lim, reservation_id, est, now, [all_levels[j] for j in done])
+                await self._roll_back(lim, reservation_id, est, now, done)
                 raise
             if rate:
-                rate_state = RateState.of(lim, res[6:])
-            done.append(i)
+                rate_state = RateState.of(lim, res[1 + 5 * len(group):])
+            done += group
         return states, rate_state
 
     async def _roll_back(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,

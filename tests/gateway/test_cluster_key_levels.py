@@ -257,3 +257,68 @@ async def _create_key(url: str, prefix: str, placement: str) -> None:
         await RedisKeyStore(handle, Breaker(1.0)).create("team-x")
     finally:
         await handle.close()
+
+
+async def test_admission_in_two_slots_rolls_the_key_back_when_a_level_above_refuses(redis_cluster: ClusterSet,
+                                                                                    tmp_path: Path) -> None:
+    """Under ``tenant`` admission is two calls: the key's level (with its RPM/TPM) in its slot, then its tags and the
+    global level in one call in the shared slot. A refusal above the key takes the key's reservation and RPM/TPM
+    counts back; an admitted call is reserved at every level, each in its own slot."""
+    from decimal import Decimal
+
+    from gateway.config import LimitsConfig
+    from gateway.errors import RateLimited
+    from gateway.state.budgets import BudgetLevels, BudgetStore
+    from gateway.state.limits import Estimate, KeyLimits, Limits
+
+    prefix = f"tgka{uuid.uuid4().hex[:6]}:"
+    async with stack(redis_cluster.url, prefix, tmp_path / "s", socket_timeout_s=2.0, placement="tenant") as s:
+        limits = Limits(s.handle, s.breaker, LimitsConfig())
+        assert limits.grouped and not limits.fused
+        calls: list[int] = []
+        run = limits._run
+
+        async def counted(*args: object, **kw: object) -> list[object]:
+            calls.append(len(args[4]))  # type: ignore[arg-type]  # the levels of this call
+            return await run(*args, **kw)  # type: ignore[arg-type]
+
+        limits._run = counted  # type: ignore[method-assign]  # counts the calls; the real script runs
+        store = BudgetStore(s.handle, s.breaker)
+        await store.set("tag:team=b", Decimal("0.000050"), None)
+        await store.set("global", Decimal("1"), None)
+        lim = KeyLimits("k2", budget_day_micro=1_000_000, rpm=5, tpm=1_000)
+        levels = BudgetLevels(s.handle, s.breaker, LimitsConfig()).candidates({"team": "b"})
+        r, k = s.handle.client, limits.keys
+        now = time.time()
+        w = int(now * 1000) // 60_000
+        with pytest.raises(RateLimited) as info:
+            await limits.admit(lim, "too-big", Estimate(51, 10), now, levels)
+        assert info.value.headers["x-thinkgate-budget-level"] == "tag:team=b"
+        assert calls == [1, 2]  # the key's level alone, then the tag and global together
+        assert not await r.hexists(k.reservations("k2"), "too-big")
+        assert int(await r.get(k.rpm("k2", w)) or 0) == 0 and int(await r.get(k.tpm("k2", w)) or 0) == 0
+        adm = await limits.admit(lim, "fits", Estimate(50, 10), now, levels)
+        assert [st.level.id for st in adm.levels] == ["key:k2", "tag:team=b", "global"]
+        for h in (k.reservations("k2"), k.level_reservations("tag", "team=b"),
+                  k.level_reservations("global", "global")):
+            assert await r.hexists(h, "fits")
+        assert redis_cluster.master_of(k.reservations("k2")) == redis_cluster.master_of(k.tenant(key_tenant("k2")))
+
+
+async def test_under_shared_placement_a_cluster_admits_every_level_in_one_call(redis_cluster: ClusterSet,
+                                                                               tmp_path: Path) -> None:
+    """Every level in the shared slot: the one admission script, atomic over all levels, as on one server (it used to
+    be one call per level on any Cluster)."""
+    from gateway.config import LimitsConfig
+    from gateway.state.budgets import BudgetLevels
+    from gateway.state.limits import Estimate, KeyLimits, Limits
+
+    prefix = f"tgk1{uuid.uuid4().hex[:6]}:"
+    async with stack(redis_cluster.url, prefix, tmp_path / "s", socket_timeout_s=2.0) as s:
+        limits = Limits(s.handle, s.breaker, LimitsConfig())
+        assert not limits.grouped and not limits.fused  # the script, not the single-server hot path (no lane)
+        levels = BudgetLevels(s.handle, s.breaker, LimitsConfig()).candidates({"team": "b"})
+        lim = KeyLimits("k3", budget_day_micro=1_000_000, rpm=5)
+        adm = await limits.admit(lim, "one", Estimate(50, 10), time.time(), levels)
+        assert [st.level.id for st in adm.levels] == ["key:k3", "tag:team=b", "global"]
+        assert await s.handle.client.hexists(limits.keys.reservations("k3"), "one")

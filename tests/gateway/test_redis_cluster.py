@@ -100,7 +100,8 @@ def test_requests_are_served_cached_and_metered(served: ServeProcess, upstream_s
     first, second = _post(served, "bob", body), _post(served, "bob", body)
     assert (first.status_code, second.status_code) == (200, 200), (first.text, second.text)
     assert (first.headers["x-thinkgate-cache"], second.headers["x-thinkgate-cache"]) == ("miss", "hit")
-    # the key's RPM/TPM windows as admission left them (grouped admission on Cluster, one script on Sentinel)
+    # the key's RPM/TPM windows as admission left them (one script on Sentinel and on the Cluster's shared slot; the
+    # key's own group first under cluster_placement: tenant)
     for r in (first, second):
         assert r.headers["x-ratelimit-limit-requests"] == "1000" and r.headers["x-ratelimit-limit-tokens"] == "1000000"
         assert 0 < int(r.headers["x-ratelimit-remaining-requests"]) < 1000
