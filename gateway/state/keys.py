@@ -231,6 +231,11 @@ class RedisKeys:
         """Written before each ``WAIT`` of ``metering.replica_acks`` (``Meter.replica_acks``); in the shared slot."""
         return f"{self.prefix}usage:replica:probe"
 
+    def replica_probe_at(self, tag: str) -> str:
+        """:attr:`replica_probe` in tenant ``tag``'s slot: under :attr:`per_key_slots` one is written on each master
+        (key parts are written on every master)."""
+        return f"{self.tenant(tag)}usage:replica:probe"
+
     def seen(self, day: str) -> str:
         return f"{self.prefix}usage:seen:{day}"
 

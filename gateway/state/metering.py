@@ -68,6 +68,7 @@ from typing import Any, Literal, Protocol
 
 import orjson
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import NoScriptError, OutOfMemoryError, ReadOnlyError, ResponseError
 
 from gateway.config import MeteringConfig
@@ -109,6 +110,7 @@ UNROUTED = "_unrouted"  # tier label of requests refused before routing
 REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
 CLUSTER_WRITERS = 16  # events of a batch written at once on a Redis Cluster (Meter.record_many)
 PROBE_TTL_MS = 60_000  # the replica-acknowledgement probe key (Meter.replica_acks): rewritten on every check
+PROBE_SEARCH = 10_000  # tenant tags tried for a probe key on each master (Meter._probes): a few per master suffice
 ACK_BACKOFF_S = 1.0  # after too few replica acknowledgements, batches skip the WAIT this long (Meter._acked)
 DEAD_LETTER_PROBE = 50  # dead letters sent first on a retry: all refused, the rest waits for the next one
 #: the longest wait between two dead-letter retries (seconds): each pass that counts none doubles the wait from
@@ -768,11 +770,12 @@ class Meter:
         return results
 
     async def replica_acks(self) -> int:
-        """How many replicas hold every metering write made so far (the usage keys share one slot, so one master):
-        a probe write (``p usage:replica:probe``), then ``WAIT replica_acks replica_ack_timeout_ms`` on the same
-        connection. WAIT counts the replicas past *its connection's* last write; the probe makes that write later
-        than every event this process had counted (on the lane or another connection), and the master's
-        replication stream is one ordered log. 0 when it cannot tell (an outage, a refusal, a slot in flux, a
+        """How many replicas hold every metering write made so far (the usage keys share one slot, so one master;
+        under ``tenant`` placement every master, :meth:`_probes`, and the fewest of them counts): a probe write
+        (``p usage:replica:probe``), then ``WAIT replica_acks replica_ack_timeout_ms`` on the same connection. WAIT
+        counts the replicas past *its connection's* last write; the probe makes that write later than every event
+        this process had counted (on the lane or another connection), and the master's replication stream is one
+        ordered log. 0 when it cannot tell (an outage, a refusal, a slot in flux, a
         WAIT longer than ``redis.socket_timeout_s``).
 
         Not through the breaker: a replica that is slow to acknowledge says nothing about the master, and a read
@@ -789,17 +792,40 @@ class Meter:
                     replies = await pipe.execute()
             else:
                 await self.redis.initialize()  # a no-op once done; the slot map is read at the first command
-                node = self.redis.get_node_from_key(probe)
+                probes = self._probes(self.redis, probe)
                 async with self.redis.pipeline() as cpipe:  # a cluster pipeline: one connection per node, in order
-                    # both to that node: were the slot map to change between the lookup and the send, a SET routed by
-                    # key would leave the WAIT on a connection without a write, which answers at once
-                    cpipe.execute_command("SET", probe, b"1", "PX", PROBE_TTL_MS, target_nodes=node)
-                    cpipe.execute_command("WAIT", n, t, target_nodes=node)  # not where redis-py sends a keyless WAIT
+                    for key, node in probes:
+                        # both to that node: were the slot map to change between the lookup and the send, a SET
+                        # routed by key would leave the WAIT on a connection without a write, which answers at once
+                        cpipe.execute_command("SET", key, b"1", "PX", PROBE_TTL_MS, target_nodes=node)
+                        cpipe.execute_command("WAIT", n, t, target_nodes=node)  # not where redis-py sends it
                     replies = await cpipe.execute()
+                return min(int(r) for r in replies[1::2])  # the nodes' WAITs run at once: one timeout at most
             return int(replies[1])
         except Exception as exc:  # any failure means "not known to be replicated": keep the events
             log.debug("replica acknowledgement unknown: %r", exc)
             return 0
+
+    def _probes(self, cluster: RedisCluster, probe: str) -> list[tuple[str, ClusterNode]]:
+        """The replica probes of a Redis Cluster: ``(key, node)``. The shared slot's master alone — unless each key's
+        own levels are in its tenant slot (:attr:`split`): a key part is then written on whichever master serves the
+        key's slot, so one probe on every master (a key of a tenant slot it serves: ``RedisKeys.replica_probe_at``).
+        A master that lost a key part in a failover while the shared part survived would otherwise have answered
+        "acknowledged" for it, and nothing would have kept the event for a replay."""
+        node = cluster.get_node_from_key(probe)
+        assert node is not None  # the slot map is read (initialize)
+        if not self.split:
+            return [(probe, node)]
+        out, want = [(probe, node)], {n.name for n in cluster.get_primaries()} - {node.name}
+        for i in range(PROBE_SEARCH):
+            if not want:
+                break
+            key = self.keys.replica_probe_at(f"probe{i}")
+            node = cluster.get_node_from_key(key)
+            if node is not None and node.name in want:
+                want.discard(node.name)
+                out.append((key, node))
+        return out
 
     async def _keep(self, events: list[UsageEvent]) -> list[RecordResult]:
         """``events`` into the usage spool (one fsync), replayed once Redis takes writes again."""
@@ -873,19 +899,25 @@ class Meter:
             parts.append((self._audit if event.audit else self._script).packed(keys, args))
         return await self._lane.exchange(b"".join(parts), len(events), coalesce="background")
 
-    async def _run(self, event: UsageEvent) -> list[Any]:
+    async def _run(self, event: UsageEvent, replay: bool = False) -> list[Any]:
         if self.split:
-            return await self._run_split(event)
+            return await self._run_split(event, replay=replay)
         keys, args = self._keys_args(event)  # off the request path: with the cache's stores of the same pass
         return await (self._audit if event.audit else self._script)(keys=keys, args=args, coalesce="background")
 
     async def _run_split(self, event: UsageEvent, owner_heartbeat: str | None = None,
-                         release: str | None = None) -> list[Any]:
+                         release: str | None = None, replay: bool = False) -> list[Any]:
         """RECORD (AUDIT for an audit event; RELEASE with ``release``, the request id of an unsent call) as its three
         calls on a Cluster whose keys' own levels are in their tenant slots (``RECORD_SHARED_LUA``, above). Answers
         RECORD's reply (the key's costs None when another writer completed its key part), or ``[-1]`` when the
         claim of ``owner_heartbeat``'s record failed. Raises what a call raises: the calls before it stay done and
-        the next try (a replay, the reconciler, :meth:`finish_pending`) completes the rest."""
+        the next try (a replay, the reconciler, :meth:`finish_pending`) completes the rest.
+
+        ``replay`` (a spooled, unacknowledged or dead-lettered event sent again): when the shared part is counted
+        and nothing is pending, the key part is sent anyway — once by id in the key's own seen-set, so it counts
+        only where a failover lost it while the shared part and the finish survived (the key's master died before
+        its replicas had it: ``metering.replica_acks`` keeps such an event, :meth:`_probes`). A replayed event is
+        within the dedup window (:meth:`_fresh`), which the key's seen-set lives at least as long as."""
         k = self.keys
         day, rid = event.day, release or event.event_id
         mode = "x" if release else ("a" if event.audit else "r")
@@ -933,6 +965,8 @@ class Meter:
         stored = as_bytes(reply[1]) if reply[1] else b""
         if stored:
             key_costs = (await self._complete(stored))[1:]
+        elif replay and not int(reply[0]):
+            key_costs = (await self._complete(pending))[1:]
         return [int(reply[0]), *key_costs, *reply[2:]]
 
     async def _complete(self, stored: bytes) -> list[int]:
@@ -1169,7 +1203,7 @@ class Meter:
         if not isinstance(self.redis, Redis):
             for event in events:
                 try:
-                    await self.breaker.call(functools.partial(self._run, event))
+                    await self.breaker.call(functools.partial(self._run, event, replay=True))
                 except ResponseError as exc:
                     refused.append((event, exc))
             return refused

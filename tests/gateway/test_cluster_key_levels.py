@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import yaml
@@ -27,15 +30,17 @@ from redis.exceptions import ResponseError
 from gateway.config import Prices
 from gateway.ledger.aggregate import DAY_S, day_start
 from gateway.ledger.event import UsageEvent
+from gateway.state.breaker import RedisDown
 from gateway.state.keys import RedisKeys, key_tenant
 from gateway.state.redis import cluster_prefix
 from tests.fixtures.gateway_process import REPO, serve_config
-from tests.fixtures.redis_cluster import ClusterSet
+from tests.fixtures.redis_cluster import ClusterSet, cluster_set
 from tests.fixtures.redis_stack import Stack, stack
 from tests.fixtures.upstream import SimProcess
 
 PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
                 output_usd_per_mtok=Decimal("2.00"))
+T = TypeVar("T")
 RESERVED_TOKENS = 5000
 TPM_BEFORE = 7000
 
@@ -246,6 +251,18 @@ def test_serve_refuses_a_cluster_holding_the_other_placements_keys(redis_cluster
         assert f"redis.cluster_placement: {written}" in run.stderr and "team-x" in run.stderr, run.stderr
 
 
+async def _after_failover(read: Callable[[], Awaitable[T]], timeout_s: float = 30.0) -> T:
+    """``read()`` once the client has found the promoted master (a pooled connection to the dead one fails first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await read()
+        except RedisDown:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.3)
+
+
 async def _create_key(url: str, prefix: str, placement: str) -> None:
     from gateway.auth.redis_store import RedisKeyStore
     from gateway.config import RedisConfig
@@ -322,3 +339,52 @@ async def test_under_shared_placement_a_cluster_admits_every_level_in_one_call(r
         adm = await limits.admit(lim, "one", Estimate(50, 10), time.time(), levels)
         assert [st.level.id for st in adm.levels] == ["key:k3", "tag:team=b", "global"]
         assert await s.handle.client.hexists(limits.keys.reservations("k3"), "one")
+
+async def test_replica_acks_cover_the_key_part_lost_in_a_failover(tmp_path: Path) -> None:
+    """``metering.replica_acks`` under ``tenant``: the key part is written on the master of the key's own slot, not
+    the shared slot's. Its replicas must acknowledge it too, or the event is kept for a replay — and that replay,
+    finding the shared part counted and nothing pending, must count the key part the failover lost (once: the key's
+    own seen-set). Here the key's master dies with the key part on no replica (its replicas stopped), a replica
+    without it is promoted: the stream holds the event, the key's counters must too."""
+    with cluster_set(tmp_path / "redis", replicas_per_master=2) as c:
+        prefix = "tgkra:"
+        k = RedisKeys(cluster_prefix(prefix), "tenant")
+        shared = c.master_of(k.events)
+        key = next(f"gina{i}" for i in range(100) if c.master_of(k.key_total(f"gina{i}")) != shared)
+        own = c.master_of(k.key_total(key))
+        rep = c.nodes.client(own).info("replication")
+        replicas = [int(v["port"]) for f, v in rep.items() if f.startswith("slave") and isinstance(v, dict)]
+        assert len(replicas) == 2
+        async with stack(c.url, prefix, tmp_path / "spool.jsonl", placement="tenant", socket_timeout_s=2.0,
+                         replica_acks=1, replica_ack_timeout_ms=300) as st:
+            first = _event(key, 1)
+            assert (await st.meter.record(first)).counted
+            assert st.meter.unacked.pending_bytes() == 0  # every master's replicas answer: nothing kept
+            for p in replicas:  # the key's master alone will hold what is written now: its replicas stopped, and
+                os.kill(c.nodes.procs[p].pid, signal.SIGSTOP)
+            c.nodes.client(own).client_kill_filter(_type="replica")  # cut off (else the kernel buffers the stream)
+            ev = _event(key, 2)
+            try:
+                assert (await st.meter.record(ev)).counted
+                # the shared slot's replicas have it, the key part's do not: kept for a replay
+                assert st.meter.unacked.pending_bytes() > 0, "the key part's master was never asked for acks"
+                c.kill(own)  # dies before any replica has the key part
+            finally:
+                for p in replicas:
+                    os.kill(c.nodes.procs[p].pid, signal.SIGCONT)
+            await asyncio.to_thread(c.wait_failover, 60)
+            assert [e["event_id"] for e in await _stream(st)] == [first.event_id, ev.event_id]
+            deadline = time.monotonic() + 30
+            while st.meter.unacked.pending_bytes() and time.monotonic() < deadline:
+                await st.meter.replay()
+                await asyncio.sleep(0.3)
+            assert st.meter.unacked.pending_bytes() == 0
+            counters = await _after_failover(lambda: st.meter.key_counters(key))
+            assert counters["requests"] == 2, counters
+            assert counters["cost_micro_usd"] == first.cost_micro_usd + ev.cost_micro_usd
+            assert len(await _stream(st)) == 2
+            assert await st.handle.client.hgetall(k.pending) == {}
+            # replayed again: counted nowhere a second time
+            await st.meter.unacked.append([ev])
+            await st.meter.replay()
+            assert (await st.meter.key_counters(key))["requests"] == 2

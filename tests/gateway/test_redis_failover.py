@@ -1,7 +1,9 @@
-"""A Redis master killed under load — a Cluster master (the one holding the shared admission/metering slot) and
-the Sentinel master — while a real ``thinkgate serve`` process serves traffic from three keys: the gateway keeps
-answering, redis-py's cluster/sentinel clients find the promoted replica, the usage spool catches every event
-written while the master was gone and replays it once, and a key's daily budget holds through the outage.
+"""A Redis master killed under load — a Cluster master (the one holding the shared admission/metering slot), under
+``redis.cluster_placement: tenant`` the Cluster master holding the budgeted key's own slot (not the shared one: an
+event of that key may be half written when it dies), and the Sentinel master — while a real ``thinkgate serve``
+process serves traffic from three keys: the gateway keeps answering, redis-py's cluster/sentinel clients find the
+promoted replica, the usage spool catches every event written while the master was gone and replays it once, each
+key's counters sum its events in the stream, and a key's daily budget holds through the outage.
 
 Bounded: about 4 s of traffic before the kill, the failover (a few seconds: ``cluster-node-timeout`` /
 ``down-after-milliseconds`` 1 s), 3 s after it; then at most 60 s for the spool to drain."""
@@ -21,6 +23,7 @@ import httpx
 import pytest
 
 from gateway.config import TierConfig
+from gateway.state.keys import RedisKeys
 from gateway.state.limits import estimate
 from gateway.state.metering import unacked_path
 from gateway.state.redis import cluster_prefix
@@ -32,22 +35,27 @@ from tests.fixtures.upstream import SimProcess, sim_tiers
 ADMIN = {"authorization": f"Bearer {ADMIN_SECRET}"}
 ALICE_BODY = {"model": "short", "messages": [{"role": "user", "content": "alice under failover"}]}
 BEFORE_S, AFTER_S = 4.0, 3.0
+TENANT_PREFIX = "tgft:"  # cluster-tenant: alice's own slot and the shared one on different masters (asserted)
 
 
-@pytest.fixture(params=["cluster", "sentinel"])
+@pytest.fixture(params=["cluster", "cluster-tenant", "sentinel"])
 def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
 def _backend(kind: str, tmp: Path) -> AbstractContextManager[ClusterSet | SentinelSet]:
-    return cluster_set(tmp) if kind == "cluster" else sentinel_set(tmp)
+    return cluster_set(tmp) if kind.startswith("cluster") else sentinel_set(tmp)
 
 
-def _kill_master(backend: ClusterSet | SentinelSet, prefix: str) -> Callable[[], None]:
-    """Kill the master that matters most (for a Cluster: the one serving the shared slot) → a function that waits
-    for the failover."""
+def _kill_master(backend: ClusterSet | SentinelSet, prefix: str, kind: str) -> Callable[[], None]:
+    """Kill the master that matters most (for a Cluster: the one serving the shared slot; under ``tenant``
+    placement the one serving alice's own slot, and not the shared one) → a function that waits for the failover."""
     if isinstance(backend, ClusterSet):
         port = backend.master_of(cluster_prefix(prefix) + "usage:events")
+        if kind == "cluster-tenant":
+            own = backend.master_of(RedisKeys(cluster_prefix(prefix), "tenant").key_total("alice"))
+            assert own != port, "pick a prefix whose shared slot is on another master than alice's"
+            port = own
         backend.kill(port)
         return backend.wait_failover
     old = backend.kill_master()
@@ -91,17 +99,19 @@ def test_master_killed_under_load_nothing_lost_budget_holds(kind: str, upstream_
                                                             alice_budget_micro: int, tmp_path: Path) -> None:
     auth = keys_config(alice={"budget_usd_day": str(Decimal(alice_budget_micro) / 1_000_000)})
     auth["keys"].append({"id": "carol", "secret": SECRETS_ALL["carol"], "tags": {"team": "c"}})
-    prefix = "tgf:"
+    prefix = "tgf:" if kind != "cluster-tenant" else TENANT_PREFIX
     with _backend(kind, tmp_path / "redis") as backend:
         # Sentinel: with metering.replica_acks 1 (WAIT after each batch; events no replica acknowledged stay in the
         # spool too) — after the failover the new master still has a replica. Not the Cluster: its promoted
         # replica is left without one, so nothing could be acknowledged there again.
         metering = {"replica_acks": 1} if kind == "sentinel" else {}
+        placement = {"cluster_placement": "tenant"} if kind == "cluster-tenant" else {}
         cfg = serve_config(upstream_sim.base_url, tmp_path, prefix, auth=auth,
-                           redis={"socket_timeout_s": 1.0, "breaker_cooldown_s": 0.5}, metering=metering)
+                           redis={"socket_timeout_s": 1.0, "breaker_cooldown_s": 0.5, **placement},
+                           metering=metering)
         with serve(cfg, tmp_path, {"THINKGATE_REDIS__URL": backend.url}, wait="/ready") as sp:
             results: list[tuple[str, int, str]] = []
-            failover_s = asyncio.run(_run(sp.base_url, backend, prefix, results))
+            failover_s = asyncio.run(_run(sp.base_url, backend, prefix, kind, results))
             statuses = Counter((who, code) for who, code, _ in results)
             print(f"\n{kind}: failover took {failover_s:.1f} s; responses {dict(statuses)}")
             # the gateway kept answering: nothing but 200s (and alice's 429 budget refusals)
@@ -127,6 +137,11 @@ def test_master_killed_under_load_nothing_lost_budget_holds(kind: str, upstream_
                 if counted != statuses[(who, 200)] and isinstance(backend, SentinelSet):  # the evidence, then fail
                     print(backend.describe(f"*usage:key:{who}", "requests"))
                 assert counted == statuses[(who, 200)], f"{who}: {counted} counted"
+            # the key counters agree with the stream: each key's all-time spend is the sum of its events' costs
+            for who in ("alice", "bob", "carol"):
+                in_stream = sum(int(e["cost_micro_usd"]) for e in events if e["key_id"] == who)
+                spent = _wait_counter(sp.base_url, who, in_stream, timeout_s=20, field="cost_micro_usd")
+                assert spent == in_stream, (who, spent, in_stream)
             # alice's budget held through the outage (hard mode; the local fallback counts her spend meanwhile)
             alice_spend = sum(int(e["cost_micro_usd"]) for e in events if e["key_id"] == "alice")
             print(f"alice: spend {alice_spend} of a budget of {alice_budget_micro} micro-USD")
@@ -137,13 +152,13 @@ def test_master_killed_under_load_nothing_lost_budget_holds(kind: str, upstream_
                 assert not path.exists() or path.stat().st_size == 0, path
 
 
-async def _run(base: str, backend: ClusterSet | SentinelSet, prefix: str,
+async def _run(base: str, backend: ClusterSet | SentinelSet, prefix: str, kind: str,
                results: list[tuple[str, int, str]]) -> float:
     stop = asyncio.Event()
     tasks = [asyncio.create_task(w) for w in _traffic(base, stop, results)]
     await asyncio.sleep(BEFORE_S)
     t0 = time.monotonic()
-    wait = await asyncio.to_thread(_kill_master, backend, prefix)
+    wait = await asyncio.to_thread(_kill_master, backend, prefix, kind)
     await asyncio.to_thread(wait)
     failover_s = time.monotonic() - t0
     await asyncio.sleep(AFTER_S)
@@ -157,13 +172,14 @@ def _gauge(root: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-def _wait_counter(base: str, who: str, want: int, timeout_s: float) -> int:
-    """``who``'s all-time request counter once it reads ``want`` (or whatever it reads at the deadline): the
-    counters and the stream are written by one script, so a difference that outlives a replica's lag is a loss."""
+def _wait_counter(base: str, who: str, want: int, timeout_s: float, field: str = "requests") -> int:
+    """``who``'s all-time counter ``field`` once it reads ``want`` (or whatever it reads at the deadline): the
+    counters and the stream are written by one script (under ``tenant`` placement: the key part of a pending event
+    is completed by the spool's replay or the sweep), so a difference that outlives a replica's lag is a loss."""
     deadline = time.monotonic() + timeout_s
     while True:
         got = int(httpx.get(base + "/usage", params={"key_id": who}, headers=ADMIN,
-                            timeout=30).json()["counters"]["total"]["requests"])
+                            timeout=30).json()["counters"]["total"].get(field, 0))
         if got == want or time.monotonic() > deadline:
             return got
         time.sleep(0.5)
