@@ -49,6 +49,10 @@ def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_time
     async def go() -> T:
         handle = connect(cfg)
         try:
+            conflict = await _placement_conflict(handle)
+            if conflict is not None:  # a command on the other placement's names would read or write the wrong keys
+                typer.echo(f"thinkgate: {conflict}", err=True)
+                raise typer.Exit(2)
             return await fn(handle)
         finally:
             await handle.close()
@@ -69,3 +73,16 @@ def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_time
     finally:
         breaker_log.setLevel(level)
 
+
+async def _placement_conflict(handle: Any) -> str | None:
+    """On a Redis Cluster: data of the other ``redis.cluster_placement`` there (``gateway/state/placement.py``), or
+    None — also when the check cannot run (an outage: the command's own call then says so)."""
+    from gateway.state.placement import placement_conflict
+
+    if handle.kind != "cluster":
+        return None
+    try:
+        return await placement_conflict(handle)
+    except Exception as exc:  # see the docstring
+        logging.getLogger("thinkgate").debug("redis.cluster_placement not checked: %r", exc)
+        return None

@@ -3,8 +3,9 @@
 ``tenant`` keeps each API key's own record, counters and limits in its tenant slot; ``shared`` (every earlier
 version) in the one shared slot (``gateway/state/keys.py``). The names differ, so a gateway switched from one to the
 other on a cluster that already holds keys would find none of them: its keys stop authenticating and its spend
-budgets read $0 spent — the budgets reset mid-month. ``thinkgate serve`` refuses to start then
-(:func:`placement_conflict`) instead of serving on half the data.
+budgets read $0 spent — the budgets reset mid-month. ``thinkgate serve`` refuses to start then, and every CLI
+command that connects (``gateway/cli/common.py`` ``run_on_redis``) refuses to run (:func:`placement_conflict`),
+instead of serving on, or writing beside, half the data.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ async def placement_conflict(handle: RedisHandle) -> str | None:
         for mine, theirs in ((keys.key_record(key_id), other.key_record(key_id)),
                              (keys.key_total(key_id), other.key_total(key_id))):
             if await r.exists(theirs) and not await r.exists(mine):
-                return (f"this Redis Cluster holds API key {key_id!r}'s data under redis.cluster_placement: "
-                        f"{other.placement} ({theirs}), and this gateway is configured with {keys.placement}: it "
-                        "would not find that key, nor its spend (its budgets would read $0 spent). Set "
-                        f"redis.cluster_placement: {other.placement}, or use a new key_prefix or cluster "
-                        "(docs/metering.md, Redis Cluster)")
+                return (f"this Redis Cluster holds the data of API key {key_id!r} under redis.cluster_placement: "
+                        f"{other.placement} ({theirs}), and this configuration says {keys.placement}: it would not "
+                        "find that key, nor its spend (its budgets would read $0 spent), and would write new keys "
+                        f"where no gateway of the other placement reads them. Set redis.cluster_placement: "
+                        f"{other.placement} (the gateway and every CLI command alike), or use a new key_prefix or "
+                        "cluster (docs/metering.md, Redis Cluster)")
     return None

@@ -176,6 +176,9 @@ def test_overlays_point_redis_at_a_cluster_or_sentinel(rendered: dict[str, list[
     # the cluster overlay is for a new cluster: each API key's own data in its own slot (docs/deploy.md §3)
     placements = {t: pod_env(d).get("THINKGATE_REDIS__CLUSTER_PLACEMENT") for t, d in rendered.items()}
     assert placements == {"base": None, "redis-cluster": "tenant", "redis-sentinel": None}
+    # with replicas, a usage event is let go once a replica has it (a failover loses none)
+    acks = {t: pod_env(d).get("THINKGATE_METERING__REPLICA_ACKS") for t, d in rendered.items()}
+    assert acks == {"base": None, "redis-cluster": "1", "redis-sentinel": "1"}
 
 
 def pod_env(docs: list[dict[str, Any]]) -> dict[str, str]:

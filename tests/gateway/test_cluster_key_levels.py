@@ -233,10 +233,11 @@ async def test_an_unsent_orphan_is_released_in_both_slots(redis_cluster: Cluster
         assert not await st.meter.release_orphan(audit, k.heartbeat("gone-owner"))
 
 
-def test_serve_refuses_a_cluster_holding_the_other_placements_keys(redis_cluster: ClusterSet,
-                                                                    upstream_sim: SimProcess, tmp_path: Path) -> None:
+def test_serve_and_the_cli_refuse_a_cluster_holding_the_other_placements_keys(
+        redis_cluster: ClusterSet, upstream_sim: SimProcess, tmp_path: Path) -> None:
     """A gateway switched between placements on a cluster that holds keys would find none of them (their budgets
-    reading $0 spent): ``thinkgate serve`` exits 2 saying so, in both directions."""
+    reading $0 spent), and a CLI command would list nothing or write a key where no gateway reads it: ``thinkgate
+    serve`` and the commands exit 2 saying so, in both directions, and write nothing."""
     for written, configured in (("shared", "tenant"), ("tenant", "shared")):
         prefix = f"tgpc{uuid.uuid4().hex[:6]}:"
         asyncio.run(_create_key(redis_cluster.url, prefix, written))
@@ -244,11 +245,26 @@ def test_serve_refuses_a_cluster_holding_the_other_placements_keys(redis_cluster
                            redis={"cluster_placement": configured, "start_if_missing": False})
         path = tmp_path / f"{written}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        run = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(path)], cwd=REPO,
-                             env={**os.environ, "THINKGATE_CONFIG": "", "THINKGATE_REDIS__URL": redis_cluster.url},
-                             capture_output=True, text=True, timeout=60)
-        assert run.returncode == 2, run.stderr
-        assert f"redis.cluster_placement: {written}" in run.stderr and "team-x" in run.stderr, run.stderr
+        for command in (["serve"], ["keys", "create", "--id", "team-y"], ["keys", "list"],
+                        ["usage", "export", "--format", "jsonl"]):
+            run = subprocess.run([sys.executable, "-m", "gateway", *command, "--config", str(path)], cwd=REPO,
+                                 env={**os.environ, "THINKGATE_CONFIG": "",
+                                      "THINKGATE_REDIS__URL": redis_cluster.url},
+                                 capture_output=True, text=True, timeout=60)
+            assert run.returncode == 2, (command, run.stdout, run.stderr)
+            assert f"redis.cluster_placement: {written}" in run.stderr and "team-x" in run.stderr, run.stderr
+        assert not asyncio.run(_key_exists(redis_cluster.url, prefix, "team-y"))  # nothing written
+
+
+async def _key_exists(url: str, prefix: str, key_id: str) -> bool:
+    from gateway.config import RedisConfig
+    from gateway.state.redis import connect
+
+    handle = connect(RedisConfig(url=url, key_prefix=prefix, socket_timeout_s=2.0))
+    try:
+        return bool(await handle.client.sismember(RedisKeys.of(handle).key_ids, key_id))
+    finally:
+        await handle.close()
 
 
 async def _after_failover(read: Callable[[], Awaitable[T]], timeout_s: float = 30.0) -> T:
