@@ -678,6 +678,7 @@ class Meter:
         #: events an outage spooled
         self.unacked = Spool(unacked_path(spool.path), spool.decode, self.quarantine)
         self._unreplicated_logged = float("-inf")
+        self._pending_refused_logged = float("-inf")  # the sweep's last ERROR line for a refused key part
         self._acks_short_until = float("-inf")  # after a shortfall, batches skip the WAIT until then (ACK_BACKOFF_S)
         # every event settles its request's write-ahead record (gateway/state/write_ahead.py) in the same script
         self._wal_key = self.keys.write_ahead if cfg.write_ahead else None
@@ -1227,7 +1228,11 @@ class Meter:
             except RedisDown:
                 return sent
             except ResponseError as exc:
-                log.error("a pending key part was refused by Redis (kept, tried again next pass): %s", exc)
+                now = time.monotonic()
+                if now - self._pending_refused_logged >= 60.0:  # once a minute: the sweep runs every pass
+                    self._pending_refused_logged = now
+                    log.error("a pending key part was refused by Redis (kept in usage:pending, tried again every "
+                              "pass; fix or delete the key it names): %s", exc)
         if (self.cfg.replica_acks and self.unacked.pending_bytes()
                 and await self.replica_acks() >= self.cfg.replica_acks):
             sent += await self.unacked.replay(self._record_unacked, "unreplicated usage")
