@@ -164,6 +164,78 @@ local function note_late(index, late, id, ts_ms, late_ms, ttl)
 end
 """
 
+# An event's counters, shared by RECORD and RECORD_KEY (after UNDO_LUA): ARGV[from..] are field / increment pairs;
+# count_counters adds each non-zero increment to KEYS[lo..hi] (unless ``all`` is false or the field is CUBE_ONLY: the
+# cube's only) and, as "<field> <cell>", to the cube KEYS[cube] — counted in na, not logged; counter_writes lists the
+# same writes for the failure path (which takes back the first na).
+COUNTERS_LUA = """
+local CUBE_ONLY = {""" + ", ".join(f"{f} = true" for f in CUBE_ONLY_FIELDS) + """}
+local function count_counters(from, lo, hi, cube, cell, all)
+  for i = from, #ARGV, 2 do
+    local n = ARGV[i + 1]
+    if n ~= '0' then
+      local f = ARGV[i]
+      if all and not CUBE_ONLY[f] then
+        for k = lo, hi do
+          redis.call('HINCRBY', KEYS[k], f, n)
+          na = na + 1
+        end
+      end
+      redis.call('HINCRBY', KEYS[cube], f .. cell, n)
+      na = na + 1
+    end
+  end
+end
+local function counter_writes(from, lo, hi, cube, cell, all)
+  local a = {}
+  for i = from, #ARGV, 2 do
+    if ARGV[i + 1] ~= '0' then
+      if all and not CUBE_ONLY[ARGV[i]] then
+        for k = lo, hi do a[#a + 1] = {KEYS[k], ARGV[i], ARGV[i + 1]} end
+      end
+      a[#a + 1] = {KEYS[cube], ARGV[i] .. cell, ARGV[i + 1]}
+    end
+  end
+  return a
+end
+"""
+
+# The levels above the key (global, then each tag) of a counted event, shared by RECORD and RECORD_SHARED:
+# levels(first, tag0, ntags): the KEYS index of each level's day counter (its month counter follows it);
+# count_levels: cost and one request added to each level's day and month, TTLs renewed — counted in nb, not logged
+# (the failure path lists the same writes with level_writes and takes back the first nb).
+LEVELS_LUA = """
+local function levels(first, tag0, ntags)
+  local lv = {first}
+  for j = 0, ntags - 1 do lv[#lv + 1] = tag0 + 3 * j end
+  return lv
+end
+local function count_levels(lv, cost, day_ttl, month_ttl)
+  for _, d in ipairs(lv) do
+    redis.call('HINCRBY', KEYS[d], 'cost_micro_usd', cost)
+    nb = nb + 1
+    redis.call('HINCRBY', KEYS[d], 'requests', 1)
+    nb = nb + 1
+    redis.call('HINCRBY', KEYS[d + 1], 'cost_micro_usd', cost)
+    nb = nb + 1
+    redis.call('HINCRBY', KEYS[d + 1], 'requests', 1)
+    nb = nb + 1
+    redis.call('EXPIRE', KEYS[d], day_ttl)
+    redis.call('EXPIRE', KEYS[d + 1], month_ttl)
+  end
+end
+local function level_writes(lv, cost)
+  local b = {}
+  for _, d in ipairs(lv) do
+    b[#b + 1] = {KEYS[d], 'cost_micro_usd', cost}
+    b[#b + 1] = {KEYS[d], 'requests', 1}
+    b[#b + 1] = {KEYS[d + 1], 'cost_micro_usd', cost}
+    b[#b + 1] = {KEYS[d + 1], 'requests', 1}
+  end
+  return b
+end
+"""
+
 # KEYS: 1 seen-set, 2 stream, 3 key total, 4 key day, 5 key month, 6 tier total, 7 tier day, 8 usage:keys,
 #       9 the key's reservation hash, 10 the key's TPM counter of the event's minute, 11 global day,
 #       12 global month, 13 global reservations, 14 the key's usage cube of the day, 15 the cube index,
@@ -186,8 +258,7 @@ end
 # orphan being reconciled, counted only if its record is still there and the heartbeat still absent (the atomic
 # claim: a record settled normally, or claimed by another replica first, is left alone; reply {0, 0, …}).
 # Returns {counted (1/0), key day cost, key month cost, global day, global month, tag day, tag month, …}.
-RECORD_LUA = LUA_FUNCTIONS + NOTE_LATE + SETTLE_LUA + """
-local CUBE_ONLY = {""" + ", ".join(f"{f} = true" for f in CUBE_ONLY_FIELDS) + """}
+RECORD_LUA = LUA_FUNCTIONS + NOTE_LATE + SETTLE_LUA + LEVELS_LUA + COUNTERS_LUA + """
 local function record()
   local ntags = tonumber(ARGV[11])
   local late, wal, owner_hb = KEYS[17 + 3 * ntags], KEYS[18 + 3 * ntags], KEYS[19 + 3 * ntags]
@@ -219,20 +290,7 @@ local function record()
     -- counted, not logged (most of the writes): the failure path (below) lists them in this order
     at_cmd = 'A'
     local cell = ' ' .. ARGV[13]
-    for i = 16, #ARGV, 2 do
-      local n = ARGV[i + 1]
-      if n ~= '0' then
-        local f = ARGV[i]
-        if not CUBE_ONLY[f] then
-          for k = 3, 7 do
-            redis.call('HINCRBY', KEYS[k], f, n)
-            na = na + 1
-          end
-        end
-        redis.call('HINCRBY', KEYS[14], f .. cell, n)
-        na = na + 1
-      end
-    end
+    count_counters(16, 3, 7, 14, cell, true)
     redis.call('EXPIRE', KEYS[14], ARGV[4])
     hincr(KEYS[15], 'n:' .. ARGV[12], 1)
     if sadd(KEYS[16], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[16], ARGV[4]) end
@@ -241,20 +299,7 @@ local function record()
     redis.call('EXPIRE', KEYS[7], ARGV[4])
     sadd(KEYS[8], ARGV[7])
     at_cmd = 'B'
-    local lv = {11}
-    for j = 0, ntags - 1 do lv[#lv + 1] = 17 + 3 * j end
-    for _, d in ipairs(lv) do
-      redis.call('HINCRBY', KEYS[d], 'cost_micro_usd', ARGV[10])
-      nb = nb + 1
-      redis.call('HINCRBY', KEYS[d], 'requests', 1)
-      nb = nb + 1
-      redis.call('HINCRBY', KEYS[d + 1], 'cost_micro_usd', ARGV[10])
-      nb = nb + 1
-      redis.call('HINCRBY', KEYS[d + 1], 'requests', 1)
-      nb = nb + 1
-      redis.call('EXPIRE', KEYS[d], ARGV[4])
-      redis.call('EXPIRE', KEYS[d + 1], ARGV[5])
-    end
+    count_levels(levels(11, 17, ntags), ARGV[10], ARGV[4], ARGV[5])
   end
   local out = {counted}
   local function cost(k)
@@ -278,22 +323,8 @@ end
 -- the counter HINCRBYs of record() (its loops 'A' and 'B'), in its order, {key, field, n} each: the first na / nb
 -- were done; a failure in a loop was at the write after them
 local a, b, cell = {}, {}, ' ' .. ARGV[13]
-for i = 16, #ARGV, 2 do
-  if ARGV[i + 1] ~= '0' then
-    if not CUBE_ONLY[ARGV[i]] then
-      for k = 3, 7 do a[#a + 1] = {KEYS[k], ARGV[i], ARGV[i + 1]} end
-    end
-    a[#a + 1] = {KEYS[14], ARGV[i] .. cell, ARGV[i + 1]}
-  end
-end
-local lv = {11}
-for j = 0, tonumber(ARGV[11]) - 1 do lv[#lv + 1] = 17 + 3 * j end
-for _, d in ipairs(lv) do
-  b[#b + 1] = {KEYS[d], 'cost_micro_usd', ARGV[10]}
-  b[#b + 1] = {KEYS[d], 'requests', 1}
-  b[#b + 1] = {KEYS[d + 1], 'cost_micro_usd', ARGV[10]}
-  b[#b + 1] = {KEYS[d + 1], 'requests', 1}
-end
+a = counter_writes(16, 3, 7, 14, cell, true)
+b = level_writes(levels(11, 17, tonumber(ARGV[11])), ARGV[10])
 if at_cmd == 'A' then at_cmd, at_key = 'HINCRBY', (a[na + 1] or {'?'})[1] end
 if at_cmd == 'B' then at_cmd, at_key = 'HINCRBY', (b[nb + 1] or {'?'})[1] end
 for i = 1, na do unincr(a[i][1], a[i][2], a[i][3]) end
@@ -383,8 +414,7 @@ end""")
 #       tokens back (a call never sent), '' none; 4 upstream tokens, 5 TPM TTL ms, 6 seen TTL s, 7 day TTL s,
 #       8 month TTL s, 9 the cube cell, 10 'k' (counters and cube) or 'c' (cube only: an audit event), 11.. field /
 #       increment pairs (a field of CUBE_ONLY: the cube's only). Returns {counted (1/0), key day cost, key month cost}.
-RECORD_KEY_LUA = LUA_FUNCTIONS + UNDO_LUA + SETTLE_LUA + """
-local CUBE_ONLY = {""" + ", ".join(f"{f} = true" for f in CUBE_ONLY_FIELDS) + """}
+RECORD_KEY_LUA = LUA_FUNCTIONS + UNDO_LUA + SETTLE_LUA + COUNTERS_LUA + """
 local function record_key()
   local tpm_zero = false  -- the TPM window brought to 0: deleted last (below)
   if ARGV[2] ~= '' then
@@ -403,21 +433,8 @@ local function record_key()
     counted = 1
     redis.call('EXPIRE', KEYS[1], ARGV[6])
     at_cmd = 'A'
-    local cell, all = ' ' .. ARGV[9], ARGV[10] == 'k'
-    for i = 11, #ARGV, 2 do
-      local n = ARGV[i + 1]
-      if n ~= '0' then
-        local f = ARGV[i]
-        if all and not CUBE_ONLY[f] then
-          for k = 2, 4 do
-            redis.call('HINCRBY', KEYS[k], f, n)
-            na = na + 1
-          end
-        end
-        redis.call('HINCRBY', KEYS[7], f .. cell, n)
-        na = na + 1
-      end
-    end
+    local all = ARGV[10] == 'k'
+    count_counters(11, 2, 4, 7, ' ' .. ARGV[9], all)
     redis.call('EXPIRE', KEYS[7], ARGV[7])
     if all then
       redis.call('EXPIRE', KEYS[3], ARGV[7])
@@ -432,15 +449,7 @@ local function record_key()
   return {counted, d, m}
 end
 """ + all_or_nothing("record_key", """
-local a, cell, all = {}, ' ' .. ARGV[9], ARGV[10] == 'k'
-for i = 11, #ARGV, 2 do
-  if ARGV[i + 1] ~= '0' then
-    if all and not CUBE_ONLY[ARGV[i]] then
-      for k = 2, 4 do a[#a + 1] = {KEYS[k], ARGV[i], ARGV[i + 1]} end
-    end
-    a[#a + 1] = {KEYS[7], ARGV[i] .. cell, ARGV[i + 1]}
-  end
-end
+local a = counter_writes(11, 2, 4, 7, ' ' .. ARGV[9], ARGV[10] == 'k')
 if at_cmd == 'A' then at_cmd, at_key = 'HINCRBY', (a[na + 1] or {'?'})[1] end
 for i = 1, na do unincr(a[i][1], a[i][2], a[i][3]) end
 """)
@@ -456,8 +465,7 @@ for i = 1, na do unincr(a[i][1], a[i][2], a[i][3]) end
 #       15 the request id (reservations, the write-ahead record), 16.. counter field / increment pairs ('r')
 # Returns {-1} when the claim fails (the record settled, or its owner alive), else {counted (1/0), the pending key
 # part ('' when none is pending: done, or never split), global day cost, global month cost, tag day, tag month, …}.
-RECORD_SHARED_LUA = LUA_FUNCTIONS + NOTE_LATE + SETTLE_LUA + """
-local CUBE_ONLY = {""" + ", ".join(f"{f} = true" for f in CUBE_ONLY_FIELDS) + """}
+RECORD_SHARED_LUA = LUA_FUNCTIONS + NOTE_LATE + SETTLE_LUA + LEVELS_LUA + COUNTERS_LUA + """
 local function shared()
   local ntags, mode, rid = tonumber(ARGV[9]), ARGV[14], ARGV[15]
   local wal, owner_hb = KEYS[13 + 3 * ntags], KEYS[14 + 3 * ntags]
@@ -489,20 +497,7 @@ local function shared()
       redis.call('EXPIRE', KEYS[4], ARGV[4])
       sadd(KEYS[5], ARGV[7])
       at_cmd = 'B'
-      local lv = {6}
-      for j = 0, ntags - 1 do lv[#lv + 1] = 13 + 3 * j end
-      for _, d in ipairs(lv) do
-        redis.call('HINCRBY', KEYS[d], 'cost_micro_usd', ARGV[8])
-        nb = nb + 1
-        redis.call('HINCRBY', KEYS[d], 'requests', 1)
-        nb = nb + 1
-        redis.call('HINCRBY', KEYS[d + 1], 'cost_micro_usd', ARGV[8])
-        nb = nb + 1
-        redis.call('HINCRBY', KEYS[d + 1], 'requests', 1)
-        nb = nb + 1
-        redis.call('EXPIRE', KEYS[d], ARGV[4])
-        redis.call('EXPIRE', KEYS[d + 1], ARGV[5])
-      end
+      count_levels(levels(6, 13, ntags), ARGV[8], ARGV[4], ARGV[5])
     end
     hincr(KEYS[9], 'n:' .. ARGV[10], 1)
     if sadd(KEYS[10], ARGV[7]) == 1 then redis.call('EXPIRE', KEYS[10], ARGV[4]) end
@@ -530,14 +525,7 @@ for i = 16, #ARGV, 2 do
     for k = 3, 4 do a[#a + 1] = {KEYS[k], ARGV[i], ARGV[i + 1]} end
   end
 end
-local lv = {6}
-for j = 0, tonumber(ARGV[9]) - 1 do lv[#lv + 1] = 13 + 3 * j end
-for _, d in ipairs(lv) do
-  b[#b + 1] = {KEYS[d], 'cost_micro_usd', ARGV[8]}
-  b[#b + 1] = {KEYS[d], 'requests', 1}
-  b[#b + 1] = {KEYS[d + 1], 'cost_micro_usd', ARGV[8]}
-  b[#b + 1] = {KEYS[d + 1], 'requests', 1}
-end
+b = level_writes(levels(6, 13, tonumber(ARGV[9])), ARGV[8])
 if at_cmd == 'A' then at_cmd, at_key = 'HINCRBY', (a[na + 1] or {'?'})[1] end
 if at_cmd == 'B' then at_cmd, at_key = 'HINCRBY', (b[nb + 1] or {'?'})[1] end
 for i = 1, na do unincr(a[i][1], a[i][2], a[i][3]) end

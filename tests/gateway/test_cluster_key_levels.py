@@ -477,3 +477,28 @@ def test_property_under_tenant_placement_hard_mode_never_overspends_any_level(
             assert await r.hlen(k.pending) == 0
 
     asyncio.run(run())
+
+
+async def test_a_shared_part_refused_writes_nothing_and_is_counted_once_fixed(redis_cluster: ClusterSet,
+                                                                              tmp_path: Path) -> None:
+    """The shared part all or nothing: a tag level's day counter poisoned (a string), so its write fails after the
+    stream, the seen-set, the tier and the global level were written — every one undone, the reservations put back,
+    no key part pending; the event is dead-lettered and counted once when the key is fixed."""
+    prefix = f"tgsu{uuid.uuid4().hex[:6]}:"
+    async with stack(redis_cluster.url, prefix, tmp_path / "spool.jsonl", placement="tenant") as st:
+        k, r = st.meter.keys, st.handle.client
+        ev = _event("gina", 1, tags={"team": "a"})
+        await _open_request(st, ev)
+        await r.set(k.level_day("tag", "team=a", ev.day), "not a hash")
+        before = {h: await r.hgetall(h) for h in (k.level_reservations("global", "global"),
+                                                  k.level_reservations("tag", "team=a"), k.reservations("gina"))}
+        assert (await st.meter.record(ev)).stored == "dead_letter"
+        assert await _stream(st) == [] and not await r.sismember(k.seen(ev.day), ev.event_id)
+        assert await r.hgetall(k.level_day("global", "global", ev.day)) == {}
+        assert await r.hgetall(k.tier_total("short")) == {} and await r.hgetall(k.pending) == {}
+        assert {h: await r.hgetall(h) for h in before} == before  # released, then put back
+        await r.delete(k.level_day("tag", "team=a", ev.day))
+        assert await st.meter.retry_dead_letters() == (1, 0)
+        assert [e["event_id"] for e in await _stream(st)] == [ev.event_id]
+        assert (await st.meter.key_counters("gina"))["requests"] == 1
+        assert int(await r.hget(k.level_day("global", "global", ev.day), "cost_micro_usd")) == ev.cost_micro_usd
