@@ -42,6 +42,7 @@ def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_time
     offline command may wait longer than the request path) and close it; exit 3 when Redis is unreachable."""
     from gateway.config.redis import shown_url
     from gateway.state.breaker import RedisDown
+    from gateway.state.placement import checked_conflict
     from gateway.state.redis import connect
 
     cfg = settings.redis.model_copy(update={"socket_timeout_s": max(settings.redis.socket_timeout_s, min_timeout_s)})
@@ -49,7 +50,7 @@ def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_time
     async def go() -> T:
         handle = connect(cfg)
         try:
-            conflict = await _placement_conflict(handle)
+            conflict = await checked_conflict(handle)
             if conflict is not None:  # a command on the other placement's names would read or write the wrong keys
                 typer.echo(f"thinkgate: {conflict}", err=True)
                 raise typer.Exit(2)
@@ -72,17 +73,3 @@ def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_time
         raise typer.Exit(3) from None
     finally:
         breaker_log.setLevel(level)
-
-
-async def _placement_conflict(handle: Any) -> str | None:
-    """On a Redis Cluster: data of the other ``redis.cluster_placement`` there (``gateway/state/placement.py``), or
-    None — also when the check cannot run (an outage: the command's own call then says so)."""
-    from gateway.state.placement import placement_conflict
-
-    if handle.kind != "cluster":
-        return None
-    try:
-        return await placement_conflict(handle)
-    except Exception as exc:  # see the docstring
-        logging.getLogger("thinkgate").debug("redis.cluster_placement not checked: %r", exc)
-        return None

@@ -120,23 +120,16 @@ def serve(
 
 def _placement_conflict(settings: Any) -> str | None:
     """On a Redis Cluster: data of the other ``redis.cluster_placement`` there (``gateway/state/placement.py``), or
-    None. Redis unreachable: None — the gateway starts and ``/ready`` reports it, as without the check."""
+    None. Redis unreachable: None (a WARNING) — the gateway starts and ``/ready`` reports it, as without the check."""
     import asyncio
 
-    from gateway.state.placement import placement_conflict
+    from gateway.state.placement import checked_conflict
     from gateway.state.redis import connect
 
-    handle = connect(settings.redis)
-    if handle.kind != "cluster":
-        return None
-
     async def check() -> str | None:
+        handle = connect(settings.redis)
         try:
-            return await placement_conflict(handle)
-        except Exception as exc:  # an outage, a cluster still forming: not this check's to decide
-            logging.getLogger("thinkgate").warning("could not check redis.cluster_placement against the cluster's "
-                                                   "data: %r", exc)
-            return None
+            return await checked_conflict(handle, logging.WARNING)
         finally:
             await handle.close()
 

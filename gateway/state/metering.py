@@ -917,14 +917,7 @@ class Meter:
         part_keys = [k.key_seen(event.key_id, day), k.key_total(event.key_id), k.key_day(event.key_id, day),
                      k.key_month(event.key_id, event.month), k.reservations(event.key_id),
                      k.tpm(event.key_id, event.minute), k.agg_cube(event.key_id, day)]
-        pairs: list[str | int] = []
-        if mode == "r":
-            for name, value in counter_increments(event).items():
-                pairs += [name, value]
-            for name, value in cube_only_increments(event).items():
-                pairs += [name, value]
-        else:
-            pairs = ["refused", 1]
+        pairs: list[str | int] = _increment_pairs(event) if mode == "r" else ["refused", 1]
         part_args: list[str | int] = [event.event_id, "" if mode == "a" else rid,
                                       {"r": "d", "x": "b"}.get(mode, ""), event.upstream_tokens, TPM_TTL_MS,
                                       self.cfg.dedup_ttl_s, DAY_TTL_S, MONTH_TTL_S, cell_of(event),
@@ -944,9 +937,8 @@ class Meter:
             event.event_id, event.to_json(), self.cfg.dedup_ttl_s, DAY_TTL_S, MONTH_TTL_S,
             self.cfg.stream_maxlen or 0, event.key_id, 0 if mode != "r" else event.cost_micro_usd, len(tags), day,
             ts_ms, late_ms, pending, mode, rid]
-        if mode == "r":
-            for name, value in counter_increments(event).items():
-                args += [name, value]
+        if mode == "r":  # the same pairs: the shared part skips the cube-only ones
+            args += pairs
         reply = list(await self._shared(keys=keys, args=args, coalesce="background"))
         if int(reply[0]) == -1:
             return [-1]
@@ -1092,12 +1084,7 @@ class Meter:
             ts_ms,
             late_ms,
         ]
-        for name, value in counter_increments(event).items():
-            args += [name, value]
-        # the cube's own counts (CUBE_ONLY_FIELDS, last: RECORD_LUA skips the counter hashes for them); 0 writes nothing
-        for name, value in cube_only_increments(event).items():
-            args += [name, value]
-        return keys, args
+        return keys, [*args, *_increment_pairs(event)]
 
     async def _record_batch(self, events: list[UsageEvent]) -> None:
         """The usage spool replay's sink: an event Redis refuses goes to the dead-letter spool, so one bad event
@@ -1678,6 +1665,15 @@ class Meter:
 
             out.extend(await self.breaker.call(run))
         return out
+
+
+def _increment_pairs(event: UsageEvent) -> list[str | int]:
+    """The metering scripts' field / increment pairs of ``event``: its counters, then the cube's own counts
+    (``CUBE_ONLY_FIELDS``, last: the scripts add them to the cube only); a 0 writes nothing."""
+    pairs: list[str | int] = []
+    for name, value in (*counter_increments(event).items(), *cube_only_increments(event).items()):
+        pairs += [name, value]
+    return pairs
 
 
 def unacked_path(usage_spool: Path) -> Path:

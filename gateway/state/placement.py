@@ -10,6 +10,8 @@ instead of serving on, or writing beside, half the data.
 
 from __future__ import annotations
 
+import logging
+
 from gateway.state.keys import RedisKeys
 from gateway.state.redis import RedisHandle, as_text
 
@@ -40,3 +42,15 @@ async def placement_conflict(handle: RedisHandle) -> str | None:
                         f"{other.placement} (the gateway and every CLI command alike), or use a new key_prefix or "
                         "cluster (docs/metering.md, Redis Cluster)")
     return None
+
+
+async def checked_conflict(handle: RedisHandle, unknown_level: int = logging.DEBUG) -> str | None:
+    """:func:`placement_conflict` where a check that cannot run (an outage, a cluster still forming) is no conflict:
+    None, logged at ``unknown_level`` — the caller's own Redis calls say what is wrong. Never raises. For ``thinkgate
+    serve`` and every CLI command that connects (``gateway/cli/serve.py``, ``gateway/cli/common.py``)."""
+    try:
+        return await placement_conflict(handle)
+    except Exception as exc:  # see the docstring
+        logging.getLogger("thinkgate").log(unknown_level, "could not check redis.cluster_placement against the "
+                                           "cluster's data: %r", exc)
+        return None
