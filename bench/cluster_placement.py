@@ -77,17 +77,12 @@ async def _run(url: str, placement: str, args: argparse.Namespace, workdir: Path
 def _keys_per_master(c: ClusterSet, prefix: str) -> tuple[dict[int, int], int]:
     """Keys of ``prefix`` per master, and how many are in the shared ``{prefix}`` slot."""
     counts, shared = {}, 0
-    shared_slot = None
     for port in c.masters():
-        cl = redis.Redis(port=port)
         n = 0
-        for key in cl.scan_iter(match="{" + prefix + "*", count=1000):
+        for key in redis.Redis(port=port).scan_iter(match="{" + prefix + "*", count=1000):
             n += 1
-            if key.startswith(b"{" + prefix.encode() + b"}"):
-                shared += 1
+            shared += key.startswith(b"{" + prefix.encode() + b"}")
         counts[port] = n
-        if shared_slot is None:
-            shared_slot = port
     return counts, shared
 
 
