@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
+
 from gateway.config import TierConfig
 from gateway.errors import UpstreamError, UpstreamStreamError
 from gateway.ledger.event import WireEndpoint
@@ -127,7 +129,8 @@ class PeekBroken(Exception):
         self.usage = usage
 
 
-def _counted(tally: StreamTally) -> dict[str, int]:
+def counted(tally: StreamTally) -> dict[str, int]:
+    """``{"completion_tokens", "reasoning_tokens"}``: the deltas ``tally`` read (one token each)."""
     return {"completion_tokens": tally.reasoning_deltas + tally.text_deltas, "reasoning_tokens": tally.reasoning_deltas}
 
 
@@ -136,7 +139,8 @@ START_BATCHES = 8
 
 
 async def peek_stream(
-    resp: UpstreamResponse, tier: TierConfig, endpoint: WireEndpoint, *, whole: bool = False, start: bool = False
+    resp: UpstreamResponse, tier: TierConfig, endpoint: WireEndpoint, *, tally: StreamTally, whole: bool = False,
+    start: bool = False,
 ) -> tuple[SyntheticResponse, dict[str, Any]]:
     """Read an SSE response until its answer starts (a non-empty ``content``/``text`` delta) or it ends —
     with ``whole``, always to its end (checks on the answer's content need all of it); with ``start`` (an
@@ -157,12 +161,16 @@ async def peek_stream(
     generation fails after the 200 headers), and one that ended while read — its connection closed normally —
     without ``[DONE]`` (an :class:`~gateway.errors.UpstreamStreamError`, the break the relay reads in a stream that
     ends so after its 200) — a failed call, not an answer with no finish reason.
+
+    Cancelled while it reads (the client went away: ``Proxy._unless_disconnected``), it closes ``resp`` — the
+    upstream call: a generation nobody will read would run on to its end otherwise (vLLM aborts a request whose
+    connection closed) — and re-raises; ``tally`` (the caller's, new: the deltas are counted into it as they are
+    read, see :func:`counted`) then says what the call had generated.
     """
     whole = not start and (whole or "learned" in tier.escalate_on)  # the answer-aware model reads the whole answer
     head: list[list[Chunk]] = []
     rest = chunk_batches(resp)
     assembler = StreamAssembler()  # the one stream assembler (the cache's), read as far as needed
-    tally = StreamTally()  # the deltas read, for the attempt's usage when the upstream sends none
     logprobs: list[Any] = []
     marker = end_marker(tier)
     ended = False
@@ -189,25 +197,29 @@ async def peek_stream(
             ended = True  # read to its end: not stopped at the answer (its start, an error event) first
     except Exception as exc:  # the stream broke or stalled while read: what it had sent is billed all the same
         await resp.aclose()
-        raise PeekBroken(exc, _counted(tally)) from exc
+        raise PeekBroken(exc, counted(tally)) from exc
+    except BaseException:  # cancelled (see the docstring): the call is closed now, shielded from the cancellation
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
+        raise
     if ended and not tally.done and not tally.upstream_error:
         # it ended without [DONE] (nor an error event) before anything reached the client: cut short, not an
         # answer — a broken stream, as the relay reads one after its 200
         await resp.aclose()
         usage = tally.usage_chunk["usage"] if tally.usage_chunk is not None else tally.last_usage
-        raise PeekBroken(UpstreamStreamError("the stream ended without [DONE]"), _counted(tally),
+        raise PeekBroken(UpstreamStreamError("the stream ended without [DONE]"), counted(tally),
                          usage=usage if isinstance(usage, dict) else None)
     if tally.upstream_error:  # the call failed after its headers, as the relay meters an error event it passes on
         await resp.aclose()
         usage = tally.usage_chunk["usage"] if tally.usage_chunk is not None else tally.last_usage
         error = UpstreamError(f"upstream of tier {tier.name!r} sent an error mid-stream: {_error_message(head)}")
-        raise PeekBroken(error, _counted(tally), reported=True, usage=usage if isinstance(usage, dict) else None)
+        raise PeekBroken(error, counted(tally), reported=True, usage=usage if isinstance(usage, dict) else None)
     summary = _summary(assembler, endpoint, logprobs)
     if summary["usage"] is None:  # none came: the running totals, or the deltas read
         summary["usage"] = tally.last_usage
-        summary["counted"] = _counted(tally)
-    counted = isinstance(resp, SyntheticResponse) and resp.counted_on_failure  # a forced stream's, kept
-    return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose, counted_on_failure=counted), summary
+        summary["counted"] = counted(tally)
+    kept = isinstance(resp, SyntheticResponse) and resp.counted_on_failure  # a forced stream's, kept
+    return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose, counted_on_failure=kept), summary
 
 
 def _error_message(head: list[list[Chunk]]) -> str:

@@ -41,7 +41,7 @@ from gateway.ledger.record import UsageRecord, emit
 from gateway.observability.telemetry import Telemetry, span
 from gateway.observability.telemetry import finish as end_trace
 from gateway.openai.chunks import fresh_identity, replay_chunks
-from gateway.openai.sse import Chunk, well_formed
+from gateway.openai.sse import Chunk, StreamTally, well_formed
 from gateway.pipeline import abstention, escalation, policy, upstream_body
 from gateway.pipeline.accounting import Ahead
 from gateway.pipeline.answer import Answer, Caller
@@ -141,8 +141,12 @@ class Proxy:
                 ex.ticket = await acct.cache_begin(caller.key, record, route.tier, up_body, caller.headers)
             if ex.ticket.status == "hit":
                 answer = await self._replay_hit(ex, caller)
-            elif caller.stream:
-                answer = await self._answer(ex, body, caller)  # the relay renews a stream's reservations
+            elif caller.stream:  # the relay renews a stream's reservations
+                serving = self._answer(ex, body, caller)
+                # a tier that escalates holds the 200 back while its stream is peeked — through the whole thought:
+                # the client is watched meanwhile, as for a non-streamed answer (the relay notices it after that)
+                answer = await (serving if disconnect is None or not route.tier.escalate_on else
+                                self._unless_disconnected(disconnect, serving, ex, body))
             else:
                 # a long non-streamed answer must not outlive its reservations: a timer starts their renewal a
                 # third of the TTL after admission (the usual short call costs a timer, not a task)
@@ -336,26 +340,7 @@ class Proxy:
         if nxt is None and not (asked and caller.stream):
             return resp, None, False
         if caller.stream:
-            whole = bool({"abstain", "low_confidence"} & set(tier.escalate_on))
-            try:
-                # a tier that does not escalate, asked by an escalation: read up to its first content only
-                resp, summary = await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole,
-                                                             start=nxt is None)
-            except escalation.PeekBroken as broken:  # before a byte reached the client: the deltas read are billed
-                if not ex.record.set_usage(broken.usage):  # (or what the upstream said had run, when it said it)
-                    await self._count_attempt(ex, broken.counted, body)
-                ex.record.partial = True
-                exc = broken.cause  # an in-stream error event: upstream_error, as the relay meters one it passes on
-                if not broken.reported and not isinstance(exc, UpstreamTimeout) and \
-                        isinstance(exc, UpstreamError | httpx.HTTPError):
-                    broke = exc.message if isinstance(exc, GatewayError) else type(exc).__name__
-                    exc = UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {broke}",
-                                        code="upstream_stream_broken")
-                if isinstance(exc, GatewayError):
-                    # metered as the failed call it was; an escalation's (a tier up the cascade peeked in turn):
-                    # the attempt the exchange holds is served instead (_answer)
-                    await ex.close(exc.status, exc.code)
-                raise exc from None
+            resp, summary = await self._peek(ex, resp, body, caller, start=nxt is None)
         else:
             assert data is not None
             summary = data
@@ -402,6 +387,39 @@ class Proxy:
                                         "client_disconnected" if cancelled else "internal_error")
             raise
         return resp, None, True
+
+    async def _peek(self, ex: Exchange, resp: UpstreamResponse, body: dict[str, Any], caller: Caller,
+                    start: bool) -> tuple[UpstreamResponse, dict[str, Any]]:
+        """:func:`gateway.pipeline.escalation.peek_stream` of the current attempt's stream (``start``: an escalation's
+        call whose tier does not escalate in turn, read up to its first content only), for :meth:`_escalation`.
+        A stream that fails meanwhile is metered as the failed call it was and its error raised; one the client
+        left meanwhile (cancelled by :meth:`_unless_disconnected`; the peek closed the call) is billed the deltas
+        read, and its prompt where it is metered."""
+        tier = ex.tier
+        whole = bool({"abstain", "low_confidence"} & set(tier.escalate_on))
+        read = StreamTally()
+        try:
+            return await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole, start=start, tally=read)
+        except (asyncio.CancelledError, anyio.get_cancelled_exc_class()):
+            if not ex.closed and ex.record.usage_source == "none":
+                got = escalation.counted(read)
+                ex.record.set_counted(got["completion_tokens"], got["reasoning_tokens"])
+            raise
+        except escalation.PeekBroken as broken:  # before a byte reached the client: the deltas read are billed
+            if not ex.record.set_usage(broken.usage):  # (or what the upstream said had run, when it said it)
+                await self._count_attempt(ex, broken.counted, body)
+            ex.record.partial = True
+            exc = broken.cause  # an in-stream error event: upstream_error, as the relay meters one it passes on
+            if not broken.reported and not isinstance(exc, UpstreamTimeout) and \
+                    isinstance(exc, UpstreamError | httpx.HTTPError):
+                broke = exc.message if isinstance(exc, GatewayError) else type(exc).__name__
+                exc = UpstreamError(f"upstream of tier {tier.name!r} broke the stream: {broke}",
+                                    code="upstream_stream_broken")
+            if isinstance(exc, GatewayError):
+                # metered as the failed call it was; an escalation's (a tier up the cascade peeked in turn):
+                # the attempt the exchange holds is served instead (_answer)
+                await ex.close(exc.status, exc.code)
+            raise exc from None
 
     async def _count_attempt(self, ex: Exchange, counted: dict[str, int], body: dict[str, Any]) -> None:
         """A peeked attempt that brought no usage (the stream ended without any, or it broke, stalled or sent an
@@ -453,13 +471,14 @@ class Proxy:
 
     async def _unless_disconnected(self, disconnect: Callable[[], Awaitable[None]], serving: Awaitable[Answer],
                                    ex: Exchange, body: dict[str, Any]) -> Answer:
-        """Run ``serving`` (a non-streamed answer) until done, or until the client goes away: then cancel it —
-        which closes the upstream request, and vLLM aborts a request whose connection closed — meter the
-        current attempt as ``partial`` with status 499, and raise :class:`ClientClosed`. A non-streamed
-        upstream reports no usage before its end: once the attempt was admitted (its call follows at once), its
-        prompt is billed (:func:`~gateway.pipeline.relay.count_prompt`, ``usage_source: counted``; the upstream had
-        it and began on it — a client that hung up each time got the compute for $0), its generated tokens are
-        unknown (0)."""
+        """Run ``serving`` (a non-streamed answer; a stream up to its 200, while a tier that escalates is peeked)
+        until done, or until the client goes away: then cancel it — which closes the upstream request, and vLLM
+        aborts a request whose connection closed — meter the current attempt as ``partial`` with status 499, and
+        raise :class:`ClientClosed`. A non-streamed upstream reports no usage before its end: once the attempt was
+        admitted (its call follows at once), its prompt is billed (:func:`~gateway.pipeline.relay.count_prompt`,
+        ``usage_source: counted``; the upstream had it and began on it — a client that hung up each time got the
+        compute for $0), its generated tokens are unknown (0); a peeked stream's are the deltas read
+        (:meth:`_escalation`)."""
         work = asyncio.ensure_future(serving)
         watch = asyncio.ensure_future(disconnect())
         try:
@@ -475,7 +494,9 @@ class Proxy:
             except (asyncio.CancelledError, Exception) as exc:  # the client is gone either way
                 log.debug("cancelled request %s ended with %r", ex.record.request_id, exc)
             rec = ex.record
-            if not ex.closed and rec.completion_bound is not None and rec.usage_source == "none":
+            # no usage came (a peeked stream's deltas may have been counted): the prompt is counted too
+            if not ex.closed and rec.completion_bound is not None and rec.usage_source != "upstream" \
+                    and not rec.prompt_tokens:
                 rec.prompt_tokens, rec.usage_source = await count_prompt(self.upstreams, ex.tier, body), "counted"
             await ex.abandon(CLIENT_CLOSED, "client_disconnected")
         raise ClientClosed("the client closed the connection; the upstream call was cancelled")
