@@ -91,6 +91,8 @@ key                                     type        contents
                                                     ``b:{id}`` → its bucket and band hashes (semantic_index.py)
 ``t sem:{g}:x``  T                      zset        semantic cache entry id → expiry (epoch ms): TTL and the cap
 ``t sem:{g}:b:{bucket}:{band}:{hash}``  list        LSH band bucket: entry ids, newest first (at most 64)
+``p placement:migration``               string      set while a placement migration runs or after one stopped midway
+                                                    (JSON from, to, started): everything refuses to start
 ``p wal:open``                          hash        write-ahead records of upstream calls in flight: request id →
                                                     record JSON (state/write_ahead.py); deleted by the usage event
 ``p wal:hb:{owner}``                    string      heartbeat of a live gateway process (owner id), PX TTL
@@ -120,6 +122,39 @@ def key_tenant(key_id: str) -> str:
 def secret_tag(sha256: str) -> str:
     """The tag of the slot of an API key's lookup copy (``keys:h:{sha256}``), from the secret's digest alone."""
     return tenant_tag(f"secret:{sha256}")
+
+
+@dataclass(frozen=True)
+class PerKeyName:
+    """One kind of Redis key holding an API key's own data whose name (and so slot) depends on
+    ``redis.cluster_placement``: :attr:`builder` is the :class:`RedisKeys` method that names it, called as
+    ``builder(key_id)`` (:attr:`param` ``""``), ``builder(key_id, param)`` (``day`` ``YYYY-MM-DD``, ``month``
+    ``YYYY-MM``, ``window`` a minute number: the parameter always ends the name) or ``builder(digest)`` (``secret``:
+    the SHA-256 hex of the key's secret, from its record). ``shared_when_shared``: under ``shared`` the name is a
+    key of every API key at once (``key_seen`` is then the day's shared seen-set), so it is never moved by name.
+    :meth:`RedisKeys.per_key_name` builds one; ``gateway/state/placement_migration.py`` moves them."""
+
+    builder: str
+    param: str = ""
+    shared_when_shared: bool = False
+
+
+#: Every per-key name whose slot depends on the placement (``tests/gateway/test_placement_migration.py`` fails when a
+#: :class:`RedisKeys` name that differs between the placements is missing here, so a new one cannot be left behind by
+#: ``thinkgate redis migrate-placement``). The budget-level builders (``level_day``, ``level_month``,
+#: ``level_reservations`` with kind ``key``) are not listed: they return these same names.
+PER_KEY_NAMES: tuple[PerKeyName, ...] = (
+    PerKeyName("key_record"),
+    PerKeyName("key_by_hash", "secret"),
+    PerKeyName("key_total"),
+    PerKeyName("reservations"),
+    PerKeyName("key_day", "day"),
+    PerKeyName("key_month", "month"),
+    PerKeyName("agg_cube", "day"),
+    PerKeyName("rpm", "window"),
+    PerKeyName("tpm", "window"),
+    PerKeyName("key_seen", "day", shared_when_shared=True),
+)
 
 
 class _Handle(Protocol):
@@ -158,6 +193,16 @@ class RedisKeys:
         metering scripts then run per slot (``gateway/state/metering.py``, *Redis Cluster*) and admission per level
         (``gateway/state/limits.py`` grouped)."""
         return self.sharded and self.placement == "tenant"
+
+    def per_key_name(self, spec: PerKeyName, key_id: str, param: str = "") -> str:
+        """The name of ``spec``'s key of API key ``key_id`` under this placement (``param``: its day, month, window
+        or, for ``secret``, the secret's digest; see :class:`PerKeyName`). For a ``day``/``month``/``window`` kind
+        ``per_key_name(spec, id, "")`` is the name's head: every name of that kind and key is the head + the
+        parameter. Raises ``AttributeError`` for a ``spec`` whose builder :class:`RedisKeys` lacks."""
+        build = getattr(self, spec.builder)
+        if spec.param == "secret":
+            return str(build(param))
+        return str(build(key_id, param) if spec.param else build(key_id))
 
     def _kp(self, key_id: str) -> str:
         """The prefix of key ``key_id``'s own metering and admission keys (see :attr:`per_key_slots`)."""
@@ -353,6 +398,13 @@ class RedisKeys:
     def semantic_band_base(self, tenant: str) -> str:
         """Prefix of a tenant's band bucket keys; a bucket key is this + ``{bucket}:{band}:{hash}``."""
         return f"{self.tenant(tenant)}sem:{tenant}:b:"
+
+    @property
+    def placement_migration(self) -> str:
+        """Set while ``thinkgate redis migrate-placement`` moves the API keys' own data between placements (JSON:
+        ``from``, ``to``, ``started``), and left by a run that stopped before its end: every gateway and CLI command
+        refuses to start while it exists (``gateway/state/placement.py``, ``placement_migration.py``)."""
+        return f"{self.prefix}placement:migration"
 
     @property
     def write_ahead(self) -> str:
