@@ -37,9 +37,13 @@ def load_settings(config: Path | None, model_dir: Path | None = None, **override
         raise typer.Exit(2) from None
 
 
-def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_timeout_s: float = 2.0) -> T:
+def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_timeout_s: float = 2.0, *,
+                 check_placement: bool = True) -> T:
     """Run ``fn(RedisHandle)`` on the configured Redis (socket timeout at least ``min_timeout_s`` seconds: an
-    offline command may wait longer than the request path) and close it; exit 3 when Redis is unreachable."""
+    offline command may wait longer than the request path) and close it; exit 3 when Redis is unreachable, exit 2
+    when the cluster holds data of the other ``redis.cluster_placement`` (``gateway/state/placement.py``).
+    ``check_placement`` False skips that check: for ``thinkgate redis migrate-placement`` alone, whose job is that
+    data."""
     from gateway.config.redis import shown_url
     from gateway.state.breaker import RedisDown
     from gateway.state.placement import checked_conflict
@@ -50,7 +54,7 @@ def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_time
     async def go() -> T:
         handle = connect(cfg)
         try:
-            conflict = await checked_conflict(handle)
+            conflict = await checked_conflict(handle) if check_placement else None
             if conflict is not None:  # a command on the other placement's names would read or write the wrong keys
                 typer.echo(f"thinkgate: {conflict}", err=True)
                 raise typer.Exit(2)

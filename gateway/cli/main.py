@@ -1,7 +1,7 @@
 """The ``thinkgate`` command line: one entry point for serving and operating the gateway.
 
 Command groups of this package are modules here (``serve``, ``config``, ``keys``, ``budgets``, ``usage``,
-``eval``). Groups
+``eval``, ``redis``: ``redis_ops``). Groups
 owned by other packages — ``router`` (router/cli.py), ``train`` (training/cli.py) and, in a source checkout,
 ``bench`` (bench/cli.py) — are plugged in through the ``thinkgate.cli`` entry-point group (as vLLM loads its
 plugins), so this package never imports them; a group whose package is missing answers with one line saying
@@ -24,6 +24,7 @@ from gateway.cli.budgets import app as budgets_app
 from gateway.cli.common import CONFIG_OPTION, MODEL_DIR_OPTION, load_settings
 from gateway.cli.eval import app as eval_app
 from gateway.cli.keys import app as keys_app
+from gateway.cli.redis_ops import app as redis_app
 from gateway.cli.serve import serve
 from gateway.cli.usage import app as usage_app
 from router.errors import install_hint
@@ -42,6 +43,8 @@ app.add_typer(keys_app, name="keys", help="Create, list and revoke API keys in t
 app.add_typer(budgets_app, name="budgets",
               help="Spend limits (USD) of tags (team=a) and of the whole gateway: set, list, remove.")
 app.add_typer(eval_app, name="eval", help="Evaluate a running gateway's tiers on held-out problems.")
+app.add_typer(redis_app, name="redis",
+              help="Operate the gateway's Redis: move the API keys' data between cluster placements.")
 app.add_typer(usage_app, name="usage",
               help="Usage: export (csv, jsonl, parquet), the savings report, the quarantine file.")
 
