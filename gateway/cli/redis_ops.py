@@ -56,6 +56,7 @@ def migrate_placement(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from gateway.state.breaker import RedisDown, is_outage
     from gateway.state.placement_migration import Migration, MigrationRefused, live_writers
 
     # ids Redis may not list: the config's keys and the gateway's own (the development key, requests without a key,
@@ -64,6 +65,14 @@ def migrate_placement(
     err = Console(stderr=True)
 
     async def go(handle: Any) -> MigrationReport | str:
+        try:
+            return await migrate(handle)
+        except Exception as exc:  # the client's own errors (no breaker here): an outage is run_on_redis's exit 3
+            if is_outage(exc):
+                raise RedisDown(" ".join(str(exc).split()) or type(exc).__name__) from exc
+            raise
+
+    async def migrate(handle: Any) -> MigrationReport | str:
         busy = await live_writers(handle, quiet_s)
         if busy is not None and dry_run:
             err.print(f"[yellow]note[/]: {busy}: a real run would refuse (or need --force)")

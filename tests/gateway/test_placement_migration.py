@@ -19,7 +19,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -437,3 +437,23 @@ def test_the_command_then_serve_with_the_new_placement(redis_cluster: ClusterSet
         revoked = httpx.get(sp.base_url + "/usage", headers={"authorization": f"Bearer {fleet.secrets['carol']}"},
                             timeout=30)
         assert revoked.status_code == 401
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:{port}/0", "redis+cluster://127.0.0.1:{port}"])
+def test_the_command_off_a_cluster_or_unreachable(url: str, monkeypatch: pytest.MonkeyPatch,
+                                                  port_lease: Callable[[], int]) -> None:
+    """One server: nothing to move (the names are the same under both placements), exit 2 saying so. A cluster that
+    does not answer: one line, exit 3, as every offline command."""
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    monkeypatch.setenv("THINKGATE_REDIS__URL", url.format(port=port_lease()))
+    monkeypatch.setenv("THINKGATE_REDIS__CLUSTER_PLACEMENT", "tenant")
+    monkeypatch.setenv("THINKGATE_REDIS__START_IF_MISSING", "false")
+    r = CliRunner().invoke(app, ["redis", "migrate-placement", "--to", "tenant"])
+    if url.startswith("redis://"):
+        assert r.exit_code == 2 and "only matters on a Redis Cluster" in r.output, r.output
+    else:
+        assert r.exit_code == 3 and "Redis unreachable" in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output
