@@ -77,8 +77,8 @@ class RedisConfig(_Strict):
     that one slot. ``cluster_placement`` (Cluster only): ``shared`` keeps each API key's own metering and admission
     keys (its counters, usage cubes, reservations, RPM/TPM windows) in that shared slot, with the levels above the
     key; ``tenant`` puts them in the key's tenant slot, so admission and metering spread over the masters too
-    (the metering scripts then run per slot, ``gateway/state/metering.py``). ``tenant`` is for a new cluster: the
-    counters an existing deployment wrote under ``shared`` are not moved (``docs/metering.md``, *Redis Cluster*).
+    (the metering scripts then run per slot, ``gateway/state/metering.py``). An existing deployment's data written
+    under one is moved to the other, offline, by ``thinkgate redis migrate-placement`` (``docs/metering.md``).
     ``socket_timeout_s`` bounds connect and every command;
     after a failure the circuit breaker answers "down" at once for ``breaker_cooldown_s`` seconds.
     ``data_dir``: where the private ``redis-server`` that ``serve`` starts (``start_if_missing``) keeps its

@@ -26,8 +26,9 @@ usage cubes, its reservations and RPM/TPM windows) and *K* (the key store's reco
   lookup copy, in a slot of the secret's digest (:func:`secret_tag`: a lookup knows only the digest). Admission then
   runs one script per level (``limits.py`` grouped), metering three calls per event — shared part, key part, finish
   (``metering.py`` ``RECORD_SHARED_LUA``) — and the key store ordered single-slot steps (``gateway/auth/redis_store.py``
-  says why a crash between steps is harmless). The key ids' set stays shared. For a new cluster: the data an existing
-  deployment wrote under ``shared`` stays under its old names and is not read.
+  says why a crash between steps is harmless). The key ids' set stays shared. An existing deployment's data moves
+  from one placement to the other with ``thinkgate redis migrate-placement`` (:data:`PER_KEY_NAMES`,
+  ``gateway/state/placement_migration.py``).
 
 On one server or Sentinel ``t`` and ``l`` are the plain prefix whatever the setting: key names there are exactly what
 they always were.

@@ -52,8 +52,9 @@ async def placement_conflict(handle: RedisHandle) -> str | None:
                         f"{other.placement} ({theirs}), and this configuration says {keys.placement}: it would not "
                         "find that key, nor its spend (its budgets would read $0 spent), and would write new keys "
                         f"where no gateway of the other placement reads them. Set redis.cluster_placement: "
-                        f"{other.placement} (the gateway and every CLI command alike), or use a new key_prefix or "
-                        "cluster (docs/metering.md, Redis Cluster)")
+                        f"{other.placement} (the gateway and every CLI command alike), or, with every gateway "
+                        f"stopped, move the data: thinkgate redis migrate-placement --to {keys.placement} "
+                        "(docs/deploy.md, section 3)")
     return None
 
 
