@@ -251,6 +251,7 @@ async def test_shared_to_tenant_moves_every_value_byte_equal(redis_cluster: Clus
     moved = _assert_moved(before, after, prefix, "shared", fleet)
     _no_key_data_left_in(after, prefix, "shared")
     assert sum(report.moved.values()) - report.moved["key_seen"] == len(moved) and not report.conflicts
+    assert not report.left  # every per-key name had a known id (dora's from the cube index, cfgkey's given)
     # per destination master: every name written counted where it went
     assert sum(report.by_master.values()) == sum(report.moved.values())
     assert report.by_master == Counter(f"127.0.0.1:{redis_cluster.master_of(n)}" for n, _ in moved.values()) + \
