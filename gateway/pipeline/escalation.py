@@ -134,8 +134,18 @@ def counted(tally: StreamTally) -> dict[str, int]:
     return {"completion_tokens": tally.reasoning_deltas + tally.text_deltas, "reasoning_tokens": tally.reasoning_deltas}
 
 
-#: how many batches :func:`peek_stream` reads, at most, for the start of an escalation's stream (``start``)
-START_BATCHES = 8
+#: how many chunks that carry something other than content :func:`peek_stream` reads, at most, for the start of an
+#: escalation's stream (``start``) before relaying it: parts the gateway does not read as content (a ``refusal``
+#: delta, a newer field) may be what the client waits for. Counted in chunks, not network reads, so that the same
+#: bytes are handled alike however the network split them.
+START_CHUNKS = 8
+
+#: how many content-less chunks (:func:`contentless`: a role-only first chunk, empty deltas, a usage-only chunk)
+#: :func:`peek_stream` holds, at most, for the start of an escalation's stream: they show the client nothing, so
+#: holding them until the first content (or the stream's end) costs it nothing, and a stream that ends after them
+#: without ``[DONE]`` is still a failed call before the 200. Bounded only so that an upstream that sends nothing
+#: else cannot grow the buffer without end (a few hundred kB); past it the stream is relayed as it comes.
+START_IDLE_CHUNKS = 1024
 
 
 async def peek_stream(
@@ -145,9 +155,14 @@ async def peek_stream(
     """Read an SSE response until its answer starts (a non-empty ``content``/``text`` delta) or it ends —
     with ``whole``, always to its end (checks on the answer's content need all of it); with ``start`` (an
     escalation's call that is not peeked for escalation: the last tier of a cascade), only until its first chunk
-    that carries content — a reasoning, content or tool-call delta — or :data:`START_BATCHES` batches, whichever
-    comes first: nothing is buffered beyond what the client would wait for anyway, and a stream that fails before
-    it (at its very start) fails here, while the held answer can still be served.
+    that carries content — a reasoning, content or tool-call delta — or :data:`START_CHUNKS` chunks that carry
+    something else, whichever comes first (content-less chunks, :func:`contentless`, are held on: they show the
+    client nothing; at most :data:`START_IDLE_CHUNKS`): nothing is buffered beyond what the client would wait for
+    anyway, and a stream that fails before it (at its very start) fails here, while the held answer can still be
+    served. What decides is the order in the stream, never how the network split it into reads: a stream that
+    ends (or breaks) before its first content is a failed call before the 200; one whose first content came first
+    is relayed from there — then its break is the relay's, an in-stream error — even when its end arrived in the
+    same read.
 
     Returns (a response replaying everything read and then the rest, a summary for
     :func:`escalation_reason`: ``{"choices": [{"message"|"text": …, "finish_reason", "logprobs"?}], "usage"}``,
@@ -174,6 +189,7 @@ async def peek_stream(
     logprobs: list[Any] = []
     marker = end_marker(tier)
     ended = False
+    held = _StartRead()
     try:
         async for batch in rest:
             head.append(batch)
@@ -189,7 +205,7 @@ async def peek_stream(
             if tally.upstream_error:  # the upstream's error event: nothing follows it
                 break
             if start:
-                if tally.saw_text or len(head) >= START_BATCHES:  # its first content is the client's to have now
+                if held.enough(batch, tally):
                     break
             elif not whole and _answer_started(assembler.result(), endpoint, marker):
                 break
@@ -220,6 +236,52 @@ async def peek_stream(
         summary["counted"] = counted(tally)
     kept = isinstance(resp, SyntheticResponse) and resp.counted_on_failure  # a forced stream's, kept
     return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose, counted_on_failure=kept), summary
+
+
+class _StartRead:
+    """Where :func:`peek_stream`'s ``start`` read stops: its first content, or its bounds (:data:`START_CHUNKS`,
+    :data:`START_IDLE_CHUNKS`), counted in chunks."""
+
+    def __init__(self) -> None:
+        self.idle = 0  # content-less chunks read
+        self.other = 0  # chunks that carry something the tally does not count as content
+
+    def enough(self, batch: list[Chunk], tally: StreamTally) -> bool:
+        """Whether to stop after ``batch`` (already fed to ``tally``) and relay from there."""
+        if tally.saw_text:
+            # its first content is the client's to have now; an end in this same read is then the relay's to report,
+            # as it would be had the end come in a read of its own (the network's split decides nothing)
+            return True
+        for item in batch:
+            if item.data is not None:
+                if contentless(item.data):
+                    self.idle += 1
+                else:
+                    self.other += 1
+        return self.other >= START_CHUNKS or self.idle >= START_IDLE_CHUNKS
+
+
+def contentless(chunk: dict[str, Any]) -> bool:
+    """Whether a stream chunk (one decoded ``data:`` event) shows the client nothing: no choices (a usage-only
+    chunk), or choices whose chat ``delta`` holds nothing but ``role`` and empty values (vLLM's role-only first chunk,
+    an empty keep-alive delta, a bare finish) and whose completions ``text`` is empty. An error event is not."""
+    if "error" in chunk and not chunk.get("choices"):
+        return False
+    choices = chunk.get("choices")
+    if not choices:
+        return True
+    if not isinstance(choices, list):
+        return False
+    for c in choices:
+        if not isinstance(c, dict):
+            return False
+        delta = c.get("delta")
+        if delta is None:
+            if c.get("text"):
+                return False
+        elif not isinstance(delta, dict) or any(v for k, v in delta.items() if k != "role"):
+            return False
+    return True
 
 
 def _error_message(head: list[list[Chunk]]) -> str:

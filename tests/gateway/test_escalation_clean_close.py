@@ -15,6 +15,11 @@ stream_broken``, the call metered as the failed call it was: partial, its prompt
 
 It was: taken as an answer with no finish reason (not cut, not escalated) and relayed — a 200 from the failed tier,
 then the relay found no ``[DONE]`` and sent an in-stream error after the 200 had gone.
+
+The top tier's start read decides by the order in the stream, not by the network's reads (``"sim": {"empty_chunks":
+N}`` content-less chunks first, ``"one_write"`` the whole body in one read): ending after many empty chunks is still
+before its first content (it was relayed once the read had taken 8 network reads, caught when the same bytes came in
+one), and a first content followed by the end is relayed, then reported, whether the end shared its read or not.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import orjson
 import pytest
 import redis
 
+from gateway.pipeline.escalation import START_IDLE_CHUNKS
 from tests.fixtures.gateway import SECRETS, accounting_gateway, keys_config
 from tests.fixtures.redis_db import read_usage_events
 from tests.fixtures.upstream import GatewayServer, SimProcess, sim_tiers
@@ -200,3 +206,109 @@ def test_a_top_tier_stream_that_closes_without_done_after_its_first_content_is_r
     by_tier = {e["tier"]: e for e in events}
     assert (by_tier["short"]["status"], by_tier["short"]["error_code"]) == (200, "escalated_length_in_thought")
     _failed_call(by_tier["long"], generated=True)
+
+
+# --- the start read: content-less chunks first, and where the end comes (not how the network split the reads) ---
+
+EMPTY = 10  # content-less chunks after the role chunk: more than the start read's old bound (8 network reads)
+#: the same bytes delivered chunk by chunk (20 ms apart: a read each, the end too) or in one network read
+SPLITS: dict[str, dict[str, Any]] = {"reads": {"chunk_delay_ms": 20}, "one-read": {"one_write": True}}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("api", ["chat", "messages"])
+def test_a_top_tier_stream_that_closes_after_empty_chunks_leaves_the_first_answer(
+        two: GatewayServer, upstream_sim: SimProcess, redis_url: str, redis_prefix: str, api: str, split: str) -> None:
+    """long sends its role chunk and ten empty ones, then ends without ``[DONE]``: before its first content, a failed
+    call whatever the read count — the first answer kept, long billed as the break (its prompt, nothing generated).
+    It was: the start read stopped after 8 network reads and relayed it (a 200 from long, then the in-stream error);
+    in one read it was already caught — the same bytes, handled two ways."""
+    tag = uuid.uuid4().hex
+    sim: dict[str, Any] = {"fail": "close", "fail_from": 1, "empty_chunks": EMPTY, "fail_at": 1 + EMPTY, "tag": tag,
+                           **SPLITS[split]}
+    r, text = _send(two, api, sim)
+    _served_first_answer(r, text, api, "long")
+
+    events = _settled(redis_url, redis_prefix, 2)
+    by_tier = {e["tier"]: e for e in events}
+    assert sorted(by_tier) == ["long", "short"], events
+    first, failed = by_tier["short"], by_tier["long"]
+    assert first["request_id"] == r.headers["x-request-id"]
+    assert (first["status"], first["error_code"], first["partial"]) == (200, None, False)
+    assert first["completion_tokens"] == 4 and first["cost_micro_usd"] > 0
+    assert failed["route_reason"] == "escalated"
+    _failed_call(failed)
+    sent = upstream_sim.tag(tag)
+    assert sent is not None and sent["attempts"] == 2, sent
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_a_first_call_that_closes_after_empty_chunks_is_a_502(
+        two: GatewayServer, upstream_sim: SimProcess, redis_url: str, redis_prefix: str, split: str) -> None:
+    """The request's first call, peeked for escalation, the same way: a 502 whatever the read count."""
+    tag = uuid.uuid4().hex
+    sim: dict[str, Any] = {"fail": "close", "fail_times": 1, "empty_chunks": EMPTY, "fail_at": 1 + EMPTY, "tag": tag,
+           **SPLITS[split]}
+    r, text = _send(two, "chat", sim)
+    assert r.status_code == 502, text
+    assert orjson.loads(text)["error"]["code"] == REASON
+    [event] = _settled(redis_url, redis_prefix, 1)
+    assert event["tier"] == "short"
+    _failed_call(event)
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_a_top_tier_stream_that_answers_after_empty_chunks_is_relayed_whole(
+        two: GatewayServer, redis_url: str, redis_prefix: str, split: str) -> None:
+    """Held on through the empty chunks, long's stream is relayed whole once its content comes: role chunk, the
+    empty chunks, its answer, [DONE] — short metered as escalated, long as the answer."""
+    r, text = _send(two, "chat", {"empty_chunks": EMPTY, "tag": uuid.uuid4().hex, **SPLITS[split]})
+    assert r.status_code == 200, text
+    assert (r.headers["x-thinkgate-tier"], r.headers["x-thinkgate-route-reason"]) == ("long", "escalated")
+    lines = [line for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]", text
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"] == {}) == EMPTY, text
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]).strip(), text
+
+    by_tier = {e["tier"]: e for e in _settled(redis_url, redis_prefix, 2)}
+    assert (by_tier["short"]["status"], by_tier["short"]["error_code"]) == (200, "escalated_length_in_thought")
+    assert (by_tier["long"]["status"], by_tier["long"]["error_code"], by_tier["long"]["partial"]) == (200, None, False)
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_a_top_tier_stream_whose_first_content_and_end_share_a_read_is_relayed_as_when_apart(
+        two: GatewayServer, redis_url: str, redis_prefix: str, split: str) -> None:
+    """long's role chunk and first reasoning delta, then the end without ``[DONE]``: its first content came before
+    its end, so it is the client's — relayed, then the in-stream error, long billed as the break with what it
+    generated — whether the end came in a read of its own or in the same read as the content (where the gateway
+    could have seen both before answering: the order in the stream decides, not the network's reads)."""
+    r, text = _send(two, "chat", {"fail": "close", "fail_from": 1, "fail_at": 2, "tag": uuid.uuid4().hex,
+                                  **SPLITS[split]})
+    assert r.status_code == 200, text
+    assert (r.headers["x-thinkgate-tier"], r.headers["x-thinkgate-route-reason"]) == ("long", "escalated")
+    assert "x-thinkgate-escalation" not in r.headers
+    chunks = [json.loads(line.removeprefix("data: ")) for line in text.splitlines() if line.startswith("data: ")]
+    assert [c["choices"][0]["delta"].get("reasoning") for c in chunks[:-1]] == [None, "what"], text
+    assert chunks[-1]["error"]["code"] == REASON, text
+
+    by_tier = {e["tier"]: e for e in _settled(redis_url, redis_prefix, 2)}
+    assert (by_tier["short"]["status"], by_tier["short"]["error_code"]) == (200, "escalated_length_in_thought")
+    _failed_call(by_tier["long"], generated=True)
+    assert by_tier["long"]["completion_tokens"] == 1  # the one delta relayed (no usage came: counted)
+
+
+def test_a_top_tier_stream_past_the_idle_bound_is_relayed(two: GatewayServer, redis_url: str,
+                                                           redis_prefix: str) -> None:
+    """The content-less chunks held are bounded (``START_IDLE_CHUNKS``, the buffer's bound): a stream that sends more
+    before its first content is relayed from there, as it comes — its end without ``[DONE]`` then the relay's
+    in-stream error (documented: docs/thinking-budgets.md)."""
+    many = START_IDLE_CHUNKS + 6
+    r, text = _send(two, "chat", {"fail": "close", "fail_from": 1, "empty_chunks": many, "fail_at": 1 + many,
+                                  "one_write": True, "tag": uuid.uuid4().hex})
+    assert r.status_code == 200, text
+    assert r.headers["x-thinkgate-tier"] == "long"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in text.splitlines() if line.startswith("data: ")]
+    assert len(chunks) == 1 + many + 1 and chunks[-1]["error"]["code"] == REASON, text[-500:]
+    by_tier = {e["tier"]: e for e in _settled(redis_url, redis_prefix, 2)}
+    _failed_call(by_tier["long"])
