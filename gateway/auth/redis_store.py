@@ -18,12 +18,22 @@ and needs no id) and ``keys:ids`` in the shared slot. No script can span them, s
 single-slot steps, each of which leaves a state the others read correctly when the process dies right after it
 (or a later step fails: Redis unreachable mid-way leaves the same states, and the caller gets :class:`RedisDown`):
 
-- **create**: ``SADD ids`` (the claim: 0 → :class:`KeyExists`; ids are never reused, so two creates of one id
-  cannot both pass it) → ``SET h`` → ``SET rec``. A crash after the claim leaves an id with no record: ``list``
-  and ``get`` skip it, ``revoke``/``update`` say unknown, and the id stays taken. A crash after ``SET h`` also
-  leaves a lookup copy whose secret was never returned, let alone printed (32 random bytes): nobody can present
-  it, so it authenticates no one. The record is written last, so a key that ``list`` shows always has its lookup
-  copy (until revoked).
+- **create**: the claim — ``SADD ids`` and ``HSET pending id {sha256, started_ms}`` in one script on the shared
+  slot (:meth:`RedisKeyStore.claim`; the id taken → :class:`KeyExists`; ids are never reused, so two creates of
+  one id cannot both pass it; ``started_ms`` is that master's ``TIME``) → ``SET h`` (:meth:`~RedisKeyStore.
+  write_copy`) → ``SET rec`` (:meth:`~RedisKeyStore.write_record`) → the commit, ``HDEL pending id`` if the entry is
+  still the claim's (:meth:`~RedisKeyStore.commit`). Only a committed create returns its secret. A create that
+  crashed before its commit is **half-written**: its secret was never returned, let alone printed (32 random
+  bytes), so nobody can present it and its lookup copy, if written, authenticates no one; ``list`` leaves out a
+  record whose id is pending (:meth:`~RedisKeyStore.incomplete` names them; ``thinkgate keys list`` says so), ``get``
+  skips an id with no record, ``revoke``/``update`` say unknown, and the id stays taken — until :meth:`~RedisKeyStore.
+  repair` (``thinkgate keys repair``) rolls it back: the pending entry and the id in one script, only once the
+  claim is older than a grace period (``started_ms`` by the same master's clock: no skew between machines) and
+  unchanged since it was read, then the lookup copy and the record. A create still running past the grace period
+  (its Redis stalled) finds its commit gone: it deletes what it wrote and raises :class:`KeyCreateRolledBack`,
+  never returning a secret for a key that was rolled back. Ids claimed by a store from before the pending entries
+  (no entry, no record) are adopted — given an entry stamped now — by an applied repair, and rolled back by one
+  after the grace period.
 - **revoke**: ``DEL h`` first — from then on the key no longer authenticates (after ``auth.key_cache_s``) —
   then the record is rewritten as revoked (:data:`SET_ACTIVE_LUA`, on the record's slot). A crash between
   leaves a key that no longer authenticates but is listed as active; ``update`` refuses it (no lookup copy:
@@ -92,6 +102,50 @@ redis.call('SET', KEYS[2], ARGV[1])
 return 1
 """
 
+# Sharded prefix only. KEYS: 1 ids, 2 pending (one slot); ARGV: 1 id, 2 digest. Claims the id: 1, or 0 when taken.
+CLAIM_LUA = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
+local t = redis.call('TIME')
+local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[2], ARGV[1], cjson.encode({sha256 = ARGV[2], started_ms = ms}))
+return 1
+"""
+# Sharded prefix only. KEYS: 1 pending; ARGV: 1 id, 2 the claim's digest. Commits the create: 1, or 0 when its entry
+# is gone or not its own (a repair rolled it back).
+COMMIT_LUA = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw or cjson.decode(raw)['sha256'] ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+return 1
+"""
+# Sharded prefix only. KEYS: 1 pending, 2 ids; ARGV: 1 id, 2 the entry as read, 3 grace (ms), 4 "1" to apply.
+# Returns {state, age_ms}: state -1 the entry changed since it was read (committed, or another repair: nothing done),
+# 0 younger than the grace period (nothing done), 1 old enough (with "1": the entry and the id removed).
+ROLLBACK_LUA = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return {-1, 0} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local age = now - tonumber(cjson.decode(ARGV[2])['started_ms'])
+if age < tonumber(ARGV[3]) then return {0, age} end
+if ARGV[4] == '1' then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('SREM', KEYS[2], ARGV[1])
+end
+return {1, age}
+"""
+# Sharded prefix only. KEYS: 1 pending, 2 ids; ARGV: 1 id (the caller found no record: another slot). Adopts an id
+# claimed without an entry (a store from before them): an entry with no digest, started now. 1, or 0 (none to adopt).
+ADOPT_LUA = """
+if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 0 then return 0 end
+local t = redis.call('TIME')
+local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return redis.call('HSETNX', KEYS[1], ARGV[1], cjson.encode({sha256 = '', started_ms = ms}))
+"""
+
+#: ``thinkgate keys repair``'s default grace period (seconds): a claim younger than this may be a create still
+#: running — four round trips, under a second; tens of seconds with Redis timing out — and is never rolled back
+REPAIR_GRACE_S = 600.0
+
 # Sharded prefix (a Cluster) only. KEYS: 1 rec:{id}; ARGV: 1 the new record JSON. Writes it only while the stored
 # record is active. Returns 1 (written), 0 (the stored record is revoked), -1 (no record).
 SET_ACTIVE_LUA = """
@@ -109,6 +163,29 @@ UPDATABLE = ("tags", "budget_usd_day", "budget_usd_month", "rpm", "tpm", "max_th
 
 class KeyExists(ThinkGateError, ValueError):
     """``keys create``: a key with this id exists (or existed: ids are never reused)."""
+
+
+class KeyCreateRolledBack(ThinkGateError, RuntimeError):
+    """``keys create`` on a Cluster under tenant placement: a repair rolled this create back before it committed
+    (it ran longer than the repair's grace period); what it wrote is deleted and no secret is returned. The id is
+    free again: create it anew."""
+
+
+@dataclass(frozen=True, slots=True)
+class HalfWritten:
+    """A create that claimed ``id`` and has not committed (module doc): ``sha256`` its secret's digest ("" for an
+    id adopted from a store without pending entries), ``age_s`` since its claim by the shared slot's clock,
+    ``record``/``copy`` whether those steps were written, ``state``: ``young`` (within the grace period: left
+    alone), ``rolled_back`` (removed by this repair), ``would_roll_back`` (a dry run's), ``adopted`` (an id
+    claimed without an entry: given one now, rolled back by a repair after the grace period; ``would_adopt`` in a
+    dry run) or ``changed`` (committed or repaired meanwhile: left alone)."""
+
+    id: str
+    sha256: str
+    age_s: float
+    record: bool
+    copy: bool
+    state: str
 
 
 
@@ -168,6 +245,10 @@ class RedisKeyStore:
         self._revoke = self.redis.register_script(REVOKE_LUA)
         self._update = self.redis.register_script(UPDATE_LUA)
         self._set_active = self.redis.register_script(SET_ACTIVE_LUA)
+        self._claim = self.redis.register_script(CLAIM_LUA)
+        self._commit = self.redis.register_script(COMMIT_LUA)
+        self._rollback = self.redis.register_script(ROLLBACK_LUA)
+        self._adopt = self.redis.register_script(ADOPT_LUA)
 
     async def create(self, key_id: str, *, tags: dict[str, str] | None = None,
                      budget_usd_day: Decimal | None = None, budget_usd_month: Decimal | None = None,
@@ -210,15 +291,131 @@ class RedisKeyStore:
         return secret
 
     async def _create_sharded(self, rec: KeyRecord) -> None:
-        """Create on a sharded prefix: claim the id, then the lookup copy, then the record (module doc)."""
-        k, raw = self.keys, rec.to_json()
-        if not int(await self.breaker.call(lambda: self.redis.sadd(k.key_ids, rec.id))):
+        """Create on a sharded prefix: claim, lookup copy, record, commit (module doc)."""
+        await self.claim(rec)
+        await self.finish(rec)
+
+    async def finish(self, rec: KeyRecord) -> None:
+        """Create's steps after :meth:`claim`: the lookup copy, the record, the commit. Raises
+        :class:`KeyCreateRolledBack` (what it wrote deleted) when a repair rolled the claim back meanwhile,
+        :class:`RedisDown`."""
+        await self.write_copy(rec)
+        await self.write_record(rec)
+        if not await self.commit(rec):
+            # rolled back by a repair while this create ran past its grace period: what this create wrote after
+            # the repair's deletes goes too, and the secret is never returned
+            k = self.keys
+            await self.breaker.call(lambda: self.redis.delete(k.key_by_hash(rec.secret_sha256)))
+            await self.breaker.call(lambda: self.redis.delete(k.key_record(rec.id)))
+            raise KeyCreateRolledBack(f"the create of key {rec.id!r} was rolled back by `thinkgate keys repair` "
+                                      "before it finished; create it again")
+
+    async def claim(self, rec: KeyRecord) -> None:
+        """Create's first step on a sharded prefix: take ``rec.id`` in the id set and record the claim (its digest,
+        the shared slot's time) in the pending hash, in one script. Raises :class:`KeyExists`, :class:`RedisDown`."""
+        k = self.keys
+        ok = await self.breaker.call(lambda: self._claim(keys=[k.key_ids, k.key_pending],
+                                                         args=[rec.id, rec.secret_sha256]))
+        if not int(ok):
             raise KeyExists(f"key id {rec.id!r} exists (ids are never reused)")
-        await self.breaker.call(lambda: self.redis.set(k.key_by_hash(rec.secret_sha256), raw))
-        await self.breaker.call(lambda: self.redis.set(k.key_record(rec.id), raw))
+
+    async def write_copy(self, rec: KeyRecord) -> None:
+        """Create's second step: the lookup copy, in the digest's slot. Raises :class:`RedisDown`."""
+        await self.breaker.call(lambda: self.redis.set(self.keys.key_by_hash(rec.secret_sha256), rec.to_json()))
+
+    async def write_record(self, rec: KeyRecord) -> None:
+        """Create's third step: the record, in the key's tenant slot. Raises :class:`RedisDown`."""
+        await self.breaker.call(lambda: self.redis.set(self.keys.key_record(rec.id), rec.to_json()))
+
+    async def commit(self, rec: KeyRecord) -> bool:
+        """Create's last step: remove the claim's pending entry if it is still this create's. False when a repair
+        rolled the create back first. Raises :class:`RedisDown`."""
+        k = self.keys
+        return bool(int(await self.breaker.call(lambda: self._commit(keys=[k.key_pending],
+                                                                     args=[rec.id, rec.secret_sha256]))))
+
+    async def _pending(self) -> dict[str, str]:
+        """The pending hash: id → its claim (JSON). Empty where create is one script."""
+        if not self.keys.per_key_slots:
+            return {}
+        raw = await self.breaker.call(lambda: self.redis.hgetall(self.keys.key_pending))
+        return {as_text(i): as_text(v) for i, v in raw.items()}
+
+    async def incomplete(self) -> list[str]:
+        """The ids of creates not committed (running, or crashed: :meth:`repair`'s to roll back), sorted; always
+        empty on one server and under shared placement (create is one script there). Raises :class:`RedisDown`."""
+        return sorted(await self._pending())
+
+    async def repair(self, *, grace_s: float = REPAIR_GRACE_S, apply: bool = False) -> list[HalfWritten]:
+        """Find the half-written creates of a sharded prefix (module doc) and, with ``apply``, roll back those whose
+        claim is at least ``grace_s`` seconds old by the shared slot's clock: the pending entry and the id (one
+        script, only if the entry is unchanged since read and still old enough), then the lookup copy and the record.
+        Ids claimed with no entry and no record (a store from before the entries) are adopted with ``apply``. A
+        claim younger than ``grace_s`` is never touched: it may be a create still running; one that runs past it
+        finds its commit refused and cleans up after itself (:class:`KeyCreateRolledBack`). Returns one
+        :class:`HalfWritten` per finding, by id; empty where create is one script. Raises ``ValueError`` for a
+        negative ``grace_s``, :class:`RedisDown`."""
+        if grace_s < 0:
+            raise ValueError("grace_s must be >= 0")
+        k = self.keys
+        if not k.per_key_slots:
+            return []
+        pending = await self._pending()
+        ids = sorted(as_text(m) for m in await self.breaker.call(lambda: self.redis.smembers(k.key_ids)))
+
+
+        async def exists() -> list[Any]:  # records in many slots: one EXISTS each, pipelined (as list's GETs)
+            pipe = self.redis.pipeline(transaction=False)
+            for i in ids:
+                pipe.exists(k.key_record(i))
+            return list(await pipe.execute())
+
+        records = await self.breaker.call(exists) if ids else []
+        out: list[HalfWritten] = []
+        for key_id, found in zip(ids, records, strict=True):
+            has_record = bool(found)
+            entry = pending.pop(key_id, None)
+            if entry is None:
+                if has_record:
+                    continue  # a committed key
+                out.append(HalfWritten(key_id, "", 0.0, False, False, await self._adopted(key_id, apply)))
+                continue
+            out.append(await self._roll_back(key_id, entry, has_record, grace_s, apply))
+        for key_id, entry in sorted(pending.items()):  # an entry whose id is gone (a repair between its steps)
+            out.append(await self._roll_back(key_id, entry, False, grace_s, apply))
+        return out
+
+    async def _adopted(self, key_id: str, apply: bool) -> str:
+        """An id claimed with no pending entry and no record: adopted with ``apply`` (:data:`ADOPT_LUA`)."""
+        if not apply:
+            return "would_adopt"
+        k = self.keys
+        done = await self.breaker.call(lambda: self._adopt(keys=[k.key_pending, k.key_ids], args=[key_id]))
+        return "adopted" if int(done) else "changed"
+
+    async def _roll_back(self, key_id: str, entry: str, has_record: bool, grace_s: float,
+                         apply: bool) -> HalfWritten:
+        """One pending entry: decided and (with ``apply``) removed by :data:`ROLLBACK_LUA`, then its copy and
+        record deleted."""
+        k = self.keys
+        try:
+            sha = str(orjson.loads(entry).get("sha256") or "")
+        except (orjson.JSONDecodeError, AttributeError):
+            sha = ""
+        copy = bool(sha) and bool(await self.breaker.call(lambda: self.redis.exists(k.key_by_hash(sha))))
+        state, age_ms = await self.breaker.call(lambda: self._rollback(
+            keys=[k.key_pending, k.key_ids], args=[key_id, entry, int(grace_s * 1000), "1" if apply else "0"]))
+        verdict = {-1: "changed", 0: "young"}.get(int(state), "rolled_back" if apply else "would_roll_back")
+        if verdict == "rolled_back":
+            # the claim is gone, so no create commits it now: its copy and record are nobody's
+            if sha:
+                await self.breaker.call(lambda: self.redis.delete(k.key_by_hash(sha)))
+            await self.breaker.call(lambda: self.redis.delete(k.key_record(key_id)))
+        return HalfWritten(key_id, sha, int(age_ms) / 1000, has_record, copy, verdict)
 
     async def list(self) -> list[KeyRecord]:
-        """Every key (revoked ones included), by id. Raises :class:`RedisDown`."""
+        """Every key (revoked ones included), by id — not the records of creates that have not committed
+        (:meth:`incomplete`). Raises :class:`RedisDown`."""
         ids = sorted(as_text(m) for m in await self.breaker.call(lambda: self.redis.smembers(self.keys.key_ids)))
         if not ids:
             return []
@@ -231,7 +428,8 @@ class RedisKeyStore:
             raws = await self.breaker.call(gets)
         else:
             raws = await self.breaker.call(lambda: self.redis.mget([self.keys.key_record(i) for i in ids]))
-        return [KeyRecord.from_json(r) for r in raws if r is not None]
+        pending = await self._pending()  # a record whose create never committed is no key (module doc)
+        return [rec for r in raws if r is not None and (rec := KeyRecord.from_json(r)).id not in pending]
 
     async def get(self, key_id: str) -> KeyRecord | None:
         """The record of ``key_id`` (revoked or not), or None. Raises :class:`RedisDown`."""

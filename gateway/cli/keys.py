@@ -1,4 +1,4 @@
-"""``thinkgate keys create|list|update|revoke``: manage the API keys in the running gateway's Redis key store.
+"""``thinkgate keys create|list|update|revoke|repair``: manage the API keys in the running gateway's Redis key store.
 
 The commands talk to Redis directly (``redis.url`` of the config; ``REDIS_URL`` honoured), the same store the
 gateway reads, so a new key works on every replica at once and a revoked one stops within
@@ -123,7 +123,7 @@ def create(
     """Create a key; prints its secret once, alone on stdout (it is stored only as a SHA-256 hash)."""
     import re
 
-    from gateway.auth.redis_store import KeyExists
+    from gateway.auth.redis_store import KeyCreateRolledBack, KeyExists
 
     key_id = _key_id(key_arg, key_opt)
     if not re.fullmatch(r"[A-Za-z0-9_.:-]+", key_id):
@@ -154,7 +154,7 @@ def create(
 
     try:
         secret = with_store(config, go)
-    except KeyExists as exc:
+    except (KeyExists, KeyCreateRolledBack) as exc:
         typer.echo(f"thinkgate: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"thinkgate: created key {key_id!r}; the secret below is shown only once", err=True)
@@ -172,10 +172,14 @@ def list_keys(
 ) -> None:
     """List the keys of the Redis store (never their secrets). Keys from the config file are not listed."""
 
-    async def go(store: Any) -> list[Any]:
-        return await store.list()
+    async def go(store: Any) -> tuple[list[Any], list[str]]:
+        return await store.list(), await store.incomplete()
 
-    records = with_store(config, go)
+    records, incomplete = with_store(config, go)
+    if incomplete:  # creates that have not committed: no keys (nobody has their secret), not listed
+        typer.echo(f"thinkgate: {len(incomplete)} incomplete create(s) not listed ({', '.join(incomplete)}): "
+                   "running now, or crashed — `thinkgate keys repair` rolls back those older than its grace "
+                   "period", err=True)
     if as_json:
         for r in records:
             typer.echo(orjson.dumps(r.public()).decode())
@@ -261,3 +265,28 @@ def revoke(key_arg: str | None = KEY_ID_ARGUMENT, key_opt: str | None = KEY_ID_O
         typer.echo(f"thinkgate: no key {key_id!r}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"thinkgate: key {key_id!r} {'revoked' if changed else 'was already revoked'}", err=True)
+
+
+@app.command("repair")
+def repair(
+    apply: bool = typer.Option(False, "--apply", help="Roll back what is found (default: only say what would be)."),
+    grace_s: float = typer.Option(600.0, "--grace-s", min=0.0, help="Leave alone a create claimed less than this "
+                                  "many seconds ago (it may still be running)."),
+    config: Path | None = CONFIG_OPTION,
+) -> None:
+    """Find key creates that never finished (a Cluster under redis.cluster_placement: tenant writes a key in
+    steps) and, with --apply, roll back those older than --grace-s: their id, lookup copy and record. Nobody has
+    their secret (it is printed only once a create finished). Dry run by default; one line per finding on stdout."""
+
+    async def go(store: Any) -> list[Any]:
+        return await store.repair(grace_s=grace_s, apply=apply)
+
+    found = with_store(config, go)
+    if not found:
+        typer.echo("thinkgate: no half-written key", err=True)
+        return
+    for f in found:
+        wrote = "+".join(step for step, done in (("copy", f.copy), ("record", f.record)) if done) or "claim only"
+        typer.echo(f"{f.id:<24} {f.state:<16} age {f.age_s:>9.1f} s  {wrote}")
+    if not apply and any(f.state in ("would_roll_back", "would_adopt") for f in found):
+        typer.echo("thinkgate: dry run; --apply rolls these back", err=True)

@@ -76,6 +76,8 @@ key                                     type        contents
 ``l keys:h:{sha256}``  K                string      lookup copy of the record by secret hash (deleted on revoke);
                                                     under ``tenant`` in the slot of :func:`secret_tag`
 ``p keys:ids``                          set         all key ids in the store (shared: create claims an id here)
+``p keys:pending``                      hash        (``tenant`` only) key id → JSON {sha256, started_ms}: a create
+                                                    between its claim and its commit (auth/redis_store.py)
 ``t resp:{scope}:{response_id}``  T     string      stored /v1/responses conversation (JSON), TTL (conversations.py)
 ``t sess:{digest}``  T                  string      sticky-routing session → tier name, TTL (pipeline/sessions.py)
 ``p rt:win``                            list        cost-target controller window: "score,tier index,t_ms", newest
@@ -389,6 +391,12 @@ class RedisKeys:
     def key_ids(self) -> str:
         """The set of every key id (the shared slot: ``keys create`` claims an id here)."""
         return f"{self.prefix}keys:ids"
+
+    @property
+    def key_pending(self) -> str:
+        """The creates under way (or crashed) where :attr:`per_key_slots`: key id → its claim; in the shared slot,
+        with :attr:`key_ids`, so that a claim and a commit are each one script."""
+        return f"{self.prefix}keys:pending"
 
     def semantic_entries(self, tenant: str) -> str:
         return f"{self.tenant(tenant)}sem:{tenant}:e"

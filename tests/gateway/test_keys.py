@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hashlib
@@ -15,11 +16,12 @@ from collections.abc import AsyncIterator, Callable
 from decimal import Decimal
 from pathlib import Path
 
+import orjson
 import pytest
 from redis.crc import key_slot
 
 from gateway.auth.keys import KeyStore
-from gateway.auth.redis_store import KeyExists, KeyRecord, KeyStoreUnavailable, RedisKeyStore
+from gateway.auth.redis_store import KeyCreateRolledBack, KeyExists, KeyRecord, KeyStoreUnavailable, RedisKeyStore
 from gateway.config import AuthConfig
 from gateway.errors import AuthError
 from gateway.state.breaker import Breaker
@@ -287,3 +289,80 @@ async def test_on_a_cluster_each_half_done_step_is_harmless(redis_cluster: Clust
         got = await store.get("raced")
         assert got is not None and got.revoked is not None and got.rpm == 1
         assert await store.lookup(digest) is None and await r.exists(k.key_by_hash(digest)) == 0
+
+
+async def test_on_a_cluster_a_crashed_create_is_rolled_back_by_repair(redis_cluster: ClusterSet,
+                                                                      tmp_path: Path) -> None:
+    """Creates that crashed after their claim, their lookup copy or their record (the store's own steps, the rest
+    never run): not listed but named incomplete, left alone while younger than the grace period, rolled back by an
+    applied repair after it (id, copy, record: the id is free again); a dry run changes nothing; a create running
+    past the grace period finds its commit refused and deletes what it wrote; an id claimed by a store from before
+    the pending entries is adopted, then rolled back."""
+    async with _cluster_store(redis_cluster, tmp_path) as (st, store):
+        r, k = st.handle.client, store.keys
+        whole = await store.create("whole")
+
+        def half(key_id: str) -> KeyRecord:
+            return KeyRecord(key_id, _digest(f"tg-never-returned-{key_id}"), created=time.time())
+
+        claimed, copied, recorded = half("claimed"), half("copied"), half("recorded")
+        for rec in (claimed, copied, recorded):
+            await store.claim(rec)
+        for rec in (copied, recorded):
+            await store.write_copy(rec)
+        await store.write_record(recorded)
+        await r.sadd(k.key_ids, "legacy")  # an old store's crash after its SADD: no pending entry
+        crashed = ["claimed", "copied", "recorded"]
+
+        assert [x.id for x in await store.list()] == ["whole"]  # "recorded" has a record, but never committed
+        assert await store.incomplete() == crashed
+        before = {n: await r.get(n) for n in (k.key_by_hash(copied.secret_sha256),
+                                               k.key_by_hash(recorded.secret_sha256), k.key_record("recorded"))}
+
+        # within the grace period (it may be a create still running): left alone, applied or not
+        found = await store.repair(apply=True)
+        assert {f.id: f.state for f in found} == {**dict.fromkeys(crashed, "young"), "legacy": "adopted"}
+        assert [(f.copy, f.record) for f in found if f.id in crashed] == [(False, False), (True, False), (True, True)]
+        # a dry run past it: says what it would do, changes nothing
+        found = await store.repair(grace_s=0)
+        assert {f.id: f.state for f in found} == dict.fromkeys([*crashed, "legacy"], "would_roll_back")
+        assert None not in before.values() and [await r.get(n) for n in before] == list(before.values())
+        claims = [orjson.loads(await r.hget(k.key_pending, i) or b"{}")["sha256"] for i in crashed]
+        assert claims == [x.secret_sha256 for x in (claimed, copied, recorded)]  # each claim names its digest
+
+        # a create claimed now is never rolled back by a repair with a grace period: it finishes, and is a key
+        running = half("running")
+        await store.claim(running)
+        await asyncio.sleep(1.1)
+        found = await store.repair(grace_s=60, apply=True)
+        assert {f.id: f.state for f in found} == dict.fromkeys([*crashed, "legacy", "running"], "young")
+        await store.finish(running)
+        assert [x.id for x in await store.list()] == ["running", "whole"]
+        assert "running" not in {f.id for f in await store.repair(grace_s=0)}  # committed: no longer pending
+
+        # applied past the grace period: rolled back whole
+        found = await store.repair(grace_s=1, apply=True)
+        assert {f.id: f.state for f in found} == dict.fromkeys([*crashed, "legacy"], "rolled_back")
+        for rec in (claimed, copied, recorded):
+            assert not await r.sismember(k.key_ids, rec.id)
+            assert await r.exists(k.key_by_hash(rec.secret_sha256), k.key_record(rec.id)) == 0
+            assert await store.lookup(rec.secret_sha256) is None
+        assert not await r.sismember(k.key_ids, "legacy") and await r.exists(k.key_pending) == 0
+        assert await store.incomplete() == [] and await store.repair(grace_s=0, apply=True) == []
+        assert await store.lookup(_digest(whole)) is not None  # committed keys untouched
+        assert [x.id for x in await store.list()] == ["running", "whole"]
+        secret = await store.create("recorded")  # the id is free again: nobody ever had the old one's secret
+        assert (await store.lookup(_digest(secret))) is not None
+
+        # a create that ran past the grace period, rolled back between its steps: its commit is refused, it deletes
+        # what it wrote after the repair and returns no secret
+        slow = half("slow")
+        await store.claim(slow)
+        await store.write_copy(slow)
+        [f] = await store.repair(grace_s=0, apply=True)
+        assert (f.id, f.state, f.copy) == ("slow", "rolled_back", True)
+        with pytest.raises(KeyCreateRolledBack):
+            await store.finish(slow)
+        assert await r.exists(k.key_by_hash(slow.secret_sha256), k.key_record("slow"), k.key_pending) == 0
+        assert not await r.sismember(k.key_ids, "slow")
+        assert [x.id for x in await store.list()] == ["recorded", "running", "whole"]
