@@ -89,7 +89,7 @@ def migrate_placement(
 
             try:
                 return await Migration(handle, settings.metering, extra_ids=extra, dry_run=dry_run,
-                                       progress=progress).run()
+                                       progress=progress, repair_creates=_repair_creates).run()
             except MigrationRefused as exc:
                 return str(exc)
 
@@ -108,6 +108,20 @@ def migrate_placement(
                    f"(a gateway of the new placement wrote there?): {shown}. Both kept; decide which is right, delete "
                    "the other, run it again", err=True)
         raise typer.Exit(1)
+
+
+async def _repair_creates(tenant: Any) -> int:
+    """tenant -> shared: the key creates that never committed, rolled back with no grace period (the migration is
+    offline; a create still running finds its commit refused and cleans up after itself); a second pass rolls back
+    the ids the first adopted (claimed by a store from before the pending entries). How many were rolled back."""
+    from gateway.auth.redis_store import RedisKeyStore
+    from gateway.state.breaker import Breaker
+
+    store = RedisKeyStore(tenant, Breaker(1.0), cache_s=0)
+    done = 0
+    for _ in range(2):
+        done += sum(f.state == "rolled_back" for f in await store.repair(grace_s=0, apply=True))
+    return done
 
 
 def _print_dry_run(report: MigrationReport) -> None:

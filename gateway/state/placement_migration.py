@@ -34,7 +34,12 @@ name that holds *other* data than the old one (a gateway of the new placement wr
 migration this is) is left with its old name as it is and reported in :attr:`MigrationReport.conflicts`. A TTL'd
 window that expires meanwhile is simply gone. Before any move, under ``tenant``, the key parts left pending by a
 writer that died (``usage:pending``) are completed under the old names (:meth:`Meter.finish_pending`): their stored
-calls name the old keys.
+calls name the old keys. Likewise, under ``tenant``, the key creates that never committed (``keys:pending``: a
+``thinkgate keys create`` that crashed between its steps, ``gateway/auth/redis_store.py``) are rolled back first
+(``repair_creates``, the key store's own repair with no grace period: the migration is offline, and a create still
+running would find its commit refused and clean up after itself): ``shared`` has no pending entries, so a
+half-written record moved there would be listed as an active key nobody holds the secret of, and its id could never
+be rolled back. The migration refuses while any is left.
 
 **Offline.** A gateway writing meanwhile would write under its own placement's names, behind the move: every gateway
 must be stopped (every replica drained) and no other CLI command run. :func:`live_writers` refuses when the cluster
@@ -49,7 +54,7 @@ import dataclasses
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +81,9 @@ _ID, _PARAM = "\x01", "\x02"  # sentinels a real id or parameter never holds (fo
 
 #: progress callback: (phase, done, total or None when unknown) — cumulative for the phase
 Progress = Callable[[str, int, int | None], None]
+#: rolls back the half-written key creates of the ``tenant`` handle given (``thinkgate keys repair --apply`` with no
+#: grace period: ``gateway/cli/redis_ops.py`` gives the key store's); returns how many it rolled back
+RepairCreates = Callable[[RedisHandle], Awaitable[int]]
 
 
 class MigrationRefused(RuntimeError):
@@ -95,6 +103,7 @@ class MigrationReport:
     finished: int = 0  #: names an interrupted run had copied: only their old copy deleted now
     seeded: int = 0  #: event ids added to the keys' own seen-sets (``shared`` → ``tenant``)
     pending: int = 0  #: pending key parts completed first (``tenant`` → ``shared``)
+    creates: int = 0  #: half-written key creates rolled back first (``tenant`` → ``shared``)
     conflicts: list[str] = field(default_factory=list)  #: old names left: the new name holds other data
     left: Counter[str] = field(default_factory=Counter)  #: per kind: old names of no known key id, left as they are
 
@@ -111,6 +120,8 @@ class MigrationReport:
             out += f"; {'would seed' if self.dry_run else 'seeded'} {self.seeded} event ids into keys' seen-sets"
         if self.pending:
             out += f"; {'would complete' if self.dry_run else 'completed'} {self.pending} pending key parts first"
+        if self.creates:
+            out += f"; {'would roll back' if self.dry_run else 'rolled back'} {self.creates} half-written key creates"
         if self.left:
             out += f"; left {sum(self.left.values())} keys of unknown key ids ({dict(sorted(self.left.items()))})"
         if self.conflicts:
@@ -213,10 +224,13 @@ class _Forms:
 class Migration:
     """One run of the migration from the placement ``handle`` does not use to the one it uses (``handle.placement``:
     the target). ``extra_ids``: key ids to look at besides the ones Redis lists (module doc). ``metering``: for the
-    dedup window (seeding) and for completing pending key parts. ``progress``: called as the run goes."""
+    dedup window (seeding) and for completing pending key parts. ``progress``: called as the run goes.
+    ``repair_creates``: rolls back the half-written key creates of ``tenant`` (module doc); without it a ``tenant`` →
+    ``shared`` run refuses while there are any."""
 
     def __init__(self, handle: RedisHandle, metering: MeteringConfig, *, extra_ids: Iterable[str] = (),
-                 dry_run: bool = False, progress: Progress | None = None) -> None:
+                 dry_run: bool = False, progress: Progress | None = None,
+                 repair_creates: RepairCreates | None = None) -> None:
         self.handle = handle
         self.new = RedisKeys.of(handle)
         if not self.new.sharded or not isinstance(handle.client, RedisCluster):
@@ -230,6 +244,7 @@ class Migration:
         self.extra_ids = list(extra_ids)
         self.dry_run = dry_run
         self.progress = progress or (lambda phase, done, total: None)
+        self.repair_creates = repair_creates
         self.report = MigrationReport(self.source, handle.placement, dry_run)
         #: the kinds moved by name: under shared, key_seen is the shared seen-set (seeded or merged instead)
         self.specs = [s for s in PER_KEY_NAMES if not s.shared_when_shared]
@@ -241,6 +256,8 @@ class Migration:
         """Move everything (module doc); the report. Raises :class:`MigrationRefused`, or what the client raises (a
         rerun finishes a run stopped by it)."""
         await self.r.initialize()  # the slot map: which master holds which name
+        if self.source == "tenant":
+            await self._roll_back_creates()  # before the ids are read: a rolled-back create's id is no key's
         ids = await self.key_ids()
         self.report.ids = len(ids)
         if not self.dry_run:
@@ -276,6 +293,24 @@ class Migration:
                 yield as_text(name)
             if not int(cursor):
                 return
+
+    async def _roll_back_creates(self) -> None:
+        """Roll back the key creates left half-written under ``tenant`` (module doc); refuse while any is left."""
+        n = int(await self.r.hlen(self.new.key_pending))
+        if not n:
+            return
+        if self.dry_run:
+            self.report.creates = n
+            return
+        if self.repair_creates is not None:
+            self.report.creates += await self.repair_creates(
+                dataclasses.replace(self.handle, placement=self.source, lane=None))
+        left = int(await self.r.hlen(self.new.key_pending))
+        if left:
+            raise MigrationRefused(
+                f"{left} key creates never finished ({self.new.key_pending}): roll them back first (thinkgate keys "
+                "repair --apply --grace-s 0, with redis.cluster_placement: tenant), or shared would list them as "
+                "keys")
 
     async def _complete_pending(self) -> None:
         """Complete the key parts a dead writer left in ``usage:pending`` under the old (tenant) names."""
