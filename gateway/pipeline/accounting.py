@@ -122,7 +122,7 @@ class Accounting:
 
     def __init__(self, settings: Settings, handle: RedisHandle | None = None) -> None:
         self.settings = settings
-        self.handle = handle or connect(settings.redis)
+        self.handle = handle or connect(settings.redis, writer=True)
         # A timeout during which the event loop itself stalled for half the socket timeout is the loop's
         # fault, not Redis's: it fails that call but leaves the breaker closed (gateway/state/breaker.py).
         self.breaker = Breaker(settings.redis.breaker_cooldown_s, stall_s=settings.redis.socket_timeout_s / 2)

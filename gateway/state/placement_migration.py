@@ -43,9 +43,10 @@ be rolled back. The migration refuses while any is left.
 
 **Offline.** A gateway writing meanwhile would write under its own placement's names, behind the move: every gateway
 must be stopped (every replica drained) and no other CLI command run. :func:`live_writers` refuses when the cluster
-shows one (a live process's heartbeat, or a usage event written within ``quiet_s``). While a migration runs, and
-after one that stopped before its end, :data:`RedisKeys.placement_migration` is set and every gateway and CLI command
-of either placement refuses to start (``gateway/state/placement.py``); a complete run deletes it.
+shows one (a gateway's named connection, a live process's heartbeat, or a usage event written within ``quiet_s``).
+While a migration runs, and after one that stopped before its end, :data:`RedisKeys.placement_migration` is set and
+every gateway and CLI command of either placement refuses to start (``gateway/state/placement.py``); a complete
+run deletes it.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from gateway.ledger.event import UsageEvent
 from gateway.state.breaker import Breaker
 from gateway.state.keys import PER_KEY_NAMES, PerKeyName, RedisKeys, key_tenant, secret_tag
 from gateway.state.metering import Meter
-from gateway.state.redis import RedisHandle, as_bytes, as_text
+from gateway.state.redis import RedisHandle, as_bytes, as_text, writer_name
 from gateway.state.spool import Spool
 
 #: names moved per pipelined batch (each batch: one pipeline of PTTL/DUMP reads, one of RESTOREs, one of DELs)
@@ -152,12 +153,21 @@ async def live_writers(handle: RedisHandle, quiet_s: float) -> str | None:
     (``wal:hb:{owner}``: every gateway process with ``metering.write_ahead``, the default, renews one every third of
     ``metering.heartbeat_ttl_s``; a stopped one's lapses within that TTL), or a usage event written to the stream
     less than ``quiet_s`` seconds ago by the clock of the stream's master (a gateway without write-ahead; a CLI
-    command like ``usage quarantine --settle``). Raises what the client raises."""
+    command like ``usage quarantine --settle``), or a gateway's connection to the shared slot's master (every
+    serving gateway names its connections :func:`~gateway.state.redis.writer_name`, and keeps them open while it
+    runs: found with or without write-ahead, however long it has been idle). Raises what the client raises."""
     keys, r = RedisKeys.of(handle), handle.client
     if not isinstance(r, RedisCluster):
         return None
     await r.initialize()  # the slot map, for the shared slot's master
     node = _master(r, keys.prefix)
+    name = writer_name(keys.prefix)
+    clients = await r.client_list(target_nodes=node)
+    for client in (clients[node.name] if isinstance(clients, dict) else clients):
+        if as_text(client.get("name") or "") == name:
+            return (f"a gateway process is running: a connection named {name} from {client.get('addr')} is open on "
+                    f"{node.name} (stop every gateway; a dead machine's connection closes within Redis's "
+                    "tcp-keepalive, or use --force when you know every gateway is stopped)")
     pattern = _glob_escape(keys.heartbeat("")) + "*"
     cursor: Any = 0
     while True:

@@ -404,9 +404,18 @@ def _common(cfg: RedisConfig) -> dict[str, Any]:
     }
 
 
-def connect(cfg: RedisConfig, known: Sequence[tuple[str, int]] = ()) -> RedisHandle:
+def writer_name(prefix: str) -> str:
+    """The client name (``CLIENT SETNAME``) of a serving gateway's connections to a Redis Cluster under ``prefix``
+    (the cluster prefix, ``{tg:}``): ``thinkgate redis migrate-placement`` finds a gateway still running by it in
+    ``CLIENT LIST`` (``gateway/state/placement_migration.py`` ``live_writers``), with or without
+    ``metering.write_ahead`` and however long it has been idle. A digest: any prefix makes a valid name."""
+    return "thinkgate-gw-" + hashlib.sha256(prefix.encode()).hexdigest()[:16]
+
+
+def connect(cfg: RedisConfig, known: Sequence[tuple[str, int]] = (), *, writer: bool = False) -> RedisHandle:
     """Build the client for ``cfg.url`` (no network I/O happens here; the first command connects). ``known``:
     Cluster nodes to try after the URL's seeds (a readiness probe passes the topology the running client found).
+    ``writer``: a serving gateway's client — on a Cluster its connections are named :func:`writer_name`.
 
     Raises ``ValueError`` for an unsupported scheme, a port that is not a number, or a Sentinel URL without a
     service name (:func:`check_url` says the same at config load).
@@ -415,6 +424,8 @@ def connect(cfg: RedisConfig, known: Sequence[tuple[str, int]] = ()) -> RedisHan
     scheme = parsed.scheme.lower()
     common = _common(cfg)
     if scheme in ("redis+cluster", "rediss+cluster"):
+        if writer:
+            common["client_name"] = writer_name(cluster_prefix(cfg.key_prefix))
         return RedisHandle(_cluster(cfg, parsed, common, known), "cluster", cluster_prefix(cfg.key_prefix),
                            placement=cfg.cluster_placement)
     lane_size = min(LANE_SIZE_MAX, cfg.max_connections)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import random
+import resource
 import subprocess
 import sys
 import time
@@ -193,3 +195,144 @@ def test_shared_to_tenant_to_shared_with_real_gateways(redis_cluster: ClusterSet
             assert _chat(sp.base_url, secrets["bob"], f"bob after {target}").status_code == 200
             before = _seen(sp.base_url, secrets, month_start)  # what the next move must keep
         view = _cli_view(paths[target], url, target)
+
+
+# --- kill -9 of the command at random points, on a few thousand keys ----------------------------------------------
+
+N_KEYS = 2000
+
+
+async def _many_keys(url: str, prefix: str, tmp: Path) -> None:
+    """N_KEYS stored keys (every tenth revoked) with spend today and yesterday, half with an RPM window."""
+    async with stack(url, prefix, tmp / "many.jsonl", socket_timeout_s=10.0) as st:
+        store = RedisKeyStore(st.handle, Breaker(1.0), cache_s=0)
+        ids = [f"k{i:05d}" for i in range(N_KEYS)]
+        for start in range(0, N_KEYS, 100):
+            await asyncio.gather(*(store.create(i, tags={"team": i[-1]}, rpm=10) for i in ids[start:start + 100]))
+        await asyncio.gather(*(store.revoke(i) for i in ids[::10]))
+        now = time.time()
+        events = []
+        for n, key_id in enumerate(ids):
+            for days in (0, 1):
+                ev = UsageEvent(key_id=key_id, requested_model="auto", tier="short", upstream_model="m",
+                                route_reason="predicted", prompt_tokens=100 + n, completion_tokens=7,
+                                tags={"team": key_id[-1]}, ts=now - days * 86400)
+                ev.price(Prices(input_usd_per_mtok=Decimal("0.5"), output_usd_per_mtok=Decimal("2")))
+                events.append(ev)
+        for start in range(0, len(events), 500):
+            assert all(r.counted for r in await st.meter.record_many(events[start:start + 500]))
+        k, r, minute = st.meter.keys, st.handle.client, int(now) // 60
+        for key_id in ids[::2]:
+            await r.set(k.rpm(key_id, minute), 3, px=600_000)
+
+
+def _migration(config: Path, url: str, target: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "gateway", "redis", "migrate-placement", "--to", target,
+                             "--quiet-s", "0", "--config", str(config)], cwd=REPO,
+                            env={**os.environ, "THINKGATE_CONFIG": "", "THINKGATE_REDIS__URL": url,
+                                 "THINKGATE_REDIS__CLUSTER_PLACEMENT": target},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_kill_9_at_random_points_then_a_rerun_loses_and_doubles_nothing(redis_cluster: ClusterSet,
+                                                                        upstream_sim: SimProcess,
+                                                                        tmp_path: Path) -> None:
+    """The command killed (SIGKILL) at random moments of each direction, then run to its end: every value of the
+    shared placement exactly as it was after shared -> tenant -> shared, the tenant reads equal in between; each
+    full run of N_KEYS keys bounded in time and memory."""
+    from tests.gateway.test_placement_migration import _snap
+
+    prefix = f"tgpk{uuid.uuid4().hex[:6]}:"
+    url = redis_cluster.url
+    cfg = serve_config(upstream_sim.base_url, tmp_path, prefix, auth={"keys": []},
+                       redis={"start_if_missing": False})
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    asyncio.run(_many_keys(url, prefix, tmp_path))
+    before = asyncio.run(_snap(redis_cluster, prefix))
+
+    async def counters(placement: str) -> dict[str, Any]:
+        async with stack(url, prefix, tmp_path / "r.jsonl", socket_timeout_s=10.0, placement=placement) as st:
+            store = RedisKeyStore(st.handle, Breaker(1.0), cache_s=0)
+            some = [f"k{i:05d}" for i in range(0, N_KEYS, 97)]
+            return {"list": [(r.id, r.revoked is not None) for r in await store.list()],
+                    "totals": [await st.meter.key_counters(i) for i in some],
+                    "lookup": [await store.lookup(r.secret_sha256) is not None for r in await store.list()]}
+
+    shared_reads = asyncio.run(counters("shared"))
+    rng = random.Random(int(time.time()))
+    for target in ("tenant", "shared"):
+        for _ in range(3):
+            proc = _migration(config, url, target)
+            time.sleep(rng.uniform(0.8, 2.5))
+            proc.kill()
+            proc.communicate(timeout=30)
+        t0 = time.monotonic()
+        proc = _migration(config, url, target)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        took = time.monotonic() - t0
+        assert took < 120, took
+        assert asyncio.run(counters(target)) == shared_reads, target
+    assert asyncio.run(_snap(redis_cluster, prefix)) == before
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 1_000_000  # KiB: no child over ~1 GB
+
+
+# --- a spooled event replayed after shared -> tenant, its stream entry trimmed (metering.stream_maxlen) ------------
+
+
+@pytest.mark.xfail(strict=True, reason="open defect: the keys' own seen-sets are seeded from the stream only; an "
+                   "event trimmed from it (metering.stream_maxlen) but still in the dedup window is not seeded, "
+                   "and its replay after the move counts it again in its key (placement_migration._seed_seen)")
+async def test_a_replay_of_an_event_trimmed_from_the_stream_counts_once(redis_cluster: ClusterSet,
+                                                                      tmp_path: Path) -> None:
+    prefix = _prefix()
+    async with stack(redis_cluster.url, prefix, tmp_path / "s.jsonl", socket_timeout_s=5.0,
+                     stream_maxlen=1000) as st:
+        first = UsageEvent(key_id="alice", requested_model="auto", tier="short", upstream_model="m",
+                           route_reason="predicted", prompt_tokens=100, completion_tokens=10, ts=time.time())
+        first.price(Prices(input_usd_per_mtok=Decimal("0.5"), output_usd_per_mtok=Decimal("2")))
+        assert (await st.meter.record(first)).counted  # counted; its reply lost: it stays in the writer's spool
+        more = []
+        for _ in range(1500):
+            ev = UsageEvent(key_id="bob", requested_model="auto", tier="short", upstream_model="m",
+                            route_reason="predicted", prompt_tokens=1, completion_tokens=1, ts=time.time())
+            ev.price(Prices(input_usd_per_mtok=Decimal("0.5"), output_usd_per_mtok=Decimal("2")))
+            more.append(ev)
+        for start in range(0, len(more), 500):
+            await st.meter.record_many(more[start:start + 500])
+        stream = await st.handle.client.xrange(st.meter.keys.events, "-", "+", count=1)
+        assert b"alice" not in stream[0][1][b"e"]  # trimmed
+        spent = await st.meter.key_counters("alice")
+    await _migrate(redis_cluster, prefix, "tenant", tmp_path)
+    async with stack(redis_cluster.url, prefix, tmp_path / "t.jsonl", socket_timeout_s=5.0, placement="tenant",
+                     stream_maxlen=1000) as st:
+        await st.spool.append([first])
+        await st.meter.replay()
+        assert await st.meter.key_counters("alice") == spent
+
+
+# --- a gateway left running, without write-ahead (no heartbeat), idle past --quiet-s -------------------------------
+
+
+def test_a_running_gateway_without_write_ahead_is_seen(redis_cluster: ClusterSet, upstream_sim: SimProcess,
+                                                       tmp_path: Path) -> None:
+    """An operator who forgot one gateway (``metering.write_ahead: false``: no heartbeat), idle for longer than
+    ``--quiet-s``: the command must refuse, or that gateway's next requests are metered under the old names, where
+    the new placement never reads them (spend lost from every budget)."""
+    prefix = f"tgpw{uuid.uuid4().hex[:6]}:"
+    url = redis_cluster.url
+    auth = {"keys": [{"id": "cfgkey", "secret": "tg-cfg-secret-000000000000000"}],
+            "admin_key_sha256": hashlib.sha256(ADMIN_SECRET.encode()).hexdigest()}
+    cfg = serve_config(upstream_sim.base_url, tmp_path, prefix, auth=auth, metering={"write_ahead": False},
+                       redis={"start_if_missing": False})
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**cfg, "redis": {**cfg["redis"], "cluster_placement": "tenant"}}))
+    with serve(cfg, tmp_path, {"THINKGATE_REDIS__URL": url}, wait="/ready") as sp:
+        assert _chat(sp.base_url, "tg-cfg-secret-000000000000000", "hi").status_code == 200
+        time.sleep(2.5)  # idle past --quiet-s 2
+        got = _cli(["redis", "migrate-placement", "--to", "tenant", "--quiet-s", "2"], config, url, "tenant")
+        assert got.returncode == 2 and "gateway" in got.stderr, (got.returncode, got.stdout, got.stderr)
+    # stopped: the same command runs
+    got = _cli(["redis", "migrate-placement", "--to", "tenant", "--quiet-s", "2"], config, url, "tenant")
+    assert got.returncode == 0, got.stderr
