@@ -459,13 +459,22 @@ class Migration:
 
     async def _move_seen(self, batch: Sequence[tuple[PerKeyName, str, str]]) -> None:
         """``tenant`` → ``shared``: each key's own seen-set merged into the day's shared one (``SADD``: already a
-        subset of it; idempotent), then deleted. Where the shared one is gone, the key's is copied there
-        (:meth:`_move`, its TTL kept) instead: a set made by SADD alone would never expire."""
+        subset of it; idempotent), then deleted. Where the shared one is gone, the first key's set of that day is
+        copied there (:meth:`_move`, its TTL kept) instead: a set made by SADD alone would never expire; the other
+        keys' sets of the day are merged into that copy (copied too, they would find the name taken: conflicts)."""
         copy: list[tuple[PerKeyName, str, str]] = []
+        merge: list[tuple[PerKeyName, str, str]] = []
+        copied: set[str] = set()
         for spec, old, new in batch:
-            if not await self.r.exists(new):
+            if new in copied:
+                merge.append((spec, old, new))
+            elif not await self.r.exists(new):
+                copied.add(new)
                 copy.append((spec, old, new))
-                continue
+            else:
+                merge.append((spec, old, new))
+        await self._move(copy)
+        for spec, old, new in merge:
             members = await self.r.smembers(old)
             self.report.moved[spec.builder] += 1
             self.report.by_master[_master(self.r, new).name] += 1
@@ -473,7 +482,6 @@ class Migration:
                 if members:
                     await self.r.sadd(new, *members)
                 await self.r.delete(old)
-        await self._move(copy)
 
     async def _seed_seen(self, ids: set[str]) -> None:
         """``shared`` → ``tenant``: the ids of each key's events still in the dedup window (read from the stream)

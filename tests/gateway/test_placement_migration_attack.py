@@ -25,6 +25,7 @@ from gateway.cli.redis_ops import _repair_creates
 from gateway.config import Prices
 from gateway.ledger.event import UsageEvent
 from gateway.state.breaker import Breaker
+from gateway.state.placement import placement_conflict
 from gateway.state.placement_migration import Migration, MigrationRefused, MigrationReport
 from tests.fixtures.gateway import ADMIN_SECRET
 from tests.fixtures.gateway_process import REPO, serve, serve_config
@@ -336,3 +337,31 @@ def test_a_running_gateway_without_write_ahead_is_seen(redis_cluster: ClusterSet
     # stopped: the same command runs
     got = _cli(["redis", "migrate-placement", "--to", "tenant", "--quiet-s", "2"], config, url, "tenant")
     assert got.returncode == 0, got.stderr
+
+
+# --- tenant -> shared: keys' own seen-sets of a day whose shared seen-set is gone ---------------------------------
+
+
+async def test_keys_seen_sets_of_a_day_without_a_shared_one_merge_without_conflict(redis_cluster: ClusterSet,
+                                                                                   tmp_path: Path) -> None:
+    """The shared seen-set of a day expired a moment before the keys' own (each key part renews its set after the
+    shared part renewed the shared one): the first key's set is copied there, the others merged into it — not
+    reported as a conflict that leaves the migration marked (exit 1)."""
+    prefix = _prefix()
+    async with stack(redis_cluster.url, prefix, tmp_path / "s.jsonl", socket_timeout_s=5.0,
+                     placement="tenant") as st:
+        evs = []
+        for key_id in ("alice", "bob", "carol"):
+            ev = UsageEvent(key_id=key_id, requested_model="auto", tier="short", upstream_model="m",
+                            route_reason="predicted", prompt_tokens=10, completion_tokens=1, ts=time.time())
+            ev.price(Prices(input_usd_per_mtok=Decimal("0.5"), output_usd_per_mtok=Decimal("2")))
+            assert (await st.meter.record(ev)).counted
+            evs.append(ev)
+        await st.handle.client.delete(st.meter.keys.seen(evs[0].day))
+    report = await _migrate(redis_cluster, prefix, "shared", tmp_path)
+    assert not report.conflicts, report.conflicts
+    async with stack(redis_cluster.url, prefix, tmp_path / "t.jsonl", socket_timeout_s=5.0) as st:
+        seen = st.meter.keys.seen(evs[0].day)
+        assert await st.handle.client.smembers(seen) == {e.event_id.encode() for e in evs}
+        assert await st.handle.client.ttl(seen) > 0
+        assert await placement_conflict(st.handle) is None
