@@ -404,6 +404,9 @@ class Migration:
     async def _move(self, batch: Sequence[tuple[PerKeyName, str, str]]) -> None:
         """Copy each ``(kind, old, new)`` (``DUMP``/``RESTORE`` with the remaining TTL), then delete the old name
         (module doc: copy first, so a rerun after a crash anywhere finishes the job)."""
+        # a SCAN returns a name twice when the table is rehashed meanwhile (this run's DELs shrink it): twice in one
+        # batch, the second RESTORE would meet the first's copy (BUSYKEY) and read as a conflict
+        batch = list(dict.fromkeys(batch))
         if not batch:
             return
         restore, delete = await self._plan(batch)
@@ -417,14 +420,25 @@ class Migration:
             for _, _, new, ttl, payload in restore:
                 pipe.restore(new, ttl, payload)  # no REPLACE: a new name that appeared meanwhile is never overwritten
             results = await pipe.execute(raise_on_error=False)
-            for (spec, old, _, _, _), res in zip(restore, results, strict=True):
+            busy: list[tuple[PerKeyName, str, str, bytes]] = []
+            for (spec, old, new, _, payload), res in zip(restore, results, strict=True):
                 if isinstance(res, ResponseError) and "BUSYKEY" in str(res):
-                    self.report.conflicts.append(old)
-                    self.report.moved[spec.builder] -= 1
+                    busy.append((spec, old, new, payload))
                 elif isinstance(res, Exception):
                     raise res
                 else:
                     delete.append(old)
+            if busy:  # the new name appeared since _plan read it: the same data (a copy of this one) or a conflict
+                pipe = self.r.pipeline(transaction=False)
+                for _, _, new, _ in busy:
+                    pipe.dump(new)
+                for (spec, old, _, payload), there in zip(busy, await pipe.execute(), strict=True):
+                    self.report.moved[spec.builder] -= 1
+                    if there is not None and as_bytes(there) == payload:
+                        self.report.finished += 1
+                        delete.append(old)
+                    else:
+                        self.report.conflicts.append(old)
         if delete:  # one DEL per name: a multi-key DEL would span slots
             pipe = self.r.pipeline(transaction=False)
             for old in delete:

@@ -458,3 +458,25 @@ def test_the_command_off_a_cluster_or_unreachable(url: str, monkeypatch: pytest.
     else:
         assert r.exit_code == 3 and "Redis unreachable" in r.output, r.output
         assert len(r.output.strip().splitlines()) == 1, r.output
+
+
+async def test_a_name_the_scan_returns_twice_in_one_batch_is_moved_once_not_a_conflict(redis_cluster: ClusterSet,
+                                                                                      tmp_path: Path) -> None:
+    """SCAN returns a name twice when the table is rehashed during the scan (the run's own DELs shrink it): both in one
+    batch, the second RESTORE met the first's copy (BUSYKEY) and the run ended in a conflict, exit 1, the marker left
+    (a fresh-clone CI run hit it on 2,000 keys). Now the pair is moved once, and a new name that appeared meanwhile
+    with the same data is taken as copied."""
+    prefix = _prefix()
+    fleet = await _populate(redis_cluster, prefix, "shared", tmp_path)
+    old, new = RedisKeys(cluster_prefix(prefix), "shared"), RedisKeys(cluster_prefix(prefix), "tenant")
+    day = next(s for s in PER_KEY_NAMES if s.builder == "key_day")
+    pair = (day, old.per_key_name(day, "alice", fleet.days[0]), new.per_key_name(day, "alice", fleet.days[0]))
+    async with _stack(redis_cluster, prefix, "tenant", tmp_path) as st:
+        before = await st.handle.client.dump(pair[1])
+        assert before is not None
+        migration = Migration(st.handle, st.meter.cfg)
+        await migration._move([pair, pair])
+        assert migration.report.conflicts == [], migration.report.conflicts
+        assert migration.report.moved["key_day"] == 1
+        r = st.handle.client
+        assert await r.exists(pair[1]) == 0 and await r.dump(pair[2]) == before
