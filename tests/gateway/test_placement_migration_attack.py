@@ -226,11 +226,12 @@ async def _many_keys(url: str, prefix: str, tmp: Path) -> None:
             await r.set(k.rpm(key_id, minute), 3, px=600_000)
 
 
-# runs the CLI as ``python -m gateway`` does, then writes the process's own peak RSS (KiB) as the last stderr line:
-# RUSAGE_CHILDREN would be the largest of every child the test process ever reaped (an engine a test before started)
-_PEAK_RSS = ("import atexit, resource, runpy, sys\n"
-             "atexit.register(lambda: print('peak_rss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
-             "file=sys.stderr, flush=True))\n"
+# runs the CLI as ``python -m gateway`` does, then writes the process's own peak RSS (KiB, VmHWM: this image's, since
+# its exec) as the last stderr line. Not getrusage: RUSAGE_CHILDREN is the largest child the test process ever reaped
+# (an engine a test before started), and RUSAGE_SELF keeps the forking parent's peak across fork and exec (Linux)
+_PEAK_RSS = ("import atexit, re, runpy, sys\n"
+             "atexit.register(lambda: print('peak_rss_kib', re.search(r'VmHWM:\\s+(\\d+)', "
+             "open('/proc/self/status').read()).group(1), file=sys.stderr, flush=True))\n"
              "sys.argv = ['thinkgate', *sys.argv[1:]]\n"
              "runpy.run_module('gateway', run_name='__main__')")
 
