@@ -29,7 +29,6 @@ from hypothesis import strategies as st
 from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
-from gateway.config import Prices
 from gateway.ledger.aggregate import DAY_S, day_start
 from gateway.ledger.event import UsageEvent
 from gateway.state.breaker import RedisDown
@@ -39,9 +38,8 @@ from tests.fixtures.gateway_process import REPO, serve_config
 from tests.fixtures.redis_cluster import ClusterSet, cluster_set
 from tests.fixtures.redis_stack import Stack, stack
 from tests.fixtures.upstream import SimProcess
+from tests.fixtures.usage_events import usage_event
 
-PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
-                output_usd_per_mtok=Decimal("2.00"))
 T = TypeVar("T")
 RESERVED_TOKENS = 5000
 TPM_BEFORE = 7000
@@ -53,17 +51,7 @@ def _slot(key: str) -> int:
 
 def _event(key: str, i: int, *, tags: dict[str, str] | None = None, audit: bool = False,
            event_id: str | None = None) -> UsageEvent:
-    ev = UsageEvent(key_id=key, requested_model="auto", tier="short", upstream_model="m", route_reason="predicted",
-                    prompt_tokens=100 + i, cached_tokens=3, completion_tokens=50 + i, reasoning_tokens=7,
-                    tags=tags or {}, ts=time.time())
-    if event_id is not None:
-        ev.event_id = event_id
-    ev.price(PRICES)
-    if audit:
-        ev.audit, ev.status, ev.error_code = True, 429, "rate_limit_exceeded"
-        ev.cost_micro_usd = ev.saved_micro_usd = 0
-        ev.usage_source = "none"
-    return ev
+    return usage_event(key, i, tags=tags, audit=audit, event_id=event_id)
 
 
 async def _open_request(st: Stack, ev: UsageEvent, request_id: str | None = None) -> None:
@@ -299,7 +287,6 @@ async def test_admission_in_two_slots_rolls_the_key_back_when_a_level_above_refu
     """Under ``tenant`` admission is two calls: the key's level (with its RPM/TPM) in its slot, then its tags and the
     global level in one call in the shared slot. A refusal above the key takes the key's reservation and RPM/TPM
     counts back; an admitted call is reserved at every level, each in its own slot."""
-    from decimal import Decimal
 
     from gateway.config import LimitsConfig
     from gateway.errors import RateLimited
@@ -422,7 +409,6 @@ def test_property_under_tenant_placement_hard_mode_never_overspends_any_level(
     slot, then the shared one) and billed a random cost up to it through the split metering; the key, tag and global
     levels never end above their budgets, the global spend is the sum billed and equals the keys' counters, and every
     reservation is settled or rolled back."""
-    from decimal import Decimal
 
     from gateway.config import LimitsConfig
     from gateway.errors import RateLimited

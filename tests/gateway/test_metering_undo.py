@@ -14,23 +14,21 @@ import json
 import logging
 import time
 import uuid
-from decimal import Decimal
 from pathlib import Path
 
 import pytest
 import redis
 from redis.exceptions import ResponseError
 
-from gateway.config import MetricsConfig, Prices
+from gateway.config import MetricsConfig
 from gateway.ledger.event import UsageEvent
 from gateway.observability.metrics import Metrics
 from gateway.state.keys import RedisKeys
 from gateway.state.write_ahead import WalRecord, WriteAhead
 from tests.fixtures.redis_cluster import ClusterSet
 from tests.fixtures.redis_stack import Stack, snapshot, stack
+from tests.fixtures.usage_events import PRICES, usage_event
 
-PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
-                output_usd_per_mtok=Decimal("2.00"))
 TAG = "team=a"
 RESERVED_TOKENS = 5000
 TPM_BEFORE = 7000
@@ -38,16 +36,8 @@ TPM_BEFORE = 7000
 
 def _event(key: str, i: int, *, tags: dict[str, str] | None = None, audit: bool = False,
            ts: float | None = None) -> UsageEvent:
-    ev = UsageEvent(key_id=key, requested_model="auto", tier="short", upstream_model="m", route_reason="predicted",
-                    prompt_tokens=100 + i, cached_tokens=3, completion_tokens=50 + i, reasoning_tokens=7,
-                    tags=tags or {}, ts=time.time() if ts is None else ts,
-                    over_bound=i % 2 == 1)  # its cube-only count (over_bound_events) is undone too
-    ev.price(PRICES)
-    if audit:
-        ev.audit, ev.status, ev.error_code = True, 429, "rate_limit_exceeded"
-        ev.cost_micro_usd = ev.saved_micro_usd = 0
-        ev.usage_source = "none"
-    return ev
+    # over_bound: its cube-only count (over_bound_events) is undone too
+    return usage_event(key, i, ts=ts, tags=tags, audit=audit, over_bound=i % 2 == 1)
 
 
 async def _open_request(st: Stack, ev: UsageEvent) -> None:

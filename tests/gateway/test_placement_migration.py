@@ -31,7 +31,6 @@ import pytest
 import yaml
 
 from gateway.auth.redis_store import RedisKeyStore
-from gateway.config import Prices
 from gateway.ledger.aggregate import DAY_S, day_start
 from gateway.ledger.event import UsageEvent
 from gateway.state import placement_migration
@@ -45,9 +44,8 @@ from tests.fixtures.gateway_process import REPO, serve, serve_config
 from tests.fixtures.redis_cluster import ClusterSet
 from tests.fixtures.redis_stack import Stack, stack
 from tests.fixtures.upstream import SimProcess
+from tests.fixtures.usage_events import usage_event
 
-PRICES = Prices(input_usd_per_mtok=Decimal("0.50"), cached_input_usd_per_mtok=Decimal("0.25"),
-                output_usd_per_mtok=Decimal("2.00"))
 STORED = ("alice", "bob", "carol")  # made in the key store; carol revoked
 CONFIG_KEY = "cfgkey"  # a key of the config file: counters, no record
 REFUSED_ONLY = "dora"  # only refused requests: a cube, no counters (listed only in the day's cube key set)
@@ -55,15 +53,7 @@ IDS = (*STORED, CONFIG_KEY, REFUSED_ONLY)
 
 
 def _event(key: str, i: int, ts: float, *, audit: bool = False) -> UsageEvent:
-    ev = UsageEvent(key_id=key, requested_model="auto", tier="short", upstream_model="m", route_reason="predicted",
-                    prompt_tokens=100 + i, cached_tokens=3, completion_tokens=50 + i, reasoning_tokens=7,
-                    tags={"team": "a"} if key == "alice" else {}, ts=ts)
-    ev.price(PRICES)
-    if audit:
-        ev.audit, ev.status, ev.error_code = True, 429, "rate_limit_exceeded"
-        ev.cost_micro_usd = ev.saved_micro_usd = 0
-        ev.usage_source = "none"
-    return ev
+    return usage_event(key, i, ts=ts, tags={"team": "a"} if key == "alice" else {}, audit=audit)
 
 
 @dataclass
