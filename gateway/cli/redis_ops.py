@@ -36,7 +36,8 @@ def migrate_placement(
     dry_run: bool = typer.Option(False, "--dry-run", help="Count what would move (per kind and destination "
                                  "master); write nothing."),
     force: bool = typer.Option(False, "--force", help="Run although the cluster shows a live gateway (a heartbeat "
-                               "or a recent usage event): only when you know every gateway is stopped."),
+                               "or a recent usage event), or (to tenant) counted events the stream no longer holds: "
+                               "only when you know every gateway is stopped with its spool files empty."),
     quiet_s: float = typer.Option(60.0, "--quiet-s", min=0, help="Refuse when a usage event was written less than "
                                   "this many seconds ago."),
     config: Path | None = CONFIG_OPTION,
@@ -89,7 +90,7 @@ def migrate_placement(
 
             try:
                 return await Migration(handle, settings.metering, extra_ids=extra, dry_run=dry_run,
-                                       progress=progress, repair_creates=_repair_creates).run()
+                                       progress=progress, repair_creates=_repair_creates, force=force).run()
             except MigrationRefused as exc:
                 return str(exc)
 

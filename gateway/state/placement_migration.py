@@ -64,6 +64,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ResponseError
 
 from gateway.config import MeteringConfig
+from gateway.ledger.aggregate import day_start
 from gateway.ledger.event import UsageEvent
 from gateway.state.breaker import Breaker
 from gateway.state.keys import PER_KEY_NAMES, PerKeyName, RedisKeys, key_tenant, secret_tag
@@ -142,6 +143,12 @@ def _glob_escape(text: str) -> str:
 def _stream_ms(entry_id: bytes | str | None) -> int:
     """The time part (ms) of a stream entry id ``<ms>-<seq>``."""
     return int(as_text(entry_id or b"0-0").split("-")[0])
+
+
+def _after(entry_id: bytes | str | None) -> str:
+    """The stream entry id right after ``entry_id`` (``<ms>-<seq + 1>``): where the next XRANGE page starts."""
+    ms, _, seq = as_text(entry_id or b"0-0").partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
 
 
 def _master(r: RedisCluster, name: str) -> ClusterNode:
@@ -240,7 +247,7 @@ class Migration:
 
     def __init__(self, handle: RedisHandle, metering: MeteringConfig, *, extra_ids: Iterable[str] = (),
                  dry_run: bool = False, progress: Progress | None = None,
-                 repair_creates: RepairCreates | None = None) -> None:
+                 repair_creates: RepairCreates | None = None, force: bool = False) -> None:
         self.handle = handle
         self.new = RedisKeys.of(handle)
         if not self.new.sharded or not isinstance(handle.client, RedisCluster):
@@ -253,6 +260,7 @@ class Migration:
         self.metering = metering
         self.extra_ids = list(extra_ids)
         self.dry_run = dry_run
+        self.force = force
         self.progress = progress or (lambda phase, done, total: None)
         self.repair_creates = repair_creates
         self.report = MigrationReport(self.source, handle.placement, dry_run)
@@ -268,6 +276,8 @@ class Migration:
         await self.r.initialize()  # the slot map: which master holds which name
         if self.source == "tenant":
             await self._roll_back_creates()  # before the ids are read: a rolled-back create's id is no key's
+        elif not self.force and (why := await self._unseedable()) is not None:
+            raise MigrationRefused(why)  # before anything is written
         ids = await self.key_ids()
         self.report.ids = len(ids)
         if not self.dry_run:
@@ -497,13 +507,52 @@ class Migration:
                     await self.r.sadd(new, *members)
                 await self.r.delete(old)
 
+    def _seed_start_ms(self) -> int:
+        """Where the stream is read from to seed the keys' seen-sets (ms): the dedup window and a margin."""
+        return max(int((time.time() - self.metering.dedup_ttl_s - SEED_MARGIN_S) * 1000), 0)
+
+    async def _unseedable(self) -> str | None:
+        """``shared`` → ``tenant``: a one-line reason to refuse when a day's shared seen-set counts events the stream
+        no longer holds (``metering.stream_maxlen`` trimmed them within the dedup window), else None. Their keys
+        cannot be read, so their ids cannot be seeded into their keys' own seen-sets (:meth:`_seed_seen`): one
+        still in a gateway's spool files and replayed after the move would count twice in its key. Every counted
+        event (usage, audit, ``:unsent``) is one stream entry and one member of its day's seen-set, so a day whose
+        set has more members than the stream has entries of that day lost some; only days that began inside the
+        window read are compared (an older day's entries may precede it)."""
+        start_ms = self._seed_start_ms()
+        per_day: Counter[str] = Counter()
+        cursor = f"{start_ms}-0"
+        while entries := await self.r.xrange(self.new.events, cursor, "+", count=SCAN_COUNT):
+            for _, fields in entries:
+                raw = (fields or {}).get(b"e")
+                if raw is not None:
+                    per_day[UsageEvent.from_json(raw).day] += 1
+            self.progress("stream read to check the seen-sets (events)", sum(per_day.values()), None)
+            cursor = _after(entries[-1][0])
+        missing: dict[str, int] = {}
+        pattern = _glob_escape(self.new.seen(_PARAM)).replace(_PARAM, "*")
+        async for name in self._scan(_master(self.r, self.new.prefix), pattern):
+            day = name.rsplit(":", 1)[-1]
+            if not re.fullmatch(PARAM_FORMS["day"], day) or day_start(day) * 1000 < start_ms:
+                continue
+            n = int(await self.r.scard(name)) - per_day[day]
+            if n > 0:
+                missing[day] = n
+        if not missing:
+            return None
+        return (f"{sum(missing.values())} counted usage events of {len(missing)} day(s) ({', '.join(sorted(missing))}) "
+                "are no longer in the stream (metering.stream_maxlen trimmed them within the dedup window): their "
+                "keys cannot be read, so a replay of one from a gateway's spool files after the move would count "
+                "twice in its key. Let every gateway replay its spool (usage, unacknowledged, dead-letter files) "
+                "until they are empty, stop them, then run again with --force")
+
     async def _seed_seen(self, ids: set[str]) -> None:
         """``shared`` → ``tenant``: the ids of each key's events still in the dedup window (read from the stream)
         added to the key's own seen-set of the event's day, with the remaining TTL of the day's shared seen-set (a
         day whose shared set is gone is past the window: a replay of its events is quarantined, never sent)."""
-        start_ms = int((time.time() - self.metering.dedup_ttl_s - SEED_MARGIN_S) * 1000)
+        start_ms = self._seed_start_ms()
         day_ttl: dict[str, int] = {}
-        cursor, read = f"{max(start_ms, 0)}-0", 0
+        cursor, read = f"{start_ms}-0", 0
         while True:
             entries = await self.r.xrange(self.new.events, cursor, "+", count=SCAN_COUNT)
             if not entries:
@@ -536,4 +585,4 @@ class Migration:
             read += len(entries)
             self.progress("seen-sets seeded from the stream (events read)", read, None)
             last = entries[-1][0]
-            cursor = f"{_stream_ms(last)}-{int(as_text(last or b'0-0').split('-')[1]) + 1}"
+            cursor = _after(last)

@@ -292,13 +292,10 @@ def test_kill_9_at_random_points_then_a_rerun_loses_and_doubles_nothing(redis_cl
 # --- a spooled event replayed after shared -> tenant, its stream entry trimmed (metering.stream_maxlen) ------------
 
 
-@pytest.mark.xfail(strict=True, reason="open defect: the keys' own seen-sets are seeded from the stream only; an "
-                   "event trimmed from it (metering.stream_maxlen) but still in the dedup window is not seeded, "
-                   "and its replay after the move counts it again in its key (placement_migration._seed_seen)")
-async def test_a_replay_of_an_event_trimmed_from_the_stream_counts_once(redis_cluster: ClusterSet,
-                                                                      tmp_path: Path) -> None:
-    prefix = _prefix()
-    async with stack(redis_cluster.url, prefix, tmp_path / "s.jsonl", socket_timeout_s=5.0,
+async def _trimmed(cluster: ClusterSet, prefix: str, tmp_path: Path) -> tuple[UsageEvent, dict[str, int]]:
+    """alice's event counted (its reply lost: it stays in the writer's spool), then trimmed from the stream by 1,500
+    of bob's (``stream_maxlen`` 1,000), under ``shared``; (that event, alice's counters)."""
+    async with stack(cluster.url, prefix, tmp_path / "s.jsonl", socket_timeout_s=5.0,
                      stream_maxlen=1000) as st:
         first = UsageEvent(key_id="alice", requested_model="auto", tier="short", upstream_model="m",
                            route_reason="predicted", prompt_tokens=100, completion_tokens=10, ts=time.time())
@@ -314,8 +311,34 @@ async def test_a_replay_of_an_event_trimmed_from_the_stream_counts_once(redis_cl
             await st.meter.record_many(more[start:start + 500])
         stream = await st.handle.client.xrange(st.meter.keys.events, "-", "+", count=1)
         assert b"alice" not in stream[0][1][b"e"]  # trimmed
-        spent = await st.meter.key_counters("alice")
-    await _migrate(redis_cluster, prefix, "tenant", tmp_path)
+        return first, await st.meter.key_counters("alice")
+
+
+async def test_shared_to_tenant_refuses_while_counted_events_are_missing_from_the_stream(redis_cluster: ClusterSet,
+                                                                                         tmp_path: Path) -> None:
+    """The stream no longer holds an event the day's seen-set counts: its key cannot be seeded, and its replay after
+    the move would count twice in its key (below) — the migration refuses, before writing anything, saying what
+    to do (was: it moved, and the replay double-counted)."""
+    prefix = _prefix()
+    await _trimmed(redis_cluster, prefix, tmp_path)
+    with pytest.raises(MigrationRefused, match="no longer in the stream") as refused:
+        await _migrate(redis_cluster, prefix, "tenant", tmp_path)
+    assert "spool" in str(refused.value) and "--force" in str(refused.value)
+    async with stack(redis_cluster.url, prefix, tmp_path / "c.jsonl", socket_timeout_s=5.0) as st:
+        k = st.meter.keys
+        assert not await st.handle.client.exists(k.placement_migration)  # nothing written, no marker
+        assert (await st.meter.key_counters("alice"))["requests"] == 1  # still where shared reads it
+
+
+@pytest.mark.xfail(strict=True, reason="known gap under --force: the keys' own seen-sets are seeded from the stream "
+                   "only; an event trimmed from it (metering.stream_maxlen) but still in the dedup window is not "
+                   "seeded, and its replay after the move counts it again in its key (placement_migration._seed_seen; "
+                   "without --force the migration refuses: the test above)")
+async def test_a_replay_of_an_event_trimmed_from_the_stream_counts_once(redis_cluster: ClusterSet,
+                                                                      tmp_path: Path) -> None:
+    prefix = _prefix()
+    first, spent = await _trimmed(redis_cluster, prefix, tmp_path)
+    await _migrate(redis_cluster, prefix, "tenant", tmp_path, force=True)
     async with stack(redis_cluster.url, prefix, tmp_path / "t.jsonl", socket_timeout_s=5.0, placement="tenant",
                      stream_maxlen=1000) as st:
         await st.spool.append([first])
