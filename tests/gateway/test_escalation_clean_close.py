@@ -113,6 +113,22 @@ def _settled(redis_url: str, prefix: str, n: int) -> list[dict[str, Any]]:
     return events
 
 
+def _first_kept_long_failed(r: httpx.Response, redis_url: str, prefix: str, sim: SimProcess, tag: str) -> None:
+    """Two events: ``short``'s answer served as it was (200, its 4 tokens billed) and ``long``'s escalated call
+    metered as the failed call it was; each tier called once."""
+    events = _settled(redis_url, prefix, 2)
+    by_tier = {e["tier"]: e for e in events}
+    assert sorted(by_tier) == ["long", "short"], events
+    first, failed = by_tier["short"], by_tier["long"]
+    assert first["request_id"] == r.headers["x-request-id"]
+    assert (first["status"], first["error_code"], first["partial"]) == (200, None, False)
+    assert first["completion_tokens"] == 4 and first["cost_micro_usd"] > 0
+    assert failed["route_reason"] == "escalated"
+    _failed_call(failed)
+    sent = sim.tag(tag)
+    assert sent is not None and sent["attempts"] == 2, sent  # short's call and long's, each once
+
+
 def _failed_call(event: dict[str, Any], generated: bool = False) -> None:
     """Metered as the break is: 502 ``upstream_stream_broken``, partial, its prompt and what it streamed (nothing,
     unless ``generated``) billed."""
@@ -151,17 +167,7 @@ def test_a_top_tier_stream_that_closes_without_done_at_its_start_leaves_the_firs
     # was: 200 from long, nothing of its answer, then an in-stream error (short billed as escalated, thrown away)
     _served_first_answer(r, text, api, "long")
 
-    events = _settled(redis_url, redis_prefix, 2)
-    assert sorted(e["tier"] for e in events) == ["long", "short"], events
-    first = next(e for e in events if e["tier"] == "short")
-    failed = next(e for e in events if e["tier"] == "long")
-    assert first["request_id"] == r.headers["x-request-id"]
-    assert (first["status"], first["error_code"], first["partial"]) == (200, None, False)
-    assert first["completion_tokens"] == 4 and first["cost_micro_usd"] > 0
-    assert failed["route_reason"] == "escalated"
-    _failed_call(failed)
-    sent = upstream_sim.tag(tag)
-    assert sent is not None and sent["attempts"] == 2, sent  # short's call and long's, each once
+    _first_kept_long_failed(r, redis_url, redis_prefix, upstream_sim, tag)
 
 
 @pytest.mark.parametrize("at", [0, 1, None], ids=["at-headers", "after-role-chunk", "inside-thought"])
@@ -229,17 +235,7 @@ def test_a_top_tier_stream_that_closes_after_empty_chunks_leaves_the_first_answe
     r, text = _send(two, api, sim)
     _served_first_answer(r, text, api, "long")
 
-    events = _settled(redis_url, redis_prefix, 2)
-    by_tier = {e["tier"]: e for e in events}
-    assert sorted(by_tier) == ["long", "short"], events
-    first, failed = by_tier["short"], by_tier["long"]
-    assert first["request_id"] == r.headers["x-request-id"]
-    assert (first["status"], first["error_code"], first["partial"]) == (200, None, False)
-    assert first["completion_tokens"] == 4 and first["cost_micro_usd"] > 0
-    assert failed["route_reason"] == "escalated"
-    _failed_call(failed)
-    sent = upstream_sim.tag(tag)
-    assert sent is not None and sent["attempts"] == 2, sent
+    _first_kept_long_failed(r, redis_url, redis_prefix, upstream_sim, tag)
 
 
 @pytest.mark.parametrize("split", list(SPLITS))

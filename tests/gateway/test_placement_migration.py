@@ -42,7 +42,7 @@ from gateway.state.redis import cluster_prefix
 from tests.fixtures.gateway import ADMIN_SECRET
 from tests.fixtures.gateway_process import REPO, serve, serve_config
 from tests.fixtures.redis_cluster import ClusterSet
-from tests.fixtures.redis_stack import Stack, stack
+from tests.fixtures.redis_stack import Stack, snapshot, stack
 from tests.fixtures.upstream import SimProcess
 from tests.fixtures.usage_events import usage_event
 
@@ -112,23 +112,7 @@ async def _snap(cluster: ClusterSet, prefix: str) -> dict[str, tuple[str, Any, b
     """Every key of the test's prefix on every master — the shared slot's and every tenant's — with its type, its
     content (bytes: a byte-equal comparison) and whether it has a TTL."""
     async with _stack(cluster, prefix, "shared", Path("/tmp")) as st:
-        r = st.handle.client
-        out: dict[str, tuple[str, Any, bool]] = {}
-        async for raw in r.scan_iter(match="{" + prefix + "*", count=1000):
-            name = raw.decode()
-            t = (await r.type(name)).decode()
-            if t == "hash":
-                v: Any = await r.hgetall(name)
-            elif t == "set":
-                v = sorted(await r.smembers(name))
-            elif t == "zset":
-                v = await r.zrange(name, 0, -1, withscores=True)
-            elif t == "stream":
-                v = await r.xrange(name)
-            else:
-                v = await r.get(name)
-            out[name] = (t, v, await r.pttl(name) != -1)
-        return out
+        return {k.decode(): v for k, v in (await snapshot(st, match="{" + prefix + "*")).items()}
 
 
 def _renames(prefix: str, source: str, fleet: Fleet) -> dict[str, tuple[str, str]]:
