@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from bench._lib.redis_keys import delete_prefix
 from gateway.config import LevelBudget, LimitsConfig
 from gateway.errors import RateLimited
-from gateway.ledger.event import UsageEvent
 from gateway.state.budgets import BudgetLevels, BudgetStore
 from gateway.state.limits import Estimate, KeyLimits, Limits
+from tests.fixtures.budget_race import CALLS, budget_race
 from tests.fixtures.redis_stack import Stack, stack
 
 MODES = ["single", "grouped"]
@@ -29,14 +29,6 @@ def _limits(s: Stack, mode: str, **cfg: object) -> Limits:
     limits = Limits(s.handle, s.breaker, LimitsConfig(admission_script=mode, **cfg))
     assert limits.grouped is (mode == "grouped")
     return limits
-
-
-async def _settle(s: Stack, limits: Limits, key_id: str, tags: dict[str, str], rid: str, cost: int,
-                  ts: float) -> None:
-    ev = UsageEvent(key_id=key_id, requested_model="m", event_id=rid, ts=ts, tier="t", tags=tags,
-                    prompt_tokens=1, completion_tokens=1)
-    ev.cost_micro_usd = cost
-    limits.settled(ev, await s.meter.record(ev))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -156,10 +148,6 @@ async def test_a_renewed_reservation_keeps_counting_past_its_ttl(redis_url: str,
         assert await limits.renew("k3", {"team": "c"}, "stream", time.time()) == 0  # gone: not re-created
 
 
-CALLS = st.lists(st.tuples(st.integers(1, 400), st.floats(0, 1), st.sampled_from(["a", "b"])),
-                 min_size=1, max_size=24)
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(calls=CALLS, mode=st.sampled_from(MODES), budgets=st.tuples(st.integers(0, 2000), st.integers(0, 2000),
                                                                    st.integers(0, 4000)))
@@ -169,44 +157,10 @@ def test_property_hard_mode_never_overspends_any_level(redis_url: str, tmp_path:
     """Concurrent calls of two keys (tags team=x, and team=x + dept=y): each admitted with a random estimate,
     then billed a random cost up to it; the key, tag and global levels never end above their budgets."""
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
-    key_budget, tag_budget, global_budget = budgets
 
     async def run() -> None:
         async with stack(redis_url, prefix, tmp_path / f"s-{uuid.uuid4().hex[:6]}", socket_timeout_s=2.0) as s:
-            limits = _limits(s, mode)
-            store = BudgetStore(s.handle, s.breaker)
-            await store.set("tag:team=x", Decimal(tag_budget) / 1_000_000, None)
-            await store.set("global", Decimal(global_budget) / 1_000_000, None)
-            keys = {"a": ({"team": "x"}, KeyLimits("a", budget_day_micro=key_budget)),
-                    "b": ({"team": "x", "dept": "y"}, KeyLimits("b"))}
-            budgets_view = BudgetLevels(s.handle, s.breaker, LimitsConfig())
-
-            async def call(est: int, share: float, who: str) -> int:
-                tags, lim = keys[who]
-                rid, ts = uuid.uuid4().hex, time.time()
-                try:
-                    await limits.admit(lim, rid, Estimate(est, 1), ts, budgets_view.candidates(tags))
-                except RateLimited:
-                    return 0
-                await asyncio.sleep(0.01)
-                cost = int(est * share)
-                await _settle(s, limits, lim.key_id, tags, rid, cost, ts)
-                return cost
-
-            costs = await asyncio.gather(*(call(*c) for c in calls))
-            day = time.strftime("%Y-%m-%d", time.gmtime())
-            r, k = s.handle.client, limits.keys
-
-            async def spent(kind: str, name: str) -> int:
-                return int(await r.hget(k.level_day(kind, name, day), "cost_micro_usd") or 0)
-
-            assert await spent("key", "a") <= key_budget
-            assert await spent("tag", "team=x") <= tag_budget
-            assert await spent("global", "global") <= global_budget
-            assert await spent("global", "global") == sum(costs)
-            for h in (k.reservations("a"), k.reservations("b"), k.level_reservations("tag", "team=x"),
-                      k.level_reservations("tag", "dept=y"), k.level_reservations("global", "global")):
-                assert await r.hlen(h) == 0  # every reservation settled or rolled back
+            await budget_race(s, _limits(s, mode), calls, budgets)
             delete_prefix(redis_url, prefix)
 
     asyncio.run(run())

@@ -34,6 +34,7 @@ from gateway.ledger.event import UsageEvent
 from gateway.state.breaker import RedisDown
 from gateway.state.keys import RedisKeys, key_tenant
 from gateway.state.redis import cluster_prefix
+from tests.fixtures.budget_race import CALLS, budget_race
 from tests.fixtures.gateway_process import REPO, serve_config
 from tests.fixtures.redis_cluster import ClusterSet, cluster_set
 from tests.fixtures.redis_stack import Stack, stack
@@ -395,10 +396,6 @@ async def test_replica_acks_cover_the_key_part_lost_in_a_failover(tmp_path: Path
             assert (await st.meter.key_counters(key))["requests"] == 2
 
 
-CALLS = st.lists(st.tuples(st.integers(1, 400), st.floats(0, 1), st.sampled_from(["a", "b"])),
-                 min_size=1, max_size=24)
-
-
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(calls=CALLS, budgets=st.tuples(st.integers(0, 2000), st.integers(0, 2000), st.integers(0, 4000)))
 def test_property_under_tenant_placement_hard_mode_never_overspends_any_level(
@@ -411,56 +408,19 @@ def test_property_under_tenant_placement_hard_mode_never_overspends_any_level(
     reservation is settled or rolled back."""
 
     from gateway.config import LimitsConfig
-    from gateway.errors import RateLimited
-    from gateway.state.budgets import BudgetLevels, BudgetStore
-    from gateway.state.limits import Estimate, KeyLimits, Limits
+    from gateway.state.limits import Limits
 
     prefix = f"tgkp{uuid.uuid4().hex[:8]}:"
-    key_budget, tag_budget, global_budget = budgets
 
     async def run() -> None:
         async with stack(redis_cluster.url, prefix, tmp_path / f"s-{uuid.uuid4().hex[:6]}", socket_timeout_s=2.0,
                          placement="tenant") as s:
             limits = Limits(s.handle, s.breaker, LimitsConfig())
             assert limits.grouped
-            store = BudgetStore(s.handle, s.breaker)
-            await store.set("tag:team=x", Decimal(tag_budget) / 1_000_000, None)
-            await store.set("global", Decimal(global_budget) / 1_000_000, None)
-            keys = {"a": ({"team": "x"}, KeyLimits("a", budget_day_micro=key_budget)),
-                    "b": ({"team": "x", "dept": "y"}, KeyLimits("b"))}
-            view = BudgetLevels(s.handle, s.breaker, LimitsConfig())
-
-            async def call(est: int, share: float, who: str) -> int:
-                tags, lim = keys[who]
-                rid, ts = uuid.uuid4().hex, time.time()
-                try:
-                    await limits.admit(lim, rid, Estimate(est, 1), ts, view.candidates(tags))
-                except RateLimited:
-                    return 0
-                await asyncio.sleep(0.01)
-                ev = UsageEvent(key_id=lim.key_id, requested_model="m", event_id=rid, ts=ts, tier="t", tags=tags,
-                                prompt_tokens=1, completion_tokens=1)
-                ev.cost_micro_usd = int(est * share)
-                res = await s.meter.record(ev)
-                assert res.stored == "redis", res
-                limits.settled(ev, res)
-                return ev.cost_micro_usd
-
-            costs = await asyncio.gather(*(call(*c) for c in calls))
-            day = time.strftime("%Y-%m-%d", time.gmtime())
-            r, k = s.handle.client, limits.keys
-
-            async def spent(kind: str, name: str) -> int:
-                return int(await r.hget(k.level_day(kind, name, day), "cost_micro_usd") or 0)
-
-            assert await spent("key", "a") <= key_budget
-            assert await spent("tag", "team=x") <= tag_budget
-            assert await spent("global", "global") <= global_budget
-            assert await spent("global", "global") == sum(costs) == await spent("key", "a") + await spent("key", "b")
-            for h in (k.reservations("a"), k.reservations("b"), k.level_reservations("tag", "team=x"),
-                      k.level_reservations("tag", "dept=y"), k.level_reservations("global", "global")):
-                assert await r.hlen(h) == 0  # every reservation settled or rolled back
-            assert await r.hlen(k.pending) == 0
+            spent = await budget_race(s, limits, calls, budgets)
+            # the keys' counters (their slots) add up to what the global level (the shared slot) counted
+            assert await spent("global", "global") == await spent("key", "a") + await spent("key", "b")
+            assert await s.handle.client.hlen(limits.keys.pending) == 0
 
     asyncio.run(run())
 
