@@ -55,7 +55,7 @@ import dataclasses
 import re
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,7 +132,20 @@ class MigrationReport:
 
 
 def other_placement(placement: str) -> str:
+    """The other value of ``redis.cluster_placement`` (``shared`` ↔ ``tenant``)."""
     return "shared" if placement == "tenant" else "tenant"
+
+
+async def _scan(r: RedisCluster, node: ClusterNode, pattern: str) -> AsyncIterator[str]:
+    """The names on ``node`` matching ``pattern`` (SCAN, :data:`SCAN_COUNT` a page; a name may come twice)."""
+    cursor: Any = 0
+    while True:
+        cursor, names = await r.scan(cursor=cursor, match=pattern, count=SCAN_COUNT, target_nodes=node)
+        cursor = cursor[node.name] if isinstance(cursor, dict) else cursor
+        for name in (names[node.name] if isinstance(names, dict) else names):
+            yield as_text(name)
+        if not int(cursor):
+            return
 
 
 def _glob_escape(text: str) -> str:
@@ -175,18 +188,9 @@ async def live_writers(handle: RedisHandle, quiet_s: float) -> str | None:
             return (f"a gateway process is running: a connection named {name} from {client.get('addr')} is open on "
                     f"{node.name} (stop every gateway; a dead machine's connection closes within Redis's "
                     "tcp-keepalive, or use --force when you know every gateway is stopped)")
-    pattern = _glob_escape(keys.heartbeat("")) + "*"
-    cursor: Any = 0
-    while True:
-        cursor, names = await r.scan(cursor=cursor, match=pattern, count=SCAN_COUNT, target_nodes=node)
-        cursor = cursor[node.name] if isinstance(cursor, dict) else cursor
-        if isinstance(names, dict):
-            names = names[node.name]
-        if names:
-            return (f"a gateway process is running: its heartbeat {as_text(names[0])} is live (stop every gateway, "
-                    "or wait metering.heartbeat_ttl_s after the last one stopped)")
-        if not int(cursor):
-            break
+    async for beat in _scan(r, node, _glob_escape(keys.heartbeat("")) + "*"):
+        return (f"a gateway process is running: its heartbeat {beat} is live (stop every gateway, or wait "
+                "metering.heartbeat_ttl_s after the last one stopped)")
     newest = await r.xrevrange(keys.events, "+", "-", count=1)
     if newest:
         seconds, micros = await r.time(target_nodes=node)
@@ -300,19 +304,9 @@ class Migration:
             ids.update(as_text(m) for m in await self.r.smembers(name))
         node = _master(self.r, self.new.prefix)
         pattern = _glob_escape(self.new.agg_day_keys(_PARAM)).replace(_PARAM, "*")
-        async for name in self._scan(node, pattern):
+        async for name in _scan(self.r, node, pattern):
             ids.update(as_text(m) for m in await self.r.smembers(name))
         return sorted(ids)
-
-    async def _scan(self, node: ClusterNode, pattern: str) -> Any:
-        cursor: Any = 0
-        while True:
-            cursor, names = await self.r.scan(cursor=cursor, match=pattern, count=SCAN_COUNT, target_nodes=node)
-            cursor = cursor[node.name] if isinstance(cursor, dict) else cursor
-            for name in (names[node.name] if isinstance(names, dict) else names):
-                yield as_text(name)
-            if not int(cursor):
-                return
 
     async def _roll_back_creates(self) -> None:
         """Roll back the key creates left half-written under ``tenant`` (module doc); refuse while any is left."""
@@ -389,7 +383,7 @@ class Migration:
             total += int(await self.r.dbsize(target_nodes=node))
         scanned, batch, seen_batch = 0, [], []
         for node in nodes:
-            async for name in self._scan(node, pattern):
+            async for name in _scan(self.r, node, pattern):
                 scanned += 1
                 got = forms.attribute(name)
                 if got is None:
@@ -531,7 +525,7 @@ class Migration:
             cursor = _after(entries[-1][0])
         missing: dict[str, int] = {}
         pattern = _glob_escape(self.new.seen(_PARAM)).replace(_PARAM, "*")
-        async for name in self._scan(_master(self.r, self.new.prefix), pattern):
+        async for name in _scan(self.r, _master(self.r, self.new.prefix), pattern):
             day = name.rsplit(":", 1)[-1]
             if not re.fullmatch(PARAM_FORMS["day"], day) or day_start(day) * 1000 < start_ms:
                 continue
