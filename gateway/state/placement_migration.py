@@ -338,7 +338,15 @@ class Migration:
         meter = Meter(source, Breaker(1.0), Spool(self.metering.spool_path), self.metering)
         far = time.time() + 86400 * 365  # every pending part, however recent: no writer is left to finish it
         while int(await self.r.hlen(self.new.pending)):
-            if not await meter.finish_pending(now=far):
+            try:
+                done = await meter.finish_pending(now=far)
+            except ResponseError as exc:  # a key part Redis refuses (a name of the wrong type): nothing of it written
+                raise MigrationRefused(
+                    f"a key part pending in {self.new.pending} was refused by Redis ({' '.join(str(exc).split())}): "
+                    f"fix or delete the name its error gives, then run this again; until a run finishes, gateways "
+                    f"and CLI commands of both placements refuse to start ({self.new.placement_migration} is set)"
+                ) from exc
+            if not done:
                 raise MigrationRefused(f"{n} key parts pending in {self.new.pending} could not be completed")
 
     async def _by_id(self, ids: Sequence[str]) -> None:

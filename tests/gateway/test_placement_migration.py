@@ -353,6 +353,34 @@ async def test_tenant_to_shared_completes_a_pending_key_part_first(redis_cluster
         assert not (await st.meter.record(ev)).counted
 
 
+async def test_a_pending_key_part_redis_still_refuses_stops_the_run_with_what_to_do(redis_cluster: ClusterSet,
+                                                                                      tmp_path: Path) -> None:
+    """A pending key part Redis still refuses (its key's counter is of the wrong type): the run stops before moving
+    anything with the refusal the command prints (exit 2), naming the name to fix and saying that the marker stays
+    (it was a raw ``ResponseError`` after the marker was set); once the name is fixed, a rerun completes the part."""
+    prefix = _prefix()
+    async with _stack(redis_cluster, prefix, "tenant", tmp_path) as st:
+        k, r = st.meter.keys, st.handle.client
+        ev = _event("dave", 1, time.time())
+        await r.set(k.key_total("dave"), "not a hash")
+        assert (await st.meter.record(ev)).stored == "dead_letter"
+        st.meter.dead.path.unlink()
+        before = await _snap(redis_cluster, prefix)
+    with pytest.raises(placement_migration.MigrationRefused) as refused:
+        await _migrate(redis_cluster, prefix, "shared", tmp_path)
+    assert k.key_total("dave") in str(refused.value) and "run this again" in str(refused.value), refused.value
+    after = await _snap(redis_cluster, prefix)
+    marker = RedisKeys(cluster_prefix(prefix), "shared").placement_migration
+    assert marker in after and {n: v for n, v in after.items() if n != marker} == before  # nothing else written
+    async with _stack(redis_cluster, prefix, "tenant", tmp_path) as st:
+        await st.handle.client.delete(k.key_total("dave"))
+    report = await _migrate(redis_cluster, prefix, "shared", tmp_path)
+    assert report.pending == 1 and not report.conflicts
+    async with _stack(redis_cluster, prefix, "shared", tmp_path) as st:
+        assert (await st.meter.key_counters("dave"))["cost_micro_usd"] == ev.cost_micro_usd
+        assert not await st.handle.client.exists(marker)
+
+
 def _cli(args: list[str], config: Path, url: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gateway", *args, "--config", str(config)], cwd=REPO,
                           env={**os.environ, "THINKGATE_CONFIG": "", "THINKGATE_REDIS__URL": url},
