@@ -38,7 +38,8 @@ single-slot steps, each of which leaves a state the others read correctly when t
   then the record is rewritten as revoked (:data:`SET_ACTIVE_LUA`, on the record's slot). A crash between
   leaves a key that no longer authenticates but is listed as active; ``update`` refuses it (no lookup copy:
   revoked) and a rerun of ``revoke`` finishes it (the record is active, ``DEL h`` is a no-op, the revoked
-  record is written, True). Never the other way round: a record marked revoked whose secret still works.
+  record is written, True) — under either placement: moved to ``shared`` in that state, :data:`REVOKE_LUA`
+  decides on the record too. Never the other way round: a record marked revoked whose secret still works.
 - **update**: the lookup copy is rewritten only if it exists (``SET … XX``; none → the key is revoked, or
   being revoked → ``ValueError`` as on one server), then the record only if it is not revoked
   (:data:`SET_ACTIVE_LUA`; a revoke that came between → ``ValueError``, the copy it wrote is already deleted
@@ -84,10 +85,14 @@ redis.call('SADD', KEYS[3], ARGV[2])
 return 1
 """
 # KEYS: 1 rec:{id}, 2 h:{sha}; ARGV: 1 the revoked record JSON.
-# Returns 1, 0 (already revoked: the lookup copy is gone), -1 (unknown id).
+# Returns 1, 0 (already revoked: the record says so), -1 (unknown id). Decided on the record, not on the lookup
+# copy: a record still active without its copy (a tenant-placement revoke that stopped between its two steps, then
+# the cluster moved to shared) is listed active and must still be revocable.
 REVOKE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+local raw = redis.call('GET', KEYS[1])
+if not raw then return -1 end
+local revoked = cjson.decode(raw)['revoked']
+if revoked ~= nil and revoked ~= cjson.null then return 0 end
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('DEL', KEYS[2])
 return 1

@@ -64,6 +64,22 @@ async def test_create_lookup_list_revoke(redis_url: str, redis_prefix: str, tmp_
             await store.create("team-a")
 
 
+async def test_a_record_left_active_without_its_lookup_copy_can_still_be_revoked(redis_url: str, redis_prefix: str,
+                                                                                  tmp_path: Path) -> None:
+    """A tenant-placement revoke deletes the lookup copy, then marks the record; stopped between the two and the
+    cluster then moved to ``shared``, the record is listed active though the key no longer authenticates. Revoking it
+    must mark it revoked (the shared script decided on the copy and answered "already revoked", writing nothing)."""
+    async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
+        store = RedisKeyStore(st.handle, st.breaker, cache_s=0)
+        secret = await store.create("half-revoked")
+        digest = hashlib.sha256(secret.encode()).hexdigest()
+        await st.handle.client.delete(st.meter.keys.key_by_hash(digest))  # the revoke's first step only
+        assert await store.lookup(digest) is None and (await store.list())[0].revoked is None
+        assert await store.revoke("half-revoked") is True
+        assert (await store.list())[0].revoked is not None
+        assert await store.revoke("half-revoked") is False
+
+
 async def test_auth_keystore_uses_config_keys_then_redis(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
     async with stack(redis_url, redis_prefix, tmp_path / "s") as st:
         store = RedisKeyStore(st.handle, st.breaker, cache_s=0)
