@@ -240,6 +240,12 @@ class StreamTally:
                 self.text_deltas += 1
                 self.saw_text = True
 
+    def counted(self) -> tuple[int, int]:
+        """(completion, reasoning) tokens of the deltas read, one token a delta (≈ vLLM's): what a stream with no usage
+        to trust is billed as generated — by the relay, the escalation's peek and a forced call failed in its thought
+        phase alike."""
+        return self.reasoning_deltas + self.text_deltas, self.reasoning_deltas
+
     def reasoning_texts(self) -> list[str]:
         """The reasoning text of each choice that had any."""
         return [t for parts in self.reasoning.values() if (t := "".join(parts))]

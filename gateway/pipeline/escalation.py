@@ -131,7 +131,8 @@ class PeekBroken(Exception):
 
 def counted(tally: StreamTally) -> dict[str, int]:
     """``{"completion_tokens", "reasoning_tokens"}``: the deltas ``tally`` read (one token each)."""
-    return {"completion_tokens": tally.reasoning_deltas + tally.text_deltas, "reasoning_tokens": tally.reasoning_deltas}
+    completion, reasoning = tally.counted()
+    return {"completion_tokens": completion, "reasoning_tokens": reasoning}
 
 
 #: how many chunks that carry something other than content :func:`peek_stream` reads, at most, for the start of an

@@ -266,7 +266,8 @@ class Proxy:
                     # phase 2's second prompt
                     forced = dial.forcing_tier(tier, body)
                     if forced is not None:
-                        resp = await open_forced(self.upstreams, forced, caller.endpoint, built)
+                        resp = await open_forced(self.upstreams, forced, caller.endpoint, built,
+                                                 functools.partial(count_prompt, self.upstreams, forced))
                     else:
                         resp = await self.upstreams.open(tier, ENDPOINT_PATHS[caller.endpoint],
                                                          orjson.dumps(built), stream=record.stream)

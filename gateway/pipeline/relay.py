@@ -98,7 +98,7 @@ async def fill_reasoning(pool: UpstreamPool, usage: dict[str, Any], tier: TierCo
 def count_deltas(ex: Exchange, tally: sse.StreamTally) -> None:
     """No upstream usage (client gone, stream broken): vLLM sends about one token per delta — held to the call's
     completion bound (an upstream that ignores ``max_tokens`` and sends no usage overspent a hard budget)."""
-    ex.record.set_counted(tally.reasoning_deltas + tally.text_deltas, tally.reasoning_deltas)
+    ex.record.set_counted(*tally.counted())
 
 
 async def count_prompt(pool: UpstreamPool, tier: TierConfig, body: dict[str, Any]) -> int:

@@ -25,6 +25,12 @@ chunk is the relay's in-stream error (no answer phase after a failed thought; me
 ``upstream_error``, the deltas relayed and the prompt counted), not streamed a 502; a phase that ends without
 ``[DONE]`` is a broken stream (``upstream_stream_broken``).
 
+**A call that fails in phase 1** once it was answered 200 (its error document, a broken or stalled stream) is billed
+as the relay bills any failed stream, streamed or not: the prompt counted (``gateway.pipeline.relay.count_prompt``)
+and one completion token a delta read (:meth:`gateway.openai.sse.StreamTally.counted`; a chat thought's as
+reasoning), ``partial``, ``usage_source: counted`` — streamed by the relay itself, not streamed by
+:meth:`ForcedBudget._assemble`. The client's error is the same either way.
+
 **A call that fails in phase 2** (its error document, a broken or stalled stream, an answer phase refused) is billed
 what the upstream is known to have processed, streamed or not (:meth:`ForcedBudget._spent`): phase 1 as it reported
 it, plus phase 2's prompt when phase 2 was answered 200 (the upstream read it before its first event — the rule the
@@ -53,7 +59,7 @@ import orjson
 from gateway.config import TierConfig
 from gateway.errors import GatewayError, InvalidRequest, UpstreamError, UpstreamStreamError
 from gateway.ledger.event import WireEndpoint
-from gateway.openai.sse import DONE_CHUNK, Chunk
+from gateway.openai.sse import DONE_CHUNK, Chunk, StreamTally
 from gateway.openai.usage import generated_text, merge_usage, token_count, usage_counts
 from gateway.thinking.loop_guard import LoopDetector
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamPool
@@ -77,10 +83,11 @@ class PhaseError(Exception):
 
 
 class ForcedCallFailed(Exception):
-    """A non-streamed forced call that failed after some of it is known to have run (phase 2's failure, or one of
-    its ``n`` generations'): ``error`` is the error the client gets (the same as without this), ``usage`` (OpenAI's
-    shape, tokens) what the upstream is known to have processed (:meth:`ForcedBudget._spent`, summed over the
-    choices). The proxy meters ``usage`` (``partial``, ``usage_source: counted``) and raises ``error``."""
+    """A non-streamed forced call that failed after some of it is known to have run (its phase 1 answered 200, its
+    phase 2, or one of its ``n`` generations'): ``error`` is the error the client gets (the same as without this),
+    ``usage`` (OpenAI's shape, tokens) what the upstream is known to have processed (:meth:`ForcedBudget._spent`, or
+    counted by :meth:`ForcedBudget._assemble`; summed over the choices). The proxy meters ``usage`` (``partial``,
+    ``usage_source: counted``) and raises ``error``."""
 
     def __init__(self, error: GatewayError, usage: dict[str, Any]) -> None:
         super().__init__(error.message)
@@ -170,20 +177,26 @@ class _Phase:
 Opener = Callable[[dict[str, Any]], Awaitable[UpstreamResponse]]
 #: the tokens of a text for the tier's model (exact, else estimated)
 Counter = Callable[[str], Awaitable[int]]
+#: the prompt tokens of a request body (its messages and tools, or its prompt) on the tier, as the relay counts a
+#: failed stream's (``gateway.pipeline.relay.count_prompt``, bound by the proxy: one rule for both paths)
+PromptCounter = Callable[[dict[str, Any]], Awaitable[int]]
 
 
 class ForcedBudget:
     """Runs two-phase budget forcing for one request on one forced tier: ``open_phase`` sends a phase to the tier's
-    upstream, ``count`` counts a cut thought's tokens (:func:`open_forced` binds both to the pooled upstreams).
+    upstream, ``count`` counts a cut thought's tokens (:func:`open_forced` binds both to the pooled upstreams),
+    ``count_prompt`` a request's prompt (the bill of a non-streamed call that failed in its thought phase).
     It reads the phases' chunk dicts and yields chunk dicts."""
 
-    def __init__(self, tier: TierConfig, endpoint: WireEndpoint, open_phase: Opener, count: Counter) -> None:
+    def __init__(self, tier: TierConfig, endpoint: WireEndpoint, open_phase: Opener, count: Counter,
+                 count_prompt: PromptCounter) -> None:
         if endpoint not in ENDPOINT_PATHS:
             raise ValueError(f"unknown endpoint {endpoint!r}")
         self.tier = tier
         self.endpoint = endpoint
         self.open_phase = open_phase
         self.count = count
+        self.count_prompt = count_prompt
 
     def check(self, body: dict[str, Any]) -> None:
         """Refuse what forcing cannot serve: a list of prompts (completions); ``n > 1`` with streaming."""
@@ -212,7 +225,8 @@ class ForcedBudget:
         n = int(body.get("n") or 1)
         one = {**body, "n": 1, "stream": True}
         # every generation runs to its end, so that one's failure does not lose the others' usage
-        outcomes = await asyncio.gather(*(self._assemble(self.stream(one)) for _ in range(n)), return_exceptions=True)
+        outcomes = await asyncio.gather(*(self._assemble(self.stream(one), one) for _ in range(n)),
+                                        return_exceptions=True)
         usage: dict[str, Any] = {}
         reasoning = 0
         for out in outcomes:
@@ -232,19 +246,25 @@ class ForcedBudget:
         return {**results[0][2], "object": obj, "choices": choices, "usage": usage}
 
     async def _assemble(
-        self, chunks: AsyncIterator[Chunk]
+        self, chunks: AsyncIterator[Chunk], body: dict[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """(choice, usage, response metadata) from the chunks of one forced stream (its dicts, as built). Raises
-        :class:`~gateway.errors.UpstreamError` for a stream that ended in an upstream's error, and the stream's own
-        errors — as :class:`ForcedCallFailed` with the usage the stream sent before it failed (its phase-2 bill)."""
+        """(choice, usage, response metadata) from the chunks of one forced stream (its dicts, as built; ``body``
+        its request). Raises :class:`~gateway.errors.UpstreamError` for a stream that ended in an upstream's error,
+        and the stream's own errors — as :class:`ForcedCallFailed` with what the call is known to have used: the
+        usage the stream sent before it failed (its phase-2 bill), else, once phase 1 was answered (the stream's
+        first chunk), what the relay bills a failed stream — ``body``'s prompt counted and one token a delta read."""
         reasoning: list[str] = []
         text: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         finish: str | None = None
         usage: dict[str, Any] = {}
         meta: dict[str, Any] = {}
+        read = StreamTally()  # the deltas read, counted as the relay counts them
+        answered = False  # phase 1 was answered: the stream's first chunk came
         try:
             async for item in chunks:
+                answered = True
+                read.feed([item])
                 data = item.data
                 if data is None:
                     break
@@ -268,6 +288,13 @@ class ForcedBudget:
                         slot["function"]["name"] = fn.get("name") or slot["function"]["name"]
                         slot["function"]["arguments"] += fn.get("arguments") or ""
         except GatewayError as exc:
+            if not usage and answered:
+                # phase 1 was answered 200 (its upstream read the prompt) and failed before any usage came, or
+                # phase 2 failed after a phase 1 that reported no prompt count (:meth:`_spent`): billed as the
+                # relay bills the stream had it been streamed, not nothing
+                completion, thought = read.counted()
+                usage = merge_usage({"prompt_tokens": await self.count_prompt(body)},
+                                    {"completion_tokens": completion}, thought)
             if usage:  # sent before the failure: what the call is known to have used (phase 1, phase 2 begun)
                 raise ForcedCallFailed(exc, usage) from exc
             raise
@@ -310,9 +337,15 @@ class ForcedBudget:
         # fall back to another tier) before any byte went to the client.
         resp = await self.open_phase(thought_request(body, self.tier))
         try:
+            # the first chunk comes once phase 1 was answered, before it is read (completions: an empty text, as an
+            # upstream may send to keep a stream alive): a caller that primes the stream (open_forced) or reads it
+            # (_assemble) then holds a call that ran, whose failure is a failed stream's, billed what it read — a
+            # completion's phase 1 broken before its first delta failed the priming and was billed nothing
             if self.endpoint == "chat":
                 role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 yield Chunk({**head, "choices": [role]})
+            else:
+                yield chunk("", "text")
             async for piece, finish, usage, _ in _pieces(resp, self.endpoint):
                 p1.usage = usage or p1.usage
                 p1.finish_reason = finish or p1.finish_reason
@@ -395,8 +428,8 @@ class ForcedBudget:
           at the input rate. ``req2`` None: phase 2 was never answered (refused, no connection): nothing of it is
           known to have run, and nothing of it is billed.
 
-        None when phase 1 reported no prompt count: nothing is known well enough to bill, and the relay counts the
-        call as any failed stream (a non-streamed call is then billed no tokens, as before)."""
+        None when phase 1 reported no prompt count: nothing is known well enough to sum, and the call is counted as
+        any failed stream (the relay; not streamed, :meth:`_assemble`): its first prompt and the deltas read."""
         prompt1 = token_count((p1.usage or {}).get("prompt_tokens"))
         if prompt1 is None:
             return None
@@ -413,9 +446,10 @@ class ForcedBudget:
 
 
 async def open_forced(
-    pool: UpstreamPool, tier: TierConfig, endpoint: WireEndpoint, body: dict[str, Any]
+    pool: UpstreamPool, tier: TierConfig, endpoint: WireEndpoint, body: dict[str, Any], count_prompt: PromptCounter
 ) -> SyntheticResponse:
     """Run budget forcing for ``body`` (the tier's upstream body) and return it as one upstream response.
+    ``count_prompt``: the tokens of a request's prompt on ``tier`` (:class:`ForcedBudget`).
 
     Streams are primed up to the first chunk, so connection failures of the thought phase raise here
     (UpstreamUnavailable & co.) and the proxy can still fall back. Raises InvalidRequest for what forcing
@@ -426,7 +460,7 @@ async def open_forced(
     path = ENDPOINT_PATHS[endpoint]
     forced = ForcedBudget(tier, endpoint,
                           lambda phase: pool.open(tier, path, orjson.dumps(phase), stream=True),
-                          functools.partial(pool.tokens, tier))
+                          functools.partial(pool.tokens, tier), count_prompt)
     forced.check(body)
     if body.get("stream") is not True:
         data = await forced.complete(body)

@@ -203,3 +203,51 @@ def test_a_phase_stream_that_ends_without_done_is_a_broken_stream(
     assert info.value.body["code"] == "upstream_stream_broken"  # type: ignore[index]
     assert wait_for(lambda: len(records) == before + 1, timeout_s=10)
     assert (records[-1].status, records[-1].error_code) == (502, "upstream_stream_broken")
+
+
+@pytest.mark.parametrize("fault", [("error-event", "upstream_error"), ("close", "upstream_stream_broken")])
+@pytest.mark.parametrize("thought", [3, 0])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_a_call_that_fails_in_phase_1_is_billed_its_prompt_and_the_thought_it_read(
+        forced: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess, redis_url: str, endpoint: str,
+        thought: int, fault: tuple[str, str]) -> None:
+    """Phase 1 was answered 200 and failed after ``thought`` deltas of the thought (an error event, or an end without
+    ``[DONE]``), before its usage chunk: no answer phase. Streamed or not, the call is billed what the relay bills a
+    failed stream — the prompt counted (the upstream's /tokenize) and one token per delta read, ``partial``,
+    ``usage_source: counted`` — in the usage event in Redis. Not streamed it was billed nothing (the plain error was
+    raised: no usage was known); streamed, a completion's phase 1 that broke before its first delta failed the
+    priming of the stream and was billed nothing either. The client's errors are unchanged: 502 and its code."""
+    gw, records = forced
+    client = _client(gw)
+    chat = endpoint == "chat"
+    ask: dict[str, Any] = {"messages": MESSAGES} if chat else {"prompt": QUESTION}
+    create = client.chat.completions.create if chat else client.completions.create
+    prompt = httpx.post(upstream_sim.root + "/tokenize", json=ask, timeout=5).json()["count"]
+    mode, code = fault
+    # the sim's chunks: chat's role chunk first, then one word of the thought a chunk (completions: no role chunk)
+    sim = {"fail": mode, "fail_at": thought + chat}
+
+    before = len(records)
+    got = StreamRead()
+    with pytest.raises(openai.APIError):  # the upstream's error event as it came, or the relay's broken stream
+        got.read(create(model="short", **ask, stream=True,  # type: ignore[operator]
+                        extra_body={"sim": {**sim, "tag": uuid.uuid4().hex}}))
+    assert len((got.reasoning if chat else got.content).split()) == thought  # what the client was relayed
+    tag = uuid.uuid4().hex
+    with pytest.raises(openai.APIStatusError) as info:
+        create(model="short", **ask, extra_body={"sim": {**sim, "tag": tag}})  # type: ignore[operator]
+    assert info.value.status_code == 502
+    assert info.value.body["code"] == code  # type: ignore[index]
+    seen = upstream_sim.tag(tag)
+    assert seen is not None and seen["attempts"] == 1  # no answer phase after a failed thought
+    assert wait_for(lambda: len(records) == before + 2, timeout_s=10)
+    streamed, answered = (_event(redis_url, r.request_id) for r in records[before:])
+    assert (streamed.stream, answered.stream) == (True, False)
+    for ev in (streamed, answered):
+        assert (ev.status, ev.error_code, ev.partial, ev.usage_source, ev.over_bound) == (
+            502, code, True, "counted", False)
+        # the relay's count: the prompt, one completion token a delta; a chat thought's deltas are reasoning
+        assert (ev.prompt_tokens, ev.completion_tokens, ev.reasoning_tokens) == (
+            prompt, thought, thought if chat else 0)
+        assert ev.cost_micro_usd > 0
+    assert answered.cost_micro_usd == streamed.cost_micro_usd
