@@ -640,7 +640,10 @@ class Accounting:
 
     def audit(self, record: UsageRecord, status: int, code: str | None) -> None:
         """Record a request refused before any upstream call (``record``: what is known — key, tier, endpoint):
-        one audit event with cost 0 (``UsageEvent.audit``) and the refusal counter by status and code."""
+        one audit event with cost 0 (``UsageEvent.audit``) and the refusal counter by status and code. Its write
+        (metering's ``AUDIT``) also settles what an admission under the request id may have left — one whose reply
+        was lost may have reserved and written the write-ahead record (``gateway/state/limits.py``, "Outcome
+        unknown") —, through the same writer and spool as every event: an outage delays it, never loses it."""
         record.finish(None, status)
         record.error_code = code
         if not record.key_id and not self._anon_admitted():

@@ -60,6 +60,23 @@ process's own requests since, and this process's RPM/TPM windows (approximate: o
 A request under no budget or limit that this process knows of (its last copy of the definitions) is admitted
 without a check while Redis is down, in either mode.
 
+**Outcome unknown.** A hot-path call (``HOT_LUA``) that times out or loses its connection once sent may have run
+in Redis all the same: reserved at every level and written the request's write-ahead record. The request is decided
+as with Redis down; refused so (503 ``limits_unavailable``, or a 429 of the local counters), it is never sent
+upstream, and its audit event (``Accounting.audit``) settles what that call may have left: metering's ``AUDIT``
+releases the reservations under the request id and deletes its write-ahead record (``gateway/state/metering.py``).
+Left, the reservations held the budgets until their TTL, and the record stayed open for the reconciler to settle as a
+lost call once this process was gone — a request and a 500 ``gateway_lost`` (at 0 tokens) for a request the client
+saw refused, once its audit event's id had left the seen-set (``metering.dedup_ttl_s``, 60 s at the least). The audit
+event goes through the metering writer and its spool like any other: an outage delays it, never loses it. Ordering:
+the audit event is sent on another connection, after the call's own was dropped (and, for a timeout, after the
+breaker's cooldown), so the call has almost always run or died by then — but a late one can still reach Redis after
+it (a TCP segment retransmitted, a proxy in between). Either order is safe: the audit event puts the request id into
+its day's seen-set in the same atomic step, and ``HOT`` first checks that set (``HOT_SETTLED``): run before the audit
+event, the call's writes are what the audit event settles; run after it, the call writes nothing. A process killed
+with the audit event still in its spool leaves the record to the reconciler, as before
+(``gateway/state/write_ahead.py``, "never sent" taken for "lost": 0 tokens, never money).
+
 **Redis refuses the script.** ``ADMIT`` and ``HOT`` are all or nothing (``gateway/state/undo.py``): a command that
 fails partway (a key of the wrong type, a window counter that is no integer) takes back the call's reservations, its
 RPM/TPM counts and its write-ahead record, and the script answers an error naming the command and the key. Grouped
@@ -265,13 +282,20 @@ ADMIT_LUA = ADMIT_PREAMBLE + all_or_nothing("function()\n" + ADMIT_CORE + "retur
 # in the same atomic step — the rider (:class:`Rider`): the request's write-ahead record (``HSET``,
 # ``gateway/state/write_ahead.py``) and its exact-cache lookup (``cache_lookup``, ``gateway/state/cache.py``).
 # KEYS: ADMIT's, then from x = 4n (+4 with the RPM/TPM keys): x+1 the write-ahead hash, x+2 the cache entry, x+3 the
-#       cache lock (each may be passed as any key when unused).
+#       cache lock (each may be passed as any key when unused), x+4 the usage seen-set of the request's day.
 # ARGV: ADMIT's (11 + 4n), then from a = 12 + 4n: a the record JSON ('' = none), a+1 its request id, a+2 lookup
 #       ('1' / '0'), a+3 lock token ('' = no single-flight), a+4 lock TTL ms.
-# Returns ADMIT's refusal, or ADMIT's admitted reply followed by the lookup's reply ({} when none).
+# Returns ADMIT's refusal, or ADMIT's admitted reply followed by the lookup's reply ({} when none); the refusal
+# ``settled`` (nothing written) when the seen-set holds the request id already (see "Outcome unknown" in the module
+# doc: a call that reached Redis after its request's refusal was settled).
 # All or nothing like ``ADMIT``: the write-ahead record is logged too; the lookup's GET (a key of the wrong type at
 # the entry) can fail after every other write, its lock (SET NX, the last write) cannot.
-HOT_LUA = ADMIT_PREAMBLE + LOOKUP_LUA + all_or_nothing("function()\n" + ADMIT_CORE + """
+HOT_SETTLED = """
+local x0 = 4 * tonumber(ARGV[11]) + ((tonumber(ARGV[3]) >= 0 or tonumber(ARGV[4]) >= 0) and 4 or 0)
+at_cmd, at_key = 'SISMEMBER', KEYS[x0 + 4]
+if redis.call('SISMEMBER', KEYS[x0 + 4], ARGV[7]) == 1 then return {0, 'settled', 0, '', 1, 0, 0, 0} end
+"""
+HOT_LUA = ADMIT_PREAMBLE + LOOKUP_LUA + all_or_nothing("function()\n" + HOT_SETTLED + ADMIT_CORE + """
 local x = R + ((rpm >= 0 or tpm >= 0) and 4 or 0)
 local a = 12 + 4 * n
 if ARGV[a] ~= '' then hset(KEYS[x + 1], ARGV[a + 1], ARGV[a]) end
@@ -966,11 +990,13 @@ class Limits:
                                        mode or self.cfg.budget_mode, rider)
         look = rider.lookup
         wal_key = rider.wal_key or keys[0]
+        # the request's day's seen-set: a call that arrives after its request was refused and settled writes nothing
+        seen = self.keys.seen(day)
         if look is None:
-            keys += [wal_key, wal_key, wal_key]
+            keys += [wal_key, wal_key, wal_key, seen]
             args += [rider.record, reservation_id, 0, "", 0]
         else:
-            keys += [wal_key, look.entry_key, look.lock_key]
+            keys += [wal_key, look.entry_key, look.lock_key, seen]
             args += [rider.record, reservation_id, 1, look.token, look.wait_ms]
         return list(await self._hot(keys=keys, args=args, coalesce="request", orphan=orphan))
 

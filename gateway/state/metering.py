@@ -13,7 +13,10 @@ an upstream call leaves before its first byte is settled by exactly its usage ev
 counts the record of a dead process instead (an atomic claim), and :meth:`Meter.release_orphan` releases the
 record of a dead process's request that was waiting, never sent upstream (same claim; no counter, an audit event).
 Audit events (refused requests, ``UsageEvent.audit``) go through ``AUDIT`` instead: the stream and the cube's
-``refused`` count only. Counters are integers only (micro-USD, tokens, counts).
+``refused`` count only. A refused request was never sent upstream, so its audit event also settles whatever an
+admission under its id may have left — its reservations at every level and its write-ahead record (an admission whose
+reply was lost to a timeout ran, or not: ``gateway/state/limits.py``, "Outcome unknown"); with nothing left, nothing
+changes. Counters are integers only (micro-USD, tokens, counts).
 
 Usage cubes (``gateway/ledger/aggregate.py``): in the same step, ``RECORD`` and ``AUDIT`` add the event to its key's
 cube of the day (one hash field per counter and cell: tier, model, tags) and count it in the cube index, so a
@@ -352,7 +355,36 @@ local function write_audit()
   return 1
 end
 """
-AUDIT_LUA = WRITE_AUDIT + all_or_nothing("""function()
+# settle_unsent(w, k, rid, tpm_ttl) (after WRITE_AUDIT and SETTLE_LUA): request ``rid``, never sent upstream, settled
+# as no request: its reservation at the key (KEYS[k]) released and its reserved tokens taken back out of the key's TPM
+# window KEYS[k + 1] (it used none; a window brought to 0 is deleted, as RECORD's), its reservations at the levels
+# KEYS[k + 2 ..] released, its audit event written (write_audit), then its write-ahead record in the hash KEYS[w]
+# deleted — last: nothing can fail after that HDEL, which so needs no undo. What is not there (an admission that never
+# ran, or settled already) is skipped: the same call twice changes nothing more. Returns write_audit's 1 or 0.
+UNSENT_LUA = """
+local function settle_unsent(w, k, rid, tpm_ttl)
+  local reserved = settle(KEYS[k], rid)
+  local tpm_zero = false  -- the TPM window brought to 0: deleted last (below)
+  if reserved and reserved > 0 and redis.call('EXISTS', KEYS[k + 1]) == 1 then
+    tpm_zero = incrby(KEYS[k + 1], -reserved) == 0
+    redis.call('PEXPIRE', KEYS[k + 1], tpm_ttl)
+  end
+  for j = k + 2, #KEYS do settle(KEYS[j], rid) end
+  local written = write_audit()
+  at_cmd, at_key = 'HDEL', KEYS[w]
+  redis.call('HDEL', KEYS[w], rid)
+  del_zero(tpm_zero, KEYS[k + 1])
+  return written
+end
+"""
+# AUDIT of a refused request of a known key also settles what an admission under its id (the event id) may have left
+# (settle_unsent: its reservations, its write-ahead record). Optional trailing KEYS: 7 the write-ahead hash, 8 the
+# key's reservation hash, 9 the key's TPM counter of the event's minute, 10 global reservations, 11.. each tag's
+# reservations; ARGV 11 TPM TTL ms. Why every such audit event: a refusal's admission may have run in Redis with its
+# reply lost (a timeout), and the refusal cannot tell — left, its write-ahead record stayed open for the reconciler to
+# settle as a lost call once this process is gone, and its reservations held the budgets until their TTL.
+AUDIT_LUA = LUA_FUNCTIONS + WRITE_AUDIT + SETTLE_LUA + UNSENT_LUA + all_or_nothing("""function()
+  if #KEYS > 6 then return {settle_unsent(7, 8, ARGV[1], ARGV[11]), 0, 0} end
   if write_audit() == 0 then return {0, 0, 0} end
   return {1, 0, 0}
 end""")
@@ -372,21 +404,10 @@ end""")
 #       index), 7 write-ahead hash, 8 owner heartbeat, 9 the key's reservation hash, 10 the key's TPM counter of the
 #       event's minute, 11 global reservations, 12.. each tag's reservations
 # ARGV: 1-10 as AUDIT's (1 the audit event's id), 11 request id, 12 TPM TTL ms. Returns 1 (released) or 0.
-RELEASE_LUA = LUA_FUNCTIONS + WRITE_AUDIT + SETTLE_LUA + all_or_nothing("""function()
+RELEASE_LUA = LUA_FUNCTIONS + WRITE_AUDIT + SETTLE_LUA + UNSENT_LUA + all_or_nothing("""function()
   at_cmd, at_key = 'HEXISTS', KEYS[7]
   if redis.call('HEXISTS', KEYS[7], ARGV[11]) == 0 or redis.call('EXISTS', KEYS[8]) == 1 then return 0 end
-  local reserved = settle(KEYS[9], ARGV[11])
-  local tpm_zero = false  -- the TPM window brought to 0: deleted last (below)
-  if reserved and reserved > 0 and redis.call('EXISTS', KEYS[10]) == 1 then
-    tpm_zero = incrby(KEYS[10], -reserved) == 0
-    redis.call('PEXPIRE', KEYS[10], ARGV[12])
-  end
-  for j = 11, #KEYS do settle(KEYS[j], ARGV[11]) end
-  write_audit()
-  -- the write-ahead record last: nothing can fail after its HDEL, which so needs no undo
-  at_cmd, at_key = 'HDEL', KEYS[7]
-  redis.call('HDEL', KEYS[7], ARGV[11])
-  del_zero(tpm_zero, KEYS[10])
+  settle_unsent(7, 9, ARGV[11], ARGV[12])
   return 1
 end""")
 
@@ -461,7 +482,8 @@ for i = 1, na do unincr(a[i][1], a[i][2], a[i][3]) end
 # ARGV: 1 event id, 2 event JSON, 3 seen TTL s, 4 day TTL s, 5 month TTL s, 6 stream maxlen (0 = none), 7 key id,
 #       8 cost micro-USD, 9 number of tags, 10 UTC day, 11 the event's ts (ms), 12 metering.late_after_s (ms),
 #       13 the key part's call (JSON, stored in usage:pending), 14 'r' (a usage event), 'a' (an audit event: no
-#       counter, no level) or 'x' (a dead process's unsent call released: its levels' reservations, an audit event),
+#       counter, no level) or 'x' (a call never sent upstream released — a dead process's unsent call, or a refused
+#       request of a key, ``Meter._run``: its levels' reservations, an audit event),
 #       15 the request id (reservations, the write-ahead record), 16.. counter field / increment pairs ('r')
 # Returns {-1} when the claim fails (the record settled, or its owner alive), else {counted (1/0), the pending key
 # part ('' when none is pending: done, or never split), global day cost, global month cost, tag day, tag month, …}.
@@ -890,17 +912,21 @@ class Meter:
 
     async def _run(self, event: UsageEvent, replay: bool = False) -> list[Any]:
         if self.split:
-            return await self._run_split(event, replay=replay)
+            # a refused request of a key settles what an admission under its id may have left (AUDIT_LUA's why): the
+            # calls of a dead process's unsent one ('x'), without its claim
+            release = event.event_id if event.audit and event.key_id else None
+            return await self._run_split(event, release=release, replay=replay)
         keys, args = self._keys_args(event)  # off the request path: with the cache's stores of the same pass
         return await (self._audit if event.audit else self._script)(keys=keys, args=args, coalesce="background")
 
     async def _run_split(self, event: UsageEvent, owner_heartbeat: str | None = None,
                          release: str | None = None, replay: bool = False) -> list[Any]:
-        """RECORD (AUDIT for an audit event; RELEASE with ``release``, the request id of an unsent call) as its three
-        calls on a Cluster whose keys' own levels are in their tenant slots (``RECORD_SHARED_LUA``, above). Answers
-        RECORD's reply (the key's costs None when another writer completed its key part), or ``[-1]`` when the
-        claim of ``owner_heartbeat``'s record failed. Raises what a call raises: the calls before it stay done and
-        the next try (a replay, the reconciler, :meth:`finish_pending`) completes the rest.
+        """RECORD (AUDIT for an audit event; RELEASE with ``release``, the request id of an unsent call — a dead
+        process's, or a refused request of a key, :meth:`_run`) as its three calls on a Cluster whose keys' own
+        levels are in their tenant slots (``RECORD_SHARED_LUA``, above). Answers RECORD's reply (the key's costs
+        None when another writer completed its key part), or ``[-1]`` when the claim of ``owner_heartbeat``'s record
+        failed. Raises what a call raises: the calls before it stay done and the next try (a replay, the reconciler,
+        :meth:`finish_pending`) completes the rest.
 
         ``replay`` (a spooled, unacknowledged or dead-lettered event sent again): when the shared part is counted
         and nothing is pending, the key part is sent anyway — once by id in the key's own seen-set, so it counts
@@ -911,7 +937,8 @@ class Meter:
         day, rid = event.day, release or event.event_id
         mode = "x" if release else ("a" if event.audit else "r")
         tags = [] if event.audit and not release else sorted(event.tags.items())
-        wal = k.write_ahead if (self._wal_key is not None or owner_heartbeat is not None) and mode != "a" else None
+        settles_wal = self._wal_key is not None or owner_heartbeat is not None or mode == "x"
+        wal = k.write_ahead if settles_wal and mode != "a" else None
         ts_ms, late_ms = int(event.ts * 1000), int(self.cfg.late_after_s * 1000)
         # the key part's call: stored as it is sent (the sweep and a second writer send exactly this)
         part_keys = [k.key_seen(event.key_id, day), k.key_total(event.key_id), k.key_day(event.key_id, day),
@@ -1024,7 +1051,7 @@ class Meter:
                                                               event.request_id))
             return reply != [-1]
         k = self.keys
-        audit_keys, audit_args = self._keys_args(event)
+        audit_keys, audit_args = self._audit_keys_args(event)
         # RELEASE_LUA numbers its KEYS and ARGV after AUDIT's: a change of that layout must change it too
         assert len(audit_keys) == 6 and len(audit_args) == 10, "RELEASE_LUA's KEYS/ARGV follow AUDIT's layout"
         keys = [*audit_keys, k.write_ahead, owner_heartbeat, k.reservations(event.key_id),
@@ -1033,15 +1060,32 @@ class Meter:
         args = [*audit_args, event.request_id, TPM_TTL_MS]
         return bool(await self.breaker.call(lambda: self._release(keys=keys, args=args)))
 
+    def _audit_keys_args(self, event: UsageEvent) -> tuple[list[str], list[str | bytes | int]]:
+        """``AUDIT``'s KEYS and ARGV for ``event`` (an audit event) alone: the stream, the cube, the index."""
+        k = self.keys
+        day = event.day
+        ts_ms, late_ms = int(event.ts * 1000), int(self.cfg.late_after_s * 1000)
+        return ([k.seen(day), k.events, k.agg_cube(event.key_id, day), k.agg_index, k.agg_day_keys(day),
+                 k.late_events],
+                [event.event_id, event.to_json(), self.cfg.dedup_ttl_s, self.cfg.stream_maxlen or 0, day,
+                 cell_of(event), event.key_id, DAY_TTL_S, ts_ms, late_ms])
+
     def _keys_args(self, event: UsageEvent) -> tuple[list[str], list[str | bytes | int]]:
         k = self.keys
         day = event.day
         cube = [k.agg_cube(event.key_id, day), k.agg_index, k.agg_day_keys(day)]
         ts_ms, late_ms = int(event.ts * 1000), int(self.cfg.late_after_s * 1000)
         if event.audit:
-            return ([k.seen(day), k.events, *cube, k.late_events],
-                    [event.event_id, event.to_json(), self.cfg.dedup_ttl_s, self.cfg.stream_maxlen or 0, day,
-                     cell_of(event), event.key_id, DAY_TTL_S, ts_ms, late_ms])
+            audit_keys, audit_args = self._audit_keys_args(event)
+            if not event.key_id:  # no key (401): never admitted, nothing to settle
+                return audit_keys, audit_args
+            # a refused request of a key: what an admission under its id may have left is settled with it
+            # (AUDIT_LUA's trailing KEYS; its write-ahead record whatever this process's metering.write_ahead says:
+            # the record may be one another replica wrote, as for settle_orphan)
+            audit_keys += [k.write_ahead, k.reservations(event.key_id), k.tpm(event.key_id, event.minute),
+                           k.level_reservations("global", "global"),
+                           *(k.level_reservations("tag", f"{n}={v}") for n, v in sorted(event.tags.items()))]
+            return audit_keys, [*audit_args, TPM_TTL_MS]
         tier = event.tier or UNROUTED
         keys = [
             k.seen(day),
