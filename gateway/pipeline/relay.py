@@ -336,13 +336,18 @@ def usage_of(rec: UsageRecord) -> dict[str, Any]:
 def metered_otherwise(usage: Any, rec: UsageRecord) -> bool:
     """Whether ``rec`` metered other counts than ``usage`` says: a completion count held to the call's bound, or a
     detail clipped (:meth:`UsageRecord.set_usage` — a cached count above the prompt, a reasoning count above the
-    completion or a negative one). The client is then told :func:`usage_of` ``rec``, what was metered: it was told
-    100,000 cached tokens of a 12-token prompt (on ``/v1/messages``, ``input_tokens: -99988``)."""
+    completion or a negative one — or details that are no object). The client is then told :func:`usage_of` ``rec``,
+    what was metered: it was told 100,000 cached tokens of a 12-token prompt (on ``/v1/messages``,
+    ``input_tokens: -99988``)."""
     if not isinstance(usage, dict):
         return False
 
     def same(holder: Any, name: str, metered: int) -> bool:
-        v = holder.get(name) if isinstance(holder, dict) else None
+        if holder is not None and not isinstance(holder, dict):
+            # details that are no object ("x", 7) were metered as 0 and passed on as they came: /v1/messages and
+            # /v1/responses read them to translate the usage and failed (a 500, a cut stream) on an answer billed
+            return False
+        v = holder.get(name) if holder is not None else None
         return metered == 0 if v is None else token_count(v, rec.usage_limit) == metered
 
     return not (same(usage, "prompt_tokens", rec.prompt_tokens)

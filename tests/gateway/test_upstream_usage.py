@@ -148,6 +148,52 @@ def test_the_client_is_told_the_clipped_details_that_were_metered(gw: GatewaySer
         assert got == (12, 20, 12, 20), u
 
 
+@pytest.mark.parametrize("path", ["/chat/completions", "/responses", "/messages"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("details", [{"prompt_tokens_details": "x"}, {"completion_tokens_details": 7}],
+                         ids=["prompt-details", "completion-details"])
+def test_details_that_are_no_object_are_told_as_metered(gw: GatewayServer, path: str, stream: bool,
+                                                        details: dict[str, Any]) -> None:
+    """A usage whose ``*_tokens_details`` is no object (a string, a number) is metered with those details at 0,
+    and was passed on as it came: ``/v1/messages`` and ``/v1/responses`` read it to translate it, so the client got
+    a 500 (JSON) or a stream cut before its end (metered 499 ``client_disconnected``) for an answer billed in full.
+    The client is told the usage that was metered, on every endpoint. Tier ``none`` does not think: no reasoning
+    count is filled in (which replaced a bad ``completion_tokens_details`` by chance)."""
+    usage = {"prompt_tokens": 12, "completion_tokens": 20, "total_tokens": 32, **details}
+    text = f"{QUESTION} {uuid.uuid4().hex[:6]}"
+    body: dict[str, Any] = {"model": "none", "sim": {"usage": usage}, "stream": stream}
+    if path == "/responses":
+        body |= {"input": text}
+    else:
+        body |= {"messages": [{"role": "user", "content": text}], "max_tokens": 64}
+    if path == "/chat/completions" and stream:
+        body["stream_options"] = {"include_usage": True}
+    r = httpx.post(gw.base_url + path, json=body, timeout=30, headers={"authorization": f"Bearer {SECRETS['alice']}"})
+    assert r.status_code == 200, r.text
+    if stream:  # ended as its API ends a stream, not cut
+        end = {"/chat/completions": "data: [DONE]", "/responses": "event: response.completed",
+               "/messages": "event: message_stop"}[path]
+        assert end in r.text, r.text[-300:]
+    rid = r.headers["x-request-id"]
+    ev = usage_events(gw, [rid])[rid]
+    assert (ev.status, ev.error_code, ev.partial) == (200, None, False)
+    assert (ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.reasoning_tokens) == (12, 20, 0, 0)
+    told = _told(r, stream)
+    assert told, r.text
+    for u in told:
+        if path == "/chat/completions":
+            got = (u["prompt_tokens"], u["completion_tokens"],
+                   (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                   u["completion_tokens_details"]["reasoning_tokens"])
+        elif path == "/responses":
+            got = (u["input_tokens"], u["output_tokens"], u["input_tokens_details"]["cached_tokens"],
+                   u["output_tokens_details"]["reasoning_tokens"])
+        else:
+            got = (u["input_tokens"] + u["cache_read_input_tokens"], u["output_tokens"], u["cache_read_input_tokens"],
+                   u["output_tokens_details"]["thinking_tokens"])
+        assert got == (12, 20, 0, 0), u
+
+
 def test_a_completion_count_above_the_bound_is_held_to_it(gw: GatewayServer) -> None:
     """An upstream reporting 5,000 completion tokens for a call allowed 50 (max_tokens): admission reserved 50,
     and a hard budget could be overspent 100-fold on one request. Metered at 50 — and the usage event says so
