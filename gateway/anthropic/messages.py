@@ -371,6 +371,20 @@ def stop_of(finish_reason: str | None, stop_reason: Any, stops: list[str]) -> tu
     return "end_turn", None
 
 
+def _text(v: Any) -> str:
+    """``v`` when it is a string, else "": an upstream's part of the wrong type (``content: 5``) is skipped — read as
+    text, it raised after the call was billed (a 500, or a stream cut and metered as the client's disconnect)."""
+    return v if isinstance(v, str) else ""
+
+
+def _calls(part: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(call, its ``function``) for each tool call of a chat ``message`` or ``delta`` that is an object (a
+    ``function`` that is none counts as empty); malformed ones skipped, as :func:`_text` skips text."""
+    calls = part.get("tool_calls")
+    return [(c, f if isinstance(f := c.get("function"), dict) else {})
+            for c in (calls if isinstance(calls, list) else ()) if isinstance(c, dict)]
+
+
 def _input_of(arguments: str) -> dict[str, Any]:
     try:
         value = orjson.loads(arguments or "{}")
@@ -394,15 +408,14 @@ def message_object(chat: dict[str, Any], req: dict[str, Any], message_id: str) -
     choice = (chat.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
     content: list[dict[str, Any]] = []
-    thought = (msg.get("reasoning") or msg.get("reasoning_content")) if shows_thinking(req) else None
+    thought = (_text(msg.get("reasoning")) or _text(msg.get("reasoning_content"))) if shows_thinking(req) else None
     if thought:
         content.append({"type": "thinking", "thinking": thought, "signature": ""})
-    if msg.get("content"):
+    if _text(msg.get("content")):
         content.append({"type": "text", "text": msg["content"]})
-    for call in msg.get("tool_calls") or ():
-        fn = call.get("function") or {}
-        content.append({"type": "tool_use", "id": call.get("id") or new_id("toolu"), "name": fn.get("name") or "",
-                        "input": _input_of(fn.get("arguments") or "")})
+    for call, fn in _calls(msg):
+        content.append({"type": "tool_use", "id": _text(call.get("id")) or new_id("toolu"),
+                        "name": _text(fn.get("name")), "input": _input_of(_text(fn.get("arguments")))})
     stop, seq = stop_of(choice.get("finish_reason"), choice.get("stop_reason"), req.get("stop_sequences") or [])
     return {"id": message_id, "type": "message", "role": "assistant", "model": chat.get("model") or "",
             "content": content, "stop_reason": stop, "stop_sequence": seq, "usage": usage_of(chat.get("usage"))}
@@ -480,28 +493,29 @@ class MessageStream:
             if int(c.get("index") or 0) != 0:
                 continue
             delta = c.get("delta") or {}
-            thought = (delta.get("reasoning") or delta.get("reasoning_content")) if self._thinking else None
+            thought = (_text(delta.get("reasoning")) or _text(delta.get("reasoning_content"))) if self._thinking \
+                else None
             if thought:
                 if self._kind != "thinking":
                     out += self._start_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
                 self.message["content"][-1]["thinking"] += thought
                 out.append(self._delta({"type": "thinking_delta", "thinking": thought}))
-            if delta.get("content"):
+            if text := _text(delta.get("content")):
                 if self._kind != "text":
                     out += self._start_block("text", {"type": "text", "text": ""})
-                self.message["content"][-1]["text"] += delta["content"]
-                out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-            for call in delta.get("tool_calls") or ():
-                ci = int(call.get("index") or 0)
-                fn = call.get("function") or {}
+                self.message["content"][-1]["text"] += text
+                out.append(self._delta({"type": "text_delta", "text": text}))
+            for call, fn in _calls(delta):
+                ci = call.get("index") if isinstance(call.get("index"), int) else 0
                 if self._kind != "tool_use" or self._call_index != ci:
-                    out += self._start_block("tool_use", {"type": "tool_use", "id": call.get("id") or new_id("toolu"),
-                                                          "name": fn.get("name") or "", "input": {}})
+                    out += self._start_block("tool_use", {"type": "tool_use",
+                                                          "id": _text(call.get("id")) or new_id("toolu"),
+                                                          "name": _text(fn.get("name")), "input": {}})
                     self._call_index = ci
                     self._args = []
-                if fn.get("arguments"):
-                    self._args.append(fn["arguments"])
-                    out.append(self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]}))
+                if args := _text(fn.get("arguments")):
+                    self._args.append(args)
+                    out.append(self._delta({"type": "input_json_delta", "partial_json": args}))
             if c.get("finish_reason") is not None:
                 self.finish_reason = c["finish_reason"]
                 self.stop_reason = c.get("stop_reason")

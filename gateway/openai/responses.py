@@ -376,6 +376,20 @@ def _finish(resp: dict[str, Any], finish_reason: str | None) -> None:
     resp["completed_at"] = int(time.time())
 
 
+def _text(v: Any) -> str:
+    """``v`` when it is a string, else "": an upstream's part of the wrong type (``content: 5``) is skipped — read as
+    text, it raised after the call was billed (a 500, or a stream cut and metered as the client's disconnect)."""
+    return v if isinstance(v, str) else ""
+
+
+def _calls(part: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(call, its ``function``) for each tool call of a chat ``message`` or ``delta`` that is an object (a
+    ``function`` that is none counts as empty); malformed ones skipped, as :func:`_text` skips text."""
+    calls = part.get("tool_calls")
+    return [(c, f if isinstance(f := c.get("function"), dict) else {})
+            for c in (calls if isinstance(calls, list) else ()) if isinstance(c, dict)]
+
+
 def _reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [],
             "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
@@ -386,10 +400,10 @@ def _message_item(text: str, item_id: str | None = None, status: str = "complete
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def _call_item(call: dict[str, Any], item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
-    fn = call.get("function") or {}
-    return {"type": "function_call", "id": item_id or new_id("fc"), "call_id": call.get("id") or new_id("call"),
-            "name": fn.get("name") or "", "arguments": fn.get("arguments") or "", "status": status}
+def _call_item(call: dict[str, Any], fn: dict[str, Any], item_id: str | None = None,
+               status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id or new_id("fc"), "call_id": _text(call.get("id")) or new_id("call"),
+            "name": _text(fn.get("name")), "arguments": _text(fn.get("arguments")), "status": status}
 
 
 def response_object(chat: dict[str, Any], req: dict[str, Any], response_id: str) -> dict[str, Any]:
@@ -398,13 +412,13 @@ def response_object(chat: dict[str, Any], req: dict[str, Any], response_id: str)
     resp = _envelope(req, response_id, chat.get("created") or time.time(), str(chat.get("model") or ""))
     choice = (chat.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
-    reasoning = msg.get("reasoning") or msg.get("reasoning_content")
+    reasoning = _text(msg.get("reasoning")) or _text(msg.get("reasoning_content"))
     if reasoning:
         resp["output"].append(_reasoning_item(reasoning))
-    if msg.get("content"):
+    if _text(msg.get("content")):
         resp["output"].append(_message_item(msg["content"]))
-    for call in msg.get("tool_calls") or ():
-        resp["output"].append(_call_item(call))
+    for call, fn in _calls(msg):
+        resp["output"].append(_call_item(call, fn))
     _finish(resp, choice.get("finish_reason"))
     resp["usage"] = usage_of(chat.get("usage"))
     return resp
@@ -529,7 +543,7 @@ class EventStream:
             if int(c.get("index") or 0) != 0:
                 continue
             delta = c.get("delta") or {}
-            r = delta.get("reasoning") or delta.get("reasoning_content")
+            r = _text(delta.get("reasoning")) or _text(delta.get("reasoning_content"))
             if r:
                 if self._open is None or self._open.kind != "reasoning":
                     out += self._begin("reasoning", {"type": "reasoning", "id": new_id("rs"), "summary": [],
@@ -538,33 +552,31 @@ class EventStream:
                 self._open.parts.append(r)
                 out.append(self._ev({"type": "response.reasoning_text.delta", "item_id": self._open.item["id"],
                                      "output_index": self._open.index, "content_index": 0, "delta": r}))
-            if delta.get("content"):
+            if text := _text(delta.get("content")):
                 if self._open is None or self._open.kind != "message":
                     out += self._begin("message", _message_item("", status="in_progress"))
                 assert self._open is not None
-                self._open.parts.append(delta["content"])
+                self._open.parts.append(text)
                 out.append(self._ev({"type": "response.output_text.delta", "item_id": self._open.item["id"],
                                      "output_index": self._open.index, "content_index": 0,
-                                     "delta": delta["content"], "logprobs": []}))
-            for call in delta.get("tool_calls") or ():
-                out += self._tool_delta(call)
+                                     "delta": text, "logprobs": []}))
+            for call, fn in _calls(delta):
+                out += self._tool_delta(call, fn)
             if c.get("finish_reason") is not None:
                 self.finish_reason = c["finish_reason"]
         return b"".join(out)
 
-    def _tool_delta(self, call: dict[str, Any]) -> list[bytes]:
+    def _tool_delta(self, call: dict[str, Any], fn: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
-        ci = int(call.get("index") or 0)
-        fn = call.get("function") or {}
+        ci = call.get("index") if isinstance(call.get("index"), int) else 0
         if self._open is None or self._open.kind != "call" or self._open.call_index != ci:
-            item = {"type": "function_call", "id": new_id("fc"), "call_id": call.get("id") or new_id("call"),
-                    "name": fn.get("name") or "", "arguments": "", "status": "in_progress"}
+            item = _call_item(call, {"name": fn.get("name")}, new_id("fc"), "in_progress")
             out += self._begin("call", item, call_index=ci)
         op = self._open
         assert op is not None
-        if fn.get("name") and not op.item["name"]:
+        if _text(fn.get("name")) and not op.item["name"]:
             op.item["name"] = fn["name"]
-        args = fn.get("arguments") or ""
+        args = _text(fn.get("arguments"))
         if args:
             op.parts.append(args)
             out.append(self._ev({"type": "response.function_call_arguments.delta", "item_id": op.item["id"],

@@ -15,10 +15,14 @@ REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
 def reasoning_of(part: dict[str, Any] | None) -> str | None:
-    """The reasoning text of a chat ``message`` or ``delta`` (``reasoning`` or ``reasoning_content``), or None."""
+    """The reasoning text of a chat ``message`` or ``delta`` (``reasoning`` or ``reasoning_content``), or None. A
+    value that is no string (an upstream's malformed part) is none: joined with the others, it broke the relay."""
     if not part:
         return None
-    return part.get("reasoning") or part.get("reasoning_content")
+    for name in ("reasoning", "reasoning_content"):
+        if isinstance(text := part.get(name), str) and text:
+            return text
+    return None
 
 
 def generated_text(choice: dict[str, Any], endpoint: str, delta: bool = False) -> str:

@@ -272,6 +272,59 @@ def test_an_escalated_non_streamed_attempt_without_usage_is_counted(upstream_sim
     assert first[0].prompt_tokens > 0 and first[0].cost_micro_usd > 0
 
 
+#: parts of a chat answer of the wrong type, which ``/v1/chat/completions`` passes on as they came
+MALFORMED = [
+    pytest.param({"content": 5}, id="content-number"),
+    pytest.param({"reasoning": ["x"]}, id="reasoning-list"),
+    pytest.param({"tool_calls": "abc"}, id="tool-calls-string"),
+    pytest.param({"tool_calls": [7, {"index": 0, "id": "call_1", "function": "f"}]}, id="tool-call-parts"),
+]
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/responses", "/messages"])
+@pytest.mark.parametrize("part", MALFORMED)
+def test_a_malformed_part_is_skipped_by_the_translated_apis(gw: GatewayServer, path: str, part: dict[str, Any]) -> None:
+    """An answer part of the wrong type (a number for ``content``, a string for ``tool_calls``…) is relayed as it
+    came on chat; ``/v1/messages`` and ``/v1/responses`` concatenated or read it and raised after the call was
+    billed: a stream was cut before its end and metered as the client's disconnect (499, partial), a JSON answer
+    was a 500 metered as a 200. The translators skip such a part: the rest of the answer is served, the request
+    metered as the 200 it is. A reasoning text that is no string broke the relay itself, on chat too: it is none."""
+    text = f"{QUESTION} {uuid.uuid4().hex[:6]}"
+    body: dict[str, Any] = {"model": "none"}
+    if path == "/responses":
+        body |= {"input": text}
+    else:
+        body |= {"messages": [{"role": "user", "content": text}], "max_tokens": 64}
+    streamed: dict[str, Any] = {"stream": True}
+    if path == "/chat/completions":
+        streamed["stream_options"] = {"include_usage": True}
+    headers = {"authorization": f"Bearer {SECRETS['alice']}"}
+    chunk = {"choices": [{"index": 0, "delta": part, "finish_reason": None}]}
+    r = httpx.post(gw.base_url + path, json={**body, **streamed, "sim": {"inject": chunk}}, timeout=30,
+                   headers=headers)
+    assert r.status_code == 200, r.text
+    end = {"/chat/completions": "data: [DONE]", "/responses": "event: response.completed",
+           "/messages": "event: message_stop"}[path]
+    assert end in r.text, r.text[-300:]
+    if path != "/chat/completions":  # (chat relays the part as it came)
+        docs = [orjson.loads(x[x.index("data: ") + 6:]) for x in r.text.split("\n\n") if "data: {" in x]
+        said = "".join(d.get("delta") or "" for d in docs if d["type"] == "response.output_text.delta") + "".join(
+            d["delta"].get("text", "") for d in docs if d["type"] == "content_block_delta")
+        assert said == " ".join(answer_words(text))
+    rid = r.headers["x-request-id"]
+    ev = usage_events(gw, [rid])[rid]
+    assert (ev.status, ev.error_code, ev.partial, ev.usage_source) == (200, None, False, "upstream")
+    answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "fine", **part},
+                           "finish_reason": "stop"}]}
+    if "content" in part:
+        answer["choices"][0]["message"]["tool_calls"] = [{"id": "call_2", "type": "function", "function": 3}]
+    r = httpx.post(gw.base_url + path, json={**body, "sim": {"inject": answer}}, timeout=30, headers=headers)
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    ev = usage_events(gw, [rid])[rid]
+    assert (ev.status, ev.error_code, ev.partial) == (200, None, False)
+
+
 @pytest.mark.parametrize("inject", [{"choices": "abc"}, {"choices": [1, 2]}, {"choices": [{"delta": "str"}]}])
 def test_a_malformed_chunk_is_skipped_and_a_malformed_answer_is_a_502(gw: GatewayServer, inject: Any) -> None:
     """Chunks whose choices are no list of objects crashed the relay mid-stream (the client got a truncated 200 and
