@@ -420,6 +420,8 @@ def response_object(chat: dict[str, Any], req: dict[str, Any], response_id: str)
     for call, fn in _calls(msg):
         resp["output"].append(_call_item(call, fn))
     _finish(resp, choice.get("finish_reason"))
+    if resp["status"] == "incomplete" and resp["output"]:
+        resp["output"][-1]["status"] = "incomplete"  # the item the cap cut, as OpenAI marks it
     resp["usage"] = usage_of(chat.get("usage"))
     return resp
 
@@ -490,7 +492,9 @@ class EventStream:
         return (self._ev({"type": "response.created", "response": self._snapshot()})
                 + self._ev({"type": "response.in_progress", "response": self._snapshot()}))
 
-    def _close(self) -> list[bytes]:
+    def _close(self, status: str = "completed") -> list[bytes]:
+        """The open item's ``.done`` events, the item marked ``status``: ``incomplete`` when the token cap or a
+        failure cut it (OpenAI's item statuses: ``in_progress``, ``completed``, ``incomplete``)."""
         op, self._open = self._open, None
         if op is None:
             return []
@@ -512,7 +516,7 @@ class EventStream:
             op.item["arguments"] = text
             out.append(self._ev({"type": "response.function_call_arguments.done", "item_id": item_id,
                                  "output_index": op.index, "name": op.item["name"], "arguments": text}))
-        op.item["status"] = "completed"
+        op.item["status"] = status
         out.append(self._ev({"type": "response.output_item.done", "output_index": op.index, "item": op.item}))
         return out
 
@@ -585,7 +589,8 @@ class EventStream:
 
     def finish(self) -> bytes:
         """Close the stream: the last item's ``.done`` events and ``response.completed`` (or ``.incomplete``)."""
-        out = [self.start(), *self._close()]
+        cut = "incomplete" if self.finish_reason == "length" else "completed"
+        out = [self.start(), *self._close(cut)]
         _finish(self.response, self.finish_reason)
         self.response["usage"] = usage_of(self.usage)
         kind = "response.completed" if self.response["status"] == "completed" else "response.incomplete"
@@ -594,7 +599,7 @@ class EventStream:
 
     def fail(self, error: dict[str, Any]) -> bytes:
         """Close the stream with ``response.failed`` carrying ``error`` (``{"code", "message"}``)."""
-        out = [self.start(), *self._close()]
+        out = [self.start(), *self._close("incomplete")]
         self.response["status"] = "failed"
         self.response["error"] = {"code": str(error.get("code") or "server_error"),
                                   "message": str(error.get("message") or "upstream error")}

@@ -335,3 +335,35 @@ def test_retrieve_and_delete_a_stored_response(gw: GatewayServer) -> None:
         alice.responses.create(model="short", input="and now?", previous_response_id=r.id)
     assert cont.value.code == "previous_response_not_found"
     assert httpx.get(f"{gw.base_url}/responses/{final.id}", timeout=10).status_code == 401  # no key
+
+
+def test_the_item_the_cap_cut_is_incomplete(gw: GatewayServer) -> None:
+    """``max_output_tokens`` hit: the item being written when the cap came is ``status: incomplete`` (OpenAI's item
+    statuses: in_progress, completed, incomplete), streamed and not — it was marked ``completed``."""
+    r = sdk(gw).responses.create(model="long", input=USER, max_output_tokens=5)
+    assert r.status == "incomplete" and r.output[-1].status == "incomplete"  # type: ignore[union-attr]
+    events = list(sdk(gw).responses.create(model="long", input=USER, max_output_tokens=5, stream=True))
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert done and done[-1].item.status == "incomplete"  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert events[-1].type == "response.incomplete" and final.output[-1].status == "incomplete"
+
+
+
+def failed_stream(gw: GatewayServer) -> list[Any]:
+    """The events of a stream whose upstream sends an error event halfway."""
+    with sdk(gw).responses.with_streaming_response.create(model="long", input="tell me a story", stream=True,
+                                                          extra_body={"sim": {"fail": "error-event"}}) as raw:
+        events = list(raw.parse())
+    assert events[-1].type == "response.failed"
+    return events
+
+
+def test_the_item_a_failure_cut_is_incomplete(gw: GatewayServer) -> None:
+    """An upstream error mid-stream: the item it cut is ``incomplete`` in its ``output_item.done`` and in
+    ``response.failed`` — it was marked ``completed``."""
+    events = failed_stream(gw)
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert done and done[-1].item.status == "incomplete"
+    assert events[-1].response.output[-1].status == "incomplete"
+
