@@ -57,6 +57,11 @@ REASONING_FIELDS: dict[str, tuple[str, ...] | None] = {
 #: tokens and a cap below 16 is how a client (and the tests) asks for a short, ``incomplete`` answer.
 MIN_OUTPUT_TOKENS = 1
 
+#: ``response.error.code`` values an in-stream failure can take (openai-python ``ResponseError.code``; the others
+#: are about images and vector stores). Anything else — a gateway code (``upstream_timeout``), an upstream's status
+#: (``500``) — is ``server_error``: the SDK types the code as that enum, and clients branch on it.
+ERROR_CODES = ("server_error", "rate_limit_exceeded", "invalid_prompt")
+
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
@@ -601,7 +606,8 @@ class EventStream:
         """Close the stream with ``response.failed`` carrying ``error`` (``{"code", "message"}``)."""
         out = [self.start(), *self._close("incomplete")]
         self.response["status"] = "failed"
-        self.response["error"] = {"code": str(error.get("code") or "server_error"),
+        code = error.get("code")
+        self.response["error"] = {"code": code if code in ERROR_CODES else "server_error",
                                   "message": str(error.get("message") or "upstream error")}
         self.response["usage"] = usage_of(self.usage)
         out.append(self._ev({"type": "response.failed", "response": self._snapshot()}))

@@ -367,3 +367,10 @@ def test_the_item_a_failure_cut_is_incomplete(gw: GatewayServer) -> None:
     assert done and done[-1].item.status == "incomplete"
     assert events[-1].response.output[-1].status == "incomplete"
 
+
+def test_a_failed_stream_says_server_error(gw: GatewayServer) -> None:
+    """``response.failed`` carries one of OpenAI's Responses error codes (``ResponseError.code``:
+    ``server_error``, ...); it carried the upstream's ``"500"``."""
+    failed = failed_stream(gw)[-1].response
+    assert failed.status == "failed" and failed.error is not None and failed.error.code == "server_error"
+    assert failed.error.message == "simulated engine error"
