@@ -366,6 +366,8 @@ def stop_of(finish_reason: str | None, stop_reason: Any, stops: list[str]) -> tu
         return "max_tokens", None
     if finish_reason == "tool_calls":
         return "tool_use", None
+    if finish_reason == "content_filter":  # the upstream declined: Anthropic's refusal, not a normal end_turn
+        return "refusal", None
     if isinstance(stop_reason, str) and stop_reason in stops:
         return "stop_sequence", stop_reason
     return "end_turn", None

@@ -432,3 +432,14 @@ def test_the_anthropic_sdk_lists_and_retrieves_models(gw: GatewayServer) -> None
 
     listed = openai.OpenAI(base_url=gw.base_url, api_key=SECRETS["alice"], max_retries=0).models.list()
     assert listed.data[0].id == "auto" and listed.data[0].object == "model"
+
+
+def test_a_content_filter_finish_is_a_refusal(gw: GatewayServer) -> None:
+    """An upstream that stopped on its content filter (``finish_reason: content_filter``) answers
+    ``stop_reason: refusal`` — Anthropic's value for a declined answer —, not ``end_turn`` (a normal answer)."""
+    filtered = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "I can't help with that."},
+                             "finish_reason": "content_filter"}]}
+    m = sdk(gw).messages.create(model="short", max_tokens=64, messages=[{"role": "user", "content": USER}],
+                                extra_body={"sim": {"inject": filtered}})
+    assert m.stop_reason == "refusal" and m.stop_sequence is None
+    assert [b.type for b in m.content] == ["text"]
