@@ -396,10 +396,12 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
             if run.stop():
                 break
         tail = await run.cut_tail() if run.cut else await run.end(pool)
+        if run.status is None:
+            # set before the last batch is handed on: a client that goes away once it is written has the whole
+            # answer, and the relay may never resume after this yield (it was metered 499, partial, not cached)
+            run.status = 200
         if tail:
             yield tail
-        if run.status is None:
-            run.status = 200
     except (httpx.HTTPError, GatewayError) as exc:
         yield [run.failed(exc)]
     finally:

@@ -4,6 +4,8 @@ status the client got — a failed upstream or a vanished client never loses the
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -133,3 +135,66 @@ def test_budget_refusals_in_each_apis_shape(upstream_sim: SimProcess, redis_url:
             assert "more than the whole daily budget" in aerr.value.body["error"]["message"]  # type: ignore[index]
     finally:
         cleanup(redis_url, prefix)
+
+
+#: each API's last event: what the client has once it is written
+LAST_EVENT = {"chat": b"data: [DONE]", "responses": b"event: response.completed", "messages": b"event: message_stop"}
+
+
+async def _leave_after_the_last_event(gw: GatewayServer, api: str) -> str:
+    """Serve one stream of ``api`` through the gateway's ASGI app, on its own event loop, as uvicorn would — except
+    that the client goes away the moment the last event is written, while that write is still being awaited (a
+    socket send that yields, as uvicorn's flow control does): the relay has not resumed yet. Returns the request
+    id."""
+    path, body, headers = {
+        "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a complete answer"}]},
+                 [(b"authorization", f"Bearer {SECRETS['alice']}".encode())]),
+        "responses": ("/v1/responses", {"input": "a complete answer"},
+                      [(b"authorization", f"Bearer {SECRETS['alice']}".encode())]),
+        "messages": ("/v1/messages", {"max_tokens": 64, "messages": [{"role": "user", "content": "a complete answer"}]},
+                     [(b"x-api-key", SECRETS["alice"].encode())]),
+    }[api]
+    raw = json.dumps({"model": "long", "stream": True, "sim": {"tag": uuid.uuid4().hex}, **body}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), *headers],
+             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", gw.port)}
+    gone = asyncio.Event()
+    sent_body = False
+    request_id = ""
+    got = b""
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal request_id, got
+        if message["type"] == "http.response.start":
+            assert message["status"] == 200
+            request_id = dict(message["headers"])[b"x-request-id"].decode()
+            return
+        got += message.get("body", b"")
+        if LAST_EVENT[api] in got and not gone.is_set():
+            gone.set()  # the whole answer written: the client leaves while the write is still awaited
+            await asyncio.sleep(0.2)
+
+    await gw.app(scope, receive, send)
+    assert LAST_EVENT[api] in got and request_id
+    return request_id
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_a_client_that_leaves_after_the_last_event_got_a_complete_answer(gw: GatewayServer, api: str) -> None:
+    """A client that goes away once the stream's last event (``[DONE]``, ``response.completed``,
+    ``message_stop``) is written had the whole answer: metered 200, not partial — it was a 499
+    ``client_disconnected`` (the status was set only when the relay resumed, which a disconnect prevents)."""
+    loop = gw.server.servers[0].get_loop()
+    request_id = asyncio.run_coroutine_threadsafe(_leave_after_the_last_event(gw, api), loop).result(timeout=30)
+    ev = one_event(gw, request_id)
+    assert (ev["status"], ev["partial"], ev["error_code"]) == (200, False, None), ev
+    assert ev["completion_tokens"] > 0
