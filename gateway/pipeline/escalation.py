@@ -214,7 +214,9 @@ async def peek_stream(
             ended = True  # read to its end: not stopped at the answer (its start, an error event) first
     except Exception as exc:  # the stream broke or stalled while read: what it had sent is billed all the same
         await resp.aclose()
-        raise PeekBroken(exc, counted(tally)) from exc
+        # with the usage it sent before breaking, as the relay meters a break: a forced stream's bill of a failed
+        # answer phase (phase 2's prompt in it) comes so, and counting the deltas left that prompt out
+        raise PeekBroken(exc, counted(tally), usage=_reported(tally)) from exc
     except BaseException:  # cancelled (see the docstring): the call is closed now, shielded from the cancellation
         with anyio.CancelScope(shield=True):
             await resp.aclose()
@@ -223,20 +225,25 @@ async def peek_stream(
         # it ended without [DONE] (nor an error event) before anything reached the client: cut short, not an
         # answer — a broken stream, as the relay reads one after its 200
         await resp.aclose()
-        usage = tally.usage_chunk["usage"] if tally.usage_chunk is not None else tally.last_usage
         raise PeekBroken(UpstreamStreamError("the stream ended without [DONE]"), counted(tally),
-                         usage=usage if isinstance(usage, dict) else None)
+                         usage=_reported(tally))
     if tally.upstream_error:  # the call failed after its headers, as the relay meters an error event it passes on
         await resp.aclose()
-        usage = tally.usage_chunk["usage"] if tally.usage_chunk is not None else tally.last_usage
         error = UpstreamError(f"upstream of tier {tier.name!r} sent an error mid-stream: {_error_message(head)}")
-        raise PeekBroken(error, counted(tally), reported=True, usage=usage if isinstance(usage, dict) else None)
+        raise PeekBroken(error, counted(tally), reported=True, usage=_reported(tally))
     summary = _summary(assembler, endpoint, logprobs)
     if summary["usage"] is None:  # none came: the running totals, or the deltas read
         summary["usage"] = tally.last_usage
         summary["counted"] = counted(tally)
     kept = isinstance(resp, SyntheticResponse) and resp.counted_on_failure  # a forced stream's, kept
     return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose, counted_on_failure=kept), summary
+
+
+def _reported(tally: StreamTally) -> dict[str, Any] | None:
+    """The usage a stream sent before it failed (:class:`PeekBroken`'s ``usage``): its usage-only chunk (on a forced
+    stream, the gateway's bill of a failed answer phase), else continuous usage stats' running totals; None."""
+    usage = tally.usage_chunk["usage"] if tally.usage_chunk is not None else tally.last_usage
+    return usage if isinstance(usage, dict) else None
 
 
 class _StartRead:

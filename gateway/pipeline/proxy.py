@@ -53,7 +53,7 @@ from gateway.thinking import dial
 from gateway.thinking.forcing import ForcedCallFailed, open_forced
 from gateway.upstream.balancer import conversation_affinity
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamConnectTimeout, UpstreamPool
-from gateway.upstream.response import UpstreamResponse, json_body
+from gateway.upstream.response import SyntheticResponse, UpstreamResponse, json_body
 
 if TYPE_CHECKING:
     from gateway.pipeline.accounting import Accounting
@@ -407,7 +407,12 @@ class Proxy:
                 ex.record.set_counted(got["completion_tokens"], got["reasoning_tokens"])
             raise
         except escalation.PeekBroken as broken:  # before a byte reached the client: the deltas read are billed
-            if not ex.record.set_usage(broken.usage):  # (or what the upstream said had run, when it said it)
+            if ex.record.set_usage(broken.usage):  # (or what the upstream said had run, when it said it)
+                if isinstance(resp, SyntheticResponse) and resp.counted_on_failure:
+                    # a forced stream's usage before its failure is the gateway's bill (ForcedBudget._spent), not an
+                    # upstream's report: metered as the relay meters it
+                    ex.record.usage_source = "counted"
+            else:
                 await self._count_attempt(ex, broken.counted, body)
             ex.record.partial = True
             exc = broken.cause  # an in-stream error event: upstream_error, as the relay meters one it passes on

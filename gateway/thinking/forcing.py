@@ -35,7 +35,8 @@ reasoning), ``partial``, ``usage_source: counted`` — streamed by the relay its
 what the upstream is known to have processed, streamed or not (:meth:`ForcedBudget._spent`): phase 1 as it reported
 it, plus phase 2's prompt when phase 2 was answered 200 (the upstream read it before its first event — the rule the
 relay applies to any failed stream — and reported nothing) and the answer deltas it sent. The client's error stays
-what it was; the usage event says ``partial`` and ``usage_source: counted``.
+what it was; the usage event says ``partial`` and ``usage_source: counted``. Streamed, the bill is a usage-only chunk
+before the error, metered so by the relay and by the escalation's peek (``Proxy._peek``) alike.
 
 **Loop guard** (``loop_guard`` on a forced tier): an n-gram of whitespace words seen ``max_repeats`` times in
 the streamed thought ends phase 1 early, as if the budget were hit.

@@ -251,3 +251,73 @@ def test_a_call_that_fails_in_phase_1_is_billed_its_prompt_and_the_thought_it_re
             prompt, thought, thought if chat else 0)
         assert ev.cost_micro_usd > 0
     assert answered.cost_micro_usd == streamed.cost_micro_usd
+
+
+
+@pytest.fixture(scope="module", params=[None, ["empty_answer"], ["abstain"]], ids=["relayed", "peeked", "peeked-whole"])
+def forced_peeked(request: pytest.FixtureRequest, upstream_sim: SimProcess,
+                  redis_url: str) -> Iterator[tuple[GatewayServer, list[UsageRecord]]]:
+    """The ``forced`` tier as above, relayed as it comes (no ``escalate_on``) or peeked for escalation first: up to
+    its answer's first content (``empty_answer``) or to its end (``abstain``), the next tier called only for a weak
+    answer."""
+    tiers = sim_tiers(upstream_sim.base_url)
+    # read_timeout_s: a stalled phase fails after a second, not the default ten
+    tiers[1].update({"budget_mode": "forced", "thinking_budget": BUDGET, "max_tokens": 64, "read_timeout_s": 1.0})
+    if request.param is not None:
+        tiers[1]["escalate_on"] = request.param
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        records: list[UsageRecord] = []
+        gw.app.state.proxy.usage_sinks.append(records.append)
+        yield gw, records
+
+
+@pytest.mark.parametrize("answered", [0, 2])
+@pytest.mark.parametrize("mode", ["close", "stall", "error-event"])
+def test_a_stream_whose_phase_2_fails_is_billed_as_the_call_not_streamed(
+        forced_peeked: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess, redis_url: str,
+        mode: str, answered: int) -> None:
+    """Phase 1 completed with its usage reported; phase 2 was answered 200 and, after ``answered`` deltas of the
+    answer, ended without ``[DONE]`` (``close``: the relay's broken stream), stalled (504) or sent an engine error
+    event. Relayed
+    as it came or failed inside the escalation peek (before the client got a byte), the streamed request is billed
+    exactly what the same request not streamed is (:meth:`ForcedBudget._spent`): phase 1 as reported, phase 2's
+    prompt (phase 1's and the thought again) and the answer deltas phase 2 sent — ``partial``, ``usage_source:
+    counted``. In the peek it was billed the client's prompt counted and the deltas (phase 2's prompt left out) when
+    the stream broke, and the bill as the upstream's report (``usage_source: upstream``) before an error event."""
+    gw, records = forced_peeked
+    client = _client(gw)
+    whole_call = client.chat.completions.create(model="short", messages=MESSAGES, extra_body={"sim": {"fail": "none"}})
+    assert whole_call.usage is not None and whole_call.usage.completion_tokens_details is not None
+    thought = whole_call.usage.completion_tokens_details.reasoning_tokens  # phase 1's reported completion
+    assert thought and 0 < thought < whole_call.usage.completion_tokens
+    prompt1 = httpx.post(upstream_sim.root + "/tokenize", json={"messages": MESSAGES}, timeout=5).json()["count"]
+    # phase 2's chunks: the role chunk, then one word of the answer a chunk; the fault comes after 1 + answered
+    sim = {"fail": mode, "fail_from": 1, "fail_at": 1 + answered}
+
+    before = len(records)
+    got = StreamRead()
+    with pytest.raises(openai.APIError):  # the client's error is the relay's (or the peek's 502), as it was
+        got.read(client.chat.completions.create(
+            model="short", messages=MESSAGES, stream=True, stream_options={"include_usage": True},
+            extra_body={"sim": {**sim, "tag": uuid.uuid4().hex}}))
+    assert got.usage is None  # the bill is metered, never shown on a failed stream
+    tag = uuid.uuid4().hex
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="short", messages=MESSAGES, extra_body={"sim": {**sim, "tag": tag}})
+    status = 504 if mode == "stall" else 502
+    assert info.value.status_code == status
+    seen = upstream_sim.tag(tag)
+    assert seen is not None and seen["attempts"] == 2  # both phases, and no escalation after the failure
+    assert wait_for(lambda: len(records) == before + 2, timeout_s=10)
+    streamed, answered_ev = (_event(redis_url, r.request_id) for r in records[before:])
+    assert (streamed.stream, answered_ev.stream) == (True, False)
+    assert streamed.tier == answered_ev.tier == "short"
+    for ev in (streamed, answered_ev):
+        assert (ev.status, ev.partial, ev.usage_source, ev.over_bound) == (status, True, "counted", False)
+        assert ev.reasoning_tokens == thought
+        assert 2 * prompt1 + thought <= ev.prompt_tokens <= whole_call.usage.prompt_tokens  # phase 2's prompt in
+        assert ev.completion_tokens == thought + answered  # the answer deltas phase 2 sent, one token each
+        assert ev.cost_micro_usd > 0
+    assert (streamed.prompt_tokens, streamed.completion_tokens, streamed.reasoning_tokens, streamed.cost_micro_usd) \
+        == (answered_ev.prompt_tokens, answered_ev.completion_tokens, answered_ev.reasoning_tokens,
+            answered_ev.cost_micro_usd)
