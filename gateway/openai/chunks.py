@@ -5,7 +5,8 @@ Both directions work on OpenAI's shapes (chat: ``chat.completion`` ↔ ``chat.co
 
 - :func:`replay` yields ``data: {chunk}\\n\\n`` frames (:func:`replay_chunks`: the chunks): per choice a role chunk, the
   reasoning text
-  (``reasoning_content`` / ``reasoning``, whichever names the upstream used), the content, tool calls, a
+  (``reasoning_content`` / ``reasoning``, whichever names the upstream used; both in one delta where they carry the
+  same thought), the content, tool calls, a
   finish chunk; then the usage chunk (``choices: []``) when the client asked for it; then ``data: [DONE]``.
   Concatenating the deltas gives back exactly the stored strings.
 - :class:`StreamAssembler` folds parsed chunks into the non-stream body, tracks the last ``usage`` seen,
@@ -85,9 +86,17 @@ def replay_chunks(body: dict[str, Any], include_usage: bool, chunk_chars: int = 
             msg = choice.get("message") or {}
             yield chunk({"index": idx, "delta": {"role": msg.get("role", "assistant"), "content": ""},
                          "logprobs": None, "finish_reason": None})
+            # the names that carry the same thought (vLLM sends one thought under both) replay together in each
+            # delta, as they came: one chunk per name made the thought twice for a reader of either name
+            # (/v1/messages and /v1/responses showed a cached answer's thinking twice)
+            same: dict[str, list[str]] = {}
             for name in REASONING_FIELDS:
-                for piece in _pieces(msg.get(name) or "", chunk_chars):
-                    yield chunk({"index": idx, "delta": {name: piece}, "logprobs": None, "finish_reason": None})
+                if isinstance(text := msg.get(name), str) and text:
+                    same.setdefault(text, []).append(name)
+            for text, names in same.items():
+                for piece in _pieces(text, chunk_chars):
+                    yield chunk({"index": idx, "delta": dict.fromkeys(names, piece), "logprobs": None,
+                                 "finish_reason": None})
             for piece in _pieces(msg.get("content") or "", chunk_chars):
                 yield chunk({"index": idx, "delta": {"content": piece}, "logprobs": lp.take(), "finish_reason": None})
             for n, call in enumerate(msg.get("tool_calls") or []):

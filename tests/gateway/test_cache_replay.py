@@ -134,3 +134,35 @@ def test_incomplete_stream_is_not_complete() -> None:
     assert not asm.complete and asm.deltas == 1 and asm.text_chars() == 7
     asm.feed_payload(b"[DONE]")
     assert not asm.complete  # no finish_reason: the upstream dropped the stream
+
+
+@pytest.mark.parametrize("endpoint", ["messages", "responses"])
+def test_a_thought_stored_under_both_names_replays_once(endpoint: str) -> None:
+    """vLLM sends one thought under both ``reasoning`` and ``reasoning_content``; the stored answer keeps both. Its
+    replay carries the thought once per delta under both names (as it came), so the translated streams — which read
+    either name — show it once (one chunk per name showed it twice). A chat client still assembles each name whole."""
+    from gateway.anthropic.messages import MessageStream
+    from gateway.openai.responses import EventStream
+
+    thought = "Two plus two… is four.\n"
+    body = {**CHAT, "choices": [{**CHAT["choices"][0], "message": {**CHAT["choices"][0]["message"],
+                                                                   "reasoning": thought,
+                                                                   "reasoning_content": thought}}]}
+    payloads = _frames(b"".join(replay(body, True, 5)))
+    chunks = [orjson.loads(p) for p in payloads[:-1]]
+    assembled = StreamAssembler()
+    for p in payloads:
+        assembled.feed_payload(p)
+    msg = assembled.result()["choices"][0]["message"]
+    assert msg["reasoning"] == msg["reasoning_content"] == thought
+    if endpoint == "messages":
+        ms = MessageStream({"model": "m", "max_tokens": 64, "thinking": {"type": "enabled", "budget_tokens": 32}},
+                           "msg_1")
+        raw = ms.start() + b"".join(ms.feed(c) for c in chunks) + ms.finish()
+        shown = "".join(b["thinking"] for b in ms.message["content"] if b["type"] == "thinking")
+    else:
+        es = EventStream({"model": "m", "input": "hi"}, "resp_1", "m")
+        raw = es.start() + b"".join(es.feed(c) for c in chunks) + es.finish()
+        shown = "".join(part["text"] for item in es.response["output"] if item["type"] == "reasoning"
+                        for part in item["content"])
+    assert shown == thought, raw
