@@ -38,7 +38,7 @@ class MeteringConfig(_Strict):
     # Write-ahead records (gateway/state/write_ahead.py): every upstream call leaves one in Redis before its first
     # byte, its streamed tokens written at most every write_ahead_interval_s, deleted by its usage event; records
     # of a process whose heartbeat (TTL heartbeat_ttl_s) expired are metered as partial by any replica, checked at
-    # start and every reconcile_interval_s (at most reconcile_batch records per pass).
+    # start and every reconcile_interval_s (at most reconcile_batch records of dead owners per pass).
     write_ahead: bool = True
     write_ahead_interval_s: float = Field(1.0, gt=0)
     heartbeat_ttl_s: float = Field(15.0, ge=0.5)

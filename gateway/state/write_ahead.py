@@ -40,7 +40,8 @@ falls back has no write-ahead round trip before its response's last byte.
 
 Each process keeps a heartbeat ``wal:hb:{owner}`` (``PX metering.heartbeat_ttl_s``, refreshed every third of it).
 :meth:`WriteAhead.reconcile` — at start and every ``metering.reconcile_interval_s`` — scans the open records
-(at most ``metering.reconcile_batch`` per pass) and meters those of dead owners: heartbeat absent, record not
+(every one, reading their owners' heartbeats; at most ``metering.reconcile_batch`` of dead owners a pass) and meters
+those of dead owners: heartbeat absent, record not
 updated for a heartbeat TTL, and seen so for a TTL by this reconciler (a live owner whose heartbeat lapsed while
 Redis was away gets that long to renew it). Such a record is settled as one of three, each under the same atomic
 claim — only if the record is still open and the owner's heartbeat still absent, deleting it in that step (two
@@ -738,23 +739,33 @@ class WriteAhead:
         return counted
 
     async def _scan(self) -> list[WalRecord]:
-        """Up to ``reconcile_batch`` open records of other owners."""
+        """Up to ``reconcile_batch`` open records of other owners whose heartbeat is absent, from a scan of every open
+        record (HSCAN pages of :data:`SCAN_COUNT`, the owners' heartbeats read page by page, once an owner a pass).
+
+        Why the whole hash, filtered by owner: the pass used to stop after ``reconcile_batch`` records *scanned*, from
+        the start of the hash each time — in a fleet with more calls open than that, the live replicas' records filled
+        every pass and a dead process's records further on were never reached (never metered while the fleet stayed
+        that busy). Reading them costs a page a round trip; settling them is what the batch bounds."""
         out: list[WalRecord] = []
+        alive: dict[str, bool] = {self.owner: True}
         cursor: int = 0
-        scanned = 0
         while True:
             cursor, page = await self.breaker.call(
                 functools.partial(self.redis.hscan, self.keys.write_ahead, cursor, count=SCAN_COUNT))
+            recs: list[WalRecord] = []
             for _rid, raw in cast(dict[bytes, bytes], page or {}).items():
-                scanned += 1
                 try:
-                    rec = WalRecord.from_json(as_bytes(raw))
+                    recs.append(WalRecord.from_json(as_bytes(raw)))
                 except (ValueError, TypeError):
                     log.warning("unreadable write-ahead record %r skipped", _rid)
-                    continue
-                if rec.owner != self.owner:
+            if new := sorted({r.owner for r in recs} - alive.keys()):
+                beats = await self.breaker.call(
+                    functools.partial(self.redis.mget, [self.keys.heartbeat(o) for o in new]))
+                alive.update((o, b is not None) for o, b in zip(new, beats, strict=True))
+            for rec in recs:
+                if not alive[rec.owner] and len(out) < self.cfg.reconcile_batch:
                     out.append(rec)
-            if not cursor or scanned >= self.cfg.reconcile_batch:
+            if not cursor or len(out) >= self.cfg.reconcile_batch:
                 return out
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -638,6 +638,47 @@ def test_a_lost_calls_prompt_is_held_to_its_admitted_bound() -> None:
     assert (unbounded.event(prices).prompt_tokens, unbounded.event(prices).error_code) == (10**6, "gateway_lost")
 
 
+def test_a_dead_owners_records_are_reached_behind_more_live_calls_than_a_batch(redis_url: str, redis_prefix: str,
+                                                                               tmp_path: Path) -> None:
+    # A busy fleet: 3,000 open calls of live replicas (heartbeats present), 6 of a process that died, a reconcile
+    # batch of 100. Every dead record is metered within two passes (the suspicion, then the claim). The pass used to
+    # stop after 100 records *scanned* from the start of the hash each time: the live records filled every pass and
+    # the dead ones further on were never reached.
+    now = [1000.0]
+
+    async def go() -> None:
+        handle = connect(RedisConfig(url=redis_url, key_prefix=redis_prefix, socket_timeout_s=5.0))
+        cfg = MeteringConfig(spool_path=tmp_path / "spool.jsonl", reconcile_batch=100, heartbeat_ttl_s=1.0)
+        breaker = Breaker(1.0)
+        meter = Meter(handle, breaker, Spool(cfg.spool_path), cfg)
+        wal = WriteAhead(handle, breaker, meter, cfg, {}, owner="me", clock=lambda: now[0])
+        k = RedisKeys(redis_prefix)
+        try:
+            live = [f"live:{i}:x" for i in range(3)]
+            for owner in live:
+                await handle.client.set(k.heartbeat(owner), b"1", px=600_000)
+            pipe = handle.client.pipeline(transaction=False)
+            for i in range(3000):
+                rec = WalRecord(request_id=uuid.uuid4().hex, key_id="alice", owner=live[i % 3], ts=time.time(),
+                                updated_ms=0, tags={}, tier="long", completion_tokens=3)
+                pipe.hset(k.write_ahead, rec.request_id, rec.to_json())
+            dead = [WalRecord(request_id=uuid.uuid4().hex, key_id="bob", owner="dead:1:x", ts=time.time(),
+                              updated_ms=0, tags={}, tier="long", completion_tokens=7) for _ in range(6)]
+            for rec in dead:
+                pipe.hset(k.write_ahead, rec.request_id, rec.to_json())
+            await pipe.execute()
+            assert await wal.reconcile() == 0  # first seen dead: suspected for a heartbeat TTL
+            now[0] += 2.0
+            assert await wal.reconcile() == len(dead)
+            left = await handle.client.hmget(k.write_ahead, [r.request_id for r in dead])
+            assert left == [None] * len(dead)
+            assert await handle.client.hlen(k.write_ahead) == 3000  # the live ones untouched
+        finally:
+            await handle.close()
+
+    asyncio.run(go())
+
+
 def test_progress_writes_are_rate_bounded_and_stop_at_settlement(redis_url: str, redis_prefix: str,
                                                                   tmp_path: Path) -> None:
     # One stream relaying 1000 batches inside one write-ahead interval writes its record once; the next write is
