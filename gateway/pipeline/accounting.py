@@ -345,25 +345,30 @@ class Accounting:
         self._pending.add(waiter)
 
     def _first_call_orphaned(self, key: KeyInfo, record: UsageRecord, ahead: Ahead, rec: WalRecord | None,
-                             lookup: Lookup | Ticket | None, admission: Admission | None) -> None:
+                             lookup: Lookup | Ticket | None, admission: Admission | None, unknown: bool) -> None:
         """What the hot-path admission of a request's first call did, its caller (the request) cancelled while the
         script was out (``Rider.orphan``; called once, from the lane's flush or the cancelled caller). Admitted: the
         call will never be sent, so it is metered as such (status 499, cost 0, ``cancelled``; the routed tier): its
         usage event settles the reservations at every level, deletes the write-ahead record — which the reconciler
         would otherwise bill as a partial call once this process is gone — and releases the single-flight lock the
-        script took (:meth:`sink`). Refused, or its outcome unknown: nothing to settle here."""
+        script took (:meth:`sink`). Its outcome ``unknown`` (the script may have run: a timeout): metered the same
+        way — the event settles whatever is there, nothing if it never ran, and a script that runs later finds the
+        request settled (``HOT``'s seen-set check) —, the lock released by its token (a no-op if it was never
+        taken). Refused: nothing to settle."""
         rid = record.request_id
         waiter = self._orphans.pop(rid, None)
         if waiter is None:
             self._orphans_told.add(rid)  # told before the caller's cancellation reached admit_estimate
         try:
-            if admission is not None:
-                self.budgets.learn(st.level for st in admission.levels)
+            if admission is not None or unknown:
+                if admission is not None:
+                    self.budgets.learn(st.level for st in admission.levels)
                 self._open[rid] = key
-                if rec is not None and self.wal is not None:
+                if admission is not None and rec is not None and self.wal is not None:
                     self.wal.written(rec)
                 if lookup is not None:
-                    self._looked[rid] = (lookup, admission.lookup_reply)
+                    # unknown: as if the lock was taken (FINISH deletes it only if it holds this lock's token)
+                    self._looked[rid] = (lookup, admission.lookup_reply if admission is not None else [2])
                 if record.tier is None:
                     record.tier, record.upstream_model = ahead.tier.name, ahead.tier.model
                     record.route_reason = record.route_reason or ahead.route_reason

@@ -375,15 +375,16 @@ class Rider:
     (``lookup``; None = none). The lookup's reply comes back in :attr:`Admission.lookup_reply`.
 
     ``orphan``: told, once, what the call did if its caller is cancelled while it is out (the script may still run:
-    a coalesced exchange is sent whatever its callers do) — the :class:`Admission` it made (its reservations, the
-    write-ahead record and the lock are then the caller's to settle), or None when it admitted nothing, or when that
-    is unknown (the exchange failed: logged; as for a caller that was not cancelled, they are then left to expire).
-    The caller's ``await`` stays the one it was: the lane's flush hands the reply over (``FastLane.exchange``)."""
+    a coalesced exchange is sent whatever its callers do) — ``(admission, unknown)``: the :class:`Admission` it made
+    (its reservations, the write-ahead record and the lock are then the caller's to settle), or None when it admitted
+    nothing (``unknown`` False) or when that is unknown (``unknown`` True: the exchange failed once sent — the
+    caller settles what it may have written, as for an admission). The caller's ``await`` stays the one it was: the
+    lane's flush hands the reply over (``FastLane.exchange``)."""
 
     wal_key: str = ""
     record: bytes = b""
     lookup: Lookup | None = None
-    orphan: Callable[[Admission | None], None] | None = None
+    orphan: Callable[[Admission | None, bool], None] | None = None
 
 
 def _text_bytes(value: Any) -> int:
@@ -912,18 +913,21 @@ class Limits:
     def _orphaned(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float, all_levels: list[Level],
                   mode: BudgetMode, rider: Rider, outcome: Any) -> None:
         """What the hot-path script call of a cancelled caller did (``outcome``, :data:`gateway.state.redis.Orphan`),
-        told to ``rider.orphan``: the admission it made, else None."""
+        told to ``rider.orphan``: the admission it made, else None, and whether what it did is unknown."""
         assert rider.orphan is not None
-        admission = None
+        admission, unknown = None, False
         if isinstance(outcome, list):
             with contextlib.suppress(RateLimited):  # refused: nothing of it was written
                 admission = self._admitted(lim, reservation_id, est, now, all_levels, mode, rider, outcome)
         elif isinstance(outcome, BaseException) and not isinstance(outcome, ResponseError):
-            # sent or not, unknown (a timeout, a lost connection, an interrupted exchange): as for a caller still
-            # waiting (RedisDown), what it may have written expires (reservations: limits.reservation_ttl_s)
-            log.warning("admission %s: its caller was cancelled and the script's outcome is unknown (%r); what it "
-                        "may have reserved expires with its TTL", reservation_id, outcome)
-        rider.orphan(admission)
+            # sent or not, unknown (a timeout, a lost connection, an interrupted exchange): the caller settles what it
+            # may have written ("Outcome unknown" above: its usage event settles what is there, a late script then
+            # writes nothing) — left, the record stayed open for the reconciler and the reservations held the budgets
+            # until their TTL
+            log.warning("admission %s: its caller was cancelled and the script's outcome is unknown (%r); settled as "
+                        "a call never sent", reservation_id, outcome)
+            unknown = True
+        rider.orphan(admission, unknown)
 
     def _admit_locally(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float,
                        levels: list[Level], script_refused: bool = False, mode: BudgetMode = "hard") -> Admission:

@@ -191,3 +191,60 @@ def test_an_admission_that_reaches_redis_after_its_requests_refusal_writes_nothi
         assert (admin.hexists(k.write_ahead, rec.request_id), _reserved_at(admin, k, rec.request_id)) == (False, [])
     finally:
         admin.close()
+
+
+def test_a_request_cancelled_while_its_admission_reply_was_lost_leaves_nothing_open(
+        redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    # The client goes away while the hot-path script is out, and the script's reply is lost (it ran in Redis: a
+    # record, a reservation at every level). The call was never sent upstream: it is metered as a cancelled call
+    # (499, cost 0, as a cancelled admission whose reply came) and that event settles what the script wrote. It used
+    # to be only logged: the record stayed open for the reconciler, the reservations held the budgets until their TTL.
+    proxy = FreezingProxy(redis_url).start()
+    settings = _settings(proxy.url, redis_prefix, tmp_path)
+    tier = settings.tier("long")
+    admin = redis.Redis.from_url(redis_url)
+    k = RedisKeys(redis_prefix)
+    rec = _record()
+    seen: dict[str, Any] = {}
+
+    async def go() -> None:
+        acct = Accounting(settings)
+        await acct.start()
+        try:
+            warm = _record()
+            warm_body = {**BODY, "messages": [{"role": "user", "content": "warm up"}]}
+            await acct.admit(KEY, warm_body, warm, [tier], _ahead(settings, warm_body))
+            acct.abandon(warm, tier, 499, "client_disconnected")
+            await acct.flush()
+            proxy.arm(acct.limits._hot.sha.encode(), lose_replies=True)
+            call = asyncio.ensure_future(acct.admit(KEY, BODY, rec, [tier], _ahead(settings, BODY)))
+            deadline = time.monotonic() + SETTLE_TIMEOUT_S
+            while proxy.frozen < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert proxy.frozen == 1  # the script reached Redis; its reply will not come back
+            call.cancel()  # the client went away meanwhile
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            while admin.hexists(k.write_ahead, rec.request_id) is False and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            seen["ran"] = {"write_ahead": bool(admin.hexists(k.write_ahead, rec.request_id)),
+                           "reserved": _reserved_at(admin, k, rec.request_id)}
+            # the exchange times out (socket_timeout_s 0.3): the caller is told the outcome is unknown; its event
+            # goes to the spool while the breaker is open, replayed once Redis answers
+            while not _events_of(admin, k, rec.request_id) and time.monotonic() < deadline:
+                await acct.flush()
+                await asyncio.sleep(0.05)
+            await acct.flush()
+            seen["write_ahead"] = bool(admin.hexists(k.write_ahead, rec.request_id))
+            seen["reserved"] = _reserved_at(admin, k, rec.request_id)
+        finally:
+            await acct.close()
+
+    try:
+        asyncio.run(go())
+        assert seen.pop("ran") == {"write_ahead": True, "reserved": ["key", "tag", "global"]}
+        assert seen == {"write_ahead": False, "reserved": []}
+        assert _events_of(admin, k, rec.request_id) == [(499, "cancelled", False, 0)]
+    finally:
+        proxy.stop()
+        admin.close()
