@@ -48,7 +48,6 @@ from gateway.pipeline import upstream_body
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.routing import Routing
-from gateway.state.conversations import ConversationStore
 from gateway.state.redis import known_nodes
 from gateway.upstream.pool import UpstreamPool
 
@@ -211,8 +210,7 @@ def create_app(settings: Settings) -> Gateway:
     app.state.retrain = retrain
     install_handlers(app)
     usage_api.install(app, settings, keys, accounting)
-    responses_api.attach(app, proxy, ConversationStore(accounting.handle, accounting.breaker,
-                                                       settings.responses.store_ttl_s))
+    responses_api.attach(app, proxy, accounting.conversations)
     messages_api.attach(app, proxy)
     embeddings_api.attach(app, proxy)
 

@@ -5,7 +5,9 @@ auth (``Authorization: Bearer``) → body → ``previous_response_id``: the stor
 → the chat pipeline (:meth:`gateway.pipeline.proxy.Proxy.serve`, usage event ``endpoint: responses``) →
 the ``response`` object, or the typed event stream. With ``store`` not false the conversation including this
 answer is stored under the new response id before the client sees the answer's end, with the final
-``response`` object: ``GET /v1/responses/{id}`` returns it, ``DELETE /v1/responses/{id}`` removes it
+``response`` object (a write Redis fails or refuses is skipped, counted and logged by
+:meth:`ConversationStore.put`: the answer was already billed, the client gets it whole):
+``GET /v1/responses/{id}`` returns it, ``DELETE /v1/responses/{id}`` removes it
 (``{"id", "object": "response", "deleted": true}``); another key's, expired or ``store: false`` → 404.
 Errors are OpenAI-shaped (the app's handlers).
 """

@@ -24,7 +24,9 @@ acknowledged; ``WriteAhead.reassert``),
 without opening the breaker; ``gateway/state/breaker.py``),
 ``thinkgate_admission_refused_scripts_total{script}`` (admission scripts Redis refused with an error reply, each
 having written nothing: ``admit`` — a call then decided as with Redis down, ``limits.on_redis_down`` —, ``rollback``,
-``renew``; ``gateway/state/limits.py``); with
+``renew``; ``gateway/state/limits.py``),
+``thinkgate_conversations_not_stored_total{reason}`` (``/v1/responses`` conversations not stored after the answer:
+``redis_down``, ``refused`` — an error reply such as OOM, READONLY, NOPERM; ``gateway/state/conversations.py``); with
 ``routing.target`` set, ``thinkgate_routing_share{tier}`` (the controller's window),
 ``thinkgate_routing_target_share`` and ``thinkgate_routing_threshold{tier}`` (the cut point into that tier);
 ``thinkgate_routing_drift_psi{kind}`` (score | tier, the drift alarm).
@@ -40,6 +42,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.config import MetricsConfig, TierConfig
 from gateway.ledger.event import UsageEvent
+from gateway.state.conversations import NOT_STORED_REASONS
 from gateway.state.limits import REFUSED_SCRIPTS
 from gateway.state.spool import QUARANTINE_REASONS
 
@@ -147,6 +150,13 @@ class Metrics:
             "with Redis down (limits.on_redis_down) —, rollback, renew.", ["script"], registry=r)
         for script in REFUSED_SCRIPTS:  # exposed at 0 from the start, as the label-less counters are
             self.refused_scripts.labels(script)
+        # the answer is delivered either way: only this series (and a log line) says its continuation is lost
+        self.not_stored = Counter(
+            "thinkgate_conversations_not_stored", "/v1/responses conversations not stored after the answer was "
+            "delivered (previous_response_id then unknown), by reason: redis_down, refused (an error reply: OOM, "
+            "READONLY, NOPERM).", ["reason"], registry=r)
+        for reason in NOT_STORED_REASONS:  # exposed at 0 from the start
+            self.not_stored.labels(reason)
         # a stalled loop's timeouts fail calls without opening the breaker: only this series shows them
         self.stall_timeouts = Counter("thinkgate_redis_stall_timeouts", "Redis calls that timed out while this "
                                       "process's event loop stalled (a starved host): each call failed — the caller "
@@ -255,11 +265,12 @@ class Metrics:
                dead_lettered: int = 0, unreplicated: int = 0,
                refused_scripts: Mapping[str, int] | None = None, quarantine_bytes: int = 0,
                quarantined: Mapping[str, int] | None = None, wal_unreplicated: int = 0,
-               stall_timeouts: int = 0) -> bytes:
+               stall_timeouts: int = 0, not_stored: Mapping[str, int] | None = None) -> bytes:
         """The exposition text, with the gauges set from the current state; the counters fed from a process count
         (``spooled``, ``dead_lettered``, ``unreplicated``, ``refused_scripts``: ``Limits.refused_scripts``,
         ``quarantined``: ``Quarantine.counts`` by reason, ``wal_unreplicated``: ``WriteAhead.unreplicated``,
-        ``stall_timeouts``: ``Breaker.stall_timeouts``) grow by
+        ``stall_timeouts``: ``Breaker.stall_timeouts``, ``not_stored``: ``ConversationStore.not_stored`` by reason)
+        grow by
         what it counted since the last call."""
         self.breaker_open.set(1 if breaker_open else 0)
         self.spool_bytes.set(spool_bytes)
@@ -276,6 +287,9 @@ class Metrics:
         for script, n in (refused_scripts or {}).items():
             if script in REFUSED_SCRIPTS:  # a known label value only
                 self._catch_up(self.refused_scripts, script, n)
+        for reason, n in (not_stored or {}).items():
+            if reason in NOT_STORED_REASONS:
+                self._catch_up(self.not_stored, reason, n)
         if self.routing_view is not None:
             if not self._target_registered:
                 self.registry.register(self.routing_target_share)

@@ -51,6 +51,7 @@ from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.budgets import BudgetLevels, BudgetStore, Level
 from gateway.state.cache import CacheEntry, Lookup, ResponseCache, Ticket
 from gateway.state.cache_policy import cache_key, decide, tenant_scope
+from gateway.state.conversations import ConversationStore
 from gateway.state.keys import tenant_tag
 from gateway.state.limits import Admission, BudgetMode, Estimate, KeyLimits, Limits, Rider, embedding_estimate, estimate
 from gateway.state.metering import Meter
@@ -136,6 +137,8 @@ class Accounting:
         self.keystore = RedisKeyStore(self.handle, self.breaker, settings.auth.key_cache_s,
                                       settings.auth.key_stale_s)
         self.metrics = Metrics(settings.metrics, settings.tiers)
+        # here, not in the app, so /metrics reads its counts of conversations not stored
+        self.conversations = ConversationStore(self.handle, self.breaker, settings.responses.store_ttl_s)
         sem = settings.cache.semantic
         self.semantic: SemanticCache | None = None
         if sem.enabled and settings.cache.mode != "off":
@@ -763,4 +766,4 @@ class Accounting:
                                    self.meter.unreplicated, self.limits.refused_scripts,
                                    self.meter.quarantine.pending_bytes(), self.meter.quarantine.counts,
                                    self.wal.unreplicated if self.wal is not None else 0,
-                                   self.breaker.stall_timeouts)
+                                   self.breaker.stall_timeouts, self.conversations.not_stored)

@@ -10,14 +10,23 @@ does not carry them over to the next turn), and the ``response`` object as the c
 Redis down: a write is skipped (logged; the answer is not lost, only its continuation), a read of a
 ``previous_response_id`` raises :class:`ConversationsUnavailable` (503) — answering without the history would
 silently answer a different question.
+
+Redis refusing the write with an error reply (``OOM command not allowed``, ``READONLY``, ``NOPERM``: the breaker
+counts none of them as an outage) is skipped the same way: the write comes after the answer was generated and
+metered, so raising lost a billed answer (a 500, or a stream cut before ``response.completed``). It is logged at
+ERROR (at most once a minute per distinct error) and counted; its ``previous_response_id`` is then unknown, as an
+expired one. Every skipped write is counted in :attr:`ConversationStore.not_stored` by :data:`NOT_STORED_REASONS`
+(``thinkgate_conversations_not_stored_total{reason}``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+from typing import Any, Final
 
 import orjson
+from redis.exceptions import RedisError
 
 from gateway.errors import ConversationsUnavailable
 from gateway.state.breaker import Breaker, RedisDown
@@ -25,6 +34,12 @@ from gateway.state.keys import RedisKeys
 from gateway.state.redis import RedisHandle
 
 log = logging.getLogger("thinkgate.conversations")
+
+#: the ``reason`` label of ``thinkgate_conversations_not_stored_total``: ``redis_down`` (unreachable, or the breaker
+#: open), ``refused`` (Redis answered the write with an error reply)
+NOT_STORED_REASONS: Final = ("redis_down", "refused")
+#: at most one ERROR line per distinct refusal per this many seconds: a full or read-only Redis refuses every write
+REFUSED_LOG_EVERY_S: Final = 60.0
 
 
 class ConversationStore:
@@ -35,6 +50,9 @@ class ConversationStore:
         self.keys = RedisKeys.of(handle)
         self.breaker = breaker
         self.ttl_s = ttl_s
+        #: writes skipped, by :data:`NOT_STORED_REASONS` (process counts; ``/metrics`` catches up from them)
+        self.not_stored: dict[str, int] = dict.fromkeys(NOT_STORED_REASONS, 0)
+        self._refused_logged: dict[str, tuple[float, int]] = {}  # error → (last logged, refusals not logged since)
 
     def key(self, scope: str, response_id: str) -> str:
         return self.keys.conversation(scope, response_id)
@@ -57,14 +75,36 @@ class ConversationStore:
     async def put(self, scope: str, response_id: str, messages: list[dict[str, Any]], tier: str | None,
                   session: str | None = None, response: dict[str, Any] | None = None) -> bool:
         """Store a conversation (``session``: its sticky-routing session digest; ``response``: the answer's
-        ``response`` object); False when Redis is down."""
+        ``response`` object); False when it was not stored (Redis down, or it refused the write). Never raises a
+        Redis error: the answer it follows was already generated and billed."""
         data = orjson.dumps({"messages": messages, "tier": tier, "session": session, "response": response})
         try:
             await self.breaker.call(lambda: self.redis.set(self.key(scope, response_id), data, ex=self.ttl_s))
         except RedisDown as exc:
+            self.not_stored["redis_down"] += 1
             log.warning("conversation %s not stored (redis down: %s)", response_id, exc)
             return False
+        except RedisError as exc:  # an error reply (the breaker let it through): Redis is up and said no
+            self.not_stored["refused"] += 1
+            self._log_refused(response_id, exc)
+            return False
         return True
+
+    def _log_refused(self, response_id: str, exc: RedisError) -> None:
+        """One ERROR line for a write Redis refused, at most every :data:`REFUSED_LOG_EVERY_S` per distinct error,
+        with the count of those not logged since (the same refusal recurs on every answer until it is fixed)."""
+        error, now = f"{type(exc).__name__}: {exc}", time.monotonic()
+        last, quiet = self._refused_logged.get(error, (None, 0))
+        if last is not None and now - last < REFUSED_LOG_EVERY_S:
+            self._refused_logged[error] = (last, quiet + 1)
+            return
+        if len(self._refused_logged) >= 1024:  # distinct errors without end: forget the old ones
+            self._refused_logged.clear()
+        self._refused_logged[error] = (now, 0)
+        log.error("conversation %s not stored: Redis refused the write (the answer was delivered; continuing "
+                  "it answers previous_response_not_found, as an expired one)%s — counted in "
+                  "thinkgate_conversations_not_stored_total{reason=\"refused\"}: %s", response_id,
+                  f" ({quiet} more since the last line)" if quiet else "", error)
 
     async def delete(self, scope: str, response_id: str) -> bool:
         """Remove a stored conversation; False when there was none (unknown, expired or another scope's).
