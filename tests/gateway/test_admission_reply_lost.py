@@ -77,6 +77,24 @@ def _events_of(admin: redis.Redis, k: RedisKeys, rid: str) -> list[tuple[Any, ..
             if e.get("request_id") == rid or e["event_id"] == rid]
 
 
+async def _warm_up(acct: Accounting, settings: Settings) -> None:
+    """One request admitted and settled first: the scripts are loaded (a fresh Redis answers NOSCRIPT)."""
+    warm = _record()
+    warm_body = {**BODY, "messages": [{"role": "user", "content": "warm up"}]}
+    await acct.admit(KEY, warm_body, warm, [settings.tier("long")], _ahead(settings, warm_body))
+    acct.abandon(warm, settings.tier("long"), 499, "client_disconnected")
+    await acct.flush()
+
+
+async def _written(acct: Accounting, admin: redis.Redis, k: RedisKeys, rid: str) -> None:
+    """Until an event of ``rid`` is in the stream (the breaker a timeout opened closes, the spool is replayed)."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while not _events_of(admin, k, rid) and time.monotonic() < deadline:
+        await acct.flush()
+        await asyncio.sleep(0.05)
+    await acct.flush()
+
+
 def test_a_request_refused_after_its_admission_reply_was_lost_leaves_nothing_to_bill(
         redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
     proxy = FreezingProxy(redis_url).start()
@@ -92,12 +110,7 @@ def test_a_request_refused_after_its_admission_reply_was_lost_leaves_nothing_to_
         await acct.start()
         assert acct.limits.fused and acct.wal is not None and settings.limits.on_redis_down == "fail_closed"
         try:
-            # one request admitted and settled first: the scripts are loaded (a fresh Redis answers NOSCRIPT)
-            warm = _record()
-            warm_body = {**BODY, "messages": [{"role": "user", "content": "warm up"}]}
-            await acct.admit(KEY, warm_body, warm, [tier], _ahead(settings, warm_body))
-            acct.abandon(warm, tier, 499, "client_disconnected")
-            await acct.flush()
+            await _warm_up(acct, settings)
             # the hot path's script reaches Redis and runs; its reply never comes back: the call times out
             proxy.arm(acct.limits._hot.sha.encode(), lose_replies=True)
             with pytest.raises(LimitsUnavailable):
@@ -108,11 +121,7 @@ def test_a_request_refused_after_its_admission_reply_was_lost_leaves_nothing_to_
                            "reserved": _reserved_at(admin, k, rec.request_id)}
             acct.audit(rec, 503, "limits_unavailable")  # as Proxy.refused does
             # the timeout opened the breaker: the audit event went to the spool, replayed once Redis answers
-            deadline = time.monotonic() + SETTLE_TIMEOUT_S
-            while not _events_of(admin, k, rec.request_id) and time.monotonic() < deadline:
-                await acct.flush()
-                await asyncio.sleep(0.05)
-            await acct.flush()
+            await _written(acct, admin, k, rec.request_id)
             seen["write_ahead"] = bool(admin.hexists(k.write_ahead, rec.request_id))
             seen["reserved"] = _reserved_at(admin, k, rec.request_id)
         finally:
@@ -211,11 +220,7 @@ def test_a_request_cancelled_while_its_admission_reply_was_lost_leaves_nothing_o
         acct = Accounting(settings)
         await acct.start()
         try:
-            warm = _record()
-            warm_body = {**BODY, "messages": [{"role": "user", "content": "warm up"}]}
-            await acct.admit(KEY, warm_body, warm, [tier], _ahead(settings, warm_body))
-            acct.abandon(warm, tier, 499, "client_disconnected")
-            await acct.flush()
+            await _warm_up(acct, settings)
             proxy.arm(acct.limits._hot.sha.encode(), lose_replies=True)
             call = asyncio.ensure_future(acct.admit(KEY, BODY, rec, [tier], _ahead(settings, BODY)))
             deadline = time.monotonic() + SETTLE_TIMEOUT_S
@@ -231,10 +236,7 @@ def test_a_request_cancelled_while_its_admission_reply_was_lost_leaves_nothing_o
                            "reserved": _reserved_at(admin, k, rec.request_id)}
             # the exchange times out (socket_timeout_s 0.3): the caller is told the outcome is unknown; its event
             # goes to the spool while the breaker is open, replayed once Redis answers
-            while not _events_of(admin, k, rec.request_id) and time.monotonic() < deadline:
-                await acct.flush()
-                await asyncio.sleep(0.05)
-            await acct.flush()
+            await _written(acct, admin, k, rec.request_id)
             seen["write_ahead"] = bool(admin.hexists(k.write_ahead, rec.request_id))
             seen["reserved"] = _reserved_at(admin, k, rec.request_id)
         finally:
