@@ -235,8 +235,10 @@ async def peek_stream(
     if summary["usage"] is None:  # none came: the running totals, or the deltas read
         summary["usage"] = tally.last_usage
         summary["counted"] = counted(tally)
-    kept = isinstance(resp, SyntheticResponse) and resp.counted_on_failure  # a forced stream's, kept
-    return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose, counted_on_failure=kept), summary
+    forced = resp if isinstance(resp, SyntheticResponse) else None  # a forced stream's ways to bill, kept
+    return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose,
+                             counted_on_failure=forced is not None and forced.counted_on_failure,
+                             spent=forced.spent if forced is not None else None), summary
 
 
 def _reported(tally: StreamTally) -> dict[str, Any] | None:

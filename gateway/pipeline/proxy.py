@@ -46,7 +46,7 @@ from gateway.pipeline import abstention, escalation, policy, upstream_body
 from gateway.pipeline.accounting import Ahead
 from gateway.pipeline.answer import Answer, Caller
 from gateway.pipeline.exchange import Exchange
-from gateway.pipeline.relay import CLIENT_CLOSED, complete, count_answer, count_prompt, relay, renew
+from gateway.pipeline.relay import CLIENT_CLOSED, complete, count_answer, count_prompt, meter_closed, relay, renew
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import Sessions
 from gateway.thinking import dial
@@ -394,8 +394,9 @@ class Proxy:
         """:func:`gateway.pipeline.escalation.peek_stream` of the current attempt's stream (``start``: an escalation's
         call whose tier does not escalate in turn, read up to its first content only), for :meth:`_escalation`.
         A stream that fails meanwhile is metered as the failed call it was and its error raised; one the client
-        left meanwhile (cancelled by :meth:`_unless_disconnected`; the peek closed the call) is billed the deltas
-        read, and its prompt where it is metered."""
+        left meanwhile (cancelled by :meth:`_unless_disconnected`; the peek closed the call) is billed what the
+        closed stream knows it ran (a forced stream in its answer phase: :func:`~gateway.pipeline.relay.meter_closed`),
+        else the deltas read, and its prompt where it is metered."""
         tier = ex.tier
         whole = bool({"abstain", "low_confidence"} & set(tier.escalate_on))
         read = StreamTally()
@@ -403,8 +404,13 @@ class Proxy:
             return await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole, start=start, tally=read)
         except (asyncio.CancelledError, anyio.get_cancelled_exc_class()):
             if not ex.closed and ex.record.usage_source == "none":
-                got = escalation.counted(read)
-                ex.record.set_counted(got["completion_tokens"], got["reasoning_tokens"])
+                # what the closed stream knows it ran (a forced one in its answer phase: its bill, phase 2's prompt
+                # in it — the prompt is then not counted again), else the deltas read; shielded, as the close was
+                with anyio.CancelScope(shield=True):
+                    billed = await meter_closed(resp, ex.record)
+                if not billed:
+                    got = escalation.counted(read)
+                    ex.record.set_counted(got["completion_tokens"], got["reasoning_tokens"])
             raise
         except escalation.PeekBroken as broken:  # before a byte reached the client: the deltas read are billed
             if ex.record.set_usage(broken.usage):  # (or what the upstream said had run, when it said it)

@@ -11,7 +11,8 @@ only when the client asked (``stream_options.include_usage``). Failures after th
 error event (no ``[DONE]``): a stalled upstream (``httpx.TimeoutException`` or
 :class:`gateway.errors.UpstreamTimeout` from a composed stream) → 504 ``upstream_timeout``; a broken one → 502
 ``upstream_stream_broken``. A client disconnect cancels the generator: the upstream response is closed (which
-cancels the request) and the tokens seen so far are metered with ``partial: true``. With a cache ticket the
+cancels the request) and the tokens seen so far are metered with ``partial: true`` (a forced stream closed in its
+answer phase: its bill, :func:`meter_closed`). With a cache ticket the
 stream is assembled and stored once it completed successfully.
 
 **Bounded, and counted while it runs.** A stream's budget reservations (``gateway/state/reservations.py``) are
@@ -101,6 +102,19 @@ def count_deltas(ex: Exchange, tally: sse.StreamTally) -> None:
     ex.record.set_counted(*tally.counted())
 
 
+async def meter_closed(resp: UpstreamResponse, record: UsageRecord) -> bool:
+    """A stream closed before its end — the client gone (the relay, the escalation peek) or cut at
+    ``limits.max_stream_s`` — whose response knows what it ran (:meth:`SyntheticResponse.spent`: a forced stream in
+    its answer phase, what it is billed had it failed there, phase 2's prompt in it) is metered that, ``usage_source:
+    counted``, in place of counting: the client's prompt and the deltas left phase 2's prompt (the thought re-read)
+    out. False when it knows nothing (any other stream): the caller counts it."""
+    usage = await resp.spent() if isinstance(resp, SyntheticResponse) else None
+    if not record.set_usage(usage):
+        return False
+    record.usage_source = "counted"  # the gateway's count, not an upstream's report
+    return True
+
+
 async def count_prompt(pool: UpstreamPool, tier: TierConfig, body: dict[str, Any]) -> int:
     """Prompt tokens of the client's ``body`` on ``tier``, for a stream that ended with no upstream usage (the
     client went away, the upstream broke it): the upstream had read the whole prompt by its first chunk, so it is
@@ -172,8 +186,9 @@ class _Run:
     """One relay's state: the tally, the assembler (for the cache or a shadow comparison), the outcome."""
 
     def __init__(self, ex: Exchange, wants_usage: bool, choices: int, pool: UpstreamPool,
-                 body: dict[str, Any] | None, counted_on_failure: bool = False) -> None:
+                 body: dict[str, Any] | None, resp: UpstreamResponse, counted_on_failure: bool = False) -> None:
         self.ex = ex
+        self.resp = resp  # asked what it ran when it is closed before its end (meter_closed)
         # a usage chunk held back from a stream that then failed is the gateway's count (a forced call's bill)
         self.counted_on_failure = counted_on_failure
         self.pool = pool
@@ -228,8 +243,9 @@ class _Run:
         """A cut stream's end: meter what was seen (partial), finish every choice, the usage when asked, [DONE]."""
         record = self.record
         record.partial = True
-        # continuous usage stats: the upstream's running totals (else, or when not usable, counted)
-        if not record.set_usage(self.tally.last_usage):
+        # what the response knows it ran (a forced stream's bill), else continuous usage stats' running totals (the
+        # upstream's), else counted
+        if not await meter_closed(self.resp, record) and not record.set_usage(self.tally.last_usage):
             await self.count()
         out = [cut_chunk(self.last, self.choices)]
         if self.wants_usage:
@@ -292,8 +308,8 @@ class _Run:
             if record.set_usage(usage):
                 if self.counted_on_failure and self.status is not None:  # it failed after the gateway's bill
                     record.usage_source = "counted"
-            elif not record.set_usage(tally.last_usage):
-                await self.count()
+            elif not await meter_closed(self.resp, record) and not record.set_usage(tally.last_usage):
+                await self.count()  # (closed: what it knows it ran — a forced stream's bill — is not counted again)
         asm = self.assembler
         complete = status == 200 and not self.cut and asm is not None and asm.complete
         await self.ex.close(status, code, asm.result() if complete and asm is not None else None)
@@ -385,7 +401,7 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
     ``limits.max_stream_s``); ``body``: the client's request, whose prompt is counted (:func:`count_prompt`) when
     the stream ends with no upstream usage.
     """
-    run = _Run(ex, wants_usage, choices, pool, body,
+    run = _Run(ex, wants_usage, choices, pool, body, resp,
                counted_on_failure=isinstance(resp, SyntheticResponse) and resp.counted_on_failure)
     renewer = asyncio.ensure_future(renew(ex.accounting, ex))
     try:

@@ -36,7 +36,10 @@ what the upstream is known to have processed, streamed or not (:meth:`ForcedBudg
 it, plus phase 2's prompt when phase 2 was answered 200 (the upstream read it before its first event — the rule the
 relay applies to any failed stream — and reported nothing) and the answer deltas it sent. The client's error stays
 what it was; the usage event says ``partial`` and ``usage_source: counted``. Streamed, the bill is a usage-only chunk
-before the error, metered so by the relay and by the escalation's peek (``Proxy._peek``) alike.
+before the error, metered so by the relay and by the escalation's peek (``Proxy._peek``) alike. A stream closed in
+phase 2 before its end (the client gone, or cut at ``limits.max_stream_s``) is billed the same, as had it failed
+there: the relay and the peek ask the closed stream (:meth:`ForcedBudget.spent`) instead of counting the client's
+prompt, which left phase 2's out.
 
 **Loop guard** (``loop_guard`` on a forced tier): an n-gram of whitespace words seen ``max_repeats`` times in
 the streamed thought ends phase 1 early, as if the budget were hit.
@@ -198,6 +201,9 @@ class ForcedBudget:
         self.open_phase = open_phase
         self.count = count
         self.count_prompt = count_prompt
+        # the bill of the stream's answer phase as it stands, once that phase began (:meth:`spent`); streamed, one
+        # ForcedBudget runs one stream (n = 1). Not streamed, each generation sets it and nothing asks.
+        self._closed_bill: Callable[[], Awaitable[Chunk | None]] | None = None
 
     def check(self, body: dict[str, Any]) -> None:
         """Refuse what forcing cannot serve: a list of prompts (completions); ``n > 1`` with streaming."""
@@ -389,6 +395,9 @@ class ForcedBudget:
         or refused phase: the relay's error)."""
         sent = 0  # answer deltas passed on (≈ tokens on vLLM)
         answer: UpstreamResponse | None = None
+        # a stream closed in this phase (the client gone, cut at max_stream_s) is billed what a failure here is
+        # billed: the closure reads ``answer`` and ``sent`` as they are when asked (:meth:`spent`)
+        self._closed_bill = lambda: self._spent(head, p1, used, p2, req2 if answer is not None else None, sent)
         try:
             answer = await self.open_phase(req2)
             async for piece, finish, usage, calls in _pieces(answer, self.endpoint):
@@ -412,6 +421,16 @@ class ForcedBudget:
         finally:
             if answer is not None:
                 await answer.aclose()
+
+    async def spent(self) -> dict[str, Any] | None:
+        """The usage of a stream closed before its end (the client gone, or cut at ``limits.max_stream_s``; asked by
+        the relay and the escalation peek once they closed it): in its answer phase, what the same call is billed had
+        it failed there (:meth:`_spent`: phase 1 as reported, phase 2's prompt once phase 2 was answered, the answer
+        deltas sent) — counting the client's prompt and the deltas, as for any stream, left phase 2's prompt (the
+        thought re-read) out. None in its thought phase (counted as any stream then, as a failure there is) or when
+        phase 1 reported no prompt count (:meth:`_spent`'s None)."""
+        bill = await self._closed_bill() if self._closed_bill is not None else None
+        return bill.data.get("usage") if bill is not None and bill.data is not None else None
 
     async def _spent(self, head: dict[str, Any], p1: _Phase, used: int, p2: _Phase, req2: dict[str, Any] | None,
                      sent: int) -> Chunk | None:
@@ -456,7 +475,8 @@ async def open_forced(
     (UpstreamUnavailable & co.) and the proxy can still fall back. Raises InvalidRequest for what forcing
     cannot serve (see :meth:`ForcedBudget.check`), and :class:`ForcedCallFailed` for a non-streamed call that
     failed once some of it had run. A stream's bill of a failed phase 2 is a usage-only chunk before its error
-    (:meth:`ForcedBudget._spent`): the response says so (``counted_on_failure``), for the relay.
+    (:meth:`ForcedBudget._spent`): the response says so (``counted_on_failure``), for the relay; the bill of one
+    closed in phase 2 (the client gone, cut at its bound) is its ``spent`` (:meth:`ForcedBudget.spent`).
     """
     path = ENDPOINT_PATHS[endpoint]
     forced = ForcedBudget(tier, endpoint,
@@ -468,4 +488,4 @@ async def open_forced(
         return SyntheticResponse(data=data)
     chunks = forced.stream(body)
     first = await chunks.__anext__()
-    return SyntheticResponse(events=chunks, head=[[first]], counted_on_failure=True)
+    return SyntheticResponse(events=chunks, head=[[first]], counted_on_failure=True, spent=forced.spent)

@@ -41,7 +41,8 @@ class SyntheticResponse:
     ``closer``: called by :meth:`aclose` (the wrapped response's). ``counted_on_failure``: a usage-only chunk the
     stream sends before it fails is the gateway's count of what ran, not an upstream's report (budget forcing's
     bill of a failed answer phase, :meth:`gateway.thinking.forcing.ForcedBudget._spent`): the relay meters it as
-    ``usage_source: counted``."""
+    ``usage_source: counted``. ``spent``: what a stream closed before its end is known to have used, by the gateway's
+    count (:meth:`spent`)."""
 
     def __init__(
         self,
@@ -51,9 +52,11 @@ class SyntheticResponse:
         closer: Callable[[], Awaitable[None]] | None = None,
         events: AsyncIterator[Chunk] | None = None,
         counted_on_failure: bool = False,
+        spent: Callable[[], Awaitable[dict[str, Any] | None]] | None = None,
     ) -> None:
         self.data = data
         self.counted_on_failure = counted_on_failure
+        self._spent = spent
         self._chunks = chunks
         self._events = events
         self._head = head or []
@@ -74,6 +77,12 @@ class SyntheticResponse:
         if self._events is not None:
             async for c in self._events:
                 yield [c]
+
+    async def spent(self) -> dict[str, Any] | None:
+        """The usage (OpenAI's shape) of a stream closed before its end — the client gone, or cut at its bound —
+        as the gateway knows it ran (a forced stream in its answer phase:
+        :meth:`gateway.thinking.forcing.ForcedBudget.spent`); None when it knows nothing (counted as any stream)."""
+        return await self._spent() if self._spent is not None else None
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """SSE bytes of :meth:`chunk_batches`."""

@@ -8,12 +8,18 @@ The relay serves the first as the stream it would have been and passes the secon
 
 from __future__ import annotations
 
+import contextlib
+import re
+import socket
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import openai
+import orjson
 import pytest
 import redis
 
@@ -321,3 +327,162 @@ def test_a_stream_whose_phase_2_fails_is_billed_as_the_call_not_streamed(
     assert (streamed.prompt_tokens, streamed.completion_tokens, streamed.reasoning_tokens, streamed.cost_micro_usd) \
         == (answered_ev.prompt_tokens, answered_ev.completion_tokens, answered_ev.reasoning_tokens,
             answered_ev.cost_micro_usd)
+
+
+@pytest.fixture(scope="module", params=[None, ["empty_answer"], ["abstain"]], ids=["relayed", "peeked", "peeked-whole"])
+def forced_left(request: pytest.FixtureRequest, upstream_sim: SimProcess,
+                redis_url: str) -> Iterator[tuple[GatewayServer, list[UsageRecord]]]:
+    """:func:`forced_peeked`'s tiers with a read timeout far above the time a test client takes to hang up on a
+    stalled answer phase: the client leaves first, never the timeout."""
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"budget_mode": "forced", "thinking_budget": BUDGET, "max_tokens": 64, "read_timeout_s": 10.0})
+    if request.param is not None:
+        tiers[1]["escalate_on"] = request.param
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        records: list[UsageRecord] = []
+        gw.app.state.proxy.usage_sinks.append(records.append)
+        yield gw, records
+
+
+def _thought_and_prompt(client: openai.OpenAI, upstream_sim: SimProcess) -> tuple[int, int, int]:
+    """(phase 1's reported completion — the thought —, the client's prompt by the sim's /tokenize, a complete call's
+    prompt) of ``MESSAGES`` on the forced tier."""
+    whole_call = client.chat.completions.create(model="short", messages=MESSAGES, extra_body={"sim": {"fail": "none"}})
+    assert whole_call.usage is not None and whole_call.usage.completion_tokens_details is not None
+    thought = whole_call.usage.completion_tokens_details.reasoning_tokens
+    assert thought and 0 < thought < whole_call.usage.completion_tokens
+    prompt1 = httpx.post(upstream_sim.root + "/tokenize", json={"messages": MESSAGES}, timeout=5).json()["count"]
+    return thought, prompt1, whole_call.usage.prompt_tokens
+
+
+_DELTA = re.compile(rb'"content":"[^"]+"')  # an answer delta in the SSE bytes a client read
+
+
+def _leave_when(gw: GatewayServer, body: dict[str, Any], ready: Callable[[bytes], bool]) -> bytes:
+    """POST ``body`` (a stream) on a raw socket, read what comes until ``ready(what came)``, then hang up: what
+    came."""
+    url = urlsplit(gw.base_url)
+    payload = orjson.dumps(body)
+    head = (f"POST {url.path}/chat/completions HTTP/1.1\r\nhost: {url.hostname}:{url.port}\r\n"
+            f"authorization: Bearer {TEST_KEY}\r\ncontent-type: application/json\r\ncache-control: no-store\r\n"
+            f"content-length: {len(payload)}\r\n\r\n").encode()
+    got = b""
+    with socket.create_connection((url.hostname or "127.0.0.1", url.port or 80), timeout=10) as sock:
+        sock.sendall(head + payload)
+        sock.settimeout(0.02)
+        deadline = time.monotonic() + 10
+        while not ready(got):
+            assert time.monotonic() < deadline, got
+            with contextlib.suppress(TimeoutError):
+                got += sock.recv(65536)
+    return got
+
+
+@pytest.mark.parametrize("answered", [2, 0])
+def test_a_client_gone_in_phase_2_is_billed_as_the_call_failed_there(
+        forced_left: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess, redis_url: str,
+        answered: int) -> None:
+    """The client hangs up while phase 2 runs, after ``answered`` answer deltas (phase 2 then waits on its upstream):
+    relayed (the client got them), or while the escalation peek holds the stream back — up to the answer's start
+    (``empty_answer``: the client got them, relayed from the peek's read) or to its end (``abstain``: the client
+    got nothing, the peek read them). The call is billed what the same call is billed had it failed there — the bill
+    of :meth:`ForcedBudget._spent`, the one the non-streamed call failed after as many deltas gets: phase 1 as
+    reported, phase 2's prompt (phase 1's and the thought again), the answer deltas — ``partial``, ``counted``,
+    499 ``client_disconnected``. It was billed the client's prompt counted and the deltas: phase 2's prompt, the
+    whole thought re-read, left out."""
+    gw, records = forced_left
+    client = _client(gw)
+    before = len(records) + 2  # the two calls before the one under test
+    thought, prompt1, whole_prompt = _thought_and_prompt(client, upstream_sim)
+    # phase 2 sends its role chunk and ``answered`` deltas, then waits (hang_s): the client leaves meanwhile
+    sim = {"fail": "stall", "fail_from": 1, "fail_at": 1 + answered}
+    probe = uuid.uuid4().hex  # phase 1's chunks: a call whose phase 2 ends at once
+    with pytest.raises(openai.APIStatusError):
+        client.chat.completions.create(model="short", messages=MESSAGES, extra_body={
+            "sim": {"fail": "close", "fail_from": 1, "fail_at": 0, "tag": probe}})
+    probed = upstream_sim.tag(probe)
+    assert probed is not None and probed["attempts"] == 2
+    stalled = probed["chunks_sent"] + 1 + answered  # the sim's chunks once phase 2 waits
+
+    assert wait_for(lambda: len(records) == before, timeout_s=10)
+    tag = uuid.uuid4().hex
+    peeked_whole = gw.app.state.settings.tiers[1].escalate_on == ["abstain"]
+
+    def ready(got: bytes) -> bool:
+        sent = upstream_sim.tag(tag)
+        if sent is None or sent["chunks_sent"] < stalled:
+            return False
+        if peeked_whole or not answered:  # nothing to see: the gateway had a beat to read what phase 2 sent
+            time.sleep(0.3)
+            return True
+        return len(_DELTA.findall(got)) >= answered
+
+    got = _leave_when(gw, {"model": "short", "stream": True, "messages": MESSAGES,
+                           "stream_options": {"include_usage": True}, "sim": {**sim, "tag": tag}}, ready)
+    assert len(_DELTA.findall(got)) == (0 if peeked_whole else answered)
+    assert upstream_sim.wait_tag_status(tag, {"cancelled"}) is not None  # phase 2's call closed with the client
+    assert wait_for(lambda: len(records) == before + 1, timeout_s=10)
+    with pytest.raises(openai.APIStatusError):  # the same call failed where the client left
+        client.chat.completions.create(model="short", messages=MESSAGES, extra_body={
+            "sim": {"fail": "error-event", "fail_from": 1, "fail_at": 1 + answered, "tag": uuid.uuid4().hex}})
+    assert wait_for(lambda: len(records) == before + 2, timeout_s=10)
+    gone, failed = (_event(redis_url, r.request_id) for r in records[before:])
+    assert (gone.stream, failed.stream) == (True, False)
+    assert (gone.status, gone.error_code, gone.partial, gone.usage_source, gone.over_bound) == (
+        499, "client_disconnected", True, "counted", False)
+    assert gone.reasoning_tokens == thought
+    assert 2 * prompt1 + thought <= gone.prompt_tokens <= whole_prompt  # phase 2's prompt in
+    assert gone.completion_tokens == thought + answered  # the answer deltas phase 2 sent, one token each
+    assert (gone.prompt_tokens, gone.completion_tokens, gone.reasoning_tokens, gone.cost_micro_usd) == (
+        failed.prompt_tokens, failed.completion_tokens, failed.reasoning_tokens, failed.cost_micro_usd)
+    assert gone.cost_micro_usd > 0
+
+
+MAX_STREAM_S = 2.0
+CHUNK_MS = 100  # phase 1 (~12 chunks) ends ~1.2 s in; phase 2 (~20 chunks) runs past the bound
+
+
+@pytest.fixture(scope="module")
+def forced_bounded(upstream_sim: SimProcess, redis_url: str) -> Iterator[tuple[GatewayServer, list[UsageRecord]]]:
+    """The forced tier, relayed, under ``limits.max_stream_s``."""
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"budget_mode": "forced", "thinking_budget": BUDGET, "max_tokens": 64})
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers,
+                                    limits={"max_stream_s": MAX_STREAM_S})) as gw:
+        records: list[UsageRecord] = []
+        gw.app.state.proxy.usage_sinks.append(records.append)
+        yield gw, records
+
+
+def test_a_stream_cut_at_its_bound_in_phase_2_is_billed_as_the_call_failed_there(
+        forced_bounded: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess, redis_url: str) -> None:
+    """A slow forced stream reaches ``limits.max_stream_s`` in its answer phase: cut as any stream (``finish_reason:
+    "length"``, ``[DONE]``), metered as the cut path meters (200, ``stream_max_duration``, partial, counted) — and
+    billed what the same call is billed had it failed there (:meth:`ForcedBudget._spent`, as the non-streamed call
+    failed after as many answer deltas is), phase 2's prompt in; the usage chunk the client asked for says so. It was
+    billed the client's prompt counted and the deltas: phase 2's prompt, the whole thought re-read, left out."""
+    gw, records = forced_bounded
+    client = _client(gw)
+    before = len(records) + 1  # the call before the one under test
+    thought, prompt1, whole_prompt = _thought_and_prompt(client, upstream_sim)
+    assert wait_for(lambda: len(records) == before, timeout_s=10)
+    got = StreamRead().read(client.chat.completions.create(
+        model="short", messages=MESSAGES, stream=True, stream_options={"include_usage": True},
+        extra_body={"sim": {"chunk_delay_ms": CHUNK_MS, "tag": uuid.uuid4().hex}}))
+    assert got.finish == "length" and 0 < len(got.reasoning.split()) <= BUDGET
+    assert got.deltas > 0  # cut in phase 2, after some of the answer
+    assert wait_for(lambda: len(records) == before + 1, timeout_s=10)
+    with pytest.raises(openai.APIStatusError):  # the same call failed where it was cut
+        client.chat.completions.create(model="short", messages=MESSAGES, extra_body={
+            "sim": {"fail": "error-event", "fail_from": 1, "fail_at": 1 + got.deltas, "tag": uuid.uuid4().hex}})
+    assert wait_for(lambda: len(records) == before + 2, timeout_s=10)
+    cut, failed = (_event(redis_url, r.request_id) for r in records[before:])
+    assert (cut.status, cut.error_code, cut.partial, cut.usage_source, cut.over_bound) == (
+        200, "stream_max_duration", True, "counted", False)
+    assert cut.reasoning_tokens == thought
+    assert 2 * prompt1 + thought <= cut.prompt_tokens <= whole_prompt  # phase 2's prompt in
+    assert cut.completion_tokens == thought + got.deltas
+    assert (cut.prompt_tokens, cut.completion_tokens, cut.reasoning_tokens, cut.cost_micro_usd) == (
+        failed.prompt_tokens, failed.completion_tokens, failed.reasoning_tokens, failed.cost_micro_usd)
+    assert got.usage is not None and (got.usage["prompt_tokens"], got.usage["completion_tokens"]) == (
+        cut.prompt_tokens, cut.completion_tokens)  # the client is told what was metered
