@@ -117,7 +117,9 @@ def load_run(run_dir: str | Path, now: float | None = None, stale_s: float = STA
     d = Path(run_dir)
     now = time.time() if now is None else now
     rows = _rows(d / "ledger.jsonl")
-    all_rows = rows + _rows(d / "ledger_discarded.jsonl")
+    # a row in both files (a resume killed between moving it and rewriting ledger.jsonl) was spent once
+    on_path = {r["seq"] for r in rows if "seq" in r}
+    all_rows = rows + [r for r in _rows(d / "ledger_discarded.jsonl") if r.get("seq") not in on_path]
     tags: dict[str, str] = {}
     for r in rows:
         tags.update({k: str(v) for k, v in r.items() if k not in _ROW_KEYS and not k.startswith("cum_")

@@ -222,3 +222,81 @@ def test_gpu_check_config_prices_the_detected_devices() -> None:
     assert "cpu" in prices
     assert cfg.dynamic_sampling.enabled
     assert cfg.reward_names() == ["correctness", "kimi_length"]
+
+
+def test_a_resume_killed_between_its_two_writes_counts_the_rolled_back_rows_once(tmp_path: Path) -> None:
+    """Resume writes two files: the rolled-back rows appended to ``ledger_discarded.jsonl``, then ``ledger.jsonl``
+    rewritten without them. A kill between the two left the rows in both: ``train runs`` billed them twice, and
+    the next resume moved them to the discarded file a second time (40 micro-USD of rolled-back work counted 80,
+    against the budget too)."""
+    from training.registry import load_run
+
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    ckpt = tmp_path / "checkpoint-2"
+    for step in (1, 2):
+        led.record(step, counters(), 0.010)
+    led.save_state(ckpt)
+    for step in (3, 4):
+        led.record(step, counters(), 0.020)
+    before = (tmp_path / "ledger.jsonl").read_text()
+
+    first = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    first.resume(ckpt)
+    # the process is killed after the first write: ledger.jsonl still holds rows 3 and 4
+    (tmp_path / "ledger.jsonl").write_text(before)
+    assert load_run(tmp_path).micro_usd == 60  # 20 on the training path + 40 rolled back, each once
+
+    again = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    again.resume(ckpt)
+    assert [r["step"] for r in again.rows()] == [1, 2]
+    assert again.discarded["cost_micro_usd"] == 40 and again.spent()["cost_micro_usd"] == 60
+    assert load_run(tmp_path).micro_usd == 60
+    discarded = [json.loads(x)["step"] for x in (tmp_path / "ledger_discarded.jsonl").read_text().splitlines()]
+    assert discarded == [3, 4]
+
+
+def test_every_rank_resumes_to_the_same_spend(tmp_path: Path) -> None:
+    """Every process resumes the ledger and takes the budget decisions on it; only rank 0 writes. The other ranks
+    added the rows they found after the checkpoint to the checkpoint's own discarded totals, so they missed rows
+    an earlier resume had already moved (resuming from an older checkpoint) and — reading after rank 0's rewrite —
+    the rolled-back rows altogether: spent 100 and 20 micro-USD where rank 0 had 130."""
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    for step, wall in ((1, 0.010), (2, 0.010)):
+        led.record(step, counters(), wall)
+    led.save_state(tmp_path / "checkpoint-2")
+    for step in (3, 4):
+        led.record(step, counters(), 0.020)
+    led.save_state(tmp_path / "checkpoint-4")
+    led.record(5, counters(), 0.030)  # killed after step 5: resumed from checkpoint-4, row 5 rolled back
+    seg1 = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    seg1.resume(tmp_path / "checkpoint-4")
+    seg1.record(5, counters(), 0.040)
+
+    # now resumed from checkpoint-2 by two processes: rank 1 reads before rank 0 rewrites, rank 2 after
+    rank1 = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"), writer=False)
+    rank1.resume(tmp_path / "checkpoint-2")
+    rank0 = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    rank0.resume(tmp_path / "checkpoint-2")
+    rank2 = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"), writer=False)
+    rank2.resume(tmp_path / "checkpoint-2")
+    assert rank0.spent()["cost_micro_usd"] == 20 + (30 + 20 + 20 + 40)
+    assert rank1.spent() == rank0.spent() and rank2.spent() == rank0.spent()
+
+
+def test_a_resume_survives_half_a_row_left_by_a_kill(tmp_path: Path) -> None:
+    """A process killed while appending a row leaves half a line at the end of ``ledger.jsonl`` (the registry
+    already skips it). Resume refused the whole ledger (ValueError: invalid JSON), so the run could not go on."""
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    for step in (1, 2):
+        led.record(step, counters(), 0.010)
+    led.save_state(tmp_path / "checkpoint-2")
+    led.record(3, counters(), 0.020)
+    with (tmp_path / "ledger.jsonl").open("a") as f:
+        f.write('{"step": 4, "kind": "step", "seq": 4, "prompts": 2, "rol')  # cut: no cost in it to recover
+
+    again = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    again.resume(tmp_path / "checkpoint-2")
+    assert [r["step"] for r in again.rows()] == [1, 2]
+    assert again.discarded["cost_micro_usd"] == 20  # row 3; the cut row holds no cost to count
+    again.record(3, counters(), 0.010)
+    assert [r["step"] for r in again.rows()] == [1, 2, 3]  # every line parses

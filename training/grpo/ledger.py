@@ -189,6 +189,25 @@ class BudgetCheck:
     hard: bool = False
 
 
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ledger file; half a line (a process killed while appending its last row) is passed over with a
+    warning — that row is after the last checkpoint, and the part written holds no cost to count."""
+    rows = list(read_jsonl(path, missing_ok=True, skip_invalid=True))
+    if path.is_file():
+        lines = sum(1 for line in path.read_text().splitlines() if line.strip())
+        if lines > len(rows):
+            logger.warning("%s: %d line(s) not a row (a write cut by a kill): left out", path, lines - len(rows))
+    return rows
+
+
+def _replace(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` to ``path`` as JSON lines through a temporary file and one rename: a reader, or a kill, sees
+    the old file or the new one, never half of it."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+
+
 class CostLedger:
     """Per-step cost rows, cumulative totals, budget checks; see the module docstring."""
 
@@ -433,30 +452,42 @@ class CostLedger:
         self.hard_stop = False
         ckpt_seq = st.get("seq")  # None: a state written before rows had sequence numbers (keep by step)
         discarded_path = self.run_dir / DISCARDED_FILE
-        written = [*read_jsonl(self.path, missing_ok=True), *read_jsonl(discarded_path, missing_ok=True)]
+        # ledger.jsonl before the discarded file: rank 0 writes them in the other order (below), so a rank reading
+        # while it resumes sees a moved row in one of the two, whatever the interleaving
+        ledger_rows = _read_rows(self.path)
+        abandoned = _read_rows(discarded_path)
+        written = [*ledger_rows, *abandoned]
         self.segment = max([int(st.get("segment", 0))] + [int(r.get("segment", 0)) for r in written]) + 1
         self.finish_device_ms = max([0] + [int(r["device_ms"]) for r in written if r.get("kind") == "finish"])
         self.startup_ms = max([0] + [int(r.get("startup_ms", 0)) for r in written if r.get("kind") == "startup"])
         self.seq = max([int(ckpt_seq or 0)] + [int(r.get("seq", 0)) for r in written])
         keep, drop = [], []
-        for row in read_jsonl(self.path, missing_ok=True):
+        for row in ledger_rows:
             if ckpt_seq is not None and "seq" in row:
                 kept = int(row["seq"]) <= int(ckpt_seq)
             else:
                 kept = row["step"] <= self.last_step
             (keep if kept else drop).append(row)
-        if not self.writer:
-            self.discarded = {k: self.discarded[k] + sum(int(r.get(k, 0)) for r in drop) for k in _TOTAL_KEYS}
-            return
-        if drop:
-            with discarded_path.open("a") as f:
-                for row in drop:
-                    f.write(json.dumps({**row, "discarded_at_resume_from_step": self.last_step}) + "\n")
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
-        # Discarded spend = every row ever abandoned (the append-only file), whatever checkpoint we came back to.
-        if discarded_path.is_file():
-            abandoned = list(read_jsonl(discarded_path))
+        # A row is moved once: a resume killed between its two writes left its rows in both files, and a rank that
+        # reads after rank 0's rewrite finds them in the discarded file only (rows carry unique sequence numbers).
+        moved = {int(r["seq"]) for r in abandoned if "seq" in r}
+        newly = [
+            {**row, "discarded_at_resume_from_step": self.last_step}
+            for row in drop
+            if "seq" not in row or int(row["seq"]) not in moved
+        ]
+        abandoned += newly
+        # Discarded spend = every row ever abandoned (the append-only file), whatever checkpoint we came back to,
+        # computed alike on every rank (each takes the same budget decisions).
+        if abandoned:
             self.discarded = {k: sum(int(row.get(k, 0)) for row in abandoned) for k in _TOTAL_KEYS}
+        if not self.writer:
+            return
+        # each file replaced whole (a kill mid-write leaves the old one), the discarded rows first: a kill between
+        # the two leaves the moved rows in both files, which the next resume and the registry count once
+        if newly:
+            _replace(discarded_path, abandoned)
+        _replace(self.path, keep)
 
     # -- outputs -------------------------------------------------------------------------------------------------
     def rows(self) -> list[dict[str, Any]]:
