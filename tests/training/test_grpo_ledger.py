@@ -300,3 +300,21 @@ def test_a_resume_survives_half_a_row_left_by_a_kill(tmp_path: Path) -> None:
     assert again.discarded["cost_micro_usd"] == 20  # row 3; the cut row holds no cost to count
     again.record(3, counters(), 0.010)
     assert [r["step"] for r in again.rows()] == [1, 2, 3]  # every line parses
+
+
+def test_a_start_up_that_leaves_no_room_for_the_finish_stops_before_the_first_step(tmp_path: Path) -> None:
+    """The projection needs a step row, so before the first step only a budget *reached* stopped the run: a
+    start-up that left less than the finish's reserve trained a step anyway and the finish came after it (5000 of
+    6000 micro-USD spent at start-up, then a 900 ms step and the 2000 ms finish: 7900, 32% over a hard budget;
+    stopping at start-up ends at 7000, the finish the run must pay anyway). The finish reserve alone is known
+    before any step: one more step costs at least nothing."""
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"), Budgets(usd=Decimal("0.006")))
+    led.record_overhead("startup", 0, {"startup": 5.0})  # $3.60/h = 1 micro-USD per device-ms: 5000 of 6000
+    check = led.check()
+    assert check.hard and check.stop_reason == (
+        "budget usd: the next step is projected to exceed it ($0.005000 spent + $0.000000 per step + $0.002000 to "
+        "finish > $0.006000)"
+    )
+    roomy = CostLedger(tmp_path / "r", "cpu", 1, Decimal("3.60"), Budgets(usd=Decimal("0.008")))
+    roomy.record_overhead("startup", 0, {"startup": 5.0})  # 5000 + 2000 <= 8000: the first step runs
+    assert roomy.check().stop_reason is None

@@ -357,7 +357,6 @@ class CostLedger:
         no tokens) would exceed it — a hard budget's stop leaves room for the finish row billed after it."""
         out = BudgetCheck()
         spent = self.spent()
-        last = self.last_row or {}
         reserve_ms = self.finish_reserve_device_ms()
         reserve = {"cost_micro_usd": micro_usd(reserve_ms, self.price), "device_ms": reserve_ms, "sampled_tokens": 0}
         limits: list[tuple[str, int | None, str, Any]] = [
@@ -384,7 +383,9 @@ class CostLedger:
             if used >= limit:
                 out.hard = True
                 out.stop_reason = out.stop_reason or f"budget {name} reached: {fmt(used)} of {fmt(limit)}"
-            elif self.stop_on_projection and last and used + self.next_step(key) + reserve[key] > limit:
+            # before the first step there is no step to project (0), but the finish reserve is known: a start-up
+            # that leaves less than it would otherwise train a step and then overspend by that step and the finish
+            elif self.stop_on_projection and used + self.next_step(key) + reserve[key] > limit:
                 out.hard = True
                 finish = f" + {fmt(reserve[key])} to finish" if reserve[key] else ""
                 out.stop_reason = out.stop_reason or (
