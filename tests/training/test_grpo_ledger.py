@@ -318,3 +318,27 @@ def test_a_start_up_that_leaves_no_room_for_the_finish_stops_before_the_first_st
     roomy = CostLedger(tmp_path / "r", "cpu", 1, Decimal("3.60"), Budgets(usd=Decimal("0.008")))
     roomy.record_overhead("startup", 0, {"startup": 5.0})  # 5000 + 2000 <= 8000: the first step runs
     assert roomy.check().stop_reason is None
+
+
+def test_resume_auto_skips_a_checkpoint_whose_save_was_cut_short(tmp_path: Path) -> None:
+    """The Trainer writes a checkpoint's weights, optimizer and trainer state (and rotates old checkpoints) before
+    ThinkGate adds ``ledger_state.json``: a kill in between left ``checkpoint-4`` without it. ``--resume auto``
+    took the newest directory and the resume failed on it (FileNotFoundError after the model load, a start-up
+    billed nowhere) on every try; the last complete checkpoint is ``checkpoint-2``, and resuming it rolls back
+    rows 3 and 4."""
+    from training.grpo.run import resolve_checkpoint
+
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    for step in (1, 2):
+        led.record(step, counters(), 0.010)
+    led.save_state(tmp_path / "checkpoint-2")
+    for step in (3, 4):
+        led.record(step, counters(), 0.020)
+    (tmp_path / "checkpoint-4").mkdir()  # the Trainer's files only: killed before the ledger's state was saved
+    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("{}")
+
+    ckpt = resolve_checkpoint(tmp_path, "auto")
+    assert Path(ckpt).name == "checkpoint-2"
+    again = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    again.resume(ckpt)
+    assert again.totals["cost_micro_usd"] == 20 and again.discarded["cost_micro_usd"] == 40

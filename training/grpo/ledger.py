@@ -433,7 +433,10 @@ class CostLedger:
 
     def save_state(self, checkpoint_dir: str | Path) -> None:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        (Path(checkpoint_dir) / STATE_FILE).write_text(json.dumps(self.state_dict()))
+        # temp file + rename: a checkpoint has the whole state or none (--resume auto skips one without it)
+        tmp = Path(checkpoint_dir) / f"{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(self.state_dict()))
+        tmp.replace(Path(checkpoint_dir) / STATE_FILE)
 
     def resume(self, checkpoint_dir: str | Path) -> None:
         """Continue from a checkpoint: keep rows <= its step, move later rows to ``ledger_discarded.jsonl``."""

@@ -549,15 +549,24 @@ def resolve_checkpoint(run_dir: Path, resume: str) -> str:
     Raises :class:`ConfigError`: no run directory or no checkpoint in it (auto); a path that does not exist, is
     not a ThinkGate checkpoint, or belongs to another run directory — its ledger state would start this run from
     the other run's totals, counting that spend in both runs."""
-    from transformers.trainer_utils import get_last_checkpoint
-
     if resume == "auto":
         if not run_dir.is_dir():
             raise ConfigError(f"--resume auto: no run directory at {run_dir}")
-        last = get_last_checkpoint(str(run_dir))
-        if last is None:
+        ckpts = sorted(
+            (p for p in run_dir.iterdir() if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)),
+            key=lambda p: int(p.name.rsplit("-", 1)[1]),
+        )
+        if not ckpts:
             raise ConfigError(f"--resume auto: no checkpoint-* in {run_dir}")
-        return str(last)
+        # the Trainer writes (and rotates) a checkpoint before the ledger's state is added: a kill in between
+        # leaves the newest one without it, and resuming it failed every time after the model load
+        complete = [p for p in ckpts if (p / "ledger_state.json").is_file()]
+        if not complete:
+            raise ConfigError(f"--resume auto: no checkpoint in {run_dir} has ledger_state.json (saves cut short)")
+        if complete[-1] != ckpts[-1]:
+            logger.warning("--resume auto: %s has no ledger_state.json (its save was cut short): resuming %s",
+                           ckpts[-1].name, complete[-1].name)
+        return str(complete[-1])
     ckpt = Path(resume)
     if not ckpt.is_dir():
         raise ConfigError(f"--resume: no checkpoint directory at {ckpt}")
