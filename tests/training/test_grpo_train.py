@@ -659,3 +659,35 @@ def test_ctrl_c_during_start_up_is_billed_and_the_run_is_listed_interrupted(
     assert "before the first checkpoint" in _interrupted(str(out), [])  # what the CLI does on KeyboardInterrupt
     [rec] = list_runs(tmp_path)
     assert rec.status == "interrupted" and rec.micro_usd == row["cost_micro_usd"]
+
+
+def test_ctrl_c_during_the_evaluation_after_training_is_billed(tiny: Path, tmp_path: Path) -> None:
+    """A SIGINT after the last step — saving the model, the evaluation after training (minutes on a real held-out
+    set), the plots — left the time since the last step's row billed nowhere: only build and train were covered
+    by the interrupt's billing. Here a real SIGINT to this process while the evaluation after training scores its
+    first completion: an ``interrupted`` row bills the time since the last step row."""
+    import os
+    import signal
+
+    from training.grpo.run import run_grpo
+
+    held_out = [Toy("after", "What is 40 + 2?", "42", 1)]  # scored only by the evaluation after training
+
+    def interrupting_verifier(row: Any, text: str) -> bool:
+        if row.get("problem_id") == "after":
+            os.kill(os.getpid(), signal.SIGINT)
+        return exact_answer_verifier(row, text)
+
+    out = tmp_path / "run"
+    cfg = make_cfg(tiny, model={"path": str(tiny), "thinks": False}, eval={"before": False, "after": True})
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_grpo(cfg, output_dir=out, train_problems=PROBLEMS, eval_problems=held_out, progress=False,
+                     verifier=interrupting_verifier)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    rows = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["startup", "step", "step", "interrupted"]
+    assert rows[-1]["step"] == 2 and rows[-1]["wall_ms"] > 0
+    assert rows[-1]["spent_micro_usd"] == sum(r["cost_micro_usd"] for r in rows)

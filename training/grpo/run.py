@@ -373,10 +373,11 @@ def run_grpo(
             progress=progress,
         )
         outcome = train_run(run)
+        # inside the try: a Ctrl-C while the model is saved and evaluated after training is billed as well
+        return report_run(run, outcome)
     except KeyboardInterrupt:
         bill_interrupted_startup(cfg, run_dir, checkpoint, process_t0, run, train_problems)
         raise
-    return report_run(run, outcome)
 
 
 def bill_interrupted_startup(
@@ -391,9 +392,9 @@ def bill_interrupted_startup(
     written (from the process start to now; the evaluation before training, finished or not, as ``eval``), so
     start-up is billed and the run — a directory with a ledger — is listed (``interrupted``) by ``train runs``.
     Without it a SIGINT during a model load left no ledger at all: minutes of device time on a large model, billed
-    nowhere. After it, the step the interrupt cut short, as an ``interrupted`` row
-    (:meth:`LedgerCallback.close_interrupted`): its rollouts and device time were paid for, and only finished steps
-    got rows.
+    nowhere. After it, the step the interrupt cut short — or the finish after the last step (saving the model, the
+    evaluation after training) — as an ``interrupted`` row (:meth:`LedgerCallback.close_interrupted`): its rollouts
+    and device time were paid for, and only finished steps got rows.
 
     Interrupted inside :func:`build_run` (``run`` None), the ledger is built here (a resume's is restored from its
     checkpoint first, so the row follows the rows it keeps and a later resume discards it, as any row after the
