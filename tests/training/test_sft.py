@@ -73,3 +73,42 @@ def test_traces_need_a_chain() -> None:
     p = SimpleNamespace(id="gsm8k-1", meta={})
     with pytest.raises(ConfigError, match="no chain"):
         teacher_traces([p], [{"problem_id": "gsm8k-1", "prompt": []}], SFTRunConfig(), None)
+
+
+def test_ctrl_c_mid_training_is_billed(tmp_path: Path) -> None:
+    """SFT had no interrupt billing: a SIGINT in the middle of training left the step in flight (and everything
+    since the last step row) billed nowhere. Here a real SIGINT once a step is done: an ``interrupted`` row bills
+    the time since the last row, and the registry counts it."""
+    import signal
+    import time
+
+    run = tmp_path / "sft-i"
+    cfg = {
+        "run_name": "sft-i", "output_dir": str(run), "task": {"n_train": 16, "n_eval": 4, "difficulties": [1, 2]},
+        "eval": {"before": False, "after": False}, "ledger": {"price_usd_per_device_hour": {"cpu": "3.6"}},
+        "trl": {"per_device_train_batch_size": 4, "max_steps": 100_000},
+    }  # fmt: skip
+    path = tmp_path / "sft-i.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "train", "sft", "--config", str(path)],
+                            cwd=str(REPO_ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        beat = run / "heartbeat.json"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if beat.is_file() and json.loads(beat.read_text() or "{}").get("step", 0) >= 1:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, err[-2000:]
+    rows = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    assert rows[0]["kind"] == "startup" and rows[-1]["kind"] == "interrupted", [r["kind"] for r in rows]
+    assert rows[-1]["wall_ms"] > 0 and rows[-1]["step"] == max(r["step"] for r in rows if r["kind"] == "step")
+    (rec,) = list_runs(tmp_path)
+    assert rec.micro_usd == sum(r["cost_micro_usd"] for r in rows)

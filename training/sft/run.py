@@ -20,7 +20,7 @@ import random
 import time
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import Field
@@ -38,6 +38,10 @@ from training.grpo.config import (
     resolve_model_path,
     stable_hash,
 )
+
+if TYPE_CHECKING:  # torch-free at import: the ledger's callback module imports transformers
+    from training.grpo.ledger import CostLedger
+    from training.grpo.monitors import LedgerCallback
 
 logger = logging.getLogger(__name__)
 
@@ -198,80 +202,99 @@ def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_step
         lc.stop_on_projection,
     )
     ledger_cb = LedgerCallback(ledger, counters, alerts)
-    eval_max = cfg.eval.max_new_tokens or 256
-
-    def evaluate(m: Any) -> dict[str, Any]:
-        return summarize(
-            generate_and_score(
-                m, tokenizer, eval_rows, verifier, eval_max, cfg.eval.batch_size, cfg.eval.temperature,
-                cfg.eval.samples, cfg.task.seed, require_closed_thought=thinks,
-            )
-        )  # fmt: skip
-
-    cpu = kind == "cpu"
-    base = {"use_cpu": True, "bf16": False} if cpu else {}
-    if "output_dir" in trl_kw:
-        raise ConfigError("trl.output_dir: set by ThinkGate (output_dir)")
+    # a Ctrl-C from here on is billed (GRPO's rule): start-up when no row holds it yet, else the time since the
+    # last row as an `interrupted` row (the step in flight, the save, the evaluations) - paid for, in no row
     try:
-        args = SFTConfig(output_dir=str(run_dir), **{**base, **trl_kw})
-    except TypeError as e:
-        raise ConfigError(f"trl: {e}") from e
+        eval_max = cfg.eval.max_new_tokens or 256
 
-    class LedgeredSFTTrainer(SFTTrainer):
-        """Counts the tokens under the loss (labels != -100) for the ledger's ``trained_tokens``."""
+        def evaluate(m: Any) -> dict[str, Any]:
+            return summarize(
+                generate_and_score(
+                    m, tokenizer, eval_rows, verifier, eval_max, cfg.eval.batch_size, cfg.eval.temperature,
+                    cfg.eval.samples, cfg.task.seed, require_closed_thought=thinks,
+                )
+            )  # fmt: skip
 
-        def compute_loss(self, model: Any, inputs: Any, *a: Any, **kw: Any) -> Any:
-            if model.training and "labels" in inputs:
-                counters.trained_tokens += int((inputs["labels"][:, 1:] != -100).sum().item())
-                counters.prompts += int(inputs["labels"].shape[0])
-            return super().compute_loss(model, inputs, *a, **kw)
+        cpu = kind == "cpu"
+        base = {"use_cpu": True, "bf16": False} if cpu else {}
+        if "output_dir" in trl_kw:
+            raise ConfigError("trl.output_dir: set by ThinkGate (output_dir)")
+        try:
+            args = SFTConfig(output_dir=str(run_dir), **{**base, **trl_kw})
+        except TypeError as e:
+            raise ConfigError(f"trl: {e}") from e
 
-    trainer = LedgeredSFTTrainer(
-        model=model,
-        args=args,
-        train_dataset=ds,
-        processing_class=tokenizer,
-        callbacks=[ledger_cb, heartbeat_callback(run_dir)],
-    )
-    before = None
-    t_eval = 0.0
-    if cfg.eval.before:
-        t0 = time.perf_counter()
-        before = evaluate(trainer.model)
-        t_eval = time.perf_counter() - t0
-        (run_dir / "eval_before.json").write_text(json.dumps(before, indent=2) + "\n")
-    ledger_cb.startup_t0, ledger_cb.pre_eval_s = process_t0, t_eval
-    t_train = time.perf_counter()
+        class LedgeredSFTTrainer(SFTTrainer):
+            """Counts the tokens under the loss (labels != -100) for the ledger's ``trained_tokens``."""
+
+            def compute_loss(self, model: Any, inputs: Any, *a: Any, **kw: Any) -> Any:
+                if model.training and "labels" in inputs:
+                    counters.trained_tokens += int((inputs["labels"][:, 1:] != -100).sum().item())
+                    counters.prompts += int(inputs["labels"].shape[0])
+                return super().compute_loss(model, inputs, *a, **kw)
+
+        trainer = LedgeredSFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=ds,
+            processing_class=tokenizer,
+            callbacks=[ledger_cb, heartbeat_callback(run_dir)],
+        )
+        before = None
+        t_eval = 0.0
+        if cfg.eval.before:
+            t0 = time.perf_counter()
+            before = evaluate(trainer.model)
+            t_eval = time.perf_counter() - t0
+            (run_dir / "eval_before.json").write_text(json.dumps(before, indent=2) + "\n")
+        ledger_cb.startup_t0, ledger_cb.pre_eval_s = process_t0, t_eval
+        t_train = time.perf_counter()
+        try:
+            trainer.train()
+        except BudgetReachedBeforeTraining as e:  # start-up used the budget: no step trained (ledger.stop_reason says)
+            logger.warning("stopped before the first step: %s", e)
+        train_wall = time.perf_counter() - t_train
+        model_dir = run_dir / "model"
+        trainer.save_model(str(model_dir))
+        tokenizer.save_pretrained(model_dir)
+        after = None
+        t_after = 0.0
+        if cfg.eval.after and not ledger.hard_stop:  # a budget's hard line: spend nothing more
+            t0 = time.perf_counter()
+            after = evaluate(trainer.model)
+            t_after = time.perf_counter() - t0
+            (run_dir / "eval_after.json").write_text(json.dumps(after, indent=2) + "\n")
+        ledger_cb.close_finish(trainer.state.global_step, t_after)
+        ledger.write_parquet()
+        summary = ledger.summary(
+            before["overall"]["accuracy"] if before else None, after["overall"]["accuracy"] if after else None
+        )
+        summary.update(
+            {
+                "method": "sft",
+                "traces": len(traces),
+                "train_wall_s": round(train_wall, 3),
+                "eval_wall_s": round(t_eval + t_after, 3),
+                "global_step": trainer.state.global_step,
+                "alerts": [a.message for a in alerts.alerts],
+            }
+        )
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        write_heartbeat(run_dir, trainer.state.global_step)
+        return summary
+    except KeyboardInterrupt:
+        _bill_interrupt(ledger, ledger_cb, process_t0)
+        raise
+
+
+def _bill_interrupt(ledger: CostLedger, ledger_cb: LedgerCallback, process_t0: float) -> None:
+    """On Ctrl-C: the ``startup`` row (process start to now) when the first step had not begun, else an
+    ``interrupted`` row for the time since the last row; never raises (the interrupt must reach the user)."""
     try:
-        trainer.train()
-    except BudgetReachedBeforeTraining as e:  # start-up used the budget: no step trained (ledger.stop_reason says)
-        logger.warning("stopped before the first step: %s", e)
-    train_wall = time.perf_counter() - t_train
-    model_dir = run_dir / "model"
-    trainer.save_model(str(model_dir))
-    tokenizer.save_pretrained(model_dir)
-    after = None
-    t_after = 0.0
-    if cfg.eval.after and not ledger.hard_stop:  # a budget's hard line: spend nothing more
-        t0 = time.perf_counter()
-        after = evaluate(trainer.model)
-        t_after = time.perf_counter() - t0
-        (run_dir / "eval_after.json").write_text(json.dumps(after, indent=2) + "\n")
-    ledger_cb.close_finish(trainer.state.global_step, t_after)
-    ledger.write_parquet()
-    summary = ledger.summary(
-        before["overall"]["accuracy"] if before else None, after["overall"]["accuracy"] if after else None
-    )
-    summary.update(
-        {
-            "method": "sft",
-            "traces": len(traces),
-            "train_wall_s": round(train_wall, 3),
-            "eval_wall_s": round(t_eval + t_after, 3),
-            "global_step": trainer.state.global_step,
-            "alerts": [a.message for a in alerts.alerts],
-        }
-    )
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    write_heartbeat(run_dir, trainer.state.global_step)
-    return summary
+        if ledger_cb.startup_billed:
+            ledger_cb.close_interrupted(ledger.last_step)
+        else:
+            ledger.record_overhead("startup", 0, {"startup": max(0.0, time.perf_counter() - process_t0)})
+        ledger.write_parquet()
+    except Exception:
+        logger.exception("interrupted: could not bill it")
