@@ -117,8 +117,10 @@ class Settings(BaseSettings):
         yaml_path = Path(path) if path else None
         if yaml_path is not None and not yaml_path.is_file():
             raise ConfigError(f"config file not found: {yaml_path}")
-        if "REDIS_URL" in os.environ and "THINKGATE_REDIS__URL" not in os.environ:
-            overrides.setdefault("redis", {}).setdefault("url", os.environ["REDIS_URL"])
+        # an exported but empty REDIS_URL is no URL: it used to override the config file's with '' ("unsupported
+        # scheme ''") — a shell's `REDIS_URL= thinkgate …` or a blank Kubernetes env var
+        if os.environ.get("REDIS_URL", "").strip() and "THINKGATE_REDIS__URL" not in os.environ:
+            overrides.setdefault("redis", {}).setdefault("url", os.environ["REDIS_URL"].strip())
         token = _YAML_FILE.set(yaml_path)
         try:
             return cls(**overrides)

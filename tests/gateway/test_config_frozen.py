@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -30,3 +31,17 @@ def test_key_secret_is_hashed_at_load_and_dropped() -> None:
     with pytest.raises(ConfigError, match="needs secret or secret_sha256"):
         Settings.load(None, auth={"keys": [{"id": "c"}]})
 
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_redis_url_leaves_the_config_files(value: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``REDIS_URL`` is an alias of ``redis.url`` and overrides the file; exported but empty it is no URL (it made
+    every command fail with "unsupported scheme ''")."""
+    cfg = tmp_path / "thinkgate.yaml"
+    cfg.write_text("redis:\n  url: redis://127.0.0.1:6399/2\n")
+    monkeypatch.delenv("THINKGATE_REDIS__URL", raising=False)
+    monkeypatch.setenv("REDIS_URL", value)
+    assert Settings.load(cfg).redis.url == "redis://127.0.0.1:6399/2"
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6398/1")
+    assert Settings.load(cfg).redis.url == "redis://127.0.0.1:6398/1"
