@@ -88,6 +88,13 @@ def serve(
     if conflict is not None:
         typer.echo(f"thinkgate: {conflict}", err=True)
         raise typer.Exit(2)
+    if settings.redis.url.split("://", 1)[0] in ("redis+cluster", "rediss+cluster") and \
+            settings.redis.cluster_placement == "shared":
+        # the default keeps an existing cluster's data where it is, but a new user who missed deploy.md's advice got
+        # every key's data on one master without a word (a new user's trial)
+        typer.echo("thinkgate: note: redis.cluster_placement is shared: every API key's counters, cubes and windows "
+                   "share one hash slot, one master of this cluster; a new cluster should set tenant, an existing "
+                   "one can move with thinkgate redis migrate-placement (docs/deploy.md, section 3)", err=True)
     # uvicorn re-raises a captured SIGTERM after its graceful shutdown; with the default handler that kills
     # the process before the ``finally`` below, orphaning the engine and the private Redis.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -114,7 +114,9 @@ class MigrationReport:
         verb = "would move" if self.dry_run else "moved"
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.moved.items())) or "nothing"
         masters = ", ".join(f"{m} {n}" for m, n in sorted(self.by_master.items()))
-        out = (f"placement {self.source} -> {self.target}: {self.ids} key ids; {verb} {sum(self.moved.values())} "
+        # the ids are more than `keys list` shows (a new user asked what the others were): say which they are
+        out = (f"placement {self.source} -> {self.target}: {self.ids} key ids looked at (stored keys, config keys, "
+               f"ids in the spend history, the gateway's reserved ids); {verb} {sum(self.moved.values())} "
                f"keys ({kinds})" + (f" to masters {masters}" if masters else ""))
         if self.finished:
             out += f"; {self.finished} copied by an earlier run, their old names deleted"

@@ -93,6 +93,8 @@ def test_hundred_tenants_spread_over_the_masters(redis_cluster: ClusterSet, upst
     # a 1 s socket timeout: this test measures where keys go, not how the gateway degrades on a starved box
     cfg = serve_config(upstream_sim.base_url, tmp_path, prefix, auth=auth, redis={"socket_timeout_s": 1.0})
     with serve(cfg, tmp_path, {"THINKGATE_REDIS__URL": redis_cluster.url}, wait="/ready") as sp:
+        # the default placement on a cluster is said at start (a new user missed deploy.md's advice)
+        assert "note: redis.cluster_placement is shared" in sp.log.read_text()
         async def traffic() -> list[int]:
             sem = asyncio.Semaphore(12)
 
@@ -230,6 +232,7 @@ def test_a_hundred_stored_keys_with_little_traffic_spread_with_tenant_placement(
                        redis={"socket_timeout_s": 1.0, "cluster_placement": "tenant"})
     want = 2 * KEY_STORE_TENANTS
     with serve(cfg, tmp_path, {"THINKGATE_REDIS__URL": redis_cluster.url}, wait="/ready") as sp:
+        assert "cluster_placement is shared" not in sp.log.read_text()
         async def traffic() -> list[int]:
             sem = asyncio.Semaphore(12)
 
