@@ -975,6 +975,10 @@ class Meter:
             key_costs = (await self._complete(stored))[1:]
         elif replay and not int(reply[0]):
             key_costs = (await self._complete(pending))[1:]
+        elif owner_heartbeat is not None and not int(reply[0]):
+            # the claim held, but the request was counted already and nothing is pending: its record is a stale copy.
+            # Deleted here (one server's RECORD deletes it in its script), or every reconcile pass claimed it again
+            await self._finish(keys=[k.pending, k.write_ahead], args=[event.event_id, rid], coalesce="background")
         return [int(reply[0]), *key_costs, *reply[2:]]
 
     async def _complete(self, stored: bytes) -> list[int]:

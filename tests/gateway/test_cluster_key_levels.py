@@ -204,6 +204,23 @@ async def test_the_key_counts_the_amounts_the_stream_holds(redis_cluster: Cluste
         assert await r.hgetall(k.pending) == {} and await r.hgetall(k.write_ahead) == {}
 
 
+async def test_a_stale_record_of_a_counted_request_is_deleted_by_its_claim(redis_cluster: ClusterSet,
+                                                                          tmp_path: Path) -> None:
+    """A dead owner's write-ahead record whose request is counted already (its id in the day's seen-set, nothing
+    pending): the reconciler's claim holds, counts nothing — and deletes the record, as one server's RECORD does in
+    the same script. Under ``tenant`` it was left open, claimed again at every pass, for ever."""
+    prefix = f"tgks{uuid.uuid4().hex[:6]}:"
+    async with stack(redis_cluster.url, prefix, tmp_path / "spool.jsonl", placement="tenant") as st:
+        k, r = st.meter.keys, st.handle.client
+        ev = _event("gina", 3)
+        assert (await st.meter.record(ev)).counted  # the request, counted and settled
+        await r.hset(k.write_ahead, ev.event_id, "record")  # a stale copy of its record, its owner gone
+        res = await st.meter.settle_orphan(ev, k.heartbeat("gone-owner"))
+        assert not res.counted
+        assert not await r.hexists(k.write_ahead, ev.event_id)
+        assert (await st.meter.key_counters("gina"))["requests"] == 1 and len(await _stream(st)) == 1
+
+
 async def test_an_unsent_orphan_is_released_in_both_slots(redis_cluster: ClusterSet, tmp_path: Path) -> None:
     prefix = f"tgku{uuid.uuid4().hex[:6]}:"
     async with stack(redis_cluster.url, prefix, tmp_path / "spool.jsonl", placement="tenant") as st:
