@@ -691,3 +691,23 @@ def test_ctrl_c_during_the_evaluation_after_training_is_billed(tiny: Path, tmp_p
     assert [r["kind"] for r in rows] == ["startup", "step", "step", "interrupted"]
     assert rows[-1]["step"] == 2 and rows[-1]["wall_ms"] > 0
     assert rows[-1]["spent_micro_usd"] == sum(r["cost_micro_usd"] for r in rows)
+
+
+def test_a_crash_after_the_last_step_is_billed_as_an_interruption_is(tiny: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that fails past start-up — here writing its plots after the last step fails (a full disk) — bills the
+    time since the last row as a Ctrl-C does (an ``interrupted`` row), then the error propagates. Only a Ctrl-C was
+    billed: an out-of-memory error or a failed save left the step in flight, or the finish, billed nowhere."""
+    from training.grpo import plots
+
+    def full_disk(*a: Any, **kw: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plots, "_plot", full_disk)
+    out = tmp_path / "run"
+    with pytest.raises(OSError, match="No space left"):
+        run(make_cfg(tiny), out)
+    rows = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["startup", "step", "step", "interrupted"]
+    assert rows[-1]["step"] == 2 and rows[-1]["wall_ms"] > 0
+    assert rows[-1]["spent_micro_usd"] == sum(r["cost_micro_usd"] for r in rows)

@@ -378,6 +378,13 @@ def run_grpo(
     except KeyboardInterrupt:
         bill_interrupted_startup(cfg, run_dir, checkpoint, process_t0, run, train_problems)
         raise
+    except Exception:
+        # a crash once the start-up is billed (an out-of-memory error, a reward function that raises): the step in
+        # flight — or the finish — was paid for as a Ctrl-C's is, and no row held it. Before that, an error is left
+        # as it was: a model that does not load, a configuration refused before training, no run to bill.
+        if run is not None and run.ledger_cb.startup_billed:
+            bill_interrupted_startup(cfg, run_dir, checkpoint, process_t0, run, train_problems)
+        raise
 
 
 def bill_interrupted_startup(
@@ -388,9 +395,9 @@ def bill_interrupted_startup(
     run: GRPORun | None,
     train_problems: Sequence[Any] | None = None,
 ) -> dict[str, Any] | None:
-    """On Ctrl-C: bill what no row holds yet. Before the first step, the ``startup`` row the first step would have
-    written (from the process start to now; the evaluation before training, finished or not, as ``eval``), so
-    start-up is billed and the run — a directory with a ledger — is listed (``interrupted``) by ``train runs``.
+    """On Ctrl-C (or a crash past start-up, :func:`run_grpo`): bill what no row holds yet. Before the first step,
+    the ``startup`` row the first step would have written (from the process start to now; the evaluation before
+    training, finished or not, as ``eval``), so start-up is billed and the run — a directory with a ledger — is listed (``interrupted``) by ``train runs``.
     Without it a SIGINT during a model load left no ledger at all: minutes of device time on a large model, billed
     nowhere. After it, the step the interrupt cut short — or the finish after the last step (saving the model, the
     evaluation after training) — as an ``interrupted`` row (:meth:`LedgerCallback.close_interrupted`): its rollouts
