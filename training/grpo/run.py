@@ -395,18 +395,19 @@ def bill_interrupted_startup(
     run: GRPORun | None,
     train_problems: Sequence[Any] | None = None,
 ) -> dict[str, Any] | None:
-    """On Ctrl-C (or a crash past start-up, :func:`run_grpo`): bill what no row holds yet. Before the first step,
-    the ``startup`` row the first step would have written (from the process start to now; the evaluation before
-    training, finished or not, as ``eval``), so start-up is billed and the run — a directory with a ledger — is listed (``interrupted``) by ``train runs``.
-    Without it a SIGINT during a model load left no ledger at all: minutes of device time on a large model, billed
-    nowhere. After it, the step the interrupt cut short — or the finish after the last step (saving the model, the
-    evaluation after training) — as an ``interrupted`` row (:meth:`LedgerCallback.close_interrupted`): its rollouts
-    and device time were paid for, and only finished steps got rows.
+    """On Ctrl-C (or a crash past start-up, :func:`run_grpo`): bill what no row holds yet. Before the first step, the
+    ``startup`` row the first step would have written (from the process start to now; the evaluation before
+    training, finished or not, as ``eval``), so start-up is billed and the run — a directory with a ledger — is
+    listed (``interrupted``) by ``train runs``. Without it a SIGINT during a model load left no ledger at all:
+    minutes of device time on a large model, billed nowhere. After it, the step the interrupt cut short — or the
+    finish after the last step (saving the model, the evaluation after training) — as an ``interrupted`` row
+    (:meth:`LedgerCallback.close_interrupted`): its rollouts and device time were paid for, and only finished steps
+    got rows.
 
     Interrupted inside :func:`build_run` (``run`` None), the ledger is built here (a resume's is restored from its
     checkpoint first, so the row follows the rows it keeps and a later resume discards it, as any row after the
-    checkpoint). Returns the row, or None when start-up was billed already or billing failed (logged: the
-    interrupt still propagates). Rank 0 writes; no collective is run on this path."""
+    checkpoint). Returns the row, or None when start-up was billed already or billing failed (logged: the interrupt
+    still propagates). Rank 0 writes; no collective is run on this path."""
     if run is not None and run.ledger_cb.startup_billed:  # past start-up: the step in flight is what is unbilled
         try:
             row = run.ledger_cb.close_interrupted(run.ledger.last_step)
