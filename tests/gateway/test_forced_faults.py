@@ -260,21 +260,31 @@ def test_a_call_that_fails_in_phase_1_is_billed_its_prompt_and_the_thought_it_re
 
 
 
+
+@contextlib.contextmanager
+def _forced_gateway(upstream_sim: SimProcess, redis_url: str, escalate_on: list[str] | None,
+                    read_timeout_s: float) -> Iterator[tuple[GatewayServer, list[UsageRecord]]]:
+    """A gateway whose tier ``short`` is forced (:data:`BUDGET`), relayed as it comes (``escalate_on`` None) or
+    peeked for escalation first; with the usage records it sinks."""
+    tiers = sim_tiers(upstream_sim.base_url)
+    tiers[1].update({"budget_mode": "forced", "thinking_budget": BUDGET, "max_tokens": 64,
+                     "read_timeout_s": read_timeout_s})
+    if escalate_on is not None:
+        tiers[1]["escalate_on"] = escalate_on
+    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
+        records: list[UsageRecord] = []
+        gw.app.state.proxy.usage_sinks.append(records.append)
+        yield gw, records
+
 @pytest.fixture(scope="module", params=[None, ["empty_answer"], ["abstain"]], ids=["relayed", "peeked", "peeked-whole"])
 def forced_peeked(request: pytest.FixtureRequest, upstream_sim: SimProcess,
                   redis_url: str) -> Iterator[tuple[GatewayServer, list[UsageRecord]]]:
     """The ``forced`` tier as above, relayed as it comes (no ``escalate_on``) or peeked for escalation first: up to
     its answer's first content (``empty_answer``) or to its end (``abstain``), the next tier called only for a weak
     answer."""
-    tiers = sim_tiers(upstream_sim.base_url)
     # read_timeout_s: a stalled phase fails after a second, not the default ten
-    tiers[1].update({"budget_mode": "forced", "thinking_budget": BUDGET, "max_tokens": 64, "read_timeout_s": 1.0})
-    if request.param is not None:
-        tiers[1]["escalate_on"] = request.param
-    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
-        records: list[UsageRecord] = []
-        gw.app.state.proxy.usage_sinks.append(records.append)
-        yield gw, records
+    with _forced_gateway(upstream_sim, redis_url, request.param, read_timeout_s=1.0) as served:
+        yield served
 
 
 @pytest.mark.parametrize("answered", [0, 2])
@@ -334,14 +344,8 @@ def forced_left(request: pytest.FixtureRequest, upstream_sim: SimProcess,
                 redis_url: str) -> Iterator[tuple[GatewayServer, list[UsageRecord]]]:
     """:func:`forced_peeked`'s tiers with a read timeout far above the time a test client takes to hang up on a
     stalled answer phase: the client leaves first, never the timeout."""
-    tiers = sim_tiers(upstream_sim.base_url)
-    tiers[1].update({"budget_mode": "forced", "thinking_budget": BUDGET, "max_tokens": 64, "read_timeout_s": 10.0})
-    if request.param is not None:
-        tiers[1]["escalate_on"] = request.param
-    with GatewayServer(sim_settings(upstream_sim.base_url, redis_url, tiers=tiers)) as gw:
-        records: list[UsageRecord] = []
-        gw.app.state.proxy.usage_sinks.append(records.append)
-        yield gw, records
+    with _forced_gateway(upstream_sim, redis_url, request.param, read_timeout_s=10.0) as served:
+        yield served
 
 
 def _thought_and_prompt(client: openai.OpenAI, upstream_sim: SimProcess) -> tuple[int, int, int]:
