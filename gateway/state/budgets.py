@@ -38,6 +38,7 @@ from gateway.config import LevelBudget, LimitsConfig
 from gateway.ledger.event import usd_to_micro
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
+from gateway.state.log_throttle import LogThrottle, held_back
 from gateway.state.redis import FastScript, RedisHandle
 from gateway.state.undo import UNDO_LUA, all_or_nothing
 
@@ -175,7 +176,7 @@ class BudgetLevels:
             self._config[GLOBAL] = _from_config(cfg.global_budget)
         self._stored: dict[str, tuple[int | None, int | None]] = {}
         self._read_at: float | None = None
-        self._refused_logged = float("-inf")  # the last ERROR line for a listing Redis refused to read
+        self._refused_log = LogThrottle()  # a refused listing is read (and refused) before every admission
         #: the key and error of the last read of the listing Redis refused (None: the last read was taken)
         self.refused: str | None = None
         #: the definitions have been read from Redis at least once since this process started (a pod that never
@@ -196,10 +197,9 @@ class BudgetLevels:
             # too — this read runs before every admission, and raising it answered every request 500 (admission
             # itself reads each level's definition, so a budget set there still holds)
             self.refused = f"{self.keys.budget_defs}: {exc}"
-            if now - self._refused_logged >= 60.0:
-                self._refused_logged = now
+            if (held := self._refused_log.due(now=now)) is not None:
                 log.error("budgets: Redis refused reading %s (%s); the budgets as last read are kept — fix or "
-                          "delete that key", self.keys.budget_defs, exc)
+                          "delete that key%s", self.keys.budget_defs, exc, held_back(held))
             return
         stored: dict[str, tuple[int | None, int | None]] = {}
         for field, value in raw.items():

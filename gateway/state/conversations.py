@@ -7,7 +7,8 @@ does not carry them over to the next turn), and the ``response`` object as the c
 ``GET /v1/responses/{id}`` returns), for ``responses.store_ttl_s`` seconds; ``DELETE`` removes the entry.
 ``scope`` is the key's tenant scope (``key:<id>``), so one key can never continue another key's conversation.
 
-Redis down: a write is skipped (logged; the answer is not lost, only its continuation), a read of a
+Redis down: a write is skipped (logged at WARNING at most once a minute, with the count held back since; the answer is
+not lost, only its continuation), a read of a
 ``previous_response_id`` raises :class:`ConversationsUnavailable` (503) — answering without the history would
 silently answer a different question.
 
@@ -22,7 +23,6 @@ expired one. Every skipped write is counted in :attr:`ConversationStore.not_stor
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Final
 
 import orjson
@@ -31,6 +31,7 @@ from redis.exceptions import RedisError
 from gateway.errors import ConversationsUnavailable
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
+from gateway.state.log_throttle import LogThrottle, held_back
 from gateway.state.redis import RedisHandle
 
 log = logging.getLogger("thinkgate.conversations")
@@ -38,8 +39,6 @@ log = logging.getLogger("thinkgate.conversations")
 #: the ``reason`` label of ``thinkgate_conversations_not_stored_total``: ``redis_down`` (unreachable, or the breaker
 #: open), ``refused`` (Redis answered the write with an error reply)
 NOT_STORED_REASONS: Final = ("redis_down", "refused")
-#: at most one ERROR line per distinct refusal per this many seconds: a full or read-only Redis refuses every write
-REFUSED_LOG_EVERY_S: Final = 60.0
 
 
 class ConversationStore:
@@ -52,7 +51,8 @@ class ConversationStore:
         self.ttl_s = ttl_s
         #: writes skipped, by :data:`NOT_STORED_REASONS` (process counts; ``/metrics`` catches up from them)
         self.not_stored: dict[str, int] = dict.fromkeys(NOT_STORED_REASONS, 0)
-        self._refused_logged: dict[str, tuple[float, int]] = {}  # error → (last logged, refusals not logged since)
+        # one line a minute per distinct error: a Redis down, full or read-only fails every answer's write alike
+        self._log = LogThrottle()
 
     def key(self, scope: str, response_id: str) -> str:
         return self.keys.conversation(scope, response_id)
@@ -82,7 +82,10 @@ class ConversationStore:
             await self.breaker.call(lambda: self.redis.set(self.key(scope, response_id), data, ex=self.ttl_s))
         except RedisDown as exc:
             self.not_stored["redis_down"] += 1
-            log.warning("conversation %s not stored (redis down: %s)", response_id, exc)
+            if (held := self._log.due("redis_down")) is not None:
+                log.warning("conversation %s not stored (redis down: %s)%s — counted in "
+                            "thinkgate_conversations_not_stored_total{reason=\"redis_down\"}", response_id, exc,
+                            held_back(held))
             return False
         except RedisError as exc:  # an error reply (the breaker let it through): Redis is up and said no
             self.not_stored["refused"] += 1
@@ -91,20 +94,15 @@ class ConversationStore:
         return True
 
     def _log_refused(self, response_id: str, exc: RedisError) -> None:
-        """One ERROR line for a write Redis refused, at most every :data:`REFUSED_LOG_EVERY_S` per distinct error,
-        with the count of those not logged since (the same refusal recurs on every answer until it is fixed)."""
-        error, now = f"{type(exc).__name__}: {exc}", time.monotonic()
-        last, quiet = self._refused_logged.get(error, (None, 0))
-        if last is not None and now - last < REFUSED_LOG_EVERY_S:
-            self._refused_logged[error] = (last, quiet + 1)
+        """One ERROR line for a write Redis refused, at most once a minute per distinct error, with the count of
+        those not logged since (the same refusal recurs on every answer until it is fixed)."""
+        error = f"{type(exc).__name__}: {exc}"
+        if (held := self._log.due(error)) is None:
             return
-        if len(self._refused_logged) >= 1024:  # distinct errors without end: forget the old ones
-            self._refused_logged.clear()
-        self._refused_logged[error] = (now, 0)
         log.error("conversation %s not stored: Redis refused the write (the answer was delivered; continuing "
                   "it answers previous_response_not_found, as an expired one)%s — counted in "
-                  "thinkgate_conversations_not_stored_total{reason=\"refused\"}: %s", response_id,
-                  f" ({quiet} more since the last line)" if quiet else "", error)
+                  "thinkgate_conversations_not_stored_total{reason=\"refused\"}: %s", response_id, held_back(held),
+                  error)
 
     async def delete(self, scope: str, response_id: str) -> bool:
         """Remove a stored conversation; False when there was none (unknown, expired or another scope's).

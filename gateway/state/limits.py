@@ -95,7 +95,6 @@ import functools
 import json
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -114,6 +113,7 @@ from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.budgets import Level, event_level_ids
 from gateway.state.cache import LOOKUP_LUA, Lookup
 from gateway.state.keys import RedisKeys
+from gateway.state.log_throttle import LogThrottle, held_back
 from gateway.state.metering import RecordResult
 from gateway.state.redis import FastScript, RedisHandle
 from gateway.state.reservations import LUA_FUNCTIONS, RENEW_LUA, RESERVE_LUA, ROLLBACK_LUA
@@ -831,8 +831,9 @@ class Limits:
         #: grouped rollbacks an outage stopped (keys, args), sent again by :meth:`_roll_back_later`
         self._unrolled: deque[tuple[list[str], list[Any]]] = deque(maxlen=UNROLLED_MAX)
         self._retry: asyncio.Task[None] | None = None
-        #: refused admission scripts' errors → (monotonic s of their last ERROR line, refusals not logged since)
-        self._refused_logged: dict[str, tuple[float, int]] = {}
+        #: one ERROR line per distinct refused admission script's error (it names the key) a minute: each recurs per
+        #: request
+        self._refused_log = LogThrottle(REFUSED_LOG_EVERY_S)
         #: script calls Redis refused with an error reply (each wrote nothing), by :data:`REFUSED_SCRIPTS` —
         #: ``thinkgate_admission_refused_scripts_total`` (the log line is once a minute; under ``fail_open`` such an
         #: admission is no rejection either, so nothing else counts them)
@@ -953,18 +954,13 @@ class Limits:
         """One ERROR line for an admission script Redis refused — its error names the command and the key
         (``gateway/state/undo.py``) — at most every :data:`REFUSED_LOG_EVERY_S` per distinct error, with the count of
         the ones not logged since."""
-        error, now = str(exc), time.monotonic()
-        last, quiet = self._refused_logged.get(error, (None, 0))
-        if last is not None and now - last < REFUSED_LOG_EVERY_S:
-            self._refused_logged[error] = (last, quiet + 1)
+        error = str(exc)
+        if (held := self._refused_log.due(error)) is None:
             return
-        if len(self._refused_logged) >= 1024:  # distinct errors (keys) without end: forget the old ones
-            self._refused_logged.clear()
-        self._refused_logged[error] = (now, 0)
         mode = ("refused with 503 limits_unavailable" if self.cfg.on_redis_down == "fail_closed" else
                 "decided on this process's counters (fail_open)")
         log.error("admission script refused by Redis, nothing of it written; its requests are %s until the key is "
-                  "fixed or deleted%s: %s", mode, f" ({quiet} more since the last line)" if quiet else "", error)
+                  "fixed or deleted%s: %s", mode, held_back(held), error)
 
     async def _run(self, lim: KeyLimits, reservation_id: str, est: Estimate, now: float, group: Sequence[Level],
                    day: str, month: str, rate: bool, rider: Rider | None = None,

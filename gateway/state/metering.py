@@ -99,6 +99,7 @@ from gateway.ledger.event import (
 from gateway.ledger.export import Groupable, group_sums, increments
 from gateway.state.breaker import Breaker, RedisDown, is_outage
 from gateway.state.keys import RedisKeys
+from gateway.state.log_throttle import LogThrottle, held_back
 from gateway.state.redis import FastScript, RedisHandle, as_bytes, as_text
 from gateway.state.reservations import LUA_FUNCTIONS, SETTLE_LUA
 from gateway.state.spool import Quarantine, Spool, quarantined
@@ -687,8 +688,8 @@ class Meter:
         #: spool: replayed only once the replicas answer again, so a shortfall neither holds back nor re-reads the
         #: events an outage spooled
         self.unacked = Spool(unacked_path(spool.path), spool.decode, self.quarantine)
-        self._unreplicated_logged = float("-inf")
-        self._pending_refused_logged = float("-inf")  # the sweep's last ERROR line for a refused key part
+        self._unreplicated_log = LogThrottle()  # a replica down would log every batch
+        self._pending_refused_log = LogThrottle()  # the sweep runs every pass
         self._acks_short_until = float("-inf")  # after a shortfall, batches skip the WAIT until then (ACK_BACKOFF_S)
         # every event settles its request's write-ahead record (gateway/state/write_ahead.py) in the same script
         self._wal_key = self.keys.write_ahead if cfg.write_ahead else None
@@ -773,11 +774,11 @@ class Meter:
             self._acks_short_until = time.monotonic() + ACK_BACKOFF_S
         await self.unacked.append(counted)
         self.unreplicated += len(counted)
-        if now - self._unreplicated_logged >= 60.0:  # once a minute: a replica down would log every batch
-            self._unreplicated_logged = now
+        if (held := self._unreplicated_log.due()) is not None:
             log.warning("usage events not acknowledged by %d Redis replica(s) within %d ms (metering.replica_acks): "
-                        "%d kept in %s as well, %d so far; replayed once the replicas have them",
-                        want, self.cfg.replica_ack_timeout_ms, len(counted), self.unacked.path, self.unreplicated)
+                        "%d kept in %s as well, %d so far; replayed once the replicas have them%s",
+                        want, self.cfg.replica_ack_timeout_ms, len(counted), self.unacked.path, self.unreplicated,
+                        held_back(held))
         return results
 
     async def replica_acks(self) -> int:
@@ -1251,11 +1252,9 @@ class Meter:
             except RedisDown:
                 return sent
             except ResponseError as exc:
-                now = time.monotonic()
-                if now - self._pending_refused_logged >= 60.0:  # once a minute: the sweep runs every pass
-                    self._pending_refused_logged = now
+                if (held := self._pending_refused_log.due()) is not None:
                     log.error("a pending key part was refused by Redis (kept in usage:pending, tried again every "
-                              "pass; fix or delete the key it names): %s", exc)
+                              "pass; fix or delete the key it names)%s: %s", held_back(held), exc)
         if (self.cfg.replica_acks and self.unacked.pending_bytes()
                 and await self.replica_acks() >= self.cfg.replica_acks):
             sent += await self.unacked.replay(self._record_unacked, "unreplicated usage")

@@ -129,6 +129,7 @@ from gateway.openai.sse import StreamTally
 from gateway.openai.usage import usage_counts, usage_limit
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.keys import RedisKeys
+from gateway.state.log_throttle import LogThrottle, held_back
 from gateway.state.metering import Meter, past_dedup_window
 from gateway.state.redis import FastScript, RedisHandle, as_bytes
 from gateway.state.spool import Spool, quarantined
@@ -332,7 +333,7 @@ class WriteAhead:
         self.reasserted = 0  # record writes of reassert() (metering.replica_acks; for logs and tests)
         #: re-asserted records fewer than ``metering.replica_acks`` replicas acknowledged in time (for metrics)
         self.unreplicated = 0
-        self._unreplicated_logged = float("-inf")
+        self._unreplicated_log = LogThrottle()
 
     # --- the request path -------------------------------------------------------------------------------
     def open_record(self, record: UsageRecord, bound_micro_usd: int = 0, bound_tokens: int = 0, *,
@@ -636,12 +637,11 @@ class WriteAhead:
         at most once a minute (a replica down would log every beat). Nothing more to do: the next beat writes them
         again while they are open."""
         self.unreplicated += n
-        now = time.monotonic()
-        if now - self._unreplicated_logged >= 60.0:
-            self._unreplicated_logged = now
+        if (held := self._unreplicated_log.due()) is not None:
             log.warning("write-ahead records not acknowledged by %d Redis replica(s) within %d ms "
-                        "(metering.replica_acks): %d re-asserted, %d so far; written again every %.1f s while open",
-                        self.cfg.replica_acks, self.cfg.replica_ack_timeout_ms, n, self.unreplicated, self.beat_s)
+                        "(metering.replica_acks): %d re-asserted, %d so far; written again every %.1f s while open%s",
+                        self.cfg.replica_acks, self.cfg.replica_ack_timeout_ms, n, self.unreplicated, self.beat_s,
+                        held_back(held))
 
     # --- heartbeat and reconciliation ---------------------------------------------------------------------
     async def heartbeat(self) -> None:

@@ -167,3 +167,29 @@ def test_refusals_are_counted_and_logged_once_a_minute(refusing_redis: tuple[str
     lines = [r for r in caplog.records if r.name == "thinkgate.conversations"]
     assert len(lines) == 1 and lines[0].levelno == logging.ERROR, lines
     assert "resp_0" in lines[0].getMessage() and "NoPermissionError" in lines[0].getMessage()
+
+
+def test_writes_skipped_with_redis_down_are_counted_and_logged_once_a_minute(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Redis unreachable: every ``put`` is skipped (False, counted as ``redis_down``) — one WARNING line a minute,
+    not one per answer (an outage would otherwise log every answer's skipped write)."""
+    proc, url = start_private()
+    proc.terminate()  # nothing listens there any more: a real outage, not a stand-in
+    proc.wait(timeout=10)
+
+    async def go() -> tuple[list[bool], dict[str, int]]:
+        handle = connect(RedisConfig(url=url, key_prefix=PREFIX, socket_timeout_s=0.5))
+        store = ConversationStore(handle, Breaker(1.0), 60)
+        try:
+            stored = [await store.put("key:alice", f"resp_{i}", [{"role": "user", "content": "hi"}], "short")
+                      for i in range(4)]
+            return stored, store.not_stored
+        finally:
+            await handle.close()
+
+    with caplog.at_level(logging.WARNING, logger="thinkgate.conversations"):
+        stored, counts = asyncio.run(go())
+    assert stored == [False] * 4 and counts == {"redis_down": 4, "refused": 0}
+    lines = [r for r in caplog.records if r.name == "thinkgate.conversations"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING, lines
+    assert "resp_0" in lines[0].getMessage() and "redis_down" in lines[0].getMessage()
