@@ -104,14 +104,15 @@ def count_deltas(ex: Exchange, tally: sse.StreamTally) -> None:
 
 async def meter_closed(resp: UpstreamResponse, record: UsageRecord) -> bool:
     """A stream closed before its end — the client gone (the relay, the escalation peek) or cut at
-    ``limits.max_stream_s`` — whose response knows what it ran (:meth:`SyntheticResponse.spent`: a forced stream in
-    its answer phase, what it is billed had it failed there, phase 2's prompt in it) is metered that, ``usage_source:
-    counted``, in place of counting: the client's prompt and the deltas left phase 2's prompt (the thought re-read)
-    out. False when it knows nothing (any other stream): the caller counts it."""
-    usage = await resp.spent() if isinstance(resp, SyntheticResponse) else None
-    if not record.set_usage(usage):
+    ``limits.max_stream_s`` — whose response knows what it ran (:meth:`SyntheticResponse.spent`: a forced stream whose
+    thought phase reported its usage — that usage, ``usage_source: upstream``, until its answer phase is answered —
+    or in its answer phase, what it is billed had it failed there, phase 2's prompt in it, ``counted``) is metered
+    that in place of counting: the client's prompt and the deltas left phase 2's prompt (the thought re-read) out,
+    and estimated what phase 1 had reported. False when it knows nothing (any other stream): the caller counts it."""
+    spent = await resp.spent() if isinstance(resp, SyntheticResponse) else None
+    if spent is None or not record.set_usage(spent[0]):
         return False
-    record.usage_source = "counted"  # the gateway's count, not an upstream's report
+    record.usage_source = spent[1]  # the upstream's report, or (some of it) the gateway's count
     return True
 
 

@@ -67,7 +67,7 @@ from gateway.openai.sse import DONE_CHUNK, Chunk, StreamTally
 from gateway.openai.usage import generated_text, merge_usage, token_count, usage_counts
 from gateway.thinking.loop_guard import LoopDetector
 from gateway.upstream.pool import ENDPOINT_PATHS, UpstreamPool
-from gateway.upstream.response import SyntheticResponse, UpstreamResponse, chunk_batches
+from gateway.upstream.response import Spent, SyntheticResponse, UpstreamResponse, chunk_batches
 
 THINK_OPEN = "<think>\n"
 
@@ -175,6 +175,8 @@ class _Phase:
     usage: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     failed: bool = False
+    #: its completion count is the gateway's (the loop guard cut it, or its usage had none): not the upstream's
+    counted: bool = False
 
 
 #: sends one phase's upstream body (a dict) to the tier's upstream, streamed: the response
@@ -201,9 +203,10 @@ class ForcedBudget:
         self.open_phase = open_phase
         self.count = count
         self.count_prompt = count_prompt
-        # the bill of the stream's answer phase as it stands, once that phase began (:meth:`spent`); streamed, one
-        # ForcedBudget runs one stream (n = 1). Not streamed, each generation sets it and nothing asks.
-        self._closed_bill: Callable[[], Awaitable[Chunk | None]] | None = None
+        # the bill of the stream as it stands were it closed now (:meth:`spent`): its thought phase's report once it
+        # came, then its answer phase's; streamed, one ForcedBudget runs one stream (n = 1). Not streamed, each
+        # generation sets it and nothing asks.
+        self._closed_bill: Callable[[], Awaitable[Spent | None]] | None = None
 
     def check(self, body: dict[str, Any]) -> None:
         """Refuse what forcing cannot serve: a list of prompts (completions); ``n > 1`` with streaming."""
@@ -343,6 +346,9 @@ class ForcedBudget:
         # Opened before the first yield: a caller that primes the generator sees connection errors (and can
         # fall back to another tier) before any byte went to the client.
         resp = await self.open_phase(thought_request(body, self.tier))
+        # closed from here until the answer phase is answered, the stream is billed phase 1's usage once it came:
+        # the upstream said what it processed (:meth:`spent`)
+        self._closed_bill = functools.partial(self._thought_spent, p1)
         try:
             # the first chunk comes once phase 1 was answered, before it is read (completions: an empty text, as an
             # upstream may send to keep a stream alive): a caller that primes the stream (open_forced) or reads it
@@ -365,14 +371,20 @@ class ForcedBudget:
         except PhaseError as exc:
             # the upstream's error ends the stream there, as on a tier without forcing: the relay passes it on and
             # meters the call as a failed stream (no answer is forced from a thought the engine gave up on)
+            self._closed_bill = None
             yield exc.chunk
             return
+        except Exception:
+            # failed, not closed (broken, stalled): counted as any failed stream, as it is not streamed (_assemble)
+            self._closed_bill = None
+            raise
         finally:
             await resp.aclose()
         used = token_count((p1.usage or {}).get("completion_tokens")) or 0  # no count (negative, a string): counted
         if looped or not used:
             used = await self.count(p1.text)
             p1.usage = {**(p1.usage or {}), "completion_tokens": used}
+            p1.counted = True
         natural = p1.finish_reason == "stop" and not looped
         close = end_marker(self.tier) + "\n\n" if natural else self.tier.end_of_thinking
         if self.endpoint == "completions":
@@ -397,7 +409,7 @@ class ForcedBudget:
         answer: UpstreamResponse | None = None
         # a stream closed in this phase (the client gone, cut at max_stream_s) is billed what a failure here is
         # billed: the closure reads ``answer`` and ``sent`` as they are when asked (:meth:`spent`)
-        self._closed_bill = lambda: self._spent(head, p1, used, p2, req2 if answer is not None else None, sent)
+        self._closed_bill = lambda: self._answer_spent(head, p1, used, p2, req2 if answer is not None else None, sent)
         try:
             answer = await self.open_phase(req2)
             async for piece, finish, usage, calls in _pieces(answer, self.endpoint):
@@ -422,15 +434,48 @@ class ForcedBudget:
             if answer is not None:
                 await answer.aclose()
 
-    async def spent(self) -> dict[str, Any] | None:
-        """The usage of a stream closed before its end (the client gone, or cut at ``limits.max_stream_s``; asked by
-        the relay and the escalation peek once they closed it): in its answer phase, what the same call is billed had
-        it failed there (:meth:`_spent`: phase 1 as reported, phase 2's prompt once phase 2 was answered, the answer
-        deltas sent) — counting the client's prompt and the deltas, as for any stream, left phase 2's prompt (the
-        thought re-read) out. None in its thought phase (counted as any stream then, as a failure there is) or when
-        phase 1 reported no prompt count (:meth:`_spent`'s None)."""
-        bill = await self._closed_bill() if self._closed_bill is not None else None
-        return bill.data.get("usage") if bill is not None and bill.data is not None else None
+    async def spent(self) -> Spent | None:
+        """(usage, its source) of a stream closed before its end — the client gone, or cut at ``limits.max_stream_s``;
+        asked by the relay and the escalation peek once they closed it — by what the upstream is known to have run:
+
+        - in its thought phase before phase 1's usage came: None, counted as any stream (the client's prompt and the
+          deltas read), as a failure there is;
+        - once phase 1's usage came (its usage chunk read: closed before phase 1's ``[DONE]``, between the phases, or
+          while phase 2 is still opening): phase 1 as the upstream reported it, ``upstream`` — the counted estimate
+          of the client's prompt and the deltas was no better than what the upstream had said;
+        - phase 2 is billed from its answer (the 200 read, :meth:`_spent`): one still opening adds nothing. The 200
+          is the gateway's only sign that the upstream read phase 2's prompt — before it, the request may be unsent,
+          queued (a proxy, the engine's waiting queue) or refused, and vLLM answers 200 only once it has tokenized
+          and accepted the prompt, and aborts a request whose connection closes before it is scheduled — so the
+          gateway bills no call before its 200 (a phase 2 refused is billed nothing of it either);
+        - once phase 2 was answered: what the same call is billed had it failed there (:meth:`_spent`: phase 1 as
+          reported, phase 2's prompt, the answer deltas sent), ``counted`` — counting the client's prompt and the
+          deltas, as for any stream, left phase 2's prompt (the thought re-read) out; ``upstream`` when phase 2's
+          usage came too.
+
+        ``upstream`` needs phase 1's completion count to be its report (not counted: the loop guard cut it, or its
+        usage had none). None too when phase 1 reported no prompt count (:meth:`_spent`'s None), and for a stream that
+        failed in its thought phase (it is counted as any failed stream, as it is not streamed)."""
+        return await self._closed_bill() if self._closed_bill is not None else None
+
+    async def _thought_spent(self, p1: _Phase) -> Spent | None:
+        """:meth:`spent` before phase 2 was answered: phase 1's usage as the upstream reported it (its completion as
+        reasoning), once it came; None before."""
+        if p1.counted or usage_counts(p1.usage) is None:
+            return None
+        assert p1.usage is not None
+        return merge_usage(p1.usage, None, token_count(p1.usage.get("completion_tokens")) or 0), "upstream"
+
+    async def _answer_spent(self, head: dict[str, Any], p1: _Phase, used: int, p2: _Phase,
+                            req2: dict[str, Any] | None, sent: int) -> Spent | None:
+        """:meth:`spent` in the answer phase (``req2`` None until phase 2 was answered): :meth:`_spent`'s bill,
+        ``upstream`` when nothing of it is counted (phase 1 reported, and phase 2 reported or not answered)."""
+        bill = await self._spent(head, p1, used, p2, req2, sent)
+        if bill is None or bill.data is None:
+            return None
+        # nothing of it counted: phase 1 as reported, and phase 2 as reported or not answered (nothing of it billed)
+        reported = not p1.counted and (usage_counts(p2.usage) is not None or (req2 is None and not sent))
+        return bill.data["usage"], "upstream" if reported else "counted"
 
     async def _spent(self, head: dict[str, Any], p1: _Phase, used: int, p2: _Phase, req2: dict[str, Any] | None,
                      sent: int) -> Chunk | None:

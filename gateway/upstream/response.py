@@ -15,10 +15,16 @@ from typing import Any, Protocol
 
 import orjson
 
+from gateway.ledger.event import UsageSource
 from gateway.openai import sse
 from gateway.openai.chunks import answer_chunks
 from gateway.openai.sse import Chunk
 from gateway.upstream.pool import join_bounded
+
+#: what a stream closed before its end is known to have used (:meth:`SyntheticResponse.spent`): its usage (OpenAI's
+#: shape, tokens) and whose count that is — ``upstream`` when every part of it is an upstream's report, else
+#: ``counted``
+Spent = tuple[dict[str, Any], UsageSource]
 
 
 class UpstreamResponse(Protocol):
@@ -41,8 +47,7 @@ class SyntheticResponse:
     ``closer``: called by :meth:`aclose` (the wrapped response's). ``counted_on_failure``: a usage-only chunk the
     stream sends before it fails is the gateway's count of what ran, not an upstream's report (budget forcing's
     bill of a failed answer phase, :meth:`gateway.thinking.forcing.ForcedBudget._spent`): the relay meters it as
-    ``usage_source: counted``. ``spent``: what a stream closed before its end is known to have used, by the gateway's
-    count (:meth:`spent`)."""
+    ``usage_source: counted``. ``spent``: what a stream closed before its end is known to have used (:meth:`spent`)."""
 
     def __init__(
         self,
@@ -52,7 +57,7 @@ class SyntheticResponse:
         closer: Callable[[], Awaitable[None]] | None = None,
         events: AsyncIterator[Chunk] | None = None,
         counted_on_failure: bool = False,
-        spent: Callable[[], Awaitable[dict[str, Any] | None]] | None = None,
+        spent: Callable[[], Awaitable[Spent | None]] | None = None,
     ) -> None:
         self.data = data
         self.counted_on_failure = counted_on_failure
@@ -78,9 +83,9 @@ class SyntheticResponse:
             async for c in self._events:
                 yield [c]
 
-    async def spent(self) -> dict[str, Any] | None:
-        """The usage (OpenAI's shape) of a stream closed before its end — the client gone, or cut at its bound —
-        as the gateway knows it ran (a forced stream in its answer phase:
+    async def spent(self) -> Spent | None:
+        """(usage in OpenAI's shape, whose count it is) of a stream closed before its end — the client gone, or cut
+        at its bound — as the gateway knows it ran (a forced stream once its thought phase reported its usage:
         :meth:`gateway.thinking.forcing.ForcedBudget.spent`); None when it knows nothing (counted as any stream)."""
         return await self._spent() if self._spent is not None else None
 

@@ -490,3 +490,55 @@ def test_a_stream_cut_at_its_bound_in_phase_2_is_billed_as_the_call_failed_there
         failed.prompt_tokens, failed.completion_tokens, failed.reasoning_tokens, failed.cost_micro_usd)
     assert got.usage is not None and (got.usage["prompt_tokens"], got.usage["completion_tokens"]) == (
         cut.prompt_tokens, cut.completion_tokens)  # the client is told what was metered
+
+
+#: phase 1's usage as the sim reports it (``"sim": {"usage"}``): far from what counting the client's prompt (~20) and
+#: the thought's deltas would give, so that the bill says which it is
+P1_USAGE = {"prompt_tokens": 1000, "completion_tokens": 7, "total_tokens": 1007,
+            "prompt_tokens_details": {"cached_tokens": 400}}
+
+
+@pytest.mark.parametrize("window", ["before-phase-1-done", "phase-2-opening"])
+def test_a_client_gone_once_phase_1_reported_is_billed_that_report(
+        forced_left: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess, redis_url: str,
+        window: str) -> None:
+    """The client hangs up once phase 1's usage came and before phase 2 was answered: phase 1 stalls after its usage
+    chunk, before ``[DONE]`` (``before-phase-1-done``), or phase 2's request hangs before its 200
+    (``phase-2-opening``). Relayed or peeked, the call is billed phase 1's usage as the upstream reported it
+    (its completion as reasoning), ``usage_source: upstream``, 499 ``client_disconnected``, partial — nothing of
+    phase 2, which was never answered (:meth:`ForcedBudget.spent`: the 200 is the gateway's only sign an upstream
+    read a prompt). It was billed the client's prompt counted and the thought's deltas before phase 2 began, and
+    phase 1's report labelled ``counted`` while phase 2 opened."""
+    gw, records = forced_left
+    before = len(records) + 1  # the probe's
+    probe = uuid.uuid4().hex  # phase 1's chunks ([DONE] included): a call whose phase 2 ends at once
+    with pytest.raises(openai.APIStatusError):
+        _client(gw).chat.completions.create(model="short", messages=MESSAGES, extra_body={
+            "sim": {"fail": "close", "fail_from": 1, "fail_at": 0, "tag": probe, "usage": P1_USAGE}})
+    probed = upstream_sim.tag(probe)
+    assert probed is not None and probed["attempts"] == 2
+    phase1 = probed["chunks_sent"]
+    # phase 1 stalls before its [DONE] (its first attempt only), or phase 2 sends nothing before its 200
+    sim = {"fail": "stall", "fail_times": 1, "fail_at": phase1 - 1} if window == "before-phase-1-done" else \
+        {"fail": "timeout", "fail_from": 1}
+    attempts = 1 if window == "before-phase-1-done" else 2
+    assert wait_for(lambda: len(records) == before, timeout_s=10)
+    tag = uuid.uuid4().hex
+
+    def ready(_: bytes) -> bool:
+        sent = upstream_sim.tag(tag)
+        if sent is None or sent["attempts"] < attempts or sent["chunks_sent"] < phase1 - 1:
+            return False
+        time.sleep(0.3)  # the gateway had a beat to read phase 1's usage chunk (or to open phase 2)
+        return True
+
+    _leave_when(gw, {"model": "short", "stream": True, "messages": MESSAGES, "stream_options": {"include_usage": True},
+                     "sim": {**sim, "tag": tag, "usage": P1_USAGE}}, ready)
+    seen = upstream_sim.wait_tag_status(tag, {"cancelled"})  # the call in flight closed with the client
+    assert seen is not None and seen["status"] == "cancelled" and seen["attempts"] == attempts
+    assert wait_for(lambda: len(records) == before + 1, timeout_s=10)
+    gone = _event(redis_url, records[before].request_id)
+    assert (gone.status, gone.error_code, gone.partial, gone.usage_source, gone.over_bound) == (
+        499, "client_disconnected", True, "upstream", False)
+    assert (gone.prompt_tokens, gone.cached_tokens, gone.completion_tokens, gone.reasoning_tokens) == (1000, 400, 7, 7)
+    assert gone.cost_micro_usd > 0
