@@ -542,3 +542,40 @@ def test_a_client_gone_once_phase_1_reported_is_billed_that_report(
         499, "client_disconnected", True, "upstream", False)
     assert (gone.prompt_tokens, gone.cached_tokens, gone.completion_tokens, gone.reasoning_tokens) == (1000, 400, 7, 7)
     assert gone.cost_micro_usd > 0
+
+
+@pytest.mark.parametrize("fault", [("error-event", 502, "upstream_error"), ("close", 502, "upstream_stream_broken"),
+                                   ("stall", 504, "upstream_timeout")], ids=["error-event", "close", "stall"])
+def test_one_of_n_generations_failing_in_phase_1_fails_the_call_billed_all_that_ran(
+        upstream_sim: SimProcess, redis_url: str, fault: tuple[str, int, str]) -> None:
+    """``n = 2``, not streamed: one generation's phase 1 fails after 3 deltas of its thought (an engine error event,
+    an end without ``[DONE]``, or a stall past the read timeout), the other completes. The call fails with that
+    generation's error, and is billed what both ran — exactly a complete ``n = 1`` call's usage plus what the same
+    failure alone is billed (its prompt counted, one token a delta read, as reasoning) — ``partial``, ``counted``."""
+    mode, status, code = fault
+    sim = {"fail": mode, "fail_at": 1 + 3}  # chat's role chunk, then 3 words of the thought
+    with _forced_gateway(upstream_sim, redis_url, None, read_timeout_s=1.0) as (gw, records):
+        client = _client(gw)
+        whole = client.chat.completions.create(model="short", messages=MESSAGES, extra_body={"sim": {"fail": "none"}})
+        assert whole.usage is not None
+        with pytest.raises(openai.APIStatusError) as alone:
+            client.chat.completions.create(model="short", messages=MESSAGES,
+                                           extra_body={"sim": {**sim, "tag": uuid.uuid4().hex}})
+        tag = uuid.uuid4().hex
+        with pytest.raises(openai.APIStatusError) as info:  # the first generation's phase 1 to arrive fails
+            client.chat.completions.create(model="short", messages=MESSAGES, n=2,
+                                           extra_body={"sim": {**sim, "fail_times": 1, "tag": tag}})
+        assert info.value.status_code == alone.value.status_code == status
+        assert info.value.body["code"] == code  # type: ignore[index]
+        seen = upstream_sim.tag(tag)
+        assert seen is not None and seen["attempts"] == 3  # two thoughts, one answer: nothing after the failure
+        assert wait_for(lambda: len(records) == 3, timeout_s=10)
+    failed, both = (_event(redis_url, r.request_id) for r in records[1:])
+    for ev in (failed, both):
+        assert (ev.status, ev.error_code, ev.partial, ev.usage_source) == (status, code, True, "counted")
+    assert failed.completion_tokens == failed.reasoning_tokens == 3
+    assert whole.usage.completion_tokens_details is not None
+    assert (both.prompt_tokens, both.completion_tokens, both.reasoning_tokens) == (
+        whole.usage.prompt_tokens + failed.prompt_tokens, whole.usage.completion_tokens + failed.completion_tokens,
+        whole.usage.completion_tokens_details.reasoning_tokens + failed.reasoning_tokens)
+    assert both.cost_micro_usd > failed.cost_micro_usd > 0
