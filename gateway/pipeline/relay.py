@@ -19,7 +19,9 @@ stream is assembled and stored once it completed successfully.
 renewed every third of ``limits.reservation_ttl_s`` while it runs, so they never expire under a live stream;
 a stream that reaches ``limits.max_stream_s`` is cut: the upstream request is closed, every choice gets a
 ``finish_reason: "length"`` chunk, the client a ``[DONE]``, and the tokens seen so far are metered (``partial``,
-``error_code: stream_max_duration``). So no reservation outlives its bound and no stream runs unbounded.
+``error_code: stream_max_duration``) — a stalled one at its bound too, not at the read timeout (the wait for a batch
+is bounded by the time left once that is shorter than the longest wait, :func:`longest_wait`). So no reservation
+outlives its bound and no stream runs unbounded.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from gateway.openai.usage import (
 )
 from gateway.pipeline.exchange import Exchange
 from gateway.state.limits import requested_choices
-from gateway.upstream.pool import UpstreamPool
+from gateway.upstream.pool import BACKOFF_MAX_S, UpstreamPool
 from gateway.upstream.response import SyntheticResponse, UpstreamResponse, chunk_batches
 
 if TYPE_CHECKING:
@@ -307,7 +309,10 @@ class _Run:
             record.partial = True
             usage = tally.usage_chunk["usage"] if tally.usage_chunk is not None else None
             if record.set_usage(usage):
-                if self.counted_on_failure and self.status is not None:  # it failed after the gateway's bill
+                # a forced stream's usage chunk not followed by [DONE] is the gateway's bill before its failure —
+                # also when the client left before the error was written (no status yet); its final usage is
+                # followed by [DONE] with no wait between them
+                if self.counted_on_failure and not tally.done:
                     record.usage_source = "counted"
             elif not await meter_closed(self.resp, record) and not record.set_usage(tally.last_usage):
                 await self.count()  # (closed: what it knows it ran — a forced stream's bill — is not counted again)
@@ -393,6 +398,15 @@ async def count_answer(pool: UpstreamPool, ex: Exchange, data: dict[str, Any], b
     return usage_of(rec)
 
 
+def longest_wait(tier: TierConfig) -> float:
+    """Seconds one wait for a stream's next batch may last before the upstream's own timeouts end it: a read
+    (``read_timeout_s``), or at a forced stream's phase boundary phase 1's last read, phase 2's opening with its
+    retries (connect, head, backoff) and its first read. The relay bounds a wait by the time ``limits.max_stream_s``
+    leaves only once that is shorter (a timer per batch costs CPU on every stream)."""
+    opening = (tier.max_retries + 1) * (tier.connect_timeout_s + tier.read_timeout_s + BACKOFF_MAX_S)
+    return opening + 2 * tier.read_timeout_s
+
+
 async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_usage: bool,
                 choices: int = 1, body: dict[str, Any] | None = None) -> AsyncGenerator[list[Chunk], None]:
     """Chunk batches for the client from ``resp``; closes ``ex`` exactly once when it ends, however it ends.
@@ -405,8 +419,22 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
     run = _Run(ex, wants_usage, choices, pool, body, resp,
                counted_on_failure=isinstance(resp, SyntheticResponse) and resp.counted_on_failure)
     renewer = asyncio.ensure_future(renew(ex.accounting, ex))
+    batches = chunk_batches(resp)
+    patience = longest_wait(ex.tier)
     try:
-        async for batch in chunk_batches(resp):
+        while True:
+            left = run.max_s - (time.monotonic() - run.started)
+            if left > patience:  # a stall ends by the upstream's own timeouts before the bound: no timer (per batch)
+                batch = await anext(batches, None)
+            else:
+                # a stall must not outlast limits.max_stream_s: waited for as long as the bound leaves, then cut
+                with anyio.move_on_after(left) as waited:
+                    batch = await anext(batches, None)
+                if waited.cancelled_caught:
+                    run.cut = True
+                    break
+            if batch is None:
+                break
             out = run.feed(batch)
             if out:
                 yield out

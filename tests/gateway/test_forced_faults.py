@@ -579,3 +579,28 @@ def test_one_of_n_generations_failing_in_phase_1_fails_the_call_billed_all_that_
         whole.usage.prompt_tokens + failed.prompt_tokens, whole.usage.completion_tokens + failed.completion_tokens,
         whole.usage.completion_tokens_details.reasoning_tokens + failed.reasoning_tokens)
     assert both.cost_micro_usd > failed.cost_micro_usd > 0
+
+
+@pytest.mark.parametrize("tier", ["none", "short"], ids=["plain", "forced"])
+def test_a_stream_that_stalls_is_cut_at_its_bound_not_at_the_read_timeout(
+        forced_bounded: tuple[GatewayServer, list[UsageRecord]], redis_url: str, tier: str) -> None:
+    """An upstream stalls mid-stream (a plain tier; the forced tier in its answer phase, after 2 answer deltas) with a
+    read timeout (10 s) far past ``limits.max_stream_s`` (2 s): the stream is cut at its bound as any stream that
+    reaches it (``finish_reason: "length"``, ``[DONE]``; 200 ``stream_max_duration``, partial) — the forced one billed
+    as had it failed there (phase 1 as reported, phase 2's prompt, the 2 deltas; ``counted``). The bound was checked
+    only when a batch came: the stall ran on to the read timeout, a 504 at 10 s."""
+    gw, records = forced_bounded
+    before = len(records)
+    sim = {"fail": "stall", "fail_at": 1 + 2, "tag": uuid.uuid4().hex, **({"fail_from": 1} if tier == "short" else {})}
+    started = time.monotonic()
+    got = StreamRead().read(_client(gw).chat.completions.create(
+        model=tier, messages=MESSAGES, stream=True, stream_options={"include_usage": True}, extra_body={"sim": sim}))
+    took = time.monotonic() - started
+    assert got.finish == "length" and got.deltas == 2
+    assert MAX_STREAM_S <= took < MAX_STREAM_S + 2
+    assert wait_for(lambda: len(records) == before + 1, timeout_s=10)
+    cut = _event(redis_url, records[before].request_id)
+    assert (cut.status, cut.error_code, cut.partial, cut.usage_source) == (200, "stream_max_duration", True, "counted")
+    assert got.usage is not None and got.usage["completion_tokens"] == cut.completion_tokens
+    if tier == "short":
+        assert cut.completion_tokens == cut.reasoning_tokens + 2 and cut.prompt_tokens > 2 * cut.reasoning_tokens
