@@ -97,6 +97,27 @@ class Ahead:
     headers: Mapping[str, str]
 
 
+@dataclass(frozen=True, slots=True)
+class _Looked:
+    """An exact-cache lookup prepared for a request's first admission call (``prepared``) and what became of it,
+    until :meth:`Accounting.cache_begin` (or :meth:`Accounting.sink`) takes it. ``reply``: the reply of its
+    ``cache_lookup`` in that call (None: not run, or Redis did not answer). ``outcome_unknown``: the call's outcome
+    is unknown (its reply lost: a timeout once sent) — it may have taken the single-flight lock under this lookup's
+    token, so the request's usage event releases it as if it had (a token-checked unlock: a no-op when it did not)."""
+
+    prepared: Lookup | Ticket
+    reply: list[Any] | None
+    outcome_unknown: bool = False
+
+    @property
+    def may_hold_lock(self) -> bool:
+        """Whether the admission call took (or may have taken) the single-flight lock under this lookup's token."""
+        if not isinstance(self.prepared, Lookup):
+            return False
+        reply = self.reply
+        return self.outcome_unknown or (reply is not None and len(reply) > 0 and int(reply[0]) == 2)  # {2}: taken
+
+
 #: fields a usage event takes from its record as they are (same name, same meaning): every field the two share
 #: but those :func:`event_of` converts (``tests/gateway/test_event_of.py``)
 _CONVERTED = frozenset({"key_id", "requested_model", "tags", "latency_ms", "ttft_ms", "cache_similarity"})
@@ -160,7 +181,7 @@ class Accounting:
         self._cache_result: dict[str, str] = {}  # request id → hit|miss|bypass
         # request id → the exact-cache lookup prepared for its admission call and that call's reply to it (None:
         # not run), until cache_begin takes it
-        self._looked: dict[str, tuple[Lookup | Ticket, list[Any] | None]] = {}
+        self._looked: dict[str, _Looked] = {}
         self._replaying: asyncio.Task[int] | None = None  # the spool replay admissions wait for after an outage
         self._replay_retry_at = 0.0  # monotonic s: a failed replay is not retried from the request path before
         self._stop = asyncio.Event()
@@ -311,7 +332,7 @@ class Accounting:
         if lookup is not None:
             # not ridden (Redis down: admitted locally): resume() makes it a bypass that still releases the lock
             # the script may have taken after all (a paused server resumes)
-            self._looked[record.request_id] = (lookup, admission.lookup_reply if admission.rode else None)
+            self._looked[record.request_id] = _Looked(lookup, admission.lookup_reply if admission.rode else None)
         return admission
 
     async def _released_if_cancelled(self, admitting: Coroutine[Any, Any, Admission], key: KeyInfo,
@@ -371,7 +392,8 @@ class Accounting:
                     self.wal.written(rec)
                 if lookup is not None:
                     # unknown: as if the lock was taken (FINISH deletes it only if it holds this lock's token)
-                    self._looked[rid] = (lookup, admission.lookup_reply if admission is not None else [2])
+                    self._looked[rid] = _Looked(lookup, admission.lookup_reply if admission is not None else None,
+                                                outcome_unknown=admission is None)
                 if record.tier is None:
                     record.tier, record.upstream_model = ahead.tier.name, ahead.tier.model
                     record.route_reason = record.route_reason or ahead.route_reason
@@ -473,8 +495,9 @@ class Accounting:
             prepared = self._lookup(key, record, tier, upstream_body, headers)
             ticket = prepared if isinstance(prepared, Ticket) else await self.cache.look(prepared, on_wait)
         else:  # prepared for the admission call (``admit``'s ``ahead``): its reply, or Redis did not answer it
-            prepared, reply = looked
-            ticket = prepared if isinstance(prepared, Ticket) else await self.cache.resume(prepared, reply, on_wait)
+            prepared = looked.prepared
+            ticket = (prepared if isinstance(prepared, Ticket)
+                      else await self.cache.resume(prepared, looked.reply, on_wait))
         if self.semantic is not None and ticket.status == "miss":
             ticket = await self._semantic_begin(self.semantic, ticket, key, record, tier, upstream_body)
         self._cache_result[record.request_id] = "semantic-hit" if ticket.similarity is not None else ticket.status
@@ -625,10 +648,13 @@ class Accounting:
         key = self._open.pop(record.request_id, None) or self._known.get(event.key_id)
         self._probes.pop(record.request_id, None)
         looked = self._looked.pop(record.request_id, None)
-        if looked is not None and isinstance(looked[0], Lookup) and looked[1] and int(looked[1][0]) == 2:
-            # a single-flight lock its admission call took that no cache_begin turned into a ticket: release it
-            self._track(self.cache.finish(Ticket(looked[0].digest, looked[0].decision, "miss",
-                                                 lock_token=looked[0].token, tenant=looked[0].tenant), None))
+        if looked is not None and looked.may_hold_lock:
+            # a single-flight lock its admission call took (or may have) that no cache_begin turned into a ticket:
+            # release it
+            look = looked.prepared
+            assert isinstance(look, Lookup)  # may_hold_lock
+            self._track(self.cache.finish(Ticket(look.digest, look.decision, "miss", lock_token=look.token,
+                                                 tenant=look.tenant), None))
         self._queue.append((event, key))  # first: a failing metric must never cost the usage record
         try:
             self.metrics.observe(event, self._cache_result.pop(record.request_id, "bypass"))
