@@ -36,6 +36,10 @@ class GatewayError(Exception):
     status: int = 500
     type: ClassVar[str] = "server_error"
     default_code: ClassVar[str | None] = None
+    #: an admission refused without Redis's answer after its script call was sent (a timeout, a lost connection):
+    #: the script may have run all the same (``gateway/state/limits.py``, "Outcome unknown") — what it may have left
+    #: is the request's audit event's to take back (``Accounting.admit_estimate``)
+    outcome_unknown: bool = False
 
     def __init__(
         self,

@@ -54,7 +54,7 @@ from gateway.state.cache_policy import cache_key, decide, tenant_scope
 from gateway.state.conversations import ConversationStore
 from gateway.state.keys import tenant_tag
 from gateway.state.limits import Admission, BudgetMode, Estimate, KeyLimits, Limits, Rider, embedding_estimate, estimate
-from gateway.state.metering import Meter
+from gateway.state.metering import Leftovers, Meter
 from gateway.state.redis import RedisHandle, connect
 from gateway.state.spool import Spool
 from gateway.state.write_ahead import WalRecord, WriteAhead
@@ -316,6 +316,15 @@ class Accounting:
             admission = await (admitting if rider is not None else self._released_if_cancelled(admitting, key, record))
         except GatewayError as exc:
             self.metrics.rejected(exc.code)
+            if exc.outcome_unknown and ahead is not None:
+                # a request's first call: refused, its audit event (Proxy.refused) takes back what the lost script
+                # may have left besides its reservations and record — its RPM count (the key has a limit: the script
+                # counted it, had it run) and the single-flight lock its lookup may have taken (only this process
+                # knows its key and token)
+                look = lookup if isinstance(lookup, Lookup) and lookup.token else None
+                self.meter.left(record.request_id, Leftovers(rpm=lim.rpm is not None,
+                                                             lock=look.lock_key if look is not None else "",
+                                                             token=look.token if look is not None else ""))
             if isinstance(exc, RateLimited) and exc.exhausted is not None:
                 self._track(self._alert_exhausted(exc.exhausted, key, record.ts))
             raise

@@ -64,11 +64,17 @@ without a check while Redis is down, in either mode.
 in Redis all the same: reserved at every level and written the request's write-ahead record. The request is decided
 as with Redis down; refused so (503 ``limits_unavailable``, or a 429 of the local counters), it is never sent
 upstream, and its audit event (``Accounting.audit``) settles what that call may have left: metering's ``AUDIT``
-releases the reservations under the request id and deletes its write-ahead record (``gateway/state/metering.py``).
-Left, the reservations held the budgets until their TTL, and the record stayed open for the reconciler to settle as a
-lost call once this process was gone — a request and a 500 ``gateway_lost`` (at 0 tokens) for a request the client
-saw refused, once its audit event's id had left the seen-set (``metering.dedup_ttl_s``, 60 s at the least). The audit
-event goes through the metering writer and its spool like any other: an outage delays it, never loses it. Ordering:
+releases the reservations under the request id and deletes its write-ahead record (``gateway/state/metering.py``);
+with what only the refusing process knows (``Meter.left``, noted by ``Accounting.admit_estimate`` when the refusal
+says ``outcome_unknown``: a call was sent, not refused by the open breaker) it also takes the request back out of
+the key's RPM window — only with the key's reservation of the request there, the proof that the call ran and admitted
+(and so counted it: the key has an RPM limit) — and deletes the exact cache's single-flight lock if it holds the
+request's token. Left, the reservations held the budgets until their TTL, the RPM count stayed in the window for up
+to a minute, identical prompts waited on the lock for ``cache.single_flight_wait_s``, and the record stayed open for
+the reconciler to settle as a lost call once this process was gone — a request and a 500 ``gateway_lost`` (at 0
+tokens) for a request the client saw refused, once its audit event's id had left the seen-set
+(``metering.dedup_ttl_s``, 60 s at the least). The audit event goes through the metering writer and its spool like
+any other: an outage delays it, never loses it. Ordering:
 the audit event is sent on another connection, after the call's own was dropped (and, for a timeout, after the
 breaker's cooldown), so the call has almost always run or died by then — but a late one can still reach Redis after
 it (a TCP segment retransmitted, a proxy in between). Either order is safe: the audit event puts the request id into
@@ -106,7 +112,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.config import LimitsConfig, TierConfig, prompted_hard_stop
-from gateway.errors import LimitsUnavailable, RateLimited
+from gateway.errors import GatewayError, LimitsUnavailable, RateLimited
 from gateway.ledger.event import UsageEvent, cost_micro_usd, micro_to_usd, usd_to_micro
 from gateway.openai.usage import has_media
 from gateway.state.breaker import Breaker, RedisDown
@@ -877,8 +883,13 @@ class Limits:
                 res = await self.breaker.call(lambda: self._run(lim, reservation_id, est, now, all_levels, day,
                                                                 month, rate=True, rider=rider, mode=mode))
                 return self._admitted(lim, reservation_id, est, now, all_levels, mode, rider, res)
-        except RedisDown:
-            return self._admit_locally(lim, reservation_id, est, now, local_levels, mode=mode)
+        except RedisDown as down:
+            try:
+                return self._admit_locally(lim, reservation_id, est, now, local_levels, mode=mode)
+            except GatewayError as refused:
+                # a call was sent (an outage error, not the open breaker's refusal): it may have run all the same
+                refused.outcome_unknown = down.__cause__ is not None
+                raise
         except ResponseError as exc:
             if isinstance(exc, NoScriptError):  # FastScript loads a flushed script itself: not a refusal
                 raise

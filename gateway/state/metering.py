@@ -64,6 +64,7 @@ import functools
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +111,9 @@ log = logging.getLogger("thinkgate.metering")
 DAY_TTL_S = 400 * 86400
 MONTH_TTL_S = 800 * 86400
 TPM_TTL_MS = 120_000
+#: refusals whose audit event is not yet in Redis with what their lost admission may have left (:class:`Leftovers`,
+#: ``Meter.leftovers``); beyond it the oldest are forgotten: their lock and RPM count are left to their TTL and window
+LEFTOVERS_MAX = 4096
 UNROUTED = "_unrouted"  # tier label of requests refused before routing
 REPLAY_PIPELINE = 50  # events per pipeline when the spool is replayed
 CLUSTER_WRITERS = 16  # events of a batch written at once on a Redis Cluster (Meter.record_many)
@@ -356,36 +360,56 @@ local function write_audit()
   return 1
 end
 """
-# settle_unsent(w, k, rid, tpm_ttl) (after WRITE_AUDIT and SETTLE_LUA): request ``rid``, never sent upstream, settled
-# as no request: its reservation at the key (KEYS[k]) released and its reserved tokens taken back out of the key's TPM
-# window KEYS[k + 1] (it used none; a window brought to 0 is deleted, as RECORD's), its reservations at the levels
-# KEYS[k + 2 ..] released, its audit event written (write_audit), then its write-ahead record in the hash KEYS[w]
-# deleted — last: nothing can fail after that HDEL, which so needs no undo. What is not there (an admission that never
-# ran, or settled already) is skipped: the same call twice changes nothing more. Returns write_audit's 1 or 0.
+# settle_unsent(w, k, lv, rid, tpm_ttl, rpm, lock, token) (after WRITE_AUDIT and SETTLE_LUA): request ``rid``, never
+# sent upstream, settled as no request: its reservation at the key (KEYS[k]) released and its reserved tokens taken back
+# out of the key's TPM window KEYS[k + 1] (it used none), its reservations at the levels KEYS[lv ..] released, its audit
+# event written (write_audit), then its write-ahead record in the hash KEYS[w] deleted — last: nothing can fail after
+# that HDEL, which so needs no undo. Optional (AUDIT; nil for none): ``rpm``, the key's RPM window counter its admission
+# counted it in — one request taken back, only with its key's reservation there (the proof that its admission ran and
+# admitted, so counted it; once: the reservation goes with it); ``lock`` and ``token``, the exact cache's single-flight
+# lock its admission may have taken — deleted only while it holds ``token`` (read before the HDEL, deleted after it:
+# DEL cannot fail). A window brought to 0 is deleted, as RECORD's. What is not there (an admission that never ran, or
+# settled already) is skipped: the same call twice changes nothing more. Returns write_audit's 1 or 0.
 UNSENT_LUA = """
-local function settle_unsent(w, k, rid, tpm_ttl)
+local function settle_unsent(w, k, lv, rid, tpm_ttl, rpm, lock, token)
   local reserved = settle(KEYS[k], rid)
-  local tpm_zero = false  -- the TPM window brought to 0: deleted last (below)
+  local zero = {}  -- windows brought to 0: deleted last (below)
   if reserved and reserved > 0 and redis.call('EXISTS', KEYS[k + 1]) == 1 then
-    tpm_zero = incrby(KEYS[k + 1], -reserved) == 0
+    if incrby(KEYS[k + 1], -reserved) == 0 then zero[#zero + 1] = KEYS[k + 1] end
     redis.call('PEXPIRE', KEYS[k + 1], tpm_ttl)
   end
-  for j = k + 2, #KEYS do settle(KEYS[j], rid) end
+  if rpm and reserved then
+    at_cmd, at_key = 'EXISTS', rpm
+    if redis.call('EXISTS', rpm) == 1 and incrby(rpm, -1) == 0 then zero[#zero + 1] = rpm end
+  end
+  for j = lv, #KEYS do settle(KEYS[j], rid) end
   local written = write_audit()
+  -- pcall: a lock key of another type is no lock of this request's, and must not hold its audit event back
+  local locked = lock and redis.pcall('GET', lock) == token
   at_cmd, at_key = 'HDEL', KEYS[w]
   redis.call('HDEL', KEYS[w], rid)
-  del_zero(tpm_zero, KEYS[k + 1])
+  if locked then redis.call('DEL', lock) end
+  for _, z in ipairs(zero) do redis.call('DEL', z) end
   return written
 end
 """
 # AUDIT of a refused request of a known key also settles what an admission under its id (the event id) may have left
-# (settle_unsent: its reservations, its write-ahead record). Optional trailing KEYS: 7 the write-ahead hash, 8 the
-# key's reservation hash, 9 the key's TPM counter of the event's minute, 10 global reservations, 11.. each tag's
-# reservations; ARGV 11 TPM TTL ms. Why every such audit event: a refusal's admission may have run in Redis with its
-# reply lost (a timeout), and the refusal cannot tell — left, its write-ahead record stayed open for the reconciler to
-# settle as a lost call once this process is gone, and its reservations held the budgets until their TTL.
+# (settle_unsent: its reservations, its write-ahead record, its RPM count, its single-flight lock). Optional trailing
+# KEYS: 7 the write-ahead hash, 8 the key's reservation hash, 9 the key's TPM counter of the event's minute, 10 its RPM
+# counter of that minute, 11 the single-flight lock (KEYS[10] when none), 12 global reservations, 13.. each tag's
+# reservations; ARGV 11 TPM TTL ms, 12 '1' to take the request back out of the RPM window (its admission counted it had
+# it run: the key has an RPM limit), 13 the lock's token ('' = no lock). Why every such audit event: a refusal's
+# admission may have run in Redis with its reply lost (a timeout), and the refusal cannot tell — left, its write-ahead
+# record stayed open for the reconciler to settle as a lost call once this process is gone, its reservations held the
+# budgets until their TTL, its RPM count stayed in the window for up to a minute and identical prompts waited on its
+# lock for cache.single_flight_wait_s. ARGV 12 and 13 are what the refusing process knows (``Meter.leftovers``); an
+# event replayed by another process passes '0' and '': those two are left to their window and TTL.
 AUDIT_LUA = LUA_FUNCTIONS + WRITE_AUDIT + SETTLE_LUA + UNSENT_LUA + all_or_nothing("""function()
-  if #KEYS > 6 then return {settle_unsent(7, 8, ARGV[1], ARGV[11]), 0, 0} end
+  if #KEYS > 6 then
+    local rpm = ARGV[12] == '1' and KEYS[10] or nil
+    local lock = ARGV[13] ~= '' and KEYS[11] or nil
+    return {settle_unsent(7, 8, 12, ARGV[1], ARGV[11], rpm, lock, ARGV[13]), 0, 0}
+  end
   if write_audit() == 0 then return {0, 0, 0} end
   return {1, 0, 0}
 end""")
@@ -408,7 +432,7 @@ end""")
 RELEASE_LUA = LUA_FUNCTIONS + WRITE_AUDIT + SETTLE_LUA + UNSENT_LUA + all_or_nothing("""function()
   at_cmd, at_key = 'HEXISTS', KEYS[7]
   if redis.call('HEXISTS', KEYS[7], ARGV[11]) == 0 or redis.call('EXISTS', KEYS[8]) == 1 then return 0 end
-  settle_unsent(7, 9, ARGV[11], ARGV[12])
+  settle_unsent(7, 9, 11, ARGV[11], ARGV[12])
   return 1
 end""")
 
@@ -626,6 +650,20 @@ class ReadTally:
 
 
 @dataclass(frozen=True, slots=True)
+class Leftovers:
+    """What a refused request's admission call may have left in Redis besides its reservations and write-ahead record,
+    when its reply was lost (``gateway/state/limits.py``, "Outcome unknown"), for its audit event (``AUDIT``) to take
+    back: ``rpm`` — the call counted the request in its key's RPM window of the request's minute, had it run (the key
+    has an RPM limit); ``lock`` — the exact cache's single-flight lock key it may have taken, with its ``token`` ("":
+    no lookup in the call). Both are taken back only if the call did run: the count with the key's reservation (the
+    proof), the lock while it holds the token."""
+
+    rpm: bool = False
+    lock: str = ""
+    token: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class RecordResult:
     """Where the event went, and (when it reached Redis) the key's spend so far this day/month (micro-USD)."""
 
@@ -693,8 +731,19 @@ class Meter:
         self._acks_short_until = float("-inf")  # after a shortfall, batches skip the WAIT until then (ACK_BACKOFF_S)
         # every event settles its request's write-ahead record (gateway/state/write_ahead.py) in the same script
         self._wal_key = self.keys.write_ahead if cfg.write_ahead else None
+        #: request id → what its refused admission may have left (:meth:`left`), until its audit event's script
+        #: answers; only this process knows it: an event another process replays (a restart) leaves them to their TTL
+        self.leftovers: OrderedDict[str, Leftovers] = OrderedDict()
 
     # --- write path -------------------------------------------------------------------------------------
+    def left(self, request_id: str, leftovers: Leftovers) -> None:
+        """Note what the admission of ``request_id`` — refused, its reply lost — may have left (:class:`Leftovers`),
+        for its audit event's write to take back (``AUDIT``'s ARGV 12 and 13). Kept until that write is answered, at
+        most :data:`LEFTOVERS_MAX` (the oldest then go: left to their window and TTL)."""
+        self.leftovers[request_id] = leftovers
+        while len(self.leftovers) > LEFTOVERS_MAX:
+            self.leftovers.popitem(last=False)
+
     async def record(self, event: UsageEvent) -> RecordResult:
         """Count ``event`` once in Redis (and settle its reservation), or spool it durably when Redis is down, or
         keep it in the dead-letter spool when Redis refuses it (an error reply: nothing of it was written).
@@ -898,6 +947,9 @@ class Meter:
             for r in replies:  # an outage (CLUSTERDOWN, MASTERDOWN…), or anything not an error reply, is raised
                 if isinstance(r, Exception) and (is_outage(r) or not isinstance(r, ResponseError)):
                     raise r
+            for event, r in zip(events, replies, strict=True):
+                if event.audit and not isinstance(r, Exception):
+                    self.leftovers.pop(event.event_id, None)  # taken back (or never there): written
             return list(replies)
         raise AssertionError("unreachable")
 
@@ -918,7 +970,10 @@ class Meter:
             release = event.event_id if event.audit and event.key_id else None
             return await self._run_split(event, release=release, replay=replay)
         keys, args = self._keys_args(event)  # off the request path: with the cache's stores of the same pass
-        return await (self._audit if event.audit else self._script)(keys=keys, args=args, coalesce="background")
+        reply = await (self._audit if event.audit else self._script)(keys=keys, args=args, coalesce="background")
+        if event.audit:
+            self.leftovers.pop(event.event_id, None)  # taken back (or never there): written
+        return reply
 
     async def _run_split(self, event: UsageEvent, owner_heartbeat: str | None = None,
                          release: str | None = None, replay: bool = False) -> list[Any]:
@@ -1087,10 +1142,16 @@ class Meter:
             # a refused request of a key: what an admission under its id may have left is settled with it
             # (AUDIT_LUA's trailing KEYS; its write-ahead record whatever this process's metering.write_ahead says:
             # the record may be one another replica wrote, as for settle_orphan)
-            audit_keys += [k.write_ahead, k.reservations(event.key_id), k.tpm(event.key_id, event.minute),
+            # and, known to the process that refused it (Meter.left), the RPM count and single-flight lock of an
+            # admission whose reply was lost
+            rpm = k.rpm(event.key_id, event.minute)
+            left = self.leftovers.get(event.event_id) or Leftovers()
+            locked = bool(left.lock and left.token)
+            audit_keys += [k.write_ahead, k.reservations(event.key_id), k.tpm(event.key_id, event.minute), rpm,
+                           left.lock if locked else rpm,  # the lock, else any key of the call's slot
                            k.level_reservations("global", "global"),
                            *(k.level_reservations("tag", f"{n}={v}") for n, v in sorted(event.tags.items()))]
-            return audit_keys, [*audit_args, TPM_TTL_MS]
+            return audit_keys, [*audit_args, TPM_TTL_MS, 1 if left.rpm else 0, left.token if locked else ""]
         tier = event.tier or UNROUTED
         keys = [
             k.seen(day),

@@ -250,3 +250,102 @@ def test_a_request_cancelled_while_its_admission_reply_was_lost_leaves_nothing_o
     finally:
         proxy.stop()
         admin.close()
+
+
+def test_a_refused_requests_lost_admission_leaves_neither_its_cache_lock_nor_its_rpm_count(
+        redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    # The lost script also took the exact cache's single-flight lock (a deterministic request: looked up, a miss) and
+    # counted the request in the key's RPM window. Left, identical prompts waited on that lock for
+    # cache.single_flight_wait_s (30 s) and the request that never ran counted against the key's RPM for up to a
+    # minute. The refusal's audit event now takes both back: the lock by its token, the count only with the
+    # reservation that proves this call's script ran (and so counted it: the key has an RPM limit).
+    key = KeyInfo(id="bob", tags={"team": "a"}, rpm=100)
+    body = {**BODY, "temperature": 0}  # deterministic: the exact cache looks it up, single-flight
+    proxy = FreezingProxy(redis_url).start()
+    settings = _settings(proxy.url, redis_prefix, tmp_path)
+    tier = settings.tier("long")
+    admin = redis.Redis.from_url(redis_url)
+    k = RedisKeys(redis_prefix)
+    rec = UsageRecord(key_id=key.id, tags=dict(key.tags), endpoint="chat", requested_model="long")
+    rpm = k.rpm(key.id, int(rec.ts * 1000) // 60_000)  # the window the script counts the request in
+    seen: dict[str, Any] = {}
+
+    def state() -> dict[str, Any]:
+        return {"locks": len(admin.keys(f"{redis_prefix}*cache:lock:*")), "rpm": int(admin.get(rpm) or 0)}
+
+    async def go() -> None:
+        acct = Accounting(settings)
+        await acct.start()
+        try:
+            warm = UsageRecord(key_id=key.id, tags=dict(key.tags), endpoint="chat", requested_model="long")
+            warm_body = {**body, "messages": [{"role": "user", "content": "warm up"}]}
+            await acct.admit(key, warm_body, warm, [tier], _ahead(settings, warm_body))
+            acct.abandon(warm, tier, 499, "client_disconnected")  # its lock released, its RPM count kept (it ran)
+            await acct.flush()
+            seen["before"] = state()
+            proxy.arm(acct.limits._hot.sha.encode(), lose_replies=True)
+            with pytest.raises(LimitsUnavailable):
+                await acct.admit(key, body, rec, [tier], _ahead(settings, body))
+            assert proxy.frozen == 1
+            seen["ran"] = state()
+            acct.audit(rec, 503, "limits_unavailable")
+            await _written(acct, admin, k, rec.request_id)
+            seen["settled"] = state()
+        finally:
+            await acct.close()
+
+    try:
+        asyncio.run(go())
+        before = seen.pop("before")
+        # the scene is real: the lost script took the lock and counted the request
+        assert seen.pop("ran") == {"locks": before["locks"] + 1, "rpm": before["rpm"] + 1}
+        assert seen == {"settled": before}
+        assert _events_of(admin, k, rec.request_id) == [(503, "limits_unavailable", True, 0)]
+    finally:
+        proxy.stop()
+        admin.close()
+
+
+def test_a_refused_requests_admission_that_never_reached_redis_takes_back_no_rpm_count(
+        redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    # The other side of the RPM take-back: the call timed out without ever reaching Redis (dropped on the way), so it
+    # counted nothing, and the window's count is other requests'. The audit event takes a count back only with the
+    # key's reservation of this request there (the script ran and admitted: it counted it), so none is taken here.
+    key = KeyInfo(id="bob", tags={"team": "a"}, rpm=100)
+    proxy = FreezingProxy(redis_url).start()
+    settings = _settings(proxy.url, redis_prefix, tmp_path)
+    tier = settings.tier("long")
+    admin = redis.Redis.from_url(redis_url)
+    k = RedisKeys(redis_prefix)
+    rec = UsageRecord(key_id=key.id, tags=dict(key.tags), endpoint="chat", requested_model="long")
+    rpm = k.rpm(key.id, int(rec.ts * 1000) // 60_000)
+    seen: dict[str, Any] = {}
+
+    async def go() -> None:
+        acct = Accounting(settings)
+        await acct.start()
+        try:
+            for _ in range(2):  # two requests that ran, counted in the request's window
+                warm = UsageRecord(key_id=key.id, tags=dict(key.tags), endpoint="chat", requested_model="long",
+                                   ts=rec.ts)
+                await acct.admit(key, BODY, warm, [tier], _ahead(settings, BODY))
+                acct.abandon(warm, tier, 499, "client_disconnected")
+            await acct.flush()
+            seen["before"] = int(admin.get(rpm) or 0)
+            proxy.arm(acct.limits._hot.sha.encode())  # the script is dropped on its way: it never runs
+            with pytest.raises(LimitsUnavailable):
+                await acct.admit(key, BODY, rec, [tier], _ahead(settings, BODY))
+            assert proxy.frozen == 1
+            acct.audit(rec, 503, "limits_unavailable")
+            await _written(acct, admin, k, rec.request_id)
+            seen["settled"] = int(admin.get(rpm) or 0)
+        finally:
+            await acct.close()
+
+    try:
+        asyncio.run(go())
+        assert seen == {"before": 2, "settled": 2}
+        assert _events_of(admin, k, rec.request_id) == [(503, "limits_unavailable", True, 0)]
+    finally:
+        proxy.stop()
+        admin.close()
