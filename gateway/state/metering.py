@@ -966,11 +966,12 @@ class Meter:
     async def _run(self, event: UsageEvent, replay: bool = False) -> list[Any]:
         if self.split:
             # a refused request of a key settles what an admission under its id may have left (AUDIT_LUA's why): the
-            # calls of a dead process's unsent one ('x'), without its claim
+            # calls of a dead process's unsent one ('x'), without its claim — not its RPM count (Leftovers)
             release = event.event_id if event.audit and event.key_id else None
-            return await self._run_split(event, release=release, replay=replay)
-        keys, args = self._keys_args(event)  # off the request path: with the cache's stores of the same pass
-        reply = await (self._audit if event.audit else self._script)(keys=keys, args=args, coalesce="background")
+            reply = await self._run_split(event, release=release, replay=replay)
+        else:
+            keys, args = self._keys_args(event)  # off the request path: with the cache's stores of the same pass
+            reply = await (self._audit if event.audit else self._script)(keys=keys, args=args, coalesce="background")
         if event.audit:
             self.leftovers.pop(event.event_id, None)  # taken back (or never there): written
         return reply
