@@ -80,8 +80,12 @@ breaker's cooldown), so the call has almost always run or died by then — but a
 it (a TCP segment retransmitted, a proxy in between). Either order is safe: the audit event puts the request id into
 its day's seen-set in the same atomic step, and ``HOT`` first checks that set (``HOT_SETTLED``): run before the audit
 event, the call's writes are what the audit event settles; run after it, the call writes nothing. A process killed
-with the audit event still in its spool leaves the record to the reconciler, as before
-(``gateway/state/write_ahead.py``, "never sent" taken for "lost": 0 tokens, never money).
+with the audit event still in its spool: restarted on the same machine (the same ``metering.spool_path``), its first
+reconcile pass replays the spool before it reads the open records (``WriteAhead.reconcile``), so the audit event
+settles the record first (the lock and the RPM count, which only the killed process knew of, are left to their TTL and
+window); a replica elsewhere whose reconciler gets there first (the owner's heartbeat gone for a heartbeat TTL) cannot
+see that spool and settles the record as a lost call (``gateway/state/write_ahead.py``, "never sent" taken for
+"lost": 0 tokens, never money), and the audit event replayed later is dropped as a duplicate of its id.
 
 **Redis refuses the script.** ``ADMIT`` and ``HOT`` are all or nothing (``gateway/state/undo.py``): a command that
 fails partway (a key of the wrong type, a window counter that is no integer) takes back the call's reservations, its
