@@ -534,8 +534,9 @@ class MessageStream:
         out.append(sse_event({"type": "message_stop"}))
         return b"".join(out)
 
-    def fail(self, error: dict[str, Any]) -> bytes:
-        """An ``error`` event (the SDK raises on it) after whatever was sent."""
+    def fail(self, error: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes:
+        """An ``error`` event (the SDK raises on it) after whatever was sent. ``usage`` (what the failed call was
+        metered) is not sent: Anthropic's ``error`` event is ``{"type", "error": {"type", "message"}}``, no usage."""
         kind = "timeout_error" if error.get("code") == "upstream_timeout" else "api_error"
         return self.start() + sse_event({"type": "error", "error": {"type": kind,
                                                                     "message": str(error.get("message") or "")}})

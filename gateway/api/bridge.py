@@ -17,8 +17,10 @@ import anyio
 from starlette.responses import Response
 
 from gateway.api.http import RelayResponse, as_bytes, headers_of
+from gateway.ledger.record import UsageRecord
 from gateway.openai.sse import Chunk
 from gateway.pipeline.answer import Answer
+from gateway.pipeline.relay import usage_of
 
 
 class StreamTranslator(Protocol):
@@ -28,19 +30,23 @@ class StreamTranslator(Protocol):
 
     def finish(self) -> bytes: ...
 
-    def fail(self, error: dict[str, Any]) -> bytes: ...
+    def fail(self, error: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes: ...
 
 
 async def translate_stream(
     stream: AsyncGenerator[list[Chunk], None],
     translator: StreamTranslator,
     before_finish: Callable[[], Awaitable[None]] | None = None,
+    record: UsageRecord | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """Translate the chat chunk ``stream`` with ``translator`` (which writes its own opening events):
     ``translator.finish()`` at ``[DONE]``, sent after ``before_finish`` ran (e.g. storing the conversation and
-    the final response object, so they exist before the client sees the end), ``translator.fail(error)`` on an
-    in-stream ``{"error": …}``."""
+    the final response object, so they exist before the client sees the end), ``translator.fail(error, usage)`` on
+    an in-stream ``{"error": …}`` — once the stream has ended, so that ``usage`` is what ``record`` (the stream's
+    usage record, :attr:`Answer.record`; None: the translator's own) was metered: the relay meters a failed stream
+    after its error chunk."""
     ended = False
+    failed: dict[str, Any] | None = None  # said once the stream ended (its usage metered)
     try:
         async for batch in stream:
             out: list[bytes] = []
@@ -55,14 +61,15 @@ async def translate_stream(
                     out.append(end)
                     ended = True
                 elif "error" in chunk and not chunk.get("choices"):
-                    err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
-                    out.append(translator.fail(err))
                     ended = True
+                    failed = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
                 else:
                     out.append(translator.feed(chunk))
             data = b"".join(out)
             if data:
                 yield data
+        if failed is not None:
+            yield translator.fail(failed, usage_of(record) if record is not None else None)
     finally:
         with anyio.CancelScope(shield=True):
             await stream.aclose()
@@ -73,4 +80,5 @@ def streamed(answer: Answer, translator: StreamTranslator,
     """An SSE response carrying ``answer``'s stream translated by ``translator``, with the answer's gateway
     headers."""
     assert answer.stream is not None
-    return RelayResponse(translate_stream(answer.stream, translator, before_finish), headers_of(answer), as_bytes)
+    return RelayResponse(translate_stream(answer.stream, translator, before_finish, answer.record), headers_of(answer),
+                         as_bytes)

@@ -11,7 +11,7 @@ Shapes follow the OpenAI API reference ("Responses", "Streaming events") and the
   ``response.in_progress``, ``response.output_item.added``, ``response.reasoning_text.delta``,
   ``response.content_part.added``, ``response.output_text.delta``, ``response.function_call_arguments.delta``,
   their ``.done`` events, then ``response.completed`` / ``response.incomplete`` with ``usage``, or
-  ``response.failed`` on an in-stream error).
+  ``response.failed`` on an in-stream error, with the usage the failed call was metered).
 
 Usage: ``input_tokens`` = ``prompt_tokens``, ``output_tokens`` = ``completion_tokens``,
 ``input_tokens_details.cached_tokens`` = ``prompt_tokens_details.cached_tokens``,
@@ -602,13 +602,15 @@ class EventStream:
         out.append(self._ev({"type": kind, "response": self._snapshot()}))
         return b"".join(out)
 
-    def fail(self, error: dict[str, Any]) -> bytes:
-        """Close the stream with ``response.failed`` carrying ``error`` (``{"code", "message"}``)."""
+    def fail(self, error: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes:
+        """Close the stream with ``response.failed`` carrying ``error`` (``{"code", "message"}``) and, in Responses
+        names, ``usage`` (a chat ``usage``: what the failed call was metered; None: the usage chunk the stream sent,
+        if any) — as OpenAI's ``response.failed`` carries the usage it knows."""
         out = [self.start(), *self._close("incomplete")]
         self.response["status"] = "failed"
         code = error.get("code")
         self.response["error"] = {"code": code if code in ERROR_CODES else "server_error",
                                   "message": str(error.get("message") or "upstream error")}
-        self.response["usage"] = usage_of(self.usage)
+        self.response["usage"] = usage_of(usage if usage is not None else self.usage)
         out.append(self._ev({"type": "response.failed", "response": self._snapshot()}))
         return b"".join(out)

@@ -74,6 +74,10 @@ class Answer:
     after: Callable[[], Awaitable[None]] | None = None
     #: the key's RPM/TPM windows after its admission (``x-ratelimit-*`` headers); None when it has no such limit
     rate: RateState | None = None
+    #: a relayed stream's usage record: what the call is metered, final once ``stream`` has ended (the relay meters a
+    #: failed stream after its error chunk, so a translated API can say the metered usage in its failure event);
+    #: None for a non-streamed answer or a cache hit's replay
+    record: UsageRecord | None = None
 
     @property
     def escalated(self) -> bool:

@@ -231,6 +231,7 @@ class Proxy:
             n = body.get("n")
             choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
             answer.stream = relay(resp, ex, self.upstreams, caller.usage, choices=choices, body=body)
+            answer.record = ex.record
             return answer
         assert data is not None
         changed = await complete(data, ex, self.upstreams, body, caller.endpoint)

@@ -350,19 +350,20 @@ def test_the_item_the_cap_cut_is_incomplete(gw: GatewayServer) -> None:
 
 
 
-def failed_stream(gw: GatewayServer) -> list[Any]:
-    """The events of a stream whose upstream sends an error event halfway."""
+def failed_stream(gw: GatewayServer, fail: str = "error-event") -> tuple[list[Any], str]:
+    """(the events, the request id) of a stream whose upstream fails halfway (``fail``: the simulator's fault —
+    ``error-event`` sends an error event, ``drop`` aborts the connection)."""
     with sdk(gw).responses.with_streaming_response.create(model="long", input="tell me a story", stream=True,
-                                                          extra_body={"sim": {"fail": "error-event"}}) as raw:
+                                                          extra_body={"sim": {"fail": fail}}) as raw:
         events = list(raw.parse())
     assert events[-1].type == "response.failed"
-    return events
+    return events, raw.headers["x-request-id"]
 
 
 def test_the_item_a_failure_cut_is_incomplete(gw: GatewayServer) -> None:
     """An upstream error mid-stream: the item it cut is ``incomplete`` in its ``output_item.done`` and in
     ``response.failed`` — it was marked ``completed``."""
-    events = failed_stream(gw)
+    events, _ = failed_stream(gw)
     done = [e for e in events if e.type == "response.output_item.done"]
     assert done and done[-1].item.status == "incomplete"
     assert events[-1].response.output[-1].status == "incomplete"
@@ -371,6 +372,28 @@ def test_the_item_a_failure_cut_is_incomplete(gw: GatewayServer) -> None:
 def test_a_failed_stream_says_server_error(gw: GatewayServer) -> None:
     """``response.failed`` carries one of OpenAI's Responses error codes (``ResponseError.code``:
     ``server_error``, ...); it carried the upstream's ``"500"``."""
-    failed = failed_stream(gw)[-1].response
+    failed = failed_stream(gw)[0][-1].response
     assert failed.status == "failed" and failed.error is not None and failed.error.code == "server_error"
     assert failed.error.message == "simulated engine error"
+
+
+def assert_usage_is_the_record(usage: Any, ev: dict[str, Any]) -> None:
+    """A ``response`` object's ``usage`` says the counts its usage event was metered."""
+    assert usage is not None, ev
+    assert (usage.input_tokens, usage.output_tokens, usage.output_tokens_details.reasoning_tokens,
+            usage.input_tokens_details.cached_tokens, usage.total_tokens) == (
+        ev["prompt_tokens"], ev["completion_tokens"], ev["reasoning_tokens"], ev["cached_tokens"],
+        ev["prompt_tokens"] + ev["completion_tokens"])
+
+
+@pytest.mark.parametrize(("fail", "code"), [("error-event", "upstream_error"), ("drop", "upstream_stream_broken")])
+def test_a_failed_stream_carries_the_usage_it_was_metered(gw: GatewayServer, fail: str, code: str) -> None:
+    """``response.failed`` carries the usage the failed call was metered (the prompt and the deltas read, counted),
+    as OpenAI's carries the usage it knows — it said ``usage: null`` for a call billed."""
+    events, request_id = failed_stream(gw, fail)
+    rows = events_of(gw, request_id)
+    assert len(rows) == 1, rows
+    ev = rows[0]
+    assert (ev["status"], ev["error_code"], ev["partial"]) == (502, code, True), ev
+    assert ev["prompt_tokens"] > 0 and ev["completion_tokens"] > 0, ev
+    assert_usage_is_the_record(events[-1].response.usage, ev)
