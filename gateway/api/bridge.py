@@ -10,8 +10,9 @@ as 499).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import anyio
 from starlette.responses import Response
@@ -21,6 +22,12 @@ from gateway.ledger.record import UsageRecord
 from gateway.openai.sse import Chunk
 from gateway.pipeline.answer import Answer
 from gateway.pipeline.relay import usage_of
+
+log = logging.getLogger("thinkgate.bridge")
+
+#: the error a translated stream ends with when its translator raised (a bug, or an upstream chunk it did not expect):
+#: OpenAI's ``server_error`` (Anthropic's ``api_error``)
+TRANSLATION_FAILED: Final = {"code": "server_error", "message": "the gateway failed to translate the answer"}
 
 
 class StreamTranslator(Protocol):
@@ -33,6 +40,28 @@ class StreamTranslator(Protocol):
     def fail(self, error: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes: ...
 
 
+async def _finished(translator: StreamTranslator, before_finish: Callable[[], Awaitable[None]] | None) -> bytes:
+    """The closing events (``translator.finish()``), ``before_finish`` run first: one that raises is logged and the
+    answer closed without it — the answer was generated and billed, and the client waits for its end."""
+    end = translator.finish()  # the final object complete before anything is stored
+    if before_finish is not None:
+        try:
+            await before_finish()
+        except Exception:
+            log.exception("the step before a translated stream's end failed; the stream is closed without it")
+    return end
+
+
+def _failure(translator: StreamTranslator, error: dict[str, Any], record: UsageRecord | None) -> bytes:
+    """The failure events for ``error``, with the usage ``record`` is metered (OpenAI's chat shape; None: the
+    translator's own, from the stream) — b"" when the translator cannot even say that (logged)."""
+    try:
+        return translator.fail(error, usage_of(record) if record is not None else None)
+    except Exception:
+        log.exception("a translated stream's failure events could not be written")
+        return b""
+
+
 async def translate_stream(
     stream: AsyncGenerator[list[Chunk], None],
     translator: StreamTranslator,
@@ -41,10 +70,12 @@ async def translate_stream(
 ) -> AsyncGenerator[bytes, None]:
     """Translate the chat chunk ``stream`` with ``translator`` (which writes its own opening events):
     ``translator.finish()`` at ``[DONE]``, sent after ``before_finish`` ran (e.g. storing the conversation and
-    the final response object, so they exist before the client sees the end), ``translator.fail(error, usage)`` on
-    an in-stream ``{"error": …}`` — once the stream has ended, so that ``usage`` is what ``record`` (the stream's
-    usage record, :attr:`Answer.record`; None: the translator's own) was metered: the relay meters a failed stream
-    after its error chunk."""
+    the final response object, so they exist before the client sees the end; one that raises is logged and skipped),
+    ``translator.fail(error, usage)`` on an in-stream ``{"error": …}`` — once the stream has ended, so that
+    ``usage`` is what ``record`` (the stream's usage record, :attr:`Answer.record`) was metered: the relay meters a
+    failed stream after its error chunk. A translator that raises (a bug, or an upstream chunk it did not expect)
+    ends the stream the same way with :data:`TRANSLATION_FAILED`. The stream is read to its end either way, so it is
+    metered as the call it was (a stream closed early is metered as the client's disconnect)."""
     ended = False
     failed: dict[str, Any] | None = None  # said once the stream ended (its usage metered)
     try:
@@ -54,22 +85,27 @@ async def translate_stream(
                 chunk = item.data
                 if ended:
                     continue
-                if chunk is None:
-                    end = translator.finish()  # the final object complete before anything is stored
-                    if before_finish is not None:
-                        await before_finish()
-                    out.append(end)
-                    ended = True
-                elif "error" in chunk and not chunk.get("choices"):
-                    ended = True
-                    failed = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
-                else:
-                    out.append(translator.feed(chunk))
+                try:
+                    if chunk is None:
+                        ended = True
+                        out.append(await _finished(translator, before_finish))
+                    elif "error" in chunk and not chunk.get("choices"):
+                        ended = True
+                        err = chunk["error"]
+                        failed = err if isinstance(err, dict) else {"message": str(err)}
+                    else:
+                        out.append(translator.feed(chunk))
+                except Exception:
+                    # raised after the 200: without this the stream broke (no closing event) and, closed early, the
+                    # call was metered as the client's disconnect (499, partial)
+                    log.exception("translating the stream of request %s failed; it ends with a failure event once "
+                                  "read to its end", record.request_id if record is not None else "-")
+                    ended, failed = True, dict(TRANSLATION_FAILED)
             data = b"".join(out)
             if data:
                 yield data
-        if failed is not None:
-            yield translator.fail(failed, usage_of(record) if record is not None else None)
+        if failed is not None and (last := _failure(translator, failed, record)):
+            yield last
     finally:
         with anyio.CancelScope(shield=True):
             await stream.aclose()

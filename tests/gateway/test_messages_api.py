@@ -443,3 +443,22 @@ def test_a_content_filter_finish_is_a_refusal(gw: GatewayServer) -> None:
                                 extra_body={"sim": {"inject": filtered}})
     assert m.stop_reason == "refusal" and m.stop_sequence is None
     assert [b.type for b in m.content] == ["text"]
+
+
+def test_a_chunk_the_translator_fails_on_ends_the_stream_with_an_error_event(gw: GatewayServer) -> None:
+    """The translation raising (here on a chunk it did not expect: a choice whose ``index`` is no integer) ends the
+    stream with Anthropic's ``error`` event (``api_error``; the SDK raises it) once the answer was read to its end,
+    metered as the whole call it was (200, the upstream's usage). It broke the stream (no closing event: the SDK's
+    read failed) and was metered as the client's disconnect (499, partial)."""
+    bad = {"choices": [{"index": "x", "delta": {"content": "x"}, "finish_reason": None}]}
+    with sdk(gw).messages.with_streaming_response.create(
+            model="long", max_tokens=200, messages=[{"role": "user", "content": USER}], stream=True,
+            extra_body={"sim": {**tag()["sim"], "inject": bad}}) as raw:
+        request_id = raw.headers["x-request-id"]
+        with pytest.raises(anthropic.APIStatusError) as err:
+            list(raw.parse())
+    assert err.value.body == {"type": "error", "error": {"type": "api_error",
+                                                         "message": "the gateway failed to translate the answer"}}
+    rows = events_of(gw, request_id)
+    assert len(rows) == 1, rows
+    assert (rows[0]["status"], rows[0]["partial"], rows[0]["usage_source"]) == (200, False, "upstream"), rows[0]

@@ -397,3 +397,24 @@ def test_a_failed_stream_carries_the_usage_it_was_metered(gw: GatewayServer, fai
     assert (ev["status"], ev["error_code"], ev["partial"]) == (502, code, True), ev
     assert ev["prompt_tokens"] > 0 and ev["completion_tokens"] > 0, ev
     assert_usage_is_the_record(events[-1].response.usage, ev)
+
+
+#: a chunk no translator expects after the first one: a choice whose ``index`` is no integer (the relay passes it on)
+BAD_INDEX = {"choices": [{"index": "x", "delta": {"content": "x"}, "finish_reason": None}]}
+
+
+def test_a_chunk_the_translator_fails_on_ends_the_stream_as_failed(gw: GatewayServer) -> None:
+    """The translation raising (here on a chunk it did not expect) ends the stream with ``response.failed``
+    (``server_error``) carrying the usage metered, once the answer was read to its end: metered as the whole call it
+    was (200, the upstream's usage). It broke the stream (no closing event: the SDK's read failed) and was metered as
+    the client's disconnect (499, partial)."""
+    with sdk(gw).responses.with_streaming_response.create(
+            model="long", input=USER, stream=True, extra_body={"sim": {**tag()["sim"], "inject": BAD_INDEX}}) as raw:
+        events = list(raw.parse())
+    assert events[-1].type == "response.failed", [e.type for e in events]
+    failed = events[-1].response
+    assert failed.error is not None and failed.error.code == "server_error"
+    rows = events_of(gw, raw.headers["x-request-id"])
+    assert len(rows) == 1, rows
+    assert (rows[0]["status"], rows[0]["partial"], rows[0]["usage_source"]) == (200, False, "upstream"), rows[0]
+    assert_usage_is_the_record(failed.usage, rows[0])
