@@ -388,9 +388,15 @@ def _calls(part: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
 
 
 def _input_of(arguments: str) -> dict[str, Any]:
+    """A tool call's ``arguments`` (the JSON text an upstream generated) as a ``tool_use`` block's ``input``: the object
+    they encode; {} for anything else — not JSON, not an object, or nested too deep to be written back inside the
+    ``message`` (orjson reads 1,024 levels and writes 254; the input sits 3 levels down: ``message.content[i].input``):
+    such an input made the answer, generated and billed, a 500 that the SDKs retry, billing it again."""
     try:
         value = orjson.loads(arguments or "{}")
-    except orjson.JSONDecodeError:
+        if isinstance(value, dict):
+            orjson.dumps([[[value]]])  # as deep as in the message
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
         return {}
     return value if isinstance(value, dict) else {}
 

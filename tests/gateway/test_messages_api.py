@@ -462,3 +462,20 @@ def test_a_chunk_the_translator_fails_on_ends_the_stream_with_an_error_event(gw:
     rows = events_of(gw, request_id)
     assert len(rows) == 1, rows
     assert (rows[0]["status"], rows[0]["partial"], rows[0]["usage_source"]) == (200, False, "upstream"), rows[0]
+
+
+def test_tool_arguments_nested_too_deep_to_write_back_are_an_empty_input(gw: GatewayServer) -> None:
+    """A non-streamed answer whose tool call's arguments nest deeper than the gateway writes JSON (orjson: 254 levels,
+    reading 1,024) answers 200 with ``input: {}``, as arguments that are no JSON object do. It was a 500 for an answer
+    generated and billed (the SDKs retry a 500: billed again)."""
+    deep = '{"a":' * 300 + "1" + "}" * 300
+    call = {"id": "call_deep", "type": "function", "function": {"name": "get_weather", "arguments": deep}}
+    inject = {"choices": [{"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+                           "finish_reason": "tool_calls"}]}
+    raw = sdk(gw).messages.with_raw_response.create(
+        model="long", max_tokens=200, messages=[{"role": "user", "content": USER}], tools=[WEATHER],
+        extra_body={"sim": {**tag()["sim"], "inject": inject}})
+    m = raw.parse()
+    assert m.stop_reason == "tool_use"
+    assert [(b.type, b.id, b.input) for b in m.content] == [("tool_use", "call_deep", {})]  # type: ignore[union-attr]
+    assert_metered(gw, raw.headers["x-request-id"], m.usage, "long")
