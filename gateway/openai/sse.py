@@ -233,7 +233,11 @@ class StreamTally:
                 continue
             r = reasoning_of(delta)
             if r:
-                self.reasoning.setdefault(int(c.get("index") or 0), []).append(r)
+                # an index that is no integer ("x", 1.5) is the upstream's mistake, relayed as it came: its text is
+                # kept under choice 0 — int() raised here, mid-stream, and the call was metered as the client's
+                # disconnect
+                index = c.get("index")
+                self.reasoning.setdefault(index if type(index) is int else 0, []).append(r)
                 self.reasoning_deltas += 1
                 self.saw_text = True
             if delta.get("content") or _tool_arguments(delta):  # a tool call's arguments are output tokens too

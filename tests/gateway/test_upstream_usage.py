@@ -342,6 +342,20 @@ def test_a_malformed_chunk_is_skipped_and_a_malformed_answer_is_a_502(gw: Gatewa
     assert r.headers.get("x-should-retry") == "false"
 
 
+@pytest.mark.parametrize("index", ["x", [0]], ids=["string", "list"])
+def test_a_reasoning_chunk_whose_index_is_no_integer_is_relayed_and_metered(gw: GatewayServer, index: Any) -> None:
+    """A reasoning delta under a choice ``index`` that is no integer: relayed as it came (chat passes the upstream's
+    chunks on) and the stream metered as the 200 it is. ``int(index)`` raised in the relay's tally mid-stream: a
+    truncated 200, metered as the client's disconnect (499)."""
+    chunk = {"choices": [{"index": index, "delta": {"reasoning_content": "hm"}, "finish_reason": None}]}
+    r = _ask(gw, None, stream=True, sim={"inject": chunk})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+    assert '"reasoning_content":"hm"' in r.text
+    rid = r.headers["x-request-id"]
+    ev = usage_events(gw, [rid])[rid]
+    assert (ev.status, ev.error_code, ev.partial, ev.usage_source) == (200, None, False, "upstream")
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_a_large_legitimate_batch_is_metered_as_reported(upstream_sim: SimProcess, redis_url: str, tmp_path: Path,
                                                          stream: bool) -> None:
