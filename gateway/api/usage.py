@@ -18,10 +18,15 @@
   ``since`` is raised to the oldest retained day. A non-admin key's query that would need more than
   ``KEY_MAX_SCAN_S`` (two days) of the stream read, or a read that cannot stop at its end, is refused: 400
   ``usage_scan_too_large`` (give ``since``/``until`` as UTC days). Raw events (no ``group_by``) come from the
-  stream by id range (from ``since``; up to ``until`` when given), capped at ``limit`` (default 1000); a non-admin
-  key's raw read may span at most ``KEY_MAX_SCAN_S`` (400 ``usage_scan_too_large`` beyond: it filters everyone's
-  stream by key).
+  stream by id range (from ``since``; up to ``until`` when given), at most ``limit`` (1 … ``MAX_RAW_EVENTS``, default
+  1000) — the first ``limit`` events of the period in stream order, sorted by ``ts``; ``has_more`` (every list answer
+  has it; always false for grouped rows) is true when the period holds more: narrow ``since``/``until``, or use
+  ``group_by`` for totals. A non-admin key's raw read may span at most ``KEY_MAX_SCAN_S`` (400
+  ``usage_scan_too_large`` beyond: it filters everyone's stream by key).
 - ``key_id`` selects a key (admin only for other keys: 403 otherwise).
+- A parameter that does not parse — ``since``/``until`` (see ``gateway/ledger/export.py``), ``group_by``, a
+  ``limit`` outside 1 … ``MAX_RAW_EVENTS`` — or ``since`` not before ``until`` (an empty period, which
+  ``thinkgate usage export`` refuses too) is a 400 ``invalid_request_error`` naming it in ``param``.
 
 ``GET /metrics``: Prometheus exposition, for the operator (``metrics.access``, default ``admin``: the admin key or
 ``metrics.scrape_key_sha256``'s key — any other key 403, none 401; scrape with ``authorization`` in the scrape
@@ -137,9 +142,10 @@ async def _grouped(acct: Accounting, key: KeyInfo, group_by: list[str], since: f
 
 
 async def _raw(acct: Accounting, key: KeyInfo, since: float, until: float | None, target: str | None, limit: int,
-               now: float) -> list[dict[str, Any]]:
-    """Raw event rows of ``[since, until)`` (of ``target``, or every key), at most ``min(limit, MAX_RAW_EVENTS)``;
-    a non-admin key's read may span at most ``KEY_MAX_SCAN_S`` (400 ``usage_scan_too_large``)."""
+               now: float) -> tuple[list[dict[str, Any]], bool]:
+    """``(rows, has_more)``: raw event rows of ``[since, until)`` (of ``target``, or every key), the first ``limit``
+    (1 … ``MAX_RAW_EVENTS``) in stream order, sorted by ``ts``; ``has_more`` when the period holds more. A non-admin
+    key's read may span at most ``KEY_MAX_SCAN_S`` (400 ``usage_scan_too_large``)."""
     span = (now if until is None else until) - since
     if not key.is_admin and span > KEY_MAX_SCAN_S:
         # every raw read filters everyone's stream by key: a key with few events asking for a month made the
@@ -152,10 +158,36 @@ async def _raw(acct: Accounting, key: KeyInfo, since: float, until: float | None
     async for event in acct.meter.events(since, until):
         if target is None or event.key_id == target:
             events.append(event)
-            if len(events) >= min(limit, MAX_RAW_EVENTS):
+            # one past the limit: whether the answer is the whole period (a cut list summed as a bill undercounts)
+            if len(events) > limit:
                 break
-    rows, _ = build(events, [])
-    return rows
+    rows, _ = build(events[:limit], [])
+    return rows, len(events) > limit
+
+
+def _query(q: Any) -> tuple[list[str], float | None, float | None, int]:
+    """``(group_by, since, until, limit)`` of the query string ``q``; raises InvalidRequest (400, ``param`` naming
+    the parameter) for one that does not parse, a ``limit`` outside 1 … ``MAX_RAW_EVENTS`` and an empty period."""
+    parsed: dict[str, Any] = {}
+    for name, parse in (("group_by", parse_group_by), ("since", parse_time), ("until", parse_time)):
+        try:
+            parsed[name] = parse(q.get(name))
+        except ExportError as exc:
+            raise InvalidRequest(str(exc), param=name, code="invalid_value") from None
+    text = q.get("limit", "1000")
+    try:
+        limit = int(text)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_RAW_EVENTS:
+        # 0 or a negative count answered one event, above the cap the cap's worth: neither what was asked
+        raise InvalidRequest(f"limit must be an integer from 1 to {MAX_RAW_EVENTS}, not {text!r}", param="limit",
+                             code="invalid_value")
+    since, until = parsed["since"], parsed["until"]
+    if since is not None and until is not None and since >= until:
+        raise InvalidRequest("since must be before until (the period would be empty)", param="until",
+                             code="invalid_value")
+    return parsed["group_by"], since, until, limit
 
 
 def install(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting) -> None:
@@ -169,12 +201,7 @@ def install(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting
             raise PermissionDenied("a key may only read its own usage (the admin key reads all)")
         if not key.is_admin:
             target = key.id
-        try:
-            group_by = parse_group_by(q.get("group_by"))
-            since, until = parse_time(q.get("since")), parse_time(q.get("until"))
-            limit = int(q.get("limit", "1000"))
-        except (ExportError, ValueError) as exc:
-            raise InvalidRequest(str(exc)) from None
+        group_by, since, until, limit = _query(q)
         now = time.time()
         try:
             if not group_by and since is None and until is None:
@@ -193,11 +220,13 @@ def install(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting
                 since = month_start(now)
             if group_by:  # whole days from the per-day cubes, the stream only for what they cannot answer
                 rows: list[dict[str, Any]] = await _grouped(acct, key, group_by, since, until, target, now)
+                more = False
             else:
-                rows = await _raw(acct, key, since, until, target, limit, now)
+                rows, more = await _raw(acct, key, since, until, target, limit, now)
         except RedisDown:
             raise UsageUnavailable("usage store unreachable; retry later", headers={"retry-after": "5"}) from None
-        return _json({"object": "list", "group_by": group_by, "since": since, "until": until, "data": rows})
+        return _json({"object": "list", "group_by": group_by, "since": since, "until": until, "data": rows,
+                      "has_more": more})
 
     async def metrics(request: Request) -> Response:
         await _may_scrape(settings, keys, request.headers.get("authorization"))

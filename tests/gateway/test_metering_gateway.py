@@ -219,6 +219,37 @@ def test_usage_visibility(gw: GatewayServer) -> None:
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (bad, r.text)
 
 
+def test_raw_usage_says_when_it_is_cut(gw: GatewayServer) -> None:
+    """Raw rows stop at ``limit``: ``has_more`` says the period holds more (a cut list summed as a month's bill
+    undercounted it, silently); a ``limit`` that is no count of rows, and an empty period, are 400s naming the
+    parameter (``limit=0`` and ``limit=-3`` answered one event; ``since`` after ``until`` an empty list)."""
+    admin = {"authorization": f"Bearer {ADMIN_SECRET}"}
+    t0 = time.time()
+    c = sdk(gw, SECRETS["bob"])
+    ids = [c.chat.completions.with_raw_response.create(
+        model="short", messages=[{"role": "user", "content": f"cut {i}"}],
+        extra_headers={"cache-control": "no-store"}).headers["x-request-id"] for i in range(3)]
+    usage_events(gw, ids)
+
+    def raw(**params: str) -> httpx.Response:
+        return httpx.get(gw.base_url + "/usage", params={"since": str(t0), "key_id": "bob", **params},
+                         headers=admin, timeout=10)
+
+    cut = raw(limit="2").json()
+    assert len(cut["data"]) == 2 and cut["has_more"] is True
+    for whole in (raw(limit="3").json(), raw().json()):
+        assert {r["request_id"] for r in whole["data"]} == set(ids) and whole["has_more"] is False
+    grouped = raw(group_by="key").json()
+    assert grouped["has_more"] is False and grouped["data"][0]["requests"] == 3
+    for params, param in (({"limit": "0"}, "limit"), ({"limit": "-3"}, "limit"), ({"limit": "1.5"}, "limit"),
+                          ({"limit": "10001"}, "limit"), ({"until": str(t0)}, "until"),
+                          ({"until": str(t0 - 60)}, "until"), ({"since": "yesterday"}, "since"),
+                          ({"group_by": "colour"}, "group_by")):
+        r = raw(**params)
+        assert r.status_code == 400, (params, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param, r.text
+
+
 def test_metrics_endpoint(gw: GatewayServer) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
