@@ -12,8 +12,9 @@ position. Raw rows carry every event field, ``ts`` as ISO-8601
 UTC, ``cost_usd`` / ``saved_usd``, in order of ``ts`` (the request's start); refused requests are rows with
 ``audit: true``, their status and error code, and cost 0.
 
-Times for ``since``/``until``: ``YYYY-MM-DD`` (UTC midnight), an ISO-8601 datetime (naive = UTC), or epoch
-seconds; ``since`` inclusive, ``until`` exclusive.
+Times for ``since``/``until``: ``YYYY-MM-DD`` or ``YYYYMMDD`` (UTC midnight), an ISO-8601 datetime (naive = UTC), or
+epoch seconds; ``since`` inclusive, ``until`` exclusive. Eight digits are a date (ISO-8601's basic form, what
+``date +%Y%m%d`` prints), never epoch seconds of 1970–1973.
 """
 
 from __future__ import annotations
@@ -54,13 +55,21 @@ MAX_TIME_S = 253_402_300_799.0
 
 
 def parse_time(value: str | float | None) -> float | None:
-    """Epoch seconds from ``YYYY-MM-DD``, ISO-8601 or epoch seconds (see module doc); None stays None. Raises
-    :class:`ExportError` for text that is none of those, and for a time outside 1970-01-01 … 9999-12-31 (NaN,
+    """Epoch seconds from ``YYYY-MM-DD``, ``YYYYMMDD``, ISO-8601 or epoch seconds (see module doc); None stays None.
+    Raises :class:`ExportError` for text that is none of those, and for a time outside 1970-01-01 … 9999-12-31 (NaN,
     infinities and 1e400 included: they reached the ledger reader as a 500, or an OverflowError)."""
     if value is None or value == "":
         return None
     if isinstance(value, int | float):
         return _in_range(float(value), value)
+    if len(value) == 8 and value.isascii() and value.isdigit():
+        # YYYYMMDD (ISO-8601 basic, `date +%Y%m%d`): read as epoch seconds, --since 20261201 was 1970-08-23 — a
+        # period of all history, or an empty one, answered without a word
+        try:
+            day = datetime.strptime(value, "%Y%m%d").replace(tzinfo=UTC)
+        except ValueError:
+            raise ExportError(f"cannot read time {value!r}: eight digits are a date, YYYYMMDD") from None
+        return _in_range(day.timestamp(), value)
     try:
         return _in_range(float(value), value)
     except ValueError as exc:

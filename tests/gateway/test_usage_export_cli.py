@@ -113,3 +113,25 @@ def test_grouped_export_counts_over_bound_events(redis_url: str, redis_prefix: s
         assert b"over_bound_events" not in client.hgetall(f"{redis_prefix}usage:key:a")
     finally:
         client.close()
+
+
+def test_eight_digit_times_are_dates(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """``--since 20261207`` (ISO-8601's basic date, what ``date +%Y%m%d`` prints) is that UTC day: it was read as
+    epoch seconds, 1970-08-23 — a grouped export of all history, a raw one of a day in 1970 (empty), exit 0 both."""
+    now = time.time()
+    today = time.gmtime(now)
+    _record(redis_url, redis_prefix, tmp_path, [_event("old", now - 3 * 86400, 100), _event("new", now, 7)])
+    cfg = tmp_path / "cli.yaml"
+    cfg.write_text(yaml.safe_dump({"redis": {"url": redis_url, "key_prefix": redis_prefix,
+                                             "start_if_missing": False},
+                                   "metering": {"spool_path": str(tmp_path / "spool.jsonl")}}))
+    since, until = time.strftime("%Y%m%d", today), time.strftime("%Y%m%d", time.gmtime(now + 86400))
+    assert _export(cfg, tmp_path / "day.jsonl", "--since", since)[0] == {"new": 7}
+    out = tmp_path / "raw.jsonl"
+    res = CliRunner().invoke(app, ["usage", "export", "--format", "jsonl", "--since", since, "--until", until,
+                                   "--output", str(out), "--config", str(cfg)])
+    assert res.exit_code == 0, res.output
+    assert [json.loads(line)["key_id"] for line in out.read_text().splitlines()] == ["new"]
+    # eight digits that are no date are an error, not a time in 1970
+    res = CliRunner().invoke(app, ["usage", "export", "--since", "20261301", "--config", str(cfg)])
+    assert res.exit_code == 2 and "YYYYMMDD" in res.output
