@@ -115,16 +115,15 @@ def plan_period(since: float, until: float | None, now: float,
                 known: Iterable[str]) -> tuple[list[str], list[tuple[float, float | None]]]:
     """Split ``[since, until)`` (epoch seconds; ``until`` None = open) into the UTC days it wholly covers and the
     sub-day stretches at its ends, which only the stream can answer. Returns ``(days, edges)``: ``edges`` are
-    ``(lo, hi)`` windows (``hi`` None = open). With ``until`` None the days run to the later of tomorrow (a
-    replica's clock a little ahead) and the latest day of ``known`` (the days the cube index has seen)."""
+    ``(lo, hi)`` windows (``hi`` None = open). The days run at most to the later of tomorrow (a replica's clock a
+    little ahead) and the latest day of ``known`` (the days the cube index has seen): no later day holds a counted
+    event, and a later ``until`` leaves one edge from there to it."""
     first_start = day_start(day_of(since))
     if first_start < since:
         first_start += DAY_S
-    if until is None:
-        last = max([day_of(now + DAY_S), *known])
-        end = day_start(last) + DAY_S
-    else:
-        end = day_start(day_of(until))
+    horizon = day_start(max([day_of(now + DAY_S), *known])) + DAY_S
+    # an until of 9999-12-31 (any key may send it) planned 2.9 million days: seconds of Redis and event loop a query
+    end = horizon if until is None else min(day_start(day_of(until)), horizon)
     if end <= first_start:  # no whole day inside: the period is one stretch
         return [], [(since, until)]
     days = days_between(day_of(first_start), day_of(end - DAY_S))

@@ -1596,7 +1596,7 @@ class Meter:
             if hi is None:  # the open end past every known day: nothing is written there yet
                 span += max(0.0, now - lo)
                 continue
-            span += hi - lo
+            span += max(0.0, min(hi, now) - lo)  # nothing is written past now (an until far ahead reads nothing more)
             if late_from is None or int(late_from) > int(hi * 1000) + int(self.cfg.late_after_s * 1000):
                 raise ScanTooLarge("this period reaches back before the metering script indexed late events: "
                                    "only the admin key may read it from the event stream")
