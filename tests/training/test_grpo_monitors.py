@@ -138,6 +138,23 @@ def test_budgets_must_be_finite_and_positive(tmp_path: Path, field: str, value: 
             load(p)
 
 
+@pytest.mark.parametrize(("field", "under", "one"), [("budget_usd", "'0.0000009'", "'0.000001'"),
+                                                   ("budget_device_hours", "2.7e-7", "2.8e-7")])
+def test_a_budget_under_the_ledgers_unit_is_refused(tmp_path: Path, field: str, under: str, one: str) -> None:
+    """A ``budget_usd`` under 1 micro-USD (a device-hours one under 1 device-ms) passed the check (> 0) and counted
+    as 0 in the ledger (whole units, rounded down): the run paid its start-up, then stopped before its first step.
+    Refused at config load, GRPO and SFT run files alike; one whole unit is a budget."""
+    from training.sft.run import load_sft_config
+
+    p = tmp_path / "run.yaml"
+    for load in (load_config, load_sft_config):
+        p.write_text(f"ledger:\n  {field}: {under}\n")
+        with pytest.raises(ConfigError, match=rf"^ledger\.{field}: .* is under 1 .*counts as 0"):
+            load(p)
+        p.write_text(f"ledger:\n  {field}: {one}\n")
+        assert load(p).ledger.model_dump()[field] is not None
+
+
 def test_prices_must_be_finite() -> None:
     from training.grpo.config import validate
 

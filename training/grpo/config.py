@@ -541,18 +541,26 @@ def _check_ledger_money(lc: LedgerConfig) -> None:
             usd = Decimal(lc.budget_usd)
         except Exception as e:
             raise ConfigError(f"ledger.budget_usd: not a decimal: {lc.budget_usd!r}") from e
-        _check_budget("budget_usd", usd)
+        _check_budget("budget_usd", usd, 1_000_000, "1 micro-USD ($0.000001), the ledger's unit of money")
     if lc.budget_device_hours is not None:
-        _check_budget("budget_device_hours", Decimal(str(lc.budget_device_hours)))
+        _check_budget("budget_device_hours", Decimal(str(lc.budget_device_hours)), 3_600_000,
+                      "1 device-millisecond (2.78e-7 device-hours), the ledger's unit of time")
     if lc.budget_sampled_tokens is not None:
         _check_budget("budget_sampled_tokens", Decimal(lc.budget_sampled_tokens))
 
 
-def _check_budget(name: str, value: Decimal) -> None:
+def _check_budget(name: str, value: Decimal, units_per: int = 1, unit_name: str = "") -> None:
     """A hard budget must be finite and > 0: NaN made the first budget check raise after start-up was paid, and
-    0 or a negative one stops every run before its first step (unlimited is ``null``). Raises ConfigError."""
+    0 or a negative one stops every run before its first step (unlimited is ``null``). ``units_per``: the ledger's
+    integer units per budget unit (micro-USD per USD, device-ms per device-hour); the budget must hold at least one
+    of them, as the ledger counts it (``int(value * units_per)``, rounded down: CostLedger.check): one under a unit
+    became 0, and the run paid its start-up and stopped before its first step. Refused rather than rounded up,
+    which would raise a hard limit past what the run file says. Raises ConfigError."""
     if not value.is_finite() or value <= 0:
         raise ConfigError(f"ledger.{name}: must be finite and > 0 (null = unlimited), got {value}")
+    if int(value * units_per) < 1:
+        raise ConfigError(f"ledger.{name}: {value} is under {unit_name}: it counts as 0 and would stop the run "
+                          "before its first step, after paying its start-up (null = unlimited)")
 
 
 def _check_ledger_limits(cfg: RunConfig) -> None:
