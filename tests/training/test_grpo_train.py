@@ -711,3 +711,31 @@ def test_a_crash_after_the_last_step_is_billed_as_an_interruption_is(tiny: Path,
     assert [r["kind"] for r in rows] == ["startup", "step", "step", "interrupted"]
     assert rows[-1]["step"] == 2 and rows[-1]["wall_ms"] > 0
     assert rows[-1]["spent_micro_usd"] == sum(r["cost_micro_usd"] for r in rows)
+
+
+def test_resume_refuses_changed_tier_prices_unless_forced(tiny: Path, tmp_path: Path) -> None:
+    """``output.tier_prices`` was not compared on resume: a changed value silently replaced ``config.yaml``'s, and
+    the run's ``tier.yaml`` priced the trained tier at it. Refused like the other resume-critical settings (same
+    message, ``--force`` to go on, the old file kept); the same prices written differently (0.1, 0.10) are no change.
+    No training: a real run directory and a checkpoint with the ledger's state are enough for the check."""
+    from training.grpo.config import ConfigError
+    from training.grpo.ledger import CostLedger
+    from training.grpo.run import prepare_run_dir
+
+    prices = {"input_usd_per_mtok": "0.1", "cached_input_usd_per_mtok": "0.05", "output_usd_per_mtok": "0.4"}
+    run_dir, _ = prepare_run_dir(make_cfg(tiny, output={"tier_prices": {"short": prices}}), output_dir=tmp_path)
+    CostLedger(run_dir, "cpu", 1, Decimal("0.05")).save_state(run_dir / "checkpoint-1")
+    same = {**prices, "input_usd_per_mtok": "0.10"}
+    _, ckpt = prepare_run_dir(make_cfg(tiny, output={"tier_prices": {"short": same}}), output_dir=tmp_path,
+                              resume="auto", max_steps=2)
+    assert ckpt is not None and not (run_dir / "config.previous.yaml").exists()
+    dearer = {**prices, "output_usd_per_mtok": "4.0"}
+    with pytest.raises(ConfigError, match=r"^--resume: the run file differs .* in output\.tier_prices\.short "
+                                          r"\(\{.*'0\.4'.*\} -> \{.*'4\.0'.*\}\): .*--force"):
+        prepare_run_dir(make_cfg(tiny, output={"tier_prices": {"short": dearer}}), output_dir=tmp_path,
+                        resume="auto", max_steps=2)
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["output"]["tier_prices"]["short"] == same
+    prepare_run_dir(make_cfg(tiny, output={"tier_prices": {"short": dearer}}), output_dir=tmp_path, resume="auto",
+                    max_steps=2, force=True)
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["output"]["tier_prices"]["short"] == dearer
+    assert (run_dir / "config.previous.yaml").is_file()

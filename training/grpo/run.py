@@ -195,9 +195,32 @@ def build_grpo_args(cfg: RunConfig, run_dir: Path, reward_weights: list[float], 
 _COMPARED_SECTIONS = ("model", "task", "budget_prompt", "rewards", "advantages", "dynamic_sampling", "ledger")
 
 
+def _tier_prices_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``"output.tier_prices.<tier> (old -> new)"`` for each tier whose prices differ, as decimals (``0.10`` and
+    ``0.1`` are one price): the gateway meters the trained tier at them (``tier.yaml``), so a resume must not
+    replace the recorded ones unnoticed. A side without the field (a ``config.yaml`` from before it) reads as none
+    set, the default."""
+
+    def prices(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return dict((cfg.get("output") or {}).get("tier_prices") or {})
+
+    def same(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+        if a is None or b is None or set(a) != set(b):
+            return a == b
+        try:
+            return all(Decimal(str(a[k])) == Decimal(str(b[k])) for k in a)
+        except ArithmeticError:  # not a decimal (the config check refuses it): compare as written
+            return a == b
+
+    pa, pb = prices(old), prices(new)
+    return [f"output.tier_prices.{t} ({pa.get(t)!r} -> {pb.get(t)!r})"
+            for t in sorted(set(pa) | set(pb)) if not same(pa.get(t), pb.get(t))]
+
+
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """``"section.key (old -> new)"`` for each compared field that differs between two resolved run configs
-    (:data:`_COMPARED_SECTIONS` and the TRL options except :data:`_NON_HPARAMS`); empty when compatible."""
+    (:data:`_COMPARED_SECTIONS`, ``output.tier_prices`` and the TRL options except :data:`_NON_HPARAMS`); empty
+    when compatible."""
     out: list[str] = []
     for sec in _COMPARED_SECTIONS:
         a, b = old.get(sec), new.get(sec)
@@ -207,6 +230,7 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
                     out.append(f"{sec}.{k} ({a.get(k)!r} -> {b.get(k)!r})")
         elif a != b:
             out.append(f"{sec} ({a!r} -> {b!r})")
+    out += _tier_prices_changes(old, new)
     ta, tb = old.get("trl") or {}, new.get("trl") or {}
     for k in sorted((set(ta) | set(tb)) - _NON_HPARAMS):
         if ta.get(k) != tb.get(k):
