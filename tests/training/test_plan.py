@@ -211,9 +211,11 @@ def test_shipped_configs_have_a_shape(name: str) -> None:
 def test_report_phase_actuals_add_up_to_the_total_at_each_rows_price(tmp_path: Path) -> None:
     """N6 D4: ``train report``'s phases read 278 micro-USD against a total of 277 (each phase's summed ms rounded
     once, not per row), and took every row's price from the first row. Rows here: the smoke run's shape at the
-    cpu price ($0.05/h = 1/72 micro-USD per ms), then a segment resumed on a device at $3.6/h (the real resume)."""
+    cpu price ($0.05/h = 1/72 micro-USD per ms), then a segment resumed on a device at $3.6/h (the real resume).
+    The actual total is all the run spent, the row the resume rolled back included (it left it out, and read less
+    than ``summary.json``'s ``spent_usd``): shown apart as ``rolled_back``."""
     from training.grpo.ledger import phase_costs
-    from training.plan.planner import actual_by_phase
+    from training.plan.planner import actual_by_phase, format_report
 
     d = tmp_path / "run"
     led = CostLedger(d, "cpu", 1, Decimal("0.05"))
@@ -228,13 +230,26 @@ def test_report_phase_actuals_add_up_to_the_total_at_each_rows_price(tmp_path: P
     led2.record(2, StepCounters(generation_s=0.003, reward_s=0.002), 0.006)
     led2.record_overhead("finish", 2, {"eval": 0.001, "io": 0.002})
     rows = led2.rows()
+    [rolled] = [json.loads(x) for x in (d / "ledger_discarded.jsonl").read_text().splitlines()]
+    assert rolled["cost_micro_usd"] == 1  # 100 ms at 1/72 micro-USD per ms
     act = actual_by_phase(d)
     assert sum(act[p]["micro_usd"] for p in ("startup", "sampling", "reward", "update", "eval", "io")) == (
-        act["total_micro_usd"]) == sum(r["cost_micro_usd"] for r in rows) == 2 + 2 + 7 + 6 + 3
+        act["total_micro_usd"]) == sum(r["cost_micro_usd"] for r in [*rows, rolled]) == 2 + 2 + 1 + 7 + 6 + 3
+    # the report's actual is the ledger's own spend (summary.json's spent_usd), the rolled-back part shown apart
+    assert Decimal(led2.summary()["spent_usd"]) * 1_000_000 == act["total_micro_usd"]
+    assert act["rolled_back"] == {"micro_usd": 1, "device_hours": 100 / 3.6e6, "rows": 1}
+    assert act["steps"] == 2  # the steps the model went through: the rolled-back step 2 was redone
     # each row's price is its own: the resumed segment's 7 ms of start-up are 7 micro-USD, not 7/72
     assert act["startup"]["micro_usd"] == phase_costs(rows[0])["startup"] + 7
-    for r in rows:
+    for r in [*rows, rolled]:
         assert sum(phase_costs(r).values()) == r["cost_micro_usd"]
+    zero = {"usd": 0, "low_usd": 0, "high_usd": 0}
+    plan = {"assumptions": {"micro_usd": {**{p: zero for p in ("startup", "sampling", "reward", "update", "eval",
+                                                                 "io")}, "total": 20, "low": 15, "high": 25},
+                            "run": {"steps": 2}}, "sampled_tokens": 0, "trained_tokens": 0}
+    rep = report(plan, d)
+    assert rep["total"]["actual_usd"] == 21e-6 and rep["rolled_back"] == {"actual_usd": 1e-6, "rows": 1}
+    assert "of which rolled back by a resume" in format_report(rep)
 
 
 def test_report_names_only_the_missing_file(tmp_path: Path) -> None:

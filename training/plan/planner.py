@@ -21,8 +21,9 @@ from typing import Any
 
 import yaml
 
+from router.jsonl import read_jsonl
 from training.grpo.config import REPO_ROOT, ConfigError, RunConfig, from_dict, validate
-from training.grpo.ledger import MICRO, PHASES, phase_costs
+from training.grpo.ledger import DISCARDED_FILE, LEDGER_FILE, MICRO, PHASES, phase_costs
 from training.plan.estimate import RunShape, count_parameters, estimate, reference_rates, run_shape
 
 PROBE_MARKER = "probe.json"
@@ -160,17 +161,34 @@ def _same_model(a: str, b: str) -> bool:
 
 # --- report -----------------------------------------------------------------------------------------------------
 def actual_by_phase(run_dir: Path) -> dict[str, Any]:
-    """The ledger's bill of a run per phase: ``{phase: {device_hours, micro_usd}}`` plus totals; a phase's USD is
-    the sum over rows of its share of each row's own integer cost (:func:`training.grpo.ledger.phase_costs`, so each
-    row's price is its own), and the phases add up to the total, the ledger's own sum of rows, exactly."""
-    rows = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines() if x.strip()]
+    """The ledger's bill of a run per phase: ``{phase: {device_hours, micro_usd}}`` plus totals, over every row
+    billed — those of ``ledger.jsonl`` and the rolled-back ones a resume moved to ``ledger_discarded.jsonl`` (that
+    money was spent: ``summary.json``'s ``spent_usd`` and ``train runs`` count it too; a row in both files, a
+    resume killed between its two writes, once). A phase's USD is the sum over rows of its share of each row's own
+    integer cost (:func:`training.grpo.ledger.phase_costs`, so each row's price is its own), and the phases add up
+    to the total exactly. ``rolled_back``: the discarded rows' part, ``{micro_usd, device_hours, rows}``;
+    ``steps``: the step rows kept (the steps the trained model went through); tokens count every row."""
+    kept = list(read_jsonl(run_dir / LEDGER_FILE, missing_ok=True, skip_invalid=True))
+    on_path = {r["seq"] for r in kept if "seq" in r}
+    discarded = [r for r in read_jsonl(run_dir / DISCARDED_FILE, missing_ok=True, skip_invalid=True)
+                 if r.get("seq") not in on_path]  # fmt: skip
+    rows = kept + discarded
     shares = [phase_costs(r) for r in rows]
+
+    def device_ms(r: dict[str, Any], key: str = "wall_ms") -> int:
+        return int(r.get(key, 0)) * int(r.get("device_count", 1))
+
     out: dict[str, Any] = {}
     for p in PHASES:
-        dev = sum(int(r[f"{p}_ms"]) * int(r.get("device_count", 1)) for r in rows)
-        out[p] = {"device_hours": dev / 3.6e6, "micro_usd": sum(s[p] for s in shares)}
+        out[p] = {"device_hours": sum(device_ms(r, f"{p}_ms") for r in rows) / 3.6e6,
+                  "micro_usd": sum(s[p] for s in shares)}
     out["total_micro_usd"] = sum(int(r["cost_micro_usd"]) for r in rows)
-    out["steps"] = sum(1 for r in rows if r["kind"] == "step")
+    out["rolled_back"] = {
+        "micro_usd": sum(int(r["cost_micro_usd"]) for r in discarded),
+        "device_hours": sum(device_ms(r) for r in discarded) / 3.6e6,
+        "rows": len(discarded),
+    }
+    out["steps"] = sum(1 for r in kept if r["kind"] == "step")
     out["sampled_tokens"] = sum(int(r["sampled_tokens"]) for r in rows)
     out["trained_tokens"] = sum(int(r["trained_tokens"]) for r in rows)
     return out
@@ -178,7 +196,9 @@ def actual_by_phase(run_dir: Path) -> dict[str, Any]:
 
 def report(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """Estimate vs actual per phase: ``{"phases": {p: {estimate_usd, low_usd, high_usd, actual_usd, error}},
-    "total": {...}, "tokens": {...}}``; ``error`` = (estimate - actual) / actual (None when actual is 0)."""
+    "total": {...}, "rolled_back": {actual_usd, rows}, "steps": {...}, "tokens": {...}}``; ``error`` = (estimate -
+    actual) / actual (None when actual is 0). Actual is all the run spent, the rolled-back rows of a resumed run
+    included (:func:`actual_by_phase`); ``rolled_back`` is that part alone."""
     act = actual_by_phase(run_dir)
     micro = plan["assumptions"]["micro_usd"]
 
@@ -195,9 +215,11 @@ def report(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     phases = {p: row(micro[p]["usd"], micro[p]["low_usd"], micro[p]["high_usd"], act[p]["micro_usd"]) for p in PHASES}
     total = row(micro["total"], micro["low"], micro["high"], act["total_micro_usd"])
     planned_steps = plan["assumptions"]["run"]["steps"]
+    rolled = act["rolled_back"]
     return {
         "phases": phases,
         "total": total,
+        "rolled_back": {"actual_usd": float(Decimal(rolled["micro_usd"]) / MICRO), "rows": rolled["rows"]},
         "steps": {"planned": planned_steps, "actual": act["steps"]},
         "tokens": {
             "sampled": {"estimate": plan["sampled_tokens"], "actual": act["sampled_tokens"]},
@@ -215,6 +237,10 @@ def format_report(rep: dict[str, Any]) -> str:
             f"{name:<10}{r['estimate_usd']:>12.6f}{r['low_usd']:>12.6f}{r['high_usd']:>12.6f}"
             f"{r['actual_usd']:>12.6f}{err:>9}  {'yes' if r['in_range'] else 'no'}"
         )
+    rolled = rep["rolled_back"]
+    if rolled["rows"]:  # a resumed run: the part of the actual total that a resume rolled back (still spent)
+        lines.append(f"{'of which rolled back by a resume':<46}{rolled['actual_usd']:>12.6f}  "
+                     f"({rolled['rows']} row(s), ledger_discarded.jsonl)")
     t = rep["tokens"]
     lines.append(
         f"steps planned {rep['steps']['planned']}, run {rep['steps']['actual']}; sampled tokens "
