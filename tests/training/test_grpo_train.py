@@ -661,6 +661,45 @@ def test_ctrl_c_during_start_up_is_billed_and_the_run_is_listed_interrupted(
     assert rec.status == "interrupted" and rec.micro_usd == row["cost_micro_usd"]
 
 
+class _BrokenToy(Toy):
+    """A held-out problem whose question cannot be read (a data set that fails to load): the run fails while it
+    is built (``build_run``), before its ledger exists."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "question":
+            raise ValueError("held-out data: corrupt row")
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize("where", ["build", "eval_before"])
+def test_an_error_during_start_up_is_billed_as_a_ctrl_c_is(tiny: Path, tmp_path: Path, where: str) -> None:
+    """An error before the first step — the held-out data failing to load while the run is built, or writing the
+    evaluation before training failing (its path taken by a directory) — left the start-up (imports, model load,
+    that evaluation) billed nowhere: only a Ctrl-C there, or an error past start-up, was billed. Now the
+    ``startup`` row a Ctrl-C writes, then the error propagates."""
+    from training.grpo.ledger import micro_usd
+    from training.grpo.run import run_grpo
+    from training.registry import list_runs
+
+    out = tmp_path / "run"
+    cfg = make_cfg(tiny, eval={"before": True, "after": False})
+    eval_problems: list[Toy] = PROBLEMS[:4]
+    if where == "build":
+        eval_problems = [_BrokenToy("x", "What is 1 + 1?", "2", 1)]
+    else:
+        (out / "eval_before.json").mkdir(parents=True)
+    with pytest.raises((ValueError, OSError), match=r"corrupt row|Is a directory"):
+        run_grpo(cfg, output_dir=out, train_problems=PROBLEMS, eval_problems=eval_problems, progress=False,
+                 verifier=exact_answer_verifier)
+    [row] = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    assert row["kind"] == "startup" and row["step"] == 0 and row["startup_ms"] > 0
+    assert (row["eval_ms"] == 0) is (where == "build")  # the evaluation done is billed as eval
+    assert row["cost_micro_usd"] == micro_usd(row["device_ms"], Decimal(row["price_usd_per_device_hour"]))
+    assert row["data_hash"] and row["data_hash"] != "unknown"  # the training problems loaded
+    [rec] = list_runs(tmp_path)
+    assert rec.micro_usd == row["cost_micro_usd"] > 0
+
+
 def test_ctrl_c_during_the_evaluation_after_training_is_billed(tiny: Path, tmp_path: Path) -> None:
     """A SIGINT after the last step — saving the model, the evaluation after training (minutes on a real held-out
     set), the plots — left the time since the last step's row billed nowhere: only build and train were covered

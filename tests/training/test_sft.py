@@ -112,3 +112,54 @@ def test_ctrl_c_mid_training_is_billed(tmp_path: Path) -> None:
     assert rows[-1]["wall_ms"] > 0 and rows[-1]["step"] == max(r["step"] for r in rows if r["kind"] == "step")
     (rec,) = list_runs(tmp_path)
     assert rec.micro_usd == sum(r["cost_micro_usd"] for r in rows)
+    assert rec.status == "interrupted"  # said `running` until the heartbeat went stale, then `abandoned`
+
+
+def _sft_cfg(run: Path, **over: object) -> object:
+    """A small in-process SFT run (16 problems, batches of 4, no evaluations) into ``run``."""
+    from training.grpo.config import from_dict
+    from training.sft.run import SFTRunConfig
+
+    data = {"run_name": "sft-e", "output_dir": str(run), "task": {"n_train": 8, "n_eval": 2, "difficulties": [1]},
+            "eval": {"before": False, "after": False}, "ledger": {"price_usd_per_device_hour": {"cpu": "3.6"}},
+            "trl": {"per_device_train_batch_size": 4, "max_steps": 2}, **over}  # fmt: skip
+    return from_dict(SFTRunConfig, data)
+
+
+def test_an_error_during_start_up_is_billed(tmp_path: Path) -> None:
+    """An SFT error was never billed (only its Ctrl-C, and not before the ledger existed): here the model does
+    not load (a directory with an empty config.json) after the imports were paid for. The ``startup`` row bills
+    process start to the error, then it propagates; the traces were not made, so the row's data hash is unknown."""
+    import pytest
+
+    from training.sft.run import run_sft
+
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    run = tmp_path / "sft-e"
+    with pytest.raises((OSError, ValueError)):
+        run_sft(_sft_cfg(run, model={"path": str(broken)}))  # type: ignore[arg-type]
+    [row] = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    assert row["kind"] == "startup" and row["startup_ms"] > 0 and row["cost_micro_usd"] > 0
+    assert row["data_hash"] == "unknown" and row["method"] == "sft"
+    (rec,) = list_runs(tmp_path)
+    assert rec.micro_usd == row["cost_micro_usd"]
+
+
+def test_an_error_after_the_steps_is_billed_as_an_interruption_is(tmp_path: Path) -> None:
+    """An error past start-up — here saving the model fails (its path is taken by a file) — left the time since
+    the last step row billed nowhere. Now an ``interrupted`` row, as a Ctrl-C writes, then the error propagates."""
+    import pytest
+
+    from training.sft.run import run_sft
+
+    run = tmp_path / "sft-e"
+    run.mkdir()
+    (run / "model").write_text("not a directory")
+    with pytest.raises(OSError):
+        run_sft(_sft_cfg(run))  # type: ignore[arg-type]
+    rows = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [("startup", 0), ("step", 1), ("step", 2), ("interrupted", 2)]
+    assert rows[-1]["wall_ms"] > 0 and rows[-1]["spent_micro_usd"] == sum(r["cost_micro_usd"] for r in rows)
+    assert rows[-1]["data_hash"] == rows[0]["data_hash"] != "unknown"

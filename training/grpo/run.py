@@ -403,11 +403,10 @@ def run_grpo(
         bill_interrupted_startup(cfg, run_dir, checkpoint, process_t0, run, train_problems)
         raise
     except Exception:
-        # a crash once the start-up is billed (an out-of-memory error, a reward function that raises): the step in
-        # flight — or the finish — was paid for as a Ctrl-C's is, and no row held it. Before that, an error is left
-        # as it was: a model that does not load, a configuration refused before training, no run to bill.
-        if run is not None and run.ledger_cb.startup_billed:
-            bill_interrupted_startup(cfg, run_dir, checkpoint, process_t0, run, train_problems)
+        # a crash (an out-of-memory error, a reward function that raises, a model that does not load) is billed
+        # as a Ctrl-C is: the start-up, or the step in flight or the finish, was paid for and no row held it. A
+        # configuration refused before the run directory exists (prepare_run_dir, above) spent nothing to bill.
+        bill_interrupted_startup(cfg, run_dir, checkpoint, process_t0, run, train_problems, cause="failed")
         raise
 
 
@@ -418,45 +417,53 @@ def bill_interrupted_startup(
     process_t0: float,
     run: GRPORun | None,
     train_problems: Sequence[Any] | None = None,
+    cause: str = "interrupted",
 ) -> dict[str, Any] | None:
-    """On Ctrl-C (or a crash past start-up, :func:`run_grpo`): bill what no row holds yet. Before the first step, the
-    ``startup`` row the first step would have written (from the process start to now; the evaluation before
-    training, finished or not, as ``eval``), so start-up is billed and the run — a directory with a ledger — is
-    listed (``interrupted``) by ``train runs``. Without it a SIGINT during a model load left no ledger at all:
-    minutes of device time on a large model, billed nowhere. After it, the step the interrupt cut short — or the
-    finish after the last step (saving the model, the evaluation after training) — as an ``interrupted`` row
-    (:meth:`LedgerCallback.close_interrupted`): its rollouts and device time were paid for, and only finished steps
-    got rows.
+    """On Ctrl-C or an error (:func:`run_grpo`; ``cause`` — ``interrupted`` or ``failed`` — names it in the log):
+    bill what no row holds yet. Before the first step, the ``startup`` row the first step would have written (from
+    the process start to now; the evaluation before training, finished or not, as ``eval``), so start-up is billed
+    and the run — a directory with a ledger — is listed by ``train runs``. Without it a SIGINT or an error during a
+    model load left no ledger at all: minutes of device time on a large model, billed nowhere. After it, the step
+    cut short — or the finish after the last step (saving the model, the evaluation after training) — as an
+    ``interrupted`` row (:meth:`LedgerCallback.close_interrupted`): its rollouts and device time were paid for, and
+    only finished steps got rows.
 
-    Interrupted inside :func:`build_run` (``run`` None), the ledger is built here (a resume's is restored from its
+    Stopped inside :func:`build_run` (``run`` None), the ledger is built here (a resume's is restored from its
     checkpoint first, so the row follows the rows it keeps and a later resume discards it, as any row after the
-    checkpoint). Returns the row, or None when start-up was billed already or billing failed (logged: the interrupt
-    still propagates). Rank 0 writes; no collective is run on this path."""
+    checkpoint); when the training problems are what failed to load, its ``data_hash`` tag is ``unknown``. Returns
+    the row, or None when billing failed (logged: the interrupt or error still propagates). Rank 0 writes; no
+    collective is run on this path."""
     if run is not None and run.ledger_cb.startup_billed:  # past start-up: the step in flight is what is unbilled
         try:
             row = run.ledger_cb.close_interrupted(run.ledger.last_step)
             if run.ledger.writer:
                 run.ledger.write_parquet()
             return row
-        except Exception:  # the interrupt must still reach the user with its message
-            logger.exception("interrupted mid-step: could not bill it")
+        except Exception:  # the interrupt or error must still reach the user with its message
+            logger.exception("%s mid-step: could not bill it", cause)
             return None
     wall_s = max(0.0, time.perf_counter() - process_t0)
     try:
         if run is not None:
             ledger, pre_eval = run.ledger, run.ledger_cb.pre_eval_s
-            if not pre_eval and run.ledger_cb.eval_t0 is not None:  # interrupted during that evaluation
+            if not pre_eval and run.ledger_cb.eval_t0 is not None:  # stopped during that evaluation
                 pre_eval = time.perf_counter() - run.ledger_cb.eval_t0
         else:
             from training.grpo import data as data_mod
 
-            if train_problems is None:
-                train_problems = data_mod.load_problems(cfg.task, cfg.task.train_split, cfg.task.n_train)
-            rows = data_mod.problem_rows(
-                train_problems, data_mod.resolve_budget_prompt(cfg.budget_prompt, cfg.reward_names())
-            )
+            rows: list[dict[str, Any]] | None
+            try:
+                if train_problems is None:
+                    train_problems = data_mod.load_problems(cfg.task, cfg.task.train_split, cfg.task.n_train)
+                rows = data_mod.problem_rows(
+                    train_problems, data_mod.resolve_budget_prompt(cfg.budget_prompt, cfg.reward_names())
+                )
+            except Exception:  # the data may be what failed (a data set that does not load): bill without its hash
+                rows = None
             kind, count = detect_device()
-            ledger = _build_ledger(cfg, run_dir, rows, cfg.trl_kwargs(), kind, count)
+            ledger = _build_ledger(cfg, run_dir, rows or [], cfg.trl_kwargs(), kind, count)
+            if rows is None:
+                ledger.tags["data_hash"] = "unknown"
             # billed devices as build_run counts them: one per training process (1 on CPU), plus extra devices
             world = int(os.environ.get("WORLD_SIZE", "1")) if kind != "cpu" else 1
             ledger.device_count = world + cfg.ledger.extra_devices
@@ -470,10 +477,10 @@ def bill_interrupted_startup(
         )
         if ledger.writer:
             ledger.write_parquet()
-        logger.warning("interrupted during start-up: %.1f s billed (%s micro-USD)", wall_s, row["cost_micro_usd"])
+        logger.warning("%s during start-up: %.1f s billed (%s micro-USD)", cause, wall_s, row["cost_micro_usd"])
         return row
-    except Exception:  # the interrupt must still reach the user with its message
-        logger.exception("interrupted during start-up: could not bill it")
+    except Exception:  # the interrupt or error must still reach the user with its message
+        logger.exception("%s during start-up: could not bill it", cause)
         return None
 
 

@@ -118,7 +118,10 @@ def teacher_traces(problems: list[Any], rows: list[dict[str, Any]], cfg: SFTRunC
 
 
 def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_steps: int | None = None) -> dict:
-    """Run SFT and return the summary (the ledger's, plus the run's accuracies and wall times)."""
+    """Run SFT and return the summary (the ledger's, plus the run's accuracies and wall times).
+
+    Raises :class:`ConfigError` before the run directory is written (:func:`_check_sft_run`); from then on a
+    Ctrl-C or an error is billed before it propagates (:func:`_bill_unfinished`)."""
     from training.grpo.ledger import seconds_since_process_start
 
     since = seconds_since_process_start()
@@ -126,64 +129,30 @@ def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_step
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
 
     from training.grpo import data as data_mod
     from training.grpo.evaluate import generate_and_score, summarize
     from training.grpo.ledger import Budgets, CostLedger, StepCounters
     from training.grpo.monitors import AlertLog, BudgetReachedBeforeTraining, LedgerCallback
     from training.grpo.reward_utils import policy_thinks, task_verifier
-    from training.grpo.run import detect_device, git_commit
+    from training.grpo.run import git_commit
     from training.registry import heartbeat_callback, write_heartbeat
 
     if max_steps is not None:
         cfg.trl["max_steps"] = int(max_steps)
     run_dir = Path(output_dir or cfg.output_dir)
     cfg.output_dir = str(run_dir)
-    if (run_dir / "ledger.jsonl").exists():
-        raise ConfigError(f"{run_dir} already holds a run (ledger.jsonl): choose a new --output-dir")
+    model_path, kind, count, price, args = _check_sft_run(cfg, run_dir)
+    lc, trl_kw = cfg.ledger, cfg.trl_kwargs()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     write_heartbeat(run_dir, 0)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model_path = resolve_model_path(cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    verifier = task_verifier()
-    thinks = cfg.model.thinks if cfg.model.thinks is not None else policy_thinks(tokenizer)
-
-    train_problems = data_mod.load_problems(cfg.task, cfg.task.train_split, cfg.task.n_train)
-    eval_problems = data_mod.load_problems(cfg.task, cfg.task.eval_split, cfg.task.n_eval)
-    train_rows = data_mod.problem_rows(train_problems)
-    eval_rows = data_mod.problem_rows(eval_problems)
-    traces = teacher_traces(list(train_problems), train_rows, cfg, verifier)
-    (run_dir / "traces.jsonl").write_text("".join(json.dumps(t) + "\n" for t in traces))
-    # The prompt as the policy sees it at inference (chat template with the generation prompt, which opens the
-    # thought); the completion is the trace plus the end-of-turn token, so the loss covers exactly what it generates.
-    eos = tokenizer.eos_token or ""
-    ds = Dataset.from_list(
-        [
-            {
-                "prompt": tokenizer.apply_chat_template(t["prompt"], add_generation_prompt=True, tokenize=False),
-                "completion": t["completion"] + eos,
-            }
-            for t in traces
-        ]
-    )
-
-    kind, count = detect_device()
-    lc = cfg.ledger
-    kind = lc.device_kind or kind
-    prices = lc.prices()
-    if kind not in prices:
-        raise ConfigError(f"ledger.price_usd_per_device_hour: no price for device kind {kind!r}")
-    trl_kw = cfg.trl_kwargs()
     tags = {
         **cfg.tags,
         "run_name": cfg.run_name,
         "method": "sft",
-        "data_hash": stable_hash([(t["problem_id"], t["completion"]) for t in traces]),
+        "data_hash": "unknown",  # the traces' hash once they are made (a row billed before says unknown)
         "reward_hash": "none",
         "hparam_hash": stable_hash({"trl": trl_kw, "model": cfg.model.path, "traces": cfg.traces.model_dump()}),
         "git_commit": git_commit(),
@@ -195,16 +164,44 @@ def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_step
         run_dir,
         kind,
         count + lc.extra_devices,
-        prices[kind],
+        price,
         Budgets(budget_usd, lc.budget_device_hours, lc.budget_sampled_tokens),
         tags,
         lc.warn_fraction,
         lc.stop_on_projection,
     )
     ledger_cb = LedgerCallback(ledger, counters, alerts)
-    # a Ctrl-C from here on is billed (GRPO's rule): start-up when no row holds it yet, else the time since the
-    # last row as an `interrupted` row (the step in flight, the save, the evaluations) - paid for, in no row
+    # from here on a Ctrl-C or an error is billed (GRPO's rule): start-up when no row holds it yet, else the time
+    # since the last row as an `interrupted` row (the step in flight, the save, the evaluations) - paid for, in no row
+    finished = False  # the finish row is written: it holds the time since the last step
     try:
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        verifier = task_verifier()
+        thinks = cfg.model.thinks if cfg.model.thinks is not None else policy_thinks(tokenizer)
+
+        train_problems = data_mod.load_problems(cfg.task, cfg.task.train_split, cfg.task.n_train)
+        eval_problems = data_mod.load_problems(cfg.task, cfg.task.eval_split, cfg.task.n_eval)
+        train_rows = data_mod.problem_rows(train_problems)
+        eval_rows = data_mod.problem_rows(eval_problems)
+        traces = teacher_traces(list(train_problems), train_rows, cfg, verifier)
+        ledger.tags["data_hash"] = stable_hash([(t["problem_id"], t["completion"]) for t in traces])
+        (run_dir / "traces.jsonl").write_text("".join(json.dumps(t) + "\n" for t in traces))
+        # The prompt as the policy sees it at inference (chat template with the generation prompt, which opens the
+        # thought); the completion is the trace plus the end-of-turn token, so the loss covers exactly what it
+        # generates.
+        eos = tokenizer.eos_token or ""
+        ds = Dataset.from_list(
+            [
+                {
+                    "prompt": tokenizer.apply_chat_template(t["prompt"], add_generation_prompt=True, tokenize=False),
+                    "completion": t["completion"] + eos,
+                }
+                for t in traces
+            ]
+        )
         eval_max = cfg.eval.max_new_tokens or 256
 
         def evaluate(m: Any) -> dict[str, Any]:
@@ -214,15 +211,6 @@ def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_step
                     cfg.eval.samples, cfg.task.seed, require_closed_thought=thinks,
                 )
             )  # fmt: skip
-
-        cpu = kind == "cpu"
-        base = {"use_cpu": True, "bf16": False} if cpu else {}
-        if "output_dir" in trl_kw:
-            raise ConfigError("trl.output_dir: set by ThinkGate (output_dir)")
-        try:
-            args = SFTConfig(output_dir=str(run_dir), **{**base, **trl_kw})
-        except TypeError as e:
-            raise ConfigError(f"trl: {e}") from e
 
         class LedgeredSFTTrainer(SFTTrainer):
             """Counts the tokens under the loss (labels != -100) for the ledger's ``trained_tokens``."""
@@ -244,6 +232,7 @@ def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_step
         t_eval = 0.0
         if cfg.eval.before:
             t0 = time.perf_counter()
+            ledger_cb.eval_t0 = t0  # stopped during it, the part done is billed as eval (_bill_unfinished)
             before = evaluate(trainer.model)
             t_eval = time.perf_counter() - t0
             (run_dir / "eval_before.json").write_text(json.dumps(before, indent=2) + "\n")
@@ -265,6 +254,7 @@ def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_step
             t_after = time.perf_counter() - t0
             (run_dir / "eval_after.json").write_text(json.dumps(after, indent=2) + "\n")
         ledger_cb.close_finish(trainer.state.global_step, t_after)
+        finished = True  # an error after the finish row (writing the summary) is not billed again
         ledger.write_parquet()
         summary = ledger.summary(
             before["overall"]["accuracy"] if before else None, after["overall"]["accuracy"] if after else None
@@ -283,18 +273,62 @@ def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_step
         write_heartbeat(run_dir, trainer.state.global_step)
         return summary
     except KeyboardInterrupt:
-        _bill_interrupt(ledger, ledger_cb, process_t0)
+        if not finished:
+            _bill_unfinished(ledger, ledger_cb, process_t0, "interrupted")
+        raise
+    except Exception:
+        if not finished:
+            _bill_unfinished(ledger, ledger_cb, process_t0, "failed")
         raise
 
 
-def _bill_interrupt(ledger: CostLedger, ledger_cb: LedgerCallback, process_t0: float) -> None:
-    """On Ctrl-C: the ``startup`` row (process start to now) when the first step had not begun, else an
-    ``interrupted`` row for the time since the last row; never raises (the interrupt must reach the user)."""
+def _check_sft_run(cfg: SFTRunConfig, run_dir: Path) -> tuple[Path, str, int, Decimal, Any]:
+    """The configuration's own refusals, before anything is written (after, the time spent is billed): a run
+    directory that holds a run, no model directory at ``model.path``, an unpriced device kind, ``trl:`` options
+    ``SFTConfig`` refuses (:class:`ConfigError`). Returns ``(model directory, device kind, device count, USD per
+    device-hour, SFTConfig)``."""
+    from trl import SFTConfig
+
+    from training.grpo.run import detect_device
+
+    if (run_dir / "ledger.jsonl").exists():
+        raise ConfigError(f"{run_dir} already holds a run (ledger.jsonl): choose a new --output-dir")
+    model_path = resolve_model_path(cfg.model.path)
+    kind, count = detect_device()
+    kind = cfg.ledger.device_kind or kind
+    prices = cfg.ledger.prices()
+    if kind not in prices:
+        raise ConfigError(f"ledger.price_usd_per_device_hour: no price for device kind {kind!r}")
+    trl_kw = cfg.trl_kwargs()
+    if "output_dir" in trl_kw:
+        raise ConfigError("trl.output_dir: set by ThinkGate (output_dir)")
+    base = {"use_cpu": True, "bf16": False} if kind == "cpu" else {}
+    try:
+        args = SFTConfig(output_dir=str(run_dir), **{**base, **trl_kw})  # creates no directory
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"trl: {e}") from e
+    return model_path, kind, count, prices[kind], args
+
+
+def _bill_unfinished(ledger: CostLedger, ledger_cb: LedgerCallback, process_t0: float, cause: str) -> None:
+    """On Ctrl-C or an error (``cause``: ``interrupted`` / ``failed``, for the log): the ``startup`` row (process
+    start to now; the evaluation before training, finished or not, as ``eval``) when the first step had not begun,
+    else an ``interrupted`` row for the time since the last row; a Ctrl-C marks the run ``interrupted`` for
+    ``train runs``. Never raises (the interrupt or error must reach the user)."""
+    from training.registry import mark_interrupted
+
     try:
         if ledger_cb.startup_billed:
             ledger_cb.close_interrupted(ledger.last_step)
         else:
-            ledger.record_overhead("startup", 0, {"startup": max(0.0, time.perf_counter() - process_t0)})
+            now = time.perf_counter()
+            pre_eval = ledger_cb.pre_eval_s
+            if not pre_eval and ledger_cb.eval_t0 is not None:  # stopped during that evaluation
+                pre_eval = now - ledger_cb.eval_t0
+            wall = max(0.0, now - process_t0)
+            ledger.record_overhead("startup", 0, {"startup": max(0.0, wall - pre_eval), "eval": pre_eval})
         ledger.write_parquet()
+        if cause == "interrupted":
+            mark_interrupted(ledger.run_dir)
     except Exception:
-        logger.exception("interrupted: could not bill it")
+        logger.exception("%s: could not bill it", cause)
