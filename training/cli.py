@@ -53,49 +53,52 @@ def tiny(
     from router.errors import require
 
     require("torch", "train", "thinkgate train tiny")
-    from training.grpo.config import ConfigError
+    from training.grpo.config import ConfigError, resolve_model_path
     from training.tiny.billing import SFTBilling
     from training.tiny.card import write_card
     from training.tiny.train import overthink_stage, recipe, train, train_overthink, train_recipe
 
     out = Path(output_dir)
     try:
+        if from_stage2:  # a wrong path is refused before the bill starts
+            resolve_model_path(from_stage2)
         billing = SFTBilling(out, {"run_name": out.name, "method": "tiny-sft"})
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    hook = billing.on_step
-    if from_stage2:
-        s3 = overthink_stage(from_stage2, seed=seed + 2, steps=steps3, max_minutes=max_minutes3, threads=threads)
-        summary = train_overthink(s3, out, log=typer.echo, on_step=hook)
-    else:
-        s1, s2 = recipe(seed=seed, steps=(steps, steps2), max_minutes=(max_minutes, max_minutes2), threads=threads)
-        if steps2 <= 0:
-            summary = train(s1, out, log=typer.echo, on_step=hook)
-        elif steps3 <= 0:
-            summary = train_recipe((s1, s2), out, log=typer.echo, on_step=hook)
+    with billing:  # a Ctrl-C or an error is billed before it propagates (SFTBilling.bill_unfinished)
+        hook = billing.on_step
+        if from_stage2:
+            s3 = overthink_stage(from_stage2, seed=seed + 2, steps=steps3, max_minutes=max_minutes3, threads=threads)
+            summary = train_overthink(s3, out, log=typer.echo, on_step=hook)
         else:
-            stage2_dir = out / "stage2"
-            sum12 = train_recipe((s1, s2), stage2_dir, log=typer.echo, on_step=hook)
-            s3 = overthink_stage(
-                str(stage2_dir), seed=seed + 2, steps=steps3, max_minutes=max_minutes3, threads=threads
-            )
-            summary = train_overthink(s3, out, log=typer.echo, earlier=sum12["stages"], on_step=hook)
-            shutil.rmtree(stage2_dir, ignore_errors=True)
-    eval_s = 0.0
-    if eval_n > 0:
-        import time
+            s1, s2 = recipe(seed=seed, steps=(steps, steps2), max_minutes=(max_minutes, max_minutes2), threads=threads)
+            if steps2 <= 0:
+                summary = train(s1, out, log=typer.echo, on_step=hook)
+            elif steps3 <= 0:
+                summary = train_recipe((s1, s2), out, log=typer.echo, on_step=hook)
+            else:
+                stage2_dir = out / "stage2"
+                sum12 = train_recipe((s1, s2), stage2_dir, log=typer.echo, on_step=hook)
+                s3 = overthink_stage(
+                    str(stage2_dir), seed=seed + 2, steps=steps3, max_minutes=max_minutes3, threads=threads
+                )
+                summary = train_overthink(s3, out, log=typer.echo, earlier=sum12["stages"], on_step=hook)
+                shutil.rmtree(stage2_dir, ignore_errors=True)
+        eval_s = 0.0
+        if eval_n > 0:
+            import time
 
-        from training.tiny.evaluate import offline_report
+            from training.tiny.evaluate import offline_report
 
-        t_eval = time.perf_counter()
-        report = offline_report(out, n=eval_n, threads=threads)
-        eval_s = time.perf_counter() - t_eval
-        (out / "offline_eval.json").write_text(json.dumps(report, indent=2) + "\n")
-        for name, acc in report["accuracy"].items():
-            typer.echo(f"{name:>10}: " + "  ".join(f"d{d}={a:.2f}" for d, a in acc.items()))
-    write_card(out)
-    spent = billing.finish(eval_s)["spent_usd"]
+            t_eval = time.perf_counter()
+            report = offline_report(out, n=eval_n, threads=threads)
+            eval_s = time.perf_counter() - t_eval
+            (out / "offline_eval.json").write_text(json.dumps(report, indent=2) + "\n")
+            for name, acc in report["accuracy"].items():
+                typer.echo(f"{name:>10}: " + "  ".join(f"d{d}={a:.2f}" for d, a in acc.items()))
+        write_card(out)
+        spent = billing.finish(eval_s)["spent_usd"]
     typer.echo(f"done in {summary['wall_s']} s -> {out} (billed ${spent}: {out / 'ledger.jsonl'})")
 
 

@@ -71,3 +71,83 @@ def test_train_tiny_bills_its_stages_as_one_run(tmp_path: Path) -> None:
     assert rec.status == "finished" and rec.steps == 7 and rec.tags["method"] == "tiny-sft"
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 2 and "already holds a run" in again.output, again.output
+
+
+def test_ctrl_c_on_dial_sft_is_billed_and_the_run_is_listed_interrupted(tmp_path: Path) -> None:
+    """``train dial-sft`` (and ``train tiny``, the same bill) had no Ctrl-C billing: a SIGINT mid-training left the
+    step in flight billed nowhere, and the run said ``running`` until its heartbeat went stale. Here a real SIGINT
+    to this process once a step is billed (a watcher thread reads the heartbeat): an ``interrupted`` row for the
+    time since the last row, and the run ``interrupted``."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from training.tiny.dial_sft import dial_stage, run_dial_sft
+
+    out = tmp_path / "dial"
+    stop = threading.Event()
+
+    def interrupt_after_step_1() -> None:
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                if json.loads((out / "heartbeat.json").read_text()).get("step", 0) >= 1:
+                    os.kill(os.getpid(), signal.SIGINT)  # the main thread raises KeyboardInterrupt where it is
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.02)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    watcher = threading.Thread(target=interrupt_after_step_1, daemon=True)
+    try:
+        watcher.start()
+        with pytest.raises(KeyboardInterrupt):
+            run_dial_sft(dial_stage(steps=100_000, max_minutes=1.0), out, log=lambda _: None)
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+        signal.signal(signal.SIGINT, previous)
+    rows = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in rows]
+    assert kinds[0] == "startup" and kinds[-1] == "interrupted" and "step" in kinds, kinds
+    assert rows[-1]["wall_ms"] > 0 and rows[-1]["step"] == max(r["step"] for r in rows if r["kind"] == "step")
+    assert rows[-1]["spent_micro_usd"] == sum(r["cost_micro_usd"] for r in rows)
+    (rec,) = list_runs(tmp_path)
+    assert rec.status == "interrupted" and rec.micro_usd == sum(r["cost_micro_usd"] for r in rows)
+
+
+def test_an_error_in_train_tiny_is_billed(tmp_path: Path) -> None:
+    """An error once the bill has started — here stage 3's model does not load (a directory with an empty
+    config.json) — left the start-up billed nowhere. The ``startup`` row bills it, then the error propagates."""
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    out = tmp_path / "tiny"
+    r = CliRunner().invoke(app, ["train", "tiny", "--output-dir", str(out), "--from-stage2", str(broken),
+                                 "--steps3", "2", "--eval-n", "0"])
+    assert r.exit_code != 0 and r.exception is not None and not isinstance(r.exception, SystemExit), r.output
+    [row] = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    assert row["kind"] == "startup" and row["startup_ms"] > 0 and row["method"] == "tiny-sft"
+    (rec,) = list_runs(tmp_path)
+    assert rec.micro_usd == row["cost_micro_usd"] > 0
+
+
+@pytest.mark.parametrize("command", ["tiny", "dial-sft"])
+def test_a_model_path_that_is_no_model_directory_is_refused_before_the_bill(tmp_path: Path, command: str) -> None:
+    """Now that an error is billed, a mistyped ``--from-stage2`` / ``--init-from`` would leave a ledger, and the
+    directory then refuses the corrected command: refused first (exit 2), nothing written."""
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    flag = "--from-stage2" if command == "tiny" else "--init-from"
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["train", command, "--output-dir", str(out), flag, str(tmp_path / "nothing")])
+    assert r.exit_code == 2 and "no Hugging Face model directory" in r.output, r.output
+    assert not out.exists()

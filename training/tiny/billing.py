@@ -8,22 +8,30 @@ Rows: ``startup`` from process start to the first optimizer step; one ``step`` r
 (``prompts`` = examples in the batch, ``trained_tokens`` = tokens under the loss); for a run of several stages
 (``train tiny``: from scratch, continued, over-thinking), a ``startup`` row at each later stage's start billing
 the time between the stages (saving one stage's model, loading it for the next) as ``io``, and step numbers that
-continue across stages (a ledger counts each optimizer step once); a ``finish`` row for saving the model.
+continue across stages (a ledger counts each optimizer step once); a ``finish`` row for saving the model. A Ctrl-C
+or an error inside ``with billing:`` is billed as ``train grpo`` and ``train sft`` bill it: a ``startup`` row from
+process start when no row holds it yet, else an ``interrupted`` row for the time since the last row (the step in
+flight, the save, the evaluation after training), then it propagates.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from training.tiny.data import Example
 
+logger = logging.getLogger(__name__)
+
 
 class SFTBilling:
     """One SFT run's bill. Pass :meth:`on_step` as :func:`training.tiny.train.train`'s ``on_step`` hook (of every
-    stage, in order), then call :meth:`finish` once.
+    stage, in order), then call :meth:`finish` once; run all of it inside ``with billing:`` so that a Ctrl-C or an
+    error is billed (:meth:`bill_unfinished`).
 
     Raises :class:`~training.grpo.config.ConfigError` when ``run_dir`` already holds a run (a ``ledger.jsonl``):
     two runs must not share one bill."""
@@ -41,6 +49,40 @@ class SFTBilling:
         self.ledger = CostLedger(run_dir, "cpu", 1, price, tags={**tags, "git_commit": git_commit()})
         self._offset = 0  # optimizer steps of the stages before this one
         self._last = 0  # the run's last step number billed
+        self.finished = False  # the finish row is written: it holds the time since the last step
+
+    def __enter__(self) -> SFTBilling:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is not None and not self.finished:  # the exception propagates (nothing is suppressed)
+            self.bill_unfinished("interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed")
+
+    def bill_unfinished(self, cause: str = "interrupted") -> dict[str, Any] | None:
+        """Bill the time since the last row, which no row holds (``cause`` names the interrupt or error in the
+        log): as the ``startup`` row when the first stage had not started (process start to now), else as an
+        ``interrupted`` row at the last step billed (its ``update`` phase: the step in flight, or the save or the
+        evaluation after the last step). Returns the row, None when billing failed (logged; never raises, so the
+        interrupt or error reaches the user). A Ctrl-C marks the run ``interrupted`` for ``train runs``."""
+        from training.registry import mark_interrupted, write_heartbeat
+
+        try:
+            now = time.perf_counter()
+            wall, self._t = now - self._t, now
+            if not self.ledger.seq:
+                row = self.ledger.record_overhead("startup", 0, {"startup": wall})
+            else:
+                row = self.ledger.record_overhead("interrupted", self._last, {"update": wall})
+            self.ledger.write_parquet()
+            write_heartbeat(self.ledger.run_dir, self._last)
+            if cause == "interrupted":
+                mark_interrupted(self.ledger.run_dir)
+            logger.warning("%s: %.1f s since the last row billed (%s micro-USD)", cause, wall, row["cost_micro_usd"])
+            return row
+        except Exception:
+            logger.exception("%s: could not bill it", cause)
+            return None
 
     def on_step(self, step: int, batch: list[Example]) -> None:
         """:func:`training.tiny.train.train`'s hook: ``step`` 0 opens a stage (the run's first closes the start-up
@@ -71,6 +113,7 @@ class SFTBilling:
         since = time.perf_counter() - self._t
         eval_s = min(max(0.0, eval_s), since)
         self.ledger.record_overhead("finish", self._last, {"io": since - eval_s, "eval": eval_s})
+        self.finished = True
         self.ledger.write_parquet()
         summary = {**self.ledger.summary(), "global_step": self._last}
         (self.ledger.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")

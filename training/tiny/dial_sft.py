@@ -103,10 +103,15 @@ def dial_stage(init_from: str = DEFAULT_INIT, steps: int = 1500, max_minutes: fl
 
 def run_dial_sft(cfg: SFTConfig, output_dir: Path, log: Any = print) -> dict[str, Any]:
     """Train the warm start ``cfg`` into ``output_dir`` under a :class:`~training.tiny.billing.SFTBilling` ledger;
-    returns the training summary with ``spent_usd``. Raises ConfigError for a directory that already holds a run."""
-    billing = SFTBilling(output_dir, {"run_name": "dial-sft", "method": "dial-sft"})
-    summary = train(cfg, output_dir, log=log, sampler=sampler(DialMix()), on_step=billing.on_step)
-    return {**summary, "spent_usd": billing.finish()["spent_usd"]}
+    returns the training summary with ``spent_usd``. Raises ConfigError, before anything is written, for a directory
+    that already holds a run or no model directory at ``cfg.init_from``."""
+    from training.grpo.config import resolve_model_path
+
+    if cfg.init_from:  # a wrong path is refused here: past this point the time spent is billed
+        resolve_model_path(cfg.init_from)
+    with SFTBilling(output_dir, {"run_name": "dial-sft", "method": "dial-sft"}) as billing:  # bills a Ctrl-C, an error
+        summary = train(cfg, output_dir, log=log, sampler=sampler(DialMix()), on_step=billing.on_step)
+        return {**summary, "spent_usd": billing.finish()["spent_usd"]}
 
 
 def main(argv: list[str] | None = None) -> int:
