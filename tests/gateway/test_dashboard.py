@@ -233,8 +233,10 @@ def test_rotating_the_admin_key_ends_its_sessions(upstream_sim: SimProcess, redi
 
 
 def test_a_rewritten_dev_key_ends_its_sessions(upstream_sim: SimProcess, redis_url: str, tmp_path: Path) -> None:
-    """Embedded defaults: the development key is admin for the dashboard while it is the key of its file. Rewriting
-    the file (the operator's way to change it) ends the sessions it opened at their next request, live."""
+    """Embedded defaults: the development key is admin for the dashboard — and for ``GET /v1/usage``, which showed it
+    only its own usage (403 for another key's) while the dashboard showed it every key's — while it is the key of its
+    file. Rewriting the file (the operator's way to change it) ends the sessions it opened at their next request, and
+    its admin reads, live."""
     secret = "tg-dev-" + uuid.uuid4().hex
     dev_file = tmp_path / "dev-key"
     dev_file.write_text(secret + "\n")
@@ -243,8 +245,16 @@ def test_a_rewritten_dev_key_ends_its_sessions(upstream_sim: SimProcess, redis_u
                             dashboard={"secret_file": str(tmp_path / "secret")}) as gw:
         jar = login(gw.url, secret).cookies
         assert httpx.get(gw.url + "/dashboard/data", cookies=jar, timeout=10).status_code == 200
+
+        def others_usage() -> httpx.Response:
+            return httpx.get(gw.url + "/v1/usage", params={"key_id": "someone"}, timeout=10,
+                             headers={"authorization": f"Bearer {secret}"})
+
+        # the admin's answer (no such key has usage), not a key's refusal to read another's
+        assert (r := others_usage()).status_code == 404 and r.json()["error"]["code"] == "key_not_found", r.text
         dev_file.write_text("tg-dev-" + uuid.uuid4().hex + "\n")
         assert httpx.get(gw.url + "/dashboard/data", cookies=jar, timeout=10).status_code == 401
+        assert others_usage().status_code == 403
 
 
 def test_the_poll_reads_a_bounded_window_and_every_sum_from_the_cubes(upstream_sim: SimProcess, redis_url: str,
