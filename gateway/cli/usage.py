@@ -88,13 +88,10 @@ def export(
         raise typer.Exit(2)
     try:
         groups = ex.parse_group_by(group_by)
-        t0, t1 = ex.parse_time(since), ex.parse_time(until)
+        t0, t1 = ex.parse_period(since, until)
     except ex.ExportError as exc:
         typer.echo(f"thinkgate: {exc}", err=True)
         raise typer.Exit(2) from None
-    if t0 is not None and t1 is not None and t0 >= t1:
-        typer.echo("thinkgate: --since must be before --until (the period would be empty)", err=True)
-        raise typer.Exit(2)
     settings = load_settings(config)
     if groups:  # whole days from the usage cubes (the same rows), the stream for the rest
         if t0 is None and t1 is None:  # GET /v1/usage's default period: the month so far, not all history
@@ -165,7 +162,7 @@ def report_cmd(
     from gateway.ledger import report as rp
 
     try:
-        t0, t1 = ex.parse_time(since), ex.parse_time(until)
+        t0, t1 = ex.parse_period(since, until)
     except ex.ExportError as exc:
         typer.echo(f"thinkgate: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -54,6 +54,16 @@ class ExportError(ThinkGateError, ValueError):
 MAX_TIME_S = 253_402_300_799.0
 
 
+def parse_period(since: str | float | None, until: str | float | None) -> tuple[float | None, float | None]:
+    """``(since, until)`` in epoch seconds (:func:`parse_time`; None stays None). Raises :class:`ExportError` for a
+    time that does not parse, and for ``since`` not before ``until``: an empty period, which every reader (the API,
+    the CLI's export and report, the dashboard) refuses alike rather than answer nothing as if nothing was spent."""
+    t0, t1 = parse_time(since), parse_time(until)
+    if t0 is not None and t1 is not None and t0 >= t1:
+        raise ExportError("since must be before until (the period would be empty)")
+    return t0, t1
+
+
 def parse_time(value: str | float | None) -> float | None:
     """Epoch seconds from ``YYYY-MM-DD``, ``YYYYMMDD``, ISO-8601 or epoch seconds (see module doc); None stays None.
     Raises :class:`ExportError` for text that is none of those, and for a time outside 1970-01-01 … 9999-12-31 (NaN,

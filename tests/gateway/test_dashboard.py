@@ -89,6 +89,16 @@ def _data(seeded: Seeded) -> dict:
     return r.json()
 
 
+def test_a_period_that_does_not_parse_or_is_empty_is_a_400(seeded: Seeded) -> None:
+    """``since`` not before ``until`` is refused, as ``GET /v1/usage`` and the CLI refuse it — it drew a dashboard of
+    zeros, as if nothing had been spent."""
+    jar = login(seeded.gw.url, ADMIN_SECRET).cookies
+    for params in ({"since": "2026-12-02", "until": "2026-12-01"}, {"since": "2026-12-01", "until": "2026-12-01"},
+                   {"since": "yesterday"}):
+        r = httpx.get(seeded.gw.url + "/dashboard/data", params=params, cookies=jar, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (params, r.text)
+
+
 def test_figures_equal_usage_api_export_and_report(seeded: Seeded) -> None:
     d = _data(seeded)
     since = d["since"]

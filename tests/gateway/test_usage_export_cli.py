@@ -75,7 +75,11 @@ def test_grouped_export_defaults_to_this_month(redis_url: str, redis_prefix: str
     # an empty period is an error, not an empty file
     res = CliRunner().invoke(app, ["usage", "export", "--group-by", "key", "--since", str(now), "--until",
                                    str(now - 60), "--config", str(cfg)])
-    assert res.exit_code == 2 and "--since must be before --until" in res.output
+    assert res.exit_code == 2 and "since must be before until" in res.output
+    # the report too (it printed an empty report: spend 0)
+    res = CliRunner().invoke(app, ["usage", "report", "--since", str(now), "--until", str(now - 60), "--config",
+                                   str(cfg)])
+    assert res.exit_code == 2 and "since must be before until" in res.output, res.output
 
 
 #: the grouped columns scripts read by position before over_bound_events: they stay, in this order

@@ -38,7 +38,7 @@ from gateway.api.dashboard.session import COOKIE, Sessions, load_secret
 from gateway.auth.keys import ADMIN_KEY_ID, DEV_KEY_ID, KeyInfo, KeyStore, dev_key_only_admin, sha256_hex
 from gateway.config import Settings
 from gateway.errors import AuthError, GatewayError
-from gateway.ledger.export import ExportError, parse_time
+from gateway.ledger.export import ExportError, parse_period
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.routing import Routing
 from gateway.state.breaker import RedisDown
@@ -211,7 +211,7 @@ async def _data(request: Request, acct: Accounting, settings: Settings, routing:
     """``GET /dashboard/data`` for a logged-in session: the JSON document over ``since``/``until`` (400 when
     they do not parse, 503 while Redis is down)."""
     try:
-        since, until = parse_time(request.query_params.get("since")), parse_time(request.query_params.get("until"))
+        since, until = parse_period(request.query_params.get("since"), request.query_params.get("until"))
     except ExportError as exc:
         return _json({"error": {"message": str(exc), "type": "invalid_request_error",
                                 "code": "invalid_request"}}, 400)
