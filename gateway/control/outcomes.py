@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from redis.exceptions import ResponseError
 
 from gateway.config import OUTCOMES_SEEN_TTL_S, OutcomesConfig, Settings
 from gateway.ledger.outcome import Outcome, window_digest
@@ -323,6 +324,27 @@ class OutcomeStore:
                     return dict(orjson.loads(data))
         raw = await self.breaker.call(lambda: self.redis.get(self.keys.request(request_id, key_tenant(key_id))))
         return None if raw is None else dict(orjson.loads(as_bytes(raw)))
+
+    async def added(self) -> int:
+        """How many outcomes were ever written to ``p outcomes`` (a count that only grows): the stream's
+        ``entries-added`` (``XINFO STREAM``, Redis >= 7.0), else its length (an older Redis). 0 while there is no
+        stream. Raises :class:`RedisDown`.
+
+        Why not the length: once the stream reaches ``stream_maxlen`` every ``XADD`` trims it, so ``XLEN`` stays
+        at the cap (within one stream node) however many outcomes come in — automatic retraining, which fits every
+        ``every_outcomes`` new outcomes, and the realised-floor check counted by it stopped for good."""
+
+        async def read() -> int:
+            try:
+                info = await self.redis.xinfo_stream(self.keys.outcomes)
+            except ResponseError as exc:
+                if "no such key" in str(exc).lower():
+                    return 0
+                raise
+            added = info.get("entries-added")
+            return int(added if added is not None else info.get("length") or 0)
+
+        return await self.breaker.call(read)
 
     async def outcomes(self, since_ts: float | None = None, page: int = 1000) -> list[Outcome]:
         """Every outcome written at or after ``since_ts`` (epoch seconds), oldest first. Raises RedisDown."""

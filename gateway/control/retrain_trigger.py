@@ -16,7 +16,8 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    before ``digest`` existed: the path as it is);
 2. **fits** (``fit_here``, one replica at a time: the lock ``p router:lock``, holding this trigger's token, so
    the replica that took it can take it again after a Redis outage left it behind): once the outcome stream
-   (``p outcomes``) has ``every_outcomes`` more entries than at the last judged fit (``p router:fitted_at``,
+   (``p outcomes``) has had ``every_outcomes`` more entries written than at the last judged fit (counted as written,
+   :meth:`OutcomeStore.added`: its length stops at ``stream_maxlen``; ``p router:fitted_at``,
    written once the verdict is in — a Redis failure before then, e.g. reading the outcomes, leaves it, and the
    next tick fits again; a fit that raises is not retried on the same outcomes), reads
    every outcome and runs :func:`router.fit.promote.fit_and_save` **in a child process** (``fit_in: process``,
@@ -320,7 +321,7 @@ class RetrainTrigger:
         if not self.cfg.fit_here:
             await self.read_realised()
             return
-        n = int(await self.breaker.call(lambda: self.redis.xlen(self.outcomes.keys.outcomes)) or 0)
+        n = await self.outcomes.added()  # written so far, not the stream's length (capped)
         # the realised floor first: a fit due at the same tick would replace a router whose floor broke by a
         # promotion ("holds the floor where the router in service does not") — the broken floor never recorded, the
         # audit trail saying promote where it is a rollback. Read only once enough new outcomes (a third of
@@ -440,7 +441,7 @@ class RetrainTrigger:
             copy = await asyncio.to_thread(settle_copy, staged, router_copy(self.dir, digest))
         finally:
             staged.unlink(missing_ok=True)
-        n = int(await self.breaker.call(lambda: self.redis.xlen(self.outcomes.keys.outcomes)) or 0)
+        n = await self.outcomes.added()  # written so far, not the stream's length (capped)
         self._configured_seen = seen
         adopted: list[dict[str, Any]] = []
 

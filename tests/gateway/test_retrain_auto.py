@@ -19,6 +19,7 @@ import yaml
 from typer.testing import CliRunner
 
 from gateway.cli.main import app
+from gateway.config import OutcomesConfig
 from gateway.control.retrain_trigger import file_digest
 from gateway.ledger.outcome import Outcome, window_digest
 from router.fit.retrain import is_heldout_digest
@@ -620,3 +621,33 @@ def test_three_routed_tiers_promote_a_router_with_one_cut_per_boundary(upstream_
         assert served["hard"] == 2 and served["easy"] < 2 and served["easy"] <= served["mid"] <= served["hard"]
         [h] = _history(redis_url, redis_prefix, tmp_path)
         assert (h["event"], h["version"]) == ("promote", event["version"])
+
+
+def test_retraining_goes_on_once_the_outcome_stream_is_at_its_cap(upstream_sim: SimProcess, redis_url: str,
+                                                                  redis_prefix: str, tmp_path: Path) -> None:
+    """``routing.outcomes.stream_maxlen`` trims the stream at every write once it is full, so its length stays at the
+    cap: counted by ``XLEN``, the outcomes written after that never made a fit (nor a realised-floor check) due again,
+    and the loop stopped learning — and stopped rolling back — for good, saying nothing. Counted as written
+    (``entries-added``), 100 more outcomes past the cap make the next fit due."""
+    cap = OutcomesConfig(stream_maxlen=1000)
+
+    def graded(n: int, start: int) -> list[Outcome]:  # no text: nothing to learn, so each fit is quick (a keep)
+        return [Outcome(source="feedback", request_id=f"c{start + i}", key_id="alice", tier="short",
+                        sufficed=i % 2 == 0, judge="client") for i in range(n)]
+
+    old = _router(tmp_path / "serving.skops", informative=False)
+    write_outcomes(redis_url, redis_prefix, graded(1000, 0), tmp_path, cap)  # the stream is full: one fit due
+    routing = {**_routing(old, tmp_path, fit_in="thread", spot_check=0.0), "outcomes": {"stream_maxlen": 1000}}
+    with _gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, routing=routing) as gw:
+        def judged_at() -> int:
+            return int(((_status(gw)["learning"] or {}).get("last_event") or {}).get("outcomes") or 0)
+
+        assert wait_for(lambda: judged_at() == 1000, timeout_s=FIT_WAIT_S), _status(gw)["learning"]
+        write_outcomes(redis_url, redis_prefix, graded(100, 1000), tmp_path, cap)
+        rdb = redis.Redis.from_url(redis_url)
+        try:
+            assert rdb.xlen(redis_prefix + "outcomes") < 1100  # trimmed: the length alone says nothing is new
+        finally:
+            rdb.close()
+        assert wait_for(lambda: judged_at() == 1100, timeout_s=30), _status(gw)["learning"]
+    assert [e["outcomes"] for e in _history(redis_url, redis_prefix, tmp_path)] == [1000, 1100]
