@@ -25,8 +25,10 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    thread``, in a worker thread: fit on the outcomes so far, compare with the router in service on the held-back
    slice under the served-floor rule (two or more routed tiers: one cut per boundary, ``router/fit/promote.py``).
    Better → the candidate is written to ``state_dir/router-<version>.skops`` (versioned; the files before it are
-   kept, up to ``keep_files``: "Retention" below), ``p router:current`` is set with the previous path, every
-   replica follows. Why a process: a fit holds the GIL — measured on 1,536 outcomes (fit + save 2.5–5.5 s), a fit in a
+   kept, up to ``keep_files``: "Retention" below), its bytes to ``p router:file:{digest}`` (a replica whose state
+   dir is its own — an ``emptyDir`` per pod — has no such file and keeps a copy from there; the key goes once a
+   transition stops naming the router), ``p router:current`` is set with the previous path, every replica follows.
+   Why a process: a fit holds the GIL — measured on 1,536 outcomes (fit + save 2.5–5.5 s), a fit in a
    thread stretches the serving loop's 1 ms ticks to p99 11–16 ms, max 25–435 ms; in the child p99 0.2–1.0 ms
    (``python -m bench.retrain_lag``; bench/RESULTS.md, "Retraining off the serving loop");
 3. **rolls back** (checked once a third of ``realised_min`` new outcomes are in): the realised floor of the
@@ -484,6 +486,8 @@ class RetrainTrigger:
             return False
         named, digest = Path(c["path"]), c.get("digest", "")
         path = await asyncio.to_thread(self._local_copy, named, digest) if digest else named
+        if digest and not path.is_file():  # a fit's candidate in another replica's state dir: its published bytes
+            path = await self._fetch(digest) or path
         if self.service.path is not None and path == self.service.path:
             self._followed = (path, named, digest)  # e.g. loaded at start from the path router:current names
             return False
@@ -603,6 +607,7 @@ class RetrainTrigger:
         """Point ``p router:current`` at the candidate, with its promote event — unless it moved since the fit
         (another writer's adoption or rollback, or a write left for a later tick that must not undo a newer one):
         the candidate was compared with a router no longer serving, so the event becomes a keep that says so."""
+        await self._publish(Path(mapping["path"]), mapping.get("digest", ""))
         for _ in range(TRANSITION_TRIES):
             c = await self.current.read()
             if c.get("path") == mapping["path"]:  # an earlier try wrote it (and its event): its reply was lost
@@ -616,11 +621,41 @@ class RetrainTrigger:
                                         f"(version {c.get('version') or '?'}) while the candidate was fitted or "
                                         "its promotion waited for Redis"})
                 await self._history(event)
+                with contextlib.suppress(RedisDown):  # its published bytes: nothing will name them
+                    await self.breaker.call(lambda: self.redis.delete(self.current.file_key(mapping.get("digest", ""))))
                 return
             # compare-and-set on what was just read: a transition landing in between is read at the next try
             if await self.current.transition(c, mapping, event, "promote") == 1:
                 return
         raise RuntimeError(f"router:current moved {TRANSITION_TRIES} times while {mapping['path']} was promoted")
+
+    async def _publish(self, path: Path, digest: str) -> None:
+        """Put the bytes of a fit's candidate at ``path`` (content ``digest``) in Redis (``p router:file:{digest}``,
+        :meth:`CurrentRouter.publish`) before ``router:current`` names it: a replica whose state dir is not this
+        one's (an ``emptyDir`` per pod) has no file at that path, and loads those bytes instead (:meth:`follow`).
+        A candidate that cannot be read back is said and not published (this replica serves it; the others keep
+        theirs, warning, as before). Raises :class:`RedisDown`."""
+        if not digest:
+            return
+        try:
+            data = await asyncio.to_thread(path.read_bytes)
+        except OSError as exc:
+            log.warning("retrain: the candidate %s is not published for the replicas without it: %s", path, exc)
+            return
+        if file_digest(data) != digest:
+            log.warning("retrain: the candidate %s no longer holds sha256 %s: not published", path, digest)
+            return
+        await self.current.publish(digest, data)
+
+    async def _fetch(self, digest: str) -> Path | None:
+        """A copy kept from ``p router:file:{digest}`` (:meth:`_publish`) in this replica's state dir, for a
+        ``router:current`` that names a file this replica does not have; None when Redis holds no such bytes (a
+        router named before they were published, an adopted file: the path is loaded as it is, and fails, as
+        before). Raises :class:`RedisDown`."""
+        data = await self.current.published(digest)
+        if data is None or file_digest(data) != digest:
+            return None
+        return await asyncio.to_thread(keep_copy, data, self.dir, digest)
 
     async def _all_outcomes(self) -> list[dict[str, Any]]:
         return [orjson.loads(o.to_json()) for o in await self.outcomes.outcomes()]
@@ -984,7 +1019,28 @@ class CurrentRouter:
         for field in ROUTER_FIELDS:
             args += [field, mapping.get(field, "")]
         reply = await self.breaker.call(lambda: self._script(keys=keys, args=args))
+        if int(reply[0]) == 1:
+            # the bytes published of a router no longer named (neither serving nor the previous one) are not needed:
+            # no replica goes back to it (a rollback goes to ``previous`` only); best effort — one left is harmless
+            dropped = {seen.get(f) or "" for f in ("digest", "previous_digest")} - {
+                mapping.get(f) or "" for f in ("digest", "previous_digest")} - {""}
+            if dropped:
+                with contextlib.suppress(RedisDown):
+                    await self.breaker.call(lambda: self.handle.client.delete(*(self.file_key(d) for d in dropped)))
         return int(reply[0])
+
+    def file_key(self, digest: str) -> str:
+        """``p router:file:{digest}``: the bytes of a fit's candidate, for the replicas whose state dir lacks it."""
+        return f"{self.prefix}router:file:{digest}"
+
+    async def publish(self, digest: str, data: bytes) -> None:
+        """Keep ``data`` (a router file, content ``digest``) in Redis until a transition stops naming it."""
+        await self.breaker.call(lambda: self.handle.client.set(self.file_key(digest), data))
+
+    async def published(self, digest: str) -> bytes | None:
+        """The bytes :meth:`publish` kept for ``digest`` (None: none)."""
+        raw = await self.breaker.call(lambda: self.handle.client.get(self.file_key(digest)))
+        return None if raw is None else as_bytes(raw)
 
     async def adopt(self, path: Path, version: str, digest: str, outcomes: int, reason: str
                     ) -> dict[str, Any] | None:

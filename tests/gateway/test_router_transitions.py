@@ -20,7 +20,7 @@ import redis
 
 from gateway.config import RedisConfig
 from gateway.control.outcomes import OutcomeStore, outcome_spool_path
-from gateway.control.retrain_trigger import RetrainTrigger
+from gateway.control.retrain_trigger import RetrainTrigger, file_digest
 from gateway.ledger.outcome import Outcome
 from gateway.state.breaker import Breaker
 from gateway.state.redis import connect
@@ -159,3 +159,56 @@ def test_a_superseded_promotion_names_no_path_to_a_tenant(redis_url: str, redis_
         rdb.close()
     text = orjson.dumps(status).decode()
     assert str(tmp_path) not in text, status["last_event"]
+
+
+def test_a_promotion_reaches_a_replica_with_a_state_dir_of_its_own(redis_url: str, redis_prefix: str,
+                                                                   tmp_path: Path) -> None:
+    """Two replicas on one Redis, each with its own ``routing.retrain.state_dir`` (the shipped Kubernetes deployment:
+    an ``emptyDir`` per pod). One promotes the candidate its fit wrote to its state dir; the other must serve it. It
+    read the path ``router:current`` names, found no such file on its disk and kept serving the old router, warning
+    at every tick — a promotion was served by the replica that fitted it alone. Then the first replica rolls back."""
+    before = serving_router(tmp_path / "before.skops", False, _text)
+
+    def settings(name: str) -> Any:
+        return gateway_settings("http://127.0.0.1:1", redis_url, redis_prefix, tmp_path / f"spool-{name}.jsonl",
+                                routing={"router_path": str(before), "routed_tiers": ["short", "long"],
+                                         "retrain": {"every_outcomes": 10**6,
+                                                     "state_dir": str(tmp_path / f"routers-{name}")}})
+    fitter_dir = tmp_path / "routers-a"
+    fitter_dir.mkdir()
+    candidate = fitter_dir / "router-auto-20261207T000000-001.skops"  # as a fit writes it (FIT_FILE)
+    router = load_router(before)
+    router.metadata["version"] = "auto-1"
+    save_router(router, candidate)
+    candidate_bytes = candidate.read_bytes()
+    rdb = redis.Redis.from_url(redis_url)
+
+    async def go() -> tuple[str | None, str | None]:
+        fitter, other = (_replica(settings(n), redis_url, redis_prefix) for n in ("a", "b"))
+        try:
+            event: dict[str, Any] = {"event": "promote", "ts": time.time(), "version": "auto-1",
+                                     "previous": "old-noise", "path": str(candidate), "outcomes": 10, "reason": "x"}
+            await fitter._promote({"path": str(candidate), "version": "auto-1", "digest": file_digest(candidate_bytes),
+                                   "previous": str(before), "previous_version": "old-noise",
+                                   "previous_digest": file_digest(before.read_bytes())}, event)
+            assert event["event"] == "promote", event
+            assert await fitter.follow()  # it serves the candidate (loaded whole into memory)
+            fitter_dir.rename(tmp_path / "elsewhere")  # the other replica's disk has no such file
+            assert await other.follow()
+            served = fitter.service.version, other.service.version
+            # rolled back: the bytes published for the replicas without the file go with it
+            blob = redis_prefix + "router:file:" + file_digest(candidate_bytes)
+            assert rdb.exists(blob) == 1
+            c = await fitter.current.read()
+            assert await fitter.current.transition(c, {"path": str(before), "version": "old-noise"},
+                                                   {"event": "rollback"}, "rollback", bad="x") == 1
+            assert rdb.exists(blob) == 0
+            return served
+        finally:
+            for t in (fitter, other):
+                await t.handle.close()
+
+    try:
+        assert asyncio.run(go()) == ("auto-1", "auto-1")  # b served old-noise
+    finally:
+        rdb.close()
