@@ -10,9 +10,10 @@ outcome per request: a second feedback on the same request — also after midnig
 answered request's UTC day — answers ``stored: "duplicate"`` with the ``sufficed`` of the first (which stands) and
 changes nothing — a first written before grades were kept beside the seen-set
 (``p outcomes:grades:{day}``) is read from its stream entry; ``null`` only when the stream no longer holds it.
-Errors: 400 ``invalid_request`` (body), 401 (key), 404 ``request_not_found`` (its message says to retry after a
-second: a request another replica answered less than one index flush ago is not in Redis yet), 503
-``outcomes_unavailable`` (Redis down: the request's key cannot be checked).
+Errors: 400 ``invalid_request`` (body), 401 (key), 403 ``permission_denied`` (a key not in
+``routing.outcomes.feedback_keys``, when that is set: feedback trains the router every key is served by), 404
+``request_not_found`` (its message says to retry after a second: a request another replica answered less than one
+index flush ago is not in Redis yet), 503 ``outcomes_unavailable`` (Redis down: the request's key cannot be checked).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from gateway.api.common import json_response
 from gateway.api.http import read_body
 from gateway.auth.keys import KeyStore
 from gateway.control.outcomes import INDEX_FLUSH_S, OutcomeStore
-from gateway.errors import InvalidRequest, OutcomesUnavailable
+from gateway.errors import InvalidRequest, OutcomesUnavailable, PermissionDenied
 from gateway.ledger.outcome import Outcome
 from gateway.pipeline.request import parse_json_object
 from gateway.state.breaker import RedisDown
@@ -67,6 +68,11 @@ def attach(app: FastAPI, keys: KeyStore, store: OutcomeStore) -> None:
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> Response:
         key = await keys.authenticate(request.headers.get("authorization"))
+        allowed = store.cfg.feedback_keys
+        if allowed is not None and key.id not in allowed:
+            # the grades of every accepted key train the one router all keys are served by (and decide its rollback)
+            raise PermissionDenied("this API key may not grade answers: feedback is accepted from the keys in "
+                                   "routing.outcomes.feedback_keys only")
         raw = await read_body(request, MAX_BODY)  # refused past the limit, before the rest is read (413)
         rid, correct, score, comment = parse_feedback(parse_json_object(raw))
         try:

@@ -69,7 +69,9 @@ class OutcomesConfig(_Strict):
     are deduplicated by its UTC day's seen-set, which lives ``OUTCOMES_SEEN_TTL_S`` (40 days) — a longer TTL let
     a second grade come after the first one's seen-set expired, and count twice. ``retain_text``: also keep the
     routing window's text (and shadow answers) in the outcomes, which ``router retrain`` needs to learn from them;
-    off = digests only."""
+    off = digests only. ``feedback_keys``: the API key ids whose ``POST /v1/feedback`` is accepted (None, the
+    default: every key's); feedback trains the one router every key is served by and decides its rollback, so a
+    deployment whose tenants it does not trust with that lists the keys it does (others: 403)."""
 
     enabled: bool = True
     retain_text: bool = False
@@ -77,6 +79,7 @@ class OutcomesConfig(_Strict):
     stream_maxlen: int = Field(1_000_000, ge=1000)
     spool_path: Path | None = None  # None: next to the usage spool, ``<usage spool stem>.outcomes.jsonl``
     replay_interval_s: float = Field(5.0, gt=0)
+    feedback_keys: list[str] | None = None
 
     @field_validator("request_ttl_s")
     @classmethod

@@ -77,6 +77,30 @@ def test_feedback_only_from_the_key_that_made_the_request(upstream_sim: SimProce
         assert o.window_digest == window_digest(question) and o.text is None  # text only under retain_text
 
 
+def test_feedback_keys_limits_who_trains_the_shared_router(upstream_sim: SimProcess, redis_url: str,
+                                                           redis_prefix: str, tmp_path: Path) -> None:
+    """Every key's grades train the one router all keys are served by (and decide its rollback).
+    ``routing.outcomes.feedback_keys`` lists the keys trusted with that: another key's feedback on its own answer is
+    a 403 ``permission_error`` and records nothing — before, any key could steer every tenant's routing."""
+    routing = {"router_path": None, "routed_tiers": ["short", "long"], "thresholds": [0.5], "default_tier": "long",
+               "outcomes": {"feedback_keys": ["alice"]}}
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix=redis_prefix, routing=routing) as gw, \
+            httpx.Client(timeout=30) as client:
+        graded = {}
+        for who in ("alice", "bob"):
+            r = client.post(gw.base_url + "/chat/completions", headers=_auth(who), json={
+                "model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": f"{who}'s question"}]})
+            assert r.status_code == 200
+            graded[who] = client.post(gw.base_url + "/feedback", headers=_auth(who),
+                                      json={"request_id": r.headers["x-request-id"], "correct": True})
+        assert graded["alice"].status_code == 200, graded["alice"].text
+        refused = graded["bob"]
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["type"] == "permission_error"
+        assert "routing.outcomes.feedback_keys" in refused.json()["error"]["message"]
+        assert [o.key_id for o in read_outcomes(redis_url, redis_prefix)] == ["alice"]
+
+
 def test_escalations_areread_outcomes(upstream_sim: SimProcess, redis_url: str, redis_prefix: str,
                                   tmp_path: Path) -> None:
     tiers = sim_tiers(upstream_sim.base_url)
