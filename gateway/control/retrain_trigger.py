@@ -145,6 +145,12 @@ redis.call('HSET', KEYS[1], 'digest_gen', new, unpack(ARGV, 8))
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'e', ARGV[4])
 return {1, new}
 """
+# The fit lock's release. KEYS: router:lock. ARGV: the releasing trigger's token. Deletes it only while it holds that
+# token (1), else leaves it (0).
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 #: The fields of ``p router:current`` a transition writes (besides ``gen``): the file every replica serves (``path``,
 #: its ``version`` and content ``digest``: :func:`file_digest`) and the one before it, for a rollback. ``digest`` /
 #: ``previous_digest`` empty: a state written before routers were kept by content (its ``path`` is loaded as it is).
@@ -201,6 +207,7 @@ class RetrainTrigger:
         self._checked_at = -1  # outcome count at the last realised-floor check
         self._pool: ProcessPoolExecutor | None = None  # the fit process (fit_in: process), made at the first fit
         self._token = new_token()  # this trigger's value of the fit lock
+        self._release = self.redis.register_script(RELEASE_LUA)
         # a verdict's Redis writes not done yet (a Redis failure cut them short): done first at the next tick
         self._unwritten: list[Callable[[], Awaitable[Any]]] = []
         # routing.router_path and its (mtime, size, inode) as last read here (None: not yet — the first tick reads
@@ -737,7 +744,9 @@ class RetrainTrigger:
         finally:
             self.fitting = False
             with contextlib.suppress(RedisDown):
-                await self.breaker.call(lambda: self.redis.delete(self.k_lock))
+                # only while it is still this trigger's: a fit longer than LOCK_TTL_S lost it to another replica,
+                # whose lock a plain DEL removed — letting a third replica fit beside that one
+                await self.breaker.call(lambda: self._release(keys=[self.k_lock], args=[self._token]))
 
     async def _fit(self, old: Any, outcomes: list[dict[str, Any]], version: str, look: int
                    ) -> tuple[str | None, dict[str, Any], dict[str, Any]]:

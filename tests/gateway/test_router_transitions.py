@@ -212,3 +212,43 @@ def test_a_promotion_reaches_a_replica_with_a_state_dir_of_its_own(redis_url: st
         assert asyncio.run(go()) == ("auto-1", "auto-1")  # b served old-noise
     finally:
         rdb.close()
+
+
+def test_a_fit_releases_the_lock_only_while_it_holds_it(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    """A fit that outlives the lock's TTL (10 minutes: a large outcome stream) has lost the lock to another replica,
+    which fits now. Ending, it deleted the lock whatever it held — the other replica's — and a third could start a
+    fit beside that one. It removes only its own."""
+    before = serving_router(tmp_path / "before.skops", False, _text)
+    write_outcomes(redis_url, redis_prefix, [
+        Outcome(source="feedback", request_id=f"r{i}", key_id="alice", tier="short", sufficed=i % 2 == 1,
+                judge="client", window_digest=f"{i:016x}", text=_text(i % 2 == 0, i)) for i in range(20)], tmp_path)
+    settings = gateway_settings("http://127.0.0.1:1", redis_url, redis_prefix, tmp_path / "spool.jsonl", routing={
+        "router_path": str(before), "routed_tiers": ["short", "long"],
+        "retrain": {"every_outcomes": 10, "fit_in": "thread", "state_dir": str(tmp_path / "routers")}})
+    rdb = redis.Redis.from_url(redis_url)
+    lock = redis_prefix + "router:lock"
+
+    async def go() -> None:
+        trigger = _replica(settings, redis_url, redis_prefix)
+        try:
+            async def lose_the_lock() -> None:  # what its expiry and another replica's SET NX come to
+                deadline = time.monotonic() + 20.0
+                while time.monotonic() < deadline:  # at every turn of the loop: the fit awaits Redis several times
+                    if trigger.fitting:
+                        rdb.set(lock, "another-replica")
+                        return
+                    await asyncio.sleep(0)
+                raise AssertionError("the fit never ran")
+
+            await asyncio.gather(trigger.fit_once(20), lose_the_lock())
+            assert rdb.get(lock) == b"another-replica"  # it was deleted
+            rdb.set(lock, trigger._token)
+            await trigger.fit_once(20)
+            assert rdb.get(lock) is None  # its own is released
+        finally:
+            await trigger.handle.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        rdb.close()
