@@ -20,6 +20,9 @@ aside, neither counted nor dropped: ``past_dedup_window``, ``malformed``, ``unre
 ``gateway/state/spool.py`` ``Quarantine``),
 ``thinkgate_write_ahead_unreplicated_records_total`` (write-ahead records re-asserted that too few replicas
 acknowledged; ``WriteAhead.reassert``),
+``thinkgate_write_ahead_reconciled_records_total{outcome}`` (records of dead gateway processes this one settled:
+``metered`` — also counted in its request, token and cost series, as the dead process would have —, ``released``:
+never sent upstream; ``gateway/state/write_ahead.py``),
 ``thinkgate_redis_stall_timeouts_total`` (Redis calls that timed out while the event loop stalled: each failed
 without opening the breaker; ``gateway/state/breaker.py``),
 ``thinkgate_admission_refused_scripts_total{script}`` (admission scripts Redis refused with an error reply, each
@@ -46,6 +49,8 @@ from gateway.state.conversations import NOT_STORED_REASONS
 from gateway.state.limits import REFUSED_SCRIPTS
 from gateway.state.spool import QUARANTINE_REASONS
 
+#: the ``outcome`` label of ``thinkgate_write_ahead_reconciled_records_total``
+RECONCILE_OUTCOMES = ("metered", "released")
 ROUTE_REASONS = frozenset({"predicted", "forced", "effort", "fallback", "escalated", "cache", "shadow", "spot_check",
                            "explore"})
 ENDPOINTS = frozenset({"chat", "completions", "responses", "messages", "embeddings"})
@@ -157,6 +162,14 @@ class Metrics:
             "READONLY, NOPERM).", ["reason"], registry=r)
         for reason in NOT_STORED_REASONS:  # exposed at 0 from the start
             self.not_stored.labels(reason)
+        # a killed process's requests, settled by this one: only this series and a WARNING line per record say so
+        self.reconciled = Counter(
+            "thinkgate_write_ahead_reconciled_records", "Write-ahead records of dead gateway processes this process "
+            "settled: metered (a usage event written for the request, counted in this process's request, token and "
+            "cost series too), released (never sent upstream: reservations released, an audit event written).",
+            ["outcome"], registry=r)
+        for outcome in RECONCILE_OUTCOMES:  # exposed at 0 from the start
+            self.reconciled.labels(outcome)
         # a stalled loop's timeouts fail calls without opening the breaker: only this series shows them
         self.stall_timeouts = Counter("thinkgate_redis_stall_timeouts", "Redis calls that timed out while this "
                                       "process's event loop stalled (a starved host): each call failed — the caller "
@@ -265,11 +278,13 @@ class Metrics:
                dead_lettered: int = 0, unreplicated: int = 0,
                refused_scripts: Mapping[str, int] | None = None, quarantine_bytes: int = 0,
                quarantined: Mapping[str, int] | None = None, wal_unreplicated: int = 0,
-               stall_timeouts: int = 0, not_stored: Mapping[str, int] | None = None) -> bytes:
+               stall_timeouts: int = 0, not_stored: Mapping[str, int] | None = None,
+               reconciled: Mapping[str, int] | None = None) -> bytes:
         """The exposition text, with the gauges set from the current state; the counters fed from a process count
         (``spooled``, ``dead_lettered``, ``unreplicated``, ``refused_scripts``: ``Limits.refused_scripts``,
         ``quarantined``: ``Quarantine.counts`` by reason, ``wal_unreplicated``: ``WriteAhead.unreplicated``,
-        ``stall_timeouts``: ``Breaker.stall_timeouts``, ``not_stored``: ``ConversationStore.not_stored`` by reason)
+        ``stall_timeouts``: ``Breaker.stall_timeouts``, ``not_stored``: ``ConversationStore.not_stored`` by reason,
+        ``reconciled``: ``WriteAhead.reconciled`` / ``released`` by :data:`RECONCILE_OUTCOMES`)
         grow by
         what it counted since the last call."""
         self.breaker_open.set(1 if breaker_open else 0)
@@ -290,6 +305,9 @@ class Metrics:
         for reason, n in (not_stored or {}).items():
             if reason in NOT_STORED_REASONS:
                 self._catch_up(self.not_stored, reason, n)
+        for outcome, n in (reconciled or {}).items():
+            if outcome in RECONCILE_OUTCOMES:
+                self._catch_up(self.reconciled, outcome, n)
         if self.routing_view is not None:
             if not self._target_registered:
                 self.registry.register(self.routing_target_share)

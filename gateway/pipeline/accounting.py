@@ -193,6 +193,8 @@ class Accounting:
         if settings.metering.write_ahead:
             self.wal = WriteAhead(self.handle, self.breaker, self.meter, settings.metering,
                                   {t.name: t.prices for t in settings.tiers})
+            # a dead process's request metered here counts in this process's series, as its own would have
+            self.wal.on_metered = lambda event: self.metrics.observe(event, "bypass")
         self._bounds: dict[str, Estimate] = {}
         self._wal_task: asyncio.Task[None] | None = None
         self._syncer: asyncio.Task[None] | None = None
@@ -801,4 +803,6 @@ class Accounting:
                                    self.meter.unreplicated, self.limits.refused_scripts,
                                    self.meter.quarantine.pending_bytes(), self.meter.quarantine.counts,
                                    self.wal.unreplicated if self.wal is not None else 0,
-                                   self.breaker.stall_timeouts, self.conversations.not_stored)
+                                   self.breaker.stall_timeouts, self.conversations.not_stored,
+                                   {"metered": self.wal.reconciled, "released": self.wal.released}
+                                   if self.wal is not None else None)

@@ -328,8 +328,12 @@ class WriteAhead:
         self._begin_writer: asyncio.Task[None] | None = None
         self._conn: Connection | None = None  # the begin writer's own connection (standalone / Sentinel)
         self._clock = clock
-        self.reconciled = 0  # orphans this process metered (for logs and tests)
-        self.released = 0  # orphans never sent upstream that this process released (for logs and tests)
+        self.reconciled = 0  # orphans this process metered (thinkgate_write_ahead_reconciled_records_total)
+        self.released = 0  # orphans never sent upstream that this process released (the same series)
+        #: told each usage event this process metered for a dead process (its request's only event): the serving
+        #: process's metrics count it as they count their own — else the Prometheus cost and token counters came in
+        #: under the ledger after a killed process. Its errors are logged, never the record's concern.
+        self.on_metered: Callable[[UsageEvent], None] | None = None
         self.reasserted = 0  # record writes of reassert() (metering.replica_acks; for logs and tests)
         #: re-asserted records fewer than ``metering.replica_acks`` replicas acknowledged in time (for metrics)
         self.unreplicated = 0
@@ -730,6 +734,11 @@ class WriteAhead:
             self._refused.discard(rec.request_id)
             if result.counted:
                 counted += 1
+                if self.on_metered is not None:
+                    try:
+                        self.on_metered(event)
+                    except Exception:
+                        log.exception("metrics of reconciled usage event %s failed", event.event_id)
                 log.warning("metered write-ahead record %s of dead process %s as %s (%d prompt, %d completion "
                             "tokens%s)", rec.request_id, rec.owner, "finished" if rec.final is not None else "partial",
                             event.prompt_tokens, event.completion_tokens,

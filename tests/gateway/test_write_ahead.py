@@ -26,6 +26,7 @@ import httpx
 import orjson
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import MeteringConfig, Prices, RedisConfig
 from gateway.ledger.event import UsageEvent
@@ -38,7 +39,7 @@ from gateway.state.redis import connect
 from gateway.state.spool import Spool
 from gateway.state.write_ahead import WalRecord, WriteAhead
 from tests.fixtures.crash_process import DurableRedis, FreezingProxy, GatewayProcess
-from tests.fixtures.gateway import SECRETS, cleanup, keys_config
+from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, cleanup, keys_config
 from tests.fixtures.upstream import SimProcess, sim_tiers, start_sim, wait_for
 
 SLOW_CHUNK_MS = 250  # ~48 chunks per answer: ~12 s of streaming, long enough to be killed mid-stream
@@ -145,6 +146,18 @@ def assert_exactly_once(redis_url: str, prefix: str, admitted: list[str], killed
         client.close()
 
 
+def scrape(url: str) -> dict[tuple[str, str], float]:
+    """``/metrics`` of the gateway at ``url`` (the admin key), summed by (sample name, its ``outcome`` or ``tier``
+    label)."""
+    text = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {ADMIN_SECRET}"}, timeout=10).text
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, s.labels.get("outcome") or s.labels.get("tier") or "")
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
 def _wait_streaming(streams: list[Stream], min_events: int, timeout_s: float = 30.0) -> None:
     assert wait_for(lambda: all(s.events >= min_events or s.done for s in streams), timeout_s), \
         [(s.status, s.events) for s in streams]
@@ -239,6 +252,12 @@ def test_kill_9_gateway_mid_stream_every_admitted_request_settled_once(slow_sim:
     # two replicas start at once on the same Redis: both reconcile the dead process's records
     replicas = [crash.replica(cfg, f"replica-{i}") for i in range(2)]
     assert_exactly_once(crash.redis_url, crash.prefix, admitted, killed)
+    # the replicas' Prometheus series count what they metered for the dead process as it would have (its cost was in
+    # the ledger and in no counter), and say how many records they settled
+    cost = sum(e.cost_micro_usd for e in crash.ledger() if e.event_id in killed)
+    scraped = [scrape(r.url) for r in replicas]
+    assert sum(s.get(("thinkgate_write_ahead_reconciled_records_total", "metered"), 0) for s in scraped) == len(killed)
+    assert sum(s.get(("thinkgate_cost_micro_usd_total", "long"), 0) for s in scraped) == cost > 0
     # a request on a restarted gateway is settled normally, once, and leaves no record behind
     after = Stream(replicas[0].base_url, 99, FAST_CHUNK_MS)
     after.thread.join(30)
