@@ -8,7 +8,8 @@ as on the dashboard — sees every key):
   are integers (tokens, micro-USD); budgets and what remains of them as exact USD strings. ``budgets`` has one
   entry per budget level that applies to the key (its own, each budgeted tag of it, global) and period:
   ``{"level": "key" | "tag:team=a" | "global", "period": "day" | "month", "budget_usd", "spent_usd",
-  "reserved_usd" (requests in flight), "remaining_usd"}`` (remaining = budget − spent − reserved, ≥ 0).
+  "reserved_usd" (requests in flight), "remaining_usd"}`` (remaining = budget − spent − reserved, ≥ 0; ``limits``'
+  ``remaining_usd_day`` / ``_month`` are the key level's).
   The admin key without ``key_id`` gets ``{"object": "list", "data": [summary per key]}``.
 - ``group_by`` (``key,tier,model,day,tag,tag:NAME``) and/or ``since`` / ``until`` → rows
   (``gateway/ledger/export.py``): ``{"object": "list", "group_by": [...], "data": [...]}``. ``since`` defaults to the
@@ -81,15 +82,18 @@ async def summary(acct: Accounting, key_id: str, key: KeyInfo | None, now: float
         "total": await acct.meter.key_counters(key_id),
     }
     limits: dict[str, Any] = {}
+    budgets = await levels_view(acct, key, day, now) if key is not None else []
     if key is not None:
         lim = KeyLimits.of(key)
-        for name, budget, spent in (("usd_day", lim.budget_day_micro, counters["day"]["cost_micro_usd"]),
-                                    ("usd_month", lim.budget_month_micro, counters["month"]["cost_micro_usd"])):
-            limits[f"budget_{name}"] = str(micro_to_usd(budget)) if budget is not None else None
-            limits[f"remaining_{name}"] = str(micro_to_usd(max(0, budget - spent))) if budget is not None else None
+        # what remains is the key level's entry of ``budgets`` (budget − spent − reserved): the same figure — it read
+        # budget − spent here, more than admission would let the key spend while requests are in flight
+        own = {b["period"]: b["remaining_usd"] for b in budgets if b["level"] == "key"}
+        for period, budget in (("day", lim.budget_day_micro), ("month", lim.budget_month_micro)):
+            limits[f"budget_usd_{period}"] = str(micro_to_usd(budget)) if budget is not None else None
+            limits[f"remaining_usd_{period}"] = own.get(period) if budget is not None else None
         limits["rpm"], limits["tpm"] = lim.rpm, lim.tpm
     return {"object": "usage.summary", "key_id": key_id, "day": day, "month": month, "counters": counters,
-            "limits": limits, "budgets": await levels_view(acct, key, day, now) if key is not None else []}
+            "limits": limits, "budgets": budgets}
 
 
 async def levels_view(acct: Accounting, key: KeyInfo, day: str, now: float) -> list[dict[str, Any]]:

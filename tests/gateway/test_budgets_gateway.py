@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -250,6 +251,32 @@ def test_escalation_has_its_own_reservation_while_in_flight(cutting: GatewayServ
     r = result["r"]
     assert r.status_code == 200 and r.headers["x-thinkgate-route-reason"] == "escalated"
     assert r.headers["x-request-id"] in seen  # the escalated call's own reservation, before it was sent
+
+
+def test_what_remains_of_a_keys_budget_is_one_figure_while_a_request_is_in_flight(
+        gw: GatewayServer, upstream_sim: SimProcess, redis_url: str, prefix: str) -> None:
+    """``limits.remaining_usd_day`` said budget − spent while ``budgets[]``'s key entry said budget − spent −
+    reserved: two different "remaining" in one summary, the first above what admission lets the key spend while a
+    request is in flight."""
+    kid = f"rem-{uuid.uuid4().hex[:8]}"
+    secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(1_000_000))
+    t = uuid.uuid4().hex
+    worker = threading.Thread(target=_post, args=(gw, secret, {"model": "long", "messages": PROMPT,
+                                                               "sim": {"tag": t, "delay_ms": 1500}}))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while (rec := upstream_sim.tag(t)) is None or rec["status"] != "running":
+            assert time.monotonic() < deadline and worker.is_alive()
+            time.sleep(0.05)
+        s = _summary(gw, kid)
+    finally:
+        worker.join(timeout=30)
+    day = next(b for b in s["budgets"] if b["level"] == "key" and b["period"] == "day")
+    assert Decimal(day["reserved_usd"]) > 0, day  # the request in flight holds its reservation
+    assert s["limits"]["remaining_usd_day"] == day["remaining_usd"], (s["limits"], day)
+    assert Decimal(day["remaining_usd"]) == Decimal(day["budget_usd"]) - Decimal(day["spent_usd"]) - Decimal(
+        day["reserved_usd"])
 
 
 def test_refused_escalation_returns_the_first_answer_saying_why(cutting: GatewayServer, redis_url: str,
