@@ -168,6 +168,10 @@ class StreamAssembler:
         self.usage: dict[str, Any] | None = None
         self.deltas = 0  # content/reasoning/text deltas seen: ≈ completion tokens when usage never came
         self.done = False
+        #: a part was not of its type (a choice or tool-call ``index`` that is no integer, a text that is no string):
+        #: skipped, and the answer never :attr:`complete` (not cached) — folded, it raised mid-stream or in
+        #: :meth:`result` as the relay closed the call, which then went unmetered
+        self.malformed = False
 
     def feed_payload(self, payload: bytes) -> dict[str, Any] | None:
         """Feed one SSE ``data:`` payload; returns the parsed chunk (None for ``[DONE]``)."""
@@ -196,12 +200,20 @@ class StreamAssembler:
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         for c in chunk.get("choices") or []:
-            st = self._choices.setdefault(c.get("index", 0), _Choice(c.get("index", 0)))
+            index = c.get("index")
+            index = 0 if index is None else index  # absent or null: choice 0, as the relay's tally reads it
+            if type(index) is not int:
+                self.malformed = True
+                continue
+            st = self._choices.get(index)
+            if st is None:
+                st = self._choices[index] = _Choice(index)
             st.fold_logprobs(c.get("logprobs"))
             if self.chat:
                 self._fold_delta(st, c.get("delta") or {})
             elif c.get("text"):
-                st.content.append(c["text"])
+                if self._is_text(c["text"]):
+                    st.content.append(c["text"])
                 self.deltas += 1
             if c.get("finish_reason") is not None:
                 st.finish_reason = c["finish_reason"]
@@ -211,28 +223,47 @@ class StreamAssembler:
             st.role = delta["role"]
         bearing = False
         if delta.get("content"):
-            st.content.append(delta["content"])
+            if self._is_text(delta["content"]):
+                st.content.append(delta["content"])
             bearing = True
         for name in REASONING_FIELDS:
             if delta.get(name):
-                st.reasoning.setdefault(name, []).append(delta[name])
+                if self._is_text(delta[name]):
+                    st.reasoning.setdefault(name, []).append(delta[name])
                 bearing = True
-        for call in delta.get("tool_calls") or []:
-            slot = st.tool_calls.setdefault(call.get("index", 0), {"function": {"arguments": ""}})
+        calls = delta.get("tool_calls") or []
+        for call in calls if isinstance(calls, list) else ():
+            fn = (call.get("function") or {}) if isinstance(call, dict) else None
+            index = (call.get("index") or 0) if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or type(index) is not int:
+                self.malformed = True
+                continue
+            slot = st.tool_calls.setdefault(index, {"function": {"arguments": ""}})
             for k in ("id", "type"):
                 if call.get(k):
                     slot[k] = call[k]
-            fn = call.get("function") or {}
             if fn.get("name"):
                 slot["function"]["name"] = fn["name"]
-            slot["function"]["arguments"] += fn.get("arguments") or ""
+            if self._is_text(args := fn.get("arguments") or ""):
+                slot["function"]["arguments"] += args
             bearing = True
+        if not isinstance(calls, list):
+            self.malformed = True
         self.deltas += int(bearing)
+
+    def _is_text(self, value: Any) -> bool:
+        """Whether ``value`` is a string (text a delta may carry); else the answer is :attr:`malformed`."""
+        if isinstance(value, str):
+            return True
+        self.malformed = True
+        return False
 
     @property
     def complete(self) -> bool:
-        """True when ``[DONE]`` arrived and every choice has a finish reason (worth caching)."""
-        return self.done and bool(self._choices) and all(c.finish_reason for c in self._choices.values())
+        """True when ``[DONE]`` arrived, every choice has a finish reason and no part was :attr:`malformed` (worth
+        caching)."""
+        return (self.done and not self.malformed and bool(self._choices)
+                and all(c.finish_reason for c in self._choices.values()))
 
     def text_chars(self) -> int:
         """Characters of content + reasoning received (for counting when usage is missing)."""

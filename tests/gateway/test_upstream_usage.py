@@ -356,6 +356,37 @@ def test_a_reasoning_chunk_whose_index_is_no_integer_is_relayed_and_metered(gw: 
     assert (ev.status, ev.error_code, ev.partial, ev.usage_source) == (200, None, False, "upstream")
 
 
+CACHED_MALFORMED = [
+    pytest.param({"index": "x", "delta": {"reasoning_content": "hm"}, "finish_reason": "stop"}, id="string-index"),
+    pytest.param({"index": [0], "delta": {"reasoning_content": "hm"}, "finish_reason": None}, id="list-index"),
+    pytest.param({"index": 0, "delta": {"content": 5}, "finish_reason": None}, id="content-no-string"),
+    pytest.param({"index": 0, "delta": {"tool_calls": [{"index": "x", "function": {"arguments": 1}}]},
+                  "finish_reason": None}, id="tool-call-index"),
+]
+
+
+@pytest.mark.parametrize("choice", CACHED_MALFORMED)
+def test_a_malformed_choice_in_a_cacheable_stream_is_relayed_metered_and_not_cached(gw: GatewayServer,
+                                                                                   choice: dict[str, Any]) -> None:
+    """The same malformed choices on a request the exact cache stores (``temperature: 0``), whose stream the relay
+    also assembles: the assembler keyed its choices by the ``index`` as it came — a list raised mid-stream (a
+    truncated 200 metered as the client's disconnect), a string next to choice 0, or a content that is no string,
+    raised as the relay closed the call (the client had ``[DONE]``; the call went unmetered). Relayed and metered as
+    the 200 it is; such an answer is not cached (a second ask is no hit)."""
+    body = {"model": "long", "messages": [{"role": "user", "content": f"{QUESTION} {uuid.uuid4().hex[:6]}"}],
+            "sim": {"inject": {"choices": [choice]}}, "temperature": 0, "stream": True}
+    hits = []
+    for _ in range(2):
+        r = httpx.post(gw.base_url + "/chat/completions", json=body, timeout=30,
+                       headers={"authorization": f"Bearer {SECRETS['alice']}"})
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+        rid = r.headers["x-request-id"]
+        ev = usage_events(gw, [rid])[rid]
+        assert (ev.status, ev.error_code, ev.partial) == (200, None, False), ev
+        hits.append(r.headers.get("x-thinkgate-cache"))
+    assert "hit" not in hits, hits
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_a_large_legitimate_batch_is_metered_as_reported(upstream_sim: SimProcess, redis_url: str, tmp_path: Path,
                                                          stream: bool) -> None:
