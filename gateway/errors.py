@@ -240,9 +240,11 @@ class KeyStoreUnavailable(GatewayError):
 
 
 class OutcomesUnavailable(GatewayError):
-    """Redis is unreachable: the request a feedback is about cannot be looked up (retry later)."""
+    """503: Redis is unreachable: the request a feedback is about cannot be looked up (``retry-after``: the breaker's
+    cooldown)."""
 
     status = 503
+    type = "server_error"
     default_code = "outcomes_unavailable"
 
 

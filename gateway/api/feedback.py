@@ -78,7 +78,8 @@ def attach(app: FastAPI, keys: KeyStore, store: OutcomeStore) -> None:
         try:
             entry = await store.request(rid, key.id)
         except RedisDown as exc:
-            raise OutcomesUnavailable("the outcome store is unavailable; retry later") from exc
+            raise OutcomesUnavailable("the outcome store is unavailable; retry later",
+                                      headers=store.breaker.retry_after()) from exc
         if entry is None or entry.get("key_id") != key.id:
             # the request index is written in the background (INDEX_FLUSH_S): another replica's answer of a moment
             # ago is not in Redis yet, and a retry after a second finds it

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -150,6 +151,11 @@ class Breaker:
         self.stall_timeouts = 0  # timeouts blamed on a stalled event loop (breaker left closed)
         self._stall_logged_at: float | None = None
         self._stall_logged_count = 0  # stall_timeouts when the last WARNING was written
+
+    def retry_after(self) -> dict[str, str]:
+        """The ``retry-after`` header (whole seconds, ≥ 1: the cooldown) of a 503 answered because Redis is down: a
+        client retrying sooner meets the open breaker again."""
+        return {"retry-after": str(max(1, math.ceil(self.cooldown_s)))}
 
     @property
     def is_open(self) -> bool:

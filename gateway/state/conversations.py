@@ -63,7 +63,8 @@ class ConversationStore:
         try:
             raw = await self.breaker.call(lambda: self.redis.get(self.key(scope, response_id)))
         except RedisDown as exc:
-            raise ConversationsUnavailable(f"the conversation store is unreachable: {exc}") from None
+            raise ConversationsUnavailable(f"the conversation store is unreachable: {exc}",
+                                           headers=self.breaker.retry_after()) from None
         if raw is None:
             return None
         try:
@@ -110,5 +111,6 @@ class ConversationStore:
         try:
             n = await self.breaker.call(lambda: self.redis.delete(self.key(scope, response_id)))
         except RedisDown as exc:
-            raise ConversationsUnavailable(f"the conversation store is unreachable: {exc}") from None
+            raise ConversationsUnavailable(f"the conversation store is unreachable: {exc}",
+                                           headers=self.breaker.retry_after()) from None
         return bool(n)

@@ -24,6 +24,7 @@ import redis
 
 from gateway.config import RedisConfig
 from gateway.engine.redis_server import start_private
+from gateway.errors import ConversationsUnavailable
 from gateway.state.breaker import Breaker
 from gateway.state.conversations import ConversationStore
 from gateway.state.redis import connect
@@ -177,19 +178,26 @@ def test_writes_skipped_with_redis_down_are_counted_and_logged_once_a_minute(
     proc.terminate()  # nothing listens there any more: a real outage, not a stand-in
     proc.wait(timeout=10)
 
-    async def go() -> tuple[list[bool], dict[str, int]]:
+    async def go() -> tuple[list[bool], dict[str, int], list[ConversationsUnavailable]]:
         handle = connect(RedisConfig(url=url, key_prefix=PREFIX, socket_timeout_s=0.5))
-        store = ConversationStore(handle, Breaker(1.0), 60)
+        store = ConversationStore(handle, Breaker(2.5), 60)
         try:
             stored = [await store.put("key:alice", f"resp_{i}", [{"role": "user", "content": "hi"}], "short")
                       for i in range(4)]
-            return stored, store.not_stored
+            refused = []
+            for read in (store.get, store.delete):  # a continuation or a delete cannot be answered: a 503
+                with pytest.raises(ConversationsUnavailable) as info:
+                    await read("key:alice", "resp_0")
+                refused.append(info.value)
+            return stored, store.not_stored, refused
         finally:
             await handle.close()
 
     with caplog.at_level(logging.WARNING, logger="thinkgate.conversations"):
-        stored, counts = asyncio.run(go())
+        stored, counts, refused = asyncio.run(go())
     assert stored == [False] * 4 and counts == {"redis_down": 4, "refused": 0}
+    # when to retry: the breaker's cooldown, rounded up (a client retrying sooner meets the open breaker again)
+    assert [(e.status, e.headers.get("retry-after")) for e in refused] == [(503, "3"), (503, "3")]
     lines = [r for r in caplog.records if r.name == "thinkgate.conversations"]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING, lines
     assert "resp_0" in lines[0].getMessage() and "redis_down" in lines[0].getMessage()
