@@ -302,8 +302,20 @@ class _Run:
 
     async def settle(self) -> None:
         """Close the exchange once: the status (499 when the client went away), the usage seen so far when the
-        stream did not end well, the assembled answer when it did."""
+        stream did not end well, the assembled answer when it did. The close runs whatever raises before it (a
+        failed count, an answer the assembler cannot build): the call is metered with what the record holds, logged,
+        not cached — an exception here used to leave a delivered stream with no usage event at all."""
         status, code = (self.status, self.code) if self.status is not None else (CLIENT_CLOSED, "client_disconnected")
+        answer: dict[str, Any] | None = None
+        try:
+            answer = await self._settled_usage(status)
+        except Exception:
+            log.exception("settling the stream of request %s failed; metered with the usage it holds, not cached",
+                          self.record.request_id)
+        await self.ex.close(status, code, answer)
+
+    async def _settled_usage(self, status: int) -> dict[str, Any] | None:
+        """:meth:`settle`'s usage (set on the record) and the complete answer to offer the cache (None: none)."""
         tally, record = self.tally, self.record
         if status != 200 and not self.cut:
             record.partial = True
@@ -318,7 +330,7 @@ class _Run:
                 await self.count()  # (closed: what it knows it ran — a forced stream's bill — is not counted again)
         asm = self.assembler
         complete = status == 200 and not self.cut and asm is not None and asm.complete
-        await self.ex.close(status, code, asm.result() if complete and asm is not None else None)
+        return asm.result() if complete and asm is not None else None
 
 
 async def complete(data: dict[str, Any], ex: Exchange, pool: UpstreamPool, body: dict[str, Any] | None = None,
