@@ -47,7 +47,8 @@ class LimitsConfig(_Strict):
     alert_dead_letter_path: Path = STATE_DIR / "alerts-dead-letter.jsonl"
     reservation_ttl_s: float = Field(600.0, gt=0)
     #: a stream renews its reservations every third of ``reservation_ttl_s`` while it runs, and is cut (finish
-    #: reason ``length``, metered) once it has run this long, so no reservation outlives its bound
+    #: reason ``length``, metered) once it has run this long — counted from the request's first upstream call, the
+    #: escalation peek's hold included (``gateway/pipeline/exchange.py``) — so no reservation outlives its bound
     max_stream_s: float = Field(3600.0, gt=0)
     #: ``auto``: on a single Redis (or Sentinel) one hot-path script per request — admission at every level,
     #: the write-ahead record and the exact-cache lookup together (``HOT_LUA``); on Redis Cluster one call per

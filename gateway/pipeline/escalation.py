@@ -12,6 +12,8 @@ reason ``escalated``.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import anyio
@@ -151,7 +153,7 @@ START_IDLE_CHUNKS = 1024
 
 async def peek_stream(
     resp: UpstreamResponse, tier: TierConfig, endpoint: WireEndpoint, *, tally: StreamTally, whole: bool = False,
-    start: bool = False,
+    start: bool = False, deadline: float = math.inf, patience: float = 0.0,
 ) -> tuple[SyntheticResponse, dict[str, Any]]:
     """Read an SSE response until its answer starts (a non-empty ``content``/``text`` delta) or it ends —
     with ``whole``, always to its end (checks on the answer's content need all of it); with ``start`` (an
@@ -182,27 +184,41 @@ async def peek_stream(
     upstream call: a generation nobody will read would run on to its end otherwise (vLLM aborts a request whose
     connection closed) — and re-raises; ``tally`` (the caller's, new: the deltas are counted into it as they are
     read, see :func:`counted`) then says what the call had generated.
-    """
+
+    ``deadline`` (``time.monotonic()``; none by default): the stream's ``limits.max_stream_s``. Reached — after a batch,
+    or while waiting for one (a wait is bounded by the time left only once that is shorter than ``patience``, the
+    longest a wait lasts before the upstream's own timeouts end it: no timer per batch before) — the read stops
+    there, the answer undecided: the summary says ``"cut": True`` (else False) and the response replays what was
+    read, for the relay to pass on and cut (``resp`` is closed by it; its reader may have been ended by the wait's
+    cancellation)."""
     whole = not start and (whole or "learned" in tier.escalate_on)  # the answer-aware model reads the whole answer
     head: list[list[Chunk]] = []
     rest = chunk_batches(resp)
     assembler = StreamAssembler()  # the one stream assembler (the cache's), read as far as needed
     logprobs: list[Any] = []
     marker = end_marker(tier)
-    ended = False
+    ended = cut = False
     held = _StartRead()
     try:
-        async for batch in rest:
+        while True:
+            left = deadline - time.monotonic()
+            if left > patience:  # no timer while the upstream's timeouts end a stall before the bound
+                batch = await anext(rest, None)
+            elif left <= 0:
+                cut = True
+                break
+            else:
+                with anyio.move_on_after(left) as waited:
+                    batch = await anext(rest, None)
+                if waited.cancelled_caught:
+                    cut = True
+                    break
+            if batch is None:
+                ended = True  # read to its end: not stopped at the answer (its start, an error event) first
+                break
             head.append(batch)
             tally.feed(batch)
-            for item in batch:
-                if item.data is None:
-                    continue
-                assembler.feed(item.data)
-                for c in item.data.get("choices") or ():
-                    lp = c.get("logprobs")
-                    if isinstance(lp, dict) and isinstance(lp.get("content"), list):
-                        logprobs += lp["content"]
+            _assemble(batch, assembler, logprobs)
             if tally.upstream_error:  # the upstream's error event: nothing follows it
                 break
             if start:
@@ -210,8 +226,6 @@ async def peek_stream(
                     break
             elif not whole and _answer_started(assembler.result(), endpoint, marker):
                 break
-        else:
-            ended = True  # read to its end: not stopped at the answer (its start, an error event) first
     except Exception as exc:  # the stream broke or stalled while read: what it had sent is billed all the same
         await resp.aclose()
         # with the usage it sent before breaking, as the relay meters a break: a forced stream's bill of a failed
@@ -232,6 +246,7 @@ async def peek_stream(
         error = UpstreamError(f"upstream of tier {tier.name!r} sent an error mid-stream: {_error_message(head)}")
         raise PeekBroken(error, counted(tally), reported=True, usage=_reported(tally))
     summary = _summary(assembler, endpoint, logprobs)
+    summary["cut"] = cut  # stopped at the deadline, undecided
     if summary["usage"] is None:  # none came: the running totals, or the deltas read
         summary["usage"] = tally.last_usage
         summary["counted"] = counted(tally)
@@ -239,6 +254,18 @@ async def peek_stream(
     return SyntheticResponse(chunks=rest, head=head, closer=resp.aclose,
                              counted_on_failure=forced is not None and forced.counted_on_failure,
                              spent=forced.spent if forced is not None else None), summary
+
+
+def _assemble(batch: list[Chunk], assembler: StreamAssembler, logprobs: list[Any]) -> None:
+    """Feed ``batch`` to ``assembler``; the ``logprobs.content`` entries of its choices onto ``logprobs``."""
+    for item in batch:
+        if item.data is None:
+            continue
+        assembler.feed(item.data)
+        for c in item.data.get("choices") or ():
+            lp = c.get("logprobs")
+            if isinstance(lp, dict) and isinstance(lp.get("content"), list):
+                logprobs += lp["content"]
 
 
 def _reported(tally: StreamTally) -> dict[str, Any] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,7 @@ class Exchange:
     """
 
     __slots__ = ("_closed", "_held", "accounting", "after_response", "on_answer", "rate", "record", "renewer", "route",
-                 "sinks", "ticket")
+                 "sinks", "started", "ticket")
 
     def __init__(self, record: UsageRecord, route: RouteDecision, sinks: list[UsageSink],
                  accounting: Accounting) -> None:
@@ -62,12 +63,25 @@ class Exchange:
         self.rate: RateState | None = None
         #: the renewal of a long non-streamed call's reservations, once its timer started it
         self.renewer: asyncio.Task[None] | None = None
+        #: ``time.monotonic()`` when the request was admitted and its first upstream call was about to be sent: a
+        #: stream's ``limits.max_stream_s`` counts from here (:meth:`stream_deadline`)
+        self.started = time.monotonic()
         self.stamp(route)
 
     @property
     def tier(self) -> TierConfig:
         """The tier of the current attempt."""
         return self.route.tier
+
+    def stream_deadline(self) -> float:
+        """``time.monotonic()`` at which the request's stream reaches ``limits.max_stream_s`` and is cut.
+
+        Counted from the request's first upstream call (:attr:`started`), not from the first byte relayed: what ran
+        before the relay — a tier's stream held back by the escalation peek (a whole thought, or answer), an
+        escalation's calls, a forced stream's opening — is the same request's time on the upstreams, under
+        reservations that are as old, and the client waited through it. Per request, not per attempt: a cascade
+        of three tiers is one stream, bounded once."""
+        return self.started + self.accounting.settings.limits.max_stream_s
 
     @property
     def closed(self) -> bool:

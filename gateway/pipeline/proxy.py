@@ -46,7 +46,16 @@ from gateway.pipeline import abstention, escalation, policy, upstream_body
 from gateway.pipeline.accounting import Ahead
 from gateway.pipeline.answer import Answer, Caller
 from gateway.pipeline.exchange import Exchange
-from gateway.pipeline.relay import CLIENT_CLOSED, complete, count_answer, count_prompt, meter_closed, relay, renew
+from gateway.pipeline.relay import (
+    CLIENT_CLOSED,
+    complete,
+    count_answer,
+    count_prompt,
+    longest_wait,
+    meter_closed,
+    relay,
+    renew,
+)
 from gateway.pipeline.routing import RouteDecision, Routing
 from gateway.pipeline.sessions import Sessions
 from gateway.thinking import dial
@@ -329,7 +338,9 @@ class Proxy:
         exchange holds (:meth:`_answer`). An
         escalation's streamed call (``asked``) whose tier does not escalate in turn (no ``escalate_on``, or none above
         it) is read only up to its first content (``peek_stream``'s ``start``) and relayed from there; failing before
-        it, it is metered and raised the same way. The retry is
+        it, it is metered and raised the same way. A peek reaches the request's ``limits.max_stream_s`` too
+        (:meth:`Exchange.stream_deadline`): stopped there, it escalates nothing (no time is left for another tier) and
+        the relay passes on what it read and cuts the stream. The retry is
         admitted —
         reserved at every budget level — before it is sent; when that is refused (or the key may not use
         ``nxt``) the first answer is kept, with the note ``skipped; tier=…; reason=…``. The first attempt is finished
@@ -347,6 +358,10 @@ class Proxy:
             assert data is not None
             summary = data
         if nxt is None:  # an escalation's stream, its start read (nothing failed there): relayed from here, as it comes
+            return resp, None, False
+        if summary.get("cut") or time.monotonic() >= ex.stream_deadline():
+            # at limits.max_stream_s (the peek stopped there, undecided): the next tier would have no time left;
+            # the relay passes on what was read and cuts the stream
             return resp, None, False
         if escalation.cut_by_client(summary, body.get("max_completion_tokens") or body.get("max_tokens"), tier):
             return resp, None, False
@@ -402,7 +417,8 @@ class Proxy:
         whole = bool({"abstain", "low_confidence"} & set(tier.escalate_on))
         read = StreamTally()
         try:
-            return await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole, start=start, tally=read)
+            return await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole, start=start, tally=read,
+                                                deadline=ex.stream_deadline(), patience=longest_wait(tier))
         except (asyncio.CancelledError, anyio.get_cancelled_exc_class()):
             if not ex.closed and ex.record.usage_source == "none":
                 # what the closed stream knows it ran (a forced one in its answer phase: its bill, phase 2's prompt

@@ -20,8 +20,11 @@ renewed every third of ``limits.reservation_ttl_s`` while it runs, so they never
 a stream that reaches ``limits.max_stream_s`` is cut: the upstream request is closed, every choice gets a
 ``finish_reason: "length"`` chunk, the client a ``[DONE]``, and the tokens seen so far are metered (``partial``,
 ``error_code: stream_max_duration``) — a stalled one at its bound too, not at the read timeout (the wait for a batch
-is bounded by the time left once that is shorter than the longest wait, :func:`longest_wait`). So no reservation
-outlives its bound and no stream runs unbounded.
+is bounded by the time left once that is shorter than the longest wait, :func:`longest_wait`). The bound counts from
+the request's first upstream call (:meth:`~gateway.pipeline.exchange.Exchange.stream_deadline`), not from the relay's
+first batch: the escalation peek that held the stream back (stopped at the same bound, its head then relayed and the
+stream cut here), an escalation's calls and a forced stream's opening are in it. So no reservation outlives its bound
+and no stream runs unbounded.
 """
 
 from __future__ import annotations
@@ -206,7 +209,7 @@ class _Run:
         keep = (ex.ticket is not None and ex.ticket.decision.store) or ex.on_answer is not None
         self.assembler = StreamAssembler() if keep else None
         self.max_s = ex.accounting.settings.limits.max_stream_s
-        self.started = time.monotonic()
+        self.started = ex.started  # the request's first upstream call (Exchange.stream_deadline), not the relay's
         # the tokens relayed so far go to the request's write-ahead record (rate-bounded there)
         self.progress = ex.accounting.stream_progress(self.record)
         self.last: dict[str, Any] | None = None
@@ -431,15 +434,31 @@ async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_
     run = _Run(ex, wants_usage, choices, pool, body, resp,
                counted_on_failure=isinstance(resp, SyntheticResponse) and resp.counted_on_failure)
     renewer = asyncio.ensure_future(renew(ex.accounting, ex))
+    # what the escalation peek read is passed on whatever the time (it is read, and billed): a peek stopped at the
+    # bound leaves its stream to be cut here once its head was relayed
+    held = resp.take_head() if isinstance(resp, SyntheticResponse) else []
     batches = chunk_batches(resp)
     patience = longest_wait(ex.tier)
     try:
-        while True:
+        ended = False
+        for read in held:
+            out = run.feed(read)
+            if out:
+                yield out
+            if run.tally.done or run.tally.upstream_error:
+                ended = True
+                break
+        while not ended:
             left = run.max_s - (time.monotonic() - run.started)
             if left > patience:  # a stall ends by the upstream's own timeouts before the bound: no timer (per batch)
                 batch = await anext(batches, None)
             else:
-                # a stall must not outlast limits.max_stream_s: waited for as long as the bound leaves, then cut
+                # a stall must not outlast limits.max_stream_s: waited for as long as the bound leaves, then cut —
+                # at once when what ran before the relay (the peek, a forced stream's opening) spent it: a peek
+                # stopped at the bound may have ended the stream's reader, which is not read again
+                if left <= 0:
+                    run.cut = True
+                    break
                 with anyio.move_on_after(left) as waited:
                     batch = await anext(batches, None)
                 if waited.cancelled_caught:

@@ -83,6 +83,12 @@ class SyntheticResponse:
             async for c in self._events:
                 yield [c]
 
+    def take_head(self) -> list[list[Chunk]]:
+        """The batches already read (``head``), handed over once: :meth:`chunk_batches` then yields only the rest.
+        For the relay, which passes them on without waiting (they are in memory) however little time is left."""
+        head, self._head = self._head, []
+        return head
+
     async def spent(self) -> Spent | None:
         """(usage in OpenAI's shape, whose count it is) of a stream closed before its end — the client gone, or cut
         at its bound — as the gateway knows it ran (a forced stream once its thought phase reported its usage:

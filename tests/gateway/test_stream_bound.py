@@ -8,15 +8,19 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
+import pytest
 import redis
 
 from gateway.ledger.event import micro_to_usd
+from gateway.ledger.record import UsageRecord
 from tests.fixtures.gateway import accounting_gateway, create_key, usage_events
-from tests.fixtures.upstream import SimProcess
+from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, StreamRead, sim_settings, sim_tiers, wait_for
 
 
 def test_a_long_stream_renews_its_reservation_and_is_cut_at_its_bound(upstream_sim: SimProcess, redis_url: str,
@@ -74,3 +78,65 @@ def test_a_long_stream_renews_its_reservation_and_is_cut_at_its_bound(upstream_s
             assert check.hlen(f"{prefix}lim:{kid}:resv") == 0  # settled, not left to expire
         finally:
             check.close()
+
+
+MAX_STREAM_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def bounded(upstream_sim: SimProcess, redis_url: str) -> Iterator[tuple[GatewayServer, list[UsageRecord]]]:
+    """Streams under ``limits.max_stream_s`` (2 s; read timeouts 10 s): ``short`` peeked for escalation up to its
+    answer's start (``empty_answer``), ``whole`` peeked to its end (``abstain``), ``forced`` budget-forced and
+    relayed; with the usage records the gateway sinks."""
+    none, short, long = sim_tiers(upstream_sim.base_url)
+    short.update({"thinking_budget": None, "max_tokens": 256, "escalate_on": ["empty_answer"]})
+    whole = {**short, "name": "whole", "escalate_on": ["abstain"]}
+    forced = {**short, "name": "forced", "budget_mode": "forced", "thinking_budget": 8, "max_tokens": 64}
+    del forced["escalate_on"]
+    settings = sim_settings(upstream_sim.base_url, redis_url, tiers=[none, short, whole, forced, long],
+                            limits={"max_stream_s": MAX_STREAM_S})
+    with GatewayServer(settings) as gw:
+        records: list[UsageRecord] = []
+        gw.app.state.proxy.usage_sinks.append(records.append)
+        yield gw, records
+
+
+@pytest.mark.parametrize(("tier", "sim", "thought"), [
+    ("short", {"fail": "stall", "fail_at": 1 + 3}, 3),  # the thought stalls under the peek after 3 deltas
+    ("whole", {"chunk_delay_ms": 150}, None),  # peeked to its end, ~40 chunks: ~6 s
+    ("forced", {"delay_ms": 1500}, None),  # each phase answered 1.5 s after it was sent
+], ids=["peeked-stall", "peeked-slow", "forced-opening"])
+def test_the_bound_counts_from_the_first_upstream_call_not_from_the_relay(
+        bounded: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess, tier: str, sim: dict[str, Any],
+        thought: int | None) -> None:
+    """The time before the relay's first batch — the escalation peek holding a stream back (a thought that stalls, an
+    answer read whole), a forced stream's phase 1 still opening — counts against ``limits.max_stream_s``: the stream
+    is cut 2 s after it was sent, what the peek read relayed, ``finish_reason: "length"``, ``[DONE]``, 200
+    ``stream_max_duration``, partial, and no escalation. The relay's clock started at its first batch: the stalled
+    peek ran to the read timeout (a 504 at 10 s), the slow one read the whole answer (a complete 200 at ~6 s), the
+    forced stream was cut 1.5 s late."""
+    gw, records = bounded
+    before = len(records)
+    tag = uuid.uuid4().hex
+    client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=30)
+    started = time.monotonic()
+    got = StreamRead().read(client.chat.completions.create(
+        model=tier, messages=[{"role": "user", "content": "Think about this question for a while, then answer it"}],
+        stream=True, stream_options={"include_usage": True}, extra_body={"sim": {**sim, "tag": tag}}))
+    took = time.monotonic() - started
+    assert got.finish == "length" and MAX_STREAM_S - 0.1 <= took < MAX_STREAM_S + 1.0, (got, took)
+    sent = upstream_sim.wait_tag_status(tag, {"cancelled", "completed", "failed"})
+    assert sent is not None and sent["status"] == "cancelled"  # the upstream call closed at the bound
+    assert sent["attempts"] == (2 if tier == "forced" else 1)  # cut in phase 2's opening; never escalated
+    assert wait_for(lambda: len(records) == before + 1, timeout_s=10)
+    rec = records[before]
+    assert (rec.tier, rec.status, rec.error_code, rec.partial) == (tier, 200, "stream_max_duration", True)
+    assert got.usage is not None and got.usage["completion_tokens"] == rec.completion_tokens
+    if tier == "forced":  # phase 1 as it reported it, nothing of a phase 2 never answered
+        assert rec.usage_source == "upstream" and rec.completion_tokens == rec.reasoning_tokens > 0
+    else:  # what the peek read reached the client and is billed: its deltas, the prompt counted
+        assert got.reasoning and got.content == ""
+        assert rec.usage_source == "counted" and rec.prompt_tokens > 0
+        assert rec.completion_tokens == rec.reasoning_tokens == len(got.reasoning.split())
+        if thought is not None:
+            assert rec.completion_tokens == thought
