@@ -284,7 +284,7 @@ class Proxy:
             except ForcedCallFailed as failed:  # a non-streamed forced call that failed once part of it ran
                 record.partial = True
                 if record.set_usage(failed.usage):  # what is known to have run (phase 1, phase 2 begun), billed
-                    record.usage_source = "counted"
+                    record.usage_source = failed.source
                 await ex.close(failed.error.status, failed.error.code)
                 raise failed.error from None
             except (UpstreamUnavailable, UpstreamConnectTimeout) as exc:
@@ -435,7 +435,7 @@ class Proxy:
                     # a forced stream's usage before its failure is the gateway's bill (ForcedBudget._spent), not an
                     # upstream's report: metered as the relay meters it
                     ex.record.usage_source = "counted"
-            else:
+            elif not await meter_closed(resp, ex.record):  # a forced phase 1 failed once it reported: that report
                 await self._count_attempt(ex, broken.counted, body)
             ex.record.partial = True
             exc = broken.cause  # an in-stream error event: upstream_error, as the relay meters one it passes on

@@ -109,11 +109,13 @@ def count_deltas(ex: Exchange, tally: sse.StreamTally) -> None:
 
 async def meter_closed(resp: UpstreamResponse, record: UsageRecord) -> bool:
     """A stream closed before its end — the client gone (the relay, the escalation peek) or cut at
-    ``limits.max_stream_s`` — whose response knows what it ran (:meth:`SyntheticResponse.spent`: a forced stream whose
-    thought phase reported its usage — that usage, ``usage_source: upstream``, until its answer phase is answered —
-    or in its answer phase, what it is billed had it failed there, phase 2's prompt in it, ``counted``) is metered
-    that in place of counting: the client's prompt and the deltas left phase 2's prompt (the thought re-read) out,
-    and estimated what phase 1 had reported. False when it knows nothing (any other stream): the caller counts it."""
+    ``limits.max_stream_s`` — or failed with no usage chunk read, whose response knows what it ran
+    (:meth:`SyntheticResponse.spent`: a forced stream whose thought phase reported its usage — that usage,
+    ``usage_source: upstream``, until its answer phase is answered, also when the thought phase then broke, stalled
+    or sent an error event — or in its answer phase, what it is billed had it failed there, phase 2's prompt in it,
+    ``counted``) is metered that in place of counting: the client's prompt and the deltas left phase 2's prompt (the
+    thought re-read) out, and estimated what phase 1 had reported. False when it knows nothing (any other stream):
+    the caller counts it."""
     spent = await resp.spent() if isinstance(resp, SyntheticResponse) else None
     if spent is None or not record.set_usage(spent[0]):
         return False

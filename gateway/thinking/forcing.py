@@ -26,9 +26,12 @@ chunk is the relay's in-stream error (no answer phase after a failed thought; me
 ``[DONE]`` is a broken stream (``upstream_stream_broken``).
 
 **A call that fails in phase 1** once it was answered 200 (its error document, a broken or stalled stream) is billed
-as the relay bills any failed stream, streamed or not: the prompt counted (``gateway.pipeline.relay.count_prompt``)
-and one completion token a delta read (:meth:`gateway.openai.sse.StreamTally.counted`; a chat thought's as
-reasoning), ``partial``, ``usage_source: counted`` — streamed by the relay itself, not streamed by
+as the relay bills any failed stream, streamed or not: before phase 1's usage chunk came, the prompt counted
+(``gateway.pipeline.relay.count_prompt``) and one completion token a delta read
+(:meth:`gateway.openai.sse.StreamTally.counted`; a chat thought's as reasoning), ``partial``, ``usage_source:
+counted``; once it came, that usage as the upstream reported it (its completion as reasoning), ``partial``,
+``usage_source: upstream`` — as the relay bills a plain stream that fails after its usage chunk
+(:meth:`ForcedBudget.spent`) — streamed by the relay and the escalation peek, not streamed by
 :meth:`ForcedBudget._assemble`. The client's error is the same either way.
 
 **A call that fails in phase 2** (its error document, a broken or stalled stream, an answer phase refused) is billed
@@ -62,7 +65,7 @@ import orjson
 
 from gateway.config import TierConfig
 from gateway.errors import GatewayError, InvalidRequest, UpstreamError, UpstreamStreamError
-from gateway.ledger.event import WireEndpoint
+from gateway.ledger.event import UsageSource, WireEndpoint
 from gateway.openai.sse import DONE_CHUNK, Chunk, StreamTally
 from gateway.openai.usage import generated_text, merge_usage, token_count, usage_counts
 from gateway.thinking.loop_guard import LoopDetector
@@ -90,13 +93,15 @@ class ForcedCallFailed(Exception):
     """A non-streamed forced call that failed after some of it is known to have run (its phase 1 answered 200, its
     phase 2, or one of its ``n`` generations'): ``error`` is the error the client gets (the same as without this),
     ``usage`` (OpenAI's shape, tokens) what the upstream is known to have processed (:meth:`ForcedBudget._spent`, or
-    counted by :meth:`ForcedBudget._assemble`; summed over the choices). The proxy meters ``usage`` (``partial``,
-    ``usage_source: counted``) and raises ``error``."""
+    counted by :meth:`ForcedBudget._assemble`; summed over the choices), ``source`` whose count that is
+    (``upstream``: every failed generation's is its thought phase's report, :meth:`ForcedBudget.spent`). The proxy
+    meters ``usage`` (``partial``, ``usage_source``: ``source``) and raises ``error``."""
 
-    def __init__(self, error: GatewayError, usage: dict[str, Any]) -> None:
+    def __init__(self, error: GatewayError, usage: dict[str, Any], source: UsageSource = "counted") -> None:
         super().__init__(error.message)
         self.error = error
         self.usage = usage
+        self.source = source
 
 
 async def _pieces(resp: Any, endpoint: WireEndpoint) -> AsyncIterator[Piece]:
@@ -234,9 +239,11 @@ class ForcedBudget:
         the proxy may still fall back to another tier)."""
         n = int(body.get("n") or 1)
         one = {**body, "n": 1, "stream": True}
-        # every generation runs to its end, so that one's failure does not lose the others' usage
-        outcomes = await asyncio.gather(*(self._assemble(self.stream(one), one) for _ in range(n)),
-                                        return_exceptions=True)
+        # every generation runs to its end, so that one's failure does not lose the others' usage; each on its own
+        # ForcedBudget, whose bill (spent) is that generation's
+        gens = [ForcedBudget(self.tier, self.endpoint, self.open_phase, self.count, self.count_prompt)
+                for _ in range(n)]
+        outcomes = await asyncio.gather(*(g._assemble(g.stream(one), one) for g in gens), return_exceptions=True)
         usage: dict[str, Any] = {}
         reasoning = 0
         for out in outcomes:
@@ -248,7 +255,9 @@ class ForcedBudget:
         if failed is not None:
             error = failed.error if isinstance(failed, ForcedCallFailed) else failed
             if usage and isinstance(error, GatewayError):
-                raise ForcedCallFailed(error, usage)
+                # the complete generations' usage is their upstream's report; the failed ones' may be counted
+                counted = any(isinstance(out, ForcedCallFailed) and out.source != "upstream" for out in outcomes)
+                raise ForcedCallFailed(error, usage, "counted" if counted else "upstream")
             raise error
         results = [out for out in outcomes if not isinstance(out, BaseException)]
         choices = [{**choice, "index": i} for i, (choice, _, _) in enumerate(results)]
@@ -262,7 +271,9 @@ class ForcedBudget:
         its request). Raises :class:`~gateway.errors.UpstreamError` for a stream that ended in an upstream's error,
         and the stream's own errors — as :class:`ForcedCallFailed` with what the call is known to have used: the
         usage the stream sent before it failed (its phase-2 bill), else, once phase 1 was answered (the stream's
-        first chunk), what the relay bills a failed stream — ``body``'s prompt counted and one token a delta read."""
+        first chunk), phase 1's usage as the upstream reported it once it came (:meth:`spent`, ``upstream``: as the
+        relay bills a stream that fails after its usage chunk), else what the relay bills a failed stream —
+        ``body``'s prompt counted and one token a delta read."""
         reasoning: list[str] = []
         text: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
@@ -298,7 +309,10 @@ class ForcedBudget:
                         slot["function"]["name"] = fn.get("name") or slot["function"]["name"]
                         slot["function"]["arguments"] += fn.get("arguments") or ""
         except GatewayError as exc:
-            if not usage and answered:
+            source: UsageSource = "counted"
+            if not usage and (reported := await self.spent()) is not None:
+                usage, source = reported  # phase 1 failed once its usage came: that report
+            elif not usage and answered:
                 # phase 1 was answered 200 (its upstream read the prompt) and failed before any usage came, or
                 # phase 2 failed after a phase 1 that reported no prompt count (:meth:`_spent`): billed as the
                 # relay bills the stream had it been streamed, not nothing
@@ -306,7 +320,7 @@ class ForcedBudget:
                 usage = merge_usage({"prompt_tokens": await self.count_prompt(body)},
                                     {"completion_tokens": completion}, thought)
             if usage:  # sent before the failure: what the call is known to have used (phase 1, phase 2 begun)
-                raise ForcedCallFailed(exc, usage) from exc
+                raise ForcedCallFailed(exc, usage, source) from exc
             raise
         if self.endpoint == "chat":
             content = "".join(text)
@@ -370,14 +384,10 @@ class ForcedBudget:
                         break
         except PhaseError as exc:
             # the upstream's error ends the stream there, as on a tier without forcing: the relay passes it on and
-            # meters the call as a failed stream (no answer is forced from a thought the engine gave up on)
-            self._closed_bill = None
+            # meters the call as a failed stream (no answer is forced from a thought the engine gave up on) — billed
+            # phase 1's usage when it came before (the bill stays: spent), as the relay bills a usage chunk it read
             yield exc.chunk
             return
-        except Exception:
-            # failed, not closed (broken, stalled): counted as any failed stream, as it is not streamed (_assemble)
-            self._closed_bill = None
-            raise
         finally:
             await resp.aclose()
         used = token_count((p1.usage or {}).get("completion_tokens")) or 0  # no count (negative, a string): counted
@@ -454,8 +464,12 @@ class ForcedBudget:
           usage came too.
 
         ``upstream`` needs phase 1's completion count to be its report (not counted: the loop guard cut it, or its
-        usage had none). None too when phase 1 reported no prompt count (:meth:`_spent`'s None), and for a stream that
-        failed in its thought phase (it is counted as any failed stream, as it is not streamed)."""
+        usage had none). None too when phase 1 reported no prompt count (:meth:`_spent`'s None).
+
+        A stream that *failed* in its thought phase (broken, stalled, an error event) once phase 1's usage came is
+        billed the same report, ``upstream`` — by the relay and the peek (which ask this when no usage chunk came
+        before the failure) and, not streamed, by :meth:`_assemble` — as the relay bills any stream that fails after
+        its usage chunk; before it came, None: counted as any failed stream."""
         return await self._closed_bill() if self._closed_bill is not None else None
 
     async def _thought_spent(self, p1: _Phase) -> Spent | None:

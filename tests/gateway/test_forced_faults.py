@@ -604,3 +604,47 @@ def test_a_stream_that_stalls_is_cut_at_its_bound_not_at_the_read_timeout(
     assert got.usage is not None and got.usage["completion_tokens"] == cut.completion_tokens
     if tier == "short":
         assert cut.completion_tokens == cut.reasoning_tokens + 2 and cut.prompt_tokens > 2 * cut.reasoning_tokens
+
+
+@pytest.mark.parametrize("fault", [("drop", 502, "upstream_stream_broken"), ("close", 502, "upstream_stream_broken"),
+                                   ("stall", 504, "upstream_timeout"), ("error-event", 502, "upstream_error")],
+                         ids=["drop", "close", "stall", "error-event"])
+def test_a_phase_1_that_fails_once_it_reported_is_billed_that_report(
+        forced_peeked: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess, redis_url: str,
+        fault: tuple[str, int, str]) -> None:
+    """Phase 1 sent its usage chunk and then failed before ``[DONE]``: its connection dropped (the simulator's break),
+    it ended without ``[DONE]``, stalled past the read timeout, or sent an engine error event. Relayed, failed in the
+    escalation peek, or not streamed, the call is billed phase 1's usage as the upstream reported it (its completion
+    as reasoning), ``usage_source: upstream``, partial, with the client's error — as the relay bills a plain stream
+    that fails after its usage chunk. It was billed the client's prompt counted and the thought's deltas, ``counted``,
+    in all three paths."""
+    gw, records = forced_peeked
+    client = _client(gw)
+    mode, status, code = fault
+    before = len(records) + 1  # the probe's
+    probe = uuid.uuid4().hex  # phase 1's chunks ([DONE] included): a call whose phase 2 ends at once
+    with pytest.raises(openai.APIStatusError):
+        client.chat.completions.create(model="short", messages=MESSAGES, extra_body={
+            "sim": {"fail": "close", "fail_from": 1, "fail_at": 0, "tag": probe, "usage": P1_USAGE}})
+    probed = upstream_sim.tag(probe)
+    assert probed is not None and probed["attempts"] == 2
+    sim = {"fail": mode, "fail_at": probed["chunks_sent"] - 1, "usage": P1_USAGE}  # after the usage chunk
+
+    assert wait_for(lambda: len(records) == before, timeout_s=10)
+    tag = uuid.uuid4().hex
+    with pytest.raises(openai.APIError):  # the relay's error (an error event as it came), or the peek's 502/504
+        StreamRead().read(client.chat.completions.create(
+            model="short", messages=MESSAGES, stream=True, stream_options={"include_usage": True},
+            extra_body={"sim": {**sim, "tag": tag}}))
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="short", messages=MESSAGES, extra_body={"sim": {**sim}})
+    assert info.value.status_code == status  # (a drop not streamed is upstream_error, as it was)
+    seen = upstream_sim.tag(tag)
+    assert seen is not None and seen["attempts"] == 1  # no answer phase, no escalation after the failure
+    assert wait_for(lambda: len(records) == before + 2, timeout_s=10)
+    for rec in records[before:]:
+        ev = _event(redis_url, rec.request_id)
+        assert (ev.status, ev.partial, ev.usage_source) == (status, True, "upstream")
+        assert ev.error_code == (code if ev.stream else info.value.body["code"])  # type: ignore[index]
+        assert (ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens, ev.reasoning_tokens) == (1000, 400, 7, 7)
+        assert ev.cost_micro_usd > 0
