@@ -150,15 +150,13 @@ class Proxy:
                 ex.ticket = await acct.cache_begin(caller.key, record, route.tier, up_body, caller.headers)
             if ex.ticket.status == "hit":
                 answer = await self._replay_hit(ex, caller)
-            elif caller.stream:  # the relay renews a stream's reservations
-                serving = self._answer(ex, body, caller)
-                # a tier that escalates holds the 200 back while its stream is peeked — through the whole thought:
-                # the client is watched meanwhile, as for a non-streamed answer (the relay notices it after that)
-                answer = await (serving if disconnect is None or not route.tier.escalate_on else
-                                self._unless_disconnected(disconnect, serving, ex, body))
+            elif caller.stream and not route.tier.escalate_on:  # the relay renews a stream's reservations
+                answer = await self._answer(ex, body, caller)
             else:
-                # a long non-streamed answer must not outlive its reservations: a timer starts their renewal a
-                # third of the TTL after admission (the usual short call costs a timer, not a task)
+                # a long non-streamed answer must not outlive its reservations, nor a stream its tier's escalation
+                # peek holds back (through the whole thought, or the answer) before the relay renews them: a timer
+                # starts their renewal a third of the TTL after admission (the usual short call costs a timer, not a
+                # task). The client is watched meanwhile (a peeked stream's too: the relay notices it after that)
                 every = acct.settings.limits.reservation_ttl_s / 3
                 timer = asyncio.get_running_loop().call_later(max(0.0, record.ts + every - time.time()),
                                                               self._start_renewal, ex)

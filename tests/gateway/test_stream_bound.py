@@ -140,3 +140,49 @@ def test_the_bound_counts_from_the_first_upstream_call_not_from_the_relay(
         assert rec.completion_tokens == rec.reasoning_tokens == len(got.reasoning.split())
         if thought is not None:
             assert rec.completion_tokens == thought
+
+
+def test_a_stream_held_back_by_the_escalation_peek_keeps_its_reservation(
+        upstream_sim: SimProcess, redis_url: str, tmp_path: Path) -> None:
+    """A tier that escalates on an abstention reads its stream to the end before the client gets a byte (~3 s here),
+    past ``limits.reservation_ttl_s`` (1.2 s): the reservation is renewed meanwhile, as the relay renews a stream's
+    and a timer a long non-streamed answer's. Nothing renewed it before the relay began: it lapsed under the peek
+    (no longer counted against the budget while the call ran on)."""
+    prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
+    _, short, long = sim_tiers(upstream_sim.base_url)
+    short.update({"thinking_budget": None, "max_tokens": 256, "escalate_on": ["abstain"]})
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix, tiers=[short, long],
+                            limits={"reservation_ttl_s": 1.2}) as gw:
+        kid = f"peek-{uuid.uuid4().hex[:8]}"
+        secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(1_000_000))
+        body = {"model": "short", "stream": True, "messages": [{"role": "user", "content": "a slow stream of words"}],
+                "sim": {"chunk_delay_ms": 100}}  # ~30 chunks, all read by the peek before the 200
+        head: dict[str, str] = {}
+        answered: list[float] = []
+
+        def consume() -> None:
+            with httpx.stream("POST", gw.base_url + "/chat/completions", json=body, timeout=30,
+                              headers={"authorization": f"Bearer {secret}", "cache-control": "no-store"}) as r:
+                answered.append(time.time())  # the 200 comes once the peek read the whole answer
+                head.update(r.headers)
+                for _ in r.iter_lines():
+                    pass
+
+        worker = threading.Thread(target=consume)
+        started = time.monotonic()
+        worker.start()
+        client = redis.Redis.from_url(redis_url)
+        samples: list[tuple[float, list[int]]] = []  # (epoch s, the expiries in ms of the key's reservations)
+        try:
+            while worker.is_alive() and time.monotonic() - started < 20:
+                held = client.hvals(f"{prefix}lim:{kid}:resv")
+                samples.append((time.time(), [int(v.decode().split("|")[2]) for v in held]))
+                time.sleep(0.05)
+            worker.join(timeout=20)
+        finally:
+            client.close()
+        ev = usage_events(gw, [head["x-request-id"]])[head["x-request-id"]]
+        assert answered and answered[0] > ev.ts + 2.0, "the peek read for too short a time to tell"
+        late = [(at, exps) for at, exps in samples if ev.ts + 1.4 < at < answered[0]]
+        assert late and all(exps and all(exp > at * 1000 for exp in exps) for at, exps in late), (ev.ts, late)
+        assert ev.status == 200 and ev.tier == "short"
