@@ -63,8 +63,9 @@ class Exchange:
         self.rate: RateState | None = None
         #: the renewal of a long non-streamed call's reservations, once its timer started it
         self.renewer: asyncio.Task[None] | None = None
-        #: ``time.monotonic()`` when the request was admitted and its first upstream call was about to be sent: a
-        #: stream's ``limits.max_stream_s`` counts from here (:meth:`stream_deadline`)
+        #: ``time.monotonic()`` when the request's first upstream call was about to be sent (set then by
+        #: ``Proxy._answer``; its admission until then): a stream's ``limits.max_stream_s`` counts from here
+        #: (:meth:`stream_deadline`)
         self.started = time.monotonic()
         self.stamp(route)
 

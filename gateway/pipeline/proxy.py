@@ -195,6 +195,9 @@ class Proxy:
         ticket) leaves the answer it would have improved — the exchange's held attempt, served as if not escalated,
         with the note ``failed; tier=…; reason=<error code>``; the held attempt is metered as escalated once the call
         answered (a peeked stream: once the peek read it), or as before when the request ends otherwise."""
+        # a stream's limits.max_stream_s counts from its first upstream call (Exchange.stream_deadline): not from the
+        # cache lookup's wait before it (a single-flight follower's, an embedding call's)
+        ex.started = time.monotonic()
         resp = await self._call(ex, body, caller)
         data = None if caller.stream else await self._parsed(resp, ex)
         note = None
