@@ -360,9 +360,9 @@ class Proxy:
             summary = data
         if nxt is None:  # an escalation's stream, its start read (nothing failed there): relayed from here, as it comes
             return resp, None, False
-        if summary.get("cut") or time.monotonic() >= ex.stream_deadline():
+        if caller.stream and (summary["cut"] or time.monotonic() >= ex.stream_deadline()):
             # at limits.max_stream_s (the peek stopped there, undecided): the next tier would have no time left;
-            # the relay passes on what was read and cuts the stream
+            # the relay passes on what was read and cuts the stream (a non-streamed answer has no such bound)
             return resp, None, False
         if escalation.cut_by_client(summary, body.get("max_completion_tokens") or body.get("max_tokens"), tier):
             return resp, None, False
