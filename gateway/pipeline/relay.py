@@ -55,7 +55,7 @@ from gateway.openai.usage import (
 )
 from gateway.pipeline.exchange import Exchange
 from gateway.state.limits import requested_choices
-from gateway.upstream.pool import BACKOFF_MAX_S, UpstreamPool
+from gateway.upstream.pool import BACKOFF_MAX_S, TOKENIZE_TIMEOUT_S, UpstreamPool
 from gateway.upstream.response import SyntheticResponse, UpstreamResponse, chunk_batches
 
 if TYPE_CHECKING:
@@ -417,11 +417,12 @@ async def count_answer(pool: UpstreamPool, ex: Exchange, data: dict[str, Any], b
 
 def longest_wait(tier: TierConfig) -> float:
     """Seconds one wait for a stream's next batch may last before the upstream's own timeouts end it: a read
-    (``read_timeout_s``), or at a forced stream's phase boundary phase 1's last read, phase 2's opening with its
-    retries (connect, head, backoff) and its first read. The relay bounds a wait by the time ``limits.max_stream_s``
-    leaves only once that is shorter (a timer per batch costs CPU on every stream)."""
+    (``read_timeout_s``), or at a forced stream's phase boundary phase 1's last read, the count of its thought when
+    the upstream gave none (a ``/tokenize`` call, ``TOKENIZE_TIMEOUT_S``), phase 2's opening with its retries
+    (connect, head, backoff) and its first read. The relay bounds a wait by the time ``limits.max_stream_s`` leaves
+    only once that is shorter (a timer per batch costs CPU on every stream)."""
     opening = (tier.max_retries + 1) * (tier.connect_timeout_s + tier.read_timeout_s + BACKOFF_MAX_S)
-    return opening + 2 * tier.read_timeout_s
+    return opening + 2 * tier.read_timeout_s + TOKENIZE_TIMEOUT_S
 
 
 async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_usage: bool,
