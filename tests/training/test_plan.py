@@ -103,6 +103,29 @@ def test_plan_formulas_on_a_hand_computed_config(tmp_path: Path) -> None:
     assert plan2["assumptions"]["micro_usd"]["total"] == 2 * 23520
 
 
+def test_a_resumed_reference_run_counts_one_start_up(tmp_path: Path) -> None:
+    """A reference run resumed once has two start-up rows (two processes); the planned run starts once."""
+    model = write_model(tmp_path / "m", {"w": [1000]})
+    d = tmp_path / "resumed"
+    d.mkdir()
+    (d / "config.yaml").write_text(yaml.safe_dump(run_cfg(model)))
+    led = CostLedger(d, "cpu", 1, PRICE)
+    led.record_overhead("startup", 0, {"startup": 1.0, "eval": 0.4})
+    led.record(1, StepCounters(rollouts=6, sampled_tokens=60, trained_tokens=40, generation_s=0.6), 1.0)
+    led.save_state(d / "checkpoint-1")
+    led.record(2, StepCounters(rollouts=6, sampled_tokens=60, trained_tokens=40, generation_s=0.6), 1.0)
+    # killed after step 2; the resume from checkpoint-1 starts a second process with its own start-up
+    led2 = CostLedger(d, "cpu", 1, PRICE)
+    led2.resume(d / "checkpoint-1")
+    led2.record_overhead("startup", 1, {"startup": 1.0})
+    led2.record(2, StepCounters(rollouts=6, sampled_tokens=60, trained_tokens=40, generation_s=0.6), 1.0)
+    led2.record_overhead("finish", 2, {"io": 0.1})
+    starts = [r for r in led2.rows() if r["kind"] == "startup"]
+    assert [r["startup_ms"] for r in starts] == [1000, 1000]
+    plan = make_plan(validate(from_dict(RunConfig, run_cfg(model))), reference=d)
+    assert plan["assumptions"]["micro_usd"]["startup"]["usd"] == 1000  # one start-up (1 s at 1 micro-USD/ms), not 2
+
+
 def test_a_reference_run_of_another_model_is_named_in_a_warning(tmp_path: Path) -> None:
     model = write_model(tmp_path / "m", {"w": [1000]})
     ref = reference_run(tmp_path, model)

@@ -8,7 +8,8 @@ The formulas (every count from the run file, every rate from the reference run's
 - update:   ``P × trained_tokens × update_ms_per_param_token``, ``trained_tokens = steps × rollouts_per_step ×
   mean_trained_tokens`` (completion tokens under the loss mask, counted by the trainer);
 - eval:     ``eval_completions × mean_eval_tokens × P × eval_ms_per_param_token`` (before, after, the periodic checks);
-- startup:  the reference's start-up time (imports, model load, trainer set-up), a constant;
+- startup:  the reference's start-up time (imports, model load, trainer set-up), a constant (a resumed reference's
+  mean per process start: the planned run starts once);
 - io:       ``checkpoints × checkpoint_io_ms + final_io_ms`` (the saved model, card, plots).
 
 Device time = wall ms × device count; USD per phase = integer micro-USD (:func:`training.grpo.ledger.micro_usd`,
@@ -176,6 +177,9 @@ def reference_rates(run_dir: str | Path, ref_shape: RunShape) -> Rates:
         checkpoint_io = final_io = finish_io / 2
     else:
         checkpoint_io, final_io = finish_io, finish_io
+    # One start-up per process: a resumed reference ran 2+ processes, each with its own start-up row (imports, model
+    # load, trainer set-up); the run being planned pays one, so the rate is their mean, not their sum.
+    starts = sum(1 for r in rows if r["kind"] == "startup" and int(r.get("startup_ms", 0)) > 0)
     eval_tokens = _mean_eval_tokens(d) or (tot["sampled_tokens"] / max(1, tot["rollouts"]))
     eval_work = ref_shape.eval_completions * eval_tokens * p
     spread: dict[str, tuple[float, float]] = {}
@@ -188,7 +192,7 @@ def reference_rates(run_dir: str | Path, ref_shape: RunShape) -> Rates:
         update_ms_per_param_token=ms["update"] / max(1, tot["trained_tokens"]) / p,
         reward_ms_per_rollout=ms["reward"] / max(1, tot["rollouts"]),
         eval_ms_per_param_token=ms["eval"] / eval_work if eval_work else 0.0,
-        startup_ms=float(ms["startup"]),
+        startup_ms=ms["startup"] / max(1, starts),
         checkpoint_io_ms=checkpoint_io,
         final_io_ms=final_io,
         mean_completion_tokens=tot["sampled_tokens"] / max(1, tot["rollouts"]),
