@@ -155,7 +155,8 @@ def load_run(run_dir: str | Path, now: float | None = None, stale_s: float = STA
         status=status,
         micro_usd=sum(int(r.get("cost_micro_usd", 0)) for r in all_rows),
         device_hours=sum(int(r.get("device_ms", 0)) for r in all_rows) / 3.6e6,
-        steps=max((int(r["step"]) for r in rows if r.get("kind") == "step"), default=0),
+        # a row without `kind` predates the column, when every row was a step (models/thinkgate-tiny-short's ledger)
+        steps=max((int(r["step"]) for r in rows if r.get("kind", "step") == "step"), default=0),
         sampled_tokens=sum(int(r.get("sampled_tokens", 0)) for r in all_rows),
         trained_tokens=sum(int(r.get("trained_tokens", 0)) for r in all_rows),
         heldout_accuracy=None if acc is None else float(acc),

@@ -111,3 +111,11 @@ def test_runs_cli_lists_filters_and_writes_csv(tmp_path: Path) -> None:
         cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
+
+
+def test_the_shipped_short_models_ledger_counts_its_steps() -> None:
+    """models/thinkgate-tiny-short's ledger predates the `kind` column: its 20 rows are its 20 steps."""
+    d = REPO_ROOT / "models" / "thinkgate-tiny-short"
+    rec = load_run(d)
+    assert rec.steps == json.loads((d / "summary.json").read_text())["steps"] == 20
+    assert rec.status == "finished"
