@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from training.grpo.config import REPO_ROOT, ConfigError
@@ -163,3 +164,23 @@ def test_an_error_after_the_steps_is_billed_as_an_interruption_is(tmp_path: Path
     assert [(r["kind"], r["step"]) for r in rows] == [("startup", 0), ("step", 1), ("step", 2), ("interrupted", 2)]
     assert rows[-1]["wall_ms"] > 0 and rows[-1]["spent_micro_usd"] == sum(r["cost_micro_usd"] for r in rows)
     assert rows[-1]["data_hash"] == rows[0]["data_hash"] != "unknown"
+
+
+def test_a_run_file_of_the_other_trainer_names_the_command_to_run() -> None:
+    """The shipped smoke files swapped: the error says which command takes the file, not one unknown key per section."""
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+    from training.grpo.config import load_config
+    from training.sft.run import load_sft_config
+
+    grpo_file = REPO_ROOT / "training" / "configs" / "smoke.yaml"
+    sft_file = REPO_ROOT / "training" / "configs" / "sft_smoke.yaml"
+    with pytest.raises(ConfigError, match=r"is an SFT run file \(it has `traces:`\): run it with `thinkgate train sft"):
+        load_config(sft_file)
+    with pytest.raises(ConfigError, match=r"GRPO run file \(it has `rewards:`\): run it with `thinkgate train grpo"):
+        load_sft_config(grpo_file)
+    load_config(grpo_file)  # each loads as its own kind
+    load_sft_config(sft_file)
+    r = CliRunner().invoke(app, ["train", "sft", "--config", str(grpo_file), "--output-dir", "/nonexistent/x"])
+    assert r.exit_code == 2 and "thinkgate train grpo --config" in r.output and "unknown key" not in r.output

@@ -666,6 +666,9 @@ def load_config(path: str | Path | None) -> RunConfig:
     Raises :class:`ConfigError` for a missing file, unparsable YAML or a duplicate key (the parser's line and
     column) or an invalid field (its dotted name)."""
     data = read_run_file(path) if path is not None else {}
+    if isinstance(data, dict) and "traces" in data:  # else: "traces: unknown key; known: [...]", not what to run
+        raise ConfigError(f"{path} is an SFT run file (it has `traces:`): run it with `thinkgate train sft --config "
+                          f"{path}`; `train grpo` takes a GRPO run file (training/configs/smoke.yaml)")
     return validate(from_dict(RunConfig, data))
 
 

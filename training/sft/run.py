@@ -86,10 +86,18 @@ class SFTRunConfig(_Section):
         return self.model_dump()
 
 
+# sections of a GRPO run file (training.grpo.config.RunConfig) that an SFT run file does not have
+_GRPO_ONLY = ("rewards", "advantages", "dynamic_sampling", "budget_prompt", "monitors", "output", "storage")
+
+
 def load_sft_config(path: str | Path | None) -> SFTRunConfig:
     """Read an SFT run file (YAML); unknown or repeated keys, unparsable YAML and invalid fields raise
     :class:`ConfigError`."""
     data = read_run_file(path) if path is not None else {}
+    grpo_only = [k for k in _GRPO_ONLY if isinstance(data, dict) and k in data]
+    if grpo_only:  # else one "unknown key; known: [...]" per GRPO section, and not what to run
+        raise ConfigError(f"{path} is a GRPO run file (it has `{grpo_only[0]}:`): run it with `thinkgate train grpo "
+                          f"--config {path}`; `train sft` takes an SFT run file (training/configs/sft_smoke.yaml)")
     cfg: SFTRunConfig = from_dict(SFTRunConfig, data)
     if cfg.traces.style not in ("terse", "medium", "verbose"):
         raise ConfigError(f"traces.style: {cfg.traces.style!r} is not one of ['terse', 'medium', 'verbose']")
