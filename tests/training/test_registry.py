@@ -119,3 +119,15 @@ def test_the_shipped_short_models_ledger_counts_its_steps() -> None:
     rec = load_run(d)
     assert rec.steps == json.loads((d / "summary.json").read_text())["steps"] == 20
     assert rec.status == "finished"
+
+
+def test_a_root_that_is_no_directory_is_an_error(tmp_path: Path) -> None:
+    """A typo'd --root printed "0 run(s), $0" as if nothing had been spent there."""
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+
+    r = CliRunner().invoke(app, ["train", "runs", "--root", str(tmp_path / "rnus")])
+    assert r.exit_code == 2 and f"no directory {tmp_path / 'rnus'}" in r.output and "0 run(s)" not in r.output
+    r = CliRunner().invoke(app, ["train", "runs", "--root", str(tmp_path)])  # an empty directory: no runs, no error
+    assert r.exit_code == 0 and "0 run(s), $0" in r.output

@@ -125,10 +125,11 @@ def runs(
     by: str | None = typer.Option(None, "--by", help="Attribute the cost by this tag (e.g. owner, team, purpose)."),
     stale_s: float = typer.Option(600.0, "--stale-s", help="A run without a summary is abandoned after this silence."),
 ) -> None:
-    """List runs with status (running / finished / stopped / abandoned), USD, device-hours, held-out accuracy,
-    tokens and tags; ``--by TAG`` sums the cost per tag value (exact: integer micro-USD of the ledgers).
+    """List runs with status (running / finished / stopped / interrupted / abandoned), USD, device-hours,
+    held-out accuracy, tokens and tags; ``--by TAG`` sums the cost per tag value (exact: integer micro-USD of the
+    ledgers).
 
-    Exit codes: 0 listed, 2 a malformed --tag."""
+    Exit codes: 0 listed, 2 a malformed --tag or a --root that is no directory."""
     from training.registry import attribute, list_runs, parse_tag_filters, write_csv
 
     try:
@@ -136,14 +137,18 @@ def runs(
     except ValueError as e:
         typer.echo(f"runs error: {e}", err=True)
         raise typer.Exit(2) from e
+    if not root.is_dir():  # a typo'd --root listed "0 run(s), $0", as if nothing had been spent there
+        typer.echo(f"runs error: no directory {root} (no run has been written there; --root names the directory "
+                   "holding the run directories, default runs/)", err=True)
+        raise typer.Exit(2)
     recs = list_runs(root, want, stale_s=stale_s)
-    typer.echo(f"{'run':<40}{'status':<10}{'usd':>11}{'device-h':>10}{'steps':>6}{'acc':>7}{'sampled':>9}  tags")
+    typer.echo(f"{'run':<40}{'status':<12}{'usd':>11}{'device-h':>10}{'steps':>6}{'acc':>7}{'sampled':>9}  tags")
     for r in recs:
         acc = "" if r.heldout_accuracy is None else f"{r.heldout_accuracy:.3f}"
         shown = {k: v for k, v in r.tags.items() if k not in ("data_hash", "reward_hash", "hparam_hash")}
         tags = " ".join(f"{k}={v}" for k, v in sorted(shown.items()))
         typer.echo(
-            f"{r.run_dir[-39:]:<40}{r.status:<10}{r.usd:>11}{r.device_hours:>10.5f}{r.steps:>6}{acc:>7}"
+            f"{r.run_dir[-39:]:<40}{r.status:<12}{r.usd:>11}{r.device_hours:>10.5f}{r.steps:>6}{acc:>7}"
             f"{r.sampled_tokens:>9}  {tags}"
         )
     total = sum(r.micro_usd for r in recs)
