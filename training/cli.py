@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 
 from training.grpo.cli import grpo
-from training.models import TINY_MODEL_DIR
 from training.plan.cli import plan, report, runs
 from training.sft.cli import sft
 from training.tiny.dial_cli import eval_dial, train_dial_router, train_dial_sft
@@ -16,12 +15,19 @@ app = typer.Typer(no_args_is_help=True)
 
 
 # --- thinkgate train tiny ------------------------------------------------------------------------------------
-_TINY_DEFAULT_DIR = str(TINY_MODEL_DIR)
+# Not the shipped models/thinkgate-tiny: a plain `thinkgate train tiny` (the README's command) wrote its ledger there
+# at once, so a Ctrl-C left the tracked model directory holding an interrupted run (listed by `train runs --root
+# models`, and every later `train tiny` refused), and a finished run replaced the shipped weights. Replacing them is
+# `--output-dir models/thinkgate-tiny` (docs/local-model.md).
+_TINY_DEFAULT_DIR = "runs/tiny"
 
 
 @app.command("tiny")
 def tiny(
-    output_dir: str = typer.Option(_TINY_DEFAULT_DIR, help="Where to write the Hugging Face model directory."),
+    output_dir: str = typer.Option(
+        _TINY_DEFAULT_DIR,
+        help="Where to write the Hugging Face model directory (models/thinkgate-tiny replaces the shipped one).",
+    ),
     seed: int = typer.Option(0, help="Seed of the tokenizer corpus, the data streams and the initialisation."),
     steps: int = typer.Option(3000, help="Stage-1 SFT steps (from scratch; batch 24)."),
     steps2: int = typer.Option(2500, help="Stage-2 SFT steps (continued; batch 16). 0: stage 1 only."),

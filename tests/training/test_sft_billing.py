@@ -151,3 +151,26 @@ def test_a_model_path_that_is_no_model_directory_is_refused_before_the_bill(tmp_
     r = CliRunner().invoke(app, ["train", command, "--output-dir", str(out), flag, str(tmp_path / "nothing")])
     assert r.exit_code == 2 and "no Hugging Face model directory" in r.output, r.output
     assert not out.exists()
+
+
+def test_train_tiny_without_output_dir_leaves_the_shipped_model_alone(tmp_path: Path, monkeypatch) -> None:
+    """A plain ``thinkgate train tiny`` (the README's command) wrote its ledger into the tracked models/thinkgate-tiny
+    at once: a Ctrl-C left the shipped model directory holding an interrupted run, refused by every later
+    ``train tiny``. It now writes to ./runs/tiny: here a runs/tiny that already holds a run is the one refused."""
+    import inspect
+
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+    from training.cli import tiny
+    from training.models import TINY_MODEL_DIR
+
+    default = Path(inspect.signature(tiny).parameters["output_dir"].default.default)
+    assert not default.is_absolute() and default.resolve() != TINY_MODEL_DIR.resolve()  # (fails fast without the fix)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "tiny").mkdir(parents=True)
+    (tmp_path / "runs" / "tiny" / "ledger.jsonl").write_text("")
+    shipped = sorted(p.name for p in TINY_MODEL_DIR.iterdir())
+    r = CliRunner().invoke(app, ["train", "tiny", "--from-stage2", str(TINY_MODEL_DIR)])
+    assert r.exit_code == 2 and "runs/tiny already holds a run" in r.output, r.output
+    assert sorted(p.name for p in TINY_MODEL_DIR.iterdir()) == shipped
