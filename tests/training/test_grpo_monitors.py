@@ -90,6 +90,24 @@ def test_ledger_callback_budget_stop(tmp_path: Path) -> None:
     assert [r["sampled_tokens"] for r in led.rows()] == [60, 60]
 
 
+def test_a_budget_start_up_used_up_says_what_to_do(tmp_path: Path) -> None:
+    """'stopped before the first step: budget usd reached: $0.000192 of $0.000050' (a smoke run at budget_usd
+    0.00005) said what happened, not what to do: the exception carries the advice the run logs beside it."""
+    import time
+
+    from training.grpo.monitors import BudgetReachedBeforeTraining
+
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"), Budgets(usd=Decimal("0.00005")))  # 50 device-ms
+    cb = LedgerCallback(led, StepCounters(), AlertLog(tmp_path))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    cb.startup_t0 = time.perf_counter() - 0.2  # a 200 ms start-up: >= 200 micro-USD of a 50 micro-USD budget
+    with pytest.raises(BudgetReachedBeforeTraining) as e:
+        cb.on_train_begin(args, TrainerState(), TrainerControl())
+    assert str(e.value) == led.stop_reason and led.stop_reason.startswith("budget usd reached: $0.000")  # unchanged
+    assert "raise the ledger budget" in e.value.hint and "thinkgate train plan" in e.value.hint
+    assert "new --output-dir" in e.value.hint
+
+
 def test_load_config_yaml(tmp_path: Path) -> None:
     p = tmp_path / "run.yaml"
     p.write_text(

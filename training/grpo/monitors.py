@@ -153,7 +153,11 @@ class AlertLog:
 
 class BudgetReachedBeforeTraining(ThinkGateError, RuntimeError):
     """A budget was reached before the first step (start-up and the evaluation before training cost it): the run
-    ends without training a step (``train_run`` catches it; the stop reason is the ledger's)."""
+    ends without training a step (``train_run`` catches it; the stop reason is the ledger's, ``hint`` what to do)."""
+
+    hint = ("start-up (imports, model load, trainer set-up, the evaluation before training) left no room for a step "
+            "and the finish: raise the ledger budget named above (`thinkgate train plan --config RUN.yaml --json "
+            "PLAN.json` estimates start-up and every step) and start again in a new --output-dir")
 
 
 def _stop(control: TrainerControl) -> None:

@@ -885,7 +885,7 @@ def train_run(run: GRPORun) -> TrainOutcome:
         trainer.train(resume_from_checkpoint=run.checkpoint)
     except BudgetReachedBeforeTraining as e:  # nothing trained: no checkpoint to write (a resumed run keeps its own)
         stop_reason = str(e)
-        logger.warning("stopped before the first step: %s", stop_reason)
+        logger.warning("stopped before the first step: %s; %s", stop_reason, e.hint)
     except NoLearningSignalError as e:
         stop_reason = f"no learning signal: {e}"
         logger.error("%s", stop_reason)
