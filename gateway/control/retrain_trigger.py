@@ -658,11 +658,18 @@ class RetrainTrigger:
         """A copy kept from ``p router:file:{digest}`` (:meth:`_publish`) in this replica's state dir, for a
         ``router:current`` that names a file this replica does not have; None when Redis holds no such bytes (a
         router named before they were published, an adopted file: the path is loaded as it is, and fails, as
-        before). Raises :class:`RedisDown`."""
+        before). A copy that cannot be written (a full or read-only state dir) is said and None: the load of the
+        named path fails as before, and the tick goes on (its realised-floor check, its fit). Raises
+        :class:`RedisDown`."""
         data = await self.current.published(digest)
         if data is None or file_digest(data) != digest:
             return None
-        return await asyncio.to_thread(keep_copy, data, self.dir, digest)
+        try:
+            return await asyncio.to_thread(keep_copy, data, self.dir, digest)
+        except OSError as exc:
+            log.warning("retrain: no copy of the promoted router (sha256 %s) kept in %s from Redis: %s", digest,
+                        self.dir, exc)
+            return None
 
     async def _all_outcomes(self) -> list[dict[str, Any]]:
         return [orjson.loads(o.to_json()) for o in await self.outcomes.outcomes()]

@@ -252,3 +252,46 @@ def test_a_fit_releases_the_lock_only_while_it_holds_it(redis_url: str, redis_pr
         asyncio.run(go())
     finally:
         rdb.close()
+
+
+def test_a_replica_that_cannot_keep_the_published_router_warns_and_ticks_on(
+        redis_url: str, redis_prefix: str, tmp_path: Path, monkeypatch: Any) -> None:
+    """The replica without the promoted file finds its bytes in Redis but cannot write its copy (a full or read-only
+    state dir): it keeps serving the router it has and says so, as when the file cannot be loaded — ``follow`` raised
+    the ``OSError``, so every tick failed at its start (no realised-floor check, no fit on that replica)."""
+    from gateway.control import retrain_trigger
+
+    before = serving_router(tmp_path / "before.skops", False, _text)
+
+    def settings(name: str) -> Any:
+        return gateway_settings("http://127.0.0.1:1", redis_url, redis_prefix, tmp_path / f"spool-{name}.jsonl",
+                                routing={"router_path": str(before), "routed_tiers": ["short", "long"],
+                                         "retrain": {"every_outcomes": 10**6,
+                                                     "state_dir": str(tmp_path / f"routers-{name}")}})
+    fitter_dir = tmp_path / "routers-a"
+    fitter_dir.mkdir()
+    candidate = fitter_dir / "router-auto-20261207T000000-001.skops"
+    router = load_router(before)
+    router.metadata["version"] = "auto-1"
+    save_router(router, candidate)
+    digest = file_digest(candidate.read_bytes())
+
+    def full(*_: Any) -> Path:
+        raise OSError(28, "No space left on device")
+
+    async def go() -> tuple[bool, str | None]:
+        fitter, other = (_replica(settings(n), redis_url, redis_prefix) for n in ("a", "b"))
+        try:
+            event: dict[str, Any] = {"event": "promote", "ts": time.time(), "version": "auto-1",
+                                     "previous": "old-noise", "path": str(candidate), "outcomes": 10, "reason": "x"}
+            await fitter._promote({"path": str(candidate), "version": "auto-1", "digest": digest,
+                                   "previous": str(before), "previous_version": "old-noise",
+                                   "previous_digest": file_digest(before.read_bytes())}, event)
+            fitter_dir.rename(tmp_path / "elsewhere")  # the other replica's disk has no such file
+            monkeypatch.setattr(retrain_trigger, "keep_copy", full)
+            return await other.follow(), other.service.version
+        finally:
+            for t in (fitter, other):
+                await t.handle.close()
+
+    assert asyncio.run(go()) == (False, "old-noise")  # raised OSError before
