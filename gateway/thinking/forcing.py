@@ -209,8 +209,9 @@ class ForcedBudget:
         self.count = count
         self.count_prompt = count_prompt
         # the bill of the stream as it stands were it closed now (:meth:`spent`): its thought phase's report once it
-        # came, then its answer phase's; streamed, one ForcedBudget runs one stream (n = 1). Not streamed, each
-        # generation sets it and nothing asks.
+        # came, then its answer phase's; one ForcedBudget runs one stream (n = 1): streamed, the relay and the peek
+        # ask it; not streamed, each of the n generations has its own (:meth:`complete`), asked by :meth:`_assemble`
+        # when its stream fails.
         self._closed_bill: Callable[[], Awaitable[Spent | None]] | None = None
 
     def check(self, body: dict[str, Any]) -> None:
