@@ -97,6 +97,10 @@ class Proxy:
         self.accounting = accounting
         self.usage_sinks.append(accounting.sink)
         self.max_body = settings.server.max_body_bytes
+        #: the tiers whose stream may be held back by an escalation peek before the relay renews its reservations:
+        #: those that escalate, and those falling back to one that does (a key's allowed tiers aside: a timer more)
+        self._peeked = frozenset(t.name for t in settings.tiers
+                                 if any(f.escalate_on for f in (t, *routing.fallbacks(t))))
         #: shadow comparisons (``routing.shadow``; set by the app when on)
         self.shadow: Shadow | None = None
         self.sessions = (Sessions(settings, accounting.handle, accounting.breaker, accounting.metrics)
@@ -150,13 +154,14 @@ class Proxy:
                 ex.ticket = await acct.cache_begin(caller.key, record, route.tier, up_body, caller.headers)
             if ex.ticket.status == "hit":
                 answer = await self._replay_hit(ex, caller)
-            elif caller.stream and not route.tier.escalate_on:  # the relay renews a stream's reservations
-                answer = await self._answer(ex, body, caller)
+            elif caller.stream and not route.tier.escalate_on and route.tier.name not in self._peeked:
+                answer = await self._answer(ex, body, caller)  # the relay renews a stream's reservations
             else:
-                # a long non-streamed answer must not outlive its reservations, nor a stream its tier's escalation
-                # peek holds back (through the whole thought, or the answer) before the relay renews them: a timer
-                # starts their renewal a third of the TTL after admission (the usual short call costs a timer, not a
-                # task). The client is watched meanwhile (a peeked stream's too: the relay notices it after that)
+                # a long non-streamed answer must not outlive its reservations, nor a stream an escalation peek holds
+                # back (its tier's, or that of the tier it falls back to: through the whole thought, or the answer)
+                # before the relay renews them: a timer starts their renewal a third of the TTL after admission (the
+                # usual short call costs a timer, not a task). The client is watched meanwhile (a peeked stream's
+                # too: the relay notices it after that)
                 every = acct.settings.limits.reservation_ttl_s / 3
                 timer = asyncio.get_running_loop().call_later(max(0.0, record.ts + every - time.time()),
                                                               self._start_renewal, ex)

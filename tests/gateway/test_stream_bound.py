@@ -20,6 +20,7 @@ import redis
 from gateway.ledger.event import micro_to_usd
 from gateway.ledger.record import UsageRecord
 from tests.fixtures.gateway import accounting_gateway, create_key, usage_events
+from tests.fixtures.ports import leased_port
 from tests.fixtures.upstream import TEST_KEY, GatewayServer, SimProcess, StreamRead, sim_settings, sim_tiers, wait_for
 
 
@@ -142,20 +143,24 @@ def test_the_bound_counts_from_the_first_upstream_call_not_from_the_relay(
             assert rec.completion_tokens == thought
 
 
+@pytest.mark.parametrize("asked", ["short", "down"], ids=["routed", "fallback"])
 def test_a_stream_held_back_by_the_escalation_peek_keeps_its_reservation(
-        upstream_sim: SimProcess, redis_url: str, tmp_path: Path) -> None:
+        upstream_sim: SimProcess, redis_url: str, tmp_path: Path, asked: str) -> None:
     """A tier that escalates on an abstention reads its stream to the end before the client gets a byte (~3 s here),
     past ``limits.reservation_ttl_s`` (1.2 s): the reservation is renewed meanwhile, as the relay renews a stream's
     and a timer a long non-streamed answer's. Nothing renewed it before the relay began: it lapsed under the peek
-    (no longer counted against the budget while the call ran on)."""
+    (no longer counted against the budget while the call ran on). Also when the escalating tier is the fallback of
+    one that does not escalate (``down``: nothing listens) — only the routed tier's ``escalate_on`` chose the timer."""
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
     _, short, long = sim_tiers(upstream_sim.base_url)
     short.update({"thinking_budget": None, "max_tokens": 256, "escalate_on": ["abstain"]})
-    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, prefix, tiers=[short, long],
-                            limits={"reservation_ttl_s": 1.2}) as gw:
+    with leased_port() as dead, accounting_gateway(
+            upstream_sim.base_url, redis_url, tmp_path, prefix, limits={"reservation_ttl_s": 1.2},
+            tiers=[{**short, "name": "down", "base_url": f"http://127.0.0.1:{dead}/v1", "escalate_on": []},
+                   short, long]) as gw:
         kid = f"peek-{uuid.uuid4().hex[:8]}"
         secret = create_key(redis_url, prefix, kid, budget_usd_day=micro_to_usd(1_000_000))
-        body = {"model": "short", "stream": True, "messages": [{"role": "user", "content": "a slow stream of words"}],
+        body = {"model": asked, "stream": True, "messages": [{"role": "user", "content": "a slow stream of words"}],
                 "sim": {"chunk_delay_ms": 100}}  # ~30 chunks, all read by the peek before the 200
         head: dict[str, str] = {}
         answered: list[float] = []
@@ -185,7 +190,8 @@ def test_a_stream_held_back_by_the_escalation_peek_keeps_its_reservation(
         assert answered and answered[0] > ev.ts + 2.0, "the peek read for too short a time to tell"
         late = [(at, exps) for at, exps in samples if ev.ts + 1.4 < at < answered[0]]
         assert late and all(exps and all(exp > at * 1000 for exp in exps) for at, exps in late), (ev.ts, late)
-        assert ev.status == 200 and ev.tier == "short"
+        assert ev.status == 200 and ev.tier == "short" and ev.route_reason == ("fallback" if asked == "down" else
+                                                                               "forced")
 
 
 def test_the_bound_does_not_count_a_single_flight_wait(
