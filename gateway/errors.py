@@ -20,7 +20,8 @@ import orjson
 
 from router.errors import ThinkGateError
 
-__all__ = ["AuthError", "BodyTooLarge", "ClientClosed", "ConversationsUnavailable", "GatewayError",
+__all__ = ["CAP_FIELDS", "CAP_FIELDS_AND_N",
+           "AuthError", "BodyTooLarge", "ClientClosed", "ConversationsUnavailable", "GatewayError",
            "InvalidRequest", "KeyStoreUnavailable", "LimitsUnavailable", "NotFound", "OutcomesUnavailable",
            "Overloaded", "PermissionDenied",
            "RateLimited", "RequestTimeout",
@@ -138,12 +139,27 @@ class BodyTooLarge(GatewayError):
     default_code = "request_too_large"
 
 
+#: How a budget refusal's message names the request fields that bound its estimate (``gateway/state/limits.py``):
+#: the chat and completions fields. The Responses and Messages APIs name their own (:meth:`RateLimited.naming`).
+CAP_FIELDS = "max_tokens (or max_completion_tokens)"
+#: ... and what lowers an estimate larger than the whole budget (chat and completions also take ``n``)
+CAP_FIELDS_AND_N = CAP_FIELDS + " or n"
+
+
 class RateLimited(GatewayError):
     """429: a rate or budget limit refused the request; set ``Retry-After`` through ``headers``."""
 
     status = 429
     type = "rate_limit_error"
     default_code = "rate_limit_exceeded"
+
+    def naming(self, field: str) -> RateLimited:
+        """This refusal with its message naming ``field``, the API's own output cap (``max_output_tokens`` on
+        ``/v1/responses``, ``max_tokens`` on ``/v1/messages``), where it named the chat fields: a client of those
+        APIs has neither ``max_completion_tokens`` nor ``n``. Returns ``self``."""
+        self.message = self.message.replace(CAP_FIELDS_AND_N, field).replace(CAP_FIELDS, field)
+        self.args = (self.message,)
+        return self
     #: A budget refusal on spend already past the budget: ``(level, "day" | "month", spent micro-USD)`` (a
     #: ``gateway.state.budgets.Level``) — the budget alerts of that level are checked on it (a budget lowered below
     #: the spend refuses every request and meters none, which is where alerts were checked). None otherwise.

@@ -22,7 +22,7 @@ from gateway.api import bridge
 from gateway.api.asgi import Gateway
 from gateway.api.http import disconnected, json_response, read_body, tracing
 from gateway.config import TierConfig
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, RateLimited
 from gateway.ledger.event import ROUTER_DECIDED
 from gateway.ledger.record import UsageRecord
 from gateway.openai.usage import estimate_tokens
@@ -90,6 +90,8 @@ class MessagesAPI:
     async def handle(self, request: Request) -> Response:
         try:
             return await self._handle(request)
+        except RateLimited as exc:  # a budget refusal names this API's cap, not chat's max_completion_tokens or n
+            return anthropic_error(exc.naming("max_tokens"))
         except GatewayError as exc:
             return anthropic_error(exc)
         except Exception:

@@ -23,7 +23,7 @@ from starlette.responses import Response
 from gateway.api import bridge
 from gateway.api.asgi import Gateway
 from gateway.api.http import disconnected, json_response, read_body, tracing
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, NotFound, RateLimited
 from gateway.ledger.record import UsageRecord
 from gateway.openai import responses as wire
 from gateway.pipeline import request as schemas
@@ -86,7 +86,11 @@ class ResponsesAPI:
         session = self.session(key.id, body, chat, prev)
         caller = Caller.of(key, chat, "chat", request.headers, label=LABEL)
         with tracing(proxy.telemetry, LABEL, request.headers):
-            answer = await proxy.serve(caller, chat, session=session, disconnect=lambda: disconnected(request))
+            try:
+                answer = await proxy.serve(caller, chat, session=session, disconnect=lambda: disconnected(request))
+            except RateLimited as exc:  # a budget refusal names this API's cap, not chat's max_tokens
+                exc.naming("max_output_tokens")
+                raise
         tier = answer.route.tier.name
         if answer.body is not None:
             out = wire.response_object(answer.body, body, response_id)

@@ -116,7 +116,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.config import LimitsConfig, TierConfig, prompted_hard_stop
-from gateway.errors import GatewayError, LimitsUnavailable, RateLimited
+from gateway.errors import CAP_FIELDS, CAP_FIELDS_AND_N, GatewayError, LimitsUnavailable, RateLimited
 from gateway.ledger.event import UsageEvent, cost_micro_usd, micro_to_usd, usd_to_micro
 from gateway.openai.usage import has_media
 from gateway.state.breaker import Breaker, RedisDown
@@ -691,11 +691,10 @@ def refusal(code: str, what: str, retry_after_s: int, key_id: str, level: Level 
             if est_micro <= budget and left > 0:
                 # it fits the budget, not what is left: its estimate (max_tokens at the dearest tier it may be
                 # served by, fallbacks included) is what the client can lower
-                msg += ": a lower max_tokens (or max_completion_tokens) lowers it"
+                msg += f": a lower {CAP_FIELDS} lowers it"
             if est_micro > budget:
                 # no wait lets this request in: say what would, and send no Retry-After a client would obey
-                msg += (f", more than the whole {period} budget: lower max_tokens (or max_completion_tokens) or n,"
-                        " or raise the budget")
+                msg += f", more than the whole {period} budget: lower {CAP_FIELDS_AND_N}, or raise the budget"
                 headers.pop("retry-after")
     if retry_after_s <= 1 and "retry-after" in headers:
         msg += "; blocked by requests in flight, retry shortly"

@@ -114,8 +114,9 @@ def test_client_disconnect_mid_stream_is_metered_once_as_499(gw: GatewayServer, 
 def test_budget_refusals_in_each_apis_shape(upstream_sim: SimProcess, redis_url: str,
                                             tmp_path_factory: pytest.TempPathFactory) -> None:
     """A key whose whole budget cannot cover the request: 429 without ``Retry-After`` (no wait would admit it) and
-    a message saying what would, OpenAI-shaped on /v1/responses (``openai.RateLimitError``), Anthropic-shaped on
-    /v1/messages (``anthropic.RateLimitError``)."""
+    a message saying what would, in the API's own field (``max_output_tokens``, ``max_tokens``: it named chat's
+    ``max_tokens (or max_completion_tokens) or n`` on both), OpenAI-shaped on /v1/responses
+    (``openai.RateLimitError``), Anthropic-shaped on /v1/messages (``anthropic.RateLimitError``)."""
     from tests.fixtures.gateway import keys_config
 
     prefix = f"tgtest:{uuid.uuid4().hex[:12]}:"
@@ -127,12 +128,17 @@ def test_budget_refusals_in_each_apis_shape(upstream_sim: SimProcess, redis_url:
                     model="long", input="hello there")
             assert oerr.value.code == "budget_exceeded" and "retry-after" not in oerr.value.response.headers
             assert "more than the whole daily budget" in oerr.value.message
+            # what lowers it, in this API's field: a Responses client has no max_tokens, max_completion_tokens or n
+            assert "lower max_output_tokens, or raise the budget" in oerr.value.message, oerr.value.message
+            assert "max_completion_tokens" not in oerr.value.message
             with pytest.raises(anthropic.RateLimitError) as aerr:
                 anthropic.Anthropic(base_url=bgw.url, api_key=SECRETS["bob"], max_retries=0).messages.create(
                     model="long", max_tokens=64, messages=[{"role": "user", "content": "hello there"}])
             assert aerr.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
             assert "retry-after" not in aerr.value.response.headers
             assert "more than the whole daily budget" in aerr.value.body["error"]["message"]  # type: ignore[index]
+            # Anthropic's cap is max_tokens alone (no max_completion_tokens, no n)
+            assert "lower max_tokens, or raise the budget" in aerr.value.body["error"]["message"]  # type: ignore[index]
     finally:
         cleanup(redis_url, prefix)
 
