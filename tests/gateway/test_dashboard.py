@@ -304,3 +304,21 @@ def test_the_poll_reads_a_bounded_window_and_every_sum_from_the_cubes(upstream_s
     report = rp.build(last, rp.long_tier_of(seeded.gw.settings), seeded.gw.settings.tier("long").prices)
     assert w["savings"]["always_long_micro_usd"] == report.always_long_micro_usd
     assert w["savings"]["spend_micro_usd"] == report.spend_micro_usd < d["savings"]["spend_micro_usd"]
+
+
+def test_data_without_a_session_is_an_openai_error_that_says_how_a_script_logs_in(
+        upstream_sim: SimProcess, redis_url: str, tmp_path: Path) -> None:
+    """A script fetching ``/dashboard/data`` with the admin key as a Bearer header — as every other endpoint takes it
+    — got ``{"error": {"message": "log in at /dashboard", …}}`` without ``param``: no hint that the data wants the
+    session cookie of ``POST /dashboard/login``. The 401 is OpenAI's error shape and says how; the login it names
+    works from a script."""
+    with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, f"tgtest:{uuid.uuid4().hex[:8]}:",
+                            dashboard={"secret_file": str(tmp_path / "secret")}) as gw:
+        r = httpx.get(gw.url + "/dashboard/data", headers={"authorization": f"Bearer {ADMIN_SECRET}"}, timeout=10)
+        assert r.status_code == 401
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}, err
+        assert (err["type"], err["param"], err["code"]) == ("authentication_error", None, "no_session")
+        assert "POST /dashboard/login" in err["message"] and "key=<admin key>" in err["message"], err["message"]
+        jar = login(gw.url, ADMIN_SECRET).cookies  # what it says to do
+        assert httpx.get(gw.url + "/dashboard/data", cookies=jar, timeout=10).status_code == 200

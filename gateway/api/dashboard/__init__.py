@@ -15,8 +15,8 @@ Routes:
 
 Who is admin: the admin key (``auth.admin_key_sha256``). On embedded defaults — no key configured, so
 ``thinkgate serve`` registers the development key of ``auth.dev_key_file`` as the only key — the
-development key opens the dashboard too (and only the dashboard: it stays a plain key for ``/v1/usage``);
-that holds only while it is the single key and there is no admin key.
+development key opens the dashboard too (as it reads ``/metrics`` and every key's ``GET /v1/usage``: it is the
+operator's); that holds only while it is the single key and there is no admin key.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ from gateway.state.breaker import RedisDown
 STATIC = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8",
           "favicon.svg": "image/svg+xml"}
 LOGIN_BODY_MAX = 4096
+#: the 401 of ``GET /dashboard/data`` without a session: a script sent the key as a Bearer header (as it does
+#: everywhere else) and was told only "log in at /dashboard", a page for a browser
+NO_SESSION = ("no dashboard session: log in at /dashboard with the admin key (a script: POST /dashboard/login with "
+              "the form field key=<admin key>, keep the session cookie it sets and send it here); an API key sent "
+              "in 'Authorization' is no session (GET /v1/usage and /metrics take one)")
 # no inline script, nothing from elsewhere: the page's own files and its own JSON only
 SECURITY_HEADERS = {"content-security-policy": "default-src 'self'; frame-ancestors 'none'; form-action 'self'",
                     "x-frame-options": "DENY", "referrer-policy": "no-referrer", "cache-control": "no-store",
@@ -132,7 +137,7 @@ def attach(app: Starlette, settings: Settings, keys: KeyStore, acct: Accounting,
 
     async def data(request: Request) -> Response:
         if await session_key(request) is None:
-            return _json({"error": {"message": "log in at /dashboard", "type": "authentication_error",
+            return _json({"error": {"message": NO_SESSION, "type": "authentication_error", "param": None,
                                     "code": "no_session"}}, 401)
         return await _data(request, acct, settings, routing)
 
