@@ -73,7 +73,28 @@ def run_on_redis(settings: Settings, fn: Callable[[Any], Awaitable[T]], min_time
         # one line: no password from the URL, and no redis-py pool repr (a Sentinel failure dumped ~1,500 chars)
         why = " ".join(str(exc).split())
         why = why if len(why) <= 200 else why[:200] + "…"
-        typer.echo(f"thinkgate: Redis unreachable at {shown_url(settings.redis.url)}: {why}", err=True)
+        typer.echo(f"thinkgate: Redis unreachable at {shown_url(settings.redis.url)}: {why}"
+                   f"{unreachable_hint(settings)}", err=True)
         raise typer.Exit(3) from None
     finally:
         breaker_log.setLevel(level)
+
+
+def unreachable_hint(settings: Settings) -> str:
+    """What to do when an offline command (``keys``, ``budgets``, ``usage``) finds no Redis at the configured URL,
+    to follow its one-line error. The Redis ``thinkgate serve`` starts for itself (``redis.start_if_missing``, a
+    loopback URL nobody answers) runs only while that gateway does — ``make serve`` stopped, ``thinkgate usage
+    report`` said only "Connect call failed" — and its data folder on disk says it is that one; else the command may
+    be pointed elsewhere than the gateway (another ``--config`` / ``REDIS_URL``)."""
+    from urllib.parse import urlsplit
+
+    from gateway.engine.redis_server import port_dir
+
+    redis = settings.redis
+    parts = urlsplit(redis.url)
+    if (redis.start_if_missing and "+" not in parts.scheme and parts.hostname in ("127.0.0.1", "localhost", "::1")
+            and port_dir(redis.data_dir, parts.port or 6379).is_dir()):
+        return (f" — the private Redis that `thinkgate serve` starts on this port (its data in "
+                f"{port_dir(redis.data_dir, parts.port or 6379)}) runs only while the gateway does: start the "
+                "gateway (`make serve`, `thinkgate serve`) and run this again while it serves")
+    return " — is the gateway running, and does this command get the same --config / REDIS_URL as its `serve`?"

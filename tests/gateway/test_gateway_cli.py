@@ -322,3 +322,22 @@ def test_an_offline_command_prints_only_its_own_message_when_redis_is_unreachabl
     assert r.returncode == 3, r.stdout + r.stderr
     assert r.stdout == "" and r.stderr.startswith("thinkgate: Redis unreachable at redis://127.0.0.1:"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_an_unreachable_redis_says_what_to_do(port_lease: Callable[[], int], tmp_path: Path) -> None:
+    """``make serve`` stopped (its private Redis with it), then ``thinkgate usage report`` as the README runs it: the
+    one line said only "Connect call failed". It says that this Redis is the gateway's private one — its data
+    folder is on disk — and runs only with it; a URL with no such folder asks whether the command gets the gateway's
+    settings."""
+    port = port_lease()
+    env = {"THINKGATE_CONFIG": "", "THINKGATE_REDIS__URL": f"redis://127.0.0.1:{port}/0",
+           "THINKGATE_REDIS__DATA_DIR": str(tmp_path / "redis")}
+    (tmp_path / "redis" / str(port)).mkdir(parents=True)  # what the private server of an earlier serve left
+    r = thinkgate("usage", "report", env=env)
+    assert r.returncode == 3 and r.stdout == "", r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Connect call failed" in r.stderr and f"its data in {tmp_path / 'redis' / str(port)}" in r.stderr
+    assert "runs only while the gateway does" in r.stderr, r.stderr
+    r = thinkgate("keys", "list", env={**env, "THINKGATE_REDIS__DATA_DIR": str(tmp_path / "elsewhere")})
+    assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "same --config / REDIS_URL" in r.stderr, r.stderr
