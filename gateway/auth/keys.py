@@ -114,6 +114,13 @@ class DigestLookup(Protocol):
     async def lookup(self, sha256_hex: str) -> KeyInfo | None: ...
 
 
+#: The 401 of a key no store knows. "invalid API key" alone left a new user guessing; the usual causes are these
+#: (``thinkgate keys create`` run with another ``REDIS_URL`` or ``redis.key_prefix`` than the gateway's writes a key
+#: this gateway never sees).
+UNKNOWN_KEY = ("invalid API key: no active key of this gateway has this secret — mistyped, revoked, or made with "
+               "`thinkgate keys create` on another Redis or key prefix than this gateway's")
+
+
 class KeyStore:
     """Keys from the config file (plus the admin key), then ``redis_store`` if given.
     ``authenticate`` raises :class:`AuthError` (401)."""
@@ -148,7 +155,7 @@ class KeyStore:
         if found is None:
             if not self.require_key:
                 return KeyInfo(id=ANONYMOUS_KEY_ID)
-            raise AuthError("invalid API key")
+            raise AuthError(UNKNOWN_KEY)
         return found
 
 

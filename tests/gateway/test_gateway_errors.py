@@ -202,6 +202,10 @@ def test_missing_and_unknown_key(gateway: Any) -> None:
     with pytest.raises(openai.AuthenticationError) as info:
         bad.chat.completions.create(model="auto", messages=MESSAGES)  # type: ignore[arg-type]
     assert info.value.code == "invalid_api_key"  # type: ignore[attr-defined]
+    # what to check, not only "invalid API key": a key made on another Redis / prefix is the usual new-user cause
+    message = post(gateway, {"model": "auto", "messages": MESSAGES},
+                   headers={"authorization": "Bearer tg-wrong"}).json()["error"]["message"]
+    assert message.startswith("invalid API key: ") and "revoked" in message and "another Redis" in message, message
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
 
