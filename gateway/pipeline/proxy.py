@@ -195,11 +195,12 @@ class Proxy:
         answer: the stream of chunks (relayed, metered at its end), or the JSON answer (metered now). Only the
         routed tier's answer is offered to the cache. An escalation whose call fails before it answers (the next
         tier down, refused, a 5xx; a stream that broke, stalled or sent an error event while peeked, the next tier
-        escalating in turn, or the last tier's before its first content: nothing of it reached the client; metered as
-        that failed call, which releases the cache
-        ticket) leaves the answer it would have improved — the exchange's held attempt, served as if not escalated,
-        with the note ``failed; tier=…; reason=<error code>``; the held attempt is metered as escalated once the call
-        answered (a peeked stream: once the peek read it), or as before when the request ends otherwise."""
+        escalating in turn, or the last tier's before its first content; one that reached ``limits.max_stream_s``
+        before its first content: nothing of it reached the client; metered as that failed call, which releases the
+        cache ticket) leaves the answer it would have improved — the exchange's held attempt, served as if not
+        escalated, with the note ``failed; tier=…; reason=<error code>``; the held attempt is metered as escalated
+        once the call answered (a peeked stream: once the peek read it), or as before when the request ends
+        otherwise."""
         # a stream's limits.max_stream_s counts from its first upstream call (Exchange.stream_deadline): not from the
         # cache lookup's wait before it (a single-flight follower's, an embedding call's)
         ex.started = time.monotonic()
@@ -346,7 +347,15 @@ class Proxy:
         it) is read only up to its first content (``peek_stream``'s ``start``) and relayed from there; failing before
         it, it is metered and raised the same way. A peek reaches the request's ``limits.max_stream_s`` too
         (:meth:`Exchange.stream_deadline`): stopped there, it escalates nothing (no time is left for another tier) and
-        the relay passes on what it read and cuts the stream. The retry is
+        the relay passes on what it read and cuts the stream — unless it is an escalation's (``asked``) and read nothing
+        of its content yet (no reasoning, content or tool-call delta): then the escalation failed at the bound, as one
+        whose call failed before answering (:meth:`_cut_before_content`: closed, billed what it ran — its prompt and
+        the deltas read, partial —, 504 ``stream_max_duration``), and the client is served the answer the exchange
+        holds, with the note ``failed; tier=…; reason=stream_max_duration``. That answer was read to its end (it is
+        judged weak once read: an empty one ends unanswered, an abstention is read whole) before the bound, so the relay
+        passes it on whole, as it ended (its finish reason, ``[DONE]``), never cut: a stream cut with nothing in it
+        was the answer paid twice and thrown away. One that read some of its content (a tier up the cascade, peeked in
+        turn, cut in its thought) is relayed and cut as any. The retry is
         admitted —
         reserved at every budget level — before it is sent; when that is refused (or the key may not use
         ``nxt``) the first answer is kept, with the note ``skipped; tier=…; reason=…``. The first attempt is finished
@@ -359,7 +368,7 @@ class Proxy:
         if nxt is None and not (asked and caller.stream):
             return resp, None, False
         if caller.stream:
-            resp, summary = await self._peek(ex, resp, body, caller, start=nxt is None)
+            resp, summary = await self._peek(ex, resp, body, caller, start=nxt is None, asked=asked)
         else:
             assert data is not None
             summary = data
@@ -412,19 +421,21 @@ class Proxy:
         return resp, None, True
 
     async def _peek(self, ex: Exchange, resp: UpstreamResponse, body: dict[str, Any], caller: Caller,
-                    start: bool) -> tuple[UpstreamResponse, dict[str, Any]]:
+                    start: bool, asked: bool = False) -> tuple[UpstreamResponse, dict[str, Any]]:
         """:func:`gateway.pipeline.escalation.peek_stream` of the current attempt's stream (``start``: an escalation's
         call whose tier does not escalate in turn, read up to its first content only), for :meth:`_escalation`.
         A stream that fails meanwhile is metered as the failed call it was and its error raised; one the client
         left meanwhile (cancelled by :meth:`_unless_disconnected`; the peek closed the call) is billed what the
         closed stream knows it ran (a forced stream in its answer phase: :func:`~gateway.pipeline.relay.meter_closed`),
-        else the deltas read, and its prompt where it is metered."""
+        else the deltas read, and its prompt where it is metered. An escalation's stream (``asked``) stopped at
+        ``limits.max_stream_s`` before its first content fails there (:meth:`_cut_before_content`)."""
         tier = ex.tier
         whole = bool({"abstain", "low_confidence"} & set(tier.escalate_on))
         read = StreamTally()
         try:
-            return await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole, start=start, tally=read,
-                                                deadline=ex.stream_deadline(), patience=longest_wait(tier))
+            peeked, summary = await escalation.peek_stream(resp, tier, caller.endpoint, whole=whole, start=start,
+                                                           tally=read, deadline=ex.stream_deadline(),
+                                                           patience=longest_wait(tier))
         except (asyncio.CancelledError, anyio.get_cancelled_exc_class()):
             if not ex.closed and ex.record.usage_source == "none":
                 # what the closed stream knows it ran (a forced one in its answer phase: its bill, phase 2's prompt
@@ -455,6 +466,27 @@ class Proxy:
                 # the attempt the exchange holds is served instead (_answer)
                 await ex.close(exc.status, exc.code)
             raise exc from None
+        if asked and summary["cut"] and not read.saw_text:
+            await self._cut_before_content(ex, peeked, read, body)
+        return peeked, summary
+
+    async def _cut_before_content(self, ex: Exchange, peeked: UpstreamResponse, read: StreamTally,
+                                  body: dict[str, Any]) -> None:
+        """An escalation's stream the peek stopped at ``limits.max_stream_s`` before its first content (a reasoning,
+        content or tool-call delta): closed, metered as the failed call it was — what it ran billed as the relay bills
+        a stream cut at its bound (what the closed stream knows it ran, else the upstream's running totals, else the
+        deltas read and the prompt counted), partial, 504 ``stream_max_duration`` — and raised as that error, so that
+        :meth:`_answer` serves the answer the exchange holds."""
+        with anyio.CancelScope(shield=True):  # the upstream call is closed, as the peek closes one
+            await peeked.aclose()
+        rec = ex.record
+        rec.partial = True
+        if not await meter_closed(peeked, rec) and not rec.set_usage(read.last_usage):
+            await self._count_attempt(ex, escalation.counted(read), body)
+        exc = UpstreamTimeout(f"upstream of tier {ex.tier.name!r} had not begun its answer when the stream reached "
+                              "limits.max_stream_s", code="stream_max_duration")
+        await ex.close(exc.status, exc.code)
+        raise exc
 
     async def _count_attempt(self, ex: Exchange, counted: dict[str, int], body: dict[str, Any]) -> None:
         """A peeked attempt that brought no usage (the stream ended without any, or it broke, stalled or sent an

@@ -229,3 +229,72 @@ def test_the_bound_does_not_count_a_single_flight_wait(
     assert seen is not None and seen["attempts"] == 2
     assert got.finish == "stop" and got.content.split()[1:] == words.split(), (got.finish, took)
     assert took > MAX_STREAM_S + 0.3, f"the follower waited too little ({took:.2f} s) to tell"
+
+
+@pytest.fixture(scope="module", params=[["empty_answer"], ["abstain"]], ids=["empty_answer", "abstain"])
+def cascade(request: pytest.FixtureRequest, upstream_sim: SimProcess,
+            redis_url: str) -> Iterator[tuple[GatewayServer, list[UsageRecord]]]:
+    """``short`` escalating to ``long`` under ``limits.max_stream_s`` (2 s): peeked up to its answer's start
+    (``empty_answer``; an empty answer is so read to its end) or whole (``abstain``); with the usage records."""
+    _, short, long = sim_tiers(upstream_sim.base_url)
+    short.update({"thinking_budget": None, "max_tokens": 256, "escalate_on": request.param})
+    settings = sim_settings(upstream_sim.base_url, redis_url, tiers=[short, long],
+                            limits={"max_stream_s": MAX_STREAM_S})
+    with GatewayServer(settings) as gw:
+        records: list[UsageRecord] = []
+        gw.app.state.proxy.usage_sinks.append(records.append)
+        yield gw, records
+
+
+def test_an_escalation_cut_at_the_bound_before_its_first_content_serves_the_held_answer(
+        cascade: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess) -> None:
+    """``short``'s answer, read at 60 ms a chunk, is judged too weak (empty: a ``stop`` string cuts it before its
+    first word; or it abstains) ~0.6 s before the 2 s bound; ``long`` sends its role chunk and nothing more before
+    the bound. It was relayed and cut there: ``finish_reason: length``, no content, and the client billed both
+    calls. Now the escalation failed at the bound: the client is served ``short``'s answer as it was read — whole,
+    ``finish_reason: stop``, ``[DONE]`` — with ``failed; tier=long; reason=stream_max_duration``; ``short`` is
+    metered as the request's answer, ``long`` as the failed call it was (504 ``stream_max_duration``, partial, its
+    prompt counted, nothing generated)."""
+    gw, records = cascade
+    empty = gw.app.state.settings.tiers[0].escalate_on == ["empty_answer"]
+    before = len(records)
+    tag = uuid.uuid4().hex
+    # short (attempt 1) streams at 60 ms a chunk; long (attempt 2) sends its role chunk, then nothing
+    sim = {"tag": tag, "chunk_delay_ms": 60, "fail": "stall", "fail_from": 1, "fail_at": 1}
+    body: dict[str, Any] = {"model": "short", "stream": True, "stream_options": {"include_usage": True},
+                            "messages": [{"role": "user", "content": "Think about it first" if empty
+                                          else "I don't know"}], "sim": sim}
+    if empty:
+        body["stop"] = ["echo:"]  # the answer ends before its first word
+    started = time.monotonic()
+    with httpx.stream("POST", gw.base_url + "/chat/completions", json=body, timeout=30,
+                      headers={"authorization": f"Bearer {TEST_KEY}", "cache-control": "no-store"}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    took = time.monotonic() - started
+    assert r.status_code == 200 and MAX_STREAM_S - 0.1 <= took < MAX_STREAM_S + 1.0, (r.status_code, took)
+    assert r.headers["x-thinkgate-tier"] == "short"
+    assert r.headers["x-thinkgate-escalation"] == "failed; tier=long; reason=stream_max_duration"
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert not any("error" in c for c in chunks)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    content = "".join(d.get("content") or "" for d in deltas)
+    reasoning = "".join(d.get("reasoning") or "" for d in deltas)
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes == ["stop"] and reasoning  # short's answer as it ended, not a cut
+    assert content == ("" if empty else "echo: I don't know")
+    sent = upstream_sim.wait_tag_status(tag, {"cancelled", "completed", "failed"})
+    assert sent is not None and sent["attempts"] == 2 and sent["status"] == "cancelled"  # long closed at the bound
+    assert wait_for(lambda: len(records) == before + 2, timeout_s=10)
+    failed, first = records[before:]
+    assert (failed.tier, failed.route_reason, failed.status, failed.error_code, failed.partial) == (
+        "long", "escalated", 504, "stream_max_duration", True)
+    assert failed.usage_source == "counted" and failed.completion_tokens == 0 and failed.prompt_tokens > 0
+    assert failed.cost_micro_usd > 0  # its prompt: the upstream had it and began on it
+    assert (first.tier, first.status, first.error_code, first.partial, first.escalated_to) == (
+        "short", 200, None, False, None)
+    assert first.request_id == r.headers["x-request-id"]
+    assert first.escalation_not_taken == ("empty_answer" if empty else "abstain", "long",
+                                          "failed; tier=long; reason=stream_max_duration")
+    assert first.completion_tokens == len(reasoning.split()) + len(content.split()) > 0
+    assert chunks[-1]["usage"]["completion_tokens"] == first.completion_tokens
