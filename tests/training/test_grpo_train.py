@@ -256,6 +256,11 @@ def test_a_budget_spent_by_start_up_trains_no_step(tiny: Path, tmp_path: Path) -
     assert s["global_step"] == 0 and s["stop_reason"].startswith("budget device_hours reached"), s["stop_reason"]
     assert ledger_steps(tmp_path) == []
     assert not (tmp_path / "eval_after.json").exists()
+    # the finish row bills the time after the start-up row only: raised at train begin, it billed from the
+    # ledger callback's creation again (start-up twice)
+    startup, finish = (json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines())
+    assert (startup["kind"], finish["kind"]) == ("startup", "finish")
+    assert finish["wall_ms"] <= (finish["ts"] - startup["ts"]) * 1000 + 2, (startup, finish)
 
 
 def test_monitor_stop_rule(tiny: Path, tmp_path: Path) -> None:

@@ -230,12 +230,16 @@ class LedgerCallback(TrainerCallback):
             self.ledger.record_overhead("startup", state.global_step, {"startup": startup, "eval": pre_eval})
             self.startup_t0 = None
             self.startup_billed = True
+            # the next row starts where this one ends, also when the check below raises: the finish row of a run
+            # stopped here billed from this callback's creation again (start-up twice: 4.8-6.9 s, seen)
+            self._t = now
             if self._check(state.global_step, state.is_world_process_zero):
                 # The Trainer checks should_training_stop only after a step: a stop set here would still train
                 # (and bill) one step past a budget that start-up alone used up (31x a tiny budget, seen). Every
                 # process raises alike: the row and the ledger they check are the same.
                 raise BudgetReachedBeforeTraining(self.ledger.stop_reason or "budget reached")
-        self._t = time.perf_counter()
+        else:
+            self._t = now
 
     def close_finish(self, step: int, eval_s: float) -> None:
         """Bill everything after the last step row (saving, the evaluation after training, plots) as a ``finish``
