@@ -114,6 +114,62 @@ def test_a_budget_stop_leaves_room_for_the_finish_row(tmp_path: Path) -> None:
     assert tokens.check().stop_reason is None
 
 
+def test_the_finish_is_reserved_from_its_measured_parts(tmp_path: Path) -> None:
+    """The finish was reserved at a guess (2 s, or 1/8 of start-up) and took 2.8 s on a loaded box: 6.8% over a hard
+    budget. Now from what the run measured of it — two checkpoint saves (the last 3 saves' costliest) at 1.5x how
+    much the same work varied lately, and the metric figures at the start-up figure's time at that spread — with
+    the spread over the steps' own work (sampling, reward, update) and the saves, capped at 3."""
+    from fractions import Fraction
+
+    from training.grpo.ledger import FINISH_FLOOR_MS, METRIC_FIGURES
+
+    led = CostLedger(tmp_path, "cpu", 2, Decimal("3.60"), Budgets(usd=Decimal("1")))
+    led.record_overhead("startup", 0, {"startup": 4.0})
+    led.figure_ms = 150  # one figure at start-up (plots.warm_up)
+    assert led.finish_reserve_device_ms() == 2 * (FINISH_FLOOR_MS + METRIC_FIGURES * 150)  # no save measured yet
+    led.record(1, counters(), 0.100)  # work 100 ms (10 sampling, 2 reward, 88 update)
+    led.record(2, counters(io_s=0.040, save_s=0.040), 0.140)  # the save after step 1: work 100 ms again
+    assert led.saves == [40] and led.finish_spread() == 1
+    assert led.finish_reserve_device_ms() == 2 * (120 + 600)  # 1.5 * 2 saves of 40 ms + 4 figures of 150 ms
+    led.record(3, counters(), 0.150)  # the same work took 150 ms: spread 3/2
+    assert led.finish_spread() == Fraction(3, 2)
+    assert led.finish_reserve_device_ms() == 2 * (180 + 900)
+    led.record(4, counters(io_s=0.060, save_s=0.060), 0.160)  # work 100 ms; saves 40 then 60 ms: 3/2 as well
+    assert led.finish_reserve_device_ms() == 2 * (270 + 900)  # 1.5 * 1.5 * 2 * 60 + 1.5 * 600
+    led.record(5, counters(), 1.000)  # work 1000 ms among 150 and 100: 10x, capped at 3
+    assert led.finish_spread() == 3 and led.finish_reserve_device_ms() == 2 * (540 + 1800)
+    assert led.next_step("cost_micro_usd") == 2000  # the projection of a step is unchanged (costliest of the 3)
+    led.save_state(tmp_path / "checkpoint-5")
+    again = CostLedger(tmp_path, "cpu", 2, Decimal("3.60"), Budgets(usd=Decimal("1")))
+    again.resume(tmp_path / "checkpoint-5")  # the saves and the steps' work come back; the figure is re-measured
+    assert again.saves == [40, 60] and again.finish_spread() == 3
+    assert again.finish_reserve_device_ms() == 2 * 540
+
+
+def test_the_finish_leaves_out_what_the_budget_left_cannot_cover(tmp_path: Path) -> None:
+    """In the finish, an optional part (a plot figure) is drawn only while its expected time, at the spread, fits
+    the budget left after the finish so far: headroom in wall ms per device, against every hard budget in time or
+    money; None without one."""
+    led = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"), Budgets(usd=Decimal("0.010")))
+    led.record_overhead("startup", 0, {"startup": 9.0})  # 9000 of 10000 micro-USD (1 per device-ms)
+    assert led.finish_headroom_ms(0.5) == 500  # 500 ms of the finish spent, not billed yet
+    assert led.finish_fits(0.5, 500) and not led.finish_fits(0.5, 501)
+    assert led.finish_headroom_ms(1.2) == -200 and not led.finish_fits(1.2, 0)
+    led.record(1, counters(), 0.100)
+    led.record(2, counters(), 0.200)  # the same work took 100 and 200 ms: a figure is expected at 2x
+    assert led.finish_headroom_ms(0.0) == 700 and led.finish_fits(0.0, 350) and not led.finish_fits(0.0, 351)
+    # device-hours, on 2 devices: (18000 - 16000 spent - 2 * 500 elapsed) device-ms = 500 ms of each device
+    hours = CostLedger(tmp_path / "h", "cpu", 2, Decimal("0"), Budgets(device_hours=0.005))
+    hours.record_overhead("startup", 0, {"startup": 8.0})
+    assert hours.finish_headroom_ms(0.5) == 500
+    # both budgets: the tighter one; no budget in time or money (or a price of 0 for USD): no limit
+    both = CostLedger(tmp_path / "b", "cpu", 1, Decimal("7.20"), Budgets(usd=Decimal("0.010"), device_hours=1.0))
+    both.record_overhead("startup", 0, {"startup": 4.0})  # 8000 of 10000 micro-USD at 2 micro-USD per ms
+    assert both.finish_headroom_ms(0.0) == 1000
+    free = CostLedger(tmp_path / "f", "cpu", 1, Decimal("0"), Budgets(usd=Decimal("0.010"), sampled_tokens=10))
+    assert free.finish_headroom_ms(5.0) is None and free.finish_fits(5.0, 10**9)
+
+
 def test_budget_reached_without_projection(tmp_path: Path) -> None:
     led = CostLedger(tmp_path, "cpu", 1, Decimal("0"), Budgets(sampled_tokens=500), stop_on_projection=False)
     led.record(1, counters(), 0.01)

@@ -256,6 +256,11 @@ def test_a_budget_spent_by_start_up_trains_no_step(tiny: Path, tmp_path: Path) -
     assert s["global_step"] == 0 and s["stop_reason"].startswith("budget device_hours reached"), s["stop_reason"]
     assert ledger_steps(tmp_path) == []
     assert not (tmp_path / "eval_after.json").exists()
+    # the finish saves the model but leaves out the metric plots the budget cannot cover (and says so)
+    assert (tmp_path / "model" / "config.json").is_file()
+    assert not (tmp_path / "plots" / "reward.png").exists()
+    assert len(s["finish_skipped"]) == 1 and "metric plots left out" in s["finish_skipped"][0], s["finish_skipped"]
+    assert any("metric plots left out" in a for a in s["alerts"])
     # the finish row bills the time after the start-up row only: raised at train begin, it billed from the
     # ledger callback's creation again (start-up twice)
     startup, finish = (json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines())

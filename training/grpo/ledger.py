@@ -27,7 +27,8 @@ import logging
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from decimal import ROUND_HALF_EVEN, Decimal
+from decimal import ROUND_FLOOR, ROUND_HALF_EVEN, Decimal
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +44,21 @@ STATE_FILE = "ledger_state.json"
 MICRO = Decimal(1_000_000)
 MS_PER_HOUR = Decimal(3_600_000)
 PROJECTION_WINDOW = 3  # step rows a budget projection looks back over (a step's cost varied 3x on a busy box)
-# The finish phase's fixed part, per device (ms): rendering the plots (matplotlib's import included) and writing the
-# card took 1.3-1.5 s of a 1.5 s finish row on the smoke config (2 busy CPU cores) - and 3.7 s on a box so loaded
-# that start-up took 36 s (1.5 s after a 24 s one): the finish is reserved at 1/8 of start-up when that is more.
+# The finish phase (the stop's checkpoint, the saved model, the metric plots, card) is reserved from what this run
+# measured of its parts: checkpoint saves (StepCounters.save_s) and one plot figure (rendered at start-up, where
+# matplotlib's import is billed too: 0.26 s of a 0.63 s finish on a quiet box, and the finish ran 2.8 s against a
+# 2.0 s guess under load). Until a save is measured, the saves are guessed: FINISH_FLOOR_MS per device, or
+# 1/FINISH_STARTUP_SHARE of start-up when that is more (both slow down alike on a loaded box).
 FINISH_FLOOR_MS = 2000
 FINISH_STARTUP_SHARE = 8
-_RECENT_KEYS = ("cost_micro_usd", "device_ms", "sampled_tokens", "io_ms")
+# The measured parts are reserved at how much the same work varied in time over the last PROJECTION_WINDOW steps
+# and saves (max / min: the spread, at most FINISH_SPREAD_CAP) — and the saves, which the finish cannot leave out,
+# at FINISH_SAFETY times that (measured up to save_steps before the finish; the box may be busier by then). The
+# plots are checked again figure by figure in the finish and left out when the budget left cannot cover them.
+FINISH_SAFETY = Fraction(3, 2)
+FINISH_SPREAD_CAP = 3
+METRIC_FIGURES = 4  # figures training.grpo.plots.plot_metrics draws in the finish (reward, length, entropy, signal)
+_RECENT_KEYS = ("cost_micro_usd", "device_ms", "sampled_tokens", "io_ms", "work_ms")
 
 
 @dataclass
@@ -67,6 +77,7 @@ class StepCounters:
     eval_s: float = 0.0
     io_s: float = 0.0
     stored_bytes: int = 0  # rollout bytes written to the run directory (training/storage.py)
+    save_s: float = 0.0  # the part of io_s spent writing checkpoints (the finish writes one, and the model)
 
     def reset(self) -> None:
         for k, v in asdict(StepCounters()).items():
@@ -164,6 +175,11 @@ def _ms(seconds: float) -> int:
     return max(0, round(seconds * 1000))
 
 
+def _ceil(value: Fraction) -> int:
+    """``value`` rounded up to an integer (ms)."""
+    return -(-value.numerator // value.denominator)
+
+
 _TOTAL_KEYS = (
     "prompts",
     "rollouts",
@@ -248,6 +264,10 @@ class CostLedger:
         # billed (a resumed run has seen one): the projection of :meth:`check`
         self.recent: list[dict[str, int]] = []
         self.finish_device_ms = 0
+        # what the finish's parts took when this run did them before the finish (per device, wall ms): the last
+        # PROJECTION_WINDOW checkpoint saves, and one plot figure rendered at start-up (0: none measured)
+        self.saves: list[int] = []
+        self.figure_ms = 0
         self.startup_ms = 0  # the longest start-up phase (wall ms) of this run's segments: how loaded the box is
         self.warned: set[str] = set()
         self.stop_reason: str | None = None
@@ -275,7 +295,11 @@ class CostLedger:
         row = self._append("step", step, c, wall_ms, phases)
         self.last_step = step
         self.last_row = row
-        self.recent = [*self.recent, {k: row[k] for k in _RECENT_KEYS}][-PROJECTION_WINDOW:]
+        # work_ms: the step's own work (sampling, reward, update), alike from step to step: how steady the box is
+        work = {"work_ms": phases["sampling"] + phases["reward"] + phases["update"]}
+        self.recent = [*self.recent, {**{k: row[k] for k in _RECENT_KEYS if k in row}, **work}][-PROJECTION_WINDOW:]
+        if c.save_s > 0:
+            self.saves = [*self.saves, _ms(c.save_s)][-PROJECTION_WINDOW:]
         return row
 
     def record_overhead(self, kind: str, step: int, phase_s: dict[str, float],
@@ -341,15 +365,57 @@ class CostLedger:
         so the last one alone under-projected."""
         return max((r[key] for r in self.recent), default=0)
 
+    def finish_spread(self) -> Fraction:
+        """How much the same work varied in time lately: the costliest over the cheapest of the last
+        :data:`PROJECTION_WINDOW` steps' own work (sampling, reward, update; not their evaluations or saves) and of
+        the last checkpoint saves, the larger; 1 when unmeasured, at most :data:`FINISH_SPREAD_CAP`. Exact (a
+        fraction), so every rank reserves the same."""
+        spread = Fraction(1)
+        for values in ([r.get("work_ms", 0) for r in self.recent], self.saves):
+            positive = [v for v in values if v > 0]
+            if len(positive) > 1:
+                spread = max(spread, Fraction(max(positive), min(positive)))
+        return min(spread, Fraction(FINISH_SPREAD_CAP))
+
     def finish_reserve_device_ms(self) -> int:
-        """Device-ms kept for the finish phase a stop is followed by (saving a checkpoint and the model, plots,
-        card; no evaluation after a hard stop): the costliest of a finish row this run billed (exact, after a
-        resume), two checkpoint saves (a step's io: the save after the step before) and the fixed part (the
-        plots and the card): :data:`FINISH_FLOOR_MS`, or 1/:data:`FINISH_STARTUP_SHARE` of the start-up phase
-        when that is more — both slow down alike on a loaded box. All per device."""
-        saves = 2 * max((r["io_ms"] for r in self.recent), default=0)
-        fixed = max(FINISH_FLOOR_MS, self.startup_ms // FINISH_STARTUP_SHARE)
-        return max(self.finish_device_ms, max(saves, fixed) * self.device_count)
+        """Device-ms kept for the finish a stop is followed by (the stop's checkpoint, the saved model, the metric
+        plots, card; no evaluation after a hard stop): the costliest of a finish row this run billed (exact, after
+        a resume) and its parts as this run measured them, at :meth:`finish_spread` — two checkpoint saves (the
+        costliest of the last :data:`PROJECTION_WINDOW`; the model is a checkpoint without the optimizer), which
+        cannot be left out, at :data:`FINISH_SAFETY` times it, and :data:`METRIC_FIGURES` figures at the start-up
+        figure's time (:attr:`figure_ms`). Until a save is measured the saves are guessed
+        (:data:`FINISH_FLOOR_MS`, or 1/:data:`FINISH_STARTUP_SHARE` of start-up when that is more). Wall ms per
+        device, times the device count."""
+        spread = self.finish_spread()
+        if self.saves:
+            saves = _ceil(FINISH_SAFETY * spread * 2 * max(self.saves))
+        else:
+            saves = max(FINISH_FLOOR_MS, self.startup_ms // FINISH_STARTUP_SHARE)
+        parts = saves + _ceil(spread * METRIC_FIGURES * self.figure_ms)
+        return max(self.finish_device_ms, parts * self.device_count)
+
+    def finish_headroom_ms(self, elapsed_s: float) -> int | None:
+        """Wall ms (per device) the finish may still take, ``elapsed_s`` seconds into it (not yet billed), before
+        a hard budget in time or money (``usd``, ``device_hours``) is exceeded; negative when already over, None
+        without such a budget (or at a price of 0)."""
+        elapsed = _ms(elapsed_s) * self.device_count
+        spent = self.spent()
+        rooms: list[int] = []
+        if self.budgets.usd is not None and self.price > 0:
+            left = int(Decimal(self.budgets.usd) * MICRO) - spent["cost_micro_usd"] - micro_usd(elapsed, self.price)
+            ms = (Decimal(left) * MS_PER_HOUR / (self.price * MICRO)).to_integral_value(rounding=ROUND_FLOOR)
+            rooms.append(int(ms))
+        if self.budgets.device_hours is not None:
+            limit = int(Decimal(str(self.budgets.device_hours)) * MS_PER_HOUR)
+            rooms.append(limit - spent["device_ms"] - elapsed)
+        return min(rooms) // self.device_count if rooms else None
+
+    def finish_fits(self, elapsed_s: float, part_ms: int) -> bool:
+        """True when an optional part of the finish expected to take ``part_ms`` wall ms (per device), times
+        :meth:`finish_spread`, still fits the hard budgets ``elapsed_s`` seconds into the finish
+        (:meth:`finish_headroom_ms`): what may be left out is left out rather than spent past a budget."""
+        room = self.finish_headroom_ms(elapsed_s)
+        return room is None or _ceil(self.finish_spread() * part_ms) <= room
 
     def check(self) -> BudgetCheck:
         """Warn once per budget at ``warn_fraction``; stop when a budget is reached, or (``stop_on_projection``)
@@ -429,6 +495,7 @@ class CostLedger:
             "warned": sorted(self.warned),
             "last_row": self.last_row,
             "recent": self.recent,
+            "saves": self.saves,
         }
 
     def save_state(self, checkpoint_dir: str | Path) -> None:
@@ -452,6 +519,7 @@ class CostLedger:
         last = self.last_row or {}
         default_recent = [{k: int(last.get(k, 0)) for k in _RECENT_KEYS}] if last else []
         self.recent = [{k: int(r.get(k, 0)) for k in _RECENT_KEYS} for r in st.get("recent", default_recent)]
+        self.saves = [int(v) for v in st.get("saves", [])][-PROJECTION_WINDOW:]
         self.stop_reason = None
         self.hard_stop = False
         ckpt_seq = st.get("seq")  # None: a state written before rows had sequence numbers (keep by step)

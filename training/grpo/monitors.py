@@ -219,14 +219,20 @@ class LedgerCallback(TrainerCallback):
         self.pre_eval_s = 0.0
         self.startup_billed = False  # the start-up row is written (a Ctrl-C before it bills start-up itself)
         self.eval_t0: float | None = None  # perf_counter() when the evaluation before training began
+        # seconds one plot figure took at start-up (GRPO: plots.warm_up; 0.0 where the finish draws none): the
+        # ledger reserves the finish's plots from it (CostLedger.figure_ms)
+        self.figure_s = 0.0
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         now = time.perf_counter()
         if self.startup_t0 is not None:  # bill start-up (imports, model load, trainer set-up) and the first eval
             startup, pre_eval = max(0.0, now - self.startup_t0 - self.pre_eval_s), self.pre_eval_s
+            figure = self.figure_s
             if self.reduce is not None:  # every process bills (and decides on) the same row, as for steps
                 startup = self.reduce(StepCounters(), startup)[1]
                 pre_eval = self.reduce(StepCounters(), pre_eval)[1]
+                figure = self.reduce(StepCounters(), figure)[1]
+            self.ledger.figure_ms = max(0, round(figure * 1000))
             self.ledger.record_overhead("startup", state.global_step, {"startup": startup, "eval": pre_eval})
             self.startup_t0 = None
             self.startup_billed = True
@@ -240,6 +246,10 @@ class LedgerCallback(TrainerCallback):
                 raise BudgetReachedBeforeTraining(self.ledger.stop_reason or "budget reached")
         else:
             self._t = now
+
+    def since_last_row_s(self) -> float:
+        """Seconds since the last row's time was taken: in the finish, how much of it is spent and not billed yet."""
+        return time.perf_counter() - self._t
 
     def close_finish(self, step: int, eval_s: float) -> None:
         """Bill everything after the last step row (saving, the evaluation after training, plots) as a ``finish``

@@ -3,7 +3,7 @@ ratio, cost vs optimizer step (matplotlib, Agg backend)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,23 +102,61 @@ def plot_cost(run_dir: str | Path, budget_usd: str | None = None, warn_fraction:
     )
 
 
-def plot_metrics(run_dir: str | Path) -> list[Path]:
+def warm_up() -> float:
+    """Import matplotlib (Agg) and render one figure the size of the run plots, with a few lines, legend and a
+    budget line, to PNG in memory; returns the seconds the figure took (the import not counted).
+
+    Called at start-up, so the one-time costs of the finish's plots — the import, font loading — are billed there,
+    before the budget checks, and the figure's time is what the ledger reserves per plot
+    (``CostLedger.figure_ms``): the finish does only warm work it measured beforehand."""
+    import io
+    import time
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = time.perf_counter()
+    xs = [float(i) for i in range(100)]
+    fig, ax = plt.subplots(figsize=(6.5, 3.8), dpi=100)
+    for k in (1.0, 0.5, 0.25):
+        ax.plot(xs, [k * x for x in xs], label=f"x{k:g}")
+    ax.axhline(50.0, color="tab:red", linestyle="--", linewidth=1, label="budget")
+    ax.set_title("warm-up")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("value")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(io.BytesIO(), format="png")
+    plt.close(fig)
+    return time.perf_counter() - t0
+
+
+def plot_metrics(run_dir: str | Path, fits: Callable[[float], bool] | None = None) -> list[Path]:
     """Write ``plots/{reward,length,entropy,signal}.png`` from ``metrics.jsonl`` (one log per step); returns the
-    files written (a plot without data is left out)."""
+    files written (a plot without data is left out).
+
+    ``fits(seconds)``, when given, is asked before each figure with the seconds of the slowest one drawn so far in
+    this call (0.0 before the first); once it says False the remaining figures are not drawn (the finish of a run
+    whose budget cannot cover them: ``run.report_run``)."""
+    import time
+
     run = Path(run_dir)
     metrics = dedupe_by_step([r for r in _read_jsonl(run / "metrics.jsonl") if "loss" in r or "reward" in r])
     out = run / "plots"
     out.mkdir(exist_ok=True)
     reward_keys = sorted({k for r in metrics for k in r if k.startswith("rewards/") and k.endswith("/mean")})
-    written = [
-        _plot(
-            out / "reward.png",
+    figures: list[tuple[str, str, str, list[tuple[str, tuple[list[float], list[float]]]]]] = [
+        (
+            "reward.png",
             "Reward",
             "reward",
             [("total", _series(metrics, "reward"))] + [(k.split("/")[1], _series(metrics, k)) for k in reward_keys],
         ),
-        _plot(
-            out / "length.png",
+        (
+            "length.png",
             "Completion length",
             "tokens",
             [
@@ -126,9 +164,9 @@ def plot_metrics(run_dir: str | Path) -> list[Path]:
                 ("mean terminated", _series(metrics, "completions/mean_terminated_length")),
             ],
         ),
-        _plot(out / "entropy.png", "Policy entropy", "nats/token", [("entropy", _series(metrics, "entropy"))]),
-        _plot(
-            out / "signal.png",
+        ("entropy.png", "Policy entropy", "nats/token", [("entropy", _series(metrics, "entropy"))]),
+        (
+            "signal.png",
             "Effective-signal ratio",
             "groups with variance / groups",
             [
@@ -138,4 +176,14 @@ def plot_metrics(run_dir: str | Path) -> list[Path]:
             ],
         ),
     ]
-    return [p for p in written if p is not None]
+    written: list[Path] = []
+    slowest = 0.0
+    for name, title, ylabel, lines in figures:
+        if fits is not None and not fits(slowest):
+            break
+        t0 = time.perf_counter()
+        path = _plot(out / name, title, ylabel, lines)
+        slowest = max(slowest, time.perf_counter() - t0)
+        if path is not None:
+            written.append(path)
+    return written

@@ -873,10 +873,14 @@ def train_run(run: GRPORun) -> TrainOutcome:
     Running out of learning signal stops the run with a checkpoint and its paid-for rollouts recorded; the
     budget and monitor stops are read from the ledger and the monitor callback."""
     from training.grpo.monitors import BudgetReachedBeforeTraining
+    from training.grpo.plots import warm_up
     from training.grpo.sampling import NoLearningSignalError
 
     trainer, ledger_cb = run.trainer, run.ledger_cb
     before, t_eval = _evaluate_before(run)
+    # matplotlib's import and a first figure, billed in start-up: the finish's plots are then warm work the ledger
+    # reserves at the figure's measured time (every rank, so the reduced time is one figure's)
+    ledger_cb.figure_s = warm_up()
     ledger_cb.startup_t0, ledger_cb.pre_eval_s = run.process_t0, t_eval
 
     stop_reason = None
@@ -947,11 +951,41 @@ def _evaluate_after(run: GRPORun, final_model: Any, model_dir: Path) -> tuple[di
     return after, time.perf_counter() - t0
 
 
+def _plot_metrics_within_budget(run: GRPORun) -> str | None:
+    """Draw ``plots/{reward,length,entropy,signal}.png`` (rank 0, in the finish) figure by figure while the next
+    one fits the hard budgets (``CostLedger.finish_fits``: the start-up figure's time or the slowest drawn so far,
+    times how much the same work varied lately, against the budget left after the finish so far). The plots are
+    the finish's one optional part: the model is always saved, the plots are not drawn past a budget. Returns
+    None when all were drawn, else what was left out and why (for the summary and the alerts)."""
+    from training.grpo.plots import plot_metrics
+
+    ledger, ledger_cb = run.ledger, run.ledger_cb
+    refused: list[int] = []
+
+    def fits(slowest_s: float) -> bool:
+        part_ms = max(ledger.figure_ms, round(slowest_s * 1000))
+        if ledger.finish_fits(ledger_cb.since_last_row_s(), part_ms):
+            return True
+        refused.append(part_ms)
+        return False
+
+    drawn = plot_metrics(run.run_dir, fits=fits)
+    if not refused:
+        return None
+    room = max(0, ledger.finish_headroom_ms(ledger_cb.since_last_row_s()) or 0)
+    return (
+        f"metric plots left out to stay within the budget: {len(drawn)} drawn, the rest not (a figure takes "
+        f"~{refused[0]} ms, {room} ms of the budget left); training.grpo.plots.plot_metrics({str(run.run_dir)!r}) "
+        "draws them"
+    )
+
+
 def report_run(run: GRPORun, outcome: TrainOutcome) -> dict[str, Any]:
     """Report step: publish the model, evaluate it, write ``tier.yaml``, the plots, the ledger's finish row,
     ``summary.json`` and the model card (run files by rank 0 only). Returns the summary (every rank)."""
     from training.grpo.card import model_card, tier_snippet
-    from training.grpo.plots import plot_cost, plot_metrics
+    from training.grpo.monitors import Alert
+    from training.grpo.plots import plot_cost
     from training.registry import write_heartbeat
 
     cfg, run_dir, trainer, ledger, lc = run.cfg, run.run_dir, run.trainer, run.ledger, run.cfg.ledger
@@ -965,6 +999,7 @@ def report_run(run: GRPORun, outcome: TrainOutcome) -> dict[str, Any]:
     shown_dir = model_dir.resolve()
     if shown_dir.is_relative_to(Path.cwd()):
         shown_dir = shown_dir.relative_to(Path.cwd())
+    skipped: str | None = None
     if is_main:
         (run_dir / "tier.yaml").write_text(
             tier_snippet(
@@ -974,7 +1009,10 @@ def report_run(run: GRPORun, outcome: TrainOutcome) -> dict[str, Any]:
                 prices=cfg.output.tier_prices,
             )
         )
-        plot_metrics(run_dir)
+        skipped = _plot_metrics_within_budget(run)
+        if skipped:
+            run.alert_log.add(Alert(trainer.state.global_step, "budget", "ledger", 0.0, "warn", skipped))
+            logger.warning("%s", skipped)
     # the finish row bills saving, the evaluation after training and the plots; the summary includes it
     run.ledger_cb.close_finish(trainer.state.global_step, t_after)
     if is_main:
@@ -997,6 +1035,7 @@ def report_run(run: GRPORun, outcome: TrainOutcome) -> dict[str, Any]:
             "best_heldout": best,
             "below_quality_floor": not ledger.floor_met() if lc.quality_floor is not None else None,
             "alerts": [a.message for a in run.alert_log.alerts],
+            "finish_skipped": [skipped] if skipped else [],
         }
     )
     if is_main:  # run files are written by rank 0 only
@@ -1030,12 +1069,13 @@ def _make_reduce(trainer: Any) -> Any:
             device=trainer.accelerator.device,
         )
         secs = torch.tensor(
-            [c.generation_s, c.reward_s, c.eval_s, c.io_s, wall],
+            [c.generation_s, c.reward_s, c.eval_s, c.io_s, c.save_s, wall],
             dtype=torch.float64,
             device=trainer.accelerator.device,
         )
         ints = trainer.accelerator.reduce(ints, reduction="sum").tolist()
         secs = trainer.accelerator.reduce(secs, reduction="mean").tolist()
-        return StepCounters(*ints, *secs[:4], stored_bytes=c.stored_bytes), secs[4]  # rank 0 writes rollouts
+        # rank 0 writes rollouts
+        return StepCounters(*ints, *secs[:4], stored_bytes=c.stored_bytes, save_s=secs[4]), secs[5]
 
     return reduce

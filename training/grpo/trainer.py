@@ -221,7 +221,9 @@ class ThinkGateGRPOTrainer(GRPOTrainer):
         try:
             self._save_checkpoint_inner(model, trial)
         finally:
-            self.counters.io_s += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.counters.io_s += took
+            self.counters.save_s += took  # the ledger reserves the finish's checkpoint and model saves from it
 
     def _save_checkpoint_inner(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
