@@ -47,8 +47,8 @@ PROJECTION_WINDOW = 3  # step rows a budget projection looks back over (a step's
 # The finish phase (the stop's checkpoint, the saved model, the metric plots, card) is reserved from what this run
 # measured of its parts: checkpoint saves (StepCounters.save_s) and one plot figure (rendered at start-up, where
 # matplotlib's import is billed too: 0.26 s of a 0.63 s finish on a quiet box, and the finish ran 2.8 s against a
-# 2.0 s guess under load). Until a save is measured, the saves are guessed: FINISH_FLOOR_MS per device, or
-# 1/FINISH_STARTUP_SHARE of start-up when that is more (both slow down alike on a loaded box).
+# 2.0 s guess under load). Until a save is measured, the finish is guessed as before: FINISH_FLOOR_MS per device,
+# or 1/FINISH_STARTUP_SHARE of start-up when that is more (both slow down alike on a loaded box).
 FINISH_FLOOR_MS = 2000
 FINISH_STARTUP_SHARE = 8
 # The measured parts are reserved at how much the same work varied in time over the last PROJECTION_WINDOW steps
@@ -383,15 +383,16 @@ class CostLedger:
         a resume) and its parts as this run measured them, at :meth:`finish_spread` — two checkpoint saves (the
         costliest of the last :data:`PROJECTION_WINDOW`; the model is a checkpoint without the optimizer), which
         cannot be left out, at :data:`FINISH_SAFETY` times it, and :data:`METRIC_FIGURES` figures at the start-up
-        figure's time (:attr:`figure_ms`). Until a save is measured the saves are guessed
-        (:data:`FINISH_FLOOR_MS`, or 1/:data:`FINISH_STARTUP_SHARE` of start-up when that is more). Wall ms per
-        device, times the device count."""
+        figure's time (:attr:`figure_ms`). Until a save is measured the finish is guessed as before
+        (:data:`FINISH_FLOOR_MS`, or 1/:data:`FINISH_STARTUP_SHARE` of start-up, or the figures when that is more;
+        the plots, checked figure by figure in the finish, take what the saves leave). Wall ms per device, times
+        the device count."""
         spread = self.finish_spread()
+        figures = _ceil(spread * METRIC_FIGURES * self.figure_ms)
         if self.saves:
-            saves = _ceil(FINISH_SAFETY * spread * 2 * max(self.saves))
-        else:
-            saves = max(FINISH_FLOOR_MS, self.startup_ms // FINISH_STARTUP_SHARE)
-        parts = saves + _ceil(spread * METRIC_FIGURES * self.figure_ms)
+            parts = _ceil(FINISH_SAFETY * spread * 2 * max(self.saves)) + figures
+        else:  # the guess covered the plots too (matplotlib's import included): the plots may take only what is left
+            parts = max(FINISH_FLOOR_MS, self.startup_ms // FINISH_STARTUP_SHARE, figures)
         return max(self.finish_device_ms, parts * self.device_count)
 
     def finish_headroom_ms(self, elapsed_s: float) -> int | None:
