@@ -58,7 +58,8 @@ CACHE_RESULTS = frozenset({"hit", "semantic-hit", "miss", "bypass"})
 SEMANTIC_RESULTS = frozenset({"hit", "guard_rejected", "below_threshold", "miss", "bypass"})
 ERROR_CODES = frozenset({"upstream_error", "upstream_unavailable", "upstream_timeout", "upstream_rejected",
                          "upstream_stream_broken", "client_disconnected", "budget_exceeded",
-                         "rate_limit_exceeded", "limits_unavailable", "key_store_unavailable"})
+                         "rate_limit_exceeded", "limits_unavailable", "key_store_unavailable",
+                         "stream_max_duration"})
 #: every code a refused request can carry (a finite set: label values; ``tests/gateway/test_refusal_codes.py``
 #: checks that each code the gateway's errors name is here), anything else counted as ``other``
 REFUSAL_CODES = frozenset({
