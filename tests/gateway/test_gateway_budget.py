@@ -245,7 +245,7 @@ def test_a_stream_broken_while_peeked_is_a_502_and_its_record_says_so(upstream_s
         gw.app.state.proxy.usage_sinks.append(records.append)
         r = httpx.post(gw.base_url + "/chat/completions", headers={"authorization": f"Bearer {TEST_KEY}"},
                        json={"model": "short", "stream": True, "messages": [{"role": "user", "content": QUESTION}],
-                             "sim": {"fail": "drop"}}, timeout=30)
+                             "sim": {"fail": "drop", "chunk_delay_ms": 20}}, timeout=30)  # drop: own read
         assert r.status_code == 502
         err = r.json()["error"]
         assert err["code"] == "upstream_stream_broken" and "'short'" in err["message"]

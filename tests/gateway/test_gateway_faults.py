@@ -224,11 +224,13 @@ def test_upstream_timeout_is_504(client: openai.OpenAI, fault_sim: SimProcess, s
 
 
 def test_stream_dropped_midway_ends_with_error_event(client: openai.OpenAI, records: list[Any]) -> None:
+    # chunk_delay_ms: the drop in a network read of its own; read with the frames before it, aiohttp raises it before
+    # handing over what it buffered, and a loaded box relays nothing (tests/gateway/test_tools_paths.py saw it)
     got: list[str] = []
     t0 = time.monotonic()
     with pytest.raises(openai.APIError) as info:
         for chunk in client.chat.completions.create(model="ok", messages=MESSAGES, stream=True,
-                                                     extra_body={"sim": {"fail": "drop"}}):
+                                                     extra_body={"sim": {"fail": "drop", "chunk_delay_ms": 20}}):
             got.extend(getattr(c.delta, "reasoning", None) or "" for c in chunk.choices)
     assert time.monotonic() - t0 < 5
     assert got, "the chunks before the drop were relayed"

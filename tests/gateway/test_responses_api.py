@@ -353,8 +353,11 @@ def test_the_item_the_cap_cut_is_incomplete(gw: GatewayServer) -> None:
 def failed_stream(gw: GatewayServer, fail: str = "error-event") -> tuple[list[Any], str]:
     """(the events, the request id) of a stream whose upstream fails halfway (``fail``: the simulator's fault —
     ``error-event`` sends an error event, ``drop`` aborts the connection)."""
+    # chunk_delay_ms: the fault in a network read of its own; a drop read with the frames before it is raised by
+    # aiohttp before what it buffered is handed over, and a loaded box relays nothing (see test_tools_paths.py)
+    sim = {"fail": fail, "chunk_delay_ms": 20}
     with sdk(gw).responses.with_streaming_response.create(model="long", input="tell me a story", stream=True,
-                                                          extra_body={"sim": {"fail": fail}}) as raw:
+                                                          extra_body={"sim": sim}) as raw:
         events = list(raw.parse())
     assert events[-1].type == "response.failed"
     return events, raw.headers["x-request-id"]

@@ -83,7 +83,9 @@ def test_a_cut_tool_call_stream_is_metered_on_its_relayed_deltas(gw: GatewayServ
 
     from tests.fixtures.metered import events_of
 
-    body = {"model": "none", "stream": True, "tools": [CHAT_TOOL], "sim": {"fail": "drop"},
+    # chunk_delay_ms: each frame in a network read of its own. Without it a loaded box can read the frames and the
+    # drop in one go, and aiohttp raises the drop before handing over what it buffered: 0 relayed (a CI run).
+    body = {"model": "none", "stream": True, "tools": [CHAT_TOOL], "sim": {"fail": "drop", "chunk_delay_ms": 20},
             "messages": [{"role": "user", "content": q("what is the weather in the city of paris this week")}]}
     with httpx.stream("POST", gw.base_url + "/chat/completions", json=body, timeout=30,
                       headers={"authorization": f"Bearer {SECRETS['alice']}"}) as r:
