@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +253,31 @@ def test_a_request_cancelled_while_its_admission_reply_was_lost_leaves_nothing_o
         admin.close()
 
 
+@dataclass
+class _RpmScene:
+    """Bob (an RPM limit, so the admission script counts his requests), his request's record and the RPM window it
+    is counted in, behind a :class:`FreezingProxy` in front of Redis."""
+
+    key: KeyInfo
+    proxy: FreezingProxy
+    settings: Settings
+    tier: Any
+    admin: redis.Redis
+    k: RedisKeys
+    rec: UsageRecord
+    rpm: str
+
+
+def _rpm_scene(redis_url: str, redis_prefix: str, tmp_path: Path) -> _RpmScene:
+    key = KeyInfo(id="bob", tags={"team": "a"}, rpm=100)
+    proxy = FreezingProxy(redis_url).start()
+    settings = _settings(proxy.url, redis_prefix, tmp_path)
+    k = RedisKeys(redis_prefix)
+    rec = UsageRecord(key_id=key.id, tags=dict(key.tags), endpoint="chat", requested_model="long")
+    return _RpmScene(key, proxy, settings, settings.tier("long"), redis.Redis.from_url(redis_url), k, rec,
+                     k.rpm(key.id, int(rec.ts * 1000) // 60_000))  # the window the script counts the request in
+
+
 def test_a_refused_requests_lost_admission_leaves_neither_its_cache_lock_nor_its_rpm_count(
         redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
     # The lost script also took the exact cache's single-flight lock (a deterministic request: looked up, a miss) and
@@ -259,15 +285,10 @@ def test_a_refused_requests_lost_admission_leaves_neither_its_cache_lock_nor_its
     # cache.single_flight_wait_s (30 s) and the request that never ran counted against the key's RPM for up to a
     # minute. The refusal's audit event now takes both back: the lock by its token, the count only with the
     # reservation that proves this call's script ran (and so counted it: the key has an RPM limit).
-    key = KeyInfo(id="bob", tags={"team": "a"}, rpm=100)
     body = {**BODY, "temperature": 0}  # deterministic: the exact cache looks it up, single-flight
-    proxy = FreezingProxy(redis_url).start()
-    settings = _settings(proxy.url, redis_prefix, tmp_path)
-    tier = settings.tier("long")
-    admin = redis.Redis.from_url(redis_url)
-    k = RedisKeys(redis_prefix)
-    rec = UsageRecord(key_id=key.id, tags=dict(key.tags), endpoint="chat", requested_model="long")
-    rpm = k.rpm(key.id, int(rec.ts * 1000) // 60_000)  # the window the script counts the request in
+    sc = _rpm_scene(redis_url, redis_prefix, tmp_path)
+    key, proxy, settings, tier, admin, k, rec, rpm = (sc.key, sc.proxy, sc.settings, sc.tier, sc.admin, sc.k, sc.rec,
+                                                      sc.rpm)
     seen: dict[str, Any] = {}
 
     def state() -> dict[str, Any]:
@@ -311,14 +332,9 @@ def test_a_refused_requests_admission_that_never_reached_redis_takes_back_no_rpm
     # The other side of the RPM take-back: the call timed out without ever reaching Redis (dropped on the way), so it
     # counted nothing, and the window's count is other requests'. The audit event takes a count back only with the
     # key's reservation of this request there (the script ran and admitted: it counted it), so none is taken here.
-    key = KeyInfo(id="bob", tags={"team": "a"}, rpm=100)
-    proxy = FreezingProxy(redis_url).start()
-    settings = _settings(proxy.url, redis_prefix, tmp_path)
-    tier = settings.tier("long")
-    admin = redis.Redis.from_url(redis_url)
-    k = RedisKeys(redis_prefix)
-    rec = UsageRecord(key_id=key.id, tags=dict(key.tags), endpoint="chat", requested_model="long")
-    rpm = k.rpm(key.id, int(rec.ts * 1000) // 60_000)
+    sc = _rpm_scene(redis_url, redis_prefix, tmp_path)
+    key, proxy, settings, tier, admin, k, rec, rpm = (sc.key, sc.proxy, sc.settings, sc.tier, sc.admin, sc.k, sc.rec,
+                                                      sc.rpm)
     seen: dict[str, Any] = {}
 
     async def go() -> None:
