@@ -24,10 +24,11 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 import httpx
@@ -51,6 +52,7 @@ from gateway.pipeline.relay import (
     complete,
     count_answer,
     count_prompt,
+    longest_opening,
     longest_wait,
     meter_closed,
     relay,
@@ -196,10 +198,10 @@ class Proxy:
         routed tier's answer is offered to the cache. An escalation whose call fails before it answers (the next
         tier down, refused, a 5xx; a stream that broke, stalled or sent an error event while peeked, the next tier
         escalating in turn, or the last tier's before its first content; one that reached ``limits.max_stream_s``
-        before its first content: nothing of it reached the client; metered as that failed call, which releases the
-        cache ticket) leaves the answer it would have improved — the exchange's held attempt, served as if not
-        escalated, with the note ``failed; tier=…; reason=<error code>``; the held attempt is metered as escalated
-        once the call answered (a peeked stream: once the peek read it), or as before when the request ends
+        still opening or before its first content: nothing of it reached the client; metered as that failed call,
+        which releases the cache ticket) leaves the answer it would have improved — the exchange's held attempt, served
+        as if not escalated, with the note ``failed; tier=…; reason=<error code>``; the held attempt is metered as
+        escalated once the call answered (a peeked stream: once the peek read it), or as before when the request ends
         otherwise."""
         # a stream's limits.max_stream_s counts from its first upstream call (Exchange.stream_deadline): not from the
         # cache lookup's wait before it (a single-flight follower's, an embedding call's)
@@ -260,7 +262,9 @@ class Proxy:
         several replicas prefers the conversation's replica (:func:`gateway.upstream.balancer.conversation_affinity`).
         The call's write-ahead record is written first (``Accounting.write_ahead``): nothing reaches an upstream
         unrecorded; a fallback names its tier there before it is sent (``Accounting.write_ahead`` again). Closes
-        the exchange and raises the last error when no tier answers."""
+        the exchange and raises the last error when no tier answers. A stream's opening is bounded by the time
+        ``limits.max_stream_s`` leaves it (:meth:`Exchange.stream_deadline`): reached, the call is closed and fails
+        with 504 ``stream_max_duration`` (:meth:`_opened_too_late`)."""
         route, record = ex.route, ex.record
         await self.accounting.write_ahead(record)
         candidates = [route.tier, *self._fallbacks(route)]
@@ -275,9 +279,15 @@ class Proxy:
                 ex.stamp(replace(route, tier=tier, reason="escalated" if route.reason == "escalated" else "fallback"))
                 await self.accounting.write_ahead(record)
             built = upstream_body.build(body, tier, caller.endpoint)
-            resp: UpstreamResponse
+            resp: UpstreamResponse | None = None
+            # a stream's opening counts against limits.max_stream_s as the rest of it does: an escalation's call opens
+            # with what the first answer left of it. Bounded by a timer only when the tier's own timeouts could end
+            # it past the bound (the first call of a stream rarely is: one timer less per request)
+            left = ex.stream_deadline() - time.monotonic() if record.stream else math.inf
+            bound: contextlib.AbstractContextManager[Any] = (
+                anyio.move_on_after(left) if left <= longest_opening(tier) else contextlib.nullcontext())
             try:
-                with span("upstream"), conversation_affinity(body, candidates):
+                with span("upstream"), conversation_affinity(body, candidates), bound:
                     # prompted: forcing is the hard stop above the requested budget unless the upstream cuts
                     # it (hard_stop: native); with no budget there is nothing to stop, and one pass spares
                     # phase 2's second prompt
@@ -302,11 +312,27 @@ class Proxy:
             except GatewayError as exc:
                 await ex.close(exc.status, exc.code)
                 raise
+            if resp is None:  # the opening reached limits.max_stream_s (the timer closed the call)
+                await self._opened_too_late(ex)
             return resp
         assert last is not None
         ex.stamp(route)  # no tier answered (nothing ran, nothing billed): the record keeps the request's route
         await ex.close(last.status, last.code)
         raise last
+
+    async def _opened_too_late(self, ex: Exchange) -> NoReturn:
+        """A stream's upstream call (an escalation's, a fallback's, or the first) still opening — no response head,
+        or a forced stream's thought phase not answered — when the stream reached ``limits.max_stream_s``: the timer
+        closed it; metered as the failed call it was — 504 ``stream_max_duration``, partial, nothing billed (no 200
+        came: nothing is known to have run, as for a call whose head timed out) — and raised as that
+        :class:`UpstreamTimeout`. Before anything reached the client: an escalation's call so fails, and
+        :meth:`_answer` serves the answer the exchange holds (note ``failed; tier=…; reason=stream_max_duration``);
+        a request's first call is the client's 504."""
+        exc = UpstreamTimeout(f"upstream of tier {ex.tier.name!r} had not answered when the stream reached "
+                              "limits.max_stream_s", code="stream_max_duration")
+        ex.record.partial = True
+        await ex.close(exc.status, exc.code)
+        raise exc
 
     async def _parsed(self, resp: UpstreamResponse, ex: Exchange) -> dict[str, Any]:
         """The JSON answer of a non-streamed call; a body that is no JSON object closes the exchange (502) and

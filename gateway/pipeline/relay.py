@@ -415,14 +415,21 @@ async def count_answer(pool: UpstreamPool, ex: Exchange, data: dict[str, Any], b
     return usage_of(rec)
 
 
+def longest_opening(tier: TierConfig) -> float:
+    """Seconds the opening of one streamed call on ``tier`` may last before the upstream's own timeouts end it: each
+    attempt's connect and wait for the response head (``connect_timeout_s`` + ``read_timeout_s``), and the backoff
+    before each retry (at most 1.5 × ``BACKOFF_MAX_S``: the pool's jitter is 0.5–1.5 × the capped backoff)."""
+    return (tier.max_retries + 1) * (tier.connect_timeout_s + tier.read_timeout_s) + \
+        tier.max_retries * 1.5 * BACKOFF_MAX_S
+
+
 def longest_wait(tier: TierConfig) -> float:
     """Seconds one wait for a stream's next batch may last before the upstream's own timeouts end it: a read
     (``read_timeout_s``), or at a forced stream's phase boundary phase 1's last read, the count of its thought when
     the upstream gave none (a ``/tokenize`` call, ``TOKENIZE_TIMEOUT_S``), phase 2's opening with its retries
-    (connect, head, backoff) and its first read. The relay bounds a wait by the time ``limits.max_stream_s`` leaves
+    (:func:`longest_opening`) and its first read. The relay bounds a wait by the time ``limits.max_stream_s`` leaves
     only once that is shorter (a timer per batch costs CPU on every stream)."""
-    opening = (tier.max_retries + 1) * (tier.connect_timeout_s + tier.read_timeout_s + BACKOFF_MAX_S)
-    return opening + 2 * tier.read_timeout_s + TOKENIZE_TIMEOUT_S
+    return longest_opening(tier) + 2 * tier.read_timeout_s + TOKENIZE_TIMEOUT_S
 
 
 async def relay(resp: UpstreamResponse, ex: Exchange, pool: UpstreamPool, wants_usage: bool,

@@ -143,6 +143,34 @@ def test_the_bound_counts_from_the_first_upstream_call_not_from_the_relay(
             assert rec.completion_tokens == thought
 
 
+@pytest.mark.parametrize("tier", ["none", "short", "forced"], ids=["relayed", "peeked", "forced"])
+def test_a_stream_whose_first_call_is_still_opening_at_the_bound_fails_there(
+        bounded: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess, tier: str) -> None:
+    """The upstream takes the call and sends no response head (a forced tier: its thought phase's), with a read
+    timeout (10 s) far past ``limits.max_stream_s`` (2 s): the call is closed at the bound and the client gets a 504
+    ``stream_max_duration`` there, metered as the failed call it was (504 ``stream_max_duration``, partial, nothing
+    billed: no 200 came). The opening was bounded only by the tier's timeouts: a 504 ``upstream_timeout`` at 10 s."""
+    gw, records = bounded
+    before = len(records)
+    tag = uuid.uuid4().hex
+    client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=30)
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as info:
+        StreamRead().read(client.chat.completions.create(
+            model=tier, messages=[{"role": "user", "content": "Answer this"}], stream=True,
+            extra_body={"sim": {"fail": "timeout", "tag": tag}}))  # the simulator's hang: 30 s, or until closed
+    took = time.monotonic() - started
+    assert info.value.status_code == 504 and MAX_STREAM_S - 0.1 <= took < MAX_STREAM_S + 1.0, (info.value, took)
+    assert info.value.body["code"] == "stream_max_duration"  # type: ignore[index]
+    sent = upstream_sim.wait_tag_status(tag, {"cancelled", "completed", "failed"})
+    assert sent is not None and sent["status"] == "cancelled" and sent["attempts"] == 1  # closed at the bound
+    assert wait_for(lambda: len(records) == before + 1, timeout_s=10)
+    rec = records[before]
+    assert (rec.tier, rec.status, rec.error_code, rec.partial) == (tier, 504, "stream_max_duration", True)
+    assert (rec.prompt_tokens, rec.completion_tokens, rec.cost_micro_usd) == (0, 0, 0)
+    assert rec.request_id == info.value.response.headers["x-request-id"]
+
+
 @pytest.mark.parametrize("asked", ["short", "down"], ids=["routed", "fallback"])
 def test_a_stream_held_back_by_the_escalation_peek_keeps_its_reservation(
         upstream_sim: SimProcess, redis_url: str, tmp_path: Path, asked: str) -> None:
@@ -246,21 +274,26 @@ def cascade(request: pytest.FixtureRequest, upstream_sim: SimProcess,
         yield gw, records
 
 
+@pytest.mark.parametrize("headless", [False, True], ids=["stalled-after-head", "no-head"])
 def test_an_escalation_cut_at_the_bound_before_its_first_content_serves_the_held_answer(
-        cascade: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess) -> None:
+        cascade: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess, headless: bool) -> None:
     """``short``'s answer, read at 60 ms a chunk, is judged too weak (empty: a ``stop`` string cuts it before its
     first word; or it abstains) ~0.6 s before the 2 s bound; ``long`` sends its role chunk and nothing more before
-    the bound. It was relayed and cut there: ``finish_reason: length``, no content, and the client billed both
-    calls. Now the escalation failed at the bound: the client is served ``short``'s answer as it was read — whole,
-    ``finish_reason: stop``, ``[DONE]`` — with ``failed; tier=long; reason=stream_max_duration``; ``short`` is
-    metered as the request's answer, ``long`` as the failed call it was (504 ``stream_max_duration``, partial, its
-    prompt counted, nothing generated)."""
+    the bound — or not even its response head (``no-head``: an upstream that queues the call). It was relayed and
+    cut there: ``finish_reason: length``, no content, and the client billed both calls; with no head, the client
+    waited for ``long``'s read timeout (10 s) and got ``short``'s answer with ``reason=upstream_timeout``. Now the
+    escalation failed at the bound: the client is served ``short``'s answer as it was read — whole, ``finish_reason:
+    stop``, ``[DONE]`` — with ``failed; tier=long; reason=stream_max_duration``; ``short`` is metered as the request's
+    answer, ``long`` as the failed call it was (504 ``stream_max_duration``, partial, nothing generated; its prompt
+    counted once its 200 came, nothing billed before)."""
     gw, records = cascade
     empty = gw.app.state.settings.tiers[0].escalate_on == ["empty_answer"]
     before = len(records)
     tag = uuid.uuid4().hex
-    # short (attempt 1) streams at 60 ms a chunk; long (attempt 2) sends its role chunk, then nothing
-    sim = {"tag": tag, "chunk_delay_ms": 60, "fail": "stall", "fail_from": 1, "fail_at": 1}
+    # short (attempt 1) streams at 60 ms a chunk; long (attempt 2) sends its role chunk, then nothing — or no head
+    # (the simulator's hang: 30 s, cut short when the gateway closes the call)
+    fault = {"fail": "timeout"} if headless else {"fail": "stall", "fail_at": 1}
+    sim = {"tag": tag, "chunk_delay_ms": 60, "fail_from": 1, **fault}
     body: dict[str, Any] = {"model": "short", "stream": True, "stream_options": {"include_usage": True},
                             "messages": [{"role": "user", "content": "Think about it first" if empty
                                           else "I don't know"}], "sim": sim}
@@ -289,8 +322,11 @@ def test_an_escalation_cut_at_the_bound_before_its_first_content_serves_the_held
     failed, first = records[before:]
     assert (failed.tier, failed.route_reason, failed.status, failed.error_code, failed.partial) == (
         "long", "escalated", 504, "stream_max_duration", True)
-    assert failed.usage_source == "counted" and failed.completion_tokens == 0 and failed.prompt_tokens > 0
-    assert failed.cost_micro_usd > 0  # its prompt: the upstream had it and began on it
+    if headless:  # no 200 came: nothing is known to have run
+        assert (failed.prompt_tokens, failed.completion_tokens, failed.cost_micro_usd) == (0, 0, 0)
+    else:
+        assert failed.usage_source == "counted" and failed.completion_tokens == 0 and failed.prompt_tokens > 0
+        assert failed.cost_micro_usd > 0  # its prompt: the upstream had it and began on it
     assert (first.tier, first.status, first.error_code, first.partial, first.escalated_to) == (
         "short", 200, None, False, None)
     assert first.request_id == r.headers["x-request-id"]
