@@ -277,8 +277,9 @@ def cascade(request: pytest.FixtureRequest, upstream_sim: SimProcess,
 @pytest.mark.parametrize("headless", [False, True], ids=["stalled-after-head", "no-head"])
 def test_an_escalation_cut_at_the_bound_before_its_first_content_serves_the_held_answer(
         cascade: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess, headless: bool) -> None:
-    """``short``'s answer, read at 60 ms a chunk, is judged too weak (empty: a ``stop`` string cuts it before its
-    first word; or it abstains) ~0.6 s before the 2 s bound; ``long`` sends its role chunk and nothing more before
+    """``short``'s answer, read at 20 ms a chunk, is judged too weak (empty: a ``stop`` string cuts it before its
+    first word; or it abstains) ~1.5 s before the 2 s bound (at 60 ms, ~0.6 s: a loaded box read it past the bound,
+    undecided, and nothing escalated); ``long`` sends its role chunk and nothing more before
     the bound — or not even its response head (``no-head``: an upstream that queues the call). It was relayed and
     cut there: ``finish_reason: length``, no content, and the client billed both calls; with no head, the client
     waited for ``long``'s read timeout (10 s) and got ``short``'s answer with ``reason=upstream_timeout``. Now the
@@ -290,10 +291,10 @@ def test_an_escalation_cut_at_the_bound_before_its_first_content_serves_the_held
     empty = gw.app.state.settings.tiers[0].escalate_on == ["empty_answer"]
     before = len(records)
     tag = uuid.uuid4().hex
-    # short (attempt 1) streams at 60 ms a chunk; long (attempt 2) sends its role chunk, then nothing — or no head
+    # short (attempt 1) streams at 20 ms a chunk; long (attempt 2) sends its role chunk, then nothing — or no head
     # (the simulator's hang: 30 s, cut short when the gateway closes the call)
     fault = {"fail": "timeout"} if headless else {"fail": "stall", "fail_at": 1}
-    sim = {"tag": tag, "chunk_delay_ms": 60, "fail_from": 1, **fault}
+    sim = {"tag": tag, "chunk_delay_ms": 20, "fail_from": 1, **fault}
     body: dict[str, Any] = {"model": "short", "stream": True, "stream_options": {"include_usage": True},
                             "messages": [{"role": "user", "content": "Think about it first" if empty
                                           else "I don't know"}], "sim": sim}
