@@ -18,6 +18,7 @@ import anyio
 from starlette.responses import Response
 
 from gateway.api.http import RelayResponse, as_bytes, headers_of
+from gateway.errors import GatewayError
 from gateway.ledger.record import UsageRecord
 from gateway.openai.sse import Chunk
 from gateway.pipeline.answer import Answer
@@ -25,8 +26,8 @@ from gateway.pipeline.relay import usage_of
 
 log = logging.getLogger("thinkgate.bridge")
 
-#: the error a translated stream ends with when its translator raised (a bug, or an upstream chunk it did not expect):
-#: OpenAI's ``server_error`` (Anthropic's ``api_error``)
+#: the error a translated stream ends with when its translator raised a bug (an upstream chunk it cannot translate
+#: raises a GatewayError, said instead): OpenAI's ``server_error`` (Anthropic's ``api_error``)
 TRANSLATION_FAILED: Final = {"code": "server_error", "message": "the gateway failed to translate the answer"}
 
 
@@ -73,8 +74,9 @@ async def translate_stream(
     the final response object, so they exist before the client sees the end; one that raises is logged and skipped),
     ``translator.fail(error, usage)`` on an in-stream ``{"error": …}`` — once the stream has ended, so that
     ``usage`` is what ``record`` (the stream's usage record, :attr:`Answer.record`) was metered: the relay meters a
-    failed stream after its error chunk. A translator that raises (a bug, or an upstream chunk it did not expect)
-    ends the stream the same way with :data:`TRANSLATION_FAILED`. The stream is read to its end either way, so it is
+    failed stream after its error chunk. A translator that raises a :class:`~gateway.errors.GatewayError` (an
+    upstream chunk it cannot translate) ends the stream the same way with that error's code and message; one that
+    raises anything else (a bug) with :data:`TRANSLATION_FAILED`. The stream is read to its end either way, so it is
     metered as the call it was (a stream closed early is metered as the client's disconnect)."""
     ended = False
     failed: dict[str, Any] | None = None  # said once the stream ended (its usage metered)
@@ -95,6 +97,12 @@ async def translate_stream(
                         failed = err if isinstance(err, dict) else {"message": str(err)}
                     else:
                         out.append(translator.feed(chunk))
+                except GatewayError as exc:
+                    # the upstream's malformed chunk (a choice index that is no integer): its fault, said as such,
+                    # and no traceback — nothing in the gateway is broken
+                    log.warning("the stream of request %s ends with a failure event once read to its end: %s",
+                                record.request_id if record is not None else "-", exc.message)
+                    ended, failed = True, {"code": exc.code, "message": exc.message}
                 except Exception:
                     # raised after the 200: without this the stream broke (no closing event) and, closed early, the
                     # call was metered as the client's disconnect (499, partial)

@@ -445,20 +445,46 @@ def test_a_content_filter_finish_is_a_refusal(gw: GatewayServer) -> None:
     assert [b.type for b in m.content] == ["text"]
 
 
-def test_a_chunk_the_translator_fails_on_ends_the_stream_with_an_error_event(gw: GatewayServer) -> None:
-    """The translation raising (here on a chunk it did not expect: a choice whose ``index`` is no integer) ends the
-    stream with Anthropic's ``error`` event (``api_error``; the SDK raises it) once the answer was read to its end,
-    metered as the whole call it was (200, the upstream's usage). It broke the stream (no closing event: the SDK's
-    read failed) and was metered as the client's disconnect (499, partial)."""
-    bad = {"choices": [{"index": "x", "delta": {"content": "x"}, "finish_reason": None}]}
+def _choice(index: Any) -> dict[str, Any]:
+    return {"choices": [{"index": index, "delta": {"content": "x"}, "finish_reason": None}]}
+
+
+def _call(index: Any) -> dict[str, Any]:
+    call = {"index": index, "id": "call_x", "type": "function", "function": {"name": "get_weather", "arguments": "{"}}
+    return {"choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]}
+
+
+NO_INTEGER_INDEX = [
+    pytest.param(_choice("x"), "choice", id="choice-string"),
+    pytest.param(_choice([0]), "choice", id="choice-list"),
+    pytest.param(_choice("0"), "choice", id="choice-digit-string"),
+    pytest.param(_choice(0.5), "choice", id="choice-float-below-1"),
+    pytest.param(_choice(1.5), "choice", id="choice-float"),
+    pytest.param(_choice(True), "choice", id="choice-true"),
+    pytest.param(_choice(False), "choice", id="choice-false"),
+    pytest.param(_call("x"), "tool call", id="tool-call-string"),
+    pytest.param(_call(0.0), "tool call", id="tool-call-float"),
+]
+
+
+@pytest.mark.parametrize(("bad", "what"), NO_INTEGER_INDEX)
+def test_a_chunk_whose_index_is_no_integer_ends_the_stream_with_an_error_event(gw: GatewayServer,
+                                                                               bad: dict[str, Any],
+                                                                               what: str) -> None:
+    """A chunk whose choice (or tool call) ``index`` is no integer — which choice or call its delta belongs to is
+    unknown — ends the stream with Anthropic's ``error`` event (``api_error``; the SDK raises it) that names the
+    upstream's fault, once the answer was read to its end, metered as the whole call it was (200, the upstream's
+    usage). ``int(index or 0)`` decided by value: ``"x"`` and ``[0]`` raised (said as the gateway's own failure),
+    ``"0"``, ``0.5`` and ``false`` were relayed as choice 0, ``1.5`` and ``true`` dropped, a tool call's odd index
+    was call 0 — those streams ended as a whole ``end_turn`` message."""
     with sdk(gw).messages.with_streaming_response.create(
             model="long", max_tokens=200, messages=[{"role": "user", "content": USER}], stream=True,
             extra_body={"sim": {**tag()["sim"], "inject": bad}}) as raw:
         request_id = raw.headers["x-request-id"]
         with pytest.raises(anthropic.APIStatusError) as err:
             list(raw.parse())
-    assert err.value.body == {"type": "error", "error": {"type": "api_error",
-                                                         "message": "the gateway failed to translate the answer"}}
+    assert err.value.body == {"type": "error", "error": {
+        "type": "api_error", "message": f"the upstream sent a {what} index that is no integer"}}
     rows = events_of(gw, request_id)
     assert len(rows) == 1, rows
     assert (rows[0]["status"], rows[0]["partial"], rows[0]["usage_source"]) == (200, False, "upstream"), rows[0]

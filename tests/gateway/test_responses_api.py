@@ -421,3 +421,28 @@ def test_a_chunk_the_translator_fails_on_ends_the_stream_as_failed(gw: GatewaySe
     assert len(rows) == 1, rows
     assert (rows[0]["status"], rows[0]["partial"], rows[0]["usage_source"]) == (200, False, "upstream"), rows[0]
     assert_usage_is_the_record(failed.usage, rows[0])
+
+
+@pytest.mark.parametrize(("index", "call_index", "what"), [
+    pytest.param("0", 0, "choice", id="choice-digit-string"),
+    pytest.param(1.5, 0, "choice", id="choice-float"),
+    pytest.param(0, "x", "tool call", id="tool-call-string"),
+])
+def test_a_chunk_whose_index_is_no_integer_ends_the_stream_as_failed(gw: GatewayServer, index: Any, call_index: Any,
+                                                                     what: str) -> None:
+    """A choice or tool-call ``index`` that is no integer ends the stream with ``response.failed`` naming the
+    upstream's fault, metered as the whole call. ``"0"`` was relayed as choice 0, ``1.5`` dropped, a tool call's
+    ``"x"`` taken for call 0: each stream ended as a ``completed`` response."""
+    call = {"index": call_index, "id": "call_x", "type": "function", "function": {"name": "f", "arguments": "{"}}
+    bad = {"choices": [{"index": index, "delta": {"content": "x", "tool_calls": [call]}, "finish_reason": None}]}
+    with sdk(gw).responses.with_streaming_response.create(
+            model="long", input=USER, stream=True, extra_body={"sim": {**tag()["sim"], "inject": bad}}) as raw:
+        events = list(raw.parse())
+    assert events[-1].type == "response.failed", [e.type for e in events]
+    failed = events[-1].response
+    assert failed.error is not None and (failed.error.code, failed.error.message) == (
+        "server_error", f"the upstream sent a {what} index that is no integer")
+    rows = events_of(gw, raw.headers["x-request-id"])
+    assert len(rows) == 1, rows
+    assert (rows[0]["status"], rows[0]["partial"], rows[0]["usage_source"]) == (200, False, "upstream"), rows[0]
+    assert_usage_is_the_record(failed.usage, rows[0])
