@@ -7,7 +7,8 @@
 - :meth:`cache_begin` / :meth:`cache_finish` around it (``gateway/state/cache.py``),
 - :meth:`sink` with every finished :class:`~gateway.ledger.record.UsageRecord` (a usage sink): it converts the
   record to a :class:`~gateway.ledger.event.UsageEvent` (``event_id`` = the request id = the budget reservation
-  id), counts it in the Prometheus metrics at once, and queues it for one background writer task (metering
+  id), counts it in the Prometheus metrics at once (at its write's answer when another replica may have metered
+  it, see :meth:`sink`), and queues it for one background writer task (metering
   → settle the reservation → alerts). The writer sends whatever has queued up since its last round trip as
   one pipeline (``Meter.record_many``): one event at low load, dozens at high concurrency, instead of a task
   and a round trip per event. :meth:`flush` waits until the queue is written; :meth:`close` flushes, stops
@@ -54,7 +55,7 @@ from gateway.state.cache_policy import cache_key, decide, tenant_scope
 from gateway.state.conversations import ConversationStore
 from gateway.state.keys import tenant_tag
 from gateway.state.limits import Admission, BudgetMode, Estimate, KeyLimits, Limits, Rider, embedding_estimate, estimate
-from gateway.state.metering import Leftovers, Meter
+from gateway.state.metering import Leftovers, Meter, RecordResult
 from gateway.state.redis import RedisHandle, connect
 from gateway.state.spool import Spool
 from gateway.state.write_ahead import WalRecord, WriteAhead
@@ -179,6 +180,8 @@ class Accounting:
         self._open: dict[str, KeyInfo] = {}  # request id → key, admitted and not yet metered
         self._known: dict[str, KeyInfo] = {}  # key id → last KeyInfo seen (budgets for alerts)
         self._cache_result: dict[str, str] = {}  # request id → hit|miss|bypass
+        # event id → its cache outcome: events counted in the metrics at their write's answer (Accounting.sink)
+        self._unobserved: dict[str, str] = {}
         # request id → the exact-cache lookup prepared for its admission call and that call's reply to it (None:
         # not run), until cache_begin takes it
         self._looked: dict[str, _Looked] = {}
@@ -644,9 +647,13 @@ class Accounting:
 
     # --- metering ---------------------------------------------------------------------------------------
     def sink(self, record: UsageRecord) -> None:
-        """Usage sink: metrics now, Redis write (metering → local settle → alerts) in the background."""
+        """Usage sink: metrics now, Redis write (metering → local settle → alerts) in the background. A request whose
+        write-ahead record another replica may have metered already (this process's heartbeat lapsed while it ran:
+        ``WriteAhead.settled``) is counted in the metrics at its write's answer instead, unless that says its id was
+        counted already: the ledger holds the reconciler's event, which that replica's metrics counted."""
         event = event_of(record)
         self._bounds.pop(record.request_id, None)
+        claimable = False
         if self.wal is not None:  # its usage event deletes the record in Redis
             # The writer stalled (a batch out past WAL_FINAL_AFTER_S): the event waits for that call, then its own —
             # a kill meanwhile would leave the record with the tokens of its last progress write (none for a short
@@ -655,7 +662,7 @@ class Accounting:
             # that write could. Redis down: the event goes to the fsync'd spool.
             since = self._batch_since
             waits = since is not None and time.monotonic() - since > WAL_FINAL_AFTER_S and self.breaker.closed
-            self.wal.settled(record.request_id, event if waits else None)
+            claimable = self.wal.settled(record.request_id, event if waits else None)
         key = self._open.pop(record.request_id, None) or self._known.get(event.key_id)
         self._probes.pop(record.request_id, None)
         looked = self._looked.pop(record.request_id, None)
@@ -667,12 +674,38 @@ class Accounting:
             self._track(self.cache.finish(Ticket(look.digest, look.decision, "miss", lock_token=look.token,
                                                  tenant=look.tenant), None))
         self._queue.append((event, key))  # first: a failing metric must never cost the usage record
-        try:
-            self.metrics.observe(event, self._cache_result.pop(record.request_id, "bypass"))
-        except Exception:
-            log.exception("metrics of usage event %s failed", event.event_id)
+        cache = self._cache_result.pop(record.request_id, "bypass")
+        if claimable:
+            self._unobserved[event.event_id] = cache
+        else:
+            self._observe(event, cache)
         if self._writer is None or self._writer.done():
             self._start_writer()
+
+    def _observe(self, event: UsageEvent, cache: str) -> None:
+        try:
+            self.metrics.observe(event, cache)
+        except Exception:
+            log.exception("metrics of usage event %s failed", event.event_id)
+
+    def _observe_written(self, batch: list[tuple[UsageEvent, KeyInfo | None]],
+                         results: list[RecordResult] | None) -> None:
+        """Count the events of ``batch`` that :meth:`sink` left to their write's answer (``results``; None: the write
+        failed): each unless Redis said its id was counted already — by a reconciler that took this process for
+        dead, whose process counted it then. Spooled or refused, it is still this process's to count."""
+        if not self._unobserved:
+            return
+        for i, (event, _) in enumerate(batch):
+            cache = self._unobserved.pop(event.event_id, None)
+            if cache is None:
+                continue
+            result = results[i] if results is not None else None
+            if result is not None and result.stored == "redis" and not result.counted:
+                log.warning("usage event %s was metered by another replica's reconciler while this process's "
+                            "heartbeat lapsed: the ledger and that replica's metrics hold its event, not this one",
+                            event.event_id)
+                continue
+            self._observe(event, cache)
 
     def _start_writer(self) -> None:
         self._writer = self._track(self._write_queue())
@@ -747,9 +780,11 @@ class Accounting:
             # not counted keep their write-ahead records open (the reconciler bills them if this process dies);
             # counted ones lost only their extra copy for too few replica acknowledgements (metering.replica_acks)
             log.exception("usage write failed for events %s", ", ".join(e.event_id for e, _ in batch))
+            self._observe_written(batch, None)
             return
         finally:
             self._batch_since = None
+        self._observe_written(batch, results)
         parked = [event for (event, _), result in zip(batch, results, strict=True) if result.stored == "dead_letter"]
         if parked and self.wal is not None:
             self._track(self._park(parked))

@@ -297,6 +297,7 @@ class _Open:
 
     rec: WalRecord
     written_at: float  # monotonic s
+    lapses: int = 0  # WriteAhead.lapses when it was opened
 
 
 class WriteAhead:
@@ -334,6 +335,10 @@ class WriteAhead:
         #: process's metrics count it as they count their own — else the Prometheus cost and token counters came in
         #: under the ledger after a killed process. Its errors are logged, never the record's concern.
         self.on_metered: Callable[[UsageEvent], None] | None = None
+        #: heartbeats of this process that came after its key may have expired (a stall — SIGSTOP, a swap storm —
+        #: or Redis away for a heartbeat TTL): while the key was absent, another replica may have claimed its records
+        self.lapses = 0
+        self._beat_sent = clock()  # monotonic s: when the last heartbeat that landed was sent (start: none yet)
         self.reasserted = 0  # record writes of reassert() (metering.replica_acks; for logs and tests)
         #: re-asserted records fewer than ``metering.replica_acks`` replicas acknowledged in time (for metrics)
         self.unreplicated = 0
@@ -356,13 +361,13 @@ class WriteAhead:
     def written(self, rec: WalRecord) -> None:
         """``rec`` is in Redis (written by another script call: the one-call hot path of a single Redis,
         ``gateway/state/limits.py``): track it here for :meth:`progress` like a begun one."""
-        self._open[rec.request_id] = _Open(rec, self._clock())
+        self._open[rec.request_id] = _Open(rec, self._clock(), self.lapses)
 
     async def begin(self, record: UsageRecord, bound_micro_usd: int = 0, bound_tokens: int = 0) -> None:
         """Write ``record``'s write-ahead record (before its first upstream byte): to Redis, else the spool. Never
         raises for an outage; a spool that cannot be written is logged (the request is still served)."""
         rec = self.open_record(record, bound_micro_usd, bound_tokens)
-        self._open[record.request_id] = _Open(rec, self._clock())
+        self._open[record.request_id] = _Open(rec, self._clock(), self.lapses)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._begins.append((rec, done))
         if self._begin_writer is None:
@@ -513,15 +518,27 @@ class WriteAhead:
             if r is not None:
                 self._update(replace(WalRecord.from_json(r), final=event, updated_ms=int(time.time() * 1000)))
 
-    def settled(self, request_id: str, final: UsageEvent | None = None) -> None:
+    def settled(self, request_id: str, final: UsageEvent | None = None) -> bool:
         """The request's usage event is on its way (it deletes the record in Redis): stop tracking it here.
         ``final``: that event, when it has to wait in the process's queue (behind a stalled metering batch): it goes
         into the record with the next update, so a process killed before the event reaches Redis leaves it there
         for the reconciler to count as it is, instead of the tokens of the last progress write (0 for a short
-        stream or a non-streamed call)."""
+        stream or a non-streamed call).
+
+        Returns whether another replica's reconciler may have metered the record already: this process's heartbeat
+        may have lapsed while it was open (:meth:`lapsed`) — then only the event's write can tell whose usage event
+        the ledger counted (``RecordResult.counted``)."""
         op = self._open.pop(request_id, None)
-        if op is not None and final is not None:
+        if op is None:
+            return False
+        if final is not None:
             self._update(replace(op.rec, final=final, updated_ms=int(time.time() * 1000)))
+        return op.lapses != self.lapses or self.lapsed()
+
+    def lapsed(self) -> bool:
+        """Whether this process's heartbeat key may be absent now: no heartbeat sent since then landed within a
+        heartbeat TTL (its key lives at least that long after its send)."""
+        return self._clock() - self._beat_sent >= self.cfg.heartbeat_ttl_s
 
     def _update(self, rec: WalRecord) -> None:
         """Write ``rec`` (a newer state of an open record) with the next update: one task writes every due record
@@ -651,7 +668,11 @@ class WriteAhead:
     async def heartbeat(self) -> None:
         """Renew this process's heartbeat (raises :class:`RedisDown`)."""
         ttl_ms = int(self.cfg.heartbeat_ttl_s * 1000)
+        sent = self._clock()
         await self.breaker.call(lambda: self.redis.set(self.keys.heartbeat(self.owner), b"1", px=ttl_ms))
+        if self.lapsed():  # landed past the TTL of the last one: the key may have been absent in between
+            self.lapses += 1
+        self._beat_sent = sent
 
     async def replay(self) -> int:
         """Send spooled records to Redis (those of requests settled meanwhile are dropped); 0 when Redis is down."""

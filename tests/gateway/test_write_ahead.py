@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import signal
 import threading
 import time
 import uuid
@@ -263,6 +264,59 @@ def test_kill_9_gateway_mid_stream_every_admitted_request_settled_once(slow_sim:
     after.thread.join(30)
     assert after.done and after.request_id
     assert_exactly_once(crash.redis_url, crash.prefix, [*admitted, after.request_id], killed)
+
+
+@pytest.mark.slow
+def test_a_stalled_gateway_whose_calls_were_reconciled_counts_them_in_no_metric(slow_sim: SimProcess,
+                                                                                crash: Crash) -> None:
+    # A gateway stopped (SIGSTOP) past its heartbeat TTL mid-stream is taken for dead: a replica meters its 3 calls as
+    # lost and counts them in its Prometheus series. Then it resumes and finishes them: the ledger keeps the
+    # replica's events (the script counts a request id once), so the resumed gateway must count them in no series
+    # either — it counted each again (requests, tokens, cost: the fleet's sums above the ledger's).
+    cfg = crash.config(slow_sim)
+    gw = crash.gateway(cfg)
+    replica = crash.replica(cfg)
+    streams = [Stream(gw.base_url, i, SLOW_CHUNK_MS) for i in range(3)]
+    _wait_streaming(streams, 6)
+    assert gw.proc is not None
+    gw.proc.send_signal(signal.SIGSTOP)
+    try:
+        ids = [s.request_id for s in streams if s.request_id]
+        assert len(ids) == 3
+        assert wait_for(lambda: set(ids) <= set(crash.settled_ids()), SETTLE_TIMEOUT_S)
+    finally:
+        gw.proc.send_signal(signal.SIGCONT)
+    assert wait_for(lambda: all(s.done for s in streams), 30), [(s.status, s.events) for s in streams]
+    # the resumed gateway's own events reach Redis (as duplicates) within milliseconds of their streams' end
+    time.sleep(1.0)
+    events = [e for e in crash.ledger() if not e.audit]
+    assert sorted(e.event_id for e in events) == sorted(ids)
+    assert all(e.error_code == "gateway_lost" for e in events)
+    cost = sum(e.cost_micro_usd for e in events)
+    ours, theirs = scrape(gw.url), scrape(replica.url)
+    assert theirs.get(("thinkgate_write_ahead_reconciled_records_total", "metered"), 0) == 3
+    assert theirs.get(("thinkgate_cost_micro_usd_total", "long"), 0) == cost > 0
+    assert ours.get(("thinkgate_cost_micro_usd_total", "long"), 0) == 0, ours
+    assert ours.get(("thinkgate_requests_total", "long"), 0) == 0, ours
+    # a request after the stall is the gateway's own again: metered and counted by it, once
+    after = Stream(gw.base_url, 99, FAST_CHUNK_MS)
+    after.thread.join(30)
+    assert after.done and after.request_id
+    assert wait_for(lambda: after.request_id in crash.settled_ids(), 10)
+    assert wait_for(lambda: scrape(gw.url).get(("thinkgate_requests_total", "long"), 0) == 1, 10)
+    # stalled past its heartbeat again with no replica left to take it for dead: the ledger counts its own events,
+    # and so do its metrics (held to the write's answer, not dropped)
+    replica.stop()
+    more = [Stream(gw.base_url, 10 + i, SLOW_CHUNK_MS) for i in range(2)]
+    _wait_streaming(more, 4)
+    gw.proc.send_signal(signal.SIGSTOP)
+    time.sleep(HEARTBEAT_TTL_S * 1.5)
+    gw.proc.send_signal(signal.SIGCONT)
+    assert wait_for(lambda: all(s.done for s in more), 30), [(s.status, s.events) for s in more]
+    own = [s.request_id for s in more if s.request_id]
+    assert wait_for(lambda: set(own) <= set(crash.settled_ids()), 10)
+    assert all(e.error_code is None for e in crash.ledger() if e.event_id in own)
+    assert wait_for(lambda: scrape(gw.url).get(("thinkgate_requests_total", "long"), 0) == 3, 10), scrape(gw.url)
 
 
 @pytest.mark.slow
