@@ -185,6 +185,10 @@ class RetrainConfig(_Strict):
     #: are removed (``retrain_trigger.prune_state_dir``: only those names, never another file). The files still in use
     #: are kept whatever this says. None: nothing is removed (the directory grows with every promotion)
     keep_files: int | None = Field(20, ge=0)
+    #: seconds the fit lock (``p router:lock``: one replica fits at a time) lives unless renewed; the fitting replica
+    #: renews it every third of this while its fit runs, so it bounds how long a replica that died mid-fit keeps
+    #: the others from fitting, not how long a fit may take
+    lock_ttl_s: int = Field(600, ge=1)
 
     @property
     def enabled(self) -> bool:

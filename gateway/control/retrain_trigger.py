@@ -15,7 +15,8 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    ``/admin/router/reload``, in a worker thread), serving it only if its bytes are the ones named (a state written
    before ``digest`` existed: the path as it is);
 2. **fits** (``fit_here``, one replica at a time: the lock ``p router:lock``, holding this trigger's token, so
-   the replica that took it can take it again after a Redis outage left it behind): once the outcome stream
+   the replica that took it can take it again after a Redis outage left it behind; renewed while the fit runs, and
+   a fit that lost it all the same drops its verdict): once the outcome stream
    (``p outcomes``) has had ``every_outcomes`` more entries written than at the last judged fit (counted as written,
    :meth:`OutcomeStore.added`: its length stops at ``stream_maxlen``; ``p router:fitted_at``,
    written once the verdict is in — a Redis failure before then, e.g. reading the outcomes, leaves it, and the
@@ -114,7 +115,6 @@ from router.serving import DIGEST_HEX, RouterService, file_signature, file_versi
 
 log = logging.getLogger("thinkgate.retrain")
 
-LOCK_TTL_S = 600
 HISTORY_MAXLEN = 10_000
 #: Compare-and-set tries of one transition before it is left for the next tick (each retry follows a transition
 #: by another writer, and those are minutes apart: more than a few in a row means something is wrong)
@@ -149,6 +149,12 @@ return {1, new}
 # token (1), else leaves it (0).
 RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# The fit lock's renewal. KEYS: router:lock. ARGV: the renewing trigger's token, the new TTL in ms. Sets the TTL only
+# while the lock holds that token (1), else leaves it (0): expired, or another replica's since.
+RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
 #: The fields of ``p router:current`` a transition writes (besides ``gen``): the file every replica serves (``path``,
@@ -208,6 +214,7 @@ class RetrainTrigger:
         self._pool: ProcessPoolExecutor | None = None  # the fit process (fit_in: process), made at the first fit
         self._token = new_token()  # this trigger's value of the fit lock
         self._release = self.redis.register_script(RELEASE_LUA)
+        self._renew = self.redis.register_script(RENEW_LUA)
         # a verdict's Redis writes not done yet (a Redis failure cut them short): done first at the next tick
         self._unwritten: list[Callable[[], Awaitable[Any]]] = []
         # routing.router_path and its (mtime, size, inode) as last read here (None: not yet — the first tick reads
@@ -676,14 +683,32 @@ class RetrainTrigger:
 
     async def _take_lock(self) -> bool:
         """The fit lock: taken now, or already this trigger's (a Redis failure after a fit started can leave it
-        behind: the delete in :meth:`fit_once` went to a Redis that was down)."""
-        if await self.breaker.call(lambda: self.redis.set(self.k_lock, self._token, nx=True, ex=LOCK_TTL_S)):
+        behind: the delete in :meth:`fit_once` went to a Redis that was down). Lives ``lock_ttl_s`` unless
+        renewed (:meth:`_hold_lock`). Raises :class:`RedisDown`."""
+        ttl_ms = self.cfg.lock_ttl_s * 1000
+        if await self.breaker.call(lambda: self.redis.set(self.k_lock, self._token, nx=True, px=ttl_ms)):
             return True
-        held = await self.breaker.call(lambda: self.redis.get(self.k_lock))
-        if held is None or as_bytes(held).decode() != self._token:
-            return False
-        await self.breaker.call(lambda: self.redis.expire(self.k_lock, LOCK_TTL_S))
-        return True
+        return await self._renew_lock()
+
+    async def _renew_lock(self) -> bool:
+        """Give the fit lock ``lock_ttl_s`` more if it still holds this trigger's token; False when it does not
+        (expired, or taken by another replica since). Raises :class:`RedisDown`."""
+        ttl_ms = self.cfg.lock_ttl_s * 1000
+        return int(await self.breaker.call(lambda: self._renew(keys=[self.k_lock], args=[self._token, ttl_ms]))) == 1
+
+    async def _hold_lock(self, lost: asyncio.Event) -> None:
+        """While a fit runs (a task :meth:`fit_once` cancels): renew the fit lock every third of ``lock_ttl_s``, so
+        a fit longer than the TTL keeps it — expired, a second replica took it and fitted the same outcomes beside
+        this one. Sets ``lost`` and stops once the lock is no longer this trigger's. A Redis failure skips a turn:
+        the lock outlives an outage shorter than its TTL, and the verdict's own check says whether it did."""
+        while True:
+            await asyncio.sleep(self.cfg.lock_ttl_s / 3)
+            try:
+                if not await self._renew_lock():
+                    lost.set()
+                    return
+            except Exception as exc:  # an outage, a failover's READONLY: the next turn tries again
+                log.debug("retrain: the fit lock was not renewed this turn: %s: %s", type(exc).__name__, exc)
 
     async def _mark_fitted(self, n_outcomes: int) -> None:
         await self.breaker.call(lambda: self.redis.set(self.k_fitted, n_outcomes))
@@ -697,9 +722,16 @@ class RetrainTrigger:
         fit) leaves it where it was, so the next tick fits these outcomes again instead of waiting for
         ``every_outcomes`` more; after it, the verdict is not refitted: its writes that a Redis failure cut short
         are done at the next tick (:meth:`_write`). A fit that raises (anything but a Redis outage) marks the
-        outcomes fitted: it would fail on them again."""
+        outcomes fitted: it would fail on them again.
+
+        The lock is renewed while the fit runs (:meth:`_hold_lock`). A fit that lost it anyway (Redis lost the key,
+        or an outage outlived ``lock_ttl_s`` and another replica took it) drops its verdict — nothing written, its
+        candidate file removed, None —: the replica holding the lock now fits these outcomes, or this one at a later
+        tick if none did."""
         if not await self._take_lock():
             return None
+        lost = asyncio.Event()
+        holder = asyncio.create_task(self._hold_lock(lost), name="retrain-fit-lock")
         self.fitting = True  # until the verdict is served and recorded (a reader of the status waits on it)
         try:
             old = self.service.router
@@ -720,6 +752,13 @@ class RetrainTrigger:
                 with contextlib.suppress(RedisDown):
                     await self._mark_fitted(n_outcomes)
                 raise
+            # checked once more here, not only by the renewals: the lock can be lost since the last one
+            if lost.is_set() or not await self._renew_lock():
+                if path is not None:
+                    await asyncio.to_thread(Path(path).unlink, missing_ok=True)
+                log.warning("retrain: the fit lock (%s) was lost while fitting %d outcomes (another replica holds it, "
+                            "or it expired): the verdict (%s) is dropped", self.k_lock, n_outcomes, cmp["reason"])
+                return None
             await self._mark_fitted(n_outcomes)
             self.fits += 1
             prev_version = old.metadata.get("version") or old.metadata.get("created_utc")
@@ -749,10 +788,12 @@ class RetrainTrigger:
                      event["reason"])
             return event
         finally:
+            holder.cancel()
+            await asyncio.wait({holder})  # not `await holder`: that would swallow this task's own cancellation
             self.fitting = False
             with contextlib.suppress(RedisDown):
-                # only while it is still this trigger's: a fit longer than LOCK_TTL_S lost it to another replica,
-                # whose lock a plain DEL removed — letting a third replica fit beside that one
+                # only while it is still this trigger's: a fit that lost it (see above) would remove another
+                # replica's lock with a plain DEL — letting a third replica fit beside that one
                 await self.breaker.call(lambda: self._release(keys=[self.k_lock], args=[self._token]))
 
     async def _fit(self, old: Any, outcomes: list[dict[str, Any]], version: str, look: int
