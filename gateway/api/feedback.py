@@ -7,8 +7,9 @@ optional ``"comment"`` (a string of at most 2,000 characters). ``request_id`` is
 apart). Recorded as a ``feedback`` outcome (``gateway/control/outcomes.py``; spooled while Redis is down): 200
 ``{"id", "object": "feedback", "request_id", "sufficed", "stored": "redis" | "spool" | "duplicate"}``. One
 outcome per request: a second feedback on the same request — also after midnight: grades are deduplicated in the
-answered request's UTC day — answers ``stored: "duplicate"`` with the ``sufficed`` of the first (which stands) and
-changes nothing — a first written before grades were kept beside the seen-set
+answered request's UTC day, and while the first waits in this replica's spool for Redis — answers ``stored:
+"duplicate"`` with the ``sufficed`` of the first (which stands) and changes nothing — a first written before grades
+were kept beside the seen-set
 (``p outcomes:grades:{day}``) is read from its stream entry; ``null`` only when the stream no longer holds it.
 Errors: 400 ``invalid_request`` (body), 401 (key), 403 ``permission_denied`` (a key not in
 ``routing.outcomes.feedback_keys``, when that is set: feedback trains the router every key is served by), 404

@@ -105,6 +105,11 @@ class OutcomeStore:
         # the batch a flush is writing: still read by request() until its write returns (feedback got a 404 while
         # an entry was in neither the queue nor Redis)
         self._flushing: list[tuple[str, str, bytes]] = []
+        # outcome id → grade of the feedback this process spooled and its replay has not written yet: a second grade
+        # of the request meanwhile (the replica holding its index entry answers it through an outage) is answered by
+        # the first, which stands once replayed — spooled too, or written to a Redis back before the replay, it was
+        # told it was stored while the replay dropped it, or dropped the first instead
+        self._spooled_grades: dict[str, bool] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
@@ -233,11 +238,25 @@ class OutcomeStore:
 
     async def record_graded(self, outcome: Outcome) -> tuple[str, bool | None]:
         """:meth:`record`, and the grade (``sufficed``) of the outcome now stored under its id: ``outcome``'s
-        when written or spooled, the first one's for a duplicate (None when that is not known)."""
+        when written or spooled, the first one's for a duplicate (None when that is not known) — also while the
+        first is in this process's spool, not yet replayed (``"duplicate"``: nothing written or spooled)."""
+        grade = outcome.sufficed if outcome.source == "feedback" else None
+        if grade is not None and (first := self._spooled_grades.get(outcome.outcome_id)) is not None:
+            return "duplicate", first
         try:
             reply = await self.breaker.call(lambda: self._run(outcome))
         except RedisDown:
-            await self.spool.append([outcome])
+            if grade is not None:
+                # read and set with no await between: of two grades racing through the outage, one is spooled
+                if (first := self._spooled_grades.get(outcome.outcome_id)) is not None:
+                    return "duplicate", first
+                self._spooled_grades[outcome.outcome_id] = grade
+            try:
+                await self.spool.append([outcome])
+            except BaseException:
+                if grade is not None:
+                    self._spooled_grades.pop(outcome.outcome_id, None)
+                raise
             self.spooled += 1
             return "spool", outcome.sufficed
         if isinstance(reply, bytes | str) and len(reply) == 2:  # "g1" / "g0": a duplicate of a graded outcome
@@ -301,6 +320,8 @@ class OutcomeStore:
     async def _record_batch(self, outcomes: list[Outcome]) -> None:
         for o in outcomes:
             await self.breaker.call(lambda o=o: self._run(o))  # type: ignore[misc]
+            # in Redis now (written, or there already): a later grade is answered by the write script
+            self._spooled_grades.pop(o.outcome_id, None)
 
     async def replay(self) -> int:
         """Send the spool to Redis; the number sent (0 when empty or Redis is down)."""

@@ -295,3 +295,50 @@ def test_a_second_grade_after_midnight_is_a_duplicate(upstream_sim: SimProcess, 
             rdb.close()
         assert [(o.outcome_id, o.sufficed) for o in read_outcomes(redis_url, redis_prefix)
                 if o.source == "feedback"] == [(f"fb:{rid}", True)]  # the first stands, nothing added
+
+
+def test_a_second_grade_while_the_first_waits_in_the_spool_is_a_duplicate(
+        upstream_sim: SimProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis is down: the replica that answered a request (its index entry still queued here) accepts its grade and
+    spools it. A second grade then was spooled too and answered ``stored: "spool"`` with its own grade — the replay
+    dropped it as a duplicate of the first; and a grade sent once Redis was back, before the replay, was written
+    (``"redis"``) and stood, the replay dropping the first, which the client had been told was stored. The first
+    grade stands (the one-grade rule of ``/v1/feedback``), and every later one is answered as its duplicate."""
+    from tests.fixtures.crash_process import DurableRedis
+
+    monkeypatch.delenv("REDIS_URL", raising=False)  # the suite's: it would override this test's private Redis
+    server = DurableRedis(tmp_path / "redis").start()
+    prefix = "tgtest:feedback-spool:"
+    try:
+        # no replay between Redis coming back and the third grade: the replayer's first pass is at start
+        with accounting_gateway(upstream_sim.base_url, server.url, tmp_path, prefix=prefix,
+                                routing={"router_path": None, "routed_tiers": ["short", "long"],
+                                         "thresholds": [0.5], "default_tier": "long",
+                                         "outcomes": {"replay_interval_s": 600}}) as gw, \
+                httpx.Client(timeout=30) as client:
+            server.kill()
+            r = client.post(gw.base_url + "/chat/completions", headers=_auth("alice"), json={
+                "model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": "graded in an outage?"}]})
+            assert r.status_code == 200, r.text  # limits.on_redis_down: fail_open
+            rid = r.headers["x-request-id"]
+
+            def grade(correct: bool) -> tuple[str, bool]:
+                fb = client.post(gw.base_url + "/feedback", headers=_auth("alice"),
+                                 json={"request_id": rid, "correct": correct})
+                assert fb.status_code == 200, fb.text
+                return fb.json()["stored"], fb.json()["sufficed"]
+
+            assert grade(True) == ("spool", True)
+            assert grade(False) == ("duplicate", True)  # was ("spool", False), dropped by the replay
+            server.start()  # same port, same data
+            rdb = redis.Redis.from_url(server.url)
+            try:  # the index entry written: Redis answers this replica again
+                assert wait_for(lambda: rdb.exists(prefix + "req:" + rid) == 1, timeout_s=10)
+            finally:
+                rdb.close()
+            assert grade(False) == ("duplicate", True)  # was ("redis", False), and it stood
+        # the gateway's close replays the spool
+        assert [(o.outcome_id, o.sufficed) for o in read_outcomes(server.url, prefix)
+                if o.source == "feedback"] == [(f"fb:{rid}", True)]
+    finally:
+        server.kill()
