@@ -138,9 +138,9 @@ class DriftConfig(_Strict):
 class RetrainConfig(_Strict):
     """Automatic retraining and safe promotion (``gateway/control/retrain_trigger.py``): off unless
     ``every_outcomes`` > 0. Every ``every_outcomes`` new outcomes in the stream, one replica (a Redis lock) fits a
-    router on the outcomes so far (``router.fit.retrain``; needs ``routing.outcomes.retain_text``) in a child
-    process (``fit_in: process``, at nice +10: a fit holds the GIL, so in a thread it stalls serving) or a worker
-    thread (``fit_in: thread``), compares it with the router in service on the held-back ``heldout_frac`` of the
+    router on the newest ``max_outcomes`` outcomes (``router.fit.retrain``; needs ``routing.outcomes.retain_text``)
+    in a child process (``fit_in: process``, at nice +10: a fit holds the GIL, so in a thread it stalls serving) or a
+    worker thread (``fit_in: thread``), compares it with the router in service on the held-back ``heldout_frac`` of the
     outcomes under the served-floor rule (accuracy ≥ ``floor`` × always-top, savings as the tie-break; at least
     ``min_heldout`` labelled windows) and promotes it — a versioned file under ``state_dir``, hot-reloaded by
     every replica with retraining on — only when it is better. ``explore``: the share of ``auto`` requests routed
@@ -189,6 +189,12 @@ class RetrainConfig(_Strict):
     #: renews it every third of this while its fit runs, so it bounds how long a replica that died mid-fit keeps
     #: the others from fitting, not how long a fit may take
     lock_ttl_s: int = Field(600, ge=1)
+    #: how many outcomes a fit and a realised-floor check read: the newest of the stream (which keeps up to
+    #: ``routing.outcomes.stream_maxlen``, a million by default). Each is read into the gateway's memory (about
+    #: 2 KB with a 1 KB routing window) and parsed on its event loop at every fit and every check — a third of
+    #: ``realised_min`` new outcomes apart —, and a fit's time grows with it; 100,000 is ~50 times what a first
+    #: promotion needs (~950 labelled windows)
+    max_outcomes: int = Field(100_000, ge=1000)
 
     @property
     def enabled(self) -> bool:

@@ -367,6 +367,23 @@ class OutcomeStore:
 
         return await self.breaker.call(read)
 
+    async def newest(self, limit: int, page: int = 1000) -> list[Outcome]:
+        """The newest ``limit`` outcomes of the stream (fewer when it holds fewer), oldest first, read newest first
+        in pages of ``page`` entries (``XREVRANGE … COUNT``). Raises RedisDown."""
+        top = "+"
+        newest_first: list[Outcome] = []
+        while len(newest_first) < limit:
+            count = min(page, limit - len(newest_first))
+            batch = await self.breaker.call(
+                lambda t=top, c=count: self.redis.xrevrange(self.keys.outcomes, max=t, min="-", count=c)) or []  # type: ignore[misc]
+            newest_first += [Outcome.from_json(as_bytes((f or {})[b"o"])) for _, f in batch]
+            if len(batch) < count:
+                break
+            last = batch[-1][0]
+            top = "(" + (last.decode() if isinstance(last, bytes) else str(last))
+        newest_first.reverse()
+        return newest_first
+
     async def outcomes(self, since_ts: float | None = None, page: int = 1000) -> list[Outcome]:
         """Every outcome written at or after ``since_ts`` (epoch seconds), oldest first. Raises RedisDown."""
         start = f"{int(since_ts * 1000)}-0" if since_ts is not None else "-"

@@ -20,10 +20,10 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    (``p outcomes``) has had ``every_outcomes`` more entries written than at the last judged fit (counted as written,
    :meth:`OutcomeStore.added`: its length stops at ``stream_maxlen``; ``p router:fitted_at``,
    written once the verdict is in — a Redis failure before then, e.g. reading the outcomes, leaves it, and the
-   next tick fits again; a fit that raises is not retried on the same outcomes), reads
-   every outcome and runs :func:`router.fit.promote.fit_and_save` **in a child process** (``fit_in: process``,
-   the default: one spawned worker at ``nice`` +10, started at the first fit and kept) or, with ``fit_in:
-   thread``, in a worker thread: fit on the outcomes so far, compare with the router in service on the held-back
+   next tick fits again; a fit that raises is not retried on the same outcomes), reads the newest
+   ``max_outcomes`` outcomes and runs :func:`router.fit.promote.fit_and_save` **in a child process** (``fit_in:
+   process``, the default: one spawned worker at ``nice`` +10, started at the first fit and kept) or, with ``fit_in:
+   thread``, in a worker thread: fit on those outcomes, compare with the router in service on the held-back
    slice under the served-floor rule (two or more routed tiers: one cut per boundary, ``router/fit/promote.py``).
    Better → the candidate is written to ``state_dir/router-<version>.skops`` (versioned; the files before it are
    kept, up to ``keep_files``: "Retention" below), its bytes to ``p router:file:{digest}`` (a replica whose state
@@ -678,8 +678,10 @@ class RetrainTrigger:
                         self.dir, exc)
             return None
 
-    async def _all_outcomes(self) -> list[dict[str, Any]]:
-        return [orjson.loads(o.to_json()) for o in await self.outcomes.outcomes()]
+    async def _recent_outcomes(self) -> list[dict[str, Any]]:
+        """The newest ``max_outcomes`` outcomes, oldest first, as the fit code reads them (dicts). Raises
+        :class:`RedisDown`."""
+        return [orjson.loads(o.to_json()) for o in await self.outcomes.newest(self.cfg.max_outcomes)]
 
     async def _take_lock(self) -> bool:
         """The fit lock: taken now, or already this trigger's (a Redis failure after a fit started can leave it
@@ -740,7 +742,7 @@ class RetrainTrigger:
                 log.warning("retrain: %d outcomes, but no router file is in service (%s): nothing to retrain",
                             n_outcomes, self.service.error or "routing.router_path is unset")
                 return None
-            outcomes = await self._all_outcomes()
+            outcomes = await self._recent_outcomes()
             # its file, router-<version>.skops, is one retention may remove once unused (FIT_FILE: keep them alike)
             version = f"auto-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{self.fits + 1:03d}"
             # this comparison's number among the deployment's judged ones (every replica's, across restarts):
@@ -835,12 +837,13 @@ class RetrainTrigger:
             self.realised_last = dict(orjson.loads(as_bytes(raw)))
 
     async def check_realised(self) -> dict[str, Any] | None:
-        """Roll back to the previous file when the promoted router's realised floor is below ``floor`` on at
-        least ``realised_min`` graded cheap answers; the rollback event (None: nothing to do)."""
+        """Roll back to the previous file when the promoted router's realised floor — read on the newest
+        ``max_outcomes`` outcomes — is below ``floor`` on at least ``realised_min`` graded cheap answers; the
+        rollback event (None: nothing to do)."""
         c = await self.current.read()
         if not c.get("previous"):
             return None
-        outcomes = await self._all_outcomes()
+        outcomes = await self._recent_outcomes()
         from router.fit import realised  # lazy: only with routing.retrain on (listed in the contract)
         real = realised.realised(outcomes, c["version"], self.top, self.cfg.floor,
                                  spot_check_min=self.cfg.spot_check_min)
