@@ -402,3 +402,27 @@ def test_resume_auto_skips_a_checkpoint_whose_save_was_cut_short(tmp_path: Path)
     again = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
     again.resume(ckpt)
     assert again.totals["cost_micro_usd"] == 20 and again.discarded["cost_micro_usd"] == 40
+
+
+def test_a_restart_from_step_0_keeps_the_earlier_attempts_spend_once(tmp_path: Path) -> None:
+    """``--resume auto`` on a run that saved no checkpoint starts it again from step 0 over the same ledger: every
+    row so far (a start-up a late config error ended, the interrupted first step of another attempt) is spent and
+    stays so, in ``ledger_discarded.jsonl``; the new rows continue the sequence numbers in a new segment (a fresh
+    ledger there started again at seq 1). A restart killed between its two writes counts nothing twice."""
+    first = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))  # 1 micro-USD per device-ms
+    first.record_overhead("startup", 0, {"startup": 0.300})
+    first.record_overhead("interrupted", 0, {"sampling": 0.040}, counters())
+    before = (tmp_path / "ledger.jsonl").read_text()
+
+    again = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    again.restart()
+    (tmp_path / "ledger.jsonl").write_text(before)  # killed after writing the discarded file, before ledger.jsonl
+    again = CostLedger(tmp_path, "cpu", 1, Decimal("3.60"))
+    again.restart()
+
+    assert (tmp_path / "ledger.jsonl").read_text() == ""
+    moved = [json.loads(x) for x in (tmp_path / "ledger_discarded.jsonl").read_text().splitlines()]
+    assert [(r["seq"], r["discarded_at_resume_from_step"]) for r in moved] == [(1, 0), (2, 0)]
+    assert again.totals["cost_micro_usd"] == 0 and again.spent()["cost_micro_usd"] == 340
+    row = again.record_overhead("startup", 0, {"startup": 0.100})
+    assert (row["seq"], row["segment"], row["spent_micro_usd"]) == (3, 1, 440)

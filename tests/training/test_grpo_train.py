@@ -788,3 +788,52 @@ def test_resume_refuses_changed_tier_prices_unless_forced(tiny: Path, tmp_path: 
                     max_steps=2, force=True)
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["output"]["tier_prices"]["short"] == dearer
     assert (run_dir / "config.previous.yaml").is_file()
+
+
+def test_a_late_config_error_keeps_its_billed_start_up_and_a_corrected_rerun_continues_the_ledger(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A configuration error found only once the run is built (``eval.every_steps`` under DeepSpeed ZeRO-3: the
+    check needs the trainer's arguments) billed start-up into the run directory's ledger and then left that
+    directory unusable: a fresh run there was refused ("pass --resume auto"), and ``--resume auto`` was refused too
+    (no checkpoint). Now the error says what was billed and how to rerun; ``--resume auto`` under the corrected run
+    file starts again from step 0 with the ledger kept — the failed start-up moved to ``ledger_discarded.jsonl``,
+    still spent — and the summary, the ledger files and ``train runs`` agree on the spend."""
+    from training.grpo import run as run_mod
+    from training.grpo.config import ConfigError
+    from training.registry import load_run
+
+    out = tmp_path / "run"
+    # DeepSpeed is not installed on the CPU box: the probe of the trainer's arguments says ZeRO-3 as a launch would
+    monkeypatch.setattr(run_mod, "_zero3_enabled", lambda: True)
+    wrong = make_cfg(tiny, eval={"before": False, "after": False, "every_steps": 1})
+    with pytest.raises(ConfigError, match=r"^eval\.every_steps: .* \(found after start-up: \d+ micro-USD billed in "
+                                          r".*ledger\.jsonl; fix the run file and rerun with --output-dir .* "
+                                          r"--resume auto"):
+        run(wrong, out)
+    [first] = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    assert first["kind"] == "startup" and first["cost_micro_usd"] > 0
+    with pytest.raises(ConfigError, match=rf"saved no checkpoint \(its ledger: {first['cost_micro_usd']} micro-USD "
+                                          r"spent\): pass --resume auto"):
+        run(make_cfg(tiny), out)
+    # rerun unfixed: the second failed start-up follows the first in the same ledger (not a second seq 1)
+    with pytest.raises(ConfigError, match="found after start-up"):
+        run(wrong, out, resume="auto")
+    monkeypatch.undo()
+    [second] = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    assert (second["kind"], second["seq"], second["segment"]) == ("startup", 2, 1)
+
+    s = run(make_cfg(tiny), out, resume="auto")
+
+    assert s["global_step"] == 2
+    rows = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["startup", "step", "step", "finish"]
+    assert [r["seq"] for r in rows] == [3, 4, 5, 6] and {r["segment"] for r in rows} == {2}
+    moved = [json.loads(x) for x in (out / "ledger_discarded.jsonl").read_text().splitlines()]
+    assert moved == [{**first, "discarded_at_resume_from_step": 0}, {**second, "discarded_at_resume_from_step": 0}]
+    failed = first["cost_micro_usd"] + second["cost_micro_usd"]
+    total = sum(r["cost_micro_usd"] for r in rows) + failed
+    assert rows[-1]["spent_micro_usd"] == total
+    assert s["discarded"]["cost_micro_usd"] == failed
+    assert Decimal(s["spent_usd"]) * 1_000_000 == total == load_run(out).micro_usd
+    assert yaml.safe_load((out / "config.previous.yaml").read_text())["eval"]["every_steps"] == 1

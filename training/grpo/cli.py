@@ -97,7 +97,7 @@ def _interrupted(run_dir: str | None, flags: list[str]) -> str:
         return "interrupted before the run started: nothing to resume"
     command = " ".join(["thinkgate train grpo", *flags])
     if not any(Path(run_dir).glob("checkpoint-*")):
-        return (f"interrupted at step {step}, before the first checkpoint: nothing to resume; start again in a new "
-                f"run directory ({command} --output-dir <new dir>)")
+        return (f"interrupted at step {step}, before the first checkpoint: start it again from step 0, its ledger "
+                f"kept: {command} --output-dir {shlex.quote(run_dir)} --resume auto")
     return (f"interrupted at step {step}: the steps since the last checkpoint are redone (their ledger rows kept as "
             f"discarded) when you resume: {command} --output-dir {shlex.quote(run_dir)} --resume auto")

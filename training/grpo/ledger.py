@@ -507,11 +507,23 @@ class CostLedger:
         tmp.replace(Path(checkpoint_dir) / STATE_FILE)
 
     def resume(self, checkpoint_dir: str | Path) -> None:
-        """Continue from a checkpoint: keep rows <= its step, move later rows to ``ledger_discarded.jsonl``."""
+        """Continue from a checkpoint: keep rows <= its step, move later rows to ``ledger_discarded.jsonl``.
+        Raises ``FileNotFoundError`` when the checkpoint has no ledger state."""
         state_path = Path(checkpoint_dir) / STATE_FILE
         if not state_path.is_file():
             raise FileNotFoundError(f"no {STATE_FILE} in {checkpoint_dir}: cannot resume the ledger")
-        st = json.loads(state_path.read_text())
+        self._continue(json.loads(state_path.read_text()))
+
+    def restart(self) -> None:
+        """Start the run again from step 0 over the ledger of earlier attempts that saved no checkpoint (a start-up
+        a late configuration error, a crash or a Ctrl-C ended): as a resume from a checkpoint at step 0, every row
+        written so far moves to ``ledger_discarded.jsonl`` — spent, so still counted in ``spent()`` and the budgets
+        — and the rows that follow continue its sequence numbers in a new segment. Idempotent: a restart cut short
+        and restarted again moves no row twice."""
+        self._continue({"last_step": 0, "segment": 0, "seq": 0, "totals": {}, "discarded": {}})
+
+    def _continue(self, st: dict[str, Any]) -> None:
+        """Continue from a saved ledger state ``st`` (:meth:`state_dict`): see :meth:`resume`."""
         self.last_step = int(st["last_step"])
         self.totals = {k: int(st["totals"].get(k, 0)) for k in _TOTAL_KEYS}
         self.discarded = {k: int(st["discarded"].get(k, 0)) for k in _TOTAL_KEYS}

@@ -384,6 +384,7 @@ def run_grpo(
     since_start = seconds_since_process_start()
     process_t0 = time.perf_counter() - (since_start if since_start is not None else 0.0)
     run_dir, checkpoint = prepare_run_dir(cfg, max_steps=max_steps, output_dir=output_dir, resume=resume, force=force)
+    restart = resume is not None and checkpoint is None  # --resume auto on a run that saved no checkpoint
     run: GRPORun | None = None
     try:
         run = build_run(
@@ -391,6 +392,7 @@ def run_grpo(
             run_dir,
             checkpoint,
             process_t0,
+            restart=restart,
             verifier=verifier,
             train_problems=train_problems,
             eval_problems=eval_problems,
@@ -400,13 +402,22 @@ def run_grpo(
         # inside the try: a Ctrl-C while the model is saved and evaluated after training is billed as well
         return report_run(run, outcome)
     except KeyboardInterrupt:
-        bill_interrupted_startup(cfg, run_dir, checkpoint, process_t0, run, train_problems)
+        bill_interrupted_startup(cfg, run_dir, checkpoint, process_t0, run, train_problems, restart=restart)
         raise
-    except Exception:
+    except Exception as e:
         # a crash (an out-of-memory error, a reward function that raises, a model that does not load) is billed
         # as a Ctrl-C is: the start-up, or the step in flight or the finish, was paid for and no row held it. A
         # configuration refused before the run directory exists (prepare_run_dir, above) spent nothing to bill.
-        bill_interrupted_startup(cfg, run_dir, checkpoint, process_t0, run, train_problems, cause="failed")
+        row = bill_interrupted_startup(cfg, run_dir, checkpoint, process_t0, run, train_problems, cause="failed",
+                                       restart=restart)
+        if isinstance(e, ConfigError) and row is not None:
+            # found only once the run was built (ZeRO-3 with eval.every_steps, say): the run directory now holds a
+            # billed ledger, and a fresh run there is refused; say how to rerun there with the ledger kept
+            raise ConfigError(
+                f"{e} (found after start-up: {row['cost_micro_usd']} micro-USD billed in {run_dir / 'ledger.jsonl'};"
+                f" fix the run file and rerun with --output-dir {run_dir} --resume auto, which starts the run again "
+                "from its last checkpoint, or from step 0 with that ledger kept)"
+            ) from e
         raise
 
 
@@ -418,6 +429,7 @@ def bill_interrupted_startup(
     run: GRPORun | None,
     train_problems: Sequence[Any] | None = None,
     cause: str = "interrupted",
+    restart: bool = False,
 ) -> dict[str, Any] | None:
     """On Ctrl-C or an error (:func:`run_grpo`; ``cause`` — ``interrupted`` or ``failed`` — names it in the log):
     bill what no row holds yet. Before the first step, the ``startup`` row the first step would have written (from
@@ -430,9 +442,10 @@ def bill_interrupted_startup(
 
     Stopped inside :func:`build_run` (``run`` None), the ledger is built here (a resume's is restored from its
     checkpoint first, so the row follows the rows it keeps and a later resume discards it, as any row after the
-    checkpoint); when the training problems are what failed to load, its ``data_hash`` tag is ``unknown``. Returns
-    the row, or None when billing failed (logged: the interrupt or error still propagates). Rank 0 writes; no
-    collective is run on this path."""
+    checkpoint; a ``restart``'s continues the earlier attempts' ledger (``CostLedger.restart``: a fresh one there
+    would repeat their sequence numbers)); when the training problems are what failed to load, its ``data_hash``
+    tag is ``unknown``. Returns the row, or None when billing failed (logged: the interrupt or error still
+    propagates). Rank 0 writes; no collective is run on this path."""
     if run is not None and run.ledger_cb.startup_billed:  # past start-up: the step in flight is what is unbilled
         try:
             row = run.ledger_cb.close_interrupted(run.ledger.last_step)
@@ -470,6 +483,8 @@ def bill_interrupted_startup(
             ledger.writer = int(os.environ.get("RANK", "0")) == 0
             if checkpoint:
                 ledger.resume(checkpoint)
+            elif restart:
+                ledger.restart()
             pre_eval = 0.0
         step = int(Path(checkpoint).name.rsplit("-", 1)[-1]) if checkpoint else 0
         row: dict[str, Any] = ledger.record_overhead(
@@ -554,7 +569,13 @@ def prepare_run_dir(
     ``max_steps``/``output_dir`` override the config (in place). Raises :class:`ConfigError` before anything is
     created or written: no model directory at ``model.path``, no price for the device kind, no checkpoint to resume
     (:func:`resolve_checkpoint`), a fresh run into a used directory, a resume under a changed run file without
-    ``force``."""
+    ``force``.
+
+    ``--resume auto`` on a run that saved no checkpoint (:func:`_restartable`) returns no checkpoint: the run starts
+    again from step 0 under the run file as it is now (nothing trained is carried over, so nothing is compared; a
+    changed ``config.yaml`` is kept as ``config.previous.yaml``), and :func:`build_run` continues its ledger. The
+    abandoned attempt's logs after step 0, ``best/`` and — when the run file changed — ``eval_before.json`` are
+    removed here: they describe another model or settings."""
     from training.registry import write_heartbeat
 
     if max_steps is not None:
@@ -570,33 +591,80 @@ def prepare_run_dir(
     cfg.output_dir = str(run_dir)
     checkpoint = resolve_checkpoint(run_dir, resume) if resume else None
     if not resume and (run_dir / "ledger.jsonl").exists():
+        if _restartable(run_dir):
+            from training.registry import load_run
+
+            raise ConfigError(
+                f"{run_dir} already holds a run that saved no checkpoint (its ledger: {load_run(run_dir).micro_usd} "
+                "micro-USD spent): pass --resume auto to start it again from step 0 with that ledger kept, or a new "
+                "--output-dir"
+            )
         raise ConfigError(f"{run_dir} already holds a run (ledger.jsonl): pass --resume auto or a new --output-dir")
     config_path = run_dir / "config.yaml"
     changed = _check_resume(cfg, config_path, checkpoint, max_steps, force) if checkpoint else []
+    restart = resume is not None and checkpoint is None
+    if restart and config_path.is_file() and (yaml.safe_load(config_path.read_text()) or {}) != cfg.to_dict():
+        changed = ["run file"]
     run_dir.mkdir(parents=True, exist_ok=True)
     if int(os.environ.get("RANK", "0")) == 0:  # before the trainer exists (torchrun/accelerate set RANK)
-        if changed:  # --force: the run file it replaces is kept
+        if restart:
+            _clear_abandoned_attempt(run_dir, run_file_changed=bool(changed))
+        if changed:  # --force, or a restart under a corrected run file: the run file it replaces is kept
             (run_dir / "config.previous.yaml").write_text(config_path.read_text())
         config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         write_heartbeat(run_dir, 0)  # the registry tells running from abandoned runs by this file's age
     return run_dir, checkpoint
 
 
-def resolve_checkpoint(run_dir: Path, resume: str) -> str:
-    """The checkpoint ``--resume`` names: ``"auto"`` = the last ``checkpoint-N`` in ``run_dir``, else a path that
-    must be a ``checkpoint-N`` directory of ``run_dir`` itself with the ledger's state in it. Creates nothing.
+def _checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The ``checkpoint-N`` directories of ``run_dir``, by step."""
+    return sorted(
+        (p for p in run_dir.iterdir() if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)),
+        key=lambda p: int(p.name.rsplit("-", 1)[1]),
+    )
 
-    Raises :class:`ConfigError`: no run directory or no checkpoint in it (auto); a path that does not exist, is
-    not a ThinkGate checkpoint, or belongs to another run directory — its ledger state would start this run from
-    the other run's totals, counting that spend in both runs."""
+
+def _restartable(run_dir: Path) -> bool:
+    """True for a run directory holding a ledger but no checkpoint and no ``summary.json``: an attempt that ended
+    (a late configuration error, a crash, a Ctrl-C) before its first save. Its spend is in the ledger, and
+    ``--resume auto`` starts it again from step 0 with that ledger kept (:func:`prepare_run_dir`)."""
+    return (
+        (run_dir / "ledger.jsonl").is_file()
+        and not (run_dir / "summary.json").exists()
+        and not _checkpoint_dirs(run_dir)
+    )
+
+
+def _clear_abandoned_attempt(run_dir: Path, run_file_changed: bool) -> None:
+    """Before a restart from step 0 (:func:`_restartable`): drop the abandoned attempt's log lines after step 0
+    (:func:`drop_logs_after`) and its ``best/`` weights (a best periodic check of weights no longer trained on,
+    which the new run would otherwise publish); with ``run_file_changed``, its ``eval_before.json`` too (it may
+    measure another model, task or evaluation setting; unchanged, it is reused rather than paid for again)."""
+    import shutil
+
+    drop_logs_after(run_dir, 0)
+    shutil.rmtree(run_dir / "best", ignore_errors=True)
+    if run_file_changed:
+        (run_dir / "eval_before.json").unlink(missing_ok=True)
+
+
+def resolve_checkpoint(run_dir: Path, resume: str) -> str | None:
+    """The checkpoint ``--resume`` names: ``"auto"`` = the last ``checkpoint-N`` in ``run_dir`` — None when the run
+    saved none (:func:`_restartable`: restart from step 0, the ledger kept) — else a path that must be a
+    ``checkpoint-N`` directory of ``run_dir`` itself with the ledger's state in it. Creates nothing.
+
+    Raises :class:`ConfigError`: no run directory, or neither a checkpoint nor a restartable run in it (auto); a
+    path that does not exist, is not a ThinkGate checkpoint, or belongs to another run directory — its ledger state
+    would start this run from the other run's totals, counting that spend in both runs."""
     if resume == "auto":
         if not run_dir.is_dir():
             raise ConfigError(f"--resume auto: no run directory at {run_dir}")
-        ckpts = sorted(
-            (p for p in run_dir.iterdir() if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)),
-            key=lambda p: int(p.name.rsplit("-", 1)[1]),
-        )
+        ckpts = _checkpoint_dirs(run_dir)
         if not ckpts:
+            if _restartable(run_dir):
+                logger.warning("--resume auto: %s saved no checkpoint: starting it again from step 0 (its ledger is "
+                               "kept; the rows so far move to ledger_discarded.jsonl)", run_dir)
+                return None
             raise ConfigError(f"--resume auto: no checkpoint-* in {run_dir}")
         # the Trainer writes (and rotates) a checkpoint before the ledger's state is added: a kill in between
         # leaves the newest one without it, and resuming it failed every time after the model load
@@ -682,14 +750,16 @@ def build_run(
     checkpoint: str | None,
     process_t0: float,
     *,
+    restart: bool = False,
     verifier: Verifier | None = None,
     train_problems: Sequence[Any] | None = None,
     eval_problems: Sequence[Any] | None = None,
     progress: bool = True,
 ) -> GRPORun:
     """Build step: tokenizer, problem rows, rewards, ``GRPOConfig``, cost ledger, monitors and the trainer with
-    its callbacks, restored from ``checkpoint`` when resuming. Raises :class:`ConfigError` (unpriced device,
-    periodic evaluation under ZeRO-3)."""
+    its callbacks, restored from ``checkpoint`` when resuming; with ``restart`` (no checkpoint to resume:
+    :func:`prepare_run_dir`) the ledger continues the earlier attempts' rows. Raises :class:`ConfigError` (unpriced
+    device, periodic evaluation under ZeRO-3)."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, PrinterCallback
@@ -830,14 +900,20 @@ def build_run(
         counters=counters,
         rollout_store=rollout_store,
     )
-    if checkpoint:
+    if checkpoint or restart:
         _restore(run, checkpoint)
     return run
 
 
-def _restore(run: GRPORun, checkpoint: str) -> None:
+def _restore(run: GRPORun, checkpoint: str | None) -> None:
     """Resume bookkeeping from ``checkpoint``: ledger state, logs and rollouts after its step dropped, the
-    trainer's ThinkGate state and the monitors' state."""
+    trainer's ThinkGate state and the monitors' state. ``None``: a restart from step 0 (:func:`prepare_run_dir`,
+    which dropped the logs) — the ledger continues the earlier attempts' rows, their rollouts are dropped."""
+    if checkpoint is None:
+        run.ledger.restart()
+        if run.rollout_store is not None and run.trainer.is_world_process_zero():
+            run.rollout_store.drop_after(0)
+        return
     run.ledger.resume(checkpoint)
     step = int(Path(checkpoint).name.rsplit("-", 1)[-1])
     drop_logs_after(run.run_dir, step)
