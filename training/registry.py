@@ -6,7 +6,10 @@ A run directory is one with a ``ledger.jsonl`` (GRPO, SFT and dial-sft runs alik
   budget, a monitor, no learning signal), ``running`` (no summary, heartbeat younger than ``stale_s``),
   ``abandoned`` (no summary and the heartbeat — or, without one, the ledger — older than ``stale_s``: the process
   died or was killed; a zombie that still holds its budget line), ``interrupted`` (stopped by SIGINT / Ctrl-C:
-  the heartbeat's ``state``, :func:`mark_interrupted`; resume it with ``--resume auto``);
+  the heartbeat's ``state``, :func:`mark_interrupted`; resume it with ``--resume auto``), ``failed`` (ended by an
+  error — a crash, a configuration error found after start-up: the heartbeat's ``state`` and ``error``,
+  :func:`mark_failed`; ``stop_reason`` is that error; ``--resume auto`` goes on from its last checkpoint, or from
+  step 0 without one);
 - ``micro_usd`` / ``device_hours`` / tokens: sums of the ledger's rows, discarded (rolled-back) rows included — that
   money was spent;
 - ``heldout_accuracy``: ``summary.json``'s accuracy after training, else the last periodic check;
@@ -61,6 +64,19 @@ def mark_interrupted(run_dir: str | Path) -> int | None:
     heartbeat this process wrote is marked (a Ctrl-C before the run directory was prepared must not mark another
     run's), and only by the main process (every rank of a launch gets the SIGINT). Returns the step the heartbeat
     recorded, None when nothing was marked. Never raises."""
+    return _mark(run_dir, state="interrupted")
+
+
+def mark_failed(run_dir: str | Path, error: str) -> int | None:
+    """Mark the run in ``run_dir`` as ended by an error — its heartbeat's ``state: failed`` and ``error`` (the
+    message) — so the registry says ``failed`` with the error rather than ``running`` for ``stale_s`` and then
+    ``abandoned``; a resumed run's next heartbeat clears it. Only a heartbeat this process wrote, and only by the
+    main process (as :func:`mark_interrupted`). Returns the step the heartbeat recorded, None when nothing was
+    marked. Never raises."""
+    return _mark(run_dir, state="failed", error=error)
+
+
+def _mark(run_dir: str | Path, **fields: str) -> int | None:
     if os.environ.get("RANK", "0") != "0":
         return None
     path = Path(run_dir) / HEARTBEAT_FILE
@@ -68,7 +84,7 @@ def mark_interrupted(run_dir: str | Path) -> int | None:
         beat = json.loads(path.read_text())
         if beat.get("pid") != os.getpid():
             return None
-        beat.update(state="interrupted", ts=round(time.time(), 3))
+        beat.update(fields, ts=round(time.time(), 3))
         _write_beat(path, beat)
     except (OSError, ValueError):
         return None
@@ -127,20 +143,23 @@ def load_run(run_dir: str | Path, now: float | None = None, stale_s: float = STA
     summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
     hb_path = d / HEARTBEAT_FILE
     last_seen: float | None = None
-    interrupted = False
+    state: str | None = None
+    error: str | None = None
     if hb_path.is_file():
         try:
             beat = json.loads(hb_path.read_text())
             last_seen = float(beat["ts"])
-            interrupted = beat.get("state") == "interrupted"
+            state, error = beat.get("state"), beat.get("error")
         except (json.JSONDecodeError, KeyError, ValueError):
             last_seen = hb_path.stat().st_mtime
     elif (d / "ledger.jsonl").is_file():
         last_seen = (d / "ledger.jsonl").stat().st_mtime
     stop_reason = summary.get("stop_reason") if summary else None
-    if summary is not None:
+    if state == "failed":  # before the summary: one there is a finished segment's that a resume then failed past
+        status, stop_reason = "failed", str(error or "failed")
+    elif summary is not None:
         status = "stopped" if stop_reason else "finished"
-    elif interrupted:
+    elif state == "interrupted":
         status = "interrupted"
     elif last_seen is not None and now - last_seen <= stale_s:
         status = "running"

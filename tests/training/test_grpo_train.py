@@ -837,3 +837,33 @@ def test_a_late_config_error_keeps_its_billed_start_up_and_a_corrected_rerun_con
     assert s["discarded"]["cost_micro_usd"] == failed
     assert Decimal(s["spent_usd"]) * 1_000_000 == total == load_run(out).micro_usd
     assert yaml.safe_load((out / "config.previous.yaml").read_text())["eval"]["every_steps"] == 1
+
+
+def test_a_run_that_fails_is_listed_failed_with_its_error(tiny: Path, tmp_path: Path) -> None:
+    """A run that raised (not a budget or monitor stop, not a Ctrl-C) left its directory saying nothing: no summary,
+    a fresh heartbeat — ``train runs`` listed it ``running`` for ten minutes, then ``abandoned``, the error nowhere;
+    a resume of a finished run that failed was even listed ``finished`` (the earlier segment's summary.json). Now
+    the heartbeat is marked ``failed`` with the error, after the failure was billed, so the listed spend is still
+    the ledger's to the micro-USD."""
+    from typer.testing import CliRunner
+
+    from gateway.cli.main import app
+    from training.grpo.run import run_grpo
+    from training.registry import load_run
+
+    out = tmp_path / "run"
+    run(make_cfg(tiny, trl={"max_steps": 2, "save_steps": 2}), out)
+    assert load_run(out).status == "finished"
+    with pytest.raises(ValueError, match="corrupt row"):  # the held-out data of the resumed segment fails to load
+        run_grpo(make_cfg(tiny, trl={"max_steps": 2, "save_steps": 2}), output_dir=out, resume="auto", max_steps=3,
+                 train_problems=PROBLEMS, eval_problems=[_BrokenToy("x", "What is 1 + 1?", "2", 1)],
+                 verifier=exact_answer_verifier, progress=False)
+    rec = load_run(out)
+    assert rec.status == "failed" and rec.stop_reason == "ValueError: held-out data: corrupt row"
+    rows = sorted((json.loads(x) for name in ("ledger.jsonl", "ledger_discarded.jsonl") if (out / name).is_file()
+                   for x in (out / name).read_text().splitlines()), key=lambda r: r["seq"])
+    assert rows[-1]["kind"] == "startup" and rows[-1]["segment"] == 1  # the failed resume's start-up, billed
+    assert rec.micro_usd == sum(r["cost_micro_usd"] for r in rows) == rows[-1]["spent_micro_usd"]
+    listed = CliRunner().invoke(app, ["train", "runs", "--root", str(tmp_path)])
+    assert listed.exit_code == 0 and "failed" in listed.output, listed.output
+    assert "  error: ValueError: held-out data: corrupt row" in listed.output

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from training.grpo.config import REPO_ROOT
 from training.grpo.ledger import CostLedger, StepCounters
-from training.registry import attribute, list_runs, load_run, mark_interrupted, write_heartbeat
+from training.registry import attribute, list_runs, load_run, mark_failed, mark_interrupted, write_heartbeat
 
 PRICE = Decimal("2.50")
 
@@ -68,6 +68,13 @@ def test_statuses_include_an_abandoned_run(tmp_path: Path) -> None:
     beat = json.loads((live / "heartbeat.json").read_text())
     (live / "heartbeat.json").write_text(json.dumps({**beat, "pid": beat["pid"] + 1}))
     assert mark_interrupted(live) is None and load_run(live).status == "running"
+    # failed (an error): said so with the error, not "running" and then "abandoned"; its resume clears it
+    write_heartbeat(live, 2)
+    assert mark_failed(live, "OSError: [Errno 28] No space left on device") == 2
+    rec = load_run(live, now=time.time() + 3600)
+    assert (rec.status, rec.stop_reason) == ("failed", "OSError: [Errno 28] No space left on device")
+    write_heartbeat(live, 2)
+    assert load_run(live).status == "running"
     # a tag filter keeps only the matching runs
     assert sorted(Path(r.run_dir).name for r in list_runs(tmp_path, {"owner": "bo"})) == ["live", "zombie"]
 

@@ -377,9 +377,12 @@ def run_grpo(
     :func:`build_run`, :func:`train_run`, :func:`report_run`.
 
     ``verifier`` and the problem lists default to ``router.tasks`` (tests inject toy ones). Raises
-    :class:`ConfigError` before training starts for an invalid or conflicting configuration.
+    :class:`ConfigError` before training starts for an invalid or conflicting configuration. An error once the run
+    directory is prepared is billed (:func:`bill_interrupted_startup`) and marks the run ``failed`` with its message
+    (:func:`training.registry.mark_failed`) before it propagates.
     """
     from training.grpo.ledger import seconds_since_process_start
+    from training.registry import mark_failed
 
     since_start = seconds_since_process_start()
     process_t0 = time.perf_counter() - (since_start if since_start is not None else 0.0)
@@ -410,14 +413,20 @@ def run_grpo(
         # configuration refused before the run directory exists (prepare_run_dir, above) spent nothing to bill.
         row = bill_interrupted_startup(cfg, run_dir, checkpoint, process_t0, run, train_problems, cause="failed",
                                        restart=restart)
+        late: ConfigError | None = None
         if isinstance(e, ConfigError) and row is not None:
             # found only once the run was built (ZeRO-3 with eval.every_steps, say): the run directory now holds a
             # billed ledger, and a fresh run there is refused; say how to rerun there with the ledger kept
-            raise ConfigError(
+            late = ConfigError(
                 f"{e} (found after start-up: {row['cost_micro_usd']} micro-USD billed in {run_dir / 'ledger.jsonl'};"
                 f" fix the run file and rerun with --output-dir {run_dir} --resume auto, which starts the run again "
                 "from its last checkpoint, or from step 0 with that ledger kept)"
-            ) from e
+            )
+        # without it the run directory said `running` (a fresh heartbeat, no summary) and, ten minutes on,
+        # `abandoned`: as if the process had been killed, the error nowhere
+        mark_failed(run_dir, f"{type(e).__name__}: {late or e}")
+        if late is not None:
+            raise late from e
         raise
 
 

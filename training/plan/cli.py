@@ -125,9 +125,9 @@ def runs(
     by: str | None = typer.Option(None, "--by", help="Attribute the cost by this tag (e.g. owner, team, purpose)."),
     stale_s: float = typer.Option(600.0, "--stale-s", help="A run without a summary is abandoned after this silence."),
 ) -> None:
-    """List runs with status (running / finished / stopped / interrupted / abandoned), USD, device-hours,
-    held-out accuracy, tokens and tags; ``--by TAG`` sums the cost per tag value (exact: integer micro-USD of the
-    ledgers).
+    """List runs with status (running / finished / stopped / interrupted / failed / abandoned), USD, device-hours,
+    held-out accuracy, tokens and tags (a failed run's error on the line below it); ``--by TAG`` sums the cost per
+    tag value (exact: integer micro-USD of the ledgers).
 
     Exit codes: 0 listed, 2 a malformed --tag or a --root that is no directory."""
     from training.registry import attribute, list_runs, parse_tag_filters, write_csv
@@ -151,6 +151,8 @@ def runs(
             f"{r.run_dir[-39:]:<40}{r.status:<12}{r.usd:>11}{r.device_hours:>10.5f}{r.steps:>6}{acc:>7}"
             f"{r.sampled_tokens:>9}  {tags}"
         )
+        if r.status == "failed":
+            typer.echo(f"  error: {r.stop_reason}")
     total = sum(r.micro_usd for r in recs)
     typer.echo(f"{len(recs)} run(s), ${Decimal(total) / Decimal(1_000_000)}")
     if by:
