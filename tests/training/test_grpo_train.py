@@ -867,3 +867,35 @@ def test_a_run_that_fails_is_listed_failed_with_its_error(tiny: Path, tmp_path: 
     listed = CliRunner().invoke(app, ["train", "runs", "--root", str(tmp_path)])
     assert listed.exit_code == 0 and "failed" in listed.output, listed.output
     assert "  error: ValueError: held-out data: corrupt row" in listed.output
+
+
+@pytest.mark.parametrize(("field", "over", "shown"), [
+    ("output.tier_name", {"output": {"tier_name": "long"}}, r"output\.tier_name \('short' -> 'long'\)"),
+    ("output.served_model_name", {"output": {"served_model_name": "mine"}},
+     r"output\.served_model_name \('thinkgate-tiny-short' -> 'mine'\)"),
+    ("run_name", {"run_name": "other"}, r"run_name \('grpo' -> 'other'\)"),
+    ("tags", {"tags": {"owner": "bo"}}, r"tags \(\{'owner': 'ana'\} -> \{'owner': 'bo'\}\)"),
+])
+def test_resume_refuses_a_changed_tier_name_model_name_or_ledger_tags_unless_forced(
+    tiny: Path, tmp_path: Path, field: str, over: dict[str, Any], shown: str
+) -> None:
+    """Only ``output.tier_prices`` of the fields that say what the ledger's spend is and what the model is sold as
+    was compared on resume. A resume could switch ``output.tier_name`` from ``short`` to ``long`` — ``tier.yaml``
+    then priced the model at the long tier's default prices, 5x, with ``tier_prices`` unchanged — or rename the
+    served model, or change ``run_name`` / ``tags``, which every ledger row carries (``train runs --by`` attributes
+    the whole run by its last row's). Refused like the other resume-critical settings, ``--force`` to go on.
+    No training: a run directory and a checkpoint with the ledger's state are enough for the check."""
+    from training.grpo.config import ConfigError
+    from training.grpo.ledger import CostLedger
+    from training.grpo.run import prepare_run_dir
+
+    run_dir, _ = prepare_run_dir(make_cfg(tiny, tags={"owner": "ana"}), output_dir=tmp_path)
+    CostLedger(run_dir, "cpu", 1, Decimal("0.05")).save_state(run_dir / "checkpoint-1")
+    _, ckpt = prepare_run_dir(make_cfg(tiny, tags={"owner": "ana"}), output_dir=tmp_path, resume="auto", max_steps=2)
+    assert ckpt is not None  # the same run file resumes
+    changed = make_cfg(tiny, **{"tags": {"owner": "ana"}, **over})
+    with pytest.raises(ConfigError, match=rf"^--resume: the run file differs from the run's config\.yaml in {shown}: "
+                                          r".*--force"):
+        prepare_run_dir(changed, output_dir=tmp_path, resume="auto", max_steps=2)
+    prepare_run_dir(changed, output_dir=tmp_path, resume="auto", max_steps=2, force=True)
+    assert (run_dir / "config.previous.yaml").is_file()

@@ -193,6 +193,17 @@ def build_grpo_args(cfg: RunConfig, run_dir: Path, reward_weights: list[float], 
 
 # Config sections whose change alters what is learned or how it is counted; `trl` minus _NON_HPARAMS.
 _COMPARED_SECTIONS = ("model", "task", "budget_prompt", "rewards", "advantages", "dynamic_sampling", "ledger")
+# Fields outside those sections that say whose spend the ledger holds and what the result is sold as: `run_name`
+# and `tags` are written into every ledger row (`train runs --by` attributes a run's whole spend by its last row's
+# tags), `output.tier_name` picks the tier the gateway meters the model as — and so its prices when the run file
+# sets none for it (the shipped `short` and `long` differ 5x) — and `output.served_model_name` is the model name the
+# gateway's usage records carry. (section, key); section None: a top-level field.
+_IDENTITY_FIELDS: tuple[tuple[str | None, str], ...] = (
+    (None, "run_name"),
+    (None, "tags"),
+    ("output", "tier_name"),
+    ("output", "served_model_name"),
+)
 
 
 def _tier_prices_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -217,10 +228,28 @@ def _tier_prices_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             for t in sorted(set(pa) | set(pb)) if not same(pa.get(t), pb.get(t))]
 
 
+def _identity_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``"field (old -> new)"`` for each of :data:`_IDENTITY_FIELDS` that differs; a side without the field (a
+    ``config.yaml`` from before it) reads as its default."""
+    defaults = RunConfig().to_dict()
+
+    def value(cfg: dict[str, Any], sec: str | None, key: str) -> Any:
+        holder = cfg if sec is None else (cfg.get(sec) or {})
+        default = defaults[key] if sec is None else defaults[sec][key]
+        return holder.get(key, default)
+
+    out = []
+    for sec, key in _IDENTITY_FIELDS:
+        a, b = value(old, sec, key), value(new, sec, key)
+        if a != b:
+            out.append(f"{key if sec is None else f'{sec}.{key}'} ({a!r} -> {b!r})")
+    return out
+
+
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """``"section.key (old -> new)"`` for each compared field that differs between two resolved run configs
-    (:data:`_COMPARED_SECTIONS`, ``output.tier_prices`` and the TRL options except :data:`_NON_HPARAMS`); empty
-    when compatible."""
+    (:data:`_COMPARED_SECTIONS`, ``output.tier_prices``, :data:`_IDENTITY_FIELDS` and the TRL options except
+    :data:`_NON_HPARAMS`); empty when compatible."""
     out: list[str] = []
     for sec in _COMPARED_SECTIONS:
         a, b = old.get(sec), new.get(sec)
@@ -231,6 +260,7 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         elif a != b:
             out.append(f"{sec} ({a!r} -> {b!r})")
     out += _tier_prices_changes(old, new)
+    out += _identity_changes(old, new)
     ta, tb = old.get("trl") or {}, new.get("trl") or {}
     for k in sorted((set(ta) | set(tb)) - _NON_HPARAMS):
         if ta.get(k) != tb.get(k):
