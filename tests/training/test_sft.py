@@ -139,13 +139,15 @@ def test_an_error_during_start_up_is_billed(tmp_path: Path) -> None:
     broken.mkdir()
     (broken / "config.json").write_text("{}")
     run = tmp_path / "sft-e"
-    with pytest.raises((OSError, ValueError)):
+    with pytest.raises((OSError, ValueError)) as raised:
         run_sft(_sft_cfg(run, model={"path": str(broken)}))  # type: ignore[arg-type]
     [row] = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
     assert row["kind"] == "startup" and row["startup_ms"] > 0 and row["cost_micro_usd"] > 0
     assert row["data_hash"] == "unknown" and row["method"] == "sft"
     (rec,) = list_runs(tmp_path)
     assert rec.micro_usd == row["cost_micro_usd"]
+    # listed failed with the error (it said `running`, then `abandoned`)
+    assert rec.status == "failed" and rec.stop_reason == f"{raised.type.__name__}: {raised.value}"
 
 
 def test_an_error_after_the_steps_is_billed_as_an_interruption_is(tmp_path: Path) -> None:

@@ -136,6 +136,8 @@ def test_an_error_in_train_tiny_is_billed(tmp_path: Path) -> None:
     assert row["kind"] == "startup" and row["startup_ms"] > 0 and row["method"] == "tiny-sft"
     (rec,) = list_runs(tmp_path)
     assert rec.micro_usd == row["cost_micro_usd"] > 0
+    # listed failed with the error (it said `running`, then `abandoned`)
+    assert rec.status == "failed" and rec.stop_reason == f"{type(r.exception).__name__}: {r.exception}"
 
 
 @pytest.mark.parametrize("command", ["tiny", "dial-sft"])

@@ -284,9 +284,12 @@ def run_sft(cfg: SFTRunConfig, *, output_dir: str | Path | None = None, max_step
         if not finished:
             _bill_unfinished(ledger, ledger_cb, process_t0, "interrupted")
         raise
-    except Exception:
+    except Exception as e:
+        from training.registry import mark_failed
+
         if not finished:
             _bill_unfinished(ledger, ledger_cb, process_t0, "failed")
+        mark_failed(run_dir, f"{type(e).__name__}: {e}")  # else listed `running`, then `abandoned`, the error nowhere
         raise
 
 

@@ -58,6 +58,11 @@ class SFTBilling:
                  tb: TracebackType | None) -> None:
         if exc_type is not None and not self.finished:  # the exception propagates (nothing is suppressed)
             self.bill_unfinished("interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed")
+        if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt):
+            from training.registry import mark_failed
+
+            # else listed `running`, then `abandoned`, the error nowhere
+            mark_failed(self.ledger.run_dir, f"{exc_type.__name__}: {exc}")
 
     def bill_unfinished(self, cause: str = "interrupted") -> dict[str, Any] | None:
         """Bill the time since the last row, which no row holds (``cause`` names the interrupt or error in the
