@@ -222,41 +222,44 @@ def test_a_stream_held_back_by_the_escalation_peek_keeps_its_reservation(
                                                                                "forced")
 
 
-def test_the_bound_does_not_count_a_single_flight_wait(
-        bounded: tuple[GatewayServer, list[UsageRecord]], upstream_sim: SimProcess) -> None:
+def test_the_bound_does_not_count_a_single_flight_wait(upstream_sim: SimProcess, redis_url: str) -> None:
     """A cacheable stream waits in the cache lookup for an identical one in flight (single-flight), which fails after
-    ~1.5 s (its stream ends without ``[DONE]``: nothing cached); it then calls the upstream itself, a ~1.5 s stream
-    under a 2 s bound. Its bound counts from that call: it completes (``stop``). Counted from its admission, the wait
-    before any upstream call cut it at 2 s."""
-    gw, _ = bounded
-    tag = uuid.uuid4().hex
-    words = " ".join(f"w{i}" for i in range(30))  # the answer: "echo:" and these, ~34 chunks
-    sim = {"tag": tag, "chunk_delay_ms": 45, "fail": "close", "fail_at": 32, "fail_times": 1}
-    client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=30)
-    leader_failed: list[BaseException] = []
+    ~2.3 s (its stream ends without ``[DONE]``: nothing cached); it then calls the upstream itself, a ~2.4 s stream
+    under a 4 s bound. Its bound counts from that call: it completes (``stop``). Counted from its admission, the wait
+    before any upstream call cut it at 4 s. (A bound of its own: under the module's 2 s one the follower's stream
+    left 0.5 s of slack, and a loaded box cut it.)"""
+    bound = 4.0
+    settings = sim_settings(upstream_sim.base_url, redis_url, tiers=list(sim_tiers(upstream_sim.base_url)),
+                            limits={"max_stream_s": bound})
+    with GatewayServer(settings) as gw:
+        tag = uuid.uuid4().hex
+        words = " ".join(f"w{i}" for i in range(30))  # the answer: "echo:" and these, ~34 chunks at 70 ms: ~2.4 s
+        sim = {"tag": tag, "chunk_delay_ms": 70, "fail": "close", "fail_at": 32, "fail_times": 1}
+        client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=30)
+        leader_failed: list[BaseException] = []
 
-    def leader() -> None:
-        try:
-            StreamRead().read(client.chat.completions.create(
-                model="none", messages=[{"role": "user", "content": words}], temperature=0, stream=True,
-                extra_body={"sim": sim}))
-        except openai.APIError as exc:
-            leader_failed.append(exc)
+        def leader() -> None:
+            try:
+                StreamRead().read(client.chat.completions.create(
+                    model="none", messages=[{"role": "user", "content": words}], temperature=0, stream=True,
+                    extra_body={"sim": sim}))
+            except openai.APIError as exc:
+                leader_failed.append(exc)
 
-    first = threading.Thread(target=leader)
-    first.start()
-    assert wait_for(lambda: (upstream_sim.tag(tag) or {}).get("attempts") == 1, timeout_s=5)
-    started = time.monotonic()
-    got = StreamRead().read(client.chat.completions.create(
-        model="none", messages=[{"role": "user", "content": words}], temperature=0, stream=True,
-        extra_body={"sim": sim}))
-    took = time.monotonic() - started
-    first.join(timeout=10)
-    assert leader_failed  # the first one broke: nothing cached, the follower called the upstream itself
-    seen = upstream_sim.tag(tag)
-    assert seen is not None and seen["attempts"] == 2
-    assert got.finish == "stop" and got.content.split()[1:] == words.split(), (got.finish, took)
-    assert took > MAX_STREAM_S + 0.3, f"the follower waited too little ({took:.2f} s) to tell"
+        first = threading.Thread(target=leader)
+        first.start()
+        assert wait_for(lambda: (upstream_sim.tag(tag) or {}).get("attempts") == 1, timeout_s=5)
+        started = time.monotonic()
+        got = StreamRead().read(client.chat.completions.create(
+            model="none", messages=[{"role": "user", "content": words}], temperature=0, stream=True,
+            extra_body={"sim": sim}))
+        took = time.monotonic() - started
+        first.join(timeout=10)
+        assert leader_failed  # the first one broke: nothing cached, the follower called the upstream itself
+        seen = upstream_sim.tag(tag)
+        assert seen is not None and seen["attempts"] == 2
+        assert got.finish == "stop" and got.content.split()[1:] == words.split(), (got.finish, took)
+        assert took > bound + 0.3, f"the follower waited too little ({took:.2f} s) to tell"
 
 
 @pytest.fixture(scope="module", params=[["empty_answer"], ["abstain"]], ids=["empty_answer", "abstain"])
