@@ -173,6 +173,11 @@ class RetrainConfig(_Strict):
     spot_check_min: int = Field(30, ge=3)
     fit_here: bool = True
     fit_in: Literal["process", "thread"] = "process"
+    #: the niceness the fit process adds to the gateway's (``fit_in: process``; 0–19): +10 yields the CPU to the
+    #: serving loop, but on a box where other work at the gateway's own priority keeps the cores busy it gets about a
+    #: tenth of that work's share per core and a fit of seconds takes minutes (4 CPU-seconds in 146 s measured at load
+    #: 10 on 2 cores), the retrain lock held meanwhile; 0: the fit competes as an equal
+    fit_nice: int = Field(10, ge=0, le=19)
     interval_s: float = Field(1.0, gt=0)
     #: seconds a file adopted from ``routing.router_path`` stays marked adopted (``p router:adopted:{digest}``):
     #: within it the same bytes are not adopted again — a replica whose copy of the path lags (a ConfigMap still

@@ -22,7 +22,8 @@ One :class:`RetrainTrigger` per gateway process, a background task (:meth:`Retra
    written once the verdict is in — a Redis failure before then, e.g. reading the outcomes, leaves it, and the
    next tick fits again; a fit that raises is not retried on the same outcomes), reads the newest
    ``max_outcomes`` outcomes and runs :func:`router.fit.promote.fit_and_save` **in a child process** (``fit_in:
-   process``, the default: one spawned worker at ``nice`` +10, started at the first fit and kept) or, with ``fit_in:
+   process``, the default: one spawned worker at ``nice`` +10
+   (``fit_nice``), started at the first fit and kept) or, with ``fit_in:
    thread``, in a worker thread: fit on those outcomes, compare with the router in service on the held-back
    slice under the served-floor rule (two or more routed tiers: one cut per boundary, ``router/fit/promote.py``).
    Better → the candidate is written to ``state_dir/router-<version>.skops`` (versioned; the files before it are
@@ -164,7 +165,6 @@ ROUTER_FIELDS = ("path", "version", "digest", "previous", "previous_version", "p
 #: How ``p router:bad`` names a rolled-back router by its content (:func:`bad_entry`); an entry without it is a
 #: version, as every entry was before (still refused by version).
 BAD_DIGEST = "sha256:"
-FIT_NICE = 10  # the fit process yields the CPU to the serving loop
 
 # --- retention of the state dir (prune_state_dir): the only names it ever removes are the ones ThinkGate writes there
 #: an adopted router's copy (:func:`router_copy`)
@@ -813,7 +813,7 @@ class RetrainTrigger:
         if self._pool is None:
             # spawn, not fork: the gateway has threads and an event loop a forked child would inherit half of
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=os.nice, initargs=(FIT_NICE,))
+                                             initializer=os.nice, initargs=(self.cfg.fit_nice,))
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, job)
         except BrokenProcessPool:
