@@ -34,10 +34,11 @@ def private_redis(tmp_path: Path) -> Iterator[PersistentRedis]:
         yield server
 
 
-def _ask_slowly(client: httpx.Client, base_url: str, delay_ms: int) -> httpx.Response:
+def _ask_slowly(client: httpx.Client, base_url: str, delay_ms: int, tag: str | None = None) -> httpx.Response:
     # the upstream takes delay_ms: the request is admitted (its Redis writes done) well before it is answered
+    sim: dict[str, Any] = {"delay_ms": delay_ms, **({"tag": tag} if tag else {})}
     return client.post(base_url + "/chat/completions", headers=AUTH, json={
-        "model": "short", "max_tokens": 8, "sim": {"delay_ms": delay_ms},
+        "model": "short", "max_tokens": 8, "sim": sim,
         "messages": [{"role": "user", "content": "grade me " + uuid.uuid4().hex}]})
 
 
@@ -47,15 +48,20 @@ def _held_writes(admin: redis.Redis) -> list[str]:
     return [str(c.get("cmd")) for c in rows if "b" in str(c.get("flags", ""))]
 
 
-def _during_a_write_pause(client: httpx.Client, base_url: str, admin: redis.Redis, pause_ms: int,
-                          delay_ms: int = 1200) -> httpx.Response:
+def _during_a_write_pause(client: httpx.Client, base_url: str, sim: SimProcess, admin: redis.Redis,
+                          pause_ms: int, delay_ms: int = 1200) -> tuple[httpx.Response, float]:
     """A request whose answer comes while every write is held: the pause begins while the upstream is still
-    thinking, so the index entry is queued — and flushed — only after it."""
+    thinking, so the index entry is queued — and flushed — only after it. Returns the answer and when the pause
+    began (``time.monotonic()``, seconds)."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(_ask_slowly, client, base_url, delay_ms)
-        time.sleep(delay_ms / 3000)
+        t = uuid.uuid4().hex
+        fut = pool.submit(_ask_slowly, client, base_url, delay_ms, t)
+        # paused once the upstream has the call: admission's writes are done (a fixed delay_ms / 3 held them too
+        # when a loaded box was slower to admit, and the answer came after the pause)
+        assert wait_for(lambda: sim.tag(t) is not None, timeout_s=30)
         admin.execute_command("CLIENT", "PAUSE", pause_ms, "WRITE")
-        return fut.result()
+        paused_at = time.monotonic()
+        return fut.result(), paused_at
 
 
 @pytest.mark.slow
@@ -67,14 +73,13 @@ def test_feedback_finds_a_request_whose_index_write_is_in_flight(upstream_sim: S
     # a socket timeout longer than the pause: the held writes complete when it ends, nothing fails
     with accounting_gateway(upstream_sim.base_url, server.url, tmp_path, prefix,
                             redis={"socket_timeout_s": 6.0}) as gw, httpx.Client(timeout=30) as client:
-        t0 = time.monotonic()
-        r = _during_a_write_pause(client, gw.base_url, admin, pause_ms=4000)
+        r, paused_at = _during_a_write_pause(client, gw.base_url, upstream_sim, admin, pause_ms=4000)
         assert r.status_code == 200, r.text
         rid = r.headers["x-request-id"]
         # the flush (every 0.2 s) has sent the entry's SET, and Redis holds it: the write is in flight
         assert wait_for(lambda: "set" in _held_writes(admin), timeout_s=2), _held_writes(admin)
         assert admin.exists(prefix + "req:" + rid) == 0
-        assert time.monotonic() - t0 < 3.0  # still inside the pause
+        assert time.monotonic() - paused_at < 3.0  # still inside the pause
         fb = client.post(gw.base_url + "/feedback", headers=AUTH, json={"request_id": rid, "correct": True})
         # it was a 404 request_not_found: the entry was out of the queue and not yet in Redis
         assert fb.status_code == 200, fb.text
@@ -95,8 +100,11 @@ def test_a_failed_index_write_keeps_its_entries(upstream_sim: SimProcess, tmp_pa
             httpx.Client(timeout=30) as client:
         assert _ask_slowly(client, gw.base_url, 0).status_code == 200  # connected, breaker closed
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(_ask_slowly, client, gw.base_url, 1200)
-            time.sleep(0.4)  # admitted; Redis goes before the answer, so before its index entry is written
+            t = uuid.uuid4().hex
+            fut = pool.submit(_ask_slowly, client, gw.base_url, 1200, t)
+            # admitted once the upstream has it (a fixed 0.4 s could stop Redis before admission on a loaded box);
+            # Redis goes before the answer, so before its index entry is written
+            assert wait_for(lambda: upstream_sim.tag(t) is not None, timeout_s=30)
             server.stop()
             r = fut.result()
         assert r.status_code == 200, r.text
