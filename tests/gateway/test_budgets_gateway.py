@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,6 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -30,7 +28,7 @@ import yaml
 from gateway.ledger.event import micro_to_usd
 from gateway.state.limits import estimate
 from tests.fixtures.gateway import ADMIN_SECRET, accounting_gateway, cleanup, create_key, usage_events
-from tests.fixtures.upstream import GatewayServer, SimProcess, sim_tiers, wait_for
+from tests.fixtures.upstream import GatewayServer, SimProcess, hang_up_once_upstream, sim_tiers
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN = {"authorization": f"Bearer {ADMIN_SECRET}"}
@@ -314,24 +312,6 @@ def test_a_refused_escalations_first_answer_is_not_cached(cutting: GatewayServer
     assert again.headers["x-thinkgate-cache"] != "hit"
 
 
-def _hang_up_once_upstream(gw: GatewayServer, path: str, body: dict[str, Any], headers: dict[str, str],
-                           sim: SimProcess, tag: str, after_s: float) -> None:
-    """POST ``body`` on a raw socket and close it once the upstream has the call (``tag``) and ``after_s`` seconds
-    have passed since it was sent: a client read timeout of ``after_s`` alone could hang up before a loaded gateway
-    sent the call at all."""
-    url = urlsplit(gw.base_url)
-    payload = json.dumps(body).encode()
-    fields = {"host": f"{url.hostname}:{url.port}", "content-type": "application/json",
-              "content-length": str(len(payload)), **headers}
-    head = (f"POST {url.path}{path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items())
-            + "\r\n").encode()
-    with socket.create_connection((url.hostname or "127.0.0.1", url.port or 80), timeout=10) as sock:
-        sock.sendall(head + payload)
-        sent = time.monotonic()
-        assert wait_for(lambda: sim.tag(tag) is not None, timeout_s=30), "the call never reached the upstream"
-        time.sleep(max(0.0, sent + after_s - time.monotonic()))
-
-
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_non_streamed_disconnect_cancels_upstream_and_meters_partial(gw: GatewayServer, upstream_sim: SimProcess,
                                                                      redis_url: str, prefix: str, api: str) -> None:
@@ -345,7 +325,7 @@ def test_non_streamed_disconnect_cancels_upstream_and_meters_partial(gw: Gateway
         headers["cache-control"] = "no-store"
     else:
         path, body = "/responses", {"model": "long", "input": "spend", "sim": sim}
-    _hang_up_once_upstream(gw, path, body, headers, upstream_sim, t, after_s=0.8)
+    hang_up_once_upstream(gw, path, body, headers, upstream_sim, t, after_s=0.8)
     rec = upstream_sim.wait_tag_status(t, {"cancelled", "completed"}, timeout_s=10)
     assert rec is not None and rec["status"] == "cancelled", rec
     deadline = time.monotonic() + 10

@@ -21,6 +21,7 @@ from tests.fixtures.upstream import (
     GatewayServer,
     SimProcess,
     StreamRead,
+    hang_up_once_upstream,
     sim_settings,
     start_sim,
     wait_for,
@@ -484,10 +485,9 @@ def test_disconnect_during_a_fallback_bills_the_fallback_call(redis_url: str) ->
             got: list[Any] = []
             gw.app.state.proxy.usage_sinks.append(got.append)
             t = tag()
-            with pytest.raises(httpx.ReadTimeout):  # the client gives up mid-call and closes the connection
-                httpx.post(gw.base_url + "/chat/completions", timeout=1.0,
-                           json={"model": "cheap", "messages": MESSAGES, "sim": {"tag": t}},
-                           headers={"authorization": f"Bearer {TEST_KEY}"})
+            # the client gives up mid-call (once the fallback upstream has it) and closes the connection
+            hang_up_once_upstream(gw, "/chat/completions", {"model": "cheap", "messages": MESSAGES, "sim": {"tag": t}},
+                                  {"authorization": f"Bearer {TEST_KEY}"}, slow, t, after_s=1.0)
             rec = slow.wait_tag_status(t, {"cancelled", "completed"}, timeout_s=10)
             assert rec is not None and rec["status"] == "cancelled", rec  # the fallback call was the one in flight
             assert failing.tag(t) is not None and failing.tag(t)["status"] == "failed"  # the routed tier refused
