@@ -419,11 +419,13 @@ def test_kill_9_before_the_upstream_call_releases_without_counting_a_request(slo
     leader = Stream(gw.base_url, 0, SLOW_CHUNK_MS, same, text)
     _wait_streaming([leader], 4)
     followers = [Stream(gw.base_url, 0, SLOW_CHUNK_MS, same, text) for _ in range(3)]
-    slow_call = {"model": "long", "max_tokens": 16, "sim": {"delay_ms": 25_000},
+    tag = uuid.uuid4().hex
+    slow_call = {"model": "long", "max_tokens": 16, "sim": {"delay_ms": 25_000, "tag": tag},
                  "messages": [{"role": "user", "content": f"non-streamed {uuid.uuid4().hex[:8]}"}]}
     threading.Thread(target=lambda: _post_quietly(gw.base_url, slow_call), daemon=True).start()
     assert wait_for(lambda: client.hlen(k.write_ahead) == 5, 15), client.hlen(k.write_ahead)
-    time.sleep(1.0)  # the non-streamed call is upstream by now
+    # the non-streamed call is upstream (a fixed 1 s assumed it; a loaded box can take longer)
+    assert wait_for(lambda: slow_sim.tag(tag) is not None, 30)
     records = [WalRecord.from_json(raw) for raw in client.hvals(k.write_ahead)]
     gw.kill()
     assert leader.request_id and not any(f.status for f in followers)  # still waiting: no answer begun
