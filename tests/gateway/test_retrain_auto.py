@@ -492,8 +492,13 @@ def _arms(version: str, cheap: tuple[int, int], top: tuple[int, int], checked: t
     """Feedback on ``version``'s answers: (graded, right) of its cheap answers, its top answers, its spot-check
     answers (top answers to questions it sent cheap) and explored answers (cheap answers it did not choose)."""
     out = []
-    for arm, tier, reason, (n, k) in (("c", "short", "predicted", cheap), ("t", "long", "predicted", top),
-                                     ("s", "long", "spot_check", checked), ("e", "short", "explore", explored)):
+    # the cheap arm last: the gateway reads the realised floor every 0.2 s while write_outcomes writes one outcome at
+    # a time, and judges it once realised_min cheap answers are in — written first, they were judged with no
+    # spot-check arm yet (the nesting estimate: a rollback at 40 cheap, 0 spot-checked, in a full run once the fit
+    # was no longer starved). Each arm's right answers come first, so a reading of part of the cheap arm never falls
+    # below the reading of all of it here
+    for arm, tier, reason, (n, k) in (("t", "long", "predicted", top), ("s", "long", "spot_check", checked),
+                                     ("e", "short", "explore", explored), ("c", "short", "predicted", cheap)):
         out += [Outcome(source="feedback", request_id=f"{arm}{i}", key_id="alice", tier=tier, sufficed=i < k,
                         judge="client", router_version=version, route_reason=reason,
                         window_digest=window_digest(_text(False, 20_000 + i)), text=_text(False, 20_000 + i))
