@@ -12,17 +12,20 @@ after all when it could not (:meth:`settle_held`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from gateway.config import TierConfig
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, UpstreamTimeout
 from gateway.ledger.record import UsageRecord
 from gateway.observability import telemetry
+from gateway.upstream.pool import longest_opening
 
 if TYPE_CHECKING:
     from gateway.pipeline.accounting import Accounting
@@ -83,6 +86,31 @@ class Exchange:
         reservations that are as old, and the client waited through it. Per request, not per attempt: a cascade
         of three tiers is one stream, bounded once."""
         return self.started + self.accounting.settings.limits.max_stream_s
+
+    @contextlib.asynccontextmanager
+    async def opening_bound(self) -> AsyncIterator[None]:
+        """The context the current attempt's upstream call opens in (``Proxy._call``). A stream's opening counts
+        against ``limits.max_stream_s`` as the rest of it does (an escalation's call opens with what the first answer
+        left of the bound): the call is cancelled when :meth:`stream_deadline` passes — timed only when the tier's own
+        timeouts could end the opening past it (:func:`~gateway.upstream.pool.longest_opening`; a stream's first call
+        rarely: no timer on the usual path), never for a non-streamed call.
+
+        Raises :class:`~gateway.errors.UpstreamTimeout` (504 ``stream_max_duration``; the record marked partial) when
+        the bound closed the call — no response head yet, or a forced stream's thought phase not answered. The caller
+        meters it as the failed call it was (nothing billed: no 200 came, as for a head that timed out). Before
+        anything reached the client: an escalation's call so fails and ``Proxy._answer`` serves the answer the
+        exchange holds (note ``failed; tier=…; reason=stream_max_duration``); a request's first call is the client's
+        504. (One context for the timer and its failure: one stop on the request's way, bench/request_walk.py.)"""
+        left = self.stream_deadline() - time.monotonic() if self.record.stream else math.inf
+        if left > longest_opening(self.tier):
+            yield
+            return
+        with anyio.move_on_after(left) as scope:
+            yield
+        if scope.cancelled_caught:
+            self.record.partial = True
+            raise UpstreamTimeout(f"upstream of tier {self.tier.name!r} had not answered when the stream reached "
+                                  "limits.max_stream_s", code="stream_max_duration")
 
     @property
     def closed(self) -> bool:

@@ -24,11 +24,10 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -52,7 +51,6 @@ from gateway.pipeline.relay import (
     complete,
     count_answer,
     count_prompt,
-    longest_opening,
     longest_wait,
     meter_closed,
     relay,
@@ -264,7 +262,7 @@ class Proxy:
         unrecorded; a fallback names its tier there before it is sent (``Accounting.write_ahead`` again). Closes
         the exchange and raises the last error when no tier answers. A stream's opening is bounded by the time
         ``limits.max_stream_s`` leaves it (:meth:`Exchange.stream_deadline`): reached, the call is closed and fails
-        with 504 ``stream_max_duration`` (:meth:`_opened_too_late`)."""
+        with 504 ``stream_max_duration`` (:meth:`Exchange.opening_bound`)."""
         route, record = ex.route, ex.record
         await self.accounting.write_ahead(record)
         candidates = [route.tier, *self._fallbacks(route)]
@@ -280,24 +278,19 @@ class Proxy:
                 await self.accounting.write_ahead(record)
             built = upstream_body.build(body, tier, caller.endpoint)
             resp: UpstreamResponse | None = None
-            # a stream's opening counts against limits.max_stream_s as the rest of it does: an escalation's call opens
-            # with what the first answer left of it. Bounded by a timer only when the tier's own timeouts could end
-            # it past the bound (the first call of a stream rarely is: one timer less per request)
-            left = ex.stream_deadline() - time.monotonic() if record.stream else math.inf
-            bound: contextlib.AbstractContextManager[Any] = (
-                anyio.move_on_after(left) if left <= longest_opening(tier) else contextlib.nullcontext())
             try:
-                with span("upstream"), conversation_affinity(body, candidates), bound:
-                    # prompted: forcing is the hard stop above the requested budget unless the upstream cuts
-                    # it (hard_stop: native); with no budget there is nothing to stop, and one pass spares
-                    # phase 2's second prompt
-                    forced = dial.forcing_tier(tier, body)
-                    if forced is not None:
-                        resp = await open_forced(self.upstreams, forced, caller.endpoint, built,
-                                                 functools.partial(count_prompt, self.upstreams, forced))
-                    else:
-                        resp = await self.upstreams.open(tier, ENDPOINT_PATHS[caller.endpoint],
-                                                         orjson.dumps(built), stream=record.stream)
+                async with ex.opening_bound():  # a stream's opening under limits.max_stream_s, or 504 there
+                    with span("upstream"), conversation_affinity(body, candidates):
+                        # prompted: forcing is the hard stop above the requested budget unless the upstream cuts
+                        # it (hard_stop: native); with no budget there is nothing to stop, and one pass spares
+                        # phase 2's second prompt
+                        forced = dial.forcing_tier(tier, body)
+                        if forced is not None:
+                            resp = await open_forced(self.upstreams, forced, caller.endpoint, built,
+                                                     functools.partial(count_prompt, self.upstreams, forced))
+                        else:
+                            resp = await self.upstreams.open(tier, ENDPOINT_PATHS[caller.endpoint],
+                                                             orjson.dumps(built), stream=record.stream)
             except ForcedCallFailed as failed:  # a non-streamed forced call that failed once part of it ran
                 record.partial = True
                 if record.set_usage(failed.usage):  # what is known to have run (phase 1, phase 2 begun), billed
@@ -312,27 +305,12 @@ class Proxy:
             except GatewayError as exc:
                 await ex.close(exc.status, exc.code)
                 raise
-            if resp is None:  # the opening reached limits.max_stream_s (the timer closed the call)
-                await self._opened_too_late(ex)
+            assert resp is not None  # or Exchange.opening_bound raised
             return resp
         assert last is not None
         ex.stamp(route)  # no tier answered (nothing ran, nothing billed): the record keeps the request's route
         await ex.close(last.status, last.code)
         raise last
-
-    async def _opened_too_late(self, ex: Exchange) -> NoReturn:
-        """A stream's upstream call (an escalation's, a fallback's, or the first) still opening — no response head,
-        or a forced stream's thought phase not answered — when the stream reached ``limits.max_stream_s``: the timer
-        closed it; metered as the failed call it was — 504 ``stream_max_duration``, partial, nothing billed (no 200
-        came: nothing is known to have run, as for a call whose head timed out) — and raised as that
-        :class:`UpstreamTimeout`. Before anything reached the client: an escalation's call so fails, and
-        :meth:`_answer` serves the answer the exchange holds (note ``failed; tier=…; reason=stream_max_duration``);
-        a request's first call is the client's 504."""
-        exc = UpstreamTimeout(f"upstream of tier {ex.tier.name!r} had not answered when the stream reached "
-                              "limits.max_stream_s", code="stream_max_duration")
-        ex.record.partial = True
-        await ex.close(exc.status, exc.code)
-        raise exc
 
     async def _parsed(self, resp: UpstreamResponse, ex: Exchange) -> dict[str, Any]:
         """The JSON answer of a non-streamed call; a body that is no JSON object closes the exchange (502) and

@@ -55,7 +55,7 @@ from gateway.openai.usage import (
 )
 from gateway.pipeline.exchange import Exchange
 from gateway.state.limits import requested_choices
-from gateway.upstream.pool import BACKOFF_MAX_S, TOKENIZE_TIMEOUT_S, UpstreamPool
+from gateway.upstream.pool import TOKENIZE_TIMEOUT_S, UpstreamPool, longest_opening
 from gateway.upstream.response import SyntheticResponse, UpstreamResponse, chunk_batches
 
 if TYPE_CHECKING:
@@ -413,14 +413,6 @@ async def count_answer(pool: UpstreamPool, ex: Exchange, data: dict[str, Any], b
     rec.prompt_tokens = await count_prompt(pool, tier, body) if body is not None else 0
     rec.cached_tokens = 0
     return usage_of(rec)
-
-
-def longest_opening(tier: TierConfig) -> float:
-    """Seconds the opening of one streamed call on ``tier`` may last before the upstream's own timeouts end it: each
-    attempt's connect and wait for the response head (``connect_timeout_s`` + ``read_timeout_s``), and the backoff
-    before each retry (at most 1.5 × ``BACKOFF_MAX_S``: the pool's jitter is 0.5–1.5 × the capped backoff)."""
-    return (tier.max_retries + 1) * (tier.connect_timeout_s + tier.read_timeout_s) + \
-        tier.max_retries * 1.5 * BACKOFF_MAX_S
 
 
 def longest_wait(tier: TierConfig) -> float:

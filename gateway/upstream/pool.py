@@ -245,6 +245,14 @@ def read_timeout(tier: TierConfig, stream: bool) -> float:
     return tier.read_timeout_s if stream else tier.response_timeout_s
 
 
+def longest_opening(tier: TierConfig) -> float:
+    """Seconds the opening of one streamed call on ``tier`` may last before the upstream's own timeouts end it: each
+    attempt's connect and wait for the response head (``connect_timeout_s`` + ``read_timeout_s``), and the backoff
+    before each retry (at most 1.5 × ``BACKOFF_MAX_S``: the pool's jitter is 0.5–1.5 × the capped backoff)."""
+    return (tier.max_retries + 1) * (tier.connect_timeout_s + tier.read_timeout_s) + \
+        tier.max_retries * 1.5 * BACKOFF_MAX_S
+
+
 class UpstreamPool:
     """Pooled connections for every upstream in ``tiers``; close with :meth:`aclose`."""
 

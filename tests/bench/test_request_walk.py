@@ -7,6 +7,11 @@ between the handler and the upstream call, a helper module the way keeps leaving
 41 since stop 48, on purpose: an escalation whose retry cannot be served leaves the client the first tier's answer
 (it was a 502), so the retry settles the attempt it holds (``Exchange.settle_held``) — one stop, on the escalation's
 retry after the first upstream call, not between the handler and it. Issue 23's 40 is not met by that one stop.
+
+42 since stop 54, on purpose: a stream's upstream call opens under the time ``limits.max_stream_s`` leaves it
+(``Exchange.opening_bound``: the timer and its 504 in one context) — an escalation whose next tier sent no response
+head held the client for the read timeout (11.5 s on a 2 s bound). First written as three stops (the deadline, the
+tiers' opening time, the failure) and a return; folded into one.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import pytest
 from bench.request_walk import END, Graph, main, measure
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_STOPS = 41
+MAX_STOPS = 42
 MAX_RETURNS = 12
 
 
