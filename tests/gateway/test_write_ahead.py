@@ -41,7 +41,7 @@ from gateway.state.spool import Spool
 from gateway.state.write_ahead import WalRecord, WriteAhead
 from tests.fixtures.crash_process import DurableRedis, FreezingProxy, GatewayProcess
 from tests.fixtures.gateway import ADMIN_SECRET, SECRETS, cleanup, keys_config
-from tests.fixtures.upstream import SimProcess, sim_tiers, start_sim, wait_for
+from tests.fixtures.upstream import SimProcess, hang_up_when, sim_tiers, start_sim, wait_for
 
 SLOW_CHUNK_MS = 250  # ~48 chunks per answer: ~12 s of streaming, long enough to be killed mid-stream
 FAST_CHUNK_MS = 5
@@ -471,15 +471,25 @@ def test_kill_9_after_a_wait_that_ended_upstream_settles_the_calls_as_lost(slow_
     cfg = crash.config(slow_sim)
     gw = crash.gateway(cfg)
     k, client = crash.keys, crash.client
-    body = {"model": "long", "max_tokens": 16, "temperature": 0, "sim": {"delay_ms": 6_000},
+    body = {"model": "long", "max_tokens": 16, "temperature": 0, "sim": {"delay_ms": 12_000},
             "messages": [{"role": "user", "content": f"single flight {uuid.uuid4().hex[:8]}"}]}
-    leader = threading.Thread(target=lambda: _post_quietly(gw.base_url, body, timeout_s=2.0), daemon=True)
+    all_waiting = threading.Event()
+
+    def three_wait() -> bool:
+        if sum(WalRecord.from_json(raw).waiting for raw in client.hvals(k.write_ahead)) == 3:
+            all_waiting.set()
+        return all_waiting.is_set()
+
+    # the leader hangs up once the 3 wait on its lock (the marks go as each then calls the upstream itself): at a
+    # fixed 2 s client timeout a loaded box had not marked all 3 yet, and the window closed unseen (a CI run)
+    leader = threading.Thread(target=hang_up_when, daemon=True, args=(
+        gw, "/chat/completions", body, {"authorization": f"Bearer {SECRETS['alice']}"}, three_wait))
     leader.start()
     assert wait_for(lambda: client.hlen(k.write_ahead) == 1, 15)
     for _ in range(3):
         threading.Thread(target=lambda: _post_quietly(gw.base_url, body), daemon=True).start()
-    assert wait_for(lambda: sum(WalRecord.from_json(raw).waiting for raw in client.hvals(k.write_ahead)) == 3, 10)
-    leader.join(10)  # hung up after 2 s: its call is cancelled, its lock released without an answer
+    leader.join(40)  # hung up: its call is cancelled, its lock released without an answer
+    assert all_waiting.is_set(), "the 3 never waited on the leader's lock together"
     assert wait_for(lambda: any(not e.audit for e in crash.ledger()), 10)  # the leader's, 499
     assert wait_for(lambda: client.hlen(k.write_ahead) == 3
                     and not any(WalRecord.from_json(raw).waiting for raw in client.hvals(k.write_ahead)), 10)
