@@ -40,7 +40,8 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import GatewayError, InvalidRequest, UpstreamError
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.stream_index import stream_index
 
 TRANSLATED = ("model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "metadata",
               "stream", "tools", "tool_choice", "thinking")
@@ -71,23 +72,6 @@ class Thinking:
 def new_id(prefix: str = "msg") -> str:
     """``<prefix>_<32 hex>`` (``msg``, ``toolu``)."""
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _stream_index(part: dict[str, Any], what: str) -> int:
-    """The ``index`` of a streamed choice or tool call (``what``): absent or null is 0, as the relay's tally and
-    assembler read it. Raises :class:`~gateway.errors.UpstreamError` for an index that is no integer ("x", "0", 0.5,
-    true): which choice or call the delta belongs to is unknown — relayed under a guess it is spliced into another
-    one, skipped it is dropped while the message ends as whole (``end_turn``)."""
-    index = part.get("index")
-    if index is None:
-        return 0
-    if not _is_int(index):
-        raise UpstreamError(f"the upstream sent a {what} index that is no integer")
-    return int(index)
 
 
 def _block_text(block: dict[str, Any]) -> str:
@@ -511,7 +495,7 @@ class MessageStream:
             self.message["model"] = chunk["model"]
         out: list[bytes] = [self.start()]
         for c in chunk.get("choices") or ():
-            if _stream_index(c, "choice") != 0:
+            if stream_index(c, "choice") != 0:
                 continue
             delta = c.get("delta") or {}
             thought = (_text(delta.get("reasoning")) or _text(delta.get("reasoning_content"))) if self._thinking \
@@ -527,7 +511,7 @@ class MessageStream:
                 self.message["content"][-1]["text"] += text
                 out.append(self._delta({"type": "text_delta", "text": text}))
             for call, fn in _calls(delta):
-                ci = _stream_index(call, "tool call")
+                ci = stream_index(call, "tool call")
                 if self._kind != "tool_use" or self._call_index != ci:
                     out += self._start_block("tool_use", {"type": "tool_use",
                                                           "id": _text(call.get("id")) or new_id("toolu"),

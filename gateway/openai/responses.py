@@ -29,7 +29,8 @@ from typing import Any
 import orjson
 
 from gateway.config.routing import OPENAI_REASONING_EFFORTS
-from gateway.errors import InvalidRequest, UpstreamError
+from gateway.errors import InvalidRequest
+from gateway.stream_index import stream_index
 
 #: Responses fields with no meaning on a chat upstream that the gateway refuses rather than ignore silently.
 REFUSED = ("background", "conversation", "prompt")
@@ -387,19 +388,6 @@ def _text(v: Any) -> str:
     return v if isinstance(v, str) else ""
 
 
-def _stream_index(part: dict[str, Any], what: str) -> int:
-    """The ``index`` of a streamed choice or tool call (``what``): absent or null is 0, as the relay's tally and
-    assembler read it. Raises :class:`~gateway.errors.UpstreamError` for an index that is no integer ("x", "0", 0.5,
-    true): which choice or call the delta belongs to is unknown — relayed under a guess it is spliced into another
-    one, skipped it is dropped while the response ends as ``completed``."""
-    index = part.get("index")
-    if index is None:
-        return 0
-    if not _is_int(index):
-        raise UpstreamError(f"the upstream sent a {what} index that is no integer")
-    return int(index)
-
-
 def _calls(part: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(call, its ``function``) for each tool call of a chat ``message`` or ``delta`` that is an object (a
     ``function`` that is none counts as empty); malformed ones skipped, as :func:`_text` skips text."""
@@ -562,7 +550,7 @@ class EventStream:
             self.response["model"] = chunk["model"]
         out: list[bytes] = [self.start()]
         for c in chunk.get("choices") or ():
-            if _stream_index(c, "choice") != 0:
+            if stream_index(c, "choice") != 0:
                 continue
             delta = c.get("delta") or {}
             r = _text(delta.get("reasoning")) or _text(delta.get("reasoning_content"))
@@ -590,7 +578,7 @@ class EventStream:
 
     def _tool_delta(self, call: dict[str, Any], fn: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
-        ci = _stream_index(call, "tool call")
+        ci = stream_index(call, "tool call")
         if self._open is None or self._open.kind != "call" or self._open.call_index != ci:
             item = _call_item(call, {"name": fn.get("name")}, new_id("fc"), "in_progress")
             out += self._begin("call", item, call_index=ci)
