@@ -17,10 +17,10 @@ import redis
 from gateway.ledger.outcome import Outcome
 from router.fit import promote
 from tests.fixtures.gateway import gateway_settings
-from tests.fixtures.outcomes import serving_router, write_outcomes
+from tests.fixtures.outcomes import retrain_replica, serving_router, write_outcomes
 from tests.gateway.test_retrain_auto import _graded
 from tests.gateway.test_retrain_auto import _router as _retrain_router
-from tests.gateway.test_router_transitions import _replica, _text
+from tests.gateway.test_router_transitions import _text
 
 LOCK_TTL_S = 1
 FIT_S = 3.5  # the slow fit: past three TTLs
@@ -54,7 +54,7 @@ def test_a_fit_longer_than_the_lock_ttl_keeps_the_lock(redis_url: str, redis_pre
     lock = redis_prefix + "router:lock"
 
     async def go() -> None:
-        first, second = _replica(settings, redis_url, redis_prefix), _replica(settings, redis_url, redis_prefix)
+        first, second = (retrain_replica(settings, redis_url, redis_prefix) for _ in range(2))
         try:
             fitting = asyncio.create_task(first.fit_once(20))
             deadline = time.monotonic() + 20.0
@@ -103,7 +103,7 @@ def test_a_fit_that_lost_the_lock_drops_its_promotion(redis_url: str, redis_pref
     monkeypatch.setattr(promote, "fit_and_save", losing_fit)
 
     async def go() -> None:
-        trigger = _replica(settings, redis_url, redis_prefix)
+        trigger = retrain_replica(settings, redis_url, redis_prefix)
         try:
             assert await trigger.fit_once(1460) is None
             assert rdb.get(lock) == b"another-replica"

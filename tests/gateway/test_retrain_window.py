@@ -14,8 +14,8 @@ import redis
 from gateway.ledger.outcome import Outcome
 from router.fit import promote
 from tests.fixtures.gateway import gateway_settings
-from tests.fixtures.outcomes import serving_router, write_outcomes
-from tests.gateway.test_router_transitions import _replica, _text
+from tests.fixtures.outcomes import retrain_replica, serving_router, write_outcomes
+from tests.gateway.test_router_transitions import _text
 
 WRITTEN = 1200
 MAX_OUTCOMES = 1000
@@ -46,7 +46,7 @@ def test_a_fit_and_a_realised_check_read_the_newest_max_outcomes(redis_url: str,
     newest = [f"r{i}" for i in range(WRITTEN - MAX_OUTCOMES, WRITTEN)]
 
     async def go() -> None:
-        trigger = _replica(settings, redis_url, redis_prefix)
+        trigger = retrain_replica(settings, redis_url, redis_prefix)
         try:
             assert await trigger.check_realised() is None
             assert trigger.realised_last is not None and trigger.realised_last["n"] == MAX_OUTCOMES  # read 1,200

@@ -16,16 +16,11 @@ from typing import Any
 import pytest
 import redis
 
-from gateway.config import RedisConfig
-from gateway.control.outcomes import OutcomeStore, outcome_spool_path
-from gateway.control.retrain_trigger import RetrainTrigger, file_digest
+from gateway.control.retrain_trigger import file_digest
 from gateway.ledger.outcome import Outcome
-from gateway.state.breaker import Breaker
-from gateway.state.redis import connect
 from router.persistence import RouterFileError, load_router, save_router
-from router.serving import RouterService
 from tests.fixtures.gateway import gateway_settings
-from tests.fixtures.outcomes import serving_router, write_outcomes
+from tests.fixtures.outcomes import retrain_replica, serving_router, write_outcomes
 
 
 def _text(hard: bool, i: int) -> str:
@@ -39,14 +34,6 @@ def _settings(tmp: Path, redis_url: str, prefix: str, configured: Path, state_di
                             routing={"router_path": str(configured), "routed_tiers": ["short", "long"],
                                      "retrain": {"every_outcomes": 10**6, "state_dir": str(state_dir),
                                                  "realised_min": 10, "readopt_after_s": 1}})
-
-
-def _replica(settings: Any, redis_url: str, prefix: str) -> RetrainTrigger:
-    """A replica's trigger as ``create_app`` builds it (its own connection and breaker)."""
-    handle = connect(RedisConfig(url=redis_url, key_prefix=prefix))
-    breaker = Breaker(5.0)
-    store = OutcomeStore(settings.routing.outcomes, handle, breaker, outcome_spool_path(settings))
-    return RetrainTrigger(settings, RouterService.from_config(settings.routing), handle, breaker, store)
 
 
 def _write(base: Path, path: Path, version: str, cut: float) -> bytes:
@@ -87,7 +74,7 @@ def test_router_bad_names_a_rolled_back_router_by_its_bytes(redis_url: str, redi
         return {k.decode(): v.decode() for k, v in rdb.hgetall(redis_prefix + "router:current").items()}
 
     async def go() -> None:
-        trigger = _replica(settings, redis_url, redis_prefix)
+        trigger = retrain_replica(settings, redis_url, redis_prefix)
         try:
             rolled_back = _write(before, configured, "operator-1", 0.5)
             assert await trigger.adopt_configured()
@@ -163,7 +150,7 @@ def test_a_replica_with_a_state_dir_of_its_own_keeps_its_own_copy(redis_url: str
     rdb.set(redis_prefix + "router:configured", file_digest(conf_a.read_bytes()))
 
     async def go() -> None:
-        a, b = _replica(set_a, redis_url, redis_prefix), _replica(set_b, redis_url, redis_prefix)
+        a, b = retrain_replica(set_a, redis_url, redis_prefix), retrain_replica(set_b, redis_url, redis_prefix)
         try:
             assert await b.follow() and b.service.version == "old-noise"
             new = _write(before, conf_a, "operator-1", 0.4)
@@ -204,7 +191,7 @@ def test_a_transition_by_a_replica_of_the_earlier_release_is_followed_by_its_pat
     rdb.set(redis_prefix + "router:configured", file_digest(configured.read_bytes()))
 
     async def go() -> None:
-        trigger = _replica(settings, redis_url, redis_prefix)
+        trigger = retrain_replica(settings, redis_url, redis_prefix)
         try:
             first = _write(before, configured, "operator-1", 0.4)
             assert await trigger.adopt_configured() and await trigger.follow()

@@ -19,8 +19,8 @@ import redis
 
 from gateway.control.retrain_trigger import file_digest
 from tests.fixtures.gateway import gateway_settings
-from tests.fixtures.outcomes import serving_router
-from tests.gateway.test_router_by_content import _replica, _text, _write
+from tests.fixtures.outcomes import retrain_replica, serving_router
+from tests.gateway.test_router_by_content import _text, _write
 
 HOUR = 3600.0
 
@@ -94,7 +94,7 @@ def test_a_transition_removes_router_files_no_longer_in_use_and_nothing_else(red
     rdb.set(redis_prefix + "router:configured", file_digest(conf_a.read_bytes()))
 
     async def go() -> None:
-        a, b = _replica(set_a, redis_url, redis_prefix), _replica(set_b, redis_url, redis_prefix)
+        a, b = retrain_replica(set_a, redis_url, redis_prefix), retrain_replica(set_b, redis_url, redis_prefix)
         late = None
         try:
             copies = []
@@ -117,7 +117,7 @@ def test_a_transition_removes_router_files_no_longer_in_use_and_nothing_else(red
             assert await b.follow() and b.service.path == copies[2]
             assert _names(shared) == {c.name for c in copies} | set(routers[:2]) | others
             set_late = _settings(tmp_path, redis_url, redis_prefix, "late", conf_b, shared, 2)
-            late = _replica(set_late, redis_url, redis_prefix)
+            late = retrain_replica(set_late, redis_url, redis_prefix)
             assert await late.follow() and late.service.path == copies[2]
             assert _names(shared) == {copies[1].name, copies[2].name} | set(routers[:2]) | others
             assert not set(leftovers) & _names(shared)
@@ -146,7 +146,7 @@ def test_keep_files_null_removes_nothing(redis_url: str, redis_prefix: str, tmp_
     rdb.set(redis_prefix + "router:configured", file_digest(conf.read_bytes()))
 
     async def go() -> None:
-        a = _replica(settings, redis_url, redis_prefix)
+        a = retrain_replica(settings, redis_url, redis_prefix)
         try:
             data = _write(before, conf, "operator-1", 0.4)
             assert await a.adopt_configured() and await a.follow()
@@ -172,7 +172,7 @@ def test_no_state_dir_yet_is_nothing_to_prune(redis_url: str, redis_prefix: str,
     rdb.hset(redis_prefix + "router:current", mapping={"path": str(before), "version": "old-noise"})
 
     async def go() -> None:
-        a = _replica(settings, redis_url, redis_prefix)
+        a = retrain_replica(settings, redis_url, redis_prefix)
         try:
             with caplog.at_level(logging.WARNING, logger="thinkgate.retrain"):
                 assert await a.follow() and a.service.version == "old-noise"

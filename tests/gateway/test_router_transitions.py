@@ -18,16 +18,11 @@ from typing import Any
 import orjson
 import redis
 
-from gateway.config import RedisConfig
-from gateway.control.outcomes import OutcomeStore, outcome_spool_path
-from gateway.control.retrain_trigger import RetrainTrigger, file_digest
+from gateway.control.retrain_trigger import file_digest
 from gateway.ledger.outcome import Outcome
-from gateway.state.breaker import Breaker
-from gateway.state.redis import connect
 from router.persistence import load_router, save_router
-from router.serving import RouterService
 from tests.fixtures.gateway import gateway_settings
-from tests.fixtures.outcomes import serving_router, write_outcomes
+from tests.fixtures.outcomes import retrain_replica, serving_router, write_outcomes
 
 RUNS = 40  # the bad interleaving showed in most runs before the fix; bounded by TIME_S too
 TIME_S = 90.0
@@ -37,14 +32,6 @@ def _text(hard: bool, i: int) -> str:
     rng = random.Random(i)
     return f"question {i}: " + " ".join(rng.sample(["prove", "integral", "theorem", "derive"] if hard
                                                     else ["capital", "color", "name", "city"], 3))
-
-
-def _replica(settings: Any, redis_url: str, prefix: str) -> RetrainTrigger:
-    """A replica's trigger as ``create_app`` builds it (its own connection and breaker)."""
-    handle = connect(RedisConfig(url=redis_url, key_prefix=prefix))
-    breaker = Breaker(5.0)
-    store = OutcomeStore(settings.routing.outcomes, handle, breaker, outcome_spool_path(settings))
-    return RetrainTrigger(settings, RouterService.from_config(settings.routing), handle, breaker, store)
 
 
 def _replay(start: dict[str, str], events: list[dict[str, Any]]) -> dict[str, str]:
@@ -81,7 +68,7 @@ def test_an_adoption_racing_a_rollback_ends_in_a_state_its_audit_events_lead_to(
     rdb = redis.Redis.from_url(redis_url)
 
     async def race() -> dict[str, int]:
-        adopter, checker = _replica(settings, redis_url, redis_prefix), _replica(settings, redis_url, redis_prefix)
+        adopter, checker = (retrain_replica(settings, redis_url, redis_prefix) for _ in range(2))
         seen = {"rollback then promote": 0, "promote only": 0, "other": 0}
         deadline = time.monotonic() + TIME_S
         try:
@@ -141,7 +128,7 @@ def test_a_superseded_promotion_names_no_path_to_a_tenant(redis_url: str, redis_
                                                        "previous": str(before), "previous_version": "old"})
 
     async def go() -> dict[str, Any]:
-        trigger = _replica(settings, redis_url, redis_prefix)
+        trigger = retrain_replica(settings, redis_url, redis_prefix)
         try:
             candidate = tmp_path / "routers" / "router-auto-1.skops"
             event: dict[str, Any] = {"event": "promote", "ts": time.time(), "version": "auto-1", "previous": "old",
@@ -184,7 +171,7 @@ def test_a_promotion_reaches_a_replica_with_a_state_dir_of_its_own(redis_url: st
     rdb = redis.Redis.from_url(redis_url)
 
     async def go() -> tuple[str | None, str | None]:
-        fitter, other = (_replica(settings(n), redis_url, redis_prefix) for n in ("a", "b"))
+        fitter, other = (retrain_replica(settings(n), redis_url, redis_prefix) for n in ("a", "b"))
         try:
             event: dict[str, Any] = {"event": "promote", "ts": time.time(), "version": "auto-1",
                                      "previous": "old-noise", "path": str(candidate), "outcomes": 10, "reason": "x"}
@@ -229,7 +216,7 @@ def test_a_fit_releases_the_lock_only_while_it_holds_it(redis_url: str, redis_pr
     lock = redis_prefix + "router:lock"
 
     async def go() -> None:
-        trigger = _replica(settings, redis_url, redis_prefix)
+        trigger = retrain_replica(settings, redis_url, redis_prefix)
         try:
             async def lose_the_lock() -> None:  # what its expiry and another replica's SET NX come to
                 deadline = time.monotonic() + 20.0
@@ -280,7 +267,7 @@ def test_a_replica_that_cannot_keep_the_published_router_warns_and_ticks_on(
         raise OSError(28, "No space left on device")
 
     async def go() -> tuple[bool, str | None]:
-        fitter, other = (_replica(settings(n), redis_url, redis_prefix) for n in ("a", "b"))
+        fitter, other = (retrain_replica(settings(n), redis_url, redis_prefix) for n in ("a", "b"))
         try:
             event: dict[str, Any] = {"event": "promote", "ts": time.time(), "version": "auto-1",
                                      "previous": "old-noise", "path": str(candidate), "outcomes": 10, "reason": "x"}
