@@ -101,20 +101,21 @@ async def test_dead_letters_counted_while_replicas_are_short_are_kept_unacked(re
 
 async def test_a_wait_longer_than_the_socket_timeout_leaves_the_breaker_closed(redis_sentinel: SentinelSet,
                                                                                tmp_path: Path) -> None:
-    """A replica slow to acknowledge says nothing about the master: a WAIT whose read times out (1 s against
-    ``socket_timeout_s`` 0.25) is 0 acknowledgements, the breaker stays closed (it opened: the gateway's Redis-down
+    """A replica slow to acknowledge says nothing about the master: a WAIT whose read times out (3 s against
+    ``socket_timeout_s`` 1.0) is 0 acknowledgements, the breaker stays closed (it opened: the gateway's Redis-down
     mode for one lagging replica). After a shortfall the next batches skip the WAIT for ``ACK_BACKOFF_S``: a down
-    replica held every batch for the whole timeout."""
+    replica held every batch for the whole timeout. (A batch that sent the WAIT takes at least the socket timeout, so
+    0.9 s tells the two apart with room for a loaded box: at 0.25 s the margin was 0.2 s.)"""
     prefix, spool = f"tgack{uuid.uuid4().hex[:6]}:", tmp_path / "spool.jsonl"
-    async with stack(redis_sentinel.url, prefix, spool, socket_timeout_s=0.25, replica_acks=3,
-                     replica_ack_timeout_ms=1000) as st:
+    async with stack(redis_sentinel.url, prefix, spool, socket_timeout_s=1.0, replica_acks=3,
+                     replica_ack_timeout_ms=3000) as st:
         t0 = time.monotonic()
         assert [r.stored for r in await st.meter.record_many(_events(2))] == ["redis", "redis"]
-        assert time.monotonic() - t0 >= 0.2  # it did wait (for the socket timeout)
+        assert time.monotonic() - t0 >= 0.9  # it did wait (for the socket timeout)
         assert not st.breaker.is_open
         t1 = time.monotonic()
         assert [r.stored for r in await st.meter.record_many(_events(2))] == ["redis", "redis"]
-        assert time.monotonic() - t1 < 0.2  # within ACK_BACKOFF_S: no WAIT
+        assert time.monotonic() - t1 < 0.9  # within ACK_BACKOFF_S: no WAIT (one would take the socket timeout)
         assert len(st.meter.unacked.read_all()) == 4 and not st.breaker.is_open
 
 
