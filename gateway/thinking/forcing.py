@@ -294,21 +294,25 @@ class ForcedBudget:
                     raise UpstreamError(f"upstream of tier {self.tier.name!r} sent an error: {PhaseError(item)}")
                 meta = meta or {k: data[k] for k in ("id", "created", "model") if k in data}
                 usage = data.get("usage") or usage
-                for c in data.get("choices") or ():
+                # what the upstream sent in the wrong shape is skipped, as the plain stream assembler skips it
+                # (gateway.openai.chunks): int() of an index "x" raised here — a 500 after the upstream was paid
+                for c in _dicts(data.get("choices")):
                     finish = c.get("finish_reason") or finish
                     if self.endpoint == "completions":
-                        text.append(c.get("text") or "")
+                        text.append(_text(c.get("text")))
                         continue
-                    delta = c.get("delta") or {}
-                    reasoning.append(delta.get("reasoning") or "")
-                    text.append(delta.get("content") or "")
-                    for call in delta.get("tool_calls") or ():
-                        slot = calls.setdefault(int(call.get("index") or 0), {
+                    delta: dict[str, Any] = d if isinstance(d := c.get("delta"), dict) else {}
+                    reasoning.append(_text(delta.get("reasoning")))
+                    text.append(_text(delta.get("content")))
+                    for call in _dicts(delta.get("tool_calls")):
+                        index, fn = call.get("index") or 0, call.get("function") or {}
+                        if type(index) is not int or not isinstance(fn, dict):
+                            continue
+                        slot = calls.setdefault(index, {
                             "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-                        fn = call.get("function") or {}
                         slot["id"] = call.get("id") or slot["id"]
-                        slot["function"]["name"] = fn.get("name") or slot["function"]["name"]
-                        slot["function"]["arguments"] += fn.get("arguments") or ""
+                        slot["function"]["name"] = _text(fn.get("name")) or slot["function"]["name"]
+                        slot["function"]["arguments"] += _text(fn.get("arguments"))
         except GatewayError as exc:
             source: UsageSource = "counted"
             if not usage and (reported := await self.spent()) is not None:
@@ -549,3 +553,14 @@ async def open_forced(
     chunks = forced.stream(body)
     first = await chunks.__anext__()
     return SyntheticResponse(events=chunks, head=[[first]], counted_on_failure=True, spent=forced.spent)
+
+
+def _dicts(items: Any) -> list[dict[str, Any]]:
+    """The objects of a JSON array an upstream sent (``choices``, ``tool_calls``); anything else in it, or an
+    ``items`` that is no array, is nothing."""
+    return [x for x in items if isinstance(x, dict)] if isinstance(items, list) else []
+
+
+def _text(value: Any) -> str:
+    """``value`` when it is text, else ``""`` (a malformed part an upstream sent is skipped)."""
+    return value if isinstance(value, str) else ""

@@ -647,3 +647,23 @@ def test_a_phase_1_that_fails_once_it_reported_is_billed_that_report(
         assert ev.error_code == (code if ev.stream else info.value.body["code"])  # type: ignore[index]
         assert (ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens, ev.reasoning_tokens) == (1000, 400, 7, 7)
         assert ev.cost_micro_usd > 0
+
+
+@pytest.mark.parametrize("index", ["x", [0], 1.5], ids=["string", "list", "float"])
+def test_a_non_streamed_forced_answer_skips_a_tool_call_whose_index_is_no_integer(
+        forced: tuple[GatewayServer, list[UsageRecord]], index: Any) -> None:
+    """A forced, non-streamed call whose phases carry a tool-call delta under an ``index`` that is no integer: the
+    answer is served as the stream assembler serves a plain one (``gateway.openai.chunks``: the call skipped),
+    billed as reported. ``int(index)`` raised mid-assembly on ``"x"`` and ``[0]``: a 500 after the upstream was
+    paid (and the SDKs retry a 500); ``1.5`` was filed under call 1."""
+    gw, records = forced
+    before = len(records)
+    call = {"index": index, "id": "call_x", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    chunk = {"choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]}
+    answer = _client(gw).chat.completions.create(model="short", messages=MESSAGES,
+                                                 extra_body={"sim": {"inject": chunk}})
+    assert answer.choices[0].message.content and answer.choices[0].message.content.startswith("echo:")
+    assert not answer.choices[0].message.tool_calls
+    assert wait_for(lambda: len(records) == before + 1, timeout_s=10)
+    rec = records[-1]
+    assert (rec.status, rec.error_code, rec.usage_source) == (200, None, "upstream")
