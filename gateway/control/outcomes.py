@@ -371,18 +371,18 @@ class OutcomeStore:
         """The newest ``limit`` outcomes of the stream (fewer when it holds fewer), oldest first, read newest first
         in pages of ``page`` entries (``XREVRANGE … COUNT``). Raises RedisDown."""
         top = "+"
-        newest_first: list[Outcome] = []
+        newest_first: list[bytes] = []
         while len(newest_first) < limit:
             count = min(page, limit - len(newest_first))
             batch = await self.breaker.call(
                 lambda t=top, c=count: self.redis.xrevrange(self.keys.outcomes, max=t, min="-", count=c)) or []  # type: ignore[misc]
-            newest_first += [Outcome.from_json(as_bytes((f or {})[b"o"])) for _, f in batch]
+            newest_first += [as_bytes((f or {})[b"o"]) for _, f in batch]
             if len(batch) < count:
                 break
             last = batch[-1][0]
             top = "(" + (last.decode() if isinstance(last, bytes) else str(last))
-        newest_first.reverse()
-        return newest_first
+        # parsed in a worker thread: ~1 s for 100,000 on this box, which held the event loop (bench/outcome_read_lag.py)
+        return await asyncio.to_thread(lambda: [Outcome.from_json(raw) for raw in reversed(newest_first)])
 
     async def outcomes(self, since_ts: float | None = None, page: int = 1000) -> list[Outcome]:
         """Every outcome written at or after ``since_ts`` (epoch seconds), oldest first. Raises RedisDown."""

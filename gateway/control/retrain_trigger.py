@@ -107,6 +107,7 @@ import orjson
 
 from gateway.config import RetrainConfig, Settings
 from gateway.control.outcomes import OutcomeStore
+from gateway.ledger.outcome import Outcome
 from gateway.state.batches import new_token
 from gateway.state.breaker import Breaker, RedisDown
 from gateway.state.redis import RedisHandle, as_bytes
@@ -681,7 +682,10 @@ class RetrainTrigger:
     async def _recent_outcomes(self) -> list[dict[str, Any]]:
         """The newest ``max_outcomes`` outcomes, oldest first, as the fit code reads them (dicts). Raises
         :class:`RedisDown`."""
-        return [orjson.loads(o.to_json()) for o in await self.outcomes.newest(self.cfg.max_outcomes)]
+        outcomes = await self.outcomes.newest(self.cfg.max_outcomes)  # parsed a page (1,000) per await
+        # in a worker thread: on the loop, the newest 100,000 held it for ~1 s at every fit and every realised-floor
+        # check (one per realised_min // 3 outcomes) — every request on the fitting replica waited that long
+        return await asyncio.to_thread(_as_dicts, outcomes)
 
     async def _take_lock(self) -> bool:
         """The fit lock: taken now, or already this trigger's (a Redis failure after a fit started can leave it
@@ -845,8 +849,8 @@ class RetrainTrigger:
             return None
         outcomes = await self._recent_outcomes()
         from router.fit import realised  # lazy: only with routing.retrain on (listed in the contract)
-        real = realised.realised(outcomes, c["version"], self.top, self.cfg.floor,
-                                 spot_check_min=self.cfg.spot_check_min)
+        real = await asyncio.to_thread(realised.realised, outcomes, c["version"], self.top, self.cfg.floor,
+                                       spot_check_min=self.cfg.spot_check_min)  # off the loop, as the read
         self.realised_last = {"version": c["version"], **real}
         reading = orjson.dumps(self.realised_last)
         await self.breaker.call(lambda: self.redis.set(self.k_realised, reading))
@@ -879,6 +883,11 @@ class RetrainTrigger:
         await self._write([self.follow])  # a Redis failure: followed at the next tick
         log.warning("retrain: rollback to %s: %s", event["version"], event["reason"])
         return event
+
+
+def _as_dicts(outcomes: list[Outcome]) -> list[dict[str, Any]]:
+    """``outcomes`` as the fit and realised-floor code read them: one dict per outcome, every field present."""
+    return [orjson.loads(o.to_json()) for o in outcomes]
 
 
 def attach(settings: Settings, routing: Any, handle: RedisHandle, breaker: Breaker,

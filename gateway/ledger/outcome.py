@@ -82,5 +82,8 @@ class Outcome:
     def from_json(cls, raw: bytes | str) -> Outcome:
         """Parse one record, ignoring unknown fields (written by a newer version)."""
         data: dict[str, Any] = orjson.loads(raw)
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return cls(**{k: v for k, v in data.items() if k in _FIELD_NAMES})
+
+
+# read once: dataclasses.fields() per record was a fifth of parsing the newest 100,000 outcomes (1.26 s → 0.98 s here)
+_FIELD_NAMES = frozenset(f.name for f in fields(Outcome))
