@@ -292,8 +292,10 @@ class ReplayProcess:
         self.root = f"http://127.0.0.1:{self.port}"
         self.base_url = self.root + "/v1"
         flags = [a for m, s in pairs for a in ("--ladder", f"{m}:{s}")]
-        self.cmd = [python or sys.executable, "-m", "bench.traces.replay_upstream", "--traces", str(traces),
-                    "--dataset", dataset, "--port", str(self.port), *flags]
+        # resolved here: the process runs in the repository (cwd below), where a path relative to the caller's
+        # directory names nothing ("--traces ../data/traces" from a subdirectory: "no recording for …")
+        self.cmd = [python or sys.executable, "-m", "bench.traces.replay_upstream",
+                    "--traces", str(Path(traces).resolve()), "--dataset", dataset, "--port", str(self.port), *flags]
         self.timeout_s = timeout_s
         self.proc: Any = None
 

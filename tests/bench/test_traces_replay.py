@@ -276,3 +276,14 @@ def test_cascade_climbs_every_tier_that_checks_its_answer(replay: ReplayProcess,
                 by_tier["top"].completion_tokens) == (7, 44, 310)
         assert by_tier["mid"].route_reason == "escalated" and by_tier["mid"].error_code == "escalated_abstain"
         assert by_tier["top"].route_reason == "escalated" and by_tier["top"].error_code is None
+
+
+def test_a_traces_path_relative_to_the_callers_directory_is_found(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``thinkgate bench learn --traces ../data/traces`` from a subdirectory: the replay process runs in the
+    repository, where the relative path named nothing ("no recording for M:cheap in frames")."""
+    write_traces(tmp_path / "traces")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with ReplayProcess(Path("../traces"), "frames", [("M", "cheap")], timeout_s=30) as r:
+        assert httpx.get(r.root + "/health", timeout=5).status_code == 200
