@@ -88,7 +88,7 @@ def parse_time(value: str | float | None) -> float | None:
     try:
         dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        raise ExportError(f"cannot read time {value!r} (YYYY-MM-DD, ISO-8601 or epoch seconds)") from None
+        raise ExportError(f"cannot read time {value!r} (YYYY-MM-DD, YYYYMMDD, ISO-8601 or epoch seconds)") from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=UTC)
     return _in_range(dt.timestamp(), value)
