@@ -125,6 +125,11 @@ def _print(path: Path, entries: list[Entry]) -> None:
     from rich.table import Table
 
     s = _summary(entries)
+    if not path.exists():  # "0 lines" of a file that is not there read as "checked, nothing set aside"
+        typer.echo(f"thinkgate: {path}: no such file — nothing was set aside there. A relative metering.spool_path "
+                   "is read from the current directory: run this where the gateway runs, or give its --config or "
+                   "--file", err=True)
+        return
     typer.echo(f"thinkgate: {path}: {s['lines']} lines: {s['counted']} counted, {s['absent']} absent "
                f"({s['absent_cost_micro_usd']} micro-USD), {s['unusable']} unusable, {s['unverifiable']} unverifiable",
                err=True)

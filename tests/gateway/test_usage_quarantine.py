@@ -213,8 +213,8 @@ async def test_the_table_and_its_exit_code(redis_url: str, redis_prefix: str, tm
         r = _cli(cfg, "--settle")
         assert r.returncode == 2 and "--yes" in r.stderr
         assert (await st.meter.key_counters("ka"))["requests"] == 0
-        r = _cli(cfg, "--file", str(tmp_path / "none.jsonl"))  # no file: nothing set aside
-        assert r.returncode == 0 and "0 lines" in r.stderr
+        r = _cli(cfg, "--file", str(tmp_path / "none.jsonl"))  # no file: nothing set aside, and it says so
+        assert r.returncode == 0 and "none.jsonl: no such file" in r.stderr and "0 lines" not in r.stderr
 
 
 def _on_terminal(cfg: Path, answer: str, *args: str) -> subprocess.CompletedProcess[str]:
