@@ -899,3 +899,21 @@ def test_resume_refuses_a_changed_tier_name_model_name_or_ledger_tags_unless_for
         prepare_run_dir(changed, output_dir=tmp_path, resume="auto", max_steps=2)
     prepare_run_dir(changed, output_dir=tmp_path, resume="auto", max_steps=2, force=True)
     assert (run_dir / "config.previous.yaml").is_file()
+
+
+def test_a_resume_forgets_the_best_model_of_the_abandoned_steps(tiny: Path, tmp_path: Path) -> None:
+    """The first attempt's ``best.json`` names step 3 (as if step 3 had scored best); resumed from checkpoint-2,
+    step 3 is abandoned (its evaluation line dropped, its spend discarded), so that best is not this run's: the
+    best published at the end is one of the evaluations ``heldout.jsonl`` shows. It was kept and published."""
+    ev = {"before": False, "after": False, "every_steps": 1, "every_n": 2, "publish_best": True}
+    run(make_cfg(tiny, eval=ev, trl={"max_steps": 3, "save_steps": 2}), tmp_path)
+    best_json = tmp_path / "best" / "best.json"
+    assert best_json.is_file()
+    best_json.write_text(json.dumps({"step": 3, "accuracy": 1.5}))  # beaten by no accuracy a resumed step can reach
+    s = run(make_cfg(tiny, eval=ev, trl={"save_steps": 2}), tmp_path, resume=str(tmp_path / "checkpoint-2"),
+            max_steps=4)
+    assert s["global_step"] == 4
+    heldout = [json.loads(x) for x in (tmp_path / "heldout.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in heldout] == [1, 2, 3, 4]
+    best = json.loads(best_json.read_text()) if best_json.is_file() else None
+    assert best is None or (best["step"], best["accuracy"]) in {(h["step"], h["accuracy"]) for h in heldout}, best

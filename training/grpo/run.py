@@ -956,12 +956,30 @@ def _restore(run: GRPORun, checkpoint: str | None) -> None:
     run.ledger.resume(checkpoint)
     step = int(Path(checkpoint).name.rsplit("-", 1)[-1])
     drop_logs_after(run.run_dir, step)
+    _drop_abandoned_best(run, step)
     if run.rollout_store is not None and run.trainer.is_world_process_zero():
         run.rollout_store.drop_after(step)
     run.trainer.load_thinkgate_state(checkpoint)
     mstate = Path(checkpoint) / "monitor_state.json"
     if mstate.is_file():
         run.monitor_cb.engine.load_state_dict(json.loads(mstate.read_text()))
+
+
+def _drop_abandoned_best(run: GRPORun, step: int) -> None:
+    """A resume from the checkpoint of ``step`` forgets a best model (``best/``, ``best.json``) of a later step:
+    those steps are abandoned — their evaluation lines dropped (:func:`drop_logs_after`), their spend moved to
+    ``ledger_discarded.jsonl`` — and it would be published at the end as this run's model, its accuracy beaten by
+    no evaluation the run shows. The resumed steps evaluate again and keep their own best."""
+    cb = run.heldout_cb
+    if cb is None or cb.best is None or int(cb.best.get("step", 0)) <= step:
+        return
+    logger.warning("resume from step %d: dropping best/ (step %s, accuracy %s), saved by the abandoned steps",
+                   step, cb.best.get("step"), cb.best.get("accuracy"))
+    cb.best = None
+    if cb.best_dir is not None and run.trainer.is_world_process_zero():
+        import shutil
+
+        shutil.rmtree(cb.best_dir, ignore_errors=True)
 
 
 def _evaluate_before(run: GRPORun) -> tuple[dict[str, Any] | None, float]:
