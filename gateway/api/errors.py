@@ -68,7 +68,8 @@ def install_handlers(app: FastAPI) -> None:
             err = InvalidRequest(str(exc.detail), status=status)
         # under the Messages API's path, in Anthropic's shape: its SDK parses that one (NotFoundError, …)
         body = error_body(err) if request.url.path.startswith(MESSAGES_PATH) else err.to_json()
-        return Response(body, status_code=status, media_type="application/json")
+        # Starlette's 405 carries ``Allow`` (RFC 9110 §15.5.6: a 405 MUST name the methods the resource serves)
+        return Response(body, status_code=status, media_type="application/json", headers=exc.headers)
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         return internal_error_response(request.method, request.url.path, exc)

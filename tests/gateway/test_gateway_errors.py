@@ -215,6 +215,15 @@ def test_unknown_route_and_method(gateway: Any) -> None:
     assert_openai_error(httpx.get(gateway.url + "/v1/chat/completions", headers=AUTH, timeout=5), 405)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_a_405_names_the_allowed_methods(gateway: Any, path: str) -> None:
+    # RFC 9110 §15.5.6: a 405 MUST carry Allow; Starlette's HTTPException has it, the error handler dropped it
+    for method in ("GET", "PUT"):
+        r = httpx.request(method, gateway.url + path, headers=AUTH, timeout=5)
+        assert r.status_code == 405 and r.headers["content-type"].startswith("application/json"), r.text
+        assert "POST" in r.headers.get("allow", ""), dict(r.headers)
+
+
 def test_unexpected_error_is_openai_shaped_500(upstream_sim: Any, redis_url: str) -> None:
     gw = GatewayServer(sim_settings(upstream_sim.base_url, redis_url))
 
