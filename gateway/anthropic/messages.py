@@ -563,7 +563,8 @@ def ratelimit_headers(openai_headers: Mapping[str, str], now: float) -> dict[str
 
 
 def error_body(exc: GatewayError) -> bytes:
-    """``{"type": "error", "error": {"type", "message"}}`` for ``exc`` (type from its HTTP status)."""
+    """``{"type": "error", "error": {"type", "message"}}`` for ``exc`` (type from its HTTP status; another 4xx —
+    405, 408 — is the client's ``invalid_request_error``, another 5xx ``api_error``)."""
     status = exc.status
-    kind = ERROR_TYPES.get(status, "api_error")
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
     return orjson.dumps({"type": "error", "error": {"type": kind, "message": exc.message}})

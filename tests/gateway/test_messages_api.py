@@ -138,6 +138,8 @@ def test_unserved_messages_paths_answer_in_anthropic_shape(gw: GatewayServer) ->
     assert "/v1/messages/batches" in nf.value.body["error"]["message"]  # type: ignore[index]
     r = httpx.get(gw.base_url + "/messages", headers={"x-api-key": SECRETS["bob"]}, timeout=10)
     assert r.status_code == 405 and r.json()["type"] == "error" and "GET /v1/messages" in r.json()["error"]["message"]
+    # a client error, not Anthropic's api_error ("an unexpected error internal to Anthropic's systems", a 500's)
+    assert r.json()["error"]["type"] == "invalid_request_error"
     # the OpenAI side keeps OpenAI's shape
     r = httpx.get(gw.base_url + "/no-such-thing", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and "type" not in r.json()
