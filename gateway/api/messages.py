@@ -83,20 +83,30 @@ def anthropic_error(exc: GatewayError) -> Response:
                     media_type="application/json", headers=headers)
 
 
+def with_request_id(resp: Response) -> Response:
+    """``resp`` with Anthropic's ``request-id`` header (the one its SDK reads: ``_request_id``, ``APIStatusError.
+    request_id``) beside the gateway's ``x-request-id``, same value; none where the response has no request id."""
+    rid = resp.headers.get("x-request-id")
+    if rid is not None and "request-id" not in resp.headers:
+        resp.headers["request-id"] = rid
+    return resp
+
+
 class MessagesAPI:
     def __init__(self, proxy: Proxy) -> None:
         self.proxy = proxy
 
     async def handle(self, request: Request) -> Response:
         try:
-            return await self._handle(request)
+            resp = await self._handle(request)
         except RateLimited as exc:  # a budget refusal names this API's cap, not chat's max_completion_tokens or n
-            return anthropic_error(exc.naming("max_tokens"))
+            resp = anthropic_error(exc.naming("max_tokens"))
         except GatewayError as exc:
-            return anthropic_error(exc)
+            resp = anthropic_error(exc)
         except Exception:
             log.exception("unhandled error on POST /v1/messages")
-            return anthropic_error(GatewayError("internal error", code="internal_error"))
+            resp = anthropic_error(GatewayError("internal error", code="internal_error"))
+        return with_request_id(resp)
 
     async def _handle(self, request: Request) -> Response:
         proxy = self.proxy

@@ -105,6 +105,18 @@ def test_bearer_auth_and_anthropic_error_shape(gw: GatewayServer) -> None:
             model="short", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
 
 
+def test_every_answer_carries_anthropics_request_id_header(gw: GatewayServer) -> None:
+    # Anthropic sends request-id on every response; its SDK reads that one (APIStatusError.request_id, _request_id)
+    body: Any = {"model": "short", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"x-api-key": SECRETS["bob"]}
+    for b in (body, {**body, "stream": True}, {**body, "max_tokens": 0}, {**body, "model": "no-such-tier"}):
+        r = httpx.post(gw.base_url + "/messages", json=b, headers=headers, timeout=10)
+        assert r.headers.get("request-id") == r.headers["x-request-id"], (r.status_code, dict(r.headers))
+    with pytest.raises(anthropic.NotFoundError) as nf:
+        sdk(gw).messages.create(model="no-such-tier", max_tokens=8, messages=body["messages"])
+    assert nf.value.request_id and nf.value.request_id == nf.value.response.headers["x-request-id"]
+
+
 def test_rate_limits_under_anthropic_names_too(gw: GatewayServer, redis_url: str) -> None:
     from datetime import UTC, datetime
 
