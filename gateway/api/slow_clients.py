@@ -18,7 +18,8 @@ from one client keep the gateway busy doing nothing. Three bounds, all in ``serv
 - ``limit_concurrency``: uvicorn's cap on connections plus requests in flight, with two changes
   (:meth:`GuardedHttpToolsProtocol.on_headers_complete`): the probes (``/health``, ``/ready``) are always served —
   uvicorn refused them too, so a liveness probe failed at the cap and Kubernetes restarted the busiest pods —, and
-  the refusal is :class:`~gateway.errors.Overloaded` (503, OpenAI's error shape, ``retry-after``) instead of
+  the refusal is :class:`~gateway.errors.Overloaded` (503, OpenAI's error shape — Anthropic's under ``/v1/messages``,
+  ``retry-after``) instead of
   uvicorn's plain-text "Service Unavailable".
 
 The bound is on the whole head and the whole body, not on the gap between two packets: a client that sends a
@@ -30,9 +31,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from starlette.responses import Response
 from starlette.types import Message, Receive
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.anthropic.messages import error_body
 from gateway.api.errors import error_response
 from gateway.config import ServerConfig
 from gateway.errors import Overloaded, RequestTimeout
@@ -74,7 +77,14 @@ _OVERLOADED = Overloaded("this gateway process is at server.limit_concurrency: r
 
 
 async def overloaded(scope: Any, receive: Any, send: Any) -> None:
-    """The ASGI answer past ``server.limit_concurrency``: :class:`Overloaded` in OpenAI's shape, then close."""
+    """The ASGI answer past ``server.limit_concurrency``: :class:`Overloaded` in OpenAI's shape — Anthropic's under
+    the Messages API's paths, whose SDK parses that one —, then close."""
+    path = scope.get("path", "")
+    if path.startswith(("/v1/messages", "/messages")):
+        body = error_body(_OVERLOADED)
+        await Response(body, status_code=_OVERLOADED.status, media_type="application/json",
+                       headers=_OVERLOADED.headers)(scope, receive, send)
+        return
     await error_response(_OVERLOADED)(scope, receive, send)
 
 

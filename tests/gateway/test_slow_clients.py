@@ -198,6 +198,12 @@ def test_at_the_concurrency_cap_probes_are_served_and_the_rest_refused_in_openai
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "overloaded"
         assert refused.json()["error"]["type"] == "server_error" and refused.headers["retry-after"] == "1"
+        # the Messages API's clients get Anthropic's shape (its SDK reads error.type there), as on every other error
+        anth = httpx.post(base + "/v1/messages", headers={"x-api-key": SECRET}, timeout=10, json={
+            "model": "short", "max_tokens": 8, "messages": [{"role": "user", "content": "one more"}]})
+        assert anth.status_code == 503 and anth.headers["retry-after"] == "1", anth.text
+        assert anth.json() == {"type": "error", "error": {"type": "overloaded_error",
+                                                          "message": refused.json()["error"]["message"]}}
         for t in threads:
             t.join(30)
         assert done == [200, 200]
