@@ -276,7 +276,10 @@ class StreamAssembler:
         for idx in sorted(self._choices):
             st = self._choices[idx]
             if self.chat:
-                msg: dict[str, Any] = {"role": st.role, "content": "".join(st.content)}
+                # OpenAI's (and vLLM's) answer that only calls tools has ``"content": null``, not "": a cached
+                # stream served as JSON said "" where the live answer said null
+                content = "".join(st.content)
+                msg: dict[str, Any] = {"role": st.role, "content": content if content or not st.tool_calls else None}
                 for name, parts in st.reasoning.items():
                     msg[name] = "".join(parts)
                 if st.tool_calls:

@@ -214,3 +214,25 @@ def test_completions_endpoint_is_cached_too(gw: GatewayServer, upstream_sim: Sim
     assert (a.headers["x-thinkgate-cache"], b.headers["x-thinkgate-cache"]) == ("miss", "hit")
     text = "".join(ch.choices[0].text for ch in b.parse() if ch.choices)
     assert text == a.parse().choices[0].text
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_a_streamed_tool_call_served_as_json_has_null_content(gw: GatewayServer) -> None:
+    # the body assembled from a stream said "content": "" next to the tool calls; OpenAI (ChatCompletionMessage)
+    # and the live JSON answer say null when the answer only calls tools
+    tag = uuid.uuid4().hex
+    c = client(gw)
+    req = {**ask(tag), "tools": WEATHER}
+    live = c.chat.completions.with_raw_response.create(**req, stream=True)
+    calls = [d.tool_calls for ch in live.parse() for choice in ch.choices if (d := choice.delta).tool_calls]
+    assert live.headers["x-thinkgate-cache"] == "miss" and calls
+    raw = httpx.post(gw.base_url + "/chat/completions", json={**{k: v for k, v in req.items() if k != "extra_body"},
+                                                              **req["extra_body"]},
+                     headers={"authorization": f"Bearer {SECRETS['alice']}"}, timeout=30)
+    assert raw.headers["x-thinkgate-cache"] == "hit"
+    msg = raw.json()["choices"][0]["message"]
+    assert msg["content"] is None and msg["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert raw.json()["choices"][0]["finish_reason"] == "tool_calls"
