@@ -333,8 +333,9 @@ class ForcedBudget:
                                        "reasoning": "".join(reasoning)}
             if calls:
                 message["tool_calls"] = [calls[i] for i in sorted(calls)]
-            return {"index": 0, "message": message, "finish_reason": finish}, usage, meta
-        return {"index": 0, "text": "".join(text), "finish_reason": finish}, usage, meta
+            # logprobs: null, as every OpenAI choice carries it (a forced answer has none to give)
+            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}, usage, meta
+        return {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish}, usage, meta
 
     # -- streamed -----------------------------------------------------------------------------------
 

@@ -667,3 +667,21 @@ def test_a_non_streamed_forced_answer_skips_a_tool_call_whose_index_is_no_intege
     assert wait_for(lambda: len(records) == before + 1, timeout_s=10)
     rec = records[-1]
     assert (rec.status, rec.error_code, rec.usage_source) == (200, None, "upstream")
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_a_forced_json_answer_has_openais_choice_fields(forced: tuple[GatewayServer, list[UsageRecord]],
+                                                        path: str) -> None:
+    """Every choice of a forced JSON answer carries ``logprobs`` (null), as OpenAI's and the plain tiers' do; the
+    forced one had no such key (the SDK fills None, a raw-JSON client found the field missing)."""
+    gw, _ = forced
+    ask: dict[str, Any] = {"messages": MESSAGES} if path == "/chat/completions" else {"prompt": QUESTION}
+    r = httpx.post(gw.base_url + path, json={"model": "short", "n": 2, **ask},
+                   headers={"authorization": f"Bearer {TEST_KEY}"}, timeout=30)
+    r.raise_for_status()
+    body = r.json()
+    assert body["object"] == ("chat.completion" if path == "/chat/completions" else "text_completion")
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert all("logprobs" in c and c["logprobs"] is None for c in body["choices"])
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
