@@ -10,14 +10,14 @@ Series (counters get ``_total``): ``thinkgate_requests``, ``thinkgate_tokens``, 
 ``thinkgate_saved_micro_usd``, ``thinkgate_cache_requests``, ``thinkgate_semantic_cache_requests``
 (``result``: hit|guard_rejected|below_threshold|miss|bypass), ``thinkgate_route_decisions``,
 ``thinkgate_upstream_errors``, ``thinkgate_limit_rejections``, ``thinkgate_refused_requests`` (every request
-refused before an upstream call, by ``status`` and ``code``); histograms
+refused before an upstream call, by ``status`` and ``code``), ``thinkgate_session_routes{state}``; histograms
 ``thinkgate_request_latency_seconds`` and ``thinkgate_ttft_seconds``; gauges ``thinkgate_redis_breaker_open``,
-``thinkgate_usage_spool_bytes``, ``thinkgate_usage_spooled_events_total``, ``thinkgate_usage_dead_letter_bytes``,
-``thinkgate_usage_dead_lettered_events_total`` (events Redis refused, kept in the dead-letter spool),
-``thinkgate_usage_unreplicated_events_total`` (counted events also spooled: too few replica acks),
-``thinkgate_usage_quarantine_bytes`` and ``thinkgate_usage_quarantined_events_total{reason}`` (events a replay set
-aside, neither counted nor dropped: ``past_dedup_window``, ``malformed``, ``unreadable``;
-``gateway/state/spool.py`` ``Quarantine``),
+``thinkgate_usage_spool_bytes``, ``thinkgate_usage_dead_letter_bytes``, ``thinkgate_usage_quarantine_bytes``; the
+upstream pools' series ``thinkgate_upstream_*{upstream}`` (``gateway/upstream/balancer.py``); and these counters:
+``thinkgate_usage_spooled_events_total``, ``thinkgate_usage_dead_lettered_events_total`` (events Redis refused,
+kept in the dead-letter spool), ``thinkgate_usage_unreplicated_events_total`` (counted events also spooled: too few
+replica acks), ``thinkgate_usage_quarantined_events_total{reason}`` (events a replay set aside, neither counted nor
+dropped: ``past_dedup_window``, ``malformed``, ``unreadable``; ``gateway/state/spool.py`` ``Quarantine``),
 ``thinkgate_write_ahead_unreplicated_records_total`` (write-ahead records re-asserted that too few replicas
 acknowledged; ``WriteAhead.reassert``),
 ``thinkgate_write_ahead_reconciled_records_total{outcome}`` (records of dead gateway processes this one settled:
@@ -69,7 +69,9 @@ REFUSAL_CODES = frozenset({
     "permission_denied", "tier_not_allowed", "request_timeout", "request_too_large", "usage_scan_too_large",
     "budget_exceeded", "rate_limit_exceeded", "overloaded", "limits_unavailable", "key_store_unavailable",
     "outcomes_unavailable", "usage_unavailable", "conversation_store_unavailable", "internal_error"})
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# seconds, up to limits.max_stream_s's default (3600): a reasoning stream past 300 s landed in +Inf, and
+# histogram_quantile then read a p99 of 300 s without saying so
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MAX_CACHED_CHILDREN = 10_000
 

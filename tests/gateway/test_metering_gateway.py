@@ -349,3 +349,19 @@ def test_metrics_are_the_operators(upstream_sim: SimProcess, redis_url: str, tmp
         assert get(gw, scrape, "/v1/models").status_code == 401  # a scrape key, not an API key
     with accounting_gateway(upstream_sim.base_url, redis_url, tmp_path, metrics={"access": "any_key"}) as gw:
         assert get(gw, SECRETS["alice"]).status_code == 200 and get(gw, None).status_code == 401
+
+
+def test_a_stream_longer_than_five_minutes_lands_in_a_finite_latency_bucket(gw: GatewayServer) -> None:
+    """A 15-minute reasoning stream (limits.max_stream_s allows an hour): counted in the 1,800 s bucket. The buckets
+    stopped at 300 s, so it was only in +Inf and histogram_quantile read every such p99 as 300 s."""
+    from gateway.ledger.event import UsageEvent
+    from gateway.observability.metrics import Metrics
+
+    m = Metrics(gw.settings.metrics, gw.settings.tiers)
+    m.observe(UsageEvent(key_id="alice", requested_model="long", tier="long", upstream_model="m",
+                         route_reason="forced", prompt_tokens=10, completion_tokens=5, status=200, stream=True,
+                         latency_ms=900_000.0, ttft_ms=1_000.0), "miss")
+    sample = m.registry.get_sample_value
+    labels = {"tier": "long", "stream": "true"}
+    assert sample("thinkgate_request_latency_seconds_bucket", {**labels, "le": "300.0"}) == 0
+    assert sample("thinkgate_request_latency_seconds_bucket", {**labels, "le": "1800.0"}) == 1
