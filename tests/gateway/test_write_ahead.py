@@ -416,9 +416,12 @@ def test_kill_9_before_the_upstream_call_releases_without_counting_a_request(slo
     gw = crash.gateway(cfg)
     k, client = crash.keys, crash.client
     same, text = {"temperature": 0}, f"single flight {uuid.uuid4().hex[:8]}"  # cacheable, identical
-    leader = Stream(gw.base_url, 0, SLOW_CHUNK_MS, same, text)
+    # the leader streams ~48 s (1 s a chunk): its followers must still be waiting at the kill, which comes after two
+    # waits a loaded box stretched past the ~12 s of SLOW_CHUNK_MS (the leader ended, a follower was answered from the
+    # cache, and the test failed at "still waiting"); now bounded by the followers' 30 s wait and the slow call's 25 s
+    leader = Stream(gw.base_url, 0, 1000, same, text)
     _wait_streaming([leader], 4)
-    followers = [Stream(gw.base_url, 0, SLOW_CHUNK_MS, same, text) for _ in range(3)]
+    followers = [Stream(gw.base_url, 0, 1000, same, text) for _ in range(3)]
     tag = uuid.uuid4().hex
     slow_call = {"model": "long", "max_tokens": 16, "sim": {"delay_ms": 25_000, "tag": tag},
                  "messages": [{"role": "user", "content": f"non-streamed {uuid.uuid4().hex[:8]}"}]}
